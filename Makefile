@@ -1,0 +1,41 @@
+# zloader: two commands do all the set-up (see README.md).
+#   make demo   create .venv, install zloader, run the demo job
+#   make test   create .venv, install with the test extras, run lint, type check and the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+PIP    := $(BIN)/python -m pip
+PIP_FLAGS := --disable-pip-version-check --quiet -c constraints-dev.txt
+
+.PHONY: demo test test-slow lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# Installs again only when the package definition or the pins change.
+$(VENV)/.installed-demo: $(BIN)/python setup.cfg pyproject.toml constraints-dev.txt
+	$(PIP) install $(PIP_FLAGS) -e .
+	touch $@
+
+$(VENV)/.installed-test: $(BIN)/python setup.cfg pyproject.toml constraints-dev.txt
+	$(PIP) install $(PIP_FLAGS) -e '.[test,torch]'
+	touch $@ $(VENV)/.installed-demo
+
+demo: $(VENV)/.installed-demo
+	$(BIN)/zloader demo
+
+lint: $(VENV)/.installed-test
+	$(BIN)/ruff check zloader tests bench
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/python -m pytest -m "not slow" -q
+
+test-slow: $(VENV)/.installed-test
+	$(BIN)/python -m pytest -m slow -q
+
+bench: $(VENV)/.installed-test
+	$(BIN)/python -m bench.codec
+
+clean:
+	rm -rf $(VENV) build *.egg-info zloader.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,40 @@
+"""Fixtures shared by every test. The autouse ``no_leaks`` fixture fails a test that leaves
+a child process or a zloader shared-memory segment behind (design invariant 4)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+SHM_DIR = "/dev/shm"
+
+
+def _segments() -> set[str]:
+    try:
+        return {name for name in os.listdir(SHM_DIR) if "zloader" in name.lower()}
+    except FileNotFoundError:  # pragma: no cover - not Linux
+        return set()
+
+
+def _children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+@pytest.fixture(autouse=True)
+def no_leaks() -> Iterator[None]:
+    segments_before = _segments()
+    children_before = _children()
+    yield
+    deadline = time.monotonic() + 5.0  # give exiting children a moment to be reaped
+    while True:
+        new_children = _children() - children_before
+        new_segments = _segments() - segments_before
+        if not (new_children or new_segments) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not new_children, f"test left child processes behind: {sorted(new_children)}"
+    assert not new_segments, f"test left shared-memory segments behind: {sorted(new_segments)}"

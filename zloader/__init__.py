@@ -1,0 +1,19 @@
+"""zloader: ML input pipelines on CPU worker processes, local or remote, shared across trainers.
+
+Importing ``zloader`` imports neither torch nor tensorflow; the adapters live in the
+submodules ``zloader.torch`` and ``zloader.tf``, imported explicitly.
+"""
+
+from zloader._version import __version__
+from zloader.errors import CodecError, FingerprintWarning, PipelineError, Timeout, ZloaderError
+from zloader.pipeline import Pipeline
+
+__all__ = [
+    "CodecError",
+    "FingerprintWarning",
+    "Pipeline",
+    "PipelineError",
+    "Timeout",
+    "ZloaderError",
+    "__version__",
+]

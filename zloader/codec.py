@@ -1,0 +1,378 @@
+"""The element codec: nested structures of arrays as a small header plus raw buffers.
+
+An *element* is a nested ``dict``/``tuple``/``list`` whose leaves are numpy arrays of a
+numeric or bool dtype (any shape, including 0-d and empty), numpy scalars, Python
+``bool``/``int``/``float``/``complex``, ``str``, ``bytes`` and ``None``.
+
+``encode(element)`` returns ``[header, buffer, ...]``: the header describes the structure
+and each array's dtype and shape; every array's memory travels as its own buffer, without
+a copy when the array is C-contiguous (others are made contiguous once). ``decode`` turns
+the buffers back into the element; decoded arrays are views over the given memory, so no
+byte is copied (they are read-only when the memory is). ``str`` and ``bytes`` leaves are
+immutable Python objects and are copied on decode.
+
+There is no pickle anywhere on this path: a header can describe only the types above, so
+bytes from a peer cannot make this process run code. Every field is checked before use;
+malformed input raises :class:`~zloader.errors.CodecError` saying what is wrong, and
+decoding never allocates more than the input's size (arrays are views; counts are checked
+against the bytes that remain).
+
+Header format (version 1, little-endian)::
+
+    header  = b"ZLC" version:u8 node
+    node    = b"N" | b"T" | b"F"                          None, True, False
+            | b"i" int64 | b"I" len:u32 two's-complement  int (the long form past 64 bits)
+            | b"f" float64 | b"c" float64 float64          float, complex
+            | b"s" len:u32 utf8 | b"S"                      str inline | str in the next buffer
+            | b"b" len:u32 bytes | b"B"                     bytes inline | in the next buffer
+            | b"a" dtype ndim:u8 dim:u64*ndim              array, memory in the next buffer
+            | b"n" dtype raw                               numpy scalar (itemsize bytes)
+            | b"L" count:u32 node*count                    list
+            | b"U" count:u32 node*count                    tuple
+            | b"D" count:u32 (key:node value:node)*count   dict
+    dtype   = len:u8 ascii                                 numpy dtype string, e.g. "<f4"
+
+Buffers are used in the order their nodes appear, each exactly once. Subclasses of the
+supported containers and scalars (``OrderedDict``, named tuples, ``IntEnum``) arrive as
+their plain base type.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from zloader.errors import CodecError
+
+__all__ = ["MAX_DEPTH", "decode", "encode"]
+
+VERSION = 1
+MAGIC = b"ZLC" + bytes([VERSION])
+MAX_DEPTH = 100
+"""Deepest nesting of containers accepted (deeper usually means a cycle)."""
+INLINE_MAX = 1024
+"""``str``/``bytes`` up to this many bytes travel inside the header, longer ones as buffers."""
+MAX_BIGINT_BYTES = 1024
+MAX_NDIM = 32
+
+_U8 = struct.Struct("<B")
+_U32 = struct.Struct("<I")
+_I64 = struct.Struct("<q")
+_F64 = struct.Struct("<d")
+_C128 = struct.Struct("<dd")
+_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+
+_KINDS = ("b1", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f2", "f4", "f8", "c8", "c16")
+_DTYPES: dict[str, np.dtype[Any]] = {}
+for _kind in _KINDS:
+    for _order in ("|", "<", ">"):
+        _dt = np.dtype(_order + _kind) if _order != "|" else np.dtype(_kind)
+        _DTYPES[_dt.str] = _dt
+_DTYPE_BYTES = {name: _U8.pack(len(name)) + name.encode("ascii") for name in _DTYPES}
+
+
+class _EncodeError(Exception):
+    """Internal: carries the path to the offending value up to :func:`encode`."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.path: list[str] = []
+
+
+def encode(element: Any) -> list[Any]:
+    """Encode an element into ``[header, buffer, ...]``.
+
+    Args:
+        element: a nested dict/tuple/list of numpy arrays, scalars, str, bytes and None.
+
+    Returns:
+        A list whose first item is the header (``bytes``) and whose other items are
+        buffer-protocol objects (``memoryview``), one per array or long str/bytes leaf.
+        Contiguous arrays are referenced, not copied: keep them unchanged until the
+        buffers have been sent.
+
+    Raises:
+        CodecError: a leaf of an unsupported type or dtype, or nesting deeper than
+            ``MAX_DEPTH``; the message names the path to the offending value.
+    """
+    out = bytearray(MAGIC)
+    buffers: list[Any] = [b""]
+    try:
+        _encode_node(element, out, buffers, 0)
+    except _EncodeError as exc:
+        path = "element" + "".join(reversed(exc.path))
+        raise CodecError(f"cannot encode {path}: {exc.message}") from None
+    buffers[0] = bytes(out)
+    return buffers
+
+
+def _encode_node(value: Any, out: bytearray, buffers: list[Any], depth: int) -> None:
+    if depth > MAX_DEPTH:
+        raise _EncodeError(f"nested deeper than {MAX_DEPTH} levels (is there a cycle?)")
+    kind = type(value)
+    if kind is np.ndarray:
+        _encode_array(value, out, buffers)
+    elif value is None:
+        out += b"N"
+    elif kind is bool:
+        out += b"T" if value else b"F"
+    elif isinstance(value, dict):
+        out += b"D" + _U32.pack(len(value))
+        for key, item in value.items():
+            try:
+                if isinstance(key, (dict, list, np.ndarray)):
+                    raise _EncodeError(f"dict key of type {type(key).__name__} is not allowed")
+                _encode_node(key, out, buffers, depth + 1)
+                _encode_node(item, out, buffers, depth + 1)
+            except _EncodeError as exc:
+                exc.path.append(f"[{key!r}]")
+                raise
+    elif kind is list or kind is tuple or isinstance(value, (list, tuple)):
+        out += (b"U" if isinstance(value, tuple) else b"L") + _U32.pack(len(value))
+        for index, item in enumerate(value):
+            try:
+                _encode_node(item, out, buffers, depth + 1)
+            except _EncodeError as exc:
+                exc.path.append(f"[{index}]")
+                raise
+    elif isinstance(value, np.generic) and not isinstance(value, (str, bytes)):
+        name = value.dtype.str
+        if name not in _DTYPE_BYTES:
+            raise _EncodeError(f"numpy scalar of dtype {value.dtype} is not supported; "
+                               f"supported dtypes are bool and numeric ({', '.join(_KINDS)})")
+        out += b"n" + _DTYPE_BYTES[name] + value.tobytes()
+    elif isinstance(value, int):
+        if _I64_MIN <= value <= _I64_MAX:
+            out += b"i" + _I64.pack(value)
+        else:
+            size = (value.bit_length() + 8) // 8
+            if size > MAX_BIGINT_BYTES:
+                raise _EncodeError(f"int of {size} bytes exceeds {MAX_BIGINT_BYTES}")
+            out += b"I" + _U32.pack(size) + int(value).to_bytes(size, "little", signed=True)
+    elif isinstance(value, float):
+        out += b"f" + _F64.pack(value)
+    elif isinstance(value, complex):
+        out += b"c" + _C128.pack(value.real, value.imag)
+    elif isinstance(value, str):
+        try:
+            data = value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise _EncodeError(f"str is not valid unicode ({exc.reason})") from None
+        _encode_blob(b"s", b"S", data, out, buffers)
+    elif isinstance(value, (bytes, bytearray, memoryview)):
+        _encode_blob(b"b", b"B", value, out, buffers)
+    elif isinstance(value, np.ndarray):
+        _encode_array(value, out, buffers)
+    else:
+        raise _EncodeError(
+            f"type {kind.__module__}.{kind.__qualname__} is not supported; elements hold "
+            "dicts, tuples, lists, numpy arrays, numbers, str, bytes and None "
+            "(convert the value to a numpy array in a map stage)")
+
+
+def _encode_blob(inline: bytes, buffered: bytes, data: Any, out: bytearray,
+                 buffers: list[Any]) -> None:
+    try:
+        view = memoryview(data).cast("B")
+    except (TypeError, BufferError, ValueError):
+        raise _EncodeError("bytes-like value is not contiguous memory") from None
+    if view.nbytes <= INLINE_MAX:
+        out += inline + _U32.pack(view.nbytes)
+        out += view
+    else:
+        out += buffered
+        buffers.append(view)
+
+
+def _encode_array(arr: np.ndarray, out: bytearray, buffers: list[Any]) -> None:
+    name = arr.dtype.str
+    if name not in _DTYPE_BYTES:
+        raise _EncodeError(f"array dtype {arr.dtype} is not supported; supported dtypes are "
+                           f"bool and numeric ({', '.join(_KINDS)})")
+    if arr.ndim > MAX_NDIM:
+        raise _EncodeError(f"array has {arr.ndim} dimensions, more than {MAX_NDIM}")
+    if not arr.flags.c_contiguous:
+        arr = arr.copy(order="C")
+    out += b"a" + _DTYPE_BYTES[name] + _U8.pack(arr.ndim)
+    out += struct.pack(f"<{arr.ndim}Q", *arr.shape)
+    buffers.append(arr.reshape(-1).view(np.uint8).data)
+
+
+def decode(buffers: Sequence[Any]) -> Any:
+    """Decode ``[header, buffer, ...]`` produced by :func:`encode`.
+
+    Args:
+        buffers: the header followed by the data buffers; any buffer-protocol objects
+            (``bytes``, ``memoryview``, ``zmq.Frame``, shared-memory views).
+
+    Returns:
+        The element. Arrays are views over ``buffers`` (writable only if that memory is);
+        keep the memory alive and unchanged while the arrays are in use.
+
+    Raises:
+        CodecError: the input is not a valid element; the message says what is wrong.
+    """
+    if not isinstance(buffers, (list, tuple)) or not buffers:
+        raise CodecError(f"expected a non-empty list of buffers, got {type(buffers).__name__}")
+    views = [_as_bytes_view(b, i) for i, b in enumerate(buffers)]
+    reader = _Reader(views[0], views)
+    magic = reader.take(4, "magic")
+    if bytes(magic[:3]) != MAGIC[:3]:
+        raise CodecError(f"header does not start with {MAGIC[:3]!r}: not a zloader element")
+    if magic[3] != VERSION:
+        raise CodecError(f"codec version {magic[3]} is not supported (this side speaks {VERSION})")
+    element = reader.node(0)
+    if reader.pos != len(reader.header):
+        raise CodecError(f"{len(reader.header) - reader.pos} unexpected bytes after the element")
+    if reader.next_buffer != len(views):
+        raise CodecError(f"header uses {reader.next_buffer - 1} buffers but "
+                         f"{len(views) - 1} were given")
+    return element
+
+
+def _as_bytes_view(buf: Any, index: int) -> memoryview:
+    try:
+        view = memoryview(buf)
+    except (TypeError, BufferError):
+        raise CodecError(f"buffer {index} is a {type(buf).__name__}, "
+                         "not a bytes-like object") from None
+    if not view.c_contiguous:
+        raise CodecError(f"buffer {index} is not contiguous memory")
+    if view.ndim != 1 or view.format != "B":
+        try:
+            view = view.cast("B")
+        except (TypeError, BufferError, ValueError):
+            raise CodecError(f"buffer {index} is not contiguous memory") from None
+    return view
+
+
+class _Reader:
+    """Walks one header; every read is bounds-checked."""
+
+    __slots__ = ("buffers", "header", "next_buffer", "pos")
+
+    def __init__(self, header: memoryview, buffers: list[memoryview]) -> None:
+        self.header = header
+        self.buffers = buffers
+        self.pos = 0
+        self.next_buffer = 1
+
+    def take(self, size: int, what: str) -> memoryview:
+        end = self.pos + size
+        if end > len(self.header):
+            raise CodecError(f"header truncated while reading {what} at byte {self.pos} "
+                             f"(needs {size} bytes, {len(self.header) - self.pos} left)")
+        view = self.header[self.pos:end]
+        self.pos = end
+        return view
+
+    def unpack(self, fmt: struct.Struct, what: str) -> Any:
+        return fmt.unpack(self.take(fmt.size, what))[0]
+
+    def buffer(self, what: str) -> memoryview:
+        if self.next_buffer >= len(self.buffers):
+            raise CodecError(f"header refers to buffer {self.next_buffer} for {what}, "
+                             f"but only {len(self.buffers) - 1} buffers were given")
+        view = self.buffers[self.next_buffer]
+        self.next_buffer += 1
+        return view
+
+    def count(self, what: str, min_node_bytes: int) -> int:
+        count: int = self.unpack(_U32, f"{what} length")
+        if count * min_node_bytes > len(self.header) - self.pos:
+            raise CodecError(f"{what} claims {count} items but only "
+                             f"{len(self.header) - self.pos} header bytes remain")
+        return count
+
+    def dtype(self) -> np.dtype[Any]:
+        size = self.unpack(_U8, "dtype length")
+        raw = bytes(self.take(size, "dtype"))
+        dtype = _DTYPES.get(raw.decode("ascii", "replace"))
+        if dtype is None:
+            raise CodecError(f"unknown or unsupported dtype {raw!r}")
+        return dtype
+
+    def node(self, depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            raise CodecError(f"nesting deeper than {MAX_DEPTH} levels")
+        tag = bytes(self.take(1, "tag"))
+        if tag == b"a":
+            return self.array()
+        if tag == b"D":
+            count = self.count("dict", 2)
+            result: dict[Any, Any] = {}
+            for _ in range(count):
+                key = self.node(depth + 1)
+                if isinstance(key, (list, dict, np.ndarray)):
+                    raise CodecError(f"dict key of type {type(key).__name__} is not allowed")
+                try:
+                    hash(key)
+                except TypeError:
+                    raise CodecError(f"dict key of type {type(key).__name__} is not "
+                                     "hashable") from None
+                if key in result:
+                    raise CodecError(f"duplicate dict key {key!r}")
+                result[key] = self.node(depth + 1)
+            return result
+        if tag == b"L" or tag == b"U":
+            count = self.count("list" if tag == b"L" else "tuple", 1)
+            items = [self.node(depth + 1) for _ in range(count)]
+            return items if tag == b"L" else tuple(items)
+        if tag == b"i":
+            return self.unpack(_I64, "int")
+        if tag == b"f":
+            return self.unpack(_F64, "float")
+        if tag == b"N":
+            return None
+        if tag == b"T":
+            return True
+        if tag == b"F":
+            return False
+        if tag == b"s" or tag == b"b":
+            size = self.unpack(_U32, "length")
+            raw = self.take(size, "str" if tag == b"s" else "bytes")
+            return self.text(raw) if tag == b"s" else bytes(raw)
+        if tag == b"S":
+            return self.text(self.buffer("str"))
+        if tag == b"B":
+            return bytes(self.buffer("bytes"))
+        if tag == b"n":
+            dtype = self.dtype()
+            return np.frombuffer(self.take(dtype.itemsize, "numpy scalar"), dtype)[0]
+        if tag == b"I":
+            size = self.unpack(_U32, "int length")
+            if size > MAX_BIGINT_BYTES:
+                raise CodecError(f"int of {size} bytes exceeds {MAX_BIGINT_BYTES}")
+            return int.from_bytes(self.take(size, "int"), "little", signed=True)
+        if tag == b"c":
+            real, imag = _C128.unpack(self.take(_C128.size, "complex"))
+            return complex(real, imag)
+        raise CodecError(f"unknown tag {tag!r} at header byte {self.pos - 1}")
+
+    def text(self, raw: memoryview) -> str:
+        try:
+            return str(raw, "utf-8")
+        except UnicodeDecodeError as exc:
+            raise CodecError(f"str is not valid UTF-8 ({exc.reason})") from None
+
+    def array(self) -> np.ndarray:
+        dtype = self.dtype()
+        ndim = self.unpack(_U8, "ndim")
+        if ndim > MAX_NDIM:
+            raise CodecError(f"array has {ndim} dimensions, more than {MAX_NDIM}")
+        shape = struct.unpack(f"<{ndim}Q", self.take(8 * ndim, "shape"))
+        data = self.buffer("array")
+        expected = dtype.itemsize
+        for dim in shape:
+            expected *= dim
+        if expected != data.nbytes:
+            raise CodecError(f"array of shape {shape} and dtype {dtype} needs {expected} bytes "
+                             f"but its buffer holds {data.nbytes}")
+        try:
+            return np.frombuffer(data, dtype=dtype).reshape(shape)
+        except (ValueError, OverflowError) as exc:
+            raise CodecError(f"array of shape {shape} cannot be built: {exc}") from None

@@ -1,0 +1,145 @@
+"""Batching and unbatching of nested elements (the rules behind ``batch`` and ``unbatch``).
+
+``stack(elements)`` follows tf.data's ``batch`` and torch's ``default_collate``:
+
+===========================================  ============================================
+leaves at one position in every element      batched leaf
+===========================================  ============================================
+numpy arrays (or array-likes: ``__array__``)  ``np.stack`` along a new axis 0; shapes must
+                                              match
+numbers (Python or numpy scalars, bools)      1-d array (Python ``int`` -> int64,
+                                              ``float`` -> float64, ``bool`` -> bool)
+``str``, ``bytes``, ``None``                  a ``list`` of them
+dicts / tuples / lists / named tuples         the same container of batched children (dict
+                                              keys and sequence lengths must match)
+===========================================  ============================================
+
+``split(batch)`` is its inverse: arrays are sliced along axis 0 (views, no copy), lists of
+scalars (``str``/``bytes``/``None``/numbers, as ``stack`` makes them) are taken item by item,
+and dicts, tuples and other lists are structure. Every leaf must have the same length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["split", "stack"]
+
+_NUMBER_TYPES = (bool, int, float, complex, np.number, np.bool_)
+_TEXT_TYPES = (str, bytes, type(None))
+
+
+def stack(elements: Sequence[Any]) -> Any:
+    """Combine equal-structured elements into one batch (see the module docstring).
+
+    Raises:
+        ValueError: the elements differ in structure, keys, lengths or array shapes.
+        TypeError: a leaf has a type that cannot be batched.
+    """
+    if not elements:
+        raise ValueError("cannot batch zero elements")
+    return _stack(elements, "element")
+
+
+def _stack(values: Sequence[Any], path: str) -> Any:
+    first = values[0]
+    if isinstance(first, np.ndarray) or (hasattr(first, "__array__")
+                                         and not isinstance(first, _NUMBER_TYPES)):
+        arrays = [np.asarray(v) if not isinstance(v, np.ndarray) else v for v in values]
+        shape = arrays[0].shape
+        for arr in arrays:
+            if arr.shape != shape:
+                raise ValueError(
+                    f"cannot batch {path}: arrays have different shapes {shape} and "
+                    f"{arr.shape}; pad them to one shape in a map stage (or use "
+                    "bucket_by_length)")
+        return np.stack(arrays)
+    if isinstance(first, _NUMBER_TYPES):
+        for value in values:
+            if not isinstance(value, _NUMBER_TYPES):
+                raise TypeError(f"cannot batch {path}: mixes a number with "
+                                f"{type(value).__name__}")
+        batched = np.array(values)
+        if batched.dtype == object:
+            raise TypeError(f"cannot batch {path}: ints do not fit in int64")
+        return batched
+    if isinstance(first, _TEXT_TYPES):
+        for value in values:
+            if not isinstance(value, _TEXT_TYPES):
+                raise TypeError(f"cannot batch {path}: mixes {type(first).__name__} with "
+                                f"{type(value).__name__}")
+        return list(values)
+    if isinstance(first, dict):
+        keys = list(first)
+        for value in values:
+            if not isinstance(value, dict) or value.keys() != first.keys():
+                got = sorted(map(repr, value)) if isinstance(value, dict) else type(value)
+                raise ValueError(f"cannot batch {path}: elements have different keys "
+                                 f"({sorted(map(repr, keys))} and {got})")
+        return {key: _stack([v[key] for v in values], f"{path}[{key!r}]") for key in keys}
+    if isinstance(first, (tuple, list)):
+        size = len(first)
+        for value in values:
+            if not isinstance(value, (tuple, list)) or len(value) != size:
+                raise ValueError(f"cannot batch {path}: sequences of different lengths or "
+                                 "types")
+        columns = [_stack([v[i] for v in values], f"{path}[{i}]") for i in range(size)]
+        if isinstance(first, tuple) and hasattr(first, "_fields"):
+            return type(first)(*columns)
+        return tuple(columns) if isinstance(first, tuple) else columns
+    raise TypeError(f"cannot batch {path}: values of type {type(first).__qualname__} can't be "
+                    "stacked; map them to numpy arrays first")
+
+
+def split(batch: Any) -> Iterator[Any]:
+    """Yield the rows of a batch, the inverse of :func:`stack` (see the module docstring).
+
+    Raises:
+        ValueError: leaves have different lengths, or a leaf is a scalar.
+    """
+    size = _length(batch, "element")
+    if size is None:
+        raise ValueError("cannot unbatch element: it holds no arrays or lists")
+    for row in range(size):
+        yield _row(batch, row)
+
+
+def _is_scalar_list(value: Any) -> bool:
+    return type(value) is list and all(isinstance(v, _TEXT_TYPES + _NUMBER_TYPES) for v in value)
+
+
+def _length(value: Any, path: str) -> int | None:
+    if isinstance(value, np.ndarray):
+        if value.ndim == 0:
+            raise ValueError(f"cannot unbatch {path}: it is a 0-d array")
+        return int(value.shape[0])
+    if _is_scalar_list(value):
+        return len(value)
+    if isinstance(value, dict):
+        children = [(f"{path}[{k!r}]", v) for k, v in value.items()]
+    elif isinstance(value, (tuple, list)):
+        children = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+    else:
+        raise ValueError(f"cannot unbatch {path}: a {type(value).__name__} has no rows")
+    found: int | None = None
+    for child_path, child in children:
+        size = _length(child, child_path)
+        if size is not None and found is not None and size != found:
+            raise ValueError(f"cannot unbatch {path}: {child_path} has {size} rows, "
+                             f"others have {found}")
+        found = size if size is not None else found
+    return found
+
+
+def _row(value: Any, row: int) -> Any:
+    if isinstance(value, np.ndarray) or _is_scalar_list(value):
+        return value[row]
+    if isinstance(value, dict):
+        return {k: _row(v, row) for k, v in value.items()}
+    rows = [_row(v, row) for v in value]
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*rows)
+    return tuple(rows) if isinstance(value, tuple) else rows

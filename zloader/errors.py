@@ -1,0 +1,181 @@
+"""zloader's exception hierarchy, rooted at :class:`ZloaderError`.
+
+Errors that wrap a failure of another kind also inherit that kind's built-in type, so
+code written for the plain exception keeps working: ``Timeout`` is a ``TimeoutError``,
+``CodecError`` a ``ValueError``, and a ``PipelineError`` raised because user code raised
+``KeyError`` is also a ``KeyError``.
+
+Errors cross process boundaries as plain values (stage name, exception type name,
+message, traceback text), never as pickles; :meth:`PipelineError.create` rebuilds one
+from those values on the consumer side.
+"""
+
+from __future__ import annotations
+
+import builtins
+import traceback as _traceback
+from typing import Any
+
+__all__ = [
+    "CodecError",
+    "FingerprintWarning",
+    "PipelineError",
+    "Timeout",
+    "ZloaderError",
+]
+
+
+class ZloaderError(Exception):
+    """Base class of every error zloader raises on its own account."""
+
+
+class CodecError(ZloaderError, ValueError):
+    """An element could not be encoded, or received bytes are not a valid element."""
+
+
+class Timeout(ZloaderError, TimeoutError):
+    """An operation did not finish within its deadline."""
+
+
+class FingerprintWarning(UserWarning):
+    """Part of a pipeline could not be fingerprinted soundly; the pipeline will not be shared."""
+
+
+class PipelineError(ZloaderError):
+    """User code in a pipeline stage raised.
+
+    Attributes:
+        stage: name of the stage whose code raised (``"map(decode)"``, ``"from_files"``).
+        exc_type: name of the original exception's type (``"KeyError"``,
+            ``"mypackage.MyError"``).
+        builtin: name of the built-in exception type this error also inherits, or ``""``.
+        message: ``str()`` of the original exception.
+        traceback: the original traceback as text (from the process where it happened).
+        context: where in the input it happened (``"index 17"``, ``"file a.txt"``), or ``""``.
+
+    Instances made by :meth:`create` are also instances of the original exception's
+    nearest built-in type, so ``except KeyError:`` still catches a failing lookup.
+    """
+
+    stage: str
+    exc_type: str
+    builtin: str
+    message: str
+    traceback: str
+    context: str
+
+    def __init__(
+        self,
+        stage: str,
+        exc_type: str,
+        message: str,
+        traceback: str = "",
+        context: str = "",
+    ) -> None:
+        # Deliberately not calling the built-in base's __init__: some (UnicodeDecodeError)
+        # need arguments we do not have. BaseException.__new__ already stored args.
+        Exception.__init__(self, stage, exc_type, message, traceback, context)
+        self.stage = stage
+        self.exc_type = exc_type
+        self.message = message
+        self.traceback = traceback
+        self.context = context
+        self.builtin = next((b.__name__ for b in type(self).__mro__[1:]
+                             if b is not PipelineError and getattr(builtins, b.__name__, None) is b
+                             and b.__name__ not in _NOT_BASES), "")
+
+    def __str__(self) -> str:
+        where = f" at {self.context}" if self.context else ""
+        text = f"stage {self.stage!r} raised {self.exc_type}{where}: {self.message}"
+        if self.traceback:
+            text += "\n\nOriginal traceback:\n" + self.traceback.rstrip("\n")
+        return text
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            PipelineError.create,
+            (self.stage, self.exc_type, self.message, self.traceback, self.context,
+             self.builtin),
+        )
+
+    @staticmethod
+    def create(
+        stage: str,
+        exc_type: str,
+        message: str,
+        traceback: str = "",
+        context: str = "",
+        builtin: str | None = None,
+    ) -> PipelineError:
+        """Build a PipelineError that is also an instance of a built-in exception type.
+
+        Args:
+            stage: name of the failing stage.
+            exc_type: name of the original exception's type.
+            message: the original exception's message.
+            traceback: the original traceback text.
+            context: where in the input the failure happened, or ``""``.
+            builtin: name of the built-in type to inherit (``"KeyError"``); defaults to
+                ``exc_type``. Names that are not built-in exceptions give a plain PipelineError.
+
+        Returns:
+            The error, ready to raise.
+        """
+        cls = _pipeline_error_class(exc_type if builtin is None else builtin)
+        return cls(stage, exc_type, message, traceback, context)
+
+    @staticmethod
+    def from_exception(exc: BaseException, stage: str, context: str = "") -> PipelineError:
+        """Wrap an exception raised by user code in ``stage``.
+
+        The result inherits the nearest built-in type in ``type(exc)``'s MRO, so a user
+        ``class MyError(ValueError)`` arrives as a ``PipelineError`` that is a ``ValueError``.
+        """
+        if isinstance(exc, PipelineError):
+            return exc
+        text = "".join(_traceback.format_exception(type(exc), exc, exc.__traceback__))
+        cls = type(exc)
+        if getattr(builtins, cls.__name__, None) is cls:
+            name = cls.__name__
+        else:
+            name = f"{cls.__module__}.{cls.__qualname__}"
+        return PipelineError.create(stage, name, str(exc), text, context,
+                                    builtin=_nearest_builtin_name(cls) or "")
+
+
+_CLASSES: dict[str, type[PipelineError]] = {}
+
+# Built-ins that must never become a base: catching them means something else entirely.
+_NOT_BASES = {"BaseException", "Exception", "GeneratorExit", "KeyboardInterrupt", "SystemExit",
+              "StopIteration", "StopAsyncIteration"}
+
+
+def _nearest_builtin_name(cls: type[BaseException]) -> str | None:
+    for base in cls.__mro__:
+        if getattr(builtins, base.__name__, None) is base and base.__name__ not in _NOT_BASES:
+            return base.__name__
+    return None
+
+
+def _pipeline_error_class(exc_type: str) -> type[PipelineError]:
+    """The PipelineError subclass that also derives from built-in ``exc_type`` (cached)."""
+    cls = _CLASSES.get(exc_type)
+    if cls is not None:
+        return cls
+    base = getattr(builtins, exc_type, None)
+    candidates: list[type[BaseException]] = []
+    if isinstance(base, type) and issubclass(base, BaseException):
+        candidates = [b for b in base.__mro__ if b.__name__ not in _NOT_BASES
+                      and issubclass(b, Exception)]
+    cls = PipelineError
+    for candidate in candidates:
+        try:
+            made = type(f"PipelineError[{candidate.__name__}]", (PipelineError, candidate), {})
+            made("probe", candidate.__name__, "")  # some layouts only fail on construction
+        except TypeError:
+            continue
+        made.__module__ = __name__
+        cls = made
+        break
+    _CLASSES[exc_type] = cls
+    return cls

@@ -1,0 +1,344 @@
+"""``Pipeline``: an immutable chain of stages over a source.
+
+Build one from a source constructor and chain stages; every method returns a new
+Pipeline and leaves the receiver unchanged::
+
+    pipeline = (Pipeline.from_files("data/*.jsonl", read_jsonl, shuffle_splits=True, seed=1)
+                .map(tokenize, num_parallel_calls=4)
+                .shuffle(10_000, seed=2)
+                .batch(32, drop_remainder=True))
+    for batch in pipeline.iter(epoch=3):
+        ...
+
+``pipeline.iter(epoch)`` runs it in this process: the reference semantics that every other
+way of running it is tested against. With seeds set, each epoch is reproducible and epochs
+differ from each other; with ``seed=None`` a random stage draws fresh entropy on every run.
+"""
+
+from __future__ import annotations
+
+import secrets
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from zloader import _check
+from zloader import sources as _sources
+from zloader import stages as _stages
+from zloader.fingerprint import Unhashable, fingerprint, warn_unshareable
+
+__all__ = ["Pipeline"]
+
+
+def _callable_name(fn: Any) -> str:
+    inner = getattr(fn, "func", fn)  # functools.partial
+    return str(getattr(inner, "__name__", type(inner).__name__))
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class Pipeline:
+    """An immutable chain of stages over a source. Build one with a source constructor
+    (:meth:`range`, :meth:`from_items`, :meth:`from_arrays`, :meth:`from_files`,
+    :meth:`from_torch`, :meth:`from_generator`), never by calling ``Pipeline()`` directly.
+    """
+
+    source: _sources.Source
+    stages: tuple[_stages.Stage, ...] = ()
+
+    # --- sources ---------------------------------------------------------------------
+
+    @classmethod
+    def range(cls, start_or_stop: int, stop: int | None = None, step: int = 1, *,
+              split_size: int | None = None, shuffle_splits: bool = False,
+              seed: int | None = None, name: str | None = None,
+              version: str | None = None) -> Pipeline:
+        """The integers of ``range(stop)`` or ``range(start, stop, step)``.
+
+        Args:
+            start_or_stop: ``stop`` when it is the only positional argument, else ``start``.
+            stop: end of the range (exclusive).
+            step: non-zero step.
+            split_size: elements per split (default: at most 256 splits).
+            shuffle_splits: read the splits in a seeded random order that changes each epoch.
+            seed: seed of the split order (None: fresh each run).
+            name: shown in errors and stats.
+            version: pins the source's identity in the fingerprint.
+        """
+        if stop is None:
+            start, stop = 0, _check.integer("stop", start_or_stop, -sys.maxsize)
+        else:
+            start = _check.integer("start", start_or_stop, -sys.maxsize)
+            stop = _check.integer("stop", stop, -sys.maxsize)
+        step = _check.integer("step", step, -sys.maxsize)
+        if step == 0:
+            raise ValueError("step must not be zero")
+        length = len(range(start, stop, step))
+        return cls(_sources.RangeSource(
+            start=start, step=step, length=length,
+            split_size=_sources.resolve_split_size(split_size, length),
+            **_source_options("range", name, shuffle_splits, seed, version)))
+
+    @classmethod
+    def from_items(cls, items: Iterable[Any], *, split_size: int | None = None,
+                   shuffle_splits: bool = False, seed: int | None = None,
+                   name: str | None = None, version: str | None = None) -> Pipeline:
+        """The items of a sequence, one element each (the sequence is copied into a tuple).
+
+        Args:
+            items: any finite iterable (a list, a tuple, a range).
+            split_size, shuffle_splits, seed, name, version: as for :meth:`range`.
+        """
+        if isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
+            raise TypeError(f"items must be a list or other iterable of elements, got "
+                            f"{type(items).__name__}")
+        values = tuple(items)
+        return cls(_sources.ItemsSource(
+            items=values, length=len(values),
+            split_size=_sources.resolve_split_size(split_size, len(values)),
+            **_source_options("from_items", name, shuffle_splits, seed, version)))
+
+    @classmethod
+    def from_arrays(cls, structure: Any, *, split_size: int | None = None,
+                    shuffle_splits: bool = False, seed: int | None = None,
+                    name: str | None = None, version: str | None = None) -> Pipeline:
+        """One element per row of equal-length arrays: ``{"x": X, "y": Y}`` yields
+        ``{"x": X[i], "y": Y[i]}``. Nested dicts and tuples are allowed.
+
+        The rows are read-only views (writing to one raises instead of corrupting the
+        source); map to a copy to modify them. ``version=`` skips hashing the array bytes.
+
+        Args:
+            structure: an array, or a dict/tuple (nested) of arrays with equal first dims.
+            split_size, shuffle_splits, seed, name, version: as for :meth:`range`.
+        """
+        checked, length = _sources.check_arrays(structure)
+        return cls(_sources.ArraysSource(
+            structure=checked, length=length,
+            split_size=_sources.resolve_split_size(split_size, length),
+            **_source_options("from_arrays", name, shuffle_splits, seed, version)))
+
+    @classmethod
+    def from_files(cls, paths_or_glob: Any, reader: Callable[[str], Iterable[Any]], *,
+                   shuffle_splits: bool = False, seed: int | None = None,
+                   name: str | None = None, version: str | None = None) -> Pipeline:
+        """The elements ``reader(path)`` yields for each file; one split per file.
+
+        Args:
+            paths_or_glob: a glob pattern (sorted matches; ``**`` recurses), one path, or a
+                list of paths. Paths are made absolute and stat'ed now: the fingerprint
+                covers each file's size and modification time.
+            reader: ``reader(path)`` returns an iterable of elements.
+            shuffle_splits, seed, name, version: as for :meth:`range`.
+
+        Raises:
+            ValueError: a path does not exist or is not a file, or the pattern matches none.
+        """
+        _check.function("reader", reader)
+        files = _sources.list_files(paths_or_glob)
+        return cls(_sources.FilesSource(
+            files=files, reader=reader,
+            **_source_options("from_files", name, shuffle_splits, seed, version)))
+
+    @classmethod
+    def from_torch(cls, dataset: Any, *, split_size: int | None = None,
+                   shuffle_splits: bool = False, seed: int | None = None,
+                   name: str | None = None, version: str | None = None) -> Pipeline:
+        """``dataset[i]`` for ``i`` in ``range(len(dataset))``: a map-style dataset (anything
+        with ``__len__`` and ``__getitem__``, such as ``torch.utils.data.Dataset``).
+
+        Elements are what the dataset returns. The length is read once, now.
+
+        Args:
+            dataset: the map-style dataset.
+            split_size, shuffle_splits, seed, name, version: as for :meth:`range`.
+        """
+        if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+            raise TypeError(f"from_torch needs a map-style dataset with __len__ and "
+                            f"__getitem__, got {type(dataset).__name__}; for an iterable "
+                            "dataset use Pipeline.from_generator")
+        length = len(dataset)
+        return cls(_sources.TorchSource(
+            dataset=dataset, length=length,
+            split_size=_sources.resolve_split_size(split_size, length),
+            **_source_options("from_torch", name, shuffle_splits, seed, version)))
+
+    @classmethod
+    def from_generator(cls, fn: Callable[[Any], Iterable[Any]], splits: Sequence[Any] | int,
+                       *, shuffle_splits: bool = False, seed: int | None = None,
+                       name: str | None = None, version: str | None = None) -> Pipeline:
+        """The elements ``fn(split)`` yields for each split.
+
+        Args:
+            fn: ``fn(split)`` returns an iterable of elements.
+            splits: the split values (shard names, URLs, index ranges...), or an int ``n``
+                for ``range(n)``. They are hashed into the fingerprint.
+            shuffle_splits, seed, name, version: as for :meth:`range`.
+        """
+        _check.function("fn", fn)
+        if isinstance(splits, int) and not isinstance(splits, bool):
+            values: tuple[Any, ...] = tuple(range(_check.integer("splits", splits, 0)))
+        elif isinstance(splits, (str, bytes)) or not isinstance(splits, Iterable):
+            raise TypeError(f"splits must be a sequence of split values or an int, got "
+                            f"{type(splits).__name__}")
+        else:
+            values = tuple(splits)
+        default = f"from_generator({_callable_name(fn)})"
+        return cls(_sources.GeneratorSource(
+            fn=fn, splits=values,
+            **_source_options(default, name, shuffle_splits, seed, version)))
+
+    # --- stages ----------------------------------------------------------------------
+
+    def map(self, fn: Callable[[Any], Any], num_parallel_calls: int = 1, *,
+            name: str | None = None, version: str | None = None) -> Pipeline:
+        """Apply ``fn`` to every element.
+
+        Args:
+            fn: a function of one element.
+            num_parallel_calls: calls in flight at once on threads of this process (results
+                keep their order); helps when ``fn`` releases the GIL (I/O, numpy, decoding).
+            name: shown in errors and stats (default ``"map(<fn name>)"``).
+            version: pins the stage's identity; ``fn`` is then not hashed.
+        """
+        _check.function("fn", fn)
+        return self._then(_stages.Map(
+            fn=fn, num_parallel_calls=_check.integer("num_parallel_calls", num_parallel_calls, 1),
+            **_stage_options(f"map({_callable_name(fn)})", name, version)))
+
+    def filter(self, predicate: Callable[[Any], Any], *, name: str | None = None,
+               version: str | None = None) -> Pipeline:
+        """Keep the elements for which ``predicate(element)`` is true."""
+        _check.function("predicate", predicate)
+        return self._then(_stages.Filter(
+            predicate=predicate,
+            **_stage_options(f"filter({_callable_name(predicate)})", name, version)))
+
+    def shuffle(self, buffer_size: int, seed: int | None = None,
+                reshuffle_each_epoch: bool = True, *, name: str | None = None,
+                version: str | None = None) -> Pipeline:
+        """Shuffle through a buffer of ``buffer_size`` elements (tf.data's algorithm).
+
+        Args:
+            buffer_size: elements held; ``>=`` the input size gives a uniform shuffle.
+            seed: None draws fresh entropy on every run.
+            reshuffle_each_epoch: False repeats epoch 0's order (given the same input) in
+                every epoch and repetition.
+        """
+        return self._then(_stages.Shuffle(
+            buffer_size=_check.integer("buffer_size", buffer_size, 1),
+            seed=_check.seed(seed),
+            reshuffle_each_epoch=_check.boolean("reshuffle_each_epoch", reshuffle_each_epoch),
+            **_stage_options(f"shuffle({buffer_size})", name, version)))
+
+    def batch(self, batch_size: int, drop_remainder: bool = False, *,
+              name: str | None = None, version: str | None = None) -> Pipeline:
+        """Group ``batch_size`` consecutive elements into one (see :mod:`zloader.collate`
+        for how leaves are stacked); the last, smaller batch is kept unless
+        ``drop_remainder``."""
+        return self._then(_stages.Batch(
+            batch_size=_check.integer("batch_size", batch_size, 1),
+            drop_remainder=_check.boolean("drop_remainder", drop_remainder),
+            **_stage_options(f"batch({batch_size})", name, version)))
+
+    def unbatch(self, *, name: str | None = None, version: str | None = None) -> Pipeline:
+        """Split each element along axis 0 into its rows (the inverse of :meth:`batch`)."""
+        return self._then(_stages.Unbatch(**_stage_options("unbatch", name, version)))
+
+    def repeat(self, count: int | None = None, *, name: str | None = None,
+               version: str | None = None) -> Pipeline:
+        """Repeat everything before this stage ``count`` times, or forever when None.
+
+        Each repetition re-runs the stages before it with a new pass key, so seeded
+        shuffles and split orders differ between repetitions (and stay reproducible). An
+        endless repeat whose input turns out empty ends instead of spinning.
+        """
+        return self._then(_stages.Repeat(
+            count=_check.optional_integer("count", count, 0),
+            **_stage_options(f"repeat({count})", name, version)))
+
+    def take(self, n: int, *, name: str | None = None, version: str | None = None) -> Pipeline:
+        """The first ``n`` elements (fewer if the input ends first)."""
+        return self._then(_stages.Take(count=_check.integer("n", n, 0),
+                                       **_stage_options(f"take({n})", name, version)))
+
+    def skip(self, n: int, *, name: str | None = None, version: str | None = None) -> Pipeline:
+        """All but the first ``n`` elements."""
+        return self._then(_stages.Skip(count=_check.integer("n", n, 0),
+                                       **_stage_options(f"skip({n})", name, version)))
+
+    def _then(self, stage: _stages.Stage) -> Pipeline:
+        return Pipeline(self.source, (*self.stages, stage))
+
+    # --- running ---------------------------------------------------------------------
+
+    def iter(self, epoch: int = 0) -> Iterator[Any]:
+        """Run the pipeline in this process for ``epoch`` and yield its elements.
+
+        Raises:
+            PipelineError: user code (or a batch of mismatched elements) failed; it names
+                the stage and carries the original traceback.
+        """
+        epoch = _check.integer("epoch", epoch, 0)
+        entropy = secrets.randbits(63)
+        source = self.source
+
+        def read(key: _stages.Key) -> Iterator[Any]:
+            for split in source.split_order(key, entropy):
+                yield from source.read(split)
+
+        run: _stages.Run = read
+        for position, stage in enumerate(self.stages, 1):
+            run = stage.wrap(run, position, entropy)
+        return run((epoch,))
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.iter(0)
+
+    # --- identity --------------------------------------------------------------------
+
+    @cached_property
+    def _fingerprint(self) -> tuple[str, str | None]:
+        parts = [(self.source.name, self.source.identity())]
+        parts += [(stage.name, stage.identity()) for stage in self.stages]
+        try:
+            return fingerprint(parts), None
+        except Unhashable as exc:
+            warn_unshareable(exc.culprit)
+            return secrets.token_hex(32), exc.culprit
+
+    @property
+    def fingerprint(self) -> str:
+        """A hex string equal for equal definitions, here or in another process or host.
+
+        See :mod:`zloader.fingerprint` for exactly what is hashed. Computed once, on first
+        access. When part of the pipeline cannot be hashed soundly, a
+        :class:`~zloader.errors.FingerprintWarning` names it, :attr:`shareable` is False
+        and the fingerprint is random, so it matches no other pipeline.
+        """
+        return self._fingerprint[0]
+
+    @property
+    def shareable(self) -> bool:
+        """Whether the fingerprint is sound, so that other trainers may share this pipeline."""
+        return self._fingerprint[1] is None
+
+    def __repr__(self) -> str:
+        chain = " -> ".join([self.source.describe(), *(s.name for s in self.stages)])
+        return f"Pipeline({chain})"
+
+
+def _source_options(default_name: str, name: Any, shuffle_splits: Any, seed: Any,
+                    version: Any) -> dict[str, Any]:
+    return {
+        "name": _check.label("name", name) or default_name,
+        "shuffle_splits": _check.boolean("shuffle_splits", shuffle_splits),
+        "seed": _check.seed(seed),
+        "version": _check.label("version", version),
+    }
+
+
+def _stage_options(default_name: str, name: Any, version: Any) -> dict[str, Any]:
+    return {"name": _check.label("name", name) or default_name,
+            "version": _check.label("version", version)}

@@ -1,0 +1,308 @@
+"""Pipeline sources. Each divides its input into *splits*, the unit of work later handed to
+workers: index ranges (``range``, ``from_items``, ``from_arrays``, ``from_torch``), one file
+(``from_files``) or one user value (``from_generator``).
+
+A source is a frozen record. ``split_order(key, entropy)`` says in which order its splits
+are read for one pass (a seeded permutation when ``shuffle_splits=True``), ``read(split)``
+yields the elements of one split, and ``identity()`` is what its fingerprint hashes.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from zloader import _check
+from zloader._defaults import DEFAULT_SPLITS
+from zloader._seeding import Key, make_rng
+from zloader.errors import PipelineError
+
+__all__ = [
+    "ArraysSource",
+    "FilesSource",
+    "GeneratorSource",
+    "ItemsSource",
+    "RangeSource",
+    "Source",
+    "TorchSource",
+]
+
+
+def guarded(make: Callable[[], Iterable[Any]], stage: str, context: str = "") -> Iterator[Any]:
+    """Iterate ``make()``, turning any exception from user code into a PipelineError."""
+    try:
+        iterator = iter(make())
+    except Exception as exc:
+        raise PipelineError.from_exception(exc, stage, context) from exc
+    while True:
+        try:
+            item = next(iterator)
+        except StopIteration:
+            return
+        except Exception as exc:
+            raise PipelineError.from_exception(exc, stage, context) from exc
+        yield item
+
+
+def default_split_size(length: int) -> int:
+    """Split size giving at most ``DEFAULT_SPLITS`` splits (at least one element each)."""
+    return max(1, math.ceil(length / DEFAULT_SPLITS))
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class Source:
+    """Base of all sources: split bookkeeping and the shared options."""
+
+    kind: ClassVar[str] = "source"
+    name: str
+    shuffle_splits: bool
+    seed: int | None
+    version: str | None
+
+    @property
+    def num_splits(self) -> int:
+        raise NotImplementedError
+
+    def read(self, split: int) -> Iterator[Any]:
+        """Yield the elements of split number ``split``."""
+        raise NotImplementedError
+
+    def identity(self) -> tuple[Any, ...]:
+        """What the fingerprint hashes for this source."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return self.name
+
+    def split_order(self, key: Key, entropy: int) -> Sequence[int]:
+        """The splits of one pass, in reading order; ``key`` names the pass (epoch, repeats)."""
+        if not self.shuffle_splits:
+            return range(self.num_splits)
+        rng = make_rng(self.seed, entropy, 0, key)
+        order: list[int] = rng.permutation(self.num_splits).tolist()
+        return order
+
+    def _options(self) -> tuple[Any, ...]:
+        return (self.shuffle_splits, self.seed)
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class _IndexedSource(Source):
+    """A source of ``length`` elements addressed by index, split into ranges."""
+
+    length: int
+    split_size: int
+
+    @property
+    def num_splits(self) -> int:
+        return math.ceil(self.length / self.split_size)
+
+    def split_range(self, split: int) -> tuple[int, int]:
+        start = split * self.split_size
+        return start, min(self.length, start + self.split_size)
+
+    def read(self, split: int) -> Iterator[Any]:
+        start, stop = self.split_range(split)
+        return self._rows(start, stop)
+
+    def _rows(self, start: int, stop: int) -> Iterator[Any]:
+        raise NotImplementedError
+
+    def _options(self) -> tuple[Any, ...]:
+        return (self.length, self.split_size, self.shuffle_splits, self.seed)
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class RangeSource(_IndexedSource):
+    kind: ClassVar[str] = "range"
+    start: int
+    step: int
+
+    def _rows(self, start: int, stop: int) -> Iterator[int]:
+        first = self.start + start * self.step
+        return iter(range(first, first + (stop - start) * self.step, self.step))
+
+    def identity(self) -> tuple[Any, ...]:
+        return (self.kind, self.version, self.start, self.step, *self._options())
+
+    def describe(self) -> str:
+        stop = self.start + self.length * self.step
+        return f"range({self.start}, {stop}, {self.step})"
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class ItemsSource(_IndexedSource):
+    kind: ClassVar[str] = "from_items"
+    items: tuple[Any, ...]
+
+    def _rows(self, start: int, stop: int) -> Iterator[Any]:
+        return iter(self.items[start:stop])
+
+    def identity(self) -> tuple[Any, ...]:
+        content = self.items if self.version is None else None
+        return (self.kind, self.version, content, *self._options())
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class ArraysSource(_IndexedSource):
+    kind: ClassVar[str] = "from_arrays"
+    structure: Any
+
+    def _rows(self, start: int, stop: int) -> Iterator[Any]:
+        for index in range(start, stop):
+            yield _row(self.structure, index)
+
+    def identity(self) -> tuple[Any, ...]:
+        content = self.structure if self.version is None else _shapes(self.structure)
+        return (self.kind, self.version, content, *self._options())
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class TorchSource(_IndexedSource):
+    kind: ClassVar[str] = "from_torch"
+    dataset: Any
+
+    def _rows(self, start: int, stop: int) -> Iterator[Any]:
+        dataset = self.dataset
+        for index in range(start, stop):
+            try:
+                item = dataset[index]
+            except Exception as exc:
+                raise PipelineError.from_exception(exc, self.name, f"index {index}") from exc
+            yield item
+
+    def identity(self) -> tuple[Any, ...]:
+        content = self.dataset if self.version is None else None
+        return (self.kind, self.version, content, *self._options())
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class FilesSource(Source):
+    """One split per file; ``files`` holds (absolute path, size, mtime_ns) taken at creation."""
+
+    kind: ClassVar[str] = "from_files"
+    files: tuple[tuple[str, int, int], ...]
+    reader: Callable[[str], Iterable[Any]]
+
+    @property
+    def num_splits(self) -> int:
+        return len(self.files)
+
+    def read(self, split: int) -> Iterator[Any]:
+        path = self.files[split][0]
+        return guarded(lambda: self.reader(path), self.name, f"file {path}")
+
+    def identity(self) -> tuple[Any, ...]:
+        if self.version is None:
+            return (self.kind, None, self.files, self.reader, *self._options())
+        return (self.kind, self.version, [f[0] for f in self.files], *self._options())
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class GeneratorSource(Source):
+    kind: ClassVar[str] = "from_generator"
+    fn: Callable[[Any], Iterable[Any]]
+    splits: tuple[Any, ...]
+
+    @property
+    def num_splits(self) -> int:
+        return len(self.splits)
+
+    def read(self, split: int) -> Iterator[Any]:
+        value = self.splits[split]
+        return guarded(lambda: self.fn(value), self.name, f"split {value!r}")
+
+    def identity(self) -> tuple[Any, ...]:
+        fn = self.fn if self.version is None else None
+        return (self.kind, self.version, fn, self.splits, *self._options())
+
+
+# --- helpers for the Pipeline constructors -----------------------------------------------
+
+def resolve_split_size(split_size: Any, length: int) -> int:
+    if split_size is None:
+        return default_split_size(length)
+    return _check.integer("split_size", split_size, 1)
+
+
+def check_arrays(structure: Any) -> tuple[Any, int]:
+    """Validate a ``from_arrays`` structure; return it with read-only arrays, and its length."""
+    lengths: list[tuple[str, int]] = []
+
+    def visit(node: Any, path: str) -> Any:
+        if isinstance(node, dict):
+            if not node:
+                raise ValueError(f"from_arrays: {path} is an empty dict")
+            return {k: visit(v, f"{path}[{k!r}]") for k, v in node.items()}
+        if isinstance(node, tuple):
+            if not node:
+                raise ValueError(f"from_arrays: {path} is an empty tuple")
+            return tuple(visit(v, f"{path}[{i}]") for i, v in enumerate(node))
+        array = np.asarray(node)
+        if array.ndim == 0:
+            raise ValueError(f"from_arrays: {path} is a scalar, not an array of rows")
+        if array.dtype.hasobject:
+            raise TypeError(f"from_arrays: {path} has dtype object; give arrays of numbers, "
+                            "or use from_items")
+        view = array.view()
+        view.flags.writeable = False  # rows reach user code; they must not alter the source
+        lengths.append((path, len(view)))
+        return view
+
+    checked = visit(structure, "structure")
+    first_path, length = lengths[0]
+    for path, size in lengths:
+        if size != length:
+            raise ValueError(f"from_arrays: {path} has {size} rows but {first_path} has "
+                             f"{length}; every array must have the same length")
+    return checked, length
+
+
+def list_files(paths_or_glob: Any) -> tuple[tuple[str, int, int], ...]:
+    """Expand a glob pattern or check a list of paths; stat each file."""
+    if isinstance(paths_or_glob, (str, os.PathLike)):
+        pattern = os.fspath(paths_or_glob)
+        if glob.has_magic(pattern):
+            paths = sorted(glob.glob(pattern, recursive=True))
+            if not paths:
+                raise ValueError(f"from_files: pattern {pattern!r} matched no files")
+        else:
+            paths = [pattern]
+    elif isinstance(paths_or_glob, Iterable) and not isinstance(paths_or_glob, bytes):
+        paths = [os.fspath(p) for p in paths_or_glob]
+    else:
+        raise TypeError("paths_or_glob must be a path, a glob pattern or a list of paths, "
+                        f"got {type(paths_or_glob).__name__}")
+    files = []
+    for path in paths:
+        absolute = os.path.abspath(path)
+        try:
+            stat = os.stat(absolute)
+        except OSError as exc:
+            raise ValueError(f"from_files: cannot read {path!r}: {exc.strerror}") from None
+        if not os.path.isfile(absolute):
+            raise ValueError(f"from_files: {path!r} is not a file")
+        files.append((absolute, stat.st_size, stat.st_mtime_ns))
+    return tuple(files)
+
+
+def _row(structure: Any, index: int) -> Any:
+    if isinstance(structure, dict):
+        return {k: _row(v, index) for k, v in structure.items()}
+    if isinstance(structure, tuple):
+        return tuple(_row(v, index) for v in structure)
+    return structure[index]
+
+
+def _shapes(structure: Any) -> Any:
+    if isinstance(structure, dict):
+        return {k: _shapes(v) for k, v in structure.items()}
+    if isinstance(structure, tuple):
+        return tuple(_shapes(v) for v in structure)
+    return (structure.dtype.str, structure.shape)

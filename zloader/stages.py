@@ -1,0 +1,256 @@
+"""Pipeline stages: frozen records that know how to transform a stream of elements.
+
+A stage's ``wrap(upstream, position, entropy)`` takes the *run* of everything before it
+(a function from a pass key to an iterator of elements) and returns its own run. Most
+stages transform one iterator; ``repeat`` re-runs its upstream with a longer pass key, so
+that stages above it (a shuffle, the source's split order) draw fresh randomness on every
+repetition, while stages below see one pass.
+
+Exceptions from user functions leave a stage as :class:`~zloader.errors.PipelineError`
+naming the stage; errors in the data a stage receives (``batch`` of unequal shapes) do too.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from zloader import collate
+from zloader._defaults import SHUFFLE_DRAW_CHUNK
+from zloader._seeding import Key, make_rng
+from zloader.errors import PipelineError
+
+__all__ = ["Batch", "Filter", "Map", "Repeat", "Run", "Shuffle", "Skip", "Stage", "Take",
+           "Unbatch"]
+
+Run = Callable[[Key], Iterator[Any]]
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class Stage:
+    """Base of all stages. ``name`` is shown in errors and stats; ``version`` pins identity."""
+
+    kind: ClassVar[str] = "stage"
+    name: str
+    version: str | None = None
+
+    def wrap(self, upstream: Run, position: int, entropy: int) -> Run:
+        """Return the run of this stage on top of ``upstream``."""
+        def run(key: Key) -> Iterator[Any]:
+            return self.transform(upstream(key), key, position, entropy)
+        return run
+
+    def transform(self, elements: Iterator[Any], key: Key, position: int,
+                  entropy: int) -> Iterator[Any]:
+        raise NotImplementedError
+
+    def identity(self) -> tuple[Any, ...]:
+        """What the fingerprint hashes for this stage (never its name)."""
+        raise NotImplementedError
+
+    def _fails(self, exc: Exception) -> PipelineError:
+        return PipelineError.from_exception(exc, self.name)
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class Map(Stage):
+    kind: ClassVar[str] = "map"
+    fn: Callable[[Any], Any]
+    num_parallel_calls: int = 1
+
+    def transform(self, elements: Iterator[Any], key: Key, position: int,
+                  entropy: int) -> Iterator[Any]:
+        if self.num_parallel_calls > 1:
+            yield from self._parallel(elements)
+            return
+        fn = self.fn
+        for element in elements:
+            try:
+                result = fn(element)
+            except Exception as exc:
+                raise self._fails(exc) from exc
+            yield result
+
+    def _parallel(self, elements: Iterator[Any]) -> Iterator[Any]:
+        """Up to ``num_parallel_calls`` calls in flight on threads; results in input order."""
+        pending: deque[Future[Any]] = deque()
+        with ThreadPoolExecutor(self.num_parallel_calls,
+                                thread_name_prefix=f"zloader {self.name}") as pool:
+            try:
+                for element in elements:
+                    pending.append(pool.submit(self.fn, element))
+                    if len(pending) >= self.num_parallel_calls:
+                        yield self._result(pending.popleft())
+                while pending:
+                    yield self._result(pending.popleft())
+            finally:
+                for future in pending:
+                    future.cancel()
+
+    def _result(self, future: Future[Any]) -> Any:
+        try:
+            return future.result()
+        except Exception as exc:
+            raise self._fails(exc) from exc
+
+    def identity(self) -> tuple[Any, ...]:
+        return (self.kind, self.version, self.fn if self.version is None else None)
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class Filter(Stage):
+    kind: ClassVar[str] = "filter"
+    predicate: Callable[[Any], Any]
+
+    def transform(self, elements: Iterator[Any], key: Key, position: int,
+                  entropy: int) -> Iterator[Any]:
+        predicate = self.predicate
+        for element in elements:
+            try:
+                keep = bool(predicate(element))
+            except Exception as exc:
+                raise self._fails(exc) from exc
+            if keep:
+                yield element
+
+    def identity(self) -> tuple[Any, ...]:
+        return (self.kind, self.version, self.predicate if self.version is None else None)
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class Shuffle(Stage):
+    """tf.data's buffered shuffle: fill ``buffer_size``, then emit a random buffered element
+    and put the next input in its place; at the end, emit what remains in random order."""
+
+    kind: ClassVar[str] = "shuffle"
+    buffer_size: int
+    seed: int | None = None
+    reshuffle_each_epoch: bool = True
+
+    def transform(self, elements: Iterator[Any], key: Key, position: int,
+                  entropy: int) -> Iterator[Any]:
+        rng = make_rng(self.seed, entropy, position, key if self.reshuffle_each_epoch else ())
+        size = self.buffer_size
+        buffer: list[Any] = []
+        draws: list[int] = []
+        for element in elements:
+            if len(buffer) < size:
+                buffer.append(element)
+                continue
+            if not draws:
+                draws = rng.integers(0, size, SHUFFLE_DRAW_CHUNK).tolist()
+                draws.reverse()
+            slot = draws.pop()
+            yield buffer[slot]
+            buffer[slot] = element
+        for slot in rng.permutation(len(buffer)).tolist():
+            yield buffer[slot]
+
+    def identity(self) -> tuple[Any, ...]:
+        return (self.kind, self.version, self.buffer_size, self.seed, self.reshuffle_each_epoch)
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class Batch(Stage):
+    kind: ClassVar[str] = "batch"
+    batch_size: int
+    drop_remainder: bool = False
+
+    def transform(self, elements: Iterator[Any], key: Key, position: int,
+                  entropy: int) -> Iterator[Any]:
+        pending: list[Any] = []
+        for element in elements:
+            pending.append(element)
+            if len(pending) == self.batch_size:
+                yield self._stack(pending)
+                pending = []
+        if pending and not self.drop_remainder:
+            yield self._stack(pending)
+
+    def _stack(self, elements: list[Any]) -> Any:
+        try:
+            return collate.stack(elements)
+        except (TypeError, ValueError) as exc:
+            raise self._fails(exc) from exc
+
+    def identity(self) -> tuple[Any, ...]:
+        return (self.kind, self.version, self.batch_size, self.drop_remainder)
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class Unbatch(Stage):
+    kind: ClassVar[str] = "unbatch"
+
+    def transform(self, elements: Iterator[Any], key: Key, position: int,
+                  entropy: int) -> Iterator[Any]:
+        for element in elements:
+            try:
+                rows = list(collate.split(element))
+            except (TypeError, ValueError) as exc:
+                raise self._fails(exc) from exc
+            yield from rows
+
+    def identity(self) -> tuple[Any, ...]:
+        return (self.kind, self.version)
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class Repeat(Stage):
+    """Repeats its upstream ``count`` times (forever when None). A repetition that yields
+    nothing ends an endless repeat, so ``repeat()`` on empty input ends instead of spinning."""
+
+    kind: ClassVar[str] = "repeat"
+    count: int | None = None
+
+    def wrap(self, upstream: Run, position: int, entropy: int) -> Run:
+        count = self.count
+
+        def run(key: Key) -> Iterator[Any]:
+            for repetition in itertools.count() if count is None else range(count):
+                produced = False
+                for element in upstream((*key, repetition)):
+                    produced = True
+                    yield element
+                if count is None and not produced:
+                    return
+        return run
+
+    def identity(self) -> tuple[Any, ...]:
+        return (self.kind, self.version, self.count)
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class Take(Stage):
+    kind: ClassVar[str] = "take"
+    count: int
+
+    def transform(self, elements: Iterator[Any], key: Key, position: int,
+                  entropy: int) -> Iterator[Any]:
+        if self.count == 0:
+            return
+        for taken, element in enumerate(elements, 1):
+            yield element
+            if taken >= self.count:
+                return
+
+    def identity(self) -> tuple[Any, ...]:
+        return (self.kind, self.version, self.count)
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class Skip(Stage):
+    kind: ClassVar[str] = "skip"
+    count: int
+
+    def transform(self, elements: Iterator[Any], key: Key, position: int,
+                  entropy: int) -> Iterator[Any]:
+        for skipped, element in enumerate(elements):
+            if skipped >= self.count:
+                yield element
+
+    def identity(self) -> tuple[Any, ...]:
+        return (self.kind, self.version, self.count)
