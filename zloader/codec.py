@@ -72,6 +72,8 @@ for _kind in _KINDS:
         _dt = np.dtype(_order + _kind) if _order != "|" else np.dtype(_kind)
         _DTYPES[_dt.str] = _dt
 _DTYPE_BYTES = {name: _U8.pack(len(name)) + name.encode("ascii") for name in _DTYPES}
+_NDIM = [_U8.pack(n) for n in range(MAX_NDIM + 1)]
+_SHAPES = [struct.Struct(f"<{n}Q") for n in range(MAX_NDIM + 1)]
 
 
 class _EncodeError(Exception):
@@ -111,16 +113,29 @@ def encode(element: Any) -> list[Any]:
 
 
 def _encode_node(value: Any, out: bytearray, buffers: list[Any], depth: int) -> None:
-    if depth > MAX_DEPTH:
-        raise _EncodeError(f"nested deeper than {MAX_DEPTH} levels (is there a cycle?)")
     kind = type(value)
+    # Exact types first, most frequent first: this runs once per node of every element.
     if kind is np.ndarray:
         _encode_array(value, out, buffers)
+    elif kind is int:
+        if _I64_MIN <= value <= _I64_MAX:
+            out += b"i" + _I64.pack(value)
+        else:
+            _encode_bigint(value, out)
+    elif kind is float:
+        out += b"f" + _F64.pack(value)
+    elif kind is str:
+        try:
+            data = value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise _EncodeError(f"str is not valid unicode ({exc.reason})") from None
+        _encode_blob(b"s", b"S", data, out, buffers)
     elif value is None:
         out += b"N"
     elif kind is bool:
         out += b"T" if value else b"F"
     elif isinstance(value, dict):
+        _check_depth(depth)
         out += b"D" + _U32.pack(len(value))
         for key, item in value.items():
             try:
@@ -131,7 +146,8 @@ def _encode_node(value: Any, out: bytearray, buffers: list[Any], depth: int) -> 
             except _EncodeError as exc:
                 exc.path.append(f"[{key!r}]")
                 raise
-    elif kind is list or kind is tuple or isinstance(value, (list, tuple)):
+    elif isinstance(value, (list, tuple)):
+        _check_depth(depth)
         out += (b"U" if isinstance(value, tuple) else b"L") + _U32.pack(len(value))
         for index, item in enumerate(value):
             try:
@@ -145,33 +161,35 @@ def _encode_node(value: Any, out: bytearray, buffers: list[Any], depth: int) -> 
             raise _EncodeError(f"numpy scalar of dtype {value.dtype} is not supported; "
                                f"supported dtypes are bool and numeric ({', '.join(_KINDS)})")
         out += b"n" + _DTYPE_BYTES[name] + value.tobytes()
-    elif isinstance(value, int):
-        if _I64_MIN <= value <= _I64_MAX:
-            out += b"i" + _I64.pack(value)
-        else:
-            size = (value.bit_length() + 8) // 8
-            if size > MAX_BIGINT_BYTES:
-                raise _EncodeError(f"int of {size} bytes exceeds {MAX_BIGINT_BYTES}")
-            out += b"I" + _U32.pack(size) + int(value).to_bytes(size, "little", signed=True)
+    elif isinstance(value, (bytes, bytearray, memoryview)):
+        _encode_blob(b"b", b"B", value, out, buffers)
+    elif isinstance(value, np.ndarray):
+        _encode_array(value, out, buffers)
+    elif isinstance(value, int):  # bool subclasses were handled above; IntEnum and the like
+        _encode_node(int(value), out, buffers, depth)
     elif isinstance(value, float):
         out += b"f" + _F64.pack(value)
     elif isinstance(value, complex):
         out += b"c" + _C128.pack(value.real, value.imag)
     elif isinstance(value, str):
-        try:
-            data = value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise _EncodeError(f"str is not valid unicode ({exc.reason})") from None
-        _encode_blob(b"s", b"S", data, out, buffers)
-    elif isinstance(value, (bytes, bytearray, memoryview)):
-        _encode_blob(b"b", b"B", value, out, buffers)
-    elif isinstance(value, np.ndarray):
-        _encode_array(value, out, buffers)
+        _encode_node(str(value), out, buffers, depth)
     else:
         raise _EncodeError(
             f"type {kind.__module__}.{kind.__qualname__} is not supported; elements hold "
             "dicts, tuples, lists, numpy arrays, numbers, str, bytes and None "
             "(convert the value to a numpy array in a map stage)")
+
+
+def _check_depth(depth: int) -> None:
+    if depth >= MAX_DEPTH:
+        raise _EncodeError(f"nested deeper than {MAX_DEPTH} levels (is there a cycle?)")
+
+
+def _encode_bigint(value: int, out: bytearray) -> None:
+    size = (value.bit_length() + 8) // 8
+    if size > MAX_BIGINT_BYTES:
+        raise _EncodeError(f"int of {size} bytes exceeds {MAX_BIGINT_BYTES}")
+    out += b"I" + _U32.pack(size) + value.to_bytes(size, "little", signed=True)
 
 
 def _encode_blob(inline: bytes, buffered: bytes, data: Any, out: bytearray,
@@ -197,9 +215,12 @@ def _encode_array(arr: np.ndarray, out: bytearray, buffers: list[Any]) -> None:
         raise _EncodeError(f"array has {arr.ndim} dimensions, more than {MAX_NDIM}")
     if not arr.flags.c_contiguous:
         arr = arr.copy(order="C")
-    out += b"a" + _DTYPE_BYTES[name] + _U8.pack(arr.ndim)
-    out += struct.pack(f"<{arr.ndim}Q", *arr.shape)
-    buffers.append(arr.reshape(-1).view(np.uint8).data)
+    out += b"a" + _DTYPE_BYTES[name] + _NDIM[arr.ndim]
+    out += _SHAPES[arr.ndim].pack(*arr.shape)
+    try:
+        buffers.append(memoryview(arr).cast("B"))
+    except (TypeError, ValueError):  # formats memoryview cannot cast (float16, big-endian, 0-d)
+        buffers.append(arr.reshape(-1).view(np.uint8).data)
 
 
 def decode(buffers: Sequence[Any]) -> Any:
@@ -219,15 +240,18 @@ def decode(buffers: Sequence[Any]) -> Any:
     if not isinstance(buffers, (list, tuple)) or not buffers:
         raise CodecError(f"expected a non-empty list of buffers, got {type(buffers).__name__}")
     views = [_as_bytes_view(b, i) for i, b in enumerate(buffers)]
-    reader = _Reader(views[0], views)
-    magic = reader.take(4, "magic")
-    if bytes(magic[:3]) != MAGIC[:3]:
+    reader = _Reader(bytes(views[0]), views)
+    magic = reader.header[:4]
+    if len(magic) < 4:
+        raise CodecError(f"header truncated: {len(magic)} bytes, a header has at least 5")
+    if magic[:3] != MAGIC[:3]:
         raise CodecError(f"header does not start with {MAGIC[:3]!r}: not a zloader element")
     if magic[3] != VERSION:
         raise CodecError(f"codec version {magic[3]} is not supported (this side speaks {VERSION})")
+    reader.pos = 4
     element = reader.node(0)
-    if reader.pos != len(reader.header):
-        raise CodecError(f"{len(reader.header) - reader.pos} unexpected bytes after the element")
+    if reader.pos != reader.end:
+        raise CodecError(f"{reader.end - reader.pos} unexpected bytes after the element")
     if reader.next_buffer != len(views):
         raise CodecError(f"header uses {reader.next_buffer - 1} buffers but "
                          f"{len(views) - 1} were given")
@@ -250,28 +274,40 @@ def _as_bytes_view(buf: Any, index: int) -> memoryview:
     return view
 
 
+_TAG = {tag: ord(tag) for tag in "NTFiIfcsSbBanLUD"}
+_A, _D, _L, _U, _I, _F, _S, _N = (_TAG[t] for t in "aDLUifsN")
+
+
 class _Reader:
     """Walks one header; every read is bounds-checked."""
 
-    __slots__ = ("buffers", "header", "next_buffer", "pos")
+    __slots__ = ("buffers", "end", "header", "next_buffer", "pos")
 
-    def __init__(self, header: memoryview, buffers: list[memoryview]) -> None:
+    def __init__(self, header: bytes, buffers: list[memoryview]) -> None:
         self.header = header
+        self.end = len(header)
         self.buffers = buffers
         self.pos = 0
         self.next_buffer = 1
 
-    def take(self, size: int, what: str) -> memoryview:
-        end = self.pos + size
-        if end > len(self.header):
-            raise CodecError(f"header truncated while reading {what} at byte {self.pos} "
-                             f"(needs {size} bytes, {len(self.header) - self.pos} left)")
-        view = self.header[self.pos:end]
+    def truncated(self, what: str, size: int) -> CodecError:
+        return CodecError(f"header truncated while reading {what} at byte {self.pos} "
+                          f"(needs {size} bytes, {self.end - self.pos} left)")
+
+    def take(self, size: int, what: str) -> bytes:
+        pos = self.pos
+        end = pos + size
+        if end > self.end:
+            raise self.truncated(what, size)
         self.pos = end
-        return view
+        return self.header[pos:end]
 
     def unpack(self, fmt: struct.Struct, what: str) -> Any:
-        return fmt.unpack(self.take(fmt.size, what))[0]
+        pos = self.pos
+        if pos + fmt.size > self.end:
+            raise self.truncated(what, fmt.size)
+        self.pos = pos + fmt.size
+        return fmt.unpack_from(self.header, pos)[0]
 
     def buffer(self, what: str) -> memoryview:
         if self.next_buffer >= len(self.buffers):
@@ -283,77 +319,89 @@ class _Reader:
 
     def count(self, what: str, min_node_bytes: int) -> int:
         count: int = self.unpack(_U32, f"{what} length")
-        if count * min_node_bytes > len(self.header) - self.pos:
+        if count * min_node_bytes > self.end - self.pos:
             raise CodecError(f"{what} claims {count} items but only "
-                             f"{len(self.header) - self.pos} header bytes remain")
+                             f"{self.end - self.pos} header bytes remain")
         return count
 
     def dtype(self) -> np.dtype[Any]:
         size = self.unpack(_U8, "dtype length")
-        raw = bytes(self.take(size, "dtype"))
+        raw = self.take(size, "dtype")
         dtype = _DTYPES.get(raw.decode("ascii", "replace"))
         if dtype is None:
             raise CodecError(f"unknown or unsupported dtype {raw!r}")
         return dtype
 
     def node(self, depth: int) -> Any:
-        if depth > MAX_DEPTH:
-            raise CodecError(f"nesting deeper than {MAX_DEPTH} levels")
-        tag = bytes(self.take(1, "tag"))
-        if tag == b"a":
+        pos = self.pos
+        if pos >= self.end:
+            raise self.truncated("tag", 1)
+        tag = self.header[pos]
+        self.pos = pos + 1
+        if tag == _A:
             return self.array()
-        if tag == b"D":
-            count = self.count("dict", 2)
-            result: dict[Any, Any] = {}
-            for _ in range(count):
-                key = self.node(depth + 1)
-                if isinstance(key, (list, dict, np.ndarray)):
-                    raise CodecError(f"dict key of type {type(key).__name__} is not allowed")
-                try:
-                    hash(key)
-                except TypeError:
-                    raise CodecError(f"dict key of type {type(key).__name__} is not "
-                                     "hashable") from None
-                if key in result:
-                    raise CodecError(f"duplicate dict key {key!r}")
-                result[key] = self.node(depth + 1)
-            return result
-        if tag == b"L" or tag == b"U":
-            count = self.count("list" if tag == b"L" else "tuple", 1)
-            items = [self.node(depth + 1) for _ in range(count)]
-            return items if tag == b"L" else tuple(items)
-        if tag == b"i":
+        if tag == _I:
             return self.unpack(_I64, "int")
-        if tag == b"f":
+        if tag == _F:
             return self.unpack(_F64, "float")
-        if tag == b"N":
+        if tag == _S:
+            return self.text(self.take(self.unpack(_U32, "length"), "str"))
+        if tag == _D:
+            return self.mapping(depth)
+        if tag == _L or tag == _U:
+            if depth >= MAX_DEPTH:
+                raise CodecError(f"nesting deeper than {MAX_DEPTH} levels")
+            count = self.count("list" if tag == _L else "tuple", 1)
+            items = [self.node(depth + 1) for _ in range(count)]
+            return items if tag == _L else tuple(items)
+        if tag == _N:
             return None
-        if tag == b"T":
+        return self.rare(tag)
+
+    def rare(self, tag: int) -> Any:
+        if tag == _TAG["T"]:
             return True
-        if tag == b"F":
+        if tag == _TAG["F"]:
             return False
-        if tag == b"s" or tag == b"b":
-            size = self.unpack(_U32, "length")
-            raw = self.take(size, "str" if tag == b"s" else "bytes")
-            return self.text(raw) if tag == b"s" else bytes(raw)
-        if tag == b"S":
+        if tag == _TAG["b"]:
+            return self.take(self.unpack(_U32, "length"), "bytes")
+        if tag == _TAG["S"]:
             return self.text(self.buffer("str"))
-        if tag == b"B":
+        if tag == _TAG["B"]:
             return bytes(self.buffer("bytes"))
-        if tag == b"n":
+        if tag == _TAG["n"]:
             dtype = self.dtype()
             return np.frombuffer(self.take(dtype.itemsize, "numpy scalar"), dtype)[0]
-        if tag == b"I":
+        if tag == _TAG["I"]:
             size = self.unpack(_U32, "int length")
             if size > MAX_BIGINT_BYTES:
                 raise CodecError(f"int of {size} bytes exceeds {MAX_BIGINT_BYTES}")
             return int.from_bytes(self.take(size, "int"), "little", signed=True)
-        if tag == b"c":
-            real, imag = _C128.unpack(self.take(_C128.size, "complex"))
-            return complex(real, imag)
-        raise CodecError(f"unknown tag {tag!r} at header byte {self.pos - 1}")
+        if tag == _TAG["c"]:
+            real = self.unpack(_F64, "complex")
+            return complex(real, self.unpack(_F64, "complex"))
+        raise CodecError(f"unknown tag {bytes([tag])!r} at header byte {self.pos - 1}")
 
-    def text(self, raw: memoryview) -> str:
+    def mapping(self, depth: int) -> dict[Any, Any]:
+        if depth >= MAX_DEPTH:
+            raise CodecError(f"nesting deeper than {MAX_DEPTH} levels")
+        count = self.count("dict", 2)
+        result: dict[Any, Any] = {}
+        for _ in range(count):
+            key = self.node(depth + 1)
+            if isinstance(key, (list, dict, np.ndarray)):
+                raise CodecError(f"dict key of type {type(key).__name__} is not allowed")
+            try:
+                hash(key)
+            except TypeError:
+                raise CodecError(f"dict key of type {type(key).__name__} is not "
+                                 "hashable") from None
+            if key in result:
+                raise CodecError(f"duplicate dict key {key!r}")
+            result[key] = self.node(depth + 1)
+        return result
+
+    def text(self, raw: bytes | memoryview) -> str:
         try:
             return str(raw, "utf-8")
         except UnicodeDecodeError as exc:
@@ -364,7 +412,7 @@ class _Reader:
         ndim = self.unpack(_U8, "ndim")
         if ndim > MAX_NDIM:
             raise CodecError(f"array has {ndim} dimensions, more than {MAX_NDIM}")
-        shape = struct.unpack(f"<{ndim}Q", self.take(8 * ndim, "shape"))
+        shape = _SHAPES[ndim].unpack(self.take(8 * ndim, "shape"))
         data = self.buffer("array")
         expected = dtype.itemsize
         for dim in shape:

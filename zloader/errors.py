@@ -80,9 +80,7 @@ class PipelineError(ZloaderError):
         self.message = message
         self.traceback = traceback
         self.context = context
-        self.builtin = next((b.__name__ for b in type(self).__mro__[1:]
-                             if b is not PipelineError and getattr(builtins, b.__name__, None) is b
-                             and b.__name__ not in _NOT_BASES), "")
+        self.builtin = _nearest_builtin_name(type(self)) or ""
 
     def __str__(self) -> str:
         where = f" at {self.context}" if self.context else ""
@@ -152,7 +150,8 @@ _NOT_BASES = {"BaseException", "Exception", "GeneratorExit", "KeyboardInterrupt"
 
 def _nearest_builtin_name(cls: type[BaseException]) -> str | None:
     for base in cls.__mro__:
-        if getattr(builtins, base.__name__, None) is base and base.__name__ not in _NOT_BASES:
+        if (issubclass(base, BaseException) and base.__name__ not in _NOT_BASES
+                and getattr(builtins, base.__name__, None) is base):
             return base.__name__
     return None
 

@@ -1,0 +1,126 @@
+"""The package's shape: public surface, import weight, layering, packaging files, commands."""
+
+from __future__ import annotations
+
+import ast
+import configparser
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import zloader
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "zloader"
+
+# Lower layers never import higher ones (style: layers follow the data).
+LAYERS = {
+    "_version": 0, "_defaults": 0, "errors": 0, "_check": 0, "_seeding": 0,
+    "codec": 1, "collate": 1, "fingerprint": 1,
+    "sources": 2, "stages": 2,
+    "pipeline": 3, "demo": 4, "cli": 5, "__init__": 6,
+}
+
+
+def test_all_is_sorted_and_complete():
+    assert zloader.__all__ == sorted(zloader.__all__)
+    for name in zloader.__all__:
+        assert hasattr(zloader, name)
+
+
+def test_import_zloader_imports_neither_torch_nor_tensorflow():
+    code = ("import sys, zloader; p = zloader.Pipeline.range(3).map(abs).batch(2); list(p);"
+            "p.fingerprint; print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('torch', 'tensorflow')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+def imported_modules(path: pathlib.Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("zloader"):
+            names.add(node.module.removeprefix("zloader").lstrip("."))
+            if node.module == "zloader":
+                names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.Import):
+            names.update(a.name.removeprefix("zloader.") for a in node.names
+                         if a.name.startswith("zloader."))
+    return {n.split(".")[0] for n in names if n}
+
+
+def test_layers_follow_the_data():
+    modules = {p.stem for p in PACKAGE.glob("*.py")}
+    assert modules <= set(LAYERS), f"give new modules a layer: {modules - set(LAYERS)}"
+    for module in modules:
+        for imported in imported_modules(PACKAGE / f"{module}.py"):
+            if imported in LAYERS:
+                assert LAYERS[imported] < LAYERS[module] or imported == module, (
+                    f"zloader/{module}.py (layer {LAYERS[module]}) imports {imported} "
+                    f"(layer {LAYERS[imported]})")
+
+
+def test_pyproject_holds_only_the_build_system():
+    import tomllib
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert list(data) == ["build-system"]
+
+
+def test_setup_cfg_declares_what_the_project_promises():
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    assert config["options"]["python_requires"] == ">=3.10"
+    requires = config["options"]["install_requires"]
+    for package in ("numpy", "pyzmq", "psutil", "cloudpickle"):
+        assert package in requires
+    extras = config["options.extras_require"]
+    assert {"torch", "tf", "test", "bench"} <= set(extras)
+    assert "torch>=2.1" in extras["torch"]
+    scripts = config["options.entry_points"]["console_scripts"]
+    for command in ("zloader =", "zloader-broker =", "zloader-worker ="):
+        assert command in scripts
+    assert "torch==2.13.0" in (ROOT / "constraints-dev.txt").read_text()
+
+
+def run(*command: str) -> subprocess.CompletedProcess:
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+
+
+def bin_path(name: str) -> str:
+    return str(pathlib.Path(sys.executable).parent / name)
+
+
+def test_demo_runs_and_reports_throughput():
+    done = run(bin_path("zloader"), "demo", "--images", "300", "--batch-size", "64")
+    assert done.returncode == 0, done.stderr
+    assert "300 images" in done.stdout and "images/s" in done.stdout
+    assert "300/300 images" in done.stderr  # the progress bar
+
+
+def test_demo_rejects_bad_arguments():
+    done = run(bin_path("zloader"), "demo", "--images", "0")
+    assert done.returncode == 2 and "must be >= 1" in done.stderr
+
+
+def test_fingerprint_command(tmp_path):
+    (tmp_path / "mypipe.py").write_text(
+        "from zloader import Pipeline\npipeline = Pipeline.range(10).map(lambda x: x + 1)\n")
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from zloader.cli import main;"
+            "sys.exit(main(['fingerprint', 'mypipe:pipeline']))")
+    first = run(sys.executable, "-c", code, str(tmp_path))
+    second = run(sys.executable, "-c", code, str(tmp_path))
+    assert first.returncode == 0, first.stderr
+    assert len(first.stdout.strip()) == 64 and first.stdout == second.stdout
+    bad = run(sys.executable, "-c", code.replace("mypipe:pipeline", "mypipe"), str(tmp_path))
+    assert bad.returncode == 2 and "MODULE:NAME" in bad.stderr
+
+
+@pytest.mark.parametrize("command", ["zloader-broker", "zloader-worker"])
+def test_service_commands_say_they_are_not_in_this_version(command):
+    done = run(bin_path(command))
+    assert done.returncode == 2 and "not part of this version" in done.stderr
+    assert run(bin_path(command), "--help").returncode == 0
