@@ -18,7 +18,7 @@ $(VENV)/.installed-demo: $(BIN)/python setup.cfg pyproject.toml constraints-dev.
 	touch $@
 
 $(VENV)/.installed-test: $(BIN)/python setup.cfg pyproject.toml constraints-dev.txt
-	$(PIP) install $(PIP_FLAGS) -e '.[test,torch]'
+	$(PIP) install $(PIP_FLAGS) -e '.[test,torch,tf]'
 	touch $@ $(VENV)/.installed-demo
 
 demo: $(VENV)/.installed-demo

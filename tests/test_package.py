@@ -20,7 +20,7 @@ LAYERS = {
     "_version": 0, "_defaults": 0, "errors": 0, "_check": 0, "_seeding": 0,
     "codec": 1, "collate": 1, "fingerprint": 1,
     "sources": 2, "stages": 2,
-    "pipeline": 3, "demo": 4, "cli": 5, "__init__": 6,
+    "pipeline": 3, "demo": 4, "torch": 4, "tf": 4, "cli": 5, "__init__": 6,
 }
 
 

@@ -218,7 +218,7 @@ def _encode_array(arr: np.ndarray, out: bytearray, buffers: list[Any]) -> None:
     out += b"a" + _DTYPE_BYTES[name] + _NDIM[arr.ndim]
     out += _SHAPES[arr.ndim].pack(*arr.shape)
     try:
-        buffers.append(memoryview(arr).cast("B"))
+        buffers.append(arr.data.cast("B"))
     except (TypeError, ValueError):  # formats memoryview cannot cast (float16, big-endian, 0-d)
         buffers.append(arr.reshape(-1).view(np.uint8).data)
 
@@ -348,7 +348,7 @@ class _Reader:
             return self.text(self.take(self.unpack(_U32, "length"), "str"))
         if tag == _D:
             return self.mapping(depth)
-        if tag == _L or tag == _U:
+        if tag in (_L, _U):
             if depth >= MAX_DEPTH:
                 raise CodecError(f"nesting deeper than {MAX_DEPTH} levels")
             count = self.count("list" if tag == _L else "tuple", 1)

@@ -25,9 +25,10 @@ What is hashed (recursively, with cycles handled by back-references):
   of its attributes that the function's code names.
 * ``torch.Tensor``: dtype, shape and bytes.
 
-What is *not* hashed: memory addresses and object identity, file names and line numbers
-(moving a function does not change its fingerprint), function and class names of user
-code, keyword-argument order, a stage's ``name=``.
+What is *not* hashed: memory addresses and object identity, file names, module names of
+user code and line numbers (moving a function to another line or file does not change its
+fingerprint), keyword-argument order, a stage's ``name=``. Function and class names *are*
+hashed (code may look them up), so renaming one changes the fingerprint.
 
 What makes a pipeline unshareable (with a :class:`~zloader.errors.FingerprintWarning`
 naming the culprit, and a random fingerprint that matches nothing): any value whose state
@@ -362,7 +363,7 @@ class _Hasher:
         if version is not None and _resolve(fn.__module__, fn.__qualname__) is fn:
             self._feed_library(b"l", fn.__module__, fn.__qualname__, version)
             return
-        self._emit(b"F")
+        self._emit(b"F", fn.__qualname__.encode())  # code may look its own name up
         self.feed(fn.__code__, "code")
         self.feed(fn.__defaults__, "defaults")
         self.feed(fn.__kwdefaults__, "keyword defaults")
@@ -389,7 +390,8 @@ class _Hasher:
 
     def _feed_code(self, code: types.CodeType) -> None:
         self._emit(b"C", struct.pack("<5q", code.co_argcount, code.co_posonlyargcount,
-                                     code.co_kwonlyargcount, code.co_flags, code.co_nlocals))
+                                     code.co_kwonlyargcount, code.co_flags, code.co_nlocals)
+                   + code.co_name.encode())
         self._emit(b"d", code.co_code)
         self._emit(b"d", getattr(code, "co_exceptiontable", b""))
         self.feed((code.co_names, code.co_varnames, code.co_freevars, code.co_cellvars),
@@ -413,7 +415,7 @@ class _Hasher:
         if version is not None and _resolve(cls.__module__, cls.__qualname__) is cls:
             self._feed_library(b"k", cls.__module__, cls.__qualname__, version)
             return
-        self._emit(b"Q", str(len(cls.__bases__)).encode())
+        self._emit(b"Q", f"{cls.__qualname__}|{len(cls.__bases__)}".encode())
         for base in cls.__bases__:
             self.feed(base, f"base {base.__qualname__}")
         for name in sorted(vars(cls)):

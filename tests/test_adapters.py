@@ -1,0 +1,102 @@
+"""The torch and tf.data adapters, against the pipeline's own output."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import torch
+
+import zloader.tf
+import zloader.torch
+from zloader import Pipeline
+
+
+def image_pipeline() -> Pipeline:
+    images = np.arange(10 * 4 * 3, dtype=np.float32).reshape(10, 4, 3)
+    return (Pipeline.from_arrays({"image": images, "label": np.arange(10)})
+            .map(lambda e: {**e, "name": f"img{int(e['label'])}"})
+            .shuffle(10, seed=3).batch(4))
+
+
+def test_torch_dataset_yields_the_pipeline_as_tensors():
+    pipeline = image_pipeline()
+    dataset = zloader.torch.IterableDataset(pipeline)
+    got = list(dataset)
+    expected = list(pipeline.iter(0))
+    assert len(got) == len(expected) == 3
+    for batch, reference in zip(got, expected, strict=True):
+        assert isinstance(batch["image"], torch.Tensor) and batch["image"].dtype == torch.float32
+        assert torch.equal(batch["image"], torch.from_numpy(reference["image"]))
+        assert batch["label"].tolist() == reference["label"].tolist()
+        assert batch["name"] == reference["name"]
+
+
+def test_torch_dataset_advances_epochs_and_honours_set_epoch():
+    pipeline = Pipeline.range(20).shuffle(20, seed=1)
+    dataset = zloader.torch.IterableDataset(pipeline)
+    first, second = [int(x) for x in dataset], [int(x) for x in dataset]
+    assert first == list(pipeline.iter(0)) and second == list(pipeline.iter(1))
+    dataset.set_epoch(7)
+    assert [int(x) for x in dataset] == list(pipeline.iter(7))
+
+
+def test_torch_tensors_share_writable_memory_and_copy_read_only_rows():
+    writable = np.zeros(3)
+    assert np.shares_memory(zloader.torch.to_torch(writable).numpy(), writable)
+    row = next(iter(Pipeline.from_arrays(np.zeros((2, 3)))))
+    tensor = zloader.torch.to_torch(row)
+    tensor += 1  # must not write into the pipeline's source
+    assert not np.shares_memory(tensor.numpy(), row) and row.sum() == 0
+
+
+def test_torch_dataloader_with_workers_is_refused_clearly():
+    loader = torch.utils.data.DataLoader(
+        zloader.torch.IterableDataset(Pipeline.range(4)), num_workers=1, batch_size=None)
+    iterator = iter(loader)
+    message = ""
+    try:
+        next(iterator)
+    except RuntimeError as exc:
+        message = str(exc)
+    del iterator  # shuts torch's worker down (the leak check would catch it otherwise)
+    gc.collect()
+    assert "num_workers=0" in message
+
+
+def test_torch_dataloader_without_workers_passes_batches_through():
+    loader = torch.utils.data.DataLoader(
+        zloader.torch.IterableDataset(Pipeline.range(10).batch(4)), batch_size=None)
+    assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+
+def test_tf_dataset_yields_the_pipeline_and_infers_the_spec():
+    pipeline = image_pipeline()
+    dataset = zloader.tf.to_dataset(pipeline)
+    assert dataset.element_spec["image"].dtype == tf.float32
+    assert dataset.element_spec["name"].dtype == tf.string
+    got = list(dataset.as_numpy_iterator())
+    expected = list(pipeline.iter(0))
+    assert len(got) == 3  # the last batch is shorter and still fits the inferred spec
+    for batch, reference in zip(got, expected, strict=True):
+        np.testing.assert_array_equal(batch["image"], reference["image"])
+        assert [n.decode() for n in batch["name"]] == reference["name"]
+
+
+def test_tf_dataset_runs_one_epoch_per_iteration():
+    pipeline = Pipeline.range(12).shuffle(12, seed=4)
+    dataset = zloader.tf.to_dataset(pipeline)
+    first = [int(x) for x in dataset.as_numpy_iterator()]
+    second = [int(x) for x in dataset.as_numpy_iterator()]
+    assert first == list(pipeline.iter(0)) and second == list(pipeline.iter(1))
+
+
+def test_tf_adapter_errors():
+    with pytest.raises(ValueError, match="pass spec="):
+        zloader.tf.to_dataset(Pipeline.range(0))
+    with pytest.raises(TypeError, match="cannot hold a NoneType"):
+        zloader.tf.to_dataset(Pipeline.from_items([None]))
+    with pytest.raises(TypeError, match=r"zloader\.Pipeline"):
+        zloader.tf.to_dataset([1, 2])
