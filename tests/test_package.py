@@ -19,8 +19,9 @@ PACKAGE = ROOT / "zloader"
 LAYERS = {
     "_version": 0, "_defaults": 0, "errors": 0, "_check": 0, "_seeding": 0,
     "codec": 1, "collate": 1, "fingerprint": 1,
-    "sources": 2, "stages": 2,
-    "pipeline": 3, "demo": 4, "torch": 4, "tf": 4, "cli": 5, "__init__": 6,
+    "_host": 0, "sources": 2, "stages": 2,
+    "pipeline": 3, "plan": 4, "demo": 4, "torch": 4, "tf": 4,
+    "state": 5, "broker": 6, "worker": 6, "_client": 6, "loader": 7, "cli": 8, "__init__": 9,
 }
 
 
@@ -97,7 +98,7 @@ def bin_path(name: str) -> str:
 def test_demo_runs_and_reports_throughput():
     done = run(bin_path("zloader"), "demo", "--images", "300", "--batch-size", "64")
     assert done.returncode == 0, done.stderr
-    assert "300 images" in done.stdout and "images/s" in done.stdout
+    assert "images/s with 2 workers" in done.stdout and "in this process alone" in done.stdout
     assert "300/300 images" in done.stderr  # the progress bar
 
 
@@ -120,7 +121,26 @@ def test_fingerprint_command(tmp_path):
 
 
 @pytest.mark.parametrize("command", ["zloader-broker", "zloader-worker"])
-def test_service_commands_say_they_are_not_in_this_version(command):
-    done = run(bin_path(command))
-    assert done.returncode == 2 and "not part of this version" in done.stderr
-    assert run(bin_path(command), "--help").returncode == 0
+def test_service_commands_have_help(command):
+    done = run(bin_path(command), "--help")
+    assert done.returncode == 0 and "--log-level" in done.stdout
+
+
+def test_worker_requires_a_broker_address():
+    done = run(bin_path("zloader-worker"))
+    assert done.returncode == 2 and "--broker" in done.stderr
+
+
+def test_status_command_against_a_running_broker():
+    from tests.service import service
+
+    with service(workers=1) as (address, _):
+        done = run(bin_path("zloader"), "status", "--broker", address, "--json")
+        assert done.returncode == 0, done.stderr
+        import json
+        body = json.loads(done.stdout)
+        assert set(body) == {"workers", "jobs"} and len(body["workers"]) == 1
+        table = run(bin_path("zloader"), "status", "--broker", address)
+        assert "workers (1)" in table.stdout and "jobs (0)" in table.stdout
+    silent = run(bin_path("zloader"), "status", "--broker", address, "--timeout", "0.5")
+    assert silent.returncode == 1 and "no answer" in silent.stderr

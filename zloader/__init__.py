@@ -6,11 +6,13 @@ submodules ``zloader.torch`` and ``zloader.tf``, imported explicitly.
 
 from zloader._version import __version__
 from zloader.errors import CodecError, FingerprintWarning, PipelineError, Timeout, ZloaderError
+from zloader.loader import Loader
 from zloader.pipeline import Pipeline
 
 __all__ = [
     "CodecError",
     "FingerprintWarning",
+    "Loader",
     "Pipeline",
     "PipelineError",
     "Timeout",

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
+import logging
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -51,21 +54,31 @@ class Progress:
 
 def _demo(args: argparse.Namespace) -> int:
     from zloader.demo import demo_pipeline
+    from zloader.loader import Loader
 
     pipeline = demo_pipeline(args.images, args.batch_size, args.size)
-    progress = Progress(args.images, "images", sys.stderr)
+    print(f"zloader demo: {args.images} images ({args.size}x{args.size}, decode + crop + flip + "
+          f"normalize, batches of {args.batch_size}) on {args.workers} embedded workers",
+          file=sys.stderr)
     start = time.monotonic()
-    images = 0
-    for batch in pipeline:
-        count = len(batch["label"])
-        images += count
-        progress.update(count)
-    elapsed = time.monotonic() - start
-    progress.close()
-    print(f"zloader demo: {images} images ({args.size}x{args.size}, decode + crop + flip + "
-          f"normalize, batches of {args.batch_size}) in {elapsed:.2f} s = "
-          f"{images / elapsed:,.0f} images/s, in this process")
+    with Loader(pipeline, num_workers=args.workers) as loader:
+        embedded = _run_demo(loader, args.images)
+    total = time.monotonic() - start
+    in_process = _run_demo(pipeline, args.images) if args.compare else None
+    print(f"zloader demo: {args.images / embedded:,.0f} images/s with {args.workers} workers "
+          f"({embedded:.2f} s, {total:.2f} s with start-up and shutdown)"
+          + (f"; in this process alone: {args.images / in_process:,.0f} images/s "
+             f"({embedded and in_process / embedded:.2f}x)" if in_process else ""))
     return 0
+
+
+def _run_demo(batches: Any, total: int) -> float:
+    progress = Progress(total, "images", sys.stderr)
+    start = time.monotonic()
+    for batch in batches:
+        progress.update(len(batch["label"]))
+    progress.close()
+    return max(time.monotonic() - start, 1e-9)
 
 
 def _fingerprint(args: argparse.Namespace) -> int:
@@ -101,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--images", type=_positive, default=20000, help="images (default 20000)")
     demo.add_argument("--batch-size", type=_positive, default=64, help="default 64")
     demo.add_argument("--size", type=_positive, default=64, help="image side (default 64)")
+    demo.add_argument("--workers", type=_positive, default=2, help="worker processes "
+                      "(default 2)")
+    demo.add_argument("--no-compare", dest="compare", action="store_false",
+                      help="skip the in-process comparison run")
     demo.set_defaults(run=_demo)
     fp = commands.add_parser(
         "fingerprint", help="print the fingerprint of a pipeline",
@@ -108,6 +125,16 @@ def build_parser() -> argparse.ArgumentParser:
                     "returned by calling NAME with no arguments).")
     fp.add_argument("target", metavar="MODULE:NAME")
     fp.set_defaults(run=_fingerprint)
+    status = commands.add_parser(
+        "status", help="show a broker's workers and jobs",
+        description="Ask a broker for its workers (host, pid, tasks, elements/s) and jobs "
+                    "(fingerprint, name, consumers, workers, elements and bytes served).")
+    status.add_argument("--broker", default="tcp://127.0.0.1:5555",
+                        help="the broker's address (default tcp://127.0.0.1:5555)")
+    status.add_argument("--json", action="store_true",
+                        help='print one JSON object {"workers": [...], "jobs": [...]}')
+    status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait")
+    status.set_defaults(run=_status)
     return parser
 
 
@@ -125,25 +152,130 @@ def main(argv: Sequence[str] | None = None) -> int:
     return result
 
 
-def _not_yet(prog: str, argv: Sequence[str] | None) -> int:
-    parser = argparse.ArgumentParser(
-        prog=prog, description=f"{prog}: part of zloader's service, which this version "
-                               f"({__version__}) does not include yet.")
-    parser.add_argument("--version", action="version", version=f"zloader {__version__}")
-    parser.parse_args(argv)
-    print(f"{prog}: zloader {__version__} runs pipelines in-process only; the broker and "
-          "worker service is not part of this version.", file=sys.stderr)
-    return 2
+def _logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
 def broker_main(argv: Sequence[str] | None = None) -> int:
-    """``zloader-broker``: not available in this version (says so and exits 2)."""
-    return _not_yet("zloader-broker", argv)
+    """``zloader-broker``: run a broker until SIGTERM or Ctrl-C."""
+    from zloader.broker import Broker
+
+    parser = argparse.ArgumentParser(
+        prog="zloader-broker", description="Run a zloader broker: it hands the splits of "
+        "each job's input to workers and tells consumers where to read.")
+    parser.add_argument("--bind", default="tcp://127.0.0.1:5555",
+                        help="address to listen on (default tcp://127.0.0.1:5555: loopback; "
+                             "give tcp://0.0.0.0:5555 to accept other hosts)")
+    parser.add_argument("--log-level", default="info",
+                        choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--version", action="version", version=f"zloader {__version__}")
+    args = parser.parse_args(argv)
+    _logging(args.log_level)
+    broker = Broker(args.bind)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: broker._stop.set())
+    logging.getLogger("zloader.broker").info("listening on %s", args.bind)
+    try:
+        broker.serve()
+    except zmq_error() as exc:
+        print(f"zloader-broker: cannot listen on {args.bind}: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def worker_main(argv: Sequence[str] | None = None) -> int:
-    """``zloader-worker``: not available in this version (says so and exits 2)."""
-    return _not_yet("zloader-worker", argv)
+    """``zloader-worker``: run worker processes until SIGTERM or Ctrl-C."""
+    parser = argparse.ArgumentParser(
+        prog="zloader-worker", description="Run zloader worker processes attached to a broker.")
+    parser.add_argument("--broker", required=True, help="the broker's address, e.g. "
+                        "tcp://10.0.0.5:5555")
+    parser.add_argument("--processes", type=_positive, default=1,
+                        help="worker processes to run on this host (default 1)")
+    parser.add_argument("--advertise", default=None, help="host name or address consumers "
+                        "use to reach these workers (default 127.0.0.1, loopback only)")
+    parser.add_argument("--bind", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--parent", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--log-level", default="warning",
+                        choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--version", action="version", version=f"zloader {__version__}")
+    args = parser.parse_args(argv)
+    _logging(args.log_level)
+    if args.processes > 1:
+        return _supervise(args)
+    from zloader.worker import WorkerProcess, _die_with_parent
+
+    bind = args.bind or f"tcp://{args.advertise or '127.0.0.1'}:*"
+    worker = WorkerProcess(args.broker, bind, advertise=args.advertise, parent=args.parent)
+    signal.signal(signal.SIGTERM, lambda *_: worker.stop.set())
+    if args.parent is not None:
+        _die_with_parent()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's Ctrl-C; it stops us
+    else:
+        signal.signal(signal.SIGINT, lambda *_: worker.stop.set())
+    worker.run()
+    return 0
+
+
+def _supervise(args: argparse.Namespace) -> int:
+    """Run ``--processes`` workers as children; forward SIGTERM/SIGINT; wait for them."""
+    import subprocess
+
+    command = [sys.executable, "-c", "import sys; from zloader.cli import worker_main; "
+               "sys.exit(worker_main())", "--broker", args.broker, "--log-level", args.log_level]
+    if args.advertise:
+        command += ["--advertise", args.advertise]
+    children = [subprocess.Popen(command) for _ in range(args.processes)]
+
+    def forward(signum: int, _frame: Any) -> None:
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    return max(child.wait() for child in children)
+
+
+def _status(args: argparse.Namespace) -> int:
+    import zmq
+
+    from zloader.transport.protocol import Command, decode, encode
+
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(args.broker)
+        sock.send_multipart(encode(Command.STATUS, {}))
+        if not sock.poll(args.timeout * 1000):
+            print(f"zloader status: no answer from {args.broker} within {args.timeout:.0f} s "
+                  "(is zloader-broker running there?)", file=sys.stderr)
+            return 1
+        status = decode(sock.recv_multipart()).body
+    finally:
+        sock.close(0)
+        context.term()
+    if args.json:
+        print(json.dumps({"workers": status.get("workers", []), "jobs": status.get("jobs", [])}))
+        return 0
+    print(f"workers ({len(status.get('workers', []))})")
+    print(f"  {'host':<20} {'pid':>8} {'tasks':>5} {'elements/s':>12}")
+    for w in status.get("workers", []):
+        print(f"  {w['host']:<20} {w['pid']:>8} {w['tasks']:>5} {w['elements_per_second']:>12,.0f}")
+    print(f"jobs ({len(status.get('jobs', []))})")
+    print(f"  {'fingerprint':<16} {'name':<16} {'consumers':>9} {'workers':>7} "
+          f"{'elements':>12} {'bytes':>14}")
+    for j in status.get("jobs", []):
+        print(f"  {j['fingerprint'][:16]:<16} {j['name'] or '-'!s:<16} {j['consumers']:>9} "
+              f"{j['workers']:>7} {j['elements']:>12,} {j['bytes']:>14,}")
+    return 0
+
+
+def zmq_error() -> type[Exception]:
+    import zmq
+
+    return zmq.ZMQError
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -281,17 +281,14 @@ class Pipeline:
                 the stage and carries the original traceback.
         """
         epoch = _check.integer("epoch", epoch, 0)
-        entropy = secrets.randbits(63)
+        ctx = _stages.Context(entropy=secrets.randbits(63))
         source = self.source
 
         def read(key: _stages.Key) -> Iterator[Any]:
-            for split in source.split_order(key, entropy):
+            for split in source.split_order(key, ctx.entropy):
                 yield from source.read(split)
 
-        run: _stages.Run = read
-        for position, stage in enumerate(self.stages, 1):
-            run = stage.wrap(run, position, entropy)
-        return run((epoch,))
+        return _stages.compose(read, self.stages, ctx)((epoch,))
 
     def __iter__(self) -> Iterator[Any]:
         return self.iter(0)

@@ -14,7 +14,7 @@ import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -34,20 +34,46 @@ __all__ = [
 ]
 
 
-def guarded(make: Callable[[], Iterable[Any]], stage: str, context: str = "") -> Iterator[Any]:
-    """Iterate ``make()``, turning any exception from user code into a PipelineError."""
+class ErrorPolicy(Protocol):
+    """What a source needs of the run context: whether to skip failures, and a counter."""
+
+    skip_errors: bool
+    skipped: int
+
+
+def guarded(make: Callable[[], Iterable[Any]], stage: str, context: str = "",
+            policy: ErrorPolicy | None = None) -> Iterator[Any]:
+    """Iterate ``make()``, turning any exception from user code into a PipelineError (or,
+    when ``policy`` skips errors, counting it and ending this iterable: a generator cannot
+    go on after it raised)."""
     try:
         iterator = iter(make())
+        while True:
+            try:
+                item = next(iterator)
+            except StopIteration:
+                return
+            yield item
+    except GeneratorExit:
+        raise
     except Exception as exc:
-        raise PipelineError.from_exception(exc, stage, context) from exc
-    while True:
-        try:
-            item = next(iterator)
-        except StopIteration:
+        if policy is not None and policy.skip_errors:
+            policy.skipped += 1
             return
-        except Exception as exc:
-            raise PipelineError.from_exception(exc, stage, context) from exc
-        yield item
+        raise PipelineError.from_exception(exc, stage, context) from exc
+
+
+def split_order(num_splits: int, shuffle: bool, seed: int | None, entropy: int,
+                key: Key) -> Sequence[int]:
+    """The order in which a source with ``num_splits`` splits reads them in pass ``key``.
+
+    A plain function of plain values, so the broker computes the same order as
+    ``Pipeline.iter`` without loading the pipeline's code.
+    """
+    if not shuffle:
+        return range(num_splits)
+    order: list[int] = make_rng(seed, entropy, 0, key).permutation(num_splits).tolist()
+    return order
 
 
 def default_split_size(length: int) -> int:
@@ -69,8 +95,8 @@ class Source:
     def num_splits(self) -> int:
         raise NotImplementedError
 
-    def read(self, split: int) -> Iterator[Any]:
-        """Yield the elements of split number ``split``."""
+    def read(self, split: int, policy: ErrorPolicy | None = None) -> Iterator[Any]:
+        """Yield the elements of split number ``split``; ``policy`` may skip failures."""
         raise NotImplementedError
 
     def identity(self) -> tuple[Any, ...]:
@@ -82,11 +108,7 @@ class Source:
 
     def split_order(self, key: Key, entropy: int) -> Sequence[int]:
         """The splits of one pass, in reading order; ``key`` names the pass (epoch, repeats)."""
-        if not self.shuffle_splits:
-            return range(self.num_splits)
-        rng = make_rng(self.seed, entropy, 0, key)
-        order: list[int] = rng.permutation(self.num_splits).tolist()
-        return order
+        return split_order(self.num_splits, self.shuffle_splits, self.seed, entropy, key)
 
     def _options(self) -> tuple[Any, ...]:
         return (self.shuffle_splits, self.seed)
@@ -107,11 +129,11 @@ class _IndexedSource(Source):
         start = split * self.split_size
         return start, min(self.length, start + self.split_size)
 
-    def read(self, split: int) -> Iterator[Any]:
+    def read(self, split: int, policy: ErrorPolicy | None = None) -> Iterator[Any]:
         start, stop = self.split_range(split)
-        return self._rows(start, stop)
+        return self._rows(start, stop, policy)
 
-    def _rows(self, start: int, stop: int) -> Iterator[Any]:
+    def _rows(self, start: int, stop: int, policy: ErrorPolicy | None) -> Iterator[Any]:
         raise NotImplementedError
 
     def _options(self) -> tuple[Any, ...]:
@@ -124,7 +146,7 @@ class RangeSource(_IndexedSource):
     start: int
     step: int
 
-    def _rows(self, start: int, stop: int) -> Iterator[int]:
+    def _rows(self, start: int, stop: int, policy: ErrorPolicy | None) -> Iterator[int]:
         first = self.start + start * self.step
         return iter(range(first, first + (stop - start) * self.step, self.step))
 
@@ -141,7 +163,7 @@ class ItemsSource(_IndexedSource):
     kind: ClassVar[str] = "from_items"
     items: tuple[Any, ...]
 
-    def _rows(self, start: int, stop: int) -> Iterator[Any]:
+    def _rows(self, start: int, stop: int, policy: ErrorPolicy | None) -> Iterator[Any]:
         return iter(self.items[start:stop])
 
     def identity(self) -> tuple[Any, ...]:
@@ -154,7 +176,7 @@ class ArraysSource(_IndexedSource):
     kind: ClassVar[str] = "from_arrays"
     structure: Any
 
-    def _rows(self, start: int, stop: int) -> Iterator[Any]:
+    def _rows(self, start: int, stop: int, policy: ErrorPolicy | None) -> Iterator[Any]:
         for index in range(start, stop):
             yield _row(self.structure, index)
 
@@ -168,12 +190,15 @@ class TorchSource(_IndexedSource):
     kind: ClassVar[str] = "from_torch"
     dataset: Any
 
-    def _rows(self, start: int, stop: int) -> Iterator[Any]:
+    def _rows(self, start: int, stop: int, policy: ErrorPolicy | None) -> Iterator[Any]:
         dataset = self.dataset
         for index in range(start, stop):
             try:
                 item = dataset[index]
             except Exception as exc:
+                if policy is not None and policy.skip_errors:
+                    policy.skipped += 1
+                    continue
                 raise PipelineError.from_exception(exc, self.name, f"index {index}") from exc
             yield item
 
@@ -194,9 +219,9 @@ class FilesSource(Source):
     def num_splits(self) -> int:
         return len(self.files)
 
-    def read(self, split: int) -> Iterator[Any]:
+    def read(self, split: int, policy: ErrorPolicy | None = None) -> Iterator[Any]:
         path = self.files[split][0]
-        return guarded(lambda: self.reader(path), self.name, f"file {path}")
+        return guarded(lambda: self.reader(path), self.name, f"file {path}", policy)
 
     def identity(self) -> tuple[Any, ...]:
         if self.version is None:
@@ -214,9 +239,9 @@ class GeneratorSource(Source):
     def num_splits(self) -> int:
         return len(self.splits)
 
-    def read(self, split: int) -> Iterator[Any]:
+    def read(self, split: int, policy: ErrorPolicy | None = None) -> Iterator[Any]:
         value = self.splits[split]
-        return guarded(lambda: self.fn(value), self.name, f"split {value!r}")
+        return guarded(lambda: self.fn(value), self.name, f"split {value!r}", policy)
 
     def identity(self) -> tuple[Any, ...]:
         fn = self.fn if self.version is None else None

@@ -1,6 +1,6 @@
 """Pipeline stages: frozen records that know how to transform a stream of elements.
 
-A stage's ``wrap(upstream, position, entropy)`` takes the *run* of everything before it
+A stage's ``wrap(upstream, position, ctx)`` takes the *run* of everything before it
 (a function from a pass key to an iterator of elements) and returns its own run. Most
 stages transform one iterator; ``repeat`` re-runs its upstream with a longer pass key, so
 that stages above it (a shuffle, the source's split order) draw fresh randomness on every
@@ -24,10 +24,42 @@ from zloader._defaults import SHUFFLE_DRAW_CHUNK
 from zloader._seeding import Key, make_rng
 from zloader.errors import PipelineError
 
-__all__ = ["Batch", "Filter", "Map", "Repeat", "Run", "Shuffle", "Skip", "Stage", "Take",
-           "Unbatch"]
+__all__ = ["Batch", "Context", "Filter", "Map", "Repeat", "Run", "Shuffle", "Skip", "Stage",
+           "Take", "Unbatch", "compose"]
 
 Run = Callable[[Key], Iterator[Any]]
+
+
+@dataclass
+class Context:
+    """What one run of a pipeline shares between its stages.
+
+    Attributes:
+        entropy: random bits for stages with ``seed=None`` (drawn per run, or per job).
+        worker: index of the worker running this part; workers other than 0 mix it into
+            their random draws so they do not repeat worker 0's.
+        skip_errors: drop elements whose user code raises (``on_error="skip"``) instead of
+            raising; each drop adds one to ``skipped``.
+        skipped: elements dropped so far.
+    """
+
+    entropy: int
+    worker: int = 0
+    skip_errors: bool = False
+    skipped: int = 0
+
+    def rng(self, seed: int | None, position: int, key: Key) -> Any:
+        if self.worker:
+            key = (*key, self.worker)
+        return make_rng(seed, self.entropy, position, key)
+
+
+def compose(read: Run, stages: tuple[Stage, ...], ctx: Context, first_position: int = 1) -> Run:
+    """Chain ``stages`` on top of the ``read`` run; positions count from ``first_position``."""
+    run = read
+    for position, stage in enumerate(stages, first_position):
+        run = stage.wrap(run, position, ctx)
+    return run
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -38,14 +70,14 @@ class Stage:
     name: str
     version: str | None = None
 
-    def wrap(self, upstream: Run, position: int, entropy: int) -> Run:
+    def wrap(self, upstream: Run, position: int, ctx: Context) -> Run:
         """Return the run of this stage on top of ``upstream``."""
         def run(key: Key) -> Iterator[Any]:
-            return self.transform(upstream(key), key, position, entropy)
+            return self.transform(upstream(key), key, position, ctx)
         return run
 
     def transform(self, elements: Iterator[Any], key: Key, position: int,
-                  entropy: int) -> Iterator[Any]:
+                  ctx: Context) -> Iterator[Any]:
         raise NotImplementedError
 
     def identity(self) -> tuple[Any, ...]:
@@ -63,19 +95,22 @@ class Map(Stage):
     num_parallel_calls: int = 1
 
     def transform(self, elements: Iterator[Any], key: Key, position: int,
-                  entropy: int) -> Iterator[Any]:
+                  ctx: Context) -> Iterator[Any]:
         if self.num_parallel_calls > 1:
-            yield from self._parallel(elements)
+            yield from self._parallel(elements, ctx)
             return
         fn = self.fn
         for element in elements:
             try:
                 result = fn(element)
             except Exception as exc:
+                if ctx.skip_errors:
+                    ctx.skipped += 1
+                    continue
                 raise self._fails(exc) from exc
             yield result
 
-    def _parallel(self, elements: Iterator[Any]) -> Iterator[Any]:
+    def _parallel(self, elements: Iterator[Any], ctx: Context) -> Iterator[Any]:
         """Up to ``num_parallel_calls`` calls in flight on threads; results in input order."""
         pending: deque[Future[Any]] = deque()
         with ThreadPoolExecutor(self.num_parallel_calls,
@@ -84,18 +119,22 @@ class Map(Stage):
                 for element in elements:
                     pending.append(pool.submit(self.fn, element))
                     if len(pending) >= self.num_parallel_calls:
-                        yield self._result(pending.popleft())
+                        yield from self._result(pending.popleft(), ctx)
                 while pending:
-                    yield self._result(pending.popleft())
+                    yield from self._result(pending.popleft(), ctx)
             finally:
                 for future in pending:
                     future.cancel()
 
-    def _result(self, future: Future[Any]) -> Any:
+    def _result(self, future: Future[Any], ctx: Context) -> Iterator[Any]:
         try:
-            return future.result()
+            result = future.result()
         except Exception as exc:
+            if ctx.skip_errors:
+                ctx.skipped += 1
+                return
             raise self._fails(exc) from exc
+        yield result
 
     def identity(self) -> tuple[Any, ...]:
         return (self.kind, self.version, self.fn if self.version is None else None)
@@ -107,12 +146,15 @@ class Filter(Stage):
     predicate: Callable[[Any], Any]
 
     def transform(self, elements: Iterator[Any], key: Key, position: int,
-                  entropy: int) -> Iterator[Any]:
+                  ctx: Context) -> Iterator[Any]:
         predicate = self.predicate
         for element in elements:
             try:
                 keep = bool(predicate(element))
             except Exception as exc:
+                if ctx.skip_errors:
+                    ctx.skipped += 1
+                    continue
                 raise self._fails(exc) from exc
             if keep:
                 yield element
@@ -132,8 +174,8 @@ class Shuffle(Stage):
     reshuffle_each_epoch: bool = True
 
     def transform(self, elements: Iterator[Any], key: Key, position: int,
-                  entropy: int) -> Iterator[Any]:
-        rng = make_rng(self.seed, entropy, position, key if self.reshuffle_each_epoch else ())
+                  ctx: Context) -> Iterator[Any]:
+        rng = ctx.rng(self.seed, position, key if self.reshuffle_each_epoch else ())
         size = self.buffer_size
         buffer: list[Any] = []
         draws: list[int] = []
@@ -161,7 +203,7 @@ class Batch(Stage):
     drop_remainder: bool = False
 
     def transform(self, elements: Iterator[Any], key: Key, position: int,
-                  entropy: int) -> Iterator[Any]:
+                  ctx: Context) -> Iterator[Any]:
         pending: list[Any] = []
         for element in elements:
             pending.append(element)
@@ -186,7 +228,7 @@ class Unbatch(Stage):
     kind: ClassVar[str] = "unbatch"
 
     def transform(self, elements: Iterator[Any], key: Key, position: int,
-                  entropy: int) -> Iterator[Any]:
+                  ctx: Context) -> Iterator[Any]:
         for element in elements:
             try:
                 rows = list(collate.split(element))
@@ -206,7 +248,7 @@ class Repeat(Stage):
     kind: ClassVar[str] = "repeat"
     count: int | None = None
 
-    def wrap(self, upstream: Run, position: int, entropy: int) -> Run:
+    def wrap(self, upstream: Run, position: int, ctx: Context) -> Run:
         count = self.count
 
         def run(key: Key) -> Iterator[Any]:
@@ -229,7 +271,7 @@ class Take(Stage):
     count: int
 
     def transform(self, elements: Iterator[Any], key: Key, position: int,
-                  entropy: int) -> Iterator[Any]:
+                  ctx: Context) -> Iterator[Any]:
         if self.count == 0:
             return
         for taken, element in enumerate(elements, 1):
@@ -247,7 +289,7 @@ class Skip(Stage):
     count: int
 
     def transform(self, elements: Iterator[Any], key: Key, position: int,
-                  entropy: int) -> Iterator[Any]:
+                  ctx: Context) -> Iterator[Any]:
         for skipped, element in enumerate(elements):
             if skipped >= self.count:
                 yield element

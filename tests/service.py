@@ -1,0 +1,86 @@
+"""Helpers for tests that start real brokers and workers (processes, loopback sockets)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import zmq
+
+from zloader.transport.protocol import Command, decode, encode
+
+BIN = os.path.dirname(sys.executable)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def status(address: str, timeout: float = 5.0) -> dict | None:
+    """The broker's STATUS, or None if it does not answer within ``timeout``."""
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(address)
+        sock.send_multipart(encode(Command.STATUS, {}))
+        if not sock.poll(timeout * 1000):
+            return None
+        return decode(sock.recv_multipart()).body
+    finally:
+        sock.close(0)
+        context.term()
+
+
+def wait_for(condition, timeout: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def start_broker(port: int | None = None) -> tuple[subprocess.Popen, str]:
+    address = f"tcp://127.0.0.1:{port or free_port()}"
+    process = subprocess.Popen([os.path.join(BIN, "zloader-broker"), "--bind", address,
+                                "--log-level", "warning"])
+    return process, address
+
+
+def start_worker(address: str, processes: int = 1) -> subprocess.Popen:
+    return subprocess.Popen([os.path.join(BIN, "zloader-worker"), "--broker", address,
+                             "--processes", str(processes)])
+
+
+def stop(process: subprocess.Popen, timeout: float = 10.0) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+@contextlib.contextmanager
+def service(workers: int = 1) -> Iterator[tuple[str, list[subprocess.Popen]]]:
+    """A broker and ``workers`` single-process workers; all stopped on exit."""
+    broker, address = start_broker()
+    procs = []
+    try:
+        wait_for(lambda: status(address, 1.0) is not None, what="the broker")
+        procs = [start_worker(address) for _ in range(workers)]
+        wait_for(lambda: len(status(address)["workers"]) == workers, what="the workers")
+        yield address, procs
+    finally:
+        for p in procs:
+            stop(p)
+        stop(broker)

@@ -1,0 +1,234 @@
+"""The service end to end: real broker and worker processes, real sockets, real shared
+memory. Ports of tf.data service's scenarios plus zloader's own guarantees."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from tests.service import service, start_broker, start_worker, status, stop, wait_for
+from zloader import Loader, Pipeline, PipelineError, Timeout
+from zloader.transport.protocol import VERSION, Command, encode
+
+
+def test_one_worker_yields_range_in_order():
+    with Loader(Pipeline.range(10), num_workers=1, timeout=30) as loader:
+        assert list(loader) == list(range(10))
+
+
+def test_one_worker_matches_iter_with_seeded_shuffle_and_batch():
+    pipeline = Pipeline.range(100, shuffle_splits=True, seed=3).shuffle(20, seed=4).batch(7)
+    with Loader(pipeline, num_workers=1, timeout=30) as loader:
+        for epoch in range(2):
+            got = [b.tolist() for b in loader]
+            assert got == [b.tolist() for b in pipeline.iter(epoch)]
+
+
+def test_sharding_off_gives_every_worker_the_whole_pipeline():
+    with Loader(Pipeline.range(10), num_workers=3, sharding="off", timeout=30) as loader:
+        assert sorted(loader) == sorted(list(range(10)) * 3)
+
+
+def test_dynamic_sharding_yields_each_element_once_over_ten_epochs():
+    with Loader(Pipeline.range(100).map(lambda x: x * 2), num_workers=2, timeout=30) as loader:
+        for _ in range(10):
+            assert sorted(loader) == [x * 2 for x in range(100)]
+        assert loader.stats()["elements"] == 1000
+        assert len(loader.stats()["per_worker"]) >= 1
+
+
+def test_static_and_deterministic_runs_repeat_exactly():
+    pipeline = Pipeline.range(200, split_size=10).map(lambda x: x + 1)
+    runs = []
+    for _ in range(2):
+        with Loader(pipeline, num_workers=2, deterministic=True, timeout=30) as loader:
+            runs.append(list(loader))
+    assert runs[0] == runs[1]
+    assert sorted(runs[0]) == [x + 1 for x in range(200)]
+    with Loader(pipeline, num_workers=2, sharding="static", timeout=30) as loader:
+        assert sorted(loader) == [x + 1 for x in range(200)]
+
+
+def test_take_is_global_not_per_worker():
+    with Loader(Pipeline.range(1000).take(15), num_workers=2, timeout=30) as loader:
+        assert len(list(loader)) == 15
+        assert len(list(loader)) == 15  # the next epoch starts cleanly after an early stop
+
+
+def test_element_larger_than_16_mib_round_trips():
+    def big(split):
+        yield np.full(5_000_000, split, dtype=np.int64)  # 40 MB, larger than the ring
+
+    with Loader(Pipeline.from_generator(big, 2), num_workers=1, timeout=60) as loader:
+        out = sorted(loader, key=lambda a: int(a[0]))
+    assert [int(a[0]) for a in out] == [0, 1] and all(a.nbytes == 40_000_000 for a in out)
+
+
+def test_list_of_more_than_the_ring_holds_takes_the_private_path():
+    def blocks(split):
+        for _ in range(8):
+            yield np.full(65536, split, dtype=np.uint8)
+
+    pipeline = Pipeline.from_generator(blocks, 16)
+    with Loader(pipeline, num_workers=1, ring_bytes=1 << 20, timeout=60) as loader:
+        kept = list(loader)  # holds every element: the ring fills up
+        assert len(kept) == 128 and all(int(a[0]) == a[-1] for a in kept)
+        assert loader.stats()["private"] > 0
+        assert sorted({int(a[0]) for a in kept}) == list(range(16))
+
+
+def test_user_error_arrives_as_pipeline_error_with_the_worker_traceback():
+    def fail(x):
+        if x == 5:
+            raise KeyError("missing label")
+        return x
+
+    with Loader(Pipeline.range(10).map(fail, name="labels"), num_workers=1,
+                timeout=30) as loader, pytest.raises(KeyError) as info:
+        list(loader)
+    assert isinstance(info.value, PipelineError) and info.value.stage == "labels"
+    assert "in fail" in info.value.traceback and "missing label" in info.value.traceback
+
+
+def test_on_error_skip_drops_and_counts():
+    def fail_odd(x):
+        if x % 2:
+            raise ValueError("odd")
+        return x
+
+    with Loader(Pipeline.range(20).map(fail_odd), num_workers=1, on_error="skip",
+                timeout=30) as loader:
+        assert sorted(loader) == list(range(0, 20, 2))
+        assert loader.stats()["skipped"] == 10
+
+
+def test_no_broker_times_out_naming_the_address():
+    start = time.monotonic()
+    with Loader(Pipeline.range(3), broker="tcp://127.0.0.1:1", timeout=1.5) as loader, \
+            pytest.raises(Timeout, match=re.escape("tcp://127.0.0.1:1")):
+        list(loader)
+    assert time.monotonic() - start < 30
+
+
+def test_distributed_job_name_splits_elements_between_loaders():
+    with service(workers=2) as (address, _):
+        pipeline = Pipeline.range(1000)
+        results: list[list[int]] = [[], []]
+        loaders = [Loader(pipeline, broker=address, job_name="shared", timeout=30)
+                   for _ in range(2)]
+        try:
+            threads = [threading.Thread(target=lambda i=i: results[i].extend(loaders[i]))
+                       for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+        finally:
+            for loader in loaders:
+                loader.close()
+        assert sorted(results[0] + results[1]) == list(range(1000))
+
+
+def test_same_job_name_with_another_pipeline_is_refused():
+    with service(workers=1) as (address, _):
+        with Loader(Pipeline.range(10), broker=address, job_name="j", timeout=30) as first:
+            assert sorted(first) == list(range(10))
+            with Loader(Pipeline.range(11), broker=address, job_name="j",
+                        timeout=30) as second, pytest.raises(ValueError, match="job_name 'j'"):
+                list(second)
+
+
+def test_broker_and_workers_started_after_the_loader():
+    broker, address = None, None
+    from tests.service import free_port
+    port = free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    with Loader(Pipeline.range(50), broker=address, timeout=30) as loader:
+        broker, _ = start_broker(port)
+        worker = start_worker(address)
+        try:
+            assert sorted(loader) == list(range(50))
+        finally:
+            stop(worker)
+            stop(broker)
+
+
+def test_worker_added_mid_job_takes_part():
+    def slow(x):
+        time.sleep(0.002)
+        return x
+
+    with service(workers=1) as (address, procs):
+        with Loader(Pipeline.range(3000).map(slow), broker=address, timeout=30) as loader:
+            seen = []
+            for i, x in enumerate(loader):
+                seen.append(x)
+                if i == 100:
+                    procs.append(start_worker(address))
+            assert sorted(seen) == list(range(3000))
+            assert len(loader.stats()["per_worker"]) == 2
+
+
+def test_killing_four_of_five_workers_on_an_endless_pipeline_does_not_hang():
+    with service(workers=5) as (address, procs):
+        with Loader(Pipeline.range(100).repeat(), broker=address, timeout=30) as loader:
+            start = time.monotonic()
+            for i, _ in enumerate(loader):
+                if i == 500:
+                    for p in procs[:4]:
+                        p.send_signal(signal.SIGKILL)
+                if i == 20_000:
+                    break
+            assert time.monotonic() - start < 60
+            wait_for(lambda: len(status(address)["workers"]) == 1, what="the purge")
+
+
+def test_bad_frames_and_wrong_versions_are_refused_and_ignored():
+    with service(workers=1) as (address, _):
+        context = zmq.Context()
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(address)
+            for junk in ([b"garbage"], [b"a", b"b", b"c", b"d"], [VERSION, b"\xff", b"{}"],
+                         [VERSION, bytes((Command.REGISTER,)), b"not json"]):
+                sock.send_multipart(junk)
+            sock.send_multipart([b"ZLP/0 py/2.7 cp/0", bytes((Command.STATUS,)), b"{}"])
+            assert sock.poll(5000)
+            reply = sock.recv_multipart()
+            assert b"protocol mismatch" in reply[2] or b"ZLP/0" in reply[2]
+            sock.send_multipart(encode(Command.STATUS, {}))
+            wait_for(lambda: sock.poll(100), what="a STATUS answer after the junk")
+        finally:
+            sock.close(0)
+            context.term()
+        with Loader(Pipeline.range(5), broker=address, timeout=30) as loader:
+            assert sorted(loader) == list(range(5))
+
+
+def test_status_lists_workers_and_jobs():
+    with service(workers=2) as (address, _):
+        with Loader(Pipeline.range(100), broker=address, timeout=30) as loader:
+            assert sorted(loader) == list(range(100))
+            body = status(address)
+            assert len(body["workers"]) == 2
+            assert body["jobs"] and body["jobs"][0]["fingerprint"] == loader.pipeline.fingerprint
+            assert {"host", "pid", "tasks", "elements_per_second"} <= set(body["workers"][0])
+
+
+def test_close_leaves_no_process_or_segment():
+    loader = Loader(Pipeline.range(10), num_workers=2, timeout=30)
+    assert sorted(loader) == list(range(10))
+    pids = [p.pid for p in loader._processes]
+    loader.close()
+    loader.close()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

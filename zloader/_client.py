@@ -1,0 +1,360 @@
+"""The Loader's I/O thread: all of a consumer's sockets, rings and protocol state.
+
+It talks to the broker (register, heartbeats, the job's worker list) and to every worker
+(open an epoch, credits, records), decodes records and puts :class:`Item` s on a queue for
+the iterating thread. Only this thread touches its sockets; the iterating thread sends it
+commands through a deque.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import secrets
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from zloader import codec
+from zloader._host import host_id
+from zloader.errors import PipelineError, ZloaderError
+from zloader.transport import records
+from zloader.transport.protocol import (
+    Command,
+    Message,
+    ProtocolError,
+    decode,
+    encode,
+    error_from_object,
+)
+
+__all__ = ["IOThread", "Item"]
+
+log = logging.getLogger("zloader.loader")
+
+HEARTBEAT = 1.0
+POLL_MS = 5
+
+
+@dataclass
+class Item:
+    """What the I/O thread hands the iterating thread."""
+
+    kind: str  # "data", "end" (one worker finished the epoch), "done" (all did), "error"
+    epoch: int = -1
+    worker: str = ""
+    index: int = 0
+    elements: list[Any] = field(default_factory=list)
+    error: BaseException | None = None
+
+
+@dataclass
+class _Peer:
+    worker: str
+    index: int
+    pid: int
+    endpoint: str
+    socket: zmq.Socket[Any]
+    ring: Any = None
+    returned: int = 0
+
+
+class IOThread(threading.Thread):
+    def __init__(self, address: str, blob: bytes, *, fingerprint: str, job_name: str | None,
+                 sharding: str, deterministic: bool, num_workers: int, on_error: str,
+                 source: dict[str, Any], prefetch: int, use_rings: bool,
+                 ring_bytes: int | None) -> None:
+        super().__init__(name="zloader-loader-io", daemon=True)
+        self.address = address
+        self.blob = blob
+        self.register_body = {
+            "consumer": secrets.token_hex(8), "fingerprint": fingerprint, "job_name": job_name,
+            "sharding": sharding, "deterministic": deterministic, "num_workers": num_workers,
+            "on_error": on_error, "source": source, "host_id": host_id(), "pid": os.getpid()}
+        self.prefetch = prefetch
+        self.use_rings = use_rings
+        self.ring_bytes = ring_bytes
+        self.items: queue.Queue[Item] = queue.Queue()
+        self.failure: BaseException | None = None
+        self.last_progress = time.monotonic()
+        self.bytes = 0
+        self.records = 0
+        self.private = 0
+        self.skipped = 0
+        self.per_worker: dict[int, int] = {}
+        self._commands: deque[tuple[Any, ...]] = deque()
+        self._halt = threading.Event()
+        self._peers: dict[str, _Peer] = {}
+        self._index_of: dict[str, int] = {}
+        self._job: str | None = None
+        self._epoch: int | None = None
+        self._ended: set[str] = set()
+        self._done = False
+        self._skipped_by: dict[str, int] = {}
+        self._reported_failures = 0
+        self._width = max(1, num_workers)
+        self._fixed = sharding in ("static", "off")  # every worker index must end the epoch
+
+    # --- called from the iterating thread -------------------------------------------------
+
+    def command(self, command: tuple[Any, ...]) -> None:
+        self._commands.append(command)
+
+    def indices(self) -> list[int]:
+        return [peer.index for peer in list(self._peers.values())]
+
+    @property
+    def width(self) -> int:
+        return self._width
+
+    def stall_reason(self, silent: float) -> str:
+        if self._job is None:
+            return (f"no broker answered at {self.address} for {silent:.0f} s: is "
+                    "zloader-broker running there? (raise timeout= to wait longer)")
+        if not self._peers:
+            return (f"no worker has served this job for {silent:.0f} s: start workers "
+                    f"(zloader-worker --broker {self.address}) or pass num_workers=; every "
+                    "worker may have died")
+        return f"no data from the job's {len(self._peers)} workers for {silent:.0f} s"
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._halt.set()
+        if self.is_alive() and self is not threading.current_thread():
+            self.join(timeout)
+
+    # --- the thread -----------------------------------------------------------------------
+
+    def run(self) -> None:
+        self.context = zmq.Context()
+        self.poller = zmq.Poller()
+        self.broker = self.context.socket(zmq.DEALER)
+        self.broker.setsockopt(zmq.LINGER, 0)
+        self.broker.connect(self.address)
+        self.poller.register(self.broker, zmq.POLLIN)
+        try:
+            self._loop()
+        except BaseException as exc:
+            self.failure = exc
+            log.exception("the Loader's I/O thread failed")
+            self.items.put(Item("error", error=exc))
+        finally:
+            self._shutdown()
+
+    def _loop(self) -> None:
+        next_beat = 0.0
+        while not self._halt.is_set():
+            now = time.monotonic()
+            if now >= next_beat:
+                next_beat = now + HEARTBEAT
+                if self._job is None:
+                    self._to_broker(Command.REGISTER, self.register_body, (self.blob,))
+                else:
+                    self._to_broker(Command.HEARTBEAT, {})
+            while self._commands:
+                self._run_command(self._commands.popleft())
+            for sock, _ in self.poller.poll(POLL_MS):
+                for _ in range(64):
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    try:
+                        if sock is self.broker:
+                            self._from_broker(decode(frames))
+                        else:
+                            self._from_worker(sock, decode(frames))
+                    except ProtocolError as exc:
+                        log.warning("dropped a malformed message: %s", exc)
+
+    def _shutdown(self) -> None:
+        for peer in list(self._peers.values()):
+            self._close_peer(peer, polite=True)
+        with contextlib.suppress(zmq.ZMQError):
+            self._to_broker(Command.BYE, {})
+        self.broker.close(0)
+        self.context.term()
+
+    def _to_broker(self, command: Command, body: dict[str, Any],
+                   payload: tuple[Any, ...] = ()) -> None:
+        with contextlib.suppress(zmq.Again):  # not connected yet: the next beat tries again
+            self.broker.send_multipart(encode(command, body, payload), zmq.NOBLOCK)
+
+    def _run_command(self, command: tuple[Any, ...]) -> None:
+        if command[0] == "start":
+            self._epoch = command[1]
+            self._ended = set()
+            self._done = False
+            self._skipped_by = {}
+            if self._job is not None:
+                self._to_broker(Command.EPOCH, {"job": self._job, "epoch": self._epoch})
+            for peer in self._peers.values():
+                self._open(peer)
+        elif command[0] == "credit":
+            target = self._peers.get(command[1])
+            if target is not None and self._epoch is not None:
+                target.returned += command[2]
+                if target.returned >= max(1, self.prefetch // 2):
+                    self._send(target, Command.CREDIT, {"epoch": self._epoch,
+                                                        "credits": target.returned})
+                    target.returned = 0
+
+    # --- broker ---------------------------------------------------------------------------
+
+    def _from_broker(self, msg: Message) -> None:
+        if msg.command is Command.JOB:
+            if self._job is None:
+                self.last_progress = time.monotonic()
+            self._job = msg.field("job", str)
+            width = msg.body.get("width")
+            if isinstance(width, int) and width > 0:
+                self._width = width
+            self._update_workers(msg.field("workers", list))
+            if self._peers:
+                self.last_progress = time.monotonic()
+            job_error = msg.body.get("error")
+            if job_error:
+                self.items.put(Item("error", error=error_from_object(job_error,
+                                                                      "worker start-up")))
+            failed = msg.field("failed", list)
+            if len(failed) > self._reported_failures:
+                entry = failed[-1] if isinstance(failed[-1], dict) else {}
+                self._reported_failures = len(failed)
+                self.items.put(Item("error", error=PipelineError.create(
+                    "worker", "RuntimeError", str(entry.get("message", "a split failed")),
+                    context=f"split {entry.get('split')}", builtin="RuntimeError")))
+        elif msg.command is Command.ERROR:
+            text = str(msg.body.get("message", "the broker refused the request"))
+            error: Exception = ValueError(text) if "job_name" in text else ZloaderError(text)
+            self.items.put(Item("error", error=error))
+        elif msg.command is Command.UNKNOWN:
+            self._job = None  # the broker restarted: register again on the next beat
+
+    def _update_workers(self, workers: list[Any]) -> None:
+        seen = set()
+        for entry in workers:
+            if not isinstance(entry, dict) or not isinstance(entry.get("worker"), str):
+                continue
+            worker = entry["worker"]
+            seen.add(worker)
+            if worker not in self._peers:
+                self._connect(entry)
+        for worker in [w for w in self._peers if w not in seen]:
+            self._close_peer(self._peers[worker], polite=False)
+            self._check_done()
+
+    def _connect(self, entry: dict[str, Any]) -> None:
+        sock = self.context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(str(entry["endpoint"]))
+        peer = _Peer(entry["worker"], int(entry.get("index", 0)), int(entry.get("pid", 0)),
+                     str(entry["endpoint"]), sock)
+        if self.use_rings and entry.get("host_id") == host_id():
+            peer.ring = _make_ring(self.ring_bytes)
+        self._peers[peer.worker] = peer
+        self._index_of[peer.worker] = peer.index
+        self.poller.register(sock, zmq.POLLIN)
+        if self._epoch is not None:
+            self._open(peer)
+
+    def _close_peer(self, peer: _Peer, polite: bool) -> None:
+        if polite:
+            self._send(peer, Command.CLOSE, {})
+        self.poller.unregister(peer.socket)
+        peer.socket.close(0)
+        if peer.ring is not None:
+            peer.ring.close()  # unlinks now; views the user holds stay valid
+        self._peers.pop(peer.worker, None)
+
+    # --- workers --------------------------------------------------------------------------
+
+    def _open(self, peer: _Peer) -> None:
+        peer.returned = 0
+        self._send(peer, Command.OPEN, {
+            "job": self._job, "consumer": self.register_body["consumer"],
+            "epoch": self._epoch, "credits": self.prefetch,
+            "ring": peer.ring.name if peer.ring is not None else None})
+
+    def _send(self, peer: _Peer, command: Command, body: dict[str, Any]) -> None:
+        try:
+            peer.socket.send_multipart(encode(command, body), zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("worker %s is not reachable: %s not sent", peer.endpoint, command.name)
+
+    def _from_worker(self, sock: zmq.Socket[Any], msg: Message) -> None:
+        peer = next((p for p in self._peers.values() if p.socket is sock), None)
+        if peer is None:
+            return
+        self.last_progress = time.monotonic()
+        epoch = msg.body.get("epoch")
+        if not isinstance(epoch, int) and msg.command in (Command.DATA, Command.END,
+                                                          Command.FAIL):
+            raise ProtocolError(f"{msg.command.name} without an epoch")
+        if msg.command is Command.DATA:
+            if epoch != self._epoch:
+                return  # an old epoch's record: its credit is not coming back, by design
+            self._data(peer, msg)
+        elif msg.command is Command.END:
+            if epoch == self._epoch:
+                self._skipped_by[peer.worker] = int(msg.body.get("skipped", 0))
+                self.skipped = sum(self._skipped_by.values())
+                self._ended.add(peer.worker)
+                self.items.put(Item("end", epoch if isinstance(epoch, int) else -1,
+                                    peer.worker, peer.index))
+                self._check_done()
+        elif msg.command is Command.FAIL:
+            if epoch == self._epoch:
+                self.items.put(Item("error", error=error_from_object(msg.body.get("error"))))
+        elif msg.command is Command.ERROR:
+            log.warning("worker %s refused: %s", peer.endpoint, msg.body.get("message"))
+
+    def _data(self, peer: _Peer, msg: Message) -> None:
+        count = msg.field("count", int)
+        ring = msg.body.get("ring")
+        if ring is not None:
+            if peer.ring is None or not isinstance(ring, list) or len(ring) != 2:
+                raise ProtocolError("DATA names a ring this consumer did not open")
+            block = peer.ring.claim(int(ring[0]), int(ring[1]))
+            buffers: list[Any] = records.unpack(memoryview(block))
+        else:
+            buffers = [frame.buffer for frame in msg.payload]
+            self.private += peer.ring is not None
+        elements = codec.decode(buffers)
+        if not isinstance(elements, list) or len(elements) != count:
+            raise ProtocolError(f"DATA record holds {type(elements).__name__}, not {count} "
+                                "elements")
+        self.records += 1
+        self.bytes += sum(memoryview(b).nbytes for b in buffers)
+        self.per_worker[peer.pid] = self.per_worker.get(peer.pid, 0) + count
+        self._skipped_by[peer.worker] = int(msg.body.get("skipped", 0))
+        self.skipped = sum(self._skipped_by.values())
+        self.items.put(Item("data", self._epoch if self._epoch is not None else -1,
+                            peer.worker, peer.index, elements))
+
+    def _check_done(self) -> None:
+        if self._done or self._epoch is None or not self._peers:
+            return
+        if self._fixed:
+            ended = {self._index_of.get(w) for w in self._ended}
+            finished = len(ended - {None}) >= self._width
+        else:
+            finished = all(worker in self._ended for worker in self._peers)
+        if finished:
+            self._done = True
+            self.items.put(Item("done", self._epoch))
+
+
+def _make_ring(size: int | None) -> Any:
+    from zloader.transport.ring import DEFAULT_RING_BYTES, RingReader
+    from zloader.transport.shm import ShmError
+
+    try:
+        return RingReader(size or DEFAULT_RING_BYTES)
+    except ShmError as exc:
+        log.warning("%s; using the socket for this worker instead", exc)
+        return None

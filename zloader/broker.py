@@ -1,0 +1,175 @@
+"""The broker: one ROUTER socket, one loop, all state in :class:`zloader.state.State`.
+
+It never touches element data. Run it with ``zloader-broker`` or, embedded, as a thread of
+the Loader's process (:meth:`Broker.start`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from zloader.state import Out, State
+from zloader.transport.protocol import (
+    Command,
+    Message,
+    ProtocolError,
+    VersionMismatch,
+    decode,
+    encode,
+)
+
+__all__ = ["Broker"]
+
+log = logging.getLogger("zloader.broker")
+
+_FROM_ANYONE = {Command.READY, Command.REGISTER, Command.STATUS}
+
+
+class Broker:
+    """A broker bound at ``endpoint``.
+
+    Args:
+        endpoint: where to bind, e.g. ``tcp://127.0.0.1:5555`` or ``ipc:///path``.
+        heartbeat: seconds between heartbeats; a peer silent for 3 of them is dead.
+    """
+
+    def __init__(self, endpoint: str, heartbeat: float = 1.0) -> None:
+        self.endpoint = endpoint
+        self.state = State(heartbeat=heartbeat)
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None
+        self._warned = 0.0
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    def start(self, timeout: float = 10.0) -> Broker:
+        """Run the loop on a background thread; returns once the socket is bound."""
+        self._thread = threading.Thread(target=self._run_guarded, name="zloader-broker",
+                                        daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout) or self._failure is not None:
+            self.close()
+            raise RuntimeError(f"broker failed to start at {self.endpoint}: {self._failure}")
+        return self
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the loop and close the socket (safe to call twice)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+            self._thread = None
+
+    def _run_guarded(self) -> None:
+        try:
+            self.serve()
+        except BaseException as exc:  # reported by start(); logged for the embedded case
+            self._failure = exc
+            self._ready.set()
+            log.exception("broker loop failed")
+
+    def serve(self) -> None:
+        """Run the loop in this thread until :meth:`close` (or SIGTERM in the CLI)."""
+        context = zmq.Context()
+        socket = context.socket(zmq.ROUTER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        try:
+            socket.bind(self.endpoint)
+            if self.endpoint.endswith(":0"):
+                self.endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._ready.set()
+            self._loop(socket)
+        finally:
+            socket.close(0)
+            context.term()
+
+    def _loop(self, socket: zmq.Socket[Any]) -> None:
+        state = self.state
+        poller = zmq.Poller()
+        poller.register(socket, zmq.POLLIN)
+        next_beat = time.monotonic() + state.heartbeat
+        while not self._stop.is_set():
+            timeout = max(0.0, min(next_beat - time.monotonic(), 0.2))
+            if poller.poll(int(timeout * 1000)):
+                for _ in range(1000):  # drain what is queued, without starving the timer
+                    try:
+                        frames = socket.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._send(socket, self._handle(frames, time.monotonic()))
+            now = time.monotonic()
+            if now >= next_beat:
+                next_beat = now + state.heartbeat
+                self._send(socket, state.tick(now) + state.heartbeats())
+
+    def _send(self, socket: zmq.Socket[Any], messages: list[Out]) -> None:
+        for out in messages:
+            try:
+                socket.send_multipart([out.identity, *encode(out.command, out.body,
+                                                             out.payload)], zmq.NOBLOCK)
+            except zmq.Again:
+                log.warning("dropped %s to a peer whose queue is full", out.command.name)
+
+    # --- dispatch -------------------------------------------------------------------------
+
+    def _handle(self, frames: list[bytes], now: float) -> list[Out]:
+        if len(frames) < 2:
+            self._warn(f"dropped a message of {len(frames)} frames")
+            return []
+        identity = frames[0]
+        try:
+            msg = decode(frames[1:])
+        except VersionMismatch as exc:
+            self._warn(str(exc))
+            return [Out(identity, Command.ERROR, {"message": str(exc)})]
+        except ProtocolError as exc:
+            self._warn(f"dropped a malformed message: {exc}")
+            return []
+        try:
+            return self._dispatch(identity, msg, now)
+        except ProtocolError as exc:
+            self._warn(f"dropped a malformed {msg.command.name}: {exc}")
+            return [Out(identity, Command.ERROR, {"message": str(exc)})]
+
+    def _dispatch(self, identity: bytes, msg: Message, now: float) -> list[Out]:
+        state = self.state
+        command = msg.command
+        known = state.seen(identity, now)
+        if not known and command not in _FROM_ANYONE:
+            if command in (Command.BYE, Command.PASS_DONE):
+                return []
+            return [Out(identity, Command.UNKNOWN, {"reason": "not registered"})]
+        if command is Command.READY:
+            return state.worker_ready(identity, msg, now)
+        if command is Command.REGISTER:
+            return state.register(identity, msg, now)
+        if command is Command.STATUS:
+            return [Out(identity, Command.STATUS, state.status())]
+        if command is Command.HEARTBEAT:
+            state.worker_heartbeat(identity, msg, now)
+            return state.consumer_heartbeat(identity, now)
+        if command is Command.SPLIT_REQ:
+            return state.split_request(identity, msg, now)
+        if command is Command.PASS_DONE:
+            state.pass_done(identity, msg, now)
+            return []
+        if command is Command.TASK_FAILED:
+            return state.task_failed(identity, msg, now)
+        if command is Command.BYE:
+            return state.bye(identity, now)
+        if command is Command.EPOCH:
+            return state.consumer_heartbeat(identity, now)
+        raise ProtocolError(f"{command.name} is not a command the broker accepts")
+
+    def _warn(self, text: str) -> None:
+        now = time.monotonic()
+        if now - self._warned >= 1.0:  # rate-limited: a flood of junk must not flood the log
+            self._warned = now
+            log.warning("%s", text)

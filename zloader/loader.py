@@ -1,0 +1,300 @@
+"""``Loader``: iterate a pipeline run by zloader's workers, embedded or through a broker.
+
+The Loader's I/O thread owns every socket: it registers the job with the broker, follows the
+job's worker list, opens each epoch on every worker, returns credits, and decodes records
+(from a shared-memory ring for co-located workers, from ZeroMQ frames otherwise) into a
+queue. The iterating thread takes records from that queue, runs the pipeline's consumer
+part (docs/semantics.md) and yields elements.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import cloudpickle
+
+from zloader import _check
+from zloader._client import IOThread, Item
+from zloader.broker import Broker
+from zloader.errors import PipelineError, Timeout
+from zloader.pipeline import Pipeline
+from zloader.plan import plan
+from zloader.stages import Context
+from zloader.transport.protocol import MAX_PIPELINE_BYTES
+
+__all__ = ["Loader"]
+
+log = logging.getLogger("zloader.loader")
+
+SHARDING = ("dynamic", "static", "off")
+TRANSPORTS = ("auto", "tcp")
+ON_ERROR = ("raise", "skip")
+DEFAULT_PREFETCH = 8
+WORKER_STOP_SECONDS = 3.0
+WORKER_COMMAND = "import sys; from zloader.cli import worker_main; sys.exit(worker_main())"
+
+
+class Loader:
+    """Iterate ``pipeline`` as run by zloader workers; one ``for`` loop is one epoch.
+
+    Args:
+        pipeline: the pipeline.
+        broker: None for embedded mode (a broker in this process and ``num_workers`` local
+            worker processes, reached through shared memory); or a broker address such as
+            ``"tcp://10.0.0.5:5555"``, whose workers serve the job wherever they run.
+        num_workers: local worker processes to start. Embedded: default one per core.
+            With a broker: default 0 (use the broker's workers); N > 0 starts N more on this
+            host, attached to that broker.
+        sharding: ``"dynamic"`` (splits on demand), ``"static"`` (split j to worker
+            j mod W) or ``"off"`` (every worker runs the whole pipeline).
+        job_name: Loaders with the same name and pipeline split one job's elements.
+        deterministic: reproducible order (static assignment, round-robin reading).
+        transport: ``"auto"`` (shared memory for co-located workers) or ``"tcp"``.
+        prefetch: records in flight per worker (default 8).
+        timeout: seconds without progress from any worker or the broker before raising
+            :class:`zloader.Timeout`.
+        on_error: ``"raise"`` or ``"skip"`` (drop elements whose user code raises).
+        max_skipped: with ``"skip"``, raise once more than this many were dropped.
+        ring_bytes: shared-memory ring size per co-located worker (default 64 MiB).
+
+    Raises:
+        ValueError / TypeError: a bad argument, named in the message.
+    """
+
+    def __init__(self, pipeline: Pipeline, *, broker: str | None = None,
+                 num_workers: int | None = None, sharding: str = "dynamic",
+                 job_name: str | None = None, deterministic: bool = False,
+                 transport: str = "auto", prefetch: int | None = None, timeout: float = 60.0,
+                 on_error: str = "raise", max_skipped: int | None = None,
+                 ring_bytes: int | None = None) -> None:
+        if not isinstance(pipeline, Pipeline):
+            raise TypeError(f"pipeline must be a zloader.Pipeline, got {type(pipeline).__name__}")
+        _choice("sharding", sharding, SHARDING)
+        _choice("transport", transport, TRANSPORTS)
+        _choice("on_error", on_error, ON_ERROR)
+        if broker is not None and (not isinstance(broker, str) or "://" not in broker):
+            raise ValueError(f"broker must be an address like 'tcp://host:5555', got {broker!r}")
+        if job_name is not None:
+            _check.label("job_name", job_name)
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self.pipeline = pipeline
+        self._plan = plan(pipeline)
+        self._deterministic = _check.boolean("deterministic", deterministic)
+        self._timeout = float(timeout)
+        self._max_skipped = _check.optional_integer("max_skipped", max_skipped, 0)
+        prefetch = _check.integer("prefetch", prefetch if prefetch is not None
+                                  else DEFAULT_PREFETCH, 1)
+        embedded = broker is None
+        workers = _check.optional_integer("num_workers", num_workers, 0)
+        if workers is None:
+            workers = (os.cpu_count() or 1) if embedded else 0
+        if embedded and workers == 0:
+            raise ValueError("num_workers must be >= 1 in embedded mode (broker=None); "
+                             "for an in-process run iterate the pipeline itself")
+        blob = cloudpickle.dumps(pipeline)
+        if len(blob) > MAX_PIPELINE_BYTES:
+            raise ValueError(
+                f"the pipeline pickles to {len(blob) / 2**20:.1f} MiB, more than the "
+                f"{MAX_PIPELINE_BYTES / 2**20:.0f} MiB a broker accepts; keep large data in "
+                "files (Pipeline.from_files) or a dataset object that loads it in the worker")
+        self._closed = False
+        self._dir: str | None = None
+        self._broker: Broker | None = None
+        self._processes: list[subprocess.Popen[bytes]] = []
+        self._epoch = 0
+        self._wait = 0.0
+        self._elements = 0
+        self._skipped_extra = 0
+        try:
+            if embedded:
+                self._dir = tempfile.mkdtemp(prefix="zloader-")  # mode 0700: this user only
+                self._broker = Broker(f"ipc://{self._dir}/broker").start()
+                address = self._broker.endpoint
+            else:
+                address = broker  # type: ignore[assignment]
+            self.address = address
+            source = pipeline.source
+            self._io = IOThread(
+                address, blob, fingerprint=pipeline.fingerprint, job_name=job_name,
+                sharding="static" if deterministic and sharding == "dynamic" else sharding,
+                deterministic=self._deterministic, num_workers=workers, on_error=on_error,
+                source={"num_splits": source.num_splits, "shuffle_splits": source.shuffle_splits,
+                        "seed": source.seed},
+                prefetch=prefetch, use_rings=transport == "auto", ring_bytes=ring_bytes)
+            self._io.start()
+            for index in range(workers):
+                self._processes.append(self._spawn_worker(address, index, embedded))
+        except BaseException:
+            self.close()
+            raise
+
+    def _spawn_worker(self, address: str, index: int, embedded: bool) -> subprocess.Popen[bytes]:
+        bind = f"ipc://{self._dir}/worker-{index}" if embedded else "tcp://127.0.0.1:*"
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        command = [sys.executable, "-c", WORKER_COMMAND, "--broker", address, "--bind", bind,
+                   "--parent", str(os.getpid())]
+        return subprocess.Popen(command, env=env, cwd=os.getcwd(), stdin=subprocess.DEVNULL,
+                                start_new_session=False)
+
+    # --- iteration ------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._closed:
+            raise RuntimeError("this Loader is closed")
+        epoch = self._epoch
+        self._epoch += 1
+        self._io.command(("start", epoch))
+        ctx = Context(entropy=0)
+        merged = self._merged(epoch)
+        return self._plan.run_consumer(merged, epoch, ctx)
+
+    def _merged(self, epoch: int) -> Iterator[Any]:
+        """Elements of ``epoch`` from every worker, in arrival order."""
+        if self._deterministic:
+            yield from self._round_robin(epoch)
+            return
+        while True:
+            item = self._next_item(epoch)
+            if item.kind == "done":
+                return
+            if item.kind == "data":
+                for element in item.elements:
+                    self._elements += 1
+                    yield element
+                self._io.command(("credit", item.worker, 1))
+                self._check_skipped()
+
+    def _round_robin(self, epoch: int) -> Iterator[Any]:
+        """Elements of ``epoch``, one from each worker in index order (deterministic)."""
+        pending: dict[int, deque[Any]] = {}
+        ended: set[int] = set()
+        done = False
+        turn = 0  # the worker index whose element comes next
+        while True:
+            # Every index up to the job's width takes part, known yet or not.
+            order = sorted(set(range(self._io.width)) | set(self._io.indices()) | set(pending))
+            chosen: int | None = None
+            blocked = False
+            for index in order[_first_at_least(order, turn):] + order[:_first_at_least(order,
+                                                                                       turn)]:
+                if pending.get(index):
+                    chosen = index
+                    break
+                if index not in ended and not done:
+                    blocked = True  # its next element decides the order: wait for it
+                    break
+            if chosen is not None:
+                turn = chosen + 1
+                self._elements += 1
+                yield pending[chosen].popleft()
+                continue
+            if done and not blocked:
+                return
+            item = self._next_item(epoch)
+            if item.kind == "data":
+                pending.setdefault(item.index, deque()).extend(item.elements)
+                self._io.command(("credit", item.worker, 1))
+                self._check_skipped()
+            elif item.kind == "end":
+                ended.add(item.index)
+            elif item.kind == "done":
+                done = True
+
+    def _next_item(self, epoch: int) -> Item:
+        start = time.monotonic()
+        try:
+            while True:
+                try:
+                    item = self._io.items.get(timeout=0.1)
+                except queue.Empty:
+                    self._check_progress()
+                    continue
+                if item.kind == "error":
+                    raise item.error  # type: ignore[misc]
+                if item.epoch == epoch:
+                    return item
+                if item.kind == "data":  # a record of an epoch left early: return its credit
+                    self._io.command(("credit", item.worker, 1))
+        finally:
+            self._wait += time.monotonic() - start
+
+    def _check_progress(self) -> None:
+        io = self._io
+        if not io.is_alive():
+            raise RuntimeError(f"the Loader's I/O thread stopped: {io.failure!r}")
+        silent = time.monotonic() - io.last_progress
+        if silent > self._timeout:
+            raise Timeout(io.stall_reason(silent))
+
+    def _check_skipped(self) -> None:
+        if self._max_skipped is not None and self._io.skipped > self._max_skipped:
+            raise PipelineError.create(
+                "loader", "RuntimeError",
+                f"{self._io.skipped} elements were skipped (on_error='skip'), more than "
+                f"max_skipped={self._max_skipped}", builtin="RuntimeError")
+
+    # --- status and lifecycle -------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Cumulative counters: ``elements`` yielded, ``bytes`` received, ``wait_seconds``
+        (time the consumer waited for data), ``skipped``, ``per_worker`` (elements by worker
+        pid), ``private`` (records that bypassed the ring because it was full)."""
+        io = self._io
+        return {"elements": self._elements, "bytes": io.bytes, "wait_seconds": self._wait,
+                "skipped": io.skipped, "per_worker": dict(io.per_worker),
+                "private": io.private, "records": io.records}
+
+    def close(self) -> None:
+        """Stop everything this Loader started and release its memory (safe to call twice)."""
+        if self._closed:
+            return
+        self._closed = True
+        io = getattr(self, "_io", None)
+        if io is not None:
+            io.close()
+        for process in self._processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + WORKER_STOP_SECONDS
+        for process in self._processes:
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if self._broker is not None:
+            self._broker.close()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            self.close()
+
+
+def _first_at_least(order: list[int], turn: int) -> int:
+    return next((i for i, index in enumerate(order) if index >= turn), 0)
+
+
+def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")

@@ -1,0 +1,70 @@
+"""How a pipeline is run by the service: cut into a worker part and a consumer part.
+
+See docs/semantics.md. The worker part is the source and every stage before the first
+``take``/``skip``; each worker runs it over the splits it is given. The consumer part is the
+rest, run by the consumer over the merged stream of all workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from zloader import stages as _stages
+from zloader.pipeline import Pipeline
+
+__all__ = ["Plan", "SplitFeed", "plan"]
+
+SplitFeed = Callable[[_stages.Key], Iterable[int]]
+"""Given a pass key, the splits this worker reads in that pass (possibly fetched lazily)."""
+
+_CONSUMER_STAGES = (_stages.Take, _stages.Skip)
+
+
+@dataclass(frozen=True)
+class Plan:
+    pipeline: Pipeline
+    worker_stages: tuple[_stages.Stage, ...]
+    consumer_stages: tuple[_stages.Stage, ...]
+
+    def run_worker(self, feed: SplitFeed, epoch: int, ctx: _stages.Context) -> Iterator[Any]:
+        """The worker part for ``epoch``, reading the splits ``feed`` gives for each pass."""
+        source = self.pipeline.source
+
+        def read(key: _stages.Key) -> Iterator[Any]:
+            for split in feed(key):
+                yield from source.read(split, ctx)
+
+        return _stages.compose(read, self.worker_stages, ctx)((epoch,))
+
+    def run_consumer(self, elements: Iterator[Any], epoch: int,
+                     ctx: _stages.Context) -> Iterator[Any]:
+        """The consumer part for ``epoch`` over the merged worker stream ``elements``."""
+        if not self.consumer_stages:
+            return elements
+
+        def read(key: _stages.Key) -> Iterator[Any]:
+            return elements
+
+        first = len(self.worker_stages) + 1
+        return _stages.compose(read, self.consumer_stages, ctx, first)((epoch,))
+
+
+def plan(pipeline: Pipeline) -> Plan:
+    """Cut ``pipeline`` at its first ``take``/``skip``.
+
+    Raises:
+        ValueError: a ``repeat`` follows a ``take``/``skip`` (the consumer cannot re-run the
+            workers' part within an epoch).
+    """
+    cut = next((i for i, stage in enumerate(pipeline.stages)
+                if isinstance(stage, _CONSUMER_STAGES)), len(pipeline.stages))
+    consumer = pipeline.stages[cut:]
+    for stage in consumer:
+        if isinstance(stage, _stages.Repeat):
+            raise ValueError(
+                f"stage {stage.name!r} repeats after a take/skip, which a Loader cannot run "
+                "(the consumer cannot re-run the workers' part within an epoch); move the "
+                "repeat before the take/skip, or iterate the Loader again for another epoch")
+    return Plan(pipeline, pipeline.stages[:cut], consumer)

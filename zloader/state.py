@@ -1,0 +1,450 @@
+"""The broker's state and its transitions, as plain calls with no sockets.
+
+Every handler takes the sender's routing identity (opaque bytes), the message body and the
+time, updates the records below, and returns the messages to send as :class:`Out` tuples;
+the broker loop (``zloader/broker.py``) only moves bytes. Nothing here imports zmq or runs
+user code: pipelines are kept as opaque blobs.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from zloader.sources import split_order
+from zloader.transport.protocol import Command, Message, ProtocolError
+
+__all__ = ["KILLS_TO_FAIL", "Out", "State"]
+
+KILLS_TO_FAIL = 3
+"""A split that was being read by a dying worker this many times is reported, not re-run."""
+SHARDING_MODES = ("dynamic", "static", "off")
+
+
+class Out(NamedTuple):
+    """One message to send: to ``identity``, ``command`` with ``body`` and ``payload``."""
+
+    identity: bytes
+    command: Command
+    body: dict[str, Any]
+    payload: tuple[Any, ...] = ()
+
+
+@dataclass
+class Worker:
+    id: str
+    identity: bytes
+    host: str
+    host_id: str
+    pid: int
+    endpoint: str
+    prefer: str | None
+    last_seen: float
+    task: str | None = None
+    current: tuple[tuple[int, ...], int] | None = None  # (pass, split) being read
+    stats: dict[str, Any] = field(default_factory=dict)
+    rate: float = 0.0
+
+
+@dataclass
+class Consumer:
+    id: str
+    identity: bytes
+    job: str
+    host_id: str
+    pid: int
+    last_seen: float
+
+
+@dataclass
+class Pass:
+    order: deque[int]
+    handed: dict[str, list[int]] = field(default_factory=dict)
+    requeued: deque[int] = field(default_factory=deque)
+
+
+@dataclass
+class Job:
+    id: str
+    fingerprint: str
+    name: str | None
+    sharding: str
+    deterministic: bool
+    on_error: str
+    options: dict[str, Any]
+    blob: bytes
+    num_splits: int
+    shuffle_splits: bool
+    seed: int | None
+    width: int  # static sharding: the fixed number of worker indices
+    entropy: int
+    created: float
+    tasks: dict[str, str] = field(default_factory=dict)       # task id -> worker id
+    indices: dict[str, int] = field(default_factory=dict)     # task id -> worker index
+    consumers: set[str] = field(default_factory=set)
+    passes: dict[tuple[int, ...], Pass] = field(default_factory=dict)
+    kills: dict[int, int] = field(default_factory=dict)
+    failed: list[dict[str, Any]] = field(default_factory=list)
+    error: dict[str, Any] | None = None
+    idle_since: float | None = None
+    elements: int = 0
+    bytes: int = 0
+
+
+class State:
+    """Workers, consumers, jobs, tasks and splits; see docs/protocol.md for the messages."""
+
+    def __init__(self, heartbeat: float = 1.0, liveness: int = 3) -> None:
+        self.heartbeat = heartbeat
+        self.liveness = liveness
+        self.workers: dict[str, Worker] = {}
+        self.consumers: dict[str, Consumer] = {}
+        self.jobs: dict[str, Job] = {}
+        self.peers: dict[bytes, tuple[str, str]] = {}  # identity -> ("worker"|"consumer", id)
+
+    # --- peers ----------------------------------------------------------------------------
+
+    @property
+    def expiry(self) -> float:
+        return self.heartbeat * self.liveness
+
+    def seen(self, identity: bytes, now: float) -> bool:
+        """Note traffic from a peer; False when the peer is not registered."""
+        kind, pid = self.peers.get(identity, ("", ""))
+        record: Worker | Consumer | None = (self.workers.get(pid) if kind == "worker"
+                                            else self.consumers.get(pid))
+        if record is None:
+            return False
+        record.last_seen = now
+        return True
+
+    def worker_ready(self, identity: bytes, msg: Message, now: float) -> list[Out]:
+        worker_id = msg.field("worker", str)
+        old = self.workers.get(worker_id)
+        if old is not None:  # a reconnect: keep its task, take the new identity
+            self.peers.pop(old.identity, None)
+            old.identity, old.last_seen = identity, now
+            self.peers[identity] = ("worker", worker_id)
+            return [Out(identity, Command.ACK, {"heartbeat": self.heartbeat})]
+        worker = Worker(worker_id, identity, msg.field("host", str), msg.field("host_id", str),
+                        msg.field("pid", int), msg.field("endpoint", str),
+                        msg.field("prefer", str, optional=True), now)
+        self.workers[worker_id] = worker
+        self.peers[identity] = ("worker", worker_id)
+        return [Out(identity, Command.ACK, {"heartbeat": self.heartbeat}), *self._assign(now)]
+
+    def worker_heartbeat(self, identity: bytes, msg: Message, now: float) -> None:
+        worker = self._worker(identity)
+        stats = msg.body.get("stats")
+        if worker is None or not isinstance(stats, dict):
+            return
+        elements = stats.get("elements")
+        before = worker.stats.get("elements")
+        if isinstance(elements, int) and isinstance(before, int):
+            elapsed = now - worker.stats.get("_at", now)
+            if elapsed > 0:
+                worker.rate = (elements - before) / elapsed
+        job = self.jobs.get(self._task_job(worker.task) or "")
+        if job is not None:
+            job.elements += _delta(stats, worker.stats, "elements")
+            job.bytes += _delta(stats, worker.stats, "bytes")
+        worker.stats = {**{k: v for k, v in stats.items() if isinstance(v, (int, float))},
+                        "_at": now}
+
+    # --- consumers and jobs ---------------------------------------------------------------
+
+    def register(self, identity: bytes, msg: Message, now: float) -> list[Out]:
+        consumer_id = msg.field("consumer", str)
+        fingerprint = msg.field("fingerprint", str)
+        name = msg.field("job_name", str, optional=True)
+        sharding = msg.field("sharding", str)
+        if sharding not in SHARDING_MODES:
+            raise ProtocolError(f"REGISTER: unknown sharding {sharding!r}")
+        if not msg.payload:
+            raise ProtocolError("REGISTER: missing the pipeline payload")
+        source = msg.field("source", dict)
+        options = {"sharding": sharding,
+                   "deterministic": bool(msg.body.get("deterministic", False)),
+                   "on_error": str(msg.body.get("on_error", "raise")),
+                   "num_workers": msg.field("num_workers", int)}
+        job = self._named_job(name) if name else None
+        if job is not None:
+            mismatch = self._mismatch(job, fingerprint, options)
+            if mismatch:
+                return [Out(identity, Command.ERROR, {"message": mismatch})]
+        else:
+            job = self._new_job(msg, fingerprint, name, options, source, now)
+        old = self.consumers.get(consumer_id)
+        if old is not None:
+            self.peers.pop(old.identity, None)
+        self.consumers[consumer_id] = Consumer(consumer_id, identity, job.id,
+                                               msg.field("host_id", str), msg.field("pid", int),
+                                               now)
+        self.peers[identity] = ("consumer", consumer_id)
+        job.consumers.add(consumer_id)
+        job.idle_since = None
+        return [*self._assign(now), Out(identity, Command.JOB, self.job_view(job))]
+
+    def _named_job(self, name: str) -> Job | None:
+        return next((j for j in self.jobs.values() if j.name == name), None)
+
+    def _mismatch(self, job: Job, fingerprint: str, options: dict[str, Any]) -> str:
+        theirs = {"fingerprint": fingerprint, **options}
+        ours = {"fingerprint": job.fingerprint, "sharding": job.sharding,
+                "deterministic": job.deterministic, "on_error": job.on_error,
+                "num_workers": job.options["num_workers"]}
+        diff = [k for k in ours if ours[k] != theirs[k] and k != "num_workers"]
+        if not diff:
+            return ""
+        return (f"job_name {job.name!r} already runs another pipeline or options "
+                f"({', '.join(f'{k}: {ours[k]!r} vs {theirs[k]!r}' for k in diff)}); "
+                "use another job_name, or the same pipeline and options")
+
+    def _new_job(self, msg: Message, fingerprint: str, name: str | None,
+                 options: dict[str, Any], source: dict[str, Any], now: float) -> Job:
+        num_splits = source.get("num_splits")
+        seed = source.get("seed")
+        if not isinstance(num_splits, int) or num_splits < 0:
+            raise ProtocolError("REGISTER: source.num_splits must be an int >= 0")
+        if seed is not None and not isinstance(seed, int):
+            raise ProtocolError("REGISTER: source.seed must be an int or null")
+        live = sum(1 for w in self.workers.values() if w.task is None)
+        width = options["num_workers"] or max(1, live)
+        job = Job(secrets.token_hex(8), fingerprint, name, options["sharding"],
+                  options["deterministic"], options["on_error"], options, bytes(msg.payload[0]),
+                  num_splits, bool(source.get("shuffle_splits", False)), seed, width,
+                  secrets.randbits(63), now)
+        self.jobs[job.id] = job
+        return job
+
+    def consumer_heartbeat(self, identity: bytes, now: float) -> list[Out]:
+        consumer = self._consumer(identity)
+        if consumer is None:
+            return []
+        job = self.jobs.get(consumer.job)
+        return [Out(identity, Command.JOB, self.job_view(job))] if job else []
+
+    def job_view(self, job: Job) -> dict[str, Any]:
+        workers: list[dict[str, Any]] = []
+        for task, worker_id in job.tasks.items():
+            worker = self.workers.get(worker_id)
+            if worker is not None:
+                workers.append({"worker": worker.id, "endpoint": worker.endpoint,
+                                "host_id": worker.host_id, "index": job.indices[task],
+                                "pid": worker.pid, "host": worker.host})
+        workers.sort(key=lambda w: w["index"])
+        return {"job": job.id, "workers": workers, "failed": job.failed, "error": job.error,
+                "width": job.width, "entropy": job.entropy,
+                "state": "failed" if job.error else "running"}
+
+    # --- tasks and splits -----------------------------------------------------------------
+
+    def _assign(self, now: float) -> list[Out]:
+        """Give idle workers to jobs: a worker's preferred job first, then the job with the
+        fewest workers (static jobs take at most ``width``)."""
+        out: list[Out] = []
+        for worker in self.workers.values():
+            if worker.task is not None:
+                continue
+            open_jobs = [j for j in self.jobs.values() if j.error is None and j.consumers
+                         and ((j.sharding != "static" and not j.deterministic)
+                              or len(j.tasks) < j.width)]
+            if not open_jobs:
+                break
+            preferred = [j for j in open_jobs if j.id == worker.prefer]
+            job = preferred[0] if preferred else min(open_jobs,
+                                                     key=lambda j: (len(j.tasks), j.created))
+            task = secrets.token_hex(8)
+            used = set(job.indices.values())
+            index = next(i for i in range(len(used) + 1) if i not in used)
+            job.tasks[task] = worker.id
+            job.indices[task] = index
+            worker.task = task
+            body = {"task": task, "job": job.id, "sharding": job.sharding, "index": index,
+                    "width": job.width, "deterministic": job.deterministic,
+                    "on_error": job.on_error, "entropy": job.entropy}
+            out.append(Out(worker.identity, Command.TASK, body, (job.blob,)))
+            out += self._tell_consumers(job)
+        return out
+
+    def _tell_consumers(self, job: Job) -> list[Out]:
+        view = self.job_view(job)
+        return [Out(c.identity, Command.JOB, view) for cid in job.consumers
+                if (c := self.consumers.get(cid)) is not None]
+
+    def split_request(self, identity: bytes, msg: Message, now: float) -> list[Out]:
+        worker = self._worker(identity)
+        task = msg.field("task", str)
+        key = tuple(msg.field("pass", list))
+        if not key or not all(isinstance(k, int) and k >= 0 for k in key):
+            raise ProtocolError("SPLIT_REQ: pass must be a non-empty list of ints >= 0")
+        job = self.jobs.get(self._task_job(task) or "")
+        if worker is None or job is None or worker.task != task:
+            return [Out(identity, Command.RELEASE, {"task": task})]
+        dispenser = job.passes.get(key)
+        if dispenser is None:
+            order = split_order(job.num_splits, job.shuffle_splits, job.seed, job.entropy, key)
+            dispenser = job.passes[key] = Pass(deque(order))
+            self._prune(job, key[0])
+        split: int | None = None
+        if dispenser.requeued:
+            split = dispenser.requeued.popleft()
+        elif dispenser.order:
+            split = dispenser.order.popleft()
+        if split is not None:
+            dispenser.handed.setdefault(worker.id, []).append(split)
+            worker.current = (key, split)
+        else:
+            worker.current = None
+        return [Out(identity, Command.SPLIT, {"task": task, "pass": list(key), "split": split})]
+
+    def _prune(self, job: Job, epoch: int) -> None:
+        for key in [k for k in job.passes if k[0] < epoch - 1]:
+            del job.passes[key]
+
+    def pass_done(self, identity: bytes, msg: Message, now: float) -> None:
+        worker = self._worker(identity)
+        key = tuple(msg.field("pass", list))
+        job = self.jobs.get(self._task_job(msg.field("task", str)) or "")
+        if worker is None or job is None or key not in job.passes:
+            return
+        job.passes[key].handed.pop(worker.id, None)
+        if worker.current and worker.current[0] == key:
+            worker.current = None
+
+    def task_failed(self, identity: bytes, msg: Message, now: float) -> list[Out]:
+        job = self.jobs.get(self._task_job(msg.field("task", str)) or "")
+        if job is None:
+            return []
+        error = msg.field("error", dict)
+        job.error = {k: str(error.get(k, "")) for k in ("stage", "exc_type", "builtin",
+                                                        "message", "traceback", "context")}
+        return self._release_job(job) + self._tell_consumers(job)
+
+    def _task_job(self, task: str | None) -> str | None:
+        if task is None:
+            return None
+        return next((j.id for j in self.jobs.values() if task in j.tasks), None)
+
+    # --- leaving, dying and collecting ----------------------------------------------------
+
+    def bye(self, identity: bytes, now: float) -> list[Out]:
+        kind, pid = self.peers.get(identity, ("", ""))
+        if kind == "worker":
+            return self._drop_worker(pid, died=False, now=now)
+        if kind == "consumer":
+            return self._drop_consumer(pid, now)
+        return []
+
+    def tick(self, now: float) -> list[Out]:
+        """Purge peers silent for ``liveness`` heartbeats and collect abandoned jobs."""
+        out: list[Out] = []
+        for worker in [w for w in self.workers.values() if now - w.last_seen > self.expiry]:
+            out += self._drop_worker(worker.id, died=True, now=now)
+        for consumer in [c for c in self.consumers.values() if now - c.last_seen > self.expiry]:
+            out += self._drop_consumer(consumer.id, now)
+        for job in list(self.jobs.values()):
+            if not job.consumers and job.idle_since is not None \
+                    and now - job.idle_since > self.expiry:
+                out += self._release_job(job)
+                del self.jobs[job.id]
+        return out + self._assign(now)
+
+    def heartbeats(self) -> list[Out]:
+        """What the broker sends every heartbeat interval."""
+        out = [Out(w.identity, Command.HEARTBEAT, {}) for w in self.workers.values()]
+        for consumer in self.consumers.values():
+            job = self.jobs.get(consumer.job)
+            if job is not None:
+                out.append(Out(consumer.identity, Command.JOB, self.job_view(job)))
+        return out
+
+    def _drop_worker(self, worker_id: str, died: bool, now: float) -> list[Out]:
+        worker = self.workers.pop(worker_id, None)
+        if worker is None:
+            return []
+        self.peers.pop(worker.identity, None)
+        job = self.jobs.get(self._task_job(worker.task) or "")
+        if job is None:
+            return []
+        index = job.indices.pop(worker.task or "", None)
+        job.tasks.pop(worker.task or "", None)
+        current = worker.current
+        for key, dispenser in job.passes.items():
+            handed = dispenser.handed.pop(worker.id, [])
+            for split in reversed(handed):
+                if died and current == (key, split):
+                    job.kills[split] = job.kills.get(split, 0) + 1
+                    if job.kills[split] >= KILLS_TO_FAIL:
+                        job.failed.append({"split": split, "pass": list(key), "message": (
+                            f"split {split} was being read when its worker died "
+                            f"{KILLS_TO_FAIL} times (last: worker pid {worker.pid} on "
+                            f"{worker.host}); it is skipped")})
+                        continue
+                dispenser.requeued.appendleft(split)
+        del index
+        return self._tell_consumers(job)
+
+    def _drop_consumer(self, consumer_id: str, now: float) -> list[Out]:
+        consumer = self.consumers.pop(consumer_id, None)
+        if consumer is None:
+            return []
+        self.peers.pop(consumer.identity, None)
+        job = self.jobs.get(consumer.job)
+        if job is None:
+            return []
+        job.consumers.discard(consumer_id)
+        if not job.consumers:
+            job.idle_since = now
+        out = []
+        for task, worker_id in job.tasks.items():
+            worker = self.workers.get(worker_id)
+            if worker is not None:
+                out.append(Out(worker.identity, Command.CONSUMER_GONE,
+                               {"task": task, "consumer": consumer_id}))
+        return out
+
+    def _release_job(self, job: Job) -> list[Out]:
+        out = []
+        for task, worker_id in list(job.tasks.items()):
+            worker = self.workers.get(worker_id)
+            if worker is not None:
+                worker.task = None
+                worker.current = None
+                out.append(Out(worker.identity, Command.RELEASE, {"task": task}))
+        job.tasks.clear()
+        job.indices.clear()
+        return out
+
+    def _worker(self, identity: bytes) -> Worker | None:
+        kind, pid = self.peers.get(identity, ("", ""))
+        return self.workers.get(pid) if kind == "worker" else None
+
+    def _consumer(self, identity: bytes) -> Consumer | None:
+        kind, pid = self.peers.get(identity, ("", ""))
+        return self.consumers.get(pid) if kind == "consumer" else None
+
+    # --- status ---------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """What ``zloader status --json`` prints."""
+        workers = [{"worker": w.id, "host": w.host, "pid": w.pid, "endpoint": w.endpoint,
+                    "tasks": 1 if w.task else 0, "job": self._task_job(w.task),
+                    "elements_per_second": round(w.rate, 1),
+                    "elements": w.stats.get("elements", 0)}
+                   for w in self.workers.values()]
+        jobs = [{"job": j.id, "fingerprint": j.fingerprint, "name": j.name,
+                 "sharding": j.sharding, "consumers": len(j.consumers), "workers": len(j.tasks),
+                 "elements": j.elements, "bytes": j.bytes,
+                 "state": "failed" if j.error else "running"}
+                for j in self.jobs.values()]
+        return {"workers": workers, "jobs": jobs}
+
+
+def _delta(new: dict[str, Any], old: dict[str, Any], key: str) -> int:
+    value, before = new.get(key), old.get(key, 0)
+    if isinstance(value, int) and isinstance(before, int) and value >= before:
+        return value - before
+    return 0

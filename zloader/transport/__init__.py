@@ -1,0 +1,1 @@
+"""ZeroMQ framing and the shared-memory ring."""

@@ -1,0 +1,168 @@
+"""Message framing for docs/protocol.md: version frame, command, JSON body, payloads.
+
+Every message is ``[version, command, body, *payload]`` (a ROUTER socket adds and removes
+the peer identity in front). ``encode``/``decode`` are the only places that build or parse
+frames; everything that comes from a peer is checked here and malformed input raises
+:class:`ProtocolError`, which receivers log and drop.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import cloudpickle
+
+from zloader.errors import ZloaderError
+
+__all__ = ["VERSION", "Command", "Message", "ProtocolError", "VersionMismatch", "decode",
+           "encode"]
+
+VERSION = (f"ZLP/1 py/{sys.version_info[0]}.{sys.version_info[1]} "
+           f"cp/{cloudpickle.__version__}").encode("ascii")
+"""The version frame: protocol version, Python minor version, cloudpickle version."""
+
+MAX_BODY_BYTES = 1 << 20
+MAX_PIPELINE_BYTES = 8 << 20
+"""Pipeline definitions larger than this are refused; see docs/protocol.md."""
+
+
+class Command(enum.IntEnum):
+    """Command byte of every message (docs/protocol.md lists who sends each)."""
+
+    READY = 1          # worker -> broker: register
+    ACK = 2            # broker -> worker: registered
+    TASK = 3           # broker -> worker: run a job (payload: pipeline)
+    TASK_FAILED = 4    # worker -> broker: the task could not start
+    SPLIT_REQ = 5      # worker -> broker: next split of a pass
+    SPLIT = 6          # broker -> worker: a split, or none left
+    PASS_DONE = 7      # worker -> broker: finished every split it took in a pass
+    RELEASE = 8        # broker -> worker: the task is over
+    CONSUMER_GONE = 9  # broker -> worker: a consumer left
+    REGISTER = 10      # consumer -> broker: join or create a job (payload: pipeline)
+    JOB = 11           # broker -> consumer: the job and its workers
+    EPOCH = 12         # consumer -> broker: starting an epoch
+    BYE = 13           # worker/consumer -> broker: leaving
+    HEARTBEAT = 14     # anyone: liveness
+    STATUS = 15        # anyone <-> broker: service status
+    UNKNOWN = 16       # broker -> peer: you are not registered
+    ERROR = 17         # broker/worker -> peer: refused, with a message
+    OPEN = 20          # consumer -> worker: start receiving an epoch
+    CREDIT = 21        # consumer -> worker: more credits
+    DATA = 22          # worker -> consumer: one record
+    END = 23           # worker -> consumer: no more data for an epoch
+    FAIL = 24          # worker -> consumer: user code failed
+    CLOSE = 25         # consumer -> worker: leaving
+
+
+class ProtocolError(ZloaderError):
+    """A malformed message; receivers log it and drop it."""
+
+
+class VersionMismatch(ProtocolError):
+    """The peer speaks another protocol, Python or cloudpickle version."""
+
+    def __init__(self, theirs: bytes) -> None:
+        self.theirs = theirs
+        super().__init__(
+            f"protocol mismatch: this side speaks {VERSION.decode()!r}, the peer sent "
+            f"{theirs.decode('ascii', 'replace')!r}; run the same zloader, Python minor "
+            "version and cloudpickle version on every host")
+
+
+@dataclass
+class Message:
+    """One decoded message. ``payload`` holds frames (bytes-like) after the body."""
+
+    command: Command
+    body: dict[str, Any] = field(default_factory=dict)
+    payload: list[Any] = field(default_factory=list)
+
+    def field(self, name: str, kind: type | tuple[type, ...], optional: bool = False) -> Any:
+        """A body field, checked: raises ProtocolError when missing or of the wrong type."""
+        value = self.body.get(name)
+        if value is None and optional:
+            return None
+        if isinstance(value, bool) and kind in (int, float):
+            raise ProtocolError(f"{self.command.name}: field {name!r} must be {kind}, "
+                                f"got {value!r}")
+        if not isinstance(value, kind):
+            raise ProtocolError(f"{self.command.name}: field {name!r} must be "
+                                f"{getattr(kind, '__name__', kind)}, got {value!r}")
+        return value
+
+
+def encode(command: Command, body: dict[str, Any] | None = None,
+           payload: Sequence[Any] = ()) -> list[Any]:
+    """The frames of one message (without a ROUTER identity)."""
+    data = json.dumps(body or {}, separators=(",", ":")).encode()
+    return [VERSION, bytes((command,)), data, *payload]
+
+
+def decode(frames: Sequence[Any]) -> Message:
+    """Parse the frames of one message (without a ROUTER identity).
+
+    Raises:
+        VersionMismatch: the version frame differs from ours.
+        ProtocolError: any other malformation.
+    """
+    if len(frames) < 3:
+        raise ProtocolError(f"message has {len(frames)} frames, needs at least 3")
+    version = _bytes(frames[0])
+    if version != VERSION:
+        if not version.startswith(b"ZLP/"):
+            raise ProtocolError("first frame is not a zloader protocol version")
+        raise VersionMismatch(version)
+    command_frame = _bytes(frames[1])
+    if len(command_frame) != 1:
+        raise ProtocolError(f"command frame has {len(command_frame)} bytes, needs 1")
+    try:
+        command = Command(command_frame[0])
+    except ValueError:
+        raise ProtocolError(f"unknown command {command_frame[0]}") from None
+    raw = _bytes(frames[2])
+    if len(raw) > MAX_BODY_BYTES:
+        raise ProtocolError(f"{command.name}: body of {len(raw)} bytes exceeds {MAX_BODY_BYTES}")
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ProtocolError(f"{command.name}: body is not JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise ProtocolError(f"{command.name}: body must be a JSON object")
+    return Message(command, body, list(frames[3:]))
+
+
+def _bytes(frame: Any) -> bytes:
+    if isinstance(frame, bytes):
+        return frame
+    buffer = getattr(frame, "bytes", None)  # zmq.Frame
+    if isinstance(buffer, bytes):
+        return buffer
+    return bytes(memoryview(frame))
+
+
+def error_object(exc: BaseException) -> dict[str, str]:
+    """An error as the JSON object the protocol carries (the fields of PipelineError)."""
+    from zloader.errors import PipelineError
+
+    if not isinstance(exc, PipelineError):
+        exc = PipelineError.from_exception(exc, "worker")
+    return {"stage": exc.stage, "exc_type": exc.exc_type, "builtin": exc.builtin,
+            "message": exc.message, "traceback": exc.traceback, "context": exc.context}
+
+
+def error_from_object(obj: Any, fallback_stage: str = "worker") -> Exception:
+    """Rebuild the PipelineError described by an error object (checked field by field)."""
+    from zloader.errors import PipelineError
+
+    if not isinstance(obj, dict):
+        return PipelineError.create(fallback_stage, "RuntimeError", f"malformed error {obj!r}")
+    text = {k: str(obj.get(k, "")) for k in ("stage", "exc_type", "builtin", "message",
+                                              "traceback", "context")}
+    return PipelineError.create(text["stage"] or fallback_stage, text["exc_type"],
+                                text["message"], text["traceback"], text["context"],
+                                builtin=text["builtin"])

@@ -1,0 +1,77 @@
+"""A record's codec buffers packed into one block of memory (a shared-memory ring slot).
+
+Layout: ``u32 count, u32 0, u64 size * count``, then each buffer at the next multiple of
+``ALIGN`` bytes. Unpacking checks every size against the block, so a bad record raises
+:class:`~zloader.errors.CodecError` instead of reading outside it.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from zloader.errors import CodecError
+
+__all__ = ["ALIGN", "pack_into", "packed_size", "unpack"]
+
+ALIGN = 64
+_HEAD = struct.Struct("<II")
+MAX_BUFFERS = 1 << 20
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) & ~(ALIGN - 1)
+
+
+def _sizes(buffers: Sequence[Any]) -> list[int]:
+    return [memoryview(b).nbytes for b in buffers]
+
+
+def packed_size(buffers: Sequence[Any]) -> int:
+    """Bytes needed to pack ``buffers``."""
+    total = _align(_HEAD.size + 8 * len(buffers))
+    for size in _sizes(buffers):
+        total += _align(size)
+    return total
+
+
+def pack_into(buffers: Sequence[Any], block: memoryview) -> int:
+    """Copy ``buffers`` into ``block`` (at least :func:`packed_size` bytes); returns the
+    bytes used. Large copies run in numpy, which releases the GIL."""
+    sizes = _sizes(buffers)
+    head = _HEAD.size + 8 * len(sizes)
+    struct.pack_into(f"<II{len(sizes)}Q", block, 0, len(sizes), 0, *sizes)
+    offset = _align(head)
+    target = np.frombuffer(block, np.uint8)
+    for buffer, size in zip(buffers, sizes, strict=True):
+        if size:
+            target[offset:offset + size] = np.frombuffer(buffer, np.uint8)
+        offset += _align(size)
+    return offset
+
+
+def unpack(block: Any) -> list[memoryview]:
+    """The buffers packed in ``block``, as views of it (no copy).
+
+    Raises:
+        CodecError: the block is not a valid packed record.
+    """
+    view = memoryview(block).cast("B") if not isinstance(block, memoryview) else block
+    if view.nbytes < _HEAD.size:
+        raise CodecError(f"record of {view.nbytes} bytes is shorter than its header")
+    count, _ = _HEAD.unpack_from(view, 0)
+    if count > MAX_BUFFERS or _HEAD.size + 8 * count > view.nbytes:
+        raise CodecError(f"record claims {count} buffers, more than its {view.nbytes} bytes hold")
+    sizes = struct.unpack_from(f"<{count}Q", view, _HEAD.size)
+    offset = _align(_HEAD.size + 8 * count)
+    out = []
+    for size in sizes:
+        if offset + size > view.nbytes:
+            raise CodecError(f"record buffer of {size} bytes at {offset} runs past its "
+                             f"{view.nbytes} bytes")
+        out.append(view[offset:offset + size])
+        offset += _align(size)
+    return out

@@ -1,0 +1,395 @@
+"""A single-producer single-consumer ring of variable-size records in shared memory.
+
+The consumer process creates and owns the ring (:class:`RingReader`); one worker process
+attaches and writes (:class:`RingWriter`). Record positions travel from writer to reader
+out of band (over the ZeroMQ socket, in order): the writer reserves space with
+:meth:`RingWriter.reserve`, fills the returned memoryview, and sends ``(position,
+length)``; the reader takes that record with :meth:`RingReader.claim` and gets a
+zero-copy numpy array of its bytes. When that array and everything built on it have
+been garbage collected, the record is released and its space is free again.
+
+Positions are cumulative byte counts since the ring was created (they never wrap; 2**64
+bytes is centuries of traffic); a position's offset in the data region is ``position %
+capacity``. Every record starts at a multiple of ``ALIGN`` and occupies its length
+rounded up to ``ALIGN``.
+
+Position and padding protocol:
+
+1. The writer keeps ``head``, the end of its last reservation.
+2. A record that would run past the end of the data region is placed at the region
+   start instead; the bytes skipped (``capacity - head % capacity``) are padding.
+3. ``reserve`` returns the record's own first byte's position: the padding is not
+   part of the record, but it is the gap between the previous record's end and it.
+4. The reader keeps ``cursor``, the end of the last record it claimed; a record's gap
+   (``position - cursor``) is freed together with that record.
+5. The reader frees space in order: ``tail`` moves over the longest run of released
+   records (and their gaps) from the oldest one; the writer reads ``tail`` to know
+   what is free (``capacity - (head - tail)``).
+
+A reservation the writer abandons (never sends) therefore costs nothing permanent: its
+bytes become part of the next sent record's gap. Zero-length records are not placed in
+the ring (``reserve(0)`` returns None; send empty payloads inline).
+
+Segment layout (native byte order, both sides are on one host)::
+
+    offset 0      header, 64 bytes: magic b"ZLRING01", capacity:u64, tail:u64, head:u64
+    offset 4096   data region, capacity bytes
+
+The data region starts on its own page so that it is page-aligned and the header's
+cache line is never shared with record bytes. ``tail`` is written only by the reader,
+``head`` only by the writer (which publishes it so the reader can check that a claimed
+record was actually reserved). Both are aligned 8-byte words, written and read as single
+8-byte accesses, so neither side ever sees half an update.
+"""
+
+from __future__ import annotations
+
+import collections
+import operator
+import threading
+import weakref
+from types import TracebackType
+
+import numpy as np
+import numpy.typing as npt
+
+from zloader.errors import ZloaderError
+from zloader.transport.shm import Segment
+
+__all__ = [
+    "ALIGN",
+    "DATA_OFFSET",
+    "DEFAULT_RING_BYTES",
+    "RingError",
+    "RingReader",
+    "RingWriter",
+]
+
+DEFAULT_RING_BYTES = 64 * 1024 * 1024
+"""Default data capacity of a ring (one per worker)."""
+ALIGN = 64
+"""Records start at multiples of this many bytes (a cache line; enough for any dtype)."""
+DATA_OFFSET = 4096
+"""Offset of the data region in the segment: one page, the first 64 bytes of it the header."""
+MAGIC = b"ZLRING01"
+KIND = "ring"
+
+# Indices of the header's u64 words.
+_CAPACITY, _TAIL, _HEAD = 1, 2, 3
+_HEADER_WORDS = 8  # 64 bytes
+_POSITION_LIMIT = 2**64
+
+
+class RingError(ZloaderError, ValueError):
+    """A record position from the peer is impossible, or the ring's header is corrupt."""
+
+
+def _round_up(length: int) -> int:
+    return (length + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _header(segment: Segment) -> memoryview:
+    # cast("Q") makes each word a native, aligned 8-byte access.
+    return segment.buf[: _HEADER_WORDS * 8].cast("Q")
+
+
+class RingWriter:
+    """The producing side of a ring: attaches to the reader's segment by name.
+
+    Not thread-safe: one thread of one process writes a ring.
+    """
+
+    def __init__(self, name: str) -> None:
+        """Attach to the ring called ``name``.
+
+        Args:
+            name: :attr:`RingReader.name`, sent by the consumer.
+
+        Raises:
+            RingError: the segment is not a ring (bad magic or capacity).
+            FileNotFoundError: no such segment.
+            ValueError: ``name`` is not a zloader segment name.
+        """
+        segment = Segment.attach(name)
+        try:
+            if segment.size < DATA_OFFSET or bytes(segment.buf[: len(MAGIC)]) != MAGIC:
+                raise RingError(f"segment {name!r} is not a zloader ring")
+            header = _header(segment)
+            capacity = header[_CAPACITY]
+            if (capacity < ALIGN or capacity % ALIGN
+                    or capacity > segment.size - DATA_OFFSET):
+                header.release()
+                raise RingError(f"ring {name!r} has a corrupt header (capacity {capacity} "
+                                f"in a segment of {segment.size} bytes)")
+        except BaseException:
+            segment.close()
+            raise
+        self.name = name
+        self.capacity: int = capacity
+        self._segment = segment
+        self._header: memoryview | None = header
+        self._data: memoryview | None = segment.buf[DATA_OFFSET:DATA_OFFSET + capacity]
+        # Resume after a previous writer: positions continue from its head.
+        self._head: int = header[_HEAD]
+
+    @property
+    def head(self) -> int:
+        """Cumulative position just past the last reservation."""
+        return self._head
+
+    def reserve(self, length: int) -> tuple[int, memoryview] | None:
+        """Reserve space for a record of ``length`` bytes, without waiting.
+
+        Args:
+            length: the record's size in bytes.
+
+        Returns:
+            ``(position, view)``: the cumulative position of the record's first byte,
+            to send to the reader, and a writable memoryview of exactly ``length`` bytes
+            to fill first. None when the ring has no room right now, and always for
+            ``length == 0`` or a length that rounded up to ``ALIGN`` exceeds the
+            capacity: send the record another way then.
+
+        Raises:
+            ValueError: negative ``length``, or the writer is closed.
+            RingError: the header's tail is impossible (the segment is corrupt).
+        """
+        length = operator.index(length)
+        if length < 0:
+            raise ValueError(f"record length must be >= 0, got {length}")
+        if self._header is None or self._data is None:
+            raise ValueError(f"ring writer {self.name!r} is closed")
+        rounded = _round_up(length)
+        capacity = self.capacity
+        if length == 0 or rounded > capacity:
+            return None
+        head = self._head
+        offset = head % capacity
+        if offset + rounded > capacity:
+            head += capacity - offset  # padding: skip to the region start
+            offset = 0
+        tail = self._header[_TAIL]
+        if tail > self._head or self._head - tail > capacity:
+            raise RingError(f"ring {self.name!r} has a corrupt tail {tail} "
+                            f"(head {self._head}, capacity {capacity})")
+        if head + rounded - tail > capacity:
+            return None
+        self._head = head + rounded
+        self._header[_HEAD] = self._head
+        return head, self._data[offset:offset + length]
+
+    def close(self) -> None:
+        """Detach from the ring; idempotent. Views returned by reserve stay valid."""
+        header, data = self._header, self._data
+        self._header = self._data = None
+        if header is not None:
+            header.release()
+        if data is not None:
+            data.release()
+        self._segment.close()
+
+    def __enter__(self) -> RingWriter:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None,
+                 exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+
+class _Record:
+    """A claimed record: where it (with its gap) ends, and whether it has been released."""
+
+    __slots__ = ("end", "released")
+
+    def __init__(self, end: int) -> None:
+        self.end = end
+        self.released = False
+
+
+class RingReader:
+    """The consuming side of a ring: creates and owns the shared-memory segment.
+
+    Thread-safe: records may be claimed from one thread and released (garbage
+    collected) in any.
+
+    Attributes:
+        name: the segment's name, for :class:`RingWriter`.
+        capacity: size of the data region in bytes.
+    """
+
+    def __init__(self, capacity: int = DEFAULT_RING_BYTES, kind: str = KIND) -> None:
+        """Create a ring with ``capacity`` bytes of data space.
+
+        Args:
+            capacity: data bytes; a positive multiple of ``ALIGN`` (the ``ring_bytes``
+                setting).
+            kind: the segment kind used in its name (see ``segment_name``).
+
+        Raises:
+            ValueError: bad ``capacity`` or ``kind``.
+            ShmError: ``/dev/shm`` has no room for the ring.
+        """
+        if (not isinstance(capacity, int) or isinstance(capacity, bool)
+                or capacity < ALIGN or capacity % ALIGN):
+            raise ValueError(f"ring capacity must be a positive multiple of {ALIGN} bytes, "
+                             f"got {capacity!r}")
+        segment = Segment.create(kind, DATA_OFFSET + capacity)
+        self.name = segment.name
+        self.capacity = capacity
+        self._segment = segment
+        segment.buf[: len(MAGIC)] = MAGIC
+        self._header: memoryview | None = _header(segment)
+        self._header[_CAPACITY] = capacity  # tail and head start at 0: the file is zeroed
+        self._lock = threading.Lock()
+        self._claimed: collections.deque[_Record] = collections.deque()
+        # Releases are queued here by finalizers and applied by whoever holds the lock,
+        # so a finalizer never blocks (it may run inside claim, on the same thread).
+        self._pending: collections.deque[_Record] = collections.deque()
+        self._cursor = 0  # end of the last claimed record
+        self._tail = 0  # end of the released prefix; mirrored in the header
+        self._outstanding = 0
+
+    @property
+    def tail(self) -> int:
+        """Cumulative position up to which space has been freed."""
+        self._drain()
+        return self._tail
+
+    def claim(self, position: int, length: int) -> npt.NDArray[np.uint8]:
+        """Take the record the writer reported, as a zero-copy array.
+
+        Records must be claimed in the order they were reserved, each once.
+
+        Args:
+            position: the record's position, as returned by :meth:`RingWriter.reserve`.
+            length: the record's length in bytes.
+
+        Returns:
+            A writable uint8 array of shape ``(length,)`` over the record's bytes in
+            shared memory. Build everything from this array (slices, memoryviews,
+            ``np.frombuffer``): the record is released once it and all of them are
+            garbage collected, never earlier.
+
+        Raises:
+            RingError: ``(position, length)`` cannot be a record of this ring now (a
+                duplicate, out of order, not reserved, overlapping live records, or
+                running past the end of the data region).
+            ValueError: the reader is closed.
+        """
+        try:
+            position = operator.index(position)
+            length = operator.index(length)
+        except TypeError:
+            raise RingError(f"record position and length must be ints, got "
+                            f"{position!r}, {length!r}") from None
+        with self._lock:
+            if self._header is None:
+                raise ValueError(f"ring {self.name!r} is closed")
+            self._check(position, length, self._header[_HEAD])
+            offset = DATA_OFFSET + position % self.capacity
+            array = np.frombuffer(self._segment.buf, dtype=np.uint8, count=length,
+                                  offset=offset)
+            record = _Record(position + _round_up(length))
+            self._claimed.append(record)
+            self._cursor = record.end
+            self._outstanding += 1
+            done = weakref.finalize(array, self._on_release, record)
+            done.atexit = False  # nothing to free at exit: the segment goes anyway
+        self._drain()
+        return array
+
+    def _check(self, position: int, length: int, head: int) -> None:
+        """Raise RingError unless ``(position, length)`` can be the next record.
+
+        ``head`` is the writer's published head: a record must lie before it.
+        """
+        capacity = self.capacity
+        where = f"ring record at position {position} of length {length}"
+        if length < 1:
+            raise RingError(f"{where}: length must be at least 1")
+        rounded = _round_up(length)
+        if rounded > capacity:
+            raise RingError(f"{where}: longer than the ring's capacity {capacity}")
+        if position < 0 or position % ALIGN or position + rounded >= _POSITION_LIMIT:
+            raise RingError(f"{where}: position must be a multiple of {ALIGN} in "
+                            f"[0, 2**64)")
+        if position < self._cursor:
+            raise RingError(f"{where}: starts before the end of the previous record "
+                            f"({self._cursor}); duplicate or out-of-order record")
+        if position % capacity + rounded > capacity:
+            raise RingError(f"{where}: runs past the end of the data region "
+                            f"(capacity {capacity})")
+        if position + rounded - self._tail > capacity:
+            raise RingError(f"{where}: overlaps unreleased records (free space starts at "
+                            f"{self._tail}, capacity {capacity})")
+        if position + rounded > head:
+            raise RingError(f"{where}: not reserved by the writer (its head is {head})")
+
+    def _on_release(self, record: _Record) -> None:
+        """Finalizer of a claimed array: queue the record's release. Never raises."""
+        try:
+            self._pending.append(record)
+            self._drain()
+        except Exception:  # pragma: no cover - a finalizer has nobody to raise to
+            pass
+
+    def _drain(self) -> None:
+        """Apply queued releases unless another holder of the lock will."""
+        # A finalizer appends before trying the lock, and a holder drains after letting
+        # go of it, so a release queued while the lock is held is never left behind.
+        while self._pending:
+            if not self._lock.acquire(blocking=False):
+                return
+            try:
+                self._advance()
+            finally:
+                self._lock.release()
+
+    def _advance(self) -> None:
+        """Mark queued records released and move the tail over the released prefix."""
+        while self._pending:
+            record = self._pending.popleft()
+            record.released = True
+            self._outstanding -= 1
+        tail = self._tail
+        claimed = self._claimed
+        while claimed and claimed[0].released:
+            tail = claimed.popleft().end
+        if tail != self._tail:
+            self._tail = tail
+            if self._header is not None:
+                self._header[_TAIL] = tail
+
+    def outstanding(self) -> int:
+        """Number of claimed records not yet released."""
+        with self._lock:
+            self._advance()
+            count = self._outstanding
+        self._drain()
+        return count
+
+    def close(self) -> None:
+        """Unlink the ring's segment and drop this reader's mapping; idempotent.
+
+        Arrays returned by :meth:`claim` stay valid: the memory stays mapped until the
+        last of them is garbage collected. The name disappears from ``/dev/shm`` now.
+        """
+        with self._lock:
+            header, self._header = self._header, None
+        if header is None:
+            return
+        header.release()
+        self._segment.unlink()
+        self._segment.close()
+        self._drain()
+
+    def __enter__(self) -> RingReader:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None,
+                 exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"<RingReader {self.name!r} capacity={self.capacity} "
+                f"outstanding={self._outstanding}>")

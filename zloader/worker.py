@@ -1,0 +1,595 @@
+"""A worker process: registers with the broker, runs one task at a time, serves elements.
+
+Threads: the main thread owns every socket (broker DEALER, data ROUTER, the inproc pair to
+the producer) and moves messages; a producer thread runs the user's pipeline for one epoch
+and hands finished records to the main thread, taking one credit per record, so memory stays
+bounded by what consumers granted. See docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import secrets
+import signal
+import socket as _socket
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import cloudpickle
+import zmq
+
+from zloader import codec
+from zloader._host import host_id
+from zloader.pipeline import Pipeline
+from zloader.plan import Plan, plan
+from zloader.stages import Context
+from zloader.transport import records
+from zloader.transport.protocol import (
+    Command,
+    Message,
+    ProtocolError,
+    decode,
+    encode,
+    error_object,
+)
+
+__all__ = ["RECORD_BYTES", "RECORD_ELEMENTS", "RECORD_LINGER", "WorkerProcess"]
+
+log = logging.getLogger("zloader.worker")
+
+RECORD_ELEMENTS = 1024
+RECORD_BYTES = 1 << 20
+RECORD_LINGER = 0.002
+
+
+@dataclass
+class _Stream:
+    """One consumer reading this worker's task."""
+
+    identity: bytes
+    consumer: str
+    epoch: int
+    credits: int = 0
+    ring: Any = None
+
+
+@dataclass
+class _Task:
+    id: str
+    job: str
+    plan: Plan
+    sharding: str
+    index: int
+    width: int
+    on_error: str
+    entropy: int
+    streams: dict[bytes, _Stream] = field(default_factory=dict)
+    credit_pool: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(0))
+    producer: _Producer | None = None
+    producing: int | None = None
+    finished: set[int] = field(default_factory=set)
+    pending: deque[tuple[int, list[Any], dict[str, Any]]] = field(default_factory=deque)
+
+
+class _Producer(threading.Thread):
+    """Runs the worker part of one epoch and sends records to the main thread."""
+
+    def __init__(self, context: zmq.Context[Any], address: str, task: _Task,
+                 epoch: int) -> None:
+        super().__init__(name=f"zloader-producer-{epoch}", daemon=True)
+        self.context, self.address, self.task, self.epoch = context, address, task, epoch
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        pair = self.context.socket(zmq.PAIR)
+        pair.setsockopt(zmq.LINGER, 0)
+        pair.connect(self.address)
+        try:
+            self._produce(pair)
+        except _Stopped:
+            pass
+        except Exception as exc:  # user code: reported to the consumers as a value
+            with contextlib.suppress(_Stopped):
+                self._put(pair, [b"F", json.dumps({"epoch": self.epoch,
+                                                   "error": error_object(exc)}).encode()])
+        finally:
+            pair.close(0)
+
+    def _put(self, pair: zmq.Socket[Any], frames: list[Any], copy: bool = True) -> None:
+        """Send to the main thread; never blocks forever (the main thread may have dropped
+        this producer's pair after stopping it)."""
+        while True:
+            try:
+                pair.send_multipart(frames, zmq.NOBLOCK, copy=copy)
+                return
+            except zmq.Again:
+                if self.stop.wait(0.01):
+                    raise _Stopped from None
+
+    def _produce(self, pair: zmq.Socket[Any]) -> None:
+        task = self.task
+        ctx = Context(entropy=task.entropy, worker=task.index,
+                      skip_errors=task.on_error == "skip")
+        elements = task.plan.run_worker(lambda key: self._feed(pair, key), self.epoch, ctx)
+        batch: list[Any] = []
+        size = 0
+        started = last = 0.0
+        for element in elements:
+            now = time.monotonic()
+            if not batch:
+                started = now
+            slow = now - last >= RECORD_LINGER / 2
+            last = now
+            batch.append(element)
+            size += _size_hint(element)
+            if (len(batch) >= RECORD_ELEMENTS or size >= RECORD_BYTES or slow
+                    or now - started >= RECORD_LINGER):
+                self._send(pair, batch, ctx)
+                batch, size = [], 0
+                last = time.monotonic()  # waiting for credits is not production time
+        if batch:
+            self._send(pair, batch, ctx)
+        self._put(pair, [b"E", json.dumps({"epoch": self.epoch,
+                                           "skipped": ctx.skipped}).encode()])
+
+    def _send(self, pair: zmq.Socket[Any], batch: list[Any], ctx: Context) -> None:
+        while not self.task.credit_pool.acquire(timeout=0.1):
+            if self.stop.is_set():
+                raise _Stopped
+        buffers = codec.encode(batch)
+        head = json.dumps({"epoch": self.epoch, "count": len(batch),
+                           "skipped": ctx.skipped}).encode()
+        self._put(pair, [b"R", head, *buffers], copy=False)
+
+    def _feed(self, pair: zmq.Socket[Any], key: tuple[int, ...]) -> Iterator[int]:
+        task = self.task
+        if task.sharding != "dynamic":
+            order = task.plan.pipeline.source.split_order(key, task.entropy)
+            mine = order if task.sharding == "off" else order[task.index::task.width]
+            for split in mine:
+                if self.stop.is_set():
+                    raise _Stopped
+                yield split
+            return
+        while True:
+            self._put(pair, [b"S", json.dumps(list(key)).encode()])
+            while not pair.poll(100):
+                if self.stop.is_set():
+                    raise _Stopped
+            reply = json.loads(pair.recv())
+            if not isinstance(reply, dict) or reply.get("pass") != list(key):
+                continue  # an answer meant for a producer that was stopped: ask again
+            if reply.get("split") is None:
+                self._put(pair, [b"P", json.dumps(list(key)).encode()])
+                return
+            yield int(reply["split"])
+
+
+class _Stopped(Exception):
+    """The producer was asked to stop."""
+
+
+def _size_hint(element: Any, depth: int = 0) -> int:
+    nbytes = getattr(element, "nbytes", None)
+    if isinstance(nbytes, int):
+        return nbytes
+    if isinstance(element, (bytes, str)):
+        return len(element)
+    if depth < 3 and isinstance(element, dict):
+        return sum(_size_hint(v, depth + 1) for v in element.values())
+    if depth < 3 and isinstance(element, (list, tuple)):
+        return sum(_size_hint(v, depth + 1) for v in element)
+    return 8
+
+
+class WorkerProcess:
+    """One worker: the sockets, the loop and the current task.
+
+    Args:
+        broker: the broker endpoint.
+        bind: where the data socket binds (``tcp://HOST:*`` or ``ipc://PATH``).
+        advertise: the host name consumers should connect to for TCP endpoints.
+        prefer: a job to serve first (the Loader that started this worker).
+        parent: exit when this process id is no longer our parent (embedded workers).
+        heartbeat: seconds between heartbeats.
+    """
+
+    def __init__(self, broker: str, bind: str, advertise: str | None = None,
+                 prefer: str | None = None, parent: int | None = None,
+                 heartbeat: float = 1.0) -> None:
+        self.broker_endpoint = broker
+        self.bind = bind
+        self.advertise = advertise
+        self.prefer = prefer
+        self.parent = parent
+        self.heartbeat = heartbeat
+        self.id = secrets.token_hex(8)
+        self.task: _Task | None = None
+        self.stop = threading.Event()
+        self.elements = 0
+        self.bytes = 0
+        self.fallbacks = 0
+        self.early_opens: deque[tuple[bytes, Message]] = deque(maxlen=64)
+        self._last_from_broker = time.monotonic()
+        self._last_to_broker = 0.0
+
+    # --- sockets --------------------------------------------------------------------------
+
+    def run(self) -> None:
+        context = zmq.Context()
+        self.context = context
+        data = context.socket(zmq.ROUTER)
+        data.setsockopt(zmq.LINGER, 0)
+        data.bind(self.bind)
+        endpoint = data.getsockopt_string(zmq.LAST_ENDPOINT)
+        if self.advertise and endpoint.startswith("tcp://"):
+            endpoint = f"tcp://{self.advertise}:{endpoint.rsplit(':', 1)[1]}"
+        self.endpoint = endpoint
+        self.data = data
+        self.pair: zmq.Socket[Any] | None = None  # to the current producer
+        self._pairs = 0
+        self.poller = zmq.Poller()
+        self.broker = self._connect_broker()
+        try:
+            self._loop()
+        finally:
+            self._stop_task()
+            with contextlib.suppress(zmq.ZMQError):
+                self._to_broker(Command.BYE, {})
+            self._drop_pair()
+            for sock in (self.broker, data):
+                sock.close(0)
+            context.term()
+
+    def _connect_broker(self) -> zmq.Socket[Any]:
+        sock = self.context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.broker_endpoint)
+        self.broker = sock
+        self._to_broker(Command.READY, {
+            "worker": self.id, "host": _socket.gethostname(), "host_id": host_id(),
+            "pid": os.getpid(), "endpoint": self.endpoint, "prefer": self.prefer})
+        self._last_from_broker = time.monotonic()
+        return sock
+
+    def _to_broker(self, command: Command, body: dict[str, Any]) -> None:
+        self.broker.send_multipart(encode(command, body), zmq.NOBLOCK)
+        self._last_to_broker = time.monotonic()
+
+    def _loop(self) -> None:
+        poller = self.poller
+        poller.register(self.data, zmq.POLLIN)
+        poller.register(self.broker, zmq.POLLIN)
+        while not self.stop.is_set():
+            for sock, _ in poller.poll(100):
+                for _ in range(256):
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    if sock is self.data:
+                        self._from_consumer(frames)
+                    elif sock is self.broker:
+                        self._from_broker(frames)
+                    elif sock is self.pair:
+                        self._from_producer(frames)
+                    else:
+                        break  # a dropped producer's pair: ignore
+            now = time.monotonic()
+            if now - self._last_to_broker >= self.heartbeat:
+                self._to_broker(Command.HEARTBEAT, {"stats": {
+                    "elements": self.elements, "bytes": self.bytes,
+                    "fallbacks": self.fallbacks}})
+            if now - self._last_from_broker > 3 * self.heartbeat:
+                log.warning("no word from the broker at %s for %.0f s: reconnecting",
+                            self.broker_endpoint, now - self._last_from_broker)
+                poller.unregister(self.broker)
+                self.broker.close(0)
+                poller.register(self._connect_broker(), zmq.POLLIN)
+            if self.parent is not None and os.getppid() != self.parent:
+                log.warning("parent process %d is gone: exiting", self.parent)
+                return
+
+    # --- broker ---------------------------------------------------------------------------
+
+    def _from_broker(self, frames: list[zmq.Frame]) -> None:
+        self._last_from_broker = time.monotonic()
+        try:
+            msg = decode(frames)
+            self._handle_broker(msg)
+        except ProtocolError as exc:
+            log.warning("dropped a malformed message from the broker: %s", exc)
+
+    def _handle_broker(self, msg: Message) -> None:
+        command = msg.command
+        if command is Command.TASK:
+            self._start_task(msg)
+        elif command is Command.SPLIT:
+            task = self.task
+            if task is not None and msg.field("task", str) == task.id and self.pair:
+                split = msg.field("split", int, optional=True)
+                with contextlib.suppress(zmq.Again):
+                    self.pair.send(json.dumps({"pass": msg.field("pass", list),
+                                               "split": split}).encode(), zmq.NOBLOCK)
+        elif command is Command.RELEASE:
+            if self.task is not None and msg.field("task", str) == self.task.id:
+                self._stop_task()
+        elif command is Command.CONSUMER_GONE:
+            self._drop_consumer(msg.field("consumer", str))
+        elif command is Command.UNKNOWN:
+            self._connect_broker_again()
+        elif command is Command.ERROR:
+            log.error("broker refused a message: %s", msg.body.get("message"))
+
+    def _connect_broker_again(self) -> None:
+        self._to_broker(Command.READY, {
+            "worker": self.id, "host": _socket.gethostname(), "host_id": host_id(),
+            "pid": os.getpid(), "endpoint": self.endpoint, "prefer": self.prefer})
+
+    def _start_task(self, msg: Message) -> None:
+        task_id = msg.field("task", str)
+        if self.task is not None:
+            self._stop_task()
+        try:
+            if not msg.payload:
+                raise ProtocolError("TASK without a pipeline")
+            pipeline = cloudpickle.loads(msg.payload[0].buffer)
+            if not isinstance(pipeline, Pipeline):
+                raise TypeError(f"the task's pipeline is a {type(pipeline).__name__}")
+            self.task = _Task(task_id, msg.field("job", str), plan(pipeline),
+                              msg.field("sharding", str), msg.field("index", int),
+                              msg.field("width", int), str(msg.body.get("on_error", "raise")),
+                              msg.field("entropy", int))
+            early, self.early_opens = list(self.early_opens), deque(maxlen=64)
+            for identity, opened in early:
+                if opened.body.get("job") == self.task.job:
+                    self._handle_consumer(identity, opened)
+        except ProtocolError:
+            raise
+        except Exception as exc:
+            log.exception("task %s could not start", task_id)
+            error = error_object(exc)
+            error["stage"] = "worker start-up"
+            error["message"] = (f"the pipeline could not be loaded on worker pid {os.getpid()}"
+                                f": {error['message']} (install the packages it imports on "
+                                "every worker host)")
+            self._to_broker(Command.TASK_FAILED, {"task": task_id, "error": error})
+
+    def _stop_task(self) -> None:
+        task, self.task = self.task, None
+        if task is None:
+            return
+        if task.producer is not None:
+            task.producer.stop.set()
+            task.producer.join(2.0)
+        self._drop_pair()
+        for stream in task.streams.values():
+            if stream.ring is not None:
+                stream.ring.close()
+
+    # --- producer -------------------------------------------------------------------------
+
+    def _from_producer(self, frames: list[zmq.Frame]) -> None:
+        task = self.task
+        kind = frames[0].bytes
+        if task is None:
+            return
+        if kind == b"S":
+            self._to_broker(Command.SPLIT_REQ, {"task": task.id,
+                                                "pass": json.loads(frames[1].bytes)})
+        elif kind == b"P":
+            self._to_broker(Command.PASS_DONE, {"task": task.id,
+                                                "pass": json.loads(frames[1].bytes)})
+        elif kind == b"R":
+            head = json.loads(frames[1].bytes)
+            task.pending.append((head["epoch"], frames[2:], head))
+            self._deliver(task)
+        elif kind == b"E":
+            body = json.loads(frames[1].bytes)
+            task.pending.append((body["epoch"], [], {"end": True, **body}))
+            self._deliver(task)
+        elif kind == b"F":
+            body = json.loads(frames[1].bytes)
+            if body["epoch"] in task.finished:
+                return
+            for stream in task.streams.values():
+                if stream.epoch == body["epoch"]:
+                    self._to_consumer(stream, Command.FAIL, body)
+            self._finish_epoch(task, body["epoch"])
+
+    def _deliver(self, task: _Task) -> None:
+        """Send pending records to consumers with credit, in order; an epoch's END goes
+        out once all its records have."""
+        while task.pending:
+            epoch, frames, head = task.pending[0]
+            if epoch in task.finished:  # an abandoned epoch's leftovers
+                task.pending.popleft()
+                continue
+            streams = [s for s in task.streams.values() if s.epoch == epoch]
+            if head.get("end"):
+                task.pending.popleft()
+                for stream in streams:
+                    self._to_consumer(stream, Command.END, {"epoch": epoch,
+                                                            "skipped": head["skipped"]})
+                self._finish_epoch(task, epoch)
+                continue
+            ready = [s for s in streams if s.credits > 0]
+            if not ready:
+                return
+            stream = max(ready, key=lambda s: s.credits)
+            task.pending.popleft()
+            stream.credits -= 1
+            self._send_record(stream, epoch, frames, head)
+
+    def _send_record(self, stream: _Stream, epoch: int, frames: list[Any],
+                     head: dict[str, Any]) -> None:
+        body = {"epoch": epoch, "count": head["count"], "skipped": head["skipped"],
+                "ring": None}
+        size = sum(len(f) for f in frames)
+        self.elements += head["count"]
+        self.bytes += size
+        if stream.ring is not None:
+            packed = records.packed_size(frames)
+            slot = stream.ring.reserve(packed)
+            if slot is not None:
+                position, view = slot
+                records.pack_into([memoryview(f.buffer) for f in frames], view)
+                body["ring"] = [position, packed]
+                self._to_consumer(stream, Command.DATA, body)
+                return
+            self.fallbacks += 1
+        self._to_consumer(stream, Command.DATA, body, frames)
+
+    def _finish_epoch(self, task: _Task, epoch: int) -> None:
+        task.finished.add(epoch)
+        if task.producing == epoch:
+            task.producing = None
+            task.producer = None
+        self._maybe_produce(task)
+
+    def _maybe_produce(self, task: _Task) -> None:
+        if task.producing is not None:
+            return
+        wanted = sorted({s.epoch for s in task.streams.values()} - task.finished)
+        if not wanted:
+            return
+        epoch = wanted[0]
+        self._drop_pair()
+        self._pairs += 1
+        address = f"inproc://producer-{self.id}-{self._pairs}"
+        self.pair = self.context.socket(zmq.PAIR)
+        self.pair.setsockopt(zmq.LINGER, 0)
+        self.pair.bind(address)
+        self.poller.register(self.pair, zmq.POLLIN)
+        task.producing = epoch
+        task.producer = _Producer(self.context, address, task, epoch)
+        task.producer.start()
+
+    def _drop_pair(self) -> None:
+        if self.pair is not None:
+            self.poller.unregister(self.pair)
+            self.pair.close(0)
+            self.pair = None
+
+    # --- consumers ------------------------------------------------------------------------
+
+    def _from_consumer(self, frames: list[zmq.Frame]) -> None:
+        identity = frames[0].bytes
+        try:
+            msg = decode(frames[1:])
+            self._handle_consumer(identity, msg)
+        except ProtocolError as exc:
+            log.warning("dropped a malformed message on the data socket: %s", exc)
+            with contextlib.suppress(zmq.ZMQError):
+                self.data.send_multipart([identity, *encode(Command.ERROR,
+                                                            {"message": str(exc)})],
+                                         zmq.NOBLOCK)
+
+    def _handle_consumer(self, identity: bytes, msg: Message) -> None:
+        task = self.task
+        if msg.command is Command.OPEN:
+            if task is None or msg.field("job", str) != task.job:
+                # The consumer may hear of this worker's task before the worker does: keep
+                # the OPEN until the TASK arrives (bounded; the oldest are dropped).
+                self.early_opens.append((identity, msg))
+                return
+            epoch = msg.field("epoch", int)
+            stream = task.streams.get(identity)
+            if stream is None:
+                stream = _Stream(identity, msg.field("consumer", str), epoch)
+                task.streams[identity] = stream
+                ring = msg.field("ring", str, optional=True)
+                if ring is not None:
+                    stream.ring = _attach_ring(ring)
+            self._drop_credits(task, stream)
+            stream.epoch = epoch
+            self._abandon_stale(task)
+            self._add_credits(task, stream, msg.field("credits", int))
+            if epoch in task.finished and epoch != task.producing:
+                self._to_consumer(stream, Command.END, {"epoch": epoch, "skipped": 0})
+            self._maybe_produce(task)
+            self._deliver(task)
+        elif msg.command is Command.CREDIT:
+            stream = task.streams.get(identity) if task else None
+            if task is not None and stream is not None and msg.field("epoch", int) == stream.epoch:
+                self._add_credits(task, stream, msg.field("credits", int))
+                self._deliver(task)
+        elif msg.command is Command.CLOSE:
+            if task is not None and identity in task.streams:
+                self._remove_stream(task, task.streams[identity])
+        else:
+            raise ProtocolError(f"{msg.command.name} is not a data-socket command")
+
+    def _abandon_stale(self, task: _Task) -> None:
+        """Stop producing an epoch no consumer reads any more (one left it early, e.g.
+        after a ``take``), so the next epoch can start."""
+        producing = task.producing
+        if producing is None or any(s.epoch == producing for s in task.streams.values()):
+            return
+        if task.producer is not None:
+            task.producer.stop.set()  # it exits at its next send or split request
+        self._drop_pair()
+        task.finished.add(producing)
+        task.producing = None
+        task.producer = None
+
+    def _add_credits(self, task: _Task, stream: _Stream, credits: int) -> None:
+        credits = max(0, min(credits, 1 << 16))
+        stream.credits += credits
+        for _ in range(credits):
+            task.credit_pool.release()
+
+    def _drop_credits(self, task: _Task, stream: _Stream) -> None:
+        for _ in range(stream.credits):
+            if not task.credit_pool.acquire(blocking=False):
+                break
+        stream.credits = 0
+
+    def _remove_stream(self, task: _Task, stream: _Stream) -> None:
+        self._drop_credits(task, stream)
+        task.streams.pop(stream.identity, None)
+        if stream.ring is not None:
+            stream.ring.close()
+
+    def _drop_consumer(self, consumer: str) -> None:
+        task = self.task
+        if task is None:
+            return
+        for stream in [s for s in task.streams.values() if s.consumer == consumer]:
+            self._remove_stream(task, stream)
+
+    def _to_consumer(self, stream: _Stream, command: Command, body: dict[str, Any],
+                     payload: list[Any] | tuple[Any, ...] = ()) -> None:
+        try:
+            self.data.send_multipart([stream.identity, *encode(command, body, payload)],
+                                     zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:
+            log.warning("could not send %s to consumer %s: %s", command.name, stream.consumer,
+                        exc)
+
+
+def _attach_ring(name: str) -> Any:
+    from zloader.transport.ring import RingWriter
+
+    try:
+        return RingWriter(name)
+    except (OSError, ValueError) as exc:
+        log.warning("cannot attach ring %s (%s): sending over the socket instead", name, exc)
+        return None
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to send SIGTERM when the parent dies (embedded workers)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
