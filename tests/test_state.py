@@ -1,0 +1,143 @@
+"""The broker's state machine as plain calls: no sockets, no processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from zloader.state import KILLS_TO_FAIL, State
+from zloader.transport.protocol import Command, Message, ProtocolError
+
+
+def ready(state: State, name: str, now: float = 0.0, prefer: str | None = None):
+    return state.worker_ready(name.encode(), Message(Command.READY, {
+        "worker": name, "host": "h", "host_id": "h/boot/ns", "pid": 100 + len(state.workers),
+        "endpoint": f"ipc:///tmp/{name}", "prefer": prefer}), now)
+
+
+def register(state: State, consumer: str, now: float = 0.0, job_name: str | None = None,
+             fingerprint: str = "f" * 64, sharding: str = "dynamic", splits: int = 4,
+             num_workers: int = 0):
+    return state.register(consumer.encode(), Message(Command.REGISTER, {
+        "consumer": consumer, "fingerprint": fingerprint, "job_name": job_name,
+        "sharding": sharding, "deterministic": False, "num_workers": num_workers,
+        "on_error": "raise", "host_id": "h/boot/ns", "pid": 1,
+        "source": {"num_splits": splits, "shuffle_splits": False, "seed": None}},
+        [b"pipeline"]), now)
+
+
+def split(state: State, worker: str, task: str, key=(0,), now: float = 0.0):
+    (out,) = state.split_request(worker.encode(), Message(Command.SPLIT_REQ, {
+        "task": task, "pass": list(key)}), now)
+    assert out.command is Command.SPLIT
+    return out.body["split"]
+
+
+def task_of(out) -> str:
+    return next(o.body["task"] for o in out if o.command is Command.TASK)
+
+
+def test_idle_worker_gets_a_task_when_a_consumer_registers():
+    state = State()
+    assert [o.command for o in ready(state, "w1")] == [Command.ACK]  # no job yet
+    out = register(state, "c1")
+    commands = [o.command for o in out]
+    assert Command.TASK in commands and Command.JOB in commands
+    job = next(o.body for o in out if o.command is Command.JOB and o.identity == b"c1")
+    assert [w["worker"] for w in job["workers"]] == ["w1"]
+
+
+def test_splits_are_handed_out_once_in_order_then_none():
+    state = State()
+    ready(state, "w1")
+    task = task_of(register(state, "c1", splits=3))
+    assert [split(state, "w1", task) for _ in range(4)] == [0, 1, 2, None]
+
+
+def test_dead_worker_splits_go_to_the_others_first():
+    state = State(heartbeat=1.0)
+    ready(state, "w1")
+    ready(state, "w2")
+    out = register(state, "c1", splits=6)
+    tasks = {o.identity.decode(): o.body["task"] for o in out if o.command is Command.TASK}
+    assert split(state, "w1", tasks["w1"]) == 0
+    assert split(state, "w1", tasks["w1"]) == 1
+    assert split(state, "w2", tasks["w2"]) == 2
+    for now in (1.0, 2.0, 3.5):  # w2 and the consumer keep talking, w1 falls silent
+        state.seen(b"w2", now)
+        state.seen(b"c1", now)
+        state.tick(now)
+    assert "w1" not in state.workers
+    got = [split(state, "w2", tasks["w2"], now=3.5) for _ in range(5)]
+    assert got == [0, 1, 3, 4, 5]
+
+
+def test_a_split_that_kills_its_worker_three_times_is_reported_not_rerun():
+    state = State()
+    register(state, "c1", splits=2)
+    now = 0.0
+    for attempt in range(KILLS_TO_FAIL):
+        name = f"w{attempt}"
+        task = task_of(ready(state, name, now))
+        assert split(state, name, task, now=now) == 0
+        now += 10.0  # the worker dies mid-split: it never says goodbye
+        state.seen(b"c1", now)
+        state.tick(now)
+        assert name not in state.workers
+    job = next(iter(state.jobs.values()))
+    assert len(job.failed) == 1 and job.failed[0]["split"] == 0
+    task = task_of(ready(state, "survivor", now))
+    assert split(state, "survivor", task, now=now) == 1
+    assert split(state, "survivor", task, now=now) is None
+
+
+def test_same_job_name_with_another_fingerprint_is_refused_naming_both():
+    state = State()
+    register(state, "c1", job_name="run", fingerprint="a" * 64)
+    (out,) = [o for o in register(state, "c2", job_name="run", fingerprint="b" * 64)
+              if o.command is Command.ERROR]
+    assert "job_name 'run'" in out.body["message"] and "aaaa" in out.body["message"]
+    assert len(state.jobs) == 1
+
+
+def test_consumers_with_one_job_name_share_one_job():
+    state = State()
+    register(state, "c1", job_name="run")
+    register(state, "c2", job_name="run")
+    assert len(state.jobs) == 1 and len(next(iter(state.jobs.values())).consumers) == 2
+
+
+def test_abandoned_job_is_collected_and_its_workers_released():
+    state = State(heartbeat=1.0)
+    ready(state, "w1")
+    register(state, "c1")
+    out = state.bye(b"c1", 1.0)
+    assert [o.command for o in out] == [Command.CONSUMER_GONE]
+    state.seen(b"w1", 4.5)
+    out = state.tick(4.5)
+    assert Command.RELEASE in [o.command for o in out]
+    assert not state.jobs and state.workers["w1"].task is None
+
+
+def test_static_jobs_take_at_most_their_width():
+    state = State()
+    for name in ("w1", "w2", "w3"):
+        ready(state, name)
+    register(state, "c1", sharding="static", num_workers=2)
+    assert sum(1 for w in state.workers.values() if w.task) == 2
+
+
+def test_malformed_bodies_raise_protocol_error():
+    state = State()
+    with pytest.raises(ProtocolError, match="worker"):
+        state.worker_ready(b"x", Message(Command.READY, {"worker": 3}), 0.0)
+    with pytest.raises(ProtocolError, match="sharding"):
+        register(state, "c1", sharding="sideways")
+
+
+def test_status_lists_workers_and_jobs():
+    state = State()
+    ready(state, "w1")
+    register(state, "c1")
+    status = state.status()
+    assert len(status["workers"]) == 1 and status["workers"][0]["tasks"] == 1
+    assert status["jobs"][0]["consumers"] == 1 and status["jobs"][0]["workers"] == 1
