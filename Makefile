@@ -36,6 +36,7 @@ test-slow: $(VENV)/.installed-test
 
 bench: $(VENV)/.installed-test
 	$(BIN)/python -m bench.codec
+	$(BIN)/python -m bench.transport
 
 clean:
 	rm -rf $(VENV) build *.egg-info zloader.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -232,3 +232,41 @@ def test_close_leaves_no_process_or_segment():
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_worker_killed_mid_epoch_does_not_hang_and_its_splits_are_rerun():
+    def slow(x):
+        time.sleep(0.005)
+        return x
+
+    with service(workers=3) as (address, procs):
+        pipeline = Pipeline.range(600, split_size=5).map(slow)
+        with Loader(pipeline, broker=address, timeout=30) as loader:
+            start = time.monotonic()
+            seen = []
+            for i, x in enumerate(loader):
+                seen.append(x)
+                if i == 60:
+                    procs[0].send_signal(signal.SIGKILL)
+            assert set(seen) == set(range(600))  # at-least-once: repeats allowed, no loss
+            assert time.monotonic() - start < 60
+            assert sorted(loader) == list(range(600))  # the next epoch is whole again
+
+
+def test_splits_of_a_worker_killed_after_the_others_ended_are_read_in_another_round():
+    def slow_start(x):
+        if x < 5:
+            time.sleep(0.4)  # split 0 holds its worker while the other finishes the epoch
+        return x
+
+    with service(workers=2) as (address, procs):
+        pipeline = Pipeline.range(100, split_size=5).map(slow_start)
+        with Loader(pipeline, broker=address, timeout=30) as loader:
+            seen = []
+            for x in loader:
+                seen.append(x)
+                if len(seen) == 95:  # everything but split 0, all from the fast worker
+                    fast = set(loader.stats()["per_worker"])
+                    (slow,) = [p for p in procs if p.pid not in fast]
+                    slow.send_signal(signal.SIGKILL)
+            assert sorted(set(seen)) == list(range(100))

@@ -98,6 +98,9 @@ class IOThread(threading.Thread):
         self._done = False
         self._skipped_by: dict[str, int] = {}
         self._reported_failures = 0
+        self._pending: dict[str, Any] = {}
+        self._confirming = False  # asked the broker whether the epoch's splits are all done
+        self._round = 0
         self._width = max(1, num_workers)
         self._fixed = sharding in ("static", "off")  # every worker index must end the epoch
 
@@ -190,6 +193,8 @@ class IOThread(threading.Thread):
             self._epoch = command[1]
             self._ended = set()
             self._done = False
+            self._confirming = False
+            self._round = 0
             self._skipped_by = {}
             if self._job is not None:
                 self._to_broker(Command.EPOCH, {"job": self._job, "epoch": self._epoch})
@@ -214,7 +219,10 @@ class IOThread(threading.Thread):
             width = msg.body.get("width")
             if isinstance(width, int) and width > 0:
                 self._width = width
+            pending = msg.body.get("pending")
+            self._pending = pending if isinstance(pending, dict) else {}
             self._update_workers(msg.field("workers", list))
+            self._check_done(confirmed=self._confirming)
             if self._peers:
                 self.last_progress = time.monotonic()
             job_error = msg.body.get("error")
@@ -273,11 +281,12 @@ class IOThread(threading.Thread):
 
     # --- workers --------------------------------------------------------------------------
 
-    def _open(self, peer: _Peer) -> None:
-        peer.returned = 0
+    def _open(self, peer: _Peer, keep_credits: bool = False) -> None:
+        if not keep_credits:
+            peer.returned = 0
         self._send(peer, Command.OPEN, {
             "job": self._job, "consumer": self.register_body["consumer"],
-            "epoch": self._epoch, "credits": self.prefetch,
+            "epoch": self._epoch, "credits": self.prefetch, "round": self._round,
             "ring": peer.ring.name if peer.ring is not None else None})
 
     def _send(self, peer: _Peer, command: Command, body: dict[str, Any]) -> None:
@@ -336,17 +345,36 @@ class IOThread(threading.Thread):
         self.items.put(Item("data", self._epoch if self._epoch is not None else -1,
                             peer.worker, peer.index, elements))
 
-    def _check_done(self) -> None:
+    def _check_done(self, confirmed: bool = False) -> None:
+        """End the epoch once every worker ended it. With dynamic sharding the broker must
+        also confirm that no split of the epoch waits to be re-run (a dead worker's); if
+        some do, the live workers run the epoch again for them (a new round)."""
         if self._done or self._epoch is None or not self._peers:
             return
         if self._fixed:
             ended = {self._index_of.get(w) for w in self._ended}
-            finished = len(ended - {None}) >= self._width
-        else:
-            finished = all(worker in self._ended for worker in self._peers)
-        if finished:
-            self._done = True
-            self.items.put(Item("done", self._epoch))
+            if len(ended - {None}) >= self._width:
+                self._finish()
+            return
+        if not all(worker in self._ended for worker in self._peers):
+            return
+        if not confirmed:
+            if not self._confirming:
+                self._confirming = True
+                self._to_broker(Command.EPOCH, {"job": self._job, "epoch": self._epoch})
+            return
+        self._confirming = False
+        if int(self._pending.get(str(self._epoch), 0)) == 0:
+            self._finish()
+            return
+        self._round += 1  # a dead worker's splits wait: read them in another round
+        self._ended = set()
+        for peer in self._peers.values():
+            self._open(peer, keep_credits=True)
+
+    def _finish(self) -> None:
+        self._done = True
+        self.items.put(Item("done", self._epoch if self._epoch is not None else -1))
 
 
 def _make_ring(size: int | None) -> Any:

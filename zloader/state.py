@@ -235,7 +235,13 @@ class State:
                                 "host_id": worker.host_id, "index": job.indices[task],
                                 "pid": worker.pid, "host": worker.host})
         workers.sort(key=lambda w: w["index"])
+        pending: dict[str, int] = {}
+        for key, dispenser in job.passes.items():
+            waiting = len(dispenser.requeued)
+            if waiting:
+                pending[str(key[0])] = pending.get(str(key[0]), 0) + waiting
         return {"job": job.id, "workers": workers, "failed": job.failed, "error": job.error,
+                "pending": pending,
                 "width": job.width, "entropy": job.entropy,
                 "state": "failed" if job.error else "running"}
 

@@ -76,6 +76,7 @@ class _Task:
     producer: _Producer | None = None
     producing: int | None = None
     finished: set[int] = field(default_factory=set)
+    rounds: dict[int, int] = field(default_factory=dict)
     pending: deque[tuple[int, list[Any], dict[str, Any]]] = field(default_factory=deque)
 
 
@@ -513,7 +514,13 @@ class WorkerProcess:
             stream.epoch = epoch
             self._abandon_stale(task)
             self._add_credits(task, stream, msg.field("credits", int))
-            if epoch in task.finished and epoch != task.producing:
+            round_ = msg.body.get("round", 0)
+            if isinstance(round_, int) and round_ > task.rounds.get(epoch, 0):
+                # Another round of a finished epoch: a dead worker's splits wait to be read.
+                task.rounds[epoch] = round_
+                if epoch != task.producing:
+                    task.finished.discard(epoch)
+            elif epoch in task.finished and epoch != task.producing:
                 self._to_consumer(stream, Command.END, {"epoch": epoch, "skipped": 0})
             self._maybe_produce(task)
             self._deliver(task)
