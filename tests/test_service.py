@@ -270,3 +270,74 @@ def test_splits_of_a_worker_killed_after_the_others_ended_are_read_in_another_ro
                     (slow,) = [p for p in procs if p.pid not in fast]
                     slow.send_signal(signal.SIGKILL)
             assert sorted(set(seen)) == list(range(100))
+
+
+CONSUMER = """
+import sys, time
+from zloader import Loader, Pipeline
+loader = Loader(Pipeline.range(10**9).map(lambda x: x), {where}, timeout=30)
+for i, x in enumerate(loader):
+    if i == 100:
+        print("reading", flush=True)
+    time.sleep(0.001)
+"""
+
+
+def _segments_of(pid: int) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"zloader-{os.getuid()}-{pid}-")]
+
+
+def test_consumer_killed_mid_epoch_releases_its_shared_memory():
+    import subprocess
+    import sys
+
+    with service(workers=2) as (address, _):
+        script = CONSUMER.format(where=f"broker={address!r}")
+        consumer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                                    text=True)
+        try:
+            assert consumer.stdout.readline().strip() == "reading"
+            assert _segments_of(consumer.pid)  # it reads its co-located workers via rings
+            consumer.send_signal(signal.SIGKILL)
+            consumer.wait(10)
+            wait_for(lambda: not _segments_of(consumer.pid), timeout=20,
+                     what="the workers to remove the dead consumer's rings")
+            wait_for(lambda: not status(address)["jobs"], timeout=20,
+                     what="the broker to collect the abandoned job")
+        finally:
+            if consumer.poll() is None:
+                consumer.kill()
+                consumer.wait()
+            consumer.stdout.close()
+
+
+def test_ctrl_c_in_the_training_loop_ends_everything_without_worker_tracebacks():
+    import subprocess
+    import sys
+
+    script = CONSUMER.format(where="num_workers=2")
+    consumer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert consumer.stdout.readline().strip() == "reading"
+        os.killpg(consumer.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        consumer.wait(20)
+        stderr = consumer.stderr.read()
+        assert "KeyboardInterrupt" in stderr
+        assert stderr.count("Traceback") == 1 and "worker.py" not in stderr
+        wait_for(lambda: _group_gone(consumer.pid), timeout=10, what="the workers to exit")
+        assert not _segments_of(consumer.pid)
+    finally:
+        if consumer.poll() is None:
+            os.killpg(consumer.pid, signal.SIGKILL)
+            consumer.wait()
+        consumer.stdout.close()
+        consumer.stderr.close()
+
+
+def _group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False

@@ -32,6 +32,7 @@ from zloader.pipeline import Pipeline
 from zloader.plan import plan
 from zloader.stages import Context
 from zloader.transport.protocol import MAX_PIPELINE_BYTES
+from zloader.transport.shm import sweep
 
 __all__ = ["Loader"]
 
@@ -117,6 +118,7 @@ class Loader:
         self._wait = 0.0
         self._elements = 0
         self._skipped_extra = 0
+        sweep()  # segments left by consumers of this user that died
         try:
             if embedded:
                 self._dir = tempfile.mkdtemp(prefix="zloader-")  # mode 0700: this user only

@@ -572,6 +572,9 @@ class WorkerProcess:
             return
         for stream in [s for s in task.streams.values() if s.consumer == consumer]:
             self._remove_stream(task, stream)
+        from zloader.transport.shm import sweep
+
+        sweep()  # a consumer that died cannot unlink its rings: remove them for it
 
     def _to_consumer(self, stream: _Stream, command: Command, body: dict[str, Any],
                      payload: list[Any] | tuple[Any, ...] = ()) -> None:
