@@ -341,3 +341,19 @@ def _group_gone(pgid: int) -> bool:
     except ProcessLookupError:
         return True
     return False
+
+
+def test_user_modules_travel_by_value_to_workers_that_lack_them(tmp_path, monkeypatch):
+    import importlib
+
+    with service(workers=1) as (address, _):  # the worker's sys.path lacks tmp_path
+        (tmp_path / "my_transforms.py").write_text("def triple(x):\n    return 3 * x\n")
+        monkeypatch.syspath_prepend(str(tmp_path))
+        module = importlib.import_module("my_transforms")
+        try:
+            with Loader(Pipeline.range(10).map(module.triple), broker=address,
+                        timeout=30) as loader:
+                assert sorted(loader) == [3 * x for x in range(10)]
+        finally:
+            import sys
+            sys.modules.pop("my_transforms", None)

@@ -186,6 +186,12 @@ def library_version(module_name: str | None) -> str | None:
     return None
 
 
+def is_installed(path: str) -> bool:
+    """Whether ``path`` lies in the standard library or a site-packages directory."""
+    path = os.path.realpath(path)
+    return path.startswith(_site_dirs()) or path.startswith(_stdlib_dirs())
+
+
 def _resolve(module_name: str, qualname: str) -> Any:
     if "<" in qualname:
         return None

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -28,6 +29,7 @@ from zloader import _check
 from zloader._client import IOThread, Item
 from zloader.broker import Broker
 from zloader.errors import PipelineError, Timeout
+from zloader.fingerprint import is_installed, library_version
 from zloader.pipeline import Pipeline
 from zloader.plan import plan
 from zloader.stages import Context
@@ -104,7 +106,7 @@ class Loader:
         if embedded and workers == 0:
             raise ValueError("num_workers must be >= 1 in embedded mode (broker=None); "
                              "for an in-process run iterate the pipeline itself")
-        blob = cloudpickle.dumps(pipeline)
+        blob = _dumps(pipeline)
         if len(blob) > MAX_PIPELINE_BYTES:
             raise ValueError(
                 f"the pipeline pickles to {len(blob) / 2**20:.1f} MiB, more than the "
@@ -295,6 +297,32 @@ class Loader:
 
 def _first_at_least(order: list[int], turn: int) -> int:
     return next((i for i, index in enumerate(order) if index >= turn), 0)
+
+
+def _dumps(pipeline: Pipeline) -> bytes:
+    """cloudpickle the pipeline, shipping the user's own modules by value.
+
+    Functions and classes from ``__main__`` and from modules that are not installed (not
+    in the standard library or site-packages) travel with the pipeline, so remote workers
+    need not have the user's source tree; installed packages travel by reference and must
+    be installed on the workers.
+    """
+    modules = [module for name, module in list(sys.modules.items())
+               if isinstance(module, types.ModuleType) and _is_user_module(name, module)]
+    for module in modules:
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        return cloudpickle.dumps(pipeline)
+    finally:
+        for module in modules:
+            cloudpickle.unregister_pickle_by_value(module)
+
+
+def _is_user_module(name: str, module: types.ModuleType) -> bool:
+    if name == "__main__" or name.partition(".")[0] == "zloader":
+        return False
+    path = str(getattr(module, "__file__", None) or "")
+    return path.endswith(".py") and not is_installed(path) and library_version(name) is None
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
