@@ -357,3 +357,19 @@ def test_user_modules_travel_by_value_to_workers_that_lack_them(tmp_path, monkey
         finally:
             import sys
             sys.modules.pop("my_transforms", None)
+
+
+def test_a_split_that_kills_three_workers_is_reported_naming_it():
+    def crash_on_seven(x):
+        if x == 7:
+            os._exit(3)  # the worker process dies, as with a segfault in a decoder
+        return x
+
+    with service(workers=4) as (address, _):
+        pipeline = Pipeline.range(20, split_size=5).map(crash_on_seven)
+        start = time.monotonic()
+        with Loader(pipeline, broker=address, timeout=60) as loader, \
+                pytest.raises(PipelineError, match="split 1") as info:
+            list(loader)
+        assert "died 3 times" in str(info.value)
+        assert time.monotonic() - start < 60

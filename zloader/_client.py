@@ -98,6 +98,7 @@ class IOThread(threading.Thread):
         self._done = False
         self._skipped_by: dict[str, int] = {}
         self._reported_failures = 0
+        self._reported_error = False
         self._pending: dict[str, Any] = {}
         self._confirming = False  # asked the broker whether the epoch's splits are all done
         self._round = 0
@@ -219,23 +220,24 @@ class IOThread(threading.Thread):
             width = msg.body.get("width")
             if isinstance(width, int) and width > 0:
                 self._width = width
+            job_error = msg.body.get("error")
+            if job_error and not self._reported_error:
+                self._reported_error = True
+                self.items.put(Item("error", error=error_from_object(job_error,
+                                                                      "worker start-up")))
+            failed = msg.field("failed", list)
+            if len(failed) > self._reported_failures:  # before any "done" this JOB causes
+                entry = failed[-1] if isinstance(failed[-1], dict) else {}
+                self._reported_failures = len(failed)
+                self.items.put(Item("error", error=PipelineError.create(
+                    "worker", "RuntimeError", str(entry.get("message", "a split failed")),
+                    context=f"split {entry.get('split')}", builtin="RuntimeError")))
             pending = msg.body.get("pending")
             self._pending = pending if isinstance(pending, dict) else {}
             self._update_workers(msg.field("workers", list))
             self._check_done(confirmed=self._confirming)
             if self._peers:
                 self.last_progress = time.monotonic()
-            job_error = msg.body.get("error")
-            if job_error:
-                self.items.put(Item("error", error=error_from_object(job_error,
-                                                                      "worker start-up")))
-            failed = msg.field("failed", list)
-            if len(failed) > self._reported_failures:
-                entry = failed[-1] if isinstance(failed[-1], dict) else {}
-                self._reported_failures = len(failed)
-                self.items.put(Item("error", error=PipelineError.create(
-                    "worker", "RuntimeError", str(entry.get("message", "a split failed")),
-                    context=f"split {entry.get('split')}", builtin="RuntimeError")))
         elif msg.command is Command.ERROR:
             text = str(msg.body.get("message", "the broker refused the request"))
             error: Exception = ValueError(text) if "job_name" in text else ZloaderError(text)
