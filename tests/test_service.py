@@ -373,3 +373,55 @@ def test_a_split_that_kills_three_workers_is_reported_naming_it():
             list(loader)
         assert "died 3 times" in str(info.value)
         assert time.monotonic() - start < 60
+
+
+def test_hybrid_local_workers_join_the_brokers_remote_ones():
+    with service(workers=1) as (address, _):
+        with Loader(Pipeline.range(2000, split_size=10).map(lambda x: x), broker=address,
+                    num_workers=1, timeout=30) as loader:
+            for _ in range(3):
+                assert sorted(loader) == list(range(2000))
+            wait_for(lambda: len(status(address)["workers"]) == 2, what="both workers")
+
+
+def test_max_skipped_raises_once_exceeded():
+    def fail_odd(x):
+        if x % 2:
+            raise ValueError("odd")
+        return x
+
+    with Loader(Pipeline.range(200).map(fail_odd), num_workers=1, on_error="skip",
+                max_skipped=5, timeout=30) as loader, \
+            pytest.raises(PipelineError, match="max_skipped=5"):
+        list(loader)
+
+
+def test_all_workers_dead_raises_timeout_saying_so():
+    with service(workers=1) as (address, procs):
+        with Loader(Pipeline.range(10**9), broker=address, timeout=6) as loader:
+            start = time.monotonic()
+            with pytest.raises(Timeout, match="no worker"):
+                for i, _ in enumerate(loader):
+                    if i == 100:
+                        procs[0].send_signal(signal.SIGKILL)
+            assert time.monotonic() - start < 60
+
+
+def test_workers_reconnect_to_a_restarted_broker():
+    from tests.service import free_port
+
+    port = free_port()
+    broker, address = start_broker(port)
+    worker = start_worker(address)
+    try:
+        wait_for(lambda: (status(address, 1.0) or {}).get("workers"), what="registration")
+        broker.send_signal(signal.SIGKILL)
+        broker.wait(10)
+        broker, _ = start_broker(port)
+        wait_for(lambda: (status(address, 1.0) or {}).get("workers"), timeout=30,
+                 what="the worker to register with the new broker")
+        with Loader(Pipeline.range(100), broker=address, timeout=30) as loader:
+            assert sorted(loader) == list(range(100))
+    finally:
+        stop(worker)
+        stop(broker)
