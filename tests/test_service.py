@@ -66,9 +66,15 @@ def test_element_larger_than_16_mib_round_trips():
     def big(split):
         yield np.full(5_000_000, split, dtype=np.int64)  # 40 MB, larger than the ring
 
-    with Loader(Pipeline.from_generator(big, 2), num_workers=1, timeout=60) as loader:
+    with Loader(Pipeline.from_generator(big, 2), num_workers=1, timeout=60,
+                ring_bytes=16 << 20) as loader:
         out = sorted(loader, key=lambda a: int(a[0]))
+        assert loader.stats()["segments"] == 2  # larger than the ring: a segment each
     assert [int(a[0]) for a in out] == [0, 1] and all(a.nbytes == 40_000_000 for a in out)
+    assert all(int(a[-1]) == int(a[0]) for a in out)  # still readable after close
+    with Loader(Pipeline.from_generator(big, 2), num_workers=1, timeout=60,
+                transport="tcp") as loader:
+        assert sorted(int(a[0]) for a in loader) == [0, 1]
 
 
 def test_list_of_more_than_the_ring_holds_takes_the_private_path():

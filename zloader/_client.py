@@ -19,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import zmq
 
 from zloader import codec
@@ -63,6 +64,7 @@ class _Peer:
     socket: zmq.Socket[Any]
     ring: Any = None
     returned: int = 0
+    mapped: list[str] = field(default_factory=list)  # one-record segments to let go of
 
 
 class IOThread(threading.Thread):
@@ -86,6 +88,7 @@ class IOThread(threading.Thread):
         self.bytes = 0
         self.records = 0
         self.private = 0
+        self.segments = 0
         self.skipped = 0
         self.per_worker: dict[int, int] = {}
         self._commands: deque[tuple[Any, ...]] = deque()
@@ -205,10 +208,12 @@ class IOThread(threading.Thread):
             target = self._peers.get(command[1])
             if target is not None and self._epoch is not None:
                 target.returned += command[2]
-                if target.returned >= max(1, self.prefetch // 2):
+                if target.returned >= max(1, self.prefetch // 2) or target.mapped:
                     self._send(target, Command.CREDIT, {"epoch": self._epoch,
-                                                        "credits": target.returned})
+                                                        "credits": target.returned,
+                                                        "mapped": target.mapped})
                     target.returned = 0
+                    target.mapped = []
 
     # --- broker ---------------------------------------------------------------------------
 
@@ -327,7 +332,11 @@ class IOThread(threading.Thread):
     def _data(self, peer: _Peer, msg: Message) -> None:
         count = msg.field("count", int)
         ring = msg.body.get("ring")
-        if ring is not None:
+        segment = msg.body.get("segment")
+        if segment is not None:
+            buffers = records.unpack(memoryview(self._map_segment(peer, segment)))
+            self.segments += 1
+        elif ring is not None:
             if peer.ring is None or not isinstance(ring, list) or len(ring) != 2:
                 raise ProtocolError("DATA names a ring this consumer did not open")
             block = peer.ring.claim(int(ring[0]), int(ring[1]))
@@ -346,6 +355,25 @@ class IOThread(threading.Thread):
         self.skipped = sum(self._skipped_by.values())
         self.items.put(Item("data", self._epoch if self._epoch is not None else -1,
                             peer.worker, peer.index, elements))
+
+    def _map_segment(self, peer: _Peer, segment: Any) -> Any:
+        """Map a one-record segment; the worker unlinks it once told (next CREDIT)."""
+        from zloader.transport.shm import Segment
+
+        if not (isinstance(segment, list) and len(segment) == 2
+                and isinstance(segment[0], str) and isinstance(segment[1], int)):
+            raise ProtocolError("DATA: segment must be [name, length]")
+        try:
+            mapped = Segment.attach(segment[0])
+        except (OSError, ValueError) as exc:
+            raise ProtocolError(f"DATA: cannot map segment {segment[0]!r}: {exc}") from None
+        if not 0 < segment[1] <= mapped.size:
+            mapped.close()
+            raise ProtocolError(f"DATA: segment length {segment[1]} out of range")
+        block = np.frombuffer(mapped.buf, np.uint8, count=segment[1])
+        mapped.close()  # the mapping lives on in ``block`` and the views made from it
+        peer.mapped.append(segment[0])
+        return block
 
     def _check_done(self, confirmed: bool = False) -> None:
         """End the epoch once every worker ended it. With dynamic sharding the broker must

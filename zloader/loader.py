@@ -255,11 +255,12 @@ class Loader:
     def stats(self) -> dict[str, Any]:
         """Cumulative counters: ``elements`` yielded, ``bytes`` received, ``wait_seconds``
         (time the consumer waited for data), ``skipped``, ``per_worker`` (elements by worker
-        pid), ``private`` (records that bypassed the ring because it was full)."""
+        pid), ``private`` (records that bypassed the ring because it was full),
+        ``segments`` (records too large for the ring, sent in a segment of their own)."""
         io = self._io
         return {"elements": self._elements, "bytes": io.bytes, "wait_seconds": self._wait,
                 "skipped": io.skipped, "per_worker": dict(io.per_worker),
-                "private": io.private, "records": io.records}
+                "private": io.private, "segments": io.segments, "records": io.records}
 
     def close(self) -> None:
         """Stop everything this Loader started and release its memory (safe to call twice)."""

@@ -59,6 +59,7 @@ class _Stream:
     epoch: int
     credits: int = 0
     ring: Any = None
+    handoffs: dict[str, Any] = field(default_factory=dict)  # segments the consumer may map
 
 
 @dataclass
@@ -373,6 +374,7 @@ class WorkerProcess:
             task.producer.join(2.0)
         self._drop_pair()
         for stream in task.streams.values():
+            self._unlink_handoffs(stream)
             if stream.ring is not None:
                 stream.ring.close()
 
@@ -439,6 +441,8 @@ class WorkerProcess:
         self.bytes += size
         if stream.ring is not None:
             packed = records.packed_size(frames)
+            if packed > stream.ring.capacity and self._send_segment(stream, body, frames, packed):
+                return
             slot = stream.ring.reserve(packed)
             if slot is not None:
                 position, view = slot
@@ -448,6 +452,31 @@ class WorkerProcess:
                 return
             self.fallbacks += 1
         self._to_consumer(stream, Command.DATA, body, frames)
+
+    def _send_segment(self, stream: _Stream, body: dict[str, Any], frames: list[Any],
+                      packed: int) -> bool:
+        """A record larger than the ring goes in a shared-memory segment of its own. This
+        worker unlinks it once the consumer says it has mapped it (in CREDIT), or when the
+        consumer goes away."""
+        from zloader.transport.shm import Segment, ShmError
+
+        try:
+            segment = Segment.create("big", packed)
+        except (ShmError, OSError) as exc:
+            log.warning("%s; sending the record over the socket", exc)
+            return False
+        records.pack_into([memoryview(f.buffer) for f in frames], segment.buf)
+        stream.handoffs[segment.name] = segment
+        body["segment"] = [segment.name, packed]
+        self._to_consumer(stream, Command.DATA, body)
+        return True
+
+    def _unlink_handoffs(self, stream: _Stream, names: Any = None) -> None:
+        for name in list(stream.handoffs) if names is None else names:
+            segment = stream.handoffs.pop(name, None) if isinstance(name, str) else None
+            if segment is not None:
+                segment.close()
+                segment.unlink()
 
     def _finish_epoch(self, task: _Task, epoch: int) -> None:
         task.finished.add(epoch)
@@ -526,9 +555,11 @@ class WorkerProcess:
             self._deliver(task)
         elif msg.command is Command.CREDIT:
             stream = task.streams.get(identity) if task else None
-            if task is not None and stream is not None and msg.field("epoch", int) == stream.epoch:
-                self._add_credits(task, stream, msg.field("credits", int))
-                self._deliver(task)
+            if task is not None and stream is not None:
+                self._unlink_handoffs(stream, msg.field("mapped", list, optional=True) or [])
+                if msg.field("epoch", int) == stream.epoch:
+                    self._add_credits(task, stream, msg.field("credits", int))
+                    self._deliver(task)
         elif msg.command is Command.CLOSE:
             if task is not None and identity in task.streams:
                 self._remove_stream(task, task.streams[identity])
@@ -562,6 +593,7 @@ class WorkerProcess:
 
     def _remove_stream(self, task: _Task, stream: _Stream) -> None:
         self._drop_credits(task, stream)
+        self._unlink_handoffs(stream)
         task.streams.pop(stream.identity, None)
         if stream.ring is not None:
             stream.ring.close()
