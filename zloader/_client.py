@@ -333,6 +333,7 @@ class IOThread(threading.Thread):
         count = msg.field("count", int)
         ring = msg.body.get("ring")
         segment = msg.body.get("segment")
+        buffers: list[Any]
         if segment is not None:
             buffers = records.unpack(memoryview(self._map_segment(peer, segment)))
             self.segments += 1
@@ -340,7 +341,7 @@ class IOThread(threading.Thread):
             if peer.ring is None or not isinstance(ring, list) or len(ring) != 2:
                 raise ProtocolError("DATA names a ring this consumer did not open")
             block = peer.ring.claim(int(ring[0]), int(ring[1]))
-            buffers: list[Any] = records.unpack(memoryview(block))
+            buffers = records.unpack(memoryview(block))
         else:
             buffers = [frame.buffer for frame in msg.payload]
             self.private += peer.ring is not None
