@@ -431,3 +431,15 @@ def test_workers_reconnect_to_a_restarted_broker():
     finally:
         stop(worker)
         stop(broker)
+
+
+def test_large_in_memory_sources_reach_workers_from_the_loader():
+    images = np.arange(3_000_000, dtype=np.float64).reshape(1000, 3000)  # 24 MB
+    arrays = Pipeline.from_arrays({"x": images, "i": np.arange(1000)}).map(
+        lambda e: (int(e["i"]), float(e["x"][0])))
+    with Loader(arrays, num_workers=2, timeout=60) as loader:
+        assert sorted(loader) == [(i, float(i * 3000)) for i in range(1000)]
+    items = Pipeline.from_items([bytes([i % 256]) * 20_000 for i in range(500)])  # 10 MB
+    with service(workers=1) as (address, _):
+        with Loader(items.map(len), broker=address, timeout=60) as loader:
+            assert list(loader) == [20_000] * 500

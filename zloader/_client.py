@@ -71,7 +71,8 @@ class IOThread(threading.Thread):
     def __init__(self, address: str, blob: bytes, *, fingerprint: str, job_name: str | None,
                  sharding: str, deterministic: bool, num_workers: int, on_error: str,
                  source: dict[str, Any], prefetch: int, use_rings: bool,
-                 ring_bytes: int | None) -> None:
+                 ring_bytes: int | None, source_data: tuple[str, list[Any]] | None = None,
+                 data_bind: str | None = None) -> None:
         super().__init__(name="zloader-loader-io", daemon=True)
         self.address = address
         self.blob = blob
@@ -79,6 +80,8 @@ class IOThread(threading.Thread):
             "consumer": secrets.token_hex(8), "fingerprint": fingerprint, "job_name": job_name,
             "sharding": sharding, "deterministic": deterministic, "num_workers": num_workers,
             "on_error": on_error, "source": source, "host_id": host_id(), "pid": os.getpid()}
+        self.source_data = source_data
+        self.data_bind = data_bind
         self.prefetch = prefetch
         self.use_rings = use_rings
         self.ring_bytes = ring_bytes
@@ -144,7 +147,10 @@ class IOThread(threading.Thread):
         self.broker.setsockopt(zmq.LINGER, 0)
         self.broker.connect(self.address)
         self.poller.register(self.broker, zmq.POLLIN)
+        self.data_server: zmq.Socket[Any] | None = None
         try:
+            if self.source_data is not None:
+                self._serve_source()
             self._loop()
         except BaseException as exc:
             self.failure = exc
@@ -174,12 +180,38 @@ class IOThread(threading.Thread):
                     try:
                         if sock is self.broker:
                             self._from_broker(decode(frames))
+                        elif sock is self.data_server:
+                            self._fetch(frames)
                         else:
                             self._from_worker(sock, decode(frames))
                     except ProtocolError as exc:
                         log.warning("dropped a malformed message: %s", exc)
 
+    def _serve_source(self) -> None:
+        """Bind the socket from which workers fetch this job's in-memory source data."""
+        assert self.source_data is not None
+        server = self.context.socket(zmq.ROUTER)
+        server.setsockopt(zmq.LINGER, 0)
+        server.bind(self.data_bind or f"tcp://{_local_address(self.address)}:*")
+        self.data_server = server
+        self.poller.register(server, zmq.POLLIN)
+        self.register_body["source_data"] = {
+            "endpoint": server.getsockopt_string(zmq.LAST_ENDPOINT),
+            "kind": self.source_data[0]}
+
+    def _fetch(self, frames: list[zmq.Frame]) -> None:
+        assert self.data_server is not None and self.source_data is not None
+        identity = frames[0].bytes
+        msg = decode(frames[1:])
+        if msg.command is not Command.FETCH:
+            raise ProtocolError(f"{msg.command.name} sent to the source-data socket")
+        self.data_server.send_multipart(
+            [identity, *encode(Command.SOURCE, {"kind": self.source_data[0]},
+                               self.source_data[1])], copy=False)
+
     def _shutdown(self) -> None:
+        if self.data_server is not None:
+            self.data_server.close(0)
         for peer in list(self._peers.values()):
             self._close_peer(peer, polite=True)
         with contextlib.suppress(zmq.ZMQError):
@@ -406,6 +438,22 @@ class IOThread(threading.Thread):
     def _finish(self) -> None:
         self._done = True
         self.items.put(Item("done", self._epoch if self._epoch is not None else -1))
+
+
+def _local_address(broker: str) -> str:
+    """The address of this host's interface that faces the broker (loopback for a local
+    broker), so that the broker's workers can reach what this consumer serves."""
+    import socket
+
+    host = broker.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    if host in ("127.0.0.1", "localhost", "::1", "*", ""):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((host, 9))  # no packet is sent: this only picks a route
+            return str(probe.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
 
 
 def _make_ring(size: int | None) -> Any:

@@ -9,6 +9,7 @@ part (docs/semantics.md) and yields elements.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -25,13 +26,14 @@ from typing import Any
 
 import cloudpickle
 
-from zloader import _check
+from zloader import _check, codec
 from zloader._client import IOThread, Item
 from zloader.broker import Broker
 from zloader.errors import PipelineError, Timeout
 from zloader.fingerprint import is_installed, library_version
 from zloader.pipeline import Pipeline
 from zloader.plan import plan
+from zloader.sources import ArraysSource, ItemsSource
 from zloader.stages import Context
 from zloader.transport.protocol import MAX_PIPELINE_BYTES
 from zloader.transport.shm import sweep
@@ -106,11 +108,14 @@ class Loader:
         if embedded and workers == 0:
             raise ValueError("num_workers must be >= 1 in embedded mode (broker=None); "
                              "for an in-process run iterate the pipeline itself")
-        blob = _dumps(pipeline)
+        stripped, source_data = _strip_source(pipeline)
+        blob = _dumps(stripped)
         if len(blob) > MAX_PIPELINE_BYTES:
             raise ValueError(
-                f"the pipeline pickles to {len(blob) / 2**20:.1f} MiB, more than the "
-                f"{MAX_PIPELINE_BYTES / 2**20:.0f} MiB a broker accepts; keep large data in "
+                f"the pipeline's code pickles to {len(blob) / 2**20:.1f} MiB, more than the "
+                f"{MAX_PIPELINE_BYTES / 2**20:.0f} MiB a broker accepts (in-memory sources "
+                "go to workers separately; this is the functions and what they hold): keep "
+                "large data in a Pipeline.from_arrays/from_items source, in "
                 "files (Pipeline.from_files) or a dataset object that loads it in the worker")
         self._closed = False
         self._dir: str | None = None
@@ -136,7 +141,9 @@ class Loader:
                 deterministic=self._deterministic, num_workers=workers, on_error=on_error,
                 source={"num_splits": source.num_splits, "shuffle_splits": source.shuffle_splits,
                         "seed": source.seed},
-                prefetch=prefetch, use_rings=transport == "auto", ring_bytes=ring_bytes)
+                prefetch=prefetch, use_rings=transport == "auto", ring_bytes=ring_bytes,
+                source_data=source_data,
+                data_bind=f"ipc://{self._dir}/source" if embedded else None)
             self._io.start()
             for index in range(workers):
                 self._processes.append(self._spawn_worker(address, index, embedded))
@@ -298,6 +305,30 @@ class Loader:
 
 def _first_at_least(order: list[int], turn: int) -> int:
     return next((i for i, index in enumerate(order) if index >= turn), 0)
+
+
+INLINE_SOURCE_BYTES = 1 << 20
+"""In-memory sources larger than this reach workers from the Loader, not via the broker."""
+
+
+def _strip_source(pipeline: Pipeline) -> tuple[Pipeline, tuple[str, list[Any]] | None]:
+    """Take a large ``from_arrays``/``from_items`` source's data out of the pipeline.
+
+    Returns the pipeline to send through the broker and ``(kind, frames)`` for the Loader
+    to serve to workers: arrays as codec frames (no pickle), items as one cloudpickle frame.
+    """
+    source = pipeline.source
+    if isinstance(source, ArraysSource):
+        frames = codec.encode(source.structure)
+        if sum(memoryview(f).nbytes for f in frames) > INLINE_SOURCE_BYTES:
+            stripped = dataclasses.replace(source, structure=None)
+            return Pipeline(stripped, pipeline.stages), ("arrays", frames)
+    elif isinstance(source, ItemsSource):
+        data = cloudpickle.dumps(source.items)
+        if len(data) > INLINE_SOURCE_BYTES:
+            stripped_items = dataclasses.replace(source, items=())
+            return Pipeline(stripped_items, pipeline.stages), ("items", [data])
+    return pipeline, None
 
 
 def _dumps(pipeline: Pipeline) -> bytes:

@@ -79,6 +79,7 @@ class Job:
     shuffle_splits: bool
     seed: int | None
     width: int  # static sharding: the fixed number of worker indices
+    source_data: dict[str, Any] | None
     entropy: int
     created: float
     tasks: dict[str, str] = field(default_factory=dict)       # task id -> worker id
@@ -215,7 +216,7 @@ class State:
         job = Job(secrets.token_hex(8), fingerprint, name, options["sharding"],
                   options["deterministic"], options["on_error"], options, bytes(msg.payload[0]),
                   num_splits, bool(source.get("shuffle_splits", False)), seed, width,
-                  secrets.randbits(63), now)
+                  _source_data(msg.body.get("source_data")), secrets.randbits(63), now)
         self.jobs[job.id] = job
         return job
 
@@ -270,7 +271,8 @@ class State:
             worker.task = task
             body = {"task": task, "job": job.id, "sharding": job.sharding, "index": index,
                     "width": job.width, "deterministic": job.deterministic,
-                    "on_error": job.on_error, "entropy": job.entropy}
+                    "on_error": job.on_error, "entropy": job.entropy,
+                    "source_data": job.source_data}
             out.append(Out(worker.identity, Command.TASK, body, (job.blob,)))
             out += self._tell_consumers(job)
         return out
@@ -447,6 +449,15 @@ class State:
                  "state": "failed" if j.error else "running"}
                 for j in self.jobs.values()]
         return {"workers": workers, "jobs": jobs}
+
+
+def _source_data(value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if (not isinstance(value, dict) or not isinstance(value.get("endpoint"), str)
+            or value.get("kind") not in ("arrays", "items")):
+        raise ProtocolError("REGISTER: source_data must be {endpoint, kind: arrays|items}")
+    return {"endpoint": value["endpoint"], "kind": value["kind"]}
 
 
 def _delta(new: dict[str, Any], old: dict[str, Any], key: str) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import json
 import logging
 import os
@@ -30,6 +31,7 @@ from zloader import codec
 from zloader._host import host_id
 from zloader.pipeline import Pipeline
 from zloader.plan import Plan, plan
+from zloader.sources import ArraysSource, ItemsSource
 from zloader.stages import Context
 from zloader.transport import records
 from zloader.transport.protocol import (
@@ -48,6 +50,7 @@ log = logging.getLogger("zloader.worker")
 RECORD_ELEMENTS = 1024
 RECORD_BYTES = 1 << 20
 RECORD_LINGER = 0.002
+FETCH_TIMEOUT = 30.0
 
 
 @dataclass
@@ -346,6 +349,9 @@ class WorkerProcess:
             pipeline = cloudpickle.loads(msg.payload[0].buffer)
             if not isinstance(pipeline, Pipeline):
                 raise TypeError(f"the task's pipeline is a {type(pipeline).__name__}")
+            source_data = msg.field("source_data", dict, optional=True)
+            if source_data is not None:
+                pipeline = self._fetch_source(pipeline, source_data)
             self.task = _Task(task_id, msg.field("job", str), plan(pipeline),
                               msg.field("sharding", str), msg.field("index", int),
                               msg.field("width", int), str(msg.body.get("on_error", "raise")),
@@ -364,6 +370,32 @@ class WorkerProcess:
                                 f": {error['message']} (install the packages it imports on "
                                 "every worker host)")
             self._to_broker(Command.TASK_FAILED, {"task": task_id, "error": error})
+
+    def _fetch_source(self, pipeline: Pipeline, where: dict[str, Any]) -> Pipeline:
+        """Get a large in-memory source's data from the Loader that holds it."""
+        endpoint = where.get("endpoint")
+        sock = self.context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(str(endpoint))
+            sock.send_multipart(encode(Command.FETCH, {}))
+            if not sock.poll(int(FETCH_TIMEOUT * 1000)):
+                raise TimeoutError(f"the Loader holding this job's in-memory source at "
+                                   f"{endpoint} did not answer within {FETCH_TIMEOUT:.0f} s")
+            reply = decode(sock.recv_multipart(copy=False))
+        finally:
+            sock.close(0)
+        if reply.command is not Command.SOURCE or not reply.payload:
+            raise ProtocolError("the Loader answered FETCH without source data")
+        source = pipeline.source
+        if where.get("kind") == "arrays" and isinstance(source, ArraysSource):
+            structure = codec.decode([frame.buffer for frame in reply.payload])
+            return Pipeline(dataclasses.replace(source, structure=structure), pipeline.stages)
+        if where.get("kind") == "items" and isinstance(source, ItemsSource):
+            items = cloudpickle.loads(reply.payload[0].buffer)
+            return Pipeline(dataclasses.replace(source, items=tuple(items)), pipeline.stages)
+        raise ProtocolError(f"source data of kind {where.get('kind')!r} does not fit a "
+                            f"{type(source).__name__}")
 
     def _stop_task(self) -> None:
         task, self.task = self.task, None

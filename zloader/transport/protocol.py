@@ -57,6 +57,8 @@ class Command(enum.IntEnum):
     END = 23           # worker -> consumer: no more data for an epoch
     FAIL = 24          # worker -> consumer: user code failed
     CLOSE = 25         # consumer -> worker: leaving
+    FETCH = 30         # worker -> consumer: send the job's in-memory source data
+    SOURCE = 31        # consumer -> worker: the source data (payload)
 
 
 class ProtocolError(ZloaderError):
