@@ -144,3 +144,23 @@ def test_status_command_against_a_running_broker():
         assert "workers (1)" in table.stdout and "jobs (0)" in table.stdout
     silent = run(bin_path("zloader"), "status", "--broker", address, "--timeout", "0.5")
     assert silent.returncode == 1 and "no answer" in silent.stderr
+
+
+def test_broker_work_dir_holds_its_log_and_address(tmp_path):
+    import signal as _signal
+
+    from tests.service import free_port, status, wait_for
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    work = tmp_path / "broker"
+    process = subprocess.Popen([bin_path("zloader-broker"), "--bind", address, "--work-dir",
+                                str(work)], stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: status(address, 1.0) is not None, what="the broker")
+        import json
+        info = json.loads((work / "broker.json").read_text())
+        assert info["address"] == address and info["pid"] == process.pid
+    finally:
+        process.send_signal(_signal.SIGTERM)
+        assert process.wait(10) == 0
+    assert "listening on" in (work / "broker.log").read_text()

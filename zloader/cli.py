@@ -6,6 +6,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -167,11 +168,16 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--bind", default="tcp://127.0.0.1:5555",
                         help="address to listen on (default tcp://127.0.0.1:5555: loopback; "
                              "give tcp://0.0.0.0:5555 to accept other hosts)")
+    parser.add_argument("--work-dir", default=None, metavar="DIR",
+                        help="a directory for the broker's files: broker.log (its log) and "
+                             "broker.json (address and pid, for scripts); created if missing")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"])
     parser.add_argument("--version", action="version", version=f"zloader {__version__}")
     args = parser.parse_args(argv)
     _logging(args.log_level)
+    if args.work_dir:
+        _work_dir(args.work_dir, args.bind)
     broker = Broker(args.bind)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: broker._stop.set())
@@ -182,6 +188,15 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
         print(f"zloader-broker: cannot listen on {args.bind}: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _work_dir(path: str, bind: str) -> None:
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    handler = logging.FileHandler(os.path.join(path, "broker.log"))
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    logging.getLogger().addHandler(handler)
+    with open(os.path.join(path, "broker.json"), "w") as f:
+        json.dump({"address": bind, "pid": os.getpid(), "version": __version__}, f)
 
 
 def worker_main(argv: Sequence[str] | None = None) -> int:
