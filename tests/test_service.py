@@ -443,3 +443,25 @@ def test_large_in_memory_sources_reach_workers_from_the_loader():
     with service(workers=1) as (address, _):
         with Loader(items.map(len), broker=address, timeout=60) as loader:
             assert list(loader) == [20_000] * 500
+
+
+def test_bad_frames_to_a_worker_data_port_are_ignored():
+    with service(workers=1) as (address, _):
+        endpoint = status(address)["workers"][0]["endpoint"]
+        context = zmq.Context()
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(endpoint)
+            for junk in ([b"x"], [VERSION, b"\x05", b"[]"], [VERSION, bytes((Command.OPEN,)),
+                                                              b'{"job": 5}'],
+                         [b"ZLP/9 py/0.0 cp/0", bytes((Command.CREDIT,)), b"{}"]):
+                sock.send_multipart(junk)
+            assert sock.poll(5000)  # the worker answers ERROR to what it can parse...
+            reply = sock.recv_multipart()
+            assert reply[1] == bytes((Command.ERROR,))
+        finally:
+            sock.close(0)
+            context.term()
+        with Loader(Pipeline.range(20), broker=address, timeout=30) as loader:
+            assert sorted(loader) == list(range(20))  # ...and keeps serving
