@@ -655,6 +655,9 @@ def _attach_ring(name: str) -> Any:
 
     try:
         return RingWriter(name)
+    except FileNotFoundError:  # the consumer closed before this OPEN was read: not a fault
+        log.debug("ring %s is gone: its consumer has left", name)
+        return None
     except (OSError, ValueError) as exc:
         log.warning("cannot attach ring %s (%s): sending over the socket instead", name, exc)
         return None
