@@ -465,3 +465,30 @@ def test_bad_frames_to_a_worker_data_port_are_ignored():
             context.term()
         with Loader(Pipeline.range(20), broker=address, timeout=30) as loader:
             assert sorted(loader) == list(range(20))  # ...and keeps serving
+
+
+def test_worker_processes_option_starts_that_many_workers():
+    broker, address = start_broker()
+    supervisor = None
+    try:
+        wait_for(lambda: status(address, 1.0) is not None, what="the broker")
+        supervisor = start_worker(address, processes=3)
+        wait_for(lambda: len(status(address)["workers"]) == 3, what="three workers")
+        pids = {w["pid"] for w in status(address)["workers"]}
+        assert supervisor.pid not in pids and len(pids) == 3  # each a process of its own
+        stop(supervisor)
+        assert supervisor.returncode == 0
+        for pid in pids:
+            wait_for(lambda pid=pid: not _alive(pid), what=f"worker {pid} to exit")
+    finally:
+        if supervisor is not None:
+            stop(supervisor)
+        stop(broker)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
