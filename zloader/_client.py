@@ -100,6 +100,7 @@ class IOThread(threading.Thread):
         self._index_of: dict[str, int] = {}
         self._job: str | None = None
         self._epoch: int | None = None
+        self._epoch_input: tuple[Any, ...] | list[Any] = ()  # codec frames sent with OPEN
         self._ended: set[str] = set()
         self._done = False
         self._skipped_by: dict[str, int] = {}
@@ -227,6 +228,7 @@ class IOThread(threading.Thread):
     def _run_command(self, command: tuple[Any, ...]) -> None:
         if command[0] == "start":
             self._epoch = command[1]
+            self._epoch_input = command[2] if len(command) > 2 else ()
             self._ended = set()
             self._done = False
             self._confirming = False
@@ -323,14 +325,15 @@ class IOThread(threading.Thread):
     def _open(self, peer: _Peer, keep_credits: bool = False) -> None:
         if not keep_credits:
             peer.returned = 0
-        self._send(peer, Command.OPEN, {
+        self._send(peer, Command.OPEN, payload=self._epoch_input, body={
             "job": self._job, "consumer": self.register_body["consumer"],
             "epoch": self._epoch, "credits": self.prefetch, "round": self._round,
             "ring": peer.ring.name if peer.ring is not None else None})
 
-    def _send(self, peer: _Peer, command: Command, body: dict[str, Any]) -> None:
+    def _send(self, peer: _Peer, command: Command, body: dict[str, Any],
+              payload: tuple[Any, ...] | list[Any] = ()) -> None:
         try:
-            peer.socket.send_multipart(encode(command, body), zmq.NOBLOCK)
+            peer.socket.send_multipart(encode(command, body, payload), zmq.NOBLOCK)
         except zmq.Again:
             log.warning("worker %s is not reachable: %s not sent", peer.endpoint, command.name)
 

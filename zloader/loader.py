@@ -163,11 +163,17 @@ class Loader:
     # --- iteration ------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
+        return self._iterate(None)
+
+    def _iterate(self, epoch_input: Any) -> Iterator[Any]:
+        """One epoch; ``epoch_input`` (a codec element) reaches every worker's run of it
+        as ``Context.epoch_input`` (the torch adapter sends the epoch's sampled batches)."""
         if self._closed:
             raise RuntimeError("this Loader is closed")
         epoch = self._epoch
         self._epoch += 1
-        self._io.command(("start", epoch))
+        frames = codec.encode(epoch_input) if epoch_input is not None else []
+        self._io.command(("start", epoch, frames))
         ctx = Context(entropy=0)
         merged = self._merged(epoch)
         return self._plan.run_consumer(merged, epoch, ctx)

@@ -41,12 +41,17 @@ class Context:
         skip_errors: drop elements whose user code raises (``on_error="skip"``) instead of
             raising; each drop adds one to ``skipped``.
         skipped: elements dropped so far.
+        workers: how many workers run this part (1 in-process).
+        epoch_input: what the consumer sent with this epoch (adapters use it to hand
+            workers the epoch's sampled batches); None for plain pipelines.
     """
 
     entropy: int
     worker: int = 0
     skip_errors: bool = False
     skipped: int = 0
+    workers: int = 1
+    epoch_input: Any = None
 
     def rng(self, seed: int | None, position: int, key: Key) -> Any:
         if self.worker:

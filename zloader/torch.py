@@ -1,9 +1,13 @@
-"""PyTorch adapter: a ``torch.utils.data.IterableDataset`` over a zloader Pipeline.
+"""PyTorch adapters: a drop-in ``DataLoader`` and an ``IterableDataset`` over a Pipeline.
 
 This module is the only one in zloader that imports torch; import it explicitly
-(``import zloader.torch``). In this version the pipeline runs in the iterating process;
-give the dataset to a ``torch.utils.data.DataLoader`` with ``num_workers=0`` and
-``batch_size=None`` (batch in the pipeline), or iterate it directly.
+(``import zloader.torch``).
+
+:class:`DataLoader` takes what ``torch.utils.data.DataLoader`` takes; with ``num_workers > 0``
+the batches are made by zloader worker processes and, for map-style datasets, they are the
+same batches in the same order as torch's (same sampler draws, same worker seeding, batches
+assigned to workers round-robin). :class:`IterableDataset` runs a Pipeline in the iterating
+process (give it to a torch ``DataLoader`` with ``num_workers=0, batch_size=None``).
 
 Element conversion (:func:`to_torch`): numpy arrays become tensors that share their memory
 (``torch.from_numpy``, no copy) when the array is writable; read-only arrays (rows of
@@ -14,17 +18,25 @@ tensors; containers keep their shape; everything else is passed through.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+import random
+import secrets
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 import torch.utils.data
+from torch.utils.data._utils import worker as _torch_worker
 
 from zloader import _check
+from zloader.errors import PipelineError
+from zloader.loader import Loader
 from zloader.pipeline import Pipeline
+from zloader.sources import Source
 
-__all__ = ["IterableDataset", "to_torch"]
+__all__ = ["DataLoader", "IterableDataset", "to_numpy", "to_torch"]
 
 
 def to_torch(element: Any) -> Any:
@@ -76,3 +88,270 @@ class IterableDataset(torch.utils.data.IterableDataset):
                 "batch_size=None) and put batching in the pipeline.")
         epoch, self.next_epoch = self.next_epoch, self.next_epoch + 1
         return (to_torch(element) for element in self.pipeline.iter(epoch))
+
+
+def to_numpy(element: Any) -> Any:
+    """Convert the tensors in a nested element to numpy arrays (sharing memory), so that
+    the codec can carry them."""
+    if isinstance(element, torch.Tensor):
+        tensor = element.detach()
+        if tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        if tensor.dtype == torch.bfloat16:
+            raise TypeError("bfloat16 tensors cannot cross zloader's codec yet; convert them "
+                            "to float32 in collate_fn")
+        return tensor.numpy()
+    if isinstance(element, dict):
+        return {key: to_numpy(value) for key, value in element.items()}
+    if isinstance(element, (list, tuple)):
+        return type(element)(to_numpy(v) for v in element) if not hasattr(element, "_fields") \
+            else tuple(to_numpy(v) for v in element)
+    return element
+
+
+# --- the drop-in DataLoader ---------------------------------------------------------------
+
+_SEEDED: set[str] = set()  # loaders whose workers in this process have been seeded once
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class _BatchSource(Source):
+    """Worker ``w`` of ``width`` makes batches ``w, w + width, ...`` of the epoch the
+    consumer sampled (map-style), or runs the iterable dataset as torch worker ``w``."""
+
+    kind: ClassVar[str] = "torch_dataloader"
+    dataset: Any
+    collate_fn: Callable[[list[Any]], Any] | None
+    worker_init_fn: Callable[[int], None] | None
+    persistent: bool
+    width: int
+    iterable: bool
+    batch_size: int | None
+    drop_last: bool
+    token: str
+
+    @property
+    def num_splits(self) -> int:
+        return self.width
+
+    def identity(self) -> tuple[Any, ...]:
+        return (self.kind, self.token)  # this loader's job alone; the dataset is not hashed
+
+    def read(self, split: int, policy: Any = None) -> Iterator[Any]:
+        plan = getattr(policy, "epoch_input", None)
+        if not isinstance(plan, dict):
+            raise RuntimeError("a torch DataLoader epoch reached a worker without its plan")
+        worker = int(getattr(policy, "worker", 0))
+        seed = int(plan["seed"])
+        if plan["reseed"] or self.token not in _SEEDED:
+            _SEEDED.add(self.token)
+            _seed_worker(seed, worker, self.width, self.dataset, self.worker_init_fn)
+        if self.iterable:
+            return self._iterable(worker)
+        return self._mapped(plan, worker)
+
+    def _mapped(self, plan: dict[str, Any], worker: int) -> Iterator[Any]:
+        flat, offsets = plan["flat"], plan["offsets"]
+        for batch in range(worker, len(offsets) - 1, self.width):
+            indices = flat[offsets[batch]:offsets[batch + 1]]
+            keys = indices.tolist() if isinstance(indices, np.ndarray) else list(indices)
+            yield to_numpy(self._collate([self._get(i) for i in keys]) if plan["batched"]
+                           else self._collate_one(self._get(keys[0])))
+
+    def _iterable(self, worker: int) -> Iterator[Any]:
+        iterator = iter(self.dataset)
+        if self.batch_size is None:
+            for sample in iterator:
+                yield to_numpy(self._collate_one(sample))
+            return
+        while True:
+            samples = [s for _, s in zip(range(self.batch_size), iterator, strict=False)]
+            if not samples or (self.drop_last and len(samples) < self.batch_size):
+                return
+            yield to_numpy(self._collate(samples))
+
+    def _get(self, index: Any) -> Any:
+        try:
+            return self.dataset[index]
+        except Exception as exc:
+            raise PipelineError.from_exception(exc, "dataset", f"index {index!r}") from exc
+
+    def _collate(self, samples: list[Any]) -> Any:
+        collate = self.collate_fn or torch.utils.data.default_collate
+        try:
+            return collate(samples)
+        except Exception as exc:
+            raise PipelineError.from_exception(exc, "collate_fn") from exc
+
+    def _collate_one(self, sample: Any) -> Any:
+        convert = self.collate_fn or torch.utils.data.default_convert
+        try:
+            return convert(sample)
+        except Exception as exc:
+            raise PipelineError.from_exception(exc, "collate_fn") from exc
+
+
+def _seed_worker(base_seed: int, worker: int, workers: int, dataset: Any,
+                 init_fn: Callable[[int], None] | None) -> None:
+    """Seed this worker exactly as torch seeds its worker ``worker`` (``_worker_loop``)."""
+    torch.set_num_threads(1)
+    seed = base_seed + worker
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np.random.seed(_torch_worker._generate_state(base_seed, worker))
+    _torch_worker._worker_info = _torch_worker.WorkerInfo(
+        id=worker, num_workers=workers, seed=seed, dataset=dataset)
+    if init_fn is not None:
+        init_fn(worker)
+
+
+class DataLoader:
+    """``torch.utils.data.DataLoader`` with zloader's workers: change the import, keep the
+    arguments.
+
+    ``num_workers=0`` loads in this process, exactly as torch does. ``num_workers > 0`` makes
+    batches on zloader worker processes (embedded, or attached to ``broker``). For a
+    map-style dataset the batches are torch's: this loader samples indices with torch's own
+    sampler, draws the base seed from ``generator`` as torch does, seeds worker ``i`` with
+    ``base seed + i`` (afresh each epoch unless ``persistent_workers``), gives batch ``j`` to
+    worker ``j mod num_workers`` and yields batches in order. Iterable datasets see
+    ``torch.utils.data.get_worker_info()`` in each worker, so self-sharding keeps working.
+
+    Args:
+        dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
+        pin_memory, drop_last, timeout, worker_init_fn, prefetch_factor,
+        persistent_workers, generator: as in torch. ``timeout=0`` means no per-batch
+            limit, but a dead or silent worker set still raises (after 60 s).
+        broker: a zloader broker address; the workers are then started attached to it.
+        share: reserved for sharing one job across trainers (not available yet).
+        job_name: a zloader job name.
+        device: move each batch to this device (``non_blocking``).
+
+    Raises:
+        ValueError: what torch's DataLoader raises for the same arguments.
+    """
+
+    def __init__(self, dataset: Any, batch_size: int | None = 1, shuffle: bool | None = None,
+                 sampler: Any = None, batch_sampler: Any = None, num_workers: int = 0,
+                 collate_fn: Callable[[list[Any]], Any] | None = None, pin_memory: bool = False,
+                 drop_last: bool = False, timeout: float = 0,
+                 worker_init_fn: Callable[[int], None] | None = None,
+                 prefetch_factor: int | None = None, persistent_workers: bool = False,
+                 generator: torch.Generator | None = None, *, broker: str | None = None,
+                 share: bool = False, job_name: str | None = None,
+                 device: str | torch.device | None = None) -> None:
+        self._service: Loader | None = None
+        if share:
+            raise ValueError("share=True is not available in this version of zloader")
+        # torch validates every argument and builds the sampler and collate function.
+        self._torch = torch.utils.data.DataLoader(
+            dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
+            batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
+            pin_memory=pin_memory, drop_last=drop_last, timeout=timeout,
+            worker_init_fn=worker_init_fn, prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers, generator=generator)
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.timeout = timeout
+        self.device = torch.device(device) if device is not None else None
+        self._broker = broker
+        self._job_name = job_name
+        self._prefetch = prefetch_factor or 2
+        self._persistent = persistent_workers
+        self._iterable = isinstance(dataset, torch.utils.data.IterableDataset)
+        self._base_seed: int | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._torch, name)  # dataset, batch_size, sampler, generator, ...
+
+    def __len__(self) -> int:
+        return len(self._torch)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.num_workers == 0:
+            batches: Iterator[Any] = iter(self._torch)
+        else:
+            batches = (to_torch(batch) for batch in self._workers_epoch())
+        return self._deliver(batches)
+
+    def _workers_epoch(self) -> Iterator[Any]:
+        torch_loader = self._torch
+        # torch's order: make the sampler iterator, draw the base seed, then sample.
+        indices = None if self._iterable else iter(torch_loader._index_sampler)
+        reseed = self._base_seed is None or not self._persistent
+        if reseed:
+            self._base_seed = int(torch.empty((), dtype=torch.int64)
+                                  .random_(generator=torch_loader.generator).item())
+        plan: dict[str, Any] = ({} if indices is None
+                                else _pack(list(indices), torch_loader._auto_collation))
+        plan.update(seed=self._base_seed, reseed=reseed)
+        return self._loader()._iterate(plan)
+
+    def _loader(self) -> Loader:
+        if self._service is None:
+            torch_loader = self._torch
+            source = _BatchSource(
+                name="dataset", shuffle_splits=False, seed=None, version=None,
+                dataset=torch_loader.dataset, collate_fn=self._torch_collate(),
+                worker_init_fn=torch_loader.worker_init_fn, persistent=self._persistent,
+                width=self.num_workers, iterable=self._iterable,
+                batch_size=torch_loader.batch_size if torch_loader._auto_collation else None,
+                drop_last=torch_loader.drop_last, token=secrets.token_hex(8))
+            self._service = Loader(
+                Pipeline(source), broker=self._broker, num_workers=self.num_workers,
+                sharding="static", deterministic=True, job_name=self._job_name,
+                prefetch=self._prefetch, timeout=self.timeout or 60.0)
+        return self._service
+
+    def _torch_collate(self) -> Callable[[list[Any]], Any] | None:
+        collate = self._torch.collate_fn
+        defaults = (torch.utils.data.default_collate, torch.utils.data.default_convert)
+        return None if collate in defaults else collate
+
+    def _deliver(self, batches: Iterator[Any]) -> Iterator[Any]:
+        pin = self.pin_memory and self.num_workers > 0
+        if pin and not torch.cuda.is_available():
+            warnings.warn("'pin_memory' argument is set as true but no accelerator is found, "
+                          "then device pinned memory won't be used.", stacklevel=3)
+            pin = False
+        for batch in batches:
+            if pin:
+                batch = _apply(batch, lambda t: t.pin_memory())
+            if self.device is not None:
+                batch = _apply(batch, lambda t: t.to(self.device, non_blocking=True))
+            yield batch
+
+    def close(self) -> None:
+        """Stop the worker processes (also done when the loader is garbage collected)."""
+        service = self.__dict__.get("_service")
+        if service is not None:
+            service.close()
+            self._service = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _pack(batches: list[Any], batched: bool) -> dict[str, Any]:
+    """An epoch's sampled batches as two int64 arrays (or lists when indices are not ints)."""
+    groups = [list(b) if batched else [b] for b in batches]
+    offsets = np.zeros(len(groups) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([len(g) for g in groups])
+    flat_list = [i for g in groups for i in g]
+    if all(isinstance(i, int) for i in flat_list):
+        flat: Any = np.asarray(flat_list, dtype=np.int64)
+    else:
+        flat = flat_list
+    return {"flat": flat, "offsets": offsets, "batched": batched}
+
+
+def _apply(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, dict):
+        return {key: _apply(value, fn) for key, value in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_apply(value, fn) for value in batch)
+    return batch

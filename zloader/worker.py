@@ -81,6 +81,7 @@ class _Task:
     producing: int | None = None
     finished: set[int] = field(default_factory=set)
     rounds: dict[int, int] = field(default_factory=dict)
+    inputs: dict[int, Any] = field(default_factory=dict)  # epoch -> the consumer's input
     pending: deque[tuple[int, list[Any], dict[str, Any]]] = field(default_factory=deque)
 
 
@@ -122,7 +123,8 @@ class _Producer(threading.Thread):
     def _produce(self, pair: zmq.Socket[Any]) -> None:
         task = self.task
         ctx = Context(entropy=task.entropy, worker=task.index,
-                      skip_errors=task.on_error == "skip")
+                      skip_errors=task.on_error == "skip", workers=task.width,
+                      epoch_input=task.inputs.get(self.epoch))
         elements = task.plan.run_worker(lambda key: self._feed(pair, key), self.epoch, ctx)
         batch: list[Any] = []
         size = 0
@@ -564,6 +566,10 @@ class WorkerProcess:
                 self.early_opens.append((identity, msg))
                 return
             epoch = msg.field("epoch", int)
+            if msg.payload and epoch not in task.inputs:
+                task.inputs[epoch] = codec.decode([f.buffer for f in msg.payload])
+                for old in [e for e in task.inputs if e < epoch - 1]:
+                    del task.inputs[old]
             stream = task.streams.get(identity)
             if stream is None:
                 stream = _Stream(identity, msg.field("consumer", str), epoch)

@@ -1,0 +1,163 @@
+"""zloader.torch.DataLoader against torch.utils.data.DataLoader: same arguments, same
+batches in the same order (torch.equal on every tensor)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.utils.data
+
+import zloader.torch as zt
+from zloader import PipelineError
+
+
+class Augmented(torch.utils.data.Dataset):
+    """Samples drawn with all three RNGs a worker seeds: torch, numpy and random."""
+
+    def __init__(self, n: int = 37) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        noise = torch.rand(2) + float(np.random.rand()) + random.random()
+        return {"x": noise + i, "pair": (torch.tensor(i), i * 0.5), "name": f"s{i}"}
+
+
+def same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def _seed_globals(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def both(**kwargs):
+    """A torch DataLoader and a zloader one, each with its own generator seeded alike."""
+    seed = kwargs.pop("seed", 0)
+    dataset = kwargs.pop("dataset", None) or Augmented()
+    made = []
+    for cls in (torch.utils.data.DataLoader, zt.DataLoader):
+        generator = torch.Generator().manual_seed(seed)
+        made.append(cls(dataset, generator=generator, **kwargs))
+    return made
+
+
+CASES = [
+    {"batch_size": 4},
+    {"batch_size": 4, "shuffle": True},
+    {"batch_size": 5, "shuffle": True, "drop_last": True},
+    {"batch_size": 3, "sampler": list(reversed(range(37)))},
+    {"batch_size": 4, "shuffle": True, "collate_fn": lambda samples: [s["x"] for s in samples]},
+    {"batch_size": None, "shuffle": True},
+    {"batch_sampler": [[1, 2, 3], [7], [30, 31]]},
+]
+
+
+@pytest.mark.parametrize("workers, kwargs", [
+    *[(w, kwargs) for w in (0, 2) for kwargs in CASES],
+    (2, {"batch_size": 4, "shuffle": True, "persistent_workers": True}),  # needs workers
+])
+def test_same_batches_in_the_same_order_as_torch(kwargs, workers):
+    reference, ours = both(num_workers=workers, **kwargs)
+    try:
+        assert len(ours) == len(reference)
+        for epoch in range(2):  # two epochs: fresh sampling and worker seeds each time
+            # Without workers the dataset draws from this process's global RNGs: start
+            # both loaders from the same state (torch would differ from itself otherwise).
+            _seed_globals(epoch)
+            expected = list(reference)
+            _seed_globals(epoch)
+            got = list(ours)
+            assert len(got) == len(expected)
+            assert all(same(a, b) for a, b in zip(expected, got, strict=True))
+    finally:
+        ours.close()
+
+
+class Sharded(torch.utils.data.IterableDataset):
+    """Shards itself by worker, as torch's documentation shows."""
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        for i in range(worker, 40, workers):
+            yield {"i": i, "seed_ok": torch.tensor(info is not None and info.seed >= 0)}
+
+
+def test_iterable_dataset_that_shards_itself_yields_each_sample_once_in_torch_order():
+    reference, ours = both(dataset=Sharded(), num_workers=2, batch_size=3)
+    try:
+        expected, got = list(reference), list(ours)
+        assert all(same(a, b) for a, b in zip(expected, got, strict=True))
+        values = sorted(int(i) for batch in got for i in batch["i"])
+        assert values == list(range(40))
+    finally:
+        ours.close()
+
+
+def _init(worker_id: int) -> None:
+    info = torch.utils.data.get_worker_info()
+    assert info is not None and info.id == worker_id
+    np.random.seed(1000 + worker_id)  # an init_fn that reseeds, as users write them
+
+
+def test_worker_init_fn_runs_in_each_worker_as_in_torch():
+    reference, ours = both(num_workers=2, batch_size=4, shuffle=True, worker_init_fn=_init)
+    try:
+        for _ in range(2):
+            assert all(same(a, b) for a, b in zip(list(reference), list(ours), strict=True))
+    finally:
+        ours.close()
+
+
+class Broken(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int):
+        if i == 6:
+            raise KeyError(f"no sample {i}")
+        return i
+
+
+def test_dataset_errors_arrive_with_the_index_and_original_type():
+    loader = zt.DataLoader(Broken(), batch_size=2, num_workers=2)
+    try:
+        with pytest.raises(KeyError) as info:
+            list(loader)
+        assert isinstance(info.value, PipelineError)
+        assert "index 6" in str(info.value) and "no sample 6" in info.value.traceback
+    finally:
+        loader.close()
+
+
+def test_torch_argument_errors_are_torchs():
+    with pytest.raises(ValueError, match="prefetch_factor"):
+        zt.DataLoader(Augmented(), num_workers=0, prefetch_factor=2)
+    with pytest.raises(ValueError, match="persistent_workers"):
+        zt.DataLoader(Augmented(), num_workers=0, persistent_workers=True)
+
+
+def test_pin_memory_without_an_accelerator_warns_like_torch():
+    loader = zt.DataLoader(Augmented(), batch_size=8, num_workers=2, pin_memory=True)
+    try:
+        with pytest.warns(UserWarning, match="pin_memory"):
+            batches = list(loader)
+        assert len(batches) == 5
+        if torch.cuda.is_available():  # pragma: no cover - GPU machines only
+            assert batches[0]["x"].is_pinned()
+    finally:
+        loader.close()
