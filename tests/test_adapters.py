@@ -100,3 +100,45 @@ def test_tf_adapter_errors():
         zloader.tf.to_dataset(Pipeline.from_items([None]))
     with pytest.raises(TypeError, match=r"zloader\.Pipeline"):
         zloader.tf.to_dataset([1, 2])
+
+
+def test_tf_dataset_reads_through_zloader_workers_and_infers_varying_dims():
+    pipeline = image_pipeline()
+    ds = zloader.tf.dataset(pipeline, num_workers=2, timeout=30)
+    try:
+        assert ds.element_spec["image"].shape.as_list() == [None, 4, 3]  # short last batch
+        for _ in range(2):
+            epoch = list(ds.as_numpy_iterator())
+            assert sorted(int(i) for b in epoch for i in b["label"]) == list(range(10))
+    finally:
+        zloader.tf.close(ds)
+
+
+def test_keras_trains_two_epochs_on_a_zloader_dataset_and_sees_every_element():
+    import keras
+
+    features = np.random.default_rng(0).normal(size=(96, 4)).astype(np.float32)
+    targets = features.sum(axis=1, keepdims=True)
+    pipeline = Pipeline.from_arrays((features, targets)).batch(16)
+    # One worker, so batches are whole (with two, each batches its own rows).
+    ds = zloader.tf.dataset(pipeline, num_workers=1, timeout=30)
+
+    class Count(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.batches = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.batches += 1
+
+        def on_epoch_end(self, epoch, logs=None):
+            seen.append(self.batches)
+
+    seen: list[int] = []
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    try:
+        history = model.fit(ds, epochs=2, verbose=0, shuffle=False, callbacks=[Count()])
+    finally:
+        zloader.tf.close(ds)
+    assert len(history.history["loss"]) == 2
+    assert seen == [6, 6]  # 96 rows / 16: every element, each epoch

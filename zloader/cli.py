@@ -218,13 +218,15 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     _logging(args.log_level)
     if args.processes > 1:
         return _supervise(args)
-    from zloader.worker import WorkerProcess, _die_with_parent
+    from zloader.worker import WorkerProcess
 
     bind = args.bind or f"tcp://{args.advertise or '127.0.0.1'}:*"
     worker = WorkerProcess(args.broker, bind, advertise=args.advertise, parent=args.parent)
     signal.signal(signal.SIGTERM, lambda *_: worker.stop.set())
     if args.parent is not None:
-        _die_with_parent()
+        # The worker loop exits within 0.1 s of its parent's death (it watches getppid();
+        # PR_SET_PDEATHSIG would fire when the *thread* that started it exits, which a
+        # Loader made in a short-lived thread, as tf.data does, must survive).
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's Ctrl-C; it stops us
     else:
         signal.signal(signal.SIGINT, lambda *_: worker.stop.set())

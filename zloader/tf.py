@@ -1,12 +1,15 @@
-"""TensorFlow adapter: a ``tf.data.Dataset`` over a zloader Pipeline.
+"""TensorFlow adapters: ``tf.data.Dataset`` s over a zloader Pipeline.
 
 This module is the only one in zloader that imports tensorflow; import it explicitly
-(``import zloader.tf``). In this version the pipeline runs in the iterating process,
-through ``tf.data.Dataset.from_generator``.
+(``import zloader.tf``). :func:`dataset` reads the pipeline through a zloader
+:class:`~zloader.Loader` (worker processes); :func:`to_dataset` runs it in the iterating
+process. Both are built on ``tf.data.Dataset.from_generator``; each iteration of the
+returned dataset is one epoch, so ``model.fit(ds, epochs=N)`` works.
 """
 
 from __future__ import annotations
 
+import atexit
 import itertools
 from collections.abc import Iterator
 from typing import Any
@@ -14,10 +17,14 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from zloader import _check
-from zloader.pipeline import Pipeline
+import threading
 
-__all__ = ["element_spec", "to_dataset"]
+from zloader import _check
+from zloader.loader import Loader
+from zloader.pipeline import Pipeline
+from zloader.stages import Batch
+
+__all__ = ["close", "dataset", "element_spec", "infer_signature", "to_dataset"]
 
 
 def element_spec(element: Any) -> Any:
@@ -104,3 +111,130 @@ def to_dataset(pipeline: Pipeline, spec: Any = None, epoch: int = 0) -> tf.data.
 
 
 _EMPTY = object()
+
+
+def _exact_spec(element: Any) -> Any:
+    """Like :func:`element_spec`, with the element's actual shapes."""
+    if isinstance(element, dict):
+        return {key: _exact_spec(value) for key, value in element.items()}
+    if isinstance(element, list) and element and all(isinstance(v, (str, bytes))
+                                                     for v in element):
+        return tf.TensorSpec([len(element)], tf.string)
+    if isinstance(element, (list, tuple)):
+        return tuple(_exact_spec(value) for value in element)
+    spec = element_spec(element)
+    if isinstance(element, (np.ndarray, np.generic)) and not isinstance(element, (str, bytes)):
+        return tf.TensorSpec(list(np.shape(element)), spec.dtype)
+    return spec
+
+
+def _merge(a: tf.TensorSpec, b: tf.TensorSpec) -> tf.TensorSpec:
+    if a.dtype != b.dtype or a.shape.rank != b.shape.rank:
+        raise TypeError(f"the pipeline's elements change type or rank ({a} then {b}); "
+                        "pass output_signature=")
+    dims = [x if x == y else None for x, y in zip(a.shape.as_list(), b.shape.as_list(),
+                                                   strict=True)]
+    return tf.TensorSpec(dims, a.dtype)
+
+
+def infer_signature(pipeline: Pipeline, probe: int = 2) -> Any:
+    """The ``output_signature`` of ``pipeline``, from its first ``probe`` elements.
+
+    Dimensions that differ between those elements become None, and so does the leading
+    dimension when a ``batch`` stage keeps its remainder (the last batch is shorter). The cost:
+    the pipeline runs in this process until it has produced ``probe`` elements.
+
+    Raises:
+        ValueError: the pipeline yields nothing.
+        TypeError: elements change dtype or rank, or hold values tf.data cannot represent.
+    """
+    elements = pipeline.iter(0)
+    try:
+        sample = [e for _, e in zip(range(_check.integer("probe", probe, 1)), elements,
+                                    strict=False)]
+    finally:
+        close = getattr(elements, "close", None)
+        if close is not None:
+            close()
+    if not sample:
+        raise ValueError("cannot infer the signature of a pipeline that yields nothing; "
+                         "pass output_signature=")
+    spec = _exact_spec(_as_tf_structure(sample[0]))
+    for element in sample[1:]:
+        spec = tf.nest.map_structure(_merge, spec, _exact_spec(_as_tf_structure(element)))
+    if any(isinstance(s, Batch) and not s.drop_remainder for s in pipeline.stages):
+        spec = tf.nest.map_structure(
+            lambda sp: tf.TensorSpec([None, *sp.shape.as_list()[1:]], sp.dtype)
+            if sp.shape.rank else sp, spec)
+    return spec
+
+
+def dataset(pipeline: Pipeline, output_signature: Any = None, *, probe: int = 2,
+            **loader_kwargs: Any) -> tf.data.Dataset:
+    """A ``tf.data.Dataset`` of the pipeline's elements, read from zloader workers.
+
+    Args:
+        pipeline: the pipeline.
+        output_signature: the element signature; inferred with :func:`infer_signature`
+            when None.
+        probe: elements examined to infer the signature.
+        **loader_kwargs: passed to :class:`zloader.Loader` (``num_workers``, ``broker``,
+            ``sharding``...). The Loader starts on the first iteration and serves every
+            epoch; it stops when the dataset is garbage collected or the process exits.
+
+    Each iteration of the dataset is the next epoch of the Loader; it can be driven from
+    any thread (as ``model.fit`` does), one epoch at a time.
+    """
+    if not isinstance(pipeline, Pipeline):
+        raise TypeError(f"pipeline must be a zloader.Pipeline, got {type(pipeline).__name__}")
+    signature = output_signature if output_signature is not None else infer_signature(
+        pipeline, probe)
+    source = _LoaderSource(pipeline, loader_kwargs)
+    result = tf.data.Dataset.from_generator(source.epoch, output_signature=signature)
+    _SOURCES[id(result)] = source
+    return result
+
+
+def close(ds: tf.data.Dataset) -> None:
+    """Stop the Loader (worker processes) behind a dataset made by :func:`dataset`.
+
+    TensorFlow keeps a reference to the dataset's generator, so garbage collection cannot
+    be relied on to do this; loaders still open at interpreter exit are closed then.
+    """
+    source = _SOURCES.pop(id(ds), None)
+    if source is not None:
+        source.close()
+
+
+_SOURCES: dict[int, _LoaderSource] = {}
+
+
+@atexit.register
+def _close_all() -> None:
+    for source in list(_SOURCES.values()):
+        source.close()
+    _SOURCES.clear()
+
+
+class _LoaderSource:
+    """Owns the Loader behind a dataset; one generator call is one epoch."""
+
+    def __init__(self, pipeline: Pipeline, loader_kwargs: dict[str, Any]) -> None:
+        self.pipeline = pipeline
+        self.loader_kwargs = loader_kwargs
+        self.loader: Loader | None = None
+        self.lock = threading.Lock()
+
+    def epoch(self) -> Iterator[Any]:
+        with self.lock:
+            if self.loader is None:
+                self.loader = Loader(self.pipeline, **self.loader_kwargs)
+            loader = self.loader
+        for element in loader:
+            yield _as_tf_structure(element)
+
+    def close(self) -> None:
+        with self.lock:
+            loader, self.loader = self.loader, None
+        if loader is not None:
+            loader.close()

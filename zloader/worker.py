@@ -9,7 +9,6 @@ bounded by what consumers granted. See docs/protocol.md.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import json
 import logging
@@ -667,12 +666,3 @@ def _attach_ring(name: str) -> Any:
     except (OSError, ValueError) as exc:
         log.warning("cannot attach ring %s (%s): sending over the socket instead", name, exc)
         return None
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to send SIGTERM when the parent dies (embedded workers)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
