@@ -20,8 +20,8 @@ LAYERS = {
     "_version": 0, "_defaults": 0, "errors": 0, "_check": 0, "_seeding": 0,
     "codec": 1, "collate": 1, "fingerprint": 1,
     "_host": 0, "sources": 2, "stages": 2,
-    "pipeline": 3, "plan": 4, "demo": 4, "tf": 4,
-    "state": 5, "broker": 6, "worker": 6, "_client": 6, "loader": 7, "torch": 8, "cli": 9,
+    "pipeline": 3, "plan": 4, "demo": 4,
+    "state": 5, "broker": 6, "worker": 6, "_client": 6, "loader": 7, "torch": 8, "tf": 8, "cli": 9,
     "__init__": 10,
 }
 

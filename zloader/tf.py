@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
-
-import threading
 
 from zloader import _check
 from zloader.loader import Loader

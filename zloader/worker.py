@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import secrets
-import signal
 import socket as _socket
 import threading
 import time
