@@ -23,8 +23,11 @@ def image_pipeline() -> Pipeline:
 
 def test_torch_dataset_yields_the_pipeline_as_tensors():
     pipeline = image_pipeline()
-    dataset = zloader.torch.IterableDataset(pipeline)
-    got = list(dataset)
+    dataset = zloader.torch.IterableDataset(pipeline, num_workers=1, timeout=30)
+    try:
+        got = list(dataset)
+    finally:
+        dataset.close()
     expected = list(pipeline.iter(0))
     assert len(got) == len(expected) == 3
     for batch, reference in zip(got, expected, strict=True):
@@ -34,13 +37,19 @@ def test_torch_dataset_yields_the_pipeline_as_tensors():
         assert batch["name"] == reference["name"]
 
 
-def test_torch_dataset_advances_epochs_and_honours_set_epoch():
+@pytest.mark.parametrize("kwargs", [{"num_workers": 0}, {"num_workers": 1, "timeout": 30}])
+def test_torch_dataset_advances_epochs_and_honours_set_epoch(kwargs):
     pipeline = Pipeline.range(20).shuffle(20, seed=1)
-    dataset = zloader.torch.IterableDataset(pipeline)
-    first, second = [int(x) for x in dataset], [int(x) for x in dataset]
-    assert first == list(pipeline.iter(0)) and second == list(pipeline.iter(1))
-    dataset.set_epoch(7)
-    assert [int(x) for x in dataset] == list(pipeline.iter(7))
+    dataset = zloader.torch.IterableDataset(pipeline, **kwargs)
+    try:
+        first, second = [int(x) for x in dataset], [int(x) for x in dataset]
+        assert first == list(pipeline.iter(0)) and second == list(pipeline.iter(1))
+        dataset.set_epoch(7)
+        assert [int(x) for x in dataset] == list(pipeline.iter(7))
+        with pytest.raises(ValueError, match="only move forward"):
+            dataset.set_epoch(3)
+    finally:
+        dataset.close()
 
 
 def test_torch_tensors_share_writable_memory_and_copy_read_only_rows():
@@ -54,7 +63,8 @@ def test_torch_tensors_share_writable_memory_and_copy_read_only_rows():
 
 def test_torch_dataloader_with_workers_is_refused_clearly():
     loader = torch.utils.data.DataLoader(
-        zloader.torch.IterableDataset(Pipeline.range(4)), num_workers=1, batch_size=None)
+        zloader.torch.IterableDataset(Pipeline.range(4), num_workers=0), num_workers=1,
+        batch_size=None)
     iterator = iter(loader)
     message = ""
     try:
@@ -67,9 +77,13 @@ def test_torch_dataloader_with_workers_is_refused_clearly():
 
 
 def test_torch_dataloader_without_workers_passes_batches_through():
-    loader = torch.utils.data.DataLoader(
-        zloader.torch.IterableDataset(Pipeline.range(10).batch(4)), batch_size=None)
-    assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    dataset = zloader.torch.IterableDataset(Pipeline.range(10).batch(4), num_workers=1,
+                                            timeout=30)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None)
+    try:
+        assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    finally:
+        dataset.close()
 
 
 def test_tf_dataset_yields_the_pipeline_and_infers_the_spec():

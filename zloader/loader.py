@@ -165,6 +165,18 @@ class Loader:
     def __iter__(self) -> Iterator[Any]:
         return self._iterate(None)
 
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration run ``epoch`` (epochs only move forward).
+
+        Raises:
+            ValueError: ``epoch`` is before the next one.
+        """
+        epoch = _check.integer("epoch", epoch, 0)
+        if epoch < self._epoch:
+            raise ValueError(f"epoch {epoch} was already run (the next is {self._epoch}); "
+                             "epochs only move forward")
+        self._epoch = epoch
+
     def _iterate(self, epoch_input: Any) -> Iterator[Any]:
         """One epoch; ``epoch_input`` (a codec element) reaches every worker's run of it
         as ``Context.epoch_input`` (the torch adapter sends the epoch's sampled batches)."""

@@ -57,37 +57,74 @@ def to_torch(element: Any) -> Any:
 
 
 class IterableDataset(torch.utils.data.IterableDataset):
-    """Iterate a Pipeline as torch tensors, one epoch per iteration.
+    """A torch ``IterableDataset`` of a Pipeline's elements as tensors, read from zloader
+    workers; one iteration is one epoch. Give it to ``DataLoader(ds, batch_size=None,
+    num_workers=0)`` (batching belongs in the pipeline) or iterate it directly.
 
     Args:
-        pipeline: the pipeline to run.
-        epoch: the epoch of the first iteration; each new iteration advances it by one
-            unless :meth:`set_epoch` is called first.
+        pipeline: the pipeline.
+        **loader_kwargs: passed to :class:`zloader.Loader` (``num_workers``, ``broker``,
+            ``job_name``, ``sharding``...). ``num_workers=0`` without a broker runs the
+            pipeline in the iterating process instead. The Loader starts on the first
+            iteration; :meth:`close` (or garbage collection) stops it.
 
     Raises:
         TypeError: ``pipeline`` is not a Pipeline.
         RuntimeError: iterated inside a torch DataLoader worker (``num_workers > 0``),
-            where every worker would yield the whole pipeline.
+            where every torch worker would yield the whole pipeline.
     """
 
-    def __init__(self, pipeline: Pipeline, epoch: int = 0) -> None:
+    def __init__(self, pipeline: Pipeline, **loader_kwargs: Any) -> None:
         if not isinstance(pipeline, Pipeline):
             raise TypeError(f"pipeline must be a zloader.Pipeline, got {type(pipeline).__name__}")
         self.pipeline = pipeline
-        self.next_epoch = _check.integer("epoch", epoch, 0)
+        self.loader_kwargs = loader_kwargs
+        self._in_process = (loader_kwargs.get("num_workers") == 0
+                            and loader_kwargs.get("broker") is None)
+        self._next_epoch = 0
+        self._loader: Loader | None = None
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the next iteration run ``epoch`` (as with ``DistributedSampler``)."""
-        self.next_epoch = _check.integer("epoch", epoch, 0)
+        """Make the next iteration run ``epoch`` (as with ``DistributedSampler``); epochs
+        only move forward.
+
+        Raises:
+            ValueError: ``epoch`` was already run.
+        """
+        epoch = _check.integer("epoch", epoch, 0)
+        if epoch < self._next_epoch:
+            raise ValueError(f"epoch {epoch} was already run (the next is "
+                             f"{self._next_epoch}); epochs only move forward")
+        self._next_epoch = epoch
 
     def __iter__(self) -> Iterator[Any]:
         if torch.utils.data.get_worker_info() is not None:
             raise RuntimeError(
-                "zloader.torch.IterableDataset runs the pipeline itself: every torch worker "
-                "would yield every element. Use DataLoader(dataset, num_workers=0, "
-                "batch_size=None) and put batching in the pipeline.")
-        epoch, self.next_epoch = self.next_epoch, self.next_epoch + 1
-        return (to_torch(element) for element in self.pipeline.iter(epoch))
+                "zloader.torch.IterableDataset runs on zloader's own workers: inside a torch "
+                "DataLoader with num_workers > 0 every torch worker would yield every "
+                "element. Use DataLoader(dataset, num_workers=0, batch_size=None) and put "
+                "batching in the pipeline.")
+        epoch, self._next_epoch = self._next_epoch, self._next_epoch + 1
+        if self._in_process:
+            return (to_torch(element) for element in self.pipeline.iter(epoch))
+        if self._loader is None:
+            self._loader = Loader(self.pipeline, **self.loader_kwargs)
+        self._loader.set_epoch(epoch)
+        return (to_torch(element) for element in self._loader)
+
+    def stats(self) -> dict[str, Any]:
+        """The Loader's :meth:`~zloader.Loader.stats` (empty before the first iteration)."""
+        return self._loader.stats() if self._loader is not None else {}
+
+    def close(self) -> None:
+        """Stop the Loader and its workers."""
+        loader = self.__dict__.get("_loader")
+        if loader is not None:
+            loader.close()
+            self._loader = None
+
+    def __del__(self) -> None:
+        self.close()
 
 
 def to_numpy(element: Any) -> Any:
