@@ -161,3 +161,22 @@ def test_pin_memory_without_an_accelerator_warns_like_torch():
             assert batches[0]["x"].is_pinned()
     finally:
         loader.close()
+
+
+def test_device_copies_run_ahead_on_a_background_thread_and_keep_batches_identical():
+    reference, ours = both(num_workers=2, batch_size=4, shuffle=True)
+    ours.device = torch.device("cpu")  # the same path as cuda, minus the side stream
+    try:
+        expected, got = list(reference), list(ours)
+        assert all(same(a, b) for a, b in zip(expected, got, strict=True))
+    finally:
+        ours.close()
+
+
+def test_errors_cross_the_prefetch_thread():
+    loader = zt.DataLoader(Broken(), batch_size=2, num_workers=2, device="cpu")
+    try:
+        with pytest.raises(KeyError, match="no sample 6"):
+            list(loader)
+    finally:
+        loader.close()

@@ -348,17 +348,18 @@ class DataLoader:
         return None if collate in defaults else collate
 
     def _deliver(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """Yield batches; pinned and/or moved to ``device`` ahead of use on a background
+        thread when asked (a CUDA copy runs on a side stream and the training loop's stream
+        waits for it, so the copy overlaps the previous step)."""
         pin = self.pin_memory and self.num_workers > 0
         if pin and not torch.cuda.is_available():
             warnings.warn("'pin_memory' argument is set as true but no accelerator is found, "
                           "then device pinned memory won't be used.", stacklevel=3)
             pin = False
-        for batch in batches:
-            if pin:
-                batch = _apply(batch, lambda t: t.pin_memory())
-            if self.device is not None:
-                batch = _apply(batch, lambda t: t.to(self.device, non_blocking=True))
-            yield batch
+        device = self.device
+        if not pin and device is None:
+            return batches
+        return _Prefetcher(batches, pin, device, depth=self._prefetch)
 
     def close(self) -> None:
         """Stop the worker processes (also done when the loader is garbage collected)."""
@@ -369,6 +370,76 @@ class DataLoader:
 
     def __del__(self) -> None:
         self.close()
+
+
+class _Prefetcher:
+    """Runs ``batches`` on a thread that pins each batch and starts its copy to
+    ``device``; at most ``depth`` batches wait. Errors are re-raised in the consumer."""
+
+    _END = object()
+
+    def __init__(self, batches: Iterator[Any], pin: bool, device: torch.device | None,
+                 depth: int) -> None:
+        import queue
+        import threading
+
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self._cuda = device is not None and device.type == "cuda"
+        self._thread = threading.Thread(target=self._run, args=(batches, pin, device),
+                                        name="zloader-pin", daemon=True)
+        self._thread.start()
+
+    def _run(self, batches: Iterator[Any], pin: bool, device: torch.device | None) -> None:
+        stream = torch.cuda.Stream(device) if self._cuda else None
+        try:
+            for batch in batches:
+                if pin:
+                    batch = _apply(batch, lambda t: t.pin_memory())
+                event = None
+                if device is not None:
+                    if stream is not None:
+                        with torch.cuda.stream(stream):
+                            batch = _apply(batch, lambda t: t.to(device, non_blocking=True))
+                            event = torch.cuda.Event()
+                            event.record(stream)
+                    else:
+                        batch = _apply(batch, lambda t: t.to(device))
+                if not self._put((batch, event)):
+                    return
+            self._put((self._END, None))
+        except BaseException as exc:  # re-raised in the consumer's thread
+            self._put((exc, None))
+
+    def _put(self, item: Any) -> bool:
+        import queue
+
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __iter__(self) -> _Prefetcher:
+        return self
+
+    def __next__(self) -> Any:
+        batch, event = self._queue.get()
+        if batch is self._END:
+            raise StopIteration
+        if isinstance(batch, BaseException):
+            raise batch
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)  # the copy is done before use
+        return batch
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def __del__(self) -> None:
+        self._stop.set()
 
 
 def _pack(batches: list[Any], batched: bool) -> dict[str, Any]:
