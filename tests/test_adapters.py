@@ -156,3 +156,63 @@ def test_keras_trains_two_epochs_on_a_zloader_dataset_and_sees_every_element():
         zloader.tf.close(ds)
     assert len(history.history["loss"]) == 2
     assert seen == [6, 6]  # 96 rows / 16: every element, each epoch
+
+
+RANK_SCRIPT = """
+import json, os, sys
+import torch.distributed as dist
+import zloader.torch
+from zloader import Pipeline
+
+dist.init_process_group("gloo")
+drop_last = sys.argv[1] == "drop"
+dataset = zloader.torch.IterableDataset(Pipeline.range(101, split_size=4), num_workers=1,
+                                        drop_last=drop_last, timeout=60)
+epochs = [[int(x) for x in dataset] for _ in range(2)]
+stats = dataset.stats()
+dataset.close()
+dist.barrier()
+dist.destroy_process_group()
+print(json.dumps({"epochs": epochs, "padded": stats["padded"], "dropped": stats["dropped"]}))
+"""
+
+
+def run_ranks(mode: str) -> list[dict]:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.service import free_port
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "WORLD_SIZE": "2"}
+    procs = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, mode],
+                              env={**env, "RANK": str(rank)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    outputs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-2000:]
+        outputs.append(json.loads(out.strip().splitlines()[-1]))
+    return outputs
+
+
+@pytest.mark.parametrize("mode", ["pad", "drop"])
+def test_two_ranks_split_one_epoch_with_equal_counts(mode):
+    ranks = run_ranks(mode)
+    for epoch in range(2):
+        a, b = ranks[0]["epochs"][epoch], ranks[1]["epochs"][epoch]
+        assert len(a) == len(b)  # equal counts: no rank waits on an unequal last step
+        if mode == "drop":
+            assert not set(a) & set(b)  # no overlap
+            assert len(set(a) | set(b)) == 2 * len(a)
+        else:
+            assert set(a) | set(b) == set(range(101))  # nothing lost; padding repeats
+    padded = sum(r["padded"] for r in ranks)
+    dropped = sum(r["dropped"] for r in ranks)
+    yielded = sum(len(r["epochs"][e]) for r in ranks for e in range(2))
+    if mode == "drop":  # every element is either yielded once or counted as dropped
+        assert padded == 0 and yielded + dropped == 2 * 101
+    else:  # every element is yielded, plus the counted padding
+        assert dropped == 0 and padded >= 2 and yielded == 2 * 101 + padded

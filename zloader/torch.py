@@ -18,6 +18,7 @@ tensors; containers keep their shape; everything else is passed through.
 
 from __future__ import annotations
 
+import os
 import random
 import secrets
 import warnings
@@ -74,15 +75,42 @@ class IterableDataset(torch.utils.data.IterableDataset):
             where every torch worker would yield the whole pipeline.
     """
 
-    def __init__(self, pipeline: Pipeline, **loader_kwargs: Any) -> None:
+    def __init__(self, pipeline: Pipeline, *, drop_last: bool = False,
+                 **loader_kwargs: Any) -> None:
         if not isinstance(pipeline, Pipeline):
             raise TypeError(f"pipeline must be a zloader.Pipeline, got {type(pipeline).__name__}")
         self.pipeline = pipeline
         self.loader_kwargs = loader_kwargs
-        self._in_process = (loader_kwargs.get("num_workers") == 0
-                            and loader_kwargs.get("broker") is None)
+        self.drop_last = _check.boolean("drop_last", drop_last)
         self._next_epoch = 0
         self._loader: Loader | None = None
+        self._ranks: _Ranks | None = None
+        self._broker: Any = None
+        self._counted = {"padded": 0, "dropped": 0}
+        if _distributed() and not ({"job_name", "sharding"} & set(loader_kwargs)):
+            self._ranks = _Ranks()
+            self._join_ranks()
+        self._in_process = (self._ranks is None and loader_kwargs.get("num_workers") == 0
+                            and loader_kwargs.get("broker") is None)
+
+    def _join_ranks(self) -> None:
+        """Under torch.distributed: one job for all ranks, on the caller's broker or on one
+        that rank 0 starts (single host), named from the fingerprint and this run."""
+        ranks = self._ranks
+        assert ranks is not None
+        from zloader.broker import Broker
+
+        address = self.loader_kwargs.get("broker")
+        if address is None and ranks.rank == 0:
+            self._broker = Broker("tcp://127.0.0.1:0").start()
+            address = self._broker.endpoint
+        run = os.environ.get("TORCHELASTIC_RUN_ID") or secrets.token_hex(8)
+        address, run = ranks.broadcast([address, run])
+        workers = self.loader_kwargs.get("num_workers")
+        if workers is None:
+            workers = max(1, (os.cpu_count() or 1) // ranks.world)
+        self.loader_kwargs = {**self.loader_kwargs, "broker": address, "num_workers": workers,
+                              "job_name": f"{self.pipeline.fingerprint[:16]}-{run}"}
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration run ``epoch`` (as with ``DistributedSampler``); epochs
@@ -110,21 +138,85 @@ class IterableDataset(torch.utils.data.IterableDataset):
         if self._loader is None:
             self._loader = Loader(self.pipeline, **self.loader_kwargs)
         self._loader.set_epoch(epoch)
-        return (to_torch(element) for element in self._loader)
+        elements = (to_torch(element) for element in self._loader)
+        if self._ranks is not None:
+            return self._lockstep(elements)
+        return elements
+
+    def _lockstep(self, elements: Iterator[Any]) -> Iterator[Any]:
+        """Equal counts on every rank: each step, the ranks tell each other whether they
+        still have an element. With ``drop_last`` all stop when one runs out (the others
+        drop the rest of their share); otherwise the ranks that ran out repeat their last
+        element until all have (as ``DistributedSampler`` pads). Both are counted."""
+        ranks = self._ranks
+        assert ranks is not None
+        last: Any = _NONE
+        while True:
+            element = next(elements, _NONE)
+            having = ranks.count(element is not _NONE)
+            if having == 0:
+                return
+            if having < ranks.world and self.drop_last:
+                dropped = int(element is not _NONE) + sum(1 for _ in elements)
+                self._counted["dropped"] += dropped
+                return
+            if element is _NONE:
+                if last is _NONE:
+                    raise RuntimeError(
+                        "this rank received no element to pad with while other ranks have "
+                        "data; use drop_last=True for inputs smaller than the world size")
+                self._counted["padded"] += 1
+                yield last
+                continue
+            last = element
+            yield element
 
     def stats(self) -> dict[str, Any]:
-        """The Loader's :meth:`~zloader.Loader.stats` (empty before the first iteration)."""
-        return self._loader.stats() if self._loader is not None else {}
+        """The Loader's :meth:`~zloader.Loader.stats` (empty before the first iteration),
+        plus ``padded`` and ``dropped`` under torch.distributed."""
+        base = self._loader.stats() if self._loader is not None else {}
+        return {**base, **self._counted} if self._ranks is not None else base
 
     def close(self) -> None:
-        """Stop the Loader and its workers."""
+        """Stop the Loader and its workers (and, on rank 0, the broker it started)."""
         loader = self.__dict__.get("_loader")
         if loader is not None:
             loader.close()
             self._loader = None
+        broker = self.__dict__.get("_broker")
+        if broker is not None:
+            broker.close()
+            self._broker = None
 
     def __del__(self) -> None:
         self.close()
+
+
+_NONE = object()
+
+
+def _distributed() -> bool:
+    dist = torch.distributed
+    return bool(dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+
+class _Ranks:
+    """The collectives the dataset needs, on a gloo group of its own (works beside NCCL)."""
+
+    def __init__(self) -> None:
+        dist = torch.distributed
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.group = dist.new_group(backend="gloo")
+
+    def broadcast(self, values: list[Any]) -> list[Any]:
+        torch.distributed.broadcast_object_list(values, src=0, group=self.group)
+        return values
+
+    def count(self, flag: bool) -> int:
+        tensor = torch.tensor([int(flag)], dtype=torch.int64)
+        torch.distributed.all_reduce(tensor, group=self.group)
+        return int(tensor.item())
 
 
 def to_numpy(element: Any) -> Any:
