@@ -1,5 +1,6 @@
 """Fixtures shared by every test. The autouse ``no_leaks`` fixture fails a test that leaves
-a child process or a zloader shared-memory segment behind (design invariant 4)."""
+a child process, a zloader shared-memory segment or an embedded Loader's socket directory
+behind (design invariant 4)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,14 @@ def _segments() -> set[str]:
         return set()
 
 
+def _private_dirs() -> set[str]:
+    """Embedded Loaders' socket directories (tempfile's zloader-* folders)."""
+    import tempfile
+
+    root = tempfile.gettempdir()
+    return {name for name in os.listdir(root) if name.startswith("zloader-")}
+
+
 def _children() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
@@ -28,13 +37,16 @@ def _children() -> set[int]:
 def no_leaks() -> Iterator[None]:
     segments_before = _segments()
     children_before = _children()
+    dirs_before = _private_dirs()
     yield
     deadline = time.monotonic() + 5.0  # give exiting children a moment to be reaped
     while True:
         new_children = _children() - children_before
         new_segments = _segments() - segments_before
-        if not (new_children or new_segments) or time.monotonic() > deadline:
+        new_dirs = _private_dirs() - dirs_before
+        if not (new_children or new_segments or new_dirs) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
     assert not new_children, f"test left child processes behind: {sorted(new_children)}"
     assert not new_segments, f"test left shared-memory segments behind: {sorted(new_segments)}"
+    assert not new_dirs, f"test left Loader socket directories behind: {sorted(new_dirs)}"

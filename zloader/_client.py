@@ -72,14 +72,15 @@ class IOThread(threading.Thread):
                  sharding: str, deterministic: bool, num_workers: int, on_error: str,
                  source: dict[str, Any], prefetch: int, use_rings: bool,
                  ring_bytes: int | None, source_data: tuple[str, list[Any]] | None = None,
-                 data_bind: str | None = None) -> None:
+                 data_bind: str | None = None, balanced: int = 0) -> None:
         super().__init__(name="zloader-loader-io", daemon=True)
         self.address = address
         self.blob = blob
         self.register_body = {
             "consumer": secrets.token_hex(8), "fingerprint": fingerprint, "job_name": job_name,
             "sharding": sharding, "deterministic": deterministic, "num_workers": num_workers,
-            "on_error": on_error, "source": source, "host_id": host_id(), "pid": os.getpid()}
+            "on_error": on_error, "source": source, "host_id": host_id(), "pid": os.getpid(),
+            "balanced": balanced}
         self.source_data = source_data
         self.data_bind = data_bind
         self.prefetch = prefetch

@@ -72,6 +72,11 @@ class Loader:
         on_error: ``"raise"`` or ``"skip"`` (drop elements whose user code raises).
         max_skipped: with ``"skip"``, raise once more than this many were dropped.
         ring_bytes: shared-memory ring size per co-located worker (default 64 MiB).
+        balanced: with ``job_name``, the number N of Loaders sharing the job: workers then
+            wait until all N have opened an epoch and deal its elements one at a time,
+            round-robin, so each Loader gets an equal share (to within one element per
+            worker) whatever its speed. 0 (the default) deals by credit. Costs throughput for
+            small elements; the torch adapter uses it for ``torch.distributed`` ranks.
 
     Raises:
         ValueError / TypeError: a bad argument, named in the message.
@@ -82,7 +87,7 @@ class Loader:
                  job_name: str | None = None, deterministic: bool = False,
                  transport: str = "auto", prefetch: int | None = None, timeout: float = 60.0,
                  on_error: str = "raise", max_skipped: int | None = None,
-                 ring_bytes: int | None = None) -> None:
+                 ring_bytes: int | None = None, balanced: int = 0) -> None:
         if not isinstance(pipeline, Pipeline):
             raise TypeError(f"pipeline must be a zloader.Pipeline, got {type(pipeline).__name__}")
         _choice("sharding", sharding, SHARDING)
@@ -143,7 +148,8 @@ class Loader:
                         "seed": source.seed},
                 prefetch=prefetch, use_rings=transport == "auto", ring_bytes=ring_bytes,
                 source_data=source_data,
-                data_bind=f"ipc://{self._dir}/source" if embedded else None)
+                data_bind=f"ipc://{self._dir}/source" if embedded else None,
+                balanced=_check.integer("balanced", balanced, 0))
             self._io.start()
             for index in range(workers):
                 self._processes.append(self._spawn_worker(address, index, embedded))

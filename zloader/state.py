@@ -169,7 +169,8 @@ class State:
         options = {"sharding": sharding,
                    "deterministic": bool(msg.body.get("deterministic", False)),
                    "on_error": str(msg.body.get("on_error", "raise")),
-                   "num_workers": msg.field("num_workers", int)}
+                   "num_workers": msg.field("num_workers", int),
+                   "balanced": _count(msg.body.get("balanced", 0))}
         job = self._named_job(name) if name else None
         if job is not None:
             mismatch = self._mismatch(job, fingerprint, options)
@@ -195,7 +196,8 @@ class State:
         theirs = {"fingerprint": fingerprint, **options}
         ours = {"fingerprint": job.fingerprint, "sharding": job.sharding,
                 "deterministic": job.deterministic, "on_error": job.on_error,
-                "num_workers": job.options["num_workers"]}
+                "num_workers": job.options["num_workers"],
+                "balanced": job.options.get("balanced", 0)}
         diff = [k for k in ours if ours[k] != theirs[k] and k != "num_workers"]
         if not diff:
             return ""
@@ -272,7 +274,8 @@ class State:
             body = {"task": task, "job": job.id, "sharding": job.sharding, "index": index,
                     "width": job.width, "deterministic": job.deterministic,
                     "on_error": job.on_error, "entropy": job.entropy,
-                    "source_data": job.source_data}
+                    "source_data": job.source_data,
+                    "balanced": job.options.get("balanced", 0)}
             out.append(Out(worker.identity, Command.TASK, body, (job.blob,)))
             out += self._tell_consumers(job)
         return out
@@ -449,6 +452,12 @@ class State:
                  "state": "failed" if j.error else "running"}
                 for j in self.jobs.values()]
         return {"workers": workers, "jobs": jobs}
+
+
+def _count(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1 << 16:
+        raise ProtocolError(f"REGISTER: balanced must be an int >= 0, got {value!r}")
+    return value
 
 
 def _source_data(value: Any) -> dict[str, Any] | None:

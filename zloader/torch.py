@@ -110,7 +110,8 @@ class IterableDataset(torch.utils.data.IterableDataset):
         if workers is None:
             workers = max(1, (os.cpu_count() or 1) // ranks.world)
         self.loader_kwargs = {**self.loader_kwargs, "broker": address, "num_workers": workers,
-                              "job_name": f"{self.pipeline.fingerprint[:16]}-{run}"}
+                              "job_name": f"{self.pipeline.fingerprint[:16]}-{run}",
+                              "balanced": ranks.world}
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration run ``epoch`` (as with ``DistributedSampler``); epochs

@@ -80,6 +80,8 @@ class _Task:
     finished: set[int] = field(default_factory=set)
     rounds: dict[int, int] = field(default_factory=dict)
     inputs: dict[int, Any] = field(default_factory=dict)  # epoch -> the consumer's input
+    balanced: int = 0  # consumers to deal to one element at a time, round-robin (0: off)
+    turn: int = 0
     pending: deque[tuple[int, list[Any], dict[str, Any]]] = field(default_factory=deque)
 
 
@@ -127,6 +129,7 @@ class _Producer(threading.Thread):
         batch: list[Any] = []
         size = 0
         started = last = 0.0
+        limit = 1 if task.balanced else RECORD_ELEMENTS  # dealt one by one when balanced
         for element in elements:
             now = time.monotonic()
             if not batch:
@@ -135,7 +138,7 @@ class _Producer(threading.Thread):
             last = now
             batch.append(element)
             size += _size_hint(element)
-            if (len(batch) >= RECORD_ELEMENTS or size >= RECORD_BYTES or slow
+            if (len(batch) >= limit or size >= RECORD_BYTES or slow
                     or now - started >= RECORD_LINGER):
                 self._send(pair, batch, ctx)
                 batch, size = [], 0
@@ -355,7 +358,8 @@ class WorkerProcess:
             self.task = _Task(task_id, msg.field("job", str), plan(pipeline),
                               msg.field("sharding", str), msg.field("index", int),
                               msg.field("width", int), str(msg.body.get("on_error", "raise")),
-                              msg.field("entropy", int))
+                              msg.field("entropy", int),
+                              balanced=max(0, int(msg.body.get("balanced") or 0)))
             early, self.early_opens = list(self.early_opens), deque(maxlen=64)
             for identity, opened in early:
                 if opened.body.get("job") == self.task.job:
@@ -456,10 +460,21 @@ class WorkerProcess:
                                                             "skipped": head["skipped"]})
                 self._finish_epoch(task, epoch)
                 continue
-            ready = [s for s in streams if s.credits > 0]
-            if not ready:
-                return
-            stream = max(ready, key=lambda s: s.credits)
+            if task.balanced:
+                # Deal records round-robin, whatever the consumers' speed: equal shares,
+                # once every consumer sharing the job has opened the epoch.
+                if len(streams) < task.balanced:
+                    return
+                order = sorted(streams, key=lambda s: s.consumer)
+                stream = order[task.turn % len(order)]
+                if stream.credits <= 0:
+                    return
+                task.turn += 1
+            else:
+                ready = [s for s in streams if s.credits > 0]
+                if not ready:
+                    return
+                stream = max(ready, key=lambda s: s.credits)
             task.pending.popleft()
             stream.credits -= 1
             self._send_record(stream, epoch, frames, head)
