@@ -21,6 +21,10 @@ $(VENV)/.installed-test: $(BIN)/python setup.cfg pyproject.toml constraints-dev.
 	$(PIP) install $(PIP_FLAGS) -e '.[test,torch,tf]'
 	touch $@ $(VENV)/.installed-demo
 
+$(VENV)/.installed-bench: $(BIN)/python setup.cfg pyproject.toml constraints-dev.txt
+	$(PIP) install $(PIP_FLAGS) -e '.[test,torch,tf,bench]'
+	touch $@
+
 demo: $(VENV)/.installed-demo
 	$(BIN)/zloader demo
 
@@ -34,9 +38,10 @@ test: lint
 test-slow: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -m slow -q
 
-bench: $(VENV)/.installed-test
+bench: $(VENV)/.installed-bench
 	$(BIN)/python -m bench.codec
 	$(BIN)/python -m bench.transport
+	$(BIN)/python -m bench.torch_loader
 
 clean:
 	rm -rf $(VENV) build *.egg-info zloader.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -492,3 +492,22 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_a_ring_too_small_for_its_records_grows_until_they_fit():
+    def blocks(split):
+        for _ in range(10):
+            yield np.full(3 << 20, split, dtype=np.uint8)  # 3 MiB records
+
+    pipeline = Pipeline.from_generator(blocks, 6)
+    with Loader(pipeline, num_workers=1, ring_bytes=4 << 20, timeout=60) as loader:
+        for _ in range(2):
+            assert sorted(int(a[0]) for a in loader) == sorted(list(range(6)) * 10)
+        grown = loader.stats()["private"]
+        assert grown > 0  # the first records found the 4 MiB ring too small...
+        for _ in range(2):
+            for _ in loader:
+                pass
+        assert loader.stats()["private"] == grown  # ...and the grown ring holds them all
+        ring = next(iter(loader._io._peers.values())).ring
+        assert ring.capacity >= 8 * (3 << 20)

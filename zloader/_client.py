@@ -41,6 +41,8 @@ log = logging.getLogger("zloader.loader")
 
 HEARTBEAT = 1.0
 POLL_MS = 5
+RING_MAX_BYTES = 1 << 30
+"""A ring that keeps filling up with large records grows, by doubling, up to this size."""
 
 
 @dataclass
@@ -65,6 +67,7 @@ class _Peer:
     ring: Any = None
     returned: int = 0
     mapped: list[str] = field(default_factory=list)  # one-record segments to let go of
+    old_rings: list[Any] = field(default_factory=list)  # rings being replaced by a larger one
 
 
 class IOThread(threading.Thread):
@@ -317,8 +320,10 @@ class IOThread(threading.Thread):
             self._send(peer, Command.CLOSE, {})
         self.poller.unregister(peer.socket)
         peer.socket.close(0)
-        if peer.ring is not None:
-            peer.ring.close()  # unlinks now; views the user holds stay valid
+        for ring in [peer.ring, *peer.old_rings]:
+            if ring is not None:
+                ring.close()  # unlinks now; views the user holds stay valid
+        peer.old_rings.clear()
         self._peers.pop(peer.worker, None)
 
     # --- workers --------------------------------------------------------------------------
@@ -374,13 +379,14 @@ class IOThread(threading.Thread):
             buffers = records.unpack(memoryview(self._map_segment(peer, segment)))
             self.segments += 1
         elif ring is not None:
-            if peer.ring is None or not isinstance(ring, list) or len(ring) != 2:
-                raise ProtocolError("DATA names a ring this consumer did not open")
-            block = peer.ring.claim(int(ring[0]), int(ring[1]))
+            reader = self._ring_of(peer, ring)
+            block = reader.claim(int(ring[0]), int(ring[1]))
             buffers = records.unpack(memoryview(block))
         else:
             buffers = [frame.buffer for frame in msg.payload]
             self.private += peer.ring is not None
+            if msg.body.get("full") and peer.ring is not None:
+                self._grow_ring(peer, sum(memoryview(b).nbytes for b in buffers))
         elements = codec.decode(buffers)
         if not isinstance(elements, list) or len(elements) != count:
             raise ProtocolError(f"DATA record holds {type(elements).__name__}, not {count} "
@@ -392,6 +398,36 @@ class IOThread(threading.Thread):
         self.skipped = sum(self._skipped_by.values())
         self.items.put(Item("data", self._epoch if self._epoch is not None else -1,
                             peer.worker, peer.index, elements))
+
+    def _ring_of(self, peer: _Peer, ring: Any) -> Any:
+        """The ring a DATA refers to: the current one or, until the worker has switched, a
+        ring it is growing out of (records arrive in order, so once one names the current
+        ring the older rings get no more)."""
+        if not (isinstance(ring, list) and len(ring) == 3 and isinstance(ring[2], str)):
+            raise ProtocolError("DATA.ring must be [position, length, ring name]")
+        if peer.ring is not None and ring[2] == peer.ring.name:
+            for old in peer.old_rings:
+                old.close()
+            peer.old_rings.clear()
+            return peer.ring
+        for old in peer.old_rings:
+            if old.name == ring[2]:
+                return old
+        raise ProtocolError(f"DATA names ring {ring[2]!r}, which this consumer did not open")
+
+    def _grow_ring(self, peer: _Peer, record_bytes: int) -> None:
+        """The worker found the ring full: when records are large for it (fewer than
+        ``prefetch + 1`` fit), replace it with one twice as large, up to RING_MAX_BYTES."""
+        assert peer.ring is not None
+        capacity = peer.ring.capacity
+        if record_bytes * (self.prefetch + 1) <= capacity or capacity >= RING_MAX_BYTES:
+            return
+        bigger = _make_ring(min(RING_MAX_BYTES, capacity * 2))
+        if bigger is None:
+            return
+        peer.old_rings.append(peer.ring)
+        peer.ring = bigger
+        self._send(peer, Command.RING, {"ring": bigger.name})
 
     def _map_segment(self, peer: _Peer, segment: Any) -> Any:
         """Map a one-record segment; the worker unlinks it once told (next CREDIT)."""

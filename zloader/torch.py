@@ -307,11 +307,21 @@ class _BatchSource(Source):
             raise PipelineError.from_exception(exc, "dataset", f"index {index!r}") from exc
 
     def _collate(self, samples: list[Any]) -> Any:
-        collate = self.collate_fn or torch.utils.data.default_collate
+        if self.collate_fn is not None:
+            try:
+                return self.collate_fn(samples)
+            except Exception as exc:
+                raise PipelineError.from_exception(exc, "collate_fn") from exc
+        # torch's default collate stacks into a fresh shared-memory segment when it sees a
+        # worker (to hand the batch to its parent); zloader moves the batch itself, so
+        # stack into ordinary memory: same values, no page faults on a new segment.
+        info, _torch_worker._worker_info = _torch_worker._worker_info, None
         try:
-            return collate(samples)
+            return torch.utils.data.default_collate(samples)
         except Exception as exc:
             raise PipelineError.from_exception(exc, "collate_fn") from exc
+        finally:
+            _torch_worker._worker_info = info
 
     def _collate_one(self, sample: Any) -> Any:
         convert = self.collate_fn or torch.utils.data.default_convert

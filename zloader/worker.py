@@ -494,10 +494,11 @@ class WorkerProcess:
             if slot is not None:
                 position, view = slot
                 records.pack_into([memoryview(f.buffer) for f in frames], view)
-                body["ring"] = [position, packed]
+                body["ring"] = [position, packed, stream.ring.name]
                 self._to_consumer(stream, Command.DATA, body)
                 return
             self.fallbacks += 1
+            body["full"] = True  # the consumer may give this worker a larger ring
         self._to_consumer(stream, Command.DATA, body, frames)
 
     def _send_segment(self, stream: _Stream, body: dict[str, Any], frames: list[Any],
@@ -611,6 +612,12 @@ class WorkerProcess:
                 if msg.field("epoch", int) == stream.epoch:
                     self._add_credits(task, stream, msg.field("credits", int))
                     self._deliver(task)
+        elif msg.command is Command.RING:
+            stream = task.streams.get(identity) if task else None
+            if stream is not None:
+                if stream.ring is not None:
+                    stream.ring.close()
+                stream.ring = _attach_ring(msg.field("ring", str))
         elif msg.command is Command.CLOSE:
             if task is not None and identity in task.streams:
                 self._remove_stream(task, task.streams[identity])

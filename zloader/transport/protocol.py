@@ -57,6 +57,7 @@ class Command(enum.IntEnum):
     END = 23           # worker -> consumer: no more data for an epoch
     FAIL = 24          # worker -> consumer: user code failed
     CLOSE = 25         # consumer -> worker: leaving
+    RING = 26          # consumer -> worker: write into this (larger) ring from now on
     FETCH = 30         # worker -> consumer: send the job's in-memory source data
     SOURCE = 31        # consumer -> worker: the source data (payload)
 
