@@ -68,7 +68,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import importlib.metadata
 import json
 import math
 import os
@@ -92,6 +91,8 @@ import psutil
 import torch
 import torch.utils.data
 from PIL import Image
+
+from bench._common import version
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 DEV_SHM = pathlib.Path("/dev/shm")
@@ -505,13 +506,6 @@ STARTUP_FIGURES = [
 
 
 # --- running -----------------------------------------------------------------------------
-
-def version(distribution: str) -> str:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
 
 def child_processes() -> list[str]:
     """Live child processes of this process, as "pid status command"."""

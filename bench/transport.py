@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import importlib.metadata
 import json
 import os
 import pathlib
@@ -72,6 +71,7 @@ from typing import Any
 import numpy as np
 
 from bench import _peers
+from bench._common import version
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 DEV_SHM = pathlib.Path("/dev/shm")
@@ -430,13 +430,6 @@ def markdown(section: str, cells: list[dict[str, str]]) -> str:
 
 
 # --- running -----------------------------------------------------------------------------
-
-def version(distribution: str) -> str:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
 
 def child_processes() -> list[str]:
     """Live (non-zombie) child processes of this process, as "pid command"."""
