@@ -511,3 +511,11 @@ def test_a_ring_too_small_for_its_records_grows_until_they_fit():
         assert loader.stats()["private"] == grown  # ...and the grown ring holds them all
         ring = next(iter(loader._io._peers.values())).ring
         assert ring.capacity >= 8 * (3 << 20)
+
+
+def test_spawned_workers_work_like_forked_ones():
+    pipeline = Pipeline.range(100, shuffle_splits=True, seed=1).map(lambda x: x * 3)
+    with Loader(pipeline, num_workers=2, start_method="spawn", timeout=30) as loader:
+        assert sorted(loader) == [x * 3 for x in range(100)]
+    with pytest.raises(ValueError, match="start_method must be one of"):
+        Loader(pipeline, num_workers=1, start_method="thread")

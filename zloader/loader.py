@@ -28,6 +28,7 @@ import cloudpickle
 
 from zloader import _check, codec
 from zloader._client import IOThread, Item
+from zloader._process import START_METHODS, start_worker
 from zloader.broker import Broker
 from zloader.errors import PipelineError, Timeout
 from zloader.fingerprint import is_installed, library_version
@@ -47,7 +48,6 @@ TRANSPORTS = ("auto", "tcp")
 ON_ERROR = ("raise", "skip")
 DEFAULT_PREFETCH = 8
 WORKER_STOP_SECONDS = 3.0
-WORKER_COMMAND = "import sys; from zloader.cli import worker_main; sys.exit(worker_main())"
 
 
 class Loader:
@@ -77,6 +77,9 @@ class Loader:
             round-robin, so each Loader gets an equal share (to within one element per
             worker) whatever its speed. 0 (the default) deals by credit. Costs throughput for
             small elements; the torch adapter uses it for ``torch.distributed`` ranks.
+        start_method: how local workers start: ``"fork"`` (fast; they inherit this
+            process's imports, like torch's DataLoader on Linux) or ``"spawn"`` (a fresh
+            interpreter that inherits ``sys.path`` and the working directory).
 
     Raises:
         ValueError / TypeError: a bad argument, named in the message.
@@ -87,7 +90,8 @@ class Loader:
                  job_name: str | None = None, deterministic: bool = False,
                  transport: str = "auto", prefetch: int | None = None, timeout: float = 60.0,
                  on_error: str = "raise", max_skipped: int | None = None,
-                 ring_bytes: int | None = None, balanced: int = 0) -> None:
+                 ring_bytes: int | None = None, balanced: int = 0,
+                 start_method: str = "fork") -> None:
         if not isinstance(pipeline, Pipeline):
             raise TypeError(f"pipeline must be a zloader.Pipeline, got {type(pipeline).__name__}")
         _choice("sharding", sharding, SHARDING)
@@ -125,20 +129,26 @@ class Loader:
         self._closed = False
         self._dir: str | None = None
         self._broker: Broker | None = None
-        self._processes: list[subprocess.Popen[bytes]] = []
+        self._processes: list[Any] = []
         self._epoch = 0
         self._wait = 0.0
         self._elements = 0
         self._skipped_extra = 0
         sweep()  # segments left by consumers of this user that died
+        _choice("start_method", start_method, START_METHODS)
         try:
             if embedded:
                 self._dir = tempfile.mkdtemp(prefix="zloader-")  # mode 0700: this user only
-                self._broker = Broker(f"ipc://{self._dir}/broker").start()
-                address = self._broker.endpoint
+                address = f"ipc://{self._dir}/broker"
             else:
                 address = broker  # type: ignore[assignment]
             self.address = address
+            # Workers first: forking must happen before this Loader starts any thread.
+            for index in range(workers):
+                bind = f"ipc://{self._dir}/worker-{index}" if embedded else "tcp://127.0.0.1:*"
+                self._processes.append(start_worker(start_method, address, bind))
+            if embedded:
+                self._broker = Broker(address).start()
             source = pipeline.source
             self._io = IOThread(
                 address, blob, fingerprint=pipeline.fingerprint, job_name=job_name,
@@ -151,20 +161,9 @@ class Loader:
                 data_bind=f"ipc://{self._dir}/source" if embedded else None,
                 balanced=_check.integer("balanced", balanced, 0))
             self._io.start()
-            for index in range(workers):
-                self._processes.append(self._spawn_worker(address, index, embedded))
         except BaseException:
             self.close()
             raise
-
-    def _spawn_worker(self, address: str, index: int, embedded: bool) -> subprocess.Popen[bytes]:
-        bind = f"ipc://{self._dir}/worker-{index}" if embedded else "tcp://127.0.0.1:*"
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        command = [sys.executable, "-c", WORKER_COMMAND, "--broker", address, "--bind", bind,
-                   "--parent", str(os.getpid())]
-        return subprocess.Popen(command, env=env, cwd=os.getcwd(), stdin=subprocess.DEVNULL,
-                                start_new_session=False)
 
     # --- iteration ------------------------------------------------------------------------
 

@@ -1,0 +1,81 @@
+"""Starting local worker processes: forked from the Loader's process, or spawned fresh.
+
+Forking is the default on Linux, as with torch's DataLoader: the worker starts in
+milliseconds with every module the trainer already imported (torch, the dataset's code)
+instead of paying an interpreter start and those imports again. The Loader forks before it
+starts any thread of its own. ``start_method="spawn"`` runs a fresh interpreter instead, for
+processes whose other threads make forking unsafe.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+
+__all__ = ["START_METHODS", "ForkedWorker", "start_worker"]
+
+START_METHODS = ("fork", "spawn")
+WORKER_COMMAND = "import sys; from zloader.cli import worker_main; sys.exit(worker_main())"
+
+
+class ForkedWorker:
+    """A forked worker, with the part of ``subprocess.Popen``'s interface the Loader uses."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout or 0.0)
+            time.sleep(0.01)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def start_worker(method: str, address: str, bind: str) -> ForkedWorker | subprocess.Popen[bytes]:
+    """Start one worker attached to the broker at ``address``, its data socket at ``bind``;
+    it exits when this process does."""
+    parent = os.getpid()
+    if method == "spawn":
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        command = [sys.executable, "-c", WORKER_COMMAND, "--broker", address, "--bind", bind,
+                   "--parent", str(parent)]
+        return subprocess.Popen(command, env=env, cwd=os.getcwd(), stdin=subprocess.DEVNULL)
+    pid = os.fork()
+    if pid:
+        return ForkedWorker(pid)
+    code = 1
+    try:  # the child: never return into the caller's code
+        from zloader.worker import WorkerProcess
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's Ctrl-C; it stops us
+        worker = WorkerProcess(address, bind, parent=parent)
+        signal.signal(signal.SIGTERM, lambda *_: worker.stop.set())
+        worker.run()
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(code)  # no atexit handlers or finalizers of the parent's objects
