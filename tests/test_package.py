@@ -21,8 +21,8 @@ LAYERS = {
     "codec": 1, "collate": 1, "fingerprint": 1,
     "_host": 0, "sources": 2, "stages": 2,
     "pipeline": 3, "plan": 4, "demo": 4,
-    "state": 5, "broker": 6, "worker": 6, "_client": 6, "_process": 7, "loader": 8, "torch": 9,
-    "tf": 9, "cli": 10, "__init__": 11,
+    "state": 5, "producer": 5, "broker": 6, "worker": 6, "_client": 6, "_process": 7,
+    "loader": 8, "torch": 9, "tf": 9, "cli": 10, "__init__": 11,
 }
 
 

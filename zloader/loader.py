@@ -133,7 +133,6 @@ class Loader:
         self._epoch = 0
         self._wait = 0.0
         self._elements = 0
-        self._skipped_extra = 0
         sweep()  # segments left by consumers of this user that died
         _choice("start_method", start_method, START_METHODS)
         try:

@@ -18,7 +18,6 @@ import socket as _socket
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,8 +28,8 @@ from zloader import codec
 from zloader._host import host_id
 from zloader.pipeline import Pipeline
 from zloader.plan import Plan, plan
+from zloader.producer import Producer
 from zloader.sources import ArraysSource, ItemsSource
-from zloader.stages import Context
 from zloader.transport import records
 from zloader.transport.protocol import (
     Command,
@@ -41,13 +40,10 @@ from zloader.transport.protocol import (
     error_object,
 )
 
-__all__ = ["RECORD_BYTES", "RECORD_ELEMENTS", "RECORD_LINGER", "WorkerProcess"]
+__all__ = ["WorkerProcess"]
 
 log = logging.getLogger("zloader.worker")
 
-RECORD_ELEMENTS = 1024
-RECORD_BYTES = 1 << 20
-RECORD_LINGER = 0.002
 FETCH_TIMEOUT = 30.0
 
 
@@ -75,7 +71,7 @@ class _Task:
     entropy: int
     streams: dict[bytes, _Stream] = field(default_factory=dict)
     credit_pool: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(0))
-    producer: _Producer | None = None
+    producer: Producer | None = None
     producing: int | None = None
     finished: set[int] = field(default_factory=set)
     rounds: dict[int, int] = field(default_factory=dict)
@@ -83,119 +79,6 @@ class _Task:
     balanced: int = 0  # consumers to deal to one element at a time, round-robin (0: off)
     turn: int = 0
     pending: deque[tuple[int, list[Any], dict[str, Any]]] = field(default_factory=deque)
-
-
-class _Producer(threading.Thread):
-    """Runs the worker part of one epoch and sends records to the main thread."""
-
-    def __init__(self, context: zmq.Context[Any], address: str, task: _Task,
-                 epoch: int) -> None:
-        super().__init__(name=f"zloader-producer-{epoch}", daemon=True)
-        self.context, self.address, self.task, self.epoch = context, address, task, epoch
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        pair = self.context.socket(zmq.PAIR)
-        pair.setsockopt(zmq.LINGER, 0)
-        pair.connect(self.address)
-        try:
-            self._produce(pair)
-        except _Stopped:
-            pass
-        except Exception as exc:  # user code: reported to the consumers as a value
-            with contextlib.suppress(_Stopped):
-                self._put(pair, [b"F", json.dumps({"epoch": self.epoch,
-                                                   "error": error_object(exc)}).encode()])
-        finally:
-            pair.close(0)
-
-    def _put(self, pair: zmq.Socket[Any], frames: list[Any], copy: bool = True) -> None:
-        """Send to the main thread; never blocks forever (the main thread may have dropped
-        this producer's pair after stopping it)."""
-        while True:
-            try:
-                pair.send_multipart(frames, zmq.NOBLOCK, copy=copy)
-                return
-            except zmq.Again:
-                if self.stop.wait(0.01):
-                    raise _Stopped from None
-
-    def _produce(self, pair: zmq.Socket[Any]) -> None:
-        task = self.task
-        ctx = Context(entropy=task.entropy, worker=task.index,
-                      skip_errors=task.on_error == "skip", workers=task.width,
-                      epoch_input=task.inputs.get(self.epoch))
-        elements = task.plan.run_worker(lambda key: self._feed(pair, key), self.epoch, ctx)
-        batch: list[Any] = []
-        size = 0
-        started = last = 0.0
-        limit = 1 if task.balanced else RECORD_ELEMENTS  # dealt one by one when balanced
-        for element in elements:
-            now = time.monotonic()
-            if not batch:
-                started = now
-            slow = now - last >= RECORD_LINGER / 2
-            last = now
-            batch.append(element)
-            size += _size_hint(element)
-            if (len(batch) >= limit or size >= RECORD_BYTES or slow
-                    or now - started >= RECORD_LINGER):
-                self._send(pair, batch, ctx)
-                batch, size = [], 0
-                last = time.monotonic()  # waiting for credits is not production time
-        if batch:
-            self._send(pair, batch, ctx)
-        self._put(pair, [b"E", json.dumps({"epoch": self.epoch,
-                                           "skipped": ctx.skipped}).encode()])
-
-    def _send(self, pair: zmq.Socket[Any], batch: list[Any], ctx: Context) -> None:
-        while not self.task.credit_pool.acquire(timeout=0.1):
-            if self.stop.is_set():
-                raise _Stopped
-        buffers = codec.encode(batch)
-        head = json.dumps({"epoch": self.epoch, "count": len(batch),
-                           "skipped": ctx.skipped}).encode()
-        self._put(pair, [b"R", head, *buffers], copy=False)
-
-    def _feed(self, pair: zmq.Socket[Any], key: tuple[int, ...]) -> Iterator[int]:
-        task = self.task
-        if task.sharding != "dynamic":
-            order = task.plan.pipeline.source.split_order(key, task.entropy)
-            mine = order if task.sharding == "off" else order[task.index::task.width]
-            for split in mine:
-                if self.stop.is_set():
-                    raise _Stopped
-                yield split
-            return
-        while True:
-            self._put(pair, [b"S", json.dumps(list(key)).encode()])
-            while not pair.poll(100):
-                if self.stop.is_set():
-                    raise _Stopped
-            reply = json.loads(pair.recv())
-            if not isinstance(reply, dict) or reply.get("pass") != list(key):
-                continue  # an answer meant for a producer that was stopped: ask again
-            if reply.get("split") is None:
-                self._put(pair, [b"P", json.dumps(list(key)).encode()])
-                return
-            yield int(reply["split"])
-
-
-class _Stopped(Exception):
-    """The producer was asked to stop."""
-
-
-def _size_hint(element: Any, depth: int = 0) -> int:
-    nbytes = getattr(element, "nbytes", None)
-    if isinstance(nbytes, int):
-        return nbytes
-    if isinstance(element, (bytes, str)):
-        return len(element)
-    if depth < 3 and isinstance(element, dict):
-        return sum(_size_hint(v, depth + 1) for v in element.values())
-    if depth < 3 and isinstance(element, (list, tuple)):
-        return sum(_size_hint(v, depth + 1) for v in element)
-    return 8
 
 
 class WorkerProcess:
@@ -548,7 +431,7 @@ class WorkerProcess:
         self.pair.bind(address)
         self.poller.register(self.pair, zmq.POLLIN)
         task.producing = epoch
-        task.producer = _Producer(self.context, address, task, epoch)
+        task.producer = Producer(self.context, address, task, epoch)
         task.producer.start()
 
     def _drop_pair(self) -> None:

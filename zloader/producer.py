@@ -1,0 +1,144 @@
+"""The producer thread of a worker: runs the worker part of one epoch of the task's
+pipeline and hands finished records to the worker's socket thread over an inproc pair.
+
+Messages to the socket thread (first frame is the kind):
+``S pass`` asks for the next split of a pass (the answer comes back on the pair as
+``{"pass", "split"}``), ``P pass`` says a pass is finished, ``R head *buffers`` is one record
+(``head``: epoch, count, skipped), ``E body`` ends the epoch, ``F body`` reports an error.
+A record is sent only after taking one credit from the task's pool, so the records in flight
+never exceed what the consumers granted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import zmq
+
+from zloader import codec
+from zloader.stages import Context
+from zloader.transport.protocol import error_object
+
+__all__ = ["RECORD_BYTES", "RECORD_ELEMENTS", "RECORD_LINGER", "Producer"]
+
+RECORD_ELEMENTS = 1024
+RECORD_BYTES = 1 << 20
+RECORD_LINGER = 0.002
+
+
+class Producer(threading.Thread):
+    """Runs the worker part of one epoch and sends records to the main thread."""
+
+    def __init__(self, context: zmq.Context[Any], address: str, task: Any,
+                 epoch: int) -> None:
+        super().__init__(name=f"zloader-producer-{epoch}", daemon=True)
+        self.context, self.address, self.task, self.epoch = context, address, task, epoch
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        pair = self.context.socket(zmq.PAIR)
+        pair.setsockopt(zmq.LINGER, 0)
+        pair.connect(self.address)
+        try:
+            self._produce(pair)
+        except _Stopped:
+            pass
+        except Exception as exc:  # user code: reported to the consumers as a value
+            with contextlib.suppress(_Stopped):
+                self._put(pair, [b"F", json.dumps({"epoch": self.epoch,
+                                                   "error": error_object(exc)}).encode()])
+        finally:
+            pair.close(0)
+
+    def _put(self, pair: zmq.Socket[Any], frames: list[Any], copy: bool = True) -> None:
+        """Send to the main thread; never blocks forever (the main thread may have dropped
+        this producer's pair after stopping it)."""
+        while True:
+            try:
+                pair.send_multipart(frames, zmq.NOBLOCK, copy=copy)
+                return
+            except zmq.Again:
+                if self.stop.wait(0.01):
+                    raise _Stopped from None
+
+    def _produce(self, pair: zmq.Socket[Any]) -> None:
+        task = self.task
+        ctx = Context(entropy=task.entropy, worker=task.index,
+                      skip_errors=task.on_error == "skip", workers=task.width,
+                      epoch_input=task.inputs.get(self.epoch))
+        elements = task.plan.run_worker(lambda key: self._feed(pair, key), self.epoch, ctx)
+        batch: list[Any] = []
+        size = 0
+        started = last = 0.0
+        limit = 1 if task.balanced else RECORD_ELEMENTS  # dealt one by one when balanced
+        for element in elements:
+            now = time.monotonic()
+            if not batch:
+                started = now
+            slow = now - last >= RECORD_LINGER / 2
+            last = now
+            batch.append(element)
+            size += _size_hint(element)
+            if (len(batch) >= limit or size >= RECORD_BYTES or slow
+                    or now - started >= RECORD_LINGER):
+                self._send(pair, batch, ctx)
+                batch, size = [], 0
+                last = time.monotonic()  # waiting for credits is not production time
+        if batch:
+            self._send(pair, batch, ctx)
+        self._put(pair, [b"E", json.dumps({"epoch": self.epoch,
+                                           "skipped": ctx.skipped}).encode()])
+
+    def _send(self, pair: zmq.Socket[Any], batch: list[Any], ctx: Context) -> None:
+        while not self.task.credit_pool.acquire(timeout=0.1):
+            if self.stop.is_set():
+                raise _Stopped
+        buffers = codec.encode(batch)
+        head = json.dumps({"epoch": self.epoch, "count": len(batch),
+                           "skipped": ctx.skipped}).encode()
+        self._put(pair, [b"R", head, *buffers], copy=False)
+
+    def _feed(self, pair: zmq.Socket[Any], key: tuple[int, ...]) -> Iterator[int]:
+        task = self.task
+        if task.sharding != "dynamic":
+            order = task.plan.pipeline.source.split_order(key, task.entropy)
+            mine = order if task.sharding == "off" else order[task.index::task.width]
+            for split in mine:
+                if self.stop.is_set():
+                    raise _Stopped
+                yield split
+            return
+        while True:
+            self._put(pair, [b"S", json.dumps(list(key)).encode()])
+            while not pair.poll(100):
+                if self.stop.is_set():
+                    raise _Stopped
+            reply = json.loads(pair.recv())
+            if not isinstance(reply, dict) or reply.get("pass") != list(key):
+                continue  # an answer meant for a producer that was stopped: ask again
+            if reply.get("split") is None:
+                self._put(pair, [b"P", json.dumps(list(key)).encode()])
+                return
+            yield int(reply["split"])
+
+
+class _Stopped(Exception):
+    """The producer was asked to stop."""
+
+
+def _size_hint(element: Any, depth: int = 0) -> int:
+    nbytes = getattr(element, "nbytes", None)
+    if isinstance(nbytes, int):
+        return nbytes
+    if isinstance(element, (bytes, str)):
+        return len(element)
+    if depth < 3 and isinstance(element, dict):
+        return sum(_size_hint(v, depth + 1) for v in element.values())
+    if depth < 3 and isinstance(element, (list, tuple)):
+        return sum(_size_hint(v, depth + 1) for v in element)
+    return 8
