@@ -141,3 +141,21 @@ def test_status_lists_workers_and_jobs():
     status = state.status()
     assert len(status["workers"]) == 1 and status["workers"][0]["tasks"] == 1
     assert status["jobs"][0]["consumers"] == 1 and status["jobs"][0]["workers"] == 1
+
+
+def test_requeued_splits_of_a_pass_others_left_behind_are_served_in_later_passes():
+    state = State(heartbeat=1.0)
+    ready(state, "w1")
+    ready(state, "w2")
+    out = register(state, "c1", splits=3)
+    tasks = {o.identity.decode(): o.body["task"] for o in out if o.command is Command.TASK}
+    assert split(state, "w1", tasks["w1"], key=(0, 0)) == 0
+    assert split(state, "w2", tasks["w2"], key=(0, 0)) == 1
+    assert split(state, "w2", tasks["w2"], key=(0, 0)) == 2
+    assert split(state, "w2", tasks["w2"], key=(0, 0)) is None  # w2 moves on to pass (0, 1)
+    for now in (1.0, 2.0, 3.5):  # w1 dies holding split 0 of pass (0, 0)
+        state.seen(b"w2", now)
+        state.seen(b"c1", now)
+        state.tick(now)
+    assert split(state, "w2", tasks["w2"], key=(0, 1), now=3.5) == 0  # re-read, not lost
+    assert split(state, "w2", tasks["w2"], key=(0, 1), now=3.5) == 0  # then pass (0, 1)'s own

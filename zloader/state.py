@@ -300,9 +300,15 @@ class State:
             dispenser = job.passes[key] = Pass(deque(order))
             self._prune(job, key[0])
         split: int | None = None
-        if dispenser.requeued:
-            split = dispenser.requeued.popleft()
-        elif dispenser.order:
+        # Re-queued splits of this epoch come first, whichever pass they were taken in: the
+        # live workers may have moved past that pass (an endless repeat) and never ask
+        # for it again. A split reads the same in any pass of its epoch.
+        for waiting in [dispenser, *(p for k, p in job.passes.items()
+                                     if k[0] == key[0] and k != key)]:
+            if waiting.requeued:
+                split = waiting.requeued.popleft()
+                break
+        if split is None and dispenser.order:
             split = dispenser.order.popleft()
         if split is not None:
             dispenser.handed.setdefault(worker.id, []).append(split)
