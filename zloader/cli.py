@@ -160,6 +160,8 @@ def _logging(level: str) -> None:
 
 def broker_main(argv: Sequence[str] | None = None) -> int:
     """``zloader-broker``: run a broker until SIGTERM or Ctrl-C."""
+    import zmq
+
     from zloader.broker import Broker
 
     parser = argparse.ArgumentParser(
@@ -184,7 +186,7 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("zloader.broker").info("listening on %s", args.bind)
     try:
         broker.serve()
-    except zmq_error() as exc:
+    except zmq.ZMQError as exc:
         print(f"zloader-broker: cannot listen on {args.bind}: {exc}", file=sys.stderr)
         return 1
     return 0
@@ -287,12 +289,6 @@ def _status(args: argparse.Namespace) -> int:
         print(f"  {j['fingerprint'][:16]:<16} {j['name'] or '-'!s:<16} {j['consumers']:>9} "
               f"{j['workers']:>7} {j['elements']:>12,} {j['bytes']:>14,}")
     return 0
-
-
-def zmq_error() -> type[Exception]:
-    import zmq
-
-    return zmq.ZMQError
 
 
 if __name__ == "__main__":  # pragma: no cover

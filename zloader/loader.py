@@ -221,8 +221,8 @@ class Loader:
             order = sorted(set(range(self._io.width)) | set(self._io.indices()) | set(pending))
             chosen: int | None = None
             blocked = False
-            for index in order[_first_at_least(order, turn):] + order[:_first_at_least(order,
-                                                                                       turn)]:
+            start = _first_at_least(order, turn)
+            for index in order[start:] + order[:start]:
                 if pending.get(index):
                     chosen = index
                     break

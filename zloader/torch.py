@@ -233,9 +233,10 @@ def to_numpy(element: Any) -> Any:
         return tensor.numpy()
     if isinstance(element, dict):
         return {key: to_numpy(value) for key, value in element.items()}
-    if isinstance(element, (list, tuple)):
-        return type(element)(to_numpy(v) for v in element) if not hasattr(element, "_fields") \
-            else tuple(to_numpy(v) for v in element)
+    if isinstance(element, list):
+        return [to_numpy(v) for v in element]
+    if isinstance(element, tuple):  # named tuples too: the codec carries them as tuples
+        return tuple(to_numpy(v) for v in element)
     return element
 
 

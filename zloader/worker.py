@@ -145,11 +145,15 @@ class WorkerProcess:
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.broker_endpoint)
         self.broker = sock
+        self._ready()
+        self._last_from_broker = time.monotonic()
+        return sock
+
+    def _ready(self) -> None:
+        """(Re-)register with the broker."""
         self._to_broker(Command.READY, {
             "worker": self.id, "host": _socket.gethostname(), "host_id": host_id(),
             "pid": os.getpid(), "endpoint": self.endpoint, "prefer": self.prefer})
-        self._last_from_broker = time.monotonic()
-        return sock
 
     def _to_broker(self, command: Command, body: dict[str, Any]) -> None:
         self.broker.send_multipart(encode(command, body), zmq.NOBLOCK)
@@ -216,14 +220,9 @@ class WorkerProcess:
         elif command is Command.CONSUMER_GONE:
             self._drop_consumer(msg.field("consumer", str))
         elif command is Command.UNKNOWN:
-            self._connect_broker_again()
+            self._ready()
         elif command is Command.ERROR:
             log.error("broker refused a message: %s", msg.body.get("message"))
-
-    def _connect_broker_again(self) -> None:
-        self._to_broker(Command.READY, {
-            "worker": self.id, "host": _socket.gethostname(), "host_id": host_id(),
-            "pid": os.getpid(), "endpoint": self.endpoint, "prefer": self.prefer})
 
     def _start_task(self, msg: Message) -> None:
         task_id = msg.field("task", str)
