@@ -240,3 +240,51 @@ def test_nan_and_signed_zero_survive():
     decoded = codec.decode(codec.encode([math.nan, -0.0, complex(math.inf, -0.0)]))
     assert math.isnan(decoded[0]) and math.copysign(1, decoded[1]) == -1
     assert decoded[2].real == math.inf and math.copysign(1, decoded[2].imag) == -1
+
+
+@given(hnp.arrays(st.sampled_from(DTYPES), hnp.array_shapes(min_dims=0, max_dims=3,
+                                                             min_side=0, max_side=4)),
+       st.integers(1, 5))
+@settings(max_examples=60, suppress_health_check=[HealthCheck.too_slow])
+def test_stacked_rows_encode_exactly_as_the_stacked_array(row, count):
+    rows = [np.ascontiguousarray(row + i if row.dtype != bool else row) for i in range(count)]
+    stacked = np.stack(rows)
+    lazy = codec.encode({"x": codec.Stacked(rows)})
+    eager = codec.encode({"x": stacked})
+    assert lazy[0] == eager[0]  # the same header: receivers cannot tell them apart
+    assert isinstance(lazy[1], codec.Gather) and len(lazy[1]) == count
+    assert codec.nbytes(lazy[1]) == stacked.nbytes
+    assert same(codec.decode(codec.joined(lazy))["x"], stacked)
+
+
+def test_stacked_packs_into_a_record_as_the_stacked_array():
+    from zloader.transport import records
+
+    rows = [np.full((3, 5), i, dtype=np.float32) for i in range(7)]
+    lazy, eager = codec.encode([codec.Stacked(rows), "tail"]), codec.encode([np.stack(rows),
+                                                                              "tail"])
+    assert records.packed_size(lazy) == records.packed_size(eager)
+    blocks = []
+    for buffers in (lazy, eager):
+        block = bytearray(records.packed_size(buffers))
+        records.pack_into(buffers, memoryview(block))
+        blocks.append(bytes(block))
+    assert blocks[0] == blocks[1]
+    assert same(codec.decode(records.unpack(blocks[0]))[0], np.stack(rows))
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([], "at least one row"),
+    ([np.zeros(3), np.zeros(4)], "one dtype and shape"),
+    ([np.zeros(3), np.zeros(3, np.float32)], "one dtype and shape"),
+    ([np.zeros((4, 4))[:, 0]], "C-contiguous"),
+    ([[1, 2]], "numpy arrays"),
+])
+def test_stacked_refuses_rows_that_do_not_stack(rows, message):
+    with pytest.raises(ValueError, match=message):
+        codec.Stacked(rows)
+
+
+def test_stacked_rows_of_an_unsupported_dtype_raise_codec_error():
+    with pytest.raises(CodecError, match=r"element\[0\].*dtype"):
+        codec.encode([codec.Stacked([np.array(["a"]), np.array(["b"])])])

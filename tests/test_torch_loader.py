@@ -180,3 +180,34 @@ def test_errors_cross_the_prefetch_thread():
             list(loader)
     finally:
         loader.close()
+
+
+class Reused(torch.utils.data.Dataset):
+    """Large samples written into one tensor that every call overwrites (legal with torch,
+    whose collate copies at once): the batches must still be torch's."""
+
+    def __init__(self, n: int = 24) -> None:
+        self.n = n
+        self.buffer = torch.zeros(3, 64, 64)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        self.buffer.fill_(float(i))
+        self.buffer[0, 0, 0] = torch.rand(())
+        return self.buffer, torch.full((128,), i, dtype=torch.int16)
+
+
+def test_large_batches_copied_once_into_shared_memory_are_torchs():
+    dataset = Reused()
+    batch = [dataset[i] for i in range(4)]
+    assert isinstance(zt._stack_later([s[0].clone() for s in batch]), zt.codec.Stacked)
+    reference, ours = both(dataset=dataset, batch_size=4, shuffle=True, num_workers=2)
+    try:
+        for _ in range(2):
+            expected, got = list(reference), list(ours)
+            assert len(got) == len(expected) == 6
+            assert all(same(a, b) for a, b in zip(expected, got, strict=True))
+    finally:
+        ours.close()

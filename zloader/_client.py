@@ -100,6 +100,11 @@ class IOThread(threading.Thread):
         self.per_worker: dict[int, int] = {}
         self._commands: deque[tuple[Any, ...]] = deque()
         self._halt = threading.Event()
+        # A command wakes the thread at once (a byte in this pipe) instead of at its next poll.
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
+        self._wake_lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
         self._index_of: dict[str, int] = {}
         self._job: str | None = None
@@ -120,6 +125,13 @@ class IOThread(threading.Thread):
 
     def command(self, command: tuple[Any, ...]) -> None:
         self._commands.append(command)
+        self._wake()
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            if self._wake_write >= 0:
+                with contextlib.suppress(BlockingIOError):  # full: a wake-up is pending
+                    os.write(self._wake_write, b"!")
 
     def indices(self) -> list[int]:
         return [peer.index for peer in list(self._peers.values())]
@@ -140,8 +152,15 @@ class IOThread(threading.Thread):
 
     def close(self, timeout: float = 5.0) -> None:
         self._halt.set()
+        self._wake()
         if self.is_alive() and self is not threading.current_thread():
             self.join(timeout)
+        if not self.is_alive():
+            with self._wake_lock:
+                for fd in (self._wake_read, self._wake_write):
+                    if fd >= 0:
+                        os.close(fd)
+                self._wake_read = self._wake_write = -1
 
     # --- the thread -----------------------------------------------------------------------
 
@@ -152,6 +171,7 @@ class IOThread(threading.Thread):
         self.broker.setsockopt(zmq.LINGER, 0)
         self.broker.connect(self.address)
         self.poller.register(self.broker, zmq.POLLIN)
+        self.poller.register(self._wake_read, zmq.POLLIN)
         self.data_server: zmq.Socket[Any] | None = None
         try:
             if self.source_data is not None:
@@ -177,6 +197,11 @@ class IOThread(threading.Thread):
             while self._commands:
                 self._run_command(self._commands.popleft())
             for sock, _ in self.poller.poll(POLL_MS):
+                if sock == self._wake_read:
+                    with contextlib.suppress(BlockingIOError):
+                        while os.read(self._wake_read, 4096):
+                            pass
+                    continue
                 for _ in range(64):
                     try:
                         frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -385,8 +410,8 @@ class IOThread(threading.Thread):
         else:
             buffers = [frame.buffer for frame in msg.payload]
             self.private += peer.ring is not None
-            if msg.body.get("full") and peer.ring is not None:
-                self._grow_ring(peer, sum(memoryview(b).nbytes for b in buffers))
+        if msg.body.get("full") and peer.ring is not None:
+            self._grow_ring(peer, records.packed_size(buffers))
         elements = codec.decode(buffers)
         if not isinstance(elements, list) or len(elements) != count:
             raise ProtocolError(f"DATA record holds {type(elements).__name__}, not {count} "

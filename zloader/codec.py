@@ -9,7 +9,8 @@ and each array's dtype and shape; every array's memory travels as its own buffer
 a copy when the array is C-contiguous (others are made contiguous once). ``decode`` turns
 the buffers back into the element; decoded arrays are views over the given memory, so no
 byte is copied (they are read-only when the memory is). ``str`` and ``bytes`` leaves are
-immutable Python objects and are copied on decode.
+immutable Python objects and are copied on decode. A :class:`Stacked` leaf (an array given as
+its rows) encodes as the stacked array; its buffer is a :class:`Gather` of the rows.
 
 There is no pickle anywhere on this path: a header can describe only the types above, so
 bytes from a peer cannot make this process run code. Every field is checked before use;
@@ -47,7 +48,7 @@ import numpy as np
 
 from zloader.errors import CodecError
 
-__all__ = ["MAX_DEPTH", "decode", "encode"]
+__all__ = ["MAX_DEPTH", "Gather", "Stacked", "decode", "encode", "joined", "nbytes"]
 
 VERSION = 1
 MAGIC = b"ZLC" + bytes([VERSION])
@@ -76,6 +77,63 @@ _NDIM = [_U8.pack(n) for n in range(MAX_NDIM + 1)]
 _SHAPES = [struct.Struct(f"<{n}Q") for n in range(MAX_NDIM + 1)]
 
 
+class Stacked:
+    """An array given as its rows: it encodes exactly as ``np.stack(rows)`` would, but its
+    buffer is a :class:`Gather` of the rows, so the rows are copied once, straight into the
+    record's memory (a shared-memory ring slot), instead of into a stacked array first.
+
+    Args:
+        rows: C-contiguous numpy arrays of one supported dtype and one shape (at least one).
+            They are referenced, not copied: keep them unchanged until the record is sent.
+
+    Raises:
+        ValueError: no rows, or rows that differ in dtype or shape or are not contiguous.
+    """
+
+    __slots__ = ("dtype", "nbytes", "rows", "shape")
+
+    def __init__(self, rows: Sequence[np.ndarray]) -> None:
+        if not rows:
+            raise ValueError("Stacked needs at least one row")
+        first = rows[0]
+        for row in rows:
+            if (not isinstance(row, np.ndarray) or row.dtype != first.dtype
+                    or row.shape != first.shape or not row.flags.c_contiguous):
+                raise ValueError("Stacked rows must be C-contiguous numpy arrays of one dtype "
+                                 "and shape")
+        self.rows = list(rows)
+        self.dtype = first.dtype
+        self.shape = (len(self.rows), *first.shape)
+        self.nbytes = first.nbytes * len(self.rows)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        stacked = np.stack(self.rows)
+        return stacked if dtype is None else stacked.astype(dtype, copy=False)
+
+    def __repr__(self) -> str:
+        return f"Stacked(shape={self.shape}, dtype={self.dtype})"
+
+
+class Gather(tuple):  # type: ignore[type-arg]
+    """One buffer of :func:`encode`'s output given as consecutive parts (``memoryview``
+    objects); :func:`nbytes` and :func:`joined` deal with both kinds of buffer."""
+
+    __slots__ = ()
+
+
+def nbytes(buffer: Any) -> int:
+    """The size of one buffer of :func:`encode`'s output (a :class:`Gather` included)."""
+    if isinstance(buffer, Gather):
+        return sum(part.nbytes for part in buffer)
+    return memoryview(buffer).nbytes
+
+
+def joined(buffers: Sequence[Any]) -> list[Any]:
+    """``buffers`` with every :class:`Gather` joined into one ``bytes`` (a copy), for
+    transports that need each buffer in one piece."""
+    return [b"".join(b) if isinstance(b, Gather) else b for b in buffers]
+
+
 class _EncodeError(Exception):
     """Internal: carries the path to the offending value up to :func:`encode`."""
 
@@ -95,7 +153,7 @@ def encode(element: Any) -> list[Any]:
         A list whose first item is the header (``bytes``) and whose other items are
         buffer-protocol objects (``memoryview``), one per array or long str/bytes leaf.
         Contiguous arrays are referenced, not copied: keep them unchanged until the
-        buffers have been sent.
+        buffers have been sent. A :class:`Stacked` leaf's buffer is a :class:`Gather`.
 
     Raises:
         CodecError: a leaf of an unsupported type or dtype, or nesting deeper than
@@ -155,6 +213,8 @@ def _encode_node(value: Any, out: bytearray, buffers: list[Any], depth: int) -> 
             except _EncodeError as exc:
                 exc.path.append(f"[{index}]")
                 raise
+    elif kind is Stacked:
+        _encode_stacked(value, out, buffers)
     elif isinstance(value, np.generic) and not isinstance(value, (str, bytes)):
         name = value.dtype.str
         if name not in _DTYPE_BYTES:
@@ -221,6 +281,16 @@ def _encode_array(arr: np.ndarray, out: bytearray, buffers: list[Any]) -> None:
         buffers.append(arr.data.cast("B"))
     except (TypeError, ValueError):  # formats memoryview cannot cast (float16, big-endian, 0-d)
         buffers.append(arr.reshape(-1).view(np.uint8).data)
+
+
+def _encode_stacked(value: Stacked, out: bytearray, buffers: list[Any]) -> None:
+    name = value.dtype.str
+    if name not in _DTYPE_BYTES or len(value.shape) > MAX_NDIM:
+        _encode_array(np.asarray(value), out, buffers)  # raises the array's error
+        return
+    out += b"a" + _DTYPE_BYTES[name] + _NDIM[len(value.shape)]
+    out += _SHAPES[len(value.shape)].pack(*value.shape)
+    buffers.append(Gather(row.reshape(-1).view(np.uint8).data for row in value.rows))
 
 
 def decode(buffers: Sequence[Any]) -> Any:

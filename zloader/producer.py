@@ -3,10 +3,13 @@ pipeline and hands finished records to the worker's socket thread over an inproc
 
 Messages to the socket thread (first frame is the kind):
 ``S pass`` asks for the next split of a pass (the answer comes back on the pair as
-``{"pass", "split"}``), ``P pass`` says a pass is finished, ``R head *buffers`` is one record
-(``head``: epoch, count, skipped), ``E body`` ends the epoch, ``F body`` reports an error.
+``{"pass", "split"}``), ``P pass`` says a pass is finished, ``R head`` is one record
+(``head``: epoch, count, skipped; its buffers wait in :attr:`Producer.outbox`, in order, so no
+message is built around them), ``E body`` ends the epoch, ``F body`` reports an error.
 A record is sent only after taking one credit from the task's pool, so the records in flight
-never exceed what the consumers granted.
+never exceed what the consumers granted. A record holding a :class:`~zloader.codec.Gather`
+references the user's rows, which user code may overwrite next: the producer waits until the
+socket thread has copied it out (:attr:`Outgoing.taken`) before it goes on.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import contextlib
 import json
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -24,11 +29,21 @@ from zloader import codec
 from zloader.stages import Context
 from zloader.transport.protocol import error_object
 
-__all__ = ["RECORD_BYTES", "RECORD_ELEMENTS", "RECORD_LINGER", "Producer"]
+__all__ = ["RECORD_BYTES", "RECORD_ELEMENTS", "RECORD_LINGER", "Outgoing", "Producer"]
 
 RECORD_ELEMENTS = 1024
 RECORD_BYTES = 1 << 20
 RECORD_LINGER = 0.002
+
+
+@dataclass(eq=False)
+class Outgoing:
+    """One record's codec buffers on their way to the socket thread; ``taken`` is set once
+    they have been copied out or dropped (waited for only when ``gathered``)."""
+
+    buffers: list[Any]
+    gathered: bool
+    taken: threading.Event = field(default_factory=threading.Event)
 
 
 class Producer(threading.Thread):
@@ -39,6 +54,7 @@ class Producer(threading.Thread):
         super().__init__(name=f"zloader-producer-{epoch}", daemon=True)
         self.context, self.address, self.task, self.epoch = context, address, task, epoch
         self.stop = threading.Event()
+        self.outbox: deque[Outgoing] = deque()  # one per ``R`` message sent, in order
 
     def run(self) -> None:
         pair = self.context.socket(zmq.PAIR)
@@ -55,12 +71,12 @@ class Producer(threading.Thread):
         finally:
             pair.close(0)
 
-    def _put(self, pair: zmq.Socket[Any], frames: list[Any], copy: bool = True) -> None:
+    def _put(self, pair: zmq.Socket[Any], frames: list[Any]) -> None:
         """Send to the main thread; never blocks forever (the main thread may have dropped
         this producer's pair after stopping it)."""
         while True:
             try:
-                pair.send_multipart(frames, zmq.NOBLOCK, copy=copy)
+                pair.send_multipart(frames, zmq.NOBLOCK)
                 return
             except zmq.Again:
                 if self.stop.wait(0.01):
@@ -83,8 +99,9 @@ class Producer(threading.Thread):
             slow = now - last >= RECORD_LINGER / 2
             last = now
             batch.append(element)
-            size += _size_hint(element)
-            if (len(batch) >= limit or size >= RECORD_BYTES or slow
+            weight, gathered = _weigh(element)
+            size += weight
+            if (len(batch) >= limit or size >= RECORD_BYTES or slow or gathered
                     or now - started >= RECORD_LINGER):
                 self._send(pair, batch, ctx)
                 batch, size = [], 0
@@ -101,7 +118,13 @@ class Producer(threading.Thread):
         buffers = codec.encode(batch)
         head = json.dumps({"epoch": self.epoch, "count": len(batch),
                            "skipped": ctx.skipped}).encode()
-        self._put(pair, [b"R", head, *buffers], copy=False)
+        outgoing = Outgoing(buffers, any(isinstance(b, codec.Gather) for b in buffers))
+        self.outbox.append(outgoing)
+        self._put(pair, [b"R", head])
+        if outgoing.gathered:
+            while not outgoing.taken.wait(0.1):
+                if self.stop.is_set():
+                    raise _Stopped
 
     def _feed(self, pair: zmq.Socket[Any], key: tuple[int, ...]) -> Iterator[int]:
         task = self.task
@@ -131,14 +154,26 @@ class _Stopped(Exception):
     """The producer was asked to stop."""
 
 
-def _size_hint(element: Any, depth: int = 0) -> int:
+def _weigh(element: Any, depth: int = 0) -> tuple[int, bool]:
+    """About how many bytes ``element`` holds, and whether it holds a ``codec.Stacked``
+    (whose rows user code may overwrite next: its record is sent at once)."""
+    if type(element) is codec.Stacked:
+        return element.nbytes, True
     nbytes = getattr(element, "nbytes", None)
     if isinstance(nbytes, int):
-        return nbytes
+        return nbytes, False
     if isinstance(element, (bytes, str)):
-        return len(element)
-    if depth < 3 and isinstance(element, dict):
-        return sum(_size_hint(v, depth + 1) for v in element.values())
-    if depth < 3 and isinstance(element, (list, tuple)):
-        return sum(_size_hint(v, depth + 1) for v in element)
-    return 8
+        return len(element), False
+    # Every level of a structure (few items) is looked at; long sequences only near the top.
+    values: Any = ()
+    if isinstance(element, dict):
+        values = element.values()
+    elif isinstance(element, (list, tuple)):
+        values = element
+    if not values or depth >= codec.MAX_DEPTH or (depth >= 3 and len(values) > 16):
+        return 8, False
+    total, gathered = 0, False
+    for value in values:
+        size, stacked = _weigh(value, depth + 1)
+        total, gathered = total + size, gathered or stacked
+    return total, gathered

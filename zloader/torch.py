@@ -29,9 +29,10 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 import torch.utils.data
+from torch.utils.data._utils import collate as _torch_collate
 from torch.utils.data._utils import worker as _torch_worker
 
-from zloader import _check
+from zloader import _check, codec
 from zloader.errors import PipelineError
 from zloader.loader import Loader
 from zloader.pipeline import Pipeline
@@ -314,11 +315,12 @@ class _BatchSource(Source):
             except Exception as exc:
                 raise PipelineError.from_exception(exc, "collate_fn") from exc
         # torch's default collate stacks into a fresh shared-memory segment when it sees a
-        # worker (to hand the batch to its parent); zloader moves the batch itself, so
-        # stack into ordinary memory: same values, no page faults on a new segment.
+        # worker (to hand the batch to its parent). zloader moves the batch itself: large
+        # tensors are left unstacked (codec.Stacked) and copied once, straight into the
+        # consumer's ring; the rest is stacked into ordinary memory. Same values.
         info, _torch_worker._worker_info = _torch_worker._worker_info, None
         try:
-            return torch.utils.data.default_collate(samples)
+            return _torch_collate.collate(samples, collate_fn_map=_COLLATE_MAP)
         except Exception as exc:
             raise PipelineError.from_exception(exc, "collate_fn") from exc
         finally:
@@ -330,6 +332,31 @@ class _BatchSource(Source):
             return convert(sample)
         except Exception as exc:
             raise PipelineError.from_exception(exc, "collate_fn") from exc
+
+
+STACK_LATER_BYTES = 1 << 16
+"""Tensors of a batch that hold at least this many bytes in all are copied once, straight
+into shared memory, instead of being stacked first."""
+
+
+def _stack_later(batch: list[Any], *, collate_fn_map: Any = None) -> Any:
+    """Torch's tensor collate, except that a large batch of equal, plain CPU tensors becomes
+    a :class:`codec.Stacked` of their memory (the stack happens in the record's copy)."""
+    elem = batch[0]
+    if (type(elem) is torch.Tensor and elem.layout == torch.strided and not elem.is_nested
+            and elem.device.type == "cpu" and elem.dtype in _NUMPY_DTYPES
+            and elem.numel() * elem.element_size() * len(batch) >= STACK_LATER_BYTES
+            and all(type(t) is torch.Tensor and t.dtype == elem.dtype and t.shape == elem.shape
+                    and t.device == elem.device for t in batch)):
+        rows = [t.detach().resolve_conj().resolve_neg().contiguous().numpy() for t in batch]
+        return codec.Stacked(rows)
+    return _torch_collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+
+
+_NUMPY_DTYPES = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                 torch.float16, torch.float32, torch.float64, torch.complex64,
+                 torch.complex128}
+_COLLATE_MAP = {**_torch_collate.default_collate_fn_map, torch.Tensor: _stack_later}
 
 
 def _seed_worker(base_seed: int, worker: int, workers: int, dataset: Any,

@@ -28,7 +28,7 @@ from zloader import codec
 from zloader._host import host_id
 from zloader.pipeline import Pipeline
 from zloader.plan import Plan, plan
-from zloader.producer import Producer
+from zloader.producer import Outgoing, Producer
 from zloader.sources import ArraysSource, ItemsSource
 from zloader.transport import records
 from zloader.transport.protocol import (
@@ -78,7 +78,7 @@ class _Task:
     inputs: dict[int, Any] = field(default_factory=dict)  # epoch -> the consumer's input
     balanced: int = 0  # consumers to deal to one element at a time, round-robin (0: off)
     turn: int = 0
-    pending: deque[tuple[int, list[Any], dict[str, Any]]] = field(default_factory=deque)
+    pending: deque[tuple[int, Outgoing | None, dict[str, Any]]] = field(default_factory=deque)
 
 
 class WorkerProcess:
@@ -126,6 +126,7 @@ class WorkerProcess:
         self.endpoint = endpoint
         self.data = data
         self.pair: zmq.Socket[Any] | None = None  # to the current producer
+        self.outbox: deque[Outgoing] = deque()  # that producer's records
         self._pairs = 0
         self.poller = zmq.Poller()
         self.broker = self._connect_broker()
@@ -311,11 +312,11 @@ class WorkerProcess:
                                                 "pass": json.loads(frames[1].bytes)})
         elif kind == b"R":
             head = json.loads(frames[1].bytes)
-            task.pending.append((head["epoch"], frames[2:], head))
+            task.pending.append((head["epoch"], self.outbox.popleft(), head))
             self._deliver(task)
         elif kind == b"E":
             body = json.loads(frames[1].bytes)
-            task.pending.append((body["epoch"], [], {"end": True, **body}))
+            task.pending.append((body["epoch"], None, {"end": True, **body}))
             self._deliver(task)
         elif kind == b"F":
             body = json.loads(frames[1].bytes)
@@ -330,9 +331,11 @@ class WorkerProcess:
         """Send pending records to consumers with credit, in order; an epoch's END goes
         out once all its records have."""
         while task.pending:
-            epoch, frames, head = task.pending[0]
+            epoch, outgoing, head = task.pending[0]
             if epoch in task.finished:  # an abandoned epoch's leftovers
                 task.pending.popleft()
+                if outgoing is not None:
+                    outgoing.taken.set()
                 continue
             streams = [s for s in task.streams.values() if s.epoch == epoch]
             if head.get("end"):
@@ -359,13 +362,15 @@ class WorkerProcess:
                 stream = max(ready, key=lambda s: s.credits)
             task.pending.popleft()
             stream.credits -= 1
-            self._send_record(stream, epoch, frames, head)
+            assert outgoing is not None
+            self._send_record(stream, epoch, outgoing.buffers, head)
+            outgoing.taken.set()
 
     def _send_record(self, stream: _Stream, epoch: int, frames: list[Any],
                      head: dict[str, Any]) -> None:
         body = {"epoch": epoch, "count": head["count"], "skipped": head["skipped"],
                 "ring": None}
-        size = sum(len(f) for f in frames)
+        size = sum(codec.nbytes(f) for f in frames)
         self.elements += head["count"]
         self.bytes += size
         if stream.ring is not None:
@@ -375,13 +380,16 @@ class WorkerProcess:
             slot = stream.ring.reserve(packed)
             if slot is not None:
                 position, view = slot
-                records.pack_into([memoryview(f.buffer) for f in frames], view)
+                records.pack_into(frames, view)
                 body["ring"] = [position, packed, stream.ring.name]
                 self._to_consumer(stream, Command.DATA, body)
                 return
             self.fallbacks += 1
             body["full"] = True  # the consumer may give this worker a larger ring
-        self._to_consumer(stream, Command.DATA, body, frames)
+            if packed >= records.SEGMENT_BYTES and self._send_segment(stream, body, frames,
+                                                                      packed):
+                return
+        self._to_consumer(stream, Command.DATA, body, codec.joined(frames))
 
     def _send_segment(self, stream: _Stream, body: dict[str, Any], frames: list[Any],
                       packed: int) -> bool:
@@ -395,7 +403,7 @@ class WorkerProcess:
         except (ShmError, OSError) as exc:
             log.warning("%s; sending the record over the socket", exc)
             return False
-        records.pack_into([memoryview(f.buffer) for f in frames], segment.buf)
+        records.pack_into(frames, segment.buf)
         stream.handoffs[segment.name] = segment
         body["segment"] = [segment.name, packed]
         self._to_consumer(stream, Command.DATA, body)
@@ -431,6 +439,7 @@ class WorkerProcess:
         self.poller.register(self.pair, zmq.POLLIN)
         task.producing = epoch
         task.producer = Producer(self.context, address, task, epoch)
+        self.outbox = task.producer.outbox
         task.producer.start()
 
     def _drop_pair(self) -> None:

@@ -13,11 +13,15 @@ from typing import Any
 
 import numpy as np
 
+from zloader.codec import Gather, nbytes
 from zloader.errors import CodecError
 
-__all__ = ["ALIGN", "pack_into", "packed_size", "unpack"]
+__all__ = ["ALIGN", "SEGMENT_BYTES", "pack_into", "packed_size", "unpack"]
 
 ALIGN = 64
+SEGMENT_BYTES = 1 << 20
+"""A record this large that finds its ring full goes in a shared-memory segment of its own
+(one copy) rather than over the socket (a copy at each end)."""
 _HEAD = struct.Struct("<II")
 MAX_BUFFERS = 1 << 20
 
@@ -27,7 +31,7 @@ def _align(n: int) -> int:
 
 
 def _sizes(buffers: Sequence[Any]) -> list[int]:
-    return [memoryview(b).nbytes for b in buffers]
+    return [nbytes(b) for b in buffers]
 
 
 def packed_size(buffers: Sequence[Any]) -> int:
@@ -40,14 +44,21 @@ def packed_size(buffers: Sequence[Any]) -> int:
 
 def pack_into(buffers: Sequence[Any], block: memoryview) -> int:
     """Copy ``buffers`` into ``block`` (at least :func:`packed_size` bytes); returns the
-    bytes used. Large copies run in numpy, which releases the GIL."""
+    bytes used. A :class:`~zloader.codec.Gather` buffer is copied part by part. Large
+    copies run in numpy, which releases the GIL."""
     sizes = _sizes(buffers)
     head = _HEAD.size + 8 * len(sizes)
     struct.pack_into(f"<II{len(sizes)}Q", block, 0, len(sizes), 0, *sizes)
     offset = _align(head)
     target = np.frombuffer(block, np.uint8)
     for buffer, size in zip(buffers, sizes, strict=True):
-        if size:
+        if isinstance(buffer, Gather):
+            start = offset
+            for part in buffer:
+                if part.nbytes:
+                    target[start:start + part.nbytes] = np.frombuffer(part, np.uint8)
+                start += part.nbytes
+        elif size:
             target[offset:offset + size] = np.frombuffer(buffer, np.uint8)
         offset += _align(size)
     return offset
