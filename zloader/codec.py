@@ -114,7 +114,7 @@ class Stacked:
         return f"Stacked(shape={self.shape}, dtype={self.dtype})"
 
 
-class Gather(tuple):  # type: ignore[type-arg]
+class Gather(tuple[memoryview, ...]):
     """One buffer of :func:`encode`'s output given as consecutive parts (``memoryview``
     objects); :func:`nbytes` and :func:`joined` deal with both kinds of buffer."""
 
