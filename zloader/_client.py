@@ -75,7 +75,8 @@ class IOThread(threading.Thread):
                  sharding: str, deterministic: bool, num_workers: int, on_error: str,
                  source: dict[str, Any], prefetch: int, use_rings: bool,
                  ring_bytes: int | None, source_data: tuple[str, list[Any]] | None = None,
-                 data_bind: str | None = None, balanced: int = 0) -> None:
+                 data_bind: str | None = None, balanced: int = 0,
+                 share: dict[str, Any] | None = None) -> None:
         super().__init__(name="zloader-loader-io", daemon=True)
         self.address = address
         self.blob = blob
@@ -83,7 +84,7 @@ class IOThread(threading.Thread):
             "consumer": secrets.token_hex(8), "fingerprint": fingerprint, "job_name": job_name,
             "sharding": sharding, "deterministic": deterministic, "num_workers": num_workers,
             "on_error": on_error, "source": source, "host_id": host_id(), "pid": os.getpid(),
-            "balanced": balanced}
+            "balanced": balanced, "share": share}
         self.source_data = source_data
         self.data_bind = data_bind
         self.prefetch = prefetch
@@ -98,6 +99,11 @@ class IOThread(threading.Thread):
         self.segments = 0
         self.skipped = 0
         self.per_worker: dict[int, int] = {}
+        self.lagged = 0  # a shared job's elements this trainer lost to the lag policy
+        self.replayed = 0  # ... and the elements made again for it (it joined late)
+        self.share: dict[str, Any] | None = None  # the shared job's window settings
+        self.job_epoch: int | None = None  # the job's current epoch, when it was joined
+        self._lagged_by: dict[str, int] = {}
         self._commands: deque[tuple[Any, ...]] = deque()
         self._halt = threading.Event()
         # A command wakes the thread at once (a byte in this pipe) instead of at its next poll.
@@ -284,6 +290,10 @@ class IOThread(threading.Thread):
         if msg.command is Command.JOB:
             if self._job is None:
                 self.last_progress = time.monotonic()
+            if self._job is None:
+                share, epoch = msg.body.get("share"), msg.body.get("epoch")
+                self.share = share if isinstance(share, dict) else None
+                self.job_epoch = epoch if isinstance(epoch, int) else 0
             self._job = msg.field("job", str)
             width = msg.body.get("width")
             if isinstance(width, int) and width > 0:
@@ -385,6 +395,7 @@ class IOThread(threading.Thread):
             if epoch == self._epoch:
                 self._skipped_by[peer.worker] = int(msg.body.get("skipped", 0))
                 self.skipped = sum(self._skipped_by.values())
+                self._note_lagged(peer, msg)
                 self._ended.add(peer.worker)
                 self.items.put(Item("end", epoch if isinstance(epoch, int) else -1,
                                     peer.worker, peer.index))
@@ -401,7 +412,8 @@ class IOThread(threading.Thread):
         segment = msg.body.get("segment")
         buffers: list[Any]
         if segment is not None:
-            buffers = records.unpack(memoryview(self._map_segment(peer, segment)))
+            block = self._map_segment(peer, segment, private=bool(msg.body.get("shared")))
+            buffers = records.unpack(memoryview(block))
             self.segments += 1
         elif ring is not None:
             reader = self._ring_of(peer, ring)
@@ -421,6 +433,7 @@ class IOThread(threading.Thread):
         self.per_worker[peer.pid] = self.per_worker.get(peer.pid, 0) + count
         self._skipped_by[peer.worker] = int(msg.body.get("skipped", 0))
         self.skipped = sum(self._skipped_by.values())
+        self._note_lagged(peer, msg)
         self.items.put(Item("data", self._epoch if self._epoch is not None else -1,
                             peer.worker, peer.index, elements))
 
@@ -454,15 +467,26 @@ class IOThread(threading.Thread):
         peer.ring = bigger
         self._send(peer, Command.RING, {"ring": bigger.name})
 
-    def _map_segment(self, peer: _Peer, segment: Any) -> Any:
-        """Map a one-record segment; the worker unlinks it once told (next CREDIT)."""
+    def _note_lagged(self, peer: _Peer, msg: Message) -> None:
+        replayed = msg.body.get("replayed")
+        if isinstance(replayed, int) and not isinstance(replayed, bool):
+            self.replayed += replayed
+        lagged = msg.body.get("lagged")
+        if isinstance(lagged, int) and not isinstance(lagged, bool):
+            self._lagged_by[peer.worker] = lagged
+            self.lagged = sum(self._lagged_by.values())
+
+    def _map_segment(self, peer: _Peer, segment: Any, private: bool = False) -> Any:
+        """Map a one-record segment; the worker unlinks it once told (next CREDIT). A
+        shared job's record is mapped copy-on-write (``private``): writing into an element
+        changes this process's copy only."""
         from zloader.transport.shm import Segment
 
         if not (isinstance(segment, list) and len(segment) == 2
                 and isinstance(segment[0], str) and isinstance(segment[1], int)):
             raise ProtocolError("DATA: segment must be [name, length]")
         try:
-            mapped = Segment.attach(segment[0])
+            mapped = Segment.attach(segment[0], private=private)
         except (OSError, ValueError) as exc:
             raise ProtocolError(f"DATA: cannot map segment {segment[0]!r}: {exc}") from None
         if not 0 < segment[1] <= mapped.size:
@@ -485,6 +509,9 @@ class IOThread(threading.Thread):
                 self._finish()
             return
         if not all(worker in self._ended for worker in self._peers):
+            return
+        if self.share is not None:  # a shared job's epoch is what its workers produced
+            self._finish()
             return
         if not confirmed:
             if not self._confirming:

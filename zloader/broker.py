@@ -165,7 +165,7 @@ class Broker:
         if command is Command.BYE:
             return state.bye(identity, now)
         if command is Command.EPOCH:
-            return state.consumer_heartbeat(identity, now)
+            return state.epoch_started(identity, msg, now)
         raise ProtocolError(f"{command.name} is not a command the broker accepts")
 
     def _warn(self, text: str) -> None:

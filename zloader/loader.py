@@ -34,6 +34,7 @@ from zloader.errors import PipelineError, Timeout
 from zloader.fingerprint import is_installed, library_version
 from zloader.pipeline import Pipeline
 from zloader.plan import plan
+from zloader.sharing.options import DEFAULT_BLOCK_SECONDS, settings
 from zloader.sources import ArraysSource, ItemsSource
 from zloader.stages import Context
 from zloader.transport.protocol import MAX_PIPELINE_BYTES
@@ -80,6 +81,17 @@ class Loader:
         start_method: how local workers start: ``"fork"`` (fast; they inherit this
             process's imports, like torch's DataLoader on Linux) or ``"spawn"`` (a fresh
             interpreter that inherits ``sys.path`` and the working directory).
+        share: attach to the job of any other sharing Loader on the same broker whose
+            pipeline has the same fingerprint (and ``sharing``, ``deterministic``,
+            ``on_error``): the pipeline runs once and every such Loader receives every
+            element (docs/sharing.md). Needs ``broker``; excludes ``job_name``.
+        share_window_bytes: with ``share``, the bytes of records each worker keeps for the
+            trainers (default: a sixteenth of free memory, 64 MiB to 4 GiB).
+        share_lag: with ``share``, what happens to a trainer that falls a window behind:
+            ``"block"`` (the producer waits for it, up to ``share_block_seconds``, then
+            skips it ahead) or ``"skip"`` (it jumps to the oldest element kept; counted in
+            ``stats()["share_skipped"]``).
+        share_block_seconds: see ``share_lag`` (default 10).
 
     Raises:
         ValueError / TypeError: a bad argument, named in the message.
@@ -91,7 +103,9 @@ class Loader:
                  transport: str = "auto", prefetch: int | None = None, timeout: float = 60.0,
                  on_error: str = "raise", max_skipped: int | None = None,
                  ring_bytes: int | None = None, balanced: int = 0,
-                 start_method: str = "fork") -> None:
+                 start_method: str = "fork", share: bool = False,
+                 share_window_bytes: int | None = None, share_lag: str = "block",
+                 share_block_seconds: float = DEFAULT_BLOCK_SECONDS) -> None:
         if not isinstance(pipeline, Pipeline):
             raise TypeError(f"pipeline must be a zloader.Pipeline, got {type(pipeline).__name__}")
         _choice("sharding", sharding, SHARDING)
@@ -103,8 +117,11 @@ class Loader:
             _check.label("job_name", job_name)
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self._share = _share_settings(pipeline, broker, job_name, balanced, share,
+                                      share_window_bytes, share_lag, share_block_seconds)
         self.pipeline = pipeline
         self._plan = plan(pipeline)
+        self._joined = False
         self._deterministic = _check.boolean("deterministic", deterministic)
         self._timeout = float(timeout)
         self._max_skipped = _check.optional_integer("max_skipped", max_skipped, 0)
@@ -158,7 +175,7 @@ class Loader:
                 prefetch=prefetch, use_rings=transport == "auto", ring_bytes=ring_bytes,
                 source_data=source_data,
                 data_bind=f"ipc://{self._dir}/source" if embedded else None,
-                balanced=_check.integer("balanced", balanced, 0))
+                balanced=_check.integer("balanced", balanced, 0), share=self._share)
             self._io.start()
         except BaseException:
             self.close()
@@ -186,6 +203,8 @@ class Loader:
         as ``Context.epoch_input`` (the torch adapter sends the epoch's sampled batches)."""
         if self._closed:
             raise RuntimeError("this Loader is closed")
+        if self._share is not None and not self._joined:
+            self._join_shared()
         epoch = self._epoch
         self._epoch += 1
         frames = codec.encode(epoch_input) if epoch_input is not None else []
@@ -193,6 +212,25 @@ class Loader:
         ctx = Context(entropy=0)
         merged = self._merged(epoch)
         return self._plan.run_consumer(merged, epoch, ctx)
+
+    def _join_shared(self) -> None:
+        """Wait for the broker's answer (bounded by ``timeout``) and take the shared job's
+        current epoch: this trainer reads that epoch whole (what it missed is made again
+        for it at the end, see docs/sharing.md)."""
+        io = self._io
+        while io.job_epoch is None:
+            for item in list(io.items.queue):
+                if item.kind == "error":
+                    raise item.error  # type: ignore[misc]
+            self._check_progress()
+            time.sleep(0.005)
+        self._joined = True
+        if io.job_epoch > self._epoch:
+            log.info("joined a shared job at its epoch %d (under way or next): this epoch "
+                     "replays what the workers still hold, then what they produce, then the "
+                     "part that had left their window, made again for this trainer alone",
+                     io.job_epoch)
+            self._epoch = io.job_epoch
 
     def _merged(self, epoch: int) -> Iterator[Any]:
         """Elements of ``epoch`` from every worker, in arrival order."""
@@ -285,11 +323,15 @@ class Loader:
         """Cumulative counters: ``elements`` yielded, ``bytes`` received, ``wait_seconds``
         (time the consumer waited for data), ``skipped``, ``per_worker`` (elements by worker
         pid), ``private`` (records that bypassed the ring because it was full),
-        ``segments`` (records too large for the ring, sent in a segment of their own)."""
+        ``segments`` (records too large for the ring, sent in a segment of their own),
+        ``share_skipped`` (a shared job's elements this trainer lost by falling behind the
+        window with ``share_lag="skip"``, or to a dead worker), ``share_replayed`` (elements
+        made again for this trainer because they had left the window when it joined)."""
         io = self._io
         return {"elements": self._elements, "bytes": io.bytes, "wait_seconds": self._wait,
                 "skipped": io.skipped, "per_worker": dict(io.per_worker),
-                "private": io.private, "segments": io.segments, "records": io.records}
+                "private": io.private, "segments": io.segments, "records": io.records,
+                "share_skipped": io.lagged, "share_replayed": io.replayed}
 
     def close(self) -> None:
         """Stop everything this Loader started and release its memory (safe to call twice)."""
@@ -377,6 +419,25 @@ def _is_user_module(name: str, module: types.ModuleType) -> bool:
         return False
     path = str(getattr(module, "__file__", None) or "")
     return path.endswith(".py") and not is_installed(path) and library_version(name) is None
+
+
+def _share_settings(pipeline: Pipeline, broker: str | None, job_name: str | None,
+                    balanced: int, share: bool, window_bytes: int | None, lag: str,
+                    block_seconds: float) -> dict[str, Any] | None:
+    if not _check.boolean("share", share):
+        return None
+    if broker is None:
+        raise ValueError("share=True needs a broker that every sharing trainer uses: start "
+                         "zloader-broker and pass broker='tcp://HOST:PORT'")
+    if job_name is not None:
+        raise ValueError("share=True and job_name do not mix: job_name splits a job's "
+                         "elements between Loaders, share gives every Loader all of them")
+    if balanced:
+        raise ValueError("share=True and balanced do not mix")
+    if not pipeline.shareable:
+        log.warning("this pipeline cannot be fingerprinted soundly (see the "
+                    "FingerprintWarning), so share=True runs it alone")
+    return settings(window_bytes, lag, block_seconds)
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:

@@ -15,6 +15,7 @@ socket thread has copied it out (:attr:`Outgoing.taken`) before it goes on.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import threading
 import time
@@ -50,11 +51,20 @@ class Producer(threading.Thread):
     """Runs the worker part of one epoch and sends records to the main thread."""
 
     def __init__(self, context: zmq.Context[Any], address: str, task: Any,
-                 epoch: int) -> None:
+                 epoch: int, replay: tuple[bytes, int] | None = None,
+                 pool: threading.Semaphore | None = None) -> None:
         super().__init__(name=f"zloader-producer-{epoch}", daemon=True)
         self.context, self.address, self.task, self.epoch = context, address, task, epoch
         self.stop = threading.Event()
+        self.pool = pool if pool is not None else task.credit_pool  # one permit per record
+        self.link: Any = None  # the socket thread's end of the pair
         self.outbox: deque[Outgoing] = deque()  # one per ``R`` message sent, in order
+        # A replay makes the first ``count`` elements of the epoch again for one trainer
+        # of a shared job, reading the splits this worker read the first time.
+        self.replay = replay
+        self.splits: dict[tuple[int, ...], list[int]] = (
+            task.splits.setdefault(epoch, {}) if getattr(task, "window", None) is not None
+            else {})
 
     def run(self) -> None:
         pair = self.context.socket(zmq.PAIR)
@@ -88,6 +98,8 @@ class Producer(threading.Thread):
                       skip_errors=task.on_error == "skip", workers=task.width,
                       epoch_input=task.inputs.get(self.epoch))
         elements = task.plan.run_worker(lambda key: self._feed(pair, key), self.epoch, ctx)
+        if self.replay is not None:
+            elements = itertools.islice(elements, self.replay[1])
         batch: list[Any] = []
         size = 0
         started = last = 0.0
@@ -112,7 +124,7 @@ class Producer(threading.Thread):
                                            "skipped": ctx.skipped}).encode()])
 
     def _send(self, pair: zmq.Socket[Any], batch: list[Any], ctx: Context) -> None:
-        while not self.task.credit_pool.acquire(timeout=0.1):
+        while not self.pool.acquire(timeout=0.1):
             if self.stop.is_set():
                 raise _Stopped
         buffers = codec.encode(batch)
@@ -127,6 +139,18 @@ class Producer(threading.Thread):
                     raise _Stopped
 
     def _feed(self, pair: zmq.Socket[Any], key: tuple[int, ...]) -> Iterator[int]:
+        if self.replay is not None:
+            yield from list(self.splits.get(key, ()))
+            return
+        if getattr(self.task, "window", None) is not None:  # a shared job: keep the order
+            read = self.splits.setdefault(key, [])
+            for split in self._splits(pair, key):
+                read.append(split)
+                yield split
+            return
+        yield from self._splits(pair, key)
+
+    def _splits(self, pair: zmq.Socket[Any], key: tuple[int, ...]) -> Iterator[int]:
         task = self.task
         if task.sharding != "dynamic":
             order = task.plan.pipeline.source.split_order(key, task.entropy)

@@ -13,6 +13,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from zloader.sharing.options import KEY_OPTIONS
+from zloader.sharing.window import LAG_POLICIES
 from zloader.sources import split_order
 from zloader.transport.protocol import Command, Message, ProtocolError
 
@@ -92,6 +94,8 @@ class Job:
     idle_since: float | None = None
     elements: int = 0
     bytes: int = 0
+    share: dict[str, Any] | None = None  # window settings of a shared job
+    epoch: int = 0  # the highest epoch a consumer has started
 
 
 class State:
@@ -171,8 +175,18 @@ class State:
                    "on_error": str(msg.body.get("on_error", "raise")),
                    "num_workers": msg.field("num_workers", int),
                    "balanced": _count(msg.body.get("balanced", 0))}
+        share = _share(msg.body.get("share"))
+        if share is not None and name:
+            raise ProtocolError("REGISTER: a shared job cannot have a job_name")
         job = self._named_job(name) if name else None
-        if job is not None:
+        if share is not None:
+            job = next((j for j in self.jobs.values() if j.share is not None and j.error is None
+                        and j.fingerprint == fingerprint
+                        and all(j.options[k] == options[k] for k in KEY_OPTIONS)), None)
+            if job is None:
+                job = self._new_job(msg, fingerprint, None, options, source, now)
+                job.share = share
+        elif job is not None:
             mismatch = self._mismatch(job, fingerprint, options)
             if mismatch:
                 return [Out(identity, Command.ERROR, {"message": mismatch})]
@@ -222,6 +236,14 @@ class State:
         self.jobs[job.id] = job
         return job
 
+    def epoch_started(self, identity: bytes, msg: Message, now: float) -> list[Out]:
+        consumer = self._consumer(identity)
+        job = self.jobs.get(consumer.job) if consumer is not None else None
+        epoch = msg.body.get("epoch")
+        if job is not None and isinstance(epoch, int) and not isinstance(epoch, bool):
+            job.epoch = max(job.epoch, epoch)
+        return self.consumer_heartbeat(identity, now)
+
     def consumer_heartbeat(self, identity: bytes, now: float) -> list[Out]:
         consumer = self._consumer(identity)
         if consumer is None:
@@ -244,7 +266,7 @@ class State:
             if waiting:
                 pending[str(key[0])] = pending.get(str(key[0]), 0) + waiting
         return {"job": job.id, "workers": workers, "failed": job.failed, "error": job.error,
-                "pending": pending,
+                "pending": pending, "share": job.share, "epoch": job.epoch,
                 "width": job.width, "entropy": job.entropy,
                 "state": "failed" if job.error else "running"}
 
@@ -274,7 +296,7 @@ class State:
             body = {"task": task, "job": job.id, "sharding": job.sharding, "index": index,
                     "width": job.width, "deterministic": job.deterministic,
                     "on_error": job.on_error, "entropy": job.entropy,
-                    "source_data": job.source_data,
+                    "source_data": job.source_data, "share": job.share,
                     "balanced": job.options.get("balanced", 0)}
             out.append(Out(worker.identity, Command.TASK, body, (job.blob,)))
             out += self._tell_consumers(job)
@@ -454,10 +476,23 @@ class State:
                    for w in self.workers.values()]
         jobs = [{"job": j.id, "fingerprint": j.fingerprint, "name": j.name,
                  "sharding": j.sharding, "consumers": len(j.consumers), "workers": len(j.tasks),
-                 "elements": j.elements, "bytes": j.bytes,
+                 "elements": j.elements, "bytes": j.bytes, "shared": j.share is not None,
                  "state": "failed" if j.error else "running"}
                 for j in self.jobs.values()]
         return {"workers": workers, "jobs": jobs}
+
+
+def _share(value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ProtocolError("REGISTER: share must be {window_bytes, lag, block_seconds}")
+    size, lag, block = value.get("window_bytes"), value.get("lag"), value.get("block_seconds")
+    if (isinstance(size, bool) or not isinstance(size, int) or size < 1
+            or lag not in LAG_POLICIES or isinstance(block, bool)
+            or not isinstance(block, (int, float)) or not block >= 0):
+        raise ProtocolError(f"REGISTER: bad share settings {value!r}")
+    return {"window_bytes": size, "lag": lag, "block_seconds": float(block)}
 
 
 def _count(value: Any) -> int:

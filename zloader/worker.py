@@ -29,6 +29,8 @@ from zloader._host import host_id
 from zloader.pipeline import Pipeline
 from zloader.plan import Plan, plan
 from zloader.producer import Outgoing, Producer
+from zloader.sharing.store import Stored, store
+from zloader.sharing.window import Window
 from zloader.sources import ArraysSource, ItemsSource
 from zloader.transport import records
 from zloader.transport.protocol import (
@@ -79,6 +81,18 @@ class _Task:
     balanced: int = 0  # consumers to deal to one element at a time, round-robin (0: off)
     turn: int = 0
     pending: deque[tuple[int, Outgoing | None, dict[str, Any]]] = field(default_factory=deque)
+    # A shared job (zloader/sharing): the window, each record's memory, the splits read per
+    # epoch (to make a late joiner's missed elements again) and the replays to run.
+    window: Window | None = None
+    stored: dict[str, Stored] = field(default_factory=dict)
+    splits: dict[int, dict[tuple[int, ...], list[int]]] = field(default_factory=dict)
+    replays: deque[tuple[bytes, int, int]] = field(default_factory=deque)
+    replayer: Producer | None = None
+    replaying: tuple[bytes, int] | None = None  # (trainer, elements sent so far)
+    replay_pending: deque[tuple[int, Outgoing | None, dict[str, Any]]] = field(
+        default_factory=deque)
+    outstanding: int = 0  # production permits not yet used
+    replay_outstanding: int = 0
 
 
 class WorkerProcess:
@@ -125,8 +139,7 @@ class WorkerProcess:
             endpoint = f"tcp://{self.advertise}:{endpoint.rsplit(':', 1)[1]}"
         self.endpoint = endpoint
         self.data = data
-        self.pair: zmq.Socket[Any] | None = None  # to the current producer
-        self.outbox: deque[Outgoing] = deque()  # that producer's records
+        self.links: dict[Any, Producer] = {}  # our end of each live producer's pair
         self._pairs = 0
         self.poller = zmq.Poller()
         self.broker = self._connect_broker()
@@ -136,7 +149,8 @@ class WorkerProcess:
             self._stop_task()
             with contextlib.suppress(zmq.ZMQError):
                 self._to_broker(Command.BYE, {})
-            self._drop_pair()
+            for producer in list(self.links.values()):
+                self._drop_link(producer)
             for sock in (self.broker, data):
                 sock.close(0)
             context.term()
@@ -167,6 +181,8 @@ class WorkerProcess:
         while not self.stop.is_set():
             for sock, _ in poller.poll(100):
                 for _ in range(256):
+                    if sock.closed:
+                        break  # a producer's pair, dropped while its messages were read
                     try:
                         frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
@@ -175,10 +191,11 @@ class WorkerProcess:
                         self._from_consumer(frames)
                     elif sock is self.broker:
                         self._from_broker(frames)
-                    elif sock is self.pair:
-                        self._from_producer(frames)
-                    else:
-                        break  # a dropped producer's pair: ignore
+                    elif sock in self.links:
+                        self._from_producer(self.links[sock], frames)
+            task = self.task
+            if task is not None and task.window is not None and task.pending:
+                self._deliver(task)  # a record blocked by a lagging trainer: look again
             now = time.monotonic()
             if now - self._last_to_broker >= self.heartbeat:
                 self._to_broker(Command.HEARTBEAT, {"stats": {
@@ -210,11 +227,12 @@ class WorkerProcess:
             self._start_task(msg)
         elif command is Command.SPLIT:
             task = self.task
-            if task is not None and msg.field("task", str) == task.id and self.pair:
+            link = task.producer.link if task is not None and task.producer else None
+            if task is not None and msg.field("task", str) == task.id and link is not None:
                 split = msg.field("split", int, optional=True)
                 with contextlib.suppress(zmq.Again):
-                    self.pair.send(json.dumps({"pass": msg.field("pass", list),
-                                               "split": split}).encode(), zmq.NOBLOCK)
+                    link.send(json.dumps({"pass": msg.field("pass", list),
+                                          "split": split}).encode(), zmq.NOBLOCK)
         elif command is Command.RELEASE:
             if self.task is not None and msg.field("task", str) == self.task.id:
                 self._stop_task()
@@ -243,6 +261,10 @@ class WorkerProcess:
                               msg.field("width", int), str(msg.body.get("on_error", "raise")),
                               msg.field("entropy", int),
                               balanced=max(0, int(msg.body.get("balanced") or 0)))
+            share = msg.field("share", dict, optional=True)
+            if share is not None:
+                self.task.window = Window(int(share["window_bytes"]), str(share["lag"]),
+                                          float(share["block_seconds"]))
             early, self.early_opens = list(self.early_opens), deque(maxlen=64)
             for identity, opened in early:
                 if opened.body.get("job") == self.task.job:
@@ -288,21 +310,29 @@ class WorkerProcess:
         task, self.task = self.task, None
         if task is None:
             return
-        if task.producer is not None:
-            task.producer.stop.set()
-            task.producer.join(2.0)
-        self._drop_pair()
+        for producer in (task.producer, task.replayer):
+            if producer is not None:
+                producer.stop.set()
+                producer.join(2.0)
+                self._drop_link(producer)
         for stream in task.streams.values():
             self._unlink_handoffs(stream)
             if stream.ring is not None:
                 stream.ring.close()
+        for stored in task.stored.values():
+            stored.free()
+        task.stored.clear()
 
     # --- producer -------------------------------------------------------------------------
 
-    def _from_producer(self, frames: list[zmq.Frame]) -> None:
+    def _from_producer(self, producer: Producer, frames: list[zmq.Frame]) -> None:
         task = self.task
         kind = frames[0].bytes
         if task is None:
+            return
+        if producer.replay is not None:
+            if kind in (b"R", b"E"):
+                self._from_replay(task, producer, kind, json.loads(frames[1].bytes))
             return
         if kind == b"S":
             self._to_broker(Command.SPLIT_REQ, {"task": task.id,
@@ -312,7 +342,8 @@ class WorkerProcess:
                                                 "pass": json.loads(frames[1].bytes)})
         elif kind == b"R":
             head = json.loads(frames[1].bytes)
-            task.pending.append((head["epoch"], self.outbox.popleft(), head))
+            task.outstanding = max(0, task.outstanding - 1)
+            task.pending.append((head["epoch"], producer.outbox.popleft(), head))
             self._deliver(task)
         elif kind == b"E":
             body = json.loads(frames[1].bytes)
@@ -330,6 +361,9 @@ class WorkerProcess:
     def _deliver(self, task: _Task) -> None:
         """Send pending records to consumers with credit, in order; an epoch's END goes
         out once all its records have."""
+        if task.window is not None:
+            self._deliver_shared(task)
+            return
         while task.pending:
             epoch, outgoing, head = task.pending[0]
             if epoch in task.finished:  # an abandoned epoch's leftovers
@@ -420,33 +454,264 @@ class WorkerProcess:
         task.finished.add(epoch)
         if task.producing == epoch:
             task.producing = None
+            if task.producer is not None:
+                self._drop_link(task.producer)
             task.producer = None
         self._maybe_produce(task)
 
     def _maybe_produce(self, task: _Task) -> None:
+        if task.replayer is None:
+            while task.replays:  # a shared job's late joiner: make what it missed again
+                trainer, epoch, missed = task.replays.popleft()
+                if trainer in task.streams:
+                    task.replaying = (trainer, 0)
+                    task.replay_outstanding = 0
+                    task.replayer = self._start_producer(
+                        task, epoch, replay=(trainer, missed), pool=threading.Semaphore(0))
+                    break
         if task.producing is not None:
             return
         wanted = sorted({s.epoch for s in task.streams.values()} - task.finished)
         if not wanted:
             return
-        epoch = wanted[0]
-        self._drop_pair()
+        task.producing = wanted[0]
+        if task.window is not None:  # shared: permits follow the window (_permit)
+            while task.credit_pool.acquire(blocking=False):
+                pass
+            task.outstanding = 0
+            for old in [e for e in task.splits if e < wanted[0] - 2]:
+                del task.splits[old]
+        task.producer = self._start_producer(task, wanted[0])
+
+    def _start_producer(self, task: _Task, epoch: int, replay: tuple[bytes, int] | None = None,
+                        pool: threading.Semaphore | None = None) -> Producer:
         self._pairs += 1
         address = f"inproc://producer-{self.id}-{self._pairs}"
-        self.pair = self.context.socket(zmq.PAIR)
-        self.pair.setsockopt(zmq.LINGER, 0)
-        self.pair.bind(address)
-        self.poller.register(self.pair, zmq.POLLIN)
-        task.producing = epoch
-        task.producer = Producer(self.context, address, task, epoch)
-        self.outbox = task.producer.outbox
-        task.producer.start()
+        link = self.context.socket(zmq.PAIR)
+        link.setsockopt(zmq.LINGER, 0)
+        link.bind(address)
+        self.poller.register(link, zmq.POLLIN)
+        producer = Producer(self.context, address, task, epoch, replay, pool)
+        producer.link = link
+        self.links[link] = producer
+        producer.start()
+        if task.window is not None:
+            self._permit(task, producer)
+        return producer
 
-    def _drop_pair(self) -> None:
-        if self.pair is not None:
-            self.poller.unregister(self.pair)
-            self.pair.close(0)
-            self.pair = None
+    def _drop_link(self, producer: Producer) -> None:
+        link, producer.link = producer.link, None
+        if link is not None:
+            self.links.pop(link, None)
+            self.poller.unregister(link)
+            link.close(0)
+
+    # --- shared jobs (zloader/sharing) ----------------------------------------------------
+
+    def _open_shared(self, task: _Task, stream: _Stream, epoch: int, credits: int) -> None:
+        """A trainer starts (or re-opens) ``epoch``: place its cursor in the window; what
+        it missed of an epoch under way is made again for it (a replay)."""
+        window = task.window
+        assert window is not None
+        cursor = window.cursors.get(stream.identity)
+        if cursor is None or cursor.epoch != epoch:
+            started = epoch == task.producing or epoch in task.finished
+            cursor = window.join(stream.identity, epoch, started)
+            if cursor.missed > 0:
+                task.replays.append((stream.identity, epoch, cursor.missed))
+        elif cursor.done:
+            self._to_consumer(stream, Command.END, {"epoch": epoch, "skipped": 0,
+                                                    "lagged": cursor.lagged})
+        stream.epoch = epoch
+        cursor.credits = max(0, min(credits, 1 << 16))
+        self._maybe_produce(task)
+        self._deliver(task)
+
+    def _from_replay(self, task: _Task, producer: Producer, kind: bytes,
+                     head: dict[str, Any]) -> None:
+        if producer is not task.replayer:
+            return
+        if kind == b"R":
+            task.replay_outstanding = max(0, task.replay_outstanding - 1)
+            task.replay_pending.append((head["epoch"], producer.outbox.popleft(), head))
+        else:
+            task.replay_pending.append((head["epoch"], None, {"end": True, **head}))
+        self._deliver(task)
+
+    def _deliver_shared(self, task: _Task) -> None:
+        """Admit produced records into the window (as the lag policy allows), send a
+        replay's records to its trainer, then send every trainer what it may take."""
+        window = task.window
+        assert window is not None
+        while task.replay_pending and self._send_replay(task):
+            pass
+        now = time.monotonic()
+        while task.pending:
+            epoch, outgoing, head = task.pending[0]
+            if head.get("end"):
+                task.pending.popleft()
+                window.add(epoch, 0, 0, end=True, skipped=int(head.get("skipped", 0)))
+                self._finish_epoch(task, epoch)
+                continue
+            assert outgoing is not None
+            if epoch in task.finished:  # an abandoned epoch's leftovers
+                task.pending.popleft()
+                outgoing.taken.set()
+                continue
+            nbytes = sum(codec.nbytes(b) for b in outgoing.buffers)
+            admitted, gone = window.room(nbytes, now)
+            self._evicted(task, gone)
+            if not admitted:
+                break  # "block": retried from the loop until the lagging trainer moves
+            stored = store(outgoing.buffers)
+            outgoing.taken.set()
+            task.pending.popleft()
+            window.add(epoch, int(head["count"]), nbytes, stored,
+                       skipped=int(head.get("skipped", 0)))
+            if stored.name is not None:
+                task.stored[stored.name] = stored
+        self._fan_out(task)
+        for producer in (task.producer, task.replayer):
+            if producer is not None:
+                self._permit(task, producer)
+
+    def _fan_out(self, task: _Task) -> None:
+        window = task.window
+        assert window is not None
+        for stream in list(task.streams.values()):
+            cursor = window.cursors.get(stream.identity)
+            if cursor is None or cursor.done or cursor.replaying:
+                continue
+            while cursor.credits > 0 or cursor.end is not None:
+                entry = cursor.end or window.next_for(cursor)
+                if entry is None:
+                    break
+                cursor.end = None
+                cursor.seq = max(cursor.seq, entry.seq + 1)
+                if entry.end:
+                    if cursor.missed > 0:
+                        cursor.replaying = True  # its replay's records go out now
+                    else:
+                        cursor.done = True
+                        self._to_consumer(stream, Command.END, {
+                            "epoch": entry.epoch, "skipped": entry.skipped,
+                            "lagged": cursor.lagged})
+                    break
+                cursor.credits -= 1
+                self._send_stored(stream, entry.epoch, entry.count, entry.skipped,
+                                  entry.data, cursor.lagged)
+        if task.replaying is not None and task.replay_pending:
+            while task.replay_pending and self._send_replay(task):
+                pass
+
+    def _send_stored(self, stream: _Stream, epoch: int, count: int, skipped: int,
+                     stored: Stored, lagged: int) -> None:
+        body: dict[str, Any] = {"epoch": epoch, "count": count, "skipped": skipped,
+                                "ring": None, "lagged": lagged}
+        self.elements += count
+        self.bytes += stored.length
+        if stream.ring is not None and stored.segment is not None:  # co-located
+            body["segment"] = [stored.name, stored.length]
+            body["shared"] = True
+            stored.holders.add(stream.identity)
+            self._to_consumer(stream, Command.DATA, body)
+        else:
+            self._to_consumer(stream, Command.DATA, body, stored.frames)
+
+    def _send_replay(self, task: _Task) -> bool:
+        """Send the replay's next record (or its end) to its trainer, once the trainer has
+        reached the end of the epoch in the window; False: not yet."""
+        assert task.window is not None
+        epoch, outgoing, head = task.replay_pending[0]
+        trainer, sent = task.replaying or (b"", 0)
+        stream = task.streams.get(trainer)
+        cursor = task.window.cursors.get(trainer)
+        if stream is None or cursor is None:
+            self._stop_replay(task)
+            return False
+        if not cursor.replaying:
+            return False
+        if head.get("end"):
+            task.replay_pending.popleft()
+            cursor.lagged += max(0, cursor.missed - sent)  # splits no longer on record
+            cursor.done, cursor.replaying, cursor.missed = True, False, 0
+            self._to_consumer(stream, Command.END, {"epoch": epoch,
+                                                    "skipped": int(head.get("skipped", 0)),
+                                                    "lagged": cursor.lagged,
+                                                    "replayed": sent})
+            self._stop_replay(task)
+            self._maybe_produce(task)
+            return False
+        if cursor.credits <= 0:
+            return False
+        assert outgoing is not None
+        task.replay_pending.popleft()
+        cursor.credits -= 1
+        task.replaying = (trainer, sent + int(head["count"]))
+        self._send_record(stream, epoch, outgoing.buffers, head)
+        outgoing.taken.set()
+        return True
+
+    def _stop_replay(self, task: _Task) -> None:
+        if task.replayer is not None:
+            task.replayer.stop.set()
+            self._drop_link(task.replayer)
+        task.replayer, task.replaying = None, None
+        for _, outgoing, _ in task.replay_pending:
+            if outgoing is not None:
+                outgoing.taken.set()
+        task.replay_pending.clear()
+
+    def _permit(self, task: _Task, producer: Producer) -> None:
+        """Let a producer of a shared job make as many records as trainers can take now:
+        the main one as far as the readiest trainer, a replay as far as its trainer."""
+        window = task.window
+        assert window is not None
+        if producer is task.replayer and task.replaying is not None:
+            cursor = window.cursors.get(task.replaying[0])
+            lead = cursor.credits if cursor is not None else 0
+            queued = len(task.replay_pending)
+            for _ in range(lead - queued - task.replay_outstanding):
+                task.replay_outstanding += 1
+                producer.pool.release()
+        elif producer is task.producer and task.producing is not None:
+            queued = len(task.pending)
+            for _ in range(window.lead(task.producing) - queued - task.outstanding):
+                task.outstanding += 1
+                producer.pool.release()
+
+    def _evicted(self, task: _Task, gone: list[Any]) -> None:
+        for entry in gone:
+            stored = entry.data
+            if isinstance(stored, Stored):
+                stored.evicted = True
+                self._release_stored(task, stored)
+
+    def _release_stored(self, task: _Task, stored: Stored) -> None:
+        if stored.releasable:
+            if stored.name is not None:
+                task.stored.pop(stored.name, None)
+            stored.free()
+
+    def _mapped_shared(self, task: _Task, trainer: bytes, names: list[Any]) -> None:
+        for name in names:
+            stored = task.stored.get(name) if isinstance(name, str) else None
+            if stored is not None:
+                stored.holders.discard(trainer)
+                self._release_stored(task, stored)
+
+    def _leave_shared(self, task: _Task, stream: _Stream) -> None:
+        window = task.window
+        assert window is not None
+        window.leave(stream.identity)
+        for stored in list(task.stored.values()):
+            stored.holders.discard(stream.identity)
+            self._release_stored(task, stored)
+        if task.replaying is not None and task.replaying[0] == stream.identity:
+            self._stop_replay(task)
+        task.replays = deque(r for r in task.replays if r[0] != stream.identity)
+        if not window.cursors:  # the last trainer left: free the window's memory
+            self._evicted(task, window.clear())
 
     # --- consumers ------------------------------------------------------------------------
 
@@ -482,6 +747,9 @@ class WorkerProcess:
                 ring = msg.field("ring", str, optional=True)
                 if ring is not None:
                     stream.ring = _attach_ring(ring)
+            if task.window is not None:
+                self._open_shared(task, stream, epoch, msg.field("credits", int))
+                return
             self._drop_credits(task, stream)
             stream.epoch = epoch
             self._abandon_stale(task)
@@ -499,7 +767,10 @@ class WorkerProcess:
         elif msg.command is Command.CREDIT:
             stream = task.streams.get(identity) if task else None
             if task is not None and stream is not None:
-                self._unlink_handoffs(stream, msg.field("mapped", list, optional=True) or [])
+                mapped = msg.field("mapped", list, optional=True) or []
+                self._unlink_handoffs(stream, mapped)
+                if task.window is not None:
+                    self._mapped_shared(task, identity, mapped)
                 if msg.field("epoch", int) == stream.epoch:
                     self._add_credits(task, stream, msg.field("credits", int))
                     self._deliver(task)
@@ -523,24 +794,34 @@ class WorkerProcess:
             return
         if task.producer is not None:
             task.producer.stop.set()  # it exits at its next send or split request
-        self._drop_pair()
+            self._drop_link(task.producer)
         task.finished.add(producing)
         task.producing = None
         task.producer = None
 
     def _add_credits(self, task: _Task, stream: _Stream, credits: int) -> None:
         credits = max(0, min(credits, 1 << 16))
+        if task.window is not None:  # production follows the window (_permit)
+            cursor = task.window.cursors.get(stream.identity)
+            if cursor is not None:
+                cursor.credits += credits
+            return
         stream.credits += credits
         for _ in range(credits):
             task.credit_pool.release()
 
     def _drop_credits(self, task: _Task, stream: _Stream) -> None:
+        if task.window is not None:
+            stream.credits = 0
+            return
         for _ in range(stream.credits):
             if not task.credit_pool.acquire(blocking=False):
                 break
         stream.credits = 0
 
     def _remove_stream(self, task: _Task, stream: _Stream) -> None:
+        if task.window is not None:
+            self._leave_shared(task, stream)
         self._drop_credits(task, stream)
         self._unlink_handoffs(stream)
         task.streams.pop(stream.identity, None)

@@ -163,11 +163,14 @@ class Segment:
         return cls(name, size, mapping, owner=True)
 
     @classmethod
-    def attach(cls, name: str) -> Segment:
+    def attach(cls, name: str, private: bool = False) -> Segment:
         """Map an existing segment created by another process (or this one).
 
         Args:
             name: the segment's name, as made by :func:`segment_name`.
+            private: map it copy-on-write: writes through this mapping change only this
+                process's copy of the pages written (the segment and other processes never
+                see them). Pages are then faulted in when first read, not up front.
 
         Returns:
             The mapped segment; it is never unlinked through this object.
@@ -185,7 +188,7 @@ class Segment:
             if not stat.S_ISREG(info.st_mode) or info.st_size < 1:
                 raise ValueError(f"shared-memory segment {name!r} is not a regular "
                                  "non-empty file")
-            mapping = _map(fd, info.st_size, prefault_write=False)
+            mapping = _map(fd, info.st_size, prefault_write=False, private=private)
         finally:
             os.close(fd)
         return cls(name, info.st_size, mapping, owner=False)
@@ -315,7 +318,10 @@ def _path(name: str) -> str:
     return os.path.join(SHM_DIR, name)
 
 
-def _map(fd: int, size: int, prefault_write: bool) -> mmap.mmap:
+def _map(fd: int, size: int, prefault_write: bool, private: bool = False) -> mmap.mmap:
+    if private:  # populating a private writable mapping would copy every page: don't
+        return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE,
+                         prot=mmap.PROT_READ | mmap.PROT_WRITE)
     mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE,
                         prot=mmap.PROT_READ | mmap.PROT_WRITE)
     if not _MAP_POPULATE:

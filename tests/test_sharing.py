@@ -1,0 +1,204 @@
+"""Shared jobs: one pipeline run serves several trainer processes (real broker, workers and
+trainers; see tests/share_trainer.py for the trainer)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from tests.service import service, status, wait_for
+from zloader import Loader, Pipeline
+from zloader.sharing.window import Window
+
+TRAINER = os.path.join(os.path.dirname(__file__), "share_trainer.py")
+N = 120
+
+
+class Trainer:
+    """A trainer process whose JSON lines are collected on a thread."""
+
+    def __init__(self, broker: str, *args: str, n: int = N, variant: int = 1,
+                 epochs: int = 1) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, TRAINER, broker, str(n), str(variant), str(epochs), *args],
+            stdout=subprocess.PIPE, text=True)
+        self.lines: list[dict] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append(json.loads(line))
+
+    @property
+    def progress(self) -> int:
+        return max((line["progress"] for line in self.lines if "progress" in line), default=0)
+
+    def epochs(self, timeout: float = 60.0) -> list[dict]:
+        assert self.process.wait(timeout) == 0
+        self.reader.join(5)
+        return [line for line in self.lines if "epoch" in line]
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+def shared_jobs(address: str) -> list[dict]:
+    return [j for j in status(address)["jobs"] if j.get("shared")]
+
+
+def segments() -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith("zloader-") and "-shr-" in n]
+
+
+def test_three_trainers_share_one_run_and_see_the_same_sequence(tmp_path):
+    log = str(tmp_path / "calls")
+    with service(workers=1) as (address, _):
+        first = Trainer(address, "--log", log, "--delay", "0.01", epochs=3)
+        wait_for(lambda: first.progress >= 10, what="the first trainer's progress")
+        others = [Trainer(address, "--log", log, epochs=3) for _ in range(2)]
+        runs = [t.epochs() for t in (first, *others)]
+        reference = runs[0]
+        for run in runs:
+            assert len(run) == 3
+            for epoch in run:  # every element of every epoch exactly once
+                assert sorted(epoch["got"]) == list(range(N))
+                assert epoch["stats"]["share_skipped"] == 0
+            # From the moment it attached: the epoch under way in the same order, then
+            # the part it missed, made again in the same order; later epochs identical.
+            got, ref = run[0]["got"], reference[0]["got"]
+            k = ref.index(got[0])
+            assert got == ref[k:] + ref[:k]
+            assert [e["got"] for e in run[1:]] == [e["got"] for e in reference[1:]]
+        replayed = sum(r[-1]["stats"]["share_replayed"] for r in runs)
+        assert os.path.getsize(log) == 3 * N + replayed  # the pipeline ran once (+ replays)
+        assert replayed < 2 * N
+        wait_for(lambda: not segments(), what="the shared records to be freed")
+
+
+def test_identical_pipelines_share_and_a_changed_one_gets_its_own_job():
+    with service(workers=2) as (address, _):
+        trainers = [Trainer(address, "--delay", "0.03", variant=v) for v in (1, 1, 2)]
+        wait_for(lambda: sorted(j["consumers"] for j in shared_jobs(address)) == [1, 2],
+                 what="two shared jobs, one with two trainers")
+        for trainer in trainers:
+            (epoch,) = trainer.epochs()
+            assert sorted(epoch["got"]) == list(range(N))  # dynamic sharding, 2 workers
+
+
+def test_a_killed_trainer_does_not_stall_the_others():
+    with service(workers=1) as (address, _):
+        # A small window and "block" with a long block time: only eviction of the dead
+        # trainer (three missed heartbeats) lets the live one finish in time.
+        args = ("--window", str(1 << 16), "--block", "600")
+        live = Trainer(address, *args, "--delay", "0.005", n=400)
+        doomed = Trainer(address, *args, "--delay", "0.05", n=400)
+        wait_for(lambda: doomed.progress >= 10, what="the doomed trainer's progress")
+        doomed.kill()
+        (epoch,) = live.epochs(timeout=60)
+        assert sorted(epoch["got"]) == list(range(400))
+
+
+def test_a_slow_trainer_skips_and_counts_with_skip_and_holds_the_producer_with_block():
+    with service(workers=1) as (address, _):
+        window = ("--window", str(1 << 16))
+        fast = Trainer(address, *window, "--lag", "skip", n=300)
+        slow = Trainer(address, *window, "--lag", "skip", "--delay", "0.02", n=300)
+        (fast_epoch,), (slow_epoch,) = fast.epochs(), slow.epochs()
+        assert sorted(fast_epoch["got"]) == list(range(300))
+        skipped = slow_epoch["stats"]["share_skipped"]
+        assert skipped > 0
+        assert len(slow_epoch["got"]) + skipped == 300
+        assert len(set(slow_epoch["got"])) == len(slow_epoch["got"])
+    with service(workers=1) as (address, _):
+        window = ("--window", str(1 << 16), "--block", "600")
+        fast = Trainer(address, *window, n=150)
+        slow = Trainer(address, *window, "--delay", "0.01", n=150)
+        for trainer in (fast, slow):  # the producer waited for the slow one: nothing lost
+            (epoch,) = trainer.epochs()
+            assert sorted(epoch["got"]) == list(range(150))
+            assert epoch["stats"]["share_skipped"] == 0
+
+
+def test_a_late_joiner_gets_a_whole_epoch_and_only_what_left_the_window_is_recomputed(
+        tmp_path):
+    log = str(tmp_path / "calls")
+    with service(workers=1) as (address, _):
+        window = ("--window", str(1 << 18), "--log", log)  # about 8 elements
+        first = Trainer(address, *window, "--delay", "0.02", n=200)
+        wait_for(lambda: first.progress >= 60, what="the first trainer's progress")
+        late = Trainer(address, *window, n=200)
+        (epoch,), (late_epoch,) = first.epochs(), late.epochs()
+        assert sorted(epoch["got"]) == list(range(200))
+        assert sorted(late_epoch["got"]) == list(range(200))  # complete, no duplicates
+        replayed = late_epoch["stats"]["share_replayed"]
+        assert 50 <= replayed < 200  # what had left the window, not the whole epoch
+        assert os.path.getsize(log) == 200 + replayed
+
+
+def test_shared_elements_are_copy_on_write_for_each_trainer():
+    pipeline = Pipeline.range(40).map(lambda x: np.full(100_000, x, dtype=np.int32))
+    with service(workers=1) as (address, _):
+        with Loader(pipeline, broker=address, share=True, timeout=20) as a, \
+                Loader(pipeline, broker=address, share=True, timeout=20) as b:
+            for x, y in zip(a, b, strict=True):
+                assert x.flags.writeable
+                x[:] = -1  # changes a's copy only
+                assert int(y[0]) == int(y[-1]) >= 0
+            assert a.stats()["segments"] > 0  # they came through shared memory
+
+
+def test_window_lag_policies_and_late_joins():
+    window = Window(capacity=100, lag="skip")
+    a = window.join(b"a", 0, started=False)
+    a.credits = 10
+    for i in range(3):
+        ok, gone = window.room(40, 0.0)
+        assert ok
+        window.add(0, 2, 40)
+    assert window.nbytes == 80 and window.entries[0].seq == 1  # the oldest went (skipped)
+    assert a.lagged == 2 and a.seq == 1
+    late = window.join(b"b", 0, started=True)
+    assert late.seq == 1 and late.missed == 2  # replays seq 1, 2; elements 0-1 made again
+    blocking = Window(capacity=100, lag="block", block_seconds=5)
+    blocking.join(b"a", 0, started=False)
+    for _ in range(2):
+        blocking.add(0, 1, 50)
+    assert blocking.room(50, 0.0) == (False, [])  # waits for the trainer...
+    ok, gone = blocking.room(50, 6.0)  # ...up to block_seconds, then skips it ahead
+    assert ok and len(gone) == 1 and blocking.cursors[b"a"].lagged == 1
+    with pytest.raises(ValueError, match="share_lag"):
+        Window(capacity=1, lag="wait")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"share": True}, "needs a broker"),
+    ({"share": True, "broker": "tcp://127.0.0.1:1", "job_name": "x"}, "do not mix"),
+    ({"share": True, "broker": "tcp://127.0.0.1:1", "share_lag": "wait"}, "share_lag"),
+    ({"share": True, "broker": "tcp://127.0.0.1:1", "share_window_bytes": 10},
+     "share_window_bytes"),
+    ({"share": True, "broker": "tcp://127.0.0.1:1", "share_block_seconds": -1},
+     "share_block_seconds"),
+    ({"share": "yes", "broker": "tcp://127.0.0.1:1"}, "share"),
+])
+def test_bad_share_arguments_raise(kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        Loader(Pipeline.range(3), **kwargs)
+
+
+def test_trainers_that_leave_free_the_shared_memory():
+    pipeline = Pipeline.range(30).map(lambda x: np.full(50_000, x, dtype=np.int64))
+    with service(workers=1) as (address, procs):
+        with Loader(pipeline, broker=address, share=True, timeout=20) as a:
+            assert len(list(a)) == 30
+            assert segments()
+        wait_for(lambda: not segments(), what="the worker to free the window")
+        assert procs[0].poll() is None  # the worker itself is still running

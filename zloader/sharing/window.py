@@ -1,0 +1,181 @@
+"""The sliding window of a shared job on one worker: records produced once, one cursor per
+trainer.
+
+A worker serving a shared job puts every record it produces into its :class:`Window`, in
+order, with a sequence number; each trainer reading from the worker has a :class:`Cursor`,
+the sequence number of the next record to send it. The window keeps at most ``capacity``
+bytes of records (always at least one). A record leaves the window from the old end once
+every cursor has passed it; when room is needed before that, the ``lag`` policy decides:
+``"skip"`` drops the oldest record anyway, and the cursors that had not passed it jump
+forward (the elements they lose are counted on the cursor); ``"block"`` keeps it while the
+producer waits, up to ``block_seconds`` per lagging trainer, then acts as ``"skip"``.
+
+An epoch's end is a record too (``end=True``, no data), so a cursor ends its epoch exactly
+where the production of the epoch ended. A trainer that joins while an epoch is under way
+starts at the oldest record of that epoch still in the window; what had already left the
+window is its ``missed`` count, which the worker makes again for that trainer alone.
+
+This module holds no sockets and no memory: the worker stores each record's data
+(``Entry.data``) and acts on what these calls return.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["LAG_POLICIES", "Cursor", "Entry", "Window"]
+
+LAG_POLICIES = ("block", "skip")
+
+
+@dataclass(eq=False)
+class Entry:
+    """One record in the window."""
+
+    seq: int
+    epoch: int
+    first: int  # index, in this worker's production of ``epoch``, of its first element
+    count: int
+    nbytes: int
+    end: bool = False
+    data: Any = None
+    skipped: int = 0  # elements dropped by on_error="skip" so far in the epoch
+
+
+@dataclass(eq=False)
+class Cursor:
+    """One trainer's place in the window."""
+
+    trainer: bytes
+    epoch: int
+    seq: int
+    missed: int = 0  # elements of ``epoch`` that left the window before the trainer came
+    lagged: int = 0  # elements lost to the lag policy (never sent to this trainer)
+    waiting_since: float | None = None  # when the producer began waiting for it ("block")
+    done: bool = False  # its epoch has ended for it
+    credits: int = 0  # records it may be sent
+    end: Entry | None = None  # its epoch's end, when that left the window before it got there
+    replaying: bool = False  # its missed elements are being made again for it
+
+
+@dataclass
+class Window:
+    capacity: int
+    lag: str = "block"
+    block_seconds: float = 10.0
+    entries: deque[Entry] = field(default_factory=deque)
+    cursors: dict[bytes, Cursor] = field(default_factory=dict)
+    head: int = 0  # sequence number of the next record
+    nbytes: int = 0
+    produced: dict[int, int] = field(default_factory=dict)  # epoch -> elements produced
+
+    def __post_init__(self) -> None:
+        if self.lag not in LAG_POLICIES:
+            raise ValueError(f"share_lag must be one of {LAG_POLICIES}, got {self.lag!r}")
+
+    # --- producing ------------------------------------------------------------------------
+
+    def room(self, nbytes: int, now: float) -> tuple[bool, list[Entry]]:
+        """Make room for a record of ``nbytes``. Returns whether it may be added now, and
+        the entries that left the window (the caller frees their data)."""
+        gone: list[Entry] = []
+        while self.entries and self.nbytes + nbytes > self.capacity:
+            oldest = self.entries[0]
+            behind = [c for c in self.cursors.values() if c.seq <= oldest.seq]
+            if behind and self.lag == "block":
+                for cursor in behind:
+                    if cursor.waiting_since is None:
+                        cursor.waiting_since = now
+                if any(now - c.waiting_since < self.block_seconds  # type: ignore[operator]
+                       for c in behind):
+                    return False, gone
+            for cursor in behind:  # "skip" (or blocked too long): they lose this record
+                if oldest.end and oldest.epoch == cursor.epoch and not cursor.done:
+                    cursor.end = oldest
+                elif oldest.epoch >= cursor.epoch:
+                    cursor.lagged += oldest.count
+                cursor.seq = oldest.seq + 1
+            gone.append(self._pop())
+        for cursor in self.cursors.values():
+            cursor.waiting_since = None
+        return True, gone
+
+    def add(self, epoch: int, count: int, nbytes: int, data: Any = None, *,
+            end: bool = False, skipped: int = 0) -> Entry:
+        """Append a record (call :meth:`room` first)."""
+        first = self.produced.get(epoch, 0)
+        entry = Entry(self.head, epoch, first, count, nbytes, end, data, skipped)
+        self.produced[epoch] = first + count
+        self.head += 1
+        self.nbytes += nbytes
+        self.entries.append(entry)
+        return entry
+
+    def _pop(self) -> Entry:
+        entry = self.entries.popleft()
+        self.nbytes -= entry.nbytes
+        return entry
+
+    def passed(self) -> list[Entry]:
+        """Drop the oldest entries every cursor has passed; return them. (Kept while there
+        is room, so a late joiner can still replay them: call when room is short.)"""
+        gone = []
+        while self.entries and all(c.seq > self.entries[0].seq for c in self.cursors.values()):
+            gone.append(self._pop())
+        return gone
+
+    def clear(self) -> list[Entry]:
+        gone = list(self.entries)
+        self.entries.clear()
+        self.nbytes = 0
+        return gone
+
+    # --- trainers -------------------------------------------------------------------------
+
+    def join(self, trainer: bytes, epoch: int, started: bool) -> Cursor:
+        """A trainer starts reading ``epoch`` here (a new trainer, or one that finished its
+        previous epoch). ``started``: this worker has begun producing ``epoch``."""
+        cursor = self.cursors.get(trainer)
+        if cursor is not None and cursor.epoch < epoch and not started:
+            cursor.epoch, cursor.done, cursor.missed, cursor.end = epoch, False, 0, None
+            cursor.seq = min(cursor.seq, self.head)
+            return cursor
+        ours = next((e for e in self.entries if e.epoch == epoch), None)
+        if not started:
+            seq, missed = self.head, 0
+        elif ours is not None:
+            seq, missed = ours.seq, ours.first
+        else:  # the epoch was produced and has left the window: all of it is missed
+            seq, missed = self.head, self.produced.get(epoch, 0)
+        if cursor is None:
+            cursor = self.cursors[trainer] = Cursor(trainer, epoch, seq, missed)
+        else:
+            cursor.epoch, cursor.seq, cursor.missed, cursor.done = epoch, seq, missed, False
+            cursor.end, cursor.replaying = None, False
+        return cursor
+
+    def leave(self, trainer: bytes) -> Cursor | None:
+        return self.cursors.pop(trainer, None)
+
+    def next_for(self, cursor: Cursor) -> Entry | None:
+        """The next entry of the cursor's epoch (skipping other epochs' entries), or None
+        when it has to wait for production."""
+        if not self.entries:
+            return None
+        base = self.entries[0].seq
+        cursor.seq = max(cursor.seq, base)  # behind only by eviction: counted there
+        for index in range(cursor.seq - base, len(self.entries)):
+            entry = self.entries[index]
+            if entry.epoch == cursor.epoch:
+                return entry
+            cursor.seq = entry.seq + 1
+        return None
+
+    def lead(self, epoch: int) -> int:
+        """How many records past the head the trainers reading ``epoch`` could take now
+        (their cursor plus their credits)."""
+        wanted = [c.seq + c.credits for c in self.cursors.values()
+                  if c.epoch == epoch and not c.done]
+        return max(wanted, default=self.head) - self.head
