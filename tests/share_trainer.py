@@ -14,14 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from zloader import Loader, Pipeline  # noqa: E402
+from zloader import Loader, Pipeline
 
 
 def make(n: int, variant: int, log: str | None) -> Pipeline:

@@ -160,7 +160,7 @@ def test_window_lag_policies_and_late_joins():
     window = Window(capacity=100, lag="skip")
     a = window.join(b"a", 0, started=False)
     a.credits = 10
-    for i in range(3):
+    for _ in range(3):
         ok, gone = window.room(40, 0.0)
         assert ok
         window.add(0, 2, 40)
@@ -202,3 +202,51 @@ def test_trainers_that_leave_free_the_shared_memory():
             assert segments()
         wait_for(lambda: not segments(), what="the worker to free the window")
         assert procs[0].poll() is None  # the worker itself is still running
+
+
+def test_status_shows_a_shared_job_with_its_trainers_lag_and_skips():
+    with service(workers=1) as (address, _):
+        window = ("--window", str(1 << 16), "--lag", "skip")
+        trainers = [Trainer(address, *window, "--delay", delay, n=400)
+                    for delay in ("0.01", "0.05")]
+
+        def seen() -> list[dict]:
+            jobs = shared_jobs(address)
+            return jobs[0]["trainers"] if jobs else []
+
+        wait_for(lambda: len(seen()) == 2 and any(t["skipped"] for t in seen()),
+                 what="two trainers, one skipping, in the status")
+        assert {"consumer", "pid", "lag", "skipped"} <= set(seen()[0])
+        table = subprocess.run([os.path.join(os.path.dirname(sys.executable), "zloader"),
+                                "status", "--broker", address], capture_output=True,
+                               text=True, timeout=30, check=True).stdout
+        assert "(shared)" in table and table.count("    trainer ") == 2
+        for trainer in trainers:
+            trainer.epochs()
+
+
+def test_the_torch_and_tf_adapters_share_too():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("tensorflow")
+    import zloader.tf
+    import zloader.torch
+
+    pipeline = Pipeline.range(50).map(lambda x: np.full(3, x, dtype=np.int64))
+    with service(workers=1) as (address, _):
+        first = zloader.torch.IterableDataset(pipeline, broker=address, share=True)
+        second = zloader.torch.IterableDataset(pipeline, broker=address, share=True)
+        dataset = zloader.tf.dataset(pipeline, broker=address, share=True)
+        try:
+            for _ in range(2):
+                got = [sorted(int(t[0]) for t in ds) for ds in (first, second)]
+                got.append(sorted(int(t[0]) for t in dataset.as_numpy_iterator()))
+                assert got == [list(range(50))] * 3
+            assert isinstance(next(iter(first)), torch.Tensor)
+            (job,) = shared_jobs(address)
+            assert job["consumers"] == 3
+        finally:
+            first.close()
+            second.close()
+            zloader.tf.close(dataset)
+    with pytest.raises(ValueError, match="IterableDataset"):
+        zloader.torch.DataLoader(list(range(4)), share=True)

@@ -286,8 +286,12 @@ def _status(args: argparse.Namespace) -> int:
     print(f"  {'fingerprint':<16} {'name':<16} {'consumers':>9} {'workers':>7} "
           f"{'elements':>12} {'bytes':>14}")
     for j in status.get("jobs", []):
-        print(f"  {j['fingerprint'][:16]:<16} {j['name'] or '-'!s:<16} {j['consumers']:>9} "
+        name = "(shared)" if j.get("shared") else j["name"] or "-"
+        print(f"  {j['fingerprint'][:16]:<16} {name!s:<16} {j['consumers']:>9} "
               f"{j['workers']:>7} {j['elements']:>12,} {j['bytes']:>14,}")
+        for t in j.get("trainers", []):
+            print(f"    trainer {t['consumer']} pid {t['pid']}: lag {t['lag']:,} elements, "
+                  f"skipped {t['skipped']:,}")
     return 0
 
 

@@ -221,7 +221,7 @@ class Loader:
         while io.job_epoch is None:
             for item in list(io.items.queue):
                 if item.kind == "error":
-                    raise item.error  # type: ignore[misc]
+                    raise item.error
             self._check_progress()
             time.sleep(0.005)
         self._joined = True

@@ -48,6 +48,7 @@ class Worker:
     current: tuple[tuple[int, ...], int] | None = None  # (pass, split) being read
     stats: dict[str, Any] = field(default_factory=dict)
     rate: float = 0.0
+    trainers: dict[str, dict[str, int]] = field(default_factory=dict)  # shared job: lag
 
 
 @dataclass
@@ -157,6 +158,11 @@ class State:
             job.bytes += _delta(stats, worker.stats, "bytes")
         worker.stats = {**{k: v for k, v in stats.items() if isinstance(v, (int, float))},
                         "_at": now}
+        trainers = stats.get("trainers")
+        worker.trainers = {
+            str(c): {k: int(v[k]) for k in ("lag", "skipped") if isinstance(v.get(k), int)}
+            for c, v in trainers.items() if isinstance(v, dict)
+        } if isinstance(trainers, dict) else {}
 
     # --- consumers and jobs ---------------------------------------------------------------
 
@@ -477,9 +483,23 @@ class State:
         jobs = [{"job": j.id, "fingerprint": j.fingerprint, "name": j.name,
                  "sharding": j.sharding, "consumers": len(j.consumers), "workers": len(j.tasks),
                  "elements": j.elements, "bytes": j.bytes, "shared": j.share is not None,
+                 "trainers": self._trainers(j) if j.share is not None else [],
                  "state": "failed" if j.error else "running"}
                 for j in self.jobs.values()]
         return {"workers": workers, "jobs": jobs}
+
+    def _trainers(self, job: Job) -> list[dict[str, Any]]:
+        """A shared job's trainers: pid, lag (elements produced that it has not been sent,
+        the most over the job's workers) and elements skipped (summed)."""
+        out = []
+        for cid in sorted(job.consumers):
+            consumer = self.consumers.get(cid)
+            seen = [w.trainers[cid] for t in job.tasks.values()
+                    if (w := self.workers.get(t)) is not None and cid in w.trainers]
+            out.append({"consumer": cid, "pid": consumer.pid if consumer else None,
+                        "lag": max((s.get("lag", 0) for s in seen), default=0),
+                        "skipped": sum(s.get("skipped", 0) for s in seen)})
+        return out
 
 
 def _share(value: Any) -> dict[str, Any] | None:

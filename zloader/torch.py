@@ -88,6 +88,11 @@ class IterableDataset(torch.utils.data.IterableDataset):
         self._ranks: _Ranks | None = None
         self._broker: Any = None
         self._counted = {"padded": 0, "dropped": 0}
+        if loader_kwargs.get("share") and _distributed():
+            raise ValueError(
+                "share=True gives every trainer every element; under torch.distributed "
+                "(world size > 1) the ranks of one run split one job instead. share is for "
+                "independent trainers over the same pipeline (hyper-parameter searches)")
         if _distributed() and not ({"job_name", "sharding"} & set(loader_kwargs)):
             self._ranks = _Ranks()
             self._join_ranks()
@@ -391,7 +396,8 @@ class DataLoader:
         persistent_workers, generator: as in torch. ``timeout=0`` means no per-batch
             limit, but a dead or silent worker set still raises (after 60 s).
         broker: a zloader broker address; the workers are then started attached to it.
-        share: reserved for sharing one job across trainers (not available yet).
+        share: not available here (raises ValueError): share a Pipeline through
+            :class:`IterableDataset` (``share=True``) instead.
         job_name: a zloader job name.
         device: move each batch to this device (``non_blocking``).
 
@@ -410,7 +416,11 @@ class DataLoader:
                  device: str | torch.device | None = None) -> None:
         self._service: Loader | None = None
         if share:
-            raise ValueError("share=True is not available in this version of zloader")
+            raise ValueError(
+                "share=True is not available for zloader.torch.DataLoader: its batches "
+                "follow this loader's own sampler and seeds, so no other trainer's match. "
+                "Share a zloader.Pipeline instead: zloader.torch.IterableDataset(pipeline, "
+                "share=True, broker=...)")
         # torch validates every argument and builds the sampler and collate function.
         self._torch = torch.utils.data.DataLoader(
             dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,

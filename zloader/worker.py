@@ -125,6 +125,7 @@ class WorkerProcess:
         self.early_opens: deque[tuple[bytes, Message]] = deque(maxlen=64)
         self._last_from_broker = time.monotonic()
         self._last_to_broker = 0.0
+        self._last_beat = 0.0
 
     # --- sockets --------------------------------------------------------------------------
 
@@ -197,10 +198,13 @@ class WorkerProcess:
             if task is not None and task.window is not None and task.pending:
                 self._deliver(task)  # a record blocked by a lagging trainer: look again
             now = time.monotonic()
-            if now - self._last_to_broker >= self.heartbeat:
-                self._to_broker(Command.HEARTBEAT, {"stats": {
-                    "elements": self.elements, "bytes": self.bytes,
-                    "fallbacks": self.fallbacks}})
+            if now - self._last_beat >= self.heartbeat:  # stats too: not only when idle
+                self._last_beat = now
+                stats: dict[str, Any] = {"elements": self.elements, "bytes": self.bytes,
+                                         "fallbacks": self.fallbacks}
+                if self.task is not None and self.task.window is not None:
+                    stats["trainers"] = self._trainers(self.task)
+                self._to_broker(Command.HEARTBEAT, {"stats": stats})
             if now - self._last_from_broker > 3 * self.heartbeat:
                 log.warning("no word from the broker at %s for %.0f s: reconnecting",
                             self.broker_endpoint, now - self._last_from_broker)
@@ -699,6 +703,19 @@ class WorkerProcess:
             if stored is not None:
                 stored.holders.discard(trainer)
                 self._release_stored(task, stored)
+
+    def _trainers(self, task: _Task) -> dict[str, dict[str, int]]:
+        """Each trainer's lag (elements produced here that it has not been sent yet) and
+        the elements it lost to the lag policy, for ``zloader status``."""
+        window = task.window
+        assert window is not None
+        out = {}
+        for identity, cursor in window.cursors.items():
+            stream = task.streams.get(identity)
+            if stream is not None:
+                lag = sum(e.count for e in window.entries if e.seq >= cursor.seq)
+                out[stream.consumer] = {"lag": lag, "skipped": cursor.lagged}
+        return out
 
     def _leave_shared(self, task: _Task, stream: _Stream) -> None:
         window = task.window
