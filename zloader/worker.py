@@ -528,6 +528,7 @@ class WorkerProcess:
                                                     "lagged": cursor.lagged})
         stream.epoch = epoch
         cursor.credits = max(0, min(credits, 1 << 16))
+        self._abandon_stale(task)  # every trainer left the epoch being produced
         self._maybe_produce(task)
         self._deliver(task)
 

@@ -1,0 +1,238 @@
+"""Sharing benchmark: K trainer processes over one CPU-heavy image pipeline.
+
+    python -m bench.sharing [--images 1024] [--epochs 2] [--workers 2] [--trainers 1,2,4]
+
+For K in 1, 2, 4 trainer processes, each reading ``epochs`` epochs of ``images`` images
+(the [3/7] JPEG pipeline: decode, random resized crop to 224, flip, batches of 64) as fast
+as it can, side by side in one run:
+
+- zloader shared: a broker and one ``zloader-worker --processes W``; every trainer is a
+  ``Loader(share=True)`` on that broker (the pipeline runs once for all);
+- zloader unshared: every trainer an embedded ``Loader`` with W workers of its own;
+- torch: every trainer a ``torch.utils.data.DataLoader`` with W workers;
+- TensorSocket: one producer process wrapping a torch DataLoader with W workers, and K
+  ``TensorConsumer`` trainers.
+
+Reported per system and K: the CPU-seconds the preprocessing side spent per epoch (zloader's
+worker processes; the trainers' DataLoader or embedded workers; TensorSocket's producer and
+its workers), each trainer's images/s (first batch to last), and the sum over trainers.
+Targets ([4/7]): shared CPU at K=4 <= 1.3x that at K=1; each shared trainer's rate >= 0.9x a
+lone trainer's; with equal workers, shared zloader's aggregate rate >= TensorSocket's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import psutil
+
+from bench._common import version
+from bench._images import JPEG_FILES, write_jpegs
+from bench._share_trainer import BATCH_SIZE
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+BIN = pathlib.Path(sys.executable).parent
+SYSTEMS = ("zloader-shared", "zloader-unshared", "torch", "tensorsocket")
+NAMES = {"zloader-shared": "zloader, share=True", "zloader-unshared": "zloader, unshared",
+         "torch": "torch DataLoader x K", "tensorsocket": "TensorSocket"}
+
+
+def free_ports(count: int) -> list[int]:
+    import socket
+
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def tree_cpu(process: psutil.Process) -> float:
+    total = 0.0
+    for p in [process, *process.children(recursive=True)]:
+        try:
+            times = p.cpu_times()
+            total += times.user + times.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def spawn(role: str, config: dict[str, Any]) -> subprocess.Popen[str]:
+    path = pathlib.Path(config["workdir"]) / f"config-{role}-{time.monotonic_ns()}.json"
+    path.write_text(json.dumps(config))
+    return subprocess.Popen([sys.executable, "-m", "bench._share_trainer", role, str(path)],
+                            cwd=REPO, stdout=subprocess.PIPE, text=True)
+
+
+def collect(process: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
+    out, _ = process.communicate(timeout=timeout)
+    if process.returncode != 0:
+        raise RuntimeError(f"a benchmark process failed (exit {process.returncode})")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def run(system: str, k: int, config: dict[str, Any]) -> dict[str, Any]:
+    """One system with K trainers; returns worker-side CPU and each trainer's rate."""
+    service: list[subprocess.Popen[Any]] = []
+    extra: list[dict[str, Any]] = []
+    pool_cpu = 0.0
+    try:
+        if system == "zloader-shared":
+            address = f"tcp://127.0.0.1:{free_ports(1)[0]}"
+            service.append(subprocess.Popen([BIN / "zloader-broker", "--bind", address,
+                                             "--log-level", "warning"]))
+            service.append(subprocess.Popen([BIN / "zloader-worker", "--broker", address,
+                                             "--processes", str(config["workers"])]))
+            time.sleep(1.5)  # the workers register
+            config = {**config, "broker": address}
+            pool = psutil.Process(service[1].pid)
+            pool_cpu = -tree_cpu(pool)
+        if system == "tensorsocket":
+            config = {**config, "ports": free_ports(4), "trainers": k}
+        trainers = [spawn(system, config) for _ in range(k)]
+        service += trainers  # stopped in any case (a hung peer must not hang the run)
+        if system == "tensorsocket":
+            service.append(spawn("tensorsocket-producer", config))
+        timeout = config["timeout"]
+        results = [collect(t, timeout) for t in trainers]
+        if system == "zloader-shared":
+            pool_cpu += tree_cpu(pool)
+        if system == "tensorsocket":
+            extra.append(collect(service[-1], 60))
+    finally:
+        for process in service:
+            process.terminate()
+        for process in service:
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+    epochs = config["epochs"]
+    rates = []
+    for result in results:
+        arrivals = result["arrivals"]
+        rates.append((len(arrivals) - 1) * BATCH_SIZE / (arrivals[-1] - arrivals[0]))
+    if system == "zloader-shared":
+        worker_cpu = pool_cpu
+    elif system == "tensorsocket":
+        worker_cpu = extra[0]["cpu"]["self"] + extra[0]["cpu"]["children"]
+    else:
+        worker_cpu = sum(r["cpu"]["children"] for r in results)
+    return {"system": system, "trainers": k, "worker_cpu_per_epoch": worker_cpu / epochs,
+            "trainer_cpu": [r["cpu"]["self"] for r in results], "rates": rates,
+            "aggregate": sum(rates),
+            "share_replayed": [r["stats"].get("share_replayed", 0) for r in results]}
+
+
+def table(results: list[dict[str, Any]], ks: list[int]) -> str:
+    lone = {r["system"]: statistics.median(r["rates"]) for r in results if r["trainers"] == 1}
+    cpu1 = {r["system"]: r["worker_cpu_per_epoch"] for r in results if r["trainers"] == 1}
+    rows = ["| system | K | worker CPU-s / epoch | vs K=1 | each trainer, images/s "
+            "(min-max) | vs lone trainer | sum over trainers, images/s |",
+            "|---|---|---|---|---|---|---|"]
+    for r in results:
+        name, k = r["system"], r["trainers"]
+        rows.append(
+            f"| {NAMES[name]} | {k} | {r['worker_cpu_per_epoch']:.2f} | "
+            f"{r['worker_cpu_per_epoch'] / cpu1[name]:.2f}x | {min(r['rates']):.0f}-"
+            f"{max(r['rates']):.0f} | {min(r['rates']) / lone[name]:.2f}x | "
+            f"{r['aggregate']:.0f} |")
+    return "\n".join(rows)
+
+
+def verdicts(results: list[dict[str, Any]]) -> list[str]:
+    by = {(r["system"], r["trainers"]): r for r in results}
+    top = max(r["trainers"] for r in results)
+    out = []
+    shared1, shared = by.get(("zloader-shared", 1)), by.get(("zloader-shared", top))
+    if shared1 and shared:
+        cpu = shared["worker_cpu_per_epoch"] / shared1["worker_cpu_per_epoch"]
+        rate = min(shared["rates"]) / statistics.median(shared1["rates"])
+        out.append(f"shared CPU-s at K={top} / K=1: {cpu:.2f}x (target <= 1.3x): "
+                   f"{'holds' if cpu <= 1.3 else 'missed'}")
+        out.append(f"slowest shared trainer at K={top} / lone trainer: {rate:.2f}x "
+                   f"(target >= 0.9x): {'holds' if rate >= 0.9 else 'missed'}")
+    for k in sorted({r["trainers"] for r in results}):
+        ours, theirs = by.get(("zloader-shared", k)), by.get(("tensorsocket", k))
+        if ours and theirs:
+            ratio = ours["aggregate"] / theirs["aggregate"]
+            out.append(f"K={k}: shared zloader's aggregate / TensorSocket's, same workers: "
+                       f"{ratio:.2f}x (target >= 1.0x): {'holds' if ratio >= 1 else 'missed'}")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=1024, help="images per epoch")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=2, help="preprocessing processes")
+    parser.add_argument("--trainers", default="1,2,4", help="the values of K")
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--timeout", type=float, default=120,
+                        help="seconds a system's run may take before it counts as failed")
+    parser.add_argument("--out", default="bench/results")
+    args = parser.parse_args()
+    ks = [int(k) for k in args.trainers.split(",")]
+    systems = args.systems.split(",")
+    if args.images < 2 * BATCH_SIZE or args.images % BATCH_SIZE or set(systems) - set(SYSTEMS):
+        parser.error(f"--images must be a multiple of {BATCH_SIZE} (at least two batches); "
+                     f"--systems among {SYSTEMS}")
+    workdir = pathlib.Path(tempfile.mkdtemp(prefix="bench-sharing-"))
+    results = []
+    failed: dict[str, str] = {}
+    try:
+        paths = write_jpegs(workdir, JPEG_FILES)
+        config = {"paths": paths, "images": args.images, "epochs": args.epochs,
+                  "workers": args.workers, "workdir": str(workdir),
+                  "timeout": args.timeout}
+        for k in ks:
+            for system in systems:
+                if system in failed:
+                    continue
+                started = time.perf_counter()
+                try:
+                    result = run(system, k, config)
+                except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                    failed[system] = f"K={k}: {type(exc).__name__}: {str(exc)[:200]}"
+                    print(f"[K={k}] {NAMES[system]} failed: {failed[system]}", file=sys.stderr,
+                          flush=True)
+                    continue
+                results.append(result)
+                print(f"[K={k}] {NAMES[system]}: {result['worker_cpu_per_epoch']:.2f} CPU-s "
+                      f"per epoch, trainers {', '.join(f'{r:.0f}' for r in result['rates'])} "
+                      f"images/s ({time.perf_counter() - started:.1f} s)", file=sys.stderr,
+                      flush=True)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    head = (f"Sharing benchmark: {args.images} images per epoch, {args.epochs} epochs, "
+            f"{args.workers} preprocessing processes per system (per trainer for the "
+            f"unshared systems), nproc {os.cpu_count()}, torch {version('torch')}, "
+            f"tensorsocket {version('tensorsocket')}. One run per cell; the machine is "
+            "shared and noisy, read the ratios.")
+    notes = [f"- {v}" for v in verdicts(results)]
+    notes += [f"- {NAMES[name]} did not complete ({why}); its other rows are missing"
+              for name, why in failed.items()]
+    text = "\n\n".join([head, table(results, ks), "\n".join(notes)])
+    print(text)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sharing.md").write_text(text + "\n")
+    (out / "sharing.json").write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
