@@ -111,7 +111,7 @@ def test_a_slow_trainer_skips_and_counts_with_skip_and_holds_the_producer_with_b
     with service(workers=1) as (address, _):
         window = ("--window", str(1 << 16))
         fast = Trainer(address, *window, "--lag", "skip", n=300)
-        slow = Trainer(address, *window, "--lag", "skip", "--delay", "0.02", n=300)
+        slow = Trainer(address, *window, "--lag", "skip", "--delay", "0.1", n=300)
         (fast_epoch,), (slow_epoch,) = fast.epochs(), slow.epochs()
         assert sorted(fast_epoch["got"]) == list(range(300))
         skipped = slow_epoch["stats"]["share_skipped"]
@@ -250,3 +250,14 @@ def test_the_torch_and_tf_adapters_share_too():
             zloader.tf.close(dataset)
     with pytest.raises(ValueError, match="IterableDataset"):
         zloader.torch.DataLoader(list(range(4)), share=True)
+
+
+def test_a_trainer_that_leaves_an_epoch_early_gets_the_next_one_whole():
+    pipeline = Pipeline.range(400).map(lambda x: np.full(4096, x, dtype=np.int64))
+    with service(workers=1) as (address, _):
+        with Loader(pipeline, broker=address, share=True, timeout=20, prefetch=2,
+                    share_window_bytes=1 << 18) as loader:
+            for index, _ in enumerate(loader):
+                if index == 20:
+                    break  # the producer is left waiting for this epoch's reader
+            assert sorted(int(x[0]) for x in loader) == list(range(400))
