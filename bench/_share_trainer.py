@@ -90,15 +90,17 @@ def trainer(role: str, config: dict[str, Any]) -> dict[str, Any]:
         ports = config["ports"]
         consumer = TensorConsumer(port=ports[0], ack_port=ports[1],
                                   heart_ports=(ports[2], ports[3]), batch_size=BATCH_SIZE)
-        for _ in range(epochs):  # exactly an epoch's batches; its end marker is skipped
-            got = 0
-            while got < per_epoch:
+        received = []
+        for _ in range(epochs):  # TensorSocket's epoch: until its end marker
+            before = len(arrivals)
+            while len(arrivals) == before:  # an end marker before any batch: skip it
                 try:
-                    read([next(consumer)], 1, arrivals)
-                    got += 1
+                    for batch in consumer:
+                        read([batch], 1, arrivals)
                 except StopIteration:
-                    continue
-        stats = {}
+                    pass
+            received.append(len(arrivals) - before)
+        stats = {"batches_per_epoch": received, "expected_per_epoch": per_epoch}
     return {"role": role, "arrivals": arrivals, "cpu": cpu(), "stats": stats}
 
 

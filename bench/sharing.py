@@ -134,7 +134,8 @@ def run(system: str, k: int, config: dict[str, Any]) -> dict[str, Any]:
         worker_cpu = sum(r["cpu"]["children"] for r in results)
     return {"system": system, "trainers": k, "worker_cpu_per_epoch": worker_cpu / epochs,
             "trainer_cpu": [r["cpu"]["self"] for r in results], "rates": rates,
-            "aggregate": sum(rates),
+            "aggregate": sum(rates), "stats": [r["stats"] for r in results],
+            "expected_per_epoch": config["images"] // BATCH_SIZE,
             "share_replayed": [r["stats"].get("share_replayed", 0) for r in results]}
 
 
@@ -224,6 +225,14 @@ def main() -> None:
             f"tensorsocket {version('tensorsocket')}. One run per cell; the machine is "
             "shared and noisy, read the ratios.")
     notes = [f"- {v}" for v in verdicts(results)]
+    for r in results:
+        counts = [c for s in r["stats"] for c in s.get("batches_per_epoch", [])]
+        if counts and min(counts) < r["expected_per_epoch"]:
+            notes.append(f"- {NAMES[r['system']]}, K={r['trainers']}: trainers received "
+                         f"{min(counts)}-{max(counts)} of the {r['expected_per_epoch']} batches "
+                         "of an epoch (its producer broadcasts groups of 8 loader batches and "
+                         "drops the last group at the end of an epoch); rates count what "
+                         "arrived")
     notes += [f"- {NAMES[name]} did not complete ({why}); its other rows are missing"
               for name, why in failed.items()]
     text = "\n\n".join([head, table(results, ks), "\n".join(notes)])
