@@ -107,10 +107,10 @@ class IOThread(threading.Thread):
         self._commands: deque[tuple[Any, ...]] = deque()
         self._halt = threading.Event()
         # A command wakes the thread at once (a byte in this pipe) instead of at its next poll.
+        # The pipe lives as long as this object (closed in __del__), so no lock is needed.
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
-        self._wake_lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
         self._index_of: dict[str, int] = {}
         self._job: str | None = None
@@ -134,10 +134,14 @@ class IOThread(threading.Thread):
         self._wake()
 
     def _wake(self) -> None:
-        with self._wake_lock:
-            if self._wake_write >= 0:
-                with contextlib.suppress(BlockingIOError):  # full: a wake-up is pending
-                    os.write(self._wake_write, b"!")
+        with contextlib.suppress(OSError):  # BlockingIOError: a wake-up is pending anyway
+            os.write(self._wake_write, b"!")
+
+    def __del__(self) -> None:
+        for fd in (getattr(self, "_wake_read", -1), getattr(self, "_wake_write", -1)):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
     def indices(self) -> list[int]:
         return [peer.index for peer in list(self._peers.values())]
@@ -161,12 +165,6 @@ class IOThread(threading.Thread):
         self._wake()
         if self.is_alive() and self is not threading.current_thread():
             self.join(timeout)
-        if not self.is_alive():
-            with self._wake_lock:
-                for fd in (self._wake_read, self._wake_write):
-                    if fd >= 0:
-                        os.close(fd)
-                self._wake_read = self._wake_write = -1
 
     # --- the thread -----------------------------------------------------------------------
 
