@@ -279,7 +279,9 @@ def test_splits_of_a_worker_killed_after_the_others_ended_are_read_in_another_ro
 
 
 CONSUMER = """
-import sys, time
+import signal, sys, time
+# As from a terminal, even when this suite runs with SIGINT ignored (a background job).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from zloader import Loader, Pipeline
 loader = Loader(Pipeline.range(10**9).map(lambda x: x), {where}, timeout=30)
 for i, x in enumerate(loader):
