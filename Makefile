@@ -42,6 +42,7 @@ bench: $(VENV)/.installed-bench
 	$(BIN)/python -m bench.codec
 	$(BIN)/python -m bench.transport
 	$(BIN)/python -m bench.torch_loader
+	$(BIN)/python -m bench.sharing
 
 clean:
 	rm -rf $(VENV) build *.egg-info zloader.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -523,3 +523,30 @@ def test_spawned_workers_work_like_forked_ones():
         assert sorted(loader) == [x * 3 for x in range(100)]
     with pytest.raises(ValueError, match="start_method must be one of"):
         Loader(pipeline, num_workers=1, start_method="thread")
+
+
+def test_an_embedded_consumer_killed_hard_leaves_nothing_after_the_next_loaders_sweep():
+    import subprocess
+    import sys
+    import tempfile
+
+    script = CONSUMER.format(where="num_workers=1")
+    consumer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                                text=True, start_new_session=True)
+    try:
+        assert consumer.stdout.readline().strip() == "reading"
+        prefix = f"zloader-{consumer.pid}-"
+        leftover = [n for n in os.listdir(tempfile.gettempdir()) if n.startswith(prefix)]
+        assert leftover  # its broker and worker sockets live there
+        os.killpg(consumer.pid, signal.SIGKILL)  # the consumer and its forked worker
+        consumer.wait(10)
+        wait_for(lambda: _group_gone(consumer.pid), timeout=10, what="the group to die")
+        with Loader(Pipeline.range(3), num_workers=1, timeout=20) as loader:  # sweeps
+            assert sorted(loader) == [0, 1, 2]
+        assert not [n for n in os.listdir(tempfile.gettempdir()) if n.startswith(prefix)]
+        assert not _segments_of(consumer.pid)
+    finally:
+        if consumer.poll() is None:
+            os.killpg(consumer.pid, signal.SIGKILL)
+            consumer.wait()
+        consumer.stdout.close()
