@@ -110,8 +110,11 @@ def test_a_killed_trainer_does_not_stall_the_others():
 def test_a_slow_trainer_skips_and_counts_with_skip_and_holds_the_producer_with_block():
     with service(workers=1) as (address, _):
         window = ("--window", str(1 << 16))
-        fast = Trainer(address, *window, "--lag", "skip", n=300)
+        # The slow one first: a trainer that joins late gets what it missed replayed at its
+        # own pace, which a slow late joiner would spend most of the epoch on.
         slow = Trainer(address, *window, "--lag", "skip", "--delay", "0.1", n=300)
+        wait_for(lambda: slow.progress >= 10, what="the slow trainer's progress")
+        fast = Trainer(address, *window, "--lag", "skip", n=300)
         (fast_epoch,), (slow_epoch,) = fast.epochs(), slow.epochs()
         assert sorted(fast_epoch["got"]) == list(range(300))
         skipped = slow_epoch["stats"]["share_skipped"]
@@ -207,8 +210,9 @@ def test_trainers_that_leave_free_the_shared_memory():
 def test_status_shows_a_shared_job_with_its_trainers_lag_and_skips():
     with service(workers=1) as (address, _):
         window = ("--window", str(1 << 16), "--lag", "skip")
-        trainers = [Trainer(address, *window, "--delay", delay, n=400)
-                    for delay in ("0.01", "0.05")]
+        slow = Trainer(address, *window, "--delay", "0.05", n=400)
+        wait_for(lambda: slow.progress >= 10, what="the slow trainer's progress")
+        trainers = [slow, Trainer(address, *window, "--delay", "0.01", n=400)]
 
         def seen() -> list[dict]:
             jobs = shared_jobs(address)
