@@ -3,11 +3,16 @@ memory. Ports of tf.data service's scenarios plus zloader's own guarantees."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -103,13 +108,14 @@ def test_user_error_arrives_as_pipeline_error_with_the_worker_traceback():
     assert "in fail" in info.value.traceback and "missing label" in info.value.traceback
 
 
-def test_on_error_skip_drops_and_counts():
-    def fail_odd(x):
-        if x % 2:
-            raise ValueError("odd")
-        return x
+def _fail_odd(x):
+    if x % 2:
+        raise ValueError("odd")
+    return x
 
-    with Loader(Pipeline.range(20).map(fail_odd), num_workers=1, on_error="skip",
+
+def test_on_error_skip_drops_and_counts():
+    with Loader(Pipeline.range(20).map(_fail_odd), num_workers=1, on_error="skip",
                 timeout=30) as loader:
         assert sorted(loader) == list(range(0, 20, 2))
         assert loader.stats()["skipped"] == 10
@@ -291,43 +297,44 @@ for i, x in enumerate(loader):
 """
 
 
+@contextlib.contextmanager
+def _reading_consumer(where: str, **popen: Any) -> Iterator[subprocess.Popen[str]]:
+    """A CONSUMER process in a session of its own, once it is reading; killed (with its
+    group) and its pipes closed on exit."""
+    script = CONSUMER.format(where=where)
+    consumer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                                text=True, start_new_session=True, **popen)
+    try:
+        assert consumer.stdout is not None
+        assert consumer.stdout.readline().strip() == "reading"
+        yield consumer
+    finally:
+        if consumer.poll() is None:
+            os.killpg(consumer.pid, signal.SIGKILL)
+            consumer.wait()
+        for pipe in (consumer.stdout, consumer.stderr):
+            if pipe is not None:
+                pipe.close()
+
+
 def _segments_of(pid: int) -> list[str]:
     return [n for n in os.listdir("/dev/shm") if n.startswith(f"zloader-{os.getuid()}-{pid}-")]
 
 
 def test_consumer_killed_mid_epoch_releases_its_shared_memory():
-    import subprocess
-    import sys
-
-    with service(workers=2) as (address, _):
-        script = CONSUMER.format(where=f"broker={address!r}")
-        consumer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
-                                    text=True)
-        try:
-            assert consumer.stdout.readline().strip() == "reading"
-            assert _segments_of(consumer.pid)  # it reads its co-located workers via rings
-            consumer.send_signal(signal.SIGKILL)
-            consumer.wait(10)
-            wait_for(lambda: not _segments_of(consumer.pid), timeout=20,
-                     what="the workers to remove the dead consumer's rings")
-            wait_for(lambda: not status(address)["jobs"], timeout=20,
-                     what="the broker to collect the abandoned job")
-        finally:
-            if consumer.poll() is None:
-                consumer.kill()
-                consumer.wait()
-            consumer.stdout.close()
+    with service(workers=2) as (address, _), \
+            _reading_consumer(f"broker={address!r}") as consumer:
+        assert _segments_of(consumer.pid)  # it reads its co-located workers via rings
+        consumer.send_signal(signal.SIGKILL)
+        consumer.wait(10)
+        wait_for(lambda: not _segments_of(consumer.pid), timeout=20,
+                 what="the workers to remove the dead consumer's rings")
+        wait_for(lambda: not status(address)["jobs"], timeout=20,
+                 what="the broker to collect the abandoned job")
 
 
 def test_ctrl_c_in_the_training_loop_ends_everything_without_worker_tracebacks():
-    import subprocess
-    import sys
-
-    script = CONSUMER.format(where="num_workers=2")
-    consumer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        assert consumer.stdout.readline().strip() == "reading"
+    with _reading_consumer("num_workers=2", stderr=subprocess.PIPE) as consumer:
         os.killpg(consumer.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
         consumer.wait(20)
         stderr = consumer.stderr.read()
@@ -335,12 +342,6 @@ def test_ctrl_c_in_the_training_loop_ends_everything_without_worker_tracebacks()
         assert stderr.count("Traceback") == 1 and "worker.py" not in stderr
         wait_for(lambda: _group_gone(consumer.pid), timeout=10, what="the workers to exit")
         assert not _segments_of(consumer.pid)
-    finally:
-        if consumer.poll() is None:
-            os.killpg(consumer.pid, signal.SIGKILL)
-            consumer.wait()
-        consumer.stdout.close()
-        consumer.stderr.close()
 
 
 def _group_gone(pgid: int) -> bool:
@@ -393,12 +394,7 @@ def test_hybrid_local_workers_join_the_brokers_remote_ones():
 
 
 def test_max_skipped_raises_once_exceeded():
-    def fail_odd(x):
-        if x % 2:
-            raise ValueError("odd")
-        return x
-
-    with Loader(Pipeline.range(200).map(fail_odd), num_workers=1, on_error="skip",
+    with Loader(Pipeline.range(200).map(_fail_odd), num_workers=1, on_error="skip",
                 max_skipped=5, timeout=30) as loader, \
             pytest.raises(PipelineError, match="max_skipped=5"):
         list(loader)
@@ -526,15 +522,9 @@ def test_spawned_workers_work_like_forked_ones():
 
 
 def test_an_embedded_consumer_killed_hard_leaves_nothing_after_the_next_loaders_sweep():
-    import subprocess
-    import sys
     import tempfile
 
-    script = CONSUMER.format(where="num_workers=1")
-    consumer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
-                                text=True, start_new_session=True)
-    try:
-        assert consumer.stdout.readline().strip() == "reading"
+    with _reading_consumer("num_workers=1") as consumer:
         prefix = f"zloader-{consumer.pid}-"
         leftover = [n for n in os.listdir(tempfile.gettempdir()) if n.startswith(prefix)]
         assert leftover  # its broker and worker sockets live there
@@ -545,8 +535,3 @@ def test_an_embedded_consumer_killed_hard_leaves_nothing_after_the_next_loaders_
             assert sorted(loader) == [0, 1, 2]
         assert not [n for n in os.listdir(tempfile.gettempdir()) if n.startswith(prefix)]
         assert not _segments_of(consumer.pid)
-    finally:
-        if consumer.poll() is None:
-            os.killpg(consumer.pid, signal.SIGKILL)
-            consumer.wait()
-        consumer.stdout.close()

@@ -36,6 +36,10 @@ def task_of(out) -> str:
     return next(o.body["task"] for o in out if o.command is Command.TASK)
 
 
+def tasks_by_worker(out) -> dict[str, str]:
+    return {o.identity.decode(): o.body["task"] for o in out if o.command is Command.TASK}
+
+
 def test_idle_worker_gets_a_task_when_a_consumer_registers():
     state = State()
     assert [o.command for o in ready(state, "w1")] == [Command.ACK]  # no job yet
@@ -58,7 +62,7 @@ def test_dead_worker_splits_go_to_the_others_first():
     ready(state, "w1")
     ready(state, "w2")
     out = register(state, "c1", splits=6)
-    tasks = {o.identity.decode(): o.body["task"] for o in out if o.command is Command.TASK}
+    tasks = tasks_by_worker(out)
     assert split(state, "w1", tasks["w1"]) == 0
     assert split(state, "w1", tasks["w1"]) == 1
     assert split(state, "w2", tasks["w2"]) == 2
@@ -148,7 +152,7 @@ def test_requeued_splits_of_a_pass_others_left_behind_are_served_in_later_passes
     ready(state, "w1")
     ready(state, "w2")
     out = register(state, "c1", splits=3)
-    tasks = {o.identity.decode(): o.body["task"] for o in out if o.command is Command.TASK}
+    tasks = tasks_by_worker(out)
     assert split(state, "w1", tasks["w1"], key=(0, 0)) == 0
     assert split(state, "w2", tasks["w2"], key=(0, 0)) == 1
     assert split(state, "w2", tasks["w2"], key=(0, 0)) == 2

@@ -38,7 +38,7 @@ from zloader.sharing.options import DEFAULT_BLOCK_SECONDS, settings
 from zloader.sources import ArraysSource, ItemsSource
 from zloader.stages import Context
 from zloader.transport.protocol import MAX_PIPELINE_BYTES
-from zloader.transport.shm import sweep
+from zloader.transport.shm import sweep, sweep_dirs
 
 __all__ = ["Loader"]
 
@@ -151,7 +151,7 @@ class Loader:
         self._wait = 0.0
         self._elements = 0
         sweep()  # segments left by consumers of this user that died
-        _sweep_dirs()  # and their embedded socket directories
+        sweep_dirs()  # and their embedded socket directories
         _choice("start_method", start_method, START_METHODS)
         try:
             if embedded:
@@ -421,32 +421,6 @@ def _is_user_module(name: str, module: types.ModuleType) -> bool:
         return False
     path = str(getattr(module, "__file__", None) or "")
     return path.endswith(".py") and not is_installed(path) and library_version(name) is None
-
-
-def _sweep_dirs() -> None:
-    """Remove the embedded-mode socket directories of this user's dead processes."""
-    root = tempfile.gettempdir()
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return
-    for name in names:
-        parts = name.split("-")
-        if len(parts) != 3 or parts[0] != "zloader" or not parts[1].isdigit():
-            continue
-        path = os.path.join(root, name)
-        try:
-            info = os.lstat(path)
-        except OSError:
-            continue
-        if info.st_uid != os.getuid() or not os.path.isdir(path) or os.path.islink(path):
-            continue
-        try:
-            os.kill(int(parts[1]), 0)
-        except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
-        except (PermissionError, OverflowError):
-            continue
 
 
 def _share_settings(pipeline: Pipeline, broker: str | None, job_name: str | None,

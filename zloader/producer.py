@@ -63,8 +63,7 @@ class Producer(threading.Thread):
         # of a shared job, reading the splits this worker read the first time.
         self.replay = replay
         self.splits: dict[tuple[int, ...], list[int]] = (
-            task.splits.setdefault(epoch, {}) if getattr(task, "window", None) is not None
-            else {})
+            task.splits.setdefault(epoch, {}) if task.window is not None else {})
 
     def run(self) -> None:
         pair = self.context.socket(zmq.PAIR)
@@ -142,7 +141,7 @@ class Producer(threading.Thread):
         if self.replay is not None:
             yield from list(self.splits.get(key, ()))
             return
-        if getattr(self.task, "window", None) is not None:  # a shared job: keep the order
+        if self.task.window is not None:  # a shared job: keep the order
             read = self.splits.setdefault(key, [])
             for split in self._splits(pair, key):
                 read.append(split)

@@ -548,8 +548,6 @@ class WorkerProcess:
         replay's records to its trainer, then send every trainer what it may take."""
         window = task.window
         assert window is not None
-        while task.replay_pending and self._send_replay(task):
-            pass
         now = time.monotonic()
         while task.pending:
             epoch, outgoing, head = task.pending[0]
@@ -605,9 +603,8 @@ class WorkerProcess:
                 cursor.credits -= 1
                 self._send_stored(stream, entry.epoch, entry.count, entry.skipped,
                                   entry.data, cursor.lagged)
-        if task.replaying is not None and task.replay_pending:
-            while task.replay_pending and self._send_replay(task):
-                pass
+        while task.replaying is not None and task.replay_pending and self._send_replay(task):
+            pass
 
     def _send_stored(self, stream: _Stream, epoch: int, count: int, skipped: int,
                      stored: Stored, lagged: int) -> None:

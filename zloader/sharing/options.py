@@ -10,7 +10,6 @@ created the job; later ones are told, not refused.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from zloader import _check
@@ -27,15 +26,9 @@ WINDOW_MAX = 4 << 30
 
 def default_window_bytes() -> int:
     """A sixteenth of the memory available now, between 64 MiB and 4 GiB (per worker)."""
-    try:
-        import psutil
+    import psutil  # here, so that ``import zloader`` stays light
 
-        available = int(psutil.virtual_memory().available)
-    except Exception:  # no psutil or no /proc: a fixed guess
-        available = 0
-    if available <= 0:
-        pages = os.sysconf("SC_AVPHYS_PAGES") if hasattr(os, "sysconf") else 0
-        available = max(0, pages) * os.sysconf("SC_PAGE_SIZE") if pages else WINDOW_MIN * 16
+    available = int(psutil.virtual_memory().available)
     return max(WINDOW_MIN, min(WINDOW_MAX, available // 16))
 
 

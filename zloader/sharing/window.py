@@ -118,14 +118,6 @@ class Window:
         self.nbytes -= entry.nbytes
         return entry
 
-    def passed(self) -> list[Entry]:
-        """Drop the oldest entries every cursor has passed; return them. (Kept while there
-        is room, so a late joiner can still replay them: call when room is short.)"""
-        gone = []
-        while self.entries and all(c.seq > self.entries[0].seq for c in self.cursors.values()):
-            gone.append(self._pop())
-        return gone
-
     def clear(self) -> list[Entry]:
         gone = list(self.entries)
         self.entries.clear()

@@ -7,7 +7,8 @@ did not create when an attaching process exits.
 
 Names come from :func:`segment_name` only, and carry the creator's uid and pid
 (``zloader-<uid>-<pid>-<kind>-<8 hex>``), so :func:`sweep` can remove the segments of
-owners that died without cleaning up (``kill -9``, OOM killer).
+owners that died without cleaning up (``kill -9``, OOM killer); :func:`sweep_dirs` does
+the same for embedded Loaders' socket directories.
 
 Memory is reserved when the segment is created (``posix_fallocate``), so a full
 ``/dev/shm`` fails there with :class:`ShmError` instead of as a ``SIGBUS`` on some later
@@ -33,7 +34,7 @@ from types import TracebackType
 
 from zloader.errors import ZloaderError
 
-__all__ = ["PREFIX", "SHM_DIR", "Segment", "ShmError", "segment_name", "sweep"]
+__all__ = ["PREFIX", "SHM_DIR", "Segment", "ShmError", "segment_name", "sweep", "sweep_dirs"]
 
 SHM_DIR = "/dev/shm"
 PREFIX = "zloader-"
@@ -299,6 +300,35 @@ def sweep(prefix: str = PREFIX) -> list[str]:
         except (FileNotFoundError, PermissionError):
             continue  # raced with its owner or another sweep, or not ours after all
         removed.append(name)
+    return removed
+
+
+def sweep_dirs(root: str | None = None) -> list[str]:
+    """Remove the embedded-mode socket directories (``zloader-<pid>-<random>`` in the temp
+    directory) of this user's dead processes; returns their names."""
+    import shutil
+    import tempfile
+
+    root = root or tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        parts = name.split("-")
+        if (len(parts) != 3 or parts[0] != "zloader" or not parts[1].isdigit()
+                or len(parts[1]) > 10):
+            continue
+        path = os.path.join(root, name)
+        try:
+            info = os.lstat(path)
+        except OSError:
+            continue
+        if (info.st_uid == os.getuid() and stat.S_ISDIR(info.st_mode)
+                and not _alive(int(parts[1]))):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(name)
     return removed
 
 
