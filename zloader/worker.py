@@ -519,8 +519,9 @@ class WorkerProcess:
         assert window is not None
         cursor = window.cursors.get(stream.identity)
         if cursor is None or cursor.epoch != epoch:
-            started = epoch == task.producing or epoch in task.finished
-            cursor = window.join(stream.identity, epoch, started)
+            finished = epoch in task.finished and epoch != task.producing
+            cursor = window.join(stream.identity, epoch, epoch == task.producing or finished,
+                                 finished)
             if cursor.missed > 0:
                 task.replays.append((stream.identity, epoch, cursor.missed))
         elif cursor.done:

@@ -126,9 +126,11 @@ class Window:
 
     # --- trainers -------------------------------------------------------------------------
 
-    def join(self, trainer: bytes, epoch: int, started: bool) -> Cursor:
+    def join(self, trainer: bytes, epoch: int, started: bool,
+             finished: bool = False) -> Cursor:
         """A trainer starts reading ``epoch`` here (a new trainer, or one that finished its
-        previous epoch). ``started``: this worker has begun producing ``epoch``."""
+        previous epoch). ``started``: this worker has begun producing ``epoch``;
+        ``finished``: it has produced all of it."""
         cursor = self.cursors.get(trainer)
         if cursor is not None and cursor.epoch < epoch and not started:
             cursor.epoch, cursor.done, cursor.missed, cursor.end = epoch, False, 0, None
@@ -146,6 +148,8 @@ class Window:
         else:
             cursor.epoch, cursor.seq, cursor.missed, cursor.done = epoch, seq, missed, False
             cursor.end, cursor.replaying = None, False
+        if finished and ours is None:  # its end has left the window too: it is over here
+            cursor.end = Entry(seq - 1, epoch, missed, 0, 0, end=True)
         return cursor
 
     def leave(self, trainer: bytes) -> Cursor | None:
