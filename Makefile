@@ -43,6 +43,7 @@ bench: $(VENV)/.installed-bench
 	$(BIN)/python -m bench.transport
 	$(BIN)/python -m bench.torch_loader
 	$(BIN)/python -m bench.sharing
+	$(BIN)/python -m bench.coordinated
 
 clean:
 	rm -rf $(VENV) build *.egg-info zloader.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -167,13 +167,15 @@ from zloader import Pipeline
 dist.init_process_group("gloo")
 drop_last = sys.argv[1] == "drop"
 dataset = zloader.torch.IterableDataset(Pipeline.range(101, split_size=4), num_workers=1,
-                                        drop_last=drop_last, timeout=60)
+                                        drop_last=drop_last, timeout=60,
+                                        coordinated=sys.argv[1] == "coord")
 epochs = [[int(x) for x in dataset] for _ in range(2)]
 stats = dataset.stats()
 dataset.close()
 dist.barrier()
 dist.destroy_process_group()
-print(json.dumps({"epochs": epochs, "padded": stats["padded"], "dropped": stats["dropped"]}))
+print(json.dumps({"epochs": epochs, "padded": stats.get("padded", 0),
+                  "dropped": stats["dropped"]}))
 """
 
 
@@ -218,3 +220,17 @@ def test_two_ranks_split_one_epoch_with_equal_counts(mode):
         assert padded == 0 and yielded + dropped == 2 * 101 and 2 <= dropped <= 4
     else:  # every element is yielded, plus the counted padding
         assert dropped == 0 and yielded == 2 * 101 + padded and 2 <= padded <= 4
+
+
+def test_coordinated_ranks_step_on_one_round_with_equal_counts():
+    ranks = run_ranks("coord")
+    for epoch in range(2):
+        a, b = ranks[0]["epochs"][epoch], ranks[1]["epochs"][epoch]
+        assert len(a) == len(b) >= 45  # equal counts, from num_consumers = world size
+        assert not set(a) & set(b)
+        # A round is two consecutive elements of one worker: mostly (2i, 2i+1) of a split
+        # of 4; a worker's last split (one element) pairs with its next split's first.
+        assert sum(y == x + 1 for x, y in zip(a, b, strict=True)) >= len(a) - 3
+    dropped = ranks[0]["dropped"]
+    assert dropped == ranks[1]["dropped"]  # the job's count, seen by every rank
+    assert sum(len(r["epochs"][e]) for r in ranks for e in range(2)) + dropped == 2 * 101

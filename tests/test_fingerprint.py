@@ -344,3 +344,19 @@ def test_partial_and_method_identity_in_process():
     assert p1.fingerprint == p2.fingerprint
     assert (Pipeline.range(3).map(Holder(1).add).fingerprint
             != Pipeline.range(3).map(Holder(2).add).fingerprint)
+
+
+def test_bucket_by_length_arguments_are_part_of_the_fingerprint():
+    def length(x):
+        return x
+
+    base = Pipeline.range(10).bucket_by_length(length, [3, 6], [2, 2, 2])
+    same = Pipeline.range(10).bucket_by_length(length, (3, 6), (2, 2, 2))
+    assert base.fingerprint == same.fingerprint
+    for other in (Pipeline.range(10).bucket_by_length(length, [3, 7], [2, 2, 2]),
+                  Pipeline.range(10).bucket_by_length(length, [3, 6], [2, 2, 3]),
+                  Pipeline.range(10).bucket_by_length(length, [3, 6], [2, 2, 2], pad_value=1),
+                  Pipeline.range(10).bucket_by_length(length, [3, 6], [2, 2, 2],
+                                                      drop_remainder=True),
+                  Pipeline.range(10).bucket_by_length(lambda x: x + 1, [3, 6], [2, 2, 2])):
+        assert other.fingerprint != base.fingerprint

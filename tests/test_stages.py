@@ -277,3 +277,63 @@ def test_parallel_map_error_names_the_stage():
 def test_bad_arguments_name_the_argument(build, message):
     with pytest.raises((ValueError, TypeError), match=message):
         build(Pipeline.range(3))
+
+
+def test_bucket_by_length_batches_similar_lengths_padded_to_the_longest():
+    def sequence(n: int) -> dict:
+        return {"tokens": np.arange(1, n + 1, dtype=np.int32), "label": n,
+                "pair": (np.full((n, 2), n), "x")}
+
+    lengths = [3, 12, 5, 25, 11, 7, 30, 2, 10]
+    pipeline = (Pipeline.from_items(lengths).map(sequence)
+                .bucket_by_length(lambda e: len(e["tokens"]), [10, 20], [2, 2, 2],
+                                  pad_value=-1))
+    batches = list(pipeline)
+    # Bucket 0: [0, 10), bucket 1: [10, 20), bucket 2: [20, oo), as in tf.data.
+    assert [list(b["label"]) for b in batches] == [[3, 5], [12, 11], [25, 30], [7, 2], [10]]
+    first = batches[0]
+    assert first["tokens"].shape == (2, 5) and first["tokens"].dtype == np.int32
+    assert first["tokens"][0].tolist() == [1, 2, 3, -1, -1]
+    assert first["pair"][0].shape == (2, 5, 2) and first["pair"][0][0, 3:].tolist() == \
+        [[-1, -1], [-1, -1]]
+    assert first["pair"][1] == ["x", "x"]
+    assert [list(b["label"]) for b in pipeline.bucket_by_length(
+        lambda e: e, [1], [1, 1]).take(0)] == []
+
+
+def test_bucket_by_length_drop_remainder_and_rounds_keep_one_bucket_per_round():
+    from zloader import stages as zstages
+
+    pipeline = Pipeline.range(40).bucket_by_length(lambda x: x % 10, [5], [3, 3],
+                                                   drop_remainder=True)
+    assert all(len(b) == 3 for b in pipeline)
+    assert sum(len(b) for b in pipeline) == 36  # each bucket's 20 -> 6 batches, 2 dropped
+    stage = pipeline.stages[-1]
+    ctx = zstages.Context(entropy=0, round_size=4)
+    batches = list(stage.transform(iter(range(40)), (0,), 1, ctx))
+    # Four batches of one bucket at a time; each bucket's last 2 batches make no round.
+    assert len(batches) == 8 and ctx.dropped == 4
+    for start in range(0, 8, 4):
+        assert len({int(x % 10 >= 5) for b in batches[start:start + 4] for x in b}) == 1
+
+
+@pytest.mark.parametrize(("args", "error", "message"), [
+    (([5, 3], [1, 1, 1]), ValueError, "strictly increasing"),
+    (([5], [1, 1, 1]), ValueError, "len\\(boundaries\\) \\+ 1"),
+    (([0], [1, 1]), ValueError, "boundaries\\[0\\] must be >= 1"),
+    (([5], [1, 0]), ValueError, "batch_sizes\\[1\\] must be >= 1"),
+    ((5, [1, 1]), TypeError, "boundaries must be a sequence"),
+])
+def test_bucket_by_length_checks_its_arguments(args, error, message):
+    with pytest.raises(error, match=message):
+        Pipeline.range(3).bucket_by_length(len, *args)
+
+
+def test_bucket_by_length_errors_name_the_stage():
+    bad_length = Pipeline.range(3).bucket_by_length(lambda x: -1, [5], [1, 1])
+    with pytest.raises(PipelineError, match="int >= 0"):
+        list(bad_length)
+    mismatched = (Pipeline.range(4).map(lambda x: np.zeros((x + 1, x + 1)))
+                  .bucket_by_length(lambda a: len(a), [10], [4, 4]))
+    with pytest.raises(PipelineError, match="differ beyond axis 0"):
+        list(mismatched)

@@ -163,3 +163,107 @@ def test_requeued_splits_of_a_pass_others_left_behind_are_served_in_later_passes
         state.tick(now)
     assert split(state, "w2", tasks["w2"], key=(0, 1), now=3.5) == 0  # re-read, not lost
     assert split(state, "w2", tasks["w2"], key=(0, 1), now=3.5) == 0  # then pass (0, 1)'s own
+
+
+def coordinated(state: State, consumer: str, index: int, size: int = 2, now: float = 0.0):
+    return state.register(consumer.encode(), Message(Command.REGISTER, {
+        "consumer": consumer, "fingerprint": "f" * 64, "job_name": "sync",
+        "sharding": "dynamic", "deterministic": False, "num_workers": 0,
+        "on_error": "raise", "host_id": "h/boot/ns", "pid": 7,
+        "coordinated": {"size": size, "index": index},
+        "source": {"num_splits": 4, "shuffle_splits": False, "seed": None}},
+        [b"pipeline"]), now)
+
+
+def ask_round(state: State, worker: str, task: str, members: list[str], epoch: int = 0):
+    (out,) = state.round_request(worker.encode(), Message(Command.ROUND_REQ, {
+        "task": task, "epoch": epoch, "members": members}), 0.0)
+    assert out.command is Command.ROUND
+    return out.body["round"]
+
+
+def received(state: State, consumer: str, rounds: list[int], epoch: int = 0):
+    return state.rounds_received(consumer.encode(), Message(Command.RECEIVED, {
+        "epoch": epoch, "rounds": rounds}), 0.0)
+
+
+def announced(out) -> dict[bytes, tuple[list[int], list[int]]]:
+    return {o.identity: (o.body["rounds"], o.body["lost"]) for o in out
+            if o.command is Command.COMMIT}
+
+
+def test_a_round_commits_once_every_consumer_has_received_it():
+    state = State()
+    ready(state, "w1")
+    task = task_of(coordinated(state, "c0", 0))
+    coordinated(state, "c1", 1)
+    assert ask_round(state, "w1", task, ["c0", "c1"]) == 0
+    assert ask_round(state, "w1", task, ["c0", "c1"]) == 1
+    assert announced(received(state, "c0", [0, 1])) == {}
+    assert announced(received(state, "c1", [1])) == {b"c0": ([1], []), b"c1": ([1], [])}
+    assert announced(received(state, "c1", [0])) == {b"c0": ([0], []), b"c1": ([0], [])}
+
+
+def test_a_silent_workers_open_rounds_are_lost_for_every_consumer_alike():
+    state = State()
+    ready(state, "w1")
+    ready(state, "w2")
+    out = coordinated(state, "c0", 0)
+    out += coordinated(state, "c1", 1)
+    tasks = tasks_by_worker(out)
+    assert ask_round(state, "w1", tasks["w1"], ["c0", "c1"]) == 0
+    assert ask_round(state, "w2", tasks["w2"], ["c0", "c1"]) == 1
+    received(state, "c0", [0, 1])  # c1 has neither yet
+    for peer in (b"w2", b"c0", b"c1"):
+        state.seen(peer, 9.0)
+    out = state.tick(10.0)  # w1 has been silent for three heartbeats: dead
+    assert announced(out) == {b"c0": ([], [0]), b"c1": ([], [0])}
+    assert announced(received(state, "c1", [0, 1])) == {b"c0": ([1], []), b"c1": ([1], [])}
+
+
+def test_dead_worker_loses_only_its_own_rounds():
+    state = State()
+    ready(state, "w1")
+    ready(state, "w2")
+    out = coordinated(state, "c0", 0) + coordinated(state, "c1", 1)
+    tasks = tasks_by_worker(out)
+    ask_round(state, "w1", tasks["w1"], ["c0", "c1"])  # round 0
+    ask_round(state, "w2", tasks["w2"], ["c0", "c1"])  # round 1
+    out = state.bye(b"w1", 0.0)
+    assert announced(out) == {b"c0": ([], [0]), b"c1": ([], [0])}
+    assert announced(received(state, "c0", [1]) + received(state, "c1", [1])) == {
+        b"c0": ([1], []), b"c1": ([1], [])}
+    view = next(o.body for o in state.consumer_heartbeat(b"c0", 0.0))
+    assert view["rounds"]["lost"] == 1 and view["rounds"]["issued"] == {"0": 2}
+
+
+def test_a_restarted_consumer_takes_over_its_index_and_the_old_one_is_refused():
+    state = State()
+    ready(state, "w1")
+    task = task_of(coordinated(state, "c0", 0))
+    coordinated(state, "c1", 1)
+    for _ in range(3):
+        number = ask_round(state, "w1", task, ["c0", "c1"])
+        received(state, "c0", [number])
+        received(state, "c1", [number])
+    ask_round(state, "w1", task, ["c0", "c1"])  # round 3: c1 dies before receiving it
+    out = coordinated(state, "c1-new", 1)
+    view = next(o.body for o in out if o.command is Command.JOB and o.identity == b"c1-new")
+    assert view["joined"] == {"epoch": 0, "round": 4, "missed": 3}
+    assert announced(out)[b"c0"] == ([], [3])  # round 3 can no longer commit
+    gone = [o for o in out if o.command is Command.CONSUMER_GONE]
+    assert [o.body["consumer"] for o in gone] == ["c1"]
+    # A group addressed to the old membership gets no number.
+    assert ask_round(state, "w1", task, ["c0", "c1"]) is None
+    assert ask_round(state, "w1", task, ["c0", "c1-new"]) == 4
+    (refused,) = coordinated(state, "c1", 1)
+    assert refused.command is Command.ERROR and "taken over" in refused.body["message"]
+
+
+def test_coordinated_registrations_are_checked():
+    state = State()
+    coordinated(state, "c0", 0, size=2)
+    (out,) = coordinated(state, "c1", 1, size=3)
+    assert out.command is Command.ERROR and "num_consumers" in out.body["message"]
+    with pytest.raises(ProtocolError):
+        coordinated(state, "c2", 2, size=2)

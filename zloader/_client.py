@@ -41,6 +41,8 @@ log = logging.getLogger("zloader.loader")
 
 HEARTBEAT = 1.0
 POLL_MS = 5
+VACANT_WARNING = 10.0
+"""Seconds a coordinated consumer waits for a missing one before it says so (then again)."""
 RING_MAX_BYTES = 1 << 30
 """A ring that keeps filling up with large records grows, by doubling, up to this size."""
 
@@ -76,7 +78,8 @@ class IOThread(threading.Thread):
                  source: dict[str, Any], prefetch: int, use_rings: bool,
                  ring_bytes: int | None, source_data: tuple[str, list[Any]] | None = None,
                  data_bind: str | None = None, balanced: int = 0,
-                 share: dict[str, Any] | None = None) -> None:
+                 share: dict[str, Any] | None = None,
+                 coordinated: tuple[int, int] | None = None) -> None:
         super().__init__(name="zloader-loader-io", daemon=True)
         self.address = address
         self.blob = blob
@@ -84,7 +87,9 @@ class IOThread(threading.Thread):
             "consumer": secrets.token_hex(8), "fingerprint": fingerprint, "job_name": job_name,
             "sharding": sharding, "deterministic": deterministic, "num_workers": num_workers,
             "on_error": on_error, "source": source, "host_id": host_id(), "pid": os.getpid(),
-            "balanced": balanced, "share": share}
+            "balanced": balanced, "share": share,
+            "coordinated": ({"size": coordinated[0], "index": coordinated[1]}
+                            if coordinated else None)}
         self.source_data = source_data
         self.data_bind = data_bind
         self.prefetch = prefetch
@@ -101,6 +106,9 @@ class IOThread(threading.Thread):
         self.per_worker: dict[int, int] = {}
         self.lagged = 0  # a shared job's elements this trainer lost to the lag policy
         self.replayed = 0  # ... and the elements made again for it (it joined late)
+        self.dropped = 0  # elements dropped to keep rounds whole (coordinated reads)
+        self._acks: list[int] = []  # rounds received, to tell the broker
+        self._draining = False  # the epoch has ended but for rounds not yet released
         self.share: dict[str, Any] | None = None  # the shared job's window settings
         self.job_epoch: int | None = None  # the job's current epoch, when it was joined
         self._lagged_by: dict[str, int] = {}
@@ -123,9 +131,10 @@ class IOThread(threading.Thread):
         self._reported_error = False
         self._pending: dict[str, Any] = {}
         self._confirming = False  # asked the broker whether the epoch's splits are all done
-        self._round = 0
+        self._rerun = 0
         self._width = max(1, num_workers)
         self._fixed = sharding in ("static", "off")  # every worker index must end the epoch
+        self.rounds = _Rounds(coordinated) if coordinated else None
 
     # --- called from the iterating thread -------------------------------------------------
 
@@ -158,6 +167,9 @@ class IOThread(threading.Thread):
             return (f"no worker has served this job for {silent:.0f} s: start workers "
                     f"(zloader-worker --broker {self.address}) or pass num_workers=; every "
                     "worker may have died")
+        if self.rounds is not None and self.rounds.vacant:
+            return (f"no data for {silent:.0f} s: coordinated reads wait for consumer_index "
+                    f"{', '.join(map(str, self.rounds.vacant))} of {self.rounds.size} to join")
         return f"no data from the job's {len(self._peers)} workers for {silent:.0f} s"
 
     def close(self, timeout: float = 5.0) -> None:
@@ -220,6 +232,9 @@ class IOThread(threading.Thread):
                             self._from_worker(sock, decode(frames))
                     except ProtocolError as exc:
                         log.warning("dropped a malformed message: %s", exc)
+            if self._acks:
+                self._to_broker(Command.RECEIVED, {"epoch": self._epoch, "rounds": self._acks})
+                self._acks = []
 
     def _serve_source(self) -> None:
         """Bind the socket from which workers fetch this job's in-memory source data."""
@@ -265,8 +280,11 @@ class IOThread(threading.Thread):
             self._ended = set()
             self._done = False
             self._confirming = False
-            self._round = 0
+            self._rerun = 0
             self._skipped_by = {}
+            self._draining = False
+            if self.rounds is not None:
+                self.rounds.start(self._epoch)
             if self._job is not None:
                 self._to_broker(Command.EPOCH, {"job": self._job, "epoch": self._epoch})
             for peer in self._peers.values():
@@ -292,6 +310,10 @@ class IOThread(threading.Thread):
                 share, epoch = msg.body.get("share"), msg.body.get("epoch")
                 self.share = share if isinstance(share, dict) else None
                 self.job_epoch = epoch if isinstance(epoch, int) else 0
+                if self.rounds is not None:
+                    self.rounds.joined(msg.body.get("joined"))
+            if self.rounds is not None:
+                self.rounds.view(msg.body.get("rounds"), self.address)
             self._job = msg.field("job", str)
             width = msg.body.get("width")
             if isinstance(width, int) and width > 0:
@@ -318,6 +340,12 @@ class IOThread(threading.Thread):
             text = str(msg.body.get("message", "the broker refused the request"))
             error: Exception = ValueError(text) if "job_name" in text else ZloaderError(text)
             self.items.put(Item("error", error=error))
+        elif msg.command is Command.COMMIT:
+            if self.rounds is not None and msg.field("epoch", int) == self._epoch:
+                self.rounds.commit(msg.field("rounds", list), msg.field("lost", list))
+                self._release_rounds()
+            if self.rounds is not None:
+                self.rounds.total_lost = int(msg.body.get("total_lost") or 0)
         elif msg.command is Command.UNKNOWN:
             self._job = None  # the broker restarted: register again on the next beat
 
@@ -364,10 +392,12 @@ class IOThread(threading.Thread):
     def _open(self, peer: _Peer, keep_credits: bool = False) -> None:
         if not keep_credits:
             peer.returned = 0
-        self._send(peer, Command.OPEN, payload=self._epoch_input, body={
-            "job": self._job, "consumer": self.register_body["consumer"],
-            "epoch": self._epoch, "credits": self.prefetch, "round": self._round,
-            "ring": peer.ring.name if peer.ring is not None else None})
+        body = {"job": self._job, "consumer": self.register_body["consumer"],
+                "epoch": self._epoch, "credits": self.prefetch, "rerun": self._rerun,
+                "ring": peer.ring.name if peer.ring is not None else None}
+        if self.rounds is not None:
+            body["consumer_index"] = self.rounds.index
+        self._send(peer, Command.OPEN, payload=self._epoch_input, body=body)
 
     def _send(self, peer: _Peer, command: Command, body: dict[str, Any],
               payload: tuple[Any, ...] | list[Any] = ()) -> None:
@@ -393,6 +423,9 @@ class IOThread(threading.Thread):
             if epoch == self._epoch:
                 self._skipped_by[peer.worker] = int(msg.body.get("skipped", 0))
                 self.skipped = sum(self._skipped_by.values())
+                dropped = msg.body.get("dropped")
+                if isinstance(dropped, int) and not isinstance(dropped, bool):
+                    self.dropped += dropped
                 self._note_lagged(peer, msg)
                 self._ended.add(peer.worker)
                 self.items.put(Item("end", epoch if isinstance(epoch, int) else -1,
@@ -429,11 +462,21 @@ class IOThread(threading.Thread):
         self.records += 1
         self.bytes += sum(memoryview(b).nbytes for b in buffers)
         self.per_worker[peer.pid] = self.per_worker.get(peer.pid, 0) + count
-        self._skipped_by[peer.worker] = int(msg.body.get("skipped", 0))
-        self.skipped = sum(self._skipped_by.values())
+        if self.rounds is None:
+            self._skipped_by[peer.worker] = int(msg.body.get("skipped", 0))
+            self.skipped = sum(self._skipped_by.values())
         self._note_lagged(peer, msg)
-        self.items.put(Item("data", self._epoch if self._epoch is not None else -1,
-                            peer.worker, peer.index, elements))
+        item = Item("data", self._epoch if self._epoch is not None else -1, peer.worker,
+                    peer.index, elements)
+        if self.rounds is None:
+            self.items.put(item)
+            return
+        number = msg.field("round", int)
+        if self.rounds.hold(number, item):
+            self._acks.append(number)
+            self._release_rounds()
+        else:  # a round this consumer skipped (lost, or before it joined)
+            self._run_command(("credit", peer.worker, 1))
 
     def _ring_of(self, peer: _Peer, ring: Any) -> Any:
         """The ring a DATA refers to: the current one or, until the worker has switched, a
@@ -498,15 +541,17 @@ class IOThread(threading.Thread):
     def _check_done(self, confirmed: bool = False) -> None:
         """End the epoch once every worker ended it. With dynamic sharding the broker must
         also confirm that no split of the epoch waits to be re-run (a dead worker's); if
-        some do, the live workers run the epoch again for them (a new round)."""
+        some do, the live workers run the epoch again for them (a rerun)."""
         if self._done or self._epoch is None or not self._peers:
             return
         if self._fixed:
             ended = {self._index_of.get(w) for w in self._ended}
-            if len(ended - {None}) >= self._width:
+            if len(ended - {None}) < self._width:
+                return
+            if self.rounds is None:
                 self._finish()
-            return
-        if not all(worker in self._ended for worker in self._peers):
+                return
+        elif not all(worker in self._ended for worker in self._peers):
             return
         if self.share is not None:  # a shared job's epoch is what its workers produced
             self._finish()
@@ -518,16 +563,116 @@ class IOThread(threading.Thread):
             return
         self._confirming = False
         if int(self._pending.get(str(self._epoch), 0)) == 0:
+            if self.rounds is not None and not self.rounds.finished(self._epoch):
+                self._draining = True  # rounds still to commit or to arrive
+                return
             self._finish()
             return
-        self._round += 1  # a dead worker's splits wait: read them in another round
+        self._rerun += 1  # a dead worker's splits wait: the workers run the epoch again
         self._ended = set()
         for peer in self._peers.values():
             self._open(peer, keep_credits=True)
 
+    def _release_rounds(self) -> None:
+        """Hand the iterating thread every round now in order and committed; drop the
+        lost ones (giving their credits back)."""
+        assert self.rounds is not None
+        for item in self.rounds.release():
+            if item.kind == "data":
+                self.items.put(item)
+            else:
+                self._run_command(("credit", item.worker, 1))
+        if self._draining and not self._done and self.rounds.finished(self._epoch):
+            self._finish()
+
     def _finish(self) -> None:
         self._done = True
         self.items.put(Item("done", self._epoch if self._epoch is not None else -1))
+
+
+class _Rounds:
+    """A coordinated consumer's rounds (zloader/rounds.py): it yields round k of an epoch
+    once it holds its element and the broker has committed k; lost rounds are skipped."""
+
+    def __init__(self, coordinated: tuple[int, int]) -> None:
+        self.size, self.index = coordinated
+        self.next = 0
+        self.held: dict[int, Item] = {}
+        self.committed: set[int] = set()
+        self.lost: set[int] = set()
+        self.issued: dict[str, int] = {}
+        self.total_lost = 0  # the job's rounds lost so far (the same for every consumer)
+        self.missed = 0  # rounds this consumer missed: it (re)joined after they were read
+        self.start_at: tuple[int, int] | None = None  # (epoch, round) where it joined
+        self.vacant: list[int] = []
+        self._warned = time.monotonic()
+
+    def joined(self, where: Any) -> None:
+        if isinstance(where, dict) and isinstance(where.get("round"), int) \
+                and isinstance(where.get("epoch"), int) and where["round"] > 0:
+            self.start_at = (where["epoch"], where["round"])
+            self.missed += max(0, int(where.get("missed") or 0))
+            log.info("joined coordinated reads as consumer %d of %d at round %d of epoch %d "
+                     "(the rounds before it were read without this consumer)", self.index,
+                     self.size, where["round"], where["epoch"])
+
+    def view(self, rounds: Any, address: str) -> None:
+        if not isinstance(rounds, dict):
+            return
+        if isinstance(rounds.get("issued"), dict):
+            self.issued = rounds["issued"]
+        if isinstance(rounds.get("lost"), int):
+            self.total_lost = rounds["lost"]
+        vacant = rounds.get("vacant")
+        self.vacant = vacant if isinstance(vacant, list) else []
+        now = time.monotonic()
+        if not self.vacant:
+            self._warned = now  # warn after a vacancy has lasted VACANT_WARNING seconds
+        elif now - self._warned > VACANT_WARNING:
+            self._warned = now
+            log.warning("coordinated reads wait for consumer_index %s of %d to join the job "
+                        "(broker %s): every round needs all %d consumers",
+                        ", ".join(map(str, self.vacant)), self.size, address, self.size)
+
+    def start(self, epoch: int) -> None:
+        self.held.clear()
+        self.committed.clear()
+        self.lost.clear()
+        self.next = 0
+        if self.start_at is not None and self.start_at[0] == epoch:
+            self.next = self.start_at[1]
+
+    def hold(self, number: int, item: Item) -> bool:
+        """Keep round ``number``'s element; False when the round is skipped here."""
+        if number < self.next or number in self.lost:
+            return False
+        self.held[number] = item
+        return True
+
+    def commit(self, numbers: list[Any], lost: list[Any]) -> None:
+        self.committed.update(n for n in numbers if isinstance(n, int) and n >= self.next)
+        self.lost.update(n for n in lost if isinstance(n, int) and n >= self.next)
+
+    def release(self) -> list[Item]:
+        """Items in round order: ``data`` ones to yield, and the elements of lost rounds
+        (kind ``lost``) whose credit goes back."""
+        out = []
+        for number in sorted(n for n in self.held if n in self.lost):
+            item = self.held.pop(number)
+            out.append(Item("lost", item.epoch, item.worker, item.index))
+        while True:
+            if self.next in self.lost:
+                self.lost.discard(self.next)
+            elif self.next in self.committed and self.next in self.held:
+                self.committed.discard(self.next)
+                out.append(self.held.pop(self.next))
+            else:
+                return out
+            self.next += 1
+
+    def finished(self, epoch: int | None) -> bool:
+        """Every round the broker numbered in ``epoch`` was released or lost."""
+        return self.next >= int(self.issued.get(str(epoch), 0))
 
 
 def _local_address(broker: str) -> str:

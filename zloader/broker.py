@@ -166,6 +166,10 @@ class Broker:
             return state.bye(identity, now)
         if command is Command.EPOCH:
             return state.epoch_started(identity, msg, now)
+        if command is Command.ROUND_REQ:
+            return state.round_request(identity, msg, now)
+        if command is Command.RECEIVED:
+            return state.rounds_received(identity, msg, now)
         raise ProtocolError(f"{command.name} is not a command the broker accepts")
 
     def _warn(self, text: str) -> None:

@@ -14,6 +14,10 @@ dicts / tuples / lists / named tuples         the same container of batched chil
                                               keys and sequence lengths must match)
 ===========================================  ============================================
 
+``stack(elements, pad_value=v)`` (used by ``bucket_by_length``) also batches arrays whose lengths
+along axis 0 differ: each is padded with ``v`` at the end of axis 0 to the longest one (the other
+dimensions must match).
+
 ``split(batch)`` is its inverse: arrays are sliced along axis 0 (views, no copy), lists of
 scalars (``str``/``bytes``/``None``/numbers, as ``stack`` makes them) are taken item by item,
 and dicts, tuples and other lists are structure. Every leaf must have the same length.
@@ -32,8 +36,9 @@ _NUMBER_TYPES = (bool, int, float, complex, np.number, np.bool_)
 _TEXT_TYPES = (str, bytes, type(None))
 
 
-def stack(elements: Sequence[Any]) -> Any:
-    """Combine equal-structured elements into one batch (see the module docstring).
+def stack(elements: Sequence[Any], pad_value: Any = None) -> Any:
+    """Combine equal-structured elements into one batch (see the module docstring); with
+    ``pad_value``, arrays of different lengths along axis 0 are padded to the longest.
 
     Raises:
         ValueError: the elements differ in structure, keys, lengths or array shapes.
@@ -41,15 +46,17 @@ def stack(elements: Sequence[Any]) -> Any:
     """
     if not elements:
         raise ValueError("cannot batch zero elements")
-    return _stack(elements, "element")
+    return _stack(elements, "element", pad_value)
 
 
-def _stack(values: Sequence[Any], path: str) -> Any:
+def _stack(values: Sequence[Any], path: str, pad: Any = None) -> Any:
     first = values[0]
     if isinstance(first, np.ndarray) or (hasattr(first, "__array__")
                                          and not isinstance(first, _NUMBER_TYPES)):
         arrays = [np.asarray(v) if not isinstance(v, np.ndarray) else v for v in values]
         shape = arrays[0].shape
+        if pad is not None and arrays[0].ndim >= 1:
+            return _padded(arrays, path, pad)
         for arr in arrays:
             if arr.shape != shape:
                 raise ValueError(
@@ -79,19 +86,39 @@ def _stack(values: Sequence[Any], path: str) -> Any:
                 got = sorted(map(repr, value)) if isinstance(value, dict) else type(value)
                 raise ValueError(f"cannot batch {path}: elements have different keys "
                                  f"({sorted(map(repr, keys))} and {got})")
-        return {key: _stack([v[key] for v in values], f"{path}[{key!r}]") for key in keys}
+        return {key: _stack([v[key] for v in values], f"{path}[{key!r}]", pad) for key in keys}
     if isinstance(first, (tuple, list)):
         size = len(first)
         for value in values:
             if not isinstance(value, (tuple, list)) or len(value) != size:
                 raise ValueError(f"cannot batch {path}: sequences of different lengths or "
                                  "types")
-        columns = [_stack([v[i] for v in values], f"{path}[{i}]") for i in range(size)]
+        columns = [_stack([v[i] for v in values], f"{path}[{i}]", pad) for i in range(size)]
         if isinstance(first, tuple) and hasattr(first, "_fields"):
             return type(first)(*columns)
         return tuple(columns) if isinstance(first, tuple) else columns
     raise TypeError(f"cannot batch {path}: values of type {type(first).__qualname__} can't be "
                     "stacked; map them to numpy arrays first")
+
+
+def _padded(arrays: list[np.ndarray], path: str, pad: Any) -> np.ndarray:
+    """Stack arrays padded with ``pad`` along axis 0 to the longest of them."""
+    rest = arrays[0].shape[1:]
+    for arr in arrays:
+        if arr.ndim == 0 or arr.shape[1:] != rest:
+            raise ValueError(
+                f"cannot pad {path}: arrays differ beyond axis 0 ({arrays[0].shape} and "
+                f"{arr.shape}); only axis 0 is padded")
+    longest = max(arr.shape[0] for arr in arrays)
+    dtype = np.result_type(*arrays)
+    try:
+        out = np.full((len(arrays), longest, *rest), pad, dtype=dtype)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ValueError(f"cannot pad {path}: pad_value {pad!r} does not fit dtype "
+                         f"{dtype}: {exc}") from None
+    for row, arr in zip(out, arrays, strict=True):
+        row[:arr.shape[0]] = arr
+    return out
 
 
 def split(batch: Any) -> Iterator[Any]:

@@ -92,6 +92,16 @@ class Loader:
             skips it ahead) or ``"skip"`` (it jumps to the oldest element kept; counted in
             ``stats()["share_skipped"]``).
         share_block_seconds: see ``share_lag`` (default 10).
+        num_consumers: coordinated reads (docs/coordinated.md): the N Loaders of one
+            ``job_name`` (say, the ranks of a synchronous data-parallel run) read in rounds;
+            every consumer's k-th element of an epoch comes from round k, and the N elements
+            of a round come from one worker, produced one after the other (with
+            ``bucket_by_length``: from one bucket). Round 0 starts once all N have joined.
+            Every consumer gets the same number of elements per epoch; an incomplete last
+            round is dropped (``stats()["dropped"]``). Needs ``job_name`` and
+            ``consumer_index``.
+        consumer_index: this Loader's index in ``[0, num_consumers)``. A restarted
+            consumer with the same index rejoins at the round the others are on.
 
     Raises:
         ValueError / TypeError: a bad argument, named in the message.
@@ -105,7 +115,9 @@ class Loader:
                  ring_bytes: int | None = None, balanced: int = 0,
                  start_method: str = "fork", share: bool = False,
                  share_window_bytes: int | None = None, share_lag: str = "block",
-                 share_block_seconds: float = DEFAULT_BLOCK_SECONDS) -> None:
+                 share_block_seconds: float = DEFAULT_BLOCK_SECONDS,
+                 num_consumers: int | None = None,
+                 consumer_index: int | None = None) -> None:
         if not isinstance(pipeline, Pipeline):
             raise TypeError(f"pipeline must be a zloader.Pipeline, got {type(pipeline).__name__}")
         _choice("sharding", sharding, SHARDING)
@@ -119,6 +131,8 @@ class Loader:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self._share = _share_settings(pipeline, broker, job_name, balanced, share,
                                       share_window_bytes, share_lag, share_block_seconds)
+        coordinated = _coordinated(num_consumers, consumer_index, job_name, share, balanced,
+                                   deterministic)
         self.pipeline = pipeline
         self._plan = plan(pipeline)
         self._joined = False
@@ -177,7 +191,8 @@ class Loader:
                 prefetch=prefetch, use_rings=transport == "auto", ring_bytes=ring_bytes,
                 source_data=source_data,
                 data_bind=f"ipc://{self._dir}/source" if embedded else None,
-                balanced=_check.integer("balanced", balanced, 0), share=self._share)
+                balanced=_check.integer("balanced", balanced, 0), share=self._share,
+                coordinated=coordinated)
             self._io.start()
         except BaseException:
             self.close()
@@ -205,8 +220,8 @@ class Loader:
         as ``Context.epoch_input`` (the torch adapter sends the epoch's sampled batches)."""
         if self._closed:
             raise RuntimeError("this Loader is closed")
-        if self._share is not None and not self._joined:
-            self._join_shared()
+        if (self._share is not None or self._io.rounds is not None) and not self._joined:
+            self._join_job()
         epoch = self._epoch
         self._epoch += 1
         frames = codec.encode(epoch_input) if epoch_input is not None else []
@@ -215,10 +230,11 @@ class Loader:
         merged = self._merged(epoch)
         return self._plan.run_consumer(merged, epoch, ctx)
 
-    def _join_shared(self) -> None:
-        """Wait for the broker's answer (bounded by ``timeout``) and take the shared job's
-        current epoch: this trainer reads that epoch whole (what it missed is made again
-        for it at the end, see docs/sharing.md)."""
+    def _join_job(self) -> None:
+        """Wait for the broker's answer (bounded by ``timeout``) and take the job's current
+        epoch when it is ahead. A sharing trainer reads that epoch whole (what it missed is
+        made again for it at the end, see docs/sharing.md); a coordinated consumer reads it
+        from the round the others are on."""
         io = self._io
         while io.job_epoch is None:
             for item in list(io.items.queue):
@@ -228,10 +244,13 @@ class Loader:
             time.sleep(0.005)
         self._joined = True
         if io.job_epoch > self._epoch:
-            log.info("joined a shared job at its epoch %d (under way or next): this epoch "
-                     "replays what the workers still hold, then what they produce, then the "
-                     "part that had left their window, made again for this trainer alone",
-                     io.job_epoch)
+            if self._share is not None:
+                log.info("joined a shared job at its epoch %d (under way or next): this "
+                         "epoch replays what the workers still hold, then what they produce, "
+                         "then the part that had left their window, made again for this "
+                         "trainer alone", io.job_epoch)
+            else:
+                log.info("joined coordinated reads at the job's epoch %d", io.job_epoch)
             self._epoch = io.job_epoch
 
     def _merged(self, epoch: int) -> Iterator[Any]:
@@ -328,12 +347,20 @@ class Loader:
         ``segments`` (records too large for the ring, sent in a segment of their own),
         ``share_skipped`` (a shared job's elements this trainer lost by falling behind the
         window with ``share_lag="skip"``, or to a dead worker), ``share_replayed`` (elements
-        made again for this trainer because they had left the window when it joined)."""
+        made again for this trainer because they had left the window when it joined).
+        With ``num_consumers``: ``dropped`` (elements of incomplete last rounds, dropped so
+        that every consumer gets as many), ``rounds_lost`` (rounds of the job lost with a
+        dead worker or consumer, skipped by every consumer alike) and ``rounds_missed``
+        (rounds read before this consumer (re)joined)."""
         io = self._io
-        return {"elements": self._elements, "bytes": io.bytes, "wait_seconds": self._wait,
-                "skipped": io.skipped, "per_worker": dict(io.per_worker),
-                "private": io.private, "segments": io.segments, "records": io.records,
-                "share_skipped": io.lagged, "share_replayed": io.replayed}
+        stats = {"elements": self._elements, "bytes": io.bytes, "wait_seconds": self._wait,
+                 "skipped": io.skipped, "per_worker": dict(io.per_worker),
+                 "private": io.private, "segments": io.segments, "records": io.records,
+                 "share_skipped": io.lagged, "share_replayed": io.replayed}
+        if io.rounds is not None:
+            stats.update(dropped=io.dropped, rounds_lost=io.rounds.total_lost,
+                         rounds_missed=io.rounds.missed)
+        return stats
 
     def close(self) -> None:
         """Stop everything this Loader started and release its memory (safe to call twice)."""
@@ -440,6 +467,36 @@ def _share_settings(pipeline: Pipeline, broker: str | None, job_name: str | None
         log.warning("this pipeline cannot be fingerprinted soundly (see the "
                     "FingerprintWarning), so share=True runs it alone")
     return settings(window_bytes, lag, block_seconds)
+
+
+def _coordinated(num_consumers: Any, consumer_index: Any, job_name: str | None, share: bool,
+                 balanced: int, deterministic: bool) -> tuple[int, int] | None:
+    """Check the coordinated-read arguments: (num_consumers, consumer_index) or None."""
+    if num_consumers is None and consumer_index is None:
+        return None
+    if num_consumers is None or consumer_index is None:
+        given = "num_consumers" if consumer_index is None else "consumer_index"
+        raise ValueError(f"{given} was given alone: coordinated reads need both "
+                         "num_consumers (how many consumers read the job) and consumer_index "
+                         "(this one's, from 0)")
+    size = _check.integer("num_consumers", num_consumers, 1)
+    index = _check.integer("consumer_index", consumer_index, 0)
+    if index >= size:
+        raise ValueError(f"consumer_index must be in [0, num_consumers) = [0, {size}), got "
+                         f"{index}")
+    if share:
+        raise ValueError("share=True and num_consumers do not mix: share gives every trainer "
+                         "every element, coordinated reads split them in rounds")
+    if balanced:
+        raise ValueError("balanced and num_consumers do not mix: coordinated reads already "
+                         "give every consumer as many elements")
+    if deterministic:
+        raise ValueError("deterministic=True and num_consumers do not mix: rounds go to the "
+                         "workers in the order their elements are ready")
+    if job_name is None:
+        raise ValueError("coordinated reads (num_consumers) need a job_name shared by the "
+                         f"{size} consumers, so that they find one job")
+    return size, index
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:

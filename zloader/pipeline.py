@@ -17,6 +17,7 @@ differ from each other; with ``seed=None`` a random stage draws fresh entropy on
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -242,6 +243,48 @@ class Pipeline:
             drop_remainder=_check.boolean("drop_remainder", drop_remainder),
             **_stage_options(f"batch({batch_size})", name, version)))
 
+    def bucket_by_length(self, length_fn: Callable[[Any], int], boundaries: Sequence[int],
+                         batch_sizes: Sequence[int], pad_value: Any = 0,
+                         drop_remainder: bool = False, *, name: str | None = None,
+                         version: str | None = None) -> Pipeline:
+        """Batch elements of similar length together, as tf.data's
+        ``bucket_by_sequence_length``: bucket ``i`` holds the elements whose
+        ``length_fn(element)`` is in ``[boundaries[i-1], boundaries[i])`` (bucket 0 from 0,
+        the last one without end) and emits a batch each time it holds ``batch_sizes[i]``
+        of them. Arrays in a batch are padded with ``pad_value`` along axis 0 to the
+        batch's longest (in nested structures too; other leaves batch as in :meth:`batch`).
+
+        In a coordinated job (``Loader(num_consumers=N, ...)``) each bucket emits N batches
+        at once, so that every consumer's batch of a round comes from the same bucket; the
+        end of the input then drops each bucket's last, incomplete round (counted in
+        ``Loader.stats()["dropped"]``).
+
+        Args:
+            length_fn: a function of one element returning its length, an int >= 0.
+            boundaries: strictly increasing ints > 0.
+            batch_sizes: ``len(boundaries) + 1`` batch sizes, one per bucket, each >= 1.
+            pad_value: the value padding fills arrays with (default 0).
+            drop_remainder: drop each bucket's last, smaller batch at the end of the input.
+
+        Raises:
+            ValueError / TypeError: a bad argument, named in the message.
+        """
+        _check.function("length_fn", length_fn)
+        bounds = _int_tuple("boundaries", boundaries, 1)
+        if any(b <= a for a, b in itertools.pairwise(bounds)):
+            raise ValueError(f"boundaries must be strictly increasing, got {list(bounds)}")
+        sizes = _int_tuple("batch_sizes", batch_sizes, 1)
+        if len(sizes) != len(bounds) + 1:
+            raise ValueError(f"batch_sizes needs len(boundaries) + 1 = {len(bounds) + 1} "
+                             f"entries (one per bucket), got {len(sizes)}")
+        if not isinstance(pad_value, (bool, int, float, complex)):
+            raise TypeError(f"pad_value must be a number, got {type(pad_value).__name__}")
+        return self._then(_stages.BucketByLength(
+            length_fn=length_fn, boundaries=bounds, batch_sizes=sizes, pad_value=pad_value,
+            drop_remainder=_check.boolean("drop_remainder", drop_remainder),
+            **_stage_options(f"bucket_by_length({_callable_name(length_fn)})", name,
+                             version)))
+
     def unbatch(self, *, name: str | None = None, version: str | None = None) -> Pipeline:
         """Split each element along axis 0 into its rows (the inverse of :meth:`batch`)."""
         return self._then(_stages.Unbatch(**_stage_options("unbatch", name, version)))
@@ -334,6 +377,12 @@ def _source_options(default_name: str, name: Any, shuffle_splits: Any, seed: Any
         "seed": _check.seed(seed),
         "version": _check.label("version", version),
     }
+
+
+def _int_tuple(name: str, values: Any, minimum: int) -> tuple[int, ...]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
+    return tuple(_check.integer(f"{name}[{i}]", v, minimum) for i, v in enumerate(values))
 
 
 def _stage_options(default_name: str, name: Any, version: Any) -> dict[str, Any]:

@@ -95,14 +95,16 @@ class Producer(threading.Thread):
         task = self.task
         ctx = Context(entropy=task.entropy, worker=task.index,
                       skip_errors=task.on_error == "skip", workers=task.width,
-                      epoch_input=task.inputs.get(self.epoch))
+                      epoch_input=task.inputs.get(self.epoch),
+                      round_size=max(1, task.coordinated))
         elements = task.plan.run_worker(lambda key: self._feed(pair, key), self.epoch, ctx)
         if self.replay is not None:
             elements = itertools.islice(elements, self.replay[1])
         batch: list[Any] = []
         size = 0
         started = last = 0.0
-        limit = 1 if task.balanced else RECORD_ELEMENTS  # dealt one by one when balanced
+        # One element per record when they are dealt one by one (balanced, coordinated).
+        limit = 1 if task.balanced or task.coordinated else RECORD_ELEMENTS
         for element in elements:
             now = time.monotonic()
             if not batch:
@@ -119,8 +121,8 @@ class Producer(threading.Thread):
                 last = time.monotonic()  # waiting for credits is not production time
         if batch:
             self._send(pair, batch, ctx)
-        self._put(pair, [b"E", json.dumps({"epoch": self.epoch,
-                                           "skipped": ctx.skipped}).encode()])
+        self._put(pair, [b"E", json.dumps({"epoch": self.epoch, "skipped": ctx.skipped,
+                                           "dropped": ctx.dropped}).encode()])
 
     def _send(self, pair: zmq.Socket[Any], batch: list[Any], ctx: Context) -> None:
         while not self.pool.acquire(timeout=0.1):

@@ -12,6 +12,7 @@ naming the stage; errors in the data a stage receives (``batch`` of unequal shap
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -19,13 +20,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
+
 from zloader import collate
 from zloader._defaults import SHUFFLE_DRAW_CHUNK
 from zloader._seeding import Key, make_rng
 from zloader.errors import PipelineError
 
-__all__ = ["Batch", "Context", "Filter", "Map", "Repeat", "Run", "Shuffle", "Skip", "Stage",
-           "Take", "Unbatch", "compose"]
+__all__ = ["Batch", "BucketByLength", "Context", "Filter", "Map", "Repeat", "Run", "Shuffle",
+           "Skip", "Stage", "Take", "Unbatch", "compose"]
 
 Run = Callable[[Key], Iterator[Any]]
 
@@ -44,6 +47,10 @@ class Context:
         workers: how many workers run this part (1 in-process).
         epoch_input: what the consumer sent with this epoch (adapters use it to hand
             workers the epoch's sampled batches); None for plain pipelines.
+        round_size: the consumers of a coordinated job (``num_consumers``), which read
+            ``round_size`` consecutive elements per round; ``bucket_by_length`` then emits
+            its batches ``round_size`` at a time from one bucket. 1 otherwise.
+        dropped: elements dropped to keep rounds whole (a bucket's last, incomplete round).
     """
 
     entropy: int
@@ -52,6 +59,8 @@ class Context:
     skipped: int = 0
     workers: int = 1
     epoch_input: Any = None
+    round_size: int = 1
+    dropped: int = 0
 
     def rng(self, seed: int | None, position: int, key: Key) -> Any:
         if self.worker:
@@ -226,6 +235,69 @@ class Batch(Stage):
 
     def identity(self) -> tuple[Any, ...]:
         return (self.kind, self.version, self.batch_size, self.drop_remainder)
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class BucketByLength(Stage):
+    """Batches of elements of similar length: bucket ``i`` holds lengths in
+    ``[boundaries[i-1], boundaries[i])`` (the first from 0, the last without end) and emits
+    a batch, padded to its longest element, each time it holds ``batch_sizes[i]`` elements.
+    In a coordinated job (``ctx.round_size`` N > 1) a bucket waits for N batches and emits
+    them together, so one round's batches share a bucket; what is left at the end, fewer
+    than N batches, is dropped and counted in ``ctx.dropped``. Otherwise the end flushes
+    each bucket in order (its last batch is smaller unless ``drop_remainder``)."""
+
+    kind: ClassVar[str] = "bucket_by_length"
+    length_fn: Callable[[Any], Any]
+    boundaries: tuple[int, ...]
+    batch_sizes: tuple[int, ...]
+    pad_value: Any = 0
+    drop_remainder: bool = False
+
+    def transform(self, elements: Iterator[Any], key: Key, position: int,
+                  ctx: Context) -> Iterator[Any]:
+        group = max(1, ctx.round_size)
+        buckets: list[list[Any]] = [[] for _ in self.batch_sizes]
+        for element in elements:
+            try:
+                length = self._length(element)
+            except Exception as exc:
+                if ctx.skip_errors:
+                    ctx.skipped += 1
+                    continue
+                raise self._fails(exc) from exc
+            index = bisect.bisect_right(self.boundaries, length)
+            bucket = buckets[index]
+            bucket.append(element)
+            if len(bucket) == self.batch_sizes[index] * group:
+                yield from self._batches(bucket, self.batch_sizes[index])
+                buckets[index] = []
+        for index, bucket in enumerate(buckets):
+            size = self.batch_sizes[index]
+            count = len(bucket) // size if self.drop_remainder else -(-len(bucket) // size)
+            if group == 1:
+                yield from self._batches(bucket[:count * size], size)
+            else:
+                ctx.dropped += count  # fewer than a round's worth: dropped whole
+
+    def _length(self, element: Any) -> int:
+        length = self.length_fn(element)
+        if isinstance(length, bool) or not isinstance(length, (int, np.integer)) \
+                or length < 0:
+            raise TypeError(f"length_fn must return an int >= 0, got {length!r}")
+        return int(length)
+
+    def _batches(self, bucket: list[Any], size: int) -> Iterator[Any]:
+        for start in range(0, len(bucket), size):
+            try:
+                batch = collate.stack(bucket[start:start + size], self.pad_value)
+            except (TypeError, ValueError) as exc:
+                raise self._fails(exc) from exc
+            yield batch
+
+    def identity(self) -> tuple[Any, ...]:
+        return (self.kind, self.version, self.length_fn if self.version is None else None,
+                self.boundaries, self.batch_sizes, self.pad_value, self.drop_remainder)
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)

@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from zloader.rounds import Rounds
 from zloader.sharing.options import KEY_OPTIONS
 from zloader.sharing.window import LAG_POLICIES
 from zloader.sources import split_order
@@ -97,6 +98,7 @@ class Job:
     bytes: int = 0
     share: dict[str, Any] | None = None  # window settings of a shared job
     epoch: int = 0  # the highest epoch a consumer has started
+    rounds: Rounds | None = None  # coordinated reads (num_consumers)
 
 
 class State:
@@ -184,6 +186,8 @@ class State:
         share = _share(msg.body.get("share"))
         if share is not None and name:
             raise ProtocolError("REGISTER: a shared job cannot have a job_name")
+        coordinated = _coordinated(msg.body.get("coordinated"), name)
+        options["num_consumers"] = coordinated[0] if coordinated else 0
         job = self._named_job(name) if name else None
         if share is not None:
             job = next((j for j in self.jobs.values() if j.share is not None and j.error is None
@@ -198,6 +202,18 @@ class State:
                 return [Out(identity, Command.ERROR, {"message": mismatch})]
         else:
             job = self._new_job(msg, fingerprint, name, options, source, now)
+            if coordinated:
+                job.rounds = Rounds(coordinated[0])
+        out: list[Out] = []
+        joined: dict[str, int] | None = None
+        if job.rounds is not None and coordinated:
+            why = job.rounds.replaced.get(consumer_id)
+            if why:
+                return [Out(identity, Command.ERROR, {"message": why})]
+            holder = job.rounds.members.get(coordinated[1])
+            if holder is not None and holder != consumer_id:
+                out += self._replace(job, holder, coordinated[1], msg, now)
+            joined = job.rounds.join(consumer_id, coordinated[1], job.epoch)
         old = self.consumers.get(consumer_id)
         if old is not None:
             self.peers.pop(old.identity, None)
@@ -207,7 +223,28 @@ class State:
         self.peers[identity] = ("consumer", consumer_id)
         job.consumers.add(consumer_id)
         job.idle_since = None
-        return [*self._assign(now), Out(identity, Command.JOB, self.job_view(job))]
+        # The answer comes last and is the only JOB this consumer gets now (a consumer reads
+        # ``joined`` from its first JOB); job views must reach a consumer in order.
+        assigned = [o for o in self._assign(now)
+                    if o.identity != identity or o.command is not Command.JOB]
+        view = self.job_view(job)
+        if joined is not None:
+            view["joined"] = joined
+        return [*out, *assigned, Out(identity, Command.JOB, view)]
+
+    def _replace(self, job: Job, holder: str, index: int, msg: Message,
+                 now: float) -> list[Out]:
+        """A restarted consumer takes over ``index`` from ``holder``, which is dropped and,
+        should it still be alive, refused from now on."""
+        assert job.rounds is not None
+        old = self.consumers.get(holder)
+        where = f"pid {old.pid}" if old is not None else "an earlier consumer"
+        job.rounds.replaced[holder] = (
+            f"consumer_index {index} of job_name {job.name!r} was taken over by another "
+            f"consumer (pid {msg.body.get('pid')}), as a restarted consumer does; if this "
+            f"one ({where}) is still meant to run, two consumers were given the same "
+            "consumer_index")
+        return self._drop_consumer(holder, now)
 
     def _named_job(self, name: str) -> Job | None:
         return next((j for j in self.jobs.values() if j.name == name), None)
@@ -217,7 +254,8 @@ class State:
         ours = {"fingerprint": job.fingerprint, "sharding": job.sharding,
                 "deterministic": job.deterministic, "on_error": job.on_error,
                 "num_workers": job.options["num_workers"],
-                "balanced": job.options.get("balanced", 0)}
+                "balanced": job.options.get("balanced", 0),
+                "num_consumers": job.options.get("num_consumers", 0)}
         diff = [k for k in ours if ours[k] != theirs[k] and k != "num_workers"]
         if not diff:
             return ""
@@ -246,9 +284,13 @@ class State:
         consumer = self._consumer(identity)
         job = self.jobs.get(consumer.job) if consumer is not None else None
         epoch = msg.body.get("epoch")
+        out: list[Out] = []
         if job is not None and isinstance(epoch, int) and not isinstance(epoch, bool):
             job.epoch = max(job.epoch, epoch)
-        return self.consumer_heartbeat(identity, now)
+            if job.rounds is not None and consumer is not None:
+                job.rounds.prune(job.epoch)
+                out += self._announce(job, {}, job.rounds.epoch_started(consumer.id, epoch))
+        return out + self.consumer_heartbeat(identity, now)
 
     def consumer_heartbeat(self, identity: bytes, now: float) -> list[Out]:
         consumer = self._consumer(identity)
@@ -271,10 +313,13 @@ class State:
             waiting = len(dispenser.requeued)
             if waiting:
                 pending[str(key[0])] = pending.get(str(key[0]), 0) + waiting
-        return {"job": job.id, "workers": workers, "failed": job.failed, "error": job.error,
+        view = {"job": job.id, "workers": workers, "failed": job.failed, "error": job.error,
                 "pending": pending, "share": job.share, "epoch": job.epoch,
                 "width": job.width, "entropy": job.entropy,
                 "state": "failed" if job.error else "running"}
+        if job.rounds is not None:
+            view["rounds"] = job.rounds.view()
+        return view
 
     # --- tasks and splits -----------------------------------------------------------------
 
@@ -303,7 +348,8 @@ class State:
                     "width": job.width, "deterministic": job.deterministic,
                     "on_error": job.on_error, "entropy": job.entropy,
                     "source_data": job.source_data, "share": job.share,
-                    "balanced": job.options.get("balanced", 0)}
+                    "balanced": job.options.get("balanced", 0),
+                    "coordinated": job.rounds.size if job.rounds is not None else 0}
             out.append(Out(worker.identity, Command.TASK, body, (job.blob,)))
             out += self._tell_consumers(job)
         return out
@@ -373,6 +419,48 @@ class State:
             return None
         return next((j.id for j in self.jobs.values() if task in j.tasks), None)
 
+    # --- coordinated reads (zloader/rounds.py) ---------------------------------------------
+
+    def round_request(self, identity: bytes, msg: Message, now: float) -> list[Out]:
+        """A worker has a round's elements ready: number it (or refuse, ``round`` null)."""
+        worker = self._worker(identity)
+        task = msg.field("task", str)
+        epoch = msg.field("epoch", int)
+        members = msg.field("members", list)
+        job = self.jobs.get(self._task_job(task) or "")
+        if worker is None or job is None or job.rounds is None or worker.task != task:
+            return [Out(identity, Command.ROUND, {"task": task, "epoch": epoch,
+                                                  "round": None})]
+        number = job.rounds.issue(worker.id, epoch, members)
+        return [Out(identity, Command.ROUND, {"task": task, "epoch": epoch, "round": number})]
+
+    def rounds_received(self, identity: bytes, msg: Message, now: float) -> list[Out]:
+        """A consumer received its elements of some rounds: commit the complete ones."""
+        consumer = self._consumer(identity)
+        job = self.jobs.get(consumer.job) if consumer is not None else None
+        if consumer is None or job is None or job.rounds is None:
+            return []
+        epoch = msg.field("epoch", int)
+        numbers = [n for n in msg.field("rounds", list) if isinstance(n, int)]
+        if job.rounds.index_of(consumer.id) is None:
+            return []
+        committed = job.rounds.got(consumer.id, epoch, numbers)
+        return self._announce(job, {epoch: committed} if committed else {}, {})
+
+    def _announce(self, job: Job, committed: dict[int, list[int]],
+                  lost: dict[int, list[int]]) -> list[Out]:
+        """Tell every consumer of a coordinated job which rounds were committed or lost."""
+        assert job.rounds is not None
+        out = []
+        for epoch in sorted(set(committed) | set(lost)):
+            body = {"epoch": epoch, "rounds": committed.get(epoch, []),
+                    "lost": lost.get(epoch, []), "total_lost": job.rounds.lost}
+            for consumer_id in job.rounds.members.values():
+                consumer = self.consumers.get(consumer_id)
+                if consumer is not None:
+                    out.append(Out(consumer.identity, Command.COMMIT, body))
+        return out
+
     # --- leaving, dying and collecting ----------------------------------------------------
 
     def bye(self, identity: bytes, now: float) -> list[Out]:
@@ -430,7 +518,10 @@ class State:
                         continue
                 dispenser.requeued.appendleft(split)
         del index
-        return self._tell_consumers(job)
+        out = self._tell_consumers(job)
+        if job.rounds is not None:
+            out += self._announce(job, {}, job.rounds.lose_worker(worker.id))
+        return out
 
     def _drop_consumer(self, consumer_id: str, now: float) -> list[Out]:
         consumer = self.consumers.pop(consumer_id, None)
@@ -444,6 +535,8 @@ class State:
         if not job.consumers:
             job.idle_since = now
         out = []
+        if job.rounds is not None:
+            out += self._announce(job, {}, job.rounds.leave(consumer_id))
         for task, worker_id in job.tasks.items():
             worker = self.workers.get(worker_id)
             if worker is not None:
@@ -513,6 +606,22 @@ def _share(value: Any) -> dict[str, Any] | None:
             or not isinstance(block, (int, float)) or not block >= 0):
         raise ProtocolError(f"REGISTER: bad share settings {value!r}")
     return {"window_bytes": size, "lag": lag, "block_seconds": float(block)}
+
+
+def _coordinated(value: Any, name: str | None) -> tuple[int, int] | None:
+    """REGISTER's ``coordinated``: (num_consumers, consumer_index) or None."""
+    if value is None:
+        return None
+    size = value.get("size") if isinstance(value, dict) else None
+    index = value.get("index") if isinstance(value, dict) else None
+    if (isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 1 << 16
+            or isinstance(index, bool) or not isinstance(index, int)
+            or not 0 <= index < size):
+        raise ProtocolError(f"REGISTER: coordinated must be {{size >= 1, 0 <= index < size}}, "
+                            f"got {value!r}")
+    if not name:
+        raise ProtocolError("REGISTER: coordinated reads need a job_name")
+    return size, index
 
 
 def _count(value: Any) -> int:

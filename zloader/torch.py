@@ -69,6 +69,12 @@ class IterableDataset(torch.utils.data.IterableDataset):
             ``job_name``, ``sharding``...). ``num_workers=0`` without a broker runs the
             pipeline in the iterating process instead. The Loader starts on the first
             iteration; :meth:`close` (or garbage collection) stops it.
+        coordinated: under ``torch.distributed`` (world size > 1), read in coordinated
+            rounds (``Loader(num_consumers=world size, consumer_index=rank)``, see
+            docs/coordinated.md): every rank's batch of a step comes from one round, so
+            with ``bucket_by_length`` all ranks step on batches of one bucket. Without it
+            the ranks split the job by dealing elements one at a time. Ignored outside
+            ``torch.distributed``.
 
     Raises:
         TypeError: ``pipeline`` is not a Pipeline.
@@ -77,12 +83,13 @@ class IterableDataset(torch.utils.data.IterableDataset):
     """
 
     def __init__(self, pipeline: Pipeline, *, drop_last: bool = False,
-                 **loader_kwargs: Any) -> None:
+                 coordinated: bool = False, **loader_kwargs: Any) -> None:
         if not isinstance(pipeline, Pipeline):
             raise TypeError(f"pipeline must be a zloader.Pipeline, got {type(pipeline).__name__}")
         self.pipeline = pipeline
         self.loader_kwargs = loader_kwargs
         self.drop_last = _check.boolean("drop_last", drop_last)
+        self.coordinated = _check.boolean("coordinated", coordinated)
         self._next_epoch = 0
         self._loader: Loader | None = None
         self._ranks: _Ranks | None = None
@@ -93,6 +100,9 @@ class IterableDataset(torch.utils.data.IterableDataset):
                 "share=True gives every trainer every element; under torch.distributed "
                 "(world size > 1) the ranks of one run split one job instead. share is for "
                 "independent trainers over the same pipeline (hyper-parameter searches)")
+        if coordinated and {"num_consumers", "consumer_index"} & set(loader_kwargs):
+            raise ValueError("coordinated=True takes num_consumers and consumer_index from "
+                             "torch.distributed; pass them to the Loader only without it")
         if _distributed() and not ({"job_name", "sharding"} & set(loader_kwargs)):
             self._ranks = _Ranks()
             self._join_ranks()
@@ -116,8 +126,11 @@ class IterableDataset(torch.utils.data.IterableDataset):
         if workers is None:
             workers = max(1, (os.cpu_count() or 1) // ranks.world)
         self.loader_kwargs = {**self.loader_kwargs, "broker": address, "num_workers": workers,
-                              "job_name": f"{self.pipeline.fingerprint[:16]}-{run}",
-                              "balanced": ranks.world}
+                              "job_name": f"{self.pipeline.fingerprint[:16]}-{run}"}
+        if self.coordinated:  # rounds give every rank as many elements
+            self.loader_kwargs.update(num_consumers=ranks.world, consumer_index=ranks.rank)
+        else:
+            self.loader_kwargs["balanced"] = ranks.world
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration run ``epoch`` (as with ``DistributedSampler``); epochs
@@ -146,7 +159,7 @@ class IterableDataset(torch.utils.data.IterableDataset):
             self._loader = Loader(self.pipeline, **self.loader_kwargs)
         self._loader.set_epoch(epoch)
         elements = (to_torch(element) for element in self._loader)
-        if self._ranks is not None:
+        if self._ranks is not None and not self.coordinated:
             return self._lockstep(elements)
         return elements
 
@@ -180,9 +193,12 @@ class IterableDataset(torch.utils.data.IterableDataset):
 
     def stats(self) -> dict[str, Any]:
         """The Loader's :meth:`~zloader.Loader.stats` (empty before the first iteration),
-        plus ``padded`` and ``dropped`` under torch.distributed."""
+        plus ``padded`` and ``dropped`` under torch.distributed (without ``coordinated``,
+        whose ``dropped`` is the Loader's)."""
         base = self._loader.stats() if self._loader is not None else {}
-        return {**base, **self._counted} if self._ranks is not None else base
+        if self._ranks is None or self.coordinated:
+            return base
+        return {**base, **self._counted}
 
     def close(self) -> None:
         """Stop the Loader and its workers (and, on rank 0, the broker it started)."""

@@ -59,6 +59,18 @@ class _Stream:
     credits: int = 0
     ring: Any = None
     handoffs: dict[str, Any] = field(default_factory=dict)  # segments the consumer may map
+    index: int | None = None  # consumer_index, in a coordinated job
+
+
+@dataclass(eq=False)
+class _Group:
+    """One round's worth of records (element j for consumer j) of a coordinated job, or
+    the epoch's end (``end``: the END body) once the rounds before it have gone out."""
+
+    epoch: int
+    records: list[Outgoing]
+    end: dict[str, Any] | None = None
+    members: list[bytes] | None = None  # set when its number was asked for
 
 
 @dataclass
@@ -76,7 +88,7 @@ class _Task:
     producer: Producer | None = None
     producing: int | None = None
     finished: set[int] = field(default_factory=set)
-    rounds: dict[int, int] = field(default_factory=dict)
+    reruns: dict[int, int] = field(default_factory=dict)  # epoch -> latest rerun asked
     inputs: dict[int, Any] = field(default_factory=dict)  # epoch -> the consumer's input
     balanced: int = 0  # consumers to deal to one element at a time, round-robin (0: off)
     turn: int = 0
@@ -93,6 +105,12 @@ class _Task:
         default_factory=deque)
     outstanding: int = 0  # production permits not yet used
     replay_outstanding: int = 0
+    # Coordinated reads (zloader/rounds.py): the group being filled, and the full groups
+    # (and epoch ends) in order, the first ones waiting for their round number.
+    coordinated: int = 0
+    partial: list[Outgoing] = field(default_factory=list)
+    partial_epoch: int = -1
+    groups: deque[_Group] = field(default_factory=deque)
 
 
 class WorkerProcess:
@@ -240,6 +258,10 @@ class WorkerProcess:
         elif command is Command.RELEASE:
             if self.task is not None and msg.field("task", str) == self.task.id:
                 self._stop_task()
+        elif command is Command.ROUND:
+            if self.task is not None and msg.field("task", str) == self.task.id:
+                self._numbered(self.task, msg.field("epoch", int),
+                               msg.field("round", int, optional=True))
         elif command is Command.CONSUMER_GONE:
             self._drop_consumer(msg.field("consumer", str))
         elif command is Command.UNKNOWN:
@@ -264,7 +286,8 @@ class WorkerProcess:
                               msg.field("sharding", str), msg.field("index", int),
                               msg.field("width", int), str(msg.body.get("on_error", "raise")),
                               msg.field("entropy", int),
-                              balanced=max(0, int(msg.body.get("balanced") or 0)))
+                              balanced=max(0, int(msg.body.get("balanced") or 0)),
+                              coordinated=max(0, int(msg.body.get("coordinated") or 0)))
             share = msg.field("share", dict, optional=True)
             if share is not None:
                 self.task.window = Window(int(share["window_bytes"]), str(share["lag"]),
@@ -368,6 +391,9 @@ class WorkerProcess:
         if task.window is not None:
             self._deliver_shared(task)
             return
+        if task.coordinated:
+            self._deliver_rounds(task)
+            return
         while task.pending:
             epoch, outgoing, head = task.pending[0]
             if epoch in task.finished:  # an abandoned epoch's leftovers
@@ -408,6 +434,8 @@ class WorkerProcess:
                      head: dict[str, Any]) -> None:
         body = {"epoch": epoch, "count": head["count"], "skipped": head["skipped"],
                 "ring": None}
+        if "round" in head:
+            body["round"] = head["round"]
         size = sum(codec.nbytes(f) for f in frames)
         self.elements += head["count"]
         self.bytes += size
@@ -479,7 +507,7 @@ class WorkerProcess:
         if not wanted:
             return
         task.producing = wanted[0]
-        if task.window is not None:  # shared: permits follow the window (_permit)
+        if task.window is not None or task.coordinated:  # permits: _permit, _permit_rounds
             while task.credit_pool.acquire(blocking=False):
                 pass
             task.outstanding = 0
@@ -501,6 +529,8 @@ class WorkerProcess:
         producer.start()
         if task.window is not None:
             self._permit(task, producer)
+        elif task.coordinated:
+            self._permit_rounds(task)
         return producer
 
     def _drop_link(self, producer: Producer) -> None:
@@ -729,6 +759,112 @@ class WorkerProcess:
         if not window.cursors:  # the last trainer left: free the window's memory
             self._evicted(task, window.clear())
 
+    # --- coordinated reads (zloader/rounds.py) ---------------------------------------------
+
+    def _deliver_rounds(self, task: _Task) -> None:
+        """Group records N at a time; ask the broker to number each full group once every
+        consumer has a credit for it (reserved now); an epoch's END goes out once the
+        groups before it have. An epoch's last, incomplete group is dropped and counted."""
+        while task.pending:
+            epoch, outgoing, head = task.pending.popleft()
+            if epoch in task.finished:  # an abandoned epoch's leftovers
+                if outgoing is not None:
+                    outgoing.taken.set()
+                continue
+            if head.get("end"):
+                dropped = len(task.partial) if task.partial_epoch == epoch else 0
+                self._discard(task.partial)
+                end = {"epoch": epoch, "skipped": int(head.get("skipped", 0)),
+                       "dropped": int(head.get("dropped", 0)) + dropped}
+                task.groups.append(_Group(epoch, [], end=end))
+                continue
+            assert outgoing is not None
+            if outgoing.gathered:  # it waits for its round: copy it, so the producer goes on
+                outgoing.buffers = codec.joined(outgoing.buffers)
+                outgoing.taken.set()
+            if task.partial_epoch != epoch:
+                self._discard(task.partial)
+                task.partial_epoch = epoch
+            task.partial.append(outgoing)
+            if len(task.partial) == task.coordinated:
+                task.groups.append(_Group(epoch, task.partial))
+                task.partial = []
+        for group in [g for g in task.groups if g.members is None and g.epoch in task.finished
+                      and g.end is None]:  # an abandoned epoch's groups
+            task.groups.remove(group)
+            self._discard(group.records)
+        for group in list(task.groups):
+            if group.members is not None:
+                continue  # asked for already
+            if group.end is not None:
+                if group is not task.groups[0]:
+                    break  # after the rounds still waiting for their number
+                task.groups.popleft()
+                for stream in task.streams.values():
+                    if stream.epoch == group.epoch:
+                        self._to_consumer(stream, Command.END, group.end)
+                self._finish_epoch(task, group.epoch)
+                continue
+            members = self._members(task, group.epoch)
+            if members is None or min(s.credits for s in members) <= 0:
+                break
+            for stream in members:
+                stream.credits -= 1
+            group.members = [s.identity for s in members]
+            self._to_broker(Command.ROUND_REQ, {"task": task.id, "epoch": group.epoch,
+                                                "members": [s.consumer for s in members]})
+        self._permit_rounds(task)
+
+    def _numbered(self, task: _Task, epoch: int, number: int | None) -> None:
+        """The broker numbered the oldest group asked for (or refused it: null): send its
+        elements, one to each consumer, or give back the credits reserved for it."""
+        group = task.groups[0] if task.groups else None
+        if group is None or group.members is None or group.epoch != epoch:
+            log.warning("a round number for epoch %d came with no group waiting", epoch)
+            return
+        task.groups.popleft()
+        for record, identity in zip(group.records, group.members, strict=True):
+            stream = task.streams.get(identity)
+            if stream is not None:
+                if number is None:
+                    stream.credits += 1
+                else:
+                    self._send_record(stream, epoch, record.buffers,
+                                      {"count": 1, "skipped": 0, "round": number})
+            record.taken.set()
+        self._deliver_rounds(task)
+
+    @staticmethod
+    def _discard(records: list[Outgoing]) -> None:
+        for record in records:
+            record.taken.set()
+        records.clear()
+
+    def _members(self, task: _Task, epoch: int | None) -> list[_Stream] | None:
+        """The streams of consumers 0..N-1 reading ``epoch`` (the latest to open for an
+        index), or None while one is missing."""
+        by_index: dict[int, _Stream] = {}
+        for stream in task.streams.values():
+            if stream.epoch == epoch and stream.index is not None:
+                by_index[stream.index] = stream
+        if len(by_index) < task.coordinated:
+            return None
+        return [by_index[i] for i in range(task.coordinated)]
+
+    def _permit_rounds(self, task: _Task) -> None:
+        """Let the producer make as many records as the consumers have credits for rounds:
+        N per round, the fewest credits of the N deciding."""
+        producer = task.producer
+        if producer is None or task.producing is None:
+            return
+        members = self._members(task, task.producing)
+        rounds = min(s.credits for s in members) if members else 0
+        waiting = sum(1 for g in task.groups if g.members is None and g.end is None)
+        queued = len(task.partial) + task.coordinated * waiting + len(task.pending)
+        for _ in range(task.coordinated * rounds - queued - task.outstanding):
+            task.outstanding += 1
+            producer.pool.release()
+
     # --- consumers ------------------------------------------------------------------------
 
     def _from_consumer(self, frames: list[zmq.Frame]) -> None:
@@ -763,6 +899,11 @@ class WorkerProcess:
                 ring = msg.field("ring", str, optional=True)
                 if ring is not None:
                     stream.ring = _attach_ring(ring)
+            if task.coordinated:
+                index = msg.field("consumer_index", int)
+                if not 0 <= index < task.coordinated:
+                    raise ProtocolError(f"OPEN: consumer_index {index} out of range")
+                stream.index = index
             if task.window is not None:
                 self._open_shared(task, stream, epoch, msg.field("credits", int))
                 return
@@ -770,10 +911,10 @@ class WorkerProcess:
             stream.epoch = epoch
             self._abandon_stale(task)
             self._add_credits(task, stream, msg.field("credits", int))
-            round_ = msg.body.get("round", 0)
-            if isinstance(round_, int) and round_ > task.rounds.get(epoch, 0):
-                # Another round of a finished epoch: a dead worker's splits wait to be read.
-                task.rounds[epoch] = round_
+            rerun = msg.body.get("rerun", 0)
+            if isinstance(rerun, int) and rerun > task.reruns.get(epoch, 0):
+                # A rerun of a finished epoch: a dead worker's splits wait to be read.
+                task.reruns[epoch] = rerun
                 if epoch != task.producing:
                     task.finished.discard(epoch)
             elif epoch in task.finished and epoch != task.producing:
@@ -804,10 +945,20 @@ class WorkerProcess:
 
     def _abandon_stale(self, task: _Task) -> None:
         """Stop producing an epoch no consumer reads any more (one left it early, e.g.
-        after a ``take``), so the next epoch can start."""
+        after a ``take``), so the next epoch can start; in a coordinated job, as soon as
+        one consumer has left it."""
         producing = task.producing
-        if producing is None or any(s.epoch == producing for s in task.streams.values()):
+        if producing is None:
             return
+        left = task.coordinated and any(s.index is not None and s.epoch > producing
+                                        for s in task.streams.values())
+        if not left and any(s.epoch == producing for s in task.streams.values()):
+            return
+        # A coordinated consumer left the epoch: its rounds can no longer be complete, so
+        # the epoch ends here for the others too (the broker loses its open rounds).
+        for stream in task.streams.values():
+            if stream.epoch == producing:
+                self._to_consumer(stream, Command.END, {"epoch": producing, "skipped": 0})
         if task.producer is not None:
             task.producer.stop.set()  # it exits at its next send or split request
             self._drop_link(task.producer)
@@ -817,6 +968,10 @@ class WorkerProcess:
 
     def _add_credits(self, task: _Task, stream: _Stream, credits: int) -> None:
         credits = max(0, min(credits, 1 << 16))
+        if task.coordinated:  # production follows the rounds the consumers can take
+            stream.credits += credits
+            self._permit_rounds(task)
+            return
         if task.window is not None:  # production follows the window (_permit)
             cursor = task.window.cursors.get(stream.identity)
             if cursor is not None:
@@ -827,7 +982,7 @@ class WorkerProcess:
             task.credit_pool.release()
 
     def _drop_credits(self, task: _Task, stream: _Stream) -> None:
-        if task.window is not None:
+        if task.window is not None or task.coordinated:
             stream.credits = 0
             return
         for _ in range(stream.credits):

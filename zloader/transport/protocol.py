@@ -60,6 +60,10 @@ class Command(enum.IntEnum):
     RING = 26          # consumer -> worker: write into this (larger) ring from now on
     FETCH = 30         # worker -> consumer: send the job's in-memory source data
     SOURCE = 31        # consumer -> worker: the source data (payload)
+    ROUND_REQ = 40     # worker -> broker: number my next round (coordinated reads)
+    ROUND = 41         # broker -> worker: the round's number, or none
+    RECEIVED = 42      # consumer -> broker: I received my elements of these rounds
+    COMMIT = 43        # broker -> consumer: these rounds are committed, those lost
 
 
 class ProtocolError(ZloaderError):
