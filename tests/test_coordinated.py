@@ -303,3 +303,33 @@ def test_a_consumer_releases_rounds_in_order_once_committed_and_skips_lost_ones(
     assert rounds.finished(0)
     rounds.issued = {"0": 5}
     assert not rounds.finished(0)
+
+
+def is_subsequence(short: list[int], long: list[int]) -> bool:
+    it = iter(long)
+    return all(any(x == y for y in it) for x in short)
+
+
+@pytest.mark.slow
+def test_a_consumer_paused_past_its_expiry_rejoins_in_step():
+    n = 2
+    with service(2) as (address, _):
+        consumers = [Consumer(address, "pause", n, i, 200, 0.01) for i in range(n)]
+        try:
+            wait_for(lambda: len(consumers[1].values) >= 20, timeout=60, what="progress")
+            consumers[1].process.send_signal(signal.SIGSTOP)
+            time.sleep(4.5)  # the broker gives up on it after three silent heartbeats
+            consumers[1].process.send_signal(signal.SIGCONT)
+            for consumer in consumers:
+                consumer.finish()
+        finally:
+            for consumer in consumers:
+                if consumer.process.poll() is None:
+                    consumer.kill()
+    ours, theirs = ([v // n for v in c.values] for c in (consumers[1], consumers[0]))
+    assert all(v % n == 1 for v in consumers[1].values)
+    assert is_subsequence(ours, theirs) and ours[-1] == theirs[-1]
+    # It was given up on and rejoined: it passed over the rounds in between (those lost
+    # for everyone included), and yields every round the others yield from there on.
+    assert consumers[1].stats["rounds_missed"] > 0
+    assert len(theirs) - len(ours) <= consumers[1].stats["rounds_missed"]

@@ -210,6 +210,8 @@ class IOThread(threading.Thread):
                     self._to_broker(Command.REGISTER, self.register_body, (self.blob,))
                 else:
                     self._to_broker(Command.HEARTBEAT, {})
+                    if self.rounds is not None and not self._done:
+                        self._acks += self.rounds.uncommitted()  # in case a message was lost
             while self._commands:
                 self._run_command(self._commands.popleft())
             for sock, _ in self.poller.poll(POLL_MS):
@@ -285,6 +287,7 @@ class IOThread(threading.Thread):
             self._draining = False
             if self.rounds is not None:
                 self.rounds.start(self._epoch)
+                self.rounds.ends.clear()
             if self._job is not None:
                 self._to_broker(Command.EPOCH, {"job": self._job, "epoch": self._epoch})
             for peer in self._peers.values():
@@ -304,14 +307,14 @@ class IOThread(threading.Thread):
 
     def _from_broker(self, msg: Message) -> None:
         if msg.command is Command.JOB:
-            if self._job is None:
+            registered = self._job is None
+            if registered:
                 self.last_progress = time.monotonic()
-            if self._job is None:
                 share, epoch = msg.body.get("share"), msg.body.get("epoch")
                 self.share = share if isinstance(share, dict) else None
                 self.job_epoch = epoch if isinstance(epoch, int) else 0
                 if self.rounds is not None:
-                    self.rounds.joined(msg.body.get("joined"))
+                    self.rounds.joined(msg.body.get("joined"), self._epoch)
             if self.rounds is not None:
                 self.rounds.view(msg.body.get("rounds"), self.address)
             self._job = msg.field("job", str)
@@ -332,10 +335,16 @@ class IOThread(threading.Thread):
                     context=f"split {entry.get('split')}", builtin="RuntimeError")))
             pending = msg.body.get("pending")
             self._pending = pending if isinstance(pending, dict) else {}
+            known = set(self._peers)
             self._update_workers(msg.field("workers", list))
+            if registered and self._epoch is not None and not self._done:
+                # Registered again mid-epoch (the broker had given up on this consumer, or
+                # restarted): the workers dropped its streams, so open the epoch again.
+                for worker in known & set(self._peers):
+                    self._open(self._peers[worker])
             self._check_done(confirmed=self._confirming)
-            if self._peers:
-                self.last_progress = time.monotonic()
+            if self._peers and not (self.rounds is not None and self.rounds.vacant):
+                self.last_progress = time.monotonic()  # (a vacancy is no progress)
         elif msg.command is Command.ERROR:
             text = str(msg.body.get("message", "the broker refused the request"))
             error: Exception = ValueError(text) if "job_name" in text else ZloaderError(text)
@@ -373,7 +382,7 @@ class IOThread(threading.Thread):
         self._peers[peer.worker] = peer
         self._index_of[peer.worker] = peer.index
         self.poller.register(sock, zmq.POLLIN)
-        if self._epoch is not None:
+        if self._epoch is not None and not self._done:
             self._open(peer)
 
     def _close_peer(self, peer: _Peer, polite: bool) -> None:
@@ -426,6 +435,10 @@ class IOThread(threading.Thread):
                 dropped = msg.body.get("dropped")
                 if isinstance(dropped, int) and not isinstance(dropped, bool):
                     self.dropped += dropped
+                rerun = msg.body.get("rerun")
+                if self.rounds is not None and isinstance(rerun, int):
+                    self.rounds.ends[peer.worker] = max(rerun,
+                                                        self.rounds.ends.get(peer.worker, -1))
                 self._note_lagged(peer, msg)
                 self._ended.add(peer.worker)
                 self.items.put(Item("end", epoch if isinstance(epoch, int) else -1,
@@ -472,7 +485,7 @@ class IOThread(threading.Thread):
             self.items.put(item)
             return
         number = msg.field("round", int)
-        if self.rounds.hold(number, item):
+        if not self._done and self.rounds.hold(number, item):
             self._acks.append(number)
             self._release_rounds()
         else:  # a round this consumer skipped (lost, or before it joined)
@@ -551,6 +564,9 @@ class IOThread(threading.Thread):
             if self.rounds is None:
                 self._finish()
                 return
+        elif self.rounds is not None:  # every worker ended the epoch's latest rerun
+            if not all(self.rounds.ends.get(w, -1) >= self._rerun for w in self._peers):
+                return
         elif not all(worker in self._ended for worker in self._peers):
             return
         if self.share is not None:  # a shared job's epoch is what its workers produced
@@ -562,10 +578,24 @@ class IOThread(threading.Thread):
                 self._to_broker(Command.EPOCH, {"job": self._job, "epoch": self._epoch})
             return
         self._confirming = False
-        if int(self._pending.get(str(self._epoch), 0)) == 0:
-            if self.rounds is not None and not self.rounds.finished(self._epoch):
+        pending = int(self._pending.get(str(self._epoch), 0))
+        if self.rounds is not None:
+            # The broker orders reruns of a coordinated epoch, once for all its consumers:
+            # each deciding alone, at another moment, they would read different rounds.
+            ordered = int(self.rounds.reruns.get(str(self._epoch), 0))
+            if ordered > self._rerun:
+                self._rerun = ordered
+                for peer in self._peers.values():
+                    self._open(peer, keep_credits=True)
+                return
+            if pending > 0:
+                return  # the broker orders a rerun on a confirmation: ask again next beat
+            if not self.rounds.finished(self._epoch):
                 self._draining = True  # rounds still to commit or to arrive
                 return
+            self._finish()
+            return
+        if pending == 0:
             self._finish()
             return
         self._rerun += 1  # a dead worker's splits wait: the workers run the epoch again
@@ -603,18 +633,31 @@ class _Rounds:
         self.issued: dict[str, int] = {}
         self.total_lost = 0  # the job's rounds lost so far (the same for every consumer)
         self.missed = 0  # rounds this consumer missed: it (re)joined after they were read
+        self.reruns: dict[str, int] = {}  # epoch -> reruns the broker ordered
+        self.ends: dict[str, int] = {}  # worker -> the latest rerun it ended (this epoch)
         self.start_at: tuple[int, int] | None = None  # (epoch, round) where it joined
         self.vacant: list[int] = []
         self._warned = time.monotonic()
 
-    def joined(self, where: Any) -> None:
-        if isinstance(where, dict) and isinstance(where.get("round"), int) \
-                and isinstance(where.get("epoch"), int) and where["round"] > 0:
-            self.start_at = (where["epoch"], where["round"])
+    def joined(self, where: Any, epoch: int | None) -> None:
+        """Where the broker placed this consumer on (re-)registering; when that is in the
+        epoch under way, jump there now (the streams are opened afresh, so the elements
+        held from before are dropped, credits and all)."""
+        if not (isinstance(where, dict) and isinstance(where.get("round"), int)
+                and isinstance(where.get("epoch"), int) and where["round"] > 0):
+            return
+        self.start_at = (where["epoch"], where["round"])
+        log.info("joined coordinated reads as consumer %d of %d at round %d of epoch %d "
+                 "(the rounds before it were read without this consumer)", self.index,
+                 self.size, where["round"], where["epoch"])
+        if epoch != where["epoch"]:
             self.missed += max(0, int(where.get("missed") or 0))
-            log.info("joined coordinated reads as consumer %d of %d at round %d of epoch %d "
-                     "(the rounds before it were read without this consumer)", self.index,
-                     self.size, where["round"], where["epoch"])
+            return
+        self.missed += max(0, where["round"] - self.next)
+        self.next = max(self.next, where["round"])
+        self.held = {n: item for n, item in self.held.items() if n >= self.next}
+        self.committed = {n for n in self.committed if n >= self.next}
+        self.lost = {n for n in self.lost if n >= self.next}
 
     def view(self, rounds: Any, address: str) -> None:
         if not isinstance(rounds, dict):
@@ -623,6 +666,8 @@ class _Rounds:
             self.issued = rounds["issued"]
         if isinstance(rounds.get("lost"), int):
             self.total_lost = rounds["lost"]
+        if isinstance(rounds.get("reruns"), dict):
+            self.reruns = rounds["reruns"]
         vacant = rounds.get("vacant")
         self.vacant = vacant if isinstance(vacant, list) else []
         now = time.monotonic()
@@ -648,6 +693,9 @@ class _Rounds:
             return False
         self.held[number] = item
         return True
+
+    def uncommitted(self) -> list[int]:
+        return [n for n in self.held if n not in self.committed]
 
     def commit(self, numbers: list[Any], lost: list[Any]) -> None:
         self.committed.update(n for n in numbers if isinstance(n, int) and n >= self.next)

@@ -93,8 +93,8 @@ class Loader:
             ``stats()["share_skipped"]``).
         share_block_seconds: see ``share_lag`` (default 10).
         num_consumers: coordinated reads (docs/coordinated.md): the N Loaders of one
-            ``job_name`` (say, the ranks of a synchronous data-parallel run) read in rounds;
-            every consumer's k-th element of an epoch comes from round k, and the N elements
+            ``job_name`` (say, the ranks of a synchronous data-parallel run) read in rounds
+            and yield the same rounds in the same order, one element each: the N elements
             of a round come from one worker, produced one after the other (with
             ``bucket_by_length``: from one bucket). Round 0 starts once all N have joined.
             Every consumer gets the same number of elements per epoch; an incomplete last
@@ -348,10 +348,10 @@ class Loader:
         ``share_skipped`` (a shared job's elements this trainer lost by falling behind the
         window with ``share_lag="skip"``, or to a dead worker), ``share_replayed`` (elements
         made again for this trainer because they had left the window when it joined).
-        With ``num_consumers``: ``dropped`` (elements of incomplete last rounds, dropped so
-        that every consumer gets as many), ``rounds_lost`` (rounds of the job lost with a
-        dead worker or consumer, skipped by every consumer alike) and ``rounds_missed``
-        (rounds read before this consumer (re)joined)."""
+        With ``num_consumers``: ``dropped`` (the job's elements of incomplete last rounds,
+        dropped so that every consumer gets as many), ``rounds_lost`` (the job's rounds
+        lost with a dead worker or consumer, skipped by every consumer alike) and
+        ``rounds_missed`` (rounds read before this consumer (re)joined)."""
         io = self._io
         stats = {"elements": self._elements, "bytes": io.bytes, "wait_seconds": self._wait,
                  "skipped": io.skipped, "per_worker": dict(io.per_worker),

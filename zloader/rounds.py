@@ -22,6 +22,7 @@ how many rounds each epoch has with the job view (docs/protocol.md).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,8 @@ __all__ = ["Rounds"]
 
 KEEP_EPOCHS = 2
 """Epochs before the job's current one whose round counts are kept (late consumers)."""
+KEEP_RESOLVED = 4096
+"""Recently committed or lost rounds remembered, to answer a consumer that asks again."""
 
 
 @dataclass
@@ -48,6 +51,9 @@ class Rounds:
     lost_in: dict[int, int] = field(default_factory=dict)  # epoch -> of those, lost
     open: dict[tuple[int, int], _Open] = field(default_factory=dict)
     started: dict[str, int] = field(default_factory=dict)  # consumer id -> its epoch
+    resolved: OrderedDict[tuple[int, int], bool] = field(default_factory=OrderedDict)
+    reruns: dict[int, int] = field(default_factory=dict)  # epoch -> reruns ordered
+    ordered_at: dict[int, int] = field(default_factory=dict)  # epoch -> requeues then
     lost: int = 0  # rounds lost, all epochs (numbered or refused)
 
     def index_of(self, consumer: str) -> int | None:
@@ -65,26 +71,38 @@ class Rounds:
         to ``members`` (consumer ids by index); None when they are not the members now."""
         if members != [self.members.get(i) for i in range(self.size)] or any(
                 self.started.get(c, -1) > epoch for c in members):
-            self.lost += 1
-            self.lost_in[epoch] = self.lost_in.get(epoch, 0) + 1
+            self.lost += 1  # a group of elements that got no number: lost, not numbered
             return None
         number = self.issued.get(epoch, 0)
         self.issued[epoch] = number + 1
         self.open[(epoch, number)] = _Open(worker)
         return number
 
-    def got(self, consumer: str, epoch: int, numbers: list[int]) -> list[int]:
-        """``consumer`` received its element of these rounds: the rounds now committed."""
+    def got(self, consumer: str, epoch: int, numbers: list[int]
+            ) -> tuple[list[int], dict[str, list[int]]]:
+        """``consumer`` received its element of these rounds: the rounds now committed,
+        and what became of those it names again that were resolved already (it may have
+        missed the message): ``{"rounds": [...], "lost": [...]}``."""
         committed = []
+        again: dict[str, list[int]] = {"rounds": [], "lost": []}
         for number in numbers:
             entry = self.open.get((epoch, number))
             if entry is None:
-                continue  # lost already, or not ours
+                known = self.resolved.get((epoch, number))
+                if known is not None:
+                    again["rounds" if known else "lost"].append(number)
+                continue
             entry.acks.add(consumer)
             if len(entry.acks) >= self.size:
                 del self.open[(epoch, number)]
+                self._resolve(epoch, number, True)
                 committed.append(number)
-        return committed
+        return committed, again
+
+    def _resolve(self, epoch: int, number: int, committed: bool) -> None:
+        self.resolved[(epoch, number)] = committed
+        while len(self.resolved) > KEEP_RESOLVED:
+            self.resolved.popitem(last=False)
 
     def epoch_started(self, consumer: str, epoch: int) -> dict[int, list[int]]:
         """``consumer`` started ``epoch``: the open rounds of earlier epochs are lost (it
@@ -93,6 +111,14 @@ class Rounds:
             return {}
         self.started[consumer] = max(epoch, self.started.get(consumer, epoch))
         return self._lose([key for key in self.open if key[0] < epoch])
+
+    def order_rerun(self, epoch: int, requeues: int) -> None:
+        """A consumer found splits of ``epoch`` waiting to be read again once every worker
+        had ended it: order one more run of the epoch, for every consumer alike, unless
+        one was ordered since those splits were re-queued."""
+        if requeues > self.ordered_at.get(epoch, 0):
+            self.ordered_at[epoch] = requeues
+            self.reruns[epoch] = self.reruns.get(epoch, 0) + 1
 
     def lose_worker(self, worker: str) -> dict[int, list[int]]:
         """A worker died: its open rounds are lost."""
@@ -111,6 +137,7 @@ class Rounds:
         out: dict[int, list[int]] = {}
         for epoch, number in sorted(keys):
             del self.open[(epoch, number)]
+            self._resolve(epoch, number, False)
             out.setdefault(epoch, []).append(number)
             self.lost += 1
             self.lost_in[epoch] = self.lost_in.get(epoch, 0) + 1
@@ -121,11 +148,14 @@ class Rounds:
         for old in [e for e in self.issued if e < epoch - KEEP_EPOCHS]:
             self.issued.pop(old, None)
             self.lost_in.pop(old, None)
+        for old in [e for e in self.reruns if e < epoch - KEEP_EPOCHS]:
+            self.reruns.pop(old, None)
+            self.ordered_at.pop(old, None)
         for key in [k for k in self.open if k[0] < epoch - KEEP_EPOCHS]:
             del self.open[key]
 
     def view(self) -> dict[str, Any]:
         """What every consumer of the job is told (in the job view)."""
         return {"size": self.size, "issued": {str(e): n for e, n in self.issued.items()},
-                "lost": self.lost,
+                "reruns": {str(e): n for e, n in self.reruns.items()}, "lost": self.lost,
                 "vacant": [i for i in range(self.size) if i not in self.members]}

@@ -99,6 +99,7 @@ class Job:
     share: dict[str, Any] | None = None  # window settings of a shared job
     epoch: int = 0  # the highest epoch a consumer has started
     rounds: Rounds | None = None  # coordinated reads (num_consumers)
+    requeues: dict[int, int] = field(default_factory=dict)  # epoch -> splits re-queued
 
 
 class State:
@@ -135,7 +136,12 @@ class State:
             self.peers.pop(old.identity, None)
             old.identity, old.last_seen = identity, now
             self.peers[identity] = ("worker", worker_id)
-            return [Out(identity, Command.ACK, {"heartbeat": self.heartbeat})]
+            out = [Out(identity, Command.ACK, {"heartbeat": self.heartbeat})]
+            job = self.jobs.get(self._task_job(old.task) or "")
+            if job is not None and job.rounds is not None:
+                # Round numbers sent to its old connection may be lost: it asks again.
+                out += self._announce(job, {}, job.rounds.lose_worker(worker_id))
+            return out
         worker = Worker(worker_id, identity, msg.field("host", str), msg.field("host_id", str),
                         msg.field("pid", int), msg.field("endpoint", str),
                         msg.field("prefer", str, optional=True), now)
@@ -244,7 +250,9 @@ class State:
             f"consumer (pid {msg.body.get('pid')}), as a restarted consumer does; if this "
             f"one ({where}) is still meant to run, two consumers were given the same "
             "consumer_index")
-        return self._drop_consumer(holder, now)
+        return [Out(o.identity, o.command, {**o.body, "replaced": True}, o.payload)
+                if o.command is Command.CONSUMER_GONE else o
+                for o in self._drop_consumer(holder, now)]
 
     def _named_job(self, name: str) -> Job | None:
         return next((j for j in self.jobs.values() if j.name == name), None)
@@ -288,8 +296,10 @@ class State:
         if job is not None and isinstance(epoch, int) and not isinstance(epoch, bool):
             job.epoch = max(job.epoch, epoch)
             if job.rounds is not None and consumer is not None:
-                job.rounds.prune(job.epoch)
                 out += self._announce(job, {}, job.rounds.epoch_started(consumer.id, epoch))
+                job.rounds.prune(job.epoch)
+                if self._pending(job).get(str(epoch)):
+                    job.rounds.order_rerun(epoch, job.requeues.get(epoch, 0))
         return out + self.consumer_heartbeat(identity, now)
 
     def consumer_heartbeat(self, identity: bytes, now: float) -> list[Out]:
@@ -308,11 +318,7 @@ class State:
                                 "host_id": worker.host_id, "index": job.indices[task],
                                 "pid": worker.pid, "host": worker.host})
         workers.sort(key=lambda w: w["index"])
-        pending: dict[str, int] = {}
-        for key, dispenser in job.passes.items():
-            waiting = len(dispenser.requeued)
-            if waiting:
-                pending[str(key[0])] = pending.get(str(key[0]), 0) + waiting
+        pending = self._pending(job)
         view = {"job": job.id, "workers": workers, "failed": job.failed, "error": job.error,
                 "pending": pending, "share": job.share, "epoch": job.epoch,
                 "width": job.width, "entropy": job.entropy,
@@ -320,6 +326,16 @@ class State:
         if job.rounds is not None:
             view["rounds"] = job.rounds.view()
         return view
+
+    @staticmethod
+    def _pending(job: Job) -> dict[str, int]:
+        """Epoch -> splits waiting to be read again (taken by a worker that died)."""
+        pending: dict[str, int] = {}
+        for key, dispenser in job.passes.items():
+            waiting = len(dispenser.requeued)
+            if waiting:
+                pending[str(key[0])] = pending.get(str(key[0]), 0) + waiting
+        return pending
 
     # --- tasks and splits -----------------------------------------------------------------
 
@@ -394,6 +410,8 @@ class State:
     def _prune(self, job: Job, epoch: int) -> None:
         for key in [k for k in job.passes if k[0] < epoch - 1]:
             del job.passes[key]
+        for old in [e for e in job.requeues if e < epoch - 1]:
+            del job.requeues[old]
 
     def pass_done(self, identity: bytes, msg: Message, now: float) -> None:
         worker = self._worker(identity)
@@ -444,8 +462,12 @@ class State:
         numbers = [n for n in msg.field("rounds", list) if isinstance(n, int)]
         if job.rounds.index_of(consumer.id) is None:
             return []
-        committed = job.rounds.got(consumer.id, epoch, numbers)
-        return self._announce(job, {epoch: committed} if committed else {}, {})
+        committed, again = job.rounds.got(consumer.id, epoch, numbers)
+        out = self._announce(job, {epoch: committed} if committed else {}, {})
+        if again["rounds"] or again["lost"]:  # answered to this consumer alone
+            out.append(Out(identity, Command.COMMIT, {"epoch": epoch, **again,
+                                                      "total_lost": job.rounds.lost}))
+        return out
 
     def _announce(self, job: Job, committed: dict[int, list[int]],
                   lost: dict[int, list[int]]) -> list[Out]:
@@ -517,6 +539,7 @@ class State:
                             f"{worker.host}); it is skipped")})
                         continue
                 dispenser.requeued.appendleft(split)
+                job.requeues[key[0]] = job.requeues.get(key[0], 0) + 1
         del index
         out = self._tell_consumers(job)
         if job.rounds is not None:

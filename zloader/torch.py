@@ -72,9 +72,9 @@ class IterableDataset(torch.utils.data.IterableDataset):
         coordinated: under ``torch.distributed`` (world size > 1), read in coordinated
             rounds (``Loader(num_consumers=world size, consumer_index=rank)``, see
             docs/coordinated.md): every rank's batch of a step comes from one round, so
-            with ``bucket_by_length`` all ranks step on batches of one bucket. Without it
-            the ranks split the job by dealing elements one at a time. Ignored outside
-            ``torch.distributed``.
+            with ``bucket_by_length`` all ranks step on batches of one bucket (a given
+            ``job_name`` is used, else one is derived). Without it the ranks split the job
+            by dealing elements one at a time. Ignored outside ``torch.distributed``.
 
     Raises:
         TypeError: ``pipeline`` is not a Pipeline.
@@ -103,7 +103,8 @@ class IterableDataset(torch.utils.data.IterableDataset):
         if coordinated and {"num_consumers", "consumer_index"} & set(loader_kwargs):
             raise ValueError("coordinated=True takes num_consumers and consumer_index from "
                              "torch.distributed; pass them to the Loader only without it")
-        if _distributed() and not ({"job_name", "sharding"} & set(loader_kwargs)):
+        if _distributed() and (coordinated
+                               or not ({"job_name", "sharding"} & set(loader_kwargs))):
             self._ranks = _Ranks()
             self._join_ranks()
         self._in_process = (self._ranks is None and loader_kwargs.get("num_workers") == 0
@@ -125,8 +126,9 @@ class IterableDataset(torch.utils.data.IterableDataset):
         workers = self.loader_kwargs.get("num_workers")
         if workers is None:
             workers = max(1, (os.cpu_count() or 1) // ranks.world)
+        job_name = self.loader_kwargs.get("job_name") or f"{self.pipeline.fingerprint[:16]}-{run}"
         self.loader_kwargs = {**self.loader_kwargs, "broker": address, "num_workers": workers,
-                              "job_name": f"{self.pipeline.fingerprint[:16]}-{run}"}
+                              "job_name": job_name}
         if self.coordinated:  # rounds give every rank as many elements
             self.loader_kwargs.update(num_consumers=ranks.world, consumer_index=ranks.rank)
         else:

@@ -110,6 +110,7 @@ class _Task:
     coordinated: int = 0
     partial: list[Outgoing] = field(default_factory=list)
     partial_epoch: int = -1
+    replaced: set[str] = field(default_factory=set)  # consumers a restarted one took over
     groups: deque[_Group] = field(default_factory=deque)
 
 
@@ -229,6 +230,8 @@ class WorkerProcess:
                 poller.unregister(self.broker)
                 self.broker.close(0)
                 poller.register(self._connect_broker(), zmq.POLLIN)
+                if self.task is not None and self.task.coordinated:
+                    self._ask_again(self.task)
             if self.parent is not None and os.getppid() != self.parent:
                 log.warning("parent process %d is gone: exiting", self.parent)
                 return
@@ -263,6 +266,8 @@ class WorkerProcess:
                 self._numbered(self.task, msg.field("epoch", int),
                                msg.field("round", int, optional=True))
         elif command is Command.CONSUMER_GONE:
+            if self.task is not None and msg.body.get("replaced"):
+                self.task.replaced.add(msg.field("consumer", str))
             self._drop_consumer(msg.field("consumer", str))
         elif command is Command.UNKNOWN:
             self._ready()
@@ -775,7 +780,8 @@ class WorkerProcess:
                 dropped = len(task.partial) if task.partial_epoch == epoch else 0
                 self._discard(task.partial)
                 end = {"epoch": epoch, "skipped": int(head.get("skipped", 0)),
-                       "dropped": int(head.get("dropped", 0)) + dropped}
+                       "dropped": int(head.get("dropped", 0)) + dropped,
+                       "rerun": task.reruns.get(epoch, 0)}
                 task.groups.append(_Group(epoch, [], end=end))
                 continue
             assert outgoing is not None
@@ -827,11 +833,24 @@ class WorkerProcess:
             stream = task.streams.get(identity)
             if stream is not None:
                 if number is None:
-                    stream.credits += 1
+                    if stream.epoch == epoch:  # (a re-opened stream has fresh credits)
+                        stream.credits += 1
                 else:
                     self._send_record(stream, epoch, record.buffers,
                                       {"count": 1, "skipped": 0, "round": number})
             record.taken.set()
+        self._deliver_rounds(task)
+
+    def _ask_again(self, task: _Task) -> None:
+        """The broker connection was replaced: answers to round requests sent on the old
+        one are lost (and the broker lost those rounds), so ask for them again."""
+        for group in task.groups:
+            if group.members is not None:
+                for identity in group.members:
+                    stream = task.streams.get(identity)
+                    if stream is not None and stream.epoch == group.epoch:
+                        stream.credits += 1
+                group.members = None
         self._deliver_rounds(task)
 
     @staticmethod
@@ -900,6 +919,10 @@ class WorkerProcess:
                 if ring is not None:
                     stream.ring = _attach_ring(ring)
             if task.coordinated:
+                if stream.consumer in task.replaced:
+                    self._remove_stream(task, stream)
+                    raise ProtocolError(f"consumer {stream.consumer} was taken over by "
+                                        "another with its consumer_index")
                 index = msg.field("consumer_index", int)
                 if not 0 <= index < task.coordinated:
                     raise ProtocolError(f"OPEN: consumer_index {index} out of range")
@@ -918,7 +941,8 @@ class WorkerProcess:
                 if epoch != task.producing:
                     task.finished.discard(epoch)
             elif epoch in task.finished and epoch != task.producing:
-                self._to_consumer(stream, Command.END, {"epoch": epoch, "skipped": 0})
+                self._to_consumer(stream, Command.END, {"epoch": epoch, "skipped": 0,
+                                                        "rerun": task.reruns.get(epoch, 0)})
             self._maybe_produce(task)
             self._deliver(task)
         elif msg.command is Command.CREDIT:
@@ -958,7 +982,8 @@ class WorkerProcess:
         # the epoch ends here for the others too (the broker loses its open rounds).
         for stream in task.streams.values():
             if stream.epoch == producing:
-                self._to_consumer(stream, Command.END, {"epoch": producing, "skipped": 0})
+                self._to_consumer(stream, Command.END, {"epoch": producing, "skipped": 0,
+                                                        "rerun": task.reruns.get(producing, 0)})
         if task.producer is not None:
             task.producer.stop.set()  # it exits at its next send or split request
             self._drop_link(task.producer)
