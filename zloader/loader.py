@@ -351,7 +351,8 @@ class Loader:
         With ``num_consumers``: ``dropped`` (the job's elements of incomplete last rounds,
         dropped so that every consumer gets as many), ``rounds_lost`` (the job's rounds
         lost with a dead worker or consumer, skipped by every consumer alike) and
-        ``rounds_missed`` (rounds read before this consumer (re)joined)."""
+        ``rounds_missed`` (rounds this consumer passed over when it (re)joined an epoch
+        under way; those lost for every consumer included)."""
         io = self._io
         stats = {"elements": self._elements, "bytes": io.bytes, "wait_seconds": self._wait,
                  "skipped": io.skipped, "per_worker": dict(io.per_worker),
