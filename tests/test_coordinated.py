@@ -265,6 +265,16 @@ def test_coordinated_reads_need_a_job_name_and_exclude_share():
                consumer_index=0, share=True)
 
 
+def test_a_missing_consumer_makes_the_others_time_out_naming_its_index():
+    from zloader import Timeout
+
+    with service(1) as (address, _):
+        with Loader(Pipeline.range(10), broker=address, job_name="alone", num_consumers=2,
+                    consumer_index=0, timeout=2) as loader:
+            with pytest.raises(Timeout, match="consumer_index 1 of 2"):
+                list(loader)
+
+
 def test_another_num_consumers_for_the_same_job_is_refused():
     with service(1) as (address, _):
         pipeline = Pipeline.range(10)
