@@ -267,6 +267,18 @@ def test_a_restarted_consumer_takes_over_its_index_and_the_old_one_is_refused():
     assert refused.command is Command.ERROR and "taken over" in refused.body["message"]
 
 
+def test_status_shows_a_coordinated_jobs_rounds_and_vacancies():
+    state = State()
+    ready(state, "w1")
+    task = task_of(coordinated(state, "c0", 0, size=3))
+    coordinated(state, "c1", 1, size=3)
+    (job,) = state.status()["jobs"]
+    assert job["rounds"] == {"num_consumers": 3, "epoch": 0, "rounds": 0, "lost": 0,
+                             "vacant": [2]}
+    assert ask_round(state, "w1", task, ["c0", "c1", None]) is None  # not all there
+    assert state.status()["jobs"][0]["rounds"]["lost"] == 1
+
+
 def test_coordinated_registrations_are_checked():
     state = State()
     coordinated(state, "c0", 0, size=2)

@@ -292,6 +292,13 @@ def _status(args: argparse.Namespace) -> int:
         for t in j.get("trainers", []):
             print(f"    trainer {t['consumer']} pid {t['pid']}: lag {t['lag']:,} elements, "
                   f"skipped {t['skipped']:,}")
+        rounds = j.get("rounds")
+        if isinstance(rounds, dict):
+            vacant = rounds.get("vacant") or []
+            print(f"    coordinated, {rounds['num_consumers']} consumers: epoch "
+                  f"{rounds['epoch']}, {rounds['rounds']:,} rounds, {rounds['lost']:,} lost"
+                  + (f"; waiting for consumer_index {', '.join(map(str, vacant))}"
+                     if vacant else ""))
     return 0
 
 

@@ -69,7 +69,8 @@ class Rounds:
     def issue(self, worker: str, epoch: int, members: list[Any]) -> int | None:
         """The next round of ``epoch`` for ``worker``, whose group of elements is addressed
         to ``members`` (consumer ids by index); None when they are not the members now."""
-        if members != [self.members.get(i) for i in range(self.size)] or any(
+        if len(self.members) < self.size or members != [
+                self.members.get(i) for i in range(self.size)] or any(
                 self.started.get(c, -1) > epoch for c in members):
             self.lost += 1  # a group of elements that got no number: lost, not numbered
             return None

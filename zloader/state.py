@@ -600,6 +600,7 @@ class State:
                  "sharding": j.sharding, "consumers": len(j.consumers), "workers": len(j.tasks),
                  "elements": j.elements, "bytes": j.bytes, "shared": j.share is not None,
                  "trainers": self._trainers(j) if j.share is not None else [],
+                 "rounds": _round_status(j.rounds, j.epoch) if j.rounds is not None else None,
                  "state": "failed" if j.error else "running"}
                 for j in self.jobs.values()]
         return {"workers": workers, "jobs": jobs}
@@ -616,6 +617,14 @@ class State:
                         "lag": max((s.get("lag", 0) for s in seen), default=0),
                         "skipped": sum(s.get("skipped", 0) for s in seen)})
         return out
+
+
+def _round_status(rounds: Rounds, epoch: int) -> dict[str, Any]:
+    """A coordinated job's rounds for ``zloader status``: consumers, the current epoch's
+    rounds numbered, rounds lost so far, indices waiting for a consumer."""
+    return {"num_consumers": rounds.size, "epoch": epoch,
+            "rounds": rounds.issued.get(epoch, 0), "lost": rounds.lost,
+            "vacant": [i for i in range(rounds.size) if i not in rounds.members]}
 
 
 def _share(value: Any) -> dict[str, Any] | None:
