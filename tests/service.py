@@ -48,10 +48,14 @@ def wait_for(condition, timeout: float = 20.0, what: str = "condition") -> None:
         time.sleep(0.05)
 
 
+HEARTBEAT = 0.5
+"""The test brokers' heartbeat: deaths are noticed in 1.5 s instead of 3."""
+
+
 def start_broker(port: int | None = None) -> tuple[subprocess.Popen, str]:
     address = f"tcp://127.0.0.1:{port or free_port()}"
     process = subprocess.Popen([os.path.join(BIN, "zloader-broker"), "--bind", address,
-                                "--log-level", "warning"])
+                                "--heartbeat", str(HEARTBEAT), "--log-level", "warning"])
     return process, address
 
 

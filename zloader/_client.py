@@ -132,6 +132,7 @@ class IOThread(threading.Thread):
         self._pending: dict[str, Any] = {}
         self._confirming = False  # asked the broker whether the epoch's splits are all done
         self._rerun = 0
+        self._heartbeat = HEARTBEAT  # the broker's, once it has told us
         self._width = max(1, num_workers)
         self._fixed = sharding in ("static", "off")  # every worker index must end the epoch
         self.rounds = _Rounds(coordinated) if coordinated else None
@@ -205,7 +206,7 @@ class IOThread(threading.Thread):
         while not self._halt.is_set():
             now = time.monotonic()
             if now >= next_beat:
-                next_beat = now + HEARTBEAT
+                next_beat = now + self._heartbeat
                 if self._job is None:
                     self._to_broker(Command.REGISTER, self.register_body, (self.blob,))
                 else:
@@ -321,6 +322,10 @@ class IOThread(threading.Thread):
             width = msg.body.get("width")
             if isinstance(width, int) and width > 0:
                 self._width = width
+            beat = msg.body.get("heartbeat")
+            if isinstance(beat, (int, float)) and not isinstance(beat, bool) \
+                    and 0.05 <= beat <= 60:
+                self._heartbeat = float(beat)
             job_error = msg.body.get("error")
             if job_error and not self._reported_error:
                 self._reported_error = True

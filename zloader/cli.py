@@ -173,14 +173,21 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--work-dir", default=None, metavar="DIR",
                         help="a directory for the broker's files: broker.log (its log) and "
                              "broker.json (address and pid, for scripts); created if missing")
+    parser.add_argument("--heartbeat", type=float, default=1.0, metavar="SECONDS",
+                        help="seconds between heartbeats (default 1); workers and consumers "
+                             "follow the broker's, and a peer silent for three is taken for "
+                             "dead. Shorter notices deaths sooner; too short for a loaded "
+                             "host gives up on live peers")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"])
     parser.add_argument("--version", action="version", version=f"zloader {__version__}")
     args = parser.parse_args(argv)
+    if not 0.05 <= args.heartbeat <= 60:
+        parser.error(f"--heartbeat must be between 0.05 and 60 seconds, got {args.heartbeat}")
     _logging(args.log_level)
     if args.work_dir:
         _work_dir(args.work_dir, args.bind)
-    broker = Broker(args.bind)
+    broker = Broker(args.bind, heartbeat=args.heartbeat)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: broker._stop.set())
     logging.getLogger("zloader.broker").info("listening on %s", args.bind)

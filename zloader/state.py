@@ -320,6 +320,7 @@ class State:
         workers.sort(key=lambda w: w["index"])
         pending = self._pending(job)
         view = {"job": job.id, "workers": workers, "failed": job.failed, "error": job.error,
+                "heartbeat": self.heartbeat,
                 "pending": pending, "share": job.share, "epoch": job.epoch,
                 "width": job.width, "entropy": job.entropy,
                 "state": "failed" if job.error else "running"}

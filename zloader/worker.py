@@ -248,7 +248,12 @@ class WorkerProcess:
 
     def _handle_broker(self, msg: Message) -> None:
         command = msg.command
-        if command is Command.TASK:
+        if command is Command.ACK:
+            beat = msg.body.get("heartbeat")
+            if isinstance(beat, (int, float)) and not isinstance(beat, bool) \
+                    and 0.05 <= beat <= 60:
+                self.heartbeat = float(beat)  # the broker's interval: it expects ours
+        elif command is Command.TASK:
             self._start_task(msg)
         elif command is Command.SPLIT:
             task = self.task
