@@ -24,11 +24,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def status(address: str, timeout: float = 5.0) -> dict | None:
+def status(address: str, timeout: float = 5.0, keys: str | None = None) -> dict | None:
     """The broker's STATUS, or None if it does not answer within ``timeout``."""
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if keys is not None:
+        from zloader.transport.keys import Keys
+
+        Keys.load(keys).connect(sock)
     try:
         sock.connect(address)
         sock.send_multipart(encode(Command.STATUS, {}))
@@ -52,16 +56,20 @@ HEARTBEAT = 0.5
 """The test brokers' heartbeat: deaths are noticed in 1.5 s instead of 3."""
 
 
-def start_broker(port: int | None = None) -> tuple[subprocess.Popen, str]:
+def start_broker(port: int | None = None, keys: str | None = None
+                 ) -> tuple[subprocess.Popen, str]:
     address = f"tcp://127.0.0.1:{port or free_port()}"
     process = subprocess.Popen([os.path.join(BIN, "zloader-broker"), "--bind", address,
-                                "--heartbeat", str(HEARTBEAT), "--log-level", "warning"])
+                                "--heartbeat", str(HEARTBEAT), "--log-level", "error",
+                                *(["--keys", keys] if keys else [])])
     return process, address
 
 
-def start_worker(address: str, processes: int = 1) -> subprocess.Popen:
+def start_worker(address: str, processes: int = 1, keys: str | None = None
+                 ) -> subprocess.Popen:
     return subprocess.Popen([os.path.join(BIN, "zloader-worker"), "--broker", address,
-                             "--processes", str(processes)])
+                             "--processes", str(processes),
+                             *(["--keys", keys] if keys else [])])
 
 
 def stop(process: subprocess.Popen, timeout: float = 10.0) -> None:
@@ -75,14 +83,17 @@ def stop(process: subprocess.Popen, timeout: float = 10.0) -> None:
 
 
 @contextlib.contextmanager
-def service(workers: int = 1) -> Iterator[tuple[str, list[subprocess.Popen]]]:
-    """A broker and ``workers`` single-process workers; all stopped on exit."""
-    broker, address = start_broker()
+def service(workers: int = 1, keys: str | None = None
+            ) -> Iterator[tuple[str, list[subprocess.Popen]]]:
+    """A broker and ``workers`` single-process workers (with ``keys``, all authenticated);
+    all stopped on exit."""
+    broker, address = start_broker(keys=keys)
     procs = []
     try:
-        wait_for(lambda: status(address, 1.0) is not None, what="the broker")
-        procs = [start_worker(address) for _ in range(workers)]
-        wait_for(lambda: len(status(address)["workers"]) == workers, what="the workers")
+        wait_for(lambda: status(address, 1.0, keys) is not None, what="the broker")
+        procs = [start_worker(address, keys=keys) for _ in range(workers)]
+        wait_for(lambda: len(status(address, keys=keys)["workers"]) == workers,
+                 what="the workers")
         yield address, procs
     finally:
         for p in procs:

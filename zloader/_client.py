@@ -26,6 +26,7 @@ from zloader import codec
 from zloader._host import host_id
 from zloader.errors import PipelineError, ZloaderError
 from zloader.transport import records
+from zloader.transport.keys import Keys
 from zloader.transport.protocol import (
     Command,
     Message,
@@ -79,7 +80,7 @@ class IOThread(threading.Thread):
                  ring_bytes: int | None, source_data: tuple[str, list[Any]] | None = None,
                  data_bind: str | None = None, balanced: int = 0,
                  share: dict[str, Any] | None = None,
-                 coordinated: tuple[int, int] | None = None) -> None:
+                 coordinated: tuple[int, int] | None = None, keys: Keys | None = None) -> None:
         super().__init__(name="zloader-loader-io", daemon=True)
         self.address = address
         self.blob = blob
@@ -92,6 +93,7 @@ class IOThread(threading.Thread):
                             if coordinated else None)}
         self.source_data = source_data
         self.data_bind = data_bind
+        self.keys = keys
         self.prefetch = prefetch
         self.use_rings = use_rings
         self.ring_bytes = ring_bytes
@@ -162,8 +164,10 @@ class IOThread(threading.Thread):
 
     def stall_reason(self, silent: float) -> str:
         if self._job is None:
+            keys = ("; with keys, are they the broker's?" if self.keys is not None else
+                    "; does it want keys (keys= or ZLOADER_KEYS)?")
             return (f"no broker answered at {self.address} for {silent:.0f} s: is "
-                    "zloader-broker running there? (raise timeout= to wait longer)")
+                    f"zloader-broker running there{keys} (raise timeout= to wait longer)")
         if not self._peers:
             return (f"no worker has served this job for {silent:.0f} s: start workers "
                     f"(zloader-worker --broker {self.address}) or pass num_workers=; every "
@@ -186,6 +190,9 @@ class IOThread(threading.Thread):
         self.poller = zmq.Poller()
         self.broker = self.context.socket(zmq.DEALER)
         self.broker.setsockopt(zmq.LINGER, 0)
+        self.guard: Any = None  # the ZAP handler, with keys and a source socket
+        if self.keys is not None:
+            self.keys.connect(self.broker)
         self.broker.connect(self.address)
         self.poller.register(self.broker, zmq.POLLIN)
         self.poller.register(self._wake_read, zmq.POLLIN)
@@ -244,6 +251,9 @@ class IOThread(threading.Thread):
         assert self.source_data is not None
         server = self.context.socket(zmq.ROUTER)
         server.setsockopt(zmq.LINGER, 0)
+        if self.keys is not None:
+            self.guard = self.keys.guard(self.context)
+            self.keys.serve(server)
         server.bind(self.data_bind or f"tcp://{_local_address(self.address)}:*")
         self.data_server = server
         self.poller.register(server, zmq.POLLIN)
@@ -269,6 +279,8 @@ class IOThread(threading.Thread):
         with contextlib.suppress(zmq.ZMQError):
             self._to_broker(Command.BYE, {})
         self.broker.close(0)
+        if self.guard is not None:
+            self.guard.stop()
         self.context.term()
 
     def _to_broker(self, command: Command, body: dict[str, Any],
@@ -379,6 +391,8 @@ class IOThread(threading.Thread):
     def _connect(self, entry: dict[str, Any]) -> None:
         sock = self.context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.keys is not None:
+            self.keys.connect(sock)
         sock.connect(str(entry["endpoint"]))
         peer = _Peer(entry["worker"], int(entry.get("index", 0)), int(entry.get("pid", 0)),
                      str(entry["endpoint"]), sock)

@@ -16,6 +16,8 @@ import sys
 import time
 import traceback
 
+from zloader.transport.keys import Keys
+
 __all__ = ["START_METHODS", "ForkedWorker", "start_worker"]
 
 START_METHODS = ("fork", "spawn")
@@ -53,15 +55,18 @@ class ForkedWorker:
         self.send_signal(signal.SIGKILL)
 
 
-def start_worker(method: str, address: str, bind: str) -> ForkedWorker | subprocess.Popen[bytes]:
-    """Start one worker attached to the broker at ``address``, its data socket at ``bind``;
-    it exits when this process does."""
+def start_worker(method: str, address: str, bind: str,
+                 keys: Keys | None = None) -> ForkedWorker | subprocess.Popen[bytes]:
+    """Start one worker attached to the broker at ``address``, its data socket at ``bind``
+    (with ``keys``, CURVE on both); it exits when this process does."""
     parent = os.getpid()
     if method == "spawn":
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         command = [sys.executable, "-c", WORKER_COMMAND, "--broker", address, "--bind", bind,
-                   "--parent", str(parent)]
+                   "--parent", str(parent), "--insecure"]  # (the Loader checked the bind)
+        if keys is not None:
+            command += ["--keys", keys.path]
         return subprocess.Popen(command, env=env, cwd=os.getcwd(), stdin=subprocess.DEVNULL)
     pid = os.fork()
     if pid:
@@ -71,7 +76,7 @@ def start_worker(method: str, address: str, bind: str) -> ForkedWorker | subproc
         from zloader.worker import WorkerProcess
 
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's Ctrl-C; it stops us
-        worker = WorkerProcess(address, bind, parent=parent)
+        worker = WorkerProcess(address, bind, parent=parent, keys=keys)
         signal.signal(signal.SIGTERM, lambda *_: worker.stop.set())
         worker.run()
         code = 0

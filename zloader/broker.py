@@ -14,7 +14,9 @@ from typing import Any
 import zmq
 
 from zloader.state import Out, State
+from zloader.transport.keys import Keys
 from zloader.transport.protocol import (
+    MAX_MESSAGE_BYTES,
     Command,
     Message,
     ProtocolError,
@@ -36,10 +38,13 @@ class Broker:
     Args:
         endpoint: where to bind, e.g. ``tcp://127.0.0.1:5555`` or ``ipc:///path``.
         heartbeat: seconds between heartbeats; a peer silent for 3 of them is dead.
+        keys: CURVE keys (:mod:`zloader.transport.keys`): only peers holding an authorized
+            key get in. None: no authentication.
     """
 
-    def __init__(self, endpoint: str, heartbeat: float = 1.0) -> None:
+    def __init__(self, endpoint: str, heartbeat: float = 1.0, keys: Keys | None = None) -> None:
         self.endpoint = endpoint
+        self.keys = keys
         self.state = State(heartbeat=heartbeat)
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -77,9 +82,13 @@ class Broker:
     def serve(self) -> None:
         """Run the loop in this thread until :meth:`close` (or SIGTERM in the CLI)."""
         context = zmq.Context()
+        guard = self.keys.guard(context) if self.keys is not None else None
         socket = context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        if self.keys is not None:
+            self.keys.serve(socket)
         try:
             socket.bind(self.endpoint)
             if self.endpoint.endswith(":0"):
@@ -88,6 +97,8 @@ class Broker:
             self._loop(socket)
         finally:
             socket.close(0)
+            if guard is not None:
+                guard.stop()
             context.term()
 
     def _loop(self, socket: zmq.Socket[Any]) -> None:

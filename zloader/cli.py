@@ -135,8 +135,32 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true",
                         help='print one JSON object {"workers": [...], "jobs": [...]}')
     status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait")
+    status.add_argument("--keys", default=None, metavar="DIR",
+                        help="the broker's keys directory; default $ZLOADER_KEYS")
     status.set_defaults(run=_status)
+    keygen = commands.add_parser(
+        "keygen", help="create a keys directory for an authenticated service",
+        description="Create DIR (mode 0700) holding a server and a client CURVE key pair and "
+                    "authorized/, the public keys allowed in (the client's). Give the same "
+                    "DIR to the broker, the workers, the trainers and `zloader status` "
+                    "(--keys DIR, keys=DIR or $ZLOADER_KEYS); copy it to every host and keep "
+                    "it private.")
+    keygen.add_argument("dir", metavar="DIR", help="the directory to create (new or empty)")
+    keygen.set_defaults(run=_keygen)
     return parser
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    from zloader.transport.keys import KeysError, keygen
+
+    try:
+        keys = keygen(args.dir)
+    except (KeysError, OSError) as exc:
+        print(f"zloader keygen: {exc}", file=sys.stderr)
+        return 2
+    print(f"created {keys.path}: pass --keys {keys.path} (or keys=, or ZLOADER_KEYS) to the "
+          "broker, the workers and the trainers")
+    return 0
 
 
 def _positive(text: str) -> int:
@@ -163,6 +187,7 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
     import zmq
 
     from zloader.broker import Broker
+    from zloader.transport.keys import loopback
 
     parser = argparse.ArgumentParser(
         prog="zloader-broker", description="Run a zloader broker: it hands the splits of "
@@ -173,6 +198,13 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--work-dir", default=None, metavar="DIR",
                         help="a directory for the broker's files: broker.log (its log) and "
                              "broker.json (address and pid, for scripts); created if missing")
+    parser.add_argument("--keys", default=None, metavar="DIR",
+                        help="a keys directory (zloader keygen DIR): only peers holding an "
+                             "authorized key may register pipelines, read data or serve as "
+                             "workers; default $ZLOADER_KEYS")
+    parser.add_argument("--insecure", action="store_true",
+                        help="allow a non-loopback --bind without --keys (a trusted network "
+                             "only: whoever reaches the port can run code on the workers)")
     parser.add_argument("--heartbeat", type=float, default=1.0, metavar="SECONDS",
                         help="seconds between heartbeats (default 1); workers and consumers "
                              "follow the broker's, and a peer silent for three is taken for "
@@ -184,10 +216,20 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 0.05 <= args.heartbeat <= 60:
         parser.error(f"--heartbeat must be between 0.05 and 60 seconds, got {args.heartbeat}")
+    keys = _keys(parser, args.keys)
     _logging(args.log_level)
+    if keys is None:
+        if not loopback(args.bind) and not args.insecure:
+            parser.error(f"--bind {args.bind} accepts other hosts, and without --keys "
+                         "anyone who reaches it can run code on the workers: make keys with "
+                         "`zloader keygen DIR` and pass --keys DIR (on every host), or pass "
+                         "--insecure on a trusted network")
+        logging.getLogger("zloader.broker").warning(
+            "no --keys: any user who can reach %s (any user of this host, for loopback) can "
+            "submit code for the workers to run; see `zloader keygen`", args.bind)
     if args.work_dir:
         _work_dir(args.work_dir, args.bind)
-    broker = Broker(args.bind, heartbeat=args.heartbeat)
+    broker = Broker(args.bind, heartbeat=args.heartbeat, keys=keys)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: broker._stop.set())
     logging.getLogger("zloader.broker").info("listening on %s", args.bind)
@@ -197,6 +239,16 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
         print(f"zloader-broker: cannot listen on {args.bind}: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _keys(parser: argparse.ArgumentParser, path: str | None) -> Any:
+    """``--keys`` (or $ZLOADER_KEYS) loaded, or None; a bad directory is a usage error."""
+    from zloader.transport.keys import KeysError, resolve
+
+    try:
+        return resolve(path)
+    except KeysError as exc:
+        parser.error(str(exc))
 
 
 def _work_dir(path: str, bind: str) -> None:
@@ -218,6 +270,12 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
                         help="worker processes to run on this host (default 1)")
     parser.add_argument("--advertise", default=None, help="host name or address consumers "
                         "use to reach these workers (default 127.0.0.1, loopback only)")
+    parser.add_argument("--keys", default=None, metavar="DIR",
+                        help="a keys directory (zloader keygen DIR), as the broker's; "
+                             "default $ZLOADER_KEYS")
+    parser.add_argument("--insecure", action="store_true",
+                        help="allow a non-loopback --advertise without --keys (a trusted "
+                             "network only: whoever reaches the data port can read the data)")
     parser.add_argument("--bind", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--parent", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--log-level", default="warning",
@@ -225,12 +283,20 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"zloader {__version__}")
     args = parser.parse_args(argv)
     _logging(args.log_level)
+    keys = _keys(parser, args.keys)
+    from zloader.transport.keys import loopback
+
+    bind = args.bind or f"tcp://{args.advertise or '127.0.0.1'}:*"
+    if keys is None and not loopback(bind) and not args.insecure:
+        parser.error(f"--advertise {args.advertise} opens the data port to other hosts, and "
+                     "without --keys anyone who reaches it can read the data: pass --keys "
+                     "DIR (the broker's), or --insecure on a trusted network")
     if args.processes > 1:
         return _supervise(args)
     from zloader.worker import WorkerProcess
 
-    bind = args.bind or f"tcp://{args.advertise or '127.0.0.1'}:*"
-    worker = WorkerProcess(args.broker, bind, advertise=args.advertise, parent=args.parent)
+    worker = WorkerProcess(args.broker, bind, advertise=args.advertise, parent=args.parent,
+                           keys=keys)
     signal.signal(signal.SIGTERM, lambda *_: worker.stop.set())
     if args.parent is not None:
         # The worker loop exits within 0.1 s of its parent's death (it watches getppid();
@@ -251,6 +317,10 @@ def _supervise(args: argparse.Namespace) -> int:
                "sys.exit(worker_main())", "--broker", args.broker, "--log-level", args.log_level]
     if args.advertise:
         command += ["--advertise", args.advertise]
+    if args.keys:
+        command += ["--keys", args.keys]
+    if args.insecure:
+        command += ["--insecure"]
     children = [subprocess.Popen(command) for _ in range(args.processes)]
 
     def forward(signum: int, _frame: Any) -> None:
@@ -266,17 +336,26 @@ def _supervise(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     import zmq
 
+    from zloader.transport.keys import KeysError, resolve
     from zloader.transport.protocol import Command, decode, encode
 
+    try:
+        keys = resolve(args.keys)
+    except KeysError as exc:
+        print(f"zloader status: {exc}", file=sys.stderr)
+        return 2
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if keys is not None:
+        keys.connect(sock)
     try:
         sock.connect(args.broker)
         sock.send_multipart(encode(Command.STATUS, {}))
         if not sock.poll(args.timeout * 1000):
             print(f"zloader status: no answer from {args.broker} within {args.timeout:.0f} s "
-                  "(is zloader-broker running there?)", file=sys.stderr)
+                  "(is zloader-broker running there? does it want --keys, or other keys?)",
+                  file=sys.stderr)
             return 1
         status = decode(sock.recv_multipart()).body
     finally:

@@ -27,7 +27,7 @@ from typing import Any
 import cloudpickle
 
 from zloader import _check, codec
-from zloader._client import IOThread, Item
+from zloader._client import IOThread, Item, _local_address
 from zloader._process import START_METHODS, start_worker
 from zloader.broker import Broker
 from zloader.errors import PipelineError, Timeout
@@ -37,6 +37,8 @@ from zloader.plan import plan
 from zloader.sharing.options import DEFAULT_BLOCK_SECONDS, settings
 from zloader.sources import ArraysSource, ItemsSource
 from zloader.stages import Context
+from zloader.transport.keys import loopback
+from zloader.transport.keys import resolve as resolve_keys
 from zloader.transport.protocol import MAX_PIPELINE_BYTES
 from zloader.transport.shm import sweep, sweep_dirs
 
@@ -102,6 +104,11 @@ class Loader:
             ``consumer_index``.
         consumer_index: this Loader's index in ``[0, num_consumers)``. A restarted
             consumer with the same index rejoins at the round the others are on.
+        keys: a keys directory made by ``zloader keygen`` (the broker's), or None for
+            ``$ZLOADER_KEYS``: every socket then authenticates with CURVE. Embedded mode
+            needs none (its sockets are in a directory only this user can open).
+        insecure: allow serving a large in-memory source on a non-loopback address (a
+            remote broker) without keys; for trusted networks only.
 
     Raises:
         ValueError / TypeError: a bad argument, named in the message.
@@ -117,7 +124,8 @@ class Loader:
                  share_window_bytes: int | None = None, share_lag: str = "block",
                  share_block_seconds: float = DEFAULT_BLOCK_SECONDS,
                  num_consumers: int | None = None,
-                 consumer_index: int | None = None) -> None:
+                 consumer_index: int | None = None, keys: Any = None,
+                 insecure: bool = False) -> None:
         if not isinstance(pipeline, Pipeline):
             raise TypeError(f"pipeline must be a zloader.Pipeline, got {type(pipeline).__name__}")
         _choice("sharding", sharding, SHARDING)
@@ -133,6 +141,7 @@ class Loader:
                                       share_window_bytes, share_lag, share_block_seconds)
         coordinated = _coordinated(num_consumers, consumer_index, job_name, share, balanced,
                                    deterministic)
+        self._keys = resolve_keys(keys) if broker is not None else None
         self.pipeline = pipeline
         self._plan = plan(pipeline)
         self._joined = False
@@ -149,6 +158,14 @@ class Loader:
             raise ValueError("num_workers must be >= 1 in embedded mode (broker=None); "
                              "for an in-process run iterate the pipeline itself")
         stripped, source_data = _strip_source(pipeline)
+        if (source_data is not None and broker is not None and self._keys is None
+                and not loopback(f"tcp://{_local_address(broker)}:0")
+                and not _check.boolean("insecure", insecure)):
+            raise ValueError(
+                "this pipeline's in-memory source is served to the broker's workers from "
+                "this process, on an address other hosts can reach, and without keys anyone "
+                "could read it: pass keys= (the broker's, see `zloader keygen`), or "
+                "insecure=True on a trusted network")
         blob = _dumps(stripped)
         if len(blob) > MAX_PIPELINE_BYTES:
             raise ValueError(
@@ -178,7 +195,8 @@ class Loader:
             # Workers first: forking must happen before this Loader starts any thread.
             for index in range(workers):
                 bind = f"ipc://{self._dir}/worker-{index}" if embedded else "tcp://127.0.0.1:*"
-                self._processes.append(start_worker(start_method, address, bind))
+                self._processes.append(start_worker(start_method, address, bind,
+                                                    self._keys))
             if embedded:
                 self._broker = Broker(address).start()
             source = pipeline.source
@@ -192,7 +210,7 @@ class Loader:
                 source_data=source_data,
                 data_bind=f"ipc://{self._dir}/source" if embedded else None,
                 balanced=_check.integer("balanced", balanced, 0), share=self._share,
-                coordinated=coordinated)
+                coordinated=coordinated, keys=self._keys)
             self._io.start()
         except BaseException:
             self.close()

@@ -33,7 +33,9 @@ from zloader.sharing.store import Stored, store
 from zloader.sharing.window import Window
 from zloader.sources import ArraysSource, ItemsSource
 from zloader.transport import records
+from zloader.transport.keys import Keys
 from zloader.transport.protocol import (
+    MAX_DATA_FRAME_BYTES,
     Command,
     Message,
     ProtocolError,
@@ -123,12 +125,14 @@ class WorkerProcess:
         advertise: the host name consumers should connect to for TCP endpoints.
         prefer: a job to serve first (the Loader that started this worker).
         parent: exit when this process id is no longer our parent (embedded workers).
-        heartbeat: seconds between heartbeats.
+        heartbeat: seconds between heartbeats (until the broker says its own).
+        keys: CURVE keys (:mod:`zloader.transport.keys`), the broker's; None: none.
     """
 
     def __init__(self, broker: str, bind: str, advertise: str | None = None,
                  prefer: str | None = None, parent: int | None = None,
-                 heartbeat: float = 1.0) -> None:
+                 heartbeat: float = 1.0, keys: Keys | None = None) -> None:
+        self.keys = keys
         self.broker_endpoint = broker
         self.bind = bind
         self.advertise = advertise
@@ -151,8 +155,12 @@ class WorkerProcess:
     def run(self) -> None:
         context = zmq.Context()
         self.context = context
+        guard = self.keys.guard(context) if self.keys is not None else None
         data = context.socket(zmq.ROUTER)
         data.setsockopt(zmq.LINGER, 0)
+        data.setsockopt(zmq.MAXMSGSIZE, MAX_DATA_FRAME_BYTES)
+        if self.keys is not None:
+            self.keys.serve(data)
         data.bind(self.bind)
         endpoint = data.getsockopt_string(zmq.LAST_ENDPOINT)
         if self.advertise and endpoint.startswith("tcp://"):
@@ -173,11 +181,15 @@ class WorkerProcess:
                 self._drop_link(producer)
             for sock in (self.broker, data):
                 sock.close(0)
+            if guard is not None:
+                guard.stop()
             context.term()
 
     def _connect_broker(self) -> zmq.Socket[Any]:
         sock = self.context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.keys is not None:
+            self.keys.connect(sock)
         sock.connect(self.broker_endpoint)
         self.broker = sock
         self._ready()
@@ -322,6 +334,8 @@ class WorkerProcess:
         endpoint = where.get("endpoint")
         sock = self.context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.keys is not None:
+            self.keys.connect(sock)
         try:
             sock.connect(str(endpoint))
             sock.send_multipart(encode(Command.FETCH, {}))

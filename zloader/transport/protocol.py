@@ -29,6 +29,11 @@ VERSION = (f"ZLP/2 py/{sys.version_info[0]}.{sys.version_info[1]} "
 MAX_BODY_BYTES = 1 << 20
 MAX_PIPELINE_BYTES = 8 << 20
 """Pipeline definitions larger than this are refused; see docs/protocol.md."""
+MAX_MESSAGE_BYTES = MAX_PIPELINE_BYTES + MAX_BODY_BYTES + 4096
+"""The broker's socket drops any larger frame (ZeroMQ's MAXMSGSIZE: the peer is cut off)."""
+MAX_DATA_FRAME_BYTES = 1 << 30
+"""A worker's data socket drops any larger frame (an epoch's input sent with OPEN is the
+largest thing a consumer sends)."""
 
 
 class Command(enum.IntEnum):

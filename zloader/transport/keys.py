@@ -1,0 +1,148 @@
+"""CURVE keys: one directory, made by ``zloader keygen DIR``, serves every role.
+
+``DIR`` (mode 0700) holds two key pairs and the list of keys allowed in::
+
+    server.key, server.key_secret   every bound socket serves with these (the broker's, each
+                                    worker's data socket, a Loader's source socket)
+    client.key, client.key_secret   every connecting socket presents these
+    authorized/                     the public keys allowed to connect (client.key at first;
+                                    add a host's own client.key here to let it in)
+
+With keys, every socket of the service speaks CURVE (ZeroMQ RFC 26): traffic is encrypted,
+a connecting peer must know the server's public key, and a bound socket lets in only the
+clients whose public key is in ``authorized/`` (checked by a ZAP handler in each process).
+Copy the directory to every host of the service (broker, workers, trainers); keep it
+private: its secret keys let a process in.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import shutil
+import stat
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+__all__ = ["KEYS_ENV", "Keys", "KeysError", "keygen", "resolve"]
+
+log = logging.getLogger("zloader.keys")
+
+KEYS_ENV = "ZLOADER_KEYS"
+"""Environment variable naming the keys directory when ``keys=`` / ``--keys`` is not given."""
+
+
+class KeysError(ValueError):
+    """The keys directory is missing, incomplete or readable by other users."""
+
+
+@dataclass(frozen=True)
+class Keys:
+    """The key pairs of a keys directory, and where its authorized keys are."""
+
+    path: str
+    server_public: bytes
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+
+    @property
+    def authorized(self) -> str:
+        return os.path.join(self.path, "authorized")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Keys:
+        """Read ``path``; raises :class:`KeysError` naming what is wrong."""
+        root = pathlib.Path(path).expanduser().resolve()
+        if not root.is_dir():
+            raise KeysError(f"keys directory {root} does not exist: create one with "
+                            f"`zloader keygen {root}`")
+        mode = stat.S_IMODE(root.stat().st_mode)
+        if mode & 0o077:
+            raise KeysError(f"keys directory {root} is open to other users (mode {mode:o}): "
+                            f"its secret keys let a process in; run `chmod 700 {root}`")
+        try:
+            server = zmq.auth.load_certificate(str(root / "server.key_secret"))
+            client = zmq.auth.load_certificate(str(root / "client.key_secret"))
+        except (OSError, ValueError) as exc:
+            raise KeysError(f"keys directory {root} is incomplete ({exc}); make a new one "
+                            f"with `zloader keygen DIR`") from None
+        if not (root / "authorized").is_dir():
+            raise KeysError(f"keys directory {root} has no authorized/ directory; make a "
+                            "new one with `zloader keygen DIR`")
+        if server[1] is None or client[1] is None:
+            raise KeysError(f"keys directory {root}: server.key_secret or client.key_secret "
+                            "holds no secret key")
+        return cls(str(root), server[0], server[1], client[0], client[1])
+
+    def serve(self, socket: zmq.Socket[Any]) -> None:
+        """Make a socket about to bind a CURVE server (before ``bind``)."""
+        socket.curve_secretkey = self.server_secret
+        socket.curve_publickey = self.server_public
+        socket.curve_server = True
+
+    def connect(self, socket: zmq.Socket[Any]) -> None:
+        """Make a socket about to connect a CURVE client (before ``connect``)."""
+        socket.curve_secretkey = self.client_secret
+        socket.curve_publickey = self.client_public
+        socket.curve_serverkey = self.server_public
+
+    def guard(self, context: zmq.Context[Any]) -> ThreadAuthenticator:
+        """Start the ZAP handler that lets in only authorized clients, for the sockets of
+        ``context`` that serve; start it before binding them. Stop it before
+        ``context.term()``."""
+        authenticator = ThreadAuthenticator(context, log=logging.getLogger("zloader.zap"))
+        authenticator.start()
+        authenticator.configure_curve(domain="*", location=self.authorized)
+        return authenticator
+
+
+def resolve(keys: Keys | str | os.PathLike[str] | None) -> Keys | None:
+    """``keys`` as :class:`Keys`: a directory path, or None for ``$ZLOADER_KEYS`` (no keys
+    when that is unset or empty)."""
+    if isinstance(keys, Keys):
+        return keys
+    if keys is None:
+        keys = os.environ.get(KEYS_ENV) or None
+        if keys is None:
+            return None
+    if not isinstance(keys, (str, os.PathLike)):
+        raise TypeError(f"keys must be a directory path, got {type(keys).__name__}")
+    return Keys.load(keys)
+
+
+def keygen(path: str | os.PathLike[str]) -> Keys:
+    """Create the keys directory ``path`` (mode 0700): server and client key pairs, and
+    ``authorized/`` holding the client's public key.
+
+    Raises:
+        KeysError: ``path`` exists and is not an empty directory.
+    """
+    root = pathlib.Path(path).expanduser().resolve()
+    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        raise KeysError(f"{root} exists and is not an empty directory: keygen will not "
+                        "overwrite keys")
+    old_umask = os.umask(0o077)
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(root, 0o700)
+        zmq.auth.create_certificates(str(root), "server")
+        zmq.auth.create_certificates(str(root), "client")
+        (root / "authorized").mkdir(mode=0o700)
+        shutil.copy(root / "client.key", root / "authorized" / "client.key")
+    finally:
+        os.umask(old_umask)
+    return Keys.load(root)
+
+
+def loopback(address: str) -> bool:
+    """Whether ``address`` (a ZeroMQ endpoint) is reachable only from this host."""
+    if address.startswith(("ipc://", "inproc://")):
+        return True
+    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
