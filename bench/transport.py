@@ -29,6 +29,11 @@ measure transport, not production.
     >= 12x DataLoader, >= 50x tf.data service.
 (d) Seconds from constructing ``Loader(Pipeline.range(1000), num_workers=2)`` to its first
     element, median of 3 fresh loaders (target <= 1 s); DataLoader (2 workers) as reference.
+(e) What authentication costs on the data path: the batches of (a) through a
+    ``zloader-broker`` process on 127.0.0.1, the Loader's 2 workers bound on TCP
+    (``transport="tcp"``), with CURVE keys (``zloader keygen``: every frame encrypted) and
+    without; and with keys but 2 workers started with ``--plain-data`` (a token, no
+    encryption on the data sockets: the trusted-network option). Ratios: CURVE / the row.
 
 Ratios read "how many times better zloader is" (throughput: zloader / system; time:
 system / zloader). These machines are shared and noisy: read the ratios, not the absolute
@@ -52,6 +57,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import os
 import pathlib
@@ -252,6 +258,39 @@ def zloader_small(window: float, warmup: float) -> dict[str, Any]:
     return zloader_throughput(lambda zloader: zloader.Pipeline.range(10**9), window, warmup)
 
 
+def zloader_broker_tcp(window: float, warmup: float, keyed: bool,
+                       plain_data: bool = False) -> dict[str, Any]:
+    """The large batches from 2 workers on this host over TCP, through a broker process:
+    the Loader's own workers, or (``plain_data``) a ``zloader-worker --plain-data``."""
+    import socket
+
+    import zloader
+    from zloader.transport.keys import keygen
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    with tempfile.TemporaryDirectory() as tmp:
+        keys = keygen(pathlib.Path(tmp) / "keys") if keyed else None
+        key_args = ["--keys", keys.path] if keys else []
+        bin_dir = pathlib.Path(sys.executable).parent
+        processes = [subprocess.Popen([str(bin_dir / "zloader-broker"), "--bind", address,
+                                       "--log-level", "error", *key_args])]
+        if plain_data:
+            processes.append(subprocess.Popen(
+                [str(bin_dir / "zloader-worker"), "--broker", address, "--processes", "2",
+                 "--plain-data", *key_args]))
+        try:
+            with zloader.Loader(_large_pipeline(zloader), broker=address,
+                                num_workers=0 if plain_data else 2, transport="tcp",
+                                keys=keys, timeout=60) as loader:
+                return _peers.measure(iter(loader), window, warmup)
+        finally:
+            for process in reversed(processes):
+                process.send_signal(signal.SIGTERM)
+                process.wait(15)
+
+
 def zmq_large(window: float, warmup: float) -> dict[str, Any]:
     """Raw zero-copy ZeroMQ: a producer process PUSHes the preallocated arrays to us."""
     import zmq
@@ -370,6 +409,15 @@ SECTIONS: dict[str, tuple[str, str, list[Row]]] = {
         Row("d", "torch DataLoader", dataloader_first_element, None,
             "reference: construction to first element, fork, median of 3"),
     ]),
+    "e": ("Large batches over TCP through a broker: CURVE keys against none", "gb_per_s", [
+        Row("e", "zloader, CURVE keys", functools.partial(zloader_broker_tcp, keyed=True)),
+        Row("e", "zloader, no keys", functools.partial(zloader_broker_tcp, keyed=False), None,
+            "the same, unauthenticated; ratio: keyed / unkeyed"),
+        Row("e", "zloader, keys, workers --plain-data",
+            functools.partial(zloader_broker_tcp, keyed=True, plain_data=True), None,
+            "CURVE on the broker socket, a token on the data sockets (unencrypted); ratio: "
+            "CURVE / this"),
+    ]),
 }
 
 
@@ -468,7 +516,7 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=5.0, help="seconds measured per row")
     parser.add_argument("--warmup", type=float, default=1.0,
                         help="seconds consumed before each window")
-    parser.add_argument("--only", default="a,b,c,d", help="sections to run, e.g. a,c")
+    parser.add_argument("--only", default="a,b,c,d,e", help="sections to run, e.g. a,c")
     parser.add_argument("--out", default="bench/results", help="where to write results")
     args = parser.parse_args()
     only = [s.strip() for s in args.only.split(",") if s.strip()]

@@ -139,3 +139,32 @@ def test_broker_refuses_a_public_bind_without_keys_and_warns_on_loopback(keys):
                              f"tcp://127.0.0.1:{port}", "--advertise", "10.1.2.3"],
                             capture_output=True, text=True, timeout=30)
     assert worker.returncode == 2 and "--keys" in worker.stderr
+
+
+def test_plain_data_workers_serve_key_holders_only(keys):
+    with service(0, keys=keys) as (address, _):
+        worker = subprocess.Popen([os.path.join(BIN, "zloader-worker"), "--broker", address,
+                                   "--keys", keys, "--plain-data"])
+        try:
+            wait_for(lambda: len(status(address, keys=keys)["workers"]) == 1,
+                     what="the worker")
+            with Loader(Pipeline.range(300), broker=address, keys=keys, timeout=20,
+                        transport="tcp") as loader:
+                assert sorted(loader) == list(range(300))
+                (entry,) = status(address, keys=keys)["workers"]
+            for password in (None, b"wrong"):
+                context = zmq.Context()
+                sock = context.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                if password is not None:
+                    sock.plain_username, sock.plain_password = b"zloader", password
+                sock.connect(entry["endpoint"])
+                sock.send_multipart(encode(Command.DATA, {}))
+                assert not sock.poll(1000)  # refused: no answer
+                sock.close(0)
+                context.term()
+        finally:
+            stop(worker)
+    no_keys = subprocess.run([os.path.join(BIN, "zloader-worker"), "--broker", address,
+                              "--plain-data"], capture_output=True, text=True, timeout=30)
+    assert no_keys.returncode == 2 and "--plain-data needs --keys" in no_keys.stderr

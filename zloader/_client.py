@@ -391,7 +391,9 @@ class IOThread(threading.Thread):
     def _connect(self, entry: dict[str, Any]) -> None:
         sock = self.context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        if self.keys is not None:
+        if self.keys is not None and entry.get("plain_data") is True:
+            self.keys.connect_plain(sock)  # the worker's --plain-data
+        elif self.keys is not None:
             self.keys.connect(sock)
         sock.connect(str(entry["endpoint"]))
         peer = _Peer(entry["worker"], int(entry.get("index", 0)), int(entry.get("pid", 0)),

@@ -276,6 +276,11 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--insecure", action="store_true",
                         help="allow a non-loopback --advertise without --keys (a trusted "
                              "network only: whoever reaches the data port can read the data)")
+    parser.add_argument("--plain-data", action="store_true",
+                        help="with --keys, serve data without encryption: consumers prove "
+                             "they hold the keys with a token (ZeroMQ PLAIN), which anyone "
+                             "watching the network could replay; a trusted network only. "
+                             "Faster than CURVE on TCP (see the transport benchmark)")
     parser.add_argument("--bind", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--parent", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--log-level", default="warning",
@@ -287,6 +292,9 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     from zloader.transport.keys import loopback
 
     bind = args.bind or f"tcp://{args.advertise or '127.0.0.1'}:*"
+    if args.plain_data and keys is None:
+        parser.error("--plain-data needs --keys: it replaces CURVE on the data socket with a "
+                     "token from the keys directory")
     if keys is None and not loopback(bind) and not args.insecure:
         parser.error(f"--advertise {args.advertise} opens the data port to other hosts, and "
                      "without --keys anyone who reaches it can read the data: pass --keys "
@@ -296,7 +304,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     from zloader.worker import WorkerProcess
 
     worker = WorkerProcess(args.broker, bind, advertise=args.advertise, parent=args.parent,
-                           keys=keys)
+                           keys=keys, plain_data=args.plain_data)
     signal.signal(signal.SIGTERM, lambda *_: worker.stop.set())
     if args.parent is not None:
         # The worker loop exits within 0.1 s of its parent's death (it watches getppid();
@@ -321,6 +329,8 @@ def _supervise(args: argparse.Namespace) -> int:
         command += ["--keys", args.keys]
     if args.insecure:
         command += ["--insecure"]
+    if args.plain_data:
+        command += ["--plain-data"]
     children = [subprocess.Popen(command) for _ in range(args.processes)]
 
     def forward(signum: int, _frame: Any) -> None:

@@ -50,6 +50,7 @@ class Worker:
     stats: dict[str, Any] = field(default_factory=dict)
     rate: float = 0.0
     trainers: dict[str, dict[str, int]] = field(default_factory=dict)  # shared job: lag
+    plain_data: bool = False  # its data socket speaks PLAIN, not CURVE (--plain-data)
 
 
 @dataclass
@@ -144,7 +145,8 @@ class State:
             return out
         worker = Worker(worker_id, identity, msg.field("host", str), msg.field("host_id", str),
                         msg.field("pid", int), msg.field("endpoint", str),
-                        msg.field("prefer", str, optional=True), now)
+                        msg.field("prefer", str, optional=True), now,
+                        plain_data=msg.body.get("plain_data") is True)
         self.workers[worker_id] = worker
         self.peers[identity] = ("worker", worker_id)
         return [Out(identity, Command.ACK, {"heartbeat": self.heartbeat}), *self._assign(now)]
@@ -316,7 +318,8 @@ class State:
             if worker is not None:
                 workers.append({"worker": worker.id, "endpoint": worker.endpoint,
                                 "host_id": worker.host_id, "index": job.indices[task],
-                                "pid": worker.pid, "host": worker.host})
+                                "pid": worker.pid, "host": worker.host,
+                                "plain_data": worker.plain_data})
         workers.sort(key=lambda w: w["index"])
         pending = self._pending(job)
         view = {"job": job.id, "workers": workers, "failed": job.failed, "error": job.error,

@@ -127,12 +127,16 @@ class WorkerProcess:
         parent: exit when this process id is no longer our parent (embedded workers).
         heartbeat: seconds between heartbeats (until the broker says its own).
         keys: CURVE keys (:mod:`zloader.transport.keys`), the broker's; None: none.
+        plain_data: with keys, serve the data socket with PLAIN (a token, no encryption:
+            trusted networks) instead of CURVE.
     """
 
     def __init__(self, broker: str, bind: str, advertise: str | None = None,
                  prefer: str | None = None, parent: int | None = None,
-                 heartbeat: float = 1.0, keys: Keys | None = None) -> None:
+                 heartbeat: float = 1.0, keys: Keys | None = None,
+                 plain_data: bool = False) -> None:
         self.keys = keys
+        self.plain_data = plain_data and keys is not None
         self.broker_endpoint = broker
         self.bind = bind
         self.advertise = advertise
@@ -159,7 +163,10 @@ class WorkerProcess:
         data = context.socket(zmq.ROUTER)
         data.setsockopt(zmq.LINGER, 0)
         data.setsockopt(zmq.MAXMSGSIZE, MAX_DATA_FRAME_BYTES)
-        if self.keys is not None:
+        if self.plain_data:
+            assert self.keys is not None
+            self.keys.serve_plain(data)
+        elif self.keys is not None:
             self.keys.serve(data)
         data.bind(self.bind)
         endpoint = data.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -200,7 +207,8 @@ class WorkerProcess:
         """(Re-)register with the broker."""
         self._to_broker(Command.READY, {
             "worker": self.id, "host": _socket.gethostname(), "host_id": host_id(),
-            "pid": os.getpid(), "endpoint": self.endpoint, "prefer": self.prefer})
+            "pid": os.getpid(), "endpoint": self.endpoint, "prefer": self.prefer,
+            "plain_data": self.plain_data})
 
     def _to_broker(self, command: Command, body: dict[str, Any]) -> None:
         self.broker.send_multipart(encode(command, body), zmq.NOBLOCK)

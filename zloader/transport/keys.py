@@ -13,10 +13,18 @@ a connecting peer must know the server's public key, and a bound socket lets in 
 clients whose public key is in ``authorized/`` (checked by a ZAP handler in each process).
 Copy the directory to every host of the service (broker, workers, trainers); keep it
 private: its secret keys let a process in.
+
+CURVE encrypts every frame, which costs throughput on TCP data sockets (see
+bench/results/transport.md, section e). On a trusted network a worker may serve its data
+socket with ZeroMQ's PLAIN mechanism instead (``zloader-worker --plain-data``): consumers
+then prove they hold the keys directory with a token derived from its client secret key, and
+the data travels unencrypted (the token too, so anyone who can watch the network can replay
+it). The broker socket always speaks CURVE: only it receives code.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import pathlib
@@ -55,6 +63,11 @@ class Keys:
     def authorized(self) -> str:
         return os.path.join(self.path, "authorized")
 
+    @property
+    def token(self) -> bytes:
+        """The PLAIN password of ``--plain-data`` sockets, derived from the client secret."""
+        return hashlib.sha256(b"zloader plain data\0" + self.client_secret).hexdigest().encode()
+
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Keys:
         """Read ``path``; raises :class:`KeysError` naming what is wrong."""
@@ -92,6 +105,14 @@ class Keys:
         socket.curve_publickey = self.client_public
         socket.curve_serverkey = self.server_public
 
+    def serve_plain(self, socket: zmq.Socket[Any]) -> None:
+        """A PLAIN server (``--plain-data``): authenticated by token, not encrypted."""
+        socket.plain_server = True
+
+    def connect_plain(self, socket: zmq.Socket[Any]) -> None:
+        socket.plain_username = b"zloader"
+        socket.plain_password = self.token
+
     def guard(self, context: zmq.Context[Any]) -> ThreadAuthenticator:
         """Start the ZAP handler that lets in only authorized clients, for the sockets of
         ``context`` that serve; start it before binding them. Stop it before
@@ -99,6 +120,7 @@ class Keys:
         authenticator = ThreadAuthenticator(context, log=logging.getLogger("zloader.zap"))
         authenticator.start()
         authenticator.configure_curve(domain="*", location=self.authorized)
+        authenticator.configure_plain(domain="*", passwords={"zloader": self.token.decode()})
         return authenticator
 
 
