@@ -395,7 +395,13 @@ class IOThread(threading.Thread):
             self.keys.connect_plain(sock)  # the worker's --plain-data
         elif self.keys is not None:
             self.keys.connect(sock)
-        sock.connect(str(entry["endpoint"]))
+        try:
+            sock.connect(str(entry["endpoint"]))
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            log.warning("cannot connect to worker %s at %r: %s", entry["worker"],
+                        entry["endpoint"], exc)
+            return
         peer = _Peer(entry["worker"], int(entry.get("index", 0)), int(entry.get("pid", 0)),
                      str(entry["endpoint"]), sock)
         if self.use_rings and entry.get("host_id") == host_id():

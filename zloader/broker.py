@@ -132,22 +132,25 @@ class Broker:
 
     def _handle(self, frames: list[bytes], now: float) -> list[Out]:
         if len(frames) < 2:
-            self._warn(f"dropped a message of {len(frames)} frames")
+            self._warn(b"", f"dropped a message of {len(frames)} frames")
             return []
         identity = frames[0]
         try:
             msg = decode(frames[1:])
         except VersionMismatch as exc:
-            self._warn(str(exc))
+            self._warn(identity, str(exc))
             return [Out(identity, Command.ERROR, {"message": str(exc)})]
         except ProtocolError as exc:
-            self._warn(f"dropped a malformed message: {exc}")
+            self._warn(identity, f"dropped a malformed message: {exc}")
             return []
         try:
             return self._dispatch(identity, msg, now)
         except ProtocolError as exc:
-            self._warn(f"dropped a malformed {msg.command.name}: {exc}")
+            self._warn(identity, f"dropped a malformed {msg.command.name}: {exc}")
             return [Out(identity, Command.ERROR, {"message": str(exc)})]
+        except Exception:  # a bug must not stop the broker: log it, drop the message
+            self._warn(identity, f"failed on a {msg.command.name}", exc_info=True)
+            return []
 
     def _dispatch(self, identity: bytes, msg: Message, now: float) -> list[Out]:
         state = self.state
@@ -183,8 +186,13 @@ class Broker:
             return state.rounds_received(identity, msg, now)
         raise ProtocolError(f"{command.name} is not a command the broker accepts")
 
-    def _warn(self, text: str) -> None:
+    def _warn(self, identity: bytes, text: str, exc_info: bool = False) -> None:
+        """Count a rejected message and log it with its peer, at most once a second (a
+        flood of junk must not flood the log)."""
+        self.state.rejected += 1
         now = time.monotonic()
-        if now - self._warned >= 1.0:  # rate-limited: a flood of junk must not flood the log
+        if now - self._warned >= 1.0:
             self._warned = now
-            log.warning("%s", text)
+            kind, peer = self.state.peers.get(identity, ("unregistered peer", identity.hex()))
+            log.warning("%s (from %s %s; %d rejected so far)", text, kind, peer,
+                        self.state.rejected, exc_info=exc_info)

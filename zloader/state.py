@@ -113,6 +113,7 @@ class State:
         self.consumers: dict[str, Consumer] = {}
         self.jobs: dict[str, Job] = {}
         self.peers: dict[bytes, tuple[str, str]] = {}  # identity -> ("worker"|"consumer", id)
+        self.rejected = 0  # malformed or refused messages dropped (the broker counts them)
 
     # --- peers ----------------------------------------------------------------------------
 
@@ -143,8 +144,12 @@ class State:
                 # Round numbers sent to its old connection may be lost: it asks again.
                 out += self._announce(job, {}, job.rounds.lose_worker(worker_id))
             return out
+        endpoint = msg.field("endpoint", str)
+        if not endpoint.startswith(("tcp://", "ipc://")) or len(endpoint) > 1024:
+            raise ProtocolError(f"READY: endpoint must be tcp://HOST:PORT or ipc://PATH, got "
+                                f"{endpoint[:80]!r}")
         worker = Worker(worker_id, identity, msg.field("host", str), msg.field("host_id", str),
-                        msg.field("pid", int), msg.field("endpoint", str),
+                        msg.field("pid", int), endpoint,
                         msg.field("prefer", str, optional=True), now,
                         plain_data=msg.body.get("plain_data") is True)
         self.workers[worker_id] = worker
@@ -598,7 +603,8 @@ class State:
         workers = [{"worker": w.id, "host": w.host, "pid": w.pid, "endpoint": w.endpoint,
                     "tasks": 1 if w.task else 0, "job": self._task_job(w.task),
                     "elements_per_second": round(w.rate, 1),
-                    "elements": w.stats.get("elements", 0)}
+                    "elements": w.stats.get("elements", 0),
+                    "rejected": w.stats.get("rejected", 0)}
                    for w in self.workers.values()]
         jobs = [{"job": j.id, "fingerprint": j.fingerprint, "name": j.name,
                  "sharding": j.sharding, "consumers": len(j.consumers), "workers": len(j.tasks),
@@ -607,7 +613,7 @@ class State:
                  "rounds": _round_status(j.rounds, j.epoch) if j.rounds is not None else None,
                  "state": "failed" if j.error else "running"}
                 for j in self.jobs.values()]
-        return {"workers": workers, "jobs": jobs}
+        return {"workers": workers, "jobs": jobs, "rejected": self.rejected}
 
     def _trainers(self, job: Job) -> list[dict[str, Any]]:
         """A shared job's trainers: pid, lag (elements produced that it has not been sent,

@@ -149,6 +149,8 @@ class WorkerProcess:
         self.elements = 0
         self.bytes = 0
         self.fallbacks = 0
+        self.rejected = 0  # malformed messages dropped
+        self._warned = 0.0
         self.early_opens: deque[tuple[bytes, Message]] = deque(maxlen=64)
         self._last_from_broker = time.monotonic()
         self._last_to_broker = 0.0
@@ -240,7 +242,8 @@ class WorkerProcess:
             if now - self._last_beat >= self.heartbeat:  # stats too: not only when idle
                 self._last_beat = now
                 stats: dict[str, Any] = {"elements": self.elements, "bytes": self.bytes,
-                                         "fallbacks": self.fallbacks}
+                                         "fallbacks": self.fallbacks,
+                                         "rejected": self.rejected}
                 if self.task is not None and self.task.window is not None:
                     stats["trainers"] = self._trainers(self.task)
                 self._to_broker(Command.HEARTBEAT, {"stats": stats})
@@ -264,7 +267,17 @@ class WorkerProcess:
             msg = decode(frames)
             self._handle_broker(msg)
         except ProtocolError as exc:
-            log.warning("dropped a malformed message from the broker: %s", exc)
+            self._reject(f"dropped a malformed message from the broker: {exc}")
+        except Exception:  # a bug must not stop the worker: log it, drop the message
+            self._reject("failed on a message from the broker", exc_info=True)
+
+    def _reject(self, text: str, exc_info: bool = False) -> None:
+        """Count a dropped message; log it at most once a second."""
+        self.rejected += 1
+        now = time.monotonic()
+        if now - self._warned >= 1.0:
+            self._warned = now
+            log.warning("%s (%d rejected so far)", text, self.rejected, exc_info=exc_info)
 
     def _handle_broker(self, msg: Message) -> None:
         command = msg.command
@@ -919,11 +932,14 @@ class WorkerProcess:
             msg = decode(frames[1:])
             self._handle_consumer(identity, msg)
         except ProtocolError as exc:
-            log.warning("dropped a malformed message on the data socket: %s", exc)
+            self._reject(f"dropped a malformed message from consumer {identity.hex()} on "
+                         f"the data socket: {exc}")
             with contextlib.suppress(zmq.ZMQError):
                 self.data.send_multipart([identity, *encode(Command.ERROR,
                                                             {"message": str(exc)})],
                                          zmq.NOBLOCK)
+        except Exception:  # a bug must not stop the worker: log it, drop the message
+            self._reject(f"failed on a message from consumer {identity.hex()}", exc_info=True)
 
     def _handle_consumer(self, identity: bytes, msg: Message) -> None:
         task = self.task

@@ -1,0 +1,83 @@
+"""Hostile input: random, truncated, oversized and out-of-order messages sent to a live
+broker and a live worker's data port never crash them or stop them serving, and each is
+counted. (Seeded: ``make test`` runs the same examples every time.)"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import zmq
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from tests.service import service, status, wait_for
+from zloader import Loader, Pipeline
+from zloader.transport.protocol import VERSION, Command, ProtocolError, decode
+
+FIELDS = ["worker", "task", "job", "consumer", "epoch", "pass", "split", "credits", "ring",
+          "mapped", "rounds", "round", "members", "consumer_index", "fingerprint",
+          "job_name", "sharding", "source", "share", "coordinated", "stats", "count",
+          "segment", "heartbeat", "endpoint", "pid", "host_id", "num_workers", "rerun"]
+values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True)
+    | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(FIELDS),
+                                                                  inner, max_size=4),
+    max_leaves=12)
+bodies = st.dictionaries(st.sampled_from(FIELDS), values, max_size=8).map(
+    lambda d: json.dumps(d).encode())
+commands = st.sampled_from([bytes((c,)) for c in Command]) | st.binary(min_size=0, max_size=3)
+frames = st.lists(st.binary(max_size=64), max_size=3)
+messages = st.one_of(
+    st.tuples(st.just(VERSION), commands, bodies, frames).map(lambda t: [t[0], t[1], t[2],
+                                                                         *t[3]]),
+    st.tuples(st.just(VERSION), commands, st.binary(max_size=40)).map(list),  # not JSON
+    st.lists(st.binary(max_size=32), min_size=1, max_size=4),  # anything
+)
+
+
+@given(st.lists(messages, min_size=1, max_size=6))
+@settings(max_examples=300, derandomize=True, deadline=None)
+def test_the_decoder_raises_only_protocol_error(batch):
+    for frames_ in batch:
+        with contextlib.suppress(ProtocolError):  # anything else fails the test
+            decode(frames_)
+
+
+@given(st.lists(messages, min_size=60, max_size=60))
+@settings(max_examples=3, derandomize=True, deadline=None, phases=[Phase.generate],
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+def test_random_messages_never_stop_the_broker_or_a_worker(batch):
+    with service(1) as (address, procs):
+        with Loader(Pipeline.range(10**6), broker=address, timeout=20) as loader:
+            epoch = iter(loader)
+            next(epoch)  # a consumer is reading: the worker has a task and streams
+            (worker,) = status(address)["workers"]
+            context = zmq.Context()
+            socks = []
+            try:
+                for endpoint in (address, worker["endpoint"]):
+                    sock = context.socket(zmq.DEALER)
+                    sock.setsockopt(zmq.LINGER, 0)
+                    sock.connect(endpoint)
+                    socks.append(sock)
+                for message in batch:
+                    for sock in socks:
+                        sock.send_multipart(message)
+                for _ in range(2000):  # the reader keeps reading meanwhile
+                    next(epoch)
+                (pid,) = [p.pid for p in procs]
+                wait_for(lambda: status(address)["rejected"] > 0 and any(
+                    w["pid"] == pid and w.get("rejected", 0) > 0
+                    for w in status(address)["workers"]),
+                    what="the broker's and the worker's counts of rejected messages")
+                for _ in range(2000):
+                    next(epoch)
+            finally:
+                for sock in socks:
+                    sock.close(0)
+                context.term()
+        assert all(p.poll() is None for p in procs), "a worker died"
+        with Loader(Pipeline.range(100), broker=address, timeout=20) as again:
+            assert sorted(again) == list(range(100))
