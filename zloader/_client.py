@@ -146,14 +146,21 @@ class IOThread(threading.Thread):
         self._wake()
 
     def _wake(self) -> None:
+        if self._wake_write < 0:
+            return  # closed: nobody reads it any more
         with contextlib.suppress(OSError):  # BlockingIOError: a wake-up is pending anyway
             os.write(self._wake_write, b"!")
 
-    def __del__(self) -> None:
-        for fd in (getattr(self, "_wake_read", -1), getattr(self, "_wake_write", -1)):
+    def _close_pipe(self) -> None:
+        fds = (getattr(self, "_wake_read", -1), getattr(self, "_wake_write", -1))
+        self._wake_read = self._wake_write = -1
+        for fd in fds:
             if fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(fd)
+
+    def __del__(self) -> None:
+        self._close_pipe()
 
     def indices(self) -> list[int]:
         return [peer.index for peer in list(self._peers.values())]
@@ -182,6 +189,8 @@ class IOThread(threading.Thread):
         self._wake()
         if self.is_alive() and self is not threading.current_thread():
             self.join(timeout)
+        if not self.is_alive():
+            self._close_pipe()  # its fds go now, not when this object is collected
 
     # --- the thread -----------------------------------------------------------------------
 

@@ -1,0 +1,65 @@
+"""Resource hygiene under churn: many Loaders opened and closed, some of them killed with
+SIGKILL mid-read, leave no process, file descriptor, socket directory or /dev/shm segment
+behind once the next Loader's sweep has run. ``make test`` runs a short churn; the full one
+(200 Loaders) is marked slow."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import _private_dirs, _segments
+from zloader import Loader, Pipeline
+
+KILLED = """
+import sys
+from zloader import Loader, Pipeline
+loader = Loader(Pipeline.range(10**9).map(lambda x: x), num_workers=1, timeout=30)
+for i, x in enumerate(loader):
+    if i == 50:
+        print("reading", flush=True)
+"""
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def churn(loaders: int, kill_every: int) -> None:
+    fds = open_fds()
+    segments, dirs = _segments(), _private_dirs()
+    for n in range(loaders):
+        if n % kill_every == kill_every - 1:
+            # A trainer killed hard while reading: its worker notices its parent is gone.
+            process = subprocess.Popen([sys.executable, "-c", KILLED], stdout=subprocess.PIPE,
+                                       text=True, start_new_session=True)
+            assert process.stdout is not None
+            assert process.stdout.readline().strip() == "reading"
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            process.stdout.close()
+            continue
+        with Loader(Pipeline.range(50 + n), num_workers=1, timeout=30) as loader:
+            if n % 2:
+                assert sorted(loader) == list(range(50 + n))
+            else:  # left mid-epoch
+                next(iter(loader))
+    # The next Loader sweeps what the killed ones left (their segments and directories).
+    with Loader(Pipeline.range(5), num_workers=1, timeout=30) as loader:
+        assert sorted(loader) == list(range(5))
+    assert open_fds() == fds
+    assert _segments() <= segments, sorted(_segments() - segments)
+    assert _private_dirs() <= dirs, sorted(_private_dirs() - dirs)
+
+
+def test_a_short_churn_leaves_nothing_behind():
+    churn(12, kill_every=4)
+
+
+@pytest.mark.slow
+def test_two_hundred_loaders_leave_nothing_behind():
+    churn(200, kill_every=5)
