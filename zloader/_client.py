@@ -382,7 +382,9 @@ class IOThread(threading.Thread):
             if self.rounds is not None:
                 self.rounds.total_lost = int(msg.body.get("total_lost") or 0)
         elif msg.command is Command.UNKNOWN:
-            self._job = None  # the broker restarted: register again on the next beat
+            if self._job is not None:  # the broker restarted: register again on the next
+                self.register_body["job"] = self._job  # beat, for the same job if it has it
+            self._job = None
 
     def _update_workers(self, workers: list[Any]) -> None:
         seen = set()

@@ -13,6 +13,7 @@ from typing import Any
 
 import zmq
 
+from zloader.journal import Journal
 from zloader.state import Out, State
 from zloader.transport.keys import Keys
 from zloader.transport.protocol import (
@@ -40,12 +41,17 @@ class Broker:
         heartbeat: seconds between heartbeats; a peer silent for 3 of them is dead.
         keys: CURVE keys (:mod:`zloader.transport.keys`): only peers holding an authorized
             key get in. None: no authentication.
+        work_dir: journal every state change there (:mod:`zloader.journal`) and, when it
+            holds one already, resume its jobs. None: state lives in memory only (a
+            restarted broker starts its jobs over).
     """
 
-    def __init__(self, endpoint: str, heartbeat: float = 1.0, keys: Keys | None = None) -> None:
+    def __init__(self, endpoint: str, heartbeat: float = 1.0, keys: Keys | None = None,
+                 work_dir: str | None = None) -> None:
         self.endpoint = endpoint
         self.keys = keys
-        self.state = State(heartbeat=heartbeat)
+        self.state = State(heartbeat=heartbeat,
+                           journal=Journal(work_dir) if work_dir is not None else None)
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
@@ -93,10 +99,16 @@ class Broker:
             socket.bind(self.endpoint)
             if self.endpoint.endswith(":0"):
                 self.endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+            resumed = self.state.restore(time.monotonic())
+            if resumed:
+                log.info("resumed %d jobs from the journal in %s", resumed,
+                         self.state.journal.root if self.state.journal else "")
             self._ready.set()
             self._loop(socket)
         finally:
             socket.close(0)
+            if self.state.journal is not None:
+                self.state.journal.close()
             if guard is not None:
                 guard.stop()
             context.term()

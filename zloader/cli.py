@@ -196,8 +196,11 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
                         help="address to listen on (default tcp://127.0.0.1:5555: loopback; "
                              "give tcp://0.0.0.0:5555 to accept other hosts)")
     parser.add_argument("--work-dir", default=None, metavar="DIR",
-                        help="a directory for the broker's files: broker.log (its log) and "
-                             "broker.json (address and pid, for scripts); created if missing")
+                        help="a directory for the broker's files, created if missing: "
+                             "journal.jsonl and pipelines/ (its state: a broker restarted on "
+                             "the same DIR resumes every job), broker.log (its log) and "
+                             "broker.json (address and pid, for scripts). Without it a "
+                             "restarted broker starts its jobs over")
     parser.add_argument("--keys", default=None, metavar="DIR",
                         help="a keys directory (zloader keygen DIR): only peers holding an "
                              "authorized key may register pipelines, read data or serve as "
@@ -229,7 +232,7 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
             "submit code for the workers to run; see `zloader keygen`", args.bind)
     if args.work_dir:
         _work_dir(args.work_dir, args.bind)
-    broker = Broker(args.bind, heartbeat=args.heartbeat, keys=keys)
+    broker = Broker(args.bind, heartbeat=args.heartbeat, keys=keys, work_dir=args.work_dir)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: broker._stop.set())
     logging.getLogger("zloader.broker").info("listening on %s", args.bind)

@@ -2,10 +2,11 @@
 pipeline and hands finished records to the worker's socket thread over an inproc pair.
 
 Messages to the socket thread (first frame is the kind):
-``S pass`` asks for the next split of a pass (the answer comes back on the pair as
-``{"pass", "split"}``), ``P pass`` says a pass is finished, ``R head`` is one record
-(``head``: epoch, count, skipped; its buffers wait in :attr:`Producer.outbox`, in order, so no
-message is built around them), ``E body`` ends the epoch, ``F body`` reports an error.
+``S {pass, have}`` asks for the next split of a pass, having received ``have`` of them so far
+(the answer comes back on the pair as ``{"pass", "split"}``), ``P pass`` says a pass is
+finished, ``R head`` is one record (``head``: epoch, count, skipped; its buffers wait in
+:attr:`Producer.outbox`, in order, so no message is built around them), ``E body`` ends the
+epoch, ``F body`` reports an error.
 A record is sent only after taking one credit from the task's pool, so the records in flight
 never exceed what the consumers granted. A record holding a :class:`~zloader.codec.Gather`
 references the user's rows, which user code may overwrite next: the producer waits until the
@@ -161,18 +162,32 @@ class Producer(threading.Thread):
                     raise _Stopped
                 yield split
             return
+        have = 0  # splits received in this pass: the broker re-sends one whose answer was lost
         while True:
-            self._put(pair, [b"S", json.dumps(list(key)).encode()])
+            self._put(pair, [b"S", json.dumps({"pass": list(key), "have": have}).encode()])
+            reply = self._answer(pair, key, have)
+            if reply is None:
+                continue  # an answer meant for a producer that was stopped: ask again
+            if reply.get("split") is None:
+                self._put(pair, [b"P", json.dumps(list(key)).encode()])
+                return
+            have += 1
+            yield int(reply["split"])
+
+    def _answer(self, pair: zmq.Socket[Any], key: tuple[int, ...],
+                have: int) -> dict[str, Any] | None:
+        """The broker's answer to this producer's request (``have`` splits received):
+        repeated answers to an earlier request (the worker asked again after reconnecting)
+        are passed over; None for an answer about another pass."""
+        while True:
             while not pair.poll(100):
                 if self.stop.is_set():
                     raise _Stopped
             reply = json.loads(pair.recv())
             if not isinstance(reply, dict) or reply.get("pass") != list(key):
-                continue  # an answer meant for a producer that was stopped: ask again
-            if reply.get("split") is None:
-                self._put(pair, [b"P", json.dumps(list(key)).encode()])
-                return
-            yield int(reply["split"])
+                return None
+            if reply.get("have") in (None, have):
+                return reply
 
 
 class _Stopped(Exception):

@@ -8,11 +8,13 @@ user code: pipelines are kept as opaque blobs.
 
 from __future__ import annotations
 
+import logging
 import secrets
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from zloader.journal import COMPACT_LINES, Journal
 from zloader.rounds import Rounds
 from zloader.sharing.options import KEY_OPTIONS
 from zloader.sharing.window import LAG_POLICIES
@@ -20,6 +22,8 @@ from zloader.sources import split_order
 from zloader.transport.protocol import Command, Message, ProtocolError
 
 __all__ = ["KILLS_TO_FAIL", "Out", "State"]
+
+log = logging.getLogger("zloader.broker")
 
 KILLS_TO_FAIL = 3
 """A split that was being read by a dying worker this many times is reported, not re-run."""
@@ -106,9 +110,11 @@ class Job:
 class State:
     """Workers, consumers, jobs, tasks and splits; see docs/protocol.md for the messages."""
 
-    def __init__(self, heartbeat: float = 1.0, liveness: int = 3) -> None:
+    def __init__(self, heartbeat: float = 1.0, liveness: int = 3,
+                 journal: Journal | None = None) -> None:
         self.heartbeat = heartbeat
         self.liveness = liveness
+        self.journal = journal
         self.workers: dict[str, Worker] = {}
         self.consumers: dict[str, Consumer] = {}
         self.jobs: dict[str, Job] = {}
@@ -153,6 +159,9 @@ class State:
                         msg.field("prefer", str, optional=True), now,
                         plain_data=msg.body.get("plain_data") is True)
         self.workers[worker_id] = worker
+        self._record({"e": "worker", "id": worker.id, "host": worker.host,
+                      "host_id": worker.host_id, "pid": worker.pid, "endpoint": endpoint,
+                      "prefer": worker.prefer, "plain_data": worker.plain_data})
         self.peers[identity] = ("worker", worker_id)
         return [Out(identity, Command.ACK, {"heartbeat": self.heartbeat}), *self._assign(now)]
 
@@ -202,13 +211,18 @@ class State:
         coordinated = _coordinated(msg.body.get("coordinated"), name)
         options["num_consumers"] = coordinated[0] if coordinated else 0
         job = self._named_job(name) if name else None
-        if share is not None:
+        previous = self.jobs.get(str(msg.body.get("job")))  # it registers again (a restart)
+        if previous is not None and previous.fingerprint == fingerprint \
+                and previous.error is None:
+            job = previous
+        elif share is not None:
             job = next((j for j in self.jobs.values() if j.share is not None and j.error is None
                         and j.fingerprint == fingerprint
                         and all(j.options[k] == options[k] for k in KEY_OPTIONS)), None)
             if job is None:
                 job = self._new_job(msg, fingerprint, None, options, source, now)
                 job.share = share
+                self._record({"e": "share", "job": job.id, "share": share})
         elif job is not None:
             mismatch = self._mismatch(job, fingerprint, options)
             if mismatch:
@@ -217,6 +231,7 @@ class State:
             job = self._new_job(msg, fingerprint, name, options, source, now)
             if coordinated:
                 job.rounds = Rounds(coordinated[0])
+                self._record({"e": "rounds", "job": job.id, "size": coordinated[0]})
         out: list[Out] = []
         joined: dict[str, int] | None = None
         if job.rounds is not None and coordinated:
@@ -293,6 +308,12 @@ class State:
                   num_splits, bool(source.get("shuffle_splits", False)), seed, width,
                   _source_data(msg.body.get("source_data")), secrets.randbits(63), now)
         self.jobs[job.id] = job
+        if self.journal is not None:
+            self.journal.save_pipeline(job.id, job.blob)
+        self._record({"e": "job", "id": job.id, "fingerprint": fingerprint, "name": name,
+                      "options": options, "num_splits": num_splits,
+                      "shuffle_splits": job.shuffle_splits, "seed": seed, "width": width,
+                      "source_data": job.source_data, "entropy": job.entropy})
         return job
 
     def epoch_started(self, identity: bytes, msg: Message, now: float) -> list[Out]:
@@ -301,6 +322,8 @@ class State:
         epoch = msg.body.get("epoch")
         out: list[Out] = []
         if job is not None and isinstance(epoch, int) and not isinstance(epoch, bool):
+            if epoch > job.epoch:
+                self._record({"e": "epoch", "job": job.id, "epoch": epoch})
             job.epoch = max(job.epoch, epoch)
             if job.rounds is not None and consumer is not None:
                 out += self._announce(job, {}, job.rounds.epoch_started(consumer.id, epoch))
@@ -369,6 +392,8 @@ class State:
             job.tasks[task] = worker.id
             job.indices[task] = index
             worker.task = task
+            self._record({"e": "task", "job": job.id, "task": task, "worker": worker.id,
+                          "index": index})
             body = {"task": task, "job": job.id, "sharding": job.sharding, "index": index,
                     "width": job.width, "deterministic": job.deterministic,
                     "on_error": job.on_error, "entropy": job.entropy,
@@ -393,11 +418,13 @@ class State:
         job = self.jobs.get(self._task_job(task) or "")
         if worker is None or job is None or worker.task != task:
             return [Out(identity, Command.RELEASE, {"task": task})]
-        dispenser = job.passes.get(key)
-        if dispenser is None:
-            order = split_order(job.num_splits, job.shuffle_splits, job.seed, job.entropy, key)
-            dispenser = job.passes[key] = Pass(deque(order))
-            self._prune(job, key[0])
+        dispenser = self._dispenser(job, key)
+        have = msg.body.get("have")
+        handed = dispenser.handed.get(worker.id, [])
+        if isinstance(have, int) and not isinstance(have, bool) and 0 <= have < len(handed):
+            # Its answer was lost (a broker restart or a reconnect): the same split again.
+            return [Out(identity, Command.SPLIT, {"task": task, "pass": list(key),
+                                                  "split": handed[have], "have": have})]
         split: int | None = None
         # Re-queued splits of this epoch come first, whichever pass they were taken in: the
         # live workers may have moved past that pass (an endless repeat) and never ask
@@ -412,9 +439,20 @@ class State:
         if split is not None:
             dispenser.handed.setdefault(worker.id, []).append(split)
             worker.current = (key, split)
+            self._record({"e": "split", "job": job.id, "pass": list(key), "split": split,
+                          "worker": worker.id})
         else:
             worker.current = None
-        return [Out(identity, Command.SPLIT, {"task": task, "pass": list(key), "split": split})]
+        return [Out(identity, Command.SPLIT, {"task": task, "pass": list(key), "split": split,
+                                              "have": have})]
+
+    def _dispenser(self, job: Job, key: tuple[int, ...]) -> Pass:
+        dispenser = job.passes.get(key)
+        if dispenser is None:
+            order = split_order(job.num_splits, job.shuffle_splits, job.seed, job.entropy, key)
+            dispenser = job.passes[key] = Pass(deque(order))
+            self._prune(job, key[0])
+        return dispenser
 
     def _prune(self, job: Job, epoch: int) -> None:
         for key in [k for k in job.passes if k[0] < epoch - 1]:
@@ -431,6 +469,7 @@ class State:
         job.passes[key].handed.pop(worker.id, None)
         if worker.current and worker.current[0] == key:
             worker.current = None
+        self._record({"e": "done", "job": job.id, "pass": list(key), "worker": worker.id})
 
     def task_failed(self, identity: bytes, msg: Message, now: float) -> list[Out]:
         job = self.jobs.get(self._task_job(msg.field("task", str)) or "")
@@ -439,6 +478,7 @@ class State:
         error = msg.field("error", dict)
         job.error = {k: str(error.get(k, "")) for k in ("stage", "exc_type", "builtin",
                                                         "message", "traceback", "context")}
+        self._record({"e": "failed", "job": job.id, "error": job.error})
         return self._release_job(job) + self._tell_consumers(job)
 
     def _task_job(self, task: str | None) -> str | None:
@@ -509,11 +549,16 @@ class State:
             out += self._drop_worker(worker.id, died=True, now=now)
         for consumer in [c for c in self.consumers.values() if now - c.last_seen > self.expiry]:
             out += self._drop_consumer(consumer.id, now)
+        if self.journal is not None and self.journal.lines > COMPACT_LINES:
+            self.journal.compact(self.snapshot())
         for job in list(self.jobs.values()):
             if not job.consumers and job.idle_since is not None \
                     and now - job.idle_since > self.expiry:
                 out += self._release_job(job)
                 del self.jobs[job.id]
+                self._record({"e": "end", "job": job.id})
+                if self.journal is not None:
+                    self.journal.forget_pipeline(job.id)
         return out + self._assign(now)
 
     def heartbeats(self) -> list[Out]:
@@ -529,6 +574,7 @@ class State:
         worker = self.workers.pop(worker_id, None)
         if worker is None:
             return []
+        self._record({"e": "gone", "worker": worker_id, "died": died})
         self.peers.pop(worker.identity, None)
         job = self.jobs.get(self._task_job(worker.task) or "")
         if job is None:
@@ -595,6 +641,133 @@ class State:
     def _consumer(self, identity: bytes) -> Consumer | None:
         kind, pid = self.peers.get(identity, ("", ""))
         return self.consumers.get(pid) if kind == "consumer" else None
+
+    # --- the journal (zloader/journal.py) -------------------------------------------------
+
+    def _record(self, event: dict[str, Any]) -> None:
+        if self.journal is not None and not self._replaying:
+            self.journal.record(event)
+
+    _replaying = False
+
+    def restore(self, now: float) -> int:
+        """Rebuild the state from the journal (a restarted broker): jobs, tasks, splits
+        handed out and finished, epochs. Workers come back as they were and must reconnect
+        within ``liveness`` heartbeats, or their splits go to others. Returns the number of
+        jobs restored."""
+        if self.journal is None:
+            return 0
+        self._replaying = True
+        try:
+            for event in self.journal.replay():
+                try:
+                    self._apply(event, now)
+                except (KeyError, TypeError, ValueError) as exc:
+                    log.warning("journal: skipped an event it could not apply (%s): %s", exc,
+                                event)
+        finally:
+            self._replaying = False
+        for job in self.jobs.values():
+            job.idle_since = now  # collected unless a consumer comes back
+        return len(self.jobs)
+
+    def _apply(self, event: dict[str, Any], now: float) -> None:
+        kind = event["e"]
+        job = self.jobs.get(str(event.get("job")))
+        if kind == "worker":
+            self.workers[event["id"]] = Worker(
+                event["id"], b"", event["host"], event["host_id"], int(event["pid"]),
+                event["endpoint"], event.get("prefer"), now,
+                plain_data=event.get("plain_data") is True)
+        elif kind == "job":
+            blob = self.journal.load_pipeline(event["id"]) if self.journal else None
+            if blob is None:
+                return
+            options = event["options"]
+            self.jobs[event["id"]] = Job(
+                event["id"], event["fingerprint"], event["name"], options["sharding"],
+                options["deterministic"], options["on_error"], options, blob,
+                event["num_splits"], event["shuffle_splits"], event["seed"], event["width"],
+                event["source_data"], event["entropy"], now)
+        elif job is None:
+            if kind == "gone":
+                self._drop_worker(event["worker"], bool(event.get("died")), now)
+        elif kind == "share":
+            job.share = event["share"]
+        elif kind == "rounds":
+            job.rounds = Rounds(int(event["size"]))
+        elif kind == "task":
+            job.tasks[event["task"]] = event["worker"]
+            job.indices[event["task"]] = int(event["index"])
+            if event["worker"] in self.workers:
+                self.workers[event["worker"]].task = event["task"]
+        elif kind == "split":
+            self._take(job, event["worker"], tuple(event["pass"]), int(event["split"]))
+        elif kind == "done":
+            dispenser = job.passes.get(tuple(event["pass"]))
+            if dispenser is not None:
+                dispenser.handed.pop(event["worker"], None)
+            worker = self.workers.get(event["worker"])
+            if worker is not None:
+                worker.current = None
+        elif kind == "epoch":
+            job.epoch = max(job.epoch, int(event["epoch"]))
+        elif kind == "pass":  # from a compacted journal
+            job.passes[tuple(event["pass"])] = Pass(
+                deque(event["order"]), {w: list(s) for w, s in event["handed"].items()},
+                deque(event["requeued"]))
+        elif kind == "failed":
+            job.error = event["error"]
+            self._release_job(job)
+        elif kind == "end":
+            self._release_job(job)
+            del self.jobs[job.id]
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """The journal events that rebuild the state as it is now (for compaction)."""
+        events: list[dict[str, Any]] = []
+        for w in self.workers.values():
+            events.append({"e": "worker", "id": w.id, "host": w.host, "host_id": w.host_id,
+                           "pid": w.pid, "endpoint": w.endpoint, "prefer": w.prefer,
+                           "plain_data": w.plain_data})
+        for job in self.jobs.values():
+            events.append({"e": "job", "id": job.id, "fingerprint": job.fingerprint,
+                           "name": job.name, "options": job.options,
+                           "num_splits": job.num_splits, "shuffle_splits": job.shuffle_splits,
+                           "seed": job.seed, "width": job.width,
+                           "source_data": job.source_data, "entropy": job.entropy})
+            if job.share is not None:
+                events.append({"e": "share", "job": job.id, "share": job.share})
+            if job.rounds is not None:
+                events.append({"e": "rounds", "job": job.id, "size": job.rounds.size})
+            events.append({"e": "epoch", "job": job.id, "epoch": job.epoch})
+            for task, worker in job.tasks.items():
+                events.append({"e": "task", "job": job.id, "task": task, "worker": worker,
+                               "index": job.indices[task]})
+            for key, dispenser in job.passes.items():
+                events.append({"e": "pass", "job": job.id, "pass": list(key),
+                               "order": list(dispenser.order),
+                               "requeued": list(dispenser.requeued),
+                               "handed": dispenser.handed})
+            if job.error is not None:
+                events.append({"e": "failed", "job": job.id, "error": job.error})
+        return events
+
+    def _take(self, job: Job, worker_id: str, key: tuple[int, ...], split: int) -> None:
+        """Replay one split handed to a worker."""
+        dispenser = self._dispenser(job, key)
+        for waiting in [dispenser, *(p for k, p in job.passes.items()
+                                     if k[0] == key[0] and k != key)]:
+            if split in waiting.requeued:
+                waiting.requeued.remove(split)
+                break
+        else:
+            if split in dispenser.order:
+                dispenser.order.remove(split)
+        dispenser.handed.setdefault(worker_id, []).append(split)
+        worker = self.workers.get(worker_id)
+        if worker is not None:
+            worker.current = (key, split)
 
     # --- status ---------------------------------------------------------------------------
 

@@ -150,6 +150,7 @@ class WorkerProcess:
         self.bytes = 0
         self.fallbacks = 0
         self.rejected = 0  # malformed messages dropped
+        self._asking: dict[str, Any] | None = None  # the split request not yet answered
         self._warned = 0.0
         self.early_opens: deque[tuple[bytes, Message]] = deque(maxlen=64)
         self._last_from_broker = time.monotonic()
@@ -253,6 +254,7 @@ class WorkerProcess:
                 poller.unregister(self.broker)
                 self.broker.close(0)
                 poller.register(self._connect_broker(), zmq.POLLIN)
+                self._ask_again_for_split()
                 if self.task is not None and self.task.coordinated:
                     self._ask_again(self.task)
             if self.parent is not None and os.getppid() != self.parent:
@@ -270,6 +272,13 @@ class WorkerProcess:
             self._reject(f"dropped a malformed message from the broker: {exc}")
         except Exception:  # a bug must not stop the worker: log it, drop the message
             self._reject("failed on a message from the broker", exc_info=True)
+
+    def _ask_again_for_split(self) -> None:
+        """A split request whose answer may be lost (a new broker connection): ask again;
+        ``have`` makes the broker send the same split if it had handed one out."""
+        if self._asking is not None and self.task is not None \
+                and self._asking["task"] == self.task.id:
+            self._to_broker(Command.SPLIT_REQ, self._asking)
 
     def _reject(self, text: str, exc_info: bool = False) -> None:
         """Count a dropped message; log it at most once a second."""
@@ -292,10 +301,12 @@ class WorkerProcess:
             task = self.task
             link = task.producer.link if task is not None and task.producer else None
             if task is not None and msg.field("task", str) == task.id and link is not None:
+                self._asking = None
                 split = msg.field("split", int, optional=True)
                 with contextlib.suppress(zmq.Again):
-                    link.send(json.dumps({"pass": msg.field("pass", list),
-                                          "split": split}).encode(), zmq.NOBLOCK)
+                    link.send(json.dumps({"pass": msg.field("pass", list), "split": split,
+                                          "have": msg.body.get("have")}).encode(),
+                              zmq.NOBLOCK)
         elif command is Command.RELEASE:
             if self.task is not None and msg.field("task", str) == self.task.id:
                 self._stop_task()
@@ -308,7 +319,8 @@ class WorkerProcess:
                 self.task.replaced.add(msg.field("consumer", str))
             self._drop_consumer(msg.field("consumer", str))
         elif command is Command.UNKNOWN:
-            self._ready()
+            self._ready()  # the broker restarted (or gave up on us): register again
+            self._ask_again_for_split()
         elif command is Command.ERROR:
             log.error("broker refused a message: %s", msg.body.get("message"))
 
@@ -407,8 +419,9 @@ class WorkerProcess:
                 self._from_replay(task, producer, kind, json.loads(frames[1].bytes))
             return
         if kind == b"S":
-            self._to_broker(Command.SPLIT_REQ, {"task": task.id,
-                                                "pass": json.loads(frames[1].bytes)})
+            ask = json.loads(frames[1].bytes)
+            self._asking = {"task": task.id, "pass": ask["pass"], "have": ask["have"]}
+            self._to_broker(Command.SPLIT_REQ, self._asking)
         elif kind == b"P":
             self._to_broker(Command.PASS_DONE, {"task": task.id,
                                                 "pass": json.loads(frames[1].bytes)})

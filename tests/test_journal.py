@@ -1,0 +1,123 @@
+"""A broker with a work dir journals its state and resumes every job after a SIGKILL:
+workers and Loaders reconnect by themselves and carry on where they were."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+
+from tests.service import BIN, HEARTBEAT, free_port, start_worker, status, stop, wait_for
+from tests.test_state import ready, register, split, task_of
+from zloader import Loader, Pipeline
+from zloader.journal import Journal
+from zloader.state import State
+from zloader.transport.protocol import Command, Message
+
+
+def test_a_restored_state_hands_out_the_splits_where_it_stopped(tmp_path):
+    state = State(journal=Journal(tmp_path))
+    ready(state, "w1")
+    ready(state, "w2")
+    out = register(state, "c1", splits=6)
+    tasks = {o.identity.decode(): o.body["task"] for o in out if o.command is Command.TASK}
+    assert [split(state, "w1", tasks["w1"]) for _ in range(2)] == [0, 1]
+    assert split(state, "w2", tasks["w2"]) == 2
+    state.pass_done(b"w1", Message(Command.PASS_DONE, {"task": tasks["w1"], "pass": [0]}), 0.0)
+    state.journal.close()
+
+    again = State(journal=Journal(tmp_path))
+    assert again.restore(now=100.0) == 1
+    (job,) = again.jobs.values()
+    assert job.passes[(0,)].handed == {"w2": [2]} and list(job.passes[(0,)].order) == [3, 4, 5]
+    # The workers come back under new connections and keep their tasks (no new TASK).
+    assert [o.command for o in ready(again, "w1", now=100.5)] == [Command.ACK]
+    assert [o.command for o in ready(again, "w2", now=100.5)] == [Command.ACK]
+    # The consumer comes back too, naming its job: it gets that job, not a new one.
+    (view,) = [o.body for o in again.register(b"c1", Message(Command.REGISTER, {
+        "consumer": "c1", "fingerprint": "f" * 64, "job_name": None, "job": job.id,
+        "sharding": "dynamic", "deterministic": False, "num_workers": 0,
+        "on_error": "raise", "host_id": "h/boot/ns", "pid": 1,
+        "source": {"num_splits": 6, "shuffle_splits": False, "seed": None}},
+        [b"pipeline"]), 100.5) if o.command is Command.JOB]
+    assert view["job"] == job.id and len(again.jobs) == 1
+    # w2 lost the answer to its request: asking again with have=0 gets split 2 again.
+    (answer,) = again.split_request(b"w2", Message(Command.SPLIT_REQ, {
+        "task": tasks["w2"], "pass": [0], "have": 0}), 100.5)
+    assert answer.body["split"] == 2
+    assert split(again, "w1", tasks["w1"]) == 3
+    # A worker that stops answering: its split goes to the others.
+    again.seen(b"w1", 103.0)
+    again.seen(b"c1", 103.0)
+    again.tick(104.0)
+    assert "w2" not in again.workers
+    assert list(again.jobs[job.id].passes[(0,)].requeued) == [2]
+
+
+def test_a_job_is_collected_from_the_journal_too(tmp_path):
+    state = State(journal=Journal(tmp_path))
+    ready(state, "w1")
+    task_of(register(state, "c1"))
+    state.bye(b"c1", 0.0)
+    state.tick(10.0)  # collected
+    assert not state.jobs
+    again = State(journal=Journal(tmp_path))
+    assert again.restore(now=0.0) == 0
+    assert not os.listdir(tmp_path / "pipelines")
+
+
+def start_broker(address: str, work_dir: str) -> subprocess.Popen:
+    return subprocess.Popen([os.path.join(BIN, "zloader-broker"), "--bind", address,
+                             "--heartbeat", str(HEARTBEAT), "--work-dir", work_dir,
+                             "--log-level", "error"])
+
+
+def test_a_broker_killed_mid_epoch_and_restarted_resumes_the_job_exactly(tmp_path):
+    def slow(x):
+        time.sleep(0.004)
+        return x
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    work_dir = str(tmp_path / "broker")
+    broker = start_broker(address, work_dir)
+    workers = []
+    try:
+        wait_for(lambda: status(address, 1.0) is not None, what="the broker")
+        workers = [start_worker(address) for _ in range(2)]
+        wait_for(lambda: len(status(address)["workers"]) == 2, what="the workers")
+        with Loader(Pipeline.range(600, split_size=10).map(slow), broker=address,
+                    timeout=30) as loader:
+            seen: list[int] = []
+            killed = threading.Event()
+
+            def kill_and_restart() -> None:
+                wait_for(lambda: len(seen) >= 100, what="progress")
+                broker.send_signal(signal.SIGKILL)
+                broker.wait()
+                killed.set()
+                time.sleep(1.0)  # down a while: the workers keep serving what they hold
+                restarted.append(start_broker(address, work_dir))
+
+            restarted: list[subprocess.Popen] = []
+            thread = threading.Thread(target=kill_and_restart, daemon=True)
+            thread.start()
+            start = time.monotonic()
+            for x in loader:
+                seen.append(x)
+            thread.join(30)
+            assert killed.is_set() and restarted
+            assert time.monotonic() - start < 60
+            # Every element of the epoch once: the journal kept which splits were handed
+            # out, and a worker whose answer was lost got the same split again.
+            assert sorted(seen) == list(range(600))
+            assert sorted(loader) == list(range(600))  # and the next epoch is whole
+        body = status(address)
+        assert len(body["workers"]) == 2 and len(body["jobs"]) == 1
+    finally:
+        for process in workers:
+            stop(process)
+        stop(broker)
+        for process in locals().get("restarted", []):
+            stop(process)
