@@ -88,10 +88,10 @@ def service(workers: int = 1, keys: str | None = None
     """A broker and ``workers`` single-process workers (with ``keys``, all authenticated);
     all stopped on exit."""
     broker, address = start_broker(keys=keys)
-    procs = []
+    # The workers start at once: they connect while the broker starts (ZeroMQ retries).
+    procs = [start_worker(address, keys=keys) for _ in range(workers)]
     try:
         wait_for(lambda: status(address, 1.0, keys) is not None, what="the broker")
-        procs = [start_worker(address, keys=keys) for _ in range(workers)]
         wait_for(lambda: len(status(address, keys=keys)["workers"]) == workers,
                  what="the workers")
         yield address, procs

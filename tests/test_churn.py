@@ -57,7 +57,7 @@ def churn(loaders: int, kill_every: int) -> None:
 
 
 def test_a_short_churn_leaves_nothing_behind():
-    churn(12, kill_every=4)
+    churn(8, kill_every=4)
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 
+import pytest
 import zmq
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -45,10 +46,26 @@ def test_the_decoder_raises_only_protocol_error(batch):
             decode(frames_)
 
 
+LIVE = {"derandomize": True, "deadline": None, "phases": [Phase.generate],
+        "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large]}
+
+
 @given(st.lists(messages, min_size=60, max_size=60))
-@settings(max_examples=3, derandomize=True, deadline=None, phases=[Phase.generate],
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=1, **LIVE)
 def test_random_messages_never_stop_the_broker_or_a_worker(batch):
+    hostile_round(batch)
+
+
+@pytest.mark.slow
+@given(st.lists(messages, min_size=200, max_size=200))
+@settings(max_examples=10, **LIVE)
+def test_many_random_messages_never_stop_the_broker_or_a_worker(batch):
+    hostile_round(batch)
+
+
+def hostile_round(batch: list) -> None:
+    """Send ``batch`` to a live broker and worker while a Loader reads; both must keep
+    serving, and count what they dropped."""
     with service(1) as (address, procs):
         with Loader(Pipeline.range(10**6), broker=address, timeout=20) as loader:
             epoch = iter(loader)

@@ -402,7 +402,7 @@ def test_max_skipped_raises_once_exceeded():
 
 def test_all_workers_dead_raises_timeout_saying_so():
     with service(workers=1) as (address, procs):
-        with Loader(Pipeline.range(10**9), broker=address, timeout=6) as loader:
+        with Loader(Pipeline.range(10**9), broker=address, timeout=3) as loader:
             start = time.monotonic()
             with pytest.raises(Timeout, match="no worker"):
                 for i, _ in enumerate(loader):

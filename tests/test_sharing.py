@@ -116,7 +116,7 @@ def test_a_slow_trainer_skips_and_counts_with_skip_and_holds_the_producer_with_b
         window = ("--window", str(1 << 16))
         # The slow one first: a trainer that joins late gets what it missed replayed at its
         # own pace, which a slow late joiner would spend most of the epoch on.
-        slow = Trainer(address, *window, "--lag", "skip", "--delay", "0.1", n=300)
+        slow = Trainer(address, *window, "--lag", "skip", "--delay", "0.05", n=300)
         wait_for(lambda: slow.progress >= 10, what="the slow trainer's progress")
         fast = Trainer(address, *window, "--lag", "skip", n=300)
         (fast_epoch,), (slow_epoch,) = fast.epochs(), slow.epochs()
