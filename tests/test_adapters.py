@@ -61,6 +61,7 @@ def test_torch_tensors_share_writable_memory_and_copy_read_only_rows():
     assert not np.shares_memory(tensor.numpy(), row) and row.sum() == 0
 
 
+@pytest.mark.slow  # torch takes 5 s to shut its worker down after the error
 def test_torch_dataloader_with_workers_is_refused_clearly():
     loader = torch.utils.data.DataLoader(
         zloader.torch.IterableDataset(Pipeline.range(4), num_workers=0), num_workers=1,

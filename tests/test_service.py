@@ -368,6 +368,7 @@ def test_user_modules_travel_by_value_to_workers_that_lack_them(tmp_path, monkey
             sys.modules.pop("my_transforms", None)
 
 
+@pytest.mark.slow
 def test_a_split_that_kills_three_workers_is_reported_naming_it():
     def crash_on_seven(x):
         if x == 7:

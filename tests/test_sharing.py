@@ -111,7 +111,8 @@ def test_a_killed_trainer_does_not_stall_the_others():
         assert sorted(epoch["got"]) == list(range(400))
 
 
-def test_a_slow_trainer_skips_and_counts_with_skip_and_holds_the_producer_with_block():
+@pytest.mark.slow
+def test_a_slow_trainer_skips_and_counts_with_skip():
     with service(workers=1) as (address, _):
         window = ("--window", str(1 << 16))
         # The slow one first: a trainer that joins late gets what it missed replayed at its
@@ -125,6 +126,9 @@ def test_a_slow_trainer_skips_and_counts_with_skip_and_holds_the_producer_with_b
         assert skipped > 0
         assert len(slow_epoch["got"]) + skipped == 300
         assert len(set(slow_epoch["got"])) == len(slow_epoch["got"])
+
+
+def test_a_slow_trainer_holds_the_producer_with_block():
     with service(workers=1) as (address, _):
         window = ("--window", str(1 << 16), "--block", "600")
         fast = Trainer(address, *window, n=150)
