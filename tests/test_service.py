@@ -536,3 +536,21 @@ def test_an_embedded_consumer_killed_hard_leaves_nothing_after_the_next_loaders_
             assert sorted(loader) == [0, 1, 2]
         assert not [n for n in os.listdir(tempfile.gettempdir()) if n.startswith(prefix)]
         assert not _segments_of(consumer.pid)
+
+
+def test_a_worker_drained_by_sigterm_finishes_its_splits_nothing_lost_or_repeated():
+    def slow(x):
+        time.sleep(0.003)
+        return x
+
+    with service(workers=2) as (address, procs):
+        with Loader(Pipeline.range(600, split_size=20).map(slow), broker=address,
+                    timeout=30) as loader:
+            seen = []
+            for x in loader:
+                seen.append(x)
+                if len(seen) == 100:
+                    procs[0].send_signal(signal.SIGTERM)  # as a scale-down would
+            assert sorted(seen) == list(range(600))  # exactly once: no split read twice
+            assert procs[0].wait(30) == 0  # it left once done
+            assert sorted(loader) == list(range(600))  # the other worker serves on

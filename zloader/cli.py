@@ -308,7 +308,10 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
 
     worker = WorkerProcess(args.broker, bind, advertise=args.advertise, parent=args.parent,
                            keys=keys, plain_data=args.plain_data)
-    signal.signal(signal.SIGTERM, lambda *_: worker.stop.set())
+    # SIGTERM drains: the splits taken are finished and delivered, then the worker leaves
+    # (a Loader's own workers, --parent, just stop: their consumer is leaving).
+    signal.signal(signal.SIGTERM, lambda *_: worker.stop.set() if args.parent is not None
+                  else worker.drain())
     if args.parent is not None:
         # The worker loop exits within 0.1 s of its parent's death (it watches getppid();
         # PR_SET_PDEATHSIG would fire when the *thread* that started it exits, which a

@@ -164,6 +164,9 @@ class Producer(threading.Thread):
             return
         have = 0  # splits received in this pass: the broker re-sends one whose answer was lost
         while True:
+            if task.draining.is_set():  # the worker is leaving: this pass ends here for it
+                self._put(pair, [b"P", json.dumps(list(key)).encode()])
+                return
             self._put(pair, [b"S", json.dumps({"pass": list(key), "have": have}).encode()])
             reply = self._answer(pair, key, have)
             if reply is None:

@@ -49,6 +49,8 @@ __all__ = ["WorkerProcess"]
 log = logging.getLogger("zloader.worker")
 
 FETCH_TIMEOUT = 30.0
+DRAIN_SECONDS = 30.0
+"""A worker told to leave (SIGTERM) finishes its splits for at most this long."""
 
 
 @dataclass
@@ -77,6 +79,8 @@ class _Group:
 
 @dataclass
 class _Task:
+    """The job a worker runs (see the fields' comments)."""
+
     id: str
     job: str
     plan: Plan
@@ -113,6 +117,7 @@ class _Task:
     partial: list[Outgoing] = field(default_factory=list)
     partial_epoch: int = -1
     replaced: set[str] = field(default_factory=set)  # consumers a restarted one took over
+    draining: threading.Event = field(default_factory=threading.Event)  # take no more splits
     groups: deque[_Group] = field(default_factory=deque)
 
 
@@ -151,6 +156,7 @@ class WorkerProcess:
         self.fallbacks = 0
         self.rejected = 0  # malformed messages dropped
         self._asking: dict[str, Any] | None = None  # the split request not yet answered
+        self._drain_deadline: float | None = None  # set by drain()
         self._warned = 0.0
         self.early_opens: deque[tuple[bytes, Message]] = deque(maxlen=64)
         self._last_from_broker = time.monotonic()
@@ -260,6 +266,36 @@ class WorkerProcess:
             if self.parent is not None and os.getppid() != self.parent:
                 log.warning("parent process %d is gone: exiting", self.parent)
                 return
+            if self._drain_deadline is not None and self._drained(now):
+                return
+
+    # --- draining (SIGTERM to zloader-worker) -----------------------------------------------
+
+    def drain(self) -> None:
+        """Leave without losing or repeating anything: take no more splits, finish the
+        ones taken and send what they make, then exit (at most DRAIN_SECONDS). Called
+        from a signal handler: it only sets flags the loop reads."""
+        if self._drain_deadline is None:
+            self._drain_deadline = time.monotonic() + DRAIN_SECONDS
+        task = self.task
+        if task is not None:
+            task.draining.set()
+
+    def _drained(self, now: float) -> bool:
+        task = self.task
+        assert self._drain_deadline is not None
+        if task is not None:
+            task.draining.set()  # a task that arrived meanwhile
+        if now > self._drain_deadline:
+            log.warning("still busy %.0f s after SIGTERM: leaving anyway (the splits it "
+                        "holds go to other workers)", DRAIN_SECONDS)
+            return True
+        if task is None or task.sharding != "dynamic" or not task.streams:
+            return True  # nothing to finish, or nobody to send it to (static and off
+            # splits are the worker's own: nobody else would read them anyway)
+        busy = (task.producer is not None or task.pending or task.groups or task.partial
+                or any(s.handoffs for s in task.streams.values()))
+        return not busy
 
     # --- broker ---------------------------------------------------------------------------
 
@@ -550,6 +586,8 @@ class WorkerProcess:
         self._maybe_produce(task)
 
     def _maybe_produce(self, task: _Task) -> None:
+        if task.draining.is_set():
+            return  # leaving: no new epochs, no replays
         if task.replayer is None:
             while task.replays:  # a shared job's late joiner: make what it missed again
                 trainer, epoch, missed = task.replays.popleft()
