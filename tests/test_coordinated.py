@@ -5,6 +5,7 @@ consumer j gets x*N + j."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -21,6 +23,19 @@ from tests.service import service, wait_for
 from zloader import Loader, Pipeline
 
 CONSUMER = os.path.join(os.path.dirname(__file__), "coord_consumer.py")
+
+
+@contextlib.contextmanager
+def coordinated_loaders(pipeline: Pipeline, address: str, job: str, n: int
+                        ) -> Iterator[list[Loader]]:
+    """The N coordinated consumers of ``job``, closed on exit."""
+    loaders = [Loader(pipeline, broker=address, job_name=job, num_consumers=n,
+                      consumer_index=i, timeout=30) for i in range(n)]
+    try:
+        yield loaders
+    finally:
+        for loader in loaders:
+            loader.close()
 
 
 def read_together(loaders: list[Loader], epochs: int = 1, timeout: float = 60.0
@@ -61,14 +76,9 @@ def check_groups(sequences: list[list[int]], n: int) -> None:
 def test_each_round_is_one_group_from_one_worker(workers, consumers):
     rounds = 40
     with service(workers) as (address, _):
-        loaders = [Loader(groups(consumers, rounds, 0.0), broker=address, job_name="groups",
-                          num_consumers=consumers, consumer_index=i, timeout=30)
-                   for i in range(consumers)]
-        try:
+        with coordinated_loaders(groups(consumers, rounds, 0.0), address, "groups",
+                                 consumers) as loaders:
             results = read_together(loaders, epochs=2)
-        finally:
-            for loader in loaders:
-                loader.close()
     for epoch in range(2):
         sequences = [[int(v) for v in r[epoch]] for r in results]
         check_groups(sequences, consumers)
@@ -81,13 +91,8 @@ def test_each_round_is_one_group_from_one_worker(workers, consumers):
 def test_finite_input_gives_equal_counts_and_counts_the_dropped_last_round():
     with service(3) as (address, _):
         pipeline = Pipeline.range(100, split_size=3)
-        loaders = [Loader(pipeline, broker=address, job_name="finite", num_consumers=3,
-                          consumer_index=i, timeout=30) for i in range(3)]
-        try:
+        with coordinated_loaders(pipeline, address, "finite", 3) as loaders:
             results = read_together(loaders, epochs=2)
-        finally:
-            for loader in loaders:
-                loader.close()
     for epoch in range(2):
         sequences = [r[epoch] for r in results]
         assert len({len(s) for s in sequences}) == 1  # equal: no rank waits on a last step
@@ -112,14 +117,8 @@ def test_bucketing_gives_every_consumer_of_a_step_the_same_bucket():
                 .shuffle(200, seed=1)
                 .bucket_by_length(lambda x: int(x) % 90, boundaries, [size] * 3))
     with service(2) as (address, _):
-        loaders = [Loader(pipeline, broker=address, job_name="buckets",
-                          num_consumers=consumers, consumer_index=i, timeout=30)
-                   for i in range(consumers)]
-        try:
+        with coordinated_loaders(pipeline, address, "buckets", consumers) as loaders:
             results = read_together(loaders)
-        finally:
-            for loader in loaders:
-                loader.close()
     sequences = [r[0] for r in results]
     steps = list(zip(*sequences, strict=True))
     assert len(steps) >= 6
@@ -135,19 +134,14 @@ def test_bucketing_gives_every_consumer_of_a_step_the_same_bucket():
 def test_worker_killed_mid_read_keeps_groups_consistent_without_hanging():
     consumers = 3
     with service(3) as (address, procs):
-        loaders = [Loader(groups(consumers, 150, 0.01), broker=address, job_name="kill",
-                          num_consumers=consumers, consumer_index=i, timeout=30)
-                   for i in range(consumers)]
-        killer = threading.Thread(target=lambda: (
-            wait_for(lambda: loaders[0].stats()["elements"] >= 20, what="progress"),
-            procs[1].send_signal(signal.SIGKILL)), daemon=True)
-        killer.start()
-        start = time.monotonic()
-        try:
+        with coordinated_loaders(groups(consumers, 150, 0.01), address, "kill",
+                                 consumers) as loaders:
+            killer = threading.Thread(target=lambda: (
+                wait_for(lambda: loaders[0].stats()["elements"] >= 20, what="progress"),
+                procs[1].send_signal(signal.SIGKILL)), daemon=True)
+            killer.start()
+            start = time.monotonic()
             results = read_together(loaders, timeout=90)
-        finally:
-            for loader in loaders:
-                loader.close()
         killer.join(5)
         assert time.monotonic() - start < 90
     sequences = [[int(v) for v in r[0]] for r in results]
@@ -159,9 +153,8 @@ def test_worker_killed_mid_read_keeps_groups_consistent_without_hanging():
 
 
 def test_a_consumer_leaving_an_epoch_early_ends_it_for_the_others_without_a_hang():
-    with service(2) as (address, _):
-        loaders = [Loader(groups(2, 100, 0.002), broker=address, job_name="early",
-                          num_consumers=2, consumer_index=i, timeout=30) for i in range(2)]
+    with service(2) as (address, _), \
+            coordinated_loaders(groups(2, 100, 0.002), address, "early", 2) as loaders:
         results: list[list] = [[], []]
 
         def leave_early() -> None:
@@ -173,15 +166,11 @@ def test_a_consumer_leaving_an_epoch_early_ends_it_for_the_others_without_a_hang
             results[1] = [[int(v) for v in loaders[1]] for _ in range(2)]
 
         threads = [threading.Thread(target=f, daemon=True) for f in (leave_early, read_all)]
-        try:
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(60)
-            assert not any(t.is_alive() for t in threads), "a consumer hung"
-        finally:
-            for loader in loaders:
-                loader.close()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not any(t.is_alive() for t in threads), "a consumer hung"
     first, second = results[0][0], results[1][0]
     assert 5 <= len(second) < 2 * 100  # the epoch ended for it too, after what it had
     check_groups([first, second[:5]], 2)

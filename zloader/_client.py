@@ -34,6 +34,7 @@ from zloader.transport.protocol import (
     decode,
     encode,
     error_from_object,
+    heartbeat,
 )
 
 __all__ = ["IOThread", "Item"]
@@ -117,7 +118,8 @@ class IOThread(threading.Thread):
         self._commands: deque[tuple[Any, ...]] = deque()
         self._halt = threading.Event()
         # A command wakes the thread at once (a byte in this pipe) instead of at its next poll.
-        # The pipe lives as long as this object (closed in __del__), so no lock is needed.
+        # The pipe is closed once the thread has stopped (close(), or __del__ if it never
+        # ran), so writers need no lock.
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
@@ -343,10 +345,9 @@ class IOThread(threading.Thread):
             width = msg.body.get("width")
             if isinstance(width, int) and width > 0:
                 self._width = width
-            beat = msg.body.get("heartbeat")
-            if isinstance(beat, (int, float)) and not isinstance(beat, bool) \
-                    and 0.05 <= beat <= 60:
-                self._heartbeat = float(beat)
+            beat = heartbeat(msg.body.get("heartbeat"))
+            if beat is not None:
+                self._heartbeat = beat
             job_error = msg.body.get("error")
             if job_error and not self._reported_error:
                 self._reported_error = True
@@ -376,11 +377,11 @@ class IOThread(threading.Thread):
             error: Exception = ValueError(text) if "job_name" in text else ZloaderError(text)
             self.items.put(Item("error", error=error))
         elif msg.command is Command.COMMIT:
-            if self.rounds is not None and msg.field("epoch", int) == self._epoch:
-                self.rounds.commit(msg.field("rounds", list), msg.field("lost", list))
-                self._release_rounds()
             if self.rounds is not None:
                 self.rounds.total_lost = int(msg.body.get("total_lost") or 0)
+                if msg.field("epoch", int) == self._epoch:
+                    self.rounds.commit(msg.field("rounds", list), msg.field("lost", list))
+                    self._release_rounds()
         elif msg.command is Command.UNKNOWN:
             if self._job is not None:  # the broker restarted: register again on the next
                 self.register_body["job"] = self._job  # beat, for the same job if it has it
@@ -513,13 +514,12 @@ class IOThread(threading.Thread):
         self.records += 1
         self.bytes += sum(memoryview(b).nbytes for b in buffers)
         self.per_worker[peer.pid] = self.per_worker.get(peer.pid, 0) + count
-        if self.rounds is None:
-            self._skipped_by[peer.worker] = int(msg.body.get("skipped", 0))
-            self.skipped = sum(self._skipped_by.values())
         self._note_lagged(peer, msg)
         item = Item("data", self._epoch if self._epoch is not None else -1, peer.worker,
                     peer.index, elements)
         if self.rounds is None:
+            self._skipped_by[peer.worker] = int(msg.body.get("skipped", 0))
+            self.skipped = sum(self._skipped_by.values())
             self.items.put(item)
             return
         number = msg.field("round", int)

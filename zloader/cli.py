@@ -188,6 +188,7 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
 
     from zloader.broker import Broker
     from zloader.transport.keys import loopback
+    from zloader.transport.protocol import HEARTBEAT_RANGE, heartbeat
 
     parser = argparse.ArgumentParser(
         prog="zloader-broker", description="Run a zloader broker: it hands the splits of "
@@ -217,8 +218,9 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
                         choices=["debug", "info", "warning", "error"])
     parser.add_argument("--version", action="version", version=f"zloader {__version__}")
     args = parser.parse_args(argv)
-    if not 0.05 <= args.heartbeat <= 60:
-        parser.error(f"--heartbeat must be between 0.05 and 60 seconds, got {args.heartbeat}")
+    if heartbeat(args.heartbeat) is None:
+        parser.error(f"--heartbeat must be between {HEARTBEAT_RANGE[0]} and "
+                     f"{HEARTBEAT_RANGE[1]:.0f} seconds, got {args.heartbeat}")
     keys = _keys(parser, args.keys)
     _logging(args.log_level)
     if keys is None:

@@ -69,7 +69,7 @@ class Rounds:
     def issue(self, worker: str, epoch: int, members: list[Any]) -> int | None:
         """The next round of ``epoch`` for ``worker``, whose group of elements is addressed
         to ``members`` (consumer ids by index); None when they are not the members now."""
-        if len(self.members) < self.size or members != [
+        if self.vacant() or members != [
                 self.members.get(i) for i in range(self.size)] or any(
                 self.started.get(c, -1) > epoch for c in members):
             self.lost += 1  # a group of elements that got no number: lost, not numbered
@@ -159,4 +159,8 @@ class Rounds:
         """What every consumer of the job is told (in the job view)."""
         return {"size": self.size, "issued": {str(e): n for e, n in self.issued.items()},
                 "reruns": {str(e): n for e, n in self.reruns.items()}, "lost": self.lost,
-                "vacant": [i for i in range(self.size) if i not in self.members]}
+                "vacant": self.vacant()}
+
+    def vacant(self) -> list[int]:
+        """The consumer indices no consumer holds now."""
+        return [i for i in range(self.size) if i not in self.members]

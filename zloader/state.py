@@ -159,9 +159,7 @@ class State:
                         msg.field("prefer", str, optional=True), now,
                         plain_data=msg.body.get("plain_data") is True)
         self.workers[worker_id] = worker
-        self._record({"e": "worker", "id": worker.id, "host": worker.host,
-                      "host_id": worker.host_id, "pid": worker.pid, "endpoint": endpoint,
-                      "prefer": worker.prefer, "plain_data": worker.plain_data})
+        self._record(_worker_event(worker))
         self.peers[identity] = ("worker", worker_id)
         return [Out(identity, Command.ACK, {"heartbeat": self.heartbeat}), *self._assign(now)]
 
@@ -310,10 +308,7 @@ class State:
         self.jobs[job.id] = job
         if self.journal is not None:
             self.journal.save_pipeline(job.id, job.blob)
-        self._record({"e": "job", "id": job.id, "fingerprint": fingerprint, "name": name,
-                      "options": options, "num_splits": num_splits,
-                      "shuffle_splits": job.shuffle_splits, "seed": seed, "width": width,
-                      "source_data": job.source_data, "entropy": job.entropy})
+        self._record(_job_event(job))
         return job
 
     def epoch_started(self, identity: bytes, msg: Message, now: float) -> list[Out]:
@@ -725,17 +720,9 @@ class State:
 
     def snapshot(self) -> list[dict[str, Any]]:
         """The journal events that rebuild the state as it is now (for compaction)."""
-        events: list[dict[str, Any]] = []
-        for w in self.workers.values():
-            events.append({"e": "worker", "id": w.id, "host": w.host, "host_id": w.host_id,
-                           "pid": w.pid, "endpoint": w.endpoint, "prefer": w.prefer,
-                           "plain_data": w.plain_data})
+        events: list[dict[str, Any]] = [_worker_event(w) for w in self.workers.values()]
         for job in self.jobs.values():
-            events.append({"e": "job", "id": job.id, "fingerprint": job.fingerprint,
-                           "name": job.name, "options": job.options,
-                           "num_splits": job.num_splits, "shuffle_splits": job.shuffle_splits,
-                           "seed": job.seed, "width": job.width,
-                           "source_data": job.source_data, "entropy": job.entropy})
+            events.append(_job_event(job))
             if job.share is not None:
                 events.append({"e": "share", "job": job.id, "share": job.share})
             if job.rounds is not None:
@@ -807,7 +794,20 @@ def _round_status(rounds: Rounds, epoch: int) -> dict[str, Any]:
     rounds numbered, rounds lost so far, indices waiting for a consumer."""
     return {"num_consumers": rounds.size, "epoch": epoch,
             "rounds": rounds.issued.get(epoch, 0), "lost": rounds.lost,
-            "vacant": [i for i in range(rounds.size) if i not in rounds.members]}
+            "vacant": rounds.vacant()}
+
+
+def _worker_event(worker: Worker) -> dict[str, Any]:
+    return {"e": "worker", "id": worker.id, "host": worker.host, "host_id": worker.host_id,
+            "pid": worker.pid, "endpoint": worker.endpoint, "prefer": worker.prefer,
+            "plain_data": worker.plain_data}
+
+
+def _job_event(job: Job) -> dict[str, Any]:
+    return {"e": "job", "id": job.id, "fingerprint": job.fingerprint, "name": job.name,
+            "options": job.options, "num_splits": job.num_splits,
+            "shuffle_splits": job.shuffle_splits, "seed": job.seed, "width": job.width,
+            "source_data": job.source_data, "entropy": job.entropy}
 
 
 def _share(value: Any) -> dict[str, Any] | None:

@@ -42,6 +42,7 @@ from zloader.transport.protocol import (
     decode,
     encode,
     error_object,
+    heartbeat,
 )
 
 __all__ = ["WorkerProcess"]
@@ -327,10 +328,9 @@ class WorkerProcess:
     def _handle_broker(self, msg: Message) -> None:
         command = msg.command
         if command is Command.ACK:
-            beat = msg.body.get("heartbeat")
-            if isinstance(beat, (int, float)) and not isinstance(beat, bool) \
-                    and 0.05 <= beat <= 60:
-                self.heartbeat = float(beat)  # the broker's interval: it expects ours
+            beat = heartbeat(msg.body.get("heartbeat"))
+            if beat is not None:
+                self.heartbeat = beat  # the broker's interval: it expects ours
         elif command is Command.TASK:
             self._start_task(msg)
         elif command is Command.SPLIT:
@@ -920,29 +920,33 @@ class WorkerProcess:
             log.warning("a round number for epoch %d came with no group waiting", epoch)
             return
         task.groups.popleft()
-        for record, identity in zip(group.records, group.members, strict=True):
-            stream = task.streams.get(identity)
-            if stream is not None:
-                if number is None:
-                    if stream.epoch == epoch:  # (a re-opened stream has fresh credits)
-                        stream.credits += 1
-                else:
+        if number is None:
+            self._unreserve(task, group)
+        else:
+            for record, identity in zip(group.records, group.members, strict=True):
+                stream = task.streams.get(identity)
+                if stream is not None:
                     self._send_record(stream, epoch, record.buffers,
                                       {"count": 1, "skipped": 0, "round": number})
-            record.taken.set()
+        self._discard(group.records)
         self._deliver_rounds(task)
 
     def _ask_again(self, task: _Task) -> None:
         """The broker connection was replaced: answers to round requests sent on the old
         one are lost (and the broker lost those rounds), so ask for them again."""
         for group in task.groups:
-            if group.members is not None:
-                for identity in group.members:
-                    stream = task.streams.get(identity)
-                    if stream is not None and stream.epoch == group.epoch:
-                        stream.credits += 1
-                group.members = None
+            self._unreserve(task, group)
         self._deliver_rounds(task)
+
+    @staticmethod
+    def _unreserve(task: _Task, group: _Group) -> None:
+        """Give back the credits reserved for a group whose number will not come (a
+        re-opened stream has fresh credits already)."""
+        for identity in group.members or ():
+            stream = task.streams.get(identity)
+            if stream is not None and stream.epoch == group.epoch:
+                stream.credits += 1
+        group.members = None
 
     @staticmethod
     def _discard(records: list[Outgoing]) -> None:

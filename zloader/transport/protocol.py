@@ -108,6 +108,18 @@ class Message:
         return value
 
 
+HEARTBEAT_RANGE = (0.05, 60.0)
+"""Heartbeat intervals a broker may use, in seconds (``zloader-broker --heartbeat``)."""
+
+
+def heartbeat(value: Any) -> float | None:
+    """A heartbeat interval the broker announced (ACK, JOB), or None if it is not one."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) \
+            and HEARTBEAT_RANGE[0] <= value <= HEARTBEAT_RANGE[1]:
+        return float(value)
+    return None
+
+
 def encode(command: Command, body: dict[str, Any] | None = None,
            payload: Sequence[Any] = ()) -> list[Any]:
     """The frames of one message (without a ROUTER identity)."""
