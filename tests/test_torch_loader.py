@@ -3,6 +3,7 @@ batches in the same order (torch.equal on every tensor)."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import numpy as np
@@ -211,3 +212,62 @@ def test_large_batches_copied_once_into_shared_memory_are_torchs():
             assert all(same(a, b) for a, b in zip(expected, got, strict=True))
     finally:
         ours.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_load_state_dict_resumes_mid_epoch_with_the_batches_not_yet_yielded(workers):
+    dataset = torch.utils.data.TensorDataset(torch.arange(50))
+
+    def loader():
+        return zt.DataLoader(dataset, batch_size=4, shuffle=True, num_workers=workers,
+                             generator=torch.Generator().manual_seed(7))
+
+    first = loader()
+    try:
+        whole = [b[0].tolist() for b in first]  # epoch 0, uninterrupted
+    finally:
+        first.close()
+    interrupted = loader()
+    try:
+        before = []
+        for batch in interrupted:
+            before.append(batch[0].tolist())
+            if len(before) == 5:
+                state = interrupted.state_dict()
+                break
+    finally:
+        interrupted.close()
+    assert len(json.dumps(state)) < 64 * 1024
+    resumed = loader()
+    try:
+        resumed.load_state_dict(json.loads(json.dumps(state)))
+        after = [b[0].tolist() for b in resumed]
+        assert before + after == whole  # the same epoch, each batch once
+        assert resumed.state_dict()["batches"] == 0  # finished: the next epoch is due
+    finally:
+        resumed.close()
+    with pytest.raises(ValueError, match="state_dict"):
+        zt.DataLoader(dataset).load_state_dict({"batches": 3})
+
+
+def test_iterable_dataset_state_dict_resumes_a_pipeline_epoch():
+    from zloader import Pipeline
+
+    pipeline = Pipeline.range(400, split_size=20).shuffle(50)
+    dataset = zt.IterableDataset(pipeline, num_workers=2)
+    seen = []
+    try:
+        for x in dataset:
+            seen.append(int(x))
+            if len(seen) == 150:
+                state = dataset.state_dict()
+                break
+    finally:
+        dataset.close()
+    resumed = zt.IterableDataset(pipeline, num_workers=2)
+    try:
+        resumed.load_state_dict(state)
+        seen += [int(x) for x in resumed]
+    finally:
+        resumed.close()
+    assert sorted(seen) == list(range(400))

@@ -25,6 +25,7 @@ import zmq
 from zloader import codec
 from zloader._host import host_id
 from zloader.errors import PipelineError, ZloaderError
+from zloader.lineage import Ledger, decode_origins
 from zloader.transport import records
 from zloader.transport.keys import Keys
 from zloader.transport.protocol import (
@@ -37,7 +38,7 @@ from zloader.transport.protocol import (
     heartbeat,
 )
 
-__all__ = ["IOThread", "Item"]
+__all__ = ["IOThread", "Item", "Origins"]
 
 log = logging.getLogger("zloader.loader")
 
@@ -59,6 +60,29 @@ class Item:
     index: int = 0
     elements: list[Any] = field(default_factory=list)
     error: BaseException | None = None
+    # Exactly-once jobs: the pass keys by pass id, the origin triples per element (loose
+    # ones first: ``counts[0]``) and the rows, and the split ends, see zloader/lineage.py.
+    origins: Origins | None = None
+
+
+@dataclass
+class Origins:
+    """The origins one record (or an epoch's END) carries."""
+
+    keys: list[tuple[int, ...]]
+    counts: Any  # int32: loose, then one per element
+    rows: Any  # int64 (n, 3): (pass id, split, index)
+    ends: list[tuple[tuple[int, ...], int, int, int]]
+
+    def note(self, ledger: Ledger, elements: int | None = None) -> None:
+        """Add the loose origins and those of the first ``elements`` elements (all when
+        None), and the split ends, to ``ledger``."""
+        rows = self.rows
+        if elements is not None:
+            rows = rows[:int(self.counts[:elements + 1].sum())]
+        ledger.add(self.keys, rows)
+        for key, split, count, crc in self.ends:
+            ledger.end(key, split, count, crc)
 
 
 @dataclass
@@ -81,7 +105,8 @@ class IOThread(threading.Thread):
                  ring_bytes: int | None, source_data: tuple[str, list[Any]] | None = None,
                  data_bind: str | None = None, balanced: int = 0,
                  share: dict[str, Any] | None = None,
-                 coordinated: tuple[int, int] | None = None, keys: Keys | None = None) -> None:
+                 coordinated: tuple[int, int] | None = None, keys: Keys | None = None,
+                 exactly_once: bool = False, resume: dict[str, Any] | None = None) -> None:
         super().__init__(name="zloader-loader-io", daemon=True)
         self.address = address
         self.blob = blob
@@ -91,7 +116,12 @@ class IOThread(threading.Thread):
             "on_error": on_error, "source": source, "host_id": host_id(), "pid": os.getpid(),
             "balanced": balanced, "share": share,
             "coordinated": ({"size": coordinated[0], "index": coordinated[1]}
-                            if coordinated else None)}
+                            if coordinated else None),
+            "exactly_once": exactly_once}
+        if resume is not None:
+            self.register_body["resume"] = {"epoch": resume["epoch"],
+                                            "delivered": resume["delivered"]}
+            self.register_body["entropy"] = resume["entropy"]
         self.source_data = source_data
         self.data_bind = data_bind
         self.keys = keys
@@ -136,10 +166,14 @@ class IOThread(threading.Thread):
         self._pending: dict[str, Any] = {}
         self._confirming = False  # asked the broker whether the epoch's splits are all done
         self._rerun = 0
+        self._fencing: dict[str, Any] = {}
         self._heartbeat = HEARTBEAT  # the broker's, once it has told us
         self._width = max(1, num_workers)
         self._fixed = sharding in ("static", "off")  # every worker index must end the epoch
         self.rounds = _Rounds(coordinated) if coordinated else None
+        self.received = Ledger()  # the origins of this epoch received (exactly-once jobs)
+        self._answered: set[str] = set()  # fences this consumer answered
+        self.entropy: int | None = None  # the job's, once it is known
 
     # --- called from the iterating thread -------------------------------------------------
 
@@ -309,6 +343,7 @@ class IOThread(threading.Thread):
             self._rerun = 0
             self._skipped_by = {}
             self._draining = False
+            self.received = Ledger()
             if self.rounds is not None:
                 self.rounds.start(self._epoch)
                 self.rounds.ends.clear()
@@ -362,8 +397,14 @@ class IOThread(threading.Thread):
                     context=f"split {entry.get('split')}", builtin="RuntimeError")))
             pending = msg.body.get("pending")
             self._pending = pending if isinstance(pending, dict) else {}
+            entropy = msg.body.get("entropy")
+            if isinstance(entropy, int):
+                self.entropy = entropy
             known = set(self._peers)
             self._update_workers(msg.field("workers", list))
+            self._answer_fences(msg.body.get("fences"))
+            fencing = msg.body.get("fencing")
+            self._fencing = fencing if isinstance(fencing, dict) else {}
             if registered and self._epoch is not None and not self._done:
                 # Registered again mid-epoch (the broker had given up on this consumer, or
                 # restarted): the workers dropped its streams, so open the epoch again.
@@ -386,6 +427,35 @@ class IOThread(threading.Thread):
             if self._job is not None:  # the broker restarted: register again on the next
                 self.register_body["job"] = self._job  # beat, for the same job if it has it
             self._job = None
+
+    def _answer_fences(self, fences: Any) -> None:
+        """A worker of an exactly-once job died: this consumer reads nothing more from it
+        (it left the job's view, so its peer is closed) and tells the broker which elements
+        of its splits it holds; the broker hands the splits out again less those."""
+        if not isinstance(fences, list):
+            return
+        for fence in fences:
+            if not (isinstance(fence, dict) and isinstance(fence.get("id"), str)
+                    and isinstance(fence.get("splits"), list)) \
+                    or fence["id"] in self._answered or fence.get("worker") in self._peers:
+                continue
+            self._answered.add(fence["id"])
+            splits = []
+            for entry in fence["splits"]:
+                if not (isinstance(entry, list) and len(entry) == 2
+                        and isinstance(entry[0], list) and entry[0]
+                        and isinstance(entry[1], int)):
+                    continue
+                key, split = tuple(entry[0]), entry[1]
+                if self._epoch is None or key[0] > self._epoch:
+                    info: dict[str, Any] = {"have": ""}
+                elif key[0] < self._epoch or self._done:
+                    info = {"all": True}  # an epoch this consumer has finished
+                else:
+                    info = self.received.info(key, split)
+                splits.append([list(key), split, info])
+            self._to_broker(Command.DELIVERED, {"job": self._job, "fence": fence["id"],
+                                                "splits": splits})
 
     def _update_workers(self, workers: list[Any]) -> None:
         seen = set()
@@ -480,8 +550,19 @@ class IOThread(threading.Thread):
                                                         self.rounds.ends.get(peer.worker, -1))
                 self._note_lagged(peer, msg)
                 self._ended.add(peer.worker)
+                origins = None
+                if "origins" in msg.body:
+                    loose = msg.body["origins"].get("loose") \
+                        if isinstance(msg.body["origins"], dict) else None
+                    if not isinstance(loose, list) or len(loose) % 3 \
+                            or not all(isinstance(v, int) and v >= 0 for v in loose):
+                        raise ProtocolError("END.origins.loose must be a list of triples")
+                    triples = np.array(loose, np.int64).tobytes()
+                    counts = np.array([len(loose) // 3], np.int32).tobytes()
+                    origins = self._origins(msg.body["origins"], [counts, triples], 0)
+                    origins.note(self.received)
                 self.items.put(Item("end", epoch if isinstance(epoch, int) else -1,
-                                    peer.worker, peer.index))
+                                    peer.worker, peer.index, origins=origins))
                 self._check_done()
         elif msg.command is Command.FAIL:
             if epoch == self._epoch:
@@ -507,6 +588,12 @@ class IOThread(threading.Thread):
             self.private += peer.ring is not None
         if msg.body.get("full") and peer.ring is not None:
             self._grow_ring(peer, records.packed_size(buffers))
+        origins = None
+        if "origins" in msg.body:
+            if len(buffers) < 3:
+                raise ProtocolError("DATA with origins but fewer than 3 buffers")
+            origins = self._origins(msg.body["origins"], buffers[-2:], count)
+            buffers = buffers[:-2]
         elements = codec.decode(buffers)
         if not isinstance(elements, list) or len(elements) != count:
             raise ProtocolError(f"DATA record holds {type(elements).__name__}, not {count} "
@@ -516,7 +603,9 @@ class IOThread(threading.Thread):
         self.per_worker[peer.pid] = self.per_worker.get(peer.pid, 0) + count
         self._note_lagged(peer, msg)
         item = Item("data", self._epoch if self._epoch is not None else -1, peer.worker,
-                    peer.index, elements)
+                    peer.index, elements, origins=origins)
+        if origins is not None:
+            origins.note(self.received)
         if self.rounds is None:
             self._skipped_by[peer.worker] = int(msg.body.get("skipped", 0))
             self.skipped = sum(self._skipped_by.values())
@@ -528,6 +617,39 @@ class IOThread(threading.Thread):
             self._release_rounds()
         else:  # a round this consumer skipped (lost, or before it joined)
             self._run_command(("credit", peer.worker, 1))
+
+    @staticmethod
+    def _origins(head: Any, buffers: list[Any], count: int) -> Origins:
+        """The origins of a record of ``count`` elements (``head``: its pass table and split
+        ends; ``buffers``: its two origin buffers).
+
+        Raises:
+            ProtocolError: they are malformed.
+        """
+        if not isinstance(head, dict) or not isinstance(head.get("passes"), dict) \
+                or not isinstance(head.get("ends"), list):
+            raise ProtocolError("origins must be {passes, ends}")
+        keys: dict[int, tuple[int, ...]] = {}
+        for pass_id, key in head["passes"].items():
+            if not (pass_id.isdigit() and int(pass_id) < 1 << 20 and isinstance(key, list)
+                    and key and all(isinstance(k, int) and k >= 0 for k in key)):
+                raise ProtocolError("origins.passes must map pass ids to pass keys")
+            keys[int(pass_id)] = tuple(key)
+        try:
+            counts, rows = decode_origins(buffers[0], buffers[1], count)
+        except ValueError as exc:
+            raise ProtocolError(f"DATA: {exc}") from None
+        table = [keys.get(i, ()) for i in range(max(keys, default=-1) + 1)]
+        if len(rows) and (int(rows[:, 0].max()) >= len(table)
+                          or not all(table[i] for i in np.unique(rows[:, 0]).tolist())):
+            raise ProtocolError("DATA: an origin names a pass the record does not")
+        ends = []
+        for end in head["ends"]:
+            if not (isinstance(end, list) and len(end) == 4
+                    and all(isinstance(v, int) and v >= 0 for v in end) and end[0] in keys):
+                raise ProtocolError("origins.ends must be [pass id, split, count, digest]")
+            ends.append((keys[end[0]], end[1], end[2], end[3]))
+        return Origins(table, counts, rows, ends)
 
     def _ring_of(self, peer: _Peer, ring: Any) -> Any:
         """The ring a DATA refers to: the current one or, until the worker has switched, a
@@ -610,6 +732,8 @@ class IOThread(threading.Thread):
         if self.share is not None:  # a shared job's epoch is what its workers produced
             self._finish()
             return
+        if int(self._fencing.get(str(self._epoch), 0)):
+            return  # a dead worker's splits are about to be re-queued: wait for them
         if not confirmed:
             if not self._confirming:
                 self._confirming = True

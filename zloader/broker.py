@@ -196,6 +196,8 @@ class Broker:
             return state.round_request(identity, msg, now)
         if command is Command.RECEIVED:
             return state.rounds_received(identity, msg, now)
+        if command is Command.DELIVERED:
+            return state.delivered(identity, msg, now)
         raise ProtocolError(f"{command.name} is not a command the broker accepts")
 
     def _warn(self, identity: bytes, text: str, exc_info: bool = False) -> None:

@@ -10,6 +10,8 @@ part (docs/semantics.md) and yields elements.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 import os
 import queue
@@ -27,11 +29,12 @@ from typing import Any
 import cloudpickle
 
 from zloader import _check, codec
-from zloader._client import IOThread, Item, _local_address
+from zloader._client import IOThread, Item, Origins, _local_address
 from zloader._process import START_METHODS, start_worker
 from zloader.broker import Broker
 from zloader.errors import PipelineError, Timeout
 from zloader.fingerprint import is_installed, library_version
+from zloader.lineage import Ledger
 from zloader.pipeline import Pipeline
 from zloader.plan import plan
 from zloader.sharing.options import DEFAULT_BLOCK_SECONDS, settings
@@ -50,6 +53,7 @@ SHARDING = ("dynamic", "static", "off")
 TRANSPORTS = ("auto", "tcp")
 ON_ERROR = ("raise", "skip")
 DEFAULT_PREFETCH = 8
+STATE_VERSION = 1
 WORKER_STOP_SECONDS = 3.0
 
 
@@ -109,6 +113,15 @@ class Loader:
             needs none (its sockets are in a directory only this user can open).
         insecure: allow serving a large in-memory source on a non-loopback address (a
             remote broker) without keys; for trusted networks only.
+        exactly_once: with dynamic sharding (and no ``share``, ``balanced``,
+            ``num_consumers`` or ``deterministic``), every element carries its origin
+            (split, index), so that when a worker dies its splits are read again less what
+            was delivered, and :meth:`state_dict` can record the epoch (docs/reliability.md
+            says what this asks of the source). False turns the bookkeeping off: a dead
+            worker's splits are then read again whole (at least once).
+        state: what :meth:`state_dict` returned (or a list of them, one per Loader of a
+            ``job_name``): resume that epoch, yielding only the elements not yielded
+            before. Needs ``exactly_once``.
 
     Raises:
         ValueError / TypeError: a bad argument, named in the message.
@@ -125,7 +138,8 @@ class Loader:
                  share_block_seconds: float = DEFAULT_BLOCK_SECONDS,
                  num_consumers: int | None = None,
                  consumer_index: int | None = None, keys: Any = None,
-                 insecure: bool = False) -> None:
+                 insecure: bool = False, exactly_once: bool = True,
+                 state: Any = None) -> None:
         if not isinstance(pipeline, Pipeline):
             raise TypeError(f"pipeline must be a zloader.Pipeline, got {type(pipeline).__name__}")
         _choice("sharding", sharding, SHARDING)
@@ -144,6 +158,15 @@ class Loader:
         self._keys = resolve_keys(keys) if broker is not None else None
         self.pipeline = pipeline
         self._plan = plan(pipeline)
+        self._exactly_once = (_check.boolean("exactly_once", exactly_once)
+                              and sharding == "dynamic" and not deterministic
+                              and self._share is None and coordinated is None and not balanced)
+        resume = _resume_from(state, pipeline, self._exactly_once)
+        if resume is not None and job_name is not None:
+            job_name = f"{job_name}@{resume['digest']}"  # a fresh job for the resumed run
+        self._yielded = Ledger()  # origins of this epoch's elements yielded so far
+        self._current: tuple[Origins, int] | None = None  # the record being yielded
+        self._iterating: int | None = None  # the epoch being yielded, until it is done
         self._joined = False
         self._deterministic = _check.boolean("deterministic", deterministic)
         self._timeout = float(timeout)
@@ -178,7 +201,7 @@ class Loader:
         self._dir: str | None = None
         self._broker: Broker | None = None
         self._processes: list[Any] = []
-        self._epoch = 0
+        self._epoch = resume["epoch"] if resume is not None else 0
         self._wait = 0.0
         self._elements = 0
         sweep()  # segments left by consumers of this user that died
@@ -210,7 +233,8 @@ class Loader:
                 source_data=source_data,
                 data_bind=f"ipc://{self._dir}/source" if embedded else None,
                 balanced=_check.integer("balanced", balanced, 0), share=self._share,
-                coordinated=coordinated, keys=self._keys)
+                coordinated=coordinated, keys=self._keys, exactly_once=self._exactly_once,
+                resume=resume)
             self._io.start()
         except BaseException:
             self.close()
@@ -242,6 +266,7 @@ class Loader:
             self._join_job()
         epoch = self._epoch
         self._epoch += 1
+        self._yielded, self._current, self._iterating = Ledger(), None, epoch
         frames = codec.encode(epoch_input) if epoch_input is not None else []
         self._io.command(("start", epoch, frames))
         ctx = Context(entropy=0)
@@ -279,13 +304,21 @@ class Loader:
         while True:
             item = self._next_item(epoch)
             if item.kind == "done":
+                if self._iterating == epoch:
+                    self._iterating = None  # all of it yielded
                 return
+            origins = item.origins
             if item.kind == "data":
-                for element in item.elements:
+                for position, element in enumerate(item.elements, 1):
                     self._elements += 1
+                    if origins is not None:
+                        self._current = (origins, position)
                     yield element
                 self._io.command(("credit", item.worker, 1))
                 self._check_skipped()
+            if origins is not None and self._iterating == epoch:
+                origins.note(self._yielded)
+                self._current = None
 
     def _round_robin(self, epoch: int) -> Iterator[Any]:
         """Elements of ``epoch``, one from each worker in index order (deterministic)."""
@@ -340,6 +373,35 @@ class Loader:
                     self._io.command(("credit", item.worker, 1))
         finally:
             self._wait += time.monotonic() - start
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this Loader is in its epoch, as a small JSON-serializable dict (its size
+        grows with the splits under way, not with the epoch): ``Loader(pipeline, ...,
+        state=...)`` then yields the rest of the epoch, each element not yet yielded once.
+        Call it between elements, from the iterating thread. A finished epoch's state
+        resumes at the next epoch.
+
+        Raises:
+            ValueError: this Loader does not keep origins (``exactly_once`` is off or does
+                not apply), or its pipeline has a ``take``/``skip`` part run here.
+        """
+        if not self._exactly_once:
+            raise ValueError("state_dict() needs exactly_once=True with sharding='dynamic' "
+                             "(and no share, balanced, num_consumers or deterministic): "
+                             "only then does every element carry its origin")
+        if self._plan.consumer_stages:
+            raise ValueError("state_dict() cannot record a take/skip run by the consumer "
+                             f"({', '.join(s.name for s in self._plan.consumer_stages)}); "
+                             "drop it, or stop the loop yourself after N elements")
+        ledger = Ledger()
+        epoch = self._epoch if self._iterating is None else self._iterating
+        if self._iterating is not None:
+            ledger.merge_json(self._yielded.to_json())
+            if self._current is not None:
+                origins, position = self._current
+                origins.note(ledger, position)
+        return {"zloader": STATE_VERSION, "fingerprint": self.pipeline.fingerprint,
+                "epoch": epoch, "entropy": self._io.entropy, "delivered": ledger.to_json()}
 
     def _check_progress(self) -> None:
         io = self._io
@@ -413,6 +475,42 @@ class Loader:
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
             self.close()
+
+
+def _resume_from(state: Any, pipeline: Pipeline, exactly_once: bool) -> dict[str, Any] | None:
+    """Check ``state`` (one :meth:`Loader.state_dict` or a list of them) and merge it into
+    ``{epoch, entropy, delivered, digest}``; None for None.
+
+    Raises:
+        ValueError: it is not such a state, or of another pipeline, or ``exactly_once``
+            does not apply.
+    """
+    if state is None:
+        return None
+    if not exactly_once:
+        raise ValueError("state= needs exactly_once=True with sharding='dynamic' (and no "
+                         "share, balanced, num_consumers or deterministic)")
+    states = state if isinstance(state, list) else [state]
+    if not states:
+        raise ValueError("state= got an empty list")
+    for one in states:
+        if not (isinstance(one, dict) and one.get("zloader") == STATE_VERSION
+                and isinstance(one.get("epoch"), int) and one["epoch"] >= 0):
+            raise ValueError("state must be what Loader.state_dict() returned (a dict with "
+                             f"'zloader': {STATE_VERSION}, 'epoch', 'delivered')")
+        if one.get("fingerprint") != pipeline.fingerprint:
+            raise ValueError("state was saved by a Loader of another pipeline (its "
+                             "fingerprint differs); resume with the same pipeline")
+    epoch = max(one["epoch"] for one in states)  # an epoch some Loader finished is over
+    ledger = Ledger()
+    for one in states:
+        if one["epoch"] == epoch:
+            ledger.merge_json(one.get("delivered"))
+    entropy = next((one["entropy"] for one in states if isinstance(one.get("entropy"), int)),
+                   None)
+    delivered = ledger.to_json()
+    digest = hashlib.sha256(json.dumps([epoch, entropy, delivered]).encode()).hexdigest()
+    return {"epoch": epoch, "entropy": entropy, "delivered": delivered, "digest": digest[:12]}
 
 
 def _first_at_least(order: list[int], turn: int) -> int:

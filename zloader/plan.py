@@ -12,11 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from zloader import stages as _stages
+from zloader.lineage import Assigned, read_split
 from zloader.pipeline import Pipeline
 
 __all__ = ["Plan", "SplitFeed", "plan"]
 
-SplitFeed = Callable[[_stages.Key], Iterable[int]]
+SplitFeed = Callable[[_stages.Key], Iterable["int | Assigned"]]
 """Given a pass key, the splits this worker reads in that pass (possibly fetched lazily)."""
 
 _CONSUMER_STAGES = (_stages.Take, _stages.Skip)
@@ -29,13 +30,21 @@ class Plan:
     consumer_stages: tuple[_stages.Stage, ...]
 
     def run_worker(self, feed: SplitFeed, epoch: int, ctx: _stages.Context) -> Iterator[Any]:
-        """The worker part for ``epoch``, reading the splits ``feed`` gives for each pass."""
+        """The worker part for ``epoch``, reading the splits ``feed`` gives for each pass
+        (split numbers, or :class:`~zloader.lineage.Assigned` splits whose elements are
+        tagged with their origins; ``ctx.pass_keys`` then names the pass ids used)."""
         source = self.pipeline.source
+        pass_ids: dict[_stages.Key, int] = {}
 
         def read(key: _stages.Key) -> Iterator[Any]:
             for split in feed(key):
-                yield from source.read(split, ctx)
+                if isinstance(split, Assigned):  # exactly-once: tagged with origins
+                    pass_id = pass_ids.setdefault(split.pass_key, len(pass_ids))
+                    yield from read_split(source, split, pass_id, ctx)
+                else:
+                    yield from source.read(split, ctx)
 
+        ctx.pass_keys = pass_ids
         return _stages.compose(read, self.worker_stages, ctx)((epoch,))
 
     def run_consumer(self, elements: Iterator[Any], epoch: int,

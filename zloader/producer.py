@@ -3,8 +3,11 @@ pipeline and hands finished records to the worker's socket thread over an inproc
 
 Messages to the socket thread (first frame is the kind):
 ``S {pass, have}`` asks for the next split of a pass, having received ``have`` of them so far
-(the answer comes back on the pair as ``{"pass", "split"}``), ``P pass`` says a pass is
-finished, ``R head`` is one record (``head``: epoch, count, skipped; its buffers wait in
+(the answer comes back on the pair as ``{"pass", "split"}``, with ``origin``, ``skip`` and
+``expect`` for an exactly-once job, see zloader/lineage.py), ``P pass`` says a pass is
+finished, ``R head`` is one record (``head``: epoch, count, skipped, and for an exactly-once
+job ``origins``: the pass table and split ends; its two origin buffers follow its codec
+buffers; its buffers wait in
 :attr:`Producer.outbox`, in order, so no message is built around them), ``E body`` ends the
 epoch, ``F body`` reports an error.
 A record is sent only after taking one credit from the task's pool, so the records in flight
@@ -25,9 +28,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import zmq
 
 from zloader import codec
+from zloader.lineage import Assigned, encode_origins, unpack
 from zloader.stages import Context
 from zloader.transport.protocol import error_object
 
@@ -97,7 +102,7 @@ class Producer(threading.Thread):
         ctx = Context(entropy=task.entropy, worker=task.index,
                       skip_errors=task.on_error == "skip", workers=task.width,
                       epoch_input=task.inputs.get(self.epoch),
-                      round_size=max(1, task.coordinated))
+                      round_size=max(1, task.coordinated), track=task.track)
         elements = task.plan.run_worker(lambda key: self._feed(pair, key), self.epoch, ctx)
         if self.replay is not None:
             elements = itertools.islice(elements, self.replay[1])
@@ -113,7 +118,7 @@ class Producer(threading.Thread):
             slow = now - last >= RECORD_LINGER / 2
             last = now
             batch.append(element)
-            weight, gathered = _weigh(element)
+            weight, gathered = _weigh(element.value if ctx.track else element)
             size += weight
             if (len(batch) >= limit or size >= RECORD_BYTES or slow or gathered
                     or now - started >= RECORD_LINGER):
@@ -122,16 +127,28 @@ class Producer(threading.Thread):
                 last = time.monotonic()  # waiting for credits is not production time
         if batch:
             self._send(pair, batch, ctx)
-        self._put(pair, [b"E", json.dumps({"epoch": self.epoch, "skipped": ctx.skipped,
-                                           "dropped": ctx.dropped}).encode()])
+        end: dict[str, Any] = {"epoch": self.epoch, "skipped": ctx.skipped,
+                               "dropped": ctx.dropped}
+        if ctx.track and (ctx.loose or ctx.ends):  # what no record carried
+            end["origins"] = {"passes": _pass_table(ctx, ctx.loose[0::3]),
+                              "ends": ctx.ends, "loose": ctx.loose}
+        self._put(pair, [b"E", json.dumps(end).encode()])
 
     def _send(self, pair: zmq.Socket[Any], batch: list[Any], ctx: Context) -> None:
         while not self.pool.acquire(timeout=0.1):
             if self.stop.is_set():
                 raise _Stopped
-        buffers = codec.encode(batch)
-        head = json.dumps({"epoch": self.epoch, "count": len(batch),
-                           "skipped": ctx.skipped}).encode()
+        fields: dict[str, Any] = {"epoch": self.epoch, "count": len(batch),
+                                  "skipped": ctx.skipped}
+        if ctx.track:
+            origins = encode_origins(batch, ctx.loose)
+            buffers = [*codec.encode([t.value for t in batch]), *origins]
+            used = np.unique(np.frombuffer(origins[1], np.int64)[0::3]).tolist()
+            fields["origins"] = {"passes": _pass_table(ctx, used), "ends": ctx.ends}
+            ctx.loose, ctx.ends = [], []
+        else:
+            buffers = codec.encode(batch)
+        head = json.dumps(fields).encode()
         outgoing = Outgoing(buffers, any(isinstance(b, codec.Gather) for b in buffers))
         self.outbox.append(outgoing)
         self._put(pair, [b"R", head])
@@ -140,7 +157,7 @@ class Producer(threading.Thread):
                 if self.stop.is_set():
                     raise _Stopped
 
-    def _feed(self, pair: zmq.Socket[Any], key: tuple[int, ...]) -> Iterator[int]:
+    def _feed(self, pair: zmq.Socket[Any], key: tuple[int, ...]) -> Iterator[Any]:
         if self.replay is not None:
             yield from list(self.splits.get(key, ()))
             return
@@ -152,7 +169,7 @@ class Producer(threading.Thread):
             return
         yield from self._splits(pair, key)
 
-    def _splits(self, pair: zmq.Socket[Any], key: tuple[int, ...]) -> Iterator[int]:
+    def _splits(self, pair: zmq.Socket[Any], key: tuple[int, ...]) -> Iterator[Any]:
         task = self.task
         if task.sharding != "dynamic":
             order = task.plan.pipeline.source.split_order(key, task.entropy)
@@ -175,7 +192,14 @@ class Producer(threading.Thread):
                 self._put(pair, [b"P", json.dumps(list(key)).encode()])
                 return
             have += 1
-            yield int(reply["split"])
+            if not task.track:
+                yield int(reply["split"])
+                continue
+            origin = reply.get("origin")
+            expect = reply.get("expect")
+            yield Assigned(int(reply["split"]), tuple(origin) if origin else key,
+                           frozenset(unpack(reply.get("skip", ""))),
+                           (int(expect[0]), int(expect[1])) if expect else None)
 
     def _answer(self, pair: zmq.Socket[Any], key: tuple[int, ...],
                 have: int) -> dict[str, Any] | None:
@@ -191,6 +215,12 @@ class Producer(threading.Thread):
                 return None
             if reply.get("have") in (None, have):
                 return reply
+
+
+def _pass_table(ctx: Context, used: Any) -> dict[str, list[int]]:
+    """Pass keys by pass id, for the ids in ``used`` and in ``ctx.ends``."""
+    wanted = {int(i) for i in used} | {end[0] for end in ctx.ends}
+    return {str(i): list(key) for key, i in ctx.pass_keys.items() if i in wanted}
 
 
 class _Stopped(Exception):

@@ -17,7 +17,7 @@ import itertools
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
@@ -26,6 +26,7 @@ from zloader import collate
 from zloader._defaults import SHUFFLE_DRAW_CHUNK
 from zloader._seeding import Key, make_rng
 from zloader.errors import PipelineError
+from zloader.lineage import Tagged
 
 __all__ = ["Batch", "BucketByLength", "Context", "Filter", "Map", "Repeat", "Run", "Shuffle",
            "Skip", "Stage", "Take", "Unbatch", "compose"]
@@ -51,6 +52,12 @@ class Context:
             ``round_size`` consecutive elements per round; ``bucket_by_length`` then emits
             its batches ``round_size`` at a time from one bucket. 1 otherwise.
         dropped: elements dropped to keep rounds whole (a bucket's last, incomplete round).
+        track: elements are :class:`~zloader.lineage.Tagged` with their origins (a worker
+            part run for exactly-once epochs); stages apply user code to their values.
+        loose: origins of elements dropped on the way (flat triples), sent with the next
+            record so the consumer counts them as accounted for.
+        ends: ``[pass id, split, count, digest]`` of each split read, for the next record.
+        pass_keys: the pass ids used in origins, by pass key.
     """
 
     entropy: int
@@ -61,11 +68,34 @@ class Context:
     epoch_input: Any = None
     round_size: int = 1
     dropped: int = 0
+    track: bool = False
+    loose: list[int] = field(default_factory=list)
+    ends: list[list[int]] = field(default_factory=list)
+    pass_keys: dict[Key, int] = field(default_factory=dict)
 
     def rng(self, seed: int | None, position: int, key: Key) -> Any:
         if self.worker:
             key = (*key, self.worker)
         return make_rng(seed, self.entropy, position, key)
+
+    def drop(self, element: Any) -> None:
+        """``element`` goes no further: keep its origins (when tracked) as loose ones."""
+        if self.track:
+            self.loose.extend(element.origin)
+
+    def values(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """``fn`` as it applies to the elements of this run (to a tagged element's value,
+        keeping the tag, when tracked)."""
+        if not self.track:
+            return fn
+        return lambda tagged: Tagged(fn(tagged.value), tagged.origin)
+
+    def stack(self, elements: list[Any], pad_value: Any = None) -> Any:
+        """``collate.stack`` of ``elements``; a tracked batch holds its rows' origins."""
+        if not self.track:
+            return collate.stack(elements, pad_value)
+        return Tagged(collate.stack([e.value for e in elements], pad_value),
+                      tuple(itertools.chain.from_iterable(e.origin for e in elements)))
 
 
 def compose(read: Run, stages: tuple[Stage, ...], ctx: Context, first_position: int = 1) -> Run:
@@ -113,39 +143,42 @@ class Map(Stage):
         if self.num_parallel_calls > 1:
             yield from self._parallel(elements, ctx)
             return
-        fn = self.fn
+        fn = ctx.values(self.fn)
         for element in elements:
             try:
                 result = fn(element)
             except Exception as exc:
                 if ctx.skip_errors:
                     ctx.skipped += 1
+                    ctx.drop(element)
                     continue
                 raise self._fails(exc) from exc
             yield result
 
     def _parallel(self, elements: Iterator[Any], ctx: Context) -> Iterator[Any]:
         """Up to ``num_parallel_calls`` calls in flight on threads; results in input order."""
-        pending: deque[Future[Any]] = deque()
+        pending: deque[tuple[Future[Any], Any]] = deque()
+        fn = ctx.values(self.fn)
         with ThreadPoolExecutor(self.num_parallel_calls,
                                 thread_name_prefix=f"zloader {self.name}") as pool:
             try:
                 for element in elements:
-                    pending.append(pool.submit(self.fn, element))
+                    pending.append((pool.submit(fn, element), element))
                     if len(pending) >= self.num_parallel_calls:
-                        yield from self._result(pending.popleft(), ctx)
+                        yield from self._result(*pending.popleft(), ctx)
                 while pending:
-                    yield from self._result(pending.popleft(), ctx)
+                    yield from self._result(*pending.popleft(), ctx)
             finally:
-                for future in pending:
+                for future, _ in pending:
                     future.cancel()
 
-    def _result(self, future: Future[Any], ctx: Context) -> Iterator[Any]:
+    def _result(self, future: Future[Any], element: Any, ctx: Context) -> Iterator[Any]:
         try:
             result = future.result()
         except Exception as exc:
             if ctx.skip_errors:
                 ctx.skipped += 1
+                ctx.drop(element)
                 return
             raise self._fails(exc) from exc
         yield result
@@ -162,16 +195,21 @@ class Filter(Stage):
     def transform(self, elements: Iterator[Any], key: Key, position: int,
                   ctx: Context) -> Iterator[Any]:
         predicate = self.predicate
+        if ctx.track:
+            predicate = lambda tagged: self.predicate(tagged.value)
         for element in elements:
             try:
                 keep = bool(predicate(element))
             except Exception as exc:
                 if ctx.skip_errors:
                     ctx.skipped += 1
+                    ctx.drop(element)
                     continue
                 raise self._fails(exc) from exc
             if keep:
                 yield element
+            else:
+                ctx.drop(element)
 
     def identity(self) -> tuple[Any, ...]:
         return (self.kind, self.version, self.predicate if self.version is None else None)
@@ -222,14 +260,17 @@ class Batch(Stage):
         for element in elements:
             pending.append(element)
             if len(pending) == self.batch_size:
-                yield self._stack(pending)
+                yield self._stack(pending, ctx)
                 pending = []
         if pending and not self.drop_remainder:
-            yield self._stack(pending)
+            yield self._stack(pending, ctx)
+        else:
+            for element in pending:
+                ctx.drop(element)
 
-    def _stack(self, elements: list[Any]) -> Any:
+    def _stack(self, elements: list[Any], ctx: Context) -> Any:
         try:
-            return collate.stack(elements)
+            return ctx.stack(elements)
         except (TypeError, ValueError) as exc:
             raise self._fails(exc) from exc
 
@@ -260,23 +301,26 @@ class BucketByLength(Stage):
         buckets: list[list[Any]] = [[] for _ in self.batch_sizes]
         for element in elements:
             try:
-                length = self._length(element)
+                length = self._length(element.value if ctx.track else element)
             except Exception as exc:
                 if ctx.skip_errors:
                     ctx.skipped += 1
+                    ctx.drop(element)
                     continue
                 raise self._fails(exc) from exc
             index = bisect.bisect_right(self.boundaries, length)
             bucket = buckets[index]
             bucket.append(element)
             if len(bucket) == self.batch_sizes[index] * group:
-                yield from self._batches(bucket, self.batch_sizes[index])
+                yield from self._batches(bucket, self.batch_sizes[index], ctx)
                 buckets[index] = []
         for index, bucket in enumerate(buckets):
             size = self.batch_sizes[index]
             count = len(bucket) // size if self.drop_remainder else -(-len(bucket) // size)
             if group == 1:
-                yield from self._batches(bucket[:count * size], size)
+                yield from self._batches(bucket[:count * size], size, ctx)
+                for element in bucket[count * size:]:
+                    ctx.drop(element)
             else:
                 ctx.dropped += count  # fewer than a round's worth: dropped whole
 
@@ -287,10 +331,10 @@ class BucketByLength(Stage):
             raise TypeError(f"length_fn must return an int >= 0, got {length!r}")
         return int(length)
 
-    def _batches(self, bucket: list[Any], size: int) -> Iterator[Any]:
+    def _batches(self, bucket: list[Any], size: int, ctx: Context) -> Iterator[Any]:
         for start in range(0, len(bucket), size):
             try:
-                batch = collate.stack(bucket[start:start + size], self.pad_value)
+                batch = ctx.stack(bucket[start:start + size], self.pad_value)
             except (TypeError, ValueError) as exc:
                 raise self._fails(exc) from exc
             yield batch
@@ -308,10 +352,22 @@ class Unbatch(Stage):
                   ctx: Context) -> Iterator[Any]:
         for element in elements:
             try:
-                rows = list(collate.split(element))
+                rows = list(collate.split(element.value if ctx.track else element))
             except (TypeError, ValueError) as exc:
                 raise self._fails(exc) from exc
-            yield from rows
+            if not ctx.track:
+                yield from rows
+                continue
+            origin = element.origin
+            if len(origin) == 3 * len(rows):  # one origin per row: each row gets its own
+                for at, row in enumerate(rows):
+                    yield Tagged(row, origin[3 * at:3 * at + 3])
+            elif rows:  # rows that are not the batch's elements: the first holds them all
+                yield Tagged(rows[0], origin)
+                for row in rows[1:]:
+                    yield Tagged(row, ())
+            else:
+                ctx.drop(element)
 
     def identity(self) -> tuple[Any, ...]:
         return (self.kind, self.version)

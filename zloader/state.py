@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from zloader.journal import COMPACT_LINES, Journal
+from zloader.lineage import Ledger, merge_info, pack
 from zloader.rounds import Rounds
 from zloader.sharing.options import KEY_OPTIONS
 from zloader.sharing.window import LAG_POLICIES
@@ -72,6 +73,22 @@ class Pass:
     order: deque[int]
     handed: dict[str, list[int]] = field(default_factory=dict)
     requeued: deque[int] = field(default_factory=deque)
+    # Exactly-once jobs: splits a worker finished reading whose elements it may still hold
+    # (a shuffle buffer, a batch), and what to skip when a split of this pass is read again.
+    read: dict[str, list[int]] = field(default_factory=dict)
+    skips: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass
+class Fence:
+    """A dead worker's splits of an exactly-once job, held until every consumer has said
+    which of their elements it holds (it has stopped reading from that worker first)."""
+
+    worker: str
+    died: bool
+    splits: list[tuple[tuple[int, ...], int]]  # (pass, split)
+    waiting: set[str]  # consumers yet to answer
+    replies: dict[tuple[tuple[int, ...], int], dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -105,6 +122,11 @@ class Job:
     epoch: int = 0  # the highest epoch a consumer has started
     rounds: Rounds | None = None  # coordinated reads (num_consumers)
     requeues: dict[int, int] = field(default_factory=dict)  # epoch -> splits re-queued
+    track: bool = False  # exactly-once: elements carry origins (zloader/lineage.py)
+    fences: dict[str, Fence] = field(default_factory=dict)
+    origin_of: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = field(
+        default_factory=dict)  # (pass, split) -> the pass a re-queued split belongs to
+    resume: tuple[int, Any] | None = None  # (epoch, Ledger) a resumed Loader delivered
 
 
 class State:
@@ -208,6 +230,10 @@ class State:
             raise ProtocolError("REGISTER: a shared job cannot have a job_name")
         coordinated = _coordinated(msg.body.get("coordinated"), name)
         options["num_consumers"] = coordinated[0] if coordinated else 0
+        options["exactly_once"] = (msg.body.get("exactly_once") is True
+                                   and sharding == "dynamic" and share is None
+                                   and not options["deterministic"] and not coordinated
+                                   and not options["balanced"])
         job = self._named_job(name) if name else None
         previous = self.jobs.get(str(msg.body.get("job")))  # it registers again (a restart)
         if previous is not None and previous.fingerprint == fingerprint \
@@ -227,6 +253,7 @@ class State:
                 return [Out(identity, Command.ERROR, {"message": mismatch})]
         else:
             job = self._new_job(msg, fingerprint, name, options, source, now)
+            self._resume(job, msg.body.get("resume"))
             if coordinated:
                 job.rounds = Rounds(coordinated[0])
                 self._record({"e": "rounds", "job": job.id, "size": coordinated[0]})
@@ -258,6 +285,27 @@ class State:
             view["joined"] = joined
         return [*out, *assigned, Out(identity, Command.JOB, view)]
 
+    def _resume(self, job: Job, value: Any) -> None:
+        """A resumed Loader's ``{"epoch", "delivered"}`` (``Loader.state_dict()``): the
+        epoch's splits hand out only what it had not yielded."""
+        if value is None:
+            return
+        if not (isinstance(value, dict) and isinstance(value.get("epoch"), int)
+                and value["epoch"] >= 0):
+            raise ProtocolError("REGISTER: resume must be {epoch, delivered}")
+        if not job.track:
+            raise ProtocolError("REGISTER: resume needs an exactly-once job (dynamic "
+                                "sharding, no share, balanced or num_consumers)")
+        ledger = Ledger()
+        try:
+            ledger.merge_json(value.get("delivered"))
+        except ValueError as exc:
+            raise ProtocolError(f"REGISTER: resume: {exc}") from None
+        job.resume = (value["epoch"], ledger)
+        job.epoch = max(job.epoch, value["epoch"])
+        self._record({"e": "resume", "job": job.id, "epoch": value["epoch"],
+                      "delivered": ledger.to_json()})
+
     def _replace(self, job: Job, holder: str, index: int, msg: Message,
                  now: float) -> list[Out]:
         """A restarted consumer takes over ``index`` from ``holder``, which is dropped and,
@@ -283,7 +331,8 @@ class State:
                 "deterministic": job.deterministic, "on_error": job.on_error,
                 "num_workers": job.options["num_workers"],
                 "balanced": job.options.get("balanced", 0),
-                "num_consumers": job.options.get("num_consumers", 0)}
+                "num_consumers": job.options.get("num_consumers", 0),
+                "exactly_once": job.track}
         diff = [k for k in ours if ours[k] != theirs[k] and k != "num_workers"]
         if not diff:
             return ""
@@ -305,6 +354,10 @@ class State:
                   options["deterministic"], options["on_error"], options, bytes(msg.payload[0]),
                   num_splits, bool(source.get("shuffle_splits", False)), seed, width,
                   _source_data(msg.body.get("source_data")), secrets.randbits(63), now)
+        job.track = options["exactly_once"]
+        entropy = msg.body.get("entropy")  # a resumed Loader's: its shuffles draw the same
+        if isinstance(entropy, int) and not isinstance(entropy, bool) and 0 <= entropy < 2**63:
+            job.entropy = entropy
         self.jobs[job.id] = job
         if self.journal is not None:
             self.journal.save_pipeline(job.id, job.blob)
@@ -352,6 +405,15 @@ class State:
                 "state": "failed" if job.error else "running"}
         if job.rounds is not None:
             view["rounds"] = job.rounds.view()
+        if job.fences:
+            view["fences"] = [{"id": token, "worker": fence.worker,
+                               "splits": [[list(key), split] for key, split in fence.splits]}
+                              for token, fence in job.fences.items()]
+            fencing: dict[str, int] = {}
+            for fence in job.fences.values():
+                for key, _ in fence.splits:
+                    fencing[str(key[0])] = fencing.get(str(key[0]), 0) + 1
+            view["fencing"] = fencing
         return view
 
     @staticmethod
@@ -394,7 +456,8 @@ class State:
                     "on_error": job.on_error, "entropy": job.entropy,
                     "source_data": job.source_data, "share": job.share,
                     "balanced": job.options.get("balanced", 0),
-                    "coordinated": job.rounds.size if job.rounds is not None else 0}
+                    "coordinated": job.rounds.size if job.rounds is not None else 0,
+                    "track": job.track}
             out.append(Out(worker.identity, Command.TASK, body, (job.blob,)))
             out += self._tell_consumers(job)
         return out
@@ -418,34 +481,58 @@ class State:
         handed = dispenser.handed.get(worker.id, [])
         if isinstance(have, int) and not isinstance(have, bool) and 0 <= have < len(handed):
             # Its answer was lost (a broker restart or a reconnect): the same split again.
-            return [Out(identity, Command.SPLIT, {"task": task, "pass": list(key),
-                                                  "split": handed[have], "have": have})]
+            return [Out(identity, Command.SPLIT, {
+                "task": task, "pass": list(key), "split": handed[have], "have": have,
+                **self._assignment(job, key, handed[have])})]
         split: int | None = None
+        origin = key
         # Re-queued splits of this epoch come first, whichever pass they were taken in: the
         # live workers may have moved past that pass (an endless repeat) and never ask
         # for it again. A split reads the same in any pass of its epoch.
-        for waiting in [dispenser, *(p for k, p in job.passes.items()
-                                     if k[0] == key[0] and k != key)]:
+        for waiting_key, waiting in [(key, dispenser), *((k, p) for k, p in job.passes.items()
+                                                         if k[0] == key[0] and k != key)]:
             if waiting.requeued:
-                split = waiting.requeued.popleft()
+                split, origin = waiting.requeued.popleft(), waiting_key
                 break
         if split is None and dispenser.order:
             split = dispenser.order.popleft()
         if split is not None:
             dispenser.handed.setdefault(worker.id, []).append(split)
             worker.current = (key, split)
-            self._record({"e": "split", "job": job.id, "pass": list(key), "split": split,
-                          "worker": worker.id})
+            event = {"e": "split", "job": job.id, "pass": list(key), "split": split,
+                     "worker": worker.id}
+            if origin != key:
+                job.origin_of[(key, split)] = origin
+                event["origin"] = list(origin)
+            self._record(event)
         else:
             worker.current = None
         return [Out(identity, Command.SPLIT, {"task": task, "pass": list(key), "split": split,
-                                              "have": have})]
+                                              "have": have,
+                                              **self._assignment(job, key, split)})]
+
+    @staticmethod
+    def _assignment(job: Job, key: tuple[int, ...], split: int | None) -> dict[str, Any]:
+        """For an exactly-once job: the pass ``split`` belongs to and what to skip in it."""
+        if not job.track or split is None:
+            return {}
+        origin = job.origin_of.get((key, split), key)
+        dispenser = job.passes.get(origin)
+        info = dispenser.skips.get(split, {}) if dispenser is not None else {}
+        return {"origin": list(origin), **info}
 
     def _dispenser(self, job: Job, key: tuple[int, ...]) -> Pass:
         dispenser = job.passes.get(key)
         if dispenser is None:
             order = split_order(job.num_splits, job.shuffle_splits, job.seed, job.entropy, key)
-            dispenser = job.passes[key] = Pass(deque(order))
+            skips: dict[int, dict[str, Any]] = {}
+            if job.resume is not None and job.resume[0] == key[0]:
+                ledger = job.resume[1]  # what a resumed Loader had yielded: not again
+                done = ledger.done.get(key, set())
+                order = [split for split in order if split not in done]
+                skips = {split: _skip(ledger.info(key, split)) for k, split in ledger.open
+                         if k == key}
+            dispenser = job.passes[key] = Pass(deque(order), skips=skips)
             self._prune(job, key[0])
         return dispenser
 
@@ -454,6 +541,8 @@ class State:
             del job.passes[key]
         for old in [e for e in job.requeues if e < epoch - 1]:
             del job.requeues[old]
+        for at in [at for at in job.origin_of if at[0][0] < epoch - 1]:
+            del job.origin_of[at]
 
     def pass_done(self, identity: bytes, msg: Message, now: float) -> None:
         worker = self._worker(identity)
@@ -461,10 +550,17 @@ class State:
         job = self.jobs.get(self._task_job(msg.field("task", str)) or "")
         if worker is None or job is None or key not in job.passes:
             return
-        job.passes[key].handed.pop(worker.id, None)
+        self._pass_done(job, key, worker.id)
         if worker.current and worker.current[0] == key:
             worker.current = None
         self._record({"e": "done", "job": job.id, "pass": list(key), "worker": worker.id})
+
+    @staticmethod
+    def _pass_done(job: Job, key: tuple[int, ...], worker_id: str) -> None:
+        dispenser = job.passes[key]
+        handed = dispenser.handed.pop(worker_id, [])
+        if job.track:  # read, but its elements may wait in the worker's buffers
+            dispenser.read.setdefault(worker_id, []).extend(handed)
 
     def task_failed(self, identity: bytes, msg: Message, now: float) -> list[Out]:
         job = self.jobs.get(self._task_job(msg.field("task", str)) or "")
@@ -565,21 +661,27 @@ class State:
                 out.append(Out(consumer.identity, Command.JOB, self.job_view(job)))
         return out
 
-    def _drop_worker(self, worker_id: str, died: bool, now: float) -> list[Out]:
+    def _drop_worker(self, worker_id: str, died: bool, now: float,
+                     requeue: bool = True) -> list[Out]:
+        """Forget a worker; its splits not yet delivered are read again by others (for an
+        exactly-once job once its consumers have said what they hold, see :class:`Fence`).
+        ``requeue=False`` replays a fenced drop, whose re-queued splits follow in the
+        journal."""
         worker = self.workers.pop(worker_id, None)
         if worker is None:
             return []
-        self._record({"e": "gone", "worker": worker_id, "died": died})
         self.peers.pop(worker.identity, None)
         job = self.jobs.get(self._task_job(worker.task) or "")
         if job is None:
+            self._record({"e": "gone", "worker": worker_id, "died": died})
             return []
-        index = job.indices.pop(worker.task or "", None)
+        job.indices.pop(worker.task or "", None)
         job.tasks.pop(worker.task or "", None)
         current = worker.current
+        lost: list[tuple[tuple[int, ...], int]] = []
         for key, dispenser in job.passes.items():
             handed = dispenser.handed.pop(worker.id, [])
-            for split in reversed(handed):
+            for split in handed:
                 if died and current == (key, split):
                     job.kills[split] = job.kills.get(split, 0) + 1
                     if job.kills[split] >= KILLS_TO_FAIL:
@@ -588,13 +690,67 @@ class State:
                             f"{KILLS_TO_FAIL} times (last: worker pid {worker.pid} on "
                             f"{worker.host}); it is skipped")})
                         continue
-                dispenser.requeued.appendleft(split)
-                job.requeues[key[0]] = job.requeues.get(key[0], 0) + 1
-        del index
+                lost.append((job.origin_of.get((key, split), key), split))
+            lost += [(job.origin_of.get((key, split), key), split)
+                     for split in dispenser.read.pop(worker.id, [])]
+        if job.track and lost and job.consumers and not self._replaying:
+            job.fences[secrets.token_hex(6)] = Fence(worker.id, died, lost, set(job.consumers))
+            return self._tell_consumers(job)  # the drop is journaled once the fence is done
+        self._record({"e": "gone", "worker": worker_id, "died": died})
+        if requeue:
+            for key, split in lost:
+                self._requeue(job, key, split, {})
         out = self._tell_consumers(job)
         if job.rounds is not None:
             out += self._announce(job, {}, job.rounds.lose_worker(worker.id))
         return out
+
+    def _requeue(self, job: Job, key: tuple[int, ...], split: int,
+                 skip: dict[str, Any]) -> None:
+        """Hand ``split`` of pass ``key`` out again (to skip ``skip``), ahead of new ones."""
+        self._record({"e": "requeue", "job": job.id, "pass": list(key), "split": split,
+                      "skip": skip})
+        dispenser = self._dispenser(job, key)
+        dispenser.requeued.append(split)
+        if skip:
+            dispenser.skips[split] = skip
+        job.requeues[key[0]] = job.requeues.get(key[0], 0) + 1
+
+    def delivered(self, identity: bytes, msg: Message, now: float) -> list[Out]:
+        """A consumer says which elements of a dead worker's splits it holds (and that it
+        reads nothing more from that worker)."""
+        consumer = self._consumer(identity)
+        job = self.jobs.get(consumer.job) if consumer is not None else None
+        fence = job.fences.get(msg.field("fence", str)) if job is not None else None
+        if consumer is None or job is None or fence is None \
+                or consumer.id not in fence.waiting:
+            return []
+        wanted = set(fence.splits)
+        for entry in msg.field("splits", list):
+            if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], list)
+                    and isinstance(entry[1], int) and isinstance(entry[2], dict)):
+                raise ProtocolError("DELIVERED: each split must be [pass, split, info]")
+            at = (tuple(entry[0]), entry[1])
+            if at in wanted:
+                try:
+                    fence.replies[at] = merge_info(fence.replies.get(at), entry[2])
+                except ValueError as exc:
+                    raise ProtocolError(f"DELIVERED: {exc}") from None
+        fence.waiting.discard(consumer.id)
+        return self._complete_fences(job)
+
+    def _complete_fences(self, job: Job) -> list[Out]:
+        """Re-queue the splits of every fence all consumers answered, less what they hold."""
+        done = [token for token, fence in job.fences.items() if not fence.waiting]
+        for token in done:
+            fence = job.fences.pop(token)
+            self._record({"e": "gone", "worker": fence.worker, "died": fence.died,
+                          "fenced": True})
+            for key, split in fence.splits:
+                info = fence.replies.get((key, split), {})
+                if not info.get("all") and (key[0] >= job.epoch - 1):
+                    self._requeue(job, key, split, _skip(info))
+        return self._tell_consumers(job) if done else []
 
     def _drop_consumer(self, consumer_id: str, now: float) -> list[Out]:
         consumer = self.consumers.pop(consumer_id, None)
@@ -607,7 +763,9 @@ class State:
         job.consumers.discard(consumer_id)
         if not job.consumers:
             job.idle_since = now
-        out = []
+        for fence in job.fences.values():
+            fence.waiting.discard(consumer_id)
+        out = self._complete_fences(job)
         if job.rounds is not None:
             out += self._announce(job, {}, job.rounds.leave(consumer_id))
         for task, worker_id in job.tasks.items():
@@ -683,10 +841,13 @@ class State:
                 event["id"], event["fingerprint"], event["name"], options["sharding"],
                 options["deterministic"], options["on_error"], options, blob,
                 event["num_splits"], event["shuffle_splits"], event["seed"], event["width"],
-                event["source_data"], event["entropy"], now)
+                event["source_data"], event["entropy"], now,
+                track=bool(options.get("exactly_once")))
+        elif kind == "gone":
+            self._drop_worker(event["worker"], bool(event.get("died")), now,
+                              requeue=not event.get("fenced"))
         elif job is None:
-            if kind == "gone":
-                self._drop_worker(event["worker"], bool(event.get("died")), now)
+            return
         elif kind == "share":
             job.share = event["share"]
         elif kind == "rounds":
@@ -697,20 +858,30 @@ class State:
             if event["worker"] in self.workers:
                 self.workers[event["worker"]].task = event["task"]
         elif kind == "split":
-            self._take(job, event["worker"], tuple(event["pass"]), int(event["split"]))
+            key = tuple(event["pass"])
+            self._take(job, event["worker"], key, int(event["split"]))
+            if event.get("origin"):
+                job.origin_of[(key, int(event["split"]))] = tuple(event["origin"])
+        elif kind == "requeue":
+            self._requeue(job, tuple(event["pass"]), int(event["split"]), event["skip"])
+        elif kind == "resume":
+            self._resume(job, event)
         elif kind == "done":
-            dispenser = job.passes.get(tuple(event["pass"]))
-            if dispenser is not None:
-                dispenser.handed.pop(event["worker"], None)
+            if tuple(event["pass"]) in job.passes:
+                self._pass_done(job, tuple(event["pass"]), event["worker"])
             worker = self.workers.get(event["worker"])
             if worker is not None:
                 worker.current = None
         elif kind == "epoch":
             job.epoch = max(job.epoch, int(event["epoch"]))
         elif kind == "pass":  # from a compacted journal
-            job.passes[tuple(event["pass"])] = Pass(
+            key = tuple(event["pass"])
+            job.passes[key] = Pass(
                 deque(event["order"]), {w: list(s) for w, s in event["handed"].items()},
-                deque(event["requeued"]))
+                deque(event["requeued"]), {w: list(s) for w, s in event["read"].items()},
+                {int(split): skip for split, skip in event["skips"].items()})
+            for split, origin in event["origins"]:
+                job.origin_of[(key, int(split))] = tuple(origin)
         elif kind == "failed":
             job.error = event["error"]
             self._release_job(job)
@@ -728,6 +899,9 @@ class State:
             if job.rounds is not None:
                 events.append({"e": "rounds", "job": job.id, "size": job.rounds.size})
             events.append({"e": "epoch", "job": job.id, "epoch": job.epoch})
+            if job.resume is not None:
+                events.append({"e": "resume", "job": job.id, "epoch": job.resume[0],
+                               "delivered": job.resume[1].to_json()})
             for task, worker in job.tasks.items():
                 events.append({"e": "task", "job": job.id, "task": task, "worker": worker,
                                "index": job.indices[task]})
@@ -735,7 +909,10 @@ class State:
                 events.append({"e": "pass", "job": job.id, "pass": list(key),
                                "order": list(dispenser.order),
                                "requeued": list(dispenser.requeued),
-                               "handed": dispenser.handed})
+                               "handed": dispenser.handed, "read": dispenser.read,
+                               "skips": dispenser.skips,
+                               "origins": [[split, list(origin)] for (k, split), origin
+                                           in job.origin_of.items() if k == key]})
             if job.error is not None:
                 events.append({"e": "failed", "job": job.id, "error": job.error})
         return events
@@ -808,6 +985,15 @@ def _job_event(job: Job) -> dict[str, Any]:
             "options": job.options, "num_splits": job.num_splits,
             "shuffle_splits": job.shuffle_splits, "seed": job.seed, "width": job.width,
             "source_data": job.source_data, "entropy": job.entropy}
+
+
+def _skip(info: dict[str, Any]) -> dict[str, Any]:
+    """What a worker skips in a split read again, from a consumer's :meth:`Ledger.info`."""
+    have = info.get("have", "")
+    skip: dict[str, Any] = {"skip": have if isinstance(have, str) else pack(have)}
+    if info.get("expect") is not None:
+        skip["expect"] = info["expect"]
+    return skip
 
 
 def _share(value: Any) -> dict[str, Any] | None:

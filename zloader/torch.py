@@ -18,6 +18,8 @@ tensors; containers keep their shape; everything else is passed through.
 
 from __future__ import annotations
 
+import base64
+import itertools
 import os
 import random
 import secrets
@@ -133,6 +135,32 @@ class IterableDataset(torch.utils.data.IterableDataset):
             self.loader_kwargs.update(num_consumers=ranks.world, consumer_index=ranks.rank)
         else:
             self.loader_kwargs["balanced"] = ranks.world
+
+    def state_dict(self) -> dict[str, Any]:
+        """The Loader's :meth:`zloader.Loader.state_dict` (where this epoch stands); give
+        it to :meth:`load_state_dict` of a new dataset to resume.
+
+        Raises:
+            ValueError: no epoch has started yet, or the Loader cannot record one (see
+                :meth:`zloader.Loader.state_dict`; ranks of ``torch.distributed`` are
+                balanced or coordinated, which it does not record).
+        """
+        if self._loader is None:
+            raise ValueError("state_dict() before the first iteration: nothing to record")
+        return self._loader.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        """Resume from :meth:`state_dict` (or a list of them, one per Loader of a
+        ``job_name``) on the first iteration.
+
+        Raises:
+            RuntimeError: the dataset has already started its Loader.
+        """
+        if self._loader is not None:
+            raise RuntimeError("load_state_dict() must come before the first iteration")
+        self.loader_kwargs["state"] = state
+        if isinstance(state, dict) and isinstance(state.get("epoch"), int):
+            self._next_epoch = state["epoch"]
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration run ``epoch`` (as with ``DistributedSampler``); epochs
@@ -456,6 +484,10 @@ class DataLoader:
         self._persistent = persistent_workers
         self._iterable = isinstance(dataset, torch.utils.data.IterableDataset)
         self._base_seed: int | None = None
+        self._epoch_rng: str | None = None  # the RNG state the current epoch sampled from
+        self._yielded = 0  # batches of the current epoch yielded
+        self._finished = False
+        self._resume: dict[str, Any] | None = None
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
@@ -466,13 +498,74 @@ class DataLoader:
         return len(self._torch)
 
     def __iter__(self) -> Iterator[Any]:
+        skip = 0
+        resume, self._resume = self._resume, None
+        if resume is not None:  # load_state_dict: sample that epoch again, skip what was had
+            self._set_rng(resume["rng"])
+            skip = resume["batches"]
+            if resume["base_seed"] is not None:
+                self._base_seed = resume["base_seed"]
+        self._epoch_rng, self._yielded, self._finished = self._rng(), skip, False
         if self.num_workers == 0:
-            batches: Iterator[Any] = iter(self._torch)
+            batches: Iterator[Any] = itertools.islice(iter(self._torch), skip, None)
         else:
-            batches = (to_torch(batch) for batch in self._workers_epoch())
-        return self._deliver(batches)
+            batches = (to_torch(batch) for batch in self._workers_epoch(skip))
+        return self._counted(self._deliver(batches))
 
-    def _workers_epoch(self) -> Iterator[Any]:
+    def _counted(self, batches: Iterator[Any]) -> Iterator[Any]:
+        for batch in batches:
+            self._yielded += 1
+            yield batch
+        self._finished = True
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader is, as a small JSON-serializable dict: the random state its
+        epoch sampled from and the batches yielded. ``load_state_dict`` makes the next
+        iteration sample that epoch again (same order, same seeds) and yield only the
+        batches after those; a finished epoch resumes at the next one.
+
+        Raises:
+            ValueError: the dataset is iterable (its position cannot be restored).
+        """
+        if self._iterable:
+            raise ValueError("state_dict() needs a map-style dataset: an iterable dataset's "
+                             "position inside its own iterator cannot be restored")
+        if self._epoch_rng is None or self._finished:
+            return {"zloader_torch": 1, "rng": self._rng(), "batches": 0,
+                    "base_seed": self._base_seed}
+        return {"zloader_torch": 1, "rng": self._epoch_rng, "batches": self._yielded,
+                "base_seed": self._base_seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict` on the next iteration. It sets the random state
+        the sampler draws from (this loader's ``generator``, or torch's global one) to the
+        one that epoch started from.
+
+        Raises:
+            ValueError: ``state`` is not such a dict.
+        """
+        if not (isinstance(state, dict) and state.get("zloader_torch") == 1
+                and isinstance(state.get("rng"), str)
+                and isinstance(state.get("batches"), int) and state["batches"] >= 0
+                and (state.get("base_seed") is None or isinstance(state["base_seed"], int))):
+            raise ValueError("state must be what zloader.torch.DataLoader.state_dict() "
+                             "returned")
+        self._resume = dict(state)
+
+    def _rng(self) -> str:
+        generator = self._torch.generator
+        state = generator.get_state() if generator is not None else torch.get_rng_state()
+        return base64.b64encode(state.numpy().tobytes()).decode()
+
+    def _set_rng(self, text: str) -> None:
+        state = torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+        generator = self._torch.generator
+        if generator is not None:
+            generator.set_state(state)
+        else:
+            torch.set_rng_state(state)
+
+    def _workers_epoch(self, skip: int = 0) -> Iterator[Any]:
         torch_loader = self._torch
         # torch's order: make the sampler iterator, draw the base seed, then sample.
         indices = None if self._iterable else iter(torch_loader._index_sampler)
@@ -481,7 +574,7 @@ class DataLoader:
             self._base_seed = int(torch.empty((), dtype=torch.int64)
                                   .random_(generator=torch_loader.generator).item())
         plan: dict[str, Any] = ({} if indices is None
-                                else _pack(list(indices), torch_loader._auto_collation))
+                                else _pack(list(indices)[skip:], torch_loader._auto_collation))
         plan.update(seed=self._base_seed, reseed=reseed)
         return self._loader()._iterate(plan)
 

@@ -26,6 +26,7 @@ import zmq
 
 from zloader import codec
 from zloader._host import host_id
+from zloader.lineage import unpack
 from zloader.pipeline import Pipeline
 from zloader.plan import Plan, plan
 from zloader.producer import Outgoing, Producer
@@ -115,6 +116,7 @@ class _Task:
     # Coordinated reads (zloader/rounds.py): the group being filled, and the full groups
     # (and epoch ends) in order, the first ones waiting for their round number.
     coordinated: int = 0
+    track: bool = False  # exactly-once: elements carry their origins (zloader/lineage.py)
     partial: list[Outgoing] = field(default_factory=list)
     partial_epoch: int = -1
     replaced: set[str] = field(default_factory=set)  # consumers a restarted one took over
@@ -339,10 +341,12 @@ class WorkerProcess:
             if task is not None and msg.field("task", str) == task.id and link is not None:
                 self._asking = None
                 split = msg.field("split", int, optional=True)
+                answer = {"pass": msg.field("pass", list), "split": split,
+                          "have": msg.body.get("have")}
+                if task.track and split is not None:  # where it belongs, what to skip
+                    answer.update(_assignment(msg))
                 with contextlib.suppress(zmq.Again):
-                    link.send(json.dumps({"pass": msg.field("pass", list), "split": split,
-                                          "have": msg.body.get("have")}).encode(),
-                              zmq.NOBLOCK)
+                    link.send(json.dumps(answer).encode(), zmq.NOBLOCK)
         elif command is Command.RELEASE:
             if self.task is not None and msg.field("task", str) == self.task.id:
                 self._stop_task()
@@ -378,7 +382,8 @@ class WorkerProcess:
                               msg.field("width", int), str(msg.body.get("on_error", "raise")),
                               msg.field("entropy", int),
                               balanced=max(0, int(msg.body.get("balanced") or 0)),
-                              coordinated=max(0, int(msg.body.get("coordinated") or 0)))
+                              coordinated=max(0, int(msg.body.get("coordinated") or 0)),
+                              track=msg.body.get("track") is True)
             share = msg.field("share", dict, optional=True)
             if share is not None:
                 self.task.window = Window(int(share["window_bytes"]), str(share["lag"]),
@@ -498,9 +503,11 @@ class WorkerProcess:
             streams = [s for s in task.streams.values() if s.epoch == epoch]
             if head.get("end"):
                 task.pending.popleft()
+                end = {"epoch": epoch, "skipped": head["skipped"]}
+                if "origins" in head:
+                    end["origins"] = head["origins"]
                 for stream in streams:
-                    self._to_consumer(stream, Command.END, {"epoch": epoch,
-                                                            "skipped": head["skipped"]})
+                    self._to_consumer(stream, Command.END, end)
                 self._finish_epoch(task, epoch)
                 continue
             if task.balanced:
@@ -528,8 +535,9 @@ class WorkerProcess:
                      head: dict[str, Any]) -> None:
         body = {"epoch": epoch, "count": head["count"], "skipped": head["skipped"],
                 "ring": None}
-        if "round" in head:
-            body["round"] = head["round"]
+        for name in ("round", "origins"):
+            if name in head:
+                body[name] = head[name]
         size = sum(codec.nbytes(f) for f in frames)
         self.elements += head["count"]
         self.bytes += size
@@ -1140,6 +1148,28 @@ class WorkerProcess:
         except zmq.ZMQError as exc:
             log.warning("could not send %s to consumer %s: %s", command.name, stream.consumer,
                         exc)
+
+
+def _assignment(msg: Message) -> dict[str, Any]:
+    """The checked ``origin``, ``skip`` and ``expect`` of an exactly-once job's SPLIT.
+
+    Raises:
+        ProtocolError: one is malformed.
+    """
+    origin = msg.field("origin", list)
+    if not origin or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0
+                             for k in origin):
+        raise ProtocolError("SPLIT.origin must be a pass key")
+    skip = msg.body.get("skip", "")
+    try:
+        unpack(skip)
+    except ValueError as exc:
+        raise ProtocolError(f"SPLIT.skip: {exc}") from None
+    expect = msg.body.get("expect")
+    if expect is not None and not (isinstance(expect, list) and len(expect) == 2
+                                   and all(isinstance(v, int) for v in expect)):
+        raise ProtocolError("SPLIT.expect must be [count, digest]")
+    return {"origin": origin, "skip": skip, "expect": expect}
 
 
 def _attach_ring(name: str) -> Any:

@@ -69,6 +69,7 @@ class Command(enum.IntEnum):
     ROUND = 41         # broker -> worker: the round's number, or none
     RECEIVED = 42      # consumer -> broker: I received my elements of these rounds
     COMMIT = 43        # broker -> consumer: these rounds are committed, those lost
+    DELIVERED = 44     # consumer -> broker: what I hold of a dead worker's splits
 
 
 class ProtocolError(ZloaderError):

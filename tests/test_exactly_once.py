@@ -1,0 +1,187 @@
+"""Exactly-once epochs (dynamic sharding): every source element of an epoch reaches the
+consumer once, through worker SIGKILLs, shuffle buffers larger than a split and batching,
+and across a Loader's checkpoint (``state_dict``) and resume (``state=``)."""
+
+from __future__ import annotations
+
+import collections
+import json
+import random
+import signal
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.service import service, start_worker
+from zloader import Loader, Pipeline, PipelineError
+
+N = 2400
+
+
+def slow(x):
+    time.sleep(0.001)
+    return x
+
+
+def shuffled_batches() -> Pipeline:
+    """A shuffle buffer five splits long, then batches: elements from many splits mix."""
+    return Pipeline.range(N, split_size=40).map(slow).shuffle(200).batch(8)
+
+
+def count(counter: collections.Counter, batch) -> None:
+    counter.update(np.asarray(batch).tolist())
+
+
+def assert_exactly_once(seen: collections.Counter, n: int = N) -> None:
+    repeated = sorted(k for k, v in seen.items() if v > 1)
+    missing = sorted(set(range(n)) - set(seen))
+    assert not repeated and not missing, (f"repeated {len(repeated)}: {repeated[:10]}, "
+                                          f"missing {len(missing)}: {missing[:10]}")
+
+
+def run_with_kills(address: str, procs: list, kills: list[int]) -> collections.Counter:
+    """One epoch, SIGKILLing a live worker (and starting a new one) after each batch number
+    in ``kills``."""
+    seen: collections.Counter = collections.Counter()
+    with Loader(shuffled_batches(), broker=address, timeout=30) as loader:
+        for i, batch in enumerate(loader):
+            count(seen, batch)
+            if i in kills:
+                victim = next(p for p in procs if p.poll() is None)
+                victim.send_signal(signal.SIGKILL)
+                victim.wait()
+                procs.append(start_worker(address))
+    return seen
+
+
+def test_workers_killed_mid_epoch_through_a_shuffle_and_batches_lose_and_repeat_nothing():
+    with service(workers=3) as (address, procs):
+        seen = run_with_kills(address, procs, kills=[30, 150])
+        assert_exactly_once(seen)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_seeded_random_kill_schedule_loses_and_repeats_nothing(seed):
+    rng = random.Random(seed)
+    kills = sorted(rng.sample(range(5, N // 8 - 20), rng.randint(1, 3)))
+    with service(workers=3) as (address, procs):
+        assert_exactly_once(run_with_kills(address, procs, kills))
+
+
+@pytest.mark.slow
+@settings(max_examples=10, deadline=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(st.lists(st.integers(0, N // 8 - 20), min_size=1, max_size=4, unique=True))
+def test_random_kill_schedules_never_lose_or_repeat_an_element(kills):
+    with service(workers=3) as (address, procs):
+        assert_exactly_once(run_with_kills(address, procs, sorted(kills)))
+
+
+def test_a_split_that_reads_differently_the_second_time_is_reported():
+    def changing(split):  # not reproducible: another value each time it is read
+        for _ in range(20):
+            yield random.random()
+
+    def paced(x):
+        time.sleep(0.01)
+        return x
+
+    # The shuffle buffer holds a worker's whole share: every split is read (and its count
+    # and digest known to the consumer) before the first element leaves.
+    pipeline = Pipeline.from_generator(changing, 20).shuffle(1000).map(paced)
+    with service(workers=2) as (address, procs):
+        with Loader(pipeline, broker=address, timeout=30, prefetch=1) as loader:
+            with pytest.raises(PipelineError, match="read differently"):
+                for i, _ in enumerate(loader):
+                    if i == 3:
+                        procs[0].send_signal(signal.SIGKILL)
+                        procs[1].send_signal(signal.SIGKILL)
+                        procs.append(start_worker(address))
+
+
+def test_state_dict_resumes_mid_epoch_exactly_with_several_workers_and_a_shuffle():
+    pipeline = Pipeline.range(N, split_size=40).shuffle(300).batch(8)
+    seen: collections.Counter = collections.Counter()
+    with Loader(pipeline, num_workers=2, timeout=30) as loader:
+        for i, batch in enumerate(loader):
+            count(seen, batch)
+            if i == 60:
+                state = loader.state_dict()
+                break
+    text = json.dumps(state)
+    assert len(text) < 64 * 1024 and state["epoch"] == 0
+    with Loader(pipeline, num_workers=2, timeout=30, state=json.loads(text)) as loader:
+        for batch in loader:
+            count(seen, batch)
+        assert_exactly_once(seen)
+        assert loader.state_dict()["epoch"] == 1  # the epoch is over: the next one is due
+        again: collections.Counter = collections.Counter()
+        for batch in loader:
+            count(again, batch)
+        assert_exactly_once(again)
+
+
+def test_states_of_job_name_consumers_resume_the_epoch_together():
+    pipeline = Pipeline.range(N, split_size=40).shuffle(200)
+    with service(workers=2) as (address, _):
+        seen: collections.Counter = collections.Counter()
+        states = []
+        loaders = [Loader(pipeline, broker=address, job_name="resumed", timeout=30)
+                   for _ in range(2)]
+        try:
+            iterators = [iter(loader) for loader in loaders]
+            for _ in range(300):
+                for iterator in iterators:
+                    seen[next(iterator)] += 1
+            states = [loader.state_dict() for loader in loaders]
+        finally:
+            for loader in loaders:
+                loader.close()
+        resumed = [Loader(pipeline, broker=address, job_name="resumed", timeout=30,
+                          state=states) for _ in range(2)]
+        try:
+            iterators = [iter(loader) for loader in resumed]
+            live = list(iterators)
+            while live:
+                for iterator in list(live):
+                    try:
+                        seen[next(iterator)] += 1
+                    except StopIteration:
+                        live.remove(iterator)
+        finally:
+            for loader in resumed:
+                loader.close()
+        assert_exactly_once(seen)
+
+
+def test_state_dict_refuses_what_it_cannot_record():
+    with pytest.raises(ValueError, match="exactly_once"):
+        Loader(Pipeline.range(10), num_workers=1, sharding="static", state={"zloader": 1})
+    with Loader(Pipeline.range(10), num_workers=1, exactly_once=False) as loader:
+        with pytest.raises(ValueError, match="exactly_once"):
+            loader.state_dict()
+    with Loader(Pipeline.range(10).take(5), num_workers=1) as loader:
+        with pytest.raises(ValueError, match="take"):
+            loader.state_dict()
+    with pytest.raises(ValueError, match="another pipeline"):
+        state = {"zloader": 1, "fingerprint": "0" * 64, "epoch": 0, "delivered": []}
+        Loader(Pipeline.range(10), num_workers=1, state=state)
+    with pytest.raises(ValueError, match="delivered"):
+        state = {"zloader": 1, "fingerprint": Pipeline.range(10).fingerprint, "epoch": 0,
+                 "delivered": [["bad"]]}
+        Loader(Pipeline.range(10), num_workers=1, state=state)
+
+
+def test_without_exactly_once_a_dead_workers_splits_are_read_again_whole():
+    with service(workers=2) as (address, procs):
+        seen: collections.Counter = collections.Counter()
+        pipeline = Pipeline.range(600, split_size=20).map(slow)
+        with Loader(pipeline, broker=address, timeout=30, exactly_once=False) as loader:
+            for i, x in enumerate(loader):
+                seen[x] += 1
+                if i == 100:
+                    procs[0].send_signal(signal.SIGKILL)
+        assert set(seen) == set(range(600))  # at least once
