@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip
 PIP_FLAGS := --disable-pip-version-check --quiet -c constraints-dev.txt
 
-.PHONY: demo test test-slow lint bench clean
+.PHONY: demo test test-slow lint bench soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,10 @@ bench: $(VENV)/.installed-bench
 	$(BIN)/python -m bench.torch_loader
 	$(BIN)/python -m bench.sharing
 	$(BIN)/python -m bench.coordinated
+
+# Ten minutes of 32 consumers over 8 jobs while workers are killed (bench/soak.py).
+soak: $(VENV)/.installed-bench
+	$(BIN)/python -m bench.soak --minutes 10
 
 clean:
 	rm -rf $(VENV) build *.egg-info zloader.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -34,6 +34,11 @@ measure transport, not production.
     (``transport="tcp"``), with CURVE keys (``zloader keygen``: every frame encrypted) and
     without; and with keys but 2 workers started with ``--plain-data`` (a token, no
     encryption on the data sockets: the trusted-network option). Ratios: CURVE / the row.
+(f) What exactly-once bookkeeping costs (every element carries its origin, see
+    docs/reliability.md): the small elements of (c), embedded, 2 workers, with the default
+    ``exactly_once=True`` and with ``exactly_once=False``. Ratio: on / off.
+(g) The same for batches: ``Pipeline.range(10**9).shuffle(1024).batch(256)`` (a batch
+    carries 256 origins), batches/s. Ratio: on / off.
 
 Ratios read "how many times better zloader is" (throughput: zloader / system; time:
 system / zloader). These machines are shared and noisy: read the ratios, not the absolute
@@ -258,6 +263,23 @@ def zloader_small(window: float, warmup: float) -> dict[str, Any]:
     return zloader_throughput(lambda zloader: zloader.Pipeline.range(10**9), window, warmup)
 
 
+def zloader_small_untracked(window: float, warmup: float) -> dict[str, Any]:
+    return zloader_throughput(lambda zloader: zloader.Pipeline.range(10**9), window, warmup,
+                              exactly_once=False)
+
+
+def _batched(zloader: Any) -> Any:
+    return zloader.Pipeline.range(10**9).shuffle(1024).batch(256)
+
+
+def zloader_batched(window: float, warmup: float) -> dict[str, Any]:
+    return zloader_throughput(_batched, window, warmup)
+
+
+def zloader_batched_untracked(window: float, warmup: float) -> dict[str, Any]:
+    return zloader_throughput(_batched, window, warmup, exactly_once=False)
+
+
 def zloader_broker_tcp(window: float, warmup: float, keyed: bool,
                        plain_data: bool = False) -> dict[str, Any]:
     """The large batches from 2 workers on this host over TCP, through a broker process:
@@ -418,6 +440,16 @@ SECTIONS: dict[str, tuple[str, str, list[Row]]] = {
             "CURVE on the broker socket, a token on the data sockets (unencrypted); ratio: "
             "CURVE / this"),
     ]),
+    "f": ("Small elements: exactly-once bookkeeping on against off", "elements_per_s", [
+        Row("f", "zloader, exactly_once=True (default)", zloader_small),
+        Row("f", "zloader, exactly_once=False", zloader_small_untracked, None,
+            "no origins; ratio: on / off"),
+    ]),
+    "g": ("Shuffled batches of 256 ints: exactly-once on against off", "elements_per_s", [
+        Row("g", "zloader, exactly_once=True (default)", zloader_batched),
+        Row("g", "zloader, exactly_once=False", zloader_batched_untracked, None,
+            "no origins; ratio: on / off (batches/s)"),
+    ]),
 }
 
 
@@ -516,7 +548,8 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=5.0, help="seconds measured per row")
     parser.add_argument("--warmup", type=float, default=1.0,
                         help="seconds consumed before each window")
-    parser.add_argument("--only", default="a,b,c,d,e", help="sections to run, e.g. a,c")
+    parser.add_argument("--only", default="a,b,c,d,e,f,g",
+                        help="sections to run, e.g. a,c")
     parser.add_argument("--out", default="bench/results", help="where to write results")
     args = parser.parse_args()
     only = [s.strip() for s in args.only.split(",") if s.strip()]

@@ -8,6 +8,8 @@ import collections
 import json
 import random
 import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -15,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.service import service, start_worker
+from tests.service import HEARTBEAT, service, start_worker
 from zloader import Loader, Pipeline, PipelineError
 
 N = 2400
@@ -185,3 +187,57 @@ def test_without_exactly_once_a_dead_workers_splits_are_read_again_whole():
                 if i == 100:
                     procs[0].send_signal(signal.SIGKILL)
         assert set(seen) == set(range(600))  # at least once
+
+
+def test_a_worker_drained_by_sigterm_through_a_shuffle_loses_and_repeats_nothing():
+    with service(workers=2) as (address, procs):
+        seen: collections.Counter = collections.Counter()
+        with Loader(shuffled_batches(), broker=address, timeout=30) as loader:
+            for i, batch in enumerate(loader):
+                count(seen, batch)
+                if i == 30:
+                    procs[0].send_signal(signal.SIGTERM)  # as a scale-down would
+            assert procs[0].wait(30) == 0  # it left once its buffered elements were out
+        assert_exactly_once(seen)
+
+
+PAUSED_CONSUMER = """
+import collections, json, sys, time
+import numpy as np
+from zloader import Loader, Pipeline
+
+def slow(x):
+    time.sleep(0.001)
+    return x
+
+pipeline = Pipeline.range({n}, split_size=40).map(slow).shuffle(200).batch(8)
+seen = collections.Counter()
+with Loader(pipeline, broker={address!r}, timeout=30) as loader:
+    for i, batch in enumerate(loader):
+        seen.update(np.asarray(batch).tolist())
+        if i == 20:
+            print("reading", flush=True)
+print(json.dumps(sorted(seen.items())), flush=True)
+"""
+
+
+def test_a_consumer_paused_past_its_expiry_rejoins_and_gets_each_element_once():
+    """SIGSTOP for longer than 3 heartbeats: the broker drops the consumer; on SIGCONT it
+    registers again, opens its epoch again and still gets every element once."""
+    with service(workers=2) as (address, _):
+        consumer = subprocess.Popen(
+            [sys.executable, "-c", PAUSED_CONSUMER.format(n=N, address=address)],
+            stdout=subprocess.PIPE, text=True)
+        try:
+            assert consumer.stdout is not None
+            assert consumer.stdout.readline().strip() == "reading"
+            consumer.send_signal(signal.SIGSTOP)
+            time.sleep(4 * HEARTBEAT)  # the broker gives up on it after 3
+            consumer.send_signal(signal.SIGCONT)
+            out, _ = consumer.communicate(timeout=60)
+        finally:
+            if consumer.poll() is None:
+                consumer.kill()
+                consumer.wait()
+        assert consumer.returncode == 0
+        assert_exactly_once(collections.Counter(dict(json.loads(out.strip().splitlines()[-1]))))

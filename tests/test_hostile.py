@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 
+import numpy as np
 import pytest
 import zmq
 from hypothesis import HealthCheck, Phase, given, settings
@@ -15,6 +16,8 @@ from hypothesis import strategies as st
 from tests.service import service, status, wait_for
 from zloader import Loader, Pipeline
 from zloader.transport.protocol import VERSION, Command, ProtocolError, decode
+from zloader.transport.ring import RingError, RingReader, RingWriter
+from zloader.transport.shm import Segment
 
 FIELDS = ["worker", "task", "job", "consumer", "epoch", "pass", "split", "credits", "ring",
           "mapped", "rounds", "round", "members", "consumer_index", "fingerprint",
@@ -98,3 +101,60 @@ def hostile_round(batch: list) -> None:
         assert all(p.poll() is None for p in procs), "a worker died"
         with Loader(Pipeline.range(100), broker=address, timeout=20) as again:
             assert sorted(again) == list(range(100))
+
+
+@given(st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1),
+       st.lists(st.tuples(st.integers(-10, 2**20), st.integers(-10, 2**20)), max_size=4))
+@settings(max_examples=200, derandomize=True, deadline=None)
+def test_corrupt_ring_headers_raise_ring_errors_never_worse(capacity, tail, head, claims):
+    """A peer that overwrites a ring's header words (or sends impossible positions) gets
+    RingError on either side, never a crash or a view outside the segment."""
+    with RingReader(64 * 1024) as reader:
+        writer = RingWriter(reader.name)
+        try:
+            assert writer.reserve(100) is not None
+            words = reader._segment.buf[:64].cast("Q")
+            words[2], words[3] = tail, head  # what the writer and the reader trust
+            with contextlib.suppress(RingError):
+                writer.reserve(100)
+            for position, length in claims:
+                try:
+                    array = reader.claim(position, length)
+                except RingError:
+                    continue
+                assert len(array) == length and length <= reader.capacity
+            words[1] = capacity
+            words.release()
+            try:
+                RingWriter(reader.name).close()  # a second writer checks the capacity
+            except RingError:
+                assert capacity < 64 or capacity % 64 or capacity > reader.capacity
+        finally:
+            writer.close()
+
+
+def test_a_live_ring_overwritten_by_another_process_is_survived_and_counted():
+    """Garbage written over a reading Loader's rings (data and headers) while it reads:
+    its worker and its consumer keep going; corrupt records are dropped and counted."""
+    pipeline = Pipeline.range(10**7).map(lambda i: np.full(256, i % 251, np.uint8))
+    with Loader(pipeline, num_workers=1, timeout=20) as loader:
+        epoch = iter(loader)
+        next(epoch)
+        (peer,) = loader._io._peers.values()
+        target = Segment.attach(peer.ring.name)
+        rng = np.random.default_rng(0)
+        try:
+            view = np.frombuffer(target.buf, np.uint8)
+            for _ in range(200):
+                start = int(rng.integers(0, len(view) - 4096))
+                view[start:start + 4096] = rng.integers(0, 256, 4096, np.uint8)
+                view[16:32] = rng.integers(0, 256, 16, np.uint8)  # tail and head words
+                for _ in range(20):
+                    next(epoch)  # values may be garbage; the loop must go on
+            del view
+        finally:
+            target.close()
+        assert loader._processes[0].poll() is None, "the worker died"
+    # and the next Loader works (the sweep runs; no segment is left: the no_leaks fixture)
+    with Loader(Pipeline.range(50), num_workers=1, timeout=20) as again:
+        assert sorted(again) == list(range(50))

@@ -74,19 +74,25 @@ def start_broker(address: str, work_dir: str) -> subprocess.Popen:
                              "--log-level", "error"])
 
 
+def start_journaled(tmp_path, workers: int) -> tuple[str, str, subprocess.Popen, list]:
+    """A broker with a work dir and ``workers`` workers, registered: (address, work dir,
+    broker, workers)."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    work_dir = str(tmp_path / "broker")
+    broker = start_broker(address, work_dir)
+    wait_for(lambda: status(address, 1.0) is not None, what="the broker")
+    started = [start_worker(address) for _ in range(workers)]
+    wait_for(lambda: len(status(address)["workers"]) == workers, what="the workers")
+    return address, work_dir, broker, started
+
+
 def test_a_broker_killed_mid_epoch_and_restarted_resumes_the_job_exactly(tmp_path):
     def slow(x):
         time.sleep(0.004)
         return x
 
-    address = f"tcp://127.0.0.1:{free_port()}"
-    work_dir = str(tmp_path / "broker")
-    broker = start_broker(address, work_dir)
-    workers = []
+    address, work_dir, broker, workers = start_journaled(tmp_path, 2)
     try:
-        wait_for(lambda: status(address, 1.0) is not None, what="the broker")
-        workers = [start_worker(address) for _ in range(2)]
-        wait_for(lambda: len(status(address)["workers"]) == 2, what="the workers")
         with Loader(Pipeline.range(600, split_size=10).map(slow), broker=address,
                     timeout=30) as loader:
             seen: list[int] = []
@@ -120,4 +126,32 @@ def test_a_broker_killed_mid_epoch_and_restarted_resumes_the_job_exactly(tmp_pat
             stop(process)
         stop(broker)
         for process in locals().get("restarted", []):
+            stop(process)
+
+
+def test_a_worker_killed_while_the_broker_is_down_loses_and_repeats_nothing(tmp_path):
+    """Broker and a worker both SIGKILLed mid-epoch, with a shuffle buffer larger than a
+    split and batches: the restarted broker learns from its journal which splits the dead
+    worker held, fences them, and they are read again less what the consumer holds."""
+    def slow(x):
+        time.sleep(0.003)
+        return x
+
+    address, work_dir, broker, workers = start_journaled(tmp_path, 3)
+    restarted: list[subprocess.Popen] = []
+    try:
+        pipeline = Pipeline.range(1200, split_size=20).map(slow).shuffle(100).batch(4)
+        with Loader(pipeline, broker=address, timeout=30) as loader:
+            seen: list[int] = []
+            for i, batch in enumerate(loader):
+                seen += [int(x) for x in batch]
+                if i == 40:
+                    broker.send_signal(signal.SIGKILL)
+                    broker.wait()
+                    workers[0].send_signal(signal.SIGKILL)
+                    workers[0].wait()
+                    restarted.append(start_broker(address, work_dir))
+            assert sorted(seen) == list(range(1200))
+    finally:
+        for process in [*workers, broker, *restarted]:
             stop(process)

@@ -554,3 +554,20 @@ def test_a_worker_drained_by_sigterm_finishes_its_splits_nothing_lost_or_repeate
             assert sorted(seen) == list(range(600))  # exactly once: no split read twice
             assert procs[0].wait(30) == 0  # it left once done
             assert sorted(loader) == list(range(600))  # the other worker serves on
+
+
+def test_static_sharding_a_killed_workers_index_goes_to_its_replacement():
+    def slow(x):
+        time.sleep(0.002)
+        return x
+
+    with service(workers=2) as (address, procs):
+        pipeline = Pipeline.range(400, split_size=10).map(slow)
+        with Loader(pipeline, broker=address, sharding="static", timeout=30) as loader:
+            seen = []
+            for x in loader:
+                seen.append(x)
+                if len(seen) == 60:
+                    procs[0].send_signal(signal.SIGKILL)
+                    procs.append(start_worker(address))  # takes the dead one's index
+            assert set(seen) == set(range(400))  # at least once: the index read again

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -290,3 +292,34 @@ def test_a_trainer_that_leaves_an_epoch_early_gets_the_next_one_whole():
                 if index == 20:
                     break  # the producer is left waiting for this epoch's reader
             assert sorted(int(x[0]) for x in loader) == list(range(400))
+
+
+def test_a_worker_killed_under_shared_trainers_does_not_stop_them():
+    def slow(x):
+        time.sleep(0.002)
+        return x
+
+    pipeline = Pipeline.range(2000, split_size=20).map(slow)
+    with service(workers=2) as (address, procs):
+        with Loader(pipeline, broker=address, share=True, timeout=30) as a, \
+                Loader(pipeline, broker=address, share=True, timeout=30) as b:
+            got: dict[str, list[int]] = {}
+
+            def read(name: str, loader: Loader) -> None:
+                seen = []
+                for i, x in enumerate(loader):
+                    seen.append(int(x))
+                    if name == "a" and i == 300:
+                        procs[0].send_signal(signal.SIGKILL)
+                        procs[0].wait()  # reaped: the consumers sweep its segments
+                got[name] = seen
+
+            threads = [threading.Thread(target=read, args=item, daemon=True)
+                       for item in (("a", a), ("b", b))]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(90)
+            assert set(got) == {"a", "b"}, "a trainer did not finish the epoch"
+            for seen in got.values():  # its splits were read again by the other worker
+                assert set(seen) == set(range(2000))

@@ -24,7 +24,7 @@ import zmq
 
 from zloader import codec
 from zloader._host import host_id
-from zloader.errors import PipelineError, ZloaderError
+from zloader.errors import CodecError, PipelineError, ZloaderError
 from zloader.lineage import Ledger, decode_origins
 from zloader.transport import records
 from zloader.transport.keys import Keys
@@ -37,6 +37,8 @@ from zloader.transport.protocol import (
     error_from_object,
     heartbeat,
 )
+from zloader.transport.ring import RingError
+from zloader.transport.shm import sweep
 
 __all__ = ["IOThread", "Item", "Origins"]
 
@@ -140,6 +142,7 @@ class IOThread(threading.Thread):
         self.lagged = 0  # a shared job's elements this trainer lost to the lag policy
         self.replayed = 0  # ... and the elements made again for it (it joined late)
         self.dropped = 0  # elements dropped to keep rounds whole (coordinated reads)
+        self.rejected = 0  # corrupt records dropped (logged with their worker)
         self._acks: list[int] = []  # rounds received, to tell the broker
         self._draining = False  # the epoch has ended but for rounds not yet released
         self.share: dict[str, Any] | None = None  # the shared job's window settings
@@ -466,9 +469,12 @@ class IOThread(threading.Thread):
             seen.add(worker)
             if worker not in self._peers:
                 self._connect(entry)
-        for worker in [w for w in self._peers if w not in seen]:
+        gone = [w for w in self._peers if w not in seen]
+        for worker in gone:
             self._close_peer(self._peers[worker], polite=False)
             self._check_done()
+        if gone:
+            sweep()  # a worker that died cannot unlink its segments: remove them for it
 
     def _connect(self, entry: dict[str, Any]) -> None:
         sock = self.context.socket(zmq.DEALER)
@@ -536,7 +542,15 @@ class IOThread(threading.Thread):
         if msg.command is Command.DATA:
             if epoch != self._epoch:
                 return  # an old epoch's record: its credit is not coming back, by design
-            self._data(peer, msg)
+            try:
+                self._data(peer, msg)
+            except (ProtocolError, CodecError, RingError) as exc:
+                # Dropped (a corrupt record, in shared memory or on the wire), counted, and
+                # its credit given back so that the worker goes on.
+                self.rejected += 1
+                self._run_command(("credit", peer.worker, 1))
+                raise ProtocolError(f"DATA from worker pid {peer.pid} at {peer.endpoint}: "
+                                    f"{exc}") from None
         elif msg.command is Command.END:
             if epoch == self._epoch:
                 self._skipped_by[peer.worker] = int(msg.body.get("skipped", 0))

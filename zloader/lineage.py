@@ -23,7 +23,7 @@ import base64
 import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -37,12 +37,10 @@ DIGEST_BYTES = 4096
 """Bytes of each buffer of a source element that the reproducibility digest covers."""
 
 
-class Tagged(NamedTuple):
-    """An element on its way through the worker part, with the origins it holds: flat
-    (pass id, split, index) triples (pass ids number the producer's passes)."""
-
-    value: Any
-    origin: tuple[int, ...]
+Tagged = tuple[Any, tuple[int, ...]]
+"""An element on its way through the worker part: ``(value, origin)``, the origin being the
+flat (pass id, split, index) triples it holds (pass ids number the producer's passes). A
+plain tuple: made once per source element, it must be cheap."""
 
 
 @dataclass(frozen=True)
@@ -67,10 +65,13 @@ def read_split(source: Any, assigned: Assigned, pass_id: int, ctx: Any) -> Itera
     split, skip = assigned.split, assigned.skip
     crc = count = 0
     for index, element in enumerate(source.read(split, ctx)):
-        crc = digest(element, crc)
+        if type(element) is int:  # digest()'s first case, without the call
+            crc = (crc * 1_000_003 ^ hash(element)) & 0xFFFFFFFF
+        else:
+            crc = digest(element, crc)
         count = index + 1
-        if index not in skip:
-            yield Tagged(element, (pass_id, split, index))
+        if not skip or index not in skip:
+            yield (element, (pass_id, split, index))
     if assigned.expect is not None and tuple(assigned.expect) != (count, crc):
         raise PipelineError.create(
             "source", "RuntimeError",
@@ -84,7 +85,13 @@ def read_split(source: Any, assigned: Assigned, pass_id: int, ctx: Any) -> Itera
 
 
 def digest(element: Any, crc: int, depth: int = 0) -> int:
-    """A cheap running checksum of a source element (types, lengths, leading bytes)."""
+    """A cheap running checksum of a source element (types, lengths, leading bytes), the
+    same in every process (numbers mix in their hash, which Python does not randomize)."""
+    kind = type(element)
+    if kind is int or kind is float or kind is bool:
+        return (crc * 1_000_003 ^ hash(element)) & 0xFFFFFFFF
+    if element is None:
+        return (crc * 1_000_003 ^ 0x5EED) & 0xFFFFFFFF
     if isinstance(element, np.ndarray):
         crc = zlib.crc32(f"{element.dtype}{element.shape}".encode(), crc)
         flat = element.reshape(-1)
@@ -95,7 +102,7 @@ def digest(element: Any, crc: int, depth: int = 0) -> int:
         return zlib.crc32(data, zlib.crc32(len(element).to_bytes(8, "little"), crc))
     if isinstance(element, str):
         return zlib.crc32(element[:DIGEST_BYTES].encode("utf-8", "replace"), crc)
-    if element is None or isinstance(element, (int, float, complex, np.generic)):
+    if isinstance(element, (int, float, complex, np.generic)):
         return zlib.crc32(repr(element).encode(), crc)
     if depth < 4 and isinstance(element, (tuple, list)):
         for item in element[:16]:
@@ -118,8 +125,8 @@ def encode_origins(elements: list[Tagged], loose: list[int]) -> list[bytes]:
     counts[0] = len(loose) // 3
     flat = list(loose)
     for position, element in enumerate(elements, 1):
-        counts[position] = len(element.origin) // 3
-        flat.extend(element.origin)
+        counts[position] = len(element[1]) // 3
+        flat.extend(element[1])
     return [counts.tobytes(), np.array(flat, np.int64).tobytes()]
 
 

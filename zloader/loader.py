@@ -427,8 +427,9 @@ class Loader:
         ``segments`` (records too large for the ring, sent in a segment of their own),
         ``share_skipped`` (a shared job's elements this trainer lost by falling behind the
         window with ``share_lag="skip"``, or to a dead worker), ``share_replayed`` (elements
-        made again for this trainer because they had left the window when it joined).
-        With ``num_consumers``: ``dropped`` (the job's elements of incomplete last rounds,
+        made again for this trainer because they had left the window when it joined),
+        ``rejected`` (corrupt records dropped, each logged with its worker). With
+        ``num_consumers``: ``dropped`` (the job's elements of incomplete last rounds,
         dropped so that every consumer gets as many), ``rounds_lost`` (the job's rounds
         lost with a dead worker or consumer, skipped by every consumer alike) and
         ``rounds_missed`` (rounds this consumer passed over when it (re)joined an epoch
@@ -437,7 +438,8 @@ class Loader:
         stats = {"elements": self._elements, "bytes": io.bytes, "wait_seconds": self._wait,
                  "skipped": io.skipped, "per_worker": dict(io.per_worker),
                  "private": io.private, "segments": io.segments, "records": io.records,
-                 "share_skipped": io.lagged, "share_replayed": io.replayed}
+                 "share_skipped": io.lagged, "share_replayed": io.replayed,
+                 "rejected": io.rejected}
         if io.rounds is not None:
             stats.update(dropped=io.dropped, rounds_lost=io.rounds.total_lost,
                          rounds_missed=io.rounds.missed)

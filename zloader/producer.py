@@ -118,7 +118,7 @@ class Producer(threading.Thread):
             slow = now - last >= RECORD_LINGER / 2
             last = now
             batch.append(element)
-            weight, gathered = _weigh(element.value if ctx.track else element)
+            weight, gathered = _weigh(element[0] if ctx.track else element)
             size += weight
             if (len(batch) >= limit or size >= RECORD_BYTES or slow or gathered
                     or now - started >= RECORD_LINGER):
@@ -142,7 +142,7 @@ class Producer(threading.Thread):
                                   "skipped": ctx.skipped}
         if ctx.track:
             origins = encode_origins(batch, ctx.loose)
-            buffers = [*codec.encode([t.value for t in batch]), *origins]
+            buffers = [*codec.encode([t[0] for t in batch]), *origins]
             used = np.unique(np.frombuffer(origins[1], np.int64)[0::3]).tolist()
             fields["origins"] = {"passes": _pass_table(ctx, used), "ends": ctx.ends}
             ctx.loose, ctx.ends = [], []

@@ -26,7 +26,6 @@ from zloader import collate
 from zloader._defaults import SHUFFLE_DRAW_CHUNK
 from zloader._seeding import Key, make_rng
 from zloader.errors import PipelineError
-from zloader.lineage import Tagged
 
 __all__ = ["Batch", "BucketByLength", "Context", "Filter", "Map", "Repeat", "Run", "Shuffle",
            "Skip", "Stage", "Take", "Unbatch", "compose"]
@@ -52,7 +51,7 @@ class Context:
             ``round_size`` consecutive elements per round; ``bucket_by_length`` then emits
             its batches ``round_size`` at a time from one bucket. 1 otherwise.
         dropped: elements dropped to keep rounds whole (a bucket's last, incomplete round).
-        track: elements are :class:`~zloader.lineage.Tagged` with their origins (a worker
+        track: elements are ``(value, origin)`` pairs (:data:`~zloader.lineage.Tagged`; a worker
             part run for exactly-once epochs); stages apply user code to their values.
         loose: origins of elements dropped on the way (flat triples), sent with the next
             record so the consumer counts them as accounted for.
@@ -81,21 +80,21 @@ class Context:
     def drop(self, element: Any) -> None:
         """``element`` goes no further: keep its origins (when tracked) as loose ones."""
         if self.track:
-            self.loose.extend(element.origin)
+            self.loose.extend(element[1])
 
     def values(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """``fn`` as it applies to the elements of this run (to a tagged element's value,
         keeping the tag, when tracked)."""
         if not self.track:
             return fn
-        return lambda tagged: Tagged(fn(tagged.value), tagged.origin)
+        return lambda tagged: (fn(tagged[0]), tagged[1])
 
     def stack(self, elements: list[Any], pad_value: Any = None) -> Any:
         """``collate.stack`` of ``elements``; a tracked batch holds its rows' origins."""
         if not self.track:
             return collate.stack(elements, pad_value)
-        return Tagged(collate.stack([e.value for e in elements], pad_value),
-                      tuple(itertools.chain.from_iterable(e.origin for e in elements)))
+        return (collate.stack([e[0] for e in elements], pad_value),
+                tuple(itertools.chain.from_iterable(e[1] for e in elements)))
 
 
 def compose(read: Run, stages: tuple[Stage, ...], ctx: Context, first_position: int = 1) -> Run:
@@ -196,7 +195,7 @@ class Filter(Stage):
                   ctx: Context) -> Iterator[Any]:
         predicate = self.predicate
         if ctx.track:
-            predicate = lambda tagged: self.predicate(tagged.value)
+            predicate = lambda tagged: self.predicate(tagged[0])
         for element in elements:
             try:
                 keep = bool(predicate(element))
@@ -301,7 +300,7 @@ class BucketByLength(Stage):
         buckets: list[list[Any]] = [[] for _ in self.batch_sizes]
         for element in elements:
             try:
-                length = self._length(element.value if ctx.track else element)
+                length = self._length(element[0] if ctx.track else element)
             except Exception as exc:
                 if ctx.skip_errors:
                     ctx.skipped += 1
@@ -352,20 +351,20 @@ class Unbatch(Stage):
                   ctx: Context) -> Iterator[Any]:
         for element in elements:
             try:
-                rows = list(collate.split(element.value if ctx.track else element))
+                rows = list(collate.split(element[0] if ctx.track else element))
             except (TypeError, ValueError) as exc:
                 raise self._fails(exc) from exc
             if not ctx.track:
                 yield from rows
                 continue
-            origin = element.origin
+            origin = element[1]
             if len(origin) == 3 * len(rows):  # one origin per row: each row gets its own
                 for at, row in enumerate(rows):
-                    yield Tagged(row, origin[3 * at:3 * at + 3])
+                    yield (row, origin[3 * at:3 * at + 3])
             elif rows:  # rows that are not the batch's elements: the first holds them all
-                yield Tagged(rows[0], origin)
+                yield (rows[0], origin)
                 for row in rows[1:]:
-                    yield Tagged(row, ())
+                    yield (row, ())
             else:
                 ctx.drop(element)
 

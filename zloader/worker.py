@@ -45,6 +45,7 @@ from zloader.transport.protocol import (
     error_object,
     heartbeat,
 )
+from zloader.transport.ring import RingError
 
 __all__ = ["WorkerProcess"]
 
@@ -545,7 +546,13 @@ class WorkerProcess:
             packed = records.packed_size(frames)
             if packed > stream.ring.capacity and self._send_segment(stream, body, frames, packed):
                 return
-            slot = stream.ring.reserve(packed)
+            try:
+                slot = stream.ring.reserve(packed)
+            except RingError as exc:  # its header was overwritten: sockets from now on
+                self._reject(f"stopped using the ring of consumer {stream.consumer}: {exc}")
+                stream.ring.close()
+                stream.ring = None
+                slot = None
             if slot is not None:
                 position, view = slot
                 records.pack_into(frames, view)
