@@ -103,7 +103,7 @@ def consumer_process(address: str, job: int, consumers: int, elements: int, dead
     epochs = []
     for epoch in sorted(set.intersection(*(set(t) for t in tallies)) if tallies else ()):
         counts = sum(t[epoch] for t in tallies)
-        epochs.append({"epoch": epoch, "delivered": int(counts.sum()),
+        epochs.append({"job": job, "epoch": epoch, "delivered": int(counts.sum()),
                        "lost": int((counts == 0).sum()),
                        "duplicated": int(np.maximum(counts - 1, 0).sum())})
     results.put({"job": job, "epochs": epochs, "errors": errors,
@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         port = probe.getsockname()[1]
     address = f"tcp://127.0.0.1:{port}"
     broker = subprocess.Popen([str(BIN / "zloader-broker"), "--bind", address,
-                               "--heartbeat", "0.5", "--log-level", "error"])
+                               "--heartbeat", "0.5", "--log-level", args.broker_log])
     workers = [subprocess.Popen([str(BIN / "zloader-worker"), "--broker", address,
                                  "--log-level", "error"]) for _ in range(args.workers)]
     start = time.time()
@@ -179,6 +179,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "lost": sum(e["lost"] for e in epochs),
         "duplicated": sum(e["duplicated"] for e in epochs),
         "errors": [e for r in reports for e in r["errors"]],
+        "bad_epochs": [e for e in epochs if e["lost"] or e["duplicated"]],
         "broker_mib_first_third": round(max(s["broker_mib"] for s in samples[:third]), 1),
         "broker_mib_last_third": round(max(s["broker_mib"] for s in samples[-third:]), 1),
         "worker_mib_first_third": round(max(s["worker_mib"] for s in samples[:third]), 1),
@@ -233,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-every", type=float, default=15.0, help="seconds, on average")
     parser.add_argument("--elements", type=int, default=20000, help="per epoch of each job")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--broker-log", default="error", help="the broker's --log-level")
     parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
     result = run(args)

@@ -158,3 +158,47 @@ def test_a_live_ring_overwritten_by_another_process_is_survived_and_counted():
     # and the next Loader works (the sweep runs; no segment is left: the no_leaks fixture)
     with Loader(Pipeline.range(50), num_workers=1, timeout=20) as again:
         assert sorted(again) == list(range(50))
+
+
+@pytest.mark.slow
+def test_a_flood_of_bad_messages_does_not_grow_the_brokers_or_a_workers_memory():
+    """40,000 malformed messages (random frames, bodies of up to the size limit, unknown
+    peers' commands) to the broker and a worker: their resident memory grows by less than
+    32 MiB, and both still serve."""
+    import psutil
+
+    rng = np.random.default_rng(0)
+    junk = [[VERSION, bytes((int(rng.integers(0, 60)),)),
+             json.dumps({"task": "x" * int(rng.integers(0, 50_000))}).encode()],
+            [VERSION, bytes((Command.SPLIT_REQ,)), b"{}"],
+            [b"\xff" * 10], [VERSION, bytes((Command.REGISTER,)), b"not json"]]
+    with service(1) as (address, procs):
+        (worker,) = status(address)["workers"]
+        watched = [psutil.Process(p.pid) for p in procs]
+        broker_pid = next(c.pid for c in psutil.Process().children()
+                          if "zloader-broker" in " ".join(c.cmdline()))
+        watched.append(psutil.Process(broker_pid))
+        context = zmq.Context()
+        socks = []
+        try:
+            for endpoint in (address, worker["endpoint"]):
+                sock = context.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDHWM, 100_000)
+                sock.connect(endpoint)
+                socks.append(sock)
+            before = [p.memory_info().rss for p in watched]
+            for i in range(10_000):
+                for sock in socks:
+                    sock.send_multipart(junk[i % len(junk)])
+            wait_for(lambda: status(address)["rejected"] >= 5_000,
+                     what="the broker to work through the flood", timeout=120)
+            after = [p.memory_info().rss for p in watched]
+        finally:
+            for sock in socks:
+                sock.close(0)
+            context.term()
+        growth = [(a - b) / 2**20 for a, b in zip(after, before, strict=True)]
+        assert max(growth) < 32, f"memory grew by {growth} MiB"
+        with Loader(Pipeline.range(100), broker=address, timeout=20) as loader:
+            assert sorted(loader) == list(range(100))

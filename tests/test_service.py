@@ -188,6 +188,7 @@ def test_worker_added_mid_job_takes_part():
             assert len(loader.stats()["per_worker"]) == 2
 
 
+@pytest.mark.slow
 def test_killing_four_of_five_workers_on_an_endless_pipeline_does_not_hang():
     with service(workers=5) as (address, procs):
         with Loader(Pipeline.range(100).repeat(), broker=address, timeout=30) as loader:
@@ -246,6 +247,7 @@ def test_close_leaves_no_process_or_segment():
             os.kill(pid, 0)
 
 
+@pytest.mark.slow
 def test_worker_killed_mid_epoch_does_not_hang_and_its_splits_are_rerun():
     def slow(x):
         time.sleep(0.005)
@@ -329,8 +331,9 @@ def test_consumer_killed_mid_epoch_releases_its_shared_memory():
         consumer.wait(10)
         wait_for(lambda: not _segments_of(consumer.pid), timeout=20,
                  what="the workers to remove the dead consumer's rings")
-        wait_for(lambda: not status(address)["jobs"], timeout=20,
-                 what="the broker to collect the abandoned job")
+        # Its job is kept a while for it (it may only be stalled: see test_state.py's
+        # test_a_job_whose_consumers_went_silent_lingers_and_one_they_left_does_not).
+        assert len(status(address)["jobs"]) == 1
 
 
 def test_ctrl_c_in_the_training_loop_ends_everything_without_worker_tracebacks():

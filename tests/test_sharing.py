@@ -90,6 +90,7 @@ def test_three_trainers_share_one_run_and_see_the_same_sequence(tmp_path):
         wait_for(lambda: not segments(), what="the shared records to be freed")
 
 
+@pytest.mark.slow
 def test_identical_pipelines_share_and_a_changed_one_gets_its_own_job():
     with service(workers=2) as (address, _):
         trainers = [Trainer(address, "--delay", "0.03", variant=v) for v in (1, 1, 2)]
@@ -234,6 +235,7 @@ def test_trainers_that_leave_free_the_shared_memory():
         assert procs[0].poll() is None  # the worker itself is still running
 
 
+@pytest.mark.slow
 def test_status_shows_a_shared_job_with_its_trainers_lag_and_skips():
     with service(workers=1) as (address, _):
         window = ("--window", str(1 << 16), "--lag", "skip")

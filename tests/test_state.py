@@ -286,3 +286,27 @@ def test_coordinated_registrations_are_checked():
     assert out.command is Command.ERROR and "num_consumers" in out.body["message"]
     with pytest.raises(ProtocolError):
         coordinated(state, "c2", 2, size=2)
+
+
+def test_a_job_whose_consumers_went_silent_lingers_and_one_they_left_does_not():
+    from zloader.state import FENCE_GRACE
+
+    state = State(heartbeat=1.0)  # expiry 3 s
+    ready(state, "w1")
+    register(state, "c1", job_name="left")
+    state.bye(b"c1", 0.0)
+    state.seen(b"w1", 4.0)
+    state.tick(4.0)
+    assert not state.jobs  # left with BYE: collected after one expiry
+    register(state, "c2", now=10.0, job_name="silent")
+    (job,) = state.jobs.values()
+    state.seen(b"w1", 14.0)
+    state.tick(14.0)  # c2 silent for more than 3 s: dropped, but its job is kept
+    assert "c2" not in state.consumers and job.id in state.jobs and job.tasks
+    register(state, "c2", now=20.0, job_name="silent")  # it comes back to the same job
+    assert list(state.jobs) == [job.id]
+    state.tick(24.0)
+    for now in (24.0 + 3 * FENCE_GRACE - 1, 24.0 + 3 * FENCE_GRACE + 1):
+        state.seen(b"w1", now)
+        state.tick(now)
+    assert not state.jobs  # silent for longer than the grace: collected

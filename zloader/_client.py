@@ -90,6 +90,7 @@ class Origins:
 @dataclass
 class _Peer:
     worker: str
+    task: str | None
     index: int
     pid: int
     endpoint: str
@@ -277,6 +278,8 @@ class IOThread(threading.Thread):
                             pass
                     continue
                 for _ in range(64):
+                    if sock.closed:  # a message handled just before closed it (a worker
+                        break        # that left the job's view)
                     try:
                         frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
@@ -440,7 +443,9 @@ class IOThread(threading.Thread):
         for fence in fences:
             if not (isinstance(fence, dict) and isinstance(fence.get("id"), str)
                     and isinstance(fence.get("splits"), list)) \
-                    or fence["id"] in self._answered or fence.get("worker") in self._peers:
+                    or fence["id"] in self._answered \
+                    or any(p.worker == fence.get("worker") and p.task == fence.get("task")
+                           for p in self._peers.values()):
                 continue
             self._answered.add(fence["id"])
             splits = []
@@ -466,8 +471,14 @@ class IOThread(threading.Thread):
             if not isinstance(entry, dict) or not isinstance(entry.get("worker"), str):
                 continue
             worker = entry["worker"]
+            peer = self._peers.get(worker)
+            if peer is not None and entry.get("task") != peer.task:
+                # The broker dropped this worker and gave it a task again: the old stream
+                # is over (what it held was re-queued); read the new task afresh.
+                self._close_peer(peer, polite=False)
+                peer = None
             seen.add(worker)
-            if worker not in self._peers:
+            if peer is None:
                 self._connect(entry)
         gone = [w for w in self._peers if w not in seen]
         for worker in gone:
@@ -490,8 +501,9 @@ class IOThread(threading.Thread):
             log.warning("cannot connect to worker %s at %r: %s", entry["worker"],
                         entry["endpoint"], exc)
             return
-        peer = _Peer(entry["worker"], int(entry.get("index", 0)), int(entry.get("pid", 0)),
-                     str(entry["endpoint"]), sock)
+        task = entry.get("task") if isinstance(entry.get("task"), str) else None
+        peer = _Peer(entry["worker"], task, int(entry.get("index", 0)),
+                     int(entry.get("pid", 0)), str(entry["endpoint"]), sock)
         if self.use_rings and entry.get("host_id") == host_id():
             peer.ring = _make_ring(self.ring_bytes)
         self._peers[peer.worker] = peer
@@ -516,7 +528,7 @@ class IOThread(threading.Thread):
     def _open(self, peer: _Peer, keep_credits: bool = False) -> None:
         if not keep_credits:
             peer.returned = 0
-        body = {"job": self._job, "consumer": self.register_body["consumer"],
+        body = {"job": self._job, "task": peer.task, "consumer": self.register_body["consumer"],
                 "epoch": self._epoch, "credits": self.prefetch, "rerun": self._rerun,
                 "ring": peer.ring.name if peer.ring is not None else None}
         if self.rounds is not None:

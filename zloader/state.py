@@ -29,6 +29,9 @@ log = logging.getLogger("zloader.broker")
 KILLS_TO_FAIL = 3
 """A split that was being read by a dying worker this many times is reported, not re-run."""
 SHARDING_MODES = ("dynamic", "static", "off")
+FENCE_GRACE = 10
+"""Expiries (``liveness`` heartbeats each) a fence waits for a consumer that went silent: a
+stalled consumer that comes back still answers, so what it holds is not read again."""
 
 
 class Out(NamedTuple):
@@ -85,9 +88,11 @@ class Fence:
     which of their elements it holds (it has stopped reading from that worker first)."""
 
     worker: str
+    task: str | None
     died: bool
     splits: list[tuple[tuple[int, ...], int]]  # (pass, split)
     waiting: set[str]  # consumers yet to answer
+    deadline: float  # then the silent ones are given up
     replies: dict[tuple[tuple[int, ...], int], dict[str, Any]] = field(default_factory=dict)
 
 
@@ -116,6 +121,7 @@ class Job:
     failed: list[dict[str, Any]] = field(default_factory=list)
     error: dict[str, Any] | None = None
     idle_since: float | None = None
+    linger: float = 0.0  # seconds a job without consumers is kept (more if they went silent)
     elements: int = 0
     bytes: int = 0
     share: dict[str, Any] | None = None  # window settings of a shared job
@@ -124,6 +130,7 @@ class Job:
     requeues: dict[int, int] = field(default_factory=dict)  # epoch -> splits re-queued
     track: bool = False  # exactly-once: elements carry origins (zloader/lineage.py)
     fences: dict[str, Fence] = field(default_factory=dict)
+    silent: dict[str, float] = field(default_factory=dict)  # consumer -> when it expired
     origin_of: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = field(
         default_factory=dict)  # (pass, split) -> the pass a re-queued split belongs to
     resume: tuple[int, Any] | None = None  # (epoch, Ledger) a resumed Loader delivered
@@ -166,7 +173,8 @@ class State:
             self.peers.pop(old.identity, None)
             old.identity, old.last_seen = identity, now
             self.peers[identity] = ("worker", worker_id)
-            out = [Out(identity, Command.ACK, {"heartbeat": self.heartbeat})]
+            out = [Out(identity, Command.ACK, {"heartbeat": self.heartbeat,
+                                               "task": old.task})]
             job = self.jobs.get(self._task_job(old.task) or "")
             if job is not None and job.rounds is not None:
                 # Round numbers sent to its old connection may be lost: it asks again.
@@ -183,7 +191,11 @@ class State:
         self.workers[worker_id] = worker
         self._record(_worker_event(worker))
         self.peers[identity] = ("worker", worker_id)
-        return [Out(identity, Command.ACK, {"heartbeat": self.heartbeat}), *self._assign(now)]
+        # "task": None tells a worker the broker had forgotten that it must drop the task
+        # it still runs (its splits went to others): nothing it still holds may reach a
+        # consumer.
+        return [Out(identity, Command.ACK, {"heartbeat": self.heartbeat, "task": None}),
+                *self._assign(now)]
 
     def worker_heartbeat(self, identity: bytes, msg: Message, now: float) -> None:
         worker = self._worker(identity)
@@ -275,6 +287,7 @@ class State:
                                                now)
         self.peers[identity] = ("consumer", consumer_id)
         job.consumers.add(consumer_id)
+        job.silent.pop(consumer_id, None)
         job.idle_since = None
         # The answer comes last and is the only JOB this consumer gets now (a consumer reads
         # ``joined`` from its first JOB); job views must reach a consumer in order.
@@ -392,7 +405,8 @@ class State:
         for task, worker_id in job.tasks.items():
             worker = self.workers.get(worker_id)
             if worker is not None:
-                workers.append({"worker": worker.id, "endpoint": worker.endpoint,
+                workers.append({"worker": worker.id, "task": task,
+                                "endpoint": worker.endpoint,
                                 "host_id": worker.host_id, "index": job.indices[task],
                                 "pid": worker.pid, "host": worker.host,
                                 "plain_data": worker.plain_data})
@@ -406,7 +420,7 @@ class State:
         if job.rounds is not None:
             view["rounds"] = job.rounds.view()
         if job.fences:
-            view["fences"] = [{"id": token, "worker": fence.worker,
+            view["fences"] = [{"id": token, "worker": fence.worker, "task": fence.task,
                                "splits": [[list(key), split] for key, split in fence.splits]}
                               for token, fence in job.fences.items()]
             fencing: dict[str, int] = {}
@@ -637,14 +651,29 @@ class State:
         """Purge peers silent for ``liveness`` heartbeats and collect abandoned jobs."""
         out: list[Out] = []
         for worker in [w for w in self.workers.values() if now - w.last_seen > self.expiry]:
+            log.info("worker %s (pid %d on %s) silent for %.1f s: dropped", worker.id,
+                     worker.pid, worker.host, now - worker.last_seen)
             out += self._drop_worker(worker.id, died=True, now=now)
         for consumer in [c for c in self.consumers.values() if now - c.last_seen > self.expiry]:
-            out += self._drop_consumer(consumer.id, now)
+            log.info("consumer %s (pid %d) silent for %.1f s: dropped", consumer.id,
+                     consumer.pid, now - consumer.last_seen)
+            out += self._drop_consumer(consumer.id, now, silent=True)
+        for job in self.jobs.values():
+            for fence in job.fences.values():
+                if now > fence.deadline and fence.waiting:
+                    log.warning("consumers %s did not answer for the splits of dead worker "
+                                "%s: they are read again (what they held may repeat)",
+                                sorted(fence.waiting), fence.worker)
+                    fence.waiting.clear()
+            out += self._complete_fences(job)
+            for consumer_id in [c for c, t in job.silent.items()
+                                if now - t > self.expiry * FENCE_GRACE]:
+                del job.silent[consumer_id]
         if self.journal is not None and self.journal.lines > COMPACT_LINES:
             self.journal.compact(self.snapshot())
         for job in list(self.jobs.values()):
             if not job.consumers and job.idle_since is not None \
-                    and now - job.idle_since > self.expiry:
+                    and now - job.idle_since > max(self.expiry, job.linger):
                 out += self._release_job(job)
                 del self.jobs[job.id]
                 self._record({"e": "end", "job": job.id})
@@ -693,8 +722,11 @@ class State:
                 lost.append((job.origin_of.get((key, split), key), split))
             lost += [(job.origin_of.get((key, split), key), split)
                      for split in dispenser.read.pop(worker.id, [])]
-        if job.track and lost and job.consumers and not self._replaying:
-            job.fences[secrets.token_hex(6)] = Fence(worker.id, died, lost, set(job.consumers))
+        grace = self.expiry * FENCE_GRACE
+        asked = job.consumers | {c for c, t in job.silent.items() if now - t < grace}
+        if job.track and lost and asked and not self._replaying:
+            job.fences[secrets.token_hex(6)] = Fence(worker.id, worker.task, died, lost,
+                                                     asked, now + grace)
             return self._tell_consumers(job)  # the drop is journaled once the fence is done
         self._record({"e": "gone", "worker": worker_id, "died": died})
         if requeue:
@@ -752,7 +784,10 @@ class State:
                     self._requeue(job, key, split, _skip(info))
         return self._tell_consumers(job) if done else []
 
-    def _drop_consumer(self, consumer_id: str, now: float) -> list[Out]:
+    def _drop_consumer(self, consumer_id: str, now: float,
+                       silent: bool = False) -> list[Out]:
+        """Forget a consumer. One that went ``silent`` (not one that said BYE) may only be
+        stalled: the fences of its job still wait for its answer until their deadline."""
         consumer = self.consumers.pop(consumer_id, None)
         if consumer is None:
             return []
@@ -763,8 +798,14 @@ class State:
         job.consumers.discard(consumer_id)
         if not job.consumers:
             job.idle_since = now
-        for fence in job.fences.values():
-            fence.waiting.discard(consumer_id)
+            # Consumers that went silent may only be stalled (a loaded host): keep the job,
+            # its workers and what it handed out, for them to come back to.
+            job.linger = self.expiry * FENCE_GRACE if silent else 0.0
+        if silent:
+            job.silent[consumer_id] = now
+        else:
+            for fence in job.fences.values():
+                fence.waiting.discard(consumer_id)
         out = self._complete_fences(job)
         if job.rounds is not None:
             out += self._announce(job, {}, job.rounds.leave(consumer_id))

@@ -334,6 +334,13 @@ class WorkerProcess:
             beat = heartbeat(msg.body.get("heartbeat"))
             if beat is not None:
                 self.heartbeat = beat  # the broker's interval: it expects ours
+            if "task" in msg.body and self.task is not None \
+                    and msg.body["task"] != self.task.id:
+                # The broker gave up on this worker (a partition, a stall) and handed its
+                # splits to others: what it still holds must not reach a consumer.
+                log.warning("the broker had dropped this worker: task %s abandoned",
+                            self.task.id)
+                self._stop_task()
         elif command is Command.TASK:
             self._start_task(msg)
         elif command is Command.SPLIT:
@@ -391,7 +398,8 @@ class WorkerProcess:
                                           float(share["block_seconds"]))
             early, self.early_opens = list(self.early_opens), deque(maxlen=64)
             for identity, opened in early:
-                if opened.body.get("job") == self.task.job:
+                if opened.body.get("job") == self.task.job \
+                        and opened.body.get("task") in (None, self.task.id):
                     self._handle_consumer(identity, opened)
         except ProtocolError:
             raise
@@ -1014,9 +1022,12 @@ class WorkerProcess:
     def _handle_consumer(self, identity: bytes, msg: Message) -> None:
         task = self.task
         if msg.command is Command.OPEN:
-            if task is None or msg.field("job", str) != task.job:
+            if task is None or msg.field("job", str) != task.job \
+                    or msg.body.get("task") not in (None, task.id):
                 # The consumer may hear of this worker's task before the worker does: keep
-                # the OPEN until the TASK arrives (bounded; the oldest are dropped).
+                # the OPEN until the TASK arrives (bounded; the oldest are dropped). An OPEN
+                # for another task of the same job never reaches this one: the broker
+                # dropped this worker meanwhile and re-queued what this task holds.
                 self.early_opens.append((identity, msg))
                 return
             epoch = msg.field("epoch", int)
