@@ -59,6 +59,7 @@ def run_with_kills(address: str, procs: list, kills: list[int]) -> collections.C
     return seen
 
 
+@pytest.mark.slow
 def test_workers_killed_mid_epoch_through_a_shuffle_and_batches_lose_and_repeat_nothing():
     with service(workers=3) as (address, procs):
         seen = run_with_kills(address, procs, kills=[30, 150])

@@ -172,6 +172,7 @@ def test_broker_and_workers_started_after_the_loader():
             stop(broker)
 
 
+@pytest.mark.slow
 def test_worker_added_mid_job_takes_part():
     def slow(x):
         time.sleep(0.002)
@@ -404,6 +405,7 @@ def test_max_skipped_raises_once_exceeded():
         list(loader)
 
 
+@pytest.mark.slow
 def test_all_workers_dead_raises_timeout_saying_so():
     with service(workers=1) as (address, procs):
         with Loader(Pipeline.range(10**9), broker=address, timeout=3) as loader:
@@ -541,6 +543,7 @@ def test_an_embedded_consumer_killed_hard_leaves_nothing_after_the_next_loaders_
         assert not _segments_of(consumer.pid)
 
 
+@pytest.mark.slow
 def test_a_worker_drained_by_sigterm_finishes_its_splits_nothing_lost_or_repeated():
     def slow(x):
         time.sleep(0.003)

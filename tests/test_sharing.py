@@ -142,6 +142,7 @@ def test_a_slow_trainer_holds_the_producer_with_block():
             assert epoch["stats"]["share_skipped"] == 0
 
 
+@pytest.mark.slow
 def test_a_late_joiner_gets_a_whole_epoch_and_only_what_left_the_window_is_recomputed(
         tmp_path):
     log = str(tmp_path / "calls")
@@ -296,6 +297,7 @@ def test_a_trainer_that_leaves_an_epoch_early_gets_the_next_one_whole():
             assert sorted(int(x[0]) for x in loader) == list(range(400))
 
 
+@pytest.mark.slow
 def test_a_worker_killed_under_shared_trainers_does_not_stop_them():
     def slow(x):
         time.sleep(0.002)
