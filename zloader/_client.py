@@ -144,6 +144,8 @@ class IOThread(threading.Thread):
         self.replayed = 0  # ... and the elements made again for it (it joined late)
         self.dropped = 0  # elements dropped to keep rounds whole (coordinated reads)
         self.rejected = 0  # corrupt records dropped (logged with their worker)
+        self.yielded = 0  # elements and seconds of waiting, kept by the iterating thread
+        self.wait_seconds = 0.0  # (the Loader's stats), sent to the broker for its metrics
         self._acks: list[int] = []  # rounds received, to tell the broker
         self._draining = False  # the epoch has ended but for rounds not yet released
         self.share: dict[str, Any] | None = None  # the shared job's window settings
@@ -266,7 +268,10 @@ class IOThread(threading.Thread):
                 if self._job is None:
                     self._to_broker(Command.REGISTER, self.register_body, (self.blob,))
                 else:
-                    self._to_broker(Command.HEARTBEAT, {})
+                    self._to_broker(Command.HEARTBEAT, {"stats": {
+                        "elements": self.yielded, "bytes": self.bytes,
+                        "wait_seconds": round(self.wait_seconds, 3),
+                        "skipped": self.skipped}})
                     if self.rounds is not None and not self._done:
                         self._acks += self.rounds.uncommitted()  # in case a message was lost
             while self._commands:

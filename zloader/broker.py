@@ -47,8 +47,10 @@ class Broker:
     """
 
     def __init__(self, endpoint: str, heartbeat: float = 1.0, keys: Keys | None = None,
-                 work_dir: str | None = None) -> None:
+                 work_dir: str | None = None, metrics: tuple[str, int] | None = None) -> None:
         self.endpoint = endpoint
+        self.metrics = metrics  # (bind address, port) of the Prometheus endpoint
+        self.snapshot: dict[str, Any] = {}  # the latest State.metrics(), read by scrapes
         self.keys = keys
         self.state = State(heartbeat=heartbeat,
                            journal=Journal(work_dir) if work_dir is not None else None)
@@ -103,8 +105,20 @@ class Broker:
             if resumed:
                 log.info("resumed %d jobs from the journal in %s", resumed,
                          self.state.journal.root if self.state.journal else "")
+            self.snapshot = self.state.metrics(time.monotonic())
+            exporter = None
+            if self.metrics is not None:
+                from zloader.metrics import serve as serve_metrics
+
+                exporter = serve_metrics(lambda: self.snapshot, self.metrics[1],
+                                         self.metrics[0])
             self._ready.set()
-            self._loop(socket)
+            try:
+                self._loop(socket)
+            finally:
+                if exporter is not None:
+                    exporter.shutdown()
+                    exporter.server_close()
         finally:
             socket.close(0)
             if self.state.journal is not None:
@@ -131,6 +145,7 @@ class Broker:
             if now >= next_beat:
                 next_beat = now + state.heartbeat
                 self._send(socket, state.tick(now) + state.heartbeats())
+                self.snapshot = state.metrics(now)
 
     def _send(self, socket: zmq.Socket[Any], messages: list[Out]) -> None:
         for out in messages:
@@ -180,7 +195,7 @@ class Broker:
             return [Out(identity, Command.STATUS, state.status())]
         if command is Command.HEARTBEAT:
             state.worker_heartbeat(identity, msg, now)
-            return state.consumer_heartbeat(identity, now)
+            return state.consumer_heartbeat(identity, now, msg)
         if command is Command.SPLIT_REQ:
             return state.split_request(identity, msg, now)
         if command is Command.PASS_DONE:

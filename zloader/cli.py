@@ -214,10 +214,19 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
                              "follow the broker's, and a peer silent for three is taken for "
                              "dead. Shorter notices deaths sooner; too short for a loaded "
                              "host gives up on live peers")
+    parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                        help="serve Prometheus metrics at http://ADDR:PORT/metrics (per "
+                             "job: elements, bytes, consumers' wait and starvation, workers; "
+                             "per worker: elements, CPU, credits, ring fill)")
+    parser.add_argument("--metrics-bind", default="127.0.0.1", metavar="ADDR",
+                        help="the address the metrics endpoint listens on (default "
+                             "127.0.0.1; 0.0.0.0 for a scraper on another host)")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"])
     parser.add_argument("--version", action="version", version=f"zloader {__version__}")
     args = parser.parse_args(argv)
+    if args.metrics_port is not None and not 0 < args.metrics_port < 65536:
+        parser.error(f"--metrics-port must be a port number (1-65535), got {args.metrics_port}")
     if heartbeat(args.heartbeat) is None:
         parser.error(f"--heartbeat must be between {HEARTBEAT_RANGE[0]} and "
                      f"{HEARTBEAT_RANGE[1]:.0f} seconds, got {args.heartbeat}")
@@ -234,7 +243,9 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
             "submit code for the workers to run; see `zloader keygen`", args.bind)
     if args.work_dir:
         _work_dir(args.work_dir, args.bind)
-    broker = Broker(args.bind, heartbeat=args.heartbeat, keys=keys, work_dir=args.work_dir)
+    metrics = (args.metrics_bind, args.metrics_port) if args.metrics_port else None
+    broker = Broker(args.bind, heartbeat=args.heartbeat, keys=keys, work_dir=args.work_dir,
+                    metrics=metrics)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: broker._stop.set())
     logging.getLogger("zloader.broker").info("listening on %s", args.bind)
@@ -242,6 +253,10 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
         broker.serve()
     except zmq.ZMQError as exc:
         print(f"zloader-broker: cannot listen on {args.bind}: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"zloader-broker: cannot serve metrics on {args.metrics_bind}:"
+              f"{args.metrics_port}: {exc}", file=sys.stderr)
         return 1
     return 0
 

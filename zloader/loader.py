@@ -373,6 +373,7 @@ class Loader:
                     self._io.command(("credit", item.worker, 1))
         finally:
             self._wait += time.monotonic() - start
+            self._io.wait_seconds, self._io.yielded = self._wait, self._elements
 
     def state_dict(self) -> dict[str, Any]:
         """Where this Loader is in its epoch, as a small JSON-serializable dict (its size

@@ -69,6 +69,7 @@ class Consumer:
     host_id: str
     pid: int
     last_seen: float
+    stats: dict[str, Any] = field(default_factory=dict)  # from its heartbeats
 
 
 @dataclass
@@ -134,6 +135,10 @@ class Job:
     origin_of: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = field(
         default_factory=dict)  # (pass, split) -> the pass a re-queued split belongs to
     resume: tuple[int, Any] | None = None  # (epoch, Ledger) a resumed Loader delivered
+    wait_seconds: float = 0.0  # consumers' time waiting for data, summed (metrics)
+    skipped: int = 0
+    starvation: float = 0.0  # share of the last interval the consumers waited
+    waited_at: tuple[float, float] | None = None  # (wait_seconds, time) at the last sample
 
 
 class State:
@@ -393,11 +398,20 @@ class State:
                     job.rounds.order_rerun(epoch, job.requeues.get(epoch, 0))
         return out + self.consumer_heartbeat(identity, now)
 
-    def consumer_heartbeat(self, identity: bytes, now: float) -> list[Out]:
+    def consumer_heartbeat(self, identity: bytes, now: float,
+                           msg: Message | None = None) -> list[Out]:
         consumer = self._consumer(identity)
         if consumer is None:
             return []
         job = self.jobs.get(consumer.job)
+        stats = msg.body.get("stats") if msg is not None else None
+        if isinstance(stats, dict):
+            stats = {k: v for k, v in stats.items() if isinstance(v, (int, float))
+                     and not isinstance(v, bool) and v >= 0}
+            if job is not None:
+                job.wait_seconds += _delta(stats, consumer.stats, "wait_seconds")
+                job.skipped += int(_delta(stats, consumer.stats, "skipped"))
+            consumer.stats = stats
         return [Out(identity, Command.JOB, self.job_view(job))] if job else []
 
     def job_view(self, job: Job) -> dict[str, Any]:
@@ -993,6 +1007,27 @@ class State:
                 for j in self.jobs.values()]
         return {"workers": workers, "jobs": jobs, "rejected": self.rejected}
 
+    def metrics(self, now: float) -> dict[str, Any]:
+        """A snapshot for ``zloader-broker --metrics-port`` (zloader/metrics.py); updates
+        each job's starvation ratio over the time since the last snapshot."""
+        jobs = []
+        for job in self.jobs.values():
+            if job.waited_at is not None and now > job.waited_at[1] and job.consumers:
+                job.starvation = min(1.0, max(0.0, (job.wait_seconds - job.waited_at[0])
+                                              / ((now - job.waited_at[1])
+                                                 * len(job.consumers))))
+            job.waited_at = (job.wait_seconds, now)
+            jobs.append({"job": job.id, "name": job.name or "", "elements": job.elements,
+                         "bytes": job.bytes, "wait_seconds": job.wait_seconds,
+                         "starvation": job.starvation, "skipped": job.skipped,
+                         "failed_splits": len(job.failed), "consumers": len(job.consumers),
+                         "workers": len(job.tasks)})
+        workers = [{"worker": w.id, "host": w.host, "job": self._task_job(w.task) or "",
+                    **{k: w.stats.get(k, 0) for k in ("elements", "bytes", "cpu_seconds",
+                                                       "rejected", "credits", "ring_fill")}}
+                   for w in self.workers.values()]
+        return {"jobs": jobs, "workers": workers, "rejected": self.rejected}
+
     def _trainers(self, job: Job) -> list[dict[str, Any]]:
         """A shared job's trainers: pid, lag (elements produced that it has not been sent,
         the most over the job's workers) and elements skipped (summed)."""
@@ -1081,8 +1116,10 @@ def _source_data(value: Any) -> dict[str, Any] | None:
     return {"endpoint": value["endpoint"], "kind": value["kind"]}
 
 
-def _delta(new: dict[str, Any], old: dict[str, Any], key: str) -> int:
+def _delta(new: dict[str, Any], old: dict[str, Any], key: str) -> Any:
+    """How much counter ``key`` grew between two stats reports (0 if it went back)."""
     value, before = new.get(key), old.get(key, 0)
-    if isinstance(value, int) and isinstance(before, int) and value >= before:
+    if isinstance(value, (int, float)) and isinstance(before, (int, float)) \
+            and not isinstance(value, bool) and value >= before:
         return value - before
     return 0

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import cloudpickle
+import psutil
 import zmq
 
 from zloader import codec
@@ -159,6 +160,7 @@ class WorkerProcess:
         self.bytes = 0
         self.fallbacks = 0
         self.rejected = 0  # malformed messages dropped
+        self._process = psutil.Process()  # its CPU time goes in the heartbeat stats
         self._asking: dict[str, Any] | None = None  # the split request not yet answered
         self._drain_deadline: float | None = None  # set by drain()
         self._warned = 0.0
@@ -254,7 +256,7 @@ class WorkerProcess:
                 self._last_beat = now
                 stats: dict[str, Any] = {"elements": self.elements, "bytes": self.bytes,
                                          "fallbacks": self.fallbacks,
-                                         "rejected": self.rejected}
+                                         "rejected": self.rejected, **self._usage()}
                 if self.task is not None and self.task.window is not None:
                     stats["trainers"] = self._trainers(self.task)
                 self._to_broker(Command.HEARTBEAT, {"stats": stats})
@@ -274,6 +276,18 @@ class WorkerProcess:
                 return
 
     # --- draining (SIGTERM to zloader-worker) -----------------------------------------------
+
+    def _usage(self) -> dict[str, float]:
+        """CPU seconds used, credits granted and not used, and the fullest ring's fill."""
+        cpu = self._process.cpu_times()
+        usage = {"cpu_seconds": round(cpu.user + cpu.system, 3), "credits": 0.0,
+                 "ring_fill": 0.0}
+        if self.task is not None:
+            streams = self.task.streams.values()
+            usage["credits"] = float(sum(max(0, s.credits) for s in streams))
+            usage["ring_fill"] = max((s.ring.fill() for s in streams if s.ring is not None),
+                                     default=0.0)
+        return usage
 
     def drain(self) -> None:
         """Leave without losing or repeating anything: take no more splits, finish the

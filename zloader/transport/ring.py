@@ -137,6 +137,13 @@ class RingWriter:
         """Cumulative position just past the last reservation."""
         return self._head
 
+    def fill(self) -> float:
+        """The share of the ring written and not yet released by the reader (0 to 1)."""
+        if self._header is None:
+            return 0.0
+        used = self._head - self._header[_TAIL]
+        return min(1.0, max(0.0, used / self.capacity))
+
     def reserve(self, length: int) -> tuple[int, memoryview] | None:
         """Reserve space for a record of ``length`` bytes, without waiting.
 
