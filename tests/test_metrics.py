@@ -48,6 +48,9 @@ def test_the_metrics_endpoint_serves_job_and_worker_metrics_while_a_loader_reads
 
             wait_for(reported, what="the workers' and the consumer's reports")
             families = scrape(port)
+            wait_for(lambda: loader.stats()["stage_seconds"].get("pipeline", 0) > 0,
+                     what="the stage times in loader.stats()")
+            loader_stages = loader.stats()["stage_seconds"]
         for _, name, _kind, _ in JOB_METRICS + WORKER_METRICS:
             assert name.removesuffix("_total") in families, name
         (elements,) = families["zloader_job_elements"]
@@ -59,6 +62,11 @@ def test_the_metrics_endpoint_serves_job_and_worker_metrics_while_a_loader_reads
         assert cpu.value > 0 and cpu.labels["job"] == elements.labels["job"]
         (starvation,) = families["zloader_job_starvation_ratio"]
         assert 0.0 <= starvation.value <= 1.0
+        stages = {s.labels["stage"]: s.value for s in families["zloader_job_stage_seconds"]}
+        assert set(stages) == {"pipeline", "splits", "encode", "blocked"}
+        assert stages["pipeline"] > 0  # the map sleeps 0.5 ms an element
+        seen = loader_stages
+        assert set(seen) == {"pipeline", "splits", "encode", "blocked", "wait"}
     finally:
         stop(worker)
         stop(broker)

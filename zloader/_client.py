@@ -180,6 +180,7 @@ class IOThread(threading.Thread):
         self.received = Ledger()  # the origins of this epoch received (exactly-once jobs)
         self._answered: set[str] = set()  # fences this consumer answered
         self.entropy: int | None = None  # the job's, once it is known
+        self.stages: dict[str, float] = {}  # the job's workers' seconds by stage (broker's)
 
     # --- called from the iterating thread -------------------------------------------------
 
@@ -411,6 +412,10 @@ class IOThread(threading.Thread):
             entropy = msg.body.get("entropy")
             if isinstance(entropy, int):
                 self.entropy = entropy
+            stages = msg.body.get("stages")
+            if isinstance(stages, dict):
+                self.stages = {str(k): float(v) for k, v in stages.items()
+                               if isinstance(v, (int, float)) and not isinstance(v, bool)}
             known = set(self._peers)
             self._update_workers(msg.field("workers", list))
             self._answer_fences(msg.body.get("fences"))

@@ -5,3 +5,8 @@ DEFAULT_SPLITS = 256
 
 SHUFFLE_DRAW_CHUNK = 1024
 """A shuffle buffer draws its random indices this many at a time."""
+
+STAGES = ("pipeline", "splits", "encode", "blocked")
+"""Where a worker's producers spend their time, in seconds: running the pipeline (user code
+and the source), waiting for the broker's splits, encoding records, and blocked for want of
+credits (the consumers are slower). Reported in heartbeats, summed per job by the broker."""

@@ -429,7 +429,10 @@ class Loader:
         ``share_skipped`` (a shared job's elements this trainer lost by falling behind the
         window with ``share_lag="skip"``, or to a dead worker), ``share_replayed`` (elements
         made again for this trainer because they had left the window when it joined),
-        ``rejected`` (corrupt records dropped, each logged with its worker). With
+        ``rejected`` (corrupt records dropped, each logged with its worker),
+        ``stage_seconds`` (where the time goes: the job's workers' seconds in ``pipeline``,
+        ``splits``, ``encode`` and ``blocked``, as their broker last reported them, and
+        this consumer's ``wait``; see zloader/_defaults.py STAGES). With
         ``num_consumers``: ``dropped`` (the job's elements of incomplete last rounds,
         dropped so that every consumer gets as many), ``rounds_lost`` (the job's rounds
         lost with a dead worker or consumer, skipped by every consumer alike) and
@@ -440,7 +443,8 @@ class Loader:
                  "skipped": io.skipped, "per_worker": dict(io.per_worker),
                  "private": io.private, "segments": io.segments, "records": io.records,
                  "share_skipped": io.lagged, "share_replayed": io.replayed,
-                 "rejected": io.rejected}
+                 "rejected": io.rejected,
+                 "stage_seconds": {**io.stages, "wait": round(self._wait, 3)}}
         if io.rounds is not None:
             stats.update(dropped=io.dropped, rounds_lost=io.rounds.total_lost,
                          rounds_missed=io.rounds.missed)

@@ -62,6 +62,14 @@ class _Snapshot(Collector):
                 family.add_metric([worker["worker"], worker["host"], worker["job"]],
                                   float(worker.get(key, 0)))
             yield family
+        stages = CounterMetricFamily(
+            "zloader_job_stage_seconds", "Seconds the job's workers spent per stage: "
+            "pipeline (user code, source), splits (waiting for the broker), encode, blocked "
+            "(no credits: the consumers are slower)", labels=["job", "job_name", "stage"])
+        for job in data.get("jobs", []):
+            for stage, seconds in sorted(job.get("stages", {}).items()):
+                stages.add_metric([job["job"], job["name"], stage], float(seconds))
+        yield stages
         rejected = CounterMetricFamily("zloader_broker_rejected_messages",
                                        "Malformed or refused messages the broker dropped")
         rejected.add_metric([], float(data.get("rejected", 0)))

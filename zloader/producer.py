@@ -32,11 +32,13 @@ import numpy as np
 import zmq
 
 from zloader import codec
+from zloader._defaults import STAGES
 from zloader.lineage import Assigned, encode_origins, unpack
 from zloader.stages import Context
 from zloader.transport.protocol import error_object
 
-__all__ = ["RECORD_BYTES", "RECORD_ELEMENTS", "RECORD_LINGER", "Outgoing", "Producer"]
+__all__ = ["RECORD_BYTES", "RECORD_ELEMENTS", "RECORD_LINGER", "STAGES", "Outgoing",
+           "Producer"]
 
 RECORD_ELEMENTS = 1024
 RECORD_BYTES = 1 << 20
@@ -58,7 +60,8 @@ class Producer(threading.Thread):
 
     def __init__(self, context: zmq.Context[Any], address: str, task: Any,
                  epoch: int, replay: tuple[bytes, int] | None = None,
-                 pool: threading.Semaphore | None = None) -> None:
+                 pool: threading.Semaphore | None = None,
+                 timing: dict[str, float] | None = None) -> None:
         super().__init__(name=f"zloader-producer-{epoch}", daemon=True)
         self.context, self.address, self.task, self.epoch = context, address, task, epoch
         self.stop = threading.Event()
@@ -70,6 +73,13 @@ class Producer(threading.Thread):
         self.replay = replay
         self.splits: dict[tuple[int, ...], list[int]] = (
             task.splits.setdefault(epoch, {}) if task.window is not None else {})
+        # Where the time goes (seconds, cumulative over the worker's producers): running
+        # the pipeline, waiting for the broker's splits, encoding records, and blocked
+        # for want of credits (the consumers are slower). Counted per record, not element.
+        self.timing: dict[str, float] = timing if timing is not None else dict.fromkeys(
+            STAGES, 0.0)
+        self._mark = 0.0  # when the time up to now was last accounted for
+        self._split_wait = 0.0  # waiting for splits since then
 
     def run(self) -> None:
         pair = self.context.socket(zmq.PAIR)
@@ -109,6 +119,7 @@ class Producer(threading.Thread):
         batch: list[Any] = []
         size = 0
         started = last = 0.0
+        self._mark = time.perf_counter()
         # One element per record when they are dealt one by one (balanced, coordinated).
         limit = 1 if task.balanced or task.coordinated else RECORD_ELEMENTS
         for element in elements:
@@ -127,6 +138,7 @@ class Producer(threading.Thread):
                 last = time.monotonic()  # waiting for credits is not production time
         if batch:
             self._send(pair, batch, ctx)
+        self._account(time.perf_counter())
         end: dict[str, Any] = {"epoch": self.epoch, "skipped": ctx.skipped,
                                "dropped": ctx.dropped}
         if ctx.track and (ctx.loose or ctx.ends):  # what no record carried
@@ -134,10 +146,21 @@ class Producer(threading.Thread):
                               "ends": ctx.ends, "loose": ctx.loose}
         self._put(pair, [b"E", json.dumps(end).encode()])
 
+    def _account(self, now: float) -> None:
+        """Time since the last mark, less the waits for splits, went to the pipeline."""
+        self.timing["pipeline"] += max(0.0, now - self._mark - self._split_wait)
+        self._split_wait = 0.0
+        self._mark = now
+
     def _send(self, pair: zmq.Socket[Any], batch: list[Any], ctx: Context) -> None:
+        clock = time.perf_counter
+        entered = clock()
+        self._account(entered)
         while not self.pool.acquire(timeout=0.1):
             if self.stop.is_set():
                 raise _Stopped
+        acquired = clock()
+        self.timing["blocked"] += acquired - entered
         fields: dict[str, Any] = {"epoch": self.epoch, "count": len(batch),
                                   "skipped": ctx.skipped}
         if ctx.track:
@@ -149,6 +172,8 @@ class Producer(threading.Thread):
         else:
             buffers = codec.encode(batch)
         head = json.dumps(fields).encode()
+        encoded = clock()
+        self.timing["encode"] += encoded - acquired
         outgoing = Outgoing(buffers, any(isinstance(b, codec.Gather) for b in buffers))
         self.outbox.append(outgoing)
         self._put(pair, [b"R", head])
@@ -156,6 +181,8 @@ class Producer(threading.Thread):
             while not outgoing.taken.wait(0.1):
                 if self.stop.is_set():
                     raise _Stopped
+        self._mark = clock()
+        self.timing["blocked"] += self._mark - encoded
 
     def _feed(self, pair: zmq.Socket[Any], key: tuple[int, ...]) -> Iterator[Any]:
         if self.replay is not None:
@@ -207,9 +234,13 @@ class Producer(threading.Thread):
         repeated answers to an earlier request (the worker asked again after reconnecting)
         are passed over; None for an answer about another pass."""
         while True:
+            asked = time.perf_counter()
             while not pair.poll(100):
                 if self.stop.is_set():
                     raise _Stopped
+            waited = time.perf_counter() - asked
+            self._split_wait += waited
+            self.timing["splits"] += waited
             reply = json.loads(pair.recv())
             if not isinstance(reply, dict) or reply.get("pass") != list(key):
                 return None

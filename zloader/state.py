@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from zloader._defaults import STAGES
 from zloader.journal import COMPACT_LINES, Journal
 from zloader.lineage import Ledger, merge_info, pack
 from zloader.rounds import Rounds
@@ -139,6 +140,7 @@ class Job:
     skipped: int = 0
     starvation: float = 0.0  # share of the last interval the consumers waited
     waited_at: tuple[float, float] | None = None  # (wait_seconds, time) at the last sample
+    stages: dict[str, float] = field(default_factory=dict)  # workers' seconds, by stage
 
 
 class State:
@@ -217,6 +219,9 @@ class State:
         if job is not None:
             job.elements += _delta(stats, worker.stats, "elements")
             job.bytes += _delta(stats, worker.stats, "bytes")
+            for stage in STAGES:
+                job.stages[stage] = job.stages.get(stage, 0.0) + _delta(
+                    stats, worker.stats, f"{stage}_seconds")
         worker.stats = {**{k: v for k, v in stats.items() if isinstance(v, (int, float))},
                         "_at": now}
         trainers = stats.get("trainers")
@@ -430,6 +435,7 @@ class State:
                 "heartbeat": self.heartbeat,
                 "pending": pending, "share": job.share, "epoch": job.epoch,
                 "width": job.width, "entropy": job.entropy,
+                "stages": {k: round(v, 3) for k, v in job.stages.items()},
                 "state": "failed" if job.error else "running"}
         if job.rounds is not None:
             view["rounds"] = job.rounds.view()
@@ -1021,7 +1027,7 @@ class State:
                          "bytes": job.bytes, "wait_seconds": job.wait_seconds,
                          "starvation": job.starvation, "skipped": job.skipped,
                          "failed_splits": len(job.failed), "consumers": len(job.consumers),
-                         "workers": len(job.tasks)})
+                         "workers": len(job.tasks), "stages": dict(job.stages)})
         workers = [{"worker": w.id, "host": w.host, "job": self._task_job(w.task) or "",
                     **{k: w.stats.get(k, 0) for k in ("elements", "bytes", "cpu_seconds",
                                                        "rejected", "credits", "ring_fill")}}

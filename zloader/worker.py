@@ -26,6 +26,7 @@ import psutil
 import zmq
 
 from zloader import codec
+from zloader._defaults import STAGES
 from zloader._host import host_id
 from zloader.lineage import unpack
 from zloader.pipeline import Pipeline
@@ -161,6 +162,7 @@ class WorkerProcess:
         self.fallbacks = 0
         self.rejected = 0  # malformed messages dropped
         self._process = psutil.Process()  # its CPU time goes in the heartbeat stats
+        self.timing = dict.fromkeys(STAGES, 0.0)  # its producers' time, by stage
         self._asking: dict[str, Any] | None = None  # the split request not yet answered
         self._drain_deadline: float | None = None  # set by drain()
         self._warned = 0.0
@@ -281,7 +283,8 @@ class WorkerProcess:
         """CPU seconds used, credits granted and not used, and the fullest ring's fill."""
         cpu = self._process.cpu_times()
         usage = {"cpu_seconds": round(cpu.user + cpu.system, 3), "credits": 0.0,
-                 "ring_fill": 0.0}
+                 "ring_fill": 0.0,
+                 **{f"{stage}_seconds": round(t, 3) for stage, t in self.timing.items()}}
         if self.task is not None:
             streams = self.task.streams.values()
             usage["credits"] = float(sum(max(0, s.credits) for s in streams))
@@ -656,7 +659,7 @@ class WorkerProcess:
         link.setsockopt(zmq.LINGER, 0)
         link.bind(address)
         self.poller.register(link, zmq.POLLIN)
-        producer = Producer(self.context, address, task, epoch, replay, pool)
+        producer = Producer(self.context, address, task, epoch, replay, pool, self.timing)
         producer.link = link
         self.links[link] = producer
         producer.start()
