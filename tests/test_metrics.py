@@ -91,3 +91,32 @@ def test_a_metrics_port_in_use_is_reported(taken):
                                "--log-level", "error"],
                               capture_output=True, text=True, timeout=30)
     assert done.returncode == 1 and "cannot serve metrics" in done.stderr
+
+
+def test_zloader_top_shows_jobs_with_rates_and_starvation_and_workers():
+    from tests.service import service
+
+    with service(workers=1) as (address, _):
+        with Loader(Pipeline.range(10**7), broker=address, job_name="watched",
+                    timeout=20) as loader:
+            reading = iter(loader)
+            for _ in range(1000):
+                next(reading)
+            top = subprocess.Popen([os.path.join(BIN, "zloader"), "top", "--broker", address,
+                                    "--interval", "0.5", "--iterations", "3"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            deadline = time.monotonic() + 30
+            while top.poll() is None and time.monotonic() < deadline:
+                next(reading)  # keep the job busy while top samples it
+            out, err = top.communicate(timeout=10)
+        assert top.returncode == 0, err
+        frames = out.split("zloader top: ")
+        assert len(frames) == 4  # three refreshes
+        last = frames[-1]
+        assert "1 jobs, 1 workers" in last and "watched" in last and "starved" in last
+        row = next(line for line in last.splitlines() if "watched" in line)
+        assert row.split()[3] != "-"  # elements/s, over the time since the last refresh
+    silent = subprocess.run([os.path.join(BIN, "zloader"), "top", "--broker", address,
+                             "--timeout", "0.5", "--iterations", "1"],
+                            capture_output=True, text=True, timeout=30)
+    assert silent.returncode == 1 and "no answer" in silent.stderr

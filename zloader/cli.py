@@ -138,6 +138,21 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--keys", default=None, metavar="DIR",
                         help="the broker's keys directory; default $ZLOADER_KEYS")
     status.set_defaults(run=_status)
+    top = commands.add_parser(
+        "top", help="a live view of a broker's jobs and workers",
+        description="Refresh, every INTERVAL seconds, a view of the service: per job its "
+                    "consumers, workers, elements/s and bytes/s since the last refresh, and "
+                    "the share of time its consumers waited for data (starvation); per "
+                    "worker its job, elements/s and CPU use. Ctrl-C quits.")
+    top.add_argument("--broker", default="tcp://127.0.0.1:5555",
+                     help="the broker's address (default tcp://127.0.0.1:5555)")
+    top.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    top.add_argument("--iterations", type=int, default=0,
+                     help="stop after this many refreshes (default 0: until Ctrl-C)")
+    top.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for answers")
+    top.add_argument("--keys", default=None, metavar="DIR",
+                     help="the broker's keys directory; default $ZLOADER_KEYS")
+    top.set_defaults(run=_top)
     keygen = commands.add_parser(
         "keygen", help="create a keys directory for an authenticated service",
         description="Create DIR (mode 0700) holding a server and a client CURVE key pair and "
@@ -366,34 +381,121 @@ def _supervise(args: argparse.Namespace) -> int:
     return max(child.wait() for child in children)
 
 
-def _status(args: argparse.Namespace) -> int:
+class _Unanswered(Exception):
+    """The broker did not answer a status request in time."""
+
+
+def _fetch_status(broker: str, keys: Any, timeout: float) -> dict[str, Any]:
+    """One STATUS answer from ``broker``.
+
+    Raises:
+        _Unanswered: none within ``timeout`` seconds.
+    """
     import zmq
 
-    from zloader.transport.keys import KeysError, resolve
     from zloader.transport.protocol import Command, decode, encode
 
-    try:
-        keys = resolve(args.keys)
-    except KeysError as exc:
-        print(f"zloader status: {exc}", file=sys.stderr)
-        return 2
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     if keys is not None:
         keys.connect(sock)
     try:
-        sock.connect(args.broker)
+        sock.connect(broker)
         sock.send_multipart(encode(Command.STATUS, {}))
-        if not sock.poll(args.timeout * 1000):
-            print(f"zloader status: no answer from {args.broker} within {args.timeout:.0f} s "
-                  "(is zloader-broker running there? does it want --keys, or other keys?)",
-                  file=sys.stderr)
-            return 1
-        status = decode(sock.recv_multipart()).body
+        if not sock.poll(int(timeout * 1000)):
+            raise _Unanswered(
+                f"no answer from {broker} within {timeout:.0f} s (is zloader-broker running "
+                "there? does it want --keys, or other keys?)")
+        return decode(sock.recv_multipart()).body
     finally:
         sock.close(0)
         context.term()
+
+
+def _status_keys(command: str, path: str | None) -> Any:
+    from zloader.transport.keys import KeysError, resolve
+
+    try:
+        return resolve(path)
+    except KeysError as exc:
+        print(f"zloader {command}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _top(args: argparse.Namespace) -> int:
+    keys = _status_keys("top", args.keys)
+    if args.interval <= 0:
+        print("zloader top: --interval must be a positive number of seconds", file=sys.stderr)
+        return 2
+    previous: tuple[float, dict[str, Any]] | None = None
+    frames = 0
+    try:
+        while True:
+            try:
+                status = _fetch_status(args.broker, keys, args.timeout)
+            except _Unanswered as exc:
+                print(f"zloader top: {exc}", file=sys.stderr)
+                return 1
+            now = time.monotonic()
+            text = _top_frame(status, previous, now, args.broker)
+            previous = (now, status)
+            if sys.stdout.isatty():
+                print("\x1b[H\x1b[2J", end="")  # clear the terminal, cursor home
+            print(text, flush=True)
+            frames += 1
+            if args.iterations and frames >= args.iterations:
+                return 0
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0
+
+
+def _top_frame(status: dict[str, Any], previous: tuple[float, dict[str, Any]] | None,
+               now: float, broker: str) -> str:
+    """One screen of ``zloader top``: rates are over the time since ``previous``."""
+    elapsed = now - previous[0] if previous is not None else 0.0
+    before = {j["job"]: j for j in previous[1].get("jobs", [])} if previous else {}
+    workers_before = {w["worker"]: w for w in previous[1].get("workers", [])} if previous \
+        else {}
+
+    def rate(now_value: Any, then: Any) -> str:
+        if not elapsed or not isinstance(then, (int, float)):
+            return "-"
+        return f"{max(0.0, (now_value - then) / elapsed):,.0f}"
+
+    jobs, workers = status.get("jobs", []), status.get("workers", [])
+    lines = [f"zloader top: {broker}, {len(jobs)} jobs, {len(workers)} workers, "
+             f"{status.get('rejected', 0)} messages rejected", "",
+             f"  {'job':<18} {'consumers':>9} {'workers':>7} {'elements/s':>12} "
+             f"{'MB/s':>9} {'starved':>8}"]
+    for job in jobs:
+        name = "(shared)" if job.get("shared") else job.get("name") or job["job"]
+        old = before.get(job["job"], {})
+        mb = rate(job["bytes"] / 1e6, old["bytes"] / 1e6 if "bytes" in old else None)
+        lines.append(f"  {str(name)[:18]:<18} {job['consumers']:>9} {job['workers']:>7} "
+                     f"{rate(job['elements'], old.get('elements')):>12} {mb:>9} "
+                     f"{job.get('starvation', 0.0):>8.0%}")
+    lines += ["", f"  {'worker':<18} {'host':<16} {'pid':>8} {'job':<18} {'elements/s':>12} "
+                  f"{'cpu':>6}"]
+    for worker in workers:
+        old = workers_before.get(worker["worker"], {})
+        cpu = rate(worker.get("cpu_seconds", 0.0) * 100, old.get("cpu_seconds", 0.0) * 100
+                   if "cpu_seconds" in old else None)
+        lines.append(f"  {worker['worker']:<18} {worker['host'][:16]:<16} {worker['pid']:>8} "
+                     f"{str(worker.get('job') or '-')[:18]:<18} "
+                     f"{rate(worker['elements'], old.get('elements')):>12} "
+                     f"{cpu + '%' if cpu != '-' else '-':>6}")
+    return "\n".join(lines)
+
+
+def _status(args: argparse.Namespace) -> int:
+    keys = _status_keys("status", args.keys)
+    try:
+        status = _fetch_status(args.broker, keys, args.timeout)
+    except _Unanswered as exc:
+        print(f"zloader status: {exc}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps({"workers": status.get("workers", []), "jobs": status.get("jobs", [])}))
         return 0

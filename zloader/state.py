@@ -1002,11 +1002,14 @@ class State:
                     "tasks": 1 if w.task else 0, "job": self._task_job(w.task),
                     "elements_per_second": round(w.rate, 1),
                     "elements": w.stats.get("elements", 0),
+                    "cpu_seconds": w.stats.get("cpu_seconds", 0.0),
                     "rejected": w.stats.get("rejected", 0)}
                    for w in self.workers.values()]
         jobs = [{"job": j.id, "fingerprint": j.fingerprint, "name": j.name,
                  "sharding": j.sharding, "consumers": len(j.consumers), "workers": len(j.tasks),
                  "elements": j.elements, "bytes": j.bytes, "shared": j.share is not None,
+                 "starvation": round(j.starvation, 3),
+                 "stage_seconds": {k: round(v, 3) for k, v in j.stages.items()},
                  "trainers": self._trainers(j) if j.share is not None else [],
                  "rounds": _round_status(j.rounds, j.epoch) if j.rounds is not None else None,
                  "state": "failed" if j.error else "running"}
