@@ -268,6 +268,7 @@ def test_worker_killed_mid_epoch_does_not_hang_and_its_splits_are_rerun():
             assert sorted(loader) == list(range(600))  # the next epoch is whole again
 
 
+@pytest.mark.slow
 def test_splits_of_a_worker_killed_after_the_others_ended_are_read_in_a_rerun():
     def slow_start(x):
         if x < 5:

@@ -101,6 +101,7 @@ def test_identical_pipelines_share_and_a_changed_one_gets_its_own_job():
             assert sorted(epoch["got"]) == list(range(N))  # dynamic sharding, 2 workers
 
 
+@pytest.mark.slow
 def test_a_killed_trainer_does_not_stall_the_others():
     with service(workers=1) as (address, _):
         # A small window and "block" with a long block time: only eviction of the dead
