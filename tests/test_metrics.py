@@ -58,6 +58,8 @@ def test_the_metrics_endpoint_serves_job_and_worker_metrics_while_a_loader_reads
         assert elements.labels["job_name"] == "metered" and elements.value >= 3000
         (consumers,) = families["zloader_job_consumers"]
         assert consumers.value == 1
+        (desired,) = families["zloader_job_desired_workers"]
+        assert desired.value >= 1  # one worker to start with; the policy may want more
         (cpu,) = families["zloader_worker_cpu_seconds"]
         assert cpu.value > 0 and cpu.labels["job"] == elements.labels["job"]
         (starvation,) = families["zloader_job_starvation_ratio"]
@@ -115,7 +117,7 @@ def test_zloader_top_shows_jobs_with_rates_and_starvation_and_workers():
         last = frames[-1]
         assert "1 jobs, 1 workers" in last and "watched" in last and "starved" in last
         row = next(line for line in last.splitlines() if "watched" in line)
-        assert row.split()[3] != "-"  # elements/s, over the time since the last refresh
+        assert row.split()[4] != "-"  # elements/s, over the time since the last refresh
     silent = subprocess.run([os.path.join(BIN, "zloader"), "top", "--broker", address,
                              "--timeout", "0.5", "--iterations", "1"],
                             capture_output=True, text=True, timeout=30)

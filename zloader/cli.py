@@ -467,13 +467,14 @@ def _top_frame(status: dict[str, Any], previous: tuple[float, dict[str, Any]] | 
     jobs, workers = status.get("jobs", []), status.get("workers", [])
     lines = [f"zloader top: {broker}, {len(jobs)} jobs, {len(workers)} workers, "
              f"{status.get('rejected', 0)} messages rejected", "",
-             f"  {'job':<18} {'consumers':>9} {'workers':>7} {'elements/s':>12} "
-             f"{'MB/s':>9} {'starved':>8}"]
+             f"  {'job':<18} {'consumers':>9} {'workers':>7} {'wanted':>6} "
+             f"{'elements/s':>12} {'MB/s':>9} {'starved':>8}"]
     for job in jobs:
         name = "(shared)" if job.get("shared") else job.get("name") or job["job"]
         old = before.get(job["job"], {})
         mb = rate(job["bytes"] / 1e6, old["bytes"] / 1e6 if "bytes" in old else None)
         lines.append(f"  {str(name)[:18]:<18} {job['consumers']:>9} {job['workers']:>7} "
+                     f"{job.get('desired_workers', '-'):>6} "
                      f"{rate(job['elements'], old.get('elements')):>12} {mb:>9} "
                      f"{job.get('starvation', 0.0):>8.0%}")
     lines += ["", f"  {'worker':<18} {'host':<16} {'pid':>8} {'job':<18} {'elements/s':>12} "

@@ -30,6 +30,8 @@ JOB_METRICS = [
     ("failed_splits", "zloader_job_failed_splits", "gauge", "Splits reported as failed"),
     ("consumers", "zloader_job_consumers", "gauge", "Consumers reading the job"),
     ("workers", "zloader_job_workers", "gauge", "Workers serving the job"),
+    ("desired_workers", "zloader_job_desired_workers", "gauge",
+     "Workers the job should have, as the broker's autoscaling policy decides"),
 ]
 WORKER_METRICS = [
     ("elements", "zloader_worker_elements_total", "counter", "Elements the worker sent"),

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from zloader._defaults import STAGES
+from zloader.autoscale import Autoscaler
 from zloader.journal import COMPACT_LINES, Journal
 from zloader.lineage import Ledger, merge_info, pack
 from zloader.rounds import Rounds
@@ -141,6 +142,8 @@ class Job:
     starvation: float = 0.0  # share of the last interval the consumers waited
     waited_at: tuple[float, float] | None = None  # (wait_seconds, time) at the last sample
     stages: dict[str, float] = field(default_factory=dict)  # workers' seconds, by stage
+    scaler: Autoscaler = field(default_factory=Autoscaler)  # desired_workers (dynamic jobs)
+    desired: int = 0
 
 
 class State:
@@ -1008,7 +1011,7 @@ class State:
         jobs = [{"job": j.id, "fingerprint": j.fingerprint, "name": j.name,
                  "sharding": j.sharding, "consumers": len(j.consumers), "workers": len(j.tasks),
                  "elements": j.elements, "bytes": j.bytes, "shared": j.share is not None,
-                 "starvation": round(j.starvation, 3),
+                 "starvation": round(j.starvation, 3), "desired_workers": j.desired,
                  "stage_seconds": {k: round(v, 3) for k, v in j.stages.items()},
                  "trainers": self._trainers(j) if j.share is not None else [],
                  "rounds": _round_status(j.rounds, j.epoch) if j.rounds is not None else None,
@@ -1026,16 +1029,26 @@ class State:
                                               / ((now - job.waited_at[1])
                                                  * len(job.consumers))))
             job.waited_at = (job.wait_seconds, now)
+            job.desired = self._desired(job, now)
             jobs.append({"job": job.id, "name": job.name or "", "elements": job.elements,
                          "bytes": job.bytes, "wait_seconds": job.wait_seconds,
                          "starvation": job.starvation, "skipped": job.skipped,
                          "failed_splits": len(job.failed), "consumers": len(job.consumers),
-                         "workers": len(job.tasks), "stages": dict(job.stages)})
+                         "workers": len(job.tasks), "stages": dict(job.stages),
+                         "desired_workers": job.desired})
         workers = [{"worker": w.id, "host": w.host, "job": self._task_job(w.task) or "",
                     **{k: w.stats.get(k, 0) for k in ("elements", "bytes", "cpu_seconds",
                                                        "rejected", "credits", "ring_fill")}}
                    for w in self.workers.values()]
         return {"jobs": jobs, "workers": workers, "rejected": self.rejected}
+
+    @staticmethod
+    def _desired(job: Job, now: float) -> int:
+        """The workers the job should have (zloader/autoscale.py); static and
+        deterministic jobs keep the ones they have, and so does a job nobody reads."""
+        if job.sharding == "static" or job.deterministic or not job.consumers:
+            return len(job.tasks)
+        return job.scaler.update(now, len(job.tasks), job.starvation)
 
     def _trainers(self, job: Job) -> list[dict[str, Any]]:
         """A shared job's trainers: pid, lag (elements produced that it has not been sent,
