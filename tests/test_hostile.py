@@ -66,6 +66,25 @@ def test_many_random_messages_never_stop_the_broker_or_a_worker(batch):
     hostile_round(batch)
 
 
+@contextlib.contextmanager
+def dealers(*endpoints: str):
+    """A DEALER socket connected to each endpoint (room for a flood), closed on exit."""
+    context = zmq.Context()
+    socks = []
+    try:
+        for endpoint in endpoints:
+            sock = context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 100_000)
+            sock.connect(endpoint)
+            socks.append(sock)
+        yield socks
+    finally:
+        for sock in socks:
+            sock.close(0)
+        context.term()
+
+
 def hostile_round(batch: list) -> None:
     """Send ``batch`` to a live broker and worker while a Loader reads; both must keep
     serving, and count what they dropped."""
@@ -74,14 +93,7 @@ def hostile_round(batch: list) -> None:
             epoch = iter(loader)
             next(epoch)  # a consumer is reading: the worker has a task and streams
             (worker,) = status(address)["workers"]
-            context = zmq.Context()
-            socks = []
-            try:
-                for endpoint in (address, worker["endpoint"]):
-                    sock = context.socket(zmq.DEALER)
-                    sock.setsockopt(zmq.LINGER, 0)
-                    sock.connect(endpoint)
-                    socks.append(sock)
+            with dealers(address, worker["endpoint"]) as socks:
                 for message in batch:
                     for sock in socks:
                         sock.send_multipart(message)
@@ -94,10 +106,6 @@ def hostile_round(batch: list) -> None:
                     what="the broker's and the worker's counts of rejected messages")
                 for _ in range(2000):
                     next(epoch)
-            finally:
-                for sock in socks:
-                    sock.close(0)
-                context.term()
         assert all(p.poll() is None for p in procs), "a worker died"
         with Loader(Pipeline.range(100), broker=address, timeout=20) as again:
             assert sorted(again) == list(range(100))
@@ -178,15 +186,7 @@ def test_a_flood_of_bad_messages_does_not_grow_the_brokers_or_a_workers_memory()
         broker_pid = next(c.pid for c in psutil.Process().children()
                           if "zloader-broker" in " ".join(c.cmdline()))
         watched.append(psutil.Process(broker_pid))
-        context = zmq.Context()
-        socks = []
-        try:
-            for endpoint in (address, worker["endpoint"]):
-                sock = context.socket(zmq.DEALER)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.SNDHWM, 100_000)
-                sock.connect(endpoint)
-                socks.append(sock)
+        with dealers(address, worker["endpoint"]) as socks:
             before = [p.memory_info().rss for p in watched]
             for i in range(10_000):
                 for sock in socks:
@@ -194,10 +194,6 @@ def test_a_flood_of_bad_messages_does_not_grow_the_brokers_or_a_workers_memory()
             wait_for(lambda: status(address)["rejected"] >= 5_000,
                      what="the broker to work through the flood", timeout=120)
             after = [p.memory_info().rss for p in watched]
-        finally:
-            for sock in socks:
-                sock.close(0)
-            context.term()
         growth = [(a - b) / 2**20 for a, b in zip(after, before, strict=True)]
         assert max(growth) < 32, f"memory grew by {growth} MiB"
         with Loader(Pipeline.range(100), broker=address, timeout=20) as loader:

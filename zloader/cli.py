@@ -130,13 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
         "status", help="show a broker's workers and jobs",
         description="Ask a broker for its workers (host, pid, tasks, elements/s) and jobs "
                     "(fingerprint, name, consumers, workers, elements and bytes served).")
-    status.add_argument("--broker", default="tcp://127.0.0.1:5555",
-                        help="the broker's address (default tcp://127.0.0.1:5555)")
+    _broker_arguments(status)
     status.add_argument("--json", action="store_true",
                         help='print one JSON object {"workers": [...], "jobs": [...]}')
-    status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait")
-    status.add_argument("--keys", default=None, metavar="DIR",
-                        help="the broker's keys directory; default $ZLOADER_KEYS")
     status.set_defaults(run=_status)
     top = commands.add_parser(
         "top", help="a live view of a broker's jobs and workers",
@@ -144,14 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "consumers, workers, elements/s and bytes/s since the last refresh, and "
                     "the share of time its consumers waited for data (starvation); per "
                     "worker its job, elements/s and CPU use. Ctrl-C quits.")
-    top.add_argument("--broker", default="tcp://127.0.0.1:5555",
-                     help="the broker's address (default tcp://127.0.0.1:5555)")
+    _broker_arguments(top)
     top.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
     top.add_argument("--iterations", type=int, default=0,
                      help="stop after this many refreshes (default 0: until Ctrl-C)")
-    top.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for answers")
-    top.add_argument("--keys", default=None, metavar="DIR",
-                     help="the broker's keys directory; default $ZLOADER_KEYS")
     top.set_defaults(run=_top)
     keygen = commands.add_parser(
         "keygen", help="create a keys directory for an authenticated service",
@@ -379,6 +371,15 @@ def _supervise(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     return max(child.wait() for child in children)
+
+
+def _broker_arguments(parser: argparse.ArgumentParser) -> None:
+    """--broker, --timeout and --keys: how `zloader status` and `zloader top` reach it."""
+    parser.add_argument("--broker", default="tcp://127.0.0.1:5555",
+                        help="the broker's address (default tcp://127.0.0.1:5555)")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait")
+    parser.add_argument("--keys", default=None, metavar="DIR",
+                        help="the broker's keys directory; default $ZLOADER_KEYS")
 
 
 class _Unanswered(Exception):

@@ -165,7 +165,8 @@ class Loader:
         if resume is not None and job_name is not None:
             job_name = f"{job_name}@{resume['digest']}"  # a fresh job for the resumed run
         self._yielded = Ledger()  # origins of this epoch's elements yielded so far
-        self._current: tuple[Origins, int] | None = None  # the record being yielded
+        # The record being yielded, and self._elements when its first element was.
+        self._current: tuple[Origins, int] | None = None
         self._iterating: int | None = None  # the epoch being yielded, until it is done
         self._joined = False
         self._deterministic = _check.boolean("deterministic", deterministic)
@@ -309,10 +310,10 @@ class Loader:
                 return
             origins = item.origins
             if item.kind == "data":
-                for position, element in enumerate(item.elements, 1):
+                if origins is not None:  # its elements yielded: self._elements - before
+                    self._current = (origins, self._elements)
+                for element in item.elements:
                     self._elements += 1
-                    if origins is not None:
-                        self._current = (origins, position)
                     yield element
                 self._io.command(("credit", item.worker, 1))
                 self._check_skipped()
@@ -399,8 +400,8 @@ class Loader:
         if self._iterating is not None:
             ledger.merge_json(self._yielded.to_json())
             if self._current is not None:
-                origins, position = self._current
-                origins.note(ledger, position)
+                origins, before = self._current
+                origins.note(ledger, self._elements - before)
         return {"zloader": STATE_VERSION, "fingerprint": self.pipeline.fingerprint,
                 "epoch": epoch, "entropy": self._io.entropy, "delivered": ledger.to_json()}
 
