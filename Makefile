@@ -35,7 +35,12 @@ lint: $(VENV)/.installed-test
 test: lint
 	$(BIN)/python -m pytest -m "not slow" -q
 
-test-slow: $(VENV)/.installed-test
+$(VENV)/.installed-ray: $(VENV)/.installed-test
+	$(PIP) install $(PIP_FLAGS) -e '.[test,torch,tf,ray]'
+	touch $@
+
+# The slow tests include the Ray ones (tests/test_ray.py), so they install Ray.
+test-slow: $(VENV)/.installed-ray
 	$(BIN)/python -m pytest -m slow -q
 
 bench: $(VENV)/.installed-bench
@@ -44,6 +49,7 @@ bench: $(VENV)/.installed-bench
 	$(BIN)/python -m bench.torch_loader
 	$(BIN)/python -m bench.sharing
 	$(BIN)/python -m bench.coordinated
+	$(BIN)/python -m bench.report
 
 # Ten minutes of 32 consumers over 8 jobs while workers are killed (bench/soak.py).
 soak: $(VENV)/.installed-bench

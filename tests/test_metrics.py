@@ -61,7 +61,7 @@ def test_the_metrics_endpoint_serves_job_and_worker_metrics_while_a_loader_reads
         (desired,) = families["zloader_job_desired_workers"]
         assert desired.value >= 1  # one worker to start with; the policy may want more
         (cpu,) = families["zloader_worker_cpu_seconds"]
-        assert cpu.value > 0 and cpu.labels["job"] == elements.labels["job"]
+        assert cpu.value > 0 and cpu.labels["job_id"] == elements.labels["job_id"]
         (starvation,) = families["zloader_job_starvation_ratio"]
         assert 0.0 <= starvation.value <= 1.0
         stages = {s.labels["stage"]: s.value for s in families["zloader_job_stage_seconds"]}

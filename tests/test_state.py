@@ -142,7 +142,7 @@ def test_status_lists_workers_and_jobs():
     state = State()
     ready(state, "w1")
     register(state, "c1")
-    status = state.status()
+    status = state.status(0.0)
     assert len(status["workers"]) == 1 and status["workers"][0]["tasks"] == 1
     assert status["jobs"][0]["consumers"] == 1 and status["jobs"][0]["workers"] == 1
 
@@ -272,11 +272,11 @@ def test_status_shows_a_coordinated_jobs_rounds_and_vacancies():
     ready(state, "w1")
     task = task_of(coordinated(state, "c0", 0, size=3))
     coordinated(state, "c1", 1, size=3)
-    (job,) = state.status()["jobs"]
+    (job,) = state.status(0.0)["jobs"]
     assert job["rounds"] == {"num_consumers": 3, "epoch": 0, "rounds": 0, "lost": 0,
                              "vacant": [2]}
     assert ask_round(state, "w1", task, ["c0", "c1", None]) is None  # not all there
-    assert state.status()["jobs"][0]["rounds"]["lost"] == 1
+    assert state.status(0.0)["jobs"][0]["rounds"]["lost"] == 1
 
 
 def test_coordinated_registrations_are_checked():

@@ -25,6 +25,7 @@ import zmq
 from zloader import codec
 from zloader._host import host_id
 from zloader.errors import CodecError, PipelineError, ZloaderError
+from zloader.forward import emit, valid_lines
 from zloader.lineage import Ledger, decode_origins
 from zloader.transport import records
 from zloader.transport.keys import Keys
@@ -433,6 +434,11 @@ class IOThread(threading.Thread):
             text = str(msg.body.get("message", "the broker refused the request"))
             error: Exception = ValueError(text) if "job_name" in text else ZloaderError(text)
             self.items.put(Item("error", error=error))
+        elif msg.command is Command.LOG:
+            lines = valid_lines(msg.body.get("lines"))
+            host, pid = msg.body.get("host"), msg.body.get("pid")
+            if lines is not None and isinstance(host, str) and isinstance(pid, int):
+                emit(host[:255], pid, lines)
         elif msg.command is Command.COMMIT:
             if self.rounds is not None:
                 self.rounds.total_lost = int(msg.body.get("total_lost") or 0)

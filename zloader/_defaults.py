@@ -10,3 +10,6 @@ STAGES = ("pipeline", "splits", "encode", "blocked")
 """Where a worker's producers spend their time, in seconds: running the pipeline (user code
 and the source), waiting for the broker's splits, encoding records, and blocked for want of
 credits (the consumers are slower). Reported in heartbeats, summed per job by the broker."""
+
+DRAIN_SECONDS = 30.0
+"""A draining worker (SIGTERM) leaves after this long even with splits unfinished."""

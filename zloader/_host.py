@@ -24,3 +24,11 @@ def host_id() -> str:
     except OSError:
         namespace = "unknown-ns"
     return f"{socket.gethostname()}/{boot}/{namespace}"
+
+
+def loopback(address: str) -> bool:
+    """Whether ``address`` (a ZeroMQ endpoint) is reachable only from this host."""
+    if address.startswith(("ipc://", "inproc://")):
+        return True
+    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")

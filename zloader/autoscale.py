@@ -14,8 +14,16 @@ it out. The policy is a hill climb with hysteresis:
   is undone, and that count becomes a floor for a while.
 - **Backoff.** A floor or ceiling lasts ``hold`` cooldowns, twice as long each time the
   same one is set again, so a settled job is probed more and more rarely.
-- **Cooldown.** No decision until ``cooldown`` seconds of samples since the last change,
-  and a change is judged on the mean of those samples.
+- **Cooldown.** No decision until ``cooldown`` seconds of samples since the last change
+  was carried out, and a change is judged on the mean of the second half of them (the
+  first half still shows the count before: reports lag, new workers fill up).
+- **Actuators.** Until the job has the count asked for, no samples are taken. An addition
+  not carried out within ``START_SECONDS`` or two cooldowns (no room, or no actuator) is
+  given up: the count it has becomes ``desired`` and a ceiling, as above; so is one whose
+  need went away meanwhile (the consumers waited less than ``down`` over the last half
+  cooldown), without the ceiling.
+  A removal gets a cooldown and ``DRAIN_SECONDS`` (an actuator such as Kubernetes' HPA
+  reacts on its own schedule, and a draining worker finishes its splits first).
 
 Why these thresholds: they are Cachew's published ones (7% up, 3% down), applied to the
 consumers' time rather than throughput. Starvation is the quantity a trainer pays for
@@ -30,7 +38,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["Autoscaler"]
+from zloader._defaults import DRAIN_SECONDS
+
+__all__ = ["START_SECONDS", "Autoscaler"]
+
+START_SECONDS = 60.0
+"""How long actuators get to add the workers asked for (two cooldowns if longer): a new
+process starts in a second, a Ray actor or a Kubernetes pod can take much longer."""
 
 
 @dataclass
@@ -44,10 +58,13 @@ class Autoscaler:
     max_workers: int = 64
     hold: int = 10  # cooldowns a limit set by an undone step first lasts (then doubles)
     desired: int = 0  # 0 until the first update
-    _direction: int = 0  # +1 just added, -1 just removed, 0 holding
-    _changed: float = 0.0
+    _direction: int = 0  # +1 just added, -1 just removed, 0 holding (or just undone)
+    _undo: bool = False  # the decision being made undoes the last step
+    _waiting: bool = False  # for the actuators to reach ``desired``
+    _changed: float = 0.0  # when the count last changed or the actuators caught up
+    _asked: float = 0.0  # when ``desired`` last changed
     _before: float = 0.0  # mean starvation before the last change
-    _samples: list[float] = field(default_factory=list)
+    _samples: list[tuple[float, float]] = field(default_factory=list)  # (time, starvation)
     _floor: tuple[int, float, int] = (0, 0.0, 0)  # (count, until, times set)
     _ceiling: tuple[int, float, int] = (0, 0.0, 0)
 
@@ -56,20 +73,49 @@ class Autoscaler:
         of the last interval) and return the workers it should have."""
         if self.desired == 0:
             self.desired = max(self.min_workers, min(self.max_workers, workers))
-            self._changed = now
-        if workers != self.desired:  # the actuators have not caught up: wait for them
+            self._changed = self._asked = now
+        if workers != self.desired:
+            # The actuators have not caught up: wait for them, a cooldown at most. Then
+            # take the count they reached (no room to grow, or no actuator at all) and
+            # do not ask for more for a while, as after an addition that did not help.
+            patience = (max(2 * self.cooldown, START_SECONDS) if workers < self.desired
+                        else self.cooldown + DRAIN_SECONDS)
+            self._samples.append((now, min(1.0, max(0.0, starvation))))
+            self._waiting = True
+            waited = [v for t, v in self._samples if t >= now - self.cooldown / 2]
+            need_gone = (workers < self.desired and now - self._asked >= self.cooldown / 2
+                         and sum(waited) / len(waited) < self.down)
+            if now - self._asked < patience and not need_gone:
+                return self.desired
+            self._samples.clear()
+            if workers < self.desired and not need_gone:
+                self._ceiling = self._limit(self._ceiling, workers, now)
+            self.desired = max(self.min_workers, min(self.max_workers, workers))
+            self._direction = 0
+            self._waiting = False
+            self._changed = self._asked = now
+            return self.desired
+        if self._waiting:  # they caught up: the cooldown counts from now
+            self._waiting = False
             self._samples.clear()
             self._changed = now
-            return self.desired
-        self._samples.append(min(1.0, max(0.0, starvation)))
+        self._samples.append((now, min(1.0, max(0.0, starvation))))
         if now - self._changed < self.cooldown:
             return self.desired
-        mean = sum(self._samples) / len(self._samples)
+        # The second half of the window only: the first still shows the count before
+        # (consumers report once a heartbeat, and a new worker fills its pipeline first).
+        settled = [v for t, v in self._samples if t >= self._changed + self.cooldown / 2]
+        mean = sum(settled) / len(settled)
+        self._undo = False
         step = self._step(now, mean)
         low = self._floor[0] if now < self._floor[1] else self.min_workers
         high = self._ceiling[0] if now < self._ceiling[1] else self.max_workers
         target = max(self.min_workers, low, min(self.max_workers, high, self.desired + step))
-        self._direction = (target > self.desired) - (target < self.desired)
+        moved = (target > self.desired) - (target < self.desired)
+        if moved:
+            self._asked = now
+        # An undone step is not a step of its own: the next decision starts afresh.
+        self._direction = 0 if self._undo else moved
         self.desired = target
         self._before = mean
         self._changed = now
@@ -83,10 +129,12 @@ class Autoscaler:
             # It did not: the workers are not what the consumers wait for. Undo, and do
             # not try that count again for a while (longer each time).
             self._ceiling = self._limit(self._ceiling, self.desired - 1, now)
+            self._undo = True
             return -1
         if self._direction < 0:  # we removed one: did it cost little enough to go on?
             if mean - self._before >= self.down:
                 self._floor = self._limit(self._floor, self.desired + 1, now)
+                self._undo = True
                 return 1
             return -1 if mean < self.down else 0
         if mean > self.up:

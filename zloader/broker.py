@@ -44,16 +44,21 @@ class Broker:
         work_dir: journal every state change there (:mod:`zloader.journal`) and, when it
             holds one already, resume its jobs. None: state lives in memory only (a
             restarted broker starts its jobs over).
+        metrics: (bind address, port) of the Prometheus endpoint; None: none.
+        cooldown: seconds the autoscaler (``zloader/autoscale.py``) samples a job's
+            starvation between two changes of its ``desired_workers``.
     """
 
     def __init__(self, endpoint: str, heartbeat: float = 1.0, keys: Keys | None = None,
-                 work_dir: str | None = None, metrics: tuple[str, int] | None = None) -> None:
+                 work_dir: str | None = None, metrics: tuple[str, int] | None = None,
+                 cooldown: float = 30.0) -> None:
         self.endpoint = endpoint
         self.metrics = metrics  # (bind address, port) of the Prometheus endpoint
         self.snapshot: dict[str, Any] = {}  # the latest State.metrics(), read by scrapes
         self.keys = keys
         self.state = State(heartbeat=heartbeat,
-                           journal=Journal(work_dir) if work_dir is not None else None)
+                           journal=Journal(work_dir) if work_dir is not None else None,
+                           cooldown=cooldown)
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
@@ -192,7 +197,7 @@ class Broker:
         if command is Command.REGISTER:
             return state.register(identity, msg, now)
         if command is Command.STATUS:
-            return [Out(identity, Command.STATUS, state.status())]
+            return [Out(identity, Command.STATUS, state.status(now))]
         if command is Command.HEARTBEAT:
             state.worker_heartbeat(identity, msg, now)
             return state.consumer_heartbeat(identity, now, msg)
@@ -213,6 +218,8 @@ class Broker:
             return state.rounds_received(identity, msg, now)
         if command is Command.DELIVERED:
             return state.delivered(identity, msg, now)
+        if command is Command.LOG:
+            return state.worker_log(identity, msg)
         raise ProtocolError(f"{command.name} is not a command the broker accepts")
 
     def _warn(self, identity: bytes, text: str, exc_info: bool = False) -> None:

@@ -193,8 +193,8 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
     """``zloader-broker``: run a broker until SIGTERM or Ctrl-C."""
     import zmq
 
+    from zloader._host import loopback
     from zloader.broker import Broker
-    from zloader.transport.keys import loopback
     from zloader.transport.protocol import HEARTBEAT_RANGE, heartbeat
 
     parser = argparse.ArgumentParser(
@@ -228,10 +228,17 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--metrics-bind", default="127.0.0.1", metavar="ADDR",
                         help="the address the metrics endpoint listens on (default "
                              "127.0.0.1; 0.0.0.0 for a scraper on another host)")
+    parser.add_argument("--autoscale-cooldown", type=float, default=30.0, metavar="SECONDS",
+                        help="seconds of consumers' starvation the autoscaler averages "
+                             "before it changes a job's desired_workers again (default 30; "
+                             "see `zloader-worker --autoscale`)")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"])
     parser.add_argument("--version", action="version", version=f"zloader {__version__}")
     args = parser.parse_args(argv)
+    if not 0 < args.autoscale_cooldown <= 3600:
+        parser.error(f"--autoscale-cooldown must be between 0 and 3600 seconds, got "
+                     f"{args.autoscale_cooldown}")
     if args.metrics_port is not None and not 0 < args.metrics_port < 65536:
         parser.error(f"--metrics-port must be a port number (1-65535), got {args.metrics_port}")
     if heartbeat(args.heartbeat) is None:
@@ -252,7 +259,7 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
         _work_dir(args.work_dir, args.bind)
     metrics = (args.metrics_bind, args.metrics_port) if args.metrics_port else None
     broker = Broker(args.bind, heartbeat=args.heartbeat, keys=keys, work_dir=args.work_dir,
-                    metrics=metrics)
+                    metrics=metrics, cooldown=args.autoscale_cooldown)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: broker._stop.set())
     logging.getLogger("zloader.broker").info("listening on %s", args.bind)
@@ -308,6 +315,17 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
                              "they hold the keys with a token (ZeroMQ PLAIN), which anyone "
                              "watching the network could replay; a trusted network only. "
                              "Faster than CURVE on TCP (see the transport benchmark)")
+    parser.add_argument("--autoscale", action="store_true",
+                        help="grow and shrink the worker processes on this host to follow "
+                             "the broker's desired_workers (see `zloader status`): start "
+                             "more while jobs lack workers, drain the ones it marks surplus; "
+                             "--processes is then the count to start with")
+    parser.add_argument("--max-processes", type=_positive, default=None, metavar="N",
+                        help="with --autoscale, the core budget: at most N worker "
+                             "processes on this host (default: its core count)")
+    parser.add_argument("--autoscale-interval", type=float, default=1.0, metavar="SECONDS",
+                        help="with --autoscale, seconds between two looks at the broker's "
+                             "status (default 1)")
     parser.add_argument("--bind", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--parent", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--log-level", default="warning",
@@ -316,7 +334,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _logging(args.log_level)
     keys = _keys(parser, args.keys)
-    from zloader.transport.keys import loopback
+    from zloader._host import loopback
 
     bind = args.bind or f"tcp://{args.advertise or '127.0.0.1'}:*"
     if args.plain_data and keys is None:
@@ -326,12 +344,24 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--advertise {args.advertise} opens the data port to other hosts, and "
                      "without --keys anyone who reaches it can read the data: pass --keys "
                      "DIR (the broker's), or --insecure on a trusted network")
+    if args.max_processes is not None and not args.autoscale:
+        parser.error("--max-processes is the budget of --autoscale: pass --autoscale too, "
+                     "or --processes N for a fixed count")
+    if args.autoscale:
+        if args.bind or args.parent is not None:
+            parser.error("--autoscale runs worker processes of its own: it takes neither "
+                         "--bind nor --parent")
+        if not 0 < args.autoscale_interval <= 60:
+            parser.error("--autoscale-interval must be between 0 and 60 seconds")
+        args.max_processes = args.max_processes or os.cpu_count() or 1
+        return _autoscale(args, keys)
     if args.processes > 1:
         return _supervise(args)
     from zloader.worker import WorkerProcess
 
     worker = WorkerProcess(args.broker, bind, advertise=args.advertise, parent=args.parent,
-                           keys=keys, plain_data=args.plain_data)
+                           keys=keys, plain_data=args.plain_data,
+                           forward_output=args.parent is None)
     # SIGTERM drains: the splits taken are finished and delivered, then the worker leaves
     # (a Loader's own workers, --parent, just stop: their consumer is leaving).
     signal.signal(signal.SIGTERM, lambda *_: worker.stop.set() if args.parent is not None
@@ -347,10 +377,8 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _supervise(args: argparse.Namespace) -> int:
-    """Run ``--processes`` workers as children; forward SIGTERM/SIGINT; wait for them."""
-    import subprocess
-
+def _worker_command(args: argparse.Namespace) -> list[str]:
+    """The command that runs one worker process with this command's settings."""
     command = [sys.executable, "-c", "import sys; from zloader.cli import worker_main; "
                "sys.exit(worker_main())", "--broker", args.broker, "--log-level", args.log_level]
     if args.advertise:
@@ -361,7 +389,14 @@ def _supervise(args: argparse.Namespace) -> int:
         command += ["--insecure"]
     if args.plain_data:
         command += ["--plain-data"]
-    children = [subprocess.Popen(command) for _ in range(args.processes)]
+    return command
+
+
+def _supervise(args: argparse.Namespace) -> int:
+    """Run ``--processes`` workers as children; forward SIGTERM/SIGINT; wait for them."""
+    import subprocess
+
+    children = [subprocess.Popen(_worker_command(args)) for _ in range(args.processes)]
 
     def forward(signum: int, _frame: Any) -> None:
         for child in children:
@@ -373,6 +408,19 @@ def _supervise(args: argparse.Namespace) -> int:
     return max(child.wait() for child in children)
 
 
+def _autoscale(args: argparse.Namespace, keys: Any) -> int:
+    """``--autoscale``: follow the broker's desired_workers (zloader/actuator.py)."""
+    from zloader.actuator import LocalActuator
+
+    actuator = LocalActuator(args.broker, keys, _worker_command(args), args.max_processes,
+                             start=min(args.processes, args.max_processes),
+                             interval=args.autoscale_interval)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: actuator.stop.set())
+    actuator.run()
+    return 0
+
+
 def _broker_arguments(parser: argparse.ArgumentParser) -> None:
     """--broker, --timeout and --keys: how `zloader status` and `zloader top` reach it."""
     parser.add_argument("--broker", default="tcp://127.0.0.1:5555",
@@ -380,38 +428,6 @@ def _broker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait")
     parser.add_argument("--keys", default=None, metavar="DIR",
                         help="the broker's keys directory; default $ZLOADER_KEYS")
-
-
-class _Unanswered(Exception):
-    """The broker did not answer a status request in time."""
-
-
-def _fetch_status(broker: str, keys: Any, timeout: float) -> dict[str, Any]:
-    """One STATUS answer from ``broker``.
-
-    Raises:
-        _Unanswered: none within ``timeout`` seconds.
-    """
-    import zmq
-
-    from zloader.transport.protocol import Command, decode, encode
-
-    context = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    if keys is not None:
-        keys.connect(sock)
-    try:
-        sock.connect(broker)
-        sock.send_multipart(encode(Command.STATUS, {}))
-        if not sock.poll(int(timeout * 1000)):
-            raise _Unanswered(
-                f"no answer from {broker} within {timeout:.0f} s (is zloader-broker running "
-                "there? does it want --keys, or other keys?)")
-        return decode(sock.recv_multipart()).body
-    finally:
-        sock.close(0)
-        context.term()
 
 
 def _status_keys(command: str, path: str | None) -> Any:
@@ -425,6 +441,8 @@ def _status_keys(command: str, path: str | None) -> Any:
 
 
 def _top(args: argparse.Namespace) -> int:
+    from zloader._status import Unanswered, fetch_status
+
     keys = _status_keys("top", args.keys)
     if args.interval <= 0:
         print("zloader top: --interval must be a positive number of seconds", file=sys.stderr)
@@ -434,8 +452,8 @@ def _top(args: argparse.Namespace) -> int:
     try:
         while True:
             try:
-                status = _fetch_status(args.broker, keys, args.timeout)
-            except _Unanswered as exc:
+                status = fetch_status(args.broker, keys, args.timeout)
+            except Unanswered as exc:
                 print(f"zloader top: {exc}", file=sys.stderr)
                 return 1
             now = time.monotonic()
@@ -492,26 +510,30 @@ def _top_frame(status: dict[str, Any], previous: tuple[float, dict[str, Any]] | 
 
 
 def _status(args: argparse.Namespace) -> int:
+    from zloader._status import Unanswered, fetch_status
+
     keys = _status_keys("status", args.keys)
     try:
-        status = _fetch_status(args.broker, keys, args.timeout)
-    except _Unanswered as exc:
+        status = fetch_status(args.broker, keys, args.timeout)
+    except Unanswered as exc:
         print(f"zloader status: {exc}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps({"workers": status.get("workers", []), "jobs": status.get("jobs", [])}))
         return 0
     print(f"workers ({len(status.get('workers', []))})")
-    print(f"  {'host':<20} {'pid':>8} {'tasks':>5} {'elements/s':>12}")
+    print(f"  {'host':<20} {'pid':>8} {'tasks':>5} {'elements/s':>12} {'cpu s':>9}")
     for w in status.get("workers", []):
-        print(f"  {w['host']:<20} {w['pid']:>8} {w['tasks']:>5} {w['elements_per_second']:>12,.0f}")
+        print(f"  {w['host']:<20} {w['pid']:>8} {w['tasks']:>5} {w['elements_per_second']:>12,.0f}"
+              f" {w.get('cpu_seconds', 0.0):>9,.1f}" + ("  (surplus)" if w.get("surplus") else ""))
     print(f"jobs ({len(status.get('jobs', []))})")
-    print(f"  {'fingerprint':<16} {'name':<16} {'consumers':>9} {'workers':>7} "
-          f"{'elements':>12} {'bytes':>14}")
+    print(f"  {'fingerprint':<16} {'name':<16} {'consumers':>9} {'workers':>7} {'wanted':>6} "
+          f"{'starved':>7} {'elements':>12} {'bytes':>14}")
     for j in status.get("jobs", []):
         name = "(shared)" if j.get("shared") else j["name"] or "-"
         print(f"  {j['fingerprint'][:16]:<16} {name!s:<16} {j['consumers']:>9} "
-              f"{j['workers']:>7} {j['elements']:>12,} {j['bytes']:>14,}")
+              f"{j['workers']:>7} {j.get('desired_workers', 0):>6} "
+              f"{j.get('starvation', 0.0):>7.1%} {j['elements']:>12,} {j['bytes']:>14,}")
         for t in j.get("trainers", []):
             print(f"    trainer {t['consumer']} pid {t['pid']}: lag {t['lag']:,} elements, "
                   f"skipped {t['skipped']:,}")

@@ -30,6 +30,7 @@ import cloudpickle
 
 from zloader import _check, codec
 from zloader._client import IOThread, Item, Origins, _local_address
+from zloader._host import loopback
 from zloader._process import START_METHODS, start_worker
 from zloader.broker import Broker
 from zloader.errors import PipelineError, Timeout
@@ -40,7 +41,6 @@ from zloader.plan import plan
 from zloader.sharing.options import DEFAULT_BLOCK_SECONDS, settings
 from zloader.sources import ArraysSource, ItemsSource
 from zloader.stages import Context
-from zloader.transport.keys import loopback
 from zloader.transport.keys import resolve as resolve_keys
 from zloader.transport.protocol import MAX_PIPELINE_BYTES
 from zloader.transport.shm import sweep, sweep_dirs

@@ -54,12 +54,12 @@ class _Snapshot(Collector):
     def collect(self) -> Iterator[Any]:
         data = self.snapshot()
         for key, name, kind, text in JOB_METRICS:
-            family = _family(name, kind, text, ["job", "job_name"])
+            family = _family(name, kind, text, ["job_id", "job_name"])
             for job in data.get("jobs", []):
                 family.add_metric([job["job"], job["name"]], float(job.get(key, 0)))
             yield family
         for key, name, kind, text in WORKER_METRICS:
-            family = _family(name, kind, text, ["worker", "host", "job"])
+            family = _family(name, kind, text, ["worker", "host", "job_id"])
             for worker in data.get("workers", []):
                 family.add_metric([worker["worker"], worker["host"], worker["job"]],
                                   float(worker.get(key, 0)))
@@ -67,7 +67,7 @@ class _Snapshot(Collector):
         stages = CounterMetricFamily(
             "zloader_job_stage_seconds", "Seconds the job's workers spent per stage: "
             "pipeline (user code, source), splits (waiting for the broker), encode, blocked "
-            "(no credits: the consumers are slower)", labels=["job", "job_name", "stage"])
+            "(no credits: the consumers are slower)", labels=["job_id", "job_name", "stage"])
         for job in data.get("jobs", []):
             for stage, seconds in sorted(job.get("stages", {}).items()):
                 stages.add_metric([job["job"], job["name"], stage], float(seconds))

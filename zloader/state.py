@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from zloader._defaults import STAGES
+from zloader._host import loopback
 from zloader.autoscale import Autoscaler
+from zloader.forward import valid_lines
 from zloader.journal import COMPACT_LINES, Journal
 from zloader.lineage import Ledger, merge_info, pack
 from zloader.rounds import Rounds
@@ -61,6 +63,7 @@ class Worker:
     rate: float = 0.0
     trainers: dict[str, dict[str, int]] = field(default_factory=dict)  # shared job: lag
     plain_data: bool = False  # its data socket speaks PLAIN, not CURVE (--plain-data)
+    idle_since: float = 0.0  # when it last had no task (surplus marks, see State.status)
 
 
 @dataclass
@@ -150,8 +153,9 @@ class State:
     """Workers, consumers, jobs, tasks and splits; see docs/protocol.md for the messages."""
 
     def __init__(self, heartbeat: float = 1.0, liveness: int = 3,
-                 journal: Journal | None = None) -> None:
+                 journal: Journal | None = None, cooldown: float = 30.0) -> None:
         self.heartbeat = heartbeat
+        self.cooldown = cooldown  # the autoscaler's (zloader/autoscale.py)
         self.liveness = liveness
         self.journal = journal
         self.workers: dict[str, Worker] = {}
@@ -197,7 +201,7 @@ class State:
         worker = Worker(worker_id, identity, msg.field("host", str), msg.field("host_id", str),
                         msg.field("pid", int), endpoint,
                         msg.field("prefer", str, optional=True), now,
-                        plain_data=msg.body.get("plain_data") is True)
+                        plain_data=msg.body.get("plain_data") is True, idle_since=now)
         self.workers[worker_id] = worker
         self._record(_worker_event(worker))
         self.peers[identity] = ("worker", worker_id)
@@ -232,6 +236,22 @@ class State:
             str(c): {k: int(v[k]) for k in ("lag", "skipped") if isinstance(v.get(k), int)}
             for c, v in trainers.items() if isinstance(v, dict)
         } if isinstance(trainers, dict) else {}
+
+    def worker_log(self, identity: bytes, msg: Message) -> list[Out]:
+        """Pass what user code printed or logged on a worker to its job's consumers
+        (zloader/forward.py); lines of a task the worker no longer runs are dropped."""
+        worker = self._worker(identity)
+        lines = valid_lines(msg.body.get("lines"))
+        if lines is None:
+            raise ProtocolError("LOG: lines must be a list of at most 500 [level, text] pairs")
+        if worker is None or worker.task is None or msg.field("task", str) != worker.task:
+            return []
+        job = self.jobs.get(self._task_job(worker.task) or "")
+        if job is None:
+            return []
+        body = {"host": worker.host, "pid": worker.pid, "lines": lines}
+        return [Out(c.identity, Command.LOG, body) for cid in job.consumers
+                if (c := self.consumers.get(cid)) is not None]
 
     # --- consumers and jobs ---------------------------------------------------------------
 
@@ -381,6 +401,7 @@ class State:
                   num_splits, bool(source.get("shuffle_splits", False)), seed, width,
                   _source_data(msg.body.get("source_data")), secrets.randbits(63), now)
         job.track = options["exactly_once"]
+        job.scaler.cooldown = self.cooldown
         entropy = msg.body.get("entropy")  # a resumed Loader's: its shuffles draw the same
         if isinstance(entropy, int) and not isinstance(entropy, bool) and 0 <= entropy < 2**63:
             job.entropy = entropy
@@ -466,20 +487,28 @@ class State:
     # --- tasks and splits -----------------------------------------------------------------
 
     def _assign(self, now: float) -> list[Out]:
-        """Give idle workers to jobs: a worker's preferred job first, then the job with the
-        fewest workers (static jobs take at most ``width``)."""
+        """Give idle workers to jobs: a worker's preferred job first, then the job furthest
+        below its ``desired_workers``, one whose consumers share the worker's host, the job
+        with the fewest workers (static jobs take at most ``width``). Workers on a host
+        with consumers go first (hybrid placement: shared memory is the cheapest path)."""
         out: list[Out] = []
-        for worker in self.workers.values():
-            if worker.task is not None:
-                continue
+        hosts = {c.host_id for c in self.consumers.values()}
+        idle = sorted((w for w in self.workers.values() if w.task is None),
+                      key=lambda w: w.host_id not in hosts)
+        for worker in idle:
             open_jobs = [j for j in self.jobs.values() if j.error is None and j.consumers
                          and ((j.sharding != "static" and not j.deterministic)
                               or len(j.tasks) < j.width)]
             if not open_jobs:
                 break
+            if loopback(worker.endpoint):  # only consumers on its own host reach it
+                open_jobs = [j for j in open_jobs if worker.host_id in self._hosts(j)]
+                if not open_jobs:
+                    continue
             preferred = [j for j in open_jobs if j.id == worker.prefer]
-            job = preferred[0] if preferred else min(open_jobs,
-                                                     key=lambda j: (len(j.tasks), j.created))
+            job = preferred[0] if preferred else min(open_jobs, key=lambda j: (
+                -self._deficit(j), worker.host_id not in self._hosts(j), len(j.tasks),
+                j.created))
             task = secrets.token_hex(8)
             used = set(job.indices.values())
             index = next(i for i in range(len(used) + 1) if i not in used)
@@ -607,7 +636,7 @@ class State:
         job.error = {k: str(error.get(k, "")) for k in ("stage", "exc_type", "builtin",
                                                         "message", "traceback", "context")}
         self._record({"e": "failed", "job": job.id, "error": job.error})
-        return self._release_job(job) + self._tell_consumers(job)
+        return self._release_job(job, now) + self._tell_consumers(job)
 
     def _task_job(self, task: str | None) -> str | None:
         if task is None:
@@ -697,7 +726,7 @@ class State:
         for job in list(self.jobs.values()):
             if not job.consumers and job.idle_since is not None \
                     and now - job.idle_since > max(self.expiry, job.linger):
-                out += self._release_job(job)
+                out += self._release_job(job, now)
                 del self.jobs[job.id]
                 self._record({"e": "end", "job": job.id})
                 if self.journal is not None:
@@ -839,13 +868,14 @@ class State:
                                {"task": task, "consumer": consumer_id}))
         return out
 
-    def _release_job(self, job: Job) -> list[Out]:
+    def _release_job(self, job: Job, now: float) -> list[Out]:
         out = []
         for task, worker_id in list(job.tasks.items()):
             worker = self.workers.get(worker_id)
             if worker is not None:
                 worker.task = None
                 worker.current = None
+                worker.idle_since = now
                 out.append(Out(worker.identity, Command.RELEASE, {"task": task}))
         job.tasks.clear()
         job.indices.clear()
@@ -948,9 +978,9 @@ class State:
                 job.origin_of[(key, int(split))] = tuple(origin)
         elif kind == "failed":
             job.error = event["error"]
-            self._release_job(job)
+            self._release_job(job, now)
         elif kind == "end":
-            self._release_job(job)
+            self._release_job(job, now)
             del self.jobs[job.id]
 
     def snapshot(self) -> list[dict[str, Any]]:
@@ -999,9 +1029,12 @@ class State:
 
     # --- status ---------------------------------------------------------------------------
 
-    def status(self) -> dict[str, Any]:
-        """What ``zloader status --json`` prints."""
-        workers = [{"worker": w.id, "host": w.host, "pid": w.pid, "endpoint": w.endpoint,
+    def status(self, now: float) -> dict[str, Any]:
+        """What ``zloader status --json`` prints; ``surplus`` marks the workers an actuator
+        should drain (see :meth:`_surplus`)."""
+        surplus = self._surplus(now)
+        workers = [{"worker": w.id, "host": w.host, "host_id": w.host_id, "pid": w.pid,
+                    "endpoint": w.endpoint, "surplus": w.id in surplus,
                     "tasks": 1 if w.task else 0, "job": self._task_job(w.task),
                     "elements_per_second": round(w.rate, 1),
                     "elements": w.stats.get("elements", 0),
@@ -1010,6 +1043,7 @@ class State:
                    for w in self.workers.values()]
         jobs = [{"job": j.id, "fingerprint": j.fingerprint, "name": j.name,
                  "sharding": j.sharding, "consumers": len(j.consumers), "workers": len(j.tasks),
+                 "consumer_hosts": sorted(self._hosts(j)),
                  "elements": j.elements, "bytes": j.bytes, "shared": j.share is not None,
                  "starvation": round(j.starvation, 3), "desired_workers": j.desired,
                  "stage_seconds": {k: round(v, 3) for k, v in j.stages.items()},
@@ -1048,7 +1082,42 @@ class State:
         deterministic jobs keep the ones they have, and so does a job nobody reads."""
         if job.sharding == "static" or job.deterministic or not job.consumers:
             return len(job.tasks)
-        return job.scaler.update(now, len(job.tasks), job.starvation)
+        desired = job.scaler.update(now, len(job.tasks), job.starvation)
+        if desired != job.desired and job.desired:
+            log.info("job %s: desired_workers %d -> %d (it has %d; consumers waited %.0f%% "
+                     "of the time)", job.name or job.id, job.desired, desired, len(job.tasks),
+                     100 * job.starvation)
+        return desired
+
+    @staticmethod
+    def _deficit(job: Job) -> int:
+        """Workers the job lacks for its ``desired_workers`` (negative: it has too many);
+        0 before the autoscaler's first decision and for jobs that keep their workers."""
+        if job.desired == 0 or job.sharding == "static" or job.deterministic:
+            return 0
+        return job.desired - len(job.tasks)
+
+    def _hosts(self, job: Job) -> set[str]:
+        return {c.host_id for cid in job.consumers if (c := self.consumers.get(cid))}
+
+    def _surplus(self, now: float) -> set[str]:
+        """Workers to drain: for each job with more than it wants, the excess, remote
+        ones (no consumer of the job on their host) before local ones, the last assigned
+        first; and workers idle for a cooldown while no job lacks any."""
+        out: set[str] = set()
+        for job in self.jobs.values():
+            excess = -self._deficit(job)
+            if excess <= 0:
+                continue
+            hosts = self._hosts(job)
+            held = sorted(((self.workers[w], job.indices.get(t, 0))
+                           for t, w in job.tasks.items() if w in self.workers),
+                          key=lambda pair: (pair[0].host_id in hosts, -pair[1]))
+            out.update(worker.id for worker, _ in held[:excess])
+        if not any(self._deficit(j) > 0 for j in self.jobs.values()):
+            out.update(w.id for w in self.workers.values()
+                       if w.task is None and now - w.idle_since > self.cooldown)
+        return out
 
     def _trainers(self, job: Job) -> list[dict[str, Any]]:
         """A shared job's trainers: pid, lag (elements produced that it has not been sent,

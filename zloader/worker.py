@@ -26,8 +26,9 @@ import psutil
 import zmq
 
 from zloader import codec
-from zloader._defaults import STAGES
+from zloader._defaults import DRAIN_SECONDS, STAGES
 from zloader._host import host_id
+from zloader.forward import Capture
 from zloader.lineage import unpack
 from zloader.pipeline import Pipeline
 from zloader.plan import Plan, plan
@@ -54,8 +55,8 @@ __all__ = ["WorkerProcess"]
 log = logging.getLogger("zloader.worker")
 
 FETCH_TIMEOUT = 30.0
-DRAIN_SECONDS = 30.0
-"""A worker told to leave (SIGTERM) finishes its splits for at most this long."""
+FORWARD_EVERY = 0.2
+"""Seconds between two sends of captured user output (zloader/forward.py)."""
 
 
 @dataclass
@@ -140,12 +141,15 @@ class WorkerProcess:
         keys: CURVE keys (:mod:`zloader.transport.keys`), the broker's; None: none.
         plain_data: with keys, serve the data socket with PLAIN (a token, no encryption:
             trusted networks) instead of CURVE.
+        forward_output: send what user code prints or logs to the job's consumers
+            (:mod:`zloader.forward`): for workers whose output would not reach the
+            trainer's terminal (standalone, Ray actors, pods).
     """
 
     def __init__(self, broker: str, bind: str, advertise: str | None = None,
                  prefer: str | None = None, parent: int | None = None,
                  heartbeat: float = 1.0, keys: Keys | None = None,
-                 plain_data: bool = False) -> None:
+                 plain_data: bool = False, forward_output: bool = False) -> None:
         self.keys = keys
         self.plain_data = plain_data and keys is not None
         self.broker_endpoint = broker
@@ -170,6 +174,8 @@ class WorkerProcess:
         self._last_from_broker = time.monotonic()
         self._last_to_broker = 0.0
         self._last_beat = 0.0
+        self.capture = Capture() if forward_output else None
+        self._last_forward = 0.0
 
     # --- sockets --------------------------------------------------------------------------
 
@@ -195,9 +201,13 @@ class WorkerProcess:
         self._pairs = 0
         self.poller = zmq.Poller()
         self.broker = self._connect_broker()
+        if self.capture is not None:
+            self.capture.install()
         try:
             self._loop()
         finally:
+            if self.capture is not None:
+                self.capture.remove()
             self._stop_task()
             with contextlib.suppress(zmq.ZMQError):
                 self._to_broker(Command.BYE, {})
@@ -254,6 +264,8 @@ class WorkerProcess:
             if task is not None and task.window is not None and task.pending:
                 self._deliver(task)  # a record blocked by a lagging trainer: look again
             now = time.monotonic()
+            if self.capture is not None and now - self._last_forward >= FORWARD_EVERY:
+                self._forward(now)
             if now - self._last_beat >= self.heartbeat:  # stats too: not only when idle
                 self._last_beat = now
                 stats: dict[str, Any] = {"elements": self.elements, "bytes": self.bytes,
@@ -276,6 +288,18 @@ class WorkerProcess:
                 return
             if self._drain_deadline is not None and self._drained(now):
                 return
+
+    def _forward(self, now: float) -> None:
+        """Send the user output captured since the last call to the broker, for the
+        consumers of the task that runs (output between tasks is not sent)."""
+        assert self.capture is not None
+        self._last_forward = now
+        if self.task is None:
+            self.capture.discard()
+            return
+        lines = self.capture.take(now)
+        if lines:
+            self._to_broker(Command.LOG, {"task": self.task.id, "lines": lines})
 
     # --- draining (SIGTERM to zloader-worker) -----------------------------------------------
 

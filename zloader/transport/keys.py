@@ -161,10 +161,3 @@ def keygen(path: str | os.PathLike[str]) -> Keys:
         os.umask(old_umask)
     return Keys.load(root)
 
-
-def loopback(address: str) -> bool:
-    """Whether ``address`` (a ZeroMQ endpoint) is reachable only from this host."""
-    if address.startswith(("ipc://", "inproc://")):
-        return True
-    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
-    return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")

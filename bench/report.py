@@ -1,0 +1,511 @@
+"""Benchmark report: every ``bench/results/*.json`` into one README.md with tables and plots.
+
+    python -m bench.report [--results bench/results] [--out DIR]
+
+Reads each JSON file a benchmark wrote (``python -m bench.codec``, ``bench.transport``,
+``bench.torch_loader``, ``bench.sharing``, ``bench.coordinated``, ``bench.soak``) and writes
+``README.md`` into ``--out`` (default: the results folder), one section per file: what the
+file records about the machine and date, a markdown table, a PNG plot where one helps (written
+next to the README, linked by a relative path) and a one-line reading of the headline ratio.
+A last section plots throughput against the number of workers when some result has such a
+series, and says so when none has.
+
+Each known file has a renderer in ``RENDERERS`` (keyed by file stem). A file without one, or
+whose renderer fails on it (the benchmark changed its format), gets a table of its top-level
+scalars instead; a file that cannot be parsed gets a line saying why. The report never fails
+on a missing, unknown or garbled file. The README is generated: do not edit it by hand.
+Plots use matplotlib's Agg canvas (no display needed), 800x450 px.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import statistics
+import sys
+import textwrap
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+Path = pathlib.Path
+Renderer = Callable[[Any, Path], list[str]]
+
+ZLOADER, PEER = "tab:blue", "tab:gray"
+OTHERS = ("tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:olive")
+LOG_RANGE = 30  # a value axis spanning more than this factor is drawn on a log scale
+WORKER_KEYS = ("workers", "num_workers", "processes")
+TRANSPORT_TITLES = {
+    "a": "large batches, local", "b": "large batches over TCP", "c": "small elements (ints)",
+    "d": "time to first element", "e": "TCP via a broker: CURVE keys vs none",
+    "f": "small elements: exactly-once on vs off",
+    "g": "batches of 256: exactly-once on vs off",
+}
+TORCH_LOADER_TITLES = {"1": "image pipeline (JPEG decode, crop, flip)",
+                       "2": "transfer-bound (float32 3x224x224)", "3": "start-up and stop"}
+SHARING_NAMES = {"zloader-shared": "zloader, share=True", "zloader-unshared": "zloader, unshared",
+                 "torch": "torch DataLoader x K", "tensorsocket": "TensorSocket"}
+
+
+# --- helpers --------------------------------------------------------------------------------
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def num(value: Any) -> str:
+    """A number for a table: thousands separated, a few significant digits."""
+    if not is_number(value):
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if value == 0 or abs(value) >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.2f}" if abs(value) >= 1 else f"{value:.3g}"
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    def cell(value: Any) -> str:
+        return num(value).replace("|", "\\|").replace("\n", " ")
+
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(cell(v) for v in row) + " |" for row in rows)]
+
+
+def figure(columns: int = 1) -> tuple[Figure, list[Axes]]:
+    fig = Figure(figsize=(8, 4.5), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig, list(fig.subplots(1, columns, squeeze=False)[0])
+
+
+def save(fig: Figure, out: Path, name: str, alt: str) -> str:
+    fig.savefig(out / name)
+    return f"![{alt}]({name})"
+
+
+def log_if_wide(ax: Axes, values: Sequence[float], axis: str = "y") -> None:
+    """A log scale, from the power of ten below the smallest value, when values span more
+    than LOG_RANGE (bars on a log axis start at that limit, so it must be a round one)."""
+    positive = [v for v in values if v > 0]
+    if positive and max(positive) / min(positive) > LOG_RANGE:
+        floor = 10 ** math.floor(math.log10(min(positive)))
+        if axis == "y":
+            ax.set_yscale("log")
+            ax.set_ylim(bottom=floor)
+        else:
+            ax.set_xscale("log")
+            ax.set_xlim(left=floor)
+
+
+def recorded(data: Any) -> str:
+    """The machine, versions and date a result records, as one line."""
+    if not isinstance(data, dict):
+        return "The file records no date or machine details."
+    parts = [f"{key} {data[key]}" for key in ("date", "platform", "nproc", "cpu_count", "gpu",
+                                              "device", "python", "numpy")
+             if key in data and not isinstance(data[key], dict | list)]
+    if isinstance(data.get("versions"), dict):
+        parts.append("versions: " + ", ".join(f"{k} {v}" for k, v in data["versions"].items()))
+    if not parts:
+        return "The file records no date or machine details."
+    return "Recorded: " + "; ".join(parts) + "."
+
+
+def fallback(data: Any) -> list[str]:
+    """Any JSON: a table of its top-level scalars."""
+    if not isinstance(data, dict):
+        kind = f"a list of {len(data)} items" if isinstance(data, list) else type(data).__name__
+        return [f"Its top level is {kind}, not an object: nothing to tabulate."]
+    scalars = [(key, f"{value:.6g}" if isinstance(value, float) else value)
+               for key, value in data.items()
+               if value is None or isinstance(value, str | int | float | bool)]
+    nested = [key for key, value in data.items() if isinstance(value, dict | list)]
+    lines = table(["field", "value"], scalars) if scalars else ["No top-level scalars."]
+    if nested:
+        lines += ["", "Nested fields not shown: " + ", ".join(f"`{k}`" for k in nested) + "."]
+    return lines
+
+
+# --- one renderer per benchmark -------------------------------------------------------------
+
+def render_codec(data: Any, out: Path) -> list[str]:
+    rows = data["rows"]
+    codecs = list(rows[0]["seconds"])
+    others = [c for c in codecs if c != "zloader"]
+    body = [[row["element"], *(f"{row['seconds'][c] * 1e6:,.1f}" for c in codecs),
+             *(f"{row['seconds'][c] / row['seconds']['zloader']:.2f}x" for c in others)]
+            for row in rows]
+    lines = [f"Round trip (encode, copy into one block, decode), median of {data['repeat']}; "
+             "a ratio > 1 means zloader is faster.", "",
+             *table(["element", *(f"{c} (µs)" for c in codecs),
+                     *(f"{c} / zloader" for c in others)], body)]
+    fig, (ax,) = figure()
+    width = 0.8 / len(codecs)
+    for i, name in enumerate(codecs):
+        values = [row["seconds"][name] * 1e6 for row in rows]
+        ax.bar([j + (i - (len(codecs) - 1) / 2) * width for j in range(len(rows))], values,
+               width, label=name, color=ZLOADER if name == "zloader" else OTHERS[i])
+    ax.set_xticks(range(len(rows)), [textwrap.fill(row["element"], 22) for row in rows])
+    log_if_wide(ax, [s * 1e6 for row in rows for s in row["seconds"].values()])
+    log = " (log scale)" if ax.get_yscale() == "log" else ""
+    ax.set_ylabel(f"µs per round trip{log}, lower is better")
+    ax.set_title("Codec round trip: zloader against pickle")
+    ax.legend()
+    lines += ["", save(fig, out, "codec.png", "codec round trip times")]
+    first = rows[0]
+    ratios = ", ".join(f"{c} / zloader {first['seconds'][c] / first['seconds']['zloader']:.2f}x"
+                       for c in others)
+    slower = [row["element"] for row in rows[1:]
+              if any(row["seconds"][c] < row["seconds"]["zloader"] for c in others)]
+    lines += ["", f"**Reading:** {first['element']}: {ratios}"
+              + (f"; zloader is slower than a pickle on {', '.join(slower)}." if slower else ".")]
+    return lines
+
+
+def transport_metric(results: dict[str, Any]) -> str | None:
+    """The throughput figure a transport section compares, None for a time section."""
+    rows = [r for r in results.values() if r.get("error") is None]
+    if not rows or any("median_s" in r for r in rows):
+        return None
+    return "gb_per_s" if rows[0].get("gb_per_s") else "elements_per_s"
+
+
+def short(system: str) -> str:
+    return system.split(" (")[0]
+
+
+def render_transport(data: Any, out: Path) -> list[str]:
+    lines = [f"Each figure is taken over a {data['window_s']:g} s window after a "
+             f"{data['warmup_s']:g} s warm-up. Ratio: zloader / system for throughput, "
+             "system / zloader for seconds (> 1: zloader is better); sections e-g compare "
+             "zloader settings, their notes say which way."]
+    peers: dict[str, list[tuple[str, str, float]]] = {}  # metric -> (section, system, value)
+    reading = []
+    for key, rows in data["tables"].items():
+        lines += ["", f"### ({key}) {TRANSPORT_TITLES.get(key, f'section {key}')}", "",
+                  *table(["system", "value", "ratio", "target", "holds", "note"],
+                         [[r["system"], r["value"], r["ratio"], r["target"], r["holds"],
+                           r["note"]] for r in rows])]
+        results = data["results"].get(key, {})
+        metric = transport_metric(results)
+        if metric and any(not system.startswith("zloader") for system in results):
+            for system, result in results.items():
+                if result.get("error") is None:
+                    peers.setdefault(metric, []).append((key, system, result[metric]))
+            reading.append(f"({key}) " + ", ".join(
+                f"{r['ratio']} {short(r['system'])}"
+                + (f" [{r['target']}: {r['holds']}]" if r["holds"] in ("yes", "no") else "")
+                for r in rows[1:]))
+    if peers:
+        fig, axes = figure(len(peers))
+        units = {"gb_per_s": "GB/s of array bytes", "elements_per_s": "elements/s"}
+        for ax, (metric, bars) in zip(axes, peers.items(), strict=True):
+            labels = [f"{key}: {short(system)}" for key, system, _ in bars][::-1]
+            values = [value for _, _, value in bars][::-1]
+            colors = [ZLOADER if s.startswith("zloader") else PEER for _, s, _ in bars][::-1]
+            ax.barh(labels, values, color=colors)
+            log_if_wide(ax, values, "x")
+            for y, value in enumerate(values):
+                ax.annotate(f" {num(value)}", (value, y), va="center", fontsize=8)
+            ax.set_xlim(right=max(values) * (4 if ax.get_xscale() == "log" else 1.25))
+            ax.set_xlabel(units[metric] + (" (log scale)" if ax.get_xscale() == "log" else ""))
+            sections = sorted({key for key, _, _ in bars})
+            ax.set_title(", ".join(f"{k}: {TRANSPORT_TITLES.get(k, k)}" for k in sections),
+                         fontsize=9)
+        fig.suptitle("Transport: zloader (blue) against peer loaders, higher is better")
+        lines += ["", save(fig, out, "transport.png", "transport throughput against peers")]
+        lines += ["", "**Reading:** zloader / peer, throughput: " + "; ".join(reading) + "."]
+    return lines
+
+
+def render_torch_loader(data: Any, out: Path) -> list[str]:
+    source = data.get("zloader_source", {})
+    lines = [f"zloader.torch.DataLoader against torch.utils.data.DataLoader, "
+             f"{data['num_workers']} workers each, batch {data['batch_size']}, "
+             f"{data['samples']} samples an epoch, median of {data['runs']} alternating runs. "
+             "Ratio: zloader / torch (higher is better for throughput, lower for CPU and "
+             f"seconds). Same batches as torch: {data.get('same_batches_as_torch')}; zloader at "
+             f"commit {str(source.get('commit', '?'))[:12]} with "
+             f"{len(source.get('uncommitted', []))} uncommitted files under zloader/."]
+    panels, reading, missed = [], [], []
+    for key, rows in data["tables"].items():
+        title = TORCH_LOADER_TITLES.get(key, f"table {key}")
+        lines += ["", f"### ({key}) {title}", "", *table(
+            ["system", "figure", "ratio", "target", "holds", "note"],
+            [[r["system"], r["shown"], "-" if r["ratio"] is None else f"{r['ratio']:.2f}x",
+              r["target"], r["holds"], r["note"]] for r in rows])]
+        ours = [r for r in rows if r["ratio"] is not None]
+        if ours:
+            reading.append(f"{ours[0]['figure']} ({title.split(' (')[0]}) "
+                           f"{ours[0]['ratio']:.2f}x")
+        missed += [f"{r['figure']} ({title.split(' (')[0]}) {r['ratio']:.2f}x against "
+                   f"{r['target']}" for r in ours if r["holds"] == "no"]
+        rates = [r for r in rows if "/s" in r["shown"]]
+        if rates:
+            panels.append((title, rates))
+    if panels:
+        fig, axes = figure(len(panels))
+        for ax, (title, rows) in zip(axes, panels, strict=True):
+            figures = list(dict.fromkeys(r["figure"] for r in rows))
+            systems = list(dict.fromkeys(r["system"] for r in rows))
+            width = 0.8 / len(systems)
+            for i, system in enumerate(systems):
+                mine = {r["figure"]: r for r in rows if r["system"] == system}
+                xs = [j + (i - (len(systems) - 1) / 2) * width for j in range(len(figures))]
+                values = [mine[f]["value"] if f in mine else 0 for f in figures]
+                color = ZLOADER if system.startswith("zloader") else PEER
+                ax.bar(xs, values, width, label=system, color=color)
+                for x, f in zip(xs, figures, strict=True):
+                    if f in mine and mine[f]["ratio"] is not None:
+                        ax.annotate(f"{mine[f]['ratio']:.2f}x", (x, mine[f]["value"]),
+                                    ha="center", va="bottom", fontsize=8)
+            unit = rows[0]["shown"].split(": ", 1)[-1].split()[1]
+            ax.set_xticks(range(len(figures)),
+                          [f.removeprefix("images/s, ") for f in figures])
+            ax.set_ylabel(f"{unit} (higher is better)")
+            ax.set_title(title, fontsize=10)
+            ax.margins(y=0.2)
+        axes[0].legend(fontsize=8, loc="upper left")
+        fig.suptitle("zloader.torch.DataLoader against torch DataLoader (label: zloader / torch)")
+        lines += ["", save(fig, out, "torch_loader.png", "DataLoader throughput, zloader vs torch")]
+    lines += ["", "**Reading:** zloader / torch: " + "; ".join(reading)
+              + (f". Targets missed: {'; '.join(missed)}." if missed else "; every target holds.")]
+    return lines
+
+
+def render_sharing(data: Any, out: Path) -> list[str]:
+    lone = {r["system"]: statistics.median(r["rates"]) for r in data if r["trainers"] == 1}
+    cpu1 = {r["system"]: r["worker_cpu_per_epoch"] for r in data if r["trainers"] == 1}
+    body = [[SHARING_NAMES.get(r["system"], r["system"]), r["trainers"],
+             f"{r['worker_cpu_per_epoch']:.2f}",
+             f"{r['worker_cpu_per_epoch'] / cpu1[r['system']]:.2f}x"
+             if r["system"] in cpu1 else "-",
+             f"{min(r['rates']):.0f}-{max(r['rates']):.0f}",
+             f"{min(r['rates']) / lone[r['system']]:.2f}x" if r["system"] in lone else "-",
+             f"{r['aggregate']:.0f}"] for r in data]
+    lines = ["K trainer processes read one CPU-heavy JPEG pipeline. Worker CPU: the "
+             "preprocessing side's CPU-seconds per epoch; rates: images/s from each trainer's "
+             "first batch to its last.", "",
+             *table(["system", "K", "worker CPU-s / epoch", "vs K=1",
+                     "each trainer, images/s (min-max)", "vs lone trainer",
+                     "sum over trainers, images/s"], body)]
+    systems = list(dict.fromkeys(r["system"] for r in data))
+    ks = sorted({r["trainers"] for r in data})
+    by = {(r["system"], r["trainers"]): r for r in data}
+    absent = [f"{SHARING_NAMES.get(s, s)} at K={k}" for s in systems for k in ks
+              if (s, k) not in by]
+    if absent:
+        lines += ["", f"No rows for {', '.join(absent)}: the JSON does not record why (see "
+                  "the benchmark's log or sharing.md)."]
+    fig, (cpu_ax, rate_ax) = figure(2)
+    others = iter(OTHERS)
+    for system in systems:
+        points = [(k, by[system, k]) for k in ks if (system, k) in by]
+        style = {"marker": "o", "label": SHARING_NAMES.get(system, system),
+                 "color": ZLOADER if system == "zloader-shared" else next(others, PEER)}
+        cpu_ax.plot([k for k, _ in points], [r["worker_cpu_per_epoch"] for _, r in points],
+                    **style)
+        rate_ax.plot([k for k, _ in points], [r["aggregate"] for _, r in points], **style)
+    log_if_wide(cpu_ax, [r["worker_cpu_per_epoch"] for r in data])
+    log_if_wide(rate_ax, [r["aggregate"] for r in data])
+    for ax, what in ((cpu_ax, "preprocessing CPU-s per epoch (lower is better)"),
+                     (rate_ax, "images/s, sum over trainers (higher is better)")):
+        ax.set_xticks(ks)
+        ax.set_xlabel("trainers (K)")
+        ax.set_ylabel(what + (" (log)" if ax.get_yscale() == "log" else ""), fontsize=9)
+    cpu_ax.set_title("CPU per epoch vs trainers", fontsize=10)
+    rate_ax.set_title("Aggregate throughput vs trainers", fontsize=10)
+    cpu_ax.legend(fontsize=8)
+    fig.suptitle("Sharing one pipeline among K trainers")
+    lines += ["", save(fig, out, "sharing.png", "sharing: CPU and throughput vs trainers")]
+    top = ks[-1]
+    growth = [f"{SHARING_NAMES.get(s, s)} {by[s, top]['worker_cpu_per_epoch'] / cpu1[s]:.2f}x"
+              for s in systems if (s, top) in by and s in cpu1]
+    lines += ["", f"**Reading:** preprocessing CPU per epoch at K={top} / K=1: "
+              + ", ".join(growth) + f" (images/s summed at K={top}: " + ", ".join(
+                  f"{SHARING_NAMES.get(s, s)} {by[s, top]['aggregate']:.0f}"
+                  for s in systems if (s, top) in by) + ")."]
+    return lines
+
+
+def render_coordinated(data: Any, out: Path) -> list[str]:
+    medians = data["medians"]
+    body = [[mode, f"{m['steps_per_s']:.1f}", f"{m['longest_tokens']:.0f}",
+             f"{m['mean_tokens']:.0f}", f"{100 * m['one_bucket']:.0f}%"]
+            for mode, m in medians.items()]
+    runs = "; ".join(f"{mode} " + ", ".join(f"{r['steps_per_s']:.1f}" for r in rows)
+                     for mode, rows in data["runs"].items())
+    return ["Simulated synchronous data-parallel training over variable-length sequences: "
+            "each step lasts as long as its longest batch. Median of the runs.", "",
+            *table(["mode", "steps/s", "longest batch of a step (tokens)",
+                    "mean batch (tokens)", "steps with one bucket"], body),
+            "", f"Every run, steps/s: {runs}.", "",
+            f"**Reading:** coordinated / independent steps/s: {data['ratio']:.2f}x; a "
+            f"simulation of step times alone predicts {data['simulated']:.2f}x."]
+
+
+def render_soak(data: Any, out: Path) -> list[str]:
+    rows = [["duration (min)", data["minutes"]], ["jobs", data["jobs"]],
+            ["consumers (all jobs)", data["consumers"]], ["workers", data["workers"]],
+            ["worker SIGKILLs", data["kills"]], ["epochs checked (job x epoch)", data["epochs"]],
+            ["elements delivered", data["delivered"]], ["lost", data["lost"]],
+            ["duplicated", data["duplicated"]], ["errors", len(data["errors"])],
+            ["broker RSS, peak of first / last third (MiB)",
+             f"{data['broker_mib_first_third']} / {data['broker_mib_last_third']}"],
+            ["largest worker RSS, peak of first / last third (MiB)",
+             f"{data['worker_mib_first_third']} / {data['worker_mib_last_third']}"],
+            ["leaked fds", data["leaked_fds"]], ["leaked /dev/shm segments",
+                                                 data["leaked_segments"]],
+            ["stray processes", data["stray_processes"]]]
+    lines = ["Many consumers over many jobs, exactly-once, while workers are killed and "
+             "replaced.", "", *table(["measure", "value"], rows)]
+    samples = data.get("samples") or []
+    if samples:
+        fig, (ax,) = figure()
+        minutes = [s["t"] / 60 for s in samples]
+        ax.plot(minutes, [s["worker_mib"] for s in samples], label="largest worker")
+        ax.plot(minutes, [s["broker_mib"] for s in samples], label="broker")
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("minutes into the run")
+        ax.set_ylabel("resident memory (MiB)")
+        ax.set_title(f"Soak: memory over {data['minutes']} min, {data['kills']} worker kills")
+        ax.legend()
+        lines += ["", save(fig, out, "soak.png", "soak: memory over time")]
+    lines += ["", f"**Reading:** {data['delivered']:,} elements over {data['epochs']} epochs "
+              f"with {data['kills']} worker kills: {data['lost']} lost, {data['duplicated']} "
+              f"duplicated; broker RSS {data['broker_mib_first_third']} -> "
+              f"{data['broker_mib_last_third']} MiB (first third -> last third)."]
+    return lines
+
+
+RENDERERS: dict[str, tuple[str, Renderer]] = {
+    "codec": ("Codec", render_codec),
+    "transport": ("Transport: zloader against other loaders", render_transport),
+    "torch_loader": ("zloader.torch.DataLoader against torch DataLoader", render_torch_loader),
+    "sharing": ("Sharing: one pipeline for K trainers", render_sharing),
+    "coordinated": ("Coordinated reads", render_coordinated),
+    "soak": ("Soak", render_soak),
+}
+
+
+# --- scaling with workers -------------------------------------------------------------------
+
+def worker_counts(data: Any) -> tuple[set[int], dict[str, dict[int, list[float]]]]:
+    """Every worker count a result records, and its throughput series by worker count: a
+    dict holding a worker count and a ``*_per_s`` (or ``aggregate``) number is a point."""
+    counts: set[int] = set()
+    series: dict[str, dict[int, list[float]]] = {}
+
+    def walk(node: Any, where: str) -> None:
+        if isinstance(node, list):
+            for item in node:
+                walk(item, where)
+        if not isinstance(node, dict):
+            return
+        workers = [node[k] for k in WORKER_KEYS if isinstance(node.get(k), int)
+                   and not isinstance(node[k], bool)]
+        counts.update(workers)
+        rate = next(((k, v) for k, v in node.items() if is_number(v)
+                     and (k.endswith("_per_s") or k == "aggregate")), None)
+        if workers and rate:
+            label = f"{node.get('system') or node.get('mode') or node.get('name') or where}"
+            series.setdefault(f"{label} ({rate[0]})", {}).setdefault(
+                workers[0], []).append(rate[1])
+        for key, value in node.items():
+            walk(value, key)
+
+    walk(data, "")
+    return counts, {label: points for label, points in series.items() if len(points) > 1}
+
+
+def scaling(loaded: dict[str, Any], out: Path) -> list[str]:
+    lines = ["## Scaling with workers", ""]
+    recorded_counts, found = [], {}
+    for stem, data in loaded.items():
+        counts, series = worker_counts(data)
+        if counts:
+            recorded_counts.append(f"{stem}: {', '.join(map(str, sorted(counts)))}")
+        found.update({f"{stem}: {label}": points for label, points in series.items()})
+    if not found:
+        return [
+            *lines,
+            "No result has throughput at several worker counts, so there is no scaling plot. "
+            "Worker counts the files record: " + ("; ".join(recorded_counts) or "none") + ". "
+            "(sharing varies the number of trainers with the workers fixed: see its section.)"]
+    fig, (ax,) = figure()
+    for label, points in found.items():
+        xs = sorted(points)
+        ax.plot(xs, [statistics.median(points[x]) for x in xs], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("workers")
+    ax.set_ylabel("throughput (per second, as the label's field)")
+    ax.set_title("Throughput against the number of workers")
+    ax.legend(fontsize=8)
+    return [*lines, "Series found: " + "; ".join(found) + " (median where repeated).", "",
+            save(fig, out, "scaling.png", "throughput vs workers")]
+
+
+# --- the README -----------------------------------------------------------------------------
+
+def load(path: Path) -> tuple[Any, str | None]:
+    try:
+        return json.loads(path.read_text()), None
+    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError included
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def section(stem: str, data: Any, out: Path) -> list[str]:
+    title, renderer = RENDERERS.get(stem, (stem, None))
+    lines = [f"## {title} (`{stem}.json`)", "", recorded(data), ""]
+    if renderer is None:
+        return [*lines, "No renderer for this file; its top-level scalars:", "", *fallback(data)]
+    try:
+        return lines + renderer(data, out)
+    except Exception as exc:  # a changed format must not stop the report
+        why = f"{type(exc).__name__}: {exc}".replace("\n", " ")[:200]
+        return [*lines, f"The {stem} renderer failed on this file ({why}); its top-level "
+                "scalars instead:", "", *fallback(data)]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--results", default="bench/results", help="folder of *.json results")
+    parser.add_argument("--out", help="where README.md and the PNGs go (default: --results)")
+    args = parser.parse_args(argv)
+    results = Path(args.results)
+    out = Path(args.out or args.results)
+    out.mkdir(parents=True, exist_ok=True)
+    known = list(RENDERERS)
+    paths = sorted(results.glob("*.json"),
+                   key=lambda p: (known.index(p.stem) if p.stem in known else len(known), p.stem))
+    lines = ["# Benchmark results", "",
+             "Generated by `python -m bench.report` from the JSON files in this folder; do not "
+             "edit by hand. The machines are shared and noisy: read the ratios, not the "
+             "absolute numbers. Each benchmark's own table is in its `.md` file.", ""]
+    loaded: dict[str, Any] = {}
+    for path in paths:
+        data, error = load(path)
+        if error is not None:
+            lines += [f"## {RENDERERS.get(path.stem, (path.stem,))[0]} (`{path.name}`)", "",
+                      f"Could not read this file: {error[:200]}", ""]
+            continue
+        loaded[path.stem] = data
+        lines += [*section(path.stem, data, out), ""]
+    missing = [stem for stem in known if not (results / f"{stem}.json").exists()]
+    if missing:
+        lines += ["## Not run", "", "No results yet for: " + ", ".join(
+            f"`{stem}` (`python -m bench.{stem}`)" for stem in missing) + ".", ""]
+    lines += scaling(loaded, out)
+    (out / "README.md").write_text("\n".join(lines).rstrip() + "\n")
+    print(f"wrote {out / 'README.md'} ({len(paths)} result files)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

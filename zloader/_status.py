@@ -1,0 +1,40 @@
+"""Ask a broker for its status (``zloader status``, ``zloader top``, the actuators)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import zmq
+
+from zloader.transport.keys import Keys
+from zloader.transport.protocol import Command, decode, encode
+
+__all__ = ["Unanswered", "fetch_status"]
+
+
+class Unanswered(Exception):
+    """The broker did not answer a status request in time."""
+
+
+def fetch_status(broker: str, keys: Keys | None, timeout: float) -> dict[str, Any]:
+    """One STATUS answer from ``broker`` (the dict ``State.status`` builds).
+
+    Raises:
+        Unanswered: none within ``timeout`` seconds.
+    """
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if keys is not None:
+        keys.connect(sock)
+    try:
+        sock.connect(broker)
+        sock.send_multipart(encode(Command.STATUS, {}))
+        if not sock.poll(int(timeout * 1000)):
+            raise Unanswered(
+                f"no answer from {broker} within {timeout:.0f} s (is zloader-broker running "
+                "there? does it want --keys, or other keys?)")
+        return decode(sock.recv_multipart()).body
+    finally:
+        sock.close(0)
+        context.term()

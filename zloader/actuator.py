@@ -1,0 +1,213 @@
+"""Carry out the broker's ``desired_workers`` with worker processes on this host.
+
+``zloader-worker --autoscale --max-processes N`` runs a :class:`LocalActuator`: once a
+second it asks the broker for its status (the same request as ``zloader status``) and
+
+- **grows**: when running jobs lack workers (``desired_workers`` above ``workers``, less the
+  idle workers and the processes still starting), it starts that many more, up to ``N``
+  processes on this host;
+- **shrinks**: it drains (SIGTERM) those of its processes the broker marks ``surplus``: a
+  draining worker finishes the splits it took and leaves, so nothing is lost or repeated.
+
+Hybrid placement: an actuator on a host where the lacking job has consumers, with an idle
+core, grows at once; any other waits ``remote_delay`` seconds of the shortfall first, so
+the trainer's own host fills its idle cores before other hosts are used (local workers
+send through shared memory, the cheapest path). The broker sends remote workers away first
+when a job has too many (``State._surplus``). :func:`plan` is the decision, without
+processes, for tests and for other actuators (``zloader.ray``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from zloader._defaults import DRAIN_SECONDS
+from zloader._host import host_id
+from zloader._status import Unanswered, fetch_status
+from zloader.transport.keys import Keys
+
+__all__ = ["LocalActuator", "Plan", "plan"]
+
+log = logging.getLogger("zloader.actuator")
+
+
+@dataclass
+class Plan:
+    """What an actuator should do now: ``start`` more workers, ``drain`` these (its own
+    worker ids), and ``lacking``: the workers running jobs lack in all."""
+
+    start: int = 0
+    drain: list[str] = field(default_factory=list)
+    lacking: int = 0
+
+
+def plan(status: dict[str, Any], mine: set[str], starting: int, room: int, local_host: str,
+         idle_cores: float, short_for: float, remote_delay: float) -> Plan:
+    """Decide from a broker ``status`` what one actuator should do.
+
+    Args:
+        mine: ids of the registered workers this actuator runs (some may be draining).
+        starting: its processes started but not registered yet.
+        room: processes it may still start (its budget less what it runs).
+        local_host: its host's id (``zloader._host.host_id``).
+        idle_cores: cores idle on its host.
+        short_for: seconds the service has lacked workers without a break.
+        remote_delay: seconds of shortfall after which it grows without local consumers.
+    """
+    jobs = [j for j in status.get("jobs", []) if j.get("state") == "running"]
+    workers = status.get("workers", [])
+    idle = sum(1 for w in workers if w.get("job") is None and not w.get("surplus"))
+    short = [j for j in jobs if int(j.get("desired_workers", 0)) > int(j.get("workers", 0))]
+    lacking = sum(int(j["desired_workers"]) - int(j["workers"]) for j in short)
+    out = Plan(lacking=lacking)
+    need = lacking - idle - starting
+    local = any(local_host in j.get("consumer_hosts", []) for j in short)
+    if need > 0 and room > 0 and ((local and idle_cores >= 1.0) or short_for >= remote_delay):
+        out.start = min(need, room)
+    out.drain = [w["worker"] for w in workers if w.get("surplus") and w["worker"] in mine]
+    return out
+
+
+@dataclass
+class _Child:
+    process: subprocess.Popen[bytes]
+    started: float
+    worker: str | None = None  # its worker id, once the broker lists it
+    draining: bool = False
+
+
+class LocalActuator:
+    """Grows and shrinks worker processes on this host to follow ``desired_workers``.
+
+    Args:
+        broker: the broker's address.
+        keys: the broker's keys (None: none).
+        command: the command that runs one worker process (``zloader-worker`` without
+            ``--autoscale``).
+        max_processes: the core budget: never more worker processes than this.
+        start: processes to run from the start (they are drained like any other when the
+            broker marks them surplus: idle for a cooldown while no job lacks workers).
+        interval: seconds between two looks at the broker's status.
+        remote_delay: seconds a shortfall lasts before this host grows without consumers
+            of the job here or without an idle core.
+    """
+
+    def __init__(self, broker: str, keys: Keys | None, command: Sequence[str],
+                 max_processes: int, start: int = 1, interval: float = 1.0,
+                 remote_delay: float = 5.0) -> None:
+        if max_processes < 1:
+            raise ValueError(f"max_processes must be at least 1, got {max_processes}")
+        self.broker = broker
+        self.keys = keys
+        self.command = list(command)
+        self.max_processes = max_processes
+        self.initial = min(start, max_processes)
+        self.interval = interval
+        self.remote_delay = remote_delay
+        self.stop = threading.Event()
+        self.children: dict[int, _Child] = {}
+        self._short_since: float | None = None
+        self._host = host_id()
+
+    def run(self, on_change: Callable[[str, int], None] | None = None) -> None:
+        """Follow the broker until :attr:`stop` is set; then drain every process."""
+        psutil.cpu_percent(None)  # the first call only starts the measurement
+        try:
+            for _ in range(self.initial):
+                self._spawn()
+            while not self.stop.wait(self.interval):
+                self._reap()
+                try:
+                    status = fetch_status(self.broker, self.keys, timeout=5.0)
+                except Unanswered as exc:
+                    log.warning("autoscale: %s; keeping %d processes", exc, len(self.children))
+                    continue
+                self.step(status, time.monotonic(), on_change)
+        finally:
+            self._stop_all()
+
+    def step(self, status: dict[str, Any], now: float,
+             on_change: Callable[[str, int], None] | None = None) -> Plan:
+        """Act once on a broker status."""
+        pids = {w["pid"]: w["worker"] for w in status.get("workers", [])
+                if w.get("host_id") == self._host}
+        for pid, child in self.children.items():
+            child.worker = pids.get(pid, child.worker)
+        decision = plan(status, {c.worker for c in self.children.values() if c.worker},
+                        starting=sum(1 for c in self.children.values() if c.worker is None),
+                        room=self.max_processes - len(self.children),
+                        local_host=self._host, idle_cores=self._idle_cores(),
+                        short_for=self._short_for(now, status), remote_delay=self.remote_delay)
+        for _ in range(decision.start):
+            self._spawn()
+        for child in self.children.values():
+            if child.worker in decision.drain and not child.draining:
+                child.draining = True
+                child.process.send_signal(signal.SIGTERM)
+                log.info("autoscale: draining worker pid %d (surplus)", child.process.pid)
+        if on_change is not None and (decision.start or decision.drain):
+            on_change("grow" if decision.start else "shrink", len(self.children))
+        return decision
+
+    def _short_for(self, now: float, status: dict[str, Any]) -> float:
+        lacking = any(int(j.get("desired_workers", 0)) > int(j.get("workers", 0))
+                      for j in status.get("jobs", []) if j.get("state") == "running")
+        if not lacking:
+            self._short_since = None
+            return 0.0
+        if self._short_since is None:
+            self._short_since = now
+        return now - self._short_since
+
+    @staticmethod
+    def _idle_cores() -> float:
+        busy = psutil.cpu_percent(None) / 100.0
+        return (os.cpu_count() or 1) * (1.0 - busy)
+
+    def _spawn(self) -> None:
+        # A worker drains when this process dies, even by SIGKILL (the signal is tied to
+        # the thread that starts it: run() starts them all from one thread).
+        process = subprocess.Popen(self.command, preexec_fn=_drain_with_parent)
+        self.children[process.pid] = _Child(process, time.monotonic())
+        log.info("autoscale: started worker pid %d (%d running)", process.pid,
+                 len(self.children))
+
+    def _reap(self) -> None:
+        for pid, child in list(self.children.items()):
+            code = child.process.poll()
+            if code is None:
+                continue
+            del self.children[pid]
+            if not child.draining:
+                log.warning("autoscale: worker pid %d exited with %d", pid, code)
+
+    def _stop_all(self) -> None:
+        for child in self.children.values():
+            if child.process.poll() is None:
+                child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + DRAIN_SECONDS + 5.0
+        for child in self.children.values():
+            try:
+                child.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait()
+        self.children.clear()
+
+
+def _drain_with_parent() -> None:
+    """In the child before exec: SIGTERM (a drain) when the parent dies (Linux prctl)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG

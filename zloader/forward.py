@@ -1,0 +1,165 @@
+"""What user code prints or logs on a worker, forwarded to the trainers' log.
+
+On a standalone worker (``zloader-worker``, a Ray actor, a pod) a pipeline's ``print`` and
+``logging`` output would only reach that host's terminal. :class:`Capture` tees
+``sys.stdout``/``sys.stderr`` (the worker's own output is kept) and takes log records from
+loggers outside ``zloader``; the worker sends the lines, tagged with its task, to the broker
+(``LOG``), which passes them to the job's consumers, and each consumer logs them through
+the ``zloader.remote`` logger (:func:`emit`). A token bucket limits each worker to
+``RATE`` lines a second (bursts of ``BURST``); lines over it are counted and reported as
+one line. A Loader's own workers write to the trainer's terminal already: they do not
+capture.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from collections import deque
+from typing import Any, TextIO
+
+__all__ = ["BURST", "MAX_LINE", "RATE", "Capture", "emit", "valid_lines"]
+
+RATE = 20.0
+"""Lines a second a worker forwards, sustained."""
+BURST = 200
+"""Lines a worker may forward at once after a quiet spell."""
+MAX_LINE = 2000
+"""Characters kept of a line; the rest is cut and marked."""
+MAX_LINES = 500
+"""Lines in one LOG message (the broker refuses more)."""
+STDOUT, STDERR = logging.INFO, logging.WARNING
+"""The levels printed lines are logged at on the trainer's side."""
+
+remote = logging.getLogger("zloader.remote")
+
+
+class _Tee:
+    """A text stream that writes through to ``stream`` and hands whole lines on."""
+
+    def __init__(self, stream: TextIO, capture: Capture, level: int) -> None:
+        self._stream = stream
+        self._capture = capture
+        self._level = level
+        self._partial = ""
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        written = self._stream.write(text)
+        with self._lock:
+            lines = (self._partial + text).split("\n")
+            self._partial = lines.pop()
+        for line in lines:
+            self._capture.add(self._level, line)
+        return written
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def __getattr__(self, name: str) -> Any:  # encoding, isatty, fileno, ...
+        return getattr(self._stream, name)
+
+
+class _Handler(logging.Handler):
+    def __init__(self, capture: Capture) -> None:
+        super().__init__()
+        self.capture = capture
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.name.startswith("zloader")  # the worker's own log stays local
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = f"{record.name}: {record.getMessage()}"
+        except Exception:  # a bad format string in user code: say so, do not fail
+            text = f"{record.name}: {record.msg!r} (unformattable arguments)"
+        for line in text.split("\n"):
+            self.capture.add(record.levelno, line)
+
+
+class Capture:
+    """Collects a worker's user output while installed (:meth:`install`/:meth:`remove`);
+    :meth:`take` returns the lines the rate allows, oldest first."""
+
+    def __init__(self, rate: float = RATE, burst: int = BURST) -> None:
+        self.rate = rate
+        self.burst = burst
+        self._lines: deque[tuple[int, str]] = deque(maxlen=burst)
+        self._lock = threading.Lock()
+        self._tokens = float(burst)
+        self._filled = time.monotonic()
+        self.dropped = 0
+        self._saved: tuple[TextIO, TextIO] | None = None
+        self._handler = _Handler(self)
+
+    def add(self, level: int, line: str) -> None:
+        if len(line) > MAX_LINE:
+            line = line[:MAX_LINE] + f" [... {len(line) - MAX_LINE} characters cut]"
+        with self._lock:
+            if len(self._lines) == self._lines.maxlen:
+                self.dropped += 1
+            self._lines.append((level, line))
+
+    def take(self, now: float) -> list[list[Any]]:
+        """``[[level, line], ...]`` to send now; dropped lines make one line of their own."""
+        with self._lock:
+            self._tokens = min(float(self.burst),
+                               self._tokens + max(0.0, now - self._filled) * self.rate)
+            self._filled = now
+            count = min(int(self._tokens), len(self._lines), MAX_LINES - 1)
+            out: list[list[Any]] = [list(self._lines.popleft()) for _ in range(count)]
+            self._tokens -= count
+            if self._tokens < 1 and self._lines:  # over the rate: what waits is dropped
+                self.dropped += len(self._lines)
+                self._lines.clear()
+            if self.dropped and self._tokens >= 1:
+                out.append([logging.WARNING, f"[{self.dropped} lines dropped: over "
+                                             f"{self.rate:.0f} lines/s]"])
+                self.dropped = 0
+                self._tokens -= 1
+        return out
+
+    def discard(self) -> None:
+        """Forget what waits (output while no task runs goes nowhere)."""
+        with self._lock:
+            self._lines.clear()
+
+    def install(self) -> None:
+        self._saved = (sys.stdout, sys.stderr)
+        sys.stdout = _Tee(sys.stdout, self, STDOUT)
+        sys.stderr = _Tee(sys.stderr, self, STDERR)
+        logging.getLogger().addHandler(self._handler)
+
+    def remove(self) -> None:
+        logging.getLogger().removeHandler(self._handler)
+        if self._saved is not None:
+            sys.stdout, sys.stderr = self._saved
+            self._saved = None
+
+
+def valid_lines(value: Any) -> list[list[Any]] | None:
+    """``value`` as ``[[level, line], ...]`` if it is one (at most MAX_LINES, levels
+    0-50, lines at most MAX_LINE plus the cut mark); None if it is not."""
+    if not isinstance(value, list) or len(value) > MAX_LINES:
+        return None
+    for item in value:
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], int)
+                and not isinstance(item[0], bool) and 0 <= item[0] <= 50
+                and isinstance(item[1], str) and len(item[1]) <= MAX_LINE + 64):
+            return None
+    return value
+
+
+def emit(host: str, pid: int, lines: list[list[Any]]) -> None:
+    """Log forwarded lines on the trainer's side, through the ``zloader.remote`` logger.
+    With no handler configured anywhere it writes them to stderr, as a local worker's
+    output would appear."""
+    if not remote.hasHandlers():
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        remote.addHandler(handler)
+        remote.setLevel(logging.INFO)
+    for level, line in lines:
+        remote.log(level, "[zloader worker %s:%d] %s", host, pid, line)
