@@ -1,0 +1,230 @@
+"""Workers as Ray actors: scale out on a Ray cluster (``pip install zloader[ray]``).
+
+Ray places the actors, restarts those that crash and accounts their CPUs; zloader only
+asks for them. Each actor runs one :class:`~zloader.worker.WorkerProcess` attached to a
+broker, from its constructor, so an actor Ray restarts serves again::
+
+    import ray, zloader.ray
+    ray.init(address="auto")
+    workers = zloader.ray.start_workers("tcp://broker-host:5555", num_workers=8,
+                                        keys="/etc/zloader/keys")
+    ...
+    workers.stop()  # drains them: their splits are finished or handed back
+
+:class:`RayActuator` follows the broker's ``desired_workers`` with such actors, as
+``zloader-worker --autoscale`` does with processes on one host.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from zloader._defaults import DRAIN_SECONDS
+from zloader._host import loopback
+from zloader._status import Unanswered, fetch_status
+from zloader.actuator import Plan, plan
+from zloader.transport.keys import Keys, resolve
+
+__all__ = ["RayActuator", "RayWorkers", "start_workers"]
+
+log = logging.getLogger("zloader.ray")
+
+
+class _Worker:
+    """The actor: a worker loop on a thread of its own, started by the constructor."""
+
+    def __init__(self, broker: str, keys: str | None, advertise: str | None) -> None:
+        import ray
+
+        from zloader.worker import WorkerProcess
+
+        host = advertise or ray.util.get_node_ip_address()
+        self.worker = WorkerProcess(broker, f"tcp://{host}:*", advertise=host,
+                                    keys=Keys.load(keys) if keys else None,
+                                    forward_output=True)
+        self.thread = threading.Thread(target=self.worker.run, name="zloader-worker",
+                                       daemon=True)
+        self.thread.start()
+
+    def info(self) -> dict[str, Any]:
+        """The worker's id and pid, once its loop runs."""
+        import os
+
+        deadline = time.monotonic() + 30
+        while not hasattr(self.worker, "endpoint") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return {"worker": self.worker.id, "pid": os.getpid(),
+                "endpoint": getattr(self.worker, "endpoint", None)}
+
+    def drain(self) -> None:
+        """Finish the splits taken, send what they make, leave (at most DRAIN_SECONDS)."""
+        self.worker.drain()
+
+    def stopped(self, timeout: float) -> bool:
+        """Whether the worker loop has ended (waiting up to ``timeout`` seconds)."""
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
+
+
+class RayWorkers:
+    """Handles of the worker actors :func:`start_workers` started."""
+
+    def __init__(self, actors: list[Any], info: list[dict[str, Any]]) -> None:
+        self.actors = actors
+        self.info = info
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def drain(self, indices: list[int]) -> None:
+        """Ask these actors to drain; :meth:`reap` removes them once they have left."""
+        import ray
+
+        ray.get([self.actors[i].drain.remote() for i in indices])
+
+    def reap(self) -> int:
+        """Kill the actors whose worker has left (drained); returns how many."""
+        import ray
+
+        done = ray.get([a.stopped.remote(0.0) for a in self.actors])
+        for actor, gone in zip(self.actors, done, strict=True):
+            if gone:
+                ray.kill(actor, no_restart=True)
+        kept = [(a, i) for a, i, gone in zip(self.actors, self.info, done, strict=True)
+                if not gone]
+        self.actors = [a for a, _ in kept]
+        self.info = [i for _, i in kept]
+        return len(done) - len(kept)
+
+    def extend(self, other: RayWorkers) -> None:
+        self.actors += other.actors
+        self.info += other.info
+
+    def stop(self, timeout: float = DRAIN_SECONDS + 5.0) -> None:
+        """Drain every worker, wait up to ``timeout`` seconds, then kill the actors."""
+        import ray
+
+        if not self.actors:
+            return
+        ray.get([a.drain.remote() for a in self.actors])
+        ray.wait([a.stopped.remote(timeout) for a in self.actors],
+                 num_returns=len(self.actors), timeout=timeout + 5.0)
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors, self.info = [], []
+
+
+def start_workers(broker: str, num_workers: int, num_cpus_per_worker: float = 1,
+                  keys: str | None = None, advertise: str | None = None,
+                  insecure: bool = False, max_restarts: int = -1,
+                  **actor_options: Any) -> RayWorkers:
+    """Start ``num_workers`` zloader workers as Ray actors of ``num_cpus_per_worker`` CPUs
+    each, attached to ``broker``; returns once each runs.
+
+    Args:
+        keys: the broker's keys directory, as a path every Ray node can read (default
+            ``$ZLOADER_KEYS`` on the driver; None there too: no authentication).
+        advertise: the address consumers reach the workers at (default: each node's IP as
+            Ray knows it; a loopback address for a one-host cluster).
+        insecure: allow a non-loopback ``advertise`` without ``keys`` (a trusted network
+            only: whoever reaches a data port can read the data).
+        max_restarts: passed to Ray (-1: restart crashed actors without limit).
+        actor_options: more Ray actor options (``resources``, ``scheduling_strategy``...).
+
+    Raises:
+        ValueError: a bad count, or no keys where the data would be open to other hosts.
+    """
+    import ray
+
+    if num_workers < 0 or num_cpus_per_worker <= 0:
+        raise ValueError(f"num_workers must be >= 0 and num_cpus_per_worker > 0, got "
+                         f"{num_workers} and {num_cpus_per_worker}")
+    if keys is None:
+        found = resolve(None)
+        keys = found.path if found is not None else None
+    if keys is None and not insecure and not (advertise and loopback(f"tcp://{advertise}:0")):
+        raise ValueError("workers on Ray nodes open data ports to other hosts: pass keys= "
+                         "(the broker's keys directory, `zloader keygen DIR`), or "
+                         "insecure=True on a trusted network, or advertise='127.0.0.1' "
+                         "for a one-host cluster")
+    remote = ray.remote(_Worker).options(num_cpus=num_cpus_per_worker,
+                                         max_restarts=max_restarts,
+                                         max_concurrency=4, **actor_options)
+    actors: list[Any] = [remote.remote(broker, keys, advertise) for _ in range(num_workers)]
+    info = ray.get([a.info.remote() for a in actors])
+    return RayWorkers(actors, info)
+
+
+class RayActuator:
+    """Follows the broker's ``desired_workers`` with Ray actors (see
+    :mod:`zloader.actuator` for the decision; Ray actors count as remote workers, so a
+    trainer host's own ``zloader-worker --autoscale`` fills its idle cores first).
+
+    Args:
+        broker: the broker's address.
+        max_workers: at most this many actors.
+        interval: seconds between two looks at the broker's status.
+        remote_delay: seconds a shortfall lasts before actors are added.
+        worker_options: :func:`start_workers` arguments (``keys``, ``advertise``,
+            ``num_cpus_per_worker``...).
+    """
+
+    def __init__(self, broker: str, max_workers: int, interval: float = 1.0,
+                 remote_delay: float = 5.0, **worker_options: Any) -> None:
+        if max_workers < 1:
+            raise ValueError(f"max_workers must be at least 1, got {max_workers}")
+        self.broker = broker
+        self.max_workers = max_workers
+        self.interval = interval
+        self.remote_delay = remote_delay
+        self.options = worker_options
+        keys = worker_options.get("keys")
+        self.keys = Keys.load(keys) if keys else resolve(None)
+        self.workers = RayWorkers([], [])
+        self.stop = threading.Event()
+        self._short_since: float | None = None
+        self._draining: set[str] = set()
+
+    def run(self) -> None:
+        """Follow the broker until :attr:`stop` is set; then drain every actor."""
+        try:
+            while not self.stop.wait(self.interval):
+                try:
+                    status = fetch_status(self.broker, self.keys, timeout=5.0)
+                except Unanswered as exc:
+                    log.warning("ray autoscale: %s", exc)
+                    continue
+                self.step(status, time.monotonic())
+        finally:
+            self.workers.stop()
+
+    def step(self, status: dict[str, Any], now: float) -> Plan:
+        """Act once on a broker status."""
+        self.workers.reap()
+        ids = [i["worker"] for i in self.workers.info]
+        self._draining &= set(ids)
+        lacking = any(int(j.get("desired_workers", 0)) > int(j.get("workers", 0))
+                      for j in status.get("jobs", []) if j.get("state") == "running")
+        if not lacking:
+            self._short_since = None
+        elif self._short_since is None:
+            self._short_since = now
+        short_for = 0.0 if self._short_since is None else now - self._short_since
+        listed = {w["worker"] for w in status.get("workers", [])}
+        decision = plan(status, set(ids), starting=sum(1 for i in ids if i not in listed),
+                        room=self.max_workers - len(self.workers), local_host="",
+                        idle_cores=0.0, short_for=short_for, remote_delay=self.remote_delay)
+        if decision.start:
+            self.workers.extend(start_workers(self.broker, decision.start, **self.options))
+            log.info("ray autoscale: started %d workers (%d)", decision.start,
+                     len(self.workers))
+        drain = [k for k, i in enumerate(ids)
+                 if i in decision.drain and i not in self._draining]
+        if drain:
+            self.workers.drain(drain)
+            self._draining.update(ids[k] for k in drain)
+            log.info("ray autoscale: draining %d workers", len(drain))
+        return decision
