@@ -144,6 +144,15 @@ def test_status_command_against_a_running_broker():
         assert set(body) == {"workers", "jobs"} and len(body["workers"]) == 1
         table = run(bin_path("zloader"), "status", "--broker", address)
         assert "workers (1)" in table.stdout and "jobs (0)" in table.stdout
+        from zloader import Loader, Pipeline
+
+        with Loader(Pipeline.range(10**6), broker=address, job_name="shown") as loader:
+            next(iter(loader))
+            table = run(bin_path("zloader"), "status", "--broker", address)
+        header, row = table.stdout.split("jobs (1)\n")[1].splitlines()[:2]
+        assert header.split() == ["fingerprint", "name", "consumers", "workers", "wanted",
+                                  "starved", "elements", "bytes"]
+        assert row.split()[1:4] == ["shown", "1", "1"] and row.split()[5].endswith("%")
     silent = run(bin_path("zloader"), "status", "--broker", address, "--timeout", "0.5")
     assert silent.returncode == 1 and "no answer" in silent.stderr
 
