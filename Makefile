@@ -49,6 +49,7 @@ bench: $(VENV)/.installed-bench
 	$(BIN)/python -m bench.torch_loader
 	$(BIN)/python -m bench.sharing
 	$(BIN)/python -m bench.coordinated
+	$(BIN)/python -m bench.gpu_train
 	$(BIN)/python -m bench.report
 
 # Ten minutes of 32 consumers over 8 jobs while workers are killed (bench/soak.py).

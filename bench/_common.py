@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import importlib.metadata
+import pathlib
+import subprocess
+from typing import Any
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 def version(distribution: str) -> str:
@@ -11,3 +16,17 @@ def version(distribution: str) -> str:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
         return "not installed"
+
+
+def provenance() -> dict[str, Any]:
+    """The commit the tree was at and its uncommitted files under zloader/ (zloader is
+    installed in editable mode, so the working tree is what ran); "unknown" and none
+    where git or the repository is missing (a copy of the tree on another host)."""
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
+                                  timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    return {"commit": git("rev-parse", "HEAD").strip() or "unknown",
+            "uncommitted": git("status", "--porcelain", "--", "zloader").splitlines()}

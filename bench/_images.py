@@ -64,13 +64,13 @@ def random_resized_crop_box(width: int, height: int) -> tuple[int, int, int, int
 
 
 
-def decode_augment(path: str) -> np.ndarray:
-    """JPEG decode, random resized crop to 224 (bilinear), random horizontal flip: a fresh
-    writable HWC uint8 array."""
+def decode_augment(path: str, size: int = CROP) -> np.ndarray:
+    """JPEG decode, random resized crop to ``size`` (bilinear), random horizontal flip: a
+    fresh writable HWC uint8 array."""
     with Image.open(path) as opened:
         image = opened.convert("RGB")
     left, top, w, h = random_resized_crop_box(*image.size)
-    image = image.resize((CROP, CROP), Image.Resampling.BILINEAR,
+    image = image.resize((size, size), Image.Resampling.BILINEAR,
                          box=(left, top, left + w, top + h))
     if random.random() < 0.5:
         image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)

@@ -383,6 +383,41 @@ def render_soak(data: Any, out: Path) -> list[str]:
     return lines
 
 
+def render_gpu_train(data: Any, out: Path) -> list[str]:
+    """bench/gpu_train.py: images/s and the GPU's data wait per scenario, and the ratios
+    against the issue's targets (judged only on a GPU)."""
+    scenarios = data["scenarios"]
+    rows = [[name, s.get("label", ""), s.get("workers", "-"), num(s.get("images_per_s", 0)),
+             f"{100 * s.get('wait_fraction', 0):.1f}%", s.get("status", "")]
+            for name, s in scenarios.items()]
+    device = data.get("device", {})
+    lines = [f"bf16 training steps fed by the image pipeline, on {device.get('type', '?')} "
+             f"({device.get('name', '?')}); data wait: the share of step time the trainer "
+             "(and so the device) waited for the next batch.", "",
+             *table(["scenario", "loader", "workers", "images/s (total)", "data wait",
+                     "status"], rows)]
+    ratio_rows = [[r["label"], f"{r['value']:.2f}x" if r.get("value") is not None else "-",
+                   f">= {r['target']:.2f}x" if r.get("target") else "-",
+                   {True: "yes", False: "NO", None: "not judged"}[r.get("holds")]]
+                  for r in data.get("ratios", {}).values()]
+    lines += ["", *table(["figure", "value", "target", "holds"], ratio_rows)]
+    ok = [(name, s["images_per_s"]) for name, s in scenarios.items()
+          if s.get("status") == "ok" and is_number(s.get("images_per_s"))]
+    if ok:
+        fig, (ax,) = figure()
+        ax.barh([n for n, _ in ok][::-1], [v for _, v in ok][::-1],
+                color=["tab:blue" if "zloader" in n else "tab:gray" for n, _ in ok][::-1])
+        ax.set_xlabel("images/s (all trainers)")
+        ax.set_title(f"Training fed by each loader ({device.get('type', '?')})")
+        lines += ["", save(fig, out, f"{data.get('_stem', 'gpu_train')}.png",
+                           "training throughput per scenario")]
+    judged = "judged on a GPU" if data.get("judged") else "not judged: no GPU, a smoke test"
+    lines += ["", f"**Reading:** {judged}; " + "; ".join(
+        f"{r['label']} {r['value']:.2f}x" for r in data.get("ratios", {}).values()
+        if r.get("target") and r.get("value") is not None) + "."]
+    return lines
+
+
 RENDERERS: dict[str, tuple[str, Renderer]] = {
     "codec": ("Codec", render_codec),
     "transport": ("Transport: zloader against other loaders", render_transport),
@@ -390,6 +425,9 @@ RENDERERS: dict[str, tuple[str, Renderer]] = {
     "sharing": ("Sharing: one pipeline for K trainers", render_sharing),
     "coordinated": ("Coordinated reads", render_coordinated),
     "soak": ("Soak", render_soak),
+    "gpu_train": ("GPU end-to-end training (bench/gpu_train.py)", render_gpu_train),
+    "gpu_train_smoke": ("GPU end-to-end training, CPU smoke run (bench/gpu_train.py --smoke)",
+                        render_gpu_train),
 }
 
 
@@ -465,6 +503,8 @@ def section(stem: str, data: Any, out: Path) -> list[str]:
     if renderer is None:
         return [*lines, "No renderer for this file; its top-level scalars:", "", *fallback(data)]
     try:
+        if stem.startswith("gpu_train") and isinstance(data, dict):
+            data = {**data, "_stem": stem}
         return lines + renderer(data, out)
     except Exception as exc:  # a changed format must not stop the report
         why = f"{type(exc).__name__}: {exc}".replace("\n", " ")[:200]

@@ -76,7 +76,6 @@ import re
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -89,10 +88,9 @@ import psutil
 import torch
 import torch.utils.data
 
-from bench._common import version
+from bench._common import provenance, version
 from bench._images import CROP, JPEG_FILES, decode_augment, write_jpegs
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
 DEV_SHM = pathlib.Path("/dev/shm")
 NUM_WORKERS = 2
 BATCH_SIZE = 64
@@ -453,19 +451,6 @@ def child_processes() -> list[str]:
         with contextlib.suppress(psutil.Error):
             found.append(f"{child.pid} {child.status()} {' '.join(child.cmdline())[:80]}")
     return found
-
-
-def provenance() -> dict[str, Any]:
-    """The commit zloader was run from and its uncommitted files (zloader is installed in
-    editable mode, so the working tree is what ran)."""
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
-                                  timeout=30).stdout
-        except (OSError, subprocess.SubprocessError):
-            return ""
-    return {"commit": git("rev-parse", "HEAD").strip() or "unknown",
-            "uncommitted": git("status", "--porcelain", "--", "zloader").splitlines()}
 
 
 def load_note(results: dict[str, list[dict[str, Any]]]) -> str:
