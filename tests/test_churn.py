@@ -56,6 +56,7 @@ def churn(loaders: int, kill_every: int) -> None:
     assert _private_dirs() <= dirs, sorted(_private_dirs() - dirs)
 
 
+@pytest.mark.slow
 def test_a_short_churn_leaves_nothing_behind():
     churn(8, kill_every=4)
 

@@ -107,6 +107,7 @@ def test_finite_input_gives_equal_counts_and_counts_the_dropped_last_round():
     assert sum(len(r[e]) for r in results for e in range(2)) + dropped[0] == 200
 
 
+@pytest.mark.slow
 def test_bucketing_gives_every_consumer_of_a_step_the_same_bucket():
     consumers, boundaries, size = 15, [30, 60], 10
 
@@ -254,6 +255,7 @@ def test_coordinated_reads_need_a_job_name_and_exclude_share():
                consumer_index=0, share=True)
 
 
+@pytest.mark.slow
 def test_a_missing_consumer_makes_the_others_time_out_naming_its_index():
     from zloader import Timeout
 

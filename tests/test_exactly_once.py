@@ -245,6 +245,7 @@ def test_a_consumer_paused_past_its_expiry_rejoins_and_gets_each_element_once():
         assert_exactly_once(collections.Counter(dict(json.loads(out.strip().splitlines()[-1]))))
 
 
+@pytest.mark.slow
 def test_a_worker_paused_past_its_expiry_is_fenced_and_repeats_nothing_when_it_returns():
     """SIGSTOP a worker longer than 3 heartbeats (a partition, a stall): the broker drops
     it and re-queues its splits; on SIGCONT it comes back, drops the task it still held

@@ -9,6 +9,8 @@ import subprocess
 import threading
 import time
 
+import pytest
+
 from tests.service import BIN, HEARTBEAT, free_port, start_worker, status, stop, wait_for
 from tests.test_state import ready, register, split, task_of
 from zloader import Loader, Pipeline
@@ -129,6 +131,7 @@ def test_a_broker_killed_mid_epoch_and_restarted_resumes_the_job_exactly(tmp_pat
             stop(process)
 
 
+@pytest.mark.slow
 def test_a_worker_killed_while_the_broker_is_down_loses_and_repeats_nothing(tmp_path):
     """Broker and a worker both SIGKILLed mid-epoch, with a shuffle buffer larger than a
     split and batches: the restarted broker learns from its journal which splits the dead
