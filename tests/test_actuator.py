@@ -175,7 +175,9 @@ def test_the_local_actuator_grows_for_a_starved_consumer_and_shrinks_for_an_idle
                     timeout=30) as loader:
             deadline = time.monotonic() + 100
             looked = 0.0
-            for _ in loader:
+            seen: list[int] = []
+            for x in loader:
+                seen.append(x)
                 time.sleep(pause[0])
                 if time.monotonic() - looked < 0.25:
                     continue
@@ -187,6 +189,7 @@ def test_the_local_actuator_grows_for_a_starved_consumer_and_shrinks_for_an_idle
                     break
                 assert looked < deadline, f"no settling: process counts {counts}"
         assert max(counts) == 3 and counts[-1] == 1
+        assert len(set(seen)) == len(seen)  # drained workers repeated nothing
         stop(actuator, timeout=40)
         assert actuator.returncode == 0
     finally:
