@@ -14,9 +14,6 @@ import pytest
 from tests.service import BIN, free_port, status, stop, wait_for
 from zloader import Loader, Pipeline
 
-ray = pytest.importorskip("ray")
-zray = pytest.importorskip("zloader.ray")
-
 pytestmark = pytest.mark.slow
 
 
@@ -26,6 +23,9 @@ def slow(x):
 
 
 def test_ray_actors_serve_a_job_and_the_ray_actuator_adds_them_for_a_starved_consumer():
+    ray = pytest.importorskip("ray")  # make test-slow installs it (the ray extra)
+    import zloader.ray as zray
+
     address = f"tcp://127.0.0.1:{free_port()}"
     broker = subprocess.Popen([os.path.join(BIN, "zloader-broker"), "--bind", address,
                                "--heartbeat", "0.2", "--autoscale-cooldown", "1.5",
