@@ -36,8 +36,12 @@ def decide(status: dict, mine: set[str] = frozenset(), starting: int = 0, room: 
 
 
 def test_a_host_with_the_lacking_jobs_consumers_and_an_idle_core_grows_at_once():
-    got = decide({"jobs": [job(4, 1)], "workers": [worker("w1")]})
+    got = decide({"jobs": [job(4, 1)], "workers": [worker("w1")]}, idle_cores=4.0)
     assert (got.start, got.lacking) == (3, 3)
+    # At once only as many as it has idle cores; the rest after the delay.
+    assert decide({"jobs": [job(4, 1)], "workers": []}, idle_cores=2.5).start == 2
+    assert decide({"jobs": [job(4, 1)], "workers": []}, idle_cores=2.5,
+                  short_for=5.0).start == 3
 
 
 def test_other_hosts_wait_for_the_remote_delay_before_growing():
@@ -54,9 +58,24 @@ def test_a_busy_local_host_leaves_the_shortfall_to_others_first():
 
 def test_idle_workers_and_processes_still_starting_count_against_the_shortfall():
     status = {"jobs": [job(5, 1)], "workers": [worker("w1"), worker("w2", job_id=None)]}
-    assert decide(status).start == 3
-    assert decide(status, starting=2).start == 1
-    assert decide(status, starting=3).start == 0
+    assert decide(status, idle_cores=8.0).start == 3
+    assert decide(status, idle_cores=8.0, starting=2).start == 1
+    assert decide(status, idle_cores=8.0, starting=3).start == 0
+
+
+def test_a_loopback_actuator_grows_only_for_jobs_read_on_its_host():
+    status = {"jobs": [job(3, 1, hosts=("host-b/boot/ns",)), job(2, 1)], "workers": []}
+    got = plan(status, set(), 0, 8, HERE, 4.0, 10.0, remote_delay=5.0, loopback_only=True)
+    assert (got.start, got.lacking) == (1, 1)
+
+
+def test_idle_loopback_workers_count_only_for_jobs_read_on_their_host():
+    status = {"jobs": [job(3, 1, hosts=("host-b/boot/ns",))],
+              "workers": [{"worker": "w9", "job": None, "surplus": False,
+                           "endpoint": "tcp://127.0.0.1:7000", "host_id": HERE}]}
+    assert decide(status, short_for=6.0).start == 2  # w9 cannot serve host-b's job
+    status["workers"][0]["host_id"] = "host-b/boot/ns"
+    assert decide(status, short_for=6.0).start == 1
 
 
 def test_growth_stops_at_the_core_budget():

@@ -126,3 +126,23 @@ def test_on_the_recorded_cpu_bound_trace_it_stops_where_workers_stop_helping():
 
 def test_on_the_recorded_traces_an_over_provisioned_job_comes_down():
     assert replay("io", start=8)[-1] == 3
+
+
+def test_a_worker_lost_on_its_own_is_waited_for_and_sets_no_ceiling():
+    scaler = Autoscaler(cooldown=10.0)
+    for now in range(0, 600):  # steady at 4, waiting 5%: no change
+        assert scaler.update(float(now), 4, 0.05) == 4
+    for now in range(600, 600 + int(START_SECONDS)):  # one died: a replacement may come
+        assert scaler.update(float(now), 3, 0.3) == 4
+    assert scaler.update(600.0 + START_SECONDS + 1, 3, 0.3) == 3  # none came: taken
+    for now in range(662, 672):
+        scaler.update(float(now), 3, 0.3)
+    assert scaler.update(672.0, 3, 0.3) == 4  # and asked for again: no ceiling was set
+
+
+def test_a_removal_never_carried_out_sets_a_floor_instead_of_flapping():
+    scaler = Autoscaler(cooldown=10.0)  # a fixed pool: nobody drains
+    history = [scaler.update(float(now), 4, 0.0) for now in range(0, 400)]
+    assert history[10] == 3  # asked for
+    assert set(history[50:150]) == {4}  # given up: 4 is a floor for hold cooldowns
+    assert changes(history) <= 5  # then probed again, with backoff (flapping: 8 or more)

@@ -20,13 +20,39 @@ def test_the_rate_limit_passes_a_burst_then_counts_what_it_drops():
     capture = Capture(rate=10.0, burst=5)
     for i in range(50):
         capture.add(logging.INFO, f"line {i}")
-    first = capture.take(100.0)
-    assert [line for _, line in first] == [f"line {i}" for i in range(45, 50)]
-    later = capture.take(100.5)  # half a second: five tokens
-    assert later == [[logging.WARNING, "[45 lines dropped: over 10 lines/s]"]]
+    first = capture.take(100.0)  # five tokens: the 45 the buffer lost are said first
+    assert first == [[logging.WARNING, "[45 lines dropped: over 10 lines/s]"],
+                     *[[logging.INFO, f"line {i}"] for i in range(45, 49)]]
+    later = capture.take(100.5)  # line 49 was over the rate: counted
+    assert later == [[logging.WARNING, "[1 lines dropped: over 10 lines/s]"]]
     capture.add(logging.INFO, "x" * (MAX_LINE + 10))
     (cut,) = capture.take(101.0)
     assert cut[1].endswith("[... 10 characters cut]") and len(cut[1]) < MAX_LINE + 40
+
+
+def test_a_sustained_flood_still_reports_what_it_drops():
+    capture = Capture(rate=20.0, burst=200)
+    notices = []
+    for second in range(30):  # 50 lines a second for 30 s, taken every 0.2 s
+        for tick in range(5):
+            for _ in range(10):
+                capture.add(logging.INFO, "x")
+            sent = capture.take(1000.0 + second + tick * 0.2)
+            notices += [line for _, line in sent if "dropped" in line]
+    assert len(notices) >= 10
+
+
+def test_carriage_returns_end_lines_and_the_last_partial_line_is_kept():
+    import io
+
+    from zloader.forward import _Tee
+
+    capture = Capture()
+    tee = _Tee(io.StringIO(), capture, logging.INFO)
+    tee.write("10%\r20%\r")
+    tee.write("tail without newline")
+    tee.end()
+    assert [line for _, line in capture.take(0.0)] == ["10%", "20%", "tail without newline"]
 
 
 @pytest.mark.parametrize("bad", [None, "text", [["info", "x"]], [[99, "x"]], [[20]],
@@ -38,7 +64,7 @@ def test_malformed_log_lines_are_refused(bad):
     ready(state, "w1")
     task = task_of(register(state, "c1"))
     with pytest.raises(ProtocolError, match="LOG: lines"):
-        state.worker_log(b"w1", Message(Command.LOG, {"task": task, "lines": bad}))
+        state.worker_log(b"w1", Message(Command.LOG, {"task": task, "lines": bad}), 0.0)
 
 
 def test_lines_of_a_task_the_worker_no_longer_runs_are_dropped():
@@ -46,9 +72,21 @@ def test_lines_of_a_task_the_worker_no_longer_runs_are_dropped():
     ready(state, "w1")
     task = task_of(register(state, "c1"))
     lines = [[logging.INFO, "hello"]]
-    (out,) = state.worker_log(b"w1", Message(Command.LOG, {"task": task, "lines": lines}))
+    (out,) = state.worker_log(b"w1", Message(Command.LOG, {"task": task, "lines": lines}),
+                              0.0)
     assert out.identity == b"c1" and out.body["lines"] == lines
-    assert state.worker_log(b"w1", Message(Command.LOG, {"task": "old", "lines": lines})) == []
+    assert state.worker_log(b"w1", Message(Command.LOG, {"task": "old", "lines": lines}),
+                            0.0) == []
+
+
+def test_a_worker_sending_more_than_the_limit_has_its_lines_dropped():
+    state = State()
+    ready(state, "w1")
+    task = task_of(register(state, "c1"))
+    flood = [[logging.INFO, "x"]] * 500
+    sent = [state.worker_log(b"w1", Message(Command.LOG, {"task": task, "lines": flood}),
+                             100.0) for _ in range(4)]
+    assert [len(out) for out in sent] == [1, 0, 0, 0] and state.rejected == 3
 
 
 class Collect(logging.Handler):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
 import subprocess
 import threading
@@ -32,7 +33,7 @@ from typing import Any
 import psutil
 
 from zloader._defaults import DRAIN_SECONDS
-from zloader._host import host_id
+from zloader._host import host_id, loopback
 from zloader._status import Unanswered, fetch_status
 from zloader.transport.keys import Keys
 
@@ -52,7 +53,8 @@ class Plan:
 
 
 def plan(status: dict[str, Any], mine: set[str], starting: int, room: int, local_host: str,
-         idle_cores: float, short_for: float, remote_delay: float) -> Plan:
+         idle_cores: float, short_for: float, remote_delay: float,
+         loopback_only: bool = False) -> Plan:
     """Decide from a broker ``status`` what one actuator should do.
 
     Args:
@@ -63,17 +65,26 @@ def plan(status: dict[str, Any], mine: set[str], starting: int, room: int, local
         idle_cores: cores idle on its host.
         short_for: seconds the service has lacked workers without a break.
         remote_delay: seconds of shortfall after which it grows without local consumers.
+        loopback_only: its workers listen on loopback: they can serve only jobs whose
+            consumers run on its host.
     """
     jobs = [j for j in status.get("jobs", []) if j.get("state") == "running"]
     workers = status.get("workers", [])
-    idle = sum(1 for w in workers if w.get("job") is None and not w.get("surplus"))
     short = [j for j in jobs if int(j.get("desired_workers", 0)) > int(j.get("workers", 0))]
+    if loopback_only:
+        short = [j for j in short if local_host in j.get("consumer_hosts", [])]
     lacking = sum(int(j["desired_workers"]) - int(j["workers"]) for j in short)
     out = Plan(lacking=lacking)
+    hosts = {h for j in short for h in j.get("consumer_hosts", [])}
+    # Idle workers that can take a lacking job (the broker gives a loopback worker only
+    # to jobs read on its host) will be given one: they count against the shortfall.
+    idle = sum(1 for w in workers if w.get("job") is None and not w.get("surplus")
+               and (not loopback(str(w.get("endpoint", ""))) or w.get("host_id") in hosts))
     need = lacking - idle - starting
-    local = any(local_host in j.get("consumer_hosts", []) for j in short)
-    if need > 0 and room > 0 and ((local and idle_cores >= 1.0) or short_for >= remote_delay):
-        out.start = min(need, room)
+    fast = local_host in hosts and idle_cores >= 1.0 and short_for < remote_delay
+    if need > 0 and room > 0 and (fast or short_for >= remote_delay):
+        # At once, only as many as there are idle cores; after the delay, the rest.
+        out.start = min(need, room, int(idle_cores) if fast else need)
     out.drain = [w["worker"] for w in workers if w.get("surplus") and w["worker"] in mine]
     return out
 
@@ -99,12 +110,15 @@ class LocalActuator:
             broker marks them surplus: idle for a cooldown while no job lacks workers).
         interval: seconds between two looks at the broker's status.
         remote_delay: seconds a shortfall lasts before this host grows without consumers
-            of the job here or without an idle core.
+            of the job here or without an idle core (each actuator adds up to as much
+            again, at random, so that several do not all answer one shortfall at once).
+        loopback_only: its workers listen on loopback (no ``--advertise``): it grows only
+            for jobs whose consumers run on this host.
     """
 
     def __init__(self, broker: str, keys: Keys | None, command: Sequence[str],
                  max_processes: int, start: int = 1, interval: float = 1.0,
-                 remote_delay: float = 5.0) -> None:
+                 remote_delay: float = 5.0, loopback_only: bool = False) -> None:
         if max_processes < 1:
             raise ValueError(f"max_processes must be at least 1, got {max_processes}")
         self.broker = broker
@@ -113,7 +127,8 @@ class LocalActuator:
         self.max_processes = max_processes
         self.initial = min(start, max_processes)
         self.interval = interval
-        self.remote_delay = remote_delay
+        self.remote_delay = remote_delay * (1.0 + random.random())
+        self.loopback_only = loopback_only
         self.stop = threading.Event()
         self.children: dict[int, _Child] = {}
         self._short_since: float | None = None
@@ -147,7 +162,8 @@ class LocalActuator:
                         starting=sum(1 for c in self.children.values() if c.worker is None),
                         room=self.max_processes - len(self.children),
                         local_host=self._host, idle_cores=self._idle_cores(),
-                        short_for=self._short_for(now, status), remote_delay=self.remote_delay)
+                        short_for=self._short_for(now, status), remote_delay=self.remote_delay,
+                        loopback_only=self.loopback_only)
         for _ in range(decision.start):
             self._spawn()
         for child in self.children.values():

@@ -17,13 +17,15 @@ it out. The policy is a hill climb with hysteresis:
 - **Cooldown.** No decision until ``cooldown`` seconds of samples since the last change
   was carried out, and a change is judged on the mean of the second half of them (the
   first half still shows the count before: reports lag, new workers fill up).
-- **Actuators.** Until the job has the count asked for, no samples are taken. An addition
-  not carried out within ``START_SECONDS`` or two cooldowns (no room, or no actuator) is
-  given up: the count it has becomes ``desired`` and a ceiling, as above; so is one whose
-  need went away meanwhile (the consumers waited less than ``down`` over the last half
-  cooldown), without the ceiling.
-  A removal gets a cooldown and ``DRAIN_SECONDS`` (an actuator such as Kubernetes' HPA
-  reacts on its own schedule, and a draining worker finishes its splits first).
+- **Actuators.** Until the job has the count asked for, no decision is made (samples
+  only show whether the need went away). An addition not carried out within
+  ``START_SECONDS`` or two cooldowns (no room, or no actuator) is given up: the count it
+  has becomes ``desired`` and a ceiling, as above. A removal gets a cooldown and
+  ``DRAIN_SECONDS`` (an actuator such as Kubernetes' HPA reacts on its own schedule, and
+  a draining worker finishes its splits first), then its count becomes a floor. An
+  addition whose need went away meanwhile (the consumers waited less than ``down`` over
+  the last half cooldown) is dropped without a ceiling. A count that moved on its own
+  (a worker died or joined) gets the same patience, counted from then, and sets nothing.
 
 Why these thresholds: they are Cachew's published ones (7% up, 3% down), applied to the
 consumers' time rather than throughput. Starvation is the quantity a trainer pays for
@@ -61,6 +63,7 @@ class Autoscaler:
     _direction: int = 0  # +1 just added, -1 just removed, 0 holding (or just undone)
     _undo: bool = False  # the decision being made undoes the last step
     _waiting: bool = False  # for the actuators to reach ``desired``
+    _requested: bool = False  # ``desired`` was changed by a decision, not carried out yet
     _changed: float = 0.0  # when the count last changed or the actuators caught up
     _asked: float = 0.0  # when ``desired`` last changed
     _before: float = 0.0  # mean starvation before the last change
@@ -75,28 +78,36 @@ class Autoscaler:
             self.desired = max(self.min_workers, min(self.max_workers, workers))
             self._changed = self._asked = now
         if workers != self.desired:
-            # The actuators have not caught up: wait for them, a cooldown at most. Then
-            # take the count they reached (no room to grow, or no actuator at all) and
-            # do not ask for more for a while, as after an addition that did not help.
+            # The actuators have not caught up (or the count moved on its own: a worker
+            # died, one joined): wait for them, then take the count the job has. An
+            # addition asked for and not carried out (no room, no actuator) sets a
+            # ceiling, a removal a floor, as an undone step does.
+            if not self._waiting:
+                self._waiting = True
+                self._samples.clear()
+                if not self._requested:
+                    self._asked = now  # nobody asked for this count: patience from now
             patience = (max(2 * self.cooldown, START_SECONDS) if workers < self.desired
                         else self.cooldown + DRAIN_SECONDS)
             self._samples.append((now, min(1.0, max(0.0, starvation))))
-            self._waiting = True
             waited = [v for t, v in self._samples if t >= now - self.cooldown / 2]
             need_gone = (workers < self.desired and now - self._asked >= self.cooldown / 2
                          and sum(waited) / len(waited) < self.down)
             if now - self._asked < patience and not need_gone:
                 return self.desired
-            self._samples.clear()
-            if workers < self.desired and not need_gone:
-                self._ceiling = self._limit(self._ceiling, workers, now)
+            if self._requested and not need_gone:
+                if workers < self.desired:
+                    self._ceiling = self._limit(self._ceiling, workers, now)
+                else:
+                    self._floor = self._limit(self._floor, workers, now)
             self.desired = max(self.min_workers, min(self.max_workers, workers))
             self._direction = 0
-            self._waiting = False
+            self._waiting = self._requested = False
+            self._samples.clear()
             self._changed = self._asked = now
             return self.desired
         if self._waiting:  # they caught up: the cooldown counts from now
-            self._waiting = False
+            self._waiting = self._requested = False
             self._samples.clear()
             self._changed = now
         self._samples.append((now, min(1.0, max(0.0, starvation))))
@@ -114,6 +125,7 @@ class Autoscaler:
         moved = (target > self.desired) - (target < self.desired)
         if moved:
             self._asked = now
+            self._requested = True
         # An undone step is not a step of its own: the next decision starts afresh.
         self._direction = 0 if self._undo else moved
         self.desired = target

@@ -219,7 +219,7 @@ class Broker:
         if command is Command.DELIVERED:
             return state.delivered(identity, msg, now)
         if command is Command.LOG:
-            return state.worker_log(identity, msg)
+            return state.worker_log(identity, msg, now)
         raise ProtocolError(f"{command.name} is not a command the broker accepts")
 
     def _warn(self, identity: bytes, text: str, exc_info: bool = False) -> None:

@@ -229,9 +229,9 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
                         help="the address the metrics endpoint listens on (default "
                              "127.0.0.1; 0.0.0.0 for a scraper on another host)")
     parser.add_argument("--autoscale-cooldown", type=float, default=30.0, metavar="SECONDS",
-                        help="seconds of consumers' starvation the autoscaler averages "
-                             "before it changes a job's desired_workers again (default 30; "
-                             "see `zloader-worker --autoscale`)")
+                        help="seconds of consumers' starvation the autoscaler samples "
+                             "between two changes of a job's desired_workers, judging on the "
+                             "second half (default 30; see `zloader-worker --autoscale`)")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"])
     parser.add_argument("--version", action="version", version=f"zloader {__version__}")
@@ -319,7 +319,9 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
                         help="grow and shrink the worker processes on this host to follow "
                              "the broker's desired_workers (see `zloader status`): start "
                              "more while jobs lack workers, drain the ones it marks surplus; "
-                             "--processes is then the count to start with")
+                             "--processes is then the count to start with. Without "
+                             "--advertise its workers listen on loopback, so it grows only "
+                             "for jobs whose trainers run on this host")
     parser.add_argument("--max-processes", type=_positive, default=None, metavar="N",
                         help="with --autoscale, the core budget: at most N worker "
                              "processes on this host (default: its core count)")
@@ -410,11 +412,13 @@ def _supervise(args: argparse.Namespace) -> int:
 
 def _autoscale(args: argparse.Namespace, keys: Any) -> int:
     """``--autoscale``: follow the broker's desired_workers (zloader/actuator.py)."""
+    from zloader._host import loopback
     from zloader.actuator import LocalActuator
 
+    local = not args.advertise or loopback(f"tcp://{args.advertise}:0")
     actuator = LocalActuator(args.broker, keys, _worker_command(args), args.max_processes,
                              start=min(args.processes, args.max_processes),
-                             interval=args.autoscale_interval)
+                             interval=args.autoscale_interval, loopback_only=local)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: actuator.stop.set())
     actuator.run()

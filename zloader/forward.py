@@ -48,15 +48,26 @@ class _Tee:
 
     def write(self, text: str) -> int:
         written = self._stream.write(text)
-        with self._lock:
-            lines = (self._partial + text).split("\n")
-            self._partial = lines.pop()
-        for line in lines:
+        with self._lock:  # a carriage return (a progress bar) ends a line too
+            lines = (self._partial + text).replace("\r\n", "\n").replace("\r", "\n")
+            parts = lines.split("\n")
+            self._partial = parts.pop()
+            if len(self._partial) > MAX_LINE:  # no end in sight: pass it on as it is
+                parts.append(self._partial)
+                self._partial = ""
+        for line in parts:
             self._capture.add(self._level, line)
         return written
 
     def flush(self) -> None:
         self._stream.flush()
+
+    def end(self) -> None:
+        """Pass on a last line that has no newline."""
+        with self._lock:
+            partial, self._partial = self._partial, ""
+        if partial:
+            self._capture.add(self._level, partial)
 
     def __getattr__(self, name: str) -> Any:  # encoding, isatty, fileno, ...
         return getattr(self._stream, name)
@@ -93,6 +104,7 @@ class Capture:
         self.dropped = 0
         self._saved: tuple[TextIO, TextIO] | None = None
         self._handler = _Handler(self)
+        self._fallback: logging.Handler | None = None
 
     def add(self, level: int, line: str) -> None:
         if len(line) > MAX_LINE:
@@ -108,32 +120,51 @@ class Capture:
             self._tokens = min(float(self.burst),
                                self._tokens + max(0.0, now - self._filled) * self.rate)
             self._filled = now
-            count = min(int(self._tokens), len(self._lines), MAX_LINES - 1)
-            out: list[list[Any]] = [list(self._lines.popleft()) for _ in range(count)]
-            self._tokens -= count
-            if self._tokens < 1 and self._lines:  # over the rate: what waits is dropped
-                self.dropped += len(self._lines)
-                self._lines.clear()
-            if self.dropped and self._tokens >= 1:
+            out: list[list[Any]] = []
+            if self.dropped and self._tokens >= 1:  # said first: a flood never starves it
                 out.append([logging.WARNING, f"[{self.dropped} lines dropped: over "
                                              f"{self.rate:.0f} lines/s]"])
                 self.dropped = 0
                 self._tokens -= 1
+            count = min(int(self._tokens), len(self._lines), MAX_LINES - 1)
+            out += [list(self._lines.popleft()) for _ in range(count)]
+            self._tokens -= count
+            if self._tokens < 1 and self._lines:  # over the rate: what waits is dropped
+                self.dropped += len(self._lines)
+                self._lines.clear()
         return out
 
     def discard(self) -> None:
         """Forget what waits (output while no task runs goes nowhere)."""
         with self._lock:
             self._lines.clear()
+            self.dropped = 0
 
     def install(self) -> None:
+        root = logging.getLogger()
         self._saved = (sys.stdout, sys.stderr)
+        if not root.handlers:
+            # Our handler would silence logging's last resort (warnings to stderr): keep
+            # that behaviour for the process's own records.
+            self._fallback = logging.StreamHandler(sys.stderr)
+            self._fallback.setLevel(logging.WARNING)
+            root.addHandler(self._fallback)
         sys.stdout = _Tee(sys.stdout, self, STDOUT)
         sys.stderr = _Tee(sys.stderr, self, STDERR)
-        logging.getLogger().addHandler(self._handler)
+        root.addHandler(self._handler)
+
+    def end(self) -> None:
+        """Pass on the last unfinished lines (before the final :meth:`take`)."""
+        for stream in (sys.stdout, sys.stderr):
+            if isinstance(stream, _Tee):
+                stream.end()
 
     def remove(self) -> None:
-        logging.getLogger().removeHandler(self._handler)
+        root = logging.getLogger()
+        root.removeHandler(self._handler)
+        if self._fallback is not None:
+            root.removeHandler(self._fallback)
+            self._fallback = None
         if self._saved is not None:
             sys.stdout, sys.stderr = self._saved
             self._saved = None
@@ -153,13 +184,12 @@ def valid_lines(value: Any) -> list[list[Any]] | None:
 
 
 def emit(host: str, pid: int, lines: list[list[Any]]) -> None:
-    """Log forwarded lines on the trainer's side, through the ``zloader.remote`` logger.
-    With no handler configured anywhere it writes them to stderr, as a local worker's
-    output would appear."""
+    """Log forwarded lines on the trainer's side, through the ``zloader.remote`` logger;
+    while no logging is configured (no handler on its path), write them to stderr, as a
+    local worker's output would appear."""
     if not remote.hasHandlers():
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        remote.addHandler(handler)
-        remote.setLevel(logging.INFO)
+        sys.stderr.write("".join(f"[zloader worker {host}:{pid}] {line}\n"
+                                 for _, line in lines))
+        return
     for level, line in lines:
         remote.log(level, "[zloader worker %s:%d] %s", host, pid, line)

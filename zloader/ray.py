@@ -17,6 +17,7 @@ broker, from its constructor, so an actor Ray restarts serves again::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -50,14 +51,16 @@ class _Worker:
         self.thread.start()
 
     def info(self) -> dict[str, Any]:
-        """The worker's id and pid, once its loop runs."""
+        """The worker's id and pid, once its loop runs; whether it drains or has left.
+        (An actor Ray restarted runs a new worker, with a new id.)"""
         import os
 
         deadline = time.monotonic() + 30
         while not hasattr(self.worker, "endpoint") and time.monotonic() < deadline:
             time.sleep(0.01)
         return {"worker": self.worker.id, "pid": os.getpid(),
-                "endpoint": getattr(self.worker, "endpoint", None)}
+                "endpoint": getattr(self.worker, "endpoint", None),
+                "draining": self.worker.draining, "stopped": not self.thread.is_alive()}
 
     def drain(self) -> None:
         """Finish the splits taken, send what they make, leave (at most DRAIN_SECONDS)."""
@@ -80,24 +83,41 @@ class RayWorkers:
         return len(self.actors)
 
     def drain(self, indices: list[int]) -> None:
-        """Ask these actors to drain; :meth:`reap` removes them once they have left."""
+        """Ask these actors to drain; :meth:`check` removes them once they have left."""
+        for i in indices:
+            self.actors[i].drain.remote()
+            self.info[i]["draining"] = True
+
+    def check(self, timeout: float = 10.0) -> int:
+        """Update each actor's worker (a restarted actor has a new one, which is told to
+        drain again if the old one was); kill the actors whose worker has left and drop
+        those Ray has lost for good. Returns how many went."""
         import ray
 
-        ray.get([self.actors[i].drain.remote() for i in indices])
-
-    def reap(self) -> int:
-        """Kill the actors whose worker has left (drained); returns how many."""
-        import ray
-
-        done = ray.get([a.stopped.remote(0.0) for a in self.actors])
-        for actor, gone in zip(self.actors, done, strict=True):
-            if gone:
+        refs = [a.info.remote() for a in self.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        answered = set(ready)
+        kept: list[tuple[Any, dict[str, Any]]] = []
+        for actor, old, ref in zip(self.actors, self.info, refs, strict=True):
+            if ref not in answered:  # busy or being restarted: as it was
+                kept.append((actor, old))
+                continue
+            try:
+                new = ray.get(ref)
+            except Exception as exc:  # RayActorError: dead, no restarts left
+                log.warning("ray worker actor lost: %s", exc)
+                continue
+            if new["stopped"]:
                 ray.kill(actor, no_restart=True)
-        kept = [(a, i) for a, i, gone in zip(self.actors, self.info, done, strict=True)
-                if not gone]
+                continue
+            if old.get("draining") and not new["draining"]:
+                actor.drain.remote()  # restarted while draining
+                new["draining"] = True
+            kept.append((actor, new))
+        gone = len(self.actors) - len(kept)
         self.actors = [a for a, _ in kept]
         self.info = [i for _, i in kept]
-        return len(done) - len(kept)
+        return gone
 
     def extend(self, other: RayWorkers) -> None:
         self.actors += other.actors
@@ -109,18 +129,20 @@ class RayWorkers:
 
         if not self.actors:
             return
-        ray.get([a.drain.remote() for a in self.actors])
+        for actor in self.actors:
+            actor.drain.remote()
         ray.wait([a.stopped.remote(timeout) for a in self.actors],
                  num_returns=len(self.actors), timeout=timeout + 5.0)
         for actor in self.actors:
-            ray.kill(actor, no_restart=True)
+            with contextlib.suppress(Exception):  # already gone
+                ray.kill(actor, no_restart=True)
         self.actors, self.info = [], []
 
 
 def start_workers(broker: str, num_workers: int, num_cpus_per_worker: float = 1,
                   keys: str | None = None, advertise: str | None = None,
                   insecure: bool = False, max_restarts: int = -1,
-                  **actor_options: Any) -> RayWorkers:
+                  start_timeout: float = 120.0, **actor_options: Any) -> RayWorkers:
     """Start ``num_workers`` zloader workers as Ray actors of ``num_cpus_per_worker`` CPUs
     each, attached to ``broker``; returns once each runs.
 
@@ -132,10 +154,12 @@ def start_workers(broker: str, num_workers: int, num_cpus_per_worker: float = 1,
         insecure: allow a non-loopback ``advertise`` without ``keys`` (a trusted network
             only: whoever reaches a data port can read the data).
         max_restarts: passed to Ray (-1: restart crashed actors without limit).
+        start_timeout: seconds to wait for every actor to run; past them none is kept.
         actor_options: more Ray actor options (``resources``, ``scheduling_strategy``...).
 
     Raises:
         ValueError: a bad count, or no keys where the data would be open to other hosts.
+        RuntimeError: Ray did not start them all within ``start_timeout``.
     """
     import ray
 
@@ -154,8 +178,15 @@ def start_workers(broker: str, num_workers: int, num_cpus_per_worker: float = 1,
                                          max_restarts=max_restarts,
                                          max_concurrency=4, **actor_options)
     actors: list[Any] = [remote.remote(broker, keys, advertise) for _ in range(num_workers)]
-    info = ray.get([a.info.remote() for a in actors])
-    return RayWorkers(actors, info)
+    refs = [a.info.remote() for a in actors]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=start_timeout)
+    if len(ready) < len(refs):
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+        raise RuntimeError(f"Ray placed {len(ready)} of {num_workers} worker actors of "
+                           f"{num_cpus_per_worker} CPUs within {start_timeout:.0f} s (not "
+                           "enough free CPUs? see `ray status`); none were kept")
+    return RayWorkers(actors, ray.get(refs))
 
 
 class RayActuator:
@@ -186,7 +217,6 @@ class RayActuator:
         self.workers = RayWorkers([], [])
         self.stop = threading.Event()
         self._short_since: float | None = None
-        self._draining: set[str] = set()
 
     def run(self) -> None:
         """Follow the broker until :attr:`stop` is set; then drain every actor."""
@@ -203,9 +233,8 @@ class RayActuator:
 
     def step(self, status: dict[str, Any], now: float) -> Plan:
         """Act once on a broker status."""
-        self.workers.reap()
+        self.workers.check()
         ids = [i["worker"] for i in self.workers.info]
-        self._draining &= set(ids)
         lacking = any(int(j.get("desired_workers", 0)) > int(j.get("workers", 0))
                       for j in status.get("jobs", []) if j.get("state") == "running")
         if not lacking:
@@ -217,14 +246,19 @@ class RayActuator:
         decision = plan(status, set(ids), starting=sum(1 for i in ids if i not in listed),
                         room=self.max_workers - len(self.workers), local_host="",
                         idle_cores=0.0, short_for=short_for, remote_delay=self.remote_delay)
-        if decision.start:
-            self.workers.extend(start_workers(self.broker, decision.start, **self.options))
-            log.info("ray autoscale: started %d workers (%d)", decision.start,
-                     len(self.workers))
         drain = [k for k, i in enumerate(ids)
-                 if i in decision.drain and i not in self._draining]
+                 if i in decision.drain and not self.workers.info[k].get("draining")]
         if drain:
             self.workers.drain(drain)
-            self._draining.update(ids[k] for k in drain)
             log.info("ray autoscale: draining %d workers", len(drain))
+        if decision.start:
+            try:
+                self.workers.extend(start_workers(self.broker, decision.start,
+                                                  start_timeout=self.interval + 30.0,
+                                                  **self.options))
+            except RuntimeError as exc:
+                log.warning("ray autoscale: %s", exc)
+            else:
+                log.info("ray autoscale: started %d workers (%d)", decision.start,
+                         len(self.workers))
         return decision

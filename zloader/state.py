@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 from zloader._defaults import STAGES
 from zloader._host import loopback
 from zloader.autoscale import Autoscaler
-from zloader.forward import valid_lines
+from zloader.forward import BURST, RATE, valid_lines
 from zloader.journal import COMPACT_LINES, Journal
 from zloader.lineage import Ledger, merge_info, pack
 from zloader.rounds import Rounds
@@ -64,6 +64,7 @@ class Worker:
     trainers: dict[str, dict[str, int]] = field(default_factory=dict)  # shared job: lag
     plain_data: bool = False  # its data socket speaks PLAIN, not CURVE (--plain-data)
     idle_since: float = 0.0  # when it last had no task (surplus marks, see State.status)
+    log_budget: tuple[float, float] = (400.0, 0.0)  # LOG lines it may send, and when
 
 
 @dataclass
@@ -237,7 +238,7 @@ class State:
             for c, v in trainers.items() if isinstance(v, dict)
         } if isinstance(trainers, dict) else {}
 
-    def worker_log(self, identity: bytes, msg: Message) -> list[Out]:
+    def worker_log(self, identity: bytes, msg: Message, now: float) -> list[Out]:
         """Pass what user code printed or logged on a worker to its job's consumers
         (zloader/forward.py); lines of a task the worker no longer runs are dropped."""
         worker = self._worker(identity)
@@ -246,6 +247,15 @@ class State:
             raise ProtocolError("LOG: lines must be a list of at most 500 [level, text] pairs")
         if worker is None or worker.task is None or msg.field("task", str) != worker.task:
             return []
+        # Twice what a worker's own limit lets through (zloader/forward.py): a worker that
+        # sends more is not one of ours, and its lines are dropped.
+        budget, at = worker.log_budget
+        budget = min(4.0 * BURST, budget + (now - at) * 2 * RATE)
+        if len(lines) > budget:
+            worker.log_budget = (budget, now)
+            self.rejected += 1
+            return []
+        worker.log_budget = (budget - len(lines), now)
         job = self.jobs.get(self._task_job(worker.task) or "")
         if job is None:
             return []
@@ -916,6 +926,7 @@ class State:
             self._replaying = False
         for job in self.jobs.values():
             job.idle_since = now  # collected unless a consumer comes back
+            job.scaler.cooldown = self.cooldown
         return len(self.jobs)
 
     def _apply(self, event: dict[str, Any], now: float) -> None:
@@ -925,7 +936,7 @@ class State:
             self.workers[event["id"]] = Worker(
                 event["id"], b"", event["host"], event["host_id"], int(event["pid"]),
                 event["endpoint"], event.get("prefer"), now,
-                plain_data=event.get("plain_data") is True)
+                plain_data=event.get("plain_data") is True, idle_since=now)
         elif kind == "job":
             blob = self.journal.load_pipeline(event["id"]) if self.journal else None
             if blob is None:

@@ -207,6 +207,9 @@ class WorkerProcess:
             self._loop()
         finally:
             if self.capture is not None:
+                self.capture.end()
+                with contextlib.suppress(zmq.ZMQError):
+                    self._forward(time.monotonic())
                 self.capture.remove()
             self._stop_task()
             with contextlib.suppress(zmq.ZMQError):
@@ -289,17 +292,19 @@ class WorkerProcess:
             if self._drain_deadline is not None and self._drained(now):
                 return
 
-    def _forward(self, now: float) -> None:
+    def _forward(self, now: float, task_id: str | None = None) -> None:
         """Send the user output captured since the last call to the broker, for the
-        consumers of the task that runs (output between tasks is not sent)."""
+        consumers of ``task_id`` (default: the task that runs; output between tasks is
+        not sent)."""
         assert self.capture is not None
         self._last_forward = now
-        if self.task is None:
+        task_id = task_id or (self.task.id if self.task is not None else None)
+        if task_id is None:
             self.capture.discard()
             return
         lines = self.capture.take(now)
         if lines:
-            self._to_broker(Command.LOG, {"task": self.task.id, "lines": lines})
+            self._to_broker(Command.LOG, {"task": task_id, "lines": lines})
 
     # --- draining (SIGTERM to zloader-worker) -----------------------------------------------
 
@@ -315,6 +320,11 @@ class WorkerProcess:
             usage["ring_fill"] = max((s.ring.fill() for s in streams if s.ring is not None),
                                      default=0.0)
         return usage
+
+    @property
+    def draining(self) -> bool:
+        """Whether :meth:`drain` was called."""
+        return self._drain_deadline is not None
 
     def drain(self) -> None:
         """Leave without losing or repeating anything: take no more splits, finish the
@@ -490,6 +500,10 @@ class WorkerProcess:
                 producer.stop.set()
                 producer.join(2.0)
                 self._drop_link(producer)
+        if self.capture is not None:  # its output goes to its own consumers, not the next's
+            with contextlib.suppress(zmq.ZMQError):
+                self._forward(time.monotonic(), task.id)
+            self.capture.discard()
         for stream in task.streams.values():
             self._unlink_handoffs(stream)
             if stream.ring is not None:
