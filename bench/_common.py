@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import pathlib
+import signal
+import socket
 import subprocess
 from typing import Any
 
@@ -30,3 +32,21 @@ def provenance() -> dict[str, Any]:
             return ""
     return {"commit": git("rev-parse", "HEAD").strip() or "unknown",
             "uncommitted": git("status", "--porcelain", "--", "zloader").splitlines()}
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def stop(processes: list[subprocess.Popen[Any]], timeout: float) -> None:
+    """SIGTERM each process in turn; kill one still running after ``timeout`` seconds."""
+    for process in processes:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

@@ -20,14 +20,13 @@ import argparse
 import json
 import os
 import pathlib
-import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from typing import Any
 
+from bench._common import free_port, stop
 from zloader import Loader, Pipeline
 from zloader._status import Unanswered, fetch_status
 
@@ -49,12 +48,6 @@ def cpu_work(x: int) -> int:
 
 
 WORKLOADS = {"io": (io_work, 0.002), "cpu": (cpu_work, 0.001)}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def record(workload: str, workers: int, seconds: float) -> list[float]:
@@ -97,13 +90,7 @@ def record(workload: str, workers: int, seconds: float) -> list[float]:
         done.set()
         watcher.join()
     finally:
-        for process in (pool, broker):
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(40)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop([pool, broker], 40)
     return samples
 
 

@@ -30,8 +30,6 @@ import json
 import multiprocessing
 import os
 import pathlib
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from bench._common import version
+from bench._common import free_port, stop, version
 
 BIN = pathlib.Path(sys.executable).parent
 BOUNDARIES = [64, 128, 256, 512, 1024]
@@ -150,12 +148,6 @@ def simulate(size: int, steps: int = 20_000) -> float:
     return float(np.mean(independent) / np.mean(rounds))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--consumers", type=int, default=4)
@@ -180,13 +172,7 @@ def main() -> None:
                       f"{100 * result['one_bucket']:.0f}% of steps", file=sys.stderr,
                       flush=True)
     finally:
-        for process in (worker, broker):
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop([worker, broker], 15)
     medians = {mode: {key: statistics.median(r[key] for r in results)
                       for key in ("steps_per_s", "longest_tokens", "mean_tokens",
                                   "one_bucket")}

@@ -37,7 +37,7 @@ from zloader._host import host_id, loopback
 from zloader._status import Unanswered, fetch_status
 from zloader.transport.keys import Keys
 
-__all__ = ["LocalActuator", "Plan", "plan"]
+__all__ = ["LocalActuator", "Plan", "Shortfall", "follow", "plan", "short_jobs"]
 
 log = logging.getLogger("zloader.actuator")
 
@@ -68,9 +68,8 @@ def plan(status: dict[str, Any], mine: set[str], starting: int, room: int, local
         loopback_only: its workers listen on loopback: they can serve only jobs whose
             consumers run on its host.
     """
-    jobs = [j for j in status.get("jobs", []) if j.get("state") == "running"]
     workers = status.get("workers", [])
-    short = [j for j in jobs if int(j.get("desired_workers", 0)) > int(j.get("workers", 0))]
+    short = short_jobs(status)
     if loopback_only:
         short = [j for j in short if local_host in j.get("consumer_hosts", [])]
     lacking = sum(int(j["desired_workers"]) - int(j["workers"]) for j in short)
@@ -87,6 +86,40 @@ def plan(status: dict[str, Any], mine: set[str], starting: int, room: int, local
         out.start = min(need, room, int(idle_cores) if fast else need)
     out.drain = [w["worker"] for w in workers if w.get("surplus") and w["worker"] in mine]
     return out
+
+
+def short_jobs(status: dict[str, Any]) -> list[dict[str, Any]]:
+    """The running jobs of a broker status with fewer workers than they want."""
+    return [j for j in status.get("jobs", []) if j.get("state") == "running"
+            and int(j.get("desired_workers", 0)) > int(j.get("workers", 0))]
+
+
+class Shortfall:
+    """How long the service has lacked workers without a break (``short_for``)."""
+
+    def __init__(self) -> None:
+        self._since: float | None = None
+
+    def seconds(self, now: float, status: dict[str, Any]) -> float:
+        if not short_jobs(status):
+            self._since = None
+            return 0.0
+        if self._since is None:
+            self._since = now
+        return now - self._since
+
+
+def follow(broker: str, keys: Keys | None, interval: float, stop: threading.Event,
+           step: Callable[[dict[str, Any], float], Any]) -> None:
+    """Call ``step(status, now)`` with the broker's status every ``interval`` seconds until
+    ``stop`` is set (a broker that does not answer is logged and asked again)."""
+    while not stop.wait(interval):
+        try:
+            status = fetch_status(broker, keys, timeout=5.0)
+        except Unanswered as exc:
+            log.warning("autoscale: %s", exc)
+            continue
+        step(status, time.monotonic())
 
 
 @dataclass
@@ -131,29 +164,22 @@ class LocalActuator:
         self.loopback_only = loopback_only
         self.stop = threading.Event()
         self.children: dict[int, _Child] = {}
-        self._short_since: float | None = None
+        self._shortfall = Shortfall()
         self._host = host_id()
 
-    def run(self, on_change: Callable[[str, int], None] | None = None) -> None:
+    def run(self) -> None:
         """Follow the broker until :attr:`stop` is set; then drain every process."""
         psutil.cpu_percent(None)  # the first call only starts the measurement
         try:
             for _ in range(self.initial):
                 self._spawn()
-            while not self.stop.wait(self.interval):
-                self._reap()
-                try:
-                    status = fetch_status(self.broker, self.keys, timeout=5.0)
-                except Unanswered as exc:
-                    log.warning("autoscale: %s; keeping %d processes", exc, len(self.children))
-                    continue
-                self.step(status, time.monotonic(), on_change)
+            follow(self.broker, self.keys, self.interval, self.stop, self.step)
         finally:
             self._stop_all()
 
-    def step(self, status: dict[str, Any], now: float,
-             on_change: Callable[[str, int], None] | None = None) -> Plan:
+    def step(self, status: dict[str, Any], now: float) -> Plan:
         """Act once on a broker status."""
+        self._reap()
         pids = {w["pid"]: w["worker"] for w in status.get("workers", [])
                 if w.get("host_id") == self._host}
         for pid, child in self.children.items():
@@ -162,7 +188,8 @@ class LocalActuator:
                         starting=sum(1 for c in self.children.values() if c.worker is None),
                         room=self.max_processes - len(self.children),
                         local_host=self._host, idle_cores=self._idle_cores(),
-                        short_for=self._short_for(now, status), remote_delay=self.remote_delay,
+                        short_for=self._shortfall.seconds(now, status),
+                        remote_delay=self.remote_delay,
                         loopback_only=self.loopback_only)
         for _ in range(decision.start):
             self._spawn()
@@ -171,19 +198,7 @@ class LocalActuator:
                 child.draining = True
                 child.process.send_signal(signal.SIGTERM)
                 log.info("autoscale: draining worker pid %d (surplus)", child.process.pid)
-        if on_change is not None and (decision.start or decision.drain):
-            on_change("grow" if decision.start else "shrink", len(self.children))
         return decision
-
-    def _short_for(self, now: float, status: dict[str, Any]) -> float:
-        lacking = any(int(j.get("desired_workers", 0)) > int(j.get("workers", 0))
-                      for j in status.get("jobs", []) if j.get("state") == "running")
-        if not lacking:
-            self._short_since = None
-            return 0.0
-        if self._short_since is None:
-            self._short_since = now
-        return now - self._short_since
 
     @staticmethod
     def _idle_cores() -> float:

@@ -16,11 +16,10 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-import time
 from collections import deque
 from typing import Any, TextIO
 
-__all__ = ["BURST", "MAX_LINE", "RATE", "Capture", "emit", "valid_lines"]
+__all__ = ["BURST", "MAX_LINE", "RATE", "Bucket", "Capture", "emit", "valid_lines"]
 
 RATE = 20.0
 """Lines a second a worker forwards, sustained."""
@@ -34,6 +33,23 @@ STDOUT, STDERR = logging.INFO, logging.WARNING
 """The levels printed lines are logged at on the trainer's side."""
 
 remote = logging.getLogger("zloader.remote")
+
+
+class Bucket:
+    """A token bucket: ``rate`` tokens a second, at most ``burst`` held."""
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.tokens = burst
+        self._at: float | None = None
+
+    def fill(self, now: float) -> float:
+        """The tokens held at ``now``."""
+        if self._at is not None:
+            self.tokens = min(self.burst, self.tokens + max(0.0, now - self._at) * self.rate)
+        self._at = now
+        return self.tokens
 
 
 class _Tee:
@@ -99,8 +115,7 @@ class Capture:
         self.burst = burst
         self._lines: deque[tuple[int, str]] = deque(maxlen=burst)
         self._lock = threading.Lock()
-        self._tokens = float(burst)
-        self._filled = time.monotonic()
+        self._bucket = Bucket(rate, float(burst))
         self.dropped = 0
         self._saved: tuple[TextIO, TextIO] | None = None
         self._handler = _Handler(self)
@@ -117,19 +132,18 @@ class Capture:
     def take(self, now: float) -> list[list[Any]]:
         """``[[level, line], ...]`` to send now; dropped lines make one line of their own."""
         with self._lock:
-            self._tokens = min(float(self.burst),
-                               self._tokens + max(0.0, now - self._filled) * self.rate)
-            self._filled = now
+            bucket = self._bucket
+            bucket.fill(now)
             out: list[list[Any]] = []
-            if self.dropped and self._tokens >= 1:  # said first: a flood never starves it
+            if self.dropped and bucket.tokens >= 1:  # said first: a flood never starves it
                 out.append([logging.WARNING, f"[{self.dropped} lines dropped: over "
                                              f"{self.rate:.0f} lines/s]"])
                 self.dropped = 0
-                self._tokens -= 1
-            count = min(int(self._tokens), len(self._lines), MAX_LINES - 1)
+                bucket.tokens -= 1
+            count = min(int(bucket.tokens), len(self._lines), MAX_LINES - 1)
             out += [list(self._lines.popleft()) for _ in range(count)]
-            self._tokens -= count
-            if self._tokens < 1 and self._lines:  # over the rate: what waits is dropped
+            bucket.tokens -= count
+            if bucket.tokens < 1 and self._lines:  # over the rate: what waits is dropped
                 self.dropped += len(self._lines)
                 self._lines.clear()
         return out

@@ -25,8 +25,7 @@ from typing import Any
 
 from zloader._defaults import DRAIN_SECONDS
 from zloader._host import loopback
-from zloader._status import Unanswered, fetch_status
-from zloader.actuator import Plan, plan
+from zloader.actuator import Plan, Shortfall, follow, plan
 from zloader.transport.keys import Keys, resolve
 
 __all__ = ["RayActuator", "RayWorkers", "start_workers"]
@@ -216,18 +215,12 @@ class RayActuator:
         self.keys = Keys.load(keys) if keys else resolve(None)
         self.workers = RayWorkers([], [])
         self.stop = threading.Event()
-        self._short_since: float | None = None
+        self._shortfall = Shortfall()
 
     def run(self) -> None:
         """Follow the broker until :attr:`stop` is set; then drain every actor."""
         try:
-            while not self.stop.wait(self.interval):
-                try:
-                    status = fetch_status(self.broker, self.keys, timeout=5.0)
-                except Unanswered as exc:
-                    log.warning("ray autoscale: %s", exc)
-                    continue
-                self.step(status, time.monotonic())
+            follow(self.broker, self.keys, self.interval, self.stop, self.step)
         finally:
             self.workers.stop()
 
@@ -235,13 +228,7 @@ class RayActuator:
         """Act once on a broker status."""
         self.workers.check()
         ids = [i["worker"] for i in self.workers.info]
-        lacking = any(int(j.get("desired_workers", 0)) > int(j.get("workers", 0))
-                      for j in status.get("jobs", []) if j.get("state") == "running")
-        if not lacking:
-            self._short_since = None
-        elif self._short_since is None:
-            self._short_since = now
-        short_for = 0.0 if self._short_since is None else now - self._short_since
+        short_for = self._shortfall.seconds(now, status)
         listed = {w["worker"] for w in status.get("workers", [])}
         decision = plan(status, set(ids), starting=sum(1 for i in ids if i not in listed),
                         room=self.max_workers - len(self.workers), local_host="",

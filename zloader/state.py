@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 from zloader._defaults import STAGES
 from zloader._host import loopback
 from zloader.autoscale import Autoscaler
-from zloader.forward import BURST, RATE, valid_lines
+from zloader.forward import BURST, RATE, Bucket, valid_lines
 from zloader.journal import COMPACT_LINES, Journal
 from zloader.lineage import Ledger, merge_info, pack
 from zloader.rounds import Rounds
@@ -64,7 +64,8 @@ class Worker:
     trainers: dict[str, dict[str, int]] = field(default_factory=dict)  # shared job: lag
     plain_data: bool = False  # its data socket speaks PLAIN, not CURVE (--plain-data)
     idle_since: float = 0.0  # when it last had no task (surplus marks, see State.status)
-    log_budget: tuple[float, float] = (400.0, 0.0)  # LOG lines it may send, and when
+    # LOG lines it may send: twice what its own limit lets through (zloader/forward.py)
+    log_budget: Bucket = field(default_factory=lambda: Bucket(2 * RATE, 4.0 * BURST))
 
 
 @dataclass
@@ -247,15 +248,10 @@ class State:
             raise ProtocolError("LOG: lines must be a list of at most 500 [level, text] pairs")
         if worker is None or worker.task is None or msg.field("task", str) != worker.task:
             return []
-        # Twice what a worker's own limit lets through (zloader/forward.py): a worker that
-        # sends more is not one of ours, and its lines are dropped.
-        budget, at = worker.log_budget
-        budget = min(4.0 * BURST, budget + (now - at) * 2 * RATE)
-        if len(lines) > budget:
-            worker.log_budget = (budget, now)
+        if len(lines) > worker.log_budget.fill(now):  # not one of our workers: dropped
             self.rejected += 1
             return []
-        worker.log_budget = (budget - len(lines), now)
+        worker.log_budget.tokens -= len(lines)
         job = self.jobs.get(self._task_job(worker.task) or "")
         if job is None:
             return []
@@ -502,6 +498,9 @@ class State:
         with the fewest workers (static jobs take at most ``width``). Workers on a host
         with consumers go first (hybrid placement: shared memory is the cheapest path)."""
         out: list[Out] = []
+        if all(w.task is not None for w in self.workers.values()):
+            return out
+        job_hosts = {j.id: self._hosts(j) for j in self.jobs.values()}
         hosts = {c.host_id for c in self.consumers.values()}
         idle = sorted((w for w in self.workers.values() if w.task is None),
                       key=lambda w: w.host_id not in hosts)
@@ -512,12 +511,12 @@ class State:
             if not open_jobs:
                 break
             if loopback(worker.endpoint):  # only consumers on its own host reach it
-                open_jobs = [j for j in open_jobs if worker.host_id in self._hosts(j)]
+                open_jobs = [j for j in open_jobs if worker.host_id in job_hosts[j.id]]
                 if not open_jobs:
                     continue
             preferred = [j for j in open_jobs if j.id == worker.prefer]
             job = preferred[0] if preferred else min(open_jobs, key=lambda j: (
-                -self._deficit(j), worker.host_id not in self._hosts(j), len(j.tasks),
+                -self._deficit(j), worker.host_id not in job_hosts[j.id], len(j.tasks),
                 j.created))
             task = secrets.token_hex(8)
             used = set(job.indices.values())
