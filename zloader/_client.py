@@ -24,6 +24,7 @@ import zmq
 
 from zloader import codec
 from zloader._host import host_id
+from zloader.blobs import digest_of
 from zloader.errors import CodecError, PipelineError, ZloaderError
 from zloader.forward import emit, valid_lines
 from zloader.lineage import Ledger, decode_origins
@@ -110,10 +111,15 @@ class IOThread(threading.Thread):
                  data_bind: str | None = None, balanced: int = 0,
                  share: dict[str, Any] | None = None,
                  coordinated: tuple[int, int] | None = None, keys: Keys | None = None,
-                 exactly_once: bool = False, resume: dict[str, Any] | None = None) -> None:
+                 exactly_once: bool = False, resume: dict[str, Any] | None = None,
+                 serve_pipeline: bool = False) -> None:
+        """``blob`` is the pickled pipeline, sent with REGISTER; with ``serve_pipeline`` it
+        is served to workers from this thread's source socket instead (a large one), and
+        an empty ``blob`` means that the workers inherited the pipeline (embedded, fork)."""
         super().__init__(name="zloader-loader-io", daemon=True)
         self.address = address
         self.blob = blob
+        self.served_blob = blob if serve_pipeline else None
         self.register_body = {
             "consumer": secrets.token_hex(8), "fingerprint": fingerprint, "job_name": job_name,
             "sharding": sharding, "deterministic": deterministic, "num_workers": num_workers,
@@ -122,6 +128,8 @@ class IOThread(threading.Thread):
             "coordinated": ({"size": coordinated[0], "index": coordinated[1]}
                             if coordinated else None),
             "exactly_once": exactly_once}
+        if not blob:
+            self.register_body["pipeline"] = {"inherited": True}
         if resume is not None:
             self.register_body["resume"] = {"epoch": resume["epoch"],
                                             "delivered": resume["delivered"]}
@@ -145,6 +153,7 @@ class IOThread(threading.Thread):
         self.replayed = 0  # ... and the elements made again for it (it joined late)
         self.dropped = 0  # elements dropped to keep rounds whole (coordinated reads)
         self.rejected = 0  # corrupt records dropped (logged with their worker)
+        self.served: dict[str, int] = {}  # FETCHes answered, by what ("pipeline", "source")
         self.yielded = 0  # elements and seconds of waiting, kept by the iterating thread
         self.wait_seconds = 0.0  # (the Loader's stats), sent to the broker for its metrics
         self._acks: list[int] = []  # rounds received, to tell the broker
@@ -251,7 +260,7 @@ class IOThread(threading.Thread):
         self.poller.register(self._wake_read, zmq.POLLIN)
         self.data_server: zmq.Socket[Any] | None = None
         try:
-            if self.source_data is not None:
+            if self.source_data is not None or self.served_blob is not None:
                 self._serve_source()
             self._loop()
         except BaseException as exc:
@@ -268,7 +277,8 @@ class IOThread(threading.Thread):
             if now >= next_beat:
                 next_beat = now + self._heartbeat
                 if self._job is None:
-                    self._to_broker(Command.REGISTER, self.register_body, (self.blob,))
+                    payload = b"" if self.served_blob is not None else self.blob
+                    self._to_broker(Command.REGISTER, self.register_body, (payload,))
                 else:
                     self._to_broker(Command.HEARTBEAT, {"stats": {
                         "elements": self.yielded, "bytes": self.bytes,
@@ -305,8 +315,8 @@ class IOThread(threading.Thread):
                 self._acks = []
 
     def _serve_source(self) -> None:
-        """Bind the socket from which workers fetch this job's in-memory source data."""
-        assert self.source_data is not None
+        """Bind the socket from which workers fetch this job's in-memory source data and
+        its pipeline, when that is too large to pass through the broker."""
         server = self.context.socket(zmq.ROUTER)
         server.setsockopt(zmq.LINGER, 0)
         if self.keys is not None:
@@ -315,19 +325,31 @@ class IOThread(threading.Thread):
         server.bind(self.data_bind or f"tcp://{_local_address(self.address)}:*")
         self.data_server = server
         self.poller.register(server, zmq.POLLIN)
-        self.register_body["source_data"] = {
-            "endpoint": server.getsockopt_string(zmq.LAST_ENDPOINT),
-            "kind": self.source_data[0]}
+        endpoint = server.getsockopt_string(zmq.LAST_ENDPOINT)
+        if self.source_data is not None:
+            self.register_body["source_data"] = {"endpoint": endpoint,
+                                                 "kind": self.source_data[0]}
+        if self.served_blob is not None:
+            self.register_body["pipeline"] = {"endpoint": endpoint,
+                                              "sha256": digest_of(self.served_blob),
+                                              "bytes": len(self.served_blob)}
 
     def _fetch(self, frames: list[zmq.Frame]) -> None:
-        assert self.data_server is not None and self.source_data is not None
+        assert self.data_server is not None
         identity = frames[0].bytes
         msg = decode(frames[1:])
         if msg.command is not Command.FETCH:
             raise ProtocolError(f"{msg.command.name} sent to the source-data socket")
+        what = msg.body.get("what", "source")
+        if what == "pipeline" and self.served_blob is not None:
+            kind, payload = "pipeline", [self.served_blob]
+        elif what == "source" and self.source_data is not None:
+            kind, payload = self.source_data
+        else:
+            raise ProtocolError(f"FETCH of {what!r}, which this Loader does not serve")
         self.data_server.send_multipart(
-            [identity, *encode(Command.SOURCE, {"kind": self.source_data[0]},
-                               self.source_data[1])], copy=False)
+            [identity, *encode(Command.SOURCE, {"kind": kind}, payload)], copy=False)
+        self.served[what] = self.served.get(what, 0) + 1
 
     def _shutdown(self) -> None:
         if self.data_server is not None:

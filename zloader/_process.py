@@ -2,9 +2,15 @@
 
 Forking is the default on Linux, as with torch's DataLoader: the worker starts in
 milliseconds with every module the trainer already imported (torch, the dataset's code)
-instead of paying an interpreter start and those imports again. The Loader forks before it
-starts any thread of its own. ``start_method="spawn"`` runs a fresh interpreter instead, for
-processes whose other threads make forking unsafe.
+instead of paying an interpreter start and those imports again, and with the Loader's
+pipeline in memory: a forked worker runs the very pipeline object its Loader holds (a
+dataset of any size, as torch's workers get theirs), never a pickled copy. The Loader forks
+before it starts any thread of its own. ``start_method="spawn"`` runs a fresh interpreter
+instead, for processes whose other threads make forking unsafe.
+
+A forked child must not need a lock that another thread of the parent may have held at the
+fork: above all the import lock of a module that thread was importing. So everything the
+worker runs is imported here, in the parent, before any fork, and forks are serialized.
 """
 
 from __future__ import annotations
@@ -13,10 +19,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
+from typing import Any
 
 from zloader.transport.keys import Keys
+from zloader.worker import WorkerProcess  # imported before any fork (see above)
 
 __all__ = ["START_METHODS", "ForkedWorker", "start_worker"]
 
@@ -55,10 +64,19 @@ class ForkedWorker:
         self.send_signal(signal.SIGKILL)
 
 
-def start_worker(method: str, address: str, bind: str,
-                 keys: Keys | None = None) -> ForkedWorker | subprocess.Popen[bytes]:
+_FORK_LOCK = threading.Lock()
+"""Held while forking, so that Loaders made on several threads at once fork one by one."""
+
+
+def start_worker(method: str, address: str, bind: str, keys: Keys | None = None,
+                 pipelines: dict[str, Any] | None = None
+                 ) -> ForkedWorker | subprocess.Popen[bytes]:
     """Start one worker attached to the broker at ``address``, its data socket at ``bind``
-    (with ``keys``, CURVE on both); it exits when this process does."""
+    (with ``keys``, CURVE on both); it exits when this process does.
+
+    ``pipelines`` maps fingerprints to the pipelines a forked worker runs as they are in
+    this process's memory, without fetching or unpickling them (ignored by ``spawn``).
+    """
     parent = os.getpid()
     if method == "spawn":
         env = dict(os.environ)
@@ -68,15 +86,14 @@ def start_worker(method: str, address: str, bind: str,
         if keys is not None:
             command += ["--keys", keys.path]
         return subprocess.Popen(command, env=env, cwd=os.getcwd(), stdin=subprocess.DEVNULL)
-    pid = os.fork()
+    with _FORK_LOCK:
+        pid = os.fork()
     if pid:
         return ForkedWorker(pid)
     code = 1
     try:  # the child: never return into the caller's code
-        from zloader.worker import WorkerProcess
-
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's Ctrl-C; it stops us
-        worker = WorkerProcess(address, bind, parent=parent, keys=keys)
+        worker = WorkerProcess(address, bind, parent=parent, keys=keys, inherited=pipelines)
         signal.signal(signal.SIGTERM, lambda *_: worker.stop.set())
         worker.run()
         code = 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import logging
@@ -10,7 +11,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
 
 from zloader._version import __version__
@@ -330,6 +331,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
                              "status (default 1)")
     parser.add_argument("--bind", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--parent", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--blob-dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--log-level", default="warning",
                         choices=["debug", "info", "warning", "error"])
     parser.add_argument("--version", action="version", version=f"zloader {__version__}")
@@ -356,14 +358,16 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
         if not 0 < args.autoscale_interval <= 60:
             parser.error("--autoscale-interval must be between 0 and 60 seconds")
         args.max_processes = args.max_processes or os.cpu_count() or 1
-        return _autoscale(args, keys)
+        with _blob_dir(args):
+            return _autoscale(args, keys)
     if args.processes > 1:
-        return _supervise(args)
+        with _blob_dir(args):
+            return _supervise(args)
     from zloader.worker import WorkerProcess
 
     worker = WorkerProcess(args.broker, bind, advertise=args.advertise, parent=args.parent,
                            keys=keys, plain_data=args.plain_data,
-                           forward_output=args.parent is None)
+                           forward_output=args.parent is None, blob_dir=args.blob_dir)
     # SIGTERM drains: the splits taken are finished and delivered, then the worker leaves
     # (a Loader's own workers, --parent, just stop: their consumer is leaving).
     signal.signal(signal.SIGTERM, lambda *_: worker.stop.set() if args.parent is not None
@@ -391,7 +395,24 @@ def _worker_command(args: argparse.Namespace) -> list[str]:
         command += ["--insecure"]
     if args.plain_data:
         command += ["--plain-data"]
+    if args.blob_dir:
+        command += ["--blob-dir", args.blob_dir]
     return command
+
+
+@contextlib.contextmanager
+def _blob_dir(args: argparse.Namespace) -> Iterator[None]:
+    """A private directory where this host's worker processes keep the pipelines they
+    fetch, so that the host fetches each once (zloader/blobs.py); removed on exit, or by
+    the next Loader's sweep if this process is killed (its name carries our pid)."""
+    import shutil
+    import tempfile
+
+    args.blob_dir = tempfile.mkdtemp(prefix=f"zloader-{os.getpid()}-")
+    try:
+        yield
+    finally:
+        shutil.rmtree(args.blob_dir, ignore_errors=True)
 
 
 def _supervise(args: argparse.Namespace) -> int:

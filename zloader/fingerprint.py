@@ -51,7 +51,9 @@ import builtins
 import functools
 import hashlib
 import importlib.metadata
+import itertools
 import json
+import marshal
 import os
 import struct
 import sys
@@ -68,9 +70,12 @@ from zloader.errors import FingerprintWarning
 
 __all__ = ["MAX_DEPTH", "Unhashable", "fingerprint"]
 
-SCHEME = 1
+SCHEME = 2
 """Bumped whenever the hashing rules change, so old and new fingerprints never match."""
 MAX_DEPTH = 400
+FLAT_MIN_ITEMS = 64
+"""Lists and tuples this long, of atoms or of tuples of atoms, are hashed in one C pass."""
+_ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
 
 _CLASS_DICT_SKIP = frozenset({
     "__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "__firstlineno__",
@@ -291,7 +296,10 @@ class _Hasher:
             self._sha = outer
 
     def _feed_object(self, value: Any, kind: type, names: Iterable[str]) -> None:
-        if kind is tuple or kind is list:
+        flat = _flat(value) if kind is tuple or kind is list else None
+        if flat is not None:
+            self._emit(b"F" if kind is tuple else b"G", flat)
+        elif kind is tuple or kind is list:
             self._emit(b"T" if kind is tuple else b"L", str(len(value)).encode())
             for index, item in enumerate(value):
                 self.feed(item, f"[{index}]")
@@ -480,6 +488,26 @@ class _Hasher:
         for position, label in ((3, "list items"), (4, "dict items")):
             if len(reduced) > position and reduced[position] is not None:
                 self.feed(list(reduced[position]), label)
+
+
+def _flat(seq: list[Any] | tuple[Any, ...]) -> bytes | None:
+    """A canonical encoding of a long sequence of atoms, or of tuples of atoms (a dataset's
+    ``samples``: a million ``(path, label)`` pairs), made in C; None for any other sequence.
+
+    Which sequences qualify depends on their content alone, so a value is always hashed the
+    same way. ``marshal`` format 2 has no back-references (aliasing and string interning
+    do not change its bytes) and no sets (whose order varies between processes).
+    """
+    if len(seq) < FLAT_MIN_ITEMS:
+        return None
+    kinds = set(map(type, seq))
+    if not kinds <= _ATOMS:
+        if not kinds <= _ATOMS | {tuple}:
+            return None
+        inner = itertools.chain.from_iterable(x for x in seq if type(x) is tuple)
+        if not set(map(type, inner)) <= _ATOMS:
+            return None
+    return marshal.dumps(seq, 2)
 
 
 def _code_names(code: types.CodeType) -> set[str]:

@@ -42,7 +42,6 @@ from zloader.sharing.options import DEFAULT_BLOCK_SECONDS, settings
 from zloader.sources import ArraysSource, ItemsSource
 from zloader.stages import Context
 from zloader.transport.keys import resolve as resolve_keys
-from zloader.transport.protocol import MAX_PIPELINE_BYTES
 from zloader.transport.shm import sweep, sweep_dirs
 
 __all__ = ["Loader"]
@@ -181,23 +180,28 @@ class Loader:
         if embedded and workers == 0:
             raise ValueError("num_workers must be >= 1 in embedded mode (broker=None); "
                              "for an in-process run iterate the pipeline itself")
-        stripped, source_data = _strip_source(pipeline)
-        if (source_data is not None and broker is not None and self._keys is None
+        _choice("start_method", start_method, START_METHODS)
+        # Forked workers run the pipeline as it is in this process: nothing to pickle when
+        # they are the only ones (embedded). Others get it pickled: in the REGISTER message
+        # when small, else served from this Loader (docs/protocol.md, FETCH).
+        inherit = start_method == "fork" and workers > 0
+        if embedded and inherit:
+            blob, source_data, serve_pipeline = b"", None, False
+        else:
+            stripped, source_data = _strip_source(pipeline)
+            blob = _dumps(stripped)
+            serve_pipeline = len(blob) > INLINE_PIPELINE_BYTES
+        served = source_data is not None or serve_pipeline
+        if (served and broker is not None and self._keys is None
                 and not loopback(f"tcp://{_local_address(broker)}:0")
                 and not _check.boolean("insecure", insecure)):
+            what = ("in-memory source" if source_data is not None
+                    else f"code ({len(blob) / 2**20:.1f} MiB pickled)")
             raise ValueError(
-                "this pipeline's in-memory source is served to the broker's workers from "
-                "this process, on an address other hosts can reach, and without keys anyone "
+                f"this pipeline's {what} is served to the broker's workers from this "
+                "process, on an address other hosts can reach, and without keys anyone "
                 "could read it: pass keys= (the broker's, see `zloader keygen`), or "
                 "insecure=True on a trusted network")
-        blob = _dumps(stripped)
-        if len(blob) > MAX_PIPELINE_BYTES:
-            raise ValueError(
-                f"the pipeline's code pickles to {len(blob) / 2**20:.1f} MiB, more than the "
-                f"{MAX_PIPELINE_BYTES / 2**20:.0f} MiB a broker accepts (in-memory sources "
-                "go to workers separately; this is the functions and what they hold): keep "
-                "large data in a Pipeline.from_arrays/from_items source, in "
-                "files (Pipeline.from_files) or a dataset object that loads it in the worker")
         self._closed = False
         self._dir: str | None = None
         self._broker: Broker | None = None
@@ -207,7 +211,6 @@ class Loader:
         self._elements = 0
         sweep()  # segments left by consumers of this user that died
         sweep_dirs()  # and their embedded socket directories
-        _choice("start_method", start_method, START_METHODS)
         try:
             if embedded:
                 # mode 0700: this user only; the pid lets _sweep_dirs remove it after a kill -9
@@ -219,8 +222,9 @@ class Loader:
             # Workers first: forking must happen before this Loader starts any thread.
             for index in range(workers):
                 bind = f"ipc://{self._dir}/worker-{index}" if embedded else "tcp://127.0.0.1:*"
-                self._processes.append(start_worker(start_method, address, bind,
-                                                    self._keys))
+                self._processes.append(start_worker(
+                    start_method, address, bind, self._keys,
+                    {pipeline.fingerprint: pipeline} if inherit else None))
             if embedded:
                 self._broker = Broker(address).start()
             source = pipeline.source
@@ -235,7 +239,7 @@ class Loader:
                 data_bind=f"ipc://{self._dir}/source" if embedded else None,
                 balanced=_check.integer("balanced", balanced, 0), share=self._share,
                 coordinated=coordinated, keys=self._keys, exactly_once=self._exactly_once,
-                resume=resume)
+                resume=resume, serve_pipeline=serve_pipeline)
             self._io.start()
         except BaseException:
             self.close()
@@ -430,7 +434,10 @@ class Loader:
         ``share_skipped`` (a shared job's elements this trainer lost by falling behind the
         window with ``share_lag="skip"``, or to a dead worker), ``share_replayed`` (elements
         made again for this trainer because they had left the window when it joined),
-        ``rejected`` (corrupt records dropped, each logged with its worker),
+        ``rejected`` (corrupt records dropped, each logged with its worker), ``served``
+        (how often workers fetched this Loader's ``pipeline``, when too large to pass
+        through the broker, and its in-memory ``source``: once per host, see
+        zloader/blobs.py),
         ``stage_seconds`` (where the time goes: the job's workers' seconds in ``pipeline``,
         ``splits``, ``encode`` and ``blocked``, as their broker last reported them, and
         this consumer's ``wait``; see zloader/_defaults.py STAGES). With
@@ -444,7 +451,7 @@ class Loader:
                  "skipped": io.skipped, "per_worker": dict(io.per_worker),
                  "private": io.private, "segments": io.segments, "records": io.records,
                  "share_skipped": io.lagged, "share_replayed": io.replayed,
-                 "rejected": io.rejected,
+                 "rejected": io.rejected, "served": dict(io.served),
                  "stage_seconds": {**io.stages, "wait": round(self._wait, 3)}}
         if io.rounds is not None:
             stats.update(dropped=io.dropped, rounds_lost=io.rounds.total_lost,
@@ -527,6 +534,8 @@ def _first_at_least(order: list[int], turn: int) -> int:
 
 INLINE_SOURCE_BYTES = 1 << 20
 """In-memory sources larger than this reach workers from the Loader, not via the broker."""
+INLINE_PIPELINE_BYTES = 1 << 20
+"""Pickled pipelines larger than this reach workers from the Loader, not via the broker."""
 
 
 def _strip_source(pipeline: Pipeline) -> tuple[Pipeline, tuple[str, list[Any]] | None]:

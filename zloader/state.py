@@ -149,6 +149,7 @@ class Job:
     stages: dict[str, float] = field(default_factory=dict)  # workers' seconds, by stage
     scaler: Autoscaler = field(default_factory=Autoscaler)  # desired_workers (dynamic jobs)
     desired: int = 0
+    pipeline: dict[str, Any] | None = None  # where workers get a pipeline not in ``blob``
 
 
 class State:
@@ -407,6 +408,7 @@ class State:
                   num_splits, bool(source.get("shuffle_splits", False)), seed, width,
                   _source_data(msg.body.get("source_data")), secrets.randbits(63), now)
         job.track = options["exactly_once"]
+        job.pipeline = _pipeline_ref(msg.body.get("pipeline"), job.blob)
         job.scaler.cooldown = self.cooldown
         entropy = msg.body.get("entropy")  # a resumed Loader's: its shuffles draw the same
         if isinstance(entropy, int) and not isinstance(entropy, bool) and 0 <= entropy < 2**63:
@@ -530,6 +532,7 @@ class State:
                     "width": job.width, "deterministic": job.deterministic,
                     "on_error": job.on_error, "entropy": job.entropy,
                     "source_data": job.source_data, "share": job.share,
+                    "fingerprint": job.fingerprint, "pipeline": job.pipeline,
                     "balanced": job.options.get("balanced", 0),
                     "coordinated": job.rounds.size if job.rounds is not None else 0,
                     "track": job.track}
@@ -946,7 +949,8 @@ class State:
                 options["deterministic"], options["on_error"], options, blob,
                 event["num_splits"], event["shuffle_splits"], event["seed"], event["width"],
                 event["source_data"], event["entropy"], now,
-                track=bool(options.get("exactly_once")))
+                track=bool(options.get("exactly_once")),
+                pipeline=_pipeline_ref(event.get("pipeline"), blob))
         elif kind == "gone":
             self._drop_worker(event["worker"], bool(event.get("died")), now,
                               requeue=not event.get("fenced"))
@@ -1161,7 +1165,7 @@ def _job_event(job: Job) -> dict[str, Any]:
     return {"e": "job", "id": job.id, "fingerprint": job.fingerprint, "name": job.name,
             "options": job.options, "num_splits": job.num_splits,
             "shuffle_splits": job.shuffle_splits, "seed": job.seed, "width": job.width,
-            "source_data": job.source_data, "entropy": job.entropy}
+            "source_data": job.source_data, "entropy": job.entropy, "pipeline": job.pipeline}
 
 
 def _skip(info: dict[str, Any]) -> dict[str, Any]:
@@ -1215,6 +1219,26 @@ def _source_data(value: Any) -> dict[str, Any] | None:
             or value.get("kind") not in ("arrays", "items")):
         raise ProtocolError("REGISTER: source_data must be {endpoint, kind: arrays|items}")
     return {"endpoint": value["endpoint"], "kind": value["kind"]}
+
+
+def _pipeline_ref(value: Any, blob: bytes) -> dict[str, Any] | None:
+    """REGISTER's ``pipeline``: None (the pipeline is the payload), ``{inherited: true}``
+    (embedded: the Loader's forked workers hold it) or ``{endpoint, sha256, bytes}`` (the
+    Loader serves it; docs/protocol.md)."""
+    if value is None:
+        if not blob:
+            raise ProtocolError("REGISTER: an empty pipeline payload and no 'pipeline' field")
+        return None
+    if isinstance(value, dict) and value.get("inherited") is True and len(value) == 1:
+        return {"inherited": True}
+    if (isinstance(value, dict) and isinstance(value.get("endpoint"), str)
+            and isinstance(value.get("sha256"), str) and len(value["sha256"]) == 64
+            and isinstance(value.get("bytes"), int) and not isinstance(value["bytes"], bool)
+            and value["bytes"] >= 0):
+        return {"endpoint": value["endpoint"], "sha256": value["sha256"],
+                "bytes": value["bytes"]}
+    raise ProtocolError("REGISTER: pipeline must be {inherited: true} or "
+                        "{endpoint, sha256, bytes}")
 
 
 def _delta(new: dict[str, Any], old: dict[str, Any], key: str) -> Any:

@@ -9,7 +9,6 @@ bounded by what consumers granted. See docs/protocol.md.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -21,7 +20,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-import cloudpickle
 import psutil
 import zmq
 
@@ -35,7 +33,7 @@ from zloader.plan import Plan, plan
 from zloader.producer import Outgoing, Producer
 from zloader.sharing.store import Stored, store
 from zloader.sharing.window import Window
-from zloader.sources import ArraysSource, ItemsSource
+from zloader.shipping import Loading, Supply
 from zloader.transport import records
 from zloader.transport.keys import Keys
 from zloader.transport.protocol import (
@@ -48,13 +46,13 @@ from zloader.transport.protocol import (
     error_object,
     heartbeat,
 )
-from zloader.transport.ring import RingError
+from zloader.transport.ring import RingError, RingWriter
+from zloader.transport.shm import Segment, ShmError, sweep
 
 __all__ = ["WorkerProcess"]
 
 log = logging.getLogger("zloader.worker")
 
-FETCH_TIMEOUT = 30.0
 FORWARD_EVERY = 0.2
 """Seconds between two sends of captured user output (zloader/forward.py)."""
 
@@ -144,13 +142,20 @@ class WorkerProcess:
         forward_output: send what user code prints or logs to the job's consumers
             (:mod:`zloader.forward`): for workers whose output would not reach the
             trainer's terminal (standalone, Ray actors, pods).
+        inherited: pipelines by fingerprint that this worker holds since its fork (a
+            Loader's own workers): run as they are, never fetched or unpickled.
+        blob_dir: the host's directory of fetched pipelines (:mod:`zloader.blobs`).
     """
 
     def __init__(self, broker: str, bind: str, advertise: str | None = None,
                  prefer: str | None = None, parent: int | None = None,
                  heartbeat: float = 1.0, keys: Keys | None = None,
-                 plain_data: bool = False, forward_output: bool = False) -> None:
+                 plain_data: bool = False, forward_output: bool = False,
+                 inherited: dict[str, Pipeline] | None = None,
+                 blob_dir: str | None = None) -> None:
         self.keys = keys
+        self.inherited = inherited
+        self.blob_dir = blob_dir
         self.plain_data = plain_data and keys is not None
         self.broker_endpoint = broker
         self.bind = bind
@@ -171,6 +176,7 @@ class WorkerProcess:
         self._drain_deadline: float | None = None  # set by drain()
         self._warned = 0.0
         self.early_opens: deque[tuple[bytes, Message]] = deque(maxlen=64)
+        self.loading: tuple[dict[str, Any], Loading] | None = None  # a task's pipeline loads
         self._last_from_broker = time.monotonic()
         self._last_to_broker = 0.0
         self._last_beat = 0.0
@@ -182,6 +188,7 @@ class WorkerProcess:
     def run(self) -> None:
         context = zmq.Context()
         self.context = context
+        self.supply = Supply(context, self.keys, self.inherited, self.blob_dir)
         guard = self.keys.guard(context) if self.keys is not None else None
         data = context.socket(zmq.ROUTER)
         data.setsockopt(zmq.LINGER, 0)
@@ -263,6 +270,8 @@ class WorkerProcess:
                         self._from_broker(frames)
                     elif sock in self.links:
                         self._from_producer(self.links[sock], frames)
+            if self.loading is not None:
+                self._begin_task()
             task = self.task
             if task is not None and task.window is not None and task.pending:
                 self._deliver(task)  # a record blocked by a lagging trainer: look again
@@ -407,6 +416,8 @@ class WorkerProcess:
                 with contextlib.suppress(zmq.Again):
                     link.send(json.dumps(answer).encode(), zmq.NOBLOCK)
         elif command is Command.RELEASE:
+            if self.loading is not None and msg.field("task", str) == self.loading[0]["id"]:
+                self.loading = None
             if self.task is not None and msg.field("task", str) == self.task.id:
                 self._stop_task()
         elif command is Command.ROUND:
@@ -424,74 +435,52 @@ class WorkerProcess:
             log.error("broker refused a message: %s", msg.body.get("message"))
 
     def _start_task(self, msg: Message) -> None:
-        task_id = msg.field("task", str)
+        """TASK: check it, then load its pipeline on a thread (see ``_begin_task``)."""
+        task = {"id": msg.field("task", str), "job": msg.field("job", str),
+                "sharding": msg.field("sharding", str), "index": msg.field("index", int),
+                "width": msg.field("width", int),
+                "on_error": str(msg.body.get("on_error", "raise")),
+                "entropy": msg.field("entropy", int),
+                "balanced": max(0, int(msg.body.get("balanced") or 0)),
+                "coordinated": max(0, int(msg.body.get("coordinated") or 0)),
+                "track": msg.body.get("track") is True}
+        share = msg.field("share", dict, optional=True)
+        if share is not None:
+            task["window"] = Window(int(share["window_bytes"]), str(share["lag"]),
+                                    float(share["block_seconds"]))
         if self.task is not None:
             self._stop_task()
-        try:
-            if not msg.payload:
-                raise ProtocolError("TASK without a pipeline")
-            pipeline = cloudpickle.loads(msg.payload[0].buffer)
-            if not isinstance(pipeline, Pipeline):
-                raise TypeError(f"the task's pipeline is a {type(pipeline).__name__}")
-            source_data = msg.field("source_data", dict, optional=True)
-            if source_data is not None:
-                pipeline = self._fetch_source(pipeline, source_data)
-            self.task = _Task(task_id, msg.field("job", str), plan(pipeline),
-                              msg.field("sharding", str), msg.field("index", int),
-                              msg.field("width", int), str(msg.body.get("on_error", "raise")),
-                              msg.field("entropy", int),
-                              balanced=max(0, int(msg.body.get("balanced") or 0)),
-                              coordinated=max(0, int(msg.body.get("coordinated") or 0)),
-                              track=msg.body.get("track") is True)
-            share = msg.field("share", dict, optional=True)
-            if share is not None:
-                self.task.window = Window(int(share["window_bytes"]), str(share["lag"]),
-                                          float(share["block_seconds"]))
-            early, self.early_opens = list(self.early_opens), deque(maxlen=64)
-            for identity, opened in early:
-                if opened.body.get("job") == self.task.job \
-                        and opened.body.get("task") in (None, self.task.id):
-                    self._handle_consumer(identity, opened)
-        except ProtocolError:
-            raise
-        except Exception as exc:
-            log.exception("task %s could not start", task_id)
+        self.loading = (task, self.supply.start(msg))
+        self._begin_task()
+
+    def _begin_task(self) -> None:
+        """Run the task whose pipeline has loaded (a fetch or an unpickle may take seconds:
+        the loop keeps heartbeating meanwhile), or report why it could not load."""
+        if self.loading is None or not self.loading[1].done():
+            return
+        (fields, loading), self.loading = self.loading, None
+        if loading.error is not None:
+            exc = loading.error
+            log.error("task %s could not start", fields["id"], exc_info=exc)
             error = error_object(exc)
             error["stage"] = "worker start-up"
             error["message"] = (f"the pipeline could not be loaded on worker pid {os.getpid()}"
                                 f": {error['message']} (install the packages it imports on "
                                 "every worker host)")
-            self._to_broker(Command.TASK_FAILED, {"task": task_id, "error": error})
-
-    def _fetch_source(self, pipeline: Pipeline, where: dict[str, Any]) -> Pipeline:
-        """Get a large in-memory source's data from the Loader that holds it."""
-        endpoint = where.get("endpoint")
-        sock = self.context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        if self.keys is not None:
-            self.keys.connect(sock)
-        try:
-            sock.connect(str(endpoint))
-            sock.send_multipart(encode(Command.FETCH, {}))
-            if not sock.poll(int(FETCH_TIMEOUT * 1000)):
-                raise TimeoutError(f"the Loader holding this job's in-memory source at "
-                                   f"{endpoint} did not answer within {FETCH_TIMEOUT:.0f} s")
-            reply = decode(sock.recv_multipart(copy=False))
-        finally:
-            sock.close(0)
-        if reply.command is not Command.SOURCE or not reply.payload:
-            raise ProtocolError("the Loader answered FETCH without source data")
-        source = pipeline.source
-        if where.get("kind") == "arrays" and isinstance(source, ArraysSource):
-            structure = codec.decode([frame.buffer for frame in reply.payload])
-            return Pipeline(dataclasses.replace(source, structure=structure), pipeline.stages)
-        if where.get("kind") == "items" and isinstance(source, ItemsSource):
-            items = cloudpickle.loads(reply.payload[0].buffer)
-            return Pipeline(dataclasses.replace(source, items=tuple(items)), pipeline.stages)
-        raise ProtocolError(f"source data of kind {where.get('kind')!r} does not fit a "
-                            f"{type(source).__name__}")
+            self._to_broker(Command.TASK_FAILED, {"task": fields["id"], "error": error})
+            return
+        assert loading.pipeline is not None
+        task = self.task = _Task(plan=plan(loading.pipeline), **fields)
+        early, self.early_opens = list(self.early_opens), deque(maxlen=64)
+        for identity, opened in early:
+            if opened.body.get("job") == task.job and opened.body.get("task") in (None, task.id):
+                try:
+                    self._handle_consumer(identity, opened)
+                except ProtocolError as exc:
+                    self._reject(f"dropped a malformed message from a consumer: {exc}")
 
     def _stop_task(self) -> None:
+        self.loading = None  # a task still loading is dropped with its result
         task, self.task = self.task, None
         if task is None:
             return
@@ -634,8 +623,6 @@ class WorkerProcess:
         """A record larger than the ring goes in a shared-memory segment of its own. This
         worker unlinks it once the consumer says it has mapped it (in CREDIT), or when the
         consumer goes away."""
-        from zloader.transport.shm import Segment, ShmError
-
         try:
             segment = Segment.create("big", packed)
         except (ShmError, OSError) as exc:
@@ -1209,8 +1196,6 @@ class WorkerProcess:
             return
         for stream in [s for s in task.streams.values() if s.consumer == consumer]:
             self._remove_stream(task, stream)
-        from zloader.transport.shm import sweep
-
         sweep()  # a consumer that died cannot unlink its rings: remove them for it
 
     def _to_consumer(self, stream: _Stream, command: Command, body: dict[str, Any],
@@ -1246,8 +1231,6 @@ def _assignment(msg: Message) -> dict[str, Any]:
 
 
 def _attach_ring(name: str) -> Any:
-    from zloader.transport.ring import RingWriter
-
     try:
         return RingWriter(name)
     except FileNotFoundError:  # the consumer closed before this OPEN was read: not a fault

@@ -1,0 +1,159 @@
+"""How a task's pipeline reaches a worker (the worker's side; docs/protocol.md, TASK).
+
+Three ways, cheapest first:
+
+- **inherited**: a worker forked by a Loader holds that Loader's pipelines, by fingerprint,
+  in the memory it inherited: nothing is pickled, whatever the dataset's size (as torch's
+  workers get their dataset on Linux);
+- **inline**: a small pickled pipeline travels in the TASK message itself;
+- **fetched**: a large one is served by the Loader that registered it; TASK carries its
+  endpoint, SHA-256 digest and size, and the worker fetches it (once per host, see
+  :mod:`zloader.blobs`).
+
+A large in-memory source (``from_arrays``/``from_items``) is fetched the same way, from the
+same Loader socket, unless the pipeline was inherited whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from typing import Any
+
+import cloudpickle
+import zmq
+
+from zloader import codec
+from zloader.blobs import BlobCache
+from zloader.pipeline import Pipeline
+from zloader.sources import ArraysSource, ItemsSource
+from zloader.transport.keys import Keys
+from zloader.transport.protocol import Command, Message, ProtocolError, decode, encode
+
+__all__ = ["FETCH_TIMEOUT", "Loading", "Supply"]
+
+FETCH_TIMEOUT = 30.0
+"""Seconds a worker waits for the Loader that serves a pipeline or source to answer."""
+
+
+class Supply:
+    """Turns a TASK message into the pipeline to run.
+
+    Args:
+        context: the worker's ZeroMQ context (fetches open a short-lived socket in it).
+        keys: the worker's CURVE keys, for fetches from a Loader that has them.
+        inherited: pipelines by fingerprint, held since the fork (embedded workers).
+        blob_dir: the host's blob directory (see :mod:`zloader.blobs`), or None.
+    """
+
+    def __init__(self, context: zmq.Context[Any], keys: Keys | None,
+                 inherited: dict[str, Pipeline] | None, blob_dir: str | None) -> None:
+        self.context = context
+        self.keys = keys
+        self.inherited = dict(inherited or {})
+        self.blobs = BlobCache(blob_dir)
+        self._lock = threading.Lock()  # loads of a task replaced while it loaded overlap
+
+    def start(self, msg: Message) -> Loading:
+        """Load TASK ``msg``'s pipeline: at once when it was inherited, else on a thread."""
+        return Loading(self, msg)
+
+    def load(self, msg: Message) -> Pipeline:
+        """The pipeline of TASK ``msg``, with its in-memory source's data.
+
+        Raises:
+            ProtocolError: the TASK is malformed.
+            Exception: the pipeline cannot be fetched or unpickled (the worker reports it
+                as the task's failure).
+        """
+        fingerprint = msg.body.get("fingerprint")
+        if isinstance(fingerprint, str) and fingerprint in self.inherited:
+            return self.inherited[fingerprint]
+        ref = msg.field("pipeline", dict, optional=True)
+        if ref is not None and ref.get("inherited") is True:
+            raise RuntimeError(
+                "this job's pipeline reaches only the workers its Loader forked (embedded "
+                "mode), and this worker is not one of them")
+        if ref is not None:
+            endpoint, digest, size = _ref(ref)
+            with self._lock:
+                blob: Any = self.blobs.get(
+                    digest, size, lambda: self._fetch(endpoint, "pipeline").payload[0].buffer)
+        elif msg.payload and msg.payload[0].buffer.nbytes:
+            blob = msg.payload[0].buffer
+        else:
+            raise ProtocolError("TASK without a pipeline")
+        pipeline = cloudpickle.loads(blob)
+        if not isinstance(pipeline, Pipeline):
+            raise TypeError(f"the task's pipeline is a {type(pipeline).__name__}")
+        where = msg.field("source_data", dict, optional=True)
+        return self._with_source(pipeline, where) if where is not None else pipeline
+
+    def _with_source(self, pipeline: Pipeline, where: dict[str, Any]) -> Pipeline:
+        """Put a large in-memory source's data, fetched from its Loader, back in place."""
+        reply = self._fetch(str(where.get("endpoint")), "source")
+        source = pipeline.source
+        if where.get("kind") == "arrays" and isinstance(source, ArraysSource):
+            structure = codec.decode([frame.buffer for frame in reply.payload])
+            return Pipeline(dataclasses.replace(source, structure=structure), pipeline.stages)
+        if where.get("kind") == "items" and isinstance(source, ItemsSource):
+            items = cloudpickle.loads(reply.payload[0].buffer)
+            return Pipeline(dataclasses.replace(source, items=tuple(items)), pipeline.stages)
+        raise ProtocolError(f"source data of kind {where.get('kind')!r} does not fit a "
+                            f"{type(source).__name__}")
+
+    def _fetch(self, endpoint: str, what: str) -> Message:
+        """Ask the Loader at ``endpoint`` for ``what`` ("pipeline" or "source")."""
+        sock = self.context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self.keys is not None:
+            self.keys.connect(sock)
+        try:
+            sock.connect(endpoint)
+            sock.send_multipart(encode(Command.FETCH, {"what": what}))
+            if not sock.poll(int(FETCH_TIMEOUT * 1000)):
+                raise TimeoutError(f"the Loader serving this job's {what} at {endpoint} did "
+                                   f"not answer within {FETCH_TIMEOUT:.0f} s (worker pid "
+                                   f"{os.getpid()})")
+            reply = decode(sock.recv_multipart(copy=False))
+        finally:
+            sock.close(0)
+        if reply.command is not Command.SOURCE or not reply.payload:
+            raise ProtocolError(f"the Loader answered FETCH without the {what}")
+        return reply
+
+
+class Loading:
+    """A task's pipeline being loaded (fetched, unpickled, its source fetched) on a thread
+    of its own, so that the worker's loop keeps heartbeating and serving meanwhile.
+    Inherited pipelines need no thread."""
+
+    def __init__(self, supply: Supply, msg: Message) -> None:
+        self.pipeline: Pipeline | None = None
+        self.error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        fingerprint = msg.body.get("fingerprint")
+        if isinstance(fingerprint, str) and fingerprint in supply.inherited:
+            self.pipeline = supply.inherited[fingerprint]
+            return
+        self._thread = threading.Thread(target=self._run, args=(supply, msg), daemon=True,
+                                        name="zloader-task-load")
+        self._thread.start()
+
+    def _run(self, supply: Supply, msg: Message) -> None:
+        try:
+            self.pipeline = supply.load(msg)
+        except BaseException as exc:  # reported as the task's failure
+            self.error = exc
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+
+def _ref(ref: dict[str, Any]) -> tuple[str, str, int]:
+    endpoint, digest, size = ref.get("endpoint"), ref.get("sha256"), ref.get("bytes")
+    if not (isinstance(endpoint, str) and isinstance(digest, str) and isinstance(size, int)
+            and not isinstance(size, bool) and size >= 0):
+        raise ProtocolError("TASK.pipeline must be {endpoint, sha256, bytes}")
+    return endpoint, digest, size
