@@ -89,7 +89,7 @@ class Producer(threading.Thread):
             self._produce(pair)
         except _Stopped:
             pass
-        except Exception as exc:  # user code: reported to the consumers as a value
+        except BaseException as exc:  # user code (SystemExit too): reported as a value
             with contextlib.suppress(_Stopped):
                 self._put(pair, [b"F", json.dumps({"epoch": self.epoch,
                                                    "error": error_object(exc)}).encode()])

@@ -21,7 +21,7 @@ import numpy as np
 from zloader import _check
 from zloader._defaults import DEFAULT_SPLITS
 from zloader._seeding import Key, make_rng
-from zloader.errors import PipelineError
+from zloader.errors import PipelineError, passes_through
 
 __all__ = [
     "ArraysSource",
@@ -45,22 +45,34 @@ def guarded(make: Callable[[], Iterable[Any]], stage: str, context: str = "",
             policy: ErrorPolicy | None = None) -> Iterator[Any]:
     """Iterate ``make()``, turning any exception from user code into a PipelineError (or,
     when ``policy`` skips errors, counting it and ending this iterable: a generator cannot
-    go on after it raised)."""
+    go on after it raised). ``SystemExit`` and ``GeneratorExit`` from user code count as
+    its failures too (see :func:`~zloader.errors.passes_through`); only the user code is
+    guarded, not this generator's own ``yield`` (where ``close()`` throws GeneratorExit)."""
     try:
         iterator = iter(make())
-        while True:
-            try:
-                item = next(iterator)
-            except StopIteration:
-                return
-            yield item
-    except GeneratorExit:
-        raise
-    except Exception as exc:
-        if policy is not None and policy.skip_errors:
-            policy.skipped += 1
+    except BaseException as exc:
+        _failed(exc, stage, context, policy)
+        return
+    while True:
+        try:
+            item = next(iterator)
+        except StopIteration:
             return
-        raise PipelineError.from_exception(exc, stage, context) from exc
+        except BaseException as exc:
+            _failed(exc, stage, context, policy)
+            return
+        yield item
+
+
+def _failed(exc: BaseException, stage: str, context: str, policy: ErrorPolicy | None) -> None:
+    """User code of a source raised ``exc``: count it when ``policy`` skips errors, else
+    raise the stage's PipelineError (a main-thread KeyboardInterrupt propagates as it is)."""
+    if passes_through(exc):
+        raise exc
+    if policy is not None and policy.skip_errors:
+        policy.skipped += 1
+        return
+    raise PipelineError.from_exception(exc, stage, context) from exc
 
 
 def split_order(num_splits: int, shuffle: bool, seed: int | None, entropy: int,
@@ -195,7 +207,9 @@ class TorchSource(_IndexedSource):
         for index in range(start, stop):
             try:
                 item = dataset[index]
-            except Exception as exc:
+            except BaseException as exc:
+                if passes_through(exc):
+                    raise
                 if policy is not None and policy.skip_errors:
                     policy.skipped += 1
                     continue

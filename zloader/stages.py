@@ -8,6 +8,10 @@ repetition, while stages below see one pass.
 
 Exceptions from user functions leave a stage as :class:`~zloader.errors.PipelineError`
 naming the stage; errors in the data a stage receives (``batch`` of unequal shapes) do too.
+That includes ``SystemExit`` and ``GeneratorExit`` (which would otherwise end a worker's
+producer thread without a word), and a ``KeyboardInterrupt`` raised on any thread but the
+main one; on the main thread a ``KeyboardInterrupt`` may be Ctrl-C and propagates as it is
+(:func:`~zloader.errors.passes_through`).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import numpy as np
 from zloader import collate
 from zloader._defaults import SHUFFLE_DRAW_CHUNK
 from zloader._seeding import Key, make_rng
-from zloader.errors import PipelineError
+from zloader.errors import PipelineError, passes_through
 
 __all__ = ["Batch", "BucketByLength", "Context", "Filter", "Map", "Repeat", "Run", "Shuffle",
            "Skip", "Stage", "Take", "Unbatch", "compose"]
@@ -127,8 +131,21 @@ class Stage:
         """What the fingerprint hashes for this stage (never its name)."""
         raise NotImplementedError
 
-    def _fails(self, exc: Exception) -> PipelineError:
+    def _fails(self, exc: BaseException) -> PipelineError:
         return PipelineError.from_exception(exc, self.name)
+
+    def _user_failed(self, exc: BaseException, element: Any, ctx: Context,
+                     here: bool = True) -> None:
+        """User code raised ``exc`` on ``element``: count and drop the element when the run
+        skips errors, else raise the stage's PipelineError. ``here``: the code ran in this
+        thread (a main-thread KeyboardInterrupt, maybe Ctrl-C, then propagates as it is)."""
+        if here and passes_through(exc):
+            raise exc
+        if ctx.skip_errors:
+            ctx.skipped += 1
+            ctx.drop(element)
+            return
+        raise self._fails(exc) from exc
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -146,12 +163,9 @@ class Map(Stage):
         for element in elements:
             try:
                 result = fn(element)
-            except Exception as exc:
-                if ctx.skip_errors:
-                    ctx.skipped += 1
-                    ctx.drop(element)
-                    continue
-                raise self._fails(exc) from exc
+            except BaseException as exc:  # SystemExit too: it must not end a worker's thread
+                self._user_failed(exc, element, ctx)
+                continue
             yield result
 
     def _parallel(self, elements: Iterator[Any], ctx: Context) -> Iterator[Any]:
@@ -174,12 +188,9 @@ class Map(Stage):
     def _result(self, future: Future[Any], element: Any, ctx: Context) -> Iterator[Any]:
         try:
             result = future.result()
-        except Exception as exc:
-            if ctx.skip_errors:
-                ctx.skipped += 1
-                ctx.drop(element)
-                return
-            raise self._fails(exc) from exc
+        except BaseException as exc:  # raised on a pool thread: never this thread's Ctrl-C
+            self._user_failed(exc, element, ctx, here=False)
+            return
         yield result
 
     def identity(self) -> tuple[Any, ...]:
@@ -199,12 +210,9 @@ class Filter(Stage):
         for element in elements:
             try:
                 keep = bool(predicate(element))
-            except Exception as exc:
-                if ctx.skip_errors:
-                    ctx.skipped += 1
-                    ctx.drop(element)
-                    continue
-                raise self._fails(exc) from exc
+            except BaseException as exc:
+                self._user_failed(exc, element, ctx)
+                continue
             if keep:
                 yield element
             else:
@@ -301,12 +309,9 @@ class BucketByLength(Stage):
         for element in elements:
             try:
                 length = self._length(element[0] if ctx.track else element)
-            except Exception as exc:
-                if ctx.skip_errors:
-                    ctx.skipped += 1
-                    ctx.drop(element)
-                    continue
-                raise self._fails(exc) from exc
+            except BaseException as exc:
+                self._user_failed(exc, element, ctx)
+                continue
             index = bisect.bisect_right(self.boundaries, length)
             bucket = buckets[index]
             bucket.append(element)

@@ -1,0 +1,100 @@
+"""User code that fails in unusual ways: every failure reaches the consumer as a
+PipelineError naming the stage and the element, nothing hangs, the worker survives."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from service import service, status
+
+from zloader import Loader, Pipeline, PipelineError
+
+BASE_EXCEPTIONS = [SystemExit, KeyboardInterrupt, GeneratorExit]
+
+
+def _raise_at(kind: type[BaseException], at: int):
+    def fn(x):
+        if x == at:
+            raise kind("user code gave up")
+        return x
+    return fn
+
+
+def _generate_raising(kind: type[BaseException]):
+    def fn(split):
+        yield split
+        raise kind("user generator gave up")
+    return fn
+
+
+def _pipelines(kind: type[BaseException]) -> dict[str, Pipeline]:
+    """One pipeline per place user code runs, each raising ``kind``."""
+    return {
+        "map(boom)": Pipeline.range(8).map(_raise_at(kind, 5), name="map(boom)"),
+        "map(pool)": Pipeline.range(8).map(_raise_at(kind, 5), num_parallel_calls=3,
+                                           name="map(pool)"),
+        "gen": Pipeline.from_generator(_generate_raising(kind), 4, name="gen"),
+    }
+
+
+def _consume(loader: Loader) -> PipelineError:
+    with pytest.raises(PipelineError) as info:
+        list(loader)
+    return info.value
+
+
+@pytest.mark.timeout(90)
+def test_base_exceptions_in_user_code_arrive_as_pipeline_errors_naming_the_stage():
+    # In this process: SystemExit and GeneratorExit are the stage's failures; a
+    # KeyboardInterrupt on the main thread may be Ctrl-C and stays one (raised by a map's
+    # thread it cannot be, so it is the stage's failure too).
+    for kind in BASE_EXCEPTIONS:
+        for stage, pipeline in _pipelines(kind).items():
+            if kind is KeyboardInterrupt and stage != "map(pool)":
+                with pytest.raises(KeyboardInterrupt):
+                    list(pipeline)
+                continue
+            with pytest.raises(PipelineError) as info:
+                list(pipeline)
+            assert info.value.stage == stage and kind.__name__ in info.value.exc_type
+    # Embedded workers: each kind, each place, in one Loader per kind.
+    for kind in BASE_EXCEPTIONS:
+        for stage, pipeline in _pipelines(kind).items():
+            with Loader(pipeline, num_workers=1, timeout=30) as loader:
+                start = time.monotonic()
+                error = _consume(loader)
+                assert error.stage == stage and error.exc_type == kind.__name__
+                assert "gave up" in error.message and time.monotonic() - start < 30
+    # Through a broker: the worker process survives and serves the next job.
+    with service(workers=1) as (address, procs):
+        with Loader(_pipelines(SystemExit)["map(boom)"], broker=address,
+                    timeout=30) as loader:
+            assert _consume(loader).stage == "map(boom)"
+        with Loader(Pipeline.range(8), broker=address, timeout=30) as loader:
+            assert sorted(loader) == list(range(8))
+        assert procs[0].poll() is None and len(status(address)["workers"]) == 1
+
+
+@pytest.mark.timeout(90)
+def test_base_exceptions_in_a_torch_dataset_arrive_as_pipeline_errors():
+    torch = pytest.importorskip("torch")
+    import zloader.torch as zt
+
+    class Quits(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, i: int):
+            if i == 5:
+                raise SystemExit("dataset gave up")
+            return i
+
+    loader = zt.DataLoader(Quits(), batch_size=2, num_workers=2)
+    try:
+        with pytest.raises(PipelineError) as info:
+            list(loader)
+        assert info.value.stage == "dataset" and "index 5" in str(info.value)
+        assert info.value.exc_type == "SystemExit"
+    finally:
+        loader.close()
