@@ -98,3 +98,56 @@ def test_base_exceptions_in_a_torch_dataset_arrive_as_pipeline_errors():
         assert info.value.exc_type == "SystemExit"
     finally:
         loader.close()
+
+
+def _fail_at_13(x):
+    if x == 13:
+        raise ValueError("thirteen")
+    return x
+
+
+_RAISE_LINE = _fail_at_13.__code__.co_firstlineno + 2
+
+
+class _Items:
+    def __len__(self) -> int:
+        return 20
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def _lines(path: str):
+    with open(path) as handle:
+        for line in handle:
+            yield int(line)
+
+
+def test_worker_errors_name_the_failing_elements_source_and_the_users_line(tmp_path):
+    files = []
+    for name, numbers in (("a.txt", range(0, 10)), ("b.txt", range(10, 20))):
+        files.append(tmp_path / name)
+        files[-1].write_text("".join(f"{n}\n" for n in numbers))
+    cases = [  # (pipeline, Loader options, what the error must say)
+        (Pipeline.range(20, split_size=5).map(_fail_at_13), {}, "split 2, index 3"),
+        (Pipeline.range(20, split_size=5).shuffle(8, seed=1).map(_fail_at_13), {},
+         "split 2, index 3"),
+        (Pipeline.range(20, split_size=5).map(_fail_at_13), {"exactly_once": False},
+         "split 2, index 3"),
+        (Pipeline.range(20, split_size=5).map(_fail_at_13, num_parallel_calls=4),
+         {"exactly_once": False}, "split 2, index 3"),
+        (Pipeline.from_files(sorted(map(str, files)), _lines).map(_fail_at_13), {},
+         f"file {files[1]}, index 3"),
+        (Pipeline.from_torch(_Items(), split_size=4).map(_fail_at_13), {},
+         "dataset index 13"),
+    ]
+    for pipeline, options, where in cases:
+        with pytest.raises(ValueError) as in_process:
+            list(pipeline)
+        assert where in str(in_process.value) or "shuffle" in repr(pipeline)
+        with Loader(pipeline, num_workers=1, timeout=30, **options) as loader:
+            error = _consume(loader)
+        assert where in error.context and where in str(error)
+        assert error.stage == "map(_fail_at_13)"
+        assert f'File "{__file__}", line {_RAISE_LINE}, in _fail_at_13' in error.traceback
+        assert "<dynamic-code>" not in error.traceback

@@ -31,6 +31,7 @@ import cloudpickle
 from zloader import _check, codec
 from zloader._client import IOThread, Item, Origins, _local_address
 from zloader._host import loopback
+from zloader._pickling import dumps_pipeline
 from zloader._process import START_METHODS, start_worker
 from zloader.broker import Broker
 from zloader.errors import PipelineError, Timeout
@@ -562,7 +563,7 @@ def _dumps(pipeline: Pipeline) -> bytes:
     for module in modules:
         cloudpickle.register_pickle_by_value(module)
     try:
-        return cloudpickle.dumps(pipeline)
+        return dumps_pipeline(pipeline)
     finally:
         for module in modules:
             cloudpickle.unregister_pickle_by_value(module)
