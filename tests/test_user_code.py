@@ -151,3 +151,22 @@ def test_worker_errors_name_the_failing_elements_source_and_the_users_line(tmp_p
         assert error.stage == "map(_fail_at_13)"
         assert f'File "{__file__}", line {_RAISE_LINE}, in _fail_at_13' in error.traceback
         assert "<dynamic-code>" not in error.traceback
+
+
+def _set_at_13(x):
+    return {x} if x == 13 else x  # a set: the codec cannot send it
+
+
+def test_elements_that_cannot_be_encoded_are_skipped_or_named_by_their_source():
+    pipeline = Pipeline.range(20, split_size=5).map(_set_at_13, name="to_set")
+    for options in ({}, {"exactly_once": False}):
+        with Loader(pipeline, num_workers=1, on_error="skip", timeout=30, **options) as loader:
+            for _ in range(2):  # every epoch, and the job goes on after the skip
+                assert sorted(loader) == [x for x in range(20) if x != 13]
+                assert loader.stats()["skipped"] == 1  # counted per epoch
+        with Loader(pipeline, num_workers=1, timeout=30, **options) as loader:
+            error = _consume(loader)
+        assert error.stage == "to_set" and isinstance(error, ValueError)
+        assert "split 2, index 3" in error.context and "builtins.set" in error.message
+        assert "element[" not in error.message  # not its position in a record
+
