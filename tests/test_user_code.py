@@ -3,12 +3,16 @@ PipelineError naming the stage and the element, nothing hangs, the worker surviv
 
 from __future__ import annotations
 
+import socket
+import textwrap
+import threading
 import time
+import warnings
 
 import pytest
 from service import service, status
 
-from zloader import Loader, Pipeline, PipelineError
+from zloader import FingerprintWarning, Loader, Pipeline, PipelineError, ZloaderError
 
 BASE_EXCEPTIONS = [SystemExit, KeyboardInterrupt, GeneratorExit]
 
@@ -170,3 +174,41 @@ def test_elements_that_cannot_be_encoded_are_skipped_or_named_by_their_source():
         assert "split 2, index 3" in error.context and "builtins.set" in error.message
         assert "element[" not in error.message  # not its position in a record
 
+
+def _user_module_pipeline(code: str, **namespace) -> Pipeline:
+    """Run ``code`` as a user module of its own (its functions travel by value)."""
+    ns = {"__name__": "user_pipeline", "Pipeline": Pipeline, **namespace}
+    exec(compile(textwrap.dedent(code), "user.py", "exec"), ns)
+    return ns["pipeline"]
+
+
+def test_an_unpicklable_pipeline_names_the_stage_and_the_captured_value():
+    lock = threading.Lock()
+
+    def guarded(x):
+        with lock:
+            return x
+
+    with socket.socket() as sock:
+        cases = [  # (pipeline, what the error must name)
+            (Pipeline.range(4).map(abs).map(guarded, name="locked"),
+             ["stage 2", "'locked'", "map", "closure variable 'lock'", "_thread.lock"]),
+            (_user_module_pipeline(
+                "pipeline = Pipeline.range(4).filter(lambda x: SOCK.fileno() or x)",
+                SOCK=sock),
+             ["stage 1", "filter(<lambda>)", "global 'SOCK'", "socket.socket"]),
+            (_user_module_pipeline(
+                "def f(x, numbers=(i for i in range(3))):\n    return x\n"
+                "pipeline = Pipeline.range(4).map(f)"),
+             ["stage 1", "'map(f)'", "default 'numbers'", "generator"]),
+            (Pipeline.from_generator(lambda split: guarded([split]), 2, name="gen"),
+             ["source", "'gen'", "from_generator", "closure variable 'lock'"]),
+        ]
+        for pipeline, names in cases:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FingerprintWarning)
+                with pytest.raises(TypeError) as info:
+                    Loader(pipeline, num_workers=1, timeout=30)
+            assert isinstance(info.value, ZloaderError)
+            for name in names:
+                assert name in str(info.value)

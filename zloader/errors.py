@@ -21,6 +21,7 @@ __all__ = [
     "CodecError",
     "FingerprintWarning",
     "PipelineError",
+    "SerializationError",
     "Timeout",
     "ZloaderError",
     "passes_through",
@@ -37,6 +38,11 @@ class CodecError(ZloaderError, ValueError):
 
 class Timeout(ZloaderError, TimeoutError):
     """An operation did not finish within its deadline."""
+
+
+class SerializationError(ZloaderError, TypeError):
+    """A pipeline cannot be pickled for its workers; the message names the stage and the
+    value it holds that cannot be pickled."""
 
 
 class FingerprintWarning(UserWarning):

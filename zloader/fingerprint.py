@@ -69,7 +69,7 @@ import numpy as np
 from zloader._version import __version__
 from zloader.errors import FingerprintWarning
 
-__all__ = ["MAX_DEPTH", "Unhashable", "fingerprint"]
+__all__ = ["MAX_DEPTH", "Unhashable", "fingerprint", "global_names"]
 
 SCHEME = 2
 """Bumped whenever the hashing rules change, so old and new fingerprints never match."""
@@ -389,7 +389,7 @@ class _Hasher:
         # globals only by the names it looks up as globals (not ``s.upper()``'s).
         names = sorted(_code_names(fn.__code__))
         fn_globals = fn.__globals__
-        for name in sorted(_global_names(fn.__code__)):
+        for name in sorted(global_names(fn.__code__)):
             if name in fn_globals:
                 self._emit(b"g", name.encode())
                 self.feed(fn_globals[name], f"global {name!r}", names=names)
@@ -506,7 +506,7 @@ _GLOBAL_OPS = frozenset({
 })
 
 
-def _global_names(code: types.CodeType) -> set[str]:
+def global_names(code: types.CodeType) -> set[str]:
     """The names ``code`` (nested code included: functions, comprehensions, class bodies)
     looks up in its globals. ``co_names`` also holds attribute names (``s.upper()``,
     ``d.items``) that are no global lookups; the instructions tell them apart, on every
@@ -516,5 +516,5 @@ def _global_names(code: types.CodeType) -> set[str]:
              if op.opname in _GLOBAL_OPS}
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            names |= _global_names(const)
+            names |= global_names(const)
     return names
