@@ -77,7 +77,8 @@ class Loader:
         prefetch: records in flight per worker (default 8).
         timeout: seconds without progress from any worker or the broker before raising
             :class:`zloader.Timeout`.
-        on_error: ``"raise"`` or ``"skip"`` (drop elements whose user code raises).
+        on_error: ``"raise"`` or ``"skip"`` (drop elements whose user code raises, or
+            that the codec cannot encode).
         max_skipped: with ``"skip"``, raise once more than this many were dropped.
         ring_bytes: shared-memory ring size per co-located worker (default 64 MiB).
         balanced: with ``job_name``, the number N of Loaders sharing the job: workers then
@@ -126,6 +127,8 @@ class Loader:
 
     Raises:
         ValueError / TypeError: a bad argument, named in the message.
+        SerializationError: the pipeline cannot be pickled for its workers (a TypeError
+            naming the stage and the value at fault).
     """
 
     def __init__(self, pipeline: Pipeline, *, broker: str | None = None,
