@@ -31,13 +31,13 @@ from zloader._defaults import SHUFFLE_DRAW_CHUNK
 from zloader._seeding import Key, make_rng
 from zloader.errors import PipelineError, passes_through
 
-ORIGINS_NAMED = 4
-"""Origins an error message names, of a batch's many."""
-
 __all__ = ["Batch", "BucketByLength", "Context", "Filter", "Map", "Repeat", "Run", "Shuffle",
            "Skip", "Stage", "Take", "Unbatch", "compose"]
 
 Run = Callable[[Key], Iterator[Any]]
+
+ORIGINS_NAMED = 4
+"""Origins an error message names, of a batch's many."""
 
 
 @dataclass
