@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import warnings
 
 import cloudpickle
 import numpy as np
@@ -104,6 +105,14 @@ def differ(a: str, b: str, **namespace) -> bool:
      "pipeline = Pipeline.from_arrays(np.arange(5, dtype=np.int64))"),
     ("pipeline = Pipeline.from_generator(lambda s: [s], ['a', 'b'])",
      "pipeline = Pipeline.from_generator(lambda s: [s], ['a', 'c'])"),
+    # a global read by a class body (LOAD_NAME) inside the function
+    ("K = 1\ndef f(x):\n    class C:\n        k = K\n    return x + C.k\n"
+     "pipeline = Pipeline.range(3).map(f)",
+     "K = 2\ndef f(x):\n    class C:\n        k = K\n    return x + C.k\n"
+     "pipeline = Pipeline.range(3).map(f)"),
+    # a global that shares its name with an attribute the code also uses
+    ("upper = 1\npipeline = Pipeline.from_items(['a']).map(lambda s: s.upper() * upper)",
+     "upper = 2\npipeline = Pipeline.from_items(['a']).map(lambda s: s.upper() * upper)"),
     # a function's own name (code can read it: registries, fn.__name__ in messages)
     ("def add_one(x):\n    return x + 1\npipeline = Pipeline.range(3).map(add_one)",
      "def plus_one(x):\n    return x + 1\npipeline = Pipeline.range(3).map(plus_one)"),
@@ -205,6 +214,31 @@ def test_recursive_functions_and_cyclic_data_are_hashed():
     """
     assert build(source).fingerprint == build(source).fingerprint
     assert build(source).shareable
+
+
+@pytest.mark.parametrize("code", [
+    "pipeline = Pipeline.from_items(['a']).map(lambda s: s.upper())",  # a method call
+    "pipeline = Pipeline.from_items([{1: 2}]).map(lambda d: list(d.items()))",
+    "pipeline = Pipeline.from_items(['a']).map(lambda s: s.upper)",  # a plain attribute
+    "def f(x):\n    x.items = 1\n    return x\npipeline = Pipeline.range(3).map(f)",
+    "def f(x):\n    del x.items\n    return x\npipeline = Pipeline.range(3).map(f)",
+    # nested code: a comprehension, a nested function, a class body
+    "pipeline = Pipeline.from_items([['a']]).map(lambda xs: [s.upper() for s in xs])",
+    "def f(x):\n    def g(y):\n        return y.items()\n    return g(x)\n"
+    "pipeline = Pipeline.from_items([{}]).map(f)",
+    "def f(x):\n    class C:\n        v = x.items\n    return C.v\n"
+    "pipeline = Pipeline.from_items([{}]).map(f)",
+])
+def test_attribute_names_are_not_global_lookups(code):
+    """A global that merely shares its name with an attribute (``upper``, ``items``) is not
+    a dependency: an unhashable one neither warns nor stops sharing, a changed one keeps
+    the fingerprint."""
+    name = "upper" if "upper" in code else "items"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FingerprintWarning)
+        locked = build(code, **{name: threading.Lock()})
+        assert locked.shareable
+        assert build(code, **{name: 1}).fingerprint == build(code, **{name: 2}).fingerprint
 
 
 # --- unshareable pipelines and version= ------------------------------------------------------

@@ -21,7 +21,7 @@ LAYERS = {
     "codec": 1, "collate": 1, "fingerprint": 1, "rounds": 1, "journal": 1, "lineage": 1,
     "metrics": 1, "autoscale": 1, "forward": 1, "_status": 6, "actuator": 7, "ray": 8,
     "_host": 0, "sources": 2, "stages": 2,
-    "pipeline": 3, "plan": 4, "demo": 4,
+    "pipeline": 3, "plan": 4, "demo": 4, "_pickling": 4,
     "state": 5, "producer": 5, "broker": 6, "worker": 6, "_client": 6, "_process": 7,
     "loader": 8, "torch": 9, "tf": 9, "cli": 10, "__init__": 11,
 }

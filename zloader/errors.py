@@ -13,6 +13,7 @@ from those values on the consumer side.
 from __future__ import annotations
 
 import builtins
+import threading
 import traceback as _traceback
 from typing import Any
 
@@ -20,8 +21,10 @@ __all__ = [
     "CodecError",
     "FingerprintWarning",
     "PipelineError",
+    "SerializationError",
     "Timeout",
     "ZloaderError",
+    "passes_through",
 ]
 
 
@@ -35,6 +38,11 @@ class CodecError(ZloaderError, ValueError):
 
 class Timeout(ZloaderError, TimeoutError):
     """An operation did not finish within its deadline."""
+
+
+class SerializationError(ZloaderError, TypeError):
+    """A pipeline cannot be pickled for its workers; the message names the stage and the
+    value it holds that cannot be pickled."""
 
 
 class FingerprintWarning(UserWarning):
@@ -139,6 +147,20 @@ class PipelineError(ZloaderError):
             name = f"{cls.__module__}.{cls.__qualname__}"
         return PipelineError.create(stage, name, str(exc), text, context,
                                     builtin=_nearest_builtin_name(cls) or "")
+
+
+def passes_through(exc: BaseException) -> bool:
+    """Whether ``exc``, raised while user code ran in this thread, must propagate as it is
+    instead of becoming the stage's :class:`PipelineError`.
+
+    Only a ``KeyboardInterrupt`` on the main thread does: it may be the user's Ctrl-C,
+    which Python delivers to whatever code the main thread is running. Everything else
+    user code raises, ``SystemExit`` and ``GeneratorExit`` included, is the stage's failure:
+    in a worker's thread it would otherwise end the thread silently and leave the consumer
+    waiting.
+    """
+    return (isinstance(exc, KeyboardInterrupt)
+            and threading.current_thread() is threading.main_thread())
 
 
 _CLASSES: dict[str, type[PipelineError]] = {}

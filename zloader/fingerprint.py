@@ -10,8 +10,10 @@ What is hashed (recursively, with cycles handled by back-references):
   arrays by dtype, shape and bytes; numpy scalars by dtype and bytes.
 * User functions (and lambdas): their bytecode, constants (nested code included), names,
   argument counts and flags; default and keyword-default values; closure values; every
-  referenced global (looked up in the function's globals by the names its code uses,
-  nested code included); function attributes (``__wrapped__`` and the like).
+  referenced global (looked up in the function's globals by the names its code loads,
+  stores or deletes as globals, nested code included: attribute names such as
+  ``s.upper()``'s are no global lookups); function attributes (``__wrapped__`` and the
+  like).
 * ``functools.partial``: the function, positional arguments and keyword arguments (keyword
   order does not matter). Bound methods: the function and the instance.
 * User classes: their bases and the contents of the class body (methods as functions).
@@ -48,6 +50,7 @@ cannot see, or to skip hashing large in-memory data.
 from __future__ import annotations
 
 import builtins
+import dis
 import functools
 import hashlib
 import importlib.metadata
@@ -68,7 +71,7 @@ import numpy as np
 from zloader._version import __version__
 from zloader.errors import FingerprintWarning
 
-__all__ = ["MAX_DEPTH", "Unhashable", "fingerprint"]
+__all__ = ["MAX_DEPTH", "Unhashable", "fingerprint", "global_names"]
 
 SCHEME = 2
 """Bumped whenever the hashing rules change, so old and new fingerprints never match."""
@@ -390,12 +393,14 @@ class _Hasher:
                 continue
             self._emit(b"v", name.encode())
             self.feed(contents, f"closure variable {name!r}")
-        used = sorted(_code_names(fn.__code__))
+        # Module attributes are looked up by every name the code uses (``m.scale``);
+        # globals only by the names it looks up as globals (not ``s.upper()``'s).
+        names = sorted(_code_names(fn.__code__))
         fn_globals = fn.__globals__
-        for name in used:
+        for name in sorted(global_names(fn.__code__)):
             if name in fn_globals:
                 self._emit(b"g", name.encode())
-                self.feed(fn_globals[name], f"global {name!r}", names=used)
+                self.feed(fn_globals[name], f"global {name!r}", names=names)
             elif hasattr(builtins, name):
                 self._emit(b"B", name.encode())
         attributes = {k: v for k, v in vars(fn).items() if k != "__module__"}
@@ -511,8 +516,33 @@ def _flat(seq: list[Any] | tuple[Any, ...]) -> bytes | None:
 
 
 def _code_names(code: types.CodeType) -> set[str]:
+    """Every name in ``code``'s and its nested code's ``co_names``: globals, attributes
+    and imported modules alike."""
     names = set(code.co_names)
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             names |= _code_names(const)
+    return names
+
+
+_GLOBAL_OPS = frozenset({
+    "LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL",
+    # class bodies and module-level code: the namespace first, then the globals
+    "LOAD_NAME", "STORE_NAME", "DELETE_NAME", "LOAD_FROM_DICT_OR_GLOBALS",
+    # ``import m`` inside a function: kept as a dependency when ``m`` is also a global
+    "IMPORT_NAME",
+})
+
+
+def global_names(code: types.CodeType) -> set[str]:
+    """The names ``code`` (nested code included: functions, comprehensions, class bodies)
+    looks up in its globals. ``co_names`` also holds attribute names (``s.upper()``,
+    ``d.items``) that are no global lookups; the instructions tell them apart, on every
+    Python version (3.12's LOAD_ATTR doubles as LOAD_METHOD; 3.11's LOAD_GLOBAL carries a
+    flag in its argument, which ``dis`` resolves to the name)."""
+    names = {str(op.argval).partition(".")[0] for op in dis.get_instructions(code)
+             if op.opname in _GLOBAL_OPS}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= global_names(const)
     return names

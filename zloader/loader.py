@@ -31,6 +31,7 @@ import cloudpickle
 from zloader import _check, codec
 from zloader._client import IOThread, Item, Origins, _local_address
 from zloader._host import loopback
+from zloader._pickling import dumps_pipeline
 from zloader._process import START_METHODS, start_worker
 from zloader.broker import Broker
 from zloader.errors import PipelineError, Timeout
@@ -75,7 +76,8 @@ class Loader:
         prefetch: records in flight per worker (default 8).
         timeout: seconds without progress from any worker or the broker before raising
             :class:`zloader.Timeout`.
-        on_error: ``"raise"`` or ``"skip"`` (drop elements whose user code raises).
+        on_error: ``"raise"`` or ``"skip"`` (drop elements whose user code raises, or
+            that the codec cannot encode).
         max_skipped: with ``"skip"``, raise once more than this many were dropped.
         ring_bytes: shared-memory ring size per co-located worker (default 64 MiB).
         balanced: with ``job_name``, the number N of Loaders sharing the job: workers then
@@ -124,6 +126,8 @@ class Loader:
 
     Raises:
         ValueError / TypeError: a bad argument, named in the message.
+        SerializationError: the pipeline cannot be pickled for its workers (a TypeError
+            naming the stage and the value at fault).
     """
 
     def __init__(self, pipeline: Pipeline, *, broker: str | None = None,
@@ -571,7 +575,7 @@ def _dumps(pipeline: Pipeline) -> bytes:
     for module in modules:
         cloudpickle.register_pickle_by_value(module)
     try:
-        return cloudpickle.dumps(pipeline)
+        return dumps_pipeline(pipeline)
     finally:
         for module in modules:
             cloudpickle.unregister_pickle_by_value(module)

@@ -324,12 +324,11 @@ class Pipeline:
                 the stage and carries the original traceback.
         """
         epoch = _check.integer("epoch", epoch, 0)
-        ctx = _stages.Context(entropy=secrets.randbits(63))
-        source = self.source
+        ctx = _stages.Context(entropy=secrets.randbits(63), source=self.source)
 
         def read(key: _stages.Key) -> Iterator[Any]:
-            for split in source.split_order(key, ctx.entropy):
-                yield from source.read(split)
+            for split in ctx.source.split_order(key, ctx.entropy):
+                yield from ctx.read(split)
 
         return _stages.compose(read, self.stages, ctx)((epoch,))
 

@@ -42,9 +42,10 @@ class Plan:
                     pass_id = pass_ids.setdefault(split.pass_key, len(pass_ids))
                     yield from read_split(source, split, pass_id, ctx)
                 else:
-                    yield from source.read(split, ctx)
+                    yield from ctx.read(split)
 
         ctx.pass_keys = pass_ids
+        ctx.source = source
         return _stages.compose(read, self.worker_stages, ctx)((epoch,))
 
     def run_consumer(self, elements: Iterator[Any], epoch: int,

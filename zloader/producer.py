@@ -33,6 +33,7 @@ import zmq
 
 from zloader import codec
 from zloader._defaults import STAGES
+from zloader.errors import CodecError, PipelineError
 from zloader.lineage import Assigned, encode_origins, unpack
 from zloader.stages import Context
 from zloader.transport.protocol import error_object
@@ -89,7 +90,7 @@ class Producer(threading.Thread):
             self._produce(pair)
         except _Stopped:
             pass
-        except Exception as exc:  # user code: reported to the consumers as a value
+        except BaseException as exc:  # user code (SystemExit too): reported as a value
             with contextlib.suppress(_Stopped):
                 self._put(pair, [b"F", json.dumps({"epoch": self.epoch,
                                                    "error": error_object(exc)}).encode()])
@@ -117,6 +118,9 @@ class Producer(threading.Thread):
         if self.replay is not None:
             elements = itertools.islice(elements, self.replay[1])
         batch: list[Any] = []
+        # Untracked elements: the source position each was taken at, to name one the
+        # codec rejects (tracked ones carry their origins).
+        places: list[Any] = []
         size = 0
         started = last = 0.0
         self._mark = time.perf_counter()
@@ -129,15 +133,17 @@ class Producer(threading.Thread):
             slow = now - last >= RECORD_LINGER / 2
             last = now
             batch.append(element)
+            if not ctx.track:
+                places.append(ctx.at)
             weight, gathered = _weigh(element[0] if ctx.track else element)
             size += weight
             if (len(batch) >= limit or size >= RECORD_BYTES or slow or gathered
                     or now - started >= RECORD_LINGER):
-                self._send(pair, batch, ctx)
-                batch, size = [], 0
+                self._send(pair, batch, places, ctx)
+                batch, places, size = [], [], 0
                 last = time.monotonic()  # waiting for credits is not production time
         if batch:
-            self._send(pair, batch, ctx)
+            self._send(pair, batch, places, ctx)
         self._account(time.perf_counter())
         end: dict[str, Any] = {"epoch": self.epoch, "skipped": ctx.skipped,
                                "dropped": ctx.dropped}
@@ -152,28 +158,21 @@ class Producer(threading.Thread):
         self._split_wait = 0.0
         self._mark = now
 
-    def _send(self, pair: zmq.Socket[Any], batch: list[Any], ctx: Context) -> None:
+    def _send(self, pair: zmq.Socket[Any], batch: list[Any], places: list[Any],
+              ctx: Context) -> None:
         clock = time.perf_counter
         entered = clock()
         self._account(entered)
+        record = self._encode(batch, places, ctx)
+        encoded = clock()
+        self.timing["encode"] += encoded - entered
+        if record is None:  # every element was skipped: their origins go with the next
+            self._mark = encoded
+            return
+        head, buffers = record
         while not self.pool.acquire(timeout=0.1):
             if self.stop.is_set():
                 raise _Stopped
-        acquired = clock()
-        self.timing["blocked"] += acquired - entered
-        fields: dict[str, Any] = {"epoch": self.epoch, "count": len(batch),
-                                  "skipped": ctx.skipped}
-        if ctx.track:
-            origins = encode_origins(batch, ctx.loose)
-            buffers = [*codec.encode([t[0] for t in batch]), *origins]
-            used = np.unique(np.frombuffer(origins[1], np.int64)[0::3]).tolist()
-            fields["origins"] = {"passes": _pass_table(ctx, used), "ends": ctx.ends}
-            ctx.loose, ctx.ends = [], []
-        else:
-            buffers = codec.encode(batch)
-        head = json.dumps(fields).encode()
-        encoded = clock()
-        self.timing["encode"] += encoded - acquired
         outgoing = Outgoing(buffers, any(isinstance(b, codec.Gather) for b in buffers))
         self.outbox.append(outgoing)
         self._put(pair, [b"R", head])
@@ -183,6 +182,48 @@ class Producer(threading.Thread):
                     raise _Stopped
         self._mark = clock()
         self.timing["blocked"] += self._mark - encoded
+
+    def _encode(self, batch: list[Any], places: list[Any],
+                ctx: Context) -> tuple[bytes, list[Any]] | None:
+        """The head and buffers of the record of ``batch``; None when every element was
+        skipped because the codec rejects it (see :meth:`_encodable`)."""
+        try:
+            buffers = codec.encode([t[0] for t in batch] if ctx.track else batch)
+        except CodecError:
+            batch = self._encodable(batch, places, ctx)
+            if not batch:
+                return None
+            buffers = codec.encode([t[0] for t in batch] if ctx.track else batch)
+        fields: dict[str, Any] = {"epoch": self.epoch, "count": len(batch),
+                                  "skipped": ctx.skipped}
+        if ctx.track:
+            origins = encode_origins(batch, ctx.loose)
+            buffers.extend(origins)
+            used = np.unique(np.frombuffer(origins[1], np.int64)[0::3]).tolist()
+            fields["origins"] = {"passes": _pass_table(ctx, used), "ends": ctx.ends}
+            ctx.loose, ctx.ends = [], []
+        return json.dumps(fields).encode(), buffers
+
+    def _encodable(self, batch: list[Any], places: list[Any], ctx: Context) -> list[Any]:
+        """The elements of ``batch`` the codec accepts. A rejected one is skipped and
+        counted (``on_error="skip"``) or raised as the PipelineError of the stage that made
+        it, naming where in the input it came from (not its place in the record)."""
+        stages = self.task.plan.worker_stages
+        stage = stages[-1].name if stages else self.task.plan.pipeline.source.name
+        kept = []
+        for at, element in enumerate(batch):
+            try:
+                codec.encode(element[0] if ctx.track else element)
+            except CodecError as exc:
+                if not ctx.skip_errors:
+                    where = ctx.where(element, len(stages) + 1,
+                                      None if ctx.track else places[at])
+                    raise PipelineError.from_exception(exc, stage, where) from None
+                ctx.skipped += 1
+                ctx.drop(element)
+                continue
+            kept.append(element)
+        return kept
 
     def _feed(self, pair: zmq.Socket[Any], key: tuple[int, ...]) -> Iterator[Any]:
         if self.replay is not None:

@@ -10,6 +10,7 @@ yields the elements of one split, and ``identity()`` is what its fingerprint has
 from __future__ import annotations
 
 import glob
+import itertools
 import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -21,7 +22,7 @@ import numpy as np
 from zloader import _check
 from zloader._defaults import DEFAULT_SPLITS
 from zloader._seeding import Key, make_rng
-from zloader.errors import PipelineError
+from zloader.errors import PipelineError, passes_through
 
 __all__ = [
     "ArraysSource",
@@ -41,26 +42,39 @@ class ErrorPolicy(Protocol):
     skipped: int
 
 
-def guarded(make: Callable[[], Iterable[Any]], stage: str, context: str = "",
+def guarded(make: Callable[[], Iterable[Any]], stage: str, where: Callable[[int], str],
             policy: ErrorPolicy | None = None) -> Iterator[Any]:
     """Iterate ``make()``, turning any exception from user code into a PipelineError (or,
     when ``policy`` skips errors, counting it and ending this iterable: a generator cannot
-    go on after it raised)."""
+    go on after it raised). ``SystemExit`` and ``GeneratorExit`` from user code count as
+    its failures too (see :func:`~zloader.errors.passes_through`); only the user code is
+    guarded, not this generator's own ``yield`` (where ``close()`` throws GeneratorExit).
+    ``where(index)`` names the element being read in the error."""
     try:
         iterator = iter(make())
-        while True:
-            try:
-                item = next(iterator)
-            except StopIteration:
-                return
-            yield item
-    except GeneratorExit:
-        raise
-    except Exception as exc:
-        if policy is not None and policy.skip_errors:
-            policy.skipped += 1
+    except BaseException as exc:
+        _failed(exc, stage, where(0), policy)
+        return
+    for index in itertools.count():
+        try:
+            item = next(iterator)
+        except StopIteration:
             return
-        raise PipelineError.from_exception(exc, stage, context) from exc
+        except BaseException as exc:
+            _failed(exc, stage, where(index), policy)
+            return
+        yield item
+
+
+def _failed(exc: BaseException, stage: str, context: str, policy: ErrorPolicy | None) -> None:
+    """User code of a source raised ``exc``: count it when ``policy`` skips errors, else
+    raise the stage's PipelineError (a main-thread KeyboardInterrupt propagates as it is)."""
+    if passes_through(exc):
+        raise exc
+    if policy is not None and policy.skip_errors:
+        policy.skipped += 1
+        return
+    raise PipelineError.from_exception(exc, stage, context) from exc
 
 
 def split_order(num_splits: int, shuffle: bool, seed: int | None, entropy: int,
@@ -106,6 +120,11 @@ class Source:
     def describe(self) -> str:
         return self.name
 
+    def locate(self, split: int, index: int) -> str:
+        """Where element ``index`` of split ``split`` is in the input, for error messages
+        (``"split 2, index 3"``; a file's path, a dataset's index where there is one)."""
+        return f"split {split}, index {index}"
+
     def split_order(self, key: Key, entropy: int) -> Sequence[int]:
         """The splits of one pass, in reading order; ``key`` names the pass (epoch, repeats)."""
         return split_order(self.num_splits, self.shuffle_splits, self.seed, entropy, key)
@@ -132,6 +151,10 @@ class _IndexedSource(Source):
     def read(self, split: int, policy: ErrorPolicy | None = None) -> Iterator[Any]:
         start, stop = self.split_range(split)
         return self._rows(start, stop, policy)
+
+    def locate(self, split: int, index: int) -> str:
+        start = self.split_range(split)[0]
+        return f"split {split}, index {index} (element {start + index} of {self.name})"
 
     def _rows(self, start: int, stop: int, policy: ErrorPolicy | None) -> Iterator[Any]:
         raise NotImplementedError
@@ -195,12 +218,19 @@ class TorchSource(_IndexedSource):
         for index in range(start, stop):
             try:
                 item = dataset[index]
-            except Exception as exc:
+            except BaseException as exc:
+                if passes_through(exc):
+                    raise
                 if policy is not None and policy.skip_errors:
                     policy.skipped += 1
                     continue
-                raise PipelineError.from_exception(exc, self.name, f"index {index}") from exc
+                raise PipelineError.from_exception(exc, self.name,
+                                                   f"dataset index {index}") from exc
             yield item
+
+    def locate(self, split: int, index: int) -> str:
+        start = self.split_range(split)[0]
+        return f"dataset index {start + index} (split {split}, index {index})"
 
     def identity(self) -> tuple[Any, ...]:
         content = self.dataset if self.version is None else None
@@ -221,7 +251,11 @@ class FilesSource(Source):
 
     def read(self, split: int, policy: ErrorPolicy | None = None) -> Iterator[Any]:
         path = self.files[split][0]
-        return guarded(lambda: self.reader(path), self.name, f"file {path}", policy)
+        return guarded(lambda: self.reader(path), self.name,
+                       lambda index: self.locate(split, index), policy)
+
+    def locate(self, split: int, index: int) -> str:
+        return f"file {self.files[split][0]}, index {index} (split {split})"
 
     def identity(self) -> tuple[Any, ...]:
         if self.version is None:
@@ -241,7 +275,11 @@ class GeneratorSource(Source):
 
     def read(self, split: int, policy: ErrorPolicy | None = None) -> Iterator[Any]:
         value = self.splits[split]
-        return guarded(lambda: self.fn(value), self.name, f"split {value!r}", policy)
+        return guarded(lambda: self.fn(value), self.name,
+                       lambda index: self.locate(split, index), policy)
+
+    def locate(self, split: int, index: int) -> str:
+        return f"split {self.splits[split]!r:.80}, index {index} (split number {split})"
 
     def identity(self) -> tuple[Any, ...]:
         fn = self.fn if self.version is None else None

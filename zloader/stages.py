@@ -8,6 +8,10 @@ repetition, while stages below see one pass.
 
 Exceptions from user functions leave a stage as :class:`~zloader.errors.PipelineError`
 naming the stage; errors in the data a stage receives (``batch`` of unequal shapes) do too.
+That includes ``SystemExit`` and ``GeneratorExit`` (which would otherwise end a worker's
+producer thread without a word), and a ``KeyboardInterrupt`` raised on any thread but the
+main one; on the main thread a ``KeyboardInterrupt`` may be Ctrl-C and propagates as it is
+(:func:`~zloader.errors.passes_through`).
 """
 
 from __future__ import annotations
@@ -25,12 +29,15 @@ import numpy as np
 from zloader import collate
 from zloader._defaults import SHUFFLE_DRAW_CHUNK
 from zloader._seeding import Key, make_rng
-from zloader.errors import PipelineError
+from zloader.errors import PipelineError, passes_through
 
 __all__ = ["Batch", "BucketByLength", "Context", "Filter", "Map", "Repeat", "Run", "Shuffle",
            "Skip", "Stage", "Take", "Unbatch", "compose"]
 
 Run = Callable[[Key], Iterator[Any]]
+
+ORIGINS_NAMED = 4
+"""Origins an error message names, of a batch's many."""
 
 
 @dataclass
@@ -57,6 +64,10 @@ class Context:
             record so the consumer counts them as accounted for.
         ends: ``[pass id, split, count, digest]`` of each split read, for the next record.
         pass_keys: the pass ids used in origins, by pass key.
+        source: the source being read (its splits name elements in error messages).
+        at: (split, index) of the element the source yielded last (untracked runs).
+        aligned: the last stage position whose input still comes in the source's order,
+            one element at a time, so that ``at`` names the element it works on.
     """
 
     entropy: int
@@ -71,6 +82,9 @@ class Context:
     loose: list[int] = field(default_factory=list)
     ends: list[list[int]] = field(default_factory=list)
     pass_keys: dict[Key, int] = field(default_factory=dict)
+    source: Any = None
+    at: tuple[int, int] | None = None
+    aligned: int = 0
 
     def rng(self, seed: int | None, position: int, key: Key) -> Any:
         if self.worker:
@@ -89,6 +103,36 @@ class Context:
             return fn
         return lambda tagged: (fn(tagged[0]), tagged[1])
 
+    def read(self, split: int) -> Iterator[Any]:
+        """The elements of ``split`` of :attr:`source`, noting in :attr:`at` where each
+        came from."""
+        for index, element in enumerate(self.source.read(split, self)):
+            self.at = (split, index)
+            yield element
+
+    def where(self, element: Any, position: int, at: tuple[int, int] | None = None) -> str:
+        """Where in the input ``element``, met by the stage at ``position``, came from
+        (``"split 2, index 3"``), or ``""`` when that is not known: an untracked element
+        after a stage that reorders or groups elements. ``at`` overrides :attr:`at` (the
+        position when the element was taken, for work done later)."""
+        if self.source is None:
+            return ""
+        if self.track:
+            return self._origins(element[1])
+        at = at if at is not None else self.at
+        if position > self.aligned or at is None:
+            return ""
+        return str(self.source.locate(*at))
+
+    def _origins(self, origin: tuple[int, ...]) -> str:
+        places = [self.source.locate(origin[i + 1], origin[i + 2])
+                  for i in range(0, min(len(origin), 3 * ORIGINS_NAMED), 3)]
+        count = len(origin) // 3
+        if count <= 1:
+            return "".join(places)
+        more = f"; and {count - len(places)} more" if count > len(places) else ""
+        return f"{count} elements: " + "; ".join(places) + more
+
     def stack(self, elements: list[Any], pad_value: Any = None) -> Any:
         """``collate.stack`` of ``elements``; a tracked batch holds its rows' origins."""
         if not self.track:
@@ -98,10 +142,15 @@ class Context:
 
 
 def compose(read: Run, stages: tuple[Stage, ...], ctx: Context, first_position: int = 1) -> Run:
-    """Chain ``stages`` on top of the ``read`` run; positions count from ``first_position``."""
+    """Chain ``stages`` on top of the ``read`` run; positions count from ``first_position``.
+    Sets ``ctx.aligned``: ``first_position + len(stages)`` when the last stage's output
+    still comes in the source's order."""
     run = read
+    ctx.aligned = first_position + len(stages)
     for position, stage in enumerate(stages, first_position):
         run = stage.wrap(run, position, ctx)
+        if not stage.keeps_order:
+            ctx.aligned = min(ctx.aligned, position)
     return run
 
 
@@ -112,6 +161,12 @@ class Stage:
     kind: ClassVar[str] = "stage"
     name: str
     version: str | None = None
+
+    @property
+    def keeps_order(self) -> bool:
+        """Whether this stage passes elements on in the order it takes them, each as soon
+        as it took it (a map, a filter), so the source's position names them."""
+        return False
 
     def wrap(self, upstream: Run, position: int, ctx: Context) -> Run:
         """Return the run of this stage on top of ``upstream``."""
@@ -127,8 +182,22 @@ class Stage:
         """What the fingerprint hashes for this stage (never its name)."""
         raise NotImplementedError
 
-    def _fails(self, exc: Exception) -> PipelineError:
-        return PipelineError.from_exception(exc, self.name)
+    def _fails(self, exc: BaseException, where: str = "") -> PipelineError:
+        return PipelineError.from_exception(exc, self.name, where)
+
+    def _user_failed(self, exc: BaseException, element: Any, ctx: Context, position: int,
+                     at: tuple[int, int] | None = None, here: bool = True) -> None:
+        """User code raised ``exc`` on ``element``: count and drop the element when the run
+        skips errors, else raise the stage's PipelineError naming where the element came
+        from (``at``: see :meth:`Context.where`). ``here``: the code ran in this thread (a
+        main-thread KeyboardInterrupt, maybe Ctrl-C, then propagates as it is)."""
+        if here and passes_through(exc):
+            raise exc
+        if ctx.skip_errors:
+            ctx.skipped += 1
+            ctx.drop(element)
+            return
+        raise self._fails(exc, ctx.where(element, position, at)) from exc
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -137,49 +206,49 @@ class Map(Stage):
     fn: Callable[[Any], Any]
     num_parallel_calls: int = 1
 
+    @property
+    def keeps_order(self) -> bool:
+        return self.num_parallel_calls == 1  # the pool reads ahead of what it yields
+
     def transform(self, elements: Iterator[Any], key: Key, position: int,
                   ctx: Context) -> Iterator[Any]:
         if self.num_parallel_calls > 1:
-            yield from self._parallel(elements, ctx)
+            yield from self._parallel(elements, position, ctx)
             return
         fn = ctx.values(self.fn)
         for element in elements:
             try:
                 result = fn(element)
-            except Exception as exc:
-                if ctx.skip_errors:
-                    ctx.skipped += 1
-                    ctx.drop(element)
-                    continue
-                raise self._fails(exc) from exc
+            except BaseException as exc:  # SystemExit too: it must not end a worker's thread
+                self._user_failed(exc, element, ctx, position)
+                continue
             yield result
 
-    def _parallel(self, elements: Iterator[Any], ctx: Context) -> Iterator[Any]:
+    def _parallel(self, elements: Iterator[Any], position: int,
+                  ctx: Context) -> Iterator[Any]:
         """Up to ``num_parallel_calls`` calls in flight on threads; results in input order."""
-        pending: deque[tuple[Future[Any], Any]] = deque()
+        pending: deque[tuple[Future[Any], Any, tuple[int, int] | None]] = deque()
         fn = ctx.values(self.fn)
         with ThreadPoolExecutor(self.num_parallel_calls,
                                 thread_name_prefix=f"zloader {self.name}") as pool:
             try:
                 for element in elements:
-                    pending.append((pool.submit(fn, element), element))
+                    pending.append((pool.submit(fn, element), element, ctx.at))
                     if len(pending) >= self.num_parallel_calls:
-                        yield from self._result(*pending.popleft(), ctx)
+                        yield from self._result(*pending.popleft(), position, ctx)
                 while pending:
-                    yield from self._result(*pending.popleft(), ctx)
+                    yield from self._result(*pending.popleft(), position, ctx)
             finally:
-                for future, _ in pending:
+                for future, _, _ in pending:
                     future.cancel()
 
-    def _result(self, future: Future[Any], element: Any, ctx: Context) -> Iterator[Any]:
+    def _result(self, future: Future[Any], element: Any, at: tuple[int, int] | None,
+                position: int, ctx: Context) -> Iterator[Any]:
         try:
             result = future.result()
-        except Exception as exc:
-            if ctx.skip_errors:
-                ctx.skipped += 1
-                ctx.drop(element)
-                return
-            raise self._fails(exc) from exc
+        except BaseException as exc:  # raised on a pool thread: never this thread's Ctrl-C
+            self._user_failed(exc, element, ctx, position, at, here=False)
+            return
         yield result
 
     def identity(self) -> tuple[Any, ...]:
@@ -191,6 +260,10 @@ class Filter(Stage):
     kind: ClassVar[str] = "filter"
     predicate: Callable[[Any], Any]
 
+    @property
+    def keeps_order(self) -> bool:
+        return True
+
     def transform(self, elements: Iterator[Any], key: Key, position: int,
                   ctx: Context) -> Iterator[Any]:
         predicate = self.predicate
@@ -199,12 +272,9 @@ class Filter(Stage):
         for element in elements:
             try:
                 keep = bool(predicate(element))
-            except Exception as exc:
-                if ctx.skip_errors:
-                    ctx.skipped += 1
-                    ctx.drop(element)
-                    continue
-                raise self._fails(exc) from exc
+            except BaseException as exc:
+                self._user_failed(exc, element, ctx, position)
+                continue
             if keep:
                 yield element
             else:
@@ -301,12 +371,9 @@ class BucketByLength(Stage):
         for element in elements:
             try:
                 length = self._length(element[0] if ctx.track else element)
-            except Exception as exc:
-                if ctx.skip_errors:
-                    ctx.skipped += 1
-                    ctx.drop(element)
-                    continue
-                raise self._fails(exc) from exc
+            except BaseException as exc:
+                self._user_failed(exc, element, ctx, position)
+                continue
             index = bisect.bisect_right(self.boundaries, length)
             bucket = buckets[index]
             bucket.append(element)
@@ -380,6 +447,10 @@ class Repeat(Stage):
     kind: ClassVar[str] = "repeat"
     count: int | None = None
 
+    @property
+    def keeps_order(self) -> bool:
+        return True
+
     def wrap(self, upstream: Run, position: int, ctx: Context) -> Run:
         count = self.count
 
@@ -402,6 +473,10 @@ class Take(Stage):
     kind: ClassVar[str] = "take"
     count: int
 
+    @property
+    def keeps_order(self) -> bool:
+        return True
+
     def transform(self, elements: Iterator[Any], key: Key, position: int,
                   ctx: Context) -> Iterator[Any]:
         if self.count == 0:
@@ -419,6 +494,10 @@ class Take(Stage):
 class Skip(Stage):
     kind: ClassVar[str] = "skip"
     count: int
+
+    @property
+    def keeps_order(self) -> bool:
+        return True
 
     def transform(self, elements: Iterator[Any], key: Key, position: int,
                   ctx: Context) -> Iterator[Any]:

@@ -356,7 +356,7 @@ class _BatchSource(Source):
     def _get(self, index: Any) -> Any:
         try:
             return self.dataset[index]
-        except Exception as exc:
+        except BaseException as exc:  # SystemExit too: the consumer must hear of it
             raise PipelineError.from_exception(exc, "dataset", f"index {index!r}") from exc
 
     def _collate(self, samples: list[Any]) -> Any:
