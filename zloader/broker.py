@@ -175,6 +175,9 @@ class Broker:
         except ProtocolError as exc:
             self._warn(identity, f"dropped a malformed message: {exc}")
             return []
+        except Exception:  # decode turns everything into ProtocolError; never trust that
+            self._warn(identity, "dropped an undecodable message", exc_info=True)
+            return []
         try:
             return self._dispatch(identity, msg, now)
         except ProtocolError as exc:

@@ -430,7 +430,7 @@ class Loader:
         ``share_skipped`` (a shared job's elements this trainer lost by falling behind the
         window with ``share_lag="skip"``, or to a dead worker), ``share_replayed`` (elements
         made again for this trainer because they had left the window when it joined),
-        ``rejected`` (corrupt records dropped, each logged with its worker),
+        ``rejected`` (corrupt records and malformed messages dropped, each logged),
         ``stage_seconds`` (where the time goes: the job's workers' seconds in ``pipeline``,
         ``splits``, ``encode`` and ``blocked``, as their broker last reported them, and
         this consumer's ``wait``; see zloader/_defaults.py STAGES). With
