@@ -5,6 +5,7 @@ as a worker."""
 from __future__ import annotations
 
 import os
+import pathlib
 import stat
 import subprocess
 import time
@@ -168,3 +169,43 @@ def test_plain_data_workers_serve_key_holders_only(keys):
     no_keys = subprocess.run([os.path.join(BIN, "zloader-worker"), "--broker", address,
                               "--plain-data"], capture_output=True, text=True, timeout=30)
     assert no_keys.returncode == 2 and "--plain-data needs --keys" in no_keys.stderr
+
+
+NOBODY = 65534  # another local user (the tests run as root, who may chown)
+
+
+def _foreign(path: pathlib.Path, how: str) -> None:
+    """Make ``path`` (a directory) one another local user could swap files in."""
+    if how == "owner":
+        os.chown(path, NOBODY, NOBODY)
+    else:
+        os.chmod(path, 0o777)
+
+
+@pytest.mark.parametrize("how", ["owner", "mode"])
+def test_directories_another_user_could_write_are_refused(tmp_path, how):
+    """A keys directory or a --work-dir made beforehand by another local user (or open to
+    every user) is refused, naming the directory, what is wrong and the fix: keygen exits
+    non-zero, Keys.load raises, zloader-broker exits before it journals anything."""
+    found, fix = ("uid 65534", "chown") if how == "owner" else ("mode 777", "chmod 700")
+    made = tmp_path / "made"
+    made.mkdir(mode=0o700)
+    _foreign(made, how)
+    done = subprocess.run([os.path.join(BIN, "zloader"), "keygen", str(made)],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2 and not any(made.iterdir())
+    assert str(made) in done.stderr and found in done.stderr and fix in done.stderr
+    keys = tmp_path / "keys"
+    keygen(keys)
+    _foreign(keys, how)
+    with pytest.raises(KeysError, match=f"{found}.*{fix}"):
+        Keys.load(keys)
+    work = tmp_path / "work"
+    work.mkdir(mode=0o700)
+    _foreign(work, how)
+    broker = subprocess.run([os.path.join(BIN, "zloader-broker"), "--bind",
+                             f"tcp://127.0.0.1:{free_port()}", "--work-dir", str(work)],
+                            capture_output=True, text=True, timeout=20)
+    assert broker.returncode == 2, broker.stderr
+    assert str(work) in broker.stderr and found in broker.stderr and fix in broker.stderr
+    assert not any(work.iterdir())

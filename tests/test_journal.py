@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import threading
 import time
@@ -158,3 +159,22 @@ def test_a_worker_killed_while_the_broker_is_down_loses_and_repeats_nothing(tmp_
     finally:
         for process in [*workers, broker, *restarted]:
             stop(process)
+
+
+def test_the_journal_and_pipelines_are_files_only_the_broker_user_can_read(tmp_path):
+    """journal.jsonl and each job's pickled pipeline are mode 0600, also after a
+    compaction, and a journal another user could write is made 0600 when reopened."""
+    def modes() -> set[int]:
+        files = [tmp_path / "journal.jsonl", *(tmp_path / "pipelines").iterdir()]
+        return {stat.S_IMODE(path.stat().st_mode) for path in files}
+
+    state = State(journal=Journal(tmp_path))
+    ready(state, "w1")
+    task_of(register(state, "c1"))
+    assert len(os.listdir(tmp_path / "pipelines")) == 1 and modes() == {0o600}
+    state.journal.compact(state.snapshot())
+    assert modes() == {0o600}
+    state.journal.close()
+    os.chmod(tmp_path / "journal.jsonl", 0o666)
+    Journal(tmp_path).close()
+    assert modes() == {0o600}

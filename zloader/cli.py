@@ -207,7 +207,8 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
                         help="a directory for the broker's files, created if missing: "
                              "journal.jsonl and pipelines/ (its state: a broker restarted on "
                              "the same DIR resumes every job), broker.log (its log) and "
-                             "broker.json (address and pid, for scripts). Without it a "
+                             "broker.json (address and pid, for scripts); one another "
+                             "user owns or may write to is refused. Without it a "
                              "restarted broker starts its jobs over")
     parser.add_argument("--keys", default=None, metavar="DIR",
                         help="a keys directory (zloader keygen DIR): only peers holding an "
@@ -256,7 +257,7 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
             "no --keys: any user who can reach %s (any user of this host, for loopback) can "
             "submit code for the workers to run; see `zloader keygen`", args.bind)
     if args.work_dir:
-        _work_dir(args.work_dir, args.bind)
+        _work_dir(parser, args.work_dir, args.bind)
     metrics = (args.metrics_bind, args.metrics_port) if args.metrics_port else None
     broker = Broker(args.bind, heartbeat=args.heartbeat, keys=keys, work_dir=args.work_dir,
                     metrics=metrics, cooldown=args.autoscale_cooldown)
@@ -285,8 +286,15 @@ def _keys(parser: argparse.ArgumentParser, path: str | None) -> Any:
         parser.error(str(exc))
 
 
-def _work_dir(path: str, bind: str) -> None:
-    os.makedirs(path, mode=0o700, exist_ok=True)
+def _work_dir(parser: argparse.ArgumentParser, path: str, bind: str) -> None:
+    """Make or check ``--work-dir`` (zloader.journal.work_dir), log to it and note the
+    broker's address there; one another user could write to is a usage error."""
+    from zloader.journal import WorkDirError, work_dir
+
+    try:
+        work_dir(path)
+    except WorkDirError as exc:
+        parser.error(str(exc))
     handler = logging.FileHandler(os.path.join(path, "broker.log"))
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     logging.getLogger().addHandler(handler)
