@@ -8,8 +8,12 @@ consumers reconnect by themselves and carry on with the job and task they had.
 
 Each line is written and flushed before the messages that follow from it are sent, so a
 killed process loses nothing it acknowledged; an operating-system crash may lose the last
-lines (they are not fsync'ed). A torn last line is ignored on replay. When a job is
-collected the journal is rewritten without it, so it does not grow without bound.
+lines (they are not fsync'ed). When a job is collected the journal is rewritten without
+it, so it does not grow without bound.
+
+Replay trusts nothing it reads: a torn line, one that is not UTF-8 JSON, or an event whose
+fields are missing or of the wrong type (:data:`EVENTS` lists each event's fields) is
+skipped, and its line number kept in :attr:`Journal.skipped` for one warning.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import logging
 import os
 import pathlib
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 from zloader.errors import ZloaderError
@@ -31,6 +35,108 @@ log = logging.getLogger("zloader.broker")
 
 COMPACT_LINES = 100_000
 """Rewrite the journal without collected jobs once it has this many lines."""
+
+Check = Callable[[Any], bool]
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _text(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _flag(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _object(value: Any) -> bool:
+    return isinstance(value, dict)
+
+
+def _optional(check: Check) -> Check:
+    return lambda value: value is None or check(value)
+
+
+def _key(value: Any) -> bool:
+    """A pass key: [epoch, repeat, ...]."""
+    return isinstance(value, list) and bool(value) and all(map(_count, value))
+
+
+def _splits(value: Any) -> bool:
+    return isinstance(value, list) and all(map(_count, value))
+
+
+def _holders(value: Any) -> bool:
+    """Worker id -> the splits it holds."""
+    return isinstance(value, dict) and all(map(_splits, value.values()))
+
+
+def _skips(value: Any) -> bool:
+    """Split (as JSON text) -> what to skip when it is read again."""
+    return isinstance(value, dict) and all(
+        key.isdigit() and isinstance(skip, dict) for key, skip in value.items())
+
+
+def _origins(value: Any) -> bool:
+    """[[split, pass key], ...]: the passes re-queued splits belong to."""
+    return isinstance(value, list) and all(
+        isinstance(pair, list) and len(pair) == 2 and _count(pair[0]) and _key(pair[1])
+        for pair in value)
+
+
+def _options(value: Any) -> bool:
+    """A job's options (zloader.state.State.register)."""
+    return (isinstance(value, dict) and _text(value.get("sharding"))
+            and _flag(value.get("deterministic")) and _text(value.get("on_error"))
+            and _count(value.get("num_workers"))
+            and all(_count(value.get(name, 0)) for name in ("balanced", "num_consumers"))
+            and _flag(value.get("exactly_once", False)))
+
+
+EVENTS: dict[str, dict[str, Check]] = {
+    "worker": {"id": _text, "host": _text, "host_id": _text, "pid": _count,
+               "endpoint": _text, "prefer?": _optional(_text), "plain_data?": _flag},
+    "job": {"id": _text, "fingerprint": _text, "name": _optional(_text), "options": _options,
+            "num_splits": _count, "shuffle_splits": _flag, "seed": _optional(_integer),
+            "width": _count, "source_data": _optional(_object), "entropy": _integer},
+    "share": {"job": _text, "share": _object},
+    "rounds": {"job": _text, "size": _count},
+    "task": {"job": _text, "task": _text, "worker": _text, "index": _count},
+    "split": {"job": _text, "pass": _key, "split": _count, "worker": _text,
+              "origin?": _key},
+    "requeue": {"job": _text, "pass": _key, "split": _count, "skip": _object},
+    "resume": {"job": _text, "epoch": _count, "delivered": lambda value: True},
+    "done": {"job": _text, "pass": _key, "worker": _text},
+    "epoch": {"job": _text, "epoch": _count},
+    "pass": {"job": _text, "pass": _key, "order": _splits, "requeued": _splits,
+             "handed": _holders, "read": _holders, "skips": _skips, "origins": _origins},
+    "failed": {"job": _text, "error": _object},
+    "end": {"job": _text},
+    "gone": {"worker": _text, "died?": _flag, "fenced?": _flag},
+}
+"""Each event kind's fields and their checks (``name?``: may be absent). ``resume``'s
+``delivered`` is checked where it is read (``Ledger.merge_json``)."""
+
+
+def well_formed(event: Any) -> bool:
+    """Whether ``event`` is an object of a known kind whose fields pass :data:`EVENTS`."""
+    kind = event.get("e") if isinstance(event, dict) else None
+    fields = EVENTS.get(kind) if isinstance(kind, str) else None
+    if fields is None:
+        return False
+    for name, check in fields.items():
+        if name.endswith("?"):
+            if name[:-1] in event and not check(event[name[:-1]]):
+                return False
+        elif name not in event or not check(event[name]):
+            return False
+    return True
 
 
 class WorkDirError(ZloaderError, PermissionError):
@@ -70,6 +176,7 @@ class Journal:
         self.root = work_dir(directory)
         self.path = self.root / "journal.jsonl"
         self.lines = 0
+        self.skipped: list[int] = []  # numbers of the lines the last replay skipped
         self._file = self._open()
 
     def _open(self) -> IO[str]:
@@ -86,19 +193,24 @@ class Journal:
                 os.fchmod(descriptor, 0o600)
         return open(descriptor, "a", encoding="utf-8")
 
-    def replay(self) -> Iterator[dict[str, Any]]:
-        """The events recorded so far, in order (a torn last line is skipped)."""
-        with open(self.path, encoding="utf-8") as f:
+    def replay(self) -> Iterator[tuple[int, dict[str, Any]]]:
+        """The well-formed events recorded so far, in order, with their line numbers.
+
+        Every other line (torn, not UTF-8, not JSON, not a :func:`well_formed` event) is
+        skipped; its number goes to :attr:`skipped`.
+        """
+        self.skipped = []
+        with open(self.path, "rb") as f:
             for number, line in enumerate(f, 1):
                 try:
                     event = json.loads(line)
-                except json.JSONDecodeError:
-                    log.warning("journal %s: line %d is torn or corrupt; ignored", self.path,
-                                number)
+                except Exception:  # not UTF-8, not JSON, nested too deep: skipped
+                    event = None
+                if not well_formed(event):
+                    self.skipped.append(number)
                     continue
-                if isinstance(event, dict) and isinstance(event.get("e"), str):
-                    self.lines += 1
-                    yield event
+                self.lines += 1
+                yield number, event
 
     def record(self, event: dict[str, Any]) -> None:
         self._file.write(json.dumps(event, separators=(",", ":")) + "\n")

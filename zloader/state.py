@@ -914,15 +914,23 @@ class State:
         if self.journal is None:
             return 0
         self._replaying = True
+        journal = self.journal
         try:
-            for event in self.journal.replay():
+            for number, event in journal.replay():
                 try:
                     self._apply(event, now)
-                except (KeyError, TypeError, ValueError) as exc:
-                    log.warning("journal: skipped an event it could not apply (%s): %s", exc,
-                                event)
+                except Exception:  # one bad line must not stop the broker
+                    log.debug("journal line %d: cannot apply %s", number, event,
+                              exc_info=True)
+                    journal.skipped.append(number)
         finally:
             self._replaying = False
+        if journal.skipped:
+            shown = ", ".join(map(str, journal.skipped[:20]))
+            log.warning("journal %s: skipped %d lines (%s%s) that are torn, not UTF-8 JSON or "
+                        "events it could not apply; the rest was restored", journal.path,
+                        len(journal.skipped), shown, ", ..." if len(journal.skipped) > 20
+                        else "")
         for job in self.jobs.values():
             job.idle_since = now  # collected unless a consumer comes back
             job.scaler.cooldown = self.cooldown
@@ -941,6 +949,8 @@ class State:
             if blob is None:
                 return
             options = event["options"]
+            if options["sharding"] not in SHARDING_MODES:
+                raise ValueError(f"unknown sharding {options['sharding']!r}")
             self.jobs[event["id"]] = Job(
                 event["id"], event["fingerprint"], event["name"], options["sharding"],
                 options["deterministic"], options["on_error"], options, blob,
