@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from tests.service import BIN, HEARTBEAT, free_port, start_worker, status, stop, wait_for
 from tests.test_state import ready, register, split, task_of
-from zloader import Loader, Pipeline
+from zloader import Loader, Pipeline, ZloaderError
 from zloader.journal import Journal
 from zloader.state import State
 from zloader.transport.protocol import Command, Message
@@ -279,3 +279,27 @@ def test_a_broker_restarts_on_a_journal_with_corrupt_lines(tmp_path):
     log_text = (tmp_path / "broker.log").read_text()
     assert log_text.count("skipped") == 1
     assert f"skipped 3 lines (2, 4, {len(lines)})" in log_text
+
+
+def test_a_full_work_dir_fails_the_consumers_loudly_and_the_broker_keeps_serving(tmp_path):
+    """The journal's disk is full (journal.jsonl is /dev/full: every write fails with
+    ENOSPC): a Loader raises a ZloaderError naming the work dir and the errno text within
+    its timeout, and the broker stays up and answers STATUS."""
+    work_dir = tmp_path / "broker"
+    work_dir.mkdir(mode=0o700)
+    (work_dir / "journal.jsonl").symlink_to("/dev/full")
+    address = f"tcp://127.0.0.1:{free_port()}"
+    broker = start_broker(address, str(work_dir))
+    worker = start_worker(address)
+    try:
+        wait_for(lambda: len((status(address, 1.0) or {"workers": []})["workers"]) == 1,
+                 what="the broker and its worker")
+        start = time.monotonic()
+        with Loader(Pipeline.range(1000), broker=address, timeout=20) as loader, \
+                pytest.raises(ZloaderError, match=f"{work_dir}.*No space left on device"):
+            list(loader)
+        assert time.monotonic() - start < 20
+        assert broker.poll() is None and status(address) is not None
+    finally:
+        stop(worker)
+        stop(broker)

@@ -151,6 +151,7 @@ class Broker:
                 next_beat = now + state.heartbeat
                 self._send(socket, state.tick(now) + state.heartbeats())
                 self.snapshot = state.metrics(now)
+            self._send(socket, state.journal_errors())  # a full work dir: say so
 
     def _send(self, socket: zmq.Socket[Any], messages: list[Out]) -> None:
         for out in messages:

@@ -18,6 +18,8 @@ skipped, and its line number kept in :attr:`Journal.skipped` for one warning.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
@@ -168,6 +170,12 @@ def work_dir(path: str | os.PathLike[str]) -> pathlib.Path:
 class Journal:
     """Append-only event log in a work directory (see :func:`work_dir` for its checks).
 
+    A write that fails (a full disk: ``ENOSPC``) is undone (the file is cut back to its
+    last whole line) and stops the journal: :attr:`failure` says why, naming the work dir,
+    and no later event is written, so the file stays a consistent prefix of the broker's
+    history. :meth:`record` and :meth:`save_pipeline` then return False; the broker tells
+    the consumers of the jobs concerned (``zloader.state.State.journal_errors``).
+
     Raises:
         WorkDirError: the directory, or a journal file in it, is another user's.
     """
@@ -177,9 +185,10 @@ class Journal:
         self.path = self.root / "journal.jsonl"
         self.lines = 0
         self.skipped: list[int] = []  # numbers of the lines the last replay skipped
-        self._file = self._open()
+        self.failure: str | None = None  # why writing stopped, once it has
+        self._fd = self._open()
 
-    def _open(self) -> IO[str]:
+    def _open(self) -> int:
         """The journal opened to append, mode 0600 (made so if it was not)."""
         descriptor = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         info = os.fstat(descriptor)
@@ -191,15 +200,18 @@ class Journal:
                                    "or give the broker a work dir of its own")
             if stat.S_IMODE(info.st_mode) != 0o600:
                 os.fchmod(descriptor, 0o600)
-        return open(descriptor, "a", encoding="utf-8")
+        return descriptor
 
     def replay(self) -> Iterator[tuple[int, dict[str, Any]]]:
         """The well-formed events recorded so far, in order, with their line numbers.
 
         Every other line (torn, not UTF-8, not JSON, not a :func:`well_formed` event) is
-        skipped; its number goes to :attr:`skipped`.
+        skipped; its number goes to :attr:`skipped`. A journal that is not a regular file
+        (a device, a pipe) holds nothing to replay.
         """
         self.skipped = []
+        if not self.path.is_file():
+            return
         with open(self.path, "rb") as f:
             for number, line in enumerate(f, 1):
                 try:
@@ -212,16 +224,48 @@ class Journal:
                 self.lines += 1
                 yield number, event
 
-    def record(self, event: dict[str, Any]) -> None:
-        self._file.write(json.dumps(event, separators=(",", ":")) + "\n")
-        self._file.flush()
+    def record(self, event: dict[str, Any]) -> bool:
+        """Append ``event`` as one line; False if it was not written (see :attr:`failure`)."""
+        if self.failure is not None:
+            return False
+        line = (json.dumps(event, separators=(",", ":")) + "\n").encode()
+        end = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            written = os.write(self._fd, line)
+            if written != len(line):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as exc:
+            with contextlib.suppress(OSError):  # a device or a pipe cannot be cut back
+                os.ftruncate(self._fd, end)
+            self._fail(exc)
+            return False
         self.lines += 1
+        return True
 
-    def save_pipeline(self, job: str, blob: bytes) -> None:
+    def _fail(self, exc: OSError) -> None:
+        """Stop writing: ``exc`` made a write fail."""
+        code = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+        self.failure = (f"the broker cannot write to its work dir {self.root} "
+                        f"({exc.strerror or exc}, {code}): its journal is incomplete, so a "
+                        "restarted broker could not resume its jobs; free space there (or "
+                        "give zloader-broker another --work-dir) and restart the broker")
+        log.error("%s", self.failure)
+
+    def save_pipeline(self, job: str, blob: bytes) -> bool:
+        """Keep a job's pickled pipeline (mode 0600); False if it was not written."""
+        if self.failure is not None:
+            return False
         path = self.root / "pipelines" / f"{job}.pickle"
-        with _private(path.with_suffix(".tmp"), "wb") as f:
-            f.write(blob)
-        os.replace(path.with_suffix(".tmp"), path)
+        tmp = path.with_suffix(".tmp")
+        try:
+            with _private(tmp, "wb") as f:
+                f.write(blob)
+            os.replace(tmp, path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            self._fail(exc)
+            return False
+        return True
 
     def load_pipeline(self, job: str) -> bytes | None:
         try:
@@ -233,18 +277,29 @@ class Journal:
         (self.root / "pipelines" / f"{job}.pickle").unlink(missing_ok=True)
 
     def compact(self, events: list[dict[str, Any]]) -> None:
-        """Replace the journal with ``events`` (the state as it is now)."""
+        """Replace the journal with ``events`` (the state as it is now); a stopped journal
+        stays as it is."""
+        if self.failure is not None:
+            return
         tmp = self.path.with_suffix(".tmp")
-        with _private(tmp, "w") as f:
-            for event in events:
-                f.write(json.dumps(event, separators=(",", ":")) + "\n")
-        self._file.close()
+        try:
+            with _private(tmp, "w") as f:
+                for event in events:
+                    f.write(json.dumps(event, separators=(",", ":")) + "\n")
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            self._fail(exc)
+            return
+        os.close(self._fd)
         os.replace(tmp, self.path)
-        self._file = self._open()
+        self._fd = self._open()
         self.lines = len(events)
 
     def close(self) -> None:
-        self._file.close()
+        """Close the file (safe to call twice)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 def _private(path: pathlib.Path, mode: str) -> IO[Any]:

@@ -165,6 +165,8 @@ class State:
         self.jobs: dict[str, Job] = {}
         self.peers: dict[bytes, tuple[str, str]] = {}  # identity -> ("worker"|"consumer", id)
         self.rejected = 0  # malformed or refused messages dropped (the broker counts them)
+        self._unjournaled: set[str] = set()  # jobs whose journal writes failed
+        self._told: set[str] = set()  # consumers told so (journal_errors)
 
     # --- peers ----------------------------------------------------------------------------
 
@@ -901,8 +903,32 @@ class State:
     # --- the journal (zloader/journal.py) -------------------------------------------------
 
     def _record(self, event: dict[str, Any]) -> None:
-        if self.journal is not None and not self._replaying:
-            self.journal.record(event)
+        if self.journal is not None and not self._replaying \
+                and not self.journal.record(event):
+            # Not written (a full disk): the job could not be resumed after a restart.
+            job = event.get("id") if event["e"] == "job" else event.get("job")
+            if isinstance(job, str):
+                self._unjournaled.add(job)
+
+    def journal_errors(self) -> list[Out]:
+        """ERROR, naming the work dir and the failure, to each consumer of a job whose
+        journal writes failed (once per consumer). Their Loaders raise it; the job and
+        the others go on in memory."""
+        if not self._unjournaled or self.journal is None:
+            return []
+        out = []
+        for job_id in list(self._unjournaled):
+            job = self.jobs.get(job_id)
+            if job is None:
+                self._unjournaled.discard(job_id)
+                continue
+            for consumer_id in job.consumers - self._told:
+                consumer = self.consumers.get(consumer_id)
+                if consumer is not None:
+                    self._told.add(consumer_id)
+                    out.append(Out(consumer.identity, Command.ERROR,
+                                   {"message": self.journal.failure}))
+        return out
 
     _replaying = False
 
