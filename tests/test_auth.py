@@ -209,3 +209,26 @@ def test_directories_another_user_could_write_are_refused(tmp_path, how):
     assert broker.returncode == 2, broker.stderr
     assert str(work) in broker.stderr and found in broker.stderr and fix in broker.stderr
     assert not any(work.iterdir())
+
+
+def test_a_worker_refuses_a_remote_broker_without_keys_and_says_keys_when_refused(keys):
+    """zloader-worker without keys refuses a non-loopback --broker (it would run whatever
+    code answers there) unless --insecure, as zloader-broker refuses a non-loopback --bind
+    or --metrics-bind; and a worker without keys against a keyed broker exits with a clear
+    error saying it wants keys, not a bare zmq.Again."""
+    remote = subprocess.run([os.path.join(BIN, "zloader-worker"), "--broker",
+                             "tcp://10.1.2.3:5555"], capture_output=True, text=True, timeout=30)
+    assert remote.returncode == 2
+    assert "--broker tcp://10.1.2.3:5555" in remote.stderr and "--keys" in remote.stderr \
+        and "--insecure" in remote.stderr
+    metrics = subprocess.run([os.path.join(BIN, "zloader-broker"), "--bind",
+                              f"tcp://127.0.0.1:{free_port()}", "--metrics-port",
+                              str(free_port()), "--metrics-bind", "0.0.0.0"],
+                             capture_output=True, text=True, timeout=30)
+    assert metrics.returncode == 2
+    assert "--metrics-bind 0.0.0.0" in metrics.stderr and "--insecure" in metrics.stderr
+    with service(0, keys=keys) as (address, _):
+        refused = subprocess.run([os.path.join(BIN, "zloader-worker"), "--broker", address],
+                                 capture_output=True, text=True, timeout=30)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert "CURVE keys" in refused.stderr and "--keys DIR" in refused.stderr

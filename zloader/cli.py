@@ -193,7 +193,6 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
     """``zloader-broker``: run a broker until SIGTERM or Ctrl-C."""
     import zmq
 
-    from zloader._host import loopback
     from zloader.broker import Broker
     from zloader.transport.protocol import HEARTBEAT_RANGE, heartbeat
 
@@ -215,8 +214,9 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
                              "authorized key may register pipelines, read data or serve as "
                              "workers; default $ZLOADER_KEYS")
     parser.add_argument("--insecure", action="store_true",
-                        help="allow a non-loopback --bind without --keys (a trusted network "
-                             "only: whoever reaches the port can run code on the workers)")
+                        help="allow a non-loopback --bind or --metrics-bind without --keys "
+                             "(a trusted network only: whoever reaches the port can run code "
+                             "on the workers)")
     parser.add_argument("--heartbeat", type=float, default=1.0, metavar="SECONDS",
                         help="seconds between heartbeats (default 1); workers and consumers "
                              "follow the broker's, and a peer silent for three is taken for "
@@ -228,7 +228,8 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
                              "per worker: elements, CPU, credits, ring fill)")
     parser.add_argument("--metrics-bind", default="127.0.0.1", metavar="ADDR",
                         help="the address the metrics endpoint listens on (default "
-                             "127.0.0.1; 0.0.0.0 for a scraper on another host)")
+                             "127.0.0.1; 0.0.0.0 for a scraper on another host, which "
+                             "without --keys needs --insecure)")
     parser.add_argument("--autoscale-cooldown", type=float, default=30.0, metavar="SECONDS",
                         help="seconds of consumers' starvation the autoscaler samples "
                              "between two changes of a job's desired_workers, judging on the "
@@ -247,12 +248,13 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
                      f"{HEARTBEAT_RANGE[1]:.0f} seconds, got {args.heartbeat}")
     keys = _keys(parser, args.keys)
     _logging(args.log_level)
+    _exposed(parser, keys, args.insecure, "--bind", args.bind, "accepts other hosts",
+             "anyone who reaches it can run code on the workers")
+    if args.metrics_port:
+        _exposed(parser, keys, args.insecure, "--metrics-bind", args.metrics_bind,
+                 "serves metrics to other hosts",
+                 "this broker is open to its own host's users and its metrics to anyone")
     if keys is None:
-        if not loopback(args.bind) and not args.insecure:
-            parser.error(f"--bind {args.bind} accepts other hosts, and without --keys "
-                         "anyone who reaches it can run code on the workers: make keys with "
-                         "`zloader keygen DIR` and pass --keys DIR (on every host), or pass "
-                         "--insecure on a trusted network")
         logging.getLogger("zloader.broker").warning(
             "no --keys: any user who can reach %s (any user of this host, for loopback) can "
             "submit code for the workers to run; see `zloader keygen`", args.bind)
@@ -274,6 +276,25 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
               f"{args.metrics_port}: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _exposed(parser: argparse.ArgumentParser, keys: Any, insecure: bool, flag: str,
+             address: str, reach: str, risk: str) -> None:
+    """The rule for every address beyond this host: without keys, refused (a usage error
+    naming ``flag``, what it exposes and the fix) unless ``--insecure``.
+
+    Args:
+        address: a ZeroMQ endpoint, or a bare host for an HTTP bind.
+        reach: what ``flag`` does beyond this host ("accepts other hosts").
+        risk: what anyone there could do without keys.
+    """
+    from zloader._host import loopback
+
+    endpoint = address if "://" in address else f"tcp://{address}:0"
+    if keys is None and not insecure and not loopback(endpoint):
+        parser.error(f"{flag} {address} {reach}, and without --keys {risk}: make keys with "
+                     "`zloader keygen DIR` and pass --keys DIR (on every host), or pass "
+                     "--insecure on a trusted network")
 
 
 def _keys(parser: argparse.ArgumentParser, path: str | None) -> Any:
@@ -316,8 +337,10 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
                         help="a keys directory (zloader keygen DIR), as the broker's; "
                              "default $ZLOADER_KEYS")
     parser.add_argument("--insecure", action="store_true",
-                        help="allow a non-loopback --advertise without --keys (a trusted "
-                             "network only: whoever reaches the data port can read the data)")
+                        help="allow a non-loopback --broker or --advertise without --keys (a "
+                             "trusted network only: whoever answers at the broker's address "
+                             "can run code here, whoever reaches the data port can read the "
+                             "data)")
     parser.add_argument("--plain-data", action="store_true",
                         help="with --keys, serve data without encryption: consumers prove "
                              "they hold the keys with a token (ZeroMQ PLAIN), which anyone "
@@ -344,16 +367,15 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _logging(args.log_level)
     keys = _keys(parser, args.keys)
-    from zloader._host import loopback
 
     bind = args.bind or f"tcp://{args.advertise or '127.0.0.1'}:*"
     if args.plain_data and keys is None:
         parser.error("--plain-data needs --keys: it replaces CURVE on the data socket with a "
                      "token from the keys directory")
-    if keys is None and not loopback(bind) and not args.insecure:
-        parser.error(f"--advertise {args.advertise} opens the data port to other hosts, and "
-                     "without --keys anyone who reaches it can read the data: pass --keys "
-                     "DIR (the broker's), or --insecure on a trusted network")
+    _exposed(parser, keys, args.insecure, "--broker", args.broker, "is beyond this host",
+             "whatever answers there can run code on this worker")
+    _exposed(parser, keys, args.insecure, "--advertise", bind,
+             "opens the data port to other hosts", "anyone who reaches it can read the data")
     if args.max_processes is not None and not args.autoscale:
         parser.error("--max-processes is the budget of --autoscale: pass --autoscale too, "
                      "or --processes N for a fixed count")
@@ -367,7 +389,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
         return _autoscale(args, keys)
     if args.processes > 1:
         return _supervise(args)
-    from zloader.worker import WorkerProcess
+    from zloader.worker import BrokerRefused, WorkerProcess
 
     worker = WorkerProcess(args.broker, bind, advertise=args.advertise, parent=args.parent,
                            keys=keys, plain_data=args.plain_data,
@@ -383,7 +405,11 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's Ctrl-C; it stops us
     else:
         signal.signal(signal.SIGINT, lambda *_: worker.stop.set())
-    worker.run()
+    try:
+        worker.run()
+    except BrokerRefused as exc:
+        print(f"zloader-worker: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
