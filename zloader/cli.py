@@ -90,8 +90,21 @@ def _fingerprint(args: argparse.Namespace) -> int:
         print("zloader fingerprint: give MODULE:NAME, e.g. my_training.data:pipeline",
               file=sys.stderr)
         return 2
-    obj: Any = importlib.import_module(module_name)
+    # As `python -m` would: the working directory first on the path (a console script's
+    # sys.path starts with the script's own directory instead).
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        print(f"zloader fingerprint: cannot import {module_name} ({exc}); run this where "
+              "`python -m` would find it, or install it", file=sys.stderr)
+        return 2
     for part in attribute.split("."):
+        if not hasattr(obj, part):
+            print(f"zloader fingerprint: {args.target}: {type(obj).__name__} "
+                  f"{getattr(obj, '__name__', '')} has no attribute {part!r}", file=sys.stderr)
+            return 2
         obj = getattr(obj, part)
     if callable(obj) and not isinstance(obj, Pipeline):
         obj = obj()
@@ -122,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(run=_demo)
     fp = commands.add_parser(
         "fingerprint", help="print the fingerprint of a pipeline",
-        description="Import MODULE and print the fingerprint of the Pipeline at NAME (or "
+        description="Import MODULE (from the working directory first, as `python -m` "
+                    "does) and print the fingerprint of the Pipeline at NAME (or "
                     "returned by calling NAME with no arguments).")
     fp.add_argument("target", metavar="MODULE:NAME")
     fp.set_defaults(run=_fingerprint)
