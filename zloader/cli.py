@@ -267,7 +267,7 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
     if args.metrics_port:
         _exposed(parser, keys, args.insecure, "--metrics-bind", args.metrics_bind,
                  "serves metrics to other hosts",
-                 "this broker is open to its own host's users and its metrics to anyone")
+                 "the service is meant for this host alone")
     if keys is None:
         logging.getLogger("zloader.broker").warning(
             "no --keys: any user who can reach %s (any user of this host, for loopback) can "

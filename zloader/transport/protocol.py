@@ -27,6 +27,13 @@ VERSION = (f"ZLP/2 py/{sys.version_info[0]}.{sys.version_info[1]} "
 """The version frame: protocol version, Python minor version, cloudpickle version."""
 
 MAX_BODY_BYTES = 1 << 20
+MAX_BODY_DEPTH = 32
+"""Bodies nested deeper than this are refused (real ones nest 6 deep at most): a handler,
+or the journal re-encoding a body, must never recurse near Python's limit."""
+MAX_BODY_INT = 1 << 64
+"""Integers in a body lie in (-2**64, 2**64): seeds and digests are 64-bit, every other
+field is smaller; wider ones (thousands of digits) are refused before anything computes
+with them."""
 MAX_PIPELINE_BYTES = 8 << 20
 """Pipeline definitions larger than this are refused; see docs/protocol.md."""
 MAX_MESSAGE_BYTES = MAX_PIPELINE_BYTES + MAX_BODY_BYTES + 4096
@@ -165,15 +172,6 @@ def _decode(frames: Sequence[Any]) -> Message:
     except ValueError:
         raise ProtocolError(f"unknown command {command_frame[0]}") from None
     return Message(command, _body(command, _bytes(frames[2])), list(frames[3:]))
-
-
-MAX_BODY_DEPTH = 32
-"""Bodies nested deeper than this are refused (real ones nest 5 deep): a handler, or the
-journal re-encoding a body, must never recurse near Python's limit."""
-MAX_BODY_INT = 1 << 64
-"""Integers in a body lie in (-2**64, 2**64): seeds and digests are 64-bit, every other
-field is smaller; wider ones (thousands of digits) are refused before anything computes
-with them."""
 
 
 def _body(command: Command, raw: bytes) -> dict[str, Any]:
