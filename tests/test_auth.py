@@ -5,6 +5,7 @@ as a worker."""
 from __future__ import annotations
 
 import os
+import pathlib
 import stat
 import subprocess
 import time
@@ -168,3 +169,66 @@ def test_plain_data_workers_serve_key_holders_only(keys):
     no_keys = subprocess.run([os.path.join(BIN, "zloader-worker"), "--broker", address,
                               "--plain-data"], capture_output=True, text=True, timeout=30)
     assert no_keys.returncode == 2 and "--plain-data needs --keys" in no_keys.stderr
+
+
+NOBODY = 65534  # another local user (the tests run as root, who may chown)
+
+
+def _foreign(path: pathlib.Path, how: str) -> None:
+    """Make ``path`` (a directory) one another local user could swap files in."""
+    if how == "owner":
+        os.chown(path, NOBODY, NOBODY)
+    else:
+        os.chmod(path, 0o777)
+
+
+@pytest.mark.parametrize("how", ["owner", "mode"])
+def test_directories_another_user_could_write_are_refused(tmp_path, how):
+    """A keys directory or a --work-dir made beforehand by another local user (or open to
+    every user) is refused, naming the directory, what is wrong and the fix: keygen exits
+    non-zero, Keys.load raises, zloader-broker exits before it journals anything."""
+    found, fix = ("uid 65534", "chown") if how == "owner" else ("mode 777", "chmod 700")
+    made = tmp_path / "made"
+    made.mkdir(mode=0o700)
+    _foreign(made, how)
+    done = subprocess.run([os.path.join(BIN, "zloader"), "keygen", str(made)],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2 and not any(made.iterdir())
+    assert str(made) in done.stderr and found in done.stderr and fix in done.stderr
+    keys = tmp_path / "keys"
+    keygen(keys)
+    _foreign(keys, how)
+    with pytest.raises(KeysError, match=f"{found}.*{fix}"):
+        Keys.load(keys)
+    work = tmp_path / "work"
+    work.mkdir(mode=0o700)
+    _foreign(work, how)
+    broker = subprocess.run([os.path.join(BIN, "zloader-broker"), "--bind",
+                             f"tcp://127.0.0.1:{free_port()}", "--work-dir", str(work)],
+                            capture_output=True, text=True, timeout=20)
+    assert broker.returncode == 2, broker.stderr
+    assert str(work) in broker.stderr and found in broker.stderr and fix in broker.stderr
+    assert not any(work.iterdir())
+
+
+def test_a_worker_refuses_a_remote_broker_without_keys_and_says_keys_when_refused(keys):
+    """zloader-worker without keys refuses a non-loopback --broker (it would run whatever
+    code answers there) unless --insecure, as zloader-broker refuses a non-loopback --bind
+    or --metrics-bind; and a worker without keys against a keyed broker exits with a clear
+    error saying it wants keys, not a bare zmq.Again."""
+    remote = subprocess.run([os.path.join(BIN, "zloader-worker"), "--broker",
+                             "tcp://10.1.2.3:5555"], capture_output=True, text=True, timeout=30)
+    assert remote.returncode == 2
+    assert "--broker tcp://10.1.2.3:5555" in remote.stderr and "--keys" in remote.stderr \
+        and "--insecure" in remote.stderr
+    metrics = subprocess.run([os.path.join(BIN, "zloader-broker"), "--bind",
+                              f"tcp://127.0.0.1:{free_port()}", "--metrics-port",
+                              str(free_port()), "--metrics-bind", "0.0.0.0"],
+                             capture_output=True, text=True, timeout=30)
+    assert metrics.returncode == 2
+    assert "--metrics-bind 0.0.0.0" in metrics.stderr and "--insecure" in metrics.stderr
+    with service(0, keys=keys) as (address, _):
+        refused = subprocess.run([os.path.join(BIN, "zloader-worker"), "--broker", address],
+                                 capture_output=True, text=True, timeout=30)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert "CURVE keys" in refused.stderr and "--keys DIR" in refused.stderr

@@ -30,7 +30,10 @@ values = st.recursive(
                                                                   inner, max_size=4),
     max_leaves=12)
 bodies = st.dictionaries(st.sampled_from(FIELDS), values, max_size=8).map(
-    lambda d: json.dumps(d).encode())
+    lambda d: json.dumps(d).encode()) | st.one_of(  # hostile JSON: deep nesting, huge ints
+    st.integers(1, 200_000).map(lambda n: b"[" * n),
+    st.integers(1, 20_000).map(lambda n: b'{"a":' * n + b"1" + b"}" * n),
+    st.integers(1, 6_000).map(lambda n: b'{"epoch":' + b"9" * n + b"}"))
 commands = st.sampled_from([bytes((c,)) for c in Command]) | st.binary(min_size=0, max_size=3)
 frames = st.lists(st.binary(max_size=64), max_size=3)
 messages = st.one_of(
@@ -198,3 +201,33 @@ def test_a_flood_of_bad_messages_does_not_grow_the_brokers_or_a_workers_memory()
         assert max(growth) < 32, f"memory grew by {growth} MiB"
         with Loader(Pipeline.range(100), broker=address, timeout=20) as loader:
             assert sorted(loader) == list(range(100))
+
+
+
+DEEP = b"[" * 100_000  # a JSON body nested deeper than any parser's recursion limit
+
+
+def test_nested_json_does_not_kill_the_broker_or_a_loaders_source_socket():
+    """One unauthenticated message of 100,000 nested brackets, sent to the broker and as a
+    FETCH to a Loader's source-data socket, is dropped and counted: both keep serving. So
+    is a body holding an integer wider than any field (4,000 digits)."""
+    source = np.arange(300_000, dtype=np.int64)  # 2.4 MB: served from the Loader's socket
+    with service(1) as (address, _procs):
+        with Loader(Pipeline.from_arrays(source), broker=address, timeout=20) as loader:
+            epoch = iter(loader)
+            next(epoch)
+            endpoint = loader._io.register_body["source_data"]["endpoint"]
+            with dealers(address, endpoint) as (broker, fetch):
+                broker.send_multipart([VERSION, bytes((Command.REGISTER,)), DEEP])
+                broker.send_multipart([VERSION, bytes((Command.STATUS,)),
+                                       b'{"epoch":' + b"9" * 4_000 + b"}"])
+                fetch.send_multipart([VERSION, bytes((Command.FETCH,)), DEEP])
+                fetch.send_multipart([VERSION, bytes((Command.FETCH,)), b"{}"])
+                assert fetch.poll(10_000), "the source socket stopped answering"
+                assert decode(fetch.recv_multipart()).command is Command.SOURCE
+                wait_for(lambda: (status(address) or {}).get("rejected", 0) == 2,
+                         what="the broker to count both messages")
+                assert not broker.poll(0), "the broker answered a STATUS it should drop"
+            for _ in range(1000):
+                next(epoch)
+            assert loader.stats()["rejected"] == 1

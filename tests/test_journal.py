@@ -3,17 +3,21 @@ workers and Loaders reconnect by themselves and carry on where they were."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import stat
 import subprocess
 import threading
 import time
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.service import BIN, HEARTBEAT, free_port, start_worker, status, stop, wait_for
 from tests.test_state import ready, register, split, task_of
-from zloader import Loader, Pipeline
+from zloader import Loader, Pipeline, ZloaderError
 from zloader.journal import Journal
 from zloader.state import State
 from zloader.transport.protocol import Command, Message
@@ -158,3 +162,144 @@ def test_a_worker_killed_while_the_broker_is_down_loses_and_repeats_nothing(tmp_
     finally:
         for process in [*workers, broker, *restarted]:
             stop(process)
+
+
+def test_the_journal_and_pipelines_are_files_only_the_broker_user_can_read(tmp_path):
+    """journal.jsonl and each job's pickled pipeline are mode 0600, also after a
+    compaction, and a journal another user could write is made 0600 when reopened."""
+    def modes() -> set[int]:
+        files = [tmp_path / "journal.jsonl", *(tmp_path / "pipelines").iterdir()]
+        return {stat.S_IMODE(path.stat().st_mode) for path in files}
+
+    state = State(journal=Journal(tmp_path))
+    ready(state, "w1")
+    task_of(register(state, "c1"))
+    assert len(os.listdir(tmp_path / "pipelines")) == 1 and modes() == {0o600}
+    state.journal.compact(state.snapshot())
+    assert modes() == {0o600}
+    state.journal.close()
+    os.chmod(tmp_path / "journal.jsonl", 0o666)
+    Journal(tmp_path).close()
+    assert modes() == {0o600}
+
+
+def _journal_lines(tmp_path) -> list[bytes]:
+    """A journal as a broker writes it: two workers, a job, splits, a pass done, a gone
+    worker, a compacted pass; returned as its lines (the pipeline stays in tmp_path)."""
+    state = State(journal=Journal(tmp_path))
+    ready(state, "w1")
+    ready(state, "w2")
+    tasks = {o.identity.decode(): o.body["task"] for o in register(state, "c1", splits=6)
+             if o.command is Command.TASK}
+    split(state, "w1", tasks["w1"])
+    split(state, "w2", tasks["w2"])
+    state.pass_done(b"w1", Message(Command.PASS_DONE, {"task": tasks["w1"], "pass": [0]}), 0.0)
+    state.epoch_started(b"c1", Message(Command.EPOCH, {"epoch": 1}), 0.0)
+    state.journal.compact(state.snapshot())
+    split(state, "w2", tasks["w2"])
+    state.journal.close()
+    return (tmp_path / "journal.jsonl").read_bytes().splitlines(keepends=True)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=3), max_leaves=8)
+
+
+@st.composite
+def corrupt_line(draw, events: list[dict]) -> bytes:
+    """A line that is not what the broker writes: bytes that are not UTF-8, or one of its
+    events with a field of another type (or missing, or an extra one)."""
+    if draw(st.booleans()):
+        text = draw(st.binary(min_size=1, max_size=40))
+        return text.replace(b"\n", b"") + b"\xff\xfe\n"
+    event = dict(draw(st.sampled_from(events)))
+    name = draw(st.sampled_from(sorted(event)))
+    value = draw(json_values)
+    if draw(st.booleans()):
+        del event[name]
+    else:
+        event[name] = value
+    return json.dumps(event).encode() + b"\n"
+
+
+@given(st.data())
+@settings(max_examples=150, derandomize=True, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+def test_corrupt_journal_lines_are_skipped_and_counted_never_fatal(tmp_path_factory, data):
+    """Lines with invalid UTF-8, or events whose fields have the wrong type, among a real
+    journal's: a broker restoring it skips them (counted, with their line numbers) and its
+    state then works (ticks, status, metrics, a worker's return, a compaction)."""
+    root = tmp_path_factory.mktemp("journal")
+    lines = _journal_lines(root)
+    events = [json.loads(line) for line in lines]
+    bad = data.draw(st.lists(corrupt_line(events), min_size=1, max_size=6))
+    for line in bad:
+        lines.insert(data.draw(st.integers(0, len(lines))), line)
+    (root / "journal.jsonl").write_bytes(b"".join(lines))
+    state = State(journal=Journal(root))
+    state.restore(now=100.0)
+    assert set(state.journal.skipped) <= {number for number, line in enumerate(lines, 1)
+                                          if line in bad}
+    ready(state, "w1", now=100.5)
+    ready(state, "w3", now=100.5)
+    for worker in list(state.workers.values()):
+        if worker.task is not None:
+            state.split_request(worker.id.encode(), Message(Command.SPLIT_REQ, {
+                "task": worker.task, "pass": [0]}), 100.5)
+    for now in (101.0, 102.0, 104.0, 140.0):
+        state.tick(now)
+        json.dumps(state.status(now))
+        state.metrics(now)
+    state.journal.compact(state.snapshot())
+    state.journal.close()
+
+
+def test_a_broker_restarts_on_a_journal_with_corrupt_lines(tmp_path):
+    """Invalid UTF-8, a job whose options are a number, a pass whose `handed` is a list:
+    the restarted zloader-broker skips those three lines, says so once in its log (the
+    count and the line numbers), and serves the job the other lines describe."""
+    lines = _journal_lines(tmp_path)
+    job = next(json.loads(line) for line in lines if b'"e":"job"' in line)
+    compacted = next(json.loads(line) for line in lines if b'"e":"pass"' in line)
+    lines.insert(1, b'{"e":"epoch","job":"\xff\xfe"}\n')
+    lines.insert(3, json.dumps({**job, "id": "other", "options": 5}).encode() + b"\n")
+    lines.append(json.dumps({**compacted, "handed": ["w1"]}).encode() + b"\n")
+    (tmp_path / "journal.jsonl").write_bytes(b"".join(lines))
+    address = f"tcp://127.0.0.1:{free_port()}"
+    broker = subprocess.Popen([os.path.join(BIN, "zloader-broker"), "--bind", address,
+                               "--heartbeat", str(HEARTBEAT), "--work-dir", str(tmp_path),
+                               "--log-level", "warning"], stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: status(address, 1.0) is not None, what="the restarted broker")
+        assert [j["job"] for j in status(address)["jobs"]] == [job["id"]]
+    finally:
+        stop(broker)
+    log_text = (tmp_path / "broker.log").read_text()
+    assert log_text.count("skipped") == 1
+    assert f"skipped 3 lines (2, 4, {len(lines)})" in log_text
+
+
+def test_a_full_work_dir_fails_the_consumers_loudly_and_the_broker_keeps_serving(tmp_path):
+    """The journal's disk is full (journal.jsonl is /dev/full: every write fails with
+    ENOSPC): a Loader raises a ZloaderError naming the work dir and the errno text within
+    its timeout, and the broker stays up and answers STATUS."""
+    work_dir = tmp_path / "broker"
+    work_dir.mkdir(mode=0o700)
+    (work_dir / "journal.jsonl").symlink_to("/dev/full")
+    address = f"tcp://127.0.0.1:{free_port()}"
+    broker = start_broker(address, str(work_dir))
+    worker = start_worker(address)
+    try:
+        wait_for(lambda: len((status(address, 1.0) or {"workers": []})["workers"]) == 1,
+                 what="the broker and its worker")
+        start = time.monotonic()
+        with Loader(Pipeline.range(1000), broker=address, timeout=20) as loader, \
+                pytest.raises(ZloaderError, match=f"{work_dir}.*No space left on device"):
+            list(loader)
+        assert time.monotonic() - start < 20
+        assert broker.poll() is None and status(address) is not None
+    finally:
+        stop(worker)
+        stop(broker)

@@ -207,8 +207,8 @@ def test_an_unpicklable_pipeline_names_the_stage_and_the_captured_value():
         for pipeline, names in cases:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FingerprintWarning)
-                with pytest.raises(TypeError) as info:
-                    Loader(pipeline, num_workers=1, timeout=30)
+                with pytest.raises(TypeError) as info:  # spawned workers need it pickled
+                    Loader(pipeline, num_workers=1, timeout=30, start_method="spawn")
             assert isinstance(info.value, ZloaderError)
             for name in names:
                 assert name in str(info.value)

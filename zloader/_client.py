@@ -152,7 +152,8 @@ class IOThread(threading.Thread):
         self.lagged = 0  # a shared job's elements this trainer lost to the lag policy
         self.replayed = 0  # ... and the elements made again for it (it joined late)
         self.dropped = 0  # elements dropped to keep rounds whole (coordinated reads)
-        self.rejected = 0  # corrupt records dropped (logged with their worker)
+        self.rejected = 0  # corrupt records and malformed messages dropped (logged)
+        self._rejected_logged = 0.0  # when one was last logged (at most once a second)
         self.served: dict[str, int] = {}  # FETCHes answered, by what ("pipeline", "source")
         self.yielded = 0  # elements and seconds of waiting, kept by the iterating thread
         self.wait_seconds = 0.0  # (the Loader's stats), sent to the broker for its metrics
@@ -301,18 +302,35 @@ class IOThread(threading.Thread):
                         frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    try:
-                        if sock is self.broker:
-                            self._from_broker(decode(frames))
-                        elif sock is self.data_server:
-                            self._fetch(frames)
-                        else:
-                            self._from_worker(sock, decode(frames))
-                    except ProtocolError as exc:
-                        log.warning("dropped a malformed message: %s", exc)
+                    self._receive(sock, frames)
             if self._acks:
                 self._to_broker(Command.RECEIVED, {"epoch": self._epoch, "rounds": self._acks})
                 self._acks = []
+
+    def _receive(self, sock: zmq.Socket[Any], frames: list[zmq.Frame]) -> None:
+        """Decode and handle one message from outside: whatever is wrong with it (malformed,
+        hostile, or a bug its handling hits) drops it, counted in ``rejected`` and logged,
+        and the thread goes on serving the consumer."""
+        try:
+            if sock is self.broker:
+                self._from_broker(decode(frames))
+            elif sock is self.data_server:
+                self._fetch(frames)
+            else:
+                self._from_worker(sock, decode(frames))
+        except ProtocolError as exc:
+            self._reject(f"dropped a malformed message: {exc}")
+        except Exception:  # a bug must not stop the consumer: log it, drop the message
+            self._reject("failed on a message; dropped it", exc_info=True)
+
+    def _reject(self, text: str, exc_info: bool = False) -> None:
+        """Count a dropped message; log it at most once a second (a flood of junk must
+        not flood the trainer's log)."""
+        self.rejected += 1
+        now = time.monotonic()
+        if now - self._rejected_logged >= 1.0:
+            self._rejected_logged = now
+            log.warning("%s (%d rejected so far)", text, self.rejected, exc_info=exc_info)
 
     def _serve_source(self) -> None:
         """Bind the socket from which workers fetch this job's in-memory source data and
@@ -595,9 +613,8 @@ class IOThread(threading.Thread):
             try:
                 self._data(peer, msg)
             except (ProtocolError, CodecError, RingError) as exc:
-                # Dropped (a corrupt record, in shared memory or on the wire), counted, and
-                # its credit given back so that the worker goes on.
-                self.rejected += 1
+                # Dropped (a corrupt record, in shared memory or on the wire), counted by
+                # _receive, and its credit given back so that the worker goes on.
                 self._run_command(("credit", peer.worker, 1))
                 raise ProtocolError(f"DATA from worker pid {peer.pid} at {peer.endpoint}: "
                                     f"{exc}") from None

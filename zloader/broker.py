@@ -151,6 +151,7 @@ class Broker:
                 next_beat = now + state.heartbeat
                 self._send(socket, state.tick(now) + state.heartbeats())
                 self.snapshot = state.metrics(now)
+            self._send(socket, state.journal_errors())  # a full work dir: say so
 
     def _send(self, socket: zmq.Socket[Any], messages: list[Out]) -> None:
         for out in messages:
@@ -174,6 +175,9 @@ class Broker:
             return [Out(identity, Command.ERROR, {"message": str(exc)})]
         except ProtocolError as exc:
             self._warn(identity, f"dropped a malformed message: {exc}")
+            return []
+        except Exception:  # decode turns everything into ProtocolError; never trust that
+            self._warn(identity, "dropped an undecodable message", exc_info=True)
             return []
         try:
             return self._dispatch(identity, msg, now)

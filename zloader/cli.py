@@ -91,8 +91,21 @@ def _fingerprint(args: argparse.Namespace) -> int:
         print("zloader fingerprint: give MODULE:NAME, e.g. my_training.data:pipeline",
               file=sys.stderr)
         return 2
-    obj: Any = importlib.import_module(module_name)
+    # As `python -m` would: the working directory first on the path (a console script's
+    # sys.path starts with the script's own directory instead).
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        print(f"zloader fingerprint: cannot import {module_name} ({exc}); run this where "
+              "`python -m` would find it, or install it", file=sys.stderr)
+        return 2
     for part in attribute.split("."):
+        if not hasattr(obj, part):
+            print(f"zloader fingerprint: {args.target}: {type(obj).__name__} "
+                  f"{getattr(obj, '__name__', '')} has no attribute {part!r}", file=sys.stderr)
+            return 2
         obj = getattr(obj, part)
     if callable(obj) and not isinstance(obj, Pipeline):
         obj = obj()
@@ -123,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(run=_demo)
     fp = commands.add_parser(
         "fingerprint", help="print the fingerprint of a pipeline",
-        description="Import MODULE and print the fingerprint of the Pipeline at NAME (or "
+        description="Import MODULE (from the working directory first, as `python -m` "
+                    "does) and print the fingerprint of the Pipeline at NAME (or "
                     "returned by calling NAME with no arguments).")
     fp.add_argument("target", metavar="MODULE:NAME")
     fp.set_defaults(run=_fingerprint)
@@ -194,7 +208,6 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
     """``zloader-broker``: run a broker until SIGTERM or Ctrl-C."""
     import zmq
 
-    from zloader._host import loopback
     from zloader.broker import Broker
     from zloader.transport.protocol import HEARTBEAT_RANGE, heartbeat
 
@@ -208,15 +221,17 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
                         help="a directory for the broker's files, created if missing: "
                              "journal.jsonl and pipelines/ (its state: a broker restarted on "
                              "the same DIR resumes every job), broker.log (its log) and "
-                             "broker.json (address and pid, for scripts). Without it a "
+                             "broker.json (address and pid, for scripts); one another "
+                             "user owns or may write to is refused. Without it a "
                              "restarted broker starts its jobs over")
     parser.add_argument("--keys", default=None, metavar="DIR",
                         help="a keys directory (zloader keygen DIR): only peers holding an "
                              "authorized key may register pipelines, read data or serve as "
                              "workers; default $ZLOADER_KEYS")
     parser.add_argument("--insecure", action="store_true",
-                        help="allow a non-loopback --bind without --keys (a trusted network "
-                             "only: whoever reaches the port can run code on the workers)")
+                        help="allow a non-loopback --bind or --metrics-bind without --keys "
+                             "(a trusted network only: whoever reaches the port can run code "
+                             "on the workers)")
     parser.add_argument("--heartbeat", type=float, default=1.0, metavar="SECONDS",
                         help="seconds between heartbeats (default 1); workers and consumers "
                              "follow the broker's, and a peer silent for three is taken for "
@@ -228,7 +243,8 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
                              "per worker: elements, CPU, credits, ring fill)")
     parser.add_argument("--metrics-bind", default="127.0.0.1", metavar="ADDR",
                         help="the address the metrics endpoint listens on (default "
-                             "127.0.0.1; 0.0.0.0 for a scraper on another host)")
+                             "127.0.0.1; 0.0.0.0 for a scraper on another host, which "
+                             "without --keys needs --insecure)")
     parser.add_argument("--autoscale-cooldown", type=float, default=30.0, metavar="SECONDS",
                         help="seconds of consumers' starvation the autoscaler samples "
                              "between two changes of a job's desired_workers, judging on the "
@@ -247,17 +263,18 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
                      f"{HEARTBEAT_RANGE[1]:.0f} seconds, got {args.heartbeat}")
     keys = _keys(parser, args.keys)
     _logging(args.log_level)
+    _exposed(parser, keys, args.insecure, "--bind", args.bind, "accepts other hosts",
+             "anyone who reaches it can run code on the workers")
+    if args.metrics_port:
+        _exposed(parser, keys, args.insecure, "--metrics-bind", args.metrics_bind,
+                 "serves metrics to other hosts",
+                 "the service is meant for this host alone")
     if keys is None:
-        if not loopback(args.bind) and not args.insecure:
-            parser.error(f"--bind {args.bind} accepts other hosts, and without --keys "
-                         "anyone who reaches it can run code on the workers: make keys with "
-                         "`zloader keygen DIR` and pass --keys DIR (on every host), or pass "
-                         "--insecure on a trusted network")
         logging.getLogger("zloader.broker").warning(
             "no --keys: any user who can reach %s (any user of this host, for loopback) can "
             "submit code for the workers to run; see `zloader keygen`", args.bind)
     if args.work_dir:
-        _work_dir(args.work_dir, args.bind)
+        _work_dir(parser, args.work_dir, args.bind)
     metrics = (args.metrics_bind, args.metrics_port) if args.metrics_port else None
     broker = Broker(args.bind, heartbeat=args.heartbeat, keys=keys, work_dir=args.work_dir,
                     metrics=metrics, cooldown=args.autoscale_cooldown)
@@ -276,6 +293,25 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _exposed(parser: argparse.ArgumentParser, keys: Any, insecure: bool, flag: str,
+             address: str, reach: str, risk: str) -> None:
+    """The rule for every address beyond this host: without keys, refused (a usage error
+    naming ``flag``, what it exposes and the fix) unless ``--insecure``.
+
+    Args:
+        address: a ZeroMQ endpoint, or a bare host for an HTTP bind.
+        reach: what ``flag`` does beyond this host ("accepts other hosts").
+        risk: what anyone there could do without keys.
+    """
+    from zloader._host import loopback
+
+    endpoint = address if "://" in address else f"tcp://{address}:0"
+    if keys is None and not insecure and not loopback(endpoint):
+        parser.error(f"{flag} {address} {reach}, and without --keys {risk}: make keys with "
+                     "`zloader keygen DIR` and pass --keys DIR (on every host), or pass "
+                     "--insecure on a trusted network")
+
+
 def _keys(parser: argparse.ArgumentParser, path: str | None) -> Any:
     """``--keys`` (or $ZLOADER_KEYS) loaded, or None; a bad directory is a usage error."""
     from zloader.transport.keys import KeysError, resolve
@@ -286,8 +322,15 @@ def _keys(parser: argparse.ArgumentParser, path: str | None) -> Any:
         parser.error(str(exc))
 
 
-def _work_dir(path: str, bind: str) -> None:
-    os.makedirs(path, mode=0o700, exist_ok=True)
+def _work_dir(parser: argparse.ArgumentParser, path: str, bind: str) -> None:
+    """Make or check ``--work-dir`` (zloader.journal.work_dir), log to it and note the
+    broker's address there; one another user could write to is a usage error."""
+    from zloader.journal import WorkDirError, work_dir
+
+    try:
+        work_dir(path)
+    except WorkDirError as exc:
+        parser.error(str(exc))
     handler = logging.FileHandler(os.path.join(path, "broker.log"))
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     logging.getLogger().addHandler(handler)
@@ -309,8 +352,10 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
                         help="a keys directory (zloader keygen DIR), as the broker's; "
                              "default $ZLOADER_KEYS")
     parser.add_argument("--insecure", action="store_true",
-                        help="allow a non-loopback --advertise without --keys (a trusted "
-                             "network only: whoever reaches the data port can read the data)")
+                        help="allow a non-loopback --broker or --advertise without --keys (a "
+                             "trusted network only: whoever answers at the broker's address "
+                             "can run code here, whoever reaches the data port can read the "
+                             "data)")
     parser.add_argument("--plain-data", action="store_true",
                         help="with --keys, serve data without encryption: consumers prove "
                              "they hold the keys with a token (ZeroMQ PLAIN), which anyone "
@@ -338,16 +383,15 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _logging(args.log_level)
     keys = _keys(parser, args.keys)
-    from zloader._host import loopback
 
     bind = args.bind or f"tcp://{args.advertise or '127.0.0.1'}:*"
     if args.plain_data and keys is None:
         parser.error("--plain-data needs --keys: it replaces CURVE on the data socket with a "
                      "token from the keys directory")
-    if keys is None and not loopback(bind) and not args.insecure:
-        parser.error(f"--advertise {args.advertise} opens the data port to other hosts, and "
-                     "without --keys anyone who reaches it can read the data: pass --keys "
-                     "DIR (the broker's), or --insecure on a trusted network")
+    _exposed(parser, keys, args.insecure, "--broker", args.broker, "is beyond this host",
+             "whatever answers there can run code on this worker")
+    _exposed(parser, keys, args.insecure, "--advertise", bind,
+             "opens the data port to other hosts", "anyone who reaches it can read the data")
     if args.max_processes is not None and not args.autoscale:
         parser.error("--max-processes is the budget of --autoscale: pass --autoscale too, "
                      "or --processes N for a fixed count")
@@ -363,7 +407,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     if args.processes > 1:
         with _blob_dir(args):
             return _supervise(args)
-    from zloader.worker import WorkerProcess
+    from zloader.worker import BrokerRefused, WorkerProcess
 
     worker = WorkerProcess(args.broker, bind, advertise=args.advertise, parent=args.parent,
                            keys=keys, plain_data=args.plain_data,
@@ -379,7 +423,11 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's Ctrl-C; it stops us
     else:
         signal.signal(signal.SIGINT, lambda *_: worker.stop.set())
-    worker.run()
+    try:
+        worker.run()
+    except BrokerRefused as exc:
+        print(f"zloader-worker: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

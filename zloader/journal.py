@@ -8,61 +8,264 @@ consumers reconnect by themselves and carry on with the job and task they had.
 
 Each line is written and flushed before the messages that follow from it are sent, so a
 killed process loses nothing it acknowledged; an operating-system crash may lose the last
-lines (they are not fsync'ed). A torn last line is ignored on replay. When a job is
-collected the journal is rewritten without it, so it does not grow without bound.
+lines (they are not fsync'ed). When a job is collected the journal is rewritten without
+it, so it does not grow without bound.
+
+Replay trusts nothing it reads: a torn line, one that is not UTF-8 JSON, or an event whose
+fields are missing or of the wrong type (:data:`EVENTS` lists each event's fields) is
+skipped, and its line number kept in :attr:`Journal.skipped` for one warning.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
 import pathlib
-from collections.abc import Iterator
-from typing import Any
+import stat
+from collections.abc import Callable, Iterator
+from typing import IO, Any
 
-__all__ = ["Journal"]
+from zloader.errors import ZloaderError
+from zloader.transport.keys import unsafe_directory
+
+__all__ = ["Journal", "WorkDirError", "work_dir"]
 
 log = logging.getLogger("zloader.broker")
 
 COMPACT_LINES = 100_000
 """Rewrite the journal without collected jobs once it has this many lines."""
 
+Check = Callable[[Any], bool]
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _text(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _flag(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _object(value: Any) -> bool:
+    return isinstance(value, dict)
+
+
+def _optional(check: Check) -> Check:
+    return lambda value: value is None or check(value)
+
+
+def _key(value: Any) -> bool:
+    """A pass key: [epoch, repeat, ...]."""
+    return isinstance(value, list) and bool(value) and all(map(_count, value))
+
+
+def _splits(value: Any) -> bool:
+    return isinstance(value, list) and all(map(_count, value))
+
+
+def _holders(value: Any) -> bool:
+    """Worker id -> the splits it holds."""
+    return isinstance(value, dict) and all(map(_splits, value.values()))
+
+
+def _skips(value: Any) -> bool:
+    """Split (as JSON text) -> what to skip when it is read again."""
+    return isinstance(value, dict) and all(
+        key.isdigit() and isinstance(skip, dict) for key, skip in value.items())
+
+
+def _origins(value: Any) -> bool:
+    """[[split, pass key], ...]: the passes re-queued splits belong to."""
+    return isinstance(value, list) and all(
+        isinstance(pair, list) and len(pair) == 2 and _count(pair[0]) and _key(pair[1])
+        for pair in value)
+
+
+def _options(value: Any) -> bool:
+    """A job's options (zloader.state.State.register)."""
+    return (isinstance(value, dict) and _text(value.get("sharding"))
+            and _flag(value.get("deterministic")) and _text(value.get("on_error"))
+            and _count(value.get("num_workers"))
+            and all(_count(value.get(name, 0)) for name in ("balanced", "num_consumers"))
+            and _flag(value.get("exactly_once", False)))
+
+
+EVENTS: dict[str, dict[str, Check]] = {
+    "worker": {"id": _text, "host": _text, "host_id": _text, "pid": _count,
+               "endpoint": _text, "prefer?": _optional(_text), "plain_data?": _flag},
+    "job": {"id": _text, "fingerprint": _text, "name": _optional(_text), "options": _options,
+            "num_splits": _count, "shuffle_splits": _flag, "seed": _optional(_integer),
+            "width": _count, "source_data": _optional(_object), "entropy": _integer},
+    "share": {"job": _text, "share": _object},
+    "rounds": {"job": _text, "size": _count},
+    "task": {"job": _text, "task": _text, "worker": _text, "index": _count},
+    "split": {"job": _text, "pass": _key, "split": _count, "worker": _text,
+              "origin?": _key},
+    "requeue": {"job": _text, "pass": _key, "split": _count, "skip": _object},
+    "resume": {"job": _text, "epoch": _count, "delivered": lambda value: True},
+    "done": {"job": _text, "pass": _key, "worker": _text},
+    "epoch": {"job": _text, "epoch": _count},
+    "pass": {"job": _text, "pass": _key, "order": _splits, "requeued": _splits,
+             "handed": _holders, "read": _holders, "skips": _skips, "origins": _origins},
+    "failed": {"job": _text, "error": _object},
+    "end": {"job": _text},
+    "gone": {"worker": _text, "died?": _flag, "fenced?": _flag},
+}
+"""Each event kind's fields and their checks (``name?``: may be absent). ``resume``'s
+``delivered`` is checked where it is read (``Ledger.merge_json``)."""
+
+
+def well_formed(event: Any) -> bool:
+    """Whether ``event`` is an object of a known kind whose fields pass :data:`EVENTS`."""
+    kind = event.get("e") if isinstance(event, dict) else None
+    fields = EVENTS.get(kind) if isinstance(kind, str) else None
+    if fields is None:
+        return False
+    for name, check in fields.items():
+        if name.endswith("?"):
+            if name[:-1] in event and not check(event[name[:-1]]):
+                return False
+        elif name not in event or not check(event[name]):
+            return False
+    return True
+
+
+class WorkDirError(ZloaderError, PermissionError):
+    """The work dir is one another local user could write to: refused."""
+
+
+def work_dir(path: str | os.PathLike[str]) -> pathlib.Path:
+    """The broker's work directory ``path``, created (mode 0700) if missing, and checked.
+
+    The pipelines kept there are code the broker's workers run after a restart, so a
+    directory (or its ``pipelines/``) that another user owns or may write to is refused.
+
+    Raises:
+        WorkDirError: it belongs to another user, or group or others may write to it.
+    """
+    root = pathlib.Path(path).expanduser()
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    root = root.resolve()
+    pipelines = root / "pipelines"
+    for directory in (root, pipelines):
+        what = "work dir" if directory == root else "work dir's pipelines directory"
+        problem = unsafe_directory(directory, what) if directory.exists() else None
+        if problem is not None:
+            raise WorkDirError(f"{problem} (zloader-broker --work-dir)")
+    pipelines.mkdir(mode=0o700, exist_ok=True)
+    return root
+
 
 class Journal:
-    """Append-only event log in a work directory."""
+    """Append-only event log in a work directory (see :func:`work_dir` for its checks).
+
+    A write that fails (a full disk: ``ENOSPC``) is undone (the file is cut back to its
+    last whole line) and stops the journal: :attr:`failure` says why, naming the work dir,
+    and no later event is written, so the file stays a consistent prefix of the broker's
+    history. :meth:`record` and :meth:`save_pipeline` then return False; the broker tells
+    the consumers of the jobs concerned (``zloader.state.State.journal_errors``).
+
+    Raises:
+        WorkDirError: the directory, or a journal file in it, is another user's.
+    """
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
-        self.root = pathlib.Path(directory)
-        (self.root / "pipelines").mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.root = work_dir(directory)
         self.path = self.root / "journal.jsonl"
         self.lines = 0
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open
+        self.skipped: list[int] = []  # numbers of the lines the last replay skipped
+        self.failure: str | None = None  # why writing stopped, once it has
+        self._fd = self._open()
 
-    def replay(self) -> Iterator[dict[str, Any]]:
-        """The events recorded so far, in order (a torn last line is skipped)."""
-        with open(self.path, encoding="utf-8") as f:
+    def _open(self) -> int:
+        """The journal opened to append, mode 0600 (made so if it was not)."""
+        descriptor = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        info = os.fstat(descriptor)
+        if stat.S_ISREG(info.st_mode):
+            if info.st_uid != os.geteuid():
+                os.close(descriptor)
+                raise WorkDirError(f"journal {self.path} belongs to uid {info.st_uid}, not "
+                                   f"to uid {os.geteuid()} who runs this broker: remove it "
+                                   "or give the broker a work dir of its own")
+            if stat.S_IMODE(info.st_mode) != 0o600:
+                os.fchmod(descriptor, 0o600)
+        return descriptor
+
+    def replay(self) -> Iterator[tuple[int, dict[str, Any]]]:
+        """The well-formed events recorded so far, in order, with their line numbers.
+
+        Every other line (torn, not UTF-8, not JSON, not a :func:`well_formed` event) is
+        skipped; its number goes to :attr:`skipped`. A journal that is not a regular file
+        (a device, a pipe) holds nothing to replay.
+        """
+        self.skipped = []
+        if not self.path.is_file():
+            return
+        with open(self.path, "rb") as f:
             for number, line in enumerate(f, 1):
                 try:
                     event = json.loads(line)
-                except json.JSONDecodeError:
-                    log.warning("journal %s: line %d is torn or corrupt; ignored", self.path,
-                                number)
+                except Exception:  # not UTF-8, not JSON, nested too deep: skipped
+                    event = None
+                if not well_formed(event):
+                    self.skipped.append(number)
                     continue
-                if isinstance(event, dict) and isinstance(event.get("e"), str):
-                    self.lines += 1
-                    yield event
+                self.lines += 1
+                yield number, event
 
-    def record(self, event: dict[str, Any]) -> None:
-        self._file.write(json.dumps(event, separators=(",", ":")) + "\n")
-        self._file.flush()
+    def record(self, event: dict[str, Any]) -> bool:
+        """Append ``event`` as one line; False if it was not written (see :attr:`failure`)."""
+        if self.failure is not None:
+            return False
+        line = (json.dumps(event, separators=(",", ":")) + "\n").encode()
+        end = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            written = os.write(self._fd, line)
+            if written != len(line):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as exc:
+            with contextlib.suppress(OSError):  # a device or a pipe cannot be cut back
+                os.ftruncate(self._fd, end)
+            self._fail(exc)
+            return False
         self.lines += 1
+        return True
 
-    def save_pipeline(self, job: str, blob: bytes) -> None:
+    def _fail(self, exc: OSError) -> None:
+        """Stop writing: ``exc`` made a write fail."""
+        code = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+        self.failure = (f"the broker cannot write to its work dir {self.root} "
+                        f"({exc.strerror or exc}, {code}): its journal is incomplete, so a "
+                        "restarted broker could not resume its jobs; free space there (or "
+                        "give zloader-broker another --work-dir) and restart the broker")
+        log.error("%s", self.failure)
+
+    def save_pipeline(self, job: str, blob: bytes) -> bool:
+        """Keep a job's pickled pipeline (mode 0600); False if it was not written."""
+        if self.failure is not None:
+            return False
         path = self.root / "pipelines" / f"{job}.pickle"
         tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(blob)
-        os.replace(tmp, path)
+        try:
+            with _private(tmp, "wb") as f:
+                f.write(blob)
+            os.replace(tmp, path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            self._fail(exc)
+            return False
+        return True
 
     def load_pipeline(self, job: str) -> bytes | None:
         try:
@@ -74,15 +277,33 @@ class Journal:
         (self.root / "pipelines" / f"{job}.pickle").unlink(missing_ok=True)
 
     def compact(self, events: list[dict[str, Any]]) -> None:
-        """Replace the journal with ``events`` (the state as it is now)."""
+        """Replace the journal with ``events`` (the state as it is now); a stopped journal
+        stays as it is."""
+        if self.failure is not None:
+            return
         tmp = self.path.with_suffix(".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            for event in events:
-                f.write(json.dumps(event, separators=(",", ":")) + "\n")
-        self._file.close()
+        try:
+            with _private(tmp, "w") as f:
+                for event in events:
+                    f.write(json.dumps(event, separators=(",", ":")) + "\n")
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            self._fail(exc)
+            return
+        os.close(self._fd)
         os.replace(tmp, self.path)
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open
+        self._fd = self._open()
         self.lines = len(events)
 
     def close(self) -> None:
-        self._file.close()
+        """Close the file (safe to call twice)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _private(path: pathlib.Path, mode: str) -> IO[Any]:
+    """A new file at ``path`` (any old one replaced) that only this user can read: 0600."""
+    path.unlink(missing_ok=True)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    return open(descriptor, mode, encoding=None if "b" in mode else "utf-8")

@@ -438,7 +438,7 @@ class Loader:
         ``share_skipped`` (a shared job's elements this trainer lost by falling behind the
         window with ``share_lag="skip"``, or to a dead worker), ``share_replayed`` (elements
         made again for this trainer because they had left the window when it joined),
-        ``rejected`` (corrupt records dropped, each logged with its worker), ``served``
+        ``rejected`` (corrupt records and malformed messages dropped, each logged), ``served``
         (how often workers fetched this Loader's ``pipeline``, when too large to pass
         through the broker, and its in-memory ``source``: once per host, see
         zloader/blobs.py),

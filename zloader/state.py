@@ -166,6 +166,8 @@ class State:
         self.jobs: dict[str, Job] = {}
         self.peers: dict[bytes, tuple[str, str]] = {}  # identity -> ("worker"|"consumer", id)
         self.rejected = 0  # malformed or refused messages dropped (the broker counts them)
+        self._unjournaled: set[str] = set()  # jobs whose journal writes failed
+        self._told: set[str] = set()  # consumers told so (journal_errors)
 
     # --- peers ----------------------------------------------------------------------------
 
@@ -904,8 +906,32 @@ class State:
     # --- the journal (zloader/journal.py) -------------------------------------------------
 
     def _record(self, event: dict[str, Any]) -> None:
-        if self.journal is not None and not self._replaying:
-            self.journal.record(event)
+        if self.journal is not None and not self._replaying \
+                and not self.journal.record(event):
+            # Not written (a full disk): the job could not be resumed after a restart.
+            job = event.get("id") if event["e"] == "job" else event.get("job")
+            if isinstance(job, str):
+                self._unjournaled.add(job)
+
+    def journal_errors(self) -> list[Out]:
+        """ERROR, naming the work dir and the failure, to each consumer of a job whose
+        journal writes failed (once per consumer). Their Loaders raise it; the job and
+        the others go on in memory."""
+        if not self._unjournaled or self.journal is None:
+            return []
+        out = []
+        for job_id in list(self._unjournaled):
+            job = self.jobs.get(job_id)
+            if job is None:
+                self._unjournaled.discard(job_id)
+                continue
+            for consumer_id in job.consumers - self._told:
+                consumer = self.consumers.get(consumer_id)
+                if consumer is not None:
+                    self._told.add(consumer_id)
+                    out.append(Out(consumer.identity, Command.ERROR,
+                                   {"message": self.journal.failure}))
+        return out
 
     _replaying = False
 
@@ -917,15 +943,23 @@ class State:
         if self.journal is None:
             return 0
         self._replaying = True
+        journal = self.journal
         try:
-            for event in self.journal.replay():
+            for number, event in journal.replay():
                 try:
                     self._apply(event, now)
-                except (KeyError, TypeError, ValueError) as exc:
-                    log.warning("journal: skipped an event it could not apply (%s): %s", exc,
-                                event)
+                except Exception:  # one bad line must not stop the broker
+                    log.debug("journal line %d: cannot apply %s", number, event,
+                              exc_info=True)
+                    journal.skipped.append(number)
         finally:
             self._replaying = False
+        if journal.skipped:
+            shown = ", ".join(map(str, journal.skipped[:20]))
+            log.warning("journal %s: skipped %d lines (%s%s) that are torn, not UTF-8 JSON or "
+                        "events it could not apply; the rest was restored", journal.path,
+                        len(journal.skipped), shown, ", ..." if len(journal.skipped) > 20
+                        else "")
         for job in self.jobs.values():
             job.idle_since = now  # collected unless a consumer comes back
             job.scaler.cooldown = self.cooldown
@@ -944,6 +978,8 @@ class State:
             if blob is None:
                 return
             options = event["options"]
+            if options["sharding"] not in SHARDING_MODES:
+                raise ValueError(f"unknown sharding {options['sharding']!r}")
             self.jobs[event["id"]] = Job(
                 event["id"], event["fingerprint"], event["name"], options["sharding"],
                 options["deterministic"], options["on_error"], options, blob,

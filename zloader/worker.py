@@ -26,6 +26,7 @@ import zmq
 from zloader import codec
 from zloader._defaults import DRAIN_SECONDS, STAGES
 from zloader._host import host_id
+from zloader.errors import ZloaderError
 from zloader.forward import Capture
 from zloader.lineage import unpack
 from zloader.pipeline import Pipeline
@@ -49,12 +50,17 @@ from zloader.transport.protocol import (
 from zloader.transport.ring import RingError, RingWriter
 from zloader.transport.shm import Segment, ShmError, sweep
 
-__all__ = ["WorkerProcess"]
+__all__ = ["BrokerRefused", "WorkerProcess"]
 
 log = logging.getLogger("zloader.worker")
 
 FORWARD_EVERY = 0.2
 """Seconds between two sends of captured user output (zloader/forward.py)."""
+
+
+class BrokerRefused(ZloaderError, ConnectionRefusedError):
+    """The broker's socket refused this worker's connection at the handshake: the two do
+    not hold the same keys."""
 
 
 @dataclass
@@ -215,11 +221,11 @@ class WorkerProcess:
         finally:
             if self.capture is not None:
                 self.capture.end()
-                with contextlib.suppress(zmq.ZMQError):
+                with contextlib.suppress(zmq.ZMQError, BrokerRefused):
                     self._forward(time.monotonic())
                 self.capture.remove()
             self._stop_task()
-            with contextlib.suppress(zmq.ZMQError):
+            with contextlib.suppress(zmq.ZMQError, BrokerRefused):
                 self._to_broker(Command.BYE, {})
             for producer in list(self.links.values()):
                 self._drop_link(producer)
@@ -248,7 +254,21 @@ class WorkerProcess:
             "plain_data": self.plain_data})
 
     def _to_broker(self, command: Command, body: dict[str, Any]) -> None:
-        self.broker.send_multipart(encode(command, body), zmq.NOBLOCK)
+        """Send to the broker. A connection still being made queues what is sent; only
+        one whose handshake failed (other keys, or none) has nowhere to put it.
+
+        Raises:
+            BrokerRefused: the handshake failed; the text says which keys to give.
+        """
+        try:
+            self.broker.send_multipart(encode(command, body), zmq.NOBLOCK)
+        except zmq.Again:
+            fix = ("the broker wants CURVE keys: pass --keys DIR, the broker's keys "
+                   "directory (see `zloader keygen`)" if self.keys is None else
+                   f"the broker holds other CURVE keys than {self.keys.path}, or none: give "
+                   "every host of the service the same keys directory (--keys DIR)")
+            raise BrokerRefused(f"the broker at {self.broker_endpoint} refused this worker's "
+                                f"connection at the handshake: {fix}") from None
         self._last_to_broker = time.monotonic()
 
     def _loop(self) -> None:

@@ -37,7 +37,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-__all__ = ["KEYS_ENV", "Keys", "KeysError", "keygen", "resolve"]
+__all__ = ["KEYS_ENV", "Keys", "KeysError", "keygen", "resolve", "unsafe_directory"]
 
 log = logging.getLogger("zloader.keys")
 
@@ -46,7 +46,49 @@ KEYS_ENV = "ZLOADER_KEYS"
 
 
 class KeysError(ValueError):
-    """The keys directory is missing, incomplete or readable by other users."""
+    """The keys directory is missing, incomplete, or open to or owned by other users."""
+
+
+def unsafe_directory(path: pathlib.Path, what: str, mask: int = 0o022) -> str | None:
+    """Why another local user could swap the files in the directory ``path``, or None.
+
+    The rule ssh applies to ``~/.ssh``: the directory must belong to the user running
+    this process, and its mode must grant none of ``mask`` (default: no write permission
+    for group or others). The text names the directory, the owner or mode found and the
+    command that fixes it.
+
+    Args:
+        path: an existing directory (resolved: symbolic links followed).
+        what: what the directory is, for the message ("keys directory", "work dir").
+        mask: permission bits that make it unsafe.
+    """
+    info = path.stat()
+    me = os.geteuid()
+    if info.st_uid != me:
+        return (f"{what} {path} belongs to {_user(info.st_uid)}, not to {_user(me)} who runs "
+                "this: its owner could replace the files in it; use a directory of your "
+                f"own, or `chown {_name(me)} {path}` if you trust it")
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & mask:
+        reach = "open to" if mask & 0o044 else "writable by"
+        return (f"{what} {path} is {reach} other users (mode {mode:o}): they could "
+                f"replace the files in it; run `chmod 700 {path}`")
+    return None
+
+
+def _name(uid: int) -> str:
+    """The user name of ``uid``, or the number when it has none."""
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def _user(uid: int) -> str:
+    name = _name(uid)
+    return f"uid {uid}" if name == str(uid) else f"uid {uid} ({name})"
 
 
 @dataclass(frozen=True)
@@ -75,10 +117,9 @@ class Keys:
         if not root.is_dir():
             raise KeysError(f"keys directory {root} does not exist: create one with "
                             f"`zloader keygen {root}`")
-        mode = stat.S_IMODE(root.stat().st_mode)
-        if mode & 0o077:
-            raise KeysError(f"keys directory {root} is open to other users (mode {mode:o}): "
-                            f"its secret keys let a process in; run `chmod 700 {root}`")
+        problem = unsafe_directory(root, "keys directory", mask=0o077)
+        if problem is not None:
+            raise KeysError(f"{problem} (its secret keys let a process in)")
         try:
             server = zmq.auth.load_certificate(str(root / "server.key_secret"))
             client = zmq.auth.load_certificate(str(root / "client.key_secret"))
@@ -143,12 +184,16 @@ def keygen(path: str | os.PathLike[str]) -> Keys:
     ``authorized/`` holding the client's public key.
 
     Raises:
-        KeysError: ``path`` exists and is not an empty directory.
+        KeysError: ``path`` exists and is not an empty directory, or is one another user
+            owns or may write to.
     """
     root = pathlib.Path(path).expanduser().resolve()
     if root.exists() and (not root.is_dir() or any(root.iterdir())):
         raise KeysError(f"{root} exists and is not an empty directory: keygen will not "
                         "overwrite keys")
+    problem = unsafe_directory(root, "directory") if root.exists() else None
+    if problem is not None:
+        raise KeysError(f"{problem}; keygen will not put keys there")
     old_umask = os.umask(0o077)
     try:
         root.mkdir(mode=0o700, parents=True, exist_ok=True)

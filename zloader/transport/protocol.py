@@ -27,6 +27,13 @@ VERSION = (f"ZLP/2 py/{sys.version_info[0]}.{sys.version_info[1]} "
 """The version frame: protocol version, Python minor version, cloudpickle version."""
 
 MAX_BODY_BYTES = 1 << 20
+MAX_BODY_DEPTH = 32
+"""Bodies nested deeper than this are refused (real ones nest 6 deep at most): a handler,
+or the journal re-encoding a body, must never recurse near Python's limit."""
+MAX_BODY_INT = 1 << 64
+"""Integers in a body lie in (-2**64, 2**64): seeds and digests are 64-bit, every other
+field is smaller; wider ones (thousands of digits) are refused before anything computes
+with them."""
 MAX_PIPELINE_BYTES = 8 << 20
 """Pipeline definitions larger than this are refused; see docs/protocol.md."""
 MAX_MESSAGE_BYTES = MAX_PIPELINE_BYTES + MAX_BODY_BYTES + 4096
@@ -132,10 +139,24 @@ def encode(command: Command, body: dict[str, Any] | None = None,
 def decode(frames: Sequence[Any]) -> Message:
     """Parse the frames of one message (without a ROUTER identity).
 
+    Anything a peer sends may be hostile: every failure to parse it, whatever its kind
+    (deep nesting that exhausts the parser's recursion, an integer of thousands of digits,
+    a frame object that is not a buffer), comes out as :class:`ProtocolError`.
+
     Raises:
         VersionMismatch: the version frame differs from ours.
         ProtocolError: any other malformation.
     """
+    try:
+        return _decode(frames)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # RecursionError, MemoryError, TypeError...: still malformed
+        raise ProtocolError(f"undecodable message ({type(exc).__name__}: "
+                            f"{str(exc)[:200]})") from None
+
+
+def _decode(frames: Sequence[Any]) -> Message:
     if len(frames) < 3:
         raise ProtocolError(f"message has {len(frames)} frames, needs at least 3")
     version = _bytes(frames[0])
@@ -150,16 +171,51 @@ def decode(frames: Sequence[Any]) -> Message:
         command = Command(command_frame[0])
     except ValueError:
         raise ProtocolError(f"unknown command {command_frame[0]}") from None
-    raw = _bytes(frames[2])
+    return Message(command, _body(command, _bytes(frames[2])), list(frames[3:]))
+
+
+def _body(command: Command, raw: bytes) -> dict[str, Any]:
+    """The JSON object of a body frame, within the size, depth and integer limits."""
     if len(raw) > MAX_BODY_BYTES:
         raise ProtocolError(f"{command.name}: body of {len(raw)} bytes exceeds {MAX_BODY_BYTES}")
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_int=_int)
+    except ProtocolError as exc:
+        raise ProtocolError(f"{command.name}: {exc}") from None
+    except RecursionError:
+        raise ProtocolError(f"{command.name}: body nested deeper than {MAX_BODY_DEPTH} "
+                            "levels") from None
     except (UnicodeDecodeError, ValueError) as exc:
         raise ProtocolError(f"{command.name}: body is not JSON ({exc})") from None
     if not isinstance(body, dict):
         raise ProtocolError(f"{command.name}: body must be a JSON object")
-    return Message(command, body, list(frames[3:]))
+    if _depth(body) > MAX_BODY_DEPTH:
+        raise ProtocolError(f"{command.name}: body nested deeper than {MAX_BODY_DEPTH} levels")
+    return body
+
+
+def _int(text: str) -> int:
+    """``json.loads``'s integer parser, refusing integers wider than any field."""
+    if len(text) > 21:  # 2**64 has 20 digits; a sign is one more
+        raise ProtocolError(f"integer of {len(text)} digits in the body")
+    value = int(text)
+    if not -MAX_BODY_INT < value < MAX_BODY_INT:
+        raise ProtocolError(f"integer {value} in the body is out of range")
+    return value
+
+
+def _depth(value: Any) -> int:
+    """How deeply lists and dicts nest in ``value`` (iteratively: no recursion)."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth <= MAX_BODY_DEPTH:
+                stack.extend((child, depth + 1)
+                             for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def _bytes(frame: Any) -> bytes:
