@@ -287,6 +287,11 @@ class State:
                                    and not options["balanced"])
         job = self._named_job(name) if name else None
         previous = self.jobs.get(str(msg.body.get("job")))  # it registers again (a restart)
+        known = self.consumers.get(consumer_id)
+        if previous is None and known is not None:
+            # A REGISTER repeated while the answer was on its way (those a Loader queued
+            # before the broker was up arrive together): the same consumer, the same job.
+            previous = self.jobs.get(known.job)
         if previous is not None and previous.fingerprint == fingerprint \
                 and previous.error is None:
             job = previous
@@ -321,6 +326,11 @@ class State:
         old = self.consumers.get(consumer_id)
         if old is not None:
             self.peers.pop(old.identity, None)
+            left = self.jobs.get(old.job)
+            if left is not None and left is not job:  # it moved: no ghost in the old job
+                left.consumers.discard(consumer_id)
+                if not left.consumers:
+                    left.idle_since = now
         self.consumers[consumer_id] = Consumer(consumer_id, identity, job.id,
                                                msg.field("host_id", str), msg.field("pid", int),
                                                now)
