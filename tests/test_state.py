@@ -310,3 +310,43 @@ def test_a_job_whose_consumers_went_silent_lingers_and_one_they_left_does_not():
         state.seen(b"w1", now)
         state.tick(now)
     assert not state.jobs  # silent for longer than the grace: collected
+
+
+def test_a_broker_stall_expires_nobody_and_a_fence_asks_live_consumers_again():
+    """The broker's own clock jumps over a stall (SIGSTOP, a long GC): nobody it could not
+    hear meanwhile is expired for it. A fence whose answer was lost keeps asking a consumer
+    that is alive, past its deadline, instead of re-queueing what that consumer holds."""
+    from zloader.state import FENCE_GRACE
+
+    state = State(heartbeat=1.0)  # expiry 3 s
+    ready(state, "w1")
+    ready(state, "w2")
+    out = state.register(b"c1", Message(Command.REGISTER, {
+        "consumer": "c1", "fingerprint": "f" * 64, "job_name": None, "sharding": "dynamic",
+        "deterministic": False, "num_workers": 0, "on_error": "raise", "host_id": "h/boot/ns",
+        "pid": 1, "exactly_once": True,
+        "source": {"num_splits": 4, "shuffle_splits": False, "seed": None}}, [b"p"]), 0.0)
+    tasks = tasks_by_worker(out)
+    assert split(state, "w1", tasks["w1"]) == 0
+    state.stalled(5.0, 5.5)  # the broker was stopped from 0.5 s to 5.5 s
+    state.tick(5.5)
+    assert {"w1", "w2"} <= set(state.workers) and "c1" in state.consumers
+    now = 5.5
+    while "w1" in state.workers:  # now w1 really dies; w2 and c1 go on
+        now += 1.0
+        state.seen(b"w2", now)
+        state.seen(b"c1", now)
+        state.tick(now)
+    (job,) = state.jobs.values()
+    assert len(job.fences) == 1  # c1's answer is lost on its way
+    for _ in range(3 * FENCE_GRACE + 5):  # past the fence's deadline
+        now += 1.0
+        state.seen(b"w2", now)
+        state.seen(b"c1", now)
+        state.tick(now)
+    assert job.fences, "a live consumer's answer was not waited for"
+    (listed,) = state.job_view(job)["fences"]
+    assert listed["waiting"] == ["c1"]  # asked again in every view
+    state.delivered(b"c1", Message(Command.DELIVERED, {
+        "job": job.id, "fence": listed["id"], "splits": [[[0], 0, {"all": True}]]}), now)
+    assert not job.fences and not job.passes[(0,)].requeued  # it held split 0 whole

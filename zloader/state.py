@@ -481,7 +481,8 @@ class State:
             view["rounds"] = job.rounds.view()
         if job.fences:
             view["fences"] = [{"id": token, "worker": fence.worker, "task": fence.task,
-                               "splits": [[list(key), split] for key, split in fence.splits]}
+                               "splits": [[list(key), split] for key, split in fence.splits],
+                               "waiting": sorted(fence.waiting)}
                               for token, fence in job.fences.items()]
             fencing: dict[str, int] = {}
             for fence in job.fences.values():
@@ -732,10 +733,7 @@ class State:
         for job in self.jobs.values():
             for fence in job.fences.values():
                 if now > fence.deadline and fence.waiting:
-                    log.warning("consumers %s did not answer for the splits of dead worker "
-                                "%s: they are read again (what they held may repeat)",
-                                sorted(fence.waiting), fence.worker)
-                    fence.waiting.clear()
+                    self._give_up(job, fence, now)
             out += self._complete_fences(job)
             for consumer_id in [c for c, t in job.silent.items()
                                 if now - t > self.expiry * FENCE_GRACE]:
@@ -751,6 +749,37 @@ class State:
                 if self.journal is not None:
                     self.journal.forget_pipeline(job.id)
         return out + self._assign(now)
+
+    def _give_up(self, job: Job, fence: Fence, now: float) -> None:
+        """A fence's deadline passed: stop waiting for the consumers that are gone (what
+        they held may repeat). Those still registered with the job are alive: their answer
+        was lost or is late, and every ``JOB`` view asks them again, so the fence waits
+        for them another grace period."""
+        gone = {c for c in fence.waiting if c not in job.consumers}
+        if gone:
+            log.warning("consumers %s did not answer for the splits of dead worker %s: "
+                        "they are read again (what they held may repeat)", sorted(gone),
+                        fence.worker)
+        fence.waiting -= gone
+        if fence.waiting:
+            log.warning("consumers %s of job %s have not answered for the splits of dead "
+                        "worker %s yet: asking them again", sorted(fence.waiting),
+                        job.name or job.id, fence.worker)
+            fence.deadline = now + self.expiry * FENCE_GRACE
+
+    def stalled(self, seconds: float, now: float) -> None:
+        """The broker itself did not run for ``seconds`` (SIGSTOP, a long GC, a slow
+        disk) until ``now``: its peers could not be heard meanwhile, so that time is not
+        held against them. Their silences, the jobs' idle times and the fences' deadlines
+        move forward by it; a peer that really died is still dropped, an expiry later."""
+        for record in [*self.workers.values(), *self.consumers.values()]:
+            record.last_seen = min(now, record.last_seen + seconds)
+        for job in self.jobs.values():
+            job.silent = {c: min(now, t + seconds) for c, t in job.silent.items()}
+            if job.idle_since is not None:
+                job.idle_since = min(now, job.idle_since + seconds)
+            for fence in job.fences.values():
+                fence.deadline += seconds
 
     def heartbeats(self) -> list[Out]:
         """What the broker sends every heartbeat interval."""
