@@ -772,7 +772,8 @@ class State:
         disk) until ``now``: its peers could not be heard meanwhile, so that time is not
         held against them. Their silences, the jobs' idle times and the fences' deadlines
         move forward by it; a peer that really died is still dropped, an expiry later."""
-        for record in [*self.workers.values(), *self.consumers.values()]:
+        records: list[Worker | Consumer] = [*self.workers.values(), *self.consumers.values()]
+        for record in records:
             record.last_seen = min(now, record.last_seen + seconds)
         for job in self.jobs.values():
             job.silent = {c: min(now, t + seconds) for c, t in job.silent.items()}
