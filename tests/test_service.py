@@ -612,3 +612,30 @@ def test_a_loader_started_before_its_broker_registers_once_it_is_up_and_again_af
         for process in (worker, broker):
             if process is not None:
                 stop(process)
+
+
+def test_a_closed_job_releases_its_name_and_workers_at_once():
+    """The last consumer's close (BYE) releases its job and workers now: a job_name rerun
+    with an edited pipeline is served, and another job's first element does not wait for
+    the closed job to be collected (a heartbeat of 1 s: that took 3 s and more)."""
+    from tests.service import BIN, free_port
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    broker = subprocess.Popen([os.path.join(BIN, "zloader-broker"), "--bind", address,
+                               "--heartbeat", "1.0", "--log-level", "error"])
+    worker = start_worker(address)
+    try:
+        wait_for(lambda: len((status(address, 1.0) or {}).get("workers", [])) == 1,
+                 what="the worker")
+        with Loader(Pipeline.range(20), broker=address, job_name="x", timeout=30) as first:
+            assert sorted(first) == list(range(20))
+        with Loader(Pipeline.range(30).map(lambda x: x + 1), broker=address, job_name="x",
+                    timeout=30) as edited:
+            assert sorted(edited) == list(range(1, 31))
+        with Loader(Pipeline.range(40), broker=address, timeout=30) as other:
+            start = time.monotonic()
+            next(iter(other))
+            assert time.monotonic() - start < 2.0  # loose: the old job's linger took 3 s
+    finally:
+        stop(worker)
+        stop(broker)

@@ -49,6 +49,8 @@ HEARTBEAT = 1.0
 POLL_MS = 5
 VACANT_WARNING = 10.0
 """Seconds a coordinated consumer waits for a missing one before it says so (then again)."""
+BYE_LINGER_MS = 200
+"""At most how long closing waits for the BYE to reach the broker (milliseconds)."""
 RING_MAX_BYTES = 1 << 30
 """A ring that keeps filling up with large records grows, by doubling, up to this size."""
 
@@ -336,7 +338,9 @@ class IOThread(threading.Thread):
             self._close_peer(peer, polite=True)
         with contextlib.suppress(zmq.ZMQError):
             self._to_broker(Command.BYE, {})
-        self.broker.close(0)
+        # A moment for the BYE to leave: the broker then releases the job at once, where a
+        # lost one costs the next job on its name or its workers an expiry's wait.
+        self.broker.close(linger=BYE_LINGER_MS)
         if self.guard is not None:
             self.guard.stop()
         self.context.term()

@@ -305,6 +305,10 @@ class State:
                 self._record({"e": "share", "job": job.id, "share": share})
         elif job is not None:
             mismatch = self._mismatch(job, fingerprint, options)
+            if mismatch and not job.consumers and job.idle_since is not None:
+                remaining = max(self.expiry, job.linger) - (now - job.idle_since)
+                mismatch += (f" (its consumers went silent: it is kept for them "
+                             f"{max(0.0, remaining):.0f} s more, then released)")
             if mismatch:
                 return [Out(identity, Command.ERROR, {"message": mismatch})]
         else:
@@ -716,7 +720,17 @@ class State:
         if kind == "worker":
             return self._drop_worker(pid, died=False, now=now)
         if kind == "consumer":
-            return self._drop_consumer(pid, now)
+            consumer = self.consumers.get(pid)
+            out = self._drop_consumer(pid, now)
+            job = self.jobs.get(consumer.job) if consumer is not None else None
+            if job is not None and not job.consumers \
+                    and not any(now - t < self.expiry * FENCE_GRACE
+                                for t in job.silent.values()):
+                # Its last consumer left: nobody comes back to it, so its name and
+                # workers are free now (not an expiry later) for the next job.
+                out += self._end_job(job, now)
+                out += self._assign(now)
+            return out
         return []
 
     def tick(self, now: float) -> list[Out]:
@@ -743,12 +757,17 @@ class State:
         for job in list(self.jobs.values()):
             if not job.consumers and job.idle_since is not None \
                     and now - job.idle_since > max(self.expiry, job.linger):
-                out += self._release_job(job, now)
-                del self.jobs[job.id]
-                self._record({"e": "end", "job": job.id})
-                if self.journal is not None:
-                    self.journal.forget_pipeline(job.id)
+                out += self._end_job(job, now)
         return out + self._assign(now)
+
+    def _end_job(self, job: Job, now: float) -> list[Out]:
+        """Forget ``job``: its workers are released, its name is free."""
+        out = self._release_job(job, now)
+        del self.jobs[job.id]
+        self._record({"e": "end", "job": job.id})
+        if self.journal is not None:
+            self.journal.forget_pipeline(job.id)
+        return out
 
     def _give_up(self, job: Job, fence: Fence, now: float) -> None:
         """A fence's deadline passed: stop waiting for the consumers that are gone (what
