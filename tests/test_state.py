@@ -300,6 +300,9 @@ def test_a_job_whose_consumers_went_silent_lingers_and_one_they_left_does_not():
     state.seen(b"w1", 14.0)
     state.tick(14.0)  # c2 silent for more than 3 s: dropped, but its job is kept
     assert "c2" not in state.consumers and job.id in state.jobs and job.tasks
+    (refused,) = [o for o in register(state, "c3", now=15.0, job_name="silent",
+                                      fingerprint="e" * 64) if o.command is Command.ERROR]
+    assert "kept for them 29 s more" in refused.body["message"]  # the wait, said
     register(state, "c2", now=20.0, job_name="silent")  # it comes back to the same job
     assert list(state.jobs) == [job.id]
     state.tick(24.0)
