@@ -10,6 +10,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -17,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.service import HEARTBEAT, service, start_worker, status
+from tests.service import HEARTBEAT, service, start_broker, start_worker, status, stop, wait_for
 from zloader import Loader, Pipeline, PipelineError
 
 N = 2400
@@ -267,3 +268,29 @@ def test_a_worker_paused_past_its_expiry_is_fenced_and_repeats_nothing_when_it_r
         procs[0].send_signal(signal.SIGCONT)
         assert_exactly_once(seen, 10_000)
         assert listed == 2  # it had been dropped when it came back
+
+
+def test_a_broker_stopped_for_five_seconds_mid_epoch_loses_and_repeats_nothing():
+    """SIGSTOP the broker (a long GC, a slow disk) for longer than its peers' expiry: on
+    SIGCONT it does not hold the time it was stopped against them, and what a consumer
+    that was only waiting for it holds is never read again."""
+    broker, address = start_broker()
+    procs = [start_worker(address) for _ in range(2)]
+    resume = threading.Timer(5.0, broker.send_signal, (signal.SIGCONT,))
+    try:
+        wait_for(lambda: len((status(address, 1.0) or {}).get("workers", [])) == 2,
+                 what="the workers")
+        seen: collections.Counter = collections.Counter()
+        pipeline = Pipeline.range(2000, split_size=20).map(slow).shuffle(100).batch(8)
+        with Loader(pipeline, broker=address, timeout=30) as loader:
+            for i, batch in enumerate(loader):
+                count(seen, batch)
+                if i == 20:
+                    broker.send_signal(signal.SIGSTOP)
+                    resume.start()
+        assert_exactly_once(seen, 2000)
+    finally:
+        resume.cancel()
+        broker.send_signal(signal.SIGCONT)
+        for process in [*procs, broker]:
+            stop(process)

@@ -125,8 +125,8 @@ def test_a_broker_killed_mid_epoch_and_restarted_resumes_the_job_exactly(tmp_pat
             # out, and a worker whose answer was lost got the same split again.
             assert sorted(seen) == list(range(600))
             assert sorted(loader) == list(range(600))  # and the next epoch is whole
-        body = status(address)
-        assert len(body["workers"]) == 2 and len(body["jobs"]) == 1
+            body = status(address)  # (before close: a job whose consumers left goes at once)
+            assert len(body["workers"]) == 2 and len(body["jobs"]) == 1
     finally:
         for process in workers:
             stop(process)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 import time
 import urllib.request
 
@@ -117,8 +118,59 @@ def test_zloader_top_shows_jobs_with_rates_and_starvation_and_workers():
         last = frames[-1]
         assert "1 jobs, 1 workers" in last and "watched" in last and "starved" in last
         row = next(line for line in last.splitlines() if "watched" in line)
-        assert row.split()[4] != "-"  # elements/s, over the time since the last refresh
+        assert row.split()[5] != "-"  # elements/s, over the time since the last refresh
     silent = subprocess.run([os.path.join(BIN, "zloader"), "top", "--broker", address,
                              "--timeout", "0.5", "--iterations", "1"],
                             capture_output=True, text=True, timeout=30)
     assert silent.returncode == 1 and "no answer" in silent.stderr
+
+
+def test_a_consumer_waiting_for_a_job_without_workers_is_starved_in_status_and_metrics():
+    """Nothing serves the consumer that waits: its job is 100% starved, not 0%."""
+    address, port = f"tcp://127.0.0.1:{free_port()}", free_port()
+    broker = subprocess.Popen([os.path.join(BIN, "zloader-broker"), "--bind", address,
+                               "--heartbeat", str(HEARTBEAT), "--metrics-port", str(port),
+                               "--log-level", "error"])
+    worker = None
+    try:
+        wait_for(lambda: status(address, 1.0) is not None, what="the broker")
+        with Loader(Pipeline.range(10), broker=address, timeout=30) as loader:
+            got: list[int] = []
+            reader = threading.Thread(target=lambda: got.extend(loader))
+            reader.start()  # it waits: the job has no worker
+
+            def starved() -> bool:
+                jobs = status(address)["jobs"]
+                ratios = scrape(port).get("zloader_job_starvation_ratio", [])
+                return (len(jobs) == 1 and jobs[0]["starvation"] > 0.9
+                        and len(ratios) == 1 and ratios[0].value > 0.9)
+
+            try:
+                wait_for(starved, what="the job to show as starved")
+            finally:
+                worker = start_worker(address)  # now served: the reader ends
+                reader.join(30)
+            assert sorted(got) == list(range(10))
+    finally:
+        for process in (worker, broker):
+            if process is not None:
+                stop(process)
+
+
+def test_status_and_top_name_jobs_by_their_id_like_json_and_metrics():
+    from tests.service import service
+
+    with service(workers=1) as (address, _):
+        with Loader(Pipeline.range(10**6), broker=address, job_name="named",
+                    timeout=20) as loader:
+            next(iter(loader))
+            (job,) = status(address)["jobs"]
+            table = subprocess.run([os.path.join(BIN, "zloader"), "status", "--broker",
+                                    address], capture_output=True, text=True, timeout=30)
+            top = subprocess.run([os.path.join(BIN, "zloader"), "top", "--broker", address,
+                                  "--iterations", "1"], capture_output=True, text=True,
+                                 timeout=30)
+        for out in (table.stdout, top.stdout):
+            rows = [line.split() for line in out.splitlines() if "named" in line]
+            assert rows and rows[0][0] == job["job"], out  # the id leads the job's row
+        assert job["fingerprint"][:16] in table.stdout  # still shown, as an extra column

@@ -150,8 +150,8 @@ def test_status_command_against_a_running_broker():
             next(iter(loader))
             table = run(bin_path("zloader"), "status", "--broker", address)
         header, row = table.stdout.split("jobs (1)\n")[1].splitlines()[:2]
-        assert header.split() == ["fingerprint", "name", "consumers", "workers", "wanted",
-                                  "starved", "elements", "bytes"]
+        assert header.split() == ["job", "name", "consumers", "workers", "wanted",
+                                  "starved", "elements", "bytes", "fingerprint"]
         assert row.split()[1:4] == ["shown", "1", "1"] and row.split()[5].endswith("%")
     silent = run(bin_path("zloader"), "status", "--broker", address, "--timeout", "0.5")
     assert silent.returncode == 1 and "no answer" in silent.stderr

@@ -578,3 +578,64 @@ def test_static_sharding_a_killed_workers_index_goes_to_its_replacement():
                     procs[0].send_signal(signal.SIGKILL)
                     procs.append(start_worker(address))  # takes the dead one's index
             assert set(seen) == set(range(400))  # at least once: the index read again
+
+
+def test_a_loader_started_before_its_broker_registers_once_it_is_up_and_again_after_a_restart():
+    """The Loader repeats its REGISTER while nobody answers: those queued before the broker
+    binds all arrive at once and must register it once, for one job. A broker restarted
+    without a work dir forgot the job: the waiting Loader registers again and is served."""
+    from tests.service import free_port
+
+    port = free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    broker = worker = None
+    try:
+        with Loader(Pipeline.range(50), broker=address, timeout=20) as loader:
+            time.sleep(1.5)  # the fault: no broker yet while the Loader repeats its REGISTER
+            broker, _ = start_broker(port)
+            wait_for(lambda: (status(address, 1.0) or {}).get("jobs"), what="the job")
+            time.sleep(1.0)  # the job waits without a worker
+            worker = start_worker(address)
+            assert sorted(loader) == list(range(50))
+            assert len(status(address)["jobs"]) == 1
+            broker.send_signal(signal.SIGKILL)
+            broker.wait(10)
+            got: list[int] = []
+            reader = threading.Thread(target=lambda: got.extend(loader))
+            reader.start()  # the next epoch waits for a broker that is down
+            time.sleep(1.5)
+            broker, _ = start_broker(port)  # no --work-dir: it forgot the job
+            reader.join(60)
+            assert not reader.is_alive() and sorted(got) == list(range(50))
+            assert len(status(address)["jobs"]) == 1
+    finally:
+        for process in (worker, broker):
+            if process is not None:
+                stop(process)
+
+
+def test_a_closed_job_releases_its_name_and_workers_at_once():
+    """The last consumer's close (BYE) releases its job and workers now: a job_name rerun
+    with an edited pipeline is served, and another job's first element does not wait for
+    the closed job to be collected (a heartbeat of 1 s: that took 3 s and more)."""
+    from tests.service import BIN, free_port
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    broker = subprocess.Popen([os.path.join(BIN, "zloader-broker"), "--bind", address,
+                               "--heartbeat", "1.0", "--log-level", "error"])
+    worker = start_worker(address)
+    try:
+        wait_for(lambda: len((status(address, 1.0) or {}).get("workers", [])) == 1,
+                 what="the worker")
+        with Loader(Pipeline.range(20), broker=address, job_name="x", timeout=30) as first:
+            assert sorted(first) == list(range(20))
+        with Loader(Pipeline.range(30).map(lambda x: x + 1), broker=address, job_name="x",
+                    timeout=30) as edited:
+            assert sorted(edited) == list(range(1, 31))
+        with Loader(Pipeline.range(40), broker=address, timeout=30) as other:
+            start = time.monotonic()
+            next(iter(other))
+            assert time.monotonic() - start < 2.0  # loose: the old job's linger took 3 s
+    finally:
+        stop(worker)
+        stop(broker)

@@ -114,11 +114,8 @@ def test_abandoned_job_is_collected_and_its_workers_released():
     state = State(heartbeat=1.0)
     ready(state, "w1")
     register(state, "c1")
-    out = state.bye(b"c1", 1.0)
-    assert [o.command for o in out] == [Command.CONSUMER_GONE]
-    state.seen(b"w1", 4.5)
-    out = state.tick(4.5)
-    assert Command.RELEASE in [o.command for o in out]
+    out = state.bye(b"c1", 1.0)  # its last consumer left: released at once
+    assert [o.command for o in out] == [Command.CONSUMER_GONE, Command.RELEASE]
     assert not state.jobs and state.workers["w1"].task is None
 
 
@@ -303,6 +300,9 @@ def test_a_job_whose_consumers_went_silent_lingers_and_one_they_left_does_not():
     state.seen(b"w1", 14.0)
     state.tick(14.0)  # c2 silent for more than 3 s: dropped, but its job is kept
     assert "c2" not in state.consumers and job.id in state.jobs and job.tasks
+    (refused,) = [o for o in register(state, "c3", now=15.0, job_name="silent",
+                                      fingerprint="e" * 64) if o.command is Command.ERROR]
+    assert "kept for them 29 s more" in refused.body["message"]  # the wait, said
     register(state, "c2", now=20.0, job_name="silent")  # it comes back to the same job
     assert list(state.jobs) == [job.id]
     state.tick(24.0)
@@ -310,3 +310,43 @@ def test_a_job_whose_consumers_went_silent_lingers_and_one_they_left_does_not():
         state.seen(b"w1", now)
         state.tick(now)
     assert not state.jobs  # silent for longer than the grace: collected
+
+
+def test_a_broker_stall_expires_nobody_and_a_fence_asks_live_consumers_again():
+    """The broker's own clock jumps over a stall (SIGSTOP, a long GC): nobody it could not
+    hear meanwhile is expired for it. A fence whose answer was lost keeps asking a consumer
+    that is alive, past its deadline, instead of re-queueing what that consumer holds."""
+    from zloader.state import FENCE_GRACE
+
+    state = State(heartbeat=1.0)  # expiry 3 s
+    ready(state, "w1")
+    ready(state, "w2")
+    out = state.register(b"c1", Message(Command.REGISTER, {
+        "consumer": "c1", "fingerprint": "f" * 64, "job_name": None, "sharding": "dynamic",
+        "deterministic": False, "num_workers": 0, "on_error": "raise", "host_id": "h/boot/ns",
+        "pid": 1, "exactly_once": True,
+        "source": {"num_splits": 4, "shuffle_splits": False, "seed": None}}, [b"p"]), 0.0)
+    tasks = tasks_by_worker(out)
+    assert split(state, "w1", tasks["w1"]) == 0
+    state.stalled(5.0, 5.5)  # the broker was stopped from 0.5 s to 5.5 s
+    state.tick(5.5)
+    assert {"w1", "w2"} <= set(state.workers) and "c1" in state.consumers
+    now = 5.5
+    while "w1" in state.workers:  # now w1 really dies; w2 and c1 go on
+        now += 1.0
+        state.seen(b"w2", now)
+        state.seen(b"c1", now)
+        state.tick(now)
+    (job,) = state.jobs.values()
+    assert len(job.fences) == 1  # c1's answer is lost on its way
+    for _ in range(3 * FENCE_GRACE + 5):  # past the fence's deadline
+        now += 1.0
+        state.seen(b"w2", now)
+        state.seen(b"c1", now)
+        state.tick(now)
+    assert job.fences, "a live consumer's answer was not waited for"
+    (listed,) = state.job_view(job)["fences"]
+    assert listed["waiting"] == ["c1"]  # asked again in every view
+    state.delivered(b"c1", Message(Command.DELIVERED, {
+        "job": job.id, "fence": listed["id"], "splits": [[[0], 0, {"all": True}]]}), now)
+    assert not job.fences and not job.passes[(0,)].requeued  # it held split 0 whole

@@ -50,6 +50,8 @@ HEARTBEAT = 1.0
 POLL_MS = 5
 VACANT_WARNING = 10.0
 """Seconds a coordinated consumer waits for a missing one before it says so (then again)."""
+BYE_LINGER_MS = 200
+"""At most how long closing waits for the BYE to reach the broker (milliseconds)."""
 RING_MAX_BYTES = 1 << 30
 """A ring that keeps filling up with large records grows, by doubling, up to this size."""
 
@@ -189,7 +191,7 @@ class IOThread(threading.Thread):
         self._fixed = sharding in ("static", "off")  # every worker index must end the epoch
         self.rounds = _Rounds(coordinated) if coordinated else None
         self.received = Ledger()  # the origins of this epoch received (exactly-once jobs)
-        self._answered: set[str] = set()  # fences this consumer answered
+        self._answered: dict[str, float] = {}  # fences this consumer answered -> when
         self.entropy: int | None = None  # the job's, once it is known
         self.stages: dict[str, float] = {}  # the job's workers' seconds by stage (broker's)
 
@@ -376,7 +378,9 @@ class IOThread(threading.Thread):
             self._close_peer(peer, polite=True)
         with contextlib.suppress(zmq.ZMQError):
             self._to_broker(Command.BYE, {})
-        self.broker.close(0)
+        # A moment for the BYE to leave: the broker then releases the job at once, where a
+        # lost one costs the next job on its name or its workers an expiry's wait.
+        self.broker.close(linger=BYE_LINGER_MS)
         if self.guard is not None:
             self.guard.stop()
         self.context.term()
@@ -493,17 +497,20 @@ class IOThread(threading.Thread):
     def _answer_fences(self, fences: Any) -> None:
         """A worker of an exactly-once job died: this consumer reads nothing more from it
         (it left the job's view, so its peer is closed) and tells the broker which elements
-        of its splits it holds; the broker hands the splits out again less those."""
+        of its splits it holds; the broker hands the splits out again less those. It
+        answers again, once a heartbeat, while the fence still lists it as ``waiting``
+        (its answer was lost: the broker had dropped it, or stalled)."""
         if not isinstance(fences, list):
             return
+        now = time.monotonic()
         for fence in fences:
             if not (isinstance(fence, dict) and isinstance(fence.get("id"), str)
                     and isinstance(fence.get("splits"), list)) \
-                    or fence["id"] in self._answered \
+                    or not self._asked(fence, now) \
                     or any(p.worker == fence.get("worker") and p.task == fence.get("task")
                            for p in self._peers.values()):
                 continue
-            self._answered.add(fence["id"])
+            self._answered[fence["id"]] = now
             splits = []
             for entry in fence["splits"]:
                 if not (isinstance(entry, list) and len(entry) == 2
@@ -520,6 +527,16 @@ class IOThread(threading.Thread):
                 splits.append([list(key), split, info])
             self._to_broker(Command.DELIVERED, {"job": self._job, "fence": fence["id"],
                                                 "splits": splits})
+
+    def _asked(self, fence: dict[str, Any], now: float) -> bool:
+        """Whether to answer ``fence``: never answered, or still ``waiting`` for this
+        consumer a heartbeat after its last answer."""
+        answered = self._answered.get(fence["id"])
+        if answered is None:
+            return True
+        waiting = fence.get("waiting")
+        return (isinstance(waiting, list) and self.register_body["consumer"] in waiting
+                and now - answered >= self._heartbeat)
 
     def _update_workers(self, workers: list[Any]) -> None:
         seen = set()

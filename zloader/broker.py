@@ -148,6 +148,12 @@ class Broker:
                     self._send(socket, self._handle(frames, time.monotonic()))
             now = time.monotonic()
             if now >= next_beat:
+                late = now - next_beat
+                if late > state.heartbeat:  # the loop itself was stopped (see State.stalled)
+                    log.warning("the broker did not run for %.1f s (stopped, or a long "
+                                "pause): its peers' silence meanwhile is not held against "
+                                "them", late)
+                    state.stalled(late, now)
                 next_beat = now + state.heartbeat
                 self._send(socket, state.tick(now) + state.heartbeats())
                 self.snapshot = state.metrics(now)

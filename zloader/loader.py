@@ -372,6 +372,9 @@ class Loader:
                 try:
                     item = self._io.items.get(timeout=0.1)
                 except queue.Empty:
+                    # The wait under way counts now: a consumer that nothing serves must
+                    # show as starved while it waits, not once an element comes.
+                    self._io.wait_seconds = self._wait + time.monotonic() - start
                     self._check_progress()
                     continue
                 if item.kind == "error":

@@ -290,6 +290,11 @@ class State:
                                    and not options["balanced"])
         job = self._named_job(name) if name else None
         previous = self.jobs.get(str(msg.body.get("job")))  # it registers again (a restart)
+        known = self.consumers.get(consumer_id)
+        if previous is None and known is not None:
+            # A REGISTER repeated while the answer was on its way (those a Loader queued
+            # before the broker was up arrive together): the same consumer, the same job.
+            previous = self.jobs.get(known.job)
         if previous is not None and previous.fingerprint == fingerprint \
                 and previous.error is None:
             job = previous
@@ -303,6 +308,10 @@ class State:
                 self._record({"e": "share", "job": job.id, "share": share})
         elif job is not None:
             mismatch = self._mismatch(job, fingerprint, options)
+            if mismatch and not job.consumers and job.idle_since is not None:
+                remaining = max(self.expiry, job.linger) - (now - job.idle_since)
+                mismatch += (f" (its consumers went silent: it is kept for them "
+                             f"{max(0.0, remaining):.0f} s more, then released)")
             if mismatch:
                 return [Out(identity, Command.ERROR, {"message": mismatch})]
         else:
@@ -324,6 +333,11 @@ class State:
         old = self.consumers.get(consumer_id)
         if old is not None:
             self.peers.pop(old.identity, None)
+            left = self.jobs.get(old.job)
+            if left is not None and left is not job:  # it moved: no ghost in the old job
+                left.consumers.discard(consumer_id)
+                if not left.consumers:
+                    left.idle_since = now
         self.consumers[consumer_id] = Consumer(consumer_id, identity, job.id,
                                                msg.field("host_id", str), msg.field("pid", int),
                                                now)
@@ -475,7 +489,8 @@ class State:
             view["rounds"] = job.rounds.view()
         if job.fences:
             view["fences"] = [{"id": token, "worker": fence.worker, "task": fence.task,
-                               "splits": [[list(key), split] for key, split in fence.splits]}
+                               "splits": [[list(key), split] for key, split in fence.splits],
+                               "waiting": sorted(fence.waiting)}
                               for token, fence in job.fences.items()]
             fencing: dict[str, int] = {}
             for fence in job.fences.values():
@@ -710,7 +725,17 @@ class State:
         if kind == "worker":
             return self._drop_worker(pid, died=False, now=now)
         if kind == "consumer":
-            return self._drop_consumer(pid, now)
+            consumer = self.consumers.get(pid)
+            out = self._drop_consumer(pid, now)
+            job = self.jobs.get(consumer.job) if consumer is not None else None
+            if job is not None and not job.consumers \
+                    and not any(now - t < self.expiry * FENCE_GRACE
+                                for t in job.silent.values()):
+                # Its last consumer left: nobody comes back to it, so its name and
+                # workers are free now (not an expiry later) for the next job.
+                out += self._end_job(job, now)
+                out += self._assign(now)
+            return out
         return []
 
     def tick(self, now: float) -> list[Out]:
@@ -727,10 +752,7 @@ class State:
         for job in self.jobs.values():
             for fence in job.fences.values():
                 if now > fence.deadline and fence.waiting:
-                    log.warning("consumers %s did not answer for the splits of dead worker "
-                                "%s: they are read again (what they held may repeat)",
-                                sorted(fence.waiting), fence.worker)
-                    fence.waiting.clear()
+                    self._give_up(job, fence, now)
             out += self._complete_fences(job)
             for consumer_id in [c for c, t in job.silent.items()
                                 if now - t > self.expiry * FENCE_GRACE]:
@@ -740,12 +762,49 @@ class State:
         for job in list(self.jobs.values()):
             if not job.consumers and job.idle_since is not None \
                     and now - job.idle_since > max(self.expiry, job.linger):
-                out += self._release_job(job, now)
-                del self.jobs[job.id]
-                self._record({"e": "end", "job": job.id})
-                if self.journal is not None:
-                    self.journal.forget_pipeline(job.id)
+                out += self._end_job(job, now)
         return out + self._assign(now)
+
+    def _end_job(self, job: Job, now: float) -> list[Out]:
+        """Forget ``job``: its workers are released, its name is free."""
+        out = self._release_job(job, now)
+        del self.jobs[job.id]
+        self._record({"e": "end", "job": job.id})
+        if self.journal is not None:
+            self.journal.forget_pipeline(job.id)
+        return out
+
+    def _give_up(self, job: Job, fence: Fence, now: float) -> None:
+        """A fence's deadline passed: stop waiting for the consumers that are gone (what
+        they held may repeat). Those still registered with the job are alive: their answer
+        was lost or is late, and every ``JOB`` view asks them again, so the fence waits
+        for them another grace period."""
+        gone = {c for c in fence.waiting if c not in job.consumers}
+        if gone:
+            log.warning("consumers %s did not answer for the splits of dead worker %s: "
+                        "they are read again (what they held may repeat)", sorted(gone),
+                        fence.worker)
+        fence.waiting -= gone
+        if fence.waiting:
+            log.warning("consumers %s of job %s have not answered for the splits of dead "
+                        "worker %s yet: asking them again", sorted(fence.waiting),
+                        job.name or job.id, fence.worker)
+            fence.deadline = now + self.expiry * FENCE_GRACE
+
+    def stalled(self, seconds: float, now: float) -> None:
+        """The broker itself did not run for ``seconds`` (SIGSTOP, a long GC, a slow
+        disk) until ``now``: its peers could not be heard meanwhile, so that time is not
+        held against them. Their silences, the jobs' idle times and the fences' deadlines
+        move forward by it; a peer that really died is still dropped, an expiry later."""
+        records: list[Worker | Consumer] = [*self.workers.values(), *self.consumers.values()]
+        for record in records:
+            record.last_seen = min(now, record.last_seen + seconds)
+        for job in self.jobs.values():
+            job.silent = {c: min(now, t + seconds) for c, t in job.silent.items()}
+            if job.idle_since is not None:
+                job.idle_since = min(now, job.idle_since + seconds)
+            for fence in job.fences.values():
+                fence.deadline += seconds
 
     def heartbeats(self) -> list[Out]:
         """What the broker sends every heartbeat interval."""
