@@ -544,6 +544,25 @@ def test_an_embedded_consumer_killed_hard_leaves_nothing_after_the_next_loaders_
         assert not _segments_of(consumer.pid)
 
 
+def test_an_embedded_trainer_stopped_by_sigterm_leaves_nothing_behind():
+    """SIGTERM (what SLURM, Kubernetes and `timeout` send) ends a trainer without running
+    its cleanup: its own workers, which outlive it briefly, remove its rings and socket
+    directory, with no later Loader needed to sweep."""
+    import tempfile
+
+    with _reading_consumer("num_workers=2") as consumer:
+        prefix = f"zloader-{consumer.pid}-"
+        assert _segments_of(consumer.pid)
+        consumer.send_signal(signal.SIGTERM)  # the trainer only: its workers see it go
+        wait_for(lambda: _group_gone(consumer.pid) or consumer.poll() is not None
+                 and not _segments_of(consumer.pid), timeout=20, what="the workers to exit")
+        wait_for(lambda: not _segments_of(consumer.pid), timeout=10,
+                 what="the workers to remove the trainer's rings")
+        wait_for(lambda: not [n for n in os.listdir(tempfile.gettempdir())
+                              if n.startswith(prefix)], timeout=10,
+                 what="the workers to remove the trainer's socket directory")
+
+
 @pytest.mark.slow
 def test_a_worker_drained_by_sigterm_finishes_its_splits_nothing_lost_or_repeated():
     def slow(x):

@@ -48,7 +48,7 @@ from zloader.transport.protocol import (
     heartbeat,
 )
 from zloader.transport.ring import RingError, RingWriter
-from zloader.transport.shm import Segment, ShmError, sweep
+from zloader.transport.shm import Segment, ShmError, sweep, sweep_dirs
 
 __all__ = ["BrokerRefused", "WorkerProcess"]
 
@@ -188,6 +188,7 @@ class WorkerProcess:
         self._last_beat = 0.0
         self.capture = Capture() if forward_output else None
         self._last_forward = 0.0
+        self.orphaned = False  # the parent process died (see run)
 
     # --- sockets --------------------------------------------------------------------------
 
@@ -234,6 +235,9 @@ class WorkerProcess:
             if guard is not None:
                 guard.stop()
             context.term()
+            if self.orphaned:  # a trainer killed by a signal (SIGTERM from SLURM, say)
+                sweep()        # cannot remove its rings and socket directory: we do
+                sweep_dirs()
 
     def _connect_broker(self) -> zmq.Socket[Any]:
         sock = self.context.socket(zmq.DEALER)
@@ -317,6 +321,7 @@ class WorkerProcess:
                     self._ask_again(self.task)
             if self.parent is not None and os.getppid() != self.parent:
                 log.warning("parent process %d is gone: exiting", self.parent)
+                self.orphaned = True
                 return
             if self._drain_deadline is not None and self._drained(now):
                 return

@@ -341,7 +341,18 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True  # exists, belongs to someone else
-    return True
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    """Whether ``pid`` has exited and waits only to be reaped (it holds nothing any more:
+    a trainer killed by SIGTERM whose parent has not called wait() yet)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            stat_line = file.read()
+    except OSError:
+        return False
+    return stat_line[stat_line.rfind(b")") + 2:][:1] == b"Z"
 
 
 def _path(name: str) -> str:
