@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import queue
 import shutil
@@ -149,8 +150,12 @@ class Loader:
             raise ValueError(f"broker must be an address like 'tcp://host:5555', got {broker!r}")
         if job_name is not None:
             _check.label("job_name", job_name)
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) \
+                or not math.isfinite(timeout) or timeout <= 0:
+            # nan compares false with everything and inf never elapses: either would
+            # silently turn the bound off
+            raise ValueError(f"timeout must be a finite positive number of seconds, got "
+                             f"{timeout!r}")
         self._share = _share_settings(pipeline, broker, job_name, balanced, share,
                                       share_window_bytes, share_lag, share_block_seconds)
         coordinated = _coordinated(num_consumers, consumer_index, job_name, share, balanced,
