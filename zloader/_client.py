@@ -24,7 +24,7 @@ import zmq
 
 from zloader import codec
 from zloader._host import host_id
-from zloader.errors import CodecError, PipelineError, ZloaderError
+from zloader.errors import CodecError, PipelineError, Timeout, ZloaderError
 from zloader.forward import emit, valid_lines
 from zloader.lineage import Ledger, decode_origins
 from zloader.transport import records
@@ -100,6 +100,20 @@ class _Peer:
     returned: int = 0
     mapped: list[str] = field(default_factory=list)  # one-record segments to let go of
     old_rings: list[Any] = field(default_factory=list)  # rings being replaced by a larger one
+    host: str = ""
+    heard: float = 0.0  # when it last sent something, or was last given credits it lacked
+    owed: int = 0  # credits granted for this epoch and not yet used by a record
+    doing: dict[str, Any] | None = None  # {epoch, split, stage}, from the job's view
+
+    def describe(self) -> str:
+        """``worker pid P on HOST (stage S of split N, epoch E)``, as far as known."""
+        text = f"worker pid {self.pid} on {self.host or self.endpoint}"
+        doing = self.doing
+        if doing is not None:
+            split = f"split {doing['split']}" if doing.get("split") is not None \
+                else "no split yet"
+            text += f" (stage {doing['stage']!r} of {split}, epoch {doing['epoch']})"
+        return text
 
 
 class IOThread(threading.Thread):
@@ -110,9 +124,14 @@ class IOThread(threading.Thread):
                  data_bind: str | None = None, balanced: int = 0,
                  share: dict[str, Any] | None = None,
                  coordinated: tuple[int, int] | None = None, keys: Keys | None = None,
-                 exactly_once: bool = False, resume: dict[str, Any] | None = None) -> None:
+                 exactly_once: bool = False, resume: dict[str, Any] | None = None,
+                 timeout: float = 60.0) -> None:
         super().__init__(name="zloader-loader-io", daemon=True)
         self.address = address
+        self.timeout = timeout  # the Loader's: a worker silent this long with credits is stuck
+        self._balanced = balanced > 0
+        self._stuck: list[dict[str, Any]] = []  # reports for the broker's next heartbeat
+        self._lost: str | None = None  # the last worker taken off the job, described
         self.blob = blob
         self.register_body = {
             "consumer": secrets.token_hex(8), "fingerprint": fingerprint, "job_name": job_name,
@@ -220,13 +239,22 @@ class IOThread(threading.Thread):
             return (f"no broker answered at {self.address} for {silent:.0f} s: is "
                     f"zloader-broker running there{keys} (raise timeout= to wait longer)")
         if not self._peers:
+            last = (f"; the last one, {self._lost}, was taken off the job"
+                    if self._lost else "; every worker may have died")
             return (f"no worker has served this job for {silent:.0f} s: start workers "
-                    f"(zloader-worker --broker {self.address}) or pass num_workers=; every "
-                    "worker may have died")
+                    f"(zloader-worker --broker {self.address}) or pass num_workers={last} "
+                    "(raise timeout= to wait longer)")
         if self.rounds is not None and self.rounds.vacant:
             return (f"no data for {silent:.0f} s: coordinated reads wait for consumer_index "
                     f"{', '.join(map(str, self.rounds.vacant))} of {self.rounds.size} to join")
-        return f"no data from the job's {len(self._peers)} workers for {silent:.0f} s"
+        waiting = [p for p in self._peers.values() if p.worker not in self._ended]
+        if waiting:
+            quiet = min(waiting, key=lambda p: p.heard)
+            return (f"no data from the job's {len(self._peers)} workers for {silent:.0f} s; "
+                    f"{quiet.describe()} has sent nothing for "
+                    f"{time.monotonic() - quiet.heard:.0f} s (raise timeout= to wait longer)")
+        return (f"no data from the job's {len(self._peers)} workers for {silent:.0f} s "
+                "(raise timeout= to wait longer)")
 
     def close(self, timeout: float = 5.0) -> None:
         self._halt.set()
@@ -270,10 +298,7 @@ class IOThread(threading.Thread):
                 if self._job is None:
                     self._to_broker(Command.REGISTER, self.register_body, (self.blob,))
                 else:
-                    self._to_broker(Command.HEARTBEAT, {"stats": {
-                        "elements": self.yielded, "bytes": self.bytes,
-                        "wait_seconds": round(self.wait_seconds, 3),
-                        "skipped": self.skipped}})
+                    self._heartbeat_broker()
                     if self.rounds is not None and not self._done:
                         self._acks += self.rounds.uncommitted()  # in case a message was lost
             while self._commands:
@@ -303,6 +328,47 @@ class IOThread(threading.Thread):
             if self._acks:
                 self._to_broker(Command.RECEIVED, {"epoch": self._epoch, "rounds": self._acks})
                 self._acks = []
+            self._check_stuck(time.monotonic())
+
+    def _heartbeat_broker(self) -> None:
+        body: dict[str, Any] = {"stats": {
+            "elements": self.yielded, "bytes": self.bytes,
+            "wait_seconds": round(self.wait_seconds, 3), "skipped": self.skipped}}
+        if self._stuck:
+            body["stuck"], self._stuck = self._stuck, []
+        self._to_broker(Command.HEARTBEAT, body)
+
+    def _check_stuck(self, now: float) -> None:
+        """A worker that has sent nothing for ``timeout`` seconds though it holds credits
+        of this consumer's epoch is stuck (user code blocked on its producer thread while
+        its main loop heartbeats, or the process stopped): tell the broker at once, which
+        takes it off the job so that its splits go to the other workers. With no other
+        worker to take them, the epoch cannot finish: raise :class:`Timeout` naming it.
+        Jobs whose workers may rightly hold back for another consumer (shared, balanced,
+        coordinated) are bounded by the Loader's overall timeout only."""
+        if self._done or self._epoch is None or self._job is None or self._balanced \
+                or self.share is not None or self.rounds is not None:
+            return
+        for peer in list(self._peers.values()):
+            silent = now - peer.heard
+            if peer.worker in self._ended or peer.owed <= 0 or silent <= self.timeout:
+                continue
+            peer.heard = now  # reported once per timeout
+            self._stuck.append({"worker": peer.worker, "task": peer.task,
+                                "seconds": round(silent, 3)})
+            self._heartbeat_broker()
+            about = (f"{peer.describe()} sent nothing for {silent:.0f} s though it held "
+                     f"{peer.owed} credits of this consumer")
+            self._lost = about
+            if any(p is not peer for p in self._peers.values()):
+                log.warning("%s: its user code may be blocked; the broker takes it off the "
+                            "job and the other workers read its splits", about)
+                self.last_progress = now  # the rerun gets a full timeout of its own
+                continue
+            self.items.put(Item("error", error=Timeout(
+                f"{about}: its user code may be blocked (a deadlock, a wait that never "
+                "ends) and no other worker serves this job to read its splits; the broker "
+                "takes it off the job (raise timeout= if one element can take longer)")))
 
     def _serve_source(self) -> None:
         """Bind the socket from which workers fetch this job's in-memory source data."""
@@ -357,6 +423,7 @@ class IOThread(threading.Thread):
             self._skipped_by = {}
             self._draining = False
             self.received = Ledger()
+            self.last_progress = time.monotonic()  # the timeout counts from the start
             if self.rounds is not None:
                 self.rounds.start(self._epoch)
                 self.rounds.ends.clear()
@@ -369,6 +436,9 @@ class IOThread(threading.Thread):
             if target is not None and self._epoch is not None:
                 target.returned += command[2]
                 if target.returned >= max(1, self.prefetch // 2) or target.mapped:
+                    if target.owed <= 0:  # it had none: its silence so far says nothing
+                        target.heard = time.monotonic()
+                    target.owed += target.returned
                     self._send(target, Command.CREDIT, {"epoch": self._epoch,
                                                         "credits": target.returned,
                                                         "mapped": target.mapped})
@@ -428,8 +498,7 @@ class IOThread(threading.Thread):
                 for worker in known & set(self._peers):
                     self._open(self._peers[worker])
             self._check_done(confirmed=self._confirming)
-            if self._peers and not (self.rounds is not None and self.rounds.vacant):
-                self.last_progress = time.monotonic()  # (a vacancy is no progress)
+            # The broker's traffic is no progress: only data is (a stuck worker heartbeats).
         elif msg.command is Command.ERROR:
             text = str(msg.body.get("message", "the broker refused the request"))
             error: Exception = ValueError(text) if "job_name" in text else ZloaderError(text)
@@ -488,6 +557,8 @@ class IOThread(threading.Thread):
                 continue
             worker = entry["worker"]
             peer = self._peers.get(worker)
+            if peer is not None:
+                peer.doing = _doing(entry.get("doing"))
             if peer is not None and entry.get("task") != peer.task:
                 # The broker dropped this worker and gave it a task again: the old stream
                 # is over (what it held was re-queued); read the new task afresh.
@@ -498,6 +569,8 @@ class IOThread(threading.Thread):
                 self._connect(entry)
         gone = [w for w in self._peers if w not in seen]
         for worker in gone:
+            if worker not in self._ended:
+                self._lost = self._peers[worker].describe() + " stopped answering"
             self._close_peer(self._peers[worker], polite=False)
             self._check_done()
         if gone:
@@ -519,7 +592,9 @@ class IOThread(threading.Thread):
             return
         task = entry.get("task") if isinstance(entry.get("task"), str) else None
         peer = _Peer(entry["worker"], task, int(entry.get("index", 0)),
-                     int(entry.get("pid", 0)), str(entry["endpoint"]), sock)
+                     int(entry.get("pid", 0)), str(entry["endpoint"]), sock,
+                     host=str(entry.get("host", ""))[:255], heard=time.monotonic(),
+                     doing=_doing(entry.get("doing")))
         if self.use_rings and entry.get("host_id") == host_id():
             peer.ring = _make_ring(self.ring_bytes)
         self._peers[peer.worker] = peer
@@ -544,6 +619,7 @@ class IOThread(threading.Thread):
     def _open(self, peer: _Peer, keep_credits: bool = False) -> None:
         if not keep_credits:
             peer.returned = 0
+        peer.owed, peer.heard = self.prefetch, time.monotonic()  # OPEN grants afresh
         body = {"job": self._job, "task": peer.task, "consumer": self.register_body["consumer"],
                 "epoch": self._epoch, "credits": self.prefetch, "rerun": self._rerun,
                 "ring": peer.ring.name if peer.ring is not None else None}
@@ -562,7 +638,7 @@ class IOThread(threading.Thread):
         peer = next((p for p in self._peers.values() if p.socket is sock), None)
         if peer is None:
             return
-        self.last_progress = time.monotonic()
+        self.last_progress = peer.heard = time.monotonic()
         epoch = msg.body.get("epoch")
         if not isinstance(epoch, int) and msg.command in (Command.DATA, Command.END,
                                                           Command.FAIL):
@@ -570,6 +646,7 @@ class IOThread(threading.Thread):
         if msg.command is Command.DATA:
             if epoch != self._epoch:
                 return  # an old epoch's record: its credit is not coming back, by design
+            peer.owed -= 1
             try:
                 self._data(peer, msg)
             except (ProtocolError, CodecError, RingError) as exc:
@@ -925,6 +1002,16 @@ class _Rounds:
     def finished(self, epoch: int | None) -> bool:
         """Every round the broker numbered in ``epoch`` was released or lost."""
         return self.next >= int(self.issued.get(str(epoch), 0))
+
+
+def _doing(value: Any) -> dict[str, Any] | None:
+    """A worker's ``doing`` from the job's view (``{epoch, split, stage}``), or None."""
+    if not (isinstance(value, dict) and isinstance(value.get("stage"), str)
+            and isinstance(value.get("epoch"), int)
+            and (value.get("split") is None or isinstance(value.get("split"), int))):
+        return None
+    return {"epoch": value["epoch"], "split": value.get("split"),
+            "stage": value["stage"][:32]}
 
 
 def _local_address(broker: str) -> str:

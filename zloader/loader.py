@@ -75,8 +75,11 @@ class Loader:
         deterministic: reproducible order (static assignment, round-robin reading).
         transport: ``"auto"`` (shared memory for co-located workers) or ``"tcp"``.
         prefetch: records in flight per worker (default 8).
-        timeout: seconds without progress from any worker or the broker before raising
-            :class:`zloader.Timeout`.
+        timeout: seconds without an element (data from a worker) before raising
+            :class:`zloader.Timeout`; a finite number. A worker that holds this Loader's
+            credits and sends nothing for this long is stuck (user code blocked): the
+            broker takes it off the job and the other workers read its splits; with no
+            other worker, the Timeout names it (docs/reliability.md).
         on_error: ``"raise"`` or ``"skip"`` (drop elements whose user code raises).
         max_skipped: with ``"skip"``, raise once more than this many were dropped.
         ring_bytes: shared-memory ring size per co-located worker (default 64 MiB).
@@ -240,7 +243,7 @@ class Loader:
                 data_bind=f"ipc://{self._dir}/source" if embedded else None,
                 balanced=_check.integer("balanced", balanced, 0), share=self._share,
                 coordinated=coordinated, keys=self._keys, exactly_once=self._exactly_once,
-                resume=resume)
+                resume=resume, timeout=self._timeout)
             self._io.start()
         except BaseException:
             self.close()

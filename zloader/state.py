@@ -64,6 +64,7 @@ class Worker:
     trainers: dict[str, dict[str, int]] = field(default_factory=dict)  # shared job: lag
     plain_data: bool = False  # its data socket speaks PLAIN, not CURVE (--plain-data)
     idle_since: float = 0.0  # when it last had no task (surplus marks, see State.status)
+    doing: dict[str, Any] | None = None  # its producer's {epoch, split, stage} (heartbeat)
     # LOG lines it may send: twice what its own limit lets through (zloader/forward.py)
     log_budget: Bucket = field(default_factory=lambda: Bucket(2 * RATE, 4.0 * BURST))
 
@@ -233,6 +234,7 @@ class State:
                     stats, worker.stats, f"{stage}_seconds")
         worker.stats = {**{k: v for k, v in stats.items() if isinstance(v, (int, float))},
                         "_at": now}
+        worker.doing = _doing(msg.body.get("doing"))
         trainers = stats.get("trainers")
         worker.trainers = {
             str(c): {k: int(v[k]) for k in ("lag", "skipped") if isinstance(v.get(k), int)}
@@ -440,6 +442,9 @@ class State:
             return []
         job = self.jobs.get(consumer.job)
         stats = msg.body.get("stats") if msg is not None else None
+        out: list[Out] = []
+        if job is not None and msg is not None and "stuck" in msg.body:
+            out += self._stuck(job, consumer, msg.field("stuck", list), now)
         if isinstance(stats, dict):
             stats = {k: v for k, v in stats.items() if isinstance(v, (int, float))
                      and not isinstance(v, bool) and v >= 0}
@@ -447,7 +452,38 @@ class State:
                 job.wait_seconds += _delta(stats, consumer.stats, "wait_seconds")
                 job.skipped += int(_delta(stats, consumer.stats, "skipped"))
             consumer.stats = stats
-        return [Out(identity, Command.JOB, self.job_view(job))] if job else []
+        return out + ([Out(identity, Command.JOB, self.job_view(job))] if job else [])
+
+    def _stuck(self, job: Job, consumer: Consumer, reports: list[Any],
+               now: float) -> list[Out]:
+        """A consumer got nothing from these workers of its job for its ``timeout`` though
+        they held its credits (``HEARTBEAT.stuck``): each is alive (it heartbeats) but its
+        user code is blocked. It is told to drop the task (``RELEASE``; a worker whose
+        producer does not stop replaces its process) and dropped from the broker as if it
+        had died: its splits go to the other workers, exactly once for an exactly-once job
+        (a :class:`Fence`), and a split that wedges ``KILLS_TO_FAIL`` workers is reported.
+
+        Raises:
+            ProtocolError: a report is not ``{worker, task, seconds}``.
+        """
+        out: list[Out] = []
+        for report in reports:
+            if not (isinstance(report, dict) and isinstance(report.get("worker"), str)
+                    and isinstance(report.get("task"), str)
+                    and isinstance(report.get("seconds"), (int, float))
+                    and not isinstance(report.get("seconds"), bool)):
+                raise ProtocolError("HEARTBEAT.stuck must list {worker, task, seconds}")
+            worker = self.workers.get(report["worker"])
+            if worker is None or worker.task != report["task"] \
+                    or job.tasks.get(report["task"]) != worker.id:
+                continue  # gone already, or not this consumer's job's worker
+            log.warning("worker %s (pid %d on %s) sent consumer %s nothing for %.1f s though "
+                        "it held credits (doing %s): dropped from job %s as stuck",
+                        worker.id, worker.pid, worker.host, consumer.id,
+                        float(report["seconds"]), worker.doing, job.id)
+            out.append(Out(worker.identity, Command.RELEASE, {"task": worker.task}))
+            out += self._drop_worker(worker.id, died=True, now=now)
+        return out
 
     def job_view(self, job: Job) -> dict[str, Any]:
         workers: list[dict[str, Any]] = []
@@ -459,6 +495,8 @@ class State:
                                 "host_id": worker.host_id, "index": job.indices[task],
                                 "pid": worker.pid, "host": worker.host,
                                 "plain_data": worker.plain_data})
+                if worker.doing is not None:
+                    workers[-1]["doing"] = worker.doing
         workers.sort(key=lambda w: w["index"])
         pending = self._pending(job)
         view = {"job": job.id, "workers": workers, "failed": job.failed, "error": job.error,
@@ -1200,6 +1238,19 @@ def _coordinated(value: Any, name: str | None) -> tuple[int, int] | None:
     if not name:
         raise ProtocolError("REGISTER: coordinated reads need a job_name")
     return size, index
+
+
+def _doing(value: Any) -> dict[str, Any] | None:
+    """A worker's ``HEARTBEAT.doing`` (``{epoch, split, stage}``) checked, or None."""
+    if not isinstance(value, dict) or value.get("stage") not in STAGES:
+        return None
+    epoch, split = value.get("epoch"), value.get("split")
+    if not (isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= 0):
+        return None
+    if split is not None and not (isinstance(split, int) and not isinstance(split, bool)
+                                  and split >= 0):
+        return None
+    return {"epoch": epoch, "split": split, "stage": value["stage"]}
 
 
 def _count(value: Any) -> int:

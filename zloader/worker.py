@@ -15,6 +15,7 @@ import logging
 import os
 import secrets
 import socket as _socket
+import sys
 import threading
 import time
 from collections import deque
@@ -55,6 +56,9 @@ __all__ = ["WorkerProcess"]
 log = logging.getLogger("zloader.worker")
 
 FETCH_TIMEOUT = 30.0
+STOP_SECONDS = 2.0
+"""A producer told to stop that has not within this long is stuck in user code (a thread
+cannot be killed): the worker process then replaces itself (:meth:`WorkerProcess._restart`)."""
 FORWARD_EVERY = 0.2
 """Seconds between two sends of captured user output (zloader/forward.py)."""
 
@@ -176,6 +180,10 @@ class WorkerProcess:
         self._last_beat = 0.0
         self.capture = Capture() if forward_output else None
         self._last_forward = 0.0
+        # Set when a producer did not stop (user code blocked for good): the process can no
+        # longer be trusted with a task, so it leaves its loop and runs itself afresh.
+        self.wedged: str | None = None
+        self._restart_when_wedged = False
 
     # --- sockets --------------------------------------------------------------------------
 
@@ -220,7 +228,41 @@ class WorkerProcess:
                 sock.close(0)
             if guard is not None:
                 guard.stop()
-            context.term()
+            if self.wedged is None:
+                context.term()  # (a stuck producer's socket would make this wait forever)
+        if self._restart_when_wedged:
+            self._restart()
+
+    def _restart(self) -> None:
+        """Replace this process with a fresh worker (same pid, so a Loader or supervisor
+        that started it still owns it; a new worker id, so the broker sees a new worker):
+        a producer thread stuck in user code cannot be stopped, only discarded. Only a
+        worker whose loop runs on the main thread does so (in a Ray actor the loop runs on
+        a thread of the actor, which just ends)."""
+        from zloader._process import WORKER_COMMAND
+
+        command = [sys.executable, "-c", WORKER_COMMAND, "--broker", self.broker_endpoint,
+                   "--bind", self.bind, "--insecure",  # (the bind was checked at start)
+                   "--log-level", logging.getLevelName(
+                       logging.getLogger().getEffectiveLevel()).lower()]
+        if self.parent is not None:
+            command += ["--parent", str(self.parent)]
+        if self.advertise:
+            command += ["--advertise", self.advertise]
+        if self.keys is not None:
+            command += ["--keys", self.keys.path]
+        if self.plain_data:
+            command += ["--plain-data"]
+        if self.bind.startswith("ipc://"):  # the new process binds the same path
+            with contextlib.suppress(OSError):
+                os.unlink(self.bind[len("ipc://"):])
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        log.error("restarting worker pid %d: %s", os.getpid(), self.wedged)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, command, env)
 
     def _connect_broker(self) -> zmq.Socket[Any]:
         sock = self.context.socket(zmq.DEALER)
@@ -276,7 +318,10 @@ class WorkerProcess:
                                          "rejected": self.rejected, **self._usage()}
                 if self.task is not None and self.task.window is not None:
                     stats["trainers"] = self._trainers(self.task)
-                self._to_broker(Command.HEARTBEAT, {"stats": stats})
+                beat: dict[str, Any] = {"stats": stats}
+                if self.task is not None and self.task.producer is not None:
+                    beat["doing"] = self.task.producer.doing()  # where a stuck one is
+                self._to_broker(Command.HEARTBEAT, beat)
             if now - self._last_from_broker > 3 * self.heartbeat:
                 log.warning("no word from the broker at %s for %.0f s: reconnecting",
                             self.broker_endpoint, now - self._last_from_broker)
@@ -498,8 +543,10 @@ class WorkerProcess:
         for producer in (task.producer, task.replayer):
             if producer is not None:
                 producer.stop.set()
-                producer.join(2.0)
+                producer.join(STOP_SECONDS)
                 self._drop_link(producer)
+                if producer.is_alive():
+                    self._wedge(task, producer)
         if self.capture is not None:  # its output goes to its own consumers, not the next's
             with contextlib.suppress(zmq.ZMQError):
                 self._forward(time.monotonic(), task.id)
@@ -511,6 +558,18 @@ class WorkerProcess:
         for stored in task.stored.values():
             stored.free()
         task.stored.clear()
+
+    def _wedge(self, task: _Task, producer: Producer) -> None:
+        """A producer did not stop: its user code is blocked (a deadlock, a wait that
+        never ends). Leave the loop; :meth:`run` then restarts the process, unless it was
+        asked to stop anyway."""
+        doing = producer.doing()
+        self.wedged = (f"task {task.id}'s producer did not stop within {STOP_SECONDS:.0f} s "
+                       f"(stage {doing['stage']}, split {doing['split']}, epoch "
+                       f"{doing['epoch']}): its user code is blocked")
+        if not self.stop.is_set():
+            self._restart_when_wedged = threading.current_thread() is threading.main_thread()
+            self.stop.set()
 
     # --- producer -------------------------------------------------------------------------
 
