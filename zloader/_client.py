@@ -26,7 +26,7 @@ from zloader import codec
 from zloader._host import host_id
 from zloader.errors import CodecError, PipelineError, Timeout, ZloaderError
 from zloader.forward import emit, valid_lines
-from zloader.lineage import Ledger, decode_origins
+from zloader.lineage import Ledger, decode_origins, unpack
 from zloader.transport import records
 from zloader.transport.keys import Keys
 from zloader.transport.protocol import (
@@ -51,6 +51,8 @@ VACANT_WARNING = 10.0
 """Seconds a coordinated consumer waits for a missing one before it says so (then again)."""
 RING_MAX_BYTES = 1 << 30
 """A ring that keeps filling up with large records grows, by doubling, up to this size."""
+REREADS = 3
+"""Times an exactly-once epoch that ended short asks for a split again before it raises."""
 
 
 @dataclass
@@ -132,6 +134,13 @@ class IOThread(threading.Thread):
         self._balanced = balanced > 0
         self._stuck: list[dict[str, Any]] = []  # reports for the broker's next heartbeat
         self._lost: str | None = None  # the last worker taken off the job, described
+        # Exactly-once: the splits the broker handed out in the epoch (its answer to EPOCH),
+        # the job's consumer count, and the splits asked for again this epoch.
+        self._read: list[Any] | None = None
+        self._consumers = 1
+        self._rereads: dict[tuple[tuple[int, ...], int], int] = {}
+        self._reread: list[Any] = []  # for the broker's next heartbeat
+        self._asked = 0.0  # when this consumer last sent EPOCH to confirm its epoch's end
         self.blob = blob
         self.register_body = {
             "consumer": secrets.token_hex(8), "fingerprint": fingerprint, "job_name": job_name,
@@ -336,6 +345,8 @@ class IOThread(threading.Thread):
             "wait_seconds": round(self.wait_seconds, 3), "skipped": self.skipped}}
         if self._stuck:
             body["stuck"], self._stuck = self._stuck, []
+        if self._reread:
+            body["reread"], self._reread = self._reread, []
         self._to_broker(Command.HEARTBEAT, body)
 
     def _check_stuck(self, now: float) -> None:
@@ -423,6 +434,10 @@ class IOThread(threading.Thread):
             self._skipped_by = {}
             self._draining = False
             self.received = Ledger()
+            resume = self.register_body.get("resume")
+            if isinstance(resume, dict) and resume["epoch"] == self._epoch:
+                self.received.merge_json(resume["delivered"])  # held before the restart
+            self._read, self._rereads = None, {}
             self.last_progress = time.monotonic()  # the timeout counts from the start
             if self.rounds is not None:
                 self.rounds.start(self._epoch)
@@ -492,12 +507,22 @@ class IOThread(threading.Thread):
             self._answer_fences(msg.body.get("fences"))
             fencing = msg.body.get("fencing")
             self._fencing = fencing if isinstance(fencing, dict) else {}
+            consumers = msg.body.get("consumers")
+            if isinstance(consumers, int):
+                self._consumers = consumers
+            # An exactly-once epoch is confirmed only by the answer to EPOCH, which says
+            # what was read in it (the epoch is checked against that).
+            confirmed = self._confirming
+            if isinstance(msg.body.get("read"), list):
+                self._read = msg.body["read"]
+            elif self.register_body["exactly_once"]:
+                confirmed = False
             if registered and self._epoch is not None and not self._done:
                 # Registered again mid-epoch (the broker had given up on this consumer, or
                 # restarted): the workers dropped its streams, so open the epoch again.
                 for worker in known & set(self._peers):
                     self._open(self._peers[worker])
-            self._check_done(confirmed=self._confirming)
+            self._check_done(confirmed=confirmed)
             # The broker's traffic is no progress: only data is (a stuck worker heartbeats).
         elif msg.command is Command.ERROR:
             text = str(msg.body.get("message", "the broker refused the request"))
@@ -854,8 +879,12 @@ class IOThread(threading.Thread):
         if int(self._fencing.get(str(self._epoch), 0)):
             return  # a dead worker's splits are about to be re-queued: wait for them
         if not confirmed:
-            if not self._confirming:
-                self._confirming = True
+            now = time.monotonic()
+            # An exactly-once epoch waits for an answer to EPOCH: ask again when the last
+            # one came while a fence held the epoch, or was lost.
+            if not self._confirming or (self.register_body["exactly_once"]
+                                        and now - self._asked > self._heartbeat):
+                self._confirming, self._asked = True, now
                 self._to_broker(Command.EPOCH, {"job": self._job, "epoch": self._epoch})
             return
         self._confirming = False
@@ -877,12 +906,54 @@ class IOThread(threading.Thread):
             self._finish()
             return
         if pending == 0:
-            self._finish()
+            if not self._short():
+                self._finish()
             return
         self._rerun += 1  # a dead worker's splits wait: the workers run the epoch again
         self._ended = set()
         for peer in self._peers.values():
             self._open(peer, keep_credits=True)
+
+    def _short(self) -> bool:
+        """Whether an exactly-once epoch that every worker ended lacks elements, checked
+        against what its records said (each split's count) and what the broker handed out:
+        records can be lost on the way (a segment its worker unlinked while this consumer
+        was stalled, records another peer took with its token). The job's only consumer
+        asks for the splits concerned again, less what it holds (``HEARTBEAT.reread``),
+        then for the epoch's state again; after REREADS tries it raises. True: the epoch
+        must not end now."""
+        if not self.register_body["exactly_once"] or self._consumers != 1 \
+                or self._epoch is None:
+            return False
+        missing = {at for at in self.received.open if at[0][0] == self._epoch}
+        for entry in self._read or []:
+            if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], list)
+                    and entry[0] and entry[0][0] == self._epoch):
+                continue
+            key = tuple(entry[0])
+            with contextlib.suppress(ValueError):
+                done = self.received.done.get(key, set())
+                missing |= {(key, split) for split in unpack(entry[1]) - done}
+        if not missing:
+            return False
+        where = ", ".join(f"{split} (pass {list(key)})" for key, split in sorted(missing)[:8])
+        if any(self._rereads.get(at, 0) >= REREADS for at in missing):
+            self.items.put(Item("error", error=ZloaderError(
+                f"epoch {self._epoch} ended short: elements of splits {where} never reached "
+                f"this consumer ({len(missing)} splits), and {REREADS} readings again did not "
+                "bring them; records are being lost on the way (see the warnings: malformed "
+                "DATA, another peer with this consumer's keys reading its stream)")))
+            return True
+        log.warning("epoch %d ended short of elements of %d splits (%s): reading them "
+                    "again", self._epoch, len(missing), where)
+        for at in missing:
+            self._rereads[at] = self._rereads.get(at, 0) + 1
+        self._reread = [[list(key), split, self.received.info(key, split)]
+                        for key, split in sorted(missing)]
+        self._heartbeat_broker()  # before the EPOCH, which then finds them pending
+        self._confirming, self._asked = True, time.monotonic()
+        self._to_broker(Command.EPOCH, {"job": self._job, "epoch": self._epoch})
+        return True
 
     def _release_rounds(self) -> None:
         """Hand the iterating thread every round now in order and committed; drop the

@@ -433,7 +433,13 @@ class State:
                 job.rounds.prune(job.epoch)
                 if self._pending(job).get(str(epoch)):
                     job.rounds.order_rerun(epoch, job.requeues.get(epoch, 0))
-        return out + self.consumer_heartbeat(identity, now)
+        answer = self.consumer_heartbeat(identity, now)
+        if job is not None and job.track and isinstance(epoch, int):
+            for reply in [r for r in answer if r.command is Command.JOB]:
+                # what the consumer checks its epoch against
+                reply.body["read"] = [[list(key), pack(splits)] for key, splits
+                                      in sorted(self._read_splits(job, epoch).items())]
+        return out + answer
 
     def consumer_heartbeat(self, identity: bytes, now: float,
                            msg: Message | None = None) -> list[Out]:
@@ -445,6 +451,8 @@ class State:
         out: list[Out] = []
         if job is not None and msg is not None and "stuck" in msg.body:
             out += self._stuck(job, consumer, msg.field("stuck", list), now)
+        if job is not None and msg is not None and "reread" in msg.body:
+            self._reread(job, consumer, msg.field("reread", list))
         if isinstance(stats, dict):
             stats = {k: v for k, v in stats.items() if isinstance(v, (int, float))
                      and not isinstance(v, bool) and v >= 0}
@@ -453,6 +461,51 @@ class State:
                 job.skipped += int(_delta(stats, consumer.stats, "skipped"))
             consumer.stats = stats
         return out + ([Out(identity, Command.JOB, self.job_view(job))] if job else [])
+
+    def _reread(self, job: Job, consumer: Consumer, entries: list[Any]) -> None:
+        """The job's only consumer ended an epoch short (``HEARTBEAT.reread``): records of
+        these splits never reached it (unmapped segments a worker unlinked while it was
+        stalled, records taken by another peer with its token). Hand each out again, less
+        the indices it holds, as after a worker's death; its next ``EPOCH`` finds them
+        pending and runs the epoch again. Only splits the broker handed out in that pass
+        and holds no fence or re-queue for are taken.
+
+        Raises:
+            ProtocolError: an entry is not ``[pass, split, info]``.
+        """
+        if not job.track or len(job.consumers | set(job.silent)) != 1:
+            return  # with several consumers none can tell alone what is missing
+        fenced = {at for fence in job.fences.values() for at in fence.splits}
+        for entry in entries:
+            if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], list)
+                    and entry[0] and all(isinstance(k, int) and k >= 0 for k in entry[0])
+                    and isinstance(entry[1], int) and isinstance(entry[2], dict)):
+                raise ProtocolError("HEARTBEAT.reread: each entry must be [pass, split, info]")
+            key, split = tuple(entry[0]), entry[1]
+            if split not in self._read_splits(job, key[0]).get(key, set()) \
+                    or (key, split) in fenced \
+                    or any(split in p.requeued for k, p in job.passes.items() if k[0] == key[0]):
+                continue
+            try:
+                skip = _skip(merge_info(None, entry[2]))
+            except ValueError as exc:
+                raise ProtocolError(f"HEARTBEAT.reread: {exc}") from None
+            log.warning("consumer %s ended epoch %d of job %s without all of split %d (pass "
+                        "%s): read again", consumer.id, key[0], job.id, split, list(key))
+            self._requeue(job, key, split, skip)
+
+    @staticmethod
+    def _read_splits(job: Job, epoch: int) -> dict[tuple[int, ...], set[int]]:
+        """Pass -> the splits of ``epoch`` handed out to live workers (being read or read),
+        by the pass they belong to (a re-queued split may be read in a later pass)."""
+        read: dict[tuple[int, ...], set[int]] = {}
+        for key, dispenser in job.passes.items():
+            if key[0] != epoch:
+                continue
+            for splits in [*dispenser.handed.values(), *dispenser.read.values()]:
+                for split in splits:
+                    read.setdefault(job.origin_of.get((key, split), key), set()).add(split)
+        return read
 
     def _stuck(self, job: Job, consumer: Consumer, reports: list[Any],
                now: float) -> list[Out]:
@@ -500,7 +553,7 @@ class State:
         workers.sort(key=lambda w: w["index"])
         pending = self._pending(job)
         view = {"job": job.id, "workers": workers, "failed": job.failed, "error": job.error,
-                "heartbeat": self.heartbeat,
+                "heartbeat": self.heartbeat, "consumers": len(job.consumers | set(job.silent)),
                 "pending": pending, "share": job.share, "epoch": job.epoch,
                 "width": job.width, "entropy": job.entropy,
                 "stages": {k: round(v, 3) for k, v in job.stages.items()},
