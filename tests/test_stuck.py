@@ -99,3 +99,38 @@ def test_a_sigstopped_worker_times_out_naming_it():
     text = str(raised.value)
     for part in (f"pid {pid}", socket.gethostname()):
         assert part in text, (part, text)
+
+
+def test_the_broker_drops_a_worker_its_consumer_reports_stuck_and_checks_the_report():
+    """As plain calls on the broker's state: ``HEARTBEAT.doing`` reaches the job's view
+    (malformed: ignored); a malformed ``HEARTBEAT.stuck`` is refused; a report naming
+    another task changes nothing; a valid one releases the worker, drops it and hands its
+    split to the other worker."""
+    from tests.test_state import ready, register, split, tasks_by_worker
+    from zloader.state import State
+    from zloader.transport.protocol import Command, Message, ProtocolError
+
+    state = State()
+    ready(state, "w1")
+    ready(state, "w2")
+    tasks = tasks_by_worker(register(state, "c1", splits=4))
+    assert split(state, "w1", tasks["w1"]) == 0
+    for doing in ({"epoch": 0, "split": 0, "stage": "pipeline"}, {"stage": "rm -rf"}):
+        state.worker_heartbeat(b"w1", Message(Command.HEARTBEAT, {"stats": {},
+                                                                  "doing": doing}), 1.0)
+        (view,) = state.consumer_heartbeat(b"c1", 1.0)
+        entry = next(w for w in view.body["workers"] if w["worker"] == "w1")
+        assert entry.get("doing") == (doing if "epoch" in doing else None)
+
+    def report(stuck):
+        return state.consumer_heartbeat(b"c1", 2.0, Message(Command.HEARTBEAT,
+                                                            {"stuck": stuck}))
+
+    with pytest.raises(ProtocolError, match="stuck"):
+        report([{"worker": "w1"}])
+    report([{"worker": "w1", "task": tasks["w2"], "seconds": 3.0}])
+    assert "w1" in state.workers
+    out = report([{"worker": "w1", "task": tasks["w1"], "seconds": 3.0}])
+    assert (b"w1", Command.RELEASE) in [(o.identity, o.command) for o in out]
+    assert "w1" not in state.workers
+    assert split(state, "w2", tasks["w2"], now=2.0) == 0  # its split, read by the other
