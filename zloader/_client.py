@@ -105,6 +105,7 @@ class _Peer:
     host: str = ""
     heard: float = 0.0  # when it last sent something, or was last given credits it lacked
     owed: int = 0  # credits granted for this epoch and not yet used by a record
+    reported: float = float("-inf")  # when it was last reported stuck
     doing: dict[str, Any] | None = None  # {epoch, split, stage}, from the job's view
 
     def describe(self) -> str:
@@ -259,9 +260,13 @@ class IOThread(threading.Thread):
         waiting = [p for p in self._peers.values() if p.worker not in self._ended]
         if waiting:
             quiet = min(waiting, key=lambda p: p.heard)
+            why = (f" though it holds {quiet.owed} credits of this consumer: its user code "
+                   "may be blocked (a deadlock, a wait that never ends) or its process "
+                   "stopped" if quiet.owed > 0 else "")
             return (f"no data from the job's {len(self._peers)} workers for {silent:.0f} s; "
                     f"{quiet.describe()} has sent nothing for "
-                    f"{time.monotonic() - quiet.heard:.0f} s (raise timeout= to wait longer)")
+                    f"{time.monotonic() - quiet.heard:.0f} s{why} (raise timeout= if one "
+                    "element can take longer)")
         return (f"no data from the job's {len(self._peers)} workers for {silent:.0f} s "
                 "(raise timeout= to wait longer)")
 
@@ -362,9 +367,10 @@ class IOThread(threading.Thread):
             return
         for peer in list(self._peers.values()):
             silent = now - peer.heard
-            if peer.worker in self._ended or peer.owed <= 0 or silent <= self.timeout:
+            if peer.worker in self._ended or peer.owed <= 0 or silent <= self.timeout \
+                    or now - peer.reported <= self.timeout:
                 continue
-            peer.heard = now  # reported once per timeout
+            peer.reported = now  # once per timeout
             self._stuck.append({"worker": peer.worker, "task": peer.task,
                                 "seconds": round(silent, 3)})
             self._heartbeat_broker()
