@@ -142,6 +142,7 @@ class IOThread(threading.Thread):
         self._rereads: dict[tuple[tuple[int, ...], int], int] = {}
         self._reread: list[Any] = []  # for the broker's next heartbeat
         self._asked = 0.0  # when this consumer last sent EPOCH to confirm its epoch's end
+        self._short_failed = False  # the epoch ended short for good (raised once)
         self.blob = blob
         self.register_body = {
             "consumer": secrets.token_hex(8), "fingerprint": fingerprint, "job_name": job_name,
@@ -368,7 +369,7 @@ class IOThread(threading.Thread):
         for peer in list(self._peers.values()):
             silent = now - peer.heard
             if peer.worker in self._ended or peer.owed <= 0 or silent <= self.timeout \
-                    or now - peer.reported <= self.timeout:
+                    or now - peer.reported <= self.timeout or peer.task is None:
                 continue
             peer.reported = now  # once per timeout
             self._stuck.append({"worker": peer.worker, "task": peer.task,
@@ -443,7 +444,7 @@ class IOThread(threading.Thread):
             resume = self.register_body.get("resume")
             if isinstance(resume, dict) and resume["epoch"] == self._epoch:
                 self.received.merge_json(resume["delivered"])  # held before the restart
-            self._read, self._rereads = None, {}
+            self._read, self._rereads, self._short_failed = None, {}, False
             self.last_progress = time.monotonic()  # the timeout counts from the start
             if self.rounds is not None:
                 self.rounds.start(self._epoch)
@@ -928,6 +929,8 @@ class IOThread(threading.Thread):
         asks for the splits concerned again, less what it holds (``HEARTBEAT.reread``),
         then for the epoch's state again; after REREADS tries it raises. True: the epoch
         must not end now."""
+        if self._short_failed:
+            return True
         if not self.register_body["exactly_once"] or self._consumers != 1 \
                 or self._epoch is None:
             return False
@@ -944,6 +947,7 @@ class IOThread(threading.Thread):
             return False
         where = ", ".join(f"{split} (pass {list(key)})" for key, split in sorted(missing)[:8])
         if any(self._rereads.get(at, 0) >= REREADS for at in missing):
+            self._short_failed = True
             self.items.put(Item("error", error=ZloaderError(
                 f"epoch {self._epoch} ended short: elements of splits {where} never reached "
                 f"this consumer ({len(missing)} splits), and {REREADS} readings again did not "

@@ -476,13 +476,16 @@ class State:
         if not job.track or len(job.consumers | set(job.silent)) != 1:
             return  # with several consumers none can tell alone what is missing
         fenced = {at for fence in job.fences.values() for at in fence.splits}
+        read: dict[int, dict[tuple[int, ...], set[int]]] = {}  # by epoch
         for entry in entries:
             if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], list)
                     and entry[0] and all(isinstance(k, int) and k >= 0 for k in entry[0])
                     and isinstance(entry[1], int) and isinstance(entry[2], dict)):
                 raise ProtocolError("HEARTBEAT.reread: each entry must be [pass, split, info]")
             key, split = tuple(entry[0]), entry[1]
-            if split not in self._read_splits(job, key[0]).get(key, set()) \
+            if key[0] not in read:
+                read[key[0]] = self._read_splits(job, key[0])
+            if split not in read[key[0]].get(key, set()) \
                     or (key, split) in fenced \
                     or any(split in p.requeued for k, p in job.passes.items() if k[0] == key[0]):
                 continue

@@ -59,6 +59,8 @@ FETCH_TIMEOUT = 30.0
 STOP_SECONDS = 2.0
 """A producer told to stop that has not within this long is stuck in user code (a thread
 cannot be killed): the worker process then replaces itself (:meth:`WorkerProcess._restart`)."""
+RESTART_COMMAND = "import sys; from zloader.cli import worker_main; sys.exit(worker_main())"
+"""What a wedged worker runs in place of itself (zloader-worker, with its own settings)."""
 FORWARD_EVERY = 0.2
 """Seconds between two sends of captured user output (zloader/forward.py)."""
 
@@ -239,9 +241,7 @@ class WorkerProcess:
         a producer thread stuck in user code cannot be stopped, only discarded. Only a
         worker whose loop runs on the main thread does so (in a Ray actor the loop runs on
         a thread of the actor, which just ends)."""
-        from zloader._process import WORKER_COMMAND
-
-        command = [sys.executable, "-c", WORKER_COMMAND, "--broker", self.broker_endpoint,
+        command = [sys.executable, "-c", RESTART_COMMAND, "--broker", self.broker_endpoint,
                    "--bind", self.bind, "--insecure",  # (the bind was checked at start)
                    "--log-level", logging.getLevelName(
                        logging.getLogger().getEffectiveLevel()).lower()]
@@ -258,7 +258,7 @@ class WorkerProcess:
                 os.unlink(self.bind[len("ipc://"):])
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        log.error("restarting worker pid %d: %s", os.getpid(), self.wedged)
+        log.warning("restarting worker pid %d: %s", os.getpid(), self.wedged)
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -566,7 +566,8 @@ class WorkerProcess:
         doing = producer.doing()
         self.wedged = (f"task {task.id}'s producer did not stop within {STOP_SECONDS:.0f} s "
                        f"(stage {doing['stage']}, split {doing['split']}, epoch "
-                       f"{doing['epoch']}): its user code is blocked")
+                       f"{doing['epoch']}): its user code has not returned (blocked, or "
+                       "slower than that per element)")
         if not self.stop.is_set():
             self._restart_when_wedged = threading.current_thread() is threading.main_thread()
             self.stop.set()
