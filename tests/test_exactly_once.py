@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 import pytest
+import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -294,3 +295,86 @@ def test_a_broker_stopped_for_five_seconds_mid_epoch_loses_and_repeats_nothing()
         broker.send_signal(signal.SIGCONT)
         for process in [*procs, broker]:
             stop(process)
+
+
+PAUSED_WITH_SEGMENTS = """
+import json
+import numpy as np
+from zloader import Loader, Pipeline
+
+def big(x):
+    return np.full(300_000, x, np.int32)  # 1.2 MB: larger than the ring, a segment each
+
+seen = []
+with Loader(Pipeline.range(300, split_size=10).map(big), broker={address!r}, timeout=30,
+            ring_bytes=1 << 20) as loader:
+    for i, element in enumerate(loader):
+        seen.append(int(element[0]))
+        if i == 20:
+            print("reading", flush=True)
+print(json.dumps(seen), flush=True)
+"""
+
+
+def test_a_consumer_paused_while_records_wait_in_segments_still_gets_every_element():
+    """SIGSTOP a consumer past its expiry while large records wait for it in one-record
+    segments: its worker unlinks those it had not mapped yet (it was dropped), so their
+    records are lost on the way. The epoch must not end short: the consumer checks it
+    against the splits' counts and has what is missing read again."""
+    with service(workers=1) as (address, _):
+        consumer = subprocess.Popen(
+            [sys.executable, "-c", PAUSED_WITH_SEGMENTS.format(address=address)],
+            stdout=subprocess.PIPE, text=True)
+        try:
+            assert consumer.stdout is not None
+            assert consumer.stdout.readline().strip() == "reading"
+            consumer.send_signal(signal.SIGSTOP)
+            time.sleep(8 * HEARTBEAT)  # the broker gives up on it after 3
+            consumer.send_signal(signal.SIGCONT)
+            out, _ = consumer.communicate(timeout=60)
+        finally:
+            if consumer.poll() is None:
+                consumer.kill()
+                consumer.wait()
+        assert consumer.returncode == 0
+        assert_exactly_once(collections.Counter(json.loads(out.strip().splitlines()[-1])),
+                            300)
+
+
+def test_a_peer_replaying_the_plain_token_cannot_make_an_epoch_end_short(tmp_path):
+    """With ``--plain-data`` a peer that replays the token can open a trainer's stream as
+    that trainer and take records: the trainer's epoch then ends whole (what was taken is
+    read again) or raises, never short without an error."""
+    from zloader import ZloaderError
+    from zloader.transport.keys import Keys, keygen
+    from zloader.transport.protocol import Command, encode
+
+    keys = str(tmp_path / "keys")
+    keygen(keys)
+    with service(0, keys=keys) as (address, procs):
+        procs.append(subprocess.Popen([sys.executable, "-c", "import sys; from zloader.cli "
+                                       "import worker_main; sys.exit(worker_main())",
+                                       "--broker", address, "--keys", keys, "--plain-data"]))
+        pipeline = Pipeline.range(1000, split_size=50).map(slow)
+        with Loader(pipeline, broker=address, keys=keys, timeout=20, transport="tcp") as loader:
+            iterator = iter(loader)
+            seen = collections.Counter([next(iterator)])
+            io = loader._io
+            (peer,) = io._peers.values()
+            context = zmq.Context()
+            thief = context.socket(zmq.DEALER)
+            thief.setsockopt(zmq.LINGER, 0)
+            Keys.load(keys).connect_plain(thief)
+            thief.connect(peer.endpoint)
+            thief.send_multipart(encode(Command.OPEN, {
+                "job": io._job, "task": peer.task, "consumer": io.register_body["consumer"],
+                "epoch": 0, "credits": 100_000, "rerun": 0, "ring": None}))
+            try:
+                seen.update(iterator)
+            except ZloaderError as exc:
+                assert "ended short" in str(exc)
+            else:
+                assert_exactly_once(seen, 1000)
+            finally:
+                thief.close(0)
+                context.term()

@@ -25,9 +25,9 @@ import zmq
 from zloader import codec
 from zloader._host import host_id
 from zloader.blobs import digest_of
-from zloader.errors import CodecError, PipelineError, ZloaderError
+from zloader.errors import CodecError, PipelineError, Timeout, ZloaderError
 from zloader.forward import emit, valid_lines
-from zloader.lineage import Ledger, decode_origins
+from zloader.lineage import Ledger, decode_origins, unpack
 from zloader.transport import records
 from zloader.transport.keys import Keys
 from zloader.transport.protocol import (
@@ -54,6 +54,8 @@ BYE_LINGER_MS = 200
 """At most how long closing waits for the BYE to reach the broker (milliseconds)."""
 RING_MAX_BYTES = 1 << 30
 """A ring that keeps filling up with large records grows, by doubling, up to this size."""
+REREADS = 3
+"""Times an exactly-once epoch that ended short asks for a split again before it raises."""
 
 
 @dataclass
@@ -103,6 +105,21 @@ class _Peer:
     returned: int = 0
     mapped: list[str] = field(default_factory=list)  # one-record segments to let go of
     old_rings: list[Any] = field(default_factory=list)  # rings being replaced by a larger one
+    host: str = ""
+    heard: float = 0.0  # when it last sent something, or was last given credits it lacked
+    owed: int = 0  # credits granted for this epoch and not yet used by a record
+    reported: float = float("-inf")  # when it was last reported stuck
+    doing: dict[str, Any] | None = None  # {epoch, split, stage}, from the job's view
+
+    def describe(self) -> str:
+        """``worker pid P on HOST (stage S of split N, epoch E)``, as far as known."""
+        text = f"worker pid {self.pid} on {self.host or self.endpoint}"
+        doing = self.doing
+        if doing is not None:
+            split = f"split {doing['split']}" if doing.get("split") is not None \
+                else "no split yet"
+            text += f" (stage {doing['stage']!r} of {split}, epoch {doing['epoch']})"
+        return text
 
 
 class IOThread(threading.Thread):
@@ -114,12 +131,24 @@ class IOThread(threading.Thread):
                  share: dict[str, Any] | None = None,
                  coordinated: tuple[int, int] | None = None, keys: Keys | None = None,
                  exactly_once: bool = False, resume: dict[str, Any] | None = None,
-                 serve_pipeline: bool = False) -> None:
+                 serve_pipeline: bool = False, timeout: float = 60.0) -> None:
         """``blob`` is the pickled pipeline, sent with REGISTER; with ``serve_pipeline`` it
         is served to workers from this thread's source socket instead (a large one), and
         an empty ``blob`` means that the workers inherited the pipeline (embedded, fork)."""
         super().__init__(name="zloader-loader-io", daemon=True)
         self.address = address
+        self.timeout = timeout  # the Loader's: a worker silent this long with credits is stuck
+        self._balanced = balanced > 0
+        self._stuck: list[dict[str, Any]] = []  # reports for the broker's next heartbeat
+        self._lost: str | None = None  # the last worker taken off the job, described
+        # Exactly-once: the splits the broker handed out in the epoch (its answer to EPOCH),
+        # the job's consumer count, and the splits asked for again this epoch.
+        self._read: list[Any] | None = None
+        self._consumers = 1
+        self._rereads: dict[tuple[tuple[int, ...], int], int] = {}
+        self._reread: list[Any] = []  # for the broker's next heartbeat
+        self._confirm_asked = 0.0  # when this consumer last sent EPOCH to confirm its epoch's end
+        self._short_failed = False  # the epoch ended short for good (raised once)
         self.blob = blob
         self.served_blob = blob if serve_pipeline else None
         self.register_body = {
@@ -232,13 +261,26 @@ class IOThread(threading.Thread):
             return (f"no broker answered at {self.address} for {silent:.0f} s: is "
                     f"zloader-broker running there{keys} (raise timeout= to wait longer)")
         if not self._peers:
+            last = (f"; the last one, {self._lost}, was taken off the job"
+                    if self._lost else "; every worker may have died")
             return (f"no worker has served this job for {silent:.0f} s: start workers "
-                    f"(zloader-worker --broker {self.address}) or pass num_workers=; every "
-                    "worker may have died")
+                    f"(zloader-worker --broker {self.address}) or pass num_workers={last} "
+                    "(raise timeout= to wait longer)")
         if self.rounds is not None and self.rounds.vacant:
             return (f"no data for {silent:.0f} s: coordinated reads wait for consumer_index "
                     f"{', '.join(map(str, self.rounds.vacant))} of {self.rounds.size} to join")
-        return f"no data from the job's {len(self._peers)} workers for {silent:.0f} s"
+        waiting = [p for p in self._peers.values() if p.worker not in self._ended]
+        if waiting:
+            quiet = min(waiting, key=lambda p: p.heard)
+            why = (f" though it holds {quiet.owed} credits of this consumer: its user code "
+                   "may be blocked (a deadlock, a wait that never ends) or its process "
+                   "stopped" if quiet.owed > 0 else "")
+            return (f"no data from the job's {len(self._peers)} workers for {silent:.0f} s; "
+                    f"{quiet.describe()} has sent nothing for "
+                    f"{time.monotonic() - quiet.heard:.0f} s{why} (raise timeout= if one "
+                    "element can take longer)")
+        return (f"no data from the job's {len(self._peers)} workers for {silent:.0f} s "
+                "(raise timeout= to wait longer)")
 
     def close(self, timeout: float = 5.0) -> None:
         self._halt.set()
@@ -283,10 +325,7 @@ class IOThread(threading.Thread):
                     payload = b"" if self.served_blob is not None else self.blob
                     self._to_broker(Command.REGISTER, self.register_body, (payload,))
                 else:
-                    self._to_broker(Command.HEARTBEAT, {"stats": {
-                        "elements": self.yielded, "bytes": self.bytes,
-                        "wait_seconds": round(self.wait_seconds, 3),
-                        "skipped": self.skipped}})
+                    self._heartbeat_broker()
                     if self.rounds is not None and not self._done:
                         self._acks += self.rounds.uncommitted()  # in case a message was lost
             while self._commands:
@@ -308,6 +347,50 @@ class IOThread(threading.Thread):
             if self._acks:
                 self._to_broker(Command.RECEIVED, {"epoch": self._epoch, "rounds": self._acks})
                 self._acks = []
+            self._check_stuck(time.monotonic())
+
+    def _heartbeat_broker(self) -> None:
+        body: dict[str, Any] = {"stats": {
+            "elements": self.yielded, "bytes": self.bytes,
+            "wait_seconds": round(self.wait_seconds, 3), "skipped": self.skipped}}
+        if self._stuck:
+            body["stuck"], self._stuck = self._stuck, []
+        if self._reread:
+            body["reread"], self._reread = self._reread, []
+        self._to_broker(Command.HEARTBEAT, body)
+
+    def _check_stuck(self, now: float) -> None:
+        """A worker that has sent nothing for ``timeout`` seconds though it holds credits
+        of this consumer's epoch is stuck (user code blocked on its producer thread while
+        its main loop heartbeats, or the process stopped): tell the broker at once, which
+        takes it off the job so that its splits go to the other workers. With no other
+        worker to take them, the epoch cannot finish: raise :class:`Timeout` naming it.
+        Jobs whose workers may rightly hold back for another consumer (shared, balanced,
+        coordinated) are bounded by the Loader's overall timeout only."""
+        if self._done or self._epoch is None or self._job is None or self._balanced \
+                or self.share is not None or self.rounds is not None:
+            return
+        for peer in list(self._peers.values()):
+            silent = now - peer.heard
+            if peer.worker in self._ended or peer.owed <= 0 or silent <= self.timeout \
+                    or now - peer.reported <= self.timeout or peer.task is None:
+                continue
+            peer.reported = now  # once per timeout
+            self._stuck.append({"worker": peer.worker, "task": peer.task,
+                                "seconds": round(silent, 3)})
+            self._heartbeat_broker()
+            about = (f"{peer.describe()} sent nothing for {silent:.0f} s though it held "
+                     f"{peer.owed} credits of this consumer")
+            self._lost = about
+            if any(p is not peer for p in self._peers.values()):
+                log.warning("%s: its user code may be blocked; the broker takes it off the "
+                            "job and the other workers read its splits", about)
+                self.last_progress = now  # the rerun gets a full timeout of its own
+                continue
+            self.items.put(Item("error", error=Timeout(
+                f"{about}: its user code may be blocked (a deadlock, a wait that never "
+                "ends) and no other worker serves this job to read its splits; the broker "
+                "takes it off the job (raise timeout= if one element can take longer)")))
 
     def _receive(self, sock: zmq.Socket[Any], frames: list[zmq.Frame]) -> None:
         """Decode and handle one message from outside: whatever is wrong with it (malformed,
@@ -401,6 +484,11 @@ class IOThread(threading.Thread):
             self._skipped_by = {}
             self._draining = False
             self.received = Ledger()
+            resume = self.register_body.get("resume")
+            if isinstance(resume, dict) and resume["epoch"] == self._epoch:
+                self.received.merge_json(resume["delivered"])  # held before the restart
+            self._read, self._rereads, self._short_failed = None, {}, False
+            self.last_progress = time.monotonic()  # the timeout counts from the start
             if self.rounds is not None:
                 self.rounds.start(self._epoch)
                 self.rounds.ends.clear()
@@ -413,6 +501,9 @@ class IOThread(threading.Thread):
             if target is not None and self._epoch is not None:
                 target.returned += command[2]
                 if target.returned >= max(1, self.prefetch // 2) or target.mapped:
+                    if target.owed <= 0:  # it had none: its silence so far says nothing
+                        target.heard = time.monotonic()
+                    target.owed += target.returned
                     self._send(target, Command.CREDIT, {"epoch": self._epoch,
                                                         "credits": target.returned,
                                                         "mapped": target.mapped})
@@ -466,14 +557,23 @@ class IOThread(threading.Thread):
             self._answer_fences(msg.body.get("fences"))
             fencing = msg.body.get("fencing")
             self._fencing = fencing if isinstance(fencing, dict) else {}
+            consumers = msg.body.get("consumers")
+            if isinstance(consumers, int):
+                self._consumers = consumers
+            # An exactly-once epoch is confirmed only by the answer to EPOCH, which says
+            # what was read in it (the epoch is checked against that).
+            confirmed = self._confirming
+            if isinstance(msg.body.get("read"), list):
+                self._read = msg.body["read"]
+            elif self.register_body["exactly_once"]:
+                confirmed = False
             if registered and self._epoch is not None and not self._done:
                 # Registered again mid-epoch (the broker had given up on this consumer, or
                 # restarted): the workers dropped its streams, so open the epoch again.
                 for worker in known & set(self._peers):
                     self._open(self._peers[worker])
-            self._check_done(confirmed=self._confirming)
-            if self._peers and not (self.rounds is not None and self.rounds.vacant):
-                self.last_progress = time.monotonic()  # (a vacancy is no progress)
+            self._check_done(confirmed=confirmed)
+            # The broker's traffic is no progress: only data is (a stuck worker heartbeats).
         elif msg.command is Command.ERROR:
             text = str(msg.body.get("message", "the broker refused the request"))
             error: Exception = ValueError(text) if "job_name" in text else ZloaderError(text)
@@ -545,6 +645,8 @@ class IOThread(threading.Thread):
                 continue
             worker = entry["worker"]
             peer = self._peers.get(worker)
+            if peer is not None:
+                peer.doing = _doing(entry.get("doing"))
             if peer is not None and entry.get("task") != peer.task:
                 # The broker dropped this worker and gave it a task again: the old stream
                 # is over (what it held was re-queued); read the new task afresh.
@@ -555,6 +657,8 @@ class IOThread(threading.Thread):
                 self._connect(entry)
         gone = [w for w in self._peers if w not in seen]
         for worker in gone:
+            if worker not in self._ended:
+                self._lost = self._peers[worker].describe() + " stopped answering"
             self._close_peer(self._peers[worker], polite=False)
             self._check_done()
         if gone:
@@ -576,7 +680,9 @@ class IOThread(threading.Thread):
             return
         task = entry.get("task") if isinstance(entry.get("task"), str) else None
         peer = _Peer(entry["worker"], task, int(entry.get("index", 0)),
-                     int(entry.get("pid", 0)), str(entry["endpoint"]), sock)
+                     int(entry.get("pid", 0)), str(entry["endpoint"]), sock,
+                     host=str(entry.get("host", ""))[:255], heard=time.monotonic(),
+                     doing=_doing(entry.get("doing")))
         if self.use_rings and entry.get("host_id") == host_id():
             peer.ring = _make_ring(self.ring_bytes)
         self._peers[peer.worker] = peer
@@ -601,6 +707,7 @@ class IOThread(threading.Thread):
     def _open(self, peer: _Peer, keep_credits: bool = False) -> None:
         if not keep_credits:
             peer.returned = 0
+        peer.owed, peer.heard = self.prefetch, time.monotonic()  # OPEN grants afresh
         body = {"job": self._job, "task": peer.task, "consumer": self.register_body["consumer"],
                 "epoch": self._epoch, "credits": self.prefetch, "rerun": self._rerun,
                 "ring": peer.ring.name if peer.ring is not None else None}
@@ -619,7 +726,7 @@ class IOThread(threading.Thread):
         peer = next((p for p in self._peers.values() if p.socket is sock), None)
         if peer is None:
             return
-        self.last_progress = time.monotonic()
+        self.last_progress = peer.heard = time.monotonic()
         epoch = msg.body.get("epoch")
         if not isinstance(epoch, int) and msg.command in (Command.DATA, Command.END,
                                                           Command.FAIL):
@@ -627,6 +734,7 @@ class IOThread(threading.Thread):
         if msg.command is Command.DATA:
             if epoch != self._epoch:
                 return  # an old epoch's record: its credit is not coming back, by design
+            peer.owed -= 1
             try:
                 self._data(peer, msg)
             except (ProtocolError, CodecError, RingError) as exc:
@@ -833,8 +941,12 @@ class IOThread(threading.Thread):
         if int(self._fencing.get(str(self._epoch), 0)):
             return  # a dead worker's splits are about to be re-queued: wait for them
         if not confirmed:
-            if not self._confirming:
-                self._confirming = True
+            now = time.monotonic()
+            # An exactly-once epoch waits for an answer to EPOCH: ask again when the last
+            # one came while a fence held the epoch, or was lost.
+            if not self._confirming or (self.register_body["exactly_once"]
+                                        and now - self._confirm_asked > self._heartbeat):
+                self._confirming, self._confirm_asked = True, now
                 self._to_broker(Command.EPOCH, {"job": self._job, "epoch": self._epoch})
             return
         self._confirming = False
@@ -856,12 +968,57 @@ class IOThread(threading.Thread):
             self._finish()
             return
         if pending == 0:
-            self._finish()
+            if not self._short():
+                self._finish()
             return
         self._rerun += 1  # a dead worker's splits wait: the workers run the epoch again
         self._ended = set()
         for peer in self._peers.values():
             self._open(peer, keep_credits=True)
+
+    def _short(self) -> bool:
+        """Whether an exactly-once epoch that every worker ended lacks elements, checked
+        against what its records said (each split's count) and what the broker handed out:
+        records can be lost on the way (a segment its worker unlinked while this consumer
+        was stalled, records another peer took with its token). The job's only consumer
+        asks for the splits concerned again, less what it holds (``HEARTBEAT.reread``),
+        then for the epoch's state again; after REREADS tries it raises. True: the epoch
+        must not end now."""
+        if self._short_failed:
+            return True
+        if not self.register_body["exactly_once"] or self._consumers != 1 \
+                or self._epoch is None:
+            return False
+        missing = {at for at in self.received.open if at[0][0] == self._epoch}
+        for entry in self._read or []:
+            if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], list)
+                    and entry[0] and entry[0][0] == self._epoch):
+                continue
+            key = tuple(entry[0])
+            with contextlib.suppress(ValueError):
+                done = self.received.done.get(key, set())
+                missing |= {(key, split) for split in unpack(entry[1]) - done}
+        if not missing:
+            return False
+        where = ", ".join(f"{split} (pass {list(key)})" for key, split in sorted(missing)[:8])
+        if any(self._rereads.get(at, 0) >= REREADS for at in missing):
+            self._short_failed = True
+            self.items.put(Item("error", error=ZloaderError(
+                f"epoch {self._epoch} ended short: elements of splits {where} never reached "
+                f"this consumer ({len(missing)} splits), and {REREADS} readings again did not "
+                "bring them; records are being lost on the way (see the warnings: malformed "
+                "DATA, another peer with this consumer's keys reading its stream)")))
+            return True
+        log.warning("epoch %d ended short of elements of %d splits (%s): reading them "
+                    "again", self._epoch, len(missing), where)
+        for at in missing:
+            self._rereads[at] = self._rereads.get(at, 0) + 1
+        self._reread = [[list(key), split, self.received.info(key, split)]
+                        for key, split in sorted(missing)]
+        self._heartbeat_broker()  # before the EPOCH, which then finds them pending
+        self._confirming, self._confirm_asked = True, time.monotonic()
+        self._to_broker(Command.EPOCH, {"job": self._job, "epoch": self._epoch})
+        return True
 
     def _release_rounds(self) -> None:
         """Hand the iterating thread every round now in order and committed; drop the
@@ -981,6 +1138,16 @@ class _Rounds:
     def finished(self, epoch: int | None) -> bool:
         """Every round the broker numbered in ``epoch`` was released or lost."""
         return self.next >= int(self.issued.get(str(epoch), 0))
+
+
+def _doing(value: Any) -> dict[str, Any] | None:
+    """A worker's ``doing`` from the job's view (``{epoch, split, stage}``), or None."""
+    if not (isinstance(value, dict) and isinstance(value.get("stage"), str)
+            and isinstance(value.get("epoch"), int)
+            and (value.get("split") is None or isinstance(value.get("split"), int))):
+        return None
+    return {"epoch": value["epoch"], "split": value.get("split"),
+            "stage": value["stage"][:32]}
 
 
 def _local_address(broker: str) -> str:

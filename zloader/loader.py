@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import queue
 import shutil
@@ -74,8 +75,11 @@ class Loader:
         deterministic: reproducible order (static assignment, round-robin reading).
         transport: ``"auto"`` (shared memory for co-located workers) or ``"tcp"``.
         prefetch: records in flight per worker (default 8).
-        timeout: seconds without progress from any worker or the broker before raising
-            :class:`zloader.Timeout`.
+        timeout: seconds without an element (data from a worker) before raising
+            :class:`zloader.Timeout`; a finite number. A worker that holds this Loader's
+            credits and sends nothing for this long is stuck (user code blocked): the
+            broker takes it off the job and the other workers read its splits; with no
+            other worker, the Timeout names it (docs/reliability.md).
         on_error: ``"raise"`` or ``"skip"`` (drop elements whose user code raises, or
             that the codec cannot encode).
         max_skipped: with ``"skip"``, raise once more than this many were dropped.
@@ -152,8 +156,12 @@ class Loader:
             raise ValueError(f"broker must be an address like 'tcp://host:5555', got {broker!r}")
         if job_name is not None:
             _check.label("job_name", job_name)
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) \
+                or not math.isfinite(timeout) or timeout <= 0:
+            # nan compares false with everything and inf never elapses: either would
+            # silently turn the bound off
+            raise ValueError(f"timeout must be a finite positive number of seconds, got "
+                             f"{timeout!r}")
         self._share = _share_settings(pipeline, broker, job_name, balanced, share,
                                       share_window_bytes, share_lag, share_block_seconds)
         coordinated = _coordinated(num_consumers, consumer_index, job_name, share, balanced,
@@ -243,7 +251,7 @@ class Loader:
                 data_bind=f"ipc://{self._dir}/source" if embedded else None,
                 balanced=_check.integer("balanced", balanced, 0), share=self._share,
                 coordinated=coordinated, keys=self._keys, exactly_once=self._exactly_once,
-                resume=resume, serve_pipeline=serve_pipeline)
+                resume=resume, serve_pipeline=serve_pipeline, timeout=self._timeout)
             self._io.start()
         except BaseException:
             self.close()

@@ -81,6 +81,16 @@ class Producer(threading.Thread):
             STAGES, 0.0)
         self._mark = 0.0  # when the time up to now was last accounted for
         self._split_wait = 0.0  # waiting for splits since then
+        # What it is doing now, for the worker's heartbeat: the stage (one of STAGES) and
+        # the split it last started reading (None before the first); read by the socket
+        # thread without a lock (two plain attribute reads).
+        self.stage = "pipeline"
+        self.split: int | None = None
+
+    def doing(self) -> dict[str, Any]:
+        """``{epoch, split, stage}``: what this producer is doing now (the worker's
+        heartbeat carries it, so that a consumer can say where a stuck worker is)."""
+        return {"epoch": self.epoch, "split": self.split, "stage": self.stage}
 
     def run(self) -> None:
         pair = self.context.socket(zmq.PAIR)
@@ -163,13 +173,16 @@ class Producer(threading.Thread):
         clock = time.perf_counter
         entered = clock()
         self._account(entered)
+        self.stage = "encode"
         record = self._encode(batch, places, ctx)
         encoded = clock()
         self.timing["encode"] += encoded - entered
         if record is None:  # every element was skipped: their origins go with the next
             self._mark = encoded
+            self.stage = "pipeline"
             return
         head, buffers = record
+        self.stage = "blocked"
         while not self.pool.acquire(timeout=0.1):
             if self.stop.is_set():
                 raise _Stopped
@@ -182,6 +195,7 @@ class Producer(threading.Thread):
                     raise _Stopped
         self._mark = clock()
         self.timing["blocked"] += self._mark - encoded
+        self.stage = "pipeline"
 
     def _encode(self, batch: list[Any], places: list[Any],
                 ctx: Context) -> tuple[bytes, list[Any]] | None:
@@ -245,6 +259,7 @@ class Producer(threading.Thread):
             for split in mine:
                 if self.stop.is_set():
                     raise _Stopped
+                self.split = split
                 yield split
             return
         have = 0  # splits received in this pass: the broker re-sends one whose answer was lost
@@ -260,6 +275,7 @@ class Producer(threading.Thread):
                 self._put(pair, [b"P", json.dumps(list(key)).encode()])
                 return
             have += 1
+            self.split = int(reply["split"])
             if not task.track:
                 yield int(reply["split"])
                 continue
@@ -276,9 +292,11 @@ class Producer(threading.Thread):
         are passed over; None for an answer about another pass."""
         while True:
             asked = time.perf_counter()
+            self.stage = "splits"
             while not pair.poll(100):
                 if self.stop.is_set():
                     raise _Stopped
+            self.stage = "pipeline"
             waited = time.perf_counter() - asked
             self._split_wait += waited
             self.timing["splits"] += waited

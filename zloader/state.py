@@ -64,6 +64,8 @@ class Worker:
     trainers: dict[str, dict[str, int]] = field(default_factory=dict)  # shared job: lag
     plain_data: bool = False  # its data socket speaks PLAIN, not CURVE (--plain-data)
     idle_since: float = 0.0  # when it last had no task (surplus marks, see State.status)
+    doing: dict[str, Any] | None = None  # its producer's {epoch, split, stage} (heartbeat)
+    holds: frozenset[str] = frozenset()  # fingerprints of pipelines it inherited by fork
     # LOG lines it may send: twice what its own limit lets through (zloader/forward.py)
     log_budget: Bucket = field(default_factory=lambda: Bucket(2 * RATE, 4.0 * BURST))
 
@@ -206,7 +208,8 @@ class State:
         worker = Worker(worker_id, identity, msg.field("host", str), msg.field("host_id", str),
                         msg.field("pid", int), endpoint,
                         msg.field("prefer", str, optional=True), now,
-                        plain_data=msg.body.get("plain_data") is True, idle_since=now)
+                        plain_data=msg.body.get("plain_data") is True, idle_since=now,
+                        holds=_holds(msg.body.get("holds")))
         self.workers[worker_id] = worker
         self._record(_worker_event(worker))
         self.peers[identity] = ("worker", worker_id)
@@ -236,6 +239,7 @@ class State:
                     stats, worker.stats, f"{stage}_seconds")
         worker.stats = {**{k: v for k, v in stats.items() if isinstance(v, (int, float))},
                         "_at": now}
+        worker.doing = _doing(msg.body.get("doing"))
         trainers = stats.get("trainers")
         worker.trainers = {
             str(c): {k: int(v[k]) for k in ("lag", "skipped") if isinstance(v.get(k), int)}
@@ -449,7 +453,13 @@ class State:
                 job.rounds.prune(job.epoch)
                 if self._pending(job).get(str(epoch)):
                     job.rounds.order_rerun(epoch, job.requeues.get(epoch, 0))
-        return out + self.consumer_heartbeat(identity, now)
+        answer = self.consumer_heartbeat(identity, now)
+        if job is not None and job.track and isinstance(epoch, int):
+            for reply in [r for r in answer if r.command is Command.JOB]:
+                # what the consumer checks its epoch against
+                reply.body["read"] = [[list(key), pack(splits)] for key, splits
+                                      in sorted(self._read_splits(job, epoch).items())]
+        return out + answer
 
     def consumer_heartbeat(self, identity: bytes, now: float,
                            msg: Message | None = None) -> list[Out]:
@@ -458,6 +468,11 @@ class State:
             return []
         job = self.jobs.get(consumer.job)
         stats = msg.body.get("stats") if msg is not None else None
+        out: list[Out] = []
+        if job is not None and msg is not None and "stuck" in msg.body:
+            out += self._stuck(job, consumer, msg.field("stuck", list), now)
+        if job is not None and msg is not None and "reread" in msg.body:
+            self._reread(job, consumer, msg.field("reread", list))
         if isinstance(stats, dict):
             stats = {k: v for k, v in stats.items() if isinstance(v, (int, float))
                      and not isinstance(v, bool) and v >= 0}
@@ -465,7 +480,86 @@ class State:
                 job.wait_seconds += _delta(stats, consumer.stats, "wait_seconds")
                 job.skipped += int(_delta(stats, consumer.stats, "skipped"))
             consumer.stats = stats
-        return [Out(identity, Command.JOB, self.job_view(job))] if job else []
+        return out + ([Out(identity, Command.JOB, self.job_view(job))] if job else [])
+
+    def _reread(self, job: Job, consumer: Consumer, entries: list[Any]) -> None:
+        """The job's only consumer ended an epoch short (``HEARTBEAT.reread``): records of
+        these splits never reached it (unmapped segments a worker unlinked while it was
+        stalled, records taken by another peer with its token). Hand each out again, less
+        the indices it holds, as after a worker's death; its next ``EPOCH`` finds them
+        pending and runs the epoch again. Only splits the broker handed out in that pass
+        and holds no fence or re-queue for are taken.
+
+        Raises:
+            ProtocolError: an entry is not ``[pass, split, info]``.
+        """
+        if not job.track or len(job.consumers | set(job.silent)) != 1:
+            return  # with several consumers none can tell alone what is missing
+        fenced = {at for fence in job.fences.values() for at in fence.splits}
+        read: dict[int, dict[tuple[int, ...], set[int]]] = {}  # by epoch
+        for entry in entries:
+            if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], list)
+                    and entry[0] and all(isinstance(k, int) and k >= 0 for k in entry[0])
+                    and isinstance(entry[1], int) and isinstance(entry[2], dict)):
+                raise ProtocolError("HEARTBEAT.reread: each entry must be [pass, split, info]")
+            key, split = tuple(entry[0]), entry[1]
+            if key[0] not in read:
+                read[key[0]] = self._read_splits(job, key[0])
+            if split not in read[key[0]].get(key, set()) \
+                    or (key, split) in fenced \
+                    or any(split in p.requeued for k, p in job.passes.items() if k[0] == key[0]):
+                continue
+            try:
+                skip = _skip(merge_info(None, entry[2]))
+            except ValueError as exc:
+                raise ProtocolError(f"HEARTBEAT.reread: {exc}") from None
+            log.warning("consumer %s ended epoch %d of job %s without all of split %d (pass "
+                        "%s): read again", consumer.id, key[0], job.id, split, list(key))
+            self._requeue(job, key, split, skip)
+
+    @staticmethod
+    def _read_splits(job: Job, epoch: int) -> dict[tuple[int, ...], set[int]]:
+        """Pass -> the splits of ``epoch`` handed out to live workers (being read or read),
+        by the pass they belong to (a re-queued split may be read in a later pass)."""
+        read: dict[tuple[int, ...], set[int]] = {}
+        for key, dispenser in job.passes.items():
+            if key[0] != epoch:
+                continue
+            for splits in [*dispenser.handed.values(), *dispenser.read.values()]:
+                for split in splits:
+                    read.setdefault(job.origin_of.get((key, split), key), set()).add(split)
+        return read
+
+    def _stuck(self, job: Job, consumer: Consumer, reports: list[Any],
+               now: float) -> list[Out]:
+        """A consumer got nothing from these workers of its job for its ``timeout`` though
+        they held its credits (``HEARTBEAT.stuck``): each is alive (it heartbeats) but its
+        user code is blocked. It is told to drop the task (``RELEASE``; a worker whose
+        producer does not stop replaces its process) and dropped from the broker as if it
+        had died: its splits go to the other workers, exactly once for an exactly-once job
+        (a :class:`Fence`), and a split that wedges ``KILLS_TO_FAIL`` workers is reported.
+
+        Raises:
+            ProtocolError: a report is not ``{worker, task, seconds}``.
+        """
+        out: list[Out] = []
+        for report in reports:
+            if not (isinstance(report, dict) and isinstance(report.get("worker"), str)
+                    and isinstance(report.get("task"), str)
+                    and isinstance(report.get("seconds"), (int, float))
+                    and not isinstance(report.get("seconds"), bool)):
+                raise ProtocolError("HEARTBEAT.stuck must list {worker, task, seconds}")
+            worker = self.workers.get(report["worker"])
+            if worker is None or worker.task != report["task"] \
+                    or job.tasks.get(report["task"]) != worker.id:
+                continue  # gone already, or not this consumer's job's worker
+            log.warning("worker %s (pid %d on %s) sent consumer %s nothing for %.1f s though "
+                        "it held credits (doing %s): dropped from job %s as stuck",
+                        worker.id, worker.pid, worker.host, consumer.id,
+                        float(report["seconds"]), worker.doing, job.id)
+            out.append(Out(worker.identity, Command.RELEASE, {"task": worker.task}))
+            out += self._drop_worker(worker.id, died=True, now=now)
+        return out
 
     def job_view(self, job: Job) -> dict[str, Any]:
         workers: list[dict[str, Any]] = []
@@ -477,10 +571,12 @@ class State:
                                 "host_id": worker.host_id, "index": job.indices[task],
                                 "pid": worker.pid, "host": worker.host,
                                 "plain_data": worker.plain_data})
+                if worker.doing is not None:
+                    workers[-1]["doing"] = worker.doing
         workers.sort(key=lambda w: w["index"])
         pending = self._pending(job)
         view = {"job": job.id, "workers": workers, "failed": job.failed, "error": job.error,
-                "heartbeat": self.heartbeat,
+                "heartbeat": self.heartbeat, "consumers": len(job.consumers | set(job.silent)),
                 "pending": pending, "share": job.share, "epoch": job.epoch,
                 "width": job.width, "entropy": job.entropy,
                 "stages": {k: round(v, 3) for k, v in job.stages.items()},
@@ -529,6 +625,9 @@ class State:
                               or len(j.tasks) < j.width)]
             if not open_jobs:
                 break
+            # A pipeline only forked workers hold (embedded) runs on none other.
+            open_jobs = [j for j in open_jobs if j.pipeline != INHERITED
+                         or j.fingerprint in worker.holds]
             if loopback(worker.endpoint):  # only consumers on its own host reach it
                 open_jobs = [j for j in open_jobs if worker.host_id in job_hosts[j.id]]
                 if not open_jobs:
@@ -1301,6 +1400,19 @@ def _coordinated(value: Any, name: str | None) -> tuple[int, int] | None:
     return size, index
 
 
+def _doing(value: Any) -> dict[str, Any] | None:
+    """A worker's ``HEARTBEAT.doing`` (``{epoch, split, stage}``) checked, or None."""
+    if not isinstance(value, dict) or value.get("stage") not in STAGES:
+        return None
+    epoch, split = value.get("epoch"), value.get("split")
+    if not (isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= 0):
+        return None
+    if split is not None and not (isinstance(split, int) and not isinstance(split, bool)
+                                  and split >= 0):
+        return None
+    return {"epoch": epoch, "split": split, "stage": value["stage"]}
+
+
 def _count(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1 << 16:
         raise ProtocolError(f"REGISTER: balanced must be an int >= 0, got {value!r}")
@@ -1316,6 +1428,20 @@ def _source_data(value: Any) -> dict[str, Any] | None:
     return {"endpoint": value["endpoint"], "kind": value["kind"]}
 
 
+INHERITED = {"inherited": True}
+"""A job's ``pipeline`` when its Loader's forked workers hold it in memory (embedded)."""
+
+
+def _holds(value: Any) -> frozenset[str]:
+    """READY's ``holds``: the fingerprints of the pipelines a forked worker inherited."""
+    if value is None:
+        return frozenset()
+    if not (isinstance(value, list) and len(value) <= 64
+            and all(isinstance(v, str) and len(v) <= 128 for v in value)):
+        raise ProtocolError("READY: holds must be a list of at most 64 fingerprints")
+    return frozenset(value)
+
+
 def _pipeline_ref(value: Any, blob: bytes) -> dict[str, Any] | None:
     """REGISTER's ``pipeline``: None (the pipeline is the payload), ``{inherited: true}``
     (embedded: the Loader's forked workers hold it) or ``{endpoint, sha256, bytes}`` (the
@@ -1324,8 +1450,8 @@ def _pipeline_ref(value: Any, blob: bytes) -> dict[str, Any] | None:
         if not blob:
             raise ProtocolError("REGISTER: an empty pipeline payload and no 'pipeline' field")
         return None
-    if isinstance(value, dict) and value.get("inherited") is True and len(value) == 1:
-        return {"inherited": True}
+    if value == INHERITED:
+        return dict(INHERITED)
     if (isinstance(value, dict) and isinstance(value.get("endpoint"), str)
             and isinstance(value.get("sha256"), str) and len(value["sha256"]) == 64
             and isinstance(value.get("bytes"), int) and not isinstance(value["bytes"], bool)

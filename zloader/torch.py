@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import itertools
+import math
 import os
 import random
 import secrets
@@ -461,6 +462,9 @@ class DataLoader:
                  share: bool = False, job_name: str | None = None,
                  device: str | torch.device | None = None) -> None:
         self._service: Loader | None = None
+        if isinstance(timeout, float) and not math.isfinite(timeout):
+            raise ValueError(f"timeout must be a finite number of seconds (0: no per-batch "
+                             f"limit), got {timeout!r}")
         if share:
             raise ValueError(
                 "share=True is not available for zloader.torch.DataLoader: its batches "

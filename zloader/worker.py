@@ -14,6 +14,7 @@ import logging
 import os
 import secrets
 import socket as _socket
+import sys
 import threading
 import time
 from collections import deque
@@ -54,6 +55,11 @@ __all__ = ["BrokerRefused", "WorkerProcess"]
 
 log = logging.getLogger("zloader.worker")
 
+STOP_SECONDS = 2.0
+"""A producer told to stop that has not within this long is stuck in user code (a thread
+cannot be killed): the worker process then replaces itself (:meth:`WorkerProcess._restart`)."""
+RESTART_COMMAND = "import sys; from zloader.cli import worker_main; sys.exit(worker_main())"
+"""What a wedged worker runs in place of itself (zloader-worker, with its own settings)."""
 FORWARD_EVERY = 0.2
 """Seconds between two sends of captured user output (zloader/forward.py)."""
 
@@ -189,6 +195,10 @@ class WorkerProcess:
         self.capture = Capture() if forward_output else None
         self._last_forward = 0.0
         self.orphaned = False  # the parent process died (see run)
+        # Set when a producer did not stop (user code blocked for good): the process can no
+        # longer be trusted with a task, so it leaves its loop and runs itself afresh.
+        self.wedged: str | None = None
+        self._restart_when_wedged = False
 
     # --- sockets --------------------------------------------------------------------------
 
@@ -234,10 +244,44 @@ class WorkerProcess:
                 sock.close(0)
             if guard is not None:
                 guard.stop()
-            context.term()
+            if self.wedged is None:
+                context.term()  # (a stuck producer's socket would make this wait forever)
             if self.orphaned:  # a trainer killed by a signal (SIGTERM from SLURM, say)
                 sweep()        # cannot remove its rings and socket directory: we do
                 sweep_dirs()
+        if self._restart_when_wedged:
+            self._restart()
+
+    def _restart(self) -> None:
+        """Replace this process with a fresh worker (same pid, so a Loader or supervisor
+        that started it still owns it; a new worker id, so the broker sees a new worker):
+        a producer thread stuck in user code cannot be stopped, only discarded. Only a
+        worker whose loop runs on the main thread does so (in a Ray actor the loop runs on
+        a thread of the actor, which just ends)."""
+        command = [sys.executable, "-c", RESTART_COMMAND, "--broker", self.broker_endpoint,
+                   "--bind", self.bind, "--insecure",  # (the bind was checked at start)
+                   "--log-level", logging.getLevelName(
+                       logging.getLogger().getEffectiveLevel()).lower()]
+        if self.parent is not None:
+            command += ["--parent", str(self.parent)]
+        if self.advertise:
+            command += ["--advertise", self.advertise]
+        if self.keys is not None:
+            command += ["--keys", self.keys.path]
+        if self.plain_data:
+            command += ["--plain-data"]
+        if self.blob_dir:
+            command += ["--blob-dir", self.blob_dir]
+        if self.bind.startswith("ipc://"):  # the new process binds the same path
+            with contextlib.suppress(OSError):
+                os.unlink(self.bind[len("ipc://"):])
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        log.warning("restarting worker pid %d: %s", os.getpid(), self.wedged)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, command, env)
 
     def _connect_broker(self) -> zmq.Socket[Any]:
         sock = self.context.socket(zmq.DEALER)
@@ -255,7 +299,7 @@ class WorkerProcess:
         self._to_broker(Command.READY, {
             "worker": self.id, "host": _socket.gethostname(), "host_id": host_id(),
             "pid": os.getpid(), "endpoint": self.endpoint, "prefer": self.prefer,
-            "plain_data": self.plain_data})
+            "plain_data": self.plain_data, "holds": sorted(self.inherited or ())})
 
     def _to_broker(self, command: Command, body: dict[str, Any]) -> None:
         """Send to the broker. A connection still being made queues what is sent; only
@@ -309,7 +353,10 @@ class WorkerProcess:
                                          "rejected": self.rejected, **self._usage()}
                 if self.task is not None and self.task.window is not None:
                     stats["trainers"] = self._trainers(self.task)
-                self._to_broker(Command.HEARTBEAT, {"stats": stats})
+                beat: dict[str, Any] = {"stats": stats}
+                if self.task is not None and self.task.producer is not None:
+                    beat["doing"] = self.task.producer.doing()  # where a stuck one is
+                self._to_broker(Command.HEARTBEAT, beat)
             if now - self._last_from_broker > 3 * self.heartbeat:
                 log.warning("no word from the broker at %s for %.0f s: reconnecting",
                             self.broker_endpoint, now - self._last_from_broker)
@@ -512,8 +559,10 @@ class WorkerProcess:
         for producer in (task.producer, task.replayer):
             if producer is not None:
                 producer.stop.set()
-                producer.join(2.0)
+                producer.join(STOP_SECONDS)
                 self._drop_link(producer)
+                if producer.is_alive():
+                    self._wedge(task, producer)
         if self.capture is not None:  # its output goes to its own consumers, not the next's
             with contextlib.suppress(zmq.ZMQError):
                 self._forward(time.monotonic(), task.id)
@@ -525,6 +574,19 @@ class WorkerProcess:
         for stored in task.stored.values():
             stored.free()
         task.stored.clear()
+
+    def _wedge(self, task: _Task, producer: Producer) -> None:
+        """A producer did not stop: its user code is blocked (a deadlock, a wait that
+        never ends). Leave the loop; :meth:`run` then restarts the process, unless it was
+        asked to stop anyway."""
+        doing = producer.doing()
+        self.wedged = (f"task {task.id}'s producer did not stop within {STOP_SECONDS:.0f} s "
+                       f"(stage {doing['stage']}, split {doing['split']}, epoch "
+                       f"{doing['epoch']}): its user code has not returned (blocked, or "
+                       "slower than that per element)")
+        if not self.stop.is_set():
+            self._restart_when_wedged = threading.current_thread() is threading.main_thread()
+            self.stop.set()
 
     # --- producer -------------------------------------------------------------------------
 

@@ -1,0 +1,136 @@
+"""A worker that heartbeats but produces nothing is caught by the Loader's ``timeout``;
+``timeout`` itself must be a real bound (docs/reliability.md)."""
+
+from __future__ import annotations
+
+import collections
+import math
+import os
+import signal
+import socket
+import time
+
+import pytest
+
+from tests.service import wait_for
+from zloader import Loader, Pipeline, Timeout
+
+
+@pytest.mark.parametrize("timeout", [math.nan, math.inf, -math.inf, -1.0])
+def test_a_timeout_that_is_not_a_finite_positive_number_is_refused(timeout):
+    with pytest.raises(ValueError, match="timeout"):
+        Loader(Pipeline.range(4), num_workers=1, timeout=timeout)
+    torch = pytest.importorskip("torch")
+    from zloader.torch import DataLoader
+
+    with pytest.raises(ValueError, match="timeout"):  # torch's 0 (no limit) stays allowed
+        DataLoader(torch.arange(4), num_workers=1, timeout=timeout)
+    DataLoader(torch.arange(4), num_workers=1, timeout=0)
+
+
+def wedge_once(flag: str, at: int):
+    """A map that blocks forever on element ``at``, the first time it meets it in any
+    process (the flag file says it happened), as user code stuck in a deadlock would."""
+
+    def fn(x: int) -> int:
+        if x == at:
+            try:
+                os.close(os.open(flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return x
+            time.sleep(1e9)
+        return x
+
+    return fn
+
+
+def test_a_worker_stuck_in_user_code_has_its_splits_read_by_the_other_exactly_once(tmp_path):
+    pipeline = Pipeline.range(200, split_size=10).map(wedge_once(str(tmp_path / "flag"), 37))
+    started = time.monotonic()
+    with Loader(pipeline, num_workers=2, timeout=3) as loader:
+        seen = collections.Counter(iter(loader))
+        elapsed = time.monotonic() - started
+        assert sorted(seen) == list(range(200)) and set(seen.values()) == {1}
+        assert (tmp_path / "flag").exists()  # one worker did get stuck
+        assert elapsed < 40  # does not hang: about timeout and a rerun
+        # The stuck one replaced its process (same pid, a fresh interpreter), not leaked a
+        # blocked thread, and the next epoch is whole.
+        wait_for(lambda: any("worker_main" in _command_line(p.pid) for p in loader._processes),
+                 what="the stuck worker to replace its process")
+        assert sorted(loader) == list(range(200))
+
+
+def _command_line(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as file:
+        return file.read().decode(errors="replace")
+
+
+def test_a_sole_worker_stuck_in_user_code_times_out_naming_it(tmp_path):
+    pipeline = Pipeline.range(200, split_size=10).map(wedge_once(str(tmp_path / "flag"), 37))
+    with Loader(pipeline, num_workers=1, timeout=2) as loader:
+        pid = loader._processes[0].pid
+        with pytest.raises(Timeout) as raised:
+            for _ in loader:
+                pass
+    text = str(raised.value)
+    for part in (f"pid {pid}", socket.gethostname(), "split 3", "pipeline", "timeout="):
+        assert part in text, (part, text)
+
+
+def slowly(x: int) -> int:
+    time.sleep(0.02)
+    return x
+
+
+def test_a_sigstopped_worker_times_out_naming_it():
+    pipeline = Pipeline.range(2000, split_size=10).map(slowly)
+    with Loader(pipeline, num_workers=1, timeout=2) as loader:
+        pid = loader._processes[0].pid
+        iterator = iter(loader)
+        for _ in range(5):
+            next(iterator)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(Timeout) as raised:
+                for _ in iterator:
+                    pass
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    text = str(raised.value)
+    for part in (f"pid {pid}", socket.gethostname()):
+        assert part in text, (part, text)
+
+
+def test_the_broker_drops_a_worker_its_consumer_reports_stuck_and_checks_the_report():
+    """As plain calls on the broker's state: ``HEARTBEAT.doing`` reaches the job's view
+    (malformed: ignored); a malformed ``HEARTBEAT.stuck`` is refused; a report naming
+    another task changes nothing; a valid one releases the worker, drops it and hands its
+    split to the other worker."""
+    from tests.test_state import ready, register, split, tasks_by_worker
+    from zloader.state import State
+    from zloader.transport.protocol import Command, Message, ProtocolError
+
+    state = State()
+    ready(state, "w1")
+    ready(state, "w2")
+    tasks = tasks_by_worker(register(state, "c1", splits=4))
+    assert split(state, "w1", tasks["w1"]) == 0
+    for doing in ({"epoch": 0, "split": 0, "stage": "pipeline"}, {"stage": "rm -rf"}):
+        state.worker_heartbeat(b"w1", Message(Command.HEARTBEAT, {"stats": {},
+                                                                  "doing": doing}), 1.0)
+        (view,) = state.consumer_heartbeat(b"c1", 1.0)
+        entry = next(w for w in view.body["workers"] if w["worker"] == "w1")
+        assert entry.get("doing") == (doing if "epoch" in doing else None)
+
+    def report(stuck):
+        return state.consumer_heartbeat(b"c1", 2.0, Message(Command.HEARTBEAT,
+                                                            {"stuck": stuck}))
+
+    with pytest.raises(ProtocolError, match="stuck"):
+        report([{"worker": "w1"}])
+    report([{"worker": "w1", "task": tasks["w2"], "seconds": 3.0}])
+    assert "w1" in state.workers
+    out = report([{"worker": "w1", "task": tasks["w1"], "seconds": 3.0}])
+    assert (b"w1", Command.RELEASE) in [(o.identity, o.command) for o in out]
+    assert "w1" not in state.workers
+    assert split(state, "w2", tasks["w2"], now=2.0) == 0  # its split, read by the other
