@@ -657,3 +657,35 @@ def test_a_closed_job_releases_its_name_and_workers_at_once():
     finally:
         stop(worker)
         stop(broker)
+
+
+MANY_THREADS = """
+import threading
+from zloader import Loader, Pipeline
+
+results, errors = [], []
+
+def run():
+    try:
+        with Loader(Pipeline.range(20).map(lambda x: x + 1), num_workers=1,
+                    timeout=30) as loader:
+            results.append(sum(loader))
+    except BaseException as exc:
+        errors.append(repr(exc))
+
+threads = [threading.Thread(target=run) for _ in range(50)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+print(len(results), sorted(set(results)), errors[:3], flush=True)
+"""
+
+
+def test_fifty_loaders_made_on_threads_at_once_all_run():
+    """Forking while other threads import (numpy's lazy parts, zloader's own modules) must
+    not leave a worker waiting forever for an import lock held by a thread it lacks. A
+    fresh interpreter, so that the imports really happen while the Loaders fork."""
+    out = subprocess.run([sys.executable, "-c", MANY_THREADS], capture_output=True,
+                         text=True, timeout=150, start_new_session=True)
+    assert out.stdout.strip() == f"50 [{sum(range(1, 21))}] []", out.stderr[-2000:]

@@ -9,12 +9,17 @@ before it starts any thread of its own. ``start_method="spawn"`` runs a fresh in
 instead, for processes whose other threads make forking unsafe.
 
 A forked child must not need a lock that another thread of the parent may have held at the
-fork: above all the import lock of a module that thread was importing. So everything the
-worker runs is imported here, in the parent, before any fork, and forks are serialized.
+fork: above all the import lock of a module that thread was importing (a Loader made while
+another thread imports numpy's lazily loaded parts, or makes another Loader). So the
+worker's own modules are imported here, in the parent, before any fork; forks are
+serialized; and the child first repairs the import system: each module lock that a thread
+of the parent held (a thread the child does not have) is dropped, with the module that
+thread had half imported, so that the child imports it afresh when it needs it.
 """
 
 from __future__ import annotations
 
+import importlib._bootstrap
 import os
 import signal
 import subprocess
@@ -92,6 +97,7 @@ def start_worker(method: str, address: str, bind: str, keys: Keys | None = None,
         return ForkedWorker(pid)
     code = 1
     try:  # the child: never return into the caller's code
+        repair_imports()
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's Ctrl-C; it stops us
         worker = WorkerProcess(address, bind, parent=parent, keys=keys, inherited=pipelines)
         signal.signal(signal.SIGTERM, lambda *_: worker.stop.set())
@@ -101,3 +107,24 @@ def start_worker(method: str, address: str, bind: str, keys: Keys | None = None,
         traceback.print_exc()
     finally:
         os._exit(code)  # no atexit handlers or finalizers of the parent's objects
+
+
+def repair_imports() -> list[str]:
+    """In a forked child: forget the import locks that threads of the parent held when it
+    forked, and the modules they were importing (half run), so that importing them here
+    starts afresh instead of waiting forever for a thread that is not here. Returns the
+    names of the modules concerned."""
+    me = threading.get_ident()
+    bootstrap: Any = importlib._bootstrap
+    locks = bootstrap._module_locks
+    repaired = []
+    for name, ref in list(locks.items()):
+        lock = ref()
+        if lock is None or not getattr(lock, "count", 0) or getattr(lock, "owner", me) == me:
+            continue
+        del locks[name]
+        module = sys.modules.get(name)
+        if getattr(getattr(module, "__spec__", None), "_initializing", False):
+            del sys.modules[name]
+        repaired.append(name)
+    return repaired
