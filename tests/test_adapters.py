@@ -235,3 +235,25 @@ def test_coordinated_ranks_step_on_one_round_with_equal_counts():
     dropped = ranks[0]["dropped"]
     assert dropped == ranks[1]["dropped"]  # the job's count, seen by every rank
     assert sum(len(r["epochs"][e]) for r in ranks for e in range(2)) + dropped == 2 * 101
+
+
+def test_tf_close_of_a_derived_dataset_stops_its_workers_and_frees_its_rings():
+    import os
+
+    import psutil
+
+    from tests.service import wait_for
+
+    def segments() -> list[str]:
+        return [name for name in os.listdir("/dev/shm") if "zloader" in name.lower()]
+
+    ds = zloader.tf.dataset(Pipeline.range(40).batch(4), num_workers=2, timeout=30)
+    derived = ds.map(lambda x: x * 2).prefetch(2)
+    try:
+        assert sum(len(b) for b in derived.as_numpy_iterator()) == 40
+        assert psutil.Process().children() and segments()
+        zloader.tf.close(derived)
+        wait_for(lambda: not psutil.Process().children() and not segments(), timeout=10,
+                 what="the workers and rings of the dataset behind the derived one to go")
+    finally:
+        zloader.tf.close(ds)
