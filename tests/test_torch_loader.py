@@ -423,5 +423,6 @@ def test_a_broker_s_workers_make_the_batches_and_num_workers_0_there_is_refused(
                     got.append(batch)
                 expected = list(reference)
                 assert all(same(a, b) for a, b in zip(expected, got, strict=True))
+                assert ours.stats()["elements"] == len(got)  # this pass's, once it ended
         finally:
             ours.close()

@@ -655,6 +655,7 @@ class DataLoader:
             loader = self._service
         else:
             loader = own = self._loader()
+        progress.loader = loader
         try:
             records = loader._iterate(plan)
         except BaseException:
@@ -722,6 +723,13 @@ class DataLoader:
             _unpack_rng(data)  # raises on a corrupt one
             workers[int(key)] = data
         self._resume = {**state, "workers": workers}
+
+    def stats(self) -> dict[str, Any]:
+        """The :meth:`zloader.Loader.stats` of the latest pass's workers (as they were when
+        the pass ended, if it has); empty with ``num_workers=0`` or before the first pass."""
+        progress = self._progress
+        loader = progress.loader if progress is not None else None
+        return loader.stats() if loader is not None else {}
 
     def _rng(self) -> str:
         generator = self._torch.generator
@@ -800,6 +808,7 @@ class _Progress:
     yielded: int
     finished: bool = False
     workers: dict[int, bytes] = field(default_factory=dict)
+    loader: Loader | None = None  # the pass's Loader, for stats()
 
 
 class _Pass:
