@@ -636,7 +636,8 @@ class DataLoader:
         plan: dict[str, Any] = {}
         sampling = None
         if indices is not None:
-            if eager:
+            if eager or not _draws_only_from(torch_loader._index_sampler,
+                                             torch_loader.generator):
                 sampled = list(indices)
             else:
                 sampling = _Sampling(self, indices, self._prefetch * self.num_workers + skip)
@@ -871,6 +872,18 @@ class _Pass:
         self.close()
 
 
+def _draws_only_from(index_sampler: Any, generator: torch.Generator | None) -> bool:
+    """Whether ``index_sampler`` is one of torch's, drawing from ``generator`` (None:
+    torch's global one) alone, so that :class:`_Sampling` can run it twice."""
+    data = torch.utils.data
+    sampler = index_sampler
+    if type(index_sampler) is data.BatchSampler:
+        sampler = index_sampler.sampler
+    return (type(sampler) in (data.RandomSampler, data.SubsetRandomSampler,
+                              data.WeightedRandomSampler)
+            and sampler.generator is generator)
+
+
 class _Sampling:
     """An epoch's sampled batches, known at once, while the random state moves as torch
     moves it. Torch pulls batches from its sampler as it goes (``prefetch_factor *
@@ -878,7 +891,9 @@ class _Sampling:
     any pull (``RandomSampler`` draws one more permutation as it ends): with two live
     iterators, or an iterator left early, those draws decide what the others sample. So
     :attr:`batches` come from a second iterator of the sampler, run at once from the same
-    random state, which is then put back; the first is pulled as torch pulls its own."""
+    random state, which is then put back; the first is pulled as torch pulls its own.
+    (Only for torch's random samplers on the loader's generator: other samplers are run
+    once, at ``iter()``, which is torch's order whenever one iterator runs at a time.)"""
 
     def __init__(self, owner: DataLoader, indices: Iterator[Any], ahead: int) -> None:
         start = owner._rng()
