@@ -624,31 +624,12 @@ class DataLoader:
         self._progress = progress
         if self.num_workers == 0:
             return itertools.islice(iter(self._torch), skip, None), progress, None, None
-        torch_loader = self._torch
-        # torch's order: make the sampler iterator, draw the base seed, then sample.
-        before = self._rng()
-        indices = None if self._iterable else iter(torch_loader._index_sampler)
-        eager = self._rng() != before  # a sampler that samples when its iterator is made
-        reseed = self._base_seed is None or not self._persistent
-        if reseed:
-            self._base_seed = int(torch.empty((), dtype=torch.int64)
-                                  .random_(generator=torch_loader.generator).item())
-        plan: dict[str, Any] = {}
-        sampling = None
-        if indices is not None:
-            if eager or not _draws_only_from(torch_loader._index_sampler,
-                                             torch_loader.generator):
-                sampled = list(indices)
-            else:
-                sampling = _Sampling(self, indices, self._prefetch * self.num_workers + skip)
-                sampled = sampling.batches
-            plan = _pack(sampled[skip:], torch_loader._auto_collation)
-        plan.update(seed=self._base_seed, reseed=reseed, first=skip)
+        plan, sampling = self._plan(skip)
         if resumed:
             plan["rng"] = [resumed.get(w, b"") for w in range(self.num_workers)]
             progress.workers = dict(resumed)
-        elif not reseed and previous is not None:  # the workers go on from where they are
-            progress.workers = previous.workers
+        elif not plan["reseed"] and previous is not None:  # workers go on where they are
+            progress.workers = dict(previous.workers)
         own = None
         if self._persistent:
             if self._service is None:
@@ -667,6 +648,31 @@ class DataLoader:
                                                            self.num_workers)
         return (self._deliver(to_torch(batch) for batch in batches), progress, own,
                 sampling)
+
+    def _plan(self, skip: int) -> tuple[dict[str, Any], _Sampling | None]:
+        """What the workers get for an epoch: its sampled batches from ``skip`` on (none
+        for an iterable dataset) and the base seed; drawn in torch's order: make the
+        sampler iterator, draw the base seed, then sample."""
+        torch_loader = self._torch
+        before = self._rng()
+        indices = None if self._iterable else iter(torch_loader._index_sampler)
+        eager = self._rng() != before  # a sampler that samples when its iterator is made
+        reseed = self._base_seed is None or not self._persistent
+        if reseed:
+            self._base_seed = int(torch.empty((), dtype=torch.int64)
+                                  .random_(generator=torch_loader.generator).item())
+        plan: dict[str, Any] = {}
+        sampling = None
+        if indices is not None:
+            if eager or not _draws_only_from(torch_loader._index_sampler,
+                                             torch_loader.generator):
+                sampled = list(indices)
+            else:
+                sampling = _Sampling(self, indices, self._prefetch * self.num_workers + skip)
+                sampled = sampling.batches
+            plan = _pack(sampled[skip:], torch_loader._auto_collation)
+        plan.update(seed=self._base_seed, reseed=reseed, first=skip)
+        return plan, sampling
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader is, as a small JSON-serializable dict: the random state its
