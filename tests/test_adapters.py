@@ -52,6 +52,22 @@ def test_torch_dataset_advances_epochs_and_honours_set_epoch(kwargs):
         dataset.close()
 
 
+@pytest.mark.timeout(60)
+def test_torch_dataset_iterators_never_hang_a_newer_one_ends_the_older():
+    dataset = zloader.torch.IterableDataset(Pipeline.range(100, split_size=10), num_workers=1,
+                                            timeout=30)
+    try:
+        older, newer = iter(dataset), iter(dataset)
+        assert next(older, None) is None  # one epoch at a time, as torch's persistent workers
+        assert sorted(int(x) for x in newer) == list(range(100))
+        held = iter(dataset)
+        next(held)
+        assert sorted(int(x) for x in dataset) == list(range(100))  # a peek, then a loop
+        assert next(held, None) is None
+    finally:
+        dataset.close()
+
+
 def test_torch_tensors_share_writable_memory_and_copy_read_only_rows():
     writable = np.zeros(3)
     assert np.shares_memory(zloader.torch.to_torch(writable).numpy(), writable)

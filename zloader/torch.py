@@ -19,6 +19,7 @@ tensors; containers keep their shape; everything else is passed through.
 from __future__ import annotations
 
 import base64
+import contextlib
 import itertools
 import os
 import queue
@@ -28,7 +29,7 @@ import struct
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -82,6 +83,9 @@ class IterableDataset(torch.utils.data.IterableDataset):
             ``job_name`` is used, else one is derived). Without it the ranks split the job
             by dealing elements one at a time. Ignored outside ``torch.distributed``.
 
+    Reading from workers, it runs one epoch at a time: a new ``iter()`` ends the
+    iterator of the epoch under way (as torch's DataLoader with persistent workers does).
+
     Raises:
         TypeError: ``pipeline`` is not a Pipeline.
         RuntimeError: iterated inside a torch DataLoader worker (``num_workers > 0``),
@@ -98,6 +102,7 @@ class IterableDataset(torch.utils.data.IterableDataset):
         self.coordinated = _check.boolean("coordinated", coordinated)
         self._next_epoch = 0
         self._loader: Loader | None = None
+        self._live: weakref.ref[Generator[Any, None, None]] | None = None
         self._ranks: _Ranks | None = None
         self._broker: Any = None
         self._counted = {"padded": 0, "dropped": 0}
@@ -189,15 +194,27 @@ class IterableDataset(torch.utils.data.IterableDataset):
         epoch, self._next_epoch = self._next_epoch, self._next_epoch + 1
         if self._in_process:
             return (to_torch(element) for element in self.pipeline.iter(epoch))
+        self._end_live()
         if self._loader is None:
             self._loader = Loader(self.pipeline, **self.loader_kwargs)
         self._loader.set_epoch(epoch)
         elements = (to_torch(element) for element in self._loader)
         if self._ranks is not None and not self.coordinated:
-            return self._lockstep(elements)
+            elements = self._lockstep(elements)
+        self._live = weakref.ref(elements)
         return elements
 
-    def _lockstep(self, elements: Iterator[Any]) -> Iterator[Any]:
+    def _end_live(self) -> None:
+        """End the iterator of the epoch under way, if any: the Loader runs one epoch at a
+        time (as torch's DataLoader with persistent workers, a new ``iter()`` ends the
+        older iterator; two read at once would take each other's elements)."""
+        live = self._live() if self._live is not None else None
+        self._live = None
+        if live is not None:
+            with contextlib.suppress(ValueError):  # running on another thread: it ends there
+                live.close()
+
+    def _lockstep(self, elements: Iterator[Any]) -> Generator[Any, None, None]:
         """Equal counts on every rank: each step, the ranks tell each other whether they
         still have an element. With ``drop_last`` all stop when one runs out (the others
         drop the rest of their share); otherwise the ranks that ran out repeat their last
