@@ -52,7 +52,6 @@ def test_torch_dataset_advances_epochs_and_honours_set_epoch(kwargs):
         dataset.close()
 
 
-@pytest.mark.timeout(60)
 def test_torch_dataset_iterators_never_hang_a_newer_one_ends_the_older():
     dataset = zloader.torch.IterableDataset(Pipeline.range(100, split_size=10), num_workers=1,
                                             timeout=30)

@@ -302,11 +302,12 @@ def _samples(batches):
     return batches["pair"][0]
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.parametrize("device", [None, "cpu"])  # "cpu": batches come from a thread
 @pytest.mark.parametrize("persistent", [False, True])
-def test_live_iterators_of_one_loader_behave_as_torchs_and_never_hang(persistent):
+def test_live_iterators_of_one_loader_behave_as_torchs_and_never_hang(persistent, device):
     reference, ours = both(num_workers=2, batch_size=4, shuffle=True,
                            persistent_workers=persistent, timeout=20)
+    ours.device = torch.device(device) if device else None
     try:
         for use in (_interleaved, _zipped, _peek_then_loop, _old_after_new):
             _seed_globals(0)

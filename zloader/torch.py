@@ -623,6 +623,7 @@ class DataLoader:
             workers = resume["workers"]
         iterator = self._iterator() if self._iterator is not None else None
         if iterator is not None:
+            iterator.end_epoch()  # before the next starts: the Loader reads one at a time
             iterator.restart(*self._start(skip, workers))
             return iterator
         iterator = _Pass(self, *self._start(skip, workers))
@@ -874,19 +875,20 @@ class _Pass:
     def restart(self, batches: Iterator[Any], progress: _Progress, loader: Loader | None,
                 sampling: _Sampling | None) -> None:
         """Go on with a new epoch (``iter()`` of a loader with persistent workers)."""
-        self._stop_batches()
+        self.end_epoch()
         self._batches, self._progress, self._loader = batches, progress, loader
         self._sampling = sampling
 
-    def _stop_batches(self) -> None:
-        batches, self._batches = self._batches, None
+    def end_epoch(self) -> None:
+        """Stop reading the epoch under way (and the thread that pins its batches)."""
+        batches, self._batches = self.__dict__.get("_batches"), None
         close = getattr(batches, "close", None)
         if close is not None:
             close()
 
     def close(self) -> None:
         """End this pass: no more batches; its own workers stop."""
-        self._stop_batches()
+        self.end_epoch()
         loader, self._loader = self.__dict__.get("_loader"), None
         if loader is not None:
             loader.close()
@@ -955,6 +957,10 @@ def _in_order(records: Iterator[Any], first: int, progress: _Progress,
         raise RuntimeError(f"the DataLoader's workers did not send batch {want}")
 
 
+PREFETCH_STOP_SECONDS = 10.0
+"""How long closing a pinning/copying iterator waits for its thread to leave a batch."""
+
+
 class _Prefetcher:
     """Runs ``batches`` on a thread that pins each batch and starts its copy to
     ``device``; at most ``depth`` batches wait. Errors are re-raised in the consumer.
@@ -990,8 +996,12 @@ class _Prefetcher:
             torch.cuda.current_stream().wait_event(event)  # the copy is done before use
         return batch
 
-    def close(self) -> None:
+    def close(self, timeout: float = PREFETCH_STOP_SECONDS) -> None:
+        """Stop the thread; wait for it (up to ``timeout`` seconds) to leave the batch it
+        is reading, so that nothing else reads from this epoch's Loader afterwards."""
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
 
     def __del__(self) -> None:
         self._stop.set()
