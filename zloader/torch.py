@@ -211,7 +211,8 @@ class IterableDataset(torch.utils.data.IterableDataset):
         live = self._live() if self._live is not None else None
         self._live = None
         if live is not None:
-            with contextlib.suppress(ValueError):  # running on another thread: it ends there
+            # (ValueError: it is running on another thread, and cannot be ended from here)
+            with contextlib.suppress(ValueError):
                 live.close()
 
     def _lockstep(self, elements: Iterator[Any]) -> Generator[Any, None, None]:
