@@ -52,6 +52,21 @@ def test_torch_dataset_advances_epochs_and_honours_set_epoch(kwargs):
         dataset.close()
 
 
+def test_torch_dataset_iterators_never_hang_a_newer_one_ends_the_older():
+    dataset = zloader.torch.IterableDataset(Pipeline.range(100, split_size=10), num_workers=1,
+                                            timeout=30)
+    try:
+        older, newer = iter(dataset), iter(dataset)
+        assert next(older, None) is None  # one epoch at a time, as torch's persistent workers
+        assert sorted(int(x) for x in newer) == list(range(100))
+        held = iter(dataset)
+        next(held)
+        assert sorted(int(x) for x in dataset) == list(range(100))  # a peek, then a loop
+        assert next(held, None) is None
+    finally:
+        dataset.close()
+
+
 def test_torch_tensors_share_writable_memory_and_copy_read_only_rows():
     writable = np.zeros(3)
     assert np.shares_memory(zloader.torch.to_torch(writable).numpy(), writable)
@@ -235,3 +250,25 @@ def test_coordinated_ranks_step_on_one_round_with_equal_counts():
     dropped = ranks[0]["dropped"]
     assert dropped == ranks[1]["dropped"]  # the job's count, seen by every rank
     assert sum(len(r["epochs"][e]) for r in ranks for e in range(2)) + dropped == 2 * 101
+
+
+def test_tf_close_of_a_derived_dataset_stops_its_workers_and_frees_its_rings():
+    import os
+
+    import psutil
+
+    from tests.service import wait_for
+
+    def segments() -> list[str]:
+        return [name for name in os.listdir("/dev/shm") if "zloader" in name.lower()]
+
+    ds = zloader.tf.dataset(Pipeline.range(40).batch(4), num_workers=2, timeout=30)
+    derived = ds.map(lambda x: x * 2).prefetch(2)
+    try:
+        assert sum(len(b) for b in derived.as_numpy_iterator()) == 40
+        assert psutil.Process().children() and segments()
+        zloader.tf.close(derived)
+        wait_for(lambda: not psutil.Process().children() and not segments(), timeout=10,
+                 what="the workers and rings of the dataset behind the derived one to go")
+    finally:
+        zloader.tf.close(ds)

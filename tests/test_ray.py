@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.service import BIN, free_port, status, stop, wait_for
+from tests.service import BIN, free_port, start_broker, status, stop, wait_for
 from zloader import Loader, Pipeline
 
 pytestmark = pytest.mark.slow
@@ -32,8 +32,8 @@ def test_ray_actors_serve_a_job_and_the_ray_actuator_adds_them_for_a_starved_con
                                "--log-level", "error"])
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
-        with pytest.raises(ValueError, match="keys="):
-            zray.start_workers(address, 1)  # data ports open to the network, no keys
+        with pytest.raises(ValueError, match="keys="):  # data ports open to the network
+            zray.start_workers("tcp://10.255.0.1:5555", 1)  # (a broker elsewhere), no keys
         workers = zray.start_workers(address, 2, num_cpus_per_worker=0.5,
                                      advertise="127.0.0.1")
         assert len(workers) == 2 and all(i["pid"] != os.getpid() for i in workers.info)
@@ -63,6 +63,27 @@ def test_ray_actors_serve_a_job_and_the_ray_actuator_adds_them_for_a_starved_con
             actuator.stop.set()
             runner.join(60)
         assert not runner.is_alive() and len(actuator.workers) == 0
+    finally:
+        ray.shutdown()
+        stop(broker)
+
+
+def test_ray_workers_of_a_loopback_broker_bind_loopback_and_need_no_keys():
+    ray = pytest.importorskip("ray")
+    import zloader.ray as zray
+
+    broker, address = start_broker()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        # Only this host reaches the broker: the actors run here, on loopback, keyless.
+        workers = zray.start_workers(address, 2, num_cpus_per_worker=0.5)
+        try:
+            assert all(i["endpoint"].startswith("tcp://127.0.0.1:") for i in workers.info)
+            wait_for(lambda: len(status(address)["workers"]) == 2, what="the actors' workers")
+            with Loader(Pipeline.range(500).map(abs), broker=address, timeout=30) as loader:
+                assert sorted(loader) == list(range(500))
+        finally:
+            workers.stop()
     finally:
         ray.shutdown()
         stop(broker)

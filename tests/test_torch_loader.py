@@ -3,10 +3,12 @@ batches in the same order (torch.equal on every tensor)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import random
 
 import numpy as np
+import psutil
 import pytest
 import torch
 import torch.utils.data
@@ -271,3 +273,157 @@ def test_iterable_dataset_state_dict_resumes_a_pipeline_epoch():
     finally:
         resumed.close()
     assert sorted(seen) == list(range(400))
+
+
+def _interleaved(loader):
+    a, b = iter(loader), iter(loader)
+    return [next(a), next(b), next(a), *b]
+
+
+def _zipped(loader):
+    return list(zip(loader, loader, strict=False))
+
+
+def _peek_then_loop(loader):
+    return [next(iter(loader)), *loader]
+
+
+def _old_after_new(loader):
+    a = iter(loader)
+    first = next(a)
+    b = iter(loader)
+    return [first, *a, *b]
+
+
+def _samples(batches):
+    """The sample indices of Augmented batches (or tuples of them)."""
+    if isinstance(batches, (list, tuple)):
+        return [_samples(b) for b in batches]
+    return batches["pair"][0]
+
+
+@pytest.mark.parametrize("device", [None, "cpu"])  # "cpu": batches come from a thread
+@pytest.mark.parametrize("persistent", [False, True])
+def test_live_iterators_of_one_loader_behave_as_torchs_and_never_hang(persistent, device):
+    reference, ours = both(num_workers=2, batch_size=4, shuffle=True,
+                           persistent_workers=persistent, timeout=20)
+    ours.device = torch.device(device) if device else None
+    try:
+        for use in (_interleaved, _zipped, _peek_then_loop, _old_after_new):
+            _seed_globals(0)
+            expected = use(reference)
+            _seed_globals(0)
+            got = use(ours)
+            assert len(got) == len(expected), use.__name__
+            if persistent:  # the same samples; the noise of workers that went on from an
+                # epoch left early depends on how far they had got (see the docstring)
+                expected, got = _samples(expected), _samples(got)
+            assert all(same(a, b) for a, b in zip(expected, got, strict=True)), use.__name__
+            gc.collect()
+            # Without persistent workers a pass's workers stop when it ends or is dropped.
+            assert bool(psutil.Process().children()) == persistent, use.__name__
+    finally:
+        ours.close()
+
+
+class Scaled(torch.utils.data.Dataset):
+    """A dataset the user changes between epochs."""
+
+    def __init__(self) -> None:
+        self.scale = 1
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int):
+        return torch.tensor(i * self.scale)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_dataset_changes_between_epochs_reach_the_next_epoch_as_in_torch(persistent):
+    results = []
+    for cls in (torch.utils.data.DataLoader, zt.DataLoader):
+        dataset = Scaled()
+        loader = cls(dataset, batch_size=5, num_workers=2, persistent_workers=persistent)
+        try:
+            first = [b.tolist() for b in loader]
+            dataset.scale = 2
+            results.append((first, [b.tolist() for b in loader]))
+        finally:
+            if isinstance(loader, zt.DataLoader):
+                loader.close()
+    assert results[0] == results[1]
+    first, second = results[1]
+    # torch re-creates its workers each epoch; persistent ones keep the copy they took.
+    assert second == (first if persistent else [[2 * x for x in b] for b in first])
+
+
+class Noisy(torch.utils.data.Dataset):
+    """Every sample is random: torch, numpy and random draws of the worker's RNGs."""
+
+    def __len__(self) -> int:
+        return 22
+
+    def __getitem__(self, i: int):
+        return torch.rand(1) + float(np.random.rand()) + random.random() + i
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_load_state_dict_resumes_the_workers_random_state(persistent):
+    def loader():
+        return zt.DataLoader(Noisy(), batch_size=2, shuffle=True, num_workers=2,
+                             persistent_workers=persistent,
+                             generator=torch.Generator().manual_seed(5))
+
+    at_epoch, at_batch = (1, 3) if persistent else (0, 3)  # odd: worker 1 makes batch 3
+    original = loader()
+    epochs = []
+    try:
+        for epoch in range(at_epoch + 2):
+            batches = []
+            for batch in original:
+                batches.append(batch)
+                if (epoch, len(batches)) == (at_epoch, at_batch):
+                    state = json.loads(json.dumps(original.state_dict()))
+            epochs.append(batches)
+    finally:
+        original.close()
+    resumed = loader()
+    try:
+        resumed.load_state_dict(state)
+        rest, following = list(resumed), list(resumed)
+    finally:
+        resumed.close()
+    assert len(rest) == len(epochs[at_epoch]) - at_batch
+    assert all(torch.equal(a, b) for a, b in zip(rest, epochs[at_epoch][at_batch:],
+                                                 strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(following, epochs[at_epoch + 1],
+                                                 strict=True))
+
+
+def test_a_broker_s_workers_make_the_batches_and_num_workers_0_there_is_refused():
+    with pytest.raises(ValueError, match="num_workers=0 loads in this process"):
+        zt.DataLoader(Augmented(), num_workers=0, broker="tcp://127.0.0.1:5555")
+    from tests.service import service
+
+    with service(workers=2) as (address, _):
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        reference = torch.utils.data.DataLoader(
+            Augmented(), batch_size=4, shuffle=True, num_workers=2,
+            generator=torch.Generator().manual_seed(0))
+        ours = zt.DataLoader(Augmented(), batch_size=4, shuffle=True, num_workers=2,
+                             broker=address, timeout=30,
+                             generator=torch.Generator().manual_seed(0))
+        try:
+            for _ in range(2):  # each epoch a job of its own, on the same two workers
+                got = []
+                for batch in ours:
+                    if not got:  # this process started none: the broker's two serve
+                        now = {p.pid for p in psutil.Process().children(recursive=True)}
+                        assert now <= before
+                    got.append(batch)
+                expected = list(reference)
+                assert all(same(a, b) for a, b in zip(expected, got, strict=True))
+                assert ours.stats()["elements"] == len(got)  # this pass's, once it ended
+        finally:
+            ours.close()

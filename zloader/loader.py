@@ -127,6 +127,10 @@ class Loader:
         state: what :meth:`state_dict` returned (or a list of them, one per Loader of a
             ``job_name``): resume that epoch, yielding only the elements not yielded
             before. Needs ``exactly_once``.
+        width: with ``sharding="static"``, the job's number of worker indices (split j
+            goes to index j mod ``width``), whichever workers take them. Default:
+            ``num_workers``; with a broker and ``num_workers=0``, the broker's idle workers
+            when the job starts. The torch adapter sets it to run on the broker's workers.
 
     Raises:
         ValueError / TypeError: a bad argument, named in the message.
@@ -146,7 +150,7 @@ class Loader:
                  num_consumers: int | None = None,
                  consumer_index: int | None = None, keys: Any = None,
                  insecure: bool = False, exactly_once: bool = True,
-                 state: Any = None) -> None:
+                 state: Any = None, width: int | None = None) -> None:
         if not isinstance(pipeline, Pipeline):
             raise TypeError(f"pipeline must be a zloader.Pipeline, got {type(pipeline).__name__}")
         _choice("sharding", sharding, SHARDING)
@@ -187,6 +191,7 @@ class Loader:
                                   else DEFAULT_PREFETCH, 1)
         embedded = broker is None
         workers = _check.optional_integer("num_workers", num_workers, 0)
+        width = _check.optional_integer("width", width, 1)
         if workers is None:
             workers = (os.cpu_count() or 1) if embedded else 0
         if embedded and workers == 0:
@@ -243,7 +248,8 @@ class Loader:
             self._io = IOThread(
                 address, blob, fingerprint=pipeline.fingerprint, job_name=job_name,
                 sharding="static" if deterministic and sharding == "dynamic" else sharding,
-                deterministic=self._deterministic, num_workers=workers, on_error=on_error,
+                deterministic=self._deterministic,
+                num_workers=workers if width is None else width, on_error=on_error,
                 source={"num_splits": source.num_splits, "shuffle_splits": source.shuffle_splits,
                         "seed": source.seed},
                 prefetch=prefetch, use_rings=transport == "auto", ring_bytes=ring_bytes,

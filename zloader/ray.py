@@ -145,11 +145,15 @@ def start_workers(broker: str, num_workers: int, num_cpus_per_worker: float = 1,
     """Start ``num_workers`` zloader workers as Ray actors of ``num_cpus_per_worker`` CPUs
     each, attached to ``broker``; returns once each runs.
 
+    A broker on a loopback address (``tcp://127.0.0.1:PORT``) is reachable only from
+    this host: the actors are then placed on this node, bind their data ports on loopback
+    and need no keys.
+
     Args:
         keys: the broker's keys directory, as a path every Ray node can read (default
             ``$ZLOADER_KEYS`` on the driver; None there too: no authentication).
         advertise: the address consumers reach the workers at (default: each node's IP as
-            Ray knows it; a loopback address for a one-host cluster).
+            Ray knows it; 127.0.0.1 for a loopback broker).
         insecure: allow a non-loopback ``advertise`` without ``keys`` (a trusted network
             only: whoever reaches a data port can read the data).
         max_restarts: passed to Ray (-1: restart crashed actors without limit).
@@ -168,6 +172,8 @@ def start_workers(broker: str, num_workers: int, num_cpus_per_worker: float = 1,
     if keys is None:
         found = resolve(None)
         keys = found.path if found is not None else None
+    if loopback(broker):
+        advertise, actor_options = _on_this_host(advertise, actor_options)
     if keys is None and not insecure and not (advertise and loopback(f"tcp://{advertise}:0")):
         raise ValueError("workers on Ray nodes open data ports to other hosts: pass keys= "
                          "(the broker's keys directory, `zloader keygen DIR`), or "
@@ -186,6 +192,22 @@ def start_workers(broker: str, num_workers: int, num_cpus_per_worker: float = 1,
                            f"{num_cpus_per_worker} CPUs within {start_timeout:.0f} s (not "
                            "enough free CPUs? see `ray status`); none were kept")
     return RayWorkers(actors, ray.get(refs))
+
+
+def _on_this_host(advertise: str | None, actor_options: dict[str, Any]
+                  ) -> tuple[str, dict[str, Any]]:
+    """For a broker only this host reaches (and so only consumers on this host): the
+    workers' data address (loopback unless given) and actor options that place them on
+    this node (unless a scheduling strategy is given)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    advertise = advertise or "127.0.0.1"
+    if "scheduling_strategy" not in actor_options:
+        node = ray.get_runtime_context().get_node_id()
+        actor_options = {**actor_options, "scheduling_strategy":
+                         NodeAffinitySchedulingStrategy(node_id=node, soft=False)}
+    return advertise, actor_options
 
 
 class RayActuator:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -179,7 +180,8 @@ def dataset(pipeline: Pipeline, output_signature: Any = None, *, probe: int = 2,
         probe: elements examined to infer the signature.
         **loader_kwargs: passed to :class:`zloader.Loader` (``num_workers``, ``broker``,
             ``sharding``...). The Loader starts on the first iteration and serves every
-            epoch; it stops when the dataset is garbage collected or the process exits.
+            epoch; it stops on :func:`close` (of this dataset or one derived from it) or
+            when the process exits.
 
     Each iteration of the dataset is the next epoch of the Loader; it can be driven from
     any thread (as ``model.fit`` does), one epoch at a time.
@@ -190,29 +192,56 @@ def dataset(pipeline: Pipeline, output_signature: Any = None, *, probe: int = 2,
         pipeline, probe)
     source = _LoaderSource(pipeline, loader_kwargs)
     result = tf.data.Dataset.from_generator(source.epoch, output_signature=signature)
-    _SOURCES[id(result)] = source
+    _SOURCES[result] = source
     return result
 
 
 def close(ds: tf.data.Dataset) -> None:
-    """Stop the Loader (worker processes) behind a dataset made by :func:`dataset`.
+    """Stop the Loaders (worker processes, shared memory) behind ``ds``: a dataset made by
+    :func:`dataset`, or one made from such datasets by tf.data transformations that take
+    them as inputs (``map``, ``batch``, ``prefetch``, ``zip``, ``with_options``...).
+    Datasets only a function refers to (inside ``interleave`` or ``flat_map``) are not
+    found: close those themselves. Iterating a closed dataset again starts a new Loader.
 
     TensorFlow keeps a reference to the dataset's generator, so garbage collection cannot
     be relied on to do this; loaders still open at interpreter exit are closed then.
     """
-    source = _SOURCES.pop(id(ds), None)
-    if source is not None:
+    for source in _sources_behind(ds):
         source.close()
 
 
-_SOURCES: dict[int, _LoaderSource] = {}
+def _sources_behind(ds: tf.data.Dataset) -> list[_LoaderSource]:
+    """The sources of the :func:`dataset` datasets among ``ds`` and its inputs, walked
+    through tf.data's ``_inputs()`` (each dataset records the datasets it reads)."""
+    found: list[_LoaderSource] = []
+    seen: set[int] = set()
+    stack = [ds]
+    while stack:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        source = _SOURCES.get(current)
+        if source is not None:
+            found.append(source)
+            continue
+        inputs = getattr(current, "_inputs", None)
+        if callable(inputs):
+            stack.extend(inputs())
+    return found
+
+
+# The dataset's own source (weakly: a dataset that goes leaves no entry), and every source
+# with a Loader open, closed at exit.
+_SOURCES: weakref.WeakKeyDictionary[tf.data.Dataset, _LoaderSource] = (
+    weakref.WeakKeyDictionary())
+_OPEN: set[_LoaderSource] = set()
 
 
 @atexit.register
 def _close_all() -> None:
-    for source in list(_SOURCES.values()):
+    for source in list(_OPEN):
         source.close()
-    _SOURCES.clear()
 
 
 class _LoaderSource:
@@ -228,6 +257,7 @@ class _LoaderSource:
         with self.lock:
             if self.loader is None:
                 self.loader = Loader(self.pipeline, **self.loader_kwargs)
+                _OPEN.add(self)
             loader = self.loader
         for element in loader:
             yield _as_tf_structure(element)
@@ -235,5 +265,6 @@ class _LoaderSource:
     def close(self) -> None:
         with self.lock:
             loader, self.loader = self.loader, None
+            _OPEN.discard(self)
         if loader is not None:
             loader.close()

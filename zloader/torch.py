@@ -19,14 +19,19 @@ tensors; containers keep their shape; everything else is passed through.
 from __future__ import annotations
 
 import base64
+import contextlib
 import itertools
 import math
 import os
+import queue
 import random
 import secrets
+import struct
+import threading
 import warnings
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+import weakref
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
@@ -79,6 +84,9 @@ class IterableDataset(torch.utils.data.IterableDataset):
             ``job_name`` is used, else one is derived). Without it the ranks split the job
             by dealing elements one at a time. Ignored outside ``torch.distributed``.
 
+    Reading from workers, it runs one epoch at a time: a new ``iter()`` ends the
+    iterator of the epoch under way (as torch's DataLoader with persistent workers does).
+
     Raises:
         TypeError: ``pipeline`` is not a Pipeline.
         RuntimeError: iterated inside a torch DataLoader worker (``num_workers > 0``),
@@ -95,6 +103,7 @@ class IterableDataset(torch.utils.data.IterableDataset):
         self.coordinated = _check.boolean("coordinated", coordinated)
         self._next_epoch = 0
         self._loader: Loader | None = None
+        self._live: weakref.ref[Generator[Any, None, None]] | None = None
         self._ranks: _Ranks | None = None
         self._broker: Any = None
         self._counted = {"padded": 0, "dropped": 0}
@@ -186,15 +195,28 @@ class IterableDataset(torch.utils.data.IterableDataset):
         epoch, self._next_epoch = self._next_epoch, self._next_epoch + 1
         if self._in_process:
             return (to_torch(element) for element in self.pipeline.iter(epoch))
+        self._end_live()
         if self._loader is None:
             self._loader = Loader(self.pipeline, **self.loader_kwargs)
         self._loader.set_epoch(epoch)
         elements = (to_torch(element) for element in self._loader)
         if self._ranks is not None and not self.coordinated:
-            return self._lockstep(elements)
+            elements = self._lockstep(elements)
+        self._live = weakref.ref(elements)
         return elements
 
-    def _lockstep(self, elements: Iterator[Any]) -> Iterator[Any]:
+    def _end_live(self) -> None:
+        """End the iterator of the epoch under way, if any: the Loader runs one epoch at a
+        time (as torch's DataLoader with persistent workers, a new ``iter()`` ends the
+        older iterator; two read at once would take each other's elements)."""
+        live = self._live() if self._live is not None else None
+        self._live = None
+        if live is not None:
+            # (ValueError: it is running on another thread, and cannot be ended from here)
+            with contextlib.suppress(ValueError):
+                live.close()
+
+    def _lockstep(self, elements: Iterator[Any]) -> Generator[Any, None, None]:
         """Equal counts on every rank: each step, the ranks tell each other whether they
         still have an element. With ``drop_last`` all stop when one runs out (the others
         drop the rest of their share); otherwise the ranks that ran out repeat their last
@@ -295,7 +317,16 @@ def to_numpy(element: Any) -> Any:
 
 # --- the drop-in DataLoader ---------------------------------------------------------------
 
-_SEEDED: set[str] = set()  # loaders whose workers in this process have been seeded once
+@dataclass
+class _Seeded:
+    """This worker process's seeding for the DataLoader whose batches it makes (a worker
+    runs one task at a time): that loader's token, and the random state it last reported."""
+
+    token: str
+    reported: bytes
+
+
+_SEEDED: _Seeded | None = None
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -326,21 +357,31 @@ class _BatchSource(Source):
         if not isinstance(plan, dict):
             raise RuntimeError("a torch DataLoader epoch reached a worker without its plan")
         worker = int(getattr(policy, "worker", 0))
-        seed = int(plan["seed"])
-        if plan["reseed"] or self.token not in _SEEDED:
-            _SEEDED.add(self.token)
-            _seed_worker(seed, worker, self.width, self.dataset, self.worker_init_fn)
+        global _SEEDED
+        if plan["reseed"] or _SEEDED is None or _SEEDED.token != self.token:
+            _seed_worker(int(plan["seed"]), worker, self.width, self.dataset,
+                         self.worker_init_fn)
+            resumed = plan.get("rng")
+            if resumed and resumed[worker]:  # load_state_dict: as this worker was then
+                _restore_rng(bytes(resumed[worker]))
+            _SEEDED = _Seeded(self.token, _capture_rng())
         if self.iterable:
             return self._iterable(worker)
-        return self._mapped(plan, worker)
+        return self._mapped(plan, worker, _SEEDED)
 
-    def _mapped(self, plan: dict[str, Any], worker: int) -> Iterator[Any]:
-        flat, offsets = plan["flat"], plan["offsets"]
-        for batch in range(worker, len(offsets) - 1, self.width):
+    def _mapped(self, plan: dict[str, Any], worker: int, seeded: _Seeded) -> Iterator[Any]:
+        """This worker's batches ``j`` (``j mod width == worker``) of the epoch, from batch
+        ``first`` on, each as ``(j, random state after it or b"" if unchanged, batch)``:
+        the consumer keeps the state of the last batch it yielded, for ``state_dict``."""
+        flat, offsets, first = plan["flat"], plan["offsets"], int(plan.get("first", 0))
+        for batch in range((worker - first) % self.width, len(offsets) - 1, self.width):
             indices = flat[offsets[batch]:offsets[batch + 1]]
             keys = indices.tolist() if isinstance(indices, np.ndarray) else list(indices)
-            yield to_numpy(self._collate([self._get(i) for i in keys]) if plan["batched"]
-                           else self._collate_one(self._get(keys[0])))
+            made = to_numpy(self._collate([self._get(i) for i in keys]) if plan["batched"]
+                            else self._collate_one(self._get(keys[0])))
+            state = _capture_rng()
+            changed, seeded.reported = state != seeded.reported, state
+            yield (first + batch, state if changed else b"", made)
 
     def _iterable(self, worker: int) -> Iterator[Any]:
         iterator = iter(self.dataset)
@@ -425,31 +466,99 @@ def _seed_worker(base_seed: int, worker: int, workers: int, dataset: Any,
         init_fn(worker)
 
 
+def _capture_rng() -> bytes:
+    """This process's torch, numpy and ``random`` global random states, packed: what a
+    worker's dataset draws from (torch seeds all three in its workers)."""
+    torch_state = torch.get_rng_state().numpy().tobytes()
+    _, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    version, words, py_gauss = random.getstate()
+    return b"".join([
+        _RNG_HEAD.pack(len(torch_state)), torch_state,
+        np.asarray(keys, dtype="<u4").tobytes(), _NP_TAIL.pack(pos, has_gauss, gauss),
+        np.asarray(words, dtype="<u4").tobytes(),
+        _PY_TAIL.pack(version, py_gauss is not None, py_gauss or 0.0)])
+
+
+def _unpack_rng(data: bytes) -> tuple[bytes, tuple[Any, ...], tuple[Any, ...]]:
+    """The three states :func:`_capture_rng` packed: (torch, numpy, random).
+
+    Raises:
+        ValueError: ``data`` is not such a packing (a corrupt or foreign state_dict).
+    """
+    try:
+        (size,) = _RNG_HEAD.unpack_from(data, 0)
+        at = _RNG_HEAD.size
+        torch_state, at = data[at:at + size], at + size
+        keys, at = np.frombuffer(data, "<u4", _MT_WORDS, at), at + 4 * _MT_WORDS
+        pos, has_gauss, gauss = _NP_TAIL.unpack_from(data, at)
+        at += _NP_TAIL.size
+        words, at = np.frombuffer(data, "<u4", _MT_WORDS + 1, at), at + 4 * (_MT_WORDS + 1)
+        version, has_py_gauss, py_gauss = _PY_TAIL.unpack_from(data, at)
+        if (at + _PY_TAIL.size != len(data) or len(torch_state) != size
+                or size != torch.get_rng_state().numel()):
+            raise ValueError("wrong length")
+    except (ValueError, struct.error) as exc:
+        raise ValueError(f"not a worker random state saved by zloader.torch.DataLoader "
+                         f"({exc})") from None
+    return (torch_state,
+            ("MT19937", keys.astype(np.uint32), pos, has_gauss, gauss),
+            (version, tuple(int(w) for w in words), py_gauss if has_py_gauss else None))
+
+
+def _restore_rng(data: bytes) -> None:
+    """Set this process's torch, numpy and ``random`` states to a :func:`_capture_rng`."""
+    torch_state, numpy_state, py_state = _unpack_rng(data)
+    torch.set_rng_state(torch.frombuffer(bytearray(torch_state), dtype=torch.uint8))
+    np.random.set_state(numpy_state)
+    random.setstate(py_state)
+
+
+_RNG_HEAD = struct.Struct("<I")
+_NP_TAIL = struct.Struct("<iid")
+_PY_TAIL = struct.Struct("<i?d")
+_MT_WORDS = 624
+
+
 class DataLoader:
     """``torch.utils.data.DataLoader`` with zloader's workers: change the import, keep the
     arguments.
 
     ``num_workers=0`` loads in this process, exactly as torch does. ``num_workers > 0`` makes
-    batches on zloader worker processes (embedded, or attached to ``broker``). For a
-    map-style dataset the batches are torch's: this loader samples indices with torch's own
-    sampler, draws the base seed from ``generator`` as torch does, seeds worker ``i`` with
-    ``base seed + i`` (afresh each epoch unless ``persistent_workers``), gives batch ``j`` to
+    batches on zloader worker processes (embedded, or the broker's). For a map-style
+    dataset the batches are torch's: this loader samples indices with torch's own sampler,
+    draws the base seed from ``generator`` as torch does, seeds worker ``i`` with ``base
+    seed + i`` (afresh each epoch unless ``persistent_workers``), gives batch ``j`` to
     worker ``j mod num_workers`` and yields batches in order. Iterable datasets see
     ``torch.utils.data.get_worker_info()`` in each worker, so self-sharding keeps working.
+
+    Iterators behave as torch's. Without ``persistent_workers`` each ``iter()`` is a pass
+    of its own, with its own workers, which take the dataset as it is at that ``iter()``
+    (changes made between epochs are seen) and stop when the pass ends or its iterator is
+    dropped; two live iterators are two independent passes. With ``persistent_workers``
+    the workers (and the dataset copy they took) last until :meth:`close`, and, as in
+    torch, there is one iterator: ``iter()`` returns it, restarted at a new epoch. (An
+    epoch left early leaves persistent workers' random states where they had got to, which
+    may be further than torch's had: the next epoch samples as torch does, but random
+    augmentations in the dataset may then differ from torch's.)
 
     Args:
         dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
         pin_memory, drop_last, timeout, worker_init_fn, prefetch_factor,
         persistent_workers, generator: as in torch. ``timeout=0`` means no per-batch
             limit, but a dead or silent worker set still raises (after 60 s).
-        broker: a zloader broker address; the workers are then started attached to it.
+        broker: a zloader broker address: ``num_workers`` of the broker's workers (wherever
+            they run; this process starts none) make the batches, as torch's workers
+            ``0 .. num_workers - 1`` would. A pass waits for that many to be free (and
+            raises after ``timeout``, or 60 s, without them). Needs ``num_workers > 0``.
         share: not available here (raises ValueError): share a Pipeline through
             :class:`IterableDataset` (``share=True``) instead.
-        job_name: a zloader job name.
+        job_name: a name for the broker's job (shown by ``zloader status``); without
+            ``persistent_workers`` each pass is a job of its own, ``job_name.N``.
         device: move each batch to this device (``non_blocking``).
 
     Raises:
-        ValueError: what torch's DataLoader raises for the same arguments.
+        ValueError: what torch's DataLoader raises for the same arguments; ``broker``
+            with ``num_workers=0``.
     """
 
     def __init__(self, dataset: Any, batch_size: int | None = 1, shuffle: bool | None = None,
@@ -461,7 +570,8 @@ class DataLoader:
                  generator: torch.Generator | None = None, *, broker: str | None = None,
                  share: bool = False, job_name: str | None = None,
                  device: str | torch.device | None = None) -> None:
-        self._service: Loader | None = None
+        self._service: Loader | None = None  # persistent_workers: the one Loader
+        self._passes: weakref.WeakSet[_Pass] = weakref.WeakSet()  # live iterators
         if isinstance(timeout, float) and not math.isfinite(timeout):
             raise ValueError(f"timeout must be a finite number of seconds (0: no per-batch "
                              f"limit), got {timeout!r}")
@@ -478,6 +588,11 @@ class DataLoader:
             pin_memory=pin_memory, drop_last=drop_last, timeout=timeout,
             worker_init_fn=worker_init_fn, prefetch_factor=prefetch_factor,
             persistent_workers=persistent_workers, generator=generator)
+        if broker is not None and num_workers == 0:
+            raise ValueError(
+                "broker= needs num_workers > 0: num_workers=0 loads in this process, as "
+                "torch does; pass num_workers=N to have N of the broker's workers make the "
+                "batches")
         self.num_workers = num_workers
         self.pin_memory = pin_memory
         self.timeout = timeout
@@ -488,9 +603,9 @@ class DataLoader:
         self._persistent = persistent_workers
         self._iterable = isinstance(dataset, torch.utils.data.IterableDataset)
         self._base_seed: int | None = None
-        self._epoch_rng: str | None = None  # the RNG state the current epoch sampled from
-        self._yielded = 0  # batches of the current epoch yielded
-        self._finished = False
+        self._progress: _Progress | None = None  # the latest pass's
+        self._iterator: weakref.ref[_Pass] | None = None  # persistent_workers: the one
+        self._started = 0  # passes started (names the jobs of passes on a broker)
         self._resume: dict[str, Any] | None = None
 
     def __getattr__(self, name: str) -> Any:
@@ -502,31 +617,94 @@ class DataLoader:
         return len(self._torch)
 
     def __iter__(self) -> Iterator[Any]:
-        skip = 0
         resume, self._resume = self._resume, None
+        skip = 0
+        workers: dict[int, bytes] = {}
         if resume is not None:  # load_state_dict: sample that epoch again, skip what was had
             self._set_rng(resume["rng"])
             skip = resume["batches"]
             if resume["base_seed"] is not None:
                 self._base_seed = resume["base_seed"]
-        self._epoch_rng, self._yielded, self._finished = self._rng(), skip, False
-        if self.num_workers == 0:
-            batches: Iterator[Any] = itertools.islice(iter(self._torch), skip, None)
-        else:
-            batches = (to_torch(batch) for batch in self._workers_epoch(skip))
-        return self._counted(self._deliver(batches))
+            workers = resume["workers"]
+        iterator = self._iterator() if self._iterator is not None else None
+        if iterator is not None:
+            iterator.end_epoch()  # before the next starts: the Loader reads one at a time
+            iterator.restart(*self._start(skip, workers))
+            return iterator
+        iterator = _Pass(self, *self._start(skip, workers))
+        self._passes.add(iterator)
+        if self._persistent:
+            self._iterator = weakref.ref(iterator)
+        return iterator
 
-    def _counted(self, batches: Iterator[Any]) -> Iterator[Any]:
-        for batch in batches:
-            self._yielded += 1
-            yield batch
-        self._finished = True
+    def _start(self, skip: int, resumed: dict[int, bytes]
+               ) -> tuple[Iterator[Any], _Progress, Loader | None, _Sampling | None]:
+        """Start a pass (an epoch) at batch ``skip``: its batches, its progress, the
+        Loader that is its own (None: no workers, or the persistent one) and its
+        sampling (None: torch's own iterator, an iterable dataset or an eager sampler)."""
+        previous = self._progress
+        progress = _Progress(rng=self._rng(), yielded=skip)
+        self._progress = progress
+        if self.num_workers == 0:
+            return itertools.islice(iter(self._torch), skip, None), progress, None, None
+        plan, sampling = self._plan(skip)
+        if resumed:
+            plan["rng"] = [resumed.get(w, b"") for w in range(self.num_workers)]
+            progress.workers = dict(resumed)
+        elif not plan["reseed"] and previous is not None:  # workers go on where they are
+            progress.workers = dict(previous.workers)
+        own = None
+        if self._persistent:
+            if self._service is None:
+                self._service = self._loader()
+            loader = self._service
+        else:
+            loader = own = self._loader()
+        progress.loader = loader
+        try:
+            records = loader._iterate(plan)
+        except BaseException:
+            if own is not None:
+                own.close()
+            raise
+        batches = records if self._iterable else _in_order(records, skip, progress,
+                                                           self.num_workers)
+        return (self._deliver(to_torch(batch) for batch in batches), progress, own,
+                sampling)
+
+    def _plan(self, skip: int) -> tuple[dict[str, Any], _Sampling | None]:
+        """What the workers get for an epoch: its sampled batches from ``skip`` on (none
+        for an iterable dataset) and the base seed; drawn in torch's order: make the
+        sampler iterator, draw the base seed, then sample."""
+        torch_loader = self._torch
+        before = self._rng()
+        indices = None if self._iterable else iter(torch_loader._index_sampler)
+        eager = self._rng() != before  # a sampler that samples when its iterator is made
+        reseed = self._base_seed is None or not self._persistent
+        if reseed:
+            self._base_seed = int(torch.empty((), dtype=torch.int64)
+                                  .random_(generator=torch_loader.generator).item())
+        plan: dict[str, Any] = {}
+        sampling = None
+        if indices is not None:
+            if eager or not _draws_only_from(torch_loader._index_sampler,
+                                             torch_loader.generator):
+                sampled = list(indices)
+            else:
+                sampling = _Sampling(self, indices, self._prefetch * self.num_workers + skip)
+                sampled = sampling.batches
+            plan = _pack(sampled[skip:], torch_loader._auto_collation)
+        plan.update(seed=self._base_seed, reseed=reseed, first=skip)
+        return plan, sampling
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader is, as a small JSON-serializable dict: the random state its
-        epoch sampled from and the batches yielded. ``load_state_dict`` makes the next
-        iteration sample that epoch again (same order, same seeds) and yield only the
-        batches after those; a finished epoch resumes at the next one.
+        latest pass sampled from, the batches it yielded and its workers' random states
+        (torch, numpy and ``random``) after the last of them. ``load_state_dict`` makes the
+        next iteration sample that epoch again (same order, same seeds, the workers' random
+        states restored) and yield only the batches after those; a finished epoch resumes
+        at the next one. Random state the dataset keeps itself (a ``Generator`` object made
+        in ``worker_init_fn``) is not recorded.
 
         Raises:
             ValueError: the dataset is iterable (its position cannot be restored).
@@ -534,16 +712,22 @@ class DataLoader:
         if self._iterable:
             raise ValueError("state_dict() needs a map-style dataset: an iterable dataset's "
                              "position inside its own iterator cannot be restored")
-        if self._epoch_rng is None or self._finished:
-            return {"zloader_torch": 1, "rng": self._rng(), "batches": 0,
-                    "base_seed": self._base_seed}
-        return {"zloader_torch": 1, "rng": self._epoch_rng, "batches": self._yielded,
-                "base_seed": self._base_seed}
+        progress = self._progress
+        if progress is None or progress.finished:
+            rng, batches = self._rng(), 0
+            # The next epoch reseeds the workers, unless they persist.
+            workers = progress.workers if progress is not None and self._persistent else {}
+        else:
+            rng, batches, workers = progress.rng, progress.yielded, progress.workers
+        return {"zloader_torch": 1, "rng": rng, "batches": batches,
+                "base_seed": self._base_seed,
+                "workers": {str(w): base64.b64encode(s).decode()
+                            for w, s in sorted(workers.items())}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict` on the next iteration. It sets the random state
         the sampler draws from (this loader's ``generator``, or torch's global one) to the
-        one that epoch started from.
+        one that epoch started from, and the workers' to theirs.
 
         Raises:
             ValueError: ``state`` is not such a dict.
@@ -551,10 +735,31 @@ class DataLoader:
         if not (isinstance(state, dict) and state.get("zloader_torch") == 1
                 and isinstance(state.get("rng"), str)
                 and isinstance(state.get("batches"), int) and state["batches"] >= 0
-                and (state.get("base_seed") is None or isinstance(state["base_seed"], int))):
+                and (state.get("base_seed") is None or isinstance(state["base_seed"], int))
+                and isinstance(state.get("workers", {}), dict)):
             raise ValueError("state must be what zloader.torch.DataLoader.state_dict() "
                              "returned")
-        self._resume = dict(state)
+        workers = {}
+        for key, text in state.get("workers", {}).items():
+            if not (isinstance(key, str) and key.isdigit() and int(key) < self.num_workers
+                    and isinstance(text, str)):
+                raise ValueError(f"state['workers'] holds {key!r}: not a worker of this "
+                                 f"loader's {self.num_workers} (num_workers must be the "
+                                 "saved loader's)")
+            try:
+                data = base64.b64decode(text, validate=True)
+            except ValueError:
+                raise ValueError(f"state['workers'][{key!r}] is not base64") from None
+            _unpack_rng(data)  # raises on a corrupt one
+            workers[int(key)] = data
+        self._resume = {**state, "workers": workers}
+
+    def stats(self) -> dict[str, Any]:
+        """The :meth:`zloader.Loader.stats` of the latest pass's workers (as they were when
+        the pass ended, if it has); empty with ``num_workers=0`` or before the first pass."""
+        progress = self._progress
+        loader = progress.loader if progress is not None else None
+        return loader.stats() if loader is not None else {}
 
     def _rng(self) -> str:
         generator = self._torch.generator
@@ -569,34 +774,26 @@ class DataLoader:
         else:
             torch.set_rng_state(state)
 
-    def _workers_epoch(self, skip: int = 0) -> Iterator[Any]:
-        torch_loader = self._torch
-        # torch's order: make the sampler iterator, draw the base seed, then sample.
-        indices = None if self._iterable else iter(torch_loader._index_sampler)
-        reseed = self._base_seed is None or not self._persistent
-        if reseed:
-            self._base_seed = int(torch.empty((), dtype=torch.int64)
-                                  .random_(generator=torch_loader.generator).item())
-        plan: dict[str, Any] = ({} if indices is None
-                                else _pack(list(indices)[skip:], torch_loader._auto_collation))
-        plan.update(seed=self._base_seed, reseed=reseed)
-        return self._loader()._iterate(plan)
-
     def _loader(self) -> Loader:
-        if self._service is None:
-            torch_loader = self._torch
-            source = _BatchSource(
-                name="dataset", shuffle_splits=False, seed=None, version=None,
-                dataset=torch_loader.dataset, collate_fn=self._torch_collate(),
-                worker_init_fn=torch_loader.worker_init_fn, persistent=self._persistent,
-                width=self.num_workers, iterable=self._iterable,
-                batch_size=torch_loader.batch_size if torch_loader._auto_collation else None,
-                drop_last=torch_loader.drop_last, token=secrets.token_hex(8))
-            self._service = Loader(
-                Pipeline(source), broker=self._broker, num_workers=self.num_workers,
-                sharding="static", deterministic=True, job_name=self._job_name,
-                prefetch=self._prefetch, timeout=self.timeout or 60.0)
-        return self._service
+        """A Loader (worker processes, or a job on the broker's) over the dataset as it is
+        now."""
+        torch_loader = self._torch
+        source = _BatchSource(
+            name="dataset", shuffle_splits=False, seed=None, version=None,
+            dataset=torch_loader.dataset, collate_fn=self._torch_collate(),
+            worker_init_fn=torch_loader.worker_init_fn, persistent=self._persistent,
+            width=self.num_workers, iterable=self._iterable,
+            batch_size=torch_loader.batch_size if torch_loader._auto_collation else None,
+            drop_last=torch_loader.drop_last, token=secrets.token_hex(8))
+        self._started += 1
+        job_name = self._job_name
+        if job_name is not None and not self._persistent:
+            job_name = f"{job_name}.{self._started}"  # a pass's job lingers a while
+        return Loader(Pipeline(source), broker=self._broker,
+                      num_workers=0 if self._broker is not None else self.num_workers,
+                      width=self.num_workers, sharding="static", deterministic=True,
+                      job_name=job_name, prefetch=self._prefetch,
+                      timeout=self.timeout or 60.0)
 
     def _torch_collate(self) -> Callable[[list[Any]], Any] | None:
         collate = self._torch.collate_fn
@@ -610,7 +807,7 @@ class DataLoader:
         pin = self.pin_memory and self.num_workers > 0
         if pin and not torch.cuda.is_available():
             warnings.warn("'pin_memory' argument is set as true but no accelerator is found, "
-                          "then device pinned memory won't be used.", stacklevel=3)
+                          "then device pinned memory won't be used.", stacklevel=4)
             pin = False
         device = self.device
         if not pin and device is None:
@@ -618,7 +815,10 @@ class DataLoader:
         return _Prefetcher(batches, pin, device, depth=self._prefetch)
 
     def close(self) -> None:
-        """Stop the worker processes (also done when the loader is garbage collected)."""
+        """Stop the worker processes of every pass (also done when the loader is garbage
+        collected); its iterators end."""
+        for iterator in list(self.__dict__.get("_passes", ())):
+            iterator.close()
         service = self.__dict__.get("_service")
         if service is not None:
             service.close()
@@ -628,61 +828,171 @@ class DataLoader:
         self.close()
 
 
+@dataclass
+class _Progress:
+    """Where a pass stands: the sampler's random state it started from, the batches it
+    yielded (those it skipped when resumed included), and the random state of each worker
+    after its last batch yielded (a worker not in it is as seeded)."""
+
+    rng: str
+    yielded: int
+    finished: bool = False
+    workers: dict[int, bytes] = field(default_factory=dict)
+    loader: Loader | None = None  # the pass's Loader, for stats()
+
+
+class _Pass:
+    """An iterator of a :class:`DataLoader`: one epoch's batches, counted; with a Loader
+    of its own (``persistent_workers=False``), which it closes when the epoch ends, on an
+    error, on :meth:`close` or when it is garbage collected."""
+
+    def __init__(self, owner: DataLoader, batches: Iterator[Any], progress: _Progress,
+                 loader: Loader | None, sampling: _Sampling | None) -> None:
+        self._owner = owner  # the DataLoader lives while its iterators do, as in torch
+        self._batches: Iterator[Any] | None = batches
+        self._progress = progress
+        self._loader = loader
+        self._sampling = sampling
+
+    def __iter__(self) -> _Pass:
+        return self
+
+    def __len__(self) -> int:
+        return len(self._owner)
+
+    def __next__(self) -> Any:
+        if self._batches is None:
+            raise StopIteration
+        try:
+            batch = next(self._batches)
+        except StopIteration:
+            self._progress.finished = True
+            self.close()
+            raise
+        except BaseException:
+            self.close()
+            raise
+        self._progress.yielded += 1
+        if self._sampling is not None:
+            self._sampling.pull()  # as torch does for each batch it receives
+        return batch
+
+    def restart(self, batches: Iterator[Any], progress: _Progress, loader: Loader | None,
+                sampling: _Sampling | None) -> None:
+        """Go on with a new epoch (``iter()`` of a loader with persistent workers)."""
+        self.end_epoch()
+        self._batches, self._progress, self._loader = batches, progress, loader
+        self._sampling = sampling
+
+    def end_epoch(self) -> None:
+        """Stop reading the epoch under way (and the thread that pins its batches)."""
+        batches, self._batches = self.__dict__.get("_batches"), None
+        close = getattr(batches, "close", None)
+        if close is not None:
+            close()
+
+    def close(self) -> None:
+        """End this pass: no more batches; its own workers stop."""
+        self.end_epoch()
+        loader, self._loader = self.__dict__.get("_loader"), None
+        if loader is not None:
+            loader.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _draws_only_from(index_sampler: Any, generator: torch.Generator | None) -> bool:
+    """Whether ``index_sampler`` is one of torch's, drawing from ``generator`` (None:
+    torch's global one) alone, so that :class:`_Sampling` can run it twice."""
+    data = torch.utils.data
+    sampler = index_sampler
+    if type(index_sampler) is data.BatchSampler:
+        sampler = index_sampler.sampler
+    return (type(sampler) in (data.RandomSampler, data.SubsetRandomSampler,
+                              data.WeightedRandomSampler)
+            and sampler.generator is generator)
+
+
+class _Sampling:
+    """An epoch's sampled batches, known at once, while the random state moves as torch
+    moves it. Torch pulls batches from its sampler as it goes (``prefetch_factor *
+    num_workers`` at ``iter()``, then one per batch received), and a sampler may draw at
+    any pull (``RandomSampler`` draws one more permutation as it ends): with two live
+    iterators, or an iterator left early, those draws decide what the others sample. So
+    :attr:`batches` come from a second iterator of the sampler, run at once from the same
+    random state, which is then put back; the first is pulled as torch pulls its own.
+    (Only for torch's random samplers on the loader's generator: other samplers are run
+    once, at ``iter()``, which is torch's order whenever one iterator runs at a time.)"""
+
+    def __init__(self, owner: DataLoader, indices: Iterator[Any], ahead: int) -> None:
+        start = owner._rng()
+        self.batches = list(iter(owner._torch._index_sampler))
+        owner._set_rng(start)
+        self._indices: Iterator[Any] | None = indices
+        for _ in range(ahead):
+            self.pull()
+
+    def pull(self) -> None:
+        """Pull one batch from the sampler (its values are those of :attr:`batches`)."""
+        if self._indices is not None and next(self._indices, _NONE) is _NONE:
+            self._indices = None
+
+
+def _in_order(records: Iterator[Any], first: int, progress: _Progress,
+              workers: int) -> Iterator[Any]:
+    """The batches of ``(j, random state, batch)`` records in the order of ``j`` from
+    ``first`` (a resumed epoch's first batch may not be worker 0's); each batch's
+    random state goes into ``progress`` as it is yielded."""
+    pending: dict[int, tuple[bytes | memoryview, Any]] = {}
+    want = first
+    for record in records:
+        if not (isinstance(record, tuple) and len(record) == 3
+                and isinstance(record[0], int) and record[0] >= want
+                and isinstance(record[1], (bytes, memoryview))):
+            raise RuntimeError(f"a DataLoader worker sent a batch out of place: {record!r:.80}")
+        pending[record[0]] = (record[1], record[2])
+        while want in pending:
+            state, batch = pending.pop(want)
+            if len(state):
+                progress.workers[want % workers] = bytes(state)
+            want += 1
+            yield batch
+    if pending:
+        raise RuntimeError(f"the DataLoader's workers did not send batch {want}")
+
+
+PREFETCH_STOP_SECONDS = 10.0
+"""How long closing a pinning/copying iterator waits for its thread to leave a batch."""
+
+
 class _Prefetcher:
     """Runs ``batches`` on a thread that pins each batch and starts its copy to
-    ``device``; at most ``depth`` batches wait. Errors are re-raised in the consumer."""
+    ``device``; at most ``depth`` batches wait. Errors are re-raised in the consumer.
+    The thread holds no reference to this object, so dropping it stops the thread."""
 
     _END = object()
 
     def __init__(self, batches: Iterator[Any], pin: bool, device: torch.device | None,
                  depth: int) -> None:
-        import queue
-        import threading
-
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
-        self._cuda = device is not None and device.type == "cuda"
-        self._thread = threading.Thread(target=self._run, args=(batches, pin, device),
-                                        name="zloader-pin", daemon=True)
+        self._thread = threading.Thread(
+            target=_prefetch, args=(batches, pin, device, self._queue, self._stop),
+            name="zloader-pin", daemon=True)
         self._thread.start()
-
-    def _run(self, batches: Iterator[Any], pin: bool, device: torch.device | None) -> None:
-        stream = torch.cuda.Stream(device) if self._cuda else None
-        try:
-            for batch in batches:
-                if pin:
-                    batch = _apply(batch, lambda t: t.pin_memory())
-                event = None
-                if device is not None:
-                    if stream is not None:
-                        with torch.cuda.stream(stream):
-                            batch = _apply(batch, lambda t: t.to(device, non_blocking=True))
-                            event = torch.cuda.Event()
-                            event.record(stream)
-                    else:
-                        batch = _apply(batch, lambda t: t.to(device))
-                if not self._put((batch, event)):
-                    return
-            self._put((self._END, None))
-        except BaseException as exc:  # re-raised in the consumer's thread
-            self._put((exc, None))
-
-    def _put(self, item: Any) -> bool:
-        import queue
-
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
 
     def __iter__(self) -> _Prefetcher:
         return self
 
     def __next__(self) -> Any:
-        batch, event = self._queue.get()
+        while True:
+            try:
+                batch, event = self._queue.get(timeout=0.1)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    raise StopIteration from None  # stopped by close()
         if batch is self._END:
             raise StopIteration
         if isinstance(batch, BaseException):
@@ -691,11 +1001,54 @@ class _Prefetcher:
             torch.cuda.current_stream().wait_event(event)  # the copy is done before use
         return batch
 
-    def close(self) -> None:
+    def close(self, timeout: float = PREFETCH_STOP_SECONDS) -> None:
+        """Stop the thread; wait for it (up to ``timeout`` seconds) to leave the batch it
+        is reading, so that nothing else reads from this epoch's Loader afterwards."""
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
 
     def __del__(self) -> None:
         self._stop.set()
+
+
+def _prefetch(batches: Iterator[Any], pin: bool, device: torch.device | None,
+              out: queue.Queue[Any], stop: threading.Event) -> None:
+    """The body of a :class:`_Prefetcher`'s thread."""
+    stream = torch.cuda.Stream(device) if device is not None and device.type == "cuda" \
+        else None
+
+    def put(item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                out.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    try:
+        for batch in batches:
+            if pin:
+                batch = _apply(batch, lambda t: t.pin_memory())
+            event = None
+            if device is not None:
+                if stream is not None:
+                    with torch.cuda.stream(stream):
+                        batch = _apply(batch, lambda t: t.to(device, non_blocking=True))
+                        event = torch.cuda.Event()
+                        event.record(stream)
+                else:
+                    batch = _apply(batch, lambda t: t.to(device))
+            if not put((batch, event)):
+                return
+        put((_Prefetcher._END, None))
+    except BaseException as exc:  # re-raised in the consumer's thread
+        put((exc, None))
+    finally:
+        close = getattr(batches, "close", None)
+        if close is not None:
+            close()
 
 
 def _pack(batches: list[Any], batched: bool) -> dict[str, Any]:
