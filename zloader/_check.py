@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 _SEED_LIMIT = 2**64
@@ -50,12 +51,43 @@ def function(name: str, value: Any) -> Any:
     return value
 
 
+LABEL_LIMIT = 256
+"""Characters in a name, version or job name (they travel in every control message)."""
+
+
 def label(name: str, value: Any) -> str | None:
-    """An optional display name or version tag: a non-empty str (versions may be ints)."""
+    """An optional display name or version tag: a non-empty str of at most
+    ``LABEL_LIMIT`` characters (versions may be ints)."""
     if value is None:
         return None
     if isinstance(value, int) and not isinstance(value, bool) and name == "version":
         return str(value)
     if not isinstance(value, str) or not value:
-        raise TypeError(f"{name} must be a non-empty str, got {value!r}")
+        raise TypeError(f"{name} must be a non-empty str, got {_short(value)}")
+    if len(value) > LABEL_LIMIT:
+        raise ValueError(f"{name} must be at most {LABEL_LIMIT} characters, got "
+                         f"{len(value)}: {_short(value)}")
     return value
+
+
+_TCP = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(\d{1,5})")
+
+
+def address(name: str, value: Any) -> str:
+    """A ZeroMQ address to connect to: ``tcp://HOST:PORT`` (an IPv6 host in brackets) or
+    ``ipc://PATH``."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be an address like 'tcp://host:5555', got "
+                        f"{type(value).__name__} {_short(value)}")
+    match = _TCP.fullmatch(value)
+    if match is not None and 0 < int(match.group(2)) < 65536:
+        return value
+    if value.startswith("ipc://") and len(value) > len("ipc://") and "\0" not in value:
+        return value
+    raise ValueError(f"{name} must be an address like 'tcp://host:5555' (a host and a port "
+                     f"from 1 to 65535) or 'ipc:///path', got {_short(value)}")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}...{text[-12:]} ({len(text)} chars)"

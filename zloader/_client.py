@@ -114,12 +114,15 @@ class _Peer:
     def describe(self) -> str:
         """``worker pid P on HOST (stage S of split N, epoch E)``, as far as known."""
         text = f"worker pid {self.pid} on {self.host or self.endpoint}"
-        doing = self.doing
-        if doing is not None:
-            split = f"split {doing['split']}" if doing.get("split") is not None \
-                else "no split yet"
-            text += f" (stage {doing['stage']!r} of {split}, epoch {doing['epoch']})"
+        if self.doing is not None:
+            text += f" ({doing_text(self.doing)})"
         return text
+
+
+def doing_text(doing: dict[str, Any]) -> str:
+    """``stage S of split N, epoch E``: what a worker reported doing (HEARTBEAT.doing)."""
+    split = f"split {doing['split']}" if doing.get("split") is not None else "no split yet"
+    return f"stage {doing['stage']!r} of {split}, epoch {doing['epoch']}"
 
 
 class IOThread(threading.Thread):
@@ -186,6 +189,7 @@ class IOThread(threading.Thread):
         self.rejected = 0  # corrupt records and malformed messages dropped (logged)
         self._rejected_logged = 0.0  # when one was last logged (at most once a second)
         self.served: dict[str, int] = {}  # FETCHes answered, by what ("pipeline", "source")
+        self.was_doing: dict[int, str] = {}  # pid -> what a worker that left the job did
         self.yielded = 0  # elements and seconds of waiting, kept by the iterating thread
         self.wait_seconds = 0.0  # (the Loader's stats), sent to the broker for its metrics
         self._acks: list[int] = []  # rounds received, to tell the broker
@@ -701,6 +705,8 @@ class IOThread(threading.Thread):
                 ring.close()  # unlinks now; views the user holds stay valid
         peer.old_rings.clear()
         self._peers.pop(peer.worker, None)
+        if peer.doing is not None:  # what it last did, should it turn out to have died
+            self.was_doing[peer.pid] = doing_text(peer.doing)
 
     # --- workers --------------------------------------------------------------------------
 

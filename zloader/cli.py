@@ -193,6 +193,15 @@ def _positive(text: str) -> int:
     return value
 
 
+def _address(text: str) -> str:
+    from zloader._check import address
+
+    try:
+        return address("the address", text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("the address ")) from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``zloader``: the user-facing command."""
     args = build_parser().parse_args(argv)
@@ -343,7 +352,8 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     """``zloader-worker``: run worker processes until SIGTERM or Ctrl-C."""
     parser = argparse.ArgumentParser(
         prog="zloader-worker", description="Run zloader worker processes attached to a broker.")
-    parser.add_argument("--broker", required=True, help="the broker's address, e.g. "
+    parser.add_argument("--broker", required=True, type=_address,
+                        help="the broker's address, e.g. "
                         "tcp://10.0.0.5:5555")
     parser.add_argument("--processes", type=_positive, default=1,
                         help="worker processes to run on this host (default 1)")
@@ -497,7 +507,7 @@ def _autoscale(args: argparse.Namespace, keys: Any) -> int:
 
 def _broker_arguments(parser: argparse.ArgumentParser) -> None:
     """--broker, --timeout and --keys: how `zloader status` and `zloader top` reach it."""
-    parser.add_argument("--broker", default="tcp://127.0.0.1:5555",
+    parser.add_argument("--broker", default="tcp://127.0.0.1:5555", type=_address,
                         help="the broker's address (default tcp://127.0.0.1:5555)")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait")
     parser.add_argument("--keys", default=None, metavar="DIR",

@@ -44,6 +44,7 @@ from zloader.sharing.options import DEFAULT_BLOCK_SECONDS, settings
 from zloader.sources import ArraysSource, ItemsSource
 from zloader.stages import Context
 from zloader.transport.keys import resolve as resolve_keys
+from zloader.transport.ring import ALIGN
 from zloader.transport.shm import sweep, sweep_dirs
 
 __all__ = ["Loader"]
@@ -156,8 +157,8 @@ class Loader:
         _choice("sharding", sharding, SHARDING)
         _choice("transport", transport, TRANSPORTS)
         _choice("on_error", on_error, ON_ERROR)
-        if broker is not None and (not isinstance(broker, str) or "://" not in broker):
-            raise ValueError(f"broker must be an address like 'tcp://host:5555', got {broker!r}")
+        if broker is not None:
+            _check.address("broker", broker)
         if job_name is not None:
             _check.label("job_name", job_name)
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) \
@@ -171,6 +172,8 @@ class Loader:
         coordinated = _coordinated(num_consumers, consumer_index, job_name, share, balanced,
                                    deterministic)
         self._keys = resolve_keys(keys) if broker is not None else None
+        if broker is None and keys is not None:
+            resolve_keys(keys)  # embedded mode needs none, but a bad keys= is still an error
         self.pipeline = pipeline
         self._plan = plan(pipeline)
         self._exactly_once = (_check.boolean("exactly_once", exactly_once)
@@ -183,12 +186,14 @@ class Loader:
         # The record being yielded, and self._elements when its first element was.
         self._current: tuple[Origins, int] | None = None
         self._iterating: int | None = None  # the epoch being yielded, until it is done
+        self._reading: int | None = None  # the epoch of the live iterator
         self._joined = False
         self._deterministic = _check.boolean("deterministic", deterministic)
         self._timeout = float(timeout)
         self._max_skipped = _check.optional_integer("max_skipped", max_skipped, 0)
         prefetch = _check.integer("prefetch", prefetch if prefetch is not None
                                   else DEFAULT_PREFETCH, 1)
+        ring_bytes = _ring_bytes(ring_bytes)
         embedded = broker is None
         workers = _check.optional_integer("num_workers", num_workers, 0)
         width = _check.optional_integer("width", width, 1)
@@ -289,6 +294,9 @@ class Loader:
             self._join_job()
         epoch = self._epoch
         self._epoch += 1
+        # One iterator at a time: this one ends any older one (which raises if used again)
+        # instead of both taking each other's records.
+        self._reading = epoch
         self._yielded, self._current, self._iterating = Ledger(), None, epoch
         frames = codec.encode(epoch_input) if epoch_input is not None else []
         self._io.command(("start", epoch, frames))
@@ -380,6 +388,11 @@ class Loader:
                 done = True
 
     def _next_item(self, epoch: int) -> Item:
+        if epoch != self._reading:
+            raise RuntimeError(
+                f"this iterator's epoch {epoch} was left: iter() started epoch "
+                f"{self._reading} on the same Loader (one iterator at a time; a new iter() "
+                "ends the previous one, whose elements not yet yielded are dropped)")
         start = time.monotonic()
         try:
             while True:
@@ -392,6 +405,9 @@ class Loader:
                     self._check_progress()
                     continue
                 if item.kind == "error":
+                    deaths = self._deaths() if isinstance(item.error, Timeout) else ""
+                    if deaths:
+                        raise Timeout(f"{item.error} ({deaths})") from None
                     raise item.error  # type: ignore[misc]
                 if item.epoch == epoch:
                     return item
@@ -436,7 +452,22 @@ class Loader:
             raise RuntimeError(f"the Loader's I/O thread stopped: {io.failure!r}")
         silent = time.monotonic() - io.last_progress
         if silent > self._timeout:
-            raise Timeout(io.stall_reason(silent))
+            deaths = self._deaths()
+            raise Timeout(io.stall_reason(silent) + (f" ({deaths})" if deaths else ""))
+
+    def _deaths(self) -> str:
+        """Which of this Loader's own worker processes died, how, and doing what."""
+        notes = []
+        for process in self._processes:
+            code = process.poll()
+            if code is None:
+                continue
+            how = (f"was killed by {_signal_name(-code)}" if code < 0
+                   else f"exited with code {code}")
+            last = self._io.was_doing.get(process.pid)
+            notes.append(f"this Loader's worker pid {process.pid} {how}"
+                         + (f" in {last}" if last else ""))
+        return "; ".join(notes)
 
     def _check_skipped(self) -> None:
         if self._max_skipped is not None and self._io.skipped > self._max_skipped:
@@ -547,6 +578,21 @@ def _resume_from(state: Any, pipeline: Pipeline, exactly_once: bool) -> dict[str
     delivered = ledger.to_json()
     digest = hashlib.sha256(json.dumps([epoch, entropy, delivered]).encode()).hexdigest()
     return {"epoch": epoch, "entropy": entropy, "delivered": delivered, "digest": digest[:12]}
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _ring_bytes(value: Any) -> int | None:
+    """Check ``ring_bytes`` here, not seconds later in the I/O thread."""
+    value = _check.optional_integer("ring_bytes", value, ALIGN)
+    if value is not None and value % ALIGN:
+        raise ValueError(f"ring_bytes must be a multiple of {ALIGN} bytes, got {value}")
+    return value
 
 
 def _first_at_least(order: list[int], turn: int) -> int:
