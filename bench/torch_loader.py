@@ -232,13 +232,16 @@ def busy_seconds() -> float:
 
 
 def zloader_internals(loader: Any) -> tuple[dict[str, Any], list[str]]:
-    """The zloader Loader's stats() and socket directory (private, read for the report)."""
-    service = getattr(loader, "_service", None)
-    if service is None:
+    """The zloader DataLoader's stats() (of its latest pass) and the socket directories of
+    this process's embedded Loaders (checked for leftovers after close)."""
+    stats = dict(loader.stats())
+    if not stats:
         return {}, []
-    stats = service.stats()
     stats["per_worker"] = {str(pid): count for pid, count in stats["per_worker"].items()}
-    return stats, [service._dir] if getattr(service, "_dir", None) else []
+    root = tempfile.gettempdir()
+    dirs = [os.path.join(root, name) for name in os.listdir(root)
+            if name.startswith(f"zloader-{os.getpid()}-")]
+    return stats, dirs
 
 
 def run_epochs(system: str, dataset: Any, seed: int, *,

@@ -229,22 +229,28 @@ def test_a_consumer_paused_past_its_expiry_rejoins_and_gets_each_element_once():
     """SIGSTOP for longer than 3 heartbeats: the broker drops the consumer; on SIGCONT it
     registers again, opens its epoch again and still gets every element once."""
     with service(workers=2) as (address, _):
-        consumer = subprocess.Popen(
-            [sys.executable, "-c", PAUSED_CONSUMER.format(n=N, address=address)],
-            stdout=subprocess.PIPE, text=True)
-        try:
-            assert consumer.stdout is not None
-            assert consumer.stdout.readline().strip() == "reading"
-            consumer.send_signal(signal.SIGSTOP)
-            time.sleep(4 * HEARTBEAT)  # the broker gives up on it after 3
-            consumer.send_signal(signal.SIGCONT)
-            out, _ = consumer.communicate(timeout=60)
-        finally:
-            if consumer.poll() is None:
-                consumer.kill()
-                consumer.wait()
-        assert consumer.returncode == 0
-        assert_exactly_once(collections.Counter(dict(json.loads(out.strip().splitlines()[-1]))))
+        out = _paused(PAUSED_CONSUMER.format(n=N, address=address), 4 * HEARTBEAT)
+        assert_exactly_once(collections.Counter(dict(json.loads(out))))
+
+
+def _paused(script: str, seconds: float) -> str:
+    """Run consumer ``script`` until it prints "reading", SIGSTOP it for ``seconds``, let
+    it finish; its last line of output."""
+    consumer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                                text=True)
+    try:
+        assert consumer.stdout is not None
+        assert consumer.stdout.readline().strip() == "reading"
+        consumer.send_signal(signal.SIGSTOP)
+        time.sleep(seconds)  # the broker gives up on it after 3 heartbeats
+        consumer.send_signal(signal.SIGCONT)
+        out, _ = consumer.communicate(timeout=60)
+    finally:
+        if consumer.poll() is None:
+            consumer.kill()
+            consumer.wait()
+    assert consumer.returncode == 0
+    return out.strip().splitlines()[-1]
 
 
 @pytest.mark.slow
@@ -322,23 +328,8 @@ def test_a_consumer_paused_while_records_wait_in_segments_still_gets_every_eleme
     records are lost on the way. The epoch must not end short: the consumer checks it
     against the splits' counts and has what is missing read again."""
     with service(workers=1) as (address, _):
-        consumer = subprocess.Popen(
-            [sys.executable, "-c", PAUSED_WITH_SEGMENTS.format(address=address)],
-            stdout=subprocess.PIPE, text=True)
-        try:
-            assert consumer.stdout is not None
-            assert consumer.stdout.readline().strip() == "reading"
-            consumer.send_signal(signal.SIGSTOP)
-            time.sleep(8 * HEARTBEAT)  # the broker gives up on it after 3
-            consumer.send_signal(signal.SIGCONT)
-            out, _ = consumer.communicate(timeout=60)
-        finally:
-            if consumer.poll() is None:
-                consumer.kill()
-                consumer.wait()
-        assert consumer.returncode == 0
-        assert_exactly_once(collections.Counter(json.loads(out.strip().splitlines()[-1])),
-                            300)
+        out = _paused(PAUSED_WITH_SEGMENTS.format(address=address), 8 * HEARTBEAT)
+        assert_exactly_once(collections.Counter(json.loads(out)), 300)
 
 
 def test_a_peer_replaying_the_plain_token_cannot_make_an_epoch_end_short(tmp_path):

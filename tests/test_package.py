@@ -19,7 +19,8 @@ PACKAGE = ROOT / "zloader"
 LAYERS = {
     "_version": 0, "_defaults": 0, "errors": 0, "_check": 0, "_seeding": 0,
     "codec": 1, "collate": 1, "fingerprint": 1, "rounds": 1, "journal": 1, "lineage": 1,
-    "metrics": 1, "autoscale": 1, "forward": 1, "_status": 6, "actuator": 7, "ray": 8,
+    "metrics": 1, "autoscale": 1, "forward": 1, "blobs": 1, "_status": 6, "actuator": 7,
+    "ray": 8, "shipping": 5,
     "_host": 0, "sources": 2, "stages": 2,
     "pipeline": 3, "plan": 4, "demo": 4, "_pickling": 4,
     "state": 5, "producer": 5, "broker": 6, "worker": 6, "_client": 6, "_process": 7,
