@@ -277,6 +277,7 @@ def test_a_worker_paused_past_its_expiry_is_fenced_and_repeats_nothing_when_it_r
         assert listed == 2  # it had been dropped when it came back
 
 
+@pytest.mark.slow
 def test_a_broker_stopped_for_five_seconds_mid_epoch_loses_and_repeats_nothing():
     """SIGSTOP the broker (a long GC, a slow disk) for longer than its peers' expiry: on
     SIGCONT it does not hold the time it was stopped against them, and what a consumer
@@ -322,6 +323,7 @@ print(json.dumps(seen), flush=True)
 """
 
 
+@pytest.mark.slow
 def test_a_consumer_paused_while_records_wait_in_segments_still_gets_every_element():
     """SIGSTOP a consumer past its expiry while large records wait for it in one-record
     segments: its worker unlinks those it had not mapped yet (it was dropped), so their
@@ -332,6 +334,7 @@ def test_a_consumer_paused_while_records_wait_in_segments_still_gets_every_eleme
         assert_exactly_once(collections.Counter(json.loads(out)), 300)
 
 
+@pytest.mark.slow
 def test_a_peer_replaying_the_plain_token_cannot_make_an_epoch_end_short(tmp_path):
     """With ``--plain-data`` a peer that replays the token can open a trainer's stream as
     that trainer and take records: the trainer's epoch then ends whole (what was taken is
