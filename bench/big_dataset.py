@@ -22,6 +22,7 @@ given; these machines are shared and noisy: read the ratios. Run:
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import pathlib
@@ -128,8 +129,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "big_dataset.json").write_text(json.dumps({
         "size": args.size, "repeat": args.repeat, "runs": runs, "median_seconds": median,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "torch": torch.__version__}, **provenance()}, indent=2))
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "platform": platform.platform(), "cpu_count": os.cpu_count(),
+        "python": platform.python_version(), "versions": {"torch": torch.__version__},
+        **provenance()}, indent=2))
     (out / "big_dataset.md").write_text(
         f"# Construction to first batch, {args.size:,}-sample map-style dataset\n\n"
         f"`python -m bench.big_dataset` (median of {args.repeat}; ratio to torch's "
