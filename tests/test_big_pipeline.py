@@ -13,26 +13,11 @@ import pytest
 import torch
 
 import zloader.torch as zt
+from bench.big_dataset import Folder
 from tests.service import service, start_broker, start_worker, status, stop, wait_for
 from zloader import Loader, Pipeline
 
-IMAGENET = 1_281_167
 BATCHES = 12  # compared with torch's, batch by batch
-
-
-class Folder(torch.utils.data.Dataset):
-    """What ImageFolder holds: a path and a class per sample; items are small arrays."""
-
-    def __init__(self, size: int = IMAGENET) -> None:
-        self.samples = [(f"/data/imagenet/train/n{i % 1000:08d}/{i:08d}.JPEG", i % 1000)
-                        for i in range(size)]
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, index: int) -> tuple[np.ndarray, int]:
-        path, label = self.samples[index]
-        return np.frombuffer(path[-13:-5].encode(), np.uint8).copy(), label
 
 
 @pytest.fixture(scope="module")
