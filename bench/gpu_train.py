@@ -93,13 +93,13 @@ from PIL import Image
 
 from bench._common import provenance, version
 from bench._images import CROP, decode_augment, synthetic_photo
+from zloader._command import worker_command
 
 if TYPE_CHECKING:
     import torch
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 DEV_SHM = pathlib.Path("/dev/shm")
-WORKER_COMMAND = "import sys; from zloader.cli import worker_main; sys.exit(worker_main())"
 SCENARIOS = ("gpu-alone", "dataloader", "zloader", "search-dataloader", "search-zloader",
              "search-gpu-alone")
 MIN_WARMUP_STEPS = 10
@@ -629,8 +629,7 @@ def run_scenario(spec: Scenario, settings: dict[str, Any], workdir: pathlib.Path
             broker = Broker("tcp://127.0.0.1:0").start()
             base["broker"] = broker.endpoint
             pool_processes += [subprocess.Popen(
-                [sys.executable, "-c", WORKER_COMMAND, "--broker", broker.endpoint,
-                 "--parent", str(os.getpid())], cwd=REPO, env=child_env(),
+                worker_command(broker.endpoint, parent=os.getpid()), cwd=REPO, env=child_env(),
                 stdin=subprocess.DEVNULL) for _ in range(pool)]
         for index in range(trainers_count):
             trainers.append(Trainer({**base, "index": index}, workdir))

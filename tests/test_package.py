@@ -17,7 +17,7 @@ PACKAGE = ROOT / "zloader"
 
 # Lower layers never import higher ones (style: layers follow the data).
 LAYERS = {
-    "_version": 0, "_defaults": 0, "errors": 0, "_check": 0, "_seeding": 0,
+    "_version": 0, "_defaults": 0, "errors": 0, "_check": 0, "_seeding": 0, "_command": 0,
     "codec": 1, "collate": 1, "fingerprint": 1, "rounds": 1, "journal": 1, "lineage": 1,
     "metrics": 1, "autoscale": 1, "forward": 1, "blobs": 1, "_status": 6, "actuator": 7,
     "ray": 8, "shipping": 5,

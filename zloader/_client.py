@@ -24,10 +24,10 @@ import zmq
 
 from zloader import codec
 from zloader._host import host_id
-from zloader.blobs import digest_of
 from zloader.errors import CodecError, PipelineError, Timeout, ZloaderError
 from zloader.forward import emit, valid_lines
-from zloader.lineage import Ledger, decode_origins, unpack
+from zloader.lineage import Ledger, decode_origins
+from zloader.shipping import Served
 from zloader.transport import records
 from zloader.transport.keys import Keys
 from zloader.transport.protocol import (
@@ -35,6 +35,8 @@ from zloader.transport.protocol import (
     Message,
     ProtocolError,
     decode,
+    doing,
+    doing_text,
     encode,
     error_from_object,
     heartbeat,
@@ -119,25 +121,19 @@ class _Peer:
         return text
 
 
-def doing_text(doing: dict[str, Any]) -> str:
-    """``stage S of split N, epoch E``: what a worker reported doing (HEARTBEAT.doing)."""
-    split = f"split {doing['split']}" if doing.get("split") is not None else "no split yet"
-    return f"stage {doing['stage']!r} of {split}, epoch {doing['epoch']}"
-
-
 class IOThread(threading.Thread):
     def __init__(self, address: str, blob: bytes, *, fingerprint: str, job_name: str | None,
                  sharding: str, deterministic: bool, num_workers: int, on_error: str,
                  source: dict[str, Any], prefetch: int, use_rings: bool,
-                 ring_bytes: int | None, source_data: tuple[str, list[Any]] | None = None,
+                 ring_bytes: int | None, served: Served | None = None,
                  data_bind: str | None = None, balanced: int = 0,
                  share: dict[str, Any] | None = None,
                  coordinated: tuple[int, int] | None = None, keys: Keys | None = None,
                  exactly_once: bool = False, resume: dict[str, Any] | None = None,
-                 serve_pipeline: bool = False, timeout: float = 60.0) -> None:
-        """``blob`` is the pickled pipeline, sent with REGISTER; with ``serve_pipeline`` it
-        is served to workers from this thread's source socket instead (a large one), and
-        an empty ``blob`` means that the workers inherited the pipeline (embedded, fork)."""
+                 timeout: float = 60.0) -> None:
+        """``blob`` is the pickled pipeline sent with REGISTER; empty when ``served`` holds
+        it (too large for the broker: workers fetch it from this thread's source socket)
+        or when the workers inherited it (embedded, fork)."""
         super().__init__(name="zloader-loader-io", daemon=True)
         self.address = address
         self.timeout = timeout  # the Loader's: a worker silent this long with credits is stuck
@@ -153,7 +149,7 @@ class IOThread(threading.Thread):
         self._confirm_asked = 0.0  # when this consumer last sent EPOCH to confirm its epoch's end
         self._short_failed = False  # the epoch ended short for good (raised once)
         self.blob = blob
-        self.served_blob = blob if serve_pipeline else None
+        self.served = served or Served()
         self.register_body = {
             "consumer": secrets.token_hex(8), "fingerprint": fingerprint, "job_name": job_name,
             "sharding": sharding, "deterministic": deterministic, "num_workers": num_workers,
@@ -162,13 +158,12 @@ class IOThread(threading.Thread):
             "coordinated": ({"size": coordinated[0], "index": coordinated[1]}
                             if coordinated else None),
             "exactly_once": exactly_once}
-        if not blob:
+        if not blob and self.served.pipeline is None:
             self.register_body["pipeline"] = {"inherited": True}
         if resume is not None:
             self.register_body["resume"] = {"epoch": resume["epoch"],
                                             "delivered": resume["delivered"]}
             self.register_body["entropy"] = resume["entropy"]
-        self.source_data = source_data
         self.data_bind = data_bind
         self.keys = keys
         self.prefetch = prefetch
@@ -188,7 +183,6 @@ class IOThread(threading.Thread):
         self.dropped = 0  # elements dropped to keep rounds whole (coordinated reads)
         self.rejected = 0  # corrupt records and malformed messages dropped (logged)
         self._rejected_logged = 0.0  # when one was last logged (at most once a second)
-        self.served: dict[str, int] = {}  # FETCHes answered, by what ("pipeline", "source")
         self.was_doing: dict[int, str] = {}  # pid -> what a worker that left the job did
         self.yielded = 0  # elements and seconds of waiting, kept by the iterating thread
         self.wait_seconds = 0.0  # (the Loader's stats), sent to the broker for its metrics
@@ -309,7 +303,7 @@ class IOThread(threading.Thread):
         self.poller.register(self._wake_read, zmq.POLLIN)
         self.data_server: zmq.Socket[Any] | None = None
         try:
-            if self.source_data is not None or self.served_blob is not None:
+            if self.served:
                 self._serve_source()
             self._loop()
         except BaseException as exc:
@@ -326,8 +320,7 @@ class IOThread(threading.Thread):
             if now >= next_beat:
                 next_beat = now + self._heartbeat
                 if self._job is None:
-                    payload = b"" if self.served_blob is not None else self.blob
-                    self._to_broker(Command.REGISTER, self.register_body, (payload,))
+                    self._to_broker(Command.REGISTER, self.register_body, (self.blob,))
                 else:
                     self._heartbeat_broker()
                     if self.rounds is not None and not self._done:
@@ -432,31 +425,13 @@ class IOThread(threading.Thread):
         server.bind(self.data_bind or f"tcp://{_local_address(self.address)}:*")
         self.data_server = server
         self.poller.register(server, zmq.POLLIN)
-        endpoint = server.getsockopt_string(zmq.LAST_ENDPOINT)
-        if self.source_data is not None:
-            self.register_body["source_data"] = {"endpoint": endpoint,
-                                                 "kind": self.source_data[0]}
-        if self.served_blob is not None:
-            self.register_body["pipeline"] = {"endpoint": endpoint,
-                                              "sha256": digest_of(self.served_blob),
-                                              "bytes": len(self.served_blob)}
+        self.register_body.update(
+            self.served.fields(server.getsockopt_string(zmq.LAST_ENDPOINT)))
 
     def _fetch(self, frames: list[zmq.Frame]) -> None:
         assert self.data_server is not None
-        identity = frames[0].bytes
-        msg = decode(frames[1:])
-        if msg.command is not Command.FETCH:
-            raise ProtocolError(f"{msg.command.name} sent to the source-data socket")
-        what = msg.body.get("what", "source")
-        if what == "pipeline" and self.served_blob is not None:
-            kind, payload = "pipeline", [self.served_blob]
-        elif what == "source" and self.source_data is not None:
-            kind, payload = self.source_data
-        else:
-            raise ProtocolError(f"FETCH of {what!r}, which this Loader does not serve")
-        self.data_server.send_multipart(
-            [identity, *encode(Command.SOURCE, {"kind": kind}, payload)], copy=False)
-        self.served[what] = self.served.get(what, 0) + 1
+        reply = self.served.answer(decode(frames[1:]))
+        self.data_server.send_multipart([frames[0].bytes, *reply], copy=False)
 
     def _shutdown(self) -> None:
         if self.data_server is not None:
@@ -650,7 +625,7 @@ class IOThread(threading.Thread):
             worker = entry["worker"]
             peer = self._peers.get(worker)
             if peer is not None:
-                peer.doing = _doing(entry.get("doing"))
+                peer.doing = doing(entry.get("doing"))
             if peer is not None and entry.get("task") != peer.task:
                 # The broker dropped this worker and gave it a task again: the old stream
                 # is over (what it held was re-queued); read the new task afresh.
@@ -686,7 +661,7 @@ class IOThread(threading.Thread):
         peer = _Peer(entry["worker"], task, int(entry.get("index", 0)),
                      int(entry.get("pid", 0)), str(entry["endpoint"]), sock,
                      host=str(entry.get("host", ""))[:255], heard=time.monotonic(),
-                     doing=_doing(entry.get("doing")))
+                     doing=doing(entry.get("doing")))
         if self.use_rings and entry.get("host_id") == host_id():
             peer.ring = _make_ring(self.ring_bytes)
         self._peers[peer.worker] = peer
@@ -995,15 +970,7 @@ class IOThread(threading.Thread):
         if not self.register_body["exactly_once"] or self._consumers != 1 \
                 or self._epoch is None:
             return False
-        missing = {at for at in self.received.open if at[0][0] == self._epoch}
-        for entry in self._read or []:
-            if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], list)
-                    and entry[0] and entry[0][0] == self._epoch):
-                continue
-            key = tuple(entry[0])
-            with contextlib.suppress(ValueError):
-                done = self.received.done.get(key, set())
-                missing |= {(key, split) for split in unpack(entry[1]) - done}
+        missing = self.received.missing(self._epoch, self._read)
         if not missing:
             return False
         where = ", ".join(f"{split} (pass {list(key)})" for key, split in sorted(missing)[:8])
@@ -1144,16 +1111,6 @@ class _Rounds:
     def finished(self, epoch: int | None) -> bool:
         """Every round the broker numbered in ``epoch`` was released or lost."""
         return self.next >= int(self.issued.get(str(epoch), 0))
-
-
-def _doing(value: Any) -> dict[str, Any] | None:
-    """A worker's ``doing`` from the job's view (``{epoch, split, stage}``), or None."""
-    if not (isinstance(value, dict) and isinstance(value.get("stage"), str)
-            and isinstance(value.get("epoch"), int)
-            and (value.get("split") is None or isinstance(value.get("split"), int))):
-        return None
-    return {"epoch": value["epoch"], "split": value.get("split"),
-            "stage": value["stage"][:32]}
 
 
 def _local_address(broker: str) -> str:

@@ -29,13 +29,13 @@ import time
 import traceback
 from typing import Any
 
+from zloader._command import with_sys_path, worker_command
 from zloader.transport.keys import Keys
 from zloader.worker import WorkerProcess  # imported before any fork (see above)
 
 __all__ = ["START_METHODS", "ForkedWorker", "start_worker"]
 
 START_METHODS = ("fork", "spawn")
-WORKER_COMMAND = "import sys; from zloader.cli import worker_main; sys.exit(worker_main())"
 
 
 class ForkedWorker:
@@ -84,13 +84,11 @@ def start_worker(method: str, address: str, bind: str, keys: Keys | None = None,
     """
     parent = os.getpid()
     if method == "spawn":
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        command = [sys.executable, "-c", WORKER_COMMAND, "--broker", address, "--bind", bind,
-                   "--parent", str(parent), "--insecure"]  # (the Loader checked the bind)
-        if keys is not None:
-            command += ["--keys", keys.path]
-        return subprocess.Popen(command, env=env, cwd=os.getcwd(), stdin=subprocess.DEVNULL)
+        command = worker_command(address, bind=bind, parent=parent,
+                                 keys=keys.path if keys is not None else None,
+                                 insecure=True)  # (the Loader checked the bind)
+        return subprocess.Popen(command, env=with_sys_path(), cwd=os.getcwd(),
+                                stdin=subprocess.DEVNULL)
     with _FORK_LOCK:
         pid = os.fork()
     if pid:

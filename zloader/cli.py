@@ -444,19 +444,11 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
 
 def _worker_command(args: argparse.Namespace) -> list[str]:
     """The command that runs one worker process with this command's settings."""
-    command = [sys.executable, "-c", "import sys; from zloader.cli import worker_main; "
-               "sys.exit(worker_main())", "--broker", args.broker, "--log-level", args.log_level]
-    if args.advertise:
-        command += ["--advertise", args.advertise]
-    if args.keys:
-        command += ["--keys", args.keys]
-    if args.insecure:
-        command += ["--insecure"]
-    if args.plain_data:
-        command += ["--plain-data"]
-    if args.blob_dir:
-        command += ["--blob-dir", args.blob_dir]
-    return command
+    from zloader._command import worker_command
+
+    return worker_command(args.broker, advertise=args.advertise, keys=args.keys,
+                          insecure=args.insecure, plain_data=args.plain_data,
+                          blob_dir=args.blob_dir, log_level=args.log_level)
 
 
 @contextlib.contextmanager

@@ -242,6 +242,24 @@ class Ledger:
             self.lengths[(key, split)] = (count, crc)
             self._close(key, split)
 
+    def missing(self, epoch: int, handed: Any) -> set[tuple[Key, int]]:
+        """The splits of ``epoch`` not accounted for whole: begun here and not finished
+        (fewer elements than their count), or handed out by the broker (``handed``: its
+        ``JOB.read``, ``[[pass, packed splits], ...]``) and never finished here. Malformed
+        entries of ``handed`` are ignored."""
+        missing = {at for at in self.open if at[0][0] == epoch}
+        for entry in handed if isinstance(handed, list) else ():
+            if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], list)
+                    and entry[0] and entry[0][0] == epoch):
+                continue
+            key = tuple(entry[0])
+            try:
+                missing |= {(key, split) for split in unpack(entry[1])
+                            - self.done.get(key, set())}
+            except ValueError:
+                continue
+        return missing
+
     def _close(self, key: Key, split: int) -> None:
         length = self.lengths.get((key, split))
         if length is not None and len(self.open.get((key, split), ())) >= length[0]:

@@ -41,6 +41,7 @@ from zloader.lineage import Ledger
 from zloader.pipeline import Pipeline
 from zloader.plan import plan
 from zloader.sharing.options import DEFAULT_BLOCK_SECONDS, settings
+from zloader.shipping import Served
 from zloader.sources import ArraysSource, ItemsSource
 from zloader.stages import Context
 from zloader.transport.keys import resolve as resolve_keys
@@ -207,18 +208,18 @@ class Loader:
         # they are the only ones (embedded). Others get it pickled: in the REGISTER message
         # when small, else served from this Loader (docs/protocol.md, FETCH).
         inherit = start_method == "fork" and workers > 0
-        if embedded and inherit:
-            blob, source_data, serve_pipeline = b"", None, False
-        else:
+        blob, served = b"", Served()
+        if not (embedded and inherit):
             stripped, source_data = _strip_source(pipeline)
             blob = _dumps(stripped)
-            serve_pipeline = len(blob) > INLINE_PIPELINE_BYTES
-        served = source_data is not None or serve_pipeline
+            served = Served(blob if len(blob) > INLINE_PIPELINE_BYTES else None, source_data)
+            if served.pipeline is not None:
+                blob = b""  # REGISTER carries only where to fetch it
         if (served and broker is not None and self._keys is None
                 and not loopback(f"tcp://{_local_address(broker)}:0")
                 and not _check.boolean("insecure", insecure)):
-            what = ("in-memory source" if source_data is not None
-                    else f"code ({len(blob) / 2**20:.1f} MiB pickled)")
+            what = ("in-memory source" if served.source is not None
+                    else f"code ({len(served.pipeline or b'') / 2**20:.1f} MiB pickled)")
             raise ValueError(
                 f"this pipeline's {what} is served to the broker's workers from this "
                 "process, on an address other hosts can reach, and without keys anyone "
@@ -258,11 +259,11 @@ class Loader:
                 source={"num_splits": source.num_splits, "shuffle_splits": source.shuffle_splits,
                         "seed": source.seed},
                 prefetch=prefetch, use_rings=transport == "auto", ring_bytes=ring_bytes,
-                source_data=source_data,
+                served=served,
                 data_bind=f"ipc://{self._dir}/source" if embedded else None,
                 balanced=_check.integer("balanced", balanced, 0), share=self._share,
                 coordinated=coordinated, keys=self._keys, exactly_once=self._exactly_once,
-                resume=resume, serve_pipeline=serve_pipeline, timeout=self._timeout)
+                resume=resume, timeout=self._timeout)
             self._io.start()
         except BaseException:
             self.close()
@@ -503,7 +504,7 @@ class Loader:
                  "skipped": io.skipped, "per_worker": dict(io.per_worker),
                  "private": io.private, "segments": io.segments, "records": io.records,
                  "share_skipped": io.lagged, "share_replayed": io.replayed,
-                 "rejected": io.rejected, "served": dict(io.served),
+                 "rejected": io.rejected, "served": dict(io.served.counts),
                  "stage_seconds": {**io.stages, "wait": round(self._wait, 3)}}
         if io.rounds is not None:
             stats.update(dropped=io.dropped, rounds_lost=io.rounds.total_lost,

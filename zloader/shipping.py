@@ -1,4 +1,5 @@
-"""How a task's pipeline reaches a worker (the worker's side; docs/protocol.md, TASK).
+"""How a task's pipeline reaches a worker (docs/protocol.md, TASK and FETCH): the worker's
+side (:class:`Supply`) and the Loader's (:class:`Served`).
 
 Three ways, cheapest first:
 
@@ -25,16 +26,62 @@ import cloudpickle
 import zmq
 
 from zloader import codec
-from zloader.blobs import BlobCache
+from zloader.blobs import BlobCache, digest_of
 from zloader.pipeline import Pipeline
 from zloader.sources import ArraysSource, ItemsSource
 from zloader.transport.keys import Keys
 from zloader.transport.protocol import Command, Message, ProtocolError, decode, encode
 
-__all__ = ["FETCH_TIMEOUT", "Loading", "Supply"]
+__all__ = ["FETCH_TIMEOUT", "Loading", "Served", "Supply"]
 
 FETCH_TIMEOUT = 30.0
 """Seconds a worker waits for the Loader that serves a pipeline or source to answer."""
+
+
+class Served:
+    """What a Loader serves to its job's workers from its source socket (``FETCH``): its
+    pickled pipeline when too large to pass through the broker, the data of a large
+    in-memory source (``(kind, frames)``). The socket is the Loader's I/O thread's.
+
+    ``counts``: the answers given, by what was asked (``Loader.stats()["served"]``).
+    """
+
+    def __init__(self, pipeline: bytes | None = None,
+                 source: tuple[str, list[Any]] | None = None) -> None:
+        self.pipeline = pipeline
+        self.source = source
+        self.counts: dict[str, int] = {}
+
+    def __bool__(self) -> bool:
+        return self.pipeline is not None or self.source is not None
+
+    def fields(self, endpoint: str) -> dict[str, Any]:
+        """REGISTER's ``source_data`` and ``pipeline`` for what is served at ``endpoint``."""
+        fields: dict[str, Any] = {}
+        if self.source is not None:
+            fields["source_data"] = {"endpoint": endpoint, "kind": self.source[0]}
+        if self.pipeline is not None:
+            fields["pipeline"] = {"endpoint": endpoint, "sha256": digest_of(self.pipeline),
+                                  "bytes": len(self.pipeline)}
+        return fields
+
+    def answer(self, msg: Message) -> list[Any]:
+        """The frames of the ``SOURCE`` reply to ``msg``.
+
+        Raises:
+            ProtocolError: ``msg`` is not a FETCH of something served here.
+        """
+        if msg.command is not Command.FETCH:
+            raise ProtocolError(f"{msg.command.name} sent to the source-data socket")
+        what = msg.body.get("what", "source")
+        if what == "pipeline" and self.pipeline is not None:
+            kind, payload = "pipeline", [self.pipeline]
+        elif what == "source" and self.source is not None:
+            kind, payload = self.source
+        else:
+            raise ProtocolError(f"FETCH of {what!r}, which this Loader does not serve")
+        self.counts[what] = self.counts.get(what, 0) + 1
+        return encode(Command.SOURCE, {"kind": kind}, payload)
 
 
 class Supply:

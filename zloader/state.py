@@ -24,7 +24,7 @@ from zloader.rounds import Rounds
 from zloader.sharing.options import KEY_OPTIONS
 from zloader.sharing.window import LAG_POLICIES
 from zloader.sources import split_order
-from zloader.transport.protocol import Command, Message, ProtocolError
+from zloader.transport.protocol import Command, Message, ProtocolError, doing
 
 __all__ = ["KILLS_TO_FAIL", "Out", "State"]
 
@@ -239,7 +239,7 @@ class State:
                     stats, worker.stats, f"{stage}_seconds")
         worker.stats = {**{k: v for k, v in stats.items() if isinstance(v, (int, float))},
                         "_at": now}
-        worker.doing = _doing(msg.body.get("doing"))
+        worker.doing = doing(msg.body.get("doing"))
         trainers = stats.get("trainers")
         worker.trainers = {
             str(c): {k: int(v[k]) for k in ("lag", "skipped") if isinstance(v.get(k), int)}
@@ -1398,19 +1398,6 @@ def _coordinated(value: Any, name: str | None) -> tuple[int, int] | None:
     if not name:
         raise ProtocolError("REGISTER: coordinated reads need a job_name")
     return size, index
-
-
-def _doing(value: Any) -> dict[str, Any] | None:
-    """A worker's ``HEARTBEAT.doing`` (``{epoch, split, stage}``) checked, or None."""
-    if not isinstance(value, dict) or value.get("stage") not in STAGES:
-        return None
-    epoch, split = value.get("epoch"), value.get("split")
-    if not (isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= 0):
-        return None
-    if split is not None and not (isinstance(split, int) and not isinstance(split, bool)
-                                  and split >= 0):
-        return None
-    return {"epoch": epoch, "split": split, "stage": value["stage"]}
 
 
 def _count(value: Any) -> int:

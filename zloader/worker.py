@@ -25,6 +25,7 @@ import psutil
 import zmq
 
 from zloader import codec
+from zloader._command import with_sys_path, worker_command
 from zloader._defaults import DRAIN_SECONDS, STAGES
 from zloader._host import host_id
 from zloader.errors import ZloaderError
@@ -58,8 +59,6 @@ log = logging.getLogger("zloader.worker")
 STOP_SECONDS = 2.0
 """A producer told to stop that has not within this long is stuck in user code (a thread
 cannot be killed): the worker process then replaces itself (:meth:`WorkerProcess._restart`)."""
-RESTART_COMMAND = "import sys; from zloader.cli import worker_main; sys.exit(worker_main())"
-"""What a wedged worker runs in place of itself (zloader-worker, with its own settings)."""
 FORWARD_EVERY = 0.2
 """Seconds between two sends of captured user output (zloader/forward.py)."""
 
@@ -258,30 +257,20 @@ class WorkerProcess:
         a producer thread stuck in user code cannot be stopped, only discarded. Only a
         worker whose loop runs on the main thread does so (in a Ray actor the loop runs on
         a thread of the actor, which just ends)."""
-        command = [sys.executable, "-c", RESTART_COMMAND, "--broker", self.broker_endpoint,
-                   "--bind", self.bind, "--insecure",  # (the bind was checked at start)
-                   "--log-level", logging.getLevelName(
-                       logging.getLogger().getEffectiveLevel()).lower()]
-        if self.parent is not None:
-            command += ["--parent", str(self.parent)]
-        if self.advertise:
-            command += ["--advertise", self.advertise]
-        if self.keys is not None:
-            command += ["--keys", self.keys.path]
-        if self.plain_data:
-            command += ["--plain-data"]
-        if self.blob_dir:
-            command += ["--blob-dir", self.blob_dir]
+        command = worker_command(
+            self.broker_endpoint, bind=self.bind, parent=self.parent, advertise=self.advertise,
+            keys=self.keys.path if self.keys is not None else None,
+            insecure=True,  # (the bind was checked at start)
+            plain_data=self.plain_data, blob_dir=self.blob_dir,
+            log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower())
         if self.bind.startswith("ipc://"):  # the new process binds the same path
             with contextlib.suppress(OSError):
                 os.unlink(self.bind[len("ipc://"):])
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         log.warning("restarting worker pid %d: %s", os.getpid(), self.wedged)
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-        os.execve(sys.executable, command, env)
+        os.execve(sys.executable, command, with_sys_path())
 
     def _connect_broker(self) -> zmq.Socket[Any]:
         sock = self.context.socket(zmq.DEALER)
