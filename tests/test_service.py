@@ -689,3 +689,17 @@ def test_fifty_loaders_made_on_threads_at_once_all_run():
     out = subprocess.run([sys.executable, "-c", MANY_THREADS], capture_output=True,
                          text=True, timeout=150, start_new_session=True)
     assert out.stdout.strip() == f"50 [{sum(range(1, 21))}] []", out.stderr[-2000:]
+
+
+def test_a_loader_no_free_worker_serves_times_out_saying_the_workers_run_other_jobs():
+    """A validation Loader made while a training Loader holds the broker's only worker
+    (one job per worker until the pool of [2/5]): its Timeout says why, not that the
+    workers may have died."""
+    with service(workers=1) as (address, _), \
+            Loader(Pipeline.range(10**6), broker=address, timeout=30) as train:
+        elements = iter(train)
+        next(elements)
+        with pytest.raises(Timeout, match="1 workers all run other jobs"), \
+                Loader(Pipeline.range(10), broker=address, timeout=3) as validation:
+            list(validation)
+        del elements

@@ -140,6 +140,7 @@ class IOThread(threading.Thread):
         self._balanced = balanced > 0
         self._stuck: list[dict[str, Any]] = []  # reports for the broker's next heartbeat
         self._lost: str | None = None  # the last worker taken off the job, described
+        self._busy_elsewhere = 0  # the broker's workers serving other jobs (JOB view)
         # Exactly-once: the splits the broker handed out in the epoch (its answer to EPOCH),
         # the job's consumer count, and the splits asked for again this epoch.
         self._read: list[Any] | None = None
@@ -258,6 +259,11 @@ class IOThread(threading.Thread):
                     "; does it want keys (keys= or ZLOADER_KEYS)?")
             return (f"no broker answered at {self.address} for {silent:.0f} s: is "
                     f"zloader-broker running there{keys} (raise timeout= to wait longer)")
+        if not self._peers and self._busy_elsewhere and not self._lost:
+            return (f"no worker has served this job for {silent:.0f} s: the broker's "
+                    f"{self._busy_elsewhere} workers all run other jobs (a worker serves one "
+                    "job at a time): start more workers (zloader-worker --broker "
+                    f"{self.address}), pass num_workers=, or close the other Loaders first")
         if not self._peers:
             last = (f"; the last one, {self._lost}, was taken off the job"
                     if self._lost else "; every worker may have died")
@@ -539,6 +545,8 @@ class IOThread(threading.Thread):
             consumers = msg.body.get("consumers")
             if isinstance(consumers, int):
                 self._consumers = consumers
+            busy = msg.body.get("busy_elsewhere")
+            self._busy_elsewhere = busy if isinstance(busy, int) and busy >= 0 else 0
             # An exactly-once epoch is confirmed only by the answer to EPOCH, which says
             # what was read in it (the epoch is checked against that).
             confirmed = self._confirming

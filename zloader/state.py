@@ -577,6 +577,8 @@ class State:
         pending = self._pending(job)
         view = {"job": job.id, "workers": workers, "failed": job.failed, "error": job.error,
                 "heartbeat": self.heartbeat, "consumers": len(job.consumers | set(job.silent)),
+                "busy_elsewhere": sum(1 for w in self.workers.values()
+                                      if w.task is not None and w.task not in job.tasks),
                 "pending": pending, "share": job.share, "epoch": job.epoch,
                 "width": job.width, "entropy": job.entropy,
                 "stages": {k: round(v, 3) for k, v in job.stages.items()},
