@@ -174,6 +174,31 @@ def test_keras_trains_two_epochs_on_a_zloader_dataset_and_sees_every_element():
     assert seen == [6, 6]  # 96 rows / 16: every element, each epoch
 
 
+def test_keras_fit_with_validation_data_over_one_broker_runs_every_epoch_of_both():
+    """``fit(validation_data=...)``: the validation dataset's job starts while the training
+    job holds the broker's only worker; the pool moves it (docs/pool.md)."""
+    import keras
+
+    from tests.service import service
+
+    features = np.random.default_rng(0).normal(size=(96, 4)).astype(np.float32)
+    targets = features.sum(axis=1, keepdims=True)
+    with service(workers=1) as (address, _):
+        train = zloader.tf.dataset(Pipeline.from_arrays((features, targets)).batch(16),
+                                   broker=address, timeout=30)
+        validation = zloader.tf.dataset(
+            Pipeline.from_arrays((features[:32], targets[:32])).batch(16), broker=address,
+            timeout=30)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        try:
+            history = model.fit(train, validation_data=validation, epochs=2, verbose=0)
+        finally:
+            zloader.tf.close(train)
+            zloader.tf.close(validation)
+    assert len(history.history["loss"]) == 2 and len(history.history["val_loss"]) == 2
+
+
 RANK_SCRIPT = """
 import json, os, sys
 import torch.distributed as dist

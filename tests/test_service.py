@@ -692,11 +692,12 @@ def test_fifty_loaders_made_on_threads_at_once_all_run():
 
 
 def test_a_loader_no_free_worker_serves_times_out_saying_the_workers_run_other_jobs():
-    """A validation Loader made while a training Loader holds the broker's only worker
-    (one job per worker until the pool of [2/5]): its Timeout says why, not that the
-    workers may have died."""
+    """A Loader made while a static job holds the broker's only worker (static jobs keep
+    their workers: their indices are fixed, docs/pool.md): its Timeout says why, not
+    that the workers may have died."""
     with service(workers=1) as (address, _), \
-            Loader(Pipeline.range(10**6), broker=address, timeout=30) as train:
+            Loader(Pipeline.range(10**6), broker=address, sharding="static",
+                   timeout=30) as train:
         elements = iter(train)
         next(elements)
         with pytest.raises(Timeout, match="1 workers all run other jobs"), \

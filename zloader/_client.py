@@ -130,7 +130,7 @@ class IOThread(threading.Thread):
                  share: dict[str, Any] | None = None,
                  coordinated: tuple[int, int] | None = None, keys: Keys | None = None,
                  exactly_once: bool = False, resume: dict[str, Any] | None = None,
-                 timeout: float = 60.0) -> None:
+                 timeout: float = 60.0, weight: float = 1.0) -> None:
         """``blob`` is the pickled pipeline sent with REGISTER; empty when ``served`` holds
         it (too large for the broker: workers fetch it from this thread's source socket)
         or when the workers inherited it (embedded, fork)."""
@@ -158,7 +158,7 @@ class IOThread(threading.Thread):
             "balanced": balanced, "share": share,
             "coordinated": ({"size": coordinated[0], "index": coordinated[1]}
                             if coordinated else None),
-            "exactly_once": exactly_once}
+            "exactly_once": exactly_once, "weight": weight}
         if not blob and self.served.pipeline is None:
             self.register_body["pipeline"] = {"inherited": True}
         if resume is not None:
@@ -355,7 +355,9 @@ class IOThread(threading.Thread):
     def _heartbeat_broker(self) -> None:
         body: dict[str, Any] = {"stats": {
             "elements": self.yielded, "bytes": self.bytes,
-            "wait_seconds": round(self.wait_seconds, 3), "skipped": self.skipped}}
+            "wait_seconds": round(self.wait_seconds, 3), "skipped": self.skipped,
+            # reading an epoch not yet ended: the broker's pool counts this job as active
+            "active": int(self._epoch is not None and not self._done)}}
         if self._stuck:
             body["stuck"], self._stuck = self._stuck, []
         if self._reread:

@@ -98,7 +98,14 @@ def _options(value: Any) -> bool:
             and _flag(value.get("deterministic")) and _text(value.get("on_error"))
             and _count(value.get("num_workers"))
             and all(_count(value.get(name, 0)) for name in ("balanced", "num_consumers"))
-            and _flag(value.get("exactly_once", False)))
+            and _flag(value.get("exactly_once", False))
+            and _weight(value.get("weight", 1.0)))
+
+
+def _weight(value: Any) -> bool:
+    """A job's weight in the worker pool (zloader/pool.py)."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and 0.001 <= value <= 1000)
 
 
 EVENTS: dict[str, dict[str, Check]] = {
@@ -121,6 +128,7 @@ EVENTS: dict[str, dict[str, Check]] = {
     "failed": {"job": _text, "error": _object},
     "end": {"job": _text},
     "gone": {"worker": _text, "died?": _flag, "fenced?": _flag},
+    "left": {"job": _text, "task": _text, "worker": _text, "fenced?": _flag},
 }
 """Each event kind's fields and their checks (``name?``: may be absent). ``resume``'s
 ``delivered`` is checked where it is read (``Ledger.merge_json``)."""

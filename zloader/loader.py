@@ -133,6 +133,10 @@ class Loader:
             goes to index j mod ``width``), whichever workers take them. Default:
             ``num_workers``; with a broker and ``num_workers=0``, the broker's idle workers
             when the job starts. The torch adapter sets it to run on the broker's workers.
+        weight: with a broker, this job's share of the broker's worker pool relative to
+            the other jobs' (default 1: equal shares; 2 asks for twice as many workers as a
+            job of weight 1 when both wait for data). From 0.001 to 1000; the job's first
+            Loader sets it (docs/pool.md).
 
     Raises:
         ValueError / TypeError: a bad argument, named in the message.
@@ -152,10 +156,14 @@ class Loader:
                  num_consumers: int | None = None,
                  consumer_index: int | None = None, keys: Any = None,
                  insecure: bool = False, exactly_once: bool = True,
-                 state: Any = None, width: int | None = None) -> None:
+                 state: Any = None, width: int | None = None, weight: float = 1.0) -> None:
         if not isinstance(pipeline, Pipeline):
             raise TypeError(f"pipeline must be a zloader.Pipeline, got {type(pipeline).__name__}")
         _choice("sharding", sharding, SHARDING)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) \
+                or not 0.001 <= weight <= 1000:
+            raise ValueError(f"weight must be a number from 0.001 to 1000 (a job's share of "
+                             f"the broker's workers relative to other jobs'), got {weight!r}")
         _choice("transport", transport, TRANSPORTS)
         _choice("on_error", on_error, ON_ERROR)
         if broker is not None:
@@ -263,7 +271,7 @@ class Loader:
                 data_bind=f"ipc://{self._dir}/source" if embedded else None,
                 balanced=_check.integer("balanced", balanced, 0), share=self._share,
                 coordinated=coordinated, keys=self._keys, exactly_once=self._exactly_once,
-                resume=resume, timeout=self._timeout)
+                resume=resume, timeout=self._timeout, weight=float(weight))
             self._io.start()
         except BaseException:
             self.close()

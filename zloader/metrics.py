@@ -32,6 +32,9 @@ JOB_METRICS = [
     ("workers", "zloader_job_workers", "gauge", "Workers serving the job"),
     ("desired_workers", "zloader_job_desired_workers", "gauge",
      "Workers the job should have, as the broker's autoscaling policy decides"),
+    ("share_workers", "zloader_job_share_workers", "gauge",
+     "Workers the job is entitled to in the pool: weighted fair share, capped by its need"),
+    ("weight", "zloader_job_weight", "gauge", "The job's weight in the pool (Loader(weight=))"),
 ]
 WORKER_METRICS = [
     ("elements", "zloader_worker_elements_total", "counter", "Elements the worker sent"),

@@ -14,7 +14,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from zloader._defaults import STAGES
+from zloader import pool
+from zloader._defaults import HUNGRY_STARVATION, STAGES
 from zloader._host import loopback
 from zloader.autoscale import Autoscaler
 from zloader.forward import BURST, RATE, Bucket, valid_lines
@@ -66,6 +67,7 @@ class Worker:
     idle_since: float = 0.0  # when it last had no task (surplus marks, see State.status)
     doing: dict[str, Any] | None = None  # its producer's {epoch, split, stage} (heartbeat)
     holds: frozenset[str] = frozenset()  # fingerprints of pipelines it inherited by fork
+    since: float = 0.0  # when it took its task (the pool's time slices, zloader/pool.py)
     # LOG lines it may send: twice what its own limit lets through (zloader/forward.py)
     log_budget: Bucket = field(default_factory=lambda: Bucket(2 * RATE, 4.0 * BURST))
 
@@ -79,6 +81,7 @@ class Consumer:
     pid: int
     last_seen: float
     stats: dict[str, Any] = field(default_factory=dict)  # from its heartbeats
+    active: bool = True  # it reads an epoch not yet ended (HEARTBEAT stats.active)
 
 
 @dataclass
@@ -104,6 +107,7 @@ class Fence:
     waiting: set[str]  # consumers yet to answer
     deadline: float  # then the silent ones are given up
     replies: dict[tuple[tuple[int, ...], int], dict[str, Any]] = field(default_factory=dict)
+    event: dict[str, Any] = field(default_factory=dict)  # journaled once it is done
 
 
 @dataclass
@@ -152,6 +156,12 @@ class Job:
     scaler: Autoscaler = field(default_factory=Autoscaler)  # desired_workers (dynamic jobs)
     desired: int = 0
     pipeline: dict[str, Any] | None = None  # where workers get a pipeline not in ``blob``
+    hungry_until: float = 0.0  # an epoch just started: hungry before its first sample
+
+    @property
+    def weight(self) -> float:
+        """Its share of the pool relative to other jobs' (``Loader(weight=)``)."""
+        return float(self.options.get("weight", 1.0))
 
 
 class State:
@@ -282,7 +292,8 @@ class State:
                    "deterministic": bool(msg.body.get("deterministic", False)),
                    "on_error": str(msg.body.get("on_error", "raise")),
                    "num_workers": msg.field("num_workers", int),
-                   "balanced": _count(msg.body.get("balanced", 0))}
+                   "balanced": _count(msg.body.get("balanced", 0)),
+                   "weight": _weight(msg.body.get("weight", 1.0))}
         share = _share(msg.body.get("share"))
         if share is not None and name:
             raise ProtocolError("REGISTER: a shared job cannot have a job_name")
@@ -448,11 +459,18 @@ class State:
             if epoch > job.epoch:
                 self._record({"e": "epoch", "job": job.id, "epoch": epoch})
             job.epoch = max(job.epoch, epoch)
+            job.hungry_until = now + 2 * self.heartbeat  # it has nothing yet
+            if consumer is not None:
+                consumer.active = True
             if job.rounds is not None and consumer is not None:
                 out += self._announce(job, {}, job.rounds.epoch_started(consumer.id, epoch))
                 job.rounds.prune(job.epoch)
                 if self._pending(job).get(str(epoch)):
                     job.rounds.order_rerun(epoch, job.requeues.get(epoch, 0))
+        # A hungry job may take a worker from another now (zloader/pool.py); the answer
+        # below is the only JOB this consumer gets now, as for REGISTER.
+        out += [o for o in self._assign(now)
+                if o.identity != identity or o.command is not Command.JOB]
         answer = self.consumer_heartbeat(identity, now)
         if job is not None and job.track and isinstance(epoch, int):
             for reply in [r for r in answer if r.command is Command.JOB]:
@@ -480,6 +498,7 @@ class State:
                 job.wait_seconds += _delta(stats, consumer.stats, "wait_seconds")
                 job.skipped += int(_delta(stats, consumer.stats, "skipped"))
             consumer.stats = stats
+            consumer.active = stats.get("active", 1) != 0
         return out + ([Out(identity, Command.JOB, self.job_view(job))] if job else [])
 
     def _reread(self, job: Job, consumer: Consumer, entries: list[Any]) -> None:
@@ -610,13 +629,19 @@ class State:
     # --- tasks and splits -----------------------------------------------------------------
 
     def _assign(self, now: float) -> list[Out]:
-        """Give idle workers to jobs: a worker's preferred job first, then the job furthest
-        below its ``desired_workers``, one whose consumers share the worker's host, the job
+        """Give free workers to jobs, then move busy ones where the pool's policy says
+        (zloader/pool.py, docs/pool.md): every job with consumers gets its share."""
+        return self._fill(now) + self._rebalance(now)
+
+    def _fill(self, now: float) -> list[Out]:
+        """Give each free worker a job: its preferred job first, then the job furthest
+        below its share of the pool, one whose consumers share the worker's host, the job
         with the fewest workers (static jobs take at most ``width``). Workers on a host
         with consumers go first (hybrid placement: shared memory is the cheapest path)."""
         out: list[Out] = []
         if all(w.task is not None for w in self.workers.values()):
             return out
+        entitled = pool.shares(self._claims(now).values(), len(self.workers))
         job_hosts = {j.id: self._hosts(j) for j in self.jobs.values()}
         hosts = {c.host_id for c in self.consumers.values()}
         idle = sorted((w for w in self.workers.values() if w.task is None),
@@ -627,36 +652,105 @@ class State:
                               or len(j.tasks) < j.width)]
             if not open_jobs:
                 break
-            # A pipeline only forked workers hold (embedded) runs on none other.
-            open_jobs = [j for j in open_jobs if j.pipeline != INHERITED
-                         or j.fingerprint in worker.holds]
-            if loopback(worker.endpoint):  # only consumers on its own host reach it
-                open_jobs = [j for j in open_jobs if worker.host_id in job_hosts[j.id]]
-                if not open_jobs:
-                    continue
+            open_jobs = [j for j in open_jobs if self._can_serve(worker, j, job_hosts)]
+            if not open_jobs:
+                continue
             preferred = [j for j in open_jobs if j.id == worker.prefer]
             job = preferred[0] if preferred else min(open_jobs, key=lambda j: (
-                -self._deficit(j), worker.host_id not in job_hosts[j.id], len(j.tasks),
-                j.created))
-            task = secrets.token_hex(8)
-            used = set(job.indices.values())
-            index = next(i for i in range(len(used) + 1) if i not in used)
-            job.tasks[task] = worker.id
-            job.indices[task] = index
-            worker.task = task
-            self._record({"e": "task", "job": job.id, "task": task, "worker": worker.id,
-                          "index": index})
-            body = {"task": task, "job": job.id, "sharding": job.sharding, "index": index,
-                    "width": job.width, "deterministic": job.deterministic,
-                    "on_error": job.on_error, "entropy": job.entropy,
-                    "source_data": job.source_data, "share": job.share,
-                    "fingerprint": job.fingerprint, "pipeline": job.pipeline,
-                    "balanced": job.options.get("balanced", 0),
-                    "coordinated": job.rounds.size if job.rounds is not None else 0,
-                    "track": job.track}
-            out.append(Out(worker.identity, Command.TASK, body, (job.blob,)))
-            out += self._tell_consumers(job)
+                len(j.tasks) - entitled.get(j.id, 0.0), worker.host_id not in job_hosts[j.id],
+                len(j.tasks), j.created))
+            out += self._give(worker, job, now)
         return out
+
+    @staticmethod
+    def _can_serve(worker: Worker, job: Job, job_hosts: dict[str, set[str]]) -> bool:
+        """Whether ``worker`` can run ``job`` at all: a pipeline only forked workers hold
+        (embedded) runs on none other, and a worker whose data port is on loopback only
+        serves consumers on its own host."""
+        if job.pipeline == INHERITED and job.fingerprint not in worker.holds:
+            return False
+        return not loopback(worker.endpoint) or worker.host_id in job_hosts[job.id]
+
+    def _give(self, worker: Worker, job: Job, now: float) -> list[Out]:
+        """Start a task of ``job`` on the free ``worker``."""
+        task = secrets.token_hex(8)
+        used = set(job.indices.values())
+        index = next(i for i in range(len(used) + 1) if i not in used)
+        job.tasks[task] = worker.id
+        job.indices[task] = index
+        worker.task = task
+        worker.since = now
+        self._record({"e": "task", "job": job.id, "task": task, "worker": worker.id,
+                      "index": index})
+        body = {"task": task, "job": job.id, "sharding": job.sharding, "index": index,
+                "width": job.width, "deterministic": job.deterministic,
+                "on_error": job.on_error, "entropy": job.entropy,
+                "source_data": job.source_data, "share": job.share,
+                "fingerprint": job.fingerprint, "pipeline": job.pipeline,
+                "balanced": job.options.get("balanced", 0),
+                "coordinated": job.rounds.size if job.rounds is not None else 0,
+                "track": job.track}
+        return [Out(worker.identity, Command.TASK, body, (job.blob,)),
+                *self._tell_consumers(job)]
+
+    def _claims(self, now: float) -> dict[str, pool.Claim]:
+        """What each job asks of the pool now (zloader/pool.py)."""
+        claims = {}
+        for job in self.jobs.values():
+            consumers = [c for cid in job.consumers if (c := self.consumers.get(cid))]
+            active = job.error is None and any(c.active for c in consumers)
+            fixed = job.sharding == "static" or job.deterministic
+            hungry = active and (job.starvation > HUNGRY_STARVATION or now < job.hungry_until)
+            if not active:
+                wants = 0
+            elif fixed:
+                wants = job.width
+            elif hungry or not job.desired:
+                wants = pool.UNBOUNDED  # its consumers wait: it can use more workers
+            else:  # its autoscaler's count, once it has more than its consumers take
+                wants = job.desired
+            claims[job.id] = pool.Claim(job.id, job.weight, len(job.tasks), wants, hungry,
+                                        movable=not fixed)
+        return claims
+
+    def _rebalance(self, now: float) -> list[Out]:
+        """Move busy workers to hungry jobs below their share, one at a time, each leaving
+        its job as a draining worker does (exactly once: see :meth:`_leave`)."""
+        out: list[Out] = []
+        job_hosts = {j.id: self._hosts(j) for j in self.jobs.values()}
+        for _ in range(len(self.workers)):
+            holdings = []
+            for job in self.jobs.values():
+                hosts = job_hosts[job.id]
+                for task, worker_id in job.tasks.items():
+                    worker = self.workers.get(worker_id)
+                    if worker is not None:  # remote ones and the last assigned go first
+                        holdings.append(pool.Holding(
+                            worker_id, job.id, worker.since,
+                            rank=2 * (worker.host_id in hosts) - job.indices.get(task, 0)))
+
+            def eligible(worker_id: str, job_id: str) -> bool:
+                return self._can_serve(self.workers[worker_id], self.jobs[job_id], job_hosts)
+
+            move = pool.next_move(self._claims(now).values(), holdings, eligible, now)
+            if move is None:
+                break
+            worker, job = self.workers[move[0]], self.jobs[move[1]]
+            out += self._preempt(worker, now)
+            out += self._give(worker, job, now)
+        return out
+
+    def _preempt(self, worker: Worker, now: float) -> list[Out]:
+        """Take ``worker`` off its job for another: it drops the task (``RELEASE``) and
+        its splits go to the job's other workers, as a dead worker's do (exactly once for
+        an exactly-once job: a :class:`Fence`), but it stays registered."""
+        task = worker.task
+        job = self.jobs[self._task_job(task) or ""]
+        assert task is not None
+        log.info("worker %s (pid %d on %s) moves off job %s (the pool's share for another "
+                 "job)", worker.id, worker.pid, worker.host, job.name or job.id)
+        return [Out(worker.identity, Command.RELEASE, {"task": task}),
+                *self._leave(worker, job, task, died=False, now=now, stays=True)]
 
     def _tell_consumers(self, job: Job) -> list[Out]:
         view = self.job_view(job)
@@ -860,6 +954,7 @@ class State:
                 del job.silent[consumer_id]
         if self.journal is not None and self.journal.lines > COMPACT_LINES:
             self.journal.compact(self.snapshot())
+        self._sample(now)
         for job in list(self.jobs.values()):
             if not job.consumers and job.idle_since is not None \
                     and now - job.idle_since > max(self.expiry, job.linger):
@@ -918,24 +1013,34 @@ class State:
 
     def _drop_worker(self, worker_id: str, died: bool, now: float,
                      requeue: bool = True) -> list[Out]:
-        """Forget a worker; its splits not yet delivered are read again by others (for an
-        exactly-once job once its consumers have said what they hold, see :class:`Fence`).
-        ``requeue=False`` replays a fenced drop, whose re-queued splits follow in the
-        journal."""
+        """Forget a worker; its splits not yet delivered are read again by others (see
+        :meth:`_leave`)."""
         worker = self.workers.pop(worker_id, None)
         if worker is None:
             return []
         self.peers.pop(worker.identity, None)
         job = self.jobs.get(self._task_job(worker.task) or "")
-        if job is None:
+        if job is None or worker.task is None:
             self._record({"e": "gone", "worker": worker_id, "died": died})
             return []
-        job.indices.pop(worker.task or "", None)
-        job.tasks.pop(worker.task or "", None)
-        current = worker.current
+        return self._leave(worker, job, worker.task, died, now, requeue)
+
+    def _leave(self, worker: Worker, job: Job, task: str, died: bool, now: float,
+               requeue: bool = True, stays: bool = False) -> list[Out]:
+        """Take a worker's ``task`` off ``job``: its splits not yet delivered are read
+        again by the others, for an exactly-once job once its consumers have said what they
+        hold (see :class:`Fence`). ``stays``: the worker is not gone, only moved to another
+        job (:meth:`_preempt`). ``requeue=False`` replays a fenced leave, whose re-queued
+        splits follow in the journal."""
+        worker_id = worker.id
+        job.indices.pop(task, None)
+        job.tasks.pop(task, None)
+        current = worker.current if worker.task == task else None
+        if stays and worker.task == task:
+            worker.task, worker.current, worker.idle_since = None, None, now
         lost: list[tuple[tuple[int, ...], int]] = []
         for key, dispenser in job.passes.items():
-            handed = dispenser.handed.pop(worker.id, [])
+            handed = dispenser.handed.pop(worker_id, [])
             for split in handed:
                 if died and current == (key, split):
                     job.kills[split] = job.kills.get(split, 0) + 1
@@ -947,20 +1052,22 @@ class State:
                         continue
                 lost.append((job.origin_of.get((key, split), key), split))
             lost += [(job.origin_of.get((key, split), key), split)
-                     for split in dispenser.read.pop(worker.id, [])]
+                     for split in dispenser.read.pop(worker_id, [])]
+        event = ({"e": "left", "job": job.id, "task": task, "worker": worker_id} if stays
+                 else {"e": "gone", "worker": worker_id, "died": died})
         grace = self.expiry * FENCE_GRACE
         asked = job.consumers | {c for c, t in job.silent.items() if now - t < grace}
         if job.track and lost and asked and not self._replaying:
-            job.fences[secrets.token_hex(6)] = Fence(worker.id, worker.task, died, lost,
-                                                     asked, now + grace)
-            return self._tell_consumers(job)  # the drop is journaled once the fence is done
-        self._record({"e": "gone", "worker": worker_id, "died": died})
+            job.fences[secrets.token_hex(6)] = Fence(worker_id, task, died, lost, asked,
+                                                     now + grace, event=event)
+            return self._tell_consumers(job)  # the leave is journaled once the fence is done
+        self._record(event)
         if requeue:
             for key, split in lost:
                 self._requeue(job, key, split, {})
         out = self._tell_consumers(job)
         if job.rounds is not None:
-            out += self._announce(job, {}, job.rounds.lose_worker(worker.id))
+            out += self._announce(job, {}, job.rounds.lose_worker(worker_id))
         return out
 
     def _requeue(self, job: Job, key: tuple[int, ...], split: int,
@@ -1002,8 +1109,7 @@ class State:
         done = [token for token, fence in job.fences.items() if not fence.waiting]
         for token in done:
             fence = job.fences.pop(token)
-            self._record({"e": "gone", "worker": fence.worker, "died": fence.died,
-                          "fenced": True})
+            self._record({**fence.event, "fenced": True})
             for key, split in fence.splits:
                 info = fence.replies.get((key, split), {})
                 if not info.get("all") and (key[0] >= job.epoch - 1):
@@ -1152,6 +1258,11 @@ class State:
                               requeue=not event.get("fenced"))
         elif job is None:
             return
+        elif kind == "left":  # moved to another job (State._preempt)
+            worker = self.workers.get(event["worker"])
+            if worker is not None and event["task"] in job.tasks:
+                self._leave(worker, job, event["task"], False, now,
+                            requeue=not event.get("fenced"), stays=True)
         elif kind == "share":
             job.share = event["share"]
         elif kind == "rounds":
@@ -1243,6 +1354,8 @@ class State:
         """What ``zloader status --json`` prints; ``surplus`` marks the workers an actuator
         should drain (see :meth:`_surplus`)."""
         surplus = self._surplus(now)
+        claims = self._claims(now)
+        entitled = pool.shares(claims.values(), len(self.workers))
         workers = [{"worker": w.id, "host": w.host, "host_id": w.host_id, "pid": w.pid,
                     "endpoint": w.endpoint, "surplus": w.id in surplus,
                     "tasks": 1 if w.task else 0, "job": self._task_job(w.task),
@@ -1256,6 +1369,8 @@ class State:
                  "consumer_hosts": sorted(self._hosts(j)),
                  "elements": j.elements, "bytes": j.bytes, "shared": j.share is not None,
                  "starvation": round(j.starvation, 3), "desired_workers": j.desired,
+                 "weight": j.weight, "share": round(entitled[j.id], 2),
+                 "active": claims[j.id].wants > 0, "hungry": claims[j.id].hungry,
                  "stage_seconds": {k: round(v, 3) for k, v in j.stages.items()},
                  "trainers": self._trainers(j) if j.share is not None else [],
                  "rounds": _round_status(j.rounds, j.epoch) if j.rounds is not None else None,
@@ -1266,25 +1381,35 @@ class State:
     def metrics(self, now: float) -> dict[str, Any]:
         """A snapshot for ``zloader-broker --metrics-port`` (zloader/metrics.py); updates
         each job's starvation ratio over the time since the last snapshot."""
+        self._sample(now)
+        entitled = pool.shares(self._claims(now).values(), len(self.workers))
         jobs = []
         for job in self.jobs.values():
-            if job.waited_at is not None and now > job.waited_at[1] and job.consumers:
-                job.starvation = min(1.0, max(0.0, (job.wait_seconds - job.waited_at[0])
-                                              / ((now - job.waited_at[1])
-                                                 * len(job.consumers))))
-            job.waited_at = (job.wait_seconds, now)
-            job.desired = self._desired(job, now)
             jobs.append({"job": job.id, "name": job.name or "", "elements": job.elements,
                          "bytes": job.bytes, "wait_seconds": job.wait_seconds,
                          "starvation": job.starvation, "skipped": job.skipped,
                          "failed_splits": len(job.failed), "consumers": len(job.consumers),
                          "workers": len(job.tasks), "stages": dict(job.stages),
-                         "desired_workers": job.desired})
+                         "desired_workers": job.desired, "weight": job.weight,
+                         "share_workers": entitled[job.id]})
         workers = [{"worker": w.id, "host": w.host, "job": self._task_job(w.task) or "",
                     **{k: w.stats.get(k, 0) for k in ("elements", "bytes", "cpu_seconds",
                                                        "rejected", "credits", "ring_fill")}}
                    for w in self.workers.values()]
         return {"jobs": jobs, "workers": workers, "rejected": self.rejected}
+
+    def _sample(self, now: float) -> None:
+        """Each job's starvation over the time since the last sample (the share of it its
+        consumers waited for data), and its autoscaler's ``desired_workers``."""
+        for job in self.jobs.values():
+            if job.waited_at is not None and now <= job.waited_at[1]:
+                continue
+            if job.waited_at is not None and job.consumers:
+                job.starvation = min(1.0, max(0.0, (job.wait_seconds - job.waited_at[0])
+                                              / ((now - job.waited_at[1])
+                                                 * len(job.consumers))))
+            job.waited_at = (job.wait_seconds, now)
+            job.desired = self._desired(job, now)
 
     @staticmethod
     def _desired(job: Job, now: float) -> int:
@@ -1400,6 +1525,14 @@ def _coordinated(value: Any, name: str | None) -> tuple[int, int] | None:
     if not name:
         raise ProtocolError("REGISTER: coordinated reads need a job_name")
     return size, index
+
+
+def _weight(value: Any) -> float:
+    """REGISTER.weight: a job's share of the pool relative to other jobs'."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0.001 <= value <= 1000:
+        raise ProtocolError("REGISTER: weight must be a number from 0.001 to 1000")
+    return float(value)
 
 
 def _count(value: Any) -> int:

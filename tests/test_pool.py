@@ -1,0 +1,240 @@
+"""The worker pool's policy (zloader/pool.py) and the broker state that applies it, as plain
+calls: which job each worker serves when several jobs share one pool (docs/pool.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.test_state import ready, split
+from zloader import pool
+from zloader._defaults import SLICE_SECONDS
+from zloader.journal import Journal
+from zloader.state import State
+from zloader.transport.protocol import Command, Message, ProtocolError
+
+
+def claim(job: str, held: int, weight: float = 1.0, wants: int = pool.UNBOUNDED,
+          hungry: bool = True, movable: bool = True) -> pool.Claim:
+    return pool.Claim(job, weight, held, wants, hungry, movable)
+
+
+def settle(claims: dict[str, pool.Claim], holdings: list[pool.Holding], now: float = 100.0,
+           eligible=lambda worker, job: True) -> dict[str, int]:
+    """Apply moves until none is left; returns workers per job."""
+    for _ in range(100):
+        move = pool.next_move(claims.values(), holdings, eligible, now)
+        if move is None:
+            break
+        worker, taker = move
+        holding = next(h for h in holdings if h.worker == worker)
+        holdings[holdings.index(holding)] = pool.Holding(worker, taker, now)
+        for job in (holding.job, taker):
+            held = sum(1 for h in holdings if h.job == job)
+            claims[job] = pool.Claim(job, claims[job].weight, held, claims[job].wants,
+                                     claims[job].hungry, claims[job].movable)
+    else:
+        raise AssertionError("the moves did not settle")
+    return {job: sum(1 for h in holdings if h.job == job) for job in claims}
+
+
+def held_by(job: str, workers: int, start: int = 0, since: float = 0.0) -> list[pool.Holding]:
+    return [pool.Holding(f"w{start + i}", job, since) for i in range(workers)]
+
+
+# --- the policy, alone ---------------------------------------------------------------------
+
+def test_shares_are_weighted_and_capped_by_what_a_job_can_use():
+    assert pool.shares([claim("a", 0), claim("b", 0)], 8) == {"a": 4.0, "b": 4.0}
+    assert pool.shares([claim("a", 0, weight=3), claim("b", 0)], 8) == {"a": 6.0, "b": 2.0}
+    # b can use 1 (its autoscaler's desired count): a gets the rest
+    assert pool.shares([claim("a", 0), claim("b", 0, wants=1)], 8) == {"a": 7.0, "b": 1.0}
+    # between epochs a job is entitled to nothing
+    assert pool.shares([claim("a", 0), claim("b", 0, wants=0)], 8) == {"a": 8.0, "b": 0.0}
+    assert pool.shares([claim("a", 0), claim("b", 0), claim("c", 0)], 2)["c"] == \
+        pytest.approx(2 / 3)
+
+
+def test_jobs_arriving_one_by_one_end_with_equal_shares():
+    claims = {"a": claim("a", 8)}
+    holdings = held_by("a", 8)
+    for job in ("b", "c", "d"):
+        claims[job] = claim(job, 0)
+        counts = settle(claims, holdings)
+    assert counts == {"a": 2, "b": 2, "c": 2, "d": 2}
+
+
+def test_weights_skew_the_split():
+    claims = {"a": claim("a", 8, weight=3), "b": claim("b", 0)}
+    assert settle(claims, held_by("a", 8)) == {"a": 6, "b": 2}
+
+
+def test_a_job_between_epochs_gives_its_workers_to_a_hungry_one():
+    claims = {"a": claim("a", 4, wants=0, hungry=False), "b": claim("b", 0)}
+    assert settle(claims, held_by("a", 4)) == {"a": 0, "b": 4}
+
+
+def test_a_job_above_what_its_autoscaler_wants_gives_the_excess():
+    claims = {"a": claim("a", 4, wants=1), "b": claim("b", 0, weight=0.01)}
+    assert settle(claims, held_by("a", 4)) == {"a": 1, "b": 3}
+
+
+def test_a_job_that_is_not_waiting_takes_nothing():
+    claims = {"a": claim("a", 2), "b": claim("b", 0, hungry=False)}
+    assert pool.next_move(claims.values(), held_by("a", 2), lambda w, j: True, 100.0) is None
+
+
+def test_more_jobs_than_workers_time_slice():
+    claims = {"a": claim("a", 1), "b": claim("b", 0)}
+    fresh = [pool.Holding("w0", "a", since=100.0)]
+    assert pool.next_move(claims.values(), fresh, lambda w, j: True, 100.0) is None
+    later = 100.0 + SLICE_SECONDS
+    assert pool.next_move(claims.values(), fresh, lambda w, j: True, later) == ("w0", "b")
+
+
+def test_static_jobs_and_workers_that_cannot_run_a_job_do_not_move():
+    claims = {"a": claim("a", 4, movable=False), "b": claim("b", 0)}
+    assert pool.next_move(claims.values(), held_by("a", 4), lambda w, j: True, 100.0) is None
+    claims = {"a": claim("a", 4), "b": claim("b", 0)}
+    only_w3 = settle(claims, held_by("a", 4), eligible=lambda w, j: w == "w3" or j == "a")
+    assert only_w3 == {"a": 3, "b": 1}
+
+
+# --- the broker state, as plain calls --------------------------------------------------------
+
+def register(state: State, consumer: str, now: float = 0.0, weight: float = 1.0,
+             exactly_once: bool = False, fingerprint: str | None = None, splits: int = 8):
+    return state.register(consumer.encode(), Message(Command.REGISTER, {
+        "consumer": consumer, "fingerprint": fingerprint or consumer * 64,
+        "job_name": None, "sharding": "dynamic", "deterministic": False, "num_workers": 0,
+        "on_error": "raise", "host_id": "h/boot/ns", "pid": 1, "weight": weight,
+        "exactly_once": exactly_once,
+        "source": {"num_splits": splits, "shuffle_splits": False, "seed": None}},
+        [b"pipeline"]), now)
+
+
+def epoch(state: State, consumer: str, now: float, number: int = 0):
+    return state.epoch_started(consumer.encode(), Message(Command.EPOCH, {"epoch": number}),
+                               now)
+
+
+def beat(state: State, consumer: str, now: float, active: int = 1, wait: float = 0.0):
+    return state.consumer_heartbeat(consumer.encode(), now, Message(Command.HEARTBEAT, {
+        "stats": {"elements": 0, "wait_seconds": wait, "active": active}}))
+
+
+def workers_of(state: State) -> dict[str, int]:
+    counts = {c.job: 0 for c in state.consumers.values()}
+    names = {c.job: c.id for c in state.consumers.values()}
+    for worker in state.workers.values():
+        job = next((j for j in state.jobs.values() if worker.task in j.tasks), None)
+        if job is not None:
+            counts[job.id] += 1
+    return {names[job]: n for job, n in counts.items()}
+
+
+def pool_of(size: int) -> State:
+    state = State(heartbeat=1.0)
+    for i in range(size):
+        ready(state, f"w{i}")
+    return state
+
+
+def test_a_job_that_starts_reading_takes_workers_from_one_that_holds_all():
+    state = pool_of(4)
+    register(state, "a")
+    epoch(state, "a", 0.1)
+    assert workers_of(state) == {"a": 4}
+    register(state, "b", now=0.2)
+    assert workers_of(state) == {"a": 4, "b": 0}  # b has not asked for data yet
+    out = epoch(state, "b", 0.3)
+    assert workers_of(state) == {"a": 2, "b": 2}
+    released = {o.identity for o in out if o.command is Command.RELEASE}
+    started = {o.identity for o in out if o.command is Command.TASK}
+    assert len(released) == 2 and released == started  # the same two workers move
+    assert state.status(0.3)["jobs"][1]["share"] == 2.0
+
+
+def test_a_moved_workers_split_is_read_again_by_its_jobs_other_workers():
+    state = pool_of(2)
+    out = register(state, "a", splits=4)
+    epoch(state, "a", 0.1)
+    tasks = {o.identity.decode(): o.body["task"] for o in out if o.command is Command.TASK}
+    taken = {name: split(state, name, task) for name, task in tasks.items()}
+    out = register(state, "b", now=0.2)
+    moves = epoch(state, "b", 0.3)
+    moved = next(o.identity.decode() for o in moves if o.command is Command.RELEASE)
+    stayed = next(name for name in tasks if name != moved)
+    # the moved worker's split comes first to the one that stayed, then the rest, once
+    got = [split(state, stayed, tasks[stayed]) for _ in range(3)]
+    assert got == [taken[moved], 2, 3]
+
+
+def test_an_exactly_once_jobs_moved_worker_is_fenced_until_its_consumers_answer():
+    state = pool_of(2)
+    out = register(state, "a", exactly_once=True)
+    epoch(state, "a", 0.1)
+    for o in out:
+        if o.command is Command.TASK:
+            split(state, o.identity.decode(), o.body["task"])
+    a_job = state.consumers["a"].job
+    register(state, "b", now=0.2)
+    epoch(state, "b", 0.3)
+    (fence,) = state.jobs[a_job].fences.values()
+    assert fence.waiting == {"a"} and fence.event["e"] == "left"
+    assert workers_of(state) == {"a": 1, "b": 1}  # the worker moved at once
+
+
+def test_a_job_between_epochs_gives_its_workers_back_and_takes_them_again():
+    state = pool_of(2)
+    register(state, "train")
+    epoch(state, "train", 0.1)
+    register(state, "val", now=0.2)
+    beat(state, "train", 0.5, active=0)  # its epoch ended; validation starts
+    epoch(state, "val", 0.6)
+    assert workers_of(state) == {"train": 0, "val": 2}
+    beat(state, "val", 1.5, active=0)  # validation over
+    epoch(state, "train", 2.0, number=1)
+    assert workers_of(state) == {"train": 2, "val": 0}
+
+
+def test_a_hungry_job_with_no_worker_gets_one_after_a_time_slice():
+    state = pool_of(1)
+    register(state, "a")
+    epoch(state, "a", 0.0)
+    register(state, "b", now=0.1)
+    epoch(state, "b", 0.2)
+    assert workers_of(state) == {"a": 1, "b": 0}  # a's worker just started
+    state.tick(0.2 + SLICE_SECONDS)
+    assert workers_of(state) == {"a": 0, "b": 1}
+
+
+def test_weights_from_register_skew_the_pool_and_are_checked():
+    state = pool_of(4)
+    register(state, "a", weight=3.0)
+    epoch(state, "a", 0.1)
+    register(state, "b", now=0.2)
+    epoch(state, "b", 0.3)
+    assert workers_of(state) == {"a": 3, "b": 1}
+    shares = {j["weight"]: j["share"] for j in state.status(0.3)["jobs"]}
+    assert shares == {3.0: 3.0, 1.0: 1.0}
+    for bad in (0, -1, "2", True, 10**6):
+        with pytest.raises(ProtocolError, match="weight"):
+            register(state, "c", weight=bad)  # type: ignore[arg-type]
+
+
+def test_a_restarted_broker_replays_moves(tmp_path):
+    state = State(heartbeat=1.0, journal=Journal(str(tmp_path)))
+    for name in ("w0", "w1"):
+        ready(state, name)
+    register(state, "a", splits=4)
+    epoch(state, "a", 0.1)
+    register(state, "b", now=0.2)
+    epoch(state, "b", 0.3)
+    before = {w.id: w.task for w in state.workers.values()}
+    state.journal.close()
+    restored = State(heartbeat=1.0, journal=Journal(str(tmp_path)))
+    assert restored.restore(1.0) == 2
+    assert {w.id: w.task for w in restored.workers.values()} == before
+    for job in restored.jobs.values():
+        assert sorted(job.tasks.values()) == sorted(state.jobs[job.id].tasks.values())
+    restored.journal.close()

@@ -1,0 +1,143 @@
+"""Several jobs on one broker's worker pool, with real broker and worker processes: a
+validation Loader beside a training one (as Keras ``fit(validation_data=...)`` runs them),
+an endless job beside a finite one, and four jobs sharing eight workers (docs/pool.md)."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+import pytest
+
+from tests.service import service, status, wait_for
+from zloader import Loader, Pipeline
+
+
+def slow(x: int) -> int:
+    time.sleep(0.002)
+    return x
+
+
+def drain(iterator, count: int | None = None) -> collections.Counter:
+    seen: collections.Counter = collections.Counter()
+    for i, x in enumerate(iterator):
+        seen[x] += 1
+        if count is not None and i + 1 == count:
+            break
+    return seen
+
+
+def once(seen: collections.Counter, n: int) -> None:
+    assert sorted(seen) == list(range(n)), f"missing {sorted(set(range(n)) - set(seen))[:10]}"
+    repeated = {x: c for x, c in seen.items() if c > 1}
+    assert not repeated, f"repeated: {list(repeated.items())[:10]}"
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4])
+def test_train_and_validation_loaders_on_one_broker_each_read_every_epoch(workers):
+    """Keras's order: a training epoch, then the validation epoch, twice; the first time
+    the training iterator is paused halfway (``steps_per_epoch``) while validation runs.
+    The validation job gets workers the training job held, and both read every element of
+    every epoch once: the moved workers lose and repeat nothing."""
+    with service(workers=workers) as (address, _), \
+            Loader(Pipeline.range(600, split_size=20).map(slow), broker=address,
+                   timeout=30) as train, \
+            Loader(Pipeline.range(200, split_size=10).map(slow), broker=address,
+                   timeout=30) as validation:
+        elements = iter(train)
+        seen = drain(elements, 300)
+        once(drain(validation), 200)
+        seen += drain(elements)
+        once(seen, 600)
+        once(drain(train), 600)
+        once(drain(validation), 200)
+
+
+def test_a_job_beside_an_endless_one_gets_its_first_element_soon_and_a_fair_share():
+    """Two worker processes; the first job repeats forever. The second, started later,
+    gets its first element within 5 s and at least 30% of the pool's output while both
+    read."""
+    with service(workers=2) as (address, _), \
+            Loader(Pipeline.range(1000, split_size=10).map(slow).repeat(), broker=address,
+                   timeout=30) as endless, \
+            Loader(Pipeline.range(100_000, split_size=10).map(slow), broker=address,
+                   timeout=30) as late:
+        counts = {"endless": 0, "late": 0}
+        stop = threading.Event()
+
+        def read() -> None:
+            for _ in endless:
+                counts["endless"] += 1
+                if stop.is_set():
+                    return
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        try:
+            wait_for(lambda: counts["endless"] > 200, what="the endless job")
+            start = time.monotonic()
+            elements = iter(late)
+            next(elements)
+            assert time.monotonic() - start < 5.0, "the late job waited for a worker"
+            time.sleep(1.0)  # let the pool settle, then measure both
+            before = dict(counts)
+            for _ in elements:
+                counts["late"] += 1
+                if counts["late"] >= 1000:
+                    break
+            got = {k: counts[k] - before[k] for k in counts}
+        finally:
+            stop.set()
+            reader.join(30)
+        assert got["late"] / (got["late"] + got["endless"]) >= 0.3, got
+
+
+@pytest.mark.slow
+def test_four_jobs_on_eight_workers_each_get_an_equal_share():
+    """Four jobs read at once from eight workers: each runs on two and its output is
+    within 20% of the mean."""
+    with service(workers=8) as (address, _):
+        loaders = [Loader(Pipeline.range(10**6, split_size=20).map(_sleepy(i)),
+                          broker=address, timeout=60) for i in range(4)]
+        counts = [0] * 4
+        stop = threading.Event()
+        measuring = threading.Event()
+
+        def read(index: int) -> None:
+            for _ in loaders[index]:
+                if measuring.is_set():
+                    counts[index] += 1
+                if stop.is_set():
+                    return
+
+        readers = [threading.Thread(target=read, args=(i,)) for i in range(4)]
+        try:
+            for reader in readers:
+                reader.start()
+                time.sleep(0.5)  # they arrive one after the other
+
+            def spread() -> list[int]:
+                jobs = status(address)["jobs"]
+                return sorted(j["workers"] for j in jobs)
+
+            wait_for(lambda: spread() == [2, 2, 2, 2], what="two workers per job")
+            measuring.set()
+            time.sleep(4.0)
+            measuring.clear()
+        finally:
+            stop.set()
+            for reader in readers:
+                reader.join(30)
+            for loader in loaders:
+                loader.close()
+        mean = sum(counts) / 4
+        assert all(abs(c - mean) <= 0.2 * mean for c in counts), counts
+
+
+def _sleepy(salt: int):
+    """A distinct pipeline per job (so none is shared): 5 ms an element."""
+    def work(x: int) -> int:
+        time.sleep(0.005)
+        return x + salt
+    return work

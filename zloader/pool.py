@@ -1,0 +1,116 @@
+"""The pool's policy: how many workers each job is entitled to, and which worker moves to
+which job when a job lacks its share (docs/pool.md).
+
+Pure functions over small frozen records, no sockets and no clock of their own: the
+broker's state machine (``zloader/state.py``) builds a :class:`Claim` per job and a
+:class:`Holding` per busy worker, asks :func:`next_move`, and carries the move out (the
+worker leaves its job as a draining worker does, exactly once, then takes the new one).
+
+The rules, in order of preference for the worker that moves:
+
+1. A job that needs no workers now (its consumers are between epochs) or holds more than
+   its autoscaler wants gives them to any hungry job.
+2. A job gives one to a hungry job when, per unit of weight, it would still hold at least as
+   many as the taker after the move (so moves converge: no worker goes back and forth).
+3. Time-slicing: a hungry job with no worker at all takes one that has served its current
+   job for :data:`SLICE_SECONDS` (more jobs than workers: each gets turns).
+
+Static and deterministic jobs keep their workers (their worker indices are fixed).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from zloader._defaults import SLICE_SECONDS
+
+__all__ = ["Claim", "Holding", "next_move", "shares"]
+
+UNBOUNDED = 1 << 30
+"""``Claim.wants`` of a job that can use any number of workers."""
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What one job asks of the pool now."""
+
+    job: str
+    weight: float   # its share relative to the other jobs' (``Loader(weight=)``)
+    held: int       # workers running it
+    wants: int      # workers it can use: 0 between epochs, its autoscaler's desired count,
+    #                 its width (static), else UNBOUNDED
+    hungry: bool    # its consumers waited for data lately
+    movable: bool   # its workers may be taken from it (dynamic, not deterministic)
+
+
+@dataclass(frozen=True)
+class Holding:
+    """A worker that runs a task of ``job`` since ``since``."""
+
+    worker: str
+    job: str
+    since: float
+    rank: int = 0  # among equals, lower moves first (a remote worker, the last assigned)
+
+
+def shares(claims: Iterable[Claim], workers: int) -> dict[str, float]:
+    """Each job's entitlement, in workers: ``workers`` divided in proportion to weight
+    (max-min fair), no job given more than it wants and the rest shared by the others."""
+    left = float(workers)
+    open_claims = [c for c in claims if c.wants > 0]
+    out = {c.job: 0.0 for c in claims}
+    while open_claims and left > 1e-9:
+        level = left / sum(c.weight for c in open_claims)
+        capped = [c for c in open_claims if c.wants - out[c.job] <= c.weight * level]
+        if not capped:
+            for claim in open_claims:
+                out[claim.job] += claim.weight * level
+            break
+        for claim in capped:
+            left -= claim.wants - out[claim.job]
+            out[claim.job] = float(claim.wants)
+        open_claims = [c for c in open_claims if c not in capped]
+    return out
+
+
+def next_move(claims: Iterable[Claim], holdings: Iterable[Holding],
+              eligible: Callable[[str, str], bool], now: float) -> tuple[str, str] | None:
+    """``(worker, job)``: the busy worker to move to ``job``, or None when no move makes the
+    pool fairer. ``eligible(worker, job)`` says whether the worker can run that job at all
+    (a pipeline only forked workers hold, a worker only its own host can reach)."""
+    by_job = {c.job: c for c in claims}
+    held = list(holdings)
+    takers = sorted((c for c in by_job.values() if c.hungry and c.held < c.wants),
+                    key=lambda c: (c.held / c.weight, c.job))
+    for taker in takers:
+        best: tuple[tuple[float, ...], Holding] | None = None
+        for holding in held:
+            giver = by_job.get(holding.job)
+            if giver is None or giver.job == taker.job or not giver.movable \
+                    or not eligible(holding.worker, taker.job):
+                continue
+            reason = _reason(giver, taker, now - holding.since)
+            if reason is None:
+                continue
+            key = (reason, -giver.held / giver.weight, holding.rank, holding.since)
+            if best is None or key < best[0]:
+                best = (key, holding)
+        if best is not None:
+            return best[1].worker, taker.job
+    return None
+
+
+def _reason(giver: Claim, taker: Claim, served: float) -> int | None:
+    """Why ``giver`` gives a worker that has served it ``served`` seconds to ``taker``
+    (the rule number, lower first), or None when it keeps it."""
+    if giver.held > giver.wants:
+        return 1
+    after_giver = (giver.held - 1) / giver.weight
+    after_taker = (taker.held + 1) / taker.weight
+    if after_giver >= after_taker or math.isclose(after_giver, after_taker):
+        return 2
+    if taker.held == 0 and served >= SLICE_SECONDS:
+        return 3
+    return None
