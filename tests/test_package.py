@@ -19,7 +19,7 @@ PACKAGE = ROOT / "zloader"
 LAYERS = {
     "_version": 0, "_defaults": 0, "errors": 0, "_check": 0, "_seeding": 0, "_command": 0,
     "codec": 1, "collate": 1, "fingerprint": 1, "rounds": 1, "journal": 1, "lineage": 1,
-    "metrics": 1, "autoscale": 1, "forward": 1, "blobs": 1, "_status": 6, "actuator": 7,
+    "metrics": 1, "autoscale": 1, "forward": 1, "blobs": 1, "pool": 1, "_status": 6, "actuator": 7,
     "ray": 8, "shipping": 5,
     "_host": 0, "sources": 2, "stages": 2,
     "pipeline": 3, "plan": 4, "demo": 4, "_pickling": 4,
@@ -151,9 +151,9 @@ def test_status_command_against_a_running_broker():
             next(iter(loader))
             table = run(bin_path("zloader"), "status", "--broker", address)
         header, row = table.stdout.split("jobs (1)\n")[1].splitlines()[:2]
-        assert header.split() == ["job", "name", "consumers", "workers", "wanted",
+        assert header.split() == ["job", "name", "consumers", "workers", "share", "wanted",
                                   "starved", "elements", "bytes", "fingerprint"]
-        assert row.split()[1:4] == ["shown", "1", "1"] and row.split()[5].endswith("%")
+        assert row.split()[1:5] == ["shown", "1", "1", "1.0"] and row.split()[6].endswith("%")
     silent = run(bin_path("zloader"), "status", "--broker", address, "--timeout", "0.5")
     assert silent.returncode == 1 and "no answer" in silent.stderr
 

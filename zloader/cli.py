@@ -144,8 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     status = commands.add_parser(
         "status", help="show a broker's workers and jobs",
         description="Ask a broker for its workers (host, pid, tasks, elements/s) and jobs "
-                    "(job id, name, consumers, workers, starvation, elements and bytes "
-                    "served, fingerprint).")
+                    "(job id, name, consumers, workers, share of the worker pool, "
+                    "starvation, elements and bytes served, fingerprint).")
     _broker_arguments(status)
     status.add_argument("--json", action="store_true",
                         help='print one JSON object {"workers": [...], "jobs": [...]}')
@@ -153,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     top = commands.add_parser(
         "top", help="a live view of a broker's jobs and workers",
         description="Refresh, every INTERVAL seconds, a view of the service: per job its "
-                    "consumers, workers, elements/s and bytes/s since the last refresh, and "
+                    "consumers, workers, share of the pool, elements/s and bytes/s since the "
+                    "last refresh, and "
                     "the share of time its consumers waited for data (starvation); per "
                     "worker its job, elements/s and CPU use. Ctrl-C quits.")
     _broker_arguments(top)
@@ -562,14 +563,14 @@ def _top_frame(status: dict[str, Any], previous: tuple[float, dict[str, Any]] | 
     jobs, workers = status.get("jobs", []), status.get("workers", [])
     lines = [f"zloader top: {broker}, {len(jobs)} jobs, {len(workers)} workers, "
              f"{status.get('rejected', 0)} messages rejected", "",
-             f"  {'job':<16} {'name':<16} {'consumers':>9} {'workers':>7} {'wanted':>6} "
-             f"{'elements/s':>12} {'MB/s':>9} {'starved':>8}"]
+             f"  {'job':<16} {'name':<16} {'consumers':>9} {'workers':>7} {'share':>6} "
+             f"{'wanted':>6} {'elements/s':>12} {'MB/s':>9} {'starved':>8}"]
     for job in jobs:
         name = "(shared)" if job.get("shared") else job.get("name") or "-"
         old = before.get(job["job"], {})
         mb = rate(job["bytes"] / 1e6, old["bytes"] / 1e6 if "bytes" in old else None)
         lines.append(f"  {job['job']:<16} {str(name)[:16]:<16} {job['consumers']:>9} "
-                     f"{job['workers']:>7} "
+                     f"{job['workers']:>7} {job.get('share', 0.0):>6.1f} "
                      f"{job.get('desired_workers', '-'):>6} "
                      f"{rate(job['elements'], old.get('elements')):>12} {mb:>9} "
                      f"{job.get('starvation', 0.0):>8.0%}")
@@ -604,12 +605,12 @@ def _status(args: argparse.Namespace) -> int:
         print(f"  {w['host']:<20} {w['pid']:>8} {w['tasks']:>5} {w['elements_per_second']:>12,.0f}"
               f" {w.get('cpu_seconds', 0.0):>9,.1f}" + ("  (surplus)" if w.get("surplus") else ""))
     print(f"jobs ({len(status.get('jobs', []))})")
-    print(f"  {'job':<16} {'name':<16} {'consumers':>9} {'workers':>7} {'wanted':>6} "
-          f"{'starved':>7} {'elements':>12} {'bytes':>14}  {'fingerprint':<16}")
+    print(f"  {'job':<16} {'name':<16} {'consumers':>9} {'workers':>7} {'share':>6} "
+          f"{'wanted':>6} {'starved':>7} {'elements':>12} {'bytes':>14}  {'fingerprint':<16}")
     for j in status.get("jobs", []):
         name = "(shared)" if j.get("shared") else j["name"] or "-"
         print(f"  {j['job']:<16} {str(name)[:16]:<16} {j['consumers']:>9} "
-              f"{j['workers']:>7} {j.get('desired_workers', 0):>6} "
+              f"{j['workers']:>7} {j.get('share', 0.0):>6.1f} {j.get('desired_workers', 0):>6} "
               f"{j.get('starvation', 0.0):>7.1%} {j['elements']:>12,} {j['bytes']:>14,}  "
               f"{j['fingerprint'][:16]:<16}")
         for t in j.get("trainers", []):
