@@ -102,10 +102,11 @@ def test_static_jobs_and_workers_that_cannot_run_a_job_do_not_move():
 # --- the broker state, as plain calls --------------------------------------------------------
 
 def register(state: State, consumer: str, now: float = 0.0, weight: float = 1.0,
-             exactly_once: bool = False, fingerprint: str | None = None, splits: int = 8):
+             exactly_once: bool = False, fingerprint: str | None = None, splits: int = 8,
+             sharding: str = "dynamic"):
     return state.register(consumer.encode(), Message(Command.REGISTER, {
         "consumer": consumer, "fingerprint": fingerprint or consumer * 64,
-        "job_name": None, "sharding": "dynamic", "deterministic": False, "num_workers": 0,
+        "job_name": None, "sharding": sharding, "deterministic": False, "num_workers": 0,
         "on_error": "raise", "host_id": "h/boot/ns", "pid": 1, "weight": weight,
         "exactly_once": exactly_once,
         "source": {"num_splits": splits, "shuffle_splits": False, "seed": None}},
@@ -195,6 +196,20 @@ def test_a_job_between_epochs_gives_its_workers_back_and_takes_them_again():
     beat(state, "val", 1.5, active=0)  # validation over
     epoch(state, "train", 2.0, number=1)
     assert workers_of(state) == {"train": 2, "val": 0}
+
+
+def test_a_static_job_gives_its_workers_up_only_between_epochs():
+    state = pool_of(2)
+    register(state, "static", sharding="static")
+    epoch(state, "static", 0.1)
+    register(state, "b", now=0.2)
+    epoch(state, "b", 0.3)
+    state.tick(0.3 + 2 * SLICE_SECONDS)
+    assert workers_of(state) == {"static": 2, "b": 0}  # mid-epoch: its indices are fixed
+    beat(state, "static", 3.0, active=0)
+    beat(state, "b", 3.0, wait=2.5)  # b waits for data all along
+    state.tick(3.0)
+    assert workers_of(state) == {"static": 0, "b": 2}
 
 
 def test_a_hungry_job_with_no_worker_gets_one_after_a_time_slice():

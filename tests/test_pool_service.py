@@ -54,6 +54,39 @@ def test_train_and_validation_loaders_on_one_broker_each_read_every_epoch(worker
         once(drain(validation), 200)
 
 
+def test_torch_train_and_validation_dataloaders_on_one_broker_alternate_epochs():
+    """The torch drop-in's jobs are deterministic (torch's exact batches), so their workers
+    move only between epochs: a training and a validation DataLoader on one broker with
+    two workers, persistent workers, three epochs each, every sample each epoch."""
+    import torch
+
+    import zloader.torch
+
+    class Numbers(torch.utils.data.Dataset):
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def __len__(self) -> int:
+            return self.n
+
+        def __getitem__(self, i: int) -> int:
+            return i
+
+    with service(workers=2) as (address, _):
+        train = zloader.torch.DataLoader(Numbers(256), batch_size=16, shuffle=True,
+                                         num_workers=2, broker=address,
+                                         persistent_workers=True, timeout=30)
+        validation = zloader.torch.DataLoader(Numbers(64), batch_size=16, num_workers=2,
+                                              broker=address, persistent_workers=True,
+                                              timeout=30)
+        try:
+            for _ in range(3):
+                assert sorted(int(x) for b in train for x in b) == list(range(256))
+                assert [int(x) for b in validation for x in b] == list(range(64))
+        finally:
+            del train, validation
+
+
 def test_a_job_beside_an_endless_one_gets_its_first_element_soon_and_a_fair_share():
     """Two worker processes; the first job repeats forever. The second, started later,
     gets its first element within 5 s and at least 30% of the pool's output while both

@@ -710,7 +710,7 @@ class State:
             else:  # its autoscaler's count, once it has more than its consumers take
                 wants = job.desired
             claims[job.id] = pool.Claim(job.id, job.weight, len(job.tasks), wants, hungry,
-                                        movable=not fixed)
+                                        movable=not fixed or not active)
         return claims
 
     def _rebalance(self, now: float) -> list[Out]:
