@@ -27,9 +27,9 @@ LAYERS = {
     "loader": 8, "torch": 9, "tf": 9, "cli": 10, "__init__": 11,
     # The client package (layer 6), in the order its modules may import each other;
     # "client" is its __init__.
-    "client.stats": 6.0, "client.session": 6.0, "client.items": 6.0,
+    "client.stats": 6.0, "client.session": 6.0, "client.items": 6.0, "client.arguments": 6.0,
     "client.rounds": 6.1, "client.exactly_once": 6.1, "client.peers": 6.2,
-    "client.link": 6.2, "client.epoch_end": 6.3, "client.receive": 6.4,
+    "client.link": 6.2, "client.epoch_end": 6.3, "client.packing": 6.3, "client.receive": 6.4,
     "client.thread": 6.5, "client.merging": 6.6, "client": 6.7,
 }
 SUBPACKAGES = ("client",)

@@ -1,62 +1,52 @@
 """``Loader``: iterate a pipeline run by zloader's workers, embedded or through a broker.
 
-The Loader's I/O thread owns every socket: it registers the job with the broker, follows the
-job's worker list, opens each epoch on every worker, returns credits, and decodes records
-(from a shared-memory ring for co-located workers, from ZeroMQ frames otherwise) into a
-queue. The iterating thread takes records from that queue, runs the pipeline's consumer
-part (docs/semantics.md) and yields elements.
+The Loader's I/O thread (zloader/client/) owns every socket: it registers the job with the
+broker, follows the job's worker list, opens each epoch on every worker, returns credits,
+and decodes records (from a shared-memory ring for co-located workers, from ZeroMQ frames
+otherwise) into a queue. The iterating thread takes records from that queue in the order
+zloader/client/merging.py decides, runs the pipeline's consumer part (docs/semantics.md)
+and yields elements. This module is the public API: the arguments, the process lifecycle.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
-import types
 from collections.abc import Iterator
 from typing import Any
 
-import cloudpickle
-
 from zloader import _check, codec
-from zloader._host import loopback
-from zloader._pickling import dumps_pipeline
 from zloader._process import START_METHODS, start_worker
 from zloader.broker import Broker
-from zloader.client import (
-    STATE_VERSION,
-    IOThread,
-    Merger,
-    applies,
-    local_address,
-    resume_from,
+from zloader.client import STATE_VERSION, IOThread, Merger, applies, resume_from
+from zloader.client.arguments import (
+    DEFAULT_PREFETCH,
+    ON_ERROR,
+    SHARDING,
+    TRANSPORTS,
+    choice,
+    coordination,
+    share_settings,
+    timeout_seconds,
+    valid_ring_bytes,
 )
-from zloader.fingerprint import is_installed, library_version
+from zloader.client.packing import check_exposure, pack
 from zloader.pipeline import Pipeline
 from zloader.plan import plan
-from zloader.sharing.options import DEFAULT_BLOCK_SECONDS, settings
-from zloader.shipping import Served
-from zloader.sources import ArraysSource, ItemsSource
+from zloader.sharing.options import DEFAULT_BLOCK_SECONDS
 from zloader.stages import Context
 from zloader.transport.keys import resolve as resolve_keys
-from zloader.transport.ring import ALIGN
 from zloader.transport.shm import sweep, sweep_dirs
 
 __all__ = ["Loader"]
 
 log = logging.getLogger("zloader.loader")
 
-SHARDING = ("dynamic", "static", "off")
-TRANSPORTS = ("auto", "tcp")
-ON_ERROR = ("raise", "skip")
-DEFAULT_PREFETCH = 8
 WORKER_STOP_SECONDS = 3.0
 
 
@@ -155,22 +145,17 @@ class Loader:
                  state: Any = None, width: int | None = None) -> None:
         if not isinstance(pipeline, Pipeline):
             raise TypeError(f"pipeline must be a zloader.Pipeline, got {type(pipeline).__name__}")
-        _choice("sharding", sharding, SHARDING)
-        _choice("transport", transport, TRANSPORTS)
-        _choice("on_error", on_error, ON_ERROR)
+        choice("sharding", sharding, SHARDING)
+        choice("transport", transport, TRANSPORTS)
+        choice("on_error", on_error, ON_ERROR)
         if broker is not None:
             _check.address("broker", broker)
         if job_name is not None:
             _check.label("job_name", job_name)
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) \
-                or not math.isfinite(timeout) or timeout <= 0:
-            # nan compares false with everything and inf never elapses: either would
-            # silently turn the bound off
-            raise ValueError(f"timeout must be a finite positive number of seconds, got "
-                             f"{timeout!r}")
-        self._share = _share_settings(pipeline, broker, job_name, balanced, share,
+        self._timeout = timeout_seconds(timeout)
+        self._share = share_settings(pipeline, broker, job_name, balanced, share,
                                       share_window_bytes, share_lag, share_block_seconds)
-        coordinated = _coordinated(num_consumers, consumer_index, job_name, share, balanced,
+        coordinated = coordination(num_consumers, consumer_index, job_name, share, balanced,
                                    deterministic)
         self._keys = resolve_keys(keys) if broker is not None else None
         if broker is None and keys is not None:
@@ -187,11 +172,10 @@ class Loader:
             job_name = f"{job_name}@{resume['digest']}"  # a fresh job for the resumed run
         self._joined = False
         self._deterministic = _check.boolean("deterministic", deterministic)
-        self._timeout = float(timeout)
         max_skipped = _check.optional_integer("max_skipped", max_skipped, 0)
         prefetch = _check.integer("prefetch", prefetch if prefetch is not None
                                   else DEFAULT_PREFETCH, 1)
-        ring_bytes = _ring_bytes(ring_bytes)
+        ring_bytes = valid_ring_bytes(ring_bytes)
         embedded = broker is None
         workers = _check.optional_integer("num_workers", num_workers, 0)
         width = _check.optional_integer("width", width, 1)
@@ -200,28 +184,13 @@ class Loader:
         if embedded and workers == 0:
             raise ValueError("num_workers must be >= 1 in embedded mode (broker=None); "
                              "for an in-process run iterate the pipeline itself")
-        _choice("start_method", start_method, START_METHODS)
+        choice("start_method", start_method, START_METHODS)
         # Forked workers run the pipeline as it is in this process: nothing to pickle when
         # they are the only ones (embedded). Others get it pickled: in the REGISTER message
         # when small, else served from this Loader (docs/protocol.md, FETCH).
         inherit = start_method == "fork" and workers > 0
-        blob, served = b"", Served()
-        if not (embedded and inherit):
-            stripped, source_data = _strip_source(pipeline)
-            blob = _dumps(stripped)
-            served = Served(blob if len(blob) > INLINE_PIPELINE_BYTES else None, source_data)
-            if served.pipeline is not None:
-                blob = b""  # REGISTER carries only where to fetch it
-        if (served and broker is not None and self._keys is None
-                and not loopback(f"tcp://{local_address(broker)}:0")
-                and not _check.boolean("insecure", insecure)):
-            what = ("in-memory source" if served.source is not None
-                    else f"code ({len(served.pipeline or b'') / 2**20:.1f} MiB pickled)")
-            raise ValueError(
-                f"this pipeline's {what} is served to the broker's workers from this "
-                "process, on an address other hosts can reach, and without keys anyone "
-                "could read it: pass keys= (the broker's, see `zloader keygen`), or "
-                "insecure=True on a trusted network")
+        blob, served = pack(pipeline, inherited=embedded and inherit)
+        check_exposure(served, broker, self._keys, insecure)
         self._closed = False
         self._dir: str | None = None
         self._broker: Broker | None = None
@@ -441,115 +410,3 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def _ring_bytes(value: Any) -> int | None:
-    """Check ``ring_bytes`` here, not seconds later in the I/O thread."""
-    value = _check.optional_integer("ring_bytes", value, ALIGN)
-    if value is not None and value % ALIGN:
-        raise ValueError(f"ring_bytes must be a multiple of {ALIGN} bytes, got {value}")
-    return value
-
-
-INLINE_SOURCE_BYTES = 1 << 20
-"""In-memory sources larger than this reach workers from the Loader, not via the broker."""
-INLINE_PIPELINE_BYTES = 1 << 20
-"""Pickled pipelines larger than this reach workers from the Loader, not via the broker."""
-
-
-def _strip_source(pipeline: Pipeline) -> tuple[Pipeline, tuple[str, list[Any]] | None]:
-    """Take a large ``from_arrays``/``from_items`` source's data out of the pipeline.
-
-    Returns the pipeline to send through the broker and ``(kind, frames)`` for the Loader
-    to serve to workers: arrays as codec frames (no pickle), items as one cloudpickle frame.
-    """
-    source = pipeline.source
-    if isinstance(source, ArraysSource):
-        frames = codec.encode(source.structure)
-        if sum(memoryview(f).nbytes for f in frames) > INLINE_SOURCE_BYTES:
-            stripped = dataclasses.replace(source, structure=None)
-            return Pipeline(stripped, pipeline.stages), ("arrays", frames)
-    elif isinstance(source, ItemsSource):
-        data = cloudpickle.dumps(source.items)
-        if len(data) > INLINE_SOURCE_BYTES:
-            stripped_items = dataclasses.replace(source, items=())
-            return Pipeline(stripped_items, pipeline.stages), ("items", [data])
-    return pipeline, None
-
-
-def _dumps(pipeline: Pipeline) -> bytes:
-    """cloudpickle the pipeline, shipping the user's own modules by value.
-
-    Functions and classes from ``__main__`` and from modules that are not installed (not
-    in the standard library or site-packages) travel with the pipeline, so remote workers
-    need not have the user's source tree; installed packages travel by reference and must
-    be installed on the workers.
-    """
-    modules = [module for name, module in list(sys.modules.items())
-               if isinstance(module, types.ModuleType) and _is_user_module(name, module)]
-    for module in modules:
-        cloudpickle.register_pickle_by_value(module)
-    try:
-        return dumps_pipeline(pipeline)
-    finally:
-        for module in modules:
-            cloudpickle.unregister_pickle_by_value(module)
-
-
-def _is_user_module(name: str, module: types.ModuleType) -> bool:
-    if name == "__main__" or name.partition(".")[0] == "zloader":
-        return False
-    path = str(getattr(module, "__file__", None) or "")
-    return path.endswith(".py") and not is_installed(path) and library_version(name) is None
-
-
-def _share_settings(pipeline: Pipeline, broker: str | None, job_name: str | None,
-                    balanced: int, share: bool, window_bytes: int | None, lag: str,
-                    block_seconds: float) -> dict[str, Any] | None:
-    if not _check.boolean("share", share):
-        return None
-    if broker is None:
-        raise ValueError("share=True needs a broker that every sharing trainer uses: start "
-                         "zloader-broker and pass broker='tcp://HOST:PORT'")
-    if job_name is not None:
-        raise ValueError("share=True and job_name do not mix: job_name splits a job's "
-                         "elements between Loaders, share gives every Loader all of them")
-    if balanced:
-        raise ValueError("share=True and balanced do not mix")
-    if not pipeline.shareable:
-        log.warning("this pipeline cannot be fingerprinted soundly (see the "
-                    "FingerprintWarning), so share=True runs it alone")
-    return settings(window_bytes, lag, block_seconds)
-
-
-def _coordinated(num_consumers: Any, consumer_index: Any, job_name: str | None, share: bool,
-                 balanced: int, deterministic: bool) -> tuple[int, int] | None:
-    """Check the coordinated-read arguments: (num_consumers, consumer_index) or None."""
-    if num_consumers is None and consumer_index is None:
-        return None
-    if num_consumers is None or consumer_index is None:
-        given = "num_consumers" if consumer_index is None else "consumer_index"
-        raise ValueError(f"{given} was given alone: coordinated reads need both "
-                         "num_consumers (how many consumers read the job) and consumer_index "
-                         "(this one's, from 0)")
-    size = _check.integer("num_consumers", num_consumers, 1)
-    index = _check.integer("consumer_index", consumer_index, 0)
-    if index >= size:
-        raise ValueError(f"consumer_index must be in [0, num_consumers) = [0, {size}), got "
-                         f"{index}")
-    if share:
-        raise ValueError("share=True and num_consumers do not mix: share gives every trainer "
-                         "every element, coordinated reads split them in rounds")
-    if balanced:
-        raise ValueError("balanced and num_consumers do not mix: coordinated reads already "
-                         "give every consumer as many elements")
-    if deterministic:
-        raise ValueError("deterministic=True and num_consumers do not mix: rounds go to the "
-                         "workers in the order their elements are ready")
-    if job_name is None:
-        raise ValueError("coordinated reads (num_consumers) need a job_name shared by the "
-                         f"{size} consumers, so that they find one job")
-    return size, index
-
-
-def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")

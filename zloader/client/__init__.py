@@ -10,7 +10,8 @@ One I/O thread per Loader owns every socket (``thread.py``), split by concern:
 
 The iterating thread takes the I/O thread's items in ``merging.py`` and reads ``Stats``
 (``stats.py``), the one record both threads share; ``exactly_once.py`` holds the
-consumer's side of exactly-once epochs (the rule, ``state_dict``, resuming).
+consumer's side of exactly-once epochs (the rule, ``state_dict``, resuming). The Loader
+checks its arguments with ``arguments.py`` and ships its pipeline with ``packing.py``.
 """
 
 from zloader.client.exactly_once import STATE_VERSION, Yielded, applies, resume_from
