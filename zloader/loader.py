@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from zloader import _check, codec
+from zloader import _check
 from zloader._process import START_METHODS, start_worker
 from zloader.broker import Broker
 from zloader.client import STATE_VERSION, IOThread, Merger, applies, resume_from
@@ -277,8 +277,7 @@ class Loader:
             self._join_job()
         epoch = self._epoch
         self._epoch += 1
-        frames = codec.encode(epoch_input) if epoch_input is not None else []
-        elements = self._merger.epoch(epoch, frames)
+        elements = self._merger.epoch(epoch, epoch_input)
         return self._plan.run_consumer(elements, epoch, Context(entropy=0))
 
     def _join_job(self) -> None:

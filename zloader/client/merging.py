@@ -11,6 +11,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from zloader import codec
 from zloader.client.exactly_once import Yielded
 from zloader.client.items import Item
 from zloader.client.thread import IOThread
@@ -41,14 +42,19 @@ class Merger:
         self.yielded = Yielded()  # the origins yielded of the epoch under way
         self._reading: int | None = None  # the epoch of the live iterator
 
-    def epoch(self, epoch: int, frames: list[Any]) -> Iterator[Any]:
-        """Start ``epoch`` on the workers (with ``frames``, the codec's encoding of its
-        input) and return its elements. An older iterator of this merger raises from
-        then on."""
+    def epoch(self, epoch: int, epoch_input: Any) -> Iterator[Any]:
+        """Start ``epoch`` on the workers, handing them ``epoch_input`` (a codec element,
+        or None), and return its elements. An older iterator of this merger raises from
+        then on.
+
+        Raises:
+            CodecError: the codec cannot carry ``epoch_input``.
+        """
         # One iterator at a time: this one ends any older one (which raises if used again)
         # instead of both taking each other's records.
         self._reading = epoch
         self.yielded.begin(epoch)
+        frames = codec.encode(epoch_input) if epoch_input is not None else []
         self.io.start_epoch(epoch, frames)
         return self._round_robin(epoch) if self.deterministic else self._merged(epoch)
 
