@@ -81,13 +81,11 @@ class Peers:
     # --- who they are ---------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Peer]:
+        """The peers, as a copy: closing one while iterating is safe."""
         return iter(list(self._peers.values()))
 
     def __len__(self) -> int:
         return len(self._peers)
-
-    def __contains__(self, worker: object) -> bool:
-        return worker in self._peers
 
     def workers(self) -> set[str]:
         """The ids of the workers connected now."""
