@@ -274,7 +274,7 @@ def test_another_num_consumers_for_the_same_job_is_refused():
         second = Loader(pipeline, broker=address, job_name="n", num_consumers=3,
                         consumer_index=0, timeout=10)
         try:
-            wait_for(lambda: first._io._job is not None, what="the first consumer")
+            wait_for(lambda: first._io.job is not None, what="the first consumer")
             with pytest.raises(ValueError, match="num_consumers"):
                 list(second)
         finally:
@@ -283,9 +283,10 @@ def test_another_num_consumers_for_the_same_job_is_refused():
 
 
 def test_a_consumer_releases_rounds_in_order_once_committed_and_skips_lost_ones():
-    from zloader._client import Item, _Rounds
+    from zloader.client.items import Item
+    from zloader.client.rounds import Rounds
 
-    rounds = _Rounds((2, 1))
+    rounds = Rounds((2, 1))
     rounds.start(0)
 
     def item(n: int) -> Item:

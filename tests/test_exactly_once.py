@@ -362,14 +362,14 @@ def test_a_peer_replaying_the_plain_token_cannot_make_an_epoch_end_short(tmp_pat
             iterator = iter(loader)
             seen = collections.Counter([next(iterator)])
             io = loader._io
-            (peer,) = io._peers.values()
+            (peer,) = io.peers()
             context = zmq.Context()
             thief = context.socket(zmq.DEALER)
             thief.setsockopt(zmq.LINGER, 0)
             Keys.load(keys).connect_plain(thief)
             thief.connect(peer.endpoint)
             thief.send_multipart(encode(Command.OPEN, {
-                "job": io._job, "task": peer.task, "consumer": io.register_body["consumer"],
+                "job": io.job, "task": peer.task, "consumer": io.registration["consumer"],
                 "epoch": 0, "credits": 100_000, "rerun": 0, "ring": None}))
             try:
                 seen.update(iterator)

@@ -151,7 +151,7 @@ def test_a_live_ring_overwritten_by_another_process_is_survived_and_counted():
     with Loader(pipeline, num_workers=1, timeout=20) as loader:
         epoch = iter(loader)
         next(epoch)
-        (peer,) = loader._io._peers.values()
+        (peer,) = loader._io.peers()
         target = Segment.attach(peer.ring.name)
         rng = np.random.default_rng(0)
         try:
@@ -216,7 +216,7 @@ def test_nested_json_does_not_kill_the_broker_or_a_loaders_source_socket():
         with Loader(Pipeline.from_arrays(source), broker=address, timeout=20) as loader:
             epoch = iter(loader)
             next(epoch)
-            endpoint = loader._io.register_body["source_data"]["endpoint"]
+            endpoint = loader._io.registration["source_data"]["endpoint"]
             with dealers(address, endpoint) as (broker, fetch):
                 broker.send_multipart([VERSION, bytes((Command.REGISTER,)), DEEP])
                 broker.send_multipart([VERSION, bytes((Command.STATUS,)),

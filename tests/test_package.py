@@ -23,9 +23,16 @@ LAYERS = {
     "ray": 8, "shipping": 5,
     "_host": 0, "sources": 2, "stages": 2,
     "pipeline": 3, "plan": 4, "demo": 4, "_pickling": 4,
-    "state": 5, "producer": 5, "broker": 6, "worker": 6, "_client": 6, "_process": 7,
+    "state": 5, "producer": 5, "broker": 6, "worker": 6, "_process": 7,
     "loader": 8, "torch": 9, "tf": 9, "cli": 10, "__init__": 11,
+    # The client package (layer 6), in the order its modules may import each other;
+    # "client" is its __init__.
+    "client.stats": 6.0, "client.session": 6.0, "client.items": 6.0, "client.arguments": 6.0,
+    "client.rounds": 6.1, "client.exactly_once": 6.1, "client.peers": 6.2,
+    "client.link": 6.2, "client.epoch_end": 6.3, "client.packing": 6.3, "client.receive": 6.4,
+    "client.thread": 6.5, "client.merging": 6.6, "client": 6.7,
 }
+SUBPACKAGES = ("client",)
 
 
 def test_all_is_sorted_and_complete():
@@ -44,6 +51,8 @@ def test_import_zloader_imports_neither_torch_nor_tensorflow():
 
 
 def imported_modules(path: pathlib.Path) -> set[str]:
+    """The zloader modules ``path`` imports: ``client.peers`` for a module of a
+    subpackage in SUBPACKAGES, else the top-level name (``transport``, ``codec``)."""
     tree = ast.parse(path.read_text())
     names = set()
     for node in ast.walk(tree):
@@ -54,17 +63,27 @@ def imported_modules(path: pathlib.Path) -> set[str]:
         elif isinstance(node, ast.Import):
             names.update(a.name.removeprefix("zloader.") for a in node.names
                          if a.name.startswith("zloader."))
-    return {n.split(".")[0] for n in names if n}
+    return {n if n.split(".")[0] in SUBPACKAGES else n.split(".")[0] for n in names if n}
+
+
+def package_modules() -> dict[str, pathlib.Path]:
+    """Each module's name in LAYERS and its file: top-level modules and SUBPACKAGES'."""
+    modules = {p.stem: p for p in PACKAGE.glob("*.py")}
+    for sub in SUBPACKAGES:
+        for path in (PACKAGE / sub).glob("*.py"):
+            modules[sub if path.stem == "__init__" else f"{sub}.{path.stem}"] = path
+    return modules
 
 
 def test_layers_follow_the_data():
-    modules = {p.stem for p in PACKAGE.glob("*.py")}
-    assert modules <= set(LAYERS), f"give new modules a layer: {modules - set(LAYERS)}"
-    for module in modules:
-        for imported in imported_modules(PACKAGE / f"{module}.py"):
+    modules = package_modules()
+    unknown = set(modules) - set(LAYERS)
+    assert not unknown, f"give new modules a layer: {unknown}"
+    for module, path in modules.items():
+        for imported in imported_modules(path):
             if imported in LAYERS:
                 assert LAYERS[imported] < LAYERS[module] or imported == module, (
-                    f"zloader/{module}.py (layer {LAYERS[module]}) imports {imported} "
+                    f"{path.relative_to(ROOT)} (layer {LAYERS[module]}) imports {imported} "
                     f"(layer {LAYERS[imported]})")
 
 

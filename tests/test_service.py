@@ -516,7 +516,7 @@ def test_a_ring_too_small_for_its_records_grows_until_they_fit():
                 pass
         stats = loader.stats()
         assert stats["private"] + stats["segments"] == grown  # ...and the grown ring holds
-        ring = next(iter(loader._io._peers.values())).ring  # them all
+        ring = loader._io.peers()[0].ring  # them all
         assert ring.capacity >= 8 * (3 << 20)
 
 

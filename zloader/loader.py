@@ -1,62 +1,52 @@
 """``Loader``: iterate a pipeline run by zloader's workers, embedded or through a broker.
 
-The Loader's I/O thread owns every socket: it registers the job with the broker, follows the
-job's worker list, opens each epoch on every worker, returns credits, and decodes records
-(from a shared-memory ring for co-located workers, from ZeroMQ frames otherwise) into a
-queue. The iterating thread takes records from that queue, runs the pipeline's consumer
-part (docs/semantics.md) and yields elements.
+The Loader's I/O thread (zloader/client/) owns every socket: it registers the job with the
+broker, follows the job's worker list, opens each epoch on every worker, returns credits,
+and decodes records (from a shared-memory ring for co-located workers, from ZeroMQ frames
+otherwise) into a queue. The iterating thread takes records from that queue in the order
+zloader/client/merging.py decides, runs the pipeline's consumer part (docs/semantics.md)
+and yields elements. This module is the public API: the arguments, the process lifecycle.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 import logging
-import math
 import os
-import queue
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
-import types
-from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-import cloudpickle
-
-from zloader import _check, codec
-from zloader._client import IOThread, Item, Origins, _local_address
-from zloader._host import loopback
-from zloader._pickling import dumps_pipeline
+from zloader import _check
 from zloader._process import START_METHODS, start_worker
 from zloader.broker import Broker
-from zloader.errors import PipelineError, Timeout
-from zloader.fingerprint import is_installed, library_version
-from zloader.lineage import Ledger
+from zloader.client import STATE_VERSION, IOThread, Merger, applies, resume_from
+from zloader.client.arguments import (
+    DEFAULT_PREFETCH,
+    ON_ERROR,
+    SHARDING,
+    TRANSPORTS,
+    choice,
+    coordination,
+    share_settings,
+    timeout_seconds,
+    valid_ring_bytes,
+)
+from zloader.client.packing import check_exposure, pack
 from zloader.pipeline import Pipeline
 from zloader.plan import plan
-from zloader.sharing.options import DEFAULT_BLOCK_SECONDS, settings
-from zloader.shipping import Served
-from zloader.sources import ArraysSource, ItemsSource
+from zloader.sharing.options import DEFAULT_BLOCK_SECONDS
 from zloader.stages import Context
 from zloader.transport.keys import resolve as resolve_keys
-from zloader.transport.ring import ALIGN
 from zloader.transport.shm import sweep, sweep_dirs
 
 __all__ = ["Loader"]
 
 log = logging.getLogger("zloader.loader")
 
-SHARDING = ("dynamic", "static", "off")
-TRANSPORTS = ("auto", "tcp")
-ON_ERROR = ("raise", "skip")
-DEFAULT_PREFETCH = 8
-STATE_VERSION = 1
 WORKER_STOP_SECONDS = 3.0
 
 
@@ -159,50 +149,41 @@ class Loader:
                  state: Any = None, width: int | None = None, weight: float = 1.0) -> None:
         if not isinstance(pipeline, Pipeline):
             raise TypeError(f"pipeline must be a zloader.Pipeline, got {type(pipeline).__name__}")
-        _choice("sharding", sharding, SHARDING)
+        choice("sharding", sharding, SHARDING)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) \
                 or not 0.001 <= weight <= 1000:
             raise ValueError(f"weight must be a number from 0.001 to 1000 (a job's share of "
                              f"the broker's workers relative to other jobs'), got {weight!r}")
-        _choice("transport", transport, TRANSPORTS)
-        _choice("on_error", on_error, ON_ERROR)
+        choice("transport", transport, TRANSPORTS)
+        choice("on_error", on_error, ON_ERROR)
         if broker is not None:
             _check.address("broker", broker)
         if job_name is not None:
             _check.label("job_name", job_name)
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) \
-                or not math.isfinite(timeout) or timeout <= 0:
-            # nan compares false with everything and inf never elapses: either would
-            # silently turn the bound off
-            raise ValueError(f"timeout must be a finite positive number of seconds, got "
-                             f"{timeout!r}")
-        self._share = _share_settings(pipeline, broker, job_name, balanced, share,
+        self._timeout = timeout_seconds(timeout)
+        self._share = share_settings(pipeline, broker, job_name, balanced, share,
                                       share_window_bytes, share_lag, share_block_seconds)
-        coordinated = _coordinated(num_consumers, consumer_index, job_name, share, balanced,
+        coordinated = coordination(num_consumers, consumer_index, job_name, share, balanced,
                                    deterministic)
         self._keys = resolve_keys(keys) if broker is not None else None
         if broker is None and keys is not None:
             resolve_keys(keys)  # embedded mode needs none, but a bad keys= is still an error
         self.pipeline = pipeline
         self._plan = plan(pipeline)
-        self._exactly_once = (_check.boolean("exactly_once", exactly_once)
-                              and sharding == "dynamic" and not deterministic
-                              and self._share is None and coordinated is None and not balanced)
-        resume = _resume_from(state, pipeline, self._exactly_once)
+        self._exactly_once = applies(
+            _check.boolean("exactly_once", exactly_once), sharding=sharding,
+            deterministic=deterministic, shared=self._share is not None,
+            coordinated=coordinated is not None, balanced=bool(balanced))
+        self._coordinated = coordinated is not None
+        resume = resume_from(state, pipeline.fingerprint, self._exactly_once)
         if resume is not None and job_name is not None:
             job_name = f"{job_name}@{resume['digest']}"  # a fresh job for the resumed run
-        self._yielded = Ledger()  # origins of this epoch's elements yielded so far
-        # The record being yielded, and self._elements when its first element was.
-        self._current: tuple[Origins, int] | None = None
-        self._iterating: int | None = None  # the epoch being yielded, until it is done
-        self._reading: int | None = None  # the epoch of the live iterator
         self._joined = False
         self._deterministic = _check.boolean("deterministic", deterministic)
-        self._timeout = float(timeout)
-        self._max_skipped = _check.optional_integer("max_skipped", max_skipped, 0)
+        max_skipped = _check.optional_integer("max_skipped", max_skipped, 0)
         prefetch = _check.integer("prefetch", prefetch if prefetch is not None
                                   else DEFAULT_PREFETCH, 1)
-        ring_bytes = _ring_bytes(ring_bytes)
+        ring_bytes = valid_ring_bytes(ring_bytes)
         embedded = broker is None
         workers = _check.optional_integer("num_workers", num_workers, 0)
         width = _check.optional_integer("width", width, 1)
@@ -211,35 +192,19 @@ class Loader:
         if embedded and workers == 0:
             raise ValueError("num_workers must be >= 1 in embedded mode (broker=None); "
                              "for an in-process run iterate the pipeline itself")
-        _choice("start_method", start_method, START_METHODS)
+        choice("start_method", start_method, START_METHODS)
         # Forked workers run the pipeline as it is in this process: nothing to pickle when
         # they are the only ones (embedded). Others get it pickled: in the REGISTER message
         # when small, else served from this Loader (docs/protocol.md, FETCH).
         inherit = start_method == "fork" and workers > 0
-        blob, served = b"", Served()
-        if not (embedded and inherit):
-            stripped, source_data = _strip_source(pipeline)
-            blob = _dumps(stripped)
-            served = Served(blob if len(blob) > INLINE_PIPELINE_BYTES else None, source_data)
-            if served.pipeline is not None:
-                blob = b""  # REGISTER carries only where to fetch it
-        if (served and broker is not None and self._keys is None
-                and not loopback(f"tcp://{_local_address(broker)}:0")
-                and not _check.boolean("insecure", insecure)):
-            what = ("in-memory source" if served.source is not None
-                    else f"code ({len(served.pipeline or b'') / 2**20:.1f} MiB pickled)")
-            raise ValueError(
-                f"this pipeline's {what} is served to the broker's workers from this "
-                "process, on an address other hosts can reach, and without keys anyone "
-                "could read it: pass keys= (the broker's, see `zloader keygen`), or "
-                "insecure=True on a trusted network")
+        blob, served = pack(pipeline, inherited=embedded and inherit)
+        check_exposure(served, broker, self._keys, insecure)
         self._closed = False
         self._dir: str | None = None
         self._broker: Broker | None = None
         self._processes: list[Any] = []
         self._epoch = resume["epoch"] if resume is not None else 0
-        self._wait = 0.0
-        self._elements = 0
+        self._served = served
         sweep()  # segments left by consumers of this user that died
         sweep_dirs()  # and their embedded socket directories
         try:
@@ -272,6 +237,9 @@ class Loader:
                 balanced=_check.integer("balanced", balanced, 0), share=self._share,
                 coordinated=coordinated, keys=self._keys, exactly_once=self._exactly_once,
                 resume=resume, timeout=self._timeout, weight=float(weight))
+            self._merger = Merger(self._io, timeout=self._timeout,
+                                  deterministic=self._deterministic, max_skipped=max_skipped,
+                                  deaths=self._deaths)
             self._io.start()
         except BaseException:
             self.close()
@@ -280,7 +248,7 @@ class Loader:
     # --- iteration ------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
-        return self._iterate(None)
+        return self.iterate()
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration run ``epoch`` (epochs only move forward).
@@ -294,137 +262,48 @@ class Loader:
                              "epochs only move forward")
         self._epoch = epoch
 
-    def _iterate(self, epoch_input: Any) -> Iterator[Any]:
-        """One epoch; ``epoch_input`` (a codec element) reaches every worker's run of it
-        as ``Context.epoch_input`` (the torch adapter sends the epoch's sampled batches)."""
+    def iterate(self, epoch_input: Any = None) -> Iterator[Any]:
+        """Iterate the next epoch, as ``iter(loader)`` does, handing every worker's run of
+        it ``epoch_input`` as ``Context.epoch_input`` (see zloader/stages.py): what the
+        adapters decide per epoch, such as the torch adapter's sampled batches. One
+        iterator at a time: a new one ends the previous one, which raises if used again.
+
+        Args:
+            epoch_input: None, or an element the codec carries (nested dicts, lists and
+                tuples of arrays, scalars, strings and bytes).
+
+        Returns:
+            An iterator over the epoch's elements.
+
+        Raises:
+            RuntimeError: this Loader is closed.
+            CodecError: the codec cannot carry ``epoch_input``.
+        """
         if self._closed:
             raise RuntimeError("this Loader is closed")
-        if (self._share is not None or self._io.rounds is not None) and not self._joined:
+        if (self._share is not None or self._coordinated) and not self._joined:
             self._join_job()
         epoch = self._epoch
         self._epoch += 1
-        # One iterator at a time: this one ends any older one (which raises if used again)
-        # instead of both taking each other's records.
-        self._reading = epoch
-        self._yielded, self._current, self._iterating = Ledger(), None, epoch
-        frames = codec.encode(epoch_input) if epoch_input is not None else []
-        self._io.command(("start", epoch, frames))
-        ctx = Context(entropy=0)
-        merged = self._merged(epoch)
-        return self._plan.run_consumer(merged, epoch, ctx)
+        elements = self._merger.epoch(epoch, epoch_input)
+        return self._plan.run_consumer(elements, epoch, Context(entropy=0))
 
     def _join_job(self) -> None:
         """Wait for the broker's answer (bounded by ``timeout``) and take the job's current
         epoch when it is ahead. A sharing trainer reads that epoch whole (what it missed is
         made again for it at the end, see docs/sharing.md); a coordinated consumer reads it
         from the round the others are on."""
-        io = self._io
-        while io.job_epoch is None:
-            for item in list(io.items.queue):
-                if item.kind == "error":
-                    raise item.error
-            self._check_progress()
-            time.sleep(0.005)
+        job_epoch = self._merger.job_epoch()
         self._joined = True
-        if io.job_epoch > self._epoch:
+        if job_epoch > self._epoch:
             if self._share is not None:
                 log.info("joined a shared job at its epoch %d (under way or next): this "
                          "epoch replays what the workers still hold, then what they produce, "
                          "then the part that had left their window, made again for this "
-                         "trainer alone", io.job_epoch)
+                         "trainer alone", job_epoch)
             else:
-                log.info("joined coordinated reads at the job's epoch %d", io.job_epoch)
-            self._epoch = io.job_epoch
-
-    def _merged(self, epoch: int) -> Iterator[Any]:
-        """Elements of ``epoch`` from every worker, in arrival order."""
-        if self._deterministic:
-            yield from self._round_robin(epoch)
-            return
-        while True:
-            item = self._next_item(epoch)
-            if item.kind == "done":
-                if self._iterating == epoch:
-                    self._iterating = None  # all of it yielded
-                return
-            origins = item.origins
-            if item.kind == "data":
-                if origins is not None:  # its elements yielded: self._elements - before
-                    self._current = (origins, self._elements)
-                for element in item.elements:
-                    self._elements += 1
-                    yield element
-                self._io.command(("credit", item.worker, 1))
-                self._check_skipped()
-            if origins is not None and self._iterating == epoch:
-                origins.note(self._yielded)
-                self._current = None
-
-    def _round_robin(self, epoch: int) -> Iterator[Any]:
-        """Elements of ``epoch``, one from each worker in index order (deterministic)."""
-        pending: dict[int, deque[Any]] = {}
-        ended: set[int] = set()
-        done = False
-        turn = 0  # the worker index whose element comes next
-        while True:
-            # Every index up to the job's width takes part, known yet or not.
-            order = sorted(set(range(self._io.width)) | set(self._io.indices()) | set(pending))
-            chosen: int | None = None
-            blocked = False
-            start = _first_at_least(order, turn)
-            for index in order[start:] + order[:start]:
-                if pending.get(index):
-                    chosen = index
-                    break
-                if index not in ended and not done:
-                    blocked = True  # its next element decides the order: wait for it
-                    break
-            if chosen is not None:
-                turn = chosen + 1
-                self._elements += 1
-                yield pending[chosen].popleft()
-                continue
-            if done and not blocked:
-                return
-            item = self._next_item(epoch)
-            if item.kind == "data":
-                pending.setdefault(item.index, deque()).extend(item.elements)
-                self._io.command(("credit", item.worker, 1))
-                self._check_skipped()
-            elif item.kind == "end":
-                ended.add(item.index)
-            elif item.kind == "done":
-                done = True
-
-    def _next_item(self, epoch: int) -> Item:
-        if epoch != self._reading:
-            raise RuntimeError(
-                f"this iterator's epoch {epoch} was left: iter() started epoch "
-                f"{self._reading} on the same Loader (one iterator at a time; a new iter() "
-                "ends the previous one, whose elements not yet yielded are dropped)")
-        start = time.monotonic()
-        try:
-            while True:
-                try:
-                    item = self._io.items.get(timeout=0.1)
-                except queue.Empty:
-                    # The wait under way counts now: a consumer that nothing serves must
-                    # show as starved while it waits, not once an element comes.
-                    self._io.wait_seconds = self._wait + time.monotonic() - start
-                    self._check_progress()
-                    continue
-                if item.kind == "error":
-                    deaths = self._deaths() if isinstance(item.error, Timeout) else ""
-                    if deaths:
-                        raise Timeout(f"{item.error} ({deaths})") from None
-                    raise item.error  # type: ignore[misc]
-                if item.epoch == epoch:
-                    return item
-                if item.kind == "data":  # a record of an epoch left early: return its credit
-                    self._io.command(("credit", item.worker, 1))
-        finally:
-            self._wait += time.monotonic() - start
-            self._io.wait_seconds, self._io.yielded = self._wait, self._elements
+                log.info("joined coordinated reads at the job's epoch %d", job_epoch)
+            self._epoch = job_epoch
 
     def state_dict(self) -> dict[str, Any]:
         """Where this Loader is in its epoch, as a small JSON-serializable dict (its size
@@ -445,24 +324,9 @@ class Loader:
             raise ValueError("state_dict() cannot record a take/skip run by the consumer "
                              f"({', '.join(s.name for s in self._plan.consumer_stages)}); "
                              "drop it, or stop the loop yourself after N elements")
-        ledger = Ledger()
-        epoch = self._epoch if self._iterating is None else self._iterating
-        if self._iterating is not None:
-            ledger.merge_json(self._yielded.to_json())
-            if self._current is not None:
-                origins, before = self._current
-                origins.note(ledger, self._elements - before)
+        epoch, delivered = self._merger.yielded.state(self._epoch, self._merger.elements)
         return {"zloader": STATE_VERSION, "fingerprint": self.pipeline.fingerprint,
-                "epoch": epoch, "entropy": self._io.entropy, "delivered": ledger.to_json()}
-
-    def _check_progress(self) -> None:
-        io = self._io
-        if not io.is_alive():
-            raise RuntimeError(f"the Loader's I/O thread stopped: {io.failure!r}")
-        silent = time.monotonic() - io.last_progress
-        if silent > self._timeout:
-            deaths = self._deaths()
-            raise Timeout(io.stall_reason(silent) + (f" ({deaths})" if deaths else ""))
+                "epoch": epoch, "entropy": self._io.stats.entropy, "delivered": delivered}
 
     def _deaths(self) -> str:
         """Which of this Loader's own worker processes died, how, and doing what."""
@@ -473,17 +337,10 @@ class Loader:
                 continue
             how = (f"was killed by {_signal_name(-code)}" if code < 0
                    else f"exited with code {code}")
-            last = self._io.was_doing.get(process.pid)
+            last = self._io.stats.was_doing.get(process.pid)
             notes.append(f"this Loader's worker pid {process.pid} {how}"
                          + (f" in {last}" if last else ""))
         return "; ".join(notes)
-
-    def _check_skipped(self) -> None:
-        if self._max_skipped is not None and self._io.skipped > self._max_skipped:
-            raise PipelineError.create(
-                "loader", "RuntimeError",
-                f"{self._io.skipped} elements were skipped (on_error='skip'), more than "
-                f"max_skipped={self._max_skipped}", builtin="RuntimeError")
 
     # --- status and lifecycle -------------------------------------------------------------
 
@@ -507,16 +364,16 @@ class Loader:
         lost with a dead worker or consumer, skipped by every consumer alike) and
         ``rounds_missed`` (rounds this consumer passed over when it (re)joined an epoch
         under way; those lost for every consumer included)."""
-        io = self._io
-        stats = {"elements": self._elements, "bytes": io.bytes, "wait_seconds": self._wait,
+        io, wait = self._io.stats, self._merger.wait
+        stats = {"elements": self._merger.elements, "bytes": io.bytes, "wait_seconds": wait,
                  "skipped": io.skipped, "per_worker": dict(io.per_worker),
                  "private": io.private, "segments": io.segments, "records": io.records,
                  "share_skipped": io.lagged, "share_replayed": io.replayed,
-                 "rejected": io.rejected, "served": dict(io.served.counts),
-                 "stage_seconds": {**io.stages, "wait": round(self._wait, 3)}}
-        if io.rounds is not None:
-            stats.update(dropped=io.dropped, rounds_lost=io.rounds.total_lost,
-                         rounds_missed=io.rounds.missed)
+                 "rejected": io.rejected, "served": dict(self._served.counts),
+                 "stage_seconds": {**io.stages, "wait": round(wait, 3)}}
+        if self._coordinated:
+            stats.update(dropped=io.dropped, rounds_lost=io.rounds_lost,
+                         rounds_missed=io.rounds_missed)
         return stats
 
     def close(self) -> None:
@@ -553,42 +410,6 @@ class Loader:
             self.close()
 
 
-def _resume_from(state: Any, pipeline: Pipeline, exactly_once: bool) -> dict[str, Any] | None:
-    """Check ``state`` (one :meth:`Loader.state_dict` or a list of them) and merge it into
-    ``{epoch, entropy, delivered, digest}``; None for None.
-
-    Raises:
-        ValueError: it is not such a state, or of another pipeline, or ``exactly_once``
-            does not apply.
-    """
-    if state is None:
-        return None
-    if not exactly_once:
-        raise ValueError("state= needs exactly_once=True with sharding='dynamic' (and no "
-                         "share, balanced, num_consumers or deterministic)")
-    states = state if isinstance(state, list) else [state]
-    if not states:
-        raise ValueError("state= got an empty list")
-    for one in states:
-        if not (isinstance(one, dict) and one.get("zloader") == STATE_VERSION
-                and isinstance(one.get("epoch"), int) and one["epoch"] >= 0):
-            raise ValueError("state must be what Loader.state_dict() returned (a dict with "
-                             f"'zloader': {STATE_VERSION}, 'epoch', 'delivered')")
-        if one.get("fingerprint") != pipeline.fingerprint:
-            raise ValueError("state was saved by a Loader of another pipeline (its "
-                             "fingerprint differs); resume with the same pipeline")
-    epoch = max(one["epoch"] for one in states)  # an epoch some Loader finished is over
-    ledger = Ledger()
-    for one in states:
-        if one["epoch"] == epoch:
-            ledger.merge_json(one.get("delivered"))
-    entropy = next((one["entropy"] for one in states if isinstance(one.get("entropy"), int)),
-                   None)
-    delivered = ledger.to_json()
-    digest = hashlib.sha256(json.dumps([epoch, entropy, delivered]).encode()).hexdigest()
-    return {"epoch": epoch, "entropy": entropy, "delivered": delivered, "digest": digest[:12]}
-
-
 def _signal_name(number: int) -> str:
     try:
         return signal.Signals(number).name
@@ -596,119 +417,3 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def _ring_bytes(value: Any) -> int | None:
-    """Check ``ring_bytes`` here, not seconds later in the I/O thread."""
-    value = _check.optional_integer("ring_bytes", value, ALIGN)
-    if value is not None and value % ALIGN:
-        raise ValueError(f"ring_bytes must be a multiple of {ALIGN} bytes, got {value}")
-    return value
-
-
-def _first_at_least(order: list[int], turn: int) -> int:
-    return next((i for i, index in enumerate(order) if index >= turn), 0)
-
-
-INLINE_SOURCE_BYTES = 1 << 20
-"""In-memory sources larger than this reach workers from the Loader, not via the broker."""
-INLINE_PIPELINE_BYTES = 1 << 20
-"""Pickled pipelines larger than this reach workers from the Loader, not via the broker."""
-
-
-def _strip_source(pipeline: Pipeline) -> tuple[Pipeline, tuple[str, list[Any]] | None]:
-    """Take a large ``from_arrays``/``from_items`` source's data out of the pipeline.
-
-    Returns the pipeline to send through the broker and ``(kind, frames)`` for the Loader
-    to serve to workers: arrays as codec frames (no pickle), items as one cloudpickle frame.
-    """
-    source = pipeline.source
-    if isinstance(source, ArraysSource):
-        frames = codec.encode(source.structure)
-        if sum(memoryview(f).nbytes for f in frames) > INLINE_SOURCE_BYTES:
-            stripped = dataclasses.replace(source, structure=None)
-            return Pipeline(stripped, pipeline.stages), ("arrays", frames)
-    elif isinstance(source, ItemsSource):
-        data = cloudpickle.dumps(source.items)
-        if len(data) > INLINE_SOURCE_BYTES:
-            stripped_items = dataclasses.replace(source, items=())
-            return Pipeline(stripped_items, pipeline.stages), ("items", [data])
-    return pipeline, None
-
-
-def _dumps(pipeline: Pipeline) -> bytes:
-    """cloudpickle the pipeline, shipping the user's own modules by value.
-
-    Functions and classes from ``__main__`` and from modules that are not installed (not
-    in the standard library or site-packages) travel with the pipeline, so remote workers
-    need not have the user's source tree; installed packages travel by reference and must
-    be installed on the workers.
-    """
-    modules = [module for name, module in list(sys.modules.items())
-               if isinstance(module, types.ModuleType) and _is_user_module(name, module)]
-    for module in modules:
-        cloudpickle.register_pickle_by_value(module)
-    try:
-        return dumps_pipeline(pipeline)
-    finally:
-        for module in modules:
-            cloudpickle.unregister_pickle_by_value(module)
-
-
-def _is_user_module(name: str, module: types.ModuleType) -> bool:
-    if name == "__main__" or name.partition(".")[0] == "zloader":
-        return False
-    path = str(getattr(module, "__file__", None) or "")
-    return path.endswith(".py") and not is_installed(path) and library_version(name) is None
-
-
-def _share_settings(pipeline: Pipeline, broker: str | None, job_name: str | None,
-                    balanced: int, share: bool, window_bytes: int | None, lag: str,
-                    block_seconds: float) -> dict[str, Any] | None:
-    if not _check.boolean("share", share):
-        return None
-    if broker is None:
-        raise ValueError("share=True needs a broker that every sharing trainer uses: start "
-                         "zloader-broker and pass broker='tcp://HOST:PORT'")
-    if job_name is not None:
-        raise ValueError("share=True and job_name do not mix: job_name splits a job's "
-                         "elements between Loaders, share gives every Loader all of them")
-    if balanced:
-        raise ValueError("share=True and balanced do not mix")
-    if not pipeline.shareable:
-        log.warning("this pipeline cannot be fingerprinted soundly (see the "
-                    "FingerprintWarning), so share=True runs it alone")
-    return settings(window_bytes, lag, block_seconds)
-
-
-def _coordinated(num_consumers: Any, consumer_index: Any, job_name: str | None, share: bool,
-                 balanced: int, deterministic: bool) -> tuple[int, int] | None:
-    """Check the coordinated-read arguments: (num_consumers, consumer_index) or None."""
-    if num_consumers is None and consumer_index is None:
-        return None
-    if num_consumers is None or consumer_index is None:
-        given = "num_consumers" if consumer_index is None else "consumer_index"
-        raise ValueError(f"{given} was given alone: coordinated reads need both "
-                         "num_consumers (how many consumers read the job) and consumer_index "
-                         "(this one's, from 0)")
-    size = _check.integer("num_consumers", num_consumers, 1)
-    index = _check.integer("consumer_index", consumer_index, 0)
-    if index >= size:
-        raise ValueError(f"consumer_index must be in [0, num_consumers) = [0, {size}), got "
-                         f"{index}")
-    if share:
-        raise ValueError("share=True and num_consumers do not mix: share gives every trainer "
-                         "every element, coordinated reads split them in rounds")
-    if balanced:
-        raise ValueError("balanced and num_consumers do not mix: coordinated reads already "
-                         "give every consumer as many elements")
-    if deterministic:
-        raise ValueError("deterministic=True and num_consumers do not mix: rounds go to the "
-                         "workers in the order their elements are ready")
-    if job_name is None:
-        raise ValueError("coordinated reads (num_consumers) need a job_name shared by the "
-                         f"{size} consumers, so that they find one job")
-    return size, index
-
-
-def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")

@@ -662,7 +662,7 @@ class DataLoader:
             loader = own = self._loader()
         progress.loader = loader
         try:
-            records = loader._iterate(plan)
+            records = loader.iterate(plan)
         except BaseException:
             if own is not None:
                 own.close()

@@ -1,0 +1,107 @@
+"""The consumer's side of exactly-once epochs (docs/reliability.md): when the rule
+applies, what a :meth:`Loader.state_dict` holds (the origins of the elements yielded so
+far, :class:`Yielded`), and how a saved state resumes (:func:`resume_from`). The origins
+received, the fences and the rereads are the I/O thread's (zloader/client/epoch_end.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from zloader.client.items import Origins
+from zloader.lineage import Ledger
+
+__all__ = ["STATE_VERSION", "Yielded", "applies", "resume_from"]
+
+STATE_VERSION = 1
+"""The version of what Loader.state_dict returns."""
+
+
+def applies(requested: bool, *, sharding: str, deterministic: bool, shared: bool,
+            coordinated: bool, balanced: bool) -> bool:
+    """Whether a consumer's elements carry their origins: ``exactly_once`` was asked for,
+    with dynamic sharding and none of share, balanced, num_consumers or deterministic
+    (whose workers hand out elements in an order of their own). The broker applies the
+    same rule to REGISTER (zloader/state.py)."""
+    return (requested and sharding == "dynamic" and not deterministic and not shared
+            and not coordinated and not balanced)
+
+
+class Yielded:
+    """The origins of the elements of the epoch being yielded, kept by the iterating
+    thread: those of every record yielded whole, and the record under way."""
+
+    def __init__(self) -> None:
+        self.ledger = Ledger()
+        self.iterating: int | None = None  # the epoch being yielded, until it is done
+        # The record being yielded, and the element count when its first was yielded.
+        self._current: tuple[Origins, int] | None = None
+
+    def begin(self, epoch: int) -> None:
+        """``epoch`` starts: nothing of it yielded yet."""
+        self.ledger, self._current, self.iterating = Ledger(), None, epoch
+
+    def record(self, origins: Origins | None, elements: int) -> None:
+        """A record starts being yielded, ``elements`` having been yielded before it."""
+        if origins is not None:
+            self._current = (origins, elements)
+
+    def recorded(self, origins: Origins | None, epoch: int) -> None:
+        """A record (or an END's loose origins) of ``epoch`` was yielded whole."""
+        if origins is not None and self.iterating == epoch:
+            origins.note(self.ledger)
+            self._current = None
+
+    def done(self, epoch: int) -> None:
+        """Every element of ``epoch`` was yielded."""
+        if self.iterating == epoch:
+            self.iterating = None
+
+    def state(self, next_epoch: int, elements: int) -> tuple[int, Any]:
+        """The epoch to resume and the JSON of what was delivered of it, ``elements``
+        having been yielded so far (a finished epoch resumes at ``next_epoch``)."""
+        ledger = Ledger()
+        epoch = next_epoch if self.iterating is None else self.iterating
+        if self.iterating is not None:
+            ledger.merge_json(self.ledger.to_json())
+            if self._current is not None:
+                origins, before = self._current
+                origins.note(ledger, elements - before)
+        return epoch, ledger.to_json()
+
+
+def resume_from(state: Any, fingerprint: str, exactly_once: bool) -> dict[str, Any] | None:
+    """Check ``state`` (one :meth:`Loader.state_dict` or a list of them) and merge it into
+    ``{epoch, entropy, delivered, digest}``; None for None.
+
+    Raises:
+        ValueError: it is not such a state, or of another pipeline (another
+            ``fingerprint``), or ``exactly_once`` does not apply.
+    """
+    if state is None:
+        return None
+    if not exactly_once:
+        raise ValueError("state= needs exactly_once=True with sharding='dynamic' (and no "
+                         "share, balanced, num_consumers or deterministic)")
+    states = state if isinstance(state, list) else [state]
+    if not states:
+        raise ValueError("state= got an empty list")
+    for one in states:
+        if not (isinstance(one, dict) and one.get("zloader") == STATE_VERSION
+                and isinstance(one.get("epoch"), int) and one["epoch"] >= 0):
+            raise ValueError("state must be what Loader.state_dict() returned (a dict with "
+                             f"'zloader': {STATE_VERSION}, 'epoch', 'delivered')")
+        if one.get("fingerprint") != fingerprint:
+            raise ValueError("state was saved by a Loader of another pipeline (its "
+                             "fingerprint differs); resume with the same pipeline")
+    epoch = max(one["epoch"] for one in states)  # an epoch some Loader finished is over
+    ledger = Ledger()
+    for one in states:
+        if one["epoch"] == epoch:
+            ledger.merge_json(one.get("delivered"))
+    entropy = next((one["entropy"] for one in states if isinstance(one.get("entropy"), int)),
+                   None)
+    delivered = ledger.to_json()
+    digest = hashlib.sha256(json.dumps([epoch, entropy, delivered]).encode()).hexdigest()
+    return {"epoch": epoch, "entropy": entropy, "delivered": delivered, "digest": digest[:12]}

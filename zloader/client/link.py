@@ -1,0 +1,237 @@
+"""A consumer's link to the broker: REGISTER until the job's first view comes, heartbeats
+(with what the end of the epoch has to report), the job's views (JOB), and registering
+again when the broker forgot this consumer (UNKNOWN: it restarted, or gave up on it)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from zloader._host import host_id
+from zloader.client.items import Item
+from zloader.client.rounds import Rounds
+from zloader.client.session import Session, Settings
+from zloader.client.stats import Stats
+from zloader.errors import PipelineError, ZloaderError
+from zloader.forward import emit, valid_lines
+from zloader.transport.protocol import (
+    Command,
+    Message,
+    encode,
+    error_from_object,
+    heartbeat,
+)
+
+__all__ = ["BYE_LINGER_MS", "BrokerLink", "JobView", "registration"]
+
+log = logging.getLogger("zloader.loader")
+
+BYE_LINGER_MS = 200
+"""At most how long closing waits for the BYE to reach the broker (milliseconds)."""
+
+
+def registration(*, fingerprint: str, job_name: str | None, sharding: str,
+                 deterministic: bool, num_workers: int, on_error: str,
+                 source: dict[str, Any], balanced: int, share: dict[str, Any] | None,
+                 coordinated: tuple[int, int] | None, exactly_once: bool,
+                 inherited: bool, resume: dict[str, Any] | None,
+                 weight: float = 1.0) -> dict[str, Any]:
+    """The body of this consumer's REGISTER (docs/protocol.md), with a fresh consumer id.
+    ``inherited``: the workers have the pipeline already (forked from this process);
+    ``weight``: the job's share of the broker's worker pool (docs/pool.md)."""
+    body: dict[str, Any] = {
+        "consumer": secrets.token_hex(8), "fingerprint": fingerprint, "job_name": job_name,
+        "sharding": sharding, "deterministic": deterministic, "num_workers": num_workers,
+        "on_error": on_error, "source": source, "host_id": host_id(), "pid": os.getpid(),
+        "balanced": balanced, "share": share,
+        "coordinated": ({"size": coordinated[0], "index": coordinated[1]}
+                        if coordinated else None),
+        "exactly_once": exactly_once, "weight": weight}
+    if inherited:
+        body["pipeline"] = {"inherited": True}
+    if resume is not None:
+        body["resume"] = {"epoch": resume["epoch"], "delivered": resume["delivered"]}
+        body["entropy"] = resume["entropy"]
+    return body
+
+
+@dataclass
+class JobView:
+    """What a JOB message says beyond what the link keeps itself, for the peers and the
+    end of the epoch (each field checked for its type; a wrong one reads as absent)."""
+
+    registered: bool  # the first view since (re-)registering
+    workers: list[Any]  # the job's workers, checked entry by entry by Peers.update
+    fences: Any  # dead workers' fences this consumer may have to answer
+    fencing: dict[str, Any]  # epoch -> fences holding it
+    pending: dict[str, Any]  # epoch -> splits waiting to be read again
+    consumers: int | None  # the job's consumer count
+    read: list[Any] | None  # exactly-once: the splits handed out in the epoch (EPOCH's answer)
+
+
+class BrokerLink:
+    """The DEALER to the broker, in the I/O thread. ``put`` hands the iterating thread an
+    item (the job's errors). Reports for the next heartbeat queue in ``stuck`` and
+    ``reread``; rounds received queue in ``acks``."""
+
+    def __init__(self, settings: Settings, session: Session, stats: Stats,
+                 body: dict[str, Any], blob: bytes, rounds: Rounds | None,
+                 put: Callable[[Item], None]) -> None:
+        self.settings = settings
+        self.session = session
+        self.stats = stats
+        self.body = body  # REGISTER's
+        self.blob = blob
+        self.rounds = rounds
+        self.put = put
+        self.busy_elsewhere = 0  # the broker's workers serving other jobs (JOB view)
+        self.stuck: list[dict[str, Any]] = []  # stuck workers to report
+        self.reread: list[Any] = []  # splits to read again
+        self.acks: list[int] = []  # rounds received
+        self._reported_error = False
+        self._reported_failures = 0
+        self.socket: zmq.Socket[Any] | None = None
+
+    def connect(self, context: zmq.Context[Any]) -> zmq.Socket[Any]:
+        """Make the socket (in the I/O thread) and connect it to the broker."""
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self.settings.keys is not None:
+            self.settings.keys.connect(sock)
+        sock.connect(self.settings.address)
+        self.socket = sock
+        return sock
+
+    def send(self, command: Command, body: dict[str, Any],
+             payload: tuple[Any, ...] = ()) -> None:
+        """Send the broker a message, unless it cannot take one now (not connected yet:
+        the next heartbeat tries again)."""
+        assert self.socket is not None
+        with contextlib.suppress(zmq.Again):
+            self.socket.send_multipart(encode(command, body, payload), zmq.NOBLOCK)
+
+    def beat(self) -> None:
+        """Once a heartbeat: REGISTER until the job is known, then HEARTBEAT."""
+        if self.session.job is None:
+            self.send(Command.REGISTER, self.body, (self.blob,))
+        else:
+            self.heartbeat()
+
+    def heartbeat(self) -> None:
+        """Send a HEARTBEAT now, with this consumer's stats and the queued reports."""
+        stats = self.stats
+        body: dict[str, Any] = {"stats": {
+            "elements": stats.yielded, "bytes": stats.bytes,
+            "wait_seconds": round(stats.wait_seconds, 3), "skipped": stats.skipped,
+            # reading an epoch not yet ended: the broker's pool counts this job as active
+            "active": int(self.session.epoch is not None and not self.session.done)}}
+        if self.stuck:
+            body["stuck"], self.stuck = self.stuck, []
+        if self.reread:
+            body["reread"], self.reread = self.reread, []
+        self.send(Command.HEARTBEAT, body)
+
+    def ask_epoch(self) -> None:
+        """EPOCH: tell the broker the epoch under way, or ask for its state."""
+        self.send(Command.EPOCH, {"job": self.session.job, "epoch": self.session.epoch})
+
+    def send_acks(self) -> None:
+        """RECEIVED: the rounds received since the last call, if any."""
+        if self.acks:
+            self.send(Command.RECEIVED, {"epoch": self.session.epoch, "rounds": self.acks})
+            self.acks = []
+
+    def bye(self) -> None:
+        """Say goodbye and close, giving the BYE a moment to leave: the broker then
+        releases the job at once, where a lost one costs the next job on its name or its
+        workers an expiry's wait."""
+        assert self.socket is not None
+        with contextlib.suppress(zmq.ZMQError):
+            self.send(Command.BYE, {})
+        self.socket.close(linger=BYE_LINGER_MS)
+
+    # --- what the broker says -------------------------------------------------------------
+
+    def job(self, msg: Message) -> JobView:
+        """Take in a JOB: the job's id and facts (into the session and the stats), its
+        errors (handed on once each) and its rounds; return the rest."""
+        session, stats = self.session, self.stats
+        registered = session.job is None
+        if registered:
+            stats.last_progress = time.monotonic()
+            share, epoch = msg.body.get("share"), msg.body.get("epoch")
+            stats.share = share if isinstance(share, dict) else None
+            stats.job_epoch = epoch if isinstance(epoch, int) else 0
+            if self.rounds is not None:
+                self.rounds.joined(msg.body.get("joined"), session.epoch)
+        if self.rounds is not None:
+            self.rounds.view(msg.body.get("rounds"), self.settings.address)
+            stats.rounds_lost, stats.rounds_missed = self.rounds.total_lost, self.rounds.missed
+        session.job = msg.field("job", str)
+        width = msg.body.get("width")
+        if isinstance(width, int) and width > 0:
+            stats.width = width
+        beat = heartbeat(msg.body.get("heartbeat"))
+        if beat is not None:
+            session.heartbeat = beat
+        self._errors(msg)
+        entropy = msg.body.get("entropy")
+        if isinstance(entropy, int):
+            stats.entropy = entropy
+        stages = msg.body.get("stages")
+        if isinstance(stages, dict):
+            stats.stages = {str(k): float(v) for k, v in stages.items()
+                            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        busy = msg.body.get("busy_elsewhere")
+        self.busy_elsewhere = busy if isinstance(busy, int) and busy >= 0 else 0
+        pending, fencing = msg.body.get("pending"), msg.body.get("fencing")
+        consumers, read = msg.body.get("consumers"), msg.body.get("read")
+        return JobView(registered, msg.field("workers", list), msg.body.get("fences"),
+                       fencing if isinstance(fencing, dict) else {},
+                       pending if isinstance(pending, dict) else {},
+                       consumers if isinstance(consumers, int) else None,
+                       read if isinstance(read, list) else None)
+
+    def _errors(self, msg: Message) -> None:
+        """Hand on the job's start-up error, and its latest failed split (before any
+        "done" this JOB causes)."""
+        job_error = msg.body.get("error")
+        if job_error and not self._reported_error:
+            self._reported_error = True
+            self.put(Item("error", error=error_from_object(job_error, "worker start-up")))
+        failed = msg.field("failed", list)
+        if len(failed) > self._reported_failures:
+            entry = failed[-1] if isinstance(failed[-1], dict) else {}
+            self._reported_failures = len(failed)
+            self.put(Item("error", error=PipelineError.create(
+                "worker", "RuntimeError", str(entry.get("message", "a split failed")),
+                context=f"split {entry.get('split')}", builtin="RuntimeError")))
+
+    def refused(self, msg: Message) -> None:
+        """ERROR: the broker refused this consumer (a ValueError when about job_name)."""
+        text = str(msg.body.get("message", "the broker refused the request"))
+        error: Exception = ValueError(text) if "job_name" in text else ZloaderError(text)
+        self.put(Item("error", error=error))
+
+    @staticmethod
+    def log_lines(msg: Message) -> None:
+        """LOG: a remote worker's user output, into this process's log."""
+        lines = valid_lines(msg.body.get("lines"))
+        host, pid = msg.body.get("host"), msg.body.get("pid")
+        if lines is not None and isinstance(host, str) and isinstance(pid, int):
+            emit(host[:255], pid, lines)
+
+    def forgotten(self) -> None:
+        """UNKNOWN: the broker restarted; register again on the next beat, for the same
+        job if it has it."""
+        if self.session.job is not None:
+            self.body["job"] = self.session.job
+        self.session.job = None

@@ -1,0 +1,186 @@
+"""The iterating thread's side of a consumer: it takes the I/O thread's items and yields
+an epoch's elements across the job's workers, in arrival order or (deterministic) one
+from each worker in index order, giving each record's credit back once yielded; it
+bounds every wait by the Loader's timeout."""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from zloader import codec
+from zloader.client.exactly_once import Yielded
+from zloader.client.items import Item
+from zloader.client.thread import IOThread
+from zloader.errors import PipelineError, Timeout
+
+__all__ = ["Merger"]
+
+POLL_SECONDS = 0.1
+"""How often a wait for data checks the Loader's timeout."""
+
+
+class Merger:
+    """Yields the elements of the epochs of one I/O thread's consumer.
+
+    ``deaths`` says which of the Loader's own worker processes died (added to a timeout's
+    message); ``max_skipped`` bounds the elements workers may drop (``on_error="skip"``).
+    """
+
+    def __init__(self, io: IOThread, *, timeout: float, deterministic: bool,
+                 max_skipped: int | None, deaths: Callable[[], str]) -> None:
+        self.io = io
+        self.timeout = timeout
+        self.deterministic = deterministic
+        self.max_skipped = max_skipped
+        self.deaths = deaths
+        self.elements = 0  # yielded, all epochs
+        self.wait = 0.0  # seconds spent waiting for data, all epochs
+        self.yielded = Yielded()  # the origins yielded of the epoch under way
+        self._reading: int | None = None  # the epoch of the live iterator
+
+    def epoch(self, epoch: int, epoch_input: Any) -> Iterator[Any]:
+        """Start ``epoch`` on the workers, handing them ``epoch_input`` (a codec element,
+        or None), and return its elements. An older iterator of this merger raises from
+        then on.
+
+        Raises:
+            CodecError: the codec cannot carry ``epoch_input``.
+        """
+        # One iterator at a time: this one ends any older one (which raises if used again)
+        # instead of both taking each other's records.
+        self._reading = epoch
+        self.yielded.begin(epoch)
+        frames = codec.encode(epoch_input) if epoch_input is not None else []
+        self.io.start_epoch(epoch, frames)
+        return self._round_robin(epoch) if self.deterministic else self._merged(epoch)
+
+    def job_epoch(self) -> int:
+        """Wait for the broker's first answer (bounded by the timeout) and return the
+        job's epoch then.
+
+        Raises:
+            ZloaderError: the broker refused the job, or its workers failed to start.
+            Timeout: no answer within the timeout.
+        """
+        while self.io.stats.job_epoch is None:
+            for item in list(self.io.items.queue):
+                if item.kind == "error":
+                    raise item.error
+            self.check_progress()
+            time.sleep(0.005)
+        return self.io.stats.job_epoch
+
+    def _merged(self, epoch: int) -> Iterator[Any]:
+        """Elements of ``epoch`` from every worker, in arrival order."""
+        while True:
+            item = self._next_item(epoch)
+            if item.kind == "done":
+                self.yielded.done(epoch)  # all of it yielded
+                return
+            if item.kind == "data":
+                self.yielded.record(item.origins, self.elements)
+                for element in item.elements:
+                    self.elements += 1
+                    yield element
+                self.io.credit(item.worker, 1)
+                self._check_skipped()
+            self.yielded.recorded(item.origins, epoch)
+
+    def _round_robin(self, epoch: int) -> Iterator[Any]:
+        """Elements of ``epoch``, one from each worker in index order (deterministic)."""
+        pending: dict[int, deque[Any]] = {}
+        ended: set[int] = set()
+        done = False
+        turn = 0  # the worker index whose element comes next
+        stats = self.io.stats
+        while True:
+            # Every index up to the job's width takes part, known yet or not.
+            order = sorted(set(range(stats.width)) | set(stats.indices) | set(pending))
+            chosen: int | None = None
+            blocked = False
+            start = _first_at_least(order, turn)
+            for index in order[start:] + order[:start]:
+                if pending.get(index):
+                    chosen = index
+                    break
+                if index not in ended and not done:
+                    blocked = True  # its next element decides the order: wait for it
+                    break
+            if chosen is not None:
+                turn = chosen + 1
+                self.elements += 1
+                yield pending[chosen].popleft()
+                continue
+            if done and not blocked:
+                return
+            item = self._next_item(epoch)
+            if item.kind == "data":
+                pending.setdefault(item.index, deque()).extend(item.elements)
+                self.io.credit(item.worker, 1)
+                self._check_skipped()
+            elif item.kind == "end":
+                ended.add(item.index)
+            elif item.kind == "done":
+                done = True
+
+    def _next_item(self, epoch: int) -> Item:
+        if epoch != self._reading:
+            raise RuntimeError(
+                f"this iterator's epoch {epoch} was left: iter() started epoch "
+                f"{self._reading} on the same Loader (one iterator at a time; a new iter() "
+                "ends the previous one, whose elements not yet yielded are dropped)")
+        stats = self.io.stats
+        start = time.monotonic()
+        try:
+            while True:
+                try:
+                    item = self.io.items.get(timeout=POLL_SECONDS)
+                except queue.Empty:
+                    # The wait under way counts now: a consumer that nothing serves must
+                    # show as starved while it waits, not once an element comes.
+                    stats.wait_seconds = self.wait + time.monotonic() - start
+                    self.check_progress()
+                    continue
+                if item.kind == "error":
+                    deaths = self.deaths() if isinstance(item.error, Timeout) else ""
+                    if deaths:
+                        raise Timeout(f"{item.error} ({deaths})") from None
+                    raise item.error  # type: ignore[misc]
+                if item.epoch == epoch:
+                    return item
+                if item.kind == "data":  # a record of an epoch left early: return its credit
+                    self.io.credit(item.worker, 1)
+        finally:
+            self.wait += time.monotonic() - start
+            stats.wait_seconds, stats.yielded = self.wait, self.elements
+
+    def check_progress(self) -> None:
+        """Raise when the I/O thread stopped, or no data came for the timeout.
+
+        Raises:
+            RuntimeError: the I/O thread failed.
+            Timeout: no data for ``timeout`` seconds, saying why as far as known.
+        """
+        io = self.io
+        if not io.is_alive():
+            raise RuntimeError(f"the Loader's I/O thread stopped: {io.failure!r}")
+        silent = time.monotonic() - io.stats.last_progress
+        if silent > self.timeout:
+            deaths = self.deaths()
+            raise Timeout(io.stall_reason(silent) + (f" ({deaths})" if deaths else ""))
+
+    def _check_skipped(self) -> None:
+        skipped = self.io.stats.skipped
+        if self.max_skipped is not None and skipped > self.max_skipped:
+            raise PipelineError.create(
+                "loader", "RuntimeError",
+                f"{skipped} elements were skipped (on_error='skip'), more than "
+                f"max_skipped={self.max_skipped}", builtin="RuntimeError")
+
+
+def _first_at_least(order: list[int], turn: int) -> int:
+    return next((i for i, index in enumerate(order) if index >= turn), 0)

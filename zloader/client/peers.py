@@ -1,0 +1,321 @@
+"""A consumer's connections to the job's workers: one DEALER each, the shared-memory
+ring of a co-located one (grown when its records are large for it), the one-record
+segments it maps, and the credits it grants (OPEN, CREDIT)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+
+from zloader._host import host_id
+from zloader.client.rounds import Rounds
+from zloader.client.session import Session, Settings
+from zloader.client.stats import Stats
+from zloader.transport.protocol import Command, ProtocolError, doing, doing_text, encode
+from zloader.transport.shm import sweep
+
+__all__ = ["Peer", "Peers", "local_address"]
+
+log = logging.getLogger("zloader.loader")
+
+RING_MAX_BYTES = 1 << 30
+"""A ring that keeps filling up with large records grows, by doubling, up to this size."""
+
+
+@dataclass
+class Peer:
+    """One worker serving this consumer's job, and this consumer's side of its stream."""
+
+    worker: str
+    task: str | None
+    index: int
+    pid: int
+    endpoint: str
+    socket: zmq.Socket[Any]
+    ring: Any = None
+    returned: int = 0  # credits the iterating thread gave back, not yet sent
+    mapped: list[str] = field(default_factory=list)  # one-record segments to let go of
+    old_rings: list[Any] = field(default_factory=list)  # rings being replaced by a larger one
+    host: str = ""
+    heard: float = 0.0  # when it last sent something, or was last given credits it lacked
+    owed: int = 0  # credits granted for this epoch and not yet used by a record
+    reported: float = float("-inf")  # when it was last reported stuck
+    doing: dict[str, Any] | None = None  # {epoch, split, stage}, from the job's view
+
+    def describe(self) -> str:
+        """``worker pid P on HOST (stage S of split N, epoch E)``, as far as known."""
+        text = f"worker pid {self.pid} on {self.host or self.endpoint}"
+        if self.doing is not None:
+            text += f" ({doing_text(self.doing)})"
+        return text
+
+
+class Peers:
+    """The workers the job's view lists, by worker id. ``on_gone`` is called after each
+    worker that left the view is closed (the epoch may be over without it)."""
+
+    def __init__(self, settings: Settings, session: Session, stats: Stats,
+                 rounds: Rounds | None) -> None:
+        self.settings = settings
+        self.session = session
+        self.stats = stats
+        self.rounds = rounds
+        self.on_gone: Callable[[], None] = lambda: None
+        self.lost: str | None = None  # the last worker taken off the job, described
+        self._peers: dict[str, Peer] = {}
+        self._index_of: dict[str, int] = {}  # every worker that ever served the job
+        self._context: zmq.Context[Any] | None = None
+        self._poller: zmq.Poller | None = None
+
+    def attach(self, context: zmq.Context[Any], poller: zmq.Poller) -> None:
+        """Make sockets in ``context`` and poll them with ``poller`` (the I/O thread's)."""
+        self._context, self._poller = context, poller
+
+    # --- who they are ---------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Peer]:
+        """The peers, as a copy: closing one while iterating is safe."""
+        return iter(list(self._peers.values()))
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+    def workers(self) -> set[str]:
+        """The ids of the workers connected now."""
+        return set(self._peers)
+
+    def get(self, worker: str) -> Peer | None:
+        """The peer of ``worker``, if connected."""
+        return self._peers.get(worker)
+
+    def of(self, sock: Any) -> Peer | None:
+        """The peer whose socket is ``sock``."""
+        return next((p for p in self._peers.values() if p.socket is sock), None)
+
+    def index_of(self, worker: str) -> int | None:
+        """The worker index ``worker`` had when it served the job (None: it never did)."""
+        return self._index_of.get(worker)
+
+    # --- the job's view -------------------------------------------------------------------
+
+    def update(self, workers: list[Any]) -> None:
+        """Follow the job's worker list (its JOB view): connect to the new ones, close
+        the ones it no longer lists, and read a worker given a new task afresh."""
+        seen = set()
+        for entry in workers:
+            if not isinstance(entry, dict) or not isinstance(entry.get("worker"), str):
+                continue
+            worker = entry["worker"]
+            peer = self._peers.get(worker)
+            if peer is not None:
+                peer.doing = doing(entry.get("doing"))
+            if peer is not None and entry.get("task") != peer.task:
+                # The broker dropped this worker and gave it a task again: the old stream
+                # is over (what it held was re-queued); read the new task afresh.
+                self.close(peer, polite=False)
+                peer = None
+            seen.add(worker)
+            if peer is None:
+                self._connect(entry)
+        gone = [w for w in self._peers if w not in seen]
+        for worker in gone:
+            if worker not in self.session.ended:
+                self.lost = self._peers[worker].describe() + " stopped answering"
+            self.close(self._peers[worker], polite=False)
+            self.on_gone()
+        if gone:
+            sweep()  # a worker that died cannot unlink its segments: remove them for it
+
+    def _connect(self, entry: dict[str, Any]) -> None:
+        assert self._context is not None and self._poller is not None
+        keys = self.settings.keys
+        sock = self._context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if keys is not None and entry.get("plain_data") is True:
+            keys.connect_plain(sock)  # the worker's --plain-data
+        elif keys is not None:
+            keys.connect(sock)
+        try:
+            sock.connect(str(entry["endpoint"]))
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            log.warning("cannot connect to worker %s at %r: %s", entry["worker"],
+                        entry["endpoint"], exc)
+            return
+        task = entry.get("task") if isinstance(entry.get("task"), str) else None
+        peer = Peer(entry["worker"], task, int(entry.get("index", 0)),
+                    int(entry.get("pid", 0)), str(entry["endpoint"]), sock,
+                    host=str(entry.get("host", ""))[:255], heard=time.monotonic(),
+                    doing=doing(entry.get("doing")))
+        if self.settings.use_rings and entry.get("host_id") == host_id():
+            peer.ring = make_ring(self.settings.ring_bytes)
+        self._peers[peer.worker] = peer
+        self._index_of[peer.worker] = peer.index
+        self.stats.indices = tuple(p.index for p in self._peers.values())
+        self._poller.register(sock, zmq.POLLIN)
+        if self.session.epoch is not None and not self.session.done:
+            self.open(peer)
+
+    def close(self, peer: Peer, polite: bool) -> None:
+        """Stop reading ``peer``: tell it (``polite``), close its socket and its rings."""
+        if polite:
+            self.send(peer, Command.CLOSE, {})
+        if self._poller is not None:
+            self._poller.unregister(peer.socket)
+        peer.socket.close(0)
+        for ring in [peer.ring, *peer.old_rings]:
+            if ring is not None:
+                ring.close()  # unlinks now; views the user holds stay valid
+        peer.old_rings.clear()
+        self._peers.pop(peer.worker, None)
+        self.stats.indices = tuple(p.index for p in self._peers.values())
+        if peer.doing is not None:  # what it last did, should it turn out to have died
+            self.stats.was_doing[peer.pid] = doing_text(peer.doing)
+
+    def close_all(self) -> None:
+        """Close every peer, telling each (the consumer is going)."""
+        for peer in list(self._peers.values()):
+            self.close(peer, polite=True)
+
+    # --- streams and credits --------------------------------------------------------------
+
+    def open(self, peer: Peer, keep_credits: bool = False) -> None:
+        """Open the epoch under way (its latest rerun) on ``peer``, granting ``prefetch``
+        credits afresh."""
+        session, prefetch = self.session, self.settings.prefetch
+        if not keep_credits:
+            peer.returned = 0
+        peer.owed, peer.heard = prefetch, time.monotonic()  # OPEN grants afresh
+        body = {"job": session.job, "task": peer.task, "consumer": session.consumer,
+                "epoch": session.epoch, "credits": prefetch, "rerun": session.rerun,
+                "ring": peer.ring.name if peer.ring is not None else None}
+        if self.rounds is not None:
+            body["consumer_index"] = self.rounds.index
+        self.send(peer, Command.OPEN, payload=session.epoch_input, body=body)
+
+    def open_all(self, keep_credits: bool = False) -> None:
+        """Open the epoch under way on every peer."""
+        for peer in list(self._peers.values()):
+            self.open(peer, keep_credits)
+
+    def credit(self, worker: str, credits: int) -> None:
+        """Give ``worker`` back ``credits`` (records used); sent once half the prefetch
+        has come back, or at once when segments wait to be let go of."""
+        target = self._peers.get(worker)
+        if target is None or self.session.epoch is None:
+            return
+        target.returned += credits
+        if target.returned >= max(1, self.settings.prefetch // 2) or target.mapped:
+            if target.owed <= 0:  # it had none: its silence so far says nothing
+                target.heard = time.monotonic()
+            target.owed += target.returned
+            self.send(target, Command.CREDIT, {"epoch": self.session.epoch,
+                                               "credits": target.returned,
+                                               "mapped": target.mapped})
+            target.returned = 0
+            target.mapped = []
+
+    def send(self, peer: Peer, command: Command, body: dict[str, Any],
+             payload: tuple[Any, ...] | list[Any] = ()) -> None:
+        """Send ``peer`` a message, dropped (and logged) when it cannot take it now."""
+        try:
+            peer.socket.send_multipart(encode(command, body, payload), zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("worker %s is not reachable: %s not sent", peer.endpoint, command.name)
+
+    # --- shared memory --------------------------------------------------------------------
+
+    def ring_of(self, peer: Peer, ring: Any) -> Any:
+        """The ring a DATA refers to: the current one or, until the worker has switched, a
+        ring it is growing out of (records arrive in order, so once one names the current
+        ring the older rings get no more).
+
+        Raises:
+            ProtocolError: ``ring`` is malformed or names no ring of ``peer``'s.
+        """
+        if not (isinstance(ring, list) and len(ring) == 3 and isinstance(ring[2], str)):
+            raise ProtocolError("DATA.ring must be [position, length, ring name]")
+        if peer.ring is not None and ring[2] == peer.ring.name:
+            for old in peer.old_rings:
+                old.close()
+            peer.old_rings.clear()
+            return peer.ring
+        for old in peer.old_rings:
+            if old.name == ring[2]:
+                return old
+        raise ProtocolError(f"DATA names ring {ring[2]!r}, which this consumer did not open")
+
+    def grow_ring(self, peer: Peer, record_bytes: int) -> None:
+        """The worker found the ring full: when records are large for it (fewer than
+        ``prefetch + 1`` fit), replace it with one twice as large, up to RING_MAX_BYTES."""
+        assert peer.ring is not None
+        capacity = peer.ring.capacity
+        if record_bytes * (self.settings.prefetch + 1) <= capacity \
+                or capacity >= RING_MAX_BYTES:
+            return
+        bigger = make_ring(min(RING_MAX_BYTES, capacity * 2))
+        if bigger is None:
+            return
+        peer.old_rings.append(peer.ring)
+        peer.ring = bigger
+        self.send(peer, Command.RING, {"ring": bigger.name})
+
+    def map_segment(self, peer: Peer, segment: Any, private: bool = False) -> Any:
+        """Map a one-record segment; the worker unlinks it once told (next CREDIT). A
+        shared job's record is mapped copy-on-write (``private``): writing into an element
+        changes this process's copy only.
+
+        Raises:
+            ProtocolError: ``segment`` is malformed, cannot be mapped or is too short.
+        """
+        from zloader.transport.shm import Segment
+
+        if not (isinstance(segment, list) and len(segment) == 2
+                and isinstance(segment[0], str) and isinstance(segment[1], int)):
+            raise ProtocolError("DATA: segment must be [name, length]")
+        try:
+            mapped = Segment.attach(segment[0], private=private)
+        except (OSError, ValueError) as exc:
+            raise ProtocolError(f"DATA: cannot map segment {segment[0]!r}: {exc}") from None
+        if not 0 < segment[1] <= mapped.size:
+            mapped.close()
+            raise ProtocolError(f"DATA: segment length {segment[1]} out of range")
+        block = np.frombuffer(mapped.buf, np.uint8, count=segment[1])
+        mapped.close()  # the mapping lives on in ``block`` and the views made from it
+        peer.mapped.append(segment[0])
+        return block
+
+
+def make_ring(size: int | None) -> Any:
+    """A ring of ``size`` bytes (default: the ring's) to read a co-located worker's records
+    from, or None when /dev/shm cannot hold it (that worker's records then come over the
+    socket)."""
+    from zloader.transport.ring import DEFAULT_RING_BYTES, RingReader
+    from zloader.transport.shm import ShmError
+
+    try:
+        return RingReader(size or DEFAULT_RING_BYTES)
+    except ShmError as exc:
+        log.warning("%s; using the socket for this worker instead", exc)
+        return None
+
+
+def local_address(broker: str) -> str:
+    """The address of this host's interface that faces the broker (loopback for a local
+    broker), so that the broker's workers can reach what this consumer serves."""
+    host = broker.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    if host in ("127.0.0.1", "localhost", "::1", "*", ""):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((host, 9))  # no packet is sent: this only picks a route
+            return str(probe.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"

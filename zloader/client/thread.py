@@ -1,0 +1,350 @@
+"""The Loader's I/O thread: owns every socket of a consumer and runs its loop.
+
+It talks to the broker (zloader/client/link.py) and to every worker of the job
+(peers.py), decodes records (receive.py), decides when an epoch is over (epoch_end.py)
+and puts :class:`Item` s on a queue for the iterating thread, which reads the counters
+and the job's facts in one record (:class:`Stats`). Only this thread touches its sockets;
+the iterating thread sends it commands (:meth:`IOThread.start_epoch`,
+:meth:`IOThread.credit`) through a deque.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import zmq
+
+from zloader.client.epoch_end import EpochEnd
+from zloader.client.items import Item
+from zloader.client.link import BrokerLink, registration
+from zloader.client.peers import Peer, Peers, local_address
+from zloader.client.receive import Receiver
+from zloader.client.rounds import Rounds
+from zloader.client.session import Session, Settings
+from zloader.client.stats import Stats
+from zloader.shipping import Served
+from zloader.transport.keys import Keys
+from zloader.transport.protocol import Command, Message, ProtocolError, decode
+
+__all__ = ["IOThread"]
+
+log = logging.getLogger("zloader.loader")
+
+POLL_MS = 5
+
+
+class IOThread(threading.Thread):
+    """A consumer's sockets, rings and protocol state, in a thread of their own.
+
+    ``blob`` is the pickled pipeline sent with REGISTER; empty when ``served`` holds it
+    (too large for the broker: workers fetch it from this thread's source socket) or when
+    the workers inherited it (embedded, fork). The other arguments are the Loader's.
+    """
+
+    def __init__(self, address: str, blob: bytes, *, fingerprint: str, job_name: str | None,
+                 sharding: str, deterministic: bool, num_workers: int, on_error: str,
+                 source: dict[str, Any], prefetch: int, use_rings: bool,
+                 ring_bytes: int | None, served: Served | None = None,
+                 data_bind: str | None = None, balanced: int = 0,
+                 share: dict[str, Any] | None = None,
+                 coordinated: tuple[int, int] | None = None, keys: Keys | None = None,
+                 exactly_once: bool = False, resume: dict[str, Any] | None = None,
+                 timeout: float = 60.0, weight: float = 1.0) -> None:
+        super().__init__(name="zloader-loader-io", daemon=True)
+        self.settings = Settings(
+            address=address, prefetch=prefetch, timeout=timeout, use_rings=use_rings,
+            ring_bytes=ring_bytes, keys=keys, data_bind=data_bind, balanced=balanced > 0,
+            exactly_once=exactly_once, coordinated=coordinated,
+            fixed=sharding in ("static", "off"))
+        self.served = served or Served()
+        body = registration(
+            fingerprint=fingerprint, job_name=job_name, sharding=sharding,
+            deterministic=deterministic, num_workers=num_workers, on_error=on_error,
+            source=source, balanced=balanced, share=share, coordinated=coordinated,
+            exactly_once=exactly_once, inherited=not blob and self.served.pipeline is None,
+            resume=resume, weight=weight)
+        self.items: queue.Queue[Item] = queue.Queue()  # to the iterating thread
+        self.stats = Stats(width=max(1, num_workers))
+        self.failure: BaseException | None = None  # what stopped the thread, if anything
+        put = self.items.put
+        self._session = Session(consumer=body["consumer"])
+        self._rounds = Rounds(coordinated) if coordinated else None
+        self._link = BrokerLink(self.settings, self._session, self.stats, body, blob,
+                                self._rounds, put)
+        self._peers = Peers(self.settings, self._session, self.stats, self._rounds)
+        self._end = EpochEnd(self.settings, self._session, self.stats, self._link,
+                             self._peers, self._rounds, put, body.get("resume"))
+        self._peers.on_gone = self._end.check
+        self._receiver = Receiver(self._session, self.stats, self._peers, self._link,
+                                  self._end, self._rounds, put)
+        self._rejected_logged = 0.0  # when a dropped message was last logged
+        self._commands: deque[tuple[Any, ...]] = deque()
+        self._halt = threading.Event()
+        # A command wakes the thread at once (a byte in this pipe) instead of at its next poll.
+        # The pipe is closed once the thread has stopped (close(), or __del__ if it never
+        # ran), so writers need no lock.
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
+        self._broker: zmq.Socket[Any] | None = None
+        self._data_server: zmq.Socket[Any] | None = None
+        self._guard: Any = None  # the ZAP handler, with keys and a source socket
+
+    # --- called from the iterating thread -------------------------------------------------
+
+    def start_epoch(self, epoch: int, epoch_input: list[Any]) -> None:
+        """Open ``epoch`` on every worker, with ``epoch_input`` (codec frames)."""
+        self._command(("start", epoch, epoch_input))
+
+    def credit(self, worker: str, credits: int = 1) -> None:
+        """Give ``worker`` back the credits of ``credits`` records used."""
+        self._command(("credit", worker, credits))
+
+    @property
+    def registration(self) -> dict[str, Any]:
+        """The body of this consumer's REGISTER (its ``consumer`` id, ``source_data``)."""
+        return self._link.body
+
+    @property
+    def job(self) -> str | None:
+        """The job's id, once the broker has answered (None again when it forgot it)."""
+        return self._session.job
+
+    def peers(self) -> list[Peer]:
+        """The workers that serve the job now, as this consumer sees them."""
+        return list(self._peers)
+
+    def stall_reason(self, silent: float) -> str:
+        """Why no data came for ``silent`` seconds, as far as this consumer can tell."""
+        address = self.settings.address
+        peers = list(self._peers)
+        if self._session.job is None:
+            keys = ("; with keys, are they the broker's?" if self.settings.keys is not None
+                    else "; does it want keys (keys= or ZLOADER_KEYS)?")
+            return (f"no broker answered at {address} for {silent:.0f} s: is "
+                    f"zloader-broker running there{keys} (raise timeout= to wait longer)")
+        busy, lost = self._link.busy_elsewhere, self._peers.lost
+        if not peers and busy and not lost:
+            return (f"no worker has served this job for {silent:.0f} s: the broker's "
+                    f"{busy} workers all run other jobs (a worker serves one "
+                    "job at a time): start more workers (zloader-worker --broker "
+                    f"{address}), pass num_workers=, or close the other Loaders first")
+        if not peers:
+            last = (f"; the last one, {lost}, was taken off the job"
+                    if lost else "; every worker may have died")
+            return (f"no worker has served this job for {silent:.0f} s: start workers "
+                    f"(zloader-worker --broker {address}) or pass num_workers={last} "
+                    "(raise timeout= to wait longer)")
+        if self._rounds is not None and self._rounds.vacant:
+            return (f"no data for {silent:.0f} s: coordinated reads wait for consumer_index "
+                    f"{', '.join(map(str, self._rounds.vacant))} of {self._rounds.size} "
+                    "to join")
+        waiting = [p for p in peers if p.worker not in self._session.ended]
+        if waiting:
+            quiet = min(waiting, key=lambda p: p.heard)
+            why = (f" though it holds {quiet.owed} credits of this consumer: its user code "
+                   "may be blocked (a deadlock, a wait that never ends) or its process "
+                   "stopped" if quiet.owed > 0 else "")
+            return (f"no data from the job's {len(peers)} workers for {silent:.0f} s; "
+                    f"{quiet.describe()} has sent nothing for "
+                    f"{time.monotonic() - quiet.heard:.0f} s{why} (raise timeout= if one "
+                    "element can take longer)")
+        return (f"no data from the job's {len(peers)} workers for {silent:.0f} s "
+                "(raise timeout= to wait longer)")
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread (it tells the workers and the broker) and wait for it."""
+        self._halt.set()
+        self._wake()
+        if self.is_alive() and self is not threading.current_thread():
+            self.join(timeout)
+        if not self.is_alive():
+            self._close_pipe()  # its fds go now, not when this object is collected
+
+    def _command(self, command: tuple[Any, ...]) -> None:
+        self._commands.append(command)
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._wake_write < 0:
+            return  # closed: nobody reads it any more
+        with contextlib.suppress(OSError):  # BlockingIOError: a wake-up is pending anyway
+            os.write(self._wake_write, b"!")
+
+    def _close_pipe(self) -> None:
+        fds = (getattr(self, "_wake_read", -1), getattr(self, "_wake_write", -1))
+        self._wake_read = self._wake_write = -1
+        for fd in fds:
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    def __del__(self) -> None:
+        self._close_pipe()
+
+    # --- the thread -----------------------------------------------------------------------
+
+    def run(self) -> None:
+        context = zmq.Context()
+        poller = zmq.Poller()
+        self._broker = self._link.connect(context)
+        poller.register(self._broker, zmq.POLLIN)
+        poller.register(self._wake_read, zmq.POLLIN)
+        self._peers.attach(context, poller)
+        try:
+            if self.served:
+                self._serve_source(context, poller)
+            self._loop(poller)
+        except BaseException as exc:
+            self.failure = exc
+            log.exception("the Loader's I/O thread failed")
+            self.items.put(Item("error", error=exc))
+        finally:
+            self._shutdown(context)
+
+    def _loop(self, poller: zmq.Poller) -> None:
+        session, next_beat = self._session, 0.0
+        while not self._halt.is_set():
+            now = time.monotonic()
+            if now >= next_beat:
+                next_beat = now + session.heartbeat
+                self._link.beat()
+                if session.job is not None and self._rounds is not None and not session.done:
+                    self._link.acks += self._rounds.uncommitted()  # in case one was lost
+            while self._commands:
+                self._run_command(self._commands.popleft())
+            for sock, _ in poller.poll(POLL_MS):
+                if sock == self._wake_read:
+                    with contextlib.suppress(BlockingIOError):
+                        while os.read(self._wake_read, 4096):
+                            pass
+                    continue
+                for _ in range(64):
+                    if sock.closed:  # a message handled just before closed it (a worker
+                        break        # that left the job's view)
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._receive(sock, frames)
+            self._link.send_acks()
+            self._end.check_stuck(time.monotonic())
+
+    def _run_command(self, command: tuple[Any, ...]) -> None:
+        if command[0] == "start":
+            self._start(command[1], command[2])
+        elif command[0] == "credit":
+            self._peers.credit(command[1], command[2])
+
+    def _start(self, epoch: int, epoch_input: list[Any]) -> None:
+        """Begin ``epoch``: tell the broker, open it on every worker."""
+        self._session.start(epoch, epoch_input)
+        self._end.start()
+        self._receiver.start()
+        self.stats.last_progress = time.monotonic()  # the timeout counts from the start
+        if self._rounds is not None:
+            self._rounds.start(epoch)
+        if self._session.job is not None:
+            self._link.ask_epoch()
+        self._peers.open_all()
+
+    def _receive(self, sock: zmq.Socket[Any], frames: list[zmq.Frame]) -> None:
+        """Decode and handle one message from outside: whatever is wrong with it (malformed,
+        hostile, or a bug its handling hits) drops it, counted in ``rejected`` and logged,
+        and the thread goes on serving the consumer."""
+        try:
+            if sock is self._broker:
+                self._from_broker(decode(frames))
+            elif sock is self._data_server:
+                self._fetch(frames)
+            else:
+                msg = decode(frames)
+                peer = self._peers.of(sock)
+                if peer is not None:
+                    self._receiver.message(peer, msg)
+        except ProtocolError as exc:
+            self._reject(f"dropped a malformed message: {exc}")
+        except Exception:  # a bug must not stop the consumer: log it, drop the message
+            self._reject("failed on a message; dropped it", exc_info=True)
+
+    def _reject(self, text: str, exc_info: bool = False) -> None:
+        """Count a dropped message; log it at most once a second (a flood of junk must
+        not flood the trainer's log)."""
+        self.stats.rejected += 1
+        now = time.monotonic()
+        if now - self._rejected_logged >= 1.0:
+            self._rejected_logged = now
+            log.warning("%s (%d rejected so far)", text, self.stats.rejected,
+                        exc_info=exc_info)
+
+    def _from_broker(self, msg: Message) -> None:
+        if msg.command is Command.JOB:
+            self._job_view(msg)
+        elif msg.command is Command.ERROR:
+            self._link.refused(msg)
+        elif msg.command is Command.LOG:
+            self._link.log_lines(msg)
+        elif msg.command is Command.COMMIT:
+            if self._rounds is not None:
+                self._rounds.total_lost = int(msg.body.get("total_lost") or 0)
+                self.stats.rounds_lost = self._rounds.total_lost
+                if msg.field("epoch", int) == self._session.epoch:
+                    self._rounds.commit(msg.field("rounds", list), msg.field("lost", list))
+                    self._end.release_rounds()
+        elif msg.command is Command.UNKNOWN:
+            self._link.forgotten()
+
+    def _job_view(self, msg: Message) -> None:
+        """JOB: the link takes the job's facts, the peers follow its workers, the end of
+        the epoch takes its fences and confirmations. The broker's traffic is no progress:
+        only data is (a stuck worker heartbeats)."""
+        view = self._link.job(msg)
+        self._end.pending = view.pending
+        known = self._peers.workers()
+        self._peers.update(view.workers)
+        confirmed = self._end.view(view)
+        session = self._session
+        if view.registered and session.epoch is not None and not session.done:
+            # Registered again mid-epoch (the broker had given up on this consumer, or
+            # restarted): the workers dropped its streams, so open the epoch again.
+            for worker in known & self._peers.workers():
+                peer = self._peers.get(worker)
+                if peer is not None:
+                    self._peers.open(peer)
+        self._end.check(confirmed=confirmed)
+
+    def _serve_source(self, context: zmq.Context[Any], poller: zmq.Poller) -> None:
+        """Bind the socket from which workers fetch this job's in-memory source data and
+        its pipeline, when that is too large to pass through the broker."""
+        keys = self.settings.keys
+        server = context.socket(zmq.ROUTER)
+        server.setsockopt(zmq.LINGER, 0)
+        if keys is not None:
+            self._guard = keys.guard(context)
+            keys.serve(server)
+        server.bind(self.settings.data_bind
+                    or f"tcp://{local_address(self.settings.address)}:*")
+        self._data_server = server
+        poller.register(server, zmq.POLLIN)
+        self._link.body.update(self.served.fields(server.getsockopt_string(zmq.LAST_ENDPOINT)))
+
+    def _fetch(self, frames: list[zmq.Frame]) -> None:
+        assert self._data_server is not None
+        reply = self.served.answer(decode(frames[1:]))
+        self._data_server.send_multipart([frames[0].bytes, *reply], copy=False)
+
+    def _shutdown(self, context: zmq.Context[Any]) -> None:
+        if self._data_server is not None:
+            self._data_server.close(0)
+        self._peers.close_all()
+        self._link.bye()
+        if self._guard is not None:
+            self._guard.stop()
+        context.term()
