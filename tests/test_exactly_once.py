@@ -170,6 +170,34 @@ def test_states_of_job_name_consumers_resume_the_epoch_together():
         assert_exactly_once(seen)
 
 
+def test_a_job_name_consumer_that_ended_its_part_does_not_end_the_epoch_it_resumes():
+    """One consumer of a job_name reads to the end of its part while the other still holds
+    elements it has not yielded: resumed together, their states give the rest of that
+    epoch, not a new one (which would repeat the first consumer's part)."""
+    pipeline = Pipeline.range(N, split_size=40)
+    with service(workers=2) as (address, _):
+        seen: collections.Counter = collections.Counter()
+        loaders = [Loader(pipeline, broker=address, job_name="ended", timeout=30)
+                   for _ in range(2)]
+        try:
+            first, second = (iter(loader) for loader in loaders)
+            for _ in range(20):
+                seen[next(second)] += 1
+            for x in first:  # the first takes what the second's credits do not hold
+                seen[x] += 1
+            states = [loader.state_dict() for loader in loaders]
+        finally:
+            for loader in loaders:
+                loader.close()
+        assert states[0]["epoch"] == 1 and states[0]["finished"]["epoch"] == 0
+        assert sum(seen.values()) < N  # the second held some it had not yielded
+        with Loader(pipeline, broker=address, job_name="ended", timeout=30,
+                    state=states) as resumed:
+            for x in resumed:
+                seen[x] += 1
+        assert_exactly_once(seen)
+
+
 def test_state_dict_refuses_what_it_cannot_record():
     with pytest.raises(ValueError, match="exactly_once"):
         Loader(Pipeline.range(10), num_workers=1, sharding="static", state={"zloader": 1})

@@ -310,7 +310,9 @@ class Loader:
         grows with the splits under way, not with the epoch): ``Loader(pipeline, ...,
         state=...)`` then yields the rest of the epoch, each element not yet yielded once.
         Call it between elements, from the iterating thread. A finished epoch's state
-        resumes at the next epoch.
+        resumes at the next epoch, unless another Loader of the same ``job_name`` whose
+        state is resumed with it was still in that epoch (its ``finished`` entry says what
+        this one yielded of it).
 
         Raises:
             ValueError: this Loader does not keep origins (``exactly_once`` is off or does
@@ -324,9 +326,14 @@ class Loader:
             raise ValueError("state_dict() cannot record a take/skip run by the consumer "
                              f"({', '.join(s.name for s in self._plan.consumer_stages)}); "
                              "drop it, or stop the loop yourself after N elements")
-        epoch, delivered = self._merger.yielded.state(self._epoch, self._merger.elements)
-        return {"zloader": STATE_VERSION, "fingerprint": self.pipeline.fingerprint,
-                "epoch": epoch, "entropy": self._io.stats.entropy, "delivered": delivered}
+        yielded = self._merger.yielded
+        epoch, delivered = yielded.state(self._epoch, self._merger.elements)
+        state = {"zloader": STATE_VERSION, "fingerprint": self.pipeline.fingerprint,
+                 "epoch": epoch, "entropy": self._io.stats.entropy, "delivered": delivered}
+        finished = yielded.finished_state()
+        if finished is not None:
+            state["finished"] = finished
+        return state
 
     def _deaths(self) -> str:
         """Which of this Loader's own worker processes died, how, and doing what."""

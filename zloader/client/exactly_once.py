@@ -35,12 +35,14 @@ class Yielded:
     def __init__(self) -> None:
         self.ledger = Ledger()
         self.iterating: int | None = None  # the epoch being yielded, until it is done
+        self.finished: int | None = None  # the epoch last yielded whole (``ledger`` is its)
         # The record being yielded, and the element count when its first was yielded.
         self._current: tuple[Origins, int] | None = None
 
     def begin(self, epoch: int) -> None:
         """``epoch`` starts: nothing of it yielded yet."""
         self.ledger, self._current, self.iterating = Ledger(), None, epoch
+        self.finished = None
 
     def record(self, origins: Origins | None, elements: int) -> None:
         """A record starts being yielded, ``elements`` having been yielded before it."""
@@ -56,7 +58,15 @@ class Yielded:
     def done(self, epoch: int) -> None:
         """Every element of ``epoch`` was yielded."""
         if self.iterating == epoch:
-            self.iterating = None
+            self.iterating, self.finished = None, epoch
+
+    def finished_state(self) -> dict[str, Any] | None:
+        """``{epoch, delivered}`` of the epoch last yielded whole: another Loader of the
+        same ``job_name`` may still be in it, and a resume then needs what this one
+        yielded of it."""
+        if self.iterating is not None or self.finished is None:
+            return None
+        return {"epoch": self.finished, "delivered": self.ledger.to_json()}
 
     def state(self, next_epoch: int, elements: int) -> tuple[int, Any]:
         """The epoch to resume and the JSON of what was delivered of it, ``elements``
@@ -95,13 +105,34 @@ def resume_from(state: Any, fingerprint: str, exactly_once: bool) -> dict[str, A
         if one.get("fingerprint") != fingerprint:
             raise ValueError("state was saved by a Loader of another pipeline (its "
                              "fingerprint differs); resume with the same pipeline")
-    epoch = max(one["epoch"] for one in states)  # an epoch some Loader finished is over
+    epoch = _resumed_epoch(states)
     ledger = Ledger()
     for one in states:
         if one["epoch"] == epoch:
             ledger.merge_json(one.get("delivered"))
+        elif _finished(one) == epoch:
+            ledger.merge_json(one["finished"]["delivered"])
     entropy = next((one["entropy"] for one in states if isinstance(one.get("entropy"), int)),
                    None)
     delivered = ledger.to_json()
     digest = hashlib.sha256(json.dumps([epoch, entropy, delivered]).encode()).hexdigest()
     return {"epoch": epoch, "entropy": entropy, "delivered": delivered, "digest": digest[:12]}
+
+
+def _finished(state: dict[str, Any]) -> int | None:
+    """The epoch ``state``'s Loader had yielded whole and not gone past, if it says so."""
+    finished = state.get("finished")
+    if isinstance(finished, dict) and isinstance(finished.get("epoch"), int) \
+            and state["epoch"] == finished["epoch"] + 1 and not state.get("delivered"):
+        return int(finished["epoch"])
+    return None
+
+
+def _resumed_epoch(states: list[dict[str, Any]]) -> int:
+    """The epoch a job resumes: the one some of its Loaders were still in when the others
+    had yielded their part of it whole (the job's epoch is not over until every Loader's
+    is), else the latest (an epoch every Loader finished is over)."""
+    behind = min(one["epoch"] for one in states)
+    if all(one["epoch"] == behind or _finished(one) == behind for one in states):
+        return behind
+    return max(one["epoch"] for one in states)
