@@ -1,0 +1,170 @@
+"""The worker's delivery modes, driven in-process: a real broker process, real
+:class:`~zloader.worker.WorkerProcess` objects whose loops run on threads of this process
+(real loopback sockets, real shared-memory rings), and real Loaders as consumers. They guard
+the worker's code paths one mode at a time: credit delivery (plain and balanced), rounds
+(coordinated reads), shared delivery, exactly-once, static sharding, and the drain."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from tests.service import start_broker, status, stop, wait_for
+from zloader import Loader, Pipeline
+from zloader.worker import WorkerProcess
+
+JOIN_SECONDS = 10.0
+
+
+class Running:
+    """A WorkerProcess whose loop runs on a thread of this process."""
+
+    def __init__(self, address: str) -> None:
+        self.worker = WorkerProcess(address, "tcp://127.0.0.1:*", heartbeat=0.5)
+        self.errors: list[BaseException] = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.worker.run()
+        except BaseException as exc:  # reported by close
+            self.errors.append(exc)
+
+    def close(self) -> None:
+        self.worker.stop.set()
+        self.thread.join(JOIN_SECONDS)
+        assert not self.thread.is_alive(), "the worker's loop did not end"
+        assert not self.errors, self.errors
+
+
+@contextlib.contextmanager
+def in_process(workers: int = 1) -> Iterator[tuple[str, list[Running]]]:
+    """A broker process and ``workers`` in-process workers registered with it."""
+    broker, address = start_broker()
+    running: list[Running] = []
+    try:
+        running = [Running(address) for _ in range(workers)]
+        wait_for(lambda: status(address, 1.0) is not None, what="the broker")
+        wait_for(lambda: len(status(address)["workers"]) == workers, what="the workers")
+        yield address, running
+    finally:
+        for worker in running:
+            worker.close()
+        stop(broker)
+
+
+def read_on_threads(loaders: list[Loader], epochs: int = 1) -> list[list[list]]:
+    """Each loader's ``epochs`` epochs, read on a thread of its own."""
+    results: list[list[list]] = [[] for _ in loaders]
+    errors: list[BaseException] = []
+
+    def read(i: int) -> None:
+        try:
+            for _ in range(epochs):
+                results[i].append([int(np.asarray(v).ravel()[0]) for v in loaders[i]])
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=read, args=(i,), daemon=True)
+               for i in range(len(loaders))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(t.is_alive() for t in threads), "a consumer hung"
+    assert not errors, errors
+    return results
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+@pytest.mark.parametrize("exactly_once", [True, False])
+def test_credit_delivery_yields_every_element_once_per_epoch(transport, exactly_once):
+    pipeline = Pipeline.range(500, split_size=20).map(lambda x: np.full(64, x))
+    with in_process(workers=2) as (address, running):
+        with Loader(pipeline, broker=address, transport=transport, timeout=30,
+                    exactly_once=exactly_once, prefetch=2) as loader:
+            for _ in range(2):
+                got = [int(v[0]) for v in loader]
+                assert sorted(got) == list(range(500))
+        assert sum(r.worker.elements for r in running) == 1000
+
+
+def test_balanced_delivery_deals_equal_shares():
+    pipeline = Pipeline.range(300, split_size=10)
+    with in_process(workers=2) as (address, _):
+        loaders = [Loader(pipeline, broker=address, job_name="dealt", balanced=2,
+                          timeout=30) for _ in range(2)]
+        try:
+            results = read_on_threads(loaders, epochs=2)
+        finally:
+            for loader in loaders:
+                loader.close()
+    for epoch in range(2):
+        got = [r[epoch] for r in results]
+        assert sorted(got[0] + got[1]) == list(range(300))
+        assert abs(len(got[0]) - len(got[1])) <= 2  # one element per worker at most
+
+
+def test_rounds_delivery_gives_each_round_to_every_consumer_from_one_worker():
+    n, rounds = 2, 30
+    pipeline = Pipeline.range(n * rounds, split_size=n)  # a split is one round's group
+    with in_process(workers=2) as (address, _):
+        loaders = [Loader(pipeline, broker=address, job_name="rounds", num_consumers=n,
+                          consumer_index=i, timeout=30) for i in range(n)]
+        try:
+            results = read_on_threads(loaders, epochs=2)
+        finally:
+            for loader in loaders:
+                loader.close()
+    for epoch in range(2):
+        sequences = [r[epoch] for r in results]
+        assert len(sequences[0]) == len(sequences[1]) == rounds
+        for step in zip(*sequences, strict=True):  # one round: one group, one element each
+            assert len({v // n for v in step}) == 1 and len(set(step)) == n
+        assert sorted(sequences[0] + sequences[1]) == list(range(n * rounds))
+
+
+def test_shared_delivery_gives_every_trainer_every_element_made_once():
+    pipeline = Pipeline.range(200, split_size=10).map(lambda x: np.full(512, x))
+    with in_process(workers=1) as (address, running):
+        loaders = [Loader(pipeline, broker=address, share=True, timeout=30, prefetch=2)
+                   for _ in range(2)]
+        try:
+            wait_for(lambda: any(j["consumers"] == 2 for j in status(address)["jobs"]),
+                     what="both trainers on one shared job")
+            results = read_on_threads(loaders, epochs=2)
+        finally:
+            for loader in loaders:
+                loader.close()
+        for result in results:
+            for epoch in result:
+                assert sorted(epoch) == list(range(200))
+        assert running[0].worker.elements == 2 * 2 * 200  # each trainer, each epoch
+
+
+def test_static_sharding_gives_each_worker_its_index():
+    pipeline = Pipeline.range(240, split_size=10)
+    with in_process(workers=2) as (address, running):
+        with Loader(pipeline, broker=address, sharding="static", timeout=30) as loader:
+            assert sorted(loader) == list(range(240))
+        assert sorted(r.worker.elements for r in running) == [120, 120]
+
+
+def test_a_drained_worker_loses_and_repeats_nothing():
+    pipeline = Pipeline.range(3000, split_size=50).map(lambda x: np.full(16, x))
+    with in_process(workers=2) as (address, running):
+        with Loader(pipeline, broker=address, timeout=30, prefetch=2) as loader:
+            got = []
+            for element in loader:
+                got.append(int(element[0]))
+                if len(got) == 300:
+                    running[0].worker.drain()
+            running[0].thread.join(JOIN_SECONDS)
+            assert not running[0].thread.is_alive(), "the drained worker did not leave"
+            assert sorted(got) == list(range(3000))
+            assert sorted(int(v[0]) for v in loader) == list(range(3000))  # one worker left
