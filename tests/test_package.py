@@ -74,7 +74,7 @@ def test_layers_follow_the_data():
 WORKER_LAYERS = {
     "worker.producer": 0, "worker.streams": 0, "worker.broker_link": 0, "worker.links": 1,
     "worker.delivery": 2, "worker.credit": 3, "worker.rounds": 4, "sharing.delivery": 4,
-    "worker.task": 5, "worker.process": 6, "worker.__init__": 7,
+    "worker.task": 5, "worker.consumers": 6, "worker.process": 7, "worker.__init__": 8,
 }
 
 

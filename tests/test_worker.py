@@ -91,7 +91,7 @@ def test_credit_delivery_yields_every_element_once_per_epoch(transport, exactly_
             for _ in range(2):
                 got = [int(v[0]) for v in loader]
                 assert sorted(got) == list(range(500))
-        assert sum(r.worker.outlet.elements for r in running) == 1000
+        assert sum(r.worker.port.outlet.elements for r in running) == 1000
 
 
 def test_balanced_delivery_deals_equal_shares():
@@ -144,7 +144,7 @@ def test_shared_delivery_gives_every_trainer_every_element_made_once():
         for result in results:
             for epoch in result:
                 assert sorted(epoch) == list(range(200))
-        assert running[0].worker.outlet.elements == 2 * 2 * 200  # each trainer, each epoch
+        assert running[0].worker.port.outlet.elements == 2 * 2 * 200  # each trainer, each epoch
 
 
 def test_static_sharding_gives_each_worker_its_index():
@@ -152,7 +152,7 @@ def test_static_sharding_gives_each_worker_its_index():
     with in_process(workers=2) as (address, running):
         with Loader(pipeline, broker=address, sharding="static", timeout=30) as loader:
             assert sorted(loader) == list(range(240))
-        assert sorted(r.worker.outlet.elements for r in running) == [120, 120]
+        assert sorted(r.worker.port.outlet.elements for r in running) == [120, 120]
 
 
 def test_a_drained_worker_loses_and_repeats_nothing():

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -32,17 +31,18 @@ class BrokerLink:
         context: the worker's ZeroMQ context.
         endpoint: the broker's address.
         keys: CURVE keys (the broker's), or None.
-        hello: the READY body (called at every registration).
+        hello: the READY body: who and where this worker is.
     """
 
     def __init__(self, context: zmq.Context[Any], endpoint: str, keys: Keys | None,
-                 hello: Callable[[], dict[str, Any]]) -> None:
+                 hello: dict[str, Any]) -> None:
         self.context = context
         self.endpoint = endpoint
         self.keys = keys
         self.hello = hello
         self.last_from = time.monotonic()  # when the broker last said anything
         self.last_to = 0.0
+        self.asking: dict[str, Any] | None = None  # the split request not yet answered
         self.sock: zmq.Socket[Any] = self.connect()
 
     def connect(self) -> zmq.Socket[Any]:
@@ -63,7 +63,7 @@ class BrokerLink:
 
     def ready(self) -> None:
         """(Re-)register with the broker."""
-        self.send(Command.READY, self.hello())
+        self.send(Command.READY, self.hello)
 
     def send(self, command: Command, body: dict[str, Any]) -> None:
         """Send to the broker. A connection still being made queues what is sent; only
@@ -82,6 +82,18 @@ class BrokerLink:
             raise BrokerRefused(f"the broker at {self.endpoint} refused this worker's "
                                 f"connection at the handshake: {fix}") from None
         self.last_to = time.monotonic()
+
+    def ask(self, request: dict[str, Any]) -> None:
+        """SPLIT_REQ, remembered until its answer comes (the caller clears ``asking``)."""
+        self.asking = request
+        self.send(Command.SPLIT_REQ, request)
+
+    def ask_again(self, task: str) -> None:
+        """A split request of ``task`` whose answer may be lost (a new connection, a
+        restarted broker): ask again; ``have`` makes the broker send the same split if
+        it had handed one out."""
+        if self.asking is not None and self.asking["task"] == task:
+            self.send(Command.SPLIT_REQ, self.asking)
 
     def heard(self) -> None:
         """The broker said something."""

@@ -1,8 +1,8 @@
 """How a task's records reach its consumers: one :class:`Delivery` per mode.
 
-The worker picks the mode once, when a task starts (:func:`zloader.worker.process`'s
-``delivery_for``), and from then on the task and the process speak only to this
-interface:
+The worker picks the mode once, when a task starts
+(:func:`zloader.worker.process.delivery_for`); from then on the task and the process speak
+only to this interface:
 
 - :class:`zloader.worker.credit.CreditDelivery`: each record to a consumer with credit
   (plain), or dealt round-robin to the N consumers of a ``balanced`` job;

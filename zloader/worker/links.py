@@ -11,7 +11,12 @@ import zmq
 from zloader._defaults import STAGES
 from zloader.worker.producer import Producer, ProducerSpec
 
-__all__ = ["Links"]
+__all__ = ["STOP_SECONDS", "Links"]
+
+STOP_SECONDS = 2.0
+"""A producer told to stop that has not within this long is stuck in user code (a thread
+cannot be killed): the worker process then replaces itself
+(:meth:`zloader.worker.process.WorkerProcess._restart`)."""
 
 
 class Links:
@@ -55,6 +60,19 @@ class Links:
             self.producers.pop(link, None)
             self.poller.unregister(link)
             link.close(0)
+
+    def stop(self, producer: Producer) -> str | None:
+        """Stop ``producer`` and drop its link. Returns None, or what it was doing when it
+        had not stopped within STOP_SECONDS (stuck in user code)."""
+        producer.stop.set()
+        producer.join(STOP_SECONDS)
+        self.drop(producer)
+        if not producer.is_alive():
+            return None
+        doing = producer.doing()
+        return (f"producer did not stop within {STOP_SECONDS:.0f} s (stage {doing['stage']}, "
+                f"split {doing['split']}, epoch {doing['epoch']}): its user code has not "
+                "returned (blocked, or slower than that per element)")
 
     def drop_all(self) -> None:
         for producer in list(self.producers.values()):

@@ -3,12 +3,9 @@
 Threads: the main thread owns every socket (broker DEALER, data ROUTER, the inproc pair to
 each producer) and moves messages; a producer thread runs the user's pipeline for one epoch
 and hands finished records to the main thread, taking one permit per record, so memory stays
-bounded by what consumers granted. See docs/protocol.md.
-
-This module is the process: its sockets and loop, the broker's messages, reconnecting,
-draining and forwarding user output. The task and its life cycle are in
-:mod:`zloader.worker.task`, the producer thread in :mod:`zloader.worker.producer`, and how
-records reach consumers in one delivery class per mode (:mod:`zloader.worker.delivery`).
+bounded by what consumers granted. See docs/protocol.md. This module is the process: its
+sockets and loop, the broker's messages, reconnecting, draining, forwarding user output; the
+rest of zloader/worker/ is the task, its producers and the delivery modes.
 """
 
 from __future__ import annotations
@@ -22,7 +19,6 @@ import socket as _socket
 import sys
 import threading
 import time
-from collections import deque
 from typing import Any
 
 import psutil
@@ -37,33 +33,21 @@ from zloader.plan import plan
 from zloader.sharing.delivery import SharedDelivery
 from zloader.shipping import Loading, Supply
 from zloader.transport.keys import Keys
-from zloader.transport.protocol import (
-    MAX_DATA_FRAME_BYTES,
-    Command,
-    Message,
-    ProtocolError,
-    decode,
-    encode,
-    error_object,
-    heartbeat,
-)
+from zloader.transport.protocol import Command, Message, ProtocolError, decode, heartbeat
 from zloader.transport.shm import sweep, sweep_dirs
-from zloader.worker.broker_link import BrokerLink, BrokerRefused, assignment
+from zloader.worker.broker_link import BrokerLink, BrokerRefused
+from zloader.worker.consumers import DataPort
 from zloader.worker.credit import CreditDelivery
 from zloader.worker.delivery import Delivery
 from zloader.worker.links import Links
-from zloader.worker.producer import LinkKind, Producer
+from zloader.worker.producer import LinkKind
 from zloader.worker.rounds import RoundsDelivery
-from zloader.worker.streams import Outlet
-from zloader.worker.task import Assignment, Task
+from zloader.worker.task import Assignment, Task, load_error
 
-__all__ = ["FORWARD_EVERY", "STOP_SECONDS", "WorkerProcess", "delivery_for"]
+__all__ = ["FORWARD_EVERY", "WorkerProcess", "delivery_for"]
 
 log = logging.getLogger("zloader.worker")
 
-STOP_SECONDS = 2.0
-"""A producer told to stop that has not within this long is stuck in user code (a thread
-cannot be killed): the worker process then replaces itself (:meth:`WorkerProcess._restart`)."""
 FORWARD_EVERY = 0.2
 """Seconds between two sends of captured user output (zloader/forward.py)."""
 
@@ -119,10 +103,8 @@ class WorkerProcess:
         self.stop = threading.Event()
         self.rejected = 0  # malformed messages dropped
         self._process = psutil.Process()  # its CPU time goes in the heartbeat stats
-        self._asking: dict[str, Any] | None = None  # the split request not yet answered
         self._drain_deadline: float | None = None  # set by drain()
         self._warned = 0.0
-        self.early_opens: deque[tuple[bytes, Message]] = deque(maxlen=64)
         self.loading: tuple[Assignment, Loading] | None = None  # a task's pipeline loads
         self._last_beat = 0.0
         self.capture = Capture() if forward_output else None
@@ -137,27 +119,17 @@ class WorkerProcess:
 
     def run(self) -> None:
         context = zmq.Context()
-        self.context = context
         self.supply = Supply(context, self.keys, self.inherited, self.blob_dir)
         guard = self.keys.guard(context) if self.keys is not None else None
-        data = context.socket(zmq.ROUTER)
-        data.setsockopt(zmq.LINGER, 0)
-        data.setsockopt(zmq.MAXMSGSIZE, MAX_DATA_FRAME_BYTES)
-        if self.plain_data:
-            assert self.keys is not None
-            self.keys.serve_plain(data)
-        elif self.keys is not None:
-            self.keys.serve(data)
-        data.bind(self.bind)
-        endpoint = data.getsockopt_string(zmq.LAST_ENDPOINT)
-        if self.advertise and endpoint.startswith("tcp://"):
-            endpoint = f"tcp://{self.advertise}:{endpoint.rsplit(':', 1)[1]}"
-        self.endpoint = endpoint
-        self.data = data
-        self.outlet = Outlet(data, self._reject)
+        self.port = DataPort(context, self.bind, self.advertise, self.keys, self.plain_data,
+                             self._reject)
+        self.endpoint = self.port.endpoint
         self.poller = zmq.Poller()
         self.links = Links(context, self.poller, self.id)
-        self.broker = BrokerLink(context, self.broker_endpoint, self.keys, self._hello)
+        self.broker = BrokerLink(context, self.broker_endpoint, self.keys, {  # READY
+            "worker": self.id, "host": _socket.gethostname(), "host_id": host_id(),
+            "pid": os.getpid(), "endpoint": self.endpoint, "prefer": self.prefer,
+            "plain_data": self.plain_data, "holds": sorted(self.inherited or ())})
         if self.capture is not None:
             self.capture.install()
         try:
@@ -173,7 +145,7 @@ class WorkerProcess:
                 self.broker.send(Command.BYE, {})
             self.links.drop_all()
             self.broker.close()
-            data.close(0)
+            self.port.close()
             if guard is not None:
                 guard.stop()
             if self.wedged is None:
@@ -205,15 +177,9 @@ class WorkerProcess:
         sys.stderr.flush()
         os.execve(sys.executable, command, with_sys_path())
 
-    def _hello(self) -> dict[str, Any]:
-        """The READY body: who and where this worker is."""
-        return {"worker": self.id, "host": _socket.gethostname(), "host_id": host_id(),
-                "pid": os.getpid(), "endpoint": self.endpoint, "prefer": self.prefer,
-                "plain_data": self.plain_data, "holds": sorted(self.inherited or ())}
-
     def _loop(self) -> None:
         poller = self.poller
-        poller.register(self.data, zmq.POLLIN)
+        poller.register(self.port.sock, zmq.POLLIN)
         poller.register(self.broker.sock, zmq.POLLIN)
         while not self.stop.is_set():
             for sock, _ in poller.poll(100):
@@ -224,12 +190,14 @@ class WorkerProcess:
                         frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    if sock is self.data:
-                        self._from_consumer(frames)
+                    if sock is self.port.sock:
+                        self.port.receive(frames, self.task)
                     elif sock is self.broker.sock:
                         self._from_broker(frames)
-                    elif sock in self.links.producers:
-                        self._from_producer(self.links.producers[sock], frames)
+                    elif sock in self.links.producers and self.task is not None:
+                        self.task.from_producer(self.links.producers[sock],
+                                                LinkKind(frames[0].bytes),
+                                                json.loads(frames[1].bytes))
             if self.loading is not None:
                 self._begin_task()
             if self.task is not None:
@@ -251,40 +219,28 @@ class WorkerProcess:
 
     def _beat(self) -> None:
         """HEARTBEAT, with this worker's stats and what its producer is doing."""
-        outlet = self.outlet
-        stats: dict[str, Any] = {"elements": outlet.elements, "bytes": outlet.bytes,
-                                 "fallbacks": outlet.fallbacks, "rejected": self.rejected,
-                                 **self._usage()}
+        outlet, cpu = self.port.outlet, self._process.cpu_times()
+        stats: dict[str, Any] = {
+            "elements": outlet.elements, "bytes": outlet.bytes, "fallbacks": outlet.fallbacks,
+            "rejected": self.rejected, "cpu_seconds": round(cpu.user + cpu.system, 3),
+            "credits": 0.0, "ring_fill": 0.0,  # (the task's, below)
+            **{f"{stage}_seconds": round(t, 3) for stage, t in self.links.timing.items()}}
         beat: dict[str, Any] = {"stats": stats}
         if self.task is not None:
-            stats.update(self.task.delivery.stats())
+            stats.update(self.task.stats())
             if self.task.producer is not None:
                 beat["doing"] = self.task.producer.doing()  # where a stuck one is
         self.broker.send(Command.HEARTBEAT, beat)
 
-    def _usage(self) -> dict[str, float]:
-        """CPU seconds used, credits granted and not used, and the fullest ring's fill."""
-        cpu = self._process.cpu_times()
-        usage = {"cpu_seconds": round(cpu.user + cpu.system, 3), "credits": 0.0,
-                 "ring_fill": 0.0,
-                 **{f"{stage}_seconds": round(t, 3) for stage, t in self.links.timing.items()}}
-        if self.task is not None:
-            streams = self.task.streams.values()
-            usage["credits"] = float(sum(max(0, s.credits) for s in streams))
-            usage["ring_fill"] = max((s.ring.fill() for s in streams if s.ring is not None),
-                                     default=0.0)
-        return usage
-
     def _reconnect(self, now: float) -> None:
-        """The broker has been silent for three heartbeats: connect afresh, and ask again
-        what the old connection may have lost."""
+        """The broker is silent: connect afresh; ask again what the old link lost."""
         log.warning("no word from the broker at %s for %.0f s: reconnecting",
                     self.broker_endpoint, now - self.broker.last_from)
         self.poller.unregister(self.broker.sock)
         self.broker.close()
         self.poller.register(self.broker.connect(), zmq.POLLIN)
-        self._ask_again_for_split()
         if self.task is not None:
+            self.broker.ask_again(self.task.id)
             self.task.delivery.reconnected()
 
     def _forward(self, now: float, task_id: str | None = None) -> None:
@@ -355,13 +311,6 @@ class WorkerProcess:
         except Exception:  # a bug must not stop the worker: log it, drop the message
             self._reject("failed on a message from the broker", exc_info=True)
 
-    def _ask_again_for_split(self) -> None:
-        """A split request whose answer may be lost (a new broker connection): ask again;
-        ``have`` makes the broker send the same split if it had handed one out."""
-        if self._asking is not None and self.task is not None \
-                and self._asking["task"] == self.task.id:
-            self.broker.send(Command.SPLIT_REQ, self._asking)
-
     def _handle_broker(self, msg: Message) -> None:
         command, task = msg.command, self.task
         if command is Command.ACK:
@@ -376,7 +325,8 @@ class WorkerProcess:
         elif command is Command.TASK:
             self._start_task(msg)
         elif command is Command.SPLIT:
-            self._split(msg)
+            if task is not None:
+                task.split(msg)
         elif command is Command.RELEASE:
             if self.loading is not None and msg.field("task", str) == self.loading[0].id:
                 self.loading = None
@@ -393,23 +343,10 @@ class WorkerProcess:
                 sweep()  # a consumer that died cannot unlink its rings: remove them for it
         elif command is Command.UNKNOWN:
             self.broker.ready()  # the broker restarted (or gave up on us): register again
-            self._ask_again_for_split()
+            if task is not None:
+                self.broker.ask_again(task.id)
         elif command is Command.ERROR:
             log.error("broker refused a message: %s", msg.body.get("message"))
-
-    def _split(self, msg: Message) -> None:
-        """SPLIT: pass the broker's answer to the producer that asked."""
-        task = self.task
-        link = task.producer.link if task is not None and task.producer else None
-        if task is not None and msg.field("task", str) == task.id and link is not None:
-            self._asking = None
-            split = msg.field("split", int, optional=True)
-            answer = {"pass": msg.field("pass", list), "split": split,
-                      "have": msg.body.get("have")}
-            if task.assignment.track and split is not None:  # where it belongs, what to skip
-                answer.update(assignment(msg))
-            with contextlib.suppress(zmq.Again):
-                link.send(json.dumps(answer).encode(), zmq.NOBLOCK)
 
     def _start_task(self, msg: Message) -> None:
         """TASK: check it, then load its pipeline on a thread (see ``_begin_task``)."""
@@ -426,25 +363,14 @@ class WorkerProcess:
             return
         (assigned, loading), self.loading = self.loading, None
         if loading.error is not None:
-            exc = loading.error
-            log.error("task %s could not start", assigned.id, exc_info=exc)
-            error = error_object(exc)
-            error["stage"] = "worker start-up"
-            error["message"] = (f"the pipeline could not be loaded on worker pid {os.getpid()}"
-                                f": {error['message']} (install the packages it imports on "
-                                "every worker host)")
-            self.broker.send(Command.TASK_FAILED, {"task": assigned.id, "error": error})
+            log.error("task %s could not start", assigned.id, exc_info=loading.error)
+            self.broker.send(Command.TASK_FAILED, {"task": assigned.id,
+                                                   "error": load_error(loading.error)})
             return
         assert loading.pipeline is not None
-        task = self.task = Task(assigned, plan(loading.pipeline), self.outlet, self.links,
-                                self.broker.send, delivery_for(assigned))
-        early, self.early_opens = list(self.early_opens), deque(maxlen=64)
-        for identity, opened in early:
-            if opened.body.get("job") == task.job and opened.body.get("task") in (None, task.id):
-                try:
-                    self._handle_consumer(identity, opened)
-                except ProtocolError as exc:
-                    self._reject(f"dropped a malformed message from a consumer: {exc}")
+        self.task = Task(assigned, plan(loading.pipeline), self.port.outlet, self.links,
+                         self.broker, delivery_for(assigned))
+        self.port.begin(self.task)
 
     def _stop_task(self) -> None:
         self.loading = None  # a task still loading is dropped with its result
@@ -452,84 +378,20 @@ class WorkerProcess:
         if task is None:
             return
         for producer in task.producers():
-            producer.stop.set()
-            producer.join(STOP_SECONDS)
-            self.links.drop(producer)
-            if producer.is_alive():
-                self._wedge(task, producer)
+            stuck = self.links.stop(producer)
+            if stuck is not None:
+                self._wedge(f"task {task.id}'s {stuck}")
         if self.capture is not None:  # its output goes to its own consumers, not the next's
             with contextlib.suppress(zmq.ZMQError):
                 self._forward(time.monotonic(), task.id)
             self.capture.discard()
         task.close()
 
-    def _wedge(self, task: Task, producer: Producer) -> None:
-        """A producer did not stop: its user code is blocked (a deadlock, a wait that
-        never ends). Leave the loop; :meth:`run` then restarts the process, unless it was
-        asked to stop anyway."""
-        doing = producer.doing()
-        self.wedged = (f"task {task.id}'s producer did not stop within {STOP_SECONDS:.0f} s "
-                       f"(stage {doing['stage']}, split {doing['split']}, epoch "
-                       f"{doing['epoch']}): its user code has not returned (blocked, or "
-                       "slower than that per element)")
+    def _wedge(self, why: str) -> None:
+        """A producer did not stop (``why``): its user code is blocked (a deadlock, a
+        wait that never ends). Leave the loop; :meth:`run` then restarts the process,
+        unless it was asked to stop anyway."""
+        self.wedged = why
         if not self.stop.is_set():
             self._restart_when_wedged = threading.current_thread() is threading.main_thread()
             self.stop.set()
-
-    # --- producers and consumers ----------------------------------------------------------
-
-    def _from_producer(self, producer: Producer, frames: list[zmq.Frame]) -> None:
-        task = self.task
-        if task is None:
-            return
-        kind, body = LinkKind(frames[0].bytes), json.loads(frames[1].bytes)
-        if kind is LinkKind.SPLIT_REQ:
-            self._asking = {"task": task.id, "pass": body["pass"], "have": body["have"]}
-            self.broker.send(Command.SPLIT_REQ, self._asking)
-        elif kind is LinkKind.PASS_DONE:
-            self.broker.send(Command.PASS_DONE, {"task": task.id, "pass": body})
-        elif kind is LinkKind.RECORD:
-            task.delivery.on_record(producer, body["epoch"], producer.outbox.popleft(), body)
-        elif kind is LinkKind.END:
-            task.delivery.on_end(producer, body)
-        elif kind is LinkKind.FAIL:
-            task.fail(producer, body)
-
-    def _from_consumer(self, frames: list[zmq.Frame]) -> None:
-        identity = frames[0].bytes
-        try:
-            msg = decode(frames[1:])
-            self._handle_consumer(identity, msg)
-        except ProtocolError as exc:
-            self._reject(f"dropped a malformed message from consumer {identity.hex()} on "
-                         f"the data socket: {exc}")
-            with contextlib.suppress(zmq.ZMQError):
-                self.data.send_multipart([identity, *encode(Command.ERROR,
-                                                            {"message": str(exc)})],
-                                         zmq.NOBLOCK)
-        except Exception:  # a bug must not stop the worker: log it, drop the message
-            self._reject(f"failed on a message from consumer {identity.hex()}", exc_info=True)
-
-    def _handle_consumer(self, identity: bytes, msg: Message) -> None:
-        task = self.task
-        if msg.command is Command.OPEN:
-            if task is None or msg.field("job", str) != task.job \
-                    or msg.body.get("task") not in (None, task.id):
-                # The consumer may hear of this worker's task before the worker does: keep
-                # the OPEN until the TASK arrives (bounded; the oldest are dropped). An OPEN
-                # for another task of the same job never reaches this one: the broker
-                # dropped this worker meanwhile and re-queued what this task holds.
-                self.early_opens.append((identity, msg))
-                return
-            task.open(identity, msg)
-        elif msg.command is Command.CREDIT:
-            if task is not None:
-                task.credit(identity, msg)
-        elif msg.command is Command.RING:
-            if task is not None:
-                task.ring(identity, msg)
-        elif msg.command is Command.CLOSE:
-            if task is not None and identity in task.streams:
-                task.remove_stream(task.streams[identity])
-        else:
-            raise ProtocolError(f"{msg.command.name} is not a data-socket command")

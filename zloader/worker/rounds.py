@@ -110,8 +110,8 @@ class RoundsDelivery(Delivery):
             for stream in members:
                 stream.credits -= 1
             group.members = [s.identity for s in members]
-            task.to_broker(Command.ROUND_REQ, {"task": task.id, "epoch": group.epoch,
-                                               "members": [s.consumer for s in members]})
+            task.broker.send(Command.ROUND_REQ, {"task": task.id, "epoch": group.epoch,
+                                                 "members": [s.consumer for s in members]})
         self.permit()
 
     def _group(self) -> None:

@@ -10,21 +10,26 @@ more, and ends or fails epochs. How records reach the consumers is its
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import zmq
 
 from zloader import codec
 from zloader.plan import Plan
 from zloader.sharing.window import WindowSettings
-from zloader.transport.protocol import Command, Message
+from zloader.transport.protocol import Command, Message, error_object
+from zloader.worker.broker_link import BrokerLink, assignment
 from zloader.worker.delivery import Delivery
 from zloader.worker.links import Links
-from zloader.worker.producer import Producer, ProducerSpec
+from zloader.worker.producer import LinkKind, Producer, ProducerSpec
 from zloader.worker.streams import Outlet, Stream, attach_ring, unlink_handoffs
 
-__all__ = ["Assignment", "Task"]
+__all__ = ["Assignment", "Task", "load_error"]
 
 
 @dataclass(frozen=True)
@@ -79,20 +84,19 @@ class Task:
         plan: its pipeline, loaded.
         outlet: sends to consumers.
         links: starts producer threads.
-        to_broker: sends a message to the broker.
+        broker: the worker's connection to the broker.
         delivery: the delivery mode's class (the worker picks it).
     """
 
     def __init__(self, assignment: Assignment, plan: Plan, outlet: Outlet, links: Links,
-                 to_broker: Callable[[Command, dict[str, Any]], None],
-                 delivery: type[Delivery]) -> None:
+                 broker: BrokerLink, delivery: type[Delivery]) -> None:
         self.assignment = assignment
         self.id = assignment.id
         self.job = assignment.job
         self.spec = assignment.spec(plan)
         self.outlet = outlet
         self.links = links
-        self.to_broker = to_broker
+        self.broker = broker
         self.streams: dict[bytes, Stream] = {}
         self.producer: Producer | None = None
         self.producing: int | None = None  # the epoch its producer makes
@@ -174,6 +178,39 @@ class Task:
         for stream in [s for s in self.streams.values() if s.consumer == consumer]:
             self.remove_stream(stream)
 
+    # --- producers ------------------------------------------------------------------------
+
+    def from_producer(self, producer: Producer, kind: LinkKind, body: Any) -> None:
+        """A message from one of its producers (see :class:`LinkKind`)."""
+        if kind is LinkKind.SPLIT_REQ:
+            self.broker.ask({"task": self.id, "pass": body["pass"], "have": body["have"]})
+        elif kind is LinkKind.PASS_DONE:
+            self.broker.send(Command.PASS_DONE, {"task": self.id, "pass": body})
+        elif kind is LinkKind.RECORD:
+            self.delivery.on_record(producer, body["epoch"], producer.outbox.popleft(), body)
+        elif kind is LinkKind.END:
+            self.delivery.on_end(producer, body)
+        elif kind is LinkKind.FAIL:
+            self.fail(producer, body)
+
+    def split(self, msg: Message) -> None:
+        """SPLIT: pass the broker's answer to the producer that asked.
+
+        Raises:
+            ProtocolError: the SPLIT is malformed.
+        """
+        link = self.producer.link if self.producer is not None else None
+        if msg.field("task", str) != self.id or link is None:
+            return
+        self.broker.asking = None
+        split = msg.field("split", int, optional=True)
+        answer = {"pass": msg.field("pass", list), "split": split,
+                  "have": msg.body.get("have")}
+        if self.spec.track and split is not None:  # where it belongs, what to skip
+            answer.update(assignment(msg))
+        with contextlib.suppress(zmq.Again):
+            link.send(json.dumps(answer).encode(), zmq.NOBLOCK)
+
     # --- epochs ---------------------------------------------------------------------------
 
     def abandon_stale(self) -> None:
@@ -238,6 +275,15 @@ class Task:
         return self.links.start(self.spec, epoch, pool=pool, draining=self.draining,
                                 epoch_input=self.inputs.get(epoch), **options)
 
+    def stats(self) -> dict[str, Any]:
+        """Its part of the heartbeat's stats: credits granted and not used, the fullest
+        ring's fill, and what the delivery mode adds."""
+        streams = self.streams.values()
+        return {"credits": float(sum(max(0, s.credits) for s in streams)),
+                "ring_fill": max((s.ring.fill() for s in streams if s.ring is not None),
+                                 default=0.0),
+                **self.delivery.stats()}
+
     def producers(self) -> list[Producer]:
         """The producers running for this task."""
         main = [self.producer] if self.producer is not None else []
@@ -249,3 +295,13 @@ class Task:
         for stream in self.streams.values():
             stream.close()
         self.delivery.close()
+
+
+def load_error(exc: BaseException) -> dict[str, Any]:
+    """The TASK_FAILED error of a task whose pipeline could not be loaded here."""
+    error = error_object(exc)
+    error["stage"] = "worker start-up"
+    error["message"] = (f"the pipeline could not be loaded on worker pid {os.getpid()}: "
+                        f"{error['message']} (install the packages it imports on every "
+                        "worker host)")
+    return error
