@@ -102,7 +102,9 @@ def runtime_imports(path: pathlib.Path) -> set[str]:
 
 
 def test_worker_modules_follow_the_data():
-    modules = {f"worker.{p.stem}" for p in (PACKAGE / "worker").glob("*.py")}
+    # (__main__ is the command line, above everything, like cli.py)
+    modules = {f"worker.{p.stem}" for p in (PACKAGE / "worker").glob("*.py")} - {
+        "worker.__main__"}
     missing = modules - set(WORKER_LAYERS)
     assert not missing, f"give new modules a layer: {missing}"
     for module, layer in WORKER_LAYERS.items():
@@ -175,6 +177,11 @@ def test_fingerprint_command(tmp_path):
 def test_service_commands_have_help(command):
     done = run(bin_path(command), "--help")
     assert done.returncode == 0 and "--log-level" in done.stdout
+
+
+def test_python_m_zloader_worker_runs_the_worker_command():
+    done = run(sys.executable, "-m", "zloader.worker", "--help")
+    assert done.returncode == 0 and "zloader-worker" in done.stdout and "--broker" in done.stdout
 
 
 def test_worker_requires_a_broker_address():

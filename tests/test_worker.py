@@ -2,20 +2,27 @@
 :class:`~zloader.worker.WorkerProcess` objects whose loops run on threads of this process
 (real loopback sockets, real shared-memory rings), and real Loaders as consumers. They guard
 the worker's code paths one mode at a time: credit delivery (plain and balanced), rounds
-(coordinated reads), shared delivery, exactly-once, static sharding, and the drain."""
+(coordinated reads), shared delivery, exactly-once, static sharding, and the drain. Then the
+producer thread alone, on a real inproc link."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
+import zmq
 
 from tests.service import start_broker, status, stop, wait_for
 from zloader import Loader, Pipeline
+from zloader.codec import decode
+from zloader.plan import plan
 from zloader.worker import WorkerProcess
+from zloader.worker.producer import LinkKind, Producer, ProducerSpec
 
 JOIN_SECONDS = 10.0
 
@@ -168,3 +175,81 @@ def test_a_drained_worker_loses_and_repeats_nothing():
             assert not running[0].thread.is_alive(), "the drained worker did not leave"
             assert sorted(got) == list(range(3000))
             assert sorted(int(v[0]) for v in loader) == list(range(3000))  # one worker left
+
+
+# --- the producer, on a real link -----------------------------------------------------------
+
+
+Receive = Callable[[], tuple[LinkKind, Any, list[int] | None]]
+
+
+@contextlib.contextmanager
+def producer_link(pipeline: Pipeline, sharding: str, **options: Any
+                  ) -> Iterator[tuple[threading.Semaphore, Any, Receive]]:
+    """A producer of epoch 0 of ``pipeline`` (one element per record): its pool of permits,
+    our end of its link, and a function that receives its next message (kind, body, and a
+    record's elements); stopped and closed on exit."""
+    context = zmq.Context()
+    link = context.socket(zmq.PAIR)
+    link.setsockopt(zmq.LINGER, 0)
+    link.bind("inproc://producer-test")
+    spec = ProducerSpec(plan=plan(pipeline), sharding=sharding, index=0, width=1,
+                        skip_errors=False, entropy=1, track=False, one_per_record=True,
+                        round_size=1)
+    pool = threading.Semaphore(0)
+    producer = Producer(context, "inproc://producer-test", spec, 0, pool, threading.Event(),
+                        **options)
+    producer.start()
+
+    def receive() -> tuple[LinkKind, Any, list[int] | None]:
+        assert link.poll(10_000), "the producer sent nothing for 10 s"
+        kind, body = link.recv_multipart()
+        elements = None
+        if LinkKind(kind) is LinkKind.RECORD:
+            elements = [int(v) for v in decode(producer.outbox.popleft().buffers)]
+        return LinkKind(kind), json.loads(body), elements
+
+    try:
+        yield pool, link, receive
+    finally:
+        producer.stop.set()
+        producer.join(10)
+        link.close(0)
+        context.term()
+
+
+def test_producer_sends_one_record_per_permit_then_ends_the_epoch():
+    with producer_link(Pipeline.range(5), "off") as (pool, link, receive):
+        assert not link.poll(200)  # no permit, no record
+        got: list[int] = []
+        for _ in range(5):
+            pool.release()
+            kind, head, elements = receive()
+            assert kind is LinkKind.RECORD and head["epoch"] == 0 and head["count"] == 1
+            got.extend(elements or ())
+        kind, end, _ = receive()  # (an end takes no permit)
+        assert kind is LinkKind.END and end["epoch"] == 0
+        assert got == list(range(5))
+
+
+def test_producer_asks_for_splits_and_records_them_for_a_replay():
+    splits: dict = {}
+    with producer_link(Pipeline.range(6, split_size=2), "dynamic", splits=splits) as (
+            pool, link, receive):
+        for _ in range(10):
+            pool.release()
+        got: list[int] = []
+        for answer in (2, 0, None):
+            kind, ask, _ = receive()
+            assert kind is LinkKind.SPLIT_REQ and ask["pass"] == [0]
+            link.send(json.dumps({"pass": [0], "split": answer, "have": ask["have"]}).encode())
+            if answer is not None:
+                for _ in range(2):
+                    kind, _, elements = receive()
+                    assert kind is LinkKind.RECORD
+                    got.extend(elements or ())
+        kind, key, _ = receive()
+        assert kind is LinkKind.PASS_DONE and key == [0]
+        assert receive()[0] is LinkKind.END
+    assert got == [4, 5, 0, 1]
+    assert splits == {(0,): [2, 0]}  # what a replay reads again, in order
