@@ -72,7 +72,7 @@ class SharedDelivery(Delivery):
         task.maybe_produce()
         self.deliver()
 
-    def grant(self, stream: Stream, credits: int) -> None:
+    def credit(self, stream: Stream, credits: int) -> None:
         cursor = self.window.cursors.get(stream.identity)  # production follows the window
         if cursor is not None:
             cursor.credits += clamp(credits)

@@ -37,7 +37,7 @@ class CreditDelivery(Delivery):
         self.balanced = task.assignment.balanced  # consumers to deal to (0: by credit)
         self.turn = 0  # whose turn it is, when dealing
 
-    def grant(self, stream: Stream, credits: int) -> None:
+    def credit(self, stream: Stream, credits: int) -> None:
         credits = clamp(credits)
         stream.credits += credits
         for _ in range(credits):

@@ -63,7 +63,7 @@ class Delivery(abc.ABC):
         self.task.open_epoch(stream, epoch, msg)
 
     @abc.abstractmethod
-    def grant(self, stream: Stream, credits: int) -> None:
+    def credit(self, stream: Stream, credits: int) -> None:
         """``stream``'s consumer granted ``credits`` more records (checked here)."""
 
     @abc.abstractmethod

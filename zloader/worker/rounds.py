@@ -64,7 +64,7 @@ class RoundsDelivery(Delivery):
         stream.index = index
         super().open(stream, epoch, msg)
 
-    def grant(self, stream: Stream, credits: int) -> None:
+    def credit(self, stream: Stream, credits: int) -> None:
         stream.credits += clamp(credits)  # production follows the rounds they can take
         self.permit()
 

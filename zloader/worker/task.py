@@ -135,7 +135,7 @@ class Task:
         self.delivery.withdraw(stream)
         stream.epoch = epoch
         self.abandon_stale()
-        self.delivery.grant(stream, msg.field("credits", int))
+        self.delivery.credit(stream, msg.field("credits", int))
         rerun = msg.body.get("rerun", 0)
         if isinstance(rerun, int) and rerun > self.reruns.get(epoch, 0):
             self.reruns[epoch] = rerun
@@ -156,7 +156,7 @@ class Task:
         unlink_handoffs(stream, mapped)
         self.delivery.mapped(stream, mapped)
         if msg.field("epoch", int) == stream.epoch:
-            self.delivery.grant(stream, msg.field("credits", int))
+            self.delivery.credit(stream, msg.field("credits", int))
             self.delivery.deliver()
 
     def ring(self, identity: bytes, msg: Message) -> None:
