@@ -131,8 +131,9 @@ def test_rounds_delivery_gives_each_round_to_every_consumer_from_one_worker():
     for epoch in range(2):
         sequences = [r[epoch] for r in results]
         assert len(sequences[0]) == len(sequences[1]) == rounds
-        for step in zip(*sequences, strict=True):  # one round: one group, one element each
-            assert len({v // n for v in step}) == 1 and len(set(step)) == n
+        for step in zip(*sequences, strict=True):  # one round: one group, element j to j
+            assert [v // n for v in step] == [step[0] // n] * n
+            assert [v % n for v in step] == list(range(n))
         assert sorted(sequences[0] + sequences[1]) == list(range(n * rounds))
 
 
