@@ -23,7 +23,7 @@ LAYERS = {
     "ray": 8, "shipping": 5,
     "_host": 0, "sources": 2, "stages": 2,
     "pipeline": 3, "plan": 4, "demo": 4, "_pickling": 4,
-    "state": 5, "producer": 5, "broker": 6, "worker": 6, "_process": 7,
+    "state": 5, "broker": 6, "worker": 6, "_process": 7,
     "loader": 8, "torch": 9, "tf": 9, "cli": 10, "__init__": 11,
     # The client package (layer 6), in the order its modules may import each other;
     # "client" is its __init__.
@@ -87,6 +87,56 @@ def test_layers_follow_the_data():
                     f"(layer {LAYERS[imported]})")
 
 
+# Inside the worker (zloader/worker/, and the shared delivery it runs from zloader/sharing/):
+# the producer and what sends to consumers at the bottom, the delivery modes on the protocol
+# they follow, the task above them, the process on top.
+WORKER_LAYERS = {
+    "worker.producer": 0, "worker.streams": 0, "worker.broker_link": 0, "worker.links": 1,
+    "worker.delivery": 2, "worker.credit": 3, "worker.rounds": 4, "sharing.delivery": 4,
+    "worker.task": 5, "worker.consumers": 6, "worker.process": 7, "worker.__init__": 8,
+}
+
+
+def runtime_imports(path: pathlib.Path) -> set[str]:
+    """The zloader modules ``path`` imports (``"worker.task"``, ``"codec"``), leaving out
+    those imported for type checking only."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and ast.unparse(node.test) == "TYPE_CHECKING"
+                   for n in ast.walk(node)}
+    names = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("zloader"):
+            module = node.module.removeprefix("zloader").lstrip(".")
+            if module:
+                names.add(module)
+            else:
+                names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.Import):
+            names.update(a.name.removeprefix("zloader.") for a in node.names
+                         if a.name.startswith("zloader."))
+    return names
+
+
+def test_worker_modules_follow_the_data():
+    # (__main__ is the command line, above everything, like cli.py)
+    modules = {f"worker.{p.stem}" for p in (PACKAGE / "worker").glob("*.py")} - {
+        "worker.__main__"}
+    missing = modules - set(WORKER_LAYERS)
+    assert not missing, f"give new modules a layer: {missing}"
+    for module, layer in WORKER_LAYERS.items():
+        for imported in runtime_imports(PACKAGE / (module.replace(".", "/") + ".py")):
+            if imported in WORKER_LAYERS:
+                assert WORKER_LAYERS[imported] < layer, (
+                    f"{module} (layer {layer}) imports {imported} "
+                    f"(layer {WORKER_LAYERS[imported]})")
+            elif imported.split(".")[0] in LAYERS:
+                assert LAYERS[imported.split(".")[0]] < LAYERS["worker"], (
+                    f"{module} imports {imported}, a layer above the worker")
+
+
 def test_pyproject_holds_only_the_build_system():
     import tomllib
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -146,6 +196,11 @@ def test_fingerprint_command(tmp_path):
 def test_service_commands_have_help(command):
     done = run(bin_path(command), "--help")
     assert done.returncode == 0 and "--log-level" in done.stdout
+
+
+def test_python_m_zloader_worker_runs_the_worker_command():
+    done = run(sys.executable, "-m", "zloader.worker", "--help")
+    assert done.returncode == 0 and "zloader-worker" in done.stdout and "--broker" in done.stdout
 
 
 def test_worker_requires_a_broker_address():

@@ -345,6 +345,7 @@ def test_ctrl_c_in_the_training_loop_ends_everything_without_worker_tracebacks()
         stderr = consumer.stderr.read()
         assert "KeyboardInterrupt" in stderr
         assert stderr.count("Traceback") == 1 and "worker.py" not in stderr
+        assert "zloader/worker/" not in stderr
         wait_for(lambda: _group_gone(consumer.pid), timeout=10, what="the workers to exit")
         assert not _segments_of(consumer.pid)
 

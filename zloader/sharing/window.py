@@ -25,9 +25,35 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["LAG_POLICIES", "Cursor", "Entry", "Window"]
+__all__ = ["LAG_POLICIES", "Cursor", "Entry", "Window", "WindowSettings"]
 
 LAG_POLICIES = ("block", "skip")
+
+
+@dataclass(frozen=True)
+class WindowSettings:
+    """A shared job's window settings, as its TASK carries them (``share``)."""
+
+    window_bytes: int
+    lag: str
+    block_seconds: float
+
+    @classmethod
+    def from_body(cls, share: dict[str, Any]) -> WindowSettings:
+        """The settings in a TASK's ``share``.
+
+        Raises:
+            KeyError / TypeError / ValueError: one is missing or malformed.
+        """
+        settings = cls(int(share["window_bytes"]), str(share["lag"]),
+                       float(share["block_seconds"]))
+        _check_lag(settings.lag)
+        return settings
+
+
+def _check_lag(lag: str) -> None:
+    if lag not in LAG_POLICIES:
+        raise ValueError(f"share_lag must be one of {LAG_POLICIES}, got {lag!r}")
 
 
 @dataclass(eq=False)
@@ -72,8 +98,7 @@ class Window:
     produced: dict[int, int] = field(default_factory=dict)  # epoch -> elements produced
 
     def __post_init__(self) -> None:
-        if self.lag not in LAG_POLICIES:
-            raise ValueError(f"share_lag must be one of {LAG_POLICIES}, got {self.lag!r}")
+        _check_lag(self.lag)
 
     # --- producing ------------------------------------------------------------------------
 

@@ -1,24 +1,26 @@
 """The producer thread of a worker: runs the worker part of one epoch of the task's
 pipeline and hands finished records to the worker's socket thread over an inproc pair.
 
-Messages to the socket thread (first frame is the kind):
-``S {pass, have}`` asks for the next split of a pass, having received ``have`` of them so far
-(the answer comes back on the pair as ``{"pass", "split"}``, with ``origin``, ``skip`` and
-``expect`` for an exactly-once job, see zloader/lineage.py), ``P pass`` says a pass is
-finished, ``R head`` is one record (``head``: epoch, count, skipped, and for an exactly-once
-job ``origins``: the pass table and split ends; its two origin buffers follow its codec
-buffers; its buffers wait in
-:attr:`Producer.outbox`, in order, so no message is built around them), ``E body`` ends the
-epoch, ``F body`` reports an error.
-A record is sent only after taking one credit from the task's pool, so the records in flight
-never exceed what the consumers granted. A record holding a :class:`~zloader.codec.Gather`
-references the user's rows, which user code may overwrite next: the producer waits until the
-socket thread has copied it out (:attr:`Outgoing.taken`) before it goes on.
+It takes a :class:`ProducerSpec` (frozen, built from the task once) and speaks
+:class:`LinkKind` messages (the first frame of each is the kind):
+``SPLIT_REQ {pass, have}`` asks for the next split of a pass, having received ``have`` of
+them so far (the answer comes back on the pair as ``{"pass", "split"}``, with ``origin``,
+``skip`` and ``expect`` for an exactly-once job, see zloader/lineage.py), ``PASS_DONE pass``
+says a pass is finished, ``RECORD head`` is one record (``head``: epoch, count, skipped, and
+for an exactly-once job ``origins``: the pass table and split ends; its two origin buffers
+follow its codec buffers; its buffers wait in :attr:`Producer.outbox`, in order, so no
+message is built around them), ``END body`` ends the epoch, ``FAIL body`` reports an error.
+A record is sent only after taking one permit from the producer's pool, so the records in
+flight never exceed what the consumers granted. A record holding a
+:class:`~zloader.codec.Gather` references the user's rows, which user code may overwrite
+next: the producer waits until the socket thread has copied it out (:attr:`Outgoing.taken`)
+before it goes on.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import itertools
 import json
 import threading
@@ -35,15 +37,54 @@ from zloader import codec
 from zloader._defaults import STAGES
 from zloader.errors import CodecError, PipelineError
 from zloader.lineage import Assigned, encode_origins, unpack
+from zloader.plan import Plan
 from zloader.stages import Context
 from zloader.transport.protocol import error_object
 
-__all__ = ["RECORD_BYTES", "RECORD_ELEMENTS", "RECORD_LINGER", "STAGES", "Outgoing",
-           "Producer"]
+__all__ = ["RECORD_BYTES", "RECORD_ELEMENTS", "RECORD_LINGER", "STAGES", "LinkKind",
+           "Outgoing", "Producer", "ProducerSpec"]
 
 RECORD_ELEMENTS = 1024
 RECORD_BYTES = 1 << 20
 RECORD_LINGER = 0.002
+
+
+class LinkKind(enum.Enum):
+    """The kind of a message from a producer to its worker's socket thread (its first
+    frame; the body, JSON, follows)."""
+
+    SPLIT_REQ = b"S"  # {pass, have}: the next split of this pass, please
+    PASS_DONE = b"P"  # [pass key]: every split this producer took in the pass is read
+    RECORD = b"R"     # head: one record, whose buffers wait in Producer.outbox
+    END = b"E"        # {epoch, skipped, dropped[, origins]}: the epoch is over here
+    FAIL = b"F"       # {epoch, error}: user code failed
+
+
+@dataclass(frozen=True)
+class ProducerSpec:
+    """What a producer needs of its task, fixed when the task starts.
+
+    Attributes:
+        plan: the pipeline, split into the worker's and the consumer's parts.
+        sharding: ``"dynamic"`` (splits from the broker), ``"static"`` or ``"off"``.
+        index: this worker's index in the job (static sharding, seeds).
+        width: the job's number of worker indices.
+        skip_errors: ``on_error="skip"``: drop elements whose user code raises.
+        entropy: the job's seed.
+        track: exactly-once: elements carry their origins (zloader/lineage.py).
+        one_per_record: deal one element per record (balanced and coordinated jobs).
+        round_size: the consumers of a round (coordinated jobs; 1 otherwise).
+    """
+
+    plan: Plan
+    sharding: str
+    index: int
+    width: int
+    skip_errors: bool
+    entropy: int
+    track: bool
+    one_per_record: bool
+    round_size: int
 
 
 @dataclass(eq=False)
@@ -57,23 +98,39 @@ class Outgoing:
 
 
 class Producer(threading.Thread):
-    """Runs the worker part of one epoch and sends records to the main thread."""
+    """Runs the worker part of one epoch and sends records to the main thread.
 
-    def __init__(self, context: zmq.Context[Any], address: str, task: Any,
-                 epoch: int, replay: tuple[bytes, int] | None = None,
-                 pool: threading.Semaphore | None = None,
+    Args:
+        context: the worker's ZeroMQ context (the pair is inproc).
+        address: where the socket thread's end of the pair is bound.
+        spec: the task's :class:`ProducerSpec`.
+        epoch: the epoch to produce.
+        pool: one permit per record sent.
+        draining: set when the worker leaves: dynamic passes end at once.
+        epoch_input: what the consumer passed for this epoch (its OPEN's payload), if any.
+        splits: the splits read, per pass, for a job that must be able to make its
+            elements again (shared jobs: recorded here, in order); None: not recorded.
+        replay: make the first ``replay`` elements of the epoch again, reading the splits
+            recorded in ``splits`` (a shared job's late trainer); None: produce afresh.
+        timing: where the time goes, by stage (shared by the worker's producers).
+    """
+
+    def __init__(self, context: zmq.Context[Any], address: str, spec: ProducerSpec,
+                 epoch: int, pool: threading.Semaphore, draining: threading.Event,
+                 epoch_input: Any = None,
+                 splits: dict[tuple[int, ...], list[int]] | None = None,
+                 replay: int | None = None,
                  timing: dict[str, float] | None = None) -> None:
         super().__init__(name=f"zloader-producer-{epoch}", daemon=True)
-        self.context, self.address, self.task, self.epoch = context, address, task, epoch
+        self.context, self.address, self.spec, self.epoch = context, address, spec, epoch
         self.stop = threading.Event()
-        self.pool = pool if pool is not None else task.credit_pool  # one permit per record
+        self.pool = pool
+        self.draining = draining
+        self.epoch_input = epoch_input
         self.link: Any = None  # the socket thread's end of the pair
-        self.outbox: deque[Outgoing] = deque()  # one per ``R`` message sent, in order
-        # A replay makes the first ``count`` elements of the epoch again for one trainer
-        # of a shared job, reading the splits this worker read the first time.
+        self.outbox: deque[Outgoing] = deque()  # one per RECORD message sent, in order
         self.replay = replay
-        self.splits: dict[tuple[int, ...], list[int]] = (
-            task.splits.setdefault(epoch, {}) if task.window is not None else {})
+        self.splits = splits
         # Where the time goes (seconds, cumulative over the worker's producers): running
         # the pipeline, waiting for the broker's splits, encoding records, and blocked
         # for want of credits (the consumers are slower). Counted per record, not element.
@@ -102,14 +159,15 @@ class Producer(threading.Thread):
             pass
         except BaseException as exc:  # user code (SystemExit too): reported as a value
             with contextlib.suppress(_Stopped):
-                self._put(pair, [b"F", json.dumps({"epoch": self.epoch,
-                                                   "error": error_object(exc)}).encode()])
+                self._put(pair, LinkKind.FAIL, {"epoch": self.epoch,
+                                                "error": error_object(exc)})
         finally:
             pair.close(0)
 
-    def _put(self, pair: zmq.Socket[Any], frames: list[Any]) -> None:
+    def _put(self, pair: zmq.Socket[Any], kind: LinkKind, body: Any) -> None:
         """Send to the main thread; never blocks forever (the main thread may have dropped
-        this producer's pair after stopping it)."""
+        this producer's pair after stopping it). ``body``: JSON bytes, or what to encode."""
+        frames = [kind.value, body if isinstance(body, bytes) else json.dumps(body).encode()]
         while True:
             try:
                 pair.send_multipart(frames, zmq.NOBLOCK)
@@ -119,14 +177,13 @@ class Producer(threading.Thread):
                     raise _Stopped from None
 
     def _produce(self, pair: zmq.Socket[Any]) -> None:
-        task = self.task
-        ctx = Context(entropy=task.entropy, worker=task.index,
-                      skip_errors=task.on_error == "skip", workers=task.width,
-                      epoch_input=task.inputs.get(self.epoch),
-                      round_size=max(1, task.coordinated), track=task.track)
-        elements = task.plan.run_worker(lambda key: self._feed(pair, key), self.epoch, ctx)
+        spec = self.spec
+        ctx = Context(entropy=spec.entropy, worker=spec.index, skip_errors=spec.skip_errors,
+                      workers=spec.width, epoch_input=self.epoch_input,
+                      round_size=spec.round_size, track=spec.track)
+        elements = spec.plan.run_worker(lambda key: self._feed(pair, key), self.epoch, ctx)
         if self.replay is not None:
-            elements = itertools.islice(elements, self.replay[1])
+            elements = itertools.islice(elements, self.replay)
         batch: list[Any] = []
         # Untracked elements: the source position each was taken at, to name one the
         # codec rejects (tracked ones carry their origins).
@@ -135,7 +192,7 @@ class Producer(threading.Thread):
         started = last = 0.0
         self._mark = time.perf_counter()
         # One element per record when they are dealt one by one (balanced, coordinated).
-        limit = 1 if task.balanced or task.coordinated else RECORD_ELEMENTS
+        limit = 1 if spec.one_per_record else RECORD_ELEMENTS
         for element in elements:
             now = time.monotonic()
             if not batch:
@@ -160,7 +217,7 @@ class Producer(threading.Thread):
         if ctx.track and (ctx.loose or ctx.ends):  # what no record carried
             end["origins"] = {"passes": _pass_table(ctx, ctx.loose[0::3]),
                               "ends": ctx.ends, "loose": ctx.loose}
-        self._put(pair, [b"E", json.dumps(end).encode()])
+        self._put(pair, LinkKind.END, end)
 
     def _account(self, now: float) -> None:
         """Time since the last mark, less the waits for splits, went to the pipeline."""
@@ -188,7 +245,7 @@ class Producer(threading.Thread):
                 raise _Stopped
         outgoing = Outgoing(buffers, any(isinstance(b, codec.Gather) for b in buffers))
         self.outbox.append(outgoing)
-        self._put(pair, [b"R", head])
+        self._put(pair, LinkKind.RECORD, head)
         if outgoing.gathered:
             while not outgoing.taken.wait(0.1):
                 if self.stop.is_set():
@@ -216,14 +273,14 @@ class Producer(threading.Thread):
             used = np.unique(np.frombuffer(origins[1], np.int64)[0::3]).tolist()
             fields["origins"] = {"passes": _pass_table(ctx, used), "ends": ctx.ends}
             ctx.loose, ctx.ends = [], []
-        return json.dumps(fields).encode(), buffers
+        return json.dumps(fields).encode(), buffers  # (encoded here: encode time)
 
     def _encodable(self, batch: list[Any], places: list[Any], ctx: Context) -> list[Any]:
         """The elements of ``batch`` the codec accepts. A rejected one is skipped and
         counted (``on_error="skip"``) or raised as the PipelineError of the stage that made
         it, naming where in the input it came from (not its place in the record)."""
-        stages = self.task.plan.worker_stages
-        stage = stages[-1].name if stages else self.task.plan.pipeline.source.name
+        stages = self.spec.plan.worker_stages
+        stage = stages[-1].name if stages else self.spec.plan.pipeline.source.name
         kept = []
         for at, element in enumerate(batch):
             try:
@@ -240,22 +297,22 @@ class Producer(threading.Thread):
         return kept
 
     def _feed(self, pair: zmq.Socket[Any], key: tuple[int, ...]) -> Iterator[Any]:
+        if self.splits is None:
+            yield from self._splits(pair, key)
+            return
         if self.replay is not None:
             yield from list(self.splits.get(key, ()))
             return
-        if self.task.window is not None:  # a shared job: keep the order
-            read = self.splits.setdefault(key, [])
-            for split in self._splits(pair, key):
-                read.append(split)
-                yield split
-            return
-        yield from self._splits(pair, key)
+        read = self.splits.setdefault(key, [])  # in order: a replay reads them again
+        for split in self._splits(pair, key):
+            read.append(split)
+            yield split
 
     def _splits(self, pair: zmq.Socket[Any], key: tuple[int, ...]) -> Iterator[Any]:
-        task = self.task
-        if task.sharding != "dynamic":
-            order = task.plan.pipeline.source.split_order(key, task.entropy)
-            mine = order if task.sharding == "off" else order[task.index::task.width]
+        spec = self.spec
+        if spec.sharding != "dynamic":
+            order = spec.plan.pipeline.source.split_order(key, spec.entropy)
+            mine = order if spec.sharding == "off" else order[spec.index::spec.width]
             for split in mine:
                 if self.stop.is_set():
                     raise _Stopped
@@ -264,19 +321,19 @@ class Producer(threading.Thread):
             return
         have = 0  # splits received in this pass: the broker re-sends one whose answer was lost
         while True:
-            if task.draining.is_set():  # the worker is leaving: this pass ends here for it
-                self._put(pair, [b"P", json.dumps(list(key)).encode()])
+            if self.draining.is_set():  # the worker is leaving: this pass ends here for it
+                self._put(pair, LinkKind.PASS_DONE, list(key))
                 return
-            self._put(pair, [b"S", json.dumps({"pass": list(key), "have": have}).encode()])
+            self._put(pair, LinkKind.SPLIT_REQ, {"pass": list(key), "have": have})
             reply = self._answer(pair, key, have)
             if reply is None:
                 continue  # an answer meant for a producer that was stopped: ask again
             if reply.get("split") is None:
-                self._put(pair, [b"P", json.dumps(list(key)).encode()])
+                self._put(pair, LinkKind.PASS_DONE, list(key))
                 return
             have += 1
             self.split = int(reply["split"])
-            if not task.track:
+            if not spec.track:
                 yield int(reply["split"])
                 continue
             origin = reply.get("origin")

@@ -1,0 +1,256 @@
+"""The worker's delivery modes, driven in-process: a real broker process, real
+:class:`~zloader.worker.WorkerProcess` objects whose loops run on threads of this process
+(real loopback sockets, real shared-memory rings), and real Loaders as consumers. They guard
+the worker's code paths one mode at a time: credit delivery (plain and balanced), rounds
+(coordinated reads), shared delivery, exactly-once, static sharding, and the drain. Then the
+producer thread alone, on a real inproc link."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+
+from tests.service import start_broker, status, stop, wait_for
+from zloader import Loader, Pipeline
+from zloader.codec import decode
+from zloader.plan import plan
+from zloader.worker import WorkerProcess
+from zloader.worker.producer import LinkKind, Producer, ProducerSpec
+
+JOIN_SECONDS = 10.0
+
+
+class Running:
+    """A WorkerProcess whose loop runs on a thread of this process."""
+
+    def __init__(self, address: str) -> None:
+        self.worker = WorkerProcess(address, "tcp://127.0.0.1:*", heartbeat=0.5)
+        self.errors: list[BaseException] = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.worker.run()
+        except BaseException as exc:  # reported by close
+            self.errors.append(exc)
+
+    def close(self) -> None:
+        self.worker.stop.set()
+        self.thread.join(JOIN_SECONDS)
+        assert not self.thread.is_alive(), "the worker's loop did not end"
+        assert not self.errors, self.errors
+
+
+@contextlib.contextmanager
+def in_process(workers: int = 1) -> Iterator[tuple[str, list[Running]]]:
+    """A broker process and ``workers`` in-process workers registered with it."""
+    broker, address = start_broker()
+    running: list[Running] = []
+    try:
+        running = [Running(address) for _ in range(workers)]
+        wait_for(lambda: status(address, 1.0) is not None, what="the broker")
+        wait_for(lambda: len(status(address)["workers"]) == workers, what="the workers")
+        yield address, running
+    finally:
+        for worker in running:
+            worker.close()
+        stop(broker)
+
+
+def read_on_threads(loaders: list[Loader], epochs: int = 1) -> list[list[list]]:
+    """Each loader's ``epochs`` epochs, read on a thread of its own."""
+    results: list[list[list]] = [[] for _ in loaders]
+    errors: list[BaseException] = []
+
+    def read(i: int) -> None:
+        try:
+            for _ in range(epochs):
+                results[i].append([int(np.asarray(v).ravel()[0]) for v in loaders[i]])
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=read, args=(i,), daemon=True)
+               for i in range(len(loaders))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(t.is_alive() for t in threads), "a consumer hung"
+    assert not errors, errors
+    return results
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+@pytest.mark.parametrize("exactly_once", [True, False])
+def test_credit_delivery_yields_every_element_once_per_epoch(transport, exactly_once):
+    pipeline = Pipeline.range(500, split_size=20).map(lambda x: np.full(64, x))
+    with in_process(workers=2) as (address, running):
+        with Loader(pipeline, broker=address, transport=transport, timeout=30,
+                    exactly_once=exactly_once, prefetch=2) as loader:
+            for _ in range(2):
+                got = [int(v[0]) for v in loader]
+                assert sorted(got) == list(range(500))
+        assert sum(r.worker.port.outlet.elements for r in running) == 1000
+
+
+def test_balanced_delivery_deals_equal_shares():
+    pipeline = Pipeline.range(300, split_size=10)
+    with in_process(workers=2) as (address, _):
+        loaders = [Loader(pipeline, broker=address, job_name="dealt", balanced=2,
+                          timeout=30) for _ in range(2)]
+        try:
+            results = read_on_threads(loaders, epochs=2)
+        finally:
+            for loader in loaders:
+                loader.close()
+    for epoch in range(2):
+        got = [r[epoch] for r in results]
+        assert sorted(got[0] + got[1]) == list(range(300))
+        assert abs(len(got[0]) - len(got[1])) <= 2  # one element per worker at most
+
+
+def test_rounds_delivery_gives_each_round_to_every_consumer_from_one_worker():
+    n, rounds = 2, 30
+    pipeline = Pipeline.range(n * rounds, split_size=n)  # a split is one round's group
+    with in_process(workers=2) as (address, _):
+        loaders = [Loader(pipeline, broker=address, job_name="rounds", num_consumers=n,
+                          consumer_index=i, timeout=30) for i in range(n)]
+        try:
+            results = read_on_threads(loaders, epochs=2)
+        finally:
+            for loader in loaders:
+                loader.close()
+    for epoch in range(2):
+        sequences = [r[epoch] for r in results]
+        assert len(sequences[0]) == len(sequences[1]) == rounds
+        for step in zip(*sequences, strict=True):  # one round: one group, element j to j
+            assert [v // n for v in step] == [step[0] // n] * n
+            assert [v % n for v in step] == list(range(n))
+        assert sorted(sequences[0] + sequences[1]) == list(range(n * rounds))
+
+
+def test_shared_delivery_gives_every_trainer_every_element_made_once():
+    pipeline = Pipeline.range(200, split_size=10).map(lambda x: np.full(512, x))
+    with in_process(workers=1) as (address, running):
+        loaders = [Loader(pipeline, broker=address, share=True, timeout=30, prefetch=2)
+                   for _ in range(2)]
+        try:
+            wait_for(lambda: any(j["consumers"] == 2 for j in status(address)["jobs"]),
+                     what="both trainers on one shared job")
+            results = read_on_threads(loaders, epochs=2)
+        finally:
+            for loader in loaders:
+                loader.close()
+        for result in results:
+            for epoch in result:
+                assert sorted(epoch) == list(range(200))
+        assert running[0].worker.port.outlet.elements == 2 * 2 * 200  # each trainer, each epoch
+
+
+def test_static_sharding_gives_each_worker_its_index():
+    pipeline = Pipeline.range(240, split_size=10)
+    with in_process(workers=2) as (address, running):
+        with Loader(pipeline, broker=address, sharding="static", timeout=30) as loader:
+            assert sorted(loader) == list(range(240))
+        assert sorted(r.worker.port.outlet.elements for r in running) == [120, 120]
+
+
+def test_a_drained_worker_loses_and_repeats_nothing():
+    pipeline = Pipeline.range(3000, split_size=50).map(lambda x: np.full(16, x))
+    with in_process(workers=2) as (address, running):
+        with Loader(pipeline, broker=address, timeout=30, prefetch=2) as loader:
+            got = []
+            for element in loader:
+                got.append(int(element[0]))
+                if len(got) == 300:
+                    running[0].worker.drain()
+            running[0].thread.join(JOIN_SECONDS)
+            assert not running[0].thread.is_alive(), "the drained worker did not leave"
+            assert sorted(got) == list(range(3000))
+            assert sorted(int(v[0]) for v in loader) == list(range(3000))  # one worker left
+
+
+# --- the producer, on a real link -----------------------------------------------------------
+
+
+Receive = Callable[[], tuple[LinkKind, Any, list[int] | None]]
+
+
+@contextlib.contextmanager
+def producer_link(pipeline: Pipeline, sharding: str, **options: Any
+                  ) -> Iterator[tuple[threading.Semaphore, Any, Receive]]:
+    """A producer of epoch 0 of ``pipeline`` (one element per record): its pool of permits,
+    our end of its link, and a function that receives its next message (kind, body, and a
+    record's elements); stopped and closed on exit."""
+    context = zmq.Context()
+    link = context.socket(zmq.PAIR)
+    link.setsockopt(zmq.LINGER, 0)
+    link.bind("inproc://producer-test")
+    spec = ProducerSpec(plan=plan(pipeline), sharding=sharding, index=0, width=1,
+                        skip_errors=False, entropy=1, track=False, one_per_record=True,
+                        round_size=1)
+    pool = threading.Semaphore(0)
+    producer = Producer(context, "inproc://producer-test", spec, 0, pool, threading.Event(),
+                        **options)
+    producer.start()
+
+    def receive() -> tuple[LinkKind, Any, list[int] | None]:
+        assert link.poll(10_000), "the producer sent nothing for 10 s"
+        kind, body = link.recv_multipart()
+        elements = None
+        if LinkKind(kind) is LinkKind.RECORD:
+            elements = [int(v) for v in decode(producer.outbox.popleft().buffers)]
+        return LinkKind(kind), json.loads(body), elements
+
+    try:
+        yield pool, link, receive
+    finally:
+        producer.stop.set()
+        producer.join(10)
+        link.close(0)
+        context.term()
+
+
+def test_producer_sends_one_record_per_permit_then_ends_the_epoch():
+    with producer_link(Pipeline.range(5), "off") as (pool, link, receive):
+        assert not link.poll(200)  # no permit, no record
+        got: list[int] = []
+        for _ in range(5):
+            pool.release()
+            kind, head, elements = receive()
+            assert kind is LinkKind.RECORD and head["epoch"] == 0 and head["count"] == 1
+            got.extend(elements or ())
+        kind, end, _ = receive()  # (an end takes no permit)
+        assert kind is LinkKind.END and end["epoch"] == 0
+        assert got == list(range(5))
+
+
+def test_producer_asks_for_splits_and_records_them_for_a_replay():
+    splits: dict = {}
+    with producer_link(Pipeline.range(6, split_size=2), "dynamic", splits=splits) as (
+            pool, link, receive):
+        for _ in range(10):
+            pool.release()
+        got: list[int] = []
+        for answer in (2, 0, None):
+            kind, ask, _ = receive()
+            assert kind is LinkKind.SPLIT_REQ and ask["pass"] == [0]
+            link.send(json.dumps({"pass": [0], "split": answer, "have": ask["have"]}).encode())
+            if answer is not None:
+                for _ in range(2):
+                    kind, _, elements = receive()
+                    assert kind is LinkKind.RECORD
+                    got.extend(elements or ())
+        kind, key, _ = receive()
+        assert kind is LinkKind.PASS_DONE and key == [0]
+        assert receive()[0] is LinkKind.END
+    assert got == [4, 5, 0, 1]
+    assert splits == {(0,): [2, 0]}  # what a replay reads again, in order

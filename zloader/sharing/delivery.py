@@ -1,0 +1,315 @@
+"""Shared delivery: how a worker serves a shared job (docs/sharing.md).
+
+Every record the producer makes enters the job's :class:`~zloader.sharing.window.Window`
+(as its lag policy allows), stored once (:mod:`zloader.sharing.store`); each trainer's
+cursor sends it the records it has credits for. A trainer that joins an epoch under way
+is first sent the rest of the epoch from the window, then what it missed, made again for
+it alone by a replay producer that reads the splits this worker read the first time. The
+producer makes as many records as the readiest trainer can take; a replay as many as its
+trainer can.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from zloader import codec
+from zloader.sharing.store import Stored, store
+from zloader.sharing.window import Window
+from zloader.transport.protocol import Command, Message
+from zloader.worker.credit import clamp
+from zloader.worker.delivery import Delivery, Pending
+from zloader.worker.producer import Outgoing, Producer
+from zloader.worker.streams import Stream
+
+if TYPE_CHECKING:
+    from zloader.worker.task import Task
+
+__all__ = ["SharedDelivery"]
+
+
+class SharedDelivery(Delivery):
+    """A shared job's delivery (see the module's docstring)."""
+
+    def __init__(self, task: Task) -> None:
+        super().__init__(task)
+        share = task.assignment.share
+        assert share is not None  # (the worker picks this mode for shared tasks only)
+        self.window = Window(share.window_bytes, share.lag, share.block_seconds)
+        self.stored: dict[str, Stored] = {}  # each record's memory, by segment name
+        # The splits read per epoch and pass, in order, to make a late joiner's missed
+        # elements again, and the replays to run: (trainer, epoch, elements missed).
+        self.splits: dict[int, dict[tuple[int, ...], list[int]]] = {}
+        self.replays: deque[tuple[bytes, int, int]] = deque()
+        self.replayer: Producer | None = None
+        self.replaying: tuple[bytes, int] | None = None  # (trainer, elements sent so far)
+        self.replay_pending: deque[Pending] = deque()
+        self.replay_outstanding = 0
+
+    # --- trainers -------------------------------------------------------------------------
+
+    def open(self, stream: Stream, epoch: int, msg: Message) -> None:
+        """A trainer starts (or re-opens) ``epoch``: place its cursor in the window; what
+        it missed of an epoch under way is made again for it (a replay)."""
+        task = self.task
+        credits = msg.field("credits", int)
+        cursor = self.window.cursors.get(stream.identity)
+        if cursor is None or cursor.epoch != epoch:
+            finished = epoch in task.finished and epoch != task.producing
+            cursor = self.window.join(stream.identity, epoch,
+                                      epoch == task.producing or finished, finished)
+            if cursor.missed > 0:
+                self.replays.append((stream.identity, epoch, cursor.missed))
+        elif cursor.done:
+            task.outlet.send(stream, Command.END, {"epoch": epoch, "skipped": 0,
+                                                   "lagged": cursor.lagged})
+        stream.epoch = epoch
+        cursor.credits = clamp(credits)
+        task.abandon_stale()  # every trainer left the epoch being produced
+        task.maybe_produce()
+        self.deliver()
+
+    def credit(self, stream: Stream, credits: int) -> None:
+        cursor = self.window.cursors.get(stream.identity)  # production follows the window
+        if cursor is not None:
+            cursor.credits += clamp(credits)
+
+    def withdraw(self, stream: Stream) -> None:
+        stream.credits = 0
+
+    def leave(self, stream: Stream) -> None:
+        self.window.leave(stream.identity)
+        for stored in list(self.stored.values()):
+            stored.holders.discard(stream.identity)
+            self._release(stored)
+        if self.replaying is not None and self.replaying[0] == stream.identity:
+            self._stop_replay()
+        self.replays = deque(r for r in self.replays if r[0] != stream.identity)
+        if not self.window.cursors:  # the last trainer left: free the window's memory
+            self._evicted(self.window.clear())
+        self.withdraw(stream)
+
+    def mapped(self, stream: Stream, names: list[Any]) -> None:
+        for name in names:
+            stored = self.stored.get(name) if isinstance(name, str) else None
+            if stored is not None:
+                stored.holders.discard(stream.identity)
+                self._release(stored)
+
+    # --- records --------------------------------------------------------------------------
+
+    def on_record(self, producer: Producer, epoch: int, outgoing: Outgoing,
+                  head: dict[str, Any]) -> None:
+        if producer is not self.replayer:
+            super().on_record(producer, epoch, outgoing, head)
+            return
+        self.replay_outstanding = max(0, self.replay_outstanding - 1)
+        self.replay_pending.append((epoch, outgoing, head))
+        self.deliver()
+
+    def on_end(self, producer: Producer, body: dict[str, Any]) -> None:
+        if producer is not self.replayer:
+            super().on_end(producer, body)
+            return
+        self.replay_pending.append((body["epoch"], None, {"end": True, **body}))
+        self.deliver()
+
+    def deliver(self) -> None:
+        """Admit produced records into the window (as the lag policy allows), send a
+        replay's records to its trainer, then send every trainer what it may take."""
+        task = self.task
+        now = time.monotonic()
+        while self.pending:
+            epoch, outgoing, head = self.pending[0]
+            if head.get("end"):
+                self.pending.popleft()
+                self.window.add(epoch, 0, 0, end=True, skipped=int(head.get("skipped", 0)))
+                task.finish_epoch(epoch)
+                continue
+            assert outgoing is not None
+            if epoch in task.finished:  # an abandoned epoch's leftovers
+                self.pending.popleft()
+                outgoing.taken.set()
+                continue
+            nbytes = sum(codec.nbytes(b) for b in outgoing.buffers)
+            admitted, gone = self.window.room(nbytes, now)
+            self._evicted(gone)
+            if not admitted:
+                break  # "block": retried from the loop until the lagging trainer moves
+            stored = store(outgoing.buffers)
+            outgoing.taken.set()
+            self.pending.popleft()
+            self.window.add(epoch, int(head["count"]), nbytes, stored,
+                            skipped=int(head.get("skipped", 0)))
+            if stored.name is not None:
+                self.stored[stored.name] = stored
+        self._fan_out()
+        self.permit()
+
+    def _fan_out(self) -> None:
+        task, window = self.task, self.window
+        for stream in list(task.streams.values()):
+            cursor = window.cursors.get(stream.identity)
+            if cursor is None or cursor.done or cursor.replaying:
+                continue
+            while cursor.credits > 0 or cursor.end is not None:
+                entry = cursor.end or window.next_for(cursor)
+                if entry is None:
+                    break
+                cursor.end = None
+                cursor.seq = max(cursor.seq, entry.seq + 1)
+                if entry.end:
+                    if cursor.missed > 0:
+                        cursor.replaying = True  # its replay's records go out now
+                    else:
+                        cursor.done = True
+                        task.outlet.send(stream, Command.END, {
+                            "epoch": entry.epoch, "skipped": entry.skipped,
+                            "lagged": cursor.lagged})
+                    break
+                cursor.credits -= 1
+                self._send_stored(stream, entry.epoch, entry.count, entry.skipped,
+                                  entry.data, cursor.lagged)
+        while self.replaying is not None and self.replay_pending and self._send_replay():
+            pass
+
+    def _send_stored(self, stream: Stream, epoch: int, count: int, skipped: int,
+                     stored: Stored, lagged: int) -> None:
+        body: dict[str, Any] = {"epoch": epoch, "count": count, "skipped": skipped,
+                                "ring": None, "lagged": lagged}
+        outlet = self.task.outlet
+        outlet.count(count, stored.length)
+        if stream.ring is not None and stored.segment is not None:  # co-located
+            body["segment"] = [stored.name, stored.length]
+            body["shared"] = True
+            stored.holders.add(stream.identity)
+            outlet.send(stream, Command.DATA, body)
+        else:
+            outlet.send(stream, Command.DATA, body, stored.frames)
+
+    def _send_replay(self) -> bool:
+        """Send the replay's next record (or its end) to its trainer, once the trainer has
+        reached the end of the epoch in the window; False: not yet."""
+        task = self.task
+        epoch, outgoing, head = self.replay_pending[0]
+        trainer, sent = self.replaying or (b"", 0)
+        stream = task.streams.get(trainer)
+        cursor = self.window.cursors.get(trainer)
+        if stream is None or cursor is None:
+            self._stop_replay()
+            return False
+        if not cursor.replaying:
+            return False
+        if head.get("end"):
+            self.replay_pending.popleft()
+            cursor.lagged += max(0, cursor.missed - sent)  # splits no longer on record
+            cursor.done, cursor.replaying, cursor.missed = True, False, 0
+            task.outlet.send(stream, Command.END, {"epoch": epoch,
+                                                   "skipped": int(head.get("skipped", 0)),
+                                                   "lagged": cursor.lagged, "replayed": sent})
+            self._stop_replay()
+            task.maybe_produce()
+            return False
+        if cursor.credits <= 0:
+            return False
+        assert outgoing is not None
+        self.replay_pending.popleft()
+        cursor.credits -= 1
+        self.replaying = (trainer, sent + int(head["count"]))
+        task.outlet.record(stream, epoch, outgoing.buffers, head)
+        outgoing.taken.set()
+        return True
+
+    # --- production -----------------------------------------------------------------------
+
+    def new_epoch(self, epoch: int) -> dict[tuple[int, ...], list[int]]:
+        while self.pool.acquire(blocking=False):  # permits start afresh (see permit)
+            pass
+        self.outstanding = 0
+        for old in [e for e in self.splits if e < epoch - 2]:
+            del self.splits[old]
+        return self.splits.setdefault(epoch, {})
+
+    def start_side(self) -> None:
+        """A late joiner waits for what it missed: make it again, if no replay runs."""
+        if self.replayer is not None:
+            return
+        while self.replays:
+            trainer, epoch, missed = self.replays.popleft()
+            if trainer in self.task.streams:
+                self.replaying = (trainer, 0)
+                self.replay_outstanding = 0
+                self.replayer = self.task.start_producer(
+                    epoch, threading.Semaphore(0), splits=self.splits.setdefault(epoch, {}),
+                    replay=missed)
+                self.permit()
+                break
+
+    def _stop_replay(self) -> None:
+        if self.replayer is not None:
+            self.replayer.stop.set()
+            self.task.links.drop(self.replayer)
+        self.replayer, self.replaying = None, None
+        for _, outgoing, _ in self.replay_pending:
+            if outgoing is not None:
+                outgoing.taken.set()
+        self.replay_pending.clear()
+
+    def permit(self) -> None:
+        """Let the producers make as many records as trainers can take now: the task's
+        as far as the readiest trainer, a replay as far as its trainer."""
+        task = self.task
+        if self.replayer is not None and self.replaying is not None:
+            cursor = self.window.cursors.get(self.replaying[0])
+            lead = cursor.credits if cursor is not None else 0
+            for _ in range(lead - len(self.replay_pending) - self.replay_outstanding):
+                self.replay_outstanding += 1
+                self.replayer.pool.release()
+        if task.producer is not None and task.producing is not None:
+            for _ in range(self.window.lead(task.producing) - len(self.pending)
+                           - self.outstanding):
+                self.outstanding += 1
+                task.producer.pool.release()
+
+    def side_producers(self) -> list[Producer]:
+        return [self.replayer] if self.replayer is not None else []
+
+    # --- memory ---------------------------------------------------------------------------
+
+    def _evicted(self, gone: list[Any]) -> None:
+        for entry in gone:
+            stored = entry.data
+            if isinstance(stored, Stored):
+                stored.evicted = True
+                self._release(stored)
+
+    def _release(self, stored: Stored) -> None:
+        if stored.releasable:
+            if stored.name is not None:
+                self.stored.pop(stored.name, None)
+            stored.free()
+
+    # --- the worker's loop ----------------------------------------------------------------
+
+    def poll(self) -> None:
+        if self.pending:
+            self.deliver()  # a record blocked by a lagging trainer: look again
+
+    def stats(self) -> dict[str, Any]:
+        """Each trainer's lag (elements produced here that it has not been sent yet) and
+        the elements it lost to the lag policy, for ``zloader status``."""
+        out = {}
+        for identity, cursor in self.window.cursors.items():
+            stream = self.task.streams.get(identity)
+            if stream is not None:
+                lag = sum(e.count for e in self.window.entries if e.seq >= cursor.seq)
+                out[stream.consumer] = {"lag": lag, "skipped": cursor.lagged}
+        return {"trainers": out}
+
+    def close(self) -> None:
+        for stored in self.stored.values():
+            stored.free()
+        self.stored.clear()

@@ -1,0 +1,125 @@
+"""The worker's connection to the broker: a DEALER that registers (READY), sends, and is
+replaced when the broker has been silent too long (see docs/protocol.md, heartbeats)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import zmq
+
+from zloader.errors import ZloaderError
+from zloader.lineage import unpack
+from zloader.transport.keys import Keys
+from zloader.transport.protocol import Command, Message, ProtocolError, encode
+
+__all__ = ["BrokerLink", "BrokerRefused", "assignment"]
+
+log = logging.getLogger("zloader.worker")
+
+
+class BrokerRefused(ZloaderError, ConnectionRefusedError):
+    """The broker's socket refused this worker's connection at the handshake: the two do
+    not hold the same keys."""
+
+
+class BrokerLink:
+    """The DEALER to the broker.
+
+    Args:
+        context: the worker's ZeroMQ context.
+        endpoint: the broker's address.
+        keys: CURVE keys (the broker's), or None.
+        hello: the READY body: who and where this worker is.
+    """
+
+    def __init__(self, context: zmq.Context[Any], endpoint: str, keys: Keys | None,
+                 hello: dict[str, Any]) -> None:
+        self.context = context
+        self.endpoint = endpoint
+        self.keys = keys
+        self.hello = hello
+        self.last_from = time.monotonic()  # when the broker last said anything
+        self.last_to = 0.0
+        self.asking: dict[str, Any] | None = None  # the split request not yet answered
+        self.sock: zmq.Socket[Any] = self.connect()
+
+    def connect(self) -> zmq.Socket[Any]:
+        """A fresh connection, registered (the old one, if any, is the caller's to close).
+
+        Raises:
+            BrokerRefused: the handshake failed.
+        """
+        sock = self.context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self.keys is not None:
+            self.keys.connect(sock)
+        sock.connect(self.endpoint)
+        self.sock = sock
+        self.ready()
+        self.last_from = time.monotonic()
+        return sock
+
+    def ready(self) -> None:
+        """(Re-)register with the broker."""
+        self.send(Command.READY, self.hello)
+
+    def send(self, command: Command, body: dict[str, Any]) -> None:
+        """Send to the broker. A connection still being made queues what is sent; only
+        one whose handshake failed (other keys, or none) has nowhere to put it.
+
+        Raises:
+            BrokerRefused: the handshake failed; the text says which keys to give.
+        """
+        try:
+            self.sock.send_multipart(encode(command, body), zmq.NOBLOCK)
+        except zmq.Again:
+            fix = ("the broker wants CURVE keys: pass --keys DIR, the broker's keys "
+                   "directory (see `zloader keygen`)" if self.keys is None else
+                   f"the broker holds other CURVE keys than {self.keys.path}, or none: give "
+                   "every host of the service the same keys directory (--keys DIR)")
+            raise BrokerRefused(f"the broker at {self.endpoint} refused this worker's "
+                                f"connection at the handshake: {fix}") from None
+        self.last_to = time.monotonic()
+
+    def ask(self, request: dict[str, Any]) -> None:
+        """SPLIT_REQ, remembered until its answer comes (the caller clears ``asking``)."""
+        self.asking = request
+        self.send(Command.SPLIT_REQ, request)
+
+    def ask_again(self, task: str) -> None:
+        """A split request of ``task`` whose answer may be lost (a new connection, a
+        restarted broker): ask again; ``have`` makes the broker send the same split if
+        it had handed one out."""
+        if self.asking is not None and self.asking["task"] == task:
+            self.send(Command.SPLIT_REQ, self.asking)
+
+    def heard(self) -> None:
+        """The broker said something."""
+        self.last_from = time.monotonic()
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+def assignment(msg: Message) -> dict[str, Any]:
+    """The checked ``origin``, ``skip`` and ``expect`` of an exactly-once job's SPLIT.
+
+    Raises:
+        ProtocolError: one is malformed.
+    """
+    origin = msg.field("origin", list)
+    if not origin or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0
+                             for k in origin):
+        raise ProtocolError("SPLIT.origin must be a pass key")
+    skip = msg.body.get("skip", "")
+    try:
+        unpack(skip)
+    except ValueError as exc:
+        raise ProtocolError(f"SPLIT.skip: {exc}") from None
+    expect = msg.body.get("expect")
+    if expect is not None and not (isinstance(expect, list) and len(expect) == 2
+                                   and all(isinstance(v, int) for v in expect)):
+        raise ProtocolError("SPLIT.expect must be [count, digest]")
+    return {"origin": origin, "skip": skip, "expect": expect}

@@ -1,0 +1,121 @@
+"""The worker's data socket, the consumers' side of it: OPEN, CREDIT, RING and CLOSE in
+(checked, then handed to the task), records out through its
+:class:`~zloader.worker.streams.Outlet`. See docs/protocol.md, "Data socket"."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from zloader.transport.keys import Keys
+from zloader.transport.protocol import (
+    MAX_DATA_FRAME_BYTES,
+    Command,
+    Message,
+    ProtocolError,
+    decode,
+    encode,
+)
+from zloader.worker.streams import Outlet
+from zloader.worker.task import Task
+
+__all__ = ["EARLY_OPENS", "DataPort"]
+
+EARLY_OPENS = 64
+"""OPENs kept for a task this worker has not heard of yet (the oldest are dropped)."""
+
+
+class DataPort:
+    """The data socket (ROUTER), bound, and what consumers send on it.
+
+    Args:
+        context: the worker's ZeroMQ context.
+        bind: where it binds (``tcp://HOST:*`` or ``ipc://PATH``).
+        advertise: the host name consumers should connect to for TCP endpoints.
+        keys: CURVE keys, or None.
+        plain_data: with keys, PLAIN (a token, no encryption) instead of CURVE.
+        reject: counts and logs a dropped message (``text``, ``exc_info``).
+    """
+
+    def __init__(self, context: zmq.Context[Any], bind: str, advertise: str | None,
+                 keys: Keys | None, plain_data: bool,
+                 reject: Callable[..., None]) -> None:
+        sock = context.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_DATA_FRAME_BYTES)
+        if plain_data:
+            assert keys is not None
+            keys.serve_plain(sock)
+        elif keys is not None:
+            keys.serve(sock)
+        sock.bind(bind)
+        endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if advertise and endpoint.startswith("tcp://"):
+            endpoint = f"tcp://{advertise}:{endpoint.rsplit(':', 1)[1]}"
+        self.endpoint = endpoint  # where consumers reach it
+        self.sock = sock
+        self.reject = reject
+        self.outlet = Outlet(sock, reject)
+        self.early_opens: deque[tuple[bytes, Message]] = deque(maxlen=EARLY_OPENS)
+
+    def receive(self, frames: list[zmq.Frame], task: Task | None) -> None:
+        """One message from a consumer: a malformed one is answered with ERROR and
+        dropped; a failure handling it is logged, never raised."""
+        identity = frames[0].bytes
+        try:
+            msg = decode(frames[1:])
+            self.handle(identity, msg, task)
+        except ProtocolError as exc:
+            self.reject(f"dropped a malformed message from consumer {identity.hex()} on "
+                        f"the data socket: {exc}")
+            with contextlib.suppress(zmq.ZMQError):
+                self.sock.send_multipart([identity, *encode(Command.ERROR,
+                                                            {"message": str(exc)})],
+                                         zmq.NOBLOCK)
+        except Exception:  # a bug must not stop the worker: log it, drop the message
+            self.reject(f"failed on a message from consumer {identity.hex()}", exc_info=True)
+
+    def handle(self, identity: bytes, msg: Message, task: Task | None) -> None:
+        """Hand a consumer's message to ``task`` (the one this worker runs).
+
+        Raises:
+            ProtocolError: it is malformed, or not a data-socket command.
+        """
+        if msg.command is Command.OPEN:
+            if task is None or msg.field("job", str) != task.job \
+                    or msg.body.get("task") not in (None, task.id):
+                # The consumer may hear of this worker's task before the worker does: keep
+                # the OPEN until the TASK arrives (bounded; the oldest are dropped). An OPEN
+                # for another task of the same job never reaches this one: the broker
+                # dropped this worker meanwhile and re-queued what this task holds.
+                self.early_opens.append((identity, msg))
+                return
+            task.open(identity, msg)
+        elif msg.command is Command.CREDIT:
+            if task is not None:
+                task.credit(identity, msg)
+        elif msg.command is Command.RING:
+            if task is not None:
+                task.ring(identity, msg)
+        elif msg.command is Command.CLOSE:
+            if task is not None and identity in task.streams:
+                task.remove_stream(task.streams[identity])
+        else:
+            raise ProtocolError(f"{msg.command.name} is not a data-socket command")
+
+    def begin(self, task: Task) -> None:
+        """A task starts: the OPENs that came for it before it did are handled now."""
+        early, self.early_opens = list(self.early_opens), deque(maxlen=EARLY_OPENS)
+        for identity, opened in early:
+            if opened.body.get("job") == task.job and opened.body.get("task") in (None, task.id):
+                try:
+                    self.handle(identity, opened, task)
+                except ProtocolError as exc:
+                    self.reject(f"dropped a malformed message from a consumer: {exc}")
+
+    def close(self) -> None:
+        self.sock.close(0)

@@ -1,0 +1,99 @@
+"""Credit delivery: a task's records go to its consumers as their credits allow.
+
+Plain: each record to the consumer with the most credits (the readiest), so a fast consumer
+takes more; the producer takes one of the consumers' credits per record, so memory stays
+bounded by what they granted. Balanced (``Loader(balanced=N)``): once the N consumers of the
+job have opened an epoch, records (one element each) are dealt round-robin, whatever their
+speed, so each gets an equal share.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from zloader.transport.protocol import Command
+from zloader.worker.delivery import Delivery
+from zloader.worker.streams import Stream
+
+if TYPE_CHECKING:
+    from zloader.worker.task import Task
+
+__all__ = ["MAX_GRANT", "CreditDelivery", "clamp"]
+
+MAX_GRANT = 1 << 16
+"""The most credits one message may grant (more is taken as this many)."""
+
+
+def clamp(credits: int) -> int:
+    """A grant of credits, within [0, MAX_GRANT]."""
+    return max(0, min(credits, MAX_GRANT))
+
+
+class CreditDelivery(Delivery):
+    """Plain or balanced credit delivery (see the module's docstring)."""
+
+    def __init__(self, task: Task) -> None:
+        super().__init__(task)
+        self.balanced = task.assignment.balanced  # consumers to deal to (0: by credit)
+        self.turn = 0  # whose turn it is, when dealing
+
+    def credit(self, stream: Stream, credits: int) -> None:
+        credits = clamp(credits)
+        stream.credits += credits
+        for _ in range(credits):
+            self.pool.release()
+
+    def withdraw(self, stream: Stream) -> None:
+        for _ in range(stream.credits):
+            if not self.pool.acquire(blocking=False):
+                break
+        stream.credits = 0
+
+    def deliver(self) -> None:
+        """Send pending records to consumers with credit, in order; an epoch's END goes
+        out once all its records have."""
+        task = self.task
+        while self.pending:
+            epoch, outgoing, head = self.pending[0]
+            if epoch in task.finished:  # an abandoned epoch's leftovers
+                self.pending.popleft()
+                if outgoing is not None:
+                    outgoing.taken.set()
+                continue
+            streams = [s for s in task.streams.values() if s.epoch == epoch]
+            if head.get("end"):
+                self.pending.popleft()
+                end = {"epoch": epoch, "skipped": head["skipped"]}
+                if "origins" in head:
+                    end["origins"] = head["origins"]
+                for stream in streams:
+                    task.outlet.send(stream, Command.END, end)
+                task.finish_epoch(epoch)
+                continue
+            taker = self._next(streams)
+            if taker is None:
+                return
+            self.pending.popleft()
+            taker.credits -= 1
+            assert outgoing is not None
+            task.outlet.record(taker, epoch, outgoing.buffers, head)
+            outgoing.taken.set()
+
+    def _next(self, streams: list[Stream]) -> Stream | None:
+        """Who gets the next record of the epoch these ``streams`` read (None: nobody
+        can take it now)."""
+        if self.balanced:
+            # Deal records round-robin, whatever the consumers' speed: equal shares,
+            # once every consumer sharing the job has opened the epoch.
+            if len(streams) < self.balanced:
+                return None
+            order = sorted(streams, key=lambda s: s.consumer)
+            stream = order[self.turn % len(order)]
+            if stream.credits <= 0:
+                return None
+            self.turn += 1
+            return stream
+        ready = [s for s in streams if s.credits > 0]
+        if not ready:
+            return None
+        return max(ready, key=lambda s: s.credits)

@@ -1,0 +1,158 @@
+"""How a task's records reach its consumers: one :class:`Delivery` per mode.
+
+The worker picks the mode once, when a task starts
+(:func:`zloader.worker.process.delivery_for`); from then on the task and the process speak
+only to this interface:
+
+- :class:`zloader.worker.credit.CreditDelivery`: each record to a consumer with credit
+  (plain), or dealt round-robin to the N consumers of a ``balanced`` job;
+- :class:`zloader.worker.rounds.RoundsDelivery`: coordinated reads, N records at a time,
+  each group numbered by the broker;
+- :class:`zloader.sharing.delivery.SharedDelivery`: a shared job's sliding window, every
+  trainer sent every record.
+
+A delivery owns its queue of records from the producer (``pending``) and the pool of
+permits the task's producer takes one of per record (``pool``): consumers' credits
+(plain and balanced) or what the mode lets the producer make ahead (rounds, window).
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import threading
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from zloader.worker.producer import Outgoing, Producer
+from zloader.worker.streams import Stream
+
+if TYPE_CHECKING:
+    from zloader.transport.protocol import Message
+    from zloader.worker.task import Task
+
+__all__ = ["Delivery", "Pending", "discard"]
+
+log = logging.getLogger("zloader.worker")
+
+Pending = tuple[int, Outgoing | None, dict[str, Any]]
+"""A record from the producer, or an epoch's end (no Outgoing; ``{"end": True, ...}``)."""
+
+
+class Delivery(abc.ABC):
+    """The protocol every delivery mode follows (see the module's docstring).
+
+    Args:
+        task: the task whose records it delivers (its streams, epochs and producer).
+    """
+
+    def __init__(self, task: Task) -> None:
+        self.task = task
+        self.pool = threading.Semaphore(0)  # one permit per record the producer may make
+        self.pending: deque[Pending] = deque()
+        self.outstanding = 0  # permits given to the producer and not used yet
+
+    # --- consumers ------------------------------------------------------------------------
+
+    def open(self, stream: Stream, epoch: int, msg: Message) -> None:
+        """A consumer opens (or re-opens) ``epoch`` with the OPEN ``msg``.
+
+        Raises:
+            ProtocolError: the OPEN is malformed for this mode.
+        """
+        self.task.open_epoch(stream, epoch, msg)
+
+    @abc.abstractmethod
+    def credit(self, stream: Stream, credits: int) -> None:
+        """``stream``'s consumer granted ``credits`` more records (checked here)."""
+
+    @abc.abstractmethod
+    def withdraw(self, stream: Stream) -> None:
+        """Forget the credits ``stream`` holds (it re-opens, or leaves)."""
+
+    def leave(self, stream: Stream) -> None:
+        """``stream``'s consumer leaves the task."""
+        self.withdraw(stream)
+
+    def mapped(self, stream: Stream, names: list[Any]) -> None:
+        """The consumer mapped these segments (CREDIT's ``mapped``, unchecked)."""
+        return None
+
+    def consumer_gone(self, consumer: str, replaced: bool) -> None:
+        """The broker says ``consumer`` left (``replaced``: another took its place)."""
+        return None
+
+    # --- records --------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def deliver(self) -> None:
+        """Send what the consumers may take now."""
+
+    def on_record(self, producer: Producer, epoch: int, outgoing: Outgoing,
+                  head: dict[str, Any]) -> None:
+        """``producer`` made one record."""
+        self.outstanding = max(0, self.outstanding - 1)
+        self.pending.append((epoch, outgoing, head))
+        self.deliver()
+
+    def on_end(self, producer: Producer, body: dict[str, Any]) -> None:
+        """``producer`` finished its epoch."""
+        self.pending.append((body["epoch"], None, {"end": True, **body}))
+        self.deliver()
+
+    def on_round(self, epoch: int, number: int | None) -> None:
+        """The broker numbered a round (ROUND): only coordinated reads ask for that."""
+        log.warning("a round number for epoch %d came with no group waiting", epoch)
+
+    # --- production -----------------------------------------------------------------------
+
+    def new_epoch(self, epoch: int) -> dict[tuple[int, ...], list[int]] | None:
+        """Before the task's producer of ``epoch`` starts: the record of the splits it
+        should keep (see :class:`~zloader.worker.producer.Producer`), or None."""
+        return None
+
+    def permit(self) -> None:
+        """Let the producers make as many records as the consumers can take now (modes
+        whose permits are not simply the consumers' credits)."""
+        return None
+
+    def side_producers(self) -> list[Producer]:
+        """Producers of its own the mode runs besides the task's (a shared job's replay)."""
+        return []
+
+    def start_side(self) -> None:
+        """Start a producer of its own, if one waits (before the task starts an epoch)."""
+        return None
+
+    def breaks(self, epoch: int) -> bool:
+        """Whether a consumer left ``epoch`` in a way that ends it for every consumer."""
+        return False
+
+    # --- the worker's loop ----------------------------------------------------------------
+
+    def poll(self) -> None:
+        """Called on every turn of the worker's loop."""
+        return None
+
+    def reconnected(self) -> None:
+        """The broker connection was replaced: answers on the old one are lost."""
+        return None
+
+    def busy(self) -> bool:
+        """Whether it holds records not sent yet (a draining worker waits for them)."""
+        return bool(self.pending)
+
+    def stats(self) -> dict[str, Any]:
+        """What it adds to the heartbeat's stats."""
+        return {}
+
+    def close(self) -> None:
+        """The task is over: free what the mode holds."""
+        return None
+
+
+def discard(records: list[Outgoing]) -> None:
+    """Let the producers of ``records`` go on (their buffers are not needed)."""
+    for record in records:
+        record.taken.set()
+    records.clear()

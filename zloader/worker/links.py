@@ -1,0 +1,79 @@
+"""The socket thread's ends of its producers' links: one inproc PAIR per producer thread,
+polled by the worker's loop (see :mod:`zloader.worker.producer` for what travels on them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import zmq
+
+from zloader._defaults import STAGES
+from zloader.worker.producer import Producer, ProducerSpec
+
+__all__ = ["STOP_SECONDS", "Links"]
+
+STOP_SECONDS = 2.0
+"""A producer told to stop that has not within this long is stuck in user code (a thread
+cannot be killed): the worker process then replaces itself
+(:meth:`zloader.worker.process.WorkerProcess._restart`)."""
+
+
+class Links:
+    """Starts producer threads, each with a PAIR the worker's poller watches, and drops
+    their links when they are done or abandoned.
+
+    Args:
+        context: the worker's ZeroMQ context.
+        poller: the worker loop's poller.
+        name: part of the inproc addresses (the worker's id: unique in the process).
+    """
+
+    def __init__(self, context: zmq.Context[Any], poller: zmq.Poller, name: str) -> None:
+        self.context = context
+        self.poller = poller
+        self.name = name
+        self.count = 0
+        self.producers: dict[Any, Producer] = {}  # by our end of its pair
+        # Where the producers' time goes, by stage (the heartbeat's stats).
+        self.timing: dict[str, float] = dict.fromkeys(STAGES, 0.0)
+
+    def start(self, spec: ProducerSpec, epoch: int, **options: Any) -> Producer:
+        """Start a producer of ``epoch`` (``options``: the rest of :class:`Producer`'s
+        arguments) on a new link."""
+        self.count += 1
+        address = f"inproc://producer-{self.name}-{self.count}"
+        link = self.context.socket(zmq.PAIR)
+        link.setsockopt(zmq.LINGER, 0)
+        link.bind(address)
+        self.poller.register(link, zmq.POLLIN)
+        producer = Producer(self.context, address, spec, epoch, timing=self.timing, **options)
+        producer.link = link
+        self.producers[link] = producer
+        producer.start()
+        return producer
+
+    def drop(self, producer: Producer) -> None:
+        """Stop listening to ``producer`` (it may still run until it notices its stop)."""
+        link, producer.link = producer.link, None
+        if link is not None:
+            self.producers.pop(link, None)
+            self.poller.unregister(link)
+            link.close(0)
+
+    def stop(self, producer: Producer) -> str | None:
+        """Stop ``producer`` and drop its link. Returns None, or what it was doing when it
+        had not stopped within STOP_SECONDS (stuck in user code)."""
+        producer.stop.set()
+        producer.join(STOP_SECONDS)
+        self.drop(producer)
+        if not producer.is_alive():
+            return None
+        doing = producer.doing()
+        return (f"producer did not stop within {STOP_SECONDS:.0f} s (stage {doing['stage']}, "
+                f"split {doing['split']}, epoch {doing['epoch']}): its user code has not "
+                "returned (blocked, or slower than that per element)")
+
+    def drop_all(self) -> None:
+        for producer in list(self.producers.values()):
+            self.drop(producer)

@@ -1,0 +1,397 @@
+"""A worker process: registers with the broker, runs one task at a time, serves elements.
+
+Threads: the main thread owns every socket (broker DEALER, data ROUTER, the inproc pair to
+each producer) and moves messages; a producer thread runs the user's pipeline for one epoch
+and hands finished records to the main thread, taking one permit per record, so memory stays
+bounded by what consumers granted. See docs/protocol.md. This module is the process: its
+sockets and loop, the broker's messages, reconnecting, draining, forwarding user output; the
+rest of zloader/worker/ is the task, its producers and the delivery modes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import socket as _socket
+import sys
+import threading
+import time
+from typing import Any
+
+import psutil
+import zmq
+
+from zloader._command import with_sys_path, worker_command
+from zloader._defaults import DRAIN_SECONDS
+from zloader._host import host_id
+from zloader.forward import Capture
+from zloader.pipeline import Pipeline
+from zloader.plan import plan
+from zloader.sharing.delivery import SharedDelivery
+from zloader.shipping import Loading, Supply
+from zloader.transport.keys import Keys
+from zloader.transport.protocol import Command, Message, ProtocolError, decode, heartbeat
+from zloader.transport.shm import sweep, sweep_dirs
+from zloader.worker.broker_link import BrokerLink, BrokerRefused
+from zloader.worker.consumers import DataPort
+from zloader.worker.credit import CreditDelivery
+from zloader.worker.delivery import Delivery
+from zloader.worker.links import Links
+from zloader.worker.producer import LinkKind
+from zloader.worker.rounds import RoundsDelivery
+from zloader.worker.task import Assignment, Task, load_error
+
+__all__ = ["FORWARD_EVERY", "WorkerProcess", "delivery_for"]
+
+log = logging.getLogger("zloader.worker")
+
+FORWARD_EVERY = 0.2
+"""Seconds between two sends of captured user output (zloader/forward.py)."""
+
+
+def delivery_for(task: Assignment) -> type[Delivery]:
+    """The delivery mode of a task: the one place that asks which mode it is."""
+    if task.share is not None:
+        return SharedDelivery
+    if task.coordinated:
+        return RoundsDelivery
+    return CreditDelivery  # plain or balanced
+
+
+class WorkerProcess:
+    """One worker: the sockets, the loop and the current task.
+
+    Args:
+        broker: the broker endpoint.
+        bind: where the data socket binds (``tcp://HOST:*`` or ``ipc://PATH``).
+        advertise: the host name consumers should connect to for TCP endpoints.
+        prefer: a job to serve first (the Loader that started this worker).
+        parent: exit when this process id is no longer our parent (embedded workers).
+        heartbeat: seconds between heartbeats (until the broker says its own).
+        keys: CURVE keys (:mod:`zloader.transport.keys`), the broker's; None: none.
+        plain_data: with keys, serve the data socket with PLAIN (a token, no encryption:
+            trusted networks) instead of CURVE.
+        forward_output: send what user code prints or logs to the job's consumers
+            (:mod:`zloader.forward`): for workers whose output would not reach the
+            trainer's terminal (standalone, Ray actors, pods).
+        inherited: pipelines by fingerprint that this worker holds since its fork (a
+            Loader's own workers): run as they are, never fetched or unpickled.
+        blob_dir: the host's directory of fetched pipelines (:mod:`zloader.blobs`).
+    """
+
+    def __init__(self, broker: str, bind: str, advertise: str | None = None,
+                 prefer: str | None = None, parent: int | None = None,
+                 heartbeat: float = 1.0, keys: Keys | None = None,
+                 plain_data: bool = False, forward_output: bool = False,
+                 inherited: dict[str, Pipeline] | None = None,
+                 blob_dir: str | None = None) -> None:
+        self.keys = keys
+        self.inherited = inherited
+        self.blob_dir = blob_dir
+        self.plain_data = plain_data and keys is not None
+        self.broker_endpoint = broker
+        self.bind = bind
+        self.advertise = advertise
+        self.prefer = prefer
+        self.parent = parent
+        self.heartbeat = heartbeat
+        self.id = secrets.token_hex(8)
+        self.task: Task | None = None
+        self.stop = threading.Event()
+        self.rejected = 0  # malformed messages dropped
+        self._process = psutil.Process()  # its CPU time goes in the heartbeat stats
+        self._drain_deadline: float | None = None  # set by drain()
+        self._warned = 0.0
+        self.loading: tuple[Assignment, Loading] | None = None  # a task's pipeline loads
+        self._last_beat = 0.0
+        self.capture = Capture() if forward_output else None
+        self._last_forward = 0.0
+        self.orphaned = False  # the parent process died (see run)
+        # Set when a producer did not stop (user code blocked for good): the process can no
+        # longer be trusted with a task, so it leaves its loop and runs itself afresh.
+        self.wedged: str | None = None
+        self._restart_when_wedged = False
+
+    # --- sockets --------------------------------------------------------------------------
+
+    def run(self) -> None:
+        context = zmq.Context()
+        self.supply = Supply(context, self.keys, self.inherited, self.blob_dir)
+        guard = self.keys.guard(context) if self.keys is not None else None
+        self.port = DataPort(context, self.bind, self.advertise, self.keys, self.plain_data,
+                             self._reject)
+        self.endpoint = self.port.endpoint
+        self.poller = zmq.Poller()
+        self.links = Links(context, self.poller, self.id)
+        self.broker = BrokerLink(context, self.broker_endpoint, self.keys, {  # READY
+            "worker": self.id, "host": _socket.gethostname(), "host_id": host_id(),
+            "pid": os.getpid(), "endpoint": self.endpoint, "prefer": self.prefer,
+            "plain_data": self.plain_data, "holds": sorted(self.inherited or ())})
+        if self.capture is not None:
+            self.capture.install()
+        try:
+            self._loop()
+        finally:
+            if self.capture is not None:
+                self.capture.end()
+                with contextlib.suppress(zmq.ZMQError, BrokerRefused):
+                    self._forward(time.monotonic())
+                self.capture.remove()
+            self._stop_task()
+            with contextlib.suppress(zmq.ZMQError, BrokerRefused):
+                self.broker.send(Command.BYE, {})
+            self.links.drop_all()
+            self.broker.close()
+            self.port.close()
+            if guard is not None:
+                guard.stop()
+            if self.wedged is None:
+                context.term()  # (a stuck producer's socket would make this wait forever)
+            if self.orphaned:  # a trainer killed by a signal (SIGTERM from SLURM, say)
+                sweep()        # cannot remove its rings and socket directory: we do
+                sweep_dirs()
+        if self._restart_when_wedged:
+            self._restart()
+
+    def _restart(self) -> None:
+        """Replace this process with a fresh worker (same pid, so a Loader or supervisor
+        that started it still owns it; a new worker id, so the broker sees a new worker):
+        a producer thread stuck in user code cannot be stopped, only discarded. Only a
+        worker whose loop runs on the main thread does so (in a Ray actor the loop runs on
+        a thread of the actor, which just ends)."""
+        command = worker_command(
+            self.broker_endpoint, bind=self.bind, parent=self.parent, advertise=self.advertise,
+            keys=self.keys.path if self.keys is not None else None,
+            insecure=True,  # (the bind was checked at start)
+            plain_data=self.plain_data, blob_dir=self.blob_dir,
+            log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower())
+        if self.bind.startswith("ipc://"):  # the new process binds the same path
+            with contextlib.suppress(OSError):
+                os.unlink(self.bind[len("ipc://"):])
+        log.warning("restarting worker pid %d: %s", os.getpid(), self.wedged)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, command, with_sys_path())
+
+    def _loop(self) -> None:
+        poller = self.poller
+        poller.register(self.port.sock, zmq.POLLIN)
+        poller.register(self.broker.sock, zmq.POLLIN)
+        while not self.stop.is_set():
+            for sock, _ in poller.poll(100):
+                for _ in range(256):
+                    if sock.closed:
+                        break  # a producer's pair, dropped while its messages were read
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    if sock is self.port.sock:
+                        self.port.receive(frames, self.task)
+                    elif sock is self.broker.sock:
+                        self._from_broker(frames)
+                    elif sock in self.links.producers and self.task is not None:
+                        self.task.from_producer(self.links.producers[sock],
+                                                LinkKind(frames[0].bytes),
+                                                json.loads(frames[1].bytes))
+            if self.loading is not None:
+                self._begin_task()
+            if self.task is not None:
+                self.task.delivery.poll()
+            now = time.monotonic()
+            if self.capture is not None and now - self._last_forward >= FORWARD_EVERY:
+                self._forward(now)
+            if now - self._last_beat >= self.heartbeat:  # stats too: not only when idle
+                self._last_beat = now
+                self._beat()
+            if now - self.broker.last_from > 3 * self.heartbeat:
+                self._reconnect(now)
+            if self.parent is not None and os.getppid() != self.parent:
+                log.warning("parent process %d is gone: exiting", self.parent)
+                self.orphaned = True
+                return
+            if self._drain_deadline is not None and self._drained(now):
+                return
+
+    def _beat(self) -> None:
+        """HEARTBEAT, with this worker's stats and what its producer is doing."""
+        outlet, cpu = self.port.outlet, self._process.cpu_times()
+        stats: dict[str, Any] = {
+            "elements": outlet.elements, "bytes": outlet.bytes, "fallbacks": outlet.fallbacks,
+            "rejected": self.rejected, "cpu_seconds": round(cpu.user + cpu.system, 3),
+            "credits": 0.0, "ring_fill": 0.0,  # (the task's, below)
+            **{f"{stage}_seconds": round(t, 3) for stage, t in self.links.timing.items()}}
+        beat: dict[str, Any] = {"stats": stats}
+        if self.task is not None:
+            stats.update(self.task.stats())
+            if self.task.producer is not None:
+                beat["doing"] = self.task.producer.doing()  # where a stuck one is
+        self.broker.send(Command.HEARTBEAT, beat)
+
+    def _reconnect(self, now: float) -> None:
+        """The broker is silent: connect afresh; ask again what the old link lost."""
+        log.warning("no word from the broker at %s for %.0f s: reconnecting",
+                    self.broker_endpoint, now - self.broker.last_from)
+        self.poller.unregister(self.broker.sock)
+        self.broker.close()
+        self.poller.register(self.broker.connect(), zmq.POLLIN)
+        if self.task is not None:
+            self.broker.ask_again(self.task.id)
+            self.task.delivery.reconnected()
+
+    def _forward(self, now: float, task_id: str | None = None) -> None:
+        """Send the user output captured since the last call to the broker, for the
+        consumers of ``task_id`` (default: the task that runs; output between tasks is
+        not sent)."""
+        assert self.capture is not None
+        self._last_forward = now
+        task_id = task_id or (self.task.id if self.task is not None else None)
+        if task_id is None:
+            self.capture.discard()
+            return
+        lines = self.capture.take(now)
+        if lines:
+            self.broker.send(Command.LOG, {"task": task_id, "lines": lines})
+
+    def _reject(self, text: str, exc_info: bool = False) -> None:
+        """Count a dropped message; log it at most once a second."""
+        self.rejected += 1
+        now = time.monotonic()
+        if now - self._warned >= 1.0:
+            self._warned = now
+            log.warning("%s (%d rejected so far)", text, self.rejected, exc_info=exc_info)
+
+    # --- draining (SIGTERM to zloader-worker) -----------------------------------------------
+
+    @property
+    def draining(self) -> bool:
+        """Whether :meth:`drain` was called."""
+        return self._drain_deadline is not None
+
+    def drain(self) -> None:
+        """Leave without losing or repeating anything: take no more splits, finish the
+        ones taken and send what they make, then exit (at most DRAIN_SECONDS). Called
+        from a signal handler: it only sets flags the loop reads."""
+        if self._drain_deadline is None:
+            self._drain_deadline = time.monotonic() + DRAIN_SECONDS
+        task = self.task
+        if task is not None:
+            task.draining.set()
+
+    def _drained(self, now: float) -> bool:
+        """Whether a draining worker is done: nothing left to send, or out of time."""
+        task = self.task
+        assert self._drain_deadline is not None
+        if task is not None:
+            task.draining.set()  # a task that arrived meanwhile
+        if now > self._drain_deadline:
+            log.warning("still busy %.0f s after SIGTERM: leaving anyway (the splits it "
+                        "holds go to other workers)", DRAIN_SECONDS)
+            return True
+        if task is None or task.assignment.sharding != "dynamic" or not task.streams:
+            return True  # nothing to finish, or nobody to send it to (static and off
+            # splits are the worker's own: nobody else would read them anyway)
+        busy = (task.producer is not None or task.delivery.busy()
+                or any(s.handoffs for s in task.streams.values()))
+        return not busy
+
+    # --- broker ---------------------------------------------------------------------------
+
+    def _from_broker(self, frames: list[zmq.Frame]) -> None:
+        self.broker.heard()
+        try:
+            msg = decode(frames)
+            self._handle_broker(msg)
+        except ProtocolError as exc:
+            self._reject(f"dropped a malformed message from the broker: {exc}")
+        except Exception:  # a bug must not stop the worker: log it, drop the message
+            self._reject("failed on a message from the broker", exc_info=True)
+
+    def _handle_broker(self, msg: Message) -> None:
+        command, task = msg.command, self.task
+        if command is Command.ACK:
+            beat = heartbeat(msg.body.get("heartbeat"))
+            if beat is not None:
+                self.heartbeat = beat  # the broker's interval: it expects ours
+            if "task" in msg.body and task is not None and msg.body["task"] != task.id:
+                # The broker gave up on this worker (a partition, a stall) and handed its
+                # splits to others: what it still holds must not reach a consumer.
+                log.warning("the broker had dropped this worker: task %s abandoned", task.id)
+                self._stop_task()
+        elif command is Command.TASK:
+            self._start_task(msg)
+        elif command is Command.SPLIT:
+            if task is not None:
+                task.split(msg)
+        elif command is Command.RELEASE:
+            if self.loading is not None and msg.field("task", str) == self.loading[0].id:
+                self.loading = None
+            if task is not None and msg.field("task", str) == task.id:
+                self._stop_task()
+        elif command is Command.ROUND:
+            if task is not None and msg.field("task", str) == task.id:
+                task.delivery.on_round(msg.field("epoch", int),
+                                       msg.field("round", int, optional=True))
+        elif command is Command.CONSUMER_GONE:
+            consumer = msg.field("consumer", str)
+            if task is not None:
+                task.drop_consumer(consumer, bool(msg.body.get("replaced")))
+                sweep()  # a consumer that died cannot unlink its rings: remove them for it
+        elif command is Command.UNKNOWN:
+            self.broker.ready()  # the broker restarted (or gave up on us): register again
+            if task is not None:
+                self.broker.ask_again(task.id)
+        elif command is Command.ERROR:
+            log.error("broker refused a message: %s", msg.body.get("message"))
+
+    def _start_task(self, msg: Message) -> None:
+        """TASK: check it, then load its pipeline on a thread (see ``_begin_task``)."""
+        task = Assignment.decode(msg)
+        if self.task is not None:
+            self._stop_task()
+        self.loading = (task, self.supply.start(msg))
+        self._begin_task()
+
+    def _begin_task(self) -> None:
+        """Run the task whose pipeline has loaded (a fetch or an unpickle may take seconds:
+        the loop keeps heartbeating meanwhile), or report why it could not load."""
+        if self.loading is None or not self.loading[1].done():
+            return
+        (assigned, loading), self.loading = self.loading, None
+        if loading.error is not None:
+            log.error("task %s could not start", assigned.id, exc_info=loading.error)
+            self.broker.send(Command.TASK_FAILED, {"task": assigned.id,
+                                                   "error": load_error(loading.error)})
+            return
+        assert loading.pipeline is not None
+        self.task = Task(assigned, plan(loading.pipeline), self.port.outlet, self.links,
+                         self.broker, delivery_for(assigned))
+        self.port.begin(self.task)
+
+    def _stop_task(self) -> None:
+        self.loading = None  # a task still loading is dropped with its result
+        task, self.task = self.task, None
+        if task is None:
+            return
+        for producer in task.producers():
+            stuck = self.links.stop(producer)
+            if stuck is not None:
+                self._wedge(f"task {task.id}'s {stuck}")
+        if self.capture is not None:  # its output goes to its own consumers, not the next's
+            with contextlib.suppress(zmq.ZMQError):
+                self._forward(time.monotonic(), task.id)
+            self.capture.discard()
+        task.close()
+
+    def _wedge(self, why: str) -> None:
+        """A producer did not stop (``why``): its user code is blocked (a deadlock, a
+        wait that never ends). Leave the loop; :meth:`run` then restarts the process,
+        unless it was asked to stop anyway."""
+        self.wedged = why
+        if not self.stop.is_set():
+            self._restart_when_wedged = threading.current_thread() is threading.main_thread()
+            self.stop.set()

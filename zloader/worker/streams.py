@@ -1,0 +1,150 @@
+"""The consumers a worker serves and how records reach them.
+
+A :class:`Stream` is one consumer reading the worker's task (its identity on the data
+socket, its epoch, its credits, its ring). The :class:`Outlet` owns the worker's data
+socket for sending: a record goes into the consumer's shared-memory ring when it has one
+and the record fits, into a segment of its own when it is larger than the ring, and over
+the socket otherwise (a remote consumer, a full ring). It counts what it sends for the
+worker's heartbeat.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from zloader import codec
+from zloader.transport import records
+from zloader.transport.protocol import Command, encode
+from zloader.transport.ring import RingError, RingWriter
+from zloader.transport.shm import Segment, ShmError
+
+__all__ = ["Outlet", "Stream", "attach_ring", "unlink_handoffs"]
+
+log = logging.getLogger("zloader.worker")
+
+
+@dataclass
+class Stream:
+    """One consumer reading this worker's task."""
+
+    identity: bytes
+    consumer: str
+    epoch: int
+    credits: int = 0
+    ring: Any = None
+    handoffs: dict[str, Any] = field(default_factory=dict)  # segments the consumer may map
+    index: int | None = None  # consumer_index, in a coordinated job
+
+    def close(self) -> None:
+        """Unlink the segments handed to the consumer and detach from its ring."""
+        unlink_handoffs(self)
+        if self.ring is not None:
+            self.ring.close()
+
+
+class Outlet:
+    """Sends to consumers on the worker's data socket, and counts what it sends.
+
+    Args:
+        data: the data socket (ROUTER).
+        reject: how to report a consumer's ring that can no longer be used (the worker
+            counts and logs it like a dropped message).
+    """
+
+    def __init__(self, data: zmq.Socket[Any], reject: Callable[[str], None]) -> None:
+        self.data = data
+        self.reject = reject
+        self.elements = 0
+        self.bytes = 0
+        self.fallbacks = 0  # records a full ring sent over the socket
+
+    def send(self, stream: Stream, command: Command, body: dict[str, Any],
+             payload: list[Any] | tuple[Any, ...] = ()) -> None:
+        """Send one message to a consumer; a failure is logged, not raised."""
+        try:
+            self.data.send_multipart([stream.identity, *encode(command, body, payload)],
+                                     zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:
+            log.warning("could not send %s to consumer %s: %s", command.name, stream.consumer,
+                        exc)
+
+    def count(self, elements: int, nbytes: int) -> None:
+        """Count a record sent (for the heartbeat's stats)."""
+        self.elements += elements
+        self.bytes += nbytes
+
+    def record(self, stream: Stream, epoch: int, frames: list[Any],
+               head: dict[str, Any]) -> None:
+        """Send one record (``frames``: its codec buffers; ``head``: count, skipped, and
+        ``round`` or ``origins`` when it has them) as DATA."""
+        body = {"epoch": epoch, "count": head["count"], "skipped": head["skipped"],
+                "ring": None}
+        for name in ("round", "origins"):
+            if name in head:
+                body[name] = head[name]
+        self.count(head["count"], sum(codec.nbytes(f) for f in frames))
+        if stream.ring is not None:
+            packed = records.packed_size(frames)
+            if packed > stream.ring.capacity and self._segment(stream, body, frames, packed):
+                return
+            try:
+                slot = stream.ring.reserve(packed)
+            except RingError as exc:  # its header was overwritten: sockets from now on
+                self.reject(f"stopped using the ring of consumer {stream.consumer}: {exc}")
+                stream.ring.close()
+                stream.ring = None
+                slot = None
+            if slot is not None:
+                position, view = slot
+                records.pack_into(frames, view)
+                body["ring"] = [position, packed, stream.ring.name]
+                self.send(stream, Command.DATA, body)
+                return
+            self.fallbacks += 1
+            body["full"] = True  # the consumer may give this worker a larger ring
+            if packed >= records.SEGMENT_BYTES and self._segment(stream, body, frames, packed):
+                return
+        self.send(stream, Command.DATA, body, codec.joined(frames))
+
+    def _segment(self, stream: Stream, body: dict[str, Any], frames: list[Any],
+                 packed: int) -> bool:
+        """A record larger than the ring goes in a shared-memory segment of its own. This
+        worker unlinks it once the consumer says it has mapped it (in CREDIT), or when the
+        consumer goes away."""
+        try:
+            segment = Segment.create("big", packed)
+        except (ShmError, OSError) as exc:
+            log.warning("%s; sending the record over the socket", exc)
+            return False
+        records.pack_into(frames, segment.buf)
+        stream.handoffs[segment.name] = segment
+        body["segment"] = [segment.name, packed]
+        self.send(stream, Command.DATA, body)
+        return True
+
+
+def unlink_handoffs(stream: Stream, names: Any = None) -> None:
+    """Unlink the segments handed to ``stream`` that it has mapped (``names``, from its
+    CREDIT; unchecked), or all of them."""
+    for name in list(stream.handoffs) if names is None else names:
+        segment = stream.handoffs.pop(name, None) if isinstance(name, str) else None
+        if segment is not None:
+            segment.close()
+            segment.unlink()
+
+
+def attach_ring(name: str) -> Any:
+    """The writer of a consumer's ring, or None to send over the socket instead."""
+    try:
+        return RingWriter(name)
+    except FileNotFoundError:  # the consumer closed before this OPEN was read: not a fault
+        log.debug("ring %s is gone: its consumer has left", name)
+        return None
+    except (OSError, ValueError) as exc:
+        log.warning("cannot attach ring %s (%s): sending over the socket instead", name, exc)
+        return None

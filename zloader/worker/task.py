@@ -1,0 +1,307 @@
+"""The task a worker runs: the record of one job's run on this worker, and its life cycle.
+
+A TASK from the broker is checked into an :class:`Assignment`; once its pipeline has loaded
+the worker makes a :class:`Task` of it. The task holds its consumers' streams and its
+epochs: which one its producer makes, which are finished, which are reruns. It starts a
+producer for the oldest epoch a consumer reads, stops producing an epoch nobody reads any
+more, and ends or fails epochs. How records reach the consumers is its
+:class:`~zloader.worker.delivery.Delivery`'s business, one class per mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from zloader import codec
+from zloader.plan import Plan
+from zloader.sharing.window import WindowSettings
+from zloader.transport.protocol import Command, Message, error_object
+from zloader.worker.broker_link import BrokerLink, assignment
+from zloader.worker.delivery import Delivery
+from zloader.worker.links import Links
+from zloader.worker.producer import LinkKind, Producer, ProducerSpec
+from zloader.worker.streams import Outlet, Stream, attach_ring, unlink_handoffs
+
+__all__ = ["Assignment", "Task", "load_error"]
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """A TASK, checked: the job this worker is to run and how."""
+
+    id: str
+    job: str
+    sharding: str
+    index: int  # this worker's index in the job
+    width: int  # the job's number of worker indices
+    on_error: str
+    entropy: int
+    balanced: int = 0  # consumers to deal to one element at a time, round-robin (0: off)
+    coordinated: int = 0  # the consumers of a round, in a coordinated job (0: off)
+    track: bool = False  # exactly-once: elements carry their origins (zloader/lineage.py)
+    share: WindowSettings | None = None  # a shared job's window (zloader/sharing)
+
+    @classmethod
+    def decode(cls, msg: Message) -> Assignment:
+        """The assignment a TASK message carries.
+
+        Raises:
+            ProtocolError: a field is missing or of the wrong type.
+            KeyError / TypeError / ValueError: ``share`` is malformed.
+        """
+        share = msg.field("share", dict, optional=True)
+        return cls(
+            id=msg.field("task", str), job=msg.field("job", str),
+            sharding=msg.field("sharding", str), index=msg.field("index", int),
+            width=msg.field("width", int), on_error=str(msg.body.get("on_error", "raise")),
+            entropy=msg.field("entropy", int),
+            balanced=max(0, int(msg.body.get("balanced") or 0)),
+            coordinated=max(0, int(msg.body.get("coordinated") or 0)),
+            track=msg.body.get("track") is True,
+            share=WindowSettings.from_body(share) if share is not None else None)
+
+    def spec(self, plan: Plan) -> ProducerSpec:
+        """What its producers need to know."""
+        return ProducerSpec(plan=plan, sharding=self.sharding, index=self.index,
+                            width=self.width, skip_errors=self.on_error == "skip",
+                            entropy=self.entropy, track=self.track,
+                            one_per_record=bool(self.balanced or self.coordinated),
+                            round_size=max(1, self.coordinated))
+
+
+class Task:
+    """One job's run on this worker (see the module's docstring).
+
+    Args:
+        assignment: the checked TASK.
+        plan: its pipeline, loaded.
+        outlet: sends to consumers.
+        links: starts producer threads.
+        broker: the worker's connection to the broker.
+        delivery: the delivery mode's class (the worker picks it).
+    """
+
+    def __init__(self, assignment: Assignment, plan: Plan, outlet: Outlet, links: Links,
+                 broker: BrokerLink, delivery: type[Delivery]) -> None:
+        self.assignment = assignment
+        self.id = assignment.id
+        self.job = assignment.job
+        self.spec = assignment.spec(plan)
+        self.outlet = outlet
+        self.links = links
+        self.broker = broker
+        self.streams: dict[bytes, Stream] = {}
+        self.producer: Producer | None = None
+        self.producing: int | None = None  # the epoch its producer makes
+        self.finished: set[int] = set()
+        self.reruns: dict[int, int] = {}  # epoch -> latest rerun asked
+        self.inputs: dict[int, Any] = {}  # epoch -> the consumer's input
+        self.draining = threading.Event()  # take no more splits
+        self.delivery = delivery(self)
+
+    # --- consumers ------------------------------------------------------------------------
+
+    def open(self, identity: bytes, msg: Message) -> None:
+        """OPEN: a consumer starts (or re-opens) an epoch.
+
+        Raises:
+            ProtocolError: the OPEN is malformed.
+        """
+        epoch = msg.field("epoch", int)
+        if msg.payload and epoch not in self.inputs:
+            self.inputs[epoch] = codec.decode([f.buffer for f in msg.payload])
+            for old in [e for e in self.inputs if e < epoch - 1]:
+                del self.inputs[old]
+        stream = self.streams.get(identity)
+        if stream is None:
+            stream = Stream(identity, msg.field("consumer", str), epoch)
+            self.streams[identity] = stream
+            ring = msg.field("ring", str, optional=True)
+            if ring is not None:
+                stream.ring = attach_ring(ring)
+        self.delivery.open(stream, epoch, msg)
+
+    def open_epoch(self, stream: Stream, epoch: int, msg: Message) -> None:
+        """Put ``stream`` on ``epoch`` with the OPEN's credits (the credit-fed modes):
+        an epoch finished here ends at once, unless the OPEN asks for a rerun of it (a
+        dead worker's splits wait to be read)."""
+        self.delivery.withdraw(stream)
+        stream.epoch = epoch
+        self.abandon_stale()
+        self.delivery.credit(stream, msg.field("credits", int))
+        rerun = msg.body.get("rerun", 0)
+        if isinstance(rerun, int) and rerun > self.reruns.get(epoch, 0):
+            self.reruns[epoch] = rerun
+            if epoch != self.producing:
+                self.finished.discard(epoch)
+        elif epoch in self.finished and epoch != self.producing:
+            self.outlet.send(stream, Command.END, {"epoch": epoch, "skipped": 0,
+                                                   "rerun": self.reruns.get(epoch, 0)})
+        self.maybe_produce()
+        self.delivery.deliver()
+
+    def credit(self, identity: bytes, msg: Message) -> None:
+        """CREDIT: more credits for the consumer's epoch, and the segments it mapped."""
+        stream = self.streams.get(identity)
+        if stream is None:
+            return
+        mapped = msg.field("mapped", list, optional=True) or []
+        unlink_handoffs(stream, mapped)
+        self.delivery.mapped(stream, mapped)
+        if msg.field("epoch", int) == stream.epoch:
+            self.delivery.credit(stream, msg.field("credits", int))
+            self.delivery.deliver()
+
+    def ring(self, identity: bytes, msg: Message) -> None:
+        """RING: write into this (larger) ring from now on."""
+        stream = self.streams.get(identity)
+        if stream is not None:
+            if stream.ring is not None:
+                stream.ring.close()
+            stream.ring = attach_ring(msg.field("ring", str))
+
+    def remove_stream(self, stream: Stream) -> None:
+        self.delivery.leave(stream)
+        self.streams.pop(stream.identity, None)
+        stream.close()
+
+    def drop_consumer(self, consumer: str, replaced: bool) -> None:
+        """The broker says ``consumer`` left (``replaced``: another took its place)."""
+        self.delivery.consumer_gone(consumer, replaced)
+        for stream in [s for s in self.streams.values() if s.consumer == consumer]:
+            self.remove_stream(stream)
+
+    # --- producers ------------------------------------------------------------------------
+
+    def from_producer(self, producer: Producer, kind: LinkKind, body: Any) -> None:
+        """A message from one of its producers (see :class:`LinkKind`)."""
+        if kind is LinkKind.SPLIT_REQ:
+            self.broker.ask({"task": self.id, "pass": body["pass"], "have": body["have"]})
+        elif kind is LinkKind.PASS_DONE:
+            self.broker.send(Command.PASS_DONE, {"task": self.id, "pass": body})
+        elif kind is LinkKind.RECORD:
+            self.delivery.on_record(producer, body["epoch"], producer.outbox.popleft(), body)
+        elif kind is LinkKind.END:
+            self.delivery.on_end(producer, body)
+        elif kind is LinkKind.FAIL:
+            self.fail(producer, body)
+
+    def split(self, msg: Message) -> None:
+        """SPLIT: pass the broker's answer to the producer that asked.
+
+        Raises:
+            ProtocolError: the SPLIT is malformed.
+        """
+        link = self.producer.link if self.producer is not None else None
+        if msg.field("task", str) != self.id or link is None:
+            return
+        self.broker.asking = None
+        split = msg.field("split", int, optional=True)
+        answer = {"pass": msg.field("pass", list), "split": split,
+                  "have": msg.body.get("have")}
+        if self.spec.track and split is not None:  # where it belongs, what to skip
+            answer.update(assignment(msg))
+        with contextlib.suppress(zmq.Again):
+            link.send(json.dumps(answer).encode(), zmq.NOBLOCK)
+
+    # --- epochs ---------------------------------------------------------------------------
+
+    def abandon_stale(self) -> None:
+        """Stop producing an epoch no consumer reads any more (one left it early, e.g.
+        after a ``take``), so the next epoch can start; or one the delivery mode says a
+        consumer's leaving ends for all (coordinated reads)."""
+        producing = self.producing
+        if producing is None:
+            return
+        if not self.delivery.breaks(producing) \
+                and any(s.epoch == producing for s in self.streams.values()):
+            return
+        for stream in self.streams.values():
+            if stream.epoch == producing:
+                self.outlet.send(stream, Command.END, {"epoch": producing, "skipped": 0,
+                                                       "rerun": self.reruns.get(producing, 0)})
+        if self.producer is not None:
+            self.producer.stop.set()  # it exits at its next send or split request
+            self.links.drop(self.producer)
+        self.finished.add(producing)
+        self.producing = None
+        self.producer = None
+
+    def finish_epoch(self, epoch: int) -> None:
+        self.finished.add(epoch)
+        if self.producing == epoch:
+            self.producing = None
+            if self.producer is not None:
+                self.links.drop(self.producer)
+            self.producer = None
+        self.maybe_produce()
+
+    def fail(self, producer: Producer, body: dict[str, Any]) -> None:
+        """User code failed: the consumers of the producer's epoch get the error."""
+        if producer in self.delivery.side_producers() or body["epoch"] in self.finished:
+            return  # (a mode's own producer, a replay: not the epoch's failure)
+        for stream in self.streams.values():
+            if stream.epoch == body["epoch"]:
+                self.outlet.send(stream, Command.FAIL, body)
+        self.finish_epoch(body["epoch"])
+
+    def maybe_produce(self) -> None:
+        """Start producing the oldest epoch a consumer reads and this worker has not
+        finished, unless one is under way or the worker is leaving."""
+        if self.draining.is_set():
+            return  # leaving: no new epochs, no replays
+        self.delivery.start_side()
+        if self.producing is not None:
+            return
+        wanted = sorted({s.epoch for s in self.streams.values()} - self.finished)
+        if not wanted:
+            return
+        self.producing = wanted[0]
+        splits = self.delivery.new_epoch(wanted[0])
+        self.producer = self.start_producer(wanted[0], self.delivery.pool, splits=splits)
+        self.delivery.permit()
+
+    def start_producer(self, epoch: int, pool: threading.Semaphore, **options: Any
+                       ) -> Producer:
+        """Start a producer of ``epoch`` (``options``: see
+        :class:`~zloader.worker.producer.Producer`)."""
+        return self.links.start(self.spec, epoch, pool=pool, draining=self.draining,
+                                epoch_input=self.inputs.get(epoch), **options)
+
+    def stats(self) -> dict[str, Any]:
+        """Its part of the heartbeat's stats: credits granted and not used, the fullest
+        ring's fill, and what the delivery mode adds."""
+        streams = self.streams.values()
+        return {"credits": float(sum(max(0, s.credits) for s in streams)),
+                "ring_fill": max((s.ring.fill() for s in streams if s.ring is not None),
+                                 default=0.0),
+                **self.delivery.stats()}
+
+    def producers(self) -> list[Producer]:
+        """The producers running for this task."""
+        main = [self.producer] if self.producer is not None else []
+        return main + self.delivery.side_producers()
+
+    def close(self) -> None:
+        """Release the consumers' rings and segments and what the delivery holds (the
+        producers are stopped first, by the worker)."""
+        for stream in self.streams.values():
+            stream.close()
+        self.delivery.close()
+
+
+def load_error(exc: BaseException) -> dict[str, Any]:
+    """The TASK_FAILED error of a task whose pipeline could not be loaded here."""
+    error = error_object(exc)
+    error["stage"] = "worker start-up"
+    error["message"] = (f"the pipeline could not be loaded on worker pid {os.getpid()}: "
+                        f"{error['message']} (install the packages it imports on every "
+                        "worker host)")
+    return error
