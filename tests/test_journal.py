@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from tests.service import BIN, HEARTBEAT, free_port, start_worker, status, stop, wait_for
 from tests.test_state import ready, register, split, task_of
 from zloader import Loader, Pipeline, ZloaderError
+from zloader.broker.state import State
 from zloader.journal import Journal
-from zloader.state import State
 from zloader.transport.protocol import Command, Message
 
 

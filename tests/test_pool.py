@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from tests.test_state import ready, split
-from zloader import pool
 from zloader._defaults import SLICE_SECONDS
+from zloader.broker import pool
+from zloader.broker.state import State
 from zloader.journal import Journal
-from zloader.state import State
 from zloader.transport.protocol import Command, Message, ProtocolError
 
 
