@@ -14,7 +14,7 @@ from tests.service import BIN, free_port, status, stop, wait_for
 from tests.test_state import register
 from zloader import Loader, Pipeline
 from zloader.actuator import plan
-from zloader.state import State
+from zloader.broker.state import State
 from zloader.transport.protocol import Command, Message
 
 HERE = "host-a/boot/ns"

@@ -11,8 +11,8 @@ import pytest
 from tests.service import service, status
 from tests.test_state import ready, register, task_of
 from zloader import Loader, Pipeline
+from zloader.broker.state import State
 from zloader.forward import MAX_LINE, Capture, valid_lines
-from zloader.state import State
 from zloader.transport.protocol import Command, Message, ProtocolError
 
 

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from tests.service import BIN, HEARTBEAT, free_port, start_worker, status, stop, wait_for
 from tests.test_state import ready, register, split, task_of
 from zloader import Loader, Pipeline, ZloaderError
+from zloader.broker.state import State
 from zloader.journal import Journal
-from zloader.state import State
 from zloader.transport.protocol import Command, Message
 
 
@@ -303,3 +303,44 @@ def test_a_full_work_dir_fails_the_consumers_loudly_and_the_broker_keeps_serving
     finally:
         stop(worker)
         stop(broker)
+
+
+def test_a_journal_starts_with_its_schema_version(tmp_path):
+    """A new journal's first line names its schema version, and so does a compacted
+    one's; a journal from before versions (no such line) is read as version 1."""
+    from zloader.journal import VERSION
+
+    state = State(journal=Journal(tmp_path))
+    ready(state, "w1")
+    task_of(register(state, "c1"))
+
+    def first_line() -> dict:
+        return json.loads((tmp_path / "journal.jsonl").read_bytes().splitlines()[0])
+
+    assert first_line() == {"e": "journal", "version": VERSION} and VERSION == 1
+    state.journal.compact(state.snapshot())
+    assert first_line() == {"e": "journal", "version": VERSION}
+    state.journal.close()
+    lines = (tmp_path / "journal.jsonl").read_bytes().splitlines(keepends=True)
+    (tmp_path / "journal.jsonl").write_bytes(b"".join(lines[1:]))
+    again = State(journal=Journal(tmp_path))
+    assert again.restore(now=0.0) == 1 and again.journal.skipped == []
+    again.journal.close()
+
+
+def test_a_journal_of_another_version_is_refused_naming_the_work_dir(tmp_path):
+    """A work dir whose journal another zloader wrote in a schema this one does not know:
+    refused (not misread, not rewritten) with an error naming the work dir and both
+    versions; zloader-broker exits with it, not with a traceback."""
+    journal = tmp_path / "journal.jsonl"
+    journal.write_text('{"e":"journal","version":99}\n{"e":"end","job":"x"}\n')
+    journal.chmod(0o600)
+    before = journal.read_bytes()
+    with pytest.raises(ZloaderError, match=f"{tmp_path}.*version 99.*version 1"):
+        Journal(tmp_path)
+    done = subprocess.run([os.path.join(BIN, "zloader-broker"), "--bind",
+                           f"tcp://127.0.0.1:{free_port()}", "--work-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert str(tmp_path) in done.stderr and "version 99" in done.stderr
+    assert journal.read_bytes() == before

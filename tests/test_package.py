@@ -19,11 +19,11 @@ PACKAGE = ROOT / "zloader"
 LAYERS = {
     "_version": 0, "_defaults": 0, "errors": 0, "_check": 0, "_seeding": 0, "_command": 0,
     "codec": 1, "collate": 1, "fingerprint": 1, "rounds": 1, "journal": 1, "lineage": 1,
-    "metrics": 1, "autoscale": 1, "forward": 1, "blobs": 1, "pool": 1, "_status": 6, "actuator": 7,
+    "metrics": 1, "autoscale": 1, "forward": 1, "blobs": 1, "_status": 6, "actuator": 7,
     "ray": 8, "shipping": 5,
     "_host": 0, "sources": 2, "stages": 2,
     "pipeline": 3, "plan": 4, "demo": 4, "_pickling": 4,
-    "state": 5, "broker": 6, "worker": 6, "_process": 7,
+    "broker": 6, "worker": 6, "_process": 7,
     "loader": 8, "torch": 9, "tf": 9, "cli": 10, "__init__": 11,
     # The client package (layer 6), in the order its modules may import each other;
     # "client" is its __init__.
@@ -33,6 +33,16 @@ LAYERS = {
     "client.thread": 6.5, "client.merging": 6.6, "client": 6.7,
 }
 SUBPACKAGES = ("client",)
+
+# Inside zloader/broker/: records and the pool's policy, checked fields, the concern modules
+# (which call each other), the State facade, the loop, the package (docs/protocol.md).
+BROKER_LAYERS = {
+    "records": 0, "pool": 0, "fields": 1,
+    "peers": 2, "jobs": 2, "splits": 2, "placement": 2, "failures": 2, "coordinated": 2,
+    "history": 2, "status": 2,
+    "state": 3, "loop": 4, "__init__": 5, "__main__": 6,
+}
+CONCERNS = 2
 
 
 def test_all_is_sorted_and_complete():
@@ -135,6 +145,50 @@ def test_worker_modules_follow_the_data():
             elif imported.split(".")[0] in LAYERS:
                 assert LAYERS[imported.split(".")[0]] < LAYERS["worker"], (
                     f"{module} imports {imported}, a layer above the worker")
+
+
+def broker_imports(path: pathlib.Path) -> set[str]:
+    """The modules of zloader/broker/ that ``path`` imports."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "zloader.broker":
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module \
+                and node.module.startswith("zloader.broker."):
+            names.add(node.module.split(".")[2])
+        elif isinstance(node, ast.Import):
+            names.update(a.name.split(".")[2] for a in node.names
+                         if a.name.startswith("zloader.broker."))
+    return names
+
+
+def test_the_broker_package_follows_its_layers():
+    """Below the loop nothing imports zmq; the concern modules import only records,
+    fields, the pool and each other; outside modules come from below the broker's layer."""
+    modules = {p.stem for p in (PACKAGE / "broker").glob("*.py")}
+    assert modules == set(BROKER_LAYERS), f"give each broker module a layer: {modules}"
+    for module in modules:
+        path = PACKAGE / "broker" / f"{module}.py"
+        for imported in broker_imports(path) - {module}:
+            assert BROKER_LAYERS[imported] < BROKER_LAYERS[module] or (
+                BROKER_LAYERS[imported] == BROKER_LAYERS[module] == CONCERNS), (
+                f"zloader/broker/{module}.py imports zloader/broker/{imported}.py")
+        for imported in imported_modules(path) - {"broker"}:
+            if imported in LAYERS and module != "__main__":
+                assert LAYERS[imported] < LAYERS["broker"], (
+                    f"zloader/broker/{module}.py imports {imported}")
+        if BROKER_LAYERS[module] < BROKER_LAYERS["loop"]:
+            assert "import zmq" not in path.read_text(), f"zloader/broker/{module}.py"
+
+
+def test_no_broker_module_reaches_into_private_state():
+    """``x._name`` only on ``self``: the concern modules share public names only."""
+    for path in (PACKAGE / "broker").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") \
+                    and not node.attr.startswith("__") \
+                    and not (isinstance(node.value, ast.Name) and node.value.id == "self"):
+                raise AssertionError(f"{path.name}:{node.lineno} reads .{node.attr}")
 
 
 def test_pyproject_holds_only_the_build_system():

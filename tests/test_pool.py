@@ -1,4 +1,4 @@
-"""The worker pool's policy (zloader/pool.py) and the broker state that applies it, as plain
+"""The worker pool's policy (zloader/broker/pool.py) and the broker state that applies it, as plain
 calls: which job each worker serves when several jobs share one pool (docs/pool.md)."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from tests.test_state import ready, split
-from zloader import pool
 from zloader._defaults import SLICE_SECONDS
+from zloader.broker import pool
+from zloader.broker.state import State
 from zloader.journal import Journal
-from zloader.state import State
 from zloader.transport.protocol import Command, Message, ProtocolError
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from zloader.state import KILLS_TO_FAIL, State
+from zloader.broker.state import KILLS_TO_FAIL, State
 from zloader.transport.protocol import Command, Message, ProtocolError
 
 
@@ -286,7 +286,7 @@ def test_coordinated_registrations_are_checked():
 
 
 def test_a_job_whose_consumers_went_silent_lingers_and_one_they_left_does_not():
-    from zloader.state import FENCE_GRACE
+    from zloader.broker.state import FENCE_GRACE
 
     state = State(heartbeat=1.0)  # expiry 3 s
     ready(state, "w1")
@@ -316,7 +316,7 @@ def test_a_broker_stall_expires_nobody_and_a_fence_asks_live_consumers_again():
     """The broker's own clock jumps over a stall (SIGSTOP, a long GC): nobody it could not
     hear meanwhile is expired for it. A fence whose answer was lost keeps asking a consumer
     that is alive, past its deadline, instead of re-queueing what that consumer holds."""
-    from zloader.state import FENCE_GRACE
+    from zloader.broker.state import FENCE_GRACE
 
     state = State(heartbeat=1.0)  # expiry 3 s
     ready(state, "w1")
@@ -350,3 +350,25 @@ def test_a_broker_stall_expires_nobody_and_a_fence_asks_live_consumers_again():
     state.delivered(b"c1", Message(Command.DELIVERED, {
         "job": job.id, "fence": listed["id"], "splits": [[[0], 0, {"all": True}]]}), now)
     assert not job.fences and not job.passes[(0,)].requeued  # it held split 0 whole
+
+
+def test_exactly_once_is_one_rule_for_dynamic_jobs_without_share_order_or_rounds():
+    """A job runs exactly-once when its Loader asks and it is dynamic, not shared,
+    balanced, coordinated or deterministic: one named function (what REGISTER applies)."""
+    from zloader.broker.fields import exactly_once
+
+    plain = {"requested": True, "sharding": "dynamic", "shared": False,
+             "deterministic": False, "coordinated": False, "balanced": 0}
+    assert exactly_once(**plain)
+    for change in ({"requested": False}, {"sharding": "static"}, {"sharding": "off"},
+                   {"shared": True}, {"deterministic": True}, {"coordinated": True},
+                   {"balanced": 2}):
+        assert not exactly_once(**{**plain, **change}), change
+    state = State()
+    ready(state, "w1")
+    out = state.register(b"c1", Message(Command.REGISTER, {
+        "consumer": "c1", "fingerprint": "f" * 64, "job_name": None, "sharding": "dynamic",
+        "deterministic": False, "num_workers": 0, "on_error": "raise", "host_id": "h/boot/ns",
+        "pid": 1, "exactly_once": True, "balanced": 2,
+        "source": {"num_splits": 4, "shuffle_splits": False, "seed": None}}, [b"p"]), 0.0)
+    assert next(o.body["track"] for o in out if o.command is Command.TASK) is False

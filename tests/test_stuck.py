@@ -107,7 +107,7 @@ def test_the_broker_drops_a_worker_its_consumer_reports_stuck_and_checks_the_rep
     another task changes nothing; a valid one releases the worker, drops it and hands its
     split to the other worker."""
     from tests.test_state import ready, register, split, tasks_by_worker
-    from zloader.state import State
+    from zloader.broker.state import State
     from zloader.transport.protocol import Command, Message, ProtocolError
 
     state = State()

@@ -16,8 +16,8 @@ DRAIN_SECONDS = 30.0
 
 SLICE_SECONDS = 1.0
 """A worker pool with more hungry jobs than workers time-slices: a job with no worker takes
-one that has served another job this long (zloader/pool.py)."""
+one that has served another job this long (zloader/broker/pool.py)."""
 
 HUNGRY_STARVATION = 0.02
 """A job whose consumers waited for data more than this share of the last heartbeat
-interval is hungry: the pool may move a worker to it (zloader/pool.py)."""
+interval is hungry: the pool may move a worker to it (zloader/broker/pool.py)."""

@@ -17,7 +17,7 @@ class Unanswered(Exception):
 
 
 def fetch_status(broker: str, keys: Keys | None, timeout: float) -> dict[str, Any]:
-    """One STATUS answer from ``broker`` (the dict ``State.status`` builds).
+    """One STATUS answer from ``broker`` (the dict ``zloader.broker.status.status`` builds).
 
     Raises:
         Unanswered: none within ``timeout`` seconds.

@@ -13,8 +13,8 @@ Hybrid placement: an actuator on a host where the lacking job has consumers, wit
 core, grows at once; any other waits ``remote_delay`` seconds of the shortfall first, so
 the trainer's own host fills its idle cores before other hosts are used (local workers
 send through shared memory, the cheapest path). The broker sends remote workers away first
-when a job has too many (``State._surplus``). :func:`plan` is the decision, without
-processes, for tests and for other actuators (``zloader.ray``).
+when a job has too many (``zloader/broker/status.py``, ``_surplus``). :func:`plan` is the
+decision, without processes, for tests and for other actuators (``zloader.ray``).
 """
 
 from __future__ import annotations

@@ -220,6 +220,7 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
     import zmq
 
     from zloader.broker import Broker
+    from zloader.journal import JournalVersionError
     from zloader.transport.protocol import HEARTBEAT_RANGE, heartbeat
 
     parser = argparse.ArgumentParser(
@@ -287,8 +288,12 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
     if args.work_dir:
         _work_dir(parser, args.work_dir, args.bind)
     metrics = (args.metrics_bind, args.metrics_port) if args.metrics_port else None
-    broker = Broker(args.bind, heartbeat=args.heartbeat, keys=keys, work_dir=args.work_dir,
-                    metrics=metrics, cooldown=args.autoscale_cooldown)
+    try:
+        broker = Broker(args.bind, heartbeat=args.heartbeat, keys=keys,
+                        work_dir=args.work_dir, metrics=metrics,
+                        cooldown=args.autoscale_cooldown)
+    except JournalVersionError as exc:
+        parser.error(str(exc))
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: broker._stop.set())
     logging.getLogger("zloader.broker").info("listening on %s", args.bind)

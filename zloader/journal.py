@@ -11,6 +11,11 @@ killed process loses nothing it acknowledged; an operating-system crash may lose
 lines (they are not fsync'ed). When a job is collected the journal is rewritten without
 it, so it does not grow without bound.
 
+The first line names the journal's schema version, ``{"e": "journal", "version": 1}``
+(:data:`VERSION`; a journal from before versions has none and is read as version 1). A
+broker refuses a journal of a version it does not know (:class:`JournalVersionError`, naming
+the work dir) rather than misread it.
+
 Replay trusts nothing it reads: a torn line, one that is not UTF-8 JSON, or an event whose
 fields are missing or of the wrong type (:data:`EVENTS` lists each event's fields) is
 skipped, and its line number kept in :attr:`Journal.skipped` for one warning.
@@ -31,10 +36,12 @@ from typing import IO, Any
 from zloader.errors import ZloaderError
 from zloader.transport.keys import unsafe_directory
 
-__all__ = ["Journal", "WorkDirError", "work_dir"]
+__all__ = ["VERSION", "Journal", "JournalVersionError", "WorkDirError", "work_dir"]
 
 log = logging.getLogger("zloader.broker")
 
+VERSION = 1
+"""The schema of the events below; bump it when an event changes shape or meaning."""
 COMPACT_LINES = 100_000
 """Rewrite the journal without collected jobs once it has this many lines."""
 
@@ -93,7 +100,7 @@ def _origins(value: Any) -> bool:
 
 
 def _options(value: Any) -> bool:
-    """A job's options (zloader.state.State.register)."""
+    """A job's options (``zloader.broker.jobs.register``)."""
     return (isinstance(value, dict) and _text(value.get("sharding"))
             and _flag(value.get("deterministic")) and _text(value.get("on_error"))
             and _count(value.get("num_workers"))
@@ -103,12 +110,13 @@ def _options(value: Any) -> bool:
 
 
 def _weight(value: Any) -> bool:
-    """A job's weight in the worker pool (zloader/pool.py)."""
+    """A job's weight in the worker pool (zloader/broker/pool.py)."""
     return (isinstance(value, (int, float)) and not isinstance(value, bool)
             and 0.001 <= value <= 1000)
 
 
 EVENTS: dict[str, dict[str, Check]] = {
+    "journal": {"version": _count},  # the first line: the schema version
     "worker": {"id": _text, "host": _text, "host_id": _text, "pid": _count,
                "endpoint": _text, "prefer?": _optional(_text), "plain_data?": _flag},
     "job": {"id": _text, "fingerprint": _text, "name": _optional(_text), "options": _options,
@@ -153,6 +161,10 @@ class WorkDirError(ZloaderError, PermissionError):
     """The work dir is one another local user could write to: refused."""
 
 
+class JournalVersionError(ZloaderError, ValueError):
+    """The work dir's journal has a schema version this broker does not know: refused."""
+
+
 def work_dir(path: str | os.PathLike[str]) -> pathlib.Path:
     """The broker's work directory ``path``, created (mode 0700) if missing, and checked.
 
@@ -182,10 +194,11 @@ class Journal:
     last whole line) and stops the journal: :attr:`failure` says why, naming the work dir,
     and no later event is written, so the file stays a consistent prefix of the broker's
     history. :meth:`record` and :meth:`save_pipeline` then return False; the broker tells
-    the consumers of the jobs concerned (``zloader.state.State.journal_errors``).
+    the consumers of the jobs concerned (``zloader.broker.history.journal_errors``).
 
     Raises:
         WorkDirError: the directory, or a journal file in it, is another user's.
+        JournalVersionError: the journal is of another schema version than :data:`VERSION`.
     """
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
@@ -195,6 +208,33 @@ class Journal:
         self.skipped: list[int] = []  # numbers of the lines the last replay skipped
         self.failure: str | None = None  # why writing stopped, once it has
         self._fd = self._open()
+        try:
+            self._check_version()
+        except JournalVersionError:
+            self.close()
+            raise
+
+    def _check_version(self) -> None:
+        """Start a new journal with its version line; refuse one of another version."""
+        info = os.fstat(self._fd)
+        if not stat.S_ISREG(info.st_mode):
+            return  # a device or a pipe: nothing to read back
+        if info.st_size == 0:
+            self.record(_HEADER)
+            return
+        with open(self.path, "rb") as f:
+            first = f.readline(4096)
+        try:
+            header = json.loads(first)
+        except Exception:  # a torn or corrupt first line: replay skips it
+            return
+        if well_formed(header) and header["e"] == "journal" \
+                and header["version"] != VERSION:
+            raise JournalVersionError(
+                f"the journal in work dir {self.root} is of version {header['version']}; "
+                f"this zloader reads version {VERSION}: run the zloader that wrote it, or "
+                "give zloader-broker another --work-dir (or move that journal away to "
+                "start its jobs over)")
 
     def _open(self) -> int:
         """The journal opened to append, mode 0600 (made so if it was not)."""
@@ -228,6 +268,10 @@ class Journal:
                     event = None
                 if not well_formed(event):
                     self.skipped.append(number)
+                    continue
+                if event["e"] == "journal":  # the version line, checked when opened
+                    if event["version"] != VERSION:  # one elsewhere: corrupt
+                        self.skipped.append(number)
                     continue
                 self.lines += 1
                 yield number, event
@@ -292,7 +336,7 @@ class Journal:
         tmp = self.path.with_suffix(".tmp")
         try:
             with _private(tmp, "w") as f:
-                for event in events:
+                for event in [_HEADER, *events]:
                     f.write(json.dumps(event, separators=(",", ":")) + "\n")
         except OSError as exc:
             tmp.unlink(missing_ok=True)
@@ -301,13 +345,17 @@ class Journal:
         os.close(self._fd)
         os.replace(tmp, self.path)
         self._fd = self._open()
-        self.lines = len(events)
+        self.lines = len(events) + 1
 
     def close(self) -> None:
         """Close the file (safe to call twice)."""
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+_HEADER = {"e": "journal", "version": VERSION}
+"""A journal's first line."""
 
 
 def _private(path: pathlib.Path, mode: str) -> IO[Any]:

@@ -30,11 +30,34 @@ import numpy as np
 from zloader.errors import PipelineError
 
 __all__ = ["Assigned", "Ledger", "Tagged", "decode_origins", "digest", "encode_origins",
-           "merge_info", "pack", "read_split", "unpack"]
+           "exactly_once", "merge_info", "pack", "read_split", "unpack"]
 
 Key = tuple[int, ...]
 DIGEST_BYTES = 4096
 """Bytes of each buffer of a source element that the reproducibility digest covers."""
+
+
+def exactly_once(requested: bool, sharding: str, shared: bool, deterministic: bool,
+                 coordinated: bool, balanced: int) -> bool:
+    """Whether a job runs exactly-once (its elements carry their origins, and a worker that
+    leaves loses and repeats nothing, docs/reliability.md).
+
+    Args:
+        requested: the Loader asked for it (``REGISTER.exactly_once``).
+        sharding: the job's sharding mode; only ``"dynamic"`` can re-hand splits.
+        shared: the job is shared by trainers (``share``).
+        deterministic: its elements come in a fixed order.
+        coordinated: its consumers read round by round (``num_consumers``).
+        balanced: ``balanced`` batches per consumer (0: not balanced).
+
+    Returns:
+        True when requested and the job is dynamic, neither shared, balanced, coordinated
+        nor deterministic. The one rule: the broker applies it to REGISTER
+        (zloader/broker/jobs.py) and the Loader to its own arguments.
+    """
+    return (requested and sharding == "dynamic" and not shared and not deterministic
+            and not coordinated and not balanced)
+
 
 
 Tagged = tuple[Any, tuple[int, ...]]

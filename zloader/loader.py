@@ -23,7 +23,7 @@ from typing import Any
 from zloader import _check
 from zloader._process import START_METHODS, start_worker
 from zloader.broker import Broker
-from zloader.client import STATE_VERSION, IOThread, Merger, applies, resume_from
+from zloader.client import STATE_VERSION, IOThread, Merger, resume_from
 from zloader.client.arguments import (
     DEFAULT_PREFETCH,
     ON_ERROR,
@@ -36,6 +36,7 @@ from zloader.client.arguments import (
     valid_ring_bytes,
 )
 from zloader.client.packing import check_exposure, pack
+from zloader.lineage import exactly_once as exactly_once_applies
 from zloader.pipeline import Pipeline
 from zloader.plan import plan
 from zloader.sharing.options import DEFAULT_BLOCK_SECONDS
@@ -170,10 +171,10 @@ class Loader:
             resolve_keys(keys)  # embedded mode needs none, but a bad keys= is still an error
         self.pipeline = pipeline
         self._plan = plan(pipeline)
-        self._exactly_once = applies(
+        self._exactly_once = exactly_once_applies(
             _check.boolean("exactly_once", exactly_once), sharding=sharding,
             deterministic=deterministic, shared=self._share is not None,
-            coordinated=coordinated is not None, balanced=bool(balanced))
+            coordinated=coordinated is not None, balanced=balanced)
         self._coordinated = coordinated is not None
         resume = resume_from(state, pipeline.fingerprint, self._exactly_once)
         if resume is not None and job_name is not None:

@@ -1,9 +1,10 @@
 """Prometheus metrics of a broker: ``zloader-broker --metrics-port PORT``.
 
-The broker loop takes a snapshot of its state once per heartbeat (:meth:`State.metrics`);
-the HTTP server's thread only reads the latest snapshot, so a scrape never touches state
-the loop is changing. Names follow Prometheus conventions: counters end in ``_total``,
-units are in the name (``_seconds``, ``_bytes``), ratios end in ``_ratio``.
+The broker loop takes a snapshot of its state once per heartbeat
+(``zloader/broker/status.py``, ``metrics``); the HTTP server's thread only reads the
+latest snapshot, so a scrape never touches state the loop is changing. Names follow
+Prometheus conventions: counters end in ``_total``, units are in the name (``_seconds``,
+``_bytes``), ratios end in ``_ratio``.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ consumer's side of exactly-once epochs (the rule, ``state_dict``, resuming). The
 checks its arguments with ``arguments.py`` and ships its pipeline with ``packing.py``.
 """
 
-from zloader.client.exactly_once import STATE_VERSION, Yielded, applies, resume_from
+from zloader.client.exactly_once import STATE_VERSION, Yielded, resume_from
 from zloader.client.items import Item, Origins
 from zloader.client.merging import Merger
 from zloader.client.peers import local_address
@@ -22,4 +22,4 @@ from zloader.client.stats import Stats
 from zloader.client.thread import IOThread
 
 __all__ = ["STATE_VERSION", "IOThread", "Item", "Merger", "Origins", "Stats", "Yielded",
-           "applies", "local_address", "resume_from"]
+           "local_address", "resume_from"]

@@ -1,6 +1,7 @@
-"""The consumer's side of exactly-once epochs (docs/reliability.md): when the rule
-applies, what a :meth:`Loader.state_dict` holds (the origins of the elements yielded so
-far, :class:`Yielded`), and how a saved state resumes (:func:`resume_from`). The origins
+"""The consumer's side of exactly-once epochs (docs/reliability.md): what a
+:meth:`Loader.state_dict` holds (the origins of the elements yielded so far,
+:class:`Yielded`), and how a saved state resumes (:func:`resume_from`). When a job is
+exactly-once is one rule for both sides, :func:`zloader.lineage.exactly_once`. The origins
 received, the fences and the rereads are the I/O thread's (zloader/client/epoch_end.py)."""
 
 from __future__ import annotations
@@ -12,20 +13,10 @@ from typing import Any
 from zloader.client.items import Origins
 from zloader.lineage import Ledger
 
-__all__ = ["STATE_VERSION", "Yielded", "applies", "resume_from"]
+__all__ = ["STATE_VERSION", "Yielded", "resume_from"]
 
 STATE_VERSION = 1
 """The version of what Loader.state_dict returns."""
-
-
-def applies(requested: bool, *, sharding: str, deterministic: bool, shared: bool,
-            coordinated: bool, balanced: bool) -> bool:
-    """Whether a consumer's elements carry their origins: ``exactly_once`` was asked for,
-    with dynamic sharding and none of share, balanced, num_consumers or deterministic
-    (whose workers hand out elements in an order of their own). The broker applies the
-    same rule to REGISTER (zloader/state.py)."""
-    return (requested and sharding == "dynamic" and not deterministic and not shared
-            and not coordinated and not balanced)
 
 
 class Yielded:

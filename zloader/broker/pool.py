@@ -2,7 +2,7 @@
 which job when a job lacks its share (docs/pool.md).
 
 Pure functions over small frozen records, no sockets and no clock of their own: the
-broker's state machine (``zloader/state.py``) builds a :class:`Claim` per job and a
+broker's state machine (``zloader/broker/placement.py``) builds a :class:`Claim` per job and a
 :class:`Holding` per busy worker, asks :func:`next_move`, and carries the move out (the
 worker leaves its job as a draining worker does, exactly once, then takes the new one).
 

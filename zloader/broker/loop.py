@@ -1,4 +1,5 @@
-"""The broker: one ROUTER socket, one loop, all state in :class:`zloader.state.State`.
+"""The broker loop: one ROUTER socket, one thread, all state in
+:class:`zloader.broker.state.State`; each command goes to its entry in :data:`HANDLERS`.
 
 It never touches element data. Run it with ``zloader-broker`` or, embedded, as a thread of
 the Loader's process (:meth:`Broker.start`).
@@ -9,12 +10,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 
+from zloader.broker.state import Out, State
 from zloader.journal import Journal
-from zloader.state import Out, State
 from zloader.transport.keys import Keys
 from zloader.transport.protocol import (
     MAX_MESSAGE_BYTES,
@@ -31,6 +33,42 @@ __all__ = ["Broker"]
 log = logging.getLogger("zloader.broker")
 
 _FROM_ANYONE = {Command.READY, Command.REGISTER, Command.STATUS}
+
+Handler = Callable[[State, bytes, Message, float], list[Out]]
+"""Takes the state, the sender's identity, its message and the time; returns what to
+send."""
+
+
+def _status(state: State, identity: bytes, msg: Message, now: float) -> list[Out]:
+    return [Out(identity, Command.STATUS, state.status(now))]
+
+
+def _heartbeat(state: State, identity: bytes, msg: Message, now: float) -> list[Out]:
+    """A worker's or a consumer's: each record notes what concerns it."""
+    state.worker_heartbeat(identity, msg, now)
+    return state.consumer_heartbeat(identity, now, msg)
+
+
+def _bye(state: State, identity: bytes, msg: Message, now: float) -> list[Out]:
+    return state.bye(identity, now)
+
+
+HANDLERS: dict[Command, Handler] = {
+    Command.READY: State.worker_ready,
+    Command.REGISTER: State.register,
+    Command.STATUS: _status,
+    Command.HEARTBEAT: _heartbeat,
+    Command.SPLIT_REQ: State.split_request,
+    Command.PASS_DONE: State.pass_done,
+    Command.TASK_FAILED: State.task_failed,
+    Command.BYE: _bye,
+    Command.EPOCH: State.epoch_started,
+    Command.ROUND_REQ: State.round_request,
+    Command.RECEIVED: State.rounds_received,
+    Command.DELIVERED: State.delivered,
+    Command.LOG: State.worker_log,
+}
+"""One entry per command the broker accepts (docs/protocol.md)."""
 
 
 class Broker:
@@ -195,42 +233,16 @@ class Broker:
             return []
 
     def _dispatch(self, identity: bytes, msg: Message, now: float) -> list[Out]:
-        state = self.state
         command = msg.command
-        known = state.seen(identity, now)
+        known = self.state.seen(identity, now)
         if not known and command not in _FROM_ANYONE:
             if command in (Command.BYE, Command.PASS_DONE):
                 return []
             return [Out(identity, Command.UNKNOWN, {"reason": "not registered"})]
-        if command is Command.READY:
-            return state.worker_ready(identity, msg, now)
-        if command is Command.REGISTER:
-            return state.register(identity, msg, now)
-        if command is Command.STATUS:
-            return [Out(identity, Command.STATUS, state.status(now))]
-        if command is Command.HEARTBEAT:
-            state.worker_heartbeat(identity, msg, now)
-            return state.consumer_heartbeat(identity, now, msg)
-        if command is Command.SPLIT_REQ:
-            return state.split_request(identity, msg, now)
-        if command is Command.PASS_DONE:
-            state.pass_done(identity, msg, now)
-            return []
-        if command is Command.TASK_FAILED:
-            return state.task_failed(identity, msg, now)
-        if command is Command.BYE:
-            return state.bye(identity, now)
-        if command is Command.EPOCH:
-            return state.epoch_started(identity, msg, now)
-        if command is Command.ROUND_REQ:
-            return state.round_request(identity, msg, now)
-        if command is Command.RECEIVED:
-            return state.rounds_received(identity, msg, now)
-        if command is Command.DELIVERED:
-            return state.delivered(identity, msg, now)
-        if command is Command.LOG:
-            return state.worker_log(identity, msg, now)
-        raise ProtocolError(f"{command.name} is not a command the broker accepts")
+        handler = HANDLERS.get(command)
+        if handler is None:
+            raise ProtocolError(f"{command.name} is not a command the broker accepts")
+        return handler(self.state, identity, msg, now)
 
     def _warn(self, identity: bytes, text: str, exc_info: bool = False) -> None:
         """Count a rejected message and log it with its peer, at most once a second (a

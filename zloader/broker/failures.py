@@ -1,0 +1,242 @@
+"""Failures and fences: a worker that dies, is stuck or moves leaves its job (``leave``),
+and the splits it had not delivered are read again by the others; for an exactly-once job
+only once every consumer has said what it holds of them (a :class:`Fence`). Also a
+pipeline that fails (TASK_FAILED), a consumer's report of an epoch ended short (reread),
+and a broker that was itself stopped (``stalled``).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from typing import Any
+
+from zloader.broker import coordinated, history, jobs, splits, status
+from zloader.broker.records import (
+    FENCE_GRACE,
+    KILLS_TO_FAIL,
+    Consumer,
+    Fence,
+    Job,
+    Out,
+    PassKey,
+    Tables,
+    Worker,
+)
+from zloader.lineage import merge_info
+from zloader.transport.protocol import Command, Message, ProtocolError
+
+__all__ = ["complete_fences", "delivered", "drop_worker", "give_up", "leave", "reread",
+           "stalled", "stuck", "task_failed"]
+
+log = logging.getLogger("zloader.broker")
+
+
+def task_failed(state: Tables, identity: bytes, msg: Message, now: float) -> list[Out]:
+    """TASK_FAILED: the job's pipeline raised; the job fails, its workers are released."""
+    job = state.job_of(msg.field("task", str))
+    if job is None:
+        return []
+    error = msg.field("error", dict)
+    job.error = {k: str(error.get(k, "")) for k in ("stage", "exc_type", "builtin",
+                                                    "message", "traceback", "context")}
+    history.record(state, {"e": "failed", "job": job.id, "error": job.error})
+    return jobs.release(state, job, now) + status.tell_consumers(state, job)
+
+
+def drop_worker(state: Tables, worker_id: str, died: bool, now: float,
+                requeue: bool = True) -> list[Out]:
+    """Forget a worker; its splits not yet delivered are read again by others (see
+    :func:`leave`)."""
+    worker = state.workers.pop(worker_id, None)
+    if worker is None:
+        return []
+    state.peers.pop(worker.identity, None)
+    job = state.job_of(worker.task)
+    if job is None or worker.task is None:
+        history.record(state, {"e": "gone", "worker": worker_id, "died": died})
+        return []
+    return leave(state, worker, job, worker.task, died, now, requeue)
+
+
+def leave(state: Tables, worker: Worker, job: Job, task: str, died: bool, now: float,
+          requeue: bool = True, stays: bool = False) -> list[Out]:
+    """Take a worker's ``task`` off ``job``: its splits not yet delivered are read
+    again by the others, for an exactly-once job once its consumers have said what they
+    hold (see :class:`Fence`). ``stays``: the worker is not gone, only moved to another
+    job (``placement.preempt``). ``requeue=False`` replays a fenced leave, whose re-queued
+    splits follow in the journal."""
+    worker_id = worker.id
+    job.indices.pop(task, None)
+    job.tasks.pop(task, None)
+    current = worker.current if worker.task == task else None
+    if stays and worker.task == task:
+        worker.task, worker.current, worker.idle_since = None, None, now
+    lost: list[tuple[PassKey, int]] = []
+    for key, handing in job.passes.items():
+        for split in handing.handed.pop(worker_id, []):
+            if died and current == (key, split):
+                job.kills[split] = job.kills.get(split, 0) + 1
+                if job.kills[split] >= KILLS_TO_FAIL:
+                    job.failed.append({"split": split, "pass": list(key), "message": (
+                        f"split {split} was being read when its worker died "
+                        f"{KILLS_TO_FAIL} times (last: worker pid {worker.pid} on "
+                        f"{worker.host}); it is skipped")})
+                    continue
+            lost.append((job.origin_of.get((key, split), key), split))
+        lost += [(job.origin_of.get((key, split), key), split)
+                 for split in handing.read.pop(worker_id, [])]
+    event = ({"e": "left", "job": job.id, "task": task, "worker": worker_id} if stays
+             else {"e": "gone", "worker": worker_id, "died": died})
+    grace = state.expiry * FENCE_GRACE
+    asked = job.consumers | {c for c, t in job.silent.items() if now - t < grace}
+    if job.track and lost and asked and not state.replaying:
+        job.fences[secrets.token_hex(6)] = Fence(worker_id, task, died, lost, asked,
+                                                 now + grace, event=event)
+        return status.tell_consumers(state, job)  # journaled once the fence is done
+    history.record(state, event)
+    if requeue:
+        for key, split in lost:
+            splits.requeue(state, job, key, split, {})
+    out = status.tell_consumers(state, job)
+    if job.rounds is not None:
+        out += coordinated.announce(state, job, {}, job.rounds.lose_worker(worker_id))
+    return out
+
+
+def stuck(state: Tables, job: Job, consumer: Consumer, reports: list[Any],
+          now: float) -> list[Out]:
+    """A consumer got nothing from these workers of its job for its ``timeout`` though
+    they held its credits (``HEARTBEAT.stuck``): each is alive (it heartbeats) but its
+    user code is blocked. It is told to drop the task (``RELEASE``; a worker whose
+    producer does not stop replaces its process) and dropped from the broker as if it
+    had died: its splits go to the other workers, exactly once for an exactly-once job
+    (a :class:`Fence`), and a split that wedges ``KILLS_TO_FAIL`` workers is reported.
+
+    Raises:
+        ProtocolError: a report is not ``{worker, task, seconds}``.
+    """
+    out: list[Out] = []
+    for report in reports:
+        if not (isinstance(report, dict) and isinstance(report.get("worker"), str)
+                and isinstance(report.get("task"), str)
+                and isinstance(report.get("seconds"), (int, float))
+                and not isinstance(report.get("seconds"), bool)):
+            raise ProtocolError("HEARTBEAT.stuck must list {worker, task, seconds}")
+        worker = state.workers.get(report["worker"])
+        if worker is None or worker.task != report["task"] \
+                or job.tasks.get(report["task"]) != worker.id:
+            continue  # gone already, or not this consumer's job's worker
+        log.warning("worker %s (pid %d on %s) sent consumer %s nothing for %.1f s though "
+                    "it held credits (doing %s): dropped from job %s as stuck",
+                    worker.id, worker.pid, worker.host, consumer.id,
+                    float(report["seconds"]), worker.doing, job.id)
+        out.append(Out(worker.identity, Command.RELEASE, {"task": worker.task}))
+        out += drop_worker(state, worker.id, died=True, now=now)
+    return out
+
+
+def reread(state: Tables, job: Job, consumer: Consumer, entries: list[Any]) -> None:
+    """The job's only consumer ended an epoch short (``HEARTBEAT.reread``): records of
+    these splits never reached it (unmapped segments a worker unlinked while it was
+    stalled, records taken by another peer with its token). Hand each out again, less
+    the indices it holds, as after a worker's death; its next ``EPOCH`` finds them
+    pending and runs the epoch again. Only splits the broker handed out in that pass
+    and holds no fence or re-queue for are taken.
+
+    Raises:
+        ProtocolError: an entry is not ``[pass, split, info]``.
+    """
+    if not job.track or len(job.consumers | set(job.silent)) != 1:
+        return  # with several consumers none can tell alone what is missing
+    fenced = {at for fence in job.fences.values() for at in fence.splits}
+    read: dict[int, dict[PassKey, set[int]]] = {}  # by epoch
+    for entry in entries:
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], list)
+                and entry[0] and all(isinstance(k, int) and k >= 0 for k in entry[0])
+                and isinstance(entry[1], int) and isinstance(entry[2], dict)):
+            raise ProtocolError("HEARTBEAT.reread: each entry must be [pass, split, info]")
+        key, split = tuple(entry[0]), entry[1]
+        if key[0] not in read:
+            read[key[0]] = splits.read_splits(job, key[0])
+        if split not in read[key[0]].get(key, set()) \
+                or (key, split) in fenced \
+                or any(split in p.requeued for k, p in job.passes.items() if k[0] == key[0]):
+            continue
+        try:
+            skip = splits.skip(merge_info(None, entry[2]))
+        except ValueError as exc:
+            raise ProtocolError(f"HEARTBEAT.reread: {exc}") from None
+        log.warning("consumer %s ended epoch %d of job %s without all of split %d (pass "
+                    "%s): read again", consumer.id, key[0], job.id, split, list(key))
+        splits.requeue(state, job, key, split, skip)
+
+
+def delivered(state: Tables, identity: bytes, msg: Message, now: float) -> list[Out]:
+    """DELIVERED: a consumer says which elements of a dead worker's splits it holds (and
+    that it reads nothing more from that worker)."""
+    consumer = state.consumer_at(identity)
+    job = state.jobs.get(consumer.job) if consumer is not None else None
+    fence = job.fences.get(msg.field("fence", str)) if job is not None else None
+    if consumer is None or job is None or fence is None or consumer.id not in fence.waiting:
+        return []
+    wanted = set(fence.splits)
+    for entry in msg.field("splits", list):
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], list)
+                and isinstance(entry[1], int) and isinstance(entry[2], dict)):
+            raise ProtocolError("DELIVERED: each split must be [pass, split, info]")
+        at = (tuple(entry[0]), entry[1])
+        if at in wanted:
+            try:
+                fence.replies[at] = merge_info(fence.replies.get(at), entry[2])
+            except ValueError as exc:
+                raise ProtocolError(f"DELIVERED: {exc}") from None
+    fence.waiting.discard(consumer.id)
+    return complete_fences(state, job)
+
+
+def complete_fences(state: Tables, job: Job) -> list[Out]:
+    """Re-queue the splits of every fence all consumers answered, less what they hold."""
+    done = [token for token, fence in job.fences.items() if not fence.waiting]
+    for token in done:
+        fence = job.fences.pop(token)
+        history.record(state, {**fence.event, "fenced": True})
+        for key, split in fence.splits:
+            info = fence.replies.get((key, split), {})
+            if not info.get("all") and (key[0] >= job.epoch - 1):
+                splits.requeue(state, job, key, split, splits.skip(info))
+    return status.tell_consumers(state, job) if done else []
+
+
+def give_up(state: Tables, job: Job, fence: Fence, now: float) -> None:
+    """A fence's deadline passed: stop waiting for the consumers that are gone (what
+    they held may repeat). Those still registered with the job are alive: their answer
+    was lost or is late, and every ``JOB`` view asks them again, so the fence waits
+    for them another grace period."""
+    gone = {c for c in fence.waiting if c not in job.consumers}
+    if gone:
+        log.warning("consumers %s did not answer for the splits of dead worker %s: "
+                    "they are read again (what they held may repeat)", sorted(gone),
+                    fence.worker)
+    fence.waiting -= gone
+    if fence.waiting:
+        log.warning("consumers %s of job %s have not answered for the splits of dead "
+                    "worker %s yet: asking them again", sorted(fence.waiting),
+                    job.name or job.id, fence.worker)
+        fence.deadline = now + state.expiry * FENCE_GRACE
+
+
+def stalled(state: Tables, seconds: float, now: float) -> None:
+    """The broker itself did not run for ``seconds`` (SIGSTOP, a long GC, a slow
+    disk) until ``now``: its peers could not be heard meanwhile, so that time is not
+    held against them. Their silences, the jobs' idle times and the fences' deadlines
+    move forward by it; a peer that really died is still dropped, an expiry later."""
+    records: list[Worker | Consumer] = [*state.workers.values(), *state.consumers.values()]
+    for record in records:
+        record.last_seen = min(now, record.last_seen + seconds)
+    for job in state.jobs.values():
+        job.silent = {c: min(now, t + seconds) for c, t in job.silent.items()}
+        if job.idle_since is not None:
+            job.idle_since = min(now, job.idle_since + seconds)
+        for fence in job.fences.values():
+            fence.deadline += seconds

@@ -1,0 +1,359 @@
+"""Jobs: consumers register a pipeline (REGISTER) and join a job, new or running; start
+epochs (EPOCH); leave (BYE, or silence); and a job without consumers is collected.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from typing import Any
+
+from zloader.broker import (
+    coordinated,
+    failures,
+    fields,
+    history,
+    peers,
+    placement,
+    splits,
+    status,
+)
+from zloader.broker.records import FENCE_GRACE, SHARDING_MODES, Consumer, Job, Out, Tables
+from zloader.journal import COMPACT_LINES
+from zloader.lineage import Ledger, pack
+from zloader.rounds import Rounds
+from zloader.sharing.options import KEY_OPTIONS
+from zloader.transport.protocol import Command, Message, ProtocolError
+
+__all__ = ["bye", "drop_consumer", "epoch_started", "register", "release", "resume", "tick"]
+
+log = logging.getLogger("zloader.broker")
+
+
+def register(state: Tables, identity: bytes, msg: Message, now: float) -> list[Out]:
+    """REGISTER: a consumer joins the job its pipeline and options name (a new one, a
+    shared one with the same fingerprint, the one of its ``job_name``, or the one it had
+    before a restart); answered with the job's view, last."""
+    consumer_id = msg.field("consumer", str)
+    fingerprint = msg.field("fingerprint", str)
+    name = msg.field("job_name", str, optional=True)
+    sharding = msg.field("sharding", str)
+    if sharding not in SHARDING_MODES:
+        raise ProtocolError(f"REGISTER: unknown sharding {sharding!r}")
+    if not msg.payload:
+        raise ProtocolError("REGISTER: missing the pipeline payload")
+    source = msg.field("source", dict)
+    options = {"sharding": sharding,
+               "deterministic": bool(msg.body.get("deterministic", False)),
+               "on_error": str(msg.body.get("on_error", "raise")),
+               "num_workers": msg.field("num_workers", int),
+               "balanced": fields.count(msg.body.get("balanced", 0)),
+               "weight": fields.weight(msg.body.get("weight", 1.0))}
+    share = fields.share(msg.body.get("share"))
+    if share is not None and name:
+        raise ProtocolError("REGISTER: a shared job cannot have a job_name")
+    coordinated_at = fields.coordinated(msg.body.get("coordinated"), name)
+    options["num_consumers"] = coordinated_at[0] if coordinated_at else 0
+    options["exactly_once"] = fields.exactly_once(
+        msg.body.get("exactly_once") is True, sharding, share is not None,
+        options["deterministic"], coordinated_at is not None, options["balanced"])
+    job = _named_job(state, name) if name else None
+    previous = state.jobs.get(str(msg.body.get("job")))  # it registers again (a restart)
+    known = state.consumers.get(consumer_id)
+    if previous is None and known is not None:
+        # A REGISTER repeated while the answer was on its way (those a Loader queued
+        # before the broker was up arrive together): the same consumer, the same job.
+        previous = state.jobs.get(known.job)
+    if previous is not None and previous.fingerprint == fingerprint \
+            and previous.error is None:
+        job = previous
+    elif share is not None:
+        job = next((j for j in state.jobs.values() if j.share is not None and j.error is None
+                    and j.fingerprint == fingerprint
+                    and all(j.options[k] == options[k] for k in KEY_OPTIONS)), None)
+        if job is None:
+            job = _new_job(state, msg, fingerprint, None, options, source, now)
+            job.share = share
+            history.record(state, {"e": "share", "job": job.id, "share": share})
+    elif job is not None:
+        mismatch = _mismatch(job, fingerprint, options)
+        if mismatch and not job.consumers and job.idle_since is not None:
+            remaining = max(state.expiry, job.linger) - (now - job.idle_since)
+            mismatch += (f" (its consumers went silent: it is kept for them "
+                         f"{max(0.0, remaining):.0f} s more, then released)")
+        if mismatch:
+            return [Out(identity, Command.ERROR, {"message": mismatch})]
+    else:
+        job = _new_job(state, msg, fingerprint, name, options, source, now)
+        resume(state, job, msg.body.get("resume"))
+        if coordinated_at:
+            job.rounds = Rounds(coordinated_at[0])
+            history.record(state, {"e": "rounds", "job": job.id, "size": coordinated_at[0]})
+    out: list[Out] = []
+    joined: dict[str, int] | None = None
+    if job.rounds is not None and coordinated_at:
+        why = job.rounds.replaced.get(consumer_id)
+        if why:
+            return [Out(identity, Command.ERROR, {"message": why})]
+        holder = job.rounds.members.get(coordinated_at[1])
+        if holder is not None and holder != consumer_id:
+            out += _replace(state, job, holder, coordinated_at[1], msg, now)
+        joined = job.rounds.join(consumer_id, coordinated_at[1], job.epoch)
+    _join(state, job, identity, consumer_id, msg, now)
+    # The answer comes last and is the only JOB this consumer gets now (a consumer reads
+    # ``joined`` from its first JOB); job views must reach a consumer in order.
+    assigned = [o for o in placement.assign(state, now)
+                if o.identity != identity or o.command is not Command.JOB]
+    view = status.job_view(state, job)
+    if joined is not None:
+        view["joined"] = joined
+    return [*out, *assigned, Out(identity, Command.JOB, view)]
+
+
+def _join(state: Tables, job: Job, identity: bytes, consumer_id: str, msg: Message,
+          now: float) -> None:
+    """Record the consumer as ``job``'s (one that moved from another job leaves it)."""
+    old = state.consumers.get(consumer_id)
+    if old is not None:
+        state.peers.pop(old.identity, None)
+        left = state.jobs.get(old.job)
+        if left is not None and left is not job:  # it moved: no ghost in the old job
+            left.consumers.discard(consumer_id)
+            if not left.consumers:
+                left.idle_since = now
+    state.consumers[consumer_id] = Consumer(consumer_id, identity, job.id,
+                                            msg.field("host_id", str), msg.field("pid", int),
+                                            now)
+    state.peers[identity] = ("consumer", consumer_id)
+    job.consumers.add(consumer_id)
+    job.silent.pop(consumer_id, None)
+    job.idle_since = None
+
+
+def resume(state: Tables, job: Job, value: Any) -> None:
+    """A resumed Loader's ``{"epoch", "delivered"}`` (``Loader.state_dict()``): the
+    epoch's splits hand out only what it had not yielded."""
+    if value is None:
+        return
+    if not (isinstance(value, dict) and isinstance(value.get("epoch"), int)
+            and value["epoch"] >= 0):
+        raise ProtocolError("REGISTER: resume must be {epoch, delivered}")
+    if not job.track:
+        raise ProtocolError("REGISTER: resume needs an exactly-once job (dynamic "
+                            "sharding, no share, balanced or num_consumers)")
+    ledger = Ledger()
+    try:
+        ledger.merge_json(value.get("delivered"))
+    except ValueError as exc:
+        raise ProtocolError(f"REGISTER: resume: {exc}") from None
+    job.resume = (value["epoch"], ledger)
+    job.epoch = max(job.epoch, value["epoch"])
+    history.record(state, {"e": "resume", "job": job.id, "epoch": value["epoch"],
+                           "delivered": ledger.to_json()})
+
+
+def _replace(state: Tables, job: Job, holder: str, index: int, msg: Message,
+             now: float) -> list[Out]:
+    """A restarted consumer takes over ``index`` from ``holder``, which is dropped and,
+    should it still be alive, refused from now on."""
+    assert job.rounds is not None
+    old = state.consumers.get(holder)
+    where = f"pid {old.pid}" if old is not None else "an earlier consumer"
+    job.rounds.replaced[holder] = (
+        f"consumer_index {index} of job_name {job.name!r} was taken over by another "
+        f"consumer (pid {msg.body.get('pid')}), as a restarted consumer does; if this "
+        f"one ({where}) is still meant to run, two consumers were given the same "
+        "consumer_index")
+    return [Out(o.identity, o.command, {**o.body, "replaced": True}, o.payload)
+            if o.command is Command.CONSUMER_GONE else o
+            for o in drop_consumer(state, holder, now)]
+
+
+def _named_job(state: Tables, name: str) -> Job | None:
+    return next((j for j in state.jobs.values() if j.name == name), None)
+
+
+def _mismatch(job: Job, fingerprint: str, options: dict[str, Any]) -> str:
+    """Why a REGISTER for ``job``'s name cannot join it ("" if it can)."""
+    theirs = {"fingerprint": fingerprint, **options}
+    ours = {"fingerprint": job.fingerprint, "sharding": job.sharding,
+            "deterministic": job.deterministic, "on_error": job.on_error,
+            "num_workers": job.options["num_workers"],
+            "balanced": job.options.get("balanced", 0),
+            "num_consumers": job.options.get("num_consumers", 0),
+            "exactly_once": job.track}
+    diff = [k for k in ours if ours[k] != theirs[k] and k != "num_workers"]
+    if not diff:
+        return ""
+    return (f"job_name {job.name!r} already runs another pipeline or options "
+            f"({', '.join(f'{k}: {ours[k]!r} vs {theirs[k]!r}' for k in diff)}); "
+            "use another job_name, or the same pipeline and options")
+
+
+def _new_job(state: Tables, msg: Message, fingerprint: str, name: str | None,
+             options: dict[str, Any], source: dict[str, Any], now: float) -> Job:
+    num_splits = source.get("num_splits")
+    seed = source.get("seed")
+    if not isinstance(num_splits, int) or num_splits < 0:
+        raise ProtocolError("REGISTER: source.num_splits must be an int >= 0")
+    if seed is not None and not isinstance(seed, int):
+        raise ProtocolError("REGISTER: source.seed must be an int or null")
+    live = sum(1 for w in state.workers.values() if w.task is None)
+    width = options["num_workers"] or max(1, live)
+    job = Job(secrets.token_hex(8), fingerprint, name, options["sharding"],
+              options["deterministic"], options["on_error"], options, bytes(msg.payload[0]),
+              num_splits, bool(source.get("shuffle_splits", False)), seed, width,
+              fields.source_data(msg.body.get("source_data")), secrets.randbits(63), now)
+    job.track = options["exactly_once"]
+    job.pipeline = fields.pipeline_ref(msg.body.get("pipeline"), job.blob)
+    job.scaler.cooldown = state.cooldown
+    entropy = msg.body.get("entropy")  # a resumed Loader's: its shuffles draw the same
+    if isinstance(entropy, int) and not isinstance(entropy, bool) and 0 <= entropy < 2**63:
+        job.entropy = entropy
+    state.jobs[job.id] = job
+    if state.journal is not None:
+        state.journal.save_pipeline(job.id, job.blob)
+    history.record(state, history.job_event(job))
+    return job
+
+
+def epoch_started(state: Tables, identity: bytes, msg: Message, now: float) -> list[Out]:
+    """EPOCH: a consumer starts an epoch; answered with its job's view (for an
+    exactly-once job, with the splits of that epoch handed out so far)."""
+    consumer = state.consumer_at(identity)
+    job = state.jobs.get(consumer.job) if consumer is not None else None
+    epoch = msg.body.get("epoch")
+    out: list[Out] = []
+    if job is not None and isinstance(epoch, int) and not isinstance(epoch, bool):
+        if epoch > job.epoch:
+            history.record(state, {"e": "epoch", "job": job.id, "epoch": epoch})
+        job.epoch = max(job.epoch, epoch)
+        job.hungry_until = now + 2 * state.heartbeat  # it has nothing yet
+        if consumer is not None:
+            consumer.active = True
+        if job.rounds is not None and consumer is not None:
+            out += coordinated.announce(state, job, {},
+                                        job.rounds.epoch_started(consumer.id, epoch))
+            job.rounds.prune(job.epoch)
+            if splits.pending(job).get(str(epoch)):
+                job.rounds.order_rerun(epoch, job.requeues.get(epoch, 0))
+    # A hungry job may take a worker from another now (broker/pool.py); the answer
+    # below is the only JOB this consumer gets now, as for REGISTER.
+    out += [o for o in placement.assign(state, now)
+            if o.identity != identity or o.command is not Command.JOB]
+    answer = peers.consumer_heartbeat(state, identity, now)
+    if job is not None and job.track and isinstance(epoch, int):
+        for reply in [r for r in answer if r.command is Command.JOB]:
+            # what the consumer checks its epoch against
+            reply.body["read"] = [[list(key), pack(handed)] for key, handed
+                                  in sorted(splits.read_splits(job, epoch).items())]
+    return out + answer
+
+
+def bye(state: Tables, identity: bytes, now: float) -> list[Out]:
+    """BYE: a worker or a consumer leaves; a job whose last consumer left ends now."""
+    kind, pid = state.peers.get(identity, ("", ""))
+    if kind == "worker":
+        return failures.drop_worker(state, pid, died=False, now=now)
+    if kind == "consumer":
+        consumer = state.consumers.get(pid)
+        out = drop_consumer(state, pid, now)
+        job = state.jobs.get(consumer.job) if consumer is not None else None
+        if job is not None and not job.consumers \
+                and not any(now - t < state.expiry * FENCE_GRACE
+                            for t in job.silent.values()):
+            # Its last consumer left: nobody comes back to it, so its name and
+            # workers are free now (not an expiry later) for the next job.
+            out += _end(state, job, now)
+            out += placement.assign(state, now)
+        return out
+    return []
+
+
+def drop_consumer(state: Tables, consumer_id: str, now: float,
+                  silent: bool = False) -> list[Out]:
+    """Forget a consumer. One that went ``silent`` (not one that said BYE) may only be
+    stalled: the fences of its job still wait for its answer until their deadline."""
+    consumer = state.consumers.pop(consumer_id, None)
+    if consumer is None:
+        return []
+    state.peers.pop(consumer.identity, None)
+    job = state.jobs.get(consumer.job)
+    if job is None:
+        return []
+    job.consumers.discard(consumer_id)
+    if not job.consumers:
+        job.idle_since = now
+        # Consumers that went silent may only be stalled (a loaded host): keep the job,
+        # its workers and what it handed out, for them to come back to.
+        job.linger = state.expiry * FENCE_GRACE if silent else 0.0
+    if silent:
+        job.silent[consumer_id] = now
+    else:
+        for fence in job.fences.values():
+            fence.waiting.discard(consumer_id)
+    out = failures.complete_fences(state, job)
+    if job.rounds is not None:
+        out += coordinated.announce(state, job, {}, job.rounds.leave(consumer_id))
+    for task, worker_id in job.tasks.items():
+        worker = state.workers.get(worker_id)
+        if worker is not None:
+            out.append(Out(worker.identity, Command.CONSUMER_GONE,
+                           {"task": task, "consumer": consumer_id}))
+    return out
+
+
+def tick(state: Tables, now: float) -> list[Out]:
+    """Every heartbeat: purge peers silent for ``liveness`` heartbeats, give up on fences
+    past their deadline, compact the journal, sample starvation, collect abandoned jobs,
+    and place the workers."""
+    out: list[Out] = []
+    for worker in [w for w in state.workers.values() if now - w.last_seen > state.expiry]:
+        log.info("worker %s (pid %d on %s) silent for %.1f s: dropped", worker.id,
+                 worker.pid, worker.host, now - worker.last_seen)
+        out += failures.drop_worker(state, worker.id, died=True, now=now)
+    for consumer in [c for c in state.consumers.values() if now - c.last_seen > state.expiry]:
+        log.info("consumer %s (pid %d) silent for %.1f s: dropped", consumer.id,
+                 consumer.pid, now - consumer.last_seen)
+        out += drop_consumer(state, consumer.id, now, silent=True)
+    for job in state.jobs.values():
+        for fence in job.fences.values():
+            if now > fence.deadline and fence.waiting:
+                failures.give_up(state, job, fence, now)
+        out += failures.complete_fences(state, job)
+        for consumer_id in [c for c, t in job.silent.items()
+                            if now - t > state.expiry * FENCE_GRACE]:
+            del job.silent[consumer_id]
+    if state.journal is not None and state.journal.lines > COMPACT_LINES:
+        state.journal.compact(history.snapshot(state))
+    status.sample(state, now)
+    for job in list(state.jobs.values()):
+        if not job.consumers and job.idle_since is not None \
+                and now - job.idle_since > max(state.expiry, job.linger):
+            out += _end(state, job, now)
+    return out + placement.assign(state, now)
+
+
+def _end(state: Tables, job: Job, now: float) -> list[Out]:
+    """Forget ``job``: its workers are released, its name is free."""
+    out = release(state, job, now)
+    del state.jobs[job.id]
+    history.record(state, {"e": "end", "job": job.id})
+    if state.journal is not None:
+        state.journal.forget_pipeline(job.id)
+    return out
+
+
+def release(state: Tables, job: Job, now: float) -> list[Out]:
+    """Take every task of ``job`` off its workers (RELEASE); they are free."""
+    out = []
+    for task, worker_id in list(job.tasks.items()):
+        worker = state.workers.get(worker_id)
+        if worker is not None:
+            worker.task = None
+            worker.current = None
+            worker.idle_since = now
+            out.append(Out(worker.identity, Command.RELEASE, {"task": task}))
+    job.tasks.clear()
+    job.indices.clear()
+    return out

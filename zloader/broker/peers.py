@@ -1,0 +1,144 @@
+"""Peers: workers that register (READY), report (HEARTBEAT) and forward their user code's
+output (LOG), and consumers' heartbeats (their stats, and the stuck workers and short
+epochs they report).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zloader._defaults import STAGES
+from zloader.broker import coordinated, failures, fields, history, placement, status
+from zloader.broker.records import Consumer, Out, Tables, Worker
+from zloader.forward import valid_lines
+from zloader.transport.protocol import Command, Message, ProtocolError, doing
+
+__all__ = ["consumer_heartbeat", "seen", "worker_heartbeat", "worker_log", "worker_ready"]
+
+
+def seen(state: Tables, identity: bytes, now: float) -> bool:
+    """Note traffic from a peer; False when the peer is not registered."""
+    kind, pid = state.peers.get(identity, ("", ""))
+    record: Worker | Consumer | None = (state.workers.get(pid) if kind == "worker"
+                                        else state.consumers.get(pid))
+    if record is None:
+        return False
+    record.last_seen = now
+    return True
+
+
+def worker_ready(state: Tables, identity: bytes, msg: Message, now: float) -> list[Out]:
+    """READY: a worker registers, or comes back on a new connection (it keeps its task)."""
+    worker_id = msg.field("worker", str)
+    old = state.workers.get(worker_id)
+    if old is not None:  # a reconnect: keep its task, take the new identity
+        state.peers.pop(old.identity, None)
+        old.identity, old.last_seen = identity, now
+        state.peers[identity] = ("worker", worker_id)
+        out = [Out(identity, Command.ACK, {"heartbeat": state.heartbeat, "task": old.task})]
+        job = state.job_of(old.task)
+        if job is not None and job.rounds is not None:
+            # Round numbers sent to its old connection may be lost: it asks again.
+            out += coordinated.announce(state, job, {}, job.rounds.lose_worker(worker_id))
+        return out
+    endpoint = msg.field("endpoint", str)
+    if not endpoint.startswith(("tcp://", "ipc://")) or len(endpoint) > 1024:
+        raise ProtocolError(f"READY: endpoint must be tcp://HOST:PORT or ipc://PATH, got "
+                            f"{endpoint[:80]!r}")
+    worker = Worker(worker_id, identity, msg.field("host", str), msg.field("host_id", str),
+                    msg.field("pid", int), endpoint,
+                    msg.field("prefer", str, optional=True), now,
+                    plain_data=msg.body.get("plain_data") is True, idle_since=now,
+                    holds=fields.holds(msg.body.get("holds")))
+    state.workers[worker_id] = worker
+    history.record(state, history.worker_event(worker))
+    state.peers[identity] = ("worker", worker_id)
+    # "task": None tells a worker the broker had forgotten that it must drop the task
+    # it still runs (its splits went to others): nothing it still holds may reach a
+    # consumer.
+    return [Out(identity, Command.ACK, {"heartbeat": state.heartbeat, "task": None}),
+            *placement.assign(state, now)]
+
+
+def worker_heartbeat(state: Tables, identity: bytes, msg: Message, now: float) -> None:
+    """A worker's HEARTBEAT: its counters (summed into its job's), rate, what its
+    producer is doing, and a shared job's trainers' lag."""
+    worker = state.worker_at(identity)
+    stats = msg.body.get("stats")
+    if worker is None or not isinstance(stats, dict):
+        return
+    elements = stats.get("elements")
+    before = worker.stats.get("elements")
+    if isinstance(elements, int) and isinstance(before, int):
+        elapsed = now - worker.stats.get("_at", now)
+        if elapsed > 0:
+            worker.rate = (elements - before) / elapsed
+    job = state.job_of(worker.task)
+    if job is not None:
+        job.elements += _delta(stats, worker.stats, "elements")
+        job.bytes += _delta(stats, worker.stats, "bytes")
+        for stage in STAGES:
+            job.stages[stage] = job.stages.get(stage, 0.0) + _delta(
+                stats, worker.stats, f"{stage}_seconds")
+    worker.stats = {**{k: v for k, v in stats.items() if isinstance(v, (int, float))},
+                    "_at": now}
+    worker.doing = doing(msg.body.get("doing"))
+    trainers = stats.get("trainers")
+    worker.trainers = {
+        str(c): {k: int(v[k]) for k in ("lag", "skipped") if isinstance(v.get(k), int)}
+        for c, v in trainers.items() if isinstance(v, dict)
+    } if isinstance(trainers, dict) else {}
+
+
+def worker_log(state: Tables, identity: bytes, msg: Message, now: float) -> list[Out]:
+    """Pass what user code printed or logged on a worker to its job's consumers
+    (zloader/forward.py); lines of a task the worker no longer runs are dropped."""
+    worker = state.worker_at(identity)
+    lines = valid_lines(msg.body.get("lines"))
+    if lines is None:
+        raise ProtocolError("LOG: lines must be a list of at most 500 [level, text] pairs")
+    if worker is None or worker.task is None or msg.field("task", str) != worker.task:
+        return []
+    if len(lines) > worker.log_budget.fill(now):  # not one of our workers: dropped
+        state.rejected += 1
+        return []
+    worker.log_budget.tokens -= len(lines)
+    job = state.job_of(worker.task)
+    if job is None:
+        return []
+    body = {"host": worker.host, "pid": worker.pid, "lines": lines}
+    return [Out(c.identity, Command.LOG, body) for c in state.consumers_of(job)]
+
+
+def consumer_heartbeat(state: Tables, identity: bytes, now: float,
+                       msg: Message | None = None) -> list[Out]:
+    """A consumer's HEARTBEAT (or None: a JOB view asked for): its stats, the workers it
+    reports stuck, the splits it missed; answered with its job's view."""
+    consumer = state.consumer_at(identity)
+    if consumer is None:
+        return []
+    job = state.jobs.get(consumer.job)
+    stats = msg.body.get("stats") if msg is not None else None
+    out: list[Out] = []
+    if job is not None and msg is not None and "stuck" in msg.body:
+        out += failures.stuck(state, job, consumer, msg.field("stuck", list), now)
+    if job is not None and msg is not None and "reread" in msg.body:
+        failures.reread(state, job, consumer, msg.field("reread", list))
+    if isinstance(stats, dict):
+        stats = {k: v for k, v in stats.items() if isinstance(v, (int, float))
+                 and not isinstance(v, bool) and v >= 0}
+        if job is not None:
+            job.wait_seconds += _delta(stats, consumer.stats, "wait_seconds")
+            job.skipped += int(_delta(stats, consumer.stats, "skipped"))
+        consumer.stats = stats
+        consumer.active = stats.get("active", 1) != 0
+    return out + ([Out(identity, Command.JOB, status.job_view(state, job))] if job else [])
+
+
+def _delta(new: dict[str, Any], old: dict[str, Any], key: str) -> Any:
+    """How much counter ``key`` grew between two stats reports (0 if it went back)."""
+    value, before = new.get(key), old.get(key, 0)
+    if isinstance(value, (int, float)) and isinstance(before, (int, float)) \
+            and not isinstance(value, bool) and value >= before:
+        return value - before
+    return 0

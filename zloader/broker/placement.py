@@ -1,0 +1,147 @@
+"""Placement: which worker runs which job. Free workers fill the jobs with consumers;
+busy ones move where the pool's policy (``zloader/broker/pool.py``, docs/pool.md) says,
+each leaving its job as a draining worker does (exactly once: ``failures.leave``).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+
+from zloader._defaults import HUNGRY_STARVATION
+from zloader._host import loopback
+from zloader.broker import failures, history, pool, status
+from zloader.broker.records import INHERITED, Job, Out, Tables, Worker
+from zloader.transport.protocol import Command
+
+__all__ = ["assign", "claims", "give", "preempt"]
+
+log = logging.getLogger("zloader.broker")
+
+
+def assign(state: Tables, now: float) -> list[Out]:
+    """Give free workers to jobs, then move busy ones where the pool's policy says:
+    every job with consumers gets its share."""
+    return _fill(state, now) + _rebalance(state, now)
+
+
+def _fill(state: Tables, now: float) -> list[Out]:
+    """Give each free worker a job: its preferred job first, then the job furthest
+    below its share of the pool, one whose consumers share the worker's host, the job
+    with the fewest workers (static jobs take at most ``width``). Workers on a host
+    with consumers go first (hybrid placement: shared memory is the cheapest path)."""
+    out: list[Out] = []
+    if all(w.task is not None for w in state.workers.values()):
+        return out
+    entitled = pool.shares(claims(state, now).values(), len(state.workers))
+    job_hosts = {j.id: state.hosts(j) for j in state.jobs.values()}
+    hosts = {c.host_id for c in state.consumers.values()}
+    idle = sorted((w for w in state.workers.values() if w.task is None),
+                  key=lambda w: w.host_id not in hosts)
+    for worker in idle:
+        open_jobs = [j for j in state.jobs.values() if j.error is None and j.consumers
+                     and ((j.sharding != "static" and not j.deterministic)
+                          or len(j.tasks) < j.width)]
+        if not open_jobs:
+            break
+        open_jobs = [j for j in open_jobs if _can_serve(worker, j, job_hosts)]
+        if not open_jobs:
+            continue
+        preferred = [j for j in open_jobs if j.id == worker.prefer]
+        job = preferred[0] if preferred else min(open_jobs, key=lambda j: (
+            len(j.tasks) - entitled.get(j.id, 0.0), worker.host_id not in job_hosts[j.id],
+            len(j.tasks), j.created))
+        out += give(state, worker, job, now)
+    return out
+
+
+def _can_serve(worker: Worker, job: Job, job_hosts: dict[str, set[str]]) -> bool:
+    """Whether ``worker`` can run ``job`` at all: a pipeline only forked workers hold
+    (embedded) runs on none other, and a worker whose data port is on loopback only
+    serves consumers on its own host."""
+    if job.pipeline == INHERITED and job.fingerprint not in worker.holds:
+        return False
+    return not loopback(worker.endpoint) or worker.host_id in job_hosts[job.id]
+
+
+def give(state: Tables, worker: Worker, job: Job, now: float) -> list[Out]:
+    """Start a task of ``job`` on the free ``worker``."""
+    task = secrets.token_hex(8)
+    used = set(job.indices.values())
+    index = next(i for i in range(len(used) + 1) if i not in used)
+    job.tasks[task] = worker.id
+    job.indices[task] = index
+    worker.task = task
+    worker.since = now
+    history.record(state, {"e": "task", "job": job.id, "task": task, "worker": worker.id,
+                           "index": index})
+    body = {"task": task, "job": job.id, "sharding": job.sharding, "index": index,
+            "width": job.width, "deterministic": job.deterministic,
+            "on_error": job.on_error, "entropy": job.entropy,
+            "source_data": job.source_data, "share": job.share,
+            "fingerprint": job.fingerprint, "pipeline": job.pipeline,
+            "balanced": job.options.get("balanced", 0),
+            "coordinated": job.rounds.size if job.rounds is not None else 0,
+            "track": job.track}
+    return [Out(worker.identity, Command.TASK, body, (job.blob,)),
+            *status.tell_consumers(state, job)]
+
+
+def claims(state: Tables, now: float) -> dict[str, pool.Claim]:
+    """What each job asks of the pool now."""
+    out = {}
+    for job in state.jobs.values():
+        active = job.error is None and any(c.active for c in state.consumers_of(job))
+        hungry = active and (job.starvation > HUNGRY_STARVATION or now < job.hungry_until)
+        if not active:
+            wants = 0
+        elif job.fixed:
+            wants = job.width
+        elif hungry or not job.desired:
+            wants = pool.UNBOUNDED  # its consumers wait: it can use more workers
+        else:  # its autoscaler's count, once it has more than its consumers take
+            wants = job.desired
+        out[job.id] = pool.Claim(job.id, job.weight, len(job.tasks), wants, hungry,
+                                 movable=not job.fixed or not active)
+    return out
+
+
+def _rebalance(state: Tables, now: float) -> list[Out]:
+    """Move busy workers to hungry jobs below their share, one at a time, each leaving
+    its job as a draining worker does (exactly once: see ``failures.leave``)."""
+    out: list[Out] = []
+    job_hosts = {j.id: state.hosts(j) for j in state.jobs.values()}
+    for _ in range(len(state.workers)):
+        holdings = []
+        for job in state.jobs.values():
+            hosts = job_hosts[job.id]
+            for task, worker_id in job.tasks.items():
+                worker = state.workers.get(worker_id)
+                if worker is not None:  # remote ones and the last assigned go first
+                    holdings.append(pool.Holding(
+                        worker_id, job.id, worker.since,
+                        rank=2 * (worker.host_id in hosts) - job.indices.get(task, 0)))
+
+        def eligible(worker_id: str, job_id: str) -> bool:
+            return _can_serve(state.workers[worker_id], state.jobs[job_id], job_hosts)
+
+        move = pool.next_move(claims(state, now).values(), holdings, eligible, now)
+        if move is None:
+            break
+        worker, job = state.workers[move[0]], state.jobs[move[1]]
+        out += preempt(state, worker, now)
+        out += give(state, worker, job, now)
+    return out
+
+
+def preempt(state: Tables, worker: Worker, now: float) -> list[Out]:
+    """Take ``worker`` off its job for another: it drops the task (``RELEASE``) and
+    its splits go to the job's other workers, as a dead worker's do (exactly once for
+    an exactly-once job: a fence), but it stays registered."""
+    task = worker.task
+    job = state.job_of(task)
+    assert task is not None and job is not None
+    log.info("worker %s (pid %d on %s) moves off job %s (the pool's share for another "
+             "job)", worker.id, worker.pid, worker.host, job.name or job.id)
+    return [Out(worker.identity, Command.RELEASE, {"task": task}),
+            *failures.leave(state, worker, job, task, died=False, now=now, stays=True)]

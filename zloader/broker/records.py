@@ -1,0 +1,227 @@
+"""The broker's plain records: workers, consumers, jobs, passes, fences, and the tables
+that hold them (:class:`Tables`).
+
+Records carry data and nothing else; the transitions that change them are functions in
+the concern modules of this package (``jobs``, ``splits``, ``placement``, ``failures``,
+``coordinated``, ``history``, ``status``, ``peers``), each taking the :class:`Tables`.
+Nothing here imports zmq or runs user code: pipelines are kept as opaque blobs.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from zloader.autoscale import Autoscaler
+from zloader.forward import BURST, RATE, Bucket
+from zloader.journal import Journal
+from zloader.rounds import Rounds
+from zloader.transport.protocol import Command
+
+__all__ = ["FENCE_GRACE", "INHERITED", "KILLS_TO_FAIL", "SHARDING_MODES", "Consumer", "Fence",
+           "Job", "Out", "Pass", "Tables", "Worker"]
+
+KILLS_TO_FAIL = 3
+"""A split that was being read by a dying worker this many times is reported, not re-run."""
+SHARDING_MODES = ("dynamic", "static", "off")
+FENCE_GRACE = 10
+"""Expiries (``liveness`` heartbeats each) a fence waits for a consumer that went silent: a
+stalled consumer that comes back still answers, so what it holds is not read again."""
+INHERITED = {"inherited": True}
+"""A job's ``pipeline`` when its Loader's forked workers hold it in memory (embedded)."""
+
+PassKey = tuple[int, ...]
+"""A pass of a job's input: ``(epoch, repeat, ...)``."""
+
+
+class Out(NamedTuple):
+    """One message to send: to ``identity``, ``command`` with ``body`` and ``payload``."""
+
+    identity: bytes
+    command: Command
+    body: dict[str, Any]
+    payload: tuple[Any, ...] = ()
+
+
+@dataclass
+class Worker:
+    id: str
+    identity: bytes
+    host: str
+    host_id: str
+    pid: int
+    endpoint: str
+    prefer: str | None
+    last_seen: float
+    task: str | None = None
+    current: tuple[PassKey, int] | None = None  # (pass, split) being read
+    stats: dict[str, Any] = field(default_factory=dict)
+    rate: float = 0.0
+    trainers: dict[str, dict[str, int]] = field(default_factory=dict)  # shared job: lag
+    plain_data: bool = False  # its data socket speaks PLAIN, not CURVE (--plain-data)
+    idle_since: float = 0.0  # when it last had no task (surplus marks, see status.surplus)
+    doing: dict[str, Any] | None = None  # its producer's {epoch, split, stage} (heartbeat)
+    holds: frozenset[str] = frozenset()  # fingerprints of pipelines it inherited by fork
+    since: float = 0.0  # when it took its task (the pool's time slices, broker/pool.py)
+    # LOG lines it may send: twice what its own limit lets through (zloader/forward.py)
+    log_budget: Bucket = field(default_factory=lambda: Bucket(2 * RATE, 4.0 * BURST))
+
+
+@dataclass
+class Consumer:
+    id: str
+    identity: bytes
+    job: str
+    host_id: str
+    pid: int
+    last_seen: float
+    stats: dict[str, Any] = field(default_factory=dict)  # from its heartbeats
+    active: bool = True  # it reads an epoch not yet ended (HEARTBEAT stats.active)
+
+
+@dataclass
+class Pass:
+    order: deque[int]
+    handed: dict[str, list[int]] = field(default_factory=dict)
+    requeued: deque[int] = field(default_factory=deque)
+    # Exactly-once jobs: splits a worker finished reading whose elements it may still hold
+    # (a shuffle buffer, a batch), and what to skip when a split of this pass is read again.
+    read: dict[str, list[int]] = field(default_factory=dict)
+    skips: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass
+class Fence:
+    """A dead worker's splits of an exactly-once job, held until every consumer has said
+    which of their elements it holds (it has stopped reading from that worker first)."""
+
+    worker: str
+    task: str | None
+    died: bool
+    splits: list[tuple[PassKey, int]]  # (pass, split)
+    waiting: set[str]  # consumers yet to answer
+    deadline: float  # then the silent ones are given up
+    replies: dict[tuple[PassKey, int], dict[str, Any]] = field(default_factory=dict)
+    event: dict[str, Any] = field(default_factory=dict)  # journaled once it is done
+
+
+@dataclass
+class Job:
+    id: str
+    fingerprint: str
+    name: str | None
+    sharding: str
+    deterministic: bool
+    on_error: str
+    options: dict[str, Any]
+    blob: bytes
+    num_splits: int
+    shuffle_splits: bool
+    seed: int | None
+    width: int  # static sharding: the fixed number of worker indices
+    source_data: dict[str, Any] | None
+    entropy: int
+    created: float
+    tasks: dict[str, str] = field(default_factory=dict)       # task id -> worker id
+    indices: dict[str, int] = field(default_factory=dict)     # task id -> worker index
+    consumers: set[str] = field(default_factory=set)
+    passes: dict[PassKey, Pass] = field(default_factory=dict)
+    kills: dict[int, int] = field(default_factory=dict)
+    failed: list[dict[str, Any]] = field(default_factory=list)
+    error: dict[str, Any] | None = None
+    idle_since: float | None = None
+    linger: float = 0.0  # seconds a job without consumers is kept (more if they went silent)
+    elements: int = 0
+    bytes: int = 0
+    share: dict[str, Any] | None = None  # window settings of a shared job
+    epoch: int = 0  # the highest epoch a consumer has started
+    rounds: Rounds | None = None  # coordinated reads (num_consumers)
+    requeues: dict[int, int] = field(default_factory=dict)  # epoch -> splits re-queued
+    track: bool = False  # exactly-once: elements carry origins (zloader/lineage.py)
+    fences: dict[str, Fence] = field(default_factory=dict)
+    silent: dict[str, float] = field(default_factory=dict)  # consumer -> when it expired
+    origin_of: dict[tuple[PassKey, int], PassKey] = field(
+        default_factory=dict)  # (pass, split) -> the pass a re-queued split belongs to
+    resume: tuple[int, Any] | None = None  # (epoch, Ledger) a resumed Loader delivered
+    wait_seconds: float = 0.0  # consumers' time waiting for data, summed (metrics)
+    skipped: int = 0
+    starvation: float = 0.0  # share of the last interval the consumers waited
+    waited_at: tuple[float, float] | None = None  # (wait_seconds, time) at the last sample
+    stages: dict[str, float] = field(default_factory=dict)  # workers' seconds, by stage
+    scaler: Autoscaler = field(default_factory=Autoscaler)  # desired_workers (dynamic jobs)
+    desired: int = 0
+    pipeline: dict[str, Any] | None = None  # where workers get a pipeline not in ``blob``
+    hungry_until: float = 0.0  # an epoch just started: hungry before its first sample
+
+    @property
+    def weight(self) -> float:
+        """Its share of the pool relative to other jobs' (``Loader(weight=)``)."""
+        return float(self.options.get("weight", 1.0))
+
+    @property
+    def fixed(self) -> bool:
+        """Its worker indices are fixed (static sharding or deterministic order): it keeps
+        the workers it has, and the autoscaler and the pool leave it alone."""
+        return self.sharding == "static" or self.deterministic
+
+
+class Tables:
+    """What the broker knows: its settings, workers, consumers and jobs by id, and who is
+    behind each routing identity. Lookups only; the transitions are in the concern modules.
+
+    Args:
+        heartbeat: seconds between heartbeats.
+        liveness: heartbeats a peer may miss before it is taken for dead.
+        journal: where every state change is recorded (:mod:`zloader.journal`); None: in
+            memory only.
+        cooldown: the autoscaler's (``zloader/autoscale.py``).
+    """
+
+    def __init__(self, heartbeat: float = 1.0, liveness: int = 3,
+                 journal: Journal | None = None, cooldown: float = 30.0) -> None:
+        self.heartbeat = heartbeat
+        self.cooldown = cooldown
+        self.liveness = liveness
+        self.journal = journal
+        self.workers: dict[str, Worker] = {}
+        self.consumers: dict[str, Consumer] = {}
+        self.jobs: dict[str, Job] = {}
+        self.peers: dict[bytes, tuple[str, str]] = {}  # identity -> ("worker"|"consumer", id)
+        self.rejected = 0  # malformed or refused messages dropped (the broker counts them)
+        self.unjournaled: set[str] = set()  # jobs whose journal writes failed
+        self.told: set[str] = set()  # consumers told so (history.journal_errors)
+        self.replaying = False  # the journal is being replayed: record nothing
+
+    @property
+    def expiry(self) -> float:
+        """Seconds of silence after which a peer is taken for dead."""
+        return self.heartbeat * self.liveness
+
+    def worker_at(self, identity: bytes) -> Worker | None:
+        """The worker behind a routing identity, if it is one."""
+        kind, pid = self.peers.get(identity, ("", ""))
+        return self.workers.get(pid) if kind == "worker" else None
+
+    def consumer_at(self, identity: bytes) -> Consumer | None:
+        """The consumer behind a routing identity, if it is one."""
+        kind, pid = self.peers.get(identity, ("", ""))
+        return self.consumers.get(pid) if kind == "consumer" else None
+
+    def task_job(self, task: str | None) -> str | None:
+        """The id of the job that ``task`` belongs to."""
+        if task is None:
+            return None
+        return next((j.id for j in self.jobs.values() if task in j.tasks), None)
+
+    def job_of(self, task: str | None) -> Job | None:
+        """The job that ``task`` belongs to."""
+        return self.jobs.get(self.task_job(task) or "")
+
+    def consumers_of(self, job: Job) -> list[Consumer]:
+        """The registered consumers of ``job``."""
+        return [c for cid in job.consumers if (c := self.consumers.get(cid)) is not None]
+
+    def hosts(self, job: Job) -> set[str]:
+        """The hosts of ``job``'s consumers."""
+        return {c.host_id for c in self.consumers_of(job)}

@@ -1,0 +1,186 @@
+"""Splits: each pass of a job's input hands its splits out one at a time (SPLIT_REQ ->
+SPLIT), takes back those a leaving worker had not delivered (re-queued, ahead of new ones),
+and, for an exactly-once job, remembers which were read and what to skip when one is read
+again.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from zloader.broker import history
+from zloader.broker.records import Job, Out, Pass, PassKey, Tables
+from zloader.lineage import pack
+from zloader.sources import split_order
+from zloader.transport.protocol import Command, Message, ProtocolError
+
+__all__ = ["dispenser", "mark_read", "pass_done", "pending", "read_splits", "requeue",
+           "skip", "split_request", "take"]
+
+
+def split_request(state: Tables, identity: bytes, msg: Message, now: float) -> list[Out]:
+    """SPLIT_REQ: the next split of a pass for a worker's task (null: none left); a split
+    re-queued in this epoch comes first, whichever pass it was taken in."""
+    worker = state.worker_at(identity)
+    task = msg.field("task", str)
+    key = tuple(msg.field("pass", list))
+    if not key or not all(isinstance(k, int) and k >= 0 for k in key):
+        raise ProtocolError("SPLIT_REQ: pass must be a non-empty list of ints >= 0")
+    job = state.job_of(task)
+    if worker is None or job is None or worker.task != task:
+        return [Out(identity, Command.RELEASE, {"task": task})]
+    handing = dispenser(state, job, key)
+    have = msg.body.get("have")
+    handed = handing.handed.get(worker.id, [])
+    if isinstance(have, int) and not isinstance(have, bool) and 0 <= have < len(handed):
+        # Its answer was lost (a broker restart or a reconnect): the same split again.
+        return [Out(identity, Command.SPLIT, {
+            "task": task, "pass": list(key), "split": handed[have], "have": have,
+            **_assignment(job, key, handed[have])})]
+    split: int | None = None
+    origin = key
+    # Re-queued splits of this epoch come first, whichever pass they were taken in: the
+    # live workers may have moved past that pass (an endless repeat) and never ask
+    # for it again. A split reads the same in any pass of its epoch.
+    for waiting_key, waiting in [(key, handing), *((k, p) for k, p in job.passes.items()
+                                                   if k[0] == key[0] and k != key)]:
+        if waiting.requeued:
+            split, origin = waiting.requeued.popleft(), waiting_key
+            break
+    if split is None and handing.order:
+        split = handing.order.popleft()
+    if split is not None:
+        handing.handed.setdefault(worker.id, []).append(split)
+        worker.current = (key, split)
+        event = {"e": "split", "job": job.id, "pass": list(key), "split": split,
+                 "worker": worker.id}
+        if origin != key:
+            job.origin_of[(key, split)] = origin
+            event["origin"] = list(origin)
+        history.record(state, event)
+    else:
+        worker.current = None
+    return [Out(identity, Command.SPLIT, {"task": task, "pass": list(key), "split": split,
+                                          "have": have, **_assignment(job, key, split)})]
+
+
+def _assignment(job: Job, key: PassKey, split: int | None) -> dict[str, Any]:
+    """For an exactly-once job: the pass ``split`` belongs to and what to skip in it."""
+    if not job.track or split is None:
+        return {}
+    origin = job.origin_of.get((key, split), key)
+    handing = job.passes.get(origin)
+    info = handing.skips.get(split, {}) if handing is not None else {}
+    return {"origin": list(origin), **info}
+
+
+def dispenser(state: Tables, job: Job, key: PassKey) -> Pass:
+    """Pass ``key`` of ``job``, started (its splits in order) on first use; a resumed
+    Loader's epoch leaves out what it had yielded."""
+    handing = job.passes.get(key)
+    if handing is None:
+        order = split_order(job.num_splits, job.shuffle_splits, job.seed, job.entropy, key)
+        skips: dict[int, dict[str, Any]] = {}
+        if job.resume is not None and job.resume[0] == key[0]:
+            ledger = job.resume[1]  # what a resumed Loader had yielded: not again
+            done = ledger.done.get(key, set())
+            order = [split for split in order if split not in done]
+            skips = {split: skip(ledger.info(key, split)) for k, split in ledger.open
+                     if k == key}
+        handing = job.passes[key] = Pass(deque(order), skips=skips)
+        _prune(job, key[0])
+    return handing
+
+
+def _prune(job: Job, epoch: int) -> None:
+    """Forget the passes of epochs before the one before ``epoch``."""
+    for key in [k for k in job.passes if k[0] < epoch - 1]:
+        del job.passes[key]
+    for old in [e for e in job.requeues if e < epoch - 1]:
+        del job.requeues[old]
+    for at in [at for at in job.origin_of if at[0][0] < epoch - 1]:
+        del job.origin_of[at]
+
+
+def pass_done(state: Tables, identity: bytes, msg: Message, now: float) -> list[Out]:
+    """PASS_DONE: a worker read every split it was handed in a pass."""
+    worker = state.worker_at(identity)
+    key = tuple(msg.field("pass", list))
+    job = state.job_of(msg.field("task", str))
+    if worker is None or job is None or key not in job.passes:
+        return []
+    mark_read(job, key, worker.id)
+    if worker.current and worker.current[0] == key:
+        worker.current = None
+    history.record(state, {"e": "done", "job": job.id, "pass": list(key),
+                           "worker": worker.id})
+    return []
+
+
+def mark_read(job: Job, key: PassKey, worker_id: str) -> None:
+    """The splits ``worker_id`` was handed in pass ``key`` are read."""
+    handing = job.passes[key]
+    handed = handing.handed.pop(worker_id, [])
+    if job.track:  # read, but its elements may wait in the worker's buffers
+        handing.read.setdefault(worker_id, []).extend(handed)
+
+
+def requeue(state: Tables, job: Job, key: PassKey, split: int, skip: dict[str, Any]) -> None:
+    """Hand ``split`` of pass ``key`` out again (to skip ``skip``), ahead of new ones."""
+    history.record(state, {"e": "requeue", "job": job.id, "pass": list(key), "split": split,
+                           "skip": skip})
+    handing = dispenser(state, job, key)
+    handing.requeued.append(split)
+    if skip:
+        handing.skips[split] = skip
+    job.requeues[key[0]] = job.requeues.get(key[0], 0) + 1
+
+
+def take(state: Tables, job: Job, worker_id: str, key: PassKey, split: int) -> None:
+    """Replay one split handed to a worker."""
+    handing = dispenser(state, job, key)
+    for waiting in [handing, *(p for k, p in job.passes.items()
+                               if k[0] == key[0] and k != key)]:
+        if split in waiting.requeued:
+            waiting.requeued.remove(split)
+            break
+    else:
+        if split in handing.order:
+            handing.order.remove(split)
+    handing.handed.setdefault(worker_id, []).append(split)
+    worker = state.workers.get(worker_id)
+    if worker is not None:
+        worker.current = (key, split)
+
+
+def read_splits(job: Job, epoch: int) -> dict[PassKey, set[int]]:
+    """Pass -> the splits of ``epoch`` handed out to live workers (being read or read),
+    by the pass they belong to (a re-queued split may be read in a later pass)."""
+    read: dict[PassKey, set[int]] = {}
+    for key, handing in job.passes.items():
+        if key[0] != epoch:
+            continue
+        for handed in [*handing.handed.values(), *handing.read.values()]:
+            for split in handed:
+                read.setdefault(job.origin_of.get((key, split), key), set()).add(split)
+    return read
+
+
+def pending(job: Job) -> dict[str, int]:
+    """Epoch -> splits waiting to be read again (taken by a worker that died)."""
+    waiting: dict[str, int] = {}
+    for key, handing in job.passes.items():
+        count = len(handing.requeued)
+        if count:
+            waiting[str(key[0])] = waiting.get(str(key[0]), 0) + count
+    return waiting
+
+
+def skip(info: dict[str, Any]) -> dict[str, Any]:
+    """What a worker skips in a split read again, from a consumer's ``Ledger.info``."""
+    have = info.get("have", "")
+    out: dict[str, Any] = {"skip": have if isinstance(have, str) else pack(have)}
+    if info.get("expect") is not None:
+        out["expect"] = info["expect"]
+    return out

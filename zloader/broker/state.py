@@ -1,0 +1,135 @@
+"""The broker's state machine, as plain calls with no sockets: :class:`State`.
+
+Every handler takes the sender's routing identity (opaque bytes), the message and the
+time, updates the records (``records.py``), and returns the messages to send as
+:class:`Out` tuples; the broker loop (``loop.py``) only moves bytes. :class:`State` holds
+the tables and names each transition; the transitions themselves live in one module per
+concern:
+
+- ``peers.py``: workers' READY, HEARTBEAT and LOG; consumers' HEARTBEAT;
+- ``jobs.py``: REGISTER, EPOCH, BYE, dropped consumers, collecting jobs (``tick``);
+- ``splits.py``: SPLIT_REQ, PASS_DONE, re-queued splits;
+- ``placement.py``: which worker runs which job (the pool's policy is ``pool.py``);
+- ``failures.py``: workers that die, are stuck or move; fences (DELIVERED); TASK_FAILED;
+- ``coordinated.py``: ROUND_REQ, RECEIVED, COMMIT;
+- ``history.py``: the journal: record, replay (``restore``), ``snapshot``;
+- ``status.py``: JOB views, STATUS, metrics, starvation samples.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zloader.broker import (
+    coordinated,
+    failures,
+    history,
+    jobs,
+    peers,
+    splits,
+    status,
+)
+from zloader.broker.records import FENCE_GRACE, KILLS_TO_FAIL, Job, Out, Tables
+from zloader.transport.protocol import Message
+
+__all__ = ["FENCE_GRACE", "KILLS_TO_FAIL", "Out", "State"]
+
+
+class State(Tables):
+    """Workers, consumers, jobs, tasks and splits; see docs/protocol.md for the messages.
+
+    Args:
+        heartbeat: seconds between heartbeats.
+        liveness: heartbeats a peer may miss before it is taken for dead.
+        journal: record every change there, and :meth:`restore` from it; None: none.
+        cooldown: the autoscaler's (``zloader/autoscale.py``).
+    """
+
+    # --- workers and consumers (peers.py) -------------------------------------------------
+
+    def seen(self, identity: bytes, now: float) -> bool:
+        """Note traffic from a peer; False when the peer is not registered."""
+        return peers.seen(self, identity, now)
+
+    def worker_ready(self, identity: bytes, msg: Message, now: float) -> list[Out]:
+        return peers.worker_ready(self, identity, msg, now)
+
+    def worker_heartbeat(self, identity: bytes, msg: Message, now: float) -> None:
+        peers.worker_heartbeat(self, identity, msg, now)
+
+    def worker_log(self, identity: bytes, msg: Message, now: float) -> list[Out]:
+        return peers.worker_log(self, identity, msg, now)
+
+    def consumer_heartbeat(self, identity: bytes, now: float,
+                           msg: Message | None = None) -> list[Out]:
+        return peers.consumer_heartbeat(self, identity, now, msg)
+
+    # --- jobs (jobs.py) -------------------------------------------------------------------
+
+    def register(self, identity: bytes, msg: Message, now: float) -> list[Out]:
+        return jobs.register(self, identity, msg, now)
+
+    def epoch_started(self, identity: bytes, msg: Message, now: float) -> list[Out]:
+        return jobs.epoch_started(self, identity, msg, now)
+
+    def bye(self, identity: bytes, now: float) -> list[Out]:
+        return jobs.bye(self, identity, now)
+
+    def tick(self, now: float) -> list[Out]:
+        """Purge silent peers, collect abandoned jobs, place workers (every heartbeat)."""
+        return jobs.tick(self, now)
+
+    # --- splits (splits.py) ---------------------------------------------------------------
+
+    def split_request(self, identity: bytes, msg: Message, now: float) -> list[Out]:
+        return splits.split_request(self, identity, msg, now)
+
+    def pass_done(self, identity: bytes, msg: Message, now: float) -> list[Out]:
+        return splits.pass_done(self, identity, msg, now)
+
+    # --- failures and fences (failures.py) ------------------------------------------------
+
+    def task_failed(self, identity: bytes, msg: Message, now: float) -> list[Out]:
+        return failures.task_failed(self, identity, msg, now)
+
+    def delivered(self, identity: bytes, msg: Message, now: float) -> list[Out]:
+        return failures.delivered(self, identity, msg, now)
+
+    def stalled(self, seconds: float, now: float) -> None:
+        """The broker itself did not run for ``seconds``: not held against its peers."""
+        failures.stalled(self, seconds, now)
+
+    # --- coordinated reads (coordinated.py) -----------------------------------------------
+
+    def round_request(self, identity: bytes, msg: Message, now: float) -> list[Out]:
+        return coordinated.round_request(self, identity, msg, now)
+
+    def rounds_received(self, identity: bytes, msg: Message, now: float) -> list[Out]:
+        return coordinated.rounds_received(self, identity, msg, now)
+
+    # --- the journal (history.py) ---------------------------------------------------------
+
+    def restore(self, now: float) -> int:
+        """Rebuild the state from the journal; returns the number of jobs restored."""
+        return history.restore(self, now)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """The journal events that rebuild the state as it is now (for compaction)."""
+        return history.snapshot(self)
+
+    def journal_errors(self) -> list[Out]:
+        return history.journal_errors(self)
+
+    # --- what the broker tells (status.py) ------------------------------------------------
+
+    def job_view(self, job: Job) -> dict[str, Any]:
+        return status.job_view(self, job)
+
+    def heartbeats(self) -> list[Out]:
+        return status.heartbeats(self)
+
+    def status(self, now: float) -> dict[str, Any]:
+        return status.status(self, now)
+
+    def metrics(self, now: float) -> dict[str, Any]:
+        return status.metrics(self, now)

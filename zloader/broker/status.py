@@ -1,0 +1,190 @@
+"""What the broker tells: each job's view for its consumers (JOB), ``zloader status``
+(STATUS), the metrics snapshot (``zloader-broker --metrics-port``), and each job's
+starvation and desired workers sampled on the way (``zloader/autoscale.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from zloader.broker import coordinated, placement, pool, splits
+from zloader.broker.records import Job, Out, Tables
+from zloader.transport.protocol import Command
+
+__all__ = ["heartbeats", "job_view", "metrics", "sample", "status",
+           "tell_consumers"]
+
+log = logging.getLogger("zloader.broker")
+
+
+def job_view(state: Tables, job: Job) -> dict[str, Any]:
+    """The JOB body: the job's workers, failures, pending re-reads, rounds and fences."""
+    workers: list[dict[str, Any]] = []
+    for task, worker_id in job.tasks.items():
+        worker = state.workers.get(worker_id)
+        if worker is not None:
+            workers.append({"worker": worker.id, "task": task,
+                            "endpoint": worker.endpoint,
+                            "host_id": worker.host_id, "index": job.indices[task],
+                            "pid": worker.pid, "host": worker.host,
+                            "plain_data": worker.plain_data})
+            if worker.doing is not None:
+                workers[-1]["doing"] = worker.doing
+    workers.sort(key=lambda w: w["index"])
+    view = {"job": job.id, "workers": workers, "failed": job.failed, "error": job.error,
+            "heartbeat": state.heartbeat, "consumers": len(job.consumers | set(job.silent)),
+            "busy_elsewhere": sum(1 for w in state.workers.values()
+                                  if w.task is not None and w.task not in job.tasks),
+            "pending": splits.pending(job), "share": job.share, "epoch": job.epoch,
+            "width": job.width, "entropy": job.entropy,
+            "stages": {k: round(v, 3) for k, v in job.stages.items()},
+            "state": "failed" if job.error else "running"}
+    if job.rounds is not None:
+        view["rounds"] = job.rounds.view()
+    if job.fences:
+        view["fences"] = [{"id": token, "worker": fence.worker, "task": fence.task,
+                           "splits": [[list(key), split] for key, split in fence.splits],
+                           "waiting": sorted(fence.waiting)}
+                          for token, fence in job.fences.items()]
+        fencing: dict[str, int] = {}
+        for fence in job.fences.values():
+            for key, _ in fence.splits:
+                fencing[str(key[0])] = fencing.get(str(key[0]), 0) + 1
+        view["fencing"] = fencing
+    return view
+
+
+def tell_consumers(state: Tables, job: Job) -> list[Out]:
+    """The job's view, to each of its consumers."""
+    view = job_view(state, job)
+    return [Out(c.identity, Command.JOB, view) for c in state.consumers_of(job)]
+
+
+def heartbeats(state: Tables) -> list[Out]:
+    """What the broker sends every heartbeat interval."""
+    out = [Out(w.identity, Command.HEARTBEAT, {}) for w in state.workers.values()]
+    for consumer in state.consumers.values():
+        job = state.jobs.get(consumer.job)
+        if job is not None:
+            out.append(Out(consumer.identity, Command.JOB, job_view(state, job)))
+    return out
+
+
+def status(state: Tables, now: float) -> dict[str, Any]:
+    """What ``zloader status --json`` prints; ``surplus`` marks the workers an actuator
+    should drain (see :func:`_surplus`)."""
+    surplus = _surplus(state, now)
+    claims = placement.claims(state, now)
+    entitled = pool.shares(claims.values(), len(state.workers))
+    workers = [{"worker": w.id, "host": w.host, "host_id": w.host_id, "pid": w.pid,
+                "endpoint": w.endpoint, "surplus": w.id in surplus,
+                "tasks": 1 if w.task else 0, "job": state.task_job(w.task),
+                "elements_per_second": round(w.rate, 1),
+                "elements": w.stats.get("elements", 0),
+                "cpu_seconds": w.stats.get("cpu_seconds", 0.0),
+                "rejected": w.stats.get("rejected", 0)}
+               for w in state.workers.values()]
+    jobs = [{"job": j.id, "fingerprint": j.fingerprint, "name": j.name,
+             "sharding": j.sharding, "consumers": len(j.consumers), "workers": len(j.tasks),
+             "consumer_hosts": sorted(state.hosts(j)),
+             "elements": j.elements, "bytes": j.bytes, "shared": j.share is not None,
+             "starvation": round(j.starvation, 3), "desired_workers": j.desired,
+             "weight": j.weight, "share": round(entitled[j.id], 2),
+             "active": claims[j.id].wants > 0, "hungry": claims[j.id].hungry,
+             "stage_seconds": {k: round(v, 3) for k, v in j.stages.items()},
+             "trainers": _trainers(state, j) if j.share is not None else [],
+             "rounds": (coordinated.round_status(j.rounds, j.epoch) if j.rounds is not None
+                        else None),
+             "state": "failed" if j.error else "running"}
+            for j in state.jobs.values()]
+    return {"workers": workers, "jobs": jobs, "rejected": state.rejected}
+
+
+def metrics(state: Tables, now: float) -> dict[str, Any]:
+    """A snapshot for ``zloader-broker --metrics-port`` (zloader/metrics.py); updates
+    each job's starvation ratio over the time since the last snapshot."""
+    sample(state, now)
+    entitled = pool.shares(placement.claims(state, now).values(), len(state.workers))
+    jobs = []
+    for job in state.jobs.values():
+        jobs.append({"job": job.id, "name": job.name or "", "elements": job.elements,
+                     "bytes": job.bytes, "wait_seconds": job.wait_seconds,
+                     "starvation": job.starvation, "skipped": job.skipped,
+                     "failed_splits": len(job.failed), "consumers": len(job.consumers),
+                     "workers": len(job.tasks), "stages": dict(job.stages),
+                     "desired_workers": job.desired, "weight": job.weight,
+                     "share_workers": entitled[job.id]})
+    workers = [{"worker": w.id, "host": w.host, "job": state.task_job(w.task) or "",
+                **{k: w.stats.get(k, 0) for k in ("elements", "bytes", "cpu_seconds",
+                                                   "rejected", "credits", "ring_fill")}}
+               for w in state.workers.values()]
+    return {"jobs": jobs, "workers": workers, "rejected": state.rejected}
+
+
+def sample(state: Tables, now: float) -> None:
+    """Each job's starvation over the time since the last sample (the share of it its
+    consumers waited for data), and its autoscaler's ``desired_workers``."""
+    for job in state.jobs.values():
+        if job.waited_at is not None and now <= job.waited_at[1]:
+            continue
+        if job.waited_at is not None and job.consumers:
+            job.starvation = min(1.0, max(0.0, (job.wait_seconds - job.waited_at[0])
+                                          / ((now - job.waited_at[1]) * len(job.consumers))))
+        job.waited_at = (job.wait_seconds, now)
+        job.desired = _desired(job, now)
+
+
+def _desired(job: Job, now: float) -> int:
+    """The workers the job should have (zloader/autoscale.py); static and
+    deterministic jobs keep the ones they have, and so does a job nobody reads."""
+    if job.fixed or not job.consumers:
+        return len(job.tasks)
+    desired = job.scaler.update(now, len(job.tasks), job.starvation)
+    if desired != job.desired and job.desired:
+        log.info("job %s: desired_workers %d -> %d (it has %d; consumers waited %.0f%% "
+                 "of the time)", job.name or job.id, job.desired, desired, len(job.tasks),
+                 100 * job.starvation)
+    return desired
+
+
+def _deficit(job: Job) -> int:
+    """Workers the job lacks for its ``desired_workers`` (negative: it has too many);
+    0 before the autoscaler's first decision and for jobs that keep their workers."""
+    if job.desired == 0 or job.fixed:
+        return 0
+    return job.desired - len(job.tasks)
+
+
+def _surplus(state: Tables, now: float) -> set[str]:
+    """Workers to drain: for each job with more than it wants, the excess, remote
+    ones (no consumer of the job on their host) before local ones, the last assigned
+    first; and workers idle for a cooldown while no job lacks any."""
+    out: set[str] = set()
+    for job in state.jobs.values():
+        excess = -_deficit(job)
+        if excess <= 0:
+            continue
+        hosts = state.hosts(job)
+        held = sorted(((state.workers[w], job.indices.get(t, 0))
+                       for t, w in job.tasks.items() if w in state.workers),
+                      key=lambda pair: (pair[0].host_id in hosts, -pair[1]))
+        out.update(worker.id for worker, _ in held[:excess])
+    if not any(_deficit(j) > 0 for j in state.jobs.values()):
+        out.update(w.id for w in state.workers.values()
+                   if w.task is None and now - w.idle_since > state.cooldown)
+    return out
+
+
+def _trainers(state: Tables, job: Job) -> list[dict[str, Any]]:
+    """A shared job's trainers: pid, lag (elements produced that it has not been sent,
+    the most over the job's workers) and elements skipped (summed)."""
+    out = []
+    for cid in sorted(job.consumers):
+        consumer = state.consumers.get(cid)
+        seen = [w.trainers[cid] for t in job.tasks.values()
+                if (w := state.workers.get(t)) is not None and cid in w.trainers]
+        out.append({"consumer": cid, "pid": consumer.pid if consumer else None,
+                    "lag": max((s.get("lag", 0) for s in seen), default=0),
+                    "skipped": sum(s.get("skipped", 0) for s in seen)})
+    return out
