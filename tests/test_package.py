@@ -15,34 +15,43 @@ import zloader
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "zloader"
 
-# Lower layers never import higher ones (style: layers follow the data).
+# Every module, top-level and in the subpackages, has a layer: a module imports only modules
+# of lower layers (style: layers follow the data). The broker's concern modules share one
+# layer and call each other (PEERS). A subpackage's modules are named "client.thread"; the
+# package itself ("client") is its __init__.
 LAYERS = {
     "_version": 0, "_defaults": 0, "errors": 0, "_check": 0, "_seeding": 0, "_command": 0,
+    "_host": 0,
+    "transport": 0, "transport.keys": 0, "transport.shm": 0.5, "transport.protocol": 0.5,
+    "transport.ring": 0.6, "transport.records": 1.5,
+    "sharing": 0, "sharing.window": 0, "sharing.options": 0.5, "sharing.store": 1.6,
     "codec": 1, "collate": 1, "fingerprint": 1, "rounds": 1, "journal": 1, "lineage": 1,
-    "metrics": 1, "autoscale": 1, "forward": 1, "blobs": 1, "_status": 6, "actuator": 7,
-    "ray": 8, "shipping": 5,
-    "_host": 0, "sources": 2, "stages": 2,
-    "pipeline": 3, "plan": 4, "demo": 4, "_pickling": 4,
-    "broker": 6, "worker": 6, "_process": 7,
-    "loader": 8, "torch": 9, "tf": 9, "cli": 10, "__init__": 11,
-    # The client package (layer 6), in the order its modules may import each other;
-    # "client" is its __init__.
+    "metrics": 1, "autoscale": 1, "forward": 1, "blobs": 1,
+    "sources": 2, "stages": 2, "pipeline": 3, "plan": 4, "demo": 4, "_pickling": 4,
+    "shipping": 5,
+    # the broker: records and the pool's policy, checked fields, the concerns, the facade,
+    # the loop
+    "broker.records": 6.0, "broker.pool": 6.0, "broker.fields": 6.1,
+    "broker.peers": 6.2, "broker.jobs": 6.2, "broker.splits": 6.2, "broker.placement": 6.2,
+    "broker.failures": 6.2, "broker.coordinated": 6.2, "broker.history": 6.2,
+    "broker.status": 6.2, "broker.state": 6.3, "broker.loop": 6.4, "broker": 6.5,
+    # the worker: what sends to consumers and the producer at the bottom, the delivery modes
+    # on the interface they implement, the task above them, the process on top
+    "worker.producer": 6.0, "worker.streams": 6.0, "worker.broker_link": 6.0,
+    "worker.links": 6.1, "worker.delivery": 6.2, "worker.credit": 6.3, "worker.rounds": 6.4,
+    "sharing.delivery": 6.4, "worker.task": 6.5, "worker.consumers": 6.6,
+    "worker.process": 6.7, "worker": 6.8,
+    # the client, in the order its modules may import each other
     "client.stats": 6.0, "client.session": 6.0, "client.items": 6.0, "client.arguments": 6.0,
     "client.rounds": 6.1, "client.exactly_once": 6.1, "client.peers": 6.2,
     "client.link": 6.2, "client.epoch_end": 6.3, "client.packing": 6.3, "client.receive": 6.4,
     "client.thread": 6.5, "client.merging": 6.6, "client": 6.7,
+    "_status": 6, "_process": 7, "actuator": 7, "loader": 8, "ray": 8, "torch": 9, "tf": 9,
+    "cli": 10, "broker.__main__": 10.5, "worker.__main__": 10.5, "__init__": 11,
 }
-SUBPACKAGES = ("client",)
-
-# Inside zloader/broker/: records and the pool's policy, checked fields, the concern modules
-# (which call each other), the State facade, the loop, the package (docs/protocol.md).
-BROKER_LAYERS = {
-    "records": 0, "pool": 0, "fields": 1,
-    "peers": 2, "jobs": 2, "splits": 2, "placement": 2, "failures": 2, "coordinated": 2,
-    "history": 2, "status": 2,
-    "state": 3, "loop": 4, "__init__": 5, "__main__": 6,
-}
-CONCERNS = 2
+PEERS = {name for name, layer in LAYERS.items() if name.startswith("broker.") and layer == 6.2}
+RUNTIME = ("broker", "client", "worker", "sharing")
+"""The runtime's subpackages: their modules share public names only."""
 
 
 def test_all_is_sorted_and_complete():
@@ -60,29 +69,38 @@ def test_import_zloader_imports_neither_torch_nor_tensorflow():
     assert done.stdout.strip() == "[]"
 
 
-def imported_modules(path: pathlib.Path) -> set[str]:
-    """The zloader modules ``path`` imports: ``client.peers`` for a module of a
-    subpackage in SUBPACKAGES, else the top-level name (``transport``, ``codec``)."""
+def module_name(path: pathlib.Path) -> str:
+    """``client.thread`` for zloader/client/thread.py, ``client`` for its __init__."""
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    if len(parts) > 1 and parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def runtime_imports(path: pathlib.Path) -> set[str]:
+    """The zloader modules ``path`` imports when it runs (``client.peers``, ``codec``; what
+    is imported for type checking only is left out), each as its key in LAYERS."""
     tree = ast.parse(path.read_text())
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and ast.unparse(node.test) == "TYPE_CHECKING" for n in ast.walk(node)}
     names = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("zloader"):
-            names.add(node.module.removeprefix("zloader").lstrip("."))
-            if node.module == "zloader":
-                names.update(alias.name for alias in node.names)
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module \
+                and node.module.split(".")[0] == "zloader":
+            module = node.module.removeprefix("zloader").lstrip(".")
+            for alias in node.names:  # "from zloader.broker import pool" names a module
+                inner = f"{module}.{alias.name}" if module else alias.name
+                names.add(inner if inner in LAYERS else module)
         elif isinstance(node, ast.Import):
             names.update(a.name.removeprefix("zloader.") for a in node.names
                          if a.name.startswith("zloader."))
-    return {n if n.split(".")[0] in SUBPACKAGES else n.split(".")[0] for n in names if n}
+    return {name for name in names if name}
 
 
 def package_modules() -> dict[str, pathlib.Path]:
-    """Each module's name in LAYERS and its file: top-level modules and SUBPACKAGES'."""
-    modules = {p.stem: p for p in PACKAGE.glob("*.py")}
-    for sub in SUBPACKAGES:
-        for path in (PACKAGE / sub).glob("*.py"):
-            modules[sub if path.stem == "__init__" else f"{sub}.{path.stem}"] = path
-    return modules
+    return {module_name(path): path for path in PACKAGE.rglob("*.py")}
 
 
 def test_layers_follow_the_data():
@@ -90,105 +108,31 @@ def test_layers_follow_the_data():
     unknown = set(modules) - set(LAYERS)
     assert not unknown, f"give new modules a layer: {unknown}"
     for module, path in modules.items():
-        for imported in imported_modules(path):
-            if imported in LAYERS:
-                assert LAYERS[imported] < LAYERS[module] or imported == module, (
-                    f"{path.relative_to(ROOT)} (layer {LAYERS[module]}) imports {imported} "
-                    f"(layer {LAYERS[imported]})")
+        for imported in runtime_imports(path) - {module}:
+            assert imported in LAYERS, f"{path.relative_to(ROOT)} imports {imported}"
+            assert LAYERS[imported] < LAYERS[module] or {module, imported} <= PEERS, (
+                f"{path.relative_to(ROOT)} (layer {LAYERS[module]}) imports {imported} "
+                f"(layer {LAYERS[imported]})")
 
 
-# Inside the worker (zloader/worker/, and the shared delivery it runs from zloader/sharing/):
-# the producer and what sends to consumers at the bottom, the delivery modes on the protocol
-# they follow, the task above them, the process on top.
-WORKER_LAYERS = {
-    "worker.producer": 0, "worker.streams": 0, "worker.broker_link": 0, "worker.links": 1,
-    "worker.delivery": 2, "worker.credit": 3, "worker.rounds": 4, "sharing.delivery": 4,
-    "worker.task": 5, "worker.consumers": 6, "worker.process": 7, "worker.__init__": 8,
-}
+def test_nothing_below_the_broker_loop_touches_sockets():
+    for module, path in package_modules().items():
+        if module.startswith("broker.") and LAYERS[module] < LAYERS["broker.loop"]:
+            assert "import zmq" not in path.read_text(), f"{path.relative_to(ROOT)}"
 
 
-def runtime_imports(path: pathlib.Path) -> set[str]:
-    """The zloader modules ``path`` imports (``"worker.task"``, ``"codec"``), leaving out
-    those imported for type checking only."""
-    tree = ast.parse(path.read_text())
-    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                   and ast.unparse(node.test) == "TYPE_CHECKING"
-                   for n in ast.walk(node)}
-    names = set()
-    for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("zloader"):
-            module = node.module.removeprefix("zloader").lstrip(".")
-            if module:
-                names.add(module)
-            else:
-                names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.Import):
-            names.update(a.name.removeprefix("zloader.") for a in node.names
-                         if a.name.startswith("zloader."))
-    return names
-
-
-def test_worker_modules_follow_the_data():
-    # (__main__ is the command line, above everything, like cli.py)
-    modules = {f"worker.{p.stem}" for p in (PACKAGE / "worker").glob("*.py")} - {
-        "worker.__main__"}
-    missing = modules - set(WORKER_LAYERS)
-    assert not missing, f"give new modules a layer: {missing}"
-    for module, layer in WORKER_LAYERS.items():
-        for imported in runtime_imports(PACKAGE / (module.replace(".", "/") + ".py")):
-            if imported in WORKER_LAYERS:
-                assert WORKER_LAYERS[imported] < layer, (
-                    f"{module} (layer {layer}) imports {imported} "
-                    f"(layer {WORKER_LAYERS[imported]})")
-            elif imported.split(".")[0] in LAYERS:
-                assert LAYERS[imported.split(".")[0]] < LAYERS["worker"], (
-                    f"{module} imports {imported}, a layer above the worker")
-
-
-def broker_imports(path: pathlib.Path) -> set[str]:
-    """The modules of zloader/broker/ that ``path`` imports."""
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module == "zloader.broker":
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module \
-                and node.module.startswith("zloader.broker."):
-            names.add(node.module.split(".")[2])
-        elif isinstance(node, ast.Import):
-            names.update(a.name.split(".")[2] for a in node.names
-                         if a.name.startswith("zloader.broker."))
-    return names
-
-
-def test_the_broker_package_follows_its_layers():
-    """Below the loop nothing imports zmq; the concern modules import only records,
-    fields, the pool and each other; outside modules come from below the broker's layer."""
-    modules = {p.stem for p in (PACKAGE / "broker").glob("*.py")}
-    assert modules == set(BROKER_LAYERS), f"give each broker module a layer: {modules}"
-    for module in modules:
-        path = PACKAGE / "broker" / f"{module}.py"
-        for imported in broker_imports(path) - {module}:
-            assert BROKER_LAYERS[imported] < BROKER_LAYERS[module] or (
-                BROKER_LAYERS[imported] == BROKER_LAYERS[module] == CONCERNS), (
-                f"zloader/broker/{module}.py imports zloader/broker/{imported}.py")
-        for imported in imported_modules(path) - {"broker"}:
-            if imported in LAYERS and module != "__main__":
-                assert LAYERS[imported] < LAYERS["broker"], (
-                    f"zloader/broker/{module}.py imports {imported}")
-        if BROKER_LAYERS[module] < BROKER_LAYERS["loop"]:
-            assert "import zmq" not in path.read_text(), f"zloader/broker/{module}.py"
-
-
-def test_no_broker_module_reaches_into_private_state():
-    """``x._name`` only on ``self``: the concern modules share public names only."""
-    for path in (PACKAGE / "broker").glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Attribute) and node.attr.startswith("_") \
-                    and not node.attr.startswith("__") \
-                    and not (isinstance(node.value, ast.Name) and node.value.id == "self"):
-                raise AssertionError(f"{path.name}:{node.lineno} reads .{node.attr}")
+def test_no_runtime_module_reaches_into_another_s_private_state():
+    """``x._name`` only on ``self`` (or ``cls``) in the runtime's subpackages: their
+    modules share public names only."""
+    for sub in RUNTIME:
+        for path in (PACKAGE / sub).glob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Attribute) and node.attr.startswith("_") \
+                        and not node.attr.startswith("__") \
+                        and not (isinstance(node.value, ast.Name)
+                                 and node.value.id in ("self", "cls")):
+                    raise AssertionError(f"{path.relative_to(ROOT)}:{node.lineno} reads "
+                                         f".{node.attr}")
 
 
 def test_pyproject_holds_only_the_build_system():

@@ -34,7 +34,7 @@ def once(seen: collections.Counter, n: int) -> None:
     assert not repeated, f"repeated: {list(repeated.items())[:10]}"
 
 
-@pytest.mark.parametrize("workers", [1, 2, 4])
+@pytest.mark.parametrize("workers", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_train_and_validation_loaders_on_one_broker_each_read_every_epoch(workers):
     """Keras's order: a training epoch, then the validation epoch, twice; the first time
     the training iterator is paused halfway (``steps_per_epoch``) while validation runs.

@@ -15,7 +15,8 @@ The rules, in order of preference for the worker that moves:
 3. Time-slicing: a hungry job with no worker at all takes one that has served its current
    job for :data:`SLICE_SECONDS` (more jobs than workers: each gets turns).
 
-Static and deterministic jobs keep their workers (their worker indices are fixed).
+Static and deterministic jobs keep their workers mid-epoch (their worker indices are fixed);
+between epochs they give them up like any job.
 """
 
 from __future__ import annotations
