@@ -7,7 +7,7 @@ import pytest
 
 from tests.test_state import ready, split
 from zloader._defaults import SLICE_SECONDS
-from zloader.broker import pool
+from zloader.broker import placement, pool
 from zloader.broker.state import State
 from zloader.journal import Journal
 from zloader.transport.protocol import Command, Message, ProtocolError
@@ -210,6 +210,31 @@ def test_a_static_job_gives_its_workers_up_only_between_epochs():
     beat(state, "b", 3.0, wait=2.5)  # b waits for data all along
     state.tick(3.0)
     assert workers_of(state) == {"static": 0, "b": 2}
+
+
+def test_when_a_job_leaves_the_others_take_its_workers():
+    state = pool_of(4)
+    register(state, "a")
+    epoch(state, "a", 0.1)
+    register(state, "b", now=0.2)
+    epoch(state, "b", 0.3)
+    assert workers_of(state) == {"a": 2, "b": 2}
+    state.bye(b"b", 0.4)
+    assert workers_of(state) == {"a": 4}
+
+
+def test_a_job_that_does_not_wait_gives_what_its_autoscaler_does_not_want():
+    state = pool_of(4)
+    register(state, "a")
+    epoch(state, "a", 0.1)
+    register(state, "b", now=0.2)
+    epoch(state, "b", 0.3)
+    a, b = (state.jobs[state.consumers[c].job] for c in ("a", "b"))
+    # a's consumers do not wait and its autoscaler wants one worker; b's wait all along
+    a.hungry_until, a.starvation, a.desired = 0.0, 0.0, 1
+    b.hungry_until, b.starvation = 0.0, 1.0
+    placement.assign(state, 5.0)
+    assert workers_of(state) == {"a": 1, "b": 3}
 
 
 def test_a_hungry_job_with_no_worker_gets_one_after_a_time_slice():
