@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from zloader._defaults import LABEL_LIMIT
+
 _SEED_LIMIT = 2**64
 
 
@@ -51,8 +53,6 @@ def function(name: str, value: Any) -> Any:
     return value
 
 
-LABEL_LIMIT = 256
-"""Characters in a name, version or job name (they travel in every control message)."""
 
 
 def label(name: str, value: Any) -> str | None:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from zloader import codec
+from zloader._defaults import POLL_SECONDS
 from zloader.client.exactly_once import Yielded
 from zloader.client.items import Item
 from zloader.client.thread import IOThread
@@ -19,8 +20,6 @@ from zloader.errors import PipelineError, Timeout
 
 __all__ = ["Merger"]
 
-POLL_SECONDS = 0.1
-"""How often a wait for data checks the Loader's timeout."""
 
 
 class Merger:
