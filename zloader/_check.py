@@ -53,8 +53,6 @@ def function(name: str, value: Any) -> Any:
     return value
 
 
-
-
 def label(name: str, value: Any) -> str | None:
     """An optional display name or version tag: a non-empty str of at most
     ``LABEL_LIMIT`` characters (versions may be ints)."""

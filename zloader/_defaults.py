@@ -38,7 +38,7 @@ STAGES = ("pipeline", "splits", "encode", "blocked")
 and the source), waiting for the broker's splits, encoding records, and blocked for want of
 credits (the consumers are slower). Reported in heartbeats, summed per job by the broker."""
 
-# --- codec: limits of an encoded element ---------------------------------------------------
+# --- codec: limits of an encoded element --------------------------------------------------
 
 CODEC_MAX_DEPTH = 100
 """Deepest nesting of containers an element may have, encoded or decoded (deeper usually
@@ -54,7 +54,7 @@ CODEC_MAX_BIGINT_BYTES = 1024
 CODEC_MAX_NDIM = 32
 """Most dimensions of an array in an element (fixed)."""
 
-# --- client: the Loader and its I/O thread -------------------------------------------------
+# --- client: the Loader and its I/O thread ------------------------------------------------
 
 DEFAULT_TIMEOUT = 60.0
 """Seconds a Loader waits for data (or a worker with credits stays silent) before it raises
@@ -103,18 +103,7 @@ INLINE_PIPELINE_BYTES = 1 << 20
 """Pickled pipelines larger than this reach workers from the Loader (``FETCH``), not via
 the broker (fixed)."""
 
-FETCH_TIMEOUT = 30.0
-"""Seconds a worker waits for the Loader that serves a pipeline or source to answer
-(fixed)."""
-
-CLOSE_SECONDS = 5.0
-"""How long closing a broker thread waits for its loop to stop (``Broker.close(timeout=)``)."""
-
-START_TIMEOUT = 10.0
-"""How long starting a broker thread waits for its socket to be bound
-(``Broker.start(timeout=)``)."""
-
-# --- adapters: torch ----------------------------------------------------------------------
+# --- adapters: torch, tensorflow ----------------------------------------------------------
 
 STACK_LATER_BYTES = 1 << 16
 """Tensors of a batch that hold at least this many bytes in all are copied once, straight
@@ -124,7 +113,11 @@ PREFETCH_STOP_SECONDS = 10.0
 """How long closing a pinning/copying iterator waits for its thread to leave a batch
 (fixed)."""
 
-# --- broker ---------------------------------------------------------------------------------
+TF_PROBE = 2
+"""Elements ``zloader.tf.dataset`` runs in this process to infer the output signature
+(``probe=``)."""
+
+# --- broker -------------------------------------------------------------------------------
 
 HEARTBEAT_RANGE = (0.05, 60.0)
 """Heartbeat intervals a broker may use, in seconds (bounds ``zloader-broker
@@ -153,7 +146,14 @@ KEEP_RESOLVED = 4096
 """Recently committed or lost rounds remembered, to answer a consumer that asks again
 (fixed)."""
 
-# --- worker ---------------------------------------------------------------------------------
+START_TIMEOUT = 10.0
+"""How long starting a broker thread waits for its socket to be bound
+(``Broker.start(timeout=)``)."""
+
+CLOSE_SECONDS = 5.0
+"""How long closing a broker thread waits for its loop to stop (``Broker.close(timeout=)``)."""
+
+# --- worker -------------------------------------------------------------------------------
 
 DRAIN_SECONDS = 30.0
 """A draining worker (SIGTERM) leaves after this long even with splits unfinished (fixed)."""
@@ -178,6 +178,10 @@ RECORD_LINGER = 0.002
 
 MAX_GRANT = 1 << 16
 """The most credits one CREDIT message may grant; more is taken as this many (fixed)."""
+
+FETCH_TIMEOUT = 30.0
+"""Seconds a worker waits for the Loader that serves a pipeline or source to answer
+(fixed)."""
 
 FORWARD_EVERY = 0.2
 """Seconds between two sends of a worker's captured user output (fixed)."""
@@ -204,7 +208,7 @@ MEMORY_ENTRIES = 2
 DISK_ENTRIES = 8
 """Fetched pipelines (blobs) a host's directory keeps; the oldest go first (fixed)."""
 
-# --- transport: rings, segments, message sizes ---------------------------------------------
+# --- transport: rings, segments, message sizes --------------------------------------------
 
 DEFAULT_RING_BYTES = 64 * 1024 * 1024
 """Data capacity of a ring (one per co-located worker and consumer);
@@ -238,7 +242,7 @@ MAX_DATA_FRAME_BYTES = 1 << 30
 """A worker's data socket drops any larger frame (an epoch's input sent with OPEN is the
 largest thing a consumer sends; fixed)."""
 
-# --- autoscaling and actuators (zloader/autoscale.py, zloader/actuator.py) -----------------
+# --- autoscaling and actuators (zloader/autoscale.py, zloader/actuator.py) ----------------
 
 AUTOSCALE_UP = 0.07
 """Starvation above which the autoscaler adds a worker, and the gain each addition must
@@ -276,11 +280,15 @@ REMOTE_DELAY = 5.0
 """Seconds a shortfall lasts before an actuator grows without consumers of the job on its
 host (``remote_delay=`` of the process and Ray actuators)."""
 
+ACTOR_READY_SECONDS = 30.0
+"""How long a Ray worker actor asked for its worker's id waits for the worker's loop to
+run (fixed)."""
+
 RAY_START_TIMEOUT = 120.0
 """Seconds ``zloader.ray.start_workers`` waits for every actor to run
 (``start_timeout=``)."""
 
-# --- sharing (zloader/sharing/) ------------------------------------------------------------
+# --- sharing (zloader/sharing/) -----------------------------------------------------------
 
 DEFAULT_BLOCK_SECONDS = 10.0
 """How long a shared job's window waits for its slowest trainer before the ``share_lag``
@@ -294,7 +302,7 @@ WINDOW_MAX = 4 << 30
 """Largest default window of a shared job, per worker (``share_window_bytes=`` overrides
 the default)."""
 
-# --- pool: several jobs on one pool of workers (zloader/broker/pool.py) --------------------
+# --- pool: several jobs on one pool of workers (zloader/broker/pool.py) -------------------
 
 SLICE_SECONDS = 1.0
 """A worker pool with more hungry jobs than workers time-slices: a job with no worker takes
@@ -329,9 +337,3 @@ DEMO_WORKERS = 2
 
 DEMO_DISTINCT = 64
 """Distinct encoded images the demo source cycles through (fixed)."""
-
-# --- adapters: tensorflow -----------------------------------------------------------------
-
-TF_PROBE = 2
-"""Elements ``zloader.tf.dataset`` runs in this process to infer the output signature
-(``probe=``)."""

@@ -84,7 +84,6 @@ def dumps_pipeline(pipeline: Any) -> bytes:
 # --- naming what cannot be pickled -------------------------------------------------------
 
 
-
 def _explain(pipeline: Any, error: Exception) -> SerializationError:
     """The error naming the part of ``pipeline`` that cannot be pickled, and what in it."""
     parts = [(f"source {pipeline.source.name!r} ({pipeline.source.kind})", pipeline.source)]

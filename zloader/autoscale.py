@@ -54,7 +54,6 @@ from zloader._defaults import (
 __all__ = ["START_SECONDS", "Autoscaler"]
 
 
-
 @dataclass
 class Autoscaler:
     """One job's worker count; see the module docstring for the policy."""

@@ -50,7 +50,6 @@ __all__ = ["Loader"]
 log = logging.getLogger("zloader.loader")
 
 
-
 class Loader:
     """Iterate ``pipeline`` as run by zloader workers; one ``for`` loop is one epoch.
 

@@ -23,7 +23,13 @@ import threading
 import time
 from typing import Any
 
-from zloader._defaults import ACTUATOR_INTERVAL, DRAIN_SECONDS, RAY_START_TIMEOUT, REMOTE_DELAY
+from zloader._defaults import (
+    ACTOR_READY_SECONDS,
+    ACTUATOR_INTERVAL,
+    DRAIN_SECONDS,
+    RAY_START_TIMEOUT,
+    REMOTE_DELAY,
+)
 from zloader._host import loopback
 from zloader.actuator import Plan, Shortfall, follow, plan
 from zloader.transport.keys import Keys, resolve
@@ -54,7 +60,7 @@ class _Worker:
         (An actor Ray restarted runs a new worker, with a new id.)"""
         import os
 
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + ACTOR_READY_SECONDS
         while not hasattr(self.worker, "endpoint") and time.monotonic() < deadline:
             time.sleep(0.01)
         return {"worker": self.worker.id, "pid": os.getpid(),

@@ -31,7 +31,6 @@ from zloader._defaults import KEEP_EPOCHS, KEEP_RESOLVED
 __all__ = ["Rounds"]
 
 
-
 @dataclass
 class _Open:
     """A numbered round not yet committed: its worker and the consumers that have it."""

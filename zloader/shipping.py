@@ -36,7 +36,6 @@ from zloader.transport.protocol import Command, Message, ProtocolError, decode, 
 __all__ = ["FETCH_TIMEOUT", "Loading", "Served", "Supply"]
 
 
-
 class Served:
     """What a Loader serves to its job's workers from its source socket (``FETCH``): its
     pickled pipeline when too large to pass through the broker, the data of a large

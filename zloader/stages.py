@@ -37,7 +37,6 @@ __all__ = ["Batch", "BucketByLength", "Context", "Filter", "Map", "Repeat", "Run
 Run = Callable[[Key], Iterator[Any]]
 
 
-
 @dataclass
 class Context:
     """What one run of a pipeline shares between its stages.

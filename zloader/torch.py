@@ -428,8 +428,6 @@ class _BatchSource(Source):
             raise PipelineError.from_exception(exc, "collate_fn") from exc
 
 
-
-
 def _stack_later(batch: list[Any], *, collate_fn_map: Any = None) -> Any:
     """Torch's tensor collate, except that a large batch of equal, plain CPU tensors becomes
     a :class:`codec.Stacked` of their memory (the stack happens in the record's copy)."""
@@ -958,8 +956,6 @@ def _in_order(records: Iterator[Any], first: int, progress: _Progress,
             yield batch
     if pending:
         raise RuntimeError(f"the DataLoader's workers did not send batch {want}")
-
-
 
 
 class _Prefetcher:

@@ -25,7 +25,6 @@ __all__ = ["REREADS", "EpochEnd"]
 log = logging.getLogger("zloader.loader")
 
 
-
 class EpochEnd:
     """Decides when the epoch under way is over and hands the iterating thread "done"
     (through ``put``); keeps the exactly-once bookkeeping that decision needs."""

@@ -36,7 +36,6 @@ __all__ = ["BYE_LINGER_MS", "BrokerLink", "JobView", "registration"]
 log = logging.getLogger("zloader.loader")
 
 
-
 def registration(*, fingerprint: str, job_name: str | None, sharding: str,
                  deterministic: bool, num_workers: int, on_error: str,
                  source: dict[str, Any], balanced: int, share: dict[str, Any] | None,

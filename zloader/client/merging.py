@@ -21,7 +21,6 @@ from zloader.errors import PipelineError, Timeout
 __all__ = ["Merger"]
 
 
-
 class Merger:
     """Yields the elements of the epochs of one I/O thread's consumer.
 

@@ -64,8 +64,6 @@ def check_exposure(served: Served, broker: str | None, keys: Keys | None,
             "insecure=True on a trusted network")
 
 
-
-
 def strip_source(pipeline: Pipeline) -> tuple[Pipeline, tuple[str, list[Any]] | None]:
     """Take a large ``from_arrays``/``from_items`` source's data out of the pipeline.
 

@@ -27,7 +27,6 @@ __all__ = ["Peer", "Peers", "local_address"]
 log = logging.getLogger("zloader.loader")
 
 
-
 @dataclass
 class Peer:
     """One worker serving this consumer's job, and this consumer's side of its stream."""

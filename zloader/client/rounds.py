@@ -16,7 +16,6 @@ __all__ = ["Rounds"]
 log = logging.getLogger("zloader.loader")
 
 
-
 class Rounds:
     """A coordinated consumer's rounds (zloader/rounds.py): it yields round k of an epoch
     once it holds its element and the broker has committed k; lost rounds are skipped."""

@@ -13,7 +13,6 @@ from zloader.transport.keys import Keys
 __all__ = ["HEARTBEAT", "Session", "Settings"]
 
 
-
 @dataclass(frozen=True)
 class Settings:
     """A consumer's settings, from the Loader's arguments."""

@@ -39,7 +39,6 @@ __all__ = ["IOThread"]
 log = logging.getLogger("zloader.loader")
 
 
-
 class IOThread(threading.Thread):
     """A consumer's sockets, rings and protocol state, in a thread of their own.
 

@@ -108,8 +108,6 @@ class Message:
         return value
 
 
-
-
 def heartbeat(value: Any) -> float | None:
     """A heartbeat interval the broker announced (ACK, JOB), or None if it is not one."""
     if isinstance(value, (int, float)) and not isinstance(value, bool) \

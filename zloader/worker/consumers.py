@@ -26,7 +26,6 @@ from zloader.worker.task import Task
 __all__ = ["EARLY_OPENS", "DataPort"]
 
 
-
 class DataPort:
     """The data socket (ROUTER), bound, and what consumers send on it.
 

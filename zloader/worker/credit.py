@@ -22,7 +22,6 @@ if TYPE_CHECKING:
 __all__ = ["MAX_GRANT", "CreditDelivery", "clamp"]
 
 
-
 def clamp(credits: int) -> int:
     """A grant of credits, within [0, MAX_GRANT]."""
     return max(0, min(credits, MAX_GRANT))

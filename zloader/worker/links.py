@@ -14,7 +14,6 @@ from zloader.worker.producer import Producer, ProducerSpec
 __all__ = ["STOP_SECONDS", "Links"]
 
 
-
 class Links:
     """Starts producer threads, each with a PAIR the worker's poller watches, and drops
     their links when they are done or abandoned.

@@ -49,7 +49,6 @@ __all__ = ["FORWARD_EVERY", "WorkerProcess", "delivery_for"]
 log = logging.getLogger("zloader.worker")
 
 
-
 def delivery_for(task: Assignment) -> type[Delivery]:
     """The delivery mode of a task: the one place that asks which mode it is."""
     if task.share is not None:

@@ -45,7 +45,6 @@ __all__ = ["RECORD_BYTES", "RECORD_ELEMENTS", "RECORD_LINGER", "STAGES", "LinkKi
            "Outgoing", "Producer", "ProducerSpec"]
 
 
-
 class LinkKind(enum.Enum):
     """The kind of a message from a producer to its worker's socket thread (its first
     frame; the body, JSON, follows)."""
