@@ -20,7 +20,8 @@ PACKAGE = ROOT / "zloader"
 # layer and call each other (PEERS). A subpackage's modules are named "client.thread"; the
 # package itself ("client") is its __init__.
 LAYERS = {
-    "_version": 0, "_defaults": 0, "errors": 0, "_check": 0, "_seeding": 0, "_command": 0,
+    "_defaults": -1,  # the tunables: imports nothing, imported by any layer
+    "_version": 0, "errors": 0, "_check": 0, "_seeding": 0, "_command": 0,
     "_host": 0,
     "transport": 0, "transport.keys": 0, "transport.shm": 0.5, "transport.protocol": 0.5,
     "transport.ring": 0.6, "transport.records": 1.5,
@@ -133,6 +134,73 @@ def test_no_runtime_module_reaches_into_another_s_private_state():
                                  and node.value.id in ("self", "cls")):
                     raise AssertionError(f"{path.relative_to(ROOT)}:{node.lineno} reads "
                                          f".{node.attr}")
+
+
+# The numbers a module may define outside zloader/_defaults.py: facts of a format or of a
+# domain, not settings (changing one breaks compatibility or correctness, it trades nothing).
+FORMAT_CONSTANTS = {
+    "codec": {"VERSION",  # the encoded element's format version
+              "_I64_MIN", "_I64_MAX"},  # the range of the int64 tag
+    "fingerprint": {"SCHEME",  # the hashing rules' version
+                    "FLAT_MIN_ITEMS"},  # picks the hashed encoding: part of the rules
+    "lineage": {"DIGEST_BYTES"},  # what the digest covers: resumed states compare digests
+    "journal": {"VERSION"},  # the journal's schema version
+    "client.exactly_once": {"STATE_VERSION"},  # the version of Loader.state_dict()
+    "transport.ring": {"ALIGN", "DATA_OFFSET", "_HEADER_WORDS",  # the ring's memory layout
+                       "_CAPACITY", "_TAIL", "_HEAD",  # indices of its header words
+                       "_POSITION_LIMIT"},  # its positions are u64
+    "transport.records": {"ALIGN"},  # a record's buffer alignment (its layout)
+    "transport.shm": {"KIND_MAX",  # the segment name format
+                      "_MIB"},  # a unit, for messages
+    "transport.protocol": {"MAX_BODY_INT"},  # integers on the wire are 64-bit
+    "torch": {"_MT_WORDS"},  # the size of a Mersenne Twister state
+    "_check": {"_SEED_LIMIT"},  # seeds are 64-bit
+    "broker.pool": {"UNBOUNDED"},  # a sentinel: a job that can use any number of workers
+}
+
+
+def _numeric(node: ast.expr) -> bool:
+    """An int/float literal, simple arithmetic of them, or a tuple of such."""
+    if isinstance(node, ast.Constant):
+        return type(node.value) in (int, float)
+    if isinstance(node, ast.UnaryOp):
+        return _numeric(node.operand)
+    if isinstance(node, ast.BinOp):
+        return _numeric(node.left) and _numeric(node.right)
+    if isinstance(node, ast.Tuple):
+        return bool(node.elts) and all(_numeric(e) for e in node.elts)
+    return False
+
+
+def numeric_constants(path: pathlib.Path) -> set[str]:
+    """The module-level names ``path`` binds to numbers (``A = 1``, ``A, B = 1, 2``)."""
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        elif isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        else:
+            continue
+        for target in targets:
+            if isinstance(target, ast.Name) and _numeric(value):
+                found.add(target.id)
+            elif isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple):
+                found |= {t.id for t, v in zip(target.elts, value.elts, strict=False)
+                          if isinstance(t, ast.Name) and _numeric(v)}
+    return found
+
+
+def test_every_tunable_lives_in_defaults():
+    """Timeouts, sizes, limits, counts and ratios are defined in zloader/_defaults.py only
+    (style: tunables are named constants in one place); other modules import them."""
+    misplaced = {}
+    for module, path in package_modules().items():
+        if module != "_defaults":
+            extra = numeric_constants(path) - FORMAT_CONSTANTS.get(module, set())
+            if extra:
+                misplaced[str(path.relative_to(ROOT))] = sorted(extra)
+    assert not misplaced, f"move these to zloader/_defaults.py: {misplaced}"
 
 
 def test_pyproject_holds_only_the_build_system():

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from zloader._defaults import LABEL_LIMIT
+
 _SEED_LIMIT = 2**64
 
 
@@ -49,10 +51,6 @@ def function(name: str, value: Any) -> Any:
     if not callable(value):
         raise TypeError(f"{name} must be callable, got {type(value).__name__} {value!r}")
     return value
-
-
-LABEL_LIMIT = 256
-"""Characters in a name, version or job name (they travel in every control message)."""
 
 
 def label(name: str, value: Any) -> str | None:

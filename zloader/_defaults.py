@@ -1,23 +1,339 @@
-"""Tunables, in one place. Each is the default of a public argument or an internal limit."""
+"""Every tunable, in one place: timeouts, intervals, sizes, limits, counts and ratios, and the
+defaults of public arguments and command-line flags.
+
+Each value says what it bounds and what overrides it ("fixed" when nothing does: change it
+here). The modules that use a value import it from here (most keep its name as a module
+attribute, so ``zloader.worker.links.STOP_SECONDS`` still reads). Not here: protocol
+constants (commands, versions, magic numbers, record layouts) and enumerations of choices;
+tests/test_package.py checks that no other module defines a numeric constant outside its
+short allow-list. This module imports nothing: every layer may import it.
+"""
+
+# --- pipeline: sources, stages, pickling, fingerprints ------------------------------------
 
 DEFAULT_SPLITS = 256
-"""Index-addressed sources are cut into at most this many splits unless given split_size=."""
+"""Index-addressed sources are cut into at most this many splits; ``split_size=`` of a
+source overrides it."""
 
 SHUFFLE_DRAW_CHUNK = 1024
-"""A shuffle buffer draws its random indices this many at a time."""
+"""A shuffle buffer draws its random indices this many at a time (fixed)."""
+
+ORIGINS_NAMED = 4
+"""Origins an error message names, of a batch's many (fixed)."""
+
+MAX_SEARCH_DEPTH = 12
+"""How deep the search for what cannot be pickled follows references from a stage to the
+value at fault (zloader/_pickling.py; fixed)."""
+
+LABEL_LIMIT = 256
+"""Characters in a name, version or job name (``job_name=``, ``Pipeline.named``): they travel
+in every control message (fixed)."""
+
+FINGERPRINT_MAX_DEPTH = 400
+"""Deepest nesting of values a pipeline fingerprint follows; deeper raises ``Unhashable``
+(``zloader.fingerprint.MAX_DEPTH``; fixed)."""
 
 STAGES = ("pipeline", "splits", "encode", "blocked")
 """Where a worker's producers spend their time, in seconds: running the pipeline (user code
 and the source), waiting for the broker's splits, encoding records, and blocked for want of
 credits (the consumers are slower). Reported in heartbeats, summed per job by the broker."""
 
+# --- codec: limits of an encoded element --------------------------------------------------
+
+CODEC_MAX_DEPTH = 100
+"""Deepest nesting of containers an element may have, encoded or decoded (deeper usually
+means a cycle; ``zloader.codec.MAX_DEPTH``; fixed)."""
+
+CODEC_INLINE_MAX = 1024
+"""``str``/``bytes`` up to this many bytes travel inside a record's header, longer ones as
+buffers of their own (``zloader.codec.INLINE_MAX``; fixed)."""
+
+CODEC_MAX_BIGINT_BYTES = 1024
+"""Widest Python int an element may hold, in bytes (fixed)."""
+
+CODEC_MAX_NDIM = 32
+"""Most dimensions of an array in an element (fixed)."""
+
+# --- client: the Loader and its I/O thread ------------------------------------------------
+
+DEFAULT_TIMEOUT = 60.0
+"""Seconds a Loader waits for data (or a worker with credits stays silent) before it raises
+``Timeout``; ``Loader(timeout=)``."""
+
+DEFAULT_PREFETCH = 8
+"""Records in flight per worker for one consumer; ``Loader(prefetch=)`` (None means this)."""
+
+HEARTBEAT = 1.0
+"""Seconds between heartbeats: the broker's default (``Broker(heartbeat=)``,
+``zloader-broker --heartbeat``), and what workers and consumers use until the broker says
+its own."""
+
+WORKER_STOP_SECONDS = 3.0
+"""How long closing an embedded Loader waits for each of its worker processes to leave
+before it kills it (fixed)."""
+
+POLL_SECONDS = 0.1
+"""How often a wait for data checks the Loader's timeout (fixed)."""
+
+POLL_MS = 5
+"""Milliseconds the I/O thread's poll of its sockets waits before it looks again at its
+commands and heartbeats (fixed)."""
+
+BYE_LINGER_MS = 200
+"""At most how long closing a Loader waits for its BYE to reach the broker, in
+milliseconds (fixed)."""
+
+RING_MAX_BYTES = 1 << 30
+"""A ring that keeps filling up with large records grows, by doubling, up to this size;
+``Loader(ring_bytes=)`` sets where it starts (fixed)."""
+
+VACANT_WARNING = 10.0
+"""Seconds a coordinated consumer waits for a missing one before it says so, then again
+(fixed)."""
+
+REREADS = 3
+"""Times an exactly-once epoch that ended short asks for a split again before it raises
+(fixed)."""
+
+INLINE_SOURCE_BYTES = 1 << 20
+"""In-memory sources larger than this reach workers from the Loader (``FETCH``), not via
+the broker (fixed)."""
+
+INLINE_PIPELINE_BYTES = 1 << 20
+"""Pickled pipelines larger than this reach workers from the Loader (``FETCH``), not via
+the broker (fixed)."""
+
+# --- adapters: torch, tensorflow ----------------------------------------------------------
+
+STACK_LATER_BYTES = 1 << 16
+"""Tensors of a batch that hold at least this many bytes in all are copied once, straight
+into shared memory, instead of being stacked first (fixed)."""
+
+PREFETCH_STOP_SECONDS = 10.0
+"""How long closing a pinning/copying iterator waits for its thread to leave a batch
+(fixed)."""
+
+TF_PROBE = 2
+"""Elements ``zloader.tf.dataset`` runs in this process to infer the output signature
+(``probe=``)."""
+
+# --- broker -------------------------------------------------------------------------------
+
+HEARTBEAT_RANGE = (0.05, 60.0)
+"""Heartbeat intervals a broker may use, in seconds (bounds ``zloader-broker
+--heartbeat``; a peer refuses an announced interval outside it)."""
+
+LIVENESS = 3
+"""Heartbeats a peer may miss before the broker takes it for dead (``State(liveness=)``)."""
+
+KILLS_TO_FAIL = 3
+"""A split that was being read by a dying worker this many times is reported, not re-run
+(fixed)."""
+
+FENCE_GRACE = 10
+"""Expiries (``liveness`` heartbeats each) a fence waits for a consumer that went silent: a
+stalled consumer that comes back still answers, so what it holds is not read again
+(fixed)."""
+
+COMPACT_LINES = 100_000
+"""The journal is rewritten without collected jobs once it has this many lines (fixed)."""
+
+KEEP_EPOCHS = 2
+"""Epochs before a coordinated job's current one whose round counts are kept, for late
+consumers (fixed)."""
+
+KEEP_RESOLVED = 4096
+"""Recently committed or lost rounds remembered, to answer a consumer that asks again
+(fixed)."""
+
+START_TIMEOUT = 10.0
+"""How long starting a broker thread waits for its socket to be bound
+(``Broker.start(timeout=)``)."""
+
+CLOSE_SECONDS = 5.0
+"""How long closing a broker thread waits for its loop to stop (``Broker.close(timeout=)``)."""
+
+# --- worker -------------------------------------------------------------------------------
+
 DRAIN_SECONDS = 30.0
-"""A draining worker (SIGTERM) leaves after this long even with splits unfinished."""
+"""A draining worker (SIGTERM) leaves after this long even with splits unfinished (fixed)."""
+
+STOP_SECONDS = 2.0
+"""A producer told to stop that has not within this long is stuck in user code (a thread
+cannot be killed): the worker process then replaces itself
+(``zloader.worker.links.STOP_SECONDS``; fixed)."""
+
+EARLY_OPENS = 64
+"""OPENs a worker keeps for a task it has not heard of yet; the oldest are dropped
+(fixed)."""
+
+RECORD_ELEMENTS = 1024
+"""A producer sends a record once it holds this many elements (fixed)."""
+
+RECORD_BYTES = 1 << 20
+"""... or this many bytes of them (fixed)."""
+
+RECORD_LINGER = 0.002
+"""... or once its first element has waited this many seconds (fixed)."""
+
+MAX_GRANT = 1 << 16
+"""The most credits one CREDIT message may grant; more is taken as this many (fixed)."""
+
+FETCH_TIMEOUT = 30.0
+"""Seconds a worker waits for the Loader that serves a pipeline or source to answer
+(fixed)."""
+
+FORWARD_EVERY = 0.2
+"""Seconds between two sends of a worker's captured user output (fixed)."""
+
+LOG_RATE = 20.0
+"""Lines a second a worker forwards of its user output, sustained
+(``zloader.forward.RATE``; fixed)."""
+
+LOG_BURST = 200
+"""Lines a worker may forward at once after a quiet spell (``zloader.forward.BURST``;
+fixed)."""
+
+LOG_MAX_LINE = 2000
+"""Characters kept of a forwarded line; the rest is cut and marked
+(``zloader.forward.MAX_LINE``; fixed)."""
+
+LOG_MAX_LINES = 500
+"""Lines in one LOG message; the broker refuses more (``zloader.forward.MAX_LINES``;
+fixed)."""
+
+MEMORY_ENTRIES = 2
+"""Fetched pipelines (blobs) a worker process keeps in memory (fixed)."""
+
+DISK_ENTRIES = 8
+"""Fetched pipelines (blobs) a host's directory keeps; the oldest go first (fixed)."""
+
+# --- transport: rings, segments, message sizes --------------------------------------------
+
+DEFAULT_RING_BYTES = 64 * 1024 * 1024
+"""Data capacity of a ring (one per co-located worker and consumer);
+``Loader(ring_bytes=)`` (None means this)."""
+
+SEGMENT_BYTES = 1 << 20
+"""A record this large that finds its ring full goes in a shared-memory segment of its own
+(one copy) rather than over the socket (a copy at each end; fixed)."""
+
+MAX_BUFFERS = 1 << 20
+"""Most buffers one record may carry (fixed)."""
+
+MAX_BODY_BYTES = 1 << 20
+"""Largest JSON body of a control message (fixed)."""
+
+MAX_BODY_DEPTH = 32
+"""Bodies nested deeper than this are refused (real ones nest 6 deep at most): a handler,
+or the journal re-encoding a body, must never recurse near Python's limit (fixed)."""
+
+MAX_PIPELINE_BYTES = 8 << 20
+"""Pipeline definitions larger than this are refused by the broker; see docs/protocol.md
+(fixed)."""
+
+MESSAGE_SLACK_BYTES = 4096
+"""Room for a message's other frames (command, version, ids) above its body and pipeline."""
+
+MAX_MESSAGE_BYTES = MAX_PIPELINE_BYTES + MAX_BODY_BYTES + MESSAGE_SLACK_BYTES
+"""The broker's socket drops any larger frame (ZeroMQ's MAXMSGSIZE: the peer is cut off)."""
+
+MAX_DATA_FRAME_BYTES = 1 << 30
+"""A worker's data socket drops any larger frame (an epoch's input sent with OPEN is the
+largest thing a consumer sends; fixed)."""
+
+# --- autoscaling and actuators (zloader/autoscale.py, zloader/actuator.py) ----------------
+
+AUTOSCALE_UP = 0.07
+"""Starvation above which the autoscaler adds a worker, and the gain each addition must
+buy to be followed by another (``Autoscaler(up=)``)."""
+
+AUTOSCALE_DOWN = 0.03
+"""Starvation below which the autoscaler removes a worker, and the cost a removal may have
+(``Autoscaler(down=)``)."""
+
+AUTOSCALE_COOLDOWN = 30.0
+"""Seconds of starvation samples between two changes of a job's desired workers
+(``Broker(cooldown=)``, ``zloader-broker --autoscale-cooldown``)."""
+
+AUTOSCALE_MIN_WORKERS = 1
+"""Fewest workers the autoscaler asks for a job (``Autoscaler(min_workers=)``)."""
+
+AUTOSCALE_MAX_WORKERS = 64
+"""Most workers the autoscaler asks for a job (``Autoscaler(max_workers=)``)."""
+
+AUTOSCALE_HOLD = 10
+"""Cooldowns a floor or ceiling set by an undone step first lasts, then doubles
+(``Autoscaler(hold=)``)."""
+
+START_SECONDS = 60.0
+"""How long actuators get to add the workers asked for (two cooldowns if longer): a new
+process starts in a second, a Ray actor or a Kubernetes pod can take much longer
+(fixed)."""
+
+ACTUATOR_INTERVAL = 1.0
+"""Seconds between two looks of an actuator at the broker's status
+(``zloader-worker --autoscale-interval``, ``ProcessActuator(interval=)``,
+``zloader.ray.Autoscaler(interval=)``)."""
+
+REMOTE_DELAY = 5.0
+"""Seconds a shortfall lasts before an actuator grows without consumers of the job on its
+host (``remote_delay=`` of the process and Ray actuators)."""
+
+ACTOR_READY_SECONDS = 30.0
+"""How long a Ray worker actor asked for its worker's id waits for the worker's loop to
+run (fixed)."""
+
+RAY_START_TIMEOUT = 120.0
+"""Seconds ``zloader.ray.start_workers`` waits for every actor to run
+(``start_timeout=``)."""
+
+# --- sharing (zloader/sharing/) -----------------------------------------------------------
+
+DEFAULT_BLOCK_SECONDS = 10.0
+"""How long a shared job's window waits for its slowest trainer before the ``share_lag``
+policy applies; ``Loader(share_block_seconds=)``."""
+
+WINDOW_MIN = 64 << 20
+"""Smallest default window of a shared job, per worker (``share_window_bytes=`` overrides
+the default)."""
+
+WINDOW_MAX = 4 << 30
+"""Largest default window of a shared job, per worker (``share_window_bytes=`` overrides
+the default)."""
+
+# --- pool: several jobs on one pool of workers (zloader/broker/pool.py) -------------------
 
 SLICE_SECONDS = 1.0
 """A worker pool with more hungry jobs than workers time-slices: a job with no worker takes
-one that has served another job this long (zloader/broker/pool.py)."""
+one that has served another job this long (fixed)."""
 
 HUNGRY_STARVATION = 0.02
 """A job whose consumers waited for data more than this share of the last heartbeat
-interval is hungry: the pool may move a worker to it (zloader/broker/pool.py)."""
+interval is hungry: the pool may move a worker to it (fixed)."""
+
+# --- command line and demo ----------------------------------------------------------------
+
+STATUS_TIMEOUT = 5.0
+"""Seconds ``zloader status`` and ``zloader top`` wait for the broker (``--timeout``)."""
+
+TOP_INTERVAL = 2.0
+"""Seconds between two refreshes of ``zloader top`` (``--interval``)."""
+
+DEMO_IMAGES = 20000
+"""Images ``zloader demo`` runs (``--images``)."""
+
+DEMO_PIPELINE_IMAGES = 4096
+"""Images of ``zloader.demo.demo_pipeline`` (``images=``)."""
+
+DEMO_BATCH_SIZE = 64
+"""Batch size of ``zloader demo`` and ``demo_pipeline`` (``--batch-size``)."""
+
+DEMO_SIZE = 64
+"""Image side of ``zloader demo`` and ``demo_pipeline`` (``--size``)."""
+
+DEMO_WORKERS = 2
+"""Worker processes of ``zloader demo`` (``--workers``)."""
+
+DEMO_DISTINCT = 64
+"""Distinct encoded images the demo source cycles through (fixed)."""

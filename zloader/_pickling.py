@@ -23,6 +23,7 @@ from typing import Any
 import cloudpickle
 from cloudpickle import cloudpickle as _cloudpickle_impl
 
+from zloader._defaults import MAX_SEARCH_DEPTH
 from zloader.errors import SerializationError
 from zloader.fingerprint import global_names
 
@@ -81,9 +82,6 @@ def dumps_pipeline(pipeline: Any) -> bytes:
 
 
 # --- naming what cannot be pickled -------------------------------------------------------
-
-MAX_SEARCH_DEPTH = 12
-"""How deep :func:`_culprit` follows references from a stage to the value at fault."""
 
 
 def _explain(pipeline: Any, error: Exception) -> SerializationError:

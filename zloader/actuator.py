@@ -32,7 +32,7 @@ from typing import Any
 
 import psutil
 
-from zloader._defaults import DRAIN_SECONDS
+from zloader._defaults import ACTUATOR_INTERVAL, DRAIN_SECONDS, REMOTE_DELAY
 from zloader._host import host_id, loopback
 from zloader._status import Unanswered, fetch_status
 from zloader.transport.keys import Keys
@@ -150,8 +150,8 @@ class LocalActuator:
     """
 
     def __init__(self, broker: str, keys: Keys | None, command: Sequence[str],
-                 max_processes: int, start: int = 1, interval: float = 1.0,
-                 remote_delay: float = 5.0, loopback_only: bool = False) -> None:
+                 max_processes: int, start: int = 1, interval: float = ACTUATOR_INTERVAL,
+                 remote_delay: float = REMOTE_DELAY, loopback_only: bool = False) -> None:
         if max_processes < 1:
             raise ValueError(f"max_processes must be at least 1, got {max_processes}")
         self.broker = broker

@@ -40,25 +40,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from zloader._defaults import DRAIN_SECONDS
+from zloader._defaults import (
+    AUTOSCALE_COOLDOWN,
+    AUTOSCALE_DOWN,
+    AUTOSCALE_HOLD,
+    AUTOSCALE_MAX_WORKERS,
+    AUTOSCALE_MIN_WORKERS,
+    AUTOSCALE_UP,
+    DRAIN_SECONDS,
+    START_SECONDS,
+)
 
 __all__ = ["START_SECONDS", "Autoscaler"]
-
-START_SECONDS = 60.0
-"""How long actuators get to add the workers asked for (two cooldowns if longer): a new
-process starts in a second, a Ray actor or a Kubernetes pod can take much longer."""
 
 
 @dataclass
 class Autoscaler:
     """One job's worker count; see the module docstring for the policy."""
 
-    up: float = 0.07
-    down: float = 0.03
-    cooldown: float = 30.0
-    min_workers: int = 1
-    max_workers: int = 64
-    hold: int = 10  # cooldowns a limit set by an undone step first lasts (then doubles)
+    up: float = AUTOSCALE_UP
+    down: float = AUTOSCALE_DOWN
+    cooldown: float = AUTOSCALE_COOLDOWN
+    min_workers: int = AUTOSCALE_MIN_WORKERS
+    max_workers: int = AUTOSCALE_MAX_WORKERS
+    hold: int = AUTOSCALE_HOLD  # cooldowns a limit set by an undone step first lasts (then doubles)
     desired: int = 0  # 0 until the first update
     _direction: int = 0  # +1 just added, -1 just removed, 0 holding (or just undone)
     _undo: bool = False  # the decision being made undoes the last step

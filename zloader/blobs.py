@@ -26,12 +26,10 @@ import re
 from collections import OrderedDict
 from collections.abc import Callable
 
+from zloader._defaults import DISK_ENTRIES, MEMORY_ENTRIES
+
 __all__ = ["BlobCache", "BlobError", "digest_of"]
 
-MEMORY_ENTRIES = 2
-"""Blobs a worker process keeps in memory."""
-DISK_ENTRIES = 8
-"""Blobs a host directory keeps; the oldest go first."""
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 
 

@@ -14,6 +14,17 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
 
+from zloader._defaults import (
+    ACTUATOR_INTERVAL,
+    AUTOSCALE_COOLDOWN,
+    DEMO_BATCH_SIZE,
+    DEMO_IMAGES,
+    DEMO_SIZE,
+    DEMO_WORKERS,
+    HEARTBEAT,
+    STATUS_TIMEOUT,
+    TOP_INTERVAL,
+)
 from zloader._version import __version__
 
 __all__ = ["broker_main", "main", "worker_main"]
@@ -126,10 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", help="run the demo job (synthetic image decode and augmentation)",
         description="Run a synthetic image pipeline (decode, random crop, flip, normalize, "
                     "batch) and report its throughput.")
-    demo.add_argument("--images", type=_positive, default=20000, help="images (default 20000)")
-    demo.add_argument("--batch-size", type=_positive, default=64, help="default 64")
-    demo.add_argument("--size", type=_positive, default=64, help="image side (default 64)")
-    demo.add_argument("--workers", type=_positive, default=2, help="worker processes "
+    demo.add_argument("--images", type=_positive, default=DEMO_IMAGES,
+                      help="images (default 20000)")
+    demo.add_argument("--batch-size", type=_positive, default=DEMO_BATCH_SIZE, help="default 64")
+    demo.add_argument("--size", type=_positive, default=DEMO_SIZE, help="image side (default 64)")
+    demo.add_argument("--workers", type=_positive, default=DEMO_WORKERS, help="worker processes "
                       "(default 2)")
     demo.add_argument("--no-compare", dest="compare", action="store_false",
                       help="skip the in-process comparison run")
@@ -158,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "the share of time its consumers waited for data (starvation); per "
                     "worker its job, elements/s and CPU use. Ctrl-C quits.")
     _broker_arguments(top)
-    top.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    top.add_argument("--interval", type=float, default=TOP_INTERVAL,
+                     help="seconds between refreshes (default 2)")
     top.add_argument("--iterations", type=int, default=0,
                      help="stop after this many refreshes (default 0: until Ctrl-C)")
     top.set_defaults(run=_top)
@@ -244,7 +257,7 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
                         help="allow a non-loopback --bind or --metrics-bind without --keys "
                              "(a trusted network only: whoever reaches the port can run code "
                              "on the workers)")
-    parser.add_argument("--heartbeat", type=float, default=1.0, metavar="SECONDS",
+    parser.add_argument("--heartbeat", type=float, default=HEARTBEAT, metavar="SECONDS",
                         help="seconds between heartbeats (default 1); workers and consumers "
                              "follow the broker's, and a peer silent for three is taken for "
                              "dead. Shorter notices deaths sooner; too short for a loaded "
@@ -257,7 +270,8 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
                         help="the address the metrics endpoint listens on (default "
                              "127.0.0.1; 0.0.0.0 for a scraper on another host, which "
                              "without --keys needs --insecure)")
-    parser.add_argument("--autoscale-cooldown", type=float, default=30.0, metavar="SECONDS",
+    parser.add_argument("--autoscale-cooldown", type=float, default=AUTOSCALE_COOLDOWN,
+                        metavar="SECONDS",
                         help="seconds of consumers' starvation the autoscaler samples "
                              "between two changes of a job's desired_workers, judging on the "
                              "second half (default 30; see `zloader-worker --autoscale`)")
@@ -388,7 +402,8 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-processes", type=_positive, default=None, metavar="N",
                         help="with --autoscale, the core budget: at most N worker "
                              "processes on this host (default: its core count)")
-    parser.add_argument("--autoscale-interval", type=float, default=1.0, metavar="SECONDS",
+    parser.add_argument("--autoscale-interval", type=float, default=ACTUATOR_INTERVAL,
+                        metavar="SECONDS",
                         help="with --autoscale, seconds between two looks at the broker's "
                              "status (default 1)")
     parser.add_argument("--bind", default=None, help=argparse.SUPPRESS)
@@ -507,7 +522,8 @@ def _broker_arguments(parser: argparse.ArgumentParser) -> None:
     """--broker, --timeout and --keys: how `zloader status` and `zloader top` reach it."""
     parser.add_argument("--broker", default="tcp://127.0.0.1:5555", type=_address,
                         help="the broker's address (default tcp://127.0.0.1:5555)")
-    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait")
+    parser.add_argument("--timeout", type=float, default=STATUS_TIMEOUT,
+                        help="seconds to wait (default 5)")
     parser.add_argument("--keys", default=None, metavar="DIR",
                         help="the broker's keys directory; default $ZLOADER_KEYS")
 

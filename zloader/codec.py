@@ -46,18 +46,16 @@ from typing import Any
 
 import numpy as np
 
+from zloader._defaults import CODEC_INLINE_MAX as INLINE_MAX
+from zloader._defaults import CODEC_MAX_BIGINT_BYTES as MAX_BIGINT_BYTES
+from zloader._defaults import CODEC_MAX_DEPTH as MAX_DEPTH
+from zloader._defaults import CODEC_MAX_NDIM as MAX_NDIM
 from zloader.errors import CodecError
 
 __all__ = ["MAX_DEPTH", "Gather", "Stacked", "decode", "encode", "joined", "nbytes"]
 
 VERSION = 1
 MAGIC = b"ZLC" + bytes([VERSION])
-MAX_DEPTH = 100
-"""Deepest nesting of containers accepted (deeper usually means a cycle)."""
-INLINE_MAX = 1024
-"""``str``/``bytes`` up to this many bytes travel inside the header, longer ones as buffers."""
-MAX_BIGINT_BYTES = 1024
-MAX_NDIM = 32
 
 _U8 = struct.Struct("<B")
 _U32 = struct.Struct("<I")

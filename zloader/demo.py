@@ -12,11 +12,12 @@ from typing import Any
 
 import numpy as np
 
+from zloader._defaults import DEMO_BATCH_SIZE, DEMO_PIPELINE_IMAGES, DEMO_SIZE
+from zloader._defaults import DEMO_DISTINCT as _DISTINCT
 from zloader.pipeline import Pipeline
 
 __all__ = ["demo_pipeline"]
 
-_DISTINCT = 64  # distinct encoded images; the source cycles through them
 _MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32) * 255
 _STD = np.array([0.229, 0.224, 0.225], dtype=np.float32) * 255
 
@@ -32,8 +33,10 @@ def _encoded_images(size: int) -> list[bytes]:
     return images
 
 
-def demo_pipeline(images: int = 4096, batch_size: int = 64, size: int = 64) -> Pipeline:
-    """The demo pipeline over ``images`` synthetic images of ``size`` x ``size`` pixels."""
+def demo_pipeline(images: int = DEMO_PIPELINE_IMAGES, batch_size: int = DEMO_BATCH_SIZE,
+                  size: int = DEMO_SIZE) -> Pipeline:
+    """The demo pipeline over ``images`` (default 4096) synthetic images of ``size`` x ``size``
+    pixels (default 64), in batches of ``batch_size`` (default 64)."""
     encoded = _encoded_images(size)
     crop = size * 7 // 8
 

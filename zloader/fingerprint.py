@@ -68,6 +68,7 @@ from typing import Any
 
 import numpy as np
 
+from zloader._defaults import FINGERPRINT_MAX_DEPTH as MAX_DEPTH
 from zloader._version import __version__
 from zloader.errors import FingerprintWarning
 
@@ -75,7 +76,6 @@ __all__ = ["MAX_DEPTH", "Unhashable", "fingerprint", "global_names"]
 
 SCHEME = 2
 """Bumped whenever the hashing rules change, so old and new fingerprints never match."""
-MAX_DEPTH = 400
 FLAT_MIN_ITEMS = 64
 """Lists and tuples this long, of atoms or of tuples of atoms, are hashed in one C pass."""
 _ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})

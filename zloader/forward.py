@@ -19,16 +19,13 @@ import threading
 from collections import deque
 from typing import Any, TextIO
 
+from zloader._defaults import LOG_BURST as BURST
+from zloader._defaults import LOG_MAX_LINE as MAX_LINE
+from zloader._defaults import LOG_MAX_LINES as MAX_LINES
+from zloader._defaults import LOG_RATE as RATE
+
 __all__ = ["BURST", "MAX_LINE", "RATE", "Bucket", "Capture", "emit", "valid_lines"]
 
-RATE = 20.0
-"""Lines a second a worker forwards, sustained."""
-BURST = 200
-"""Lines a worker may forward at once after a quiet spell."""
-MAX_LINE = 2000
-"""Characters kept of a line; the rest is cut and marked."""
-MAX_LINES = 500
-"""Lines in one LOG message (the broker refuses more)."""
 STDOUT, STDERR = logging.INFO, logging.WARNING
 """The levels printed lines are logged at on the trainer's side."""
 

@@ -42,8 +42,6 @@ log = logging.getLogger("zloader.broker")
 
 VERSION = 1
 """The schema of the events below; bump it when an event changes shape or meaning."""
-COMPACT_LINES = 100_000
-"""Rewrite the journal without collected jobs once it has this many lines."""
 
 Check = Callable[[Any], bool]
 

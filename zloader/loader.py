@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from zloader import _check
+from zloader._defaults import DEFAULT_TIMEOUT, WORKER_STOP_SECONDS
 from zloader._process import START_METHODS, start_worker
 from zloader.broker import Broker
 from zloader.client import STATE_VERSION, IOThread, Merger, resume_from
@@ -48,8 +49,6 @@ __all__ = ["Loader"]
 
 log = logging.getLogger("zloader.loader")
 
-WORKER_STOP_SECONDS = 3.0
-
 
 class Loader:
     """Iterate ``pipeline`` as run by zloader workers; one ``for`` loop is one epoch.
@@ -72,7 +71,7 @@ class Loader:
             :class:`zloader.Timeout`; a finite number. A worker that holds this Loader's
             credits and sends nothing for this long is stuck (user code blocked): the
             broker takes it off the job and the other workers read its splits; with no
-            other worker, the Timeout names it (docs/reliability.md).
+            other worker, the Timeout names it (docs/reliability.md). Default 60.
         on_error: ``"raise"`` or ``"skip"`` (drop elements whose user code raises, or
             that the codec cannot encode).
         max_skipped: with ``"skip"``, raise once more than this many were dropped.
@@ -138,7 +137,8 @@ class Loader:
     def __init__(self, pipeline: Pipeline, *, broker: str | None = None,
                  num_workers: int | None = None, sharding: str = "dynamic",
                  job_name: str | None = None, deterministic: bool = False,
-                 transport: str = "auto", prefetch: int | None = None, timeout: float = 60.0,
+                 transport: str = "auto", prefetch: int | None = None,
+                 timeout: float = DEFAULT_TIMEOUT,
                  on_error: str = "raise", max_skipped: int | None = None,
                  ring_bytes: int | None = None, balanced: int = 0,
                  start_method: str = "fork", share: bool = False,

@@ -23,7 +23,13 @@ import threading
 import time
 from typing import Any
 
-from zloader._defaults import DRAIN_SECONDS
+from zloader._defaults import (
+    ACTOR_READY_SECONDS,
+    ACTUATOR_INTERVAL,
+    DRAIN_SECONDS,
+    RAY_START_TIMEOUT,
+    REMOTE_DELAY,
+)
 from zloader._host import loopback
 from zloader.actuator import Plan, Shortfall, follow, plan
 from zloader.transport.keys import Keys, resolve
@@ -54,7 +60,7 @@ class _Worker:
         (An actor Ray restarted runs a new worker, with a new id.)"""
         import os
 
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + ACTOR_READY_SECONDS
         while not hasattr(self.worker, "endpoint") and time.monotonic() < deadline:
             time.sleep(0.01)
         return {"worker": self.worker.id, "pid": os.getpid(),
@@ -141,7 +147,7 @@ class RayWorkers:
 def start_workers(broker: str, num_workers: int, num_cpus_per_worker: float = 1,
                   keys: str | None = None, advertise: str | None = None,
                   insecure: bool = False, max_restarts: int = -1,
-                  start_timeout: float = 120.0, **actor_options: Any) -> RayWorkers:
+                  start_timeout: float = RAY_START_TIMEOUT, **actor_options: Any) -> RayWorkers:
     """Start ``num_workers`` zloader workers as Ray actors of ``num_cpus_per_worker`` CPUs
     each, attached to ``broker``; returns once each runs.
 
@@ -224,8 +230,8 @@ class RayActuator:
             ``num_cpus_per_worker``...).
     """
 
-    def __init__(self, broker: str, max_workers: int, interval: float = 1.0,
-                 remote_delay: float = 5.0, **worker_options: Any) -> None:
+    def __init__(self, broker: str, max_workers: int, interval: float = ACTUATOR_INTERVAL,
+                 remote_delay: float = REMOTE_DELAY, **worker_options: Any) -> None:
         if max_workers < 1:
             raise ValueError(f"max_workers must be at least 1, got {max_workers}")
         self.broker = broker

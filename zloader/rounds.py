@@ -26,12 +26,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Rounds"]
+from zloader._defaults import KEEP_EPOCHS, KEEP_RESOLVED
 
-KEEP_EPOCHS = 2
-"""Epochs before the job's current one whose round counts are kept (late consumers)."""
-KEEP_RESOLVED = 4096
-"""Recently committed or lost rounds remembered, to answer a consumer that asks again."""
+__all__ = ["Rounds"]
 
 
 @dataclass

@@ -26,6 +26,7 @@ import cloudpickle
 import zmq
 
 from zloader import codec
+from zloader._defaults import FETCH_TIMEOUT
 from zloader.blobs import BlobCache, digest_of
 from zloader.pipeline import Pipeline
 from zloader.sources import ArraysSource, ItemsSource
@@ -33,9 +34,6 @@ from zloader.transport.keys import Keys
 from zloader.transport.protocol import Command, Message, ProtocolError, decode, encode
 
 __all__ = ["FETCH_TIMEOUT", "Loading", "Served", "Supply"]
-
-FETCH_TIMEOUT = 30.0
-"""Seconds a worker waits for the Loader that serves a pipeline or source to answer."""
 
 
 class Served:

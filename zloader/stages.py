@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from zloader import collate
-from zloader._defaults import SHUFFLE_DRAW_CHUNK
+from zloader._defaults import ORIGINS_NAMED, SHUFFLE_DRAW_CHUNK
 from zloader._seeding import Key, make_rng
 from zloader.errors import PipelineError, passes_through
 
@@ -35,9 +35,6 @@ __all__ = ["Batch", "BucketByLength", "Context", "Filter", "Map", "Repeat", "Run
            "Skip", "Stage", "Take", "Unbatch", "compose"]
 
 Run = Callable[[Key], Iterator[Any]]
-
-ORIGINS_NAMED = 4
-"""Origins an error message names, of a batch's many."""
 
 
 @dataclass

@@ -20,6 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from zloader import _check
+from zloader._defaults import TF_PROBE
 from zloader.loader import Loader
 from zloader.pipeline import Pipeline
 from zloader.stages import Batch
@@ -137,7 +138,7 @@ def _merge(a: tf.TensorSpec, b: tf.TensorSpec) -> tf.TensorSpec:
     return tf.TensorSpec(dims, a.dtype)
 
 
-def infer_signature(pipeline: Pipeline, probe: int = 2) -> Any:
+def infer_signature(pipeline: Pipeline, probe: int = TF_PROBE) -> Any:
     """The ``output_signature`` of ``pipeline``, from its first ``probe`` elements.
 
     Dimensions that differ between those elements become None, and so does the leading
@@ -169,7 +170,7 @@ def infer_signature(pipeline: Pipeline, probe: int = 2) -> Any:
     return spec
 
 
-def dataset(pipeline: Pipeline, output_signature: Any = None, *, probe: int = 2,
+def dataset(pipeline: Pipeline, output_signature: Any = None, *, probe: int = TF_PROBE,
             **loader_kwargs: Any) -> tf.data.Dataset:
     """A ``tf.data.Dataset`` of the pipeline's elements, read from zloader workers.
 
@@ -177,7 +178,7 @@ def dataset(pipeline: Pipeline, output_signature: Any = None, *, probe: int = 2,
         pipeline: the pipeline.
         output_signature: the element signature; inferred with :func:`infer_signature`
             when None.
-        probe: elements examined to infer the signature.
+        probe: elements examined to infer the signature (default 2).
         **loader_kwargs: passed to :class:`zloader.Loader` (``num_workers``, ``broker``,
             ``sharding``...). The Loader starts on the first iteration and serves every
             epoch; it stops on :func:`close` (of this dataset or one derived from it) or

@@ -41,6 +41,7 @@ from torch.utils.data._utils import collate as _torch_collate
 from torch.utils.data._utils import worker as _torch_worker
 
 from zloader import _check, codec
+from zloader._defaults import PREFETCH_STOP_SECONDS, STACK_LATER_BYTES
 from zloader.errors import PipelineError
 from zloader.loader import Loader
 from zloader.pipeline import Pipeline
@@ -425,11 +426,6 @@ class _BatchSource(Source):
             return convert(sample)
         except Exception as exc:
             raise PipelineError.from_exception(exc, "collate_fn") from exc
-
-
-STACK_LATER_BYTES = 1 << 16
-"""Tensors of a batch that hold at least this many bytes in all are copied once, straight
-into shared memory, instead of being stacked first."""
 
 
 def _stack_later(batch: list[Any], *, collate_fn_map: Any = None) -> Any:
@@ -960,10 +956,6 @@ def _in_order(records: Iterator[Any], first: int, progress: _Progress,
             yield batch
     if pending:
         raise RuntimeError(f"the DataLoader's workers did not send batch {want}")
-
-
-PREFETCH_STOP_SECONDS = 10.0
-"""How long closing a pinning/copying iterator waits for its thread to leave a batch."""
 
 
 class _Prefetcher:

@@ -8,6 +8,7 @@ import logging
 import secrets
 from typing import Any
 
+from zloader._defaults import COMPACT_LINES
 from zloader.broker import (
     coordinated,
     failures,
@@ -19,7 +20,6 @@ from zloader.broker import (
     status,
 )
 from zloader.broker.records import FENCE_GRACE, SHARDING_MODES, Consumer, Job, Out, Tables
-from zloader.journal import COMPACT_LINES
 from zloader.lineage import Ledger, pack
 from zloader.rounds import Rounds
 from zloader.sharing.options import KEY_OPTIONS

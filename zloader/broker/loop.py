@@ -15,11 +15,17 @@ from typing import Any
 
 import zmq
 
+from zloader._defaults import (
+    AUTOSCALE_COOLDOWN,
+    CLOSE_SECONDS,
+    HEARTBEAT,
+    MAX_MESSAGE_BYTES,
+    START_TIMEOUT,
+)
 from zloader.broker.state import Out, State
 from zloader.journal import Journal
 from zloader.transport.keys import Keys
 from zloader.transport.protocol import (
-    MAX_MESSAGE_BYTES,
     Command,
     Message,
     ProtocolError,
@@ -87,9 +93,9 @@ class Broker:
             starvation between two changes of its ``desired_workers``.
     """
 
-    def __init__(self, endpoint: str, heartbeat: float = 1.0, keys: Keys | None = None,
+    def __init__(self, endpoint: str, heartbeat: float = HEARTBEAT, keys: Keys | None = None,
                  work_dir: str | None = None, metrics: tuple[str, int] | None = None,
-                 cooldown: float = 30.0) -> None:
+                 cooldown: float = AUTOSCALE_COOLDOWN) -> None:
         self.endpoint = endpoint
         self.metrics = metrics  # (bind address, port) of the Prometheus endpoint
         self.snapshot: dict[str, Any] = {}  # the latest State.metrics(), read by scrapes
@@ -105,7 +111,7 @@ class Broker:
 
     # --- lifecycle ------------------------------------------------------------------------
 
-    def start(self, timeout: float = 10.0) -> Broker:
+    def start(self, timeout: float = START_TIMEOUT) -> Broker:
         """Run the loop on a background thread; returns once the socket is bound."""
         self._thread = threading.Thread(target=self._run_guarded, name="zloader-broker",
                                         daemon=True)
@@ -115,7 +121,7 @@ class Broker:
             raise RuntimeError(f"broker failed to start at {self.endpoint}: {self._failure}")
         return self
 
-    def close(self, timeout: float = 5.0) -> None:
+    def close(self, timeout: float = CLOSE_SECONDS) -> None:
         """Stop the loop and close the socket (safe to call twice)."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():

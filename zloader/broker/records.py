@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from zloader._defaults import AUTOSCALE_COOLDOWN, FENCE_GRACE, HEARTBEAT, KILLS_TO_FAIL, LIVENESS
 from zloader.autoscale import Autoscaler
 from zloader.forward import BURST, RATE, Bucket
 from zloader.journal import Journal
@@ -22,12 +23,7 @@ from zloader.transport.protocol import Command
 __all__ = ["FENCE_GRACE", "INHERITED", "KILLS_TO_FAIL", "SHARDING_MODES", "Consumer", "Fence",
            "Job", "Out", "Pass", "Tables", "Worker"]
 
-KILLS_TO_FAIL = 3
-"""A split that was being read by a dying worker this many times is reported, not re-run."""
 SHARDING_MODES = ("dynamic", "static", "off")
-FENCE_GRACE = 10
-"""Expiries (``liveness`` heartbeats each) a fence waits for a consumer that went silent: a
-stalled consumer that comes back still answers, so what it holds is not read again."""
 INHERITED = {"inherited": True}
 """A job's ``pipeline`` when its Loader's forked workers hold it in memory (embedded)."""
 
@@ -178,8 +174,9 @@ class Tables:
         cooldown: the autoscaler's (``zloader/autoscale.py``).
     """
 
-    def __init__(self, heartbeat: float = 1.0, liveness: int = 3,
-                 journal: Journal | None = None, cooldown: float = 30.0) -> None:
+    def __init__(self, heartbeat: float = HEARTBEAT, liveness: int = LIVENESS,
+                 journal: Journal | None = None,
+                 cooldown: float = AUTOSCALE_COOLDOWN) -> None:
         self.heartbeat = heartbeat
         self.cooldown = cooldown
         self.liveness = liveness

@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 from zloader import _check
+from zloader._defaults import DEFAULT_PREFETCH
 from zloader.pipeline import Pipeline
 from zloader.sharing.options import settings
 from zloader.transport.ring import ALIGN
@@ -20,7 +21,6 @@ log = logging.getLogger("zloader.loader")
 SHARDING = ("dynamic", "static", "off")
 TRANSPORTS = ("auto", "tcp")
 ON_ERROR = ("raise", "skip")
-DEFAULT_PREFETCH = 8
 
 
 def timeout_seconds(timeout: Any) -> float:

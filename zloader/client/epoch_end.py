@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from zloader._defaults import REREADS
 from zloader.client.items import Item
 from zloader.client.link import BrokerLink, JobView
 from zloader.client.peers import Peers
@@ -22,9 +23,6 @@ from zloader.transport.protocol import Command
 __all__ = ["REREADS", "EpochEnd"]
 
 log = logging.getLogger("zloader.loader")
-
-REREADS = 3
-"""Times an exactly-once epoch that ended short asks for a split again before it raises."""
 
 
 class EpochEnd:

@@ -15,6 +15,7 @@ from typing import Any
 
 import zmq
 
+from zloader._defaults import BYE_LINGER_MS
 from zloader._host import host_id
 from zloader.client.items import Item
 from zloader.client.rounds import Rounds
@@ -33,9 +34,6 @@ from zloader.transport.protocol import (
 __all__ = ["BYE_LINGER_MS", "BrokerLink", "JobView", "registration"]
 
 log = logging.getLogger("zloader.loader")
-
-BYE_LINGER_MS = 200
-"""At most how long closing waits for the BYE to reach the broker (milliseconds)."""
 
 
 def registration(*, fingerprint: str, job_name: str | None, sharding: str,

@@ -12,15 +12,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from zloader import codec
+from zloader._defaults import POLL_SECONDS
 from zloader.client.exactly_once import Yielded
 from zloader.client.items import Item
 from zloader.client.thread import IOThread
 from zloader.errors import PipelineError, Timeout
 
 __all__ = ["Merger"]
-
-POLL_SECONDS = 0.1
-"""How often a wait for data checks the Loader's timeout."""
 
 
 class Merger:

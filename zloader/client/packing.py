@@ -13,6 +13,7 @@ from typing import Any
 import cloudpickle
 
 from zloader import _check, codec
+from zloader._defaults import INLINE_PIPELINE_BYTES, INLINE_SOURCE_BYTES
 from zloader._host import loopback
 from zloader._pickling import dumps_pipeline
 from zloader.client.peers import local_address
@@ -61,12 +62,6 @@ def check_exposure(served: Served, broker: str | None, keys: Keys | None,
             "process, on an address other hosts can reach, and without keys anyone "
             "could read it: pass keys= (the broker's, see `zloader keygen`), or "
             "insecure=True on a trusted network")
-
-
-INLINE_SOURCE_BYTES = 1 << 20
-"""In-memory sources larger than this reach workers from the Loader, not via the broker."""
-INLINE_PIPELINE_BYTES = 1 << 20
-"""Pickled pipelines larger than this reach workers from the Loader, not via the broker."""
 
 
 def strip_source(pipeline: Pipeline) -> tuple[Pipeline, tuple[str, list[Any]] | None]:

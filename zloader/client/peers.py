@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from zloader._defaults import RING_MAX_BYTES
 from zloader._host import host_id
 from zloader.client.rounds import Rounds
 from zloader.client.session import Session, Settings
@@ -24,9 +25,6 @@ from zloader.transport.shm import sweep
 __all__ = ["Peer", "Peers", "local_address"]
 
 log = logging.getLogger("zloader.loader")
-
-RING_MAX_BYTES = 1 << 30
-"""A ring that keeps filling up with large records grows, by doubling, up to this size."""
 
 
 @dataclass

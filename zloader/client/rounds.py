@@ -8,14 +8,12 @@ import logging
 import time
 from typing import Any
 
+from zloader._defaults import VACANT_WARNING
 from zloader.client.items import Item
 
 __all__ = ["Rounds"]
 
 log = logging.getLogger("zloader.loader")
-
-VACANT_WARNING = 10.0
-"""Seconds a coordinated consumer waits for a missing one before it says so (then again)."""
 
 
 class Rounds:

@@ -6,13 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from zloader._defaults import HEARTBEAT
 from zloader.lineage import Ledger
 from zloader.transport.keys import Keys
 
 __all__ = ["HEARTBEAT", "Session", "Settings"]
-
-HEARTBEAT = 1.0
-"""Seconds between heartbeats until the broker says its own interval."""
 
 
 @dataclass(frozen=True)

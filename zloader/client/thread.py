@@ -21,6 +21,7 @@ from typing import Any
 
 import zmq
 
+from zloader._defaults import POLL_MS
 from zloader.client.epoch_end import EpochEnd
 from zloader.client.items import Item
 from zloader.client.link import BrokerLink, registration
@@ -36,8 +37,6 @@ from zloader.transport.protocol import Command, Message, ProtocolError, decode
 __all__ = ["IOThread"]
 
 log = logging.getLogger("zloader.loader")
-
-POLL_MS = 5
 
 
 class IOThread(threading.Thread):

@@ -13,15 +13,13 @@ from __future__ import annotations
 from typing import Any
 
 from zloader import _check
+from zloader._defaults import DEFAULT_BLOCK_SECONDS, WINDOW_MAX, WINDOW_MIN
 from zloader.sharing.window import LAG_POLICIES
 
 __all__ = ["DEFAULT_BLOCK_SECONDS", "KEY_OPTIONS", "default_window_bytes", "settings"]
 
-DEFAULT_BLOCK_SECONDS = 10.0
 KEY_OPTIONS = ("sharding", "deterministic", "on_error")
 """Options that must be equal, with the fingerprint, for two Loaders to share a job."""
-WINDOW_MIN = 64 << 20
-WINDOW_MAX = 4 << 30
 
 
 def default_window_bytes() -> int:

@@ -18,7 +18,7 @@ from typing import Any
 
 import cloudpickle
 
-from zloader._defaults import STAGES
+from zloader._defaults import HEARTBEAT_RANGE, MAX_BODY_BYTES, MAX_BODY_DEPTH, STAGES
 from zloader.errors import ZloaderError
 
 __all__ = ["VERSION", "Command", "Message", "ProtocolError", "VersionMismatch", "decode",
@@ -28,21 +28,10 @@ VERSION = (f"ZLP/2 py/{sys.version_info[0]}.{sys.version_info[1]} "
            f"cp/{cloudpickle.__version__}").encode("ascii")
 """The version frame: protocol version, Python minor version, cloudpickle version."""
 
-MAX_BODY_BYTES = 1 << 20
-MAX_BODY_DEPTH = 32
-"""Bodies nested deeper than this are refused (real ones nest 6 deep at most): a handler,
-or the journal re-encoding a body, must never recurse near Python's limit."""
 MAX_BODY_INT = 1 << 64
 """Integers in a body lie in (-2**64, 2**64): seeds and digests are 64-bit, every other
 field is smaller; wider ones (thousands of digits) are refused before anything computes
 with them."""
-MAX_PIPELINE_BYTES = 8 << 20
-"""Pipeline definitions larger than this are refused; see docs/protocol.md."""
-MAX_MESSAGE_BYTES = MAX_PIPELINE_BYTES + MAX_BODY_BYTES + 4096
-"""The broker's socket drops any larger frame (ZeroMQ's MAXMSGSIZE: the peer is cut off)."""
-MAX_DATA_FRAME_BYTES = 1 << 30
-"""A worker's data socket drops any larger frame (an epoch's input sent with OPEN is the
-largest thing a consumer sends)."""
 
 
 class Command(enum.IntEnum):
@@ -117,10 +106,6 @@ class Message:
             raise ProtocolError(f"{self.command.name}: field {name!r} must be "
                                 f"{getattr(kind, '__name__', kind)}, got {value!r}")
         return value
-
-
-HEARTBEAT_RANGE = (0.05, 60.0)
-"""Heartbeat intervals a broker may use, in seconds (``zloader-broker --heartbeat``)."""
 
 
 def heartbeat(value: Any) -> float | None:

@@ -13,17 +13,14 @@ from typing import Any
 
 import numpy as np
 
+from zloader._defaults import MAX_BUFFERS, SEGMENT_BYTES
 from zloader.codec import Gather, nbytes
 from zloader.errors import CodecError
 
 __all__ = ["ALIGN", "SEGMENT_BYTES", "pack_into", "packed_size", "unpack"]
 
 ALIGN = 64
-SEGMENT_BYTES = 1 << 20
-"""A record this large that finds its ring full goes in a shared-memory segment of its own
-(one copy) rather than over the socket (a copy at each end)."""
 _HEAD = struct.Struct("<II")
-MAX_BUFFERS = 1 << 20
 
 
 def _align(n: int) -> int:

@@ -53,6 +53,7 @@ from types import TracebackType
 import numpy as np
 import numpy.typing as npt
 
+from zloader._defaults import DEFAULT_RING_BYTES
 from zloader.errors import ZloaderError
 from zloader.transport.shm import Segment
 
@@ -65,8 +66,6 @@ __all__ = [
     "RingWriter",
 ]
 
-DEFAULT_RING_BYTES = 64 * 1024 * 1024
-"""Default data capacity of a ring (one per worker)."""
 ALIGN = 64
 """Records start at multiples of this many bytes (a cache line; enough for any dtype)."""
 DATA_OFFSET = 4096

@@ -11,9 +11,9 @@ from typing import Any
 
 import zmq
 
+from zloader._defaults import EARLY_OPENS, MAX_DATA_FRAME_BYTES
 from zloader.transport.keys import Keys
 from zloader.transport.protocol import (
-    MAX_DATA_FRAME_BYTES,
     Command,
     Message,
     ProtocolError,
@@ -24,9 +24,6 @@ from zloader.worker.streams import Outlet
 from zloader.worker.task import Task
 
 __all__ = ["EARLY_OPENS", "DataPort"]
-
-EARLY_OPENS = 64
-"""OPENs kept for a task this worker has not heard of yet (the oldest are dropped)."""
 
 
 class DataPort:

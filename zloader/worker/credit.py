@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from zloader._defaults import MAX_GRANT
 from zloader.transport.protocol import Command
 from zloader.worker.delivery import Delivery
 from zloader.worker.streams import Stream
@@ -19,9 +20,6 @@ if TYPE_CHECKING:
     from zloader.worker.task import Task
 
 __all__ = ["MAX_GRANT", "CreditDelivery", "clamp"]
-
-MAX_GRANT = 1 << 16
-"""The most credits one message may grant (more is taken as this many)."""
 
 
 def clamp(credits: int) -> int:

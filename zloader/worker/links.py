@@ -8,15 +8,10 @@ from typing import Any
 
 import zmq
 
-from zloader._defaults import STAGES
+from zloader._defaults import STAGES, STOP_SECONDS
 from zloader.worker.producer import Producer, ProducerSpec
 
 __all__ = ["STOP_SECONDS", "Links"]
-
-STOP_SECONDS = 2.0
-"""A producer told to stop that has not within this long is stuck in user code (a thread
-cannot be killed): the worker process then replaces itself
-(:meth:`zloader.worker.process.WorkerProcess._restart`)."""
 
 
 class Links:

@@ -25,7 +25,7 @@ import psutil
 import zmq
 
 from zloader._command import with_sys_path, worker_command
-from zloader._defaults import DRAIN_SECONDS
+from zloader._defaults import DRAIN_SECONDS, FORWARD_EVERY, HEARTBEAT
 from zloader._host import host_id
 from zloader.forward import Capture
 from zloader.pipeline import Pipeline
@@ -47,9 +47,6 @@ from zloader.worker.task import Assignment, Task, load_error
 __all__ = ["FORWARD_EVERY", "WorkerProcess", "delivery_for"]
 
 log = logging.getLogger("zloader.worker")
-
-FORWARD_EVERY = 0.2
-"""Seconds between two sends of captured user output (zloader/forward.py)."""
 
 
 def delivery_for(task: Assignment) -> type[Delivery]:
@@ -84,7 +81,7 @@ class WorkerProcess:
 
     def __init__(self, broker: str, bind: str, advertise: str | None = None,
                  prefer: str | None = None, parent: int | None = None,
-                 heartbeat: float = 1.0, keys: Keys | None = None,
+                 heartbeat: float = HEARTBEAT, keys: Keys | None = None,
                  plain_data: bool = False, forward_output: bool = False,
                  inherited: dict[str, Pipeline] | None = None,
                  blob_dir: str | None = None) -> None:

@@ -34,7 +34,7 @@ import numpy as np
 import zmq
 
 from zloader import codec
-from zloader._defaults import STAGES
+from zloader._defaults import RECORD_BYTES, RECORD_ELEMENTS, RECORD_LINGER, STAGES
 from zloader.errors import CodecError, PipelineError
 from zloader.lineage import Assigned, encode_origins, unpack
 from zloader.plan import Plan
@@ -43,10 +43,6 @@ from zloader.transport.protocol import error_object
 
 __all__ = ["RECORD_BYTES", "RECORD_ELEMENTS", "RECORD_LINGER", "STAGES", "LinkKind",
            "Outgoing", "Producer", "ProducerSpec"]
-
-RECORD_ELEMENTS = 1024
-RECORD_BYTES = 1 << 20
-RECORD_LINGER = 0.002
 
 
 class LinkKind(enum.Enum):
