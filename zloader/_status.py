@@ -8,6 +8,7 @@ import zmq
 
 from zloader.transport.keys import Keys
 from zloader.transport.protocol import Command, decode, encode
+from zloader.transport.sockets import make_socket
 
 __all__ = ["Unanswered", "fetch_status"]
 
@@ -23,10 +24,7 @@ def fetch_status(broker: str, keys: Keys | None, timeout: float) -> dict[str, An
         Unanswered: none within ``timeout`` seconds.
     """
     context = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    if keys is not None:
-        keys.connect(sock)
+    sock = make_socket(context, zmq.DEALER, keys)
     try:
         sock.connect(broker)
         sock.send_multipart(encode(Command.STATUS, {}))

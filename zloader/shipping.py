@@ -31,6 +31,7 @@ from zloader.pipeline import Pipeline
 from zloader.sources import ArraysSource, ItemsSource
 from zloader.transport.keys import Keys
 from zloader.transport.protocol import Command, Message, ProtocolError, decode, encode
+from zloader.transport.sockets import make_socket
 
 __all__ = ["FETCH_TIMEOUT", "Loading", "Served", "Supply"]
 
@@ -152,10 +153,7 @@ class Supply:
 
     def _fetch(self, endpoint: str, what: str) -> Message:
         """Ask the Loader at ``endpoint`` for ``what`` ("pipeline" or "source")."""
-        sock = self.context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        if self.keys is not None:
-            self.keys.connect(sock)
+        sock = make_socket(self.context, zmq.DEALER, self.keys)
         try:
             sock.connect(endpoint)
             sock.send_multipart(encode(Command.FETCH, {"what": what}))

@@ -29,6 +29,7 @@ from zloader.transport.protocol import (
     error_from_object,
     heartbeat,
 )
+from zloader.transport.sockets import make_socket
 
 __all__ = ["BYE_LINGER_MS", "BrokerLink", "JobView", "registration"]
 
@@ -102,10 +103,7 @@ class BrokerLink:
 
     def connect(self, context: zmq.Context[Any]) -> zmq.Socket[Any]:
         """Make the socket (in the I/O thread) and connect it to the broker."""
-        sock = context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        if self.settings.keys is not None:
-            self.settings.keys.connect(sock)
+        sock = make_socket(context, zmq.DEALER, self.settings.keys)
         sock.connect(self.settings.address)
         self.socket = sock
         return sock

@@ -20,6 +20,7 @@ from zloader.client.session import Session, Settings
 from zloader.client.stats import Stats
 from zloader.transport.protocol import Command, ProtocolError, doing, doing_text, encode
 from zloader.transport.shm import sweep
+from zloader.transport.sockets import make_socket
 
 __all__ = ["Peer", "Peers", "local_address"]
 
@@ -136,12 +137,9 @@ class Peers:
     def _connect(self, entry: dict[str, Any]) -> None:
         assert self._context is not None and self._poller is not None
         keys = self.settings.keys
-        sock = self._context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        if keys is not None and entry.get("plain_data") is True:
-            keys.connect_plain(sock)  # the worker's --plain-data
-        elif keys is not None:
-            keys.connect(sock)
+        # PLAIN for a worker started with --plain-data
+        sock = make_socket(self._context, zmq.DEALER, keys,
+                           plain=keys is not None and entry.get("plain_data") is True)
         try:
             sock.connect(str(entry["endpoint"]))
         except zmq.ZMQError as exc:

@@ -32,6 +32,7 @@ from zloader.client.stats import Stats
 from zloader.shipping import Served
 from zloader.transport.keys import Keys
 from zloader.transport.protocol import Command, Message, ProtocolError, decode
+from zloader.transport.sockets import make_socket
 
 __all__ = ["IOThread"]
 
@@ -324,11 +325,9 @@ class IOThread(threading.Thread):
         """Bind the socket from which workers fetch this job's in-memory source data and
         its pipeline, when that is too large to pass through the broker."""
         keys = self.settings.keys
-        server = context.socket(zmq.ROUTER)
-        server.setsockopt(zmq.LINGER, 0)
         if keys is not None:
             self._guard = keys.guard(context)
-            keys.serve(server)
+        server = make_socket(context, zmq.ROUTER, keys, serve=True)
         server.bind(self.settings.data_bind
                     or f"tcp://{local_address(self.settings.address)}:*")
         self._data_server = server

@@ -13,6 +13,7 @@ from zloader.errors import ZloaderError
 from zloader.lineage import unpack
 from zloader.transport.keys import Keys
 from zloader.transport.protocol import Command, Message, ProtocolError, encode
+from zloader.transport.sockets import make_socket
 
 __all__ = ["BrokerLink", "BrokerRefused", "assignment"]
 
@@ -51,10 +52,7 @@ class BrokerLink:
         Raises:
             BrokerRefused: the handshake failed.
         """
-        sock = self.context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        if self.keys is not None:
-            self.keys.connect(sock)
+        sock = make_socket(self.context, zmq.DEALER, self.keys)
         sock.connect(self.endpoint)
         self.sock = sock
         self.ready()

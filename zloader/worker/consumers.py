@@ -20,6 +20,7 @@ from zloader.transport.protocol import (
     decode,
     encode,
 )
+from zloader.transport.sockets import make_socket
 from zloader.worker.streams import Outlet
 from zloader.worker.task import Task
 
@@ -44,14 +45,8 @@ class DataPort:
     def __init__(self, context: zmq.Context[Any], bind: str, advertise: str | None,
                  keys: Keys | None, plain_data: bool,
                  reject: Callable[..., None]) -> None:
-        sock = context.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_DATA_FRAME_BYTES)
-        if plain_data:
-            assert keys is not None
-            keys.serve_plain(sock)
-        elif keys is not None:
-            keys.serve(sock)
+        sock = make_socket(context, zmq.ROUTER, keys, serve=True, plain=plain_data,
+                           max_bytes=MAX_DATA_FRAME_BYTES)
         sock.bind(bind)
         endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         if advertise and endpoint.startswith("tcp://"):
