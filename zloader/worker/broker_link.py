@@ -10,9 +10,9 @@ from typing import Any
 import zmq
 
 from zloader.errors import ZloaderError
-from zloader.lineage import unpack
 from zloader.transport.keys import Keys
-from zloader.transport.protocol import Command, Message, ProtocolError, encode
+from zloader.transport.messages import Split
+from zloader.transport.protocol import Command, ProtocolError, encode
 from zloader.transport.sockets import make_socket
 
 __all__ = ["BrokerLink", "BrokerRefused", "assignment"]
@@ -101,23 +101,15 @@ class BrokerLink:
         self.sock.close(0)
 
 
-def assignment(msg: Message) -> dict[str, Any]:
-    """The checked ``origin``, ``skip`` and ``expect`` of an exactly-once job's SPLIT.
+def assignment(split: Split) -> dict[str, Any]:
+    """The ``origin``, ``skip`` and ``expect`` of an exactly-once job's SPLIT (checked
+    by its record), for the producer.
 
     Raises:
-        ProtocolError: one is malformed.
+        ProtocolError: it has no ``origin``.
     """
-    origin = msg.field("origin", list)
-    if not origin or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0
-                             for k in origin):
-        raise ProtocolError("SPLIT.origin must be a pass key")
-    skip = msg.body.get("skip", "")
-    try:
-        unpack(skip)
-    except ValueError as exc:
-        raise ProtocolError(f"SPLIT.skip: {exc}") from None
-    expect = msg.body.get("expect")
-    if expect is not None and not (isinstance(expect, list) and len(expect) == 2
-                                   and all(isinstance(v, int) for v in expect)):
-        raise ProtocolError("SPLIT.expect must be [count, digest]")
-    return {"origin": origin, "skip": skip, "expect": expect}
+    if split.origin is None:
+        raise ProtocolError("SPLIT: field 'origin' is missing (an exactly-once job's split "
+                            "needs it)")
+    return {"origin": list(split.origin), "skip": split.skip,
+            "expect": list(split.expect) if split.expect is not None else None}

@@ -32,8 +32,9 @@ from zloader.pipeline import Pipeline
 from zloader.plan import plan
 from zloader.sharing.delivery import SharedDelivery
 from zloader.shipping import Loading, Supply
+from zloader.transport import messages
 from zloader.transport.keys import Keys
-from zloader.transport.protocol import Command, Message, ProtocolError, decode, heartbeat
+from zloader.transport.protocol import Command, Message, ProtocolError, decode
 from zloader.transport.shm import sweep, sweep_dirs
 from zloader.worker.broker_link import BrokerLink, BrokerRefused
 from zloader.worker.consumers import DataPort
@@ -312,48 +313,49 @@ class WorkerProcess:
             self._reject("failed on a message from the broker", exc_info=True)
 
     def _handle_broker(self, msg: Message) -> None:
-        command, task = msg.command, self.task
-        if command is Command.ACK:
-            beat = heartbeat(msg.body.get("heartbeat"))
-            if beat is not None:
-                self.heartbeat = beat  # the broker's interval: it expects ours
-            if "task" in msg.body and task is not None and msg.body["task"] != task.id:
+        """One message from the broker, its body decoded into its record.
+
+        Raises:
+            ProtocolError: it is malformed.
+        """
+        record, task = messages.decode(msg), self.task
+        if isinstance(record, messages.Ack):
+            self.heartbeat = record.heartbeat  # the broker's interval: it expects ours
+            if task is not None and record.task != task.id:
                 # The broker gave up on this worker (a partition, a stall) and handed its
                 # splits to others: what it still holds must not reach a consumer.
                 log.warning("the broker had dropped this worker: task %s abandoned", task.id)
                 self._stop_task()
-        elif command is Command.TASK:
-            self._start_task(msg)
-        elif command is Command.SPLIT:
+        elif isinstance(record, messages.Task):
+            self._start_task(record, msg.payload)
+        elif isinstance(record, messages.Split):
             if task is not None:
-                task.split(msg)
-        elif command is Command.RELEASE:
-            if self.loading is not None and msg.field("task", str) == self.loading[0].id:
+                task.split(record)
+        elif isinstance(record, messages.Release):
+            if self.loading is not None and record.task == self.loading[0].id:
                 self.loading = None
-            if task is not None and msg.field("task", str) == task.id:
+            if task is not None and record.task == task.id:
                 self._stop_task()
-        elif command is Command.ROUND:
-            if task is not None and msg.field("task", str) == task.id:
-                task.delivery.on_round(msg.field("epoch", int),
-                                       msg.field("round", int, optional=True))
-        elif command is Command.CONSUMER_GONE:
-            consumer = msg.field("consumer", str)
+        elif isinstance(record, messages.Round):
+            if task is not None and record.task == task.id:
+                task.delivery.on_round(record.epoch, record.round)
+        elif isinstance(record, messages.ConsumerGone):
             if task is not None:
-                task.drop_consumer(consumer, bool(msg.body.get("replaced")))
+                task.drop_consumer(record.consumer, record.replaced)
                 sweep()  # a consumer that died cannot unlink its rings: remove them for it
-        elif command is Command.UNKNOWN:
+        elif isinstance(record, messages.Unknown):
             self.broker.ready()  # the broker restarted (or gave up on us): register again
             if task is not None:
                 self.broker.ask_again(task.id)
-        elif command is Command.ERROR:
-            log.error("broker refused a message: %s", msg.body.get("message"))
+        elif isinstance(record, messages.Error):
+            log.error("broker refused a message: %s", record.message)
 
-    def _start_task(self, msg: Message) -> None:
+    def _start_task(self, record: messages.Task, payload: list[Any]) -> None:
         """TASK: check it, then load its pipeline on a thread (see ``_begin_task``)."""
-        task = Assignment.decode(msg)
+        task = Assignment.decode(record)
         if self.task is not None:
             self._stop_task()
-        self.loading = (task, self.supply.start(msg))
+        self.loading = (task, self.supply.start(record, payload))
         self._begin_task()
 
     def _begin_task(self) -> None:
