@@ -31,8 +31,14 @@ LAYERS = {
     "client.rounds": 6.1, "client.exactly_once": 6.1, "client.peers": 6.2,
     "client.link": 6.2, "client.epoch_end": 6.3, "client.packing": 6.3, "client.receive": 6.4,
     "client.thread": 6.5, "client.merging": 6.6, "client": 6.7,
+    # The transport package: keys, shared memory and framing below everything that uses
+    # them (the journal checks directories with keys.py); records over the codec, message
+    # records over lineage's packed sets, the socket helper over the keys.
+    "transport.keys": 0.5, "transport.shm": 0.5, "transport.protocol": 0.5,
+    "transport.ring": 0.6, "transport.records": 1.5, "transport.messages": 1.5,
+    "transport.sockets": 1.5, "transport": 1.6,
 }
-SUBPACKAGES = ("client",)
+SUBPACKAGES = ("client", "transport")
 
 
 def test_all_is_sorted_and_complete():

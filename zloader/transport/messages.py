@@ -48,6 +48,9 @@ MAX_LOG_LINES = 500
 MAX_LOG_TEXT = 2000 + 64
 """``LOG.lines``: at most this many ``[level, text]`` pairs, texts at most this long
 (zloader/forward.py cuts lines at 2,000 characters and marks the cut)."""
+MAX_FIELD_DEPTH = 8
+"""How deeply a field whose contents its reader checks may nest (the deepest real one,
+``REGISTER.resume``, nests 4 levels; the body as a whole is held to 32 by protocol.py)."""
 WEIGHT_RANGE = (0.001, 1000.0)
 """``REGISTER.weight``: a job's share of the pool relative to others' (docs/pool.md)."""
 
@@ -106,10 +109,26 @@ def boolean(value: Any) -> bool:
     return value
 
 
+def _depth(value: Any) -> int:
+    """How deeply lists and objects nest in ``value`` (iteratively), up to one past
+    MAX_FIELD_DEPTH."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth <= MAX_FIELD_DEPTH:
+                stack.extend((child, depth + 1)
+                             for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
 def obj(value: Any) -> dict[str, Any]:
     """A JSON object, its contents checked by its reader (see the module's docstring)."""
     if not isinstance(value, dict):
         raise _Wrong("must be a JSON object")
+    if _depth(value) > MAX_FIELD_DEPTH:
+        raise _Wrong(f"nests deeper than {MAX_FIELD_DEPTH} levels")
     return value
 
 
@@ -117,6 +136,8 @@ def array(value: Any) -> list[Any]:
     """A JSON list, its entries checked by its reader."""
     if not isinstance(value, list) or len(value) > MAX_ITEMS:
         raise _Wrong(f"must be a list of at most {MAX_ITEMS} entries")
+    if _depth(value) > MAX_FIELD_DEPTH:
+        raise _Wrong(f"nests deeper than {MAX_FIELD_DEPTH} levels")
     return value
 
 
@@ -326,8 +347,13 @@ class Record:
             value = getattr(self, name)
             if omit and value == default:
                 continue
-            body[wire] = list(value) if isinstance(value, tuple) else value
+            body[wire] = _plain(value)
         return body
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON has it: the tuples a record holds for lists become lists again."""
+    return [_plain(v) for v in value] if isinstance(value, tuple) else value
 
 
 def _short(value: Any) -> str:
@@ -562,6 +588,10 @@ class Status(Record):
 
     COMMAND = Command.STATUS
     report: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def spec(cls) -> tuple[tuple[str, str, Check, Any, bool], ...]:
+        return ()  # the answer's fields are the broker's status, passed on whole
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> Status:
