@@ -11,8 +11,8 @@ import zmq
 
 from zloader.errors import ZloaderError
 from zloader.transport.keys import Keys
-from zloader.transport.messages import Split
-from zloader.transport.protocol import Command, ProtocolError, encode
+from zloader.transport.messages import Ready, Record, Split, SplitReq
+from zloader.transport.protocol import ProtocolError, encode
 from zloader.transport.sockets import make_socket
 
 __all__ = ["BrokerLink", "BrokerRefused", "assignment"]
@@ -36,14 +36,14 @@ class BrokerLink:
     """
 
     def __init__(self, context: zmq.Context[Any], endpoint: str, keys: Keys | None,
-                 hello: dict[str, Any]) -> None:
+                 hello: Ready) -> None:
         self.context = context
         self.endpoint = endpoint
         self.keys = keys
         self.hello = hello
         self.last_from = time.monotonic()  # when the broker last said anything
         self.last_to = 0.0
-        self.asking: dict[str, Any] | None = None  # the split request not yet answered
+        self.asking: SplitReq | None = None  # the split request not yet answered
         self.sock: zmq.Socket[Any] = self.connect()
 
     def connect(self) -> zmq.Socket[Any]:
@@ -61,9 +61,9 @@ class BrokerLink:
 
     def ready(self) -> None:
         """(Re-)register with the broker."""
-        self.send(Command.READY, self.hello)
+        self.send(self.hello)
 
-    def send(self, command: Command, body: dict[str, Any]) -> None:
+    def send(self, record: Record) -> None:
         """Send to the broker. A connection still being made queues what is sent; only
         one whose handshake failed (other keys, or none) has nowhere to put it.
 
@@ -71,7 +71,7 @@ class BrokerLink:
             BrokerRefused: the handshake failed; the text says which keys to give.
         """
         try:
-            self.sock.send_multipart(encode(command, body), zmq.NOBLOCK)
+            self.sock.send_multipart(encode(record.COMMAND, record.to_body()), zmq.NOBLOCK)
         except zmq.Again:
             fix = ("the broker wants CURVE keys: pass --keys DIR, the broker's keys "
                    "directory (see `zloader keygen`)" if self.keys is None else
@@ -81,17 +81,17 @@ class BrokerLink:
                                 f"connection at the handshake: {fix}") from None
         self.last_to = time.monotonic()
 
-    def ask(self, request: dict[str, Any]) -> None:
+    def ask(self, request: SplitReq) -> None:
         """SPLIT_REQ, remembered until its answer comes (the caller clears ``asking``)."""
         self.asking = request
-        self.send(Command.SPLIT_REQ, request)
+        self.send(request)
 
     def ask_again(self, task: str) -> None:
         """A split request of ``task`` whose answer may be lost (a new connection, a
         restarted broker): ask again; ``have`` makes the broker send the same split if
         it had handed one out."""
-        if self.asking is not None and self.asking["task"] == task:
-            self.send(Command.SPLIT_REQ, self.asking)
+        if self.asking is not None and self.asking.task == task:
+            self.send(self.asking)
 
     def heard(self) -> None:
         """The broker said something."""

@@ -34,7 +34,7 @@ from zloader.sharing.delivery import SharedDelivery
 from zloader.shipping import Loading, Supply
 from zloader.transport import messages
 from zloader.transport.keys import Keys
-from zloader.transport.protocol import Command, Message, ProtocolError, decode
+from zloader.transport.protocol import Message, ProtocolError, decode
 from zloader.transport.shm import sweep, sweep_dirs
 from zloader.worker.broker_link import BrokerLink, BrokerRefused
 from zloader.worker.consumers import DataPort
@@ -127,10 +127,10 @@ class WorkerProcess:
         self.endpoint = self.port.endpoint
         self.poller = zmq.Poller()
         self.links = Links(context, self.poller, self.id)
-        self.broker = BrokerLink(context, self.broker_endpoint, self.keys, {  # READY
-            "worker": self.id, "host": _socket.gethostname(), "host_id": host_id(),
-            "pid": os.getpid(), "endpoint": self.endpoint, "prefer": self.prefer,
-            "plain_data": self.plain_data, "holds": sorted(self.inherited or ())})
+        self.broker = BrokerLink(context, self.broker_endpoint, self.keys, messages.Ready(
+            worker=self.id, host=_socket.gethostname(), host_id=host_id(), pid=os.getpid(),
+            endpoint=self.endpoint, prefer=self.prefer, plain_data=self.plain_data,
+            holds=tuple(sorted(self.inherited or ()))))
         if self.capture is not None:
             self.capture.install()
         try:
@@ -143,7 +143,7 @@ class WorkerProcess:
                 self.capture.remove()
             self._stop_task()
             with contextlib.suppress(zmq.ZMQError, BrokerRefused):
-                self.broker.send(Command.BYE, {})
+                self.broker.send(messages.Bye())
             self.links.drop_all()
             self.broker.close()
             self.port.close()
@@ -226,12 +226,12 @@ class WorkerProcess:
             "rejected": self.rejected, "cpu_seconds": round(cpu.user + cpu.system, 3),
             "credits": 0.0, "ring_fill": 0.0,  # (the task's, below)
             **{f"{stage}_seconds": round(t, 3) for stage, t in self.links.timing.items()}}
-        beat: dict[str, Any] = {"stats": stats}
+        doing = None
         if self.task is not None:
             stats.update(self.task.stats())
             if self.task.producer is not None:
-                beat["doing"] = self.task.producer.doing()  # where a stuck one is
-        self.broker.send(Command.HEARTBEAT, beat)
+                doing = self.task.producer.doing()  # where a stuck one is
+        self.broker.send(messages.Heartbeat(stats=stats, doing=doing))
 
     def _reconnect(self, now: float) -> None:
         """The broker is silent: connect afresh; ask again what the old link lost."""
@@ -256,7 +256,7 @@ class WorkerProcess:
             return
         lines = self.capture.take(now)
         if lines:
-            self.broker.send(Command.LOG, {"task": task_id, "lines": lines})
+            self.broker.send(messages.Log(task=task_id, lines=tuple(map(tuple, lines))))
 
     def _reject(self, text: str, exc_info: bool = False) -> None:
         """Count a dropped message; log it at most once a second."""
@@ -366,8 +366,8 @@ class WorkerProcess:
         (assigned, loading), self.loading = self.loading, None
         if loading.error is not None:
             log.error("task %s could not start", assigned.id, exc_info=loading.error)
-            self.broker.send(Command.TASK_FAILED, {"task": assigned.id,
-                                                   "error": load_error(loading.error)})
+            self.broker.send(messages.TaskFailed(task=assigned.id,
+                                                 error=load_error(loading.error)))
             return
         assert loading.pipeline is not None
         self.task = Task(assigned, plan(loading.pipeline), self.port.outlet, self.links,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from zloader import codec
-from zloader.transport.messages import Open
+from zloader.transport.messages import Open, RoundReq
 from zloader.transport.protocol import Command, ProtocolError
 from zloader.worker.credit import clamp
 from zloader.worker.delivery import Delivery, discard
@@ -112,8 +112,8 @@ class RoundsDelivery(Delivery):
             for stream in members:
                 stream.credits -= 1
             group.members = [s.identity for s in members]
-            task.broker.send(Command.ROUND_REQ, {"task": task.id, "epoch": group.epoch,
-                                                 "members": [s.consumer for s in members]})
+            task.broker.send(RoundReq(task=task.id, epoch=group.epoch,
+                                      members=tuple(s.consumer for s in members)))
         self.permit()
 
     def _group(self) -> None:

@@ -178,9 +178,10 @@ class Task:
     def from_producer(self, producer: Producer, kind: LinkKind, body: Any) -> None:
         """A message from one of its producers (see :class:`LinkKind`)."""
         if kind is LinkKind.SPLIT_REQ:
-            self.broker.ask({"task": self.id, "pass": body["pass"], "have": body["have"]})
+            self.broker.ask(messages.SplitReq(task=self.id, pass_=tuple(body["pass"]),
+                                              have=body["have"]))
         elif kind is LinkKind.PASS_DONE:
-            self.broker.send(Command.PASS_DONE, {"task": self.id, "pass": body})
+            self.broker.send(messages.PassDone(task=self.id, pass_=tuple(body)))
         elif kind is LinkKind.RECORD:
             self.delivery.on_record(producer, body["epoch"], producer.outbox.popleft(), body)
         elif kind is LinkKind.END:
