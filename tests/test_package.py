@@ -33,10 +33,11 @@ LAYERS = {
     "client.thread": 6.5, "client.merging": 6.6, "client": 6.7,
     # The transport package: keys, shared memory and framing below everything that uses
     # them (the journal checks directories with keys.py); records over the codec, message
-    # records over lineage's packed sets, the socket helper over the keys.
+    # records over their fields, the fields over lineage's packed sets, the socket helper over
+    # the keys.
     "transport.keys": 0.5, "transport.shm": 0.5, "transport.protocol": 0.5,
-    "transport.ring": 0.6, "transport.records": 1.5, "transport.messages": 1.5,
-    "transport.sockets": 1.5, "transport": 1.6,
+    "transport.ring": 0.6, "transport.records": 1.5, "transport.fields": 1.5,
+    "transport.messages": 1.6, "transport.sockets": 1.5, "transport": 1.7,
 }
 SUBPACKAGES = ("client", "transport")
 

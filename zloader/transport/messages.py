@@ -9,7 +9,9 @@ body that is not one raises :class:`ProtocolError` naming the command and the fi
 never look into the body themselves. :func:`encode` is the other way: a record's body, as
 ``protocol.encode`` frames it.
 
-Each record lists its fields in wire order; the metadata of a field says how it is checked
+Each record lists its fields in wire order, declared with :func:`~zloader.transport.fields.fld`
+(zloader/transport/fields.py holds the generic checks and the :class:`Record` base that
+decodes and encodes); the metadata of a field says how it is checked
 (``check``), its name on the wire when that is not a Python name (``wire``: ``pass``) and
 whether an absent or default value is left out of the body (``omit``): those fields are
 optional on the wire and their absence means something (``DATA.origins``). A field with a
@@ -26,12 +28,33 @@ itself (zloader/state.py: ``REGISTER``'s nested options, ``HEARTBEAT.stats``,
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any
 
 from zloader._defaults import STAGES
-from zloader.lineage import unpack
+from zloader.transport.fields import (
+    INDEX,
+    MAX_NAME,
+    NAME,
+    PASS_KEY,
+    Check,
+    Record,
+    Wrong,
+    array,
+    boolean,
+    counts,
+    fld,
+    integer,
+    is_int,
+    list_of,
+    number,
+    obj,
+    optional,
+    packed,
+    short,
+    text,
+)
 from zloader.transport.protocol import HEARTBEAT_RANGE, Command, Message, ProtocolError
 
 __all__ = ["RECORDS", "Ack", "Bye", "Close", "Commit", "ConsumerGone", "Credit", "Data",
@@ -40,144 +63,15 @@ __all__ = ["RECORDS", "Ack", "Bye", "Close", "Commit", "ConsumerGone", "Credit",
            "Round", "RoundReq", "Source", "Split", "SplitReq", "Status", "Task", "TaskFailed",
            "Unknown", "decode", "encode"]
 
-MAX_NAME = 1024
-"""The longest id, name, endpoint or digest a body may hold (characters)."""
-MAX_ITEMS = 1 << 16
-"""The most entries a list of a body may hold (1 MiB bodies hold fewer anyway)."""
 MAX_LOG_LINES = 500
 MAX_LOG_TEXT = 2000 + 64
 """``LOG.lines``: at most this many ``[level, text]`` pairs, texts at most this long
 (zloader/forward.py cuts lines at 2,000 characters and marks the cut)."""
-MAX_FIELD_DEPTH = 8
-"""How deeply a field whose contents its reader checks may nest (the deepest real one,
-``REGISTER.resume``, nests 4 levels; the body as a whole is held to 32 by protocol.py)."""
 WEIGHT_RANGE = (0.001, 1000.0)
 """``REGISTER.weight``: a job's share of the pool relative to others' (docs/pool.md)."""
 
 
-class _Wrong(Exception):
-    """What is wrong with one value (the caller names the command and the field)."""
-
-
-Check = Callable[[Any], Any]
-"""Returns the value checked (or converted: a float from an int), or raises _Wrong."""
-
-
-# --- checks -------------------------------------------------------------------------------
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def integer(low: int | None = None, high: int | None = None) -> Check:
-    """An integer in [low, high] (JSON's true and false are not integers)."""
-    what = "an integer" + (f" >= {low}" if low is not None else "") \
-        + (f" <= {high}" if high is not None else "")
-
-    def check(value: Any) -> int:
-        if not _is_int(value) or (low is not None and value < low) \
-                or (high is not None and value > high):
-            raise _Wrong(f"must be {what}")
-        return int(value)
-    return check
-
-
-def number(low: float, high: float) -> Check:
-    """A number in [low, high], as a float."""
-    def check(value: Any) -> float:
-        if not isinstance(value, (int, float)) or isinstance(value, bool) \
-                or not low <= value <= high:
-            raise _Wrong(f"must be a number from {low:g} to {high:g}")
-        return float(value)
-    return check
-
-
-def text(longest: int = MAX_NAME, choices: tuple[str, ...] = ()) -> Check:
-    """A string of at most ``longest`` characters (one of ``choices``, if given)."""
-    def check(value: Any) -> str:
-        if not isinstance(value, str) or len(value) > longest:
-            raise _Wrong(f"must be a string of at most {longest} characters")
-        if choices and value not in choices:
-            raise _Wrong(f"must be one of {', '.join(map(repr, choices))}")
-        return value
-    return check
-
-
-def boolean(value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise _Wrong("must be true or false")
-    return value
-
-
-def _depth(value: Any) -> int:
-    """How deeply lists and objects nest in ``value`` (iteratively), up to one past
-    MAX_FIELD_DEPTH."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, (dict, list)):
-            deepest = max(deepest, depth)
-            if depth <= MAX_FIELD_DEPTH:
-                stack.extend((child, depth + 1)
-                             for child in (item.values() if isinstance(item, dict) else item))
-    return deepest
-
-
-def obj(value: Any) -> dict[str, Any]:
-    """A JSON object, its contents checked by its reader (see the module's docstring)."""
-    if not isinstance(value, dict):
-        raise _Wrong("must be a JSON object")
-    if _depth(value) > MAX_FIELD_DEPTH:
-        raise _Wrong(f"nests deeper than {MAX_FIELD_DEPTH} levels")
-    return value
-
-
-def array(value: Any) -> list[Any]:
-    """A JSON list, its entries checked by its reader."""
-    if not isinstance(value, list) or len(value) > MAX_ITEMS:
-        raise _Wrong(f"must be a list of at most {MAX_ITEMS} entries")
-    if _depth(value) > MAX_FIELD_DEPTH:
-        raise _Wrong(f"nests deeper than {MAX_FIELD_DEPTH} levels")
-    return value
-
-
-def list_of(entry: Check, shortest: int = 0, longest: int = MAX_ITEMS) -> Check:
-    """A list of ``shortest`` to ``longest`` entries, each checked, as a tuple."""
-    def check(value: Any) -> tuple[Any, ...]:
-        if not isinstance(value, list) or not shortest <= len(value) <= longest:
-            raise _Wrong(f"must be a list of {shortest} to {longest} entries")
-        try:
-            return tuple(entry(v) for v in value)
-        except _Wrong as exc:
-            raise _Wrong(f"entry: {exc}") from None
-    return check
-
-
-def counts(value: Any) -> dict[str, int]:
-    """``{epoch: count}``: keys are epochs written as strings, values integers >= 0."""
-    if not isinstance(value, dict) or len(value) > MAX_ITEMS:
-        raise _Wrong("must be a JSON object of epoch -> count")
-    for key, count in value.items():
-        if not key.lstrip("-").isdigit() or not _is_int(count) or count < 0:
-            raise _Wrong(f"must map epochs to counts >= 0, has {key!r}: {count!r}")
-    return value
-
-
-def optional(check: Check) -> Check:
-    """``check``, or null."""
-    def maybe(value: Any) -> Any:
-        return None if value is None else check(value)
-    return maybe
-
-
-def packed(value: Any) -> str:
-    """A packed set of indices (zloader/lineage.py: base64 of a compressed bitmap)."""
-    try:
-        unpack(value)
-    except ValueError as exc:
-        raise _Wrong(f"must be a packed set ({exc})") from None
-    return str(value)
-
+# --- shapes of this protocol's fields ------------------------------------------------------
 
 def error_object(value: Any) -> dict[str, str]:
     """An error object: ``{stage, exc_type, builtin, message, traceback, context}``,
@@ -185,7 +79,7 @@ def error_object(value: Any) -> dict[str, str]:
     if not isinstance(value, dict) or not all(isinstance(value.get(k, ""), str) for k in
                                               ("stage", "exc_type", "builtin", "message",
                                                "traceback", "context")):
-        raise _Wrong("must be an error object (stage, exc_type, builtin, message, "
+        raise Wrong("must be an error object (stage, exc_type, builtin, message, "
                      "traceback, context: strings)")
     return value
 
@@ -193,12 +87,12 @@ def error_object(value: Any) -> dict[str, str]:
 def log_lines(value: Any) -> tuple[tuple[int, str], ...]:
     """``[[level, text], ...]``: at most MAX_LOG_LINES, levels 0-50."""
     if not isinstance(value, list) or len(value) > MAX_LOG_LINES:
-        raise _Wrong(f"must be a list of at most {MAX_LOG_LINES} [level, text] pairs")
+        raise Wrong(f"must be a list of at most {MAX_LOG_LINES} [level, text] pairs")
     for item in value:
-        if not (isinstance(item, list) and len(item) == 2 and _is_int(item[0])
+        if not (isinstance(item, list) and len(item) == 2 and is_int(item[0])
                 and 0 <= item[0] <= 50 and isinstance(item[1], str)
                 and len(item[1]) <= MAX_LOG_TEXT):
-            raise _Wrong(f"must be [level 0-50, text of at most {MAX_LOG_TEXT} characters] "
+            raise Wrong(f"must be [level 0-50, text of at most {MAX_LOG_TEXT} characters] "
                          "pairs")
     return tuple((level, line) for level, line in value)
 
@@ -206,17 +100,11 @@ def log_lines(value: Any) -> tuple[tuple[int, str], ...]:
 def doing(value: Any) -> dict[str, Any]:
     """A worker's ``{epoch, split, stage}`` (``HEARTBEAT.doing``)."""
     if not isinstance(value, dict) or value.get("stage") not in STAGES \
-            or not (_is_int(value.get("epoch")) and value["epoch"] >= 0) \
+            or not (is_int(value.get("epoch")) and value["epoch"] >= 0) \
             or not (value.get("split") is None
-                    or (_is_int(value["split"]) and value["split"] >= 0)):
-        raise _Wrong(f"must be {{epoch, split, stage}}, stage one of {', '.join(STAGES)}")
+                    or (is_int(value["split"]) and value["split"] >= 0)):
+        raise Wrong(f"must be {{epoch, split, stage}}, stage one of {', '.join(STAGES)}")
     return value
-
-
-NAME = text()
-INDEX = integer(0)
-PASS_KEY = list_of(INDEX, 1, 64)
-"""A pass key: the epoch, then one repetition index per repeat stage on workers."""
 
 
 def job_worker(value: Any) -> dict[str, Any]:
@@ -226,17 +114,17 @@ def job_worker(value: Any) -> dict[str, Any]:
     if not (isinstance(value, dict) and all(isinstance(value.get(k), str)
                                             and len(value[k]) <= MAX_NAME
                                             for k in ("worker", "task", "endpoint"))
-            and _is_int(value.get("index")) and value["index"] >= 0
+            and is_int(value.get("index")) and value["index"] >= 0
             and isinstance(value.get("host_id", ""), str)
             and isinstance(value.get("host", ""), str)
-            and _is_int(value.get("pid", 0))
+            and is_int(value.get("pid", 0))
             and isinstance(value.get("plain_data", False), bool)):
-        raise _Wrong("entries must be {worker, task, endpoint, index, host_id, host, pid, "
+        raise Wrong("entries must be {worker, task, endpoint, index, host_id, host, pid, "
                      "plain_data}")
     if "doing" in value:
         try:
             doing(value["doing"])
-        except _Wrong:
+        except Wrong:
             value = {k: v for k, v in value.items() if k != "doing"}
     return value
 
@@ -247,16 +135,16 @@ def fence(value: Any) -> dict[str, Any]:
     if not (isinstance(value, dict) and all(isinstance(value.get(k), str)
                                             for k in ("id", "worker", "task"))
             and isinstance(value.get("splits"), list)
-            and all(isinstance(s, list) and len(s) == 2 and _is_int(s[1]) and s[1] >= 0
+            and all(isinstance(s, list) and len(s) == 2 and is_int(s[1]) and s[1] >= 0
                     for s in value["splits"])
             and isinstance(value.get("waiting", []), list)):
-        raise _Wrong("entries must be {id, worker, task, splits: [[pass, split], ...], "
+        raise Wrong("entries must be {id, worker, task, splits: [[pass, split], ...], "
                      "waiting}")
     try:
         for key, _ in value["splits"]:
             PASS_KEY(key)
-    except _Wrong:
-        raise _Wrong("entries' splits must be [pass key, split]") from None
+    except Wrong:
+        raise Wrong("entries' splits must be [pass key, split]") from None
     return value
 ROUNDS = list_of(INDEX)
 
@@ -268,9 +156,9 @@ def pipeline_ref(value: Any) -> dict[str, Any]:
         return value
     if not (isinstance(value, dict) and isinstance(value.get("endpoint"), str)
             and len(value["endpoint"]) <= MAX_NAME and isinstance(value.get("sha256"), str)
-            and len(value["sha256"]) <= MAX_NAME and _is_int(value.get("bytes"))
+            and len(value["sha256"]) <= MAX_NAME and is_int(value.get("bytes"))
             and value["bytes"] >= 0):
-        raise _Wrong("must be {inherited: true} or {endpoint, sha256, bytes}")
+        raise Wrong("must be {inherited: true} or {endpoint, sha256, bytes}")
     return value
 
 
@@ -279,87 +167,14 @@ def source_ref(value: Any) -> dict[str, str]:
     if not (isinstance(value, dict) and isinstance(value.get("endpoint"), str)
             and len(value["endpoint"]) <= MAX_NAME
             and value.get("kind") in ("arrays", "items")):
-        raise _Wrong("must be {endpoint, kind: 'arrays' or 'items'}")
+        raise Wrong("must be {endpoint, kind: 'arrays' or 'items'}")
     return value
 
 
 PIPELINE_REF = optional(pipeline_ref)
 
 
-def fld(check: Check, default: Any = dataclasses.MISSING, *, wire: str | None = None,
-        omit: bool = False) -> Any:
-    """A record's field: how it is checked, its name on the wire, and whether its
-    default is left out of the body (see the module's docstring)."""
-    metadata = {"check": check, "wire": wire, "omit": omit}
-    if isinstance(default, (list, dict, set)):
-        raise TypeError("mutable defaults: use a tuple or None")
-    return dataclasses.field(default=default, metadata=metadata)
-
-
 # --- records ------------------------------------------------------------------------------
-
-R = TypeVar("R", bound="Record")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Record:
-    """A message body; subclasses are the records of one command each."""
-
-    COMMAND: ClassVar[Command]
-    _spec: ClassVar[tuple[tuple[str, str, Check, Any, bool], ...]] = ()
-
-    @classmethod
-    def spec(cls) -> tuple[tuple[str, str, Check, Any, bool], ...]:
-        """``(attribute, wire name, check, default, omit)`` per field, in wire order."""
-        if "_spec" not in cls.__dict__:
-            cls._spec = tuple(
-                (f.name, f.metadata.get("wire") or f.name, f.metadata["check"], f.default,
-                 f.metadata["omit"]) for f in dataclasses.fields(cls))
-        return cls._spec
-
-    @classmethod
-    def from_body(cls: type[R], body: Mapping[str, Any]) -> R:
-        """The record a body holds.
-
-        Raises:
-            ProtocolError: a field is missing, of the wrong type, out of range or of the
-                wrong shape (the message names the command and the field).
-        """
-        values = {}
-        for name, wire, check, default, _ in cls.spec():
-            if wire not in body:
-                if default is dataclasses.MISSING:
-                    raise ProtocolError(f"{cls.COMMAND.name}: field {wire!r} is missing")
-                values[name] = default
-                continue
-            value = body[wire]
-            try:
-                values[name] = check(value)
-            except _Wrong as exc:
-                raise ProtocolError(f"{cls.COMMAND.name}: field {wire!r} {exc}, got "
-                                    f"{_short(value)}") from None
-        return cls(**values)
-
-    def to_body(self) -> dict[str, Any]:
-        """The body of this record, as docs/protocol.md gives it."""
-        body = {}
-        for name, wire, _, default, omit in self.spec():
-            value = getattr(self, name)
-            if omit and value == default:
-                continue
-            body[wire] = _plain(value)
-        return body
-
-
-def _plain(value: Any) -> Any:
-    """``value`` as JSON has it: the tuples a record holds for lists become lists again."""
-    return [_plain(v) for v in value] if isinstance(value, tuple) else value
-
-
-def _short(value: Any) -> str:
-    shown = repr(value)
-    return shown if len(shown) <= 80 else shown[:77] + "..."
-
 
 # Worker and broker
 
@@ -598,7 +413,7 @@ class Status(Record):
         for name in ("workers", "jobs"):
             if name in body and not isinstance(body[name], list):
                 raise ProtocolError(f"STATUS: field {name!r} must be a list, got "
-                                    f"{_short(body[name])}")
+                                    f"{short(body[name])}")
         return cls(report=dict(body))
 
     def to_body(self) -> dict[str, Any]:
@@ -642,18 +457,18 @@ class Credit(Record):
 
 def _ring_place(value: Any) -> tuple[int, int, str]:
     """``DATA.ring``: ``[position, length, ring name]``."""
-    if not (isinstance(value, list) and len(value) == 3 and _is_int(value[0])
-            and value[0] >= 0 and _is_int(value[1]) and value[1] >= 0
+    if not (isinstance(value, list) and len(value) == 3 and is_int(value[0])
+            and value[0] >= 0 and is_int(value[1]) and value[1] >= 0
             and isinstance(value[2], str) and len(value[2]) <= MAX_NAME):
-        raise _Wrong("must be [position, length, ring name]")
+        raise Wrong("must be [position, length, ring name]")
     return value[0], value[1], value[2]
 
 
 def _segment(value: Any) -> tuple[str, int]:
     """``DATA.segment``: ``[name, length]``."""
     if not (isinstance(value, list) and len(value) == 2 and isinstance(value[0], str)
-            and len(value[0]) <= MAX_NAME and _is_int(value[1]) and value[1] >= 0):
-        raise _Wrong("must be [segment name, length]")
+            and len(value[0]) <= MAX_NAME and is_int(value[1]) and value[1] >= 0):
+        raise Wrong("must be [segment name, length]")
     return value[0], value[1]
 
 
