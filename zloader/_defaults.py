@@ -242,6 +242,18 @@ MAX_DATA_FRAME_BYTES = 1 << 30
 """A worker's data socket drops any larger frame (an epoch's input sent with OPEN is the
 largest thing a consumer sends; fixed)."""
 
+MAX_NAME = 1024
+"""The longest id, name, endpoint or digest a message body may hold (characters; fixed)."""
+
+MAX_ITEMS = 1 << 16
+"""The most entries a list of a message body may hold (1 MiB bodies hold fewer anyway;
+fixed)."""
+
+MAX_FIELD_DEPTH = 8
+"""How deeply a field whose contents its reader checks may nest (the deepest real one,
+``REGISTER.resume``, nests 4 levels; the body as a whole is held to MAX_BODY_DEPTH;
+fixed)."""
+
 # --- autoscaling and actuators (zloader/autoscale.py, zloader/actuator.py) ----------------
 
 AUTOSCALE_UP = 0.07
@@ -307,6 +319,10 @@ the default)."""
 SLICE_SECONDS = 1.0
 """A worker pool with more hungry jobs than workers time-slices: a job with no worker takes
 one that has served another job this long (fixed)."""
+
+WEIGHT_RANGE = (0.001, 1000.0)
+"""``Loader(weight=)``, ``REGISTER.weight``: a job's share of the pool relative to other
+jobs' lies in this range (docs/pool.md)."""
 
 HUNGRY_STARVATION = 0.02
 """A job whose consumers waited for data more than this share of the last heartbeat

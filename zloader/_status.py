@@ -6,8 +6,10 @@ from typing import Any
 
 import zmq
 
+from zloader.transport import messages
 from zloader.transport.keys import Keys
 from zloader.transport.protocol import Command, decode, encode
+from zloader.transport.sockets import make_socket
 
 __all__ = ["Unanswered", "fetch_status"]
 
@@ -20,13 +22,12 @@ def fetch_status(broker: str, keys: Keys | None, timeout: float) -> dict[str, An
     """One STATUS answer from ``broker`` (the dict ``zloader.broker.status.status`` builds).
 
     Raises:
-        Unanswered: none within ``timeout`` seconds.
+        Unanswered: none within ``timeout`` seconds, or an answer that is not a status
+            (the broker refused the request: another protocol version).
+        ProtocolError: the answer is malformed.
     """
     context = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    if keys is not None:
-        keys.connect(sock)
+    sock = make_socket(context, zmq.DEALER, keys)
     try:
         sock.connect(broker)
         sock.send_multipart(encode(Command.STATUS, {}))
@@ -34,7 +35,12 @@ def fetch_status(broker: str, keys: Keys | None, timeout: float) -> dict[str, An
             raise Unanswered(
                 f"no answer from {broker} within {timeout:.0f} s (is zloader-broker running "
                 "there? does it want --keys, or other keys?)")
-        return decode(sock.recv_multipart()).body
+        answer = messages.decode(decode(sock.recv_multipart()))
+        if isinstance(answer, messages.Error):
+            raise Unanswered(f"{broker} refused the status request: {answer.message}")
+        if not isinstance(answer, messages.Status):
+            raise Unanswered(f"{broker} answered {answer.COMMAND.name}, not STATUS")
+        return answer.report
     finally:
         sock.close(0)
         context.term()

@@ -33,6 +33,7 @@ import stat
 from collections.abc import Callable, Iterator
 from typing import IO, Any
 
+from zloader._defaults import WEIGHT_RANGE
 from zloader.errors import ZloaderError
 from zloader.transport.keys import unsafe_directory
 
@@ -110,7 +111,7 @@ def _options(value: Any) -> bool:
 def _weight(value: Any) -> bool:
     """A job's weight in the worker pool (zloader/broker/pool.py)."""
     return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and 0.001 <= value <= 1000)
+            and WEIGHT_RANGE[0] <= value <= WEIGHT_RANGE[1])
 
 
 EVENTS: dict[str, dict[str, Check]] = {

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from zloader import _check
-from zloader._defaults import DEFAULT_TIMEOUT, WORKER_STOP_SECONDS
+from zloader._defaults import DEFAULT_TIMEOUT, WEIGHT_RANGE, WORKER_STOP_SECONDS
 from zloader._process import START_METHODS, start_worker
 from zloader.broker import Broker
 from zloader.client import STATE_VERSION, IOThread, Merger, resume_from
@@ -152,8 +152,9 @@ class Loader:
             raise TypeError(f"pipeline must be a zloader.Pipeline, got {type(pipeline).__name__}")
         choice("sharding", sharding, SHARDING)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) \
-                or not 0.001 <= weight <= 1000:
-            raise ValueError(f"weight must be a number from 0.001 to 1000 (a job's share of "
+                or not WEIGHT_RANGE[0] <= weight <= WEIGHT_RANGE[1]:
+            raise ValueError(f"weight must be a number from {WEIGHT_RANGE[0]} to "
+                             f"{WEIGHT_RANGE[1]:.0f} (a job's share of "
                              f"the broker's workers relative to other jobs'), got {weight!r}")
         choice("transport", transport, TRANSPORTS)
         choice("on_error", on_error, ON_ERROR)

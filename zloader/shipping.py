@@ -30,8 +30,10 @@ from zloader._defaults import FETCH_TIMEOUT
 from zloader.blobs import BlobCache, digest_of
 from zloader.pipeline import Pipeline
 from zloader.sources import ArraysSource, ItemsSource
+from zloader.transport import messages
 from zloader.transport.keys import Keys
 from zloader.transport.protocol import Command, Message, ProtocolError, decode, encode
+from zloader.transport.sockets import make_socket
 
 __all__ = ["FETCH_TIMEOUT", "Loading", "Served", "Supply"]
 
@@ -71,7 +73,7 @@ class Served:
         """
         if msg.command is not Command.FETCH:
             raise ProtocolError(f"{msg.command.name} sent to the source-data socket")
-        what = msg.body.get("what", "source")
+        what = messages.Fetch.from_body(msg.body).what
         if what == "pipeline" and self.pipeline is not None:
             kind, payload = "pipeline", [self.pipeline]
         elif what == "source" and self.source is not None:
@@ -100,60 +102,58 @@ class Supply:
         self.blobs = BlobCache(blob_dir)
         self._lock = threading.Lock()  # loads of a task replaced while it loaded overlap
 
-    def start(self, msg: Message) -> Loading:
-        """Load TASK ``msg``'s pipeline: at once when it was inherited, else on a thread."""
-        return Loading(self, msg)
+    def start(self, task: messages.Task, payload: list[Any]) -> Loading:
+        """Load ``task``'s pipeline (inline in ``payload``, or as its ``pipeline`` says):
+        at once when it was inherited, else on a thread."""
+        return Loading(self, task, payload)
 
-    def load(self, msg: Message) -> Pipeline:
-        """The pipeline of TASK ``msg``, with its in-memory source's data.
+    def load(self, task: messages.Task, payload: list[Any]) -> Pipeline:
+        """The pipeline of ``task``, with its in-memory source's data.
 
         Raises:
-            ProtocolError: the TASK is malformed.
+            ProtocolError: the TASK carries no pipeline.
             Exception: the pipeline cannot be fetched or unpickled (the worker reports it
                 as the task's failure).
         """
-        fingerprint = msg.body.get("fingerprint")
-        if isinstance(fingerprint, str) and fingerprint in self.inherited:
-            return self.inherited[fingerprint]
-        ref = msg.field("pipeline", dict, optional=True)
+        if task.fingerprint is not None and task.fingerprint in self.inherited:
+            return self.inherited[task.fingerprint]
+        ref = task.pipeline
         if ref is not None and ref.get("inherited") is True:
             raise RuntimeError(
                 "this job's pipeline reaches only the workers its Loader forked (embedded "
                 "mode), and this worker is not one of them")
         if ref is not None:
-            endpoint, digest, size = _ref(ref)
+            endpoint, digest, size = ref["endpoint"], ref["sha256"], ref["bytes"]
             with self._lock:
                 blob: Any = self.blobs.get(
                     digest, size, lambda: self._fetch(endpoint, "pipeline").payload[0].buffer)
-        elif msg.payload and msg.payload[0].buffer.nbytes:
-            blob = msg.payload[0].buffer
+        elif payload and payload[0].buffer.nbytes:
+            blob = payload[0].buffer
         else:
             raise ProtocolError("TASK without a pipeline")
         pipeline = cloudpickle.loads(blob)
         if not isinstance(pipeline, Pipeline):
             raise TypeError(f"the task's pipeline is a {type(pipeline).__name__}")
-        where = msg.field("source_data", dict, optional=True)
+        where = task.source_data
         return self._with_source(pipeline, where) if where is not None else pipeline
 
     def _with_source(self, pipeline: Pipeline, where: dict[str, Any]) -> Pipeline:
-        """Put a large in-memory source's data, fetched from its Loader, back in place."""
-        reply = self._fetch(str(where.get("endpoint")), "source")
+        """Put a large in-memory source's data, fetched from its Loader, back in place
+        (``where``: TASK.source_data, checked by its record)."""
+        reply = self._fetch(where["endpoint"], "source")
         source = pipeline.source
-        if where.get("kind") == "arrays" and isinstance(source, ArraysSource):
+        if where["kind"] == "arrays" and isinstance(source, ArraysSource):
             structure = codec.decode([frame.buffer for frame in reply.payload])
             return Pipeline(dataclasses.replace(source, structure=structure), pipeline.stages)
-        if where.get("kind") == "items" and isinstance(source, ItemsSource):
+        if where["kind"] == "items" and isinstance(source, ItemsSource):
             items = cloudpickle.loads(reply.payload[0].buffer)
             return Pipeline(dataclasses.replace(source, items=tuple(items)), pipeline.stages)
-        raise ProtocolError(f"source data of kind {where.get('kind')!r} does not fit a "
+        raise ProtocolError(f"source data of kind {where['kind']!r} does not fit a "
                             f"{type(source).__name__}")
 
     def _fetch(self, endpoint: str, what: str) -> Message:
         """Ask the Loader at ``endpoint`` for ``what`` ("pipeline" or "source")."""
-        sock = self.context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        if self.keys is not None:
-            self.keys.connect(sock)
+        sock = make_socket(self.context, zmq.DEALER, self.keys)
         try:
             sock.connect(endpoint)
             sock.send_multipart(encode(Command.FETCH, {"what": what}))
@@ -166,6 +166,7 @@ class Supply:
             sock.close(0)
         if reply.command is not Command.SOURCE or not reply.payload:
             raise ProtocolError(f"the Loader answered FETCH without the {what}")
+        messages.decode(reply)  # its kind checked
         return reply
 
 
@@ -174,31 +175,23 @@ class Loading:
     of its own, so that the worker's loop keeps heartbeating and serving meanwhile.
     Inherited pipelines need no thread."""
 
-    def __init__(self, supply: Supply, msg: Message) -> None:
+    def __init__(self, supply: Supply, task: messages.Task, payload: list[Any]) -> None:
         self.pipeline: Pipeline | None = None
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        fingerprint = msg.body.get("fingerprint")
-        if isinstance(fingerprint, str) and fingerprint in supply.inherited:
-            self.pipeline = supply.inherited[fingerprint]
+        if task.fingerprint is not None and task.fingerprint in supply.inherited:
+            self.pipeline = supply.inherited[task.fingerprint]
             return
-        self._thread = threading.Thread(target=self._run, args=(supply, msg), daemon=True,
-                                        name="zloader-task-load")
+        self._thread = threading.Thread(target=self._run, args=(supply, task, payload),
+                                        daemon=True, name="zloader-task-load")
         self._thread.start()
 
-    def _run(self, supply: Supply, msg: Message) -> None:
+    def _run(self, supply: Supply, task: messages.Task, payload: list[Any]) -> None:
         try:
-            self.pipeline = supply.load(msg)
+            self.pipeline = supply.load(task, payload)
         except BaseException as exc:  # reported as the task's failure
             self.error = exc
 
     def done(self) -> bool:
         return self._thread is None or not self._thread.is_alive()
 
-
-def _ref(ref: dict[str, Any]) -> tuple[str, str, int]:
-    endpoint, digest, size = ref.get("endpoint"), ref.get("sha256"), ref.get("bytes")
-    if not (isinstance(endpoint, str) and isinstance(digest, str) and isinstance(size, int)
-            and not isinstance(size, bool) and size >= 0):
-        raise ProtocolError("TASK.pipeline must be {endpoint, sha256, bytes}")
-    return endpoint, digest, size

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from zloader._defaults import WEIGHT_RANGE
 from zloader.broker.records import INHERITED
 from zloader.lineage import exactly_once
 from zloader.sharing.window import LAG_POLICIES
@@ -51,8 +52,9 @@ def coordinated(value: Any, name: str | None) -> tuple[int, int] | None:
 def weight(value: Any) -> float:
     """REGISTER.weight: a job's share of the pool relative to other jobs'."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not 0.001 <= value <= 1000:
-        raise ProtocolError("REGISTER: weight must be a number from 0.001 to 1000")
+            or not WEIGHT_RANGE[0] <= value <= WEIGHT_RANGE[1]:
+        raise ProtocolError(f"REGISTER: weight must be a number from {WEIGHT_RANGE[0]} to "
+                            f"{WEIGHT_RANGE[1]:.0f}")
     return float(value)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from zloader._defaults import REREADS
@@ -200,20 +200,16 @@ class EpochEnd:
 
     # --- dead and stuck workers -----------------------------------------------------------
 
-    def answer_fences(self, fences: Any) -> None:
+    def answer_fences(self, fences: Iterable[dict[str, Any]]) -> None:
         """A worker of an exactly-once job died: this consumer reads nothing more from it
         (it left the job's view, so its peer is closed) and tells the broker which elements
         of its splits it holds; the broker hands the splits out again less those. It
         answers again, once a heartbeat, while the fence still lists it as ``waiting``
         (its answer was lost: the broker had dropped it, or stalled)."""
-        if not isinstance(fences, list):
-            return
         now = time.monotonic()
-        for fence in fences:
-            if not (isinstance(fence, dict) and isinstance(fence.get("id"), str)
-                    and isinstance(fence.get("splits"), list)) \
-                    or not self._asked(fence, now) \
-                    or any(p.worker == fence.get("worker") and p.task == fence.get("task")
+        for fence in fences:  # checked by the JOB record
+            if not self._asked(fence, now) \
+                    or any(p.worker == fence["worker"] and p.task == fence["task"]
                            for p in self.peers):
                 continue
             self._answered[fence["id"]] = now
@@ -224,11 +220,7 @@ class EpochEnd:
         """For each ``[pass key, split]`` of a fence: what this consumer holds of it."""
         session = self.session
         splits = []
-        for entry in entries:
-            if not (isinstance(entry, list) and len(entry) == 2
-                    and isinstance(entry[0], list) and entry[0]
-                    and isinstance(entry[1], int)):
-                continue
+        for entry in entries:  # [pass key, split], checked by the JOB record
             key, split = tuple(entry[0]), entry[1]
             if session.epoch is None or key[0] > session.epoch:
                 info: dict[str, Any] = {"have": ""}
@@ -245,8 +237,7 @@ class EpochEnd:
         answered = self._answered.get(fence["id"])
         if answered is None:
             return True
-        waiting = fence.get("waiting")
-        return (isinstance(waiting, list) and self.session.consumer in waiting
+        return (self.session.consumer in fence.get("waiting", ())
                 and now - answered >= self.session.heartbeat)
 
     def check_stuck(self, now: float) -> None:

@@ -22,14 +22,10 @@ from zloader.client.rounds import Rounds
 from zloader.client.session import Session, Settings
 from zloader.client.stats import Stats
 from zloader.errors import PipelineError, ZloaderError
-from zloader.forward import emit, valid_lines
-from zloader.transport.protocol import (
-    Command,
-    Message,
-    encode,
-    error_from_object,
-    heartbeat,
-)
+from zloader.forward import emit
+from zloader.transport import messages
+from zloader.transport.protocol import Command, ProtocolError, encode, error_from_object
+from zloader.transport.sockets import make_socket
 
 __all__ = ["BYE_LINGER_MS", "BrokerLink", "JobView", "registration"]
 
@@ -64,11 +60,11 @@ def registration(*, fingerprint: str, job_name: str | None, sharding: str,
 @dataclass
 class JobView:
     """What a JOB message says beyond what the link keeps itself, for the peers and the
-    end of the epoch (each field checked for its type; a wrong one reads as absent)."""
+    end of the epoch (checked by its record, zloader/transport/messages.py)."""
 
     registered: bool  # the first view since (re-)registering
-    workers: list[Any]  # the job's workers, checked entry by entry by Peers.update
-    fences: Any  # dead workers' fences this consumer may have to answer
+    workers: tuple[dict[str, Any], ...]  # the job's workers (JOB.workers)
+    fences: tuple[dict[str, Any], ...]  # dead workers' fences this consumer may answer
     fencing: dict[str, Any]  # epoch -> fences holding it
     pending: dict[str, Any]  # epoch -> splits waiting to be read again
     consumers: int | None  # the job's consumer count
@@ -100,10 +96,7 @@ class BrokerLink:
 
     def connect(self, context: zmq.Context[Any]) -> zmq.Socket[Any]:
         """Make the socket (in the I/O thread) and connect it to the broker."""
-        sock = context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        if self.settings.keys is not None:
-            self.settings.keys.connect(sock)
+        sock = make_socket(context, zmq.DEALER, self.settings.keys)
         sock.connect(self.settings.address)
         self.socket = sock
         return sock
@@ -158,74 +151,62 @@ class BrokerLink:
 
     # --- what the broker says -------------------------------------------------------------
 
-    def job(self, msg: Message) -> JobView:
+    def job(self, view: messages.Job) -> JobView:
         """Take in a JOB: the job's id and facts (into the session and the stats), its
         errors (handed on once each) and its rounds; return the rest."""
         session, stats = self.session, self.stats
         registered = session.job is None
         if registered:
             stats.last_progress = time.monotonic()
-            share, epoch = msg.body.get("share"), msg.body.get("epoch")
-            stats.share = share if isinstance(share, dict) else None
-            stats.job_epoch = epoch if isinstance(epoch, int) else 0
+            stats.share = view.share
+            stats.job_epoch = view.epoch if view.epoch is not None else 0
             if self.rounds is not None:
-                self.rounds.joined(msg.body.get("joined"), session.epoch)
+                self.rounds.joined(view.joined, session.epoch)
         if self.rounds is not None:
-            self.rounds.view(msg.body.get("rounds"), self.settings.address)
+            self.rounds.view(view.rounds, self.settings.address)
             stats.rounds_lost, stats.rounds_missed = self.rounds.total_lost, self.rounds.missed
-        session.job = msg.field("job", str)
-        width = msg.body.get("width")
-        if isinstance(width, int) and width > 0:
-            stats.width = width
-        beat = heartbeat(msg.body.get("heartbeat"))
-        if beat is not None:
-            session.heartbeat = beat
-        self._errors(msg)
-        entropy = msg.body.get("entropy")
-        if isinstance(entropy, int):
-            stats.entropy = entropy
-        stages = msg.body.get("stages")
-        if isinstance(stages, dict):
-            stats.stages = {str(k): float(v) for k, v in stages.items()
+        session.job = view.job
+        if view.width:
+            stats.width = view.width
+        if view.heartbeat is not None:
+            session.heartbeat = view.heartbeat
+        self._errors(view)
+        if view.entropy is not None:
+            stats.entropy = view.entropy
+        if view.stages is not None:
+            stats.stages = {str(k): float(v) for k, v in view.stages.items()
                             if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        busy = msg.body.get("busy_elsewhere")
-        self.busy_elsewhere = busy if isinstance(busy, int) and busy >= 0 else 0
-        pending, fencing = msg.body.get("pending"), msg.body.get("fencing")
-        consumers, read = msg.body.get("consumers"), msg.body.get("read")
-        return JobView(registered, msg.field("workers", list), msg.body.get("fences"),
-                       fencing if isinstance(fencing, dict) else {},
-                       pending if isinstance(pending, dict) else {},
-                       consumers if isinstance(consumers, int) else None,
-                       read if isinstance(read, list) else None)
+        self.busy_elsewhere = view.busy_elsewhere
+        return JobView(registered, view.workers, view.fences, view.fencing or {},
+                       view.pending, view.consumers,
+                       list(view.read) if view.read is not None else None)
 
-    def _errors(self, msg: Message) -> None:
+    def _errors(self, view: messages.Job) -> None:
         """Hand on the job's start-up error, and its latest failed split (before any
         "done" this JOB causes)."""
-        job_error = msg.body.get("error")
-        if job_error and not self._reported_error:
+        if view.error and not self._reported_error:
             self._reported_error = True
-            self.put(Item("error", error=error_from_object(job_error, "worker start-up")))
-        failed = msg.field("failed", list)
+            self.put(Item("error", error=error_from_object(view.error, "worker start-up")))
+        failed = view.failed
         if len(failed) > self._reported_failures:
-            entry = failed[-1] if isinstance(failed[-1], dict) else {}
+            entry = failed[-1]
             self._reported_failures = len(failed)
             self.put(Item("error", error=PipelineError.create(
                 "worker", "RuntimeError", str(entry.get("message", "a split failed")),
                 context=f"split {entry.get('split')}", builtin="RuntimeError")))
 
-    def refused(self, msg: Message) -> None:
+    def refused(self, refusal: messages.Error) -> None:
         """ERROR: the broker refused this consumer (a ValueError when about job_name)."""
-        text = str(msg.body.get("message", "the broker refused the request"))
+        text = refusal.message
         error: Exception = ValueError(text) if "job_name" in text else ZloaderError(text)
         self.put(Item("error", error=error))
 
     @staticmethod
-    def log_lines(msg: Message) -> None:
+    def log_lines(lines: messages.Log) -> None:
         """LOG: a remote worker's user output, into this process's log."""
-        lines = valid_lines(msg.body.get("lines"))
-        host, pid = msg.body.get("host"), msg.body.get("pid")
-        if lines is not None and isinstance(host, str) and isinstance(pid, int):
-            emit(host[:255], pid, lines)
+        if lines.host is None or lines.pid is None:
+            raise ProtocolError("LOG: the broker's LOG needs fields 'host' and 'pid'")
+        emit(lines.host, lines.pid, [list(line) for line in lines.lines])
 
     def forgotten(self) -> None:
         """UNKNOWN: the broker restarted; register again on the next beat, for the same

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +21,7 @@ from zloader.client.session import Session, Settings
 from zloader.client.stats import Stats
 from zloader.transport.protocol import Command, ProtocolError, doing, doing_text, encode
 from zloader.transport.shm import sweep
+from zloader.transport.sockets import make_socket
 
 __all__ = ["Peer", "Peers", "local_address"]
 
@@ -103,13 +104,11 @@ class Peers:
 
     # --- the job's view -------------------------------------------------------------------
 
-    def update(self, workers: list[Any]) -> None:
+    def update(self, workers: Iterable[dict[str, Any]]) -> None:
         """Follow the job's worker list (its JOB view): connect to the new ones, close
         the ones it no longer lists, and read a worker given a new task afresh."""
         seen = set()
-        for entry in workers:
-            if not isinstance(entry, dict) or not isinstance(entry.get("worker"), str):
-                continue
+        for entry in workers:  # checked by the JOB record
             worker = entry["worker"]
             peer = self._peers.get(worker)
             if peer is not None:
@@ -134,12 +133,9 @@ class Peers:
     def _connect(self, entry: dict[str, Any]) -> None:
         assert self._context is not None and self._poller is not None
         keys = self.settings.keys
-        sock = self._context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        if keys is not None and entry.get("plain_data") is True:
-            keys.connect_plain(sock)  # the worker's --plain-data
-        elif keys is not None:
-            keys.connect(sock)
+        # PLAIN for a worker started with --plain-data
+        sock = make_socket(self._context, zmq.DEALER, keys,
+                           plain=keys is not None and entry.get("plain_data") is True)
         try:
             sock.connect(str(entry["endpoint"]))
         except zmq.ZMQError as exc:
@@ -230,25 +226,23 @@ class Peers:
 
     # --- shared memory --------------------------------------------------------------------
 
-    def ring_of(self, peer: Peer, ring: Any) -> Any:
-        """The ring a DATA refers to: the current one or, until the worker has switched, a
-        ring it is growing out of (records arrive in order, so once one names the current
-        ring the older rings get no more).
+    def ring_of(self, peer: Peer, name: str) -> Any:
+        """The ring a DATA refers to by ``name``: the current one or, until the worker has
+        switched, a ring it is growing out of (records arrive in order, so once one names
+        the current ring the older rings get no more).
 
         Raises:
-            ProtocolError: ``ring`` is malformed or names no ring of ``peer``'s.
+            ProtocolError: ``name`` names no ring of ``peer``'s.
         """
-        if not (isinstance(ring, list) and len(ring) == 3 and isinstance(ring[2], str)):
-            raise ProtocolError("DATA.ring must be [position, length, ring name]")
-        if peer.ring is not None and ring[2] == peer.ring.name:
+        if peer.ring is not None and name == peer.ring.name:
             for old in peer.old_rings:
                 old.close()
             peer.old_rings.clear()
             return peer.ring
         for old in peer.old_rings:
-            if old.name == ring[2]:
+            if old.name == name:
                 return old
-        raise ProtocolError(f"DATA names ring {ring[2]!r}, which this consumer did not open")
+        raise ProtocolError(f"DATA names ring {name!r}, which this consumer did not open")
 
     def grow_ring(self, peer: Peer, record_bytes: int) -> None:
         """The worker found the ring full: when records are large for it (fewer than
@@ -265,19 +259,16 @@ class Peers:
         peer.ring = bigger
         self.send(peer, Command.RING, {"ring": bigger.name})
 
-    def map_segment(self, peer: Peer, segment: Any, private: bool = False) -> Any:
+    def map_segment(self, peer: Peer, segment: tuple[str, int], private: bool = False) -> Any:
         """Map a one-record segment; the worker unlinks it once told (next CREDIT). A
         shared job's record is mapped copy-on-write (``private``): writing into an element
         changes this process's copy only.
 
         Raises:
-            ProtocolError: ``segment`` is malformed, cannot be mapped or is too short.
+            ProtocolError: ``segment`` cannot be mapped or is too short.
         """
         from zloader.transport.shm import Segment
 
-        if not (isinstance(segment, list) and len(segment) == 2
-                and isinstance(segment[0], str) and isinstance(segment[1], int)):
-            raise ProtocolError("DATA: segment must be [name, length]")
         try:
             mapped = Segment.attach(segment[0], private=private)
         except (OSError, ValueError) as exc:

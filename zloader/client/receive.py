@@ -18,13 +18,16 @@ from zloader.client.rounds import Rounds
 from zloader.client.session import Session
 from zloader.client.stats import Stats
 from zloader.errors import CodecError
-from zloader.transport import records
+from zloader.transport import messages, records
 from zloader.transport.protocol import Command, Message, ProtocolError, error_from_object
 from zloader.transport.ring import RingError
 
 __all__ = ["Receiver"]
 
 log = logging.getLogger("zloader.loader")
+
+FROM_WORKERS = frozenset({Command.DATA, Command.END, Command.FAIL, Command.ERROR})
+"""What a worker sends a consumer on its data socket."""
 
 
 class Receiver:
@@ -53,58 +56,61 @@ class Receiver:
             ProtocolError: it is malformed (the caller drops and counts it).
         """
         self.stats.last_progress = peer.heard = time.monotonic()
-        epoch = msg.body.get("epoch")
-        if not isinstance(epoch, int) and msg.command in (Command.DATA, Command.END,
-                                                          Command.FAIL):
-            raise ProtocolError(f"{msg.command.name} without an epoch")
-        if msg.command is Command.DATA:
-            if epoch != self.session.epoch:
+        if msg.command not in FROM_WORKERS:
+            raise ProtocolError(f"{msg.command.name} is not a message from a worker")
+        try:
+            record = messages.decode(msg)
+        except ProtocolError:
+            if msg.command is Command.DATA and msg.body.get("epoch") == self.session.epoch:
+                self.peers.credit(peer.worker, 1)  # a record of this epoch, unreadable
+            raise
+        if isinstance(record, messages.Data):
+            if record.epoch != self.session.epoch:
                 return  # an old epoch's record: its credit is not coming back, by design
             peer.owed -= 1
             try:
-                self._data(peer, msg)
+                self._data(peer, record, msg.payload)
             except (ProtocolError, CodecError, RingError) as exc:
                 # Dropped (a corrupt record, in shared memory or on the wire), counted by
                 # the caller, and its credit given back so that the worker goes on.
                 self.peers.credit(peer.worker, 1)
                 raise ProtocolError(f"DATA from worker pid {peer.pid} at {peer.endpoint}: "
                                     f"{exc}") from None
-        elif msg.command is Command.END:
-            if epoch == self.session.epoch:
-                self._end(peer, msg)
-        elif msg.command is Command.FAIL:
-            if epoch == self.session.epoch:
-                self.put(Item("error", error=error_from_object(msg.body.get("error"))))
-        elif msg.command is Command.ERROR:
-            log.warning("worker %s refused: %s", peer.endpoint, msg.body.get("message"))
+        elif isinstance(record, messages.End):
+            if record.epoch == self.session.epoch:
+                self._end(peer, record)
+        elif isinstance(record, messages.Fail):
+            if record.epoch == self.session.epoch:
+                self.put(Item("error", error=error_from_object(record.error)))
+        elif isinstance(record, messages.Error):
+            log.warning("worker %s refused: %s", peer.endpoint, record.message)
 
-    def _buffers(self, peer: Peer, msg: Message) -> list[Any]:
+    def _buffers(self, peer: Peer, data: messages.Data, payload: list[Any]) -> list[Any]:
         """A DATA's buffers: from its segment, its worker's ring or its frames."""
-        ring = msg.body.get("ring")
-        segment = msg.body.get("segment")
-        if segment is not None:
-            block = self.peers.map_segment(peer, segment, private=bool(msg.body.get("shared")))
+        if data.segment is not None:
+            block = self.peers.map_segment(peer, data.segment, private=data.shared)
             buffers = records.unpack(memoryview(block))
             self.stats.segments += 1
             return buffers
-        if ring is not None:
-            reader = self.peers.ring_of(peer, ring)
-            block = reader.claim(int(ring[0]), int(ring[1]))
+        if data.ring is not None:
+            position, length, name = data.ring
+            reader = self.peers.ring_of(peer, name)
+            block = reader.claim(position, length)
             return records.unpack(memoryview(block))
         self.stats.private += peer.ring is not None
-        return [frame.buffer for frame in msg.payload]
+        return [frame.buffer for frame in payload]
 
-    def _data(self, peer: Peer, msg: Message) -> None:
+    def _data(self, peer: Peer, data: messages.Data, payload: list[Any]) -> None:
         session, stats = self.session, self.stats
-        count = msg.field("count", int)
-        buffers = self._buffers(peer, msg)
-        if msg.body.get("full") and peer.ring is not None:
+        count = data.count
+        buffers = self._buffers(peer, data, payload)
+        if data.full and peer.ring is not None:
             self.peers.grow_ring(peer, records.packed_size(buffers))
         origins = None
-        if "origins" in msg.body:
+        if data.origins is not None:
             if len(buffers) < 3:
                 raise ProtocolError("DATA with origins but fewer than 3 buffers")
-            origins = Origins.decode(msg.body["origins"], buffers[-2:], count)
+            origins = Origins.decode(data.origins, buffers[-2:], count)
             buffers = buffers[:-2]
         elements = codec.decode(buffers)
         if not isinstance(elements, list) or len(elements) != count:
@@ -113,54 +119,55 @@ class Receiver:
         stats.records += 1
         stats.bytes += sum(memoryview(b).nbytes for b in buffers)
         stats.per_worker[peer.pid] = stats.per_worker.get(peer.pid, 0) + count
-        self._note_lagged(peer, msg)
+        self._note_lagged(peer, data.lagged)
         item = Item("data", session.epoch if session.epoch is not None else -1, peer.worker,
                     peer.index, elements, origins=origins)
         if origins is not None:
             origins.note(session.received)
         if self.rounds is None:
-            self._note_skipped(peer, msg)
+            self._note_skipped(peer, data.skipped)
             self.put(item)
             return
-        number = msg.field("round", int)
+        number = data.round
+        if number is None:
+            raise ProtocolError("DATA: field 'round' is missing (a coordinated job's record "
+                                "needs it)")
         if not session.done and self.rounds.hold(number, item):
             self.link.acks.append(number)
             self.end.release_rounds()
         else:  # a round this consumer skipped (lost, or before it joined)
             self.peers.credit(peer.worker, 1)
 
-    def _end(self, peer: Peer, msg: Message) -> None:
+    def _end(self, peer: Peer, end: messages.End) -> None:
         """END: ``peer``'s worker ended the epoch (or its rerun)."""
         session, stats = self.session, self.stats
-        self._note_skipped(peer, msg)
-        dropped = msg.body.get("dropped")
-        if isinstance(dropped, int) and not isinstance(dropped, bool):
-            stats.dropped += dropped
-        rerun = msg.body.get("rerun")
-        if self.rounds is not None and isinstance(rerun, int):
-            self.rounds.ends[peer.worker] = max(rerun, self.rounds.ends.get(peer.worker, -1))
-        self._note_lagged(peer, msg)
+        self._note_skipped(peer, end.skipped)
+        if end.dropped is not None:
+            stats.dropped += end.dropped
+        if self.rounds is not None and end.rerun is not None:
+            self.rounds.ends[peer.worker] = max(end.rerun,
+                                                self.rounds.ends.get(peer.worker, -1))
+        self._note_lagged(peer, end.lagged, end.replayed)
         session.ended.add(peer.worker)
         origins = None
-        if "origins" in msg.body:
-            origins = Origins.loose(msg.body["origins"])
+        if end.origins is not None:
+            origins = Origins.loose(end.origins)
             origins.note(session.received)
         epoch = session.epoch
         self.put(Item("end", epoch if epoch is not None else -1, peer.worker, peer.index,
                       origins=origins))
         self.end.check()
 
-    def _note_skipped(self, peer: Peer, msg: Message) -> None:
-        self._skipped_by[peer.worker] = int(msg.body.get("skipped", 0))
+    def _note_skipped(self, peer: Peer, skipped: int) -> None:
+        """The elements ``peer``'s worker skipped so far in the epoch (``on_error="skip"``)."""
+        self._skipped_by[peer.worker] = skipped
         self.stats.skipped = sum(self._skipped_by.values())
 
-    def _note_lagged(self, peer: Peer, msg: Message) -> None:
+    def _note_lagged(self, peer: Peer, lagged: int | None, replayed: int | None = None) -> None:
         """A shared job's elements this trainer lost to the lag policy, and those made
         again for it, as ``peer``'s worker counts them."""
-        replayed = msg.body.get("replayed")
-        if isinstance(replayed, int) and not isinstance(replayed, bool):
+        if replayed is not None:
             self.stats.replayed += replayed
-        lagged = msg.body.get("lagged")
-        if isinstance(lagged, int) and not isinstance(lagged, bool):
+        if lagged is not None:
             self._lagged_by[peer.worker] = lagged
             self.stats.lagged = sum(self._lagged_by.values())

@@ -31,8 +31,10 @@ from zloader.client.rounds import Rounds
 from zloader.client.session import Session, Settings
 from zloader.client.stats import Stats
 from zloader.shipping import Served
+from zloader.transport import messages
 from zloader.transport.keys import Keys
-from zloader.transport.protocol import Command, Message, ProtocolError, decode
+from zloader.transport.protocol import Message, ProtocolError, decode
+from zloader.transport.sockets import make_socket
 
 __all__ = ["IOThread"]
 
@@ -284,27 +286,33 @@ class IOThread(threading.Thread):
                         exc_info=exc_info)
 
     def _from_broker(self, msg: Message) -> None:
-        if msg.command is Command.JOB:
-            self._job_view(msg)
-        elif msg.command is Command.ERROR:
-            self._link.refused(msg)
-        elif msg.command is Command.LOG:
-            self._link.log_lines(msg)
-        elif msg.command is Command.COMMIT:
+        """One message from the broker, its body decoded into its record.
+
+        Raises:
+            ProtocolError: it is malformed.
+        """
+        record = messages.decode(msg)
+        if isinstance(record, messages.Job):
+            self._job_view(record)
+        elif isinstance(record, messages.Error):
+            self._link.refused(record)
+        elif isinstance(record, messages.Log):
+            self._link.log_lines(record)
+        elif isinstance(record, messages.Commit):
             if self._rounds is not None:
-                self._rounds.total_lost = int(msg.body.get("total_lost") or 0)
+                self._rounds.total_lost = record.total_lost
                 self.stats.rounds_lost = self._rounds.total_lost
-                if msg.field("epoch", int) == self._session.epoch:
-                    self._rounds.commit(msg.field("rounds", list), msg.field("lost", list))
+                if record.epoch == self._session.epoch:
+                    self._rounds.commit(list(record.rounds), list(record.lost))
                     self._end.release_rounds()
-        elif msg.command is Command.UNKNOWN:
+        elif isinstance(record, messages.Unknown):
             self._link.forgotten()
 
-    def _job_view(self, msg: Message) -> None:
+    def _job_view(self, job: messages.Job) -> None:
         """JOB: the link takes the job's facts, the peers follow its workers, the end of
         the epoch takes its fences and confirmations. The broker's traffic is no progress:
         only data is (a stuck worker heartbeats)."""
-        view = self._link.job(msg)
+        view = self._link.job(job)
         self._end.pending = view.pending
         known = self._peers.workers()
         self._peers.update(view.workers)
@@ -323,11 +331,9 @@ class IOThread(threading.Thread):
         """Bind the socket from which workers fetch this job's in-memory source data and
         its pipeline, when that is too large to pass through the broker."""
         keys = self.settings.keys
-        server = context.socket(zmq.ROUTER)
-        server.setsockopt(zmq.LINGER, 0)
         if keys is not None:
             self._guard = keys.guard(context)
-            keys.serve(server)
+        server = make_socket(context, zmq.ROUTER, keys, serve=True)
         server.bind(self.settings.data_bind
                     or f"tcp://{local_address(self.settings.address)}:*")
         self._data_server = server

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 from zloader import codec
 from zloader.sharing.store import Stored, store
 from zloader.sharing.window import Window
-from zloader.transport.protocol import Command, Message
+from zloader.transport.messages import Open
+from zloader.transport.protocol import Command
 from zloader.worker.credit import clamp
 from zloader.worker.delivery import Delivery, Pending
 from zloader.worker.producer import Outgoing, Producer
@@ -51,11 +52,10 @@ class SharedDelivery(Delivery):
 
     # --- trainers -------------------------------------------------------------------------
 
-    def open(self, stream: Stream, epoch: int, msg: Message) -> None:
-        """A trainer starts (or re-opens) ``epoch``: place its cursor in the window; what
+    def open(self, stream: Stream, opened: Open) -> None:
+        """A trainer starts (or re-opens) an epoch: place its cursor in the window; what
         it missed of an epoch under way is made again for it (a replay)."""
-        task = self.task
-        credits = msg.field("credits", int)
+        task, epoch, credits = self.task, opened.epoch, opened.credits
         cursor = self.window.cursors.get(stream.identity)
         if cursor is None or cursor.epoch != epoch:
             finished = epoch in task.finished and epoch != task.producing

@@ -10,9 +10,10 @@ from typing import Any
 import zmq
 
 from zloader.errors import ZloaderError
-from zloader.lineage import unpack
 from zloader.transport.keys import Keys
-from zloader.transport.protocol import Command, Message, ProtocolError, encode
+from zloader.transport.messages import Ready, Record, Split, SplitReq
+from zloader.transport.protocol import ProtocolError, encode
+from zloader.transport.sockets import make_socket
 
 __all__ = ["BrokerLink", "BrokerRefused", "assignment"]
 
@@ -35,14 +36,14 @@ class BrokerLink:
     """
 
     def __init__(self, context: zmq.Context[Any], endpoint: str, keys: Keys | None,
-                 hello: dict[str, Any]) -> None:
+                 hello: Ready) -> None:
         self.context = context
         self.endpoint = endpoint
         self.keys = keys
         self.hello = hello
         self.last_from = time.monotonic()  # when the broker last said anything
         self.last_to = 0.0
-        self.asking: dict[str, Any] | None = None  # the split request not yet answered
+        self.asking: SplitReq | None = None  # the split request not yet answered
         self.sock: zmq.Socket[Any] = self.connect()
 
     def connect(self) -> zmq.Socket[Any]:
@@ -51,10 +52,7 @@ class BrokerLink:
         Raises:
             BrokerRefused: the handshake failed.
         """
-        sock = self.context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        if self.keys is not None:
-            self.keys.connect(sock)
+        sock = make_socket(self.context, zmq.DEALER, self.keys)
         sock.connect(self.endpoint)
         self.sock = sock
         self.ready()
@@ -63,9 +61,9 @@ class BrokerLink:
 
     def ready(self) -> None:
         """(Re-)register with the broker."""
-        self.send(Command.READY, self.hello)
+        self.send(self.hello)
 
-    def send(self, command: Command, body: dict[str, Any]) -> None:
+    def send(self, record: Record) -> None:
         """Send to the broker. A connection still being made queues what is sent; only
         one whose handshake failed (other keys, or none) has nowhere to put it.
 
@@ -73,7 +71,7 @@ class BrokerLink:
             BrokerRefused: the handshake failed; the text says which keys to give.
         """
         try:
-            self.sock.send_multipart(encode(command, body), zmq.NOBLOCK)
+            self.sock.send_multipart(encode(record.COMMAND, record.to_body()), zmq.NOBLOCK)
         except zmq.Again:
             fix = ("the broker wants CURVE keys: pass --keys DIR, the broker's keys "
                    "directory (see `zloader keygen`)" if self.keys is None else
@@ -83,17 +81,17 @@ class BrokerLink:
                                 f"connection at the handshake: {fix}") from None
         self.last_to = time.monotonic()
 
-    def ask(self, request: dict[str, Any]) -> None:
+    def ask(self, request: SplitReq) -> None:
         """SPLIT_REQ, remembered until its answer comes (the caller clears ``asking``)."""
         self.asking = request
-        self.send(Command.SPLIT_REQ, request)
+        self.send(request)
 
     def ask_again(self, task: str) -> None:
         """A split request of ``task`` whose answer may be lost (a new connection, a
         restarted broker): ask again; ``have`` makes the broker send the same split if
         it had handed one out."""
-        if self.asking is not None and self.asking["task"] == task:
-            self.send(Command.SPLIT_REQ, self.asking)
+        if self.asking is not None and self.asking.task == task:
+            self.send(self.asking)
 
     def heard(self) -> None:
         """The broker said something."""
@@ -103,23 +101,15 @@ class BrokerLink:
         self.sock.close(0)
 
 
-def assignment(msg: Message) -> dict[str, Any]:
-    """The checked ``origin``, ``skip`` and ``expect`` of an exactly-once job's SPLIT.
+def assignment(split: Split) -> dict[str, Any]:
+    """The ``origin``, ``skip`` and ``expect`` of an exactly-once job's SPLIT (checked
+    by its record), for the producer.
 
     Raises:
-        ProtocolError: one is malformed.
+        ProtocolError: it has no ``origin``.
     """
-    origin = msg.field("origin", list)
-    if not origin or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0
-                             for k in origin):
-        raise ProtocolError("SPLIT.origin must be a pass key")
-    skip = msg.body.get("skip", "")
-    try:
-        unpack(skip)
-    except ValueError as exc:
-        raise ProtocolError(f"SPLIT.skip: {exc}") from None
-    expect = msg.body.get("expect")
-    if expect is not None and not (isinstance(expect, list) and len(expect) == 2
-                                   and all(isinstance(v, int) for v in expect)):
-        raise ProtocolError("SPLIT.expect must be [count, digest]")
-    return {"origin": origin, "skip": skip, "expect": expect}
+    if split.origin is None:
+        raise ProtocolError("SPLIT: field 'origin' is missing (an exactly-once job's split "
+                            "needs it)")
+    return {"origin": list(split.origin), "skip": split.skip,
+            "expect": list(split.expect) if split.expect is not None else None}

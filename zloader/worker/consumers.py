@@ -12,6 +12,7 @@ from typing import Any
 import zmq
 
 from zloader._defaults import EARLY_OPENS, MAX_DATA_FRAME_BYTES
+from zloader.transport import messages
 from zloader.transport.keys import Keys
 from zloader.transport.protocol import (
     Command,
@@ -20,10 +21,14 @@ from zloader.transport.protocol import (
     decode,
     encode,
 )
+from zloader.transport.sockets import make_socket
 from zloader.worker.streams import Outlet
 from zloader.worker.task import Task
 
 __all__ = ["EARLY_OPENS", "DataPort"]
+
+DATA_SOCKET_COMMANDS = frozenset({Command.OPEN, Command.CREDIT, Command.RING, Command.CLOSE})
+"""What consumers send on a worker's data socket."""
 
 
 class DataPort:
@@ -41,14 +46,8 @@ class DataPort:
     def __init__(self, context: zmq.Context[Any], bind: str, advertise: str | None,
                  keys: Keys | None, plain_data: bool,
                  reject: Callable[..., None]) -> None:
-        sock = context.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_DATA_FRAME_BYTES)
-        if plain_data:
-            assert keys is not None
-            keys.serve_plain(sock)
-        elif keys is not None:
-            keys.serve(sock)
+        sock = make_socket(context, zmq.ROUTER, keys, serve=True, plain=plain_data,
+                           max_bytes=MAX_DATA_FRAME_BYTES)
         sock.bind(bind)
         endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         if advertise and endpoint.startswith("tcp://"):
@@ -57,7 +56,8 @@ class DataPort:
         self.sock = sock
         self.reject = reject
         self.outlet = Outlet(sock, reject)
-        self.early_opens: deque[tuple[bytes, Message]] = deque(maxlen=EARLY_OPENS)
+        self.early_opens: deque[tuple[bytes, messages.Open, list[Any]]] = \
+            deque(maxlen=EARLY_OPENS)
 
     def receive(self, frames: list[zmq.Frame], task: Task | None) -> None:
         """One message from a consumer: a malformed one is answered with ERROR and
@@ -82,35 +82,34 @@ class DataPort:
         Raises:
             ProtocolError: it is malformed, or not a data-socket command.
         """
-        if msg.command is Command.OPEN:
-            if task is None or msg.field("job", str) != task.job \
-                    or msg.body.get("task") not in (None, task.id):
+        if msg.command not in DATA_SOCKET_COMMANDS:
+            raise ProtocolError(f"{msg.command.name} is not a data-socket command")
+        record = messages.decode(msg)
+        if isinstance(record, messages.Open):
+            if task is None or record.job != task.job or record.task not in (None, task.id):
                 # The consumer may hear of this worker's task before the worker does: keep
                 # the OPEN until the TASK arrives (bounded; the oldest are dropped). An OPEN
                 # for another task of the same job never reaches this one: the broker
                 # dropped this worker meanwhile and re-queued what this task holds.
-                self.early_opens.append((identity, msg))
+                self.early_opens.append((identity, record, msg.payload))
                 return
-            task.open(identity, msg)
-        elif msg.command is Command.CREDIT:
-            if task is not None:
-                task.credit(identity, msg)
-        elif msg.command is Command.RING:
-            if task is not None:
-                task.ring(identity, msg)
-        elif msg.command is Command.CLOSE:
-            if task is not None and identity in task.streams:
-                task.remove_stream(task.streams[identity])
-        else:
-            raise ProtocolError(f"{msg.command.name} is not a data-socket command")
+            task.open(identity, record, msg.payload)
+        elif task is None:
+            return
+        elif isinstance(record, messages.Credit):
+            task.credit(identity, record)
+        elif isinstance(record, messages.Ring):
+            task.ring(identity, record)
+        elif isinstance(record, messages.Close) and identity in task.streams:
+            task.remove_stream(task.streams[identity])
 
     def begin(self, task: Task) -> None:
         """A task starts: the OPENs that came for it before it did are handled now."""
         early, self.early_opens = list(self.early_opens), deque(maxlen=EARLY_OPENS)
-        for identity, opened in early:
-            if opened.body.get("job") == task.job and opened.body.get("task") in (None, task.id):
+        for identity, opened, payload in early:
+            if opened.job == task.job and opened.task in (None, task.id):
                 try:
-                    self.handle(identity, opened, task)
+                    task.open(identity, opened, payload)
                 except ProtocolError as exc:
                     self.reject(f"dropped a malformed message from a consumer: {exc}")
 

@@ -28,7 +28,7 @@ from zloader.worker.producer import Outgoing, Producer
 from zloader.worker.streams import Stream
 
 if TYPE_CHECKING:
-    from zloader.transport.protocol import Message
+    from zloader.transport.messages import Open
     from zloader.worker.task import Task
 
 __all__ = ["Delivery", "Pending", "discard"]
@@ -54,13 +54,13 @@ class Delivery(abc.ABC):
 
     # --- consumers ------------------------------------------------------------------------
 
-    def open(self, stream: Stream, epoch: int, msg: Message) -> None:
-        """A consumer opens (or re-opens) ``epoch`` with the OPEN ``msg``.
+    def open(self, stream: Stream, opened: Open) -> None:
+        """A consumer opens (or re-opens) an epoch with the OPEN ``opened``.
 
         Raises:
             ProtocolError: the OPEN is malformed for this mode.
         """
-        self.task.open_epoch(stream, epoch, msg)
+        self.task.open_epoch(stream, opened)
 
     @abc.abstractmethod
     def credit(self, stream: Stream, credits: int) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 import zmq
 
 from zloader._defaults import STAGES, STOP_SECONDS
+from zloader.transport.sockets import make_socket
 from zloader.worker.producer import Producer, ProducerSpec
 
 __all__ = ["STOP_SECONDS", "Links"]
@@ -38,8 +39,7 @@ class Links:
         arguments) on a new link."""
         self.count += 1
         address = f"inproc://producer-{self.name}-{self.count}"
-        link = self.context.socket(zmq.PAIR)
-        link.setsockopt(zmq.LINGER, 0)
+        link = make_socket(self.context, zmq.PAIR)
         link.bind(address)
         self.poller.register(link, zmq.POLLIN)
         producer = Producer(self.context, address, spec, epoch, timing=self.timing, **options)

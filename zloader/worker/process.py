@@ -32,8 +32,9 @@ from zloader.pipeline import Pipeline
 from zloader.plan import plan
 from zloader.sharing.delivery import SharedDelivery
 from zloader.shipping import Loading, Supply
+from zloader.transport import messages
 from zloader.transport.keys import Keys
-from zloader.transport.protocol import Command, Message, ProtocolError, decode, heartbeat
+from zloader.transport.protocol import Message, ProtocolError, decode
 from zloader.transport.shm import sweep, sweep_dirs
 from zloader.worker.broker_link import BrokerLink, BrokerRefused
 from zloader.worker.consumers import DataPort
@@ -123,10 +124,10 @@ class WorkerProcess:
         self.endpoint = self.port.endpoint
         self.poller = zmq.Poller()
         self.links = Links(context, self.poller, self.id)
-        self.broker = BrokerLink(context, self.broker_endpoint, self.keys, {  # READY
-            "worker": self.id, "host": _socket.gethostname(), "host_id": host_id(),
-            "pid": os.getpid(), "endpoint": self.endpoint, "prefer": self.prefer,
-            "plain_data": self.plain_data, "holds": sorted(self.inherited or ())})
+        self.broker = BrokerLink(context, self.broker_endpoint, self.keys, messages.Ready(
+            worker=self.id, host=_socket.gethostname(), host_id=host_id(), pid=os.getpid(),
+            endpoint=self.endpoint, prefer=self.prefer, plain_data=self.plain_data,
+            holds=tuple(sorted(self.inherited or ()))))
         if self.capture is not None:
             self.capture.install()
         try:
@@ -139,7 +140,7 @@ class WorkerProcess:
                 self.capture.remove()
             self._stop_task()
             with contextlib.suppress(zmq.ZMQError, BrokerRefused):
-                self.broker.send(Command.BYE, {})
+                self.broker.send(messages.Bye())
             self.links.drop_all()
             self.broker.close()
             self.port.close()
@@ -222,12 +223,12 @@ class WorkerProcess:
             "rejected": self.rejected, "cpu_seconds": round(cpu.user + cpu.system, 3),
             "credits": 0.0, "ring_fill": 0.0,  # (the task's, below)
             **{f"{stage}_seconds": round(t, 3) for stage, t in self.links.timing.items()}}
-        beat: dict[str, Any] = {"stats": stats}
+        doing = None
         if self.task is not None:
             stats.update(self.task.stats())
             if self.task.producer is not None:
-                beat["doing"] = self.task.producer.doing()  # where a stuck one is
-        self.broker.send(Command.HEARTBEAT, beat)
+                doing = self.task.producer.doing()  # where a stuck one is
+        self.broker.send(messages.Heartbeat(stats=stats, doing=doing))
 
     def _reconnect(self, now: float) -> None:
         """The broker is silent: connect afresh; ask again what the old link lost."""
@@ -252,7 +253,7 @@ class WorkerProcess:
             return
         lines = self.capture.take(now)
         if lines:
-            self.broker.send(Command.LOG, {"task": task_id, "lines": lines})
+            self.broker.send(messages.Log(task=task_id, lines=tuple(map(tuple, lines))))
 
     def _reject(self, text: str, exc_info: bool = False) -> None:
         """Count a dropped message; log it at most once a second."""
@@ -309,48 +310,49 @@ class WorkerProcess:
             self._reject("failed on a message from the broker", exc_info=True)
 
     def _handle_broker(self, msg: Message) -> None:
-        command, task = msg.command, self.task
-        if command is Command.ACK:
-            beat = heartbeat(msg.body.get("heartbeat"))
-            if beat is not None:
-                self.heartbeat = beat  # the broker's interval: it expects ours
-            if "task" in msg.body and task is not None and msg.body["task"] != task.id:
+        """One message from the broker, its body decoded into its record.
+
+        Raises:
+            ProtocolError: it is malformed.
+        """
+        record, task = messages.decode(msg), self.task
+        if isinstance(record, messages.Ack):
+            self.heartbeat = record.heartbeat  # the broker's interval: it expects ours
+            if task is not None and record.task != task.id:
                 # The broker gave up on this worker (a partition, a stall) and handed its
                 # splits to others: what it still holds must not reach a consumer.
                 log.warning("the broker had dropped this worker: task %s abandoned", task.id)
                 self._stop_task()
-        elif command is Command.TASK:
-            self._start_task(msg)
-        elif command is Command.SPLIT:
+        elif isinstance(record, messages.Task):
+            self._start_task(record, msg.payload)
+        elif isinstance(record, messages.Split):
             if task is not None:
-                task.split(msg)
-        elif command is Command.RELEASE:
-            if self.loading is not None and msg.field("task", str) == self.loading[0].id:
+                task.split(record)
+        elif isinstance(record, messages.Release):
+            if self.loading is not None and record.task == self.loading[0].id:
                 self.loading = None
-            if task is not None and msg.field("task", str) == task.id:
+            if task is not None and record.task == task.id:
                 self._stop_task()
-        elif command is Command.ROUND:
-            if task is not None and msg.field("task", str) == task.id:
-                task.delivery.on_round(msg.field("epoch", int),
-                                       msg.field("round", int, optional=True))
-        elif command is Command.CONSUMER_GONE:
-            consumer = msg.field("consumer", str)
+        elif isinstance(record, messages.Round):
+            if task is not None and record.task == task.id:
+                task.delivery.on_round(record.epoch, record.round)
+        elif isinstance(record, messages.ConsumerGone):
             if task is not None:
-                task.drop_consumer(consumer, bool(msg.body.get("replaced")))
+                task.drop_consumer(record.consumer, record.replaced)
                 sweep()  # a consumer that died cannot unlink its rings: remove them for it
-        elif command is Command.UNKNOWN:
+        elif isinstance(record, messages.Unknown):
             self.broker.ready()  # the broker restarted (or gave up on us): register again
             if task is not None:
                 self.broker.ask_again(task.id)
-        elif command is Command.ERROR:
-            log.error("broker refused a message: %s", msg.body.get("message"))
+        elif isinstance(record, messages.Error):
+            log.error("broker refused a message: %s", record.message)
 
-    def _start_task(self, msg: Message) -> None:
+    def _start_task(self, record: messages.Task, payload: list[Any]) -> None:
         """TASK: check it, then load its pipeline on a thread (see ``_begin_task``)."""
-        task = Assignment.decode(msg)
+        task = Assignment.decode(record)
         if self.task is not None:
             self._stop_task()
-        self.loading = (task, self.supply.start(msg))
+        self.loading = (task, self.supply.start(record, payload))
         self._begin_task()
 
     def _begin_task(self) -> None:
@@ -361,8 +363,8 @@ class WorkerProcess:
         (assigned, loading), self.loading = self.loading, None
         if loading.error is not None:
             log.error("task %s could not start", assigned.id, exc_info=loading.error)
-            self.broker.send(Command.TASK_FAILED, {"task": assigned.id,
-                                                   "error": load_error(loading.error)})
+            self.broker.send(messages.TaskFailed(task=assigned.id,
+                                                 error=load_error(loading.error)))
             return
         assert loading.pipeline is not None
         self.task = Task(assigned, plan(loading.pipeline), self.port.outlet, self.links,

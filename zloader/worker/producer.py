@@ -40,6 +40,7 @@ from zloader.lineage import Assigned, encode_origins, unpack
 from zloader.plan import Plan
 from zloader.stages import Context
 from zloader.transport.protocol import error_object
+from zloader.transport.sockets import make_socket
 
 __all__ = ["RECORD_BYTES", "RECORD_ELEMENTS", "RECORD_LINGER", "STAGES", "LinkKind",
            "Outgoing", "Producer", "ProducerSpec"]
@@ -146,8 +147,7 @@ class Producer(threading.Thread):
         return {"epoch": self.epoch, "split": self.split, "stage": self.stage}
 
     def run(self) -> None:
-        pair = self.context.socket(zmq.PAIR)
-        pair.setsockopt(zmq.LINGER, 0)
+        pair = make_socket(self.context, zmq.PAIR)
         pair.connect(self.address)
         try:
             self._produce(pair)

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from zloader import codec
-from zloader.transport.protocol import Command, Message, ProtocolError
+from zloader.transport.messages import Open, RoundReq
+from zloader.transport.protocol import Command, ProtocolError
 from zloader.worker.credit import clamp
 from zloader.worker.delivery import Delivery, discard
 from zloader.worker.producer import Outgoing
@@ -53,16 +54,17 @@ class RoundsDelivery(Delivery):
 
     # --- consumers ------------------------------------------------------------------------
 
-    def open(self, stream: Stream, epoch: int, msg: Message) -> None:
+    def open(self, stream: Stream, opened: Open) -> None:
         if stream.consumer in self.replaced:
             self.task.remove_stream(stream)
             raise ProtocolError(f"consumer {stream.consumer} was taken over by another "
                                 "with its consumer_index")
-        index = msg.field("consumer_index", int)
-        if not 0 <= index < self.size:
-            raise ProtocolError(f"OPEN: consumer_index {index} out of range")
+        index = opened.consumer_index
+        if index is None or not index < self.size:
+            raise ProtocolError(f"OPEN: field 'consumer_index' must be an integer from 0 to "
+                                f"{self.size - 1} in a coordinated job, got {index!r}")
         stream.index = index
-        super().open(stream, epoch, msg)
+        super().open(stream, opened)
 
     def credit(self, stream: Stream, credits: int) -> None:
         stream.credits += clamp(credits)  # production follows the rounds they can take
@@ -110,8 +112,8 @@ class RoundsDelivery(Delivery):
             for stream in members:
                 stream.credits -= 1
             group.members = [s.identity for s in members]
-            task.broker.send(Command.ROUND_REQ, {"task": task.id, "epoch": group.epoch,
-                                                 "members": [s.consumer for s in members]})
+            task.broker.send(RoundReq(task=task.id, epoch=group.epoch,
+                                      members=tuple(s.consumer for s in members)))
         self.permit()
 
     def _group(self) -> None:

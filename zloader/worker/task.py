@@ -22,7 +22,8 @@ import zmq
 from zloader import codec
 from zloader.plan import Plan
 from zloader.sharing.window import WindowSettings
-from zloader.transport.protocol import Command, Message, error_object
+from zloader.transport import messages
+from zloader.transport.protocol import Command, error_object
 from zloader.worker.broker_link import BrokerLink, assignment
 from zloader.worker.delivery import Delivery
 from zloader.worker.links import Links
@@ -49,22 +50,17 @@ class Assignment:
     share: WindowSettings | None = None  # a shared job's window (zloader/sharing)
 
     @classmethod
-    def decode(cls, msg: Message) -> Assignment:
-        """The assignment a TASK message carries.
+    def decode(cls, task: messages.Task) -> Assignment:
+        """The assignment a TASK carries.
 
         Raises:
-            ProtocolError: a field is missing or of the wrong type.
             KeyError / TypeError / ValueError: ``share`` is malformed.
         """
-        share = msg.field("share", dict, optional=True)
+        share = task.share
         return cls(
-            id=msg.field("task", str), job=msg.field("job", str),
-            sharding=msg.field("sharding", str), index=msg.field("index", int),
-            width=msg.field("width", int), on_error=str(msg.body.get("on_error", "raise")),
-            entropy=msg.field("entropy", int),
-            balanced=max(0, int(msg.body.get("balanced") or 0)),
-            coordinated=max(0, int(msg.body.get("coordinated") or 0)),
-            track=msg.body.get("track") is True,
+            id=task.task, job=task.job, sharding=task.sharding, index=task.index,
+            width=task.width, on_error=task.on_error, entropy=task.entropy,
+            balanced=task.balanced, coordinated=task.coordinated, track=task.track,
             share=WindowSettings.from_body(share) if share is not None else None)
 
     def spec(self, plan: Plan) -> ProducerSpec:
@@ -108,36 +104,35 @@ class Task:
 
     # --- consumers ------------------------------------------------------------------------
 
-    def open(self, identity: bytes, msg: Message) -> None:
-        """OPEN: a consumer starts (or re-opens) an epoch.
+    def open(self, identity: bytes, opened: messages.Open, payload: list[Any]) -> None:
+        """OPEN: a consumer starts (or re-opens) an epoch (``payload``: its input).
 
         Raises:
             ProtocolError: the OPEN is malformed.
         """
-        epoch = msg.field("epoch", int)
-        if msg.payload and epoch not in self.inputs:
-            self.inputs[epoch] = codec.decode([f.buffer for f in msg.payload])
+        epoch = opened.epoch
+        if payload and epoch not in self.inputs:
+            self.inputs[epoch] = codec.decode([f.buffer for f in payload])
             for old in [e for e in self.inputs if e < epoch - 1]:
                 del self.inputs[old]
         stream = self.streams.get(identity)
         if stream is None:
-            stream = Stream(identity, msg.field("consumer", str), epoch)
+            stream = Stream(identity, opened.consumer, epoch)
             self.streams[identity] = stream
-            ring = msg.field("ring", str, optional=True)
-            if ring is not None:
-                stream.ring = attach_ring(ring)
-        self.delivery.open(stream, epoch, msg)
+            if opened.ring is not None:
+                stream.ring = attach_ring(opened.ring)
+        self.delivery.open(stream, opened)
 
-    def open_epoch(self, stream: Stream, epoch: int, msg: Message) -> None:
+    def open_epoch(self, stream: Stream, opened: messages.Open) -> None:
         """Put ``stream`` on ``epoch`` with the OPEN's credits (the credit-fed modes):
         an epoch finished here ends at once, unless the OPEN asks for a rerun of it (a
         dead worker's splits wait to be read)."""
+        epoch, rerun = opened.epoch, opened.rerun
         self.delivery.withdraw(stream)
         stream.epoch = epoch
         self.abandon_stale()
-        self.delivery.credit(stream, msg.field("credits", int))
-        rerun = msg.body.get("rerun", 0)
-        if isinstance(rerun, int) and rerun > self.reruns.get(epoch, 0):
+        self.delivery.credit(stream, opened.credits)
+        if rerun > self.reruns.get(epoch, 0):
             self.reruns[epoch] = rerun
             if epoch != self.producing:
                 self.finished.discard(epoch)
@@ -147,25 +142,25 @@ class Task:
         self.maybe_produce()
         self.delivery.deliver()
 
-    def credit(self, identity: bytes, msg: Message) -> None:
+    def credit(self, identity: bytes, granted: messages.Credit) -> None:
         """CREDIT: more credits for the consumer's epoch, and the segments it mapped."""
         stream = self.streams.get(identity)
         if stream is None:
             return
-        mapped = msg.field("mapped", list, optional=True) or []
+        mapped = list(granted.mapped)
         unlink_handoffs(stream, mapped)
         self.delivery.mapped(stream, mapped)
-        if msg.field("epoch", int) == stream.epoch:
-            self.delivery.credit(stream, msg.field("credits", int))
+        if granted.epoch == stream.epoch:
+            self.delivery.credit(stream, granted.credits)
             self.delivery.deliver()
 
-    def ring(self, identity: bytes, msg: Message) -> None:
+    def ring(self, identity: bytes, ring: messages.Ring) -> None:
         """RING: write into this (larger) ring from now on."""
         stream = self.streams.get(identity)
         if stream is not None:
             if stream.ring is not None:
                 stream.ring.close()
-            stream.ring = attach_ring(msg.field("ring", str))
+            stream.ring = attach_ring(ring.ring)
 
     def remove_stream(self, stream: Stream) -> None:
         self.delivery.leave(stream)
@@ -183,9 +178,10 @@ class Task:
     def from_producer(self, producer: Producer, kind: LinkKind, body: Any) -> None:
         """A message from one of its producers (see :class:`LinkKind`)."""
         if kind is LinkKind.SPLIT_REQ:
-            self.broker.ask({"task": self.id, "pass": body["pass"], "have": body["have"]})
+            self.broker.ask(messages.SplitReq(task=self.id, pass_=tuple(body["pass"]),
+                                              have=body["have"]))
         elif kind is LinkKind.PASS_DONE:
-            self.broker.send(Command.PASS_DONE, {"task": self.id, "pass": body})
+            self.broker.send(messages.PassDone(task=self.id, pass_=tuple(body)))
         elif kind is LinkKind.RECORD:
             self.delivery.on_record(producer, body["epoch"], producer.outbox.popleft(), body)
         elif kind is LinkKind.END:
@@ -193,21 +189,21 @@ class Task:
         elif kind is LinkKind.FAIL:
             self.fail(producer, body)
 
-    def split(self, msg: Message) -> None:
+    def split(self, answered: messages.Split) -> None:
         """SPLIT: pass the broker's answer to the producer that asked.
 
         Raises:
-            ProtocolError: the SPLIT is malformed.
+            ProtocolError: an exactly-once job's SPLIT lacks its origin.
         """
         link = self.producer.link if self.producer is not None else None
-        if msg.field("task", str) != self.id or link is None:
+        if answered.task != self.id or link is None:
             return
         self.broker.asking = None
-        split = msg.field("split", int, optional=True)
-        answer = {"pass": msg.field("pass", list), "split": split,
-                  "have": msg.body.get("have")}
+        split = answered.split
+        answer: dict[str, Any] = {"pass": list(answered.pass_), "split": split,
+                                  "have": answered.have}
         if self.spec.track and split is not None:  # where it belongs, what to skip
-            answer.update(assignment(msg))
+            answer.update(assignment(answered))
         with contextlib.suppress(zmq.Again):
             link.send(json.dumps(answer).encode(), zmq.NOBLOCK)
 

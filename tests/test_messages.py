@@ -1,0 +1,234 @@
+"""Message records (zloader/transport/messages.py): every body round-trips through its
+record and the wire, and each kind of bad body is refused with a ProtocolError that names
+the command and the field; a live worker refuses one the same way."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.service import service, status, wait_for
+from zloader.lineage import pack
+from zloader.transport import messages
+from zloader.transport.messages import RECORDS
+from zloader.transport.protocol import (
+    MAX_BODY_DEPTH,
+    Command,
+    Message,
+    ProtocolError,
+    decode,
+    encode,
+)
+
+ERROR = {"stage": "map", "exc_type": "ValueError", "builtin": "ValueError",
+         "message": "bad", "traceback": "Traceback ...", "context": "split 3"}
+WORKER = {"worker": "w1", "task": "t1", "endpoint": "tcp://127.0.0.1:5600",
+          "host_id": "h", "index": 0, "pid": 42, "host": "node1", "plain_data": False,
+          "doing": {"epoch": 0, "split": 2, "stage": "pipeline"}}
+FENCE = {"id": "f1", "worker": "w2", "task": "t2", "splits": [[[0], 3], [[0, 1], 4]],
+         "waiting": ["c1"]}
+
+# One full body per command, as its sender makes it (docs/protocol.md).
+SAMPLES: dict[Command, dict] = {
+    Command.READY: {"worker": "w1", "host": "node1", "host_id": "h", "pid": 42,
+                    "endpoint": "tcp://127.0.0.1:5600", "prefer": None, "plain_data": False,
+                    "holds": ["fp"]},
+    Command.ACK: {"heartbeat": 1.0, "task": None},
+    Command.TASK: {"task": "t1", "job": "j1", "sharding": "dynamic", "index": 0, "width": 2,
+                   "entropy": 2**63, "deterministic": False, "on_error": "skip",
+                   "source_data": {"endpoint": "ipc:///tmp/x/source", "kind": "arrays"},
+                   "balanced": 0, "share": None, "coordinated": 0, "fingerprint": "fp",
+                   "pipeline": {"endpoint": "tcp://h:1", "sha256": "ab", "bytes": 10},
+                   "track": True},
+    Command.TASK_FAILED: {"task": "t1", "error": ERROR},
+    Command.SPLIT_REQ: {"task": "t1", "pass": [0, 1], "have": 3},
+    Command.SPLIT: {"task": "t1", "pass": [0], "split": 7, "have": 3, "origin": [0],
+                    "skip": pack([1, 5]), "expect": [10, 2**63]},
+    Command.PASS_DONE: {"task": "t1", "pass": [2]},
+    Command.RELEASE: {"task": "t1"},
+    Command.CONSUMER_GONE: {"task": "t1", "consumer": "c1", "replaced": True},
+    Command.ROUND_REQ: {"task": "t1", "epoch": 0, "members": ["c1", "c2"]},
+    Command.ROUND: {"task": "t1", "epoch": 0, "round": None},
+    Command.REGISTER: {"consumer": "c1", "fingerprint": "fp", "job_name": "train",
+                       "sharding": "static", "deterministic": True, "num_workers": 2,
+                       "on_error": "raise", "source": {"num_splits": 4, "seed": 1},
+                       "host_id": "h", "pid": 42, "balanced": 2,
+                       "share": {"window_bytes": 1024}, "coordinated": {"size": 2, "index": 0},
+                       "exactly_once": False, "weight": 2.5, "pipeline": {"inherited": True},
+                       "source_data": {"endpoint": "tcp://h:2", "kind": "items"},
+                       "resume": {"epoch": 1, "delivered": [[[1], "x"]]}, "entropy": 5,
+                       "job": "j1"},
+    Command.JOB: {"job": "j1", "workers": [WORKER], "failed": [{"split": 3, "message": "x"}],
+                  "error": None, "heartbeat": 0.5, "consumers": 1, "busy_elsewhere": 0,
+                  "pending": {"0": 2}, "share": None, "epoch": 0, "width": 1,
+                  "entropy": 9, "stages": {"map": 0.5}, "state": "running",
+                  "rounds": {"size": 2, "issued": {"0": 3}}, "fences": [FENCE],
+                  "fencing": {"0": 2}, "joined": {"epoch": 0, "round": 2, "missed": 2},
+                  "read": [[[0], "x"]]},
+    Command.EPOCH: {"job": "j1", "epoch": 3},
+    Command.RECEIVED: {"epoch": 0, "rounds": [0, 1]},
+    Command.COMMIT: {"epoch": 0, "rounds": [0], "lost": [1], "total_lost": 1},
+    Command.DELIVERED: {"job": "j1", "fence": "f1", "splits": [[[0], 3, {"all": True}]]},
+    Command.LOG: {"lines": [[20, "hello"]], "host": "node1", "pid": 42},
+    Command.BYE: {},
+    Command.HEARTBEAT: {"stats": {"elements": 10}, "doing": {"epoch": 0, "split": None,
+                                                             "stage": "splits"},
+                        "stuck": [{"worker": "w1", "task": "t1", "seconds": 5}],
+                        "reread": [[[0], 3, {"have": ""}]]},
+    Command.STATUS: {"workers": [], "jobs": [], "rejected": 0},
+    Command.UNKNOWN: {"reason": "not registered"},
+    Command.ERROR: {"message": "job_name 'x' runs another pipeline"},
+    Command.OPEN: {"job": "j1", "task": "t1", "consumer": "c1", "epoch": 0, "credits": 8,
+                   "rerun": 1, "ring": "zloader-ring", "consumer_index": 1},
+    Command.CREDIT: {"epoch": 0, "credits": 4, "mapped": ["zloader-seg"]},
+    Command.DATA: {"epoch": 0, "count": 3, "skipped": 1, "ring": [64, 128, "zloader-ring"],
+                   "segment": ["zloader-seg", 99], "full": True, "shared": True, "lagged": 2,
+                   "round": 4, "origins": {"passes": {"0": [0]}, "ends": []}},
+    Command.END: {"epoch": 0, "skipped": 0, "dropped": 1, "rerun": 2, "lagged": 0,
+                  "replayed": 3, "origins": {"passes": {}, "ends": [], "loose": []}},
+    Command.FAIL: {"epoch": 0, "error": ERROR},
+    Command.RING: {"ring": "zloader-ring"},
+    Command.CLOSE: {},
+    Command.FETCH: {"what": "pipeline"},
+    Command.SOURCE: {"kind": "items"},
+}
+
+
+def wire(command: Command, body: dict) -> Message:
+    """``body`` sent as ``command`` and parsed again, as a receiver gets it."""
+    return decode(encode(command, body))
+
+
+def test_every_command_has_a_record():
+    assert set(RECORDS) == set(Command) == set(SAMPLES)
+    assert all(cls.COMMAND is command for command, cls in RECORDS.items())
+
+
+@pytest.mark.parametrize("command", list(Command), ids=lambda c: c.name)
+def test_every_record_round_trips_through_the_wire(command):
+    record = messages.decode(wire(command, SAMPLES[command]))
+    assert isinstance(record, RECORDS[command])
+    assert messages.encode(record) == SAMPLES[command]
+    again = messages.decode(wire(command, messages.encode(record)))
+    assert again == record
+
+
+def test_optional_fields_keep_their_documented_defaults():
+    opened = messages.decode(wire(Command.OPEN, {"job": "j", "consumer": "c", "epoch": 0,
+                                                 "credits": 8}))
+    assert isinstance(opened, messages.Open)
+    assert (opened.task, opened.rerun, opened.ring, opened.consumer_index) == (None, 0, None,
+                                                                              None)
+    task = messages.Task.from_body({"task": "t", "job": "j", "sharding": "off", "index": 0,
+                                    "width": 1, "entropy": 1})
+    assert (task.on_error, task.balanced, task.coordinated, task.track, task.share) == \
+        ("raise", 0, 0, False, None)
+    assert messages.Fetch.from_body({}).what == "source"
+    assert messages.Register.from_body({**SAMPLES[Command.REGISTER], "weight": 1}).weight == 1.0
+    # Absent optional fields stay absent on the wire: their absence means something.
+    data = messages.Data(epoch=0, count=1, skipped=0, ring=None)
+    assert messages.encode(data) == {"epoch": 0, "count": 1, "skipped": 0, "ring": None}
+
+
+DEEP: object = 1
+for _ in range(MAX_BODY_DEPTH // 2):
+    DEEP = [DEEP]
+
+BAD = [  # command, field, body change: each kind of bad body
+    (Command.OPEN, "credits", {"credits": "8"}),  # wrong type
+    (Command.DATA, "count", {"count": True}),  # a bool is not an integer
+    (Command.TASK, "pipeline", {"pipeline": "inline"}),
+    (Command.OPEN, "credits", {"credits": -1}),  # out of range
+    (Command.SPLIT_REQ, "pass", {"pass": [-1]}),
+    (Command.ACK, "heartbeat", {"heartbeat": 3600}),
+    (Command.REGISTER, "weight", {"weight": 0}),
+    (Command.TASK, "sharding", {"sharding": "sideways"}),
+    (Command.LOG, "lines", {"lines": [[99, "x"]]}),
+    (Command.READY, "endpoint", {"endpoint": "x" * 5000}),  # too long
+    (Command.JOB, "workers", {"workers": [{"worker": "w1"}]}),  # nested shape
+    (Command.JOB, "fences", {"fences": [{**FENCE, "splits": [[[], 3]]}]}),
+    (Command.JOB, "pending", {"pending": {"zero": 1}}),
+    (Command.SPLIT, "skip", {"skip": "not a packed set"}),
+    (Command.SPLIT, "expect", {"expect": [1]}),
+    (Command.TASK, "source_data", {"source_data": {"endpoint": "tcp://h:1", "kind": "?"}}),
+    (Command.DATA, "ring", {"ring": [0, 1]}),
+    (Command.DATA, "segment", {"segment": ["name", "long"]}),
+    (Command.FAIL, "error", {"error": {"message": 3}}),
+    (Command.HEARTBEAT, "stats", {"stats": {"deep": DEEP}}),  # too deep
+    (Command.REGISTER, "resume", {"resume": {"delivered": DEEP}}),
+]
+
+
+@pytest.mark.parametrize("command,field,change", BAD,
+                         ids=[f"{c.name}.{f}-{i}" for i, (c, f, _) in enumerate(BAD)])
+def test_a_bad_body_is_refused_naming_the_command_and_field(command, field, change):
+    msg = wire(command, {**SAMPLES[command], **change})
+    with pytest.raises(ProtocolError, match=rf"^{command.name}: field '{field}' "):
+        messages.decode(msg)
+
+
+def required(command: Command) -> list[str]:
+    """The fields of ``command``'s body that have no default."""
+    return [wire_name for _, wire_name, _, default, _ in RECORDS[command].spec()
+            if default is dataclasses.MISSING]
+
+
+@pytest.mark.parametrize("command", [c for c in Command if required(c)], ids=lambda c: c.name)
+def test_a_missing_field_is_refused_by_name(command):
+    for wire_name in required(command):
+        body = {k: v for k, v in SAMPLES[command].items() if k != wire_name}
+        with pytest.raises(ProtocolError, match=rf"^{command.name}: field '{wire_name}' is "
+                                                "missing"):
+            messages.decode(wire(command, body))
+
+
+def test_a_body_deeper_than_the_protocol_allows_is_refused_before_any_record():
+    deep = json.dumps({"stats": json.loads("[" * 40 + "]" * 40)}).encode()
+    with pytest.raises(ProtocolError, match="nested deeper"):
+        decode([encode(Command.HEARTBEAT)[0], bytes((Command.HEARTBEAT,)), deep])
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**63) | st.floats(allow_nan=False)
+    | st.text(max_size=10),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=3),
+    max_leaves=10)
+
+
+@given(st.sampled_from(list(Command)), st.dictionaries(
+    st.sampled_from(sorted({k for body in SAMPLES.values() for k in body})), json_values,
+    max_size=8))
+@settings(max_examples=500, derandomize=True, deadline=None)
+def test_records_refuse_any_body_only_with_protocol_error(command, body):
+    try:
+        record = messages.decode(wire(command, body))
+    except ProtocolError as exc:
+        assert str(exc).startswith(f"{command.name}: ")
+        return
+    assert messages.decode(wire(command, messages.encode(record))) == record
+
+
+def test_a_worker_refuses_a_malformed_open_naming_the_field():
+    with service(1) as (address, _):
+        wait_for(lambda: len((status(address) or {}).get("workers", [])) == 1,
+                 what="the worker's registration")
+        (worker,) = status(address)["workers"]
+        context = zmq.Context()
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(worker["endpoint"])
+            sock.send_multipart(encode(Command.OPEN, {**SAMPLES[Command.OPEN], "credits": -8}))
+            assert sock.poll(10_000), "the worker did not answer the malformed OPEN"
+            answer = decode(sock.recv_multipart())
+        finally:
+            sock.close(0)
+            context.term()
+    assert answer.command is Command.ERROR
+    assert "OPEN: field 'credits' must be an integer >= 0" in answer.body["message"]

@@ -1,0 +1,229 @@
+"""The parts of a message record (zloader/transport/messages.py): checks of field values,
+the field declaration :func:`fld`, and the :class:`Record` base that decodes a body field by
+field and encodes it back.
+
+A check takes a value parsed from JSON and returns it (or what it stands for: a tuple for a
+list, a float for a number) or raises :class:`Wrong` saying what it must be; the record
+names the command and the field in the :class:`ProtocolError` it raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
+
+from zloader._defaults import MAX_FIELD_DEPTH, MAX_ITEMS, MAX_NAME
+from zloader.lineage import unpack
+from zloader.transport.protocol import Command, ProtocolError
+
+__all__ = ["INDEX", "MAX_FIELD_DEPTH", "MAX_ITEMS", "MAX_NAME", "NAME", "PASS_KEY", "Check",
+           "Record", "Wrong", "array", "boolean", "counts", "fld", "integer", "is_int",
+           "list_of", "number", "obj", "optional", "packed", "short", "text"]
+
+
+class Wrong(Exception):
+    """What is wrong with one value (the caller names the command and the field)."""
+
+
+Check = Callable[[Any], Any]
+"""Returns the value checked (or converted: a float from an int), or raises Wrong."""
+
+
+# --- checks -------------------------------------------------------------------------------
+
+def is_int(value: Any) -> bool:
+    """Whether ``value`` is a JSON integer (``True`` is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def integer(low: int | None = None, high: int | None = None) -> Check:
+    """An integer in [low, high] (JSON's true and false are not integers)."""
+    what = "an integer" + (f" >= {low}" if low is not None else "") \
+        + (f" <= {high}" if high is not None else "")
+
+    def check(value: Any) -> int:
+        if not is_int(value) or (low is not None and value < low) \
+                or (high is not None and value > high):
+            raise Wrong(f"must be {what}")
+        return int(value)
+    return check
+
+
+def number(low: float, high: float) -> Check:
+    """A number in [low, high], as a float."""
+    def check(value: Any) -> float:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) \
+                or not low <= value <= high:
+            raise Wrong(f"must be a number from {low:g} to {high:g}")
+        return float(value)
+    return check
+
+
+def text(longest: int = MAX_NAME, choices: tuple[str, ...] = ()) -> Check:
+    """A string of at most ``longest`` characters (one of ``choices``, if given)."""
+    def check(value: Any) -> str:
+        if not isinstance(value, str) or len(value) > longest:
+            raise Wrong(f"must be a string of at most {longest} characters")
+        if choices and value not in choices:
+            raise Wrong(f"must be one of {', '.join(map(repr, choices))}")
+        return value
+    return check
+
+
+def boolean(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise Wrong("must be true or false")
+    return value
+
+
+def _depth(value: Any) -> int:
+    """How deeply lists and objects nest in ``value`` (iteratively), up to one past
+    MAX_FIELD_DEPTH."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth <= MAX_FIELD_DEPTH:
+                stack.extend((child, depth + 1)
+                             for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def obj(value: Any) -> dict[str, Any]:
+    """A JSON object, its contents checked by its reader (see the module's docstring)."""
+    if not isinstance(value, dict):
+        raise Wrong("must be a JSON object")
+    if _depth(value) > MAX_FIELD_DEPTH:
+        raise Wrong(f"nests deeper than {MAX_FIELD_DEPTH} levels")
+    return value
+
+
+def array(value: Any) -> list[Any]:
+    """A JSON list, its entries checked by its reader."""
+    if not isinstance(value, list) or len(value) > MAX_ITEMS:
+        raise Wrong(f"must be a list of at most {MAX_ITEMS} entries")
+    if _depth(value) > MAX_FIELD_DEPTH:
+        raise Wrong(f"nests deeper than {MAX_FIELD_DEPTH} levels")
+    return value
+
+
+def list_of(entry: Check, shortest: int = 0, longest: int = MAX_ITEMS) -> Check:
+    """A list of ``shortest`` to ``longest`` entries, each checked, as a tuple."""
+    def check(value: Any) -> tuple[Any, ...]:
+        if not isinstance(value, list) or not shortest <= len(value) <= longest:
+            raise Wrong(f"must be a list of {shortest} to {longest} entries")
+        try:
+            return tuple(entry(v) for v in value)
+        except Wrong as exc:
+            raise Wrong(f"entry: {exc}") from None
+    return check
+
+
+def counts(value: Any) -> dict[str, int]:
+    """``{epoch: count}``: keys are epochs written as strings, values integers >= 0."""
+    if not isinstance(value, dict) or len(value) > MAX_ITEMS:
+        raise Wrong("must be a JSON object of epoch -> count")
+    for key, count in value.items():
+        if not key.lstrip("-").isdigit() or not is_int(count) or count < 0:
+            raise Wrong(f"must map epochs to counts >= 0, has {key!r}: {count!r}")
+    return value
+
+
+def optional(check: Check) -> Check:
+    """``check``, or null."""
+    def maybe(value: Any) -> Any:
+        return None if value is None else check(value)
+    return maybe
+
+
+def packed(value: Any) -> str:
+    """A packed set of indices (zloader/lineage.py: base64 of a compressed bitmap)."""
+    try:
+        unpack(value)
+    except ValueError as exc:
+        raise Wrong(f"must be a packed set ({exc})") from None
+    return str(value)
+
+
+NAME = text()
+INDEX = integer(0)
+PASS_KEY = list_of(INDEX, 1, 64)
+"""A pass key: the epoch, then one repetition index per repeat stage on workers."""
+
+
+def fld(check: Check, default: Any = dataclasses.MISSING, *, wire: str | None = None,
+        omit: bool = False) -> Any:
+    """A record's field: how it is checked, its name on the wire, and whether its
+    default is left out of the body (see the module's docstring)."""
+    metadata = {"check": check, "wire": wire, "omit": omit}
+    if isinstance(default, (list, dict, set)):
+        raise TypeError("mutable defaults: use a tuple or None")
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+# --- records ------------------------------------------------------------------------------
+
+R = TypeVar("R", bound="Record")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Record:
+    """A message body; subclasses are the records of one command each."""
+
+    COMMAND: ClassVar[Command]
+    _spec: ClassVar[tuple[tuple[str, str, Check, Any, bool], ...]] = ()
+
+    @classmethod
+    def spec(cls) -> tuple[tuple[str, str, Check, Any, bool], ...]:
+        """``(attribute, wire name, check, default, omit)`` per field, in wire order."""
+        if "_spec" not in cls.__dict__:
+            cls._spec = tuple(
+                (f.name, f.metadata.get("wire") or f.name, f.metadata["check"], f.default,
+                 f.metadata["omit"]) for f in dataclasses.fields(cls))
+        return cls._spec
+
+    @classmethod
+    def from_body(cls: type[R], body: Mapping[str, Any]) -> R:
+        """The record a body holds.
+
+        Raises:
+            ProtocolError: a field is missing, of the wrong type, out of range or of the
+                wrong shape (the message names the command and the field).
+        """
+        values = {}
+        for name, wire, check, default, _ in cls.spec():
+            if wire not in body:
+                if default is dataclasses.MISSING:
+                    raise ProtocolError(f"{cls.COMMAND.name}: field {wire!r} is missing")
+                values[name] = default
+                continue
+            value = body[wire]
+            try:
+                values[name] = check(value)
+            except Wrong as exc:
+                raise ProtocolError(f"{cls.COMMAND.name}: field {wire!r} {exc}, got "
+                                    f"{short(value)}") from None
+        return cls(**values)
+
+    def to_body(self) -> dict[str, Any]:
+        """The body of this record, as docs/protocol.md gives it."""
+        body = {}
+        for name, wire, _, default, omit in self.spec():
+            value = getattr(self, name)
+            if omit and value == default:
+                continue
+            body[wire] = _plain(value)
+        return body
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON has it: the tuples a record holds for lists become lists again."""
+    return [_plain(v) for v in value] if isinstance(value, tuple) else value
+
+
+def short(value: Any) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= 80 else shown[:77] + "..."

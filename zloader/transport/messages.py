@@ -1,0 +1,553 @@
+"""One frozen record per message body of docs/protocol.md, with the checks that make it one.
+
+:func:`zloader.transport.protocol.decode` parses frames into a :class:`Message` (version,
+command, a JSON object within the size, depth and integer limits). :func:`decode` here turns
+that message's body into the record of its command, checking every field the table in
+docs/protocol.md gives it: its type, its range, its size and the shape of what it nests. A
+body that is not one raises :class:`ProtocolError` naming the command and the field
+(``"OPEN: field 'credits' must be an integer >= 0, got -1"``). Handlers take the record and
+never look into the body themselves. :func:`encode` is the other way: a record's body, as
+``protocol.encode`` frames it.
+
+Each record lists its fields in wire order, declared with :func:`~zloader.transport.fields.fld`
+(zloader/transport/fields.py holds the generic checks and the :class:`Record` base that
+decodes and encodes); the metadata of a field says how it is checked
+(``check``), its name on the wire when that is not a Python name (``wire``: ``pass``) and
+whether an absent or default value is left out of the body (``omit``): those fields are
+optional on the wire and their absence means something (``DATA.origins``). A field with a
+default may be missing from a body; one without may not.
+
+A few nested values are checked by the code that reads them, because it alone knows
+their meaning: ``DATA.origins`` and ``END.origins`` (zloader/client/items.py, with the
+record's buffers), ``TASK.share``/``REGISTER.share`` (zloader/sharing/options.py),
+``JOB.rounds`` and ``JOB.joined`` (zloader/client/rounds.py), and what the broker checks
+itself (zloader/state.py: ``REGISTER``'s nested options, ``HEARTBEAT.stats``,
+``DELIVERED.splits``); here they are checked to be JSON objects or lists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from zloader._defaults import LOG_MAX_LINE, LOG_MAX_LINES, STAGES, WEIGHT_RANGE
+from zloader.transport.fields import (
+    INDEX,
+    MAX_NAME,
+    NAME,
+    PASS_KEY,
+    Check,
+    Record,
+    Wrong,
+    array,
+    boolean,
+    counts,
+    fld,
+    integer,
+    is_int,
+    list_of,
+    number,
+    obj,
+    optional,
+    packed,
+    short,
+    text,
+)
+from zloader.transport.protocol import HEARTBEAT_RANGE, Command, Message, ProtocolError
+
+__all__ = ["RECORDS", "Ack", "Bye", "Close", "Commit", "ConsumerGone", "Credit", "Data",
+           "Delivered", "End", "Epoch", "Error", "Fail", "Fetch", "Heartbeat", "Job", "Log",
+           "Open", "PassDone", "Ready", "Received", "Record", "Register", "Release", "Ring",
+           "Round", "RoundReq", "Source", "Split", "SplitReq", "Status", "Task", "TaskFailed",
+           "Unknown", "decode", "encode"]
+
+MAX_LOG_LINES = LOG_MAX_LINES
+MAX_LOG_TEXT = LOG_MAX_LINE + 64
+"""``LOG.lines``: at most this many ``[level, text]`` pairs, texts at most this long
+(zloader/forward.py cuts lines at LOG_MAX_LINE characters and marks the cut)."""
+
+
+# --- shapes of this protocol's fields ------------------------------------------------------
+
+def error_object(value: Any) -> dict[str, str]:
+    """An error object: ``{stage, exc_type, builtin, message, traceback, context}``,
+    strings (a missing one reads as empty)."""
+    if not isinstance(value, dict) or not all(isinstance(value.get(k, ""), str) for k in
+                                              ("stage", "exc_type", "builtin", "message",
+                                               "traceback", "context")):
+        raise Wrong("must be an error object (stage, exc_type, builtin, message, "
+                     "traceback, context: strings)")
+    return value
+
+
+def log_lines(value: Any) -> tuple[tuple[int, str], ...]:
+    """``[[level, text], ...]``: at most MAX_LOG_LINES, levels 0-50."""
+    if not isinstance(value, list) or len(value) > MAX_LOG_LINES:
+        raise Wrong(f"must be a list of at most {MAX_LOG_LINES} [level, text] pairs")
+    for item in value:
+        if not (isinstance(item, list) and len(item) == 2 and is_int(item[0])
+                and 0 <= item[0] <= 50 and isinstance(item[1], str)
+                and len(item[1]) <= MAX_LOG_TEXT):
+            raise Wrong(f"must be [level 0-50, text of at most {MAX_LOG_TEXT} characters] "
+                         "pairs")
+    return tuple((level, line) for level, line in value)
+
+
+def doing(value: Any) -> dict[str, Any]:
+    """A worker's ``{epoch, split, stage}`` (``HEARTBEAT.doing``)."""
+    if not isinstance(value, dict) or value.get("stage") not in STAGES \
+            or not (is_int(value.get("epoch")) and value["epoch"] >= 0) \
+            or not (value.get("split") is None
+                    or (is_int(value["split"]) and value["split"] >= 0)):
+        raise Wrong(f"must be {{epoch, split, stage}}, stage one of {', '.join(STAGES)}")
+    return value
+
+
+def job_worker(value: Any) -> dict[str, Any]:
+    """An entry of ``JOB.workers``: ``worker``, ``task``, ``endpoint``, ``index`` and,
+    when present, ``host_id``, ``host``, ``pid``, ``plain_data``, ``doing`` (a malformed
+    ``doing`` reads as absent: the broker passes on what a worker said)."""
+    if not (isinstance(value, dict) and all(isinstance(value.get(k), str)
+                                            and len(value[k]) <= MAX_NAME
+                                            for k in ("worker", "task", "endpoint"))
+            and is_int(value.get("index")) and value["index"] >= 0
+            and isinstance(value.get("host_id", ""), str)
+            and isinstance(value.get("host", ""), str)
+            and is_int(value.get("pid", 0))
+            and isinstance(value.get("plain_data", False), bool)):
+        raise Wrong("entries must be {worker, task, endpoint, index, host_id, host, pid, "
+                     "plain_data}")
+    if "doing" in value:
+        try:
+            doing(value["doing"])
+        except Wrong:
+            value = {k: v for k, v in value.items() if k != "doing"}
+    return value
+
+
+def fence(value: Any) -> dict[str, Any]:
+    """An entry of ``JOB.fences``: ``{id, worker, task, splits: [[pass key, split], ...],
+    waiting: [consumer ids]}``."""
+    if not (isinstance(value, dict) and all(isinstance(value.get(k), str)
+                                            for k in ("id", "worker", "task"))
+            and isinstance(value.get("splits"), list)
+            and all(isinstance(s, list) and len(s) == 2 and is_int(s[1]) and s[1] >= 0
+                    for s in value["splits"])
+            and isinstance(value.get("waiting", []), list)):
+        raise Wrong("entries must be {id, worker, task, splits: [[pass, split], ...], "
+                     "waiting}")
+    try:
+        for key, _ in value["splits"]:
+            PASS_KEY(key)
+    except Wrong:
+        raise Wrong("entries' splits must be [pass key, split]") from None
+    return value
+ROUNDS = list_of(INDEX)
+
+
+def pipeline_ref(value: Any) -> dict[str, Any]:
+    """Where a pipeline is: ``{inherited: true}`` (forked workers hold it) or ``{endpoint,
+    sha256, bytes}`` (fetched from its Loader)."""
+    if value == {"inherited": True}:
+        return value
+    if not (isinstance(value, dict) and isinstance(value.get("endpoint"), str)
+            and len(value["endpoint"]) <= MAX_NAME and isinstance(value.get("sha256"), str)
+            and len(value["sha256"]) <= MAX_NAME and is_int(value.get("bytes"))
+            and value["bytes"] >= 0):
+        raise Wrong("must be {inherited: true} or {endpoint, sha256, bytes}")
+    return value
+
+
+def source_ref(value: Any) -> dict[str, str]:
+    """Where an in-memory source's data is: ``{endpoint, kind}``, kind arrays or items."""
+    if not (isinstance(value, dict) and isinstance(value.get("endpoint"), str)
+            and len(value["endpoint"]) <= MAX_NAME
+            and value.get("kind") in ("arrays", "items")):
+        raise Wrong("must be {endpoint, kind: 'arrays' or 'items'}")
+    return value
+
+
+PIPELINE_REF = optional(pipeline_ref)
+
+
+# --- records ------------------------------------------------------------------------------
+
+# Worker and broker
+
+@dataclass(frozen=True, kw_only=True)
+class Ready(Record):
+    COMMAND = Command.READY
+    worker: str = fld(NAME)
+    host: str = fld(text(255))
+    host_id: str = fld(NAME)
+    pid: int = fld(integer(0))
+    endpoint: str = fld(NAME)
+    prefer: str | None = fld(optional(NAME), None)
+    plain_data: bool = fld(boolean, False)
+    holds: tuple[str, ...] | None = fld(optional(list_of(NAME)), None, omit=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ack(Record):
+    COMMAND = Command.ACK
+    heartbeat: float = fld(number(*HEARTBEAT_RANGE))
+    task: str | None = fld(optional(NAME))  # null: the broker runs no task on this worker
+
+
+@dataclass(frozen=True, kw_only=True)
+class Task(Record):
+    COMMAND = Command.TASK
+    task: str = fld(NAME)
+    job: str = fld(NAME)
+    sharding: str = fld(text(choices=("dynamic", "static", "off")))
+    index: int = fld(INDEX)
+    width: int = fld(INDEX)
+    entropy: int = fld(integer())
+    deterministic: bool = fld(boolean, False)
+    on_error: str = fld(text(choices=("raise", "skip")), "raise")
+    source_data: dict[str, Any] | None = fld(optional(source_ref), None)
+    balanced: int = fld(INDEX, 0)
+    share: dict[str, Any] | None = fld(optional(obj), None)
+    coordinated: int = fld(INDEX, 0)
+    fingerprint: str | None = fld(optional(NAME), None)
+    pipeline: dict[str, Any] | None = fld(PIPELINE_REF, None)
+    track: bool = fld(boolean, False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskFailed(Record):
+    COMMAND = Command.TASK_FAILED
+    task: str = fld(NAME)
+    error: dict[str, str] = fld(error_object)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SplitReq(Record):
+    COMMAND = Command.SPLIT_REQ
+    task: str = fld(NAME)
+    pass_: tuple[int, ...] = fld(PASS_KEY, wire="pass")
+    have: int | None = fld(optional(INDEX), None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Split(Record):
+    COMMAND = Command.SPLIT
+    task: str = fld(NAME)
+    pass_: tuple[int, ...] = fld(PASS_KEY, wire="pass")
+    split: int | None = fld(optional(INDEX))
+    have: int | None = fld(optional(INDEX), None)
+    # exactly-once jobs only: where the split belongs, what to skip, what it held
+    origin: tuple[int, ...] | None = fld(optional(PASS_KEY), None, omit=True)
+    skip: str = fld(packed, "", omit=True)
+    expect: tuple[int, ...] | None = fld(optional(list_of(integer(), 2, 2)), None, omit=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PassDone(Record):
+    COMMAND = Command.PASS_DONE
+    task: str = fld(NAME)
+    pass_: tuple[int, ...] = fld(PASS_KEY, wire="pass")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Release(Record):
+    COMMAND = Command.RELEASE
+    task: str = fld(NAME)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConsumerGone(Record):
+    COMMAND = Command.CONSUMER_GONE
+    task: str | None = fld(optional(NAME), None)
+    consumer: str = fld(NAME)
+    replaced: bool = fld(boolean, False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundReq(Record):
+    COMMAND = Command.ROUND_REQ
+    task: str = fld(NAME)
+    epoch: int = fld(INDEX)
+    members: tuple[str, ...] = fld(list_of(NAME, 1))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Round(Record):
+    COMMAND = Command.ROUND
+    task: str = fld(NAME)
+    epoch: int = fld(INDEX)
+    round: int | None = fld(optional(INDEX))
+
+
+# Consumer and broker
+
+@dataclass(frozen=True, kw_only=True)
+class Register(Record):
+    COMMAND = Command.REGISTER
+    consumer: str = fld(NAME)
+    fingerprint: str = fld(NAME)
+    job_name: str | None = fld(optional(NAME))
+    sharding: str = fld(text(choices=("dynamic", "static", "off")))
+    deterministic: bool = fld(boolean)
+    num_workers: int = fld(INDEX)
+    on_error: str = fld(text(choices=("raise", "skip")))
+    source: dict[str, Any] = fld(obj)
+    host_id: str = fld(NAME)
+    pid: int = fld(INDEX)
+    balanced: int = fld(INDEX, 0)
+    share: dict[str, Any] | None = fld(optional(obj), None)
+    coordinated: dict[str, Any] | None = fld(optional(obj), None)
+    exactly_once: bool = fld(boolean, False)
+    weight: float = fld(number(*WEIGHT_RANGE), 1.0)
+    pipeline: dict[str, Any] | None = fld(PIPELINE_REF, None, omit=True)
+    source_data: dict[str, Any] | None = fld(optional(source_ref), None, omit=True)
+    resume: dict[str, Any] | None = fld(optional(obj), None, omit=True)
+    entropy: int | None = fld(optional(integer()), None, omit=True)
+    job: str | None = fld(optional(NAME), None, omit=True)  # the job it had, registering again
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job(Record):
+    COMMAND = Command.JOB
+    job: str = fld(NAME)
+    workers: tuple[dict[str, Any], ...] = fld(list_of(job_worker))
+    failed: tuple[Any, ...] = fld(list_of(obj), ())
+    error: dict[str, str] | None = fld(optional(error_object), None)
+    heartbeat: float | None = fld(optional(number(*HEARTBEAT_RANGE)), None)
+    consumers: int | None = fld(optional(INDEX), None)
+    busy_elsewhere: int = fld(INDEX, 0)
+    pending: dict[str, int] = fld(counts, None)
+    share: dict[str, Any] | None = fld(optional(obj), None)
+    epoch: int | None = fld(optional(integer()), None)
+    width: int | None = fld(optional(INDEX), None)
+    entropy: int | None = fld(optional(integer()), None)
+    stages: dict[str, Any] | None = fld(optional(obj), None)
+    state: str = fld(text(64), "running")
+    rounds: dict[str, Any] | None = fld(optional(obj), None, omit=True)
+    fences: tuple[dict[str, Any], ...] = fld(list_of(fence), (), omit=True)
+    fencing: dict[str, int] | None = fld(optional(counts), None, omit=True)
+    joined: dict[str, Any] | None = fld(optional(obj), None, omit=True)
+    read: tuple[Any, ...] | None = fld(optional(array), None, omit=True)
+
+    def __post_init__(self) -> None:
+        if self.pending is None:
+            object.__setattr__(self, "pending", {})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Epoch(Record):
+    COMMAND = Command.EPOCH
+    job: str = fld(NAME)
+    epoch: int | None = fld(optional(INDEX))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Received(Record):
+    COMMAND = Command.RECEIVED
+    epoch: int = fld(INDEX)
+    rounds: tuple[int, ...] = fld(ROUNDS)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Commit(Record):
+    COMMAND = Command.COMMIT
+    epoch: int = fld(INDEX)
+    rounds: tuple[int, ...] = fld(ROUNDS)
+    lost: tuple[int, ...] = fld(ROUNDS, ())
+    total_lost: int = fld(INDEX, 0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Delivered(Record):
+    COMMAND = Command.DELIVERED
+    job: str = fld(NAME)
+    fence: str = fld(NAME)
+    splits: tuple[Any, ...] = fld(list_of(list_of(lambda v: v, 3, 3)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Log(Record):
+    """A worker's (``task``) or the broker's (``host``, ``pid``) LOG."""
+
+    COMMAND = Command.LOG
+    lines: tuple[tuple[int, str], ...] = fld(log_lines)
+    task: str | None = fld(optional(NAME), None, omit=True)
+    host: str | None = fld(optional(text(255)), None, omit=True)
+    pid: int | None = fld(optional(INDEX), None, omit=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Bye(Record):
+    COMMAND = Command.BYE
+
+
+# Anyone and broker
+
+@dataclass(frozen=True, kw_only=True)
+class Heartbeat(Record):
+    COMMAND = Command.HEARTBEAT
+    stats: dict[str, Any] | None = fld(optional(obj), None, omit=True)
+    doing: dict[str, Any] | None = fld(optional(doing), None, omit=True)
+    stuck: tuple[Any, ...] = fld(list_of(obj), (), omit=True)
+    reread: tuple[Any, ...] = fld(array, (), omit=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Status(Record):
+    """A STATUS request (empty) or the broker's answer: ``workers``, ``jobs`` and the
+    broker's own counters, passed on as they are (``zloader status --json``)."""
+
+    COMMAND = Command.STATUS
+    report: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def spec(cls) -> tuple[tuple[str, str, Check, Any, bool], ...]:
+        return ()  # the answer's fields are the broker's status, passed on whole
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> Status:
+        for name in ("workers", "jobs"):
+            if name in body and not isinstance(body[name], list):
+                raise ProtocolError(f"STATUS: field {name!r} must be a list, got "
+                                    f"{short(body[name])}")
+        return cls(report=dict(body))
+
+    def to_body(self) -> dict[str, Any]:
+        return dict(self.report)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Unknown(Record):
+    COMMAND = Command.UNKNOWN
+    reason: str = fld(text(1 << 16), "")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Error(Record):
+    COMMAND = Command.ERROR
+    message: str = fld(text(1 << 16), "the peer refused the request")
+
+
+# Data path
+
+@dataclass(frozen=True, kw_only=True)
+class Open(Record):
+    COMMAND = Command.OPEN
+    job: str = fld(NAME)
+    task: str | None = fld(optional(NAME), None)
+    consumer: str = fld(NAME)
+    epoch: int = fld(INDEX)
+    credits: int = fld(INDEX)
+    rerun: int = fld(INDEX, 0)
+    ring: str | None = fld(optional(NAME), None)
+    consumer_index: int | None = fld(optional(INDEX), None, omit=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Credit(Record):
+    COMMAND = Command.CREDIT
+    epoch: int = fld(INDEX)
+    credits: int = fld(INDEX)
+    mapped: tuple[str, ...] = fld(list_of(NAME), ())
+
+
+def _ring_place(value: Any) -> tuple[int, int, str]:
+    """``DATA.ring``: ``[position, length, ring name]``."""
+    if not (isinstance(value, list) and len(value) == 3 and is_int(value[0])
+            and value[0] >= 0 and is_int(value[1]) and value[1] >= 0
+            and isinstance(value[2], str) and len(value[2]) <= MAX_NAME):
+        raise Wrong("must be [position, length, ring name]")
+    return value[0], value[1], value[2]
+
+
+def _segment(value: Any) -> tuple[str, int]:
+    """``DATA.segment``: ``[name, length]``."""
+    if not (isinstance(value, list) and len(value) == 2 and isinstance(value[0], str)
+            and len(value[0]) <= MAX_NAME and is_int(value[1]) and value[1] >= 0):
+        raise Wrong("must be [segment name, length]")
+    return value[0], value[1]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Data(Record):
+    COMMAND = Command.DATA
+    epoch: int = fld(INDEX)
+    count: int = fld(INDEX)
+    skipped: int = fld(INDEX, 0)
+    ring: tuple[int, int, str] | None = fld(optional(_ring_place), None)
+    segment: tuple[str, int] | None = fld(optional(_segment), None, omit=True)
+    full: bool = fld(boolean, False, omit=True)
+    shared: bool = fld(boolean, False, omit=True)
+    lagged: int | None = fld(optional(INDEX), None, omit=True)
+    round: int | None = fld(optional(INDEX), None, omit=True)
+    origins: dict[str, Any] | None = fld(optional(obj), None, omit=True)  # items.Origins
+
+
+@dataclass(frozen=True, kw_only=True)
+class End(Record):
+    COMMAND = Command.END
+    epoch: int = fld(INDEX)
+    skipped: int = fld(INDEX, 0)
+    dropped: int | None = fld(optional(INDEX), None, omit=True)
+    rerun: int | None = fld(optional(INDEX), None, omit=True)
+    lagged: int | None = fld(optional(INDEX), None, omit=True)
+    replayed: int | None = fld(optional(INDEX), None, omit=True)
+    origins: dict[str, Any] | None = fld(optional(obj), None, omit=True)  # items.Origins
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fail(Record):
+    COMMAND = Command.FAIL
+    epoch: int = fld(INDEX)
+    error: dict[str, str] = fld(error_object)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ring(Record):
+    COMMAND = Command.RING
+    ring: str = fld(NAME)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Close(Record):
+    COMMAND = Command.CLOSE
+
+
+# Source data
+
+@dataclass(frozen=True, kw_only=True)
+class Fetch(Record):
+    COMMAND = Command.FETCH
+    what: str = fld(text(choices=("pipeline", "source")), "source")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Source(Record):
+    COMMAND = Command.SOURCE
+    kind: str = fld(text(choices=("pipeline", "arrays", "items")))
+
+
+RECORDS: dict[Command, type[Record]] = {
+    cls.COMMAND: cls for cls in (
+        Ready, Ack, Task, TaskFailed, SplitReq, Split, PassDone, Release, ConsumerGone,
+        RoundReq, Round, Register, Job, Epoch, Received, Commit, Delivered, Log, Bye,
+        Heartbeat, Status, Unknown, Error, Open, Credit, Data, End, Fail, Ring, Close,
+        Fetch, Source)}
+"""The record of each command's body."""
+
+
+def decode(msg: Message) -> Record:
+    """The record of ``msg``'s body, every field checked.
+
+    Raises:
+        ProtocolError: the body is not one of its command (the message names the command
+            and the field).
+    """
+    return RECORDS[msg.command].from_body(msg.body)
+
+
+def encode(record: Record) -> dict[str, Any]:
+    """The body of ``record`` (frame it with ``protocol.encode(record.COMMAND, ...)``)."""
+    return record.to_body()
