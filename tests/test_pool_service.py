@@ -34,7 +34,8 @@ def once(seen: collections.Counter, n: int) -> None:
     assert not repeated, f"repeated: {list(repeated.items())[:10]}"
 
 
-@pytest.mark.parametrize("workers", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.slow),
+                                     pytest.param(4, marks=pytest.mark.slow)])
 def test_train_and_validation_loaders_on_one_broker_each_read_every_epoch(workers):
     """Keras's order: a training epoch, then the validation epoch, twice; the first time
     the training iterator is paused halfway (``steps_per_epoch``) while validation runs.
@@ -54,6 +55,7 @@ def test_train_and_validation_loaders_on_one_broker_each_read_every_epoch(worker
         once(drain(validation), 200)
 
 
+@pytest.mark.slow
 def test_torch_train_and_validation_dataloaders_on_one_broker_alternate_epochs():
     """The torch drop-in's jobs are deterministic (torch's exact batches), so their workers
     move only between epochs: a training and a validation DataLoader on one broker with

@@ -33,6 +33,7 @@ from zloader.transport.protocol import (
     decode,
     encode,
 )
+from zloader.transport.sockets import make_socket
 
 __all__ = ["Broker"]
 
@@ -140,12 +141,9 @@ class Broker:
         """Run the loop in this thread until :meth:`close` (or SIGTERM in the CLI)."""
         context = zmq.Context()
         guard = self.keys.guard(context) if self.keys is not None else None
-        socket = context.socket(zmq.ROUTER)
-        socket.setsockopt(zmq.LINGER, 0)
+        socket = make_socket(context, zmq.ROUTER, self.keys, serve=True,
+                             max_bytes=MAX_MESSAGE_BYTES)
         socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        if self.keys is not None:
-            self.keys.serve(socket)
         try:
             socket.bind(self.endpoint)
             if self.endpoint.endswith(":0"):

@@ -21,7 +21,7 @@ A few nested values are checked by the code that reads them, because it alone kn
 their meaning: ``DATA.origins`` and ``END.origins`` (zloader/client/items.py, with the
 record's buffers), ``TASK.share``/``REGISTER.share`` (zloader/sharing/options.py),
 ``JOB.rounds`` and ``JOB.joined`` (zloader/client/rounds.py), and what the broker checks
-itself (zloader/state.py: ``REGISTER``'s nested options, ``HEARTBEAT.stats``,
+itself (zloader/broker/: ``REGISTER``'s nested options, ``HEARTBEAT.stats``,
 ``DELIVERED.splits``); here they are checked to be JSON objects or lists.
 """
 

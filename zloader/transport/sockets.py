@@ -2,9 +2,7 @@
 and sockets"): every socket gets linger 0, its side of the keys (a CURVE server for one that
 binds, a CURVE client for one that connects; PLAIN for ``--plain-data``) and, where a peer
 could send too much, ZeroMQ's largest frame (MAXMSGSIZE: a larger one cuts the peer off).
-
-The broker's ROUTER (zloader/broker.py) is made the same way by its own code until the
-broker package adopts this helper.
+The broker's ROUTER, the workers' and the consumers' sockets are all made here.
 """
 
 from __future__ import annotations
