@@ -10,6 +10,7 @@ and yields elements. This module is the public API: the arguments, the process l
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -24,7 +25,7 @@ from zloader import _check
 from zloader._defaults import DEFAULT_TIMEOUT, WEIGHT_RANGE, WORKER_STOP_SECONDS
 from zloader._process import START_METHODS, start_worker
 from zloader.broker import Broker
-from zloader.client import STATE_VERSION, IOThread, Merger, resume_from
+from zloader.client import STATE_VERSION, IOThread, Merger, Stats, resume_from
 from zloader.client.arguments import (
     DEFAULT_PREFETCH,
     ON_ERROR,
@@ -241,7 +242,8 @@ class Loader:
                 resume=resume, timeout=self._timeout, weight=float(weight))
             self._merger = Merger(self._io, timeout=self._timeout,
                                   deterministic=self._deterministic, max_skipped=max_skipped,
-                                  deaths=self._deaths)
+                                  deaths=functools.partial(_deaths, self._processes,
+                                                           self._io.stats))
             self._io.start()
         except BaseException:
             self.close()
@@ -337,20 +339,6 @@ class Loader:
             state["finished"] = finished
         return state
 
-    def _deaths(self) -> str:
-        """Which of this Loader's own worker processes died, how, and doing what."""
-        notes = []
-        for process in self._processes:
-            code = process.poll()
-            if code is None:
-                continue
-            how = (f"was killed by {_signal_name(-code)}" if code < 0
-                   else f"exited with code {code}")
-            last = self._io.stats.was_doing.get(process.pid)
-            notes.append(f"this Loader's worker pid {process.pid} {how}"
-                         + (f" in {last}" if last else ""))
-        return "; ".join(notes)
-
     # --- status and lifecycle -------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
@@ -393,6 +381,9 @@ class Loader:
         io = getattr(self, "_io", None)
         if io is not None:
             io.close()
+        merger = getattr(self, "_merger", None)
+        if merger is not None:
+            merger.yielded.detach()  # its rings are unmapped now, not at collection
         for process in self._processes:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
@@ -417,6 +408,24 @@ class Loader:
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
             self.close()
+
+
+def _deaths(processes: list[Any], stats: Stats) -> str:
+    """Which of a Loader's own worker processes died, how, and doing what. A function of
+    those two, not a method: the Merger holds it, and a bound method would make the Loader
+    and its Merger a cycle, which keeps a closed Loader's rings mapped until the garbage
+    collector runs."""
+    notes = []
+    for process in processes:
+        code = process.poll()
+        if code is None:
+            continue
+        how = (f"was killed by {_signal_name(-code)}" if code < 0
+               else f"exited with code {code}")
+        last = stats.was_doing.get(process.pid)
+        notes.append(f"this Loader's worker pid {process.pid} {how}"
+                     + (f" in {last}" if last else ""))
+    return "; ".join(notes)
 
 
 def _signal_name(number: int) -> str:

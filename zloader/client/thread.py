@@ -168,6 +168,15 @@ class IOThread(threading.Thread):
             self.join(timeout)
         if not self.is_alive():
             self._close_pipe()  # its fds go now, not when this object is collected
+            self._drop_items()
+
+    def _drop_items(self) -> None:
+        """Drop the records nobody will read: their elements are views into the rings,
+        whose mappings (and descriptors) would otherwise live until this object is
+        collected."""
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self.items.get_nowait()
 
     def _command(self, command: tuple[Any, ...]) -> None:
         self._commands.append(command)
