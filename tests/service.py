@@ -8,8 +8,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import zmq
 
@@ -99,3 +101,28 @@ def service(workers: int = 1, keys: str | None = None
         for p in procs:
             stop(p)
         stop(broker)
+
+
+def read_together(loaders: list, epochs: int = 1, timeout: float = 60.0,
+                  element: Callable[[Any], Any] = lambda value: value) -> list[list[list]]:
+    """Every loader's ``epochs`` epochs, each loader read on a thread of its own (they may
+    wait for each other), as lists of ``element(value)``; a hung or failed reader fails."""
+    results: list[list[list]] = [[] for _ in loaders]
+    errors: list[BaseException] = []
+
+    def read(i: int) -> None:
+        try:
+            for _ in range(epochs):
+                results[i].append([element(value) for value in loaders[i]])
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=read, args=(i,), daemon=True)
+               for i in range(len(loaders))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a consumer hung"
+    assert not errors, errors
+    return results

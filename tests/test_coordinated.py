@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from tests.coord_consumer import groups
-from tests.service import service, wait_for
+from tests.service import read_together, service, wait_for
 from zloader import Loader, Pipeline
 
 CONSUMER = os.path.join(os.path.dirname(__file__), "coord_consumer.py")
@@ -36,30 +36,6 @@ def coordinated_loaders(pipeline: Pipeline, address: str, job: str, n: int
     finally:
         for loader in loaders:
             loader.close()
-
-
-def read_together(loaders: list[Loader], epochs: int = 1, timeout: float = 60.0
-                  ) -> list[list[list]]:
-    """Every loader's epochs, each read on a thread of its own (they wait for each other)."""
-    results: list[list[list]] = [[] for _ in loaders]
-    errors: list[BaseException] = []
-
-    def read(i: int) -> None:
-        try:
-            for _ in range(epochs):
-                results[i].append(list(loaders[i]))
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=read, args=(i,), daemon=True)
-               for i in range(len(loaders))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout)
-    assert not any(t.is_alive() for t in threads), "a consumer hung"
-    assert not errors, errors
-    return results
 
 
 def check_groups(sequences: list[list[int]], n: int) -> None:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import zmq
 
-from tests.service import start_broker, status, stop, wait_for
+from tests.service import read_together, start_broker, status, stop, wait_for
 from zloader import Loader, Pipeline
 from zloader.codec import decode
 from zloader.plan import plan
@@ -65,29 +65,6 @@ def in_process(workers: int = 1) -> Iterator[tuple[str, list[Running]]]:
         stop(broker)
 
 
-def read_on_threads(loaders: list[Loader], epochs: int = 1) -> list[list[list]]:
-    """Each loader's ``epochs`` epochs, read on a thread of its own."""
-    results: list[list[list]] = [[] for _ in loaders]
-    errors: list[BaseException] = []
-
-    def read(i: int) -> None:
-        try:
-            for _ in range(epochs):
-                results[i].append([int(np.asarray(v).ravel()[0]) for v in loaders[i]])
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=read, args=(i,), daemon=True)
-               for i in range(len(loaders))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert not any(t.is_alive() for t in threads), "a consumer hung"
-    assert not errors, errors
-    return results
-
-
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
 @pytest.mark.parametrize("exactly_once", [True, False])
 def test_credit_delivery_yields_every_element_once_per_epoch(transport, exactly_once):
@@ -101,13 +78,18 @@ def test_credit_delivery_yields_every_element_once_per_epoch(transport, exactly_
         assert sum(r.worker.port.outlet.elements for r in running) == 1000
 
 
+def first_int(value: Any) -> int:
+    """An element (a number, or an array holding one) as an int."""
+    return int(np.asarray(value).ravel()[0])
+
+
 def test_balanced_delivery_deals_equal_shares():
     pipeline = Pipeline.range(300, split_size=10)
     with in_process(workers=2) as (address, _):
         loaders = [Loader(pipeline, broker=address, job_name="dealt", balanced=2,
                           timeout=30) for _ in range(2)]
         try:
-            results = read_on_threads(loaders, epochs=2)
+            results = read_together(loaders, epochs=2, element=first_int)
         finally:
             for loader in loaders:
                 loader.close()
@@ -124,7 +106,7 @@ def test_rounds_delivery_gives_each_round_to_every_consumer_from_one_worker():
         loaders = [Loader(pipeline, broker=address, job_name="rounds", num_consumers=n,
                           consumer_index=i, timeout=30) for i in range(n)]
         try:
-            results = read_on_threads(loaders, epochs=2)
+            results = read_together(loaders, epochs=2, element=first_int)
         finally:
             for loader in loaders:
                 loader.close()
@@ -145,7 +127,7 @@ def test_shared_delivery_gives_every_trainer_every_element_made_once():
         try:
             wait_for(lambda: any(j["consumers"] == 2 for j in status(address)["jobs"]),
                      what="both trainers on one shared job")
-            results = read_on_threads(loaders, epochs=2)
+            results = read_together(loaders, epochs=2, element=first_int)
         finally:
             for loader in loaders:
                 loader.close()

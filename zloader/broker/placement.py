@@ -40,8 +40,7 @@ def _fill(state: Tables, now: float) -> list[Out]:
                   key=lambda w: w.host_id not in hosts)
     for worker in idle:
         open_jobs = [j for j in state.jobs.values() if j.error is None and j.consumers
-                     and ((j.sharding != "static" and not j.deterministic)
-                          or len(j.tasks) < j.width)]
+                     and (not j.fixed or len(j.tasks) < j.width)]
         if not open_jobs:
             break
         open_jobs = [j for j in open_jobs if _can_serve(worker, j, job_hosts)]
@@ -112,6 +111,9 @@ def _rebalance(state: Tables, now: float) -> list[Out]:
     out: list[Out] = []
     job_hosts = {j.id: state.hosts(j) for j in state.jobs.values()}
     for _ in range(len(state.workers)):
+        wanted = claims(state, now)
+        if not any(c.hungry and c.held < c.wants for c in wanted.values()):
+            break  # the usual case: no job waits for a worker it lacks
         holdings = []
         for job in state.jobs.values():
             hosts = job_hosts[job.id]
@@ -120,12 +122,12 @@ def _rebalance(state: Tables, now: float) -> list[Out]:
                 if worker is not None:  # remote ones and the last assigned go first
                     holdings.append(pool.Holding(
                         worker_id, job.id, worker.since,
-                        rank=2 * (worker.host_id in hosts) - job.indices.get(task, 0)))
+                        rank=(worker.host_id in hosts, -job.indices.get(task, 0))))
 
         def eligible(worker_id: str, job_id: str) -> bool:
             return _can_serve(state.workers[worker_id], state.jobs[job_id], job_hosts)
 
-        move = pool.next_move(claims(state, now).values(), holdings, eligible, now)
+        move = pool.next_move(wanted.values(), holdings, eligible, now)
         if move is None:
             break
         worker, job = state.workers[move[0]], state.jobs[move[1]]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from zloader._defaults import SLICE_SECONDS
 
@@ -53,7 +54,9 @@ class Holding:
     worker: str
     job: str
     since: float
-    rank: int = 0  # among equals, lower moves first (a remote worker, the last assigned)
+    # Among equals, lower moves first: (on its job's consumers' host, -its index), so a
+    # remote worker before a local one, then the last assigned.
+    rank: tuple[int, int] = (0, 0)
 
 
 def shares(claims: Iterable[Claim], workers: int) -> dict[str, float]:
@@ -86,7 +89,7 @@ def next_move(claims: Iterable[Claim], holdings: Iterable[Holding],
     takers = sorted((c for c in by_job.values() if c.hungry and c.held < c.wants),
                     key=lambda c: (c.held / c.weight, c.job))
     for taker in takers:
-        best: tuple[tuple[float, ...], Holding] | None = None
+        best: tuple[tuple[Any, ...], Holding] | None = None
         for holding in held:
             giver = by_job.get(holding.job)
             if giver is None or giver.job == taker.job or not giver.movable \

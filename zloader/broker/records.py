@@ -157,8 +157,9 @@ class Job:
 
     @property
     def fixed(self) -> bool:
-        """Its worker indices are fixed (static sharding or deterministic order): it keeps
-        the workers it has, and the autoscaler and the pool leave it alone."""
+        """Its worker indices are fixed (static sharding or deterministic order): it takes
+        at most ``width`` workers, the autoscaler leaves it alone, and the pool moves its
+        workers only between epochs."""
         return self.sharding == "static" or self.deterministic
 
 
