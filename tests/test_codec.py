@@ -288,3 +288,50 @@ def test_stacked_refuses_rows_that_do_not_stack(rows, message):
 def test_stacked_rows_of_an_unsupported_dtype_raise_codec_error():
     with pytest.raises(CodecError, match=r"element\[0\].*dtype"):
         codec.encode([codec.Stacked([np.array(["a"]), np.array(["b"])])])
+
+
+# --- the one pickle exception: objects=True at both ends (a Loader's own forked workers) ---
+
+class _Custom:
+    """A collate output the codec has no node for."""
+
+    def __init__(self, values: list[int]) -> None:
+        self.values = values
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Custom) and other.values == self.values
+
+
+def test_objects_true_carries_unknown_leaves_beside_plain_ones():
+    element = {"custom": _Custom([1, 2]), "array": np.arange(4), "nested": [_Custom([3])]}
+    out = codec.decode(codec.encode(element, objects=True), objects=True)
+    assert out["custom"] == _Custom([1, 2]) and out["nested"] == [_Custom([3])]
+    assert out["array"].tolist() == [0, 1, 2, 3]
+
+
+def test_plain_elements_encode_the_same_with_or_without_objects():
+    element = {"a": np.arange(3), "b": ("x", 1, 2.5, None)}
+    assert [bytes(b) for b in codec.encode(element, objects=True)] == \
+        [bytes(b) for b in codec.encode(element)]
+
+
+def test_a_pickled_leaf_is_refused_unless_the_reader_allows_objects():
+    buffers = codec.encode([_Custom([1])], objects=True)
+    with pytest.raises(CodecError, match="pickled value"):
+        codec.decode(buffers)
+
+
+def test_without_objects_an_unknown_leaf_is_still_refused():
+    with pytest.raises(CodecError, match=r"element\[0\].*not supported"):
+        codec.encode([_Custom([1])])
+
+
+def test_an_unpicklable_leaf_names_its_path():
+    with pytest.raises(CodecError, match=r"element\['f'\].*cannot be pickled"):
+        codec.encode({"f": lambda: None}, objects=True)
+
+
+def test_a_corrupt_pickle_is_a_codec_error():
+    header, data = codec.encode([_Custom([1])], objects=True)
+    with pytest.raises(CodecError, match="cannot be unpickled"):
+        codec.decode([header, bytes(data)[:5]], objects=True)

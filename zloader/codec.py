@@ -12,8 +12,12 @@ byte is copied (they are read-only when the memory is). ``str`` and ``bytes`` le
 immutable Python objects and are copied on decode. A :class:`Stacked` leaf (an array given as
 its rows) encodes as the stacked array; its buffer is a :class:`Gather` of the rows.
 
-There is no pickle anywhere on this path: a header can describe only the types above, so
-bytes from a peer cannot make this process run code. Every field is checked before use;
+There is no pickle on this path by default: a header can describe only the types above, so
+bytes from a peer cannot make this process run code. The one exception (docs/torch.md,
+design.md's invariant 1) is opt-in at both ends: ``encode(element, objects=True)`` pickles a
+leaf of any other type into a ``b"o"`` node, and only ``decode(buffers, objects=True)``
+unpickles one; the Loader passes True only for records from its own forked local workers.
+Without it a ``b"o"`` node is refused like any unknown tag. Every field is checked before use;
 malformed input raises :class:`~zloader.errors.CodecError` saying what is wrong, and
 decoding never allocates more than the input's size (arrays are views; counts are checked
 against the bytes that remain).
@@ -31,6 +35,8 @@ Header format (version 1, little-endian)::
             | b"L" count:u32 node*count                    list
             | b"U" count:u32 node*count                    tuple
             | b"D" count:u32 (key:node value:node)*count   dict
+            | b"o"                                          pickled object, in the next
+                                                           buffer (objects=True only)
     dtype   = len:u8 ascii                                 numpy dtype string, e.g. "<f4"
 
 Buffers are used in the order their nodes appear, each exactly once. Subclasses of the
@@ -40,6 +46,7 @@ their plain base type.
 
 from __future__ import annotations
 
+import pickle
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -141,11 +148,13 @@ class _EncodeError(Exception):
         self.path: list[str] = []
 
 
-def encode(element: Any) -> list[Any]:
+def encode(element: Any, objects: bool = False) -> list[Any]:
     """Encode an element into ``[header, buffer, ...]``.
 
     Args:
         element: a nested dict/tuple/list of numpy arrays, scalars, str, bytes and None.
+        objects: pickle a leaf of any other type instead of refusing it (for a Loader's
+            own forked local workers only: the reader must pass ``objects=True`` too).
 
     Returns:
         A list whose first item is the header (``bytes``) and whose other items are
@@ -160,7 +169,7 @@ def encode(element: Any) -> list[Any]:
     out = bytearray(MAGIC)
     buffers: list[Any] = [b""]
     try:
-        _encode_node(element, out, buffers, 0)
+        _encode_node(element, out, buffers, 0, objects)
     except _EncodeError as exc:
         path = "element" + "".join(reversed(exc.path))
         raise CodecError(f"cannot encode {path}: {exc.message}") from None
@@ -168,7 +177,8 @@ def encode(element: Any) -> list[Any]:
     return buffers
 
 
-def _encode_node(value: Any, out: bytearray, buffers: list[Any], depth: int) -> None:
+def _encode_node(value: Any, out: bytearray, buffers: list[Any], depth: int,
+                 objects: bool) -> None:
     kind = type(value)
     # Exact types first, most frequent first: this runs once per node of every element.
     if kind is np.ndarray:
@@ -197,8 +207,8 @@ def _encode_node(value: Any, out: bytearray, buffers: list[Any], depth: int) -> 
             try:
                 if isinstance(key, (dict, list, np.ndarray)):
                     raise _EncodeError(f"dict key of type {type(key).__name__} is not allowed")
-                _encode_node(key, out, buffers, depth + 1)
-                _encode_node(item, out, buffers, depth + 1)
+                _encode_node(key, out, buffers, depth + 1, objects)
+                _encode_node(item, out, buffers, depth + 1, objects)
             except _EncodeError as exc:
                 exc.path.append(f"[{key!r}]")
                 raise
@@ -207,7 +217,7 @@ def _encode_node(value: Any, out: bytearray, buffers: list[Any], depth: int) -> 
         out += (b"U" if isinstance(value, tuple) else b"L") + _U32.pack(len(value))
         for index, item in enumerate(value):
             try:
-                _encode_node(item, out, buffers, depth + 1)
+                _encode_node(item, out, buffers, depth + 1, objects)
             except _EncodeError as exc:
                 exc.path.append(f"[{index}]")
                 raise
@@ -224,13 +234,21 @@ def _encode_node(value: Any, out: bytearray, buffers: list[Any], depth: int) -> 
     elif isinstance(value, np.ndarray):
         _encode_array(value, out, buffers)
     elif isinstance(value, int):  # bool subclasses were handled above; IntEnum and the like
-        _encode_node(int(value), out, buffers, depth)
+        _encode_node(int(value), out, buffers, depth, objects)
     elif isinstance(value, float):
         out += b"f" + _F64.pack(value)
     elif isinstance(value, complex):
         out += b"c" + _C128.pack(value.real, value.imag)
     elif isinstance(value, str):
-        _encode_node(str(value), out, buffers, depth)
+        _encode_node(str(value), out, buffers, depth, objects)
+    elif objects:
+        try:
+            data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            raise _EncodeError(f"{kind.__module__}.{kind.__qualname__} cannot be pickled: "
+                               f"{exc}") from None
+        out += b"o"
+        buffers.append(memoryview(data))
     else:
         raise _EncodeError(
             f"type {kind.__module__}.{kind.__qualname__} is not supported; elements hold "
@@ -291,12 +309,14 @@ def _encode_stacked(value: Stacked, out: bytearray, buffers: list[Any]) -> None:
     buffers.append(Gather(row.reshape(-1).view(np.uint8).data for row in value.rows))
 
 
-def decode(buffers: Sequence[Any]) -> Any:
+def decode(buffers: Sequence[Any], objects: bool = False) -> Any:
     """Decode ``[header, buffer, ...]`` produced by :func:`encode`.
 
     Args:
         buffers: the header followed by the data buffers; any buffer-protocol objects
             (``bytes``, ``memoryview``, ``zmq.Frame``, shared-memory views).
+        objects: unpickle ``b"o"`` nodes (``encode(..., objects=True)``). Only for memory
+            written by a process this one trusts as itself: its own forked workers.
 
     Returns:
         The element. Arrays are views over ``buffers`` (writable only if that memory is);
@@ -308,7 +328,7 @@ def decode(buffers: Sequence[Any]) -> Any:
     if not isinstance(buffers, (list, tuple)) or not buffers:
         raise CodecError(f"expected a non-empty list of buffers, got {type(buffers).__name__}")
     views = [_as_bytes_view(b, i) for i, b in enumerate(buffers)]
-    reader = _Reader(bytes(views[0]), views)
+    reader = _Reader(bytes(views[0]), views, objects)
     magic = reader.header[:4]
     if len(magic) < 4:
         raise CodecError(f"header truncated: {len(magic)} bytes, a header has at least 5")
@@ -342,16 +362,17 @@ def _as_bytes_view(buf: Any, index: int) -> memoryview:
     return view
 
 
-_TAG = {tag: ord(tag) for tag in "NTFiIfcsSbBanLUD"}
+_TAG = {tag: ord(tag) for tag in "NTFiIfcsSbBanLUDo"}
 _A, _D, _L, _U, _I, _F, _S, _N = (_TAG[t] for t in "aDLUifsN")
 
 
 class _Reader:
     """Walks one header; every read is bounds-checked."""
 
-    __slots__ = ("buffers", "end", "header", "next_buffer", "pos")
+    __slots__ = ("buffers", "end", "header", "next_buffer", "objects", "pos")
 
-    def __init__(self, header: bytes, buffers: list[memoryview]) -> None:
+    def __init__(self, header: bytes, buffers: list[memoryview], objects: bool) -> None:
+        self.objects = objects
         self.header = header
         self.end = len(header)
         self.buffers = buffers
@@ -448,6 +469,14 @@ class _Reader:
         if tag == _TAG["c"]:
             real = self.unpack(_F64, "complex")
             return complex(real, self.unpack(_F64, "complex"))
+        if tag == _TAG["o"]:
+            if not self.objects:
+                raise CodecError("a pickled value, which only a Loader's own local workers "
+                                 "may send (this record came from elsewhere)")
+            try:
+                return pickle.loads(self.buffer("object"))
+            except Exception as exc:
+                raise CodecError(f"a pickled value cannot be unpickled: {exc!r}") from None
         raise CodecError(f"unknown tag {bytes([tag])!r} at header byte {self.pos - 1}")
 
     def mapping(self, depth: int) -> dict[Any, Any]:
