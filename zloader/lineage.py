@@ -154,7 +154,9 @@ def encode_origins(elements: list[Tagged], loose: list[int]) -> list[bytes]:
 
 
 def decode_origins(counts: Any, triples: Any, elements: int) -> tuple[np.ndarray, np.ndarray]:
-    """Check and view the two origin buffers of a record of ``elements`` elements.
+    """Copy and check the two origin buffers of a record of ``elements`` elements (a
+    copy: they may lie in a ring that another process could still write, and they are read
+    long after this check, when their elements are yielded).
 
     Raises:
         ValueError: they do not fit together.
@@ -163,9 +165,10 @@ def decode_origins(counts: Any, triples: Any, elements: int) -> tuple[np.ndarray
     triples_view = memoryview(triples).cast("B")
     if counts_view.nbytes != 4 * (elements + 1) or triples_view.nbytes % 24:
         raise ValueError("origin buffers of the wrong size")
-    counted = np.frombuffer(counts_view, np.int32)
-    rows = np.frombuffer(triples_view, np.int64).reshape(-1, 3)
-    if (counted < 0).any() or int(counted.sum()) != len(rows) or (rows < 0).any():
+    counted = np.frombuffer(counts_view, np.int32).copy()
+    rows = np.frombuffer(triples_view, np.int64).reshape(-1, 3).copy()
+    if (counted < 0).any() or int(counted.sum()) != len(rows) or (rows < 0).any() \
+            or (len(rows) and int(rows[:, 1].max()) >= 1 << 32):
         raise ValueError("origin counts do not match the origins")
     return counted, rows
 
