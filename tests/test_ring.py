@@ -168,6 +168,34 @@ def test_fallocate_failure_unlinks_the_half_made_file(monkeypatch: pytest.Monkey
     assert set(os.listdir("/dev/shm")) <= before
 
 
+def test_the_reader_reserves_its_header_and_the_writer_the_data() -> None:
+    """A ring costs its reader no time zeroing the data (a sparse file); the writer
+    allocates it when it attaches, before it can write a byte."""
+    reader = RingReader(8 << 20)
+    try:
+        path = f"/dev/shm/{reader.name}"
+        assert os.stat(path).st_blocks * 512 < 1 << 20
+        writer = RingWriter(reader.name)
+        assert os.stat(path).st_blocks * 512 >= 8 << 20
+        writer.close()
+    finally:
+        reader.close()
+
+
+def test_a_writer_that_cannot_reserve_the_data_raises_shm_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    info = os.statvfs("/dev/shm")
+    if info.f_blocks == 0:
+        pytest.skip("/dev/shm reports no size limit")
+    monkeypatch.setattr(shm, "_check_free", lambda size: None)  # the reader's check passes
+    reader = RingReader(_round_up(info.f_blocks * info.f_frsize + (1 << 30)))
+    try:
+        with pytest.raises(ShmError, match="/dev/shm"):
+            RingWriter(reader.name)
+    finally:
+        reader.close()
+
+
 def test_sweep_removes_dead_owners_only() -> None:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait(timeout=WAIT_S)

@@ -106,10 +106,12 @@ class RingWriter:
 
         Raises:
             RingError: the segment is not a ring (bad magic or capacity).
+            ShmError: ``/dev/shm`` has no room for the ring's data (this writer reserves
+                it: the reader reserved only the header).
             FileNotFoundError: no such segment.
             ValueError: ``name`` is not a zloader segment name.
         """
-        segment = Segment.attach(name)
+        segment = Segment.attach(name, reserve=True)  # the reader reserved its header only
         try:
             if segment.size < DATA_OFFSET or bytes(segment.buf[: len(MAGIC)]) != MAGIC:
                 raise RingError(f"segment {name!r} is not a zloader ring")
@@ -239,7 +241,7 @@ class RingReader:
                 or capacity < ALIGN or capacity % ALIGN):
             raise ValueError(f"ring capacity must be a positive multiple of {ALIGN} bytes, "
                              f"got {capacity!r}")
-        segment = Segment.create(kind, DATA_OFFSET + capacity)
+        segment = Segment.create(kind, DATA_OFFSET + capacity, reserve=DATA_OFFSET)
         self.name = segment.name
         self.capacity = capacity
         self._segment = segment

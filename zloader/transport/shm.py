@@ -123,12 +123,18 @@ class Segment:
             self._unlinker = weakref.finalize(self, _unlink_path, _path(name), os.getpid())
 
     @classmethod
-    def create(cls, kind: str, size: int) -> Segment:
+    def create(cls, kind: str, size: int, reserve: int | None = None) -> Segment:
         """Create, reserve and map a new segment of ``size`` bytes, filled with zeros.
 
         Args:
             kind: what the segment holds (see :func:`segment_name`).
             size: size in bytes, at least 1.
+            reserve: reserve (allocate) only the first ``reserve`` bytes here and map the
+                rest lazily; whoever writes the rest must reserve it first
+                (``attach(..., reserve=True)``), or a full /dev/shm would kill it with
+                SIGBUS. None: all of it, and every page mapped now. A ring's reader
+                reserves its header only: its writer, another process, reserves the data
+                while it starts, so the reader does not spend its own time zeroing it.
 
         Returns:
             The mapped segment; this process owns it and must :meth:`unlink` it.
@@ -147,14 +153,12 @@ class Segment:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
         try:
             try:
-                # ftruncate alone would make a sparse file whose pages are allocated on
-                # first touch: a full /dev/shm would then kill the writer with SIGBUS.
-                os.posix_fallocate(fd, 0, size)
-            except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.ENOMEM):
-                    raise _no_space(size) from None
-                raise
-            mapping = _map(fd, size, prefault_write=True)
+                _reserve(fd, size if reserve is None else min(reserve, size))
+                if reserve is not None:
+                    os.ftruncate(fd, size)
+            except _NoSpace:
+                raise _no_space(size) from None
+            mapping = _map(fd, size, prefault_write=True, lazy=reserve is not None)
         except BaseException:
             os.close(fd)
             _unlink_path(path, os.getpid())
@@ -164,7 +168,7 @@ class Segment:
         return cls(name, size, mapping, owner=True)
 
     @classmethod
-    def attach(cls, name: str, private: bool = False) -> Segment:
+    def attach(cls, name: str, private: bool = False, reserve: bool = False) -> Segment:
         """Map an existing segment created by another process (or this one).
 
         Args:
@@ -172,6 +176,8 @@ class Segment:
             private: map it copy-on-write: writes through this mapping change only this
                 process's copy of the pages written (the segment and other processes never
                 see them). Pages are then faulted in when first read, not up front.
+            reserve: allocate every page of the file now (the writer of a segment whose
+                creator reserved only part of it, see :meth:`create`).
 
         Returns:
             The mapped segment; it is never unlinked through this object.
@@ -189,6 +195,11 @@ class Segment:
             if not stat.S_ISREG(info.st_mode) or info.st_size < 1:
                 raise ValueError(f"shared-memory segment {name!r} is not a regular "
                                  "non-empty file")
+            if reserve:
+                try:
+                    _reserve(fd, info.st_size)
+                except _NoSpace:
+                    raise _no_space(info.st_size) from None
             mapping = _map(fd, info.st_size, prefault_write=False, private=private)
         finally:
             os.close(fd)
@@ -359,9 +370,26 @@ def _path(name: str) -> str:
     return os.path.join(SHM_DIR, name)
 
 
-def _map(fd: int, size: int, prefault_write: bool, private: bool = False) -> mmap.mmap:
-    if private:  # populating a private writable mapping would copy every page: don't
-        return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE,
+class _NoSpace(Exception):
+    """/dev/shm is full (raised as :func:`_no_space`'s ShmError by the callers)."""
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Allocate the first ``size`` bytes of ``fd``'s file: ftruncate alone would leave
+    pages to be allocated on first touch, and a full /dev/shm would then kill the writer
+    with SIGBUS."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+            raise _NoSpace from None
+        raise
+
+
+def _map(fd: int, size: int, prefault_write: bool, private: bool = False,
+         lazy: bool = False) -> mmap.mmap:
+    if private or lazy:  # private: populating would copy every page; lazy: see create()
+        return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE if private else mmap.MAP_SHARED,
                          prot=mmap.PROT_READ | mmap.PROT_WRITE)
     mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE,
                         prot=mmap.PROT_READ | mmap.PROT_WRITE)
