@@ -1,0 +1,316 @@
+"""Scale-out benchmark: throughput against the number of workers, several jobs on one
+pool, and the broker's control plane alone.
+
+(1) **Scale-out.** ``Pipeline.range(N).map(wait)`` where ``wait`` sleeps ``--element-ms``
+    (default 10 ms) and returns the index: per-element cost that is wall time, not this
+    host's CPU, standing in for CPU on other hosts. With ``w`` workers the ideal is
+    ``w * 1000 / element_ms`` elements/s; efficiency = measured / ideal. Two modes:
+    *embedded* (``Loader(pipeline, num_workers=w)``: the Loader forks its workers, rings on
+    this host) and *tcp* (a ``zloader-broker`` process on 127.0.0.1 and ``zloader-worker
+    --processes w``, the Loader reading over TCP with ``transport="tcp"``). CPU per element
+    is the CPU every process of the run spent (this one, the broker, the workers) over the
+    window, divided by the elements. Targets on a 2-core machine: efficiency >= 0.85 at 32
+    workers in both modes, >= 0.7 at 64.
+(2) **Several jobs on one pool.** A broker and ``zloader-worker --processes 8``; three
+    jobs (Loaders in this process, one thread each) start together, a fourth joins
+    ``--late`` seconds later: the seconds it waits for its first element, then each job's
+    share of the elements over the window (equal shares are 0.25 each).
+(3) **The control plane alone** (``--fleet``): a broker process and simulated peers that
+    speak the protocol with no pipeline: ``--fleet-workers`` workers (READY, then a
+    HEARTBEAT a second) and ``--fleet-consumers`` consumers (REGISTER, then a HEARTBEAT a
+    second), all sockets of one process. Broker CPU (fraction of one core) and the latency
+    of a STATUS-free request: each consumer's EPOCH answered by its JOB view (p50, p99).
+    Targets: < 30% of one core, p99 < 50 ms; the fleet size one broker can run is
+    extrapolated from its CPU per peer.
+
+Ratios and efficiencies are what to read: the machine is shared and noisy.
+
+Run: ``python -m bench.scale [--workers 1,2,4,8,16,32,64] [--modes embedded,tcp]
+[--only scale,jobs,fleet] [--out bench/results]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import functools
+import json
+import os
+import pathlib
+import platform
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psutil
+
+from bench._common import free_port, provenance, stop
+
+BIN = pathlib.Path(sys.executable).parent
+START_TIMEOUT_S = 120.0
+
+
+def wait(ms: float, index: int) -> int:
+    """One element: ``ms`` milliseconds of waiting, not of this host's CPU."""
+    time.sleep(ms / 1000)
+    return index
+
+
+def pipeline(element_ms: float) -> Any:
+    import zloader
+
+    return zloader.Pipeline.range(10**9).map(functools.partial(wait, element_ms))
+
+
+def tree_cpu(roots: list[psutil.Process]) -> float:
+    """CPU seconds ``roots`` and all their descendants have used so far."""
+    total = 0.0
+    seen: set[int] = set()
+    for root in roots:
+        with contextlib.suppress(psutil.Error):
+            for process in [root, *root.children(recursive=True)]:
+                if process.pid in seen:
+                    continue
+                seen.add(process.pid)
+                with contextlib.suppress(psutil.Error):
+                    times = process.cpu_times()
+                    total += times.user + times.system
+    return total
+
+
+def measure(iterator: Iterator[Any], window: float, warmup: float,
+            roots: list[psutil.Process]) -> dict[str, float]:
+    """The first element, ``warmup`` seconds, then elements and CPU over ``window``."""
+    start = time.perf_counter()
+    next(iterator)
+    first = time.perf_counter()
+    while time.perf_counter() - first < warmup:
+        next(iterator)
+    cpu0, t0 = tree_cpu(roots), time.perf_counter()
+    elements = 0
+    while True:
+        next(iterator)
+        elements += 1
+        now = time.perf_counter()
+        if now >= t0 + window:
+            break
+    cpu = tree_cpu(roots) - cpu0
+    seconds = now - t0
+    return {"first_element_s": first - start, "elements": elements, "seconds": seconds,
+            "elements_per_s": elements / seconds, "cpu_s": cpu,
+            "cpu_us_per_element": cpu / max(1, elements) * 1e6}
+
+
+@contextlib.contextmanager
+def service(processes: int) -> Iterator[tuple[str, list[subprocess.Popen[bytes]]]]:
+    """A ``zloader-broker`` on 127.0.0.1 and ``zloader-worker --processes N`` (all of them
+    registered before this yields)."""
+    from zloader._status import fetch_status
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    started = [subprocess.Popen([str(BIN / "zloader-broker"), "--bind", address,
+                                 "--log-level", "error"])]
+    try:
+        if processes:
+            started.append(subprocess.Popen(
+                [str(BIN / "zloader-worker"), "--broker", address, "--processes",
+                 str(processes), "--log-level", "error"]))
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            with contextlib.suppress(Exception):
+                if len(fetch_status(address, None, 2.0).get("workers", [])) >= processes:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{processes} workers did not register within "
+                                   f"{START_TIMEOUT_S:.0f} s")
+            time.sleep(0.2)
+        yield address, started
+    finally:
+        stop(list(reversed(started)), 20)
+
+
+# --- (1) scale-out ----------------------------------------------------------------------------
+
+def scale_point(mode: str, workers: int, args: argparse.Namespace) -> dict[str, Any]:
+    import zloader
+
+    me = psutil.Process()
+    ideal = workers * 1000 / args.element_ms
+    started = time.perf_counter()
+    if mode == "embedded":
+        with zloader.Loader(pipeline(args.element_ms), num_workers=workers,
+                            timeout=60) as loader:
+            result = measure(iter(loader), args.window, args.warmup, [me])
+    else:
+        with service(workers) as (address, processes), \
+                zloader.Loader(pipeline(args.element_ms), broker=address, num_workers=0,
+                               transport="tcp", timeout=60) as loader:
+            roots = [me, *(psutil.Process(p.pid) for p in processes)]
+            result = measure(iter(loader), args.window, args.warmup, roots)
+    result.update(mode=mode, workers=workers, ideal_per_s=ideal,
+                  efficiency=result["elements_per_s"] / ideal,
+                  wall_s=time.perf_counter() - started)
+    return result
+
+
+def scale_section(args: argparse.Namespace) -> list[dict[str, Any]]:
+    points = []
+    for workers in args.workers:
+        for mode in args.modes:
+            try:
+                point = scale_point(mode, workers, args)
+            except Exception as exc:  # one failing point must not lose the others
+                point = {"mode": mode, "workers": workers, "error": repr(exc)}
+            print(json.dumps(point), flush=True)
+            points.append(point)
+    return points
+
+
+# --- (2) several jobs -------------------------------------------------------------------------
+
+def jobs_section(args: argparse.Namespace) -> dict[str, Any]:
+    import zloader
+
+    counts = [0, 0, 0, 0]
+    first: list[float | None] = [None] * 4
+    stop_at = threading.Event()
+    errors: list[str] = []
+
+    def consume(job: int, address: str, started: float) -> None:
+        try:
+            with zloader.Loader(pipeline(args.element_ms), broker=address, num_workers=0,
+                                transport="tcp", timeout=60, job_name=f"job{job}") as loader:
+                for _ in loader:
+                    if first[job] is None:
+                        first[job] = time.perf_counter() - started
+                    if counting.is_set():
+                        counts[job] += 1
+                    if stop_at.is_set():
+                        return
+        except Exception as exc:
+            errors.append(f"job{job}: {exc!r}")
+
+    counting = threading.Event()
+    with service(args.pool) as (address, _processes):
+        threads = []
+        t0 = time.perf_counter()
+        for job in range(3):
+            threads.append(threading.Thread(target=consume, args=(job, address, t0)))
+            threads[-1].start()
+        time.sleep(args.late)
+        late_start = time.perf_counter()
+        threads.append(threading.Thread(target=consume, args=(3, address, late_start)))
+        threads[-1].start()
+        time.sleep(args.warmup + 2.0)  # the pool moves workers to the late job
+        counting.set()
+        time.sleep(args.window)
+        counting.clear()
+        stop_at.set()
+        for thread in threads:
+            thread.join(60)
+    total = sum(counts) or 1
+    return {"pool": args.pool, "jobs": 4, "late_s": args.late,
+            "late_first_element_s": first[3], "first_element_s": first,
+            "elements": counts, "shares": [c / total for c in counts],
+            "max_share_error": max(abs(c / total - 0.25) / 0.25 for c in counts),
+            "errors": errors}
+
+
+# --- report -----------------------------------------------------------------------------------
+
+def scale_table(points: list[dict[str, Any]]) -> list[str]:
+    lines = ["| mode | workers | elements/s | ideal | efficiency | target | holds | "
+             "CPU per element |", "|---|---|---|---|---|---|---|---|"]
+    for p in points:
+        if "error" in p:
+            lines.append(f"| {p['mode']} | {p['workers']} | failed: {p['error']} "
+                         "| | | | | |")
+            continue
+        target = 0.85 if p["workers"] == 32 else 0.7 if p["workers"] == 64 else None
+        holds = "-" if target is None else "yes" if p["efficiency"] >= target else "no"
+        lines.append(f"| {p['mode']} | {p['workers']} | {p['elements_per_s']:.0f} | "
+                     f"{p['ideal_per_s']:.0f} | {p['efficiency']:.2f} | "
+                     f"{'>= ' + str(target) if target else '-'} | {holds} | "
+                     f"{p['cpu_us_per_element']:.0f} µs |")
+    return lines
+
+
+def jobs_table(jobs: dict[str, Any]) -> list[str]:
+    late = jobs["late_first_element_s"]
+    lines = [f"Pool of {jobs['pool']} workers, 4 jobs; the 4th started {jobs['late_s']:.0f} s "
+             f"after the others and waited {late:.2f} s for its first element."
+             if late is not None else "The late job got no element.", "",
+             "| job | elements in the window | share | equal share |", "|---|---|---|---|"]
+    for job, (count, share) in enumerate(zip(jobs["elements"], jobs["shares"],
+                                             strict=True)):
+        lines.append(f"| job{job}{' (late)' if job == 3 else ''} | {count} | {share:.2f} "
+                     "| 0.25 |")
+    lines.append("")
+    lines.append(f"Largest deviation from an equal share: {jobs['max_share_error']:.0%} "
+                 "(test target: within 20%).")
+    if jobs["errors"]:
+        lines.append(f"Errors: {'; '.join(jobs['errors'])}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", default="1,2,4,8,16,32,64",
+                        help="worker counts of section 1 (comma-separated)")
+    parser.add_argument("--modes", default="embedded,tcp", help="embedded, tcp or both")
+    parser.add_argument("--element-ms", type=float, default=10.0,
+                        help="milliseconds each element waits (default 10)")
+    parser.add_argument("--window", type=float, default=5.0, help="seconds counted")
+    parser.add_argument("--warmup", type=float, default=2.0,
+                        help="seconds after the first element before counting")
+    parser.add_argument("--pool", type=int, default=8, help="workers of section 2")
+    parser.add_argument("--late", type=float, default=3.0,
+                        help="seconds after the first three jobs the fourth starts")
+    parser.add_argument("--only", default="scale,jobs", help="scale, jobs, fleet")
+    parser.add_argument("--out", default="bench/results")
+    args = parser.parse_args(argv)
+    args.workers = [int(w) for w in args.workers.split(",")]
+    args.modes = args.modes.split(",")
+    only = set(args.only.split(","))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    results: dict[str, Any] = {
+        "benchmark": "scale", "date": datetime.datetime.now(datetime.timezone.utc)
+        .isoformat(timespec="seconds"), "host": platform.node(), "nproc": os.cpu_count(),
+        "python": platform.python_version(), **provenance(),
+        "element_ms": args.element_ms, "window_s": args.window}
+    lines = [f"Scale-out benchmark (bench/scale.py), nproc {os.cpu_count()}, elements of "
+             f"{args.element_ms:g} ms of waiting, {args.window:g} s windows, zloader at "
+             f"{results['commit'][:12]}. Read efficiencies and ratios, not absolute numbers "
+             "(a shared, noisy machine).", ""]
+    if "scale" in only:
+        results["scale"] = scale_section(args)
+        lines += ["### (1) Throughput against workers", "", *scale_table(results["scale"]),
+                  ""]
+    if "jobs" in only:
+        results["several_jobs"] = jobs_section(args)
+        lines += ["### (2) Four jobs on one pool", "", *jobs_table(results["several_jobs"]),
+                  ""]
+    if "fleet" in only:
+        from bench._fleet import fleet_section, fleet_table
+
+        results["fleet"] = fleet_section(args)
+        lines += ["### (3) The control plane alone", "", *fleet_table(results["fleet"]), ""]
+    leftovers = [p.pid for p in psutil.Process().children(recursive=True)]
+    results["children_at_exit"] = leftovers
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "scale.json").write_text(json.dumps(results, indent=1))
+    (out / "scale.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    if leftovers:
+        print(f"child processes still running at exit: {leftovers}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
