@@ -209,3 +209,18 @@ def test_webdataset_and_parquet_shards_from_s3_match_local_reads(s3, tmp_path):
         rows = sorted(loader, key=lambda r: r["id"])
     assert rows == sorted(Pipeline.from_parquet([p for p in local if p.endswith(".parquet")]),
                           key=lambda r: r["id"])
+
+
+def test_from_files_accepts_urls(s3):
+    from zloader.storage import open_file
+
+    options = s3.options
+
+    def lines(url):
+        with open_file(url, options) as stream:
+            return [json.loads(line) for line in stream]
+
+    pipeline = Pipeline.from_files(f"s3://{BUCKET}/rows/part-*.jsonl", lines,
+                                   storage_options=options)
+    assert pipeline.source.num_splits == 4
+    assert list(pipeline) == expected_rows()

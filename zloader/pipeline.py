@@ -125,22 +125,26 @@ class Pipeline:
 
     @classmethod
     def from_files(cls, paths_or_glob: Any, reader: Callable[[str], Iterable[Any]], *,
+                   storage_options: dict[str, Any] | None = None,
                    shuffle_splits: bool = False, seed: int | None = None,
                    name: str | None = None, version: str | None = None) -> Pipeline:
         """The elements ``reader(path)`` yields for each file; one split per file.
 
         Args:
             paths_or_glob: a glob pattern (sorted matches; ``**`` recurses), one path, or a
-                list of paths. Paths are made absolute and stat'ed now: the fingerprint
-                covers each file's size and modification time.
-            reader: ``reader(path)`` returns an iterable of elements.
+                list of paths; URLs that fsspec understands too (``s3://...``). Paths are
+                made absolute and stat'ed now: the fingerprint covers each file's size and
+                modification time (an object's ETag).
+            reader: ``reader(path)`` returns an iterable of elements; it is given the URL
+                of a URL, to open with :func:`zloader.storage.open_file`.
+            storage_options: fsspec's options for the URLs' filesystem.
             shuffle_splits, seed, name, version: as for :meth:`range`.
 
         Raises:
             ValueError: a path does not exist or is not a file, or the pattern matches none.
         """
         _check.function("reader", reader)
-        files = _sources.list_files(paths_or_glob)
+        files = _sources.list_files(paths_or_glob, storage_options)
         return cls(_sources.FilesSource(
             files=files, reader=reader,
             **_source_options("from_files", name, shuffle_splits, seed, version)))
