@@ -224,3 +224,19 @@ def test_from_files_accepts_urls(s3):
                                    storage_options=options)
     assert pipeline.source.num_splits == 4
     assert list(pipeline) == expected_rows()
+
+
+def test_image_folder_on_s3_matches_the_local_folder(s3, tmp_path):
+    from test_formats import write_image
+
+    client = s3.client()
+    root = tmp_path / "images"
+    for relative, value in [("dog/b.png", 1), ("dog/a.png", 2), ("dog/in/c.png", 3),
+                            ("cat.v2/x.png", 4)]:
+        write_image(root / relative, value)
+        client.upload_file(str(root / relative), BUCKET, f"images/{relative}")
+    remote = Pipeline.from_image_folder(f"s3://{BUCKET}/images", storage_options=s3.options)
+    local = Pipeline.from_image_folder(root)
+    assert remote.source.classes == local.source.classes == ("cat.v2", "dog")
+    assert [(e["image"], e["label"]) for e in remote] == \
+        [(e["image"], e["label"]) for e in local]
