@@ -234,10 +234,12 @@ def list_dirs(root: str, storage_options: dict[str, Any] | None = None) -> list[
                   if info.get("type") == "directory")
 
 
-def open_file(path: str, storage_options: dict[str, Any] | None = None) -> BinaryIO:
+def open_file(path: str, storage_options: dict[str, Any] | None = None,
+              size: int | None = None) -> BinaryIO:
     """Open a file or URL for streaming binary reads: at most ``READ_BLOCK_BYTES`` are
     fetched ahead, never the whole file. A URL's reads are retried (reopening at the same
-    offset) on transient errors.
+    offset) on transient errors. ``size``, when known (a :data:`FileRef`'s), spares object
+    storage the request that would ask for it.
 
     Raises:
         StorageError: it cannot be opened or read; the message names it.
@@ -251,6 +253,12 @@ def open_file(path: str, storage_options: dict[str, Any] | None = None) -> Binar
     fs, inner = _filesystem(path, storage_options)
 
     def opener() -> Any:
+        if size is not None:
+            try:
+                return fs.open(inner, "rb", block_size=READ_BLOCK_BYTES,
+                               cache_type="readahead", size=size)
+            except TypeError:  # a filesystem whose files take no size: it asks itself
+                pass
         return fs.open(inner, "rb", block_size=READ_BLOCK_BYTES, cache_type="readahead")
 
     return io.BufferedReader(RetryingFile(opener, path), buffer_size=READ_BLOCK_BYTES)

@@ -17,11 +17,11 @@ import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 from zloader._defaults import PARALLEL_READ_BUFFER, PARALLEL_READ_POLL
 from zloader.sources import ErrorPolicy, Source, guarded
-from zloader.storage import FileRef
+from zloader.storage import FileRef, open_file
 
 __all__ = ["FormatSource", "interleave"]
 
@@ -55,6 +55,11 @@ class FormatSource(Source):
     def unit_name(self, unit: Any) -> str:
         """The unit in an error message (its file, and its place in the file)."""
         return f"file {self.files[unit][0]}"
+
+    def open(self, file: int) -> BinaryIO:
+        """Open file number ``file`` for streaming reads."""
+        path, size, _ = self.files[file]
+        return open_file(path, self.storage_options, size)
 
     def read_unit(self, unit: Any, policy: ErrorPolicy | None) -> Iterator[Any]:
         """Yield the elements of one unit; a corrupt record the reader can step over is

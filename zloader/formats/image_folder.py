@@ -22,7 +22,7 @@ from zloader.errors import CodecError
 from zloader.formats.base import FormatSource
 from zloader.formats.image import decode_image
 from zloader.sources import ErrorPolicy
-from zloader.storage import FileRef, list_dirs, list_tree, open_file
+from zloader.storage import FileRef, list_dirs, list_tree
 
 __all__ = ["IMAGE_EXTENSIONS", "ImageFolderSource", "find_images"]
 
@@ -82,7 +82,7 @@ class ImageFolderSource(FormatSource):
         first = unit * self.split_size
         for number in range(first, min(len(self.files), first + self.split_size)):
             path = self.files[number][0]
-            with open_file(path, self.storage_options) as stream:
+            with self.open(number) as stream:
                 data = stream.read()
             image: Any = data
             if self.decode:

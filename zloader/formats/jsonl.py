@@ -17,7 +17,6 @@ from typing import Any, BinaryIO, ClassVar
 from zloader.errors import CodecError
 from zloader.formats.base import FormatSource
 from zloader.sources import ErrorPolicy
-from zloader.storage import open_file
 
 __all__ = ["JsonlSource", "read_lines"]
 
@@ -62,5 +61,5 @@ class JsonlSource(FormatSource):
 
     def read_unit(self, unit: Any, policy: ErrorPolicy | None) -> Iterator[Any]:
         path = self.files[unit][0]
-        with open_file(path, self.storage_options) as stream:
+        with self.open(unit) as stream:
             yield from read_lines(stream, path, policy)

@@ -36,9 +36,9 @@ def count_row_groups(files: Sequence[FileRef],
     """The number of row groups of each file, read from its footer."""
     pq = _parquet()
     counts = []
-    for path, _size, _tag in files:
-        def count(path: str = path) -> int:
-            with open_file(path, storage_options) as stream:
+    for path, size, _tag in files:
+        def count(path: str = path, size: int = size) -> int:
+            with open_file(path, storage_options, size) as stream:
                 return int(pq.ParquetFile(stream).num_row_groups)
         counts.append(retrying(count, path, "read the footer of"))
     return tuple(counts)
@@ -77,9 +77,8 @@ class ParquetSource(FormatSource):
 
     def read_unit(self, unit: Any, policy: ErrorPolicy | None) -> Iterator[Any]:
         file, group = unit
-        path = self.files[file][0]
         columns = list(self.columns) if self.columns is not None else None
-        with open_file(path, self.storage_options) as stream:
+        with self.open(file) as stream:
             reader = _parquet().ParquetFile(stream)
             for batch in reader.iter_batches(batch_size=self.batch_rows or PARQUET_READ_ROWS,
                                              row_groups=[group], columns=columns):

@@ -28,7 +28,6 @@ from zloader.errors import CodecError
 from zloader.formats._crc32c import masked_crc32c
 from zloader.formats.base import FormatSource
 from zloader.sources import ErrorPolicy
-from zloader.storage import open_file
 
 __all__ = ["COMPRESSIONS", "CorruptRecord", "TFRecordSource", "decompressed", "read_records"]
 
@@ -142,7 +141,7 @@ class TFRecordSource(FormatSource):
 
     def read_unit(self, unit: Any, policy: ErrorPolicy | None) -> Iterator[bytes]:
         path = self.files[unit][0]
-        with open_file(path, self.storage_options) as raw, \
+        with self.open(unit) as raw, \
                 decompressed(raw, self.compression) as stream:
             yield from read_records(stream, path, self.verify, policy)
 

@@ -23,7 +23,6 @@ from typing import Any, ClassVar
 from zloader.errors import CodecError
 from zloader.formats.base import FormatSource
 from zloader.sources import ErrorPolicy
-from zloader.storage import open_file
 
 __all__ = ["WebDatasetSource", "read_samples", "split_key"]
 
@@ -76,5 +75,5 @@ class WebDatasetSource(FormatSource):
 
     def read_unit(self, unit: Any, policy: ErrorPolicy | None) -> Iterator[dict[str, Any]]:
         url = self.files[unit][0]
-        with open_file(url, self.storage_options) as stream:
+        with self.open(unit) as stream:
             yield from read_samples(stream, url)
