@@ -23,6 +23,12 @@ from zloader.formats.tfrecord import read_records
 from zloader.formats.webdataset import read_samples
 
 
+@pytest.fixture(scope="module")
+def tf():
+    """TensorFlow, imported once for the module (its import takes seconds)."""
+    return pytest.importorskip("tensorflow")
+
+
 def policy(skip: bool = True) -> types.SimpleNamespace:
     return types.SimpleNamespace(skip_errors=skip, skipped=0)
 
@@ -56,8 +62,7 @@ def write_tfrecord(path, rows, compression=None) -> list[bytes]:
 
 
 @pytest.mark.parametrize("compression", [None, "GZIP", "ZLIB"])
-def test_tfrecord_matches_tensorflow(tmp_path, compression):
-    tf = pytest.importorskip("tensorflow")
+def test_tfrecord_matches_tensorflow(tmp_path, compression, tf):
     paths = [tmp_path / f"part-{i}.tfrecord" for i in range(3)]
     for i, path in enumerate(paths):
         write_tfrecord(path, examples(7, 100 * i), compression)
@@ -132,8 +137,7 @@ print(sorted(m for m, v in sys.modules.items()
 """
 
 
-def test_parse_example_works_without_tensorflow(tmp_path):
-    tf = pytest.importorskip("tensorflow")
+def test_parse_example_works_without_tensorflow(tmp_path, tf):
     feature = {"name": tf.train.Feature(bytes_list=tf.train.BytesList(value=[b"a", b"\x00"])),
                "ids": tf.train.Feature(int64_list=tf.train.Int64List(value=[-5, 2 ** 62])),
                "score": tf.train.Feature(float_list=tf.train.FloatList(value=[0.5]))}
@@ -183,13 +187,12 @@ class CountingFile(io.RawIOBase):
         super().close()
 
 
-def test_tfrecord_and_webdataset_reads_stream(tmp_path):
+def test_tfrecord_and_webdataset_reads_stream(tmp_path, tf):
     wds = pytest.importorskip("webdataset")
     big = bytes(READ_BLOCK_BYTES // 2)
     path = tmp_path / "big.tfrecord"
-    tf = pytest.importorskip("tensorflow")
     with tf.io.TFRecordWriter(str(path)) as writer:
-        for _ in range(16):  # 8 MiB: eight read blocks
+        for _ in range(6):  # 3 MiB: three read blocks
             writer.write(big)
     counting = CountingFile(path)
     records = read_records(io.BufferedReader(counting, READ_BLOCK_BYTES), str(path))
@@ -199,7 +202,7 @@ def test_tfrecord_and_webdataset_reads_stream(tmp_path):
     counting.close()
     shard = tmp_path / "big.tar"
     with wds.TarWriter(str(shard), encoder=False) as writer:
-        for i in range(16):
+        for i in range(6):
             writer.write({"__key__": f"s{i}", "bin": big})
     counting = CountingFile(shard)
     samples = read_samples(io.BufferedReader(counting, READ_BLOCK_BYTES), str(shard))

@@ -1,6 +1,7 @@
 """Pipeline sources. Each divides its input into *splits*, the unit of work later handed to
 workers: index ranges (``range``, ``from_items``, ``from_arrays``, ``from_torch``), one file
-(``from_files``) or one user value (``from_generator``).
+(``from_files``) or one user value (``from_generator``). The file-format sources
+(TFRecord, WebDataset, Parquet, JSON lines, image folders) are in :mod:`zloader.formats`.
 
 A source is a frozen record. ``split_order(key, entropy)`` says in which order its splits
 are read for one pass (a seeded permutation when ``shuffle_splits=True``), ``read(split)``
