@@ -431,6 +431,22 @@ def render_gpu_train(data: Any, out: Path) -> list[str]:
     return lines
 
 
+def render_sources(data: Any, out: Path) -> list[str]:
+    """bench/sources.py: each format's readers side by side, and the S3 latency runs."""
+    units = {"tfrecord": "records", "webdataset": "samples", "parquet": "rows"}
+    lines: list[str] = []
+    for name, rates in data["results"].items():
+        best = max(rates.values())
+        unit = units.get(name, "rows")
+        lines += [f"**{name}**", "", *table(["reader", f"{unit}/s", "vs best"], [
+            [reader, f"{value:,.0f}", f"{value / best:.2f}"] for reader, value in rates.items()
+        ]), ""]
+    lines += [f"**Reading:** parallel_reads=8 against 1 on the S3 server: "
+              f"{data['s3_speedup_8_vs_1']:.1f}x at the benchmark's latency "
+              "(see sources.md for the longer latency and why)."]
+    return lines
+
+
 RENDERERS: dict[str, tuple[str, Renderer]] = {
     "codec": ("Codec", render_codec),
     "transport": ("Transport: zloader against other loaders", render_transport),
@@ -440,6 +456,7 @@ RENDERERS: dict[str, tuple[str, Renderer]] = {
     "sharing": ("Sharing: one pipeline for K trainers", render_sharing),
     "coordinated": ("Coordinated reads", render_coordinated),
     "soak": ("Soak", render_soak),
+    "sources": ("File-format sources against their own readers", render_sources),
     "gpu_train": ("GPU end-to-end training (bench/gpu_train.py)", render_gpu_train),
     "gpu_train_smoke": ("GPU end-to-end training, CPU smoke run (bench/gpu_train.py --smoke)",
                         render_gpu_train),

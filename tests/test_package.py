@@ -29,7 +29,11 @@ LAYERS = {
     "sharing": 0, "sharing.window": 0, "sharing.options": 0.5, "sharing.store": 1.6,
     "codec": 1, "collate": 1, "fingerprint": 1, "rounds": 1, "journal": 1, "lineage": 1,
     "metrics": 1, "autoscale": 1, "forward": 1, "blobs": 1,
-    "sources": 2, "stages": 2, "pipeline": 3, "plan": 4, "demo": 4, "_pickling": 4,
+    "formats._crc32c": 1, "formats.example": 1, "formats.image": 1, "formats": 1.2,
+    "storage": 1.5,
+    "sources": 2, "formats.base": 2.2, "formats.tfrecord": 2.4, "formats.webdataset": 2.4,
+    "formats.parquet": 2.4, "formats.jsonl": 2.4, "formats.image_folder": 2.4,
+    "formats.build": 2.6, "stages": 2, "pipeline": 3, "plan": 4, "demo": 4, "_pickling": 4,
     "shipping": 5,
     # the broker: records and the pool's policy, checked fields, the concerns, the facade,
     # the loop
@@ -157,6 +161,8 @@ FORMAT_CONSTANTS = {
     "torch": {"_MT_WORDS"},  # the size of a Mersenne Twister state
     "_check": {"_SEED_LIMIT"},  # seeds are 64-bit
     "broker.pool": {"UNBOUNDED"},  # a sentinel: a job that can use any number of workers
+    "formats._crc32c": {"_POLYNOMIAL"},  # CRC-32C's polynomial
+    "formats.example": {"_VARINT", "_FIXED64", "_LENGTH", "_FIXED32"},  # protobuf wire types
 }
 
 

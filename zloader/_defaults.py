@@ -38,6 +38,37 @@ STAGES = ("pipeline", "splits", "encode", "blocked")
 and the source), waiting for the broker's splits, encoding records, and blocked for want of
 credits (the consumers are slower). Reported in heartbeats, summed per job by the broker."""
 
+# --- file formats and storage (zloader/formats/, zloader/storage.py) ----------------------
+
+READ_BLOCK_BYTES = 1 << 20
+"""Bytes a file source reads from storage at a time (the streaming buffer of a local file
+or an fsspec URL: a shard is never read whole); fixed."""
+
+STORAGE_RETRIES = 5
+"""Attempts of one storage operation (stat, glob, open, read) that failed with a transient
+error (a connection error, a timeout, a 5xx) before the source fails naming the URL;
+fixed."""
+
+STORAGE_BACKOFF = 0.05
+"""Seconds before the first retry of a storage operation; each retry waits twice as long,
+up to ``STORAGE_BACKOFF_MAX``, with jitter (fixed)."""
+
+STORAGE_BACKOFF_MAX = 2.0
+"""Longest wait between two retries of a storage operation, in seconds (fixed)."""
+
+PARQUET_READ_ROWS = 4096
+"""Rows ``from_parquet`` reads from a row group at a time when it yields rows
+(``batch_rows=`` sets it when it yields batches); fixed."""
+
+PARALLEL_READ_BUFFER = 64
+"""Elements each reader thread of ``parallel_reads=k`` holds ahead of the interleave (so k
+readers hold at most k times this); fixed."""
+
+PARALLEL_READ_POLL = 0.1
+"""Seconds a reader thread of ``parallel_reads=k`` waits on a full buffer before it checks
+whether the read was abandoned (fixed)."""
+
+
 # --- codec: limits of an encoded element --------------------------------------------------
 
 CODEC_MAX_DEPTH = 100

@@ -29,6 +29,7 @@ from zloader import _check
 from zloader import sources as _sources
 from zloader import stages as _stages
 from zloader.fingerprint import Unhashable, fingerprint, warn_unshareable
+from zloader.formats import build as _build
 
 __all__ = ["Pipeline"]
 
@@ -42,7 +43,9 @@ def _callable_name(fn: Any) -> str:
 class Pipeline:
     """An immutable chain of stages over a source. Build one with a source constructor
     (:meth:`range`, :meth:`from_items`, :meth:`from_arrays`, :meth:`from_files`,
-    :meth:`from_torch`, :meth:`from_generator`), never by calling ``Pipeline()`` directly.
+    :meth:`from_torch`, :meth:`from_generator`, and the file formats :meth:`from_tfrecord`,
+    :meth:`from_webdataset`, :meth:`from_parquet`, :meth:`from_jsonl`,
+    :meth:`from_image_folder`), never by calling ``Pipeline()`` directly.
     """
 
     source: _sources.Source
@@ -122,22 +125,26 @@ class Pipeline:
 
     @classmethod
     def from_files(cls, paths_or_glob: Any, reader: Callable[[str], Iterable[Any]], *,
+                   storage_options: dict[str, Any] | None = None,
                    shuffle_splits: bool = False, seed: int | None = None,
                    name: str | None = None, version: str | None = None) -> Pipeline:
         """The elements ``reader(path)`` yields for each file; one split per file.
 
         Args:
             paths_or_glob: a glob pattern (sorted matches; ``**`` recurses), one path, or a
-                list of paths. Paths are made absolute and stat'ed now: the fingerprint
-                covers each file's size and modification time.
-            reader: ``reader(path)`` returns an iterable of elements.
+                list of paths; URLs that fsspec understands too (``s3://...``). Paths are
+                made absolute and stat'ed now: the fingerprint covers each file's size and
+                modification time (an object's ETag).
+            reader: ``reader(path)`` returns an iterable of elements; it is given the URL
+                of a URL, to open with :func:`zloader.storage.open_file`.
+            storage_options: fsspec's options for the URLs' filesystem.
             shuffle_splits, seed, name, version: as for :meth:`range`.
 
         Raises:
             ValueError: a path does not exist or is not a file, or the pattern matches none.
         """
         _check.function("reader", reader)
-        files = _sources.list_files(paths_or_glob)
+        files = _sources.list_files(paths_or_glob, storage_options)
         return cls(_sources.FilesSource(
             files=files, reader=reader,
             **_source_options("from_files", name, shuffle_splits, seed, version)))
@@ -189,6 +196,76 @@ class Pipeline:
         return cls(_sources.GeneratorSource(
             fn=fn, splits=values,
             **_source_options(default, name, shuffle_splits, seed, version)))
+
+    # --- file formats (docs/sources.md) ----------------------------------------------
+    # Each takes a glob, a path or URL, or a list of them (fsspec URLs with
+    # ``storage_options``), and ``parallel_reads=k``: a worker reads k units at once,
+    # interleaved (``deterministic``: in turn, the same order every run).
+
+    @classmethod
+    def from_tfrecord(cls, paths: Any, compression: str | None = None, verify: bool = True,
+                      *, storage_options: dict[str, Any] | None = None,
+                      parallel_reads: int = 1, deterministic: bool = True,
+                      shuffle_splits: bool = False, seed: int | None = None,
+                      name: str | None = None, version: str | None = None) -> Pipeline:
+        """The raw records (bytes) of TFRecord files; one split per file. ``compression``:
+        None, ``"GZIP"`` or ``"ZLIB"``; ``verify`` checks each record's checksums (a
+        corrupt record raises naming its file and offset, or is skipped under
+        ``on_error="skip"``). Parse records with :func:`zloader.formats.parse_example`."""
+        return cls(_build.tfrecord(paths, compression, verify, storage_options,
+                                   parallel_reads, deterministic, _source_options(
+                                       "from_tfrecord", name, shuffle_splits, seed, version)))
+
+    @classmethod
+    def from_webdataset(cls, urls: Any, *, storage_options: dict[str, Any] | None = None,
+                        parallel_reads: int = 1, deterministic: bool = True,
+                        shuffle_splits: bool = False, seed: int | None = None,
+                        name: str | None = None, version: str | None = None) -> Pipeline:
+        """The samples of WebDataset tar shards, ``{"__key__", "__url__", ext: bytes}``
+        grouped by key as the ``webdataset`` package does; one split per shard."""
+        return cls(_build.webdataset(urls, storage_options, parallel_reads, deterministic,
+                                     _source_options("from_webdataset", name, shuffle_splits,
+                                                     seed, version)))
+
+    @classmethod
+    def from_parquet(cls, paths: Any, columns: Sequence[str] | None = None,
+                     batch_rows: int | None = None, *,
+                     storage_options: dict[str, Any] | None = None, parallel_reads: int = 1,
+                     deterministic: bool = True, shuffle_splits: bool = False,
+                     seed: int | None = None, name: str | None = None,
+                     version: str | None = None) -> Pipeline:
+        """The rows of Parquet files as dicts (only ``columns`` when given), or with
+        ``batch_rows`` column batches of up to that many rows; one split per row group."""
+        return cls(_build.parquet(paths, columns, batch_rows, storage_options, parallel_reads,
+                                  deterministic, _source_options(
+                                      "from_parquet", name, shuffle_splits, seed, version)))
+
+    @classmethod
+    def from_jsonl(cls, paths: Any, *, storage_options: dict[str, Any] | None = None,
+                   parallel_reads: int = 1, deterministic: bool = True,
+                   shuffle_splits: bool = False, seed: int | None = None,
+                   name: str | None = None, version: str | None = None) -> Pipeline:
+        """The JSON value of each line of JSON lines files (``.gz``/``.zst`` too); one split
+        per file."""
+        return cls(_build.jsonl(paths, storage_options, parallel_reads, deterministic,
+                                _source_options("from_jsonl", name, shuffle_splits, seed,
+                                                version)))
+
+    @classmethod
+    def from_image_folder(cls, root: Any, *, split_size: int | None = None,
+                          decode: bool = False,
+                          storage_options: dict[str, Any] | None = None,
+                          parallel_reads: int = 1, deterministic: bool = True,
+                          shuffle_splits: bool = False, seed: int | None = None,
+                          name: str | None = None, version: str | None = None) -> Pipeline:
+        """``{"image", "label", "path"}`` for each image of ``root/<class>/...``, classes
+        and labels as torchvision's ``ImageFolder`` (``pipeline.source.classes``); the
+        image's bytes, or an HWC uint8 array with ``decode=True``. One split per
+        ``split_size`` images (default: at most 256 splits)."""
+        return cls(_build.image_folder(root, split_size, decode, storage_options,
+                                       parallel_reads, deterministic, _source_options(
+                                           "from_image_folder", name, shuffle_splits, seed,
+                                           version)))
 
     # --- stages ----------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """Pipeline sources. Each divides its input into *splits*, the unit of work later handed to
 workers: index ranges (``range``, ``from_items``, ``from_arrays``, ``from_torch``), one file
-(``from_files``) or one user value (``from_generator``).
+(``from_files``) or one user value (``from_generator``). The file-format sources
+(TFRecord, WebDataset, Parquet, JSON lines, image folders) are in :mod:`zloader.formats`.
 
 A source is a frozen record. ``split_order(key, entropy)`` says in which order its splits
 are read for one pass (a seeded permutation when ``shuffle_splits=True``), ``read(split)``
@@ -9,10 +10,8 @@ yields the elements of one split, and ``identity()`` is what its fingerprint has
 
 from __future__ import annotations
 
-import glob
 import itertools
 import math
-import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
@@ -23,6 +22,8 @@ from zloader import _check
 from zloader._defaults import DEFAULT_SPLITS
 from zloader._seeding import Key, make_rng
 from zloader.errors import PipelineError, passes_through
+from zloader.storage import FileRef
+from zloader.storage import list_files as _storage_list_files
 
 __all__ = [
     "ArraysSource",
@@ -239,10 +240,11 @@ class TorchSource(_IndexedSource):
 
 @dataclass(frozen=True, eq=False, kw_only=True)
 class FilesSource(Source):
-    """One split per file; ``files`` holds (absolute path, size, mtime_ns) taken at creation."""
+    """One split per file; ``files`` holds (absolute path or URL, size, version tag) taken
+    at creation (see :data:`zloader.storage.FileRef`)."""
 
     kind: ClassVar[str] = "from_files"
-    files: tuple[tuple[str, int, int], ...]
+    files: tuple[FileRef, ...]
     reader: Callable[[str], Iterable[Any]]
 
     @property
@@ -327,32 +329,11 @@ def check_arrays(structure: Any) -> tuple[Any, int]:
     return checked, length
 
 
-def list_files(paths_or_glob: Any) -> tuple[tuple[str, int, int], ...]:
-    """Expand a glob pattern or check a list of paths; stat each file."""
-    if isinstance(paths_or_glob, (str, os.PathLike)):
-        pattern = os.fspath(paths_or_glob)
-        if glob.has_magic(pattern):
-            paths = sorted(glob.glob(pattern, recursive=True))
-            if not paths:
-                raise ValueError(f"from_files: pattern {pattern!r} matched no files")
-        else:
-            paths = [pattern]
-    elif isinstance(paths_or_glob, Iterable) and not isinstance(paths_or_glob, bytes):
-        paths = [os.fspath(p) for p in paths_or_glob]
-    else:
-        raise TypeError("paths_or_glob must be a path, a glob pattern or a list of paths, "
-                        f"got {type(paths_or_glob).__name__}")
-    files = []
-    for path in paths:
-        absolute = os.path.abspath(path)
-        try:
-            stat = os.stat(absolute)
-        except OSError as exc:
-            raise ValueError(f"from_files: cannot read {path!r}: {exc.strerror}") from None
-        if not os.path.isfile(absolute):
-            raise ValueError(f"from_files: {path!r} is not a file")
-        files.append((absolute, stat.st_size, stat.st_mtime_ns))
-    return tuple(files)
+def list_files(paths_or_glob: Any, storage_options: dict[str, Any] | None = None
+               ) -> tuple[FileRef, ...]:
+    """Expand a glob pattern or check a list of paths or URLs; stat each file (see
+    :func:`zloader.storage.list_files`)."""
+    return _storage_list_files(paths_or_glob, storage_options, "from_files")
 
 
 def _row(structure: Any, index: int) -> Any:

@@ -1,0 +1,325 @@
+"""Where a file source's files live: local paths, or URLs that fsspec understands
+(``s3://``, ``gs://``, ``http(s)://``, ``file://``).
+
+Local paths need nothing beyond Python; any other URL imports fsspec (and its protocol's
+package, such as s3fs) when it is first used, and raises an ImportError naming the extra
+to install when it is missing. Every storage operation (listing, stat, open, each read)
+is retried with exponential backoff on a transient error; a permanent one (missing file,
+permission) and the last failed retry raise :class:`StorageError` naming the URL.
+
+A file is described by a :data:`FileRef`: ``(path or URL, size, version tag)``, the tag
+being the modification time in nanoseconds of a local file, or an object's ETag (else its
+modification time) in object storage: what a source's fingerprint hashes, never the
+content.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob as _glob
+import io
+import os
+import random
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, BinaryIO, TypeVar
+
+from zloader._defaults import (
+    READ_BLOCK_BYTES,
+    STORAGE_BACKOFF,
+    STORAGE_BACKOFF_MAX,
+    STORAGE_RETRIES,
+)
+from zloader.errors import ZloaderError
+
+__all__ = ["FileRef", "StorageError", "is_url", "list_dirs", "list_files", "list_tree",
+           "open_file",
+           "retrying"]
+
+FileRef = tuple[str, int, str]
+"""A file of a source: (absolute path or URL, size in bytes, version tag)."""
+
+_T = TypeVar("_T")
+
+_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
+              ImportError, TypeError, ValueError, KeyError)
+"""Failures that another attempt will not cure."""
+
+
+class StorageError(ZloaderError, OSError):
+    """A file or URL could not be listed, opened or read; the message names it."""
+
+
+def is_url(path: str) -> bool:
+    """Whether ``path`` is a URL (``scheme://...``) rather than a local path."""
+    return "://" in path
+
+
+def _local(path: str) -> str | None:
+    """The local path of ``path`` (a plain path or a ``file://`` URL), else None."""
+    if path.startswith("file://"):
+        return path[len("file://"):]
+    return None if is_url(path) else path
+
+
+def _fsspec() -> Any:
+    try:
+        import fsspec
+    except ImportError:
+        raise ImportError("reading URLs needs fsspec and the package of the URL's protocol: "
+                          "pip install 'zloader[cloud]' (s3fs for s3://, gcsfs for gs://, "
+                          "aiohttp for http(s)://)") from None
+    return fsspec
+
+
+def _filesystem(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
+    """The fsspec filesystem of ``url`` and the path within it."""
+    fsspec = _fsspec()
+    try:
+        fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    except ImportError as exc:
+        raise ImportError(f"cannot read {url}: {exc}; pip install 'zloader[cloud]' or the "
+                          "fsspec package of its protocol") from None
+    return fs, path
+
+
+def _permanent(exc: BaseException) -> bool:
+    return isinstance(exc, _PERMANENT) or not isinstance(exc, Exception)
+
+
+def _backoff(attempt: int) -> float:
+    delay: float = min(STORAGE_BACKOFF_MAX, STORAGE_BACKOFF * 2 ** attempt)
+    return delay * (0.5 + random.random() / 2)
+
+
+def retrying(operation: Callable[[], _T], url: str, what: str) -> _T:
+    """``operation()``, retried with backoff on transient errors.
+
+    Raises:
+        StorageError: the error was permanent, or every attempt failed; it names ``url``.
+    """
+    for attempt in range(STORAGE_RETRIES):
+        try:
+            return operation()
+        except BaseException as exc:
+            if _permanent(exc):
+                if isinstance(exc, ImportError) or not isinstance(exc, Exception):
+                    raise
+                raise StorageError(f"cannot {what} {url}: {type(exc).__name__}: {exc}") \
+                    from exc
+            if attempt + 1 == STORAGE_RETRIES:
+                raise StorageError(f"cannot {what} {url} after {STORAGE_RETRIES} attempts: "
+                                   f"{type(exc).__name__}: {exc}") from exc
+            time.sleep(_backoff(attempt))
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _paths(paths_or_glob: Any, what: str) -> tuple[list[str], bool]:
+    """The given paths as strings, and whether they came from one glob pattern."""
+    if isinstance(paths_or_glob, (str, os.PathLike)):
+        return [os.fspath(paths_or_glob)], _glob.has_magic(os.fspath(paths_or_glob))
+    if isinstance(paths_or_glob, Iterable) and not isinstance(paths_or_glob, bytes):
+        paths = [os.fspath(p) for p in paths_or_glob]
+        if not all(isinstance(p, str) for p in paths):
+            raise TypeError(f"{what}: paths must be str or path-like")
+        return paths, False
+    raise TypeError(f"{what}: give a path, a URL, a glob pattern or a list of them, got "
+                    f"{type(paths_or_glob).__name__}")
+
+
+def _tag(info: dict[str, Any]) -> str:
+    for key in ("ETag", "etag", "md5Hash", "LastModified", "last_modified", "mtime",
+                "updated", "created"):
+        if info.get(key) is not None:
+            return str(info[key])
+    return ""
+
+
+def list_files(paths_or_glob: Any, storage_options: dict[str, Any] | None = None,
+               what: str = "source") -> tuple[FileRef, ...]:
+    """Expand a glob pattern (sorted matches, ``**`` recurses) or check a list of paths and
+    URLs; stat each file.
+
+    Raises:
+        ValueError: a file does not exist or is not a file, or the pattern matches none.
+        StorageError: storage failed after its retries.
+    """
+    paths, pattern = _paths(paths_or_glob, what)
+    if pattern:
+        paths = _expand(paths[0], storage_options, what)
+    return tuple(_stat(path, storage_options, what) for path in paths)
+
+
+def _expand(pattern: str, storage_options: dict[str, Any] | None, what: str) -> list[str]:
+    local = _local(pattern)
+    if local is not None:
+        found = sorted(_glob.glob(local, recursive=True))
+    else:
+        fs, path = _filesystem(pattern, storage_options)
+        matches = retrying(lambda: fs.glob(path), pattern, "list")
+        found = sorted(fs.unstrip_protocol(m) for m in matches)
+    if not found:
+        raise ValueError(f"{what}: pattern {pattern!r} matched no files")
+    return found
+
+
+def _stat(path: str, storage_options: dict[str, Any] | None, what: str) -> FileRef:
+    local = _local(path)
+    if local is not None:
+        absolute = os.path.abspath(local)
+        try:
+            stat = os.stat(absolute)
+        except OSError as exc:
+            raise ValueError(f"{what}: cannot read {path!r}: {exc.strerror}") from None
+        if not os.path.isfile(absolute):
+            raise ValueError(f"{what}: {path!r} is not a file")
+        return absolute, stat.st_size, str(stat.st_mtime_ns)
+    fs, inner = _filesystem(path, storage_options)
+    try:
+        info = retrying(lambda: fs.info(inner), path, "stat")
+    except StorageError as exc:
+        if isinstance(exc.__cause__, FileNotFoundError):
+            raise ValueError(f"{what}: cannot read {path!r}: no such file") from None
+        raise
+    if info.get("type") != "file":
+        raise ValueError(f"{what}: {path!r} is not a file")
+    return path, int(info.get("size") or 0), _tag(info)
+
+
+def list_tree(root: str, storage_options: dict[str, Any] | None = None,
+              what: str = "source") -> list[tuple[str, FileRef]]:
+    """Every file under directory ``root``: (its path relative to ``root``, with ``/``;
+    its :data:`FileRef`), sorted by folder then name (as ``os.walk`` sorted). Symbolic
+    links to folders are followed, as torchvision does.
+
+    Raises:
+        ValueError: ``root`` is not a directory.
+    """
+    local = _local(root)
+    found: list[tuple[str, FileRef]] = []
+    if local is not None:
+        base = os.path.abspath(local)
+        if not os.path.isdir(base):
+            raise ValueError(f"{what}: {root!r} is not a directory")
+        for folder, _dirs, files in os.walk(base, followlinks=True):
+            for name in files:
+                full = os.path.join(folder, name)
+                stat = os.stat(full)
+                found.append((os.path.relpath(full, base).replace(os.sep, "/"),
+                              (full, stat.st_size, str(stat.st_mtime_ns))))
+    else:
+        fs, inner = _filesystem(root, storage_options)
+        inner = inner.rstrip("/")
+        listed = retrying(lambda: fs.find(inner, detail=True), root, "list")
+        if not listed:
+            raise ValueError(f"{what}: {root!r} is empty or not a directory")
+        for path, info in listed.items():
+            if path.startswith(inner + "/") and info.get("type") == "file":
+                found.append((path[len(inner) + 1:], (fs.unstrip_protocol(path),
+                                                       int(info.get("size") or 0),
+                                                       _tag(info))))
+    return sorted(found, key=lambda item: item[0].rpartition("/")[::2])
+
+
+def list_dirs(root: str, storage_options: dict[str, Any] | None = None) -> list[str]:
+    """The names of the folders directly in ``root``, sorted."""
+    local = _local(root)
+    if local is not None:
+        with os.scandir(os.path.abspath(local)) as entries:
+            return sorted(e.name for e in entries if e.is_dir())
+    fs, inner = _filesystem(root, storage_options)
+    inner = inner.rstrip("/")
+    listed = retrying(lambda: fs.ls(inner, detail=True), root, "list")
+    return sorted(info["name"].rstrip("/").rpartition("/")[2] for info in listed
+                  if info.get("type") == "directory")
+
+
+def open_file(path: str, storage_options: dict[str, Any] | None = None,
+              size: int | None = None) -> BinaryIO:
+    """Open a file or URL for streaming binary reads: at most ``READ_BLOCK_BYTES`` are
+    fetched ahead, never the whole file. A URL's reads are retried (reopening at the same
+    offset) on transient errors. ``size``, when known (a :data:`FileRef`'s), spares object
+    storage the request that would ask for it.
+
+    Raises:
+        StorageError: it cannot be opened or read; the message names it.
+    """
+    local = _local(path)
+    if local is not None:
+        try:
+            return open(local, "rb", buffering=READ_BLOCK_BYTES)
+        except OSError as exc:
+            raise StorageError(f"cannot open {path}: {exc.strerror or exc}") from exc
+    fs, inner = _filesystem(path, storage_options)
+
+    def opener() -> Any:
+        if size is not None:
+            try:
+                return fs.open(inner, "rb", block_size=READ_BLOCK_BYTES,
+                               cache_type="readahead", size=size)
+            except TypeError:  # a filesystem whose files take no size: it asks itself
+                pass
+        return fs.open(inner, "rb", block_size=READ_BLOCK_BYTES, cache_type="readahead")
+
+    return io.BufferedReader(RetryingFile(opener, path), buffer_size=READ_BLOCK_BYTES)
+
+
+class RetryingFile(io.RawIOBase):
+    """A raw binary stream over ``opener()``'s file that reopens it and seeks back to where
+    it was when a read fails transiently (a dropped connection, a 5xx)."""
+
+    def __init__(self, opener: Callable[[], Any], url: str) -> None:
+        super().__init__()
+        self._opener = opener
+        self.url = url
+        self._position = 0
+        self._file: Any = retrying(opener, url, "open")
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self._position = retrying(lambda: self._file.seek(offset, whence), self.url, "seek")
+        return self._position
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        for attempt in range(STORAGE_RETRIES):
+            try:
+                if self._file is None:  # the last attempt failed: reopen where it was
+                    self._file = self._opener()
+                    self._file.seek(self._position)
+                data = self._file.read(len(view))
+                view[:len(data)] = data
+                self._position += len(data)
+                return len(data)
+            except BaseException as exc:
+                if _permanent(exc):
+                    raise StorageError(f"cannot read {self.url} at offset {self._position}: "
+                                       f"{type(exc).__name__}: {exc}") from exc
+                if attempt + 1 == STORAGE_RETRIES:
+                    raise StorageError(f"cannot read {self.url} at offset {self._position} "
+                                       f"after {STORAGE_RETRIES} attempts: "
+                                       f"{type(exc).__name__}: {exc}") from exc
+                self._discard()
+                time.sleep(_backoff(attempt))
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _discard(self) -> None:
+        broken, self._file = self._file, None
+        if broken is not None:
+            with contextlib.suppress(Exception):  # a broken file's close may fail too
+                broken.close()
+
+    def close(self) -> None:
+        if not self.closed:
+            try:
+                self._discard()
+            finally:
+                super().close()
