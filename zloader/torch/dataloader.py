@@ -3,26 +3,38 @@
 from __future__ import annotations
 
 import base64
-import itertools
 import math
 import secrets
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 import torch.utils.data
 
 from zloader.loader import Loader
 from zloader.pipeline import Pipeline
-from zloader.torch.passes import Pass, Progress, Sampling, draws_only_from, ordered, pack_batches
+from zloader.torch.passes import (
+    Pass,
+    Progress,
+    Sampling,
+    arrived,
+    draws_only_from,
+    ordered,
+    pack_batches,
+)
 from zloader.torch.seeding import unpack_rng
 from zloader.torch.source import BatchSource
 from zloader.torch.tensors import Prefetcher, to_torch
 
+_OWN = ("device",)
+"""Public attributes of this class itself (the others are the torch loader's)."""
 
-class DataLoader:
+T_co = TypeVar("T_co", covariant=True)
+
+
+class DataLoader(Generic[T_co]):
     """``torch.utils.data.DataLoader`` with zloader's workers: change the import, keep the
     arguments.
 
@@ -69,9 +81,10 @@ class DataLoader:
                  collate_fn: Callable[[list[Any]], Any] | None = None, pin_memory: bool = False,
                  drop_last: bool = False, timeout: float = 0,
                  worker_init_fn: Callable[[int], None] | None = None,
-                 prefetch_factor: int | None = None, persistent_workers: bool = False,
-                 generator: torch.Generator | None = None, *, broker: str | None = None,
-                 share: bool = False, job_name: str | None = None,
+                 multiprocessing_context: Any = None, generator: torch.Generator | None = None,
+                 *, prefetch_factor: int | None = None, persistent_workers: bool = False,
+                 pin_memory_device: str = "", in_order: bool = True,
+                 broker: str | None = None, share: bool = False, job_name: str | None = None,
                  device: str | torch.device | None = None) -> None:
         self._service: Loader | None = None  # persistent_workers: the one Loader
         self._passes: weakref.WeakSet[Pass] = weakref.WeakSet()  # live iterators
@@ -89,20 +102,18 @@ class DataLoader:
             dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
             batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
             pin_memory=pin_memory, drop_last=drop_last, timeout=timeout,
-            worker_init_fn=worker_init_fn, prefetch_factor=prefetch_factor,
-            persistent_workers=persistent_workers, generator=generator)
+            worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
+            generator=generator, prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers, pin_memory_device=pin_memory_device,
+            in_order=in_order)
         if broker is not None and num_workers == 0:
             raise ValueError(
                 "broker= needs num_workers > 0: num_workers=0 loads in this process, as "
                 "torch does; pass num_workers=N to have N of the broker's workers make the "
                 "batches")
-        self.num_workers = num_workers
-        self.pin_memory = pin_memory
-        self.timeout = timeout
         self.device = torch.device(device) if device is not None else None
         self._broker = broker
         self._job_name = job_name
-        self._prefetch = prefetch_factor or 2
         self._persistent = persistent_workers
         self._iterable = isinstance(dataset, torch.utils.data.IterableDataset)
         self._base_seed: int | None = None
@@ -115,6 +126,29 @@ class DataLoader:
         if name.startswith("_"):
             raise AttributeError(name)
         return getattr(self._torch, name)  # dataset, batch_size, sampler, generator, ...
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """torch's attributes are set on the torch loader this one holds, with torch's
+        checks: ``batch_size``, ``batch_sampler``, ``sampler``, ``drop_last``, ``dataset``
+        and ``persistent_workers`` raise ValueError; ``multiprocessing_context`` is
+        validated; the others (``num_workers``, ``collate_fn``, ``timeout``...) take effect
+        at the next ``iter()``, as in torch."""
+        if name.startswith("_") or name in _OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._torch, name, value)
+
+    @property
+    def _prefetch(self) -> int:
+        return self._torch.prefetch_factor or 2
+
+    def reported_length(self) -> int | None:
+        """The ``len()`` an iterable dataset reported through ``len(loader)`` (None: not
+        asked, or a map-style dataset), which its passes warn on exceeding, as torch's."""
+        if not self._iterable:
+            return None
+        reported = self._torch._IterableDataset_len_called
+        return reported if isinstance(reported, int) else None
 
     def __len__(self) -> int:
         return len(self._torch)
@@ -149,7 +183,7 @@ class DataLoader:
         progress = Progress(rng=self._rng(), yielded=skip)
         self._progress = progress
         if self.num_workers == 0:
-            return itertools.islice(iter(self._torch), skip, None), progress, None, None
+            return _skipped(iter(self._torch), skip), progress, None, None
         plan, sampling = self._plan(skip)
         if resumed:
             plan["rng"] = [resumed.get(w, b"") for w in range(self.num_workers)]
@@ -170,8 +204,10 @@ class DataLoader:
             if own is not None:
                 own.close()
             raise
-        batches = records if self._iterable else ordered(records, skip, progress,
-                                                           self.num_workers)
+        if self._iterable or not self.in_order:
+            batches = arrived(records, progress, self.num_workers)
+        else:
+            batches = ordered(records, skip, progress, self.num_workers)
         return (self._deliver(to_torch(batch) for batch in batches), progress, own,
                 sampling)
 
@@ -210,11 +246,15 @@ class DataLoader:
         in ``worker_init_fn``) is not recorded.
 
         Raises:
-            ValueError: the dataset is iterable (its position cannot be restored).
+            ValueError: the dataset is iterable (its position cannot be restored), or
+                ``in_order=False``.
         """
         if self._iterable:
             raise ValueError("state_dict() needs a map-style dataset: an iterable dataset's "
                              "position inside its own iterator cannot be restored")
+        if not self.in_order:
+            raise ValueError("state_dict() needs in_order=True: with batches in completion "
+                             "order, the batches yielded are not the epoch's first ones")
         progress = self._progress
         if progress is None or progress.finished:
             rng, batches = self._rng(), 0
@@ -294,9 +334,19 @@ class DataLoader:
             job_name = f"{job_name}.{self._started}"  # a pass's job lingers a while
         return Loader(Pipeline(source), broker=self._broker,
                       num_workers=0 if self._broker is not None else self.num_workers,
-                      width=self.num_workers, sharding="static", deterministic=True,
+                      width=self.num_workers, sharding="static",
+                      deterministic=bool(self.in_order),
                       job_name=job_name, prefetch=self._prefetch,
-                      timeout=self.timeout or 60.0)
+                      timeout=self.timeout or 60.0, start_method=self._start_method())
+
+    def _start_method(self) -> str:
+        """How local workers start: ``multiprocessing_context``'s start method, where
+        ``"forkserver"`` (which the Loader lacks) starts them as ``"spawn"`` does (a fresh
+        interpreter given the pickled dataset: what user code sees is the same)."""
+        context = self._torch.multiprocessing_context
+        if context is None:
+            return "fork"
+        return "fork" if context.get_start_method() == "fork" else "spawn"
 
     def _torch_collate(self) -> Callable[[list[Any]], Any] | None:
         collate = self._torch.collate_fn
@@ -329,3 +379,19 @@ class DataLoader:
 
     def __del__(self) -> None:
         self.close()
+
+
+def _skipped(iterator: Iterator[Any], skip: int) -> Iterator[Any]:
+    """``iterator`` (torch's own) with its first ``skip`` batches read and dropped (a
+    failed one too). Not ``itertools.islice``: that ends at the first error, where torch's
+    iterator goes on with the next batch."""
+    for _ in range(skip):
+        try:
+            if next(iterator, _END) is _END:
+                break
+        except Exception:  # a failed batch before the resumed one: skipped too
+            continue
+    return iterator
+
+
+_END = object()

@@ -3,6 +3,7 @@ as torch samples; the batches put back in order."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -11,7 +12,9 @@ import numpy as np
 import torch
 import torch.utils.data
 
+from zloader.errors import Timeout
 from zloader.loader import Loader
+from zloader.torch.failures import Failed, rebuild
 
 if TYPE_CHECKING:
     from zloader.torch.dataloader import DataLoader
@@ -44,6 +47,8 @@ class Pass:
         self._progress = progress
         self._loader = loader
         self._sampling = sampling
+        self._counted = 0  # batches yielded, as torch counts them (not failures)
+        self._reported = owner.reported_length()
 
     def __iter__(self) -> Pass:
         return self
@@ -60,12 +65,28 @@ class Pass:
             self._progress.finished = True
             self.close()
             raise
+        except Exception as exc:
+            if self._owner.num_workers == 0:  # torch's own iterator: it goes on after
+                self._progress.yielded += 1
+                raise
+            self.close()
+            timeout = self._owner.timeout
+            if isinstance(exc, Timeout) and timeout:
+                raise Timeout(f"DataLoader timed out after {timeout} seconds") from exc
+            raise
         except BaseException:
             self.close()
             raise
         self._progress.yielded += 1
         if self._sampling is not None:
             self._sampling.pull()  # as torch does for each batch it receives
+        if isinstance(batch, Failed):  # this batch's; the next next() goes on
+            raise batch.error
+        self._counted += 1
+        if self._owner.num_workers and self._reported is not None \
+                and self._counted > self._reported:
+            warnings.warn(_too_many(self._owner.dataset, self._reported, self._counted),
+                          stacklevel=2)
         return batch
 
     def restart(self, batches: Iterator[Any], progress: Progress, loader: Loader | None,
@@ -74,6 +95,7 @@ class Pass:
         self.end_epoch()
         self._batches, self._progress, self._loader = batches, progress, loader
         self._sampling = sampling
+        self._counted, self._reported = 0, self._owner.reported_length()
 
     def end_epoch(self) -> None:
         """Stop reading the epoch under way (and the thread that pins its batches)."""
@@ -131,18 +153,15 @@ class Sampling:
 
 
 def ordered(records: Iterator[Any], first: int, progress: Progress,
-              workers: int) -> Iterator[Any]:
-    """The batches of ``(j, random state, batch)`` records in the order of ``j`` from
-    ``first`` (a resumed epoch's first batch may not be worker 0's); each batch's
-    random state goes into ``progress`` as it is yielded."""
+            workers: int) -> Iterator[Any]:
+    """The batches of map-style records (see :func:`_checked`) in the order of ``j`` from
+    ``first`` (a resumed epoch's first batch may not be worker 0's), a failed one as its
+    :class:`Failed`; each batch's random state goes into ``progress`` as it is yielded."""
     pending: dict[int, tuple[bytes | memoryview, Any]] = {}
     want = first
     for record in records:
-        if not (isinstance(record, tuple) and len(record) == 3
-                and isinstance(record[0], int) and record[0] >= want
-                and isinstance(record[1], (bytes, memoryview))):
-            raise RuntimeError(f"a DataLoader worker sent a batch out of place: {record!r:.80}")
-        pending[record[0]] = (record[1], record[2])
+        j, state, batch = _checked(record, want)
+        pending[j] = (state, batch)
         while want in pending:
             state, batch = pending.pop(want)
             if len(state):
@@ -151,6 +170,42 @@ def ordered(records: Iterator[Any], first: int, progress: Progress,
             yield batch
     if pending:
         raise RuntimeError(f"the DataLoader's workers did not send batch {want}")
+
+
+def arrived(records: Iterator[Any], progress: Progress, workers: int) -> Iterator[Any]:
+    """The batches of records in the order they arrive (``in_order=False``; iterable
+    datasets, whose workers' turns the Loader keeps), a failed one as its :class:`Failed`."""
+    for record in records:
+        j, state, batch = _checked(record, -1)
+        if len(state):
+            progress.workers[j % workers] = bytes(state)
+        yield batch
+
+
+def _checked(record: Any, least: int) -> tuple[int, bytes | memoryview, Any]:
+    """``(j, state, batch)`` of a worker's record ``(j, random state after it or b"",
+    batch)`` or ``(j, state, None, failure)``, whose batch becomes a :class:`Failed`.
+
+    Raises:
+        RuntimeError: the record is neither, or its ``j`` is below ``least``.
+    """
+    if not (isinstance(record, tuple) and len(record) in (3, 4)
+            and isinstance(record[0], int) and record[0] >= least
+            and isinstance(record[1], (bytes, memoryview))):
+        raise RuntimeError(f"a DataLoader worker sent a batch out of place: {record!r:.80}")
+    if len(record) == 4:
+        return record[0], record[1], rebuild(record[3])
+    return record[0], record[1], record[2]
+
+
+def _too_many(dataset: Any, reported: int, counted: int) -> str:
+    """torch's warning for an iterable dataset that yields more than its ``len()``."""
+    return (f"Length of IterableDataset {dataset} was reported to be {reported}(when "
+            f"accessing len(dataloader)), but {counted} samples have been fetched. For "
+            "multiprocessing data-loading, this could be caused by not properly configuring "
+            "the IterableDataset replica at each worker. Please see "
+            "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset for "
+            "examples.")
 
 
 def pack_batches(batches: list[Any], batched: bool) -> dict[str, Any]:

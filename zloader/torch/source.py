@@ -19,6 +19,7 @@ from zloader._defaults import STACK_LATER_BYTES
 from zloader.errors import PipelineError
 from zloader.sources import Source
 from zloader.torch import seeding
+from zloader.torch.failures import describe
 from zloader.torch.tensors import to_numpy
 
 
@@ -58,29 +59,67 @@ class BatchSource(Source):
 
     def _mapped(self, plan: dict[str, Any], worker: int, seeded: seeding.Seeded) -> Iterator[Any]:
         """This worker's batches ``j`` (``j mod width == worker``) of the epoch, from batch
-        ``first`` on, each as ``(j, random state after it or b"" if unchanged, batch)``:
-        the consumer keeps the state of the last batch it yielded, for ``state_dict``."""
+        ``first`` on, each as ``(j, random state after it or b"" if unchanged, batch)``
+        (the consumer keeps the state of the last batch it yielded, for ``state_dict``),
+        or ``(j, state, None, failure)`` when the dataset or ``collate_fn`` raised."""
         flat, offsets, first = plan["flat"], plan["offsets"], int(plan.get("first", 0))
+        where = f"in DataLoader worker process {worker}"
         for batch in range((worker - first) % self.width, len(offsets) - 1, self.width):
             indices = flat[offsets[batch]:offsets[batch + 1]]
             keys = indices.tolist() if isinstance(indices, np.ndarray) else list(indices)
-            made = to_numpy(self._collate([self._get(i) for i in keys]) if plan["batched"]
-                            else self._collate_one(self._get(keys[0])))
+            failure = None
+            try:
+                made = to_numpy(self._fetch(keys, plan["batched"]))
+            except Exception as exc:
+                failure = _failure(exc, where)
             state = seeding.capture_rng()
             changed, seeded.reported = state != seeded.reported, state
-            yield (first + batch, state if changed else b"", made)
+            state = state if changed else b""
+            if failure is None:
+                yield (first + batch, state, made)
+            else:
+                yield (first + batch, state, None, failure)
+
+    def _fetch(self, keys: list[Any], batched: bool) -> Any:
+        """A batch, made as torch's map-style fetcher makes it: ``__getitems__`` when the
+        dataset has one, else ``dataset[i]`` for each index; then collated."""
+        if not batched:
+            return self._collate_one(self._get(keys[0]))
+        if getattr(self.dataset, "__getitems__", None):
+            try:
+                samples = self.dataset.__getitems__(keys)
+            except BaseException as exc:  # SystemExit too: the consumer must hear of it
+                raise PipelineError.from_exception(
+                    exc, "dataset", f"indices {keys!r:.60}") from exc
+        else:
+            samples = [self._get(i) for i in keys]
+        return self._collate(samples)
 
     def _iterable(self, worker: int) -> Iterator[Any]:
+        """Batches of the dataset's iterator, as torch worker ``worker`` makes them, each
+        as ``(-1, b"", batch)``, or ``(-1, b"", None, failure)`` in place of a batch whose
+        sample or collate raised (its other samples are lost, as in torch)."""
+        where = f"in DataLoader worker process {worker}"
         iterator = iter(self.dataset)
-        if self.batch_size is None:
-            for sample in iterator:
-                yield to_numpy(self._collate_one(sample))
-            return
-        while True:
-            samples = [s for _, s in zip(range(self.batch_size), iterator, strict=False)]
-            if not samples or (self.drop_last and len(samples) < self.batch_size):
-                return
-            yield to_numpy(self._collate(samples))
+        ended = False
+        while not ended:
+            samples = []
+            try:
+                for _ in range(1 if self.batch_size is None else self.batch_size):
+                    try:
+                        samples.append(next(iterator))
+                    except StopIteration:
+                        ended = True
+                        break
+                if not samples or (self.batch_size is not None and self.drop_last
+                                   and len(samples) < self.batch_size):
+                    return
+                made = to_numpy(self._collate_one(samples[0]) if self.batch_size is None
+                                else self._collate(samples))
+            except Exception as exc:
+                yield (-1, b"", None, _failure(exc, where))
+                continue
+            yield (-1, b"", made)
 
     def _get(self, index: Any) -> Any:
         try:
@@ -112,6 +151,16 @@ class BatchSource(Source):
             return convert(sample)
         except Exception as exc:
             raise PipelineError.from_exception(exc, "collate_fn") from exc
+
+
+def _failure(exc: Exception, where: str) -> tuple[str, ...]:
+    """A batch's failure as a record carries it; what user code raised as other than an
+    ``Exception`` (``SystemExit``, wrapped by :meth:`BatchSource._get`) ends the pass."""
+    cause = exc.__cause__ if isinstance(exc, PipelineError) else exc
+    if cause is not None and not isinstance(cause, Exception):
+        raise exc
+    stage = exc.stage if isinstance(exc, PipelineError) else "dataset"
+    return describe(exc, stage, where)
 
 
 def stack_later(batch: list[Any], *, collate_fn_map: Any = None) -> Any:
