@@ -23,8 +23,9 @@ from zloader.torch.passes import (
     draws_only_from,
     ordered,
     pack_batches,
+    skipped,
 )
-from zloader.torch.seeding import unpack_rng
+from zloader.torch.seeding import checked_state
 from zloader.torch.source import BatchSource
 from zloader.torch.tensors import Prefetcher, to_torch
 
@@ -56,11 +57,23 @@ class DataLoader(Generic[T_co]):
     may be further than torch's had: the next epoch samples as torch does, but random
     augmentations in the dataset may then differ from torch's.)
 
+    A batch whose ``__getitem__`` (``__getitems__``, iterator) or ``collate_fn`` raised
+    raises in its place, as a :class:`zloader.PipelineError` that is also the original
+    type (built-in, or the user's class when this process has imported its module) and
+    whose message names the worker and holds the original traceback; the next ``next()``
+    goes on with the following batch, as in torch. docs/torch.md lists what still differs.
+
     Args:
         dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
-        pin_memory, drop_last, timeout, worker_init_fn, prefetch_factor,
-        persistent_workers, generator: as in torch. ``timeout=0`` means no per-batch
-            limit, but a dead or silent worker set still raises (after 60 s).
+        pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context,
+        generator, prefetch_factor, persistent_workers, pin_memory_device, in_order: as in
+            torch 2.13, in torch's order (``prefetch_factor`` on are keyword-only).
+            ``timeout > 0``: a batch that takes longer raises ``zloader.Timeout`` (a
+            ``RuntimeError``) "DataLoader timed out after N seconds"; ``timeout=0`` means
+            no per-batch limit, but a dead or silent worker set still raises (after 60 s).
+            ``multiprocessing_context``: local workers fork, or start as ``"spawn"`` (a
+            fresh interpreter given the pickled dataset) for ``"spawn"`` and
+            ``"forkserver"``. ``in_order=False``: batches in the order they are made.
         broker: a zloader broker address: ``num_workers`` of the broker's workers (wherever
             they run; this process starts none) make the batches, as torch's workers
             ``0 .. num_workers - 1`` would. A pass waits for that many to be free (and
@@ -72,8 +85,8 @@ class DataLoader(Generic[T_co]):
         device: move each batch to this device (``non_blocking``).
 
     Raises:
-        ValueError: what torch's DataLoader raises for the same arguments; ``broker``
-            with ``num_workers=0``.
+        ValueError, TypeError: what torch's DataLoader raises for the same arguments;
+            ValueError for ``broker`` with ``num_workers=0``.
     """
 
     def __init__(self, dataset: Any, batch_size: int | None = 1, shuffle: bool | None = None,
@@ -183,7 +196,7 @@ class DataLoader(Generic[T_co]):
         progress = Progress(rng=self._rng(), yielded=skip)
         self._progress = progress
         if self.num_workers == 0:
-            return _skipped(iter(self._torch), skip), progress, None, None
+            return skipped(iter(self._torch), skip), progress, None, None
         plan, sampling = self._plan(skip)
         if resumed:
             plan["rng"] = [resumed.get(w, b"") for w in range(self.num_workers)]
@@ -275,27 +288,7 @@ class DataLoader(Generic[T_co]):
         Raises:
             ValueError: ``state`` is not such a dict.
         """
-        if not (isinstance(state, dict) and state.get("zloader_torch") == 1
-                and isinstance(state.get("rng"), str)
-                and isinstance(state.get("batches"), int) and state["batches"] >= 0
-                and (state.get("base_seed") is None or isinstance(state["base_seed"], int))
-                and isinstance(state.get("workers", {}), dict)):
-            raise ValueError("state must be what zloader.torch.DataLoader.state_dict() "
-                             "returned")
-        workers = {}
-        for key, text in state.get("workers", {}).items():
-            if not (isinstance(key, str) and key.isdigit() and int(key) < self.num_workers
-                    and isinstance(text, str)):
-                raise ValueError(f"state['workers'] holds {key!r}: not a worker of this "
-                                 f"loader's {self.num_workers} (num_workers must be the "
-                                 "saved loader's)")
-            try:
-                data = base64.b64decode(text, validate=True)
-            except ValueError:
-                raise ValueError(f"state['workers'][{key!r}] is not base64") from None
-            unpack_rng(data)  # raises on a corrupt one
-            workers[int(key)] = data
-        self._resume = {**state, "workers": workers}
+        self._resume = checked_state(state, self.num_workers)
 
     def stats(self) -> dict[str, Any]:
         """The :meth:`zloader.Loader.stats` of the latest pass's workers (as they were when
@@ -380,18 +373,3 @@ class DataLoader(Generic[T_co]):
     def __del__(self) -> None:
         self.close()
 
-
-def _skipped(iterator: Iterator[Any], skip: int) -> Iterator[Any]:
-    """``iterator`` (torch's own) with its first ``skip`` batches read and dropped (a
-    failed one too). Not ``itertools.islice``: that ends at the first error, where torch's
-    iterator goes on with the next batch."""
-    for _ in range(skip):
-        try:
-            if next(iterator, _END) is _END:
-                break
-        except Exception:  # a failed batch before the resumed one: skipped too
-            continue
-    return iterator
-
-
-_END = object()

@@ -219,3 +219,17 @@ def pack_batches(batches: list[Any], batched: bool) -> dict[str, Any]:
     else:
         flat = flat_list
     return {"flat": flat, "offsets": offsets, "batched": batched}
+
+
+def skipped(iterator: Iterator[Any], skip: int) -> Iterator[Any]:
+    """``iterator`` (torch's own) with its first ``skip`` batches read and dropped (a
+    failed one too). Not ``itertools.islice``: that ends at the first error, where torch's
+    iterator goes on with the next batch."""
+    for _ in range(skip):
+        try:
+            if next(iterator, _NONE) is _NONE:
+                break
+        except Exception:  # a failed batch before the resumed one: skipped too
+            continue
+    return iterator
+
