@@ -556,6 +556,16 @@ def subscriptable_as_a_generic(DataLoader: Any) -> Any:
 
 
 @case()
+def a_torch_data_loader_with_torch_s_attributes(DataLoader: Any) -> Any:
+    loader = DataLoader(Squares(6), batch_size=4, num_workers=2, shuffle=True)
+    iterable = DataLoader(Sharded(6), batch_size=2)
+    return (isinstance(loader, tud.DataLoader), loader._auto_collation,
+            type(loader._index_sampler).__name__, type(loader.sampler).__name__,
+            loader._dataset_kind, iterable._dataset_kind, loader.prefetch_factor,
+            loader.pin_memory, loader.timeout, loader.generator, loader.collate_fn.__name__)
+
+
+@case()
 def fixed_attributes_refuse_assignment(DataLoader: Any) -> Any:
     loader = DataLoader(Squares(8), batch_size=2, num_workers=2)
     seen = []

@@ -8,7 +8,7 @@ import secrets
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.utils.data
@@ -29,15 +29,13 @@ from zloader.torch.seeding import checked_state
 from zloader.torch.source import BatchSource
 from zloader.torch.tensors import Prefetcher, to_torch
 
-_OWN = ("device",)
-"""Public attributes of this class itself (the others are the torch loader's)."""
-
 T_co = TypeVar("T_co", covariant=True)
 
 
-class DataLoader(Generic[T_co]):
+class DataLoader(torch.utils.data.DataLoader[T_co]):
     """``torch.utils.data.DataLoader`` with zloader's workers: change the import, keep the
-    arguments.
+    arguments. A subclass of torch's, built by torch's constructor (every attribute is
+    torch's, with torch's assignment rules); iterating is zloader's.
 
     ``num_workers=0`` loads in this process, exactly as torch does. ``num_workers > 0`` makes
     batches on zloader worker processes (embedded, or the broker's). For a map-style
@@ -111,7 +109,7 @@ class DataLoader(Generic[T_co]):
                 "Share a zloader.Pipeline instead: zloader.torch.IterableDataset(pipeline, "
                 "share=True, broker=...)")
         # torch validates every argument and builds the sampler and collate function.
-        self._torch = torch.utils.data.DataLoader(
+        super().__init__(
             dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
             batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
             pin_memory=pin_memory, drop_last=drop_last, timeout=timeout,
@@ -131,42 +129,23 @@ class DataLoader(Generic[T_co]):
         self._iterable = isinstance(dataset, torch.utils.data.IterableDataset)
         self._base_seed: int | None = None
         self._progress: Progress | None = None  # the latest pass's
-        self._iterator: weakref.ref[Pass] | None = None  # persistent_workers: the one
+        self._live: weakref.ref[Pass] | None = None  # persistent_workers: the one
         self._started = 0  # passes started (names the jobs of passes on a broker)
         self._resume: dict[str, Any] | None = None
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self._torch, name)  # dataset, batch_size, sampler, generator, ...
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        """torch's attributes are set on the torch loader this one holds, with torch's
-        checks: ``batch_size``, ``batch_sampler``, ``sampler``, ``drop_last``, ``dataset``
-        and ``persistent_workers`` raise ValueError; ``multiprocessing_context`` is
-        validated; the others (``num_workers``, ``collate_fn``, ``timeout``...) take effect
-        at the next ``iter()``, as in torch."""
-        if name.startswith("_") or name in _OWN:
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self._torch, name, value)
-
     @property
     def _prefetch(self) -> int:
-        return self._torch.prefetch_factor or 2
+        return self.prefetch_factor or 2
 
     def reported_length(self) -> int | None:
         """The ``len()`` an iterable dataset reported through ``len(loader)`` (None: not
         asked, or a map-style dataset), which its passes warn on exceeding, as torch's."""
         if not self._iterable:
             return None
-        reported = self._torch._IterableDataset_len_called
+        reported = self._IterableDataset_len_called
         return reported if isinstance(reported, int) else None
 
-    def __len__(self) -> int:
-        return len(self._torch)
-
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         resume, self._resume = self._resume, None
         skip = 0
         workers: dict[int, bytes] = {}
@@ -176,7 +155,7 @@ class DataLoader(Generic[T_co]):
             if resume["base_seed"] is not None:
                 self._base_seed = resume["base_seed"]
             workers = resume["workers"]
-        iterator = self._iterator() if self._iterator is not None else None
+        iterator = self._live() if self._live is not None else None
         if iterator is not None:
             iterator.end_epoch()  # before the next starts: the Loader reads one at a time
             iterator.restart(*self._start(skip, workers))
@@ -184,7 +163,7 @@ class DataLoader(Generic[T_co]):
         iterator = Pass(self, *self._start(skip, workers))
         self._passes.add(iterator)
         if self._persistent:
-            self._iterator = weakref.ref(iterator)
+            self._live = weakref.ref(iterator)
         return iterator
 
     def _start(self, skip: int, resumed: dict[int, bytes]
@@ -196,7 +175,7 @@ class DataLoader(Generic[T_co]):
         progress = Progress(rng=self._rng(), yielded=skip)
         self._progress = progress
         if self.num_workers == 0:
-            return skipped(iter(self._torch), skip), progress, None, None
+            return skipped(torch.utils.data.DataLoader.__iter__(self), skip), progress, None, None
         plan, sampling = self._plan(skip)
         if resumed:
             plan["rng"] = [resumed.get(w, b"") for w in range(self.num_workers)]
@@ -228,7 +207,7 @@ class DataLoader(Generic[T_co]):
         """What the workers get for an epoch: its sampled batches from ``skip`` on (none
         for an iterable dataset) and the base seed; drawn in torch's order: make the
         sampler iterator, draw the base seed, then sample."""
-        torch_loader = self._torch
+        torch_loader = self
         before = self._rng()
         indices = None if self._iterable else iter(torch_loader._index_sampler)
         eager = self._rng() != before  # a sampler that samples when its iterator is made
@@ -298,13 +277,13 @@ class DataLoader(Generic[T_co]):
         return loader.stats() if loader is not None else {}
 
     def _rng(self) -> str:
-        generator = self._torch.generator
+        generator = self.generator
         state = generator.get_state() if generator is not None else torch.get_rng_state()
         return base64.b64encode(state.numpy().tobytes()).decode()
 
     def _set_rng(self, text: str) -> None:
         state = torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
-        generator = self._torch.generator
+        generator = self.generator
         if generator is not None:
             generator.set_state(state)
         else:
@@ -313,7 +292,7 @@ class DataLoader(Generic[T_co]):
     def _loader(self) -> Loader:
         """A Loader (worker processes, or a job on the broker's) over the dataset as it is
         now."""
-        torch_loader = self._torch
+        torch_loader = self
         source = BatchSource(
             name="dataset", shuffle_splits=False, seed=None, version=None,
             dataset=torch_loader.dataset, collate_fn=self._torch_collate(),
@@ -336,13 +315,13 @@ class DataLoader(Generic[T_co]):
         """How local workers start: ``multiprocessing_context``'s start method, where
         ``"forkserver"`` (which the Loader lacks) starts them as ``"spawn"`` does (a fresh
         interpreter given the pickled dataset: what user code sees is the same)."""
-        context = self._torch.multiprocessing_context
+        context = self.multiprocessing_context
         if context is None:
             return "fork"
         return "fork" if context.get_start_method() == "fork" else "spawn"
 
     def _torch_collate(self) -> Callable[[list[Any]], Any] | None:
-        collate = self._torch.collate_fn
+        collate = self.collate_fn
         defaults = (torch.utils.data.default_collate, torch.utils.data.default_convert)
         return None if collate in defaults else collate
 

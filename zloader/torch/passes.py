@@ -140,7 +140,7 @@ class Sampling:
 
     def __init__(self, owner: DataLoader, indices: Iterator[Any], ahead: int) -> None:
         start = owner._rng()
-        self.batches = list(iter(owner._torch._index_sampler))
+        self.batches = list(iter(owner._index_sampler))
         owner._set_rng(start)
         self._indices: Iterator[Any] | None = indices
         for _ in range(ahead):
