@@ -11,8 +11,8 @@ process (give it to a torch ``DataLoader`` with ``num_workers=0, batch_size=None
 docs/torch.md lists what still differs from torch.
 
 Modules: ``tensors`` (conversion, pinning and prefetch), ``dataset`` (IterableDataset),
-``seeding`` (workers' random state), ``source`` (what the workers run), ``passes`` (the
-iterators), ``dataloader`` (DataLoader).
+``seeding`` (workers' random state), ``source`` (what the workers run), ``failures`` (a
+failed batch carried as a value), ``passes`` (the iterators), ``dataloader`` (DataLoader).
 """
 
 from __future__ import annotations
