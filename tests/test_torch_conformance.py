@@ -253,8 +253,9 @@ class Counted(tud.Dataset):
     """Holds a ``multiprocessing.Value`` and ``Lock``, which forked workers inherit."""
 
     def __init__(self) -> None:
-        self.count = multiprocessing.Value("i", 0)
-        self.lock = multiprocessing.Lock()
+        context = multiprocessing.get_context("fork")
+        self.count = context.Value("i", 0)
+        self.lock = context.Lock()
 
     def __len__(self) -> int:
         return 8
@@ -428,7 +429,8 @@ def spawned_workers_make_torchs_batches(DataLoader: Any) -> Any:
 @case()
 def in_order_false_yields_batches_as_they_complete(DataLoader: Any) -> Any:
     dataset = Gated()
-    loader = DataLoader(dataset, batch_size=1, num_workers=2, in_order=False, timeout=60)
+    loader = DataLoader(dataset, batch_size=1, num_workers=2, in_order=False, timeout=60,
+                        multiprocessing_context="fork")  # the gate is inherited
     iterator = iter(loader)
     first = plain(next(iterator))  # worker 1's batch: worker 0 waits for the gate
     dataset.gate.set()
@@ -513,7 +515,8 @@ def getitems_makes_the_batches(DataLoader: Any) -> Any:
 @case()
 def multiprocessing_primitives_are_inherited_through_fork(DataLoader: Any) -> Any:
     dataset = Counted()
-    out = batches(DataLoader(dataset, batch_size=2, num_workers=2))
+    out = batches(DataLoader(dataset, batch_size=2, num_workers=2,
+                             multiprocessing_context="fork"))
     return out, dataset.count.value
 
 
