@@ -474,6 +474,12 @@ def a_dataset_error_in_a_worker_is_one_batch_s(DataLoader: Any) -> Any:
     return batches(DataLoader(Broken(), batch_size=2, num_workers=2))
 
 
+@case(pytest.mark.slow)  # torch's persistent workers take 10 s to stop after an error
+def errors_with_persistent_workers_end_no_epoch(DataLoader: Any) -> Any:
+    loader = DataLoader(Broken(), batch_size=2, num_workers=2, persistent_workers=True)
+    return [batches(loader) for _ in range(2)]
+
+
 @case()
 def a_user_exception_class_arrives_as_itself(DataLoader: Any) -> Any:
     return batches(DataLoader(OwnError(), batch_size=1, num_workers=2))
