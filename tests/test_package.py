@@ -52,7 +52,11 @@ LAYERS = {
     "client.rounds": 6.1, "client.exactly_once": 6.1, "client.peers": 6.2,
     "client.link": 6.2, "client.epoch_end": 6.3, "client.packing": 6.3, "client.receive": 6.4,
     "client.thread": 6.5, "client.merging": 6.6, "client": 6.7,
-    "_status": 6, "_process": 7, "actuator": 7, "loader": 8, "ray": 8, "torch": 9, "tf": 9,
+    "_status": 6, "_process": 7, "actuator": 7, "loader": 8, "ray": 8, "tf": 9,
+    # the torch adapter: conversion and seeding, then what runs on workers and the
+    # iterators, the DataLoader, the package's public names
+    "torch.tensors": 9.0, "torch.seeding": 9.0, "torch.failures": 9.0, "torch.dataset": 9.1,
+    "torch.source": 9.1, "torch.passes": 9.1, "torch.dataloader": 9.2, "torch": 9.3,
     "cli": 10, "broker.__main__": 10.5, "worker.__main__": 10.5, "__init__": 11,
 }
 PEERS = {name for name, layer in LAYERS.items() if name.startswith("broker.") and layer == 6.2}
@@ -73,6 +77,19 @@ def test_import_zloader_imports_neither_torch_nor_tensorflow():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_only_the_torch_adapter_imports_torch():
+    """zloader/torch/ is the only place that imports torch (zloader/tf.py tensorflow)."""
+    for path in PACKAGE.rglob("*.py"):
+        if path.parent.name == "torch":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level \
+                else []
+            assert not any(n.split(".")[0] == "torch" for n in names), \
+                f"{path.relative_to(ROOT)} imports torch"
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -158,7 +175,8 @@ FORMAT_CONSTANTS = {
     "transport.shm": {"KIND_MAX",  # the segment name format
                       "_MIB"},  # a unit, for messages
     "transport.protocol": {"MAX_BODY_INT"},  # integers on the wire are 64-bit
-    "torch": {"_MT_WORDS"},  # the size of a Mersenne Twister state
+    "torch.seeding": {"_MT_WORDS"},  # the size of a Mersenne Twister state
+    "torch.failures": {"FIELDS"},  # the strings of a failed batch's record
     "_check": {"_SEED_LIMIT"},  # seeds are 64-bit
     "broker.pool": {"UNBOUNDED"},  # a sentinel: a job that can use any number of workers
     "formats._crc32c": {"_POLYNOMIAL"},  # CRC-32C's polynomial

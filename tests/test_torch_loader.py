@@ -14,7 +14,8 @@ import torch
 import torch.utils.data
 
 import zloader.torch as zt
-from zloader import PipelineError
+from zloader import PipelineError, codec
+from zloader.torch.source import stack_later
 
 
 class Augmented(torch.utils.data.Dataset):
@@ -205,7 +206,7 @@ class Reused(torch.utils.data.Dataset):
 def test_large_batches_copied_once_into_shared_memory_are_torchs():
     dataset = Reused()
     batch = [dataset[i] for i in range(4)]
-    assert isinstance(zt._stack_later([s[0].clone() for s in batch]), zt.codec.Stacked)
+    assert isinstance(stack_later([s[0].clone() for s in batch]), codec.Stacked)
     reference, ours = both(dataset=dataset, batch_size=4, shuffle=True, num_workers=2)
     try:
         for _ in range(2):

@@ -1,7 +1,8 @@
 """zloader's exception hierarchy, rooted at :class:`ZloaderError`.
 
 Errors that wrap a failure of another kind also inherit that kind's built-in type, so
-code written for the plain exception keeps working: ``Timeout`` is a ``TimeoutError``,
+code written for the plain exception keeps working: ``Timeout`` is a ``TimeoutError``
+(and a ``RuntimeError``, as torch's DataLoader timeout),
 ``CodecError`` a ``ValueError``, and a ``PipelineError`` raised because user code raised
 ``KeyError`` is also a ``KeyError``.
 
@@ -36,8 +37,9 @@ class CodecError(ZloaderError, ValueError):
     """An element could not be encoded, or received bytes are not a valid element."""
 
 
-class Timeout(ZloaderError, TimeoutError):
-    """An operation did not finish within its deadline."""
+class Timeout(ZloaderError, TimeoutError, RuntimeError):
+    """An operation did not finish within its deadline (also a ``RuntimeError``, which
+    torch's DataLoader raises when a batch takes longer than its ``timeout``)."""
 
 
 class SerializationError(ZloaderError, TypeError):

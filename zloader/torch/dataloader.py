@@ -1,0 +1,354 @@
+"""The drop-in ``torch.utils.data.DataLoader`` with zloader's workers."""
+
+from __future__ import annotations
+
+import base64
+import math
+import secrets
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch
+import torch.utils.data
+
+from zloader.loader import Loader
+from zloader.pipeline import Pipeline
+from zloader.torch.passes import (
+    Pass,
+    Progress,
+    Sampling,
+    arrived,
+    draws_only_from,
+    ordered,
+    pack_batches,
+    skipped,
+)
+from zloader.torch.seeding import checked_state
+from zloader.torch.source import BatchSource
+from zloader.torch.tensors import Prefetcher, to_torch
+
+T_co = TypeVar("T_co", covariant=True)
+
+
+class DataLoader(torch.utils.data.DataLoader[T_co]):
+    """``torch.utils.data.DataLoader`` with zloader's workers: change the import, keep the
+    arguments. A subclass of torch's, built by torch's constructor (every attribute is
+    torch's, with torch's assignment rules); iterating is zloader's.
+
+    ``num_workers=0`` loads in this process, exactly as torch does. ``num_workers > 0`` makes
+    batches on zloader worker processes (embedded, or the broker's). For a map-style
+    dataset the batches are torch's: this loader samples indices with torch's own sampler,
+    draws the base seed from ``generator`` as torch does, seeds worker ``i`` with ``base
+    seed + i`` (afresh each epoch unless ``persistent_workers``), gives batch ``j`` to
+    worker ``j mod num_workers`` and yields batches in order. Iterable datasets see
+    ``torch.utils.data.get_worker_info()`` in each worker, so self-sharding keeps working.
+
+    Iterators behave as torch's. Without ``persistent_workers`` each ``iter()`` is a pass
+    of its own, with its own workers, which take the dataset as it is at that ``iter()``
+    (changes made between epochs are seen) and stop when the pass ends or its iterator is
+    dropped; two live iterators are two independent passes. With ``persistent_workers``
+    the workers (and the dataset copy they took) last until :meth:`close`, and, as in
+    torch, there is one iterator: ``iter()`` returns it, restarted at a new epoch. (An
+    epoch left early leaves persistent workers' random states where they had got to, which
+    may be further than torch's had: the next epoch samples as torch does, but random
+    augmentations in the dataset may then differ from torch's.)
+
+    A batch whose ``__getitem__`` (``__getitems__``, iterator) or ``collate_fn`` raised
+    raises in its place, as a :class:`zloader.PipelineError` that is also the original
+    type (built-in, or the user's class when this process has imported its module) and
+    whose message names the worker and holds the original traceback; the next ``next()``
+    goes on with the following batch, as in torch. docs/torch.md lists what still differs.
+
+    Args:
+        dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
+        pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context,
+        generator, prefetch_factor, persistent_workers, pin_memory_device, in_order: as in
+            torch 2.13, in torch's order (``prefetch_factor`` on are keyword-only).
+            ``timeout > 0``: a batch that takes longer raises ``zloader.Timeout`` (a
+            ``RuntimeError``) "DataLoader timed out after N seconds"; ``timeout=0`` means
+            no per-batch limit, but a dead or silent worker set still raises (after 60 s).
+            ``multiprocessing_context``: local workers fork, or start as ``"spawn"`` (a
+            fresh interpreter given the pickled dataset) for ``"spawn"`` and
+            ``"forkserver"``. ``in_order=False``: batches in the order they are made.
+        broker: a zloader broker address: ``num_workers`` of the broker's workers (wherever
+            they run; this process starts none) make the batches, as torch's workers
+            ``0 .. num_workers - 1`` would. A pass waits for that many to be free (and
+            raises after ``timeout``, or 60 s, without them). Needs ``num_workers > 0``.
+        share: not available here (raises ValueError): share a Pipeline through
+            :class:`IterableDataset` (``share=True``) instead.
+        job_name: a name for the broker's job (shown by ``zloader status``); without
+            ``persistent_workers`` each pass is a job of its own, ``job_name.N``.
+        device: move each batch to this device (``non_blocking``).
+
+    Raises:
+        ValueError, TypeError: what torch's DataLoader raises for the same arguments;
+            ValueError for ``broker`` with ``num_workers=0``.
+    """
+
+    def __init__(self, dataset: Any, batch_size: int | None = 1, shuffle: bool | None = None,
+                 sampler: Any = None, batch_sampler: Any = None, num_workers: int = 0,
+                 collate_fn: Callable[[list[Any]], Any] | None = None, pin_memory: bool = False,
+                 drop_last: bool = False, timeout: float = 0,
+                 worker_init_fn: Callable[[int], None] | None = None,
+                 multiprocessing_context: Any = None, generator: torch.Generator | None = None,
+                 *, prefetch_factor: int | None = None, persistent_workers: bool = False,
+                 pin_memory_device: str = "", in_order: bool = True,
+                 broker: str | None = None, share: bool = False, job_name: str | None = None,
+                 device: str | torch.device | None = None) -> None:
+        self._service: Loader | None = None  # persistent_workers: the one Loader
+        self._passes: weakref.WeakSet[Pass] = weakref.WeakSet()  # live iterators
+        if isinstance(timeout, float) and not math.isfinite(timeout):
+            raise ValueError(f"timeout must be a finite number of seconds (0: no per-batch "
+                             f"limit), got {timeout!r}")
+        if share:
+            raise ValueError(
+                "share=True is not available for zloader.torch.DataLoader: its batches "
+                "follow this loader's own sampler and seeds, so no other trainer's match. "
+                "Share a zloader.Pipeline instead: zloader.torch.IterableDataset(pipeline, "
+                "share=True, broker=...)")
+        # torch validates every argument and builds the sampler and collate function.
+        super().__init__(
+            dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
+            batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
+            pin_memory=pin_memory, drop_last=drop_last, timeout=timeout,
+            worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
+            generator=generator, prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers, pin_memory_device=pin_memory_device,
+            in_order=in_order)
+        if broker is not None and num_workers == 0:
+            raise ValueError(
+                "broker= needs num_workers > 0: num_workers=0 loads in this process, as "
+                "torch does; pass num_workers=N to have N of the broker's workers make the "
+                "batches")
+        self.device = torch.device(device) if device is not None else None
+        self._broker = broker
+        self._job_name = job_name
+        self._persistent = persistent_workers
+        self._iterable = isinstance(dataset, torch.utils.data.IterableDataset)
+        self._base_seed: int | None = None
+        self._progress: Progress | None = None  # the latest pass's
+        self._live: weakref.ref[Pass] | None = None  # persistent_workers: the one
+        self._started = 0  # passes started (names the jobs of passes on a broker)
+        self._resume: dict[str, Any] | None = None
+
+    @property
+    def _prefetch(self) -> int:
+        return self.prefetch_factor or 2
+
+    def reported_length(self) -> int | None:
+        """The ``len()`` an iterable dataset reported through ``len(loader)`` (None: not
+        asked, or a map-style dataset), which its passes warn on exceeding, as torch's."""
+        if not self._iterable:
+            return None
+        reported = self._IterableDataset_len_called
+        return reported if isinstance(reported, int) else None
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        resume, self._resume = self._resume, None
+        skip = 0
+        workers: dict[int, bytes] = {}
+        if resume is not None:  # load_state_dict: sample that epoch again, skip what was had
+            self._set_rng(resume["rng"])
+            skip = resume["batches"]
+            if resume["base_seed"] is not None:
+                self._base_seed = resume["base_seed"]
+            workers = resume["workers"]
+        iterator = self._live() if self._live is not None else None
+        if iterator is not None:
+            iterator.end_epoch()  # before the next starts: the Loader reads one at a time
+            iterator.restart(*self._start(skip, workers))
+            return iterator
+        iterator = Pass(self, *self._start(skip, workers))
+        self._passes.add(iterator)
+        if self._persistent:
+            self._live = weakref.ref(iterator)
+        return iterator
+
+    def _start(self, skip: int, resumed: dict[int, bytes]
+               ) -> tuple[Iterator[Any], Progress, Loader | None, Sampling | None]:
+        """Start a pass (an epoch) at batch ``skip``: its batches, its progress, the
+        Loader that is its own (None: no workers, or the persistent one) and its
+        sampling (None: torch's own iterator, an iterable dataset or an eager sampler)."""
+        previous = self._progress
+        progress = Progress(rng=self._rng(), yielded=skip)
+        self._progress = progress
+        if self.num_workers == 0:
+            return skipped(torch.utils.data.DataLoader.__iter__(self), skip), progress, None, None
+        plan, sampling = self._plan(skip)
+        if resumed:
+            plan["rng"] = [resumed.get(w, b"") for w in range(self.num_workers)]
+            progress.workers = dict(resumed)
+        elif not plan["reseed"] and previous is not None:  # workers go on where they are
+            progress.workers = dict(previous.workers)
+        own = None
+        if self._persistent:
+            if self._service is None:
+                self._service = self._loader()
+            loader = self._service
+        else:
+            loader = own = self._loader()
+        progress.loader = loader
+        try:
+            records = loader.iterate(plan)
+        except BaseException:
+            if own is not None:
+                own.close()
+            raise
+        if self._iterable or not self.in_order:
+            batches = arrived(records, progress, self.num_workers)
+        else:
+            batches = ordered(records, skip, progress, self.num_workers)
+        return (self._deliver(to_torch(batch) for batch in batches), progress, own,
+                sampling)
+
+    def _plan(self, skip: int) -> tuple[dict[str, Any], Sampling | None]:
+        """What the workers get for an epoch: its sampled batches from ``skip`` on (none
+        for an iterable dataset) and the base seed; drawn in torch's order: make the
+        sampler iterator, draw the base seed, then sample."""
+        torch_loader = self
+        before = self._rng()
+        indices = None if self._iterable else iter(torch_loader._index_sampler)
+        eager = self._rng() != before  # a sampler that samples when its iterator is made
+        reseed = self._base_seed is None or not self._persistent
+        if reseed:
+            self._base_seed = int(torch.empty((), dtype=torch.int64)
+                                  .random_(generator=torch_loader.generator).item())
+        plan: dict[str, Any] = {}
+        sampling = None
+        if indices is not None:
+            if eager or not draws_only_from(torch_loader._index_sampler,
+                                             torch_loader.generator):
+                sampled = list(indices)
+            else:
+                sampling = Sampling(self, indices, self._prefetch * self.num_workers + skip)
+                sampled = sampling.batches
+            plan = pack_batches(sampled[skip:], torch_loader._auto_collation)
+        plan.update(seed=self._base_seed, reseed=reseed, first=skip)
+        return plan, sampling
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader is, as a small JSON-serializable dict: the random state its
+        latest pass sampled from, the batches it yielded and its workers' random states
+        (torch, numpy and ``random``) after the last of them. ``load_state_dict`` makes the
+        next iteration sample that epoch again (same order, same seeds, the workers' random
+        states restored) and yield only the batches after those; a finished epoch resumes
+        at the next one. Random state the dataset keeps itself (a ``Generator`` object made
+        in ``worker_init_fn``) is not recorded.
+
+        Raises:
+            ValueError: the dataset is iterable (its position cannot be restored), or
+                ``in_order=False``.
+        """
+        if self._iterable:
+            raise ValueError("state_dict() needs a map-style dataset: an iterable dataset's "
+                             "position inside its own iterator cannot be restored")
+        if not self.in_order:
+            raise ValueError("state_dict() needs in_order=True: with batches in completion "
+                             "order, the batches yielded are not the epoch's first ones")
+        progress = self._progress
+        if progress is None or progress.finished:
+            rng, batches = self._rng(), 0
+            # The next epoch reseeds the workers, unless they persist.
+            workers = progress.workers if progress is not None and self._persistent else {}
+        else:
+            rng, batches, workers = progress.rng, progress.yielded, progress.workers
+        return {"zloader_torch": 1, "rng": rng, "batches": batches,
+                "base_seed": self._base_seed,
+                "workers": {str(w): base64.b64encode(s).decode()
+                            for w, s in sorted(workers.items())}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict` on the next iteration. It sets the random state
+        the sampler draws from (this loader's ``generator``, or torch's global one) to the
+        one that epoch started from, and the workers' to theirs.
+
+        Raises:
+            ValueError: ``state`` is not such a dict.
+        """
+        self._resume = checked_state(state, self.num_workers)
+
+    def stats(self) -> dict[str, Any]:
+        """The :meth:`zloader.Loader.stats` of the latest pass's workers (as they were when
+        the pass ended, if it has); empty with ``num_workers=0`` or before the first pass."""
+        progress = self._progress
+        loader = progress.loader if progress is not None else None
+        return loader.stats() if loader is not None else {}
+
+    def _rng(self) -> str:
+        generator = self.generator
+        state = generator.get_state() if generator is not None else torch.get_rng_state()
+        return base64.b64encode(state.numpy().tobytes()).decode()
+
+    def _set_rng(self, text: str) -> None:
+        state = torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+        generator = self.generator
+        if generator is not None:
+            generator.set_state(state)
+        else:
+            torch.set_rng_state(state)
+
+    def _loader(self) -> Loader:
+        """A Loader (worker processes, or a job on the broker's) over the dataset as it is
+        now."""
+        torch_loader = self
+        source = BatchSource(
+            name="dataset", shuffle_splits=False, seed=None, version=None,
+            dataset=torch_loader.dataset, collate_fn=self._torch_collate(),
+            worker_init_fn=torch_loader.worker_init_fn, persistent=self._persistent,
+            width=self.num_workers, iterable=self._iterable,
+            batch_size=torch_loader.batch_size if torch_loader._auto_collation else None,
+            drop_last=torch_loader.drop_last, token=secrets.token_hex(8))
+        self._started += 1
+        job_name = self._job_name
+        if job_name is not None and not self._persistent:
+            job_name = f"{job_name}.{self._started}"  # a pass's job lingers a while
+        return Loader(Pipeline(source), broker=self._broker,
+                      num_workers=0 if self._broker is not None else self.num_workers,
+                      width=self.num_workers, sharding="static",
+                      deterministic=bool(self.in_order),
+                      job_name=job_name, prefetch=self._prefetch,
+                      timeout=self.timeout or 60.0, start_method=self._start_method())
+
+    def _start_method(self) -> str:
+        """How local workers start: ``multiprocessing_context``'s start method, where
+        ``"forkserver"`` (which the Loader lacks) starts them as ``"spawn"`` does (a fresh
+        interpreter given the pickled dataset: what user code sees is the same)."""
+        context = self.multiprocessing_context
+        if context is None:
+            return "fork"
+        return "fork" if context.get_start_method() == "fork" else "spawn"
+
+    def _torch_collate(self) -> Callable[[list[Any]], Any] | None:
+        collate = self.collate_fn
+        defaults = (torch.utils.data.default_collate, torch.utils.data.default_convert)
+        return None if collate in defaults else collate
+
+    def _deliver(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """Yield batches; pinned and/or moved to ``device`` ahead of use on a background
+        thread when asked (a CUDA copy runs on a side stream and the training loop's stream
+        waits for it, so the copy overlaps the previous step)."""
+        pin = self.pin_memory and self.num_workers > 0
+        if pin and not torch.cuda.is_available():
+            warnings.warn("'pin_memory' argument is set as true but no accelerator is found, "
+                          "then device pinned memory won't be used.", stacklevel=4)
+            pin = False
+        device = self.device
+        if not pin and device is None:
+            return batches
+        return Prefetcher(batches, pin, device, depth=self._prefetch)
+
+    def close(self) -> None:
+        """Stop the worker processes of every pass (also done when the loader is garbage
+        collected); its iterators end."""
+        for iterator in list(self.__dict__.get("_passes", ())):
+            iterator.close()
+        service = self.__dict__.get("_service")
+        if service is not None:
+            service.close()
+            self._service = None
+
+    def __del__(self) -> None:
+        self.close()
+

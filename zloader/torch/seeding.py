@@ -1,0 +1,137 @@
+"""A DataLoader worker's random state: seeded as torch seeds its workers, captured and
+restored (torch, numpy and ``random``) for ``state_dict``."""
+
+from __future__ import annotations
+
+import base64
+import random
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data._utils import worker as _torch_worker
+
+
+@dataclass
+class Seeded:
+    """This worker process's seeding for the DataLoader whose batches it makes (a worker
+    runs one task at a time): that loader's token, and the random state it last reported."""
+
+    token: str
+    reported: bytes
+
+
+_SEEDED: Seeded | None = None
+
+
+def seeded(token: str, reseed: bool, base_seed: int, worker: int, workers: int, dataset: Any,
+           init_fn: Callable[[int], None] | None, resumed: list[Any] | None) -> Seeded:
+    """This worker's seeding for the loader ``token``: seeded afresh (as torch seeds its
+    worker ``worker``, then set to the random state ``resumed`` holds for it, if any)
+    when ``reseed`` or when it last made another loader's batches."""
+    global _SEEDED
+    if reseed or _SEEDED is None or _SEEDED.token != token:
+        seed_worker(base_seed, worker, workers, dataset, init_fn)
+        if resumed and resumed[worker]:  # load_state_dict: as this worker was then
+            restore_rng(bytes(resumed[worker]))
+        _SEEDED = Seeded(token, capture_rng())
+    return _SEEDED
+
+
+def seed_worker(base_seed: int, worker: int, workers: int, dataset: Any,
+                init_fn: Callable[[int], None] | None) -> None:
+    """Seed this worker exactly as torch seeds its worker ``worker`` (``_worker_loop``)."""
+    torch.set_num_threads(1)
+    seed = base_seed + worker
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np.random.seed(_torch_worker._generate_state(base_seed, worker))
+    _torch_worker._worker_info = _torch_worker.WorkerInfo(
+        id=worker, num_workers=workers, seed=seed, dataset=dataset)
+    if init_fn is not None:
+        init_fn(worker)
+
+
+def capture_rng() -> bytes:
+    """This process's torch, numpy and ``random`` global random states, packed: what a
+    worker's dataset draws from (torch seeds all three in its workers)."""
+    torch_state = torch.get_rng_state().numpy().tobytes()
+    _, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    version, words, py_gauss = random.getstate()
+    return b"".join([
+        _RNG_HEAD.pack(len(torch_state)), torch_state,
+        np.asarray(keys, dtype="<u4").tobytes(), _NP_TAIL.pack(pos, has_gauss, gauss),
+        np.asarray(words, dtype="<u4").tobytes(),
+        _PY_TAIL.pack(version, py_gauss is not None, py_gauss or 0.0)])
+
+
+def unpack_rng(data: bytes) -> tuple[bytes, tuple[Any, ...], tuple[Any, ...]]:
+    """The three states :func:`capture_rng` packed: (torch, numpy, random).
+
+    Raises:
+        ValueError: ``data`` is not such a packing (a corrupt or foreign state_dict).
+    """
+    try:
+        (size,) = _RNG_HEAD.unpack_from(data, 0)
+        at = _RNG_HEAD.size
+        torch_state, at = data[at:at + size], at + size
+        keys, at = np.frombuffer(data, "<u4", _MT_WORDS, at), at + 4 * _MT_WORDS
+        pos, has_gauss, gauss = _NP_TAIL.unpack_from(data, at)
+        at += _NP_TAIL.size
+        words, at = np.frombuffer(data, "<u4", _MT_WORDS + 1, at), at + 4 * (_MT_WORDS + 1)
+        version, has_py_gauss, py_gauss = _PY_TAIL.unpack_from(data, at)
+        if (at + _PY_TAIL.size != len(data) or len(torch_state) != size
+                or size != torch.get_rng_state().numel()):
+            raise ValueError("wrong length")
+    except (ValueError, struct.error) as exc:
+        raise ValueError(f"not a worker random state saved by zloader.torch.DataLoader "
+                         f"({exc})") from None
+    return (torch_state,
+            ("MT19937", keys.astype(np.uint32), pos, has_gauss, gauss),
+            (version, tuple(int(w) for w in words), py_gauss if has_py_gauss else None))
+
+
+def restore_rng(data: bytes) -> None:
+    """Set this process's torch, numpy and ``random`` states to a :func:`capture_rng`."""
+    torch_state, numpy_state, py_state = unpack_rng(data)
+    torch.set_rng_state(torch.frombuffer(bytearray(torch_state), dtype=torch.uint8))
+    np.random.set_state(numpy_state)
+    random.setstate(py_state)
+
+
+_RNG_HEAD = struct.Struct("<I")
+_NP_TAIL = struct.Struct("<iid")
+_PY_TAIL = struct.Struct("<i?d")
+_MT_WORDS = 624
+
+
+def checked_state(state: Any, workers: int) -> dict[str, Any]:
+    """``state`` (what ``DataLoader.state_dict()`` returned) checked, its workers' random
+    states decoded: ``{..., "workers": {index: packed state}}``.
+
+    Raises:
+        ValueError: ``state`` is not such a dict, or names a worker beyond ``workers``.
+    """
+    if not (isinstance(state, dict) and state.get("zloader_torch") == 1
+            and isinstance(state.get("rng"), str)
+            and isinstance(state.get("batches"), int) and state["batches"] >= 0
+            and (state.get("base_seed") is None or isinstance(state["base_seed"], int))
+            and isinstance(state.get("workers", {}), dict)):
+        raise ValueError("state must be what zloader.torch.DataLoader.state_dict() "
+                         "returned")
+    found = {}
+    for key, text in state.get("workers", {}).items():
+        if not (isinstance(key, str) and key.isdigit() and int(key) < workers
+                and isinstance(text, str)):
+            raise ValueError(f"state['workers'] holds {key!r}: not a worker of this "
+                             f"loader's {workers} (num_workers must be the saved loader's)")
+        try:
+            data = base64.b64decode(text, validate=True)
+        except ValueError:
+            raise ValueError(f"state['workers'][{key!r}] is not base64") from None
+        unpack_rng(data)  # raises on a corrupt one
+        found[int(key)] = data
+    return {**state, "workers": found}

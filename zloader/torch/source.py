@@ -1,0 +1,183 @@
+"""The source a DataLoader's workers run: the batches of an epoch the consumer sampled
+(map-style datasets) or the dataset's own iterator (iterable ones), made as torch's
+workers make them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+import torch.utils.data
+from torch.utils.data._utils import collate as _torch_collate
+from torch.utils.data._utils import worker as _torch_worker
+
+from zloader import codec
+from zloader._defaults import STACK_LATER_BYTES
+from zloader.errors import PipelineError
+from zloader.sources import Source
+from zloader.torch import seeding
+from zloader.torch.failures import describe
+from zloader.torch.tensors import to_numpy
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class BatchSource(Source):
+    """Worker ``w`` of ``width`` makes batches ``w, w + width, ...`` of the epoch the
+    consumer sampled (map-style), or runs the iterable dataset as torch worker ``w``."""
+
+    kind: ClassVar[str] = "torch_dataloader"
+    dataset: Any
+    collate_fn: Callable[[list[Any]], Any] | None
+    worker_init_fn: Callable[[int], None] | None
+    persistent: bool
+    width: int
+    iterable: bool
+    batch_size: int | None
+    drop_last: bool
+    token: str
+
+    @property
+    def num_splits(self) -> int:
+        return self.width
+
+    def identity(self) -> tuple[Any, ...]:
+        return (self.kind, self.token)  # this loader's job alone; the dataset is not hashed
+
+    def read(self, split: int, policy: Any = None) -> Iterator[Any]:
+        plan = getattr(policy, "epoch_input", None)
+        if not isinstance(plan, dict):
+            raise RuntimeError("a torch DataLoader epoch reached a worker without its plan")
+        worker = int(getattr(policy, "worker", 0))
+        seeded = seeding.seeded(self.token, bool(plan["reseed"]), int(plan["seed"]), worker,
+                                self.width, self.dataset, self.worker_init_fn, plan.get("rng"))
+        if self.iterable:
+            return self._iterable(worker)
+        return self._mapped(plan, worker, seeded)
+
+    def _mapped(self, plan: dict[str, Any], worker: int, seeded: seeding.Seeded) -> Iterator[Any]:
+        """This worker's batches ``j`` (``j mod width == worker``) of the epoch, from batch
+        ``first`` on, each as ``(j, random state after it or b"" if unchanged, batch)``
+        (the consumer keeps the state of the last batch it yielded, for ``state_dict``),
+        or ``(j, state, None, failure)`` when the dataset or ``collate_fn`` raised."""
+        flat, offsets, first = plan["flat"], plan["offsets"], int(plan.get("first", 0))
+        where = f"in DataLoader worker process {worker}"
+        for batch in range((worker - first) % self.width, len(offsets) - 1, self.width):
+            indices = flat[offsets[batch]:offsets[batch + 1]]
+            keys = indices.tolist() if isinstance(indices, np.ndarray) else list(indices)
+            failure = None
+            try:
+                made = to_numpy(self._fetch(keys, plan["batched"]))
+            except Exception as exc:
+                failure = _failure(exc, where)
+            state = seeding.capture_rng()
+            changed, seeded.reported = state != seeded.reported, state
+            state = state if changed else b""
+            if failure is None:
+                yield (first + batch, state, made)
+            else:
+                yield (first + batch, state, None, failure)
+
+    def _fetch(self, keys: list[Any], batched: bool) -> Any:
+        """A batch, made as torch's map-style fetcher makes it: ``__getitems__`` when the
+        dataset has one, else ``dataset[i]`` for each index; then collated."""
+        if not batched:
+            return self._collate_one(self._get(keys[0]))
+        if getattr(self.dataset, "__getitems__", None):
+            try:
+                samples = self.dataset.__getitems__(keys)
+            except BaseException as exc:  # SystemExit too: the consumer must hear of it
+                raise PipelineError.from_exception(
+                    exc, "dataset", f"indices {keys!r:.60}") from exc
+        else:
+            samples = [self._get(i) for i in keys]
+        return self._collate(samples)
+
+    def _iterable(self, worker: int) -> Iterator[Any]:
+        """Batches of the dataset's iterator, as torch worker ``worker`` makes them, each
+        as ``(-1, b"", batch)``, or ``(-1, b"", None, failure)`` in place of a batch whose
+        sample or collate raised (its other samples are lost, as in torch)."""
+        where = f"in DataLoader worker process {worker}"
+        iterator = iter(self.dataset)
+        ended = False
+        while not ended:
+            samples = []
+            try:
+                for _ in range(1 if self.batch_size is None else self.batch_size):
+                    try:
+                        samples.append(next(iterator))
+                    except StopIteration:
+                        ended = True
+                        break
+                if not samples or (self.batch_size is not None and self.drop_last
+                                   and len(samples) < self.batch_size):
+                    return
+                made = to_numpy(self._collate_one(samples[0]) if self.batch_size is None
+                                else self._collate(samples))
+            except Exception as exc:
+                yield (-1, b"", None, _failure(exc, where))
+                continue
+            yield (-1, b"", made)
+
+    def _get(self, index: Any) -> Any:
+        try:
+            return self.dataset[index]
+        except BaseException as exc:  # SystemExit too: the consumer must hear of it
+            raise PipelineError.from_exception(exc, "dataset", f"index {index!r}") from exc
+
+    def _collate(self, samples: list[Any]) -> Any:
+        if self.collate_fn is not None:
+            try:
+                return self.collate_fn(samples)
+            except Exception as exc:
+                raise PipelineError.from_exception(exc, "collate_fn") from exc
+        # torch's default collate stacks into a fresh shared-memory segment when it sees a
+        # worker (to hand the batch to its parent). zloader moves the batch itself: large
+        # tensors are left unstacked (codec.Stacked) and copied once, straight into the
+        # consumer's ring; the rest is stacked into ordinary memory. Same values.
+        info, _torch_worker._worker_info = _torch_worker._worker_info, None
+        try:
+            return _torch_collate.collate(samples, collate_fn_map=_COLLATE_MAP)
+        except Exception as exc:
+            raise PipelineError.from_exception(exc, "collate_fn") from exc
+        finally:
+            _torch_worker._worker_info = info
+
+    def _collate_one(self, sample: Any) -> Any:
+        convert = self.collate_fn or torch.utils.data.default_convert
+        try:
+            return convert(sample)
+        except Exception as exc:
+            raise PipelineError.from_exception(exc, "collate_fn") from exc
+
+
+def _failure(exc: Exception, where: str) -> tuple[str, ...]:
+    """A batch's failure as a record carries it; what user code raised as other than an
+    ``Exception`` (``SystemExit``, wrapped by :meth:`BatchSource._get`) ends the pass."""
+    cause = exc.__cause__ if isinstance(exc, PipelineError) else exc
+    if cause is not None and not isinstance(cause, Exception):
+        raise exc
+    stage = exc.stage if isinstance(exc, PipelineError) else "dataset"
+    return describe(exc, stage, where)
+
+
+def stack_later(batch: list[Any], *, collate_fn_map: Any = None) -> Any:
+    """Torch's tensor collate, except that a large batch of equal, plain CPU tensors becomes
+    a :class:`codec.Stacked` of their memory (the stack happens in the record's copy)."""
+    elem = batch[0]
+    if (type(elem) is torch.Tensor and elem.layout == torch.strided and not elem.is_nested
+            and elem.device.type == "cpu" and elem.dtype in _NUMPY_DTYPES
+            and elem.numel() * elem.element_size() * len(batch) >= STACK_LATER_BYTES
+            and all(type(t) is torch.Tensor and t.dtype == elem.dtype and t.shape == elem.shape
+                    and t.device == elem.device for t in batch)):
+        rows = [t.detach().resolve_conj().resolve_neg().contiguous().numpy() for t in batch]
+        return codec.Stacked(rows)
+    return _torch_collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+
+
+_NUMPY_DTYPES = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                 torch.float16, torch.float32, torch.float64, torch.complex64,
+                 torch.complex128}
+_COLLATE_MAP = {**_torch_collate.default_collate_fn_map, torch.Tensor: stack_later}

@@ -1,0 +1,151 @@
+"""Tensors in and out of zloader: :func:`to_torch` and :func:`to_numpy` convert nested
+elements, :class:`Prefetcher` pins batches and copies them to a device ahead of use.
+
+Element conversion (:func:`to_torch`): numpy arrays become tensors that share their memory
+(``torch.from_numpy``, no copy) when the array is writable; read-only arrays (rows of
+``Pipeline.from_arrays``, elements decoded from read-only memory) are copied, so that
+writing to a tensor can never change data the pipeline owns. Numpy scalars become 0-d
+tensors; containers keep their shape; everything else is passed through.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from zloader._defaults import PREFETCH_STOP_SECONDS
+
+
+def to_torch(element: Any) -> Any:
+    """Convert the numpy arrays and scalars in a nested element to tensors."""
+    if isinstance(element, np.ndarray):
+        if not element.flags.writeable:
+            element = element.copy()
+        return torch.from_numpy(element)
+    if isinstance(element, np.generic) and not isinstance(element, (str, bytes)):
+        return torch.from_numpy(np.asarray(element).copy())
+    if isinstance(element, dict):
+        return {key: to_torch(value) for key, value in element.items()}
+    if isinstance(element, tuple) and hasattr(element, "_fields"):
+        return type(element)(*(to_torch(value) for value in element))
+    if isinstance(element, (list, tuple)):
+        return type(element)(to_torch(value) for value in element)
+    return element
+
+
+def to_numpy(element: Any) -> Any:
+    """Convert the tensors in a nested element to numpy arrays (sharing memory), so that
+    the codec can carry them."""
+    if isinstance(element, torch.Tensor):
+        tensor = element.detach()
+        if tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        if tensor.dtype == torch.bfloat16:
+            raise TypeError("bfloat16 tensors cannot cross zloader's codec yet; convert them "
+                            "to float32 in collate_fn")
+        return tensor.numpy()
+    if isinstance(element, dict):
+        return {key: to_numpy(value) for key, value in element.items()}
+    if isinstance(element, list):
+        return [to_numpy(v) for v in element]
+    if isinstance(element, tuple):  # named tuples too: the codec carries them as tuples
+        return tuple(to_numpy(v) for v in element)
+    return element
+
+
+def apply_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, dict):
+        return {key: apply_tensors(value, fn) for key, value in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(apply_tensors(value, fn) for value in batch)
+    return batch
+class Prefetcher:
+    """Runs ``batches`` on a thread that pins each batch and starts its copy to
+    ``device``; at most ``depth`` batches wait. Errors are re-raised in the consumer.
+    The thread holds no reference to this object, so dropping it stops the thread."""
+
+    _END = object()
+
+    def __init__(self, batches: Iterator[Any], pin: bool, device: torch.device | None,
+                 depth: int) -> None:
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=_prefetch, args=(batches, pin, device, self._queue, self._stop),
+            name="zloader-pin", daemon=True)
+        self._thread.start()
+
+    def __iter__(self) -> Prefetcher:
+        return self
+
+    def __next__(self) -> Any:
+        while True:
+            try:
+                batch, event = self._queue.get(timeout=0.1)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    raise StopIteration from None  # stopped by close()
+        if batch is self._END:
+            raise StopIteration
+        if isinstance(batch, BaseException):
+            raise batch
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)  # the copy is done before use
+        return batch
+
+    def close(self, timeout: float = PREFETCH_STOP_SECONDS) -> None:
+        """Stop the thread; wait for it (up to ``timeout`` seconds) to leave the batch it
+        is reading, so that nothing else reads from this epoch's Loader afterwards."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def __del__(self) -> None:
+        self._stop.set()
+
+
+def _prefetch(batches: Iterator[Any], pin: bool, device: torch.device | None,
+              out: queue.Queue[Any], stop: threading.Event) -> None:
+    """The body of a :class:`Prefetcher`'s thread."""
+    stream = torch.cuda.Stream(device) if device is not None and device.type == "cuda" \
+        else None
+
+    def put(item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                out.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    try:
+        for batch in batches:
+            if pin:
+                batch = apply_tensors(batch, lambda t: t.pin_memory())
+            event = None
+            if device is not None:
+                if stream is not None:
+                    with torch.cuda.stream(stream):
+                        batch = apply_tensors(batch, lambda t: t.to(device, non_blocking=True))
+                        event = torch.cuda.Event()
+                        event.record(stream)
+                else:
+                    batch = apply_tensors(batch, lambda t: t.to(device))
+            if not put((batch, event)):
+                return
+        put((Prefetcher._END, None))
+    except BaseException as exc:  # re-raised in the consumer's thread
+        put((exc, None))
+    finally:
+        close = getattr(batches, "close", None)
+        if close is not None:
+            close()
