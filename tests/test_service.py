@@ -19,7 +19,7 @@ import pytest
 import zmq
 
 from tests.service import service, start_broker, start_worker, status, stop, wait_for
-from zloader import Loader, Pipeline, PipelineError, Timeout
+from zloader import Loader, Pipeline, PipelineError, Timeout, WorkerExited
 from zloader.transport.protocol import VERSION, Command, encode
 
 
@@ -580,6 +580,41 @@ def test_a_worker_drained_by_sigterm_finishes_its_splits_nothing_lost_or_repeate
             assert sorted(seen) == list(range(600))  # exactly once: no split read twice
             assert procs[0].wait(30) == 0  # it left once done
             assert sorted(loader) == list(range(600))  # the other worker serves on
+
+
+def _slow(x: int) -> int:
+    time.sleep(0.002)
+    return x
+
+
+@pytest.mark.parametrize("sharding", ["static", "dynamic"])
+def test_an_embedded_loader_whose_epoch_needs_a_dead_worker_raises_worker_exited(sharding):
+    """Static sharding: the dead worker's index has no one else to make it. Dynamic: both
+    of the Loader's workers died. Either way it says so once the survivors' elements are
+    in (not after a 60 s timeout)."""
+    with Loader(Pipeline.range(2000, split_size=10).map(_slow), num_workers=2,
+                sharding=sharding, timeout=60) as loader:
+        victims = loader._processes if sharding == "dynamic" else loader._processes[:1]
+        start = time.monotonic()
+        with pytest.raises(WorkerExited, match="killed by SIGKILL") as info:
+            for i, _ in enumerate(loader):
+                if i == 50:
+                    for process in victims:
+                        os.kill(process.pid, signal.SIGKILL)
+        assert set(info.value.pids) == {p.pid for p in victims}
+        assert isinstance(info.value, RuntimeError)
+        assert time.monotonic() - start < 30  # does not hang until the timeout
+
+
+def test_an_embedded_loader_that_lost_one_of_two_dynamic_workers_completes_its_epoch():
+    with Loader(Pipeline.range(600, split_size=10).map(_slow), num_workers=2,
+                timeout=60) as loader:
+        seen = []
+        for x in loader:
+            seen.append(x)
+            if len(seen) == 50:
+                os.kill(loader._processes[0].pid, signal.SIGKILL)
+        assert sorted(seen) == list(range(600))  # exactly once: nothing lost or repeated
 
 
 def test_static_sharding_a_killed_workers_index_goes_to_its_replacement():

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import os
 import random
+import signal
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -689,6 +691,31 @@ def pin_memory_off_leaves_batches_unpinned(DataLoader: Any) -> Any:
     return [b["x"].is_pinned() for b in DataLoader(Squares(6), batch_size=2, num_workers=2)]
 
 
+class Killing(tud.Dataset):
+    """Sample 9 kills the worker process that fetches it (as a segfault in a decoder)."""
+
+    def __len__(self) -> int:
+        return 20
+
+    def __getitem__(self, i: int) -> int:
+        if i == 9 and tud.get_worker_info() is not None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return i
+
+
+@case()
+def a_worker_killed_mid_epoch_raises_runtime_error_promptly(DataLoader: Any) -> Any:
+    start = time.monotonic()
+    try:
+        for _ in DataLoader(Killing(), batch_size=2, num_workers=2):
+            pass
+    except (RuntimeError, ConnectionError):
+        # torch's RuntimeError, or (a worker killed while it passed a batch's file
+        # descriptors) the ConnectionResetError its pipe raises; its words vary too
+        return "raised", time.monotonic() - start < 30
+    return "no error", time.monotonic() - start < 30
+
+
 # --- the tests -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("case", list(CASES.values()))
@@ -707,5 +734,16 @@ def test_a_worker_s_error_names_the_worker_and_holds_the_original_traceback() ->
         assert "DataLoader worker process 1" in text and "index 3" in text
         assert 'raise KeyError(f"no sample {i}")' in text
         assert plain(next(iterator)) == ("tensor", "torch.int64", [4, 5])
+    finally:
+        loader.close()
+
+
+def test_a_killed_worker_is_named_with_how_it_died() -> None:
+    loader = zt.DataLoader(Killing(), batch_size=2, num_workers=2)
+    try:
+        with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid\(s\) \d+\) "
+                                               "exited unexpectedly") as info:
+            list(loader)
+        assert "killed by SIGKILL" in str(info.value.__cause__)
     finally:
         loader.close()

@@ -5,7 +5,14 @@ submodules ``zloader.torch`` and ``zloader.tf``, imported explicitly.
 """
 
 from zloader._version import __version__
-from zloader.errors import CodecError, FingerprintWarning, PipelineError, Timeout, ZloaderError
+from zloader.errors import (
+    CodecError,
+    FingerprintWarning,
+    PipelineError,
+    Timeout,
+    WorkerExited,
+    ZloaderError,
+)
 from zloader.loader import Loader
 from zloader.pipeline import Pipeline
 
@@ -16,6 +23,7 @@ __all__ = [
     "Pipeline",
     "PipelineError",
     "Timeout",
+    "WorkerExited",
     "ZloaderError",
     "__version__",
 ]

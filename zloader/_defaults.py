@@ -106,6 +106,11 @@ before it kills it (fixed)."""
 POLL_SECONDS = 0.1
 """How often a wait for data checks the Loader's timeout (fixed)."""
 
+LOST_GRACE_SECONDS = 1.0
+"""When one of an embedded Loader's own workers died and the epoch cannot complete without
+it, the Loader raises WorkerExited once it has waited this long for data: what the worker
+sent before it died is yielded first (fixed)."""
+
 POLL_MS = 5
 """Milliseconds the I/O thread's poll of its sockets waits before it looks again at its
 commands and heartbeats (fixed)."""

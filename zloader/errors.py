@@ -42,6 +42,19 @@ class Timeout(ZloaderError, TimeoutError, RuntimeError):
     torch's DataLoader raises when a batch takes longer than its ``timeout``)."""
 
 
+class WorkerExited(ZloaderError, RuntimeError):
+    """A worker process the Loader started died, and the epoch cannot complete without it
+    (its job's splits are pinned to its worker index, or no worker is left).
+
+    Attributes:
+        pids: the dead workers' process ids.
+    """
+
+    def __init__(self, message: str, pids: tuple[int, ...]) -> None:
+        super().__init__(message)
+        self.pids = pids
+
+
 class SerializationError(ZloaderError, TypeError):
     """A pipeline cannot be pickled for its workers; the message names the stage and the
     value it holds that cannot be pickled."""

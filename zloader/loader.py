@@ -38,6 +38,7 @@ from zloader.client.arguments import (
     valid_ring_bytes,
 )
 from zloader.client.packing import check_exposure, pack
+from zloader.errors import WorkerExited
 from zloader.lineage import exactly_once as exactly_once_applies
 from zloader.pipeline import Pipeline
 from zloader.plan import plan
@@ -243,7 +244,11 @@ class Loader:
             self._merger = Merger(self._io, timeout=self._timeout,
                                   deterministic=self._deterministic, max_skipped=max_skipped,
                                   deaths=functools.partial(_deaths, self._processes,
-                                                           self._io.stats))
+                                                           self._io.stats),
+                                  lost=functools.partial(
+                                      _lost, self._processes, self._io.stats,
+                                      sharding != "dynamic" or deterministic)
+                                  if embedded else lambda: None)
             self._io.start()
         except BaseException:
             self.close()
@@ -426,6 +431,24 @@ def _deaths(processes: list[Any], stats: Stats) -> str:
         notes.append(f"this Loader's worker pid {process.pid} {how}"
                      + (f" in {last}" if last else ""))
     return "; ".join(notes)
+
+
+def _lost(processes: list[Any], stats: Stats, pinned: bool) -> None:
+    """Raise :class:`WorkerExited` when an embedded Loader's epoch cannot complete: one of
+    its own workers died and the job's splits are pinned to worker indices (``pinned``:
+    static sharding), or all of them died (no other worker serves an embedded job).
+
+    Raises:
+        WorkerExited: naming the dead workers, how they died and what they were doing.
+    """
+    dead = tuple(p.pid for p in processes if p.poll() is not None)
+    if not dead or (not pinned and len(dead) < len(processes)):
+        return
+    why = ("its splits are pinned to worker indices (static sharding), so no other "
+           "worker can make them" if pinned and len(dead) < len(processes)
+           else "no worker of this Loader is left")
+    raise WorkerExited(f"{_deaths(processes, stats)}: the epoch cannot complete ({why})",
+                       dead)
 
 
 def _signal_name(number: int) -> str:

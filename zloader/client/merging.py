@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from zloader import codec
-from zloader._defaults import POLL_SECONDS
+from zloader._defaults import LOST_GRACE_SECONDS, POLL_SECONDS
 from zloader.client.exactly_once import Yielded
 from zloader.client.items import Item
 from zloader.client.thread import IOThread
@@ -25,16 +25,19 @@ class Merger:
     """Yields the elements of the epochs of one I/O thread's consumer.
 
     ``deaths`` says which of the Loader's own worker processes died (added to a timeout's
-    message); ``max_skipped`` bounds the elements workers may drop (``on_error="skip"``).
+    message); ``lost`` raises :class:`WorkerExited` when the epoch cannot complete without
+    them; ``max_skipped`` bounds the elements workers may drop (``on_error="skip"``).
     """
 
     def __init__(self, io: IOThread, *, timeout: float, deterministic: bool,
-                 max_skipped: int | None, deaths: Callable[[], str]) -> None:
+                 max_skipped: int | None, deaths: Callable[[], str],
+                 lost: Callable[[], None] = lambda: None) -> None:
         self.io = io
         self.timeout = timeout
         self.deterministic = deterministic
         self.max_skipped = max_skipped
         self.deaths = deaths
+        self.lost = lost
         self.elements = 0  # yielded, all epochs
         self.wait = 0.0  # seconds spent waiting for data, all epochs
         self.yielded = Yielded()  # the origins yielded of the epoch under way
@@ -95,6 +98,7 @@ class Merger:
         done = False
         turn = 0  # the worker index whose element comes next
         stats = self.io.stats
+        since = time.monotonic()  # when the wait for the next element in order began
         while True:
             # Every index up to the job's width takes part, known yet or not.
             order = sorted(set(range(stats.width)) | set(stats.indices) | set(pending))
@@ -112,10 +116,12 @@ class Merger:
                 turn = chosen + 1
                 self.elements += 1
                 yield pending[chosen].popleft()
+                since = time.monotonic()
                 continue
             if done and not blocked:
                 return
-            item = self._next_item(epoch)
+            # Others' records do not count as progress: the element due may still be late.
+            item = self._next_item(epoch, since)
             if item.kind == "data":
                 pending.setdefault(item.index, deque()).extend(item.elements)
                 self.io.credit(item.worker, 1)
@@ -125,7 +131,9 @@ class Merger:
             elif item.kind == "done":
                 done = True
 
-    def _next_item(self, epoch: int) -> Item:
+    def _next_item(self, epoch: int, since: float | None = None) -> Item:
+        """The next item of ``epoch`` from the I/O thread. The timeout counts from the
+        last data of any worker, or from ``since`` when given (the element due in order)."""
         if epoch != self._reading:
             raise RuntimeError(
                 f"this iterator's epoch {epoch} was left: iter() started epoch "
@@ -141,7 +149,7 @@ class Merger:
                     # The wait under way counts now: a consumer that nothing serves must
                     # show as starved while it waits, not once an element comes.
                     stats.wait_seconds = self.wait + time.monotonic() - start
-                    self.check_progress()
+                    self.check_progress(since)
                     continue
                 if item.kind == "error":
                     deaths = self.deaths() if isinstance(item.error, Timeout) else ""
@@ -156,17 +164,22 @@ class Merger:
             self.wait += time.monotonic() - start
             stats.wait_seconds, stats.yielded = self.wait, self.elements
 
-    def check_progress(self) -> None:
-        """Raise when the I/O thread stopped, or no data came for the timeout.
+    def check_progress(self, since: float | None = None) -> None:
+        """Raise when the I/O thread stopped, a worker the epoch needs died, or no data
+        came for the timeout (since the last data, or since ``since``).
 
         Raises:
             RuntimeError: the I/O thread failed.
+            WorkerExited: one of the Loader's own workers died and the epoch cannot
+                complete without it.
             Timeout: no data for ``timeout`` seconds, saying why as far as known.
         """
         io = self.io
         if not io.is_alive():
             raise RuntimeError(f"the Loader's I/O thread stopped: {io.failure!r}")
-        silent = time.monotonic() - io.stats.last_progress
+        silent = time.monotonic() - (since if since is not None else io.stats.last_progress)
+        if silent > LOST_GRACE_SECONDS:  # what a dead worker sent comes first
+            self.lost()
         if silent > self.timeout:
             deaths = self.deaths()
             raise Timeout(io.stall_reason(silent) + (f" ({deaths})" if deaths else ""))

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from zloader.errors import Timeout
+from zloader.errors import Timeout, WorkerExited
 from zloader.loader import Loader
 from zloader.torch.failures import Failed, rebuild
 
@@ -73,6 +73,10 @@ class Pass:
             timeout = self._owner.timeout
             if isinstance(exc, Timeout) and timeout:
                 raise Timeout(f"DataLoader timed out after {timeout} seconds") from exc
+            if isinstance(exc, WorkerExited):  # torch's words; the cause says how and where
+                pids = ", ".join(map(str, exc.pids))
+                raise WorkerExited(f"DataLoader worker (pid(s) {pids}) exited unexpectedly",
+                                   exc.pids) from exc
             raise
         except BaseException:
             self.close()
