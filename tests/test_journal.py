@@ -16,11 +16,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.service import BIN, HEARTBEAT, free_port, start_worker, status, stop, wait_for
-from tests.test_state import ready, register, split, task_of
+from tests.test_state import ready, record, register, split, task_of
 from zloader import Loader, Pipeline, ZloaderError
 from zloader.broker.state import State
 from zloader.journal import Journal
-from zloader.transport.protocol import Command, Message
+from zloader.transport.protocol import Command
 
 
 def test_a_restored_state_hands_out_the_splits_where_it_stopped(tmp_path):
@@ -31,7 +31,7 @@ def test_a_restored_state_hands_out_the_splits_where_it_stopped(tmp_path):
     tasks = {o.identity.decode(): o.body["task"] for o in out if o.command is Command.TASK}
     assert [split(state, "w1", tasks["w1"]) for _ in range(2)] == [0, 1]
     assert split(state, "w2", tasks["w2"]) == 2
-    state.pass_done(b"w1", Message(Command.PASS_DONE, {"task": tasks["w1"], "pass": [0]}), 0.0)
+    state.pass_done(b"w1", record(Command.PASS_DONE, {"task": tasks["w1"], "pass": [0]}), 0.0)
     state.journal.close()
 
     again = State(journal=Journal(tmp_path))
@@ -42,7 +42,7 @@ def test_a_restored_state_hands_out_the_splits_where_it_stopped(tmp_path):
     assert [o.command for o in ready(again, "w1", now=100.5)] == [Command.ACK]
     assert [o.command for o in ready(again, "w2", now=100.5)] == [Command.ACK]
     # The consumer comes back too, naming its job: it gets that job, not a new one.
-    (view,) = [o.body for o in again.register(b"c1", Message(Command.REGISTER, {
+    (view,) = [o.body for o in again.register(b"c1", record(Command.REGISTER, {
         "consumer": "c1", "fingerprint": "f" * 64, "job_name": None, "job": job.id,
         "sharding": "dynamic", "deterministic": False, "num_workers": 0,
         "on_error": "raise", "host_id": "h/boot/ns", "pid": 1,
@@ -50,7 +50,7 @@ def test_a_restored_state_hands_out_the_splits_where_it_stopped(tmp_path):
         [b"pipeline"]), 100.5) if o.command is Command.JOB]
     assert view["job"] == job.id and len(again.jobs) == 1
     # w2 lost the answer to its request: asking again with have=0 gets split 2 again.
-    (answer,) = again.split_request(b"w2", Message(Command.SPLIT_REQ, {
+    (answer,) = again.split_request(b"w2", record(Command.SPLIT_REQ, {
         "task": tasks["w2"], "pass": [0], "have": 0}), 100.5)
     assert answer.body["split"] == 2
     assert split(again, "w1", tasks["w1"]) == 3
@@ -193,8 +193,8 @@ def _journal_lines(tmp_path) -> list[bytes]:
              if o.command is Command.TASK}
     split(state, "w1", tasks["w1"])
     split(state, "w2", tasks["w2"])
-    state.pass_done(b"w1", Message(Command.PASS_DONE, {"task": tasks["w1"], "pass": [0]}), 0.0)
-    state.epoch_started(b"c1", Message(Command.EPOCH, {"epoch": 1}), 0.0)
+    state.pass_done(b"w1", record(Command.PASS_DONE, {"task": tasks["w1"], "pass": [0]}), 0.0)
+    state.epoch_started(b"c1", record(Command.EPOCH, {"epoch": 1}), 0.0)
     state.journal.compact(state.snapshot())
     split(state, "w2", tasks["w2"])
     state.journal.close()
@@ -246,7 +246,7 @@ def test_corrupt_journal_lines_are_skipped_and_counted_never_fatal(tmp_path_fact
     ready(state, "w3", now=100.5)
     for worker in list(state.workers.values()):
         if worker.task is not None:
-            state.split_request(worker.id.encode(), Message(Command.SPLIT_REQ, {
+            state.split_request(worker.id.encode(), record(Command.SPLIT_REQ, {
                 "task": worker.task, "pass": [0]}), 100.5)
     for now in (101.0, 102.0, 104.0, 140.0):
         state.tick(now)

@@ -58,7 +58,8 @@ SAMPLES: dict[Command, dict] = {
                        "sharding": "static", "deterministic": True, "num_workers": 2,
                        "on_error": "raise", "source": {"num_splits": 4, "seed": 1},
                        "host_id": "h", "pid": 42, "balanced": 2,
-                       "share": {"window_bytes": 1024}, "coordinated": {"size": 2, "index": 0},
+                       "share": {"window_bytes": 1024, "lag": "block",
+                                 "block_seconds": 1.0}, "coordinated": {"size": 2, "index": 0},
                        "exactly_once": False, "weight": 2.5, "pipeline": {"inherited": True},
                        "source_data": {"endpoint": "tcp://h:2", "kind": "items"},
                        "resume": {"epoch": 1, "delivered": [[[1], "x"]]}, "entropy": 5,
@@ -161,6 +162,32 @@ BAD = [  # command, field, body change: each kind of bad body
     (Command.FAIL, "error", {"error": {"message": 3}}),
     (Command.HEARTBEAT, "stats", {"stats": {"deep": DEEP}}),  # too deep
     (Command.REGISTER, "resume", {"resume": {"delivered": DEEP}}),
+    # every record the broker takes (BYE has no field)
+    (Command.READY, "endpoint", {"endpoint": "udp://h:1"}),
+    (Command.READY, "holds", {"holds": ["fp"] * 65}),
+    (Command.READY, "pid", {"pid": -1}),
+    (Command.REGISTER, "share", {"share": {"window_bytes": 0, "lag": "block",
+                                           "block_seconds": 1.0}}),
+    (Command.REGISTER, "share", {"share": {"window_bytes": 1, "lag": "wait",
+                                           "block_seconds": 1.0}}),
+    (Command.REGISTER, "coordinated", {"coordinated": {"size": 2, "index": 2}}),
+    (Command.REGISTER, "source", {"source": {"num_splits": -1}}),
+    (Command.REGISTER, "source", {"source": {"num_splits": 1, "seed": "x"}}),
+    (Command.REGISTER, "balanced", {"balanced": 1 << 17}),
+    (Command.REGISTER, "sharding", {"sharding": "sideways"}),
+    (Command.STATUS, "workers", {"workers": {}}),
+    (Command.HEARTBEAT, "stuck", {"stuck": [{"worker": "w1", "task": "t1"}]}),
+    (Command.HEARTBEAT, "reread", {"reread": [[[], 3, {}]]}),
+    (Command.HEARTBEAT, "reread", {"reread": [[[0], 3]]}),
+    (Command.SPLIT_REQ, "have", {"have": "3"}),
+    (Command.PASS_DONE, "pass", {"pass": []}),
+    (Command.TASK_FAILED, "error", {"error": "boom"}),
+    (Command.EPOCH, "epoch", {"epoch": -1}),
+    (Command.ROUND_REQ, "members", {"members": []}),
+    (Command.RECEIVED, "rounds", {"rounds": [-1]}),
+    (Command.DELIVERED, "splits", {"splits": [[[0], 3, "all"]]}),
+    (Command.DELIVERED, "splits", {"splits": [[0, 3, {}]]}),
+    (Command.LOG, "task", {"task": 5}),
 ]
 
 
@@ -170,6 +197,28 @@ def test_a_bad_body_is_refused_naming_the_command_and_field(command, field, chan
     msg = wire(command, {**SAMPLES[command], **change})
     with pytest.raises(ProtocolError, match=rf"^{command.name}: field '{field}' "):
         messages.decode(msg)
+
+
+def test_the_broker_keeps_the_leniency_the_protocol_promises():
+    """docs/protocol.md: a malformed HEARTBEAT.doing is ignored; a consumer may send EPOCH
+    before it knows its job; a coordinated worker's group may name a vacant index."""
+    beat = messages.decode(wire(Command.HEARTBEAT, {"stats": {"elements": 1},
+                                                    "doing": {"epoch": -1, "stage": "?"}}))
+    assert isinstance(beat, messages.Heartbeat)
+    assert beat.doing is None and beat.stats == {"elements": 1}
+    assert messages.encode(beat) == {"stats": {"elements": 1}}
+    epoch = messages.decode(wire(Command.EPOCH, {"job": None, "epoch": None}))
+    assert isinstance(epoch, messages.Epoch) and (epoch.job, epoch.epoch) == (None, None)
+    members = messages.decode(wire(Command.ROUND_REQ, {"task": "t", "epoch": 0,
+                                                       "members": ["c0", None]}))
+    assert isinstance(members, messages.RoundReq) and members.members == ("c0", None)
+
+
+def test_register_carries_its_payload_frame_as_the_blob():
+    body = SAMPLES[Command.REGISTER]
+    register = messages.decode(decode(encode(Command.REGISTER, body, [b"pickled"])))
+    assert isinstance(register, messages.Register) and register.blob == b"pickled"
+    assert messages.encode(register) == body  # the blob is a frame, not a field
 
 
 def required(command: Command) -> list[str]:

@@ -31,9 +31,9 @@ LAYERS = {
     "metrics": 1, "autoscale": 1, "forward": 1, "blobs": 1,
     "sources": 2, "stages": 2, "pipeline": 3, "plan": 4, "demo": 4, "_pickling": 4,
     "shipping": 5,
-    # the broker: records and the pool's policy, checked fields, the concerns, the facade,
+    # the broker: records and the pool's policy, the concerns, the facade,
     # the loop
-    "broker.records": 6.0, "broker.pool": 6.0, "broker.fields": 6.1,
+    "broker.records": 6.0, "broker.pool": 6.0,
     "broker.peers": 6.2, "broker.jobs": 6.2, "broker.splits": 6.2, "broker.placement": 6.2,
     "broker.failures": 6.2, "broker.coordinated": 6.2, "broker.history": 6.2,
     "broker.status": 6.2, "broker.state": 6.3, "broker.loop": 6.4, "broker": 6.5,

@@ -10,7 +10,6 @@ from collections import deque
 from typing import Any
 
 from zloader.broker import failures, jobs, splits
-from zloader.broker.fields import pipeline_ref
 from zloader.broker.records import SHARDING_MODES, Job, Out, Pass, Tables, Worker
 from zloader.rounds import Rounds
 from zloader.transport.protocol import Command
@@ -113,7 +112,7 @@ def _apply_job(state: Tables, event: dict[str, Any], now: float) -> None:
         event["num_splits"], event["shuffle_splits"], event["seed"], event["width"],
         event["source_data"], event["entropy"], now,
         track=bool(options.get("exactly_once")),
-        pipeline=pipeline_ref(event.get("pipeline"), blob))
+        pipeline=dict(event["pipeline"]) if event.get("pipeline") else None)
 
 
 def _apply_to_job(state: Tables, job: Job, event: dict[str, Any], now: float) -> None:

@@ -65,7 +65,7 @@ class IOThread(threading.Thread):
             exactly_once=exactly_once, coordinated=coordinated,
             fixed=sharding in ("static", "off"))
         self.served = served or Served()
-        body = registration(
+        register = registration(
             fingerprint=fingerprint, job_name=job_name, sharding=sharding,
             deterministic=deterministic, num_workers=num_workers, on_error=on_error,
             source=source, balanced=balanced, share=share, coordinated=coordinated,
@@ -75,13 +75,13 @@ class IOThread(threading.Thread):
         self.stats = Stats(width=max(1, num_workers))
         self.failure: BaseException | None = None  # what stopped the thread, if anything
         put = self.items.put
-        self._session = Session(consumer=body["consumer"])
+        self._session = Session(consumer=register.consumer)
         self._rounds = Rounds(coordinated) if coordinated else None
-        self._link = BrokerLink(self.settings, self._session, self.stats, body, blob,
+        self._link = BrokerLink(self.settings, self._session, self.stats, register, blob,
                                 self._rounds, put)
         self._peers = Peers(self.settings, self._session, self.stats, self._rounds)
         self._end = EpochEnd(self.settings, self._session, self.stats, self._link,
-                             self._peers, self._rounds, put, body.get("resume"))
+                             self._peers, self._rounds, put, register.resume)
         self._peers.on_gone = self._end.check
         self._receiver = Receiver(self._session, self.stats, self._peers, self._link,
                                   self._end, self._rounds, put)
@@ -111,7 +111,7 @@ class IOThread(threading.Thread):
     @property
     def registration(self) -> dict[str, Any]:
         """The body of this consumer's REGISTER (its ``consumer`` id, ``source_data``)."""
-        return self._link.body
+        return messages.encode(self._link.register)
 
     @property
     def job(self) -> str | None:
@@ -347,7 +347,7 @@ class IOThread(threading.Thread):
                     or f"tcp://{local_address(self.settings.address)}:*")
         self._data_server = server
         poller.register(server, zmq.POLLIN)
-        self._link.body.update(self.served.fields(server.getsockopt_string(zmq.LAST_ENDPOINT)))
+        self._link.amend(**self.served.fields(server.getsockopt_string(zmq.LAST_ENDPOINT)))
 
     def _fetch(self, frames: list[zmq.Frame]) -> None:
         assert self._data_server is not None

@@ -178,11 +178,13 @@ class Record:
 
     @classmethod
     def spec(cls) -> tuple[tuple[str, str, Check, Any, bool], ...]:
-        """``(attribute, wire name, check, default, omit)`` per field, in wire order."""
+        """``(attribute, wire name, check, default, omit)`` per field, in wire order (a
+        field declared without :func:`fld`, such as ``Register.blob``, is not in the
+        body)."""
         if "_spec" not in cls.__dict__:
             cls._spec = tuple(
                 (f.name, f.metadata.get("wire") or f.name, f.metadata["check"], f.default,
-                 f.metadata["omit"]) for f in dataclasses.fields(cls))
+                 f.metadata["omit"]) for f in dataclasses.fields(cls) if "check" in f.metadata)
         return cls._spec
 
     @classmethod

@@ -23,7 +23,7 @@ from zloader import codec
 from zloader.plan import Plan
 from zloader.sharing.window import WindowSettings
 from zloader.transport import messages
-from zloader.transport.protocol import Command, error_object
+from zloader.transport.protocol import error_object
 from zloader.worker.broker_link import BrokerLink, assignment
 from zloader.worker.delivery import Delivery
 from zloader.worker.links import Links
@@ -137,8 +137,8 @@ class Task:
             if epoch != self.producing:
                 self.finished.discard(epoch)
         elif epoch in self.finished and epoch != self.producing:
-            self.outlet.send(stream, Command.END, {"epoch": epoch, "skipped": 0,
-                                                   "rerun": self.reruns.get(epoch, 0)})
+            self.outlet.send(stream, messages.End(epoch=epoch,
+                                                  rerun=self.reruns.get(epoch, 0)))
         self.maybe_produce()
         self.delivery.deliver()
 
@@ -221,8 +221,8 @@ class Task:
             return
         for stream in self.streams.values():
             if stream.epoch == producing:
-                self.outlet.send(stream, Command.END, {"epoch": producing, "skipped": 0,
-                                                       "rerun": self.reruns.get(producing, 0)})
+                self.outlet.send(stream, messages.End(
+                    epoch=producing, rerun=self.reruns.get(producing, 0)))
         if self.producer is not None:
             self.producer.stop.set()  # it exits at its next send or split request
             self.links.drop(self.producer)
@@ -245,7 +245,8 @@ class Task:
             return  # (a mode's own producer, a replay: not the epoch's failure)
         for stream in self.streams.values():
             if stream.epoch == body["epoch"]:
-                self.outlet.send(stream, Command.FAIL, body)
+                self.outlet.send(stream, messages.Fail(epoch=body["epoch"],
+                                                       error=body["error"]))
         self.finish_epoch(body["epoch"])
 
     def maybe_produce(self) -> None:
