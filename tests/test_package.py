@@ -25,7 +25,7 @@ LAYERS = {
     "_host": 0,
     "transport": 0, "transport.keys": 0, "transport.shm": 0.5, "transport.protocol": 0.5,
     "transport.ring": 0.6, "transport.records": 1.5, "transport.fields": 1.5,
-    "transport.sockets": 1.5, "transport.messages": 1.6,
+    "transport.sockets": 1.5, "options": 1.55, "transport.messages": 1.6,
     "sharing": 0, "sharing.window": 0, "sharing.options": 0.5, "sharing.store": 1.6,
     "codec": 1, "collate": 1, "fingerprint": 1, "rounds": 1, "journal": 1, "lineage": 1,
     "metrics": 1, "autoscale": 1, "forward": 1, "blobs": 1,

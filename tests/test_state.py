@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from zloader.broker.state import KILLS_TO_FAIL, State
+from zloader.options import JobOptions
 from zloader.transport import messages
 from zloader.transport.protocol import Command, Message, ProtocolError
 
@@ -12,6 +15,20 @@ from zloader.transport.protocol import Command, Message, ProtocolError
 def record(command: Command, body: dict, payload: list | tuple = ()) -> messages.Record:
     """The record of a message, as the broker loop decodes it before calling a handler."""
     return messages.decode(Message(command, body, list(payload)))
+
+
+def nested(body: dict) -> dict:
+    """A REGISTER body written with the job's options beside the consumer's fields, as
+    the wire has it: those options in one ``options`` object (the defaults of
+    :class:`JobOptions` for any not given), ``coordinated`` as ``options.num_consumers``
+    and the consumer's ``consumer_index``."""
+    names = {f.name for f in dataclasses.fields(JobOptions)}
+    options = {**JobOptions().to_body(), **{k: v for k, v in body.items() if k in names}}
+    rest = {k: v for k, v in body.items() if k not in names and k != "coordinated"}
+    if body.get("coordinated"):
+        options["num_consumers"] = body["coordinated"]["size"]
+        rest["consumer_index"] = body["coordinated"]["index"]
+    return {**rest, "options": options}
 
 
 def ready(state: State, name: str, now: float = 0.0, prefer: str | None = None):
@@ -23,11 +40,11 @@ def ready(state: State, name: str, now: float = 0.0, prefer: str | None = None):
 def register(state: State, consumer: str, now: float = 0.0, job_name: str | None = None,
              fingerprint: str = "f" * 64, sharding: str = "dynamic", splits: int = 4,
              num_workers: int = 0):
-    return state.register(consumer.encode(), record(Command.REGISTER, {
+    return state.register(consumer.encode(), record(Command.REGISTER, nested({
         "consumer": consumer, "fingerprint": fingerprint, "job_name": job_name,
         "sharding": sharding, "deterministic": False, "num_workers": num_workers,
         "on_error": "raise", "host_id": "h/boot/ns", "pid": 1,
-        "source": {"num_splits": splits, "shuffle_splits": False, "seed": None}},
+        "source": {"num_splits": splits, "shuffle_splits": False, "seed": None}}),
         [b"pipeline"]), now)
 
 
@@ -169,12 +186,12 @@ def test_requeued_splits_of_a_pass_others_left_behind_are_served_in_later_passes
 
 
 def coordinated(state: State, consumer: str, index: int, size: int = 2, now: float = 0.0):
-    return state.register(consumer.encode(), record(Command.REGISTER, {
+    return state.register(consumer.encode(), record(Command.REGISTER, nested({
         "consumer": consumer, "fingerprint": "f" * 64, "job_name": "sync",
         "sharding": "dynamic", "deterministic": False, "num_workers": 0,
         "on_error": "raise", "host_id": "h/boot/ns", "pid": 7,
         "coordinated": {"size": size, "index": index},
-        "source": {"num_splits": 4, "shuffle_splits": False, "seed": None}},
+        "source": {"num_splits": 4, "shuffle_splits": False, "seed": None}}),
         [b"pipeline"]), now)
 
 
@@ -327,11 +344,11 @@ def test_a_broker_stall_expires_nobody_and_a_fence_asks_live_consumers_again():
     state = State(heartbeat=1.0)  # expiry 3 s
     ready(state, "w1")
     ready(state, "w2")
-    out = state.register(b"c1", record(Command.REGISTER, {
+    out = state.register(b"c1", record(Command.REGISTER, nested({
         "consumer": "c1", "fingerprint": "f" * 64, "job_name": None, "sharding": "dynamic",
         "deterministic": False, "num_workers": 0, "on_error": "raise", "host_id": "h/boot/ns",
         "pid": 1, "exactly_once": True,
-        "source": {"num_splits": 4, "shuffle_splits": False, "seed": None}}, [b"p"]), 0.0)
+        "source": {"num_splits": 4, "shuffle_splits": False, "seed": None}}), [b"p"]), 0.0)
     tasks = tasks_by_worker(out)
     assert split(state, "w1", tasks["w1"]) == 0
     state.stalled(5.0, 5.5)  # the broker was stopped from 0.5 s to 5.5 s
@@ -372,9 +389,10 @@ def test_exactly_once_is_one_rule_for_dynamic_jobs_without_share_order_or_rounds
         assert not exactly_once(**{**plain, **change}), change
     state = State()
     ready(state, "w1")
-    out = state.register(b"c1", record(Command.REGISTER, {
+    out = state.register(b"c1", record(Command.REGISTER, nested({
         "consumer": "c1", "fingerprint": "f" * 64, "job_name": None, "sharding": "dynamic",
         "deterministic": False, "num_workers": 0, "on_error": "raise", "host_id": "h/boot/ns",
         "pid": 1, "exactly_once": True, "balanced": 2,
-        "source": {"num_splits": 4, "shuffle_splits": False, "seed": None}}, [b"p"]), 0.0)
-    assert next(o.body["track"] for o in out if o.command is Command.TASK) is False
+        "source": {"num_splits": 4, "shuffle_splits": False, "seed": None}}), [b"p"]), 0.0)
+    assert next(o.body["options"]["exactly_once"] for o in out
+                if o.command is Command.TASK) is False

@@ -19,7 +19,8 @@ from zloader.broker import (
     status,
 )
 from zloader.broker.records import FENCE_GRACE, INHERITED, Consumer, Job, Out, Tables
-from zloader.lineage import Ledger, exactly_once, pack
+from zloader.lineage import Ledger, pack
+from zloader.options import JobOptions
 from zloader.rounds import Rounds
 from zloader.sharing.options import KEY_OPTIONS
 from zloader.transport.messages import Epoch, Register
@@ -35,18 +36,10 @@ def register(state: Tables, identity: bytes, msg: Register, now: float) -> list[
     shared one with the same fingerprint, the one of its ``job_name``, or the one it had
     before a restart); answered with the job's view, last."""
     consumer_id, fingerprint, name = msg.consumer, msg.fingerprint, msg.job_name
-    sharding = msg.sharding
-    options: dict[str, Any] = {"sharding": sharding, "deterministic": msg.deterministic,
-               "on_error": msg.on_error, "num_workers": msg.num_workers,
-               "balanced": msg.balanced, "weight": msg.weight}
-    share = msg.share
-    if share is not None and name:
+    options = msg.options.applied()  # exactly_once as the job would run it
+    if options.shared and name:
         raise ProtocolError("REGISTER: a shared job cannot have a job_name")
     coordinated_at = _place(msg)
-    options["num_consumers"] = coordinated_at[0] if coordinated_at else 0
-    options["exactly_once"] = exactly_once(
-        msg.exactly_once, sharding, share is not None,
-        options["deterministic"], coordinated_at is not None, options["balanced"])
     job = _named_job(state, name) if name else None
     previous = state.jobs.get(msg.job or "")  # it registers again (a restart)
     known = state.consumers.get(consumer_id)
@@ -57,14 +50,13 @@ def register(state: Tables, identity: bytes, msg: Register, now: float) -> list[
     if previous is not None and previous.fingerprint == fingerprint \
             and previous.error is None:
         job = previous
-    elif share is not None:
+    elif options.shared:
         job = next((j for j in state.jobs.values() if j.share is not None and j.error is None
                     and j.fingerprint == fingerprint
-                    and all(j.options[k] == options[k] for k in KEY_OPTIONS)), None)
+                    and all(getattr(j.options, k) == getattr(options, k)
+                            for k in KEY_OPTIONS)), None)
         if job is None:
             job = _new_job(state, msg, None, options, now)
-            job.share = share
-            history.record(state, {"e": "share", "job": job.id, "share": share})
     elif job is not None:
         mismatch = _mismatch(job, fingerprint, options)
         if mismatch and not job.consumers and job.idle_since is not None:
@@ -101,16 +93,24 @@ def register(state: Tables, identity: bytes, msg: Register, now: float) -> list[
 
 
 def _place(msg: Register) -> tuple[int, int] | None:
-    """REGISTER's ``coordinated``: (num_consumers, consumer_index), or None.
+    """A coordinated consumer's (num_consumers, consumer_index), or None.
 
     Raises:
-        ProtocolError: it has no ``job_name`` (coordinated reads need one).
+        ProtocolError: coordinated reads without a ``job_name`` or a ``consumer_index``
+            below ``options.num_consumers``; a ``consumer_index`` without them.
     """
-    if msg.coordinated is None:
+    size, index = msg.options.num_consumers, msg.consumer_index
+    if not size:
+        if index is not None:
+            raise ProtocolError("REGISTER: field 'consumer_index' needs "
+                                "options.num_consumers >= 1")
         return None
+    if index is None or not index < size:
+        raise ProtocolError(f"REGISTER: field 'consumer_index' must be an integer from 0 to "
+                            f"{size - 1} (options.num_consumers {size}), got {index!r}")
     if not msg.job_name:
         raise ProtocolError("REGISTER: coordinated reads need a job_name")
-    return msg.coordinated["size"], msg.coordinated["index"]
+    return size, index
 
 
 def _join(state: Tables, job: Job, identity: bytes, consumer_id: str, msg: Register,
@@ -175,16 +175,18 @@ def _named_job(state: Tables, name: str) -> Job | None:
     return next((j for j in state.jobs.values() if j.name == name), None)
 
 
-def _mismatch(job: Job, fingerprint: str, options: dict[str, Any]) -> str:
+_MUST_AGREE = ("sharding", "deterministic", "on_error", "balanced", "num_consumers",
+               "exactly_once")
+"""The options every consumer of a named job must give as its first one did."""
+
+
+def _mismatch(job: Job, fingerprint: str, options: JobOptions) -> str:
     """Why a REGISTER for ``job``'s name cannot join it ("" if it can)."""
-    theirs = {"fingerprint": fingerprint, **options}
-    ours = {"fingerprint": job.fingerprint, "sharding": job.sharding,
-            "deterministic": job.deterministic, "on_error": job.on_error,
-            "num_workers": job.options["num_workers"],
-            "balanced": job.options.get("balanced", 0),
-            "num_consumers": job.options.get("num_consumers", 0),
-            "exactly_once": job.track}
-    diff = [k for k in ours if ours[k] != theirs[k] and k != "num_workers"]
+    theirs = {"fingerprint": fingerprint,
+              **{k: getattr(options, k) for k in _MUST_AGREE}}
+    ours = {"fingerprint": job.fingerprint,
+            **{k: getattr(job.options, k) for k in _MUST_AGREE}}
+    diff = [k for k in ours if ours[k] != theirs[k]]
     if not diff:
         return ""
     return (f"job_name {job.name!r} already runs another pipeline or options "
@@ -213,16 +215,14 @@ def _pipeline(msg: Register) -> dict[str, Any] | None:
     return {"endpoint": ref["endpoint"], "sha256": ref["sha256"], "bytes": ref["bytes"]}
 
 
-def _new_job(state: Tables, msg: Register, name: str | None, options: dict[str, Any],
+def _new_job(state: Tables, msg: Register, name: str | None, options: JobOptions,
              now: float) -> Job:
     source = msg.source
     live = sum(1 for w in state.workers.values() if w.task is None)
-    width = options["num_workers"] or max(1, live)
-    job = Job(secrets.token_hex(8), msg.fingerprint, name, options["sharding"],
-              options["deterministic"], options["on_error"], options, msg.blob,
+    width = options.num_workers or max(1, live)
+    job = Job(secrets.token_hex(8), msg.fingerprint, name, options, msg.blob,
               source["num_splits"], bool(source.get("shuffle_splits", False)),
               source.get("seed"), width, msg.source_data, secrets.randbits(63), now)
-    job.track = options["exactly_once"]
     job.pipeline = _pipeline(msg)
     job.scaler.cooldown = state.cooldown
     entropy = msg.entropy  # a resumed Loader's: its shuffles draw the same

@@ -24,6 +24,7 @@ from zloader.client.session import Session, Settings
 from zloader.client.stats import Stats
 from zloader.errors import PipelineError, ZloaderError
 from zloader.forward import emit
+from zloader.options import JobOptions
 from zloader.transport import messages
 from zloader.transport.protocol import ProtocolError, encode, error_from_object
 from zloader.transport.sockets import make_socket
@@ -33,23 +34,17 @@ __all__ = ["BYE_LINGER_MS", "BrokerLink", "JobView", "registration"]
 log = logging.getLogger("zloader.loader")
 
 
-def registration(*, fingerprint: str, job_name: str | None, sharding: str,
-                 deterministic: bool, num_workers: int, on_error: str,
-                 source: dict[str, Any], balanced: int, share: dict[str, Any] | None,
-                 coordinated: tuple[int, int] | None, exactly_once: bool,
-                 inherited: bool, resume: dict[str, Any] | None,
-                 weight: float = 1.0) -> messages.Register:
-    """This consumer's REGISTER (docs/protocol.md), with a fresh consumer id.
-    ``inherited``: the workers have the pipeline already (forked from this process);
-    ``weight``: the job's share of the broker's worker pool (docs/pool.md)."""
+def registration(*, fingerprint: str, job_name: str | None, options: JobOptions,
+                 consumer_index: int | None, source: dict[str, Any], inherited: bool,
+                 resume: dict[str, Any] | None) -> messages.Register:
+    """This consumer's REGISTER (docs/protocol.md), with a fresh consumer id: the job's
+    ``options`` and what is this consumer's own (``consumer_index`` in a coordinated job,
+    a resumed run's ``resume``). ``inherited``: the workers have the pipeline already
+    (forked from this process)."""
     return messages.Register(
         consumer=secrets.token_hex(8), fingerprint=fingerprint, job_name=job_name,
-        sharding=sharding, deterministic=deterministic, num_workers=num_workers,
-        on_error=on_error, source=source, host_id=host_id(), pid=os.getpid(),
-        balanced=balanced, share=share,
-        coordinated=({"size": coordinated[0], "index": coordinated[1]}
-                     if coordinated else None),
-        exactly_once=exactly_once, weight=weight,
+        options=options, source=source, host_id=host_id(), pid=os.getpid(),
+        consumer_index=consumer_index,
         pipeline={"inherited": True} if inherited else None,
         resume=({"epoch": resume["epoch"], "delivered": resume["delivered"]}
                 if resume is not None else None),

@@ -17,11 +17,14 @@ whether an absent or default value is left out of the body (``omit``): those fie
 optional on the wire and their absence means something (``DATA.origins``). A field with a
 default may be missing from a body; one without may not.
 
+``REGISTER.options`` and ``TASK.options`` decode into one
+:class:`~zloader.options.JobOptions`, each of its fields checked (a bad one is refused as
+``options.<field>``).
+
 A few nested values are checked by the code that reads them, because it alone knows
 their meaning: ``DATA.origins`` and ``END.origins`` (zloader/client/items.py, with the
-record's buffers), ``TASK.share``/``REGISTER.share`` (zloader/sharing/options.py),
-``JOB.rounds`` and ``JOB.joined`` (zloader/client/rounds.py), ``REGISTER.resume`` (a
-ledger, zloader/broker/jobs.py), the ``info`` of ``DELIVERED.splits`` and
+record's buffers), ``JOB.rounds`` and ``JOB.joined`` (zloader/client/rounds.py),
+``REGISTER.resume`` (a ledger, zloader/broker/jobs.py), the ``info`` of ``DELIVERED.splits`` and
 ``HEARTBEAT.reread`` (zloader/lineage.py) and ``HEARTBEAT.stats`` (the broker keeps the
 numbers >= 0); here they are checked to be JSON objects or lists. What needs the broker's
 state (a ``job_name`` for coordinated reads, a payload or a pipeline reference) the broker
@@ -35,8 +38,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from zloader._defaults import LOG_MAX_LINE, LOG_MAX_LINES, STAGES, WEIGHT_RANGE
-from zloader.sharing.window import LAG_POLICIES
+from zloader._defaults import LOG_MAX_LINE, LOG_MAX_LINES, STAGES
+from zloader.options import JobOptions
 from zloader.transport.fields import (
     INDEX,
     MAX_NAME,
@@ -189,27 +192,6 @@ HOLDS = list_of(text(128), 0, 64)
 """``READY.holds``: at most 64 fingerprints."""
 
 
-def share_settings(value: Any) -> dict[str, Any]:
-    """A shared job's window: ``{window_bytes >= 1, lag, block_seconds >= 0}``."""
-    size: Any = value.get("window_bytes") if isinstance(value, dict) else None
-    block: Any = value.get("block_seconds") if isinstance(value, dict) else None
-    if not (is_int(size) and size >= 1 and value.get("lag") in LAG_POLICIES
-            and isinstance(block, (int, float)) and not isinstance(block, bool)
-            and block >= 0):
-        raise Wrong(f"must be {{window_bytes >= 1, lag: {' or '.join(LAG_POLICIES)}, "
-                    "block_seconds >= 0}")
-    return {"window_bytes": size, "lag": value["lag"], "block_seconds": float(block)}
-
-
-def place(value: Any) -> dict[str, int]:
-    """``REGISTER.coordinated``: ``{size, index}``, 1 <= size <= 65536, 0 <= index < size."""
-    size: Any = value.get("size") if isinstance(value, dict) else None
-    index: Any = value.get("index") if isinstance(value, dict) else None
-    if not (is_int(size) and 1 <= size <= 1 << 16 and is_int(index) and 0 <= index < size):
-        raise Wrong("must be {size >= 1, 0 <= index < size}")
-    return {"size": size, "index": index}
-
-
 def source_info(value: Any) -> dict[str, Any]:
     """``REGISTER.source``: ``{num_splits >= 0, seed: integer or null, shuffle_splits}``."""
     if not (isinstance(value, dict) and is_int(value.get("num_splits"))
@@ -271,19 +253,13 @@ class Task(Record):
     COMMAND = Command.TASK
     task: str = fld(NAME)
     job: str = fld(NAME)
-    sharding: str = fld(text(choices=("dynamic", "static", "off")))
+    options: JobOptions = fld(JobOptions.from_body)  # exactly_once: as the job runs it
     index: int = fld(INDEX)
     width: int = fld(INDEX)
     entropy: int = fld(integer())
-    deterministic: bool = fld(boolean, False)
-    on_error: str = fld(text(choices=("raise", "skip")), "raise")
     source_data: dict[str, Any] | None = fld(optional(source_ref), None)
-    balanced: int = fld(INDEX, 0)
-    share: dict[str, Any] | None = fld(optional(obj), None)
-    coordinated: int = fld(INDEX, 0)
     fingerprint: str | None = fld(optional(NAME), None)
     pipeline: dict[str, Any] | None = fld(PIPELINE_REF, None)
-    track: bool = fld(boolean, False)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -360,18 +336,12 @@ class Register(Record):
     consumer: str = fld(NAME)
     fingerprint: str = fld(NAME)
     job_name: str | None = fld(optional(NAME))
-    sharding: str = fld(text(choices=("dynamic", "static", "off")))
-    deterministic: bool = fld(boolean)
-    num_workers: int = fld(INDEX)
-    on_error: str = fld(text(choices=("raise", "skip")))
+    options: JobOptions = fld(JobOptions.from_body)
     source: dict[str, Any] = fld(source_info)
     host_id: str = fld(NAME)
     pid: int = fld(INDEX)
-    balanced: int = fld(integer(0, 1 << 16), 0)
-    share: dict[str, Any] | None = fld(optional(share_settings), None)
-    coordinated: dict[str, int] | None = fld(optional(place), None)
-    exactly_once: bool = fld(boolean, False)
-    weight: float = fld(number(*WEIGHT_RANGE), 1.0)
+    # a coordinated consumer's index, 0 <= consumer_index < options.num_consumers
+    consumer_index: int | None = fld(optional(INDEX), None, omit=True)
     pipeline: dict[str, Any] | None = fld(PIPELINE_REF, None, omit=True)
     source_data: dict[str, Any] | None = fld(optional(source_ref), None, omit=True)
     resume: dict[str, Any] | None = fld(optional(obj), None, omit=True)

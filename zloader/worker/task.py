@@ -20,6 +20,7 @@ from typing import Any
 import zmq
 
 from zloader import codec
+from zloader.options import JobOptions
 from zloader.plan import Plan
 from zloader.sharing.window import WindowSettings
 from zloader.transport import messages
@@ -35,41 +36,43 @@ __all__ = ["Assignment", "Task", "load_error"]
 
 @dataclass(frozen=True)
 class Assignment:
-    """A TASK, checked: the job this worker is to run and how."""
+    """A TASK, checked: the job this worker is to run (``options``: how, the job's
+    :class:`~zloader.options.JobOptions`) and this worker's place in it."""
 
     id: str
     job: str
-    sharding: str
+    options: JobOptions  # exactly_once: as the job runs it
     index: int  # this worker's index in the job
     width: int  # the job's number of worker indices
-    on_error: str
     entropy: int
-    balanced: int = 0  # consumers to deal to one element at a time, round-robin (0: off)
-    coordinated: int = 0  # the consumers of a round, in a coordinated job (0: off)
-    track: bool = False  # exactly-once: elements carry their origins (zloader/lineage.py)
     share: WindowSettings | None = None  # a shared job's window (zloader/sharing)
 
     @classmethod
     def decode(cls, task: messages.Task) -> Assignment:
-        """The assignment a TASK carries.
+        """The assignment a TASK carries (its record checked every field)."""
+        share = task.options.share
+        return cls(id=task.task, job=task.job, options=task.options, index=task.index,
+                   width=task.width, entropy=task.entropy,
+                   share=WindowSettings.from_body(share) if share is not None else None)
 
-        Raises:
-            KeyError / TypeError / ValueError: ``share`` is malformed.
-        """
-        share = task.share
-        return cls(
-            id=task.task, job=task.job, sharding=task.sharding, index=task.index,
-            width=task.width, on_error=task.on_error, entropy=task.entropy,
-            balanced=task.balanced, coordinated=task.coordinated, track=task.track,
-            share=WindowSettings.from_body(share) if share is not None else None)
+    @property
+    def sharding(self) -> str:
+        return self.options.sharding
+
+    @property
+    def balanced(self) -> int:
+        """Consumers to deal to one element at a time, round-robin (0: off)."""
+        return self.options.balanced
+
+    @property
+    def coordinated(self) -> int:
+        """The consumers of a round, in a coordinated job (0: off)."""
+        return self.options.num_consumers
 
     def spec(self, plan: Plan) -> ProducerSpec:
         """What its producers need to know."""
-        return ProducerSpec(plan=plan, sharding=self.sharding, index=self.index,
-                            width=self.width, skip_errors=self.on_error == "skip",
-                            entropy=self.entropy, track=self.track,
-                            one_per_record=bool(self.balanced or self.coordinated),
-                            round_size=max(1, self.coordinated))
+        return ProducerSpec(plan=plan, options=self.options, index=self.index,
+                            width=self.width, entropy=self.entropy)
 
 
 class Task:
