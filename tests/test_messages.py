@@ -242,6 +242,20 @@ def test_job_options_apply_the_exactly_once_rule():
         assert not dataclasses.replace(asked, **change).applied().exactly_once, change
 
 
+def test_a_consumers_register_as_it_builds_it_is_one_the_broker_takes():
+    from zloader.client.link import registration
+
+    options = JobOptions(sharding="static", num_workers=2, num_consumers=2, weight=2.0)
+    sent = registration(fingerprint="fp", job_name="train", options=options,
+                        consumer_index=1, source={"num_splits": 4, "shuffle_splits": False,
+                                                  "seed": None},
+                        inherited=True, resume={"epoch": 1, "delivered": [], "entropy": 7})
+    body = messages.encode(sent)
+    got = messages.decode(decode(encode(Command.REGISTER, body, [b""])))
+    assert got == sent and isinstance(got, messages.Register) and got.options == options
+    assert body["options"] == options.to_body() and body["consumer_index"] == 1
+
+
 def test_the_broker_keeps_the_leniency_the_protocol_promises():
     """docs/protocol.md: a malformed HEARTBEAT.doing is ignored; a consumer may send EPOCH
     before it knows its job; a coordinated worker's group may name a vacant index."""
