@@ -11,11 +11,11 @@ import psutil
 import pytest
 
 from tests.service import BIN, free_port, status, stop, wait_for
-from tests.test_state import register
+from tests.test_state import record, register
 from zloader import Loader, Pipeline
 from zloader.actuator import plan
 from zloader.broker.state import State
-from zloader.transport.protocol import Command, Message
+from zloader.transport.protocol import Command
 
 HERE = "host-a/boot/ns"
 
@@ -96,7 +96,7 @@ def test_only_this_actuators_surplus_workers_are_drained():
 
 
 def ready(state: State, name: str, host: str, now: float = 0.0) -> None:
-    state.worker_ready(name.encode(), Message(Command.READY, {
+    state.worker_ready(name.encode(), record(Command.READY, {
         "worker": name, "host": host.split("/")[0], "host_id": host,
         "pid": 100 + len(state.workers), "endpoint": f"tcp://{host.split('/')[0]}:5000",
         "prefer": None}),
@@ -140,7 +140,7 @@ def test_a_lacking_job_gets_local_idle_workers_first():
 def test_a_worker_reachable_only_on_its_host_serves_only_jobs_read_there():
     state = State()
     register(state, "c1")  # its consumer runs on h/boot/ns
-    state.worker_ready(b"w1", Message(Command.READY, {
+    state.worker_ready(b"w1", record(Command.READY, {
         "worker": "w1", "host": "other", "host_id": "other/boot/ns", "pid": 7,
         "endpoint": "tcp://127.0.0.1:5000", "prefer": None}), 0.0)
     assert state.workers["w1"].task is None  # a Loader's own worker on another host

@@ -9,11 +9,11 @@ import time
 import pytest
 
 from tests.service import service, status
-from tests.test_state import ready, register, task_of
+from tests.test_state import ready, record, register, task_of
 from zloader import Loader, Pipeline
 from zloader.broker.state import State
 from zloader.forward import MAX_LINE, Capture, valid_lines
-from zloader.transport.protocol import Command, Message, ProtocolError
+from zloader.transport.protocol import Command, ProtocolError
 
 
 def test_the_rate_limit_passes_a_burst_then_counts_what_it_drops():
@@ -63,8 +63,8 @@ def test_malformed_log_lines_are_refused(bad):
     state = State()
     ready(state, "w1")
     task = task_of(register(state, "c1"))
-    with pytest.raises(ProtocolError, match="LOG: lines"):
-        state.worker_log(b"w1", Message(Command.LOG, {"task": task, "lines": bad}), 0.0)
+    with pytest.raises(ProtocolError, match="LOG: field 'lines'"):
+        state.worker_log(b"w1", record(Command.LOG, {"task": task, "lines": bad}), 0.0)
 
 
 def test_lines_of_a_task_the_worker_no_longer_runs_are_dropped():
@@ -72,10 +72,10 @@ def test_lines_of_a_task_the_worker_no_longer_runs_are_dropped():
     ready(state, "w1")
     task = task_of(register(state, "c1"))
     lines = [[logging.INFO, "hello"]]
-    (out,) = state.worker_log(b"w1", Message(Command.LOG, {"task": task, "lines": lines}),
+    (out,) = state.worker_log(b"w1", record(Command.LOG, {"task": task, "lines": lines}),
                               0.0)
     assert out.identity == b"c1" and out.body["lines"] == lines
-    assert state.worker_log(b"w1", Message(Command.LOG, {"task": "old", "lines": lines}),
+    assert state.worker_log(b"w1", record(Command.LOG, {"task": "old", "lines": lines}),
                             0.0) == []
 
 
@@ -84,7 +84,7 @@ def test_a_worker_sending_more_than_the_limit_has_its_lines_dropped():
     ready(state, "w1")
     task = task_of(register(state, "c1"))
     flood = [[logging.INFO, "x"]] * 500
-    sent = [state.worker_log(b"w1", Message(Command.LOG, {"task": task, "lines": flood}),
+    sent = [state.worker_log(b"w1", record(Command.LOG, {"task": task, "lines": flood}),
                              100.0) for _ in range(4)]
     assert [len(out) for out in sent] == [1, 0, 0, 0] and state.rejected == 3
 

@@ -16,11 +16,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.service import BIN, HEARTBEAT, free_port, start_worker, status, stop, wait_for
-from tests.test_state import ready, register, split, task_of
+from tests.test_state import nested, ready, record, register, split, task_of
 from zloader import Loader, Pipeline, ZloaderError
 from zloader.broker.state import State
 from zloader.journal import Journal
-from zloader.transport.protocol import Command, Message
+from zloader.transport.protocol import Command
 
 
 def test_a_restored_state_hands_out_the_splits_where_it_stopped(tmp_path):
@@ -31,7 +31,7 @@ def test_a_restored_state_hands_out_the_splits_where_it_stopped(tmp_path):
     tasks = {o.identity.decode(): o.body["task"] for o in out if o.command is Command.TASK}
     assert [split(state, "w1", tasks["w1"]) for _ in range(2)] == [0, 1]
     assert split(state, "w2", tasks["w2"]) == 2
-    state.pass_done(b"w1", Message(Command.PASS_DONE, {"task": tasks["w1"], "pass": [0]}), 0.0)
+    state.pass_done(b"w1", record(Command.PASS_DONE, {"task": tasks["w1"], "pass": [0]}), 0.0)
     state.journal.close()
 
     again = State(journal=Journal(tmp_path))
@@ -42,15 +42,15 @@ def test_a_restored_state_hands_out_the_splits_where_it_stopped(tmp_path):
     assert [o.command for o in ready(again, "w1", now=100.5)] == [Command.ACK]
     assert [o.command for o in ready(again, "w2", now=100.5)] == [Command.ACK]
     # The consumer comes back too, naming its job: it gets that job, not a new one.
-    (view,) = [o.body for o in again.register(b"c1", Message(Command.REGISTER, {
+    (view,) = [o.body for o in again.register(b"c1", record(Command.REGISTER, nested({
         "consumer": "c1", "fingerprint": "f" * 64, "job_name": None, "job": job.id,
         "sharding": "dynamic", "deterministic": False, "num_workers": 0,
         "on_error": "raise", "host_id": "h/boot/ns", "pid": 1,
-        "source": {"num_splits": 6, "shuffle_splits": False, "seed": None}},
+        "source": {"num_splits": 6, "shuffle_splits": False, "seed": None}}),
         [b"pipeline"]), 100.5) if o.command is Command.JOB]
     assert view["job"] == job.id and len(again.jobs) == 1
     # w2 lost the answer to its request: asking again with have=0 gets split 2 again.
-    (answer,) = again.split_request(b"w2", Message(Command.SPLIT_REQ, {
+    (answer,) = again.split_request(b"w2", record(Command.SPLIT_REQ, {
         "task": tasks["w2"], "pass": [0], "have": 0}), 100.5)
     assert answer.body["split"] == 2
     assert split(again, "w1", tasks["w1"]) == 3
@@ -193,8 +193,8 @@ def _journal_lines(tmp_path) -> list[bytes]:
              if o.command is Command.TASK}
     split(state, "w1", tasks["w1"])
     split(state, "w2", tasks["w2"])
-    state.pass_done(b"w1", Message(Command.PASS_DONE, {"task": tasks["w1"], "pass": [0]}), 0.0)
-    state.epoch_started(b"c1", Message(Command.EPOCH, {"epoch": 1}), 0.0)
+    state.pass_done(b"w1", record(Command.PASS_DONE, {"task": tasks["w1"], "pass": [0]}), 0.0)
+    state.epoch_started(b"c1", record(Command.EPOCH, {"epoch": 1}), 0.0)
     state.journal.compact(state.snapshot())
     split(state, "w2", tasks["w2"])
     state.journal.close()
@@ -246,7 +246,7 @@ def test_corrupt_journal_lines_are_skipped_and_counted_never_fatal(tmp_path_fact
     ready(state, "w3", now=100.5)
     for worker in list(state.workers.values()):
         if worker.task is not None:
-            state.split_request(worker.id.encode(), Message(Command.SPLIT_REQ, {
+            state.split_request(worker.id.encode(), record(Command.SPLIT_REQ, {
                 "task": worker.task, "pass": [0]}), 100.5)
     for now in (101.0, 102.0, 104.0, 140.0):
         state.tick(now)
@@ -307,7 +307,8 @@ def test_a_full_work_dir_fails_the_consumers_loudly_and_the_broker_keeps_serving
 
 def test_a_journal_starts_with_its_schema_version(tmp_path):
     """A new journal's first line names its schema version, and so does a compacted
-    one's; a journal from before versions (no such line) is read as version 1."""
+    one's; a journal from before versions (no such line) is read as version 1, which
+    this zloader (version 2: a job's whole JobOptions) refuses, naming both."""
     from zloader.journal import VERSION
 
     state = State(journal=Journal(tmp_path))
@@ -317,12 +318,15 @@ def test_a_journal_starts_with_its_schema_version(tmp_path):
     def first_line() -> dict:
         return json.loads((tmp_path / "journal.jsonl").read_bytes().splitlines()[0])
 
-    assert first_line() == {"e": "journal", "version": VERSION} and VERSION == 1
+    assert first_line() == {"e": "journal", "version": VERSION} and VERSION == 2
     state.journal.compact(state.snapshot())
     assert first_line() == {"e": "journal", "version": VERSION}
     state.journal.close()
     lines = (tmp_path / "journal.jsonl").read_bytes().splitlines(keepends=True)
     (tmp_path / "journal.jsonl").write_bytes(b"".join(lines[1:]))
+    with pytest.raises(ZloaderError, match=f"{tmp_path}.*version 1.*version 2"):
+        Journal(tmp_path)
+    (tmp_path / "journal.jsonl").write_bytes(b"".join(lines))  # its version line back
     again = State(journal=Journal(tmp_path))
     assert again.restore(now=0.0) == 1 and again.journal.skipped == []
     again.journal.close()
@@ -336,7 +340,7 @@ def test_a_journal_of_another_version_is_refused_naming_the_work_dir(tmp_path):
     journal.write_text('{"e":"journal","version":99}\n{"e":"end","job":"x"}\n')
     journal.chmod(0o600)
     before = journal.read_bytes()
-    with pytest.raises(ZloaderError, match=f"{tmp_path}.*version 99.*version 1"):
+    with pytest.raises(ZloaderError, match=f"{tmp_path}.*version 99.*version 2"):
         Journal(tmp_path)
     done = subprocess.run([os.path.join(BIN, "zloader-broker"), "--bind",
                            f"tcp://127.0.0.1:{free_port()}", "--work-dir", str(tmp_path)],

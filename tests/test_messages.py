@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from tests.service import service, status, wait_for
 from zloader.lineage import pack
+from zloader.options import JobOptions
 from zloader.transport import messages
 from zloader.transport.messages import RECORDS
 from zloader.transport.protocol import (
@@ -30,6 +31,9 @@ ERROR = {"stage": "map", "exc_type": "ValueError", "builtin": "ValueError",
 WORKER = {"worker": "w1", "task": "t1", "endpoint": "tcp://127.0.0.1:5600",
           "host_id": "h", "index": 0, "pid": 42, "host": "node1", "plain_data": False,
           "doing": {"epoch": 0, "split": 2, "stage": "pipeline"}}
+OPTIONS = {"sharding": "dynamic", "deterministic": False, "on_error": "skip", "num_workers": 2,
+           "balanced": 0, "num_consumers": 0, "share": None, "exactly_once": True,
+           "weight": 1.0}
 FENCE = {"id": "f1", "worker": "w2", "task": "t2", "splits": [[[0], 3], [[0, 1], 4]],
          "waiting": ["c1"]}
 
@@ -39,12 +43,11 @@ SAMPLES: dict[Command, dict] = {
                     "endpoint": "tcp://127.0.0.1:5600", "prefer": None, "plain_data": False,
                     "holds": ["fp"]},
     Command.ACK: {"heartbeat": 1.0, "task": None},
-    Command.TASK: {"task": "t1", "job": "j1", "sharding": "dynamic", "index": 0, "width": 2,
-                   "entropy": 2**63, "deterministic": False, "on_error": "skip",
+    Command.TASK: {"task": "t1", "job": "j1", "options": OPTIONS, "index": 0, "width": 2,
+                   "entropy": 2**63,
                    "source_data": {"endpoint": "ipc:///tmp/x/source", "kind": "arrays"},
-                   "balanced": 0, "share": None, "coordinated": 0, "fingerprint": "fp",
-                   "pipeline": {"endpoint": "tcp://h:1", "sha256": "ab", "bytes": 10},
-                   "track": True},
+                   "fingerprint": "fp",
+                   "pipeline": {"endpoint": "tcp://h:1", "sha256": "ab", "bytes": 10}},
     Command.TASK_FAILED: {"task": "t1", "error": ERROR},
     Command.SPLIT_REQ: {"task": "t1", "pass": [0, 1], "have": 3},
     Command.SPLIT: {"task": "t1", "pass": [0], "split": 7, "have": 3, "origin": [0],
@@ -55,11 +58,14 @@ SAMPLES: dict[Command, dict] = {
     Command.ROUND_REQ: {"task": "t1", "epoch": 0, "members": ["c1", "c2"]},
     Command.ROUND: {"task": "t1", "epoch": 0, "round": None},
     Command.REGISTER: {"consumer": "c1", "fingerprint": "fp", "job_name": "train",
-                       "sharding": "static", "deterministic": True, "num_workers": 2,
-                       "on_error": "raise", "source": {"num_splits": 4, "seed": 1},
-                       "host_id": "h", "pid": 42, "balanced": 2,
-                       "share": {"window_bytes": 1024}, "coordinated": {"size": 2, "index": 0},
-                       "exactly_once": False, "weight": 2.5, "pipeline": {"inherited": True},
+                       "options": {"sharding": "static", "deterministic": True,
+                                   "on_error": "raise", "num_workers": 2, "balanced": 2,
+                                   "num_consumers": 2,
+                                   "share": {"window_bytes": 1024, "lag": "block",
+                                             "block_seconds": 1.0},
+                                   "exactly_once": False, "weight": 2.5},
+                       "source": {"num_splits": 4, "seed": 1}, "host_id": "h", "pid": 42,
+                       "consumer_index": 0, "pipeline": {"inherited": True},
                        "source_data": {"endpoint": "tcp://h:2", "kind": "items"},
                        "resume": {"epoch": 1, "delivered": [[[1], "x"]]}, "entropy": 5,
                        "job": "j1"},
@@ -124,12 +130,18 @@ def test_optional_fields_keep_their_documented_defaults():
     assert isinstance(opened, messages.Open)
     assert (opened.task, opened.rerun, opened.ring, opened.consumer_index) == (None, 0, None,
                                                                               None)
-    task = messages.Task.from_body({"task": "t", "job": "j", "sharding": "off", "index": 0,
+    task = messages.Task.from_body({"task": "t", "job": "j", "options": OPTIONS, "index": 0,
                                     "width": 1, "entropy": 1})
-    assert (task.on_error, task.balanced, task.coordinated, task.track, task.share) == \
-        ("raise", 0, 0, False, None)
+    assert (task.source_data, task.fingerprint, task.pipeline) == (None, None, None)
+    options = JobOptions()  # the Loader's defaults, as the protocol doc gives them
+    assert (options.sharding, options.on_error, options.balanced, options.num_consumers,
+            options.exactly_once, options.share, options.weight) == \
+        ("dynamic", "raise", 0, 0, False, None, 1.0)
     assert messages.Fetch.from_body({}).what == "source"
-    assert messages.Register.from_body({**SAMPLES[Command.REGISTER], "weight": 1}).weight == 1.0
+    register = messages.Register.from_body(
+        {k: v for k, v in SAMPLES[Command.REGISTER].items() if k != "consumer_index"}
+        | {"options": {**OPTIONS, "weight": 1}})
+    assert register.options.weight == 1.0 and register.consumer_index is None
     # Absent optional fields stay absent on the wire: their absence means something.
     data = messages.Data(epoch=0, count=1, skipped=0, ring=None)
     assert messages.encode(data) == {"epoch": 0, "count": 1, "skipped": 0, "ring": None}
@@ -143,11 +155,12 @@ BAD = [  # command, field, body change: each kind of bad body
     (Command.OPEN, "credits", {"credits": "8"}),  # wrong type
     (Command.DATA, "count", {"count": True}),  # a bool is not an integer
     (Command.TASK, "pipeline", {"pipeline": "inline"}),
+    (Command.TASK, "options.share", {"options": {**OPTIONS, "share": {"lag": "block"}}}),
     (Command.OPEN, "credits", {"credits": -1}),  # out of range
     (Command.SPLIT_REQ, "pass", {"pass": [-1]}),
     (Command.ACK, "heartbeat", {"heartbeat": 3600}),
-    (Command.REGISTER, "weight", {"weight": 0}),
-    (Command.TASK, "sharding", {"sharding": "sideways"}),
+    (Command.REGISTER, "options.weight", {"options": {**OPTIONS, "weight": 0}}),
+    (Command.TASK, "options.sharding", {"options": {**OPTIONS, "sharding": "sideways"}}),
     (Command.LOG, "lines", {"lines": [[99, "x"]]}),
     (Command.READY, "endpoint", {"endpoint": "x" * 5000}),  # too long
     (Command.JOB, "workers", {"workers": [{"worker": "w1"}]}),  # nested shape
@@ -161,6 +174,39 @@ BAD = [  # command, field, body change: each kind of bad body
     (Command.FAIL, "error", {"error": {"message": 3}}),
     (Command.HEARTBEAT, "stats", {"stats": {"deep": DEEP}}),  # too deep
     (Command.REGISTER, "resume", {"resume": {"delivered": DEEP}}),
+    # every record the broker takes (BYE has no field)
+    (Command.READY, "endpoint", {"endpoint": "udp://h:1"}),
+    (Command.READY, "holds", {"holds": ["fp"] * 65}),
+    (Command.READY, "pid", {"pid": -1}),
+    (Command.REGISTER, "options", {"options": None}),
+    (Command.REGISTER, "options.share", {"options": {**OPTIONS, "share": {
+        "window_bytes": 0, "lag": "block", "block_seconds": 1.0}}}),
+    (Command.REGISTER, "options.share", {"options": {**OPTIONS, "share": {
+        "window_bytes": 1, "lag": "wait", "block_seconds": 1.0}}}),
+    (Command.REGISTER, "options.num_consumers", {"options": {**OPTIONS, "num_consumers": -1}}),
+    (Command.REGISTER, "options.balanced", {"options": {**OPTIONS, "balanced": 1 << 17}}),
+    (Command.REGISTER, "options.sharding", {"options": {**OPTIONS, "sharding": "sideways"}}),
+    (Command.REGISTER, "options.exactly_once", {"options": {**OPTIONS, "exactly_once": 1}}),
+    (Command.REGISTER, "options.deterministic", {"options": {**OPTIONS,
+                                                             "deterministic": None}}),
+    (Command.REGISTER, "options.on_error", {"options": {**OPTIONS, "on_error": "retry"}}),
+    (Command.REGISTER, "options.num_workers", {"options": {**OPTIONS, "num_workers": "2"}}),
+    (Command.REGISTER, "consumer_index", {"consumer_index": -1}),
+    (Command.REGISTER, "source", {"source": {"num_splits": -1}}),
+    (Command.REGISTER, "source", {"source": {"num_splits": 1, "seed": "x"}}),
+    (Command.STATUS, "workers", {"workers": {}}),
+    (Command.HEARTBEAT, "stuck", {"stuck": [{"worker": "w1", "task": "t1"}]}),
+    (Command.HEARTBEAT, "reread", {"reread": [[[], 3, {}]]}),
+    (Command.HEARTBEAT, "reread", {"reread": [[[0], 3]]}),
+    (Command.SPLIT_REQ, "have", {"have": "3"}),
+    (Command.PASS_DONE, "pass", {"pass": []}),
+    (Command.TASK_FAILED, "error", {"error": "boom"}),
+    (Command.EPOCH, "epoch", {"epoch": -1}),
+    (Command.ROUND_REQ, "members", {"members": []}),
+    (Command.RECEIVED, "rounds", {"rounds": [-1]}),
+    (Command.DELIVERED, "splits", {"splits": [[[0], 3, "all"]]}),
+    (Command.DELIVERED, "splits", {"splits": [[0, 3, {}]]}),
+    (Command.LOG, "task", {"task": 5}),
 ]
 
 
@@ -170,6 +216,66 @@ def test_a_bad_body_is_refused_naming_the_command_and_field(command, field, chan
     msg = wire(command, {**SAMPLES[command], **change})
     with pytest.raises(ProtocolError, match=rf"^{command.name}: field '{field}' "):
         messages.decode(msg)
+
+
+@pytest.mark.parametrize("command", [Command.REGISTER, Command.TASK], ids=lambda c: c.name)
+def test_job_options_round_trip_and_a_missing_option_is_refused_by_name(command):
+    body = SAMPLES[command]
+    record = messages.decode(wire(command, body))
+    assert isinstance(record, (messages.Register, messages.Task))
+    assert isinstance(record.options, JobOptions)
+    assert JobOptions.from_body(record.options.to_body()) == record.options
+    assert messages.encode(record)["options"] == body["options"]
+    for name in body["options"]:
+        options = {k: v for k, v in body["options"].items() if k != name}
+        with pytest.raises(ProtocolError, match=rf"^{command.name}: field 'options.{name}' "
+                                                "is missing"):
+            messages.decode(wire(command, {**body, "options": options}))
+
+
+def test_job_options_apply_the_exactly_once_rule():
+    asked = JobOptions(exactly_once=True)
+    assert asked.applied() is asked  # dynamic, not shared, balanced, coordinated or ordered
+    for change in ({"sharding": "static"}, {"deterministic": True}, {"balanced": 2},
+                   {"num_consumers": 2},
+                   {"share": {"window_bytes": 1, "lag": "skip", "block_seconds": 0.0}}):
+        assert not dataclasses.replace(asked, **change).applied().exactly_once, change
+
+
+def test_a_consumers_register_as_it_builds_it_is_one_the_broker_takes():
+    from zloader.client.link import registration
+
+    options = JobOptions(sharding="static", num_workers=2, num_consumers=2, weight=2.0)
+    sent = registration(fingerprint="fp", job_name="train", options=options,
+                        consumer_index=1, source={"num_splits": 4, "shuffle_splits": False,
+                                                  "seed": None},
+                        inherited=True, resume={"epoch": 1, "delivered": [], "entropy": 7})
+    body = messages.encode(sent)
+    got = messages.decode(decode(encode(Command.REGISTER, body, [b""])))
+    assert got == sent and isinstance(got, messages.Register) and got.options == options
+    assert body["options"] == options.to_body() and body["consumer_index"] == 1
+
+
+def test_the_broker_keeps_the_leniency_the_protocol_promises():
+    """docs/protocol.md: a malformed HEARTBEAT.doing is ignored; a consumer may send EPOCH
+    before it knows its job; a coordinated worker's group may name a vacant index."""
+    beat = messages.decode(wire(Command.HEARTBEAT, {"stats": {"elements": 1},
+                                                    "doing": {"epoch": -1, "stage": "?"}}))
+    assert isinstance(beat, messages.Heartbeat)
+    assert beat.doing is None and beat.stats == {"elements": 1}
+    assert messages.encode(beat) == {"stats": {"elements": 1}}
+    epoch = messages.decode(wire(Command.EPOCH, {"job": None, "epoch": None}))
+    assert isinstance(epoch, messages.Epoch) and (epoch.job, epoch.epoch) == (None, None)
+    members = messages.decode(wire(Command.ROUND_REQ, {"task": "t", "epoch": 0,
+                                                       "members": ["c0", None]}))
+    assert isinstance(members, messages.RoundReq) and members.members == ("c0", None)
+
+
+def test_register_carries_its_payload_frame_as_the_blob():
+    body = SAMPLES[Command.REGISTER]
+    register = messages.decode(decode(encode(Command.REGISTER, body, [b"pickled"])))
+    assert isinstance(register, messages.Register) and register.blob == b"pickled"
+    assert messages.encode(register) == body  # the blob is a frame, not a field
 
 
 def required(command: Command) -> list[str]:

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_state import ready, split
+from tests.test_state import nested, ready, record, split
 from zloader._defaults import SLICE_SECONDS
 from zloader.broker import placement, pool
 from zloader.broker.state import State
 from zloader.journal import Journal
-from zloader.transport.protocol import Command, Message, ProtocolError
+from zloader.transport.protocol import Command, ProtocolError
 
 
 def claim(job: str, held: int, weight: float = 1.0, wants: int = pool.UNBOUNDED,
@@ -104,22 +104,22 @@ def test_static_jobs_and_workers_that_cannot_run_a_job_do_not_move():
 def register(state: State, consumer: str, now: float = 0.0, weight: float = 1.0,
              exactly_once: bool = False, fingerprint: str | None = None, splits: int = 8,
              sharding: str = "dynamic"):
-    return state.register(consumer.encode(), Message(Command.REGISTER, {
+    return state.register(consumer.encode(), record(Command.REGISTER, nested({
         "consumer": consumer, "fingerprint": fingerprint or consumer * 64,
         "job_name": None, "sharding": sharding, "deterministic": False, "num_workers": 0,
         "on_error": "raise", "host_id": "h/boot/ns", "pid": 1, "weight": weight,
         "exactly_once": exactly_once,
-        "source": {"num_splits": splits, "shuffle_splits": False, "seed": None}},
+        "source": {"num_splits": splits, "shuffle_splits": False, "seed": None}}),
         [b"pipeline"]), now)
 
 
 def epoch(state: State, consumer: str, now: float, number: int = 0):
-    return state.epoch_started(consumer.encode(), Message(Command.EPOCH, {"epoch": number}),
+    return state.epoch_started(consumer.encode(), record(Command.EPOCH, {"epoch": number}),
                                now)
 
 
 def beat(state: State, consumer: str, now: float, active: int = 1, wait: float = 0.0):
-    return state.consumer_heartbeat(consumer.encode(), now, Message(Command.HEARTBEAT, {
+    return state.consumer_heartbeat(consumer.encode(), now, record(Command.HEARTBEAT, {
         "stats": {"elements": 0, "wait_seconds": wait, "active": active}}))
 
 

@@ -2,14 +2,37 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from zloader.broker.state import KILLS_TO_FAIL, State
+from zloader.options import JobOptions
+from zloader.transport import messages
 from zloader.transport.protocol import Command, Message, ProtocolError
 
 
+def record(command: Command, body: dict, payload: list | tuple = ()) -> messages.Record:
+    """The record of a message, as the broker loop decodes it before calling a handler."""
+    return messages.decode(Message(command, body, list(payload)))
+
+
+def nested(body: dict) -> dict:
+    """A REGISTER body written with the job's options beside the consumer's fields, as
+    the wire has it: those options in one ``options`` object (the defaults of
+    :class:`JobOptions` for any not given), ``coordinated`` as ``options.num_consumers``
+    and the consumer's ``consumer_index``."""
+    names = {f.name for f in dataclasses.fields(JobOptions)}
+    options = {**JobOptions().to_body(), **{k: v for k, v in body.items() if k in names}}
+    rest = {k: v for k, v in body.items() if k not in names and k != "coordinated"}
+    if body.get("coordinated"):
+        options["num_consumers"] = body["coordinated"]["size"]
+        rest["consumer_index"] = body["coordinated"]["index"]
+    return {**rest, "options": options}
+
+
 def ready(state: State, name: str, now: float = 0.0, prefer: str | None = None):
-    return state.worker_ready(name.encode(), Message(Command.READY, {
+    return state.worker_ready(name.encode(), record(Command.READY, {
         "worker": name, "host": "h", "host_id": "h/boot/ns", "pid": 100 + len(state.workers),
         "endpoint": f"ipc:///tmp/{name}", "prefer": prefer}), now)
 
@@ -17,16 +40,16 @@ def ready(state: State, name: str, now: float = 0.0, prefer: str | None = None):
 def register(state: State, consumer: str, now: float = 0.0, job_name: str | None = None,
              fingerprint: str = "f" * 64, sharding: str = "dynamic", splits: int = 4,
              num_workers: int = 0):
-    return state.register(consumer.encode(), Message(Command.REGISTER, {
+    return state.register(consumer.encode(), record(Command.REGISTER, nested({
         "consumer": consumer, "fingerprint": fingerprint, "job_name": job_name,
         "sharding": sharding, "deterministic": False, "num_workers": num_workers,
         "on_error": "raise", "host_id": "h/boot/ns", "pid": 1,
-        "source": {"num_splits": splits, "shuffle_splits": False, "seed": None}},
+        "source": {"num_splits": splits, "shuffle_splits": False, "seed": None}}),
         [b"pipeline"]), now)
 
 
 def split(state: State, worker: str, task: str, key=(0,), now: float = 0.0):
-    (out,) = state.split_request(worker.encode(), Message(Command.SPLIT_REQ, {
+    (out,) = state.split_request(worker.encode(), record(Command.SPLIT_REQ, {
         "task": task, "pass": list(key)}), now)
     assert out.command is Command.SPLIT
     return out.body["split"]
@@ -130,7 +153,7 @@ def test_static_jobs_take_at_most_their_width():
 def test_malformed_bodies_raise_protocol_error():
     state = State()
     with pytest.raises(ProtocolError, match="worker"):
-        state.worker_ready(b"x", Message(Command.READY, {"worker": 3}), 0.0)
+        state.worker_ready(b"x", record(Command.READY, {"worker": 3}), 0.0)
     with pytest.raises(ProtocolError, match="sharding"):
         register(state, "c1", sharding="sideways")
 
@@ -163,24 +186,24 @@ def test_requeued_splits_of_a_pass_others_left_behind_are_served_in_later_passes
 
 
 def coordinated(state: State, consumer: str, index: int, size: int = 2, now: float = 0.0):
-    return state.register(consumer.encode(), Message(Command.REGISTER, {
+    return state.register(consumer.encode(), record(Command.REGISTER, nested({
         "consumer": consumer, "fingerprint": "f" * 64, "job_name": "sync",
         "sharding": "dynamic", "deterministic": False, "num_workers": 0,
         "on_error": "raise", "host_id": "h/boot/ns", "pid": 7,
         "coordinated": {"size": size, "index": index},
-        "source": {"num_splits": 4, "shuffle_splits": False, "seed": None}},
+        "source": {"num_splits": 4, "shuffle_splits": False, "seed": None}}),
         [b"pipeline"]), now)
 
 
 def ask_round(state: State, worker: str, task: str, members: list[str], epoch: int = 0):
-    (out,) = state.round_request(worker.encode(), Message(Command.ROUND_REQ, {
+    (out,) = state.round_request(worker.encode(), record(Command.ROUND_REQ, {
         "task": task, "epoch": epoch, "members": members}), 0.0)
     assert out.command is Command.ROUND
     return out.body["round"]
 
 
 def received(state: State, consumer: str, rounds: list[int], epoch: int = 0):
-    return state.rounds_received(consumer.encode(), Message(Command.RECEIVED, {
+    return state.rounds_received(consumer.encode(), record(Command.RECEIVED, {
         "epoch": epoch, "rounds": rounds}), 0.0)
 
 
@@ -321,11 +344,11 @@ def test_a_broker_stall_expires_nobody_and_a_fence_asks_live_consumers_again():
     state = State(heartbeat=1.0)  # expiry 3 s
     ready(state, "w1")
     ready(state, "w2")
-    out = state.register(b"c1", Message(Command.REGISTER, {
+    out = state.register(b"c1", record(Command.REGISTER, nested({
         "consumer": "c1", "fingerprint": "f" * 64, "job_name": None, "sharding": "dynamic",
         "deterministic": False, "num_workers": 0, "on_error": "raise", "host_id": "h/boot/ns",
         "pid": 1, "exactly_once": True,
-        "source": {"num_splits": 4, "shuffle_splits": False, "seed": None}}, [b"p"]), 0.0)
+        "source": {"num_splits": 4, "shuffle_splits": False, "seed": None}}), [b"p"]), 0.0)
     tasks = tasks_by_worker(out)
     assert split(state, "w1", tasks["w1"]) == 0
     state.stalled(5.0, 5.5)  # the broker was stopped from 0.5 s to 5.5 s
@@ -347,7 +370,7 @@ def test_a_broker_stall_expires_nobody_and_a_fence_asks_live_consumers_again():
     assert job.fences, "a live consumer's answer was not waited for"
     (listed,) = state.job_view(job)["fences"]
     assert listed["waiting"] == ["c1"]  # asked again in every view
-    state.delivered(b"c1", Message(Command.DELIVERED, {
+    state.delivered(b"c1", record(Command.DELIVERED, {
         "job": job.id, "fence": listed["id"], "splits": [[[0], 0, {"all": True}]]}), now)
     assert not job.fences and not job.passes[(0,)].requeued  # it held split 0 whole
 
@@ -355,7 +378,7 @@ def test_a_broker_stall_expires_nobody_and_a_fence_asks_live_consumers_again():
 def test_exactly_once_is_one_rule_for_dynamic_jobs_without_share_order_or_rounds():
     """A job runs exactly-once when its Loader asks and it is dynamic, not shared,
     balanced, coordinated or deterministic: one named function (what REGISTER applies)."""
-    from zloader.broker.fields import exactly_once
+    from zloader.lineage import exactly_once
 
     plain = {"requested": True, "sharding": "dynamic", "shared": False,
              "deterministic": False, "coordinated": False, "balanced": 0}
@@ -366,9 +389,10 @@ def test_exactly_once_is_one_rule_for_dynamic_jobs_without_share_order_or_rounds
         assert not exactly_once(**{**plain, **change}), change
     state = State()
     ready(state, "w1")
-    out = state.register(b"c1", Message(Command.REGISTER, {
+    out = state.register(b"c1", record(Command.REGISTER, nested({
         "consumer": "c1", "fingerprint": "f" * 64, "job_name": None, "sharding": "dynamic",
         "deterministic": False, "num_workers": 0, "on_error": "raise", "host_id": "h/boot/ns",
         "pid": 1, "exactly_once": True, "balanced": 2,
-        "source": {"num_splits": 4, "shuffle_splits": False, "seed": None}}, [b"p"]), 0.0)
-    assert next(o.body["track"] for o in out if o.command is Command.TASK) is False
+        "source": {"num_splits": 4, "shuffle_splits": False, "seed": None}}), [b"p"]), 0.0)
+    assert next(o.body["options"]["exactly_once"] for o in out
+                if o.command is Command.TASK) is False

@@ -106,9 +106,9 @@ def test_the_broker_drops_a_worker_its_consumer_reports_stuck_and_checks_the_rep
     (malformed: ignored); a malformed ``HEARTBEAT.stuck`` is refused; a report naming
     another task changes nothing; a valid one releases the worker, drops it and hands its
     split to the other worker."""
-    from tests.test_state import ready, register, split, tasks_by_worker
+    from tests.test_state import ready, record, register, split, tasks_by_worker
     from zloader.broker.state import State
-    from zloader.transport.protocol import Command, Message, ProtocolError
+    from zloader.transport.protocol import Command, ProtocolError
 
     state = State()
     ready(state, "w1")
@@ -116,14 +116,14 @@ def test_the_broker_drops_a_worker_its_consumer_reports_stuck_and_checks_the_rep
     tasks = tasks_by_worker(register(state, "c1", splits=4))
     assert split(state, "w1", tasks["w1"]) == 0
     for doing in ({"epoch": 0, "split": 0, "stage": "pipeline"}, {"stage": "rm -rf"}):
-        state.worker_heartbeat(b"w1", Message(Command.HEARTBEAT, {"stats": {},
+        state.worker_heartbeat(b"w1", record(Command.HEARTBEAT, {"stats": {},
                                                                   "doing": doing}), 1.0)
         (view,) = state.consumer_heartbeat(b"c1", 1.0)
         entry = next(w for w in view.body["workers"] if w["worker"] == "w1")
         assert entry.get("doing") == (doing if "epoch" in doing else None)
 
     def report(stuck):
-        return state.consumer_heartbeat(b"c1", 2.0, Message(Command.HEARTBEAT,
+        return state.consumer_heartbeat(b"c1", 2.0, record(Command.HEARTBEAT,
                                                             {"stuck": stuck}))
 
     with pytest.raises(ProtocolError, match="stuck"):

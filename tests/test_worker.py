@@ -20,6 +20,7 @@ import zmq
 from tests.service import read_together, start_broker, status, stop, wait_for
 from zloader import Loader, Pipeline
 from zloader.codec import decode
+from zloader.options import JobOptions
 from zloader.plan import plan
 from zloader.worker import WorkerProcess
 from zloader.worker.producer import LinkKind, Producer, ProducerSpec
@@ -176,9 +177,9 @@ def producer_link(pipeline: Pipeline, sharding: str, **options: Any
     link = context.socket(zmq.PAIR)
     link.setsockopt(zmq.LINGER, 0)
     link.bind("inproc://producer-test")
-    spec = ProducerSpec(plan=plan(pipeline), sharding=sharding, index=0, width=1,
-                        skip_errors=False, entropy=1, track=False, one_per_record=True,
-                        round_size=1)
+    # one element per record (a balanced job's), no origins, errors raised
+    spec = ProducerSpec(plan=plan(pipeline), options=JobOptions(sharding=sharding, balanced=1),
+                        index=0, width=1, entropy=1)
     pool = threading.Semaphore(0)
     producer = Producer(context, "inproc://producer-test", spec, 0, pool, threading.Event(),
                         **options)

@@ -356,8 +356,12 @@ SLICE_SECONDS = 1.0
 """A worker pool with more hungry jobs than workers time-slices: a job with no worker takes
 one that has served another job this long (fixed)."""
 
+MAX_FANOUT = 1 << 16
+"""``JobOptions.balanced`` and ``num_consumers`` (``Loader(balanced=, num_consumers=)``):
+at most this many consumers."""
+
 WEIGHT_RANGE = (0.001, 1000.0)
-"""``Loader(weight=)``, ``REGISTER.weight``: a job's share of the pool relative to other
+"""``Loader(weight=)``, ``REGISTER.options.weight``: a job's share of the pool relative to other
 jobs' lies in this range (docs/pool.md)."""
 
 HUNGRY_STARVATION = 0.02

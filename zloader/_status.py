@@ -8,7 +8,7 @@ import zmq
 
 from zloader.transport import messages
 from zloader.transport.keys import Keys
-from zloader.transport.protocol import Command, decode, encode
+from zloader.transport.protocol import decode, encode
 from zloader.transport.sockets import make_socket
 
 __all__ = ["Unanswered", "fetch_status"]
@@ -30,7 +30,8 @@ def fetch_status(broker: str, keys: Keys | None, timeout: float) -> dict[str, An
     sock = make_socket(context, zmq.DEALER, keys)
     try:
         sock.connect(broker)
-        sock.send_multipart(encode(Command.STATUS, {}))
+        status = messages.Status()
+        sock.send_multipart(encode(status.COMMAND, messages.encode(status)))
         if not sock.poll(int(timeout * 1000)):
             raise Unanswered(
                 f"no answer from {broker} within {timeout:.0f} s (is zloader-broker running "

@@ -11,10 +11,12 @@ killed process loses nothing it acknowledged; an operating-system crash may lose
 lines (they are not fsync'ed). When a job is collected the journal is rewritten without
 it, so it does not grow without bound.
 
-The first line names the journal's schema version, ``{"e": "journal", "version": 1}``
-(:data:`VERSION`; a journal from before versions has none and is read as version 1). A
+The first line names the journal's schema version, ``{"e": "journal", "version": 2}``
+(:data:`VERSION`; a journal from before versions has none and is of version 1). A
 broker refuses a journal of a version it does not know (:class:`JournalVersionError`, naming
-the work dir) rather than misread it.
+the work dir) rather than misread it. Version 2: a job's ``options`` are its whole
+``JobOptions`` (zloader/options.py; a shared job's window in ``options.share``, no
+``share`` event).
 
 Replay trusts nothing it reads: a torn line, one that is not UTF-8 JSON, or an event whose
 fields are missing or of the wrong type (:data:`EVENTS` lists each event's fields) is
@@ -41,7 +43,7 @@ __all__ = ["VERSION", "Journal", "JournalVersionError", "WorkDirError", "work_di
 
 log = logging.getLogger("zloader.broker")
 
-VERSION = 1
+VERSION = 2
 """The schema of the events below; bump it when an event changes shape or meaning."""
 
 Check = Callable[[Any], bool]
@@ -99,13 +101,14 @@ def _origins(value: Any) -> bool:
 
 
 def _options(value: Any) -> bool:
-    """A job's options (``zloader.broker.jobs.register``)."""
+    """A job's options: the body of its ``JobOptions`` (zloader/options.py, which checks
+    each field again when the job is replayed)."""
     return (isinstance(value, dict) and _text(value.get("sharding"))
             and _flag(value.get("deterministic")) and _text(value.get("on_error"))
-            and _count(value.get("num_workers"))
-            and all(_count(value.get(name, 0)) for name in ("balanced", "num_consumers"))
-            and _flag(value.get("exactly_once", False))
-            and _weight(value.get("weight", 1.0)))
+            and all(_count(value.get(name))
+                    for name in ("num_workers", "balanced", "num_consumers"))
+            and _optional(_object)(value.get("share"))
+            and _flag(value.get("exactly_once")) and _weight(value.get("weight")))
 
 
 def _weight(value: Any) -> bool:
@@ -121,7 +124,6 @@ EVENTS: dict[str, dict[str, Check]] = {
     "job": {"id": _text, "fingerprint": _text, "name": _optional(_text), "options": _options,
             "num_splits": _count, "shuffle_splits": _flag, "seed": _optional(_integer),
             "width": _count, "source_data": _optional(_object), "entropy": _integer},
-    "share": {"job": _text, "share": _object},
     "rounds": {"job": _text, "size": _count},
     "task": {"job": _text, "task": _text, "worker": _text, "index": _count},
     "split": {"job": _text, "pass": _key, "split": _count, "worker": _text,
@@ -221,19 +223,30 @@ class Journal:
         if info.st_size == 0:
             self.record(_HEADER)
             return
-        with open(self.path, "rb") as f:
-            first = f.readline(4096)
-        try:
-            header = json.loads(first)
-        except Exception:  # a torn or corrupt first line: replay skips it
-            return
-        if well_formed(header) and header["e"] == "journal" \
-                and header["version"] != VERSION:
+        version = self._version()
+        if version is not None and version != VERSION:
             raise JournalVersionError(
-                f"the journal in work dir {self.root} is of version {header['version']}; "
+                f"the journal in work dir {self.root} is of version {version}; "
                 f"this zloader reads version {VERSION}: run the zloader that wrote it, or "
                 "give zloader-broker another --work-dir (or move that journal away to "
                 "start its jobs over)")
+
+    def _version(self) -> int | None:
+        """The version its first version line names (a torn or corrupt line may come
+        before it); 1 for a journal of events without one (from before versions); None
+        for one with no event it can read."""
+        events = False
+        with open(self.path, "rb") as f:
+            for line in f:
+                try:
+                    event = json.loads(line)
+                except Exception:  # a torn or corrupt line: replay skips it
+                    continue
+                if well_formed(event):
+                    if event["e"] == "journal":
+                        return int(event["version"])
+                    events = True
+        return 1 if events else None
 
     def _open(self) -> int:
         """The journal opened to append, mode 0600 (made so if it was not)."""

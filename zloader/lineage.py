@@ -43,7 +43,7 @@ def exactly_once(requested: bool, sharding: str, shared: bool, deterministic: bo
     leaves loses and repeats nothing, docs/reliability.md).
 
     Args:
-        requested: the Loader asked for it (``REGISTER.exactly_once``).
+        requested: the Loader asked for it (``REGISTER.options.exactly_once``).
         sharding: the job's sharding mode; only ``"dynamic"`` can re-hand splits.
         shared: the job is shared by trainers (``share``).
         deterministic: its elements come in a fixed order.

@@ -40,6 +40,7 @@ from zloader.client.arguments import (
 from zloader.client.packing import check_exposure, pack
 from zloader.errors import WorkerExited
 from zloader.lineage import exactly_once as exactly_once_applies
+from zloader.options import JobOptions
 from zloader.pipeline import Pipeline
 from zloader.plan import plan
 from zloader.sharing.options import DEFAULT_BLOCK_SECONDS
@@ -197,6 +198,14 @@ class Loader:
             raise ValueError("num_workers must be >= 1 in embedded mode (broker=None); "
                              "for an in-process run iterate the pipeline itself")
         choice("start_method", start_method, START_METHODS)
+        # The job's options, built once: they travel whole from here (zloader/options.py).
+        options = JobOptions(
+            sharding="static" if deterministic and sharding == "dynamic" else sharding,
+            deterministic=self._deterministic, on_error=on_error,
+            num_workers=workers if width is None else width,
+            balanced=_check.integer("balanced", balanced, 0),
+            num_consumers=coordinated[0] if coordinated else 0, share=self._share,
+            exactly_once=self._exactly_once, weight=float(weight))
         # Forked workers run the pipeline as it is in this process: nothing to pickle when
         # they are the only ones (embedded). Others get it pickled: in the REGISTER message
         # when small, else served from this Loader (docs/protocol.md, FETCH).
@@ -230,17 +239,14 @@ class Loader:
             source = pipeline.source
             self._io = IOThread(
                 address, blob, fingerprint=pipeline.fingerprint, job_name=job_name,
-                sharding="static" if deterministic and sharding == "dynamic" else sharding,
-                deterministic=self._deterministic,
-                num_workers=workers if width is None else width, on_error=on_error,
+                options=options,
                 source={"num_splits": source.num_splits, "shuffle_splits": source.shuffle_splits,
                         "seed": source.seed},
                 prefetch=prefetch, use_rings=transport == "auto", ring_bytes=ring_bytes,
                 served=served,
                 data_bind=f"ipc://{self._dir}/source" if embedded else None,
-                balanced=_check.integer("balanced", balanced, 0), share=self._share,
-                coordinated=coordinated, keys=self._keys, exactly_once=self._exactly_once,
-                resume=resume, timeout=self._timeout, weight=float(weight))
+                consumer_index=coordinated[1] if coordinated else None, keys=self._keys,
+                resume=resume, timeout=self._timeout)
             self._merger = Merger(self._io, timeout=self._timeout,
                                   deterministic=self._deterministic, max_skipped=max_skipped,
                                   deaths=functools.partial(_deaths, self._processes,

@@ -10,18 +10,17 @@ from typing import Any
 
 from zloader.broker.records import Job, Out, Tables
 from zloader.rounds import Rounds
-from zloader.transport.protocol import Command, Message
+from zloader.transport.messages import Received, RoundReq
+from zloader.transport.protocol import Command
 
 __all__ = ["announce", "round_request", "round_status", "rounds_received"]
 
 
-def round_request(state: Tables, identity: bytes, msg: Message, now: float) -> list[Out]:
+def round_request(state: Tables, identity: bytes, msg: RoundReq, now: float) -> list[Out]:
     """ROUND_REQ: a worker has a round's elements ready: number it (or refuse, ``round``
     null)."""
     worker = state.worker_at(identity)
-    task = msg.field("task", str)
-    epoch = msg.field("epoch", int)
-    members = msg.field("members", list)
+    task, epoch, members = msg.task, msg.epoch, list(msg.members)
     job = state.job_of(task)
     if worker is None or job is None or job.rounds is None or worker.task != task:
         return [Out(identity, Command.ROUND, {"task": task, "epoch": epoch, "round": None})]
@@ -29,15 +28,14 @@ def round_request(state: Tables, identity: bytes, msg: Message, now: float) -> l
     return [Out(identity, Command.ROUND, {"task": task, "epoch": epoch, "round": number})]
 
 
-def rounds_received(state: Tables, identity: bytes, msg: Message, now: float) -> list[Out]:
+def rounds_received(state: Tables, identity: bytes, msg: Received, now: float) -> list[Out]:
     """RECEIVED: a consumer received its elements of some rounds: commit the complete
     ones."""
     consumer = state.consumer_at(identity)
     job = state.jobs.get(consumer.job) if consumer is not None else None
     if consumer is None or job is None or job.rounds is None:
         return []
-    epoch = msg.field("epoch", int)
-    numbers = [n for n in msg.field("rounds", list) if isinstance(n, int)]
+    epoch, numbers = msg.epoch, list(msg.rounds)
     if job.rounds.index_of(consumer.id) is None:
         return []
     committed, again = job.rounds.got(consumer.id, epoch, numbers)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections.abc import Sequence
 from typing import Any
 
 from zloader.broker import coordinated, history, jobs, splits, status
@@ -24,7 +25,8 @@ from zloader.broker.records import (
     Worker,
 )
 from zloader.lineage import merge_info
-from zloader.transport.protocol import Command, Message, ProtocolError
+from zloader.transport.messages import Delivered, TaskFailed
+from zloader.transport.protocol import Command, ProtocolError
 
 __all__ = ["complete_fences", "delivered", "drop_worker", "give_up", "leave", "reread",
            "stalled", "stuck", "task_failed"]
@@ -32,12 +34,12 @@ __all__ = ["complete_fences", "delivered", "drop_worker", "give_up", "leave", "r
 log = logging.getLogger("zloader.broker")
 
 
-def task_failed(state: Tables, identity: bytes, msg: Message, now: float) -> list[Out]:
+def task_failed(state: Tables, identity: bytes, msg: TaskFailed, now: float) -> list[Out]:
     """TASK_FAILED: the job's pipeline raised; the job fails, its workers are released."""
-    job = state.job_of(msg.field("task", str))
+    job = state.job_of(msg.task)
     if job is None:
         return []
-    error = msg.field("error", dict)
+    error = msg.error
     job.error = {k: str(error.get(k, "")) for k in ("stage", "exc_type", "builtin",
                                                     "message", "traceback", "context")}
     history.record(state, {"e": "failed", "job": job.id, "error": job.error})
@@ -104,25 +106,17 @@ def leave(state: Tables, worker: Worker, job: Job, task: str, died: bool, now: f
     return out
 
 
-def stuck(state: Tables, job: Job, consumer: Consumer, reports: list[Any],
-          now: float) -> list[Out]:
+def stuck(state: Tables, job: Job, consumer: Consumer,
+          reports: Sequence[dict[str, Any]], now: float) -> list[Out]:
     """A consumer got nothing from these workers of its job for its ``timeout`` though
     they held its credits (``HEARTBEAT.stuck``): each is alive (it heartbeats) but its
     user code is blocked. It is told to drop the task (``RELEASE``; a worker whose
     producer does not stop replaces its process) and dropped from the broker as if it
     had died: its splits go to the other workers, exactly once for an exactly-once job
     (a :class:`Fence`), and a split that wedges ``KILLS_TO_FAIL`` workers is reported.
-
-    Raises:
-        ProtocolError: a report is not ``{worker, task, seconds}``.
-    """
+    The reports are ``{worker, task, seconds}``, checked by the HEARTBEAT record."""
     out: list[Out] = []
     for report in reports:
-        if not (isinstance(report, dict) and isinstance(report.get("worker"), str)
-                and isinstance(report.get("task"), str)
-                and isinstance(report.get("seconds"), (int, float))
-                and not isinstance(report.get("seconds"), bool)):
-            raise ProtocolError("HEARTBEAT.stuck must list {worker, task, seconds}")
         worker = state.workers.get(report["worker"])
         if worker is None or worker.task != report["task"] \
                 or job.tasks.get(report["task"]) != worker.id:
@@ -136,7 +130,8 @@ def stuck(state: Tables, job: Job, consumer: Consumer, reports: list[Any],
     return out
 
 
-def reread(state: Tables, job: Job, consumer: Consumer, entries: list[Any]) -> None:
+def reread(state: Tables, job: Job, consumer: Consumer,
+           entries: Sequence[tuple[PassKey, int, dict[str, Any]]]) -> None:
     """The job's only consumer ended an epoch short (``HEARTBEAT.reread``): records of
     these splits never reached it (unmapped segments a worker unlinked while it was
     stalled, records taken by another peer with its token). Hand each out again, less
@@ -145,18 +140,13 @@ def reread(state: Tables, job: Job, consumer: Consumer, entries: list[Any]) -> N
     and holds no fence or re-queue for are taken.
 
     Raises:
-        ProtocolError: an entry is not ``[pass, split, info]``.
+        ProtocolError: an entry's info is not one (zloader/lineage.py).
     """
     if not job.track or len(job.consumers | set(job.silent)) != 1:
         return  # with several consumers none can tell alone what is missing
     fenced = {at for fence in job.fences.values() for at in fence.splits}
     read: dict[int, dict[PassKey, set[int]]] = {}  # by epoch
-    for entry in entries:
-        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], list)
-                and entry[0] and all(isinstance(k, int) and k >= 0 for k in entry[0])
-                and isinstance(entry[1], int) and isinstance(entry[2], dict)):
-            raise ProtocolError("HEARTBEAT.reread: each entry must be [pass, split, info]")
-        key, split = tuple(entry[0]), entry[1]
+    for key, split, info in entries:
         if key[0] not in read:
             read[key[0]] = splits.read_splits(job, key[0])
         if split not in read[key[0]].get(key, set()) \
@@ -164,7 +154,7 @@ def reread(state: Tables, job: Job, consumer: Consumer, entries: list[Any]) -> N
                 or any(split in p.requeued for k, p in job.passes.items() if k[0] == key[0]):
             continue
         try:
-            skip = splits.skip(merge_info(None, entry[2]))
+            skip = splits.skip(merge_info(None, info))
         except ValueError as exc:
             raise ProtocolError(f"HEARTBEAT.reread: {exc}") from None
         log.warning("consumer %s ended epoch %d of job %s without all of split %d (pass "
@@ -172,23 +162,20 @@ def reread(state: Tables, job: Job, consumer: Consumer, entries: list[Any]) -> N
         splits.requeue(state, job, key, split, skip)
 
 
-def delivered(state: Tables, identity: bytes, msg: Message, now: float) -> list[Out]:
+def delivered(state: Tables, identity: bytes, msg: Delivered, now: float) -> list[Out]:
     """DELIVERED: a consumer says which elements of a dead worker's splits it holds (and
     that it reads nothing more from that worker)."""
     consumer = state.consumer_at(identity)
     job = state.jobs.get(consumer.job) if consumer is not None else None
-    fence = job.fences.get(msg.field("fence", str)) if job is not None else None
+    fence = job.fences.get(msg.fence) if job is not None else None
     if consumer is None or job is None or fence is None or consumer.id not in fence.waiting:
         return []
     wanted = set(fence.splits)
-    for entry in msg.field("splits", list):
-        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], list)
-                and isinstance(entry[1], int) and isinstance(entry[2], dict)):
-            raise ProtocolError("DELIVERED: each split must be [pass, split, info]")
-        at = (tuple(entry[0]), entry[1])
+    for key, split, info in msg.splits:
+        at = (key, split)
         if at in wanted:
             try:
-                fence.replies[at] = merge_info(fence.replies.get(at), entry[2])
+                fence.replies[at] = merge_info(fence.replies.get(at), info)
             except ValueError as exc:
                 raise ProtocolError(f"DELIVERED: {exc}") from None
     fence.waiting.discard(consumer.id)

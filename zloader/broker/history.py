@@ -10,8 +10,8 @@ from collections import deque
 from typing import Any
 
 from zloader.broker import failures, jobs, splits
-from zloader.broker.fields import pipeline_ref
-from zloader.broker.records import SHARDING_MODES, Job, Out, Pass, Tables, Worker
+from zloader.broker.records import Job, Out, Pass, Tables, Worker
+from zloader.options import JobOptions
 from zloader.rounds import Rounds
 from zloader.transport.protocol import Command
 
@@ -104,16 +104,12 @@ def _apply_job(state: Tables, event: dict[str, Any], now: float) -> None:
     blob = state.journal.load_pipeline(event["id"]) if state.journal else None
     if blob is None:
         return
-    options = event["options"]
-    if options["sharding"] not in SHARDING_MODES:
-        raise ValueError(f"unknown sharding {options['sharding']!r}")
     state.jobs[event["id"]] = Job(
-        event["id"], event["fingerprint"], event["name"], options["sharding"],
-        options["deterministic"], options["on_error"], options, blob,
+        event["id"], event["fingerprint"], event["name"],
+        JobOptions.from_body(event["options"]), blob,  # Wrong: the line is skipped
         event["num_splits"], event["shuffle_splits"], event["seed"], event["width"],
         event["source_data"], event["entropy"], now,
-        track=bool(options.get("exactly_once")),
-        pipeline=pipeline_ref(event.get("pipeline"), blob))
+        pipeline=dict(event["pipeline"]) if event.get("pipeline") else None)
 
 
 def _apply_to_job(state: Tables, job: Job, event: dict[str, Any], now: float) -> None:
@@ -124,8 +120,6 @@ def _apply_to_job(state: Tables, job: Job, event: dict[str, Any], now: float) ->
         if worker is not None and event["task"] in job.tasks:
             failures.leave(state, worker, job, event["task"], False, now,
                            requeue=not event.get("fenced"), stays=True)
-    elif kind == "share":
-        job.share = event["share"]
     elif kind == "rounds":
         job.rounds = Rounds(int(event["size"]))
     elif kind == "task":
@@ -171,8 +165,6 @@ def snapshot(state: Tables) -> list[dict[str, Any]]:
     events: list[dict[str, Any]] = [worker_event(w) for w in state.workers.values()]
     for job in state.jobs.values():
         events.append(job_event(job))
-        if job.share is not None:
-            events.append({"e": "share", "job": job.id, "share": job.share})
         if job.rounds is not None:
             events.append({"e": "rounds", "job": job.id, "size": job.rounds.size})
         events.append({"e": "epoch", "job": job.id, "epoch": job.epoch})
@@ -205,6 +197,6 @@ def worker_event(worker: Worker) -> dict[str, Any]:
 def job_event(job: Job) -> dict[str, Any]:
     """The event that records a job's creation."""
     return {"e": "job", "id": job.id, "fingerprint": job.fingerprint, "name": job.name,
-            "options": job.options, "num_splits": job.num_splits,
+            "options": job.options.to_body(), "num_splits": job.num_splits,
             "shuffle_splits": job.shuffle_splits, "seed": job.seed, "width": job.width,
             "source_data": job.source_data, "entropy": job.entropy, "pipeline": job.pipeline}

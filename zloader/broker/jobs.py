@@ -12,53 +12,36 @@ from zloader._defaults import COMPACT_LINES
 from zloader.broker import (
     coordinated,
     failures,
-    fields,
     history,
     peers,
     placement,
     splits,
     status,
 )
-from zloader.broker.records import FENCE_GRACE, SHARDING_MODES, Consumer, Job, Out, Tables
+from zloader.broker.records import FENCE_GRACE, INHERITED, Consumer, Job, Out, Tables
 from zloader.lineage import Ledger, pack
+from zloader.options import JobOptions
 from zloader.rounds import Rounds
 from zloader.sharing.options import KEY_OPTIONS
-from zloader.transport.protocol import Command, Message, ProtocolError
+from zloader.transport.messages import Epoch, Register
+from zloader.transport.protocol import Command, ProtocolError
 
 __all__ = ["bye", "drop_consumer", "epoch_started", "register", "release", "resume", "tick"]
 
 log = logging.getLogger("zloader.broker")
 
 
-def register(state: Tables, identity: bytes, msg: Message, now: float) -> list[Out]:
+def register(state: Tables, identity: bytes, msg: Register, now: float) -> list[Out]:
     """REGISTER: a consumer joins the job its pipeline and options name (a new one, a
     shared one with the same fingerprint, the one of its ``job_name``, or the one it had
     before a restart); answered with the job's view, last."""
-    consumer_id = msg.field("consumer", str)
-    fingerprint = msg.field("fingerprint", str)
-    name = msg.field("job_name", str, optional=True)
-    sharding = msg.field("sharding", str)
-    if sharding not in SHARDING_MODES:
-        raise ProtocolError(f"REGISTER: unknown sharding {sharding!r}")
-    if not msg.payload:
-        raise ProtocolError("REGISTER: missing the pipeline payload")
-    source = msg.field("source", dict)
-    options = {"sharding": sharding,
-               "deterministic": bool(msg.body.get("deterministic", False)),
-               "on_error": str(msg.body.get("on_error", "raise")),
-               "num_workers": msg.field("num_workers", int),
-               "balanced": fields.count(msg.body.get("balanced", 0)),
-               "weight": fields.weight(msg.body.get("weight", 1.0))}
-    share = fields.share(msg.body.get("share"))
-    if share is not None and name:
+    consumer_id, fingerprint, name = msg.consumer, msg.fingerprint, msg.job_name
+    options = msg.options.applied()  # exactly_once as the job would run it
+    if options.shared and name:
         raise ProtocolError("REGISTER: a shared job cannot have a job_name")
-    coordinated_at = fields.coordinated(msg.body.get("coordinated"), name)
-    options["num_consumers"] = coordinated_at[0] if coordinated_at else 0
-    options["exactly_once"] = fields.exactly_once(
-        msg.body.get("exactly_once") is True, sharding, share is not None,
-        options["deterministic"], coordinated_at is not None, options["balanced"])
+    coordinated_at = _place(msg)
     job = _named_job(state, name) if name else None
-    previous = state.jobs.get(str(msg.body.get("job")))  # it registers again (a restart)
+    previous = state.jobs.get(msg.job or "")  # it registers again (a restart)
     known = state.consumers.get(consumer_id)
     if previous is None and known is not None:
         # A REGISTER repeated while the answer was on its way (those a Loader queued
@@ -67,14 +50,13 @@ def register(state: Tables, identity: bytes, msg: Message, now: float) -> list[O
     if previous is not None and previous.fingerprint == fingerprint \
             and previous.error is None:
         job = previous
-    elif share is not None:
+    elif options.shared:
         job = next((j for j in state.jobs.values() if j.share is not None and j.error is None
                     and j.fingerprint == fingerprint
-                    and all(j.options[k] == options[k] for k in KEY_OPTIONS)), None)
+                    and all(getattr(j.options, k) == getattr(options, k)
+                            for k in KEY_OPTIONS)), None)
         if job is None:
-            job = _new_job(state, msg, fingerprint, None, options, source, now)
-            job.share = share
-            history.record(state, {"e": "share", "job": job.id, "share": share})
+            job = _new_job(state, msg, None, options, now)
     elif job is not None:
         mismatch = _mismatch(job, fingerprint, options)
         if mismatch and not job.consumers and job.idle_since is not None:
@@ -84,8 +66,8 @@ def register(state: Tables, identity: bytes, msg: Message, now: float) -> list[O
         if mismatch:
             return [Out(identity, Command.ERROR, {"message": mismatch})]
     else:
-        job = _new_job(state, msg, fingerprint, name, options, source, now)
-        resume(state, job, msg.body.get("resume"))
+        job = _new_job(state, msg, name, options, now)
+        resume(state, job, msg.resume)
         if coordinated_at:
             job.rounds = Rounds(coordinated_at[0])
             history.record(state, {"e": "rounds", "job": job.id, "size": coordinated_at[0]})
@@ -110,7 +92,28 @@ def register(state: Tables, identity: bytes, msg: Message, now: float) -> list[O
     return [*out, *assigned, Out(identity, Command.JOB, view)]
 
 
-def _join(state: Tables, job: Job, identity: bytes, consumer_id: str, msg: Message,
+def _place(msg: Register) -> tuple[int, int] | None:
+    """A coordinated consumer's (num_consumers, consumer_index), or None.
+
+    Raises:
+        ProtocolError: coordinated reads without a ``job_name`` or a ``consumer_index``
+            below ``options.num_consumers``; a ``consumer_index`` without them.
+    """
+    size, index = msg.options.num_consumers, msg.consumer_index
+    if not size:
+        if index is not None:
+            raise ProtocolError("REGISTER: field 'consumer_index' needs "
+                                "options.num_consumers >= 1")
+        return None
+    if index is None or not index < size:
+        raise ProtocolError(f"REGISTER: field 'consumer_index' must be an integer from 0 to "
+                            f"{size - 1} (options.num_consumers {size}), got {index!r}")
+    if not msg.job_name:
+        raise ProtocolError("REGISTER: coordinated reads need a job_name")
+    return size, index
+
+
+def _join(state: Tables, job: Job, identity: bytes, consumer_id: str, msg: Register,
           now: float) -> None:
     """Record the consumer as ``job``'s (one that moved from another job leaves it)."""
     old = state.consumers.get(consumer_id)
@@ -122,8 +125,7 @@ def _join(state: Tables, job: Job, identity: bytes, consumer_id: str, msg: Messa
             if not left.consumers:
                 left.idle_since = now
     state.consumers[consumer_id] = Consumer(consumer_id, identity, job.id,
-                                            msg.field("host_id", str), msg.field("pid", int),
-                                            now)
+                                            msg.host_id, msg.pid, now)
     state.peers[identity] = ("consumer", consumer_id)
     job.consumers.add(consumer_id)
     job.silent.pop(consumer_id, None)
@@ -152,7 +154,7 @@ def resume(state: Tables, job: Job, value: Any) -> None:
                            "delivered": ledger.to_json()})
 
 
-def _replace(state: Tables, job: Job, holder: str, index: int, msg: Message,
+def _replace(state: Tables, job: Job, holder: str, index: int, msg: Register,
              now: float) -> list[Out]:
     """A restarted consumer takes over ``index`` from ``holder``, which is dropped and,
     should it still be alive, refused from now on."""
@@ -161,7 +163,7 @@ def _replace(state: Tables, job: Job, holder: str, index: int, msg: Message,
     where = f"pid {old.pid}" if old is not None else "an earlier consumer"
     job.rounds.replaced[holder] = (
         f"consumer_index {index} of job_name {job.name!r} was taken over by another "
-        f"consumer (pid {msg.body.get('pid')}), as a restarted consumer does; if this "
+        f"consumer (pid {msg.pid}), as a restarted consumer does; if this "
         f"one ({where}) is still meant to run, two consumers were given the same "
         "consumer_index")
     return [Out(o.identity, o.command, {**o.body, "replaced": True}, o.payload)
@@ -173,16 +175,18 @@ def _named_job(state: Tables, name: str) -> Job | None:
     return next((j for j in state.jobs.values() if j.name == name), None)
 
 
-def _mismatch(job: Job, fingerprint: str, options: dict[str, Any]) -> str:
+_MUST_AGREE = ("sharding", "deterministic", "on_error", "balanced", "num_consumers",
+               "exactly_once")
+"""The options every consumer of a named job must give as its first one did."""
+
+
+def _mismatch(job: Job, fingerprint: str, options: JobOptions) -> str:
     """Why a REGISTER for ``job``'s name cannot join it ("" if it can)."""
-    theirs = {"fingerprint": fingerprint, **options}
-    ours = {"fingerprint": job.fingerprint, "sharding": job.sharding,
-            "deterministic": job.deterministic, "on_error": job.on_error,
-            "num_workers": job.options["num_workers"],
-            "balanced": job.options.get("balanced", 0),
-            "num_consumers": job.options.get("num_consumers", 0),
-            "exactly_once": job.track}
-    diff = [k for k in ours if ours[k] != theirs[k] and k != "num_workers"]
+    theirs = {"fingerprint": fingerprint,
+              **{k: getattr(options, k) for k in _MUST_AGREE}}
+    ours = {"fingerprint": job.fingerprint,
+            **{k: getattr(job.options, k) for k in _MUST_AGREE}}
+    diff = [k for k in ours if ours[k] != theirs[k]]
     if not diff:
         return ""
     return (f"job_name {job.name!r} already runs another pipeline or options "
@@ -190,25 +194,39 @@ def _mismatch(job: Job, fingerprint: str, options: dict[str, Any]) -> str:
             "use another job_name, or the same pipeline and options")
 
 
-def _new_job(state: Tables, msg: Message, fingerprint: str, name: str | None,
-             options: dict[str, Any], source: dict[str, Any], now: float) -> Job:
-    num_splits = source.get("num_splits")
-    seed = source.get("seed")
-    if not isinstance(num_splits, int) or num_splits < 0:
-        raise ProtocolError("REGISTER: source.num_splits must be an int >= 0")
-    if seed is not None and not isinstance(seed, int):
-        raise ProtocolError("REGISTER: source.seed must be an int or null")
+def _pipeline(msg: Register) -> dict[str, Any] | None:
+    """REGISTER's ``pipeline``: None (the pipeline is the payload), ``{inherited: true}``
+    (embedded: the Loader's forked workers hold it) or ``{endpoint, sha256, bytes}`` (the
+    Loader serves it; docs/protocol.md).
+
+    Raises:
+        ProtocolError: neither a payload nor a reference, or a digest that is not one.
+    """
+    ref = msg.pipeline
+    if ref is None:
+        if not msg.blob:
+            raise ProtocolError("REGISTER: an empty pipeline payload and no 'pipeline' "
+                                "field")
+        return None
+    if ref == INHERITED:
+        return dict(INHERITED)
+    if len(ref["sha256"]) != 64:
+        raise ProtocolError("REGISTER: pipeline.sha256 must be 64 hex digits")
+    return {"endpoint": ref["endpoint"], "sha256": ref["sha256"], "bytes": ref["bytes"]}
+
+
+def _new_job(state: Tables, msg: Register, name: str | None, options: JobOptions,
+             now: float) -> Job:
+    source = msg.source
     live = sum(1 for w in state.workers.values() if w.task is None)
-    width = options["num_workers"] or max(1, live)
-    job = Job(secrets.token_hex(8), fingerprint, name, options["sharding"],
-              options["deterministic"], options["on_error"], options, bytes(msg.payload[0]),
-              num_splits, bool(source.get("shuffle_splits", False)), seed, width,
-              fields.source_data(msg.body.get("source_data")), secrets.randbits(63), now)
-    job.track = options["exactly_once"]
-    job.pipeline = fields.pipeline_ref(msg.body.get("pipeline"), job.blob)
+    width = options.num_workers or max(1, live)
+    job = Job(secrets.token_hex(8), msg.fingerprint, name, options, msg.blob,
+              source["num_splits"], bool(source.get("shuffle_splits", False)),
+              source.get("seed"), width, msg.source_data, secrets.randbits(63), now)
+    job.pipeline = _pipeline(msg)
     job.scaler.cooldown = state.cooldown
-    entropy = msg.body.get("entropy")  # a resumed Loader's: its shuffles draw the same
-    if isinstance(entropy, int) and not isinstance(entropy, bool) and 0 <= entropy < 2**63:
+    entropy = msg.entropy  # a resumed Loader's: its shuffles draw the same
+    if entropy is not None and 0 <= entropy < 2**63:
         job.entropy = entropy
     state.jobs[job.id] = job
     if state.journal is not None:
@@ -217,14 +235,14 @@ def _new_job(state: Tables, msg: Message, fingerprint: str, name: str | None,
     return job
 
 
-def epoch_started(state: Tables, identity: bytes, msg: Message, now: float) -> list[Out]:
+def epoch_started(state: Tables, identity: bytes, msg: Epoch, now: float) -> list[Out]:
     """EPOCH: a consumer starts an epoch; answered with its job's view (for an
     exactly-once job, with the splits of that epoch handed out so far)."""
     consumer = state.consumer_at(identity)
     job = state.jobs.get(consumer.job) if consumer is not None else None
-    epoch = msg.body.get("epoch")
+    epoch = msg.epoch
     out: list[Out] = []
-    if job is not None and isinstance(epoch, int) and not isinstance(epoch, bool):
+    if job is not None and epoch is not None:
         if epoch > job.epoch:
             history.record(state, {"e": "epoch", "job": job.id, "epoch": epoch})
         job.epoch = max(job.epoch, epoch)
@@ -242,7 +260,7 @@ def epoch_started(state: Tables, identity: bytes, msg: Message, now: float) -> l
     out += [o for o in placement.assign(state, now)
             if o.identity != identity or o.command is not Command.JOB]
     answer = peers.consumer_heartbeat(state, identity, now)
-    if job is not None and job.track and isinstance(epoch, int):
+    if job is not None and job.track and epoch is not None:
         for reply in [r for r in answer if r.command is Command.JOB]:
             # what the consumer checks its epoch against
             reply.body["read"] = [[list(key), pack(handed)] for key, handed

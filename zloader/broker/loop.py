@@ -24,7 +24,9 @@ from zloader._defaults import (
 )
 from zloader.broker.state import Out, State
 from zloader.journal import Journal
+from zloader.transport import messages
 from zloader.transport.keys import Keys
+from zloader.transport.messages import Bye, Heartbeat, Record, Status
 from zloader.transport.protocol import (
     Command,
     Message,
@@ -41,22 +43,22 @@ log = logging.getLogger("zloader.broker")
 
 _FROM_ANYONE = {Command.READY, Command.REGISTER, Command.STATUS}
 
-Handler = Callable[[State, bytes, Message, float], list[Out]]
-"""Takes the state, the sender's identity, its message and the time; returns what to
-send."""
+Handler = Callable[[State, bytes, Any, float], list[Out]]
+"""Takes the state, the sender's identity, the record of its message (the one of its
+command, zloader/transport/messages.py) and the time; returns what to send."""
 
 
-def _status(state: State, identity: bytes, msg: Message, now: float) -> list[Out]:
+def _status(state: State, identity: bytes, msg: Status, now: float) -> list[Out]:
     return [Out(identity, Command.STATUS, state.status(now))]
 
 
-def _heartbeat(state: State, identity: bytes, msg: Message, now: float) -> list[Out]:
+def _heartbeat(state: State, identity: bytes, msg: Heartbeat, now: float) -> list[Out]:
     """A worker's or a consumer's: each record notes what concerns it."""
     state.worker_heartbeat(identity, msg, now)
     return state.consumer_heartbeat(identity, now, msg)
 
 
-def _bye(state: State, identity: bytes, msg: Message, now: float) -> list[Out]:
+def _bye(state: State, identity: bytes, msg: Bye, now: float) -> list[Out]:
     return state.bye(identity, now)
 
 
@@ -246,7 +248,8 @@ class Broker:
         handler = HANDLERS.get(command)
         if handler is None:
             raise ProtocolError(f"{command.name} is not a command the broker accepts")
-        return handler(self.state, identity, msg, now)
+        record: Record = messages.decode(msg)  # ProtocolError: refused, see _handle
+        return handler(self.state, identity, record, now)
 
     def _warn(self, identity: bytes, text: str, exc_info: bool = False) -> None:
         """Count a rejected message and log it with its peer, at most once a second (a

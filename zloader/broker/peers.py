@@ -8,10 +8,10 @@ from __future__ import annotations
 from typing import Any
 
 from zloader._defaults import STAGES
-from zloader.broker import coordinated, failures, fields, history, placement, status
+from zloader.broker import coordinated, failures, history, placement, status
 from zloader.broker.records import Consumer, Out, Tables, Worker
-from zloader.forward import valid_lines
-from zloader.transport.protocol import Command, Message, ProtocolError, doing
+from zloader.transport.messages import Heartbeat, Log, Ready
+from zloader.transport.protocol import Command
 
 __all__ = ["consumer_heartbeat", "seen", "worker_heartbeat", "worker_log", "worker_ready"]
 
@@ -27,9 +27,9 @@ def seen(state: Tables, identity: bytes, now: float) -> bool:
     return True
 
 
-def worker_ready(state: Tables, identity: bytes, msg: Message, now: float) -> list[Out]:
+def worker_ready(state: Tables, identity: bytes, msg: Ready, now: float) -> list[Out]:
     """READY: a worker registers, or comes back on a new connection (it keeps its task)."""
-    worker_id = msg.field("worker", str)
+    worker_id = msg.worker
     old = state.workers.get(worker_id)
     if old is not None:  # a reconnect: keep its task, take the new identity
         state.peers.pop(old.identity, None)
@@ -41,15 +41,9 @@ def worker_ready(state: Tables, identity: bytes, msg: Message, now: float) -> li
             # Round numbers sent to its old connection may be lost: it asks again.
             out += coordinated.announce(state, job, {}, job.rounds.lose_worker(worker_id))
         return out
-    endpoint = msg.field("endpoint", str)
-    if not endpoint.startswith(("tcp://", "ipc://")) or len(endpoint) > 1024:
-        raise ProtocolError(f"READY: endpoint must be tcp://HOST:PORT or ipc://PATH, got "
-                            f"{endpoint[:80]!r}")
-    worker = Worker(worker_id, identity, msg.field("host", str), msg.field("host_id", str),
-                    msg.field("pid", int), endpoint,
-                    msg.field("prefer", str, optional=True), now,
-                    plain_data=msg.body.get("plain_data") is True, idle_since=now,
-                    holds=fields.holds(msg.body.get("holds")))
+    worker = Worker(worker_id, identity, msg.host, msg.host_id, msg.pid, msg.endpoint,
+                    msg.prefer, now, plain_data=msg.plain_data, idle_since=now,
+                    holds=frozenset(msg.holds or ()))
     state.workers[worker_id] = worker
     history.record(state, history.worker_event(worker))
     state.peers[identity] = ("worker", worker_id)
@@ -60,12 +54,12 @@ def worker_ready(state: Tables, identity: bytes, msg: Message, now: float) -> li
             *placement.assign(state, now)]
 
 
-def worker_heartbeat(state: Tables, identity: bytes, msg: Message, now: float) -> None:
+def worker_heartbeat(state: Tables, identity: bytes, msg: Heartbeat, now: float) -> None:
     """A worker's HEARTBEAT: its counters (summed into its job's), rate, what its
     producer is doing, and a shared job's trainers' lag."""
     worker = state.worker_at(identity)
-    stats = msg.body.get("stats")
-    if worker is None or not isinstance(stats, dict):
+    stats = msg.stats
+    if worker is None or stats is None:
         return
     elements = stats.get("elements")
     before = worker.stats.get("elements")
@@ -82,7 +76,7 @@ def worker_heartbeat(state: Tables, identity: bytes, msg: Message, now: float) -
                 stats, worker.stats, f"{stage}_seconds")
     worker.stats = {**{k: v for k, v in stats.items() if isinstance(v, (int, float))},
                     "_at": now}
-    worker.doing = doing(msg.body.get("doing"))
+    worker.doing = msg.doing
     trainers = stats.get("trainers")
     worker.trainers = {
         str(c): {k: int(v[k]) for k in ("lag", "skipped") if isinstance(v.get(k), int)}
@@ -90,14 +84,12 @@ def worker_heartbeat(state: Tables, identity: bytes, msg: Message, now: float) -
     } if isinstance(trainers, dict) else {}
 
 
-def worker_log(state: Tables, identity: bytes, msg: Message, now: float) -> list[Out]:
+def worker_log(state: Tables, identity: bytes, msg: Log, now: float) -> list[Out]:
     """Pass what user code printed or logged on a worker to its job's consumers
     (zloader/forward.py); lines of a task the worker no longer runs are dropped."""
     worker = state.worker_at(identity)
-    lines = valid_lines(msg.body.get("lines"))
-    if lines is None:
-        raise ProtocolError("LOG: lines must be a list of at most 500 [level, text] pairs")
-    if worker is None or worker.task is None or msg.field("task", str) != worker.task:
+    lines = [list(line) for line in msg.lines]
+    if worker is None or worker.task is None or msg.task != worker.task:
         return []
     if len(lines) > worker.log_budget.fill(now):  # not one of our workers: dropped
         state.rejected += 1
@@ -111,20 +103,20 @@ def worker_log(state: Tables, identity: bytes, msg: Message, now: float) -> list
 
 
 def consumer_heartbeat(state: Tables, identity: bytes, now: float,
-                       msg: Message | None = None) -> list[Out]:
+                       msg: Heartbeat | None = None) -> list[Out]:
     """A consumer's HEARTBEAT (or None: a JOB view asked for): its stats, the workers it
     reports stuck, the splits it missed; answered with its job's view."""
     consumer = state.consumer_at(identity)
     if consumer is None:
         return []
     job = state.jobs.get(consumer.job)
-    stats = msg.body.get("stats") if msg is not None else None
+    stats = msg.stats if msg is not None else None
     out: list[Out] = []
-    if job is not None and msg is not None and "stuck" in msg.body:
-        out += failures.stuck(state, job, consumer, msg.field("stuck", list), now)
-    if job is not None and msg is not None and "reread" in msg.body:
-        failures.reread(state, job, consumer, msg.field("reread", list))
-    if isinstance(stats, dict):
+    if job is not None and msg is not None and msg.stuck:
+        out += failures.stuck(state, job, consumer, msg.stuck, now)
+    if job is not None and msg is not None and msg.reread:
+        failures.reread(state, job, consumer, msg.reread)
+    if stats is not None:
         stats = {k: v for k, v in stats.items() if isinstance(v, (int, float))
                  and not isinstance(v, bool) and v >= 0}
         if job is not None:

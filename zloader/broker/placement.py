@@ -12,6 +12,7 @@ from zloader._defaults import HUNGRY_STARVATION
 from zloader._host import loopback
 from zloader.broker import failures, history, pool, status
 from zloader.broker.records import INHERITED, Job, Out, Tables, Worker
+from zloader.transport import messages
 from zloader.transport.protocol import Command
 
 __all__ = ["assign", "claims", "give", "preempt"]
@@ -74,14 +75,10 @@ def give(state: Tables, worker: Worker, job: Job, now: float) -> list[Out]:
     worker.since = now
     history.record(state, {"e": "task", "job": job.id, "task": task, "worker": worker.id,
                            "index": index})
-    body = {"task": task, "job": job.id, "sharding": job.sharding, "index": index,
-            "width": job.width, "deterministic": job.deterministic,
-            "on_error": job.on_error, "entropy": job.entropy,
-            "source_data": job.source_data, "share": job.share,
-            "fingerprint": job.fingerprint, "pipeline": job.pipeline,
-            "balanced": job.options.get("balanced", 0),
-            "coordinated": job.rounds.size if job.rounds is not None else 0,
-            "track": job.track}
+    body = messages.encode(messages.Task(
+        task=task, job=job.id, options=job.options, index=index, width=job.width,
+        entropy=job.entropy, source_data=job.source_data, fingerprint=job.fingerprint,
+        pipeline=job.pipeline))
     return [Out(worker.identity, Command.TASK, body, (job.blob,)),
             *status.tell_consumers(state, job)]
 

@@ -17,13 +17,13 @@ from zloader._defaults import AUTOSCALE_COOLDOWN, FENCE_GRACE, HEARTBEAT, KILLS_
 from zloader.autoscale import Autoscaler
 from zloader.forward import BURST, RATE, Bucket
 from zloader.journal import Journal
+from zloader.options import JobOptions
 from zloader.rounds import Rounds
 from zloader.transport.protocol import Command
 
-__all__ = ["FENCE_GRACE", "INHERITED", "KILLS_TO_FAIL", "SHARDING_MODES", "Consumer", "Fence",
-           "Job", "Out", "Pass", "Tables", "Worker"]
+__all__ = ["FENCE_GRACE", "INHERITED", "KILLS_TO_FAIL", "Consumer", "Fence", "Job", "Out",
+           "Pass", "Tables", "Worker"]
 
-SHARDING_MODES = ("dynamic", "static", "off")
 INHERITED = {"inherited": True}
 """A job's ``pipeline`` when its Loader's forked workers hold it in memory (embedded)."""
 
@@ -107,10 +107,7 @@ class Job:
     id: str
     fingerprint: str
     name: str | None
-    sharding: str
-    deterministic: bool
-    on_error: str
-    options: dict[str, Any]
+    options: JobOptions  # exactly_once as the job runs it (JobOptions.applied)
     blob: bytes
     num_splits: int
     shuffle_splits: bool
@@ -130,11 +127,9 @@ class Job:
     linger: float = 0.0  # seconds a job without consumers is kept (more if they went silent)
     elements: int = 0
     bytes: int = 0
-    share: dict[str, Any] | None = None  # window settings of a shared job
     epoch: int = 0  # the highest epoch a consumer has started
     rounds: Rounds | None = None  # coordinated reads (num_consumers)
     requeues: dict[int, int] = field(default_factory=dict)  # epoch -> splits re-queued
-    track: bool = False  # exactly-once: elements carry origins (zloader/lineage.py)
     fences: dict[str, Fence] = field(default_factory=dict)
     silent: dict[str, float] = field(default_factory=dict)  # consumer -> when it expired
     origin_of: dict[tuple[PassKey, int], PassKey] = field(
@@ -151,9 +146,27 @@ class Job:
     hungry_until: float = 0.0  # an epoch just started: hungry before its first sample
 
     @property
+    def sharding(self) -> str:
+        return self.options.sharding
+
+    @property
+    def deterministic(self) -> bool:
+        return self.options.deterministic
+
+    @property
+    def share(self) -> dict[str, Any] | None:
+        """A shared job's window settings (None: not shared)."""
+        return self.options.share
+
+    @property
+    def track(self) -> bool:
+        """Exactly-once: elements carry origins (zloader/lineage.py)."""
+        return self.options.exactly_once
+
+    @property
     def weight(self) -> float:
         """Its share of the pool relative to other jobs' (``Loader(weight=)``)."""
-        return float(self.options.get("weight", 1.0))
+        return self.options.weight
 
     @property
     def fixed(self) -> bool:

@@ -13,27 +13,25 @@ from zloader.broker import history
 from zloader.broker.records import Job, Out, Pass, PassKey, Tables
 from zloader.lineage import pack
 from zloader.sources import split_order
-from zloader.transport.protocol import Command, Message, ProtocolError
+from zloader.transport.messages import PassDone, SplitReq
+from zloader.transport.protocol import Command
 
 __all__ = ["dispenser", "mark_read", "pass_done", "pending", "read_splits", "requeue",
            "skip", "split_request", "take"]
 
 
-def split_request(state: Tables, identity: bytes, msg: Message, now: float) -> list[Out]:
+def split_request(state: Tables, identity: bytes, msg: SplitReq, now: float) -> list[Out]:
     """SPLIT_REQ: the next split of a pass for a worker's task (null: none left); a split
     re-queued in this epoch comes first, whichever pass it was taken in."""
     worker = state.worker_at(identity)
-    task = msg.field("task", str)
-    key = tuple(msg.field("pass", list))
-    if not key or not all(isinstance(k, int) and k >= 0 for k in key):
-        raise ProtocolError("SPLIT_REQ: pass must be a non-empty list of ints >= 0")
+    task, key = msg.task, msg.pass_
     job = state.job_of(task)
     if worker is None or job is None or worker.task != task:
         return [Out(identity, Command.RELEASE, {"task": task})]
     handing = dispenser(state, job, key)
-    have = msg.body.get("have")
+    have = msg.have
     handed = handing.handed.get(worker.id, [])
-    if isinstance(have, int) and not isinstance(have, bool) and 0 <= have < len(handed):
+    if have is not None and have < len(handed):
         # Its answer was lost (a broker restart or a reconnect): the same split again.
         return [Out(identity, Command.SPLIT, {
             "task": task, "pass": list(key), "split": handed[have], "have": have,
@@ -103,11 +101,11 @@ def _prune(job: Job, epoch: int) -> None:
         del job.origin_of[at]
 
 
-def pass_done(state: Tables, identity: bytes, msg: Message, now: float) -> list[Out]:
+def pass_done(state: Tables, identity: bytes, msg: PassDone, now: float) -> list[Out]:
     """PASS_DONE: a worker read every split it was handed in a pass."""
     worker = state.worker_at(identity)
-    key = tuple(msg.field("pass", list))
-    job = state.job_of(msg.field("task", str))
+    key = msg.pass_
+    job = state.job_of(msg.task)
     if worker is None or job is None or key not in job.passes:
         return []
     mark_read(job, key, worker.id)

@@ -1,8 +1,9 @@
 """The broker's state machine, as plain calls with no sockets: :class:`State`.
 
-Every handler takes the sender's routing identity (opaque bytes), the message and the
-time, updates the records (``records.py``), and returns the messages to send as
-:class:`Out` tuples; the broker loop (``loop.py``) only moves bytes. :class:`State` holds
+Every handler takes the sender's routing identity (opaque bytes), the record of its
+message (zloader/transport/messages.py: every field checked already) and the time,
+updates the records (``records.py``), and returns the messages to send as :class:`Out`
+tuples; the broker loop (``loop.py``) only moves bytes. :class:`State` holds
 the tables and names each transition; the transitions themselves live in one module per
 concern:
 
@@ -30,7 +31,19 @@ from zloader.broker import (
     status,
 )
 from zloader.broker.records import FENCE_GRACE, KILLS_TO_FAIL, Job, Out, Tables
-from zloader.transport.protocol import Message
+from zloader.transport.messages import (
+    Delivered,
+    Epoch,
+    Heartbeat,
+    Log,
+    PassDone,
+    Ready,
+    Received,
+    Register,
+    RoundReq,
+    SplitReq,
+    TaskFailed,
+)
 
 __all__ = ["FENCE_GRACE", "KILLS_TO_FAIL", "Out", "State"]
 
@@ -51,25 +64,25 @@ class State(Tables):
         """Note traffic from a peer; False when the peer is not registered."""
         return peers.seen(self, identity, now)
 
-    def worker_ready(self, identity: bytes, msg: Message, now: float) -> list[Out]:
+    def worker_ready(self, identity: bytes, msg: Ready, now: float) -> list[Out]:
         return peers.worker_ready(self, identity, msg, now)
 
-    def worker_heartbeat(self, identity: bytes, msg: Message, now: float) -> None:
+    def worker_heartbeat(self, identity: bytes, msg: Heartbeat, now: float) -> None:
         peers.worker_heartbeat(self, identity, msg, now)
 
-    def worker_log(self, identity: bytes, msg: Message, now: float) -> list[Out]:
+    def worker_log(self, identity: bytes, msg: Log, now: float) -> list[Out]:
         return peers.worker_log(self, identity, msg, now)
 
     def consumer_heartbeat(self, identity: bytes, now: float,
-                           msg: Message | None = None) -> list[Out]:
+                           msg: Heartbeat | None = None) -> list[Out]:
         return peers.consumer_heartbeat(self, identity, now, msg)
 
     # --- jobs (jobs.py) -------------------------------------------------------------------
 
-    def register(self, identity: bytes, msg: Message, now: float) -> list[Out]:
+    def register(self, identity: bytes, msg: Register, now: float) -> list[Out]:
         return jobs.register(self, identity, msg, now)
 
-    def epoch_started(self, identity: bytes, msg: Message, now: float) -> list[Out]:
+    def epoch_started(self, identity: bytes, msg: Epoch, now: float) -> list[Out]:
         return jobs.epoch_started(self, identity, msg, now)
 
     def bye(self, identity: bytes, now: float) -> list[Out]:
@@ -81,18 +94,18 @@ class State(Tables):
 
     # --- splits (splits.py) ---------------------------------------------------------------
 
-    def split_request(self, identity: bytes, msg: Message, now: float) -> list[Out]:
+    def split_request(self, identity: bytes, msg: SplitReq, now: float) -> list[Out]:
         return splits.split_request(self, identity, msg, now)
 
-    def pass_done(self, identity: bytes, msg: Message, now: float) -> list[Out]:
+    def pass_done(self, identity: bytes, msg: PassDone, now: float) -> list[Out]:
         return splits.pass_done(self, identity, msg, now)
 
     # --- failures and fences (failures.py) ------------------------------------------------
 
-    def task_failed(self, identity: bytes, msg: Message, now: float) -> list[Out]:
+    def task_failed(self, identity: bytes, msg: TaskFailed, now: float) -> list[Out]:
         return failures.task_failed(self, identity, msg, now)
 
-    def delivered(self, identity: bytes, msg: Message, now: float) -> list[Out]:
+    def delivered(self, identity: bytes, msg: Delivered, now: float) -> list[Out]:
         return failures.delivered(self, identity, msg, now)
 
     def stalled(self, seconds: float, now: float) -> None:
@@ -101,10 +114,10 @@ class State(Tables):
 
     # --- coordinated reads (coordinated.py) -----------------------------------------------
 
-    def round_request(self, identity: bytes, msg: Message, now: float) -> list[Out]:
+    def round_request(self, identity: bytes, msg: RoundReq, now: float) -> list[Out]:
         return coordinated.round_request(self, identity, msg, now)
 
-    def rounds_received(self, identity: bytes, msg: Message, now: float) -> list[Out]:
+    def rounds_received(self, identity: bytes, msg: Received, now: float) -> list[Out]:
         return coordinated.rounds_received(self, identity, msg, now)
 
     # --- the journal (history.py) ---------------------------------------------------------

@@ -18,7 +18,7 @@ from zloader.client.rounds import Rounds
 from zloader.client.session import Session, Settings
 from zloader.client.stats import Stats
 from zloader.errors import Timeout, ZloaderError
-from zloader.transport.protocol import Command
+from zloader.transport import messages
 
 __all__ = ["REREADS", "EpochEnd"]
 
@@ -213,8 +213,11 @@ class EpochEnd:
                            for p in self.peers):
                 continue
             self._answered[fence["id"]] = now
-            self.link.send(Command.DELIVERED, {"job": self.session.job, "fence": fence["id"],
-                                               "splits": self._held(fence["splits"])})
+            assert self.session.job is not None  # fences come in the job's views
+            held = tuple((tuple(key), split, info)
+                         for key, split, info in self._held(fence["splits"]))
+            self.link.send(messages.Delivered(job=self.session.job, fence=fence["id"],
+                                              splits=held))
 
     def _held(self, entries: list[Any]) -> list[Any]:
         """For each ``[pass key, split]`` of a fence: what this consumer holds of it."""

@@ -5,6 +5,7 @@ again when the broker forgot this consumer (UNKNOWN: it restarted, or gave up on
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import secrets
@@ -23,8 +24,9 @@ from zloader.client.session import Session, Settings
 from zloader.client.stats import Stats
 from zloader.errors import PipelineError, ZloaderError
 from zloader.forward import emit
+from zloader.options import JobOptions
 from zloader.transport import messages
-from zloader.transport.protocol import Command, ProtocolError, encode, error_from_object
+from zloader.transport.protocol import ProtocolError, encode, error_from_object
 from zloader.transport.sockets import make_socket
 
 __all__ = ["BYE_LINGER_MS", "BrokerLink", "JobView", "registration"]
@@ -32,29 +34,21 @@ __all__ = ["BYE_LINGER_MS", "BrokerLink", "JobView", "registration"]
 log = logging.getLogger("zloader.loader")
 
 
-def registration(*, fingerprint: str, job_name: str | None, sharding: str,
-                 deterministic: bool, num_workers: int, on_error: str,
-                 source: dict[str, Any], balanced: int, share: dict[str, Any] | None,
-                 coordinated: tuple[int, int] | None, exactly_once: bool,
-                 inherited: bool, resume: dict[str, Any] | None,
-                 weight: float = 1.0) -> dict[str, Any]:
-    """The body of this consumer's REGISTER (docs/protocol.md), with a fresh consumer id.
-    ``inherited``: the workers have the pipeline already (forked from this process);
-    ``weight``: the job's share of the broker's worker pool (docs/pool.md)."""
-    body: dict[str, Any] = {
-        "consumer": secrets.token_hex(8), "fingerprint": fingerprint, "job_name": job_name,
-        "sharding": sharding, "deterministic": deterministic, "num_workers": num_workers,
-        "on_error": on_error, "source": source, "host_id": host_id(), "pid": os.getpid(),
-        "balanced": balanced, "share": share,
-        "coordinated": ({"size": coordinated[0], "index": coordinated[1]}
-                        if coordinated else None),
-        "exactly_once": exactly_once, "weight": weight}
-    if inherited:
-        body["pipeline"] = {"inherited": True}
-    if resume is not None:
-        body["resume"] = {"epoch": resume["epoch"], "delivered": resume["delivered"]}
-        body["entropy"] = resume["entropy"]
-    return body
+def registration(*, fingerprint: str, job_name: str | None, options: JobOptions,
+                 consumer_index: int | None, source: dict[str, Any], inherited: bool,
+                 resume: dict[str, Any] | None) -> messages.Register:
+    """This consumer's REGISTER (docs/protocol.md), with a fresh consumer id: the job's
+    ``options`` and what is this consumer's own (``consumer_index`` in a coordinated job,
+    a resumed run's ``resume``). ``inherited``: the workers have the pipeline already
+    (forked from this process)."""
+    return messages.Register(
+        consumer=secrets.token_hex(8), fingerprint=fingerprint, job_name=job_name,
+        options=options, source=source, host_id=host_id(), pid=os.getpid(),
+        consumer_index=consumer_index,
+        pipeline={"inherited": True} if inherited else None,
+        resume=({"epoch": resume["epoch"], "delivered": resume["delivered"]}
+                if resume is not None else None),
+        entropy=resume["entropy"] if resume is not None else None)
 
 
 @dataclass
@@ -77,12 +71,12 @@ class BrokerLink:
     ``reread``; rounds received queue in ``acks``."""
 
     def __init__(self, settings: Settings, session: Session, stats: Stats,
-                 body: dict[str, Any], blob: bytes, rounds: Rounds | None,
+                 register: messages.Register, blob: bytes, rounds: Rounds | None,
                  put: Callable[[Item], None]) -> None:
         self.settings = settings
         self.session = session
         self.stats = stats
-        self.body = body  # REGISTER's
+        self.register = register  # sent until the job's first view comes
         self.blob = blob
         self.rounds = rounds
         self.put = put
@@ -101,43 +95,47 @@ class BrokerLink:
         self.socket = sock
         return sock
 
-    def send(self, command: Command, body: dict[str, Any],
-             payload: tuple[Any, ...] = ()) -> None:
+    def send(self, record: messages.Record, payload: tuple[Any, ...] = ()) -> None:
         """Send the broker a message, unless it cannot take one now (not connected yet:
         the next heartbeat tries again)."""
         assert self.socket is not None
         with contextlib.suppress(zmq.Again):
-            self.socket.send_multipart(encode(command, body, payload), zmq.NOBLOCK)
+            self.socket.send_multipart(encode(record.COMMAND, messages.encode(record),
+                                              payload), zmq.NOBLOCK)
+
+    def amend(self, **fields: Any) -> None:
+        """Change fields of the REGISTER this consumer sends (``source_data``,
+        ``pipeline``: where it serves them, once its socket is bound)."""
+        self.register = dataclasses.replace(self.register, **fields)
 
     def beat(self) -> None:
         """Once a heartbeat: REGISTER until the job is known, then HEARTBEAT."""
         if self.session.job is None:
-            self.send(Command.REGISTER, self.body, (self.blob,))
+            self.send(self.register, (self.blob,))
         else:
             self.heartbeat()
 
     def heartbeat(self) -> None:
         """Send a HEARTBEAT now, with this consumer's stats and the queued reports."""
         stats = self.stats
-        body: dict[str, Any] = {"stats": {
+        beat = messages.Heartbeat(stats={
             "elements": stats.yielded, "bytes": stats.bytes,
             "wait_seconds": round(stats.wait_seconds, 3), "skipped": stats.skipped,
             # reading an epoch not yet ended: the broker's pool counts this job as active
-            "active": int(self.session.epoch is not None and not self.session.done)}}
-        if self.stuck:
-            body["stuck"], self.stuck = self.stuck, []
-        if self.reread:
-            body["reread"], self.reread = self.reread, []
-        self.send(Command.HEARTBEAT, body)
+            "active": int(self.session.epoch is not None and not self.session.done)},
+            stuck=tuple(self.stuck), reread=tuple(self.reread))
+        self.stuck, self.reread = [], []
+        self.send(beat)
 
     def ask_epoch(self) -> None:
         """EPOCH: tell the broker the epoch under way, or ask for its state."""
-        self.send(Command.EPOCH, {"job": self.session.job, "epoch": self.session.epoch})
+        self.send(messages.Epoch(job=self.session.job, epoch=self.session.epoch))
 
     def send_acks(self) -> None:
         """RECEIVED: the rounds received since the last call, if any."""
         if self.acks:
-            self.send(Command.RECEIVED, {"epoch": self.session.epoch, "rounds": self.acks})
+            assert self.session.epoch is not None  # rounds are received within an epoch
+            self.send(messages.Received(epoch=self.session.epoch, rounds=tuple(self.acks)))
             self.acks = []
 
     def bye(self) -> None:
@@ -146,7 +144,7 @@ class BrokerLink:
         workers an expiry's wait."""
         assert self.socket is not None
         with contextlib.suppress(zmq.ZMQError):
-            self.send(Command.BYE, {})
+            self.send(messages.Bye())
         self.socket.close(linger=BYE_LINGER_MS)
 
     # --- what the broker says -------------------------------------------------------------
@@ -212,5 +210,5 @@ class BrokerLink:
         """UNKNOWN: the broker restarted; register again on the next beat, for the same
         job if it has it."""
         if self.session.job is not None:
-            self.body["job"] = self.session.job
+            self.amend(job=self.session.job)
         self.session.job = None

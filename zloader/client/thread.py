@@ -30,6 +30,7 @@ from zloader.client.receive import Receiver
 from zloader.client.rounds import Rounds
 from zloader.client.session import Session, Settings
 from zloader.client.stats import Stats
+from zloader.options import JobOptions
 from zloader.shipping import Served
 from zloader.transport import messages
 from zloader.transport.keys import Keys
@@ -46,42 +47,41 @@ class IOThread(threading.Thread):
 
     ``blob`` is the pickled pipeline sent with REGISTER; empty when ``served`` holds it
     (too large for the broker: workers fetch it from this thread's source socket) or when
-    the workers inherited it (embedded, fork). The other arguments are the Loader's.
+    the workers inherited it (embedded, fork). ``options`` are the job's, built by the
+    Loader; ``consumer_index`` is this consumer's in a coordinated job. The other
+    arguments are the Loader's.
     """
 
     def __init__(self, address: str, blob: bytes, *, fingerprint: str, job_name: str | None,
-                 sharding: str, deterministic: bool, num_workers: int, on_error: str,
-                 source: dict[str, Any], prefetch: int, use_rings: bool,
-                 ring_bytes: int | None, served: Served | None = None,
-                 data_bind: str | None = None, balanced: int = 0,
-                 share: dict[str, Any] | None = None,
-                 coordinated: tuple[int, int] | None = None, keys: Keys | None = None,
-                 exactly_once: bool = False, resume: dict[str, Any] | None = None,
-                 timeout: float = 60.0, weight: float = 1.0) -> None:
+                 options: JobOptions, source: dict[str, Any], prefetch: int,
+                 use_rings: bool, ring_bytes: int | None, served: Served | None = None,
+                 data_bind: str | None = None, consumer_index: int | None = None,
+                 keys: Keys | None = None, resume: dict[str, Any] | None = None,
+                 timeout: float = 60.0) -> None:
         super().__init__(name="zloader-loader-io", daemon=True)
+        coordinated = ((options.num_consumers, consumer_index or 0) if options.coordinated
+                       else None)
         self.settings = Settings(
             address=address, prefetch=prefetch, timeout=timeout, use_rings=use_rings,
-            ring_bytes=ring_bytes, keys=keys, data_bind=data_bind, balanced=balanced > 0,
-            exactly_once=exactly_once, coordinated=coordinated,
-            fixed=sharding in ("static", "off"))
+            ring_bytes=ring_bytes, keys=keys, data_bind=data_bind,
+            balanced=options.balanced > 0, exactly_once=options.exactly_once,
+            coordinated=coordinated, fixed=options.sharding in ("static", "off"))
         self.served = served or Served()
-        body = registration(
-            fingerprint=fingerprint, job_name=job_name, sharding=sharding,
-            deterministic=deterministic, num_workers=num_workers, on_error=on_error,
-            source=source, balanced=balanced, share=share, coordinated=coordinated,
-            exactly_once=exactly_once, inherited=not blob and self.served.pipeline is None,
-            resume=resume, weight=weight)
+        register = registration(
+            fingerprint=fingerprint, job_name=job_name, options=options,
+            consumer_index=consumer_index if options.coordinated else None, source=source,
+            inherited=not blob and self.served.pipeline is None, resume=resume)
         self.items: queue.Queue[Item] = queue.Queue()  # to the iterating thread
-        self.stats = Stats(width=max(1, num_workers))
+        self.stats = Stats(width=max(1, options.num_workers))
         self.failure: BaseException | None = None  # what stopped the thread, if anything
         put = self.items.put
-        self._session = Session(consumer=body["consumer"])
+        self._session = Session(consumer=register.consumer)
         self._rounds = Rounds(coordinated) if coordinated else None
-        self._link = BrokerLink(self.settings, self._session, self.stats, body, blob,
+        self._link = BrokerLink(self.settings, self._session, self.stats, register, blob,
                                 self._rounds, put)
         self._peers = Peers(self.settings, self._session, self.stats, self._rounds)
         self._end = EpochEnd(self.settings, self._session, self.stats, self._link,
-                             self._peers, self._rounds, put, body.get("resume"))
+                             self._peers, self._rounds, put, register.resume)
         self._peers.on_gone = self._end.check
         self._receiver = Receiver(self._session, self.stats, self._peers, self._link,
                                   self._end, self._rounds, put)
@@ -111,7 +111,7 @@ class IOThread(threading.Thread):
     @property
     def registration(self) -> dict[str, Any]:
         """The body of this consumer's REGISTER (its ``consumer`` id, ``source_data``)."""
-        return self._link.body
+        return messages.encode(self._link.register)
 
     @property
     def job(self) -> str | None:
@@ -347,7 +347,7 @@ class IOThread(threading.Thread):
                     or f"tcp://{local_address(self.settings.address)}:*")
         self._data_server = server
         poller.register(server, zmq.POLLIN)
-        self._link.body.update(self.served.fields(server.getsockopt_string(zmq.LAST_ENDPOINT)))
+        self._link.amend(**self.served.fields(server.getsockopt_string(zmq.LAST_ENDPOINT)))
 
     def _fetch(self, frames: list[zmq.Frame]) -> None:
         assert self._data_server is not None

@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING, Any
 from zloader import codec
 from zloader.sharing.store import Stored, store
 from zloader.sharing.window import Window
-from zloader.transport.messages import Open
-from zloader.transport.protocol import Command
+from zloader.transport.messages import Data, End, Open
 from zloader.worker.credit import clamp
 from zloader.worker.delivery import Delivery, Pending
 from zloader.worker.producer import Outgoing, Producer
@@ -64,8 +63,7 @@ class SharedDelivery(Delivery):
             if cursor.missed > 0:
                 self.replays.append((stream.identity, epoch, cursor.missed))
         elif cursor.done:
-            task.outlet.send(stream, Command.END, {"epoch": epoch, "skipped": 0,
-                                                   "lagged": cursor.lagged})
+            task.outlet.send(stream, End(epoch=epoch, lagged=cursor.lagged))
         stream.epoch = epoch
         cursor.credits = clamp(credits)
         task.abandon_stale()  # every trainer left the epoch being produced
@@ -166,9 +164,9 @@ class SharedDelivery(Delivery):
                         cursor.replaying = True  # its replay's records go out now
                     else:
                         cursor.done = True
-                        task.outlet.send(stream, Command.END, {
-                            "epoch": entry.epoch, "skipped": entry.skipped,
-                            "lagged": cursor.lagged})
+                        task.outlet.send(stream, End(epoch=entry.epoch,
+                                                     skipped=entry.skipped,
+                                                     lagged=cursor.lagged))
                     break
                 cursor.credits -= 1
                 self._send_stored(stream, entry.epoch, entry.count, entry.skipped,
@@ -178,17 +176,16 @@ class SharedDelivery(Delivery):
 
     def _send_stored(self, stream: Stream, epoch: int, count: int, skipped: int,
                      stored: Stored, lagged: int) -> None:
-        body: dict[str, Any] = {"epoch": epoch, "count": count, "skipped": skipped,
-                                "ring": None, "lagged": lagged}
         outlet = self.task.outlet
         outlet.count(count, stored.length)
         if stream.ring is not None and stored.segment is not None:  # co-located
-            body["segment"] = [stored.name, stored.length]
-            body["shared"] = True
             stored.holders.add(stream.identity)
-            outlet.send(stream, Command.DATA, body)
+            outlet.send(stream, Data(epoch=epoch, count=count, skipped=skipped, ring=None,
+                                     lagged=lagged, segment=(stored.segment.name, stored.length),
+                                     shared=True))
         else:
-            outlet.send(stream, Command.DATA, body, stored.frames)
+            outlet.send(stream, Data(epoch=epoch, count=count, skipped=skipped, ring=None,
+                                     lagged=lagged), stored.frames)
 
     def _send_replay(self) -> bool:
         """Send the replay's next record (or its end) to its trainer, once the trainer has
@@ -207,9 +204,8 @@ class SharedDelivery(Delivery):
             self.replay_pending.popleft()
             cursor.lagged += max(0, cursor.missed - sent)  # splits no longer on record
             cursor.done, cursor.replaying, cursor.missed = True, False, 0
-            task.outlet.send(stream, Command.END, {"epoch": epoch,
-                                                   "skipped": int(head.get("skipped", 0)),
-                                                   "lagged": cursor.lagged, "replayed": sent})
+            task.outlet.send(stream, End(epoch=epoch, skipped=int(head.get("skipped", 0)),
+                                         lagged=cursor.lagged, replayed=sent))
             self._stop_replay()
             task.maybe_produce()
             return False

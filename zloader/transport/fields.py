@@ -23,8 +23,18 @@ __all__ = ["INDEX", "MAX_FIELD_DEPTH", "MAX_ITEMS", "MAX_NAME", "NAME", "PASS_KE
            "list_of", "number", "obj", "optional", "packed", "short", "text"]
 
 
+_ABSENT: Any = object()
+
+
 class Wrong(Exception):
-    """What is wrong with one value (the caller names the command and the field)."""
+    """What is wrong with one value (the caller names the command and the field). A
+    value that nests named fields (``REGISTER.options``) says which of them is wrong in
+    ``field``, and what it held in ``value``."""
+
+    def __init__(self, text: str, *, field: str | None = None, value: Any = _ABSENT) -> None:
+        super().__init__(text)
+        self.field = field
+        self.value = value
 
 
 Check = Callable[[Any], Any]
@@ -178,11 +188,13 @@ class Record:
 
     @classmethod
     def spec(cls) -> tuple[tuple[str, str, Check, Any, bool], ...]:
-        """``(attribute, wire name, check, default, omit)`` per field, in wire order."""
+        """``(attribute, wire name, check, default, omit)`` per field, in wire order (a
+        field declared without :func:`fld`, such as ``Register.blob``, is not in the
+        body)."""
         if "_spec" not in cls.__dict__:
             cls._spec = tuple(
                 (f.name, f.metadata.get("wire") or f.name, f.metadata["check"], f.default,
-                 f.metadata["omit"]) for f in dataclasses.fields(cls))
+                 f.metadata["omit"]) for f in dataclasses.fields(cls) if "check" in f.metadata)
         return cls._spec
 
     @classmethod
@@ -204,8 +216,7 @@ class Record:
             try:
                 values[name] = check(value)
             except Wrong as exc:
-                raise ProtocolError(f"{cls.COMMAND.name}: field {wire!r} {exc}, got "
-                                    f"{short(value)}") from None
+                raise ProtocolError(_refusal(cls.COMMAND, wire, exc, value)) from None
         return cls(**values)
 
     def to_body(self) -> dict[str, Any]:
@@ -219,9 +230,24 @@ class Record:
         return body
 
 
+def _refusal(command: Command, wire: str, exc: Wrong, value: Any) -> str:
+    """``COMMAND: field 'name' <what is wrong>, got <value>``; a nested field is named
+    ``outer.inner``."""
+    if exc.field is None:
+        return f"{command.name}: field {wire!r} {exc}, got {short(value)}"
+    name = f"{wire}.{exc.field}"
+    if exc.value is _ABSENT:
+        return f"{command.name}: field {name!r} {exc}"
+    return f"{command.name}: field {name!r} {exc}, got {short(exc.value)}"
+
+
 def _plain(value: Any) -> Any:
-    """``value`` as JSON has it: the tuples a record holds for lists become lists again."""
-    return [_plain(v) for v in value] if isinstance(value, tuple) else value
+    """``value`` as JSON has it: the tuples a record holds for lists become lists again,
+    a nested record (``JobOptions``) its body."""
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    to_body = getattr(value, "to_body", None)
+    return to_body() if callable(to_body) else value
 
 
 def short(value: Any) -> str:

@@ -17,12 +17,18 @@ whether an absent or default value is left out of the body (``omit``): those fie
 optional on the wire and their absence means something (``DATA.origins``). A field with a
 default may be missing from a body; one without may not.
 
+``REGISTER.options`` and ``TASK.options`` decode into one
+:class:`~zloader.options.JobOptions`, each of its fields checked (a bad one is refused as
+``options.<field>``).
+
 A few nested values are checked by the code that reads them, because it alone knows
 their meaning: ``DATA.origins`` and ``END.origins`` (zloader/client/items.py, with the
-record's buffers), ``TASK.share``/``REGISTER.share`` (zloader/sharing/options.py),
-``JOB.rounds`` and ``JOB.joined`` (zloader/client/rounds.py), and what the broker checks
-itself (zloader/broker/: ``REGISTER``'s nested options, ``HEARTBEAT.stats``,
-``DELIVERED.splits``); here they are checked to be JSON objects or lists.
+record's buffers), ``JOB.rounds`` and ``JOB.joined`` (zloader/client/rounds.py),
+``REGISTER.resume`` (a ledger, zloader/broker/jobs.py), the ``info`` of ``DELIVERED.splits`` and
+``HEARTBEAT.reread`` (zloader/lineage.py) and ``HEARTBEAT.stats`` (the broker keeps the
+numbers >= 0); here they are checked to be JSON objects or lists. What needs the broker's
+state (a ``job_name`` for coordinated reads, a payload or a pipeline reference) the broker
+checks (zloader/broker/jobs.py).
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from zloader._defaults import LOG_MAX_LINE, LOG_MAX_LINES, STAGES, WEIGHT_RANGE
+from zloader._defaults import LOG_MAX_LINE, LOG_MAX_LINES, STAGES
+from zloader.options import JobOptions
 from zloader.transport.fields import (
     INDEX,
     MAX_NAME,
@@ -56,6 +63,7 @@ from zloader.transport.fields import (
     text,
 )
 from zloader.transport.protocol import HEARTBEAT_RANGE, Command, Message, ProtocolError
+from zloader.transport.protocol import doing as lenient_doing
 
 __all__ = ["RECORDS", "Ack", "Bye", "Close", "Commit", "ConsumerGone", "Credit", "Data",
            "Delivered", "End", "Epoch", "Error", "Fail", "Fetch", "Heartbeat", "Job", "Log",
@@ -172,6 +180,50 @@ def source_ref(value: Any) -> dict[str, str]:
 PIPELINE_REF = optional(pipeline_ref)
 
 
+def endpoint(value: Any) -> str:
+    """A peer's address: ``tcp://HOST:PORT`` or ``ipc://PATH``."""
+    if not (isinstance(value, str) and len(value) <= MAX_NAME
+            and value.startswith(("tcp://", "ipc://"))):
+        raise Wrong(f"must be tcp://HOST:PORT or ipc://PATH, at most {MAX_NAME} characters")
+    return value
+
+
+HOLDS = list_of(text(128), 0, 64)
+"""``READY.holds``: at most 64 fingerprints."""
+
+
+def source_info(value: Any) -> dict[str, Any]:
+    """``REGISTER.source``: ``{num_splits >= 0, seed: integer or null, shuffle_splits}``."""
+    if not (isinstance(value, dict) and is_int(value.get("num_splits"))
+            and value["num_splits"] >= 0
+            and (value.get("seed") is None or is_int(value["seed"]))
+            and isinstance(value.get("shuffle_splits", False), bool)):
+        raise Wrong("must be {num_splits >= 0, seed: an integer or null, shuffle_splits}")
+    return obj(value)
+
+
+def stuck_report(value: Any) -> dict[str, Any]:
+    """An entry of ``HEARTBEAT.stuck``: ``{worker, task, seconds}``."""
+    if not (isinstance(value, dict) and isinstance(value.get("worker"), str)
+            and isinstance(value.get("task"), str)
+            and isinstance(value.get("seconds"), (int, float))
+            and not isinstance(value["seconds"], bool)):
+        raise Wrong("must be {worker, task, seconds}")
+    return value
+
+
+def split_info(value: Any) -> tuple[tuple[int, ...], int, dict[str, Any]]:
+    """``[pass key, split, info]`` (``DELIVERED.splits``, ``HEARTBEAT.reread``); what
+    ``info`` holds is read by zloader/lineage.py."""
+    if not (isinstance(value, list) and len(value) == 3 and is_int(value[1])
+            and value[1] >= 0 and isinstance(value[2], dict)):
+        raise Wrong("must be [pass, split, info]")
+    try:
+        return PASS_KEY(value[0]), value[1], obj(value[2])
+    except Wrong:
+        raise Wrong("must be [pass, split, info], pass a list of integers >= 0") from None
+
+
 # --- records ------------------------------------------------------------------------------
 
 # Worker and broker
@@ -183,10 +235,10 @@ class Ready(Record):
     host: str = fld(text(255))
     host_id: str = fld(NAME)
     pid: int = fld(integer(0))
-    endpoint: str = fld(NAME)
+    endpoint: str = fld(endpoint)
     prefer: str | None = fld(optional(NAME), None)
     plain_data: bool = fld(boolean, False)
-    holds: tuple[str, ...] | None = fld(optional(list_of(NAME)), None, omit=True)
+    holds: tuple[str, ...] | None = fld(optional(HOLDS), None, omit=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,19 +253,13 @@ class Task(Record):
     COMMAND = Command.TASK
     task: str = fld(NAME)
     job: str = fld(NAME)
-    sharding: str = fld(text(choices=("dynamic", "static", "off")))
+    options: JobOptions = fld(JobOptions.from_body)  # exactly_once: as the job runs it
     index: int = fld(INDEX)
     width: int = fld(INDEX)
     entropy: int = fld(integer())
-    deterministic: bool = fld(boolean, False)
-    on_error: str = fld(text(choices=("raise", "skip")), "raise")
     source_data: dict[str, Any] | None = fld(optional(source_ref), None)
-    balanced: int = fld(INDEX, 0)
-    share: dict[str, Any] | None = fld(optional(obj), None)
-    coordinated: int = fld(INDEX, 0)
     fingerprint: str | None = fld(optional(NAME), None)
     pipeline: dict[str, Any] | None = fld(PIPELINE_REF, None)
-    track: bool = fld(boolean, False)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -270,7 +316,8 @@ class RoundReq(Record):
     COMMAND = Command.ROUND_REQ
     task: str = fld(NAME)
     epoch: int = fld(INDEX)
-    members: tuple[str, ...] = fld(list_of(NAME, 1))
+    # consumer ids by index (null: a vacant index, which no round is numbered for)
+    members: tuple[str | None, ...] = fld(list_of(optional(NAME), 1))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -289,23 +336,20 @@ class Register(Record):
     consumer: str = fld(NAME)
     fingerprint: str = fld(NAME)
     job_name: str | None = fld(optional(NAME))
-    sharding: str = fld(text(choices=("dynamic", "static", "off")))
-    deterministic: bool = fld(boolean)
-    num_workers: int = fld(INDEX)
-    on_error: str = fld(text(choices=("raise", "skip")))
-    source: dict[str, Any] = fld(obj)
+    options: JobOptions = fld(JobOptions.from_body)
+    source: dict[str, Any] = fld(source_info)
     host_id: str = fld(NAME)
     pid: int = fld(INDEX)
-    balanced: int = fld(INDEX, 0)
-    share: dict[str, Any] | None = fld(optional(obj), None)
-    coordinated: dict[str, Any] | None = fld(optional(obj), None)
-    exactly_once: bool = fld(boolean, False)
-    weight: float = fld(number(*WEIGHT_RANGE), 1.0)
+    # a coordinated consumer's index, 0 <= consumer_index < options.num_consumers
+    consumer_index: int | None = fld(optional(INDEX), None, omit=True)
     pipeline: dict[str, Any] | None = fld(PIPELINE_REF, None, omit=True)
     source_data: dict[str, Any] | None = fld(optional(source_ref), None, omit=True)
     resume: dict[str, Any] | None = fld(optional(obj), None, omit=True)
     entropy: int | None = fld(optional(integer()), None, omit=True)
     job: str | None = fld(optional(NAME), None, omit=True)  # the job it had, registering again
+    # The pipeline (cloudpickle; empty when ``pipeline`` says where it is): the message's
+    # payload frame, not a field of the body (:func:`decode` sets it).
+    blob: bytes = dataclasses.field(default=b"", repr=False, compare=False)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -339,7 +383,7 @@ class Job(Record):
 @dataclass(frozen=True, kw_only=True)
 class Epoch(Record):
     COMMAND = Command.EPOCH
-    job: str = fld(NAME)
+    job: str | None = fld(optional(NAME), None)  # null: the consumer's job is not known yet
     epoch: int | None = fld(optional(INDEX))
 
 
@@ -364,7 +408,7 @@ class Delivered(Record):
     COMMAND = Command.DELIVERED
     job: str = fld(NAME)
     fence: str = fld(NAME)
-    splits: tuple[Any, ...] = fld(list_of(list_of(lambda v: v, 3, 3)))
+    splits: tuple[tuple[tuple[int, ...], int, dict[str, Any]], ...] = fld(list_of(split_info))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -389,9 +433,11 @@ class Bye(Record):
 class Heartbeat(Record):
     COMMAND = Command.HEARTBEAT
     stats: dict[str, Any] | None = fld(optional(obj), None, omit=True)
-    doing: dict[str, Any] | None = fld(optional(doing), None, omit=True)
-    stuck: tuple[Any, ...] = fld(list_of(obj), (), omit=True)
-    reread: tuple[Any, ...] = fld(array, (), omit=True)
+    # a malformed ``doing`` reads as absent (docs/protocol.md: it is ignored)
+    doing: dict[str, Any] | None = fld(lenient_doing, None, omit=True)
+    stuck: tuple[dict[str, Any], ...] = fld(list_of(stuck_report), (), omit=True)
+    reread: tuple[tuple[tuple[int, ...], int, dict[str, Any]], ...] = fld(
+        list_of(split_info), (), omit=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -545,7 +591,10 @@ def decode(msg: Message) -> Record:
         ProtocolError: the body is not one of its command (the message names the command
             and the field).
     """
-    return RECORDS[msg.command].from_body(msg.body)
+    record = RECORDS[msg.command].from_body(msg.body)
+    if isinstance(record, Register):
+        record = dataclasses.replace(record, blob=bytes(msg.payload[0]) if msg.payload else b"")
+    return record
 
 
 def encode(record: Record) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from zloader.errors import ZloaderError
 __all__ = ["VERSION", "Command", "Message", "ProtocolError", "VersionMismatch", "decode",
            "encode"]
 
-VERSION = (f"ZLP/2 py/{sys.version_info[0]}.{sys.version_info[1]} "
+VERSION = (f"ZLP/3 py/{sys.version_info[0]}.{sys.version_info[1]} "
            f"cp/{cloudpickle.__version__}").encode("ascii")
 """The version frame: protocol version, Python minor version, cloudpickle version."""
 
@@ -88,24 +88,12 @@ class VersionMismatch(ProtocolError):
 
 @dataclass
 class Message:
-    """One decoded message. ``payload`` holds frames (bytes-like) after the body."""
+    """One decoded message. ``payload`` holds frames (bytes-like) after the body; the body
+    is read through its record (zloader/transport/messages.py: ``decode``), never by hand."""
 
     command: Command
     body: dict[str, Any] = field(default_factory=dict)
     payload: list[Any] = field(default_factory=list)
-
-    def field(self, name: str, kind: type | tuple[type, ...], optional: bool = False) -> Any:
-        """A body field, checked: raises ProtocolError when missing or of the wrong type."""
-        value = self.body.get(name)
-        if value is None and optional:
-            return None
-        if isinstance(value, bool) and kind in (int, float):
-            raise ProtocolError(f"{self.command.name}: field {name!r} must be {kind}, "
-                                f"got {value!r}")
-        if not isinstance(value, kind):
-            raise ProtocolError(f"{self.command.name}: field {name!r} must be "
-                                f"{getattr(kind, '__name__', kind)}, got {value!r}")
-        return value
 
 
 def heartbeat(value: Any) -> float | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from zloader._defaults import MAX_GRANT
-from zloader.transport.protocol import Command
+from zloader.transport.messages import End
 from zloader.worker.delivery import Delivery
 from zloader.worker.streams import Stream
 
@@ -61,11 +61,9 @@ class CreditDelivery(Delivery):
             streams = [s for s in task.streams.values() if s.epoch == epoch]
             if head.get("end"):
                 self.pending.popleft()
-                end = {"epoch": epoch, "skipped": head["skipped"]}
-                if "origins" in head:
-                    end["origins"] = head["origins"]
+                end = End(epoch=epoch, skipped=head["skipped"], origins=head.get("origins"))
                 for stream in streams:
-                    task.outlet.send(stream, Command.END, end)
+                    task.outlet.send(stream, end)
                 task.finish_epoch(epoch)
                 continue
             taker = self._next(streams)

@@ -37,6 +37,7 @@ from zloader import codec
 from zloader._defaults import RECORD_BYTES, RECORD_ELEMENTS, RECORD_LINGER, STAGES
 from zloader.errors import CodecError, PipelineError
 from zloader.lineage import Assigned, encode_origins, unpack
+from zloader.options import JobOptions
 from zloader.plan import Plan
 from zloader.stages import Context
 from zloader.transport.protocol import error_object
@@ -63,25 +64,42 @@ class ProducerSpec:
 
     Attributes:
         plan: the pipeline, split into the worker's and the consumer's parts.
-        sharding: ``"dynamic"`` (splits from the broker), ``"static"`` or ``"off"``.
+        options: the job's (zloader/options.py), ``exactly_once`` as the job runs it.
         index: this worker's index in the job (static sharding, seeds).
         width: the job's number of worker indices.
-        skip_errors: ``on_error="skip"``: drop elements whose user code raises.
         entropy: the job's seed.
-        track: exactly-once: elements carry their origins (zloader/lineage.py).
-        one_per_record: deal one element per record (balanced and coordinated jobs).
-        round_size: the consumers of a round (coordinated jobs; 1 otherwise).
     """
 
     plan: Plan
-    sharding: str
+    options: JobOptions
     index: int
     width: int
-    skip_errors: bool
     entropy: int
-    track: bool
-    one_per_record: bool
-    round_size: int
+
+    @property
+    def sharding(self) -> str:
+        """``"dynamic"`` (splits from the broker), ``"static"`` or ``"off"``."""
+        return self.options.sharding
+
+    @property
+    def skip_errors(self) -> bool:
+        """``on_error="skip"``: drop elements whose user code raises."""
+        return self.options.on_error == "skip"
+
+    @property
+    def track(self) -> bool:
+        """Exactly-once: elements carry their origins (zloader/lineage.py)."""
+        return self.options.exactly_once
+
+    @property
+    def one_per_record(self) -> bool:
+        """Deal one element per record (balanced and coordinated jobs)."""
+        return bool(self.options.balanced or self.options.num_consumers)
+
+    @property
+    def round_size(self) -> int:
+        """The consumers of a round (coordinated jobs; 1 otherwise)."""
+        return max(1, self.options.num_consumers)
 
 
 @dataclass(eq=False)

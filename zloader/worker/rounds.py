@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from zloader import codec
-from zloader.transport.messages import Open, RoundReq
-from zloader.transport.protocol import Command, ProtocolError
+from zloader.transport.messages import End, Open, RoundReq
+from zloader.transport.protocol import ProtocolError
 from zloader.worker.credit import clamp
 from zloader.worker.delivery import Delivery, discard
 from zloader.worker.producer import Outgoing
@@ -36,7 +36,7 @@ class Group:
 
     epoch: int
     records: list[Outgoing]
-    end: dict[str, Any] | None = None
+    end: End | None = None
     members: list[bytes] | None = None  # set when its number was asked for
 
 
@@ -103,7 +103,7 @@ class RoundsDelivery(Delivery):
                 self.groups.popleft()
                 for stream in task.streams.values():
                     if stream.epoch == group.epoch:
-                        task.outlet.send(stream, Command.END, group.end)
+                        task.outlet.send(stream, group.end)
                 task.finish_epoch(group.epoch)
                 continue
             members = self._members(group.epoch)
@@ -128,9 +128,9 @@ class RoundsDelivery(Delivery):
             if head.get("end"):
                 dropped = len(self.partial) if self.partial_epoch == epoch else 0
                 discard(self.partial)
-                end = {"epoch": epoch, "skipped": int(head.get("skipped", 0)),
-                       "dropped": int(head.get("dropped", 0)) + dropped,
-                       "rerun": task.reruns.get(epoch, 0)}
+                end = End(epoch=epoch, skipped=int(head.get("skipped", 0)),
+                          dropped=int(head.get("dropped", 0)) + dropped,
+                          rerun=task.reruns.get(epoch, 0))
                 self.groups.append(Group(epoch, [], end=end))
                 continue
             assert outgoing is not None

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import zmq
 
 from zloader import codec
-from zloader.transport import records
-from zloader.transport.protocol import Command, encode
+from zloader.transport import messages, records
+from zloader.transport.protocol import encode
 from zloader.transport.ring import RingError, RingWriter
 from zloader.transport.shm import Segment, ShmError
 
@@ -63,15 +63,17 @@ class Outlet:
         self.bytes = 0
         self.fallbacks = 0  # records a full ring sent over the socket
 
-    def send(self, stream: Stream, command: Command, body: dict[str, Any],
+    def send(self, stream: Stream, record: messages.Record,
              payload: list[Any] | tuple[Any, ...] = ()) -> None:
-        """Send one message to a consumer; a failure is logged, not raised."""
+        """Send one message (DATA, END, FAIL) to a consumer; a failure is logged, not
+        raised."""
         try:
-            self.data.send_multipart([stream.identity, *encode(command, body, payload)],
-                                     zmq.NOBLOCK, copy=False)
+            self.data.send_multipart(
+                [stream.identity, *encode(record.COMMAND, messages.encode(record), payload)],
+                zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:
-            log.warning("could not send %s to consumer %s: %s", command.name, stream.consumer,
-                        exc)
+            log.warning("could not send %s to consumer %s: %s", record.COMMAND.name,
+                        stream.consumer, exc)
 
     def count(self, elements: int, nbytes: int) -> None:
         """Count a record sent (for the heartbeat's stats)."""
@@ -82,11 +84,8 @@ class Outlet:
                head: dict[str, Any]) -> None:
         """Send one record (``frames``: its codec buffers; ``head``: count, skipped, and
         ``round`` or ``origins`` when it has them) as DATA."""
-        body = {"epoch": epoch, "count": head["count"], "skipped": head["skipped"],
-                "ring": None}
-        for name in ("round", "origins"):
-            if name in head:
-                body[name] = head[name]
+        body = messages.Data(epoch=epoch, count=head["count"], skipped=head["skipped"],
+                             ring=None, round=head.get("round"), origins=head.get("origins"))
         self.count(head["count"], sum(codec.nbytes(f) for f in frames))
         if stream.ring is not None:
             packed = records.packed_size(frames)
@@ -102,16 +101,15 @@ class Outlet:
             if slot is not None:
                 position, view = slot
                 records.pack_into(frames, view)
-                body["ring"] = [position, packed, stream.ring.name]
-                self.send(stream, Command.DATA, body)
+                self.send(stream, replace(body, ring=(position, packed, stream.ring.name)))
                 return
             self.fallbacks += 1
-            body["full"] = True  # the consumer may give this worker a larger ring
+            body = replace(body, full=True)  # the consumer may give this worker a larger ring
             if packed >= records.SEGMENT_BYTES and self._segment(stream, body, frames, packed):
                 return
-        self.send(stream, Command.DATA, body, codec.joined(frames))
+        self.send(stream, body, codec.joined(frames))
 
-    def _segment(self, stream: Stream, body: dict[str, Any], frames: list[Any],
+    def _segment(self, stream: Stream, body: messages.Data, frames: list[Any],
                  packed: int) -> bool:
         """A record larger than the ring goes in a shared-memory segment of its own. This
         worker unlinks it once the consumer says it has mapped it (in CREDIT), or when the
@@ -123,8 +121,7 @@ class Outlet:
             return False
         records.pack_into(frames, segment.buf)
         stream.handoffs[segment.name] = segment
-        body["segment"] = [segment.name, packed]
-        self.send(stream, Command.DATA, body)
+        self.send(stream, replace(body, segment=(segment.name, packed)))
         return True
 
 

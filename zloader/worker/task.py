@@ -20,10 +20,11 @@ from typing import Any
 import zmq
 
 from zloader import codec
+from zloader.options import JobOptions
 from zloader.plan import Plan
 from zloader.sharing.window import WindowSettings
 from zloader.transport import messages
-from zloader.transport.protocol import Command, error_object
+from zloader.transport.protocol import error_object
 from zloader.worker.broker_link import BrokerLink, assignment
 from zloader.worker.delivery import Delivery
 from zloader.worker.links import Links
@@ -35,41 +36,43 @@ __all__ = ["Assignment", "Task", "load_error"]
 
 @dataclass(frozen=True)
 class Assignment:
-    """A TASK, checked: the job this worker is to run and how."""
+    """A TASK, checked: the job this worker is to run (``options``: how, the job's
+    :class:`~zloader.options.JobOptions`) and this worker's place in it."""
 
     id: str
     job: str
-    sharding: str
+    options: JobOptions  # exactly_once: as the job runs it
     index: int  # this worker's index in the job
     width: int  # the job's number of worker indices
-    on_error: str
     entropy: int
-    balanced: int = 0  # consumers to deal to one element at a time, round-robin (0: off)
-    coordinated: int = 0  # the consumers of a round, in a coordinated job (0: off)
-    track: bool = False  # exactly-once: elements carry their origins (zloader/lineage.py)
     share: WindowSettings | None = None  # a shared job's window (zloader/sharing)
 
     @classmethod
     def decode(cls, task: messages.Task) -> Assignment:
-        """The assignment a TASK carries.
+        """The assignment a TASK carries (its record checked every field)."""
+        share = task.options.share
+        return cls(id=task.task, job=task.job, options=task.options, index=task.index,
+                   width=task.width, entropy=task.entropy,
+                   share=WindowSettings.from_body(share) if share is not None else None)
 
-        Raises:
-            KeyError / TypeError / ValueError: ``share`` is malformed.
-        """
-        share = task.share
-        return cls(
-            id=task.task, job=task.job, sharding=task.sharding, index=task.index,
-            width=task.width, on_error=task.on_error, entropy=task.entropy,
-            balanced=task.balanced, coordinated=task.coordinated, track=task.track,
-            share=WindowSettings.from_body(share) if share is not None else None)
+    @property
+    def sharding(self) -> str:
+        return self.options.sharding
+
+    @property
+    def balanced(self) -> int:
+        """Consumers to deal to one element at a time, round-robin (0: off)."""
+        return self.options.balanced
+
+    @property
+    def coordinated(self) -> int:
+        """The consumers of a round, in a coordinated job (0: off)."""
+        return self.options.num_consumers
 
     def spec(self, plan: Plan) -> ProducerSpec:
         """What its producers need to know."""
-        return ProducerSpec(plan=plan, sharding=self.sharding, index=self.index,
-                            width=self.width, skip_errors=self.on_error == "skip",
-                            entropy=self.entropy, track=self.track,
-                            one_per_record=bool(self.balanced or self.coordinated),
-                            round_size=max(1, self.coordinated))
+        return ProducerSpec(plan=plan, options=self.options, index=self.index,
+                            width=self.width, entropy=self.entropy)
 
 
 class Task:
@@ -137,8 +140,8 @@ class Task:
             if epoch != self.producing:
                 self.finished.discard(epoch)
         elif epoch in self.finished and epoch != self.producing:
-            self.outlet.send(stream, Command.END, {"epoch": epoch, "skipped": 0,
-                                                   "rerun": self.reruns.get(epoch, 0)})
+            self.outlet.send(stream, messages.End(epoch=epoch,
+                                                  rerun=self.reruns.get(epoch, 0)))
         self.maybe_produce()
         self.delivery.deliver()
 
@@ -221,8 +224,8 @@ class Task:
             return
         for stream in self.streams.values():
             if stream.epoch == producing:
-                self.outlet.send(stream, Command.END, {"epoch": producing, "skipped": 0,
-                                                       "rerun": self.reruns.get(producing, 0)})
+                self.outlet.send(stream, messages.End(
+                    epoch=producing, rerun=self.reruns.get(producing, 0)))
         if self.producer is not None:
             self.producer.stop.set()  # it exits at its next send or split request
             self.links.drop(self.producer)
@@ -245,7 +248,8 @@ class Task:
             return  # (a mode's own producer, a replay: not the epoch's failure)
         for stream in self.streams.values():
             if stream.epoch == body["epoch"]:
-                self.outlet.send(stream, Command.FAIL, body)
+                self.outlet.send(stream, messages.Fail(epoch=body["epoch"],
+                                                       error=body["error"]))
         self.finish_epoch(body["epoch"])
 
     def maybe_produce(self) -> None:
