@@ -43,12 +43,14 @@ def test_a_new_iterator_ends_the_previous_one_instead_of_both_hanging():
         assert sorted(loader) == list(range(200))
 
 
-def test_a_timeout_after_the_loaders_own_worker_died_says_which_and_how():
+def test_a_loader_whose_only_worker_died_says_which_and_how():
+    """Not after the timeout: as soon as the data it sent is in (WorkerExited; it was a
+    Timeout after 3 s before the Loader watched its own workers)."""
     import os
     import signal
     import time
 
-    from zloader import Timeout
+    from zloader import WorkerExited
 
     def slow(x):
         time.sleep(0.05)
@@ -59,7 +61,38 @@ def test_a_timeout_after_the_loaders_own_worker_died_says_which_and_how():
         next(elements)
         pid = loader._processes[0].pid
         os.kill(pid, signal.SIGKILL)
-        with pytest.raises(Timeout) as info:
+        with pytest.raises(WorkerExited) as info:
             for _ in elements:
                 pass
     assert f"worker pid {pid} was killed by SIGKILL" in str(info.value)
+
+
+class _Opaque:
+    """A value the codec has no node for."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+def _opaque(x: int) -> tuple[int, _Opaque]:
+    return x, _Opaque(x)
+
+
+def test_objects_true_carries_values_the_codec_does_not_know_from_the_loaders_own_workers():
+    with Loader(Pipeline.range(40).map(_opaque), num_workers=2, objects=True,
+                timeout=30) as loader:
+        got = sorted((x, o.value, type(o).__name__) for x, o in loader)
+    assert got == [(x, x, "_Opaque") for x in range(40)]
+
+
+def test_without_objects_such_a_value_is_a_pipeline_error_naming_it():
+    from zloader import PipelineError
+
+    with Loader(Pipeline.range(4).map(_opaque), num_workers=1, timeout=30) as loader, \
+            pytest.raises(PipelineError, match="_Opaque is not supported"):
+        list(loader)
+
+
+def test_objects_true_needs_embedded_mode():
+    with pytest.raises(ValueError, match="objects=True needs embedded mode"):
+        Loader(Pipeline.range(4), broker="tcp://127.0.0.1:9", objects=True)

@@ -335,3 +335,13 @@ def test_a_corrupt_pickle_is_a_codec_error():
     header, data = codec.encode([_Custom([1])], objects=True)
     with pytest.raises(CodecError, match="cannot be unpickled"):
         codec.decode([header, bytes(data)[:5]], objects=True)
+
+
+Point = namedtuple("Point", "x y")
+
+
+def test_objects_true_keeps_a_named_tuples_type_and_plain_tuples_stay_plain():
+    out = codec.decode(codec.encode([Point(1, np.arange(2)), (1, 2)], objects=True),
+                       objects=True)
+    assert type(out[0]).__name__ == "Point" and out[0].y.tolist() == [0, 1]
+    assert type(out[1]) is tuple

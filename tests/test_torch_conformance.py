@@ -528,13 +528,9 @@ def multiprocessing_primitives_are_inherited_through_fork(DataLoader: Any) -> An
     return out, dataset.count.value
 
 
-CODEC_PICKLE = ("runtime: the codec must pickle types it does not know between a Loader and "
-                "its own forked local workers (design invariant 1's exception), in "
-                "zloader/codec.py encode/decode and the producer's encode "
-                "(zloader/worker/producer.py: Producer._encode)")
+# Types the codec does not carry: the Loader's own workers pickle them (Loader(objects=True)).
 
-
-@case(pytest.mark.xfail(strict=True, reason=CODEC_PICKLE))
+@case()
 def a_collate_output_of_the_user_s_class(DataLoader: Any) -> Any:
     out = []
     for batch in DataLoader(list(range(6)), batch_size=2, num_workers=2,
@@ -543,13 +539,13 @@ def a_collate_output_of_the_user_s_class(DataLoader: Any) -> Any:
     return out
 
 
-@case(pytest.mark.xfail(strict=True, reason=CODEC_PICKLE))
+@case()
 def bfloat16_batches(DataLoader: Any) -> Any:
     return batches(DataLoader(list(range(6)), batch_size=2, num_workers=2,
                               collate_fn=bfloat16_collate))
 
 
-@case(pytest.mark.xfail(strict=True, reason=CODEC_PICKLE))
+@case()
 def packed_sequence_batches(DataLoader: Any) -> Any:
     out = []
     for batch in DataLoader(list(range(6)), batch_size=3, num_workers=2,

@@ -15,11 +15,12 @@ its rows) encodes as the stacked array; its buffer is a :class:`Gather` of the r
 There is no pickle on this path by default: a header can describe only the types above, so
 bytes from a peer cannot make this process run code. The one exception (docs/torch.md,
 design.md's invariant 1) is opt-in at both ends: ``encode(element, objects=True)`` pickles a
-leaf of any other type into a ``b"o"`` node, and only ``decode(buffers, objects=True)``
-unpickles one; the Loader passes True only for records from its own forked local workers.
-Without it a ``b"o"`` node is refused like any unknown tag. Every field is checked before use;
-malformed input raises :class:`~zloader.errors.CodecError` saying what is wrong, and
-decoding never allocates more than the input's size (arrays are views; counts are checked
+leaf of any other type (and a named tuple whole, keeping its type) into a ``b"o"`` node, and
+only ``decode(buffers, objects=True)`` unpickles one; the Loader passes True only for
+records from its own local workers. Without it a ``b"o"`` node is refused like any unknown
+tag. Every field is checked before use; malformed input raises
+:class:`~zloader.errors.CodecError` saying what is wrong, and decoding never allocates more
+than the input's size (arrays are views; counts are checked
 against the bytes that remain).
 
 Header format (version 1, little-endian)::
@@ -212,6 +213,9 @@ def _encode_node(value: Any, out: bytearray, buffers: list[Any], depth: int,
             except _EncodeError as exc:
                 exc.path.append(f"[{key!r}]")
                 raise
+    elif isinstance(value, (list, tuple)) and objects and kind is not list \
+            and kind is not tuple:  # a named tuple keeps its type when it may be pickled
+        _encode_object(value, out, buffers)
     elif isinstance(value, (list, tuple)):
         _check_depth(depth)
         out += (b"U" if isinstance(value, tuple) else b"L") + _U32.pack(len(value))
@@ -242,18 +246,23 @@ def _encode_node(value: Any, out: bytearray, buffers: list[Any], depth: int,
     elif isinstance(value, str):
         _encode_node(str(value), out, buffers, depth, objects)
     elif objects:
-        try:
-            data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as exc:
-            raise _EncodeError(f"{kind.__module__}.{kind.__qualname__} cannot be pickled: "
-                               f"{exc}") from None
-        out += b"o"
-        buffers.append(memoryview(data))
+        _encode_object(value, out, buffers)
     else:
         raise _EncodeError(
             f"type {kind.__module__}.{kind.__qualname__} is not supported; elements hold "
             "dicts, tuples, lists, numpy arrays, numbers, str, bytes and None "
             "(convert the value to a numpy array in a map stage)")
+
+
+def _encode_object(value: Any, out: bytearray, buffers: list[Any]) -> None:
+    kind = type(value)
+    try:
+        data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        raise _EncodeError(f"{kind.__module__}.{kind.__qualname__} cannot be pickled: "
+                           f"{exc}") from None
+    out += b"o"
+    buffers.append(memoryview(data))
 
 
 def _check_depth(depth: int) -> None:

@@ -130,6 +130,11 @@ class Loader:
             the other jobs' (default 1: equal shares; 2 asks for twice as many workers as a
             job of weight 1 when both wait for data). From 0.001 to 1000; the job's first
             Loader sets it (docs/pool.md).
+        objects: elements may hold values of types the codec does not carry (a custom
+            class, a bfloat16 tensor): the workers pickle those leaves and this Loader
+            unpickles them from its own workers only (same user, same host, as torch's
+            DataLoader does). Embedded mode only; the torch adapter sets it. Without it such
+            a value raises CodecError naming it.
 
     Raises:
         ValueError / TypeError: a bad argument, named in the message.
@@ -150,7 +155,8 @@ class Loader:
                  num_consumers: int | None = None,
                  consumer_index: int | None = None, keys: Any = None,
                  insecure: bool = False, exactly_once: bool = True,
-                 state: Any = None, width: int | None = None, weight: float = 1.0) -> None:
+                 state: Any = None, width: int | None = None, weight: float = 1.0,
+                 objects: bool = False) -> None:
         if not isinstance(pipeline, Pipeline):
             raise TypeError(f"pipeline must be a zloader.Pipeline, got {type(pipeline).__name__}")
         choice("sharding", sharding, SHARDING)
@@ -198,6 +204,10 @@ class Loader:
             raise ValueError("num_workers must be >= 1 in embedded mode (broker=None); "
                              "for an in-process run iterate the pipeline itself")
         choice("start_method", start_method, START_METHODS)
+        if _check.boolean("objects", objects) and not embedded:
+            raise ValueError("objects=True needs embedded mode (broker=None): pickled "
+                             "elements are accepted only from this Loader's own workers, and "
+                             "a broker's other workers could serve the job")
         # The job's options, built once: they travel whole from here (zloader/options.py).
         options = JobOptions(
             sharding="static" if deterministic and sharding == "dynamic" else sharding,
@@ -205,7 +215,7 @@ class Loader:
             num_workers=workers if width is None else width,
             balanced=_check.integer("balanced", balanced, 0),
             num_consumers=coordinated[0] if coordinated else 0, share=self._share,
-            exactly_once=self._exactly_once, weight=float(weight))
+            exactly_once=self._exactly_once, weight=float(weight), objects=objects)
         # Forked workers run the pipeline as it is in this process: nothing to pickle when
         # they are the only ones (embedded). Others get it pickled: in the REGISTER message
         # when small, else served from this Loader (docs/protocol.md, FETCH).
@@ -246,7 +256,8 @@ class Loader:
                 served=served,
                 data_bind=f"ipc://{self._dir}/source" if embedded else None,
                 consumer_index=coordinated[1] if coordinated else None, keys=self._keys,
-                resume=resume, timeout=self._timeout)
+                resume=resume, timeout=self._timeout,
+                own=frozenset(process.pid for process in self._processes))
             self._merger = Merger(self._io, timeout=self._timeout,
                                   deterministic=self._deterministic, max_skipped=max_skipped,
                                   deaths=functools.partial(_deaths, self._processes,

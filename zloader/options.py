@@ -63,6 +63,9 @@ class JobOptions:
         exactly_once: elements carry their origins (zloader/lineage.py). The Loader's
             request; the broker keeps what the job runs (:meth:`applied`).
         weight: the job's share of the worker pool relative to other jobs'.
+        objects: elements may hold leaves of types the codec does not know: workers
+            pickle them (zloader/codec.py), and the consumer unpickles them only from
+            its own forked workers (``Loader(objects=True)``).
     """
 
     sharding: str = field(default="dynamic", metadata={"check": text(choices=SHARDING_MODES)})
@@ -74,6 +77,7 @@ class JobOptions:
     share: dict[str, Any] | None = field(default=None, metadata={"check": _maybe_share})
     exactly_once: bool = field(default=False, metadata={"check": boolean})
     weight: float = field(default=1.0, metadata={"check": number(*WEIGHT_RANGE)})
+    objects: bool = field(default=False, metadata={"check": boolean})
 
     @property
     def shared(self) -> bool:

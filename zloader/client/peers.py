@@ -47,6 +47,7 @@ class Peer:
     owed: int = 0  # credits granted for this epoch and not yet used by a record
     reported: float = float("-inf")  # when it was last reported stuck
     doing: dict[str, Any] | None = None  # {epoch, split, stage}, from the job's view
+    own: bool = False  # this Loader forked it: its records may hold pickled leaves
 
     def describe(self) -> str:
         """``worker pid P on HOST (stage S of split N, epoch E)``, as far as known."""
@@ -148,7 +149,9 @@ class Peers:
                     int(entry.get("pid", 0)), str(entry["endpoint"]), sock,
                     host=str(entry.get("host", ""))[:255], heard=time.monotonic(),
                     doing=doing(entry.get("doing")))
-        if self.settings.use_rings and entry.get("host_id") == host_id():
+        local = entry.get("host_id") == host_id()
+        peer.own = local and peer.pid in self.settings.own
+        if self.settings.use_rings and local:
             peer.ring = make_ring(self.settings.ring_bytes)
         self._peers[peer.worker] = peer
         self._index_of[peer.worker] = peer.index

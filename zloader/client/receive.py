@@ -112,7 +112,7 @@ class Receiver:
                 raise ProtocolError("DATA with origins but fewer than 3 buffers")
             origins = Origins.decode(data.origins, buffers[-2:], count)
             buffers = buffers[:-2]
-        elements = codec.decode(buffers)
+        elements = codec.decode(buffers, objects=peer.own)
         if not isinstance(elements, list) or len(elements) != count:
             raise ProtocolError(f"DATA record holds {type(elements).__name__}, not {count} "
                                 "elements")

@@ -28,6 +28,8 @@ class Settings:
     exactly_once: bool
     coordinated: tuple[int, int] | None  # (num_consumers, consumer_index)
     fixed: bool  # static or no sharding: every worker index must end the epoch
+    own: frozenset[int] = frozenset()  # pids of its own forked workers, whose records may
+    # hold pickled leaves (Loader(objects=True)); nobody else's are unpickled
 
 
 @dataclass

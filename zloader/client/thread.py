@@ -57,7 +57,7 @@ class IOThread(threading.Thread):
                  use_rings: bool, ring_bytes: int | None, served: Served | None = None,
                  data_bind: str | None = None, consumer_index: int | None = None,
                  keys: Keys | None = None, resume: dict[str, Any] | None = None,
-                 timeout: float = 60.0) -> None:
+                 timeout: float = 60.0, own: frozenset[int] = frozenset()) -> None:
         super().__init__(name="zloader-loader-io", daemon=True)
         coordinated = ((options.num_consumers, consumer_index or 0) if options.coordinated
                        else None)
@@ -65,7 +65,8 @@ class IOThread(threading.Thread):
             address=address, prefetch=prefetch, timeout=timeout, use_rings=use_rings,
             ring_bytes=ring_bytes, keys=keys, data_bind=data_bind,
             balanced=options.balanced > 0, exactly_once=options.exactly_once,
-            coordinated=coordinated, fixed=options.sharding in ("static", "off"))
+            coordinated=coordinated, fixed=options.sharding in ("static", "off"),
+            own=own if options.objects else frozenset())
         self.served = served or Served()
         register = registration(
             fingerprint=fingerprint, job_name=job_name, options=options,

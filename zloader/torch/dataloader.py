@@ -299,7 +299,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             worker_init_fn=torch_loader.worker_init_fn, persistent=self._persistent,
             width=self.num_workers, iterable=self._iterable,
             batch_size=torch_loader.batch_size if torch_loader._auto_collation else None,
-            drop_last=torch_loader.drop_last, token=secrets.token_hex(8))
+            drop_last=torch_loader.drop_last, token=secrets.token_hex(8),
+            objects=self._broker is None)
         self._started += 1
         job_name = self._job_name
         if job_name is not None and not self._persistent:
@@ -309,7 +310,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                       width=self.num_workers, sharding="static",
                       deterministic=bool(self.in_order),
                       job_name=job_name, prefetch=self._prefetch,
-                      timeout=self.timeout or 60.0, start_method=self._start_method())
+                      timeout=self.timeout or 60.0, start_method=self._start_method(),
+                      objects=self._broker is None)
 
     def _start_method(self) -> str:
         """How local workers start: ``multiprocessing_context``'s start method, where

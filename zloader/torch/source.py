@@ -38,6 +38,7 @@ class BatchSource(Source):
     batch_size: int | None
     drop_last: bool
     token: str
+    objects: bool = False  # to_numpy leaves to the codec's pickling what numpy cannot hold
 
     @property
     def num_splits(self) -> int:
@@ -69,7 +70,7 @@ class BatchSource(Source):
             keys = indices.tolist() if isinstance(indices, np.ndarray) else list(indices)
             failure = None
             try:
-                made = to_numpy(self._fetch(keys, plan["batched"]))
+                made = to_numpy(self._fetch(keys, plan["batched"]), self.objects)
             except Exception as exc:
                 failure = _failure(exc, where)
             state = seeding.capture_rng()
@@ -115,7 +116,7 @@ class BatchSource(Source):
                                    and len(samples) < self.batch_size):
                     return
                 made = to_numpy(self._collate_one(samples[0]) if self.batch_size is None
-                                else self._collate(samples))
+                                else self._collate(samples), self.objects)
             except Exception as exc:
                 yield (-1, b"", None, _failure(exc, where))
                 continue

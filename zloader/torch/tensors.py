@@ -38,23 +38,34 @@ def to_torch(element: Any) -> Any:
     return element
 
 
-def to_numpy(element: Any) -> Any:
+def to_numpy(element: Any, objects: bool = False) -> Any:
     """Convert the tensors in a nested element to numpy arrays (sharing memory), so that
-    the codec can carry them."""
+    the codec can carry them.
+
+    With ``objects`` (the Loader's own workers, which may pickle what the codec does not
+    carry: ``Loader(objects=True)``), what numpy cannot hold as it is stays as it is, to be
+    pickled whole: a bfloat16 tensor, a named tuple such as ``PackedSequence`` (whose type
+    the codec would lose). Without it a bfloat16 tensor raises TypeError and a named tuple
+    arrives as a plain tuple.
+    """
     if isinstance(element, torch.Tensor):
         tensor = element.detach()
         if tensor.device.type != "cpu":
             tensor = tensor.cpu()
         if tensor.dtype == torch.bfloat16:
-            raise TypeError("bfloat16 tensors cannot cross zloader's codec yet; convert them "
-                            "to float32 in collate_fn")
+            if objects:
+                return tensor
+            raise TypeError("bfloat16 tensors cannot cross zloader's codec to a broker's "
+                            "workers; convert them to float32 in collate_fn")
         return tensor.numpy()
     if isinstance(element, dict):
-        return {key: to_numpy(value) for key, value in element.items()}
+        return {key: to_numpy(value, objects) for key, value in element.items()}
     if isinstance(element, list):
-        return [to_numpy(v) for v in element]
-    if isinstance(element, tuple):  # named tuples too: the codec carries them as tuples
-        return tuple(to_numpy(v) for v in element)
+        return [to_numpy(v, objects) for v in element]
+    if isinstance(element, tuple):
+        if objects and type(element) is not tuple:
+            return element
+        return tuple(to_numpy(v, objects) for v in element)
     return element
 
 

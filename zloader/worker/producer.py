@@ -272,13 +272,14 @@ class Producer(threading.Thread):
                 ctx: Context) -> tuple[bytes, list[Any]] | None:
         """The head and buffers of the record of ``batch``; None when every element was
         skipped because the codec rejects it (see :meth:`_encodable`)."""
+        objects = self.spec.options.objects  # unknown leaves pickled (zloader/options.py)
         try:
-            buffers = codec.encode([t[0] for t in batch] if ctx.track else batch)
+            buffers = codec.encode([t[0] for t in batch] if ctx.track else batch, objects)
         except CodecError:
             batch = self._encodable(batch, places, ctx)
             if not batch:
                 return None
-            buffers = codec.encode([t[0] for t in batch] if ctx.track else batch)
+            buffers = codec.encode([t[0] for t in batch] if ctx.track else batch, objects)
         fields: dict[str, Any] = {"epoch": self.epoch, "count": len(batch),
                                   "skipped": ctx.skipped}
         if ctx.track:
@@ -298,7 +299,7 @@ class Producer(threading.Thread):
         kept = []
         for at, element in enumerate(batch):
             try:
-                codec.encode(element[0] if ctx.track else element)
+                codec.encode(element[0] if ctx.track else element, self.spec.options.objects)
             except CodecError as exc:
                 if not ctx.skip_errors:
                     where = ctx.where(element, len(stages) + 1,
