@@ -241,6 +241,7 @@ def run_ranks(mode: str) -> list[dict]:
     return outputs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["pad", "drop"])
 def test_two_ranks_split_one_epoch_with_equal_counts(mode):
     ranks = run_ranks(mode)
@@ -263,6 +264,7 @@ def test_two_ranks_split_one_epoch_with_equal_counts(mode):
         assert dropped == 0 and yielded == 2 * 101 + padded and 2 <= padded <= 4
 
 
+@pytest.mark.slow
 def test_coordinated_ranks_step_on_one_round_with_equal_counts():
     ranks = run_ranks("coord")
     for epoch in range(2):
@@ -277,6 +279,7 @@ def test_coordinated_ranks_step_on_one_round_with_equal_counts():
     assert sum(len(r["epochs"][e]) for r in ranks for e in range(2)) + dropped == 2 * 101
 
 
+@pytest.mark.slow
 def test_tf_close_of_a_derived_dataset_stops_its_workers_and_frees_its_rings():
     import os
 

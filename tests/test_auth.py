@@ -68,6 +68,7 @@ def test_an_authenticated_service_serves_a_loader_with_the_keys(keys):
         assert status_command.returncode == 0 and "workers (2)" in status_command.stdout
 
 
+@pytest.mark.slow
 def test_a_loader_without_an_authorized_key_gets_nothing(keys, tmp_path):
     other = str(tmp_path / "other")
     keygen(other)
@@ -85,6 +86,7 @@ def test_a_loader_without_an_authorized_key_gets_nothing(keys, tmp_path):
     assert job_count == 0  # their pipelines never reached the broker
 
 
+@pytest.mark.slow
 def test_a_worker_without_the_keys_cannot_join(keys):
     with service(1, keys=keys) as (address, _):
         rogue = start_worker(address)
@@ -118,6 +120,7 @@ def test_a_peer_without_keys_cannot_read_a_workers_data_port(keys):
                 assert answered == with_keys
 
 
+@pytest.mark.slow
 def test_broker_refuses_a_public_bind_without_keys_and_warns_on_loopback(keys):
     port = free_port()
     public = subprocess.run([os.path.join(BIN, "zloader-broker"), "--bind",
@@ -142,6 +145,7 @@ def test_broker_refuses_a_public_bind_without_keys_and_warns_on_loopback(keys):
     assert worker.returncode == 2 and "--keys" in worker.stderr
 
 
+@pytest.mark.slow
 def test_plain_data_workers_serve_key_holders_only(keys):
     with service(0, keys=keys) as (address, _):
         worker = subprocess.Popen([os.path.join(BIN, "zloader-worker"), "--broker", address,
@@ -211,6 +215,7 @@ def test_directories_another_user_could_write_are_refused(tmp_path, how):
     assert not any(work.iterdir())
 
 
+@pytest.mark.slow
 def test_a_worker_refuses_a_remote_broker_without_keys_and_says_keys_when_refused(keys):
     """zloader-worker without keys refuses a non-loopback --broker (it would run whatever
     code answers there) unless --insecure, as zloader-broker refuses a non-loopback --bind

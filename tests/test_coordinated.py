@@ -64,6 +64,7 @@ def test_each_round_is_one_group_from_one_worker(workers, consumers):
     assert stats["dropped"] == 0 and stats["rounds_lost"] == 0
 
 
+@pytest.mark.slow
 def test_finite_input_gives_equal_counts_and_counts_the_dropped_last_round():
     with service(3) as (address, _):
         pipeline = Pipeline.range(100, split_size=3)
@@ -108,6 +109,7 @@ def test_bucketing_gives_every_consumer_of_a_step_the_same_bucket():
     assert yielded + loaders[0].stats()["dropped"] * size >= 3000 - 2 * 3 * size
 
 
+@pytest.mark.slow
 def test_worker_killed_mid_read_keeps_groups_consistent_without_hanging():
     consumers = 3
     with service(3) as (address, procs):
@@ -184,6 +186,7 @@ class Consumer:
         self.process.wait()
 
 
+@pytest.mark.slow
 def test_restarted_consumer_rejoins_at_the_round_the_others_are_on():
     n, rounds = 3, 200
     with service(2) as (address, _):

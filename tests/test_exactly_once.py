@@ -85,6 +85,7 @@ def test_random_kill_schedules_never_lose_or_repeat_an_element(kills):
         assert_exactly_once(run_with_kills(address, procs, sorted(kills)))
 
 
+@pytest.mark.slow
 def test_a_split_that_reads_differently_the_second_time_is_reported():
     def changing(split):  # not reproducible: another value each time it is read
         for _ in range(20):
@@ -216,6 +217,7 @@ def test_state_dict_refuses_what_it_cannot_record():
         Loader(Pipeline.range(10), num_workers=1, state=state)
 
 
+@pytest.mark.slow
 def test_without_exactly_once_a_dead_workers_splits_are_read_again_whole():
     with service(workers=2) as (address, procs):
         seen: collections.Counter = collections.Counter()
@@ -228,6 +230,7 @@ def test_without_exactly_once_a_dead_workers_splits_are_read_again_whole():
         assert set(seen) == set(range(600))  # at least once
 
 
+@pytest.mark.slow
 def test_a_worker_drained_by_sigterm_through_a_shuffle_loses_and_repeats_nothing():
     with service(workers=2) as (address, procs):
         seen: collections.Counter = collections.Counter()

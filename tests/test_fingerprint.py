@@ -350,6 +350,7 @@ def run_script(tmp_path, script: str, data_file, hash_seed: str) -> dict:
     return json.loads(done.stdout)
 
 
+@pytest.mark.slow
 def test_fingerprints_are_stable_across_interpreters(tmp_path):
     data = tmp_path / "data.txt"
     data.write_text("x y z")

@@ -110,6 +110,7 @@ def flood(x):
     return x
 
 
+@pytest.mark.slow
 def test_prints_and_logs_of_a_remote_worker_reach_the_trainers_log_rate_limited():
     remote = logging.getLogger("zloader.remote")
     handler = Collect()

@@ -92,6 +92,7 @@ def start_journaled(tmp_path, workers: int) -> tuple[str, str, subprocess.Popen,
     return address, work_dir, broker, started
 
 
+@pytest.mark.slow
 def test_a_broker_killed_mid_epoch_and_restarted_resumes_the_job_exactly(tmp_path):
     def slow(x):
         time.sleep(0.004)

@@ -96,6 +96,7 @@ def test_a_metrics_port_in_use_is_reported(taken):
     assert done.returncode == 1 and "cannot serve metrics" in done.stderr
 
 
+@pytest.mark.slow
 def test_zloader_top_shows_jobs_with_rates_and_starvation_and_workers():
     from tests.service import service
 
@@ -125,6 +126,7 @@ def test_zloader_top_shows_jobs_with_rates_and_starvation_and_workers():
     assert silent.returncode == 1 and "no answer" in silent.stderr
 
 
+@pytest.mark.slow
 def test_a_consumer_waiting_for_a_job_without_workers_is_starved_in_status_and_metrics():
     """Nothing serves the consumer that waits: its job is 100% starved, not 0%."""
     address, port = f"tcp://127.0.0.1:{free_port()}", free_port()

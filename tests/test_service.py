@@ -325,6 +325,7 @@ def _segments_of(pid: int) -> list[str]:
     return [n for n in os.listdir("/dev/shm") if n.startswith(f"zloader-{os.getuid()}-{pid}-")]
 
 
+@pytest.mark.slow
 def test_consumer_killed_mid_epoch_releases_its_shared_memory():
     with service(workers=2) as (address, _), \
             _reading_consumer(f"broker={address!r}") as consumer:
@@ -617,6 +618,7 @@ def test_an_embedded_loader_that_lost_one_of_two_dynamic_workers_completes_its_e
         assert sorted(seen) == list(range(600))  # exactly once: nothing lost or repeated
 
 
+@pytest.mark.slow
 def test_static_sharding_a_killed_workers_index_goes_to_its_replacement():
     def slow(x):
         time.sleep(0.002)
@@ -634,6 +636,7 @@ def test_static_sharding_a_killed_workers_index_goes_to_its_replacement():
             assert set(seen) == set(range(400))  # at least once: the index read again
 
 
+@pytest.mark.slow
 def test_a_loader_started_before_its_broker_registers_once_it_is_up_and_again_after_a_restart():
     """The Loader repeats its REGISTER while nobody answers: those queued before the broker
     binds all arrive at once and must register it once, for one job. A broker restarted
@@ -718,6 +721,7 @@ print(len(results), sorted(set(results)), errors[:3], flush=True)
 """
 
 
+@pytest.mark.slow
 def test_fifty_loaders_made_on_threads_at_once_all_run():
     """Forking while other threads import (numpy's lazy parts, zloader's own modules) must
     not leave a worker waiting forever for an import lock held by a thread it lacks. A
@@ -727,6 +731,7 @@ def test_fifty_loaders_made_on_threads_at_once_all_run():
     assert out.stdout.strip() == f"50 [{sum(range(1, 21))}] []", out.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_a_loader_no_free_worker_serves_times_out_saying_the_workers_run_other_jobs():
     """A Loader made while a static job holds the broker's only worker (static jobs keep
     their workers: their indices are fixed, docs/pool.md): its Timeout says why, not

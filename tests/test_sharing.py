@@ -132,6 +132,7 @@ def test_a_slow_trainer_skips_and_counts_with_skip():
         assert len(set(slow_epoch["got"])) == len(slow_epoch["got"])
 
 
+@pytest.mark.slow
 def test_a_slow_trainer_holds_the_producer_with_block():
     with service(workers=1) as (address, _):
         window = ("--window", str(1 << 16), "--block", "600")

@@ -44,6 +44,7 @@ def wedge_once(flag: str, at: int):
     return fn
 
 
+@pytest.mark.slow
 def test_a_worker_stuck_in_user_code_has_its_splits_read_by_the_other_exactly_once(tmp_path):
     pipeline = Pipeline.range(200, split_size=10).map(wedge_once(str(tmp_path / "flag"), 37))
     started = time.monotonic()
@@ -65,6 +66,7 @@ def _command_line(pid: int) -> str:
         return file.read().decode(errors="replace")
 
 
+@pytest.mark.slow
 def test_a_sole_worker_stuck_in_user_code_times_out_naming_it(tmp_path):
     pipeline = Pipeline.range(200, split_size=10).map(wedge_once(str(tmp_path / "flag"), 37))
     with Loader(pipeline, num_workers=1, timeout=2) as loader:
@@ -82,6 +84,7 @@ def slowly(x: int) -> int:
     return x
 
 
+@pytest.mark.slow
 def test_a_sigstopped_worker_times_out_naming_it():
     pipeline = Pipeline.range(2000, split_size=10).map(slowly)
     with Loader(pipeline, num_workers=1, timeout=2) as loader:

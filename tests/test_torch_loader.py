@@ -402,6 +402,7 @@ def test_load_state_dict_resumes_the_workers_random_state(persistent):
                                                  strict=True))
 
 
+@pytest.mark.slow
 def test_a_broker_s_workers_make_the_batches_and_num_workers_0_there_is_refused():
     with pytest.raises(ValueError, match="num_workers=0 loads in this process"):
         zt.DataLoader(Augmented(), num_workers=0, broker="tcp://127.0.0.1:5555")

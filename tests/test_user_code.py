@@ -48,6 +48,7 @@ def _consume(loader: Loader) -> PipelineError:
     return info.value
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_base_exceptions_in_user_code_arrive_as_pipeline_errors_naming_the_stage():
     # In this process: SystemExit and GeneratorExit are the stage's failures; a
