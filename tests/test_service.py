@@ -87,12 +87,13 @@ def test_list_of_more_than_the_ring_holds_takes_the_private_path():
         for _ in range(8):
             yield np.full(65536, split, dtype=np.uint8)
 
-    pipeline = Pipeline.from_generator(blocks, 16)
+    # 24 MiB held: more than the ring grows to for these records (prefetch + 2 of them)
+    pipeline = Pipeline.from_generator(blocks, 48)
     with Loader(pipeline, num_workers=1, ring_bytes=1 << 20, timeout=60) as loader:
         kept = list(loader)  # holds every element: the ring fills up
-        assert len(kept) == 128 and all(int(a[0]) == a[-1] for a in kept)
+        assert len(kept) == 384 and all(int(a[0]) == a[-1] for a in kept)
         assert loader.stats()["private"] > 0
-        assert sorted({int(a[0]) for a in kept}) == list(range(16))
+        assert sorted({int(a[0]) for a in kept}) == list(range(48))
 
 
 def test_user_error_arrives_as_pipeline_error_with_the_worker_traceback():

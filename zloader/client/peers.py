@@ -20,6 +20,7 @@ from zloader.client.rounds import Rounds
 from zloader.client.session import Session, Settings
 from zloader.client.stats import Stats
 from zloader.transport.protocol import Command, ProtocolError, doing, doing_text, encode
+from zloader.transport.ring import ALIGN as RING_ALIGN
 from zloader.transport.shm import sweep
 from zloader.transport.sockets import make_socket
 
@@ -248,14 +249,19 @@ class Peers:
         raise ProtocolError(f"DATA names ring {name!r}, which this consumer did not open")
 
     def grow_ring(self, peer: Peer, record_bytes: int) -> None:
-        """The worker found the ring full: when records are large for it (fewer than
-        ``prefetch + 1`` fit), replace it with one twice as large, up to RING_MAX_BYTES."""
+        """A record of ``record_bytes`` came (or found the ring full): when records are
+        large for the ring (fewer than ``prefetch + 2`` fit: those in flight, the one the
+        user still holds while asking for the next, and the one being written), replace it
+        with one large enough (at least twice as large, at most RING_MAX_BYTES: no larger
+        than needed, as each page costs its first writer and reader a fault). Its writer
+        reserves the new ring's memory, not this thread."""
         assert peer.ring is not None
         capacity = peer.ring.capacity
-        if record_bytes * (self.settings.prefetch + 1) <= capacity \
-                or capacity >= RING_MAX_BYTES:
+        needed = record_bytes * (self.settings.prefetch + 2)
+        if needed <= capacity or capacity >= RING_MAX_BYTES:
             return
-        bigger = make_ring(min(RING_MAX_BYTES, capacity * 2))
+        size = max(capacity * 2, -(-needed // RING_ALIGN) * RING_ALIGN)
+        bigger = make_ring(min(RING_MAX_BYTES, size))
         if bigger is None:
             return
         peer.old_rings.append(peer.ring)

@@ -104,8 +104,10 @@ class Receiver:
         session, stats = self.session, self.stats
         count = data.count
         buffers = self._buffers(peer, data, payload)
-        if data.full and peer.ring is not None:
-            self.peers.grow_ring(peer, records.packed_size(buffers))
+        if peer.ring is not None and (data.full or data.ring is not None):
+            # a full ring, or records large for it: grow it before it fills
+            self.peers.grow_ring(peer, records.packed_size(buffers) if data.ring is None
+                                 else data.ring[1])
         origins = None
         if data.origins is not None:
             if len(buffers) < 3:
