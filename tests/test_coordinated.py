@@ -47,7 +47,7 @@ def check_groups(sequences: list[list[int]], n: int) -> None:
         assert len({v // n for v in step}) == 1, step
 
 
-@pytest.mark.parametrize("workers", [1, 3])
+@pytest.mark.parametrize("workers", [1, pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("consumers", [1, 2, 5])
 def test_each_round_is_one_group_from_one_worker(workers, consumers):
     rounds = 40

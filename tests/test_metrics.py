@@ -23,6 +23,7 @@ def scrape(port: int) -> dict[str, list]:
     return {f.name: f.samples for f in text_string_to_metric_families(text)}
 
 
+@pytest.mark.slow
 def test_the_metrics_endpoint_serves_job_and_worker_metrics_while_a_loader_reads():
     address, port = f"tcp://127.0.0.1:{free_port()}", free_port()
     broker = subprocess.Popen([os.path.join(BIN, "zloader-broker"), "--bind", address,

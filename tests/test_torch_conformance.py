@@ -394,12 +394,6 @@ def a_context_object_starts_forked_workers(DataLoader: Any) -> Any:
     return marked_batches(DataLoader, multiprocessing.get_context("fork"), 2)
 
 
-FRESH = ("runtime: a spawned worker unpickles the dataset's class by value (zloader/"
-         "_pickling.py ships the user's modules by value, for remote hosts), so it sees the "
-         "module's globals as they were at pickling, where torch's re-imports the module; "
-         "forkserver is started as spawn (zloader/_process.py: start_worker has no "
-         "forkserver)")
-
 
 def marked_batches(DataLoader: Any, context: Any, workers: int) -> Any:
     global MARK
@@ -411,12 +405,12 @@ def marked_batches(DataLoader: Any, context: Any, workers: int) -> Any:
         MARK = 0
 
 
-@case(pytest.mark.slow, pytest.mark.xfail(strict=True, reason=FRESH))
+@case(pytest.mark.slow)
 def spawned_workers_take_a_fresh_interpreter(DataLoader: Any) -> Any:
     return marked_batches(DataLoader, "spawn", 2)
 
 
-@case(pytest.mark.slow, pytest.mark.xfail(strict=True, reason=FRESH))
+@case(pytest.mark.slow)
 def forkserver_workers_take_a_fresh_interpreter(DataLoader: Any) -> Any:
     return marked_batches(DataLoader, "forkserver", 1)
 

@@ -303,7 +303,8 @@ def _samples(batches):
     return batches["pair"][0]
 
 
-@pytest.mark.parametrize("device", [None, "cpu"])  # "cpu": batches come from a thread
+@pytest.mark.parametrize("device", [None, pytest.param("cpu", marks=pytest.mark.slow)])
+# "cpu": batches come from a thread
 @pytest.mark.parametrize("persistent", [False, True])
 def test_live_iterators_of_one_loader_behave_as_torchs_and_never_hang(persistent, device):
     reference, ours = both(num_workers=2, batch_size=4, shuffle=True,

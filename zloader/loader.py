@@ -86,7 +86,9 @@ class Loader:
             small elements; the torch adapter uses it for ``torch.distributed`` ranks.
         start_method: how local workers start: ``"fork"`` (fast; they inherit this
             process's imports, like torch's DataLoader on Linux) or ``"spawn"`` (a fresh
-            interpreter that inherits ``sys.path`` and the working directory).
+            interpreter that inherits ``sys.path`` and the working directory, and imports
+            the user's modules afresh, as torch's spawned workers do: embedded, the
+            pipeline refers to them instead of carrying their code).
         share: attach to the job of any other sharing Loader on the same broker whose
             pipeline has the same fingerprint (and ``sharing``, ``deterministic``,
             ``on_error``): the pipeline runs once and every such Loader receives every
@@ -220,7 +222,7 @@ class Loader:
         # they are the only ones (embedded). Others get it pickled: in the REGISTER message
         # when small, else served from this Loader (docs/protocol.md, FETCH).
         inherit = start_method == "fork" and workers > 0
-        blob, served = pack(pipeline, inherited=embedded and inherit)
+        blob, served = pack(pipeline, inherited=embedded and inherit, local=embedded)
         check_exposure(served, broker, self._keys, insecure)
         self._closed = False
         self._dir: str | None = None

@@ -27,9 +27,12 @@ __all__ = ["INLINE_PIPELINE_BYTES", "INLINE_SOURCE_BYTES", "check_exposure", "du
            "strip_source"]
 
 
-def pack(pipeline: Pipeline, inherited: bool) -> tuple[bytes, Served]:
+def pack(pipeline: Pipeline, inherited: bool, local: bool = False) -> tuple[bytes, Served]:
     """The pipeline for REGISTER (empty when ``inherited``: every worker was forked from
     this process; or when it is served) and what this Loader serves its workers.
+    ``local``: every worker is this Loader's own, started on this host with its
+    ``sys.path``, so the user's modules travel by reference, as torch's spawned workers
+    get them: imported afresh (see :func:`dumps`).
 
     Raises:
         SerializationError: the pipeline cannot be pickled.
@@ -37,7 +40,7 @@ def pack(pipeline: Pipeline, inherited: bool) -> tuple[bytes, Served]:
     if inherited:
         return b"", Served()
     stripped, source_data = strip_source(pipeline)
-    blob = dumps(stripped)
+    blob = dumps(stripped, by_value=not local)
     served = Served(blob if len(blob) > INLINE_PIPELINE_BYTES else None, source_data)
     if served.pipeline is not None:
         blob = b""  # REGISTER carries only where to fetch it
@@ -84,16 +87,20 @@ def strip_source(pipeline: Pipeline) -> tuple[Pipeline, tuple[str, list[Any]] | 
     return pipeline, None
 
 
-def dumps(pipeline: Pipeline) -> bytes:
+def dumps(pipeline: Pipeline, by_value: bool = True) -> bytes:
     """cloudpickle the pipeline, shipping the user's own modules by value.
 
     Functions and classes from ``__main__`` and from modules that are not installed (not
     in the standard library or site-packages) travel with the pipeline, so remote workers
     need not have the user's source tree; installed packages travel by reference and must
-    be installed on the workers.
+    be installed on the workers. Without ``by_value`` the user's modules travel by
+    reference too (the worker imports them: it must find them on its ``sys.path``, and
+    sees their globals as a fresh import makes them, not as they are here); ``__main__``
+    always travels by value.
     """
     modules = [module for name, module in list(sys.modules.items())
-               if isinstance(module, types.ModuleType) and _is_user_module(name, module)]
+               if by_value and isinstance(module, types.ModuleType)
+               and _is_user_module(name, module)]
     for module in modules:
         cloudpickle.register_pickle_by_value(module)
     try:
