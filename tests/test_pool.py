@@ -14,8 +14,8 @@ from zloader.transport.protocol import Command, ProtocolError
 
 
 def claim(job: str, held: int, weight: float = 1.0, wants: int = pool.UNBOUNDED,
-          hungry: bool = True, movable: bool = True) -> pool.Claim:
-    return pool.Claim(job, weight, held, wants, hungry, movable)
+          hungry: bool = True, movable: bool = True, exact: bool = True) -> pool.Claim:
+    return pool.Claim(job, weight, held, wants, hungry, movable, exact)
 
 
 def settle(claims: dict[str, pool.Claim], holdings: list[pool.Holding], now: float = 100.0,
@@ -31,7 +31,8 @@ def settle(claims: dict[str, pool.Claim], holdings: list[pool.Holding], now: flo
         for job in (holding.job, taker):
             held = sum(1 for h in holdings if h.job == job)
             claims[job] = pool.Claim(job, claims[job].weight, held, claims[job].wants,
-                                     claims[job].hungry, claims[job].movable)
+                                     claims[job].hungry, claims[job].movable,
+                                     claims[job].exact)
     else:
         raise AssertionError("the moves did not settle")
     return {job: sum(1 for h in holdings if h.job == job) for job in claims}
@@ -102,7 +103,7 @@ def test_static_jobs_and_workers_that_cannot_run_a_job_do_not_move():
 # --- the broker state, as plain calls --------------------------------------------------------
 
 def register(state: State, consumer: str, now: float = 0.0, weight: float = 1.0,
-             exactly_once: bool = False, fingerprint: str | None = None, splits: int = 8,
+             exactly_once: bool = True, fingerprint: str | None = None, splits: int = 8,
              sharding: str = "dynamic"):
     return state.register(consumer.encode(), record(Command.REGISTER, nested({
         "consumer": consumer, "fingerprint": fingerprint or consumer * 64,
@@ -157,7 +158,7 @@ def test_a_job_that_starts_reading_takes_workers_from_one_that_holds_all():
 
 def test_a_moved_workers_split_is_read_again_by_its_jobs_other_workers():
     state = pool_of(2)
-    out = register(state, "a", splits=4)
+    out = register(state, "a", splits=4, exactly_once=False)  # (b holds none: it moves)
     epoch(state, "a", 0.1)
     tasks = {o.identity.decode(): o.body["task"] for o in out if o.command is Command.TASK}
     taken = {name: split(state, name, task) for name, task in tasks.items()}
@@ -278,3 +279,15 @@ def test_a_restarted_broker_replays_moves(tmp_path):
     for job in restored.jobs.values():
         assert sorted(job.tasks.values()) == sorted(state.jobs[job.id].tasks.values())
     restored.journal.close()
+
+
+def test_a_job_that_would_repeat_a_moved_split_gives_only_to_a_job_holding_none():
+    """Shared, balanced, coordinated or exactly_once=False: a move mid-epoch would repeat
+    the split under way, so it does not even out shares; it still gives a starving job
+    its first worker (rule 3's turn)."""
+    claims = {"a": claim("a", 3, exact=False), "b": claim("b", 1)}
+    assert settle(claims, held_by("a", 3) + held_by("b", 1, start=3)) == {"a": 3, "b": 1}
+    claims = {"a": claim("a", 4, exact=False), "b": claim("b", 0)}
+    assert settle(claims, held_by("a", 4)) == {"a": 3, "b": 1}
+    claims = {"a": claim("a", 3), "b": claim("b", 1)}  # exactly-once: evened out
+    assert settle(claims, held_by("a", 3) + held_by("b", 1, start=3)) == {"a": 2, "b": 2}

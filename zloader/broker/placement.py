@@ -98,7 +98,8 @@ def claims(state: Tables, now: float) -> dict[str, pool.Claim]:
         else:  # its autoscaler's count, once it has more than its consumers take
             wants = job.desired
         out[job.id] = pool.Claim(job.id, job.weight, len(job.tasks), wants, hungry,
-                                 movable=not job.fixed or not active)
+                                 movable=not job.fixed or not active,
+                                 exact=job.track or not active)
     return out
 
 

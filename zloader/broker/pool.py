@@ -16,7 +16,10 @@ The rules, in order of preference for the worker that moves:
    job for :data:`SLICE_SECONDS` (more jobs than workers: each gets turns).
 
 Static and deterministic jobs keep their workers mid-epoch (their worker indices are fixed);
-between epochs they give them up like any job.
+between epochs they give them up like any job. A job that does not run exactly-once (shared,
+balanced, coordinated, ``exactly_once=False``) would repeat a moved worker's split: mid-epoch
+it gives a worker only to a hungry job that holds none (rule 3's turn, or any rule when the
+taker has nothing), never to even out shares.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class Claim:
     #                 its width (static), else UNBOUNDED
     hungry: bool    # its consumers waited for data lately
     movable: bool   # its workers may be taken from it (dynamic, not deterministic)
+    exact: bool = True  # a move mid-epoch repeats nothing (it runs exactly-once, or is idle)
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,7 @@ def next_move(claims: Iterable[Claim], holdings: Iterable[Holding],
         for holding in held:
             giver = by_job.get(holding.job)
             if giver is None or giver.job == taker.job or not giver.movable \
+                    or (not giver.exact and taker.held > 0) \
                     or not eligible(holding.worker, taker.job):
                 continue
             reason = _reason(giver, taker, now - holding.since)
