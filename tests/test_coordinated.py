@@ -48,7 +48,7 @@ def check_groups(sequences: list[list[int]], n: int) -> None:
 
 
 @pytest.mark.parametrize("workers", [1, pytest.param(3, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("consumers", [1, 2, 5])
+@pytest.mark.parametrize("consumers", [1, 2, pytest.param(5, marks=pytest.mark.slow)])
 def test_each_round_is_one_group_from_one_worker(workers, consumers):
     rounds = 40
     with service(workers) as (address, _):

@@ -38,6 +38,7 @@ def check_images(text: str, folder: pathlib.Path) -> list[str]:
     return links
 
 
+@pytest.mark.slow
 def test_report_of_the_real_results(tmp_path: pathlib.Path) -> None:
     sources = sorted(RESULTS.glob("*.json"))
     if not sources:

@@ -442,6 +442,7 @@ def test_workers_reconnect_to_a_restarted_broker():
         stop(broker)
 
 
+@pytest.mark.slow
 def test_large_in_memory_sources_reach_workers_from_the_loader():
     images = np.arange(3_000_000, dtype=np.float64).reshape(1000, 3000)  # 24 MB
     arrays = Pipeline.from_arrays({"x": images, "i": np.arange(1000)}).map(
@@ -476,6 +477,7 @@ def test_bad_frames_to_a_worker_data_port_are_ignored():
             assert sorted(loader) == list(range(20))  # ...and keeps serving
 
 
+@pytest.mark.slow
 def test_worker_processes_option_starts_that_many_workers():
     broker, address = start_broker()
     supervisor = None
@@ -533,6 +535,7 @@ def test_spawned_workers_work_like_forked_ones():
         Loader(pipeline, num_workers=1, start_method="thread")
 
 
+@pytest.mark.slow
 def test_an_embedded_consumer_killed_hard_leaves_nothing_after_the_next_loaders_sweep():
     import tempfile
 

@@ -693,19 +693,6 @@ class Killing(tud.Dataset):
         return i
 
 
-@case()
-def a_worker_killed_mid_epoch_raises_runtime_error_promptly(DataLoader: Any) -> Any:
-    start = time.monotonic()
-    try:
-        for _ in DataLoader(Killing(), batch_size=2, num_workers=2):
-            pass
-    except (RuntimeError, ConnectionError):
-        # torch's RuntimeError, or (a worker killed while it passed a batch's file
-        # descriptors) the ConnectionResetError its pipe raises; its words vary too
-        return "raised", time.monotonic() - start < 30
-    return "no error", time.monotonic() - start < 30
-
-
 # --- the tests -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("case", list(CASES.values()))
@@ -729,11 +716,16 @@ def test_a_worker_s_error_names_the_worker_and_holds_the_original_traceback() ->
 
 
 def test_a_killed_worker_is_named_with_how_it_died() -> None:
+    """zloader alone: torch's own loader raises RuntimeError, ConnectionResetError or
+    EOFError here depending on where it notices the death, and may leave its workers to
+    the garbage collector, so the two are not compared."""
+    start = time.monotonic()
     loader = zt.DataLoader(Killing(), batch_size=2, num_workers=2)
     try:
         with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid\(s\) \d+\) "
                                                "exited unexpectedly") as info:
             list(loader)
         assert "killed by SIGKILL" in str(info.value.__cause__)
+        assert time.monotonic() - start < 30  # promptly, not after the 60 s timeout
     finally:
         loader.close()

@@ -305,7 +305,7 @@ def _samples(batches):
 
 @pytest.mark.parametrize("device", [None, pytest.param("cpu", marks=pytest.mark.slow)])
 # "cpu": batches come from a thread
-@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("persistent", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_live_iterators_of_one_loader_behave_as_torchs_and_never_hang(persistent, device):
     reference, ours = both(num_workers=2, batch_size=4, shuffle=True,
                            persistent_workers=persistent, timeout=20)
