@@ -9,6 +9,8 @@ import socket
 import subprocess
 from typing import Any
 
+import psutil
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -50,3 +52,25 @@ def stop(processes: list[subprocess.Popen[Any]], timeout: float) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def tree_cpu(*roots: psutil.Process) -> float:
+    """CPU seconds (user + system) ``roots`` and all their descendants have used so far,
+    each process counted once; processes that have exited count for nothing."""
+    total = 0.0
+    seen: set[int] = set()
+    for root in roots:
+        try:
+            family = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            continue
+        for process in family:
+            if process.pid in seen:
+                continue
+            seen.add(process.pid)
+            try:
+                times = process.cpu_times()
+            except psutil.Error:
+                continue
+            total += times.user + times.system
+    return total

@@ -49,7 +49,7 @@ from typing import Any
 
 import psutil
 
-from bench._common import free_port, provenance, stop
+from bench._common import free_port, provenance, stop, tree_cpu
 
 BIN = pathlib.Path(sys.executable).parent
 START_TIMEOUT_S = 120.0
@@ -67,22 +67,6 @@ def pipeline(element_ms: float) -> Any:
     return zloader.Pipeline.range(10**9).map(functools.partial(wait, element_ms))
 
 
-def tree_cpu(roots: list[psutil.Process]) -> float:
-    """CPU seconds ``roots`` and all their descendants have used so far."""
-    total = 0.0
-    seen: set[int] = set()
-    for root in roots:
-        with contextlib.suppress(psutil.Error):
-            for process in [root, *root.children(recursive=True)]:
-                if process.pid in seen:
-                    continue
-                seen.add(process.pid)
-                with contextlib.suppress(psutil.Error):
-                    times = process.cpu_times()
-                    total += times.user + times.system
-    return total
-
-
 def measure(iterator: Iterator[Any], window: float, warmup: float,
             roots: list[psutil.Process]) -> dict[str, float]:
     """The first element, ``warmup`` seconds, then elements and CPU over ``window``."""
@@ -91,7 +75,7 @@ def measure(iterator: Iterator[Any], window: float, warmup: float,
     first = time.perf_counter()
     while time.perf_counter() - first < warmup:
         next(iterator)
-    cpu0, t0 = tree_cpu(roots), time.perf_counter()
+    cpu0, t0 = tree_cpu(*roots), time.perf_counter()
     elements = 0
     while True:
         next(iterator)
@@ -99,7 +83,7 @@ def measure(iterator: Iterator[Any], window: float, warmup: float,
         now = time.perf_counter()
         if now >= t0 + window:
             break
-    cpu = tree_cpu(roots) - cpu0
+    cpu = tree_cpu(*roots) - cpu0
     seconds = now - t0
     return {"first_element_s": first - start, "elements": elements, "seconds": seconds,
             "elements_per_s": elements / seconds, "cpu_s": cpu,

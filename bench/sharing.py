@@ -36,7 +36,7 @@ from typing import Any
 
 import psutil
 
-from bench._common import version
+from bench._common import tree_cpu, version
 from bench._images import JPEG_FILES, write_jpegs
 from bench._share_trainer import BATCH_SIZE
 
@@ -58,17 +58,6 @@ def free_ports(count: int) -> list[int]:
     finally:
         for s in sockets:
             s.close()
-
-
-def tree_cpu(process: psutil.Process) -> float:
-    total = 0.0
-    for p in [process, *process.children(recursive=True)]:
-        try:
-            times = p.cpu_times()
-            total += times.user + times.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
 
 
 def spawn(role: str, config: dict[str, Any]) -> subprocess.Popen[str]:
