@@ -73,6 +73,23 @@ def test_idle_worker_gets_a_task_when_a_consumer_registers():
     assert [w["worker"] for w in job["workers"]] == ["w1"]
 
 
+def test_a_worker_back_on_a_new_connection_gets_its_task_again():
+    """A worker stopped (SIGSTOP, a paused VM) before it read its TASK reconnects on
+    waking, and the TASK left on the old connection is lost: the broker sends it again,
+    on the new identity, with the same task, index and pipeline."""
+    state = State()
+    ready(state, "w1")
+    first = next(o for o in register(state, "c1") if o.command is Command.TASK)
+    out = state.worker_ready(b"w1-again", record(Command.READY, {
+        "worker": "w1", "host": "h", "host_id": "h/boot/ns", "pid": 100,
+        "endpoint": "ipc:///tmp/w1", "prefer": None}), 1.0)
+    assert [o.command for o in out] == [Command.ACK, Command.TASK]
+    assert out[0].body["task"] == first.body["task"]
+    again = out[1]
+    assert again.identity == b"w1-again" and again.body == first.body
+    assert again.payload == first.payload
+
+
 def test_splits_are_handed_out_once_in_order_then_none():
     state = State()
     ready(state, "w1")

@@ -444,9 +444,9 @@ class _Indices(torch.utils.data.Dataset):
 @pytest.mark.parametrize("attempt", range(3))
 def test_a_persistent_worker_paused_for_a_few_seconds_does_not_stall_the_epoch(attempt):
     """A worker SIGSTOPped for 3.5 s (longer than the broker's 3 heartbeats) and resumed:
-    the epoch goes on with torch's batches. Known to fail about half the time (found in
-    [2/5]'s last session, on 0fc4b8c too): the resumed worker re-registers and gets the job
-    back, but no batch comes and the pass times out."""
+    the epoch goes on with torch's batches. It used to time out about half the time: a
+    worker stopped before it read its TASK reconnected on waking, which dropped that TASK
+    with the old connection, and the broker, keeping the task, never sent it again."""
     import os
     import signal
     import threading
@@ -454,15 +454,19 @@ def test_a_persistent_worker_paused_for_a_few_seconds_does_not_stall_the_epoch(a
 
     loader = zt.DataLoader(_Indices(), batch_size=512, num_workers=2,
                            persistent_workers=True, timeout=20)
+    waking = None
     try:
         batches = iter(loader)
         first = next(batches)
         pid = loader._service._processes[0].pid
         os.kill(pid, signal.SIGSTOP)
-        threading.Timer(3.5, lambda: os.kill(pid, signal.SIGCONT)).start()
+        waking = threading.Timer(3.5, os.kill, (pid, signal.SIGCONT))
+        waking.start()
         start = time.monotonic()
         seen = [first, *batches]
         assert torch.cat(seen).tolist() == list(range(100_000))  # in order, each once
         assert time.monotonic() - start < 60
     finally:
+        if waking is not None:
+            waking.join()  # the worker runs again before the loader stops it
         loader.close()

@@ -37,6 +37,11 @@ def worker_ready(state: Tables, identity: bytes, msg: Ready, now: float) -> list
         state.peers[identity] = ("worker", worker_id)
         out = [Out(identity, Command.ACK, {"heartbeat": state.heartbeat, "task": old.task})]
         job = state.job_of(old.task)
+        if job is not None:
+            # Its TASK may have been lost with the old connection (a worker stopped
+            # before it read it reconnects on waking): send it again; a worker that runs
+            # the task already ignores it.
+            out.append(placement.task_message(old, job))
         if job is not None and job.rounds is not None:
             # Round numbers sent to its old connection may be lost: it asks again.
             out += coordinated.announce(state, job, {}, job.rounds.lose_worker(worker_id))

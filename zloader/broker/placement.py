@@ -75,12 +75,18 @@ def give(state: Tables, worker: Worker, job: Job, now: float) -> list[Out]:
     worker.since = now
     history.record(state, {"e": "task", "job": job.id, "task": task, "worker": worker.id,
                            "index": index})
+    return [task_message(worker, job), *status.tell_consumers(state, job)]
+
+
+def task_message(worker: Worker, job: Job) -> Out:
+    """The TASK that starts ``worker``'s task of ``job`` (sent again when the worker comes
+    back on a new connection: the first may have been lost with the old one)."""
+    assert worker.task is not None
     body = messages.encode(messages.Task(
-        task=task, job=job.id, options=job.options, index=index, width=job.width,
-        entropy=job.entropy, source_data=job.source_data, fingerprint=job.fingerprint,
-        pipeline=job.pipeline))
-    return [Out(worker.identity, Command.TASK, body, (job.blob,)),
-            *status.tell_consumers(state, job)]
+        task=worker.task, job=job.id, options=job.options, index=job.indices[worker.task],
+        width=job.width, entropy=job.entropy, source_data=job.source_data,
+        fingerprint=job.fingerprint, pipeline=job.pipeline))
+    return Out(worker.identity, Command.TASK, body, (job.blob,))
 
 
 def claims(state: Tables, now: float) -> dict[str, pool.Claim]:

@@ -231,7 +231,11 @@ class WorkerProcess:
         self.broker.send(messages.Heartbeat(stats=stats, doing=doing))
 
     def _reconnect(self, now: float) -> None:
-        """The broker is silent: connect afresh; ask again what the old link lost."""
+        """The broker is silent: connect afresh; ask again what the old link lost. A
+        worker that was itself stopped (SIGSTOP, a paused VM) may find the broker's
+        messages waiting: it reads those first."""
+        if self.broker.sock.poll(0):
+            return
         log.warning("no word from the broker at %s for %.0f s: reconnecting",
                     self.broker_endpoint, now - self.broker.last_from)
         self.poller.unregister(self.broker.sock)
@@ -350,6 +354,9 @@ class WorkerProcess:
     def _start_task(self, record: messages.Task, payload: list[Any]) -> None:
         """TASK: check it, then load its pipeline on a thread (see ``_begin_task``)."""
         task = Assignment.decode(record)
+        if task.id in (self.task.id if self.task is not None else None,
+                       self.loading[0].id if self.loading is not None else None):
+            return  # sent again after a reconnect: this worker has it already
         if self.task is not None:
             self._stop_task()
         self.loading = (task, self.supply.start(record, payload))
