@@ -77,6 +77,52 @@ def test_round_trips_through_pickle_for_users_who_pickle_errors():
         error.stage, error.exc_type, error.message, error.traceback, error.context)
 
 
+def _every_zloader_error() -> set[type]:
+    import importlib
+    import pkgutil
+
+    import zloader
+
+    for module in pkgutil.walk_packages(zloader.__path__, "zloader."):
+        if not module.name.startswith(("zloader.torch", "zloader.tf", "zloader.ray")) \
+                and not module.name.endswith("__main__"):
+            importlib.import_module(module.name)
+    found, todo = set(), [ZloaderError]
+    while todo:
+        cls = todo.pop()
+        found.add(cls)
+        if cls is not PipelineError:  # its per-builtin subclasses are tested above
+            todo += cls.__subclasses__()
+    return found
+
+
+def test_every_zloader_error_round_trips_through_pickle_whole():
+    """torch's tests (and users) send the errors a loader raises through a
+    multiprocessing Queue, and Ray sends them between processes: each must come back as
+    the same type with the same message and attributes."""
+    from zloader import WorkerExited
+    from zloader.errors import SerializationError
+    from zloader.formats.tfrecord import CorruptRecord
+    from zloader.journal import JournalVersionError, WorkDirError
+    from zloader.storage import StorageError
+    from zloader.transport.protocol import ProtocolError, VersionMismatch
+    from zloader.transport.ring import RingError
+    from zloader.transport.shm import ShmError
+    from zloader.worker.broker_link import BrokerRefused
+
+    samples = [ZloaderError("z"), CodecError("c"), Timeout("t"),
+               WorkerExited("worker pid 7 exited", (7, 8), (-9, 1)), SerializationError("s"),
+               raise_in(KeyError("k")), StorageError("s3://b/k: gone"), BrokerRefused("no"),
+               CorruptRecord("crc"), ProtocolError("p"), VersionMismatch(b"ZLP/2"),
+               RingError("r"), ShmError("m"), WorkDirError("w"), JournalVersionError("v")]
+    classes = {type(e) for e in samples} | {PipelineError}
+    assert _every_zloader_error() <= classes, "a zloader error has no sample here"
+    for error in samples:
+        copy = pickle.loads(pickle.dumps(error))
+        assert type(copy) is type(error) and str(copy) == str(error)
+        assert vars(copy) == vars(error)
+
+
 def test_wrapping_a_pipeline_error_returns_it_unchanged():
     inner = raise_in(KeyError("k"))
     assert PipelineError.from_exception(inner, "outer") is inner

@@ -48,11 +48,18 @@ class WorkerExited(ZloaderError, RuntimeError):
 
     Attributes:
         pids: the dead workers' process ids.
+        codes: how each ended, as ``Popen.returncode`` says (``-N``: killed by signal N).
     """
 
-    def __init__(self, message: str, pids: tuple[int, ...]) -> None:
+    def __init__(self, message: str, pids: tuple[int, ...] = (),
+                 codes: tuple[int, ...] = ()) -> None:
         super().__init__(message)
         self.pids = pids
+        self.codes = codes
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # crosses processes (a Queue, Ray) whole
+        return type(self), (str(self), self.pids, self.codes)
 
 
 class SerializationError(ZloaderError, TypeError):

@@ -460,14 +460,15 @@ def _lost(processes: list[Any], stats: Stats, pinned: bool) -> None:
     Raises:
         WorkerExited: naming the dead workers, how they died and what they were doing.
     """
-    dead = tuple(p.pid for p in processes if p.poll() is not None)
+    ended = [p for p in processes if p.poll() is not None]
+    dead = tuple(p.pid for p in ended)
     if not dead or (not pinned and len(dead) < len(processes)):
         return
     why = ("its splits are pinned to worker indices (static sharding), so no other "
            "worker can make them" if pinned and len(dead) < len(processes)
            else "no worker of this Loader is left")
     raise WorkerExited(f"{_deaths(processes, stats)}: the epoch cannot complete ({why})",
-                       dead)
+                       dead, tuple(p.poll() for p in ended))
 
 
 def _signal_name(number: int) -> str:

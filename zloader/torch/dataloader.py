@@ -212,9 +212,15 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         indices = None if self._iterable else iter(torch_loader._index_sampler)
         eager = self._rng() != before  # a sampler that samples when its iterator is made
         reseed = self._base_seed is None or not self._persistent
+        # An IterDataPipe's shuffles take a seed shared by all workers, drawn as torch
+        # draws it: a new torch iterator draws one before its base seed (the workers' one)
+        # and one after it; a persistent one's later epochs draw one each.
+        datapipe = isinstance(torch_loader.dataset, torch.utils.data.IterDataPipe)
+        shared = self._draw() if datapipe else None
         if reseed:
-            self._base_seed = int(torch.empty((), dtype=torch.int64)
-                                  .random_(generator=torch_loader.generator).item())
+            self._base_seed = self._draw()
+            if datapipe:
+                self._draw()
         plan: dict[str, Any] = {}
         sampling = None
         if indices is not None:
@@ -226,7 +232,13 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                 sampled = sampling.batches
             plan = pack_batches(sampled[skip:], torch_loader._auto_collation)
         plan.update(seed=self._base_seed, reseed=reseed, first=skip)
+        if shared is not None:
+            plan["shared_seed"] = shared
         return plan, sampling
+
+    def _draw(self) -> int:
+        """A seed from this loader's generator (torch's global one without it)."""
+        return int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader is, as a small JSON-serializable dict: the random state its

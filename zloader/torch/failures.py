@@ -14,11 +14,12 @@ up by name among modules already imported, never imported on a worker's word.
 
 from __future__ import annotations
 
+import signal
 import sys
 from dataclasses import dataclass
 from typing import Any
 
-from zloader.errors import PipelineError
+from zloader.errors import PipelineError, WorkerExited
 
 FIELDS = 6
 """The strings of a failure: stage, type name, built-in base, message, traceback, where."""
@@ -90,3 +91,18 @@ def _user_class(name: str) -> type[PipelineError] | None:
             made = None
     _CLASSES[name] = made
     return made
+
+
+def torch_words(exc: WorkerExited) -> str:
+    """What torch's DataLoader says of its dead workers: how the first one it notices
+    died (a signal, by its ``strsignal`` name, or an exit code)."""
+    if not exc.pids or len(exc.codes) != len(exc.pids):
+        return "DataLoader worker exited unexpectedly"
+    pid, code = exc.pids[0], exc.codes[0]
+    if code < 0:
+        try:
+            name = signal.strsignal(-code) or f"signal {-code}"
+        except ValueError:
+            name = f"signal {-code}"
+        return f"DataLoader worker (pid {pid}) is killed by signal: {name}. "
+    return f"DataLoader worker (pid {pid}) exited unexpectedly with exit code {code}. "

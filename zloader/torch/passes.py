@@ -3,6 +3,9 @@ as torch samples; the batches put back in order."""
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import subprocess
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -14,7 +17,7 @@ import torch.utils.data
 
 from zloader.errors import Timeout, WorkerExited
 from zloader.loader import Loader
-from zloader.torch.failures import Failed, rebuild
+from zloader.torch.failures import Failed, rebuild, torch_words
 
 if TYPE_CHECKING:
     from zloader.torch.dataloader import DataLoader
@@ -56,6 +59,15 @@ class Pass:
     def __len__(self) -> int:
         return len(self._owner)
 
+    @property
+    def _workers(self) -> list[WorkerHandle]:
+        """The worker processes of this pass's Loader, as torch's iterator lists its own
+        (a private attribute some tools read): each with ``pid``, ``is_alive()``,
+        ``join(timeout)`` and ``exitcode``. Empty without local workers."""
+        loader = self._progress.loader
+        processes = getattr(loader, "_processes", []) if loader is not None else []
+        return [WorkerHandle(process) for process in processes]
+
     def __next__(self) -> Any:
         if self._batches is None:
             raise StopIteration
@@ -74,9 +86,7 @@ class Pass:
             if isinstance(exc, Timeout) and timeout:
                 raise Timeout(f"DataLoader timed out after {timeout} seconds") from exc
             if isinstance(exc, WorkerExited):  # torch's words; the cause says how and where
-                pids = ", ".join(map(str, exc.pids))
-                raise WorkerExited(f"DataLoader worker (pid(s) {pids}) exited unexpectedly",
-                                   exc.pids) from exc
+                raise WorkerExited(torch_words(exc), exc.pids, exc.codes) from exc
             raise
         except BaseException:
             self.close()
@@ -117,6 +127,34 @@ class Pass:
 
     def __del__(self) -> None:
         self.close()
+
+
+class WorkerHandle:
+    """A Loader's worker process, with the part of ``multiprocessing.Process``'s interface
+    that users of torch's ``_workers`` call."""
+
+    def __init__(self, process: Any) -> None:
+        self._process = process
+        self.pid: int = process.pid
+
+    def is_alive(self) -> bool:
+        return self._process.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._process.wait(timeout)
+
+    def terminate(self) -> None:
+        if self.is_alive():
+            self._process.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        if self.is_alive():
+            self._process.send_signal(signal.SIGKILL)
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._process.poll()
 
 
 def draws_only_from(index_sampler: Any, generator: torch.Generator | None) -> bool:

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import dataloader as _torch_dataloader
 from torch.utils.data._utils import worker as _torch_worker
 
 
@@ -51,6 +52,12 @@ def seed_worker(base_seed: int, worker: int, workers: int, dataset: Any,
     np.random.seed(_torch_worker._generate_state(base_seed, worker))
     _torch_worker._worker_info = _torch_worker.WorkerInfo(
         id=worker, num_workers=workers, seed=seed, dataset=dataset)
+    if isinstance(dataset, (torch.utils.data.IterDataPipe, torch.utils.data.MapDataPipe)):
+        # as torch's iterator wraps worker_init_fn: a datapipe's sharding_filter keeps
+        # this worker's share (of this process's rank's, when distributed)
+        world, rank = _torch_dataloader._get_distributed_settings()
+        torch.utils.data.graph_settings.apply_sharding(dataset, workers * world,
+                                                       worker * world + rank)
     if init_fn is not None:
         init_fn(worker)
 

@@ -52,6 +52,10 @@ class BatchSource(Source):
         if not isinstance(plan, dict):
             raise RuntimeError("a torch DataLoader epoch reached a worker without its plan")
         worker = int(getattr(policy, "worker", 0))
+        if "shared_seed" in plan:  # an IterDataPipe: its shuffles, seeded as torch's
+            shared = torch.Generator()
+            shared.manual_seed(int(plan["shared_seed"]))
+            torch.utils.data.graph_settings.apply_random_seed(self.dataset, shared)
         seeded = seeding.seeded(self.token, bool(plan["reseed"]), int(plan["seed"]), worker,
                                 self.width, self.dataset, self.worker_init_fn, plan.get("rng"))
         if self.iterable:

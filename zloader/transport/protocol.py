@@ -85,6 +85,9 @@ class VersionMismatch(ProtocolError):
             f"{theirs.decode('ascii', 'replace')!r}; run the same zloader, Python minor "
             "version and cloudpickle version on every host")
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.theirs,)
+
 
 @dataclass
 class Message:
