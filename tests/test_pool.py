@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.test_state import nested, ready, record, split
-from zloader._defaults import SLICE_SECONDS
+from zloader._defaults import MOVE_DRAIN_SECONDS, SLICE_SECONDS
 from zloader.broker import placement, pool
 from zloader.broker.state import State
 from zloader.journal import Journal
@@ -156,19 +156,52 @@ def test_a_job_that_starts_reading_takes_workers_from_one_that_holds_all():
     assert state.status(0.3)["jobs"][1]["share"] == 2.0
 
 
-def test_a_moved_workers_split_is_read_again_by_its_jobs_other_workers():
+def test_a_non_exactly_once_jobs_worker_drains_then_moves_and_repeats_no_split():
+    """A job without a fence (shared, balanced, coordinated, exactly_once=False) would
+    repeat a split moved mid-read: its worker finishes the splits it took (RELEASE.drain)
+    and moves once it says it is done (HEARTBEAT.drained)."""
     state = pool_of(2)
     out = register(state, "a", splits=4, exactly_once=False)  # (b holds none: it moves)
     epoch(state, "a", 0.1)
     tasks = {o.identity.decode(): o.body["task"] for o in out if o.command is Command.TASK}
+    for name, task in tasks.items():
+        split(state, name, task)
+    register(state, "b", now=0.2)
+    out = epoch(state, "b", 0.3)
+    (drain,) = [o for o in out if o.command is Command.RELEASE]
+    assert drain.body == {"task": tasks[drain.identity.decode()], "drain": True}
+    assert not [o for o in out if o.command is Command.TASK]
+    state.tick(0.4 + SLICE_SECONDS)  # it counts as b's already: nothing else moves
+    assert workers_of(state) == {"a": 2, "b": 0}
+    moving = drain.identity.decode()
+    stayed = next(name for name in tasks if name != moving)
+    assert [split(state, stayed, tasks[stayed]) for _ in range(3)] == [2, 3, None]
+    state.pass_done(moving.encode(), record(Command.PASS_DONE, {
+        "task": tasks[moving], "pass": [0]}), 1.0)
+    out = state.worker_heartbeat(moving.encode(), record(Command.HEARTBEAT, {
+        "drained": tasks[moving]}), 1.1)
+    assert [o.identity.decode() for o in out if o.command is Command.TASK] == [moving]
+    assert workers_of(state) == {"a": 1, "b": 1}
+    assert not state.jobs[state.consumers["a"].job].passes[(0,)].requeued
+
+
+def test_a_worker_that_does_not_drain_in_time_moves_anyway():
+    state = pool_of(2)
+    out = register(state, "a", splits=4, exactly_once=False)
+    epoch(state, "a", 0.1)
+    tasks = {o.identity.decode(): o.body["task"] for o in out if o.command is Command.TASK}
     taken = {name: split(state, name, task) for name, task in tasks.items()}
-    out = register(state, "b", now=0.2)
-    moves = epoch(state, "b", 0.3)
-    moved = next(o.identity.decode() for o in moves if o.command is Command.RELEASE)
-    stayed = next(name for name in tasks if name != moved)
-    # the moved worker's split comes first to the one that stayed, then the rest, once
-    got = [split(state, stayed, tasks[stayed]) for _ in range(3)]
-    assert got == [taken[moved], 2, 3]
+    register(state, "b", now=0.2)
+    moving = next(o.identity.decode() for o in epoch(state, "b", 0.3)
+                  if o.command is Command.RELEASE)
+    state.workers[moving].moving_since -= MOVE_DRAIN_SECONDS  # its user code is stuck
+    out = state.tick(0.4)
+    assert {(o.identity.decode(), o.command) for o in out
+            if o.command in (Command.RELEASE, Command.TASK)} == {
+        (moving, Command.RELEASE), (moving, Command.TASK)}
+    assert workers_of(state) == {"a": 1, "b": 1}
+    stayed = next(name for name in tasks if name != moving)
+    assert split(state, stayed, tasks[stayed]) == taken[moving]  # read again: repeats
 
 
 def test_an_exactly_once_jobs_moved_worker_is_fenced_until_its_consumers_answer():

@@ -55,6 +55,27 @@ def test_train_and_validation_loaders_on_one_broker_each_read_every_epoch(worker
         once(drain(validation), 200)
 
 
+def test_a_job_without_exactly_once_drains_the_worker_it_gives_and_repeats_nothing():
+    """``exactly_once=False``: two workers read a shuffled, batched job when a second job
+    registers mid-epoch and takes one of them. The worker finishes its split (its shuffle
+    buffer and batch included) before it moves: the first job gets every element once,
+    the second all of its own."""
+    pipeline = Pipeline.range(400, split_size=25).map(slow).shuffle(16).batch(4)
+    with service(workers=2) as (address, _), \
+            Loader(pipeline, broker=address, timeout=30, exactly_once=False) as first, \
+            Loader(Pipeline.range(100, split_size=10).map(slow), broker=address,
+                   timeout=30) as second:
+        elements = iter(first)
+        seen: collections.Counter = collections.Counter()
+        for _ in range(20):
+            seen.update(int(x) for x in next(elements))
+        wait_for(lambda: len(status(address)["workers"]) == 2, what="two workers")
+        once(drain(second), 100)  # it gets a worker of the first job's
+        for batch in elements:
+            seen.update(int(x) for x in batch)
+        once(seen, 400)
+
+
 @pytest.mark.slow
 def test_torch_train_and_validation_dataloaders_on_one_broker_alternate_epochs():
     """The torch drop-in's jobs are deterministic (torch's exact batches), so their workers

@@ -98,7 +98,11 @@ def test_identical_pipelines_share_and_a_changed_one_gets_its_own_job():
                  what="two shared jobs, one with two trainers")
         for trainer in trainers:
             (epoch,) = trainer.epochs()
-            assert sorted(epoch["got"]) == list(range(N))  # dynamic sharding, 2 workers
+            # dynamic sharding, 2 workers: every element. The second job takes a worker
+            # of the shared one when it registers mid-epoch, and a shared job's moved
+            # worker's splits are read again (docs/pool.md): its trainers may get some
+            # elements twice, never none.
+            assert sorted(set(epoch["got"])) == list(range(N))
 
 
 @pytest.mark.slow

@@ -368,6 +368,11 @@ HUNGRY_STARVATION = 0.02
 """A job whose consumers waited for data more than this share of the last heartbeat
 interval is hungry: the pool may move a worker to it (fixed)."""
 
+MOVE_DRAIN_SECONDS = 10.0
+"""A worker the pool moves off a job that does not run exactly-once first finishes the
+splits it took (``RELEASE.drain``); one not done within this many seconds is moved at
+once, and its split under way is read again by the job's other workers (docs/pool.md)."""
+
 # --- command line and demo ----------------------------------------------------------------
 
 STATUS_TIMEOUT = 5.0

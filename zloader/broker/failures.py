@@ -74,6 +74,7 @@ def leave(state: Tables, worker: Worker, job: Job, task: str, died: bool, now: f
     current = worker.current if worker.task == task else None
     if stays and worker.task == task:
         worker.task, worker.current, worker.idle_since = None, None, now
+        worker.moving_to = None
     lost: list[tuple[PassKey, int]] = []
     for key, handing in job.passes.items():
         for split in handing.handed.pop(worker_id, []):

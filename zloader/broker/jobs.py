@@ -368,7 +368,7 @@ def release(state: Tables, job: Job, now: float) -> list[Out]:
     for task, worker_id in list(job.tasks.items()):
         worker = state.workers.get(worker_id)
         if worker is not None:
-            worker.task = None
+            worker.task = worker.moving_to = None
             worker.current = None
             worker.idle_since = now
             out.append(Out(worker.identity, Command.RELEASE, {"task": task}))

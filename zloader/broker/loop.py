@@ -54,8 +54,8 @@ def _status(state: State, identity: bytes, msg: Status, now: float) -> list[Out]
 
 def _heartbeat(state: State, identity: bytes, msg: Heartbeat, now: float) -> list[Out]:
     """A worker's or a consumer's: each record notes what concerns it."""
-    state.worker_heartbeat(identity, msg, now)
-    return state.consumer_heartbeat(identity, now, msg)
+    return state.worker_heartbeat(identity, msg, now) + state.consumer_heartbeat(identity, now,
+                                                                                 msg)
 
 
 def _bye(state: State, identity: bytes, msg: Bye, now: float) -> list[Out]:

@@ -59,13 +59,16 @@ def worker_ready(state: Tables, identity: bytes, msg: Ready, now: float) -> list
             *placement.assign(state, now)]
 
 
-def worker_heartbeat(state: Tables, identity: bytes, msg: Heartbeat, now: float) -> None:
+def worker_heartbeat(state: Tables, identity: bytes, msg: Heartbeat, now: float) -> list[Out]:
     """A worker's HEARTBEAT: its counters (summed into its job's), rate, what its
-    producer is doing, and a shared job's trainers' lag."""
+    producer is doing, and a shared job's trainers' lag; or that it finished the task it
+    was told to drain (``drained``: it moves on, see ``placement.drained``)."""
     worker = state.worker_at(identity)
+    if worker is not None and msg.drained is not None:
+        return placement.drained(state, worker, msg.drained, now)
     stats = msg.stats
     if worker is None or stats is None:
-        return
+        return []
     elements = stats.get("elements")
     before = worker.stats.get("elements")
     if isinstance(elements, int) and isinstance(before, int):
@@ -87,6 +90,7 @@ def worker_heartbeat(state: Tables, identity: bytes, msg: Heartbeat, now: float)
         str(c): {k: int(v[k]) for k in ("lag", "skipped") if isinstance(v.get(k), int)}
         for c, v in trainers.items() if isinstance(v, dict)
     } if isinstance(trainers, dict) else {}
+    return []
 
 
 def worker_log(state: Tables, identity: bytes, msg: Log, now: float) -> list[Out]:

@@ -8,14 +8,14 @@ from __future__ import annotations
 import logging
 import secrets
 
-from zloader._defaults import HUNGRY_STARVATION
+from zloader._defaults import HUNGRY_STARVATION, MOVE_DRAIN_SECONDS
 from zloader._host import loopback
 from zloader.broker import failures, history, pool, status
 from zloader.broker.records import INHERITED, Job, Out, Tables, Worker
 from zloader.transport import messages
 from zloader.transport.protocol import Command
 
-__all__ = ["assign", "claims", "give", "preempt"]
+__all__ = ["assign", "claims", "drained", "give", "preempt"]
 
 log = logging.getLogger("zloader.broker")
 
@@ -71,7 +71,7 @@ def give(state: Tables, worker: Worker, job: Job, now: float) -> list[Out]:
     index = next(i for i in range(len(used) + 1) if i not in used)
     job.tasks[task] = worker.id
     job.indices[task] = index
-    worker.task = task
+    worker.task, worker.moving_to = task, None
     worker.since = now
     history.record(state, {"e": "task", "job": job.id, "task": task, "worker": worker.id,
                            "index": index})
@@ -90,7 +90,14 @@ def task_message(worker: Worker, job: Job) -> Out:
 
 
 def claims(state: Tables, now: float) -> dict[str, pool.Claim]:
-    """What each job asks of the pool now."""
+    """What each job asks of the pool now. A worker draining to move counts as its new
+    job's already."""
+    moving: dict[str, int] = {}
+    for worker in state.workers.values():
+        source = state.job_of(worker.task) if worker.moving_to is not None else None
+        if source is not None and worker.moving_to is not None:
+            moving[source.id] = moving.get(source.id, 0) - 1
+            moving[worker.moving_to] = moving.get(worker.moving_to, 0) + 1
     out = {}
     for job in state.jobs.values():
         active = job.error is None and any(c.active for c in state.consumers_of(job))
@@ -103,7 +110,8 @@ def claims(state: Tables, now: float) -> dict[str, pool.Claim]:
             wants = pool.UNBOUNDED  # its consumers wait: it can use more workers
         else:  # its autoscaler's count, once it has more than its consumers take
             wants = job.desired
-        out[job.id] = pool.Claim(job.id, job.weight, len(job.tasks), wants, hungry,
+        out[job.id] = pool.Claim(job.id, job.weight, len(job.tasks) + moving.get(job.id, 0),
+                                 wants, hungry,
                                  movable=not job.fixed or not active,
                                  exact=job.track or not active)
     return out
@@ -112,7 +120,7 @@ def claims(state: Tables, now: float) -> dict[str, pool.Claim]:
 def _rebalance(state: Tables, now: float) -> list[Out]:
     """Move busy workers to hungry jobs below their share, one at a time, each leaving
     its job as a draining worker does (exactly once: see ``failures.leave``)."""
-    out: list[Out] = []
+    out = _overdue(state, now)
     job_hosts = {j.id: state.hosts(j) for j in state.jobs.values()}
     for _ in range(len(state.workers)):
         wanted = claims(state, now)
@@ -123,7 +131,8 @@ def _rebalance(state: Tables, now: float) -> list[Out]:
             hosts = job_hosts[job.id]
             for task, worker_id in job.tasks.items():
                 worker = state.workers.get(worker_id)
-                if worker is not None:  # remote ones and the last assigned go first
+                if worker is not None and worker.moving_to is None:
+                    # remote ones and the last assigned go first
                     holdings.append(pool.Holding(
                         worker_id, job.id, worker.since,
                         rank=(worker.host_id in hosts, -job.indices.get(task, 0))))
@@ -135,8 +144,66 @@ def _rebalance(state: Tables, now: float) -> list[Out]:
         if move is None:
             break
         worker, job = state.workers[move[0]], state.jobs[move[1]]
+        source = state.job_of(worker.task)
+        if source is not None and not source.track and source.share is None \
+                and _active(state, source):
+            out += _drain(state, worker, job, now)
+        else:
+            out += preempt(state, worker, now)
+            out += give(state, worker, job, now)
+    return out
+
+
+def _active(state: Tables, job: Job) -> bool:
+    return job.error is None and any(c.active for c in state.consumers_of(job))
+
+
+def _drain(state: Tables, worker: Worker, taker: Job, now: float) -> list[Out]:
+    """Move ``worker`` off a job that does not run exactly-once without repeating a split:
+    it finishes the splits it took and sends what they make (``RELEASE.drain``), then
+    says it is done (``HEARTBEAT.drained``, see :func:`drained`). Its job has no fence to
+    read a moved split again less what its consumers hold. (Not a shared job's worker:
+    a trainer that joins later gets what it missed from the worker that made it, so that
+    worker's splits are read again by the others when it goes, repeating them to the
+    trainers that had them.)"""
+    assert worker.task is not None
+    log.info("worker %s (pid %d on %s) drains its task to move to job %s (the pool's "
+             "share for it)", worker.id, worker.pid, worker.host, taker.name or taker.id)
+    worker.moving_to, worker.moving_since = taker.id, now
+    return [Out(worker.identity, Command.RELEASE, {"task": worker.task, "drain": True})]
+
+
+def drained(state: Tables, worker: Worker, task: str, now: float) -> list[Out]:
+    """``worker`` finished its drained ``task``: off its job (nothing of it is left to
+    read again), then on to the job it moves to, if that still wants it, or any."""
+    job = state.job_of(task)
+    if job is None or worker.task != task:
+        return []
+    taker = state.jobs.get(worker.moving_to or "")
+    worker.moving_to = None
+    out = failures.leave(state, worker, job, task, died=False, now=now, stays=True)
+    if taker is not None and _can_serve(worker, taker, {taker.id: state.hosts(taker)}) \
+            and (not taker.fixed or len(taker.tasks) < taker.width):
+        return out + give(state, worker, taker, now)
+    return out + assign(state, now)
+
+
+def _overdue(state: Tables, now: float) -> list[Out]:
+    """Workers still draining MOVE_DRAIN_SECONDS after they were told: moved at once."""
+    out: list[Out] = []
+    for worker in list(state.workers.values()):
+        if worker.moving_to is None or now - worker.moving_since < MOVE_DRAIN_SECONDS:
+            continue
+        taker = state.jobs.get(worker.moving_to)
+        worker.moving_to = None
+        if worker.task is None or state.job_of(worker.task) is None:
+            continue
+        log.warning("worker %s (pid %d on %s) did not drain its task in %.0f s: moved now "
+                    "(its split under way is read again)", worker.id, worker.pid,
+                    worker.host, MOVE_DRAIN_SECONDS)
         out += preempt(state, worker, now)
-        out += give(state, worker, job, now)
+        if taker is not None:
+            out += give(state, worker, taker, now)
     return out
 
 

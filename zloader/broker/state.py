@@ -67,8 +67,8 @@ class State(Tables):
     def worker_ready(self, identity: bytes, msg: Ready, now: float) -> list[Out]:
         return peers.worker_ready(self, identity, msg, now)
 
-    def worker_heartbeat(self, identity: bytes, msg: Heartbeat, now: float) -> None:
-        peers.worker_heartbeat(self, identity, msg, now)
+    def worker_heartbeat(self, identity: bytes, msg: Heartbeat, now: float) -> list[Out]:
+        return peers.worker_heartbeat(self, identity, msg, now)
 
     def worker_log(self, identity: bytes, msg: Log, now: float) -> list[Out]:
         return peers.worker_log(self, identity, msg, now)

@@ -273,6 +273,11 @@ class SharedDelivery(Delivery):
     def side_producers(self) -> list[Producer]:
         return [self.replayer] if self.replayer is not None else []
 
+    def busy(self) -> bool:
+        """Records not sent yet, or a late trainer's replay to run or under way."""
+        return (super().busy() or bool(self.replays) or self.replayer is not None
+                or bool(self.replay_pending))
+
     # --- memory ---------------------------------------------------------------------------
 
     def _evicted(self, gone: list[Any]) -> None:

@@ -301,6 +301,8 @@ class PassDone(Record):
 class Release(Record):
     COMMAND = Command.RELEASE
     task: str = fld(NAME)
+    # finish the splits taken, send what they make, then say so (HEARTBEAT.drained)
+    drain: bool = fld(boolean, False, omit=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -438,6 +440,8 @@ class Heartbeat(Record):
     stuck: tuple[dict[str, Any], ...] = fld(list_of(stuck_report), (), omit=True)
     reread: tuple[tuple[tuple[int, ...], int, dict[str, Any]], ...] = fld(
         list_of(split_info), (), omit=True)
+    # a worker told to drain its task (RELEASE.drain) is done with it
+    drained: str | None = fld(optional(NAME), None, omit=True)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -102,6 +102,7 @@ class WorkerProcess:
         self.rejected = 0  # malformed messages dropped
         self._process = psutil.Process()  # its CPU time goes in the heartbeat stats
         self._drain_deadline: float | None = None  # set by drain()
+        self._moving: str | None = None  # a task the broker told to drain (RELEASE.drain)
         self._warned = 0.0
         self.loading: tuple[Assignment, Loading] | None = None  # a task's pipeline loads
         self._last_beat = 0.0
@@ -214,6 +215,8 @@ class WorkerProcess:
                 return
             if self._drain_deadline is not None and self._drained(now):
                 return
+            if self._moving is not None:
+                self._moved()
 
     def _beat(self) -> None:
         """HEARTBEAT, with this worker's stats and what its producer is doing."""
@@ -297,9 +300,16 @@ class WorkerProcess:
         if task is None or task.assignment.sharding != "dynamic" or not task.streams:
             return True  # nothing to finish, or nobody to send it to (static and off
             # splits are the worker's own: nobody else would read them anyway)
-        busy = (task.producer is not None or task.delivery.busy()
-                or any(s.handoffs for s in task.streams.values()))
-        return not busy
+        return not task.busy()
+
+    def _moved(self) -> None:
+        """Tell the broker once the task it told to drain has sent all it made."""
+        task = self.task
+        if task is None or task.id != self._moving:
+            self._moving = None  # released or replaced meanwhile
+        elif not task.busy():
+            self.broker.send(messages.Heartbeat(drained=task.id))
+            self._moving = None
 
     # --- broker ---------------------------------------------------------------------------
 
@@ -333,8 +343,14 @@ class WorkerProcess:
             if task is not None:
                 task.split(record)
         elif isinstance(record, messages.Release):
+            if record.drain and task is not None and record.task == task.id:
+                task.draining.set()  # the pool moves this worker: finish, then say so
+                self._moving = task.id
+                return
             if self.loading is not None and record.task == self.loading[0].id:
                 self.loading = None
+                if record.drain:  # nothing taken yet: done at once
+                    self.broker.send(messages.Heartbeat(drained=record.task))
             if task is not None and record.task == task.id:
                 self._stop_task()
         elif isinstance(record, messages.Round):

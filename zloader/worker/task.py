@@ -255,9 +255,11 @@ class Task:
     def maybe_produce(self) -> None:
         """Start producing the oldest epoch a consumer reads and this worker has not
         finished, unless one is under way or the worker is leaving."""
-        if self.draining.is_set():
-            return  # leaving: no new epochs, no replays
+        # A mode's own producer first (a late trainer's replay: what this worker read
+        # already, no new split), even while leaving: the trainer waits for it.
         self.delivery.start_side()
+        if self.draining.is_set():
+            return  # leaving: no new epochs
         if self.producing is not None:
             return
         wanted = sorted({s.epoch for s in self.streams.values()} - self.finished)
@@ -283,6 +285,12 @@ class Task:
                 "ring_fill": max((s.ring.fill() for s in streams if s.ring is not None),
                                  default=0.0),
                 **self.delivery.stats()}
+
+    def busy(self) -> bool:
+        """Whether it still makes or sends something: a producer, the delivery's own
+        work, or segments its consumers have not mapped yet."""
+        return (self.producer is not None or self.delivery.busy()
+                or any(s.handoffs for s in self.streams.values()))
 
     def producers(self) -> list[Producer]:
         """The producers running for this task."""
