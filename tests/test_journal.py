@@ -38,9 +38,12 @@ def test_a_restored_state_hands_out_the_splits_where_it_stopped(tmp_path):
     assert again.restore(now=100.0) == 1
     (job,) = again.jobs.values()
     assert job.passes[(0,)].handed == {"w2": [2]} and list(job.passes[(0,)].order) == [3, 4, 5]
-    # The workers come back under new connections and keep their tasks (no new TASK).
-    assert [o.command for o in ready(again, "w1", now=100.5)] == [Command.ACK]
-    assert [o.command for o in ready(again, "w2", now=100.5)] == [Command.ACK]
+    # The workers come back under new connections and keep their tasks: the same TASK
+    # again (a worker that runs it already ignores it), no new one.
+    for name in ("w1", "w2"):
+        out = ready(again, name, now=100.5)
+        assert [o.command for o in out] == [Command.ACK, Command.TASK]
+        assert out[0].body["task"] == out[1].body["task"] == tasks[name]
     # The consumer comes back too, naming its job: it gets that job, not a new one.
     (view,) = [o.body for o in again.register(b"c1", record(Command.REGISTER, nested({
         "consumer": "c1", "fingerprint": "f" * 64, "job_name": None, "job": job.id,
