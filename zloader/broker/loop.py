@@ -17,6 +17,7 @@ import zmq
 
 from zloader._defaults import (
     AUTOSCALE_COOLDOWN,
+    BROKER_POLL_SECONDS,
     CLOSE_SECONDS,
     HEARTBEAT,
     MAX_MESSAGE_BYTES,
@@ -182,7 +183,7 @@ class Broker:
         poller.register(socket, zmq.POLLIN)
         next_beat = time.monotonic() + state.heartbeat
         while not self._stop.is_set():
-            timeout = max(0.0, min(next_beat - time.monotonic(), 0.2))
+            timeout = max(0.0, min(next_beat - time.monotonic(), BROKER_POLL_SECONDS))
             if poller.poll(int(timeout * 1000)):
                 for _ in range(1000):  # drain what is queued, without starving the timer
                     try:
