@@ -134,6 +134,26 @@ def test_a_split_that_kills_its_worker_three_times_is_reported_not_rerun():
     assert split(state, "survivor", task, now=now) is None
 
 
+def test_a_death_counts_against_the_split_being_read_not_the_one_asked_for_ahead():
+    """A worker asks for its next split while it reads the last one (have = splits
+    received): dying then, it was reading that last one."""
+    state = State()
+    register(state, "c1", splits=4)
+    task = task_of(ready(state, "w1"))
+
+    def ask(have: int) -> int:
+        (out,) = state.split_request(b"w1", record(Command.SPLIT_REQ, {
+            "task": task, "pass": [0], "have": have}), 0.0)
+        return out.body["split"]
+
+    assert [ask(0), ask(1)] == [0, 1]  # split 1 asked for while split 0 is read
+    state.seen(b"c1", 10.0)
+    state.tick(10.0)  # w1 died silent
+    job = next(iter(state.jobs.values()))
+    assert job.kills == {0: 1}
+    assert sorted(job.passes[(0,)].requeued) == [0, 1]  # both read again
+
+
 def test_same_job_name_with_another_fingerprint_is_refused_naming_both():
     state = State()
     register(state, "c1", job_name="run", fingerprint="a" * 64)

@@ -223,17 +223,38 @@ def test_producer_asks_for_splits_and_records_them_for_a_replay():
         for _ in range(10):
             pool.release()
         got: list[int] = []
-        for answer in (2, 0, None):
-            kind, ask, _ = receive()
-            assert kind is LinkKind.SPLIT_REQ and ask["pass"] == [0]
-            link.send(json.dumps({"pass": [0], "split": answer, "have": ask["have"]}).encode())
-            if answer is not None:
-                for _ in range(2):
-                    kind, _, elements = receive()
-                    assert kind is LinkKind.RECORD
-                    got.extend(elements or ())
-        kind, key, _ = receive()
-        assert kind is LinkKind.PASS_DONE and key == [0]
+        answers, asked = [2, 0, None], []
+        while True:
+            kind, body, elements = receive()
+            if kind is LinkKind.SPLIT_REQ:  # answered in turn; "have" counts the answers
+                assert body["pass"] == [0] and body["have"] == len(asked)
+                asked.append(answers[len(asked)])
+                link.send(json.dumps({"pass": [0], "split": asked[-1],
+                                      "have": body["have"]}).encode())
+            elif kind is LinkKind.RECORD:
+                got.extend(elements or ())
+            else:
+                assert kind is LinkKind.PASS_DONE and body == [0]
+                break
         assert receive()[0] is LinkKind.END
-    assert got == [4, 5, 0, 1]
+    assert asked == [2, 0, None] and got == [4, 5, 0, 1]
     assert splits == {(0,): [2, 0]}  # what a replay reads again, in order
+
+
+def test_producer_asks_for_its_next_split_while_it_reads_one():
+    """A short split does not wait for a round trip through the broker: the next split
+    is asked for as soon as one arrives, before its first element is made."""
+    with producer_link(Pipeline.range(6, split_size=2), "dynamic", splits={}) as (
+            pool, link, receive):
+        for _ in range(10):
+            pool.release()
+        kind, ask, _ = receive()
+        assert kind is LinkKind.SPLIT_REQ and ask["have"] == 0
+        link.send(json.dumps({"pass": [0], "split": 1, "have": 0}).encode())
+        kind, ask, _ = receive()
+        assert kind is LinkKind.SPLIT_REQ and ask["have"] == 1  # before split 1's records
+        link.send(json.dumps({"pass": [0], "split": None, "have": 1}).encode())
+        kinds = []
+        while not kinds or kinds[-1] is not LinkKind.END:
+            kinds.append(receive()[0])
+        assert LinkKind.RECORD in kinds and LinkKind.SPLIT_REQ not in kinds

@@ -31,6 +31,10 @@ def split_request(state: Tables, identity: bytes, msg: SplitReq, now: float) -> 
     handing = dispenser(state, job, key)
     have = msg.have
     handed = handing.handed.get(worker.id, [])
+    if have and have <= len(handed):
+        # A worker asks for its next split while it reads the last one it got: that is
+        # the split it is reading (a death now is that split's, see failures.leave).
+        worker.current = (key, handed[have - 1])
     if have is not None and have < len(handed):
         # Its answer was lost (a broker restart or a reconnect): the same split again.
         return [Out(identity, Command.SPLIT, {
@@ -50,14 +54,15 @@ def split_request(state: Tables, identity: bytes, msg: SplitReq, now: float) -> 
         split = handing.order.popleft()
     if split is not None:
         handing.handed.setdefault(worker.id, []).append(split)
-        worker.current = (key, split)
+        if not have:  # its first of the pass: read at once
+            worker.current = (key, split)
         event = {"e": "split", "job": job.id, "pass": list(key), "split": split,
                  "worker": worker.id}
         if origin != key:
             job.origin_of[(key, split)] = origin
             event["origin"] = list(origin)
         history.record(state, event)
-    else:
+    elif not have:
         worker.current = None
     return [Out(identity, Command.SPLIT, {"task": task, "pass": list(key), "split": split,
                                           "have": have, **_assignment(job, key, split)})]

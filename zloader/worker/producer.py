@@ -334,19 +334,29 @@ class Producer(threading.Thread):
                 self.split = split
                 yield split
             return
+        # The next split is asked for as soon as one arrives, while that one is read, so
+        # that a short split does not wait for a round trip through the broker (which
+        # takes a request with ``have`` splits received as "reading the last of them").
         have = 0  # splits received in this pass: the broker re-sends one whose answer was lost
+        asked = False
         while True:
-            if self.draining.is_set():  # the worker is leaving: this pass ends here for it
-                self._put(pair, LinkKind.PASS_DONE, list(key))
-                return
-            self._put(pair, LinkKind.SPLIT_REQ, {"pass": list(key), "have": have})
+            if not asked:
+                if self.draining.is_set():  # the worker is leaving: the pass ends here
+                    self._put(pair, LinkKind.PASS_DONE, list(key))
+                    return
+                self._put(pair, LinkKind.SPLIT_REQ, {"pass": list(key), "have": have})
             reply = self._answer(pair, key, have)
             if reply is None:
-                continue  # an answer meant for a producer that was stopped: ask again
+                asked = False  # an answer meant for a producer that was stopped: ask again
+                continue
             if reply.get("split") is None:
                 self._put(pair, LinkKind.PASS_DONE, list(key))
                 return
             have += 1
+            # (a leaving worker asks for no more; the split it has is read: it was handed)
+            asked = not self.draining.is_set()
+            if asked:
+                self._put(pair, LinkKind.SPLIT_REQ, {"pass": list(key), "have": have})
             self.split = int(reply["split"])
             if not spec.track:
                 yield int(reply["split"])
