@@ -32,10 +32,14 @@ workers from jobs that hold more than their autoscaler's ``desired_workers``. Th
 consumers report waiting ``WAIT_SHARE`` (5%) of their time: inside the autoscaler's
 hysteresis band (3%-7%: it changes no job's count) and above the hunger threshold, so
 every job is hungry, wants all it can get, and the pool only evens shares out (rule 2),
-which settles once the fleet has joined: no worker moves in the window. Each EPOCH also
-makes its job hungry for two heartbeats, as a real one does. The TASK and RELEASE messages
-the workers receive in the window are counted (``moves``), as are peers the broker forgot
-(UNKNOWN: they register again, as real ones do); both should be 0.
+which settles once the fleet has joined: no worker moves in the window while the broker
+keeps up. (One that falls behind reads the consumers' heartbeats late, some jobs' sampled
+starvation drops below the threshold, those jobs want only the ``desired_workers`` their
+autoscaler set as the fleet was joining, and the pool moves their workers to the hungry
+ones.) Each EPOCH also makes its job hungry for two heartbeats, as a real one does. The
+TASK and RELEASE messages the workers receive in the window are counted (``moves``), as
+are peers the broker forgot (UNKNOWN: they register again, as real ones do); both should
+be 0.
 
 This is a stress pattern for the pool rather than a typical one: every job hungry means
 every EPOCH, REGISTER and tick runs the pool's rebalancing scan over all workers.
@@ -144,7 +148,7 @@ class Fleet:
 
         self.messages, self.encode = messages, encode
         self.context: zmq.Context[Any] = zmq.Context()
-        self.context.setsockopt(zmq.MAX_SOCKETS, workers + consumers + 64)
+        self.context.set(zmq.MAX_SOCKETS, workers + consumers + 64)
         self.peers: list[Peer] = []
         self.by_socket: dict[zmq.Socket[Any], Peer] = {}
         self.poller = zmq.Poller()
