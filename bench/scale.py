@@ -15,13 +15,16 @@ pool, and the broker's control plane alone.
     jobs (Loaders in this process, one thread each) start together, a fourth joins
     ``--late`` seconds later: the seconds it waits for its first element, then each job's
     share of the elements over the window (equal shares are 0.25 each).
-(3) **The control plane alone** (``--fleet``): a broker process and simulated peers that
-    speak the protocol with no pipeline: ``--fleet-workers`` workers (READY, then a
-    HEARTBEAT a second) and ``--fleet-consumers`` consumers (REGISTER, then a HEARTBEAT a
-    second), all sockets of one process. Broker CPU (fraction of one core) and the latency
-    of a STATUS-free request: each consumer's EPOCH answered by its JOB view (p50, p99).
-    Targets: < 30% of one core, p99 < 50 ms; the fleet size one broker can run is
-    extrapolated from its CPU per peer.
+(3) **The control plane alone** (``--only fleet``, bench/_fleet.py): a broker process and
+    simulated peers that speak the protocol with no pipeline, all sockets of this process:
+    ``--fleet-workers`` workers (READY, then a HEARTBEAT a second) and ``--fleet-consumers``
+    consumers, five to a job (REGISTER, then a HEARTBEAT a second and an EPOCH every
+    ``--fleet-epoch-every`` seconds), beats spread over the second. After
+    ``--fleet-warmup`` seconds, over ``--fleet-seconds``: broker CPU (fraction of one core),
+    the latency of each EPOCH's answer (its JOB view: p50, p99, max) and messages per
+    second each way. Targets: < 30% of one core, p99 < 50 ms at 1,000 workers and 200
+    consumers; the fleet size one broker can run at 30% of a core is extrapolated from its
+    CPU per peer (linearly).
 
 Ratios and efficiencies are what to read: the machine is shared and noisy.
 
@@ -255,6 +258,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pool", type=int, default=8, help="workers of section 2")
     parser.add_argument("--late", type=float, default=3.0,
                         help="seconds after the first three jobs the fourth starts")
+    parser.add_argument("--fleet-workers", type=int, default=1000,
+                        help="simulated workers of section 3 (default 1000)")
+    parser.add_argument("--fleet-consumers", type=int, default=200,
+                        help="simulated consumers of section 3, five to a job (default 200)")
+    parser.add_argument("--fleet-seconds", type=float, default=20.0,
+                        help="seconds section 3 measures (default 20)")
+    parser.add_argument("--fleet-warmup", type=float, default=5.0,
+                        help="seconds section 3 runs once the fleet has registered, "
+                             "before measuring (default 5)")
+    parser.add_argument("--fleet-epoch-every", type=float, default=10.0,
+                        help="seconds between a section-3 consumer's EPOCHs (default 10)")
     parser.add_argument("--only", default="scale,jobs", help="scale, jobs, fleet")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args(argv)
