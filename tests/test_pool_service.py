@@ -57,12 +57,16 @@ def test_train_and_validation_loaders_on_one_broker_each_read_every_epoch(worker
 
 def test_a_job_without_exactly_once_drains_the_worker_it_gives_and_repeats_nothing():
     """``exactly_once=False``: two workers read a shuffled, batched job when a second job
-    registers mid-epoch and takes one of them. The worker finishes its split (its shuffle
-    buffer and batch included) before it moves: the first job gets every element once,
-    the second all of its own."""
+    registers mid-epoch and takes one of them, while the first job's loop is paused (as
+    Keras pauses training for validation). The worker finishes its split (its shuffle
+    buffer and batch included) and sends it beyond the one credit it holds before it
+    moves: the first job gets every element once, the second all of its own. (A worker
+    that waited for credits would move only after MOVE_DRAIN_SECONDS, its split read
+    again: repeats.)"""
     pipeline = Pipeline.range(400, split_size=25).map(slow).shuffle(16).batch(4)
     with service(workers=2) as (address, _), \
-            Loader(pipeline, broker=address, timeout=30, exactly_once=False) as first, \
+            Loader(pipeline, broker=address, timeout=30, exactly_once=False,
+                   prefetch=1) as first, \
             Loader(Pipeline.range(100, split_size=10).map(slow), broker=address,
                    timeout=30) as second:
         elements = iter(first)

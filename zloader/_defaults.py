@@ -372,6 +372,10 @@ HUNGRY_STARVATION = 0.02
 """A job whose consumers waited for data more than this share of the last heartbeat
 interval is hungry: the pool may move a worker to it (fixed)."""
 
+OVERDRAW_RECORDS = 1 << 16
+"""Records a worker draining to move may make and send beyond its consumers' credits (it
+finishes the splits it took; their remainder is far less)."""
+
 MOVE_DRAIN_SECONDS = 10.0
 """A worker the pool moves off a job that does not run exactly-once first finishes the
 splits it took (``RELEASE.drain``); one not done within this many seconds is moved at

@@ -255,9 +255,12 @@ def epoch_started(state: Tables, identity: bytes, msg: Epoch, now: float) -> lis
             job.rounds.prune(job.epoch)
             if splits.pending(job).get(str(epoch)):
                 job.rounds.order_rerun(epoch, job.requeues.get(epoch, 0))
-    # A hungry job may take a worker from another now (broker/pool.py); the answer
-    # below is the only JOB this consumer gets now, as for REGISTER.
-    out += [o for o in placement.assign(state, now)
+    # A job with no worker may take one from another now (broker/pool.py); other moves
+    # wait for the next tick (weighing the pool costs O(workers), and every consumer's
+    # every epoch would pay it). The answer below is the only JOB this consumer gets
+    # now, as for REGISTER.
+    starving = job is not None and not job.tasks
+    out += [o for o in placement.assign(state, now, rebalance=starving)
             if o.identity != identity or o.command is not Command.JOB]
     answer = peers.consumer_heartbeat(state, identity, now)
     if job is not None and job.track and epoch is not None:

@@ -20,10 +20,11 @@ __all__ = ["assign", "claims", "drained", "give", "preempt"]
 log = logging.getLogger("zloader.broker")
 
 
-def assign(state: Tables, now: float) -> list[Out]:
-    """Give free workers to jobs, then move busy ones where the pool's policy says:
-    every job with consumers gets its share."""
-    return _fill(state, now) + _rebalance(state, now)
+def assign(state: Tables, now: float, rebalance: bool = True) -> list[Out]:
+    """Give free workers to jobs, then (``rebalance``) move busy ones where the pool's
+    policy says: every job with consumers gets its share."""
+    out = _fill(state, now)
+    return out + _rebalance(state, now) if rebalance else out
 
 
 def _fill(state: Tables, now: float) -> list[Out]:
@@ -146,7 +147,7 @@ def _rebalance(state: Tables, now: float) -> list[Out]:
         worker, job = state.workers[move[0]], state.jobs[move[1]]
         source = state.job_of(worker.task)
         if source is not None and not source.track and source.share is None \
-                and _active(state, source):
+                and source.rounds is None and _active(state, source):
             out += _drain(state, worker, job, now)
         else:
             out += preempt(state, worker, now)
@@ -165,7 +166,7 @@ def _drain(state: Tables, worker: Worker, taker: Job, now: float) -> list[Out]:
     read a moved split again less what its consumers hold. (Not a shared job's worker:
     a trainer that joins later gets what it missed from the worker that made it, so that
     worker's splits are read again by the others when it goes, repeating them to the
-    trainers that had them.)"""
+    trainers that had them; nor a coordinated job's, whose rounds the broker numbers.)"""
     assert worker.task is not None
     log.info("worker %s (pid %d on %s) drains its task to move to job %s (the pool's "
              "share for it)", worker.id, worker.pid, worker.host, taker.name or taker.id)

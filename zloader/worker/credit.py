@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from zloader._defaults import MAX_GRANT
+from zloader._defaults import MAX_GRANT, OVERDRAW_RECORDS
 from zloader.transport.messages import End
 from zloader.worker.delivery import Delivery
 from zloader.worker.streams import Stream
@@ -34,12 +34,18 @@ class CreditDelivery(Delivery):
         super().__init__(task)
         self.balanced = task.assignment.balanced  # consumers to deal to (0: by credit)
         self.turn = 0  # whose turn it is, when dealing
+        self.overdrawn = False  # draining to move: records go out without credit
 
     def credit(self, stream: Stream, credits: int) -> None:
         credits = clamp(credits)
         stream.credits += credits
         for _ in range(credits):
             self.pool.release()
+
+    def overdraw(self) -> None:
+        self.overdrawn = True
+        self.pool.release(OVERDRAW_RECORDS)
+        self.deliver()
 
     def withdraw(self, stream: Stream) -> None:
         for _ in range(stream.credits):
@@ -85,11 +91,11 @@ class CreditDelivery(Delivery):
                 return None
             order = sorted(streams, key=lambda s: s.consumer)
             stream = order[self.turn % len(order)]
-            if stream.credits <= 0:
+            if stream.credits <= 0 and not self.overdrawn:
                 return None
             self.turn += 1
             return stream
-        ready = [s for s in streams if s.credits > 0]
+        ready = [s for s in streams if s.credits > 0 or self.overdrawn]
         if not ready:
             return None
         return max(ready, key=lambda s: s.credits)

@@ -116,6 +116,13 @@ class Delivery(abc.ABC):
         whose permits are not simply the consumers' credits)."""
         return None
 
+    def overdraw(self) -> None:
+        """The task drains to move (``RELEASE.drain``): let its producer finish and send
+        what it makes without waiting for credits (its consumers may not be reading: a
+        training loop paused while validation takes this worker). Modes whose records
+        must wait for something else (a trainer's window, a round) keep waiting."""
+        return None
+
     def side_producers(self) -> list[Producer]:
         """Producers of its own the mode runs besides the task's (a shared job's replay)."""
         return []

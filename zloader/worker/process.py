@@ -344,7 +344,7 @@ class WorkerProcess:
                 task.split(record)
         elif isinstance(record, messages.Release):
             if record.drain and task is not None and record.task == task.id:
-                task.draining.set()  # the pool moves this worker: finish, then say so
+                task.drain()  # the pool moves this worker: finish, then say so
                 self._moving = task.id
                 return
             if self.loading is not None and record.task == self.loading[0].id:

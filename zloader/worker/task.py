@@ -286,6 +286,12 @@ class Task:
                                  default=0.0),
                 **self.delivery.stats()}
 
+    def drain(self) -> None:
+        """Take no new split or epoch, finish what was taken and send it even without
+        credits (``RELEASE.drain``: the pool moves this worker)."""
+        self.draining.set()
+        self.delivery.overdraw()
+
     def busy(self) -> bool:
         """Whether it still makes or sends something: a producer, the delivery's own
         work, or segments its consumers have not mapped yet."""
