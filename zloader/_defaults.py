@@ -216,6 +216,12 @@ RECORD_BYTES = 1 << 20
 RECORD_LINGER = 0.002
 """... or once its first element has waited this many seconds (fixed)."""
 
+SPLIT_AHEAD_SECONDS = 0.05
+"""A producer whose last split took less than this to read asks for its next split as soon
+as one arrives (while it reads that one): short splits do not each wait for a round trip
+through the broker. After a slower split it asks when done, so that the split it would
+take does not wait behind a slow one while other workers are free."""
+
 MAX_GRANT = 1 << 16
 """The most credits one CREDIT message may grant; more is taken as this many (fixed)."""
 

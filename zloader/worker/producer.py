@@ -34,7 +34,13 @@ import numpy as np
 import zmq
 
 from zloader import codec
-from zloader._defaults import RECORD_BYTES, RECORD_ELEMENTS, RECORD_LINGER, STAGES
+from zloader._defaults import (
+    RECORD_BYTES,
+    RECORD_ELEMENTS,
+    RECORD_LINGER,
+    SPLIT_AHEAD_SECONDS,
+    STAGES,
+)
 from zloader.errors import CodecError, PipelineError
 from zloader.lineage import Assigned, encode_origins, unpack
 from zloader.options import JobOptions
@@ -334,11 +340,14 @@ class Producer(threading.Thread):
                 self.split = split
                 yield split
             return
-        # The next split is asked for as soon as one arrives, while that one is read, so
-        # that a short split does not wait for a round trip through the broker (which
-        # takes a request with ``have`` splits received as "reading the last of them").
+        # After a quick split (under SPLIT_AHEAD_SECONDS) the next is asked for as soon as
+        # one arrives, while that one is read, so that short splits do not each wait for a
+        # round trip through the broker (which takes a request with ``have`` splits
+        # received as "reading the last of them"). After a slow one it is not: the split
+        # asked for would wait behind it while other workers might read it.
         have = 0  # splits received in this pass: the broker re-sends one whose answer was lost
         asked = False
+        took: float | None = None  # how long the last split took to read
         while True:
             if not asked:
                 if self.draining.is_set():  # the worker is leaving: the pass ends here
@@ -354,18 +363,21 @@ class Producer(threading.Thread):
                 return
             have += 1
             # (a leaving worker asks for no more; the split it has is read: it was handed)
-            asked = not self.draining.is_set()
+            asked = (took is not None and took < SPLIT_AHEAD_SECONDS
+                     and not self.draining.is_set())
             if asked:
                 self._put(pair, LinkKind.SPLIT_REQ, {"pass": list(key), "have": have})
             self.split = int(reply["split"])
+            started = time.monotonic()
             if not spec.track:
                 yield int(reply["split"])
-                continue
-            origin = reply.get("origin")
-            expect = reply.get("expect")
-            yield Assigned(int(reply["split"]), tuple(origin) if origin else key,
-                           frozenset(unpack(reply.get("skip", ""))),
-                           (int(expect[0]), int(expect[1])) if expect else None)
+            else:
+                origin = reply.get("origin")
+                expect = reply.get("expect")
+                yield Assigned(int(reply["split"]), tuple(origin) if origin else key,
+                               frozenset(unpack(reply.get("skip", ""))),
+                               (int(expect[0]), int(expect[1])) if expect else None)
+            took = time.monotonic() - started
 
     def _answer(self, pair: zmq.Socket[Any], key: tuple[int, ...],
                 have: int) -> dict[str, Any] | None:
