@@ -299,6 +299,7 @@ def test_worker_requires_a_broker_address():
     assert done.returncode == 2 and "--broker" in done.stderr
 
 
+@pytest.mark.slow  # (6 s: a broker and workers; status is tested fast in test_service)
 def test_status_command_against_a_running_broker():
     from tests.service import service
 

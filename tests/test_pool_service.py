@@ -114,6 +114,7 @@ def test_torch_train_and_validation_dataloaders_on_one_broker_alternate_epochs()
             del train, validation
 
 
+@pytest.mark.slow  # (7 s; the plain-call pool tests and test_service's status test stay fast)
 def test_a_job_beside_an_endless_one_gets_its_first_element_soon_and_a_fair_share():
     """Two worker processes; the first job repeats forever. The second, started later,
     gets its first element within 5 s and at least 30% of the pool's output while both
