@@ -296,6 +296,25 @@ def test_weights_from_register_skew_the_pool_and_are_checked():
             register(state, "c", weight=bad)  # type: ignore[arg-type]
 
 
+def test_a_job_sampled_hungry_stays_hungry_for_a_few_beats():
+    """One low sample of a job's starvation (a busy broker reads its consumers' heartbeats
+    late) must not make the pool take its workers and give them back a second later."""
+    from zloader._defaults import HUNGRY_HOLD_BEATS
+    from zloader.broker import status
+
+    state = pool_of(2)
+    register(state, "a")
+    epoch(state, "a", 0.0)
+    job = state.consumers["a"].job
+    status.sample(state, 5.0)
+    beat(state, "a", 5.5, wait=0.5)  # waited half of the next interval
+    status.sample(state, 6.0)
+    status.sample(state, 7.0)  # no waiting in this one
+    assert state.jobs[job].starvation == 0.0
+    assert placement.claims(state, 7.0)[job].hungry
+    assert not placement.claims(state, 6.0 + HUNGRY_HOLD_BEATS + 0.1)[job].hungry
+
+
 def test_a_restarted_broker_replays_moves(tmp_path):
     state = State(heartbeat=1.0, journal=Journal(str(tmp_path)))
     for name in ("w0", "w1"):

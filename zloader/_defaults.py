@@ -378,6 +378,11 @@ HUNGRY_STARVATION = 0.02
 """A job whose consumers waited for data more than this share of the last heartbeat
 interval is hungry: the pool may move a worker to it (fixed)."""
 
+HUNGRY_HOLD_BEATS = 3
+"""A job sampled hungry stays hungry for this many heartbeat intervals, whatever the next
+samples say: one low sample (heartbeats read late by a busy broker) must not make it give
+its workers away and take them back a second later (fixed)."""
+
 OVERDRAW_RECORDS = 1 << 16
 """Records a worker draining to move may make and send beyond its consumers' credits (it
 finishes the splits it took; their remainder is far less)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from zloader._defaults import HUNGRY_HOLD_BEATS, HUNGRY_STARVATION
 from zloader.broker import coordinated, placement, pool, splits
 from zloader.broker.records import Job, Out, Tables
 from zloader.transport.protocol import Command
@@ -131,6 +132,9 @@ def sample(state: Tables, now: float) -> None:
         if job.waited_at is not None and job.consumers:
             job.starvation = min(1.0, max(0.0, (job.wait_seconds - job.waited_at[0])
                                           / ((now - job.waited_at[1]) * len(job.consumers))))
+            if job.starvation > HUNGRY_STARVATION:
+                job.hungry_until = max(job.hungry_until,
+                                       now + HUNGRY_HOLD_BEATS * state.heartbeat)
         job.waited_at = (job.wait_seconds, now)
         job.desired = _desired(job, now)
 
