@@ -315,6 +315,25 @@ def test_a_job_sampled_hungry_stays_hungry_for_a_few_beats():
     assert not placement.claims(state, 6.0 + HUNGRY_HOLD_BEATS + 0.1)[job].hungry
 
 
+def test_each_jobs_view_says_how_many_workers_run_other_jobs():
+    """``busy_elsewhere`` (what a consumer that no worker serves says when it times out),
+    counted once per heartbeat for all the views."""
+    from zloader.broker import status
+
+    state = pool_of(5)
+    register(state, "a")
+    epoch(state, "a", 0.1)
+    register(state, "b", now=0.2)
+    epoch(state, "b", 0.3)
+    counts = workers_of(state)
+    views = {o.identity.decode(): o.body for o in status.heartbeats(state)
+             if o.command is Command.JOB}
+    assert views["a"]["busy_elsewhere"] == counts["b"] and counts["b"] > 0
+    assert views["b"]["busy_elsewhere"] == counts["a"] and counts["a"] > 0
+    job = state.jobs[state.consumers["a"].job]
+    assert status.job_view(state, job) == views["a"]
+
+
 def test_a_restarted_broker_replays_moves(tmp_path):
     state = State(heartbeat=1.0, journal=Journal(str(tmp_path)))
     for name in ("w0", "w1"):

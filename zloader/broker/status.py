@@ -19,8 +19,10 @@ __all__ = ["heartbeats", "job_view", "metrics", "sample", "status",
 log = logging.getLogger("zloader.broker")
 
 
-def job_view(state: Tables, job: Job) -> dict[str, Any]:
-    """The JOB body: the job's workers, failures, pending re-reads, rounds and fences."""
+def job_view(state: Tables, job: Job, busy: int | None = None) -> dict[str, Any]:
+    """The JOB body: the job's workers, failures, pending re-reads, rounds and fences.
+    ``busy``: how many of the broker's workers run a task (counted here if not given: a
+    caller making many views counts once)."""
     workers: list[dict[str, Any]] = []
     for task, worker_id in job.tasks.items():
         worker = state.workers.get(worker_id)
@@ -35,8 +37,9 @@ def job_view(state: Tables, job: Job) -> dict[str, Any]:
     workers.sort(key=lambda w: w["index"])
     view = {"job": job.id, "workers": workers, "failed": job.failed, "error": job.error,
             "heartbeat": state.heartbeat, "consumers": len(job.consumers | set(job.silent)),
-            "busy_elsewhere": sum(1 for w in state.workers.values()
-                                  if w.task is not None and w.task not in job.tasks),
+            "busy_elsewhere": (busy_workers(state) if busy is None else busy)
+            - sum(1 for t, w in job.tasks.items()
+                  if (worker := state.workers.get(w)) is not None and worker.task == t),
             "pending": splits.pending(job), "share": job.share, "epoch": job.epoch,
             "width": job.width, "entropy": job.entropy,
             "stages": {k: round(v, 3) for k, v in job.stages.items()},
@@ -62,13 +65,24 @@ def tell_consumers(state: Tables, job: Job) -> list[Out]:
     return [Out(c.identity, Command.JOB, view) for c in state.consumers_of(job)]
 
 
+def busy_workers(state: Tables) -> int:
+    """How many of the broker's workers run a task."""
+    return sum(1 for w in state.workers.values() if w.task is not None)
+
+
 def heartbeats(state: Tables) -> list[Out]:
-    """What the broker sends every heartbeat interval."""
+    """What the broker sends every heartbeat interval: each job's view made once for all
+    its consumers (a fleet's every consumer, every second)."""
     out = [Out(w.identity, Command.HEARTBEAT, {}) for w in state.workers.values()]
+    busy = busy_workers(state)
+    views: dict[str, dict[str, Any]] = {}
     for consumer in state.consumers.values():
         job = state.jobs.get(consumer.job)
         if job is not None:
-            out.append(Out(consumer.identity, Command.JOB, job_view(state, job)))
+            view = views.get(job.id)
+            if view is None:
+                view = views[job.id] = job_view(state, job, busy)
+            out.append(Out(consumer.identity, Command.JOB, view))
     return out
 
 
