@@ -55,8 +55,10 @@ def worker_ready(state: Tables, identity: bytes, msg: Ready, now: float) -> list
     # "task": None tells a worker the broker had forgotten that it must drop the task
     # it still runs (its splits went to others): nothing it still holds may reach a
     # consumer.
+    # A new worker fills a free place; moving busy ones waits for the tick (a fleet that
+    # joins would weigh the whole pool once per worker).
     return [Out(identity, Command.ACK, {"heartbeat": state.heartbeat, "task": None}),
-            *placement.assign(state, now)]
+            *placement.assign(state, now, rebalance=False)]
 
 
 def worker_heartbeat(state: Tables, identity: bytes, msg: Heartbeat, now: float) -> list[Out]:
