@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -214,6 +215,43 @@ def test_producer_sends_one_record_per_permit_then_ends_the_epoch():
         kind, end, _ = receive()  # (an end takes no permit)
         assert kind is LinkKind.END and end["epoch"] == 0
         assert got == list(range(5))
+
+
+def test_a_stopped_producer_spends_no_credit_released_after_its_stop():
+    """A new epoch stops the producer of the last one and then grants the new one's
+    credits into the same pool: the stopped producer, waiting for a permit, must leave
+    them (it took one and sent a record with it, and the next producer waited for good
+    for a credit the consumer believed it held)."""
+    context = zmq.Context()
+    link = context.socket(zmq.PAIR)
+    link.setsockopt(zmq.LINGER, 0)
+    link.bind("inproc://producer-stop-test")
+    spec = ProducerSpec(plan=plan(Pipeline.range(100)), options=JobOptions(sharding="off"),
+                        index=0, width=1, entropy=1)
+    pool = threading.Semaphore(0)
+    producer = Producer(context, "inproc://producer-stop-test", spec, 0, pool,
+                        threading.Event())
+    producer.start()
+    try:
+        deadline = time.monotonic() + 10
+        while producer.stage != "blocked":  # waiting for a permit (a credit)
+            assert time.monotonic() < deadline, "the producer never waited for a permit"
+            time.sleep(0.01)
+        producer.stop.set()  # as Task.abandon_stale: stop, wait out a send, then credit
+        with producer.sending:
+            pass
+        pool.release(8)
+        producer.join(10)
+        assert not producer.is_alive()
+        assert sum(pool.acquire(blocking=False) for _ in range(9)) == 8
+        while link.poll(0):
+            kind, _ = link.recv_multipart()
+            assert LinkKind(kind) is not LinkKind.RECORD
+    finally:
+        producer.stop.set()
+        producer.join(10)
+        link.close(0)
+        context.term()
 
 
 def test_producer_asks_for_splits_and_records_them_for_a_replay():

@@ -145,6 +145,10 @@ class Producer(threading.Thread):
         super().__init__(name=f"zloader-producer-{epoch}", daemon=True)
         self.context, self.address, self.spec, self.epoch = context, address, spec, epoch
         self.stop = threading.Event()
+        # Held while a record is sent: whoever stops this producer (a new epoch) takes it
+        # after setting ``stop``, so that no record goes out after the stop and no permit
+        # (a consumer's credit) the next producer needs is spent by this one.
+        self.sending = threading.Lock()
         self.pool = pool
         self.draining = draining
         self.epoch_input = epoch_input
@@ -264,8 +268,17 @@ class Producer(threading.Thread):
             if self.stop.is_set():
                 raise _Stopped
         outgoing = Outgoing(buffers, any(isinstance(b, codec.Gather) for b in buffers))
-        self.outbox.append(outgoing)
-        self._put(pair, LinkKind.RECORD, head)
+        with self.sending:
+            try:
+                if self.stop.is_set():
+                    raise _Stopped
+                self.outbox.append(outgoing)
+                self._put(pair, LinkKind.RECORD, head)
+            except _Stopped:
+                if self.outbox and self.outbox[-1] is outgoing:
+                    self.outbox.pop()
+                self.pool.release()  # not spent: the credit is the next producer's
+                raise
         if outgoing.gathered:
             while not outgoing.taken.wait(0.1):
                 if self.stop.is_set():
@@ -385,6 +398,8 @@ class Producer(threading.Thread):
         repeated answers to an earlier request (the worker asked again after reconnecting)
         are passed over; None for an answer about another pass."""
         while True:
+            if self.stop.is_set():  # (an answer that came ahead must not keep it going)
+                raise _Stopped
             asked = time.perf_counter()
             self.stage = "splits"
             while not pair.poll(100):

@@ -228,6 +228,8 @@ class Task:
                     epoch=producing, rerun=self.reruns.get(producing, 0)))
         if self.producer is not None:
             self.producer.stop.set()  # it exits at its next send or split request
+            with self.producer.sending:
+                pass  # a record it was sending went out; no other will
             self.links.drop(self.producer)
         self.finished.add(producing)
         self.producing = None
