@@ -24,7 +24,7 @@ def assign(state: Tables, now: float, rebalance: bool = True) -> list[Out]:
     """Give free workers to jobs, then (``rebalance``) move busy ones where the pool's
     policy says: every job with consumers gets its share."""
     out = _fill(state, now)
-    return out + _rebalance(state, now) if rebalance else out
+    return (out + _rebalance(state, now)) if rebalance else out
 
 
 def _fill(state: Tables, now: float) -> list[Out]:
@@ -42,7 +42,7 @@ def _fill(state: Tables, now: float) -> list[Out]:
                   key=lambda w: w.host_id not in hosts)
     for worker in idle:
         open_jobs = [j for j in state.jobs.values() if j.error is None and j.consumers
-                     and (not j.fixed or len(j.tasks) < j.width)]
+                     and _has_room(j)]
         if not open_jobs:
             break
         open_jobs = [j for j in open_jobs if _can_serve(worker, j, job_hosts)]
@@ -54,6 +54,16 @@ def _fill(state: Tables, now: float) -> list[Out]:
             len(j.tasks), j.created))
         out += give(state, worker, job, now)
     return out
+
+
+def _has_room(job: Job) -> bool:
+    """Whether ``job`` takes another worker (a static job takes at most ``width``)."""
+    return not job.fixed or len(job.tasks) < job.width
+
+
+def _active(state: Tables, job: Job) -> bool:
+    """Whether ``job`` is read now (an epoch under way, not failed)."""
+    return job.error is None and any(c.active for c in state.consumers_of(job))
 
 
 def _can_serve(worker: Worker, job: Job, job_hosts: dict[str, set[str]]) -> bool:
@@ -95,13 +105,15 @@ def claims(state: Tables, now: float) -> dict[str, pool.Claim]:
     job's already."""
     moving: dict[str, int] = {}
     for worker in state.workers.values():
-        source = state.job_of(worker.task) if worker.moving_to is not None else None
-        if source is not None and worker.moving_to is not None:
+        if worker.moving_to is None:
+            continue
+        source = state.job_of(worker.task)
+        if source is not None:
             moving[source.id] = moving.get(source.id, 0) - 1
             moving[worker.moving_to] = moving.get(worker.moving_to, 0) + 1
     out = {}
     for job in state.jobs.values():
-        active = job.error is None and any(c.active for c in state.consumers_of(job))
+        active = _active(state, job)
         hungry = active and (job.starvation > HUNGRY_STARVATION or now < job.hungry_until)
         if not active:
             wants = 0
@@ -155,10 +167,6 @@ def _rebalance(state: Tables, now: float) -> list[Out]:
     return out
 
 
-def _active(state: Tables, job: Job) -> bool:
-    return job.error is None and any(c.active for c in state.consumers_of(job))
-
-
 def _drain(state: Tables, worker: Worker, taker: Job, now: float) -> list[Out]:
     """Move ``worker`` off a job that does not run exactly-once without repeating a split:
     it finishes the splits it took and sends what they make (``RELEASE.drain``), then
@@ -183,8 +191,8 @@ def drained(state: Tables, worker: Worker, task: str, now: float) -> list[Out]:
     taker = state.jobs.get(worker.moving_to or "")
     worker.moving_to = None
     out = failures.leave(state, worker, job, task, died=False, now=now, stays=True)
-    if taker is not None and _can_serve(worker, taker, {taker.id: state.hosts(taker)}) \
-            and (not taker.fixed or len(taker.tasks) < taker.width):
+    if taker is not None and _has_room(taker) \
+            and _can_serve(worker, taker, {taker.id: state.hosts(taker)}):
         return out + give(state, worker, taker, now)
     return out + assign(state, now)
 

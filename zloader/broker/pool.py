@@ -17,9 +17,10 @@ The rules, in order of preference for the worker that moves:
 
 Static and deterministic jobs keep their workers mid-epoch (their worker indices are fixed);
 between epochs they give them up like any job. A job that does not run exactly-once (shared,
-balanced, coordinated, ``exactly_once=False``) would repeat a moved worker's split: mid-epoch
-it gives a worker only to a hungry job that holds none (rule 3's turn, or any rule when the
-taker has nothing), never to even out shares.
+balanced, coordinated, ``exactly_once=False``) has no fence for a move: mid-epoch it gives a
+worker only to a hungry job that holds none (rule 3's turn, or any rule when the taker has
+nothing), never to even out shares; ``placement`` makes such a move drain the worker first
+where it can (docs/pool.md).
 """
 
 from __future__ import annotations

@@ -102,7 +102,6 @@ class WorkerProcess:
         self.rejected = 0  # malformed messages dropped
         self._process = psutil.Process()  # its CPU time goes in the heartbeat stats
         self._drain_deadline: float | None = None  # set by drain()
-        self._moving: str | None = None  # a task the broker told to drain (RELEASE.drain)
         self._warned = 0.0
         self.loading: tuple[Assignment, Loading] | None = None  # a task's pipeline loads
         self._last_beat = 0.0
@@ -200,7 +199,7 @@ class WorkerProcess:
             if self.loading is not None:
                 self._begin_task()
             if self.task is not None:
-                self.task.delivery.poll()
+                self.task.poll()
             now = time.monotonic()
             if self.capture is not None and now - self._last_forward >= FORWARD_EVERY:
                 self._forward(now)
@@ -215,8 +214,6 @@ class WorkerProcess:
                 return
             if self._drain_deadline is not None and self._drained(now):
                 return
-            if self._moving is not None:
-                self._moved()
 
     def _beat(self) -> None:
         """HEARTBEAT, with this worker's stats and what its producer is doing."""
@@ -302,15 +299,6 @@ class WorkerProcess:
             # splits are the worker's own: nobody else would read them anyway)
         return not task.busy()
 
-    def _moved(self) -> None:
-        """Tell the broker once the task it told to drain has sent all it made."""
-        task = self.task
-        if task is None or task.id != self._moving:
-            self._moving = None  # released or replaced meanwhile
-        elif not task.busy():
-            self.broker.send(messages.Heartbeat(drained=task.id))
-            self._moving = None
-
     # --- broker ---------------------------------------------------------------------------
 
     def _from_broker(self, frames: list[zmq.Frame]) -> None:
@@ -345,7 +333,6 @@ class WorkerProcess:
         elif isinstance(record, messages.Release):
             if record.drain and task is not None and record.task == task.id:
                 task.drain()  # the pool moves this worker: finish, then say so
-                self._moving = task.id
                 return
             if self.loading is not None and record.task == self.loading[0].id:
                 self.loading = None

@@ -103,6 +103,7 @@ class Task:
         self.reruns: dict[int, int] = {}  # epoch -> latest rerun asked
         self.inputs: dict[int, Any] = {}  # epoch -> the consumer's input
         self.draining = threading.Event()  # take no more splits
+        self.moving = False  # drained to move (RELEASE.drain): say so once all is sent
         self.delivery = delivery(self)
 
     # --- consumers ------------------------------------------------------------------------
@@ -290,9 +291,19 @@ class Task:
 
     def drain(self) -> None:
         """Take no new split or epoch, finish what was taken and send it even without
-        credits (``RELEASE.drain``: the pool moves this worker)."""
+        credits, then tell the broker (``RELEASE.drain``: the pool moves this worker; see
+        :meth:`poll`)."""
+        self.moving = True
         self.draining.set()
         self.delivery.overdraw()
+
+    def poll(self) -> None:
+        """Called on every turn of the worker's loop: the delivery's own polling, and
+        ``HEARTBEAT.drained`` once a task drained to move has sent all it made."""
+        self.delivery.poll()
+        if self.moving and not self.busy():
+            self.moving = False
+            self.broker.send(messages.Heartbeat(drained=self.id))
 
     def busy(self) -> bool:
         """Whether it still makes or sends something: a producer, the delivery's own
