@@ -80,6 +80,24 @@ def test_a_job_without_exactly_once_drains_the_worker_it_gives_and_repeats_nothi
         once(seen, 400)
 
 
+def test_a_job_without_exactly_once_loses_nothing_when_its_only_worker_moves():
+    """One worker, ``exactly_once=False``, training paused halfway while validation runs
+    (Keras): the worker moves to validation and back. Had it drained, its END would have
+    ended the training epoch with splits nobody took (240 of 600 elements lost); the last
+    worker moves at once instead, and what it had read is read again (at least once)."""
+    pipeline = Pipeline.range(600, split_size=20).map(slow).shuffle(32)
+    with service(workers=1) as (address, _), \
+            Loader(pipeline, broker=address, timeout=30, exactly_once=False) as train, \
+            Loader(Pipeline.range(200, split_size=10).map(slow), broker=address,
+                   timeout=30) as validation:
+        elements = iter(train)
+        seen = drain(elements, 300)
+        once(drain(validation), 200)
+        seen += drain(elements)
+        assert sorted(seen) == list(range(600)), \
+            f"missing {sorted(set(range(600)) - set(seen))[:10]}"
+
+
 @pytest.mark.slow
 def test_torch_train_and_validation_dataloaders_on_one_broker_alternate_epochs():
     """The torch drop-in's jobs are deterministic (torch's exact batches), so their workers

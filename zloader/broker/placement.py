@@ -159,7 +159,7 @@ def _rebalance(state: Tables, now: float) -> list[Out]:
         worker, job = state.workers[move[0]], state.jobs[move[1]]
         source = state.job_of(worker.task)
         if source is not None and not source.track and source.share is None \
-                and source.rounds is None and _active(state, source):
+                and source.rounds is None and len(source.tasks) > 1 and _active(state, source):
             out += _drain(state, worker, job, now)
         else:
             out += preempt(state, worker, now)
@@ -174,7 +174,10 @@ def _drain(state: Tables, worker: Worker, taker: Job, now: float) -> list[Out]:
     read a moved split again less what its consumers hold. (Not a shared job's worker:
     a trainer that joins later gets what it missed from the worker that made it, so that
     worker's splits are read again by the others when it goes, repeating them to the
-    trainers that had them; nor a coordinated job's, whose rounds the broker numbers.)"""
+    trainers that had them; nor a coordinated job's, whose rounds the broker numbers;
+    nor a job's last worker: its END would end the epoch for the consumers while splits
+    nobody took remain, so it moves at once and its splits are read again when a worker
+    comes back.)"""
     assert worker.task is not None
     log.info("worker %s (pid %d on %s) drains its task to move to job %s (the pool's "
              "share for it)", worker.id, worker.pid, worker.host, taker.name or taker.id)
