@@ -12,8 +12,11 @@ from hypothesis import strategies as st
 
 from zloader import Pipeline
 from zloader.lineage import (
+    INDEX_BITS,
+    INDEX_MASK,
     Assigned,
     Ledger,
+    Ranges,
     decode_origins,
     digest,
     encode_origins,
@@ -33,10 +36,14 @@ def tracked(pipeline: Pipeline, skip: dict[int, set[int]] | None = None):
     skip = skip or {}
     feed = lambda key: (Assigned(s, key, frozenset(skip.get(s, ()))) for s in range(SPLITS))
     values, origins = [], collections.Counter()
+
+    def places(codes):  # (split, index) of each origin code
+        return [(ctx.reads[c >> INDEX_BITS][1], c & INDEX_MASK) for c in codes]
+
     for value, origin in plan(pipeline).run_worker(feed, 0, ctx):
         values.append(value)
-        origins.update(zip(origin[1::3], origin[2::3], strict=True))
-    origins.update(zip(ctx.loose[1::3], ctx.loose[2::3], strict=True))
+        origins.update(places(origin))
+    origins.update(places(ctx.loose))
     return values, origins, ctx.ends
 
 
@@ -106,27 +113,100 @@ def test_bad_packed_sets_and_origins_are_refused():
     for bad in ("%%%", 5, "AAAA"):
         with pytest.raises(ValueError):
             unpack(bad)
-    counts, triples = encode_origins([(0, (0, 1, 2))], [])
-    assert decode_origins(counts, triples, 1)[0].tolist() == [0, 1]
+    block = encode_origins([(2,)], [], [(0, 1)], {(0,): 0}, [])
+    assert decode_origins(block, 1).runs.tolist() == [[0, 1, 2, 1]]
     with pytest.raises(ValueError):
-        decode_origins(counts, triples, 2)  # counts for another number of elements
+        decode_origins(block, 2)  # a block for another number of elements
     with pytest.raises(ValueError):
-        decode_origins(counts, triples[:-8], 1)
+        decode_origins(block[:-8], 1)
     with pytest.raises(ValueError):
         merge_info(None, {"have": "", "expect": "x"})
 
 
 def test_a_ledger_closes_a_split_once_all_its_elements_are_in_and_round_trips():
     ledger = Ledger()
-    keys = [(0,)]
-    ledger.add(keys, np.array([[0, 4, i] for i in range(3)]))
+    keys = {0: (0,)}
+    ledger.add(keys, np.array([[0, 4, i, 1] for i in range(3)]))
     assert ledger.info((0,), 4) == {"have": pack({0, 1, 2})}
     ledger.end((0,), 4, 5, 99)
     assert ledger.info((0,), 4)["expect"] == [5, 99]
-    ledger.add(keys, np.array([[0, 4, 3], [0, 4, 4], [0, 7, 0]]))
+    ledger.add(keys, np.array([[0, 4, 3, 2], [0, 7, 0, 1]]))
     assert ledger.info((0,), 4) == {"all": True}
     copy = Ledger()
     copy.merge_json(ledger.to_json())
     assert copy.to_json() == ledger.to_json()
     assert copy.info((0,), 7) == {"have": pack({0})}
     assert merge_info(merge_info(None, copy.info((0,), 7)), {"all": True}) == {"all": True}
+
+
+def test_origins_of_consecutive_elements_compress_to_one_run_per_split():
+    """A record of elements read in order holds one run per split, whatever its length;
+    a shuffled batch's rows are sorted into runs; a ledger rebuilds the same origins."""
+    pipeline = Pipeline.range(SPLITS * SIZE, split_size=SIZE)
+    ctx = Context(entropy=3, track=True)
+    feed = lambda key: (Assigned(s, key) for s in range(SPLITS))
+    tagged = list(plan(pipeline).run_worker(feed, 0, ctx))
+    block = encode_origins([t[1] for t in tagged], [], ctx.reads, ctx.pass_keys, ctx.ends)
+    origins = decode_origins(block, len(tagged))
+    assert origins.runs.tolist() == [[0, s, 0, SIZE] for s in range(SPLITS)]
+    assert origins.uniform == 1 and origins.counts is None
+    ledger = Ledger()
+    origins.note(ledger)
+    assert ledger.done == {(0,): set(range(SPLITS))} and not ledger.open
+
+    ctx = Context(entropy=3, track=True)
+    batched = Pipeline.range(SPLITS * SIZE, split_size=SIZE).shuffle(60, seed=4).batch(50)
+    batches = list(plan(batched).run_worker(feed, 0, ctx))
+    block = encode_origins([t[1] for t in batches], [], ctx.reads, ctx.pass_keys, ctx.ends)
+    origins = decode_origins(block, len(batches))
+    assert origins.uniform == 50 and len(batches) == 3  # 150 = SPLITS * SIZE
+    assert len(origins.runs) < 150  # a batch's rows of one split sorted together
+    ledger = Ledger()
+    origins.note(ledger, 1)  # the first batch alone: its 50 rows
+    assert sum(r.count for r in ledger.open.values()) == 50
+    origins.note(ledger)
+    assert ledger.done == {(0,): set(range(SPLITS))} and not ledger.open
+
+
+@given(st.lists(st.tuples(st.integers(0, 300), st.integers(1, 40)), max_size=60),
+       st.integers(0, 5))
+@settings(max_examples=100, derandomize=True, deadline=None)
+def test_ranges_hold_the_union_of_what_was_added(runs, chunk):
+    ranges, expected = Ranges(), set()
+    step = chunk + 1
+    for at in range(0, len(runs), step):
+        part = runs[at:at + step]
+        ranges.add(np.array([s for s, _ in part], np.int64),
+                   np.array([s + n for s, n in part], np.int64))
+        expected |= {i for s, n in part for i in range(s, s + n)}
+        assert ranges.count == len(expected)
+    assert ranges.indices().tolist() == sorted(expected)
+    assert all(b < a for a, b in zip(ranges.starts[1:], ranges.ends, strict=False))
+    assert Ranges.of(expected).indices().tolist() == sorted(expected)
+
+
+def test_a_malformed_origin_block_is_refused_saying_why():
+    good = np.frombuffer(encode_origins([(2,), (3,)], [], [(0, 1)], {(0,): 0},
+                                        [[0, 1, 4, 9]]), np.int64)
+    decode_origins(good.tobytes(), 2)
+
+    def changed(at, value):
+        bad = good.copy()
+        bad[at] = value
+        return bad.tobytes()
+
+    head, keys, ends, runs = 6, 6, 9, 13  # where each part of this block starts
+    for block, why in [
+        (good.tobytes()[:-3], "whole number"),
+        (changed(1, -2), "does not fit"),  # uniform count
+        (changed(keys, 1 << 30), "pass keys"),  # pass id out of range
+        (changed(keys + 2, -1), "pass keys"),  # a key < 0
+        (changed(ends, 7), "split end"),  # an end naming an unknown pass
+        (changed(runs, 3), "origin run"),  # a run naming an unknown pass
+        (changed(runs + 2, (1 << 32) - 1), "origin run"),  # past 2**32
+        (changed(runs + 3, 1), "do not match"),  # fewer origins than the elements hold
+        (good.tobytes() + bytes(8), "as long as"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            decode_origins(block, 2)
+    assert head == 6

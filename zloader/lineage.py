@@ -20,6 +20,7 @@ first reading and reports a difference as a :class:`~zloader.errors.PipelineErro
 from __future__ import annotations
 
 import base64
+import itertools
 import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -29,8 +30,9 @@ import numpy as np
 
 from zloader.errors import PipelineError
 
-__all__ = ["Assigned", "Ledger", "Tagged", "decode_origins", "digest", "encode_origins",
-           "exactly_once", "merge_info", "pack", "read_split", "unpack"]
+__all__ = ["Assigned", "Ledger", "Origins", "Ranges", "Tagged", "code", "decode_origins",
+           "digest", "encode_origins", "exactly_once", "merge_info", "pack", "read_split",
+           "unpack"]
 
 Key = tuple[int, ...]
 DIGEST_BYTES = 4096
@@ -62,8 +64,20 @@ def exactly_once(requested: bool, sharding: str, shared: bool, deterministic: bo
 
 Tagged = tuple[Any, tuple[int, ...]]
 """An element on its way through the worker part: ``(value, origin)``, the origin being the
-flat (pass id, split, index) triples it holds (pass ids number the producer's passes). A
-plain tuple: made once per source element, it must be cheap."""
+codes of the source elements it holds (one for a source element, a batch's rows' for a
+batch; see :func:`code`). A plain tuple: made once per source element, it must be cheap."""
+
+INDEX_BITS = 32
+"""A code is ``read << INDEX_BITS | index``: the producer's ``read``-th split reading
+(``Context.reads`` names its pass id and split) and the element's index in the split."""
+INDEX_MASK = (1 << INDEX_BITS) - 1
+MAX_PASS_ID = 1 << 20
+MAX_KEY_LENGTH = 64
+
+
+def code(read: int, index: int) -> int:
+    """The origin code of element ``index`` of the producer's ``read``-th split reading."""
+    return read << INDEX_BITS | index
 
 
 @dataclass(frozen=True)
@@ -79,13 +93,15 @@ class Assigned:
 
 
 def read_split(source: Any, assigned: Assigned, pass_id: int, ctx: Any) -> Iterator[Tagged]:
-    """Tagged elements of one split, less ``assigned.skip``; records (count, digest) in
-    ``ctx.ends`` once the split is read.
+    """Tagged elements of one split, less ``assigned.skip``; notes the reading in
+    ``ctx.reads`` and records (count, digest) in ``ctx.ends`` once the split is read.
 
     Raises:
         PipelineError: the split read differently from its earlier reading.
     """
     split, skip = assigned.split, assigned.skip
+    base = code(len(ctx.reads), 0)
+    ctx.reads.append((pass_id, split))
     crc = count = 0
     for index, element in enumerate(source.read(split, ctx)):
         if type(element) is int:  # digest()'s first case, without the call
@@ -94,7 +110,7 @@ def read_split(source: Any, assigned: Assigned, pass_id: int, ctx: Any) -> Itera
             crc = digest(element, crc)
         count = index + 1
         if not skip or index not in skip:
-            yield (element, (pass_id, split, index))
+            yield (element, (base + index,))
     if assigned.expect is not None and tuple(assigned.expect) != (count, crc):
         raise PipelineError.create(
             "source", "RuntimeError",
@@ -138,39 +154,187 @@ def digest(element: Any, crc: int, depth: int = 0) -> int:
     return zlib.crc32(type(element).__name__.encode(), crc)
 
 
-# --- origins on the wire: two buffers after a record's codec buffers ----------------------
+# --- origins on the wire: one block after a record's codec buffers -------------------------
+#
+# The block is little-endian int64s: a head of six (elements, the count of origins every
+# element has or -1, loose origins, pass keys, split ends, runs), then the per-element
+# counts when they differ, the pass keys (pass id, length, key...), the split ends (pass id,
+# split, count, digest) and the runs (pass id, split, first index, length). The origins in
+# order (the loose ones, then each element's) are the runs' indices in order: consecutive
+# elements of a split, as most records hold, are one run.
+
+_HEAD = 6
 
 
-def encode_origins(elements: list[Tagged], loose: list[int]) -> list[bytes]:
-    """``[counts, triples]``: counts (int32) holds the loose triples, then each element's;
-    triples (int64) are (pass id, split, index) rows in that order."""
-    counts = np.empty(len(elements) + 1, np.int32)
-    counts[0] = len(loose) // 3
-    flat = list(loose)
-    for position, element in enumerate(elements, 1):
-        counts[position] = len(element[1]) // 3
-        flat.extend(element[1])
-    return [counts.tobytes(), np.array(flat, np.int64).tobytes()]
+def encode_origins(origins: list[tuple[int, ...]], loose: list[int],
+                   reads: list[tuple[int, int]], pass_keys: dict[Key, int],
+                   ends: list[list[int]]) -> bytes:
+    """The origin block of a record whose elements hold ``origins`` (their codes), with
+    ``loose`` codes before them and the split ``ends`` ([pass id, split, count, digest])
+    read since the last record; ``reads`` and ``pass_keys`` are the producer's tables."""
+    counts = list(map(len, origins))
+    uniform = counts[0] if counts and counts.count(counts[0]) == len(counts) else -1
+    total = len(loose) + sum(counts)
+    # An element's origins form a set: sorted, a batch's rows of one split make runs.
+    ordered = total > 1 and (uniform != 1 or bool(loose))
+    if total <= SMALL_BLOCK:  # (most records of large elements: no numpy call is cheaper)
+        if ordered:
+            flat = sorted(loose) + [c for origin in origins for c in sorted(origin)]
+        else:
+            flat = [*loose, *itertools.chain.from_iterable(origins)]
+        runs: Any = _runs_of_list(flat, reads)
+    else:
+        codes = np.array([*loose, *itertools.chain.from_iterable(origins)], np.int64)
+        if ordered and len(counts) == 1 and not loose:
+            codes.sort()
+        elif ordered:
+            segments = np.repeat(np.arange(len(counts) + 1), [len(loose), *counts])
+            codes = codes[np.lexsort((codes, segments))]
+        runs = _runs_of_array(codes, reads)
+    used = {*(runs[:, 0].tolist() if isinstance(runs, np.ndarray) else (r[0] for r in runs)),
+            *(end[0] for end in ends)}
+    entries = [(pass_id, key) for key, pass_id in pass_keys.items() if pass_id in used]
+    head = [len(counts), uniform, len(loose), len(entries), len(ends), len(runs)]
+    front = np.array([*head, *(counts if uniform == -1 else ()),
+                      *(v for pass_id, key in entries for v in (pass_id, len(key), *key)),
+                      *itertools.chain.from_iterable(ends)], np.int64).tobytes()
+    if isinstance(runs, np.ndarray):
+        return front + runs.tobytes()
+    return front + np.array(runs, np.int64).tobytes()
 
 
-def decode_origins(counts: Any, triples: Any, elements: int) -> tuple[np.ndarray, np.ndarray]:
-    """Copy and check the two origin buffers of a record of ``elements`` elements (a
-    copy: they may lie in a ring that another process could still write, and they are read
-    long after this check, when their elements are yielded).
+SMALL_BLOCK = 32
+"""Records with at most this many origins make their runs in plain Python."""
+
+
+def _runs_of_list(flat: list[int], reads: list[tuple[int, int]]) -> list[list[int]]:
+    """(pass id, split, first index, length) runs of the codes ``flat``, in order."""
+    runs: list[list[int]] = []
+    last = -2
+    for origin in flat:
+        if origin == last + 1:
+            runs[-1][3] += 1
+        else:
+            runs.append([*reads[origin >> INDEX_BITS], origin & INDEX_MASK, 1])
+        last = origin
+    return runs
+
+
+def _runs_of_array(codes: np.ndarray, reads: list[tuple[int, int]]) -> np.ndarray:
+    """:func:`_runs_of_list` at numpy speed, for many codes: an int64 (n, 4) array."""
+    firsts = np.flatnonzero(np.diff(codes) != 1) + 1
+    runs = np.empty((len(firsts) + 1, 4), np.int64)
+    starts = codes[np.concatenate(([0], firsts))]
+    runs[:, 2] = starts & INDEX_MASK
+    runs[:, 3] = np.diff(firsts, prepend=0, append=len(codes))
+    read_ids = starts >> INDEX_BITS
+    for read in set(read_ids.tolist()):  # (few: the splits this record's elements came from)
+        runs[read_ids == read, :2] = reads[read]
+    return runs
+
+
+@dataclass(frozen=True)
+class Origins:
+    """The origins one record (or an epoch's END) carries, checked: its pass keys (by
+    pass id), how many origins each element has (``counts``, or ``uniform`` for all), how
+    many come first that no element holds (``loose``), the runs and the split ends."""
+
+    keys: dict[int, Key]
+    uniform: int
+    counts: np.ndarray | None
+    loose: int
+    runs: np.ndarray  # int64 (n, 4): pass id, split, first index, length
+    ends: list[tuple[Key, int, int, int]]
+
+    def note(self, ledger: Ledger, elements: int | None = None) -> None:
+        """Add the loose origins and those of the first ``elements`` elements (all when
+        None), and the split ends, to ``ledger``."""
+        runs = self.runs
+        if elements is not None:
+            held = (self.uniform * elements if self.counts is None
+                    else int(self.counts[:elements].sum()))
+            runs = _first(runs, self.loose + held)
+        ledger.add(self.keys, runs)
+        for key, split, count, crc in self.ends:
+            ledger.end(key, split, count, crc)
+
+
+def _first(runs: np.ndarray, origins: int) -> np.ndarray:
+    """The runs of the first ``origins`` origins."""
+    reach = np.cumsum(runs[:, 3])
+    cut = int(np.searchsorted(reach, origins))
+    if cut >= len(runs):
+        return runs
+    kept = runs[:cut + 1].copy()
+    kept[-1, 3] -= int(reach[cut]) - origins
+    return kept if kept[-1, 3] else kept[:-1]
+
+
+def decode_origins(block: Any, elements: int) -> Origins:
+    """Copy and check the origin block of a record of ``elements`` elements (a copy: it
+    may lie in a ring that another process could still write, and it is read long after
+    this check, when its elements are yielded).
 
     Raises:
-        ValueError: they do not fit together.
+        ValueError: it is malformed (the message says how).
     """
-    counts_view = memoryview(counts).cast("B")
-    triples_view = memoryview(triples).cast("B")
-    if counts_view.nbytes != 4 * (elements + 1) or triples_view.nbytes % 24:
-        raise ValueError("origin buffers of the wrong size")
-    counted = np.frombuffer(counts_view, np.int32).copy()
-    rows = np.frombuffer(triples_view, np.int64).reshape(-1, 3).copy()
-    if (counted < 0).any() or int(counted.sum()) != len(rows) or (rows < 0).any() \
-            or (len(rows) and int(rows[:, 1].max()) >= 1 << 32):
-        raise ValueError("origin counts do not match the origins")
-    return counted, rows
+    view = memoryview(block).cast("B")
+    if view.nbytes % 8 or view.nbytes < 8 * _HEAD:
+        raise ValueError("an origin block is a whole number of int64s, at least 6")
+    values = np.frombuffer(view, np.int64)
+    n, uniform, loose, nkeys, nends, nruns = head = values[:_HEAD].tolist()
+    if n != elements or uniform < -1 or loose < 0 or min(nkeys, nends, nruns) < 0 \
+            or nkeys > len(values):
+        raise ValueError(f"origin block head {head} does not fit a record of {elements} "
+                         "elements")
+    at = _HEAD
+    counts = None
+    if uniform == -1:
+        counts = values[at:at + n].copy()
+        at += n
+        if len(counts) != n or (counts < 0).any():
+            raise ValueError("origin counts must be >= 0, one per element")
+    keys: dict[int, Key] = {}
+    for _ in range(nkeys):
+        pass_id, length = values[at:at + 2].tolist() if at + 2 <= len(values) else (-1, 0)
+        key = values[at + 2:at + 2 + length].tolist()
+        if not (0 <= pass_id < MAX_PASS_ID and 0 < length <= MAX_KEY_LENGTH
+                and len(key) == length and min(key) >= 0) or pass_id in keys:
+            raise ValueError("origin pass keys must be (pass id, length, key >= 0...)")
+        keys[pass_id] = tuple(key)
+        at += 2 + length
+    if len(values) != at + 4 * (nends + nruns):
+        raise ValueError("origin block is not as long as its head says")
+    ends = [(keys.get(p, ()), s, c, d)
+            for p, s, c, d in values[at:at + 4 * nends].reshape(-1, 4).tolist()]
+    if any(not key or min(s, c, d) < 0 or s > INDEX_MASK for key, s, c, d in ends):
+        raise ValueError("a split end names a pass the block does not, or is < 0")
+    runs = values[at + 4 * nends:].reshape(-1, 4).copy()
+    total = _check_runs(runs, keys) if nruns else 0
+    if loose + (uniform * n if counts is None else int(counts.sum())) != total:
+        raise ValueError("origin counts do not match the runs")
+    return Origins(keys, uniform, counts, loose, runs, ends)
+
+
+def _check_runs(runs: np.ndarray, keys: dict[int, Key]) -> int:
+    """How many origins ``runs`` hold, once checked: known passes, splits and indices
+    below 2**32, lengths >= 1 (few runs in Python, many at numpy speed)."""
+    if len(runs) <= 8:
+        total = 0
+        for pass_id, split, start, length in runs.tolist():
+            if pass_id not in keys or not 0 <= split <= INDEX_MASK or start < 0 \
+                    or length < 1 or start + length > INDEX_MASK + 1:
+                raise ValueError("an origin run names a pass the block does not, or "
+                                 "indices outside [0, 2**32)")
+            total += length
+        return total
+    if (runs < 0).any() or (runs[:, 3] < 1).any() \
+            or not set(np.unique(runs[:, 0]).tolist()) <= keys.keys() \
+            or int(runs[:, 1].max()) > INDEX_MASK \
+            or int((runs[:, 2] + runs[:, 3]).max()) > INDEX_MASK + 1:
+        raise ValueError("an origin run names a pass the block does not, or indices "
+                         "outside [0, 2**32)")
+    return int(runs[:, 3].sum())
 
 
 # --- sets of small ints as short strings ---------------------------------------------------
@@ -178,7 +342,7 @@ def decode_origins(counts: Any, triples: Any, elements: int) -> tuple[np.ndarray
 
 def pack(values: Iterable[int]) -> str:
     """A set of ints >= 0 as base64 of a compressed bitmap."""
-    array = np.fromiter(values, np.int64)
+    array = values if isinstance(values, np.ndarray) else np.fromiter(values, np.int64)
     if not len(array):
         return ""
     mask = np.zeros(int(array.max()) + 1, bool)
@@ -229,38 +393,121 @@ def merge_info(held: dict[str, Any] | None, info: Any) -> dict[str, Any]:
 # --- the consumer's ledger -------------------------------------------------------------------
 
 
+class Ranges:
+    """A set of ints >= 0 as sorted, disjoint, non-touching ``[start, end)`` ranges, with
+    its size: what a consumer holds of one split. Elements of a split mostly come in
+    order, so adding the next run extends the last range; others merge at numpy speed."""
+
+    __slots__ = ("count", "ends", "starts")
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+        self.count = 0
+
+    @classmethod
+    def of(cls, indices: Iterable[int]) -> Ranges:
+        """The ranges of a set of indices."""
+        ranges = cls()
+        values = np.unique(np.fromiter(indices, np.int64))
+        if len(values):
+            cuts = np.flatnonzero(np.diff(values) != 1) + 1
+            ranges.add(values[np.r_[0, cuts]], values[np.r_[cuts - 1, len(values) - 1]] + 1)
+        return ranges
+
+    def add(self, starts: np.ndarray, ends: np.ndarray) -> None:
+        """Add the ranges ``[starts[i], ends[i])`` (they may overlap anything held)."""
+        if len(starts) == 1 and self.add_run(int(starts[0]), int(ends[0])):
+            return
+        all_starts = np.concatenate((np.array(self.starts, np.int64), starts))
+        all_ends = np.concatenate((np.array(self.ends, np.int64), ends))
+        order = np.argsort(all_starts, kind="stable")
+        all_starts, reach = all_starts[order], np.maximum.accumulate(all_ends[order])
+        first = np.flatnonzero(np.r_[True, all_starts[1:] > reach[:-1]])
+        merged_starts = all_starts[first]
+        merged_ends = reach[np.r_[first[1:] - 1, len(all_starts) - 1]]
+        self.starts, self.ends = merged_starts.tolist(), merged_ends.tolist()
+        self.count = int((merged_ends - merged_starts).sum())
+
+    def add_run(self, start: int, end: int) -> bool:
+        """Add ``[start, end)`` if it lies after every range held (the usual case);
+        False if it does not (then nothing changed)."""
+        if not self.ends or start > self.ends[-1]:
+            self.starts.append(start)
+            self.ends.append(end)
+        elif start == self.ends[-1]:
+            self.ends[-1] = end
+        else:
+            return False
+        self.count += end - start
+        return True
+
+    def indices(self) -> np.ndarray:
+        """Every index held, in order."""
+        if not self.starts:
+            return np.empty(0, np.int64)
+        return np.concatenate([np.arange(a, b) for a, b in zip(self.starts, self.ends,
+                                                                strict=True)])
+
+
 class Ledger:
     """Origins of one epoch received (or yielded) by a consumer: per pass, the splits
-    accounted for whole, and the indices of the others; with each split's (count, digest)
-    once its worker finished reading it."""
+    accounted for whole, and the :class:`Ranges` of indices held of the others; with each
+    split's (count, digest) once its worker finished reading it."""
 
     def __init__(self) -> None:
         self.done: dict[Key, set[int]] = {}
-        self.open: dict[tuple[Key, int], set[int]] = {}
+        self.open: dict[tuple[Key, int], Ranges] = {}
         self.lengths: dict[tuple[Key, int], tuple[int, int]] = {}
         self.elements = 0
 
-    def add(self, keys: list[Key], rows: np.ndarray) -> None:
-        """Note the origins ``rows`` ((pass id, split, index) triples; ``keys[id]`` is the
-        pass)."""
-        if not len(rows):
+    def add(self, keys: dict[int, Key], runs: np.ndarray) -> None:
+        """Note the origins ``runs`` ((pass id, split, first index, length) rows;
+        ``keys[id]`` is the pass)."""
+        if not len(runs):
             return
-        self.elements += len(rows)
-        combined = rows[:, 0] * (1 << 32) + rows[:, 1]
-        if (combined == combined[0]).all():
-            groups: Iterable[tuple[Any, Any]] = [(combined[0], rows[:, 2])]
+        if len(runs) == 1:  # (most records: consecutive elements of one split)
+            pass_id, split, start, length = runs[0].tolist()
+            self.elements += length
+            key = keys[pass_id]
+            held = self.open.get((key, split))
+            if held is not None and held.add_run(start, start + length):
+                self._close(key, split)
+                return
+            self._add(key, split, runs[:, 2], runs[:, 2] + length)
+            return
+        self.elements += int(runs[:, 3].sum())
+        places = runs[:, 0] << INDEX_BITS | runs[:, 1]
+        if (places == places[0]).all():
+            groups: Iterable[tuple[int, np.ndarray]] = [(int(places[0]), runs)]
         else:
-            order = np.argsort(combined, kind="stable")
-            ordered = combined[order]
+            order = np.argsort(places, kind="stable")
+            ordered = places[order]
             cuts = np.flatnonzero(np.diff(ordered)) + 1
-            groups = zip(ordered[np.r_[0, cuts]].tolist(), np.split(rows[order, 2], cuts),
+            groups = zip(ordered[np.r_[0, cuts]].tolist(), np.split(runs[order], cuts),
                          strict=True)
-        for code, indices in groups:
-            key, split = keys[int(code) >> 32], int(code) & 0xFFFFFFFF
-            if split in self.done.get(key, ()):
-                continue
-            self.open.setdefault((key, split), set()).update(indices.tolist())
-            self._close(key, split)
+        for place, rows in groups:
+            self._add(keys[place >> INDEX_BITS], place & INDEX_MASK, rows[:, 2],
+                      rows[:, 2] + rows[:, 3])
+
+    def _add(self, key: Key, split: int, starts: np.ndarray, ends: np.ndarray) -> None:
+        if split in self.done.get(key, ()):
+            return
+        held = self.open.get((key, split))
+        if held is None:
+            held = self.open[(key, split)] = Ranges()
+        held.add(starts, ends)
+        self._close(key, split)
+
+    def add_indices(self, key: Key, split: int, indices: Iterable[int]) -> None:
+        """Note indices of one split (from a packed set)."""
+        if split in self.done.get(key, ()):
+            return
+        held = Ranges.of(indices)
+        ranges = self.open.setdefault((key, split), Ranges())
+        if held.starts:
+            ranges.add(np.array(held.starts, np.int64), np.array(held.ends, np.int64))
+        self._close(key, split)
 
     def end(self, key: Key, split: int, count: int, crc: int) -> None:
         """The split's worker read ``count`` elements from it (with digest ``crc``)."""
@@ -288,17 +535,24 @@ class Ledger:
 
     def _close(self, key: Key, split: int) -> None:
         length = self.lengths.get((key, split))
-        if length is not None and len(self.open.get((key, split), ())) >= length[0]:
-            self.done.setdefault(key, set()).add(split)
-            self.open.pop((key, split), None)
-            self.lengths.pop((key, split), None)
+        if length is not None:
+            held = self.open.get((key, split))
+            if (held.count if held is not None else 0) >= length[0]:
+                self.done.setdefault(key, set()).add(split)
+                self.open.pop((key, split), None)
+                self.lengths.pop((key, split), None)
+
+    def held(self, key: Key, split: int) -> np.ndarray:
+        """The indices of an open split held."""
+        ranges = self.open.get((key, split))
+        return ranges.indices() if ranges is not None else np.empty(0, np.int64)
 
     def info(self, key: Key, split: int) -> dict[str, Any]:
         """What the broker needs to hand ``split`` out again: ``all`` when it is accounted
         for, else the indices held (``have``) and the first reading's ``expect``."""
         if split in self.done.get(key, ()):
             return {"all": True}
-        info: dict[str, Any] = {"have": pack(self.open.get((key, split), ()))}
+        info: dict[str, Any] = {"have": pack(self.held(key, split))}
         if (key, split) in self.lengths:
             info["expect"] = list(self.lengths[(key, split)])
         return info
@@ -309,8 +563,8 @@ class Ledger:
         keys = set(self.done) | {key for key, _ in self.open}
         out = []
         for key in sorted(keys):
-            opened = [[split, pack(indices), *self.lengths.get((k, split), (-1, -1))]
-                      for (k, split), indices in sorted(self.open.items()) if k == key]
+            opened = [[split, pack(self.held(k, split)), *self.lengths.get((k, split), (-1, -1))]
+                      for (k, split) in sorted(self.open) if k == key]
             out.append([list(key), pack(self.done.get(key, ())), opened])
         return out
 
@@ -338,9 +592,9 @@ class Ledger:
                 split = item[0]
                 if split in self.done.get(key, ()):
                     continue
-                self.open.setdefault((key, split), set()).update(unpack(item[1]))
                 if item[2] >= 0:
                     self.lengths[(key, split)] = (item[2], item[3])
+                self.add_indices(key, split, unpack(item[1]))
                 self._close(key, split)
 
 

@@ -405,9 +405,6 @@ class Loader:
         io = getattr(self, "_io", None)
         if io is not None:
             io.close()
-        merger = getattr(self, "_merger", None)
-        if merger is not None:
-            merger.yielded.detach()  # its rings are unmapped now, not at collection
         for process in self._processes:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)

@@ -30,6 +30,7 @@ from zloader import collate
 from zloader._defaults import ORIGINS_NAMED, SHUFFLE_DRAW_CHUNK
 from zloader._seeding import Key, make_rng
 from zloader.errors import PipelineError, passes_through
+from zloader.lineage import INDEX_BITS, INDEX_MASK
 
 __all__ = ["Batch", "BucketByLength", "Context", "Filter", "Map", "Repeat", "Run", "Shuffle",
            "Skip", "Stage", "Take", "Unbatch", "compose"]
@@ -57,10 +58,12 @@ class Context:
         dropped: elements dropped to keep rounds whole (a bucket's last, incomplete round).
         track: elements are ``(value, origin)`` pairs (:data:`~zloader.lineage.Tagged`; a worker
             part run for exactly-once epochs); stages apply user code to their values.
-        loose: origins of elements dropped on the way (flat triples), sent with the next
-            record so the consumer counts them as accounted for.
+        loose: origins (codes) of elements dropped on the way, sent with the next record
+            so the consumer counts them as accounted for.
         ends: ``[pass id, split, count, digest]`` of each split read, for the next record.
         pass_keys: the pass ids used in origins, by pass key.
+        reads: (pass id, split) of each split reading, by the read number in the origin
+            codes (zloader/lineage.py: ``code``).
         source: the source being read (its splits name elements in error messages).
         at: (split, index) of the element the source yielded last (untracked runs).
         aligned: the last stage position whose input still comes in the source's order,
@@ -79,6 +82,7 @@ class Context:
     loose: list[int] = field(default_factory=list)
     ends: list[list[int]] = field(default_factory=list)
     pass_keys: dict[Key, int] = field(default_factory=dict)
+    reads: list[tuple[int, int]] = field(default_factory=list)
     source: Any = None
     at: tuple[int, int] | None = None
     aligned: int = 0
@@ -122,9 +126,9 @@ class Context:
         return str(self.source.locate(*at))
 
     def _origins(self, origin: tuple[int, ...]) -> str:
-        places = [self.source.locate(origin[i + 1], origin[i + 2])
-                  for i in range(0, min(len(origin), 3 * ORIGINS_NAMED), 3)]
-        count = len(origin) // 3
+        places = [self.source.locate(self.reads[code >> INDEX_BITS][1], code & INDEX_MASK)
+                  for code in origin[:ORIGINS_NAMED]]
+        count = len(origin)
         if count <= 1:
             return "".join(places)
         more = f"; and {count - len(places)} more" if count > len(places) else ""
@@ -422,9 +426,9 @@ class Unbatch(Stage):
                 yield from rows
                 continue
             origin = element[1]
-            if len(origin) == 3 * len(rows):  # one origin per row: each row gets its own
+            if len(origin) == len(rows):  # one origin per row: each row gets its own
                 for at, row in enumerate(rows):
-                    yield (row, origin[3 * at:3 * at + 3])
+                    yield (row, origin[at:at + 1])
             elif rows:  # rows that are not the batch's elements: the first holds them all
                 yield (rows[0], origin)
                 for row in rows[1:]:

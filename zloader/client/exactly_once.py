@@ -6,15 +6,11 @@ received, the fences and the rereads are the I/O thread's (zloader/client/epoch_
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 from typing import Any
 
-import numpy as np
-
-from zloader.client.items import Origins
-from zloader.lineage import Ledger
+from zloader.lineage import Ledger, Origins
 
 __all__ = ["STATE_VERSION", "Yielded", "resume_from"]
 
@@ -53,14 +49,6 @@ class Yielded:
         """Every element of ``epoch`` was yielded."""
         if self.iterating == epoch:
             self.iterating, self.finished = None, epoch
-
-    def detach(self) -> None:
-        """Copy the origins of the record under way out of the ring they were received in
-        (the Loader is closing: its rings go, while :meth:`state` must still answer)."""
-        if self._current is not None:
-            origins, before = self._current
-            self._current = (dataclasses.replace(origins, counts=np.array(origins.counts),
-                                                 rows=np.array(origins.rows)), before)
 
     def finished_state(self) -> dict[str, Any] | None:
         """``{epoch, delivered}`` of the epoch last yielded whole: another Loader of the

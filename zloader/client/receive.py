@@ -11,13 +11,14 @@ from typing import Any
 
 from zloader import codec
 from zloader.client.epoch_end import EpochEnd
-from zloader.client.items import Item, Origins
+from zloader.client.items import Item
 from zloader.client.link import BrokerLink
 from zloader.client.peers import Peer, Peers
 from zloader.client.rounds import Rounds
 from zloader.client.session import Session
 from zloader.client.stats import Stats
 from zloader.errors import CodecError
+from zloader.lineage import Origins, decode_origins
 from zloader.transport import messages, records
 from zloader.transport.protocol import Command, Message, ProtocolError, error_from_object
 from zloader.transport.ring import RingError
@@ -61,7 +62,8 @@ class Receiver:
         try:
             record = messages.decode(msg)
         except ProtocolError:
-            if msg.command is Command.DATA and msg.body.get("epoch") == self.session.epoch:
+            if msg.command is Command.DATA and messages.Data.epoch_of(msg.body) == \
+                    self.session.epoch:
                 self.peers.credit(peer.worker, 1)  # a record of this epoch, unreadable
             raise
         if isinstance(record, messages.Data):
@@ -78,7 +80,7 @@ class Receiver:
                                     f"{exc}") from None
         elif isinstance(record, messages.End):
             if record.epoch == self.session.epoch:
-                self._end(peer, record)
+                self._end(peer, record, msg.payload)
         elif isinstance(record, messages.Fail):
             if record.epoch == self.session.epoch:
                 self.put(Item("error", error=error_from_object(record.error)))
@@ -109,11 +111,11 @@ class Receiver:
             self.peers.grow_ring(peer, records.packed_size(buffers) if data.ring is None
                                  else data.ring[1])
         origins = None
-        if data.origins is not None:
-            if len(buffers) < 3:
-                raise ProtocolError("DATA with origins but fewer than 3 buffers")
-            origins = Origins.decode(data.origins, buffers[-2:], count)
-            buffers = buffers[:-2]
+        if data.origins:
+            if len(buffers) < 2:
+                raise ProtocolError("DATA with origins but no origin block")
+            origins = _origins(buffers[-1], count)
+            buffers = buffers[:-1]
         elements = codec.decode(buffers, objects=peer.own)
         if not isinstance(elements, list) or len(elements) != count:
             raise ProtocolError(f"DATA record holds {type(elements).__name__}, not {count} "
@@ -140,7 +142,7 @@ class Receiver:
         else:  # a round this consumer skipped (lost, or before it joined)
             self.peers.credit(peer.worker, 1)
 
-    def _end(self, peer: Peer, end: messages.End) -> None:
+    def _end(self, peer: Peer, end: messages.End, payload: list[Any]) -> None:
         """END: ``peer``'s worker ended the epoch (or its rerun)."""
         session, stats = self.session, self.stats
         self._note_skipped(peer, end.skipped)
@@ -152,8 +154,10 @@ class Receiver:
         self._note_lagged(peer, end.lagged, end.replayed)
         session.ended.add(peer.worker)
         origins = None
-        if end.origins is not None:
-            origins = Origins.loose(end.origins)
+        if end.origins:
+            if len(payload) != 1:
+                raise ProtocolError("END with origins but no origin block")
+            origins = _origins(getattr(payload[0], "buffer", payload[0]), 0)
             origins.note(session.received)
         epoch = session.epoch
         self.put(Item("end", epoch if epoch is not None else -1, peer.worker, peer.index,
@@ -173,3 +177,15 @@ class Receiver:
         if lagged is not None:
             self._lagged_by[peer.worker] = lagged
             self.stats.lagged = sum(self._lagged_by.values())
+
+
+def _origins(block: Any, count: int) -> Origins:
+    """The origins a record of ``count`` elements (or an END: 0) carries.
+
+    Raises:
+        ProtocolError: its origin block is malformed.
+    """
+    try:
+        return decode_origins(block, count)
+    except ValueError as exc:
+        raise ProtocolError(f"origins: {exc}") from None

@@ -92,6 +92,7 @@ class IOThread(threading.Thread):
         # A command wakes the thread at once (a byte in this pipe) instead of at its next poll.
         # The pipe is closed once the thread has stopped (close(), or __del__ if it never
         # ran), so writers need no lock.
+        self._unsent: dict[str, int] = {}  # credits given back since the last wake-up
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
@@ -106,8 +107,15 @@ class IOThread(threading.Thread):
         self._command(("start", epoch, epoch_input))
 
     def credit(self, worker: str, credits: int = 1) -> None:
-        """Give ``worker`` back the credits of ``credits`` records used."""
-        self._command(("credit", worker, credits))
+        """Give ``worker`` back the credits of ``credits`` records used. The thread is woken
+        only once a CREDIT is due (half the prefetch, as :meth:`Peers.credit` sends them):
+        fewer credits wait for its next poll (POLL_MS), or the next message it handles."""
+        self._commands.append(("credit", worker, credits))
+        owed = self._unsent.get(worker, 0) + credits
+        if owed >= max(1, self.settings.prefetch // 2):
+            owed = 0
+            self._wake()
+        self._unsent[worker] = owed
 
     @property
     def registration(self) -> dict[str, Any]:
@@ -238,8 +246,10 @@ class IOThread(threading.Thread):
                             pass
                     continue
                 for _ in range(64):
-                    if sock.closed:  # a message handled just before closed it (a worker
-                        break        # that left the job's view)
+                    # (closed: a message handled just before closed it, a worker that
+                    # left the job's view; EVENTS: no exception to learn it is empty)
+                    if sock.closed or not sock.get(zmq.EVENTS) & zmq.POLLIN:
+                        break
                     try:
                         frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:

@@ -34,6 +34,7 @@ checks (zloader/broker/jobs.py).
 from __future__ import annotations
 
 import dataclasses
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -522,6 +523,11 @@ def _segment(value: Any) -> tuple[str, int]:
 
 @dataclass(frozen=True, kw_only=True)
 class Data(Record):
+    """One record's notice: the data path's one message per record, so its body is not
+    JSON but a packed struct (:data:`~zloader.transport.protocol.PACKED`): the fields
+    below, little-endian, as :meth:`to_body` writes them and :meth:`from_body` checks
+    them (docs/protocol.md gives the layout)."""
+
     COMMAND = Command.DATA
     epoch: int = fld(INDEX)
     count: int = fld(INDEX)
@@ -532,7 +538,92 @@ class Data(Record):
     shared: bool = fld(boolean, False, omit=True)
     lagged: int | None = fld(optional(INDEX), None, omit=True)
     round: int | None = fld(optional(INDEX), None, omit=True)
-    origins: dict[str, Any] | None = fld(optional(obj), None, omit=True)  # items.Origins
+    origins: bool = fld(boolean, False, omit=True)  # the last buffer is an origin block
+
+    @classmethod
+    def from_body(cls, body: Any) -> Data:
+        """The record a packed DATA body holds.
+
+        Raises:
+            ProtocolError: the body is not one (the message says which part is wrong).
+        """
+        raw = bytes(body) if not isinstance(body, bytes) else body
+        if len(raw) < _DATA_HEAD.size:
+            raise ProtocolError(f"DATA: body of {len(raw)} bytes, a packed DATA has at "
+                                f"least {_DATA_HEAD.size}")
+        epoch, count, skipped, flags = _DATA_HEAD.unpack_from(raw)
+        if flags & ~_DATA_FLAGS_ALL:
+            raise ProtocolError(f"DATA: field 'flags' has unknown bits {flags:#x}")
+        at = _DATA_HEAD.size
+        values: dict[str, Any] = {}
+        try:
+            if flags & _RING:
+                position, length, size = _DATA_PLACE.unpack_from(raw, at)
+                at += _DATA_PLACE.size
+                values["ring"] = (position, length, _name(raw, at, size, "ring"))
+                at += size
+            if flags & _SEGMENT:
+                length, size = _DATA_NAMED.unpack_from(raw, at)
+                at += _DATA_NAMED.size
+                values["segment"] = (_name(raw, at, size, "segment"), length)
+                at += size
+            for flag, name in ((_LAGGED, "lagged"), (_ROUND, "round")):
+                if flags & flag:
+                    values[name] = _DATA_INT.unpack_from(raw, at)[0]
+                    at += _DATA_INT.size
+        except struct.error:
+            raise ProtocolError(f"DATA: body of {len(raw)} bytes ends inside its fields "
+                                f"(flags {flags:#x})") from None
+        if at != len(raw):
+            raise ProtocolError(f"DATA: {len(raw) - at} bytes after its fields")
+        return cls(epoch=epoch, count=count, skipped=skipped, full=bool(flags & _FULL),
+                   shared=bool(flags & _SHARED), origins=bool(flags & _ORIGINS), **values)
+
+    @staticmethod
+    def epoch_of(body: Any) -> int | None:
+        """The epoch a packed DATA body names, if it is long enough to name one."""
+        if isinstance(body, bytes) and len(body) >= 8:
+            return int.from_bytes(body[:8], "little")
+        return None
+
+    def to_body(self) -> bytes:  # type: ignore[override]
+        """The packed body of this record."""
+        flags = ((_RING if self.ring is not None else 0)
+                 | (_SEGMENT if self.segment is not None else 0)
+                 | (_FULL if self.full else 0) | (_SHARED if self.shared else 0)
+                 | (_LAGGED if self.lagged is not None else 0)
+                 | (_ROUND if self.round is not None else 0)
+                 | (_ORIGINS if self.origins else 0))
+        parts = [_DATA_HEAD.pack(self.epoch, self.count, self.skipped, flags)]
+        if self.ring is not None:
+            name = self.ring[2].encode()
+            parts += [_DATA_PLACE.pack(self.ring[0], self.ring[1], len(name)), name]
+        if self.segment is not None:
+            name = self.segment[0].encode()
+            parts += [_DATA_NAMED.pack(self.segment[1], len(name)), name]
+        for value in (self.lagged, self.round):
+            if value is not None:
+                parts.append(_DATA_INT.pack(value))
+        return b"".join(parts)
+
+
+_DATA_HEAD = struct.Struct("<QQQB")  # epoch, count, skipped, flags
+_DATA_PLACE = struct.Struct("<QQH")  # ring: position, length, name length (name follows)
+_DATA_NAMED = struct.Struct("<QH")  # segment: length, name length (name follows)
+_DATA_INT = struct.Struct("<Q")  # lagged, round
+_RING, _SEGMENT, _FULL, _SHARED, _LAGGED, _ROUND, _ORIGINS = (1 << i for i in range(7))
+_DATA_FLAGS_ALL = (1 << 7) - 1
+
+
+def _name(raw: bytes, at: int, size: int, field: str) -> str:
+    """A shared-memory name inside a packed body."""
+    if size > MAX_NAME or at + size > len(raw):
+        raise ProtocolError(f"DATA: field {field!r} has a name of {size} bytes (at most "
+                            f"{MAX_NAME}, within the body)")
+    try:
+        return raw[at:at + size].decode("ascii")
+    except UnicodeDecodeError:
+        raise ProtocolError(f"DATA: field {field!r} has a name that is not ASCII") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -544,7 +635,7 @@ class End(Record):
     rerun: int | None = fld(optional(INDEX), None, omit=True)
     lagged: int | None = fld(optional(INDEX), None, omit=True)
     replayed: int | None = fld(optional(INDEX), None, omit=True)
-    origins: dict[str, Any] | None = fld(optional(obj), None, omit=True)  # items.Origins
+    origins: bool = fld(boolean, False, omit=True)  # an origin block is its payload
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,10 +21,10 @@ import cloudpickle
 from zloader._defaults import HEARTBEAT_RANGE, MAX_BODY_BYTES, MAX_BODY_DEPTH, STAGES
 from zloader.errors import ZloaderError
 
-__all__ = ["VERSION", "Command", "Message", "ProtocolError", "VersionMismatch", "decode",
+__all__ = ["PACKED", "VERSION", "Command", "Message", "ProtocolError", "VersionMismatch", "decode",
            "encode"]
 
-VERSION = (f"ZLP/3 py/{sys.version_info[0]}.{sys.version_info[1]} "
+VERSION = (f"ZLP/4 py/{sys.version_info[0]}.{sys.version_info[1]} "
            f"cp/{cloudpickle.__version__}").encode("ascii")
 """The version frame: protocol version, Python minor version, cloudpickle version."""
 
@@ -71,6 +71,12 @@ class Command(enum.IntEnum):
     LOG = 50           # worker -> broker -> consumer: what user code printed or logged
 
 
+PACKED = frozenset({Command.DATA})
+"""Commands whose body is a packed struct, not JSON (zloader/transport/messages.py gives
+its layout and checks it): DATA goes once per record, and the data path's cost per record
+is what bounds small elements."""
+
+
 class ProtocolError(ZloaderError):
     """A malformed message; receivers log it and drop it."""
 
@@ -95,7 +101,7 @@ class Message:
     is read through its record (zloader/transport/messages.py: ``decode``), never by hand."""
 
     command: Command
-    body: dict[str, Any] = field(default_factory=dict)
+    body: Any = field(default_factory=dict)  # a dict; bytes for a PACKED command
     payload: list[Any] = field(default_factory=list)
 
 
@@ -127,10 +133,12 @@ def doing_text(value: dict[str, Any]) -> str:
     return f"stage {value['stage']!r} of {split}, epoch {value['epoch']}"
 
 
-def encode(command: Command, body: dict[str, Any] | None = None,
+def encode(command: Command, body: dict[str, Any] | bytes | None = None,
            payload: Sequence[Any] = ()) -> list[Any]:
-    """The frames of one message (without a ROUTER identity)."""
-    data = json.dumps(body or {}, separators=(",", ":")).encode()
+    """The frames of one message (without a ROUTER identity); ``body``: a JSON object, or
+    the packed body of a :data:`PACKED` command."""
+    data = body if isinstance(body, bytes) else json.dumps(body or {},
+                                                           separators=(",", ":")).encode()
     return [VERSION, bytes((command,)), data, *payload]
 
 
@@ -169,7 +177,13 @@ def _decode(frames: Sequence[Any]) -> Message:
         command = Command(command_frame[0])
     except ValueError:
         raise ProtocolError(f"unknown command {command_frame[0]}") from None
-    return Message(command, _body(command, _bytes(frames[2])), list(frames[3:]))
+    raw = _bytes(frames[2])
+    if command in PACKED:
+        if len(raw) > MAX_BODY_BYTES:
+            raise ProtocolError(f"{command.name}: body of {len(raw)} bytes exceeds "
+                                f"{MAX_BODY_BYTES}")
+        return Message(command, raw, list(frames[3:]))
+    return Message(command, _body(command, raw), list(frames[3:]))
 
 
 def _body(command: Command, raw: bytes) -> dict[str, Any]:

@@ -67,9 +67,10 @@ class CreditDelivery(Delivery):
             streams = [s for s in task.streams.values() if s.epoch == epoch]
             if head.get("end"):
                 self.pending.popleft()
-                end = End(epoch=epoch, skipped=head["skipped"], origins=head.get("origins"))
+                block = head.get("origins")  # what no record carried (exactly-once)
+                end = End(epoch=epoch, skipped=head["skipped"], origins=block is not None)
                 for stream in streams:
-                    task.outlet.send(stream, end)
+                    task.outlet.send(stream, end, [block] if block is not None else ())
                 task.finish_epoch(epoch)
                 continue
             taker = self._next(streams)

@@ -11,7 +11,6 @@ rest of zloader/worker/ is the task, its producers and the delivery modes.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import secrets
@@ -41,7 +40,6 @@ from zloader.worker.consumers import DataPort
 from zloader.worker.credit import CreditDelivery
 from zloader.worker.delivery import Delivery
 from zloader.worker.links import Links
-from zloader.worker.producer import LinkKind
 from zloader.worker.rounds import RoundsDelivery
 from zloader.worker.task import Assignment, Task, load_error
 
@@ -182,8 +180,10 @@ class WorkerProcess:
         while not self.stop.is_set():
             for sock, _ in poller.poll(100):
                 for _ in range(256):
-                    if sock.closed:
-                        break  # a producer's pair, dropped while its messages were read
+                    # (closed: a producer's pair, dropped while its messages were read;
+                    # EVENTS: no exception to learn the socket is empty)
+                    if sock.closed or not sock.get(zmq.EVENTS) & zmq.POLLIN:
+                        break
                     try:
                         frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
@@ -192,10 +192,11 @@ class WorkerProcess:
                         self.port.receive(frames, self.task)
                     elif sock is self.broker.sock:
                         self._from_broker(frames)
-                    elif sock in self.links.producers and self.task is not None:
-                        self.task.from_producer(self.links.producers[sock],
-                                                LinkKind(frames[0].bytes),
-                                                json.loads(frames[1].bytes))
+                    elif sock in self.links.producers:
+                        producer = self.links.producers[sock]
+                        kind, body = producer.outbox.popleft()  # (one per frame)
+                        if self.task is not None:
+                            self.task.from_producer(producer, kind, body)
             if self.loading is not None:
                 self._begin_task()
             if self.task is not None:

@@ -1,15 +1,17 @@
 """The producer thread of a worker: runs the worker part of one epoch of the task's
 pipeline and hands finished records to the worker's socket thread over an inproc pair.
 
-It takes a :class:`ProducerSpec` (frozen, built from the task once) and speaks
-:class:`LinkKind` messages (the first frame of each is the kind):
-``SPLIT_REQ {pass, have}`` asks for the next split of a pass, having received ``have`` of
-them so far (the answer comes back on the pair as ``{"pass", "split"}``, with ``origin``,
-``skip`` and ``expect`` for an exactly-once job, see zloader/lineage.py), ``PASS_DONE pass``
-says a pass is finished, ``RECORD head`` is one record (``head``: epoch, count, skipped, and
-for an exactly-once job ``origins``: the pass table and split ends; its two origin buffers
-follow its codec buffers; its buffers wait in :attr:`Producer.outbox`, in order, so no
-message is built around them), ``END body`` ends the epoch, ``FAIL body`` reports an error.
+It takes a :class:`ProducerSpec` (frozen, built from the task once). What it sends the
+socket thread goes into :attr:`Producer.outbox` as ``(kind, body)``, in order, with one
+frame on the pair (the :class:`LinkKind`'s byte) to wake that thread: no message is
+serialized between two threads of one process. ``SPLIT_REQ {pass, have}`` asks for the
+next split of a pass, having received ``have`` of them so far (the answer comes back on the
+pair as JSON ``{"pass", "split"}``, with ``origin``, ``skip`` and ``expect`` for an
+exactly-once job, see zloader/lineage.py), ``PASS_DONE pass`` says a pass is finished,
+``RECORD`` is one record (an :class:`Outgoing`: its head, epoch, count, skipped, and its
+codec buffers, the last one its origin block for an exactly-once job), ``END body`` ends
+the epoch (``origins``: the block of what no record carried), ``FAIL body`` reports an
+error.
 A record is sent only after taking one permit from the producer's pool, so the records in
 flight never exceed what the consumers granted. A record holding a
 :class:`~zloader.codec.Gather` references the user's rows, which user code may overwrite
@@ -30,7 +32,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import zmq
 
 from zloader import codec
@@ -54,12 +55,12 @@ __all__ = ["RECORD_BYTES", "RECORD_ELEMENTS", "RECORD_LINGER", "STAGES", "LinkKi
 
 
 class LinkKind(enum.Enum):
-    """The kind of a message from a producer to its worker's socket thread (its first
-    frame; the body, JSON, follows)."""
+    """The kind of a message from a producer to its worker's socket thread (the frame on
+    the pair; the body waits in :attr:`Producer.outbox`)."""
 
     SPLIT_REQ = b"S"  # {pass, have}: the next split of this pass, please
     PASS_DONE = b"P"  # [pass key]: every split this producer took in the pass is read
-    RECORD = b"R"     # head: one record, whose buffers wait in Producer.outbox
+    RECORD = b"R"     # an Outgoing: one record
     END = b"E"        # {epoch, skipped, dropped[, origins]}: the epoch is over here
     FAIL = b"F"       # {epoch, error}: user code failed
 
@@ -110,9 +111,12 @@ class ProducerSpec:
 
 @dataclass(eq=False)
 class Outgoing:
-    """One record's codec buffers on their way to the socket thread; ``taken`` is set once
-    they have been copied out or dropped (waited for only when ``gathered``)."""
+    """One record on its way to the socket thread: its head (``epoch``, ``count``,
+    ``skipped``, ``origins``: whether the last buffer is an origin block) and its codec
+    buffers; ``taken`` is set once they have been copied out or dropped (waited for only
+    when ``gathered``)."""
 
+    head: dict[str, Any]
     buffers: list[Any]
     gathered: bool
     taken: threading.Event = field(default_factory=threading.Event)
@@ -153,7 +157,7 @@ class Producer(threading.Thread):
         self.draining = draining
         self.epoch_input = epoch_input
         self.link: Any = None  # the socket thread's end of the pair
-        self.outbox: deque[Outgoing] = deque()  # one per RECORD message sent, in order
+        self.outbox: deque[tuple[LinkKind, Any]] = deque()  # one per frame sent, in order
         self.replay = replay
         self.splits = splits
         # Where the time goes (seconds, cumulative over the worker's producers): running
@@ -189,15 +193,18 @@ class Producer(threading.Thread):
             pair.close(0)
 
     def _put(self, pair: zmq.Socket[Any], kind: LinkKind, body: Any) -> None:
-        """Send to the main thread; never blocks forever (the main thread may have dropped
-        this producer's pair after stopping it). ``body``: JSON bytes, or what to encode."""
-        frames = [kind.value, body if isinstance(body, bytes) else json.dumps(body).encode()]
+        """Hand ``body`` to the main thread and wake it; never blocks forever (the main
+        thread may have dropped this producer's pair after stopping it)."""
+        entry = (kind, body)
+        self.outbox.append(entry)
         while True:
             try:
-                pair.send_multipart(frames, zmq.NOBLOCK)
+                pair.send(kind.value, zmq.NOBLOCK)
                 return
             except zmq.Again:
                 if self.stop.wait(0.01):
+                    if self.outbox and self.outbox[-1] is entry:
+                        self.outbox.pop()
                     raise _Stopped from None
 
     def _produce(self, pair: zmq.Socket[Any]) -> None:
@@ -239,8 +246,8 @@ class Producer(threading.Thread):
         end: dict[str, Any] = {"epoch": self.epoch, "skipped": ctx.skipped,
                                "dropped": ctx.dropped}
         if ctx.track and (ctx.loose or ctx.ends):  # what no record carried
-            end["origins"] = {"passes": _pass_table(ctx, ctx.loose[0::3]),
-                              "ends": ctx.ends, "loose": ctx.loose}
+            end["origins"] = encode_origins([], ctx.loose, ctx.reads, ctx.pass_keys,
+                                            ctx.ends)
         self._put(pair, LinkKind.END, end)
 
     def _account(self, now: float) -> None:
@@ -255,28 +262,23 @@ class Producer(threading.Thread):
         entered = clock()
         self._account(entered)
         self.stage = "encode"
-        record = self._encode(batch, places, ctx)
+        outgoing = self._encode(batch, places, ctx)
         encoded = clock()
         self.timing["encode"] += encoded - entered
-        if record is None:  # every element was skipped: their origins go with the next
+        if outgoing is None:  # every element was skipped: their origins go with the next
             self._mark = encoded
             self.stage = "pipeline"
             return
-        head, buffers = record
         self.stage = "blocked"
         while not self.pool.acquire(timeout=0.1):
             if self.stop.is_set():
                 raise _Stopped
-        outgoing = Outgoing(buffers, any(isinstance(b, codec.Gather) for b in buffers))
         with self.sending:
             try:
                 if self.stop.is_set():
                     raise _Stopped
-                self.outbox.append(outgoing)
-                self._put(pair, LinkKind.RECORD, head)
+                self._put(pair, LinkKind.RECORD, outgoing)
             except _Stopped:
-                if self.outbox and self.outbox[-1] is outgoing:
-                    self.outbox.pop()
                 self.pool.release()  # not spent: the credit is the next producer's
                 raise
         if outgoing.gathered:
@@ -287,10 +289,9 @@ class Producer(threading.Thread):
         self.timing["blocked"] += self._mark - encoded
         self.stage = "pipeline"
 
-    def _encode(self, batch: list[Any], places: list[Any],
-                ctx: Context) -> tuple[bytes, list[Any]] | None:
-        """The head and buffers of the record of ``batch``; None when every element was
-        skipped because the codec rejects it (see :meth:`_encodable`)."""
+    def _encode(self, batch: list[Any], places: list[Any], ctx: Context) -> Outgoing | None:
+        """The record of ``batch``; None when every element was skipped because the codec
+        rejects it (see :meth:`_encodable`)."""
         objects = self.spec.options.objects  # unknown leaves pickled (zloader/options.py)
         try:
             buffers = codec.encode([t[0] for t in batch] if ctx.track else batch, objects)
@@ -299,15 +300,14 @@ class Producer(threading.Thread):
             if not batch:
                 return None
             buffers = codec.encode([t[0] for t in batch] if ctx.track else batch, objects)
-        fields: dict[str, Any] = {"epoch": self.epoch, "count": len(batch),
-                                  "skipped": ctx.skipped}
+        head: dict[str, Any] = {"epoch": self.epoch, "count": len(batch),
+                                "skipped": ctx.skipped, "origins": ctx.track}
+        gathered = any(isinstance(b, codec.Gather) for b in buffers)
         if ctx.track:
-            origins = encode_origins(batch, ctx.loose)
-            buffers.extend(origins)
-            used = np.unique(np.frombuffer(origins[1], np.int64)[0::3]).tolist()
-            fields["origins"] = {"passes": _pass_table(ctx, used), "ends": ctx.ends}
+            buffers.append(encode_origins([t[1] for t in batch], ctx.loose, ctx.reads,
+                                          ctx.pass_keys, ctx.ends))
             ctx.loose, ctx.ends = [], []
-        return json.dumps(fields).encode(), buffers  # (encoded here: encode time)
+        return Outgoing(head, buffers, gathered)
 
     def _encodable(self, batch: list[Any], places: list[Any], ctx: Context) -> list[Any]:
         """The elements of ``batch`` the codec accepts. A rejected one is skipped and
@@ -414,12 +414,6 @@ class Producer(threading.Thread):
                 return None
             if reply.get("have") in (None, have):
                 return reply
-
-
-def _pass_table(ctx: Context, used: Any) -> dict[str, list[int]]:
-    """Pass keys by pass id, for the ids in ``used`` and in ``ctx.ends``."""
-    wanted = {int(i) for i in used} | {end[0] for end in ctx.ends}
-    return {str(i): list(key) for key, i in ctx.pass_keys.items() if i in wanted}
 
 
 class _Stopped(Exception):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -82,34 +82,38 @@ class Outlet:
 
     def record(self, stream: Stream, epoch: int, frames: list[Any],
                head: dict[str, Any]) -> None:
-        """Send one record (``frames``: its codec buffers; ``head``: count, skipped, and
-        ``round`` or ``origins`` when it has them) as DATA."""
-        body = messages.Data(epoch=epoch, count=head["count"], skipped=head["skipped"],
-                             ring=None, round=head.get("round"), origins=head.get("origins"))
-        self.count(head["count"], sum(codec.nbytes(f) for f in frames))
-        if stream.ring is not None:
+        """Send one record (``frames``: its codec buffers, then its origin block when
+        ``head["origins"]``; ``head``: count, skipped, and ``round`` when it has one) as
+        DATA."""
+        count = head["count"]
+        fields = {"epoch": epoch, "count": count, "skipped": head["skipped"],
+                  "round": head.get("round"), "origins": head.get("origins", False)}
+        self.count(count, sum(map(codec.nbytes, frames)))
+        ring = stream.ring
+        if ring is not None:
             packed = records.packed_size(frames)
-            if packed > stream.ring.capacity and self._segment(stream, body, frames, packed):
+            if packed > ring.capacity and self._segment(stream, fields, frames, packed):
                 return
             try:
-                slot = stream.ring.reserve(packed)
+                slot = ring.reserve(packed)
             except RingError as exc:  # its header was overwritten: sockets from now on
                 self.reject(f"stopped using the ring of consumer {stream.consumer}: {exc}")
-                stream.ring.close()
+                ring.close()
                 stream.ring = None
                 slot = None
             if slot is not None:
                 position, view = slot
                 records.pack_into(frames, view)
-                self.send(stream, replace(body, ring=(position, packed, stream.ring.name)))
+                self.send(stream, messages.Data(**fields, ring=(position, packed, ring.name)))
                 return
             self.fallbacks += 1
-            body = replace(body, full=True)  # the consumer may give this worker a larger ring
-            if packed >= records.SEGMENT_BYTES and self._segment(stream, body, frames, packed):
+            fields["full"] = True  # the consumer may give this worker a larger ring
+            if packed >= records.SEGMENT_BYTES and self._segment(stream, fields, frames,
+                                                                 packed):
                 return
-        self.send(stream, body, codec.joined(frames))
+        self.send(stream, messages.Data(**fields), codec.joined(frames))
 
-    def _segment(self, stream: Stream, body: messages.Data, frames: list[Any],
+    def _segment(self, stream: Stream, fields: dict[str, Any], frames: list[Any],
                  packed: int) -> bool:
         """A record larger than the ring goes in a shared-memory segment of its own. This
         worker unlinks it once the consumer says it has mapped it (in CREDIT), or when the
@@ -121,7 +125,7 @@ class Outlet:
             return False
         records.pack_into(frames, segment.buf)
         stream.handoffs[segment.name] = segment
-        self.send(stream, replace(body, segment=(segment.name, packed)))
+        self.send(stream, messages.Data(**fields, segment=(segment.name, packed)))
         return True
 
 
