@@ -188,11 +188,14 @@ def producer_link(pipeline: Pipeline, sharding: str, **options: Any
 
     def receive() -> tuple[LinkKind, Any, list[int] | None]:
         assert link.poll(10_000), "the producer sent nothing for 10 s"
-        kind, body = link.recv_multipart()
+        kind = LinkKind(link.recv())
+        sent, body = producer.outbox.popleft()  # (the frame only wakes the socket thread)
+        assert sent is kind
         elements = None
-        if LinkKind(kind) is LinkKind.RECORD:
-            elements = [int(v) for v in decode(producer.outbox.popleft().buffers)]
-        return LinkKind(kind), json.loads(body), elements
+        if kind is LinkKind.RECORD:
+            elements = [int(v) for v in decode(body.buffers)]
+            body = body.head
+        return kind, body, elements
 
     try:
         yield pool, link, receive

@@ -111,9 +111,15 @@ LOST_GRACE_SECONDS = 1.0
 it, the Loader raises WorkerExited once it has waited this long for data: what the worker
 sent before it died is yielded first (fixed)."""
 
-POLL_MS = 5
+SMALL_ORIGIN_BLOCK = 32
+"""An exactly-once record with at most this many origins (or an origin block of at most
+this many int64s) is encoded and checked in plain Python, not numpy: for few values numpy's
+per-call cost is the larger (fixed)."""
+
+POLL_MS = 50
 """Milliseconds the I/O thread's poll of its sockets waits before it looks again at its
-commands and heartbeats (fixed)."""
+commands and heartbeats (fixed). Commands wake it at once, except credits given back short
+of a CREDIT message's worth (half the prefetch): those wait for its next wake-up."""
 
 BYE_LINGER_MS = 200
 """At most how long closing a Loader waits for its BYE to reach the broker, in

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import itertools
+import struct
 import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from zloader._defaults import SMALL_ORIGIN_BLOCK
 from zloader.errors import PipelineError
 
 __all__ = ["Assigned", "Ledger", "Origins", "Ranges", "Tagged", "code", "decode_origins",
@@ -177,7 +179,7 @@ def encode_origins(origins: list[tuple[int, ...]], loose: list[int],
     total = len(loose) + sum(counts)
     # An element's origins form a set: sorted, a batch's rows of one split make runs.
     ordered = total > 1 and (uniform != 1 or bool(loose))
-    if total <= SMALL_BLOCK:  # (most records of large elements: no numpy call is cheaper)
+    if total <= SMALL_ORIGIN_BLOCK:  # (most records of large elements: no numpy call is cheaper)
         if ordered:
             flat = sorted(loose) + [c for origin in origins for c in sorted(origin)]
         else:
@@ -195,16 +197,13 @@ def encode_origins(origins: list[tuple[int, ...]], loose: list[int],
             *(end[0] for end in ends)}
     entries = [(pass_id, key) for key, pass_id in pass_keys.items() if pass_id in used]
     head = [len(counts), uniform, len(loose), len(entries), len(ends), len(runs)]
-    front = np.array([*head, *(counts if uniform == -1 else ()),
-                      *(v for pass_id, key in entries for v in (pass_id, len(key), *key)),
-                      *itertools.chain.from_iterable(ends)], np.int64).tobytes()
+    front = [*head, *(counts if uniform == -1 else ()),
+             *(v for pass_id, key in entries for v in (pass_id, len(key), *key)),
+             *itertools.chain.from_iterable(ends)]
     if isinstance(runs, np.ndarray):
-        return front + runs.tobytes()
-    return front + np.array(runs, np.int64).tobytes()
-
-
-SMALL_BLOCK = 32
-"""Records with at most this many origins make their runs in plain Python."""
+        return np.array(front, np.int64).tobytes() + runs.tobytes()
+    front.extend(itertools.chain.from_iterable(runs))
+    return struct.pack(f"<{len(front)}q", *front)
 
 
 def _runs_of_list(flat: list[int], reads: list[tuple[int, int]]) -> list[list[int]]:
@@ -281,8 +280,10 @@ def decode_origins(block: Any, elements: int) -> Origins:
     view = memoryview(block).cast("B")
     if view.nbytes % 8 or view.nbytes < 8 * _HEAD:
         raise ValueError("an origin block is a whole number of int64s, at least 6")
-    values = np.frombuffer(view, np.int64)
-    n, uniform, loose, nkeys, nends, nruns = head = values[:_HEAD].tolist()
+    # (a small block, a record of few elements: plain ints, no numpy call per part)
+    small = view.nbytes <= 8 * SMALL_ORIGIN_BLOCK
+    values: Any = view.cast("q").tolist() if small else np.frombuffer(view, np.int64)
+    n, uniform, loose, nkeys, nends, nruns = head = list(values[:_HEAD])
     if n != elements or uniform < -1 or loose < 0 or min(nkeys, nends, nruns) < 0 \
             or nkeys > len(values):
         raise ValueError(f"origin block head {head} does not fit a record of {elements} "
@@ -290,14 +291,14 @@ def decode_origins(block: Any, elements: int) -> Origins:
     at = _HEAD
     counts = None
     if uniform == -1:
-        counts = values[at:at + n].copy()
+        counts = np.array(values[at:at + n], np.int64)
         at += n
         if len(counts) != n or (counts < 0).any():
             raise ValueError("origin counts must be >= 0, one per element")
     keys: dict[int, Key] = {}
     for _ in range(nkeys):
-        pass_id, length = values[at:at + 2].tolist() if at + 2 <= len(values) else (-1, 0)
-        key = values[at + 2:at + 2 + length].tolist()
+        pass_id, length = list(values[at:at + 2]) if at + 2 <= len(values) else (-1, 0)
+        key = list(values[at + 2:at + 2 + length])
         if not (0 <= pass_id < MAX_PASS_ID and 0 < length <= MAX_KEY_LENGTH
                 and len(key) == length and min(key) >= 0) or pass_id in keys:
             raise ValueError("origin pass keys must be (pass id, length, key >= 0...)")
@@ -305,11 +306,11 @@ def decode_origins(block: Any, elements: int) -> Origins:
         at += 2 + length
     if len(values) != at + 4 * (nends + nruns):
         raise ValueError("origin block is not as long as its head says")
-    ends = [(keys.get(p, ()), s, c, d)
-            for p, s, c, d in values[at:at + 4 * nends].reshape(-1, 4).tolist()]
+    flat_ends = list(values[at:at + 4 * nends])
+    ends = [(keys.get(p, ()), s, c, d) for p, s, c, d in zip(*[iter(flat_ends)] * 4, strict=True)]
     if any(not key or min(s, c, d) < 0 or s > INDEX_MASK for key, s, c, d in ends):
         raise ValueError("a split end names a pass the block does not, or is < 0")
-    runs = values[at + 4 * nends:].reshape(-1, 4).copy()
+    runs = np.array(values[at + 4 * nends:], np.int64).reshape(-1, 4)
     total = _check_runs(runs, keys) if nruns else 0
     if loose + (uniform * n if counts is None else int(counts.sum())) != total:
         raise ValueError("origin counts do not match the runs")

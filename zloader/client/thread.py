@@ -35,7 +35,7 @@ from zloader.shipping import Served
 from zloader.transport import messages
 from zloader.transport.keys import Keys
 from zloader.transport.protocol import Message, ProtocolError, decode
-from zloader.transport.sockets import make_socket
+from zloader.transport.sockets import has_message, make_socket
 
 __all__ = ["IOThread"]
 
@@ -246,10 +246,8 @@ class IOThread(threading.Thread):
                             pass
                     continue
                 for _ in range(64):
-                    # (closed: a message handled just before closed it, a worker that
-                    # left the job's view; EVENTS: no exception to learn it is empty)
-                    if sock.closed or not sock.get(zmq.EVENTS) & zmq.POLLIN:
-                        break
+                    if not has_message(sock):  # (closed: a message handled just before
+                        break                   # closed it, a worker that left the view)
                     try:
                         frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:

@@ -219,6 +219,16 @@ class Record:
                 raise ProtocolError(_refusal(cls.COMMAND, wire, exc, value)) from None
         return cls(**values)
 
+    @classmethod
+    def checked(cls: type[R], values: dict[str, Any]) -> R:
+        """The record of ``values`` (every field), known good: checked field by field, or
+        made by this process. Built without the frozen dataclass's ``__init__`` (one
+        ``object.__setattr__`` per field), for the messages the data path sends and
+        decodes once per record."""
+        record = object.__new__(cls)
+        record.__dict__.update(values)
+        return record
+
     def to_body(self) -> dict[str, Any]:
         """The body of this record, as docs/protocol.md gives it."""
         body = {}

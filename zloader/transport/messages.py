@@ -555,7 +555,10 @@ class Data(Record):
         if flags & ~_DATA_FLAGS_ALL:
             raise ProtocolError(f"DATA: field 'flags' has unknown bits {flags:#x}")
         at = _DATA_HEAD.size
-        values: dict[str, Any] = {}
+        values: dict[str, Any] = {
+            "epoch": epoch, "count": count, "skipped": skipped, "ring": None, "segment": None,
+            "full": bool(flags & _FULL), "shared": bool(flags & _SHARED), "lagged": None,
+            "round": None, "origins": bool(flags & _ORIGINS)}
         try:
             if flags & _RING:
                 position, length, size = _DATA_PLACE.unpack_from(raw, at)
@@ -576,8 +579,7 @@ class Data(Record):
                                 f"(flags {flags:#x})") from None
         if at != len(raw):
             raise ProtocolError(f"DATA: {len(raw) - at} bytes after its fields")
-        return cls(epoch=epoch, count=count, skipped=skipped, full=bool(flags & _FULL),
-                   shared=bool(flags & _SHARED), origins=bool(flags & _ORIGINS), **values)
+        return cls.checked(values)
 
     @staticmethod
     def epoch_of(body: Any) -> int | None:

@@ -77,6 +77,9 @@ its layout and checks it): DATA goes once per record, and the data path's cost p
 is what bounds small elements."""
 
 
+_COMMANDS = {int(command): command for command in Command}  # (faster than Command(byte))
+
+
 class ProtocolError(ZloaderError):
     """A malformed message; receivers log it and drop it."""
 
@@ -173,10 +176,9 @@ def _decode(frames: Sequence[Any]) -> Message:
     command_frame = _bytes(frames[1])
     if len(command_frame) != 1:
         raise ProtocolError(f"command frame has {len(command_frame)} bytes, needs 1")
-    try:
-        command = Command(command_frame[0])
-    except ValueError:
-        raise ProtocolError(f"unknown command {command_frame[0]}") from None
+    command = _COMMANDS.get(command_frame[0])
+    if command is None:
+        raise ProtocolError(f"unknown command {command_frame[0]}")
     raw = _bytes(frames[2])
     if command in PACKED:
         if len(raw) > MAX_BODY_BYTES:

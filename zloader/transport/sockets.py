@@ -13,7 +13,7 @@ import zmq
 
 from zloader.transport.keys import Keys
 
-__all__ = ["make_socket"]
+__all__ = ["has_message", "make_socket"]
 
 
 def make_socket(context: zmq.Context[Any], kind: int, keys: Keys | None = None, *,
@@ -47,3 +47,12 @@ def make_socket(context: zmq.Context[Any], kind: int, keys: Keys | None = None, 
         else:
             (keys.serve if serve else keys.connect)(sock)
     return sock
+
+
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # (plain ints: no enum per call)
+
+
+def has_message(sock: zmq.Socket[Any]) -> bool:
+    """Whether a message waits on ``sock`` (open): cheaper than a ``NOBLOCK`` receive
+    that raises ``zmq.Again`` to say there is none."""
+    return not sock.closed and bool(sock.getsockopt(_EVENTS) & _POLLIN)

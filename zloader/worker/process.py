@@ -35,6 +35,7 @@ from zloader.transport import messages
 from zloader.transport.keys import Keys
 from zloader.transport.protocol import Message, ProtocolError, decode
 from zloader.transport.shm import sweep, sweep_dirs
+from zloader.transport.sockets import has_message
 from zloader.worker.broker_link import BrokerLink, BrokerRefused
 from zloader.worker.consumers import DataPort
 from zloader.worker.credit import CreditDelivery
@@ -180,10 +181,8 @@ class WorkerProcess:
         while not self.stop.is_set():
             for sock, _ in poller.poll(100):
                 for _ in range(256):
-                    # (closed: a producer's pair, dropped while its messages were read;
-                    # EVENTS: no exception to learn the socket is empty)
-                    if sock.closed or not sock.get(zmq.EVENTS) & zmq.POLLIN:
-                        break
+                    if not has_message(sock):  # (closed: a producer's pair, dropped
+                        break                   # while its messages were read)
                     try:
                         frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:

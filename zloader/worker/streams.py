@@ -86,7 +86,8 @@ class Outlet:
         ``head["origins"]``; ``head``: count, skipped, and ``round`` when it has one) as
         DATA."""
         count = head["count"]
-        fields = {"epoch": epoch, "count": count, "skipped": head["skipped"],
+        fields = {"epoch": epoch, "count": count, "skipped": head["skipped"], "ring": None,
+                  "segment": None, "full": False, "shared": False, "lagged": None,
                   "round": head.get("round"), "origins": head.get("origins", False)}
         self.count(count, sum(map(codec.nbytes, frames)))
         ring = stream.ring
@@ -104,14 +105,15 @@ class Outlet:
             if slot is not None:
                 position, view = slot
                 records.pack_into(frames, view)
-                self.send(stream, messages.Data(**fields, ring=(position, packed, ring.name)))
+                fields["ring"] = (position, packed, ring.name)
+                self.send(stream, messages.Data.checked(fields))
                 return
             self.fallbacks += 1
             fields["full"] = True  # the consumer may give this worker a larger ring
             if packed >= records.SEGMENT_BYTES and self._segment(stream, fields, frames,
                                                                  packed):
                 return
-        self.send(stream, messages.Data(**fields), codec.joined(frames))
+        self.send(stream, messages.Data.checked(fields), codec.joined(frames))
 
     def _segment(self, stream: Stream, fields: dict[str, Any], frames: list[Any],
                  packed: int) -> bool:
@@ -125,7 +127,7 @@ class Outlet:
             return False
         records.pack_into(frames, segment.buf)
         stream.handoffs[segment.name] = segment
-        self.send(stream, messages.Data(**fields, segment=(segment.name, packed)))
+        self.send(stream, messages.Data.checked({**fields, "segment": (segment.name, packed)}))
         return True
 
 
