@@ -55,4 +55,4 @@ _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # (plain ints: no enum per 
 def has_message(sock: zmq.Socket[Any]) -> bool:
     """Whether a message waits on ``sock`` (open): cheaper than a ``NOBLOCK`` receive
     that raises ``zmq.Again`` to say there is none."""
-    return not sock.closed and bool(sock.getsockopt(_EVENTS) & _POLLIN)
+    return not sock.closed and bool(int(sock.getsockopt(_EVENTS)) & _POLLIN)
