@@ -4,6 +4,7 @@ accounted for exactly once, ledgers close splits, and packed sets round-trip."""
 from __future__ import annotations
 
 import collections
+import json
 
 import numpy as np
 import pytest
@@ -210,3 +211,34 @@ def test_a_malformed_origin_block_is_refused_saying_why():
         with pytest.raises(ValueError, match=why):
             decode_origins(block, 2)
     assert head == 6
+
+
+def test_a_ledger_adds_records_of_workers_with_their_own_pass_ids_alike():
+    """Records are added many at a time; each worker numbers its passes itself."""
+    keys_a, keys_b = {0: (0,), 1: (0, 1)}, {0: (0, 1), 1: (0,)}
+    one, many = Ledger(), Ledger()
+    records = [(keys_a, np.array([[0, 3, i * 4, 4], [1, 3, i * 4, 4]])) for i in range(50)]
+    records += [(keys_b, np.array([[1, 3, 200 + i * 4, 4], [0, 5, i, 1]])) for i in range(50)]
+    for keys, runs in records:
+        one.add(keys, runs)
+        one.open  # read after each record: nothing waits to be added
+        many.add(keys, runs)
+    one.end((0,), 3, 400, 7)
+    many.end((0,), 3, 400, 7)
+    assert one.to_json() == many.to_json()
+    assert many.done == {(0,): {3}}
+    assert many.held((0, 1), 3).tolist() == list(range(200))
+    assert many.held((0, 1), 5).tolist() == list(range(50))
+
+
+def test_a_large_origin_block_decodes_to_plain_ints():
+    """What a consumer sends on (DELIVERED, state_dict) is JSON: no numpy scalars."""
+    tags = [(i,) for i in range(100)]
+    block = encode_origins(tags, [], [(0, 9)], {(0, 3): 0}, [[0, 9, 100, 5]])
+    origins = decode_origins(block, 100)
+    assert origins.keys == {0: (0, 3)} and origins.ends == [((0, 3), 9, 100, 5)]
+    json.dumps([origins.keys[0], origins.ends])
+    ledger = Ledger()
+    origins.note(ledger)
+    json.dumps(ledger.to_json())
+    json.dumps(ledger.info((0, 3), 9))

@@ -116,6 +116,10 @@ SMALL_ORIGIN_BLOCK = 32
 this many int64s) is encoded and checked in plain Python, not numpy: for few values numpy's
 per-call cost is the larger (fixed)."""
 
+LEDGER_FOLD_RECORDS = 64
+"""A consumer's ledger of origins adds the records it is given this many at a time (or
+when it is read): one merge per split for many records, not one per record (fixed)."""
+
 POLL_MS = 50
 """Milliseconds the I/O thread's poll of its sockets waits before it looks again at its
 commands and heartbeats (fixed). Commands wake it at once, except credits given back short

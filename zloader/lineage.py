@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from zloader._defaults import SMALL_ORIGIN_BLOCK
+from zloader._defaults import LEDGER_FOLD_RECORDS, SMALL_ORIGIN_BLOCK
 from zloader.errors import PipelineError
 
 __all__ = ["Assigned", "Ledger", "Origins", "Ranges", "Tagged", "code", "decode_origins",
@@ -283,7 +283,8 @@ def decode_origins(block: Any, elements: int) -> Origins:
     # (a small block, a record of few elements: plain ints, no numpy call per part)
     small = view.nbytes <= 8 * SMALL_ORIGIN_BLOCK
     values: Any = view.cast("q").tolist() if small else np.frombuffer(view, np.int64)
-    n, uniform, loose, nkeys, nends, nruns = head = list(values[:_HEAD])
+    ints = list if small else np.ndarray.tolist  # (plain ints out of either)
+    n, uniform, loose, nkeys, nends, nruns = head = ints(values[:_HEAD])
     if n != elements or uniform < -1 or loose < 0 or min(nkeys, nends, nruns) < 0 \
             or nkeys > len(values):
         raise ValueError(f"origin block head {head} does not fit a record of {elements} "
@@ -297,8 +298,8 @@ def decode_origins(block: Any, elements: int) -> Origins:
             raise ValueError("origin counts must be >= 0, one per element")
     keys: dict[int, Key] = {}
     for _ in range(nkeys):
-        pass_id, length = list(values[at:at + 2]) if at + 2 <= len(values) else (-1, 0)
-        key = list(values[at + 2:at + 2 + length])
+        pass_id, length = ints(values[at:at + 2]) if at + 2 <= len(values) else (-1, 0)
+        key = ints(values[at + 2:at + 2 + length])
         if not (0 <= pass_id < MAX_PASS_ID and 0 < length <= MAX_KEY_LENGTH
                 and len(key) == length and min(key) >= 0) or pass_id in keys:
             raise ValueError("origin pass keys must be (pass id, length, key >= 0...)")
@@ -306,7 +307,7 @@ def decode_origins(block: Any, elements: int) -> Origins:
         at += 2 + length
     if len(values) != at + 4 * (nends + nruns):
         raise ValueError("origin block is not as long as its head says")
-    flat_ends = list(values[at:at + 4 * nends])
+    flat_ends = ints(values[at:at + 4 * nends])
     ends = [(keys.get(p, ()), s, c, d) for p, s, c, d in zip(*[iter(flat_ends)] * 4, strict=True)]
     if any(not key or min(s, c, d) < 0 or s > INDEX_MASK for key, s, c, d in ends):
         raise ValueError("a split end names a pass the block does not, or is < 0")
@@ -457,27 +458,61 @@ class Ledger:
     split's (count, digest) once its worker finished reading it."""
 
     def __init__(self) -> None:
-        self.done: dict[Key, set[int]] = {}
-        self.open: dict[tuple[Key, int], Ranges] = {}
-        self.lengths: dict[tuple[Key, int], tuple[int, int]] = {}
-        self.elements = 0
+        self._done: dict[Key, set[int]] = {}
+        self._open: dict[tuple[Key, int], Ranges] = {}
+        self._lengths: dict[tuple[Key, int], tuple[int, int]] = {}
+        # Records' origins not yet added (:meth:`add` keeps them to add many at once).
+        self._pending: list[tuple[dict[int, Key], np.ndarray]] = []
+
+    @property
+    def done(self) -> dict[Key, set[int]]:
+        """The splits accounted for whole, by pass."""
+        self._fold()
+        return self._done
+
+    @property
+    def open(self) -> dict[tuple[Key, int], Ranges]:
+        """The indices held of the splits not accounted for whole."""
+        self._fold()
+        return self._open
 
     def add(self, keys: dict[int, Key], runs: np.ndarray) -> None:
         """Note the origins ``runs`` ((pass id, split, first index, length) rows;
-        ``keys[id]`` is the pass)."""
-        if not len(runs):
+        ``keys[id]`` is the pass). They are kept and added LEDGER_FOLD_RECORDS records at
+        a time (or when the ledger is read): one merge per split for many records."""
+        if len(runs):
+            self._pending.append((keys, runs))
+            if len(self._pending) >= LEDGER_FOLD_RECORDS:
+                self._fold()
+
+    def _fold(self) -> None:
+        """Add the records' origins kept by :meth:`add`, their pass ids made one table."""
+        pending, self._pending = self._pending, []
+        if len(pending) <= 1:
+            for keys, runs in pending:
+                self._add_runs(keys, runs)
             return
-        if len(runs) == 1:  # (most records: consecutive elements of one split)
+        table: dict[Key, int] = {}
+        parts = []
+        for keys, runs in pending:
+            ids = {pass_id: table.setdefault(key, len(table)) for pass_id, key in keys.items()}
+            if any(pass_id != number for pass_id, number in ids.items()):
+                lookup = np.zeros(max(ids) + 1, np.int64)
+                lookup[list(ids)] = list(ids.values())
+                runs = np.column_stack((lookup[runs[:, 0]], runs[:, 1:]))
+            parts.append(runs)
+        self._add_runs({number: key for key, number in table.items()}, np.concatenate(parts))
+
+    def _add_runs(self, keys: dict[int, Key], runs: np.ndarray) -> None:
+        if len(runs) == 1:  # (consecutive elements of one split)
             pass_id, split, start, length = runs[0].tolist()
-            self.elements += length
             key = keys[pass_id]
-            held = self.open.get((key, split))
+            held = self._open.get((key, split))
             if held is not None and held.add_run(start, start + length):
                 self._close(key, split)
                 return
             self._add(key, split, runs[:, 2], runs[:, 2] + length)
             return
-        self.elements += int(runs[:, 3].sum())
         places = runs[:, 0] << INDEX_BITS | runs[:, 1]
         if (places == places[0]).all():
             groups: Iterable[tuple[int, np.ndarray]] = [(int(places[0]), runs)]
@@ -492,28 +527,30 @@ class Ledger:
                       rows[:, 2] + rows[:, 3])
 
     def _add(self, key: Key, split: int, starts: np.ndarray, ends: np.ndarray) -> None:
-        if split in self.done.get(key, ()):
+        if split in self._done.get(key, ()):
             return
-        held = self.open.get((key, split))
+        held = self._open.get((key, split))
         if held is None:
-            held = self.open[(key, split)] = Ranges()
+            held = self._open[(key, split)] = Ranges()
         held.add(starts, ends)
         self._close(key, split)
 
     def add_indices(self, key: Key, split: int, indices: Iterable[int]) -> None:
         """Note indices of one split (from a packed set)."""
-        if split in self.done.get(key, ()):
+        self._fold()
+        if split in self._done.get(key, ()):
             return
         held = Ranges.of(indices)
-        ranges = self.open.setdefault((key, split), Ranges())
+        ranges = self._open.setdefault((key, split), Ranges())
         if held.starts:
             ranges.add(np.array(held.starts, np.int64), np.array(held.ends, np.int64))
         self._close(key, split)
 
     def end(self, key: Key, split: int, count: int, crc: int) -> None:
         """The split's worker read ``count`` elements from it (with digest ``crc``)."""
-        if split not in self.done.get(key, ()):
-            self.lengths[(key, split)] = (count, crc)
+        self._fold()
+        if split not in self._done.get(key, ()):
+            self._lengths[(key, split)] = (count, crc)
             self._close(key, split)
 
     def missing(self, epoch: int, handed: Any) -> set[tuple[Key, int]]:
@@ -521,7 +558,8 @@ class Ledger:
         (fewer elements than their count), or handed out by the broker (``handed``: its
         ``JOB.read``, ``[[pass, packed splits], ...]``) and never finished here. Malformed
         entries of ``handed`` are ignored."""
-        missing = {at for at in self.open if at[0][0] == epoch}
+        self._fold()
+        missing = {at for at in self._open if at[0][0] == epoch}
         for entry in handed if isinstance(handed, list) else ():
             if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], list)
                     and entry[0] and entry[0][0] == epoch):
@@ -529,44 +567,47 @@ class Ledger:
             key = tuple(entry[0])
             try:
                 missing |= {(key, split) for split in unpack(entry[1])
-                            - self.done.get(key, set())}
+                            - self._done.get(key, set())}
             except ValueError:
                 continue
         return missing
 
     def _close(self, key: Key, split: int) -> None:
-        length = self.lengths.get((key, split))
+        length = self._lengths.get((key, split))
         if length is not None:
-            held = self.open.get((key, split))
+            held = self._open.get((key, split))
             if (held.count if held is not None else 0) >= length[0]:
-                self.done.setdefault(key, set()).add(split)
-                self.open.pop((key, split), None)
-                self.lengths.pop((key, split), None)
+                self._done.setdefault(key, set()).add(split)
+                self._open.pop((key, split), None)
+                self._lengths.pop((key, split), None)
 
     def held(self, key: Key, split: int) -> np.ndarray:
         """The indices of an open split held."""
-        ranges = self.open.get((key, split))
+        self._fold()
+        ranges = self._open.get((key, split))
         return ranges.indices() if ranges is not None else np.empty(0, np.int64)
 
     def info(self, key: Key, split: int) -> dict[str, Any]:
         """What the broker needs to hand ``split`` out again: ``all`` when it is accounted
         for, else the indices held (``have``) and the first reading's ``expect``."""
-        if split in self.done.get(key, ()):
+        self._fold()
+        if split in self._done.get(key, ()):
             return {"all": True}
         info: dict[str, Any] = {"have": pack(self.held(key, split))}
-        if (key, split) in self.lengths:
-            info["expect"] = list(self.lengths[(key, split)])
+        if (key, split) in self._lengths:
+            info["expect"] = list(self._lengths[(key, split)])
         return info
 
     def to_json(self) -> list[Any]:
         """Per pass: ``[pass, done splits, [[split, held indices, count, digest], ...]]``
         (count and digest -1 while unknown)."""
-        keys = set(self.done) | {key for key, _ in self.open}
+        self._fold()
+        keys = set(self._done) | {key for key, _ in self._open}
         out = []
         for key in sorted(keys):
-            opened = [[split, pack(self.held(k, split)), *self.lengths.get((k, split), (-1, -1))]
-                      for (k, split) in sorted(self.open) if k == key]
-            out.append([list(key), pack(self.done.get(key, ())), opened])
+            opened = [[split, pack(self.held(k, split)), *self._lengths.get((k, split), (-1, -1))]
+                      for (k, split) in sorted(self._open) if k == key]
+            out.append([list(key), pack(self._done.get(key, ())), opened])
         return out
 
     def merge_json(self, passes: Any) -> None:
@@ -575,6 +616,7 @@ class Ledger:
         Raises:
             ValueError: ``passes`` is not such a value.
         """
+        self._fold()
         if not isinstance(passes, list):
             raise ValueError("the delivered origins must be a list of passes")
         for entry in passes:
@@ -583,18 +625,18 @@ class Ledger:
                 raise ValueError(f"bad pass entry in the delivered origins: {entry!r:.80}")
             key = tuple(entry[0])
             for split in unpack(entry[1]):
-                self.done.setdefault(key, set()).add(split)
-                self.open.pop((key, split), None)
-                self.lengths.pop((key, split), None)
+                self._done.setdefault(key, set()).add(split)
+                self._open.pop((key, split), None)
+                self._lengths.pop((key, split), None)
             for item in entry[2]:
                 if not (isinstance(item, list) and len(item) == 4 and _natural(item[0])
                         and all(isinstance(v, int) for v in item[2:])):
                     raise ValueError(f"bad split entry in the delivered origins: {item!r:.80}")
                 split = item[0]
-                if split in self.done.get(key, ()):
+                if split in self._done.get(key, ()):
                     continue
                 if item[2] >= 0:
-                    self.lengths[(key, split)] = (item[2], item[3])
+                    self._lengths[(key, split)] = (item[2], item[3])
                 self.add_indices(key, split, unpack(item[1]))
                 self._close(key, split)
 
