@@ -201,14 +201,23 @@ class Broker:
                     state.stalled(late, now)
                 next_beat = now + state.heartbeat
                 self._send(socket, state.tick(now) + state.heartbeats())
-                self.snapshot = state.metrics(now)
+                if self.metrics is not None:  # only a scrape reads it (a fleet's worth)
+                    self.snapshot = state.metrics(now)
             self._send(socket, state.journal_errors())  # a full work dir: say so
 
     def _send(self, socket: zmq.Socket[Any], messages: list[Out]) -> None:
+        """Send each message; one body sent to many peers (a job's view to its consumers,
+        the heartbeat to every worker) is encoded once."""
+        encoded: dict[tuple[Command, int], list[Any]] = {}
         for out in messages:
+            if out.payload:
+                frames = encode(out.command, out.body, out.payload)
+            else:
+                key = (out.command, id(out.body))  # the bodies live as long as ``messages``
+                frames = encoded.get(key) or encoded.setdefault(key, encode(out.command,
+                                                                            out.body))
             try:
-                socket.send_multipart([out.identity, *encode(out.command, out.body,
-                                                             out.payload)], zmq.NOBLOCK)
+                socket.send_multipart([out.identity, *frames], zmq.NOBLOCK)
             except zmq.Again:
                 log.warning("dropped %s to a peer whose queue is full", out.command.name)
 

@@ -132,10 +132,13 @@ def claims(state: Tables, now: float) -> dict[str, pool.Claim]:
 
 def _rebalance(state: Tables, now: float) -> list[Out]:
     """Move busy workers to hungry jobs below their share, one at a time, each leaving
-    its job as a draining worker does (exactly once: see ``failures.leave``)."""
+    its job as a draining worker does (exactly once: see ``failures.leave``), at most
+    ``MOVES_PER_SECOND`` (the rest wait for the next tick). Each consumer of a job that
+    gave or took workers gets the job's last view only."""
     out = _overdue(state, now)
     job_hosts = {j.id: state.hosts(j) for j in state.jobs.values()}
-    for _ in range(len(state.workers)):
+    budget = state.move_budget
+    while budget.fill(now) >= 1:
         wanted = claims(state, now)
         if not any(c.hungry and c.held < c.wants for c in wanted.values()):
             break  # the usual case: no job waits for a worker it lacks
@@ -156,6 +159,7 @@ def _rebalance(state: Tables, now: float) -> list[Out]:
         move = pool.next_move(wanted.values(), holdings, eligible, now)
         if move is None:
             break
+        budget.tokens -= 1
         worker, job = state.workers[move[0]], state.jobs[move[1]]
         source = state.job_of(worker.task)
         if source is not None and not source.track and source.share is None \
@@ -164,7 +168,17 @@ def _rebalance(state: Tables, now: float) -> list[Out]:
         else:
             out += preempt(state, worker, now)
             out += give(state, worker, job, now)
-    return out
+    return _last_views(out)
+
+
+def _last_views(out: list[Out]) -> list[Out]:
+    """``out`` less every JOB view that a later one to the same consumer supersedes (a
+    view is the whole job as it is: the last one says all)."""
+    last = {o.identity: n for n, o in enumerate(out) if o.command is Command.JOB}
+    if len(last) == sum(1 for o in out if o.command is Command.JOB):
+        return out
+    return [o for n, o in enumerate(out)
+            if o.command is not Command.JOB or last[o.identity] == n]
 
 
 def _drain(state: Tables, worker: Worker, taker: Job, now: float) -> list[Out]:
