@@ -189,6 +189,10 @@ START_TIMEOUT = 10.0
 CLOSE_SECONDS = 5.0
 """How long closing a broker thread waits for its loop to stop (``Broker.close(timeout=)``)."""
 
+BROKER_BEATS_AT_ONCE = 100
+"""The broker sends its workers' HEARTBEATs this many at a time, reading what came in
+between: a fleet's thousand beats in one go would hold up every answer behind them."""
+
 BROKER_POLL_SECONDS = 0.05
 """The broker loop's longest wait for a message: how soon it sees ``close()`` (an embedded
 Loader's close waits for it)."""

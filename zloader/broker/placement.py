@@ -33,7 +33,7 @@ def _fill(state: Tables, now: float) -> list[Out]:
     with the fewest workers (static jobs take at most ``width``). Workers on a host
     with consumers go first (hybrid placement: shared memory is the cheapest path)."""
     out: list[Out] = []
-    if all(w.task is not None for w in state.workers.values()):
+    if status.busy_workers(state) >= len(state.workers):  # (counted per job: cheap)
         return out
     entitled = pool.shares(claims(state, now).values(), len(state.workers))
     job_hosts = {j.id: state.hosts(j) for j in state.jobs.values()}
