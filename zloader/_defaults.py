@@ -387,7 +387,7 @@ HUNGRY_HOLD_BEATS = 3
 samples say: one low sample (heartbeats read late by a busy broker) must not make it give
 its workers away and take them back a second later (fixed)."""
 
-MOVES_PER_SECOND = 16.0
+MOVES_PER_SECOND = 32.0
 """Workers the pool moves between jobs, at most, per second (a burst of as many at once):
 a fleet's rebalancing goes at this pace, so one decision never moves hundreds of workers
 in a tick, and a late broker never churns the fleet (docs/pool.md; fixed)."""

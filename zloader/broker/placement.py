@@ -5,6 +5,7 @@ each leaving its job as a draining worker does (exactly once: ``failures.leave``
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 
@@ -133,42 +134,55 @@ def claims(state: Tables, now: float) -> dict[str, pool.Claim]:
 def _rebalance(state: Tables, now: float) -> list[Out]:
     """Move busy workers to hungry jobs below their share, one at a time, each leaving
     its job as a draining worker does (exactly once: see ``failures.leave``), at most
-    ``MOVES_PER_SECOND`` (the rest wait for the next tick). Each consumer of a job that
-    gave or took workers gets the job's last view only."""
+    ``MOVES_PER_SECOND`` (the rest wait for the next tick). The claims and holdings are
+    made once and follow the moves (a move changes two jobs' counts and one worker's
+    holding: a fleet's every move must not weigh every worker again). Each consumer of
+    a job that gave or took workers gets the job's last view only."""
     out = _overdue(state, now)
-    job_hosts = {j.id: state.hosts(j) for j in state.jobs.values()}
     budget = state.move_budget
+    if budget.fill(now) < 1:
+        return out
+    wanted = claims(state, now)
+    if not any(c.hungry and c.held < c.wants for c in wanted.values()):
+        return out  # the usual case: no job waits for a worker it lacks
+    job_hosts = {j.id: state.hosts(j) for j in state.jobs.values()}
+    holdings: dict[str, pool.Holding] = {}
+    for job in state.jobs.values():
+        for task, worker_id in job.tasks.items():
+            worker = state.workers.get(worker_id)
+            if worker is not None and worker.moving_to is None:
+                holdings[worker_id] = _holding(worker, job, task, job_hosts)
+
+    def eligible(worker_id: str, job_id: str) -> bool:
+        return _can_serve(state.workers[worker_id], state.jobs[job_id], job_hosts)
+
     while budget.fill(now) >= 1:
-        wanted = claims(state, now)
-        if not any(c.hungry and c.held < c.wants for c in wanted.values()):
-            break  # the usual case: no job waits for a worker it lacks
-        holdings = []
-        for job in state.jobs.values():
-            hosts = job_hosts[job.id]
-            for task, worker_id in job.tasks.items():
-                worker = state.workers.get(worker_id)
-                if worker is not None and worker.moving_to is None:
-                    # remote ones and the last assigned go first
-                    holdings.append(pool.Holding(
-                        worker_id, job.id, worker.since,
-                        rank=(worker.host_id in hosts, -job.indices.get(task, 0))))
-
-        def eligible(worker_id: str, job_id: str) -> bool:
-            return _can_serve(state.workers[worker_id], state.jobs[job_id], job_hosts)
-
-        move = pool.next_move(wanted.values(), holdings, eligible, now)
+        move = pool.next_move(wanted.values(), holdings.values(), eligible, now)
         if move is None:
             break
         budget.tokens -= 1
         worker, job = state.workers[move[0]], state.jobs[move[1]]
-        source = state.job_of(worker.task)
-        if source is not None and not source.track and source.share is None \
-                and source.rounds is None and len(source.tasks) > 1 and _active(state, source):
+        source = state.jobs[holdings.pop(worker.id).job]
+        for changed, step in ((source.id, -1), (job.id, 1)):
+            wanted[changed] = dataclasses.replace(wanted[changed],
+                                                  held=wanted[changed].held + step)
+        if not source.track and source.share is None and source.rounds is None \
+                and len(source.tasks) > 1 and _active(state, source):
             out += _drain(state, worker, job, now)
         else:
             out += preempt(state, worker, now)
             out += give(state, worker, job, now)
+            assert worker.task is not None
+            holdings[worker.id] = _holding(worker, job, worker.task, job_hosts)
     return _last_views(out)
+
+
+def _holding(worker: Worker, job: Job, task: str,
+             job_hosts: dict[str, set[str]]) -> pool.Holding:
+    """``worker``'s task of ``job`` as the pool weighs it: remote ones (no consumer of the
+    job on their host) and the last assigned move first."""
+    return pool.Holding(worker.id, job.id, worker.since,
+                        rank=(worker.host_id in job_hosts[job.id], -job.indices.get(task, 0)))
 
 
 def _last_views(out: list[Out]) -> list[Out]:
