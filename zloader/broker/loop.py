@@ -207,7 +207,7 @@ class Broker:
                                 "them", late)
                     state.stalled(late, now)
                 next_beat = now + state.heartbeat
-                out = state.tick(now) + state.heartbeats(now)
+                out = state.tick(now) + state.heartbeats()
                 # A worker's HEARTBEAT says only "the broker is alive": sent in slices
                 # between the messages that come in, after whatever else the tick sends.
                 self._send(socket, [o for o in out if o.command is not Command.HEARTBEAT])

@@ -136,10 +136,7 @@ def consumer_heartbeat(state: Tables, identity: bytes, now: float,
             job.skipped += int(_delta(stats, consumer.stats, "skipped"))
         consumer.stats = stats
         consumer.active = stats.get("active", 1) != 0
-    if job is None:
-        return out
-    consumer.answered = now  # the job's view: the broker's heartbeat to it too
-    return [*out, Out(identity, Command.JOB, status.job_view(state, job))]
+    return out + ([Out(identity, Command.JOB, status.job_view(state, job))] if job else [])
 
 
 def _delta(new: dict[str, Any], old: dict[str, Any], key: str) -> Any:

@@ -83,7 +83,6 @@ class Consumer:
     last_seen: float
     stats: dict[str, Any] = field(default_factory=dict)  # from its heartbeats
     active: bool = True  # it reads an epoch not yet ended (HEARTBEAT stats.active)
-    answered: float | None = None  # when its HEARTBEAT or EPOCH was last answered (JOB)
 
 
 @dataclass

@@ -138,8 +138,8 @@ class State(Tables):
     def job_view(self, job: Job) -> dict[str, Any]:
         return status.job_view(self, job)
 
-    def heartbeats(self, now: float | None = None) -> list[Out]:
-        return status.heartbeats(self, now)
+    def heartbeats(self) -> list[Out]:
+        return status.heartbeats(self)
 
     def status(self, now: float) -> dict[str, Any]:
         return status.status(self, now)

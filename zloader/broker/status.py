@@ -73,25 +73,20 @@ def busy_workers(state: Tables) -> int:
     return sum(len(j.tasks) for j in state.jobs.values())
 
 
-def heartbeats(state: Tables, now: float | None = None) -> list[Out]:
-    """What the broker sends every heartbeat interval: a HEARTBEAT to every worker, and
-    to every consumer its job's view (made once for all its consumers), less to a
-    consumer whose HEARTBEAT or EPOCH was answered (with the view) in the last interval
-    before ``now`` (None: to every one). A fleet's consumers heartbeat every interval:
-    their answers are the broker's heartbeat, and the tick sends them nothing more."""
+def heartbeats(state: Tables) -> list[Out]:
+    """What the broker sends every heartbeat interval: each job's view made once for all
+    its consumers (a fleet's every consumer, every second)."""
     beat: dict[str, Any] = {}  # one body for all (the loop encodes it once)
     out = [Out(w.identity, Command.HEARTBEAT, beat) for w in state.workers.values()]
     busy = busy_workers(state)
     views: dict[str, dict[str, Any]] = {}
     for consumer in state.consumers.values():
         job = state.jobs.get(consumer.job)
-        if job is None or (now is not None and consumer.answered is not None
-                           and now - consumer.answered < state.heartbeat):
-            continue
-        view = views.get(job.id)
-        if view is None:
-            view = views[job.id] = job_view(state, job, busy)
-        out.append(Out(consumer.identity, Command.JOB, view))
+        if job is not None:
+            view = views.get(job.id)
+            if view is None:
+                view = views[job.id] = job_view(state, job, busy)
+            out.append(Out(consumer.identity, Command.JOB, view))
     return out
 
 
