@@ -35,15 +35,14 @@ workers from jobs that hold more than their autoscaler's ``desired_workers``. Th
 consumers report waiting ``WAIT_SHARE`` (5%) of their time: inside the autoscaler's
 hysteresis band (3%-7%: it changes no job's count) and above the hunger threshold, so
 every job is hungry, wants all it can get, and the pool only evens shares out (rule 2).
-While the fleet joins, the jobs whose consumers have not reported yet want only the one
-worker their autoscaler first set, so the first jobs to start an epoch get more than their
-share, and the pool evens it out as the others report (at most ``MOVES_PER_SECOND``):
-the warm-up starts once no worker has moved for ``SETTLE_S``, and from then on no worker
-should move. A broker that reads its messages late must not change that: it samples no
-job whose consumers' reports it has not read yet (docs/pool.md; before it did, such a
-job's starvation read 0, it wanted only that first ``desired_workers``, gave its workers
-away, and the moves made the broker later still: a run either kept up or saturated). Each
-EPOCH also makes its job hungry for two heartbeats, as a real one does. The TASK and
+While the fleet joins, the jobs whose consumers have not reported yet are not held to the
+one worker their autoscaler first set (docs/pool.md), so the joining workers are spread
+evenly; the warm-up starts once no worker has moved for ``SETTLE_S``, and from then on no
+worker should move. A broker that reads its messages late must not change that: it
+samples no job whose consumers' reports it has not read yet (docs/pool.md; before it did,
+such a job's starvation read 0, it wanted only its autoscaler's count, gave its workers
+away, and the moves made the broker later still: a run either kept up or saturated).
+Each EPOCH also makes its job hungry for two heartbeats, as a real one does. The TASK and
 RELEASE messages the workers receive in the window are counted (``moves``), as are peers
 the broker forgot (UNKNOWN: they register again, as real ones do); both should be 0.
 

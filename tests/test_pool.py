@@ -265,10 +265,31 @@ def test_a_job_that_does_not_wait_gives_what_its_autoscaler_does_not_want():
     epoch(state, "b", 0.3)
     a, b = (state.jobs[state.consumers[c].job] for c in ("a", "b"))
     # a's consumers do not wait and its autoscaler wants one worker; b's wait all along
-    a.hungry_until, a.starvation, a.desired = 0.0, 0.0, 1
+    a.hungry_until, a.starvation, a.desired, a.sampled = 0.0, 0.0, 1, True
     b.hungry_until, b.starvation = 0.0, 1.0
     placement.assign(state, 5.0)
     assert workers_of(state) == {"a": 1, "b": 3}
+
+
+def test_a_fleet_that_joins_is_spread_over_jobs_whose_hunger_is_not_known_yet():
+    """Workers that join while one job has started an epoch and another's consumers have
+    not reported yet: the other is not held to the one worker its autoscaler set when it
+    had none (nobody knows yet whether its consumers wait), so the fleet is spread evenly
+    rather than given to the first job and moved back worker by worker. Once its reports
+    say it does not wait, it gives what its autoscaler does not want."""
+    from zloader.broker import status
+
+    state = State(heartbeat=1.0)
+    register(state, "a")
+    register(state, "b", now=0.1)
+    status.sample(state, 1.0)  # no worker yet: the autoscalers start at one
+    epoch(state, "a", 1.1)  # a reads: hungry for two heartbeats
+    for i in range(8):
+        ready(state, f"w{i}", now=1.2)
+    assert workers_of(state) == {"a": 4, "b": 4}
+    beat(state, "b", 1.5)  # b's consumer does not wait
+    state.tick(2.0)
+    assert workers_of(state) == {"a": 7, "b": 1}
 
 
 def test_a_hungry_job_with_no_worker_gets_one_after_a_time_slice():

@@ -120,8 +120,10 @@ def claims(state: Tables, now: float) -> dict[str, pool.Claim]:
             wants = 0
         elif job.fixed:
             wants = job.width
-        elif hungry or not job.desired:
-            wants = pool.UNBOUNDED  # its consumers wait: it can use more workers
+        elif hungry or not job.desired or not job.sampled:
+            # its consumers wait, or nobody knows yet whether they do (none of their
+            # reports was read between two samples): it can use more workers
+            wants = pool.UNBOUNDED
         else:  # its autoscaler's count, once it has more than its consumers take
             wants = job.desired
         out[job.id] = pool.Claim(job.id, job.weight, len(job.tasks) + moving.get(job.id, 0),

@@ -149,6 +149,7 @@ class Job:
     starvation: float = 0.0  # share of the last interval the consumers waited
     waited_at: tuple[float, float] | None = None  # (wait_seconds, time) at the last sample
     reported: bool = False  # a consumer sent its stats since the last sample
+    sampled: bool = False  # its starvation was measured (a consumer reported between samples)
     stages: dict[str, float] = field(default_factory=dict)  # workers' seconds, by stage
     scaler: Autoscaler = field(default_factory=Autoscaler)  # desired_workers (dynamic jobs)
     desired: int = 0

@@ -158,6 +158,7 @@ def sample(state: Tables, now: float) -> None:
         if job.waited_at is not None and job.consumers:
             job.starvation = min(1.0, max(0.0, (job.wait_seconds - job.waited_at[0])
                                           / ((now - job.waited_at[1]) * len(job.consumers))))
+            job.sampled = True
             if job.starvation > HUNGRY_STARVATION:
                 job.hungry_until = max(job.hungry_until,
                                        now + HUNGRY_HOLD_BEATS * state.heartbeat)
