@@ -19,7 +19,10 @@ zloader/transport/protocol.py:
   joins a running service; then a HEARTBEAT a second with a worker's small stats.
 
 Every peer's beats are spread evenly over the second (each peer has its own phase; sends
-go out in slots of ``SLOT_S``), not sent all at once.
+go out in slots of ``SLOT_S``), not sent all at once. This process reads every socket each
+``SWEEP_S`` and, between sweeps, polls only the consumers waiting for an EPOCH's answer, so
+that it takes far less of the machine than the broker it measures (its CPU is reported
+next to the broker's).
 
 What the simulated workers do with their tasks: nothing. They ignore TASK, RELEASE,
 CONSUMER_GONE and the broker's HEARTBEATs; a real worker would fetch the pipeline and ask
@@ -31,18 +34,21 @@ their time, or that started an epoch in the last two heartbeats, is *hungry* and
 workers from jobs that hold more than their autoscaler's ``desired_workers``. The
 consumers report waiting ``WAIT_SHARE`` (5%) of their time: inside the autoscaler's
 hysteresis band (3%-7%: it changes no job's count) and above the hunger threshold, so
-every job is hungry, wants all it can get, and the pool only evens shares out (rule 2),
-which settles once the fleet has joined: no worker moves in the window while the broker
-keeps up. (One that falls behind reads the consumers' heartbeats late, some jobs' sampled
-starvation drops below the threshold, those jobs want only the ``desired_workers`` their
-autoscaler set as the fleet was joining, and the pool moves their workers to the hungry
-ones.) Each EPOCH also makes its job hungry for two heartbeats, as a real one does. The
-TASK and RELEASE messages the workers receive in the window are counted (``moves``), as
-are peers the broker forgot (UNKNOWN: they register again, as real ones do); both should
-be 0.
+every job is hungry, wants all it can get, and the pool only evens shares out (rule 2).
+While the fleet joins, the jobs whose consumers have not reported yet are not held to the
+one worker their autoscaler first set (docs/pool.md), so the joining workers are spread
+evenly; the warm-up starts once no worker has moved for ``SETTLE_S``, and from then on no
+worker should move. A broker that reads its messages late must not change that: it
+samples no job whose consumers' reports it has not read yet (docs/pool.md; before it did,
+such a job's starvation read 0, it wanted only its autoscaler's count, gave its workers
+away, and the moves made the broker later still: a run either kept up or saturated).
+Each EPOCH also makes its job hungry for two heartbeats, as a real one does. The TASK and
+RELEASE messages the workers receive in the window are counted (``moves``), as are peers
+the broker forgot (UNKNOWN: they register again, as real ones do); both should be 0.
 
 This is a stress pattern for the pool rather than a typical one: every job hungry means
-every EPOCH, REGISTER and tick runs the pool's rebalancing scan over all workers.
+every EPOCH, REGISTER and tick asks the pool for a move (it weighs the jobs against each
+other, and their workers only when a job would give one).
 
 Measured over ``--fleet-seconds`` after a ``--fleet-warmup``: the broker's CPU (user +
 system, psutil) as a fraction of one core; the EPOCH answers' latency (p50, p99, max);
@@ -50,8 +56,8 @@ messages per second to and from the broker; this process's own CPU (it shares th
 machine's cores with the broker). The fleet one broker could run at 30% of a core is
 extrapolated from its CPU per peer, assuming the cost grows linearly with the peers (at
 the same ratio of workers to consumers and of consumers to jobs); parts of it grow faster
-(a JOB view counts every worker; the pool's scan is jobs x workers), so the extrapolation
-is optimistic.
+(a JOB view lists its job's workers; the pool weighs jobs x jobs every tick), so the
+extrapolation is optimistic.
 """
 
 from __future__ import annotations
@@ -83,9 +89,16 @@ HEARTBEAT_S = 1.0
 """The broker's heartbeat (its default), at which every peer beats."""
 SLOT_S = 0.01
 """Sends are grouped in slots this long (100 a second): spread, not one poll per send."""
+SWEEP_S = 0.1
+"""Every peer's socket is read this often; between sweeps only the consumers waiting for
+an EPOCH's answer are polled (polling 1,200 sockets each slot cost this process more than
+half a core, on the broker's machine)."""
 EPOCH_EVERY_S = 10.0
 """Each consumer starts an epoch this often by default (``--fleet-epoch-every``; with 200
 consumers: 20 EPOCHs a second)."""
+SETTLE_S = 2.0
+"""The pool has settled once no worker was moved (TASK, RELEASE) for this long: the
+warm-up starts then."""
 EPOCH_TIMEOUT_S = 5.0
 """An EPOCH unanswered this long is counted as such and the next one may go."""
 CONSUMERS_PER_JOB = 5
@@ -151,10 +164,12 @@ class Fleet:
         self.context.set(zmq.MAX_SOCKETS, workers + consumers + 64)
         self.peers: list[Peer] = []
         self.by_socket: dict[zmq.Socket[Any], Peer] = {}
-        self.poller = zmq.Poller()
+        self.poller = zmq.Poller()  # every peer: swept every SWEEP_S
+        self.prompt = zmq.Poller()  # consumers waiting for an EPOCH's answer
         self.tally = Tally()
         self.window: tuple[float, float] | None = None
         self.window_end: Tally | None = None  # the tally as the window closed
+        self.last_move = 0.0  # when a worker last heard TASK or RELEASE
         self.events: list[tuple[float, int, str]] = []  # (due, peer, "beat" or "epoch")
         self.epoch_every = epoch_every
         self.jobs = max(1, -(-consumers // CONSUMERS_PER_JOB))
@@ -248,11 +263,14 @@ class Fleet:
                 self.tally.unanswered += 1
         if peer.job is None:
             peer.asked = None
+            with contextlib.suppress(KeyError):  # its earlier EPOCH went unanswered
+                self.prompt.unregister(peer.sock)
             return
         record = self.messages.Epoch(job=peer.job, epoch=peer.epoch)
         peer.epoch += 1
         peer.asked = now
         peer.in_window = self.window is not None and self.window[0] <= now < self.window[1]
+        self.prompt.register(peer.sock, zmq.POLLIN)
         self._send(peer, self.encode(record.COMMAND, self.messages.encode(record)))
 
     # --- receiving ------------------------------------------------------------------------
@@ -276,6 +294,8 @@ class Fleet:
                 peer.job = None
         elif command is Command.ACK:
             peer.acked = True
+        elif command in (Command.TASK, Command.RELEASE):
+            self.last_move = now
         elif command is Command.ERROR:
             if len(self.tally.errors) < 10:
                 self.tally.errors.append(f"{peer.kind} {peer.index}: {frames[2][:300]!r}")
@@ -293,12 +313,16 @@ class Fleet:
                     if peer.in_window:
                         self.tally.latencies.append(now - peer.asked)
                     peer.asked = None
+                    self.prompt.unregister(peer.sock)
 
     # --- the loop -------------------------------------------------------------------------
 
     def run_until(self, done: Any, deadline: float) -> bool:
         """Send what is due and take what comes until ``done()`` or ``deadline``;
-        returns whether ``done()`` held."""
+        returns whether ``done()`` held. Every socket is read each ``SWEEP_S``; between
+        sweeps, only those of consumers waiting for an EPOCH's answer (its latency is
+        what is measured; the rest only need reading before their queues fill)."""
+        next_sweep = 0.0
         while True:
             if done():
                 return True
@@ -316,16 +340,26 @@ class Fleet:
                 else:
                     self._ask_epoch(peer, now)
                     heapq.heappush(self.events, (due + self.epoch_every, index, what))
-            wake = min(deadline, self.events[0][0] if self.events else deadline)
+            if time.monotonic() >= next_sweep:
+                self._take(self.poller.poll(0))
+                next_sweep = time.monotonic() + SWEEP_S
+            wake = min(deadline, next_sweep, self.events[0][0] if self.events else deadline)
             timeout = max(0.0, min(wake - time.monotonic(), SLOT_S))
-            for sock, _ in self.poller.poll(int(timeout * 1000)):
-                peer = self.by_socket[sock]
-                while True:
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._heard(peer, frames, time.monotonic())
+            if self.prompt.sockets:
+                self._take(self.prompt.poll(int(timeout * 1000)))
+            else:
+                time.sleep(timeout)
+
+    def _take(self, ready: list[tuple[Any, int]]) -> None:
+        """Read every message queued on the ``ready`` sockets."""
+        for sock, _ in ready:
+            peer = self.by_socket[sock]
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._heard(peer, frames, time.monotonic())
 
 
 def raise_fd_limit(sockets: int) -> None:
@@ -398,6 +432,13 @@ def fleet_section(args: argparse.Namespace) -> dict[str, Any]:
                                    time.monotonic() + START_TIMEOUT_S):
                 raise RuntimeError("the workers were not all acknowledged")
             result["workers_registered_s"] = time.monotonic() - t0
+            # The pool places a joining fleet on what it knows of the jobs' hunger so far
+            # and evens it out as their consumers report (at MOVES_PER_SECOND): measured
+            # once that is over.
+            fleet.run_until(lambda: time.monotonic() - fleet.last_move >= SETTLE_S,
+                            time.monotonic() + START_TIMEOUT_S)
+            result["settled_s"] = time.monotonic() - t0
+            result["moves_joining"] = fleet.tally.by_command.get("RELEASE", 0)
             fleet.run_until(lambda: False, time.monotonic() + warmup)
             start = fleet.tally.copy()
             cpu0, mine0 = _cpu(brokers), _cpu(me)
@@ -478,7 +519,9 @@ def fleet_table(results: dict[str, Any]) -> list[str]:
         f"{r['workers']} simulated workers and {r['consumers']} consumers ({r['jobs']} jobs "
         f"of {CONSUMERS_PER_JOB}), a heartbeat a second each, an EPOCH per consumer every "
         f"{r['epoch_every_s']:g} s; {r['seconds']:.0f} s measured after {r['warmup_s']:g} s "
-        f"of warm-up (all registered {r['workers_registered_s']:.1f} s after start).", "",
+        f"of warm-up (all registered {r['workers_registered_s']:.1f} s after start; the "
+        f"pool settled after {r.get('settled_s', 0.0):.1f} s and "
+        f"{r.get('moves_joining', 0)} moves).", "",
         "| figure | measured | target | holds |", "|---|---|---|---|",
         f"| broker CPU (share of one core) | {r['broker_cpu']:.2f} | < {CPU_TARGET} | "
         f"{cpu_holds} |",
@@ -498,8 +541,8 @@ def fleet_table(results: dict[str, Any]) -> list[str]:
             f"Broker CPU per peer: {r['cpu_per_peer'] * 1e6:.0f} µs/s. Extrapolated "
             f"linearly, one broker runs about {r['fleet_at_target']:.0f} peers "
             f"({r['workers_at_target']:.0f} workers and {r['consumers_at_target']:.0f} "
-            f"consumers) at {CPU_TARGET:.0%} of a core (optimistic: a JOB view and the "
-            "pool's scan grow with the workers, not linearly overall).")
+            f"consumers) at {CPU_TARGET:.0%} of a core (optimistic: a JOB view grows with "
+            "its job's workers and the pool's weighing with the jobs squared).")
     if r["errors"]:
         lines.append(f"Errors: {'; '.join(r['errors'][:5])}")
     return lines

@@ -19,12 +19,13 @@ pool, and the broker's control plane alone.
     simulated peers that speak the protocol with no pipeline, all sockets of this process:
     ``--fleet-workers`` workers (READY, then a HEARTBEAT a second) and ``--fleet-consumers``
     consumers, five to a job (REGISTER, then a HEARTBEAT a second and an EPOCH every
-    ``--fleet-epoch-every`` seconds), beats spread over the second. After
-    ``--fleet-warmup`` seconds, over ``--fleet-seconds``: broker CPU (fraction of one core),
+    ``--fleet-epoch-every`` seconds), beats spread over the second. Once the pool has
+    settled (no worker moved for 2 s) and ``--fleet-warmup`` seconds more, over
+    ``--fleet-seconds``: broker CPU (fraction of one core),
     the latency of each EPOCH's answer (its JOB view: p50, p99, max) and messages per
     second each way. Targets: < 30% of one core, p99 < 50 ms at 1,000 workers and 200
     consumers; the fleet size one broker can run at 30% of a core is extrapolated from its
-    CPU per peer (linearly).
+    CPU per peer (linearly), and the simulator's own CPU is reported next to the broker's.
 
 Ratios and efficiencies are what to read: the machine is shared and noisy.
 

@@ -265,10 +265,31 @@ def test_a_job_that_does_not_wait_gives_what_its_autoscaler_does_not_want():
     epoch(state, "b", 0.3)
     a, b = (state.jobs[state.consumers[c].job] for c in ("a", "b"))
     # a's consumers do not wait and its autoscaler wants one worker; b's wait all along
-    a.hungry_until, a.starvation, a.desired = 0.0, 0.0, 1
+    a.hungry_until, a.starvation, a.desired, a.sampled = 0.0, 0.0, 1, True
     b.hungry_until, b.starvation = 0.0, 1.0
     placement.assign(state, 5.0)
     assert workers_of(state) == {"a": 1, "b": 3}
+
+
+def test_a_fleet_that_joins_is_spread_over_jobs_whose_hunger_is_not_known_yet():
+    """Workers that join while one job has started an epoch and another's consumers have
+    not reported yet: the other is not held to the one worker its autoscaler set when it
+    had none (nobody knows yet whether its consumers wait), so the fleet is spread evenly
+    rather than given to the first job and moved back worker by worker. Once its reports
+    say it does not wait, it gives what its autoscaler does not want."""
+    from zloader.broker import status
+
+    state = State(heartbeat=1.0)
+    register(state, "a")
+    register(state, "b", now=0.1)
+    status.sample(state, 1.0)  # no worker yet: the autoscalers start at one
+    epoch(state, "a", 1.1)  # a reads: hungry for two heartbeats
+    for i in range(8):
+        ready(state, f"w{i}", now=1.2)
+    assert workers_of(state) == {"a": 4, "b": 4}
+    beat(state, "b", 1.5)  # b's consumer does not wait
+    state.tick(2.0)
+    assert workers_of(state) == {"a": 7, "b": 1}
 
 
 def test_a_hungry_job_with_no_worker_gets_one_after_a_time_slice():
@@ -309,10 +330,62 @@ def test_a_job_sampled_hungry_stays_hungry_for_a_few_beats():
     status.sample(state, 5.0)
     beat(state, "a", 5.5, wait=0.5)  # waited half of the next interval
     status.sample(state, 6.0)
-    status.sample(state, 7.0)  # no waiting in this one
+    beat(state, "a", 6.5, wait=0.5)  # no waiting in this one
+    status.sample(state, 7.0)
     assert state.jobs[job].starvation == 0.0
     assert placement.claims(state, 7.0)[job].hungry
     assert not placement.claims(state, 6.0 + HUNGRY_HOLD_BEATS + 0.1)[job].hungry
+
+
+def test_a_job_whose_reports_come_late_keeps_its_hunger():
+    """A broker that reads its messages late (a fleet's worth of them queued) may sample
+    a job before its consumers' next reports: no report is no news, not "they did not
+    wait". The job keeps its starvation (so it keeps its workers), and the next sample
+    spans the intervals it missed."""
+    from zloader._defaults import HUNGRY_HOLD_BEATS
+    from zloader.broker import status
+
+    state = pool_of(2)
+    register(state, "a")
+    epoch(state, "a", 0.0)
+    job = state.jobs[state.consumers["a"].job]
+    status.sample(state, 5.0)
+    beat(state, "a", 5.5, wait=0.5)
+    status.sample(state, 6.0)
+    for now in range(7, 12):  # five ticks and no report read
+        status.sample(state, float(now))
+    assert job.starvation == 0.5
+    assert placement.claims(state, 11.0 + HUNGRY_HOLD_BEATS)[job.id].hungry
+    beat(state, "a", 11.5, wait=1.5)  # it waited one more second in the six since 6.0
+    status.sample(state, 12.0)
+    assert job.starvation == pytest.approx(1 / 6)
+
+
+def test_the_pool_moves_at_most_its_rate_of_workers_a_second():
+    """A job that wants fewer workers than it holds gives them to a hungry one at
+    ``MOVES_PER_SECOND``, not all at once: one decision (or a late broker's misreading)
+    never moves a fleet in one tick."""
+    from zloader._defaults import MOVES_PER_SECOND
+
+    rate = int(MOVES_PER_SECOND)
+    state = pool_of(3 * rate)
+    register(state, "train")
+    epoch(state, "train", 0.1)
+    register(state, "val", now=0.2)
+    assert workers_of(state) == {"train": 3 * rate, "val": 0}
+    beat(state, "train", 0.5, active=0)  # its epoch ended; validation starts
+    out = epoch(state, "val", 0.6)
+    assert workers_of(state) == {"train": 2 * rate, "val": rate}
+    # each consumer gets its job's last view only, however many workers moved
+    views = [o.identity for o in out if o.command is Command.JOB]
+    assert sorted(views) == [b"train", b"val"]
+    state.tick(0.6 + 0.5)  # half a second later: half the rate more
+    assert workers_of(state) == {"train": 3 * rate // 2, "val": 3 * rate // 2}
+    state.tick(0.6 + 1.5)
+    assert workers_of(state) == {"train": rate // 2, "val": 5 * rate // 2}
+    beat(state, "val", 2.8, wait=1.0)  # it waits for data: still hungry
+    state.tick(2.9)
+    assert workers_of(state) == {"train": 0, "val": 3 * rate}
 
 
 def test_each_jobs_view_says_how_many_workers_run_other_jobs():

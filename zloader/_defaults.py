@@ -199,6 +199,10 @@ START_TIMEOUT = 10.0
 CLOSE_SECONDS = 5.0
 """How long closing a broker thread waits for its loop to stop (``Broker.close(timeout=)``)."""
 
+BROKER_BEATS_AT_ONCE = 100
+"""The broker sends its workers' HEARTBEATs this many at a time, reading what came in
+between: a fleet's thousand beats in one go would hold up every answer behind them."""
+
 BROKER_POLL_SECONDS = 0.05
 """The broker loop's longest wait for a message: how soon it sees ``close()`` (an embedded
 Loader's close waits for it)."""
@@ -392,6 +396,11 @@ HUNGRY_HOLD_BEATS = 3
 """A job sampled hungry stays hungry for this many heartbeat intervals, whatever the next
 samples say: one low sample (heartbeats read late by a busy broker) must not make it give
 its workers away and take them back a second later (fixed)."""
+
+MOVES_PER_SECOND = 32.0
+"""Workers the pool moves between jobs, at most, per second (a burst of as many at once):
+a fleet's rebalancing goes at this pace, so one decision never moves hundreds of workers
+in a tick, and a late broker never churns the fleet (docs/pool.md; fixed)."""
 
 OVERDRAW_RECORDS = 1 << 16
 """Records a worker draining to move may make and send beyond its consumers' credits (it

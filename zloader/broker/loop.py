@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,7 @@ import zmq
 
 from zloader._defaults import (
     AUTOSCALE_COOLDOWN,
+    BROKER_BEATS_AT_ONCE,
     BROKER_POLL_SECONDS,
     CLOSE_SECONDS,
     HEARTBEAT,
@@ -182,8 +184,13 @@ class Broker:
         poller = zmq.Poller()
         poller.register(socket, zmq.POLLIN)
         next_beat = time.monotonic() + state.heartbeat
+        beats: deque[Out] = deque()  # the workers' HEARTBEATs of this interval, not sent yet
         while not self._stop.is_set():
             timeout = max(0.0, min(next_beat - time.monotonic(), BROKER_POLL_SECONDS))
+            if beats:
+                self._send(socket, [beats.popleft()
+                                    for _ in range(min(BROKER_BEATS_AT_ONCE, len(beats)))])
+                timeout = 0.0
             if poller.poll(int(timeout * 1000)):
                 for _ in range(1000):  # drain what is queued, without starving the timer
                     try:
@@ -200,15 +207,29 @@ class Broker:
                                 "them", late)
                     state.stalled(late, now)
                 next_beat = now + state.heartbeat
-                self._send(socket, state.tick(now) + state.heartbeats())
-                self.snapshot = state.metrics(now)
+                out = state.tick(now) + state.heartbeats()
+                # A worker's HEARTBEAT says only "the broker is alive": sent in slices
+                # between the messages that come in, after whatever else the tick sends.
+                self._send(socket, [o for o in out if o.command is not Command.HEARTBEAT])
+                beats.clear()  # (any left from the last interval: this one supersedes)
+                beats.extend(o for o in out if o.command is Command.HEARTBEAT)
+                if self.metrics is not None:  # only a scrape reads it (a fleet's worth)
+                    self.snapshot = state.metrics(now)
             self._send(socket, state.journal_errors())  # a full work dir: say so
 
     def _send(self, socket: zmq.Socket[Any], messages: list[Out]) -> None:
+        """Send each message; one body sent to many peers (a job's view to its consumers,
+        the heartbeat to every worker) is encoded once."""
+        encoded: dict[tuple[Command, int], list[Any]] = {}
         for out in messages:
+            if out.payload:
+                frames = encode(out.command, out.body, out.payload)
+            else:
+                key = (out.command, id(out.body))  # the bodies live as long as ``messages``
+                frames = encoded.get(key) or encoded.setdefault(key, encode(out.command,
+                                                                            out.body))
             try:
-                socket.send_multipart([out.identity, *encode(out.command, out.body,
-                                                             out.payload)], zmq.NOBLOCK)
+                socket.send_multipart([out.identity, *frames], zmq.NOBLOCK)
             except zmq.Again:
                 log.warning("dropped %s to a peer whose queue is full", out.command.name)
 

@@ -131,6 +131,7 @@ def consumer_heartbeat(state: Tables, identity: bytes, now: float,
         stats = {k: v for k, v in stats.items() if isinstance(v, (int, float))
                  and not isinstance(v, bool) and v >= 0}
         if job is not None:
+            job.reported = True
             job.wait_seconds += _delta(stats, consumer.stats, "wait_seconds")
             job.skipped += int(_delta(stats, consumer.stats, "skipped"))
         consumer.stats = stats

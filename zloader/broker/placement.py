@@ -5,6 +5,7 @@ each leaving its job as a draining worker does (exactly once: ``failures.leave``
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 
@@ -33,7 +34,7 @@ def _fill(state: Tables, now: float) -> list[Out]:
     with the fewest workers (static jobs take at most ``width``). Workers on a host
     with consumers go first (hybrid placement: shared memory is the cheapest path)."""
     out: list[Out] = []
-    if all(w.task is not None for w in state.workers.values()):
+    if status.busy_workers(state) >= len(state.workers):  # (counted per job: cheap)
         return out
     entitled = pool.shares(claims(state, now).values(), len(state.workers))
     job_hosts = {j.id: state.hosts(j) for j in state.jobs.values()}
@@ -119,8 +120,10 @@ def claims(state: Tables, now: float) -> dict[str, pool.Claim]:
             wants = 0
         elif job.fixed:
             wants = job.width
-        elif hungry or not job.desired:
-            wants = pool.UNBOUNDED  # its consumers wait: it can use more workers
+        elif hungry or not job.desired or not job.sampled:
+            # its consumers wait, or nobody knows yet whether they do (none of their
+            # reports was read between two samples): it can use more workers
+            wants = pool.UNBOUNDED
         else:  # its autoscaler's count, once it has more than its consumers take
             wants = job.desired
         out[job.id] = pool.Claim(job.id, job.weight, len(job.tasks) + moving.get(job.id, 0),
@@ -132,39 +135,66 @@ def claims(state: Tables, now: float) -> dict[str, pool.Claim]:
 
 def _rebalance(state: Tables, now: float) -> list[Out]:
     """Move busy workers to hungry jobs below their share, one at a time, each leaving
-    its job as a draining worker does (exactly once: see ``failures.leave``)."""
+    its job as a draining worker does (exactly once: see ``failures.leave``), at most
+    ``MOVES_PER_SECOND`` (the rest wait for the next tick). The claims and holdings are
+    made once and follow the moves (a move changes two jobs' counts and one worker's
+    holding: a fleet's every move must not weigh every worker again). Each consumer of
+    a job that gave or took workers gets the job's last view only."""
     out = _overdue(state, now)
+    budget = state.move_budget
+    if budget.fill(now) < 1:
+        return out
+    wanted = claims(state, now)
+    if not any(c.hungry and c.held < c.wants for c in wanted.values()):
+        return out  # the usual case: no job waits for a worker it lacks
     job_hosts = {j.id: state.hosts(j) for j in state.jobs.values()}
-    for _ in range(len(state.workers)):
-        wanted = claims(state, now)
-        if not any(c.hungry and c.held < c.wants for c in wanted.values()):
-            break  # the usual case: no job waits for a worker it lacks
-        holdings = []
-        for job in state.jobs.values():
-            hosts = job_hosts[job.id]
-            for task, worker_id in job.tasks.items():
-                worker = state.workers.get(worker_id)
-                if worker is not None and worker.moving_to is None:
-                    # remote ones and the last assigned go first
-                    holdings.append(pool.Holding(
-                        worker_id, job.id, worker.since,
-                        rank=(worker.host_id in hosts, -job.indices.get(task, 0))))
+    holdings: dict[str, pool.Holding] = {}
+    for job in state.jobs.values():
+        for task, worker_id in job.tasks.items():
+            worker = state.workers.get(worker_id)
+            if worker is not None and worker.moving_to is None:
+                holdings[worker_id] = _holding(worker, job, task, job_hosts)
 
-        def eligible(worker_id: str, job_id: str) -> bool:
-            return _can_serve(state.workers[worker_id], state.jobs[job_id], job_hosts)
+    def eligible(worker_id: str, job_id: str) -> bool:
+        return _can_serve(state.workers[worker_id], state.jobs[job_id], job_hosts)
 
-        move = pool.next_move(wanted.values(), holdings, eligible, now)
+    while budget.fill(now) >= 1:
+        move = pool.next_move(wanted.values(), holdings.values(), eligible, now)
         if move is None:
             break
+        budget.tokens -= 1
         worker, job = state.workers[move[0]], state.jobs[move[1]]
-        source = state.job_of(worker.task)
-        if source is not None and not source.track and source.share is None \
-                and source.rounds is None and len(source.tasks) > 1 and _active(state, source):
+        source = state.jobs[holdings.pop(worker.id).job]
+        for changed, step in ((source.id, -1), (job.id, 1)):
+            wanted[changed] = dataclasses.replace(wanted[changed],
+                                                  held=wanted[changed].held + step)
+        if not source.track and source.share is None and source.rounds is None \
+                and len(source.tasks) > 1 and _active(state, source):
             out += _drain(state, worker, job, now)
         else:
             out += preempt(state, worker, now)
             out += give(state, worker, job, now)
-    return out
+            assert worker.task is not None
+            holdings[worker.id] = _holding(worker, job, worker.task, job_hosts)
+    return _last_views(out)
+
+
+def _holding(worker: Worker, job: Job, task: str,
+             job_hosts: dict[str, set[str]]) -> pool.Holding:
+    """``worker``'s task of ``job`` as the pool weighs it: remote ones (no consumer of the
+    job on their host) and the last assigned move first."""
+    return pool.Holding(worker.id, job.id, worker.since,
+                        rank=(worker.host_id in job_hosts[job.id], -job.indices.get(task, 0)))
+
+
+def _last_views(out: list[Out]) -> list[Out]:
+    """``out`` less every JOB view that a later one to the same consumer supersedes (a
+    view is the whole job as it is: the last one says all)."""
+    last = {o.identity: n for n, o in enumerate(out) if o.command is Command.JOB}
+    if len(last) == sum(1 for o in out if o.command is Command.JOB):
+        return out
+    return [o for n, o in enumerate(out)
+            if o.command is not Command.JOB or last[o.identity] == n]
 
 
 def _drain(state: Tables, worker: Worker, taker: Job, now: float) -> list[Out]:

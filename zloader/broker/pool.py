@@ -88,39 +88,50 @@ def next_move(claims: Iterable[Claim], holdings: Iterable[Holding],
               eligible: Callable[[str, str], bool], now: float) -> tuple[str, str] | None:
     """``(worker, job)``: the busy worker to move to ``job``, or None when no move makes the
     pool fairer. ``eligible(worker, job)`` says whether the worker can run that job at all
-    (a pipeline only forked workers hold, a worker only its own host can reach)."""
+    (a pipeline only forked workers hold, a worker only its own host can reach).
+
+    Whether a job gives a worker to a taker depends on the two claims (rules 1 and 2) and,
+    for rule 3, on how long the worker served; so each taker weighs the giving jobs
+    first and looks at the workers of those that would give only (a fleet's usual tick,
+    every job at its share, weighs jobs x jobs, not jobs x workers)."""
     by_job = {c.job: c for c in claims}
-    held = list(holdings)
+    by_giver: dict[str, list[Holding]] = {}
+    for holding in holdings:
+        by_giver.setdefault(holding.job, []).append(holding)
     takers = sorted((c for c in by_job.values() if c.hungry and c.held < c.wants),
                     key=lambda c: (c.held / c.weight, c.job))
     for taker in takers:
         best: tuple[tuple[Any, ...], Holding] | None = None
-        for holding in held:
-            giver = by_job.get(holding.job)
+        for job, held in by_giver.items():
+            giver = by_job.get(job)
             if giver is None or giver.job == taker.job or not giver.movable \
-                    or (not giver.exact and taker.held > 0) \
-                    or not eligible(holding.worker, taker.job):
+                    or (not giver.exact and taker.held > 0):
                 continue
-            reason = _reason(giver, taker, now - holding.since)
-            if reason is None:
-                continue
-            key = (reason, -giver.held / giver.weight, holding.rank, holding.since)
-            if best is None or key < best[0]:
-                best = (key, holding)
+            reason = _reason(giver, taker)
+            if reason is None and taker.held > 0:
+                continue  # rule 3 is for a taker with no worker only
+            for holding in held:
+                rule = reason
+                if rule is None and now - holding.since >= SLICE_SECONDS:
+                    rule = 3
+                if rule is None:
+                    continue
+                key = (rule, -giver.held / giver.weight, holding.rank, holding.since)
+                if (best is None or key < best[0]) \
+                        and eligible(holding.worker, taker.job):
+                    best = (key, holding)
         if best is not None:
             return best[1].worker, taker.job
     return None
 
 
-def _reason(giver: Claim, taker: Claim, served: float) -> int | None:
-    """Why ``giver`` gives a worker that has served it ``served`` seconds to ``taker``
-    (the rule number, lower first), or None when it keeps it."""
+def _reason(giver: Claim, taker: Claim) -> int | None:
+    """Why ``giver`` gives any of its workers to ``taker`` (rule 1 or 2), or None when
+    it keeps them (rule 3, a time slice, depends on the worker: see :func:`next_move`)."""
     if giver.held > giver.wants:
         return 1
     after_giver = (giver.held - 1) / giver.weight
     after_taker = (taker.held + 1) / taker.weight
     if after_giver >= after_taker or math.isclose(after_giver, after_taker):
         return 2
-    if taker.held == 0 and served >= SLICE_SECONDS:
-        return 3
     return None

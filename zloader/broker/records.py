@@ -13,7 +13,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from zloader._defaults import AUTOSCALE_COOLDOWN, FENCE_GRACE, HEARTBEAT, KILLS_TO_FAIL, LIVENESS
+from zloader._defaults import (
+    AUTOSCALE_COOLDOWN,
+    FENCE_GRACE,
+    HEARTBEAT,
+    KILLS_TO_FAIL,
+    LIVENESS,
+    MOVES_PER_SECOND,
+)
 from zloader.autoscale import Autoscaler
 from zloader.forward import BURST, RATE, Bucket
 from zloader.journal import Journal
@@ -141,6 +148,8 @@ class Job:
     skipped: int = 0
     starvation: float = 0.0  # share of the last interval the consumers waited
     waited_at: tuple[float, float] | None = None  # (wait_seconds, time) at the last sample
+    reported: bool = False  # a consumer sent its stats since the last sample
+    sampled: bool = False  # its starvation was measured (a consumer reported between samples)
     stages: dict[str, float] = field(default_factory=dict)  # workers' seconds, by stage
     scaler: Autoscaler = field(default_factory=Autoscaler)  # desired_workers (dynamic jobs)
     desired: int = 0
@@ -205,6 +214,9 @@ class Tables:
         self.unjournaled: set[str] = set()  # jobs whose journal writes failed
         self.told: set[str] = set()  # consumers told so (history.journal_errors)
         self.replaying = False  # the journal is being replayed: record nothing
+        self._task_jobs: dict[str, str] = {}  # task -> job id, checked on use (task_job)
+        # the pool's moves (placement.py): MOVES_PER_SECOND, as many at once at most
+        self.move_budget = Bucket(MOVES_PER_SECOND, MOVES_PER_SECOND)
 
     @property
     def expiry(self) -> float:
@@ -222,10 +234,23 @@ class Tables:
         return self.consumers.get(pid) if kind == "consumer" else None
 
     def task_job(self, task: str | None) -> str | None:
-        """The id of the job that ``task`` belongs to."""
+        """The id of the job that ``task`` belongs to (a task id is unique: a worker's
+        heartbeat finds its job without looking through every job's)."""
         if task is None:
             return None
-        return next((j.id for j in self.jobs.values() if task in j.tasks), None)
+        known = self._task_jobs.get(task)
+        if known is not None:
+            job = self.jobs.get(known)
+            if job is not None and task in job.tasks:
+                return known
+        found = next((j.id for j in self.jobs.values() if task in j.tasks), None)
+        if found is None:
+            self._task_jobs.pop(task, None)
+        else:
+            if len(self._task_jobs) > 2 * len(self.workers) + 64:  # ended tasks' entries
+                self._task_jobs.clear()
+            self._task_jobs[task] = found
+        return found
 
     def job_of(self, task: str | None) -> Job | None:
         """The job that ``task`` belongs to."""

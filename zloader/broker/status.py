@@ -66,14 +66,18 @@ def tell_consumers(state: Tables, job: Job) -> list[Out]:
 
 
 def busy_workers(state: Tables) -> int:
-    """How many of the broker's workers run a task."""
-    return sum(1 for w in state.workers.values() if w.task is not None)
+    """How many of the broker's workers run a task: the jobs' tasks, counted per job (a
+    task is its worker's from ``placement.give`` to ``failures.leave`` or
+    ``jobs.release``, which change both), not per worker (every consumer's heartbeat
+    answer counts them, and a fleet's workers outnumber its jobs)."""
+    return sum(len(j.tasks) for j in state.jobs.values())
 
 
 def heartbeats(state: Tables) -> list[Out]:
     """What the broker sends every heartbeat interval: each job's view made once for all
     its consumers (a fleet's every consumer, every second)."""
-    out = [Out(w.identity, Command.HEARTBEAT, {}) for w in state.workers.values()]
+    beat: dict[str, Any] = {}  # one body for all (the loop encodes it once)
+    out = [Out(w.identity, Command.HEARTBEAT, beat) for w in state.workers.values()]
     busy = busy_workers(state)
     views: dict[str, dict[str, Any]] = {}
     for consumer in state.consumers.values():
@@ -139,13 +143,22 @@ def metrics(state: Tables, now: float) -> dict[str, Any]:
 
 def sample(state: Tables, now: float) -> None:
     """Each job's starvation over the time since the last sample (the share of it its
-    consumers waited for data), and its autoscaler's ``desired_workers``."""
+    consumers waited for data), and its autoscaler's ``desired_workers``.
+
+    A job with consumers none of which reported since the last sample is not sampled: the
+    silence says nothing of their waiting (a broker that reads its messages late, a tick
+    that came before the reports), so it keeps its starvation and the next sample spans
+    both intervals. Read as "they did not wait", a late broker would take the job for
+    one that no longer needs its workers and move them (docs/pool.md)."""
     for job in state.jobs.values():
-        if job.waited_at is not None and now <= job.waited_at[1]:
+        if job.waited_at is not None and (now <= job.waited_at[1]
+                                          or (job.consumers and not job.reported)):
             continue
+        job.reported = False
         if job.waited_at is not None and job.consumers:
             job.starvation = min(1.0, max(0.0, (job.wait_seconds - job.waited_at[0])
                                           / ((now - job.waited_at[1]) * len(job.consumers))))
+            job.sampled = True
             if job.starvation > HUNGRY_STARVATION:
                 job.hungry_until = max(job.hungry_until,
                                        now + HUNGRY_HOLD_BEATS * state.heartbeat)
