@@ -53,6 +53,34 @@ def produce_large(split: Any) -> Iterator[dict[str, np.ndarray]]:
         yield batch
 
 
+def fresh_batch(i: int) -> np.ndarray:
+    """The producer of section (h): a batch made afresh for every element, as a real
+    decode makes one (a new array each call, filled with ``i % 251``)."""
+    return np.full(IMAGE_SHAPE, i % 251, np.uint8)
+
+
+def copy_fresh(begin: float, window: float, results: Any) -> None:
+    """The reference of section (h), run in a forked process: make a fresh batch and copy
+    it once into a preallocated, already written buffer of the same size, again and again.
+    Counts the bytes copied from ``begin`` (a ``time.perf_counter()`` instant, the same
+    clock in every process of the host) over ``window`` seconds, ending with the first copy
+    done after the window closed, and puts ``(bytes, seconds)`` on ``results``."""
+    target = np.ones(IMAGE_SHAPE, np.uint8)  # every page written: warm memory
+    i = 0
+    while time.perf_counter() < begin:  # the warm-up
+        np.copyto(target, fresh_batch(i))
+        i += 1
+    nbytes = 0
+    while True:
+        np.copyto(target, fresh_batch(i))
+        i += 1
+        nbytes += target.nbytes
+        now = time.perf_counter()
+        if now >= begin + window:
+            break
+    results.put((nbytes, now - begin))
+
+
 # --- the consumer side -------------------------------------------------------------------
 
 def touch(element: Any) -> int:
@@ -124,6 +152,23 @@ def torch_datasets() -> tuple[type, type]:
             return iter(range(worker, self.stop, workers))
 
     return LargeDataset, IntsDataset
+
+
+@functools.cache
+def torch_fresh_dataset() -> type:
+    """A torch IterableDataset of section (h): worker ``i`` of ``n`` yields
+    ``fresh_batch(j)`` for ``j`` in ``range(i, 10**9, n)`` (torch imported on first use)."""
+    import torch.utils.data
+
+    class FreshDataset(torch.utils.data.IterableDataset):
+        """Fresh batches (``fresh_batch``), a disjoint part of the indices per worker."""
+
+        def __iter__(self) -> Iterator[np.ndarray]:
+            info = torch.utils.data.get_worker_info()
+            worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+            return map(fresh_batch, range(worker, 10**9, workers))
+
+    return FreshDataset
 
 
 # --- peer processes ----------------------------------------------------------------------
