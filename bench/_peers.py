@@ -64,21 +64,24 @@ def copy_fresh(begin: float, window: float, results: Any) -> None:
     it once into a preallocated, already written buffer of the same size, again and again.
     Counts the bytes copied from ``begin`` (a ``time.perf_counter()`` instant, the same
     clock in every process of the host) over ``window`` seconds, ending with the first copy
-    done after the window closed, and puts ``(bytes, seconds)`` on ``results``."""
+    done after the window closed, and puts ``(bytes, seconds, copies, cpu seconds)`` on
+    ``results``."""
     target = np.ones(IMAGE_SHAPE, np.uint8)  # every page written: warm memory
     i = 0
     while time.perf_counter() < begin:  # the warm-up
         np.copyto(target, fresh_batch(i))
         i += 1
-    nbytes = 0
+    nbytes = copies = 0
+    cpu = time.process_time()
     while True:
         np.copyto(target, fresh_batch(i))
         i += 1
+        copies += 1
         nbytes += target.nbytes
         now = time.perf_counter()
         if now >= begin + window:
             break
-    results.put((nbytes, now - begin))
+    results.put((nbytes, now - begin, copies, time.process_time() - cpu))
 
 
 # --- the consumer side -------------------------------------------------------------------
@@ -99,15 +102,18 @@ def touch(element: Any) -> int:
     return int(array.nbytes)
 
 
-def measure(iterator: Iterator[Any], window: float, warmup: float) -> dict[str, float]:
+def measure(iterator: Iterator[Any], window: float, warmup: float,
+            cpu: bool = False) -> dict[str, float]:
     """Consume ``iterator``: the first element, then ``warmup`` seconds, then count elements
     and array bytes over ``window`` seconds (ending with the first element received after
-    the window closed)."""
+    the window closed). ``cpu``: also the CPU seconds this process and its descendants (a
+    loader's workers) spent over the window, and per element."""
     start = time.perf_counter()
     touch(next(iterator))
     first = time.perf_counter()
     while time.perf_counter() - first < warmup:
         touch(next(iterator))
+    cpu_start = _tree_cpu() if cpu else 0.0
     t0 = time.perf_counter()
     end = t0 + window
     elements = nbytes = 0
@@ -118,9 +124,22 @@ def measure(iterator: Iterator[Any], window: float, warmup: float) -> dict[str, 
         if now >= end:
             break
     seconds = now - t0
-    return {"first_element_s": first - start, "elements": elements, "bytes": nbytes,
-            "seconds": seconds, "elements_per_s": elements / seconds,
-            "gb_per_s": nbytes / seconds / 1e9}
+    result = {"first_element_s": first - start, "elements": elements, "bytes": nbytes,
+              "seconds": seconds, "elements_per_s": elements / seconds,
+              "gb_per_s": nbytes / seconds / 1e9}
+    if cpu:
+        result["cpu_s"] = _tree_cpu() - cpu_start
+        result["cpu_ms_per_element"] = 1000 * result["cpu_s"] / elements
+    return result
+
+
+def _tree_cpu() -> float:
+    """CPU seconds this process and its live descendants have used so far."""
+    import psutil
+
+    from bench._common import tree_cpu
+
+    return tree_cpu(psutil.Process())
 
 
 # --- torch datasets (torch imported on first use) ----------------------------------------

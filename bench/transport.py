@@ -47,6 +47,10 @@ measure transport, not production.
     the sum of their GB/s over one window) and against ``DataLoader`` (2 workers, an
     IterableDataset of the same function). Targets: zloader >= 0.75x memory speed,
     >= 5x DataLoader. Unlike (a)-(g) this measures production and transport together.
+    Each row also records the CPU seconds of all its processes over the window (the
+    consumer and its workers; the two copying processes), per element: on a machine
+    shared with other work the throughput of rows run one after another varies with the
+    others' load, the CPU an element costs much less.
 
 Ratios read "how many times better zloader is" (throughput: zloader / system; time:
 system / zloader). These machines are shared and noisy: read the ratios, not the absolute
@@ -225,13 +229,14 @@ def _close_dataloader_iterator(iterator: Any) -> None:
         shutdown()
 
 
-def dataloader_throughput(dataset: Any, window: float, warmup: float) -> dict[str, Any]:
+def dataloader_throughput(dataset: Any, window: float, warmup: float,
+                          cpu: bool = False) -> dict[str, Any]:
     import torch.utils.data
 
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2, timeout=120)
     iterator = iter(loader)
     try:
-        return _peers.measure(iterator, window, warmup)
+        return _peers.measure(iterator, window, warmup, cpu)
     finally:
         _close_dataloader_iterator(iterator)
 
@@ -247,12 +252,12 @@ def dataloader_small(window: float, warmup: float) -> dict[str, Any]:
 
 
 def zloader_throughput(pipeline_fn: Callable[[Any], Any], window: float, warmup: float,
-                       **loader_kwargs: Any) -> dict[str, Any]:
+                       cpu: bool = False, **loader_kwargs: Any) -> dict[str, Any]:
     import zloader
 
     pipeline = pipeline_fn(zloader)
     with zloader.Loader(pipeline, num_workers=2, **loader_kwargs) as loader:
-        return _peers.measure(iter(loader), window, warmup)
+        return _peers.measure(iter(loader), window, warmup, cpu)
 
 
 def _large_pipeline(zloader: Any) -> Any:
@@ -293,11 +298,11 @@ def _fresh_pipeline(zloader: Any) -> Any:
 
 
 def zloader_fresh(window: float, warmup: float) -> dict[str, Any]:
-    return zloader_throughput(_fresh_pipeline, window, warmup)
+    return zloader_throughput(_fresh_pipeline, window, warmup, cpu=True)
 
 
 def dataloader_fresh(window: float, warmup: float) -> dict[str, Any]:
-    return dataloader_throughput(_peers.torch_fresh_dataset()(), window, warmup)
+    return dataloader_throughput(_peers.torch_fresh_dataset()(), window, warmup, cpu=True)
 
 
 def memory_fresh(window: float, warmup: float, processes: int = 2) -> dict[str, Any]:
@@ -324,10 +329,13 @@ def memory_fresh(window: float, warmup: float, processes: int = 2) -> dict[str, 
                 child.join()
         results.close()
         results.join_thread()
-    rates = [nbytes / seconds / 1e9 for nbytes, seconds in answers]
+    rates = [nbytes / seconds / 1e9 for nbytes, seconds, _, _ in answers]
+    copies = sum(answer[2] for answer in answers)
+    cpu_s = sum(answer[3] for answer in answers)
     return {"gb_per_s": sum(rates), "per_process_gb_per_s": rates,
-            "bytes": sum(nbytes for nbytes, _ in answers),
-            "seconds": max(seconds for _, seconds in answers)}
+            "bytes": sum(answer[0] for answer in answers),
+            "seconds": max(answer[1] for answer in answers), "elements": copies,
+            "cpu_s": cpu_s, "cpu_ms_per_element": 1000 * cpu_s / copies}
 
 
 def zloader_broker_tcp(window: float, warmup: float, keyed: bool,
@@ -550,11 +558,19 @@ def evaluate(section: str, results: dict[str, dict[str, Any]]) -> list[dict[str,
             holds = "n/a" if met is None else "yes" if met else "no"
         elif not row.is_zloader:
             target = "reference"
+        cpu_ms = result.get("cpu_ms_per_element") if result["error"] is None else None
+        zloader_cpu = (zloader_result.get("cpu_ms_per_element")
+                       if zloader_result["error"] is None else None)
+        cpu_text = ""
+        if cpu_ms is not None:
+            cpu_text = f"{cpu_ms:.2f} ms"
+            if zloader_cpu and row is not rows[0]:
+                cpu_text += f" (zloader / system at equal CPU: {cpu_ms / zloader_cpu:.2f}x)"
         cells.append({
             "system": row.system,
             "value": format_value(metric, value) if value is not None else result["error"],
             "ratio": f"{advantage:.2f}x" if advantage is not None else "n/a",
-            "target": target, "holds": holds, "note": row.note})
+            "target": target, "holds": holds, "note": row.note, "cpu_ms": cpu_text})
     return cells
 
 
@@ -569,6 +585,11 @@ def markdown(section: str, cells: list[dict[str, str]]) -> str:
         value = cell["value"].replace("|", "\\|").replace("\n", " ")
         lines.append(f"| {cell['system']} | {value} | {cell['ratio']} | {cell['target']} | "
                      f"{cell['holds']} | {cell['note']} |")
+    cpu = [(cell["system"], cell["cpu_ms"]) for cell in cells if cell.get("cpu_ms")]
+    if cpu:
+        lines += ["", "CPU per element over the window, every process of the row (robust to "
+                  "a shared machine's load, unlike throughput): " + "; ".join(
+                      f"{system} {value}" for system, value in cpu) + "."]
     return "\n".join(lines)
 
 
