@@ -53,6 +53,37 @@ def produce_large(split: Any) -> Iterator[dict[str, np.ndarray]]:
         yield batch
 
 
+def fresh_batch(i: int) -> np.ndarray:
+    """The producer of section (h): a batch made afresh for every element, as a real
+    decode makes one (a new array each call, filled with ``i % 251``)."""
+    return np.full(IMAGE_SHAPE, i % 251, np.uint8)
+
+
+def copy_fresh(begin: float, window: float, results: Any) -> None:
+    """The reference of section (h), run in a forked process: make a fresh batch and copy
+    it once into a preallocated, already written buffer of the same size, again and again.
+    Counts the bytes copied from ``begin`` (a ``time.perf_counter()`` instant, the same
+    clock in every process of the host) over ``window`` seconds, ending with the first copy
+    done after the window closed, and puts ``(bytes, seconds, copies, cpu seconds)`` on
+    ``results``."""
+    target = np.ones(IMAGE_SHAPE, np.uint8)  # every page written: warm memory
+    i = 0
+    while time.perf_counter() < begin:  # the warm-up
+        np.copyto(target, fresh_batch(i))
+        i += 1
+    nbytes = copies = 0
+    cpu = time.process_time()
+    while True:
+        np.copyto(target, fresh_batch(i))
+        i += 1
+        copies += 1
+        nbytes += target.nbytes
+        now = time.perf_counter()
+        if now >= begin + window:
+            break
+    results.put((nbytes, now - begin, copies, time.process_time() - cpu))
+
+
 # --- the consumer side -------------------------------------------------------------------
 
 def touch(element: Any) -> int:
@@ -71,15 +102,18 @@ def touch(element: Any) -> int:
     return int(array.nbytes)
 
 
-def measure(iterator: Iterator[Any], window: float, warmup: float) -> dict[str, float]:
+def measure(iterator: Iterator[Any], window: float, warmup: float,
+            cpu: bool = False) -> dict[str, float]:
     """Consume ``iterator``: the first element, then ``warmup`` seconds, then count elements
     and array bytes over ``window`` seconds (ending with the first element received after
-    the window closed)."""
+    the window closed). ``cpu``: also the CPU seconds this process and its descendants (a
+    loader's workers) spent over the window, and per element."""
     start = time.perf_counter()
     touch(next(iterator))
     first = time.perf_counter()
     while time.perf_counter() - first < warmup:
         touch(next(iterator))
+    cpu_start = _tree_cpu() if cpu else 0.0
     t0 = time.perf_counter()
     end = t0 + window
     elements = nbytes = 0
@@ -90,9 +124,22 @@ def measure(iterator: Iterator[Any], window: float, warmup: float) -> dict[str, 
         if now >= end:
             break
     seconds = now - t0
-    return {"first_element_s": first - start, "elements": elements, "bytes": nbytes,
-            "seconds": seconds, "elements_per_s": elements / seconds,
-            "gb_per_s": nbytes / seconds / 1e9}
+    result = {"first_element_s": first - start, "elements": elements, "bytes": nbytes,
+              "seconds": seconds, "elements_per_s": elements / seconds,
+              "gb_per_s": nbytes / seconds / 1e9}
+    if cpu:
+        result["cpu_s"] = _tree_cpu() - cpu_start
+        result["cpu_ms_per_element"] = 1000 * result["cpu_s"] / elements
+    return result
+
+
+def _tree_cpu() -> float:
+    """CPU seconds this process and its live descendants have used so far."""
+    import psutil
+
+    from bench._common import tree_cpu
+
+    return tree_cpu(psutil.Process())
 
 
 # --- torch datasets (torch imported on first use) ----------------------------------------
@@ -124,6 +171,23 @@ def torch_datasets() -> tuple[type, type]:
             return iter(range(worker, self.stop, workers))
 
     return LargeDataset, IntsDataset
+
+
+@functools.cache
+def torch_fresh_dataset() -> type:
+    """A torch IterableDataset of section (h): worker ``i`` of ``n`` yields
+    ``fresh_batch(j)`` for ``j`` in ``range(i, 10**9, n)`` (torch imported on first use)."""
+    import torch.utils.data
+
+    class FreshDataset(torch.utils.data.IterableDataset):
+        """Fresh batches (``fresh_batch``), a disjoint part of the indices per worker."""
+
+        def __iter__(self) -> Iterator[np.ndarray]:
+            info = torch.utils.data.get_worker_info()
+            worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+            return map(fresh_batch, range(worker, 10**9, workers))
+
+    return FreshDataset
 
 
 # --- peer processes ----------------------------------------------------------------------

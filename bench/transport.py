@@ -39,6 +39,18 @@ measure transport, not production.
     ``exactly_once=True`` and with ``exactly_once=False``. Ratio: on / off.
 (g) The same for batches: ``Pipeline.range(10**9).shuffle(1024).batch(256)`` (a batch
     carries 256 origins), batches/s. Ratio: on / off.
+(h) Large batches made afresh for every element, as a real decode makes them: zloader
+    embedded (``Loader(Pipeline.range(10**9).map(fresh_batch), num_workers=2)``, where
+    ``fresh_batch(i)`` is ``np.full((64, 224, 224, 3), i % 251, np.uint8)``) against what
+    the host's memory allows (two forked processes, each making ``fresh_batch(i)`` and
+    copying it once with ``np.copyto`` into a preallocated buffer it has already written;
+    the sum of their GB/s over one window) and against ``DataLoader`` (2 workers, an
+    IterableDataset of the same function). Targets: zloader >= 0.75x memory speed,
+    >= 5x DataLoader. Unlike (a)-(g) this measures production and transport together.
+    Each row also records the CPU seconds of all its processes over the window (the
+    consumer and its workers; the two copying processes), per element: on a machine
+    shared with other work the throughput of rows run one after another varies with the
+    others' load, the CPU an element costs much less.
 
 Ratios read "how many times better zloader is" (throughput: zloader / system; time:
 system / zloader). These machines are shared and noisy: read the ratios, not the absolute
@@ -54,7 +66,7 @@ and the /dev/shm entries named after this process (zloader's ``zloader-UID-PID-.
 at exit; both should be empty. Other users' runs on a shared machine add /dev/shm entries
 too, so all new entries are recorded separately, unattributed.
 
-Run: ``python -m bench.transport [--window S] [--only a,b,c,d] [--out bench/results]``.
+Run: ``python -m bench.transport [--window S] [--only a,b,c,d,...,h] [--out DIR]``.
 """
 
 from __future__ import annotations
@@ -217,13 +229,14 @@ def _close_dataloader_iterator(iterator: Any) -> None:
         shutdown()
 
 
-def dataloader_throughput(dataset: Any, window: float, warmup: float) -> dict[str, Any]:
+def dataloader_throughput(dataset: Any, window: float, warmup: float,
+                          cpu: bool = False) -> dict[str, Any]:
     import torch.utils.data
 
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2, timeout=120)
     iterator = iter(loader)
     try:
-        return _peers.measure(iterator, window, warmup)
+        return _peers.measure(iterator, window, warmup, cpu)
     finally:
         _close_dataloader_iterator(iterator)
 
@@ -239,12 +252,12 @@ def dataloader_small(window: float, warmup: float) -> dict[str, Any]:
 
 
 def zloader_throughput(pipeline_fn: Callable[[Any], Any], window: float, warmup: float,
-                       **loader_kwargs: Any) -> dict[str, Any]:
+                       cpu: bool = False, **loader_kwargs: Any) -> dict[str, Any]:
     import zloader
 
     pipeline = pipeline_fn(zloader)
     with zloader.Loader(pipeline, num_workers=2, **loader_kwargs) as loader:
-        return _peers.measure(iter(loader), window, warmup)
+        return _peers.measure(iter(loader), window, warmup, cpu)
 
 
 def _large_pipeline(zloader: Any) -> Any:
@@ -278,6 +291,51 @@ def zloader_batched(window: float, warmup: float) -> dict[str, Any]:
 
 def zloader_batched_untracked(window: float, warmup: float) -> dict[str, Any]:
     return zloader_throughput(_batched, window, warmup, exactly_once=False)
+
+
+def _fresh_pipeline(zloader: Any) -> Any:
+    return zloader.Pipeline.range(10**9).map(_peers.fresh_batch)
+
+
+def zloader_fresh(window: float, warmup: float) -> dict[str, Any]:
+    return zloader_throughput(_fresh_pipeline, window, warmup, cpu=True)
+
+
+def dataloader_fresh(window: float, warmup: float) -> dict[str, Any]:
+    return dataloader_throughput(_peers.torch_fresh_dataset()(), window, warmup, cpu=True)
+
+
+def memory_fresh(window: float, warmup: float, processes: int = 2) -> dict[str, Any]:
+    """What the host's memory allows: ``processes`` forked processes each make a fresh
+    batch and copy it once into warm memory (``bench._peers.copy_fresh``), over one window
+    that starts for all of them at the same instant; the sum of their GB/s."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    begin = time.perf_counter() + warmup + 0.5  # 0.5 s: time for the forks to start
+    children = [context.Process(target=_peers.copy_fresh, args=(begin, window, results),
+                                daemon=True) for _ in range(processes)]
+    for child in children:
+        child.start()
+    try:
+        answers = [results.get(timeout=window + warmup + PEER_START_TIMEOUT_S)
+                   for _ in children]
+    finally:
+        for child in children:
+            child.join(5)
+            if child.is_alive():
+                child.kill()
+                child.join()
+        results.close()
+        results.join_thread()
+    rates = [nbytes / seconds / 1e9 for nbytes, seconds, _, _ in answers]
+    copies = sum(answer[2] for answer in answers)
+    cpu_s = sum(answer[3] for answer in answers)
+    return {"gb_per_s": sum(rates), "per_process_gb_per_s": rates,
+            "bytes": sum(answer[0] for answer in answers),
+            "seconds": max(answer[1] for answer in answers), "elements": copies,
+            "cpu_s": cpu_s, "cpu_ms_per_element": 1000 * cpu_s / copies}
 
 
 def zloader_broker_tcp(window: float, warmup: float, keyed: bool,
@@ -450,6 +508,19 @@ SECTIONS: dict[str, tuple[str, str, list[Row]]] = {
         Row("g", "zloader, exactly_once=False", zloader_batched_untracked, None,
             "no origins; ratio: on / off (batches/s)"),
     ]),
+    "h": ("Fresh large batches: np.full((64,224,224,3), i % 251, uint8) made for every "
+          "element, 2 workers", "gb_per_s", [
+        Row("h", "zloader (embedded), fresh batches", zloader_fresh, None,
+            "Pipeline.range(10**9).map(fresh_batch); the consumer reads one byte of "
+            "each array (_peers.touch), as in the DataLoader row"),
+        Row("h", "memory speed: 2 processes, fresh batch + one copy", memory_fresh,
+            ("ratio", 0.75),
+            "fork; each makes fresh_batch(i) and np.copyto's it into a written buffer; "
+            "sum of both over one window; no consumer (the copy reads every byte)"),
+        Row("h", "torch DataLoader, fresh batches", dataloader_fresh, ("ratio", 5.0),
+            "IterableDataset of fresh_batch, disjoint per worker, batch_size=None, fork; "
+            "the consumer reads one byte of each array"),
+    ]),
 }
 
 
@@ -487,11 +558,19 @@ def evaluate(section: str, results: dict[str, dict[str, Any]]) -> list[dict[str,
             holds = "n/a" if met is None else "yes" if met else "no"
         elif not row.is_zloader:
             target = "reference"
+        cpu_ms = result.get("cpu_ms_per_element") if result["error"] is None else None
+        zloader_cpu = (zloader_result.get("cpu_ms_per_element")
+                       if zloader_result["error"] is None else None)
+        cpu_text = ""
+        if cpu_ms is not None:
+            cpu_text = f"{cpu_ms:.2f} ms"
+            if zloader_cpu and row is not rows[0]:
+                cpu_text += f" (zloader / system at equal CPU: {cpu_ms / zloader_cpu:.2f}x)"
         cells.append({
             "system": row.system,
             "value": format_value(metric, value) if value is not None else result["error"],
             "ratio": f"{advantage:.2f}x" if advantage is not None else "n/a",
-            "target": target, "holds": holds, "note": row.note})
+            "target": target, "holds": holds, "note": row.note, "cpu_ms": cpu_text})
     return cells
 
 
@@ -506,6 +585,11 @@ def markdown(section: str, cells: list[dict[str, str]]) -> str:
         value = cell["value"].replace("|", "\\|").replace("\n", " ")
         lines.append(f"| {cell['system']} | {value} | {cell['ratio']} | {cell['target']} | "
                      f"{cell['holds']} | {cell['note']} |")
+    cpu = [(cell["system"], cell["cpu_ms"]) for cell in cells if cell.get("cpu_ms")]
+    if cpu:
+        lines += ["", "CPU per element over the window, every process of the row (robust to "
+                  "a shared machine's load, unlike throughput): " + "; ".join(
+                      f"{system} {value}" for system, value in cpu) + "."]
     return "\n".join(lines)
 
 
@@ -548,7 +632,7 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=5.0, help="seconds measured per row")
     parser.add_argument("--warmup", type=float, default=1.0,
                         help="seconds consumed before each window")
-    parser.add_argument("--only", default="a,b,c,d,e,f,g",
+    parser.add_argument("--only", default="a,b,c,d,e,f,g,h",
                         help="sections to run, e.g. a,c")
     parser.add_argument("--out", default="bench/results", help="where to write results")
     args = parser.parse_args()

@@ -43,7 +43,8 @@ LAYERS = {
     "broker.status": 6.2, "broker.state": 6.3, "broker.loop": 6.4, "broker": 6.5,
     # the worker: what sends to consumers and the producer at the bottom, the delivery modes
     # on the interface they implement, the task above them, the process on top
-    "worker.producer": 6.0, "worker.streams": 6.0, "worker.broker_link": 6.0,
+    "worker.memory": 6.0, "worker.producer": 6.0, "worker.streams": 6.0,
+    "worker.broker_link": 6.0,
     "worker.links": 6.1, "worker.delivery": 6.2, "worker.credit": 6.3, "worker.rounds": 6.4,
     "sharing.delivery": 6.4, "worker.task": 6.5, "worker.consumers": 6.6,
     "worker.process": 6.7, "worker": 6.8,
@@ -183,6 +184,8 @@ FORMAT_CONSTANTS = {
     "broker.pool": {"UNBOUNDED"},  # a sentinel: a job that can use any number of workers
     "formats._crc32c": {"_POLYNOMIAL"},  # CRC-32C's polynomial
     "formats.example": {"_VARINT", "_FIXED64", "_LENGTH", "_FIXED32"},  # protobuf wire types
+    "worker.memory": {"_M_TRIM_THRESHOLD", "_M_MMAP_THRESHOLD",  # glibc's mallopt
+                      "_M_ARENA_MAX"},  # parameter numbers (malloc.h)
 }
 
 

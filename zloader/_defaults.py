@@ -262,6 +262,20 @@ LOG_MAX_LINES = 500
 """Lines in one LOG message; the broker refuses more (``zloader.forward.MAX_LINES``;
 fixed)."""
 
+MALLOC_ARENAS = 1
+"""C allocator arenas of a worker process (glibc ``M_ARENA_MAX``): one, so that a block a
+producer thread allocated and the loop thread freed is reused by the next record rather
+than left in a thread's arena (zloader/worker/memory.py; fixed)."""
+
+MALLOC_MMAP_THRESHOLD = 32 << 20
+"""A worker process's C allocator serves blocks smaller than this from its heap, so that
+freed ones are reused warm (glibc ``M_MMAP_THRESHOLD``; 32 MiB is glibc's largest;
+fixed)."""
+
+MALLOC_TRIM_THRESHOLD = 256 << 20
+"""Freed heap memory a worker process keeps mapped for the next records before giving it
+back to the kernel (glibc ``M_TRIM_THRESHOLD``; fixed)."""
+
 MEMORY_ENTRIES = 2
 """Fetched pipelines (blobs) a worker process keeps in memory (fixed)."""
 

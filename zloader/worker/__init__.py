@@ -8,6 +8,8 @@ serves its elements to consumers (see docs/protocol.md).
 - :mod:`~zloader.worker.producer` and :mod:`~zloader.worker.links`: the producer thread
   that runs the pipeline, and the socket thread's ends of the producers' links;
 - :mod:`~zloader.worker.streams`: the consumers served and how a record reaches one;
+- :mod:`~zloader.worker.memory`: the process's C allocator, set so that records made
+  afresh reuse warm memory;
 - :mod:`~zloader.worker.delivery`: the delivery modes' protocol, with one class per mode:
   :mod:`~zloader.worker.credit` (plain, balanced), :mod:`~zloader.worker.rounds`
   (coordinated reads) and :mod:`zloader.sharing.delivery` (shared jobs).

@@ -41,6 +41,7 @@ from zloader.worker.consumers import DataPort
 from zloader.worker.credit import CreditDelivery
 from zloader.worker.delivery import Delivery
 from zloader.worker.links import Links
+from zloader.worker.memory import keep_freed_memory
 from zloader.worker.rounds import RoundsDelivery
 from zloader.worker.task import Assignment, Task, load_error
 
@@ -115,6 +116,7 @@ class WorkerProcess:
     # --- sockets --------------------------------------------------------------------------
 
     def run(self) -> None:
+        keep_freed_memory()  # records made afresh reuse warm memory (worker/memory.py)
         context = zmq.Context()
         self.supply = Supply(context, self.keys, self.inherited, self.blob_dir)
         guard = self.keys.guard(context) if self.keys is not None else None
