@@ -116,6 +116,11 @@ SMALL_ORIGIN_BLOCK = 32
 this many int64s) is encoded and checked in plain Python, not numpy: for few values numpy's
 per-call cost is the larger (fixed)."""
 
+LEAVE_GRACE_SECONDS = 5.0
+"""How long a consumer of a job without exactly-once still reads a worker its job's view
+no longer lists and that has not ended the epoch: a worker moved to another job sends
+what it made before it moves, and the broker's view can arrive first (fixed)."""
+
 LEDGER_FOLD_RECORDS = 64
 """A consumer's ledger of origins adds the records it is given this many at a time (or
 when it is read): one merge per split for many records, not one per record (fixed)."""

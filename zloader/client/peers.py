@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from zloader._defaults import RING_MAX_BYTES
+from zloader._defaults import LEAVE_GRACE_SECONDS, RING_MAX_BYTES
 from zloader._host import host_id
 from zloader.client.rounds import Rounds
 from zloader.client.session import Session, Settings
@@ -71,6 +71,9 @@ class Peers:
         self.on_gone: Callable[[], None] = lambda: None
         self.lost: str | None = None  # the last worker taken off the job, described
         self._peers: dict[str, Peer] = {}
+        # Workers the view no longer lists that may still have records of the epoch on the
+        # way (see :meth:`update`), read until their END or a deadline.
+        self._leaving: dict[str, tuple[Peer, float]] = {}
         self._index_of: dict[str, int] = {}  # every worker that ever served the job
         self._context: zmq.Context[Any] | None = None
         self._poller: zmq.Poller | None = None
@@ -124,10 +127,22 @@ class Peers:
             if peer is None:
                 self._connect(entry)
         gone = [w for w in self._peers if w not in seen]
+        session = self.session
         for worker in gone:
-            if worker not in self.session.ended:
-                self.lost = self._peers[worker].describe() + " stopped answering"
-            self.close(self._peers[worker], polite=False)
+            peer = self._peers[worker]
+            if worker not in session.ended:
+                self.lost = peer.describe() + " stopped answering"
+                if not self.settings.exactly_once and session.epoch is not None \
+                        and not session.done:
+                    # A worker moved to another job sent what it made before it moved
+                    # (its END last), on a socket the broker's view can overtake: read on
+                    # until that END (or LEAVE_GRACE_SECONDS). An exactly-once job must
+                    # close at once: its consumers answer a fence with what they hold.
+                    self._peers.pop(worker)
+                    self._leaving[worker] = (peer, time.monotonic() + LEAVE_GRACE_SECONDS)
+                    self.on_gone()
+                    continue
+            self.close(peer, polite=False)
             self.on_gone()
         if gone:
             sweep()  # a worker that died cannot unlink its segments: remove them for it
@@ -161,6 +176,18 @@ class Peers:
         if self.session.epoch is not None and not self.session.done:
             self.open(peer)
 
+    def left(self, worker: str) -> None:
+        """A leaving worker's END came: close its socket."""
+        leaving = self._leaving.pop(worker, None)
+        if leaving is not None:
+            self.close(leaving[0], polite=False)
+
+    def expire(self, now: float) -> None:
+        """Close the leaving workers whose grace is over."""
+        for worker, (_, deadline) in list(self._leaving.items()):
+            if now >= deadline:
+                self.left(worker)
+
     def close(self, peer: Peer, polite: bool) -> None:
         """Stop reading ``peer``: tell it (``polite``), close its socket and its rings."""
         if polite:
@@ -172,15 +199,19 @@ class Peers:
             if ring is not None:
                 ring.close()  # unlinks now; views the user holds stay valid
         peer.old_rings.clear()
-        self._peers.pop(peer.worker, None)
+        if self._peers.get(peer.worker) is peer:
+            del self._peers[peer.worker]
         self.stats.indices = tuple(p.index for p in self._peers.values())
         if peer.doing is not None:  # what it last did, should it turn out to have died
             self.stats.was_doing[peer.pid] = doing_text(peer.doing)
 
     def close_all(self) -> None:
-        """Close every peer, telling each (the consumer is going)."""
+        """Close every peer, telling each (the consumer is going), and the leaving ones."""
         for peer in list(self._peers.values()):
             self.close(peer, polite=True)
+        for peer, _ in self._leaving.values():
+            self.close(peer, polite=False)
+        self._leaving.clear()
 
     # --- streams and credits --------------------------------------------------------------
 

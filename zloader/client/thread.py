@@ -254,7 +254,9 @@ class IOThread(threading.Thread):
                         break
                     self._receive(sock, frames)
             self._link.send_acks()
-            self._end.check_stuck(time.monotonic())
+            now = time.monotonic()
+            self._end.check_stuck(now)
+            self._peers.expire(now)
 
     def _run_command(self, command: tuple[Any, ...]) -> None:
         if command[0] == "start":
