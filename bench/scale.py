@@ -9,7 +9,8 @@ pool, and the broker's control plane alone.
     this host) and *tcp* (a ``zloader-broker`` process on 127.0.0.1 and ``zloader-worker
     --processes w``, the Loader reading over TCP with ``transport="tcp"``). CPU per element
     is the CPU every process of the run spent (this one, the broker, the workers) over the
-    window, divided by the elements. Targets on a 2-core machine: efficiency >= 0.85 at 32
+    window, divided by the elements; "the trainer's" is this process's share of it (the
+    consumer, with the broker's thread when embedded). Targets on a 2-core machine: efficiency >= 0.85 at 32
     workers in both modes, >= 0.7 at 64.
 (2) **Several jobs on one pool.** A broker and ``zloader-worker --processes 8``; three
     jobs (Loaders in this process, one thread each) start together, a fourth joins
@@ -79,7 +80,8 @@ def measure(iterator: Iterator[Any], window: float, warmup: float,
     first = time.perf_counter()
     while time.perf_counter() - first < warmup:
         next(iterator)
-    cpu0, t0 = tree_cpu(*roots), time.perf_counter()
+    me = psutil.Process()
+    cpu0, own0, t0 = tree_cpu(*roots), _cpu(me), time.perf_counter()
     elements = 0
     while True:
         next(iterator)
@@ -87,11 +89,19 @@ def measure(iterator: Iterator[Any], window: float, warmup: float,
         now = time.perf_counter()
         if now >= t0 + window:
             break
-    cpu = tree_cpu(*roots) - cpu0
+    cpu, own = tree_cpu(*roots) - cpu0, _cpu(me) - own0
     seconds = now - t0
     return {"first_element_s": first - start, "elements": elements, "seconds": seconds,
             "elements_per_s": elements / seconds, "cpu_s": cpu,
-            "cpu_us_per_element": cpu / max(1, elements) * 1e6}
+            "cpu_us_per_element": cpu / max(1, elements) * 1e6,
+            "consumer_us_per_element": own / max(1, elements) * 1e6}
+
+
+def _cpu(process: psutil.Process) -> float:
+    """CPU seconds of ``process`` alone (the trainer: the consumer, and an embedded
+    broker's thread)."""
+    times = process.cpu_times()
+    return times.user + times.system
 
 
 @contextlib.contextmanager
@@ -213,18 +223,19 @@ def jobs_section(args: argparse.Namespace) -> dict[str, Any]:
 
 def scale_table(points: list[dict[str, Any]]) -> list[str]:
     lines = ["| mode | workers | elements/s | ideal | efficiency | target | holds | "
-             "CPU per element |", "|---|---|---|---|---|---|---|---|"]
+             "CPU per element | of it, the trainer's |", "|---|---|---|---|---|---|---|---|---|"]
     for p in points:
         if "error" in p:
             lines.append(f"| {p['mode']} | {p['workers']} | failed: {p['error']} "
-                         "| | | | | |")
+                         "| | | | | | |")
             continue
         target = 0.85 if p["workers"] == 32 else 0.7 if p["workers"] == 64 else None
         holds = "-" if target is None else "yes" if p["efficiency"] >= target else "no"
         lines.append(f"| {p['mode']} | {p['workers']} | {p['elements_per_s']:.0f} | "
                      f"{p['ideal_per_s']:.0f} | {p['efficiency']:.2f} | "
                      f"{'>= ' + str(target) if target else '-'} | {holds} | "
-                     f"{p['cpu_us_per_element']:.0f} µs |")
+                     f"{p['cpu_us_per_element']:.0f} µs | "
+                     f"{p.get('consumer_us_per_element', float('nan')):.0f} µs |")
     return lines
 
 
