@@ -10,8 +10,8 @@ pool, and the broker's control plane alone.
     --processes w``, the Loader reading over TCP with ``transport="tcp"``). CPU per element
     is the CPU every process of the run spent (this one, the broker, the workers) over the
     window, divided by the elements; "the trainer's" is this process's share of it (the
-    consumer, with the broker's thread when embedded). Targets on a 2-core machine: efficiency >= 0.85 at 32
-    workers in both modes, >= 0.7 at 64.
+    consumer, with the broker's thread when embedded). Targets on a 2-core machine:
+    efficiency >= 0.85 at 32 workers in both modes, >= 0.7 at 64.
 (2) **Several jobs on one pool.** A broker and ``zloader-worker --processes 8``; three
     jobs (Loaders in this process, one thread each) start together, a fourth joins
     ``--late`` seconds later: the seconds it waits for its first element, then each job's
