@@ -291,7 +291,17 @@ DISK_ENTRIES = 8
 
 DEFAULT_RING_BYTES = 64 * 1024 * 1024
 """Data capacity of a ring (one per co-located worker and consumer);
-``Loader(ring_bytes=)`` (None means this)."""
+``Loader(ring_bytes=)`` (None means this, or less with many workers: RINGS_BYTES)."""
+
+RINGS_BYTES = 512 * 1024 * 1024
+"""The most a consumer's default rings take together when it starts reading: with more
+than RINGS_BYTES / DEFAULT_RING_BYTES co-located workers each starts smaller (at least
+MIN_RING_BYTES), and grows as its records need. 64 workers with 64 MiB rings each (4 GiB
+of /dev/shm reserved at once) stalled the Loader's process so long that its embedded
+broker fell silent and the workers reconnected over and over (fixed)."""
+
+MIN_RING_BYTES = 4 * 1024 * 1024
+"""The smallest ring a consumer starts with by default (see RINGS_BYTES; fixed)."""
 
 SEGMENT_BYTES = 1 << 20
 """A record this large that finds its ring full goes in a shared-memory segment of its own

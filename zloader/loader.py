@@ -78,7 +78,9 @@ class Loader:
         on_error: ``"raise"`` or ``"skip"`` (drop elements whose user code raises, or
             that the codec cannot encode).
         max_skipped: with ``"skip"``, raise once more than this many were dropped.
-        ring_bytes: shared-memory ring size per co-located worker (default 64 MiB).
+        ring_bytes: shared-memory ring size per co-located worker (default 64 MiB, less
+            with more than 8 such workers: 512 MiB together, at least 4 MiB each; a ring
+            grows when its records are large for it).
         balanced: with ``job_name``, the number N of Loaders sharing the job: workers then
             wait until all N have opened an epoch and deal its elements one at a time,
             round-robin, so each Loader gets an equal share (to within one element per

@@ -14,7 +14,13 @@ from typing import Any
 import numpy as np
 import zmq
 
-from zloader._defaults import LEAVE_GRACE_SECONDS, RING_MAX_BYTES
+from zloader._defaults import (
+    DEFAULT_RING_BYTES,
+    LEAVE_GRACE_SECONDS,
+    MIN_RING_BYTES,
+    RING_MAX_BYTES,
+    RINGS_BYTES,
+)
 from zloader._host import host_id
 from zloader.client.rounds import Rounds
 from zloader.client.session import Session, Settings
@@ -75,6 +81,7 @@ class Peers:
         # way (see :meth:`update`), read until their END or a deadline.
         self._leaving: dict[str, tuple[Peer, float]] = {}
         self._index_of: dict[str, int] = {}  # every worker that ever served the job
+        self._ring_bytes = settings.ring_bytes  # a new worker's ring (see update)
         self._context: zmq.Context[Any] | None = None
         self._poller: zmq.Poller | None = None
 
@@ -113,6 +120,8 @@ class Peers:
         """Follow the job's worker list (its JOB view): connect to the new ones, close
         the ones it no longer lists, and read a worker given a new task afresh."""
         seen = set()
+        workers = list(workers)
+        self._ring_bytes = self.settings.ring_bytes or default_ring_bytes(len(workers))
         for entry in workers:  # checked by the JOB record
             worker = entry["worker"]
             peer = self._peers.get(worker)
@@ -168,7 +177,7 @@ class Peers:
         local = entry.get("host_id") == host_id()
         peer.own = local and peer.pid in self.settings.own
         if self.settings.use_rings and local:
-            peer.ring = make_ring(self.settings.ring_bytes)
+            peer.ring = make_ring(self._ring_bytes)
         self._peers[peer.worker] = peer
         self._index_of[peer.worker] = peer.index
         self.stats.indices = tuple(p.index for p in self._peers.values())
@@ -322,11 +331,20 @@ class Peers:
         return block
 
 
+def default_ring_bytes(workers: int) -> int:
+    """The ring a consumer starts with for each of ``workers`` co-located workers when
+    ``Loader(ring_bytes=)`` is None: DEFAULT_RING_BYTES, less with many workers (together
+    at most RINGS_BYTES, each at least MIN_RING_BYTES); a ring grows when its records are
+    large for it (:meth:`Peers.grow_ring`)."""
+    share = RINGS_BYTES // max(1, workers) // RING_ALIGN * RING_ALIGN
+    return max(MIN_RING_BYTES, min(DEFAULT_RING_BYTES, share))
+
+
 def make_ring(size: int | None) -> Any:
     """A ring of ``size`` bytes (default: the ring's) to read a co-located worker's records
     from, or None when /dev/shm cannot hold it (that worker's records then come over the
     socket)."""
-    from zloader.transport.ring import DEFAULT_RING_BYTES, RingReader
+    from zloader.transport.ring import RingReader
     from zloader.transport.shm import ShmError
 
     try:
