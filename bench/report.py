@@ -447,6 +447,47 @@ def render_sources(data: Any, out: Path) -> list[str]:
     return lines
 
 
+def render_scale(data: Any, out: Path) -> list[str]:
+    """bench/scale.py: throughput against workers (a plot and its table), several jobs on
+    one pool, and the broker's control plane alone."""
+    points = [p for p in data.get("scale", []) if "error" not in p]
+    lines = [f"Elements of {data.get('element_ms', 10):g} ms of waiting (wall time, not this "
+             "host's CPU); efficiency = measured / ideal.", ""]
+    if points:
+        fig, (ax,) = figure()
+        workers = sorted({p["workers"] for p in points})
+        ax.plot(workers, [w * 1000 / data.get("element_ms", 10) for w in workers], "k:",
+                label="ideal")
+        for mode in sorted({p["mode"] for p in points}):
+            mine = sorted((p["workers"], p["elements_per_s"]) for p in points
+                          if p["mode"] == mode)
+            ax.plot([w for w, _ in mine], [v for _, v in mine], "o-", label=mode)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("workers (log scale)")
+        ax.set_ylabel("elements/s (log scale)")
+        ax.legend()
+        lines += [save(fig, out, "scale.png", "throughput against workers"), "",
+                  *table(["mode", "workers", "elements/s", "efficiency", "CPU per element",
+                          "the trainer's"],
+                         [[p["mode"], p["workers"], f"{p['elements_per_s']:.0f}",
+                           f"{p['efficiency']:.2f}", f"{p['cpu_us_per_element']:.0f} µs",
+                           f"{p.get('consumer_us_per_element', float('nan')):.0f} µs"]
+                          for p in points]), ""]
+    jobs = data.get("several_jobs")
+    if isinstance(jobs, dict) and jobs.get("shares"):
+        lines += [f"**Four jobs on {jobs['pool']} workers:** shares "
+                  + ", ".join(f"{share:.2f}" for share in jobs["shares"])
+                  + f"; the late job waited {jobs['late_first_element_s']:.2f} s for its "
+                  "first element.", ""]
+    fleet = data.get("fleet")
+    if isinstance(fleet, dict) and "broker_cpu" in fleet:
+        lines += [f"**The control plane alone:** {fleet['workers']} workers and "
+                  f"{fleet['consumers']} consumers: broker CPU {fleet['broker_cpu']:.2f} of a "
+                  f"core, EPOCH answer p99 {1000 * fleet['epoch_p99_s']:.1f} ms."]
+    return lines
+
+
 RENDERERS: dict[str, tuple[str, Renderer]] = {
     "codec": ("Codec", render_codec),
     "transport": ("Transport: zloader against other loaders", render_transport),
@@ -457,6 +498,7 @@ RENDERERS: dict[str, tuple[str, Renderer]] = {
     "coordinated": ("Coordinated reads", render_coordinated),
     "soak": ("Soak", render_soak),
     "sources": ("File-format sources against their own readers", render_sources),
+    "scale": ("Scale-out: throughput against workers", render_scale),
     "gpu_train": ("GPU end-to-end training (bench/gpu_train.py)", render_gpu_train),
     "gpu_train_smoke": ("GPU end-to-end training, CPU smoke run (bench/gpu_train.py --smoke)",
                         render_gpu_train),
