@@ -411,3 +411,39 @@ def test_a_peer_replaying_the_plain_token_cannot_make_an_epoch_end_short(tmp_pat
             finally:
                 thief.close(0)
                 context.term()
+
+
+def test_origins_travel_as_runs_and_a_killed_worker_still_loses_and_repeats_nothing():
+    """Elements read in order (no shuffle): each record's origins are runs, so what the
+    consumer holds of a split is one range, not an index per element; a worker SIGKILLed
+    mid-epoch still costs nothing and repeats nothing."""
+    n = 6000
+    pipeline = Pipeline.range(n, split_size=40)  # (quick elements: records of many)
+    seen: collections.Counter = collections.Counter()
+    runs = []  # per record yielded: (elements, runs on the wire, splits they came from)
+    with service(workers=3) as (address, procs), \
+            Loader(pipeline, broker=address, timeout=30) as loader:
+        yielded = loader._merger.yielded
+        record = yielded.record
+
+        def note(origins, elements):
+            if origins is not None:
+                runs.append((int(origins.runs[:, 3].sum()), len(origins.runs),
+                             len({tuple(r) for r in origins.runs[:, :2].tolist()})))
+            record(origins, elements)
+
+        yielded.record = note
+        for i, x in enumerate(loader):
+            seen[int(x)] += 1
+            if i == 300:
+                ledger = loader._merger.yielded.ledger
+                assert ledger.open or ledger.done
+                # at most one range per split read so far, one more for a record under way
+                assert all(len(held.starts) <= 2 for held in ledger.open.values())
+                victim = next(p for p in procs if p.poll() is None)
+                victim.send_signal(signal.SIGKILL)
+                victim.wait()
+                procs.append(start_worker(address))
+    assert_exactly_once(seen, n)
+    assert runs and all(count == splits for _, count, splits in runs)  # a run per split
+    assert sum(elements for elements, _, _ in runs) >= n and any(e > 1 for e, _, _ in runs)
