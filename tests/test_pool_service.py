@@ -55,8 +55,6 @@ def test_train_and_validation_loaders_on_one_broker_each_read_every_epoch(worker
         once(drain(validation), 200)
 
 
-@pytest.mark.slow  # fails about 1 run in 4: elements of a shuffle buffer lost (a known
-# defect, under investigation); kept out of `make test` until it is fixed
 def test_a_job_without_exactly_once_drains_the_worker_it_gives_and_repeats_nothing():
     """``exactly_once=False``: two workers read a shuffled, batched job when a second job
     registers mid-epoch and takes one of them, while the first job's loop is paused (as

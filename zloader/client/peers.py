@@ -107,8 +107,11 @@ class Peers:
         return self._peers.get(worker)
 
     def of(self, sock: Any) -> Peer | None:
-        """The peer whose socket is ``sock``."""
-        return next((p for p in self._peers.values() if p.socket is sock), None)
+        """The peer whose socket is ``sock`` (a leaving one's too: see :meth:`update`)."""
+        peer = next((p for p in self._peers.values() if p.socket is sock), None)
+        if peer is None and self._leaving:
+            peer = next((p for p, _ in self._leaving.values() if p.socket is sock), None)
+        return peer
 
     def index_of(self, worker: str) -> int | None:
         """The worker index ``worker`` had when it served the job (None: it never did)."""
@@ -179,23 +182,29 @@ class Peers:
         if self.settings.use_rings and local:
             peer.ring = make_ring(self._ring_bytes)
         self._peers[peer.worker] = peer
+        if not self.settings.fixed:
+            # A worker back under a new task (moved away and back, mid-epoch) reads new
+            # splits and ends the epoch again: its END of the old task must not count.
+            self.session.ended.discard(peer.worker)
         self._index_of[peer.worker] = peer.index
         self.stats.indices = tuple(p.index for p in self._peers.values())
         self._poller.register(sock, zmq.POLLIN)
         if self.session.epoch is not None and not self.session.done:
             self.open(peer)
 
-    def left(self, worker: str) -> None:
-        """A leaving worker's END came: close its socket."""
-        leaving = self._leaving.pop(worker, None)
-        if leaving is not None:
-            self.close(leaving[0], polite=False)
+    def left(self, peer: Peer) -> None:
+        """``peer`` sent its END: if it was leaving, close its socket (the same worker
+        back under a new task has another peer)."""
+        leaving = self._leaving.get(peer.worker)
+        if leaving is not None and leaving[0] is peer:
+            del self._leaving[peer.worker]
+            self.close(peer, polite=False)
 
     def expire(self, now: float) -> None:
         """Close the leaving workers whose grace is over."""
-        for worker, (_, deadline) in list(self._leaving.items()):
+        for peer, deadline in list(self._leaving.values()):
             if now >= deadline:
-                self.left(worker)
+                self.left(peer)
 
     def close(self, peer: Peer, polite: bool) -> None:
         """Stop reading ``peer``: tell it (``polite``), close its socket and its rings."""

@@ -153,7 +153,7 @@ class Receiver:
                                                 self.rounds.ends.get(peer.worker, -1))
         self._note_lagged(peer, end.lagged, end.replayed)
         session.ended.add(peer.worker)
-        self.peers.left(peer.worker)  # (a worker that had left the view: nothing more comes)
+        self.peers.left(peer)  # (a worker that had left the view: nothing more comes)
         origins = None
         if end.origins:
             if len(payload) != 1:
