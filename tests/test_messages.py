@@ -344,7 +344,7 @@ def test_records_refuse_any_body_only_with_protocol_error(command, body):
 @given(st.binary(max_size=80) | st.builds(
     lambda cut, noise: SAMPLES[Command.DATA][:cut] + noise, st.integers(0, 80),
     st.binary(max_size=12)))
-@settings(max_examples=500, derandomize=True, deadline=None)
+@settings(max_examples=300, derandomize=True, deadline=None)
 def test_packed_data_refuses_any_body_only_with_protocol_error(body):
     try:
         record = messages.decode(wire(Command.DATA, body))
