@@ -488,6 +488,15 @@ def render_scale(data: Any, out: Path) -> list[str]:
     return lines
 
 
+def render_hops(data: Any, out: Path) -> list[str]:
+    """bench/hops.py: what one hop of a record costs on the machine."""
+    from bench.hops import table as hops_table
+
+    return ["The floor under the record path: a record makes about three hops (producer "
+            "to socket thread, worker to consumer, I/O thread to iterating thread) and a "
+            "share of a CREDIT's.", "", *hops_table(data)]
+
+
 RENDERERS: dict[str, tuple[str, Renderer]] = {
     "codec": ("Codec", render_codec),
     "transport": ("Transport: zloader against other loaders", render_transport),
@@ -499,6 +508,7 @@ RENDERERS: dict[str, tuple[str, Renderer]] = {
     "soak": ("Soak", render_soak),
     "sources": ("File-format sources against their own readers", render_sources),
     "scale": ("Scale-out: throughput against workers", render_scale),
+    "hops": ("What one hop of a record costs", render_hops),
     "gpu_train": ("GPU end-to-end training (bench/gpu_train.py)", render_gpu_train),
     "gpu_train_smoke": ("GPU end-to-end training, CPU smoke run (bench/gpu_train.py --smoke)",
                         render_gpu_train),

@@ -1,0 +1,185 @@
+"""What one hop of a record costs on this machine, the floor under zloader's record path.
+
+A record crosses, in order: the worker's producer thread to its socket thread, a DATA
+notice from the worker process to the consumer's (ZeroMQ over ipc, through both sides'
+ZeroMQ I/O threads), and the consumer's I/O thread to the iterating thread (a queue);
+a CREDIT goes back every few records. Each hop wakes a thread. This measures, with
+nothing of zloader's in the way:
+
+- **process hop**: a message between two processes over a ZeroMQ ``ipc://`` PAIR, ping-pong;
+  CPU of both processes (user + system, ZeroMQ's I/O threads included) per one-way message;
+- **thread hop**: a handoff between two threads of one process through ``queue.Queue``,
+  ping-pong; CPU of the process per one-way handoff;
+- **Python speed**: CPU of an empty ``for`` loop of a million turns (a rough scale of
+  this host's Python speed against others).
+
+``python -m bench.hops [--messages N] [--out DIR]`` writes ``hops.json`` and ``hops.md``.
+Compare the hops of one record (about three, plus a share of a CREDIT) with bench.scale's
+CPU per element: what is above them is Python work per record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import queue
+import resource
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from bench._common import provenance
+
+
+def _cpu(who: int) -> float:
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
+
+
+def echo(address: str, messages: int) -> None:
+    """The other process: answer ``messages`` messages (and the warm-up one)."""
+    context = zmq.Context()
+    pair = context.socket(zmq.PAIR)
+    pair.connect(address)
+    for _ in range(messages + 1):
+        pair.send(pair.recv())
+    pair.close(0)
+    context.term()
+
+
+def process_hop(messages: int) -> dict[str, float]:
+    """Ping-pong over ipc with a child process; CPU per one-way message."""
+    with tempfile.TemporaryDirectory() as where:
+        address = f"ipc://{where}/hop"
+        context = zmq.Context()
+        pair = context.socket(zmq.PAIR)
+        pair.bind(address)
+        child = subprocess.Popen([sys.executable, "-m", "bench.hops", "--echo", address,
+                                  "--messages", str(messages)])
+        try:
+            pair.send(b"x")
+            pair.recv()  # (the child has started: its start-up is not counted below)
+            child_cpu = _child_cpu(child.pid)
+            mine, wall = _cpu(resource.RUSAGE_SELF), time.perf_counter()
+            for _ in range(messages):
+                pair.send(b"x")
+                pair.recv()
+            wall = time.perf_counter() - wall
+            mine = _cpu(resource.RUSAGE_SELF) - mine
+            child_cpu = _child_cpu(child.pid) - child_cpu
+        finally:
+            child.wait(30)
+            pair.close(0)
+            context.term()
+    hops = 2 * messages
+    return {"wall_us": wall / hops * 1e6, "cpu_us": (mine + child_cpu) / hops * 1e6,
+            "this_side_cpu_us": mine / hops * 1e6}
+
+
+def _child_cpu(pid: int) -> float:
+    import psutil
+
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
+def thread_hop(messages: int) -> dict[str, float]:
+    """Ping-pong through two queue.Queue between two threads; CPU per handoff."""
+    there: queue.Queue[int] = queue.Queue()
+    back: queue.Queue[int] = queue.Queue()
+
+    def answer() -> None:
+        for _ in range(messages):
+            back.put(there.get())
+
+    helper = threading.Thread(target=answer, daemon=True)
+    helper.start()
+    cpu, wall = _cpu(resource.RUSAGE_SELF), time.perf_counter()
+    for i in range(messages):
+        there.put(i)
+        back.get()
+    wall = time.perf_counter() - wall
+    cpu = _cpu(resource.RUSAGE_SELF) - cpu
+    helper.join(30)
+    return {"wall_us": wall / (2 * messages) * 1e6, "cpu_us": cpu / (2 * messages) * 1e6}
+
+
+def python_speed() -> dict[str, float]:
+    """CPU milliseconds of an empty loop of a million turns."""
+    cpu = time.thread_time()
+    for _ in range(1_000_000):
+        pass
+    return {"loop_ms": (time.thread_time() - cpu) * 1e3}
+
+
+def median(measure: Any, args: argparse.Namespace) -> dict[str, float]:
+    """The run of ``measure(messages)`` with the median CPU (or loop time) of
+    ``args.repeats`` runs: a shared machine's hops vary from one minute to the next."""
+    runs = [measure(args.messages) for _ in range(max(1, args.repeats))]
+    runs.sort(key=lambda run: run.get("cpu_us", run.get("loop_ms", 0.0)))
+    chosen = dict(runs[len(runs) // 2])
+    chosen["runs_cpu"] = [round(r.get("cpu_us", r.get("loop_ms", 0.0)), 1) for r in runs]
+    return chosen
+
+
+def table(results: dict[str, Any]) -> list[str]:
+    process, thread = results["process_hop"], results["thread_hop"]
+    return [
+        "| hop | CPU per hop | wall per hop | notes |", "|---|---|---|---|",
+        f"| process to process (ZeroMQ ipc) | {process['cpu_us']:.0f} µs | "
+        f"{process['wall_us']:.0f} µs | both processes, their ZeroMQ I/O threads "
+        f"included ({process['this_side_cpu_us']:.0f} µs on the sending side); runs: "
+        f"{_runs(process)} |",
+        f"| thread to thread (queue.Queue) | {thread['cpu_us']:.0f} µs | "
+        f"{thread['wall_us']:.0f} µs | one process; runs: {_runs(thread)} |",
+        f"| (an empty Python loop of 1M turns) | {results['python_loop']['loop_ms']:.0f} ms | | "
+        "this host's Python speed |"]
+
+
+def _runs(hop: dict[str, Any]) -> str:
+    return ", ".join(f"{v:.0f}" for v in hop.get("runs_cpu", [])) + " µs"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--messages", type=int, default=5000,
+                        help="round trips per measurement (default 5000)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="measurements of each, the median reported (default 3)")
+    parser.add_argument("--out", default="bench/results", help="where to write results")
+    parser.add_argument("--echo", help=argparse.SUPPRESS)  # the child process's side
+    args = parser.parse_args(argv)
+    if args.echo:
+        echo(args.echo, args.messages)
+        return 0
+    results: dict[str, Any] = {
+        "benchmark": "hops",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(), "nproc": os.cpu_count(), "python": platform.python_version(),
+        **provenance(), "messages": args.messages, "repeats": args.repeats,
+        "process_hop": median(process_hop, args), "thread_hop": median(thread_hop, args),
+        "python_loop": median(lambda _: python_speed(), args)}
+    lines = [f"Hop costs (bench/hops.py), nproc {os.cpu_count()}, {args.messages} round "
+             f"trips each, the median of {args.repeats} runs. The floor under the record "
+             "path: a record makes about three hops (producer to socket thread, worker to "
+             "consumer, I/O thread to iterating thread) and a share of a CREDIT's.", "",
+             *table(results)]
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "hops.json").write_text(json.dumps(results, indent=1))
+    (out / "hops.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
