@@ -417,7 +417,7 @@ def test_origins_travel_as_runs_and_a_killed_worker_still_loses_and_repeats_noth
     """Elements read in order (no shuffle): each record's origins are runs, so what the
     consumer holds of a split is one range, not an index per element; a worker SIGKILLed
     mid-epoch still costs nothing and repeats nothing."""
-    n = 6000
+    n = 3000
     pipeline = Pipeline.range(n, split_size=40)  # (quick elements: records of many)
     seen: collections.Counter = collections.Counter()
     runs = []  # per record yielded: (elements, runs on the wire, splits they came from)
