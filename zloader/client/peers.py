@@ -80,6 +80,7 @@ class Peers:
         # Workers the view no longer lists that may still have records of the epoch on the
         # way (see :meth:`update`), read until their END or a deadline.
         self._leaving: dict[str, tuple[Peer, float]] = {}
+        self._by_socket: dict[Any, Peer] = {}  # every open peer's, leaving ones' too
         self._index_of: dict[str, int] = {}  # every worker that ever served the job
         self._ring_bytes = settings.ring_bytes  # a new worker's ring (see update)
         self._context: zmq.Context[Any] | None = None
@@ -108,10 +109,7 @@ class Peers:
 
     def of(self, sock: Any) -> Peer | None:
         """The peer whose socket is ``sock`` (a leaving one's too: see :meth:`update`)."""
-        peer = next((p for p in self._peers.values() if p.socket is sock), None)
-        if peer is None and self._leaving:
-            peer = next((p for p, _ in self._leaving.values() if p.socket is sock), None)
-        return peer
+        return self._by_socket.get(sock)
 
     def index_of(self, worker: str) -> int | None:
         """The worker index ``worker`` had when it served the job (None: it never did)."""
@@ -182,6 +180,7 @@ class Peers:
         if self.settings.use_rings and local:
             peer.ring = make_ring(self._ring_bytes)
         self._peers[peer.worker] = peer
+        self._by_socket[sock] = peer
         if not self.settings.fixed:
             # A worker back under a new task (moved away and back, mid-epoch) reads new
             # splits and ends the epoch again: its END of the old task must not count.
@@ -212,6 +211,7 @@ class Peers:
             self.send(peer, Command.CLOSE, {})
         if self._poller is not None:
             self._poller.unregister(peer.socket)
+        self._by_socket.pop(peer.socket, None)
         peer.socket.close(0)
         for ring in [peer.ring, *peer.old_rings]:
             if ring is not None:
