@@ -413,6 +413,7 @@ def test_a_peer_replaying_the_plain_token_cannot_make_an_epoch_end_short(tmp_pat
                 context.term()
 
 
+@pytest.mark.slow
 def test_origins_travel_as_runs_and_a_killed_worker_still_loses_and_repeats_nothing():
     """Elements read in order (no shuffle): each record's origins are runs, so what the
     consumer holds of a split is one range, not an index per element; a worker SIGKILLed
