@@ -46,12 +46,14 @@ def _cpu(who: int) -> float:
 
 
 def echo(address: str, messages: int) -> None:
-    """The other process: answer ``messages`` messages (and the warm-up one)."""
+    """The other process: answer ``messages`` messages (and the warm-up one), then wait
+    for the word to exit (its CPU is read while it still runs)."""
     context = zmq.Context()
     pair = context.socket(zmq.PAIR)
     pair.connect(address)
     for _ in range(messages + 1):
         pair.send(pair.recv())
+    pair.recv()
     pair.close(0)
     context.term()
 
@@ -76,8 +78,13 @@ def process_hop(messages: int) -> dict[str, float]:
             wall = time.perf_counter() - wall
             mine = _cpu(resource.RUSAGE_SELF) - mine
             child_cpu = _child_cpu(child.pid) - child_cpu
+            pair.send(b"exit")
         finally:
-            child.wait(30)
+            try:
+                child.wait(30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
             pair.close(0)
             context.term()
     hops = 2 * messages

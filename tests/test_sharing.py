@@ -65,7 +65,7 @@ def test_three_trainers_share_one_run_and_see_the_same_sequence(tmp_path):
     log = str(tmp_path / "calls")
     with service(workers=1) as (address, _):
         # (slow enough that the others, started once it reads, join while it still runs)
-        first = Trainer(address, "--log", log, "--delay", "0.015", epochs=3)
+        first = Trainer(address, "--log", log, "--delay", "0.02", epochs=3)
         wait_for(lambda: first.progress >= 10, what="the first trainer's progress")
         others = [Trainer(address, "--log", log, epochs=3) for _ in range(2)]
         runs = [t.epochs() for t in (first, *others)]
