@@ -35,9 +35,10 @@ import threading
 import time
 from typing import Any
 
+import psutil
 import zmq
 
-from bench._common import provenance
+from bench._common import provenance, stop, tree_cpu
 
 
 def _cpu(who: int) -> float:
@@ -70,33 +71,22 @@ def process_hop(messages: int) -> dict[str, float]:
         try:
             pair.send(b"x")
             pair.recv()  # (the child has started: its start-up is not counted below)
-            child_cpu = _child_cpu(child.pid)
+            child_cpu = tree_cpu(psutil.Process(child.pid))
             mine, wall = _cpu(resource.RUSAGE_SELF), time.perf_counter()
             for _ in range(messages):
                 pair.send(b"x")
                 pair.recv()
             wall = time.perf_counter() - wall
             mine = _cpu(resource.RUSAGE_SELF) - mine
-            child_cpu = _child_cpu(child.pid) - child_cpu
+            child_cpu = tree_cpu(psutil.Process(child.pid)) - child_cpu
             pair.send(b"exit")
         finally:
-            try:
-                child.wait(30)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
+            stop([child], 30)
             pair.close(0)
             context.term()
     hops = 2 * messages
     return {"wall_us": wall / hops * 1e6, "cpu_us": (mine + child_cpu) / hops * 1e6,
             "this_side_cpu_us": mine / hops * 1e6}
-
-
-def _child_cpu(pid: int) -> float:
-    import psutil
-
-    times = psutil.Process(pid).cpu_times()
-    return times.user + times.system
 
 
 def thread_hop(messages: int) -> dict[str, float]:

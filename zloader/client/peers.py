@@ -142,17 +142,16 @@ class Peers:
             peer = self._peers[worker]
             if worker not in session.ended:
                 self.lost = peer.describe() + " stopped answering"
-                if not self.settings.exactly_once and session.epoch is not None \
-                        and not session.done:
-                    # A worker moved to another job sent what it made before it moved
-                    # (its END last), on a socket the broker's view can overtake: read on
-                    # until that END (or LEAVE_GRACE_SECONDS). An exactly-once job must
-                    # close at once: its consumers answer a fence with what they hold.
-                    self._peers.pop(worker)
-                    self._leaving[worker] = (peer, time.monotonic() + LEAVE_GRACE_SECONDS)
-                    self.on_gone()
-                    continue
-            self.close(peer, polite=False)
+            if worker not in session.ended and not self.settings.exactly_once \
+                    and session.epoch is not None and not session.done:
+                # A worker moved to another job sent what it made before it moved (its
+                # END last), on a socket the broker's view can overtake: read on until
+                # that END (or LEAVE_GRACE_SECONDS). An exactly-once job must close at
+                # once: its consumers answer a fence with what they hold.
+                del self._peers[worker]
+                self._leaving[worker] = (peer, time.monotonic() + LEAVE_GRACE_SECONDS)
+            else:
+                self.close(peer, polite=False)
             self.on_gone()
         if gone:
             sweep()  # a worker that died cannot unlink its segments: remove them for it
@@ -259,7 +258,7 @@ class Peers:
         if target is None or self.session.epoch is None:
             return
         target.returned += credits
-        if target.returned >= max(1, self.settings.prefetch // 2) or target.mapped:
+        if target.returned >= self.settings.credit_batch or target.mapped:
             if target.owed <= 0:  # it had none: its silence so far says nothing
                 target.heard = time.monotonic()
             target.owed += target.returned

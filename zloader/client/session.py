@@ -31,6 +31,11 @@ class Settings:
     own: frozenset[int] = frozenset()  # pids of its own forked workers, whose records may
     # hold pickled leaves (Loader(objects=True)); nobody else's are unpickled
 
+    @property
+    def credit_batch(self) -> int:
+        """Credits given back that make one CREDIT: half the prefetch (at least one)."""
+        return max(1, self.prefetch // 2)
+
 
 @dataclass
 class Session:

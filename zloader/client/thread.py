@@ -112,7 +112,7 @@ class IOThread(threading.Thread):
         fewer credits wait for its next poll (POLL_MS), or the next message it handles."""
         self._commands.append(("credit", worker, credits))
         owed = self._unsent.get(worker, 0) + credits
-        if owed >= max(1, self.settings.prefetch // 2):
+        if owed >= self.settings.credit_batch:
             owed = 0
             self._wake()
         self._unsent[worker] = owed
