@@ -130,6 +130,17 @@ POLL_MS = 50
 commands and heartbeats (fixed). Commands wake it at once, except credits given back short
 of a CREDIT message's worth (half the prefetch): those wait for its next wake-up."""
 
+SMALL_COPY = 4096
+"""A record's buffers up to this many bytes are copied into its ring slot by a memoryview
+assignment (cheaper to start); larger ones by numpy, which releases the GIL while it
+copies (fixed)."""
+
+LEND_SECONDS = 0.02
+"""How long a consumer's I/O thread leaves its sockets to the iterating thread after that
+thread last read them itself (it does while it waits for data, so that a record needs no
+handoff between threads): a trainer back for its next element within this time finds
+them free; one that is away longer has the I/O thread read ahead for it (fixed)."""
+
 BYE_LINGER_MS = 200
 """At most how long closing a Loader waits for its BYE to reach the broker, in
 milliseconds (fixed)."""

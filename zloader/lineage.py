@@ -419,8 +419,14 @@ class Ranges:
 
     def add(self, starts: np.ndarray, ends: np.ndarray) -> None:
         """Add the ranges ``[starts[i], ends[i])`` (they may overlap anything held)."""
-        if len(starts) == 1 and self.add_run(int(starts[0]), int(ends[0])):
-            return
+        if len(starts) <= SMALL_ORIGIN_BLOCK:  # (few: in order, each extends the last)
+            for at, (start, end) in enumerate(zip(starts.tolist(), ends.tolist(),
+                                                  strict=True)):
+                if not self.add_run(start, end):
+                    starts, ends = starts[at:], ends[at:]
+                    break
+            else:
+                return
         all_starts = np.concatenate((np.array(self.starts, np.int64), starts))
         all_ends = np.concatenate((np.array(self.ends, np.int64), ends))
         order = np.argsort(all_starts, kind="stable")

@@ -5,7 +5,6 @@ bounds every wait by the Loader's timeout."""
 
 from __future__ import annotations
 
-import queue
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -143,9 +142,8 @@ class Merger:
         start = time.monotonic()
         try:
             while True:
-                try:
-                    item = self.io.items.get(timeout=POLL_SECONDS)
-                except queue.Empty:
+                item = self.io.take(POLL_SECONDS)
+                if item is None:
                     # The wait under way counts now: a consumer that nothing serves must
                     # show as starved while it waits, not once an element comes.
                     stats.wait_seconds = self.wait + time.monotonic() - start
@@ -176,6 +174,9 @@ class Merger:
         """
         io = self.io
         if not io.is_alive():
+            if io.failure is None and io.halted:
+                raise RuntimeError("the Loader was closed while this iterator waited for "
+                                   "data")
             raise RuntimeError(f"the Loader's I/O thread stopped: {io.failure!r}")
         silent = time.monotonic() - (since if since is not None else io.stats.last_progress)
         if silent > LOST_GRACE_SECONDS:  # what a dead worker sent comes first

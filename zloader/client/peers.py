@@ -28,7 +28,7 @@ from zloader.client.stats import Stats
 from zloader.transport.protocol import Command, ProtocolError, doing, doing_text, encode
 from zloader.transport.ring import ALIGN as RING_ALIGN
 from zloader.transport.shm import sweep
-from zloader.transport.sockets import make_socket
+from zloader.transport.sockets import NOBLOCK, make_socket, send_frames
 
 __all__ = ["Peer", "Peers", "local_address"]
 
@@ -272,7 +272,7 @@ class Peers:
              payload: tuple[Any, ...] | list[Any] = ()) -> None:
         """Send ``peer`` a message, dropped (and logged) when it cannot take it now."""
         try:
-            peer.socket.send_multipart(encode(command, body, payload), zmq.NOBLOCK)
+            send_frames(peer.socket, encode(command, body, payload), NOBLOCK)
         except zmq.Again:
             log.warning("worker %s is not reachable: %s not sent", peer.endpoint, command.name)
 

@@ -3,9 +3,18 @@
 It talks to the broker (zloader/client/link.py) and to every worker of the job
 (peers.py), decodes records (receive.py), decides when an epoch is over (epoch_end.py)
 and puts :class:`Item` s on a queue for the iterating thread, which reads the counters
-and the job's facts in one record (:class:`Stats`). Only this thread touches its sockets;
-the iterating thread sends it commands (:meth:`IOThread.start_epoch`,
-:meth:`IOThread.credit`) through a deque.
+and the job's facts in one record (:class:`Stats`). The iterating thread sends it
+commands (:meth:`IOThread.start_epoch`, :meth:`IOThread.credit`) through a deque.
+
+**The turn.** One step of the loop (commands, heartbeats, a poll of every socket and the
+messages it finds) runs under a lock, the turn, and whoever holds it owns the sockets
+(ZeroMQ sockets may change threads across a lock). The iterating thread takes the turn
+itself when it finds no item waiting (:meth:`IOThread.take`): it steps the loop until
+one comes, so that a record wakes one thread, not two. The I/O thread keeps away for
+LEND_SECONDS after the iterating thread last stepped (a trainer that comes back within
+that time finds the sockets free) and otherwise steps them itself: it reads ahead while
+the trainer computes, sends heartbeats and acks, and runs the loop before the first epoch
+and after the last.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ from typing import Any
 
 import zmq
 
-from zloader._defaults import POLL_MS
+from zloader._defaults import LEND_SECONDS, POLL_MS
 from zloader.client.epoch_end import EpochEnd
 from zloader.client.items import Item
 from zloader.client.link import BrokerLink, registration
@@ -35,7 +44,7 @@ from zloader.shipping import Served
 from zloader.transport import messages
 from zloader.transport.keys import Keys
 from zloader.transport.protocol import Message, ProtocolError, decode
-from zloader.transport.sockets import has_message, make_socket
+from zloader.transport.sockets import has_message, make_socket, recv_frames
 
 __all__ = ["IOThread"]
 
@@ -99,6 +108,13 @@ class IOThread(threading.Thread):
         self._broker: zmq.Socket[Any] | None = None
         self._data_server: zmq.Socket[Any] | None = None
         self._guard: Any = None  # the ZAP handler, with keys and a source socket
+        # The turn (see the module's docstring): held for one step of the loop.
+        self._turn = threading.Lock()
+        self._poller: zmq.Poller | None = None  # (set once the sockets exist)
+        self._next_beat = 0.0
+        self._lent_at = -1.0  # when the iterating thread last stepped the loop
+        self._taking = False  # the iterating thread is in take()
+        self._nudge = threading.Event()  # ends the I/O thread's wait while lent (close)
 
     # --- called from the iterating thread -------------------------------------------------
 
@@ -114,13 +130,65 @@ class IOThread(threading.Thread):
         owed = self._unsent.get(worker, 0) + credits
         if owed >= self.settings.credit_batch:
             owed = 0
-            self._wake()
+            if not self._lent():  # (lent: the iterating thread sends it when it steps)
+                self._wake()
         self._unsent[worker] = owed
+
+    def take(self, timeout: float) -> Item | None:
+        """The next item, or None when none came within ``timeout`` seconds. With none
+        waiting, the calling thread takes the turn and steps the loop itself until one
+        comes (see the module's docstring); a failure of the loop there stops the I/O
+        thread and comes back as an error item, as it would from the I/O thread."""
+        with contextlib.suppress(queue.Empty):
+            return self.items.get_nowait()
+        deadline = time.monotonic() + timeout
+        self._taking = True
+        try:
+            stepped = self._step_until(deadline)
+        finally:
+            self._taking = False
+        return self._get(0.0 if stepped else max(0.0, deadline - time.monotonic()))
+
+    def _step_until(self, deadline: float) -> bool:
+        """Step the loop in this thread until an item waits or ``deadline`` passes. False
+        when it could not: the turn not had by then, the sockets not made yet or closed,
+        or the loop failed (its error item waits)."""
+        if not self._turn.acquire(blocking=False):
+            self._wake()  # the I/O thread is in its poll: end it
+            if not self._turn.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                return False
+        try:
+            while self._poller is not None and not self._halt.is_set():
+                self._step(max(0, min(POLL_MS, int((deadline - time.monotonic()) * 1000))))
+                if not self.items.empty() or time.monotonic() >= deadline:
+                    return True
+            return False
+        except Exception as exc:  # (KeyboardInterrupt and the like propagate)
+            self._failed(exc)
+            return False
+        finally:
+            self._lent_at = time.monotonic()
+            self._turn.release()
+
+    def _get(self, timeout: float) -> Item | None:
+        try:
+            return self.items.get(timeout=timeout) if timeout > 0 else self.items.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _lent(self) -> bool:
+        """Whether the iterating thread reads the sockets now, or did just now."""
+        return self._taking or time.monotonic() - self._lent_at < LEND_SECONDS
 
     @property
     def registration(self) -> dict[str, Any]:
         """The body of this consumer's REGISTER (its ``consumer`` id, ``source_data``)."""
         return messages.encode(self._link.register)
+
+    @property
+    def halted(self) -> bool:
+        """Whether :meth:`close` was called (or the loop failed)."""
+        return self._halt.is_set()
 
     @property
     def job(self) -> str | None:
@@ -173,6 +241,7 @@ class IOThread(threading.Thread):
         """Stop the thread (it tells the workers and the broker) and wait for it."""
         self._halt.set()
         self._wake()
+        self._nudge.set()
         if self.is_alive() and self is not threading.current_thread():
             self.join(timeout)
         if not self.is_alive():
@@ -212,51 +281,80 @@ class IOThread(threading.Thread):
 
     def run(self) -> None:
         context = zmq.Context()
-        poller = zmq.Poller()
-        self._broker = self._link.connect(context)
-        poller.register(self._broker, zmq.POLLIN)
-        poller.register(self._wake_read, zmq.POLLIN)
-        self._peers.attach(context, poller)
         try:
-            if self.served:
-                self._serve_source(context, poller)
-            self._loop(poller)
+            with self._turn:
+                poller = zmq.Poller()
+                self._broker = self._link.connect(context)
+                poller.register(self._broker, zmq.POLLIN)
+                poller.register(self._wake_read, zmq.POLLIN)
+                self._peers.attach(context, poller)
+                if self.served:
+                    self._serve_source(context, poller)
+                self._poller = poller
+            self._loop()
         except BaseException as exc:
-            self.failure = exc
-            log.exception("the Loader's I/O thread failed")
-            self.items.put(Item("error", error=exc))
+            self._failed(exc)
         finally:
-            self._shutdown(context)
+            # (an iterating thread in take() sees the halt at its next step and leaves)
+            with self._turn:
+                self._poller = None
+                self._shutdown(context)
 
-    def _loop(self, poller: zmq.Poller) -> None:
-        session, next_beat = self._session, 0.0
+    def _failed(self, exc: BaseException) -> None:
+        """The loop failed (a bug): stop, and hand the iterating thread the error."""
+        self.failure = exc
+        log.error("the Loader's I/O thread failed", exc_info=exc)
+        self._halt.set()
+        self._wake()
+        self.items.put(Item("error", error=exc))
+
+    def _loop(self) -> None:
+        """Step the loop whenever the iterating thread does not (see the docstring)."""
         while not self._halt.is_set():
-            now = time.monotonic()
-            if now >= next_beat:
-                next_beat = now + session.heartbeat
-                self._link.beat()
-                if session.job is not None and self._rounds is not None and not session.done:
-                    self._link.acks += self._rounds.uncommitted()  # in case one was lost
-            while self._commands:
-                self._run_command(self._commands.popleft())
-            for sock, _ in poller.poll(POLL_MS):
-                if sock == self._wake_read:
-                    with contextlib.suppress(BlockingIOError):
-                        while os.read(self._wake_read, 4096):
-                            pass
-                    continue
-                for _ in range(64):
-                    if not has_message(sock):  # (closed: a message handled just before
-                        break                   # closed it, a worker that left the view)
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self._receive(sock, frames)
-            self._link.send_acks()
-            now = time.monotonic()
-            self._end.check_stuck(now)
-            self._peers.expire(now)
+            left = (LEND_SECONDS if self._taking
+                    else self._lent_at + LEND_SECONDS - time.monotonic())
+            if left > 0:
+                self._nudge.wait(left)
+                continue
+            if not self._turn.acquire(blocking=False):
+                continue  # (taken just now: it is lent again)
+            try:
+                self._step(POLL_MS)
+            finally:
+                self._turn.release()
+
+    def _step(self, poll_ms: int) -> None:
+        """One turn of the loop: heartbeat, commands, one poll of every socket (waiting
+        up to ``poll_ms``) and the messages it finds, acks, checks. Holds the turn."""
+        assert self._poller is not None
+        session, now = self._session, time.monotonic()
+        if now >= self._next_beat:
+            self._next_beat = now + session.heartbeat
+            self._link.beat()
+            if session.job is not None and self._rounds is not None and not session.done:
+                self._link.acks += self._rounds.uncommitted()  # in case one was lost
+        while self._commands:
+            self._run_command(self._commands.popleft())
+        for sock, _ in self._poller.poll(poll_ms):
+            if sock == self._wake_read:
+                with contextlib.suppress(BlockingIOError):
+                    while os.read(self._wake_read, 4096):
+                        pass
+                continue
+            for turn in range(64):
+                # (the poll saw the first one; closed: a message handled just before
+                # closed it, a worker that left the view)
+                if sock.closed or (turn and not has_message(sock)):
+                    break
+                try:
+                    frames = recv_frames(sock)
+                except zmq.Again:
+                    break
+                self._receive(sock, frames)
+        self._link.send_acks()
+        now = time.monotonic()
+        self._end.check_stuck(now)
+        self._peers.expire(now)
 
     def _run_command(self, command: tuple[Any, ...]) -> None:
         if command[0] == "start":

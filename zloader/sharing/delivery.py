@@ -130,7 +130,7 @@ class SharedDelivery(Delivery):
             assert outgoing is not None
             if epoch in task.finished:  # an abandoned epoch's leftovers
                 self.pending.popleft()
-                outgoing.taken.set()
+                outgoing.mark_taken()
                 continue
             nbytes = sum(codec.nbytes(b) for b in outgoing.buffers)
             admitted, gone = self.window.room(nbytes, now)
@@ -138,7 +138,7 @@ class SharedDelivery(Delivery):
             if not admitted:
                 break  # "block": retried from the loop until the lagging trainer moves
             stored = store(outgoing.buffers)
-            outgoing.taken.set()
+            outgoing.mark_taken()
             self.pending.popleft()
             self.window.add(epoch, int(head["count"]), nbytes, stored,
                             skipped=int(head.get("skipped", 0)))
@@ -216,7 +216,7 @@ class SharedDelivery(Delivery):
         cursor.credits -= 1
         self.replaying = (trainer, sent + int(head["count"]))
         task.outlet.record(stream, epoch, outgoing.buffers, head)
-        outgoing.taken.set()
+        outgoing.mark_taken()
         return True
 
     # --- production -----------------------------------------------------------------------
@@ -251,7 +251,7 @@ class SharedDelivery(Delivery):
         self.replayer, self.replaying = None, None
         for _, outgoing, _ in self.replay_pending:
             if outgoing is not None:
-                outgoing.taken.set()
+                outgoing.mark_taken()
         self.replay_pending.clear()
 
     def permit(self) -> None:

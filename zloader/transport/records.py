@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from zloader._defaults import MAX_BUFFERS, SEGMENT_BYTES
+from zloader._defaults import MAX_BUFFERS, SEGMENT_BYTES, SMALL_COPY
 from zloader.codec import Gather, nbytes
 from zloader.errors import CodecError
 
-__all__ = ["ALIGN", "SEGMENT_BYTES", "pack_into", "packed_size", "unpack"]
+__all__ = ["ALIGN", "SEGMENT_BYTES", "SMALL_COPY", "pack_into", "packed_size", "sizes_of", "unpack"]
 
 ALIGN = 64
 _HEAD = struct.Struct("<II")
@@ -27,36 +27,46 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) & ~(ALIGN - 1)
 
 
-def _sizes(buffers: Sequence[Any]) -> list[int]:
+def sizes_of(buffers: Sequence[Any]) -> list[int]:
+    """The byte size of each buffer (what :func:`packed_size` and :func:`pack_into` take,
+    so that a record's sizes are found once)."""
     return [nbytes(b) for b in buffers]
 
 
-def packed_size(buffers: Sequence[Any]) -> int:
-    """Bytes needed to pack ``buffers``."""
+def packed_size(buffers: Sequence[Any], sizes: Sequence[int] | None = None) -> int:
+    """Bytes needed to pack ``buffers`` (``sizes``: theirs, when known)."""
     total = _align(_HEAD.size + 8 * len(buffers))
-    for size in _sizes(buffers):
+    for size in sizes_of(buffers) if sizes is None else sizes:
         total += _align(size)
     return total
 
 
-def pack_into(buffers: Sequence[Any], block: memoryview) -> int:
+def pack_into(buffers: Sequence[Any], block: memoryview,
+              sizes: Sequence[int] | None = None) -> int:
     """Copy ``buffers`` into ``block`` (at least :func:`packed_size` bytes); returns the
-    bytes used. A :class:`~zloader.codec.Gather` buffer is copied part by part. Large
-    copies run in numpy, which releases the GIL."""
-    sizes = _sizes(buffers)
+    bytes used (``sizes``: theirs, when known). A :class:`~zloader.codec.Gather` buffer is
+    copied part by part."""
+    if sizes is None:
+        sizes = sizes_of(buffers)
     head = _HEAD.size + 8 * len(sizes)
     struct.pack_into(f"<II{len(sizes)}Q", block, 0, len(sizes), 0, *sizes)
     offset = _align(head)
-    target = np.frombuffer(block, np.uint8)
+    target: Any = None
     for buffer, size in zip(buffers, sizes, strict=True):
         if isinstance(buffer, Gather):
             start = offset
             for part in buffer:
                 if part.nbytes:
+                    if target is None:
+                        target = np.frombuffer(block, np.uint8)
                     target[start:start + part.nbytes] = np.frombuffer(part, np.uint8)
                 start += part.nbytes
-        elif size:
+        elif size > SMALL_COPY:
+            if target is None:
+                target = np.frombuffer(block, np.uint8)
             target[offset:offset + size] = np.frombuffer(buffer, np.uint8)
+        elif size:
+            block[offset:offset + size] = memoryview(buffer).cast("B")
         offset += _align(size)
     return offset
 

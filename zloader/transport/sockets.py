@@ -13,7 +13,7 @@ import zmq
 
 from zloader.transport.keys import Keys
 
-__all__ = ["has_message", "make_socket"]
+__all__ = ["NOBLOCK", "has_message", "make_socket", "recv_frames", "send_frames"]
 
 
 def make_socket(context: zmq.Context[Any], kind: int, keys: Keys | None = None, *,
@@ -49,10 +49,49 @@ def make_socket(context: zmq.Context[Any], kind: int, keys: Keys | None = None, 
     return sock
 
 
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # (plain ints: no enum per call)
+# pyzmq's Python layer makes an enum of every option and flag on each call: these are its
+# sockets' own methods under that layer, with plain ints.
+_get = zmq.backend.Socket.get
+_send = zmq.backend.Socket.send
+_recv = zmq.backend.Socket.recv
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+_MORE = int(zmq.SNDMORE)
+NOBLOCK = int(zmq.NOBLOCK)
 
 
 def has_message(sock: zmq.Socket[Any]) -> bool:
     """Whether a message waits on ``sock`` (open): cheaper than a ``NOBLOCK`` receive
     that raises ``zmq.Again`` to say there is none."""
-    return not sock.closed and bool(int(sock.getsockopt(_EVENTS)) & _POLLIN)
+    return not sock.closed and bool(int(_get(sock, _EVENTS)) & _POLLIN)
+
+
+def recv_frames(sock: zmq.Socket[Any]) -> list[zmq.Frame]:
+    """The frames of the message waiting on ``sock``, as ``sock.recv_multipart(NOBLOCK,
+    copy=False)`` gives them.
+
+    Raises:
+        zmq.Again: none waits.
+    """
+    frame = _recv(sock, NOBLOCK, False, False)
+    frames = [frame]
+    while frame.more:
+        frame = _recv(sock, NOBLOCK, False, False)
+        frames.append(frame)
+    return frames
+
+
+
+def send_frames(sock: zmq.Socket[Any], frames: list[Any], flags: int = 0) -> None:
+    """Send ``frames`` as one message, as ``sock.send_multipart(frames, flags,
+    copy=False)`` does (small frames are still copied, at pyzmq's copy threshold) without
+    its check of every frame and its flag enums: a record's notice is a few small frames,
+    sent once per record.
+
+    Raises:
+        zmq.ZMQError: as ``send_multipart`` (``zmq.Again`` with ``NOBLOCK``).
+        TypeError: a frame does not hold a buffer.
+    """
+    more = flags | _MORE
+    last = len(frames) - 1
+    for at, frame in enumerate(frames):
+        _send(sock, frame, flags if at == last else more, False, False)

@@ -62,7 +62,7 @@ class CreditDelivery(Delivery):
             if epoch in task.finished:  # an abandoned epoch's leftovers
                 self.pending.popleft()
                 if outgoing is not None:
-                    outgoing.taken.set()
+                    outgoing.mark_taken()
                 continue
             streams = [s for s in task.streams.values() if s.epoch == epoch]
             if head.get("end"):
@@ -80,7 +80,7 @@ class CreditDelivery(Delivery):
             taker.credits -= 1
             assert outgoing is not None
             task.outlet.record(taker, epoch, outgoing.buffers, head)
-            outgoing.taken.set()
+            outgoing.mark_taken()
 
     def _next(self, streams: list[Stream]) -> Stream | None:
         """Who gets the next record of the epoch these ``streams`` read (None: nobody

@@ -161,5 +161,5 @@ class Delivery(abc.ABC):
 def discard(records: list[Outgoing]) -> None:
     """Let the producers of ``records`` go on (their buffers are not needed)."""
     for record in records:
-        record.taken.set()
+        record.mark_taken()
     records.clear()

@@ -29,7 +29,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -48,7 +48,7 @@ from zloader.options import JobOptions
 from zloader.plan import Plan
 from zloader.stages import Context
 from zloader.transport.protocol import error_object
-from zloader.transport.sockets import make_socket
+from zloader.transport.sockets import NOBLOCK, make_socket
 
 __all__ = ["RECORD_BYTES", "RECORD_ELEMENTS", "RECORD_LINGER", "STAGES", "LinkKind",
            "Outgoing", "Producer", "ProducerSpec"]
@@ -113,13 +113,24 @@ class ProducerSpec:
 class Outgoing:
     """One record on its way to the socket thread: its head (``epoch``, ``count``,
     ``skipped``, ``origins``: whether the last buffer is an origin block) and its codec
-    buffers; ``taken`` is set once they have been copied out or dropped (waited for only
-    when ``gathered``)."""
+    buffers. When ``gathered`` (it references rows user code may overwrite next), the
+    producer waits for ``taken``, set by :meth:`mark_taken` once they have been copied out
+    or dropped; other records have no event (one per record would cost a lock and a
+    condition each)."""
 
     head: dict[str, Any]
     buffers: list[Any]
     gathered: bool
-    taken: threading.Event = field(default_factory=threading.Event)
+    taken: threading.Event | None = None
+
+    def __post_init__(self) -> None:
+        if self.gathered and self.taken is None:
+            self.taken = threading.Event()
+
+    def mark_taken(self) -> None:
+        """The buffers were copied out, or dropped: the producer may go on."""
+        if self.taken is not None:
+            self.taken.set()
 
 
 class Producer(threading.Thread):
@@ -186,7 +197,9 @@ class Producer(threading.Thread):
         except _Stopped:
             pass
         except BaseException as exc:  # user code (SystemExit too): reported as a value
-            with contextlib.suppress(_Stopped):
+            if self.stop.is_set() or isinstance(exc, zmq.ContextTerminated):
+                return  # stopped (a new epoch, the worker leaving): nobody reads a report
+            with contextlib.suppress(_Stopped, zmq.ContextTerminated):
                 self._put(pair, LinkKind.FAIL, {"epoch": self.epoch,
                                                 "error": error_object(exc)})
         finally:
@@ -199,7 +212,7 @@ class Producer(threading.Thread):
         self.outbox.append(entry)
         while True:
             try:
-                pair.send(kind.value, zmq.NOBLOCK)
+                pair.send(kind.value, NOBLOCK)
                 return
             except zmq.Again:
                 if self.stop.wait(0.01):
@@ -281,7 +294,7 @@ class Producer(threading.Thread):
             except _Stopped:
                 self.pool.release()  # not spent: the credit is the next producer's
                 raise
-        if outgoing.gathered:
+        if outgoing.taken is not None:
             while not outgoing.taken.wait(0.1):
                 if self.stop.is_set():
                     raise _Stopped

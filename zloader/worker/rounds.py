@@ -123,7 +123,7 @@ class RoundsDelivery(Delivery):
             epoch, outgoing, head = self.pending.popleft()
             if epoch in task.finished:  # an abandoned epoch's leftovers
                 if outgoing is not None:
-                    outgoing.taken.set()
+                    outgoing.mark_taken()
                 continue
             if head.get("end"):
                 dropped = len(self.partial) if self.partial_epoch == epoch else 0
@@ -136,7 +136,7 @@ class RoundsDelivery(Delivery):
             assert outgoing is not None
             if outgoing.gathered:  # it waits for its round: copy it, so the producer goes on
                 outgoing.buffers = codec.joined(outgoing.buffers)
-                outgoing.taken.set()
+                outgoing.mark_taken()
             if self.partial_epoch != epoch:
                 discard(self.partial)
                 self.partial_epoch = epoch

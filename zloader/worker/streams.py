@@ -22,6 +22,7 @@ from zloader.transport import messages, records
 from zloader.transport.protocol import encode
 from zloader.transport.ring import RingError, RingWriter
 from zloader.transport.shm import Segment, ShmError
+from zloader.transport.sockets import NOBLOCK, send_frames
 
 __all__ = ["Outlet", "Stream", "attach_ring", "unlink_handoffs"]
 
@@ -68,9 +69,8 @@ class Outlet:
         """Send one message (DATA, END, FAIL) to a consumer; a failure is logged, not
         raised."""
         try:
-            self.data.send_multipart(
-                [stream.identity, *encode(record.COMMAND, messages.encode(record), payload)],
-                zmq.NOBLOCK, copy=False)
+            send_frames(self.data, [stream.identity, *encode(
+                record.COMMAND, messages.encode(record), payload)], NOBLOCK)
         except zmq.ZMQError as exc:
             log.warning("could not send %s to consumer %s: %s", record.COMMAND.name,
                         stream.consumer, exc)
@@ -89,10 +89,11 @@ class Outlet:
         fields = {"epoch": epoch, "count": count, "skipped": head["skipped"], "ring": None,
                   "segment": None, "full": False, "shared": False, "lagged": None,
                   "round": head.get("round"), "origins": head.get("origins", False)}
-        self.count(count, sum(map(codec.nbytes, frames)))
+        sizes = records.sizes_of(frames)
+        self.count(count, sum(sizes))
         ring = stream.ring
         if ring is not None:
-            packed = records.packed_size(frames)
+            packed = records.packed_size(frames, sizes)
             if packed > ring.capacity and self._segment(stream, fields, frames, packed):
                 return
             try:
@@ -104,7 +105,7 @@ class Outlet:
                 slot = None
             if slot is not None:
                 position, view = slot
-                records.pack_into(frames, view)
+                records.pack_into(frames, view, sizes)
                 fields["ring"] = (position, packed, ring.name)
                 self.send(stream, messages.Data.checked(fields))
                 return
