@@ -89,8 +89,8 @@ def cached(source: Source, stages: tuple[_stages.Stage, ...], path: Any,
         if not isinstance(stage, PREFIX_STAGES):
             raise ValueError(
                 f"cache: stage {stage.name!r} comes before .cache(), but only map and filter "
-                f"may (a {stage.kind} does not keep each split's elements to themselves, so "
-                f"a split's output is not its own): move .cache() before {stage.name!r}")
+                f"may: the cache keeps each split's output, and a {stage.kind} mixes, groups "
+                f"or counts elements across splits; move .cache() before {stage.name!r}")
     if storage_options is not None and not isinstance(storage_options, dict):
         raise TypeError(f"cache: storage_options must be a dict (fsspec's options for the "
                         f"URL's filesystem), got {type(storage_options).__name__}")
