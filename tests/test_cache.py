@@ -121,6 +121,26 @@ def test_through_a_loader_the_map_runs_once_per_element_over_two_epochs_and_two_
     assert len(entries(tmp_path / "cache")) == N // SPLIT
 
 
+def doubled(x: int) -> int:
+    return 2 * x
+
+
+def test_state_dict_resumes_a_cached_pipeline_mid_epoch_exactly(tmp_path):
+    pipeline = Pipeline.range(600, split_size=20).map(doubled).cache(tmp_path) \
+        .shuffle(50).batch(4)
+    seen: list[int] = []
+    with Loader(pipeline, num_workers=2, timeout=30, exactly_once=True) as loader:
+        for i, batch in enumerate(loader):
+            seen += np.asarray(batch).tolist()
+            if i == 40:
+                state = loader.state_dict()
+                break
+    with Loader(pipeline, num_workers=2, timeout=30, state=state) as loader:
+        for batch in loader:
+            seen += np.asarray(batch).tolist()
+    assert sorted(seen) == list(range(0, 1200, 2))  # each once: none lost, none repeated
+
+
 def blocking(folder: str, at: int):
     """``element`` that logs each call and, the first time it meets ``at``, writes its pid
     to ``folder``/blocked and waits there to be killed."""
