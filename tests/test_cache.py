@@ -238,6 +238,14 @@ def test_placements_that_mix_splits_are_refused_naming_the_stage(tmp_path):
                                              rf"; move \.cache\(\) before {name}"):
             pipeline.cache(tmp_path)
     base.map(abs).cache(tmp_path).shuffle(8).batch(4)  # after the cache: anything
+    lock = threading.Lock()
+    with pytest.raises(ValueError, match=r"cannot be fingerprinted.*version="):
+        base.map(lambda x: (lock, x)[1]).cache(tmp_path)
+    rows = base.batch(3).unbatch(name="rows")
+    with pytest.raises(ValueError, match="stage 'batch\\(3\\)'"):
+        rows.cache(tmp_path)
+    split_rows = Pipeline.range(12, split_size=4).map(lambda x: [x, -x]).unbatch()
+    assert list(split_rows.cache(tmp_path).iter(0)) == list(split_rows.iter(0))
 
 
 def test_an_element_the_codec_cannot_store_fails_naming_what_to_change(tmp_path):

@@ -11,9 +11,9 @@ or another host with the same prefix and the same cache path reads it; a corrupt
 truncated entry is logged, ignored and written again. File layout and locations:
 :mod:`zloader.cachefile`; documentation: docs/cache.md.
 
-Only ``map`` and ``filter`` may come before ``.cache()``: they work element by element
-within a split, so each split's output is its own. What the prefix does at random is frozen
-by the cache, as with tf.data's ``cache``.
+Only ``map``, ``filter`` and ``unbatch`` may come before ``.cache()``: they work element
+by element within a split, so each split's output is its own. What the prefix does at
+random is frozen by the cache, as with tf.data's ``cache``.
 """
 
 from __future__ import annotations
@@ -47,8 +47,9 @@ __all__ = ["CachedSource", "Summary", "cached", "default_dir", "location", "remo
 
 log = logging.getLogger("zloader.cache")
 
-PREFIX_STAGES = (_stages.Map, _stages.Filter)
-"""The stages that may come before ``.cache()``: each split's output is its own."""
+PREFIX_STAGES = (_stages.Map, _stages.Filter, _stages.Unbatch)
+"""The stages that may come before ``.cache()``: they work element by element, so each
+split's output is its own."""
 
 
 def default_dir() -> str:
@@ -82,15 +83,16 @@ def cached(source: Source, stages: tuple[_stages.Stage, ...], path: Any,
     """The source of ``Pipeline(source, stages).cache(path)``.
 
     Raises:
-        ValueError: a stage other than map or filter comes before the cache, or the prefix
-            cannot be fingerprinted (its entries could never be found again).
+        ValueError: a stage other than map, filter or unbatch comes before the cache, or the
+            prefix cannot be fingerprinted (its entries could never be found again).
     """
     for stage in stages:
         if not isinstance(stage, PREFIX_STAGES):
             raise ValueError(
-                f"cache: stage {stage.name!r} comes before .cache(), but only map and filter "
-                f"may: the cache keeps each split's output, and a {stage.kind} mixes, groups "
-                f"or counts elements across splits; move .cache() before {stage.name!r}")
+                f"cache: stage {stage.name!r} comes before .cache(), but only map, filter "
+                f"and unbatch may: the cache keeps each split's output, and a {stage.kind} "
+                f"mixes, groups or counts elements across splits; move .cache() before "
+                f"{stage.name!r}")
     if storage_options is not None and not isinstance(storage_options, dict):
         raise TypeError(f"cache: storage_options must be a dict (fsspec's options for the "
                         f"URL's filesystem), got {type(storage_options).__name__}")

@@ -409,8 +409,9 @@ class Pipeline:
             storage_options: fsspec's options for the URL's filesystem.
 
         Raises:
-            ValueError: a stage other than ``map`` or ``filter`` comes before the cache
-                (move ``.cache()`` before it), or those stages cannot be fingerprinted.
+            ValueError: a stage other than ``map``, ``filter`` or ``unbatch`` comes before
+                the cache (move ``.cache()`` before it), or those stages cannot be
+                fingerprinted.
         """
         return Pipeline(_cache.cached(self.source, self.stages, path, storage_options))
 
