@@ -5,6 +5,7 @@ placements, ``zloader cache ls|rm``, and a cache in object storage (a real S3 se
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pathlib
@@ -310,7 +311,7 @@ def test_the_default_location_follows_the_environment(tmp_path, monkeypatch):
     assert Pipeline.range(3).cache().source.root == location()
 
 
-def test_a_cache_in_object_storage_is_shared_by_workers(tmp_path):
+def test_a_cache_in_object_storage_is_shared_by_workers(tmp_path, capsys):
     pytest.importorskip("s3fs")
     from test_formats_storage import BUCKET, S3Server
 
@@ -330,5 +331,11 @@ def test_a_cache_in_object_storage_is_shared_by_workers(tmp_path):
         assert summary.splits == N // SPLIT and summary.temporary == 0
         assert same(pipeline.iter(0), prefix(tmp_path).iter(0))
         assert sorted(calls(tmp_path)) == sorted([*range(N), *range(N)])  # the 2nd: uncached
+        options = ["--storage-options", json.dumps(server.options)]
+        assert cli.main(["cache", "ls", url, *options, "--json"]) == 0
+        [listed] = json.loads(capsys.readouterr().out)
+        assert listed["fingerprint"] == pipeline.source.key and listed["splits"] == N // SPLIT
+        assert cli.main(["cache", "rm", url, *options, "--all"]) == 0
+        assert summaries(Store(url, server.options)) == []
     finally:
         server.stop()

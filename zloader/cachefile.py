@@ -301,6 +301,7 @@ class Store:
                         found.append(EntryFile(folder, name, stat.st_size, stat.st_mtime))
             return found
         fs, inner = self._filesystem()
+        fs.invalidate_cache()  # fsspec keeps listings; other processes write entries
         if not retrying(lambda: fs.exists(inner), self.root, "list"):
             return []
         listed = retrying(lambda: fs.find(inner, detail=True), self.root, "list")
