@@ -8,12 +8,18 @@
   reader (``ParquetFile.iter_batches``), both in-process.
 * Object storage: JSON lines files in a local S3 server (moto) that answers each request
   after an injected latency; ``parallel_reads=8`` against 1, one reading thread.
+* Cache: a decode-heavy prefix (decode a JPEG and resize it, bench/_images.py's files)
+  then ``.cache()``, through a Loader: the first epoch (computing and writing the cache)
+  against the second (reading it), and an uncached epoch for reference.
 
 The data is generated into a temporary folder first. These machines are shared and noisy:
 read the ratios, not the absolute rates. Targets (issue 19): >= the reference reader at
-equal CPU on each format; >= 5x from parallel_reads=8 when latency-bound.
+equal CPU on each format; >= 5x from parallel_reads=8 when latency-bound; a cached second
+epoch >= 5x the first for a decode-heavy prefix.
 
-Run: ``python -m bench.sources [--scale S] [--workers W] [--latency SECONDS] [--out DIR]``.
+Run: ``python -m bench.sources [--scale S] [--workers W] [--latency SECONDS] [--out DIR]
+[--only SECTION ...]``; with ``--only`` the sections run are merged into the results
+already in ``--out`` (the others are kept as they were measured).
 """
 
 from __future__ import annotations
@@ -209,11 +215,60 @@ def bench_s3(latency: float, scale: int) -> dict[str, float]:
         server.close()
 
 
+CACHE_IMAGE = 224
+"""The side the cache benchmark's prefix resizes each decoded JPEG to."""
+
+
+def decode_resized(path: str) -> np.ndarray:
+    """The decode-heavy prefix: read a JPEG, decode it, resize it to 224x224 (HWC uint8)."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        return np.asarray(image.convert("RGB").resize((CACHE_IMAGE, CACHE_IMAGE)))
+
+
+def bench_cache(root: pathlib.Path, scale: int, workers: int,
+                rounds: int = 3) -> dict[str, float]:
+    """Epoch 1 of a cached decode prefix (computes and writes), epoch 2 (reads the cache),
+    and an epoch of the same pipeline without the cache, each through a Loader; the median
+    of ``rounds`` rounds, each with a fresh cache folder (the machine is shared: one slow
+    moment should not make a ratio)."""
+    import statistics
+
+    from bench._images import write_jpegs
+
+    folder = root / "jpegs"
+    folder.mkdir()
+    paths = write_jpegs(folder, 128) * 4 * scale  # 512 decodes per epoch at scale 1
+    source = Pipeline.from_items(paths, split_size=16)
+    names = ("epoch 1: compute and write the cache", "epoch 2: read the cache",
+             "no cache, an epoch")
+    measured: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(rounds):
+        cached = source.map(decode_resized).cache(root / f"cache-{round_}").batch(32)
+        with Loader(cached, num_workers=workers, timeout=300) as loader:
+            for name in names[:2]:
+                measured[name].append(rate(lambda: count(loader, len))[0])
+        with Loader(source.map(decode_resized).batch(32), num_workers=workers,
+                    timeout=300) as loader:
+            measured[names[2]].append(rate(lambda: count(loader, len))[0])
+    return {name: statistics.median(values) for name, values in measured.items()}
+
+
+def cache_ratio(rates: dict[str, float]) -> float:
+    """The cached second epoch's rate over the first's."""
+    first, second = list(rates.values())[:2]
+    return second / first
+
+
 def table(title: str, rates: dict[str, float], unit: str) -> list[str]:
     best = max(rates.values())
     lines = [f"### {title}", "", f"| reader | {unit}/s | vs best |", "| --- | ---: | ---: |"]
     lines += [f"| {name} | {value:,.0f} | {value / best:.2f} |" for name, value in rates.items()]
     return [*lines, ""]
+
+
+SECTIONS = ("tfrecord", "webdataset", "parquet", "s3", "s3 slower", "cache")
 
 
 def main() -> None:
@@ -223,49 +278,90 @@ def main() -> None:
     parser.add_argument("--latency", type=float, default=0.02,
                         help="seconds the S3 server waits per request")
     parser.add_argument("--out", default="bench/results", help="where to write results")
+    parser.add_argument("--only", action="append", choices=SECTIONS, metavar="SECTION",
+                        help=f"run only this section (repeat for more: {', '.join(SECTIONS)})"
+                             " and merge it into the results already in --out")
     args = parser.parse_args()
-    results: dict[str, Any] = {}
+    out = pathlib.Path(args.out)
+    record: dict[str, Any] = {}
+    if args.only and (out / "sources.json").exists():
+        record = json.loads((out / "sources.json").read_text())
+    results: dict[str, Any] = record.get("results", {})
     with tempfile.TemporaryDirectory() as folder:
         root = pathlib.Path(folder)
-        for name, run in [("tfrecord", lambda: bench_tfrecord(root, args.scale, args.workers)),
-                          ("webdataset", lambda: bench_webdataset(root, args.scale,
-                                                                  args.workers)),
-                          ("parquet", lambda: bench_parquet(root, args.scale)),
-                          ("s3", lambda: bench_s3(args.latency, args.scale)),
-                          ("s3 slower", lambda: bench_s3(SLOWER, args.scale))]:
-            results[name] = run()
+        runs: dict[str, Callable[[], dict[str, float]]] = {
+            "tfrecord": lambda: bench_tfrecord(root, args.scale, args.workers),
+            "webdataset": lambda: bench_webdataset(root, args.scale, args.workers),
+            "parquet": lambda: bench_parquet(root, args.scale),
+            "s3": lambda: bench_s3(args.latency, args.scale),
+            "s3 slower": lambda: bench_s3(SLOWER, args.scale),
+            "cache": lambda: bench_cache(root, args.scale, args.workers),
+        }
+        for name in args.only or SECTIONS:
+            results[name] = runs[name]()
             print(name, json.dumps(results[name], indent=1), flush=True)
-    s3 = results["s3"]
-    speedup = s3["parallel_reads=8"] / s3["parallel_reads=1"]
-    record = {"benchmark": "sources", "results": results, "s3_speedup_8_vs_1": speedup,
-              "args": vars(args), "machine": {"cpus": os.cpu_count(),
-                                              "python": platform.python_version()},
-              "versions": {p: version(p) for p in ("tensorflow", "webdataset", "pyarrow",
-                                                   "torch", "fsspec", "s3fs", "moto")},
-              **provenance()}
-    out = pathlib.Path(args.out)
+    run = {"args": vars(args), "machine": {"cpus": os.cpu_count(),
+                                           "python": platform.python_version()},
+           "versions": {p: version(p) for p in ("tensorflow", "webdataset", "pyarrow",
+                                                "torch", "fsspec", "s3fs", "moto", "pillow")},
+           **provenance()}
+    if args.only and record:  # the other sections keep the run that measured them
+        merged = record.setdefault("merged", {})
+        for name in args.only:
+            merged[name] = run
+    else:
+        record = {"benchmark": "sources", **run}
+    record["results"] = results
+    if "s3" in results:
+        record["s3_speedup_8_vs_1"] = results["s3"]["parallel_reads=8"] / \
+            results["s3"]["parallel_reads=1"]
+    if "cache" in results:
+        record["cache_speedup_epoch2_vs_epoch1"] = cache_ratio(results["cache"])
     out.mkdir(parents=True, exist_ok=True)
     (out / "sources.json").write_text(json.dumps(record, indent=2) + "\n")
-    lines = ["# File-format sources against their own readers", "",
-             f"`python -m bench.sources --scale {args.scale} --workers {args.workers} "
-             f"--latency {args.latency}` on {os.cpu_count()} CPUs (shared, noisy: read the "
-             "ratios).", ""]
-    lines += table("TFRecord", results["tfrecord"], "records")
-    lines += table("WebDataset", results["webdataset"], "samples")
-    lines += table("Parquet", results["parquet"], "rows")
-    lines += table(f"S3 with {args.latency * 1000:.0f} ms per request, one thread",
-                   s3, "rows")
-    slower = results["s3 slower"]
-    lines += table(f"S3 with {SLOWER * 1000:.0f} ms per request, one thread", slower, "rows")
-    lines += [f"parallel_reads=8 against 1: {speedup:.1f}x at {args.latency * 1000:.0f} ms, "
-              f"{slower['parallel_reads=8'] / slower['parallel_reads=1']:.1f}x at "
-              f"{SLOWER * 1000:.0f} ms (target >= 5x when latency-bound). moto spends some "
-              "milliseconds of CPU on each request, in one process: with 8 reads in flight "
-              "on a small shared machine the server's CPU, not the latency, bounds the "
-              "short-latency run.", ""]
+    lines = markdown(record)
     (out / "sources.md").write_text("\n".join(lines))
     print("\n".join(lines))
 
+
+def markdown(record: dict[str, Any]) -> list[str]:
+    """sources.md from the record: each section measured, with how it was run."""
+    args, results = record["args"], record["results"]
+    lines = ["# File-format sources against their own readers", "",
+             f"`python -m bench.sources --scale {args['scale']} --workers {args['workers']} "
+             f"--latency {args['latency']}` on {record['machine']['cpus']} CPUs (shared, "
+             "noisy: read the ratios).", ""]
+    for name, title, unit in [("tfrecord", "TFRecord", "records"),
+                              ("webdataset", "WebDataset", "samples"),
+                              ("parquet", "Parquet", "rows")]:
+        if name in results:
+            lines += table(title, results[name], unit)
+    if "s3" in results and "s3 slower" in results:
+        s3, slower = results["s3"], results["s3 slower"]
+        latency = args["latency"] * 1000
+        lines += table(f"S3 with {latency:.0f} ms per request, one thread", s3, "rows")
+        lines += table(f"S3 with {SLOWER * 1000:.0f} ms per request, one thread", slower,
+                       "rows")
+        lines += [f"parallel_reads=8 against 1: {record['s3_speedup_8_vs_1']:.1f}x at "
+                  f"{latency:.0f} ms, "
+                  f"{slower['parallel_reads=8'] / slower['parallel_reads=1']:.1f}x at "
+                  f"{SLOWER * 1000:.0f} ms (target >= 5x when latency-bound). moto spends "
+                  "some milliseconds of CPU on each request, in one process: with 8 reads "
+                  "in flight on a small shared machine the server's CPU, not the latency, "
+                  "bounds the short-latency run.", ""]
+    if "cache" in results:
+        run = record.get("merged", {}).get("cache", record)
+        cache_args = run["args"]
+        lines += table(f"Cache: decode and resize JPEGs, then .cache(), a Loader with "
+                       f"{cache_args['workers']} workers", results["cache"], "images")
+        lines += [f"Measured by `python -m bench.sources --only cache --workers "
+                  f"{cache_args['workers']} --scale {cache_args['scale']}` on "
+                  f"{run['machine']['cpus']} CPUs, the median of 3 rounds (each with a "
+                  "fresh cache). The cached second epoch reads "
+                  f"{record['cache_speedup_epoch2_vs_epoch1']:.1f}x as fast as the first, "
+                  "which decodes and writes (target >= 5x for a decode-heavy prefix); the "
+                  "uncached epoch shows what writing the cache costs the first.", ""]
+    return lines
 
 if __name__ == "__main__":
     main()

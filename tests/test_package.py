@@ -30,11 +30,11 @@ LAYERS = {
     "codec": 1, "collate": 1, "fingerprint": 1, "rounds": 1, "journal": 1, "lineage": 1,
     "metrics": 1, "autoscale": 1, "forward": 1, "blobs": 1,
     "formats._crc32c": 1, "formats.example": 1, "formats.image": 1, "formats": 1.2,
-    "storage": 1.5,
+    "storage": 1.5, "cachefile": 1.6,
     "sources": 2, "formats.base": 2.2, "formats.tfrecord": 2.4, "formats.webdataset": 2.4,
     "formats.parquet": 2.4, "formats.jsonl": 2.4, "formats.image_folder": 2.4,
-    "formats.build": 2.6, "stages": 2, "pipeline": 3, "plan": 4, "demo": 4, "_pickling": 4,
-    "shipping": 5,
+    "formats.build": 2.6, "stages": 2, "cache": 2.5, "pipeline": 3, "plan": 4, "demo": 4,
+    "_pickling": 4, "shipping": 5,
     # the broker: records and the pool's policy, the concerns, the facade,
     # the loop
     "broker.records": 6.0, "broker.pool": 6.0,
@@ -183,6 +183,7 @@ FORMAT_CONSTANTS = {
     "_check": {"_SEED_LIMIT"},  # seeds are 64-bit
     "broker.pool": {"UNBOUNDED"},  # a sentinel: a job that can use any number of workers
     "formats._crc32c": {"_POLYNOMIAL"},  # CRC-32C's polynomial
+    "cachefile": {"VERSION", "ALIGN"},  # a cache entry's format version and buffer alignment
     "formats.example": {"_VARINT", "_FIXED64", "_LENGTH", "_FIXED32"},  # protobuf wire types
     "worker.memory": {"_M_TRIM_THRESHOLD", "_M_MMAP_THRESHOLD",  # glibc's mallopt
                       "_M_ARENA_MAX"},  # parameter numbers (malloc.h)

@@ -69,6 +69,18 @@ PARALLEL_READ_POLL = 0.1
 whether the read was abandoned (fixed)."""
 
 
+# --- the cache (Pipeline.cache, zloader/cache.py) -------------------------------------------
+
+CACHE_DIR_VARIABLE = "ZLOADER_CACHE_DIR"
+"""The environment variable naming the cache folder of ``Pipeline.cache()`` without a path
+and of ``zloader cache`` without one; when unset, ``$XDG_CACHE_HOME/zloader/cache`` (or
+``~/.cache/zloader/cache``)."""
+
+CACHE_STALE_SECONDS = 3600.0
+"""A temporary cache file untouched this long is a writer's leftover (it was killed midway):
+``zloader cache rm --stale`` removes it (``--older-than``)."""
+
+
 # --- codec: limits of an encoded element --------------------------------------------------
 
 CODEC_MAX_DEPTH = 100

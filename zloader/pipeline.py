@@ -26,6 +26,7 @@ from functools import cached_property
 from typing import Any
 
 from zloader import _check
+from zloader import cache as _cache
 from zloader import sources as _sources
 from zloader import stages as _stages
 from zloader.fingerprint import Unhashable, fingerprint, warn_unshareable
@@ -387,6 +388,32 @@ class Pipeline:
         """All but the first ``n`` elements."""
         return self._then(_stages.Skip(count=_check.integer("n", n, 0),
                                        **_stage_options(f"skip({n})", name, version)))
+
+    def cache(self, path: Any = None, *,
+              storage_options: dict[str, Any] | None = None) -> Pipeline:
+        """Keep what the stages so far produce from each split, and read it back after.
+
+        The first time a split is read (in any epoch, by any job) its elements are computed
+        and written to ``path``; the entry is committed when the split was read to its end
+        (an abandoned or failed split leaves nothing). Later epochs, and other jobs whose
+        stages before the cache have the same fingerprint, read the committed entries
+        instead of computing them. A corrupt or truncated entry is logged and recomputed.
+        Elements are stored as the codec encodes them (never pickled); arrays read back
+        are read-only. Whatever the stages before it do at random is frozen by the cache.
+        See docs/cache.md, and ``zloader cache ls|rm`` to see and clear entries.
+
+        Args:
+            path: a folder, or a URL that fsspec understands (``s3://bucket/cache``);
+                default ``$ZLOADER_CACHE_DIR``, else ``~/.cache/zloader/cache`` (under
+                ``$XDG_CACHE_HOME`` when set). Resolved now, where the pipeline is built.
+            storage_options: fsspec's options for the URL's filesystem.
+
+        Raises:
+            ValueError: a stage other than ``map``, ``filter`` or ``unbatch`` comes before
+                the cache (move ``.cache()`` before it), or those stages cannot be
+                fingerprinted.
+        """
+        return Pipeline(_cache.cached(self.source, self.stages, path, storage_options))
 
     def _then(self, stage: _stages.Stage) -> Pipeline:
         return Pipeline(self.source, (*self.stages, stage))

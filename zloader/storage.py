@@ -32,9 +32,8 @@ from zloader._defaults import (
 )
 from zloader.errors import ZloaderError
 
-__all__ = ["FileRef", "StorageError", "is_url", "list_dirs", "list_files", "list_tree",
-           "open_file",
-           "retrying"]
+__all__ = ["FileRef", "StorageError", "filesystem", "is_url", "list_dirs", "list_files",
+           "list_tree", "open_file", "retrying"]
 
 FileRef = tuple[str, int, str]
 """A file of a source: (absolute path or URL, size in bytes, version tag)."""
@@ -81,6 +80,16 @@ def _filesystem(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, 
         raise ImportError(f"cannot read {url}: {exc}; pip install 'zloader[cloud]' or the "
                           "fsspec package of its protocol") from None
     return fs, path
+
+
+def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
+    """The fsspec filesystem of ``url`` and the path within it (for writers such as the
+    cache, which need more than :func:`open_file`).
+
+    Raises:
+        ImportError: fsspec or the URL's protocol package is missing; it names the extra.
+    """
+    return _filesystem(url, storage_options)
 
 
 def _permanent(exc: BaseException) -> bool:
