@@ -9,8 +9,8 @@ import time
 from typing import Any
 
 import pytest
-
 from service import HEARTBEAT, start_broker, start_worker, status, stop
+
 from zloader import Loader, Pipeline
 from zloader._defaults import LEND_SECONDS
 
