@@ -339,3 +339,37 @@ def test_a_cache_in_object_storage_is_shared_by_workers(tmp_path, capsys):
         assert summaries(Store(url, server.options)) == []
     finally:
         server.stop()
+
+
+def double(x: int) -> int:
+    return 2 * x
+
+
+def test_a_large_in_memory_source_under_a_cache_is_served_not_pickled(tmp_path):
+    """A from_arrays source over INLINE_SOURCE_BYTES under .cache(), through a broker: its
+    data is fetched from the Loader (as at the top of a pipeline), not sent through the
+    broker inside the pickled pipeline, and the values are right."""
+    from service import start_broker, start_worker, status, stop, wait_for
+
+    from zloader._defaults import INLINE_SOURCE_BYTES
+    from zloader.client.packing import strip_source
+
+    table = np.arange(INLINE_SOURCE_BYTES // 8 * 2, dtype=np.int64).reshape(-1, 256)  # 2 MiB
+    pipeline = (Pipeline.from_arrays(table, split_size=len(table) // 8).map(double)
+                .cache(str(tmp_path / "c")))
+    stripped, served = strip_source(pipeline)
+    assert served is not None and served[0] == "arrays"
+    assert stripped.source.innermost().structure is None
+    broker, address = start_broker()
+    workers = start_worker(address)
+    try:
+        wait_for(lambda: len((status(address, 1.0) or {}).get("workers", ())) == 1,
+                 what="a worker")
+        with Loader(pipeline, broker=address, timeout=60) as loader:
+            for _ in range(2):  # computed and written, then read from the cache
+                got = sorted((np.asarray(row).copy() for row in loader), key=lambda r: r[0])
+                assert np.array_equal(np.stack(got), table * 2)
+            assert loader.stats()["served"] == {"source": 1}
+    finally:
+        stop(workers)
+        stop(broker)

@@ -19,6 +19,7 @@ random is frozen by the cache, as with tf.data's ``cache``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -130,6 +131,12 @@ class CachedSource(Source):
 
     def split_order(self, key: _stages.Key, entropy: int) -> Any:
         return self.source.split_order(key, entropy)
+
+    def innermost(self) -> Source:
+        return self.source.innermost()
+
+    def with_innermost(self, source: Source) -> Source:
+        return dataclasses.replace(self, source=self.source.with_innermost(source))
 
     def identity(self) -> tuple[Any, ...]:
         return (self.kind, self.source.identity(), tuple(s.identity() for s in self.stages))

@@ -141,13 +141,16 @@ class Supply:
         """Put a large in-memory source's data, fetched from its Loader, back in place
         (``where``: TASK.source_data, checked by its record)."""
         reply = self._fetch(where["endpoint"], "source")
-        source = pipeline.source
+        outer = pipeline.source
+        source = outer.innermost()  # (under a cache, say)
         if where["kind"] == "arrays" and isinstance(source, ArraysSource):
             structure = codec.decode([frame.buffer for frame in reply.payload])
-            return Pipeline(dataclasses.replace(source, structure=structure), pipeline.stages)
+            return Pipeline(outer.with_innermost(dataclasses.replace(
+                source, structure=structure)), pipeline.stages)
         if where["kind"] == "items" and isinstance(source, ItemsSource):
             items = cloudpickle.loads(reply.payload[0].buffer)
-            return Pipeline(dataclasses.replace(source, items=tuple(items)), pipeline.stages)
+            return Pipeline(outer.with_innermost(dataclasses.replace(
+                source, items=tuple(items))), pipeline.stages)
         raise ProtocolError(f"source data of kind {where['kind']!r} does not fit a "
                             f"{type(source).__name__}")
 

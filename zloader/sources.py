@@ -126,6 +126,16 @@ class Source:
         (``"split 2, index 3"``; a file's path, a dataset's index where there is one)."""
         return f"split {split}, index {index}"
 
+    def innermost(self) -> Source:
+        """The source whose data this one reads: itself, unless it wraps another (a
+        cache over a source)."""
+        return self
+
+    def with_innermost(self, source: Source) -> Source:
+        """This source reading ``source`` in place of :meth:`innermost` (the Loader takes
+        a large in-memory source's data out, and a worker puts it back)."""
+        return source
+
     def split_order(self, key: Key, entropy: int) -> Sequence[int]:
         """The splits of one pass, in reading order; ``key`` names the pass (epoch, repeats)."""
         return split_order(self.num_splits, self.shuffle_splits, self.seed, entropy, key)

@@ -68,22 +68,24 @@ def check_exposure(served: Served, broker: str | None, keys: Keys | None,
 
 
 def strip_source(pipeline: Pipeline) -> tuple[Pipeline, tuple[str, list[Any]] | None]:
-    """Take a large ``from_arrays``/``from_items`` source's data out of the pipeline.
+    """Take a large ``from_arrays``/``from_items`` source's data out of the pipeline (the
+    source itself, or the one a cache reads).
 
     Returns the pipeline to send through the broker and ``(kind, frames)`` for the Loader
     to serve to workers: arrays as codec frames (no pickle), items as one cloudpickle frame.
     """
-    source = pipeline.source
+    outer = pipeline.source
+    source = outer.innermost()  # (under a cache, say)
     if isinstance(source, ArraysSource):
         frames = codec.encode(source.structure)
         if sum(memoryview(f).nbytes for f in frames) > INLINE_SOURCE_BYTES:
-            stripped = dataclasses.replace(source, structure=None)
+            stripped = outer.with_innermost(dataclasses.replace(source, structure=None))
             return Pipeline(stripped, pipeline.stages), ("arrays", frames)
     elif isinstance(source, ItemsSource):
         data = cloudpickle.dumps(source.items)
         if len(data) > INLINE_SOURCE_BYTES:
-            stripped_items = dataclasses.replace(source, items=())
-            return Pipeline(stripped_items, pipeline.stages), ("items", [data])
+            stripped = outer.with_innermost(dataclasses.replace(source, items=()))
+            return Pipeline(stripped, pipeline.stages), ("items", [data])
     return pipeline, None
 
 
