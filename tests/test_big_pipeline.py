@@ -5,7 +5,9 @@ pipeline once."""
 
 from __future__ import annotations
 
+import gc
 import itertools
+import os
 import threading
 
 import numpy as np
@@ -111,3 +113,39 @@ def test_a_host_fetches_a_large_pipeline_once():
     finally:
         stop(workers)
         stop(broker)
+
+
+class _Finalized:
+    """Writes the pid of the process that finalizes it to ``path``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.cycle = self  # only the cycle collector frees it
+
+    def __del__(self) -> None:
+        with open(self.path, "a") as file:
+            file.write(f"{os.getpid()}\n")
+
+
+def _collect(x: int) -> int:
+    gc.collect()
+    return x
+
+
+def test_forked_workers_never_finalize_the_parents_garbage(tmp_path):
+    """Garbage the parent had not collected when it forked (a cycle of TensorFlow objects
+    after a keras fit, say) must not be finalized in a worker: a TF object's finalizer
+    aborts a forked process. The workers collect; only the parent finalizes it."""
+    path = str(tmp_path / "finalized")
+    gc.disable()
+    try:
+        _Finalized(path)  # garbage at once, kept until a collection
+        with Loader(Pipeline.range(8).map(_collect), num_workers=2, timeout=30) as loader:
+            assert sorted(loader) == list(range(8))
+            workers = set(loader.stats()["per_worker"])
+    finally:
+        gc.enable()
+    gc.collect()
+    with open(path) as file:
+        finalizers = file.read().split()
+    assert workers and finalizers == [str(os.getpid())]

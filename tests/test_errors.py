@@ -101,6 +101,7 @@ def test_every_zloader_error_round_trips_through_pickle_whole():
     multiprocessing Queue, and Ray sends them between processes: each must come back as
     the same type with the same message and attributes."""
     from zloader import WorkerExited
+    from zloader.cachefile import BadEntry, CacheWriteError
     from zloader.errors import SerializationError
     from zloader.formats.tfrecord import CorruptRecord
     from zloader.journal import JournalVersionError, WorkDirError
@@ -114,7 +115,8 @@ def test_every_zloader_error_round_trips_through_pickle_whole():
                WorkerExited("worker pid 7 exited", (7, 8), (-9, 1)), SerializationError("s"),
                raise_in(KeyError("k")), StorageError("s3://b/k: gone"), BrokerRefused("no"),
                CorruptRecord("crc"), ProtocolError("p"), VersionMismatch(b"ZLP/2"),
-               RingError("r"), ShmError("m"), WorkDirError("w"), JournalVersionError("v")]
+               RingError("r"), ShmError("m"), WorkDirError("w"), JournalVersionError("v"),
+               BadEntry("short entry"), CacheWriteError("no codec for a set")]
     classes = {type(e) for e in samples} | {PipelineError}
     assert _every_zloader_error() <= classes, "a zloader error has no sample here"
     for error in samples:

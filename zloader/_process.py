@@ -19,6 +19,7 @@ thread had half imported, so that the child imports it afresh when it needs it.
 
 from __future__ import annotations
 
+import gc
 import importlib._bootstrap
 import os
 import signal
@@ -95,6 +96,10 @@ def start_worker(method: str, address: str, bind: str, keys: Keys | None = None,
         return ForkedWorker(pid)
     code = 1
     try:  # the child: never return into the caller's code
+        # The parent's objects, garbage included, are never collected here: a cycle the
+        # parent had not collected yet would run its finalizers in this process (a
+        # TensorFlow object's, after fork, aborts it).
+        gc.freeze()
         repair_imports()
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's Ctrl-C; it stops us
         worker = WorkerProcess(address, bind, parent=parent, keys=keys, inherited=pipelines)
