@@ -46,7 +46,7 @@ def test_a_consumer_waiting_for_data_keeps_beating_and_gets_it_when_a_worker_com
             iterator = iter(loader)
             reader = threading.Thread(target=lambda: result.setdefault("got", list(iterator)))
             reader.start()
-            time.sleep(8 * HEARTBEAT)
+            time.sleep(5 * HEARTBEAT)  # (silent for 3 heartbeats: dropped)
             body = status(address)
             assert body is not None
             assert [job["consumers"] for job in body["jobs"]] == [1]
