@@ -14,23 +14,25 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 
 from tests.coord_consumer import groups
-from tests.service import read_together, service, wait_for
+from tests.service import BIN, read_together, service, start_broker, status, stop, wait_for
 from zloader import Loader, Pipeline
 
 CONSUMER = os.path.join(os.path.dirname(__file__), "coord_consumer.py")
 
 
 @contextlib.contextmanager
-def coordinated_loaders(pipeline: Pipeline, address: str, job: str, n: int
-                        ) -> Iterator[list[Loader]]:
-    """The N coordinated consumers of ``job``, closed on exit."""
+def coordinated_loaders(pipeline: Pipeline, address: str, job: str, n: int,
+                        **options: Any) -> Iterator[list[Loader]]:
+    """The N coordinated consumers of ``job`` (``options``: more Loader arguments), closed
+    on exit."""
     loaders = [Loader(pipeline, broker=address, job_name=job, num_consumers=n,
-                      consumer_index=i, timeout=30) for i in range(n)]
+                      consumer_index=i, timeout=30, **options) for i in range(n)]
     try:
         yield loaders
     finally:
@@ -314,3 +316,29 @@ def test_a_consumer_paused_past_its_expiry_rejoins_in_step():
     # for everyone included), and yields every round the others yield from there on.
     assert consumers[1].stats["rounds_missed"] > 0
     assert len(theirs) - len(ours) <= consumers[1].stats["rounds_missed"]
+
+
+@pytest.mark.slow
+def test_a_burst_of_consumers_with_large_rings_keeps_its_worker_on_the_job():
+    """Twelve coordinated consumers with 256 MiB rings open the epoch on one worker at once,
+    and each OPEN maps and reserves a ring (tenths of a second on a busy host). The worker
+    beats through the burst: before, it went silent for seconds, the broker dropped it as
+    dead, it abandoned the task, came back and met the same burst, and no round was read."""
+    consumers = 12
+    broker, address = start_broker()
+    worker = subprocess.Popen([os.path.join(BIN, "zloader-worker"), "--broker", address],
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: len((status(address, 1.0) or {}).get("workers", ())) == 1,
+                 what="the worker")
+        with coordinated_loaders(groups(consumers, 40, 0.0), address, "burst", consumers,
+                                 ring_bytes=256 << 20) as loaders:
+            results = read_together(loaders, timeout=90)
+    finally:
+        stop(worker)
+        stop(broker)
+        assert worker.stderr is not None
+        log = worker.stderr.read()
+        worker.stderr.close()
+    check_groups([[int(v) for v in r[0]] for r in results], consumers)
+    assert "dropped this worker" not in log

@@ -193,6 +193,9 @@ class WorkerProcess:
                         break
                     if sock is self.port.sock:
                         self.port.receive(frames, self.task)
+                        # (an OPEN maps and reserves a consumer's ring: on a busy host a
+                        # burst of them takes seconds, and the broker must still hear us)
+                        self._beat_if_due()
                     elif sock is self.broker.sock:
                         self._from_broker(frames)
                     elif sock in self.links.producers:
@@ -207,9 +210,7 @@ class WorkerProcess:
             now = time.monotonic()
             if self.capture is not None and now - self._last_forward >= FORWARD_EVERY:
                 self._forward(now)
-            if now - self._last_beat >= self.heartbeat:  # stats too: not only when idle
-                self._last_beat = now
-                self._beat()
+            self._beat_if_due(now)
             if now - self.broker.last_from > 3 * self.heartbeat:
                 self._reconnect(now)
             if self.parent is not None and os.getppid() != self.parent:
@@ -218,6 +219,13 @@ class WorkerProcess:
                 return
             if self._drain_deadline is not None and self._drained(now):
                 return
+
+    def _beat_if_due(self, now: float | None = None) -> None:
+        """HEARTBEAT when one is due (stats too: not only when idle)."""
+        now = time.monotonic() if now is None else now
+        if now - self._last_beat >= self.heartbeat:
+            self._last_beat = now
+            self._beat()
 
     def _beat(self) -> None:
         """HEARTBEAT, with this worker's stats and what its producer is doing."""
