@@ -174,6 +174,9 @@ def test_keras_trains_two_epochs_on_a_zloader_dataset_and_sees_every_element():
     assert seen == [6, 6]  # 96 rows / 16: every element, each epoch
 
 
+# slow: train and validation Loaders on one broker stay in the fast suite
+# (test_pool_service.py), and so does keras fitting on a zloader dataset
+@pytest.mark.slow
 def test_keras_fit_with_validation_data_over_one_broker_runs_every_epoch_of_both():
     """``fit(validation_data=...)``: the validation dataset's job starts while the training
     job holds the broker's only worker; the pool moves it (docs/pool.md)."""

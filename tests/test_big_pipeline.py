@@ -73,6 +73,9 @@ def test_imagenet_sized_dataset_runs_embedded(folder):
     _same(got, _as_torch_would(folder, got))
 
 
+# slow: the embedded and drop-in runs of the same dataset, and the large pipeline's fetch
+# (test_a_host_fetches_a_large_pipeline_once), stay in the fast suite
+@pytest.mark.slow
 def test_imagenet_sized_dataset_runs_through_a_broker(folder):
     pipeline = Pipeline.from_torch(folder, split_size=4096).batch(256)
     with service(workers=1) as (address, _), Loader(pipeline, broker=address) as loader:

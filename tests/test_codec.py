@@ -66,7 +66,7 @@ elements = st.recursive(
 )
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(elements)
 def test_round_trip(element):
     assert same(codec.decode(codec.encode(element)), element)
@@ -222,7 +222,7 @@ def test_every_truncation_of_a_valid_header_is_refused():
             codec.decode([head[:cut], *buffers[1:]])
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=250, deadline=None)
 @given(elements, st.data())
 def test_corrupted_headers_never_escape_as_other_errors(element, data):
     buffers = codec.encode(element)
