@@ -54,6 +54,16 @@ def stop(processes: list[subprocess.Popen[Any]], timeout: float) -> None:
             process.wait()
 
 
+def join_or_kill(processes: list[Any], timeout: float) -> None:
+    """Join each ``multiprocessing`` process in turn; kill one still running after
+    ``timeout`` seconds."""
+    for process in processes:
+        process.join(timeout)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
 def tree_cpu(*roots: psutil.Process) -> float:
     """CPU seconds (user + system) ``roots`` and all their descendants have used so far,
     each process counted once; processes that have exited count for nothing."""

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from bench._common import free_port, stop, version
+from bench._common import free_port, join_or_kill, stop, version
 
 BIN = pathlib.Path(sys.executable).parent
 BOUNDARIES = [64, 128, 256, 512, 1024]
@@ -108,11 +108,7 @@ def run(address: str, mode: str, run_id: int, size: int, steps: int) -> dict[str
     try:
         out = sorted((results.get(timeout=300) for _ in procs), key=lambda r: r["index"])
     finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        join_or_kill(procs, 30)
     per_step = list(zip(*(r["tokens"] for r in out), strict=True))
     same = sum(len(set(b)) == 1 for b in zip(*(r["buckets"] for r in out), strict=True))
     elapsed = max(r["elapsed"] for r in out)

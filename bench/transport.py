@@ -94,7 +94,7 @@ from typing import Any
 import numpy as np
 
 from bench import _peers
-from bench._common import version
+from bench._common import join_or_kill, version
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 DEV_SHM = pathlib.Path("/dev/shm")
@@ -322,11 +322,7 @@ def memory_fresh(window: float, warmup: float, processes: int = 2) -> dict[str, 
         answers = [results.get(timeout=window + warmup + PEER_START_TIMEOUT_S)
                    for _ in children]
     finally:
-        for child in children:
-            child.join(5)
-            if child.is_alive():
-                child.kill()
-                child.join()
+        join_or_kill(children, 5)
         results.close()
         results.join_thread()
     rates = [nbytes / seconds / 1e9 for nbytes, seconds, _, _ in answers]

@@ -6,15 +6,11 @@ and puts :class:`Item` s on a queue for the iterating thread, which reads the co
 and the job's facts in one record (:class:`Stats`). The iterating thread sends it
 commands (:meth:`IOThread.start_epoch`, :meth:`IOThread.credit`) through a deque.
 
-**The turn.** One step of the loop (commands, heartbeats, a poll of every socket and the
-messages it finds) runs under a lock, the turn, and whoever holds it owns the sockets
-(ZeroMQ sockets may change threads across a lock). The iterating thread takes the turn
-itself when it finds no item waiting (:meth:`IOThread.take`): it steps the loop until
-one comes, so that a record wakes one thread, not two. The I/O thread keeps away for
-LEND_SECONDS after the iterating thread last stepped (a trainer that comes back within
-that time finds the sockets free) and otherwise steps them itself: it reads ahead while
-the trainer computes, sends heartbeats and acks, and runs the loop before the first epoch
-and after the last.
+**The turn** (turn.py): one step of the loop runs under a lock, and whoever holds it owns
+the sockets. The iterating thread steps the loop itself while it waits for data
+(:meth:`IOThread.take`); the I/O thread steps it otherwise: it reads ahead while the
+trainer computes, sends heartbeats and acks, and runs the loop before the first epoch and
+after the last. Both run the same :meth:`IOThread._step`.
 """
 
 from __future__ import annotations
@@ -30,7 +26,7 @@ from typing import Any
 
 import zmq
 
-from zloader._defaults import LEND_SECONDS, POLL_MS
+from zloader._defaults import POLL_MS
 from zloader.client.epoch_end import EpochEnd
 from zloader.client.items import Item
 from zloader.client.link import BrokerLink, registration
@@ -39,12 +35,13 @@ from zloader.client.receive import Receiver
 from zloader.client.rounds import Rounds
 from zloader.client.session import Session, Settings
 from zloader.client.stats import Stats
+from zloader.client.turn import Turn
 from zloader.options import JobOptions
 from zloader.shipping import Served
 from zloader.transport import messages
 from zloader.transport.keys import Keys
 from zloader.transport.protocol import Message, ProtocolError, decode
-from zloader.transport.sockets import has_message, make_socket, recv_frames
+from zloader.transport.sockets import make_socket, waiting
 
 __all__ = ["IOThread"]
 
@@ -108,13 +105,9 @@ class IOThread(threading.Thread):
         self._broker: zmq.Socket[Any] | None = None
         self._data_server: zmq.Socket[Any] | None = None
         self._guard: Any = None  # the ZAP handler, with keys and a source socket
-        # The turn (see the module's docstring): held for one step of the loop.
-        self._turn = threading.Lock()
+        self._turn = Turn()  # who steps the loop (see the module's docstring)
         self._poller: zmq.Poller | None = None  # (set once the sockets exist)
         self._next_beat = 0.0
-        self._lent_at = -1.0  # when the iterating thread last stepped the loop
-        self._taking = False  # the iterating thread is in take()
-        self._nudge = threading.Event()  # ends the I/O thread's wait while lent (close)
 
     # --- called from the iterating thread -------------------------------------------------
 
@@ -130,33 +123,26 @@ class IOThread(threading.Thread):
         owed = self._unsent.get(worker, 0) + credits
         if owed >= self.settings.credit_batch:
             owed = 0
-            if not self._lent():  # (lent: the iterating thread sends it when it steps)
+            if not self._turn.lent():  # (lent: the iterating thread sends it as it steps)
                 self._wake()
         self._unsent[worker] = owed
 
     def take(self, timeout: float) -> Item | None:
         """The next item, or None when none came within ``timeout`` seconds. With none
-        waiting, the calling thread takes the turn and steps the loop itself until one
+        waiting, the calling thread borrows the turn and steps the loop itself until one
         comes (see the module's docstring); a failure of the loop there stops the I/O
         thread and comes back as an error item, as it would from the I/O thread."""
         with contextlib.suppress(queue.Empty):
             return self.items.get_nowait()
         deadline = time.monotonic() + timeout
-        self._taking = True
-        try:
-            stepped = self._step_until(deadline)
-        finally:
-            self._taking = False
+        with self._turn.lent_to_reader(deadline, self._wake) as had:
+            stepped = had and self._step_until(deadline)
         return self._get(0.0 if stepped else max(0.0, deadline - time.monotonic()))
 
     def _step_until(self, deadline: float) -> bool:
-        """Step the loop in this thread until an item waits or ``deadline`` passes. False
-        when it could not: the turn not had by then, the sockets not made yet or closed,
-        or the loop failed (its error item waits)."""
-        if not self._turn.acquire(blocking=False):
-            self._wake()  # the I/O thread is in its poll: end it
-            if not self._turn.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                return False
+        """Step the loop (the turn held) until an item waits or ``deadline`` passes.
+        False when it could not: the sockets not made yet or closed, or the loop failed
+        (its error item waits)."""
         try:
             while self._poller is not None and not self._halt.is_set():
                 self._step(max(0, min(POLL_MS, int((deadline - time.monotonic()) * 1000))))
@@ -166,19 +152,12 @@ class IOThread(threading.Thread):
         except Exception as exc:  # (KeyboardInterrupt and the like propagate)
             self._failed(exc)
             return False
-        finally:
-            self._lent_at = time.monotonic()
-            self._turn.release()
 
     def _get(self, timeout: float) -> Item | None:
         try:
             return self.items.get(timeout=timeout) if timeout > 0 else self.items.get_nowait()
         except queue.Empty:
             return None
-
-    def _lent(self) -> bool:
-        """Whether the iterating thread reads the sockets now, or did just now."""
-        return self._taking or time.monotonic() - self._lent_at < LEND_SECONDS
 
     @property
     def registration(self) -> dict[str, Any]:
@@ -241,7 +220,7 @@ class IOThread(threading.Thread):
         """Stop the thread (it tells the workers and the broker) and wait for it."""
         self._halt.set()
         self._wake()
-        self._nudge.set()
+        self._turn.stop()
         if self.is_alive() and self is not threading.current_thread():
             self.join(timeout)
         if not self.is_alive():
@@ -282,7 +261,7 @@ class IOThread(threading.Thread):
     def run(self) -> None:
         context = zmq.Context()
         try:
-            with self._turn:
+            with self._turn.held():
                 poller = zmq.Poller()
                 self._broker = self._link.connect(context)
                 poller.register(self._broker, zmq.POLLIN)
@@ -296,7 +275,7 @@ class IOThread(threading.Thread):
             self._failed(exc)
         finally:
             # (an iterating thread in take() sees the halt at its next step and leaves)
-            with self._turn:
+            with self._turn.held():
                 self._poller = None
                 self._shutdown(context)
 
@@ -311,13 +290,8 @@ class IOThread(threading.Thread):
     def _loop(self) -> None:
         """Step the loop whenever the iterating thread does not (see the docstring)."""
         while not self._halt.is_set():
-            left = (LEND_SECONDS if self._taking
-                    else self._lent_at + LEND_SECONDS - time.monotonic())
-            if left > 0:
-                self._nudge.wait(left)
+            if not self._turn.take_for_io():
                 continue
-            if not self._turn.acquire(blocking=False):
-                continue  # (taken just now: it is lent again)
             try:
                 self._step(POLL_MS)
             finally:
@@ -341,15 +315,7 @@ class IOThread(threading.Thread):
                     while os.read(self._wake_read, 4096):
                         pass
                 continue
-            for turn in range(64):
-                # (the poll saw the first one; closed: a message handled just before
-                # closed it, a worker that left the view)
-                if sock.closed or (turn and not has_message(sock)):
-                    break
-                try:
-                    frames = recv_frames(sock)
-                except zmq.Again:
-                    break
+            for frames in waiting(sock, 64):  # (a message may close its peer's socket)
                 self._receive(sock, frames)
         self._link.send_acks()
         now = time.monotonic()

@@ -7,13 +7,14 @@ The broker's ROUTER, the workers' and the consumers' sockets are all made here.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import zmq
 
 from zloader.transport.keys import Keys
 
-__all__ = ["NOBLOCK", "has_message", "make_socket", "recv_frames", "send_frames"]
+__all__ = ["NOBLOCK", "has_message", "make_socket", "recv_frames", "send_frames", "waiting"]
 
 
 def make_socket(context: zmq.Context[Any], kind: int, keys: Keys | None = None, *,
@@ -63,6 +64,21 @@ def has_message(sock: zmq.Socket[Any]) -> bool:
     """Whether a message waits on ``sock`` (open): cheaper than a ``NOBLOCK`` receive
     that raises ``zmq.Again`` to say there is none."""
     return not sock.closed and bool(int(_get(sock, _EVENTS)) & _POLLIN)
+
+
+def waiting(sock: zmq.Socket[Any], limit: int) -> Iterator[list[zmq.Frame]]:
+    """The frames of each message waiting on ``sock``, a poll having said one does, at
+    most ``limit`` of them (the loop then serves its other sockets). It stops early when
+    ``sock`` is closed meanwhile (handling a message closed it) or none is left."""
+    for turn in range(limit):
+        # (the poll saw the first one: EVENTS is asked from the second on)
+        if sock.closed or (turn and not has_message(sock)):
+            return
+        try:
+            frames = recv_frames(sock)
+        except zmq.Again:
+            return
+        yield frames
 
 
 def recv_frames(sock: zmq.Socket[Any]) -> list[zmq.Frame]:

@@ -35,7 +35,7 @@ from zloader.transport import messages
 from zloader.transport.keys import Keys
 from zloader.transport.protocol import Message, ProtocolError, decode
 from zloader.transport.shm import sweep, sweep_dirs
-from zloader.transport.sockets import has_message, recv_frames
+from zloader.transport.sockets import waiting
 from zloader.worker.broker_link import BrokerLink, BrokerRefused
 from zloader.worker.consumers import DataPort
 from zloader.worker.credit import CreditDelivery
@@ -182,15 +182,8 @@ class WorkerProcess:
         poller.register(self.broker.sock, zmq.POLLIN)
         while not self.stop.is_set():
             for sock, _ in poller.poll(100):
-                for turn in range(256):
-                    # (the poll saw the first one; closed: a producer's pair, dropped
-                    # while its messages were read)
-                    if sock.closed or (turn and not has_message(sock)):
-                        break
-                    try:
-                        frames = recv_frames(sock)
-                    except zmq.Again:
-                        break
+                # (a producer's pair may be dropped while its messages are read)
+                for frames in waiting(sock, 256):
                     if sock is self.port.sock:
                         self.port.receive(frames, self.task)
                         # (an OPEN maps and reserves a consumer's ring: on a busy host a
