@@ -37,11 +37,17 @@ class Plan:
         pass_ids: dict[_stages.Key, int] = {}
 
         def read(key: _stages.Key) -> Iterator[Any]:
+            coverage = ctx.coverage
             for split in feed(key):
                 if isinstance(split, Assigned):  # exactly-once: tagged with origins
+                    if coverage is not None:
+                        coverage.read(key, split.split,
+                                      split.pass_key == key and not split.skip)
                     pass_id = pass_ids.setdefault(split.pass_key, len(pass_ids))
                     yield from read_split(source, split, pass_id, ctx)
                 else:
+                    if coverage is not None:
+                        coverage.read(key, split, True)
                     yield from ctx.read(split)
 
         ctx.pass_keys = pass_ids

@@ -32,10 +32,46 @@ from zloader._seeding import Key, make_rng
 from zloader.errors import PipelineError, passes_through
 from zloader.lineage import INDEX_BITS, INDEX_MASK
 
-__all__ = ["Batch", "BucketByLength", "Context", "Filter", "Map", "Repeat", "Run", "Shuffle",
-           "Skip", "Stage", "Take", "Unbatch", "compose"]
+__all__ = ["Batch", "BucketByLength", "Context", "Coverage", "Filter", "Map", "Repeat", "Run",
+           "Shuffle", "Skip", "Stage", "Take", "Unbatch", "compose"]
 
 Run = Callable[[Key], Iterator[Any]]
+
+
+class Coverage:
+    """Which splits a run that reads only the splits it is handed (a dynamically sharded
+    worker) has read afresh, so that an endless ``repeat`` can tell an empty input from a
+    repetition whose splits other workers took.
+
+    In one process every repetition reads every split, so one that yields nothing shows
+    the input empty. A worker's repetition may yield nothing only because the other
+    workers were handed that pass's splits: ending its repeat then would end its epoch,
+    and once those workers die, the whole epoch, short and without an error. So a worker
+    ends an endless repeat only when its repetitions since the last element together read
+    every split of the source afresh (a whole pass's worth of empty splits), when the
+    source has no splits, or when it is leaving (``leaving()``: its passes end at once).
+    """
+
+    def __init__(self, num_splits: int, leaving: Callable[[], bool]) -> None:
+        self.num_splits = num_splits
+        self.leaving = leaving
+        self._fresh: dict[Key, set[int]] = {}  # pass key -> splits read afresh in it
+
+    def read(self, key: Key, split: int, fresh: bool) -> None:
+        """The run read ``split`` in pass ``key``; ``fresh``: whole, in its own pass (not
+        a re-queued split of another pass, nor one with elements to skip)."""
+        if fresh:
+            self._fresh.setdefault(key, set()).add(split)
+
+    def close(self, key: Key) -> set[int]:
+        """The splits read afresh in repetition ``key`` and the passes under it; they are
+        handed on to the repetition above (a repeat nested in another)."""
+        found: set[int] = set()
+        for under in [k for k in self._fresh if k[:len(key)] == key]:
+            found |= self._fresh.pop(under)
+        if found and len(key) > 1:
+            self._fresh.setdefault(key[:-1], set()).update(found)
+        return found
 
 
 @dataclass
@@ -68,6 +104,8 @@ class Context:
         at: (split, index) of the element the source yielded last (untracked runs).
         aligned: the last stage position whose input still comes in the source's order,
             one element at a time, so that ``at`` names the element it works on.
+        coverage: the splits read afresh, for a run that reads only the splits it is
+            handed (a dynamically sharded worker); None when every pass reads them all.
     """
 
     entropy: int
@@ -86,6 +124,7 @@ class Context:
     source: Any = None
     at: tuple[int, int] | None = None
     aligned: int = 0
+    coverage: Coverage | None = None
 
     def rng(self, seed: int | None, position: int, key: Key) -> Any:
         if self.worker:
@@ -103,6 +142,16 @@ class Context:
         if not self.track:
             return fn
         return lambda tagged: (fn(tagged[0]), tagged[1])
+
+    def input_empty(self, key: Key, empty: set[int]) -> bool:
+        """Whether repetition ``key`` of an endless repeat, which yielded nothing, shows
+        its input empty (:class:`Coverage`). ``empty``: the splits read afresh in the
+        repetitions since the repeat's last element, to which this one's are added."""
+        coverage = self.coverage
+        if coverage is None:
+            return True
+        empty |= coverage.close(key)
+        return coverage.leaving() or len(empty) >= coverage.num_splits
 
     def read(self, split: int) -> Iterator[Any]:
         """The elements of ``split`` of :attr:`source`, noting in :attr:`at` where each
@@ -442,8 +491,10 @@ class Unbatch(Stage):
 
 @dataclass(frozen=True, eq=False, kw_only=True)
 class Repeat(Stage):
-    """Repeats its upstream ``count`` times (forever when None). A repetition that yields
-    nothing ends an endless repeat, so ``repeat()`` on empty input ends instead of spinning."""
+    """Repeats its upstream ``count`` times (forever when None). An endless repeat ends
+    when its input turns out empty, so ``repeat()`` on empty input ends instead of
+    spinning: a repetition that yields nothing, in one process; on a worker, repetitions
+    that yield nothing though they read every split (:class:`Coverage`)."""
 
     kind: ClassVar[str] = "repeat"
     count: int | None = None
@@ -456,12 +507,17 @@ class Repeat(Stage):
         count = self.count
 
         def run(key: Key) -> Iterator[Any]:
+            empty: set[int] = set()  # splits read afresh since the last element
             for repetition in itertools.count() if count is None else range(count):
                 produced = False
-                for element in upstream((*key, repetition)):
+                sub = (*key, repetition)
+                for element in upstream(sub):
                     produced = True
                     yield element
-                if count is None and not produced:
+                if ctx.coverage is not None and (produced or count is not None):
+                    ctx.coverage.close(sub)
+                    empty.clear()
+                elif count is None and not produced and ctx.input_empty(sub, empty):
                     return
         return run
 

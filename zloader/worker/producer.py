@@ -46,7 +46,7 @@ from zloader.errors import CodecError, PipelineError
 from zloader.lineage import Assigned, encode_origins, unpack
 from zloader.options import JobOptions
 from zloader.plan import Plan
-from zloader.stages import Context
+from zloader.stages import Context, Coverage
 from zloader.transport.protocol import error_object
 from zloader.transport.sockets import NOBLOCK, make_socket
 
@@ -225,6 +225,9 @@ class Producer(threading.Thread):
         ctx = Context(entropy=spec.entropy, worker=spec.index, skip_errors=spec.skip_errors,
                       workers=spec.width, epoch_input=self.epoch_input,
                       round_size=spec.round_size, track=spec.track)
+        if spec.sharding == "dynamic":  # handed some splits of each pass, not all
+            ctx.coverage = Coverage(spec.plan.pipeline.source.num_splits,
+                                    self.draining.is_set)
         elements = spec.plan.run_worker(lambda key: self._feed(pair, key), self.epoch, ctx)
         if self.replay is not None:
             elements = itertools.islice(elements, self.replay)
