@@ -10,8 +10,10 @@ returned dataset is one epoch, so ``model.fit(ds, epochs=N)`` works.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import itertools
 import threading
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -21,9 +23,10 @@ import tensorflow as tf
 
 from zloader import _check
 from zloader._defaults import TF_PROBE
+from zloader.errors import PipelineError
 from zloader.loader import Loader
 from zloader.pipeline import Pipeline
-from zloader.stages import Batch
+from zloader.stages import Batch, BucketByLength, Map, Shuffle, Skip, Stage, Take
 
 __all__ = ["close", "dataset", "element_spec", "infer_signature", "to_dataset"]
 
@@ -79,39 +82,36 @@ def to_dataset(pipeline: Pipeline, spec: Any = None, epoch: int = 0) -> tf.data.
 
     Args:
         pipeline: the pipeline to run.
-        spec: the ``output_signature``; by default it is inferred from the first element
-            (which runs the pipeline once up to that element) with every dimension unknown.
-            Pass one to keep static shapes.
+        spec: the ``output_signature`` (``tf.TensorSpec`` s, checked); by default the
+            dtypes and ranks of :func:`infer_signature` with ``probe=1`` (one element
+            through the stages, buffers bypassed) with every dimension unknown. Pass one
+            to keep static shapes.
         epoch: the epoch of the first iteration; each later iteration runs the next one.
 
     Raises:
-        TypeError: ``pipeline`` is not a Pipeline, or its elements cannot be tf tensors.
+        TypeError: ``pipeline`` is not a Pipeline, ``spec`` is not made of
+            ``tf.TypeSpec`` s, or the elements cannot be tf tensors.
         ValueError: ``spec`` is None and the pipeline yields nothing to infer it from.
     """
     if not isinstance(pipeline, Pipeline):
         raise TypeError(f"pipeline must be a zloader.Pipeline, got {type(pipeline).__name__}")
     epochs = itertools.count(_check.integer("epoch", epoch, 0))
     if spec is None:
-        elements = pipeline.iter(0)
         try:
-            first = next(elements, _EMPTY)
-        finally:
-            close = getattr(elements, "close", None)
-            if close is not None:
-                close()
-        if first is _EMPTY:
+            learned = infer_signature(pipeline, 1)
+        except ValueError as exc:
             raise ValueError("cannot infer the element spec of a pipeline that yields "
-                             "nothing; pass spec=")
-        spec = element_spec(first)
+                             "nothing; pass spec=") from exc
+        spec = tf.nest.map_structure(
+            lambda sp: tf.TensorSpec([None] * sp.shape.rank, sp.dtype), learned)
+    else:
+        _checked("spec", spec)
 
     def generate() -> Iterator[Any]:
         for element in pipeline.iter(next(epochs)):
             yield _as_tf_structure(element)
 
     return tf.data.Dataset.from_generator(generate, output_signature=spec)
-
-
-_EMPTY = object()
 
 
 def _exact_spec(element: Any) -> Any:
@@ -129,9 +129,13 @@ def _exact_spec(element: Any) -> Any:
     return spec
 
 
+class _Mismatch(TypeError):
+    """Two elements of a pipeline differ in dtype or rank."""
+
+
 def _merge(a: tf.TensorSpec, b: tf.TensorSpec) -> tf.TensorSpec:
     if a.dtype != b.dtype or a.shape.rank != b.shape.rank:
-        raise TypeError(f"the pipeline's elements change type or rank ({a} then {b}); "
+        raise _Mismatch(f"the pipeline's elements change type or rank ({a} then {b}); "
                         "pass output_signature=")
     dims = [x if x == y else None for x, y in zip(a.shape.as_list(), b.shape.as_list(),
                                                    strict=True)]
@@ -139,35 +143,144 @@ def _merge(a: tf.TensorSpec, b: tf.TensorSpec) -> tf.TensorSpec:
 
 
 def infer_signature(pipeline: Pipeline, probe: int = TF_PROBE) -> Any:
-    """The ``output_signature`` of ``pipeline``, from its first ``probe`` elements.
+    """The ``output_signature`` of ``pipeline``, learned from a few elements run through
+    its stages in this process with their buffers bypassed.
 
-    Dimensions that differ between those elements become None, and so does the leading
-    dimension when a ``batch`` stage keeps its remainder (the last batch is shorter). The cost:
-    the pipeline runs in this process until it has produced ``probe`` elements.
+    The probe runs ``probe`` elements through the stages as they are, except that a
+    ``shuffle``, ``skip`` or ``take`` passes elements straight on, a parallel ``map`` makes
+    one call at a time, and a ``batch`` or ``bucket_by_length`` batches one element; one
+    more run batches two. So it costs a few calls of each function, never a shuffle
+    buffer's or a batch's worth. Dimensions that differ between the probed elements
+    become None; a dimension that follows the batch size is the batch size times what it
+    is per element when the pipeline's one batching stage is a ``batch`` with
+    ``drop_remainder=True``, else None (the last batch is shorter).
+
+    Code after a batch that needs the real batch size (a reshape to it, say) fails on the
+    probe's batches of one: the signature is then learned from the first ``probe`` real
+    elements instead, which fills the buffers before them, with a warning. Pass
+    ``output_signature=`` to :func:`dataset` to avoid both.
 
     Raises:
         ValueError: the pipeline yields nothing.
         TypeError: elements change dtype or rank, or hold values tf.data cannot represent.
     """
-    elements = pipeline.iter(0)
+    count = _check.integer("probe", probe, 1)
     try:
-        sample = [e for _, e in zip(range(_check.integer("probe", probe, 1)), elements,
-                                    strict=False)]
-    finally:
-        close = getattr(elements, "close", None)
-        if close is not None:
-            close()
+        return _bypassed_signature(pipeline, count)
+    except _ProbeFailed as exc:
+        warnings.warn(f"zloader.tf: the signature probe, with batches of one element, "
+                      f"failed ({exc}); running {pipeline} until {count} full elements to "
+                      "learn it instead. Pass output_signature= to skip that",
+                      UserWarning, stacklevel=2)
+    sample = _first(pipeline, count)
     if not sample:
         raise ValueError("cannot infer the signature of a pipeline that yields nothing; "
                          "pass output_signature=")
-    spec = _exact_spec(_as_tf_structure(sample[0]))
-    for element in sample[1:]:
-        spec = tf.nest.map_structure(_merge, spec, _exact_spec(_as_tf_structure(element)))
-    if any(isinstance(s, Batch) and not s.drop_remainder for s in pipeline.stages):
+    spec = _merged([_exact_spec(_as_tf_structure(e)) for e in sample])
+    if any(isinstance(s, (Batch, BucketByLength)) and not s.drop_remainder
+           for s in pipeline.stages):
         spec = tf.nest.map_structure(
             lambda sp: tf.TensorSpec([None, *sp.shape.as_list()[1:]], sp.dtype)
             if sp.shape.rank else sp, spec)
     return spec
+
+
+class _ProbeFailed(Exception):
+    """The bypassed probe could not learn the signature (see :func:`infer_signature`)."""
+
+
+def _bypassed_signature(pipeline: Pipeline, count: int) -> Any:
+    """:func:`infer_signature`'s probe: runs with batches of one element, then of two."""
+    batching = [s for s in pipeline.stages if isinstance(s, (Batch, BucketByLength))]
+    try:
+        ones = _first(_stand_in(pipeline, 1), count)
+        twos = _first(_stand_in(pipeline, 2), 1) if batching else []
+    except PipelineError as exc:
+        raise _ProbeFailed(f"{exc.stage} raised {exc.exc_type}: {exc.message}") from exc
+    if not ones and batching:  # a filter after the batch may refuse batches of one
+        raise _ProbeFailed("it yielded nothing")
+    if not ones:
+        raise ValueError("cannot infer the signature of a pipeline that yields nothing; "
+                         "pass output_signature=")
+    one = _merged([_exact_spec(_as_tf_structure(e)) for e in ones])
+    if not twos:
+        return one
+    two = _exact_spec(_as_tf_structure(twos[0]))
+    known = (batching[0].batch_size if len(batching) == 1 and isinstance(
+        batching[0], Batch) and batching[0].drop_remainder else None)
+    try:
+        return tf.nest.map_structure(lambda a, b: _batched(a, b, known), one, two)
+    except (_Mismatch, ValueError) as exc:  # ValueError: the structures differ
+        raise _ProbeFailed(f"batches of one and of two differ: {exc}") from exc
+
+
+def _stand_in(pipeline: Pipeline, size: int) -> Pipeline:
+    """``pipeline`` with its buffers bypassed and its batches of ``size`` elements."""
+    stages: list[Stage] = []
+    for stage in pipeline.stages:
+        if isinstance(stage, (Shuffle, Skip, Take)):
+            continue
+        if isinstance(stage, Map) and stage.num_parallel_calls > 1:
+            stage = dataclasses.replace(stage, num_parallel_calls=1)
+        elif isinstance(stage, Batch):
+            stage = dataclasses.replace(stage, batch_size=size, drop_remainder=False)
+        elif isinstance(stage, BucketByLength):
+            stage = dataclasses.replace(stage, batch_sizes=(size,) * len(stage.batch_sizes),
+                                        drop_remainder=False)
+        stages.append(stage)
+    return Pipeline(pipeline.source, tuple(stages))
+
+
+def _batched(one: tf.TensorSpec, two: tf.TensorSpec, batch_size: int | None
+             ) -> tf.TensorSpec:
+    """The spec of a leaf seen in batches of one (``one``) and of two (``two``): a
+    dimension that doubles follows the batch size (``batch_size`` times its size in
+    ``one`` when the batch size is fixed, else None); one that differs otherwise is None."""
+    merged = _merge(one, two)
+    if batch_size is None:
+        return merged
+    dims = [a * batch_size if a and b == 2 * a else m for a, b, m in zip(
+        one.shape.as_list(), two.shape.as_list(), merged.shape.as_list(), strict=True)]
+    return tf.TensorSpec(dims, one.dtype)
+
+
+def _first(pipeline: Pipeline, count: int) -> list[Any]:
+    """The first ``count`` elements of epoch 0, run in this process."""
+    elements = pipeline.iter(0)
+    try:
+        return list(itertools.islice(elements, count))
+    finally:
+        close = getattr(elements, "close", None)
+        if close is not None:
+            close()
+
+
+def _merged(specs: list[Any]) -> Any:
+    """One spec over ``specs``: dimensions that differ become None."""
+    spec = specs[0]
+    for other in specs[1:]:
+        spec = tf.nest.map_structure(_merge, spec, other)
+    return spec
+
+
+def _checked(name: str, signature: Any) -> Any:
+    """``signature`` if it is a ``tf.TypeSpec`` or a nest (dicts, tuples, lists) of them.
+
+    Raises:
+        TypeError: a leaf is something else (``"int64"``, a shape list...), named by its
+            path under ``name``.
+    """
+    if isinstance(signature, dict):
+        for key, value in signature.items():
+            _checked(f"{name}[{key!r}]", value)
+    elif isinstance(signature, (tuple, list)) and signature:
+        for index, value in enumerate(signature):
+            _checked(f"{name}[{index}]", value)
+    elif not isinstance(signature, tf.TypeSpec):
+        raise TypeError(f"{name} must be a tf.TensorSpec (or another tf.TypeSpec), or a "
+                        f"dict or tuple of them; got {type(signature).__name__} "
+                        f"{signature!r}")
+    return signature
 
 
 def dataset(pipeline: Pipeline, output_signature: Any = None, *, probe: int = TF_PROBE,
@@ -176,8 +289,10 @@ def dataset(pipeline: Pipeline, output_signature: Any = None, *, probe: int = TF
 
     Args:
         pipeline: the pipeline.
-        output_signature: the element signature; inferred with :func:`infer_signature`
-            when None.
+        output_signature: the element signature, a ``tf.TensorSpec`` or a dict or tuple
+            of them, as ``tf.data.Dataset.from_generator`` takes it; the pipeline then
+            does not run in this process. When None it is inferred with
+            :func:`infer_signature` (a few calls of each function in this process).
         probe: elements examined to infer the signature (default 2).
         **loader_kwargs: passed to :class:`zloader.Loader` (``num_workers``, ``broker``,
             ``sharding``...). The Loader starts on the first iteration and serves every
@@ -186,11 +301,17 @@ def dataset(pipeline: Pipeline, output_signature: Any = None, *, probe: int = TF
 
     Each iteration of the dataset is the next epoch of the Loader; it can be driven from
     any thread (as ``model.fit`` does), one epoch at a time.
+
+    Raises:
+        TypeError: ``pipeline`` is not a Pipeline, or ``output_signature`` holds something
+            other than ``tf.TypeSpec`` s (the message names where).
     """
     if not isinstance(pipeline, Pipeline):
         raise TypeError(f"pipeline must be a zloader.Pipeline, got {type(pipeline).__name__}")
-    signature = output_signature if output_signature is not None else infer_signature(
-        pipeline, probe)
+    if output_signature is not None:
+        signature = _checked("output_signature", output_signature)
+    else:
+        signature = infer_signature(pipeline, probe)
     source = _LoaderSource(pipeline, loader_kwargs)
     result = tf.data.Dataset.from_generator(source.epoch, output_signature=signature)
     _SOURCES[result] = source
