@@ -33,6 +33,20 @@ def _children() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
+def _foreign(name: str, at: int) -> bool:
+    """Whether segment or directory ``name``, whose creator's pid is its ``at``-th dash
+    part (``zloader-<uid>-<pid>-...``: 2, ``zloader-<pid>-...``: 1), belongs to a live
+    process outside this test run: another test session running at the same time on this
+    machine, not a leak of this one."""
+    parts = name.split("-")
+    if len(parts) <= at or not parts[at].isdigit():
+        return False
+    pid = int(parts[at])
+    if pid == os.getpid() or not psutil.pid_exists(pid):
+        return False
+    return pid not in _children()
+
+
 @pytest.fixture(autouse=True)
 def no_leaks() -> Iterator[None]:
     segments_before = _segments()
@@ -42,8 +56,8 @@ def no_leaks() -> Iterator[None]:
     deadline = time.monotonic() + 5.0  # give exiting children a moment to be reaped
     while True:
         new_children = _children() - children_before
-        new_segments = _segments() - segments_before
-        new_dirs = _private_dirs() - dirs_before
+        new_segments = {n for n in _segments() - segments_before if not _foreign(n, 2)}
+        new_dirs = {n for n in _private_dirs() - dirs_before if not _foreign(n, 1)}
         if not (new_children or new_segments or new_dirs) or time.monotonic() > deadline:
             break
         time.sleep(0.05)

@@ -269,7 +269,7 @@ class Loader:
                                   lost=functools.partial(
                                       _lost, self._processes, self._io.stats,
                                       sharding != "dynamic" or deterministic)
-                                  if embedded else lambda: None)
+                                  if embedded else lambda: None, resume=resume)
             self._io.start()
         except BaseException:
             self.close()

@@ -20,9 +20,17 @@ STATE_VERSION = 1
 
 class Yielded:
     """The origins of the elements of the epoch being yielded, kept by the iterating
-    thread: those of every record yielded whole, and the record under way."""
+    thread: those of every record yielded whole, and the record under way. A resumed
+    Loader's start with what its state had delivered of the resumed epoch, so that a state
+    taken from it covers the epoch since it began, across any chain of resumes.
 
-    def __init__(self) -> None:
+    Args:
+        resume: ``{epoch, delivered}`` of the state this Loader resumed (as
+            :func:`resume_from` merged it), or None.
+    """
+
+    def __init__(self, resume: dict[str, Any] | None = None) -> None:
+        self._resume = resume
         self.ledger = Ledger()
         self.iterating: int | None = None  # the epoch being yielded, until it is done
         self.finished: int | None = None  # the epoch last yielded whole (``ledger`` is its)
@@ -30,9 +38,16 @@ class Yielded:
         self._current: tuple[Origins, int] | None = None
 
     def begin(self, epoch: int) -> None:
-        """``epoch`` starts: nothing of it yielded yet."""
-        self.ledger, self._current, self.iterating = Ledger(), None, epoch
+        """``epoch`` starts: nothing of it yielded yet, but what a resumed state had."""
+        self.ledger, self._current, self.iterating = self._start(epoch), None, epoch
         self.finished = None
+
+    def _start(self, epoch: int) -> Ledger:
+        """What was yielded of ``epoch`` before it began here: the resumed state's part."""
+        ledger = Ledger()
+        if self._resume is not None and self._resume["epoch"] == epoch:
+            ledger.merge_json(self._resume["delivered"])
+        return ledger
 
     def record(self, origins: Origins | None, elements: int) -> None:
         """A record starts being yielded, ``elements`` having been yielded before it."""
@@ -60,14 +75,16 @@ class Yielded:
 
     def state(self, next_epoch: int, elements: int) -> tuple[int, Any]:
         """The epoch to resume and the JSON of what was delivered of it, ``elements``
-        having been yielded so far (a finished epoch resumes at ``next_epoch``)."""
+        having been yielded so far (a finished epoch resumes at ``next_epoch``; an epoch
+        not begun yet is as its resumed state left it, if it is the resumed one)."""
+        if self.iterating is None:
+            return next_epoch, self._start(next_epoch).to_json()
+        epoch = self.iterating
         ledger = Ledger()
-        epoch = next_epoch if self.iterating is None else self.iterating
-        if self.iterating is not None:
-            ledger.merge_json(self.ledger.to_json())
-            if self._current is not None:
-                origins, before = self._current
-                origins.note(ledger, elements - before)
+        ledger.merge_json(self.ledger.to_json())
+        if self._current is not None:
+            origins, before = self._current
+            origins.note(ledger, elements - before)
         return epoch, ledger.to_json()
 
 

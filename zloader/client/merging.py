@@ -25,12 +25,14 @@ class Merger:
 
     ``deaths`` says which of the Loader's own worker processes died (added to a timeout's
     message); ``lost`` raises :class:`WorkerExited` when the epoch cannot complete without
-    them; ``max_skipped`` bounds the elements workers may drop (``on_error="skip"``).
+    them; ``max_skipped`` bounds the elements workers may drop (``on_error="skip"``);
+    ``resume`` is what a resumed state had delivered (:func:`resume_from`).
     """
 
     def __init__(self, io: IOThread, *, timeout: float, deterministic: bool,
                  max_skipped: int | None, deaths: Callable[[], str],
-                 lost: Callable[[], None] = lambda: None) -> None:
+                 lost: Callable[[], None] = lambda: None,
+                 resume: dict[str, Any] | None = None) -> None:
         self.io = io
         self.timeout = timeout
         self.deterministic = deterministic
@@ -39,7 +41,7 @@ class Merger:
         self.lost = lost
         self.elements = 0  # yielded, all epochs
         self.wait = 0.0  # seconds spent waiting for data, all epochs
-        self.yielded = Yielded()  # the origins yielded of the epoch under way
+        self.yielded = Yielded(resume)  # the origins yielded of the epoch under way
         self._reading: int | None = None  # the epoch of the live iterator
 
     def epoch(self, epoch: int, epoch_input: Any) -> Iterator[Any]:
