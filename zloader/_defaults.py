@@ -80,6 +80,13 @@ CACHE_STALE_SECONDS = 3600.0
 """A temporary cache file untouched this long is a writer's leftover (it was killed midway):
 ``zloader cache rm --stale`` removes it (``--older-than``)."""
 
+CACHE_MAX_ENTRY_BYTES = 2 << 30
+"""Largest cache entry (one split's output) a worker writes or reads back, in bytes: an
+entry is read into the worker's memory whole, so this bounds what one read allocates,
+whatever sizes the file claims. A split whose output grows past it is read without caching
+(with a warning); a larger entry already there is ignored and its split computed.
+``Pipeline.cache(max_entry_bytes=)`` sets it per cache."""
+
 
 # --- codec: limits of an encoded element --------------------------------------------------
 
@@ -164,6 +171,13 @@ RING_MAX_BYTES = 1 << 30
 VACANT_WARNING = 10.0
 """Seconds a coordinated consumer waits for a missing one before it says so, then again
 (fixed)."""
+
+SILENT_BROKER_WARNING = 5.0
+"""Seconds a Loader sends REGISTER without an answer before it warns, naming the broker's
+address, then again every ``SILENT_BROKER_REPEAT`` seconds until the timeout (fixed)."""
+
+SILENT_BROKER_REPEAT = 15.0
+"""Seconds between the warnings of a Loader whose broker does not answer (fixed)."""
 
 REREADS = 3
 """Times an exactly-once epoch that ended short asks for a split again before it raises
@@ -326,6 +340,11 @@ broker fell silent and the workers reconnected over and over (fixed)."""
 MIN_RING_BYTES = 4 * 1024 * 1024
 """The smallest ring a consumer starts with by default (see RINGS_BYTES; fixed)."""
 
+PREFAULT_CHUNK_BYTES = 256 * 1024
+"""A ring's writer faults its pages in on a background thread this many bytes at a time
+(zloader/transport/prefault.py): small, so that the thread, at the lowest CPU priority,
+never holds the process's memory map for long (fixed)."""
+
 SEGMENT_BYTES = 1 << 20
 """A record this large that finds its ring full goes in a shared-memory segment of its own
 (one copy) rather than over the socket (a copy at each end; fixed)."""
@@ -403,6 +422,22 @@ ACTUATOR_INTERVAL = 1.0
 REMOTE_DELAY = 5.0
 """Seconds a shortfall lasts before an actuator grows without consumers of the job on its
 host (``remote_delay=`` of the process and Ray actuators)."""
+
+RESTART_DELAY = 1.0
+"""Seconds ``zloader-worker --processes N`` waits before replacing a worker process that
+died; doubled at each death of that slot's processes, up to ``RESTART_MAX_DELAY``, so a
+process that always dies does not spin (``--restart-delay``)."""
+
+RESTART_MAX_DELAY = 60.0
+"""The longest wait before ``zloader-worker --processes N`` replaces a dead worker process
+(``--restart-max-delay``)."""
+
+RESTART_RESET_SECONDS = 60.0
+"""A worker process that ran this long before it died is replaced after
+``RESTART_DELAY`` again, not after its slot's doubled delay (fixed)."""
+
+SUPERVISE_POLL = 0.2
+"""Seconds between two looks of ``zloader-worker --processes N`` at its children (fixed)."""
 
 ACTOR_READY_SECONDS = 30.0
 """How long a Ray worker actor asked for its worker's id waits for the worker's loop to

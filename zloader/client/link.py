@@ -16,7 +16,7 @@ from typing import Any
 
 import zmq
 
-from zloader._defaults import BYE_LINGER_MS
+from zloader._defaults import BYE_LINGER_MS, SILENT_BROKER_REPEAT, SILENT_BROKER_WARNING
 from zloader._host import host_id
 from zloader.client.items import Item
 from zloader.client.rounds import Rounds
@@ -86,6 +86,8 @@ class BrokerLink:
         self.acks: list[int] = []  # rounds received
         self._reported_error = False
         self._reported_failures = 0
+        self._unanswered: float | None = None  # since when REGISTER goes unanswered
+        self._warned = 0.0  # when the last warning about that was logged
         self.socket: zmq.Socket[Any] | None = None
 
     def connect(self, context: zmq.Context[Any]) -> zmq.Socket[Any]:
@@ -112,8 +114,28 @@ class BrokerLink:
         """Once a heartbeat: REGISTER until the job is known, then HEARTBEAT."""
         if self.session.job is None:
             self.send(self.register, (self.blob,))
+            self._silence(time.monotonic())
         else:
+            self._unanswered = None
             self.heartbeat()
+
+    def _silence(self, now: float) -> None:
+        """Warn while REGISTER goes unanswered: after ``SILENT_BROKER_WARNING`` seconds,
+        then every ``SILENT_BROKER_REPEAT`` (nothing may listen at the address, or a broker
+        there may be unreachable or refuse this consumer's keys)."""
+        if self._unanswered is None:
+            self._unanswered = self._warned = now
+            return
+        silent = now - self._unanswered
+        due = SILENT_BROKER_WARNING if self._warned == self._unanswered else SILENT_BROKER_REPEAT
+        if now - self._warned < due:
+            return
+        self._warned = now
+        log.warning("no answer from a broker at %s for %.0f s: this Loader keeps sending its "
+                    "REGISTER and raises zloader.Timeout after timeout=%g s (is "
+                    "zloader-broker running there and reachable from this host, with the "
+                    "keys this Loader uses? check the broker= address)",
+                    self.settings.address, silent, self.settings.timeout)
 
     def heartbeat(self) -> None:
         """Send a HEARTBEAT now, with this consumer's stats and the queued reports."""
