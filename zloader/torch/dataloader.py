@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import copy
 import math
 import secrets
 import warnings
@@ -146,14 +147,17 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         return reported if isinstance(reported, int) else None
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        resume, self._resume = self._resume, None
+        loaded, self._resume = self._resume, None
         skip = 0
-        workers: dict[int, bytes] = {}
-        if resume is not None:  # load_state_dict: sample that epoch again, skip what was had
+        workers: dict[int, bytes] | None = None
+        if loaded is not None:  # load_state_dict: sample that epoch again, skip what was had
+            resume = checked_state(loaded, self.num_workers)
             self._set_rng(resume["rng"])
             skip = resume["batches"]
-            if resume["base_seed"] is not None:
-                self._base_seed = resume["base_seed"]
+            # An epoch that drew its base seed draws it again, from the same random state,
+            # so that the sampler then draws what it drew; one that did not (persistent
+            # workers after their first epoch) takes the saved one.
+            self._base_seed = None if resume["reseed"] else resume["base_seed"]
             workers = resume["workers"]
         iterator = self._live() if self._live is not None else None
         if iterator is not None:
@@ -166,18 +170,21 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             self._live = weakref.ref(iterator)
         return iterator
 
-    def _start(self, skip: int, resumed: dict[int, bytes]
+    def _start(self, skip: int, resumed: dict[int, bytes] | None
                ) -> tuple[Iterator[Any], Progress, Loader | None, Sampling | None]:
         """Start a pass (an epoch) at batch ``skip``: its batches, its progress, the
         Loader that is its own (None: no workers, or the persistent one) and its
-        sampling (None: torch's own iterator, an iterable dataset or an eager sampler)."""
+        sampling (None: torch's own iterator, an iterable dataset or an eager sampler).
+        ``resumed``: a loaded state's workers' random states (None: not resumed), which
+        every worker takes, a worker without one its state as seeded."""
         previous = self._progress
         progress = Progress(rng=self._rng(), yielded=skip)
         self._progress = progress
         if self.num_workers == 0:
             return skipped(torch.utils.data.DataLoader.__iter__(self), skip), progress, None, None
         plan, sampling = self._plan(skip)
-        if resumed:
+        progress.reseeded = bool(plan["reseed"])
+        if resumed is not None:
             plan["rng"] = [resumed.get(w, b"") for w in range(self.num_workers)]
             progress.workers = dict(resumed)
         elif not plan["reseed"] and previous is not None:  # workers go on where they are
@@ -259,15 +266,19 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         if not self.in_order:
             raise ValueError("state_dict() needs in_order=True: with batches in completion "
                              "order, the batches yielded are not the epoch's first ones")
+        if self._resume is not None:  # loaded and not yet iterated: that is where it is
+            return copy.deepcopy(self._resume)
         progress = self._progress
         if progress is None or progress.finished:
             rng, batches = self._rng(), 0
             # The next epoch reseeds the workers, unless they persist.
             workers = progress.workers if progress is not None and self._persistent else {}
+            reseed = self._base_seed is None or not self._persistent
         else:
             rng, batches, workers = progress.rng, progress.yielded, progress.workers
+            reseed = progress.reseeded
         return {"zloader_torch": 1, "rng": rng, "batches": batches,
-                "base_seed": self._base_seed,
+                "base_seed": self._base_seed, "reseed": reseed,
                 "workers": {str(w): base64.b64encode(s).decode()
                             for w, s in sorted(workers.items())}}
 
@@ -279,7 +290,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         Raises:
             ValueError: ``state`` is not such a dict.
         """
-        self._resume = checked_state(state, self.num_workers)
+        checked_state(state, self.num_workers)
+        self._resume = copy.deepcopy(state)
 
     def stats(self) -> dict[str, Any]:
         """The :meth:`zloader.Loader.stats` of the latest pass's workers (as they were when

@@ -27,13 +27,15 @@ _NONE = object()
 
 @dataclass
 class Progress:
-    """Where a pass stands: the sampler's random state it started from, the batches it
-    yielded (those it skipped when resumed included), and the random state of each worker
-    after its last batch yielded (a worker not in it is as seeded)."""
+    """Where a pass stands: the sampler's random state it started from, whether it drew a
+    base seed from it, the batches it yielded (those it skipped when resumed included), and
+    the random state of each worker after its last batch yielded (a worker not in it is as
+    seeded)."""
 
     rng: str
     yielded: int
     finished: bool = False
+    reseeded: bool = True  # the pass drew a base seed and seeded its workers afresh
     workers: dict[int, bytes] = field(default_factory=dict)
     loader: Loader | None = None  # the pass's Loader, for stats()
 

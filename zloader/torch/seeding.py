@@ -19,9 +19,12 @@ from torch.utils.data._utils import worker as _torch_worker
 @dataclass
 class Seeded:
     """This worker process's seeding for the DataLoader whose batches it makes (a worker
-    runs one task at a time): that loader's token, and the random state it last reported."""
+    runs one task at a time): that loader's token, the base seed, the random state it was
+    seeded to and the random state it last reported."""
 
     token: str
+    base_seed: int
+    initial: bytes
     reported: bytes
 
 
@@ -30,15 +33,31 @@ _SEEDED: Seeded | None = None
 
 def seeded(token: str, reseed: bool, base_seed: int, worker: int, workers: int, dataset: Any,
            init_fn: Callable[[int], None] | None, resumed: list[Any] | None) -> Seeded:
-    """This worker's seeding for the loader ``token``: seeded afresh (as torch seeds its
-    worker ``worker``, then set to the random state ``resumed`` holds for it, if any)
-    when ``reseed`` or when it last made another loader's batches."""
+    """This worker's seeding for the loader ``token``, at the start of an epoch.
+
+    It is seeded as torch seeds its worker ``worker`` (``worker_init_fn`` included) when
+    it last made another loader's batches, or when ``reseed`` brings a new base seed; a
+    persistent worker asked to reseed with the base seed it has is set back to the state
+    that seeding gave it (torch seeds a persistent worker once). Then, when the epoch
+    resumes a loaded state (``resumed``: one state per worker, empty for one as seeded),
+    it takes the state ``resumed`` holds for it, seeded afresh or not: a persistent
+    worker has gone on drawing since that state was saved."""
     global _SEEDED
-    if reseed or _SEEDED is None or _SEEDED.token != token:
+    fresh = (_SEEDED is None or _SEEDED.token != token
+             or (reseed and _SEEDED.base_seed != base_seed))
+    if fresh:
         seed_worker(base_seed, worker, workers, dataset, init_fn)
-        if resumed and resumed[worker]:  # load_state_dict: as this worker was then
-            restore_rng(bytes(resumed[worker]))
-        _SEEDED = Seeded(token, capture_rng())
+        state = capture_rng()
+        _SEEDED = Seeded(token, base_seed, state, state)
+    assert _SEEDED is not None
+    target = None
+    if resumed is not None:  # load_state_dict: as this worker was then
+        target = bytes(resumed[worker]) or _SEEDED.initial
+    elif reseed and not fresh:
+        target = _SEEDED.initial
+    if target is not None:
+        restore_rng(target)
+        _SEEDED.reported = target
     return _SEEDED
 
 
@@ -117,7 +136,8 @@ _MT_WORDS = 624
 
 def checked_state(state: Any, workers: int) -> dict[str, Any]:
     """``state`` (what ``DataLoader.state_dict()`` returned) checked, its workers' random
-    states decoded: ``{..., "workers": {index: packed state}}``.
+    states decoded: ``{..., "reseed": whether its epoch drew a base seed, "workers":
+    {index: packed state}}``.
 
     Raises:
         ValueError: ``state`` is not such a dict, or names a worker beyond ``workers``.
@@ -126,6 +146,7 @@ def checked_state(state: Any, workers: int) -> dict[str, Any]:
             and isinstance(state.get("rng"), str)
             and isinstance(state.get("batches"), int) and state["batches"] >= 0
             and (state.get("base_seed") is None or isinstance(state["base_seed"], int))
+            and isinstance(state.get("reseed", False), bool)
             and isinstance(state.get("workers", {}), dict)):
         raise ValueError("state must be what zloader.torch.DataLoader.state_dict() "
                          "returned")
@@ -141,4 +162,6 @@ def checked_state(state: Any, workers: int) -> dict[str, Any]:
             raise ValueError(f"state['workers'][{key!r}] is not base64") from None
         unpack_rng(data)  # raises on a corrupt one
         found[int(key)] = data
-    return {**state, "workers": found}
+    # A state saved before "reseed" was recorded: an epoch with a base seed took it.
+    reseed = state.get("reseed", state.get("base_seed") is None)
+    return {**state, "reseed": reseed, "workers": found}
