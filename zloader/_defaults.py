@@ -345,6 +345,10 @@ PREFAULT_CHUNK_BYTES = 256 * 1024
 (zloader/transport/prefault.py): small, so that the thread, at the lowest CPU priority,
 never holds the process's memory map for long (fixed)."""
 
+PREFAULT_JOIN_SECONDS = 0.5
+"""How long closing a ring's writer waits for its prefaulting thread to finish its chunk;
+the thread holds the ring's mapping until it does (fixed)."""
+
 SEGMENT_BYTES = 1 << 20
 """A record this large that finds its ring full goes in a shared-memory segment of its own
 (one copy) rather than over the socket (a copy at each end; fixed)."""

@@ -40,6 +40,11 @@ cache line is never shared with record bytes. ``tail`` is written only by the re
 ``head`` only by the writer (which publishes it so the reader can check that a claimed
 record was actually reserved). Both are aligned 8-byte words, written and read as single
 8-byte accesses, so neither side ever sees half an update.
+
+Memory: the reader reserves the header page only; the writer reserves the data region
+(``posix_fallocate``) when it attaches, and faults its pages in on a background thread
+(:class:`~zloader.transport.prefault.Prefaulter`) starting where it writes next, so its
+first record waits neither for the kernel to zero the whole ring nor for a mapping of it.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ import numpy.typing as npt
 
 from zloader._defaults import DEFAULT_RING_BYTES
 from zloader.errors import ZloaderError
+from zloader.transport.prefault import Prefaulter
 from zloader.transport.shm import Segment
 
 __all__ = [
@@ -111,7 +117,9 @@ class RingWriter:
             FileNotFoundError: no such segment.
             ValueError: ``name`` is not a zloader segment name.
         """
-        segment = Segment.attach(name, reserve=True)  # the reader reserved its header only
+        # The reader reserved its header only: reserve the rest (never a SIGBUS on write),
+        # but fault its pages in behind the first records rather than before them.
+        segment = Segment.attach(name, reserve=True, populate=False)
         try:
             if segment.size < DATA_OFFSET or bytes(segment.buf[: len(MAGIC)]) != MAGIC:
                 raise RingError(f"segment {name!r} is not a zloader ring")
@@ -132,6 +140,8 @@ class RingWriter:
         self._data: memoryview | None = segment.buf[DATA_OFFSET:DATA_OFFSET + capacity]
         # Resume after a previous writer: positions continue from its head.
         self._head: int = header[_HEAD]
+        self._prefault = Prefaulter(segment.buf, DATA_OFFSET, DATA_OFFSET + capacity,
+                                    DATA_OFFSET + self._head % capacity, "ring")
 
     @property
     def head(self) -> int:
@@ -187,9 +197,11 @@ class RingWriter:
         return head, self._data[offset:offset + length]
 
     def close(self) -> None:
-        """Detach from the ring; idempotent. Views returned by reserve stay valid."""
+        """Detach from the ring; idempotent. Views returned by reserve stay valid (and so
+        does the mapping, until the prefaulting thread has stopped too)."""
         header, data = self._header, self._data
         self._header = self._data = None
+        self._prefault.close()
         if header is not None:
             header.release()
         if data is not None:

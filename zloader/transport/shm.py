@@ -12,7 +12,10 @@ the same for embedded Loaders' socket directories.
 
 Memory is reserved when the segment is created (``posix_fallocate``), so a full
 ``/dev/shm`` fails there with :class:`ShmError` instead of as a ``SIGBUS`` on some later
-write, and every page is faulted in when mapped, so the data path never page-faults.
+write, and every page is faulted in when mapped, so the data path never page-faults. A
+ring's writer is the exception: it reserves the ring whole but faults its pages in on a
+background thread (``zloader/transport/prefault.py``), so that its first record does not
+wait for the kernel to zero the whole ring.
 
 Unmapping memory that numpy arrays or memoryviews still point at would make them
 dangling, so :meth:`Segment.close` never does it: while views made from
@@ -168,7 +171,8 @@ class Segment:
         return cls(name, size, mapping, owner=True)
 
     @classmethod
-    def attach(cls, name: str, private: bool = False, reserve: bool = False) -> Segment:
+    def attach(cls, name: str, private: bool = False, reserve: bool = False,
+               populate: bool = True) -> Segment:
         """Map an existing segment created by another process (or this one).
 
         Args:
@@ -178,6 +182,9 @@ class Segment:
                 see them). Pages are then faulted in when first read, not up front.
             reserve: allocate every page of the file now (the writer of a segment whose
                 creator reserved only part of it, see :meth:`create`).
+            populate: fault every page in now (``MAP_POPULATE``). False: pages fault in
+                when first touched, or when a :class:`~zloader.transport.prefault.Prefaulter`
+                gets to them (a ring's writer, which must not wait for all of them).
 
         Returns:
             The mapped segment; it is never unlinked through this object.
@@ -200,7 +207,8 @@ class Segment:
                     _reserve(fd, info.st_size)
                 except _NoSpace:
                     raise _no_space(info.st_size) from None
-            mapping = _map(fd, info.st_size, prefault_write=False, private=private)
+            mapping = _map(fd, info.st_size, prefault_write=False, private=private,
+                           lazy=not populate)
         finally:
             os.close(fd)
         return cls(name, info.st_size, mapping, owner=False)
