@@ -1,5 +1,8 @@
 """Carry out the broker's ``desired_workers`` with worker processes on this host.
 
+``zloader-worker --processes N`` runs a :class:`Supervisor`: it keeps N worker processes,
+replacing (after a :class:`Backoff`) and logging each that dies.
+
 ``zloader-worker --autoscale --max-processes N`` runs a :class:`LocalActuator`: once a
 second it asks the broker for its status (the same request as ``zloader status``) and
 
@@ -32,12 +35,21 @@ from typing import Any
 
 import psutil
 
-from zloader._defaults import ACTUATOR_INTERVAL, DRAIN_SECONDS, REMOTE_DELAY
+from zloader._defaults import (
+    ACTUATOR_INTERVAL,
+    DRAIN_SECONDS,
+    REMOTE_DELAY,
+    RESTART_DELAY,
+    RESTART_MAX_DELAY,
+    RESTART_RESET_SECONDS,
+    SUPERVISE_POLL,
+)
 from zloader._host import host_id, loopback
 from zloader._status import Unanswered, fetch_status
 from zloader.transport.keys import Keys
 
-__all__ = ["LocalActuator", "Plan", "Shortfall", "follow", "plan", "short_jobs"]
+__all__ = ["Backoff", "LocalActuator", "Plan", "Shortfall", "Supervisor", "follow", "how_it_ended",
+           "plan", "short_jobs"]
 
 log = logging.getLogger("zloader.actuator")
 
@@ -220,20 +232,167 @@ class LocalActuator:
                 continue
             del self.children[pid]
             if not child.draining:
-                log.warning("autoscale: worker pid %d exited with %d", pid, code)
+                log.warning("autoscale: worker pid %d %s", pid, how_it_ended(code))
 
     def _stop_all(self) -> None:
-        for child in self.children.values():
-            if child.process.poll() is None:
-                child.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + DRAIN_SECONDS + 5.0
-        for child in self.children.values():
-            try:
-                child.process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.process.kill()
-                child.process.wait()
+        _stop_all([child.process for child in self.children.values()])
         self.children.clear()
+
+
+def how_it_ended(code: int) -> str:
+    """A child's return code in words: ``"was killed by signal SIGKILL"`` (``-9``, what the
+    kernel's OOM killer sends) or ``"exited with status 1"``."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = str(-code)
+        return f"was killed by signal {name}"
+    return f"exited with status {code}"
+
+
+class Backoff:
+    """How long to wait before replacing a worker process that died: ``first`` seconds,
+    doubled at each death up to ``cap``; a process that had run ``reset_after`` seconds or
+    more starts the sequence again (it had been working).
+
+    Raises:
+        ValueError: ``first`` is not in ``(0, cap]``, or ``reset_after`` is not positive.
+    """
+
+    def __init__(self, first: float = RESTART_DELAY, cap: float = RESTART_MAX_DELAY,
+                 reset_after: float = RESTART_RESET_SECONDS) -> None:
+        if not 0 < first <= cap or reset_after <= 0:
+            raise ValueError(f"the restart delay needs 0 < first <= cap and reset_after > 0, "
+                             f"got first={first}, cap={cap}, reset_after={reset_after}: "
+                             "check --restart-delay and --restart-max-delay")
+        self.first, self.cap, self.reset_after = first, cap, reset_after
+        self._next = first
+
+    def death(self, lived: float) -> float:
+        """The delay before replacing a process that died after ``lived`` seconds."""
+        if lived >= self.reset_after:
+            self._next = self.first
+        delay = self._next
+        self._next = min(self.cap, self._next * 2)
+        return delay
+
+
+@dataclass
+class _Slot:
+    """One of the processes a :class:`Supervisor` keeps: the one running, or, after it
+    died, when to start its replacement (``due``)."""
+
+    process: subprocess.Popen[bytes]
+    started: float
+    backoff: Backoff
+    due: float | None = None
+
+
+class Supervisor:
+    """Keeps ``count`` worker processes running until :meth:`request_stop` (what
+    ``zloader-worker --processes N`` does), then drains them.
+
+    A process that ends on its own is logged as a warning naming its pid and how it ended
+    (a signal, an exit status) and replaced after its slot's :class:`Backoff`; one that
+    ended with a signal or a non-zero status counts as a death. :meth:`run` returns 1 if
+    any died during the run or failed to drain at the end (with a last line saying how
+    many), else 0: a supervisor under systemd or a batch scheduler then shows the failure
+    even though the service kept going.
+
+    Args:
+        command: the command that runs one worker process.
+        count: processes to keep.
+        backoff: makes each slot's :class:`Backoff` (``Backoff()``: the defaults).
+    """
+
+    def __init__(self, command: Sequence[str], count: int,
+                 backoff: Callable[[], Backoff] = Backoff) -> None:
+        if count < 1:
+            raise ValueError(f"count must be at least 1, got {count}")
+        self.command = list(command)
+        self.count = count
+        self.backoff = backoff
+        self.deaths: list[tuple[int, int]] = []  # (pid, return code) of each death
+        self._stopping = False  # a plain flag: request_stop runs in a signal handler
+
+    def request_stop(self) -> None:
+        """Drain the processes and return from :meth:`run` (safe in a signal handler)."""
+        self._stopping = True
+
+    def run(self) -> int:
+        """Start the processes, keep them until :meth:`request_stop`, drain them; returns
+        the exit status for the command (0, or 1 if any died)."""
+        slots = [_Slot(self._spawn(), time.monotonic(), self.backoff())
+                 for _ in range(self.count)]
+        try:
+            while not self._stopping:
+                time.sleep(SUPERVISE_POLL)  # (a signal handler runs during it)
+                now = time.monotonic()
+                for slot in slots:
+                    if not self._stopping:
+                        self._look(slot, now)
+        finally:
+            failed = _stop_all([s.process for s in slots if s.due is None])
+        for pid, code in failed:
+            log.warning("zloader-worker: worker pid %d %s while it drained", pid,
+                        how_it_ended(code))
+        if not self.deaths and not failed:
+            return 0
+        deaths = len(self.deaths)
+        log.error("zloader-worker: %d worker process%s died during this run (%s) and %s "
+                  "replaced%s; exiting with status 1", deaths, "" if deaths == 1 else "es",
+                  ", ".join(f"pid {pid} {how_it_ended(code)}" for pid, code in self.deaths)
+                  or "none", "was" if deaths == 1 else "were",
+                  f"; {len(failed)} failed to drain" if failed else "")
+        return 1
+
+    def _look(self, slot: _Slot, now: float) -> None:
+        """Replace the slot's process if it is due; note its end if it ended."""
+        if slot.due is not None:
+            if now >= slot.due:
+                ended = slot.process.pid
+                slot.process, slot.started, slot.due = self._spawn(), now, None
+                log.warning("zloader-worker: started worker pid %d in place of pid %d",
+                            slot.process.pid, ended)
+            return
+        code = slot.process.poll()
+        if code is None:
+            return
+        lived = now - slot.started
+        delay = slot.backoff.death(lived)
+        slot.due = now + delay
+        if code != 0:
+            self.deaths.append((slot.process.pid, code))
+        deaths = len(self.deaths)
+        log.warning("zloader-worker: worker pid %d %s after %.1f s%s; restarting it in "
+                    "%.1f s (%d death%s so far)", slot.process.pid, how_it_ended(code),
+                    lived, " (an out-of-memory kill is one: see the kernel log, dmesg)"
+                    if code == -signal.SIGKILL else "", delay, deaths,
+                    "" if deaths == 1 else "s")
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        # Drains (SIGTERM) when this process dies, even by SIGKILL: see LocalActuator.
+        return subprocess.Popen(self.command, preexec_fn=_drain_with_parent)
+
+
+def _stop_all(processes: list[subprocess.Popen[bytes]]) -> list[tuple[int, int]]:
+    """Drain ``processes`` (SIGTERM), kill those still there after ``DRAIN_SECONDS`` and
+    a margin; returns (pid, return code) of those that did not end with status 0."""
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + DRAIN_SECONDS + 5.0
+    failed = []
+    for process in processes:
+        try:
+            code = process.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            code = process.wait()
+        if code != 0:
+            failed.append((process.pid, code))
+    return failed
 
 
 def _drain_with_parent() -> None:

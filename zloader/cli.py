@@ -23,6 +23,8 @@ from zloader._defaults import (
     DEMO_SIZE,
     DEMO_WORKERS,
     HEARTBEAT,
+    RESTART_DELAY,
+    RESTART_MAX_DELAY,
     STATUS_TIMEOUT,
     TOP_INTERVAL,
 )
@@ -461,6 +463,15 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
                         help="worker processes to run on this host (default 1)")
     parser.add_argument("--advertise", default=None, help="host name or address consumers "
                         "use to reach these workers (default 127.0.0.1, loopback only)")
+    parser.add_argument("--restart-delay", type=float, default=RESTART_DELAY,
+                        metavar="SECONDS",
+                        help="with --processes N > 1, seconds before a worker process that "
+                             "died is replaced, doubled at each death of its slot up to "
+                             f"--restart-max-delay (default {RESTART_DELAY:g})")
+    parser.add_argument("--restart-max-delay", type=float, default=RESTART_MAX_DELAY,
+                        metavar="SECONDS",
+                        help="the longest wait before a dead worker process is replaced "
+                             f"(default {RESTART_MAX_DELAY:g})")
     parser.add_argument("--keys", default=None, metavar="DIR",
                         help="a keys directory (zloader keygen DIR), as the broker's; "
                              "default $ZLOADER_KEYS")
@@ -518,6 +529,9 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
         args.max_processes = args.max_processes or os.cpu_count() or 1
         with _blob_dir(args):
             return _autoscale(args, keys)
+    if not 0 < args.restart_delay <= args.restart_max_delay:
+        parser.error("--restart-delay must be above 0 and at most --restart-max-delay, got "
+                     f"{args.restart_delay:g} and {args.restart_max_delay:g}")
     if args.processes > 1:
         with _blob_dir(args):
             return _supervise(args)
@@ -570,19 +584,16 @@ def _blob_dir(args: argparse.Namespace) -> Iterator[None]:
 
 
 def _supervise(args: argparse.Namespace) -> int:
-    """Run ``--processes`` workers as children; forward SIGTERM/SIGINT; wait for them."""
-    import subprocess
+    """Keep ``--processes`` workers running as children until SIGTERM or Ctrl-C, replacing
+    each that dies (zloader/actuator.py: ``Supervisor``); then drain them. Exits 1 if any
+    died on the way."""
+    from zloader.actuator import Backoff, Supervisor
 
-    children = [subprocess.Popen(_worker_command(args)) for _ in range(args.processes)]
-
-    def forward(signum: int, _frame: Any) -> None:
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
-
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    return max(child.wait() for child in children)
+    supervisor = Supervisor(_worker_command(args), args.processes,
+                            lambda: Backoff(args.restart_delay, args.restart_max_delay))
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: supervisor.request_stop())
+    return supervisor.run()
 
 
 def _autoscale(args: argparse.Namespace, keys: Any) -> int:
