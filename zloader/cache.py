@@ -27,16 +27,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from zloader import codec
+from zloader import _check
 from zloader import stages as _stages
-from zloader._defaults import CACHE_DIR_VARIABLE
+from zloader._defaults import CACHE_DIR_VARIABLE, CACHE_MAX_ENTRY_BYTES
 from zloader.cachefile import (
     BadEntry,
     CacheWriteError,
     EntryFile,
     EntryWriter,
     Store,
-    entry_frames,
+    is_fingerprint,
+    open_entry,
 )
 from zloader.errors import PipelineError
 from zloader.fingerprint import Unhashable, fingerprint
@@ -80,13 +81,16 @@ def location(path: Any = None) -> str:
 
 
 def cached(source: Source, stages: tuple[_stages.Stage, ...], path: Any,
-           storage_options: dict[str, Any] | None) -> CachedSource:
+           storage_options: dict[str, Any] | None,
+           max_entry_bytes: int = CACHE_MAX_ENTRY_BYTES) -> CachedSource:
     """The source of ``Pipeline(source, stages).cache(path)``.
 
     Raises:
-        ValueError: a stage other than map, filter or unbatch comes before the cache, or the
-            prefix cannot be fingerprinted (its entries could never be found again).
+        ValueError: a stage other than map, filter or unbatch comes before the cache, the
+            prefix cannot be fingerprinted (its entries could never be found again), or
+            ``max_entry_bytes`` is below 1.
     """
+    limit = _check.integer("cache: max_entry_bytes", max_entry_bytes, 1)
     for stage in stages:
         if not isinstance(stage, PREFIX_STAGES):
             raise ValueError(
@@ -106,7 +110,8 @@ def cached(source: Source, stages: tuple[_stages.Stage, ...], path: Any,
                          "give the stage version= to pin its identity") from None
     return CachedSource(name=f"cache({source.name})", shuffle_splits=source.shuffle_splits,
                         seed=source.seed, version=None, source=source, stages=tuple(stages),
-                        key=key, root=location(path), storage_options=storage_options)
+                        key=key, root=location(path), storage_options=storage_options,
+                        max_entry_bytes=limit)
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -115,7 +120,8 @@ class CachedSource(Source):
     ``key`` (the prefix's fingerprint) once it was read whole.
 
     The fingerprint of a pipeline over it hashes the prefix (``source`` and ``stages``),
-    not the location: the same prefix cached in two places yields the same elements.
+    not the location (nor ``max_entry_bytes``, the largest entry written or read): the same
+    prefix cached in two places yields the same elements.
     """
 
     kind: ClassVar[str] = "cache"
@@ -124,6 +130,7 @@ class CachedSource(Source):
     key: str
     root: str
     storage_options: dict[str, Any] | None
+    max_entry_bytes: int = CACHE_MAX_ENTRY_BYTES
 
     @property
     def num_splits(self) -> int:
@@ -156,22 +163,26 @@ class CachedSource(Source):
         return self._compute(store, split, policy)
 
     def _entry(self, store: Store, split: int) -> Iterator[Any] | None:
-        """The elements of the valid entry of ``split``, or None (none, or a bad one)."""
+        """The elements of the valid entry of ``split``, or None (none, or a bad one).
+
+        The entry is read into memory and every element decoded once before the first is
+        yielded, so nothing in it (a FIFO, a link, a truncation by another process, a
+        value the codec refuses) can fail the split after it began: it is computed
+        instead."""
         where = store.path(self.key, split)
         try:
-            data = store.load(self.key, split)
-        except OSError as exc:  # StorageError too
-            log.warning("cache: cannot read %s (%s); computing split %d", where, exc, split)
-            return None
-        if data is None:
-            return None
-        try:
-            frames = entry_frames(data, self.key, split)
+            data = store.load(self.key, split, self.max_entry_bytes)
+            if data is None:
+                return None
+            entry = open_entry(data, self.key, split)
         except BadEntry as exc:
             log.warning("cache: ignoring %s: %s; computing split %d again and rewriting it",
                         where, exc, split)
             return None
-        return (codec.decode(frame) for frame in frames)
+        except OSError as exc:  # StorageError too
+            log.warning("cache: cannot read %s (%s); computing split %d", where, exc, split)
+            return None
+        return entry.elements()
 
     def _compute(self, store: Store, split: int,
                  policy: ErrorPolicy | None) -> Iterator[Any]:
@@ -200,7 +211,7 @@ class CachedSource(Source):
         try:
             file, commit = stack.enter_context(store.writing(self.key, split))
             return EntryWriter(file, self.key, split), commit
-        except OSError as exc:
+        except (OSError, BadEntry) as exc:  # BadEntry: the folder is a link, not followed
             log.warning("cache: cannot write %s (%s); split %d is read without caching",
                         store.path(self.key, split), exc, split)
             return None
@@ -215,6 +226,12 @@ class CachedSource(Source):
         except OSError as exc:
             log.warning("cache: cannot write %s (%s); split %d is read without caching",
                         store.path(self.key, split), exc, split)
+            return None
+        if writing[0].size > self.max_entry_bytes:
+            log.warning("cache: split %d's entry would pass max_entry_bytes (%d bytes) at "
+                        "element %d: it is read without caching (an entry is read into "
+                        "memory whole); raise Pipeline.cache(max_entry_bytes=) to cache it, "
+                        "or make the splits smaller", split, self.max_entry_bytes, index)
             return None
         return writing
 
@@ -246,7 +263,11 @@ class Summary:
 
 
 def summaries(store: Store) -> list[Summary]:
-    """One :class:`Summary` per fingerprint folder at ``store``, by fingerprint."""
+    """One :class:`Summary` per fingerprint folder at ``store``, by fingerprint.
+
+    Raises:
+        FileNotFoundError: there is no folder at the location.
+    """
     by_key: dict[str, list[EntryFile]] = {}
     for file in store.files():
         by_key.setdefault(file.fingerprint, []).append(file)
@@ -261,19 +282,25 @@ def remove(store: Store, fingerprint: str | None = None, everything: bool = Fals
     """Delete entries and temporary files at ``store``: those of ``fingerprint`` (a prefix
     of one is enough), or every one (``everything``), or (``stale``) only the temporary
     files untouched for that many seconds, which writers killed midway leave. Returns what
-    was removed.
+    was removed. Only the cache's own files are touched: regular files named as it names
+    entries and temporary files, never through a symbolic link (:meth:`Store.files`).
 
     Raises:
         ValueError: not exactly one choice, or a fingerprint prefix that is not hex or
             matches several fingerprints.
+        LookupError: a fingerprint prefix that matches none.
+        FileNotFoundError: there is no folder at the location.
     """
     if (fingerprint is not None) + bool(everything) + (stale is not None) != 1:
         raise ValueError("give exactly one of a fingerprint, everything or stale")
     files = store.files()
     if fingerprint is not None:
-        if not fingerprint or not all(c in "0123456789abcdef" for c in fingerprint):
+        if not fingerprint or not is_fingerprint(fingerprint.ljust(64, "0")):
             raise ValueError(f"not a fingerprint (hex digits): {fingerprint!r}")
         keys = {f.fingerprint for f in files if f.fingerprint.startswith(fingerprint)}
+        if not keys:
+            raise LookupError(f"no entries of a fingerprint {fingerprint!r} at {store.root} "
+                              "(`zloader cache ls` lists them)")
         if len(keys) > 1:
             raise ValueError(f"{fingerprint!r} matches {len(keys)} fingerprints: give more "
                              "of it")
@@ -283,7 +310,5 @@ def remove(store: Store, fingerprint: str | None = None, everything: bool = Fals
     else:
         cutoff = time.time() - float(stale or 0.0)
         chosen = [f for f in files if f.temporary and f.mtime < cutoff]
-    for file in chosen:
-        store.remove(file)
-    return chosen
+    return [file for file in chosen if store.remove(file)]
 

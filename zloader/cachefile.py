@@ -5,7 +5,7 @@ An entry holds the elements a cached prefix produced from one split, each encode
 temporary file next to it and renames it into place when the split was read to its end.
 
 Layout (little-endian; ``pad`` zero bytes up to the next multiple of ``ALIGN`` from the
-start of the file, so that arrays decoded from a memory-mapped entry are aligned)::
+start of the file, so that arrays decoded from an entry are aligned)::
 
     entry   = header frame* trailer
     header  = MAGIC version:u8 split:u64 length:u16 fingerprint:ascii
@@ -17,22 +17,31 @@ header first, unpadded). The trailer gives the element count, the size of everyt
 before it (``body``) and the CRC-32 of those bytes: the count and checksum are known only
 at the end, and object storage cannot seek back to a header while it writes. A reader
 checks all of it (magic, version, fingerprint, split, size, checksum, every frame's bounds,
-the count) before it yields an element, and rejects the entry with :class:`BadEntry`
-otherwise.
+the count) and decodes every element once before it yields one, and rejects the entry with
+:class:`BadEntry` otherwise.
 
 A :class:`Store` is a cache location: a local directory, or a URL that fsspec understands
 (through :mod:`zloader.storage`, with retries). Entries are ``<root>/<fingerprint>/
-split-<n>.zlc``; temporary files add ``.tmp-<host>-<pid>-<random>`` to the name. Local
-entries are memory-mapped when read; remote ones are fetched whole (one split's bytes).
+split-<n>.zlc``; temporary files add ``.tmp-<host>-<pid>-<random>`` to the name. An entry
+is read into memory whole (at most ``max_entry_bytes``, never more than the file has), not
+memory-mapped: another process may truncate a file it can write, and a truncated mapping
+kills its reader with SIGBUS. A cache folder may be shared with other users, who can plant
+anything in it: locally, a fingerprint folder is opened without following symbolic links
+and every file through it (``O_NOFOLLOW``), an entry is opened without blocking and read
+only when it is a regular file, and listing and removal see only regular files named as
+this module names its own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
+import re
 import secrets
 import socket
+import stat
 import struct
 import time
 import zlib
@@ -41,11 +50,12 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from zloader import codec
+from zloader._defaults import CACHE_MAX_ENTRY_BYTES
 from zloader.errors import CodecError, ZloaderError
 from zloader.storage import StorageError, filesystem, is_url, retrying
 
-__all__ = ["ALIGN", "BadEntry", "EntryFile", "EntryWriter", "Store", "entry_frames",
-           "is_fingerprint"]
+__all__ = ["ALIGN", "BadEntry", "Entry", "EntryFile", "EntryWriter", "Store", "entry_frames",
+           "is_fingerprint", "is_own_name", "open_entry"]
 
 VERSION = 1
 ALIGN = 64
@@ -57,6 +67,16 @@ TEMP = ".tmp-"
 _HEAD = struct.Struct("<7sBQH")
 _TRAILER = struct.Struct("<8sQQI")
 _U32 = struct.Struct("<I")
+
+_ENTRY_NAME = re.compile(r"split-(0|[1-9][0-9]*)\.zlc")
+_TEMP_NAME = re.compile(r"split-(0|[1-9][0-9]*)\.zlc\.tmp-[A-Za-z0-9._-]+-[0-9]+-[0-9a-f]+")
+_NOT_HOST = re.compile(r"[^A-Za-z0-9._-]")
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_NO_LINK = os.O_NOFOLLOW
+_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux; elsewhere pages fault in as read
 
 
 class BadEntry(ZloaderError, ValueError):
@@ -73,6 +93,12 @@ def is_fingerprint(name: str) -> bool:
     return len(name) == 64 and all(c in "0123456789abcdef" for c in name)
 
 
+def is_own_name(name: str) -> bool:
+    """Whether ``name`` is one this module gives a file: an entry (``split-<n>.zlc``) or a
+    temporary file (``split-<n>.zlc.tmp-<host>-<pid>-<hex>``)."""
+    return bool(_ENTRY_NAME.fullmatch(name) or _TEMP_NAME.fullmatch(name))
+
+
 def _pad(offset: int) -> int:
     return -offset % ALIGN
 
@@ -87,6 +113,11 @@ class EntryWriter:
         self.count = 0
         name = fingerprint.encode("ascii")
         self._put(_HEAD.pack(MAGIC, VERSION, split, len(name)) + name)
+
+    @property
+    def size(self) -> int:
+        """The bytes the entry will have once finished, with what was added so far."""
+        return self.offset + _TRAILER.size
 
     def _put(self, data: Any) -> None:
         self.file.write(data)
@@ -125,12 +156,36 @@ class EntryWriter:
         self.file.write(_TRAILER.pack(END, self.count, self.offset, self.crc))
 
 
-def entry_frames(data: Any, fingerprint: str, split: int) -> list[list[memoryview]]:
-    """The codec buffers of each element of the entry ``data`` (views, not copies), after
-    checking the whole entry.
+@dataclass(frozen=True)
+class Entry:
+    """A checked entry: its bytes, where its frames lie and how many there are."""
+
+    view: memoryview
+    start: int
+    body: int
+    count: int
+
+    def frames(self) -> Iterator[list[memoryview]]:
+        """The codec buffers of each element, in order (views into :attr:`view`)."""
+        offset = self.start
+        while offset < self.body:
+            offset, frame = _frame(self.view, offset, self.body)
+            yield frame
+
+    def elements(self) -> Iterator[Any]:
+        """The decoded elements, in order; arrays are read-only views into the entry."""
+        return (codec.decode(frame) for frame in self.frames())
+
+
+def open_entry(data: Any, fingerprint: str, split: int) -> Entry:
+    """Check the entry ``data`` whole, and decode each element once (kept in none: memory
+    stays that of the entry and one element), so that reading it cannot fail midway.
+
+    ``data`` must not change while the entry is in use: give bytes read into memory.
 
     Raises:
-        BadEntry: the entry is short, corrupt, or not the one of ``fingerprint``/``split``.
+        BadEntry: the entry is short, corrupt, not the one of ``fingerprint``/``split``, or
+            an element in it does not decode.
     """
     view = memoryview(data).cast("B")
     size = view.nbytes
@@ -150,17 +205,32 @@ def entry_frames(data: Any, fingerprint: str, split: int) -> list[list[memoryvie
         raise BadEntry(f"truncated or unfinished ({size} bytes, no valid trailer)")
     if zlib.crc32(view[:body]) != crc:
         raise BadEntry("checksum mismatch (corrupt)")
-    frames: list[list[memoryview]] = []
-    offset = _HEAD.size + length
-    while offset < body:
-        offset, frame = _frame(view, offset, body)
-        frames.append(frame)
-    if len(frames) != count:
-        raise BadEntry(f"{len(frames)} elements where the trailer says {count}")
-    return frames
+    entry = Entry(view, _HEAD.size + length, body, count)
+    found = 0
+    for frame in entry.frames():
+        try:
+            codec.decode(frame)
+        except Exception as exc:  # anyone may have written it: any failure is a bad entry
+            raise BadEntry(f"element {found} does not decode: {exc}") from None
+        found += 1
+    if found != count:
+        raise BadEntry(f"{found} elements where the trailer says {count}")
+    return entry
+
+
+def entry_frames(data: Any, fingerprint: str, split: int) -> list[list[memoryview]]:
+    """The codec buffers of each element of the entry ``data`` (views, not copies), after
+    checking the whole entry (:func:`open_entry`).
+
+    Raises:
+        BadEntry: the entry is short, corrupt, or not the one of ``fingerprint``/``split``.
+    """
+    return list(open_entry(data, fingerprint, split).frames())
 
 
 def _frame(view: memoryview, offset: int, body: int) -> tuple[int, list[memoryview]]:
+    """The frame at ``offset``: where the next one starts, and its buffers (views). Every
+    size it claims is checked against ``body`` before it is used."""
     if offset + _U32.size > body:
         raise BadEntry(f"frame at byte {offset} overruns the entry")
     (count,) = _U32.unpack_from(view, offset)
@@ -174,10 +244,43 @@ def _frame(view: memoryview, offset: int, body: int) -> tuple[int, list[memoryvi
         if index:
             offset += _pad(offset)
         if offset + length > body:
-            raise BadEntry(f"buffer at byte {offset} overruns the entry")
+            raise BadEntry(f"buffer at byte {offset} overruns the entry (it claims {length} "
+                           f"bytes)")
         buffers.append(view[offset:offset + length])
         offset += length
     return offset, buffers
+
+
+def _check_size(size: int, limit: int) -> None:
+    if size > limit:
+        raise BadEntry(f"{size:,} bytes, more than max_entry_bytes ({limit:,}): an entry is "
+                       "read into memory whole; raise Pipeline.cache(max_entry_bytes=) if "
+                       "its splits are this large")
+
+
+def _read_whole(fd: int, size: int) -> memoryview:
+    """At most ``size`` (> 0) bytes of ``fd`` from where it is, read-only: fewer when the
+    file was cut meanwhile (the entry's checks then reject it). The memory is private and
+    anonymous, its pages faulted in at once (not zeroed by Python first, as a bytearray's
+    would be: reading an entry costs about one copy)."""
+    buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | _POPULATE)
+    view = memoryview(buffer)
+    got = 0
+    while got < size:
+        read = os.readv(fd, [view[got:]])
+        if not read:
+            break
+        got += read
+    return view[:got].toreadonly()
+
+
+def _kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISLNK, "a symbolic link")):
+        if test(mode):
+            return kind
+    return "not a file"
 
 
 @dataclass(frozen=True)
@@ -191,16 +294,13 @@ class EntryFile:
 
     @property
     def temporary(self) -> bool:
-        return TEMP in self.name
+        return bool(_TEMP_NAME.fullmatch(self.name))
 
     @property
     def split(self) -> int | None:
         """The split of a committed entry (``split-<n>.zlc``), else None."""
-        stem = self.name.removesuffix(SUFFIX)
-        if self.temporary or stem == self.name or not stem.startswith("split-"):
-            return None
-        number = stem.removeprefix("split-")
-        return int(number) if number.isdigit() else None
+        match = _ENTRY_NAME.fullmatch(self.name)
+        return int(match.group(1)) if match else None
 
 
 class Store:
@@ -227,109 +327,215 @@ class Store:
         """Where the entry of ``split`` lives (a local path, or a URL)."""
         return f"{self.root}/{fingerprint}/split-{split}{SUFFIX}"
 
-    def load(self, fingerprint: str, split: int) -> Any:
-        """The bytes of the entry (an mmap of a local file), or None when there is none."""
-        path = self.path(fingerprint, split)
+    def load(self, fingerprint: str, split: int,
+             limit: int = CACHE_MAX_ENTRY_BYTES) -> Any:
+        """The bytes of the entry (read into memory), or None when there is none.
+
+        Raises:
+            BadEntry: it is larger than ``limit``, or (locally) not a regular file, or
+                reached through a symbolic link; it is not read.
+            OSError: it cannot be read (:class:`~zloader.storage.StorageError` for a URL).
+        """
         if not self.remote:
-            try:
-                with open(path, "rb") as file:
-                    if os.fstat(file.fileno()).st_size == 0:
-                        return b""
-                    return mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
-            except FileNotFoundError:
-                return None
+            return self._load_local(fingerprint, split, limit)
         fs, inner = self._filesystem()
+        path = self.path(fingerprint, split)
+        key = f"{inner}/{fingerprint}/split-{split}{SUFFIX}"
         try:
-            return retrying(lambda: fs.cat_file(f"{inner}/{fingerprint}/split-{split}{SUFFIX}"),
-                            path, "read")
+            size = int(retrying(lambda: fs.size(key), path, "read"))
         except StorageError as exc:
             if isinstance(exc.__cause__, FileNotFoundError):
                 return None
             raise
+        _check_size(size, limit)
+        if size == 0:
+            return b""
+        return retrying(lambda: fs.cat_file(key, start=0, end=size), path, "read")
+
+    def _load_local(self, fingerprint: str, split: int, limit: int) -> Any:
+        try:
+            with self._folder(fingerprint) as folder:
+                fd = os.open(f"split-{split}{SUFFIX}", _READ_FLAGS, dir_fd=folder)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise BadEntry("a symbolic link (not followed)") from None
+            raise
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise BadEntry(f"not a regular file ({_kind(info.st_mode)})")
+            _check_size(info.st_size, limit)
+            return _read_whole(fd, info.st_size) if info.st_size else b""
+        finally:
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def _folder(self, fingerprint: str, create: bool = False) -> Iterator[int]:
+        """The fingerprint folder, open (a descriptor), never through a symbolic link.
+
+        Raises:
+            FileNotFoundError: it, or the root, is not there (and ``create`` is False).
+            BadEntry: it is a symbolic link, or not a folder.
+        """
+        if not is_fingerprint(fingerprint):
+            raise BadEntry(f"{fingerprint!r} is not a fingerprint")
+        if create:
+            os.makedirs(self.root, exist_ok=True)
+        root = os.open(self.root, _DIR_FLAGS)
+        try:
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(fingerprint, dir_fd=root)
+            try:
+                folder = os.open(fingerprint, _DIR_FLAGS | _NO_LINK, dir_fd=root)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise BadEntry(f"{self.root}/{fingerprint} is a symbolic link or not a "
+                                   "folder (not followed)") from None
+                raise
+        finally:
+            os.close(root)
+        try:
+            yield folder
+        finally:
+            os.close(folder)
 
     @contextlib.contextmanager
     def writing(self, fingerprint: str, split: int) -> Iterator[tuple[BinaryIO, Any]]:
         """A temporary file for the entry of ``split``, and a function that commits it
-        (renames it into place). Leaving the block without committing removes it."""
+        (renames it into place). Leaving the block without committing removes it.
+
+        Raises:
+            OSError: the file cannot be made.
+            BadEntry: (locally) the fingerprint folder is a symbolic link or not a folder.
+        """
         name = f"split-{split}{SUFFIX}"
-        temp = f"{name}{TEMP}{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+        host = _NOT_HOST.sub("_", socket.gethostname()) or "host"
+        temp = f"{name}{TEMP}{host}-{os.getpid()}-{secrets.token_hex(4)}"
         url = f"{self.root}/{fingerprint}/{temp}"
-        if self.remote:
-            fs, inner = self._filesystem()
-            folder = f"{inner}/{fingerprint}"
-            retrying(lambda: fs.makedirs(folder, exist_ok=True), url, "write")
-            file = retrying(lambda: fs.open(f"{folder}/{temp}", "wb"), url, "write")
+        with contextlib.ExitStack() as stack:
+            if self.remote:
+                fs, inner = self._filesystem()
+                folder = f"{inner}/{fingerprint}"
+                retrying(lambda: fs.makedirs(folder, exist_ok=True), url, "write")
+                file = retrying(lambda: fs.open(f"{folder}/{temp}", "wb"), url, "write")
 
-            def rename() -> None:
-                retrying(lambda: fs.mv(f"{folder}/{temp}", f"{folder}/{name}"), url,
-                         "commit")
-        else:
-            folder = f"{self.root}/{fingerprint}"
-            os.makedirs(folder, exist_ok=True)
-            file = open(f"{folder}/{temp}", "wb")  # noqa: SIM115 (closed by commit, or below)
+                def rename() -> None:
+                    retrying(lambda: fs.mv(f"{folder}/{temp}", f"{folder}/{name}"), url,
+                             "commit")
 
-            def rename() -> None:
-                os.replace(f"{folder}/{temp}", f"{folder}/{name}")
-        done = False
+                def discard() -> None:
+                    with contextlib.suppress(FileNotFoundError):
+                        fs.rm_file(f"{folder}/{temp}")
+            else:
+                fd = stack.enter_context(self._folder(fingerprint, create=True))
+                file = os.fdopen(os.open(temp, _WRITE_FLAGS, 0o666, dir_fd=fd), "wb")
 
-        def commit() -> None:
-            nonlocal done
-            file.close()
-            rename()
-            done = True
-        try:
-            yield file, commit
-        finally:
-            if not done:
-                with contextlib.suppress(Exception):
-                    file.close()
-                with contextlib.suppress(Exception):
-                    self._remove_one(f"{folder}/{temp}")
+                def rename() -> None:
+                    os.replace(temp, name, src_dir_fd=fd, dst_dir_fd=fd)
+
+                def discard() -> None:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(temp, dir_fd=fd)
+            done = False
+
+            def commit() -> None:
+                nonlocal done
+                file.close()
+                rename()
+                done = True
+            try:
+                yield file, commit
+            finally:
+                if not done:
+                    with contextlib.suppress(Exception):
+                        file.close()
+                    with contextlib.suppress(Exception):
+                        discard()
 
     def files(self) -> list[EntryFile]:
-        """Every entry and temporary file under the root's fingerprint folders."""
-        found = []
+        """Every entry and temporary file under the root's fingerprint folders: regular
+        files named as this module names them, reached without following a symbolic link
+        (locally); anything else there is not the cache's and is left out.
+
+        Raises:
+            FileNotFoundError: the root is not there, or not a folder; it names it.
+        """
         if not self.remote:
-            if not os.path.isdir(self.root):
-                return []
-            for folder in sorted(os.listdir(self.root)):
-                if not is_fingerprint(folder) or not os.path.isdir(f"{self.root}/{folder}"):
-                    continue
-                for name in sorted(os.listdir(f"{self.root}/{folder}")):
-                    with contextlib.suppress(FileNotFoundError):
-                        stat = os.stat(f"{self.root}/{folder}/{name}")
-                        found.append(EntryFile(folder, name, stat.st_size, stat.st_mtime))
-            return found
+            return self._local_files()
         fs, inner = self._filesystem()
         fs.invalidate_cache()  # fsspec keeps listings; other processes write entries
-        if not retrying(lambda: fs.exists(inner), self.root, "list"):
-            return []
+        if not retrying(lambda: fs.isdir(inner), self.root, "list"):
+            raise FileNotFoundError(f"no cache folder at {self.root}")
+        found = []
         listed = retrying(lambda: fs.find(inner, detail=True), self.root, "list")
         for path, info in sorted(listed.items()):
             folder, _, name = path[len(inner) + 1:].partition("/")
-            if is_fingerprint(folder) and name and "/" not in name:
+            if is_fingerprint(folder) and is_own_name(name) and info.get("type") != "directory":
                 found.append(EntryFile(folder, name, int(info.get("size") or 0),
                                        _mtime(info)))
         return found
 
-    def remove(self, file: EntryFile) -> None:
-        """Delete one file (an entry or a temporary file); a missing one is no error."""
-        if self.remote:
-            _, inner = self._filesystem()
-            self._remove_one(f"{inner}/{file.fingerprint}/{file.name}")
-        else:
-            self._remove_one(f"{self.root}/{file.fingerprint}/{file.name}")
-            with contextlib.suppress(OSError):  # the folder, once empty
-                os.rmdir(f"{self.root}/{file.fingerprint}")
+    def _local_files(self) -> list[EntryFile]:
+        try:
+            root = os.open(self.root, _DIR_FLAGS)
+        except (FileNotFoundError, NotADirectoryError):
+            raise FileNotFoundError(f"no cache folder at {self.root}") from None
+        found = []
+        try:
+            for fingerprint in sorted(os.listdir(root)):
+                if not is_fingerprint(fingerprint):
+                    continue
+                try:
+                    folder = os.open(fingerprint, _DIR_FLAGS | _NO_LINK, dir_fd=root)
+                except OSError:  # a symbolic link, a file, or gone
+                    continue
+                try:
+                    for name in sorted(os.listdir(folder)):
+                        if not is_own_name(name):
+                            continue
+                        with contextlib.suppress(FileNotFoundError):
+                            info = os.stat(name, dir_fd=folder, follow_symlinks=False)
+                            if stat.S_ISREG(info.st_mode):
+                                found.append(EntryFile(fingerprint, name, info.st_size,
+                                                       info.st_mtime))
+                finally:
+                    os.close(folder)
+        finally:
+            os.close(root)
+        return found
 
-    def _remove_one(self, path: str) -> None:
-        if not self.remote:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-            return
-        fs, _ = self._filesystem()
-        with contextlib.suppress(FileNotFoundError):
-            fs.rm_file(path)
+    def remove(self, file: EntryFile) -> bool:
+        """Delete one file (an entry or a temporary file) and then its folder if empty.
+        Locally only a regular file named as the cache names its own, in a folder reached
+        without a symbolic link, is removed. Returns whether it was.
+        """
+        if not is_fingerprint(file.fingerprint) or not is_own_name(file.name):
+            return False
+        if self.remote:
+            fs, inner = self._filesystem()
+            try:
+                fs.rm_file(f"{inner}/{file.fingerprint}/{file.name}")
+            except FileNotFoundError:
+                return False
+            return True
+        try:
+            with self._folder(file.fingerprint) as folder:
+                info = os.stat(file.name, dir_fd=folder, follow_symlinks=False)
+                if not stat.S_ISREG(info.st_mode):
+                    return False
+                os.unlink(file.name, dir_fd=folder)
+        except (FileNotFoundError, BadEntry):
+            return False
+        with contextlib.suppress(OSError):  # the folder, once empty (never a link: ENOTDIR)
+            root = os.open(self.root, _DIR_FLAGS)
+            try:
+                os.rmdir(file.fingerprint, dir_fd=root)
+            finally:
+                os.close(root)
+        return True
 
 
 def _mtime(info: dict[str, Any]) -> float:

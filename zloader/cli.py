@@ -241,7 +241,11 @@ def _cache_ls(args: argparse.Namespace) -> int:
     from zloader.cache import summaries
 
     store = _cache_store(args)
-    found = summaries(store)
+    try:
+        found = summaries(store)
+    except OSError as exc:  # no folder there (FileNotFoundError), or it cannot be read
+        print(f"zloader cache ls: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps([s.to_dict() for s in found]))
         return 0
@@ -263,7 +267,7 @@ def _cache_rm(args: argparse.Namespace) -> int:
     try:
         removed = remove(store, fingerprint=args.fingerprint, everything=args.all,
                          stale=args.older_than if args.stale else None)
-    except ValueError as exc:
+    except (ValueError, LookupError, OSError) as exc:  # OSError: no folder, or unreadable
         print(f"zloader cache rm: {exc}", file=sys.stderr)
         return 2
     keys = {f.fingerprint for f in removed}

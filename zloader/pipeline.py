@@ -29,6 +29,7 @@ from zloader import _check
 from zloader import cache as _cache
 from zloader import sources as _sources
 from zloader import stages as _stages
+from zloader._defaults import CACHE_MAX_ENTRY_BYTES
 from zloader.fingerprint import Unhashable, fingerprint, warn_unshareable
 from zloader.formats import build as _build
 
@@ -389,8 +390,8 @@ class Pipeline:
         return self._then(_stages.Skip(count=_check.integer("n", n, 0),
                                        **_stage_options(f"skip({n})", name, version)))
 
-    def cache(self, path: Any = None, *,
-              storage_options: dict[str, Any] | None = None) -> Pipeline:
+    def cache(self, path: Any = None, *, storage_options: dict[str, Any] | None = None,
+              max_entry_bytes: int = CACHE_MAX_ENTRY_BYTES) -> Pipeline:
         """Keep what the stages so far produce from each split, and read it back after.
 
         The first time a split is read (in any epoch, by any job) its elements are computed
@@ -407,13 +408,16 @@ class Pipeline:
                 default ``$ZLOADER_CACHE_DIR``, else ``~/.cache/zloader/cache`` (under
                 ``$XDG_CACHE_HOME`` when set). Resolved now, where the pipeline is built.
             storage_options: fsspec's options for the URL's filesystem.
+            max_entry_bytes: the largest entry (one split's output) written or read back,
+                which a worker holds in memory whole; a larger split is read uncached.
 
         Raises:
             ValueError: a stage other than ``map``, ``filter`` or ``unbatch`` comes before
-                the cache (move ``.cache()`` before it), or those stages cannot be
-                fingerprinted.
+                the cache (move ``.cache()`` before it), those stages cannot be
+                fingerprinted, or ``max_entry_bytes`` is below 1.
         """
-        return Pipeline(_cache.cached(self.source, self.stages, path, storage_options))
+        return Pipeline(_cache.cached(self.source, self.stages, path, storage_options,
+                                      max_entry_bytes))
 
     def _then(self, stage: _stages.Stage) -> Pipeline:
         return Pipeline(self.source, (*self.stages, stage))
