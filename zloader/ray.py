@@ -11,6 +11,12 @@ broker, from its constructor, so an actor Ray restarts serves again::
     ...
     workers.stop()  # drains them: their splits are finished or handed back
 
+The actors live until they are stopped (``workers.stop()``, or :func:`stop_all` for every
+one this driver started) or the driver exits, whether or not the caller keeps the handle:
+this module keeps a reference to each (Ray kills an actor once no reference to it is left,
+so a ``start_workers(...)`` whose result was dropped would otherwise lose its actors at
+once).
+
 :class:`RayActuator` follows the broker's ``desired_workers`` with such actors, as
 ``zloader-worker --autoscale`` does with processes on one host.
 """
@@ -34,7 +40,7 @@ from zloader._host import loopback
 from zloader.actuator import Plan, Shortfall, follow, plan
 from zloader.transport.keys import Keys, resolve
 
-__all__ = ["RayActuator", "RayWorkers", "start_workers"]
+__all__ = ["RayActuator", "RayWorkers", "start_workers", "stop_all"]
 
 log = logging.getLogger("zloader.ray")
 
@@ -78,11 +84,15 @@ class _Worker:
 
 
 class RayWorkers:
-    """Handles of the worker actors :func:`start_workers` started."""
+    """Handles of the worker actors :func:`start_workers` started. While it holds actors
+    it is kept in this module's registry (so they live whether the caller keeps it or not)
+    until :meth:`stop`, or :func:`stop_all`."""
 
     def __init__(self, actors: list[Any], info: list[dict[str, Any]]) -> None:
         self.actors = actors
         self.info = info
+        if actors:
+            _STARTED.add(self)
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -122,16 +132,24 @@ class RayWorkers:
         gone = len(self.actors) - len(kept)
         self.actors = [a for a, _ in kept]
         self.info = [i for _, i in kept]
+        if not self.actors:
+            _STARTED.discard(self)
         return gone
 
     def extend(self, other: RayWorkers) -> None:
+        """Take over ``other``'s actors (``other`` is left empty)."""
         self.actors += other.actors
         self.info += other.info
+        other.actors, other.info = [], []
+        _STARTED.discard(other)
+        if self.actors:
+            _STARTED.add(self)
 
     def stop(self, timeout: float = DRAIN_SECONDS + 5.0) -> None:
         """Drain every worker, wait up to ``timeout`` seconds, then kill the actors."""
         import ray
 
+        _STARTED.discard(self)
         if not self.actors:
             return
         for actor in self.actors:
@@ -144,12 +162,31 @@ class RayWorkers:
         self.actors, self.info = [], []
 
 
+# Every RayWorkers holding actors, until it is stopped: the reference that keeps its
+# actors alive when the caller dropped the handle (they then go with the driver).
+_STARTED: set[RayWorkers] = set()
+
+
+def stop_all(timeout: float = DRAIN_SECONDS + 5.0) -> int:
+    """Stop every worker actor this driver started and has not stopped (as
+    :meth:`RayWorkers.stop`: drained, then killed), handles kept or not; returns how many.
+    Actors a :class:`RayActuator` runs are stopped too (its next step starts others while
+    it runs)."""
+    count = 0
+    for workers in list(_STARTED):
+        count += len(workers)
+        workers.stop(timeout)
+    return count
+
+
 def start_workers(broker: str, num_workers: int, num_cpus_per_worker: float = 1,
                   keys: str | None = None, advertise: str | None = None,
                   insecure: bool = False, max_restarts: int = -1,
                   start_timeout: float = RAY_START_TIMEOUT, **actor_options: Any) -> RayWorkers:
     """Start ``num_workers`` zloader workers as Ray actors of ``num_cpus_per_worker`` CPUs
-    each, attached to ``broker``; returns once each runs.
+    each, attached to ``broker``; returns once each runs. They serve until stopped
+    (``.stop()`` on the result, or :func:`stop_all`) or until this driver exits, whether the
+    result is kept or not.
 
     A broker on a loopback address (``tcp://127.0.0.1:PORT``) is reachable only from
     this host: the actors are then placed on this node, bind their data ports on loopback
