@@ -25,7 +25,7 @@ def test_a_killed_worker_process_is_replaced_logged_and_fails_the_exit_status(tm
     log = tmp_path / "worker.log"
     with open(log, "w") as err:
         parent = subprocess.Popen([os.path.join(BIN, "zloader-worker"), "--broker", address,
-                                   "--processes", "2"], stderr=err)
+                                   "--processes", "2", "--restart-delay", "0.1"], stderr=err)
     try:
         wait_for(lambda: len(worker_pids(address)) == 2, what="two worker processes")
         children = {c.pid for c in psutil.Process(parent.pid).children()}
@@ -33,12 +33,11 @@ def test_a_killed_worker_process_is_replaced_logged_and_fails_the_exit_status(tm
         victim = min(children)
         os.kill(victim, signal.SIGKILL)  # as the kernel's OOM killer does
 
-        def replaced() -> bool:
-            pids = worker_pids(address)
-            return len(pids) == 2 and victim not in pids
-        wait_for(replaced, what="a replacement registered with the broker")
+        wait_for(lambda: worker_pids(address) - children,
+                 what="a replacement registered with the broker")
         now = {c.pid for c in psutil.Process(parent.pid).children()}
-        assert worker_pids(address) == now and victim not in now and len(now) == 2
+        assert victim not in now and len(now) == 2
+        assert worker_pids(address) - children == now - children  # the replacement
         text = log.read_text()
         assert f"worker pid {victim} was killed by signal SIGKILL" in text, text
         assert "1 death so far" in text and "restarting it in" in text, text
