@@ -27,6 +27,7 @@ LAYERS = {
     "transport.ring": 0.6, "transport.records": 1.5, "transport.fields": 1.5,
     "transport.sockets": 1.5, "options": 1.55, "transport.messages": 1.6,
     "sharing": 0, "sharing.window": 0, "sharing.options": 0.5, "sharing.store": 1.6,
+    "codec_torch": 0.9,  # torch tensors in the codec, torch imported lazily
     "codec": 1, "collate": 1, "fingerprint": 1, "rounds": 1, "journal": 1, "lineage": 1,
     "metrics": 1, "autoscale": 1, "forward": 1, "blobs": 1,
     "formats._crc32c": 1, "formats.example": 1, "formats.image": 1, "formats": 1.2,
@@ -37,10 +38,11 @@ LAYERS = {
     "_pickling": 4, "shipping": 5,
     # the broker: records and the pool's policy, the concerns, the facade,
     # the loop
-    "broker.records": 6.0, "broker.pool": 6.0,
+    "broker.records": 6.0, "broker.pool": 6.0, "broker.admission": 6.1,
     "broker.peers": 6.2, "broker.jobs": 6.2, "broker.splits": 6.2, "broker.placement": 6.2,
     "broker.failures": 6.2, "broker.coordinated": 6.2, "broker.history": 6.2,
-    "broker.status": 6.2, "broker.state": 6.3, "broker.loop": 6.4, "broker": 6.5,
+    "broker.status": 6.2, "broker.state": 6.3, "broker.descriptors": 6.35,
+    "broker.loop": 6.4, "broker": 6.5,
     # the worker: what sends to consumers and the producer at the bottom, the delivery modes
     # on the interface they implement, the task above them, the process on top
     "worker.memory": 6.0, "worker.producer": 6.0, "worker.streams": 6.0,
@@ -314,7 +316,8 @@ def test_status_command_against_a_running_broker():
         assert done.returncode == 0, done.stderr
         import json
         body = json.loads(done.stdout)
-        assert set(body) == {"workers", "jobs"} and len(body["workers"]) == 1
+        assert set(body) == {"summary", "workers", "jobs", "left_off", "next"}
+        assert len(body["workers"]) == 1 and body["next"] is None
         table = run(bin_path("zloader"), "status", "--broker", address)
         assert "workers (1)" in table.stdout and "jobs (0)" in table.stdout
         from zloader import Loader, Pipeline

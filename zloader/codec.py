@@ -1,7 +1,8 @@
 """The element codec: nested structures of arrays as a small header plus raw buffers.
 
 An *element* is a nested ``dict``/``tuple``/``list`` whose leaves are numpy arrays of a
-numeric or bool dtype (any shape, including 0-d and empty), numpy scalars, Python
+numeric or bool dtype (any shape, including 0-d and empty), torch tensors (any dtype but the
+quantized ones, nested tensors included: zloader/codec_torch.py), numpy scalars, Python
 ``bool``/``int``/``float``/``complex``, ``str``, ``bytes`` and ``None``.
 
 ``encode(element)`` returns ``[header, buffer, ...]``: the header describes the structure
@@ -11,6 +12,11 @@ the buffers back into the element; decoded arrays are views over the given memor
 byte is copied (they are read-only when the memory is). ``str`` and ``bytes`` leaves are
 immutable Python objects and are copied on decode. A :class:`Stacked` leaf (an array given as
 its rows) encodes as the stacked array; its buffer is a :class:`Gather` of the rows.
+
+A tensor travels as the array it is (its dtype named as torch names it) and is decoded as a
+tensor over the given memory, copied only when that memory is read-only (a tensor has no
+read-only form). Encoding never imports torch (a tensor exists only where torch is
+imported); decoding imports it when a header holds a tensor.
 
 There is no pickle on this path by default: a header can describe only the types above, so
 bytes from a peer cannot make this process run code. The one exception (docs/torch.md,
@@ -32,6 +38,10 @@ Header format (version 1, little-endian)::
             | b"s" len:u32 utf8 | b"S"                      str inline | str in the next buffer
             | b"b" len:u32 bytes | b"B"                     bytes inline | in the next buffer
             | b"a" dtype ndim:u8 dim:u64*ndim              array, memory in the next buffer
+            | b"t" name ndim:u8 dim:u64*ndim               torch tensor, memory in the next
+                                                           buffer (C order)
+            | b"j" name name count:u32 node*count          nested tensor: layout, dtype and
+                                                           its components (b"t" nodes)
             | b"n" dtype raw                               numpy scalar (itemsize bytes)
             | b"L" count:u32 node*count                    list
             | b"U" count:u32 node*count                    tuple
@@ -39,6 +49,7 @@ Header format (version 1, little-endian)::
             | b"o"                                          pickled object, in the next
                                                            buffer (objects=True only)
     dtype   = len:u8 ascii                                 numpy dtype string, e.g. "<f4"
+    name    = len:u8 ascii                                 torch's name: "bfloat16", "jagged"
 
 Buffers are used in the order their nodes appear, each exactly once. Subclasses of the
 supported containers and scalars (``OrderedDict``, named tuples, ``IntEnum``) arrive as
@@ -54,6 +65,7 @@ from typing import Any
 
 import numpy as np
 
+from zloader import codec_torch
 from zloader._defaults import CODEC_INLINE_MAX as INLINE_MAX
 from zloader._defaults import CODEC_MAX_BIGINT_BYTES as MAX_BIGINT_BYTES
 from zloader._defaults import CODEC_MAX_DEPTH as MAX_DEPTH
@@ -245,13 +257,51 @@ def _encode_node(value: Any, out: bytearray, buffers: list[Any], depth: int,
         out += b"c" + _C128.pack(value.real, value.imag)
     elif isinstance(value, str):
         _encode_node(str(value), out, buffers, depth, objects)
+    elif codec_torch.is_tensor(value):
+        _encode_tensor(value, out, buffers, depth, objects)
     elif objects:
         _encode_object(value, out, buffers)
     else:
         raise _EncodeError(
             f"type {kind.__module__}.{kind.__qualname__} is not supported; elements hold "
-            "dicts, tuples, lists, numpy arrays, numbers, str, bytes and None "
-            "(convert the value to a numpy array in a map stage)")
+            "dicts, tuples, lists, numpy arrays, torch tensors, numbers, str, bytes and "
+            "None (convert the value to a numpy array in a map stage)")
+
+
+def _encode_tensor(value: Any, out: bytearray, buffers: list[Any], depth: int,
+                   objects: bool) -> None:
+    """A torch tensor: dense (b"t"), or nested (b"j", its components dense). One the codec
+    does not carry (sparse, quantized) is pickled when ``objects`` allows it."""
+    mark = len(buffers)
+    try:
+        if codec_torch.is_nested(value):
+            _check_depth(depth)
+            layout, dtype, components = codec_torch.nested_parts(value)
+            head = bytearray(b"j" + _name(layout) + _name(dtype)
+                             + _U32.pack(len(components)))
+            for component in components:
+                _encode_dense(component, head, buffers)
+            out += head
+        else:
+            _encode_dense(value, out, buffers)
+    except TypeError as exc:
+        if not objects:
+            raise _EncodeError(str(exc)) from None
+        del buffers[mark:]  # a nested tensor's components encoded before the failure
+        _encode_object(value, out, buffers)
+
+
+def _encode_dense(value: Any, out: bytearray, buffers: list[Any]) -> None:
+    name, shape, data = codec_torch.dense_parts(value)
+    if len(shape) > MAX_NDIM:
+        raise _EncodeError(f"tensor has {len(shape)} dimensions, more than {MAX_NDIM}")
+    out += b"t" + _name(name) + _NDIM[len(shape)] + _SHAPES[len(shape)].pack(*shape)
+    buffers.append(data)
+
+
+def _name(text: str) -> bytes:
+    data = text.encode("ascii")
+    return _U8.pack(len(data)) + data
 
 
 def _encode_object(value: Any, out: bytearray, buffers: list[Any]) -> None:
@@ -371,7 +421,7 @@ def _as_bytes_view(buf: Any, index: int) -> memoryview:
     return view
 
 
-_TAG = {tag: ord(tag) for tag in "NTFiIfcsSbBanLUDo"}
+_TAG = {tag: ord(tag) for tag in "NTFiIfcsSbBanLUDotj"}
 _A, _D, _L, _U, _I, _F, _S, _N = (_TAG[t] for t in "aDLUifsN")
 
 
@@ -454,9 +504,9 @@ class _Reader:
             return items if tag == _L else tuple(items)
         if tag == _N:
             return None
-        return self.rare(tag)
+        return self.rare(tag, depth)
 
-    def rare(self, tag: int) -> Any:
+    def rare(self, tag: int, depth: int) -> Any:
         if tag == _TAG["T"]:
             return True
         if tag == _TAG["F"]:
@@ -478,6 +528,10 @@ class _Reader:
         if tag == _TAG["c"]:
             real = self.unpack(_F64, "complex")
             return complex(real, self.unpack(_F64, "complex"))
+        if tag == _TAG["t"]:
+            return self.tensor()
+        if tag == _TAG["j"]:
+            return self.nested(depth)
         if tag == _TAG["o"]:
             if not self.objects:
                 raise CodecError("a pickled value, which only a Loader's own local workers "
@@ -487,6 +541,42 @@ class _Reader:
             except Exception as exc:
                 raise CodecError(f"a pickled value cannot be unpickled: {exc!r}") from None
         raise CodecError(f"unknown tag {bytes([tag])!r} at header byte {self.pos - 1}")
+
+    def name(self, what: str) -> str:
+        raw = self.take(self.unpack(_U8, f"{what} length"), what)
+        try:
+            return raw.decode("ascii")
+        except UnicodeDecodeError:
+            raise CodecError(f"{what} {raw!r} is not ASCII") from None
+
+    def tensor(self) -> Any:
+        dtype = codec_torch.dtype_of(self.name("tensor dtype"))
+        ndim = self.unpack(_U8, "ndim")
+        if ndim > MAX_NDIM:
+            raise CodecError(f"tensor has {ndim} dimensions, more than {MAX_NDIM}")
+        shape: tuple[int, ...] = _SHAPES[ndim].unpack(self.take(8 * ndim, "shape"))
+        data = self.buffer("tensor")
+        expected: int = dtype.itemsize
+        for dim in shape:
+            expected *= dim
+        if expected != data.nbytes:
+            raise CodecError(f"tensor of shape {shape} and dtype {dtype} needs {expected} "
+                             f"bytes but its buffer holds {data.nbytes}")
+        return codec_torch.dense(dtype, shape, data)
+
+    def nested(self, depth: int) -> Any:
+        if depth >= MAX_DEPTH:
+            raise CodecError(f"nesting deeper than {MAX_DEPTH} levels")
+        layout = self.name("nested tensor layout")
+        dtype = codec_torch.dtype_of(self.name("nested tensor dtype"))
+        components = []
+        for _ in range(self.count("nested tensor", 1)):
+            if self.pos >= self.end or self.header[self.pos] != _TAG["t"]:
+                raise CodecError(f"a nested tensor's component at header byte {self.pos} "
+                                 "is not a tensor")
+            self.pos += 1
+            components.append(self.tensor())
+        return codec_torch.nested(layout, dtype, components)
 
     def mapping(self, depth: int) -> dict[Any, Any]:
         if depth >= MAX_DEPTH:

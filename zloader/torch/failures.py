@@ -33,13 +33,13 @@ class Failed:
     error: BaseException
 
 
-def describe(exc: BaseException, stage: str, where: str) -> tuple[str, ...]:
+def describe(exc: BaseException, stage: str, where: str, at: str = "") -> tuple[str, ...]:
     """``exc``, raised by user code in ``stage`` (``"dataset"``, ``"collate_fn"``) at
-    ``where`` (``"in DataLoader worker process 1"``, after the index a
-    PipelineError of the dataset names), as the strings a record
-    carries."""
+    ``where`` (``"in DataLoader worker process 1"``), as the strings a record carries. Its
+    context names the place in the input: the index a PipelineError of the dataset names,
+    else ``at`` (``"indices [3, 7]"``: the batch's, for a failure in ``collate_fn``)."""
     wrapped = PipelineError.from_exception(exc, stage)
-    context = " ".join(part for part in (wrapped.context, where) if part)
+    context = " ".join(part for part in (wrapped.context or at, where) if part)
     return (wrapped.stage, wrapped.exc_type, wrapped.builtin, wrapped.message,
             wrapped.traceback, context)
 

@@ -20,7 +20,7 @@ from zloader.errors import PipelineError
 from zloader.sources import Source
 from zloader.torch import seeding
 from zloader.torch.failures import describe
-from zloader.torch.tensors import to_numpy
+from zloader.torch.tensors import NUMPY_DTYPES, to_numpy
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -76,7 +76,8 @@ class BatchSource(Source):
             try:
                 made = to_numpy(self._fetch(keys, plan["batched"]), self.objects)
             except Exception as exc:
-                failure = _failure(exc, where)
+                at = f"indices {keys!r:.60}" if plan["batched"] else f"index {keys[0]!r}"
+                failure = _failure(exc, at, where)
             state = seeding.capture_rng()
             changed, seeded.reported = state != seeded.reported, state
             state = state if changed else b""
@@ -107,7 +108,9 @@ class BatchSource(Source):
         where = f"in DataLoader worker process {worker}"
         iterator = iter(self.dataset)
         ended = False
+        number = -1  # this worker's batches so far
         while not ended:
+            number += 1
             samples = []
             try:
                 for _ in range(1 if self.batch_size is None else self.batch_size):
@@ -122,7 +125,7 @@ class BatchSource(Source):
                 made = to_numpy(self._collate_one(samples[0]) if self.batch_size is None
                                 else self._collate(samples), self.objects)
             except Exception as exc:
-                yield (-1, b"", None, _failure(exc, where))
+                yield (-1, b"", None, _failure(exc, f"its batch {number}", where))
                 continue
             yield (-1, b"", made)
 
@@ -158,14 +161,15 @@ class BatchSource(Source):
             raise PipelineError.from_exception(exc, "collate_fn") from exc
 
 
-def _failure(exc: Exception, where: str) -> tuple[str, ...]:
-    """A batch's failure as a record carries it; what user code raised as other than an
-    ``Exception`` (``SystemExit``, wrapped by :meth:`BatchSource._get`) ends the pass."""
+def _failure(exc: Exception, at: str, where: str) -> tuple[str, ...]:
+    """A batch's failure as a record carries it, ``at`` the batch's place in the input
+    (``"indices [3, 7]"``) unless the error names one; what user code raised as other than
+    an ``Exception`` (``SystemExit``, wrapped by :meth:`BatchSource._get`) ends the pass."""
     cause = exc.__cause__ if isinstance(exc, PipelineError) else exc
     if cause is not None and not isinstance(cause, Exception):
         raise exc
     stage = exc.stage if isinstance(exc, PipelineError) else "dataset"
-    return describe(exc, stage, where)
+    return describe(exc, stage, where, at)
 
 
 def stack_later(batch: list[Any], *, collate_fn_map: Any = None) -> Any:
@@ -173,7 +177,7 @@ def stack_later(batch: list[Any], *, collate_fn_map: Any = None) -> Any:
     a :class:`codec.Stacked` of their memory (the stack happens in the record's copy)."""
     elem = batch[0]
     if (type(elem) is torch.Tensor and elem.layout == torch.strided and not elem.is_nested
-            and elem.device.type == "cpu" and elem.dtype in _NUMPY_DTYPES
+            and elem.device.type == "cpu" and elem.dtype in NUMPY_DTYPES
             and elem.numel() * elem.element_size() * len(batch) >= STACK_LATER_BYTES
             and all(type(t) is torch.Tensor and t.dtype == elem.dtype and t.shape == elem.shape
                     and t.device == elem.device for t in batch)):
@@ -182,7 +186,4 @@ def stack_later(batch: list[Any], *, collate_fn_map: Any = None) -> Any:
     return _torch_collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
 
 
-_NUMPY_DTYPES = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-                 torch.float16, torch.float32, torch.float64, torch.complex64,
-                 torch.complex128}
 _COLLATE_MAP = {**_torch_collate.default_collate_fn_map, torch.Tensor: stack_later}

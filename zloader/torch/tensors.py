@@ -39,25 +39,24 @@ def to_torch(element: Any) -> Any:
 
 
 def to_numpy(element: Any, objects: bool = False) -> Any:
-    """Convert the tensors in a nested element to numpy arrays (sharing memory), so that
-    the codec can carry them.
+    """Convert the tensors in a nested element that numpy can hold to numpy arrays
+    (sharing memory when the tensor is on the CPU), for the codec's array paths.
 
-    With ``objects`` (the Loader's own workers, which may pickle what the codec does not
-    carry: ``Loader(objects=True)``), what numpy cannot hold as it is stays as it is, to be
-    pickled whole: a bfloat16 tensor, a named tuple such as ``PackedSequence`` (whose type
-    the codec would lose). Without it a bfloat16 tensor raises TypeError and a named tuple
-    arrives as a plain tuple.
+    Tensors numpy cannot hold stay tensors, which the codec carries as they are (no
+    pickle): ``bfloat16``, ``float8_*`` and the other dtypes numpy lacks, nested tensors
+    (``torch.nested``), and sparse or quantized ones (refused by the codec, or pickled whole
+    where the Loader's own workers may pickle: ``Loader(objects=True)``). With ``objects``,
+    a named tuple such as ``PackedSequence`` stays as it is too, to be pickled whole
+    (keeping its type); without it, it arrives as a plain tuple.
     """
     if isinstance(element, torch.Tensor):
         tensor = element.detach()
+        if tensor.is_nested or tensor.layout != torch.strided or tensor.is_quantized \
+                or tensor.dtype not in NUMPY_DTYPES:
+            return element
         if tensor.device.type != "cpu":
             tensor = tensor.cpu()
-        if tensor.dtype == torch.bfloat16:
-            if objects:
-                return tensor
-            raise TypeError("bfloat16 tensors cannot cross zloader's codec to a broker's "
-                            "workers; convert them to float32 in collate_fn")
-        return tensor.numpy()
+        return tensor.resolve_conj().resolve_neg().numpy()
     if isinstance(element, dict):
         return {key: to_numpy(value, objects) for key, value in element.items()}
     if isinstance(element, list):
@@ -67,6 +66,12 @@ def to_numpy(element: Any, objects: bool = False) -> Any:
             return element
         return tuple(to_numpy(v, objects) for v in element)
     return element
+
+
+NUMPY_DTYPES = frozenset({
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128})
+"""The tensor dtypes ``Tensor.numpy()`` takes in every torch zloader supports."""
 
 
 def apply_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
