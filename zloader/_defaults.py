@@ -69,6 +69,30 @@ PARALLEL_READ_POLL = 0.1
 whether the read was abandoned (fixed)."""
 
 
+# --- file formats: what one element may take (docs/sources.md) -------------------------------
+
+MAX_RECORD_BYTES = 256 << 20
+"""Largest TFRecord record ``from_tfrecord`` reads; a length field above it is a corrupt
+record (it ends the file), never an allocation. ``from_tfrecord(max_record_bytes=)``
+overrides it."""
+
+MAX_MEMBER_BYTES = 256 << 20
+"""Largest tar member ``from_webdataset`` reads (its size as the tar header states it,
+sparse members included); a larger one makes its sample an error.
+``from_webdataset(max_member_bytes=)`` overrides it."""
+
+MAX_LINE_BYTES = 16 << 20
+"""Longest line ``from_jsonl`` reads, in bytes after decompression; a longer one is an
+error for that line only (the parsed value may take several times the line's size).
+``from_jsonl(max_line_bytes=)`` overrides it."""
+
+MAX_IMAGE_PIXELS = 1 << 26
+"""Most pixels (width x height, 8192 x 8192) ``decode_image`` decodes; the size is read from
+the image's header before any pixel is. ``decode_image(max_pixels=)`` and
+``from_image_folder(max_pixels=)`` override it; Pillow refuses, on its own, images over
+twice ``PIL.Image.MAX_IMAGE_PIXELS``."""
+
+
 # --- the cache (Pipeline.cache, zloader/cache.py) -------------------------------------------
 
 CACHE_DIR_VARIABLE = "ZLOADER_CACHE_DIR"

@@ -209,25 +209,32 @@ class Pipeline:
                       *, storage_options: dict[str, Any] | None = None,
                       parallel_reads: int = 1, deterministic: bool = True,
                       shuffle_splits: bool = False, seed: int | None = None,
-                      name: str | None = None, version: str | None = None) -> Pipeline:
+                      name: str | None = None, version: str | None = None,
+                      max_record_bytes: int | None = None) -> Pipeline:
         """The raw records (bytes) of TFRecord files; one split per file. ``compression``:
         None, ``"GZIP"`` or ``"ZLIB"``; ``verify`` checks each record's checksums (a
         corrupt record raises naming its file and offset, or is skipped under
-        ``on_error="skip"``). Parse records with :func:`zloader.formats.parse_example`."""
+        ``on_error="skip"``). ``max_record_bytes``: the largest record read (default
+        ``MAX_RECORD_BYTES``, 256 MiB); a longer length is a corrupt record. Parse records
+        with :func:`zloader.formats.parse_example`."""
         return cls(_build.tfrecord(paths, compression, verify, storage_options,
                                    parallel_reads, deterministic, _source_options(
-                                       "from_tfrecord", name, shuffle_splits, seed, version)))
+                                       "from_tfrecord", name, shuffle_splits, seed, version),
+                                   max_record_bytes))
 
     @classmethod
     def from_webdataset(cls, urls: Any, *, storage_options: dict[str, Any] | None = None,
                         parallel_reads: int = 1, deterministic: bool = True,
                         shuffle_splits: bool = False, seed: int | None = None,
-                        name: str | None = None, version: str | None = None) -> Pipeline:
+                        name: str | None = None, version: str | None = None,
+                        max_member_bytes: int | None = None) -> Pipeline:
         """The samples of WebDataset tar shards, ``{"__key__", "__url__", ext: bytes}``
-        grouped by key as the ``webdataset`` package does; one split per shard."""
+        grouped by key as the ``webdataset`` package does; one split per shard.
+        ``max_member_bytes``: the largest member read (default ``MAX_MEMBER_BYTES``,
+        256 MiB); a sample with a larger one is an error."""
         return cls(_build.webdataset(urls, storage_options, parallel_reads, deterministic,
                                      _source_options("from_webdataset", name, shuffle_splits,
-                                                     seed, version)))
+                                                     seed, version), max_member_bytes))
 
     @classmethod
     def from_parquet(cls, paths: Any, columns: Sequence[str] | None = None,
@@ -246,12 +253,14 @@ class Pipeline:
     def from_jsonl(cls, paths: Any, *, storage_options: dict[str, Any] | None = None,
                    parallel_reads: int = 1, deterministic: bool = True,
                    shuffle_splits: bool = False, seed: int | None = None,
-                   name: str | None = None, version: str | None = None) -> Pipeline:
+                   name: str | None = None, version: str | None = None,
+                   max_line_bytes: int | None = None) -> Pipeline:
         """The JSON value of each line of JSON lines files (``.gz``/``.zst`` too); one split
-        per file."""
+        per file. ``max_line_bytes``: the longest line read (default ``MAX_LINE_BYTES``,
+        16 MiB); a longer one is an error for that line."""
         return cls(_build.jsonl(paths, storage_options, parallel_reads, deterministic,
                                 _source_options("from_jsonl", name, shuffle_splits, seed,
-                                                version)))
+                                                version), max_line_bytes))
 
     @classmethod
     def from_image_folder(cls, root: Any, *, split_size: int | None = None,
@@ -259,15 +268,18 @@ class Pipeline:
                           storage_options: dict[str, Any] | None = None,
                           parallel_reads: int = 1, deterministic: bool = True,
                           shuffle_splits: bool = False, seed: int | None = None,
-                          name: str | None = None, version: str | None = None) -> Pipeline:
+                          name: str | None = None, version: str | None = None,
+                          max_pixels: int | None = None) -> Pipeline:
         """``{"image", "label", "path"}`` for each image of ``root/<class>/...``, classes
         and labels as torchvision's ``ImageFolder`` (``pipeline.source.classes``); the
         image's bytes, or an HWC uint8 array with ``decode=True``. One split per
-        ``split_size`` images (default: at most 256 splits)."""
+        ``split_size`` images (default: at most 256 splits). ``max_pixels``: with
+        ``decode``, the largest image decoded (default ``MAX_IMAGE_PIXELS``, 8192 x 8192);
+        a larger one is an error for that image."""
         return cls(_build.image_folder(root, split_size, decode, storage_options,
                                        parallel_reads, deterministic, _source_options(
                                            "from_image_folder", name, shuffle_splits, seed,
-                                           version)))
+                                           version), max_pixels))
 
     # --- stages ----------------------------------------------------------------------
 

@@ -7,6 +7,12 @@ the worker and interleaved one element at a time, as tf.data's ``interleave`` wi
 ``cycle_length=k``: storage whose latency, not bandwidth, bounds a read then needs k times
 fewer processes. ``deterministic=True`` takes the units' elements in turn (the same order
 on every run); ``deterministic=False`` takes whichever element is ready first.
+
+A reader that meets an element it cannot read (a corrupt record, a line that is not JSON,
+an image that does not decode) yields a :class:`Bad` in its place and goes on with the
+next element: the source raises it, or under ``on_error="skip"`` counts and drops that
+element only. A failure that leaves the rest of a unit unreadable (a truncated file, a
+broken tar) is raised by the reader and ends the unit.
 """
 
 from __future__ import annotations
@@ -20,10 +26,24 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from zloader._defaults import PARALLEL_READ_BUFFER, PARALLEL_READ_POLL
+from zloader.errors import PipelineError
 from zloader.sources import ErrorPolicy, Source, guarded
 from zloader.storage import FileRef, open_file
 
-__all__ = ["FormatSource", "interleave"]
+__all__ = ["Bad", "FormatSource", "interleave"]
+
+
+@dataclass(frozen=True)
+class Bad:
+    """An element a reader could not read, yielded in its place.
+
+    Attributes:
+        error: what is wrong; its message names the file and the place in it.
+        where: the element's place (``"file a.jsonl, line 5"``), the error's context.
+    """
+
+    error: Exception
+    where: str
 
 
 @dataclass
@@ -61,9 +81,9 @@ class FormatSource(Source):
         path, size, _ = self.files[file]
         return open_file(path, self.storage_options, size)
 
-    def read_unit(self, unit: Any, policy: ErrorPolicy | None) -> Iterator[Any]:
-        """Yield the elements of one unit; a corrupt record the reader can step over is
-        counted in ``policy`` and skipped when it skips errors, else raised."""
+    def read_unit(self, unit: Any) -> Iterator[Any]:
+        """Yield the elements of one unit, and a :class:`Bad` in place of each element that
+        cannot be read; raise what leaves the rest of the unit unreadable."""
         raise NotImplementedError
 
     @property
@@ -85,8 +105,9 @@ class FormatSource(Source):
 
     def _guarded(self, unit: Any, policy: ErrorPolicy | None) -> Iterator[Any]:
         name = self.unit_name(unit)
-        return guarded(lambda: self.read_unit(unit, policy), self.name,
-                       lambda index: f"{name}, element {index}", policy)
+        elements = guarded(lambda: self.read_unit(unit), self.name,
+                           lambda index: f"{name}, element {index}", policy)
+        return _without_bad(elements, self.name, policy)
 
     def locate(self, split: int, index: int) -> str:
         names = ", ".join(self.unit_name(u) for u in self.split_units(split))
@@ -103,6 +124,25 @@ class FormatSource(Source):
     def _format_options(self) -> tuple[Any, ...]:
         """What else of this source changes its elements (its reading options)."""
         return ()
+
+
+def _without_bad(elements: Iterator[Any], stage: str,
+                 policy: ErrorPolicy | None) -> Iterator[Any]:
+    """``elements`` with each :class:`Bad` raised as the stage's PipelineError, or counted
+    and dropped when ``policy`` skips errors; closing this closes ``elements`` (and the
+    unit's file) at once."""
+    try:
+        for element in elements:
+            if type(element) is Bad:
+                if policy is None or not policy.skip_errors:
+                    raise PipelineError.from_exception(element.error, stage, element.where)
+                policy.skipped += 1
+                continue
+            yield element
+    finally:
+        close = getattr(elements, "close", None)
+        if close is not None:
+            close()
 
 
 def _counted(elements: Iterator[Any], counters: list[_Counter],

@@ -7,6 +7,12 @@ import os
 from typing import Any
 
 from zloader import _check
+from zloader._defaults import (
+    MAX_IMAGE_PIXELS,
+    MAX_LINE_BYTES,
+    MAX_MEMBER_BYTES,
+    MAX_RECORD_BYTES,
+)
 from zloader.formats.base import FormatSource
 from zloader.formats.image_folder import ImageFolderSource, find_images
 from zloader.formats.jsonl import JsonlSource
@@ -29,22 +35,32 @@ def _common(what: str, storage_options: Any, parallel_reads: Any, deterministic:
             "deterministic": _check.boolean("deterministic", deterministic), **options}
 
 
+def _limit(name: str, value: Any, default: int) -> int:
+    """A per-element limit: ``default`` when None, else an int >= 1."""
+    return default if value is None else _check.integer(name, value, 1)
+
+
 def tfrecord(paths: Any, compression: Any, verify: Any, storage_options: Any,
-             parallel_reads: Any, deterministic: Any, options: dict[str, Any]) -> FormatSource:
+             parallel_reads: Any, deterministic: Any, options: dict[str, Any],
+             max_record_bytes: Any = None) -> FormatSource:
     if compression not in COMPRESSIONS:
         raise ValueError(f"from_tfrecord: compression must be one of {COMPRESSIONS}, got "
                          f"{compression!r}")
     common = _common("from_tfrecord", storage_options, parallel_reads, deterministic, options)
     return TFRecordSource(files=list_files(paths, storage_options, "from_tfrecord"),
                           compression=compression, verify=_check.boolean("verify", verify),
+                          max_record_bytes=_limit("max_record_bytes", max_record_bytes,
+                                                  MAX_RECORD_BYTES),
                           **common)
 
 
 def webdataset(urls: Any, storage_options: Any, parallel_reads: Any, deterministic: Any,
-               options: dict[str, Any]) -> FormatSource:
+               options: dict[str, Any], max_member_bytes: Any = None) -> FormatSource:
     common = _common("from_webdataset", storage_options, parallel_reads, deterministic,
                      options)
     return WebDatasetSource(files=list_files(urls, storage_options, "from_webdataset"),
+                            max_member_bytes=_limit("max_member_bytes", max_member_bytes,
+                                                    MAX_MEMBER_BYTES),
                             **common)
 
 
@@ -63,14 +79,16 @@ def parquet(paths: Any, columns: Any, batch_rows: Any, storage_options: Any,
 
 
 def jsonl(paths: Any, storage_options: Any, parallel_reads: Any, deterministic: Any,
-          options: dict[str, Any]) -> FormatSource:
+          options: dict[str, Any], max_line_bytes: Any = None) -> FormatSource:
     common = _common("from_jsonl", storage_options, parallel_reads, deterministic, options)
-    return JsonlSource(files=list_files(paths, storage_options, "from_jsonl"), **common)
+    return JsonlSource(files=list_files(paths, storage_options, "from_jsonl"),
+                       max_line_bytes=_limit("max_line_bytes", max_line_bytes,
+                                             MAX_LINE_BYTES), **common)
 
 
 def image_folder(root: Any, split_size: Any, decode: Any, storage_options: Any,
                  parallel_reads: Any, deterministic: Any,
-                 options: dict[str, Any]) -> FormatSource:
+                 options: dict[str, Any], max_pixels: Any = None) -> FormatSource:
     root = os.fspath(root)
     common = _common("from_image_folder", storage_options, parallel_reads, deterministic,
                      options)
@@ -79,4 +97,5 @@ def image_folder(root: Any, split_size: Any, decode: Any, storage_options: Any,
             else _check.integer("split_size", split_size, 1))
     return ImageFolderSource(root=root, classes=classes, files=files, labels=labels,
                              split_size=size, decode=_check.boolean("decode", decode),
+                             max_pixels=_limit("max_pixels", max_pixels, MAX_IMAGE_PIXELS),
                              **common)

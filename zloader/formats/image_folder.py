@@ -9,6 +9,10 @@ sorted within each. A class with no image is an error, as in torchvision.
 
 Elements are ``{"image": ..., "label": int, "path": str}``: the file's bytes, or with
 ``decode=True`` an HWC uint8 RGB array. One split per chunk of ``split_size`` images.
+
+An image that cannot be read or decoded (a truncated file, an image of more than
+``max_pixels`` pixels) is an error naming its path, for that image only: under
+``on_error="skip"`` it is counted and the next image is read.
 """
 
 from __future__ import annotations
@@ -18,10 +22,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from zloader._defaults import MAX_IMAGE_PIXELS
 from zloader.errors import CodecError
-from zloader.formats.base import FormatSource
+from zloader.formats.base import Bad, FormatSource
 from zloader.formats.image import decode_image
-from zloader.sources import ErrorPolicy
 from zloader.storage import FileRef, list_dirs, list_tree
 
 __all__ = ["IMAGE_EXTENSIONS", "ImageFolderSource", "find_images"]
@@ -68,6 +72,7 @@ class ImageFolderSource(FormatSource):
     labels: tuple[int, ...]
     split_size: int
     decode: bool
+    max_pixels: int = MAX_IMAGE_PIXELS
 
     @property
     def units(self) -> Sequence[int]:
@@ -78,22 +83,22 @@ class ImageFolderSource(FormatSource):
         last = min(len(self.files), first + self.split_size) - 1
         return f"images {first}..{last} of {self.root}"
 
-    def read_unit(self, unit: Any, policy: ErrorPolicy | None) -> Iterator[dict[str, Any]]:
+    def read_unit(self, unit: Any) -> Iterator[Any]:
         first = unit * self.split_size
         for number in range(first, min(len(self.files), first + self.split_size)):
             path = self.files[number][0]
-            with self.open(number) as stream:
-                data = stream.read()
-            image: Any = data
-            if self.decode:
-                try:
-                    image = decode_image(data)
-                except ValueError as exc:
-                    if policy is None or not policy.skip_errors:
-                        raise CodecError(f"{path}: {exc}") from None
-                    policy.skipped += 1
-                    continue
+            try:
+                with self.open(number) as stream:
+                    image: Any = stream.read()
+                if self.decode:
+                    image = decode_image(image, max_pixels=self.max_pixels)
+            except OSError as exc:  # a StorageError: it names the path
+                yield Bad(exc, f"image {path}")
+                continue
+            except ValueError as exc:
+                yield Bad(CodecError(f"{path}: {exc}"), f"image {path}")
+                continue
             yield {"image": image, "label": self.labels[number], "path": path}
 
     def _format_options(self) -> tuple[Any, ...]:
-        return (self.classes, self.labels, self.split_size, self.decode)
+        return (self.classes, self.labels, self.split_size, self.decode, self.max_pixels)

@@ -6,6 +6,10 @@ with ``batch_rows=n``, as column batches of up to ``n`` rows (never across row g
 other type (strings, lists, structs). The row groups are counted from each file's footer
 when the pipeline is built; row groups are read in the workers, streamed a batch at a
 time. Needs pyarrow (``pip install 'zloader[formats]'``).
+
+A footer pyarrow cannot parse is a corrupt file, reported at once (a
+:class:`~zloader.errors.CodecError` naming it); only storage is retried (an URL's reads,
+by :func:`~zloader.storage.open_file`), never the parsing of bytes already read.
 """
 
 from __future__ import annotations
@@ -15,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from zloader._defaults import PARQUET_READ_ROWS
+from zloader.errors import CodecError
 from zloader.formats.base import FormatSource
-from zloader.sources import ErrorPolicy
-from zloader.storage import FileRef, open_file, retrying
+from zloader.storage import FileRef, StorageError, open_file
 
 __all__ = ["ParquetSource", "count_row_groups"]
 
@@ -33,14 +37,24 @@ def _parquet() -> Any:
 
 def count_row_groups(files: Sequence[FileRef],
                      storage_options: dict[str, Any] | None) -> tuple[int, ...]:
-    """The number of row groups of each file, read from its footer."""
+    """The number of row groups of each file, read from its footer.
+
+    Raises:
+        CodecError: a footer is not Parquet's (a corrupt or truncated file); it names it.
+        StorageError: storage failed after its retries.
+    """
     pq = _parquet()
     counts = []
     for path, size, _tag in files:
-        def count(path: str = path, size: int = size) -> int:
-            with open_file(path, storage_options, size) as stream:
-                return int(pq.ParquetFile(stream).num_row_groups)
-        counts.append(retrying(count, path, "read the footer of"))
+        with open_file(path, storage_options, size) as stream:
+            try:
+                counts.append(int(pq.ParquetFile(stream).num_row_groups))
+            except StorageError:
+                raise
+            except (OSError, ValueError) as exc:  # pyarrow: ArrowIOError, ArrowInvalid
+                raise CodecError(f"from_parquet: {path} is corrupt or not a Parquet file: "
+                                 f"its footer cannot be read ({type(exc).__name__}: "
+                                 f"{str(exc).strip()})") from None
     return tuple(counts)
 
 
@@ -75,7 +89,7 @@ class ParquetSource(FormatSource):
     def unit_name(self, unit: Any) -> str:
         return f"file {self.files[unit[0]][0]}, row group {unit[1]}"
 
-    def read_unit(self, unit: Any, policy: ErrorPolicy | None) -> Iterator[Any]:
+    def read_unit(self, unit: Any) -> Iterator[Any]:
         file, group = unit
         columns = list(self.columns) if self.columns is not None else None
         with self.open(file) as stream:

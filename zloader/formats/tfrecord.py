@@ -7,10 +7,12 @@ A TFRecord file is a sequence of records, each::
 
 optionally compressed as a whole with GZIP or ZLIB. Records are read as a stream (at
 most a read block ahead). With ``verify=True`` both checksums are checked: a record whose
-data does not match its checksum raises :class:`CorruptRecord` naming the file and the
-record's offset (in the uncompressed stream), or is counted and skipped under
-``on_error="skip"``; a length that does not match its own checksum ends the file (nothing
-after it can be framed), the same way.
+data does not match its checksum is a :class:`CorruptRecord` naming the file and the
+record's offset (in the uncompressed stream), for that record only (under
+``on_error="skip"`` it is counted and the next record is read). A length that does not
+match its own checksum, or is larger than ``max_record_bytes`` (``MAX_RECORD_BYTES`` by
+default), ends the file, the same way: nothing after it can be framed. A length is never
+allocated before its bytes are read: a record is read a block at a time.
 """
 
 from __future__ import annotations
@@ -23,11 +25,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO, ClassVar
 
-from zloader._defaults import READ_BLOCK_BYTES
+from zloader._defaults import MAX_RECORD_BYTES, READ_BLOCK_BYTES
 from zloader.errors import CodecError
 from zloader.formats._crc32c import masked_crc32c
-from zloader.formats.base import FormatSource
-from zloader.sources import ErrorPolicy
+from zloader.formats.base import Bad, FormatSource
 
 __all__ = ["COMPRESSIONS", "CorruptRecord", "TFRecordSource", "decompressed", "read_records"]
 
@@ -68,13 +69,14 @@ class _ZlibReader(io.RawIOBase):
         while not self._pending:
             if self._inflate.eof:
                 return 0
-            chunk = self._stream.read(READ_BLOCK_BYTES)
+            chunk = self._inflate.unconsumed_tail or self._stream.read(READ_BLOCK_BYTES)
             if not chunk:
                 self._pending = self._inflate.flush()
                 if not self._pending:
                     return 0
                 break
-            self._pending = self._inflate.decompress(chunk)
+            # at most a block out of any input: a small chunk may inflate a thousandfold
+            self._pending = self._inflate.decompress(chunk, READ_BLOCK_BYTES)
         size = min(len(view), len(self._pending))
         view[:size] = self._pending[:size]
         self._pending = self._pending[size:]
@@ -82,17 +84,19 @@ class _ZlibReader(io.RawIOBase):
 
 
 def read_records(stream: BinaryIO, name: str, verify: bool = True,
-                 policy: ErrorPolicy | None = None) -> Iterator[bytes]:
-    """The records of an (uncompressed) TFRecord stream.
+                 max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[Any]:
+    """The records of an (uncompressed) TFRecord stream, and a
+    :class:`~zloader.formats.base.Bad` holding a :class:`CorruptRecord` (naming ``name``
+    and the offset) in place of each record that fails its data checksum.
 
     Args:
         stream: a binary file object, read sequentially.
         name: the file or URL, for error messages.
         verify: check the length and data checksums.
-        policy: counts, and skips when it skips errors, the corrupt records.
+        max_record_bytes: the largest record read; a larger length ends the stream.
 
-    Raises:
-        CorruptRecord: a truncated or corrupt record (naming ``name`` and its offset).
+    Yields a last Bad and stops at a truncated record, a length that fails its checksum or
+    one over ``max_record_bytes``: nothing after it can be framed.
     """
     offset = 0
     while True:
@@ -100,35 +104,52 @@ def read_records(stream: BinaryIO, name: str, verify: bool = True,
         if not header:
             return
         if len(header) < _HEADER.size:
-            yield from _fail(policy, f"{name}: truncated record header at offset {offset}")
+            yield _bad(name, offset, f"{name}: truncated record header at offset {offset}")
             return
         length, length_crc = _HEADER.unpack(header)
         if verify and masked_crc32c(header[:8]) != length_crc:
-            yield from _fail(policy, f"{name}: corrupt record length at offset {offset} "
+            yield _bad(name, offset, f"{name}: corrupt record length at offset {offset} "
                                      "(checksum mismatch)")
             return
-        data = stream.read(length)
+        if length > max_record_bytes:
+            yield _bad(name, offset, f"{name}: record at offset {offset} claims {length} "
+                                     f"bytes, more than max_record_bytes={max_record_bytes} "
+                                     "(a corrupt length, or raise from_tfrecord("
+                                     "max_record_bytes=))")
+            return
+        data = _read(stream, length)
         footer = stream.read(_FOOTER.size)
         if len(data) < length or len(footer) < _FOOTER.size:
-            yield from _fail(policy, f"{name}: truncated record at offset {offset} "
+            yield _bad(name, offset, f"{name}: truncated record at offset {offset} "
                                      f"({length} bytes expected)")
             return
         if verify and masked_crc32c(data) != _FOOTER.unpack(footer)[0]:
-            if policy is None or not policy.skip_errors:
-                raise CorruptRecord(f"{name}: corrupt record at offset {offset} (data "
-                                    "checksum mismatch)")
-            policy.skipped += 1  # this record only: the next one is framed all the same
+            # this record only: the next one is framed all the same
+            yield _bad(name, offset, f"{name}: corrupt record at offset {offset} (data "
+                                     "checksum mismatch)")
         else:
             yield data
         offset += _HEADER.size + length + _FOOTER.size
 
 
-def _fail(policy: ErrorPolicy | None, message: str) -> Iterator[bytes]:
-    """End the file: raise, or count the error when the policy skips errors."""
-    if policy is None or not policy.skip_errors:
-        raise CorruptRecord(message)
-    policy.skipped += 1
-    yield from ()
+def _read(stream: BinaryIO, length: int) -> bytes:
+    """Up to ``length`` bytes of ``stream``, read a block at a time past one block: memory
+    grows with the bytes the file holds, not with the length it claims."""
+    if length <= READ_BLOCK_BYTES:
+        return stream.read(length)
+    blocks = []
+    left = length
+    while left:
+        block = stream.read(min(left, READ_BLOCK_BYTES))
+        if not block:
+            break
+        blocks.append(block)
+        left -= len(block)
+    return b"".join(blocks)
+
+
+def _bad(name: str, offset: int, message: str) -> Bad:
+    return Bad(CorruptRecord(message), f"file {name}, offset {offset}")
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -138,12 +159,13 @@ class TFRecordSource(FormatSource):
     kind: ClassVar[str] = "from_tfrecord"
     compression: str | None
     verify: bool
+    max_record_bytes: int = MAX_RECORD_BYTES
 
-    def read_unit(self, unit: Any, policy: ErrorPolicy | None) -> Iterator[bytes]:
+    def read_unit(self, unit: Any) -> Iterator[Any]:
         path = self.files[unit][0]
         with self.open(unit) as raw, \
                 decompressed(raw, self.compression) as stream:
-            yield from read_records(stream, path, self.verify, policy)
+            yield from read_records(stream, path, self.verify, self.max_record_bytes)
 
     def _format_options(self) -> tuple[Any, ...]:
-        return (self.compression, self.verify)
+        return (self.compression, self.verify, self.max_record_bytes)

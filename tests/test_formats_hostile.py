@@ -1,0 +1,317 @@
+"""Damaged and hostile files read by the format sources.
+
+One bad element costs that element only: under ``on_error="skip"`` it is counted and the
+reader goes on with the next line, record, sample or image; without it, the error names
+the file and the place. No file makes a reader allocate what it only claims: each hostile
+file is read in a child process whose peak memory is measured (a "does not blow up"
+bound, far above what the read needs and far below what the file claims).
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import struct
+import subprocess
+import sys
+import tarfile
+import types
+import zlib
+
+import pytest
+
+from zloader import Loader, Pipeline, PipelineError
+from zloader._defaults import MAX_IMAGE_PIXELS
+from zloader.errors import CodecError
+from zloader.formats import decode_image
+from zloader.formats._crc32c import masked_crc32c
+
+MiB = 1 << 20
+GROWTH_BOUND = 300 * MiB
+"""Memory a hostile file may add to a reader's peak: the files below claim 512 MiB to 1 GiB
+(and the 2**40 to 2**63 of the TFRecord lengths)."""
+
+
+def policy() -> types.SimpleNamespace:
+    return types.SimpleNamespace(skip_errors=True, skipped=0)
+
+
+def loader_read(pipeline: Pipeline) -> tuple[list, int]:
+    """Everything two workers read under on_error="skip", and the skips they counted."""
+    with Loader(pipeline, num_workers=2, on_error="skip", timeout=60) as loader:
+        out = list(loader)
+        return out, loader.stats()["skipped"]
+
+
+PEAK = r"""
+import json, resource, sys
+import PIL.Image  # imported before the baseline, as the readers' other modules
+from zloader import Pipeline
+from zloader.formats import decode_image
+
+kind, path = sys.argv[1], sys.argv[2]
+read = {
+    "webdataset": lambda: list(Pipeline.from_webdataset([path])),
+    "jsonl": lambda: list(Pipeline.from_jsonl([path])),
+    "tfrecord-gzip": lambda: list(Pipeline.from_tfrecord([path], "GZIP")),
+    "tfrecord-zlib": lambda: list(Pipeline.from_tfrecord([path], "ZLIB")),
+    "image": lambda: decode_image(open(path, "rb").read()),
+}[kind]
+
+
+def peak():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+baseline = peak()
+try:
+    read()
+    error = None
+except Exception as exc:
+    error = {"type": type(exc).__name__, "exc_type": getattr(exc, "exc_type", ""),
+             "message": str(exc).split("\n")[0]}
+print(json.dumps({"growth": peak() - baseline, "error": error}))
+"""
+
+
+def peak_read(kind: str, path) -> dict:
+    """Read ``path`` as ``kind`` in a child process: how much its peak memory grew, and the
+    error it met."""
+    done = subprocess.run([sys.executable, "-c", PEAK, kind, str(path)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def zeros_gzip(mebibytes: int) -> bytes:
+    """``mebibytes`` MiB of zeros, gzipped: one member per MiB, as ``cat`` joins gzip files
+    (a member of 1 MiB of zeros is about 1 KiB)."""
+    return gzip.compress(b"\0" * MiB, compresslevel=9) * mebibytes
+
+
+# --- JSON lines ----------------------------------------------------------------------------
+
+def jsonl_lines(count: int = 1000) -> list[bytes]:
+    return [json.dumps({"i": i, "text": "x" * (i % 7)}).encode() for i in range(count)]
+
+
+def test_a_bad_jsonl_line_costs_that_line_only(tmp_path):
+    lines = jsonl_lines()
+    not_utf8, deep = list(lines), list(lines)
+    not_utf8[4] = b'{"text": "caf\xe9"}'  # latin-1, not UTF-8
+    deep[2] = b"[" * 100_000 + b"]" * 100_000
+    (tmp_path / "a.jsonl").write_bytes(b"\n".join(not_utf8) + b"\n")
+    (tmp_path / "b.jsonl").write_bytes(b"\n".join(deep) + b"\n")
+    good_a = [json.loads(x) for i, x in enumerate(lines) if i != 4]
+    good_b = [json.loads(x) for i, x in enumerate(lines) if i != 2]
+    for name, good, line in (("a.jsonl", good_a, 5), ("b.jsonl", good_b, 3)):
+        pipeline = Pipeline.from_jsonl([tmp_path / name])
+        run = policy()
+        assert list(pipeline.source.read(0, run)) == good
+        assert run.skipped == 1
+        with pytest.raises(PipelineError, match=rf"{name}: line {line} ") as info:
+            list(pipeline)
+        assert info.value.context == f"file {tmp_path / name}, line {line}"
+    out, skipped = loader_read(Pipeline.from_jsonl(str(tmp_path / "*.jsonl")))
+    assert sorted(out, key=lambda r: r["i"]) == sorted(good_a + good_b, key=lambda r: r["i"])
+    assert skipped == 2
+
+
+def test_a_jsonl_line_over_the_limit_is_refused_without_reading_it_whole(tmp_path):
+    path = tmp_path / "bomb.jsonl.gz"  # 512 KiB holding a line of 512 MiB
+    path.write_bytes(gzip.compress(b'{"i": 0}\n"') + zeros_gzip(512)
+                     + gzip.compress(b'"\n{"i": 2}\n'))
+    result = peak_read("jsonl", path)
+    assert result["growth"] < GROWTH_BOUND, result
+    assert result["error"]["exc_type"] == "zloader.errors.CodecError"
+    assert "bomb.jsonl.gz: line 2 is longer than max_line_bytes=16777216" in \
+        result["error"]["message"]
+    small = tmp_path / "small.jsonl.gz"  # the same lines, with 1 MiB between the quotes
+    small.write_bytes(gzip.compress(b'{"i": 0}\n"') + zeros_gzip(1)
+                      + gzip.compress(b'"\n{"i": 2}\n'))
+    run = policy()
+    source = Pipeline.from_jsonl([small], max_line_bytes=64).source
+    assert list(source.read(0, run)) == [{"i": 0}, {"i": 2}]
+    assert run.skipped == 1
+
+
+# --- image folders and decode_image --------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def bomb_png(tmp_path_factory) -> bytes:
+    """A 12000 x 12000 one-bit PNG as Pillow writes it: 17 KiB that decode to 144 million
+    pixels (over MAX_IMAGE_PIXELS, under the size at which Pillow itself refuses)."""
+    image_module = pytest.importorskip("PIL.Image")
+    out = io.BytesIO()
+    image_module.new("1", (12000, 12000)).save(out, "PNG")
+    return out.getvalue()
+
+
+def png(value: int) -> bytes:
+    image_module = pytest.importorskip("PIL.Image")
+    out = io.BytesIO()
+    image_module.new("RGB", (32, 24), (value, 255 - value, 7)).save(out, "PNG")
+    return out.getvalue()
+
+
+def test_decode_image_refuses_a_bomb_from_its_header_and_raises_value_errors(tmp_path,
+                                                                               bomb_png):
+    assert MAX_IMAGE_PIXELS < 12000 * 12000
+    (tmp_path / "bomb.png").write_bytes(bomb_png)
+    result = peak_read("image", tmp_path / "bomb.png")
+    assert result["growth"] < GROWTH_BOUND, result
+    assert result["error"]["type"] == "ValueError"
+    assert "12000 x 12000 = 144000000 pixels, more than max_pixels=" in \
+        result["error"]["message"]
+    truncated = png(3)[:-30]
+    with pytest.raises(ValueError, match=r"decode_image: cannot decode the image \(OSError"):
+        decode_image(truncated)
+    assert decode_image(png(3), max_pixels=32 * 24).shape == (24, 32, 3)
+    with pytest.raises(ValueError, match="more than max_pixels=767"):
+        decode_image(png(3), max_pixels=32 * 24 - 1)
+
+
+@pytest.mark.filterwarnings("ignore:Image size .* could be decompression bomb")
+def test_a_bad_image_costs_that_image_only(tmp_path, bomb_png):
+    root = tmp_path / "root"
+    paths = []
+    for i in range(12):
+        path = root / ("a" if i < 6 else "b") / f"{i:02d}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(png(i))
+        paths.append(str(path))
+    (root / "a" / "03.png").write_bytes(png(3)[:-30])  # truncated
+    (root / "b" / "08.png").write_bytes(bomb_png)
+    pipeline = Pipeline.from_image_folder(root, split_size=6, decode=True)
+    good = [p for i, p in enumerate(paths) if i not in (3, 8)]
+    run = policy()
+    out = [e for split in range(2) for e in pipeline.source.read(split, run)]
+    assert [e["path"] for e in out] == good
+    assert run.skipped == 2
+    with pytest.raises(PipelineError, match=r"03\.png: decode_image: cannot decode") as info:
+        list(pipeline)
+    assert info.value.context == f"image {paths[3]}"
+    out, skipped = loader_read(pipeline)
+    assert sorted(e["path"] for e in out) == good
+    assert skipped == 2
+
+
+# --- WebDataset ----------------------------------------------------------------------------
+
+def add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
+
+
+def add_sparse_member(tar: tarfile.TarFile, name: str, size: int) -> None:
+    """A member of ``size`` bytes, all holes but its last byte, as ``tar --sparse
+    --format=pax`` writes it (GNU sparse format 1.0): a few hundred bytes in the shard."""
+    sparse_map = f"1\n{size - 1}\n1\n".encode()
+    body = sparse_map.ljust(512, b"\0") + b"x"
+    info = tarfile.TarInfo(f"GNUSparseFile.0/{name}")
+    info.size = len(body)
+    info.pax_headers = {"GNU.sparse.major": "1", "GNU.sparse.minor": "0",
+                        "GNU.sparse.name": name, "GNU.sparse.realsize": str(size)}
+    tar.addfile(info, io.BytesIO(body))
+
+
+def test_a_sample_with_a_huge_sparse_member_costs_that_sample_only(tmp_path):
+    shard = tmp_path / "shard.tar"
+    with tarfile.open(shard, "w", format=tarfile.PAX_FORMAT) as tar:
+        add_member(tar, "s0.txt", b"zero")
+        add_member(tar, "s1.txt", b"one")
+        add_sparse_member(tar, "s1.bin", 1 << 30)
+        add_member(tar, "s2.txt", b"two")
+        add_member(tar, "s2.cls", b"2")
+        add_member(tar, "s2.cls", b"again")  # a repeated extension
+        add_member(tar, "s3.txt", b"three")
+    assert shard.stat().st_size < 16 << 10
+    result = peak_read("webdataset", shard)
+    assert result["growth"] < GROWTH_BOUND, result
+    assert result["error"]["exc_type"] == "zloader.errors.CodecError"
+    assert "shard.tar: member 's1.bin' is 1073741824 bytes, more than max_member_bytes=" \
+        in result["error"]["message"]
+    pipeline = Pipeline.from_webdataset([shard])
+    run = policy()
+    assert [s["__key__"] for s in pipeline.source.read(0, run)] == ["s0", "s3"]
+    assert run.skipped == 2
+    out, skipped = loader_read(pipeline)
+    assert sorted(s["txt"] for s in out) == [b"three", b"zero"]
+    assert skipped == 2
+
+
+# --- TFRecord ------------------------------------------------------------------------------
+
+def framed(data: bytes) -> bytes:
+    """One record as TensorFlow's writer frames it."""
+    length = struct.pack("<Q", len(data))
+    return (length + struct.pack("<I", masked_crc32c(length)) + data
+            + struct.pack("<I", masked_crc32c(data)))
+
+
+def claimed(length: int) -> bytes:
+    """A record header claiming ``length`` bytes, with the checksum a writer would give it."""
+    header = struct.pack("<Q", length)
+    return header + struct.pack("<I", masked_crc32c(header))
+
+
+@pytest.mark.parametrize("length", [2 ** 63, 2 ** 62, 2 ** 40])
+def test_a_tfrecord_length_over_the_limit_is_a_corrupt_record(tmp_path, length):
+    path = tmp_path / "claims.tfrecord"
+    path.write_bytes(framed(b"first") + claimed(length) + b"\0" * 64)
+    with pytest.raises(PipelineError, match=r"claims\.tfrecord: record at offset 21 claims "
+                                            rf"{length} bytes, more than max_record_bytes=") \
+            as info:
+        list(Pipeline.from_tfrecord([path], verify=False))
+    assert info.value.exc_type == "zloader.formats.tfrecord.CorruptRecord"
+    run = policy()
+    assert list(Pipeline.from_tfrecord([path]).source.read(0, run)) == [b"first"]
+    assert run.skipped == 1
+
+
+def test_a_compressed_tfrecord_claiming_a_huge_record_is_refused_before_reading_it(tmp_path):
+    path = tmp_path / "bomb.tfrecord.gz"  # 512 KiB holding a record of 512 MiB
+    path.write_bytes(gzip.compress(framed(b"first") + claimed(512 * MiB))
+                     + zeros_gzip(512) + gzip.compress(b"\0" * 4))
+    result = peak_read("tfrecord-gzip", path)
+    assert result["growth"] < GROWTH_BOUND, result
+    assert result["error"]["exc_type"] == "zloader.formats.tfrecord.CorruptRecord"
+    assert f"claims {512 * MiB} bytes, more than max_record_bytes=" in \
+        result["error"]["message"]
+    source = Pipeline.from_tfrecord([path], "GZIP", max_record_bytes=1024 * MiB).source
+    assert source.max_record_bytes == 1024 * MiB
+
+
+def test_a_zlib_tfrecord_inflates_a_block_at_a_time(tmp_path):
+    path = tmp_path / "bomb.tfrecord.zlib"  # 96 MiB in about 400 KiB, one read block
+    compress = zlib.compressobj(1)
+    parts = [compress.compress(framed(b"first") + claimed(2 ** 40))]
+    parts += [compress.compress(b"\0" * MiB) for _ in range(96)]
+    path.write_bytes(b"".join(parts) + compress.flush())
+    result = peak_read("tfrecord-zlib", path)
+    assert result["growth"] < GROWTH_BOUND // 6, result  # the old reader inflated it whole
+    assert f"claims {2 ** 40} bytes" in result["error"]["message"]
+    records = [framed(b"first"), framed(bytes(range(256)) * (12 << 10)), framed(b"last")]
+    path.write_bytes(zlib.compress(b"".join(records), 9))  # a block inflates to 3 MiB
+    assert list(Pipeline.from_tfrecord([path], "ZLIB")) == \
+        [b"first", bytes(range(256)) * (12 << 10), b"last"]
+
+
+# --- Parquet -------------------------------------------------------------------------------
+
+def test_a_parquet_footer_that_does_not_parse_is_corrupt_at_once(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"a": list(range(100))}), path)
+    data = bytearray(path.read_bytes())
+    footer = int.from_bytes(data[-8:-4], "little")
+    start = len(data) - 8 - footer
+    data[start:start + 20] = bytes(b ^ 0xFF for b in data[start:start + 20])
+    path.write_bytes(bytes(data))
+    with pytest.raises(CodecError, match=r"from_parquet: .*bad\.parquet is corrupt or not a "
+                                         r"Parquet file: its footer cannot be read") as info:
+        Pipeline.from_parquet([path])
+    assert "attempts" not in str(info.value)
