@@ -12,16 +12,21 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import logging
+import socket
 import struct
 import subprocess
 import sys
 import tarfile
+import threading
+import time
 import types
 import zlib
 
 import pytest
 
 from zloader import Loader, Pipeline, PipelineError
+from zloader import storage as _storage
 from zloader._defaults import MAX_IMAGE_PIXELS
 from zloader.errors import CodecError
 from zloader.formats import decode_image
@@ -315,3 +320,72 @@ def test_a_parquet_footer_that_does_not_parse_is_corrupt_at_once(tmp_path):
                                          r"Parquet file: its footer cannot be read") as info:
         Pipeline.from_parquet([path])
     assert "attempts" not in str(info.value)
+
+
+# --- storage that does not answer ----------------------------------------------------------
+
+class Silent:
+    """A loopback TCP server that accepts connections and never answers."""
+
+    def __init__(self) -> None:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.server.settimeout(0.05)
+        self.port = self.server.getsockname()[1]
+        self.accepted: list[socket.socket] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        while not self.stop.is_set():
+            try:
+                connection, _ = self.server.accept()
+            except TimeoutError:
+                continue
+            self.accepted.append(connection)
+
+    def close(self) -> None:
+        """Stop listening and drop every connection: clients then fail at once."""
+        self.stop.set()
+        self.thread.join(5)
+        self.server.close()
+        for connection in self.accepted:
+            connection.close()
+
+
+def test_a_url_that_does_not_answer_is_named_in_a_warning_while_the_build_waits(
+        caplog, monkeypatch):
+    pytest.importorskip("aiohttp")
+    pytest.importorskip("fsspec")
+    monkeypatch.setattr(_storage, "STORAGE_WAIT_WARNING", 0.2)
+    monkeypatch.setattr(_storage, "STORAGE_WAIT_REPEAT", 0.3)
+    server = Silent()
+    url = f"http://127.0.0.1:{server.port}/data/part-0.jsonl"
+    failure: list[BaseException] = []
+
+    def build() -> None:
+        try:
+            Pipeline.from_jsonl(url)
+        except BaseException as exc:
+            failure.append(exc)
+
+    builder = threading.Thread(target=build, daemon=True)
+    try:
+        with caplog.at_level(logging.WARNING, logger="zloader.storage"):
+            builder.start()
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                warnings = [r.getMessage() for r in caplog.records
+                            if r.name == "zloader.storage"]
+                if len(warnings) >= 2:
+                    break
+                time.sleep(0.05)
+    finally:
+        server.close()
+        builder.join(60)
+    assert not builder.is_alive()
+    assert len(warnings) >= 2, warnings  # a first warning, then a repeated one
+    assert warnings[0].startswith(f"still waiting to stat {url} after ")
+    assert "storage_options" in warnings[0]
+    assert failure  # the server went away: the build failed, naming the URL
+    assert url in str(failure[0])

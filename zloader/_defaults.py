@@ -69,7 +69,7 @@ PARALLEL_READ_POLL = 0.1
 whether the read was abandoned (fixed)."""
 
 
-# --- file formats: what one element may take (docs/sources.md) -------------------------------
+# --- file formats: what one element may take, slow storage (docs/sources.md) -----------------
 
 MAX_RECORD_BYTES = 256 << 20
 """Largest TFRecord record ``from_tfrecord`` reads; a length field above it is a corrupt
@@ -91,6 +91,15 @@ MAX_IMAGE_PIXELS = 1 << 26
 the image's header before any pixel is. ``decode_image(max_pixels=)`` and
 ``from_image_folder(max_pixels=)`` override it; Pillow refuses, on its own, images over
 twice ``PIL.Image.MAX_IMAGE_PIXELS``."""
+
+STORAGE_WAIT_WARNING = 5.0
+"""Seconds a storage operation (list, stat, open, seek, read) may wait, retries included,
+before a warning names the URL and what is waited for; the module attribute
+``zloader.storage.STORAGE_WAIT_WARNING`` overrides it."""
+
+STORAGE_WAIT_REPEAT = 30.0
+"""Seconds between the next warnings about one storage operation still waiting; the module
+attribute ``zloader.storage.STORAGE_WAIT_REPEAT`` overrides it."""
 
 
 # --- the cache (Pipeline.cache, zloader/cache.py) -------------------------------------------

@@ -5,7 +5,10 @@ Local paths need nothing beyond Python; any other URL imports fsspec (and its pr
 package, such as s3fs) when it is first used, and raises an ImportError naming the extra
 to install when it is missing. Every storage operation (listing, stat, open, each read)
 is retried with exponential backoff on a transient error; a permanent one (missing file,
-permission) and the last failed retry raise :class:`StorageError` naming the URL.
+permission) and the last failed retry raise :class:`StorageError` naming the URL. An
+operation that waits longer than ``STORAGE_WAIT_WARNING`` seconds (a server that accepts
+and never answers) is logged as a warning naming the URL and what is waited for, and
+again every ``STORAGE_WAIT_REPEAT`` seconds while it waits (:func:`waiting`).
 
 A file is described by a :data:`FileRef`: ``(path or URL, size, version tag)``, the tag
 being the modification time in nanoseconds of a local file, or an object's ETag (else its
@@ -18,10 +21,15 @@ from __future__ import annotations
 import contextlib
 import glob as _glob
 import io
+import itertools
+import logging
+import math
 import os
 import random
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, BinaryIO, TypeVar
 
 from zloader._defaults import (
@@ -29,11 +37,15 @@ from zloader._defaults import (
     STORAGE_BACKOFF,
     STORAGE_BACKOFF_MAX,
     STORAGE_RETRIES,
+    STORAGE_WAIT_REPEAT,
+    STORAGE_WAIT_WARNING,
 )
 from zloader.errors import ZloaderError
 
 __all__ = ["FileRef", "StorageError", "filesystem", "is_url", "list_dirs", "list_files",
-           "list_tree", "open_file", "retrying"]
+           "list_tree", "open_file", "retrying", "waiting"]
+
+log = logging.getLogger("zloader.storage")
 
 FileRef = tuple[str, int, str]
 """A file of a source: (absolute path or URL, size in bytes, version tag)."""
@@ -101,12 +113,93 @@ def _backoff(attempt: int) -> float:
     return delay * (0.5 + random.random() / 2)
 
 
+@dataclass
+class _Wait:
+    url: str
+    what: str
+    started: float
+    warn_at: float
+
+
+class _Watch:
+    """The storage operations in flight in this process, and one daemon thread that warns
+    about each that waits too long. One thread for all: opening thousands of files starts
+    no thread per file, and it is woken only when a wait is due sooner than it planned."""
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self._lock = threading.Condition(threading.Lock())
+        self._waits: dict[int, _Wait] = {}
+        self._tokens = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._wake_at = math.inf
+
+    @contextlib.contextmanager
+    def waiting(self, url: str, what: str) -> Iterator[None]:
+        now = time.monotonic()
+        wait = _Wait(url, what, now, now + STORAGE_WAIT_WARNING)
+        with self._lock:
+            token = next(self._tokens)
+            self._waits[token] = wait
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="zloader-storage-watch")
+                self._thread.start()
+            elif wait.warn_at < self._wake_at:
+                self._lock.notify()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._waits.pop(token, None)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                now = time.monotonic()
+                late = [w for w in self._waits.values() if w.warn_at <= now]
+                for wait in late:
+                    wait.warn_at = now + STORAGE_WAIT_REPEAT
+                notes = [(w.what, w.url, now - w.started) for w in late]
+                if not notes:
+                    self._wake_at = min((w.warn_at for w in self._waits.values()),
+                                        default=math.inf)
+                    self._lock.wait(None if self._wake_at == math.inf
+                                    else self._wake_at - now)
+                    self._wake_at = -math.inf  # awake: a new wait need not notify
+                    continue
+            for what, url, seconds in notes:
+                log.warning("still waiting to %s %s after %.0f s: the storage does not "
+                            "answer (each of up to %d attempts lasts until the filesystem's "
+                            "own timeout, which storage_options may set)", what, url,
+                            seconds, STORAGE_RETRIES)
+
+
+_WATCH = _Watch()
+os.register_at_fork(after_in_child=_WATCH._reset)  # the thread and its lock stay behind
+
+
+def waiting(url: str, what: str) -> contextlib.AbstractContextManager[None]:
+    """A context in which this process waits on storage for ``url``: past
+    ``STORAGE_WAIT_WARNING`` seconds a warning names ``url`` and ``what`` is waited for
+    (``"stat"``, ``"open"``), and again every ``STORAGE_WAIT_REPEAT`` seconds."""
+    return _WATCH.waiting(url, what)
+
+
 def retrying(operation: Callable[[], _T], url: str, what: str) -> _T:
-    """``operation()``, retried with backoff on transient errors.
+    """``operation()``, retried with backoff on transient errors; a warning is logged
+    while it waits long (:func:`waiting`).
 
     Raises:
         StorageError: the error was permanent, or every attempt failed; it names ``url``.
     """
+    with waiting(url, what):
+        return _retrying(operation, url, what)
+
+
+def _retrying(operation: Callable[[], _T], url: str, what: str) -> _T:
     for attempt in range(STORAGE_RETRIES):
         try:
             return operation()
@@ -298,6 +391,10 @@ class RetryingFile(io.RawIOBase):
         return self._position
 
     def readinto(self, buffer: Any) -> int:
+        with waiting(f"{self.url} at offset {self._position}", "read"):
+            return self._readinto(buffer)
+
+    def _readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
         for attempt in range(STORAGE_RETRIES):
             try:
