@@ -161,6 +161,7 @@ class Loader:
                  insecure: bool = False, exactly_once: bool = True,
                  state: Any = None, width: int | None = None, weight: float = 1.0,
                  objects: bool = False) -> None:
+        self._pid = os.getpid()  # the process that owns what this Loader starts
         if not isinstance(pipeline, Pipeline):
             raise TypeError(f"pipeline must be a zloader.Pipeline, got {type(pipeline).__name__}")
         choice("sharding", sharding, SHARDING)
@@ -309,6 +310,7 @@ class Loader:
             RuntimeError: this Loader is closed.
             CodecError: the codec cannot carry ``epoch_input``.
         """
+        self._check_process()
         if self._closed:
             raise RuntimeError("this Loader is closed")
         if (self._share is not None or self._coordinated) and not self._joined:
@@ -317,6 +319,20 @@ class Loader:
         self._epoch += 1
         elements = self._merger.epoch(epoch, epoch_input)
         return self._plan.run_consumer(elements, epoch, Context(entropy=0))
+
+    def _check_process(self) -> None:
+        """Raise in a process other than the one that made this Loader (a fork's child):
+        its threads, sockets and workers belong to that process; used here, it would wait
+        for data that never comes.
+
+        Raises:
+            RuntimeError: this is not the Loader's process.
+        """
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                f"this Loader was made in process {self._pid} and cannot be used in process "
+                f"{os.getpid()} (a forked child): its I/O thread, sockets and workers stay "
+                "with the process that made it; make a new Loader in this process")
 
     def _join_job(self) -> None:
         """Wait for the broker's answer (bounded by ``timeout``) and take the job's current
@@ -348,6 +364,7 @@ class Loader:
             ValueError: this Loader does not keep origins (``exactly_once`` is off or does
                 not apply), or its pipeline has a ``take``/``skip`` part run here.
         """
+        self._check_process()
         if not self._exactly_once:
             raise ValueError("state_dict() needs exactly_once=True with sharding='dynamic' "
                              "(and no share, balanced, num_consumers or deterministic): "
@@ -387,6 +404,7 @@ class Loader:
         lost with a dead worker or consumer, skipped by every consumer alike) and
         ``rounds_missed`` (rounds this consumer passed over when it (re)joined an epoch
         under way; those lost for every consumer included)."""
+        self._check_process()
         io, wait = self._io.stats, self._merger.wait
         stats = {"elements": self._merger.elements, "bytes": io.bytes, "wait_seconds": wait,
                  "skipped": io.skipped, "per_worker": dict(io.per_worker),
@@ -400,10 +418,14 @@ class Loader:
         return stats
 
     def close(self) -> None:
-        """Stop everything this Loader started and release its memory (safe to call twice)."""
+        """Stop everything this Loader started and release its memory (safe to call twice).
+        In a forked child it only marks the child's copy closed: what it started belongs to
+        the parent process."""
         if self._closed:
             return
         self._closed = True
+        if os.getpid() != self._pid:
+            return
         io = getattr(self, "_io", None)
         if io is not None:
             io.close()

@@ -5,6 +5,7 @@ bounds every wait by the Loader's timeout."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -43,6 +44,7 @@ class Merger:
         self.wait = 0.0  # seconds spent waiting for data, all epochs
         self.yielded = Yielded(resume)  # the origins yielded of the epoch under way
         self._reading: int | None = None  # the epoch of the live iterator
+        self._pid = os.getpid()  # the process whose I/O thread feeds this merger
 
     def epoch(self, epoch: int, epoch_input: Any) -> Iterator[Any]:
         """Start ``epoch`` on the workers, handing them ``epoch_input`` (a codec element,
@@ -135,6 +137,11 @@ class Merger:
     def _next_item(self, epoch: int, since: float | None = None) -> Item:
         """The next item of ``epoch`` from the I/O thread. The timeout counts from the
         last data of any worker, or from ``since`` when given (the element due in order)."""
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                f"this Loader's iterator was made in process {self._pid} and cannot be "
+                f"used in process {os.getpid()} (a forked child): its I/O thread stays with "
+                "that process; make a new Loader in this process")
         if epoch != self._reading:
             raise RuntimeError(
                 f"this iterator's epoch {epoch} was left: iter() started epoch "
