@@ -38,10 +38,11 @@ LAYERS = {
     "_pickling": 4, "shipping": 5,
     # the broker: records and the pool's policy, the concerns, the facade,
     # the loop
-    "broker.records": 6.0, "broker.pool": 6.0,
+    "broker.records": 6.0, "broker.pool": 6.0, "broker.admission": 6.1,
     "broker.peers": 6.2, "broker.jobs": 6.2, "broker.splits": 6.2, "broker.placement": 6.2,
     "broker.failures": 6.2, "broker.coordinated": 6.2, "broker.history": 6.2,
-    "broker.status": 6.2, "broker.state": 6.3, "broker.loop": 6.4, "broker": 6.5,
+    "broker.status": 6.2, "broker.state": 6.3, "broker.descriptors": 6.35,
+    "broker.loop": 6.4, "broker": 6.5,
     # the worker: what sends to consumers and the producer at the bottom, the delivery modes
     # on the interface they implement, the task above them, the process on top
     "worker.memory": 6.0, "worker.producer": 6.0, "worker.streams": 6.0,
@@ -315,7 +316,8 @@ def test_status_command_against_a_running_broker():
         assert done.returncode == 0, done.stderr
         import json
         body = json.loads(done.stdout)
-        assert set(body) == {"workers", "jobs"} and len(body["workers"]) == 1
+        assert set(body) == {"summary", "workers", "jobs", "left_off", "next"}
+        assert len(body["workers"]) == 1 and body["next"] is None
         table = run(bin_path("zloader"), "status", "--broker", address)
         assert "workers (1)" in table.stdout and "jobs (0)" in table.stdout
         from zloader import Loader, Pipeline

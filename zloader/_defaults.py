@@ -282,6 +282,65 @@ BROKER_POLL_SECONDS = 0.05
 """The broker loop's longest wait for a message: how soon it sees ``close()`` (an embedded
 Loader's close waits for it)."""
 
+# --- broker: floods and exhaustion (docs/reliability.md, "Floods") ------------------------
+
+MAX_JOBS = 1024
+"""Jobs a broker holds at once; a REGISTER of one more is refused with ERROR
+(``zloader-broker --max-jobs``, ``Limits.jobs``)."""
+
+MAX_PEER_JOBS = 16
+"""Jobs one connection (a consumer's socket) may have made and still hold; a Loader makes
+one (``zloader-broker --max-peer-jobs``, ``Limits.peer_jobs``)."""
+
+MAX_PIPELINE_BYTES_HELD = 256 << 20
+"""Bytes of pickled pipelines a broker keeps for its jobs, all together (a Loader sends at
+most INLINE_PIPELINE_BYTES; larger ones its workers fetch from it): ``zloader-broker
+--max-pipeline-bytes``, ``Limits.pipeline_bytes``."""
+
+MAX_PEER_PIPELINE_BYTES = 32 << 20
+"""Bytes of pickled pipelines the jobs of one connection may hold in the broker
+(``zloader-broker --max-peer-pipeline-bytes``, ``Limits.peer_pipeline_bytes``)."""
+
+UNHEARD_BEATS = 2
+"""A consumer that has sent nothing since its REGISTER (no HEARTBEAT, no EPOCH) for this
+many heartbeats is taken for one that does not read: its job has no claim on the pool's
+busy workers until it does (a Loader's first heartbeat comes within one; a flood's
+REGISTERs never read; fixed)."""
+
+BROKER_TURN_SECONDS = 0.05
+"""The longest the broker reads messages before it looks at its timers (heartbeats, the
+tick that places workers): a flood of requests delays them by this much at most (fixed)."""
+
+REFUSALS_LOGGED_EVERY = 5.0
+"""Seconds between two log lines about refused REGISTERs (the count is in STATUS; fixed)."""
+
+STATUS_REPLY_BYTES = 768 << 10
+"""Bytes of workers and jobs one STATUS reply carries, at most; the rest is counted, and
+asked for with ``from`` (``zloader status --all``; fixed: below MAX_BODY_BYTES)."""
+
+STATUS_LIST_ITEMS = 64
+"""Entries of a list inside one job of a STATUS reply (a shared job's trainers, the
+hosts of its consumers); the rest is counted (fixed)."""
+
+HANDSHAKE_SECONDS = 10.0
+"""A connection to the broker that has not finished its ZeroMQ handshake (the security
+handshake, with keys) within this long is closed (ZMQ_HANDSHAKE_IVL; fixed)."""
+
+DESCRIPTORS_LOW = 0.9
+"""Share of the broker process's file-descriptor limit in use at which it warns, and drops
+connections that have not finished their handshake, oldest first (fixed)."""
+
+DESCRIPTORS_IDLE_SECONDS = 0.5
+"""A connection without a finished handshake this old may be dropped when descriptors run
+low: an honest peer's takes milliseconds (fixed)."""
+
+DESCRIPTORS_CHECK_SECONDS = 0.25
+"""Seconds between two counts of the broker's open descriptors while connections come in,
+and at each heartbeat otherwise (fixed)."""
+
+DESCRIPTORS_WARN_SECONDS = 10.0
+"""Seconds between two warnings that descriptors run low (fixed)."""
+
 # --- worker -------------------------------------------------------------------------------
 
 DRAIN_SECONDS = 30.0

@@ -23,6 +23,10 @@ from zloader._defaults import (
     DEMO_SIZE,
     DEMO_WORKERS,
     HEARTBEAT,
+    MAX_JOBS,
+    MAX_PEER_JOBS,
+    MAX_PEER_PIPELINE_BYTES,
+    MAX_PIPELINE_BYTES_HELD,
     RESTART_DELAY,
     RESTART_MAX_DELAY,
     STATUS_TIMEOUT,
@@ -163,7 +167,16 @@ def build_parser() -> argparse.ArgumentParser:
                     "starvation, elements and bytes served, fingerprint).")
     _broker_arguments(status)
     status.add_argument("--json", action="store_true",
-                        help='print one JSON object {"workers": [...], "jobs": [...]}')
+                        help='print one JSON object {"summary": {...}, "workers": [...], '
+                             '"jobs": [...], "left_off": {...}, "next": {...}}: one page (a '
+                             "reply holds what fits in one message; left_off counts the "
+                             "rest, next is where the next page starts)")
+    status.add_argument("--all", action="store_true",
+                        help="ask for every page: all the workers and jobs")
+    status.add_argument("--from", dest="start", type=_page_start, default=None,
+                        metavar="JSON",
+                        help='the page to show: a reply\'s "next", e.g. '
+                             '\'{"workers": 0, "jobs": 512}\'')
     status.set_defaults(run=_status)
     top = commands.add_parser(
         "top", help="a live view of a broker's jobs and workers",
@@ -321,6 +334,8 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
     import zmq
 
     from zloader.broker import Broker
+    from zloader.broker.descriptors import raise_descriptor_limit
+    from zloader.broker.records import Limits
     from zloader.journal import JournalVersionError
     from zloader.transport.protocol import HEARTBEAT_RANGE, heartbeat
 
@@ -363,6 +378,7 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
                         help="seconds of consumers' starvation the autoscaler samples "
                              "between two changes of a job's desired_workers, judging on the "
                              "second half (default 30; see `zloader-worker --autoscale`)")
+    _limit_arguments(parser)
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"])
     parser.add_argument("--version", action="version", version=f"zloader {__version__}")
@@ -390,10 +406,14 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
     if args.work_dir:
         _work_dir(parser, args.work_dir, args.bind)
     metrics = (args.metrics_bind, args.metrics_port) if args.metrics_port else None
+    limits = Limits(jobs=args.max_jobs, peer_jobs=args.max_peer_jobs,
+                    pipeline_bytes=args.max_pipeline_bytes,
+                    peer_pipeline_bytes=args.max_peer_pipeline_bytes)
+    raise_descriptor_limit()
     try:
         broker = Broker(args.bind, heartbeat=args.heartbeat, keys=keys,
                         work_dir=args.work_dir, metrics=metrics,
-                        cooldown=args.autoscale_cooldown)
+                        cooldown=args.autoscale_cooldown, limits=limits)
     except JournalVersionError as exc:
         parser.error(str(exc))
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -409,6 +429,25 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
               f"{args.metrics_port}: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _limit_arguments(parser: argparse.ArgumentParser) -> None:
+    """The broker's bounds on what peers make it hold (docs/reliability.md, "Floods")."""
+    parser.add_argument("--max-jobs", type=_positive, default=MAX_JOBS, metavar="N",
+                        help=f"jobs held at once; a REGISTER of one more is refused "
+                             f"(default {MAX_JOBS})")
+    parser.add_argument("--max-peer-jobs", type=_positive, default=MAX_PEER_JOBS,
+                        metavar="N",
+                        help=f"jobs one connection may have made and still hold (a Loader "
+                             f"makes one; default {MAX_PEER_JOBS})")
+    parser.add_argument("--max-pipeline-bytes", type=_positive,
+                        default=MAX_PIPELINE_BYTES_HELD, metavar="BYTES",
+                        help=f"bytes of pickled pipelines held for all jobs (default "
+                             f"{MAX_PIPELINE_BYTES_HELD})")
+    parser.add_argument("--max-peer-pipeline-bytes", type=_positive,
+                        default=MAX_PEER_PIPELINE_BYTES, metavar="BYTES",
+                        help=f"bytes of pickled pipelines held for the jobs one connection "
+                             f"made (default {MAX_PEER_PIPELINE_BYTES})")
 
 
 def _exposed(parser: argparse.ArgumentParser, keys: Any, insecure: bool, flag: str,
@@ -705,24 +744,52 @@ def _top_frame(status: dict[str, Any], previous: tuple[float, dict[str, Any]] | 
     return "\n".join(lines)
 
 
+def _page_start(text: str) -> dict[str, int]:
+    """``--from``: a STATUS reply's ``next``, ``{"workers": i, "jobs": j}``."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not (isinstance(value, dict) and set(value) <= {"workers", "jobs"} and all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0
+            for v in value.values())):
+        raise argparse.ArgumentTypeError(
+            f'must be a JSON object {{"workers": N, "jobs": N}} (a reply\'s "next"), got '
+            f"{text[:60]!r}")
+    return value
+
+
 def _status(args: argparse.Namespace) -> int:
-    from zloader._status import Unanswered, fetch_status
+    from zloader._status import Unanswered, fetch_page, fetch_status
 
     keys = _status_keys("status", args.keys)
+    if args.all and args.start is not None:
+        print("zloader status: --all shows every page; leave out --from", file=sys.stderr)
+        return 2
     try:
-        status = fetch_status(args.broker, keys, args.timeout)
+        status = (fetch_status(args.broker, keys, args.timeout) if args.all
+                  else fetch_page(args.broker, keys, args.timeout, args.start))
     except Unanswered as exc:
         print(f"zloader status: {exc}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps({"workers": status.get("workers", []), "jobs": status.get("jobs", [])}))
+        print(json.dumps({key: status.get(key) for key in
+                          ("summary", "workers", "jobs", "left_off", "next")}))
         return 0
-    print(f"workers ({len(status.get('workers', []))})")
+    _print_status(status)
+    return 0
+
+
+def _print_status(status: dict[str, Any]) -> None:
+    """``zloader status`` as tables, with what the page left off."""
+    summary = status.get("summary") or {}
+    left = status.get("left_off") or {}
+    print(f"workers ({summary.get('workers', len(status.get('workers', [])))})")
     print(f"  {'host':<20} {'pid':>8} {'tasks':>5} {'elements/s':>12} {'cpu s':>9}")
     for w in status.get("workers", []):
         print(f"  {w['host']:<20} {w['pid']:>8} {w['tasks']:>5} {w['elements_per_second']:>12,.0f}"
               f" {w.get('cpu_seconds', 0.0):>9,.1f}" + ("  (surplus)" if w.get("surplus") else ""))
-    print(f"jobs ({len(status.get('jobs', []))})")
+    print(f"jobs ({summary.get('jobs', len(status.get('jobs', [])))})")
     print(f"  {'job':<16} {'name':<16} {'consumers':>9} {'workers':>7} {'share':>6} "
           f"{'wanted':>6} {'starved':>7} {'elements':>12} {'bytes':>14}  {'fingerprint':<16}")
     for j in status.get("jobs", []):
@@ -741,7 +808,10 @@ def _status(args: argparse.Namespace) -> int:
                   f"{rounds['epoch']}, {rounds['rounds']:,} rounds, {rounds['lost']:,} lost"
                   + (f"; waiting for consumer_index {', '.join(map(str, vacant))}"
                      if vacant else ""))
-    return 0
+    more = {name: left.get(name, 0) for name in ("workers", "jobs") if left.get(name)}
+    if more:
+        print(f"... and {' and '.join(f'{n:,} more {name}' for name, n in more.items())} "
+              f"not shown (zloader status --all, or --from '{json.dumps(status['next'])}')")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -8,8 +8,9 @@ import logging
 import secrets
 from typing import Any
 
-from zloader._defaults import COMPACT_LINES
+from zloader._defaults import COMPACT_LINES, UNHEARD_BEATS
 from zloader.broker import (
+    admission,
     coordinated,
     failures,
     history,
@@ -26,7 +27,8 @@ from zloader.sharing.options import KEY_OPTIONS
 from zloader.transport.messages import Epoch, Register
 from zloader.transport.protocol import Command, ProtocolError
 
-__all__ = ["bye", "drop_consumer", "epoch_started", "register", "release", "resume", "tick"]
+__all__ = ["bye", "drop_consumer", "epoch_started", "register", "release", "resume", "tick",
+           "unheard"]
 
 log = logging.getLogger("zloader.broker")
 
@@ -56,7 +58,10 @@ def register(state: Tables, identity: bytes, msg: Register, now: float) -> list[
                     and all(getattr(j.options, k) == getattr(options, k)
                             for k in KEY_OPTIONS)), None)
         if job is None:
-            job = _new_job(state, msg, None, options, now)
+            refused = admission.admit(state, identity, len(msg.blob), now)
+            if refused:
+                return refused
+            job = _new_job(state, identity, msg, None, options, now)
     elif job is not None:
         mismatch = _mismatch(job, fingerprint, options)
         if mismatch and not job.consumers and job.idle_since is not None:
@@ -66,7 +71,10 @@ def register(state: Tables, identity: bytes, msg: Register, now: float) -> list[
         if mismatch:
             return [Out(identity, Command.ERROR, {"message": mismatch})]
     else:
-        job = _new_job(state, msg, name, options, now)
+        refused = admission.admit(state, identity, len(msg.blob), now)
+        if refused:
+            return refused
+        job = _new_job(state, identity, msg, name, options, now)
         resume(state, job, msg.resume)
         if coordinated_at:
             job.rounds = Rounds(coordinated_at[0])
@@ -83,8 +91,10 @@ def register(state: Tables, identity: bytes, msg: Register, now: float) -> list[
         joined = job.rounds.join(consumer_id, coordinated_at[1], job.epoch)
     _join(state, job, identity, consumer_id, msg, now)
     # The answer comes last and is the only JOB this consumer gets now (a consumer reads
-    # ``joined`` from its first JOB); job views must reach a consumer in order.
-    assigned = [o for o in placement.assign(state, now)
+    # ``joined`` from its first JOB); job views must reach a consumer in order. A free
+    # worker may take the job now; moving busy ones waits for its EPOCH or the tick
+    # (weighing the pool costs O(jobs): a flood of REGISTERs would pay it each time).
+    assigned = [o for o in placement.assign(state, now, rebalance=False)
                 if o.identity != identity or o.command is not Command.JOB]
     view = status.job_view(state, job)
     if joined is not None:
@@ -125,7 +135,7 @@ def _join(state: Tables, job: Job, identity: bytes, consumer_id: str, msg: Regis
             if not left.consumers:
                 left.idle_since = now
     state.consumers[consumer_id] = Consumer(consumer_id, identity, job.id,
-                                            msg.host_id, msg.pid, now)
+                                            msg.host_id, msg.pid, now, joined=now)
     state.peers[identity] = ("consumer", consumer_id)
     job.consumers.add(consumer_id)
     job.silent.pop(consumer_id, None)
@@ -215,8 +225,8 @@ def _pipeline(msg: Register) -> dict[str, Any] | None:
     return {"endpoint": ref["endpoint"], "sha256": ref["sha256"], "bytes": ref["bytes"]}
 
 
-def _new_job(state: Tables, msg: Register, name: str | None, options: JobOptions,
-             now: float) -> Job:
+def _new_job(state: Tables, identity: bytes, msg: Register, name: str | None,
+             options: JobOptions, now: float) -> Job:
     source = msg.source
     live = sum(1 for w in state.workers.values() if w.task is None)
     width = options.num_workers or max(1, live)
@@ -224,6 +234,7 @@ def _new_job(state: Tables, msg: Register, name: str | None, options: JobOptions
               source["num_splits"], bool(source.get("shuffle_splits", False)),
               source.get("seed"), width, msg.source_data, secrets.randbits(63), now)
     job.pipeline = _pipeline(msg)
+    job.owner = identity
     job.scaler.cooldown = state.cooldown
     entropy = msg.entropy  # a resumed Loader's: its shuffles draw the same
     if entropy is not None and 0 <= entropy < 2**63:
@@ -248,7 +259,7 @@ def epoch_started(state: Tables, identity: bytes, msg: Epoch, now: float) -> lis
         job.epoch = max(job.epoch, epoch)
         job.hungry_until = now + 2 * state.heartbeat  # it has nothing yet
         if consumer is not None:
-            consumer.active = True
+            consumer.active = consumer.heard = True
         if job.rounds is not None and consumer is not None:
             out += coordinated.announce(state, job, {},
                                         job.rounds.epoch_started(consumer.id, epoch))
@@ -347,12 +358,25 @@ def tick(state: Tables, now: float) -> list[Out]:
             del job.silent[consumer_id]
     if state.journal is not None and state.journal.lines > COMPACT_LINES:
         state.journal.compact(history.snapshot(state))
+    unheard(state, now)
     status.sample(state, now)
     for job in list(state.jobs.values()):
         if not job.consumers and job.idle_since is not None \
                 and now - job.idle_since > max(state.expiry, job.linger):
             out += _end(state, job, now)
     return out + placement.assign(state, now)
+
+
+def unheard(state: Tables, now: float) -> None:
+    """Consumers that sent nothing since their REGISTER for UNHEARD_BEATS heartbeats are
+    taken for ones that do not read (``active`` False): their jobs give their workers to
+    jobs that read (the pool's rule 1, docs/pool.md), and have none of the free ones'
+    share. Until then a new consumer is taken at its word, as one about to read. Its
+    first HEARTBEAT saying it reads makes it active again (``peers.consumer_heartbeat``)."""
+    grace = UNHEARD_BEATS * state.heartbeat
+    for consumer in state.consumers.values():
+        if consumer.active and not consumer.heard and now - consumer.joined > grace:
+            consumer.active = False
 
 
 def _end(state: Tables, job: Job, now: float) -> list[Out]:

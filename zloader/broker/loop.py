@@ -20,11 +20,15 @@ from zloader._defaults import (
     AUTOSCALE_COOLDOWN,
     BROKER_BEATS_AT_ONCE,
     BROKER_POLL_SECONDS,
+    BROKER_TURN_SECONDS,
     CLOSE_SECONDS,
+    HANDSHAKE_SECONDS,
     HEARTBEAT,
     MAX_MESSAGE_BYTES,
     START_TIMEOUT,
 )
+from zloader.broker.descriptors import Descriptors
+from zloader.broker.records import Limits
 from zloader.broker.state import Out, State
 from zloader.journal import Journal
 from zloader.transport import messages
@@ -52,7 +56,9 @@ command, zloader/transport/messages.py) and the time; returns what to send."""
 
 
 def _status(state: State, identity: bytes, msg: Status, now: float) -> list[Out]:
-    return [Out(identity, Command.STATUS, state.status(now))]
+    """One page of the broker's status, from the request's ``from`` (the last page's
+    ``next``; none: the first)."""
+    return [Out(identity, Command.STATUS, state.status(now, msg.report.get("from")))]
 
 
 def _heartbeat(state: State, identity: bytes, msg: Heartbeat, now: float) -> list[Out]:
@@ -97,18 +103,20 @@ class Broker:
         metrics: (bind address, port) of the Prometheus endpoint; None: none.
         cooldown: seconds the autoscaler (``zloader/autoscale.py``) samples a job's
             starvation between two changes of its ``desired_workers``.
+        limits: the jobs and pipeline bytes peers may make it hold (``records.Limits``,
+            docs/reliability.md "Floods"); None: the defaults.
     """
 
     def __init__(self, endpoint: str, heartbeat: float = HEARTBEAT, keys: Keys | None = None,
                  work_dir: str | None = None, metrics: tuple[str, int] | None = None,
-                 cooldown: float = AUTOSCALE_COOLDOWN) -> None:
+                 cooldown: float = AUTOSCALE_COOLDOWN, limits: Limits | None = None) -> None:
         self.endpoint = endpoint
         self.metrics = metrics  # (bind address, port) of the Prometheus endpoint
         self.snapshot: dict[str, Any] = {}  # the latest State.metrics(), read by scrapes
         self.keys = keys
         self.state = State(heartbeat=heartbeat,
                            journal=Journal(work_dir) if work_dir is not None else None,
-                           cooldown=cooldown)
+                           cooldown=cooldown, limits=limits)
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
@@ -149,6 +157,8 @@ class Broker:
         socket = make_socket(context, zmq.ROUTER, self.keys, serve=True,
                              max_bytes=MAX_MESSAGE_BYTES)
         socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        # A connection that never finishes its handshake holds a descriptor until then.
+        socket.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_SECONDS * 1000))
         try:
             socket.bind(self.endpoint)
             if self.endpoint.endswith(":0"):
@@ -181,6 +191,7 @@ class Broker:
 
     def _loop(self, socket: zmq.Socket[Any]) -> None:
         state = self.state
+        descriptors = Descriptors(self.endpoint)
         poller = zmq.Poller()
         poller.register(socket, zmq.POLLIN)
         next_beat = time.monotonic() + state.heartbeat
@@ -192,12 +203,17 @@ class Broker:
                                     for _ in range(min(BROKER_BEATS_AT_ONCE, len(beats)))])
                 timeout = 0.0
             if poller.poll(int(timeout * 1000)):
-                for _ in range(1000):  # drain what is queued, without starving the timer
+                # Drain what is queued, for BROKER_TURN_SECONDS at most: a flood must not
+                # hold up the timer (the workers' heartbeats, the tick that places them).
+                turn_ends = time.monotonic() + BROKER_TURN_SECONDS
+                for _ in range(1000):
                     try:
                         frames = socket.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     self._send(socket, self._handle(frames, time.monotonic()))
+                    if time.monotonic() > turn_ends:
+                        break
             now = time.monotonic()
             if now >= next_beat:
                 late = now - next_beat
@@ -216,6 +232,7 @@ class Broker:
                 if self.metrics is not None:  # only a scrape reads it (a fleet's worth)
                     self.snapshot = state.metrics(now)
             self._send(socket, state.journal_errors())  # a full work dir: say so
+            descriptors.check(now)  # (every DESCRIPTORS_CHECK_SECONDS)
 
     def _send(self, socket: zmq.Socket[Any], messages: list[Out]) -> None:
         """Send each message; one body sent to many peers (a job's view to its consumers,

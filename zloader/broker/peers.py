@@ -9,7 +9,7 @@ from typing import Any
 
 from zloader._defaults import STAGES
 from zloader.broker import coordinated, failures, history, placement, status
-from zloader.broker.records import Consumer, Out, Tables, Worker
+from zloader.broker.records import Consumer, Job, Out, Tables, Worker
 from zloader.transport.messages import Heartbeat, Log, Ready
 from zloader.transport.protocol import Command
 
@@ -127,6 +127,8 @@ def consumer_heartbeat(state: Tables, identity: bytes, now: float,
         out += failures.stuck(state, job, consumer, msg.stuck, now)
     if job is not None and msg is not None and msg.reread:
         failures.reread(state, job, consumer, msg.reread)
+    if msg is not None:
+        consumer.heard = True
     if stats is not None:
         stats = {k: v for k, v in stats.items() if isinstance(v, (int, float))
                  and not isinstance(v, bool) and v >= 0}
@@ -135,8 +137,24 @@ def consumer_heartbeat(state: Tables, identity: bytes, now: float,
             job.wait_seconds += _delta(stats, consumer.stats, "wait_seconds")
             job.skipped += int(_delta(stats, consumer.stats, "skipped"))
         consumer.stats = stats
+        began = not consumer.active and stats.get("active", 1) != 0
         consumer.active = stats.get("active", 1) != 0
+        if began and job is not None:
+            out += _began(state, job, identity, now)
     return out + ([Out(identity, Command.JOB, status.job_view(state, job))] if job else [])
+
+
+def _began(state: Tables, job: Job, identity: bytes, now: float) -> list[Out]:
+    """A consumer's heartbeat says it reads an epoch the broker had not heard of (its
+    EPOCH went before it knew its job, or was lost; or it was taken for one that does not
+    read, ``jobs.unheard``): the job is hungry as after an EPOCH
+    (``jobs.epoch_started``), and one without a worker may take one now. The consumer's
+    view comes after, from the heartbeat's answer."""
+    job.hungry_until = max(job.hungry_until, now + 2 * state.heartbeat)
+    if job.tasks:
+        return []
+    return [o for o in placement.assign(state, now)
+            if o.identity != identity or o.command is not Command.JOB]
 
 
 def _delta(new: dict[str, Any], old: dict[str, Any], key: str) -> Any:

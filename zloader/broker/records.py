@@ -19,6 +19,10 @@ from zloader._defaults import (
     HEARTBEAT,
     KILLS_TO_FAIL,
     LIVENESS,
+    MAX_JOBS,
+    MAX_PEER_JOBS,
+    MAX_PEER_PIPELINE_BYTES,
+    MAX_PIPELINE_BYTES_HELD,
     MOVES_PER_SECOND,
 )
 from zloader.autoscale import Autoscaler
@@ -28,11 +32,14 @@ from zloader.options import JobOptions
 from zloader.rounds import Rounds
 from zloader.transport.protocol import Command
 
-__all__ = ["FENCE_GRACE", "INHERITED", "KILLS_TO_FAIL", "Consumer", "Fence", "Job", "Out",
-           "Pass", "Tables", "Worker"]
+__all__ = ["FENCE_GRACE", "INHERITED", "KILLS_TO_FAIL", "Consumer", "Fence", "Job", "Limits",
+           "Out", "Pass", "Tables", "Worker"]
 
 INHERITED = {"inherited": True}
 """A job's ``pipeline`` when its Loader's forked workers hold it in memory (embedded)."""
+
+Identity = bytes
+"""A peer's ZeroMQ routing identity (the connection its messages came on)."""
 
 PassKey = tuple[int, ...]
 """A pass of a job's input: ``(epoch, repeat, ...)``."""
@@ -83,6 +90,8 @@ class Consumer:
     last_seen: float
     stats: dict[str, Any] = field(default_factory=dict)  # from its heartbeats
     active: bool = True  # it reads an epoch not yet ended (HEARTBEAT stats.active)
+    joined: float = 0.0  # when it registered
+    heard: bool = False  # it sent a HEARTBEAT or an EPOCH since (see jobs.unheard)
 
 
 @dataclass
@@ -155,6 +164,7 @@ class Job:
     desired: int = 0
     pipeline: dict[str, Any] | None = None  # where workers get a pipeline not in ``blob``
     hungry_until: float = 0.0  # an epoch just started: hungry before its first sample
+    owner: Identity | None = None  # the connection whose REGISTER made it (Limits.peer_*)
 
     @property
     def sharding(self) -> str:
@@ -187,6 +197,18 @@ class Job:
         return self.sharding == "static" or self.deterministic
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What the broker holds for its peers, at most (docs/reliability.md, "Floods"): a
+    REGISTER of a new job past one is refused with an ERROR naming it. ``peer_*``: the jobs
+    made by one connection (one consumer's socket), still held."""
+
+    jobs: int = MAX_JOBS
+    peer_jobs: int = MAX_PEER_JOBS
+    pipeline_bytes: int = MAX_PIPELINE_BYTES_HELD
+    peer_pipeline_bytes: int = MAX_PEER_PIPELINE_BYTES
+
+
 class Tables:
     """What the broker knows: its settings, workers, consumers and jobs by id, and who is
     behind each routing identity. Lookups only; the transitions are in the concern modules.
@@ -197,12 +219,14 @@ class Tables:
         journal: where every state change is recorded (:mod:`zloader.journal`); None: in
             memory only.
         cooldown: the autoscaler's (``zloader/autoscale.py``).
+        limits: what peers may make the broker hold (:class:`Limits`); None: the defaults.
     """
 
     def __init__(self, heartbeat: float = HEARTBEAT, liveness: int = LIVENESS,
                  journal: Journal | None = None,
-                 cooldown: float = AUTOSCALE_COOLDOWN) -> None:
+                 cooldown: float = AUTOSCALE_COOLDOWN, limits: Limits | None = None) -> None:
         self.heartbeat = heartbeat
+        self.limits = limits or Limits()
         self.cooldown = cooldown
         self.liveness = liveness
         self.journal = journal
@@ -211,6 +235,8 @@ class Tables:
         self.jobs: dict[str, Job] = {}
         self.peers: dict[bytes, tuple[str, str]] = {}  # identity -> ("worker"|"consumer", id)
         self.rejected = 0  # malformed or refused messages dropped (the broker counts them)
+        self.refused = 0  # REGISTERs refused past a limit (admission.py)
+        self.refusal_logged = float("-inf")  # when a refusal was last logged
         self.unjournaled: set[str] = set()  # jobs whose journal writes failed
         self.told: set[str] = set()  # consumers told so (history.journal_errors)
         self.replaying = False  # the journal is being replayed: record nothing

@@ -19,6 +19,7 @@ concern:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from zloader.broker import (
@@ -56,6 +57,7 @@ class State(Tables):
         liveness: heartbeats a peer may miss before it is taken for dead.
         journal: record every change there, and :meth:`restore` from it; None: none.
         cooldown: the autoscaler's (``zloader/autoscale.py``).
+        limits: what peers may make it hold (``records.Limits``); None: the defaults.
     """
 
     # --- workers and consumers (peers.py) -------------------------------------------------
@@ -141,8 +143,8 @@ class State(Tables):
     def heartbeats(self) -> list[Out]:
         return status.heartbeats(self)
 
-    def status(self, now: float) -> dict[str, Any]:
-        return status.status(self, now)
+    def status(self, now: float, start: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        return status.status(self, now, start)
 
     def metrics(self, now: float) -> dict[str, Any]:
         return status.metrics(self, now)

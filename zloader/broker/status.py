@@ -5,13 +5,20 @@ starvation and desired workers sampled on the way (``zloader/autoscale.py``).
 
 from __future__ import annotations
 
+import json
 import logging
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
-from zloader._defaults import HUNGRY_HOLD_BEATS, HUNGRY_STARVATION
+from zloader._defaults import (
+    HUNGRY_HOLD_BEATS,
+    HUNGRY_STARVATION,
+    STATUS_LIST_ITEMS,
+    STATUS_REPLY_BYTES,
+)
 from zloader.broker import coordinated, placement, pool, splits
-from zloader.broker.records import Job, Out, Tables
-from zloader.transport.protocol import Command
+from zloader.broker.records import Job, Out, Tables, Worker
+from zloader.transport.protocol import Command, ProtocolError
 
 __all__ = ["heartbeats", "job_view", "metrics", "sample", "status",
            "tell_consumers"]
@@ -90,34 +97,114 @@ def heartbeats(state: Tables) -> list[Out]:
     return out
 
 
-def status(state: Tables, now: float) -> dict[str, Any]:
-    """What ``zloader status --json`` prints; ``surplus`` marks the workers an actuator
-    should drain (see :func:`_surplus`)."""
+def status(state: Tables, now: float, start: Mapping[str, Any] | None = None
+           ) -> dict[str, Any]:
+    """One STATUS reply (what ``zloader status --json`` prints), bounded whatever the
+    broker holds: its ``summary`` (counts), then its workers and jobs from ``start``
+    (``{"workers": i, "jobs": j}``, offsets into each list, as the last reply's ``next``
+    gave them; None: from the first), as many as fit in ``STATUS_REPLY_BYTES``.
+    ``left_off`` counts those after the reply's; ``next`` is where the next reply starts,
+    or None once the reply holds the last. ``surplus`` marks the workers an actuator should
+    drain (see :func:`_surplus`).
+
+    Raises:
+        ProtocolError: ``start`` is not such an object.
+    """
+    first_worker, first_job = _start(start)
     surplus = _surplus(state, now)
     claims = placement.claims(state, now)
     entitled = pool.shares(claims.values(), len(state.workers))
-    workers = [{"worker": w.id, "host": w.host, "host_id": w.host_id, "pid": w.pid,
+
+    def worker_entry(w: Worker) -> dict[str, Any]:
+        return {"worker": w.id, "host": w.host, "host_id": w.host_id, "pid": w.pid,
                 "endpoint": w.endpoint, "surplus": w.id in surplus,
                 "tasks": 1 if w.task else 0, "job": state.task_job(w.task),
                 "elements_per_second": round(w.rate, 1),
                 "elements": w.stats.get("elements", 0),
                 "cpu_seconds": w.stats.get("cpu_seconds", 0.0),
                 "rejected": w.stats.get("rejected", 0)}
-               for w in state.workers.values()]
-    jobs = [{"job": j.id, "fingerprint": j.fingerprint, "name": j.name,
-             "sharding": j.sharding, "consumers": len(j.consumers), "workers": len(j.tasks),
-             "consumer_hosts": sorted(state.hosts(j)),
-             "elements": j.elements, "bytes": j.bytes, "shared": j.share is not None,
-             "starvation": round(j.starvation, 3), "desired_workers": j.desired,
-             "weight": j.weight, "share": round(entitled[j.id], 2),
-             "active": claims[j.id].wants > 0, "hungry": claims[j.id].hungry,
-             "stage_seconds": {k: round(v, 3) for k, v in j.stages.items()},
-             "trainers": _trainers(state, j) if j.share is not None else [],
-             "rounds": (coordinated.round_status(j.rounds, j.epoch) if j.rounds is not None
-                        else None),
-             "state": "failed" if j.error else "running"}
-            for j in state.jobs.values()]
-    return {"workers": workers, "jobs": jobs, "rejected": state.rejected}
+
+    def job_entry(j: Job) -> dict[str, Any]:
+        hosts = sorted(state.hosts(j))
+        entry = {"job": j.id, "fingerprint": j.fingerprint, "name": j.name,
+                 "sharding": j.sharding, "consumers": len(j.consumers),
+                 "workers": len(j.tasks), "consumer_hosts": hosts[:STATUS_LIST_ITEMS],
+                 "elements": j.elements, "bytes": j.bytes, "shared": j.share is not None,
+                 "starvation": round(j.starvation, 3), "desired_workers": j.desired,
+                 "weight": j.weight, "share": round(entitled[j.id], 2),
+                 "active": claims[j.id].wants > 0, "hungry": claims[j.id].hungry,
+                 "stage_seconds": {k: round(v, 3) for k, v in j.stages.items()},
+                 "trainers": _trainers(state, j) if j.share is not None else [],
+                 "rounds": _rounds(j), "state": "failed" if j.error else "running"}
+        if len(hosts) > STATUS_LIST_ITEMS:
+            entry["consumer_hosts_left_off"] = len(hosts) - STATUS_LIST_ITEMS
+        if j.share is not None and len(j.consumers) > STATUS_LIST_ITEMS:
+            entry["trainers_left_off"] = len(j.consumers) - STATUS_LIST_ITEMS
+        return entry
+
+    budget = [STATUS_REPLY_BYTES]
+    workers = _fill(list(state.workers.values()), first_worker, worker_entry, budget)
+    jobs = _fill(list(state.jobs.values()), first_job, job_entry,
+                 budget) if first_worker + len(workers) >= len(state.workers) else []
+    end_workers, end_jobs = first_worker + len(workers), first_job + len(jobs)
+    done = end_workers >= len(state.workers) and end_jobs >= len(state.jobs)
+    return {"summary": {"workers": len(state.workers), "jobs": len(state.jobs),
+                        "busy_workers": busy_workers(state),
+                        "consumers": len(state.consumers), "refused": state.refused,
+                        "rejected": state.rejected},
+            "workers": workers, "jobs": jobs,
+            "left_off": {"workers": max(0, len(state.workers) - end_workers),
+                         "jobs": max(0, len(state.jobs) - end_jobs)},
+            "next": None if done else {"workers": end_workers, "jobs": end_jobs},
+            "rejected": state.rejected}
+
+
+def _start(start: Mapping[str, Any] | None) -> tuple[int, int]:
+    """The offsets of a STATUS request's ``from``: (workers, jobs)."""
+    if start is None:
+        return 0, 0
+    if not isinstance(start, Mapping):
+        raise ProtocolError("STATUS: field 'from' must be {workers, jobs}, two offsets")
+    offsets = []
+    for name in ("workers", "jobs"):
+        value = start.get(name, 0)
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            raise ProtocolError(f"STATUS: field 'from.{name}' must be an integer >= 0, got "
+                                f"{str(value)[:40]!r}")
+        offsets.append(value)
+    return offsets[0], offsets[1]
+
+
+T = TypeVar("T")
+
+
+def _fill(items: Sequence[T], first: int, entry: Callable[[T], dict[str, Any]],
+          budget: list[int]) -> list[dict[str, Any]]:
+    """The entries of ``items`` from ``first`` on that fit in ``budget[0]`` bytes of JSON
+    (taken from it), and at least one while any is left: each entry is bounded (its lists
+    are cut at STATUS_LIST_ITEMS), so a reply always moves on and stays below a message."""
+    out: list[dict[str, Any]] = []
+    for item in items[first:]:
+        made = entry(item)
+        size = len(json.dumps(made, separators=(",", ":"))) + 1
+        if size > budget[0] and (out or budget[0] < STATUS_REPLY_BYTES):
+            budget[0] = 0
+            break
+        budget[0] -= size
+        out.append(made)
+    return out
+
+
+def _rounds(job: Job) -> dict[str, Any] | None:
+    """A coordinated job's rounds, its list of vacant indices cut at STATUS_LIST_ITEMS."""
+    if job.rounds is None:
+        return None
+    rounds = coordinated.round_status(job.rounds, job.epoch)
+    vacant = rounds["vacant"]
+    if len(vacant) > STATUS_LIST_ITEMS:
+        rounds["vacant"] = vacant[:STATUS_LIST_ITEMS]
+        rounds["vacant_left_off"] = len(vacant) - STATUS_LIST_ITEMS
+    return rounds
 
 
 def metrics(state: Tables, now: float) -> dict[str, Any]:
@@ -208,10 +295,11 @@ def _surplus(state: Tables, now: float) -> set[str]:
 
 
 def _trainers(state: Tables, job: Job) -> list[dict[str, Any]]:
-    """A shared job's trainers: pid, lag (elements produced that it has not been sent,
-    the most over the job's workers) and elements skipped (summed)."""
+    """A shared job's trainers (the first STATUS_LIST_ITEMS): pid, lag (elements produced
+    that it has not been sent, the most over the job's workers) and elements skipped
+    (summed)."""
     out = []
-    for cid in sorted(job.consumers):
+    for cid in sorted(job.consumers)[:STATUS_LIST_ITEMS]:
         consumer = state.consumers.get(cid)
         seen = [w.trainers[cid] for t in job.tasks.values()
                 if (w := state.workers.get(t)) is not None and cid in w.trainers]
