@@ -115,13 +115,26 @@ def stuck(state: Tables, job: Job, consumer: Consumer,
     producer does not stop replaces its process) and dropped from the broker as if it
     had died: its splits go to the other workers, exactly once for an exactly-once job
     (a :class:`Fence`), and a split that wedges ``KILLS_TO_FAIL`` workers is reported.
-    The reports are ``{worker, task, seconds}``, checked by the HEARTBEAT record."""
+    The reports are ``{worker, task, seconds}``, checked by the HEARTBEAT record.
+
+    A report is checked against what the broker sees first (:func:`confirmed`): one
+    consumer of a job may get nothing from a worker that serves another consumer of the
+    job well, or a consumer may be wrong. A report that is not confirmed is counted
+    (``unconfirmed_stuck`` in the job's STATUS) and logged, and the worker stays."""
     out: list[Out] = []
     for report in reports:
         worker = state.workers.get(report["worker"])
         if worker is None or worker.task != report["task"] \
                 or job.tasks.get(report["task"]) != worker.id:
             continue  # gone already, or not this consumer's job's worker
+        why = confirmed(state, worker, float(report["seconds"]), now)
+        if why:
+            job.unconfirmed += 1
+            log.info("consumer %s reported worker %s (pid %d on %s) stuck for %.1f s, but %s: "
+                     "kept (%d reports not confirmed in job %s)", consumer.id, worker.id,
+                     worker.pid, worker.host, float(report["seconds"]), why,
+                     job.unconfirmed, job.id)
+            continue
         log.warning("worker %s (pid %d on %s) sent consumer %s nothing for %.1f s though "
                     "it held credits (doing %s): dropped from job %s as stuck",
                     worker.id, worker.pid, worker.host, consumer.id,
@@ -129,6 +142,20 @@ def stuck(state: Tables, job: Job, consumer: Consumer,
         out.append(Out(worker.identity, Command.RELEASE, {"task": worker.task}))
         out += drop_worker(state, worker.id, died=True, now=now)
     return out
+
+
+def confirmed(state: Tables, worker: Worker, seconds: float, now: float) -> str:
+    """Why the broker's own view contradicts a report that ``worker`` sent nothing for
+    ``seconds``, or "" when it agrees. Its heartbeats say what it sent in all and what its
+    producer does: elements sent within the second half of that silence (to any consumer),
+    or a producer waiting for credits (``blocked``: its user code is not stuck; a consumer
+    holds them), contradict it."""
+    since = now - worker.sent_at
+    if since < seconds / 2 and since < seconds - 2 * state.heartbeat:
+        return f"its heartbeats show elements sent {since:.1f} s ago"
+    if worker.doing is not None and worker.doing.get("stage") == "blocked":
+        return "its producer waits for a consumer's credits"
+    return ""
 
 
 def reread(state: Tables, job: Job, consumer: Consumer,

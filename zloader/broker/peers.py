@@ -73,6 +73,8 @@ def worker_heartbeat(state: Tables, identity: bytes, msg: Heartbeat, now: float)
         return []
     elements = stats.get("elements")
     before = worker.stats.get("elements")
+    if isinstance(elements, int) and (not isinstance(before, int) or elements > before):
+        worker.sent_at = now  # it makes progress (failures.stuck checks reports by it)
     if isinstance(elements, int) and isinstance(before, int):
         elapsed = now - worker.stats.get("_at", now)
         if elapsed > 0:

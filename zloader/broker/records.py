@@ -72,6 +72,7 @@ class Worker:
     plain_data: bool = False  # its data socket speaks PLAIN, not CURVE (--plain-data)
     idle_since: float = 0.0  # when it last had no task (surplus marks, see status.surplus)
     doing: dict[str, Any] | None = None  # its producer's {epoch, split, stage} (heartbeat)
+    sent_at: float = float("-inf")  # when its heartbeats last showed elements sent
     holds: frozenset[str] = frozenset()  # fingerprints of pipelines it inherited by fork
     since: float = 0.0  # when it took its task (the pool's time slices, broker/pool.py)
     moving_to: str | None = None  # the job it moves to once its task is drained
@@ -155,6 +156,7 @@ class Job:
     resume: tuple[int, Any] | None = None  # (epoch, Ledger) a resumed Loader delivered
     wait_seconds: float = 0.0  # consumers' time waiting for data, summed (metrics)
     skipped: int = 0
+    unconfirmed: int = 0  # stuck reports the broker's own view did not confirm (not dropped)
     starvation: float = 0.0  # share of the last interval the consumers waited
     waited_at: tuple[float, float] | None = None  # (wait_seconds, time) at the last sample
     reported: bool = False  # a consumer sent its stats since the last sample

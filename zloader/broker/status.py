@@ -135,7 +135,8 @@ def status(state: Tables, now: float, start: Mapping[str, Any] | None = None
                  "active": claims[j.id].wants > 0, "hungry": claims[j.id].hungry,
                  "stage_seconds": {k: round(v, 3) for k, v in j.stages.items()},
                  "trainers": _trainers(state, j) if j.share is not None else [],
-                 "rounds": _rounds(j), "state": "failed" if j.error else "running"}
+                 "rounds": _rounds(j), "state": "failed" if j.error else "running",
+                 "unconfirmed_stuck": j.unconfirmed}
         if len(hosts) > STATUS_LIST_ITEMS:
             entry["consumer_hosts_left_off"] = len(hosts) - STATUS_LIST_ITEMS
         if j.share is not None and len(j.consumers) > STATUS_LIST_ITEMS:
