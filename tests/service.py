@@ -103,6 +103,26 @@ def service(workers: int = 1, keys: str | None = None
         stop(broker)
 
 
+@contextlib.contextmanager
+def dealers(*endpoints: str) -> Iterator[list[zmq.Socket]]:
+    """A raw DEALER socket connected to each endpoint, with no send limit (room for a
+    flood of hostile or crafted messages), all closed on exit."""
+    context = zmq.Context()
+    socks = []
+    try:
+        for endpoint in endpoints:
+            sock = context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.connect(endpoint)
+            socks.append(sock)
+        yield socks
+    finally:
+        for sock in socks:
+            sock.close(0)
+        context.term()
+
+
 def read_together(loaders: list, epochs: int = 1, timeout: float = 60.0,
                   element: Callable[[Any], Any] = lambda value: value) -> list[list[list]]:
     """Every loader's ``epochs`` epochs, each loader read on a thread of its own (they may

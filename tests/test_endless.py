@@ -7,8 +7,8 @@ from __future__ import annotations
 import signal
 
 import pytest
-from service import service
 
+from tests.service import service
 from zloader import Loader, Pipeline
 from zloader.plan import plan
 from zloader.stages import Context, Coverage

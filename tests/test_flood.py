@@ -22,6 +22,7 @@ import zmq
 from tests.service import (
     BIN,
     HEARTBEAT,
+    dealers,
     free_port,
     read_together,
     service,
@@ -58,26 +59,6 @@ def registration(blob: bytes, fingerprint: str | None = None, consumer: str | No
         source={"num_splits": 4, "shuffle_splits": False, "seed": None},
         host_id=host_id(), pid=os.getpid())
     return encode(Command.REGISTER, messages.encode(register), (blob,))
-
-
-@contextlib.contextmanager
-def dealers(address: str, count: int = 1) -> Iterator[list[zmq.Socket]]:
-    """``count`` raw DEALER sockets connected to the broker (no send limit: a flood), closed
-    on exit."""
-    context = zmq.Context()
-    socks = []
-    try:
-        for _ in range(count):
-            sock = context.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.connect(address)
-            socks.append(sock)
-        yield socks
-    finally:
-        for sock in socks:
-            sock.close(0)
-        context.term()
 
 
 def replies(sock: zmq.Socket, until: Any, timeout: float = 20.0) -> list[Any]:
@@ -205,7 +186,7 @@ def test_zloader_status_json_does_not_crash_on_a_big_broker(capsys):
     ``zloader status --json`` prints a bounded page with the count of the rest, and
     ``--all`` pages through every job."""
     blob, _ = pack(Pipeline.range(10), inherited=False)
-    with service(0) as (address, _procs), dealers(address, 50) as socks:
+    with service(0) as (address, _procs), dealers(*[address] * 50) as socks:
         for n in range(800):
             socks[n % 50].send_multipart(registration(
                 blob, fingerprint=f"{n:08d}".ljust(LONG, "f")))

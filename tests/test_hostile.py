@@ -9,11 +9,10 @@ import json
 
 import numpy as np
 import pytest
-import zmq
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from tests.service import service, status, wait_for
+from tests.service import dealers, service, status, wait_for
 from zloader import Loader, Pipeline
 from zloader.transport.protocol import VERSION, Command, ProtocolError, decode
 from zloader.transport.ring import RingError, RingReader, RingWriter
@@ -67,25 +66,6 @@ def test_random_messages_never_stop_the_broker_or_a_worker(batch):
 @settings(max_examples=10, **LIVE)
 def test_many_random_messages_never_stop_the_broker_or_a_worker(batch):
     hostile_round(batch)
-
-
-@contextlib.contextmanager
-def dealers(*endpoints: str):
-    """A DEALER socket connected to each endpoint (room for a flood), closed on exit."""
-    context = zmq.Context()
-    socks = []
-    try:
-        for endpoint in endpoints:
-            sock = context.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 100_000)
-            sock.connect(endpoint)
-            socks.append(sock)
-        yield socks
-    finally:
-        for sock in socks:
-            sock.close(0)
-        context.term()
 
 
 def hostile_round(batch: list) -> None:

@@ -24,7 +24,8 @@ LAYERS = {
     "_version": 0, "errors": 0, "_check": 0, "_seeding": 0, "_command": 0,
     "_host": 0,
     "transport": 0, "transport.keys": 0, "transport.shm": 0.5, "transport.protocol": 0.5,
-    "transport.ring": 0.6, "transport.records": 1.5, "transport.fields": 1.5,
+    "transport.prefault": 0.55, "transport.ring": 0.6, "transport.records": 1.5,
+    "transport.fields": 1.5,
     "transport.sockets": 1.5, "options": 1.55, "transport.messages": 1.6,
     "sharing": 0, "sharing.window": 0, "sharing.options": 0.5, "sharing.store": 1.6,
     "codec_torch": 0.9,  # torch tensors in the codec, torch imported lazily
@@ -176,6 +177,8 @@ FORMAT_CONSTANTS = {
     "transport.ring": {"ALIGN", "DATA_OFFSET", "_HEADER_WORDS",  # the ring's memory layout
                        "_CAPACITY", "_TAIL", "_HEAD",  # indices of its header words
                        "_POSITION_LIMIT"},  # its positions are u64
+    "transport.prefault": {"MADV_POPULATE_WRITE",  # linux/mman.h
+                           "LOWEST_PRIORITY"},  # the kernel's nice range ends at 19
     "transport.records": {"ALIGN"},  # a record's buffer alignment (its layout)
     "transport.shm": {"KIND_MAX",  # the segment name format
                       "_MIB"},  # a unit, for messages

@@ -9,8 +9,7 @@ import os
 import signal
 from typing import Any
 
-from service import service
-
+from tests.service import service
 from zloader import Loader, Pipeline
 
 N = 3000

@@ -7,8 +7,8 @@ import logging
 import time
 
 import pytest
-from service import free_port
 
+from tests.service import free_port
 from zloader import Loader, Pipeline, Timeout
 
 

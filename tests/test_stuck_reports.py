@@ -10,8 +10,7 @@ import secrets
 import threading
 import time
 
-from service import service, status, wait_for
-
+from tests.service import dealers, service, status, wait_for
 from zloader import Loader, Pipeline
 from zloader.transport import messages
 from zloader.transport.protocol import Command, decode, encode
@@ -23,8 +22,6 @@ def slowly(x: int) -> int:
 
 
 def test_a_consumer_reporting_busy_workers_stuck_does_not_get_them_dropped():
-    import zmq
-
     pipeline = Pipeline.range(1500, split_size=50).map(slowly)
     with service(workers=2) as (address, _):
         with Loader(pipeline, broker=address, job_name="busy", timeout=60) as honest:
@@ -37,11 +34,7 @@ def test_a_consumer_reporting_busy_workers_stuck_does_not_get_them_dropped():
             # both workers stuck, again and again.
             register = dataclasses.replace(honest._io._link.register,
                                            consumer=secrets.token_hex(8))
-            context = zmq.Context()
-            sock = context.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            try:
-                sock.connect(address)
+            with dealers(address) as (sock,):
                 sock.send_multipart(encode(Command.REGISTER, messages.encode(register),
                                            (honest._io._link.blob,)))
                 view = None
@@ -69,9 +62,6 @@ def test_a_consumer_reporting_busy_workers_stuck_does_not_get_them_dropped():
                 now = decode(sock.recv_multipart()).body
                 assert {w["worker"]: w["task"] for w in now["workers"]} \
                     == {w["worker"]: w["task"] for w in view["workers"]}
-            finally:
-                sock.close(0)
-                context.term()
             reader.join(60)
             assert not reader.is_alive()
             assert {w["worker"] for w in status(address)["workers"]} == workers_before

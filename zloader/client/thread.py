@@ -403,8 +403,12 @@ class IOThread(threading.Thread):
         confirmed = self._end.view(view)
         session = self._session
         if view.registered and session.epoch is not None and not session.done:
-            # Registered again mid-epoch (the broker had given up on this consumer, or
-            # restarted): the workers dropped its streams, so open the epoch again.
+            # The epoch began before the job was known (the first view came after
+            # iteration started): tell the broker now, which places workers for a job
+            # that reads. Registered again mid-epoch (the broker had given up on this
+            # consumer, or restarted): the workers dropped its streams, so open the
+            # epoch again.
+            self._link.ask_epoch()
             for worker in known & self._peers.workers():
                 peer = self._peers.get(worker)
                 if peer is not None:
