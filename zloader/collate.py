@@ -27,6 +27,7 @@ and dicts, tuples and other lists are structure. Every leaf must have the same l
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -108,8 +109,9 @@ def _stack(values: Sequence[Any], path: str, pad: Any = None) -> Any:
 
 
 def _stack_tensors(values: Sequence[Any], path: str, pad: Any) -> Any:
-    """Stack torch tensors into one tensor (padded along axis 0 with ``pad``)."""
-    import torch
+    """Stack torch tensors into one tensor (padded along axis 0 with ``pad``); torch is
+    imported already (the tensors came from it), and is not imported here."""
+    torch = sys.modules["torch"]
 
     for value in values:
         if not is_tensor(value):

@@ -53,6 +53,7 @@ def drop_worker(state: Tables, worker_id: str, died: bool, now: float,
     worker = state.workers.pop(worker_id, None)
     if worker is None:
         return []
+    state.deaths += died
     state.peers.pop(worker.identity, None)
     job = state.job_of(worker.task)
     if job is None or worker.task is None:
