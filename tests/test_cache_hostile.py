@@ -6,6 +6,7 @@ command line runs as users run it, in a process of its own."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pathlib
@@ -331,3 +332,42 @@ def test_cli_on_a_missing_folder_or_fingerprint_fails_naming_it(tmp_path):
     assert done.returncode == 0 and f"removed {N // SPLIT} files" in done.stdout
     done = zloader("cache", "ls", str(root))  # the folder is there, with nothing in it
     assert done.returncode == 0 and "no cache entries" in done.stdout
+
+
+SPARSE_READER = """
+import json, resource, sys
+from zloader import Pipeline
+
+pipeline = Pipeline.range(40, split_size=10).map(abs).cache(sys.argv[1])
+
+
+def peak():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+baseline = peak()
+got = list(pipeline.iter(0))
+print(json.dumps({"growth": peak() - baseline, "good": got == list(range(40))}))
+"""
+
+
+def test_planted_sparse_entries_are_refused_from_their_ends_without_reading_them(tmp_path):
+    root = tmp_path / "cache"
+    pipeline = Pipeline.range(N, split_size=SPLIT).map(abs).cache(root)
+    folder = root / pipeline.source.key
+    folder.mkdir(parents=True)
+    head = struct.pack("<7sBQH", b"ZLCACHE", 1, 3, 64) + pipeline.source.key.encode()
+    for split in range(N // SPLIT):  # 512 MiB each, under max_entry_bytes; no disk taken
+        with open(folder / f"split-{split}.zlc", "wb") as file:
+            if split == 3:  # a right header, then holes and no trailer
+                file.write(head)
+            file.truncate(512 << 20)
+    done = subprocess.run([sys.executable, "-c", SPARSE_READER, str(root)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["good"], done.stderr[-2000:]
+    assert result["growth"] < 64 << 20, result  # the old reader read each whole: 512 MiB
+    assert done.stderr.count("not a cache entry (bad magic)") == 3, done.stderr[-2000:]
+    assert "split-3.zlc: truncated or unfinished" in done.stderr, done.stderr[-2000:]
+    assert all(p.stat().st_size < 4096 for p in folder.iterdir())  # computed and rewritten

@@ -23,7 +23,8 @@ the count) and decodes every element once before it yields one, and rejects the 
 A :class:`Store` is a cache location: a local directory, or a URL that fsspec understands
 (through :mod:`zloader.storage`, with retries). Entries are ``<root>/<fingerprint>/
 split-<n>.zlc``; temporary files add ``.tmp-<host>-<pid>-<random>`` to the name. An entry
-is read into memory whole (at most ``max_entry_bytes``, never more than the file has), not
+is read into memory whole (at most ``max_entry_bytes``, never more than the file has; a
+local one only once two small reads found its header and trailer right), not
 memory-mapped: another process may truncate a file it can write, and a truncated mapping
 kills its reader with SIGBUS. A cache folder may be shared with other users, who can plant
 anything in it: locally, a fingerprint folder is opened without following symbolic links
@@ -191,21 +192,11 @@ def open_entry(data: Any, fingerprint: str, split: int) -> Entry:
     size = view.nbytes
     if size < _HEAD.size + _TRAILER.size:
         raise BadEntry(f"short file ({size} bytes)")
-    magic, version, found_split, length = _HEAD.unpack_from(view, 0)
-    if magic != MAGIC:
-        raise BadEntry("not a cache entry (bad magic)")
-    if version != VERSION:
-        raise BadEntry(f"entry format version {version}, this zloader reads {VERSION}")
-    name = bytes(view[_HEAD.size:_HEAD.size + length]).decode("ascii", "replace")
-    if name != fingerprint or found_split != split:
-        raise BadEntry(f"holds split {found_split} of {name[:16]}..., not split {split} of "
-                       f"{fingerprint[:16]}...")
-    end, count, body, crc = _TRAILER.unpack_from(view, size - _TRAILER.size)
-    if end != END or body != size - _TRAILER.size:
-        raise BadEntry(f"truncated or unfinished ({size} bytes, no valid trailer)")
+    start = _check_head(view, fingerprint, split)
+    count, body, crc = _check_trailer(view[size - _TRAILER.size:], size)
     if zlib.crc32(view[:body]) != crc:
         raise BadEntry("checksum mismatch (corrupt)")
-    entry = Entry(view, _HEAD.size + length, body, count)
+    entry = Entry(view, start, body, count)
     found = 0
     for frame in entry.frames():
         try:
@@ -216,6 +207,57 @@ def open_entry(data: Any, fingerprint: str, split: int) -> Entry:
     if found != count:
         raise BadEntry(f"{found} elements where the trailer says {count}")
     return entry
+
+
+def _check_head(data: Any, fingerprint: str, split: int) -> int:
+    """Check the header at the start of ``data`` (an entry, or its first bytes): magic,
+    version, fingerprint and split. Returns where the first frame starts.
+
+    Raises:
+        BadEntry: it is not the header of the entry of ``fingerprint``/``split``.
+    """
+    magic, version, found_split, length = _HEAD.unpack_from(data, 0)
+    if magic != MAGIC:
+        raise BadEntry("not a cache entry (bad magic)")
+    if version != VERSION:
+        raise BadEntry(f"entry format version {version}, this zloader reads {VERSION}")
+    name = bytes(data[_HEAD.size:_HEAD.size + length]).decode("ascii", "replace")
+    if name != fingerprint or found_split != split:
+        raise BadEntry(f"holds split {found_split} of {name[:16]}..., not split {split} of "
+                       f"{fingerprint[:16]}...")
+    return _HEAD.size + length
+
+
+def _check_trailer(data: Any, size: int) -> tuple[int, int, int]:
+    """Check the trailer ``data`` (the last bytes of an entry of ``size`` bytes). Returns
+    its element count, body size and checksum.
+
+    Raises:
+        BadEntry: it is not a trailer, or not the one of an entry of this size.
+    """
+    end, count, body, crc = _TRAILER.unpack_from(data, 0)
+    if end != END or body != size - _TRAILER.size:
+        raise BadEntry(f"truncated or unfinished ({size} bytes, no valid trailer)")
+    return count, body, crc
+
+
+def _check_ends(fd: int, size: int, fingerprint: str, split: int) -> None:
+    """Check the header and trailer of the entry open as ``fd`` (of ``size`` bytes) with
+    two small reads, before it is read whole: a file that is no entry of this split (one
+    planted sparse, say, claiming what max_entry_bytes allows and holding nothing) is
+    then refused at the cost of those reads, not of its size.
+
+    Raises:
+        BadEntry: it is too short, or its header or trailer is wrong.
+    """
+    if size < _HEAD.size + _TRAILER.size:
+        raise BadEntry(f"short file ({size} bytes)")
+    head = os.pread(fd, _HEAD.size + len(fingerprint), 0)
+    trailer = os.pread(fd, _TRAILER.size, size - _TRAILER.size)
+    if len(head) < _HEAD.size or len(trailer) < _TRAILER.size:  # cut meanwhile
+        raise BadEntry(f"truncated while it was opened ({size} bytes before)")
+    _check_head(head, fingerprint, split)
+    _check_trailer(trailer, size)
 
 
 def entry_frames(data: Any, fingerprint: str, split: int) -> list[list[memoryview]]:
@@ -333,7 +375,8 @@ class Store:
 
         Raises:
             BadEntry: it is larger than ``limit``, or (locally) not a regular file, or
-                reached through a symbolic link; it is not read.
+                reached through a symbolic link, or its header or trailer is not this
+                entry's; it is not read.
             OSError: it cannot be read (:class:`~zloader.storage.StorageError` for a URL).
         """
         if not self.remote:
@@ -367,7 +410,8 @@ class Store:
             if not stat.S_ISREG(info.st_mode):
                 raise BadEntry(f"not a regular file ({_kind(info.st_mode)})")
             _check_size(info.st_size, limit)
-            return _read_whole(fd, info.st_size) if info.st_size else b""
+            _check_ends(fd, info.st_size, fingerprint, split)
+            return _read_whole(fd, info.st_size)
         finally:
             os.close(fd)
 
