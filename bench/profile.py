@@ -52,7 +52,7 @@ from typing import Any
 import psutil
 
 from bench._common import provenance
-from bench.scale import pipeline
+from bench.scale import machine_busy, pipeline
 
 TICK = os.sysconf("SC_CLK_TCK")
 PR_SET_NAME = 15
@@ -189,6 +189,7 @@ def one_round(args: argparse.Namespace) -> dict[str, Any]:
 
         kind = kinds()
         records0, cpu0 = loader.stats()["records"], {p: process_cpu(p) for p in kind}
+        busy = machine_busy()
         before = snapshot(list(kind), me_last=True)
         start, count = time.perf_counter(), 0
         while True:
@@ -200,8 +201,12 @@ def one_round(args: argparse.Namespace) -> dict[str, Any]:
         kind = {**kinds(), **kind}  # a worker that came in the window: its threads count
         after = snapshot(list(kind), me_last=False)
         cpu = {p: max(0.0, process_cpu(p) - cpu0[p]) for p in cpu0}
+        busy = machine_busy() - busy
         records = loader.stats()["records"] - records0
-    return tabulate(args, kind, before, after, count, records, seconds, load, cpu)
+    figures = tabulate(args, kind, before, after, count, records, seconds, load, cpu)
+    # What processes outside this run kept busy meanwhile: the noise to read a round with.
+    figures["others_cores"] = max(0.0, busy - sum(cpu.values())) / seconds
+    return figures
 
 
 def tabulate(args: argparse.Namespace, kind: dict[int, str],
@@ -268,7 +273,8 @@ def markdown(results: dict[str, Any]) -> list[str]:
              f"after {results['warmup_s']:g} s of warm-up; the median of "
              f"{len(results['rounds'])} rounds by total CPU per element (round "
              f"{results['median_round'] + 1}: {chosen['elements_per_s']:.0f} elements/s, "
-             f"efficiency {chosen['efficiency']:.2f}, load {chosen['load_1min']:.1f}). "
+             f"efficiency {chosen['efficiency']:.2f}, load {chosen['load_1min']:.1f}, "
+             f"other processes busy {chosen.get('others_cores', 0):.2f} cores). "
              f"nproc {results['nproc']}, zloader at {results['commit'][:12]}.",
              *([results["note"]] if results.get("note") else []), "",
              "| process | role | threads | CPU µs / element | user | system | "

@@ -89,6 +89,15 @@ def pipeline(element_ms: float) -> Any:
     return zloader.Pipeline.range(10**9).map(functools.partial(wait, element_ms))
 
 
+def machine_busy() -> float:
+    """CPU seconds every process of this machine has used so far (/proc/stat: all but
+    idle and iowait), to tell how busy others kept it during a window."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
 def measure(iterator: Iterator[Any], window: float, warmup: float,
             roots: list[psutil.Process],
             parts: dict[str, Callable[[], float]] | None = None) -> dict[str, Any]:
@@ -104,7 +113,7 @@ def measure(iterator: Iterator[Any], window: float, warmup: float,
         next(iterator)
     me = psutil.Process()
     before = {name: read() for name, read in parts.items()}
-    cpu0, own0, t0 = tree_cpu(*roots), _cpu(me), time.perf_counter()
+    cpu0, own0, busy0, t0 = tree_cpu(*roots), _cpu(me), machine_busy(), time.perf_counter()
     elements = 0
     while True:
         next(iterator)
@@ -112,13 +121,14 @@ def measure(iterator: Iterator[Any], window: float, warmup: float,
         now = time.perf_counter()
         if now >= t0 + window:
             break
-    cpu, own = tree_cpu(*roots) - cpu0, _cpu(me) - own0
+    cpu, own, busy = tree_cpu(*roots) - cpu0, _cpu(me) - own0, machine_busy() - busy0
     spent = {name: read() - before[name] for name, read in parts.items()}
     seconds = now - t0
     return {"first_element_s": first - start, "elements": elements, "seconds": seconds,
             "elements_per_s": elements / seconds, "cpu_s": cpu,
             "cpu_us_per_element": cpu / max(1, elements) * 1e6,
             "consumer_us_per_element": own / max(1, elements) * 1e6,
+            "others_cores": max(0.0, busy - cpu) / seconds,
             **{f"{name}_us_per_element": value / max(1, elements) * 1e6
                for name, value in spent.items()}}
 
@@ -295,15 +305,17 @@ def scale_table(points: list[dict[str, Any]]) -> list[str]:
     """Section 1 as a markdown table, then a line per issue-26 target at TARGET_WORKERS."""
     lines = ["| mode | workers | elements/s | ideal | efficiency | target | holds | "
              "CPU per element | of it, the trainer's | workers + trainer | floor | "
-             "trainer / floor | load |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "trainer / floor | load | others' CPU |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in points:
         if "error" in p:
             lines.append(f"| {p['mode']} | {p['workers']} | failed: {p['error']} "
-                         "| | | | | | | | | | |")
+                         "| | | | | | | | | | | |")
             continue
         target = EFFICIENCY_TARGETS.get((p["mode"], p["workers"]))
         holds = "-" if target is None else "yes" if p["efficiency"] >= target else "no"
         load = f"{p['load_1min']:.1f}" if "load_1min" in p else "-"
+        others = f"{p['others_cores']:.2f}" if "others_cores" in p else "-"
         floor = _us(p.get("floor_us_per_message"))
         if "floor_switches_per_message" in p:
             floor += f" ({p['floor_switches_per_message']:.1f} switches)"
@@ -313,7 +325,7 @@ def scale_table(points: list[dict[str, Any]]) -> list[str]:
                      f"{_us(p['cpu_us_per_element'])} | "
                      f"{_us(p.get('consumer_us_per_element'))} | "
                      f"{_us(p.get('workers_trainer_us_per_element'))} | {floor} | "
-                     f"{_ratio(p.get('trainer_over_floor'))} | {load} |")
+                     f"{_ratio(p.get('trainer_over_floor'))} | {load} | {others} |")
     for p in points:
         if p.get("workers") != TARGET_WORKERS or "error" in p:
             continue
@@ -425,8 +437,11 @@ def main(argv: list[str] | None = None) -> int:
     results["children_at_exit"] = leftovers
     results["load_at_end"] = os.getloadavg()
     lines += [f"Load average (1, 5, 15 min): {_loads(results['load_at_start'])} at the "
-              f"start, {_loads(results['load_at_end'])} at the end; the load column is the "
-              "1-minute figure as each point began."]
+              f"start, {_loads(results['load_at_end'])} at the end. The load column is the "
+              "1-minute figure as each point began (it includes this run's own processes, "
+              "the previous point's still in its average); \"others' CPU\" is the cores "
+              "that processes outside the run kept busy during the window (/proc/stat less "
+              "the run's CPU), the noise to read each row with."]
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.name}.json").write_text(json.dumps(results, indent=1))

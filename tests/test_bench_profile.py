@@ -27,6 +27,7 @@ def test_profile_reports_cpu_and_switches_per_role(tmp_path):
     for process in ("trainer", "workers", "all"):
         assert chosen["totals"][process]["cpu_us"] > 0
         assert chosen["totals"][process]["switches"] > 0
+    assert chosen["others_cores"] >= 0
     text = out.with_suffix(".md").read_text()
     assert "| trainer | iterating thread | 1 |" in text and "**all**" in text
     assert report.main(["--results", str(tmp_path), "--out", str(tmp_path)]) == 0

@@ -19,6 +19,7 @@ def test_scale_point_has_a_floor_and_the_trainer_over_it(tmp_path):
                 "workers_trainer_us_per_element", "floor_us_per_message",
                 "floor_switches_per_message", "floor_rate", "trainer_over_floor"):
         assert point[key] > 0, key
+    assert point["others_cores"] >= 0
     text = (tmp_path / "scale_smoke.md").read_text()
     assert "| floor | trainer / floor |" in text and "Load average" in text
     assert report.main(["--results", str(tmp_path), "--out", str(tmp_path)]) == 0
