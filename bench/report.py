@@ -475,13 +475,23 @@ def render_scale(data: Any, out: Path) -> list[str]:
         ax.set_xlabel("workers (log scale)")
         ax.set_ylabel("elements/s (log scale)")
         ax.legend()
-        lines += [save(fig, out, "scale.png", "throughput against workers"), "",
+        lines += [save(fig, out, f"{data.get('_stem', 'scale')}.png",
+                       "throughput against workers"), "",
                   *table(["mode", "workers", "elements/s", "efficiency", "CPU per element",
-                          "the trainer's"],
+                          "the trainer's", "workers + trainer", "floor", "trainer / floor"],
                          [[p["mode"], p["workers"], f"{p['elements_per_s']:.0f}",
                            f"{p['efficiency']:.2f}", f"{p['cpu_us_per_element']:.0f} µs",
-                           f"{p.get('consumer_us_per_element', float('nan')):.0f} µs"]
+                           _us(p.get("consumer_us_per_element")),
+                           _us(p.get("workers_trainer_us_per_element")),
+                           _us(p.get("floor_us_per_message")),
+                           f"{p['trainer_over_floor']:.1f}x"
+                           if is_number(p.get("trainer_over_floor")) else "-"]
                           for p in points]), ""]
+        if any("floor_us_per_message" in p for p in points):
+            lines += ["The floor: a bare Python process woken once per ZeroMQ message (PUSH/PULL "
+                      "over ipc), paced at the elements/s of its row, measured in the same run; "
+                      "its CPU per message. Targets at 8 workers: trainer / floor <= 3x, "
+                      "workers + trainer <= 250 µs.", ""]
     jobs = data.get("several_jobs")
     if isinstance(jobs, dict) and jobs.get("shares"):
         lines += [f"**Four jobs on {jobs['pool']} workers:** shares "
@@ -494,6 +504,17 @@ def render_scale(data: Any, out: Path) -> list[str]:
                   f"{fleet['consumers']} consumers: broker CPU {fleet['broker_cpu']:.2f} of a "
                   f"core, EPOCH answer p99 {1000 * fleet['epoch_p99_s']:.1f} ms."]
     return lines
+
+
+def _us(value: Any) -> str:
+    return f"{value:.0f} µs" if is_number(value) else "-"
+
+
+def render_profile(data: Any, out: Path) -> list[str]:
+    """bench/profile.py: CPU and context switches per element, by thread role."""
+    from bench.profile import markdown as profile_markdown
+
+    return profile_markdown(data)
 
 
 def render_hops(data: Any, out: Path) -> list[str]:
@@ -517,6 +538,7 @@ RENDERERS: dict[str, tuple[str, Renderer]] = {
     "sources": ("File-format sources against their own readers", render_sources),
     "scale": ("Scale-out: throughput against workers", render_scale),
     "hops": ("What one hop of a record costs", render_hops),
+    "profile": ("Per-thread profile of the record path", render_profile),
     "gpu_train": ("GPU end-to-end training (bench/gpu_train.py)", render_gpu_train),
     "gpu_train_smoke": ("GPU end-to-end training, CPU smoke run (bench/gpu_train.py --smoke)",
                         render_gpu_train),
@@ -589,13 +611,25 @@ def load(path: Path) -> tuple[Any, str | None]:
         return None, f"{type(exc).__name__}: {exc}"
 
 
+def known_stem(stem: str) -> str | None:
+    """The RENDERERS key for a file stem: itself, or the longest key it extends with
+    ``_<suffix>`` (``scale_baseline`` is a scale result, ``profile_after`` a profile)."""
+    if stem in RENDERERS:
+        return stem
+    keys = [key for key in RENDERERS if stem.startswith(key + "_")]
+    return max(keys, key=len) if keys else None
+
+
 def section(stem: str, data: Any, out: Path) -> list[str]:
-    title, renderer = RENDERERS.get(stem, (stem, None))
+    key = known_stem(stem)
+    title, renderer = RENDERERS[key] if key else (stem, None)
+    if key and key != stem:
+        title += f" ({stem[len(key) + 1:]})"
     lines = [f"## {title} (`{stem}.json`)", "", recorded(data), ""]
     if renderer is None:
         return [*lines, "No renderer for this file; its top-level scalars:", "", *fallback(data)]
     try:
-        if stem.startswith("gpu_train") and isinstance(data, dict):
+        if (stem.startswith("gpu_train") or key != stem) and isinstance(data, dict):
             data = {**data, "_stem": stem}
         return lines + renderer(data, out)
     except Exception as exc:  # a changed format must not stop the report
@@ -614,8 +648,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out or args.results)
     out.mkdir(parents=True, exist_ok=True)
     known = list(RENDERERS)
-    paths = sorted(results.glob("*.json"),
-                   key=lambda p: (known.index(p.stem) if p.stem in known else len(known), p.stem))
+
+    def rank(path: Path) -> tuple[int, str]:
+        key = known_stem(path.stem)
+        return (known.index(key) if key else len(known), path.stem)
+
+    paths = sorted(results.glob("*.json"), key=rank)
     lines = ["# Benchmark results", "",
              "Generated by `python -m bench.report` from the JSON files in this folder; do not "
              "edit by hand. The machines are shared and noisy: read the ratios, not the "
@@ -624,12 +662,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     for path in paths:
         data, error = load(path)
         if error is not None:
-            lines += [f"## {RENDERERS.get(path.stem, (path.stem,))[0]} (`{path.name}`)", "",
+            key = known_stem(path.stem)
+            lines += [f"## {RENDERERS[key][0] if key else path.stem} (`{path.name}`)", "",
                       f"Could not read this file: {error[:200]}", ""]
             continue
         loaded[path.stem] = data
         lines += [*section(path.stem, data, out), ""]
-    missing = [stem for stem in known if not (results / f"{stem}.json").exists()]
+    found = {known_stem(path.stem) for path in paths}
+    missing = [stem for stem in known if stem not in found]
     if missing:
         lines += ["## Not run", "", "No results yet for: " + ", ".join(
             f"`{stem}` (`python -m bench.{stem}`)" for stem in missing) + ".", ""]

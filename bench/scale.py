@@ -10,8 +10,16 @@ pool, and the broker's control plane alone.
     --processes w``, the Loader reading over TCP with ``transport="tcp"``). CPU per element
     is the CPU every process of the run spent (this one, the broker, the workers) over the
     window, divided by the elements; "the trainer's" is this process's share of it (the
-    consumer, with the broker's thread when embedded). Targets on a 2-core machine:
-    efficiency >= 0.85 at 32 workers in both modes, >= 0.7 at 64.
+    consumer, with the broker's thread when embedded); "workers + trainer" leaves out a
+    broker process (tcp). Each element goes alone in a record (it takes longer than the
+    producer's RECORD_LINGER), so per element is per record.
+    **The floor**, measured in the same run right after each point (bench/hops.py
+    ``paced_floor``): a bare Python process woken once per ZeroMQ message (a PUSH/PULL pair
+    over ipc between two processes, one small message per record) paced at the elements/s
+    the point achieved; its CPU per message, and "trainer / floor", the trainer's CPU per
+    record over it. Targets on a 2-core machine (issue 26): efficiency >= 0.85 at 32
+    workers in both modes and at 64 embedded (>= 0.7 at 64 over tcp); at 8 workers,
+    trainer / floor <= 3 and workers + trainer <= 250 µs per record.
 (2) **Several jobs on one pool.** A broker and ``zloader-worker --processes 8``; three
     jobs (Loaders in this process, one thread each) start together, a fourth joins
     ``--late`` seconds later: the seconds it waits for its first element, then each job's
@@ -31,7 +39,7 @@ pool, and the broker's control plane alone.
 Ratios and efficiencies are what to read: the machine is shared and noisy.
 
 Run: ``python -m bench.scale [--workers 1,2,4,8,16,32,64] [--modes embedded,tcp]
-[--only scale,jobs,fleet] [--out bench/results]``.
+[--floor-seconds S] [--only scale,jobs,fleet] [--out bench/results]``.
 """
 
 from __future__ import annotations
@@ -49,15 +57,24 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psutil
 
 from bench._common import free_port, provenance, stop, tree_cpu
+from bench.hops import paced_floor
 
 BIN = pathlib.Path(sys.executable).parent
 START_TIMEOUT_S = 120.0
+EFFICIENCY_TARGETS = {("embedded", 32): 0.85, ("tcp", 32): 0.85, ("embedded", 64): 0.85,
+                      ("tcp", 64): 0.7}
+"""Issue 26's targets for section 1's efficiency, by (mode, workers)."""
+TRAINER_OVER_FLOOR_TARGET = 3.0
+"""... for the trainer's CPU per record over the floor's, at TARGET_WORKERS."""
+WORKERS_TRAINER_TARGET_US = 250.0
+"""... for workers + trainer CPU per record, at TARGET_WORKERS."""
+TARGET_WORKERS = 8
 
 
 def wait(ms: float, index: int) -> int:
@@ -73,14 +90,20 @@ def pipeline(element_ms: float) -> Any:
 
 
 def measure(iterator: Iterator[Any], window: float, warmup: float,
-            roots: list[psutil.Process]) -> dict[str, float]:
-    """The first element, ``warmup`` seconds, then elements and CPU over ``window``."""
+            roots: list[psutil.Process],
+            parts: dict[str, Callable[[], float]] | None = None) -> dict[str, Any]:
+    """The first element, ``warmup`` seconds, then elements and CPU over ``window``: of
+    ``roots`` and their descendants in all, of this process alone, and of each of
+    ``parts`` (a name and a function reading its CPU seconds so far) as
+    ``<name>_us_per_element``."""
+    parts = parts or {}
     start = time.perf_counter()
     next(iterator)
     first = time.perf_counter()
     while time.perf_counter() - first < warmup:
         next(iterator)
     me = psutil.Process()
+    before = {name: read() for name, read in parts.items()}
     cpu0, own0, t0 = tree_cpu(*roots), _cpu(me), time.perf_counter()
     elements = 0
     while True:
@@ -90,11 +113,14 @@ def measure(iterator: Iterator[Any], window: float, warmup: float,
         if now >= t0 + window:
             break
     cpu, own = tree_cpu(*roots) - cpu0, _cpu(me) - own0
+    spent = {name: read() - before[name] for name, read in parts.items()}
     seconds = now - t0
     return {"first_element_s": first - start, "elements": elements, "seconds": seconds,
             "elements_per_s": elements / seconds, "cpu_s": cpu,
             "cpu_us_per_element": cpu / max(1, elements) * 1e6,
-            "consumer_us_per_element": own / max(1, elements) * 1e6}
+            "consumer_us_per_element": own / max(1, elements) * 1e6,
+            **{f"{name}_us_per_element": value / max(1, elements) * 1e6
+               for name, value in spent.items()}}
 
 
 def _cpu(process: psutil.Process) -> float:
@@ -139,34 +165,70 @@ def scale_point(mode: str, workers: int, args: argparse.Namespace) -> dict[str, 
 
     me = psutil.Process()
     ideal = workers * 1000 / args.element_ms
+    load = os.getloadavg()[0]
     started = time.perf_counter()
     if mode == "embedded":
         with zloader.Loader(pipeline(args.element_ms), num_workers=workers,
                             timeout=60) as loader:
-            result = measure(iter(loader), args.window, args.warmup, [me])
+            # The workers are this process's children (forked); the broker is a thread.
+            result = measure(iter(loader), args.window, args.warmup, [me],
+                             {"workers": lambda: tree_cpu(*me.children())})
     else:
         with service(workers) as (address, processes), \
                 zloader.Loader(pipeline(args.element_ms), broker=address, num_workers=0,
                                transport="tcp", timeout=60) as loader:
-            roots = [me, *(psutil.Process(p.pid) for p in processes)]
-            result = measure(iter(loader), args.window, args.warmup, roots)
+            broker, pool = (psutil.Process(p.pid) for p in processes)
+            result = measure(iter(loader), args.window, args.warmup, [me, broker, pool],
+                             {"workers": lambda: tree_cpu(pool),
+                              "broker": lambda: tree_cpu(broker)})
     result.update(mode=mode, workers=workers, ideal_per_s=ideal,
                   efficiency=result["elements_per_s"] / ideal,
-                  wall_s=time.perf_counter() - started)
+                  workers_trainer_us_per_element=result["consumer_us_per_element"]
+                  + result["workers_us_per_element"],
+                  load_1min=load, wall_s=time.perf_counter() - started)
+    if args.floor_seconds > 0:
+        result.update(floor_point(result["elements_per_s"], args.floor_seconds,
+                                  result["consumer_us_per_element"]))
     return result
+
+
+def floor_point(rate: float, seconds: float, trainer_us: float) -> dict[str, Any]:
+    """The floor at ``rate`` (a receiver woken once per message, bench/hops.py) and the
+    trainer's CPU per record over it; a failure is recorded, not raised."""
+    try:
+        floor = paced_floor(rate, seconds)
+    except Exception as exc:  # the point's own figures stand without it
+        return {"floor_error": repr(exc)}
+    return {"floor_us_per_message": floor["cpu_us"],
+            "floor_switches_per_message": floor["switches"],
+            "floor_rate": floor["achieved_rate"],
+            "trainer_over_floor": trainer_us / floor["cpu_us"] if floor["cpu_us"] else None}
 
 
 def scale_section(args: argparse.Namespace) -> list[dict[str, Any]]:
     points = []
-    for workers in args.workers:
-        for mode in args.modes:
-            try:
-                point = scale_point(mode, workers, args)
-            except Exception as exc:  # one failing point must not lose the others
-                point = {"mode": mode, "workers": workers, "error": repr(exc)}
-            print(json.dumps(point), flush=True)
-            points.append(point)
+    for mode, workers in args.points:
+        try:
+            point = scale_point(mode, workers, args)
+        except Exception as exc:  # one failing point must not lose the others
+            point = {"mode": mode, "workers": workers, "error": repr(exc)}
+        print(json.dumps(point), flush=True)
+        points.append(point)
     return points
+
+
+def parse_points(points: list[str] | None, workers: str, modes: str) -> list[tuple[str, int]]:
+    """Section 1's (mode, workers) in the order run: each ``--points MODE=W,W...`` in
+    turn, or else every count of ``--workers`` in every mode of ``--modes``."""
+    if not points:
+        return [(mode, int(w)) for w in workers.split(",") for mode in modes.split(",")]
+    chosen = []
+    for spec in points:
+        mode, _, counts = spec.partition("=")
+        if mode not in ("embedded", "tcp") or not counts:
+            raise SystemExit(f"--points {spec!r}: expected embedded=W,W... or tcp=W,W...")
+        chosen += [(mode, int(w)) for w in counts.split(",")]
+    return chosen
 
 
 # --- (2) several jobs -------------------------------------------------------------------------
@@ -221,22 +283,58 @@ def jobs_section(args: argparse.Namespace) -> dict[str, Any]:
 
 # --- report -----------------------------------------------------------------------------------
 
+def _us(value: Any) -> str:
+    return f"{value:.0f} µs" if isinstance(value, int | float) else "-"
+
+
+def _ratio(value: Any) -> str:
+    return f"{value:.1f}x" if isinstance(value, int | float) else "-"
+
+
 def scale_table(points: list[dict[str, Any]]) -> list[str]:
+    """Section 1 as a markdown table, then a line per issue-26 target at TARGET_WORKERS."""
     lines = ["| mode | workers | elements/s | ideal | efficiency | target | holds | "
-             "CPU per element | of it, the trainer's |", "|---|---|---|---|---|---|---|---|---|"]
+             "CPU per element | of it, the trainer's | workers + trainer | floor | "
+             "trainer / floor | load |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in points:
         if "error" in p:
             lines.append(f"| {p['mode']} | {p['workers']} | failed: {p['error']} "
-                         "| | | | | | |")
+                         "| | | | | | | | | | |")
             continue
-        target = 0.85 if p["workers"] == 32 else 0.7 if p["workers"] == 64 else None
+        target = EFFICIENCY_TARGETS.get((p["mode"], p["workers"]))
         holds = "-" if target is None else "yes" if p["efficiency"] >= target else "no"
+        load = f"{p['load_1min']:.1f}" if "load_1min" in p else "-"
+        floor = _us(p.get("floor_us_per_message"))
+        if "floor_switches_per_message" in p:
+            floor += f" ({p['floor_switches_per_message']:.1f} switches)"
         lines.append(f"| {p['mode']} | {p['workers']} | {p['elements_per_s']:.0f} | "
                      f"{p['ideal_per_s']:.0f} | {p['efficiency']:.2f} | "
                      f"{'>= ' + str(target) if target else '-'} | {holds} | "
-                     f"{p['cpu_us_per_element']:.0f} µs | "
-                     f"{p.get('consumer_us_per_element', float('nan')):.0f} µs |")
+                     f"{_us(p['cpu_us_per_element'])} | "
+                     f"{_us(p.get('consumer_us_per_element'))} | "
+                     f"{_us(p.get('workers_trainer_us_per_element'))} | {floor} | "
+                     f"{_ratio(p.get('trainer_over_floor'))} | {load} |")
+    for p in points:
+        if p.get("workers") != TARGET_WORKERS or "error" in p:
+            continue
+        ratio, total = p.get("trainer_over_floor"), p.get("workers_trainer_us_per_element")
+        checks = []
+        if isinstance(ratio, int | float):
+            checks.append(f"trainer / floor {ratio:.1f}x (target <= "
+                          f"{TRAINER_OVER_FLOOR_TARGET:g}x: "
+                          f"{'holds' if ratio <= TRAINER_OVER_FLOOR_TARGET else 'misses'})")
+        if isinstance(total, int | float):
+            checks.append(f"workers + trainer {total:.0f} µs per record (target <= "
+                          f"{WORKERS_TRAINER_TARGET_US:.0f} µs: "
+                          f"{'holds' if total <= WORKERS_TRAINER_TARGET_US else 'misses'})")
+        if checks:
+            lines += ["", f"At {TARGET_WORKERS} workers, {p['mode']}: " + "; ".join(checks)
+                      + "."]
     return lines
+
+
+def _loads(loads: Any) -> str:
+    return ", ".join(f"{value:.2f}" for value in loads)
 
 
 def jobs_table(jobs: dict[str, Any]) -> list[str]:
@@ -262,11 +360,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", default="1,2,4,8,16,32,64",
                         help="worker counts of section 1 (comma-separated)")
     parser.add_argument("--modes", default="embedded,tcp", help="embedded, tcp or both")
+    parser.add_argument("--points", action="append",
+                        help="instead of --workers and --modes: MODE=W,W... (repeatable), "
+                             "e.g. --points embedded=1,8,32,64 --points tcp=8,32")
     parser.add_argument("--element-ms", type=float, default=10.0,
                         help="milliseconds each element waits (default 10)")
     parser.add_argument("--window", type=float, default=5.0, help="seconds counted")
     parser.add_argument("--warmup", type=float, default=2.0,
                         help="seconds after the first element before counting")
+    parser.add_argument("--floor-seconds", type=float,
+                        help="seconds of the floor measured after each point of section 1 "
+                             "(default: --window; 0: no floor)")
     parser.add_argument("--pool", type=int, default=8, help="workers of section 2")
     parser.add_argument("--late", type=float, default=3.0,
                         help="seconds after the first three jobs the fourth starts")
@@ -283,20 +387,27 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds between a section-3 consumer's EPOCHs (default 10)")
     parser.add_argument("--only", default="scale,jobs", help="scale, jobs, fleet")
     parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--name", default="scale",
+                        help="file stem of the results: NAME.json, NAME.md (default scale)")
+    parser.add_argument("--note", default="",
+                        help="a line to put under the heading of NAME.md (and in the JSON)")
     args = parser.parse_args(argv)
-    args.workers = [int(w) for w in args.workers.split(",")]
-    args.modes = args.modes.split(",")
+    args.points = parse_points(args.points, args.workers, args.modes)
+    if args.floor_seconds is None:
+        args.floor_seconds = args.window
     only = set(args.only.split(","))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     results: dict[str, Any] = {
         "benchmark": "scale", "date": datetime.datetime.now(datetime.timezone.utc)
         .isoformat(timespec="seconds"), "host": platform.node(), "nproc": os.cpu_count(),
         "python": platform.python_version(), **provenance(),
-        "element_ms": args.element_ms, "window_s": args.window}
+        "element_ms": args.element_ms, "window_s": args.window,
+        "floor_seconds": args.floor_seconds, "load_at_start": os.getloadavg(),
+        "note": args.note}
     lines = [f"Scale-out benchmark (bench/scale.py), nproc {os.cpu_count()}, elements of "
              f"{args.element_ms:g} ms of waiting, {args.window:g} s windows, zloader at "
              f"{results['commit'][:12]}. Read efficiencies and ratios, not absolute numbers "
-             "(a shared, noisy machine).", ""]
+             "(a shared, noisy machine).", *([args.note] if args.note else []), ""]
     if "scale" in only:
         results["scale"] = scale_section(args)
         lines += ["### (1) Throughput against workers", "", *scale_table(results["scale"]),
@@ -312,10 +423,14 @@ def main(argv: list[str] | None = None) -> int:
         lines += ["### (3) The control plane alone", "", *fleet_table(results["fleet"]), ""]
     leftovers = [p.pid for p in psutil.Process().children(recursive=True)]
     results["children_at_exit"] = leftovers
+    results["load_at_end"] = os.getloadavg()
+    lines += [f"Load average (1, 5, 15 min): {_loads(results['load_at_start'])} at the "
+              f"start, {_loads(results['load_at_end'])} at the end; the load column is the "
+              "1-minute figure as each point began."]
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "scale.json").write_text(json.dumps(results, indent=1))
-    (out / "scale.md").write_text("\n".join(lines) + "\n")
+    (out / f"{args.name}.json").write_text(json.dumps(results, indent=1))
+    (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     if leftovers:
         print(f"child processes still running at exit: {leftovers}", file=sys.stderr)

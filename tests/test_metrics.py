@@ -58,6 +58,8 @@ def test_the_metrics_endpoint_serves_job_and_worker_metrics_while_a_loader_reads
         (elements,) = families["zloader_job_elements"]
         assert elements.name == "zloader_job_elements_total"  # a counter, by convention
         assert elements.labels["job_name"] == "metered" and elements.value >= 3000
+        (deaths,) = families["zloader_broker_worker_deaths"]
+        assert deaths.name == "zloader_broker_worker_deaths_total" and deaths.value == 0
         (consumers,) = families["zloader_job_consumers"]
         assert consumers.value == 1
         (desired,) = families["zloader_job_desired_workers"]

@@ -10,6 +10,8 @@ import secrets
 import threading
 import time
 
+import pytest
+
 from tests.service import dealers, service, status, wait_for
 from zloader import Loader, Pipeline
 from zloader.transport import messages
@@ -21,7 +23,8 @@ def slowly(x: int) -> int:
     return x
 
 
-def test_a_consumer_reporting_busy_workers_stuck_does_not_get_them_dropped():
+@pytest.mark.parametrize("claimed", [30.0, 0.3])
+def test_a_consumer_reporting_busy_workers_stuck_does_not_get_them_dropped(claimed: float):
     pipeline = Pipeline.range(1500, split_size=50).map(slowly)
     with service(workers=2) as (address, _):
         with Loader(pipeline, broker=address, job_name="busy", timeout=60) as honest:
@@ -45,7 +48,7 @@ def test_a_consumer_reporting_busy_workers_stuck_does_not_get_them_dropped():
                         if msg.command == Command.JOB and msg.body.get("workers"):
                             view = msg.body
                 assert view is not None, "no JOB view for the second consumer"
-                reports = [{"worker": w["worker"], "task": w["task"], "seconds": 30.0}
+                reports = [{"worker": w["worker"], "task": w["task"], "seconds": claimed}
                            for w in view["workers"]]
                 for _ in range(10):
                     sock.send_multipart(encode(Command.HEARTBEAT, messages.encode(

@@ -99,3 +99,27 @@ def test_an_output_signature_given_skips_inference_and_is_checked():
     with pytest.raises(TypeError, match=r"spec.*tf\.TensorSpec"):
         zloader.tf.to_dataset(pipeline, spec=[3, 2])
     assert calls == []
+
+
+def _varying(i: int) -> np.ndarray:
+    return np.arange(5 if i < 2 else 3 + i % 7, dtype=np.float32)
+
+
+def test_an_element_that_breaks_the_inferred_signature_names_output_signature():
+    # The first two elements share a length, so inference fixes it; a later one differs.
+    ds = zloader.tf.dataset(Pipeline.range(20, split_size=20).map(_varying), num_workers=1,
+                            timeout=30)
+    try:
+        with pytest.raises(Exception, match="output_signature=") as raised:
+            for _ in ds:
+                pass
+        assert "has shape (6,)" in str(raised.value)
+    finally:
+        zloader.tf.close(ds)
+    given = zloader.tf.dataset(Pipeline.range(20, split_size=20).map(_varying),
+                               output_signature=tf.TensorSpec([None], tf.float32),
+                               num_workers=1, timeout=30)
+    try:
+        assert sum(1 for _ in given) == 20
+    finally:
+        zloader.tf.close(given)

@@ -231,3 +231,28 @@ def test_bfloat16_batches_travel_as_tensors_without_pickle():
         loader.close()
     assert all(same(a, b) for a, b in zip(batches, got, strict=True))
     assert zt.to_numpy({"b": batches[1]})["b"] is batches[1]  # left for the codec
+
+
+def _full(i: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.full((2,), float(i), dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_pipeline_batch_of_tensors_is_a_tensor_of_their_dtype(dtype):
+    import functools
+
+    pipeline = zloader.Pipeline.range(8).map(functools.partial(_full, dtype=dtype)).batch(4)
+    expected = [torch.stack([_full(i, dtype) for i in range(b, b + 4)]) for b in (0, 4)]
+    assert all(same(a, b) for a, b in zip(pipeline.iter(), expected, strict=True))
+    with zloader.Loader(pipeline, num_workers=1, timeout=30) as loader:
+        got = list(loader)
+    assert all(same(a, b) for a, b in zip(got, expected, strict=True))
+    rows = list(pipeline.unbatch().iter())
+    assert all(same(a, _full(i, dtype)) for i, a in enumerate(rows))
+
+
+def test_tensors_of_different_lengths_are_padded_by_bucket_by_length():
+    pipeline = zloader.Pipeline.range(1, 5).map(lambda n: torch.arange(n, dtype=torch.bfloat16))
+    (batch,) = pipeline.bucket_by_length(len, [10], [4, 4], pad_value=-1).iter()
+    assert isinstance(batch, torch.Tensor) and batch.dtype == torch.bfloat16
+    assert batch.shape == (4, 4) and float(batch[0, 1]) == -1 and float(batch[3, 3]) == 3

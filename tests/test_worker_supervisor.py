@@ -41,6 +41,9 @@ def test_a_killed_worker_process_is_replaced_logged_and_fails_the_exit_status(tm
         text = log.read_text()
         assert f"worker pid {victim} was killed by signal SIGKILL" in text, text
         assert "1 death so far" in text and "restarting it in" in text, text
+        # The broker counts the death (STATUS, and zloader_broker_worker_deaths_total).
+        wait_for(lambda: status(address)["summary"]["worker_deaths"] == 1,
+                 what="the broker to count the dead worker")
 
         parent.send_signal(signal.SIGTERM)  # drains the two that run, then exits
         assert parent.wait(30) == 1

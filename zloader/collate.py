@@ -7,6 +7,8 @@ leaves at one position in every element      batched leaf
 ===========================================  ============================================
 numpy arrays (or array-likes: ``__array__``)  ``np.stack`` along a new axis 0; shapes must
                                               match
+torch tensors                                 ``torch.stack`` (a tensor, any dtype torch
+                                              has, ``bfloat16`` included); shapes must match
 numbers (Python or numpy scalars, bools)      1-d array (Python ``int`` -> int64,
                                               ``float`` -> float64, ``bool`` -> bool)
 ``str``, ``bytes``, ``None``                  a ``list`` of them
@@ -25,10 +27,13 @@ and dicts, tuples and other lists are structure. Every leaf must have the same l
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
+
+from zloader.codec_torch import is_tensor
 
 __all__ = ["split", "stack"]
 
@@ -51,6 +56,8 @@ def stack(elements: Sequence[Any], pad_value: Any = None) -> Any:
 
 def _stack(values: Sequence[Any], path: str, pad: Any = None) -> Any:
     first = values[0]
+    if is_tensor(first):  # (torch is imported: the user's tensors came from it)
+        return _stack_tensors(values, path, pad)
     if isinstance(first, np.ndarray) or (hasattr(first, "__array__")
                                          and not isinstance(first, _NUMBER_TYPES)):
         arrays = [np.asarray(v) if not isinstance(v, np.ndarray) else v for v in values]
@@ -101,6 +108,33 @@ def _stack(values: Sequence[Any], path: str, pad: Any = None) -> Any:
                     "stacked; map them to numpy arrays first")
 
 
+def _stack_tensors(values: Sequence[Any], path: str, pad: Any) -> Any:
+    """Stack torch tensors into one tensor (padded along axis 0 with ``pad``); torch is
+    imported already (the tensors came from it), and is not imported here."""
+    torch = sys.modules["torch"]
+
+    for value in values:
+        if not is_tensor(value):
+            raise TypeError(f"cannot batch {path}: mixes a tensor with "
+                            f"{type(value).__name__}")
+    shape = values[0].shape
+    if pad is not None and len(shape) >= 1:
+        rest = shape[1:]
+        if any(len(v.shape) == 0 or v.shape[1:] != rest for v in values):
+            raise ValueError(f"cannot pad {path}: tensors differ beyond axis 0; only axis 0 "
+                             "is padded")
+        out = values[0].new_full((len(values), max(v.shape[0] for v in values), *rest), pad)
+        for row, value in zip(out, values, strict=True):
+            row[:value.shape[0]] = value
+        return out
+    for value in values:
+        if value.shape != shape:
+            raise ValueError(f"cannot batch {path}: tensors have different shapes "
+                             f"{tuple(shape)} and {tuple(value.shape)}; pad them to one shape "
+                             "in a map stage (or use bucket_by_length)")
+    return torch.stack(list(values))
+
+
 def _padded(arrays: list[np.ndarray], path: str, pad: Any) -> np.ndarray:
     """Stack arrays padded with ``pad`` along axis 0 to the longest of them."""
     rest = arrays[0].shape[1:]
@@ -139,6 +173,10 @@ def _is_scalar_list(value: Any) -> bool:
 
 
 def _length(value: Any, path: str) -> int | None:
+    if is_tensor(value):
+        if value.dim() == 0:
+            raise ValueError(f"cannot unbatch {path}: it is a 0-d tensor")
+        return int(value.shape[0])
     if isinstance(value, np.ndarray):
         if value.ndim == 0:
             raise ValueError(f"cannot unbatch {path}: it is a 0-d array")
@@ -162,7 +200,7 @@ def _length(value: Any, path: str) -> int | None:
 
 
 def _row(value: Any, row: int) -> Any:
-    if isinstance(value, np.ndarray) or _is_scalar_list(value):
+    if isinstance(value, np.ndarray) or _is_scalar_list(value) or is_tensor(value):
         return value[row]
     if isinstance(value, dict):
         return {k: _row(v, row) for k, v in value.items()}

@@ -80,6 +80,11 @@ class _Snapshot(Collector):
                                        "Malformed or refused messages the broker dropped")
         rejected.add_metric([], float(data.get("rejected", 0)))
         yield rejected
+        deaths = CounterMetricFamily("zloader_broker_worker_deaths",
+                                     "Workers the broker dropped as dead: silent past their "
+                                     "expiry, confirmed stuck, or gone without leaving")
+        deaths.add_metric([], float(data.get("worker_deaths", 0)))
+        yield deaths
 
 
 def _family(name: str, kind: str, text: str, labels: list[str]) -> Any:

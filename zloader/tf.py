@@ -15,7 +15,7 @@ import itertools
 import threading
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -263,6 +263,43 @@ def _merged(specs: list[Any]) -> Any:
     return spec
 
 
+def _shape_guard(signature: Any) -> Callable[[Any, int], None] | None:
+    """A check of each element against the dimensions an inferred ``signature`` fixed
+    (None when it fixed none): an element that differs fails with a message naming the
+    leaf and ``output_signature=``, where tf.data would fail with its own words."""
+    fixed: list[tuple[tuple[Any, ...], tuple[int | None, ...]]] = []
+
+    def walk(spec: Any, path: tuple[Any, ...]) -> None:
+        if isinstance(spec, dict):
+            for key, child in spec.items():
+                walk(child, (*path, key))
+        elif isinstance(spec, tuple):
+            for at, child in enumerate(spec):
+                walk(child, (*path, at))
+        elif spec.shape.rank and any(d is not None for d in spec.shape.as_list()):
+            fixed.append((path, tuple(spec.shape.as_list())))
+
+    walk(signature, ())
+    if not fixed:
+        return None
+
+    def guard(element: Any, index: int) -> None:
+        for path, dims in fixed:
+            leaf = element
+            for step in path:
+                leaf = leaf[step]
+            shape = np.shape(leaf)
+            if len(shape) != len(dims) or any(d is not None and d != n
+                                              for d, n in zip(dims, shape, strict=True)):
+                where = "".join(f"[{step!r}]" for step in path)
+                raise ValueError(
+                    f"element {index}{where} has shape {tuple(shape)}, but the signature "
+                    f"inferred from the pipeline's first elements fixed it at "
+                    f"{tuple(dims)} (None: any): pass output_signature= to "
+                    "zloader.tf.dataset, with None for the dimensions that vary")
+    return guard
+
+
 def _checked(name: str, signature: Any) -> Any:
     """``signature`` if it is a ``tf.TypeSpec`` or a nest (dicts, tuples, lists) of them.
 
@@ -308,11 +345,13 @@ def dataset(pipeline: Pipeline, output_signature: Any = None, *, probe: int = TF
     """
     if not isinstance(pipeline, Pipeline):
         raise TypeError(f"pipeline must be a zloader.Pipeline, got {type(pipeline).__name__}")
+    guard = None
     if output_signature is not None:
         signature = _checked("output_signature", output_signature)
     else:
         signature = infer_signature(pipeline, probe)
-    source = _LoaderSource(pipeline, loader_kwargs)
+        guard = _shape_guard(signature)
+    source = _LoaderSource(pipeline, loader_kwargs, guard)
     result = tf.data.Dataset.from_generator(source.epoch, output_signature=signature)
     _SOURCES[result] = source
     return result
@@ -369,9 +408,11 @@ def _close_all() -> None:
 class _LoaderSource:
     """Owns the Loader behind a dataset; one generator call is one epoch."""
 
-    def __init__(self, pipeline: Pipeline, loader_kwargs: dict[str, Any]) -> None:
+    def __init__(self, pipeline: Pipeline, loader_kwargs: dict[str, Any],
+                 guard: Callable[[Any, int], None] | None = None) -> None:
         self.pipeline = pipeline
         self.loader_kwargs = loader_kwargs
+        self.guard = guard  # checks each element against an inferred signature
         self.loader: Loader | None = None
         self.lock = threading.Lock()
 
@@ -381,7 +422,10 @@ class _LoaderSource:
                 self.loader = Loader(self.pipeline, **self.loader_kwargs)
                 _OPEN.add(self)
             loader = self.loader
-        for element in loader:
+        guard = self.guard
+        for index, element in enumerate(loader):
+            if guard is not None:
+                guard(element, index)
             yield _as_tf_structure(element)
 
     def close(self) -> None:

@@ -53,6 +53,7 @@ def drop_worker(state: Tables, worker_id: str, died: bool, now: float,
     worker = state.workers.pop(worker_id, None)
     if worker is None:
         return []
+    state.deaths += died
     state.peers.pop(worker.identity, None)
     job = state.job_of(worker.task)
     if job is None or worker.task is None:
@@ -147,11 +148,13 @@ def stuck(state: Tables, job: Job, consumer: Consumer,
 def confirmed(state: Tables, worker: Worker, seconds: float, now: float) -> str:
     """Why the broker's own view contradicts a report that ``worker`` sent nothing for
     ``seconds``, or "" when it agrees. Its heartbeats say what it sent in all and what its
-    producer does: elements sent within the second half of that silence (to any consumer),
-    or a producer waiting for credits (``blocked``: its user code is not stuck; a consumer
-    holds them), contradict it."""
+    producer does: elements sent within the second half of that silence, or within the
+    last two heartbeats whatever the claim (to any consumer), or a producer waiting for
+    credits (``blocked``: its user code is not stuck; a consumer holds them), contradict
+    it. A worker truly stuck is confirmed at a later report (a consumer reports again
+    every ``timeout``) once its heartbeats have shown no progress for that long."""
     since = now - worker.sent_at
-    if since < seconds / 2 and since < seconds - 2 * state.heartbeat:
+    if since < max(seconds / 2, 2 * state.heartbeat):
         return f"its heartbeats show elements sent {since:.1f} s ago"
     if worker.doing is not None and worker.doing.get("stage") == "blocked":
         return "its producer waits for a consumer's credits"

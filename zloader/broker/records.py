@@ -238,6 +238,7 @@ class Tables:
         self.peers: dict[bytes, tuple[str, str]] = {}  # identity -> ("worker"|"consumer", id)
         self.rejected = 0  # malformed or refused messages dropped (the broker counts them)
         self.refused = 0  # REGISTERs refused past a limit (admission.py)
+        self.deaths = 0  # workers dropped as dead (silent past expiry, stuck, or gone)
         self.refusal_logged = float("-inf")  # when a refusal was last logged
         self.unjournaled: set[str] = set()  # jobs whose journal writes failed
         self.told: set[str] = set()  # consumers told so (history.journal_errors)

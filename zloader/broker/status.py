@@ -152,7 +152,7 @@ def status(state: Tables, now: float, start: Mapping[str, Any] | None = None
     return {"summary": {"workers": len(state.workers), "jobs": len(state.jobs),
                         "busy_workers": busy_workers(state),
                         "consumers": len(state.consumers), "refused": state.refused,
-                        "rejected": state.rejected},
+                        "rejected": state.rejected, "worker_deaths": state.deaths},
             "workers": workers, "jobs": jobs,
             "left_off": {"workers": max(0, len(state.workers) - end_workers),
                          "jobs": max(0, len(state.jobs) - end_jobs)},
@@ -226,7 +226,8 @@ def metrics(state: Tables, now: float) -> dict[str, Any]:
                 **{k: w.stats.get(k, 0) for k in ("elements", "bytes", "cpu_seconds",
                                                    "rejected", "credits", "ring_fill")}}
                for w in state.workers.values()]
-    return {"jobs": jobs, "workers": workers, "rejected": state.rejected}
+    return {"jobs": jobs, "workers": workers, "rejected": state.rejected,
+            "worker_deaths": state.deaths}
 
 
 def sample(state: Tables, now: float) -> None:
