@@ -264,14 +264,14 @@ def test_another_num_consumers_for_the_same_job_is_refused():
 
 
 def test_a_consumer_releases_rounds_in_order_once_committed_and_skips_lost_ones():
-    from zloader.client.items import Item
+    from zloader.client.items import Data
     from zloader.client.rounds import Rounds
 
     rounds = Rounds((2, 1))
     rounds.start(0)
 
-    def item(n: int) -> Item:
-        return Item("data", 0, f"w{n % 2}", 0, [n])
+    def item(n: int) -> Data:
+        return Data(0, f"w{n % 2}", 0, [n])
 
     for number in (2, 0, 1, 3):
         assert rounds.hold(number, item(number))
@@ -279,8 +279,8 @@ def test_a_consumer_releases_rounds_in_order_once_committed_and_skips_lost_ones(
     assert rounds.release() == []  # round 0 is not committed yet
     rounds.commit([0], [1])  # round 1 was lost: its element goes back (its credit)
     out = rounds.release()
-    assert [(i.kind, i.elements) for i in out] == [("lost", []), ("data", [0]),
-                                                   ("data", [2]), ("data", [3])]
+    assert [(type(i).__name__, getattr(i, "elements", [])) for i in out] == [
+        ("Lost", []), ("Data", [0]), ("Data", [2]), ("Data", [3])]
     assert not rounds.hold(1, item(1))  # a late element of a lost round is refused
     rounds.issued = {"0": 4}
     assert rounds.finished(0)

@@ -35,11 +35,11 @@ def test_a_consumer_reporting_busy_workers_stuck_does_not_get_them_dropped(claim
             workers_before = {w["worker"] for w in status(address)["workers"]}
             # A second consumer of the job (another process could send the same) reports
             # both workers stuck, again and again.
-            register = dataclasses.replace(honest._io._link.register,
+            register = dataclasses.replace(honest._io.loop._link.register,
                                            consumer=secrets.token_hex(8))
             with dealers(address) as (sock,):
                 sock.send_multipart(encode(Command.REGISTER, messages.encode(register),
-                                           (honest._io._link.blob,)))
+                                           (honest._io.loop._link.blob,)))
                 view = None
                 deadline = time.monotonic() + 10
                 while view is None and time.monotonic() < deadline:

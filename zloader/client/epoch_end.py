@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from zloader._defaults import REREADS
-from zloader.client.items import Item
+from zloader.client.items import Data, Done, Failed, Item
 from zloader.client.link import BrokerLink, JobView
 from zloader.client.peers import Peers
 from zloader.client.rounds import Rounds
@@ -26,7 +26,7 @@ log = logging.getLogger("zloader.loader")
 
 
 class EpochEnd:
-    """Decides when the epoch under way is over and hands the iterating thread "done"
+    """Decides when the epoch under way is over and hands the iterating thread :class:`Done`
     (through ``put``); keeps the exactly-once bookkeeping that decision needs."""
 
     def __init__(self, settings: Settings, session: Session, stats: Stats, link: BrokerLink,
@@ -161,7 +161,7 @@ class EpochEnd:
         where = ", ".join(f"{split} (pass {list(key)})" for key, split in sorted(missing)[:8])
         if any(self._rereads.get(at, 0) >= REREADS for at in missing):
             self._short_failed = True
-            self.put(Item("error", error=ZloaderError(
+            self.put(Failed(ZloaderError(
                 f"epoch {session.epoch} ended short: elements of splits {where} never "
                 f"reached this consumer ({len(missing)} splits), and {REREADS} readings "
                 "again did not bring them; records are being lost on the way (see the "
@@ -184,7 +184,7 @@ class EpochEnd:
         lost ones (giving their credits back)."""
         assert self.rounds is not None
         for item in self.rounds.release():
-            if item.kind == "data":
+            if isinstance(item, Data):
                 self.put(item)
             else:
                 self.peers.credit(item.worker, 1)
@@ -193,10 +193,10 @@ class EpochEnd:
             self.finish()
 
     def finish(self) -> None:
-        """The epoch is over: hand on "done"."""
+        """The epoch is over: hand on :class:`Done`."""
         self.session.done = True
         epoch = self.session.epoch
-        self.put(Item("done", epoch if epoch is not None else -1))
+        self.put(Done(epoch if epoch is not None else -1))
 
     # --- dead and stuck workers -----------------------------------------------------------
 
@@ -273,7 +273,7 @@ class EpochEnd:
                             "job and the other workers read its splits", about)
                 self.stats.last_progress = now  # the rerun gets a full timeout of its own
                 continue
-            self.put(Item("error", error=Timeout(
+            self.put(Failed(Timeout(
                 f"{about}: its user code may be blocked (a deadlock, a wait that never "
                 "ends) and no other worker serves this job to read its splits; the broker "
                 "takes it off the job (raise timeout= if one element can take longer)")))

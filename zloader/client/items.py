@@ -1,5 +1,6 @@
-"""What the I/O thread hands the iterating thread: :class:`Item` s (an exactly-once job's
-records carry their :class:`~zloader.lineage.Origins`, checked by the I/O thread)."""
+"""What the consumer's loop hands the iterating thread, one record type per kind of item
+(an exactly-once job's records carry their :class:`~zloader.lineage.Origins`, checked by
+the loop), and what the iterating thread asks of the loop (:data:`Command`)."""
 
 from __future__ import annotations
 
@@ -8,18 +9,76 @@ from typing import Any
 
 from zloader.lineage import Origins
 
-__all__ = ["Item", "Origins"]
+__all__ = ["Command", "Data", "Done", "End", "Failed", "GiveCredit", "Item", "Lost", "Origins",
+           "StartEpoch"]
 
 
 @dataclass
-class Item:
-    """What the I/O thread hands the iterating thread."""
+class Data:
+    """A record's elements from the worker at ``index`` (the job's worker index)."""
 
-    kind: str  # "data", "end" (one worker finished the epoch), "done" (all did), "error"
-    epoch: int = -1
-    worker: str = ""
-    index: int = 0
+    epoch: int
+    worker: str
+    index: int
     elements: list[Any] = field(default_factory=list)
-    error: BaseException | None = None
-    # Exactly-once jobs: where its elements came from (zloader/lineage.py).
+    origins: Origins | None = None  # exactly-once jobs: where its elements came from
+
+
+@dataclass(frozen=True)
+class End:
+    """One worker finished the epoch; ``origins``: those of the elements it dropped that
+    no record carried (exactly-once)."""
+
+    epoch: int
+    worker: str
+    index: int
     origins: Origins | None = None
+
+
+@dataclass(frozen=True)
+class Lost:
+    """A coordinated round this consumer held was lost for every consumer: its record's
+    credit goes back, its elements are not yielded."""
+
+    epoch: int
+    worker: str
+    index: int
+
+
+@dataclass(frozen=True)
+class Done:
+    """Every worker finished the epoch and nothing of it is missing."""
+
+    epoch: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The epoch cannot go on: raise ``error`` in the iterating thread."""
+
+    error: BaseException
+    epoch: int = -1
+
+
+Item = Data | End | Lost | Done | Failed
+"""What the loop hands the iterating thread."""
+
+
+@dataclass(frozen=True)
+class StartEpoch:
+    """Open ``epoch`` on every worker, handing them ``frames`` (a codec element, or none)."""
+
+    epoch: int
+    frames: list[Any]
+
+
+@dataclass(frozen=True)
+class GiveCredit:
+    """The iterating thread used ``credits`` records of ``worker``: give them back."""
+
+    worker: str
+    credits: int = 1
+
+
+Command = StartEpoch | GiveCredit
+"""What the iterating thread asks of the loop."""

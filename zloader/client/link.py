@@ -18,7 +18,7 @@ import zmq
 
 from zloader._defaults import BYE_LINGER_MS, SILENT_BROKER_REPEAT, SILENT_BROKER_WARNING
 from zloader._host import host_id
-from zloader.client.items import Item
+from zloader.client.items import Failed, Item
 from zloader.client.rounds import Rounds
 from zloader.client.session import Session, Settings
 from zloader.client.stats import Stats
@@ -203,15 +203,15 @@ class BrokerLink:
 
     def _errors(self, view: messages.Job) -> None:
         """Hand on the job's start-up error, and its latest failed split (before any
-        "done" this JOB causes)."""
+        the Done this JOB causes)."""
         if view.error and not self._reported_error:
             self._reported_error = True
-            self.put(Item("error", error=error_from_object(view.error, "worker start-up")))
+            self.put(Failed(error_from_object(view.error, "worker start-up")))
         failed = view.failed
         if len(failed) > self._reported_failures:
             entry = failed[-1]
             self._reported_failures = len(failed)
-            self.put(Item("error", error=PipelineError.create(
+            self.put(Failed(PipelineError.create(
                 "worker", "RuntimeError", str(entry.get("message", "a split failed")),
                 context=f"split {entry.get('split')}", builtin="RuntimeError")))
 
@@ -219,7 +219,7 @@ class BrokerLink:
         """ERROR: the broker refused this consumer (a ValueError when about job_name)."""
         text = refusal.message
         error: Exception = ValueError(text) if "job_name" in text else ZloaderError(text)
-        self.put(Item("error", error=error))
+        self.put(Failed(error))
 
     @staticmethod
     def log_lines(lines: messages.Log) -> None:

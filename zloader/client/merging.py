@@ -14,7 +14,7 @@ from typing import Any
 from zloader import codec
 from zloader._defaults import LOST_GRACE_SECONDS, POLL_SECONDS
 from zloader.client.exactly_once import Yielded
-from zloader.client.items import Item
+from zloader.client.items import Data, Done, End, Failed, Item
 from zloader.client.thread import IOThread
 from zloader.errors import PipelineError, Timeout
 
@@ -70,29 +70,31 @@ class Merger:
             ZloaderError: the broker refused the job, or its workers failed to start.
             Timeout: no answer within the timeout.
         """
-        while self.io.stats.job_epoch is None:
-            for item in list(self.io.items.queue):
-                if item.kind == "error":
-                    raise item.error
+        while not self.io.wait_answered(POLL_SECONDS):
             self.check_progress()
-            time.sleep(0.005)
-        return self.io.stats.job_epoch
+        for item in list(self.io.items.queue):
+            if isinstance(item, Failed):
+                raise item.error
+        epoch = self.io.stats.job_epoch
+        assert epoch is not None  # (the loop sets answered once it is known)
+        return epoch
 
     def _merged(self, epoch: int) -> Iterator[Any]:
         """Elements of ``epoch`` from every worker, in arrival order."""
         while True:
             item = self._next_item(epoch)
-            if item.kind == "done":
+            if isinstance(item, Done):
                 self.yielded.done(epoch)  # all of it yielded
                 return
-            if item.kind == "data":
+            if isinstance(item, Data):
                 self.yielded.record(item.origins, self.elements)
                 for element in item.elements:
                     self.elements += 1
                     yield element
                 self.io.credit(item.worker, 1)
                 self._check_skipped()
-            self.yielded.recorded(item.origins, epoch)
+            if isinstance(item, (Data, End)):
+                self.yielded.recorded(item.origins, epoch)
 
     def _round_robin(self, epoch: int) -> Iterator[Any]:
         """Elements of ``epoch``, one from each worker in index order (deterministic)."""
@@ -125,13 +127,13 @@ class Merger:
                 return
             # Others' records do not count as progress: the element due may still be late.
             item = self._next_item(epoch, since)
-            if item.kind == "data":
+            if isinstance(item, Data):
                 pending.setdefault(item.index, deque()).extend(item.elements)
                 self.io.credit(item.worker, 1)
                 self._check_skipped()
-            elif item.kind == "end":
+            elif isinstance(item, End):
                 ended.add(item.index)
-            elif item.kind == "done":
+            elif isinstance(item, Done):
                 done = True
 
     def _next_item(self, epoch: int, since: float | None = None) -> Item:
@@ -158,14 +160,14 @@ class Merger:
                     stats.wait_seconds = self.wait + time.monotonic() - start
                     self.check_progress(since)
                     continue
-                if item.kind == "error":
+                if isinstance(item, Failed):
                     deaths = self.deaths() if isinstance(item.error, Timeout) else ""
                     if deaths:
                         raise Timeout(f"{item.error} ({deaths})") from None
-                    raise item.error  # type: ignore[misc]
+                    raise item.error
                 if item.epoch == epoch:
                     return item
-                if item.kind == "data":  # a record of an epoch left early: return its credit
+                if isinstance(item, Data):  # a record of an epoch left early: its credit
                     self.io.credit(item.worker, 1)
         finally:
             self.wait += time.monotonic() - start

@@ -11,7 +11,7 @@ from typing import Any
 
 from zloader import codec
 from zloader.client.epoch_end import EpochEnd
-from zloader.client.items import Item
+from zloader.client.items import Data, End, Failed, Item
 from zloader.client.link import BrokerLink
 from zloader.client.peers import Peer, Peers
 from zloader.client.rounds import Rounds
@@ -83,7 +83,7 @@ class Receiver:
                 self._end(peer, record, msg.payload)
         elif isinstance(record, messages.Fail):
             if record.epoch == self.session.epoch:
-                self.put(Item("error", error=error_from_object(record.error)))
+                self.put(Failed(error_from_object(record.error)))
         elif isinstance(record, messages.Error):
             log.warning("worker %s refused: %s", peer.endpoint, record.message)
 
@@ -124,8 +124,8 @@ class Receiver:
         stats.bytes += sum(memoryview(b).nbytes for b in buffers)
         stats.per_worker[peer.pid] = stats.per_worker.get(peer.pid, 0) + count
         self._note_lagged(peer, data.lagged)
-        item = Item("data", session.epoch if session.epoch is not None else -1, peer.worker,
-                    peer.index, elements, origins=origins)
+        item = Data(session.epoch if session.epoch is not None else -1, peer.worker,
+                    peer.index, elements, origins)
         if origins is not None:
             origins.note(session.received)
         if self.rounds is None:
@@ -161,8 +161,7 @@ class Receiver:
             origins = _origins(getattr(payload[0], "buffer", payload[0]), 0)
             origins.note(session.received)
         epoch = session.epoch
-        self.put(Item("end", epoch if epoch is not None else -1, peer.worker, peer.index,
-                      origins=origins))
+        self.put(End(epoch if epoch is not None else -1, peer.worker, peer.index, origins))
         self.end.check()
 
     def _note_skipped(self, peer: Peer, skipped: int) -> None:

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from zloader._defaults import VACANT_WARNING
-from zloader.client.items import Item
+from zloader.client.items import Data, Lost
 
 __all__ = ["Rounds"]
 
@@ -23,7 +23,7 @@ class Rounds:
     def __init__(self, coordinated: tuple[int, int]) -> None:
         self.size, self.index = coordinated
         self.next = 0
-        self.held: dict[int, Item] = {}
+        self.held: dict[int, Data] = {}
         self.committed: set[int] = set()
         self.lost: set[int] = set()
         self.issued: dict[str, int] = {}
@@ -88,7 +88,7 @@ class Rounds:
         if self.start_at is not None and self.start_at[0] == epoch:
             self.next = self.start_at[1]
 
-    def hold(self, number: int, item: Item) -> bool:
+    def hold(self, number: int, item: Data) -> bool:
         """Keep round ``number``'s element; False when the round is skipped here."""
         if number < self.next or number in self.lost:
             return False
@@ -103,13 +103,13 @@ class Rounds:
         self.committed.update(n for n in numbers if isinstance(n, int) and n >= self.next)
         self.lost.update(n for n in lost if isinstance(n, int) and n >= self.next)
 
-    def release(self) -> list[Item]:
-        """Items in round order: ``data`` ones to yield, and the elements of lost rounds
-        (kind ``lost``) whose credit goes back."""
-        out = []
+    def release(self) -> list[Data | Lost]:
+        """Items in round order: records to yield, and the rounds lost (:class:`Lost`)
+        whose credit goes back."""
+        out: list[Data | Lost] = []
         for number in sorted(n for n in self.held if n in self.lost):
             item = self.held.pop(number)
-            out.append(Item("lost", item.epoch, item.worker, item.index))
+            out.append(Lost(item.epoch, item.worker, item.index))
         while True:
             if self.next in self.lost:
                 self.lost.discard(self.next)

@@ -48,7 +48,7 @@ class Session:
     epoch: int | None = None  # the epoch under way (None before the first)
     epoch_input: tuple[Any, ...] | list[Any] = ()  # codec frames sent with OPEN
     ended: set[str] = field(default_factory=set)  # workers that ended the epoch (rerun)
-    done: bool = False  # the epoch is over: "done" was handed on
+    done: bool = False  # the epoch is over: Done was handed on
     rerun: int = 0  # how often the workers were asked to run the epoch again
     received: Ledger = field(default_factory=Ledger)  # origins received this epoch
 
