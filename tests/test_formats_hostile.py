@@ -13,6 +13,7 @@ import gzip
 import io
 import json
 import logging
+import re
 import socket
 import struct
 import subprocess
@@ -85,6 +86,30 @@ def peak_read(kind: str, path) -> dict:
     error it met."""
     done = subprocess.run([sys.executable, "-c", PEAK, kind, str(path)], capture_output=True,
                           text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+ERRORS = r"""
+import json, sys
+from zloader import Pipeline
+
+errors = {}
+for path in sys.argv[1:]:
+    try:
+        list(Pipeline.from_webdataset([path]))
+        errors[path] = None
+    except Exception as exc:
+        errors[path] = {"exc_type": exc.exc_type, "message": str(exc).split("\n")[0]}
+print(json.dumps(errors))
+"""
+
+
+def read_errors(paths: list, timeout: float = 30) -> dict:
+    """Read each shard of ``paths`` in a child process (a read that hangs fails the test
+    after ``timeout`` seconds, and the child is killed): the error each met, by path."""
+    done = subprocess.run([sys.executable, "-c", ERRORS, *map(str, paths)],
+                          capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -245,6 +270,170 @@ def test_a_sample_with_a_huge_sparse_member_costs_that_sample_only(tmp_path):
     out, skipped = loader_read(pipeline)
     assert sorted(s["txt"] for s in out) == [b"three", b"zero"]
     assert skipped == 2
+
+
+
+def header(name: str, size: int, kind: bytes = tarfile.REGTYPE, pax: dict | None = None,
+           form: int = tarfile.GNU_FORMAT) -> bytes:
+    """A tar header claiming ``size`` bytes (GNU base-256 past 8 GiB), with no data."""
+    info = tarfile.TarInfo(name)
+    info.size, info.type = size, kind
+    if pax:
+        info.pax_headers = pax
+    return info.tobuf(format=form)
+
+
+def member(name: str, data: bytes, kind: bytes = tarfile.REGTYPE) -> bytes:
+    """A whole member: its header and its data."""
+    return header(name, len(data), kind, form=tarfile.USTAR_FORMAT) + data \
+        + bytes(-len(data) % 512)
+
+
+def pax_record(key: str, value: str) -> bytes:
+    """One PAX record, ``"%d %s=%s\\n"``, its length counting itself."""
+    body = f" {key}={value}\n".encode()
+    length = len(body)
+    while length != len(body) + len(str(length)):
+        length = len(body) + len(str(length))
+    return str(length).encode() + body
+
+
+def one_gzip(*parts: bytes | int) -> bytes:
+    """``parts`` (bytes, or an int: that many MiB of zeros) compressed as one gzip member,
+    the way ``tar -z`` writes a shard."""
+    compress = zlib.compressobj(1, wbits=31)
+    out = []
+    for part in parts:
+        for piece in [bytes(MiB)] * part if isinstance(part, int) else [part]:
+            out.append(compress.compress(piece))
+    return b"".join(out) + compress.flush()
+
+
+def ten() -> bytes:
+    """A shard of ten samples s0..s9, one member each, as tarfile writes it."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for i in range(10):
+            add_member(tar, f"s{i}.cls", b"%d" % i)
+    return out.getvalue()
+
+
+def test_a_member_stored_past_the_shard_ends_it_at_once_not_after_hours(tmp_path):
+    claim = 1 << 44  # 16 TiB: tarfile skipped it a 10 KiB block at a time, for hours
+    tail = b"".join(member(f"s{i}.cls", b"%d" % i) for i in range(2, 6)) + bytes(1024)
+    shards = {
+        "pax.tar": header("s1.bin", 10, pax={"size": str(claim)}, form=tarfile.PAX_FORMAT)
+        + b"x" * 10 + bytes(502),
+        "file.tar": header("s1.bin", claim),
+        "folder.tar": header("s1", claim, tarfile.DIRTYPE),  # folders store nothing
+        "volume.tar": header("s1.bin", claim, b"V"),  # a type tarfile skips by its size
+    }
+    for name, hostile in shards.items():
+        (tmp_path / name).write_bytes(member("s0.cls", b"0") + hostile + tail)
+    inflated = member("s0.cls", b"0") + header("s1.bin", 1 << 40) + tail
+    (tmp_path / "claim.tar.gz").write_bytes(gzip.compress(inflated))
+    errors = read_errors([tmp_path / name for name in [*shards, "claim.tar.gz"]])
+    for name in shards:
+        error = errors[str(tmp_path / name)]
+        assert error["exc_type"] == "zloader.formats.webdataset.CorruptShard"
+        assert re.search(rf"{name}: member 's1(\.bin)?' \(header at offset 1024\) claims "
+                         rf"{claim} bytes from offset (1536|2560), past the end of the shard "
+                         rf"\({(tmp_path / name).stat().st_size} bytes\)", error["message"])
+    error = errors[str(tmp_path / "claim.tar.gz")]
+    assert error["exc_type"] == "zloader.formats.webdataset.CorruptShard"
+    assert "claim.tar.gz: member 's1.bin' (header at offset 1024) claims 1099511627776 " \
+           "bytes, more than max_member_bytes=268435456, and in a compressed shard" in \
+        error["message"]
+    (tmp_path / "good.tar").write_bytes(ten())
+    pipeline = Pipeline.from_webdataset([tmp_path / "good.tar", tmp_path / "pax.tar"])
+    out, skipped = loader_read(pipeline)  # the hostile shard is one skip, not a Timeout
+    assert sorted(s["cls"] for s in out) == [b"%d" % i for i in range(10)]
+    assert skipped == 1
+
+
+def test_a_member_over_max_member_bytes_costs_its_sample_unless_skipping_means_inflating(
+        tmp_path):
+    data = member("s0.cls", b"0") + member("s1.bin", b"x" * 5000) + member("s2.cls", b"2")
+    (tmp_path / "plain.tar").write_bytes(data + bytes(1024))
+    (tmp_path / "packed.tar.gz").write_bytes(gzip.compress(data + bytes(1024)))
+    run = policy()
+    source = Pipeline.from_webdataset([tmp_path / "plain.tar"], max_member_bytes=4096).source
+    assert [s["__key__"] for s in source.read(0, run)] == ["s0", "s2"]
+    assert run.skipped == 1
+    packed = Pipeline.from_webdataset([tmp_path / "packed.tar.gz"], max_member_bytes=4096)
+    with pytest.raises(PipelineError, match=r"packed\.tar\.gz: member 's1\.bin' \(header at "
+                                            r"offset 1024\) claims 5000 bytes, more than "
+                                            r"max_member_bytes=4096") as info:
+        list(packed)
+    assert info.value.exc_type == "zloader.formats.webdataset.CorruptShard"
+    assert [s["__key__"] for s in Pipeline.from_webdataset([tmp_path / "packed.tar.gz"])] \
+        == ["s0", "s1", "s2"]  # under the default limit
+
+
+def test_a_shard_that_does_not_end_as_an_archive_does_is_an_error_not_a_short_read(
+        tmp_path):
+    good = ten()
+    flipped = bytearray(good)
+    flipped[3 * 1024 + 100] ^= 0xFF  # member 3's header: a bad checksum
+    lone = bytearray(good)
+    lone[5 * 1024:5 * 1024 + 512] = bytes(512)  # member 5's header: a zero block
+    cases = {
+        "flipped.tar": (bytes(flipped), r"the header at offset 3072 is damaged \(bad "
+                                        r"checksum\)", 2),
+        "cut.tar": (good[:3 * 1024 + 100], r"the header at offset 3072 is damaged \("
+                                           r"truncated, 100 bytes\)", 2),
+        "lone.tar": (bytes(lone), r"the archive ends at offset 5120 \(a zero block\) but "
+                                  r"data follows at offset 5632", 4),
+        "joined.tar": (good + good, rf"the archive ends at offset 10240 \(a zero block\) "
+                                    rf"but data follows at offset {len(good)}", 9),
+    }
+    for name, (data, message, kept) in cases.items():
+        (tmp_path / name).write_bytes(data)
+        pipeline = Pipeline.from_webdataset([tmp_path / name])
+        with pytest.raises(PipelineError, match=rf"{name}: {message}") as info:
+            list(pipeline)
+        assert info.value.exc_type == "zloader.formats.webdataset.CorruptShard"
+        run = policy()  # the samples before the damage, then one skip for the rest
+        assert [s["cls"] for s in pipeline.source.read(0, run)] == \
+            [b"%d" % i for i in range(kept)], name
+        assert run.skipped == 1
+    ends = {"padded.tar": good + bytes(8192), "no-end.tar": good[:10 * 1024],
+            "pieces.tar.gz": gzip.compress(good[:2048]) + gzip.compress(good[2048:])}
+    for name, data in ends.items():  # an end, or a gzip in pieces (cat a.gz b.gz, bgzip)
+        (tmp_path / name).write_bytes(data)
+        assert [s["cls"] for s in Pipeline.from_webdataset([tmp_path / name])] == \
+            [b"%d" % i for i in range(10)], name
+    out, skipped = loader_read(Pipeline.from_webdataset(
+        [tmp_path / "flipped.tar", tmp_path / "padded.tar"]))
+    assert sorted(s["cls"] for s in out) == sorted([b"0", b"1"] + [b"%d" % i for i in
+                                                                   range(10)])
+    assert skipped == 1
+
+
+def test_extended_headers_over_the_limit_end_the_shard_without_reading_them(tmp_path):
+    for kind, name in ((tarfile.XHDTYPE, "pax"), (tarfile.GNUTYPE_LONGNAME, "longname")):
+        path = tmp_path / f"{name}.tar.gz"  # 2.3 MiB whose header claims 512 MiB
+        path.write_bytes(one_gzip(member("s0.cls", b"0") + header("x", 512 * MiB, kind), 512,
+                                  member("s1.cls", b"1") + bytes(1024)))
+        result = peak_read("webdataset", path)
+        assert result["growth"] < GROWTH_BOUND, result
+        assert result["error"]["exc_type"] == "zloader.formats.webdataset.CorruptShard"
+        assert f"{name}.tar.gz: the headers of the member at offset 1024 take more than " \
+               "1048576 bytes (MAX_TAR_HEADER_BYTES" in result["error"]["message"]
+    records = b"4 a\n" * (16 << 10) + b"6 a=b\n"  # no "=": tarfile's parser went quadratic
+    path = tmp_path / "records.tar"
+    path.write_bytes(header("h", len(records), tarfile.XHDTYPE) + records
+                     + bytes(-len(records) % 512) + member("s0.cls", b"0") + bytes(1024))
+    with pytest.raises(PipelineError, match=r"records\.tar: the PAX header at offset 0: "
+                                            r"the record at byte 0 is malformed"):
+        list(Pipeline.from_webdataset([path]))
+    path = tmp_path / "globals.tar"  # global headers: their keys add up for the whole shard
+    path.write_bytes(b"".join(member(f"g{i}", pax_record(f"k{i}", "v" * (200 << 10)),
+                                     tarfile.XGLTYPE) + member(f"s{i}.cls", b"%d" % i)
+                              for i in range(8)) + bytes(1024))
+    with pytest.raises(PipelineError, match=r"globals\.tar: the global PAX headers up to "
+                                            r"offset \d+ take more than 1048576 bytes"):
+        list(Pipeline.from_webdataset([path]))
 
 
 # --- TFRecord ------------------------------------------------------------------------------

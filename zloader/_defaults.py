@@ -78,8 +78,14 @@ overrides it."""
 
 MAX_MEMBER_BYTES = 256 << 20
 """Largest tar member ``from_webdataset`` reads (its size as the tar header states it,
-sparse members included); a larger one makes its sample an error.
+sparse members included); a larger one makes its sample an error, or ends the shard when
+skipping it would mean inflating it (a compressed shard, or one of unknown size).
 ``from_webdataset(max_member_bytes=)`` overrides it."""
+
+MAX_TAR_HEADER_BYTES = 1 << 20
+"""Most bytes the headers of one tar member may take in ``from_webdataset`` (its PAX and
+GNU long-name headers and sparse map, which tarfile reads whole); more ends the shard with
+an error. No tar writer comes near it (a long path takes a few KiB); fixed."""
 
 MAX_LINE_BYTES = 16 << 20
 """Longest line ``from_jsonl`` reads, in bytes after decompression; a longer one is an
