@@ -370,6 +370,13 @@ RECORD_BYTES = 1 << 20
 RECORD_LINGER = 0.002
 """... or once its first element has waited this many seconds (fixed)."""
 
+LARGE_RECORD_BYTES = 1 << 20
+"""A producer that hands a record of at least this many bytes to its worker's loop waits
+until the loop has taken it (copied it into a ring slot, sent or kept it) before it makes
+the next, however many credits the consumers granted: fresh arrays made for each record
+(a decoded batch) then reuse memory the CPU's caches still hold, instead of cycling through
+one block per credit (zloader/worker/producer.py; fixed)."""
+
 SPLIT_AHEAD_SECONDS = 0.05
 """A producer whose last split took less than this to read asks for its next split as soon
 as one arrives (while it reads that one): short splits do not each wait for a round trip
@@ -437,6 +444,19 @@ broker fell silent and the workers reconnected over and over (fixed)."""
 
 MIN_RING_BYTES = 4 * 1024 * 1024
 """The smallest ring a consumer starts with by default (see RINGS_BYTES; fixed)."""
+
+RING_RESTART_BYTES = 1 << 20
+"""A ring's writer may start its next record at the region start again, rather than where
+the last one ended, once at least this many bytes (and the record's size) lie before that
+end (zloader/transport/ring.py, rule 6): a consumer that keeps up then has its records
+written over the same memory, still in the CPU's caches. Records in fewer bytes never
+restart, so that positions do not leap by a ring's capacity every few records (fixed)."""
+
+RING_RESTART_ROOM = 3
+"""... and, when records are still live in the ring, only if room for this many records of
+the next one's size lies between the region start and the oldest of them: until that one
+is released the ring holds no more, and a consumer that suddenly holds more records than
+that sends the rest through segments of their own (fixed)."""
 
 PREFAULT_CHUNK_BYTES = 256 * 1024
 """A ring's writer faults its pages in on a background thread this many bytes at a time

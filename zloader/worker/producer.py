@@ -16,7 +16,12 @@ A record is sent only after taking one permit from the producer's pool, so the r
 flight never exceed what the consumers granted. A record holding a
 :class:`~zloader.codec.Gather` references the user's rows, which user code may overwrite
 next: the producer waits until the socket thread has copied it out (:attr:`Outgoing.taken`)
-before it goes on.
+before it goes on. So does a large record (``LARGE_RECORD_BYTES``), whatever credits the
+consumers granted: the fresh arrays a pipeline makes for each record (a decoded batch) then
+come from the few blocks of memory just freed, which the CPU's caches still hold, and are
+copied into the ring from there. With a record per credit in flight (eight), each was made
+in, and copied from, memory that had left the caches, and a record cost about twice the
+CPU (bench.transport section h).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import zmq
 
 from zloader import codec
 from zloader._defaults import (
+    LARGE_RECORD_BYTES,
     RECORD_BYTES,
     RECORD_ELEMENTS,
     RECORD_LINGER,
@@ -113,18 +119,20 @@ class ProducerSpec:
 class Outgoing:
     """One record on its way to the socket thread: its head (``epoch``, ``count``,
     ``skipped``, ``origins``: whether the last buffer is an origin block) and its codec
-    buffers. When ``gathered`` (it references rows user code may overwrite next), the
-    producer waits for ``taken``, set by :meth:`mark_taken` once they have been copied out
-    or dropped; other records have no event (one per record would cost a lock and a
-    condition each)."""
+    buffers. When ``gathered`` (it references rows user code may overwrite next) or
+    ``large`` (at least ``LARGE_RECORD_BYTES``), the producer waits for ``taken``, set by
+    :meth:`mark_taken` once the buffers have been copied out, sent or dropped (or, for a
+    large one, kept by a delivery that holds records: rounds). Other records have no event
+    (one per record would cost a lock and a condition each)."""
 
     head: dict[str, Any]
     buffers: list[Any]
     gathered: bool
+    large: bool = False
     taken: threading.Event | None = None
 
     def __post_init__(self) -> None:
-        if self.gathered and self.taken is None:
+        if (self.gathered or self.large) and self.taken is None:
             self.taken = threading.Event()
 
     def mark_taken(self) -> None:
@@ -253,11 +261,14 @@ class Producer(threading.Thread):
             size += weight
             if (len(batch) >= limit or size >= RECORD_BYTES or slow or gathered
                     or now - started >= RECORD_LINGER):
-                self._send(pair, batch, places, ctx)
+                self._send(pair, batch, places, ctx, size)
                 batch, places, size = [], [], 0
                 last = time.monotonic()  # waiting for credits is not production time
+            # Sent or batched, it is held there: holding it here too while the pipeline
+            # makes the next element would keep one more large array alive (docstring).
+            element = None
         if batch:
-            self._send(pair, batch, places, ctx)
+            self._send(pair, batch, places, ctx, size)
         self._account(time.perf_counter())
         end: dict[str, Any] = {"epoch": self.epoch, "skipped": ctx.skipped,
                                "dropped": ctx.dropped}
@@ -273,12 +284,14 @@ class Producer(threading.Thread):
         self._mark = now
 
     def _send(self, pair: zmq.Socket[Any], batch: list[Any], places: list[Any],
-              ctx: Context) -> None:
+              ctx: Context, size: int) -> None:
+        """Encode ``batch`` (about ``size`` bytes, as :func:`_weigh` finds) and hand its
+        record to the socket thread once a permit allows."""
         clock = time.perf_counter
         entered = clock()
         self._account(entered)
         self.stage = "encode"
-        outgoing = self._encode(batch, places, ctx)
+        outgoing = self._encode(batch, places, ctx, size >= LARGE_RECORD_BYTES)
         encoded = clock()
         self.timing["encode"] += encoded - entered
         if outgoing is None:  # every element was skipped: their origins go with the next
@@ -297,7 +310,7 @@ class Producer(threading.Thread):
             except _Stopped:
                 self.pool.release()  # not spent: the credit is the next producer's
                 raise
-        if outgoing.taken is not None:
+        if outgoing.taken is not None:  # gathered or large: see Outgoing
             while not outgoing.taken.wait(0.1):
                 if self.stop.is_set():
                     raise _Stopped
@@ -305,9 +318,10 @@ class Producer(threading.Thread):
         self.timing["blocked"] += self._mark - encoded
         self.stage = "pipeline"
 
-    def _encode(self, batch: list[Any], places: list[Any], ctx: Context) -> Outgoing | None:
-        """The record of ``batch``; None when every element was skipped because the codec
-        rejects it (see :meth:`_encodable`)."""
+    def _encode(self, batch: list[Any], places: list[Any], ctx: Context,
+                large: bool) -> Outgoing | None:
+        """The record of ``batch`` (``large``: see :class:`Outgoing`); None when every
+        element was skipped because the codec rejects it (see :meth:`_encodable`)."""
         objects = self.spec.options.objects  # unknown leaves pickled (zloader/options.py)
         try:
             buffers = codec.encode([t[0] for t in batch] if ctx.track else batch, objects)
@@ -323,7 +337,7 @@ class Producer(threading.Thread):
             buffers.append(encode_origins([t[1] for t in batch], ctx.loose, ctx.reads,
                                           ctx.pass_keys, ctx.ends))
             ctx.loose, ctx.ends = [], []
-        return Outgoing(head, buffers, gathered)
+        return Outgoing(head, buffers, gathered, large)
 
     def _encodable(self, batch: list[Any], places: list[Any], ctx: Context) -> list[Any]:
         """The elements of ``batch`` the codec accepts. A rejected one is skipped and

@@ -136,7 +136,7 @@ class RoundsDelivery(Delivery):
             assert outgoing is not None
             if outgoing.gathered:  # it waits for its round: copy it, so the producer goes on
                 outgoing.buffers = codec.joined(outgoing.buffers)
-                outgoing.mark_taken()
+            outgoing.mark_taken()  # kept here: the producer may hand over the next
             if self.partial_epoch != epoch:
                 discard(self.partial)
                 self.partial_epoch = epoch
