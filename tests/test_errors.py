@@ -104,6 +104,7 @@ def test_every_zloader_error_round_trips_through_pickle_whole():
     from zloader.cachefile import BadEntry, CacheWriteError
     from zloader.errors import SerializationError
     from zloader.formats.tfrecord import CorruptRecord
+    from zloader.formats.webdataset import CorruptShard
     from zloader.journal import JournalVersionError, WorkDirError
     from zloader.storage import StorageError
     from zloader.transport.protocol import ProtocolError, VersionMismatch
@@ -114,7 +115,8 @@ def test_every_zloader_error_round_trips_through_pickle_whole():
     samples = [ZloaderError("z"), CodecError("c"), Timeout("t"),
                WorkerExited("worker pid 7 exited", (7, 8), (-9, 1)), SerializationError("s"),
                raise_in(KeyError("k")), StorageError("s3://b/k: gone"), BrokerRefused("no"),
-               CorruptRecord("crc"), ProtocolError("p"), VersionMismatch(b"ZLP/2"),
+               CorruptRecord("crc"), CorruptShard("shard.tar: cut"), ProtocolError("p"),
+               VersionMismatch(b"ZLP/2"),
                RingError("r"), ShmError("m"), WorkDirError("w"), JournalVersionError("v"),
                BadEntry("short entry"), CacheWriteError("no codec for a set")]
     classes = {type(e) for e in samples} | {PipelineError}
