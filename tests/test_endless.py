@@ -48,7 +48,9 @@ def test_a_worker_with_no_splits_at_all_ends_an_endless_repeat():
     assert _worker_part(Pipeline.range(0).repeat(), {}, 0) == []
 
 
-@pytest.mark.parametrize(("killed", "exactly_once"), [(1, True), (3, True), (3, False)])
+@pytest.mark.parametrize(("killed", "exactly_once"), [
+    pytest.param(1, True, marks=pytest.mark.slow), (3, True),
+    pytest.param(3, False, marks=pytest.mark.slow)])
 def test_killing_workers_never_ends_an_endless_epoch(killed: int, exactly_once: bool):
     with service(workers=4) as (address, procs):
         with Loader(Pipeline.range(1).repeat(), broker=address, timeout=60,

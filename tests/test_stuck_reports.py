@@ -23,7 +23,7 @@ def slowly(x: int) -> int:
     return x
 
 
-@pytest.mark.parametrize("claimed", [30.0, 0.3])
+@pytest.mark.parametrize("claimed", [pytest.param(30.0, marks=pytest.mark.slow), 0.3])
 def test_a_consumer_reporting_busy_workers_stuck_does_not_get_them_dropped(claimed: float):
     pipeline = Pipeline.range(1500, split_size=50).map(slowly)
     with service(workers=2) as (address, _):
