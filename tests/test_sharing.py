@@ -334,3 +334,17 @@ def test_a_worker_killed_under_shared_trainers_does_not_stop_them():
             assert set(got) == {"a", "b"}, "a trainer did not finish the epoch"
             for seen in got.values():  # its splits were read again by the other worker
                 assert set(seen) == set(range(2000))
+
+
+@pytest.mark.slow
+def test_a_drained_worker_sends_its_window_to_a_lagging_trainer_before_it_leaves():
+    """A worker that drains (SIGTERM, or a move to another job) has made its splits and
+    put them in its window, but a slow trainer has not been sent them all yet: the worker
+    stays until it has (its splits are done: nobody would read them again)."""
+    with service(workers=2) as (address, procs):
+        trainer = Trainer(address, "--delay", "0.03")  # 120 elements: about 4 s
+        wait_for(lambda: trainer.progress >= 10, what="the trainer's first elements")
+        procs[0].send_signal(signal.SIGTERM)  # drains: its window is ahead of the trainer
+        (epoch,) = trainer.epochs()
+        assert sorted(set(epoch["got"])) == list(range(N)), \
+            f"lost {sorted(set(range(N)) - set(epoch['got']))}"
