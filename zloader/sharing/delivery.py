@@ -274,9 +274,11 @@ class SharedDelivery(Delivery):
         return [self.replayer] if self.replayer is not None else []
 
     def busy(self) -> bool:
-        """Records not sent yet, or a late trainer's replay to run or under way."""
-        return (super().busy() or bool(self.replays) or self.replayer is not None
-                or bool(self.replay_pending))
+        """Records not sent yet, to the window or from it to a trainer that lags behind
+        (a worker that drains waits for them: the splits they came from are done, and
+        nobody would read them again), or a late trainer's replay to run or under way."""
+        return (super().busy() or self.window.unsent() or bool(self.replays)
+                or self.replayer is not None or bool(self.replay_pending))
 
     # --- memory ---------------------------------------------------------------------------
 

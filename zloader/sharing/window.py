@@ -194,6 +194,14 @@ class Window:
             cursor.seq = entry.seq + 1
         return None
 
+    def unsent(self) -> bool:
+        """Whether a trainer still reading its epoch has records of it in the window that
+        were not sent to it yet (production follows the fastest trainer: a slower one
+        lags behind it)."""
+        return any(entry.seq >= cursor.seq and entry.epoch == cursor.epoch
+                   for cursor in self.cursors.values() if not cursor.done
+                   for entry in self.entries)
+
     def lead(self, epoch: int) -> int:
         """How many records past the head the trainers reading ``epoch`` could take now
         (their cursor plus their credits)."""
