@@ -353,3 +353,20 @@ def test_a_drained_worker_sends_its_window_to_a_lagging_trainer_before_it_leaves
             (epoch,) = trainer.epochs()
             assert sorted(set(epoch["got"])) == list(range(N)), \
                 f"lost {sorted(set(range(N)) - set(epoch['got']))}"
+
+
+def test_a_worker_moved_at_once_off_a_shared_job_has_what_it_read_read_again():
+    """A second job takes one of a shared job's workers mid-epoch (a shared job's worker
+    moves at once): the splits it had read, whose records a slower trainer had not been
+    sent yet, are read again by the other worker (at least once), so no trainer of the
+    shared job ends its epoch short (the slow one lost 19 or more of 120 before)."""
+    with service(workers=2) as (address, _):
+        slow = Trainer(address, "--delay", "0.04")
+        fast = Trainer(address, "--delay", "0.002")
+        wait_for(lambda: fast.progress >= 40 and slow.progress >= 10,
+                 what="both trainers' first elements")
+        other = Trainer(address, "--delay", "0.01", variant=2)  # takes a worker
+        for trainer in (slow, fast, other):
+            (epoch,) = trainer.epochs()
+            assert sorted(set(epoch["got"])) == list(range(N)), \
+                f"lost {sorted(set(range(N)) - set(epoch['got']))}"

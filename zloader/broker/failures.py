@@ -47,9 +47,9 @@ def task_failed(state: Tables, identity: bytes, msg: TaskFailed, now: float) -> 
 
 
 def drop_worker(state: Tables, worker_id: str, died: bool, now: float,
-                requeue: bool = True) -> list[Out]:
+                requeue: bool = True, clean: bool = False) -> list[Out]:
     """Forget a worker; its splits not yet delivered are read again by others (see
-    :func:`leave`)."""
+    :func:`leave`; ``clean``: it drained first)."""
     worker = state.workers.pop(worker_id, None)
     if worker is None:
         return []
@@ -59,16 +59,18 @@ def drop_worker(state: Tables, worker_id: str, died: bool, now: float,
     if job is None or worker.task is None:
         history.record(state, {"e": "gone", "worker": worker_id, "died": died})
         return []
-    return leave(state, worker, job, worker.task, died, now, requeue)
+    return leave(state, worker, job, worker.task, died, now, requeue, clean=clean)
 
 
 def leave(state: Tables, worker: Worker, job: Job, task: str, died: bool, now: float,
-          requeue: bool = True, stays: bool = False) -> list[Out]:
+          requeue: bool = True, stays: bool = False, clean: bool = False) -> list[Out]:
     """Take a worker's ``task`` off ``job``: its splits not yet delivered are read
     again by the others, for an exactly-once job once its consumers have said what they
     hold (see :class:`Fence`). ``stays``: the worker is not gone, only moved to another
     job (``placement.preempt``). ``requeue=False`` replays a fenced leave, whose re-queued
-    splits follow in the journal."""
+    splits follow in the journal. ``clean``: it drained first (a draining move, or a BYE
+    after SIGTERM): it sent all it read, so a job without exactly-once reads again only
+    the splits it held, not those it read (a shared job's, kept for a forced leave)."""
     worker_id = worker.id
     job.indices.pop(task, None)
     job.tasks.pop(task, None)
@@ -88,10 +90,13 @@ def leave(state: Tables, worker: Worker, job: Job, task: str, died: bool, now: f
                         f"{worker.host}); it is skipped")})
                     continue
             lost.append((job.origin_of.get((key, split), key), split))
-        lost += [(job.origin_of.get((key, split), key), split)
-                 for split in handing.read.pop(worker_id, [])]
-    event = ({"e": "left", "job": job.id, "task": task, "worker": worker_id} if stays
-             else {"e": "gone", "worker": worker_id, "died": died})
+        read = handing.read.pop(worker_id, [])
+        if job.track or not clean:
+            lost += [(job.origin_of.get((key, split), key), split) for split in read]
+    event: dict[str, Any] = ({"e": "left", "job": job.id, "task": task, "worker": worker_id}
+                             if stays else {"e": "gone", "worker": worker_id, "died": died})
+    if clean:
+        event["clean"] = True
     grace = state.expiry * FENCE_GRACE
     asked = job.consumers | {c for c, t in job.silent.items() if now - t < grace}
     if job.track and lost and asked and not state.replaying:

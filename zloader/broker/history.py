@@ -94,7 +94,7 @@ def _apply(state: Tables, event: dict[str, Any], now: float) -> None:
         _apply_job(state, event, now)
     elif kind == "gone":
         failures.drop_worker(state, event["worker"], bool(event.get("died")), now,
-                             requeue=not event.get("fenced"))
+                             requeue=not event.get("fenced"), clean=event.get("clean") is True)
     elif job is not None:
         _apply_to_job(state, job, event, now)
 
@@ -119,7 +119,8 @@ def _apply_to_job(state: Tables, job: Job, event: dict[str, Any], now: float) ->
         worker = state.workers.get(event["worker"])
         if worker is not None and event["task"] in job.tasks:
             failures.leave(state, worker, job, event["task"], False, now,
-                           requeue=not event.get("fenced"), stays=True)
+                           requeue=not event.get("fenced"), stays=True,
+                           clean=event.get("clean") is True)
     elif kind == "rounds":
         job.rounds = Rounds(int(event["size"]))
     elif kind == "task":

@@ -285,8 +285,8 @@ def epoch_started(state: Tables, identity: bytes, msg: Epoch, now: float) -> lis
 def bye(state: Tables, identity: bytes, now: float) -> list[Out]:
     """BYE: a worker or a consumer leaves; a job whose last consumer left ends now."""
     kind, pid = state.peers.get(identity, ("", ""))
-    if kind == "worker":
-        return failures.drop_worker(state, pid, died=False, now=now)
+    if kind == "worker":  # (a worker says BYE once it drained)
+        return failures.drop_worker(state, pid, died=False, now=now, clean=True)
     if kind == "consumer":
         consumer = state.consumers.get(pid)
         out = drop_consumer(state, pid, now)

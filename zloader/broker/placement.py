@@ -223,7 +223,8 @@ def drained(state: Tables, worker: Worker, task: str, now: float) -> list[Out]:
         return []
     taker = state.jobs.get(worker.moving_to or "")
     worker.moving_to = None
-    out = failures.leave(state, worker, job, task, died=False, now=now, stays=True)
+    out = failures.leave(state, worker, job, task, died=False, now=now, stays=True,
+                         clean=True)
     if taker is not None and _has_room(taker) \
             and _can_serve(worker, taker, {taker.id: state.hosts(taker)}):
         return out + give(state, worker, taker, now)

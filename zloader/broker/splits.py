@@ -125,7 +125,9 @@ def mark_read(job: Job, key: PassKey, worker_id: str) -> None:
     """The splits ``worker_id`` was handed in pass ``key`` are read."""
     handing = job.passes[key]
     handed = handing.handed.pop(worker_id, [])
-    if job.track:  # read, but its elements may wait in the worker's buffers
+    # Read, but its elements may wait in the worker's buffers (exactly-once) or its window
+    # (a shared job: not yet sent to a trainer that lags behind the faster one).
+    if job.track or job.share is not None:
         handing.read.setdefault(worker_id, []).extend(handed)
 
 
