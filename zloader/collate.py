@@ -56,7 +56,7 @@ def stack(elements: Sequence[Any], pad_value: Any = None) -> Any:
 
 def _stack(values: Sequence[Any], path: str, pad: Any = None) -> Any:
     first = values[0]
-    if is_tensor(first):  # (torch is imported: the user's tensors came from it)
+    if not isinstance(first, np.ndarray) and is_tensor(first):  # (has __array__ too)
         return _stack_tensors(values, path, pad)
     if isinstance(first, np.ndarray) or (hasattr(first, "__array__")
                                          and not isinstance(first, _NUMBER_TYPES)):
@@ -173,13 +173,10 @@ def _is_scalar_list(value: Any) -> bool:
 
 
 def _length(value: Any, path: str) -> int | None:
-    if is_tensor(value):
-        if value.dim() == 0:
-            raise ValueError(f"cannot unbatch {path}: it is a 0-d tensor")
-        return int(value.shape[0])
-    if isinstance(value, np.ndarray):
-        if value.ndim == 0:
-            raise ValueError(f"cannot unbatch {path}: it is a 0-d array")
+    if isinstance(value, np.ndarray) or is_tensor(value):
+        if len(value.shape) == 0:
+            raise ValueError(f"cannot unbatch {path}: it is a 0-d "
+                             f"{'array' if isinstance(value, np.ndarray) else 'tensor'}")
         return int(value.shape[0])
     if _is_scalar_list(value):
         return len(value)
