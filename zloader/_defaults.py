@@ -361,6 +361,10 @@ EARLY_OPENS = 64
 """OPENs a worker keeps for a task it has not heard of yet; the oldest are dropped
 (fixed)."""
 
+HAND_WAIT = 0.005
+"""Seconds a producer delivering a record itself waits for its worker's lock before it
+looks at its stop flag again (zloader/worker/producer.py ``Hand``; fixed)."""
+
 RECORD_ELEMENTS = 1024
 """A producer sends a record once it holds this many elements (fixed)."""
 

@@ -69,6 +69,7 @@ import operator
 import threading
 import weakref
 from types import TracebackType
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -263,13 +264,33 @@ class RingWriter:
 
 
 class _Record:
-    """A claimed record: where it (with its gap) ends, and whether it has been released."""
+    """A claimed record: where it (with its gap) ends, whether it has been released, and
+    the weak reference to its array whose callback releases it."""
 
-    __slots__ = ("end", "released")
+    __slots__ = ("end", "hold", "released")
 
     def __init__(self, end: int) -> None:
         self.end = end
         self.released = False
+        self.hold: _Hold | None = None
+
+
+class _Hold(weakref.ref):  # type: ignore[type-arg,unused-ignore]
+    """A weak reference to a claimed array that knows its record: its callback (the
+    reader's) releases the record once the array is collected. Cheaper than a
+    ``weakref.finalize`` per record (no registry, no atexit entry); kept alive by its
+    record until then."""
+
+    __slots__ = ("record",)
+    record: _Record
+
+    def __new__(cls, array: Any, callback: Any, record: _Record) -> _Hold:
+        hold = super().__new__(cls, array, callback)
+        hold.record = record
+        return hold
+
+    def __init__(self, array: Any, callback: Any, record: _Record) -> None:
+        super().__init__(array, callback)  # type: ignore[call-arg,unused-ignore]
 
 
 class RingReader:
@@ -369,8 +390,7 @@ class RingReader:
             self._claimed.append(record)
             self._cursor = record.end
             self._outstanding += 1
-            done = weakref.finalize(array, self._on_release, record)
-            done.atexit = False  # nothing to free at exit: the segment goes anyway
+            record.hold = _Hold(array, self._on_release, record)
         self._drain()
         return array
 
@@ -407,9 +427,12 @@ class RingReader:
                             f"{tail}, capacity {capacity})")
         raise RingError(f"{where}: not reserved by the writer (its head is {head})")
 
-    def _on_release(self, record: _Record) -> None:
-        """Finalizer of a claimed array: queue the record's release. Never raises."""
+    def _on_release(self, hold: _Hold) -> None:
+        """Callback of a claimed array's weak reference: queue its record's release.
+        Never raises."""
         try:
+            record = hold.record
+            record.hold = None
             self._pending.append(record)
             self._drain()
         except Exception:  # pragma: no cover - a finalizer has nobody to raise to

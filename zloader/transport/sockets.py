@@ -66,13 +66,15 @@ def has_message(sock: zmq.Socket[Any]) -> bool:
     return not sock.closed and bool(int(_get(sock, _EVENTS)) & _POLLIN)
 
 
-def waiting(sock: zmq.Socket[Any], limit: int) -> Iterator[list[zmq.Frame]]:
-    """The frames of each message waiting on ``sock``, a poll having said one does, at
-    most ``limit`` of them (the loop then serves its other sockets). It stops early when
-    ``sock`` is closed meanwhile (handling a message closed it) or none is left."""
+def waiting(sock: zmq.Socket[Any], limit: int,
+            polled: bool = True) -> Iterator[list[zmq.Frame]]:
+    """The frames of each message waiting on ``sock``, at most ``limit`` of them (the loop
+    then serves its other sockets); ``polled``: a poll of the socket said one waits (not
+    of its file descriptor, which only says that one may). It stops early when ``sock``
+    is closed meanwhile (handling a message closed it) or none is left."""
     for turn in range(limit):
-        # (the poll saw the first one: EVENTS is asked from the second on)
-        if sock.closed or (turn and not has_message(sock)):
+        # (a poll of the socket saw the first one: EVENTS is asked from the second on)
+        if sock.closed or ((turn or not polled) and not has_message(sock)):
             return
         try:
             frames = recv_frames(sock)

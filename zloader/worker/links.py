@@ -1,5 +1,7 @@
 """The socket thread's ends of its producers' links: one inproc PAIR per producer thread,
-polled by the worker's loop (see :mod:`zloader.worker.producer` for what travels on them).
+polled by the worker's loop (see :mod:`zloader.worker.producer` for what travels on them;
+records do not: a producer delivers them itself, under the worker's lock, see
+:class:`~zloader.worker.producer.Hand`).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import zmq
 
 from zloader._defaults import STAGES, STOP_SECONDS
 from zloader.transport.sockets import make_socket
-from zloader.worker.producer import Producer, ProducerSpec
+from zloader.worker.producer import Hand, Producer, ProducerSpec
 
 __all__ = ["STOP_SECONDS", "Links"]
 
@@ -25,7 +27,9 @@ class Links:
         name: part of the inproc addresses (the worker's id: unique in the process).
     """
 
-    def __init__(self, context: zmq.Context[Any], poller: zmq.Poller, name: str) -> None:
+    def __init__(self, context: zmq.Context[Any], poller: zmq.Poller, name: str,
+                 hand: Hand | None = None) -> None:
+        self.hand = hand  # how producers deliver their records themselves (or None)
         self.context = context
         self.poller = poller
         self.name = name
@@ -44,6 +48,7 @@ class Links:
         self.poller.register(link, zmq.POLLIN)
         producer = Producer(self.context, address, spec, epoch, timing=self.timing, **options)
         producer.link = link
+        producer.hand = self.hand
         self.producers[link] = producer
         producer.start()
         return producer

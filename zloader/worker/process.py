@@ -1,11 +1,13 @@
 """A worker process: registers with the broker, runs one task at a time, serves elements.
 
-Threads: the main thread owns every socket (broker DEALER, data ROUTER, the inproc pair to
+Threads: the main thread owns the sockets (broker DEALER, data ROUTER, the inproc pair to
 each producer) and moves messages; a producer thread runs the user's pipeline for one epoch
-and hands finished records to the main thread, taking one permit per record, so memory stays
-bounded by what consumers granted. See docs/protocol.md. This module is the process: its
-sockets and loop, the broker's messages, reconnecting, draining, forwarding user output; the
-rest of zloader/worker/ is the task, its producers and the delivery modes.
+and delivers finished records itself, on the data socket, holding the worker's lock (which
+the main thread holds whenever it is not waiting in its poll), taking one permit per record,
+so memory stays bounded by what consumers granted. See docs/protocol.md. This module is
+the process: its sockets and loop, the broker's messages, reconnecting, draining,
+forwarding user output; the rest of zloader/worker/ is the task, its producers and the
+delivery modes.
 """
 
 from __future__ import annotations
@@ -35,13 +37,14 @@ from zloader.transport import messages
 from zloader.transport.keys import Keys
 from zloader.transport.protocol import Message, ProtocolError, decode
 from zloader.transport.shm import sweep, sweep_dirs
-from zloader.transport.sockets import waiting
+from zloader.transport.sockets import has_message, waiting
 from zloader.worker.broker_link import BrokerLink, BrokerRefused
 from zloader.worker.consumers import DataPort
 from zloader.worker.credit import CreditDelivery
 from zloader.worker.delivery import Delivery
 from zloader.worker.links import Links
 from zloader.worker.memory import keep_freed_memory
+from zloader.worker.producer import Hand, LinkKind, Outgoing, Producer
 from zloader.worker.rounds import RoundsDelivery
 from zloader.worker.task import Assignment, Task, load_error
 
@@ -112,6 +115,12 @@ class WorkerProcess:
         # longer be trusted with a task, so it leaves its loop and runs itself afresh.
         self.wedged: str | None = None
         self._restart_when_wedged = False
+        # Held by the loop except while it waits, and by a producer delivering a record.
+        self.lock = threading.Lock()
+        # A producer that finds a consumer's message waiting wakes the loop's poll here.
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
 
     # --- sockets --------------------------------------------------------------------------
 
@@ -124,13 +133,15 @@ class WorkerProcess:
                              self._reject)
         self.endpoint = self.port.endpoint
         self.poller = zmq.Poller()
-        self.links = Links(context, self.poller, self.id)
+        self.links = Links(context, self.poller, self.id,
+                           Hand(self.lock, self._hand_record, self._delivery_busy))
         self.broker = BrokerLink(context, self.broker_endpoint, self.keys, messages.Ready(
             worker=self.id, host=_socket.gethostname(), host_id=host_id(), pid=os.getpid(),
             endpoint=self.endpoint, prefer=self.prefer, plain_data=self.plain_data,
             holds=tuple(sorted(self.inherited or ()))))
         if self.capture is not None:
             self.capture.install()
+        self.lock.acquire()  # the loop lets go of it only while it waits (see _loop)
         try:
             self._loop()
         finally:
@@ -152,6 +163,9 @@ class WorkerProcess:
             if self.orphaned:  # a trainer killed by a signal (SIGTERM from SLURM, say)
                 sweep()        # cannot remove its rings and socket directory: we do
                 sweep_dirs()
+            self.lock.release()
+            for fd in (self._wake_read, self._wake_write):
+                os.close(fd)
         if self._restart_when_wedged:
             self._restart()
 
@@ -177,25 +191,45 @@ class WorkerProcess:
         os.execve(sys.executable, command, with_sys_path())
 
     def _loop(self) -> None:
-        poller = self.poller
-        poller.register(self.port.sock, zmq.POLLIN)
+        """Serve the sockets until stopped, holding the worker's lock except while waiting
+        in the poll: producers deliver their records under it (:meth:`_hand_record`), so
+        the data socket, used by either thread, is polled by its file descriptor (polling
+        the socket itself would use it unlocked) and its messages are looked for after
+        every wake-up."""
+        poller, data = self.poller, self.port.sock
+        poller.register(data.getsockopt(zmq.FD), zmq.POLLIN)
         poller.register(self.broker.sock, zmq.POLLIN)
+        poller.register(self._wake_read, zmq.POLLIN)
+        wait = 100
         while not self.stop.is_set():
-            for sock, _ in poller.poll(100):
+            self.lock.release()
+            try:
+                ready = poller.poll(wait)
+            finally:
+                self.lock.acquire()
+            for sock, _ in ready:
+                if sock == self._wake_read:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self._wake_read, 4096)
+                    continue
+                if not isinstance(sock, zmq.Socket):
+                    continue  # the data socket's descriptor: read below in any case
                 # (a producer's pair may be dropped while its messages are read)
                 for frames in waiting(sock, 256):
-                    if sock is self.port.sock:
-                        self.port.receive(frames, self.task)
-                        # (an OPEN maps and reserves a consumer's ring: on a busy host a
-                        # burst of them takes seconds, and the broker must still hear us)
-                        self._beat_if_due()
-                    elif sock is self.broker.sock:
+                    if sock is self.broker.sock:
                         self._from_broker(frames)
                     elif sock in self.links.producers:
                         producer = self.links.producers[sock]
                         kind, body = producer.outbox.popleft()  # (one per frame)
                         if self.task is not None:
                             self.task.from_producer(producer, kind, body)
+            for frames in waiting(data, 256, polled=False):
+                self.port.receive(frames, self.task)
+                # (an OPEN maps and reserves a consumer's ring: on a busy host a burst of
+                # them takes seconds, and the broker must still hear us)
+                self._beat_if_due()
+            # More waiting than one turn reads: the descriptor may not say so again.
+            wait = 0 if has_message(data) else 100
             if self.loading is not None:
                 self._begin_task()
             if self.task is not None:
@@ -212,6 +246,23 @@ class WorkerProcess:
                 return
             if self._drain_deadline is not None and self._drained(now):
                 return
+
+    def _hand_record(self, producer: Producer, outgoing: Outgoing) -> None:
+        """A producer's record, delivered on its thread under the worker's lock (see
+        :class:`~zloader.worker.producer.Hand`). Its sends may have taken the data
+        socket's signal that a consumer's message came: the loop is woken to read it."""
+        if self.task is not None and producer.link is not None:
+            self.task.from_producer(producer, LinkKind.RECORD, outgoing)
+        else:  # a producer nobody listens to any more (its task stopped)
+            outgoing.mark_taken()
+        if has_message(self.port.sock):
+            with contextlib.suppress(BlockingIOError):
+                os.write(self._wake_write, b"!")
+
+    def _delivery_busy(self) -> bool:
+        """Whether records wait in the task's delivery for a consumer's credit."""
+        task = self.task
+        return task is not None and bool(task.delivery.pending)
 
     def _beat_if_due(self, now: float | None = None) -> None:
         """HEARTBEAT when one is due (stats too: not only when idle)."""
