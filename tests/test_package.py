@@ -169,7 +169,8 @@ FORMAT_CONSTANTS = {
               "_I64_MIN", "_I64_MAX"},  # the range of the int64 tag
     "fingerprint": {"SCHEME",  # the hashing rules' version
                     "FLAT_MIN_ITEMS"},  # picks the hashed encoding: part of the rules
-    "lineage": {"DIGEST_BYTES",  # what the digest covers: resumed states compare digests
+    "lineage": {"DIGEST_BYTES", "DIGEST_GROUP",  # what the digest covers: resumed states
+                "DIGEST_MARK",  # compare digests; the mark tells the two ways of taking one
                 "INDEX_BITS", "MAX_PASS_ID", "MAX_KEY_LENGTH", "_HEAD"},  # the origin block
     "transport.messages": {"_DATA_FLAGS_ALL"},  # the packed DATA body's flags
     "journal": {"VERSION"},  # the journal's schema version

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import base64
 import itertools
+import operator
 import struct
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,9 +33,9 @@ import numpy as np
 from zloader._defaults import LEDGER_FOLD_RECORDS, SMALL_ORIGIN_BLOCK
 from zloader.errors import PipelineError
 
-__all__ = ["Assigned", "Ledger", "Origins", "Ranges", "Tagged", "code", "decode_origins",
-           "digest", "encode_origins", "exactly_once", "merge_info", "pack", "read_split",
-           "unpack"]
+__all__ = ["Assigned", "Ledger", "Origin", "Origins", "Ranges", "Tagged", "code",
+           "decode_origins", "digest", "encode_origins", "exactly_once", "gather", "merge_info",
+           "pack", "read_split", "unpack", "untag"]
 
 Key = tuple[int, ...]
 DIGEST_BYTES = 4096
@@ -64,10 +65,14 @@ def exactly_once(requested: bool, sharding: str, shared: bool, deterministic: bo
 
 
 
-Tagged = tuple[Any, tuple[int, ...]]
-"""An element on its way through the worker part: ``(value, origin)``, the origin being the
-codes of the source elements it holds (one for a source element, a batch's rows' for a
-batch; see :func:`code`). A plain tuple: made once per source element, it must be cheap."""
+Origin = tuple[int, ...] | np.ndarray
+"""The codes (see :func:`code`) of the source elements an element holds: a 1-tuple for a
+source element (made once per element, it must be cheap), an int64 array for a batch
+(its rows' codes, gathered at numpy speed: :func:`gather`)."""
+
+Tagged = tuple[Any, Origin]
+"""An element on its way through the worker part: ``(value, origin)``."""
+_VALUE, _ORIGIN = operator.itemgetter(0), operator.itemgetter(1)
 
 INDEX_BITS = 32
 """A code is ``read << INDEX_BITS | index``: the producer's ``read``-th split reading
@@ -98,21 +103,45 @@ def read_split(source: Any, assigned: Assigned, pass_id: int, ctx: Any) -> Itera
     """Tagged elements of one split, less ``assigned.skip``; notes the reading in
     ``ctx.reads`` and records (count, digest) in ``ctx.ends`` once the split is read.
 
+    Plain ints (and bools) are read up to DIGEST_GROUP at a time and tagged at C speed
+    (``zip``); any other element is read one at a time, and its digest taken before it is
+    yielded (a later stage may change it in place). A source that fails mid-read has the
+    elements it gave before the failure yielded first.
+
     Raises:
         PipelineError: the split read differently from its earlier reading.
     """
     split, skip = assigned.split, assigned.skip
     base = code(len(ctx.reads), 0)
     ctx.reads.append((pass_id, split))
-    crc = count = 0
-    for index, element in enumerate(source.read(split, ctx)):
-        if type(element) is int:  # digest()'s first case, without the call
-            crc = (crc * 1_000_003 ^ hash(element)) & 0xFFFFFFFF
+    # An earlier reading's digest taken the first way (no DIGEST_MARK): take it so again.
+    legacy = assigned.expect is not None and not int(assigned.expect[1]) & DIGEST_MARK
+    running = _Digest(legacy)
+    elements = iter(source.read(split, ctx))
+    count, size = 0, 1
+    while True:
+        chunk: list[Any] = []
+        failure = None
+        try:
+            chunk.extend(itertools.islice(elements, size))
+        except BaseException as exc:  # yielded after the elements read before it
+            failure = exc
+        if not chunk:
+            if failure is not None:
+                raise failure
+            break
+        size = running.add(chunk)
+        first, count = count, count + len(chunk)
+        codes = range(base + first, base + count)
+        if skip:
+            yield from ((e, (c,)) for e, c in zip(chunk, codes, strict=True)
+                        if c - base not in skip)
         else:
-            crc = digest(element, crc)
-        count = index + 1
-        if not skip or index not in skip:
-            yield (element, (base + index,))
+            yield from zip(chunk, zip(codes), strict=True)  # (element, (code,)), in C
+        del chunk
+        if failure is not None:
+            raise failure
+    crc = running.value()
     if assigned.expect is not None and tuple(assigned.expect) != (count, crc):
         raise PipelineError.create(
             "source", "RuntimeError",
@@ -123,6 +152,74 @@ def read_split(source: Any, assigned: Assigned, pass_id: int, ctx: Any) -> Itera
             "exactly_once=False to accept repeats instead", context=f"split {split}",
             builtin="RuntimeError")
     ctx.ends.append([pass_id, split, count, crc])
+
+
+DIGEST_GROUP = 256
+"""A split's digest hashes consecutive plain ints (and bools) this many at a time; the
+reader of a split reads at most this many ahead. Part of the digest: changing it changes
+every split's digest, and a resumed state's (a split read again would be refused)."""
+DIGEST_MARK = 1 << 32
+"""Set in a digest taken by groups (:class:`_Digest`); an earlier one, taken an element at
+a time, has it clear (a state saved by an older version: its splits are read again so)."""
+_GROUPED = frozenset((int, bool))
+
+
+class _Digest:
+    """The running digest of a split's elements. Plain ints and bools, whose hash is the
+    same in every process, are hashed a group at a time (``hash`` of a tuple of up to
+    DIGEST_GROUP consecutive ones, a run of them cut from its start); any other element
+    mixes in :func:`digest`. ``legacy``: every element by :func:`digest`, as a digest
+    without DIGEST_MARK was taken."""
+
+    __slots__ = ("crc", "legacy", "pending")
+
+    def __init__(self, legacy: bool = False) -> None:
+        self.crc = 0
+        self.legacy = legacy
+        self.pending: list[Any] = []  # ints of the current run not hashed yet
+
+    def add(self, elements: list[Any]) -> int:
+        """Mix ``elements`` in; returns how many to read next: 1 after any element but a
+        plain int (or bool), else as many as complete the current group."""
+        grouped = set(map(type, elements)) <= _GROUPED
+        if self.legacy:
+            for element in elements:
+                self.crc = digest(element, self.crc)
+            return DIGEST_GROUP if grouped else 1
+        pending = self.pending
+        if grouped:
+            if not pending and len(elements) == DIGEST_GROUP:  # (the usual read)
+                self._fold(elements)
+                return DIGEST_GROUP
+            pending.extend(elements)
+            while len(pending) >= DIGEST_GROUP:
+                self._fold(pending[:DIGEST_GROUP])
+                del pending[:DIGEST_GROUP]
+            return DIGEST_GROUP - len(pending)
+        for element in elements:
+            if type(element) in _GROUPED:
+                pending.append(element)
+                if len(pending) == DIGEST_GROUP:
+                    self._fold(pending)
+                    pending.clear()
+                continue
+            if pending:
+                self._fold(pending)
+                pending.clear()
+            self.crc = digest(element, self.crc)
+        return 1
+
+    def _fold(self, group: list[Any]) -> None:
+        self.crc = (self.crc * 1_000_003 ^ hash(tuple(group))) & 0xFFFFFFFF
+
+    def value(self) -> int:
+        """The digest of everything added."""
+        if self.legacy:
+            return self.crc
+        if self.pending:
+            self._fold(self.pending)
+            self.pending.clear()
+        return self.crc | DIGEST_MARK
 
 
 def digest(element: Any, crc: int, depth: int = 0) -> int:
@@ -168,32 +265,60 @@ def digest(element: Any, crc: int, depth: int = 0) -> int:
 _HEAD = 6
 
 
-def encode_origins(origins: list[tuple[int, ...]], loose: list[int],
+def gather(origins: Sequence[Origin]) -> np.ndarray:
+    """The codes of ``origins`` (each a tuple of codes or an int64 array) in order, as one
+    new int64 array: a batch's rows' origins, taken at numpy speed."""
+    try:  # (the usual case: one origin each, as a source element has)
+        return np.fromiter([c for (c,) in origins], np.int64, len(origins))
+    except (TypeError, ValueError):
+        pass
+    if not origins:
+        return np.empty(0, np.int64)
+    return np.concatenate([np.asarray(origin, np.int64).reshape(-1) for origin in origins])
+
+
+def untag(elements: list[Tagged]) -> tuple[list[Any], np.ndarray]:
+    """The values of tagged ``elements`` and their origins' codes, in order."""
+    values = list(map(_VALUE, elements))
+    try:  # (one origin each: unpacked straight from the elements)
+        return values, np.fromiter([c for _, (c,) in elements], np.int64, len(elements))
+    except (TypeError, ValueError):
+        return values, gather(list(map(_ORIGIN, elements)))
+
+
+def encode_origins(origins: Sequence[Origin], loose: list[int],
                    reads: list[tuple[int, int]], pass_keys: dict[Key, int],
                    ends: list[list[int]]) -> bytes:
-    """The origin block of a record whose elements hold ``origins`` (their codes), with
-    ``loose`` codes before them and the split ``ends`` ([pass id, split, count, digest])
-    read since the last record; ``reads`` and ``pass_keys`` are the producer's tables."""
+    """The origin block of a record whose elements hold ``origins`` (their codes: tuples,
+    or int64 arrays), with ``loose`` codes before them and the split ``ends`` ([pass id,
+    split, count, digest]) read since the last record; ``reads`` and ``pass_keys`` are the
+    producer's tables."""
     counts = list(map(len, origins))
     uniform = counts[0] if counts and counts.count(counts[0]) == len(counts) else -1
     total = len(loose) + sum(counts)
     # An element's origins form a set: sorted, a batch's rows of one split make runs.
     ordered = total > 1 and (uniform != 1 or bool(loose))
     if total <= SMALL_ORIGIN_BLOCK:  # (most records of large elements: no numpy call is cheaper)
+        lists = [o.tolist() if isinstance(o, np.ndarray) else o for o in origins]
         if ordered:
-            flat = sorted(loose) + [c for origin in origins for c in sorted(origin)]
+            flat = sorted(loose) + [c for origin in lists for c in sorted(origin)]
         else:
-            flat = [*loose, *itertools.chain.from_iterable(origins)]
+            flat = [*loose, *itertools.chain.from_iterable(lists)]
         runs: Any = _runs_of_list(flat, reads)
     else:
-        codes = np.array([*loose, *itertools.chain.from_iterable(origins)], np.int64)
-        if ordered and len(counts) == 1 and not loose:
-            codes.sort()
-        elif ordered:
-            segments = np.repeat(np.arange(len(counts) + 1), [len(loose), *counts])
-            codes = codes[np.lexsort((codes, segments))]
+        first = len(loose)
+        codes = gather([tuple(loose), *origins]) if loose else gather(origins)
+        if ordered:
+            codes[:first].sort()
+            if uniform > 0:  # (every element as many: one sort of the rows)
+                codes[first:].reshape(-1, uniform).sort(axis=1)
+            elif len(counts) == 1:
+                codes[first:].sort()
+            else:
+                segments = np.repeat(np.arange(len(counts) + 1), [first, *counts])
+                codes = codes[np.lexsort((codes, segments))]
         runs = _runs_of_array(codes, reads)
-    used = {*(runs[:, 0].tolist() if isinstance(runs, np.ndarray) else (r[0] for r in runs)),
+    used = {*(_distinct(runs[:, 0]) if isinstance(runs, np.ndarray) else (r[0] for r in runs)),
             *(end[0] for end in ends)}
     entries = [(pass_id, key) for key, pass_id in pass_keys.items() if pass_id in used]
     head = [len(counts), uniform, len(loose), len(entries), len(ends), len(runs)]
@@ -204,6 +329,12 @@ def encode_origins(origins: list[tuple[int, ...]], loose: list[int],
         return np.array(front, np.int64).tobytes() + runs.tobytes()
     front.extend(itertools.chain.from_iterable(runs))
     return struct.pack(f"<{len(front)}q", *front)
+
+
+def _distinct(values: np.ndarray) -> list[int]:
+    """The distinct values of a non-empty int64 array (mostly one)."""
+    low, high = int(values.min()), int(values.max())
+    return [low] if low == high else np.unique(values).tolist()
 
 
 def _runs_of_list(flat: list[int], reads: list[tuple[int, int]]) -> list[list[int]]:
@@ -227,8 +358,14 @@ def _runs_of_array(codes: np.ndarray, reads: list[tuple[int, int]]) -> np.ndarra
     runs[:, 2] = starts & INDEX_MASK
     runs[:, 3] = np.diff(firsts, prepend=0, append=len(codes))
     read_ids = starts >> INDEX_BITS
-    for read in set(read_ids.tolist()):  # (few: the splits this record's elements came from)
-        runs[read_ids == read, :2] = reads[read]
+    low, high = int(read_ids.min()), int(read_ids.max())
+    if low == high:  # (one split reading: most records)
+        runs[:, :2] = reads[low]
+    elif high - low <= len(runs):  # (a few readings close together: a table of them)
+        runs[:, :2] = np.array(reads[low:high + 1], np.int64)[read_ids - low]
+    else:
+        for read in np.unique(read_ids).tolist():
+            runs[read_ids == read, :2] = reads[read]
     return runs
 
 
@@ -331,7 +468,7 @@ def _check_runs(runs: np.ndarray, keys: dict[int, Key]) -> int:
             total += length
         return total
     if (runs < 0).any() or (runs[:, 3] < 1).any() \
-            or not set(np.unique(runs[:, 0]).tolist()) <= keys.keys() \
+            or not set(_distinct(runs[:, 0])) <= keys.keys() \
             or int(runs[:, 1].max()) > INDEX_MASK \
             or int((runs[:, 2] + runs[:, 3]).max()) > INDEX_MASK + 1:
         raise ValueError("an origin run names a pass the block does not, or indices "
@@ -393,6 +530,31 @@ def merge_info(held: dict[str, Any] | None, info: Any) -> dict[str, Any]:
 
 
 # --- the consumer's ledger -------------------------------------------------------------------
+
+
+def merge_runs(runs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The union of ``runs`` ((pass id, split, first index, length) rows, in any order,
+    overlapping or not) as sorted, disjoint, non-touching ranges: their places (``pass id
+    << INDEX_BITS | split``), starts and ends, ordered by place then start. One sort of the
+    rows (of one int64 key each where the ids allow: the usual case), then whole-array
+    operations."""
+    pass_ids, splits = runs[:, 0], runs[:, 1]
+    starts, ends = runs[:, 2], runs[:, 2] + runs[:, 3]
+    if int(pass_ids.max()) < 1 << 10 and int(splits.max()) < 1 << 20:
+        # one key of 63 bits: pass id (10), split (20), start (33)
+        place = pass_ids << 20 | splits
+        order = np.argsort(place << (INDEX_BITS + 1) | starts)
+    else:
+        order = np.lexsort((starts, splits, pass_ids))
+    places = (pass_ids << INDEX_BITS | splits)[order]
+    starts, ends = starts[order], ends[order]
+    # Ends made to grow across places too (a place's rows all lie above the last's), so
+    # that one running maximum finds each range's reach.
+    rank = np.r_[0, np.cumsum(places[1:] != places[:-1])]
+    reach = np.maximum.accumulate(rank << (INDEX_BITS + 1) | ends)
+    first = np.flatnonzero(np.r_[True, (rank[1:] << (INDEX_BITS + 1) | starts[1:]) > reach[:-1]])
+    last = np.r_[first[1:] - 1, len(starts) - 1]
+    return places[first], starts[first], reach[last] & ((1 << (INDEX_BITS + 1)) - 1)
 
 
 class Ranges:
@@ -519,18 +681,13 @@ class Ledger:
                 return
             self._add(key, split, runs[:, 2], runs[:, 2] + length)
             return
-        places = runs[:, 0] << INDEX_BITS | runs[:, 1]
-        if (places == places[0]).all():
-            groups: Iterable[tuple[int, np.ndarray]] = [(int(places[0]), runs)]
-        else:
-            order = np.argsort(places, kind="stable")
-            ordered = places[order]
-            cuts = np.flatnonzero(np.diff(ordered)) + 1
-            groups = zip(ordered[np.r_[0, cuts]].tolist(), np.split(runs[order], cuts),
-                         strict=True)
-        for place, rows in groups:
-            self._add(keys[place >> INDEX_BITS], place & INDEX_MASK, rows[:, 2],
-                      rows[:, 2] + rows[:, 3])
+        places, starts, ends = merge_runs(runs)
+        cuts = np.flatnonzero(np.diff(places)) + 1
+        for at, stop in zip(np.r_[0, cuts].tolist(), np.r_[cuts, len(places)].tolist(),
+                            strict=True):
+            place = int(places[at])
+            self._add(keys[place >> INDEX_BITS], place & INDEX_MASK, starts[at:stop],
+                      ends[at:stop])
 
     def _add(self, key: Key, split: int, starts: np.ndarray, ends: np.ndarray) -> None:
         if split in self._done.get(key, ()):

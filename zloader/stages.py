@@ -30,7 +30,7 @@ from zloader import collate
 from zloader._defaults import ORIGINS_NAMED, SHUFFLE_DRAW_CHUNK
 from zloader._seeding import Key, make_rng
 from zloader.errors import PipelineError, passes_through
-from zloader.lineage import INDEX_BITS, INDEX_MASK
+from zloader.lineage import INDEX_BITS, INDEX_MASK, Origin, untag
 
 __all__ = ["Batch", "BucketByLength", "Context", "Coverage", "Filter", "Map", "Repeat", "Run",
            "Shuffle", "Skip", "Stage", "Take", "Unbatch", "compose"]
@@ -134,7 +134,8 @@ class Context:
     def drop(self, element: Any) -> None:
         """``element`` goes no further: keep its origins (when tracked) as loose ones."""
         if self.track:
-            self.loose.extend(element[1])
+            origin = element[1]
+            self.loose.extend(origin.tolist() if isinstance(origin, np.ndarray) else origin)
 
     def values(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """``fn`` as it applies to the elements of this run (to a tagged element's value,
@@ -174,9 +175,9 @@ class Context:
             return ""
         return str(self.source.locate(*at))
 
-    def _origins(self, origin: tuple[int, ...]) -> str:
+    def _origins(self, origin: Origin) -> str:
         places = [self.source.locate(self.reads[code >> INDEX_BITS][1], code & INDEX_MASK)
-                  for code in origin[:ORIGINS_NAMED]]
+                  for code in map(int, origin[:ORIGINS_NAMED])]
         count = len(origin)
         if count <= 1:
             return "".join(places)
@@ -184,11 +185,12 @@ class Context:
         return f"{count} elements: " + "; ".join(places) + more
 
     def stack(self, elements: list[Any], pad_value: Any = None) -> Any:
-        """``collate.stack`` of ``elements``; a tracked batch holds its rows' origins."""
+        """``collate.stack`` of ``elements``; a tracked batch holds its rows' origins as
+        one int64 array (:func:`~zloader.lineage.gather`)."""
         if not self.track:
             return collate.stack(elements, pad_value)
-        return (collate.stack([e[0] for e in elements], pad_value),
-                tuple(itertools.chain.from_iterable(e[1] for e in elements)))
+        values, codes = untag(elements)
+        return collate.stack(values, pad_value), codes
 
 
 def compose(read: Run, stages: tuple[Stage, ...], ctx: Context, first_position: int = 1) -> Run:
