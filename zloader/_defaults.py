@@ -183,6 +183,10 @@ LEDGER_FOLD_RECORDS = 64
 """A consumer's ledger of origins adds the records it is given this many at a time (or
 when it is read): one merge per split for many records, not one per record (fixed)."""
 
+CHECK_SECONDS = 0.05
+"""A consumer's loop looks for stuck workers and for leaving ones whose grace is over at
+most this often, not at every step (each check looks at every worker; fixed)."""
+
 POLL_MS = 50
 """Milliseconds the I/O thread's poll of its sockets waits before it looks again at its
 commands and heartbeats (fixed). Commands wake it at once, except credits given back short

@@ -22,6 +22,7 @@ from typing import Any
 
 import zmq
 
+from zloader._defaults import CHECK_SECONDS
 from zloader.client.epoch_end import EpochEnd
 from zloader.client.items import Command, Failed, GiveCredit, Item, StartEpoch
 from zloader.client.link import BrokerLink, registration
@@ -99,6 +100,7 @@ class ConsumerLoop:
         self._guard: Any = None  # the ZAP handler, with keys and a source socket
         self._poller: zmq.Poller | None = None  # (set once the sockets exist)
         self._next_beat = 0.0
+        self._next_check = 0.0  # when stuck and leaving workers are looked at next
 
     # --- the door -------------------------------------------------------------------------
 
@@ -162,8 +164,10 @@ class ConsumerLoop:
                 self._receive(sock, frames)
         self._link.send_acks()
         now = time.monotonic()
-        self._end.check_stuck(now)
-        self._peers.expire(now)
+        if now >= self._next_check:  # (each looks at every worker: not once per record)
+            self._next_check = now + CHECK_SECONDS
+            self._end.check_stuck(now)
+            self._peers.expire(now)
 
     def close(self) -> None:
         """Tell the workers and the broker this consumer leaves, close every socket and

@@ -49,6 +49,7 @@ class Receiver:
     def start(self) -> None:
         """The session began a new epoch."""
         self._skipped_by = {}
+        self.stats.skipped = 0
 
     def message(self, peer: Peer, msg: Message) -> None:
         """Handle one message from ``peer``'s worker.
@@ -166,8 +167,9 @@ class Receiver:
 
     def _note_skipped(self, peer: Peer, skipped: int) -> None:
         """The elements ``peer``'s worker skipped so far in the epoch (``on_error="skip"``)."""
-        self._skipped_by[peer.worker] = skipped
-        self.stats.skipped = sum(self._skipped_by.values())
+        if self._skipped_by.get(peer.worker, 0) != skipped:
+            self._skipped_by[peer.worker] = skipped
+            self.stats.skipped = sum(self._skipped_by.values())
 
     def _note_lagged(self, peer: Peer, lagged: int | None, replayed: int | None = None) -> None:
         """A shared job's elements this trainer lost to the lag policy, and those made
