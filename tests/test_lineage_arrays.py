@@ -4,6 +4,8 @@ digest taken by groups of ints (and the earlier way for an earlier reading's dig
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -141,3 +143,25 @@ def test_a_source_failing_mid_read_has_the_elements_before_it_yielded_first():
         for value, _ in read_split(source, Assigned(0, (0,)), 0, ctx):
             seen.append(value)
     assert seen == list(range(700))
+
+
+def test_a_slow_source_of_ints_is_not_read_ahead():
+    """Ints are read a group at a time only from a quick source: one that takes its time
+    for each element is read one at a time, so that its first elements are not held back
+    until a group's last has been read."""
+    made = []
+
+    class Slow:
+        def read(self, split, ctx):
+            for i in range(20):
+                time.sleep(0.003)  # longer than READ_AHEAD_SECONDS per element
+                made.append(i)
+                yield i
+
+    ctx = Context(entropy=1, track=True)
+    reader = read_split(Slow(), Assigned(0, (0,)), 0, ctx)
+    for taken in range(1, 6):
+        value, origin = next(reader)
+        assert value == taken - 1 and origin == (taken - 1,)
+        assert len(made) == taken  # read no further than what was taken
+    assert [value for value, _ in reader] == list(range(5, 20))

@@ -369,6 +369,12 @@ HAND_WAIT = 0.005
 """Seconds a producer delivering a record itself waits for its worker's lock before it
 looks at its stop flag again (zloader/worker/producer.py ``Hand``; fixed)."""
 
+READ_AHEAD_SECONDS = 0.002
+"""An exactly-once split reader reads plain ints a group at a time (zloader/lineage.py
+``read_split``) only while a group takes the source less than this; a slower source is
+read one element at a time, so that its first elements do not wait for the group's last
+(fixed)."""
+
 RECORD_ELEMENTS = 1024
 """A producer sends a record once it holds this many elements (fixed)."""
 

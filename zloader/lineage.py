@@ -23,6 +23,7 @@ import base64
 import itertools
 import operator
 import struct
+import time
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from zloader._defaults import LEDGER_FOLD_RECORDS, SMALL_ORIGIN_BLOCK
+from zloader._defaults import LEDGER_FOLD_RECORDS, READ_AHEAD_SECONDS, SMALL_ORIGIN_BLOCK
 from zloader.errors import PipelineError
 
 __all__ = ["Assigned", "Ledger", "Origin", "Origins", "Ranges", "Tagged", "code",
@@ -104,7 +105,9 @@ def read_split(source: Any, assigned: Assigned, pass_id: int, ctx: Any) -> Itera
     ``ctx.reads`` and records (count, digest) in ``ctx.ends`` once the split is read.
 
     Plain ints (and bools) are read up to DIGEST_GROUP at a time and tagged at C speed
-    (``zip``); any other element is read one at a time, and its digest taken before it is
+    (``zip``), as long as a group takes the source under READ_AHEAD_SECONDS (a slow source
+    of ints is read one at a time: its first elements must not wait for the group's
+    last); any other element is read one at a time, and its digest taken before it is
     yielded (a later stage may change it in place). A source that fails mid-read has the
     elements it gave before the failure yielded first.
 
@@ -122,6 +125,7 @@ def read_split(source: Any, assigned: Assigned, pass_id: int, ctx: Any) -> Itera
     while True:
         chunk: list[Any] = []
         failure = None
+        started = time.perf_counter()
         try:
             chunk.extend(itertools.islice(elements, size))
         except BaseException as exc:  # yielded after the elements read before it
@@ -131,6 +135,8 @@ def read_split(source: Any, assigned: Assigned, pass_id: int, ctx: Any) -> Itera
                 raise failure
             break
         size = running.add(chunk)
+        if time.perf_counter() - started > READ_AHEAD_SECONDS:
+            size = 1  # a slow source: no read-ahead
         first, count = count, count + len(chunk)
         codes = range(base + first, base + count)
         if skip:
