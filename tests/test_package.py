@@ -24,7 +24,8 @@ LAYERS = {
     "_version": 0, "errors": 0, "_check": 0, "_seeding": 0, "_command": 0,
     "_host": 0,
     "transport": 0, "transport.keys": 0, "transport.shm": 0.5, "transport.protocol": 0.5,
-    "transport.prefault": 0.55, "transport.ring": 0.6, "transport.records": 1.5,
+    "transport.prefault": 0.55, "transport.ring": 0.6, "transport.notice": 0.6,
+    "transport.records": 1.5,
     "transport.fields": 1.5,
     "transport.sockets": 1.5, "options": 1.55, "transport.messages": 1.6,
     "sharing": 0, "sharing.window": 0, "sharing.options": 0.5, "sharing.store": 1.6,
@@ -173,6 +174,7 @@ FORMAT_CONSTANTS = {
                 "DIGEST_MARK",  # compare digests; the mark tells the two ways of taking one
                 "INDEX_BITS", "MAX_PASS_ID", "MAX_KEY_LENGTH", "_HEAD"},  # the origin block
     "transport.messages": {"_DATA_FLAGS_ALL"},  # the packed DATA body's flags
+    "transport.notice": {"FRAME_ALIGN"},  # where a framed record's buffers start
     "journal": {"VERSION"},  # the journal's schema version
     "client.exactly_once": {"STATE_VERSION"},  # the version of Loader.state_dict()
     "transport.ring": {"ALIGN", "DATA_OFFSET", "_HEADER_WORDS",  # the ring's memory layout

@@ -375,6 +375,10 @@ READ_AHEAD_SECONDS = 0.002
 read one element at a time, so that its first elements do not wait for the group's last
 (fixed)."""
 
+NOTICE_READ_BYTES = 1 << 16
+"""Bytes a consumer reads from its record-notice pipe at once (zloader/transport/notice.py):
+4,096 notices, what a pipe holds by default (fixed)."""
+
 RECORD_ELEMENTS = 1024
 """A producer sends a record once it holds this many elements (fixed)."""
 

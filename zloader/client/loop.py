@@ -154,11 +154,15 @@ class ConsumerLoop:
                 self._link.acks += self._rounds.uncommitted()  # in case one was lost
         while self._commands:
             self._run(self._commands.popleft())
+        notices = self._peers.notices
         for sock, _ in self._poller.poll(poll_ms):
             if sock == self._wake_read:
                 with contextlib.suppress(BlockingIOError):
                     while os.read(self._wake_read, 4096):
                         pass
+                continue
+            if notices is not None and sock == notices.fd:
+                self._notices()
                 continue
             for frames in waiting(sock, 64):  # (a message may close its peer's socket)
                 self._receive(sock, frames)
@@ -288,6 +292,8 @@ class ConsumerLoop:
             elif sock is self._data_server:
                 self._fetch(frames)
             else:
+                # Records a worker announced on the pipe before this message come first.
+                self._notices()
                 msg = decode(frames)
                 peer = self._peers.of(sock)
                 if peer is not None:
@@ -296,6 +302,21 @@ class ConsumerLoop:
             self._reject(f"dropped a malformed message: {exc}")
         except Exception:  # a bug must not stop the consumer: log it, drop the message
             self._reject("failed on a message; dropped it", exc_info=True)
+
+    def _notices(self) -> None:
+        """Take the records whose notices wait on the pipe (transport/notice.py), all of
+        them, in the order their workers wrote them; a malformed one is dropped and
+        counted as a malformed message is."""
+        notices = self._peers.notices
+        if notices is None:
+            return
+        for notice in notices.read():
+            try:
+                self._receiver.notice(*notice)
+            except ProtocolError as exc:
+                self._reject(f"dropped a malformed record notice: {exc}")
+            except Exception:  # a bug must not stop the consumer: log it, drop the record
+                self._reject("failed on a record notice; dropped it", exc_info=True)
 
     def _reject(self, text: str, exc_info: bool = False) -> None:
         """Count a dropped message; log it at most once a second (a flood of junk must

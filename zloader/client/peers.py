@@ -25,6 +25,7 @@ from zloader._host import host_id
 from zloader.client.rounds import Rounds
 from zloader.client.session import Session, Settings
 from zloader.client.stats import Stats
+from zloader.transport.notice import Notices
 from zloader.transport.protocol import Command, ProtocolError, doing, doing_text, encode
 from zloader.transport.ring import ALIGN as RING_ALIGN
 from zloader.transport.shm import sweep
@@ -85,10 +86,50 @@ class Peers:
         self._ring_bytes = settings.ring_bytes  # a new worker's ring (see update)
         self._context: zmq.Context[Any] | None = None
         self._poller: zmq.Poller | None = None
+        # The pipe co-located workers announce ring records on (transport/notice.py), and
+        # every ring by its id in their notices (the old ones of a grown ring too).
+        self.notices: Notices | None = None
+        self._rings: dict[int, tuple[Peer, Any]] = {}
+        self._ring_ids = 0  # the last id given
 
     def attach(self, context: zmq.Context[Any], poller: zmq.Poller) -> None:
-        """Make sockets in ``context`` and poll them with ``poller`` (the I/O thread's)."""
+        """Make sockets in ``context`` and poll them with ``poller`` (the I/O thread's);
+        with rings, make the notice pipe and poll it too."""
         self._context, self._poller = context, poller
+        if self.settings.use_rings:
+            try:
+                self.notices = Notices()
+            except OSError as exc:
+                log.warning("cannot make a notice pipe in /dev/shm (%s): ring records "
+                            "come with a message each", exc)
+            else:
+                poller.register(self.notices.fd, zmq.POLLIN)
+
+    def ring_by_id(self, ring_id: int) -> tuple[Peer, Any] | None:
+        """The peer and ring a notice names by ``ring_id``; None for a ring this consumer
+        no longer reads (its worker left: notices it wrote before may still wait).
+
+        Raises:
+            ProtocolError: no ring ever had that id.
+        """
+        found = self._rings.get(ring_id)
+        if found is None and not 0 < ring_id <= self._ring_ids:
+            raise ProtocolError(f"a notice names ring id {ring_id}, which this consumer "
+                                "never opened")
+        return found
+
+    def _give_ring(self, peer: Peer, size: int | None) -> Any:
+        """A new ring for ``peer`` (None when /dev/shm has no room), with an id."""
+        ring = make_ring(size)
+        if ring is not None:
+            self._ring_ids += 1
+            ring.ring_id = self._ring_ids
+            self._rings[self._ring_ids] = (peer, ring)
+        return ring
+
+    def _forget_ring(self, ring: Any) -> None:
+        """``ring`` is closed: notices naming it are passed over."""
+        self._rings.pop(getattr(ring, "ring_id", 0), None)
 
     # --- who they are ---------------------------------------------------------------------
 
@@ -177,7 +218,7 @@ class Peers:
         local = entry.get("host_id") == host_id()
         peer.own = local and peer.pid in self.settings.own
         if self.settings.use_rings and local:
-            peer.ring = make_ring(self._ring_bytes)
+            peer.ring = self._give_ring(peer, self._ring_bytes)
         self._peers[peer.worker] = peer
         self._by_socket[sock] = peer
         if not self.settings.fixed:
@@ -214,6 +255,7 @@ class Peers:
         peer.socket.close(0)
         for ring in [peer.ring, *peer.old_rings]:
             if ring is not None:
+                self._forget_ring(ring)
                 ring.close()  # unlinks now; views the user holds stay valid
         peer.old_rings.clear()
         if self._peers.get(peer.worker) is peer:
@@ -229,6 +271,8 @@ class Peers:
         for peer, _ in self._leaving.values():
             self.close(peer, polite=False)
         self._leaving.clear()
+        if self.notices is not None:
+            self.notices.close()
 
     # --- streams and credits --------------------------------------------------------------
 
@@ -242,6 +286,8 @@ class Peers:
         body = {"job": session.job, "task": peer.task, "consumer": session.consumer,
                 "epoch": session.epoch, "credits": prefetch, "rerun": session.rerun,
                 "ring": peer.ring.name if peer.ring is not None else None}
+        if peer.ring is not None and self.notices is not None:
+            body.update(notify=self.notices.name, ring_id=peer.ring.ring_id)
         if self.rounds is not None:
             body["consumer_index"] = self.rounds.index
         self.send(peer, Command.OPEN, payload=session.epoch_input, body=body)
@@ -288,6 +334,7 @@ class Peers:
         """
         if peer.ring is not None and name == peer.ring.name:
             for old in peer.old_rings:
+                self._forget_ring(old)
                 old.close()
             peer.old_rings.clear()
             return peer.ring
@@ -309,12 +356,12 @@ class Peers:
         if needed <= capacity or capacity >= RING_MAX_BYTES:
             return
         size = max(capacity * 2, -(-needed // RING_ALIGN) * RING_ALIGN)
-        bigger = make_ring(min(RING_MAX_BYTES, size))
+        bigger = self._give_ring(peer, min(RING_MAX_BYTES, size))
         if bigger is None:
             return
         peer.old_rings.append(peer.ring)
         peer.ring = bigger
-        self.send(peer, Command.RING, {"ring": bigger.name})
+        self.send(peer, Command.RING, {"ring": bigger.name, "ring_id": bigger.ring_id})
 
     def map_segment(self, peer: Peer, segment: tuple[str, int], private: bool = False) -> Any:
         """Map a one-record segment; the worker unlinks it once told (next CREDIT). A

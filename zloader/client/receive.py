@@ -20,6 +20,7 @@ from zloader.client.stats import Stats
 from zloader.errors import CodecError
 from zloader.lineage import Origins, decode_origins
 from zloader.transport import messages, records
+from zloader.transport.notice import FRAME_HEAD, frame_size
 from zloader.transport.protocol import Command, Message, ProtocolError, error_from_object
 from zloader.transport.ring import RingError
 
@@ -70,15 +71,15 @@ class Receiver:
         if isinstance(record, messages.Data):
             if record.epoch != self.session.epoch:
                 return  # an old epoch's record: its credit is not coming back, by design
-            peer.owed -= 1
             try:
-                self._data(peer, record, msg.payload)
+                buffers = self._buffers(peer, record, msg.payload)
             except (ProtocolError, CodecError, RingError) as exc:
-                # Dropped (a corrupt record, in shared memory or on the wire), counted by
-                # the caller, and its credit given back so that the worker goes on.
-                self.peers.credit(peer.worker, 1)
+                peer.owed -= 1
+                self.peers.credit(peer.worker, 1)  # (as _taken does)
                 raise ProtocolError(f"DATA from worker pid {peer.pid} at {peer.endpoint}: "
                                     f"{exc}") from None
+            self._taken(peer, record, buffers,
+                        record.ring[1] if record.ring is not None else None)
         elif isinstance(record, messages.End):
             if record.epoch == self.session.epoch:
                 self._end(peer, record, msg.payload)
@@ -87,6 +88,40 @@ class Receiver:
                 self.put(Failed(error_from_object(record.error)))
         elif isinstance(record, messages.Error):
             log.warning("worker %s refused: %s", peer.endpoint, record.message)
+
+    def notice(self, ring_id: int, length: int, position: int) -> None:
+        """A record a co-located worker put in a ring, framed, announced on the notice
+        pipe (transport/notice.py): taken as its DATA would be.
+
+        Raises:
+            ProtocolError: the notice, or the record it names, is malformed (the caller
+                drops and counts it).
+        """
+        found = self.peers.ring_by_id(ring_id)
+        if found is None:
+            return  # a ring closed since (its worker left): nobody reads it any more
+        peer, ring = found
+        self.stats.last_progress = peer.heard = time.monotonic()
+        try:
+            block = self.peers.ring_of(peer, ring.name).claim(position, length)
+        except RingError as exc:
+            raise ProtocolError(f"notice from worker pid {peer.pid}: {exc}") from None
+        self._taken(peer, *_unframe(block), length)
+
+    def _taken(self, peer: Peer, data: messages.Data, buffers: list[Any],
+               grow: int | None) -> None:
+        """A record of ``peer``'s (``grow``: its size in a ring, which may need to grow)."""
+        if data.epoch != self.session.epoch:
+            return  # an old epoch's record: its credit is not coming back, by design
+        peer.owed -= 1
+        try:
+            self._data(peer, data, buffers, grow)
+        except (ProtocolError, CodecError, RingError) as exc:
+            # Dropped (a corrupt record, in shared memory or on the wire), counted by the
+            # caller, and its credit given back so that the worker goes on.
+            self.peers.credit(peer.worker, 1)
+            raise ProtocolError(f"DATA from worker pid {peer.pid} at {peer.endpoint}: "
+                                f"{exc}") from None
 
     def _buffers(self, peer: Peer, data: messages.Data, payload: list[Any]) -> list[Any]:
         """A DATA's buffers: from its segment, its worker's ring or its frames."""
@@ -99,18 +134,20 @@ class Receiver:
             position, length, name = data.ring
             reader = self.peers.ring_of(peer, name)
             block = reader.claim(position, length)
+            if data.framed:  # (a notice that could not be written: its body is in front)
+                return _unframe(block)[1]
             return records.unpack(memoryview(block))
         self.stats.private += peer.ring is not None
         return [frame.buffer for frame in payload]
 
-    def _data(self, peer: Peer, data: messages.Data, payload: list[Any]) -> None:
+    def _data(self, peer: Peer, data: messages.Data, buffers: list[Any],
+              grow: int | None) -> None:
         session, stats = self.session, self.stats
         count = data.count
-        buffers = self._buffers(peer, data, payload)
-        if peer.ring is not None and (data.full or data.ring is not None):
+        if peer.ring is not None and (data.full or grow is not None):
             # a full ring, or records large for it: grow it before it fills
-            self.peers.grow_ring(peer, records.packed_size(buffers) if data.ring is None
-                                 else data.ring[1])
+            self.peers.grow_ring(peer, grow if grow is not None
+                                 else records.packed_size(buffers))
         origins = None
         if data.origins:
             if len(buffers) < 2:
@@ -179,6 +216,25 @@ class Receiver:
         if lagged is not None:
             self._lagged_by[peer.worker] = lagged
             self.stats.lagged = sum(self._lagged_by.values())
+
+
+def _unframe(block: Any) -> tuple[messages.Data, list[Any]]:
+    """The DATA body and the buffers of a framed ring record (transport/notice.py).
+
+    Raises:
+        ProtocolError: it is not one.
+    """
+    length = len(block)
+    if length < FRAME_HEAD.size:
+        raise ProtocolError(f"framed record of {length} bytes")
+    size, _ = FRAME_HEAD.unpack_from(block, 0)
+    start, _ = frame_size(size, 0)
+    if start > length:
+        raise ProtocolError(f"framed record of {length} bytes with a body of {size}")
+    data = messages.Data.from_body(bytes(block[FRAME_HEAD.size:FRAME_HEAD.size + size]))
+    if data.ring is not None or data.segment is not None or data.framed:
+        raise ProtocolError("a framed record's body names a place of its own")
+    return data, records.unpack(memoryview(block[start:]))
 
 
 def _origins(block: Any, count: int) -> Origins:

@@ -494,6 +494,9 @@ class Open(Record):
     rerun: int = fld(INDEX, 0)
     ring: str | None = fld(optional(NAME), None)
     consumer_index: int | None = fld(optional(INDEX), None, omit=True)
+    # The consumer's notice pipe and the ring's id in its notices (transport/notice.py).
+    notify: str | None = fld(optional(NAME), None, omit=True)
+    ring_id: int | None = fld(optional(INDEX), None, omit=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -539,6 +542,8 @@ class Data(Record):
     lagged: int | None = fld(optional(INDEX), None, omit=True)
     round: int | None = fld(optional(INDEX), None, omit=True)
     origins: bool = fld(boolean, False, omit=True)  # the last buffer is an origin block
+    # The ring record is framed (transport/notice.py): its own DATA body comes first.
+    framed: bool = fld(boolean, False, omit=True)
 
     @classmethod
     def from_body(cls, body: Any) -> Data:
@@ -558,7 +563,7 @@ class Data(Record):
         values: dict[str, Any] = {
             "epoch": epoch, "count": count, "skipped": skipped, "ring": None, "segment": None,
             "full": bool(flags & _FULL), "shared": bool(flags & _SHARED), "lagged": None,
-            "round": None, "origins": bool(flags & _ORIGINS)}
+            "round": None, "origins": bool(flags & _ORIGINS), "framed": bool(flags & _FRAMED)}
         try:
             if flags & _RING:
                 position, length, size = _DATA_PLACE.unpack_from(raw, at)
@@ -595,7 +600,7 @@ class Data(Record):
                  | (_FULL if self.full else 0) | (_SHARED if self.shared else 0)
                  | (_LAGGED if self.lagged is not None else 0)
                  | (_ROUND if self.round is not None else 0)
-                 | (_ORIGINS if self.origins else 0))
+                 | (_ORIGINS if self.origins else 0) | (_FRAMED if self.framed else 0))
         parts = [_DATA_HEAD.pack(self.epoch, self.count, self.skipped, flags)]
         if self.ring is not None:
             name = self.ring[2].encode()
@@ -613,8 +618,8 @@ _DATA_HEAD = struct.Struct("<QQQB")  # epoch, count, skipped, flags
 _DATA_PLACE = struct.Struct("<QQH")  # ring: position, length, name length (name follows)
 _DATA_NAMED = struct.Struct("<QH")  # segment: length, name length (name follows)
 _DATA_INT = struct.Struct("<Q")  # lagged, round
-_RING, _SEGMENT, _FULL, _SHARED, _LAGGED, _ROUND, _ORIGINS = (1 << i for i in range(7))
-_DATA_FLAGS_ALL = (1 << 7) - 1
+_RING, _SEGMENT, _FULL, _SHARED, _LAGGED, _ROUND, _ORIGINS, _FRAMED = (1 << i for i in range(8))
+_DATA_FLAGS_ALL = (1 << 8) - 1
 
 
 def _name(raw: bytes, at: int, size: int, field: str) -> str:
@@ -651,6 +656,7 @@ class Fail(Record):
 class Ring(Record):
     COMMAND = Command.RING
     ring: str = fld(NAME)
+    ring_id: int | None = fld(optional(INDEX), None, omit=True)  # its id in notices
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -37,7 +37,8 @@ from types import TracebackType
 
 from zloader.errors import ZloaderError
 
-__all__ = ["PREFIX", "SHM_DIR", "Segment", "ShmError", "segment_name", "sweep", "sweep_dirs"]
+__all__ = ["PREFIX", "SHM_DIR", "Segment", "ShmError", "check_name", "segment_name", "sweep",
+           "sweep_dirs"]
 
 SHM_DIR = "/dev/shm"
 PREFIX = "zloader-"
@@ -77,7 +78,8 @@ def segment_name(kind: str) -> str:
     return f"{PREFIX}{os.getuid()}-{os.getpid()}-{kind}-{secrets.token_hex(4)}"
 
 
-def _check_name(name: str) -> None:
+def check_name(name: str) -> None:
+    """Raise ValueError unless ``name`` is a zloader segment's (:func:`segment_name`)."""
     if not (isinstance(name, str) and name.startswith(PREFIX)
             and _REST.match(name, len(PREFIX))):
         raise ValueError(f"not a zloader segment name: {name!r} (expected "
@@ -194,7 +196,7 @@ class Segment:
                 regular non-empty file.
             FileNotFoundError: no such segment (its owner unlinked it).
         """
-        _check_name(name)
+        check_name(name)
         # O_NOFOLLOW: /dev/shm is world-writable, a symlink planted there must not be followed.
         fd = os.open(_path(name), os.O_RDWR | os.O_NOFOLLOW)
         try:
@@ -279,10 +281,10 @@ def sweep(prefix: str = PREFIX) -> list[str]:
     """Remove the segments of this user whose creating process no longer exists.
 
     Only names of the form ``<prefix><uid>-<pid>-<kind>-<hex>`` are considered, only
-    regular files owned by this user whose name carries this user's uid, and only when
-    no process with that pid exists. A pid that has been reused by another process
-    keeps its segments (they are removed by a later sweep). Processes in another pid
-    namespace that share this ``/dev/shm`` look dead: do not sweep across containers.
+    regular files (and named pipes) owned by this user whose name carries this user's
+    uid, and only when no process with that pid exists. A pid that has been reused by
+    another process keeps its segments (they are removed by a later sweep). Processes in
+    another pid namespace that share this ``/dev/shm`` look dead: do not sweep across containers.
 
     Args:
         prefix: the name prefix to look for.
@@ -313,7 +315,8 @@ def sweep(prefix: str = PREFIX) -> list[str]:
         path = _path(name)
         try:
             info = os.lstat(path)
-            if not stat.S_ISREG(info.st_mode) or info.st_uid != uid:
+            if not (stat.S_ISREG(info.st_mode) or stat.S_ISFIFO(info.st_mode)) \
+                    or info.st_uid != uid:  # (a pipe: a consumer's notices, notice.py)
                 continue
             os.unlink(path)
         except (FileNotFoundError, PermissionError):

@@ -249,13 +249,15 @@ class WorkerProcess:
 
     def _hand_record(self, producer: Producer, outgoing: Outgoing) -> None:
         """A producer's record, delivered on its thread under the worker's lock (see
-        :class:`~zloader.worker.producer.Hand`). Its sends may have taken the data
-        socket's signal that a consumer's message came: the loop is woken to read it."""
+        :class:`~zloader.worker.producer.Hand`). A send on the data socket may have taken
+        its signal that a consumer's message came: the loop is then woken to read it (a
+        record that went with a notice sent nothing on the socket)."""
+        sent = self.port.outlet.sent
         if self.task is not None and producer.link is not None:
             self.task.from_producer(producer, LinkKind.RECORD, outgoing)
         else:  # a producer nobody listens to any more (its task stopped)
             outgoing.mark_taken()
-        if has_message(self.port.sock):
+        if self.port.outlet.sent != sent and has_message(self.port.sock):
             with contextlib.suppress(BlockingIOError):
                 os.write(self._wake_write, b"!")
 

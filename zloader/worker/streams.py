@@ -11,6 +11,7 @@ worker's heartbeat.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ import zmq
 
 from zloader import codec
 from zloader.transport import messages, records
+from zloader.transport.notice import FRAME_HEAD, NOTICE, frame_size, open_notify
 from zloader.transport.protocol import encode
 from zloader.transport.ring import RingError, RingWriter
 from zloader.transport.shm import Segment, ShmError
@@ -40,12 +42,28 @@ class Stream:
     ring: Any = None
     handoffs: dict[str, Any] = field(default_factory=dict)  # segments the consumer may map
     index: int | None = None  # consumer_index, in a coordinated job
+    notify: int | None = None  # the consumer's notice pipe (transport/notice.py), if any
+    ring_id: int | None = None  # the ring's id in the notices
+
+    def attach(self, ring: str | None, ring_id: int | None,
+               notify: str | None = None) -> None:
+        """Write into the ring called ``ring`` from now on (None: none), announcing records
+        on the consumer's pipe ``notify`` (kept when None) with ``ring_id``."""
+        if self.ring is not None:
+            self.ring.close()
+        self.ring = attach_ring(ring) if ring is not None else None
+        if notify is not None and self.notify is None:
+            self.notify = open_notify(notify)
+        self.ring_id = ring_id
 
     def close(self) -> None:
         """Unlink the segments handed to the consumer and detach from its ring."""
         unlink_handoffs(self)
         if self.ring is not None:
             self.ring.close()
+        if self.notify is not None:
+            os.close(self.notify)
+            self.notify = None
 
 
 class Outlet:
@@ -63,11 +81,13 @@ class Outlet:
         self.elements = 0
         self.bytes = 0
         self.fallbacks = 0  # records a full ring sent over the socket
+        self.sent = 0  # messages sent on the data socket (notices are not)
 
     def send(self, stream: Stream, record: messages.Record,
              payload: list[Any] | tuple[Any, ...] = ()) -> None:
         """Send one message (DATA, END, FAIL) to a consumer; a failure is logged, not
         raised."""
+        self.sent += 1
         try:
             send_frames(self.data, [stream.identity, *encode(
                 record.COMMAND, messages.encode(record), payload)], NOBLOCK)
@@ -88,7 +108,8 @@ class Outlet:
         count = head["count"]
         fields = {"epoch": epoch, "count": count, "skipped": head["skipped"], "ring": None,
                   "segment": None, "full": False, "shared": False, "lagged": None,
-                  "round": head.get("round"), "origins": head.get("origins", False)}
+                  "round": head.get("round"), "origins": head.get("origins", False),
+                  "framed": False}
         sizes = records.sizes_of(frames)
         self.count(count, sum(sizes))
         ring = stream.ring
@@ -97,7 +118,12 @@ class Outlet:
             if packed > ring.capacity and self._segment(stream, fields, frames, packed):
                 return
             try:
-                slot = ring.reserve(packed)
+                if stream.notify is not None and stream.ring_id is not None:
+                    if self._framed(stream, ring, fields, frames, sizes, packed):
+                        return
+                    slot = None  # (the ring is full)
+                else:
+                    slot = ring.reserve(packed)
             except RingError as exc:  # its header was overwritten: sockets from now on
                 self.reject(f"stopped using the ring of consumer {stream.consumer}: {exc}")
                 ring.close()
@@ -115,6 +141,33 @@ class Outlet:
                                                                  packed):
                 return
         self.send(stream, messages.Data.checked(fields), codec.joined(frames))
+
+    def _framed(self, stream: Stream, ring: RingWriter, fields: dict[str, Any],
+                frames: list[Any], sizes: list[int], packed: int) -> bool:
+        """Put the record in the ring framed (its DATA body in front of its buffers) and
+        write its notice to the consumer's pipe (transport/notice.py); a notice that cannot
+        be written goes as a DATA message naming the framed record. False: the ring has
+        no room for it now.
+
+        Raises:
+            RingError: the ring's header is corrupt.
+        """
+        body = messages.Data.checked(fields).to_body()
+        start, length = frame_size(len(body), packed)
+        slot = ring.reserve(length)
+        if slot is None:
+            return False
+        position, view = slot
+        FRAME_HEAD.pack_into(view, 0, len(body), 0)
+        view[FRAME_HEAD.size:FRAME_HEAD.size + len(body)] = body
+        records.pack_into(frames, view[start:], sizes)
+        assert stream.notify is not None and stream.ring_id is not None
+        try:
+            os.write(stream.notify, NOTICE.pack(stream.ring_id, length, position))
+        except OSError:  # the pipe is full (a stalled consumer) or gone: say it on the socket
+            self.send(stream, messages.Data.checked(
+                {**fields, "ring": (position, length, ring.name), "framed": True}))
+        return True
 
     def _segment(self, stream: Stream, fields: dict[str, Any], frames: list[Any],
                  packed: int) -> bool:

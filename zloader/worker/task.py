@@ -29,7 +29,7 @@ from zloader.worker.broker_link import BrokerLink, assignment
 from zloader.worker.delivery import Delivery
 from zloader.worker.links import Links
 from zloader.worker.producer import LinkKind, Producer, ProducerSpec
-from zloader.worker.streams import Outlet, Stream, attach_ring, unlink_handoffs
+from zloader.worker.streams import Outlet, Stream, unlink_handoffs
 
 __all__ = ["Assignment", "Task", "load_error"]
 
@@ -124,7 +124,7 @@ class Task:
             stream = Stream(identity, opened.consumer, epoch)
             self.streams[identity] = stream
             if opened.ring is not None:
-                stream.ring = attach_ring(opened.ring)
+                stream.attach(opened.ring, opened.ring_id, opened.notify)
         self.delivery.open(stream, opened)
 
     def open_epoch(self, stream: Stream, opened: messages.Open) -> None:
@@ -162,9 +162,7 @@ class Task:
         """RING: write into this (larger) ring from now on."""
         stream = self.streams.get(identity)
         if stream is not None:
-            if stream.ring is not None:
-                stream.ring.close()
-            stream.ring = attach_ring(ring.ring)
+            stream.attach(ring.ring, ring.ring_id)
 
     def remove_stream(self, stream: Stream) -> None:
         self.delivery.leave(stream)
