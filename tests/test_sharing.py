@@ -3,6 +3,7 @@ trainers; see tests/share_trainer.py for the trainer)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -10,6 +11,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -23,13 +26,17 @@ N = 120
 
 
 class Trainer:
-    """A trainer process whose JSON lines are collected on a thread."""
+    """A trainer process whose JSON lines are collected on a thread (stopped, if it still
+    runs, when the :func:`trainer_service` it was started in exits)."""
+
+    running: ClassVar[list[Trainer]] = []
 
     def __init__(self, broker: str, *args: str, n: int = N, variant: int = 1,
                  epochs: int = 1) -> None:
         self.process = subprocess.Popen(
             [sys.executable, TRAINER, broker, str(n), str(variant), str(epochs), *args],
             stdout=subprocess.PIPE, text=True)
+        Trainer.running.append(self)
         self.lines: list[dict] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -53,6 +60,21 @@ class Trainer:
         self.process.wait()
 
 
+@contextlib.contextmanager
+def trainer_service(workers: int) -> Iterator[tuple[str, list[subprocess.Popen]]]:
+    """:func:`service`, whose trainers still running at the end (a test that failed half
+    way, before it waited for them) are killed before its workers and broker stop."""
+    with service(workers=workers) as running:
+        try:
+            yield running
+        finally:
+            while Trainer.running:
+                trainer = Trainer.running.pop()
+                if trainer.process.poll() is None:
+                    trainer.kill()
+                trainer.reader.join(5)
+
+
 def shared_jobs(address: str) -> list[dict]:
     return [j for j in status(address)["jobs"] if j.get("shared")]
 
@@ -63,7 +85,7 @@ def segments() -> list[str]:
 
 def test_three_trainers_share_one_run_and_see_the_same_sequence(tmp_path):
     log = str(tmp_path / "calls")
-    with service(workers=1) as (address, _):
+    with trainer_service(1) as (address, _):
         # (slow enough that the others, started once it reads, join while it still runs)
         first = Trainer(address, "--log", log, "--delay", "0.02", epochs=3)
         wait_for(lambda: first.progress >= 10, what="the first trainer's progress")
@@ -93,7 +115,7 @@ def test_three_trainers_share_one_run_and_see_the_same_sequence(tmp_path):
 
 @pytest.mark.slow
 def test_identical_pipelines_share_and_a_changed_one_gets_its_own_job():
-    with service(workers=2) as (address, _):
+    with trainer_service(2) as (address, _):
         trainers = [Trainer(address, "--delay", "0.03", variant=v) for v in (1, 1, 2)]
         wait_for(lambda: sorted(j["consumers"] for j in shared_jobs(address)) == [1, 2],
                  what="two shared jobs, one with two trainers")
@@ -108,7 +130,7 @@ def test_identical_pipelines_share_and_a_changed_one_gets_its_own_job():
 
 @pytest.mark.slow
 def test_a_killed_trainer_does_not_stall_the_others():
-    with service(workers=1) as (address, _):
+    with trainer_service(1) as (address, _):
         # A small window and "block" with a long block time: only eviction of the dead
         # trainer (three missed heartbeats) lets the live one finish in time.
         args = ("--window", str(1 << 16), "--block", "600")
@@ -122,7 +144,7 @@ def test_a_killed_trainer_does_not_stall_the_others():
 
 @pytest.mark.slow
 def test_a_slow_trainer_skips_and_counts_with_skip():
-    with service(workers=1) as (address, _):
+    with trainer_service(1) as (address, _):
         window = ("--window", str(1 << 16))
         # The slow one first: a trainer that joins late gets what it missed replayed at its
         # own pace, which a slow late joiner would spend most of the epoch on.
@@ -139,7 +161,7 @@ def test_a_slow_trainer_skips_and_counts_with_skip():
 
 @pytest.mark.slow
 def test_a_slow_trainer_holds_the_producer_with_block():
-    with service(workers=1) as (address, _):
+    with trainer_service(1) as (address, _):
         window = ("--window", str(1 << 16), "--block", "600")
         fast = Trainer(address, *window, n=150)
         slow = Trainer(address, *window, "--delay", "0.01", n=150)
@@ -153,7 +175,7 @@ def test_a_slow_trainer_holds_the_producer_with_block():
 def test_a_late_joiner_gets_a_whole_epoch_and_only_what_left_the_window_is_recomputed(
         tmp_path):
     log = str(tmp_path / "calls")
-    with service(workers=1) as (address, _):
+    with trainer_service(1) as (address, _):
         window = ("--window", str(1 << 18), "--log", log)  # about 8 elements
         first = Trainer(address, *window, "--delay", "0.02", n=200)
         wait_for(lambda: first.progress >= 60, what="the first trainer's progress")
@@ -245,7 +267,7 @@ def test_trainers_that_leave_free_the_shared_memory():
 
 @pytest.mark.slow
 def test_status_shows_a_shared_job_with_its_trainers_lag_and_skips():
-    with service(workers=1) as (address, _):
+    with trainer_service(1) as (address, _):
         window = ("--window", str(1 << 16), "--lag", "skip")
         slow = Trainer(address, *window, "--delay", "0.05", n=400)
         wait_for(lambda: slow.progress >= 10, what="the slow trainer's progress")
@@ -342,7 +364,7 @@ def test_a_drained_worker_sends_its_window_to_a_lagging_trainer_before_it_leaves
     follows the faster one): the worker stays until it has, since its splits are done and
     nobody would read them again (it left at once, and the slow trainer lost 29-30 of 120
     elements)."""
-    with service(workers=2) as (address, procs):
+    with trainer_service(2) as (address, procs):
         # Production follows the faster trainer; the slower one lags behind the window.
         slow = Trainer(address, "--delay", "0.04")  # 120 elements: about 5 s
         fast = Trainer(address, "--delay", "0.002")
@@ -356,17 +378,43 @@ def test_a_drained_worker_sends_its_window_to_a_lagging_trainer_before_it_leaves
 
 
 def test_a_worker_moved_at_once_off_a_shared_job_has_what_it_read_read_again():
-    """A second job takes one of a shared job's workers mid-epoch (a shared job's worker
-    moves at once): the splits it had read, whose records a slower trainer had not been
-    sent yet, are read again by the other worker (at least once), so no trainer of the
-    shared job ends its epoch short (the slow one lost 19 or more of 120 before)."""
-    with service(workers=2) as (address, _):
-        slow = Trainer(address, "--delay", "0.04")
-        fast = Trainer(address, "--delay", "0.002")
-        wait_for(lambda: fast.progress >= 40 and slow.progress >= 10,
+    """A second job takes one of a shared job's workers mid-epoch while the other worker
+    still reads the epoch (a shared job's worker then moves at once): the splits it had
+    read, whose records a slower trainer had not been sent yet, are read again by the
+    other worker (at least once), so no trainer of the shared job ends its epoch short
+    (with no read list kept for a shared job, the slow one lost 19 or more of 120). Should
+    the other worker be done already when the second job registers, the worker drains
+    instead (the next test), and no trainer loses anything either."""
+    n = 2 * N  # the faster trainer's epoch (about 2 s) outlasts the second one's start
+    with trainer_service(2) as (address, _):
+        slow = Trainer(address, "--delay", "0.015", n=n)
+        fast = Trainer(address, "--delay", "0.008", n=n)
+        wait_for(lambda: fast.progress >= 10 and slow.progress >= 10,
                  what="both trainers' first elements")
         other = Trainer(address, "--delay", "0.01", variant=2)  # takes a worker
-        for trainer in (slow, fast, other):
+        for trainer, size in ((slow, n), (fast, n), (other, N)):
             (epoch,) = trainer.epochs()
-            assert sorted(set(epoch["got"])) == list(range(N)), \
-                f"lost {sorted(set(range(N)) - set(epoch['got']))}"
+            assert sorted(set(epoch["got"])) == list(range(size)), \
+                f"lost {sorted(set(range(size)) - set(epoch['got']))}"
+
+
+@pytest.mark.slow
+def test_a_shared_job_gives_a_worker_whose_splits_nobody_would_read_again_by_draining():
+    """A second job takes one of a shared job's workers mid-epoch once both workers were
+    told that no split is left (the faster trainer has ended its epoch; production follows
+    it): nobody would read the moved worker's splits again, so it drains, sending its
+    window to the slower trainer first. (It moved at once: the slower trainer lost what it
+    had not been sent yet, 19 to 103 of 240 in 6 runs, unless the worker came back to the job, once
+    the second job's epoch was over, before the slower trainer ended its epoch.)"""
+    n = 2 * N  # 24 splits: each worker reads about half of them
+    with trainer_service(2) as (address, _):
+        slow = Trainer(address, "--delay", "0.02", n=n)  # about 5 s
+        fast = Trainer(address, "--delay", "0.001", n=n)
+        wait_for(lambda: slow.progress >= 10, what="the slow trainer's first elements")
+        (fast_epoch,) = fast.epochs()  # both workers have ended their pass
+        # Its epoch (about 5 s too) outlasts the rest of the slow trainer's: the moved
+        # worker does not come back to the shared job before the slow trainer ends its epoch.
+        other = Trainer(address, "--delay", "0.04", variant=2)
+        for epoch, size in ((fast_epoch, n), (slow.epochs()[0], n), (other.epochs()[0], N)):
+            assert sorted(set(epoch["got"])) == list(range(size)), \
+                f"lost {sorted(set(range(size)) - set(epoch['got']))}"

@@ -11,7 +11,7 @@ import secrets
 
 from zloader._defaults import HUNGRY_STARVATION, MOVE_DRAIN_SECONDS
 from zloader._host import loopback
-from zloader.broker import failures, history, pool, status
+from zloader.broker import failures, history, pool, splits, status
 from zloader.broker.records import INHERITED, Job, Out, Tables, Worker
 from zloader.transport import messages
 from zloader.transport.protocol import Command
@@ -168,8 +168,7 @@ def _rebalance(state: Tables, now: float) -> list[Out]:
         for changed, step in ((source.id, -1), (job.id, 1)):
             wanted[changed] = dataclasses.replace(wanted[changed],
                                                   held=wanted[changed].held + step)
-        if not source.track and source.share is None and source.rounds is None \
-                and len(source.tasks) > 1 and _active(state, source):
+        if _drains(state, worker, source):
             out += _drain(state, worker, job, now)
         else:
             out += preempt(state, worker, now)
@@ -197,17 +196,35 @@ def _last_views(out: list[Out]) -> list[Out]:
             if o.command is not Command.JOB or last[o.identity] == n]
 
 
+def _drains(state: Tables, worker: Worker, job: Job) -> bool:
+    """Whether ``worker`` leaves ``job`` by draining (see :func:`_drain`) rather than at
+    once: a job that does not run exactly-once, mid-epoch, with other workers. Not a
+    coordinated job's (the broker numbers its rounds), and a shared job's only when its
+    splits would not be read again: a trainer that joins later gets what it missed from
+    the worker that made it, so a shared job's worker moves at once while another of the
+    job's workers still reads each epoch it read splits of (they take its splits, re-queued
+    ahead of new ones, and every trainer gets them from there). Once the others were told
+    that no split is left, nobody would read them again, and a trainer lagging behind the
+    faster one would lose what the moved worker had read and not sent it yet."""
+    if job.track or job.rounds is not None or len(job.tasks) < 2 or not _active(state, job):
+        return False
+    if job.share is None:
+        return True
+    others = {w for w in job.tasks.values() if w != worker.id
+              and w in state.workers and state.workers[w].moving_to is None}
+    return any(not splits.readers(job, epoch) & others
+               for epoch in splits.epochs_of(job, worker.id))
+
+
 def _drain(state: Tables, worker: Worker, taker: Job, now: float) -> list[Out]:
     """Move ``worker`` off a job that does not run exactly-once without repeating a split:
     it finishes the splits it took and sends what they make (``RELEASE.drain``), then
     says it is done (``HEARTBEAT.drained``, see :func:`drained`). Its job has no fence to
-    read a moved split again less what its consumers hold. (Not a shared job's worker:
-    a trainer that joins later gets what it missed from the worker that made it, so that
-    worker's splits are read again by the others when it goes, repeating them to the
-    trainers that had them; nor a coordinated job's, whose rounds the broker numbers;
-    nor a job's last worker: its END would end the epoch for the consumers while splits
-    nobody took remain, so it moves at once and its splits are read again when a worker
-    comes back.)"""
+    read a moved split again less what its consumers hold. (Not a job's last worker: its
+    END would end the epoch for the consumers while splits nobody took remain, so it moves
+    at once and its splits are read again when a worker comes back; see :func:`_drains`
+    for the others that move at once.) A shared job's worker sends its window to every
+    trainer before it says so."""
     assert worker.task is not None
     log.info("worker %s (pid %d on %s) drains its task to move to job %s (the pool's "
              "share for it)", worker.id, worker.pid, worker.host, taker.name or taker.id)

@@ -104,6 +104,9 @@ class Pass:
     # (a shuffle buffer, a batch), and what to skip when a split of this pass is read again.
     read: dict[str, list[int]] = field(default_factory=dict)
     skips: dict[int, dict[str, Any]] = field(default_factory=dict)
+    # Workers told that no split is left in this pass: they ask for none again, so a split
+    # re-queued now is not theirs (see splits.readers).
+    over: set[str] = field(default_factory=set)
 
 
 @dataclass

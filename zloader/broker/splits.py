@@ -16,8 +16,8 @@ from zloader.sources import split_order
 from zloader.transport.messages import PassDone, SplitReq
 from zloader.transport.protocol import Command
 
-__all__ = ["dispenser", "mark_read", "pass_done", "pending", "read_splits", "requeue",
-           "skip", "split_request", "take"]
+__all__ = ["dispenser", "epochs_of", "mark_read", "pass_done", "pending", "read_splits",
+           "readers", "requeue", "skip", "split_request", "take"]
 
 
 def split_request(state: Tables, identity: bytes, msg: SplitReq, now: float) -> list[Out]:
@@ -53,6 +53,7 @@ def split_request(state: Tables, identity: bytes, msg: SplitReq, now: float) -> 
     if split is None and handing.order:
         split = handing.order.popleft()
     if split is not None:
+        handing.over.discard(worker.id)
         handing.handed.setdefault(worker.id, []).append(split)
         if not have:  # its first of the pass: read at once
             worker.current = (key, split)
@@ -62,8 +63,10 @@ def split_request(state: Tables, identity: bytes, msg: SplitReq, now: float) -> 
             job.origin_of[(key, split)] = origin
             event["origin"] = list(origin)
         history.record(state, event)
-    elif not have:
-        worker.current = None
+    else:
+        handing.over.add(worker.id)  # its pass ends: it asks for no other split
+        if not have:
+            worker.current = None
     return [Out(identity, Command.SPLIT, {"task": task, "pass": list(key), "split": split,
                                           "have": have, **_assignment(job, key, split)})]
 
@@ -157,6 +160,21 @@ def take(state: Tables, job: Job, worker_id: str, key: PassKey, split: int) -> N
     worker = state.workers.get(worker_id)
     if worker is not None:
         worker.current = (key, split)
+
+
+def epochs_of(job: Job, worker_id: str) -> set[int]:
+    """The epochs in which ``worker_id`` was handed splits (being read, or read and
+    remembered: an exactly-once or shared job's)."""
+    return {key[0] for key, handing in job.passes.items()
+            if worker_id in handing.handed or worker_id in handing.read}
+
+
+def readers(job: Job, epoch: int) -> set[str]:
+    """The workers that will ask for another split of ``epoch``: handed one in a pass of it
+    and not told yet that none is left. A split re-queued now is read by one of them; with
+    none, it waits for a worker that starts the epoch later."""
+    return {worker_id for key, handing in job.passes.items() if key[0] == epoch
+            for worker_id in handing.handed if worker_id not in handing.over}
 
 
 def read_splits(job: Job, epoch: int) -> dict[PassKey, set[int]]:
