@@ -28,7 +28,11 @@ def clamp(credits: int) -> int:
 
 
 class CreditDelivery(Delivery):
-    """Plain or balanced credit delivery (see the module's docstring)."""
+    """Plain or balanced credit delivery (see the module's docstring). Its producers
+    deliver their records themselves (``inline``): the one producer of an epoch delivers
+    only before its END, and that END is what ends the epoch."""
+
+    inline = True
 
     def __init__(self, task: Task) -> None:
         super().__init__(task)

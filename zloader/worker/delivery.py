@@ -46,6 +46,11 @@ class Delivery(abc.ABC):
         task: the task whose records it delivers (its streams, epochs and producer).
     """
 
+    inline = False
+    """Whether its producers deliver their records on their own thread (producer.py
+    ``Hand``): only a mode whose delivery of a record never ends an epoch, starts or stops
+    a producer (whose links the worker's loop polls) may say so."""
+
     def __init__(self, task: Task) -> None:
         self.task = task
         self.pool = threading.Semaphore(0)  # one permit per record the producer may make

@@ -38,9 +38,11 @@ class Links:
         # Where the producers' time goes, by stage (the heartbeat's stats).
         self.timing: dict[str, float] = dict.fromkeys(STAGES, 0.0)
 
-    def start(self, spec: ProducerSpec, epoch: int, **options: Any) -> Producer:
+    def start(self, spec: ProducerSpec, epoch: int, inline: bool = False,
+              **options: Any) -> Producer:
         """Start a producer of ``epoch`` (``options``: the rest of :class:`Producer`'s
-        arguments) on a new link."""
+        arguments) on a new link; ``inline``: it delivers its records itself (the
+        task's delivery mode allows it, see ``Delivery.inline``)."""
         self.count += 1
         address = f"inproc://producer-{self.name}-{self.count}"
         link = make_socket(self.context, zmq.PAIR)
@@ -48,7 +50,7 @@ class Links:
         self.poller.register(link, zmq.POLLIN)
         producer = Producer(self.context, address, spec, epoch, timing=self.timing, **options)
         producer.link = link
-        producer.hand = self.hand
+        producer.hand = self.hand if inline else None
         self.producers[link] = producer
         producer.start()
         return producer

@@ -146,7 +146,8 @@ class Outgoing:
 @dataclass(frozen=True)
 class Hand:
     """How a producer delivers its records itself, instead of handing them to the worker's
-    main thread over its pair: under ``lock`` (the worker's: the main thread holds it
+    main thread over its pair (when its task's delivery mode allows it: credit delivery,
+    see ``Delivery.inline``): under ``lock`` (the worker's: the main thread holds it
     whenever it is not waiting in its poll), ``deliver(producer, outgoing)`` does what
     the main thread would do with the record (its task's delivery sends it, or keeps it
     until a consumer has credit). ``busy()`` says whether records wait in the delivery

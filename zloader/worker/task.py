@@ -275,8 +275,9 @@ class Task:
                        ) -> Producer:
         """Start a producer of ``epoch`` (``options``: see
         :class:`~zloader.worker.producer.Producer`)."""
-        return self.links.start(self.spec, epoch, pool=pool, draining=self.draining,
-                                epoch_input=self.inputs.get(epoch), **options)
+        return self.links.start(self.spec, epoch, inline=self.delivery.inline, pool=pool,
+                                draining=self.draining, epoch_input=self.inputs.get(epoch),
+                                **options)
 
     def stats(self) -> dict[str, Any]:
         """Its part of the heartbeat's stats: credits granted and not used, the fullest
