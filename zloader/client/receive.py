@@ -104,9 +104,13 @@ class Receiver:
         self.stats.last_progress = peer.heard = time.monotonic()
         try:
             block = self.peers.ring_of(peer, ring.name).claim(position, length)
-        except RingError as exc:
+            data, buffers = _unframe(block)
+        except (ProtocolError, RingError) as exc:
+            # As an unreadable DATA: dropped, and its credit given back to the worker.
+            peer.owed -= 1
+            self.peers.credit(peer.worker, 1)
             raise ProtocolError(f"notice from worker pid {peer.pid}: {exc}") from None
-        self._taken(peer, *_unframe(block), length)
+        self._taken(peer, data, buffers, length)
 
     def _taken(self, peer: Peer, data: messages.Data, buffers: list[Any],
                grow: int | None) -> None:

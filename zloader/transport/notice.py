@@ -14,8 +14,10 @@ returned the notice, on every architecture.
 
 A record keeps its order among its worker's messages: the notice is written before the
 worker sends anything after it, and the consumer reads the pipe before it handles any
-message from a worker. A notice that cannot be written (the pipe full, or gone) goes as a
-DATA message instead, naming the framed record in the ring (its ``framed`` flag).
+message from a worker; once a record of an epoch went to a consumer as a DATA message (a
+segment, a full ring, or a notice that could not be written: the pipe full or gone, then
+the DATA names the framed record in the ring, its ``framed`` flag), the rest of the epoch's
+records to it go as DATA messages too (``Stream.unnoticed`` in zloader/worker/streams.py).
 
 A notice is checked like any input: an unknown ring id is dropped, and the ring checks
 the position and length (:meth:`~zloader.transport.ring.RingReader.claim`).

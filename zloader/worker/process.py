@@ -228,8 +228,6 @@ class WorkerProcess:
                 # (an OPEN maps and reserves a consumer's ring: on a busy host a burst of
                 # them takes seconds, and the broker must still hear us)
                 self._beat_if_due()
-            # More waiting than one turn reads: the descriptor may not say so again.
-            wait = 0 if has_message(data) else 100
             if self.loading is not None:
                 self._begin_task()
             if self.task is not None:
@@ -246,6 +244,9 @@ class WorkerProcess:
                 return
             if self._drain_deadline is not None and self._drained(now):
                 return
+            # More waiting than one turn reads, or a message whose signal this turn's sends
+            # took: the descriptor may not say so again.
+            wait = 0 if has_message(data) else 100
 
     def _hand_record(self, producer: Producer, outgoing: Outgoing) -> None:
         """A producer's record, delivered on its thread under the worker's lock (see

@@ -44,6 +44,9 @@ class Stream:
     index: int | None = None  # consumer_index, in a coordinated job
     notify: int | None = None  # the consumer's notice pipe (transport/notice.py), if any
     ring_id: int | None = None  # the ring's id in the notices
+    # The epoch in which a record of this stream went as a DATA message: no notice for the
+    # rest of it (a later record's notice would be read before that record).
+    unnoticed: int | None = None
 
     def attach(self, ring: str | None, ring_id: int | None,
                notify: str | None = None) -> None:
@@ -86,8 +89,11 @@ class Outlet:
     def send(self, stream: Stream, record: messages.Record,
              payload: list[Any] | tuple[Any, ...] = ()) -> None:
         """Send one message (DATA, END, FAIL) to a consumer; a failure is logged, not
-        raised."""
+        raised. A DATA ends the stream's notices for the rest of its epoch (see
+        :meth:`record`)."""
         self.sent += 1
+        if type(record) is messages.Data:
+            stream.unnoticed = record.epoch
         try:
             send_frames(self.data, [stream.identity, *encode(
                 record.COMMAND, messages.encode(record), payload)], NOBLOCK)
@@ -113,12 +119,17 @@ class Outlet:
         sizes = records.sizes_of(frames)
         self.count(count, sum(sizes))
         ring = stream.ring
+        # A record keeps its place among its stream's: the consumer reads every notice
+        # waiting before any message, so once a record of an epoch went as a message (a
+        # full ring, a segment, a pipe full), the rest of the epoch goes so too.
+        noticed = (stream.notify is not None and stream.ring_id is not None
+                   and stream.unnoticed != epoch)
         if ring is not None:
             packed = records.packed_size(frames, sizes)
             if packed > ring.capacity and self._segment(stream, fields, frames, packed):
                 return
             try:
-                if stream.notify is not None and stream.ring_id is not None:
+                if noticed:
                     if self._framed(stream, ring, fields, frames, sizes, packed):
                         return
                     slot = None  # (the ring is full)
