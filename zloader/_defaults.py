@@ -184,8 +184,9 @@ LEDGER_FOLD_RECORDS = 64
 when it is read): one merge per split for many records, not one per record (fixed)."""
 
 CHECK_SECONDS = 0.05
-"""A consumer's loop looks for stuck workers and for leaving ones whose grace is over at
-most this often, not at every step (each check looks at every worker; fixed)."""
+"""A consumer's loop looks for leaving workers whose grace is over at most this often, not
+at every step (each check looks at every worker), and for stuck ones this often while its
+epoch has not begun (then when one can next be stuck; fixed)."""
 
 POLL_MS = 50
 """Milliseconds the I/O thread's poll of its sockets waits before it looks again at its

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from zloader._defaults import REREADS
+from zloader._defaults import CHECK_SECONDS, REREADS
 from zloader.client.items import Data, Done, Failed, Item
 from zloader.client.link import BrokerLink, JobView
 from zloader.client.peers import Peers
@@ -243,20 +243,28 @@ class EpochEnd:
         return (self.session.consumer in fence.get("waiting", ())
                 and now - answered >= self.session.heartbeat)
 
-    def check_stuck(self, now: float) -> None:
+    def check_stuck(self, now: float) -> float:
         """A worker that has sent nothing for ``timeout`` seconds though it holds credits
         of this consumer's epoch is stuck (user code blocked on its producer thread while
         its main loop heartbeats, or the process stopped): tell the broker at once, which
         takes it off the job so that its splits go to the other workers. With no other
         worker to take them, the epoch cannot finish: raise :class:`Timeout` naming it.
         Jobs whose workers may rightly hold back for another consumer (shared, balanced,
-        coordinated) are bounded by the Loader's overall timeout only."""
+        coordinated) are bounded by the Loader's overall timeout only.
+
+        Returns the earliest time a worker can be stuck next (a worker is heard from later,
+        never earlier, and a new one is heard from as it comes), before which the check
+        has nothing to find: the loop need not look at every worker at every step, and
+        looks again in time (the iterating thread's own timeout, over the same silence,
+        must not come first)."""
         session, timeout = self.session, self.settings.timeout
         if session.done or session.epoch is None or session.job is None \
                 or self.settings.balanced or self.stats.share is not None \
                 or self.rounds is not None:
-            return
+            return now + CHECK_SECONDS
+        due = now + timeout
         for peer in self.peers:
+            due = min(due, max(peer.heard, peer.reported) + timeout)
             silent = now - peer.heard
             if peer.worker in session.ended or peer.owed <= 0 or silent <= timeout \
                     or now - peer.reported <= timeout or peer.task is None:
@@ -277,3 +285,4 @@ class EpochEnd:
                 f"{about}: its user code may be blocked (a deadlock, a wait that never "
                 "ends) and no other worker serves this job to read its splits; the broker "
                 "takes it off the job (raise timeout= if one element can take longer)")))
+        return due

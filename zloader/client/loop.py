@@ -100,7 +100,8 @@ class ConsumerLoop:
         self._guard: Any = None  # the ZAP handler, with keys and a source socket
         self._poller: zmq.Poller | None = None  # (set once the sockets exist)
         self._next_beat = 0.0
-        self._next_check = 0.0  # when stuck and leaving workers are looked at next
+        self._next_check = 0.0  # when leaving workers are looked at next
+        self._next_stuck = 0.0  # ... and stuck ones (EpochEnd.check_stuck says when)
 
     # --- the door -------------------------------------------------------------------------
 
@@ -168,9 +169,11 @@ class ConsumerLoop:
                 self._receive(sock, frames)
         self._link.send_acks()
         now = time.monotonic()
-        if now >= self._next_check:  # (each looks at every worker: not once per record)
+        # (each looks at every worker: not at every step, which is once per record)
+        if now >= self._next_stuck:
+            self._next_stuck = self._end.check_stuck(now)
+        if now >= self._next_check:
             self._next_check = now + CHECK_SECONDS
-            self._end.check_stuck(now)
             self._peers.expire(now)
 
     def close(self) -> None:
