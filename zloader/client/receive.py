@@ -74,10 +74,8 @@ class Receiver:
             try:
                 buffers = self._buffers(peer, record, msg.payload)
             except (ProtocolError, CodecError, RingError) as exc:
-                peer.owed -= 1
-                self.peers.credit(peer.worker, 1)  # (as _taken does)
-                raise ProtocolError(f"DATA from worker pid {peer.pid} at {peer.endpoint}: "
-                                    f"{exc}") from None
+                peer.owed -= 1  # (the record's credit was used)
+                raise self._dropped(peer, "DATA", exc) from None
             self._taken(peer, record, buffers,
                         record.ring[1] if record.ring is not None else None)
         elif isinstance(record, messages.End):
@@ -106,10 +104,8 @@ class Receiver:
             block = self.peers.ring_of(peer, ring.name).claim(position, length)
             data, buffers = _unframe(block)
         except (ProtocolError, RingError) as exc:
-            # As an unreadable DATA: dropped, and its credit given back to the worker.
-            peer.owed -= 1
-            self.peers.credit(peer.worker, 1)
-            raise ProtocolError(f"notice from worker pid {peer.pid}: {exc}") from None
+            peer.owed -= 1  # (the record's credit was used)
+            raise self._dropped(peer, "record notice", exc) from None
         self._taken(peer, data, buffers, length)
 
     def _taken(self, peer: Peer, data: messages.Data, buffers: list[Any],
@@ -121,11 +117,14 @@ class Receiver:
         try:
             self._data(peer, data, buffers, grow)
         except (ProtocolError, CodecError, RingError) as exc:
-            # Dropped (a corrupt record, in shared memory or on the wire), counted by the
-            # caller, and its credit given back so that the worker goes on.
-            self.peers.credit(peer.worker, 1)
-            raise ProtocolError(f"DATA from worker pid {peer.pid} at {peer.endpoint}: "
-                                f"{exc}") from None
+            raise self._dropped(peer, "DATA", exc) from None
+
+    def _dropped(self, peer: Peer, what: str, exc: Exception) -> ProtocolError:
+        """A record of ``peer``'s that cannot be read (corrupt, in shared memory or on the
+        wire): its credit is given back so that the worker goes on, and the error to raise
+        (the caller drops and counts the record)."""
+        self.peers.credit(peer.worker, 1)
+        return ProtocolError(f"{what} from worker pid {peer.pid} at {peer.endpoint}: {exc}")
 
     def _buffers(self, peer: Peer, data: messages.Data, payload: list[Any]) -> list[Any]:
         """A DATA's buffers: from its segment, its worker's ring or its frames."""

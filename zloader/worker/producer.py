@@ -11,8 +11,9 @@ exactly-once job, see zloader/lineage.py), ``PASS_DONE pass`` says a pass is fin
 ``RECORD`` is one record (an :class:`Outgoing`: its head, epoch, count, skipped, and its
 codec buffers, the last one its origin block for an exactly-once job), ``END body`` ends
 the epoch (``origins``: the block of what no record carried), ``FAIL body`` reports an
-error. Records do not take this path unless the producer waits for them anyway: the
-producer delivers them itself under the worker's lock (:class:`Hand`).
+error. Records take this path only when the producer waits for them anyway (large or
+gathered ones) or its task's delivery mode is not credit delivery; otherwise the producer
+delivers them itself under the worker's lock (:class:`Hand`).
 A record is sent only after taking one permit from the producer's pool, so the records in
 flight never exceed what the consumers granted. A record holding a
 :class:`~zloader.codec.Gather` references the user's rows, which user code may overwrite
@@ -153,8 +154,9 @@ class Hand:
     until a consumer has credit). ``busy()`` says whether records wait in the delivery
     (the next element then joins the record being made). A record costs the producer's
     thread one lock instead of a message to the main thread, a wake-up of it and a
-    switch of the interpreter's lock between the two (bench/profile.py: the main
-    threads' CPU per record went from 159 to 43 µs). Records the producer waits for
+    switch of the interpreter's lock between the two (bench/profile.py at 8 workers, base
+    and after run alternately: the main threads' CPU per record went from 183 to 61 µs,
+    bench/results/before_after_26). Records the producer waits for
     anyway (``gathered`` or ``large``, see :class:`Outgoing`) still go through the main
     thread: their copy dwarfs the hop, and the main thread reads what the consumers sent
     first (a larger ring for records that outgrew theirs)."""
@@ -165,7 +167,8 @@ class Hand:
 
 
 class Producer(threading.Thread):
-    """Runs the worker part of one epoch and sends records to the main thread.
+    """Runs the worker part of one epoch and delivers its records (itself, see
+    :class:`Hand`, or through the worker's main thread).
 
     Args:
         context: the worker's ZeroMQ context (the pair is inproc).
