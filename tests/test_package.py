@@ -30,7 +30,7 @@ LAYERS = {
     "transport.sockets": 1.5, "options": 1.55, "transport.messages": 1.6,
     "sharing": 0, "sharing.window": 0, "sharing.options": 0.5, "sharing.store": 1.6,
     "codec_torch": 0.9,  # torch tensors in the codec, torch imported lazily
-    "codec": 1, "collate": 1, "fingerprint": 1, "rounds": 1, "journal": 1, "lineage": 1,
+    "codec": 1, "collate": 1.1, "fingerprint": 1, "rounds": 1, "journal": 1, "lineage": 1,
     "metrics": 1, "autoscale": 1, "forward": 1, "blobs": 1,
     "formats._crc32c": 1, "formats.example": 1, "formats.image": 1, "formats": 1.2,
     "storage": 1.5, "cachefile": 1.6,

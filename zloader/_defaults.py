@@ -18,6 +18,10 @@ source overrides it."""
 SHUFFLE_DRAW_CHUNK = 1024
 """A shuffle buffer draws its random indices this many at a time (fixed)."""
 
+CHUNK_ELEMENTS = 256
+"""The most elements handed on at once to a stage that takes them in bulk (a shuffle, a
+batch: zloader/stages.py ``Chunk``), gathered while they come quickly."""
+
 ORIGINS_NAMED = 4
 """Origins an error message names, of a batch's many (fixed)."""
 

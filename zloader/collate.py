@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from zloader import codec
+from zloader._defaults import STACK_LATER_BYTES
 from zloader.codec_torch import is_tensor
 
 __all__ = ["split", "stack"]
@@ -41,9 +43,13 @@ _NUMBER_TYPES = (bool, int, float, complex, np.number, np.bool_)
 _TEXT_TYPES = (str, bytes, type(None))
 
 
-def stack(elements: Sequence[Any], pad_value: Any = None) -> Any:
+def stack(elements: Sequence[Any], pad_value: Any = None, later: bool = False) -> Any:
     """Combine equal-structured elements into one batch (see the module docstring); with
     ``pad_value``, arrays of different lengths along axis 0 are padded to the longest.
+    ``later``: the batch goes straight into a record, so a large leaf of equal arrays
+    (STACK_LATER_BYTES in all) is left as a :class:`~zloader.codec.Stacked` of them, which
+    the record's copy stacks (one copy instead of two; the arrays must not change until
+    the record is sent, which for such a record is at once).
 
     Raises:
         ValueError: the elements differ in structure, keys, lengths or array shapes.
@@ -51,10 +57,10 @@ def stack(elements: Sequence[Any], pad_value: Any = None) -> Any:
     """
     if not elements:
         raise ValueError("cannot batch zero elements")
-    return _stack(elements, "element", pad_value)
+    return _stack(elements, "element", pad_value, later)
 
 
-def _stack(values: Sequence[Any], path: str, pad: Any = None) -> Any:
+def _stack(values: Sequence[Any], path: str, pad: Any = None, later: bool = False) -> Any:
     first = values[0]
     if not isinstance(first, np.ndarray) and is_tensor(first):  # (has __array__ too)
         return _stack_tensors(values, path, pad)
@@ -70,8 +76,17 @@ def _stack(values: Sequence[Any], path: str, pad: Any = None) -> Any:
                     f"cannot batch {path}: arrays have different shapes {shape} and "
                     f"{arr.shape}; pad them to one shape in a map stage (or use "
                     "bucket_by_length)")
+        if later and _stacks_later(arrays):
+            return codec.Stacked(arrays)
         return np.stack(arrays)
     if isinstance(first, _NUMBER_TYPES):
+        try:  # (numbers all: numpy finds a number dtype; checked one by one otherwise)
+            batched = np.array(values)
+        except (TypeError, ValueError):
+            pass
+        else:
+            if batched.ndim == 1 and batched.dtype.kind in "biufc":
+                return batched
         for value in values:
             if not isinstance(value, _NUMBER_TYPES):
                 raise TypeError(f"cannot batch {path}: mixes a number with "
@@ -93,19 +108,29 @@ def _stack(values: Sequence[Any], path: str, pad: Any = None) -> Any:
                 got = sorted(map(repr, value)) if isinstance(value, dict) else type(value)
                 raise ValueError(f"cannot batch {path}: elements have different keys "
                                  f"({sorted(map(repr, keys))} and {got})")
-        return {key: _stack([v[key] for v in values], f"{path}[{key!r}]", pad) for key in keys}
+        return {key: _stack([v[key] for v in values], f"{path}[{key!r}]", pad, later)
+                for key in keys}
     if isinstance(first, (tuple, list)):
         size = len(first)
         for value in values:
             if not isinstance(value, (tuple, list)) or len(value) != size:
                 raise ValueError(f"cannot batch {path}: sequences of different lengths or "
                                  "types")
-        columns = [_stack([v[i] for v in values], f"{path}[{i}]", pad) for i in range(size)]
+        columns = [_stack([v[i] for v in values], f"{path}[{i}]", pad, later)
+                   for i in range(size)]
         if isinstance(first, tuple) and hasattr(first, "_fields"):
             return type(first)(*columns)
         return tuple(columns) if isinstance(first, tuple) else columns
     raise TypeError(f"cannot batch {path}: values of type {type(first).__qualname__} can't be "
                     "stacked; map them to numpy arrays first")
+
+
+def _stacks_later(arrays: list[np.ndarray]) -> bool:
+    """Whether equal-shaped ``arrays`` can be left to the record's copy: large in all, of
+    one plain dtype, each C-contiguous."""
+    first = arrays[0]
+    return (first.nbytes * len(arrays) >= STACK_LATER_BYTES and first.dtype.kind in "biufc"
+            and all(a.dtype == first.dtype and a.flags.c_contiguous for a in arrays))
 
 
 def _stack_tensors(values: Sequence[Any], path: str, pad: Any) -> Any:

@@ -101,15 +101,24 @@ class Assigned:
 
 
 def read_split(source: Any, assigned: Assigned, pass_id: int, ctx: Any) -> Iterator[Tagged]:
-    """Tagged elements of one split, less ``assigned.skip``; notes the reading in
-    ``ctx.reads`` and records (count, digest) in ``ctx.ends`` once the split is read.
+    """Tagged elements of one split: :func:`read_split_chunks`, one ``(element, (code,))``
+    at a time (tagged at C speed, ``zip``)."""
+    for values, codes in read_split_chunks(source, assigned, pass_id, ctx):
+        yield from zip(values, zip(codes), strict=True)
 
-    Plain ints (and bools) are read up to DIGEST_GROUP at a time and tagged at C speed
-    (``zip``), as long as a group takes the source under READ_AHEAD_SECONDS (a slow source
-    of ints is read one at a time: its first elements must not wait for the group's
-    last); any other element is read one at a time, and its digest taken before it is
-    yielded (a later stage may change it in place). A source that fails mid-read has the
-    elements it gave before the failure yielded first.
+
+def read_split_chunks(source: Any, assigned: Assigned, pass_id: int, ctx: Any,
+                      size: int = 0) -> Iterator[tuple[list[Any], list[int]]]:
+    """The elements of one split, less ``assigned.skip``, in consecutive chunks of
+    ``(values, codes)`` (one origin code each); notes the reading in ``ctx.reads`` and
+    records (count, digest) in ``ctx.ends`` once the split is read.
+
+    Chunks hold ``size`` elements (the last fewer); with ``size`` 0 a chunk grows from one
+    element to DIGEST_GROUP while the source gives a chunk in under READ_AHEAD_SECONDS (a
+    slow source is read one element at a time: its first elements must not wait for the
+    chunk's last). Every element of a chunk is in the
+    digest before the chunk is yielded (a later stage may change it in place). A source
+    that fails mid-read has the elements it gave before the failure yielded first.
 
     Raises:
         PipelineError: the split read differently from its earlier reading.
@@ -121,7 +130,8 @@ def read_split(source: Any, assigned: Assigned, pass_id: int, ctx: Any) -> Itera
     legacy = assigned.expect is not None and not int(assigned.expect[1]) & DIGEST_MARK
     running = _Digest(legacy)
     elements = iter(source.read(split, ctx))
-    count, size = 0, 1
+    fixed = size > 0
+    count, size = 0, size if fixed else 1
     while True:
         chunk: list[Any] = []
         failure = None
@@ -134,16 +144,19 @@ def read_split(source: Any, assigned: Assigned, pass_id: int, ctx: Any) -> Itera
             if failure is not None:
                 raise failure
             break
-        size = running.add(chunk)
-        if time.perf_counter() - started > READ_AHEAD_SECONDS:
-            size = 1  # a slow source: no read-ahead
+        ints = running.add(chunk)
+        if not fixed:
+            quick = time.perf_counter() - started <= READ_AHEAD_SECONDS
+            # Ints: as many as complete the digest's group; others: twice as many.
+            size = (ints or min(2 * size, DIGEST_GROUP)) if quick else 1
         first, count = count, count + len(chunk)
-        codes = range(base + first, base + count)
+        codes = list(range(base + first, base + count))
         if skip:
-            yield from ((e, (c,)) for e, c in zip(chunk, codes, strict=True)
-                        if c - base not in skip)
-        else:
-            yield from zip(chunk, zip(codes), strict=True)  # (element, (code,)), in C
+            kept = [at for at, c in enumerate(codes) if c - base not in skip]
+            if len(kept) < len(codes):
+                chunk, codes = [chunk[at] for at in kept], [codes[at] for at in kept]
+        if chunk:
+            yield chunk, codes
         del chunk
         if failure is not None:
             raise failure
@@ -185,13 +198,13 @@ class _Digest:
         self.pending: list[Any] = []  # ints of the current run not hashed yet
 
     def add(self, elements: list[Any]) -> int:
-        """Mix ``elements`` in; returns how many to read next: 1 after any element but a
-        plain int (or bool), else as many as complete the current group."""
+        """Mix ``elements`` in; returns how many ints complete the current group when
+        ``elements`` are all plain ints (or bools), else 0."""
         grouped = set(map(type, elements)) <= _GROUPED
         if self.legacy:
             for element in elements:
                 self.crc = digest(element, self.crc)
-            return DIGEST_GROUP if grouped else 1
+            return DIGEST_GROUP if grouped else 0
         pending = self.pending
         if grouped:
             if not pending and len(elements) == DIGEST_GROUP:  # (the usual read)
@@ -213,7 +226,7 @@ class _Digest:
                 self._fold(pending)
                 pending.clear()
             self.crc = digest(element, self.crc)
-        return 1
+        return 0
 
     def _fold(self, group: list[Any]) -> None:
         self.crc = (self.crc * 1_000_003 ^ hash(tuple(group))) & 0xFFFFFFFF
@@ -271,11 +284,14 @@ def digest(element: Any, crc: int, depth: int = 0) -> int:
 _HEAD = 6
 
 
-def gather(origins: Sequence[Origin]) -> np.ndarray:
-    """The codes of ``origins`` (each a tuple of codes or an int64 array) in order, as one
-    new int64 array: a batch's rows' origins, taken at numpy speed."""
-    try:  # (the usual case: one origin each, as a source element has)
-        return np.fromiter([c for (c,) in origins], np.int64, len(origins))
+def gather(origins: Sequence[Origin | int]) -> np.ndarray:
+    """The codes of ``origins`` (each a code, a tuple of codes or an int64 array) in
+    order, as one new int64 array: a batch's rows' origins, taken at numpy speed."""
+    if origins and type(origins[0]) is int:  # (codes, as a chunk of source elements has)
+        return np.fromiter(origins, np.int64, len(origins))
+    try:  # (one origin each, as a tagged source element has)
+        return np.fromiter([c for (c,) in origins], np.int64,  # type: ignore[misc]
+                           len(origins))
     except (TypeError, ValueError):
         pass
     if not origins:

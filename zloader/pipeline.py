@@ -450,7 +450,11 @@ class Pipeline:
             for split in ctx.source.split_order(key, ctx.entropy):
                 yield from ctx.read(split)
 
-        return _stages.compose(read, self.stages, ctx)((epoch,))
+        def read_chunks(key: _stages.Key, size: int) -> Iterator[_stages.Chunk]:
+            for split in ctx.source.split_order(key, ctx.entropy):
+                yield from ctx.read_chunks(split, size)
+
+        return _stages.compose(read, self.stages, ctx, read_chunks=read_chunks)((epoch,))
 
     def __iter__(self) -> Iterator[Any]:
         return self.iter(0)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zloader import stages as _stages
-from zloader.lineage import Assigned, read_split
+from zloader.lineage import Assigned, read_split, read_split_chunks
 from zloader.pipeline import Pipeline
 
 __all__ = ["Plan", "SplitFeed", "plan"]
@@ -36,23 +36,39 @@ class Plan:
         source = self.pipeline.source
         pass_ids: dict[_stages.Key, int] = {}
 
-        def read(key: _stages.Key) -> Iterator[Any]:
+        def splits(key: _stages.Key) -> Iterator[tuple[int | Assigned, int]]:
+            """Each split of pass ``key`` with the pass id of an Assigned split (0 else)."""
             coverage = ctx.coverage
             for split in feed(key):
                 if isinstance(split, Assigned):  # exactly-once: tagged with origins
                     if coverage is not None:
                         coverage.read(key, split.split,
                                       split.pass_key == key and not split.skip)
-                    pass_id = pass_ids.setdefault(split.pass_key, len(pass_ids))
-                    yield from read_split(source, split, pass_id, ctx)
+                    yield split, pass_ids.setdefault(split.pass_key, len(pass_ids))
                 else:
                     if coverage is not None:
                         coverage.read(key, split, True)
+                    yield split, 0
+
+        def read(key: _stages.Key) -> Iterator[Any]:
+            for split, pass_id in splits(key):
+                if isinstance(split, Assigned):
+                    yield from read_split(source, split, pass_id, ctx)
+                else:
                     yield from ctx.read(split)
+
+        def read_chunks(key: _stages.Key, size: int) -> Iterator[_stages.Chunk]:
+            for split, pass_id in splits(key):
+                if isinstance(split, Assigned):
+                    for values, codes in read_split_chunks(source, split, pass_id, ctx, size):
+                        yield _stages.Chunk(values, codes)
+                else:
+                    yield from ctx.read_chunks(split, size)
 
         ctx.pass_keys = pass_ids
         ctx.source = source
-        return _stages.compose(read, self.worker_stages, ctx)((epoch,))
+        ctx.records_from = len(self.worker_stages)  # (the producer encodes what it yields)
+        return _stages.compose(read, self.worker_stages, ctx, read_chunks=read_chunks)((epoch,))
 
     def run_consumer(self, elements: Iterator[Any], epoch: int,
                      ctx: _stages.Context) -> Iterator[Any]:

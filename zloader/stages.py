@@ -18,24 +18,40 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import operator
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
 from zloader import collate
-from zloader._defaults import ORIGINS_NAMED, SHUFFLE_DRAW_CHUNK
+from zloader._defaults import CHUNK_ELEMENTS, ORIGINS_NAMED, READ_AHEAD_SECONDS, SHUFFLE_DRAW_CHUNK
 from zloader._seeding import Key, make_rng
 from zloader.errors import PipelineError, passes_through
-from zloader.lineage import INDEX_BITS, INDEX_MASK, Origin, untag
+from zloader.lineage import INDEX_BITS, INDEX_MASK, Origin, gather, untag
 
-__all__ = ["Batch", "BucketByLength", "Context", "Coverage", "Filter", "Map", "Repeat", "Run",
-           "Shuffle", "Skip", "Stage", "Take", "Unbatch", "compose"]
+__all__ = ["Batch", "BucketByLength", "Chunk", "ChunkRead", "Context", "Coverage", "Filter",
+           "Map", "Repeat", "Run", "Shuffle", "Skip", "Stage", "Take", "Unbatch", "chunks_of",
+           "compose"]
 
 Run = Callable[[Key], Iterator[Any]]
+ChunkRead = Callable[[Key, int], Iterator["Chunk"]]
+"""A read of the source in chunks: given a pass key and the chunk size (0: growing, see
+:func:`chunks_of`), the :class:`Chunk` objects of that pass."""
+
+
+class Chunk(NamedTuple):
+    """Consecutive elements handed on in bulk, between stages that take them so (a shuffle
+    and a batch): their ``values`` and, in a tracked run, their ``origins`` (one code each,
+    as a split reading gives them, or the :data:`~zloader.lineage.Origin` each element
+    held); None untracked. Never empty."""
+
+    values: list[Any]
+    origins: list[Any] | None
 
 
 class Coverage:
@@ -106,6 +122,9 @@ class Context:
             one element at a time, so that ``at`` names the element it works on.
         coverage: the splits read afresh, for a run that reads only the splits it is
             handed (a dynamically sharded worker); None when every pass reads them all.
+        records_from: the position of the stage whose elements become records as they
+            come (a worker part's last), where a ``batch`` leaves large arrays to the
+            record's copy (``collate.stack(later=True)``); 0: none (an in-process run).
     """
 
     entropy: int
@@ -125,6 +144,7 @@ class Context:
     at: tuple[int, int] | None = None
     aligned: int = 0
     coverage: Coverage | None = None
+    records_from: int = 0
 
     def rng(self, seed: int | None, position: int, key: Key) -> Any:
         if self.worker:
@@ -136,6 +156,11 @@ class Context:
         if self.track:
             origin = element[1]
             self.loose.extend(origin.tolist() if isinstance(origin, np.ndarray) else origin)
+
+    def drop_chunk(self, origins: list[Any] | None) -> None:
+        """The elements holding ``origins`` (a :class:`Chunk`'s) go no further."""
+        if origins:
+            self.loose.extend(gather(origins).tolist())
 
     def values(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """``fn`` as it applies to the elements of this run (to a tagged element's value,
@@ -160,6 +185,12 @@ class Context:
         for index, element in enumerate(self.source.read(split, self)):
             self.at = (split, index)
             yield element
+
+    def read_chunks(self, split: int, size: int = 0) -> Iterator[Chunk]:
+        """The elements of ``split`` of :attr:`source` in chunks of ``size``
+        (:func:`chunks_of`), for a first stage that takes chunks: it reorders or groups
+        them, so :attr:`at` names none of them and is not kept."""
+        return chunks_of(iter(self.source.read(split, self)), False, size)
 
     def where(self, element: Any, position: int, at: tuple[int, int] | None = None) -> str:
         """Where in the input ``element``, met by the stage at ``position``, came from
@@ -193,17 +224,87 @@ class Context:
         return collate.stack(values, pad_value), codes
 
 
-def compose(read: Run, stages: tuple[Stage, ...], ctx: Context, first_position: int = 1) -> Run:
+def compose(read: Run, stages: tuple[Stage, ...], ctx: Context, first_position: int = 1,
+            read_chunks: ChunkRead | None = None) -> Run:
     """Chain ``stages`` on top of the ``read`` run; positions count from ``first_position``.
-    Sets ``ctx.aligned``: ``first_position + len(stages)`` when the last stage's output
-    still comes in the source's order."""
+    ``read_chunks``: the same elements as :class:`Chunk` objects, read so when the first
+    stage takes chunks. Between a stage that gives chunks and one that takes elements
+    (and back) the elements are handed on one at a time (and gathered again). Sets
+    ``ctx.aligned``: ``first_position + len(stages)`` when the last stage's output still
+    comes in the source's order."""
     run = read
+    chunked = bool(stages) and stages[0].takes_chunks and read_chunks is not None
+    if chunked and read_chunks is not None:
+        size = stages[0].chunk_size
+        run = lambda key: read_chunks(key, size)
     ctx.aligned = first_position + len(stages)
     for position, stage in enumerate(stages, first_position):
+        if stage.takes_chunks and not chunked:
+            run = _gathered(run, ctx, stage.chunk_size)
+        elif chunked and not stage.takes_chunks:
+            run = _flattened(run)
         run = stage.wrap(run, position, ctx)
+        chunked = stage.gives_chunks
         if not stage.keeps_order:
             ctx.aligned = min(ctx.aligned, position)
-    return run
+    return _flattened(run) if chunked else run
+
+
+def _flattened(run: Run) -> Run:
+    """The elements of a run of chunks, one at a time (tagged, in a tracked run)."""
+    def elements(key: Key) -> Iterator[Any]:
+        for values, origins in run(key):
+            if origins is None:
+                yield from values
+            elif type(origins[0]) is int:  # (codes: each becomes a 1-tuple origin, in C)
+                yield from zip(values, zip(origins), strict=True)
+            else:
+                yield from zip(values, origins, strict=True)
+    return elements
+
+
+def _gathered(run: Run, ctx: Context, size: int) -> Run:
+    """The elements of ``run`` in chunks (:func:`chunks_of`)."""
+    def chunks(key: Key) -> Iterator[Chunk]:
+        return chunks_of(run(key), ctx.track, size)
+    return chunks
+
+
+def chunks_of(elements: Iterator[Any], tagged: bool, size: int = 0) -> Iterator[Chunk]:
+    """``elements`` (``(value, origin)`` pairs when ``tagged``) in chunks of ``size``; or
+    (``size`` 0) in chunks which grow from one element to CHUNK_ELEMENTS while they come
+    in under READ_AHEAD_SECONDS a chunk (a slow input's elements do not wait for each
+    other). Elements taken before ``elements`` raised are handed on first."""
+    fixed = size > 0
+    size = size if fixed else 1
+    while True:
+        group: list[Any] = []
+        failure = None
+        started = time.perf_counter()
+        try:
+            group.extend(itertools.islice(elements, size))
+        except BaseException as exc:
+            failure = exc
+        if group:
+            if tagged:
+                yield Chunk(list(map(_VALUE, group)), list(map(_ORIGIN, group)))
+            else:
+                yield Chunk(group, None)
+        if failure is not None:
+            raise failure
+        if len(group) < size:
+            return
+        if not fixed:
+            quick = time.perf_counter() - started <= READ_AHEAD_SECONDS
+            size = min(2 * size, CHUNK_ELEMENTS) if quick else 1
+
+
+_VALUE, _ORIGIN = operator.itemgetter(0), operator.itemgetter(1)
+
+
+def _picked(items: list[Any], at: list[int]) -> list[Any]:
+    """``[items[i] for i in at]`` at C speed (``at`` not empty)."""
+    return list(operator.itemgetter(*at)(items)) if len(at) > 1 else [items[at[0]]]
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -211,8 +312,18 @@ class Stage:
     """Base of all stages. ``name`` is shown in errors and stats; ``version`` pins identity."""
 
     kind: ClassVar[str] = "stage"
+    takes_chunks: ClassVar[bool] = False
+    """Its ``transform`` takes :class:`Chunk` objects, not elements one at a time."""
+    gives_chunks: ClassVar[bool] = False
+    """Its ``transform`` yields :class:`Chunk` objects."""
     name: str
     version: str | None = None
+
+    @property
+    def chunk_size(self) -> int:
+        """For a stage that takes chunks, the size of those gathered for it from elements
+        that come one at a time; 0: as many as come quickly (:func:`chunks_of`)."""
+        return 0
 
     @property
     def keeps_order(self) -> bool:
@@ -339,9 +450,17 @@ class Filter(Stage):
 @dataclass(frozen=True, eq=False, kw_only=True)
 class Shuffle(Stage):
     """tf.data's buffered shuffle: fill ``buffer_size``, then emit a random buffered element
-    and put the next input in its place; at the end, emit what remains in random order."""
+    and put the next input in its place; at the end, emit what remains in random order.
+
+    It works in chunks: the buffer holds the numbers of the elements it holds in a pool of
+    the values (and origins) taken, the loop moves numbers, and each chunk's output values
+    and origins are picked from the pool at C speed. The pool is compacted to what the
+    buffer holds once it holds as many elements that left it as the buffer's size (at
+    least a chunk's worth), so the values that left are not kept long."""
 
     kind: ClassVar[str] = "shuffle"
+    takes_chunks: ClassVar[bool] = True
+    gives_chunks: ClassVar[bool] = True
     buffer_size: int
     seed: int | None = None
     reshuffle_each_epoch: bool = True
@@ -350,20 +469,40 @@ class Shuffle(Stage):
                   ctx: Context) -> Iterator[Any]:
         rng = ctx.rng(self.seed, position, key if self.reshuffle_each_epoch else ())
         size = self.buffer_size
-        buffer: list[Any] = []
+        pool: list[Any] = []  # values taken since the last compaction, by number
+        pool_origins: list[Any] | None = [] if ctx.track else None
+        held: list[int] = []  # the buffer: numbers in pool of the elements it holds
         draws: list[int] = []
-        for element in elements:
-            if len(buffer) < size:
-                buffer.append(element)
-                continue
-            if not draws:
-                draws = rng.integers(0, size, SHUFFLE_DRAW_CHUNK).tolist()
-                draws.reverse()
-            slot = draws.pop()
-            yield buffer[slot]
-            buffer[slot] = element
-        for slot in rng.permutation(len(buffer)).tolist():
-            yield buffer[slot]
+        for values, origins in elements:
+            first = len(pool)
+            pool += values
+            if pool_origins is not None:
+                pool_origins += origins
+            arrivals = range(first, len(pool))
+            room = size - len(held)
+            if room > 0:
+                held += arrivals[:room]
+                arrivals = arrivals[room:]
+            out: list[int] = []
+            for arrival in arrivals:
+                if not draws:
+                    draws = rng.integers(0, size, SHUFFLE_DRAW_CHUNK).tolist()
+                    draws.reverse()
+                slot = draws.pop()
+                out.append(held[slot])
+                held[slot] = arrival
+            if out:
+                yield Chunk(_picked(pool, out),
+                            None if pool_origins is None else _picked(pool_origins, out))
+            if len(pool) - len(held) >= max(size, CHUNK_ELEMENTS):
+                pool = _picked(pool, held)
+                if pool_origins is not None:
+                    pool_origins = _picked(pool_origins, held)
+                held = list(range(len(held)))
+        if held:
+            out = _picked(held, rng.permutation(len(held)).tolist())
+            yield Chunk(_picked(pool, out),
+                        None if pool_origins is None else _picked(pool_origins, out))
 
     def identity(self) -> tuple[Any, ...]:
         return (self.kind, self.version, self.buffer_size, self.seed, self.reshuffle_each_epoch)
@@ -371,29 +510,46 @@ class Shuffle(Stage):
 
 @dataclass(frozen=True, eq=False, kw_only=True)
 class Batch(Stage):
+    """Batches of ``batch_size`` consecutive elements (the last smaller unless
+    ``drop_remainder``), stacked by :func:`zloader.collate.stack`; a tracked batch holds
+    its rows' origins as one int64 array (:func:`~zloader.lineage.gather`)."""
+
     kind: ClassVar[str] = "batch"
+    takes_chunks: ClassVar[bool] = True
     batch_size: int
     drop_remainder: bool = False
 
+    @property
+    def chunk_size(self) -> int:
+        return self.batch_size  # (it takes no more than a batch needs)
+
     def transform(self, elements: Iterator[Any], key: Key, position: int,
                   ctx: Context) -> Iterator[Any]:
-        pending: list[Any] = []
-        for element in elements:
-            pending.append(element)
-            if len(pending) == self.batch_size:
-                yield self._stack(pending, ctx)
-                pending = []
-        if pending and not self.drop_remainder:
-            yield self._stack(pending, ctx)
+        size = self.batch_size
+        later = position == ctx.records_from  # (large arrays stacked by the record's copy)
+        values: list[Any] = []
+        origins: list[Any] | None = [] if ctx.track else None
+        for chunk_values, chunk_origins in elements:
+            values += chunk_values
+            if origins is not None:
+                origins += chunk_origins
+            while len(values) >= size:
+                yield self._stack(values[:size], None if origins is None else origins[:size],
+                                  later)
+                del values[:size]
+                if origins is not None:
+                    del origins[:size]
+        if values and not self.drop_remainder:
+            yield self._stack(values, origins, later)
         else:
-            for element in pending:
-                ctx.drop(element)
+            ctx.drop_chunk(origins)
 
-    def _stack(self, elements: list[Any], ctx: Context) -> Any:
+    def _stack(self, values: list[Any], origins: list[Any] | None, later: bool) -> Any:
         try:
-            return ctx.stack(elements)
+            batch = collate.stack(values, later=later)
         except (TypeError, ValueError) as exc:
             raise self._fails(exc) from exc
+        return batch if origins is None else (batch, gather(origins))
 
     def identity(self) -> tuple[Any, ...]:
         return (self.kind, self.version, self.batch_size, self.drop_remainder)
