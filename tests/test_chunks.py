@@ -113,8 +113,8 @@ def test_shuffle_lets_go_of_the_elements_that_left_it():
         del chunk
         gc.collect()
         most = max(most, Counted.alive)
-    # The buffer, plus what left it since the last compaction, plus the chunk in hand.
-    assert most <= size + max(size, CHUNK_ELEMENTS) + 2 * CHUNK_ELEMENTS
+    # The buffer, plus the chunk coming in and the one going out.
+    assert most <= size + 2 * CHUNK_ELEMENTS
     gc.collect()
     assert Counted.alive == 0
 

@@ -454,9 +454,9 @@ class Shuffle(Stage):
 
     It works in chunks: the buffer holds the numbers of the elements it holds in a pool of
     the values (and origins) taken, the loop moves numbers, and each chunk's output values
-    and origins are picked from the pool at C speed. The pool is compacted to what the
-    buffer holds once it holds as many elements that left it as the buffer's size (at
-    least a chunk's worth), so the values that left are not kept long."""
+    and origins are picked from the pool at C speed; the pool lets go of the values that
+    left at once, and is compacted to what the buffer holds once it holds four times the
+    buffer's size of places that left (at least a chunk's worth)."""
 
     kind: ClassVar[str] = "shuffle"
     takes_chunks: ClassVar[bool] = True
@@ -492,9 +492,13 @@ class Shuffle(Stage):
                 out.append(held[slot])
                 held[slot] = arrival
             if out:
-                yield Chunk(_picked(pool, out),
-                            None if pool_origins is None else _picked(pool_origins, out))
-            if len(pool) - len(held) >= max(size, CHUNK_ELEMENTS):
+                chunk = Chunk(_picked(pool, out),
+                              None if pool_origins is None else _picked(pool_origins, out))
+                for index in out:  # (what left is not kept alive until the compaction)
+                    pool[index] = None
+                yield chunk
+                del chunk
+            if len(pool) - len(held) >= max(4 * size, CHUNK_ELEMENTS):
                 pool = _picked(pool, held)
                 if pool_origins is not None:
                     pool_origins = _picked(pool_origins, held)
