@@ -63,14 +63,20 @@ def test_shuffle_output_is_the_reference_whatever_the_chunks(size, sizes):
     assert got == expected
 
 
-def test_tracked_shuffle_and_batch_keep_each_origin_with_its_value():
+@pytest.mark.parametrize("form", ["codes", "tuples", "codes then tuples"])
+def test_tracked_shuffle_and_batch_keep_each_origin_with_its_value(form):
     values = list(range(5000))
     codes = [10_000 + v for v in values]
+    origins: list = [(c,) for c in codes] if form == "tuples" else np.array(codes)
+    if form == "codes then tuples":  # (a pool of codes that meets origins of another form)
+        chunks = [*chunked(values[:2000], [256], np.array(codes[:2000])),
+                  *chunked(values[2000:], [100], [(c,) for c in codes[2000:]])]
+    else:
+        chunks = list(chunked(values, [1, 33, 256], origins))
     pipeline = Pipeline.range(1).shuffle(300, seed=1).batch(64)
     shuffle, batch = pipeline.stages
     ctx = zstages.Context(entropy=0, track=True)
-    out = list(batch.transform(shuffle.transform(chunked(values, [1, 33, 256], codes),
-                                                 (0,), 1, ctx), (0,), 2, ctx))
+    out = list(batch.transform(shuffle.transform(iter(chunks), (0,), 1, ctx), (0,), 2, ctx))
     assert sum(len(b) for b, _ in out) == 5000
     for rows, origin in out:
         assert isinstance(origin, np.ndarray) and origin.dtype == np.int64
@@ -81,7 +87,7 @@ def test_tracked_shuffle_and_batch_keep_each_origin_with_its_value():
 def test_batch_that_drops_its_remainder_keeps_the_dropped_origins_as_loose():
     stage = Pipeline.range(1).batch(4, drop_remainder=True).stages[-1]
     ctx = zstages.Context(entropy=0, track=True)
-    out = list(stage.transform(chunked(list(range(10)), [3], list(range(10))), (0,), 1, ctx))
+    out = list(stage.transform(chunked(list(range(10)), [3], np.arange(10)), (0,), 1, ctx))
     assert [o.tolist() for _, o in out] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert ctx.loose == [8, 9]
 

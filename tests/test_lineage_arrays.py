@@ -59,13 +59,15 @@ def test_a_tracked_batch_holds_its_rows_origins_as_one_array_that_encodes_alike(
 
 
 @given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 3), st.integers(0, 200),
-                          st.integers(1, 30)), min_size=1, max_size=80),
-       st.booleans())
-@settings(max_examples=150, derandomize=True, deadline=None)
-def test_merge_runs_is_the_union_of_the_runs_per_place(rows, wide):
+                          st.integers(1, 30)), min_size=1, max_size=200),
+       st.booleans(), st.sampled_from([1, 400, 10**6]))
+@settings(max_examples=200, derandomize=True, deadline=None)
+def test_merge_runs_is_the_union_of_the_runs_per_place(rows, wide, spread):
     runs = np.array(rows, np.int64)
     if wide:  # split numbers past the one-key sort: the two-key sort gives the same
         runs[:, 1] += 1 << 21
+    # Indices close together are merged by counting, far apart by sorting: the same.
+    runs[:, 2] *= spread
     places, starts, ends = merge_runs(runs)
     expected: dict[int, set[int]] = {}
     for pass_id, split, start, length in runs.tolist():
@@ -80,6 +82,22 @@ def test_merge_runs_is_the_union_of_the_runs_per_place(rows, wide):
     assert order == sorted(order)
     same = places[1:] == places[:-1]
     assert (starts[1:][same] > ends[:-1][same]).all()  # disjoint, not touching
+
+
+def test_merge_runs_of_many_places_or_a_shuffles_scattered_origins():
+    rng = np.random.default_rng(0)
+    many = np.array([[0, split, 5, 1] for split in range(40)] * 2, np.int64)
+    places, starts, ends = merge_runs(many)  # more places than counted: sorted
+    assert places.tolist() == list(range(40)) and set(starts) == {5} and set(ends) == {6}
+    indices = rng.permutation(100_000)[:60_000]  # one split, scattered
+    runs = np.column_stack((np.zeros(60_000, np.int64), np.full(60_000, 7), indices,
+                            np.ones(60_000, np.int64)))
+    places, starts, ends = merge_runs(runs)
+    held = np.zeros(100_000, bool)
+    held[indices] = True
+    edges = np.flatnonzero(np.diff(held.view(np.int8), prepend=0, append=0))
+    assert (places == 7).all()
+    assert starts.tolist() == edges[0::2].tolist() and ends.tolist() == edges[1::2].tolist()
 
 
 class _Listed:

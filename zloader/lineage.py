@@ -31,7 +31,14 @@ from typing import Any
 
 import numpy as np
 
-from zloader._defaults import LEDGER_FOLD_RECORDS, READ_AHEAD_SECONDS, SMALL_ORIGIN_BLOCK
+from zloader._defaults import (
+    LEDGER_FOLD_RECORDS,
+    MERGE_PLACES,
+    MERGE_SPAN_FACTOR,
+    MERGE_SPAN_SLACK,
+    READ_AHEAD_SECONDS,
+    SMALL_ORIGIN_BLOCK,
+)
 from zloader.errors import PipelineError
 
 __all__ = ["Assigned", "Ledger", "Origin", "Origins", "Ranges", "Tagged", "code",
@@ -104,14 +111,14 @@ def read_split(source: Any, assigned: Assigned, pass_id: int, ctx: Any) -> Itera
     """Tagged elements of one split: :func:`read_split_chunks`, one ``(element, (code,))``
     at a time (tagged at C speed, ``zip``)."""
     for values, codes in read_split_chunks(source, assigned, pass_id, ctx):
-        yield from zip(values, zip(codes), strict=True)
+        yield from zip(values, zip(codes.tolist()), strict=True)
 
 
 def read_split_chunks(source: Any, assigned: Assigned, pass_id: int, ctx: Any,
-                      size: int = 0) -> Iterator[tuple[list[Any], list[int]]]:
+                      size: int = 0) -> Iterator[tuple[list[Any], np.ndarray]]:
     """The elements of one split, less ``assigned.skip``, in consecutive chunks of
-    ``(values, codes)`` (one origin code each); notes the reading in ``ctx.reads`` and
-    records (count, digest) in ``ctx.ends`` once the split is read.
+    ``(values, codes)`` (one origin code each, an int64 array); notes the reading in
+    ``ctx.reads`` and records (count, digest) in ``ctx.ends`` once the split is read.
 
     Chunks hold ``size`` elements (the last fewer); with ``size`` 0 a chunk grows from one
     element to DIGEST_GROUP while the source gives a chunk in under READ_AHEAD_SECONDS (a
@@ -130,6 +137,7 @@ def read_split_chunks(source: Any, assigned: Assigned, pass_id: int, ctx: Any,
     legacy = assigned.expect is not None and not int(assigned.expect[1]) & DIGEST_MARK
     running = _Digest(legacy)
     elements = iter(source.read(split, ctx))
+    ints = type(elements) is _RANGE_ITERATOR  # (plain ints, not checked one by one)
     fixed = size > 0
     count, size = 0, size if fixed else 1
     while True:
@@ -144,17 +152,17 @@ def read_split_chunks(source: Any, assigned: Assigned, pass_id: int, ctx: Any,
             if failure is not None:
                 raise failure
             break
-        ints = running.add(chunk)
+        group = running.add(chunk, ints)
         if not fixed:
             quick = time.perf_counter() - started <= READ_AHEAD_SECONDS
             # Ints: as many as complete the digest's group; others: twice as many.
-            size = (ints or min(2 * size, DIGEST_GROUP)) if quick else 1
+            size = (group or min(2 * size, DIGEST_GROUP)) if quick else 1
         first, count = count, count + len(chunk)
-        codes = list(range(base + first, base + count))
+        codes = np.arange(base + first, base + count, dtype=np.int64)
         if skip:
-            kept = [at for at, c in enumerate(codes) if c - base not in skip]
-            if len(kept) < len(codes):
-                chunk, codes = [chunk[at] for at in kept], [codes[at] for at in kept]
+            kept = [at for at in range(len(chunk)) if first + at not in skip]
+            if len(kept) < len(chunk):
+                chunk, codes = [chunk[at] for at in kept], codes[kept]
         if chunk:
             yield chunk, codes
         del chunk
@@ -181,6 +189,7 @@ DIGEST_MARK = 1 << 32
 """Set in a digest taken by groups (:class:`_Digest`); an earlier one, taken an element at
 a time, has it clear (a state saved by an older version: its splits are read again so)."""
 _GROUPED = frozenset((int, bool))
+_RANGE_ITERATOR = type(iter(range(0)))
 
 
 class _Digest:
@@ -197,10 +206,10 @@ class _Digest:
         self.legacy = legacy
         self.pending: list[Any] = []  # ints of the current run not hashed yet
 
-    def add(self, elements: list[Any]) -> int:
-        """Mix ``elements`` in; returns how many ints complete the current group when
-        ``elements`` are all plain ints (or bools), else 0."""
-        grouped = set(map(type, elements)) <= _GROUPED
+    def add(self, elements: list[Any], ints: bool = False) -> int:
+        """Mix ``elements`` in (``ints``: known to be plain ints); returns how many ints
+        complete the current group when ``elements`` are all plain ints (or bools), else 0."""
+        grouped = ints or set(map(type, elements)) <= _GROUPED
         if self.legacy:
             for element in elements:
                 self.crc = digest(element, self.crc)
@@ -287,7 +296,9 @@ _HEAD = 6
 def gather(origins: Sequence[Origin | int]) -> np.ndarray:
     """The codes of ``origins`` (each a code, a tuple of codes or an int64 array) in
     order, as one new int64 array: a batch's rows' origins, taken at numpy speed."""
-    if origins and type(origins[0]) is int:  # (codes, as a chunk of source elements has)
+    if isinstance(origins, np.ndarray):  # (codes, as a chunk of source elements has)
+        return np.array(origins, np.int64)
+    if origins and type(origins[0]) is int:
         return np.fromiter(origins, np.int64, len(origins))
     try:  # (one origin each, as a tagged source element has)
         return np.fromiter([c for (c,) in origins], np.int64,  # type: ignore[misc]
@@ -557,11 +568,62 @@ def merge_info(held: dict[str, Any] | None, info: Any) -> dict[str, Any]:
 def merge_runs(runs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The union of ``runs`` ((pass id, split, first index, length) rows, in any order,
     overlapping or not) as sorted, disjoint, non-touching ranges: their places (``pass id
-    << INDEX_BITS | split``), starts and ends, ordered by place then start. One sort of the
-    rows (of one int64 key each where the ids allow: the usual case), then whole-array
-    operations."""
+    << INDEX_BITS | split``), starts and ends, ordered by place then start.
+
+    Runs of few places whose indices lie close together (a shuffle's scattered origins,
+    many runs of one) are merged by counting, in time linear in the runs and their span
+    (:func:`_covered`); any others by one sort of the rows, then whole-array operations."""
     pass_ids, splits = runs[:, 0], runs[:, 1]
     starts, ends = runs[:, 2], runs[:, 2] + runs[:, 3]
+    places = pass_ids << INDEX_BITS | splits
+    merged: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    for place, rows in _few_places(places) if len(runs) > SMALL_ORIGIN_BLOCK else ():
+        covered = _covered(starts if rows is None else starts[rows],
+                           ends if rows is None else ends[rows])
+        if covered is None:
+            merged = []
+            break
+        merged.append((np.full(len(covered[0]), place, np.int64), *covered))
+    if merged:
+        return (np.concatenate([m[0] for m in merged]), np.concatenate([m[1] for m in merged]),
+                np.concatenate([m[2] for m in merged]))
+    return _merged_by_sort(pass_ids, splits, starts, ends)
+
+
+def _few_places(places: np.ndarray) -> list[tuple[int, np.ndarray | None]]:
+    """The distinct places of ``places`` (sorted), each with a mask of its rows (None:
+    every row); empty when there are more than MERGE_PLACES of them."""
+    first = int(places[0])
+    if (places == first).all():  # (the usual fold: one split under way)
+        return [(first, None)]
+    candidates = np.unique(places[::max(1, len(places) // 256)]).tolist()
+    if len(candidates) > MERGE_PLACES:
+        return []
+    groups = [(place, places == place) for place in candidates]
+    if sum(int(rows.sum()) for _, rows in groups) != len(places):
+        return []  # a place the sample missed
+    return groups
+
+
+def _covered(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """The ``[start, end)`` ranges that runs of one place cover, sorted and disjoint, by
+    counting how many runs cover each index of their span; None when the span is more
+    than MERGE_SPAN_FACTOR times the runs (plus MERGE_SPAN_SLACK): sparse runs sort faster."""
+    low, high = int(starts.min()), int(ends.max())
+    span = high - low
+    if span > MERGE_SPAN_FACTOR * len(starts) + MERGE_SPAN_SLACK:
+        return None
+    depth = (np.bincount(starts - low, minlength=span + 1)
+             - np.bincount(ends - low, minlength=span + 1))
+    inside = np.cumsum(depth[:span]) > 0
+    edges = np.flatnonzero(np.diff(inside.view(np.int8), prepend=0, append=0)) + low
+    return edges[0::2], edges[1::2]
+
+
+def _merged_by_sort(pass_ids: np.ndarray, splits: np.ndarray, starts: np.ndarray,
+                    ends: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`merge_runs` by one sort of the rows (of one int64 key each where the ids
+    allow: the usual case), then whole-array operations."""
     if int(pass_ids.max()) < 1 << 10 and int(splits.max()) < 1 << 20:
         # one key of 63 bits: pass id (10), split (20), start (33)
         place = pass_ids << 20 | splits

@@ -46,12 +46,12 @@ ChunkRead = Callable[[Key, int], Iterator["Chunk"]]
 
 class Chunk(NamedTuple):
     """Consecutive elements handed on in bulk, between stages that take them so (a shuffle
-    and a batch): their ``values`` and, in a tracked run, their ``origins`` (one code each,
-    as a split reading gives them, or the :data:`~zloader.lineage.Origin` each element
-    held); None untracked. Never empty."""
+    and a batch): their ``values`` and, in a tracked run, their ``origins`` (an int64 array
+    of one code each, as a split reading gives them, or a list of the
+    :data:`~zloader.lineage.Origin` each element held); None untracked. Never empty."""
 
     values: list[Any]
-    origins: list[Any] | None
+    origins: Any
 
 
 class Coverage:
@@ -157,9 +157,9 @@ class Context:
             origin = element[1]
             self.loose.extend(origin.tolist() if isinstance(origin, np.ndarray) else origin)
 
-    def drop_chunk(self, origins: list[Any] | None) -> None:
+    def drop_chunk(self, origins: Any) -> None:
         """The elements holding ``origins`` (a :class:`Chunk`'s) go no further."""
-        if origins:
+        if origins is not None and len(origins):
             self.loose.extend(gather(origins).tolist())
 
     def values(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -256,8 +256,8 @@ def _flattened(run: Run) -> Run:
         for values, origins in run(key):
             if origins is None:
                 yield from values
-            elif type(origins[0]) is int:  # (codes: each becomes a 1-tuple origin, in C)
-                yield from zip(values, zip(origins), strict=True)
+            elif isinstance(origins, np.ndarray):  # (codes: each a 1-tuple origin, in C)
+                yield from zip(values, zip(origins.tolist()), strict=True)
             else:
                 yield from zip(values, origins, strict=True)
     return elements
@@ -300,6 +300,15 @@ def chunks_of(elements: Iterator[Any], tagged: bool, size: int = 0) -> Iterator[
 
 
 _VALUE, _ORIGIN = operator.itemgetter(0), operator.itemgetter(1)
+
+
+def _codes(parts: list[Any]) -> np.ndarray:
+    """The codes of chunks' origins (arrays of codes, or lists of origins) as one array."""
+    if len(parts) == 1 and isinstance(parts[0], np.ndarray):
+        return parts[0]
+    if not parts:
+        return np.empty(0, np.int64)
+    return np.concatenate([p if isinstance(p, np.ndarray) else gather(p) for p in parts])
 
 
 def _picked(items: list[Any], at: list[int]) -> list[Any]:
@@ -447,6 +456,48 @@ class Filter(Stage):
         return (self.kind, self.version, self.predicate if self.version is None else None)
 
 
+class _PooledOrigins:
+    """The origins of a shuffle's pool, by number: an int64 array filled in place while
+    they come as codes (a split's chunks, one code each), a list otherwise."""
+
+    __slots__ = ("codes", "items", "size")
+
+    def __init__(self) -> None:
+        self.codes: np.ndarray | None = np.empty(0, np.int64)
+        self.items: list[Any] = []
+        self.size = 0
+
+    def add(self, origins: Any) -> None:
+        codes = self.codes
+        if codes is not None and isinstance(origins, np.ndarray):
+            end = self.size + len(origins)
+            if end > len(codes):
+                grown = np.empty(max(2 * end, CHUNK_ELEMENTS), np.int64)
+                grown[:self.size] = codes[:self.size]
+                self.codes = codes = grown
+            codes[self.size:end] = origins
+            self.size = end
+            return
+        if codes is not None:  # (origins of another form: every one kept as a list)
+            self.items = [(code,) for code in codes[:self.size].tolist()]
+            self.codes = None
+        self.items += origins.tolist() if isinstance(origins, np.ndarray) else origins
+
+    def pick(self, at: list[int]) -> Any:
+        """The origins numbered ``at``, in order (an array, or a list)."""
+        if self.codes is not None:
+            return self.codes[at]
+        return _picked(self.items, at)
+
+    def compact(self, held: list[int]) -> None:
+        """Keep only the origins numbered ``held``, numbered anew from 0 in that order."""
+        if self.codes is not None:
+            self.codes[:len(held)] = self.codes[held]
+            self.size = len(held)
+        else:
+            self.items = _picked(self.items, held)
+
+
 @dataclass(frozen=True, eq=False, kw_only=True)
 class Shuffle(Stage):
     """tf.data's buffered shuffle: fill ``buffer_size``, then emit a random buffered element
@@ -470,14 +521,14 @@ class Shuffle(Stage):
         rng = ctx.rng(self.seed, position, key if self.reshuffle_each_epoch else ())
         size = self.buffer_size
         pool: list[Any] = []  # values taken since the last compaction, by number
-        pool_origins: list[Any] | None = [] if ctx.track else None
+        pool_origins = _PooledOrigins() if ctx.track else None
         held: list[int] = []  # the buffer: numbers in pool of the elements it holds
         draws: list[int] = []
         for values, origins in elements:
             first = len(pool)
             pool += values
             if pool_origins is not None:
-                pool_origins += origins
+                pool_origins.add(origins)
             arrivals = range(first, len(pool))
             room = size - len(held)
             if room > 0:
@@ -493,7 +544,7 @@ class Shuffle(Stage):
                 held[slot] = arrival
             if out:
                 chunk = Chunk(_picked(pool, out),
-                              None if pool_origins is None else _picked(pool_origins, out))
+                              None if pool_origins is None else pool_origins.pick(out))
                 for index in out:  # (what left is not kept alive until the compaction)
                     pool[index] = None
                 yield chunk
@@ -501,12 +552,12 @@ class Shuffle(Stage):
             if len(pool) - len(held) >= max(4 * size, CHUNK_ELEMENTS):
                 pool = _picked(pool, held)
                 if pool_origins is not None:
-                    pool_origins = _picked(pool_origins, held)
+                    pool_origins.compact(held)
                 held = list(range(len(held)))
         if held:
             out = _picked(held, rng.permutation(len(held)).tolist())
             yield Chunk(_picked(pool, out),
-                        None if pool_origins is None else _picked(pool_origins, out))
+                        None if pool_origins is None else pool_origins.pick(out))
 
     def identity(self) -> tuple[Any, ...]:
         return (self.kind, self.version, self.buffer_size, self.seed, self.reshuffle_each_epoch)
@@ -532,28 +583,29 @@ class Batch(Stage):
         size = self.batch_size
         later = position == ctx.records_from  # (large arrays stacked by the record's copy)
         values: list[Any] = []
-        origins: list[Any] | None = [] if ctx.track else None
+        parts: list[Any] = []  # the origins of ``values``, a chunk's at a time (tracked)
         for chunk_values, chunk_origins in elements:
             values += chunk_values
-            if origins is not None:
-                origins += chunk_origins
+            if ctx.track:
+                parts.append(chunk_origins)
             while len(values) >= size:
-                yield self._stack(values[:size], None if origins is None else origins[:size],
-                                  later)
+                codes = None
+                if ctx.track:
+                    joined = _codes(parts)
+                    codes, parts = joined[:size].copy(), [joined[size:]]
+                yield self._stack(values[:size], codes, later)
                 del values[:size]
-                if origins is not None:
-                    del origins[:size]
         if values and not self.drop_remainder:
-            yield self._stack(values, origins, later)
-        else:
-            ctx.drop_chunk(origins)
+            yield self._stack(values, _codes(parts) if ctx.track else None, later)
+        elif ctx.track:
+            ctx.drop_chunk(_codes(parts))
 
-    def _stack(self, values: list[Any], origins: list[Any] | None, later: bool) -> Any:
+    def _stack(self, values: list[Any], codes: np.ndarray | None, later: bool) -> Any:
         try:
             batch = collate.stack(values, later=later)
         except (TypeError, ValueError) as exc:
             raise self._fails(exc) from exc
-        return batch if origins is None else (batch, gather(origins))
+        return batch if codes is None else (batch, codes)
 
     def identity(self) -> tuple[Any, ...]:
         return (self.kind, self.version, self.batch_size, self.drop_remainder)
