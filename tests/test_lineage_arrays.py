@@ -60,15 +60,16 @@ def test_a_tracked_batch_holds_its_rows_origins_as_one_array_that_encodes_alike(
 
 @given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 3), st.integers(0, 200),
                           st.integers(1, 30)), min_size=1, max_size=200),
-       st.booleans(), st.sampled_from([1, 400, 10**6]))
+       st.booleans(), st.sampled_from([1, 400, 10**6]), st.booleans())
 @settings(max_examples=200, derandomize=True, deadline=None)
-def test_merge_runs_is_the_union_of_the_runs_per_place(rows, wide, spread):
+def test_merge_runs_is_the_union_of_the_runs_per_place(rows, wide, spread, counted):
     runs = np.array(rows, np.int64)
     if wide:  # split numbers past the one-key sort: the two-key sort gives the same
         runs[:, 1] += 1 << 21
     # Indices close together are merged by counting, far apart by sorting: the same.
     runs[:, 2] *= spread
-    places, starts, ends = merge_runs(runs)
+    places, starts, ends = merge_runs(np.repeat(runs, 4096 // len(runs) + 1, axis=0)
+                                      if counted else runs)
     expected: dict[int, set[int]] = {}
     for pass_id, split, start, length in runs.tolist():
         expected.setdefault(pass_id << INDEX_BITS | split, set()).update(

@@ -187,12 +187,15 @@ LEDGER_FOLD_RECORDS = 64
 """A consumer's ledger of origins adds the records it is given this many at a time (or
 when it is read): one merge per split for many records, not one per record (fixed)."""
 
+MERGE_COUNT_RUNS = 4096
 MERGE_PLACES = 16
 MERGE_SPAN_FACTOR = 2
 MERGE_SPAN_SLACK = 1 << 16
-"""A ledger merges the runs of up to MERGE_PLACES splits by counting (linear time) when
-each split's runs span at most MERGE_SPAN_FACTOR times as many indices as there are runs,
-plus MERGE_SPAN_SLACK; by sorting otherwise (fixed: zloader/lineage.py ``merge_runs``)."""
+"""A ledger merges MERGE_COUNT_RUNS runs or more of up to MERGE_PLACES splits by counting
+(linear time) when each split's runs span at most MERGE_SPAN_FACTOR times as many indices
+as there are runs, plus MERGE_SPAN_SLACK; by sorting otherwise, fewer runs included (a
+few numpy calls per split cost more than their sort) (fixed: zloader/lineage.py
+``merge_runs``)."""
 
 CHECK_SECONDS = 0.05
 """A consumer's loop looks for leaving workers whose grace is over at most this often, not

@@ -33,6 +33,7 @@ import numpy as np
 
 from zloader._defaults import (
     LEDGER_FOLD_RECORDS,
+    MERGE_COUNT_RUNS,
     MERGE_PLACES,
     MERGE_SPAN_FACTOR,
     MERGE_SPAN_SLACK,
@@ -570,14 +571,15 @@ def merge_runs(runs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     overlapping or not) as sorted, disjoint, non-touching ranges: their places (``pass id
     << INDEX_BITS | split``), starts and ends, ordered by place then start.
 
-    Runs of few places whose indices lie close together (a shuffle's scattered origins,
-    many runs of one) are merged by counting, in time linear in the runs and their span
-    (:func:`_covered`); any others by one sort of the rows, then whole-array operations."""
+    At least MERGE_COUNT_RUNS runs of few places whose indices lie close together (a
+    shuffle's scattered origins, many runs of one) are merged by counting, in time linear
+    in the runs and their span (:func:`_covered`); any others by one sort of the rows, then
+    whole-array operations."""
     pass_ids, splits = runs[:, 0], runs[:, 1]
     starts, ends = runs[:, 2], runs[:, 2] + runs[:, 3]
     places = pass_ids << INDEX_BITS | splits
     merged: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-    for place, rows in _few_places(places) if len(runs) > SMALL_ORIGIN_BLOCK else ():
+    for place, rows in _few_places(places) if len(runs) >= MERGE_COUNT_RUNS else ():
         covered = _covered(starts if rows is None else starts[rows],
                            ends if rows is None else ends[rows])
         if covered is None:
