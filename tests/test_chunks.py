@@ -214,3 +214,27 @@ def test_numbers_batch_to_the_dtype_numpy_gives():
     assert collate.stack([np.float32(1), np.float32(2)]).dtype == np.float32
     shuffled_ints = random.Random(0).sample(range(100), 100)
     assert collate.stack(shuffled_ints).tolist() == shuffled_ints
+
+
+def test_light_elements_are_read_ahead_and_heavy_ones_as_they_are_used():
+    from zloader.lineage import Assigned, light, read_split_chunks
+
+    assert light([1, 2.5, None, "path/to/a.jpg", b"x" * 100, ("a.jpg", 3)])
+    assert not light([np.zeros(3)]) and not light(["x" * 5000]) and not light([{"a": 1}])
+    assert not light([("a.jpg", np.zeros(3))]) and not light([tuple(range(20))])
+
+    class Listed:
+        def __init__(self, items):
+            self.items = items
+
+        def read(self, split, policy=None):
+            return iter(self.items)
+
+    def sizes(items):
+        ctx = zstages.Context(entropy=0, track=True)
+        return [len(values) for values, _ in read_split_chunks(Listed(items), Assigned(0, (0,)),
+                                                               0, ctx)]
+
+    assert sizes([f"p{i}" for i in range(100)]) == [1, 2, 4, 8, 16, 32, 37]
+    assert sizes([np.full(4, i) for i in range(5)]) == [1] * 5
+    assert sizes(list(range(600))) == [1, 255, 256, 88]  # ints: the digest's groups

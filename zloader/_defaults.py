@@ -22,6 +22,12 @@ CHUNK_ELEMENTS = 256
 """The most elements handed on at once to a stage that takes them in bulk (a shuffle, a
 batch: zloader/stages.py ``Chunk``), gathered while they come quickly."""
 
+LIGHT_BYTES = 4096
+LIGHT_ITEMS = 8
+"""Elements read ahead into a chunk are light: numbers, None, strings and bytes of at most
+LIGHT_BYTES, or tuples of at most LIGHT_ITEMS of those; any other is read when it is used
+(zloader/lineage.py ``light``)."""
+
 ORIGINS_NAMED = 4
 """Origins an error message names, of a batch's many (fixed)."""
 

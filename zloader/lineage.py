@@ -33,6 +33,8 @@ import numpy as np
 
 from zloader._defaults import (
     LEDGER_FOLD_RECORDS,
+    LIGHT_BYTES,
+    LIGHT_ITEMS,
     MERGE_COUNT_RUNS,
     MERGE_PLACES,
     MERGE_SPAN_FACTOR,
@@ -43,7 +45,8 @@ from zloader._defaults import (
 from zloader.errors import PipelineError
 
 __all__ = ["Assigned", "Ledger", "Origin", "Origins", "Ranges", "Tagged", "code",
-           "decode_origins", "digest", "encode_origins", "exactly_once", "gather", "merge_info",
+           "decode_origins", "digest", "encode_origins", "exactly_once", "gather", "light",
+           "merge_info",
            "pack", "read_split", "unpack", "untag"]
 
 Key = tuple[int, ...]
@@ -122,9 +125,10 @@ def read_split_chunks(source: Any, assigned: Assigned, pass_id: int, ctx: Any,
     ``ctx.reads`` and records (count, digest) in ``ctx.ends`` once the split is read.
 
     Chunks hold ``size`` elements (the last fewer); with ``size`` 0 a chunk grows from one
-    element to DIGEST_GROUP while the source gives a chunk in under READ_AHEAD_SECONDS (a
-    slow source is read one element at a time: its first elements must not wait for the
-    chunk's last). Every element of a chunk is in the
+    element to DIGEST_GROUP while the source gives :func:`light` elements, a chunk in under
+    READ_AHEAD_SECONDS (a slow source, or one of heavy elements, is read one element at a
+    time: its first elements must not wait for the chunk's last, nor its arrays be made
+    ahead of their turn). Every element of a chunk is in the
     digest before the chunk is yielded (a later stage may change it in place). A source
     that fails mid-read has the elements it gave before the failure yielded first.
 
@@ -156,8 +160,10 @@ def read_split_chunks(source: Any, assigned: Assigned, pass_id: int, ctx: Any,
         group = running.add(chunk, ints)
         if not fixed:
             quick = time.perf_counter() - started <= READ_AHEAD_SECONDS
-            # Ints: as many as complete the digest's group; others: twice as many.
-            size = (group or min(2 * size, DIGEST_GROUP)) if quick else 1
+            # Ints: as many as complete the digest's group; other light ones: twice as
+            # many; heavy ones one at a time, as they are made.
+            size = ((group or min(2 * size, DIGEST_GROUP)) if quick and (group or light(chunk))
+                    else 1)
         first, count = count, count + len(chunk)
         codes = np.arange(base + first, base + count, dtype=np.int64)
         if skip:
@@ -181,6 +187,30 @@ def read_split_chunks(source: Any, assigned: Assigned, pass_id: int, ctx: Any,
             builtin="RuntimeError")
     ctx.ends.append([pass_id, split, count, crc])
 
+
+def light(elements: list[Any]) -> bool:
+    """Whether the first and the last of ``elements`` are light enough to read ahead:
+    numbers, None, strings and bytes of at most LIGHT_BYTES (a path, a token, a line), or
+    a tuple of such (a path and a label). Heavier ones (arrays, tensors, batches) are read
+    as they are used, so that a producer's fresh memory stays warm and bounded."""
+    for element in (elements[0], elements[-1]) if elements else ():
+        kind = type(element)
+        if kind is tuple:
+            if len(element) > LIGHT_ITEMS or not all(map(_light, element)):
+                return False
+        elif not _light(element):
+            return False
+    return True
+
+
+def _light(value: Any) -> bool:
+    kind = type(value)
+    if kind is str or kind is bytes:
+        return len(value) <= LIGHT_BYTES
+    return kind in _ATOMS
+
+
+_ATOMS = frozenset((int, float, bool, type(None)))
 
 DIGEST_GROUP = 256
 """A split's digest hashes consecutive plain ints (and bools) this many at a time; the

@@ -32,7 +32,7 @@ from zloader import collate
 from zloader._defaults import CHUNK_ELEMENTS, ORIGINS_NAMED, READ_AHEAD_SECONDS, SHUFFLE_DRAW_CHUNK
 from zloader._seeding import Key, make_rng
 from zloader.errors import PipelineError, passes_through
-from zloader.lineage import INDEX_BITS, INDEX_MASK, Origin, gather, untag
+from zloader.lineage import INDEX_BITS, INDEX_MASK, Origin, gather, light, untag
 
 __all__ = ["Batch", "BucketByLength", "Chunk", "ChunkRead", "Context", "Coverage", "Filter",
            "Map", "Repeat", "Run", "Shuffle", "Skip", "Stage", "Take", "Unbatch", "chunks_of",
@@ -272,9 +272,10 @@ def _gathered(run: Run, ctx: Context, size: int) -> Run:
 
 def chunks_of(elements: Iterator[Any], tagged: bool, size: int = 0) -> Iterator[Chunk]:
     """``elements`` (``(value, origin)`` pairs when ``tagged``) in chunks of ``size``; or
-    (``size`` 0) in chunks which grow from one element to CHUNK_ELEMENTS while they come
-    in under READ_AHEAD_SECONDS a chunk (a slow input's elements do not wait for each
-    other). Elements taken before ``elements`` raised are handed on first."""
+    (``size`` 0) in chunks which grow from one element to CHUNK_ELEMENTS while they are
+    light (:func:`~zloader.lineage.light`) and come in under READ_AHEAD_SECONDS a chunk (a
+    slow input's elements do not wait for each other, nor are heavy ones made ahead of
+    their turn). Elements taken before ``elements`` raised are handed on first."""
     fixed = size > 0
     size = size if fixed else 1
     while True:
@@ -296,7 +297,8 @@ def chunks_of(elements: Iterator[Any], tagged: bool, size: int = 0) -> Iterator[
             return
         if not fixed:
             quick = time.perf_counter() - started <= READ_AHEAD_SECONDS
-            size = min(2 * size, CHUNK_ELEMENTS) if quick else 1
+            values = [_VALUE(group[0]), _VALUE(group[-1])] if tagged else group
+            size = min(2 * size, CHUNK_ELEMENTS) if quick and light(values) else 1
 
 
 _VALUE, _ORIGIN = operator.itemgetter(0), operator.itemgetter(1)
