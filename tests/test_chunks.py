@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from zloader import Pipeline, PipelineError, codec, collate
+from zloader import chunks as zchunks
 from zloader import stages as zstages
 from zloader._defaults import CHUNK_ELEMENTS, SHUFFLE_DRAW_CHUNK, STACK_LATER_BYTES
 
@@ -39,7 +40,7 @@ def chunked(values, sizes, origins=None):
     while at < len(values):
         size = sizes[turn % len(sizes)]
         turn += 1
-        yield zstages.Chunk(values[at:at + size],
+        yield zchunks.Chunk(values[at:at + size],
                             None if origins is None else origins[at:at + size])
         at += size
 
@@ -112,7 +113,7 @@ def test_shuffle_lets_go_of_the_elements_that_left_it():
 
     def chunks():
         for _ in range(200):
-            yield zstages.Chunk([Counted() for _ in range(CHUNK_ELEMENTS)], None)
+            yield zchunks.Chunk([Counted() for _ in range(CHUNK_ELEMENTS)], None)
 
     most = 0
     for chunk in stage.transform(chunks(), (0,), 1, ctx):
@@ -134,7 +135,7 @@ def test_a_slow_input_reaches_a_shuffle_one_element_at_a_time():
     first = next(iter(pipeline.iter(0)))
     # Two fill the buffer, the third lets one out: not a chunk of many slow elements.
     assert time.monotonic() - started < 0.5 and first in range(3)
-    sizes = [len(chunk.values) for chunk in zstages.chunks_of(
+    sizes = [len(chunk.values) for chunk in zchunks.chunks_of(
         (slow(x) for x in range(6)), False)]
     assert sizes == [1] * 6
 
@@ -145,7 +146,7 @@ def test_elements_read_before_the_input_failed_are_handed_on_first():
         yield 2
         raise ValueError("boom")
 
-    chunks = zstages.chunks_of(failing(), False)
+    chunks = zchunks.chunks_of(failing(), False)
     assert next(chunks).values == [1]
     assert next(chunks).values == [2]
     with pytest.raises(ValueError, match="boom"):

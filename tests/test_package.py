@@ -36,7 +36,8 @@ LAYERS = {
     "storage": 1.5, "cachefile": 1.6,
     "sources": 2, "formats.base": 2.2, "formats.tfrecord": 2.4, "formats.webdataset": 2.4,
     "formats.parquet": 2.4, "formats.jsonl": 2.4, "formats.image_folder": 2.4,
-    "formats.build": 2.6, "stages": 2, "cache": 2.5, "pipeline": 3, "plan": 4, "demo": 4,
+    "formats.build": 2.6, "chunks": 1.8, "stages": 2, "cache": 2.5, "pipeline": 3, "plan": 4,
+    "demo": 4,
     "_pickling": 4, "shipping": 5,
     # the broker: records and the pool's policy, the concerns, the facade,
     # the loop

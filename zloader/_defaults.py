@@ -20,7 +20,7 @@ SHUFFLE_DRAW_CHUNK = 1024
 
 CHUNK_ELEMENTS = 256
 """The most elements handed on at once to a stage that takes them in bulk (a shuffle, a
-batch: zloader/stages.py ``Chunk``), gathered while they come quickly."""
+batch: zloader/chunks.py), gathered while they come quickly and are light."""
 
 LIGHT_BYTES = 4096
 LIGHT_ITEMS = 8

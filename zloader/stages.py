@@ -18,40 +18,34 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import operator
-import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import numpy as np
 
 from zloader import collate
-from zloader._defaults import CHUNK_ELEMENTS, ORIGINS_NAMED, READ_AHEAD_SECONDS, SHUFFLE_DRAW_CHUNK
+from zloader._defaults import CHUNK_ELEMENTS, ORIGINS_NAMED, SHUFFLE_DRAW_CHUNK
 from zloader._seeding import Key, make_rng
+from zloader.chunks import (
+    Chunk,
+    ChunkRead,
+    PooledOrigins,
+    chunks_of,
+    codes_of,
+    flattened,
+    gathered,
+    picked,
+)
 from zloader.errors import PipelineError, passes_through
-from zloader.lineage import INDEX_BITS, INDEX_MASK, Origin, gather, light, untag
+from zloader.lineage import INDEX_BITS, INDEX_MASK, Origin, gather, untag
 
 __all__ = ["Batch", "BucketByLength", "Chunk", "ChunkRead", "Context", "Coverage", "Filter",
-           "Map", "Repeat", "Run", "Shuffle", "Skip", "Stage", "Take", "Unbatch", "chunks_of",
-           "compose"]
+           "Map", "Repeat", "Run", "Shuffle", "Skip", "Stage", "Take", "Unbatch", "compose"]
 
 Run = Callable[[Key], Iterator[Any]]
-ChunkRead = Callable[[Key, int], Iterator["Chunk"]]
-"""A read of the source in chunks: given a pass key and the chunk size (0: growing, see
-:func:`chunks_of`), the :class:`Chunk` objects of that pass."""
-
-
-class Chunk(NamedTuple):
-    """Consecutive elements handed on in bulk, between stages that take them so (a shuffle
-    and a batch): their ``values`` and, in a tracked run, their ``origins`` (an int64 array
-    of one code each, as a split reading gives them, or a list of the
-    :data:`~zloader.lineage.Origin` each element held); None untracked. Never empty."""
-
-    values: list[Any]
-    origins: Any
 
 
 class Coverage:
@@ -240,82 +234,14 @@ def compose(read: Run, stages: tuple[Stage, ...], ctx: Context, first_position: 
     ctx.aligned = first_position + len(stages)
     for position, stage in enumerate(stages, first_position):
         if stage.takes_chunks and not chunked:
-            run = _gathered(run, ctx, stage.chunk_size)
+            run = gathered(run, ctx.track, stage.chunk_size)
         elif chunked and not stage.takes_chunks:
-            run = _flattened(run)
+            run = flattened(run)
         run = stage.wrap(run, position, ctx)
         chunked = stage.gives_chunks
         if not stage.keeps_order:
             ctx.aligned = min(ctx.aligned, position)
-    return _flattened(run) if chunked else run
-
-
-def _flattened(run: Run) -> Run:
-    """The elements of a run of chunks, one at a time (tagged, in a tracked run)."""
-    def elements(key: Key) -> Iterator[Any]:
-        for values, origins in run(key):
-            if origins is None:
-                yield from values
-            elif isinstance(origins, np.ndarray):  # (codes: each a 1-tuple origin, in C)
-                yield from zip(values, zip(origins.tolist()), strict=True)
-            else:
-                yield from zip(values, origins, strict=True)
-    return elements
-
-
-def _gathered(run: Run, ctx: Context, size: int) -> Run:
-    """The elements of ``run`` in chunks (:func:`chunks_of`)."""
-    def chunks(key: Key) -> Iterator[Chunk]:
-        return chunks_of(run(key), ctx.track, size)
-    return chunks
-
-
-def chunks_of(elements: Iterator[Any], tagged: bool, size: int = 0) -> Iterator[Chunk]:
-    """``elements`` (``(value, origin)`` pairs when ``tagged``) in chunks of ``size``; or
-    (``size`` 0) in chunks which grow from one element to CHUNK_ELEMENTS while they are
-    light (:func:`~zloader.lineage.light`) and come in under READ_AHEAD_SECONDS a chunk (a
-    slow input's elements do not wait for each other, nor are heavy ones made ahead of
-    their turn). Elements taken before ``elements`` raised are handed on first."""
-    fixed = size > 0
-    size = size if fixed else 1
-    while True:
-        group: list[Any] = []
-        failure = None
-        started = time.perf_counter()
-        try:
-            group.extend(itertools.islice(elements, size))
-        except BaseException as exc:
-            failure = exc
-        if group:
-            if tagged:
-                yield Chunk(list(map(_VALUE, group)), list(map(_ORIGIN, group)))
-            else:
-                yield Chunk(group, None)
-        if failure is not None:
-            raise failure
-        if len(group) < size:
-            return
-        if not fixed:
-            quick = time.perf_counter() - started <= READ_AHEAD_SECONDS
-            values = [_VALUE(group[0]), _VALUE(group[-1])] if tagged else group
-            size = min(2 * size, CHUNK_ELEMENTS) if quick and light(values) else 1
-
-
-_VALUE, _ORIGIN = operator.itemgetter(0), operator.itemgetter(1)
-
-
-def _codes(parts: list[Any]) -> np.ndarray:
-    """The codes of chunks' origins (arrays of codes, or lists of origins) as one array."""
-    if len(parts) == 1 and isinstance(parts[0], np.ndarray):
-        return parts[0]
-    if not parts:
-        return np.empty(0, np.int64)
-    return np.concatenate([p if isinstance(p, np.ndarray) else gather(p) for p in parts])
-
-
-def _picked(items: list[Any], at: list[int]) -> list[Any]:
-    """``[items[i] for i in at]`` at C speed (``at`` not empty)."""
-    return list(operator.itemgetter(*at)(items)) if len(at) > 1 else [items[at[0]]]
+    return flattened(run) if chunked else run
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -458,48 +384,6 @@ class Filter(Stage):
         return (self.kind, self.version, self.predicate if self.version is None else None)
 
 
-class _PooledOrigins:
-    """The origins of a shuffle's pool, by number: an int64 array filled in place while
-    they come as codes (a split's chunks, one code each), a list otherwise."""
-
-    __slots__ = ("codes", "items", "size")
-
-    def __init__(self) -> None:
-        self.codes: np.ndarray | None = np.empty(0, np.int64)
-        self.items: list[Any] = []
-        self.size = 0
-
-    def add(self, origins: Any) -> None:
-        codes = self.codes
-        if codes is not None and isinstance(origins, np.ndarray):
-            end = self.size + len(origins)
-            if end > len(codes):
-                grown = np.empty(max(2 * end, CHUNK_ELEMENTS), np.int64)
-                grown[:self.size] = codes[:self.size]
-                self.codes = codes = grown
-            codes[self.size:end] = origins
-            self.size = end
-            return
-        if codes is not None:  # (origins of another form: every one kept as a list)
-            self.items = [(code,) for code in codes[:self.size].tolist()]
-            self.codes = None
-        self.items += origins.tolist() if isinstance(origins, np.ndarray) else origins
-
-    def pick(self, at: list[int]) -> Any:
-        """The origins numbered ``at``, in order (an array, or a list)."""
-        if self.codes is not None:
-            return self.codes[at]
-        return _picked(self.items, at)
-
-    def compact(self, held: list[int]) -> None:
-        """Keep only the origins numbered ``held``, numbered anew from 0 in that order."""
-        if self.codes is not None:
-            self.codes[:len(held)] = self.codes[held]
-            self.size = len(held)
-        else:
-            self.items = _picked(self.items, held)
-
-
 @dataclass(frozen=True, eq=False, kw_only=True)
 class Shuffle(Stage):
     """tf.data's buffered shuffle: fill ``buffer_size``, then emit a random buffered element
@@ -523,7 +407,7 @@ class Shuffle(Stage):
         rng = ctx.rng(self.seed, position, key if self.reshuffle_each_epoch else ())
         size = self.buffer_size
         pool: list[Any] = []  # values taken since the last compaction, by number
-        pool_origins = _PooledOrigins() if ctx.track else None
+        pool_origins = PooledOrigins() if ctx.track else None
         held: list[int] = []  # the buffer: numbers in pool of the elements it holds
         draws: list[int] = []
         for values, origins in elements:
@@ -545,20 +429,20 @@ class Shuffle(Stage):
                 out.append(held[slot])
                 held[slot] = arrival
             if out:
-                chunk = Chunk(_picked(pool, out),
+                chunk = Chunk(picked(pool, out),
                               None if pool_origins is None else pool_origins.pick(out))
                 for index in out:  # (what left is not kept alive until the compaction)
                     pool[index] = None
                 yield chunk
                 del chunk
             if len(pool) - len(held) >= max(4 * size, CHUNK_ELEMENTS):
-                pool = _picked(pool, held)
+                pool = picked(pool, held)
                 if pool_origins is not None:
                     pool_origins.compact(held)
                 held = list(range(len(held)))
         if held:
-            out = _picked(held, rng.permutation(len(held)).tolist())
-            yield Chunk(_picked(pool, out),
+            out = picked(held, rng.permutation(len(held)).tolist())
+            yield Chunk(picked(pool, out),
                         None if pool_origins is None else pool_origins.pick(out))
 
     def identity(self) -> tuple[Any, ...]:
@@ -593,14 +477,14 @@ class Batch(Stage):
             while len(values) >= size:
                 codes = None
                 if ctx.track:
-                    joined = _codes(parts)
+                    joined = codes_of(parts)
                     codes, parts = joined[:size].copy(), [joined[size:]]
                 yield self._stack(values[:size], codes, later)
                 del values[:size]
         if values and not self.drop_remainder:
-            yield self._stack(values, _codes(parts) if ctx.track else None, later)
+            yield self._stack(values, codes_of(parts) if ctx.track else None, later)
         elif ctx.track:
-            ctx.drop_chunk(_codes(parts))
+            ctx.drop_chunk(codes_of(parts))
 
     def _stack(self, values: list[Any], codes: np.ndarray | None, later: bool) -> Any:
         try:

@@ -1,0 +1,152 @@
+"""Elements handed on in bulk between the stages that take them so (a shuffle, a batch).
+
+A stage's run yields elements one at a time; a stage with ``takes_chunks`` (zloader/stages.py)
+gets :class:`Chunk` objects instead: consecutive elements' values in one list and, in an
+exactly-once run, their origins beside them (an int64 array of codes as a split reading gives
+them, or a list of origins), so that a tag costs a list entry rather than a tuple per element
+and a batch gathers its rows' origins at numpy speed. ``compose`` puts :func:`gathered` and
+:func:`flattened` between stages that differ; a read of the source may give chunks itself
+(:data:`ChunkRead`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from zloader._defaults import CHUNK_ELEMENTS, READ_AHEAD_SECONDS
+from zloader._seeding import Key
+from zloader.lineage import gather, light
+
+__all__ = ["Chunk", "ChunkRead", "PooledOrigins", "chunks_of", "codes_of", "flattened",
+           "gathered", "picked"]
+
+Run = Callable[[Key], Iterator[Any]]
+ChunkRead = Callable[[Key, int], Iterator["Chunk"]]
+"""A read of the source in chunks: given a pass key and the chunk size (0: growing, see
+:func:`chunks_of`), the :class:`Chunk` objects of that pass."""
+
+
+class Chunk(NamedTuple):
+    """Consecutive elements handed on in bulk, between stages that take them so (a shuffle
+    and a batch): their ``values`` and, in a tracked run, their ``origins`` (an int64 array
+    of one code each, as a split reading gives them, or a list of the
+    :data:`~zloader.lineage.Origin` each element held); None untracked. Never empty."""
+
+    values: list[Any]
+    origins: Any
+
+
+def flattened(run: Run) -> Run:
+    """The elements of a run of chunks, one at a time (tagged, in a tracked run)."""
+    def elements(key: Key) -> Iterator[Any]:
+        for values, origins in run(key):
+            if origins is None:
+                yield from values
+            elif isinstance(origins, np.ndarray):  # (codes: each a 1-tuple origin, in C)
+                yield from zip(values, zip(origins.tolist()), strict=True)
+            else:
+                yield from zip(values, origins, strict=True)
+    return elements
+
+
+def gathered(run: Run, tagged: bool, size: int) -> Run:
+    """The elements of ``run`` in chunks (:func:`chunks_of`)."""
+    def chunks(key: Key) -> Iterator[Chunk]:
+        return chunks_of(run(key), tagged, size)
+    return chunks
+
+
+def chunks_of(elements: Iterator[Any], tagged: bool, size: int = 0) -> Iterator[Chunk]:
+    """``elements`` (``(value, origin)`` pairs when ``tagged``) in chunks of ``size``; or
+    (``size`` 0) in chunks which grow from one element to CHUNK_ELEMENTS while they are
+    light (:func:`~zloader.lineage.light`) and come in under READ_AHEAD_SECONDS a chunk (a
+    slow input's elements do not wait for each other, nor are heavy ones made ahead of
+    their turn). Elements taken before ``elements`` raised are handed on first."""
+    fixed = size > 0
+    size = size if fixed else 1
+    while True:
+        group: list[Any] = []
+        failure = None
+        started = time.perf_counter()
+        try:
+            group.extend(itertools.islice(elements, size))
+        except BaseException as exc:
+            failure = exc
+        if group:
+            if tagged:
+                yield Chunk(list(map(_VALUE, group)), list(map(_ORIGIN, group)))
+            else:
+                yield Chunk(group, None)
+        if failure is not None:
+            raise failure
+        if len(group) < size:
+            return
+        if not fixed:
+            quick = time.perf_counter() - started <= READ_AHEAD_SECONDS
+            values = [_VALUE(group[0]), _VALUE(group[-1])] if tagged else group
+            size = min(2 * size, CHUNK_ELEMENTS) if quick and light(values) else 1
+
+
+_VALUE, _ORIGIN = operator.itemgetter(0), operator.itemgetter(1)
+
+
+def codes_of(parts: list[Any]) -> np.ndarray:
+    """The codes of chunks' origins (arrays of codes, or lists of origins) as one array."""
+    if len(parts) == 1 and isinstance(parts[0], np.ndarray):
+        return parts[0]
+    if not parts:
+        return np.empty(0, np.int64)
+    return np.concatenate([p if isinstance(p, np.ndarray) else gather(p) for p in parts])
+
+
+def picked(items: list[Any], at: list[int]) -> list[Any]:
+    """``[items[i] for i in at]`` at C speed (``at`` not empty)."""
+    return list(operator.itemgetter(*at)(items)) if len(at) > 1 else [items[at[0]]]
+
+
+class PooledOrigins:
+    """The origins of a shuffle's pool, by number: an int64 array filled in place while
+    they come as codes (a split's chunks, one code each), a list otherwise."""
+
+    __slots__ = ("codes", "items", "size")
+
+    def __init__(self) -> None:
+        self.codes: np.ndarray | None = np.empty(0, np.int64)
+        self.items: list[Any] = []
+        self.size = 0
+
+    def add(self, origins: Any) -> None:
+        codes = self.codes
+        if codes is not None and isinstance(origins, np.ndarray):
+            end = self.size + len(origins)
+            if end > len(codes):
+                grown = np.empty(max(2 * end, CHUNK_ELEMENTS), np.int64)
+                grown[:self.size] = codes[:self.size]
+                self.codes = codes = grown
+            codes[self.size:end] = origins
+            self.size = end
+            return
+        if codes is not None:  # (origins of another form: every one kept as a list)
+            self.items = [(code,) for code in codes[:self.size].tolist()]
+            self.codes = None
+        self.items += origins.tolist() if isinstance(origins, np.ndarray) else origins
+
+    def pick(self, at: list[int]) -> Any:
+        """The origins numbered ``at``, in order (an array, or a list)."""
+        if self.codes is not None:
+            return self.codes[at]
+        return picked(self.items, at)
+
+    def compact(self, held: list[int]) -> None:
+        """Keep only the origins numbered ``held``, numbered anew from 0 in that order."""
+        if self.codes is not None:
+            self.codes[:len(held)] = self.codes[held]
+            self.size = len(held)
+        else:
+            self.items = picked(self.items, held)
