@@ -190,8 +190,11 @@ no longer lists and that has not ended the epoch: a worker moved to another job 
 what it made before it moves, and the broker's view can arrive first (fixed)."""
 
 LEDGER_FOLD_RECORDS = 64
-"""A consumer's ledger of origins adds the records it is given this many at a time (or
-when it is read): one merge per split for many records, not one per record (fixed)."""
+LEDGER_FOLD_RUNS = 65536
+"""A consumer's ledger of origins adds the records it is given this many at a time, or
+once they hold LEDGER_FOLD_RUNS runs (or when it is read): one merge per split for many
+small records, not one per record, and the runs of large ones merged while they are still
+in the CPU's caches (fixed)."""
 
 MERGE_COUNT_RUNS = 4096
 MERGE_PLACES = 16

@@ -33,6 +33,7 @@ import numpy as np
 
 from zloader._defaults import (
     LEDGER_FOLD_RECORDS,
+    LEDGER_FOLD_RUNS,
     LIGHT_BYTES,
     LIGHT_ITEMS,
     MERGE_COUNT_RUNS,
@@ -747,6 +748,7 @@ class Ledger:
         self._lengths: dict[tuple[Key, int], tuple[int, int]] = {}
         # Records' origins not yet added (:meth:`add` keeps them to add many at once).
         self._pending: list[tuple[dict[int, Key], np.ndarray]] = []
+        self._pending_runs = 0
 
     @property
     def done(self) -> dict[Key, set[int]]:
@@ -766,12 +768,13 @@ class Ledger:
         a time (or when the ledger is read): one merge per split for many records."""
         if len(runs):
             self._pending.append((keys, runs))
-            if len(self._pending) >= LEDGER_FOLD_RECORDS:
+            self._pending_runs += len(runs)
+            if len(self._pending) >= LEDGER_FOLD_RECORDS or self._pending_runs >= LEDGER_FOLD_RUNS:
                 self._fold()
 
     def _fold(self) -> None:
         """Add the records' origins kept by :meth:`add`, their pass ids made one table."""
-        pending, self._pending = self._pending, []
+        pending, self._pending, self._pending_runs = self._pending, [], 0
         if len(pending) <= 1:
             for keys, runs in pending:
                 self._add_runs(keys, runs)
