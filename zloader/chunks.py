@@ -11,7 +11,6 @@ and a batch gathers its rows' origins at numpy speed. ``compose`` puts :func:`ga
 
 from __future__ import annotations
 
-import itertools
 import operator
 import time
 from collections.abc import Callable, Iterator
@@ -21,7 +20,7 @@ import numpy as np
 
 from zloader._defaults import CHUNK_ELEMENTS, READ_AHEAD_SECONDS
 from zloader._seeding import Key
-from zloader.lineage import gather, light
+from zloader.lineage import gather, light, take
 
 __all__ = ["Chunk", "ChunkRead", "PooledOrigins", "chunks_of", "codes_of", "flattened",
            "gathered", "picked"]
@@ -71,13 +70,8 @@ def chunks_of(elements: Iterator[Any], tagged: bool, size: int = 0) -> Iterator[
     fixed = size > 0
     size = size if fixed else 1
     while True:
-        group: list[Any] = []
-        failure = None
         started = time.perf_counter()
-        try:
-            group.extend(itertools.islice(elements, size))
-        except BaseException as exc:
-            failure = exc
+        group, failure = take(elements, size)
         if group:
             if tagged:
                 yield Chunk(list(map(_VALUE, group)), list(map(_ORIGIN, group)))

@@ -47,8 +47,7 @@ from zloader.errors import PipelineError
 
 __all__ = ["Assigned", "Ledger", "Origin", "Origins", "Ranges", "Tagged", "code",
            "decode_origins", "digest", "encode_origins", "exactly_once", "gather", "light",
-           "merge_info",
-           "pack", "read_split", "unpack", "untag"]
+           "merge_info", "pack", "read_split", "read_split_chunks", "take", "unpack", "untag"]
 
 Key = tuple[int, ...]
 DIGEST_BYTES = 4096
@@ -147,13 +146,8 @@ def read_split_chunks(source: Any, assigned: Assigned, pass_id: int, ctx: Any,
     fixed = size > 0
     count, size = 0, size if fixed else 1
     while True:
-        chunk: list[Any] = []
-        failure = None
         started = time.perf_counter()
-        try:
-            chunk.extend(itertools.islice(elements, size))
-        except BaseException as exc:  # yielded after the elements read before it
-            failure = exc
+        chunk, failure = take(elements, size)  # (a failure: yielded after the elements)
         if not chunk:
             if failure is not None:
                 raise failure
@@ -187,6 +181,17 @@ def read_split_chunks(source: Any, assigned: Assigned, pass_id: int, ctx: Any,
             "exactly_once=False to accept repeats instead", context=f"split {split}",
             builtin="RuntimeError")
     ctx.ends.append([pass_id, split, count, crc])
+
+
+def take(elements: Iterator[Any], size: int) -> tuple[list[Any], BaseException | None]:
+    """Up to ``size`` next ``elements``, and what the iterator raised after them (None if
+    nothing): the elements a failing source or stage gave before it failed are kept."""
+    taken: list[Any] = []
+    try:
+        taken.extend(itertools.islice(elements, size))
+    except BaseException as exc:
+        return taken, exc
+    return taken, None
 
 
 def light(elements: list[Any]) -> bool:
