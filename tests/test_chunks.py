@@ -221,8 +221,10 @@ def test_light_elements_are_read_ahead_and_heavy_ones_as_they_are_used():
     from zloader.lineage import Assigned, light, read_split_chunks
 
     assert light([1, 2.5, None, "path/to/a.jpg", b"x" * 100, ("a.jpg", 3)])
-    assert not light([np.zeros(3)]) and not light(["x" * 5000]) and not light([{"a": 1}])
-    assert not light([("a.jpg", np.zeros(3))]) and not light([tuple(range(20))])
+    assert light([np.zeros(3)]) and light([{"x": np.zeros((28, 28), np.uint8), "y": np.int64(1)}])
+    assert not light([np.zeros((224, 224, 3), np.uint8)]) and not light(["x" * 5000])
+    assert not light([("a.jpg", np.zeros(10**4))]) and not light([tuple(range(20))])
+    assert not light([object()]) and not light([{"a": [1, 2]}])  # (one level deep)
 
     class Listed:
         def __init__(self, items):
@@ -237,5 +239,32 @@ def test_light_elements_are_read_ahead_and_heavy_ones_as_they_are_used():
                                                                0, ctx)]
 
     assert sizes([f"p{i}" for i in range(100)]) == [1, 2, 4, 8, 16, 32, 37]
-    assert sizes([np.full(4, i) for i in range(5)]) == [1] * 5
+    assert sizes([np.full(1024, i) for i in range(5)]) == [1] * 5  # 8 KiB each
     assert sizes(list(range(600))) == [1, 255, 256, 88]  # ints: the digest's groups
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_tracked_batches_of_batches_hold_their_own_rows_origins(shuffled):
+    from zloader import plan
+    from zloader.lineage import Assigned
+
+    pipeline = Pipeline.range(400, split_size=100).batch(4)
+    if shuffled:
+        pipeline = pipeline.shuffle(7, seed=1)
+    ctx = zstages.Context(entropy=0, track=True)
+    feed = lambda key: (Assigned(s, key) for s in range(4))
+
+    def code(value):
+        return ctx.reads.index((0, value // 100)) << 32 | value % 100
+
+    out = list(plan.plan(pipeline.batch(3)).run_worker(feed, 0, ctx))
+    assert sum(rows.shape[0] for rows, _ in out) == 100
+    for rows, origin in out:  # each its own 12 elements' (or 4 a row), none of another's
+        assert sorted(origin.tolist()) == sorted(code(int(v)) for v in rows.reshape(-1))
+    ctx = zstages.Context(entropy=0, track=True)
+    out = list(plan.plan(pipeline.batch(3).unbatch().batch(5, drop_remainder=True))
+               .run_worker(feed, 0, ctx))
+    # (An unbatched row of a batch of batches holds what it can: the first row all 12 codes.)
+    codes = [c for _, origin in out for c in origin.tolist()] + ctx.loose
+    assert sorted(ctx.reads[c >> 32][1] * 100 + (c & 0xFFFFFFFF) for c in codes) == \
+        list(range(400))  # every element accounted for once, none twice

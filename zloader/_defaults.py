@@ -24,9 +24,9 @@ batch: zloader/chunks.py), gathered while they come quickly and are light."""
 
 LIGHT_BYTES = 4096
 LIGHT_ITEMS = 8
-"""Elements read ahead into a chunk are light: numbers, None, strings and bytes of at most
-LIGHT_BYTES, or tuples of at most LIGHT_ITEMS of those; any other is read when it is used
-(zloader/lineage.py ``light``)."""
+"""Elements read ahead into a chunk are light: numbers, None, strings, bytes and numpy
+arrays of at most LIGHT_BYTES, or tuples, lists and dicts of at most LIGHT_ITEMS of those;
+any other is read when it is used (zloader/lineage.py ``light``)."""
 
 ORIGINS_NAMED = 4
 """Origins an error message names, of a batch's many (fixed)."""

@@ -22,7 +22,7 @@ from zloader._defaults import CHUNK_ELEMENTS, READ_AHEAD_SECONDS
 from zloader._seeding import Key
 from zloader.lineage import gather, light, take
 
-__all__ = ["Chunk", "ChunkRead", "PooledOrigins", "chunks_of", "codes_of", "flattened",
+__all__ = ["Chunk", "ChunkRead", "PooledOrigins", "RowOrigins", "chunks_of", "flattened",
            "gathered", "picked"]
 
 Run = Callable[[Key], Iterator[Any]]
@@ -73,10 +73,7 @@ def chunks_of(elements: Iterator[Any], tagged: bool, size: int = 0) -> Iterator[
         started = time.perf_counter()
         group, failure = take(elements, size)
         if group:
-            if tagged:
-                yield Chunk(list(map(_VALUE, group)), list(map(_ORIGIN, group)))
-            else:
-                yield Chunk(group, None)
+            yield Chunk(list(map(_VALUE, group)), _origins(group)) if tagged else Chunk(group, None)
         if failure is not None:
             raise failure
         if len(group) < size:
@@ -90,13 +87,42 @@ def chunks_of(elements: Iterator[Any], tagged: bool, size: int = 0) -> Iterator[
 _VALUE, _ORIGIN = operator.itemgetter(0), operator.itemgetter(1)
 
 
-def codes_of(parts: list[Any]) -> np.ndarray:
-    """The codes of chunks' origins (arrays of codes, or lists of origins) as one array."""
-    if len(parts) == 1 and isinstance(parts[0], np.ndarray):
-        return parts[0]
-    if not parts:
-        return np.empty(0, np.int64)
-    return np.concatenate([p if isinstance(p, np.ndarray) else gather(p) for p in parts])
+def _origins(tagged: list[Any]) -> Any:
+    """The origins of tagged elements: an int64 array of their codes when each holds one
+    (a source element's), else the list of their origins."""
+    try:
+        return np.fromiter([code for _, (code,) in tagged], np.int64, len(tagged))
+    except (TypeError, ValueError):
+        return list(map(_ORIGIN, tagged))
+
+
+class RowOrigins:
+    """The origins of the elements a batch has taken and not yet used, in order: an int64
+    array of one code each while chunks bring codes, a list of origins once one brings
+    other origins (a batch of batches: many codes an element)."""
+
+    __slots__ = ("codes", "listed")
+
+    def __init__(self) -> None:
+        self.codes = np.empty(0, np.int64)
+        self.listed: list[Any] | None = None
+
+    def add(self, origins: Any) -> None:
+        if self.listed is None and isinstance(origins, np.ndarray):
+            self.codes = np.concatenate((self.codes, origins)) if len(self.codes) else origins
+            return
+        if self.listed is None:
+            self.listed = [(code,) for code in self.codes.tolist()]
+        self.listed += ([(code,) for code in origins.tolist()]
+                        if isinstance(origins, np.ndarray) else origins)
+
+    def take(self, count: int) -> np.ndarray:
+        """The codes of the next ``count`` elements' origins, as one new int64 array."""
+        if self.listed is None:
+            taken, self.codes = self.codes[:count].copy(), self.codes[count:]
+            return taken
+        taken_origins, self.listed = self.listed[:count], self.listed[count:]
+        return gather(taken_origins)
 
 
 def picked(items: list[Any], at: list[int]) -> list[Any]:

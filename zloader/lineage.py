@@ -196,13 +196,15 @@ def take(elements: Iterator[Any], size: int) -> tuple[list[Any], BaseException |
 
 def light(elements: list[Any]) -> bool:
     """Whether the first and the last of ``elements`` are light enough to read ahead:
-    numbers, None, strings and bytes of at most LIGHT_BYTES (a path, a token, a line), or
-    a tuple of such (a path and a label). Heavier ones (arrays, tensors, batches) are read
+    numbers, None, strings, bytes and numpy arrays of at most LIGHT_BYTES (a path, a token,
+    a line, a row of a table), or a tuple, list or dict of at most LIGHT_ITEMS such (a path
+    and a label; a row of named columns). Heavier ones (images, tensors, batches) are read
     as they are used, so that a producer's fresh memory stays warm and bounded."""
     for element in (elements[0], elements[-1]) if elements else ():
         kind = type(element)
-        if kind is tuple:
-            if len(element) > LIGHT_ITEMS or not all(map(_light, element)):
+        if kind is tuple or kind is list or kind is dict:
+            items = element.values() if kind is dict else element
+            if len(element) > LIGHT_ITEMS or not all(map(_light, items)):
                 return False
         elif not _light(element):
             return False
@@ -213,7 +215,9 @@ def _light(value: Any) -> bool:
     kind = type(value)
     if kind is str or kind is bytes:
         return len(value) <= LIGHT_BYTES
-    return kind in _ATOMS
+    if kind is np.ndarray:
+        return bool(value.nbytes <= LIGHT_BYTES)
+    return kind in _ATOMS or isinstance(value, np.generic)
 
 
 _ATOMS = frozenset((int, float, bool, type(None)))

@@ -33,8 +33,8 @@ from zloader.chunks import (
     Chunk,
     ChunkRead,
     PooledOrigins,
+    RowOrigins,
     chunks_of,
-    codes_of,
     flattened,
     gathered,
     picked,
@@ -469,22 +469,20 @@ class Batch(Stage):
         size = self.batch_size
         later = position == ctx.records_from  # (large arrays stacked by the record's copy)
         values: list[Any] = []
-        parts: list[Any] = []  # the origins of ``values``, a chunk's at a time (tracked)
+        origins = RowOrigins() if ctx.track else None  # those of ``values``
         for chunk_values, chunk_origins in elements:
             values += chunk_values
-            if ctx.track:
-                parts.append(chunk_origins)
+            if origins is not None:
+                origins.add(chunk_origins)
             while len(values) >= size:
-                codes = None
-                if ctx.track:
-                    joined = codes_of(parts)
-                    codes, parts = joined[:size].copy(), [joined[size:]]
+                codes = None if origins is None else origins.take(size)
                 yield self._stack(values[:size], codes, later)
                 del values[:size]
         if values and not self.drop_remainder:
-            yield self._stack(values, codes_of(parts) if ctx.track else None, later)
-        elif ctx.track:
-            ctx.drop_chunk(codes_of(parts))
+            codes = None if origins is None else origins.take(len(values))
+            yield self._stack(values, codes, later)
+        elif origins is not None:
+            ctx.drop_chunk(origins.take(len(values)))
 
     def _stack(self, values: list[Any], codes: np.ndarray | None, later: bool) -> Any:
         try:
