@@ -64,7 +64,7 @@ def test_shuffle_output_is_the_reference_whatever_the_chunks(size, sizes):
     assert got == expected
 
 
-@pytest.mark.parametrize("form", ["codes", "tuples", "codes then tuples"])
+@pytest.mark.parametrize("form", ["codes", "tuples", "codes then tuples", "tuples then codes"])
 def test_tracked_shuffle_and_batch_keep_each_origin_with_its_value(form):
     values = list(range(5000))
     codes = [10_000 + v for v in values]
@@ -72,6 +72,9 @@ def test_tracked_shuffle_and_batch_keep_each_origin_with_its_value(form):
     if form == "codes then tuples":  # (a pool of codes that meets origins of another form)
         chunks = [*chunked(values[:2000], [256], np.array(codes[:2000])),
                   *chunked(values[2000:], [100], [(c,) for c in codes[2000:]])]
+    elif form == "tuples then codes":
+        chunks = [*chunked(values[:2000], [100], [(c,) for c in codes[:2000]]),
+                  *chunked(values[2000:], [256], np.array(codes[2000:]))]
     else:
         chunks = list(chunked(values, [1, 33, 256], origins))
     pipeline = Pipeline.range(1).shuffle(300, seed=1).batch(64)

@@ -155,7 +155,8 @@ class PooledOrigins:
         if codes is not None:  # (origins of another form: every one kept as a list)
             self.items = [(code,) for code in codes[:self.size].tolist()]
             self.codes = None
-        self.items += origins.tolist() if isinstance(origins, np.ndarray) else origins
+        self.items += ([(code,) for code in origins.tolist()]
+                       if isinstance(origins, np.ndarray) else origins)
 
     def pick(self, at: list[int]) -> Any:
         """The origins numbered ``at``, in order (an array, or a list)."""
