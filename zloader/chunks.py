@@ -20,7 +20,7 @@ import numpy as np
 
 from zloader._defaults import CHUNK_ELEMENTS, READ_AHEAD_SECONDS
 from zloader._seeding import Key
-from zloader.lineage import gather, light, take
+from zloader.lineage import gather, light, split_tags, take
 
 __all__ = ["Chunk", "ChunkRead", "PooledOrigins", "RowOrigins", "chunks_of", "flattened",
            "gathered", "picked"]
@@ -72,28 +72,16 @@ def chunks_of(elements: Iterator[Any], tagged: bool, size: int = 0) -> Iterator[
     while True:
         started = time.perf_counter()
         group, failure = take(elements, size)
+        chunk = Chunk(*split_tags(group)) if tagged else Chunk(group, None)
         if group:
-            yield Chunk(list(map(_VALUE, group)), _origins(group)) if tagged else Chunk(group, None)
+            yield chunk
         if failure is not None:
             raise failure
         if len(group) < size:
             return
         if not fixed:
             quick = time.perf_counter() - started <= READ_AHEAD_SECONDS
-            values = [_VALUE(group[0]), _VALUE(group[-1])] if tagged else group
-            size = min(2 * size, CHUNK_ELEMENTS) if quick and light(values) else 1
-
-
-_VALUE, _ORIGIN = operator.itemgetter(0), operator.itemgetter(1)
-
-
-def _origins(tagged: list[Any]) -> Any:
-    """The origins of tagged elements: an int64 array of their codes when each holds one
-    (a source element's), else the list of their origins."""
-    try:
-        return np.fromiter([code for _, (code,) in tagged], np.int64, len(tagged))
-    except (TypeError, ValueError):
-        return list(map(_ORIGIN, tagged))
+            size = min(2 * size, CHUNK_ELEMENTS) if quick and light(chunk.values) else 1
 
 
 class RowOrigins:

@@ -47,7 +47,8 @@ from zloader.errors import PipelineError
 
 __all__ = ["Assigned", "Ledger", "Origin", "Origins", "Ranges", "Tagged", "code",
            "decode_origins", "digest", "encode_origins", "exactly_once", "gather", "light",
-           "merge_info", "pack", "read_split", "read_split_chunks", "take", "unpack", "untag"]
+           "merge_info", "pack", "read_split", "read_split_chunks", "split_tags", "take",
+           "unpack", "untag"]
 
 Key = tuple[int, ...]
 DIGEST_BYTES = 4096
@@ -351,13 +352,20 @@ def gather(origins: Sequence[Origin | int]) -> np.ndarray:
     return np.concatenate([np.asarray(origin, np.int64).reshape(-1) for origin in origins])
 
 
-def untag(elements: list[Tagged]) -> tuple[list[Any], np.ndarray]:
-    """The values of tagged ``elements`` and their origins' codes, in order."""
+def split_tags(elements: list[Tagged]) -> tuple[list[Any], np.ndarray | list[Origin]]:
+    """The values of tagged ``elements`` and their origins, in order: an int64 array of
+    their codes when each holds one (a source element's), else the list of origins."""
     values = list(map(_VALUE, elements))
-    try:  # (one origin each: unpacked straight from the elements)
+    try:  # (one code each: unpacked straight from the elements)
         return values, np.fromiter([c for _, (c,) in elements], np.int64, len(elements))
     except (TypeError, ValueError):
-        return values, gather(list(map(_ORIGIN, elements)))
+        return values, list(map(_ORIGIN, elements))
+
+
+def untag(elements: list[Tagged]) -> tuple[list[Any], np.ndarray]:
+    """The values of tagged ``elements`` and their origins' codes, in order."""
+    values, origins = split_tags(elements)
+    return values, origins if isinstance(origins, np.ndarray) else gather(origins)
 
 
 def encode_origins(origins: Sequence[Origin], loose: list[int],

@@ -30,6 +30,7 @@ from zloader import cache as _cache
 from zloader import sources as _sources
 from zloader import stages as _stages
 from zloader._defaults import CACHE_MAX_ENTRY_BYTES
+from zloader.chunks import Chunk
 from zloader.fingerprint import Unhashable, fingerprint, warn_unshareable
 from zloader.formats import build as _build
 
@@ -450,7 +451,7 @@ class Pipeline:
             for split in ctx.source.split_order(key, ctx.entropy):
                 yield from ctx.read(split)
 
-        def read_chunks(key: _stages.Key, size: int) -> Iterator[_stages.Chunk]:
+        def read_chunks(key: _stages.Key, size: int) -> Iterator[Chunk]:
             for split in ctx.source.split_order(key, ctx.entropy):
                 yield from ctx.read_chunks(split, size)
 

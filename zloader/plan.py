@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zloader import stages as _stages
+from zloader.chunks import Chunk
 from zloader.lineage import Assigned, read_split, read_split_chunks
 from zloader.pipeline import Pipeline
 
@@ -57,11 +58,11 @@ class Plan:
                 else:
                     yield from ctx.read(split)
 
-        def read_chunks(key: _stages.Key, size: int) -> Iterator[_stages.Chunk]:
+        def read_chunks(key: _stages.Key, size: int) -> Iterator[Chunk]:
             for split, pass_id in splits(key):
                 if isinstance(split, Assigned):
                     for values, codes in read_split_chunks(source, split, pass_id, ctx, size):
-                        yield _stages.Chunk(values, codes)
+                        yield Chunk(values, codes)
                 else:
                     yield from ctx.read_chunks(split, size)
 

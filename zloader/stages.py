@@ -42,8 +42,8 @@ from zloader.chunks import (
 from zloader.errors import PipelineError, passes_through
 from zloader.lineage import INDEX_BITS, INDEX_MASK, Origin, gather, untag
 
-__all__ = ["Batch", "BucketByLength", "Chunk", "ChunkRead", "Context", "Coverage", "Filter",
-           "Map", "Repeat", "Run", "Shuffle", "Skip", "Stage", "Take", "Unbatch", "compose"]
+__all__ = ["Batch", "BucketByLength", "Context", "Coverage", "Filter", "Map", "Repeat", "Run",
+           "Shuffle", "Skip", "Stage", "Take", "Unbatch", "compose"]
 
 Run = Callable[[Key], Iterator[Any]]
 
@@ -226,11 +226,10 @@ def compose(read: Run, stages: tuple[Stage, ...], ctx: Context, first_position: 
     (and back) the elements are handed on one at a time (and gathered again). Sets
     ``ctx.aligned``: ``first_position + len(stages)`` when the last stage's output still
     comes in the source's order."""
-    run = read
-    chunked = bool(stages) and stages[0].takes_chunks and read_chunks is not None
-    if chunked and read_chunks is not None:
+    run, chunked = read, False
+    if read_chunks is not None and stages and stages[0].takes_chunks:
         size = stages[0].chunk_size
-        run = lambda key: read_chunks(key, size)
+        run, chunked = (lambda key: read_chunks(key, size)), True
     ctx.aligned = first_position + len(stages)
     for position, stage in enumerate(stages, first_position):
         if stage.takes_chunks and not chunked:
