@@ -271,3 +271,22 @@ def test_tracked_batches_of_batches_hold_their_own_rows_origins(shuffled):
     codes = [c for _, origin in out for c in origin.tolist()] + ctx.loose
     assert sorted(ctx.reads[c >> 32][1] * 100 + (c & 0xFFFFFFFF) for c in codes) == \
         list(range(400))  # every element accounted for once, none twice
+
+
+def test_an_element_stage_after_the_source_gets_non_int_elements_as_it_asks_for_them():
+    """(a torch dataset's batches, with their random draws, are made in their turn)"""
+    from zloader.lineage import Assigned, read_split
+
+    made = []
+
+    class Counting:
+        def read(self, split, policy=None):
+            for i in range(50):
+                made.append(i)
+                yield f"p{i}"
+
+    ctx = zstages.Context(entropy=0, track=True)
+    elements = read_split(Counting(), Assigned(0, (0,)), 0, ctx)
+    for taken in range(1, 6):
+        next(elements)
+        assert len(made) == taken

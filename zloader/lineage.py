@@ -114,13 +114,16 @@ class Assigned:
 
 def read_split(source: Any, assigned: Assigned, pass_id: int, ctx: Any) -> Iterator[Tagged]:
     """Tagged elements of one split: :func:`read_split_chunks`, one ``(element, (code,))``
-    at a time (tagged at C speed, ``zip``)."""
-    for values, codes in read_split_chunks(source, assigned, pass_id, ctx):
+    at a time (tagged at C speed, ``zip``). Only ints are read ahead: any other element
+    is read as the stage after the source asks for it, as a source without exactly-once
+    is (a torch dataset's batch, with its random draws, is made in its turn)."""
+    for values, codes in read_split_chunks(source, assigned, pass_id, ctx, ahead=False):
         yield from zip(values, zip(codes.tolist()), strict=True)
 
 
 def read_split_chunks(source: Any, assigned: Assigned, pass_id: int, ctx: Any,
-                      size: int = 0) -> Iterator[tuple[list[Any], np.ndarray]]:
+                      size: int = 0, ahead: bool = True
+                      ) -> Iterator[tuple[list[Any], np.ndarray]]:
     """The elements of one split, less ``assigned.skip``, in consecutive chunks of
     ``(values, codes)`` (one origin code each, an int64 array); notes the reading in
     ``ctx.reads`` and records (count, digest) in ``ctx.ends`` once the split is read.
@@ -129,9 +132,10 @@ def read_split_chunks(source: Any, assigned: Assigned, pass_id: int, ctx: Any,
     element to DIGEST_GROUP while the source gives :func:`light` elements, a chunk in under
     READ_AHEAD_SECONDS (a slow source, or one of heavy elements, is read one element at a
     time: its first elements must not wait for the chunk's last, nor its arrays be made
-    ahead of their turn). Every element of a chunk is in the
-    digest before the chunk is yielded (a later stage may change it in place). A source
-    that fails mid-read has the elements it gave before the failure yielded first.
+    ahead of their turn; with ``ahead`` False, only ints are read ahead). Every element of
+    a chunk is in the digest before the chunk is yielded (a later stage may change it in
+    place). A source that fails mid-read has the elements it gave before the failure
+    yielded first.
 
     Raises:
         PipelineError: the split read differently from its earlier reading.
@@ -158,8 +162,8 @@ def read_split_chunks(source: Any, assigned: Assigned, pass_id: int, ctx: Any,
             quick = time.perf_counter() - started <= READ_AHEAD_SECONDS
             # Ints: as many as complete the digest's group; other light ones: twice as
             # many; heavy ones one at a time, as they are made.
-            size = ((group or min(2 * size, DIGEST_GROUP)) if quick and (group or light(chunk))
-                    else 1)
+            size = ((group or min(2 * size, DIGEST_GROUP))
+                    if quick and (group or (ahead and light(chunk))) else 1)
         first, count = count, count + len(chunk)
         codes = np.arange(base + first, base + count, dtype=np.int64)
         if skip:
