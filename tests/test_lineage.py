@@ -196,7 +196,7 @@ def test_a_malformed_origin_block_is_refused_saying_why():
         bad[at] = value
         return bad.tobytes()
 
-    head, keys, ends, runs = 6, 6, 9, 13  # where each part of this block starts
+    head, keys, ends, runs = 7, 7, 10, 14  # where each part of this block starts
     for block, why in [
         (good.tobytes()[:-3], "whole number"),
         (changed(1, -2), "does not fit"),  # uniform count
@@ -210,7 +210,90 @@ def test_a_malformed_origin_block_is_refused_saying_why():
     ]:
         with pytest.raises(ValueError, match=why):
             decode_origins(block, 2)
-    assert head == 6
+    assert head == 7
+
+
+def scattered_block(reads, ends=()):
+    """An origin block of one batch whose 64 rows' codes are scattered (a shuffle's): it
+    travels as codes, with the table of ``reads`` [(pass id, split), ...] they come from."""
+    codes = np.array([(i % len(reads)) << INDEX_BITS | (i * 37) % 64 for i in range(64)])
+    block = encode_origins([codes], [], reads, {(0, 3): 0}, [list(e) for e in ends])
+    return np.frombuffer(block, np.int64).copy(), codes
+
+
+def test_scattered_origins_travel_as_codes_and_a_ledger_holds_the_same_as_from_runs():
+    block, codes = scattered_block([(0, 4), (0, 5)], ends=[(0, 4, 64, 1)])
+    origins = decode_origins(block.tobytes(), 1)
+    assert origins.codes is not None and origins.codes.tolist() == codes.tolist()
+    assert origins.reads == [0, 0, 4, 1, 0, 5] and not len(origins.runs)
+    from_codes, from_runs = Ledger(), Ledger()
+    origins.note(from_codes)
+    rows = [[0, 4 + (c >> INDEX_BITS), c & INDEX_MASK, 1] for c in codes.tolist()]
+    from_runs.add({0: (0, 3)}, np.array(rows, np.int64))
+    from_runs.end((0, 3), 4, 64, 1)
+    assert from_codes.to_json() == from_runs.to_json()
+    assert from_codes.held((0, 3), 5).tolist() == sorted({(i * 37) % 64 for i in range(1, 64, 2)})
+    part = Ledger()
+    origins.note(part, 0)  # none of the batch's rows yielded yet
+    assert not part.open and not part.done
+
+
+def test_a_malformed_codes_block_is_refused_saying_why():
+    good, _ = scattered_block([(0, 4), (0, 5)])
+    decode_origins(good.tobytes(), 1)
+    table, codes = 7 + 4, 7 + 4 + 6  # where the reads and the codes of this block start
+
+    def changed(at, value):
+        bad = good.copy()
+        bad[at] = value
+        return bad.tobytes()
+
+    for block, why in [
+        (changed(5, 1), "does not fit"),  # runs and reads both
+        (changed(6, 3), "as long as"),  # more reads than the block holds
+        (changed(table + 3, 0), "origin read"),  # a read twice
+        (changed(table + 1, 9), "origin read"),  # a pass the block does not name
+        (changed(table, 1 << 31), "origin read"),  # a read past 2**31
+        (changed(table + 2, -1), "origin read"),  # a split < 0
+        (changed(codes + 5, 2 << INDEX_BITS), "names a read"),  # read 2: not in the table
+        (changed(codes, -1), "names a read"),
+        (changed(table + 3, 5), "names a read"),  # reads 0 and 5: codes of read 1 in the gap
+        (good.tobytes()[:-8], "as long as"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            decode_origins(block, 1)
+
+
+def test_a_ledger_of_codes_keeps_splits_apart_and_repeats_once():
+    """Codes of several records and splits sorted together: a split's last index
+    (2**32 - 1) next to the following split's first is no run across them; a code
+    received twice counts once; reads numbered alike by two workers stay apart."""
+    last = INDEX_MASK
+    ledger = Ledger()
+    keys = {0: (0,)}
+    worker_a = [0, 0, 7, 1, 0, 8]  # read 0 is split 7, read 1 split 8
+    worker_b = [0, 0, 9]  # read 0 is split 9
+    ledger.add_codes(keys, worker_a, np.array([last, 1 << INDEX_BITS, last - 1, last]))
+    ledger.add_codes(keys, worker_b, np.array([0, 2, 1]))
+    assert ledger.held((0,), 7).tolist() == [last - 1, last]
+    assert ledger.held((0,), 8).tolist() == [0]
+    assert ledger.held((0,), 9).tolist() == [0, 1, 2]
+    assert ledger.open[((0,), 7)].count == 2
+
+
+@given(st.lists(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 70)), min_size=1,
+                         max_size=80), max_size=8))
+@settings(max_examples=100, derandomize=True, deadline=None)
+def test_a_ledger_holds_the_same_from_codes_as_from_runs(records):
+    keys = {0: (1,), 1: (2,)}
+    reads = [[0, 0, 5], [1, 1, 5], [2, 0, 6], [3, 1, 9]]  # read 1: another pass
+    from_codes, from_runs = Ledger(), Ledger()
+    for record in records:
+        codes = np.array([read << INDEX_BITS | index for read, index in record])
+        used = sorted({r for r, _ in record})
+        from_codes.add_codes(keys, [v for r in used for v in reads[r]], codes)
+        from_runs.add(keys, np.array([[*reads[r][1:], i, 1] for r, i in record]))
+    assert from_codes.to_json() == from_runs.to_json()
 
 
 def test_a_ledger_adds_records_of_workers_with_their_own_pass_ids_alike():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import struct
 
 import pytest
 import zmq
@@ -96,7 +97,7 @@ SAMPLES: dict[Command, dict] = {
     Command.CREDIT: {"epoch": 0, "credits": 4, "mapped": ["zloader-seg"]},
     Command.DATA: messages.Data(epoch=0, count=3, skipped=1, ring=(64, 128, "zloader-ring"),
                                 segment=("zloader-seg", 99), full=True, shared=True,
-                                lagged=2, round=4, origins=True).to_body(),
+                                lagged=2, round=4, origins=True, after=5).to_body(),
     Command.END: {"epoch": 0, "skipped": 0, "dropped": 1, "rerun": 2, "lagged": 0,
                   "replayed": 3, "origins": True},
     Command.FAIL: {"epoch": 0, "error": ERROR},
@@ -147,7 +148,7 @@ def test_optional_fields_keep_their_documented_defaults():
     # Absent optional fields stay absent on the wire: their absence means something.
     data = messages.Data(epoch=0, count=1, skipped=0, ring=None)
     assert messages.decode(wire(Command.DATA, messages.encode(data))) == data
-    assert len(messages.encode(data)) == 25  # epoch, count, skipped, flags
+    assert len(messages.encode(data)) == 26  # epoch, count, skipped, flags (u16)
 
 
 DEEP: object = 1
@@ -222,12 +223,13 @@ def test_a_bad_packed_data_body_is_refused_saying_what_is_wrong():
     good = SAMPLES[Command.DATA]
     name = b"zloader-ring"
     for body, why in [
-        (b"", "at least 25"),
-        (good[:24], "at least 25"),
+        (b"", "at least 26"),
+        (good[:25], "at least 26"),
+        (struct.pack("<QQQH", 0, 1, 0, 1 << 9), "unknown bits"),
         (good[:-4], "ends inside its fields"),
         (good + b"x", "1 bytes after its fields"),
         (good.replace(name, "zloader-rïng".encode()[:len(name)]), "not ASCII"),
-        (b'{"epoch": 0, "count": 1, "skipped": 0, "ring": null}', "ends|after"),
+        (b'{"epoch": 0, "count": 1, "skipped": 0, "ring": null}', "ends|after|unknown bits"),
     ]:
         with pytest.raises(ProtocolError, match=rf"^DATA: .*({why})"):
             messages.decode(wire(Command.DATA, body))

@@ -223,3 +223,39 @@ def test_records_after_one_that_found_the_ring_full_keep_their_order():
         held.clear()
     assert stats["private"] + stats["segments"] > 0  # (the ring did fill)
     assert got == list(range(n))
+
+
+def _every_other_large(i: int) -> dict:
+    import time
+
+    time.sleep(0.002)  # (each element alone in its record)
+    return {"i": i, "pad": np.zeros((5 << 20) if i % 2 == 0 else 16, np.uint8)}
+
+
+def test_a_notice_read_before_an_earlier_records_message_waits_for_it():
+    """Records too large for the ring go as DATA messages (naming a segment) and the small
+    ones between them through the ring with a notice. While the consumer's loop is held
+    up, both pile up; it reads the pipe first, so the notices of the small records come
+    before the messages of the large ones made earlier: it holds those records back (each
+    says how many messages came before it) and yields the worker's records in order."""
+    import sys
+    import time
+
+    n = 200
+    with Loader(Pipeline.range(n, split_size=n).map(_every_other_large), num_workers=1,
+                timeout=60, ring_bytes=4 << 20, prefetch=16, exactly_once=False) as loader:
+        it = iter(loader)
+        got = [int(next(it)["i"])]
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(1.0)  # the loop's thread waits for the interpreter
+        try:
+            end = time.monotonic() + 1.0
+            while time.monotonic() < end:
+                pass
+        finally:
+            sys.setswitchinterval(old)
+        got += [int(x["i"]) for x in it]
+        stats = loader.stats()
+    assert stats["segments"] == n // 2 and stats["held"] > 0  # (the notices came first)
+    assert got == list(range(n))
+    assert stats["rejected"] == 0

@@ -173,7 +173,8 @@ FORMAT_CONSTANTS = {
                     "FLAT_MIN_ITEMS"},  # picks the hashed encoding: part of the rules
     "lineage": {"DIGEST_BYTES", "DIGEST_GROUP",  # what the digest covers: resumed states
                 "DIGEST_MARK",  # compare digests; the mark tells the two ways of taking one
-                "INDEX_BITS", "MAX_PASS_ID", "MAX_KEY_LENGTH", "_HEAD"},  # the origin block
+                "INDEX_BITS", "MAX_PASS_ID", "MAX_READ", "MAX_KEY_LENGTH",
+                "_HEAD"},  # the origin block
     "transport.messages": {"_DATA_FLAGS_ALL"},  # the packed DATA body's flags
     "transport.notice": {"FRAME_ALIGN"},  # where a framed record's buffers start
     "journal": {"VERSION"},  # the journal's schema version

@@ -189,6 +189,11 @@ LEAVE_GRACE_SECONDS = 5.0
 no longer lists and that has not ended the epoch: a worker moved to another job sends
 what it made before it moves, and the broker's view can arrive first (fixed)."""
 
+SCATTER_SAMPLE = 17
+"""How many of a record's first origin codes the producer looks at to choose how its
+origin block carries them: runs when they make runs of four or more on average, else the
+codes themselves (a shuffle's; fixed: zloader/lineage.py ``encode_origins``)."""
+
 LEDGER_FOLD_RECORDS = 64
 LEDGER_FOLD_RUNS = 65536
 """A consumer's ledger of origins adds the records it is given this many at a time, or
@@ -210,6 +215,11 @@ CHECK_SECONDS = 0.05
 """A consumer's loop looks for leaving workers whose grace is over at most this often, not
 at every step (each check looks at every worker), and for stuck ones this often while its
 epoch has not begun (then when one can next be stuck; fixed)."""
+
+NOTICE_HOLD_SECONDS = 1.0
+"""How long a consumer holds back a record whose notice came before a DATA message its
+worker sent earlier (transport/notice.py) before it takes it anyway: that message was lost
+on the way, and the worker's stream must not stop for it (fixed)."""
 
 POLL_MS = 50
 """Milliseconds the I/O thread's poll of its sockets waits before it looks again at its

@@ -41,6 +41,7 @@ from zloader._defaults import (
     MERGE_SPAN_FACTOR,
     MERGE_SPAN_SLACK,
     READ_AHEAD_SECONDS,
+    SCATTER_SAMPLE,
     SMALL_ORIGIN_BLOCK,
 )
 from zloader.errors import PipelineError
@@ -92,6 +93,7 @@ INDEX_BITS = 32
 (``Context.reads`` names its pass id and split) and the element's index in the split."""
 INDEX_MASK = (1 << INDEX_BITS) - 1
 MAX_PASS_ID = 1 << 20
+MAX_READ = (1 << 31) - 1
 MAX_KEY_LENGTH = 64
 
 
@@ -329,14 +331,17 @@ def digest(element: Any, crc: int, depth: int = 0) -> int:
 
 # --- origins on the wire: one block after a record's codec buffers -------------------------
 #
-# The block is little-endian int64s: a head of six (elements, the count of origins every
-# element has or -1, loose origins, pass keys, split ends, runs), then the per-element
-# counts when they differ, the pass keys (pass id, length, key...), the split ends (pass id,
-# split, count, digest) and the runs (pass id, split, first index, length). The origins in
-# order (the loose ones, then each element's) are the runs' indices in order: consecutive
-# elements of a split, as most records hold, are one run.
+# The block is little-endian int64s: a head of seven (elements, the count of origins every
+# element has or -1, loose origins, pass keys, split ends, runs, reads), then the
+# per-element counts when they differ, the pass keys (pass id, length, key...) and the split
+# ends (pass id, split, count, digest); then the origins in one of two forms. Runs (pass
+# id, split, first index, length), when they are few (consecutive elements of a split, as
+# most records in order hold, are one run); or, for scattered origins (a shuffle's), the
+# table of the split readings they come from (read, pass id, split) and the codes
+# themselves, which the consumer sorts into ranges many records at a time. Either way the
+# origins in order are the loose ones, then each element's.
 
-_HEAD = 6
+_HEAD = 7
 
 
 def gather(origins: Sequence[Origin | int]) -> np.ndarray:
@@ -346,6 +351,8 @@ def gather(origins: Sequence[Origin | int]) -> np.ndarray:
         return np.array(origins, np.int64)
     if origins and type(origins[0]) is int:
         return np.fromiter(origins, np.int64, len(origins))
+    if origins and all(type(origin) is np.ndarray for origin in origins):  # (batches')
+        return np.concatenate(origins)
     try:  # (one origin each, as a tagged source element has)
         return np.fromiter([c for (c,) in origins], np.int64,  # type: ignore[misc]
                            len(origins))
@@ -384,6 +391,8 @@ def encode_origins(origins: Sequence[Origin], loose: list[int],
     total = len(loose) + sum(counts)
     # An element's origins form a set: sorted, a batch's rows of one split make runs.
     ordered = total > 1 and (uniform != 1 or bool(loose))
+    codes = None
+    table: list[tuple[int, int, int]] = []
     if total <= SMALL_ORIGIN_BLOCK:  # (most records of large elements: no numpy call is cheaper)
         lists = [o.tolist() if isinstance(o, np.ndarray) else o for o in origins]
         if ordered:
@@ -394,27 +403,51 @@ def encode_origins(origins: Sequence[Origin], loose: list[int],
     else:
         first = len(loose)
         codes = gather([tuple(loose), *origins]) if loose else gather(origins)
-        if ordered:
-            codes[:first].sort()
-            if uniform > 0:  # (every element as many: one sort of the rows)
-                codes[first:].reshape(-1, uniform).sort(axis=1)
-            elif len(counts) == 1:
-                codes[first:].sort()
-            else:
-                segments = np.repeat(np.arange(len(counts) + 1), [first, *counts])
-                codes = codes[np.lexsort((codes, segments))]
-        runs = _runs_of_array(codes, reads)
+        if _scattered(codes):  # (a shuffle's: the codes go as they are)
+            table = _reads_of(codes, reads)
+            runs = []
+        else:
+            if ordered:
+                codes[:first].sort()
+                if uniform > 0:  # (every element as many: one sort of the rows)
+                    codes[first:].reshape(-1, uniform).sort(axis=1)
+                elif len(counts) == 1:
+                    codes[first:].sort()
+                else:
+                    segments = np.repeat(np.arange(len(counts) + 1), [first, *counts])
+                    codes = codes[np.lexsort((codes, segments))]
+            runs = _runs_of_array(codes, reads)
+            codes = None
     used = {*(_distinct(runs[:, 0]) if isinstance(runs, np.ndarray) else (r[0] for r in runs)),
-            *(end[0] for end in ends)}
+            *(end[0] for end in ends), *(entry[1] for entry in table)}
     entries = [(pass_id, key) for key, pass_id in pass_keys.items() if pass_id in used]
-    head = [len(counts), uniform, len(loose), len(entries), len(ends), len(runs)]
+    head = [len(counts), uniform, len(loose), len(entries), len(ends), len(runs), len(table)]
     front = [*head, *(counts if uniform == -1 else ()),
              *(v for pass_id, key in entries for v in (pass_id, len(key), *key)),
-             *itertools.chain.from_iterable(ends)]
+             *itertools.chain.from_iterable(ends), *itertools.chain.from_iterable(table)]
+    if codes is not None:
+        return np.array(front, np.int64).tobytes() + codes.tobytes()
     if isinstance(runs, np.ndarray):
         return np.array(front, np.int64).tobytes() + runs.tobytes()
     front.extend(itertools.chain.from_iterable(runs))
     return struct.pack(f"<{len(front)}q", *front)
+
+
+def _scattered(codes: np.ndarray) -> bool:
+    """Whether ``codes`` make runs of fewer than four on average (judged by their first
+    SCATTER_SAMPLE): then they travel as codes, not runs."""
+    sample = codes[:SCATTER_SAMPLE].tolist()
+    steps = map(operator.sub, sample[1:], sample)
+    return 4 * (len(sample) - 1 - list(steps).count(1)) >= len(sample)
+
+
+def _reads_of(codes: np.ndarray, reads: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """The (read, pass id, split) of every split reading ``codes`` come from (and of those
+    between them, when they lie close together: two numpy calls, not a sort)."""
+    low, high = int(codes.min()) >> INDEX_BITS, int(codes.max()) >> INDEX_BITS
+    used = (range(low, high + 1) if high - low < max(64, len(codes) // 16)
+            else np.unique(codes >> INDEX_BITS).tolist())
+    return [(read, *reads[read]) for read in used]
 
 
 def _distinct(values: np.ndarray) -> list[int]:
@@ -455,11 +488,12 @@ def _runs_of_array(codes: np.ndarray, reads: list[tuple[int, int]]) -> np.ndarra
     return runs
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Origins:
     """The origins one record (or an epoch's END) carries, checked: its pass keys (by
     pass id), how many origins each element has (``counts``, or ``uniform`` for all), how
-    many come first that no element holds (``loose``), the runs and the split ends."""
+    many come first that no element holds (``loose``), the split ends, and the origins
+    themselves: ``runs``, or ``codes`` with the ``reads`` they name."""
 
     keys: dict[int, Key]
     uniform: int
@@ -467,16 +501,20 @@ class Origins:
     loose: int
     runs: np.ndarray  # int64 (n, 4): pass id, split, first index, length
     ends: list[tuple[Key, int, int, int]]
+    reads: list[int] | None = None  # per read of ``codes``: read, pass id, split (flat)
+    codes: np.ndarray | None = None  # int64: read << INDEX_BITS | index, in order
 
     def note(self, ledger: Ledger, elements: int | None = None) -> None:
         """Add the loose origins and those of the first ``elements`` elements (all when
         None), and the split ends, to ``ledger``."""
-        runs = self.runs
+        held = None
         if elements is not None:
-            held = (self.uniform * elements if self.counts is None
-                    else int(self.counts[:elements].sum()))
-            runs = _first(runs, self.loose + held)
-        ledger.add(self.keys, runs)
+            held = self.loose + (self.uniform * elements if self.counts is None
+                                 else int(self.counts[:elements].sum()))
+        if self.codes is not None and self.reads is not None:
+            ledger.add_codes(self.keys, self.reads, self.codes[:held])
+        else:
+            ledger.add(self.keys, self.runs if held is None else _first(self.runs, held))
         for key, split, count, crc in self.ends:
             ledger.end(key, split, count, crc)
 
@@ -502,14 +540,14 @@ def decode_origins(block: Any, elements: int) -> Origins:
     """
     view = memoryview(block).cast("B")
     if view.nbytes % 8 or view.nbytes < 8 * _HEAD:
-        raise ValueError("an origin block is a whole number of int64s, at least 6")
+        raise ValueError(f"an origin block is a whole number of int64s, at least {_HEAD}")
     # (a small block, a record of few elements: plain ints, no numpy call per part)
     small = view.nbytes <= 8 * SMALL_ORIGIN_BLOCK
     values: Any = view.cast("q").tolist() if small else np.frombuffer(view, np.int64)
     ints = list if small else np.ndarray.tolist  # (plain ints out of either)
-    n, uniform, loose, nkeys, nends, nruns = head = ints(values[:_HEAD])
-    if n != elements or uniform < -1 or loose < 0 or min(nkeys, nends, nruns) < 0 \
-            or nkeys > len(values):
+    n, uniform, loose, nkeys, nends, nruns, nreads = head = ints(values[:_HEAD])
+    if n != elements or uniform < -1 or loose < 0 or min(nkeys, nends, nruns, nreads) < 0 \
+            or nkeys > len(values) or (nruns and nreads):
         raise ValueError(f"origin block head {head} does not fit a record of {elements} "
                          "elements")
     at = _HEAD
@@ -519,26 +557,61 @@ def decode_origins(block: Any, elements: int) -> Origins:
         at += n
         if len(counts) != n or (counts < 0).any():
             raise ValueError("origin counts must be >= 0, one per element")
+    total = loose + (uniform * n if counts is None else int(counts.sum()))
+    # The pass keys, split ends and reads as plain ints, taken at once (at most this long).
+    front = ints(values[at:at + nkeys * (2 + MAX_KEY_LENGTH) + 4 * nends + 3 * nreads])
     keys: dict[int, Key] = {}
+    at = 0
     for _ in range(nkeys):
-        pass_id, length = ints(values[at:at + 2]) if at + 2 <= len(values) else (-1, 0)
-        key = ints(values[at + 2:at + 2 + length])
+        pass_id, length = front[at:at + 2] if at + 2 <= len(front) else (-1, 0)
+        key = front[at + 2:at + 2 + length]
         if not (0 <= pass_id < MAX_PASS_ID and 0 < length <= MAX_KEY_LENGTH
                 and len(key) == length and min(key) >= 0) or pass_id in keys:
             raise ValueError("origin pass keys must be (pass id, length, key >= 0...)")
         keys[pass_id] = tuple(key)
         at += 2 + length
-    if len(values) != at + 4 * (nends + nruns):
+    origins_at = len(values) - (at + _HEAD + (n if counts is not None else 0))
+    if origins_at != 4 * nends + (4 * nruns if not nreads else 3 * nreads + total):
         raise ValueError("origin block is not as long as its head says")
-    flat_ends = ints(values[at:at + 4 * nends])
-    ends = [(keys.get(p, ()), s, c, d) for p, s, c, d in zip(*[iter(flat_ends)] * 4, strict=True)]
-    if any(not key or min(s, c, d) < 0 or s > INDEX_MASK for key, s, c, d in ends):
+    ends = [(keys.get(p, ()), s, c, d)
+            for p, s, c, d in zip(*[iter(front[at:at + 4 * nends])] * 4, strict=True)] \
+        if nends else []
+    if nends and any(not key or min(s, c, d) < 0 or s > INDEX_MASK for key, s, c, d in ends):
         raise ValueError("a split end names a pass the block does not, or is < 0")
-    runs = np.array(values[at + 4 * nends:], np.int64).reshape(-1, 4)
-    total = _check_runs(runs, keys) if nruns else 0
-    if loose + (uniform * n if counts is None else int(counts.sum())) != total:
+    rest = values[len(values) - origins_at + 4 * nends:]  # the runs, or the reads and codes
+    if nreads:
+        reads = front[at + 4 * nends:at + 4 * nends + 3 * nreads]
+        codes = np.array(rest[3 * nreads:], np.int64)
+        _check_codes(reads, codes, keys)
+        return Origins(keys, uniform, counts, loose, _NO_RUNS, ends, reads, codes)
+    runs = np.array(rest, np.int64).reshape(-1, 4)
+    if (_check_runs(runs, keys) if nruns else 0) != total:
         raise ValueError("origin counts do not match the runs")
     return Origins(keys, uniform, counts, loose, runs, ends)
+
+
+_NO_RUNS = np.empty((0, 4), np.int64)
+_NO_RUNS.flags.writeable = False
+
+
+def _check_codes(table: list[int], codes: np.ndarray, keys: dict[int, Key]) -> None:
+    """Check a block's codes against its table of reads (read, pass id, split, flat):
+    distinct reads below 2**31 of known passes and splits, and each code of a read the
+    table names."""
+    ids = table[0::3]
+    if (len(ids) > 1 and len(set(ids)) != len(ids)) or any(
+            not (0 <= read <= MAX_READ and pass_id in keys and 0 <= split <= INDEX_MASK)
+            for read, pass_id, split in zip(ids, table[1::3], table[2::3], strict=True)):
+        raise ValueError("an origin read must be (read, pass id, split), distinct reads "
+                         "< 2**31 of passes the block names")
+    if not len(codes):
+        return
+    low, high = int(codes.min()), int(codes.max())
+    first, last = min(ids), max(ids)
+    if low < 0 or not (low >> INDEX_BITS >= first and high >> INDEX_BITS <= last) or (
+            last - first + 1 != len(ids)  # (reads with gaps: each code looked up)
+            and not np.isin(codes >> INDEX_BITS, ids).all()):
+        raise ValueError("an origin code names a read the block's table does not")
 
 
 def _check_runs(runs: np.ndarray, keys: dict[int, Key]) -> int:
@@ -695,6 +768,20 @@ def _merged_by_sort(pass_ids: np.ndarray, splits: np.ndarray, starts: np.ndarray
     return places[first], starts[first], reach[last] & ((1 << (INDEX_BITS + 1)) - 1)
 
 
+def _code_runs(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The runs of consecutive values of sorted ``codes`` (``place << INDEX_BITS |
+    index``): their places, first indices and ends. A value repeated starts a run again."""
+    breaks = np.diff(codes) != 1
+    while True:
+        bounds = np.concatenate(([0], np.flatnonzero(breaks) + 1, [len(codes)]))
+        heads = codes[bounds[:-1]]
+        starts = heads & INDEX_MASK
+        ends = starts + np.diff(bounds)
+        if int(ends.max()) <= INDEX_MASK + 1:
+            return heads >> INDEX_BITS, starts, ends
+        breaks |= (codes[1:] & INDEX_MASK) == 0  # (a run went on into the next place)
+
+
 class Ranges:
     """A set of ints >= 0 as sorted, disjoint, non-touching ``[start, end)`` ranges, with
     its size: what a consumer holds of one split. Elements of a split mostly come in
@@ -767,9 +854,14 @@ class Ledger:
         self._done: dict[Key, set[int]] = {}
         self._open: dict[tuple[Key, int], Ranges] = {}
         self._lengths: dict[tuple[Key, int], tuple[int, int]] = {}
-        # Records' origins not yet added (:meth:`add` keeps them to add many at once).
+        # Records' origins not yet added (:meth:`add` and :meth:`add_codes` keep them to
+        # add many at once), and how many runs and codes they hold.
         self._pending: list[tuple[dict[int, Key], np.ndarray]] = []
+        self._pending_codes: list[tuple[dict[int, Key], list[int], np.ndarray]] = []
         self._pending_runs = 0
+        # (pass, split) by number, for codes made the ledger's own (:meth:`_fold_codes`)
+        self._places: dict[tuple[Key, int], int] = {}
+        self._place_of: list[tuple[Key, int]] = []
 
     @property
     def done(self) -> dict[Key, set[int]]:
@@ -789,17 +881,34 @@ class Ledger:
         a time (or when the ledger is read): one merge per split for many records."""
         if len(runs):
             self._pending.append((keys, runs))
-            self._pending_runs += len(runs)
-            if len(self._pending) >= LEDGER_FOLD_RECORDS or self._pending_runs >= LEDGER_FOLD_RUNS:
-                self._fold()
+            self._kept(len(runs))
+
+    def add_codes(self, keys: dict[int, Key], reads: list[int], codes: np.ndarray) -> None:
+        """Note the origins ``codes`` (``read << INDEX_BITS | index``, each of a read that
+        ``reads``, (read, pass id, split) flat, names), kept as :meth:`add` keeps runs."""
+        if len(codes):
+            self._pending_codes.append((keys, reads, codes))
+            self._kept(len(codes))
+
+    def _kept(self, runs: int) -> None:
+        self._pending_runs += runs
+        if len(self._pending) + len(self._pending_codes) >= LEDGER_FOLD_RECORDS \
+                or self._pending_runs >= LEDGER_FOLD_RUNS:
+            self._fold()
 
     def _fold(self) -> None:
-        """Add the records' origins kept by :meth:`add`, their pass ids made one table."""
-        pending, self._pending, self._pending_runs = self._pending, [], 0
-        if len(pending) <= 1:
-            for keys, runs in pending:
-                self._add_runs(keys, runs)
-            return
+        """Add the records' origins kept by :meth:`add` and :meth:`add_codes`."""
+        pending, codes = self._pending, self._pending_codes
+        self._pending, self._pending_codes, self._pending_runs = [], [], 0
+        if len(pending) == 1:
+            self._add_runs(*pending[0])
+        elif pending:
+            self._fold_runs(pending)
+        if codes:
+            self._fold_codes(codes)
+
+    def _fold_runs(self, pending: list[tuple[dict[int, Key], np.ndarray]]) -> None:
+        """Add the runs of many records, their pass ids made one table."""
         table: dict[Key, int] = {}
         parts = []
         for keys, runs in pending:
@@ -810,6 +919,38 @@ class Ledger:
                 runs = np.column_stack((lookup[runs[:, 0]], runs[:, 1:]))
             parts.append(runs)
         self._add_runs({number: key for key, number in table.items()}, np.concatenate(parts))
+
+    def _fold_codes(self, pending: list[tuple[dict[int, Key], list[int], np.ndarray]]) -> None:
+        """Add the codes of many records: each record's reads made the ledger's numbers
+        for its (pass, split)s, then one sort of them all, whose runs of consecutive codes
+        are the ranges to add."""
+        parts = []
+        for keys, reads, codes in pending:
+            places = [self._place(keys[pass_id], split)
+                      for pass_id, split in zip(reads[1::3], reads[2::3], strict=True)]
+            if len(places) == 1:  # (one split reading: most records)
+                parts.append(codes + ((places[0] - reads[0]) << INDEX_BITS))
+                continue
+            ids = np.array(reads[0::3], np.int64)
+            order = np.argsort(ids)
+            at = np.searchsorted(ids[order], codes >> INDEX_BITS)
+            parts.append(np.array(places, np.int64)[order][at] << INDEX_BITS
+                         | codes & INDEX_MASK)
+        merged = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        merged.sort()
+        numbers, starts, ends = _code_runs(merged)
+        cuts = np.flatnonzero(np.diff(numbers)) + 1
+        for at, stop in zip(np.concatenate(([0], cuts)).tolist(),
+                            np.concatenate((cuts, [len(numbers)])).tolist(), strict=True):
+            key, split = self._place_of[int(numbers[at])]
+            self._add(key, split, starts[at:stop], ends[at:stop])
+
+    def _place(self, key: Key, split: int) -> int:
+        """The ledger's number for ``split`` of pass ``key``."""
+        number = self._places.setdefault((key, split), len(self._place_of))
+        if number == len(self._place_of):
+            self._place_of.append((key, split))
+        return number
 
     def _add_runs(self, keys: dict[int, Key], runs: np.ndarray) -> None:
         if len(runs) == 1:  # (consecutive elements of one split)

@@ -389,9 +389,12 @@ class Loader:
         (time the consumer waited for data), ``skipped``, ``per_worker`` (elements by worker
         pid), ``private`` (records that bypassed the ring because it was full),
         ``segments`` (records too large for the ring, sent in a segment of their own),
-        ``share_skipped`` (a shared job's elements this trainer lost by falling behind the
-        window with ``share_lag="skip"``, or to a dead worker), ``share_replayed`` (elements
-        made again for this trainer because they had left the window when it joined),
+        ``held`` (records whose ring notice came before an earlier record of the same
+        worker that went as a message, a segment or past a full ring: held back until it
+        came, so that each worker's records keep their order), ``share_skipped`` (a shared
+        job's elements this trainer lost by falling behind the window with
+        ``share_lag="skip"``, or to a dead worker), ``share_replayed`` (elements made again
+        for this trainer because they had left the window when it joined),
         ``rejected`` (corrupt records and malformed messages dropped, each logged), ``served``
         (how often workers fetched this Loader's ``pipeline``, when too large to pass
         through the broker, and its in-memory ``source``: once per host, see
@@ -408,7 +411,8 @@ class Loader:
         io, wait = self._io.stats, self._merger.wait
         stats = {"elements": self._merger.elements, "bytes": io.bytes, "wait_seconds": wait,
                  "skipped": io.skipped, "per_worker": dict(io.per_worker),
-                 "private": io.private, "segments": io.segments, "records": io.records,
+                 "private": io.private, "segments": io.segments, "held": io.held,
+                 "records": io.records,
                  "share_skipped": io.lagged, "share_replayed": io.replayed,
                  "rejected": io.rejected, "served": dict(self._served.counts),
                  "stage_seconds": {**io.stages, "wait": round(wait, 3)}}

@@ -22,7 +22,7 @@ from typing import Any
 
 import zmq
 
-from zloader._defaults import CHECK_SECONDS
+from zloader._defaults import CHECK_SECONDS, NOTICE_HOLD_SECONDS
 from zloader.client.epoch_end import EpochEnd
 from zloader.client.items import Command, Failed, GiveCredit, Item, StartEpoch
 from zloader.client.link import BrokerLink, registration
@@ -175,6 +175,7 @@ class ConsumerLoop:
         if now >= self._next_check:
             self._next_check = now + CHECK_SECONDS
             self._peers.expire(now)
+            self._release_held(now)
 
     def close(self) -> None:
         """Tell the workers and the broker this consumer leaves, close every socket and
@@ -320,6 +321,16 @@ class ConsumerLoop:
                 self._reject(f"dropped a malformed record notice: {exc}")
             except Exception:  # a bug must not stop the consumer: log it, drop the record
                 self._reject("failed on a record notice; dropped it", exc_info=True)
+
+    def _release_held(self, now: float) -> None:
+        """Take the records held back longer than NOTICE_HOLD_SECONDS for a DATA message
+        before them (transport/notice.py): it was lost on the way."""
+        for peer in self._peers:
+            if peer.deferred:
+                try:
+                    self._receiver.release(peer, False, older=now - NOTICE_HOLD_SECONDS)
+                except ProtocolError as exc:
+                    self._reject(f"dropped a malformed record notice: {exc}")
 
     def _reject(self, text: str, exc_info: bool = False) -> None:
         """Count a dropped message; log it at most once a second (a flood of junk must

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,10 @@ class Peer:
     socket: zmq.Socket[Any]
     ring: Any = None
     returned: int = 0  # credits the iterating thread gave back, not yet sent
+    # (epoch, its DATA messages received), and the framed records whose notices came
+    # before DATA messages that precede them (transport/notice.py): Receiver.notice
+    messages: tuple[int, int] = (-1, 0)
+    deferred: deque[tuple[float, Any, list[Any], int]] = field(default_factory=deque)
     mapped: list[str] = field(default_factory=list)  # one-record segments to let go of
     old_rings: list[Any] = field(default_factory=list)  # rings being replaced by a larger one
     host: str = ""

@@ -61,25 +61,32 @@ class Receiver:
         self.stats.last_progress = peer.heard = time.monotonic()
         if msg.command not in FROM_WORKERS:
             raise ProtocolError(f"{msg.command.name} is not a message from a worker")
+        epoch = self.session.epoch
         try:
             record = messages.decode(msg)
         except ProtocolError:
-            if msg.command is Command.DATA and messages.Data.epoch_of(msg.body) == \
-                    self.session.epoch:
+            if msg.command is Command.DATA and messages.Data.epoch_of(msg.body) == epoch:
+                self._count_message(peer)
                 self.peers.credit(peer.worker, 1)  # a record of this epoch, unreadable
+                self.release(peer, everything=False)
             raise
         if isinstance(record, messages.Data):
-            if record.epoch != self.session.epoch:
+            if record.epoch != epoch:
                 return  # an old epoch's record: its credit is not coming back, by design
+            self._count_message(peer)
             try:
-                buffers = self._buffers(peer, record, msg.payload)
-            except (ProtocolError, CodecError, RingError) as exc:
-                peer.owed -= 1  # (the record's credit was used)
-                raise self._dropped(peer, "DATA", exc) from None
-            self._taken(peer, record, buffers,
-                        record.ring[1] if record.ring is not None else None)
+                try:
+                    buffers = self._buffers(peer, record, msg.payload)
+                except (ProtocolError, CodecError, RingError) as exc:
+                    peer.owed -= 1  # (the record's credit was used)
+                    raise self._dropped(peer, "DATA", exc) from None
+                self._taken(peer, record, buffers,
+                            record.ring[1] if record.ring is not None else None)
+            finally:
+                self.release(peer, everything=False)
         elif isinstance(record, messages.End):
-            if record.epoch == self.session.epoch:
+            if record.epoch == epoch:
+                self.release(peer, everything=True)  # (none should be left: see release)
                 self._end(peer, record, msg.payload)
         elif isinstance(record, messages.Fail):
             if record.epoch == self.session.epoch:
@@ -106,7 +113,53 @@ class Receiver:
         except (ProtocolError, RingError) as exc:
             peer.owed -= 1  # (the record's credit was used)
             raise self._dropped(peer, "record notice", exc) from None
+        if peer.deferred or self._early(peer, data):
+            # DATA messages its worker sent before it are still on their way: it waits
+            # for them, behind any record already waiting
+            peer.deferred.append((time.monotonic(), data, buffers, length))
+            self.stats.held += 1
+            return
         self._taken(peer, data, buffers, length)
+
+    def _count_message(self, peer: Peer) -> None:
+        """One more DATA message of the epoch under way came from ``peer``'s worker."""
+        peer.messages = (self.session.epoch if self.session.epoch is not None else -1,
+                         self._received(peer) + 1)
+
+    def _received(self, peer: Peer) -> int:
+        """The DATA messages of the epoch under way that came from ``peer``'s worker."""
+        epoch, received = peer.messages
+        return received if epoch == self.session.epoch else 0
+
+    def _early(self, peer: Peer, data: messages.Data) -> bool:
+        """Whether a framed record of ``peer``'s follows DATA messages not yet here."""
+        return (data.after is not None and data.epoch == self.session.epoch
+                and data.after > self._received(peer))
+
+    def release(self, peer: Peer, everything: bool, older: float | None = None) -> None:
+        """Take the records held back by :meth:`notice` whose DATA messages before them
+        have all come; with ``everything`` (the worker's END came: nothing more will) or
+        once the first was held since before ``older`` (a message lost on the way), all
+        of them.
+
+        Raises:
+            ProtocolError: one of them could not be read (the others are taken).
+        """
+        held = peer.deferred
+        if older is not None and held and held[0][0] < older:
+            everything = True
+        failed = None
+        while held:
+            _, data, buffers, length = held[0]
+            if not everything and self._early(peer, data):
+                break
+            held.popleft()
+            try:
+                self._taken(peer, data, buffers, length)
+            except ProtocolError as exc:
+                failed = exc
+        if failed is not None:
+            raise failed
 
     def _taken(self, peer: Peer, data: messages.Data, buffers: list[Any],
                grow: int | None) -> None:

@@ -21,6 +21,7 @@ class Stats:
     records: int = 0
     private: int = 0  # records that bypassed a full ring
     segments: int = 0  # records too large for the ring, sent in a segment of their own
+    held: int = 0  # records whose notice came before an earlier record's DATA message
     skipped: int = 0  # elements the workers dropped (on_error="skip") this epoch
     per_worker: dict[int, int] = field(default_factory=dict)  # elements by worker pid
     lagged: int = 0  # a shared job's elements this trainer lost to the lag policy

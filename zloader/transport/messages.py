@@ -544,6 +544,8 @@ class Data(Record):
     origins: bool = fld(boolean, False, omit=True)  # the last buffer is an origin block
     # The ring record is framed (transport/notice.py): its own DATA body comes first.
     framed: bool = fld(boolean, False, omit=True)
+    # A framed record's notice follows this many DATA messages of its epoch (notice.py).
+    after: int | None = fld(optional(INDEX), None, omit=True)
 
     @classmethod
     def from_body(cls, body: Any) -> Data:
@@ -563,7 +565,8 @@ class Data(Record):
         values: dict[str, Any] = {
             "epoch": epoch, "count": count, "skipped": skipped, "ring": None, "segment": None,
             "full": bool(flags & _FULL), "shared": bool(flags & _SHARED), "lagged": None,
-            "round": None, "origins": bool(flags & _ORIGINS), "framed": bool(flags & _FRAMED)}
+            "round": None, "origins": bool(flags & _ORIGINS), "framed": bool(flags & _FRAMED),
+            "after": None}
         try:
             if flags & _RING:
                 position, length, size = _DATA_PLACE.unpack_from(raw, at)
@@ -575,7 +578,7 @@ class Data(Record):
                 at += _DATA_NAMED.size
                 values["segment"] = (_name(raw, at, size, "segment"), length)
                 at += size
-            for flag, name in ((_LAGGED, "lagged"), (_ROUND, "round")):
+            for flag, name in ((_LAGGED, "lagged"), (_ROUND, "round"), (_AFTER, "after")):
                 if flags & flag:
                     values[name] = _DATA_INT.unpack_from(raw, at)[0]
                     at += _DATA_INT.size
@@ -600,7 +603,8 @@ class Data(Record):
                  | (_FULL if self.full else 0) | (_SHARED if self.shared else 0)
                  | (_LAGGED if self.lagged is not None else 0)
                  | (_ROUND if self.round is not None else 0)
-                 | (_ORIGINS if self.origins else 0) | (_FRAMED if self.framed else 0))
+                 | (_ORIGINS if self.origins else 0) | (_FRAMED if self.framed else 0)
+                 | (_AFTER if self.after is not None else 0))
         parts = [_DATA_HEAD.pack(self.epoch, self.count, self.skipped, flags)]
         if self.ring is not None:
             name = self.ring[2].encode()
@@ -608,18 +612,19 @@ class Data(Record):
         if self.segment is not None:
             name = self.segment[0].encode()
             parts += [_DATA_NAMED.pack(self.segment[1], len(name)), name]
-        for value in (self.lagged, self.round):
+        for value in (self.lagged, self.round, self.after):
             if value is not None:
                 parts.append(_DATA_INT.pack(value))
         return b"".join(parts)
 
 
-_DATA_HEAD = struct.Struct("<QQQB")  # epoch, count, skipped, flags
+_DATA_HEAD = struct.Struct("<QQQH")  # epoch, count, skipped, flags
 _DATA_PLACE = struct.Struct("<QQH")  # ring: position, length, name length (name follows)
 _DATA_NAMED = struct.Struct("<QH")  # segment: length, name length (name follows)
-_DATA_INT = struct.Struct("<Q")  # lagged, round
-_RING, _SEGMENT, _FULL, _SHARED, _LAGGED, _ROUND, _ORIGINS, _FRAMED = (1 << i for i in range(8))
-_DATA_FLAGS_ALL = (1 << 8) - 1
+_DATA_INT = struct.Struct("<Q")  # lagged, round, after
+_RING, _SEGMENT, _FULL, _SHARED, _LAGGED, _ROUND, _ORIGINS, _FRAMED, _AFTER = (
+    1 << i for i in range(9))
+_DATA_FLAGS_ALL = (1 << 9) - 1
 
 
 def _name(raw: bytes, at: int, size: int, field: str) -> str:

@@ -14,10 +14,16 @@ returned the notice, on every architecture.
 
 A record keeps its order among its worker's messages: the notice is written before the
 worker sends anything after it, and the consumer reads the pipe before it handles any
-message from a worker; once a record of an epoch went to a consumer as a DATA message (a
-segment, a full ring, or a notice that could not be written: the pipe full or gone, then
-the DATA names the framed record in the ring, its ``framed`` flag), the rest of the epoch's
-records to it go as DATA messages too (``Stream.unnoticed`` in zloader/worker/streams.py).
+message from a worker. A record can still go as a DATA message (a segment, or over the
+socket when the ring is full), and a later record's notice can then be read before that
+message arrives: so a framed record's body says how many of its epoch's records went to
+the consumer as DATA messages before it (``after``), and the consumer holds it back until
+that many have come (``Receiver.notice``; after NOTICE_HOLD_SECONDS, or at the worker's
+END, it takes what it holds: a message lost on the way must not stop the stream). A notice
+that could not be written (the pipe full or gone) goes as a DATA message naming the framed
+record in the ring (its ``framed`` flag); since a ring's records are taken in the order
+they were written, the rest of that epoch's records to that consumer then go as DATA
+messages (``Stream.unnoticed`` in zloader/worker/streams.py).
 
 A notice is checked like any input: an unknown ring id is dropped, and the ring checks
 the position and length (:meth:`~zloader.transport.ring.RingReader.claim`).

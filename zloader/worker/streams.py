@@ -44,8 +44,12 @@ class Stream:
     index: int | None = None  # consumer_index, in a coordinated job
     notify: int | None = None  # the consumer's notice pipe (transport/notice.py), if any
     ring_id: int | None = None  # the ring's id in the notices
-    # The epoch in which a record of this stream went as a DATA message: no notice for the
-    # rest of it (a later record's notice would be read before that record).
+    # (epoch, its records sent as DATA messages): a later record's notice says how many
+    # came before it, for the consumer to keep their order (transport/notice.py).
+    messages: tuple[int, int] = (-1, 0)
+    # The epoch in which a framed record went as a DATA message (its notice found the
+    # pipe full): no notice for the rest of it, since the ring's records must be taken in
+    # the order they were written.
     unnoticed: int | None = None
 
     def attach(self, ring: str | None, ring_id: int | None,
@@ -89,17 +93,19 @@ class Outlet:
     def send(self, stream: Stream, record: messages.Record,
              payload: list[Any] | tuple[Any, ...] = ()) -> None:
         """Send one message (DATA, END, FAIL) to a consumer; a failure is logged, not
-        raised. A DATA ends the stream's notices for the rest of its epoch (see
-        :meth:`record`)."""
+        raised. A DATA sent is counted: the stream's next notices say how many went
+        before them (see :meth:`record`)."""
         self.sent += 1
-        if type(record) is messages.Data:
-            stream.unnoticed = record.epoch
         try:
             send_frames(self.data, [stream.identity, *encode(
                 record.COMMAND, messages.encode(record), payload)], NOBLOCK)
         except zmq.ZMQError as exc:
             log.warning("could not send %s to consumer %s: %s", record.COMMAND.name,
                         stream.consumer, exc)
+            return
+        if type(record) is messages.Data:
+            epoch, sent = stream.messages
+            stream.messages = (record.epoch, sent + 1 if epoch == record.epoch else 1)
 
     def count(self, elements: int, nbytes: int) -> None:
         """Count a record sent (for the heartbeat's stats)."""
@@ -120,8 +126,8 @@ class Outlet:
         self.count(count, sum(sizes))
         ring = stream.ring
         # A record keeps its place among its stream's: the consumer reads every notice
-        # waiting before any message, so once a record of an epoch went as a message (a
-        # full ring, a segment, a pipe full), the rest of the epoch goes so too.
+        # waiting before any message, and holds back one whose record says it follows
+        # more DATA messages (a full ring, a segment) than have come.
         noticed = (stream.notify is not None and stream.ring_id is not None
                    and stream.unnoticed != epoch)
         if ring is not None:
@@ -163,7 +169,9 @@ class Outlet:
         Raises:
             RingError: the ring's header is corrupt.
         """
-        body = messages.Data.checked(fields).to_body()
+        epoch, sent = stream.messages
+        after = sent if sent and epoch == fields["epoch"] else None
+        body = messages.Data.checked({**fields, "after": after}).to_body()
         start, length = frame_size(len(body), packed)
         slot = ring.reserve(length)
         if slot is None:
@@ -176,6 +184,7 @@ class Outlet:
         try:
             os.write(stream.notify, NOTICE.pack(stream.ring_id, length, position))
         except OSError:  # the pipe is full (a stalled consumer) or gone: say it on the socket
+            stream.unnoticed = fields["epoch"]
             self.send(stream, messages.Data.checked(
                 {**fields, "ring": (position, length, ring.name), "framed": True}))
         return True
