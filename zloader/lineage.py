@@ -402,12 +402,15 @@ def encode_origins(origins: Sequence[Origin], loose: list[int],
         runs: Any = _runs_of_list(flat, reads)
     else:
         first = len(loose)
-        codes = gather([tuple(loose), *origins]) if loose else gather(origins)
+        # (one batch's codes, as most records of a shuffle hold: read, not changed here)
+        one = not loose and len(origins) == 1 and type(origins[0]) is np.ndarray
+        codes = origins[0] if one else gather([tuple(loose), *origins] if loose else origins)
         if _scattered(codes):  # (a shuffle's: the codes go as they are)
             table = _reads_of(codes, reads)
             runs = []
         else:
             if ordered:
+                codes = codes.copy() if one else codes
                 codes[:first].sort()
                 if uniform > 0:  # (every element as many: one sort of the rows)
                     codes[first:].reshape(-1, uniform).sort(axis=1)
@@ -426,7 +429,7 @@ def encode_origins(origins: Sequence[Origin], loose: list[int],
              *(v for pass_id, key in entries for v in (pass_id, len(key), *key)),
              *itertools.chain.from_iterable(ends), *itertools.chain.from_iterable(table)]
     if codes is not None:
-        return np.array(front, np.int64).tobytes() + codes.tobytes()
+        return struct.pack(f"<{len(front)}q", *front) + codes.tobytes()
     if isinstance(runs, np.ndarray):
         return np.array(front, np.int64).tobytes() + runs.tobytes()
     front.extend(itertools.chain.from_iterable(runs))
@@ -442,9 +445,10 @@ def _scattered(codes: np.ndarray) -> bool:
 
 
 def _reads_of(codes: np.ndarray, reads: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """The (read, pass id, split) of every split reading ``codes`` come from (and of those
-    between them, when they lie close together: two numpy calls, not a sort)."""
-    low, high = int(codes.min()) >> INDEX_BITS, int(codes.max()) >> INDEX_BITS
+    """The (read, pass id, split) of every split reading ``codes`` come from, and of those
+    from the oldest of them to the producer's latest when they are few (one numpy call,
+    not a sort)."""
+    low, high = int(np.minimum.reduce(codes)) >> INDEX_BITS, len(reads) - 1
     used = (range(low, high + 1) if high - low < max(64, len(codes) // 16)
             else np.unique(codes >> INDEX_BITS).tolist())
     return [(read, *reads[read]) for read in used]
@@ -606,7 +610,7 @@ def _check_codes(table: list[int], codes: np.ndarray, keys: dict[int, Key]) -> N
                          "< 2**31 of passes the block names")
     if not len(codes):
         return
-    low, high = int(codes.min()), int(codes.max())
+    low, high = int(np.minimum.reduce(codes)), int(np.maximum.reduce(codes))
     first, last = min(ids), max(ids)
     if low < 0 or not (low >> INDEX_BITS >= first and high >> INDEX_BITS <= last) or (
             last - first + 1 != len(ids)  # (reads with gaps: each code looked up)
@@ -924,18 +928,23 @@ class Ledger:
         """Add the codes of many records: each record's reads made the ledger's numbers
         for its (pass, split)s, then one sort of them all, whose runs of consecutive codes
         are the ranges to add."""
-        parts = []
+        single, shifts, parts = [], [], []  # (records of one split reading, then others)
         for keys, reads, codes in pending:
             places = [self._place(keys[pass_id], split)
                       for pass_id, split in zip(reads[1::3], reads[2::3], strict=True)]
-            if len(places) == 1:  # (one split reading: most records)
-                parts.append(codes + ((places[0] - reads[0]) << INDEX_BITS))
+            if len(places) == 1:  # (most records: shifted all at once below)
+                single.append(codes)
+                shifts.append((places[0] - reads[0]) << INDEX_BITS)
                 continue
             ids = np.array(reads[0::3], np.int64)
             order = np.argsort(ids)
             at = np.searchsorted(ids[order], codes >> INDEX_BITS)
             parts.append(np.array(places, np.int64)[order][at] << INDEX_BITS
                          | codes & INDEX_MASK)
+        if single:
+            codes = np.concatenate(single)
+            codes += np.repeat(np.array(shifts, np.int64), list(map(len, single)))
+            parts.append(codes)
         merged = np.concatenate(parts) if len(parts) > 1 else parts[0]
         merged.sort()
         numbers, starts, ends = _code_runs(merged)
