@@ -27,7 +27,7 @@ import time
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -391,8 +391,8 @@ def encode_origins(origins: Sequence[Origin], loose: list[int],
     total = len(loose) + sum(counts)
     # An element's origins form a set: sorted, a batch's rows of one split make runs.
     ordered = total > 1 and (uniform != 1 or bool(loose))
-    codes = None
-    table: list[tuple[int, int, int]] = []
+    table: list[tuple[int, int, int]] = []  # (read, pass id, split): with the codes
+    scattered = b""  # the codes, when they go as they are
     if total <= SMALL_ORIGIN_BLOCK:  # (most records of large elements: no numpy call is cheaper)
         lists = [o.tolist() if isinstance(o, np.ndarray) else o for o in origins]
         if ordered:
@@ -404,23 +404,16 @@ def encode_origins(origins: Sequence[Origin], loose: list[int],
         first = len(loose)
         # (one batch's codes, as most records of a shuffle hold: read, not changed here)
         one = not loose and len(origins) == 1 and type(origins[0]) is np.ndarray
-        codes = origins[0] if one else gather([tuple(loose), *origins] if loose else origins)
-        if _scattered(codes):  # (a shuffle's: the codes go as they are)
+        codes = (cast(np.ndarray, origins[0]) if one
+                 else gather([tuple(loose), *origins] if loose else origins))
+        if _scattered(codes):  # (a shuffle's)
             table = _reads_of(codes, reads)
             runs = []
+            scattered = codes.tobytes()
         else:
             if ordered:
-                codes = codes.copy() if one else codes
-                codes[:first].sort()
-                if uniform > 0:  # (every element as many: one sort of the rows)
-                    codes[first:].reshape(-1, uniform).sort(axis=1)
-                elif len(counts) == 1:
-                    codes[first:].sort()
-                else:
-                    segments = np.repeat(np.arange(len(counts) + 1), [first, *counts])
-                    codes = codes[np.lexsort((codes, segments))]
+                codes = _sorted_rows(codes.copy() if one else codes, first, counts, uniform)
             runs = _runs_of_array(codes, reads)
-            codes = None
     used = {*(_distinct(runs[:, 0]) if isinstance(runs, np.ndarray) else (r[0] for r in runs)),
             *(end[0] for end in ends), *(entry[1] for entry in table)}
     entries = [(pass_id, key) for key, pass_id in pass_keys.items() if pass_id in used]
@@ -428,12 +421,26 @@ def encode_origins(origins: Sequence[Origin], loose: list[int],
     front = [*head, *(counts if uniform == -1 else ()),
              *(v for pass_id, key in entries for v in (pass_id, len(key), *key)),
              *itertools.chain.from_iterable(ends), *itertools.chain.from_iterable(table)]
-    if codes is not None:
-        return struct.pack(f"<{len(front)}q", *front) + codes.tobytes()
+    if table:
+        return struct.pack(f"<{len(front)}q", *front) + scattered
     if isinstance(runs, np.ndarray):
         return np.array(front, np.int64).tobytes() + runs.tobytes()
     front.extend(itertools.chain.from_iterable(runs))
     return struct.pack(f"<{len(front)}q", *front)
+
+
+def _sorted_rows(codes: np.ndarray, first: int, counts: list[int], uniform: int) -> np.ndarray:
+    """``codes`` with the ``first`` (loose) ones sorted, and each element's (``counts``,
+    all ``uniform`` when it is not -1) sorted among themselves."""
+    codes[:first].sort()
+    if uniform > 0:  # (every element as many: one sort of the rows)
+        codes[first:].reshape(-1, uniform).sort(axis=1)
+    elif len(counts) == 1:
+        codes[first:].sort()
+    else:
+        segments = np.repeat(np.arange(len(counts) + 1), [first, *counts])
+        codes = codes[np.lexsort((codes, segments))]
+    return codes
 
 
 def _scattered(codes: np.ndarray) -> bool:
