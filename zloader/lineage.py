@@ -610,9 +610,14 @@ def _check_codes(table: list[int], codes: np.ndarray, keys: dict[int, Key]) -> N
     distinct reads below 2**31 of known passes and splits, and each code of a read the
     table names."""
     ids = table[0::3]
-    if (len(ids) > 1 and len(set(ids)) != len(ids)) or any(
+    if len(ids) == 1:  # (most blocks: no generator)
+        read, pass_id, split = table
+        bad = not (0 <= read <= MAX_READ and pass_id in keys and 0 <= split <= INDEX_MASK)
+    else:
+        bad = len(set(ids)) != len(ids) or any(
             not (0 <= read <= MAX_READ and pass_id in keys and 0 <= split <= INDEX_MASK)
-            for read, pass_id, split in zip(ids, table[1::3], table[2::3], strict=True)):
+            for read, pass_id, split in zip(ids, table[1::3], table[2::3], strict=True))
+    if bad:
         raise ValueError("an origin read must be (read, pass id, split), distinct reads "
                          "< 2**31 of passes the block names")
     if not len(codes):
@@ -936,13 +941,17 @@ class Ledger:
         for its (pass, split)s, then one sort of them all, whose runs of consecutive codes
         are the ranges to add."""
         single, shifts, parts = [], [], []  # (records of one split reading, then others)
+        known = self._places
         for keys, reads, codes in pending:
+            if len(reads) == 3:  # (one split reading, most records: shifted all at once below)
+                place = known.get((keys[reads[1]], reads[2]))
+                if place is None:
+                    place = self._place(keys[reads[1]], reads[2])
+                single.append(codes)
+                shifts.append((place - reads[0]) << INDEX_BITS)
+                continue
             places = [self._place(keys[pass_id], split)
                       for pass_id, split in zip(reads[1::3], reads[2::3], strict=True)]
-            if len(places) == 1:  # (most records: shifted all at once below)
-                single.append(codes)
-                shifts.append((places[0] - reads[0]) << INDEX_BITS)
-                continue
             ids = np.array(reads[0::3], np.int64)
             order = np.argsort(ids)
             at = np.searchsorted(ids[order], codes >> INDEX_BITS)
