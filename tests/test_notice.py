@@ -138,6 +138,49 @@ def test_a_notice_that_cannot_be_written_goes_as_a_data_message():
         context.term()
 
 
+def test_a_framed_record_says_how_many_of_its_epochs_records_went_as_messages_before_it():
+    """A worker's record that goes as a DATA message (a full ring, a segment) is counted,
+    and the next framed records of that epoch say so (``after``); none does before the
+    first such message, nor in the next epoch until one goes there too."""
+    context = zmq.Context()
+    ring = RingReader(1 << 20)
+    notices = Notices()
+    router = context.socket(zmq.ROUTER)
+    dealer = context.socket(zmq.DEALER)
+    try:
+        router.bind("inproc://outlet-after")
+        dealer.connect("inproc://outlet-after")
+        dealer.send(b"hello")
+        identity, _ = router.recv_multipart()
+        stream = Stream(identity, "consumer", 0)
+        stream.attach(ring.name, 7, notices.name)
+        outlet = Outlet(router, lambda text, exc_info=False: None)
+        frames = [np.arange(10, dtype=np.int64).tobytes()]
+
+        def framed(epoch):
+            outlet.record(stream, epoch, frames, {"count": 1, "skipped": 0})
+            [(ring_id, length, position)] = list(notices.read())
+            assert ring_id == 7
+            return _unframe(ring.claim(position, length))[0]
+
+        assert framed(0).after is None
+        for sent in (1, 2):  # records that went as messages (here: sent as such)
+            outlet.send(stream, messages.Data(epoch=0, count=1, ring=None), frames)
+            messages.decode(decode(dealer.recv_multipart(copy=False)))
+            assert framed(0).after == sent
+        outlet.send(stream, messages.End(epoch=0))  # (not a record: not counted)
+        dealer.recv_multipart()
+        assert framed(0).after == 2
+        assert framed(1).after is None
+        stream.close()
+    finally:
+        notices.close()
+        ring.close()
+        router.close(0)
+        dealer.close(0)
+        context.term()
+
+
 def test_a_framed_record_whose_body_names_a_place_is_refused():
     import pytest
 

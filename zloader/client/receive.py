@@ -48,9 +48,12 @@ class Receiver:
         self._lagged_by: dict[str, int] = {}  # worker -> a shared job's elements lost
 
     def start(self) -> None:
-        """The session began a new epoch."""
+        """The session began a new epoch: records of the last one still held go (their
+        ring places with them)."""
         self._skipped_by = {}
         self.stats.skipped = 0
+        for peer in self.peers:
+            peer.deferred.clear()
 
     def message(self, peer: Peer, msg: Message) -> None:
         """Handle one message from ``peer``'s worker.
