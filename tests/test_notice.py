@@ -200,6 +200,22 @@ def test_a_framed_record_whose_body_names_a_place_is_refused():
         _unframe(block)
 
 
+def _hold_the_loop(seconds: float) -> None:
+    """Keep this thread busy for ``seconds`` without letting the Loader's I/O thread run
+    (it waits for the interpreter): what workers send meanwhile piles up."""
+    import sys
+    import time
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(seconds)
+    try:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            pass
+    finally:
+        sys.setswitchinterval(old)
+
+
 def _slow_row(i: int) -> np.ndarray:
     import time
 
@@ -214,8 +230,6 @@ def test_records_after_one_whose_notice_found_the_pipe_full_keep_their_order():
     pipe once it has room (they did: the ring refused the overtaken record as out of
     order, and its elements were lost without exactly-once)."""
     import fcntl
-    import sys
-    import time
 
     n = 1500
     with Loader(Pipeline.range(n, split_size=n).map(_slow_row), num_workers=1, timeout=60,
@@ -227,14 +241,7 @@ def test_records_after_one_whose_notice_found_the_pipe_full_keep_their_order():
         assert fd is not None
         assert fcntl.fcntl(fd, 1031, 4096) == 4096  # F_SETPIPE_SZ: 256 notices
         os.close(fd)
-        old = sys.getswitchinterval()
-        sys.setswitchinterval(1.5)  # the loop's thread waits for the interpreter
-        try:
-            end = time.monotonic() + 1.5
-            while time.monotonic() < end:
-                pass
-        finally:
-            sys.setswitchinterval(old)
+        _hold_the_loop(1.5)
         got += [int(a[0]) for a in it]
         stats = loader.stats()
     assert got == list(range(n)), (stats["rejected"], n - len(set(got)))
@@ -281,22 +288,12 @@ def test_a_notice_read_before_an_earlier_records_message_waits_for_it():
     up, both pile up; it reads the pipe first, so the notices of the small records come
     before the messages of the large ones made earlier: it holds those records back (each
     says how many messages came before it) and yields the worker's records in order."""
-    import sys
-    import time
-
     n = 200
     with Loader(Pipeline.range(n, split_size=n).map(_every_other_large), num_workers=1,
                 timeout=60, ring_bytes=4 << 20, prefetch=16, exactly_once=False) as loader:
         it = iter(loader)
         got = [int(next(it)["i"])]
-        old = sys.getswitchinterval()
-        sys.setswitchinterval(1.0)  # the loop's thread waits for the interpreter
-        try:
-            end = time.monotonic() + 1.0
-            while time.monotonic() < end:
-                pass
-        finally:
-            sys.setswitchinterval(old)
+        _hold_the_loop(1.0)
         got += [int(x["i"]) for x in it]
         stats = loader.stats()
     assert stats["segments"] == n // 2 and stats["held"] > 0  # (the notices came first)
