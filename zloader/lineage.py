@@ -610,13 +610,12 @@ def _check_codes(table: list[int], codes: np.ndarray, keys: dict[int, Key]) -> N
     distinct reads below 2**31 of known passes and splits, and each code of a read the
     table names."""
     ids = table[0::3]
-    if len(ids) == 1:  # (most blocks: no generator)
+    if len(ids) == 1:  # (most blocks)
         read, pass_id, split = table
-        bad = not (0 <= read <= MAX_READ and pass_id in keys and 0 <= split <= INDEX_MASK)
+        bad = not _read_ok(read, pass_id, split, keys)
     else:
-        bad = len(set(ids)) != len(ids) or any(
-            not (0 <= read <= MAX_READ and pass_id in keys and 0 <= split <= INDEX_MASK)
-            for read, pass_id, split in zip(ids, table[1::3], table[2::3], strict=True))
+        bad = len(set(ids)) != len(ids) or not all(
+            map(_read_ok, ids, table[1::3], table[2::3], itertools.repeat(keys)))
     if bad:
         raise ValueError("an origin read must be (read, pass id, split), distinct reads "
                          "< 2**31 of passes the block names")
@@ -628,6 +627,11 @@ def _check_codes(table: list[int], codes: np.ndarray, keys: dict[int, Key]) -> N
             last - first + 1 != len(ids)  # (reads with gaps: each code looked up)
             and not np.isin(codes >> INDEX_BITS, ids).all()):
         raise ValueError("an origin code names a read the block's table does not")
+
+
+def _read_ok(read: int, pass_id: int, split: int, keys: dict[int, Key]) -> bool:
+    """Whether (read, pass id, split) can be a row of a block's table of reads."""
+    return 0 <= read <= MAX_READ and pass_id in keys and 0 <= split <= INDEX_MASK
 
 
 def _check_runs(runs: np.ndarray, keys: dict[int, Key]) -> int:
@@ -941,14 +945,10 @@ class Ledger:
         for its (pass, split)s, then one sort of them all, whose runs of consecutive codes
         are the ranges to add."""
         single, shifts, parts = [], [], []  # (records of one split reading, then others)
-        known = self._places
         for keys, reads, codes in pending:
             if len(reads) == 3:  # (one split reading, most records: shifted all at once below)
-                place = known.get((keys[reads[1]], reads[2]))
-                if place is None:
-                    place = self._place(keys[reads[1]], reads[2])
                 single.append(codes)
-                shifts.append((place - reads[0]) << INDEX_BITS)
+                shifts.append((self._place(keys[reads[1]], reads[2]) - reads[0]) << INDEX_BITS)
                 continue
             places = [self._place(keys[pass_id], split)
                       for pass_id, split in zip(reads[1::3], reads[2::3], strict=True)]
@@ -972,8 +972,9 @@ class Ledger:
 
     def _place(self, key: Key, split: int) -> int:
         """The ledger's number for ``split`` of pass ``key``."""
-        number = self._places.setdefault((key, split), len(self._place_of))
-        if number == len(self._place_of):
+        number = self._places.get((key, split))
+        if number is None:
+            number = self._places[(key, split)] = len(self._place_of)
             self._place_of.append((key, split))
         return number
 

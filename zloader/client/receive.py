@@ -78,14 +78,8 @@ class Receiver:
                 return  # an old epoch's record: its credit is not coming back, by design
             self._count_message(peer)
             try:
-                try:
-                    buffers = self._buffers(peer, record, msg.payload)
-                except (ProtocolError, CodecError, RingError) as exc:
-                    peer.owed -= 1  # (the record's credit was used)
-                    raise self._dropped(peer, "DATA", exc) from None
-                self._taken(peer, record, buffers,
-                            record.ring[1] if record.ring is not None else None)
-            finally:
+                self._data_message(peer, record, msg.payload)
+            finally:  # (records noticed before it may have waited for it)
                 self.release(peer, everything=False)
         elif isinstance(record, messages.End):
             if record.epoch == epoch:
@@ -96,6 +90,15 @@ class Receiver:
                 self.put(Failed(error_from_object(record.error)))
         elif isinstance(record, messages.Error):
             log.warning("worker %s refused: %s", peer.endpoint, record.message)
+
+    def _data_message(self, peer: Peer, data: messages.Data, payload: list[Any]) -> None:
+        """A DATA message of the epoch under way: its record, wherever it lies."""
+        try:
+            buffers = self._buffers(peer, data, payload)
+        except (ProtocolError, CodecError, RingError) as exc:
+            peer.owed -= 1  # (the record's credit was used)
+            raise self._dropped(peer, "DATA", exc) from None
+        self._taken(peer, data, buffers, data.ring[1] if data.ring is not None else None)
 
     def notice(self, ring_id: int, length: int, position: int) -> None:
         """A record a co-located worker put in a ring, framed, announced on the notice
