@@ -9,6 +9,7 @@ import gc
 import itertools
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -101,7 +102,11 @@ def test_forked_workers_run_a_pipeline_that_cannot_be_pickled():
 
 def test_a_host_fetches_a_large_pipeline_once():
     table = np.random.default_rng(0).integers(0, 1 << 30, 600_000)  # 4.8 MB in the closure
-    pipeline = Pipeline.range(64).map(lambda i: int(table[i]))
+    def look_up(i: int) -> int:
+        time.sleep(0.01)  # so that both processes get splits, the second one loading it late
+        return int(table[i])
+
+    pipeline = Pipeline.range(64, split_size=4).map(look_up)
     broker, address = start_broker()
     workers = start_worker(address, processes=2)
     try:
