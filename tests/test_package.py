@@ -29,6 +29,7 @@ LAYERS = {
     "transport.fields": 1.5,
     "transport.sockets": 1.5, "options": 1.55, "transport.messages": 1.6,
     "sharing": 0, "sharing.window": 0, "sharing.options": 0.5, "sharing.store": 1.6,
+    "packed": 0.8,  # lists packed for forked workers (fingerprint reads them)
     "codec_torch": 0.9,  # torch tensors in the codec, torch imported lazily
     "codec": 1, "collate": 1.1, "fingerprint": 1, "rounds": 1, "journal": 1, "lineage": 1,
     "metrics": 1, "autoscale": 1, "forward": 1, "blobs": 1,
@@ -167,6 +168,7 @@ def test_no_runtime_module_reaches_into_another_s_private_state():
 # The numbers a module may define outside zloader/_defaults.py: facts of a format or of a
 # domain, not settings (changing one breaks compatibility or correctness, it trades nothing).
 FORMAT_CONSTANTS = {
+    "packed": {"_MARSHAL_VERSION", "_INT32"},  # marshal format 2, and its small ints
     "codec": {"VERSION",  # the encoded element's format version
               "_I64_MIN", "_I64_MAX"},  # the range of the int64 tag
     "fingerprint": {"SCHEME",  # the hashing rules' version

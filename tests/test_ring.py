@@ -19,6 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from zloader._defaults import RING_RESERVE_BYTES
 from zloader.errors import ZloaderError
 from zloader.transport import shm
 from zloader.transport.ring import (
@@ -168,30 +169,46 @@ def test_fallocate_failure_unlinks_the_half_made_file(monkeypatch: pytest.Monkey
     assert set(os.listdir("/dev/shm")) <= before
 
 
-def test_the_reader_reserves_its_header_and_the_writer_the_data() -> None:
-    """A ring costs its reader no time zeroing the data (a sparse file); the writer
-    allocates it when it attaches, before it can write a byte."""
-    reader = RingReader(8 << 20)
+def test_the_writer_reserves_the_data_as_its_records_reach_into_it() -> None:
+    """A ring costs its reader no time zeroing the data (a sparse file); its writer
+    allocates RING_RESERVE_BYTES when it attaches, before it can write a byte, and more,
+    doubling, only as records reach past that: a ring takes the memory its records use."""
+    reader = RingReader(64 << 20)
     try:
         path = f"/dev/shm/{reader.name}"
         assert os.stat(path).st_blocks * 512 < 1 << 20
         writer = RingWriter(reader.name)
-        assert os.stat(path).st_blocks * 512 >= 8 << 20
+        allocated = os.stat(path).st_blocks * 512
+        assert RING_RESERVE_BYTES <= allocated < RING_RESERVE_BYTES + (1 << 20)
+        assert writer.reserved == RING_RESERVE_BYTES
+        for _ in range(64):  # small records, released as they come: the first MiBs only
+            position, view = writer.reserve(4096)  # type: ignore[misc]
+            view[:] = b"x" * 4096
+            reader.claim(position, 4096)
+        assert writer.reserved == RING_RESERVE_BYTES
+        position, view = writer.reserve(5 << 20)  # type: ignore[misc]
+        assert writer.reserved >= position % (64 << 20) + (5 << 20)
+        assert writer.reserved < 16 << 20  # doubled as needed, not the capacity
+        assert os.stat(path).st_blocks * 512 >= writer.reserved
         writer.close()
     finally:
         reader.close()
 
 
-def test_a_writer_that_cannot_reserve_the_data_raises_shm_error(
+def test_a_record_that_dev_shm_has_no_room_for_goes_another_way(
         monkeypatch: pytest.MonkeyPatch) -> None:
     info = os.statvfs("/dev/shm")
     if info.f_blocks == 0:
         pytest.skip("/dev/shm reports no size limit")
     monkeypatch.setattr(shm, "_check_free", lambda size: None)  # the reader's check passes
-    reader = RingReader(_round_up(info.f_blocks * info.f_frsize + (1 << 30)))
+    too_large = _round_up(info.f_blocks * info.f_frsize + (1 << 30))
+    reader = RingReader(too_large + RING_RESERVE_BYTES)
     try:
-        with pytest.raises(ShmError, match="/dev/shm"):
-            RingWriter(reader.name)
+        with RingWriter(reader.name) as writer:  # reserves its first MiBs only
+            assert writer.reserve(too_large) is None  # no SIGBUS: the caller sends it
+            _, view = writer.reserve(100)  # type: ignore[misc]
+            assert len(view) == 100
+            assert writer.reserved < 1 << 30
     finally:
         reader.close()
 

@@ -39,6 +39,24 @@ LABEL_LIMIT = 256
 """Characters in a name, version or job name (``job_name=``, ``Pipeline.named``): they travel
 in every control message (fixed)."""
 
+PACK_MIN_ITEMS = 4096
+"""A forked worker reads a list or tuple of at least this many atoms (or tuples and dicts of
+atoms) held by its source or dataset from shared memory, packed before the fork
+(zloader/packed.py); shorter ones it reads as they are. ``Loader(pack_dataset=False)``
+packs none."""
+
+PACK_MAX_DEPTH = 4
+"""How deep the packer looks into an element's tuples and dicts for atoms; an element
+nested deeper is not plain data, and its list is left as it is (fixed)."""
+
+PACK_DATASET_DEPTH = 3
+"""Datasets held by a dataset (``Subset.dataset.dataset``) whose attributes are packed, at
+most this deep (fixed)."""
+
+PACK_CHUNK_ITEMS = 1 << 16
+"""Elements marshalled at once while packing: bounds the packer's temporary objects
+(fixed)."""
+
 FINGERPRINT_MAX_DEPTH = 400
 """Deepest nesting of values a pipeline fingerprint follows; deeper raises ``Unhashable``
 (``zloader.fingerprint.MAX_DEPTH``; fixed)."""
@@ -496,6 +514,11 @@ broker fell silent and the workers reconnected over and over (fixed)."""
 
 MIN_RING_BYTES = 4 * 1024 * 1024
 """The smallest ring a consumer starts with by default (see RINGS_BYTES; fixed)."""
+
+RING_RESERVE_BYTES = 2 * 1024 * 1024
+"""A ring's writer reserves this much of its data region in /dev/shm when it attaches, and
+more, doubling, only as its records reach past it (zloader/transport/ring.py): a ring costs
+the memory its records use, not its capacity (fixed)."""
 
 RING_RESTART_BYTES = 1 << 20
 """A ring's writer may start its next record at the region start again, rather than where

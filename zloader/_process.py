@@ -31,6 +31,7 @@ import traceback
 from typing import Any
 
 from zloader._command import with_sys_path, worker_command
+from zloader.packed import Swap, install
 from zloader.transport.keys import Keys
 from zloader.worker import WorkerProcess  # imported before any fork (see above)
 
@@ -75,13 +76,14 @@ _FORK_LOCK = threading.Lock()
 
 
 def start_worker(method: str, address: str, bind: str, keys: Keys | None = None,
-                 pipelines: dict[str, Any] | None = None
+                 pipelines: dict[str, Any] | None = None, swaps: list[Swap] | None = None
                  ) -> ForkedWorker | subprocess.Popen[bytes]:
     """Start one worker attached to the broker at ``address``, its data socket at ``bind``
     (with ``keys``, CURVE on both); it exits when this process does.
 
     ``pipelines`` maps fingerprints to the pipelines a forked worker runs as they are in
-    this process's memory, without fetching or unpickling them (ignored by ``spawn``).
+    this process's memory, without fetching or unpickling them; a forked worker reads the
+    lists ``swaps`` name packed (zloader/packed.py). Both are ignored by ``spawn``.
     """
     parent = os.getpid()
     if method == "spawn":
@@ -101,6 +103,7 @@ def start_worker(method: str, address: str, bind: str, keys: Keys | None = None,
         # TensorFlow object's, after fork, aborts it).
         gc.freeze()
         repair_imports()
+        install(swaps or [])
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's Ctrl-C; it stops us
         worker = WorkerProcess(address, bind, parent=parent, keys=keys, inherited=pipelines)
         signal.signal(signal.SIGTERM, lambda *_: worker.stop.set())

@@ -68,6 +68,7 @@ from typing import Any
 
 import numpy as np
 
+from zloader import packed
 from zloader._defaults import FINGERPRINT_MAX_DEPTH as MAX_DEPTH
 from zloader._version import __version__
 from zloader.errors import FingerprintWarning
@@ -234,6 +235,12 @@ class _Hasher:
         self._sha.update(tag + struct.pack("<Q", len(payload)))
         self._sha.update(payload)
 
+    def _emit_chunks(self, tag: bytes, chunks: list[Any]) -> None:
+        """As :meth:`_emit` of the chunks joined."""
+        self._sha.update(tag + struct.pack("<Q", sum(len(c) for c in chunks)))
+        for chunk in chunks:
+            self._sha.update(chunk)
+
     def _fail(self, what: str) -> Unhashable:
         where = " > ".join(self._path) or "the pipeline"
         return Unhashable(f"{where} holds {what}")
@@ -301,7 +308,7 @@ class _Hasher:
     def _feed_object(self, value: Any, kind: type, names: Iterable[str]) -> None:
         flat = _flat(value) if kind is tuple or kind is list else None
         if flat is not None:
-            self._emit(b"F" if kind is tuple else b"G", flat)
+            self._emit_chunks(b"F" if kind is tuple else b"G", flat)
         elif kind is tuple or kind is list:
             self._emit(b"T" if kind is tuple else b"L", str(len(value)).encode())
             for index, item in enumerate(value):
@@ -495,16 +502,21 @@ class _Hasher:
                 self.feed(list(reduced[position]), label)
 
 
-def _flat(seq: list[Any] | tuple[Any, ...]) -> bytes | None:
+def _flat(seq: list[Any] | tuple[Any, ...]) -> list[Any] | None:
     """A canonical encoding of a long sequence of atoms, or of tuples of atoms (a dataset's
-    ``samples``: a million ``(path, label)`` pairs), made in C; None for any other sequence.
+    ``samples``: a million ``(path, label)`` pairs), made in C, as chunks; None for any
+    other sequence.
 
     Which sequences qualify depends on their content alone, so a value is always hashed the
     same way. ``marshal`` format 2 has no back-references (aliasing and string interning
-    do not change its bytes) and no sets (whose order varies between processes).
+    do not change its bytes) and no sets (whose order varies between processes). A list a
+    Loader just packed for its workers is not marshalled again (zloader/packed.py).
     """
     if len(seq) < FLAT_MIN_ITEMS:
         return None
+    chunks = packed.flat_chunks(seq)
+    if chunks is not None:
+        return chunks
     kinds = set(map(type, seq))
     if not kinds <= _ATOMS:
         if not kinds <= _ATOMS | {tuple}:
@@ -512,7 +524,7 @@ def _flat(seq: list[Any] | tuple[Any, ...]) -> bytes | None:
         inner = itertools.chain.from_iterable(x for x in seq if type(x) is tuple)
         if not set(map(type, inner)) <= _ATOMS:
             return None
-    return marshal.dumps(seq, 2)
+    return [marshal.dumps(seq, 2)]
 
 
 def _code_names(code: types.CodeType) -> set[str]:

@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from zloader import _check
+from zloader import _check, packed
 from zloader._defaults import DEFAULT_TIMEOUT, WEIGHT_RANGE, WORKER_STOP_SECONDS
 from zloader._process import START_METHODS, start_worker
 from zloader.broker import Broker
@@ -139,6 +139,12 @@ class Loader:
             unpickles them from its own workers only (same user, same host, as torch's
             DataLoader does). Embedded mode only; the torch adapter sets it. Without it such
             a value raises CodecError naming it.
+        pack_dataset: forked workers read the large lists of the pipeline's source and of
+            its dataset's attributes (a million file paths; torchvision's ``samples``) from
+            a packed copy in shared memory, so that reading them does not copy them into
+            every worker (default True; docs/pipeline.md, "Packed datasets"). This
+            Loader's own objects are left as they are. False: workers read the lists
+            themselves, as torch's do.
 
     Raises:
         ValueError / TypeError: a bad argument, named in the message.
@@ -160,7 +166,7 @@ class Loader:
                  consumer_index: int | None = None, keys: Any = None,
                  insecure: bool = False, exactly_once: bool = True,
                  state: Any = None, width: int | None = None, weight: float = 1.0,
-                 objects: bool = False) -> None:
+                 objects: bool = False, pack_dataset: bool = True) -> None:
         self._pid = os.getpid()  # the process that owns what this Loader starts
         if not isinstance(pipeline, Pipeline):
             raise TypeError(f"pipeline must be a zloader.Pipeline, got {type(pipeline).__name__}")
@@ -176,6 +182,21 @@ class Loader:
             _check.address("broker", broker)
         if job_name is not None:
             _check.label("job_name", job_name)
+        embedded = broker is None
+        workers = _check.optional_integer("num_workers", num_workers, 0)
+        if workers is None:
+            workers = (os.cpu_count() or 1) if embedded else 0
+        if embedded and workers == 0:
+            raise ValueError("num_workers must be >= 1 in embedded mode (broker=None); "
+                             "for an in-process run iterate the pipeline itself")
+        choice("start_method", start_method, START_METHODS)
+        inherit = start_method == "fork" and workers > 0
+        # Forked workers read the dataset's large lists packed, not as Python objects
+        # (zloader/packed.py); the fingerprint hashes the packed bytes.
+        swaps = (packed.plan(pipeline.source)
+                 if inherit and _check.boolean("pack_dataset", pack_dataset) else [])
+        with packed.offered(swaps):
+            pipeline.fingerprint  # noqa: B018 (computed now, once)
         self._timeout = timeout_seconds(timeout)
         self._share = share_settings(pipeline, broker, job_name, balanced, share,
                                       share_window_bytes, share_lag, share_block_seconds)
@@ -200,15 +221,7 @@ class Loader:
         prefetch = _check.integer("prefetch", prefetch if prefetch is not None
                                   else DEFAULT_PREFETCH, 1)
         ring_bytes = valid_ring_bytes(ring_bytes)
-        embedded = broker is None
-        workers = _check.optional_integer("num_workers", num_workers, 0)
         width = _check.optional_integer("width", width, 1)
-        if workers is None:
-            workers = (os.cpu_count() or 1) if embedded else 0
-        if embedded and workers == 0:
-            raise ValueError("num_workers must be >= 1 in embedded mode (broker=None); "
-                             "for an in-process run iterate the pipeline itself")
-        choice("start_method", start_method, START_METHODS)
         if _check.boolean("objects", objects) and not embedded:
             raise ValueError("objects=True needs embedded mode (broker=None): pickled "
                              "elements are accepted only from this Loader's own workers, and "
@@ -224,7 +237,6 @@ class Loader:
         # Forked workers run the pipeline as it is in this process: nothing to pickle when
         # they are the only ones (embedded). Others get it pickled: in the REGISTER message
         # when small, else served from this Loader (docs/protocol.md, FETCH).
-        inherit = start_method == "fork" and workers > 0
         blob, served = pack(pipeline, inherited=embedded and inherit, local=embedded)
         check_exposure(served, broker, self._keys, insecure)
         self._closed = False
@@ -233,6 +245,8 @@ class Loader:
         self._processes: list[Any] = []
         self._epoch = resume["epoch"] if resume is not None else 0
         self._served = served
+        # The packed lists stay mapped here while the workers read them: one copy, shared.
+        self._packed = [swap.view for swap in swaps]
         sweep()  # segments left by consumers of this user that died
         sweep_dirs()  # and their embedded socket directories
         try:
@@ -248,7 +262,7 @@ class Loader:
                 bind = f"ipc://{self._dir}/worker-{index}" if embedded else "tcp://127.0.0.1:*"
                 self._processes.append(start_worker(
                     start_method, address, bind, self._keys,
-                    {pipeline.fingerprint: pipeline} if inherit else None))
+                    {pipeline.fingerprint: pipeline} if inherit else None, swaps))
             if embedded:
                 self._broker = Broker(address).start()
             source = pipeline.source
@@ -447,6 +461,7 @@ class Loader:
             self._broker.close()
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
+        self._packed = []
 
     def __enter__(self) -> Loader:
         return self

@@ -82,6 +82,11 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         job_name: a name for the broker's job (shown by ``zloader status``); without
             ``persistent_workers`` each pass is a job of its own, ``job_name.N``.
         device: move each batch to this device (``non_blocking``).
+        pack_dataset: forked workers read the dataset's large lists of plain values (its
+            ``samples``, ``targets``, a list of paths) from one packed copy in shared
+            memory instead of copying them page by page as they read (default True;
+            docs/pipeline.md, "Packed datasets"). False: they read the lists themselves,
+            as torch's workers do.
 
     Raises:
         ValueError, TypeError: what torch's DataLoader raises for the same arguments;
@@ -97,7 +102,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                  *, prefetch_factor: int | None = None, persistent_workers: bool = False,
                  pin_memory_device: str = "", in_order: bool = True,
                  broker: str | None = None, share: bool = False, job_name: str | None = None,
-                 device: str | torch.device | None = None) -> None:
+                 device: str | torch.device | None = None, pack_dataset: bool = True) -> None:
         self._service: Loader | None = None  # persistent_workers: the one Loader
         self._passes: weakref.WeakSet[Pass] = weakref.WeakSet()  # live iterators
         if isinstance(timeout, float) and not math.isfinite(timeout):
@@ -126,6 +131,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self.device = torch.device(device) if device is not None else None
         self._broker = broker
         self._job_name = job_name
+        self._pack_dataset = pack_dataset
         self._persistent = persistent_workers
         self._iterable = isinstance(dataset, torch.utils.data.IterableDataset)
         self._base_seed: int | None = None
@@ -335,7 +341,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                       deterministic=bool(self.in_order),
                       job_name=job_name, prefetch=self._prefetch,
                       timeout=self.timeout or 60.0, start_method=self._start_method(),
-                      objects=self._broker is None)
+                      objects=self._broker is None, pack_dataset=self._pack_dataset)
 
     def _start_method(self) -> str:
         """How local workers start: ``multiprocessing_context``'s start method, where

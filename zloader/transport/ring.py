@@ -56,15 +56,21 @@ cache line is never shared with record bytes. ``tail`` is written only by the re
 record was actually reserved). Both are aligned 8-byte words, written and read as single
 8-byte accesses, so neither side ever sees half an update.
 
-Memory: the reader reserves the header page only; the writer reserves the data region
-(``posix_fallocate``) when it attaches, and faults its pages in on a background thread
-(:class:`~zloader.transport.prefault.Prefaulter`) starting where it writes next, so its
-first record waits neither for the kernel to zero the whole ring nor for a mapping of it.
+Memory: the reader reserves the header page only. The writer reserves the data region
+(``posix_fallocate``) from its start as its records reach into it: RING_RESERVE_BYTES when
+it attaches, then at least twice as much each time a record lies past what it reserved
+(when /dev/shm has no room for more, that record goes another way, as when the ring is
+full). With the restarts of rule 6, a consumer that keeps up with small records has them
+written over the first few MiB, so a ring costs the memory its records use, not its
+capacity. A background thread (:class:`~zloader.transport.prefault.Prefaulter`) faults
+each reserved range in, so the first record waits neither for the kernel to zero the
+ring nor for a mapping of it.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import operator
 import threading
 import weakref
@@ -74,10 +80,15 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from zloader._defaults import DEFAULT_RING_BYTES, RING_RESTART_BYTES, RING_RESTART_ROOM
+from zloader._defaults import (
+    DEFAULT_RING_BYTES,
+    RING_RESERVE_BYTES,
+    RING_RESTART_BYTES,
+    RING_RESTART_ROOM,
+)
 from zloader.errors import ZloaderError
 from zloader.transport.prefault import Prefaulter
-from zloader.transport.shm import Segment
+from zloader.transport.shm import Segment, ShmError
 
 __all__ = [
     "ALIGN",
@@ -87,6 +98,8 @@ __all__ = [
     "RingReader",
     "RingWriter",
 ]
+
+log = logging.getLogger("zloader.ring")
 
 ALIGN = 64
 """Records start at multiples of this many bytes (a cache line; enough for any dtype)."""
@@ -147,9 +160,9 @@ class RingWriter:
             FileNotFoundError: no such segment.
             ValueError: ``name`` is not a zloader segment name.
         """
-        # The reader reserved its header only: reserve the rest (never a SIGBUS on write),
-        # but fault its pages in behind the first records rather than before them.
-        segment = Segment.attach(name, reserve=True, populate=False)
+        # The reader reserved its header only: this writer reserves the data region as it
+        # writes (never a SIGBUS on write), and faults its pages in behind the first records.
+        segment = Segment.attach(name, populate=False)
         try:
             if segment.size < DATA_OFFSET or bytes(segment.buf[: len(MAGIC)]) != MAGIC:
                 raise RingError(f"segment {name!r} is not a zloader ring")
@@ -173,8 +186,13 @@ class RingWriter:
         # This writer's last restart (rule 6), as (the head before it, its position): once
         # the tail reaches that head, the reader frees the gap up to the position too.
         self._restart = (-1, 0)
-        self._prefault = Prefaulter(segment.buf, DATA_OFFSET, DATA_OFFSET + capacity,
-                                    DATA_OFFSET + self._head % capacity, "ring")
+        self._reserved = 0  # bytes of the data region reserved, from its start
+        self._prefaults: list[Prefaulter] = []
+        try:
+            self._reserve_to(min(capacity, RING_RESERVE_BYTES), strict=True)
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def head(self) -> int:
@@ -228,27 +246,58 @@ class RingWriter:
             raise RingError(f"ring {self.name!r} has a corrupt tail {tail} "
                             f"(head {head}, capacity {capacity})")
         live = head - free  # bytes of records not released yet (and their gaps)
+        restart = self._restart
         if offset + rounded > capacity:
             head += capacity - offset  # padding: skip to the region start
         elif ((live == 0 or offset - live >= RING_RESTART_ROOM * rounded)
               and _restarts(head, head + capacity - offset, rounded, capacity)):
             # Start again at the region start, where the caches are warm (rule 6).
-            self._restart = (head, head + capacity - offset)
+            restart = (head, head + capacity - offset)
             head += capacity - offset
-            free = self._free(tail)
+            before, position = restart
+            free = position if tail == before else tail
         if head + rounded - free > capacity:
             return None
         offset = head % capacity
+        if offset + rounded > self._reserved and not self._reserve_to(offset + rounded):
+            return None
+        self._restart = restart
         self._head = head + rounded
         self._header[_HEAD] = self._head
         return head, self._data[offset:offset + length]
 
+    @property
+    def reserved(self) -> int:
+        """Bytes of the data region reserved so far (the memory this ring takes)."""
+        return self._reserved
+
+    def _reserve_to(self, end: int, strict: bool = False) -> bool:
+        """Reserve the data region up to ``end`` at least (twice what was reserved, or
+        RING_RESERVE_BYTES, if more; never past the capacity) and start faulting the new
+        pages in. False when /dev/shm has no room (``strict``: raise ShmError)."""
+        start = self._reserved
+        target = min(self.capacity, max(end, 2 * start, RING_RESERVE_BYTES))
+        try:
+            self._segment.reserve(DATA_OFFSET + start, DATA_OFFSET + target)
+        except (ShmError, OSError):
+            if strict:
+                raise
+            log.debug("ring %s: no room in /dev/shm to reserve %d bytes more; the record "
+                      "goes another way", self.name, target - start)
+            return False
+        self._reserved = target
+        self._prefaults = [p for p in self._prefaults if not p.done.is_set()]
+        self._prefaults.append(Prefaulter(self._segment.buf, DATA_OFFSET + start,
+                                          DATA_OFFSET + target, DATA_OFFSET + start, "ring"))
+        return True
+
     def close(self) -> None:
         """Detach from the ring; idempotent. Views returned by reserve stay valid (and so
-        does the mapping, until the prefaulting thread has stopped too)."""
+        does the mapping, until the prefaulting threads have stopped too)."""
         header, data = self._header, self._data
         self._header = self._data = None
-        self._prefault.close()
+        for prefault in self._prefaults:
+            prefault.close()
         if header is not None:
             header.release()
         if data is not None:

@@ -13,9 +13,10 @@ the same for embedded Loaders' socket directories.
 Memory is reserved when the segment is created (``posix_fallocate``), so a full
 ``/dev/shm`` fails there with :class:`ShmError` instead of as a ``SIGBUS`` on some later
 write, and every page is faulted in when mapped, so the data path never page-faults. A
-ring's writer is the exception: it reserves the ring whole but faults its pages in on a
-background thread (``zloader/transport/prefault.py``), so that its first record does not
-wait for the kernel to zero the whole ring.
+ring's writer is the exception: it reserves the ring's data region as its records reach
+into it (:meth:`Segment.reserve`), and faults those pages in on a background thread
+(``zloader/transport/prefault.py``), so that a ring costs the memory its records use, not
+its capacity, and its first record does not wait for the kernel to zero the whole ring.
 
 Unmapping memory that numpy arrays or memoryviews still point at would make them
 dangling, so :meth:`Segment.close` never does it: while views made from
@@ -215,6 +216,22 @@ class Segment:
             os.close(fd)
         return cls(name, info.st_size, mapping, owner=False)
 
+    def reserve(self, start: int, end: int) -> None:
+        """Allocate bytes ``start`` to ``end`` of the segment's file (a ring's writer
+        reserves its data region as its records reach further into it).
+
+        Raises:
+            ShmError: /dev/shm has no room for them.
+            OSError: the segment is gone (its owner unlinked it).
+        """
+        fd = os.open(_path(self.name), os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            _reserve(fd, end, start)
+        except _NoSpace:
+            raise _no_space(end - start) from None
+        finally:
+            os.close(fd)
+
     @property
     def buf(self) -> memoryview:
         """The whole segment as a writable memoryview (``format "B"``).
@@ -385,12 +402,12 @@ class _NoSpace(Exception):
     """/dev/shm is full (raised as :func:`_no_space`'s ShmError by the callers)."""
 
 
-def _reserve(fd: int, size: int) -> None:
-    """Allocate the first ``size`` bytes of ``fd``'s file: ftruncate alone would leave
+def _reserve(fd: int, size: int, start: int = 0) -> None:
+    """Allocate bytes ``start`` to ``size`` of ``fd``'s file: ftruncate alone would leave
     pages to be allocated on first touch, and a full /dev/shm would then kill the writer
     with SIGBUS."""
     try:
-        os.posix_fallocate(fd, 0, size)
+        os.posix_fallocate(fd, start, size - start)
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.ENOMEM):
             raise _NoSpace from None

@@ -1,0 +1,401 @@
+"""Large read-only lists packed out of Python objects, so that forked workers share them.
+
+A forked worker that reads a list of a million ``(path, label)`` pairs writes each pair's
+reference count, so every page of the list that it touches becomes its own copy: over an
+epoch each worker ends up with a private copy of the dataset (pytorch/pytorch#13246). Before
+it forks its workers, a Loader packs such lists into anonymous shared memory (:func:`plan`);
+each worker, and only the worker, then reads the packed form through a
+:class:`PackedSequence` that decodes one element per access, and never touches the list
+again. The trainer's objects are left as they are.
+
+What is packed (docs/pipeline.md, "Packed datasets"): an exact ``list`` or ``tuple`` of at
+least ``PACK_MIN_ITEMS`` elements, each an atom (None, bool, int, float, complex, str,
+bytes), a tuple of atoms (nested tuples too) or a dict of str keys to such values, held by
+the pipeline's source (``from_items``' items, the file lists of the file sources, a
+generator's splits, a ``from_torch`` dataset that is itself a list) or by an attribute of a
+map-style dataset object (torchvision's ``samples``, ``imgs`` and ``targets``), or of a
+dataset it holds (``Subset.dataset``). Everything else is left alone.
+
+Layout: lists of ints (or floats) only are one int64 (float64) array; any other packs each
+element with ``marshal`` format 2 (no back-references, no code: the same bytes the
+fingerprint hashes, see :func:`flat_chunks`) after an int64 offset table.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import contextlib
+import itertools
+import logging
+import marshal
+import mmap
+import operator
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from zloader._defaults import (
+    PACK_CHUNK_ITEMS,
+    PACK_DATASET_DEPTH,
+    PACK_MAX_DEPTH,
+    PACK_MIN_ITEMS,
+)
+
+__all__ = ["PACK_MIN_ITEMS", "PackedSequence", "Swap", "flat_chunks", "install", "offered",
+           "pack", "plan"]
+
+log = logging.getLogger("zloader.packed")
+
+_ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
+_PACKABLE = _ATOMS | {tuple, dict}
+_MARSHAL_VERSION = 2  # no back-references: an element's bytes do not depend on the others
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # fault the pages in at once, where it can
+_HEADER: dict[type, bytes] = {list: b"[", tuple: b"("}  # marshal's type code of a list, a tuple
+
+
+class PackedSequence(collections.abc.Sequence):
+    """A read-only list or tuple whose elements live packed in shared memory.
+
+    Indexing decodes one element afresh (equal to the packed one; a changed copy does not
+    change the packed one); a slice is a list (or tuple) of elements. Compares equal to a
+    list (tuple) with equal elements, and pickles as one.
+    """
+
+    __slots__ = ("_blob", "_count", "_memory", "_offsets", "_type", "_values", "flat")
+
+    def __init__(self, memory: mmap.mmap, count: int, kind: str, type_: type) -> None:
+        self._memory = memory
+        self._count = count
+        self._type = type_
+        self.flat = False  # marshalled, of atoms or of tuples of atoms (see flat_chunks)
+        view = memoryview(memory)
+        if kind == "marshal":
+            table = 8 * (count + 1)
+            self._offsets: Any = view[:table].cast("q")
+            self._blob: Any = view[table:]
+            self._values: Any = None
+        else:
+            self._offsets = self._blob = None
+            self._values = view[:8 * count].cast(kind)  # type: ignore[call-overload]
+
+    @property
+    def nbytes(self) -> int:
+        """The shared memory it takes."""
+        return len(self._memory)
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return self._type(map(self._get, range(*index.indices(self._count))))
+        at = operator.index(index)
+        if at < 0:
+            at += self._count
+        if not 0 <= at < self._count:
+            raise IndexError(f"{self._type.__name__} index out of range")
+        return self._get(at)
+
+    def _get(self, at: int) -> Any:
+        if self._values is not None:
+            return self._values[at]
+        offsets = self._offsets
+        return marshal.loads(self._blob[offsets[at]:offsets[at + 1]])
+
+    def __iter__(self) -> Iterator[Any]:
+        return map(self._get, range(self._count))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, (PackedSequence, self._type)):
+            return NotImplemented
+        if isinstance(other, PackedSequence) and other._type is not self._type:
+            return False
+        values: Any = other
+        return len(values) == self._count and all(map(operator.eq, self, values))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (self._type, (list(self),))
+
+    def __repr__(self) -> str:
+        return (f"<PackedSequence: a {self._type.__name__} of {self._count} elements in "
+                f"{self.nbytes / 2**20:.1f} MiB of shared memory>")
+
+
+def pack(values: Any) -> PackedSequence | None:
+    """``values`` packed, or None when it is not a list or tuple of at least
+    ``PACK_MIN_ITEMS`` elements that :func:`packable` accepts."""
+    kind = type(values)
+    if (kind is not list and kind is not tuple) or len(values) < PACK_MIN_ITEMS:
+        return None
+    kinds = set(map(type, values))
+    if kinds == {int} or kinds == {float}:
+        array = _numbers(values, np.float64 if kinds == {float} else np.int64)
+        if array is not None:
+            memory = _shared(array.nbytes)
+            np.frombuffer(memory, array.dtype, len(array))[:] = array
+            return PackedSequence(memory, len(values), array.dtype.char, kind)
+    sizes = _sizes(values, kinds)  # (its checks take every element for plain data)
+    if sizes is not None:
+        # what the fingerprint marshals whole (flat_chunks): atoms, or tuples of atoms
+        return _marshalled(values, kind, sizes, flat=type(values[0]) is not dict)
+    seen: set[type] = set()
+    levels = _levels(values, kinds, 0, seen)
+    if levels is None:
+        return None
+    return _marshalled(values, kind, None, flat=levels <= 1 and dict not in seen)
+
+
+def packable(values: Any) -> bool:
+    """Whether every element of ``values`` is an atom, a tuple of such elements or a dict
+    of str keys to them."""
+    return _levels(values, set(map(type, values)), 0, set()) is not None
+
+
+def _levels(items: Any, kinds: set[type], depth: int, seen: set[type]) -> int | None:
+    """How many levels of tuples and dicts ``items`` (whose types are ``kinds``) hold
+    atoms in (0: atoms only), or None when they hold anything else; ``seen`` gains the
+    container types met."""
+    if kinds <= _ATOMS:
+        return depth
+    if depth == PACK_MAX_DEPTH or not kinds <= _PACKABLE:
+        return None
+    seen |= kinds - _ATOMS
+    inner: list[Any] = []
+    if tuple in kinds:
+        inner.extend(itertools.chain.from_iterable(x for x in items if type(x) is tuple))
+    if dict in kinds:
+        dicts = [x for x in items if type(x) is dict]
+        if not set(map(type, itertools.chain.from_iterable(dicts))) <= {str}:
+            return None
+        inner.extend(itertools.chain.from_iterable(map(dict.values, dicts)))
+    return _levels(inner, set(map(type, inner)), depth + 1, seen)
+
+
+def _numbers(values: Any, dtype: Any) -> np.ndarray | None:
+    try:
+        return np.array(values, dtype)
+    except OverflowError:  # an int beyond int64: marshal carries it
+        return None
+
+
+def _shared(size: int) -> mmap.mmap:
+    """Anonymous shared memory of ``size`` bytes: a forked child maps the same pages, and
+    reading them never copies one."""
+    return mmap.mmap(-1, max(1, size), flags=mmap.MAP_SHARED | _POPULATE)
+
+
+def _marshalled(values: Any, kind: type, sizes: np.ndarray | None,
+                flat: bool) -> PackedSequence:
+    """``values`` marshalled one element after another, after their offset table: the
+    whole list marshalled at once when ``sizes`` (:func:`_sizes`) gives each element's
+    size (most datasets, in C), else element by element."""
+    count = len(values)
+    offsets = np.zeros(count + 1, np.int64)
+    whole = marshal.dumps(values, _MARSHAL_VERSION) if sizes is not None else b""
+    if sizes is not None and len(whole) - len(_header(values)) != int(sizes.sum()):
+        sizes = _sizes(values, {type(values[0])}, ascii_only=False)  # a str not ASCII
+    if sizes is not None and len(whole) - len(_header(values)) == int(sizes.sum()):
+        np.cumsum(sizes, out=offsets[1:])
+        blobs: list[Any] = [memoryview(whole)[len(_header(values)):]]
+    else:
+        blobs = []
+        for start in range(0, count, PACK_CHUNK_ITEMS):  # (bounded temporaries)
+            parts = list(map(marshal.dumps, values[start:start + PACK_CHUNK_ITEMS],
+                             itertools.repeat(_MARSHAL_VERSION)))
+            offsets[start + 1:start + 1 + len(parts)] = np.fromiter(
+                map(len, parts), np.int64, len(parts))
+            blobs.append(b"".join(parts))
+        np.cumsum(offsets, out=offsets)
+    table = offsets.nbytes
+    memory = _shared(table + int(offsets[-1]))
+    memory[:table] = offsets.tobytes()
+    at = table
+    for blob in blobs:
+        memory[at:at + len(blob)] = blob
+        at += len(blob)
+    view = PackedSequence(memory, count, "marshal", kind)
+    view.flat = flat
+    return view
+
+
+def _header(values: list[Any] | tuple[Any, ...]) -> bytes:
+    """What marshal writes before a list's (tuple's) elements: its type code and length."""
+    return _HEADER[type(values)] + len(values).to_bytes(4, "little", signed=True)
+
+
+# The bytes marshal format 2 writes for an atom of each fixed-size type (type code included).
+_FIXED = {type(None): 1, bool: 1, float: 9, complex: 17}
+_INT32 = (-(2**31), 2**31 - 1)  # ints in this range take 5 bytes, others more
+
+
+def _sizes(values: Any, kinds: set[type], ascii_only: bool = True) -> np.ndarray | None:
+    """Each element's size in marshal format 2, computed by column in C when every element
+    has the shape of the first (an atom of one type, a tuple of atoms of fixed types, or a
+    dict of the same str keys to atoms of fixed types); None otherwise (then each element
+    is marshalled alone). ``kinds``: the elements' types. ``ascii_only``: a str's size is
+    its length, as it is when every str is ASCII (the caller checks the total against
+    marshal's)."""
+    first = values[0]
+    if type(first) is tuple:
+        width = len(first)
+        if kinds != {tuple} or set(map(len, values)) != {width}:
+            return None
+        columns = [list(map(operator.itemgetter(at), values)) for at in range(width)]
+        parts = [_column_sizes(column, ascii_only) for column in columns]
+        head = 5  # type code and length
+    elif type(first) is dict:
+        keys = tuple(first)
+        if kinds != {dict} or set(map(tuple, values)) != {keys} \
+                or not all(type(k) is str for k in keys):
+            return None
+        columns = [list(map(operator.itemgetter(k), values)) for k in keys]
+        parts = [_column_sizes(column, ascii_only) for column in columns]
+        # the type code, the closing null, and the keys (str, the same in every element)
+        head = 2 + sum(5 + len(k.encode("utf-8", "surrogatepass")) for k in keys)
+    elif len(kinds) == 1:
+        return _column_sizes(values, ascii_only)
+    else:
+        return None
+    total = np.full(len(values), head, np.int64)
+    for part in parts:
+        if part is None:
+            return None
+        total += part
+    return total
+
+
+def _column_sizes(column: Any, ascii_only: bool) -> np.ndarray | None:
+    """The marshal sizes of ``column``'s atoms, all of one type; None otherwise."""
+    kinds = set(map(type, column))
+    if len(kinds) != 1:
+        return None
+    kind = kinds.pop()
+    count = len(column)
+    if kind in _FIXED:
+        return np.full(count, _FIXED[kind], np.int64)
+    if kind is int:
+        numbers = _numbers(column, np.int64)
+        if numbers is None or (count and (numbers.min() < _INT32[0]
+                                          or numbers.max() > _INT32[1])):
+            return None
+        return np.full(count, 5, np.int64)
+    if kind is bytes:
+        return np.fromiter(map(len, column), np.int64, count) + 5
+    if kind is str:
+        if ascii_only:
+            return np.fromiter(map(len, column), np.int64, count) + 5
+        encode = operator.methodcaller("encode", "utf-8", "surrogatepass")
+        return np.fromiter(map(len, map(encode, column)), np.int64, count) + 5
+    return None
+
+
+# --- which lists a Loader packs, and the swap in each forked worker -----------------------
+
+@dataclass
+class Swap:
+    """In a forked worker, ``owner.__dict__[name]`` (``old`` in the trainer) becomes
+    ``view``."""
+
+    owner: Any = field(repr=False)
+    name: str
+    old: Any = field(repr=False)
+    view: PackedSequence
+    where: str
+
+
+def plan(source: Any) -> list[Swap]:
+    """The swaps that keep a forked worker off the large lists of ``source`` (a pipeline's
+    source): its own list fields, and the attributes of the map-style dataset it reads
+    (see the module docstring). Logs at debug level what was packed and what was left."""
+    swaps: list[Swap] = []
+    _visit(source.innermost(), type(source.innermost()).__name__, swaps, {}, set(), 0)
+    return swaps
+
+
+def _visit(owner: Any, where: str, swaps: list[Swap], packed: dict[int, PackedSequence | None],
+           seen: set[int], depth: int) -> None:
+    if id(owner) in seen:
+        return
+    seen.add(id(owner))
+    state = getattr(owner, "__dict__", None)
+    if type(state) is not dict:
+        return
+    for name, value in list(state.items()):
+        kind = type(value)
+        if kind is list or kind is tuple:
+            if len(value) >= PACK_MIN_ITEMS:
+                view = _packed_once(value, packed, f"{where}.{name}")
+                if view is not None:
+                    swaps.append(Swap(owner, name, value, view, f"{where}.{name}"))
+                continue
+            if depth < PACK_DATASET_DEPTH:  # ConcatDataset.datasets
+                for index, item in enumerate(value):
+                    if _is_dataset(item):
+                        _visit(item, f"{where}.{name}[{index}]", swaps, packed, seen,
+                               depth + 1)
+        elif depth < PACK_DATASET_DEPTH and _is_dataset(value):
+            _visit(value, f"{where}.{name}", swaps, packed, seen, depth + 1)
+
+
+def _packed_once(value: Any, packed: dict[int, PackedSequence | None],
+                 where: str) -> PackedSequence | None:
+    """``value`` packed, once however many attributes hold it (``imgs`` is ``samples``)."""
+    if id(value) not in packed:
+        view = packed[id(value)] = pack(value)
+        if view is None:
+            log.debug("left %s as it is (%d elements): not only atoms, tuples and dicts of "
+                      "atoms", where, len(value))
+        else:
+            log.debug("packed %s: %d elements in %.1f MiB of shared memory", where,
+                      len(value), view.nbytes / 2**20)
+    return packed[id(value)]
+
+
+def _is_dataset(value: Any) -> bool:
+    kind = type(value)
+    return (kind.__module__ != "builtins" and hasattr(kind, "__getitem__")
+            and hasattr(kind, "__len__") and not isinstance(value, type))
+
+
+_KEPT: list[Any] = []
+"""In a forked worker: the lists a swap replaced. Kept referenced, so that freeing them
+does not write to (and so copy) every page they hold."""
+
+
+def install(swaps: list[Swap]) -> None:
+    """In a forked worker: put each swap's view in place of its list."""
+    for swap in swaps:
+        _KEPT.append(swap.old)
+        swap.owner.__dict__[swap.name] = swap.view
+
+
+# --- the fingerprint hashes the packed bytes instead of marshalling the list again --------
+
+_OFFERED: dict[int, tuple[Any, PackedSequence]] = {}
+
+
+@contextlib.contextmanager
+def offered(swaps: list[Swap]) -> Iterator[None]:
+    """Within: :func:`flat_chunks` answers for the lists ``swaps`` packed."""
+    for swap in swaps:
+        if swap.view.flat:
+            _OFFERED[id(swap.old)] = (swap.old, swap.view)
+    try:
+        yield
+    finally:
+        _OFFERED.clear()
+
+
+def flat_chunks(values: list[Any] | tuple[Any, ...]) -> list[Any] | None:
+    """``marshal.dumps(values, 2)`` as chunks, from the packed form of ``values`` while it
+    is offered (see :func:`offered`), or None."""
+    entry = _OFFERED.get(id(values))
+    if entry is None or entry[0] is not values:
+        return None
+    view = entry[1]
+    return [_header(values), view._blob[:view._offsets[view._count]]]
+
