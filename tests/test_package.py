@@ -56,6 +56,7 @@ LAYERS = {
     "worker.process": 6.7, "worker": 6.8,
     # the client, in the order its modules may import each other
     "client.stats": 6.0, "client.session": 6.0, "client.items": 6.0, "client.arguments": 6.0,
+    "client.budget": 6.05,
     "client.rounds": 6.1, "client.exactly_once": 6.1, "client.turn": 6.1, "client.peers": 6.2,
     "client.link": 6.2, "client.epoch_end": 6.3, "client.packing": 6.3, "client.receive": 6.4,
     "client.loop": 6.45, "client.thread": 6.5, "client.merging": 6.6, "client": 6.7,

@@ -562,15 +562,3 @@ def test_garbage_collection_during_claim_does_not_deadlock() -> None:
 
 def test_default_capacity_constant() -> None:
     assert DEFAULT_RING_BYTES % ALIGN == 0 and DATA_OFFSET % ALIGN == 0
-
-
-def test_many_co_located_workers_start_with_smaller_rings_that_can_grow():
-    """64 workers with 64 MiB rings each reserved 4 GiB of /dev/shm at once and stalled the
-    Loader (its embedded broker went silent, its workers reconnected over and over)."""
-    from zloader._defaults import DEFAULT_RING_BYTES, MIN_RING_BYTES, RINGS_BYTES
-    from zloader.client.peers import default_ring_bytes
-
-    assert default_ring_bytes(1) == default_ring_bytes(8) == DEFAULT_RING_BYTES
-    assert default_ring_bytes(64) * 64 <= RINGS_BYTES
-    assert default_ring_bytes(10_000) == MIN_RING_BYTES
-    assert all(default_ring_bytes(n) % 64 == 0 for n in range(1, 200))

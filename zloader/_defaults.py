@@ -503,17 +503,21 @@ DISK_ENTRIES = 8
 
 DEFAULT_RING_BYTES = 64 * 1024 * 1024
 """Data capacity of a ring (one per co-located worker and consumer);
-``Loader(ring_bytes=)`` (None means this, or less with many workers: RINGS_BYTES)."""
+``Loader(ring_bytes=)`` (None means this, or less with many workers: each ring starts at
+its worker's share of the memory budget, MEMORY_BUDGET_SHM_SHARE)."""
 
-RINGS_BYTES = 512 * 1024 * 1024
-"""The most a consumer's default rings take together when it starts reading: with more
-than RINGS_BYTES / DEFAULT_RING_BYTES co-located workers each starts smaller (at least
-MIN_RING_BYTES), and grows as its records need. 64 workers with 64 MiB rings each (4 GiB
-of /dev/shm reserved at once) stalled the Loader's process so long that its embedded
-broker fell silent and the workers reconnected over and over (fixed)."""
+MEMORY_BUDGET_SHM_SHARE = 0.5
+MEMORY_BUDGET_RAM_SHARE = 0.25
+"""A consumer's rings and the records in flight to it take at most this share of /dev/shm's
+size and of the host's memory, whichever is less (zloader/client/budget.py);
+``Loader(memory_budget=)`` sets the budget in bytes instead."""
 
-MIN_RING_BYTES = 4 * 1024 * 1024
-"""The smallest ring a consumer starts with by default (see RINGS_BYTES; fixed)."""
+RING_BUDGET_SLACK = 2
+"""When the budget limits prefetch, each worker's share of it keeps room for this many
+records besides those in flight: the one the user holds, the one being written (fixed)."""
+
+MIN_MEMORY_BUDGET = 1 << 20
+"""The smallest ``Loader(memory_budget=)`` accepted (fixed)."""
 
 RING_RESERVE_BYTES = 2 * 1024 * 1024
 """A ring's writer reserves this much of its data region in /dev/shm when it attaches, and

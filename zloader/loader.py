@@ -22,7 +22,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from zloader import _check, packed
-from zloader._defaults import DEFAULT_TIMEOUT, WEIGHT_RANGE, WORKER_STOP_SECONDS
+from zloader._defaults import (
+    DEFAULT_TIMEOUT,
+    MIN_MEMORY_BUDGET,
+    WEIGHT_RANGE,
+    WORKER_STOP_SECONDS,
+)
 from zloader._process import START_METHODS, start_worker
 from zloader.broker import Broker
 from zloader.client import STATE_VERSION, IOThread, Merger, Stats, resume_from
@@ -78,9 +83,10 @@ class Loader:
         on_error: ``"raise"`` or ``"skip"`` (drop elements whose user code raises, or
             that the codec cannot encode).
         max_skipped: with ``"skip"``, raise once more than this many were dropped.
-        ring_bytes: shared-memory ring size per co-located worker (default 64 MiB, less
-            with more than 8 such workers: 512 MiB together, at least 4 MiB each; a ring
-            grows when its records are large for it).
+        ring_bytes: shared-memory ring capacity per co-located worker (default 64 MiB, or
+            the worker's share of ``memory_budget`` when less; a ring grows when its
+            records are large for it, within the budget). A ring takes the memory its
+            records reach, not its capacity.
         balanced: with ``job_name``, the number N of Loaders sharing the job: workers then
             wait until all N have opened an epoch and deal its elements one at a time,
             round-robin, so each Loader gets an equal share (to within one element per
@@ -145,6 +151,11 @@ class Loader:
             every worker (default True; docs/pipeline.md, "Packed datasets"). This
             Loader's own objects are left as they are. False: workers read the lists
             themselves, as torch's do.
+        memory_budget: bytes that this Loader's shared-memory rings and the records in
+            flight to it may take together (default: half of /dev/shm, at most a quarter
+            of the host's memory). Rings start at each worker's share and grow for large
+            records within it; past that, each worker gets fewer credits than
+            ``prefetch`` (logged once). See docs/pipeline.md, "Memory budget".
 
     Raises:
         ValueError / TypeError: a bad argument, named in the message.
@@ -166,7 +177,8 @@ class Loader:
                  consumer_index: int | None = None, keys: Any = None,
                  insecure: bool = False, exactly_once: bool = True,
                  state: Any = None, width: int | None = None, weight: float = 1.0,
-                 objects: bool = False, pack_dataset: bool = True) -> None:
+                 objects: bool = False, pack_dataset: bool = True,
+                 memory_budget: int | None = None) -> None:
         self._pid = os.getpid()  # the process that owns what this Loader starts
         if not isinstance(pipeline, Pipeline):
             raise TypeError(f"pipeline must be a zloader.Pipeline, got {type(pipeline).__name__}")
@@ -221,6 +233,8 @@ class Loader:
         prefetch = _check.integer("prefetch", prefetch if prefetch is not None
                                   else DEFAULT_PREFETCH, 1)
         ring_bytes = valid_ring_bytes(ring_bytes)
+        memory_budget = _check.optional_integer("memory_budget", memory_budget,
+                                                MIN_MEMORY_BUDGET)
         width = _check.optional_integer("width", width, 1)
         if _check.boolean("objects", objects) and not embedded:
             raise ValueError("objects=True needs embedded mode (broker=None): pickled "
@@ -276,7 +290,8 @@ class Loader:
                 data_bind=f"ipc://{self._dir}/source" if embedded else None,
                 consumer_index=coordinated[1] if coordinated else None, keys=self._keys,
                 resume=resume, timeout=self._timeout,
-                own=frozenset(process.pid for process in self._processes))
+                own=frozenset(process.pid for process in self._processes),
+                memory_budget=memory_budget)
             self._merger = Merger(self._io, timeout=self._timeout,
                                   deterministic=self._deterministic, max_skipped=max_skipped,
                                   deaths=functools.partial(_deaths, self._processes,
@@ -413,6 +428,9 @@ class Loader:
         (how often workers fetched this Loader's ``pipeline``, when too large to pass
         through the broker, and its in-memory ``source``: once per host, see
         zloader/blobs.py),
+        ``memory_budget`` (bytes for rings and records in flight) and ``prefetch`` (the
+        records in flight per worker it allows now: ``Loader(prefetch=)`` unless records
+        are too large for the budget),
         ``stage_seconds`` (where the time goes: the job's workers' seconds in ``pipeline``,
         ``splits``, ``encode`` and ``blocked``, as their broker last reported them, and
         this consumer's ``wait``; see zloader/_defaults.py STAGES). With
@@ -429,6 +447,8 @@ class Loader:
                  "records": io.records,
                  "share_skipped": io.lagged, "share_replayed": io.replayed,
                  "rejected": io.rejected, "served": dict(self._served.counts),
+                 "memory_budget": self._io.loop.budget.total,
+                 "prefetch": self._io.loop.budget.limit,
                  "stage_seconds": {**io.stages, "wait": round(wait, 3)}}
         if self._coordinated:
             stats.update(dropped=io.dropped, rounds_lost=io.rounds_lost,

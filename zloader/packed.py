@@ -249,10 +249,13 @@ def _sizes(values: Any, kinds: set[type], ascii_only: bool = True) -> np.ndarray
         head = 5  # type code and length
     elif type(first) is dict:
         keys = tuple(first)
-        if kinds != {dict} or set(map(tuple, values)) != {keys} \
+        if kinds != {dict} or set(map(len, values)) != {len(keys)} \
                 or not all(type(k) is str for k in keys):
             return None
-        columns = [list(map(operator.itemgetter(k), values)) for k in keys]
+        try:  # (as many keys as the first's, and each of them: the same keys)
+            columns = [list(map(operator.itemgetter(k), values)) for k in keys]
+        except KeyError:
+            return None
         parts = [_column_sizes(column, ascii_only) for column in columns]
         # the type code, the closing null, and the keys (str, the same in every element)
         head = 2 + sum(5 + len(k.encode("utf-8", "surrogatepass")) for k in keys)

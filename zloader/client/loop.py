@@ -58,7 +58,8 @@ class ConsumerLoop:
                  use_rings: bool, ring_bytes: int | None, served: Served | None = None,
                  data_bind: str | None = None, consumer_index: int | None = None,
                  keys: Keys | None = None, resume: dict[str, Any] | None = None,
-                 timeout: float = 60.0, own: frozenset[int] = frozenset()) -> None:
+                 timeout: float = 60.0, own: frozenset[int] = frozenset(),
+                 memory_budget: int | None = None) -> None:
         coordinated = ((options.num_consumers, consumer_index or 0) if options.coordinated
                        else None)
         self.settings = Settings(
@@ -66,7 +67,8 @@ class ConsumerLoop:
             ring_bytes=ring_bytes, keys=keys, data_bind=data_bind,
             balanced=options.balanced > 0, exactly_once=options.exactly_once,
             coordinated=coordinated, fixed=options.sharding in ("static", "off"),
-            own=own if options.objects else frozenset())
+            own=own if options.objects else frozenset(), memory_budget=memory_budget,
+            width=max(1, options.num_workers))
         self.served = served or Served()
         register = registration(
             fingerprint=fingerprint, job_name=job_name, options=options,
@@ -82,6 +84,7 @@ class ConsumerLoop:
         self._link = BrokerLink(self.settings, self._session, self.stats, register, blob,
                                 self._rounds, self.put)
         self._peers = Peers(self.settings, self._session, self.stats, self._rounds)
+        self.budget = self._peers.budget  # (read by the iterating thread: credit batches)
         self._end = EpochEnd(self.settings, self._session, self.stats, self._link,
                              self._peers, self._rounds, self.put, register.resume)
         self._peers.on_gone = self._end.check

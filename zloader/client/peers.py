@@ -18,11 +18,11 @@ import zmq
 from zloader._defaults import (
     DEFAULT_RING_BYTES,
     LEAVE_GRACE_SECONDS,
-    MIN_RING_BYTES,
+    RING_BUDGET_SLACK,
     RING_MAX_BYTES,
-    RINGS_BYTES,
 )
 from zloader._host import host_id
+from zloader.client.budget import Budget
 from zloader.client.rounds import Rounds
 from zloader.client.session import Session, Settings
 from zloader.client.stats import Stats
@@ -88,6 +88,8 @@ class Peers:
         self._leaving: dict[str, tuple[Peer, float]] = {}
         self._by_socket: dict[Any, Peer] = {}  # every open peer's, leaving ones' too
         self._index_of: dict[str, int] = {}  # every worker that ever served the job
+        self.budget = Budget(settings.memory_budget, settings.prefetch, settings.width)
+        self.large = self.budget.large(1)  # records above this size may not fit the budget
         self._ring_bytes = settings.ring_bytes  # a new worker's ring (see update)
         self._context: zmq.Context[Any] | None = None
         self._poller: zmq.Poller | None = None
@@ -168,7 +170,8 @@ class Peers:
         the ones it no longer lists, and read a worker given a new task afresh."""
         seen = set()
         workers = list(workers)
-        self._ring_bytes = self.settings.ring_bytes or default_ring_bytes(len(workers))
+        self._ring_bytes = self.settings.ring_bytes or self.budget.ring_bytes(len(workers))
+        self.large = self.budget.large(len(workers))
         for entry in workers:  # checked by the JOB record
             worker = entry["worker"]
             peer = self._peers.get(worker)
@@ -283,14 +286,16 @@ class Peers:
 
     def open(self, peer: Peer, keep_credits: bool = False) -> None:
         """Open the epoch under way (its latest rerun) on ``peer``, granting ``prefetch``
-        credits afresh."""
+        credits afresh, and its share of the memory budget (the bytes it may have in
+        flight to this consumer)."""
         session, prefetch = self.session, self.settings.prefetch
         if not keep_credits:
             peer.returned = 0
         peer.owed, peer.heard = prefetch, time.monotonic()  # OPEN grants afresh
         body = {"job": session.job, "task": peer.task, "consumer": session.consumer,
                 "epoch": session.epoch, "credits": prefetch, "rerun": session.rerun,
-                "ring": peer.ring.name if peer.ring is not None else None}
+                "ring": peer.ring.name if peer.ring is not None else None,
+                "window": self.budget.window(len(self._peers))}
         if peer.ring is not None and self.notices is not None:
             body.update(notify=self.notices.name, ring_id=peer.ring.ring_id)
         if self.rounds is not None:
@@ -304,12 +309,13 @@ class Peers:
 
     def credit(self, worker: str, credits: int) -> None:
         """Give ``worker`` back ``credits`` (records used); sent once half the prefetch
-        has come back, or at once when segments wait to be let go of."""
+        (that the memory budget allows) has come back, or at once when segments wait to be
+        let go of."""
         target = self._peers.get(worker)
         if target is None or self.session.epoch is None:
             return
         target.returned += credits
-        if target.returned >= self.settings.credit_batch or target.mapped:
+        if target.returned >= self.budget.credit_batch or target.mapped:
             if target.owed <= 0:  # it had none: its silence so far says nothing
                 target.heard = time.monotonic()
             target.owed += target.returned
@@ -318,6 +324,12 @@ class Peers:
                                                "mapped": target.mapped})
             target.returned = 0
             target.mapped = []
+
+    def fit(self, record_bytes: int) -> None:
+        """A record of ``record_bytes`` came, larger than the budget holds ``limit`` of
+        from every worker: lower the limit (see :class:`~zloader.client.budget.Budget`)."""
+        self.budget.fit(record_bytes, len(self._peers))
+        self.large = self.budget.large(len(self._peers))
 
     def send(self, peer: Peer, command: Command, body: dict[str, Any],
              payload: tuple[Any, ...] | list[Any] = ()) -> None:
@@ -353,15 +365,20 @@ class Peers:
         large for the ring (fewer than ``prefetch + 2`` fit: those in flight, the one the
         user still holds while asking for the next, and the one being written), replace it
         with one large enough (at least twice as large, at most RING_MAX_BYTES: no larger
-        than needed, as each page costs its first writer and reader a fault). Its writer
+        than needed, as each page costs its first writer and reader a fault), if the
+        memory budget holds it; else lower the budget's prefetch instead. Its writer
         reserves the new ring's memory, not this thread."""
         assert peer.ring is not None
         capacity = peer.ring.capacity
-        needed = record_bytes * (self.settings.prefetch + 2)
+        needed = record_bytes * (self.budget.limit + RING_BUDGET_SLACK)
         if needed <= capacity or capacity >= RING_MAX_BYTES:
             return
-        size = max(capacity * 2, -(-needed // RING_ALIGN) * RING_ALIGN)
-        bigger = self._give_ring(peer, min(RING_MAX_BYTES, size))
+        size = min(RING_MAX_BYTES, max(capacity * 2, -(-needed // RING_ALIGN) * RING_ALIGN))
+        held = sum(ring.capacity for _, ring in self._rings.values())
+        if not self.budget.may_grow(held, size - capacity):
+            self.fit(record_bytes)  # fewer records in flight instead
+            return
+        bigger = self._give_ring(peer, size)
         if bigger is None:
             return
         peer.old_rings.append(peer.ring)
@@ -389,15 +406,6 @@ class Peers:
         mapped.close()  # the mapping lives on in ``block`` and the views made from it
         peer.mapped.append(segment[0])
         return block
-
-
-def default_ring_bytes(workers: int) -> int:
-    """The ring a consumer starts with for each of ``workers`` co-located workers when
-    ``Loader(ring_bytes=)`` is None: DEFAULT_RING_BYTES, less with many workers (together
-    at most RINGS_BYTES, each at least MIN_RING_BYTES); a ring grows when its records are
-    large for it (:meth:`Peers.grow_ring`)."""
-    share = RINGS_BYTES // max(1, workers) // RING_ALIGN * RING_ALIGN
-    return max(MIN_RING_BYTES, min(DEFAULT_RING_BYTES, share))
 
 
 def make_ring(size: int | None) -> Any:

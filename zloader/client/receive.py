@@ -221,7 +221,10 @@ class Receiver:
             raise ProtocolError(f"DATA record holds {type(elements).__name__}, not {count} "
                                 "elements")
         stats.records += 1
-        stats.bytes += sum(memoryview(b).nbytes for b in buffers)
+        size = sum(memoryview(b).nbytes for b in buffers)
+        stats.bytes += size
+        if size > self.peers.large:  # more than the memory budget holds in flight
+            self.peers.fit(size)
         stats.per_worker[peer.pid] = stats.per_worker.get(peer.pid, 0) + count
         self._note_lagged(peer, data.lagged)
         item = Data(session.epoch if session.epoch is not None else -1, peer.worker,

@@ -30,11 +30,8 @@ class Settings:
     fixed: bool  # static or no sharding: every worker index must end the epoch
     own: frozenset[int] = frozenset()  # pids of its own forked workers, whose records may
     # hold pickled leaves (Loader(objects=True)); nobody else's are unpickled
-
-    @property
-    def credit_batch(self) -> int:
-        """Credits given back that make one CREDIT: half the prefetch (at least one)."""
-        return max(1, self.prefetch // 2)
+    memory_budget: int | None = None  # bytes for rings and records in flight (budget.py)
+    width: int = 1  # the workers the job expects (its worker indices)
 
 
 @dataclass

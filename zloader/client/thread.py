@@ -55,10 +55,11 @@ class IOThread(threading.Thread):
 
     def credit(self, worker: str, credits: int = 1) -> None:
         """Give ``worker`` back the credits of ``credits`` records used. The loop is woken
-        only once a CREDIT is due (half the prefetch, as :meth:`Peers.credit` sends them):
+        only once a CREDIT is due (half the prefetch the memory budget allows, as
+        :meth:`Peers.credit` sends them):
         fewer credits wait for its next poll (POLL_MS), or the next message it handles."""
         owed = self._unsent.get(worker, 0) + credits
-        due = owed >= self.settings.credit_batch
+        due = owed >= self.loop.budget.credit_batch
         # (lent: the iterating thread sends it as it steps)
         self.loop.submit(GiveCredit(worker, credits), wake=due and not self._turn.lent())
         self._unsent[worker] = 0 if due else owed

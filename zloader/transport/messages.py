@@ -497,6 +497,9 @@ class Open(Record):
     # The consumer's notice pipe and the ring's id in its notices (transport/notice.py).
     notify: str | None = fld(optional(NAME), None, omit=True)
     ring_id: int | None = fld(optional(INDEX), None, omit=True)
+    # The bytes of records this worker may have in flight to the consumer (its share of
+    # the consumer's memory budget, client/budget.py); absent: no bound but the credits.
+    window: int | None = fld(optional(INDEX), None, omit=True)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -2,15 +2,18 @@
 
 Plain: each record to the consumer with the most credits (the readiest), so a fast consumer
 takes more; the producer takes one of the consumers' credits per record, so memory stays
-bounded by what they granted. Balanced (``Loader(balanced=N)``): once the N consumers of the
-job have opened an epoch, records (one element each) are dealt round-robin, whatever their
-speed, so each gets an equal share.
+bounded by what they granted, and by the bytes a consumer's memory budget allows in flight
+from this worker (OPEN.window; a record goes alone when nothing else is in flight).
+Balanced (``Loader(balanced=N)``): once the N consumers of the job have opened an epoch,
+records (one element each) are dealt round-robin, whatever their speed, so each gets an
+equal share.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from zloader import codec
 from zloader._defaults import MAX_GRANT, OVERDRAW_RECORDS
 from zloader.transport.messages import End
 from zloader.worker.delivery import Delivery
@@ -20,6 +23,16 @@ if TYPE_CHECKING:
     from zloader.worker.task import Task
 
 __all__ = ["MAX_GRANT", "CreditDelivery", "clamp"]
+
+
+def _windowed(streams: list[Stream]) -> bool:
+    """Whether a consumer of ``streams`` bounds the bytes in flight to it (OPEN.window)."""
+    return any(s.window is not None for s in streams)
+
+
+def _size(buffers: list[Any]) -> int:
+    """A record's bytes."""
+    return sum(map(codec.nbytes, buffers))
 
 
 def clamp(credits: int) -> int:
@@ -77,18 +90,20 @@ class CreditDelivery(Delivery):
                     task.outlet.send(stream, end, [block] if block is not None else ())
                 task.finish_epoch(epoch)
                 continue
-            taker = self._next(streams)
+            assert outgoing is not None
+            size = _size(outgoing.buffers) if _windowed(streams) else 0
+            taker = self._next(streams, size)
             if taker is None:
                 return
             self.pending.popleft()
             taker.credits -= 1
-            assert outgoing is not None
+            taker.sent(size)
             task.outlet.record(taker, epoch, outgoing.buffers, head)
             outgoing.mark_taken()
 
-    def _next(self, streams: list[Stream]) -> Stream | None:
-        """Who gets the next record of the epoch these ``streams`` read (None: nobody
-        can take it now)."""
+    def _next(self, streams: list[Stream], size: int) -> Stream | None:
+        """Who gets the next record, of ``size`` bytes, of the epoch these ``streams``
+        read (None: nobody can take it now: no credit, or no room in its window)."""
         if self.balanced:
             # Deal records round-robin, whatever the consumers' speed: equal shares,
             # once every consumer sharing the job has opened the epoch.
@@ -96,11 +111,12 @@ class CreditDelivery(Delivery):
                 return None
             order = sorted(streams, key=lambda s: s.consumer)
             stream = order[self.turn % len(order)]
-            if stream.credits <= 0 and not self.overdrawn:
+            if (stream.credits <= 0 or not stream.fits(size)) and not self.overdrawn:
                 return None
             self.turn += 1
             return stream
-        ready = [s for s in streams if s.credits > 0 or self.overdrawn]
+        ready = [s for s in streams
+                 if (s.credits > 0 and s.fits(size)) or self.overdrawn]
         if not ready:
             return None
         return max(ready, key=lambda s: s.credits)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +52,27 @@ class Stream:
     # pipe full): no notice for the rest of it, since the ring's records must be taken in
     # the order they were written.
     unnoticed: int | None = None
+    # The consumer's memory budget for this worker (OPEN.window, bytes; None: none), and
+    # the sizes of the records sent and not yet given back by a CREDIT, oldest first.
+    window: int | None = None
+    flight: deque[int] = field(default_factory=deque)
+    flight_bytes: int = 0
+
+    def fits(self, size: int) -> bool:
+        """Whether a record of ``size`` bytes may go now: within the window, or alone."""
+        return self.window is None or not self.flight or self.flight_bytes + size <= self.window
+
+    def sent(self, size: int) -> None:
+        """A record of ``size`` bytes went to the consumer."""
+        if self.window is not None:
+            self.flight.append(size)
+            self.flight_bytes += size
+
+    def returned(self, records: int) -> None:
+        """The consumer gave back ``records`` credits: its oldest records are used."""
+        flight = self.flight
+        for _ in range(min(records, len(flight))):
+            self.flight_bytes -= flight.popleft()
 
     def attach(self, ring: str | None, ring_id: int | None,
                notify: str | None = None) -> None:

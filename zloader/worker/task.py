@@ -134,6 +134,9 @@ class Task:
         epoch, rerun = opened.epoch, opened.rerun
         self.delivery.withdraw(stream)
         stream.epoch = epoch
+        stream.window = opened.window
+        stream.flight.clear()  # (granted afresh)
+        stream.flight_bytes = 0
         self.abandon_stale()
         self.delivery.credit(stream, opened.credits)
         if rerun > self.reruns.get(epoch, 0):
@@ -155,6 +158,7 @@ class Task:
         unlink_handoffs(stream, mapped)
         self.delivery.mapped(stream, mapped)
         if granted.epoch == stream.epoch:
+            stream.returned(granted.credits)
             self.delivery.credit(stream, granted.credits)
             self.delivery.deliver()
 
