@@ -15,7 +15,8 @@ from /proc smaps, through psutil) unless said otherwise.
     workers; the figure is the sum over the workers of their USS growth, from when each
     has sent two batches (past start-up) to the epoch's last batch (before the workers
     stop), as a multiple of one copy.
-    Target: <= 0.1 for zloader. Also: construction to first batch, and the epoch.
+    Target: <= 0.1 for zloader. Also the seconds from construction to the first batch
+    (zloader packs the lists then), from there to the last batch, and both together.
 
 (2) **Worker base.** A small ``Folder`` (4 batches per worker), ``--workers`` workers:
     each worker's USS once it has sent two batches (median over the workers). Target:
@@ -267,14 +268,16 @@ def tables(data: dict[str, Any]) -> list[str]:
     if "copy_on_read" in data:
         lines += ["### (1) Copy on read: the workers' USS growth over one epoch", "",
                   "| dataset | one copy | loader | growth (sum of workers) | copies | "
-                  "target | first batch | epoch |", "|---|---|---|---|---|---|---|---|"]
+                  "target | construction to first batch | first batch to last | whole epoch |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for label, result in data["copy_on_read"].items():
             for name, run in result["runs"].items():
                 target = "<= 0.1" if name == "zloader" else "-"
                 lines.append(
                     f"| {result['samples']:,} {label} | {result['one_copy'] / MIB:.0f} MiB | "
                     f"{name} | {run['growth'] / MIB:.0f} MiB | {run['growth_copies']:.2f} | "
-                    f"{target} | {run['first_batch_s']:.2f} s | {run['epoch_s']:.2f} s |")
+                    f"{target} | {run['first_batch_s']:.2f} s | "
+                    f"{run['epoch_s'] - run['first_batch_s']:.2f} s | {run['epoch_s']:.2f} s |")
         lines.append("")
     if "worker_base" in data:
         base = data["worker_base"]

@@ -312,6 +312,7 @@ def test_a_frame_claiming_more_than_the_file_holds_is_refused(tmp_path, caplog):
                for r in caplog.records)
 
 
+@pytest.mark.slow  # (about 7-10 s; the suite keeps under 6 min on 2 cores)
 def test_cli_on_a_missing_folder_or_fingerprint_fails_naming_it(tmp_path):
     missing = tmp_path / "no-such-cache"
     for args in (["ls"], ["rm", "--all"], ["rm", "--fingerprint", "ab12"]):

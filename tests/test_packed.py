@@ -89,7 +89,21 @@ def test_packable_names_what_it_takes():
     assert not packable([1, [2]])
 
 
-class Folder:
+class Dataset:  # torch's Dataset, as the packer recognises it (by its module)
+    pass
+
+
+Dataset.__module__ = "torch.utils.data.dataset"
+
+
+class Notes:
+    """Not a dataset: held by one, its attributes are left alone (a library's object)."""
+
+    def __init__(self) -> None:
+        self.lines = [f"note {i}" for i in range(PACK_MIN_ITEMS)]
+
+
+class Folder(Dataset):
     """A map-style dataset like torchvision's ImageFolder: ``imgs`` is ``samples``."""
 
     def __init__(self, size: int) -> None:
@@ -107,10 +121,11 @@ class Folder:
         return path, label, self.targets[index] + isinstance(self.imgs, list)
 
 
-class Subset:
+class Subset(Dataset):
     def __init__(self, dataset: Folder, indices: list[int]) -> None:
         self.dataset = dataset
         self.indices = indices
+        self.notes = Notes()
 
     def __len__(self) -> int:
         return len(self.indices)

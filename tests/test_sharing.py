@@ -83,6 +83,7 @@ def segments() -> list[str]:
     return [n for n in os.listdir("/dev/shm") if n.startswith("zloader-") and "-shr-" in n]
 
 
+@pytest.mark.slow  # (about 7-10 s; the suite keeps under 6 min on 2 cores)
 def test_three_trainers_share_one_run_and_see_the_same_sequence(tmp_path):
     log = str(tmp_path / "calls")
     with trainer_service(1) as (address, _):
@@ -358,6 +359,7 @@ def test_a_worker_killed_under_shared_trainers_does_not_stop_them():
                 assert set(seen) == set(range(2000))
 
 
+@pytest.mark.slow  # (about 7-10 s; the suite keeps under 6 min on 2 cores)
 def test_a_drained_worker_sends_its_window_to_a_lagging_trainer_before_it_leaves():
     """A worker that drains (SIGTERM, or a move to another job) has made its splits and
     put them in its window, but a slow trainer has not been sent them all yet (production
@@ -377,6 +379,7 @@ def test_a_drained_worker_sends_its_window_to_a_lagging_trainer_before_it_leaves
                 f"lost {sorted(set(range(N)) - set(epoch['got']))}"
 
 
+@pytest.mark.slow  # (about 7-10 s; the suite keeps under 6 min on 2 cores)
 def test_a_worker_moved_at_once_off_a_shared_job_has_what_it_read_read_again():
     """A second job takes one of a shared job's workers mid-epoch while the other worker
     still reads the epoch (a shared job's worker then moves at once): the splits it had

@@ -12,6 +12,7 @@ from tests.service import free_port
 from zloader import Loader, Pipeline, Timeout
 
 
+@pytest.mark.slow  # (about 7-10 s; the suite keeps under 6 min on 2 cores)
 def test_a_loader_with_nothing_at_its_broker_address_warns_while_it_waits(caplog):
     address = f"tcp://127.0.0.1:{free_port()}"  # nothing listens there
     caplog.set_level(logging.WARNING, logger="zloader")

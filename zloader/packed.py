@@ -14,7 +14,7 @@ bytes), a tuple of atoms (nested tuples too) or a dict of str keys to such value
 the pipeline's source (``from_items``' items, the file lists of the file sources, a
 generator's splits, a ``from_torch`` dataset that is itself a list) or by an attribute of a
 map-style dataset object (torchvision's ``samples``, ``imgs`` and ``targets``), or of a
-dataset it holds (``Subset.dataset``). Everything else is left alone.
+torch dataset it holds (``Subset.dataset``). Everything else is left alone.
 
 Layout: lists of ints (or floats) only are one int64 (float64) array; any other packs each
 element with ``marshal`` format 2 (no back-references, no code: the same bytes the
@@ -51,6 +51,7 @@ log = logging.getLogger("zloader.packed")
 _ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
 _PACKABLE = _ATOMS | {tuple, dict}
 _MARSHAL_VERSION = 2  # no back-references: an element's bytes do not depend on the others
+_loads = marshal.loads
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # fault the pages in at once, where it can
 _HEADER: dict[type, bytes] = {list: b"[", tuple: b"("}  # marshal's type code of a list, a tuple
 
@@ -89,6 +90,11 @@ class PackedSequence(collections.abc.Sequence):
         return self._count
 
     def __getitem__(self, index: Any) -> Any:
+        if type(index) is int and 0 <= index < self._count:  # (most reads: kept short)
+            offsets = self._offsets
+            if offsets is None:
+                return self._values[index]
+            return _loads(self._blob[offsets[index]:offsets[index + 1]])
         if isinstance(index, slice):
             return self._type(map(self._get, range(*index.indices(self._count))))
         at = operator.index(index)
@@ -102,7 +108,7 @@ class PackedSequence(collections.abc.Sequence):
         if self._values is not None:
             return self._values[at]
         offsets = self._offsets
-        return marshal.loads(self._blob[offsets[at]:offsets[at + 1]])
+        return _loads(self._blob[offsets[at]:offsets[at + 1]])
 
     def __iter__(self) -> Iterator[Any]:
         return map(self._get, range(self._count))
@@ -359,9 +365,11 @@ def _packed_once(value: Any, packed: dict[int, PackedSequence | None],
 
 
 def _is_dataset(value: Any) -> bool:
-    kind = type(value)
-    return (kind.__module__ != "builtins" and hasattr(kind, "__getitem__")
-            and hasattr(kind, "__len__") and not isinstance(value, type))
+    """Whether ``value`` is a torch ``Dataset`` (by its classes' modules: torch is not
+    imported here), whose attributes are looked into; other objects held by a dataset
+    (a library's, say) are left as they are."""
+    return not isinstance(value, type) and any(
+        cls.__module__.startswith("torch.utils.data") for cls in type(value).__mro__[1:])
 
 
 _KEPT: list[Any] = []
