@@ -5,8 +5,13 @@ and records too large for it lower the prefetch, which the Loader says once."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
+import shlex
+import shutil
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -101,3 +106,34 @@ def test_a_worker_keeps_its_window_of_bytes_in_flight():
 def test_memory_budget_is_checked():
     with pytest.raises(ValueError, match="memory_budget"):
         zloader.Loader(zloader.Pipeline.range(4), num_workers=1, memory_budget=1000)
+
+
+DOCKER_SHM = """
+import json, logging, sys
+import zloader
+said = []
+logging.getLogger("zloader").addHandler(type("H", (logging.Handler,), {
+    "emit": lambda self, record: said.append(record.getMessage())})())
+with zloader.Loader(zloader.Pipeline.range(50_000).batch(256), num_workers=8) as loader:
+    count = sum(len(batch) for batch in loader)
+    stats = loader.stats()
+print(json.dumps({"count": count, "segments": stats["segments"],
+                  "budget": stats["memory_budget"], "said": said}))
+"""
+
+
+def test_a_docker_sized_dev_shm_gets_rings_that_fit_not_the_socket():
+    """Docker gives a container 64 MiB of /dev/shm: 8 workers with 64 MiB rings fell back
+    to the socket; with the budget (half of it) each gets a 4 MiB ring. Run in a mount
+    namespace of its own, where /dev/shm is a fresh 64 MiB tmpfs."""
+    if shutil.which("unshare") is None or subprocess.run(
+            ["unshare", "--mount", "true"], capture_output=True).returncode != 0:
+        pytest.skip("no mount namespace here (unshare --mount needs CAP_SYS_ADMIN)")
+    command = ("mount -t tmpfs -o size=64m tmpfs /dev/shm && exec "
+               f"{shlex.quote(sys.executable)} -c {shlex.quote(DOCKER_SHM)}")
+    done = subprocess.run(["unshare", "--mount", "sh", "-c", command], capture_output=True,
+                          text=True, timeout=120, cwd=os.getcwd())
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["count"] == 50_000 and result["budget"] == 32 * MIB
+    assert result["segments"] == 0 and not [s for s in result["said"] if "socket" in s]

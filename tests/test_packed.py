@@ -236,3 +236,31 @@ def test_workers_reading_every_sample_do_not_copy_the_dataset(pack_dataset):
         assert sum(growth) < 0.1 * one_copy_kib, (growth, one_copy_kib)
     else:  # each worker copied the pages of the half it read (the test can fail)
         assert sum(growth) > 0.5 * one_copy_kib, (growth, one_copy_kib)
+
+
+def _read(path: str) -> list[str]:
+    return [path]
+
+
+def _shard(name: str) -> list[str]:
+    return [name]
+
+
+def test_the_plan_packs_the_sources_own_lists(tmp_path):
+    items = [(f"item {i}", i) for i in range(PACK_MIN_ITEMS)]
+    for index in range(PACK_MIN_ITEMS):
+        (tmp_path / f"{index}.txt").write_bytes(b"")
+    sources = {
+        "ItemsSource.items": zloader.Pipeline.from_items(items),
+        "FilesSource.files": zloader.Pipeline.from_files(str(tmp_path / "*.txt"), _read),
+        "GeneratorSource.splits": zloader.Pipeline.from_generator(
+            _shard, [f"shard-{i}" for i in range(PACK_MIN_ITEMS)]),
+        "TorchSource.dataset": zloader.Pipeline.from_torch(list(items)),  # a list itself
+    }
+    for where, pipeline in sources.items():
+        assert [swap.where for swap in packed.plan(pipeline.source)] == [where]
+    with zloader.Loader(sources["ItemsSource.items"].map(lambda pair: pair[1]),
+                        num_workers=2) as loader:
+        assert sorted(loader) == list(range(PACK_MIN_ITEMS))
+    with zloader.Loader(sources["FilesSource.files"], num_workers=2) as loader:
+        assert sorted(loader) == sorted(str(p) for p in tmp_path.glob("*.txt"))
