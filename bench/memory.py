@@ -61,6 +61,7 @@ import torch.utils.data
 import zloader
 import zloader.torch as zt
 from bench._common import provenance
+from bench.report import memory_tables
 
 MIB = 2**20
 BATCH = 256
@@ -263,47 +264,6 @@ def over_epochs(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
-def tables(data: dict[str, Any]) -> list[str]:
-    lines = []
-    if "copy_on_read" in data:
-        lines += ["### (1) Copy on read: the workers' USS growth over one epoch", "",
-                  "| dataset | one copy | loader | growth (sum of workers) | copies | "
-                  "target | construction to first batch | first batch to last | whole epoch |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        for label, result in data["copy_on_read"].items():
-            for name, run in result["runs"].items():
-                target = "<= 0.1" if name == "zloader" else "-"
-                lines.append(
-                    f"| {result['samples']:,} {label} | {result['one_copy'] / MIB:.0f} MiB | "
-                    f"{name} | {run['growth'] / MIB:.0f} MiB | {run['growth_copies']:.2f} | "
-                    f"{target} | {run['first_batch_s']:.2f} s | "
-                    f"{run['epoch_s'] - run['first_batch_s']:.2f} s | {run['epoch_s']:.2f} s |")
-        lines.append("")
-    if "worker_base" in data:
-        base = data["worker_base"]
-        ratio = base["zloader"]["median"] / base["torch"]["median"]
-        lines += ["### (2) A worker's base (USS once it sent two batches, median)", "",
-                  "| torch | zloader | zloader / torch | target |", "|---|---|---|---|",
-                  f"| {base['torch']['median'] / MIB:.1f} MiB | "
-                  f"{base['zloader']['median'] / MIB:.1f} MiB | {ratio:.2f} | <= 2 |", ""]
-    if "rings" in data:
-        lines += ["### (3) Rings against workers (peaks over one epoch)", "",
-                  "| workers | /dev/shm held | total PSS (Loader and workers) |",
-                  "|---|---|---|"]
-        lines += [f"| {p['workers']} | {p['shm_peak'] / MIB:.0f} MiB | "
-                  f"{p['pss_peak'] / MIB:.0f} MiB |" for p in data["rings"]]
-        lines.append("")
-    if "over_epochs" in data:
-        lines += ["### (4) Persistent workers over epochs", "",
-                  "| loader | epochs | largest change of a worker's RSS against epoch 2 | "
-                  "target |", "|---|---|---|---|"]
-        for name, result in data["over_epochs"].items():
-            lines.append(f"| {name} | {len(result['rss'])} | {result['largest_change']:.1%} "
-                         f"| {'<= 5%' if name == 'zloader' else '-'} |")
-        lines.append("")
-    return lines
-
-
 def plot(data: dict[str, Any], out: pathlib.Path) -> None:
     from bench.report import figure, save
 
@@ -355,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(), "versions": {"torch": torch.__version__},
         **provenance()})
     (out / "memory.json").write_text(json.dumps(data, indent=2))
-    lines = tables(data)
+    lines = memory_tables(data)
     plot(data, out)
     (out / "memory.md").write_text(
         f"Memory benchmark (bench/memory.py), nproc {os.cpu_count()}, {args.workers} "

@@ -526,12 +526,64 @@ def render_hops(data: Any, out: Path) -> list[str]:
             "share of a CREDIT's.", "", *hops_table(data)]
 
 
+def memory_tables(data: Any) -> list[str]:
+    """bench.memory's tables (written by it into memory.md, and here)."""
+    mib = 2**20
+    lines = []
+    if "copy_on_read" in data:
+        lines += ["### (1) Copy on read: the workers' USS growth over one epoch", "",
+                  "| dataset | one copy | loader | growth (sum of workers) | copies | "
+                  "target | construction to first batch | first batch to last | whole epoch |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for label, result in data["copy_on_read"].items():
+            for name, run in result["runs"].items():
+                target = "<= 0.1" if name == "zloader" else "-"
+                lines.append(
+                    f"| {result['samples']:,} {label} | {result['one_copy'] / mib:.0f} MiB | "
+                    f"{name} | {run['growth'] / mib:.0f} MiB | {run['growth_copies']:.2f} | "
+                    f"{target} | {run['first_batch_s']:.2f} s | "
+                    f"{run['epoch_s'] - run['first_batch_s']:.2f} s | {run['epoch_s']:.2f} s |")
+        lines.append("")
+    if "worker_base" in data:
+        base = data["worker_base"]
+        ratio = base["zloader"]["median"] / base["torch"]["median"]
+        lines += ["### (2) A worker's base (USS once it sent two batches, median)", "",
+                  "| torch | zloader | zloader / torch | target |", "|---|---|---|---|",
+                  f"| {base['torch']['median'] / mib:.1f} MiB | "
+                  f"{base['zloader']['median'] / mib:.1f} MiB | {ratio:.2f} | <= 2 |", ""]
+    if "rings" in data:
+        lines += ["### (3) Rings against workers (peaks over one epoch)", "",
+                  "| workers | /dev/shm held | total PSS (Loader and workers) |",
+                  "|---|---|---|"]
+        lines += [f"| {p['workers']} | {p['shm_peak'] / mib:.0f} MiB | "
+                  f"{p['pss_peak'] / mib:.0f} MiB |" for p in data["rings"]]
+        lines.append("")
+    if "over_epochs" in data:
+        lines += ["### (4) Persistent workers over epochs", "",
+                  "| loader | epochs | largest change of a worker's RSS against epoch 2 | "
+                  "target |", "|---|---|---|---|"]
+        for name, result in data["over_epochs"].items():
+            lines.append(f"| {name} | {len(result['rss'])} | {result['largest_change']:.1%} "
+                         f"| {'<= 5%' if name == 'zloader' else '-'} |")
+        lines.append("")
+    return lines
+
+
+def render_memory(data: Any, out: Path) -> list[str]:
+    lines = memory_tables(data)
+    if (out / "memory.png").exists():
+        lines += ["![memory against workers and epochs](memory.png)", ""]
+    return lines
+
+
 RENDERERS: dict[str, tuple[str, Renderer]] = {
     "codec": ("Codec", render_codec),
     "transport": ("Transport: zloader against other loaders", render_transport),
     "torch_loader": ("zloader.torch.DataLoader against torch DataLoader", render_torch_loader),
     "big_dataset": ("An ImageNet-sized dataset: construction to first batch",
                     render_big_dataset),
+    "memory": ("Memory: what forked workers copy, their base, rings and epochs",
+               render_memory),
     "sharing": ("Sharing: one pipeline for K trainers", render_sharing),
     "coordinated": ("Coordinated reads", render_coordinated),
     "soak": ("Soak", render_soak),
