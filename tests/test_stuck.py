@@ -137,3 +137,40 @@ def test_the_broker_drops_a_worker_its_consumer_reports_stuck_and_checks_the_rep
     assert (b"w1", Command.RELEASE) in [(o.identity, o.command) for o in out]
     assert "w1" not in state.workers
     assert split(state, "w2", tasks["w2"], now=2.0) == 0  # its split, read by the other
+
+
+class _HoldsTheLock:
+    """A map-style dataset whose first read in each worker runs pure Python for 5 s with
+    a switch interval of 10 s: the worker's other threads (its heartbeats) cannot run, as
+    with a C extension that keeps the interpreter's lock."""
+
+    def __len__(self) -> int:
+        return 256
+
+    def __getitem__(self, index: int) -> int:
+        import sys
+
+        if not getattr(_HoldsTheLock, "held", False):
+            _HoldsTheLock.held = True  # type: ignore[attr-defined]
+            before = sys.getswitchinterval()
+            sys.setswitchinterval(10.0)
+            try:
+                deadline = time.monotonic() + 5.0
+                while time.monotonic() < deadline:
+                    pass
+            finally:
+                sys.setswitchinterval(before)
+        return index
+
+
+def test_a_worker_whose_user_code_holds_the_interpreter_lock_is_not_taken_for_dead():
+    """Silent for longer than the broker's liveness (3 heartbeats) but running: an embedded
+    broker keeps a worker of its own host whose process runs. It dropped it before, and
+    the torch drop-in raised "a DataLoader worker sent a batch out of place" when the
+    worker read its task again from the start."""
+    torch = pytest.importorskip("torch")
+    from zloader.torch import DataLoader
+
+    loader = DataLoader(_HoldsTheLock(), batch_size=16, num_workers=2, timeout=60)
+    batches = list(loader)
+    assert torch.cat(batches).tolist() == list(range(256))

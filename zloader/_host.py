@@ -32,3 +32,16 @@ def loopback(address: str) -> bool:
         return True
     host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
     return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` of this host exists and is neither stopped (SIGSTOP, a
+    debugger) nor a zombie: a worker that is silent but running is busy (user code that
+    holds the interpreter's lock), not dead."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:  # gone (or not Linux: then heartbeats alone decide)
+        return False
+    state = stat[stat.rfind(")") + 2:][:1]
+    return state in ("R", "S", "D")

@@ -9,6 +9,7 @@ import secrets
 from typing import Any
 
 from zloader._defaults import COMPACT_LINES, UNHEARD_BEATS
+from zloader._host import host_id, running
 from zloader.broker import (
     admission,
     coordinated,
@@ -341,6 +342,13 @@ def tick(state: Tables, now: float) -> list[Out]:
     and place the workers."""
     out: list[Out] = []
     for worker in [w for w in state.workers.values() if now - w.last_seen > state.expiry]:
+        if worker.host_id == host_id() and running(worker.pid):
+            # On this host and running: busy, not dead (user code holding the interpreter's
+            # lock stops its heartbeats). If it stays silent with a consumer's credits, the
+            # consumer reports it stuck after its timeout (failures.stuck).
+            log.debug("worker %s (pid %d) silent for %.1f s but running: kept", worker.id,
+                      worker.pid, now - worker.last_seen)
+            continue
         log.info("worker %s (pid %d on %s) silent for %.1f s: dropped", worker.id,
                  worker.pid, worker.host, now - worker.last_seen)
         out += failures.drop_worker(state, worker.id, died=True, now=now)
