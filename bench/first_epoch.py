@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import threading
 import time
 from typing import Any
 
@@ -28,13 +29,12 @@ def eager_rings() -> None:
 
     def populated(cls: Any, name: str, private: bool = False, reserve: bool = False,
                   populate: bool = True) -> Any:
-        return attach(cls, name, private=private, reserve=reserve, populate=True)
+        return attach(cls, name, private=private, reserve=True, populate=True)
 
     class Nothing:
-        done = None
-
         def __init__(self, *args: Any) -> None:
-            pass
+            self.done = threading.Event()
+            self.done.set()
 
         def close(self) -> None:
             pass

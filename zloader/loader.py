@@ -154,8 +154,9 @@ class Loader:
         memory_budget: bytes that this Loader's shared-memory rings and the records in
             flight to it may take together (default: half of /dev/shm, at most a quarter
             of the host's memory). Rings start at each worker's share and grow for large
-            records within it; past that, each worker gets fewer credits than
-            ``prefetch`` (logged once). See docs/pipeline.md, "Memory budget".
+            records within it; each worker has at most its share in flight, so records
+            too large for ``prefetch`` of them to fit come fewer at a time (logged once).
+            See docs/pipeline.md, "Memory budget".
 
     Raises:
         ValueError / TypeError: a bad argument, named in the message.
@@ -202,13 +203,12 @@ class Loader:
             raise ValueError("num_workers must be >= 1 in embedded mode (broker=None); "
                              "for an in-process run iterate the pipeline itself")
         choice("start_method", start_method, START_METHODS)
+        memory_budget = _check.optional_integer("memory_budget", memory_budget,
+                                                MIN_MEMORY_BUDGET)
         inherit = start_method == "fork" and workers > 0
-        # Forked workers read the dataset's large lists packed, not as Python objects
-        # (zloader/packed.py); the fingerprint hashes the packed bytes.
-        swaps = (packed.plan(pipeline.source)
+        # Forked workers read the dataset's large lists packed (zloader/packed.py)
+        swaps = (packed.prepare(pipeline)
                  if inherit and _check.boolean("pack_dataset", pack_dataset) else [])
-        with packed.offered(swaps):
-            pipeline.fingerprint  # noqa: B018 (computed now, once)
         self._timeout = timeout_seconds(timeout)
         self._share = share_settings(pipeline, broker, job_name, balanced, share,
                                       share_window_bytes, share_lag, share_block_seconds)
@@ -233,8 +233,6 @@ class Loader:
         prefetch = _check.integer("prefetch", prefetch if prefetch is not None
                                   else DEFAULT_PREFETCH, 1)
         ring_bytes = valid_ring_bytes(ring_bytes)
-        memory_budget = _check.optional_integer("memory_budget", memory_budget,
-                                                MIN_MEMORY_BUDGET)
         width = _check.optional_integer("width", width, 1)
         if _check.boolean("objects", objects) and not embedded:
             raise ValueError("objects=True needs embedded mode (broker=None): pickled "

@@ -44,7 +44,7 @@ from zloader._defaults import (
 )
 
 __all__ = ["PACK_MIN_ITEMS", "PackedSequence", "Swap", "flat_chunks", "install", "offered",
-           "pack", "plan"]
+           "pack", "plan", "prepare"]
 
 log = logging.getLogger("zloader.packed")
 
@@ -322,6 +322,15 @@ def plan(source: Any) -> list[Swap]:
     (see the module docstring). Logs at debug level what was packed and what was left."""
     swaps: list[Swap] = []
     _visit(source.innermost(), type(source.innermost()).__name__, swaps, {}, set(), 0)
+    return swaps
+
+
+def prepare(pipeline: Any) -> list[Swap]:
+    """The swaps for ``pipeline``'s forked workers (:func:`plan`), its fingerprint taken
+    meanwhile from the packed bytes: the lists are marshalled once."""
+    swaps = plan(pipeline.source)
+    with offered(swaps):
+        pipeline.fingerprint  # noqa: B018 (computed now, and kept by the pipeline)
     return swaps
 
 

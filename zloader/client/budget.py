@@ -57,7 +57,6 @@ class Budget:
 
     def __init__(self, total: int | None, prefetch: int, width: int = 1) -> None:
         self.total = total if total is not None else default_budget()
-        self.prefetch = prefetch
         self.limit = prefetch
         self.width = width  # the workers the job expects: at least this many share it
 

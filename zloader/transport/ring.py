@@ -206,10 +206,11 @@ class RingWriter:
         used = self._head - self._free(self._header[_TAIL])
         return min(1.0, max(0.0, used / self.capacity))
 
-    def _free(self, tail: int) -> int:
+    def _free(self, tail: int, restart: tuple[int, int] | None = None) -> int:
         """Where free space starts, given the header's ``tail``: past the gap of the last
-        restart once everything before it is released (rule 6)."""
-        before, position = self._restart
+        restart (``restart``, else this writer's) once everything before it is released
+        (rule 6)."""
+        before, position = self._restart if restart is None else restart
         return position if tail == before else tail
 
     def reserve(self, length: int) -> tuple[int, memoryview] | None:
@@ -254,8 +255,7 @@ class RingWriter:
             # Start again at the region start, where the caches are warm (rule 6).
             restart = (head, head + capacity - offset)
             head += capacity - offset
-            before, position = restart
-            free = position if tail == before else tail
+            free = self._free(tail, restart)
         if head + rounded - free > capacity:
             return None
         offset = head % capacity

@@ -137,10 +137,11 @@ class Segment:
             size: size in bytes, at least 1.
             reserve: reserve (allocate) only the first ``reserve`` bytes here and map the
                 rest lazily; whoever writes the rest must reserve it first
-                (``attach(..., reserve=True)``), or a full /dev/shm would kill it with
-                SIGBUS. None: all of it, and every page mapped now. A ring's reader
-                reserves its header only: its writer, another process, reserves the data
-                while it starts, so the reader does not spend its own time zeroing it.
+                (:meth:`reserve`, or ``attach(..., reserve=True)``), or a full /dev/shm
+                would kill it with SIGBUS. None: all of it, and every page mapped now. A
+                ring's reader reserves its header only: its writer, another process,
+                reserves the data as its records reach it, so the reader does not spend
+                its own time zeroing it.
 
         Returns:
             The mapped segment; this process owns it and must :meth:`unlink` it.

@@ -11,10 +11,10 @@ equal share.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from zloader import codec
 from zloader._defaults import MAX_GRANT, OVERDRAW_RECORDS
+from zloader.transport import records
 from zloader.transport.messages import End
 from zloader.worker.delivery import Delivery
 from zloader.worker.streams import Stream
@@ -23,16 +23,6 @@ if TYPE_CHECKING:
     from zloader.worker.task import Task
 
 __all__ = ["MAX_GRANT", "CreditDelivery", "clamp"]
-
-
-def _windowed(streams: list[Stream]) -> bool:
-    """Whether a consumer of ``streams`` bounds the bytes in flight to it (OPEN.window)."""
-    return any(s.window is not None for s in streams)
-
-
-def _size(buffers: list[Any]) -> int:
-    """A record's bytes."""
-    return sum(map(codec.nbytes, buffers))
 
 
 def clamp(credits: int) -> int:
@@ -91,14 +81,15 @@ class CreditDelivery(Delivery):
                 task.finish_epoch(epoch)
                 continue
             assert outgoing is not None
-            size = _size(outgoing.buffers) if _windowed(streams) else 0
+            sizes = records.sizes_of(outgoing.buffers)  # (the outlet's too: found once)
+            size = sum(sizes)
             taker = self._next(streams, size)
             if taker is None:
                 return
             self.pending.popleft()
             taker.credits -= 1
             taker.sent(size)
-            task.outlet.record(taker, epoch, outgoing.buffers, head)
+            task.outlet.record(taker, epoch, outgoing.buffers, head, sizes)
             outgoing.mark_taken()
 
     def _next(self, streams: list[Stream], size: int) -> Stream | None:

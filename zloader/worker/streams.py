@@ -135,16 +135,17 @@ class Outlet:
         self.bytes += nbytes
 
     def record(self, stream: Stream, epoch: int, frames: list[Any],
-               head: dict[str, Any]) -> None:
+               head: dict[str, Any], sizes: list[int] | None = None) -> None:
         """Send one record (``frames``: its codec buffers, then its origin block when
         ``head["origins"]``; ``head``: count, skipped, and ``round`` when it has one) as
-        DATA."""
+        DATA. ``sizes``: the frames' sizes, when the caller found them already."""
         count = head["count"]
         fields = {"epoch": epoch, "count": count, "skipped": head["skipped"], "ring": None,
                   "segment": None, "full": False, "shared": False, "lagged": None,
                   "round": head.get("round"), "origins": head.get("origins", False),
                   "framed": False}
-        sizes = records.sizes_of(frames)
+        if sizes is None:
+            sizes = records.sizes_of(frames)
         self.count(count, sum(sizes))
         ring = stream.ring
         # A record keeps its place among its stream's: the consumer reads every notice
