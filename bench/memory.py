@@ -101,6 +101,13 @@ def uss(pid: int) -> int:
     return int(psutil.Process(pid).memory_full_info().uss)
 
 
+def shm_private(pid: int) -> int:
+    """Bytes of ``pid``'s USS in /dev/shm mappings (rings: transport, not the dataset)."""
+    return sum(m.private_clean + m.private_dirty
+               for m in psutil.Process(pid).memory_maps(grouped=True)
+               if m.path.startswith("/dev/shm/"))
+
+
 def make_loader(name: str, dataset: Any, workers: int, persistent: bool = False,
                 seed: int = 0) -> Any:
     kwargs: dict[str, Any] = {
@@ -132,17 +139,20 @@ def one_epoch(name: str, dataset: Any, workers: int) -> dict[str, Any]:
     seen = 1 + started_up(iterator, workers)
     pids = [worker.pid for worker in iterator._workers]
     base = [uss(pid) for pid in pids]
+    base_shm = [shm_private(pid) for pid in pids]
     end: list[int] = []
     for _ in iterator:
         seen += 1
         if seen == total:
             end = [uss(pid) for pid in pids]
+            end_shm = [shm_private(pid) for pid in pids]
             done = time.perf_counter()
     del iterator, loader
     gc.collect()
     return {"batches": seen, "first_batch_s": first - started, "epoch_s": done - started,
             "base_uss": base, "end_uss": end,
-            "growth": sum(e - b for e, b in zip(end, base, strict=True))}
+            "growth": sum(e - b for e, b in zip(end, base, strict=True)),
+            "shm_growth": sum(e - b for e, b in zip(end_shm, base_shm, strict=True))}
 
 
 def copy_on_read(args: argparse.Namespace) -> dict[str, Any]:

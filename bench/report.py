@@ -532,15 +532,18 @@ def memory_tables(data: Any) -> list[str]:
     lines = []
     if "copy_on_read" in data:
         lines += ["### (1) Copy on read: the workers' USS growth over one epoch", "",
-                  "| dataset | one copy | loader | growth (sum of workers) | copies | "
+                  "| dataset | one copy | loader | workers' USS after start-up (sum) | "
+                  "growth (sum of workers) | of it, in /dev/shm | copies | "
                   "target | construction to first batch | first batch to last | whole epoch |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for label, result in data["copy_on_read"].items():
             for name, run in result["runs"].items():
                 target = "<= 0.1" if name == "zloader" else "-"
+                shm = (f"{run['shm_growth'] / mib:.0f} MiB" if "shm_growth" in run else "-")
                 lines.append(
                     f"| {result['samples']:,} {label} | {result['one_copy'] / mib:.0f} MiB | "
-                    f"{name} | {run['growth'] / mib:.0f} MiB | {run['growth_copies']:.2f} | "
+                    f"{name} | {sum(run['base_uss']) / mib:.0f} MiB | "
+                    f"{run['growth'] / mib:.0f} MiB | {shm} | {run['growth_copies']:.2f} | "
                     f"{target} | {run['first_batch_s']:.2f} s | "
                     f"{run['epoch_s'] - run['first_batch_s']:.2f} s | {run['epoch_s']:.2f} s |")
         lines.append("")

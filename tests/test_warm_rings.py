@@ -35,7 +35,8 @@ def resident_bytes(buf: memoryview) -> int:
 def test_ring_writer_attach_returns_before_the_ring_is_faulted_in():
     """Attaching maps the ring without faulting it in (it used to wait for all 256 MiB to
     be zeroed and mapped); the writer's background thread then maps every page it
-    reserved, and the pages of each later reservation."""
+    reserved. A later reservation is faulted in only as records are written into it: a
+    ring that doubled for one record does not hold the rest of the doubling in memory."""
     with RingReader(256 * MIB) as reader:
         writer = RingWriter(reader.name)
         try:
@@ -43,10 +44,14 @@ def test_ring_writer_attach_returns_before_the_ring_is_faulted_in():
             position, view = writer.reserve(100)
             view[:] = b"x" * 100  # the first record goes in at once
             assert bytes(reader.claim(position, 100)) == b"x" * 100
-            position, view = writer.reserve(100 * MIB)  # reserves more
-            assert writer.reserved >= 100 * MIB
             assert all(p.done.wait(60) for p in writer._prefaults), "prefaulting unfinished"
-            assert resident_bytes(writer._segment.buf) >= writer.reserved
+            first = writer.reserved
+            assert resident_bytes(writer._segment.buf) >= first
+            position, view = writer.reserve(10 * MIB)  # reserves more
+            assert writer.reserved >= 10 * MIB > first
+            view[-MIB:] = b"y" * MIB  # past the first reservation
+            resident = resident_bytes(writer._segment.buf)
+            assert first + MIB <= resident < writer.reserved - 4 * MIB
         finally:
             writer.close()
 

@@ -5,6 +5,7 @@ submodules ``zloader.torch`` and ``zloader.tf``, imported explicitly.
 """
 
 from zloader._version import __version__
+from zloader.client.session import PerWorker
 from zloader.errors import (
     CodecError,
     FingerprintWarning,
@@ -20,6 +21,7 @@ __all__ = [
     "CodecError",
     "FingerprintWarning",
     "Loader",
+    "PerWorker",
     "Pipeline",
     "PipelineError",
     "Timeout",

@@ -328,7 +328,8 @@ class Loader:
 
         Args:
             epoch_input: None, or an element the codec carries (nested dicts, lists and
-                tuples of arrays, scalars, strings and bytes).
+                tuples of arrays, scalars, strings and bytes), or a
+                :class:`zloader.PerWorker` of them: worker ``i`` gets the ``i``-th alone.
 
         Returns:
             An iterator over the epoch's elements.

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from zloader.client.session import EpochInput
 from zloader.lineage import Origins
 
 __all__ = ["Command", "Data", "Done", "End", "Failed", "GiveCredit", "Item", "Lost", "Origins",
@@ -66,10 +67,10 @@ Item = Data | End | Lost | Done | Failed
 
 @dataclass(frozen=True)
 class StartEpoch:
-    """Open ``epoch`` on every worker, handing them ``frames`` (a codec element, or none)."""
+    """Open ``epoch`` on every worker, handing them ``frames`` (the epoch's input)."""
 
     epoch: int
-    frames: list[Any]
+    frames: EpochInput
 
 
 @dataclass(frozen=True)

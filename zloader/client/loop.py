@@ -29,7 +29,7 @@ from zloader.client.link import BrokerLink, registration
 from zloader.client.peers import Peer, Peers, local_address
 from zloader.client.receive import Receiver
 from zloader.client.rounds import Rounds
-from zloader.client.session import Session, Settings
+from zloader.client.session import EpochInput, Session, Settings
 from zloader.client.stats import Stats
 from zloader.options import JobOptions
 from zloader.shipping import Served
@@ -277,7 +277,7 @@ class ConsumerLoop:
         elif isinstance(command, StartEpoch):
             self._start(command.epoch, command.frames)
 
-    def _start(self, epoch: int, epoch_input: list[Any]) -> None:
+    def _start(self, epoch: int, epoch_input: EpochInput) -> None:
         """Begin ``epoch``: tell the broker, open it on every worker."""
         self._session.start(epoch, epoch_input)
         self._end.start()

@@ -11,10 +11,10 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from zloader import codec
 from zloader._defaults import LOST_GRACE_SECONDS, POLL_SECONDS
 from zloader.client.exactly_once import Yielded
 from zloader.client.items import Data, Done, End, Failed, Item
+from zloader.client.session import encoded
 from zloader.client.thread import IOThread
 from zloader.errors import PipelineError, Timeout
 
@@ -48,7 +48,8 @@ class Merger:
 
     def epoch(self, epoch: int, epoch_input: Any) -> Iterator[Any]:
         """Start ``epoch`` on the workers, handing them ``epoch_input`` (a codec element,
-        or None), and return its elements. An older iterator of this merger raises from
+        a :class:`~zloader.client.session.PerWorker` of them, or None), and return its
+        elements. An older iterator of this merger raises from
         then on.
 
         Raises:
@@ -58,8 +59,7 @@ class Merger:
         # instead of both taking each other's records.
         self._reading = epoch
         self.yielded.begin(epoch)
-        frames = codec.encode(epoch_input) if epoch_input is not None else []
-        self.io.start_epoch(epoch, frames)
+        self.io.start_epoch(epoch, encoded(epoch_input))
         return self._round_robin(epoch) if self.deterministic else self._merged(epoch)
 
     def job_epoch(self) -> int:

@@ -300,7 +300,8 @@ class Peers:
             body.update(notify=self.notices.name, ring_id=peer.ring.ring_id)
         if self.rounds is not None:
             body["consumer_index"] = self.rounds.index
-        self.send(peer, Command.OPEN, payload=session.epoch_input, body=body)
+        self.send(peer, Command.OPEN, payload=session.epoch_input.frames(peer.index),
+                  body=body)
 
     def open_all(self, keep_credits: bool = False) -> None:
         """Open the epoch under way on every peer."""

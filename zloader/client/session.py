@@ -3,14 +3,53 @@ Loader is made) and its :class:`Session` (the job and the epoch under way)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from zloader import codec
 from zloader._defaults import HEARTBEAT
 from zloader.lineage import Ledger
 from zloader.transport.keys import Keys
 
-__all__ = ["HEARTBEAT", "Session", "Settings"]
+__all__ = ["HEARTBEAT", "EpochInput", "PerWorker", "Session", "Settings", "encoded"]
+
+
+@dataclass(frozen=True)
+class PerWorker:
+    """An epoch input with one element per worker index: ``Loader.iterate(PerWorker(xs))``
+    hands the worker of index ``i`` the element ``xs[i]`` alone (``Context.epoch_input``),
+    and a worker of an index past the end None. The torch adapter sends each worker only
+    its own batches' indices this way, rather than the whole epoch's to every worker."""
+
+    inputs: Sequence[Any]
+
+
+@dataclass(frozen=True)
+class EpochInput:
+    """An epoch's input as codec frames, as it goes with OPEN: the same frames for every
+    worker (``shared``), or each worker index its own (``each``)."""
+
+    shared: tuple[Any, ...] | list[Any] = ()
+    each: tuple[list[Any], ...] | None = None
+
+    def frames(self, index: int) -> tuple[Any, ...] | list[Any]:
+        """The frames for the worker of ``index`` (none past the end of ``each``)."""
+        if self.each is None:
+            return self.shared
+        return self.each[index] if 0 <= index < len(self.each) else ()
+
+
+def encoded(epoch_input: Any) -> EpochInput:
+    """``epoch_input`` (None, a codec element or a :class:`PerWorker` of them) as frames.
+
+    Raises:
+        CodecError: the codec cannot carry it (or one of a :class:`PerWorker`'s).
+    """
+    if isinstance(epoch_input, PerWorker):
+        return EpochInput(each=tuple(codec.encode(item) if item is not None else []
+                                     for item in epoch_input.inputs))
+    return EpochInput(codec.encode(epoch_input) if epoch_input is not None else [])
 
 
 @dataclass(frozen=True)
@@ -43,13 +82,13 @@ class Session:
     job: str | None = None  # None until the broker answers REGISTER, and once it forgets
     heartbeat: float = HEARTBEAT  # the broker's, once it has told us
     epoch: int | None = None  # the epoch under way (None before the first)
-    epoch_input: tuple[Any, ...] | list[Any] = ()  # codec frames sent with OPEN
+    epoch_input: EpochInput = EpochInput()  # codec frames sent with OPEN
     ended: set[str] = field(default_factory=set)  # workers that ended the epoch (rerun)
     done: bool = False  # the epoch is over: Done was handed on
     rerun: int = 0  # how often the workers were asked to run the epoch again
     received: Ledger = field(default_factory=Ledger)  # origins received this epoch
 
-    def start(self, epoch: int, epoch_input: tuple[Any, ...] | list[Any]) -> None:
+    def start(self, epoch: int, epoch_input: EpochInput) -> None:
         """Begin ``epoch``, which nothing of has been received yet."""
         self.epoch, self.epoch_input = epoch, epoch_input
         self.ended = set()

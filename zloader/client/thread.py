@@ -24,6 +24,7 @@ from zloader._defaults import POLL_MS
 from zloader.client.items import Failed, GiveCredit, Item, StartEpoch
 from zloader.client.loop import ConsumerLoop
 from zloader.client.peers import Peer
+from zloader.client.session import EpochInput
 from zloader.client.stats import Stats
 from zloader.client.turn import Turn
 
@@ -49,8 +50,8 @@ class IOThread(threading.Thread):
 
     # --- called from the iterating thread -------------------------------------------------
 
-    def start_epoch(self, epoch: int, epoch_input: list[Any]) -> None:
-        """Open ``epoch`` on every worker, with ``epoch_input`` (codec frames)."""
+    def start_epoch(self, epoch: int, epoch_input: EpochInput) -> None:
+        """Open ``epoch`` on every worker, with ``epoch_input`` (its codec frames)."""
         self.loop.submit(StartEpoch(epoch, epoch_input))
 
     def credit(self, worker: str, credits: int = 1) -> None:

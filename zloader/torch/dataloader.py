@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import torch
 import torch.utils.data
 
+from zloader.client.session import PerWorker
 from zloader.loader import Loader
 from zloader.pipeline import Pipeline
 from zloader.torch.passes import (
@@ -23,8 +24,8 @@ from zloader.torch.passes import (
     arrived,
     draws_only_from,
     ordered,
-    pack_batches,
     skipped,
+    worker_plans,
 )
 from zloader.torch.seeding import checked_state
 from zloader.torch.source import BatchSource
@@ -188,10 +189,11 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self._progress = progress
         if self.num_workers == 0:
             return skipped(torch.utils.data.DataLoader.__iter__(self), skip), progress, None, None
-        plan, sampling = self._plan(skip)
+        plan, sampled, sampling = self._plan(skip)
         progress.reseeded = bool(plan["reseed"])
+        plans = PerWorker(worker_plans(plan, sampled, self._auto_collation, skip,
+                                       self.num_workers, resumed))
         if resumed is not None:
-            plan["rng"] = [resumed.get(w, b"") for w in range(self.num_workers)]
             progress.workers = dict(resumed)
         elif not plan["reseed"] and previous is not None:  # workers go on where they are
             progress.workers = dict(previous.workers)
@@ -204,7 +206,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             loader = own = self._loader()
         progress.loader = loader
         try:
-            records = loader.iterate(plan)
+            records = loader.iterate(plans)
         except BaseException:
             if own is not None:
                 own.close()
@@ -216,10 +218,11 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         return (self._deliver(to_torch(batch) for batch in batches), progress, own,
                 sampling)
 
-    def _plan(self, skip: int) -> tuple[dict[str, Any], Sampling | None]:
-        """What the workers get for an epoch: its sampled batches from ``skip`` on (none
-        for an iterable dataset) and the base seed; drawn in torch's order: make the
-        sampler iterator, draw the base seed, then sample."""
+    def _plan(self, skip: int
+              ) -> tuple[dict[str, Any], list[Any] | None, Sampling | None]:
+        """What every worker gets for an epoch (the base seed and the like), its sampled
+        batches from ``skip`` on (None for an iterable dataset) and their sampling; drawn
+        in torch's order: make the sampler iterator, draw the base seed, then sample."""
         torch_loader = self
         before = self._rng()
         indices = None if self._iterable else iter(torch_loader._index_sampler)
@@ -234,8 +237,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             self._base_seed = self._draw()
             if datapipe:
                 self._draw()
-        plan: dict[str, Any] = {}
-        sampling = None
+        sampled, sampling = None, None
         if indices is not None:
             if eager or not draws_only_from(torch_loader._index_sampler,
                                              torch_loader.generator):
@@ -243,11 +245,11 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             else:
                 sampling = Sampling(self, indices, self._prefetch * self.num_workers + skip)
                 sampled = sampling.batches
-            plan = pack_batches(sampled[skip:], torch_loader._auto_collation)
-        plan.update(seed=self._base_seed, reseed=reseed, first=skip)
+            sampled = sampled[skip:]
+        plan: dict[str, Any] = {"seed": self._base_seed, "reseed": reseed}
         if shared is not None:
             plan["shared_seed"] = shared
-        return plan, sampling
+        return plan, sampled, sampling
 
     def _draw(self) -> int:
         """A seed from this loader's generator (torch's global one without it)."""

@@ -252,17 +252,33 @@ def _too_many(dataset: Any, reported: int, counted: int) -> str:
             "examples.")
 
 
-def pack_batches(batches: list[Any], batched: bool) -> dict[str, Any]:
-    """An epoch's sampled batches as two int64 arrays (or lists when indices are not ints)."""
-    groups = [list(b) if batched else [b] for b in batches]
-    offsets = np.zeros(len(groups) + 1, dtype=np.int64)
-    offsets[1:] = np.cumsum([len(g) for g in groups])
-    flat_list = [i for g in groups for i in g]
-    if all(isinstance(i, int) for i in flat_list):
-        flat: Any = np.asarray(flat_list, dtype=np.int64)
-    else:
-        flat = flat_list
-    return {"flat": flat, "offsets": offsets, "batched": batched}
+def worker_plans(common: dict[str, Any], batches: list[Any] | None, batched: bool,
+                 first: int, workers: int, resumed: dict[int, bytes] | None
+                 ) -> list[dict[str, Any]]:
+    """What each worker gets for an epoch: ``common`` (seeds and the like), its random
+    state when resumed (``resumed``: one per worker index, none for one as seeded) and,
+    for a map-style dataset, its own share of the epoch's sampled ``batches`` from batch
+    ``first`` on: batch ``j`` is worker ``j mod workers``'s (as in torch), so worker ``w``
+    gets batches ``j0, j0 + workers, ...`` as ``flat`` (their indices, int64 when all are
+    ints), ``offsets`` (int64, where each batch starts in ``flat``), ``first`` (``j0``)
+    and ``step`` (``workers``)."""
+    plans = []
+    for worker in range(workers):
+        plan = dict(common)
+        if resumed is not None:
+            plan["rng"] = resumed.get(worker, b"")
+        if batches is not None:
+            own = batches[(worker - first) % workers::workers]
+            groups = [list(b) if batched else [b] for b in own]
+            offsets = np.zeros(len(groups) + 1, dtype=np.int64)
+            offsets[1:] = np.cumsum([len(g) for g in groups])
+            flat: Any = [i for g in groups for i in g]
+            if all(type(i) is int for i in flat):
+                flat = np.asarray(flat, dtype=np.int64)
+            plan.update(flat=flat, offsets=offsets, batched=batched,
+                        first=first + (worker - first) % workers, step=workers)
+        plans.append(plan)
+    return plans
 
 
 def skipped(iterator: Iterator[Any], skip: int) -> Iterator[Any]:

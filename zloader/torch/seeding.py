@@ -32,15 +32,15 @@ _SEEDED: Seeded | None = None
 
 
 def seeded(token: str, reseed: bool, base_seed: int, worker: int, workers: int, dataset: Any,
-           init_fn: Callable[[int], None] | None, resumed: list[Any] | None) -> Seeded:
+           init_fn: Callable[[int], None] | None, resumed: bytes | None) -> Seeded:
     """This worker's seeding for the loader ``token``, at the start of an epoch.
 
     It is seeded as torch seeds its worker ``worker`` (``worker_init_fn`` included) when
     it last made another loader's batches, or when ``reseed`` brings a new base seed; a
     persistent worker asked to reseed with the base seed it has is set back to the state
     that seeding gave it (torch seeds a persistent worker once). Then, when the epoch
-    resumes a loaded state (``resumed``: one state per worker, empty for one as seeded),
-    it takes the state ``resumed`` holds for it, seeded afresh or not: a persistent
+    resumes a loaded state (``resumed``: this worker's state then, empty for one as
+    seeded), it takes that state, seeded afresh or not: a persistent
     worker has gone on drawing since that state was saved."""
     global _SEEDED
     fresh = (_SEEDED is None or _SEEDED.token != token
@@ -52,7 +52,7 @@ def seeded(token: str, reseed: bool, base_seed: int, worker: int, workers: int, 
     assert _SEEDED is not None
     target = None
     if resumed is not None:  # load_state_dict: as this worker was then
-        target = bytes(resumed[worker]) or _SEEDED.initial
+        target = bytes(resumed) or _SEEDED.initial
     elif reseed and not fresh:
         target = _SEEDED.initial
     if target is not None:

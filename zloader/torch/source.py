@@ -63,13 +63,15 @@ class BatchSource(Source):
         return self._mapped(plan, worker, seeded)
 
     def _mapped(self, plan: dict[str, Any], worker: int, seeded: seeding.Seeded) -> Iterator[Any]:
-        """This worker's batches ``j`` (``j mod width == worker``) of the epoch, from batch
-        ``first`` on, each as ``(j, random state after it or b"" if unchanged, batch)``
-        (the consumer keeps the state of the last batch it yielded, for ``state_dict``),
-        or ``(j, state, None, failure)`` when the dataset or ``collate_fn`` raised."""
-        flat, offsets, first = plan["flat"], plan["offsets"], int(plan.get("first", 0))
+        """This worker's batches ``j`` of the epoch (its plan's, see
+        ``passes.worker_plans``), each as ``(j, random state after it or b"" if
+        unchanged, batch)`` (the consumer keeps the state of the last batch it yielded,
+        for ``state_dict``), or ``(j, state, None, failure)`` when the dataset or
+        ``collate_fn`` raised."""
+        flat, offsets = plan["flat"], plan["offsets"]
+        first, step = int(plan["first"]), int(plan["step"])
         where = f"in DataLoader worker process {worker}"
-        for batch in range((worker - first) % self.width, len(offsets) - 1, self.width):
+        for batch in range(len(offsets) - 1):
             indices = flat[offsets[batch]:offsets[batch + 1]]
             keys = indices.tolist() if isinstance(indices, np.ndarray) else list(indices)
             failure = None
@@ -82,9 +84,9 @@ class BatchSource(Source):
             changed, seeded.reported = state != seeded.reported, state
             state = state if changed else b""
             if failure is None:
-                yield (first + batch, state, made)
+                yield (first + batch * step, state, made)
             else:
-                yield (first + batch, state, None, failure)
+                yield (first + batch * step, state, None, failure)
 
     def _fetch(self, keys: list[Any], batched: bool) -> Any:
         """A batch, made as torch's map-style fetcher makes it: ``__getitems__`` when the

@@ -63,8 +63,10 @@ it attaches, then at least twice as much each time a record lies past what it re
 full). With the restarts of rule 6, a consumer that keeps up with small records has them
 written over the first few MiB, so a ring costs the memory its records use, not its
 capacity. A background thread (:class:`~zloader.transport.prefault.Prefaulter`) faults
-each reserved range in, so the first record waits neither for the kernel to zero the
-ring nor for a mapping of it.
+the first reservation in, so the first record waits neither for the kernel to zero the
+ring nor for a mapping of it. Later reservations fault in as records are written into
+them: faulted ahead, the unused rest of a doubling would be memory the writer alone
+holds (and its USS), for nothing.
 """
 
 from __future__ import annotations
@@ -273,8 +275,9 @@ class RingWriter:
 
     def _reserve_to(self, end: int, strict: bool = False) -> bool:
         """Reserve the data region up to ``end`` at least (twice what was reserved, or
-        RING_RESERVE_BYTES, if more; never past the capacity) and start faulting the new
-        pages in. False when /dev/shm has no room (``strict``: raise ShmError)."""
+        RING_RESERVE_BYTES, if more; never past the capacity); the first reservation
+        (``strict``) starts faulting its pages in. False when /dev/shm has no room
+        (``strict``: raise ShmError)."""
         start = self._reserved
         target = min(self.capacity, max(end, 2 * start, RING_RESERVE_BYTES))
         try:
@@ -286,9 +289,9 @@ class RingWriter:
                       "goes another way", self.name, target - start)
             return False
         self._reserved = target
-        self._prefaults = [p for p in self._prefaults if not p.done.is_set()]
-        self._prefaults.append(Prefaulter(self._segment.buf, DATA_OFFSET + start,
-                                          DATA_OFFSET + target, DATA_OFFSET + start, "ring"))
+        if strict:
+            self._prefaults.append(Prefaulter(self._segment.buf, DATA_OFFSET + start,
+                                              DATA_OFFSET + target, DATA_OFFSET + start, "ring"))
         return True
 
     def close(self) -> None:
