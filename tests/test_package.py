@@ -37,7 +37,8 @@ LAYERS = {
     "storage": 1.5, "cachefile": 1.6,
     "sources": 2, "formats.base": 2.2, "formats.tfrecord": 2.4, "formats.webdataset": 2.4,
     "formats.parquet": 2.4, "formats.jsonl": 2.4, "formats.image_folder": 2.4,
-    "formats.build": 2.6, "chunks": 1.8, "stages": 2, "cache": 2.5, "pipeline": 3, "plan": 4,
+    "formats.build": 2.6, "chunks": 1.8, "stages": 2, "cache": 2.5, "mixing": 2.8,
+    "pipeline": 3, "plan": 4,
     "demo": 4,
     "_pickling": 4, "shipping": 5,
     # the broker: records and the pool's policy, the concerns, the facade,
@@ -55,7 +56,8 @@ LAYERS = {
     "sharing.delivery": 6.4, "worker.task": 6.5, "worker.consumers": 6.6,
     "worker.process": 6.7, "worker": 6.8,
     # the client, in the order its modules may import each other
-    "client.stats": 6.0, "client.session": 6.0, "client.items": 6.0, "client.arguments": 6.0,
+    "client.session": 5.95,  # (the epoch input that client.items carries)
+    "client.stats": 6.0, "client.items": 6.0, "client.arguments": 6.0,
     "client.budget": 6.05,
     "client.rounds": 6.1, "client.exactly_once": 6.1, "client.turn": 6.1, "client.peers": 6.2,
     "client.link": 6.2, "client.epoch_end": 6.3, "client.packing": 6.3, "client.receive": 6.4,

@@ -724,3 +724,18 @@ DEMO_WORKERS = 2
 
 DEMO_DISTINCT = 64
 """Distinct encoded images the demo source cycles through (fixed)."""
+
+
+# --- mixing (zloader/mixing.py) -------------------------------------------------------------
+
+MIX_KEY = 1 << 40
+"""The pass keys of a mix's input ``k`` hold ``MIX_KEY + k`` (pass keys are otherwise epochs
+and repetition counts, far below it; fixed: workers, brokers and journals must agree)."""
+
+MIX_DRAW_CHUNK = 1024
+"""A mix draws this many inputs at once (one numpy call); the unused rest is drawn again
+when an input ends (fixed)."""
+
+MAX_MIX_INPUTS = 4096
+"""The most inputs one mix may have (``REGISTER.source.inputs``; fixed)."""
+

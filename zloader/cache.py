@@ -86,11 +86,14 @@ def cached(source: Source, stages: tuple[_stages.Stage, ...], path: Any,
     """The source of ``Pipeline(source, stages).cache(path)``.
 
     Raises:
-        ValueError: a stage other than map, filter or unbatch comes before the cache, the
-            prefix cannot be fingerprinted (its entries could never be found again), or
-            ``max_entry_bytes`` is below 1.
+        ValueError: the source is a mix, a stage other than map, filter or unbatch comes
+            before the cache, the prefix cannot be fingerprinted (its entries could never
+            be found again), or ``max_entry_bytes`` is below 1.
     """
     limit = _check.integer("cache: max_entry_bytes", max_entry_bytes, 1)
+    if source.kind == "mix":
+        raise ValueError("cache: a mix's splits are its inputs' and go through their stages "
+                         "first; cache each input (Pipeline.mix([a.cache(), b.cache()]))")
     for stage in stages:
         if not isinstance(stage, PREFIX_STAGES):
             raise ValueError(

@@ -82,6 +82,13 @@ def _splits(value: Any) -> bool:
     return isinstance(value, list) and all(map(_count, value))
 
 
+def _inputs(value: Any) -> bool:
+    """A mix's inputs: [[num_splits, shuffle_splits, seed or null], ...]."""
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(item, list) and len(item) == 3 and _count(item[0]) and _flag(item[1])
+        and _optional(_integer)(item[2]) for item in value)
+
+
 def _holders(value: Any) -> bool:
     """Worker id -> the splits it holds."""
     return isinstance(value, dict) and all(map(_splits, value.values()))
@@ -123,7 +130,8 @@ EVENTS: dict[str, dict[str, Check]] = {
                "endpoint": _text, "prefer?": _optional(_text), "plain_data?": _flag},
     "job": {"id": _text, "fingerprint": _text, "name": _optional(_text), "options": _options,
             "num_splits": _count, "shuffle_splits": _flag, "seed": _optional(_integer),
-            "width": _count, "source_data": _optional(_object), "entropy": _integer},
+            "width": _count, "source_data": _optional(_object), "entropy": _integer,
+            "inputs?": _inputs},
     "rounds": {"job": _text, "size": _count},
     "task": {"job": _text, "task": _text, "worker": _text, "index": _count},
     "split": {"job": _text, "pass": _key, "split": _count, "worker": _text,

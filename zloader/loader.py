@@ -45,6 +45,7 @@ from zloader.client.arguments import (
 from zloader.client.packing import check_exposure, pack
 from zloader.errors import WorkerExited
 from zloader.lineage import exactly_once as exactly_once_applies
+from zloader.mixing import check_runnable, register_info
 from zloader.options import JobOptions
 from zloader.pipeline import Pipeline
 from zloader.plan import plan
@@ -219,6 +220,7 @@ class Loader:
             resolve_keys(keys)  # embedded mode needs none, but a bad keys= is still an error
         self.pipeline = pipeline
         self._plan = plan(pipeline)
+        check_runnable(pipeline.source)
         self._exactly_once = exactly_once_applies(
             _check.boolean("exactly_once", exactly_once), sharding=sharding,
             deterministic=deterministic, shared=self._share is not None,
@@ -281,8 +283,7 @@ class Loader:
             self._io = IOThread(
                 address, blob, fingerprint=pipeline.fingerprint, job_name=job_name,
                 options=options,
-                source={"num_splits": source.num_splits, "shuffle_splits": source.shuffle_splits,
-                        "seed": source.seed},
+                source=register_info(source),
                 prefetch=prefetch, use_rings=transport == "auto", ring_bytes=ring_bytes,
                 served=served,
                 data_bind=f"ipc://{self._dir}/source" if embedded else None,

@@ -27,6 +27,7 @@ from typing import Any
 
 from zloader import _check
 from zloader import cache as _cache
+from zloader import mixing as _mixing
 from zloader import sources as _sources
 from zloader import stages as _stages
 from zloader._defaults import CACHE_MAX_ENTRY_BYTES
@@ -282,6 +283,37 @@ class Pipeline:
                                            "from_image_folder", name, shuffle_splits, seed,
                                            version), max_pixels))
 
+    @classmethod
+    def mix(cls, pipelines: Sequence[Pipeline], weights: Sequence[float] | None = None, *,
+            seed: int | None = None, stop: str = "all_exhausted") -> Pipeline:
+        """Each element from one of ``pipelines``, drawn by ``weights`` (equal when None)
+        with a generator seeded by ``seed`` (fresh entropy per run when None). Each input
+        keeps its own splits, shuffles and maps. ``stop``: ``"all_exhausted"`` (an input
+        that ends leaves the draw and the others are drawn by their weights, re-scaled),
+        ``"first_exhausted"`` (the mix ends with its first input to end) or ``"never"``
+        (an input that ends starts its next pass: the mix is endless). See
+        docs/semantics.md, "Mixing".
+
+        Raises:
+            TypeError: an input is not a Pipeline.
+            ValueError: no inputs, an input that is a mix or has a take/skip, weights not
+                one per input, negative, not finite or all zero, or an unknown ``stop``.
+        """
+        return cls(_mixing.mixed_source(_pipelines(pipelines), weights, None, seed, stop))
+
+    @classmethod
+    def choose(cls, pipelines: Sequence[Pipeline], pattern: Sequence[int], *,
+               stop: str = "all_exhausted") -> Pipeline:
+        """Elements from ``pipelines`` in the order ``pattern`` names them, over and over
+        (``[0, 0, 1]``: two of input 0, then one of input 1). ``stop``: as for
+        :meth:`mix`; ``"all_exhausted"`` passes over the inputs that ended.
+
+        Raises:
+            TypeError: an input is not a Pipeline.
+            ValueError: as for :meth:`mix`, and a pattern that is empty or names no input.
+        """
+        return cls(_mixing.mixed_source(_pipelines(pipelines), None, pattern, None, stop))
+
     # --- stages ----------------------------------------------------------------------
 
     def map(self, fn: Callable[[Any], Any], num_parallel_calls: int = 1, *,
@@ -455,7 +487,7 @@ class Pipeline:
             for split in ctx.source.split_order(key, ctx.entropy):
                 yield from ctx.read_chunks(split, size)
 
-        return _stages.compose(read, self.stages, ctx, read_chunks=read_chunks)((epoch,))
+        return _mixing.mixed_run(self.source, read, self.stages, ctx, read_chunks)((epoch,))
 
     def __iter__(self) -> Iterator[Any]:
         return self.iter(0)
@@ -512,3 +544,17 @@ def _int_tuple(name: str, values: Any, minimum: int) -> tuple[int, ...]:
 def _stage_options(default_name: str, name: Any, version: Any) -> dict[str, Any]:
     return {"name": _check.label("name", name) or default_name,
             "version": _check.label("version", version)}
+
+
+def _pipelines(inputs: Sequence[Any]) -> list[Pipeline]:
+    """A mix's inputs, each a Pipeline.
+
+    Raises:
+        TypeError: one is not.
+    """
+    found = list(inputs)
+    for index, pipeline in enumerate(found):
+        if not isinstance(pipeline, Pipeline):
+            raise TypeError(f"mix input {index} must be a zloader.Pipeline, "
+                            f"got {type(pipeline).__name__}")
+    return found

@@ -14,6 +14,7 @@ from typing import Any
 from zloader import stages as _stages
 from zloader.chunks import Chunk
 from zloader.lineage import Assigned, read_split, read_split_chunks
+from zloader.mixing import mixed_run
 from zloader.pipeline import Pipeline
 
 __all__ = ["Plan", "SplitFeed", "plan"]
@@ -69,7 +70,7 @@ class Plan:
         ctx.pass_keys = pass_ids
         ctx.source = source
         ctx.records_from = len(self.worker_stages)  # (the producer encodes what it yields)
-        return _stages.compose(read, self.worker_stages, ctx, read_chunks=read_chunks)((epoch,))
+        return mixed_run(source, read, self.worker_stages, ctx, read_chunks)((epoch,))
 
     def run_consumer(self, elements: Iterator[Any], epoch: int,
                      ctx: _stages.Context) -> Iterator[Any]:

@@ -140,6 +140,10 @@ class Source:
         """The splits of one pass, in reading order; ``key`` names the pass (epoch, repeats)."""
         return split_order(self.num_splits, self.shuffle_splits, self.seed, entropy, key)
 
+    def splits_in(self, key: Key) -> int:
+        """How many splits pass ``key`` reads: all of them (a mix's inputs differ)."""
+        return self.num_splits
+
     def _options(self) -> tuple[Any, ...]:
         return (self.shuffle_splits, self.seed)
 

@@ -62,8 +62,10 @@ class Coverage:
     source has no splits, or when it is leaving (``leaving()``: its passes end at once).
     """
 
-    def __init__(self, num_splits: int, leaving: Callable[[], bool]) -> None:
-        self.num_splits = num_splits
+    def __init__(self, num_splits: int | Callable[[Key], int],
+                 leaving: Callable[[], bool]) -> None:
+        # the splits of a pass: as many for every pass, or per pass key (a mix's inputs)
+        self.splits_of = num_splits if callable(num_splits) else (lambda key: num_splits)
         self.leaving = leaving
         self._fresh: dict[Key, set[int]] = {}  # pass key -> splits read afresh in it
 
@@ -171,7 +173,7 @@ class Context:
         if coverage is None:
             return True
         empty |= coverage.close(key)
-        return coverage.leaving() or len(empty) >= coverage.num_splits
+        return coverage.leaving() or len(empty) >= coverage.splits_of(key)
 
     def read(self, split: int) -> Iterator[Any]:
         """The elements of ``split`` of :attr:`source`, noting in :attr:`at` where each

@@ -11,6 +11,7 @@ from typing import Any
 
 from zloader.broker import failures, jobs, splits
 from zloader.broker.records import Job, Out, Pass, Tables, Worker
+from zloader.mixing import layout_of
 from zloader.options import JobOptions
 from zloader.rounds import Rounds
 from zloader.transport.protocol import Command
@@ -109,7 +110,8 @@ def _apply_job(state: Tables, event: dict[str, Any], now: float) -> None:
         JobOptions.from_body(event["options"]), blob,  # Wrong: the line is skipped
         event["num_splits"], event["shuffle_splits"], event["seed"], event["width"],
         event["source_data"], event["entropy"], now,
-        pipeline=dict(event["pipeline"]) if event.get("pipeline") else None)
+        pipeline=dict(event["pipeline"]) if event.get("pipeline") else None,
+        layout=layout_of(event.get("inputs")))
 
 
 def _apply_to_job(state: Tables, job: Job, event: dict[str, Any], now: float) -> None:
@@ -200,4 +202,6 @@ def job_event(job: Job) -> dict[str, Any]:
     return {"e": "job", "id": job.id, "fingerprint": job.fingerprint, "name": job.name,
             "options": job.options.to_body(), "num_splits": job.num_splits,
             "shuffle_splits": job.shuffle_splits, "seed": job.seed, "width": job.width,
-            "source_data": job.source_data, "entropy": job.entropy, "pipeline": job.pipeline}
+            "source_data": job.source_data, "entropy": job.entropy, "pipeline": job.pipeline,
+            **({"inputs": [list(item) for item in job.layout.inputs]}
+               if job.layout is not None else {})}

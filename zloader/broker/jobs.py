@@ -22,6 +22,7 @@ from zloader.broker import (
 )
 from zloader.broker.records import FENCE_GRACE, INHERITED, Consumer, Job, Out, Tables
 from zloader.lineage import Ledger, pack
+from zloader.mixing import layout_of
 from zloader.options import JobOptions
 from zloader.rounds import Rounds
 from zloader.sharing.options import KEY_OPTIONS
@@ -235,6 +236,7 @@ def _new_job(state: Tables, identity: bytes, msg: Register, name: str | None,
               source["num_splits"], bool(source.get("shuffle_splits", False)),
               source.get("seed"), width, msg.source_data, secrets.randbits(63), now)
     job.pipeline = _pipeline(msg)
+    job.layout = layout_of(source.get("inputs"))
     job.owner = identity
     job.scaler.cooldown = state.cooldown
     entropy = msg.entropy  # a resumed Loader's: its shuffles draw the same

@@ -28,6 +28,7 @@ from zloader._defaults import (
 from zloader.autoscale import Autoscaler
 from zloader.forward import BURST, RATE, Bucket
 from zloader.journal import Journal
+from zloader.mixing import Layout
 from zloader.options import JobOptions
 from zloader.rounds import Rounds
 from zloader.transport.protocol import Command
@@ -170,6 +171,7 @@ class Job:
     pipeline: dict[str, Any] | None = None  # where workers get a pipeline not in ``blob``
     hungry_until: float = 0.0  # an epoch just started: hungry before its first sample
     owner: Identity | None = None  # the connection whose REGISTER made it (Limits.peer_*)
+    layout: Layout | None = None  # a mix's inputs' splits (zloader/mixing.py)
 
     @property
     def sharding(self) -> str:

@@ -86,7 +86,9 @@ def dispenser(state: Tables, job: Job, key: PassKey) -> Pass:
     Loader's epoch leaves out what it had yielded."""
     handing = job.passes.get(key)
     if handing is None:
-        order = split_order(job.num_splits, job.shuffle_splits, job.seed, job.entropy, key)
+        order = (job.layout.order(key, job.entropy) if job.layout is not None
+                 else split_order(job.num_splits, job.shuffle_splits, job.seed, job.entropy,
+                                  key))
         skips: dict[int, dict[str, Any]] = {}
         if job.resume is not None and job.resume[0] == key[0]:
             ledger = job.resume[1]  # what a resumed Loader had yielded: not again

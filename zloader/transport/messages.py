@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from zloader._defaults import LOG_MAX_LINE, LOG_MAX_LINES, STAGES
+from zloader._defaults import LOG_MAX_LINE, LOG_MAX_LINES, MAX_MIX_INPUTS, STAGES
 from zloader.options import JobOptions
 from zloader.transport.fields import (
     INDEX,
@@ -193,13 +193,28 @@ HOLDS = list_of(text(128), 0, 64)
 """``READY.holds``: at most 64 fingerprints."""
 
 
+def mix_inputs(value: Any) -> bool:
+    """``[[num_splits >= 0, shuffle_splits, seed or null], ...]``: a mix's inputs."""
+    return (isinstance(value, list) and 0 < len(value) <= MAX_MIX_INPUTS
+            and all(isinstance(item, list) and len(item) == 3 and is_int(item[0])
+                    and item[0] >= 0 and isinstance(item[1], bool)
+                    and (item[2] is None or is_int(item[2])) for item in value))
+
+
 def source_info(value: Any) -> dict[str, Any]:
-    """``REGISTER.source``: ``{num_splits >= 0, seed: integer or null, shuffle_splits}``."""
+    """``REGISTER.source``: ``{num_splits >= 0, seed: integer or null, shuffle_splits}``
+    and, for a mix, ``inputs``: each input's ``[num_splits, shuffle_splits, seed]``,
+    whose splits add up to ``num_splits``."""
     if not (isinstance(value, dict) and is_int(value.get("num_splits"))
             and value["num_splits"] >= 0
             and (value.get("seed") is None or is_int(value["seed"]))
             and isinstance(value.get("shuffle_splits", False), bool)):
         raise Wrong("must be {num_splits >= 0, seed: an integer or null, shuffle_splits}")
+    inputs = value.get("inputs")
+    if inputs is not None and not (mix_inputs(inputs) and sum(
+            item[0] for item in inputs) == value["num_splits"]):
+        raise Wrong(f"inputs must be 1 to {MAX_MIX_INPUTS} [num_splits, shuffle_splits, "
+                    "seed] whose splits add up to num_splits")
     return obj(value)
 
 

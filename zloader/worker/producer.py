@@ -218,6 +218,9 @@ class Producer(threading.Thread):
         self.stage = "pipeline"
         self.split: int | None = None
         self._permit = False  # a permit taken from the pool for the next record
+        # The broker's answers about passes read at the same time (a mix's inputs), kept
+        # for the pass's reader until it takes them: pass key -> answers, in order.
+        self._answers: dict[tuple[int, ...], deque[dict[str, Any]]] = {}
         self.hand: Hand | None = None  # set by the worker: deliver records on this thread
 
     def doing(self) -> dict[str, Any]:
@@ -265,8 +268,7 @@ class Producer(threading.Thread):
                       workers=spec.width, epoch_input=self.epoch_input,
                       round_size=spec.round_size, track=spec.track)
         if spec.sharding == "dynamic":  # handed some splits of each pass, not all
-            ctx.coverage = Coverage(spec.plan.pipeline.source.num_splits,
-                                    self.draining.is_set)
+            ctx.coverage = Coverage(spec.plan.pipeline.source.splits_in, self.draining.is_set)
         elements = spec.plan.run_worker(lambda key: self._feed(pair, key), self.epoch, ctx)
         if self.replay is not None:
             elements = itertools.islice(elements, self.replay)
@@ -446,11 +448,21 @@ class Producer(threading.Thread):
                 self.split = split
                 yield split
             return
-        # After a quick split (under SPLIT_AHEAD_SECONDS) the next is asked for as soon as
-        # one arrives, while that one is read, so that short splits do not each wait for a
-        # round trip through the broker (which takes a request with ``have`` splits
-        # received as "reading the last of them"). After a slow one it is not: the split
-        # asked for would wait behind it while other workers might read it.
+        self._answers.setdefault(key, deque())  # (passes read at once: a mix's inputs)
+        try:
+            yield from self._dealt(pair, key)
+        finally:
+            self._answers.pop(key, None)
+
+    def _dealt(self, pair: zmq.Socket[Any], key: tuple[int, ...]) -> Iterator[Any]:
+        """The splits the broker deals this worker in pass ``key`` (dynamic sharding).
+
+        After a quick split (under SPLIT_AHEAD_SECONDS) the next is asked for as soon as
+        one arrives, while that one is read, so that short splits do not each wait for a
+        round trip through the broker (which takes a request with ``have`` splits
+        received as "reading the last of them"). After a slow one it is not: the split
+        asked for would wait behind it while other workers might read it."""
+        spec = self.spec
         have = 0  # splits received in this pass: the broker re-sends one whose answer was lost
         asked = False
         took: float | None = None  # how long the last split took to read
@@ -489,10 +501,17 @@ class Producer(threading.Thread):
                 have: int) -> dict[str, Any] | None:
         """The broker's answer to this producer's request (``have`` splits received):
         repeated answers to an earlier request (the worker asked again after reconnecting)
-        are passed over; None for an answer about another pass."""
+        are passed over; an answer about another pass being read is kept for its reader;
+        None for an answer about a pass nobody reads (a stopped producer's)."""
+        kept = self._answers.get(key)
         while True:
             if self.stop.is_set():  # (an answer that came ahead must not keep it going)
                 raise _Stopped
+            if kept:
+                reply = kept.popleft()
+                if reply.get("have") in (None, have):
+                    return reply
+                continue
             asked = time.perf_counter()
             self.stage = "splits"
             while not pair.poll(100):
@@ -503,8 +522,12 @@ class Producer(threading.Thread):
             self._split_wait += waited
             self.timing["splits"] += waited
             reply = json.loads(pair.recv())
-            if not isinstance(reply, dict) or reply.get("pass") != list(key):
-                return None
+            about = tuple(reply.get("pass") or ()) if isinstance(reply, dict) else None
+            if about != key:
+                if about not in self._answers:
+                    return None
+                self._answers[about].append(reply)
+                continue
             if reply.get("have") in (None, have):
                 return reply
 

@@ -1,0 +1,168 @@
+"""``Pipeline.mix`` and ``Pipeline.choose``: elements drawn from several input pipelines
+by weight or in a pattern, each input keeping its own splits, shuffles and maps; in one
+process (the reference) and through Loaders, where one worker reads what ``iter`` reads and
+a killed worker loses and repeats nothing of any input."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import signal
+
+import pytest
+
+from tests.service import service
+from zloader import Loader, Pipeline
+
+
+def tagged(name: str):
+    return lambda x: (name, int(x))
+
+
+def inputs() -> list[Pipeline]:
+    a = Pipeline.range(1000, split_size=50).map(tagged("a"))
+    b = (Pipeline.range(500, split_size=50, shuffle_splits=True, seed=3).map(tagged("b"))
+         .shuffle(50, seed=1))
+    c = Pipeline.range(100, split_size=25).map(tagged("c"))
+    return [a, b, c]
+
+
+def names(elements) -> collections.Counter:
+    return collections.Counter(name for name, _ in elements)
+
+
+def as_tuples(elements) -> list[tuple[str, int]]:
+    return [(str(name), int(x)) for name, x in elements]
+
+
+def test_all_exhausted_reads_every_input_whole_and_draws_by_weight_while_all_last():
+    mix = Pipeline.mix(inputs(), [0.6, 0.3, 0.1], seed=7)
+    out = list(mix.iter(0))
+    assert names(out) == {"a": 1000, "b": 500, "c": 100}
+    assert sorted(out) == sorted(itertools.chain(*(p.iter(0) for p in inputs())))
+    head = names(out[:300])  # all three inputs still last: about 60/30/10
+    assert 130 <= head["a"] <= 230 and 50 <= head["b"] <= 130 and 10 <= head["c"] <= 60
+    # each input's own order is kept: input a's elements come in its order
+    assert [x for name, x in out if name == "a"] == list(range(1000))
+
+
+def test_a_seeded_mix_repeats_per_epoch_and_differs_between_epochs_and_seeds():
+    mix = Pipeline.mix(inputs(), [0.6, 0.3, 0.1], seed=7)
+    assert list(mix.iter(0)) == list(mix.iter(0))
+    assert list(mix.iter(0)) != list(mix.iter(1))
+    assert list(mix.iter(0)) != list(Pipeline.mix(inputs(), [0.6, 0.3, 0.1], seed=8).iter(0))
+
+
+def test_first_exhausted_ends_with_the_first_input_to_end():
+    mix = Pipeline.mix(inputs(), [0.6, 0.3, 0.1], seed=7, stop="first_exhausted")
+    out = list(mix.iter(0))
+    counts = names(out)
+    assert counts["c"] == 100 and counts["a"] < 1000 and counts["b"] < 500
+
+
+def test_never_repeats_each_input_and_holds_the_weights():
+    mix = Pipeline.mix(inputs(), [0.6, 0.3, 0.1], seed=7, stop="never")
+    counts = names(itertools.islice(mix.iter(0), 100_000))
+    assert abs(counts["a"] / 100_000 - 0.6) < 0.01
+    assert abs(counts["b"] / 100_000 - 0.3) < 0.01
+    assert abs(counts["c"] / 100_000 - 0.1) < 0.01
+
+
+def test_never_ends_when_every_input_is_empty_and_drops_an_empty_one():
+    empty = Pipeline.range(0)
+    assert list(Pipeline.mix([empty, empty], stop="never").iter(0)) == []
+    out = list(itertools.islice(Pipeline.mix([empty, Pipeline.range(3)], stop="never")
+                                .iter(0), 7))
+    assert [int(x) for x in out] == [0, 1, 2, 0, 1, 2, 0]
+
+
+def test_a_zero_weight_input_is_never_read():
+    def boom(x):
+        raise AssertionError("read")
+    mix = Pipeline.mix([Pipeline.range(10), Pipeline.range(10).map(boom)], [1, 0], seed=1)
+    assert sorted(int(x) for x in mix.iter(0)) == list(range(10))
+
+
+def test_choose_takes_the_inputs_in_its_pattern():
+    a, _, c = inputs()
+    out = list(Pipeline.choose([a, c], [0, 0, 1]).iter(0))
+    assert out[:6] == [("a", 0), ("a", 1), ("c", 0), ("a", 2), ("a", 3), ("c", 1)]
+    assert names(out) == {"a": 1000, "c": 100}  # all_exhausted: a goes on alone
+    first = list(Pipeline.choose([a, c], [0, 0, 1], stop="first_exhausted").iter(0))
+    assert names(first) == {"a": 202, "c": 100}  # a, a, then c has none: the end
+
+
+def test_stages_after_the_mix_see_the_mixed_stream():
+    mix = Pipeline.mix(inputs(), seed=2).map(lambda pair: pair[0]).batch(100)
+    batches = list(mix.iter(0))
+    assert [len(b) for b in batches] == [100] * 16
+    assert collections.Counter(str(v) for b in batches for v in b) == {
+        "a": 1000, "b": 500, "c": 100}
+
+
+def test_equal_mixes_have_equal_fingerprints():
+    one = Pipeline.mix(inputs(), [0.6, 0.3, 0.1], seed=7)
+    assert one.fingerprint == Pipeline.mix(inputs(), [6, 3, 1], seed=7).fingerprint
+    assert one.fingerprint != Pipeline.mix(inputs(), [5, 3, 1], seed=7).fingerprint
+    assert one.fingerprint != Pipeline.mix(inputs()[::-1], [0.1, 0.3, 0.6], seed=7).fingerprint
+    assert one.fingerprint != Pipeline.mix(inputs(), [0.6, 0.3, 0.1], seed=8).fingerprint
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: Pipeline.mix([]), ValueError, "at least one"),
+    (lambda: Pipeline.mix([Pipeline.range(3), [1, 2]]), TypeError, "input 1 must be"),
+    (lambda: Pipeline.mix([Pipeline.range(3)], [1, 2]), ValueError, "one weight per input"),
+    (lambda: Pipeline.mix([Pipeline.range(3)] * 2, [1, -1]), ValueError, ">= 0"),
+    (lambda: Pipeline.mix([Pipeline.range(3)] * 2, [0, 0]), ValueError, "not all 0"),
+    (lambda: Pipeline.mix([Pipeline.range(3)] * 2, [1, float("nan")]), ValueError, "finite"),
+    (lambda: Pipeline.mix([Pipeline.range(3)], stop="shortest"), ValueError, "stop must be"),
+    (lambda: Pipeline.choose([Pipeline.range(3)], [0, 1]), ValueError, "pattern must name"),
+    (lambda: Pipeline.choose([Pipeline.range(3)], []), ValueError, "pattern must name"),
+    (lambda: Pipeline.mix([Pipeline.mix([Pipeline.range(3)])]), ValueError, "itself a mix"),
+    (lambda: Pipeline.mix([Pipeline.range(3).take(2)]), ValueError, "take/skip"),
+    (lambda: Pipeline.mix([Pipeline.range(3)]).cache(), ValueError, "cache each input"),
+])
+def test_bad_mixes_are_refused_with_what_to_change(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_one_worker_reads_what_iter_reads_and_two_read_the_same_elements():
+    mix = Pipeline.mix(inputs(), [0.6, 0.3, 0.1], seed=7)
+    reference = as_tuples(mix.iter(0))
+    with Loader(mix, num_workers=1, timeout=30) as loader:
+        assert as_tuples(loader) == reference
+    with Loader(mix, num_workers=2, timeout=30) as loader:
+        assert sorted(as_tuples(loader)) == sorted(reference)
+
+
+def test_an_endless_mix_through_two_workers_holds_the_weights():
+    mix = Pipeline.mix(inputs(), [0.6, 0.3, 0.1], seed=7, stop="never")
+    with Loader(mix.take(20_000), num_workers=2, timeout=30) as loader:
+        counts = names(loader)
+    assert abs(counts["a"] / 20_000 - 0.6) < 0.03 and abs(counts["c"] / 20_000 - 0.1) < 0.02
+
+
+def test_a_loader_refuses_first_exhausted_for_now():
+    mix = Pipeline.mix(inputs(), stop="first_exhausted")
+    with pytest.raises(ValueError, match="first_exhausted"):
+        Loader(mix, num_workers=1)
+
+
+def slow(pair):
+    import time
+    time.sleep(0.002)
+    return pair
+
+
+def test_a_killed_worker_loses_and_repeats_nothing_of_any_input():
+    mix = Pipeline.mix(inputs(), [0.6, 0.3, 0.1], seed=7).map(slow)
+    with service(workers=2) as (address, procs):
+        seen: collections.Counter = collections.Counter()
+        with Loader(mix, broker=address, timeout=30) as loader:
+            for i, element in enumerate(as_tuples(loader)):
+                seen[element] += 1
+                if i == 300:
+                    procs[0].send_signal(signal.SIGKILL)
+    expected = collections.Counter(as_tuples(itertools.chain(*(p.iter(0) for p in inputs()))))
+    assert seen == expected

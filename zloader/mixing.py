@@ -1,0 +1,315 @@
+"""Mixing pipelines: ``Pipeline.mix`` draws each element from one of several input
+pipelines by weight, ``Pipeline.choose`` in a fixed repeating pattern (docs/semantics.md,
+"Mixing").
+
+A mix is a source, :class:`MixSource`, whose splits are its inputs' splits numbered one
+after another (input ``k``'s split ``s`` is ``offset[k] + s``). Each input is read in passes
+of its own: the pass key of input ``k`` within the mix's pass ``key`` is
+``(*key, MIX_KEY + k)`` (then a repetition number, with ``stop="never"``), and a pass key
+ending so names input ``k``'s splits only. That rule is plain values (:class:`Layout`), so
+the broker hands out each input's splits, and exactly-once accounts for them, per input
+pass, without loading any pipeline code; with one worker the Loader reads what
+``Pipeline.iter`` reads.
+
+Each input keeps its own stages (maps, shuffles, batches); the mix takes one element at a
+time from the input it draws, and the stages after the mix see the mixed stream.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from zloader import _check
+from zloader import stages as _stages
+from zloader._defaults import MIX_DRAW_CHUNK, MIX_KEY
+from zloader._seeding import Key
+from zloader.sources import Source, split_order
+
+if TYPE_CHECKING:
+    from zloader.pipeline import Pipeline
+
+__all__ = ["MIX_KEY", "STOP_RULES", "Layout", "MixSource", "check_runnable", "layout_of",
+           "mixed_run", "mixed_source", "register_info"]
+
+_DRAWS = MIX_KEY - 1
+"""The last element of the key of a mix's own draws."""
+
+STOP_RULES = ("first_exhausted", "all_exhausted", "never")
+
+
+def layout_of(inputs: Any) -> Layout | None:
+    """The layout of a mix's ``inputs`` as REGISTER carries them (None: not a mix)."""
+    if inputs is None:
+        return None
+    return Layout(tuple((int(n), bool(shuffle), seed) for n, shuffle, seed in inputs))
+
+
+def check_runnable(source: Source) -> None:
+    """Raise where a Loader cannot run ``source`` yet.
+
+    Raises:
+        ValueError: a mix with ``stop="first_exhausted"``: its workers would end their
+            other inputs mid-split, which exactly-once accounting reads as elements lost
+            (and reads again). ``Pipeline.iter`` runs it.
+    """
+    if isinstance(source, MixSource) and source.stop == "first_exhausted":
+        raise ValueError(
+            f"a Loader cannot run {source.name}(stop='first_exhausted') yet: its workers "
+            "would stop the other inputs in the middle of their splits; use "
+            "stop='all_exhausted' or 'never' (and .take(n) for a fixed length)")
+
+
+def register_info(source: Source) -> dict[str, Any]:
+    """``REGISTER.source`` for ``source``: what the broker needs to hand its splits out."""
+    info: dict[str, Any] = {"num_splits": source.num_splits,
+                            "shuffle_splits": source.shuffle_splits, "seed": source.seed}
+    if isinstance(source, MixSource):
+        info["inputs"] = [list(item) for item in source.layout.inputs]
+    return info
+
+
+def input_of(key: Key) -> int | None:
+    """The mix input that pass ``key`` reads (its last ``MIX_KEY + k``), or None."""
+    for part in reversed(key):
+        if part >= MIX_KEY:
+            return part - MIX_KEY
+    return None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which splits each pass of a mix reads, as plain values: per input, its number of
+    splits, whether it shuffles them and its seed (what ``REGISTER.source.inputs``
+    carries)."""
+
+    inputs: tuple[tuple[int, bool, int | None], ...]
+
+    @property
+    def offsets(self) -> list[int]:
+        return [0, *itertools.accumulate(n for n, _, _ in self.inputs)]
+
+    def splits_of(self, key: Key) -> int:
+        """How many splits pass ``key`` reads (0: a key of no input)."""
+        which = input_of(key)
+        return self.inputs[which][0] if which is not None and which < len(self.inputs) else 0
+
+    def order(self, key: Key, entropy: int) -> list[int]:
+        """The splits pass ``key`` reads, in order, numbered across inputs; none for a key
+        that names no input."""
+        which = input_of(key)
+        if which is None or which >= len(self.inputs):
+            return []
+        count, shuffle, seed = self.inputs[which]
+        offset = self.offsets[which]
+        return [offset + split for split in split_order(count, shuffle, seed, entropy, key)]
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class MixSource(Source):
+    """The source of a mixed pipeline: its inputs (each a source and its stages) and how
+    elements are taken from them: by ``weights`` (``pattern`` None) or in ``pattern``."""
+
+    kind: ClassVar[str] = "mix"
+    inputs: tuple[Pipeline, ...]
+    weights: tuple[float, ...]
+    pattern: tuple[int, ...] | None
+    stop: str
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(tuple((p.source.num_splits, p.source.shuffle_splits, p.source.seed)
+                            for p in self.inputs))
+
+    @property
+    def num_splits(self) -> int:
+        return sum(p.source.num_splits for p in self.inputs)
+
+    def split_order(self, key: Key, entropy: int) -> Sequence[int]:
+        return self.layout.order(key, entropy)
+
+    def splits_in(self, key: Key) -> int:
+        return self.layout.splits_of(key)
+
+    def _at(self, split: int) -> tuple[int, int]:
+        """(input, its split) of the mix's split ``split``."""
+        offsets = self.layout.offsets
+        for which in range(len(self.inputs)):
+            if split < offsets[which + 1]:
+                return which, split - offsets[which]
+        raise IndexError(f"split {split} is past the mix's {offsets[-1]} splits")
+
+    def read(self, split: int, policy: Any = None) -> Iterator[Any]:
+        which, own = self._at(split)
+        return self.inputs[which].source.read(own, policy)
+
+    def locate(self, split: int, index: int) -> str:
+        which, own = self._at(split)
+        return f"input {which}: {self.inputs[which].source.locate(own, index)}"
+
+    def identity(self) -> tuple[Any, ...]:
+        return (self.kind, self.weights, self.pattern, self.stop, self.seed,
+                tuple((p.source.kind, p.source.identity(),
+                       tuple(stage.identity() for stage in p.stages)) for p in self.inputs))
+
+    def describe(self) -> str:
+        return f"mix of {', '.join(p.source.describe() for p in self.inputs)}"
+
+    def run(self, read: _stages.Run, ctx: _stages.Context) -> tuple[_stages.Run, int]:
+        """The mixed run over ``read`` (the run that reads a pass's splits): each input's
+        stages over its own passes, then the draws; and the last position up to which
+        every input's stages keep their source's order (:attr:`Context.aligned`).
+        Positions: each input's stages count from 1, the stages after the mix from
+        :meth:`after`."""
+        runs = []
+        aligned = []
+        for which, pipeline in enumerate(self.inputs):
+            inner = _stages.compose(read, pipeline.stages, ctx)
+            runs.append(_input_run(inner, which, self.stop == "never", ctx))
+            aligned.append(ctx.aligned)
+        weights = np.asarray(self.weights, dtype=np.float64)
+        pattern, stop, seed = self.pattern, self.stop, self.seed
+
+        def run(key: Key) -> Iterator[Any]:
+            streams = [r(key) for r in runs]
+            if pattern is not None:
+                return _in_pattern(streams, pattern, stop)
+            rng = ctx.rng(seed, 0, (*key, _DRAWS))
+            return _by_weight(streams, weights, stop, rng)
+
+        return run, min(aligned, default=0)
+
+    def after(self) -> int:
+        """The position of the first stage after the mix."""
+        return 1 + max((len(p.stages) for p in self.inputs), default=0)
+
+
+def mixed_run(source: Source, read: _stages.Run, stages: tuple[_stages.Stage, ...],
+              ctx: _stages.Context, read_chunks: Any = None) -> _stages.Run:
+    """``stages`` over ``source`` read by ``read`` (and ``read_chunks``), a mix's inputs
+    first when ``source`` is a :class:`MixSource`."""
+    if not isinstance(source, MixSource):
+        return _stages.compose(read, stages, ctx, read_chunks=read_chunks)
+    inner, aligned = source.run(read, ctx)
+    run = _stages.compose(inner, stages, ctx, source.after())
+    if aligned < source.after() - 1:  # an input reorders: after it, no element's place
+        ctx.aligned = min(ctx.aligned, aligned)
+    return run
+
+
+def _input_run(inner: _stages.Run, which: int, endless: bool,
+               ctx: _stages.Context) -> _stages.Run:
+    """Input ``which``'s run within the mix's pass: its own pass key, repeated for ever
+    (until it shows itself empty) when ``endless``."""
+    def run(key: Key) -> Iterator[Any]:
+        own = (*key, MIX_KEY + which)
+        if not endless:
+            yield from inner(own)
+            return
+        empty: set[int] = set()
+        for repetition in itertools.count():
+            produced = False
+            sub = (*own, repetition)
+            for element in inner(sub):
+                produced = True
+                yield element
+            if ctx.coverage is not None and produced:
+                ctx.coverage.close(sub)
+                empty.clear()
+            elif not produced and ctx.input_empty(sub, empty):
+                return
+    return run
+
+
+def _by_weight(streams: list[Iterator[Any]], weights: np.ndarray, stop: str,
+               rng: np.random.Generator) -> Iterator[Any]:
+    """Draw an input by weight for each element, among those not exhausted; an input that
+    ends ends the mix (``first_exhausted``) or leaves the draw (otherwise)."""
+    live = [k for k in range(len(streams)) if weights[k] > 0]
+    while live:
+        shares = weights[live] / weights[live].sum()
+        for drawn in rng.choice(len(live), size=MIX_DRAW_CHUNK, p=shares).tolist():
+            which = live[drawn]
+            try:
+                element = next(streams[which])
+            except StopIteration:
+                if stop == "first_exhausted":
+                    return
+                live.remove(which)  # the rest are drawn again, among those left
+                break
+            yield element
+
+
+def _in_pattern(streams: list[Iterator[Any]], pattern: tuple[int, ...],
+                stop: str) -> Iterator[Any]:
+    """Take the inputs in ``pattern``, over and over; an exhausted input ends the mix
+    (``first_exhausted``) or is passed over (otherwise, until all of the pattern's are)."""
+    live = set(pattern)
+    while live:
+        for which in pattern:
+            if which not in live:
+                continue
+            try:
+                yield next(streams[which])
+            except StopIteration:
+                if stop == "first_exhausted":
+                    return
+                live.discard(which)
+
+
+def mixed_source(pipelines: Sequence[Pipeline], weights: Sequence[float] | None,
+                 pattern: Sequence[int] | None, seed: int | None, stop: str) -> MixSource:
+    """Check a mix's arguments and make its source.
+
+    Raises:
+        ValueError: fewer than one input, an input that is itself a mix or ends in a
+            take/skip, weights of the wrong length, negative, not finite or all zero, a
+            pattern naming no input, or an unknown stop rule.
+    """
+    inputs = tuple(pipelines)
+    if not inputs:
+        raise ValueError("a mix needs at least one input pipeline")
+    for index, pipeline in enumerate(inputs):
+        if isinstance(pipeline.source, MixSource):
+            raise ValueError(f"mix input {index} is itself a mix: mix all the inputs in one "
+                             "Pipeline.mix instead")
+        if any(isinstance(stage, (_stages.Take, _stages.Skip)) for stage in pipeline.stages):
+            raise ValueError(f"mix input {index} has a take/skip, which runs on the "
+                             "consumer; apply it after the mix")
+    if stop not in STOP_RULES:
+        raise ValueError(f"stop must be one of {', '.join(map(repr, STOP_RULES))}, "
+                         f"got {stop!r}")
+    if pattern is not None:
+        chosen = tuple(_check.integer("pattern item", k, 0) for k in pattern)
+        if not chosen or max(chosen) >= len(inputs):
+            raise ValueError(f"pattern must name inputs 0..{len(inputs) - 1}, got {chosen}")
+        shares = tuple(float(chosen.count(k)) / len(chosen) for k in range(len(inputs)))
+        return MixSource(name="choose", shuffle_splits=False, seed=None, version=None,
+                         inputs=inputs, weights=shares, pattern=chosen, stop=stop)
+    shares = _weights(weights, len(inputs))
+    return MixSource(name="mix", shuffle_splits=False, seed=seed, version=None,
+                     inputs=inputs, weights=shares, pattern=None, stop=stop)
+
+
+def _weights(weights: Sequence[float] | None, count: int) -> tuple[float, ...]:
+    """``weights`` checked and made to sum to 1, to 12 places (equal when None).
+
+    Raises:
+        ValueError: not ``count`` of them, or one negative or not finite, or all zero.
+    """
+    if weights is None:
+        return tuple(round(1.0 / count, 12) for _ in range(count))
+    values = [float(w) for w in weights]
+    if len(values) != count:
+        raise ValueError(f"weights must have one weight per input ({count}), "
+                         f"got {len(values)}")
+    if any(not np.isfinite(w) or w < 0 for w in values) or sum(values) <= 0:
+        raise ValueError(f"weights must be finite, >= 0 and not all 0, got {values}")
+    total = sum(values)
+    # Rounded, so that weights equal up to float error ([0.6, 0.3, 0.1] and [6, 3, 1]) make
+    # the same mix: the same draws and the same fingerprint.
+    return tuple(round(w / total, 12) for w in values)
