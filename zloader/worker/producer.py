@@ -522,7 +522,8 @@ class Producer(threading.Thread):
             self._split_wait += waited
             self.timing["splits"] += waited
             reply = json.loads(pair.recv())
-            about = tuple(reply.get("pass") or ()) if isinstance(reply, dict) else None
+            named = reply.get("pass") if isinstance(reply, dict) else None
+            about = tuple(named) if isinstance(named, list) else None
             if about != key:
                 if about not in self._answers:
                     return None
