@@ -17,9 +17,11 @@ time from the input it draws, and the stages after the mix see the mixed stream.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -89,7 +91,7 @@ class Layout:
 
     inputs: tuple[tuple[int, bool, int | None], ...]
 
-    @property
+    @cached_property
     def offsets(self) -> list[int]:
         return [0, *itertools.accumulate(n for n, _, _ in self.inputs)]
 
@@ -120,7 +122,7 @@ class MixSource(Source):
     pattern: tuple[int, ...] | None
     stop: str
 
-    @property
+    @cached_property
     def layout(self) -> Layout:
         return Layout(tuple((p.source.num_splits, p.source.shuffle_splits, p.source.seed)
                             for p in self.inputs))
@@ -138,10 +140,10 @@ class MixSource(Source):
     def _at(self, split: int) -> tuple[int, int]:
         """(input, its split) of the mix's split ``split``."""
         offsets = self.layout.offsets
-        for which in range(len(self.inputs)):
-            if split < offsets[which + 1]:
-                return which, split - offsets[which]
-        raise IndexError(f"split {split} is past the mix's {offsets[-1]} splits")
+        if not 0 <= split < offsets[-1]:
+            raise IndexError(f"split {split} is not one of the mix's {offsets[-1]} splits")
+        which = bisect.bisect_right(offsets, split) - 1
+        return which, split - offsets[which]
 
     def read(self, split: int, policy: Any = None) -> Iterator[Any]:
         which, own = self._at(split)
@@ -204,24 +206,13 @@ def mixed_run(source: Source, read: _stages.Run, stages: tuple[_stages.Stage, ..
 def _input_run(inner: _stages.Run, which: int, endless: bool,
                ctx: _stages.Context) -> _stages.Run:
     """Input ``which``'s run within the mix's pass: its own pass key, repeated for ever
-    (until it shows itself empty) when ``endless``."""
+    (an endless ``repeat``, which ends when the input shows itself empty) when
+    ``endless``."""
+    if endless:
+        inner = _stages.Repeat(name=f"mix input {which}").wrap(inner, 0, ctx)
+
     def run(key: Key) -> Iterator[Any]:
-        own = (*key, MIX_KEY + which)
-        if not endless:
-            yield from inner(own)
-            return
-        empty: set[int] = set()
-        for repetition in itertools.count():
-            produced = False
-            sub = (*own, repetition)
-            for element in inner(sub):
-                produced = True
-                yield element
-            if ctx.coverage is not None and produced:
-                ctx.coverage.close(sub)
-                empty.clear()
-            elif not produced and ctx.input_empty(sub, empty):
-                return
+        return inner((*key, MIX_KEY + which))
     return run
 
 

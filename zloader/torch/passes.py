@@ -273,7 +273,7 @@ def worker_plans(common: dict[str, Any], batches: list[Any] | None, batched: boo
             offsets = np.zeros(len(groups) + 1, dtype=np.int64)
             offsets[1:] = np.cumsum([len(g) for g in groups])
             flat: Any = [i for g in groups for i in g]
-            if all(type(i) is int for i in flat):
+            if all(isinstance(i, int) for i in flat):
                 flat = np.asarray(flat, dtype=np.int64)
             plan.update(flat=flat, offsets=offsets, batched=batched,
                         first=first + (worker - first) % workers, step=workers)
