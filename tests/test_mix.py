@@ -166,3 +166,23 @@ def test_a_killed_worker_loses_and_repeats_nothing_of_any_input():
                     procs[0].send_signal(signal.SIGKILL)
     expected = collections.Counter(as_tuples(itertools.chain(*(p.iter(0) for p in inputs()))))
     assert seen == expected
+
+
+def test_an_endless_mix_goes_on_past_a_killed_worker_reading_each_pass_once():
+    a = Pipeline.range(600, split_size=50).map(tagged("a"))
+    b = Pipeline.range(200, split_size=25).map(tagged("b"))
+    mix = Pipeline.mix([a, b], [0.7, 0.3], seed=1, stop="never").map(slow)
+    with service(workers=2) as (address, procs):
+        seen: collections.Counter = collections.Counter()
+        with Loader(mix.take(2000), broker=address, timeout=30) as loader:
+            for i, element in enumerate(as_tuples(loader)):
+                seen[element] += 1
+                if i == 300:
+                    procs[0].send_signal(signal.SIGKILL)
+    assert sum(seen.values()) == 2000
+    for name, size in (("a", 600), ("b", 200)):
+        counts = [seen[(name, x)] for x in range(size)]
+        # each element once per pass; at the cut one worker may be a pass ahead of the
+        # other, whose pass may still hold the dead worker's re-queued splits: <= 2 apart
+        assert max(counts) - min(counts) <= 2, (name, collections.Counter(counts))
+        assert min(counts) >= 1
