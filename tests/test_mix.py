@@ -143,10 +143,26 @@ def test_an_endless_mix_through_two_workers_holds_the_weights():
     assert abs(counts["a"] / 20_000 - 0.6) < 0.03 and abs(counts["c"] / 20_000 - 0.1) < 0.02
 
 
-def test_a_loader_refuses_first_exhausted_for_now():
-    mix = Pipeline.mix(inputs(), stop="first_exhausted")
-    with pytest.raises(ValueError, match="first_exhausted"):
-        Loader(mix, num_workers=1)
+def test_first_exhausted_through_loaders_ends_as_iter_does_and_reads_nothing_twice():
+    mix = Pipeline.mix(inputs(), [0.6, 0.3, 0.1], seed=7, stop="first_exhausted")
+    reference = as_tuples(mix.iter(0))
+    with Loader(mix, num_workers=1, timeout=30) as loader:
+        assert as_tuples(loader) == reference
+    # Two workers, each stopping with its first input to end: the other inputs' splits it
+    # was handed are read to their end and dropped, so exactly-once reads none again;
+    # one worker is killed on the way (its splits go to the other, or are dropped there).
+    with service(workers=2) as (address, procs):
+        with Loader(mix.map(slow), broker=address, timeout=30) as loader:
+            got = []
+            for i, element in enumerate(as_tuples(loader)):
+                got.append(element)
+                if i == 300:
+                    procs[0].send_signal(signal.SIGKILL)
+            stats = loader.stats()
+    assert len(set(got)) == len(got), "an element came twice"
+    counts = names(got)
+    assert counts["c"] == 100 and counts["a"] < 1000 and counts["b"] < 500
+    assert stats["elements"] == len(got)
 
 
 def slow(pair):

@@ -45,7 +45,7 @@ from zloader.client.arguments import (
 from zloader.client.packing import check_exposure, pack
 from zloader.errors import WorkerExited
 from zloader.lineage import exactly_once as exactly_once_applies
-from zloader.mixing import check_runnable, register_info
+from zloader.mixing import register_info
 from zloader.options import JobOptions
 from zloader.pipeline import Pipeline
 from zloader.plan import plan
@@ -220,7 +220,6 @@ class Loader:
             resolve_keys(keys)  # embedded mode needs none, but a bad keys= is still an error
         self.pipeline = pipeline
         self._plan = plan(pipeline)
-        check_runnable(pipeline.source)
         self._exactly_once = exactly_once_applies(
             _check.boolean("exactly_once", exactly_once), sharding=sharding,
             deterministic=deterministic, shared=self._share is not None,

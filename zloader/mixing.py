@@ -35,8 +35,8 @@ from zloader.sources import Source, split_order
 if TYPE_CHECKING:
     from zloader.pipeline import Pipeline
 
-__all__ = ["MIX_KEY", "STOP_RULES", "Layout", "MixSource", "check_runnable", "layout_of",
-           "mixed_run", "mixed_source", "register_info"]
+__all__ = ["MIX_KEY", "STOP_RULES", "Layout", "MixSource", "layout_of", "mixed_run",
+           "mixed_source", "register_info"]
 
 _DRAWS = MIX_KEY - 1
 """The last element of the key of a mix's own draws."""
@@ -49,21 +49,6 @@ def layout_of(inputs: Any) -> Layout | None:
     if inputs is None:
         return None
     return Layout(tuple((int(n), bool(shuffle), seed) for n, shuffle, seed in inputs))
-
-
-def check_runnable(source: Source) -> None:
-    """Raise where a Loader cannot run ``source`` yet.
-
-    Raises:
-        ValueError: a mix with ``stop="first_exhausted"``: its workers would end their
-            other inputs mid-split, which exactly-once accounting reads as elements lost
-            (and reads again). ``Pipeline.iter`` runs it.
-    """
-    if isinstance(source, MixSource) and source.stop == "first_exhausted":
-        raise ValueError(
-            f"a Loader cannot run {source.name}(stop='first_exhausted') yet: its workers "
-            "would stop the other inputs in the middle of their splits; use "
-            "stop='all_exhausted' or 'never' (and .take(n) for a fixed length)")
 
 
 def register_info(source: Source) -> dict[str, Any]:
@@ -179,9 +164,11 @@ class MixSource(Source):
         def run(key: Key) -> Iterator[Any]:
             streams = [r(key) for r in runs]
             if pattern is not None:
-                return _in_pattern(streams, pattern, stop)
-            rng = ctx.rng(seed, 0, (*key, _DRAWS))
-            return _by_weight(streams, weights, stop, rng)
+                yield from _in_pattern(streams, pattern, stop)
+            else:
+                yield from _by_weight(streams, weights, stop, ctx.rng(seed, 0, (*key, _DRAWS)))
+            if stop == "first_exhausted" and ctx.coverage is not None:
+                _end_early(streams, key, ctx)
 
         return run, min(aligned, default=0)
 
@@ -214,6 +201,18 @@ def _input_run(inner: _stages.Run, which: int, endless: bool,
     def run(key: Key) -> Iterator[Any]:
         return inner((*key, MIX_KEY + which))
     return run
+
+
+def _end_early(streams: list[Iterator[Any]], key: Key, ctx: _stages.Context) -> None:
+    """On a dynamically sharded worker, a mix that stopped with its first input to end:
+    end the other inputs' passes (no more splits are asked for) and drop the rest of the
+    splits they were handed, read to their end, so that exactly-once counts every element
+    of a split that was handed out (the consumer would read a split left half read again)."""
+    assert ctx.coverage is not None
+    for which, stream in enumerate(streams):
+        ctx.coverage.end((*key, MIX_KEY + which))
+        for element in stream:
+            ctx.drop(element)
 
 
 def _by_weight(streams: list[Iterator[Any]], weights: np.ndarray, stop: str,

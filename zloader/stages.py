@@ -60,6 +60,10 @@ class Coverage:
     ends an endless repeat only when its repetitions since the last element together read
     every split of the source afresh (a whole pass's worth of empty splits), when the
     source has no splits, or when it is leaving (``leaving()``: its passes end at once).
+
+    A run may also end a pass early (:meth:`end`: a mix that stops with its first input to
+    end): the worker then asks for no more of that pass's splits, and reads to their end
+    the splits it was handed, which the run drops (so that exactly-once counts them).
     """
 
     def __init__(self, num_splits: int | Callable[[Key], int],
@@ -68,12 +72,21 @@ class Coverage:
         self.splits_of = num_splits if callable(num_splits) else (lambda key: num_splits)
         self.leaving = leaving
         self._fresh: dict[Key, set[int]] = {}  # pass key -> splits read afresh in it
+        self._ended: set[Key] = set()  # passes (and the passes under them) ended early
 
     def read(self, key: Key, split: int, fresh: bool) -> None:
         """The run read ``split`` in pass ``key``; ``fresh``: whole, in its own pass (not
         a re-queued split of another pass, nor one with elements to skip)."""
         if fresh:
             self._fresh.setdefault(key, set()).add(split)
+
+    def end(self, key: Key) -> None:
+        """End pass ``key`` and the passes under it early: no more splits are asked for."""
+        self._ended.add(key)
+
+    def ended(self, key: Key) -> bool:
+        """Whether pass ``key`` was ended early (it, or a pass it is under)."""
+        return any(key[:len(ended)] == ended for ended in self._ended)
 
     def close(self, key: Key) -> set[int]:
         """The splits read afresh in repetition ``key`` and the passes under it; they are

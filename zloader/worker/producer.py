@@ -221,6 +221,7 @@ class Producer(threading.Thread):
         # The broker's answers about passes read at the same time (a mix's inputs), kept
         # for the pass's reader until it takes them: pass key -> answers, in order.
         self._answers: dict[tuple[int, ...], deque[dict[str, Any]]] = {}
+        self.coverage: Coverage | None = None  # a dynamically sharded run's (stages.py)
         self.hand: Hand | None = None  # set by the worker: deliver records on this thread
 
     def doing(self) -> dict[str, Any]:
@@ -268,7 +269,8 @@ class Producer(threading.Thread):
                       workers=spec.width, epoch_input=self.epoch_input,
                       round_size=spec.round_size, track=spec.track)
         if spec.sharding == "dynamic":  # handed some splits of each pass, not all
-            ctx.coverage = Coverage(spec.plan.pipeline.source.splits_in, self.draining.is_set)
+            ctx.coverage = self.coverage = Coverage(spec.plan.pipeline.source.splits_in,
+                                                    self.draining.is_set)
         elements = spec.plan.run_worker(lambda key: self._feed(pair, key), self.epoch, ctx)
         if self.replay is not None:
             elements = itertools.islice(elements, self.replay)
@@ -467,8 +469,11 @@ class Producer(threading.Thread):
         asked = False
         took: float | None = None  # how long the last split took to read
         while True:
+            # The worker is leaving, or the run ended the pass early: the pass ends here.
+            ending = self.draining.is_set() or (
+                self.coverage is not None and self.coverage.ended(key))
             if not asked:
-                if self.draining.is_set():  # the worker is leaving: the pass ends here
+                if ending:
                     self._put(pair, LinkKind.PASS_DONE, list(key))
                     return
                 self._put(pair, LinkKind.SPLIT_REQ, {"pass": list(key), "have": have})
@@ -481,8 +486,7 @@ class Producer(threading.Thread):
                 return
             have += 1
             # (a leaving worker asks for no more; the split it has is read: it was handed)
-            asked = (took is not None and took < SPLIT_AHEAD_SECONDS
-                     and not self.draining.is_set())
+            asked = took is not None and took < SPLIT_AHEAD_SECONDS and not ending
             if asked:
                 self._put(pair, LinkKind.SPLIT_REQ, {"pass": list(key), "have": have})
             self.split = int(reply["split"])
