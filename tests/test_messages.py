@@ -93,8 +93,10 @@ SAMPLES: dict[Command, dict] = {
     Command.UNKNOWN: {"reason": "not registered"},
     Command.ERROR: {"message": "job_name 'x' runs another pipeline"},
     Command.OPEN: {"job": "j1", "task": "t1", "consumer": "c1", "epoch": 0, "credits": 8,
-                   "rerun": 1, "ring": "zloader-ring", "consumer_index": 1},
+                   "rerun": 1, "ring": "zloader-ring", "consumer_index": 1,
+                   "weights": [0.25, 0.75]},
     Command.CREDIT: {"epoch": 0, "credits": 4, "mapped": ["zloader-seg"]},
+    Command.WEIGHTS: {"weights": [0.5, 0.5]},
     Command.DATA: messages.Data(epoch=0, count=3, skipped=1, ring=(64, 128, "zloader-ring"),
                                 segment=("zloader-seg", 99), full=True, shared=True,
                                 lagged=2, round=4, origins=True, after=5).to_body(),
@@ -213,6 +215,10 @@ BAD = [  # command, field, body change: each kind of bad body
     (Command.DELIVERED, "splits", {"splits": [[[0], 3, "all"]]}),
     (Command.DELIVERED, "splits", {"splits": [[0, 3, {}]]}),
     (Command.LOG, "task", {"task": 5}),
+    (Command.WEIGHTS, "weights", {"weights": []}),
+    (Command.WEIGHTS, "weights", {"weights": [0.5, 1.5]}),
+    (Command.WEIGHTS, "weights", {"weights": [float("nan")]}),
+    (Command.OPEN, "weights", {"weights": [-0.5]}),
 ]
 
 

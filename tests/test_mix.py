@@ -202,3 +202,57 @@ def test_an_endless_mix_goes_on_past_a_killed_worker_reading_each_pass_once():
         # other, whose pass may still hold the dead worker's re-queued splits: <= 2 apart
         assert max(counts) - min(counts) <= 2, (name, collections.Counter(counts))
         assert min(counts) >= 1
+
+
+def two_inputs() -> list[Pipeline]:
+    return [Pipeline.range(5000, split_size=100).map(tagged("a")),
+            Pipeline.range(5000, split_size=100).map(tagged("b"))]
+
+
+def test_set_weights_changes_a_running_mix_from_the_elements_made_after_it():
+    mix = Pipeline.mix(two_inputs(), [0.9, 0.1], seed=1, stop="never")
+    with Loader(mix, num_workers=2, timeout=30) as loader:
+        elements = iter(loader)
+        before = names(as_tuples(itertools.islice(elements, 4000)))
+        loader.set_weights([1, 9])
+        # made before the change: in flight (up to the prefetch's records of each worker)
+        list(itertools.islice(elements, 6000))
+        after = names(as_tuples(itertools.islice(elements, 3000)))
+    assert before["a"] > 0.85 * 4000
+    assert after["b"] > 0.8 * 3000
+
+
+def test_weights_set_before_a_state_is_taken_hold_after_each_resume_and_nothing_is_lost():
+    mix = Pipeline.mix(two_inputs(), [0.9, 0.1], seed=1)
+    seen: list[tuple[str, int]] = []
+    with Loader(mix, num_workers=2, timeout=30) as loader:
+        elements = iter(loader)
+        seen += as_tuples(itertools.islice(elements, 2000))
+        loader.set_weights([0.2, 0.8])
+        state = loader.state_dict()
+    assert state["weights"] == [0.2, 0.8]
+    with Loader(mix, num_workers=2, timeout=30, state=state) as loader:  # a resume
+        elements = iter(loader)
+        part = as_tuples(itertools.islice(elements, 2000))
+        seen += part
+        state = loader.state_dict()
+    assert names(part)["b"] > 0.7 * 2000
+    assert state["weights"] == [0.2, 0.8]
+    with Loader(mix, num_workers=2, timeout=30, state=state) as loader:  # of a resume
+        seen += as_tuples(loader)
+    assert collections.Counter(seen) == collections.Counter(
+        as_tuples(itertools.chain(*(p.iter(0) for p in two_inputs()))))
+
+
+def test_set_weights_is_refused_where_there_are_no_weights_to_set():
+    with Loader(Pipeline.range(10), num_workers=1) as loader:
+        with pytest.raises(ValueError, match=r"Pipeline\.mix"):
+            loader.set_weights([1])
+    with Loader(Pipeline.choose(two_inputs(), [0, 1]), num_workers=1) as loader:
+        with pytest.raises(ValueError, match="pattern"):
+            loader.set_weights([1, 1])
+    with Loader(Pipeline.mix(two_inputs()), num_workers=1) as loader:
+        with pytest.raises(ValueError, match="one weight per input"):
+            loader.set_weights([1, 1, 1])
+        assert sorted(as_tuples(loader)) == sorted(
+            as_tuples(itertools.chain(*(p.iter(0) for p in two_inputs()))))

@@ -18,7 +18,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from zloader import _check, packed
@@ -45,7 +45,7 @@ from zloader.client.arguments import (
 from zloader.client.packing import check_exposure, pack
 from zloader.errors import WorkerExited
 from zloader.lineage import exactly_once as exactly_once_applies
-from zloader.mixing import register_info
+from zloader.mixing import new_weights, register_info
 from zloader.options import JobOptions
 from zloader.pipeline import Pipeline
 from zloader.plan import plan
@@ -257,6 +257,7 @@ class Loader:
         self._broker: Broker | None = None
         self._processes: list[Any] = []
         self._epoch = resume["epoch"] if resume is not None else 0
+        self._weights: tuple[float, ...] | None = None  # set_weights
         self._served = served
         # The packed lists stay mapped here while the workers read them: one copy, shared.
         self._packed = [swap.view for swap in swaps]
@@ -299,6 +300,8 @@ class Loader:
                                       sharding != "dynamic" or deterministic)
                                   if embedded else lambda: None, resume=resume)
             self._io.start()
+            if resume is not None and resume["weights"] is not None:
+                self.set_weights(resume["weights"])  # (the first OPEN carries them)
         except BaseException:
             self.close()
             raise
@@ -408,7 +411,23 @@ class Loader:
         finished = yielded.finished_state()
         if finished is not None:
             state["finished"] = finished
+        if self._weights is not None:
+            state["weights"] = list(self._weights)
         return state
+
+    def set_weights(self, weights: Sequence[float]) -> None:
+        """Change the weights of this Loader's mix (``Pipeline.mix``) from now on: in the
+        epoch under way (each worker draws with them from its next element) and the next
+        ones; :meth:`state_dict` records them. On a shared job they change the run that
+        every trainer of it reads.
+
+        Raises:
+            ValueError: the pipeline is not a mix drawn by weight, or the weights are not
+                one per input, finite, >= 0 and not all 0.
+        """
+        self._check_process()
+        self._weights = new_weights(self.pipeline.source, weights)
+        self._io.set_weights(self._weights)
 
     # --- status and lifecycle -------------------------------------------------------------
 

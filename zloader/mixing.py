@@ -35,13 +35,36 @@ from zloader.sources import Source, split_order
 if TYPE_CHECKING:
     from zloader.pipeline import Pipeline
 
-__all__ = ["MIX_KEY", "STOP_RULES", "Layout", "MixSource", "layout_of", "mixed_run",
-           "mixed_source", "register_info"]
+__all__ = ["MIX_KEY", "STOP_RULES", "Layout", "LiveWeights", "MixSource", "layout_of",
+           "mixed_run", "mixed_source", "new_weights", "register_info"]
 
 _DRAWS = MIX_KEY - 1
 """The last element of the key of a mix's own draws."""
 
 STOP_RULES = ("first_exhausted", "all_exhausted", "never")
+
+
+class LiveWeights:
+    """A mix's weights as its consumer last set them (``Loader.set_weights``), shared by a
+    worker's task and its producers: the draws read :attr:`value` before each chunk. None:
+    the mix's own weights."""
+
+    def __init__(self) -> None:
+        self.value: tuple[float, ...] | None = None
+
+
+def new_weights(source: Source, weights: Any) -> tuple[float, ...]:
+    """``weights`` for the mix ``source``, checked and made to sum to 1 as
+    :meth:`Pipeline.mix` makes them.
+
+    Raises:
+        ValueError: ``source`` is not a mix drawn by weight, or the weights are not one per
+            input, finite, >= 0 and not all 0.
+    """
+    if not isinstance(source, MixSource) or source.pattern is not None:
+        raise ValueError("set_weights() needs a Loader over Pipeline.mix(...) (a choose has "
+                         "a pattern, not weights)")
+    return _weights(weights, len(source.inputs))
 
 
 def layout_of(inputs: Any) -> Layout | None:
@@ -166,7 +189,8 @@ class MixSource(Source):
             if pattern is not None:
                 yield from _in_pattern(streams, pattern, stop)
             else:
-                yield from _by_weight(streams, weights, stop, ctx.rng(seed, 0, (*key, _DRAWS)))
+                yield from _by_weight(streams, weights, stop, ctx.rng(seed, 0, (*key, _DRAWS)),
+                                      ctx.mix_weights)
             if stop == "first_exhausted" and ctx.coverage is not None:
                 _end_early(streams, key, ctx)
 
@@ -216,11 +240,21 @@ def _end_early(streams: list[Iterator[Any]], key: Key, ctx: _stages.Context) -> 
 
 
 def _by_weight(streams: list[Iterator[Any]], weights: np.ndarray, stop: str,
-               rng: np.random.Generator) -> Iterator[Any]:
+               rng: np.random.Generator, settable: LiveWeights | None) -> Iterator[Any]:
     """Draw an input by weight for each element, among those not exhausted; an input that
-    ends ends the mix (``first_exhausted``) or leaves the draw (otherwise)."""
-    live = [k for k in range(len(streams)) if weights[k] > 0]
-    while live:
+    ends ends the mix (``first_exhausted``) or leaves the draw (otherwise). ``settable``:
+    weights set while the mix runs, which apply from the next chunk of draws."""
+    ended: set[int] = set()
+    applied = None
+    while True:
+        latest = settable.value if settable is not None else None
+        if latest is not None and latest is not applied:
+            applied = latest
+            if len(latest) == len(streams) and sum(latest) > 0:
+                weights = np.asarray(latest, dtype=np.float64)
+        live = [k for k in range(len(streams)) if weights[k] > 0 and k not in ended]
+        if not live:
+            return
         shares = weights[live] / weights[live].sum()
         for drawn in rng.choice(len(live), size=MIX_DRAW_CHUNK, p=shares).tolist():
             which = live[drawn]
@@ -229,9 +263,11 @@ def _by_weight(streams: list[Iterator[Any]], weights: np.ndarray, stop: str,
             except StopIteration:
                 if stop == "first_exhausted":
                     return
-                live.remove(which)  # the rest are drawn again, among those left
+                ended.add(which)  # the rest are drawn again, among those left
                 break
             yield element
+            if settable is not None and settable.value is not applied:
+                break  # new weights: draw the rest with them
 
 
 def _in_pattern(streams: list[Iterator[Any]], pattern: tuple[int, ...],

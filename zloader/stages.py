@@ -134,6 +134,8 @@ class Context:
         records_from: the position of the stage whose elements become records as they
             come (a worker part's last), where a ``batch`` leaves large arrays to the
             record's copy (``collate.stack(later=True)``); 0: none (an in-process run).
+        mix_weights: a worker's :class:`~zloader.mixing.LiveWeights`: a mix's weights as
+            its consumer last set them (None: the mix's own).
     """
 
     entropy: int
@@ -154,6 +156,7 @@ class Context:
     aligned: int = 0
     coverage: Coverage | None = None
     records_from: int = 0
+    mix_weights: Any = None
 
     def rng(self, seed: int | None, position: int, key: Key) -> Any:
         if self.worker:

@@ -90,7 +90,7 @@ class Yielded:
 
 def resume_from(state: Any, fingerprint: str, exactly_once: bool) -> dict[str, Any] | None:
     """Check ``state`` (one :meth:`Loader.state_dict` or a list of them) and merge it into
-    ``{epoch, entropy, delivered, digest}``; None for None.
+    ``{epoch, entropy, delivered, digest, weights}``; None for None.
 
     Raises:
         ValueError: it is not such a state, or of another pipeline (another
@@ -123,7 +123,10 @@ def resume_from(state: Any, fingerprint: str, exactly_once: bool) -> dict[str, A
                    None)
     delivered = ledger.to_json()
     digest = hashlib.sha256(json.dumps([epoch, entropy, delivered]).encode()).hexdigest()
-    return {"epoch": epoch, "entropy": entropy, "delivered": delivered, "digest": digest[:12]}
+    # A mix's weights set on the Loaders (the last state's that has them)
+    weights = next((one["weights"] for one in reversed(states) if one.get("weights")), None)
+    return {"epoch": epoch, "entropy": entropy, "delivered": delivered, "digest": digest[:12],
+            "weights": weights}
 
 
 def _finished(state: dict[str, Any]) -> int | None:

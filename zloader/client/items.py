@@ -11,7 +11,7 @@ from zloader.client.session import EpochInput
 from zloader.lineage import Origins
 
 __all__ = ["Command", "Data", "Done", "End", "Failed", "GiveCredit", "Item", "Lost", "Origins",
-           "StartEpoch"]
+           "SetWeights", "StartEpoch"]
 
 
 @dataclass
@@ -81,5 +81,12 @@ class GiveCredit:
     credits: int = 1
 
 
-Command = StartEpoch | GiveCredit
+@dataclass
+class SetWeights:
+    """A mix's weights from now on (``Loader.set_weights``): tell every worker."""
+
+    weights: tuple[float, ...]
+
+
+Command = StartEpoch | GiveCredit | SetWeights
 """What the iterating thread asks of the loop."""

@@ -24,7 +24,7 @@ import zmq
 
 from zloader._defaults import CHECK_SECONDS, NOTICE_HOLD_SECONDS
 from zloader.client.epoch_end import EpochEnd
-from zloader.client.items import Command, Failed, GiveCredit, Item, StartEpoch
+from zloader.client.items import Command, Failed, GiveCredit, Item, SetWeights, StartEpoch
 from zloader.client.link import BrokerLink, registration
 from zloader.client.peers import Peer, Peers, local_address
 from zloader.client.receive import Receiver
@@ -276,6 +276,8 @@ class ConsumerLoop:
             self._peers.credit(command.worker, command.credits)
         elif isinstance(command, StartEpoch):
             self._start(command.epoch, command.frames)
+        elif isinstance(command, SetWeights):
+            self._peers.reweigh_all(command.weights)
 
     def _start(self, epoch: int, epoch_input: EpochInput) -> None:
         """Begin ``epoch``: tell the broker, open it on every worker."""

@@ -300,8 +300,19 @@ class Peers:
             body.update(notify=self.notices.name, ring_id=peer.ring.ring_id)
         if self.rounds is not None:
             body["consumer_index"] = self.rounds.index
+        if session.weights is not None:
+            body["weights"] = list(session.weights)
         self.send(peer, Command.OPEN, payload=session.epoch_input.frames(peer.index),
                   body=body)
+
+    def reweigh_all(self, weights: tuple[float, ...]) -> None:
+        """A mix's weights from now on: every peer's later OPENs carry them, and the
+        peers of an epoch under way are told at once (WEIGHTS)."""
+        self.session.weights = weights
+        if self.session.epoch is None:
+            return
+        for peer in list(self._peers.values()):
+            self.send(peer, Command.WEIGHTS, body={"weights": list(weights)})
 
     def open_all(self, keep_credits: bool = False) -> None:
         """Open the epoch under way on every peer."""

@@ -87,6 +87,7 @@ class Session:
     done: bool = False  # the epoch is over: Done was handed on
     rerun: int = 0  # how often the workers were asked to run the epoch again
     received: Ledger = field(default_factory=Ledger)  # origins received this epoch
+    weights: tuple[float, ...] | None = None  # a mix's, as Loader.set_weights set them
 
     def start(self, epoch: int, epoch_input: EpochInput) -> None:
         """Begin ``epoch``, which nothing of has been received yet."""

@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from zloader._defaults import POLL_MS
-from zloader.client.items import Failed, GiveCredit, Item, StartEpoch
+from zloader.client.items import Failed, GiveCredit, Item, SetWeights, StartEpoch
 from zloader.client.loop import ConsumerLoop
 from zloader.client.peers import Peer
 from zloader.client.session import EpochInput
@@ -53,6 +53,10 @@ class IOThread(threading.Thread):
     def start_epoch(self, epoch: int, epoch_input: EpochInput) -> None:
         """Open ``epoch`` on every worker, with ``epoch_input`` (its codec frames)."""
         self.loop.submit(StartEpoch(epoch, epoch_input))
+
+    def set_weights(self, weights: tuple[float, ...]) -> None:
+        """A mix's weights from now on, on every worker."""
+        self.loop.submit(SetWeights(weights))
 
     def credit(self, worker: str, credits: int = 1) -> None:
         """Give ``worker`` back the credits of ``credits`` records used. The loop is woken

@@ -70,7 +70,7 @@ __all__ = ["RECORDS", "Ack", "Bye", "Close", "Commit", "ConsumerGone", "Credit",
            "Delivered", "End", "Epoch", "Error", "Fail", "Fetch", "Heartbeat", "Job", "Log",
            "Open", "PassDone", "Ready", "Received", "Record", "Register", "Release", "Ring",
            "Round", "RoundReq", "Source", "Split", "SplitReq", "Status", "Task", "TaskFailed",
-           "Unknown", "decode", "encode"]
+           "Unknown", "Weights", "decode", "encode"]
 
 MAX_LOG_LINES = LOG_MAX_LINES
 MAX_LOG_TEXT = LOG_MAX_LINE + 64
@@ -191,6 +191,10 @@ def endpoint(value: Any) -> str:
 
 HOLDS = list_of(text(128), 0, 64)
 """``READY.holds``: at most 64 fingerprints."""
+
+
+MIX_WEIGHTS = list_of(number(0.0, 1.0), 1, MAX_MIX_INPUTS)
+"""A mix's weights, each from 0 to 1 (``OPEN.weights``, ``WEIGHTS.weights``)."""
 
 
 def mix_inputs(value: Any) -> bool:
@@ -515,6 +519,14 @@ class Open(Record):
     # The bytes of records this worker may have in flight to the consumer (its share of
     # the consumer's memory budget, client/budget.py); absent: no bound but the credits.
     window: int | None = fld(optional(INDEX), None, omit=True)
+    # A mix's weights set on the consumer's Loader (Loader.set_weights); absent: its own.
+    weights: tuple[float, ...] | None = fld(optional(MIX_WEIGHTS), None, omit=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Weights(Record):
+    COMMAND = Command.WEIGHTS
+    weights: tuple[float, ...] = fld(MIX_WEIGHTS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -705,7 +717,7 @@ RECORDS: dict[Command, type[Record]] = {
     cls.COMMAND: cls for cls in (
         Ready, Ack, Task, TaskFailed, SplitReq, Split, PassDone, Release, ConsumerGone,
         RoundReq, Round, Register, Job, Epoch, Received, Commit, Delivered, Log, Bye,
-        Heartbeat, Status, Unknown, Error, Open, Credit, Data, End, Fail, Ring, Close,
+        Heartbeat, Status, Unknown, Error, Open, Credit, Weights, Data, End, Fail, Ring, Close,
         Fetch, Source)}
 """The record of each command's body."""
 

@@ -61,6 +61,7 @@ class Command(enum.IntEnum):
     FAIL = 24          # worker -> consumer: user code failed
     CLOSE = 25         # consumer -> worker: leaving
     RING = 26          # consumer -> worker: write into this (larger) ring from now on
+    WEIGHTS = 27       # consumer -> worker: a mix's weights from now on
     FETCH = 30         # worker -> consumer: send the job's in-memory source data
     SOURCE = 31        # consumer -> worker: the source data (payload)
     ROUND_REQ = 40     # worker -> broker: number my next round (coordinated reads)

@@ -1,4 +1,4 @@
-"""The worker's data socket, the consumers' side of it: OPEN, CREDIT, RING and CLOSE in
+"""The worker's data socket, the consumers' side of it: OPEN, CREDIT, RING, WEIGHTS and CLOSE in
 (checked, then handed to the task), records out through its
 :class:`~zloader.worker.streams.Outlet`. See docs/protocol.md, "Data socket"."""
 
@@ -27,7 +27,8 @@ from zloader.worker.task import Task
 
 __all__ = ["EARLY_OPENS", "DataPort"]
 
-DATA_SOCKET_COMMANDS = frozenset({Command.OPEN, Command.CREDIT, Command.RING, Command.CLOSE})
+DATA_SOCKET_COMMANDS = frozenset({Command.OPEN, Command.CREDIT, Command.RING, Command.CLOSE,
+                                  Command.WEIGHTS})
 """What consumers send on a worker's data socket."""
 
 
@@ -100,6 +101,8 @@ class DataPort:
             task.credit(identity, record)
         elif isinstance(record, messages.Ring):
             task.ring(identity, record)
+        elif isinstance(record, messages.Weights):
+            task.weights.value = record.weights
         elif isinstance(record, messages.Close) and identity in task.streams:
             task.remove_stream(task.streams[identity])
 

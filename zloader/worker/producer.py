@@ -53,6 +53,7 @@ from zloader._defaults import (
 )
 from zloader.errors import CodecError, PipelineError
 from zloader.lineage import Assigned, encode_origins, unpack
+from zloader.mixing import LiveWeights
 from zloader.options import JobOptions
 from zloader.plan import Plan
 from zloader.stages import Context, Coverage
@@ -188,6 +189,7 @@ class Producer(threading.Thread):
     def __init__(self, context: zmq.Context[Any], address: str, spec: ProducerSpec,
                  epoch: int, pool: threading.Semaphore, draining: threading.Event,
                  epoch_input: Any = None,
+                 weights: LiveWeights | None = None,
                  splits: dict[tuple[int, ...], list[int]] | None = None,
                  replay: int | None = None,
                  timing: dict[str, float] | None = None) -> None:
@@ -201,6 +203,7 @@ class Producer(threading.Thread):
         self.pool = pool
         self.draining = draining
         self.epoch_input = epoch_input
+        self.weights = weights
         self.link: Any = None  # the socket thread's end of the pair
         self.outbox: deque[tuple[LinkKind, Any]] = deque()  # one per frame sent, in order
         self.replay = replay
@@ -267,7 +270,7 @@ class Producer(threading.Thread):
         spec = self.spec
         ctx = Context(entropy=spec.entropy, worker=spec.index, skip_errors=spec.skip_errors,
                       workers=spec.width, epoch_input=self.epoch_input,
-                      round_size=spec.round_size, track=spec.track)
+                      round_size=spec.round_size, track=spec.track, mix_weights=self.weights)
         if spec.sharding == "dynamic":  # handed some splits of each pass, not all
             ctx.coverage = self.coverage = Coverage(spec.plan.pipeline.source.splits_in,
                                                     self.draining.is_set)

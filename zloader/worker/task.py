@@ -20,6 +20,7 @@ from typing import Any
 import zmq
 
 from zloader import codec
+from zloader.mixing import LiveWeights
 from zloader.options import JobOptions
 from zloader.plan import Plan
 from zloader.sharing.window import WindowSettings
@@ -102,6 +103,7 @@ class Task:
         self.finished: set[int] = set()
         self.reruns: dict[int, int] = {}  # epoch -> latest rerun asked
         self.inputs: dict[int, Any] = {}  # epoch -> the consumer's input
+        self.weights = LiveWeights()  # a mix's, as a consumer last set them (every producer)
         self.draining = threading.Event()  # take no more splits
         self.moving = False  # drained to move (RELEASE.drain): say so once all is sent
         self.delivery = delivery(self)
@@ -115,6 +117,8 @@ class Task:
             ProtocolError: the OPEN is malformed.
         """
         epoch = opened.epoch
+        if opened.weights is not None:
+            self.weights.value = opened.weights
         if payload and epoch not in self.inputs:
             self.inputs[epoch] = codec.decode([f.buffer for f in payload])
             for old in [e for e in self.inputs if e < epoch - 1]:
@@ -281,7 +285,7 @@ class Task:
         :class:`~zloader.worker.producer.Producer`)."""
         return self.links.start(self.spec, epoch, inline=self.delivery.inline, pool=pool,
                                 draining=self.draining, epoch_input=self.inputs.get(epoch),
-                                **options)
+                                weights=self.weights, **options)
 
     def stats(self) -> dict[str, Any]:
         """Its part of the heartbeat's stats: credits granted and not used, the fullest
