@@ -448,3 +448,30 @@ def test_origins_travel_as_runs_and_a_killed_worker_still_loses_and_repeats_noth
     assert_exactly_once(seen, n)
     assert runs and all(count == splits for _, count, splits in runs)  # a run per split
     assert sum(elements for elements, _, _ in runs) >= n and any(e > 1 for e, _, _ in runs)
+
+
+def test_job_name_consumers_of_which_one_leaves_first_share_an_epoch_without_repeats():
+    """Two Loaders of one job_name take part in one epoch of a quick pipeline, and the
+    first done leaves: the other may end the epoch as the job's only consumer then; what
+    it lacks went to the one that left, and reading it again (as a lone consumer does for
+    records lost on the way) would repeat it."""
+    with service(workers=2) as (address, _procs):
+        for attempt in range(8):
+            seen: list[collections.Counter] = [collections.Counter(), collections.Counter()]
+            made = threading.Barrier(2)
+
+            def consume(i: int, attempt: int = attempt, seen: list = seen,
+                        made: threading.Barrier = made) -> None:
+                with Loader(Pipeline.range(800, split_size=40), broker=address,
+                            job_name=f"together-{attempt}", timeout=30) as loader:
+                    made.wait(30)  # both joined the one job; the first done leaves first
+                    for x in loader:
+                        seen[i][int(x)] += 1
+
+            threads = [threading.Thread(target=consume, args=(i,)) for i in range(2)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(60)
+            assert_exactly_once(seen[0] + seen[1], 800)
+

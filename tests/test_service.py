@@ -761,3 +761,42 @@ def test_a_loader_no_free_worker_serves_times_out_saying_the_workers_run_other_j
                 Loader(Pipeline.range(10), broker=address, timeout=3) as validation:
             list(validation)
         del elements
+
+
+class _SlowToPickle:
+    """Stops cloudpickle, inside ``dumps``, until ``go`` is set (``inside`` says it has)."""
+
+    inside = threading.Event()
+    go = threading.Event()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        _SlowToPickle.inside.set()
+        _SlowToPickle.go.wait(10)
+        return (int, (0,))
+
+
+def test_pipelines_pickled_on_two_threads_at_once_both_go_by_value():
+    """cloudpickle's registry of modules pickled by value is the process's: a Loader made
+    while another pickled its pipeline on another thread unregistered that one's user
+    modules under it (ValueError)."""
+    from zloader.client.packing import dumps
+
+    held = _SlowToPickle()
+    errors: list[BaseException] = []
+
+    def pickle(value: Any) -> None:
+        try:
+            dumps(Pipeline.range(3).map(lambda x, v=value: (x, v)))
+        except BaseException as exc:
+            errors.append(exc)
+
+    first = threading.Thread(target=pickle, args=(held,))
+    first.start()
+    assert _SlowToPickle.inside.wait(10)
+    second = threading.Thread(target=pickle, args=(1,))
+    second.start()
+    second.join(1)  # (waits for the first, which holds the registry)
+    _SlowToPickle.go.set()
+    first.join(10)
+    second.join(10)
+    assert not errors, errors

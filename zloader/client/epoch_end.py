@@ -147,13 +147,17 @@ class EpochEnd:
         against what its records said (each split's count) and what the broker handed out:
         records can be lost on the way (a segment its worker unlinked while this consumer
         was stalled, records another peer took with its token). The job's only consumer
-        asks for the splits concerned again, less what it holds (``HEARTBEAT.reread``),
+        (of a job without a name: another may join a named one at any time) asks for the
+        splits concerned again, less what it holds (``HEARTBEAT.reread``),
         then for the epoch's state again; after REREADS tries it raises. True: the epoch
         must not end now."""
         if self._short_failed:
             return True
         session = self.session
-        if not self.settings.exactly_once or self.consumers != 1 or session.epoch is None:
+        # A named job's consumer may count itself alone while another, just joining, took
+        # some of the epoch: what it lacks went there, and reading it again would repeat it.
+        if not self.settings.exactly_once or self.consumers != 1 or self.settings.named \
+                or session.epoch is None:
             return False
         missing = session.received.missing(session.epoch, self.read)
         if not missing:

@@ -68,7 +68,7 @@ class ConsumerLoop:
             balanced=options.balanced > 0, exactly_once=options.exactly_once,
             coordinated=coordinated, fixed=options.sharding in ("static", "off"),
             own=own if options.objects else frozenset(), memory_budget=memory_budget,
-            width=max(1, options.num_workers))
+            width=max(1, options.num_workers), named=job_name is not None)
         self.served = served or Served()
         register = registration(
             fingerprint=fingerprint, job_name=job_name, options=options,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import threading
 import types
 from typing import Any
 
@@ -89,6 +90,10 @@ def strip_source(pipeline: Pipeline) -> tuple[Pipeline, tuple[str, list[Any]] | 
     return pipeline, None
 
 
+_BY_VALUE = threading.Lock()
+"""Held while the user's modules are registered with cloudpickle to go by value."""
+
+
 def dumps(pipeline: Pipeline, by_value: bool = True) -> bytes:
     """cloudpickle the pipeline, shipping the user's own modules by value.
 
@@ -103,13 +108,18 @@ def dumps(pipeline: Pipeline, by_value: bool = True) -> bytes:
     modules = [module for name, module in list(sys.modules.items())
                if by_value and isinstance(module, types.ModuleType)
                and _is_user_module(name, module)]
-    for module in modules:
-        cloudpickle.register_pickle_by_value(module)
-    try:
-        return dumps_pipeline(pipeline)
-    finally:
+    # cloudpickle's registry is the process's: Loaders made on two threads at once would
+    # unregister each other's modules (ValueError) or pickle by reference what the other
+    # had registered.
+    with _BY_VALUE:
         for module in modules:
-            cloudpickle.unregister_pickle_by_value(module)
+            cloudpickle.register_pickle_by_value(module)
+        try:
+            return dumps_pipeline(pipeline)
+        finally:
+            for module in modules:
+                cloudpickle.unregister_pickle_by_value(module)
+
 
 
 def _is_user_module(name: str, module: types.ModuleType) -> bool:

@@ -67,6 +67,7 @@ class Settings:
     exactly_once: bool
     coordinated: tuple[int, int] | None  # (num_consumers, consumer_index)
     fixed: bool  # static or no sharding: every worker index must end the epoch
+    named: bool = False  # a job_name: other consumers may take part in its epochs at any time
     own: frozenset[int] = frozenset()  # pids of its own forked workers, whose records may
     # hold pickled leaves (Loader(objects=True)); nobody else's are unpickled
     memory_budget: int | None = None  # bytes for rings and records in flight (budget.py)
