@@ -139,6 +139,38 @@ def test_a_broker_killed_mid_epoch_and_restarted_resumes_the_job_exactly(tmp_pat
             stop(process)
 
 
+
+def _tag(name):
+    return lambda x: (name, int(x))
+
+
+def test_a_broker_restarted_on_its_work_dir_resumes_a_mix_per_input(tmp_path):
+    """The journal keeps a mix's layout (which splits each input's passes read): the
+    restarted broker hands out the rest of each input's splits, none twice."""
+    def slow(pair):
+        time.sleep(0.004)
+        return pair
+
+    mix = Pipeline.mix([Pipeline.range(400, split_size=10).map(_tag("a")),
+                        Pipeline.range(200, split_size=10).map(_tag("b"))],
+                       [0.6, 0.4], seed=2).map(slow)
+    address, work_dir, broker, workers = start_journaled(tmp_path, 2)
+    restarted: list[subprocess.Popen] = []
+    try:
+        with Loader(mix, broker=address, timeout=30) as loader:
+            seen: list[tuple[str, int]] = []
+            for element in loader:
+                seen.append((str(element[0]), int(element[1])))
+                if len(seen) == 100:
+                    broker.send_signal(signal.SIGKILL)
+                    broker.wait()
+                    restarted.append(start_broker(address, work_dir))
+        assert sorted(seen) == sorted([("a", x) for x in range(400)]
+                                      + [("b", x) for x in range(200)])
+    finally:
+        for process in [*workers, broker, *restarted]:
+            stop(process)
+
 @pytest.mark.slow
 def test_a_worker_killed_while_the_broker_is_down_loses_and_repeats_nothing(tmp_path):
     """Broker and a worker both SIGKILLed mid-epoch, with a shuffle buffer larger than a

@@ -8,7 +8,9 @@ from __future__ import annotations
 import collections
 import itertools
 import signal
+import threading
 
+import numpy as np
 import pytest
 
 from tests.service import service
@@ -256,3 +258,50 @@ def test_set_weights_is_refused_where_there_are_no_weights_to_set():
             loader.set_weights([1, 1, 1])
         assert sorted(as_tuples(loader)) == sorted(
             as_tuples(itertools.chain(*(p.iter(0) for p in two_inputs()))))
+
+
+def array_tagged(tag: int):
+    return lambda x: {"input": np.int64(tag), "x": np.int64(x)}
+
+
+def array_mix() -> Pipeline:
+    return Pipeline.mix([Pipeline.range(300, split_size=50).map(array_tagged(0)),
+                         Pipeline.range(100, split_size=25).map(array_tagged(1))],
+                        [0.7, 0.3], seed=4)
+
+
+def pairs(elements) -> collections.Counter:
+    return collections.Counter((int(e["input"]), int(e["x"])) for e in elements)
+
+
+def test_a_mix_through_the_torch_and_tf_adapters_yields_its_elements():
+    import torch
+
+    import zloader.torch as zt
+
+    expected = pairs(array_mix().iter(0))
+    dataset = zt.IterableDataset(array_mix(), num_workers=2)
+    try:
+        assert pairs(torch.utils.data.DataLoader(dataset, batch_size=None)) == expected
+    finally:
+        dataset.close()
+    ztf = pytest.importorskip("zloader.tf")
+    assert pairs(ztf.to_dataset(array_mix()).as_numpy_iterator()) == expected
+
+
+def test_two_trainers_sharing_a_mix_each_get_all_of_it():
+    expected = pairs(array_mix().iter(0))
+    with service(workers=2) as (address, _procs):
+        got: list[collections.Counter] = [collections.Counter(), collections.Counter()]
+
+        def trainer(i: int) -> None:
+            with Loader(array_mix().map(slow), broker=address, share=True,
+                        timeout=30) as loader:
+                got[i] = pairs(loader)
+
+        threads = [threading.Thread(target=trainer, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    assert got == [expected, expected]
