@@ -264,3 +264,18 @@ def test_the_plan_packs_the_sources_own_lists(tmp_path):
         assert sorted(loader) == list(range(PACK_MIN_ITEMS))
     with zloader.Loader(sources["FilesSource.files"], num_workers=2) as loader:
         assert sorted(loader) == sorted(str(p) for p in tmp_path.glob("*.txt"))
+
+
+def test_the_plan_packs_a_mixs_inputs_lists():
+    pairs = [(f"item {i}", i) for i in range(PACK_MIN_ITEMS)]
+    rows = [{"id": i} for i in range(PACK_MIN_ITEMS)]
+    mix = zloader.Pipeline.mix([zloader.Pipeline.from_items(pairs),
+                                zloader.Pipeline.from_items(rows),
+                                zloader.Pipeline.range(10)], seed=1)
+    swaps = packed.plan(mix.source)
+    assert [swap.where for swap in swaps] == ["ItemsSource.items", "ItemsSource.items"]
+    assert {id(swap.old) for swap in swaps} == {id(mix.source.inputs[0].source.items),
+                                                  id(mix.source.inputs[1].source.items)}
+    with zloader.Loader(mix, num_workers=2) as loader:
+        got = list(loader)
+    assert sorted(map(repr, got)) == sorted(map(repr, mix.iter(0)))

@@ -145,6 +145,9 @@ class MixSource(Source):
     def splits_in(self, key: Key) -> int:
         return self.layout.splits_of(key)
 
+    def readers(self) -> list[Source]:
+        return [reader for p in self.inputs for reader in p.source.readers()]
+
     def _at(self, split: int) -> tuple[int, int]:
         """(input, its split) of the mix's split ``split``."""
         offsets = self.layout.offsets

@@ -321,7 +321,10 @@ def plan(source: Any) -> list[Swap]:
     source): its own list fields, and the attributes of the map-style dataset it reads
     (see the module docstring). Logs at debug level what was packed and what was left."""
     swaps: list[Swap] = []
-    _visit(source.innermost(), type(source.innermost()).__name__, swaps, {}, set(), 0)
+    packed: dict[int, PackedSequence | None] = {}
+    seen: set[int] = set()
+    for reader in source.readers():  # (a mix's inputs: each of them)
+        _visit(reader, type(reader).__name__, swaps, packed, seen, 0)
     return swaps
 
 

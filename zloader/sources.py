@@ -131,6 +131,11 @@ class Source:
         cache over a source)."""
         return self
 
+    def readers(self) -> list[Source]:
+        """The sources whose data this one reads (a mix reads its inputs'), each its
+        :meth:`innermost`: what a forked worker's packing looks into."""
+        return [self.innermost()]
+
     def with_innermost(self, source: Source) -> Source:
         """This source reading ``source`` in place of :meth:`innermost` (the Loader takes
         a large in-memory source's data out, and a worker puts it back)."""
