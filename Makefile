@@ -49,6 +49,7 @@ bench: $(VENV)/.installed-bench
 	$(BIN)/python -m bench.torch_loader
 	$(BIN)/python -m bench.big_dataset
 	$(BIN)/python -m bench.memory
+	$(BIN)/python -m bench.mix
 	$(BIN)/python -m bench.sharing
 	$(BIN)/python -m bench.coordinated
 	$(BIN)/python -m bench.gpu_train

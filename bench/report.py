@@ -579,6 +579,111 @@ def render_memory(data: Any, out: Path) -> list[str]:
     return lines
 
 
+def mix_tables(data: Any) -> list[str]:
+    """bench.mix's tables (written by it into mix.md, and here): elements/s per run against
+    tf.data, the mix's cost over its inputs read alone, the realised proportions."""
+    weights = data["weights"]
+    names = list(data["inputs"])
+    runs = data["runs"]
+    lines = ["### Elements/s: zloader against tf.data's sample_from_datasets", "",
+             *table(["run", "elements", "seconds", "elements/s",
+                     "vs tf.data in-process (same granularity)", "target", "holds"],
+                    [[r["name"], r["elements"], f"{r['seconds']:.2f}",
+                      f"{r['elements_per_s']:,.0f}",
+                      f"{r['vs_tf']:.2f}x" if "vs_tf" in r else "1.00x",
+                      ">= 1x" if "vs_tf" in r else "-",
+                      ("yes" if r["vs_tf"] >= 1 else "NO") if "vs_tf" in r else "-"]
+                     for r in runs]), ""]
+    notes = [f"{r['name']}: {r['note']}" for r in runs if r.get("note")]
+    if notes:
+        lines += ["Notes: " + "; ".join(notes) + ".", ""]
+    cost = data["mix_cost"]
+    median, cpu = cost["median_s"], cost.get("median_cpu_s")
+    elements = data["elements"]
+    shares = ", ".join(f"{w:g} N of {n}" for n, w in zip(names, weights, strict=True))
+    reads = [("alone", "the inputs read alone, one after another (" + shares + ")"),
+             ("mix", 'Pipeline.mix(..., stop="never").take(N)'),
+             ("by_hand", "control: the inputs' iterators interleaved by numpy draws in "
+                         "plain Python")]
+
+    def holds(key: str, ratio: float) -> str:
+        return ("yes" if ratio <= cost["target"] else "NO") if key == "mix" else "-"
+
+    body = []
+    for key, what in reads:
+        wall = median[key] / median["alone"]
+        row = [what, f"{median[key]:.2f}", f"{elements / median[key]:,.0f}", f"{wall:.2f}x"]
+        if cpu:
+            row += [f"{cpu[key]:.2f}", f"{cpu[key] / cpu['alone']:.2f}x"]
+        row += [f"<= {cost['target']:.2f}x" if key == "mix" else "-", holds(key, wall)]
+        if cpu:
+            row.append(holds(key, cpu[key] / cpu["alone"]))
+        body.append(row)
+    header = ["read", "seconds", "elements/s", "vs the inputs alone"]
+    if cpu:
+        header += ["CPU seconds", "CPU vs the inputs alone", "target", "holds (wall)",
+                   "holds (CPU)"]
+    else:
+        header += ["target", "holds"]
+    every = "; ".join(f"{key} " + ", ".join(f"{s:.2f}" for s in values)
+                      for key, values in cost["seconds"].items())
+    if "cpu_seconds" in cost:
+        every += "; CPU: " + "; ".join(f"{key} " + ", ".join(f"{s:.2f}" for s in values)
+                                       for key, values in cost["cpu_seconds"].items())
+    lines += [f"### The mix's cost over its inputs read alone (in-process, N = {elements:,}, "
+              f"median of {cost['rounds']} rounds)", "", *table(header, body), "",
+              f"Every round, seconds: {every}. The same draws every round: "
+              f"{cost['same_draws_each_round']}.", ""]
+    tolerance = data.get("tolerance", 0.01)
+    body = []
+    for r in runs:
+        for point, result in r["proportions"].items():
+            body.append([r["name"], f"{int(point):,}",
+                         *(f"{result['shares'][n]:.4f}" for n in names),
+                         f"{100 * result['largest_difference']:.2f} points",
+                         "yes" if result["within"] else "NO"])
+    lines += ["### Realised proportions", "",
+              *table(["run", "after elements",
+                      *(f"{n} ({w:g})" for n, w in zip(names, weights, strict=True)),
+                      "largest distance from the weights",
+                      f"within {100 * tolerance:g} point"], body), ""]
+    same = [f"{r['name']} draws the same inputs as {other}: {r[key]}"
+            for r in runs for key, other in (("same_draws_as_elements", "one at a time"),
+                                             ("same_draws_as_batches", "in batches"))
+            if key in r]
+    left = data.get("left_behind", {})
+    leftovers = sum(len(v) for v in left.values() if isinstance(v, list))
+    lines += [("; ".join(same) + ". " if same else "")
+              + ("Left behind after the run: nothing (no worker process, /dev/shm segment "
+                 "or socket folder)." if not leftovers else
+                 "Left behind after the run: " + json.dumps(left) + "."), ""]
+    element = {r["system"]: r for r in runs if r["granularity"] == "element"
+               and "Loader" not in r["name"]}
+    batch = {r["system"]: r for r in runs if r["granularity"] == "batch"
+             and "Loader" not in r["name"]}
+    missed = [f"{r['name']} at {int(p):,}" for r in runs
+              for p, result in r["proportions"].items() if not result["within"]]
+    reading = []
+    if "zloader" in element and "vs_tf" in element["zloader"]:
+        reading.append(f"zloader / tf.data in-process: {element['zloader']['vs_tf']:.2f}x "
+                       "one element at a time")
+    if "zloader" in batch and "vs_tf" in batch["zloader"]:
+        reading.append(f"{batch['zloader']['vs_tf']:.2f}x in batches")
+    cpu_part = (f", {100 * (cost['cpu_ratio'] - 1):+.0f}% in CPU time"
+                if "cpu_ratio" in cost else "")
+    reading.append(f"the mix costs {100 * (cost['ratio'] - 1):+.0f}% over its inputs read "
+                   f"alone{cpu_part} (target <= {100 * (cost['target'] - 1):.0f}%; the "
+                   f"plain-Python interleaving {100 * (cost['by_hand_ratio'] - 1):+.0f}%)")
+    reading.append("every realised proportion within " f"{100 * tolerance:g} point of its weight"
+                   if not missed else "proportions off by more than "
+                   f"{100 * tolerance:g} point: " + ", ".join(missed))
+    return [*lines, "**Reading:** " + "; ".join(reading) + "."]
+
+
+def render_mix(data: Any, out: Path) -> list[str]:
+    return mix_tables(data)
+
+
 RENDERERS: dict[str, tuple[str, Renderer]] = {
     "codec": ("Codec", render_codec),
     "transport": ("Transport: zloader against other loaders", render_transport),
@@ -597,6 +702,7 @@ RENDERERS: dict[str, tuple[str, Renderer]] = {
     "gpu_train": ("GPU end-to-end training (bench/gpu_train.py)", render_gpu_train),
     "gpu_train_smoke": ("GPU end-to-end training, CPU smoke run (bench/gpu_train.py --smoke)",
                         render_gpu_train),
+    "mix": ("Mixing: Pipeline.mix against tf.data's sample_from_datasets", render_mix),
 }
 
 
