@@ -258,6 +258,8 @@ def test_set_weights_is_refused_where_there_are_no_weights_to_set():
             loader.set_weights([1, 1, 1])
         assert sorted(as_tuples(loader)) == sorted(
             as_tuples(itertools.chain(*(p.iter(0) for p in two_inputs()))))
+    with pytest.raises(RuntimeError, match="closed"):
+        loader.set_weights([1, 1])
 
 
 def array_tagged(tag: int):

@@ -422,10 +422,13 @@ class Loader:
         every trainer of it reads.
 
         Raises:
+            RuntimeError: this Loader is closed.
             ValueError: the pipeline is not a mix drawn by weight, or the weights are not
                 one per input, finite, >= 0 and not all 0.
         """
         self._check_process()
+        if self._closed:
+            raise RuntimeError("this Loader is closed")
         self._weights = new_weights(self.pipeline.source, weights)
         self._io.set_weights(self._weights)
 
