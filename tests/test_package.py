@@ -65,7 +65,8 @@ LAYERS = {
     "_status": 6, "_process": 7, "actuator": 7, "loader": 8, "ray": 8, "tf": 9,
     # the torch adapter: conversion and seeding, then what runs on workers and the
     # iterators, the DataLoader, the package's public names
-    "torch.tensors": 9.0, "torch.seeding": 9.0, "torch.failures": 9.0, "torch.dataset": 9.1,
+    "torch.tensors": 9.0, "torch.seeding": 9.0, "torch.failures": 9.0, "torch.states": 9.05,
+    "torch.dataset": 9.1,
     "torch.source": 9.1, "torch.passes": 9.1, "torch.dataloader": 9.2, "torch": 9.3,
     "cli": 10, "broker.__main__": 10.5, "worker.__main__": 10.5, "__init__": 11,
 }
@@ -195,6 +196,7 @@ FORMAT_CONSTANTS = {
     "transport.protocol": {"MAX_BODY_INT"},  # integers on the wire are 64-bit
     "torch.seeding": {"_MT_WORDS"},  # the size of a Mersenne Twister state
     "torch.failures": {"FIELDS"},  # the strings of a failed batch's record
+    "torch.states": {"VERSION"},  # the layout of a DataLoader's state_dict
     "_check": {"_SEED_LIMIT"},  # seeds are 64-bit
     "broker.pool": {"UNBOUNDED"},  # a sentinel: a job that can use any number of workers
     "formats._crc32c": {"_POLYNOMIAL"},  # CRC-32C's polynomial

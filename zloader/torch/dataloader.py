@@ -17,18 +17,24 @@ import torch.utils.data
 from zloader.client.session import PerWorker
 from zloader.loader import Loader
 from zloader.pipeline import Pipeline
+from zloader.torch import states
 from zloader.torch.passes import (
+    Intake,
     Pass,
     Progress,
     Sampling,
+    Streams,
+    Unmarked,
     arrived,
     draws_only_from,
+    firsts_from,
+    in_torch_words,
     ordered,
     skipped,
     worker_plans,
 )
-from zloader.torch.seeding import checked_state
 from zloader.torch.source import BatchSource
+from zloader.torch.states import Place
 from zloader.torch.tensors import Prefetcher, to_torch
 
 T_co = TypeVar("T_co", covariant=True)
@@ -74,6 +80,11 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             ``multiprocessing_context``: local workers fork, or start as ``"spawn"`` (a
             fresh interpreter given the pickled dataset) for ``"spawn"`` and
             ``"forkserver"``. ``in_order=False``: batches in the order they are made.
+        snapshot_every_n_steps: as in torchdata's ``StatefulDataLoader``: how often (in
+            each worker's batches) an iterable dataset that keeps a state (it, or its
+            iterator, has ``state_dict``/``load_state_dict``) is snapshotted for
+            :meth:`state_dict`; a resume makes again the batches after the last
+            snapshot. 0 or None: only at each epoch's start and end. Default 1.
         broker: a zloader broker address: ``num_workers`` of the broker's workers (wherever
             they run; this process starts none) make the batches, as torch's workers
             ``0 .. num_workers - 1`` would. A pass waits for that many to be free (and
@@ -102,7 +113,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                  multiprocessing_context: Any = None, generator: torch.Generator | None = None,
                  *, prefetch_factor: int | None = None, persistent_workers: bool = False,
                  pin_memory_device: str = "", in_order: bool = True,
-                 broker: str | None = None, share: bool = False, job_name: str | None = None,
+                 snapshot_every_n_steps: int | None = 1, broker: str | None = None,
+                 share: bool = False, job_name: str | None = None,
                  device: str | torch.device | None = None, pack_dataset: bool = True) -> None:
         self._service: Loader | None = None  # persistent_workers: the one Loader
         self._passes: weakref.WeakSet[Pass] = weakref.WeakSet()  # live iterators
@@ -124,6 +136,13 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             generator=generator, prefetch_factor=prefetch_factor,
             persistent_workers=persistent_workers, pin_memory_device=pin_memory_device,
             in_order=in_order)
+        if snapshot_every_n_steps is not None and (
+                isinstance(snapshot_every_n_steps, bool)
+                or not isinstance(snapshot_every_n_steps, int) or snapshot_every_n_steps < 0):
+            raise ValueError(f"snapshot_every_n_steps must be an int >= 0 or None (0 and "
+                             f"None: no snapshots within an epoch), got "
+                             f"{snapshot_every_n_steps!r}")
+        self.snapshot_every_n_steps = snapshot_every_n_steps
         if broker is not None and num_workers == 0:
             raise ValueError(
                 "broker= needs num_workers > 0: num_workers=0 loads in this process, as "
@@ -155,48 +174,63 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         loaded, self._resume = self._resume, None
-        skip = 0
-        workers: dict[int, bytes] | None = None
+        resume = None
         if loaded is not None:  # load_state_dict: sample that epoch again, skip what was had
-            resume = checked_state(loaded, self.num_workers)
+            resume = states.checked(loaded, self.num_workers, self._iterable)
             self._set_rng(resume["rng"])
-            skip = resume["batches"]
             # An epoch that drew its base seed draws it again, from the same random state,
             # so that the sampler then draws what it drew; one that did not (persistent
             # workers after their first epoch) takes the saved one.
             self._base_seed = None if resume["reseed"] else resume["base_seed"]
-            workers = resume["workers"]
         iterator = self._live() if self._live is not None else None
         if iterator is not None:
             iterator.end_epoch()  # before the next starts: the Loader reads one at a time
-            iterator.restart(*self._start(skip, workers))
+            iterator.restart(*self._start(resume))
             return iterator
-        iterator = Pass(self, *self._start(skip, workers))
+        iterator = Pass(self, *self._start(resume))
         self._passes.add(iterator)
         if self._persistent:
             self._live = weakref.ref(iterator)
         return iterator
 
-    def _start(self, skip: int, resumed: dict[int, bytes] | None
+    def _start(self, resume: dict[str, Any] | None
                ) -> tuple[Iterator[Any], Progress, Loader | None, Sampling | None]:
-        """Start a pass (an epoch) at batch ``skip``: its batches, its progress, the
+        """Start a pass (an epoch), at the position of ``resume`` (a checked loaded state,
+        or None): its batches (with their marks, see ``passes``), its progress, the
         Loader that is its own (None: no workers, or the persistent one) and its
         sampling (None: torch's own iterator, an iterable dataset or an eager sampler).
-        ``resumed``: a loaded state's workers' random states (None: not resumed), which
-        every worker takes, a worker without one its state as seeded."""
+        A resumed epoch skips the batches the state had yielded, and every worker takes
+        the random state it had then (a worker without one its state as seeded); an
+        iterable dataset's workers restore their snapshots (``states``)."""
+        skip = resume["batches"] if resume is not None else 0
+        places = self._places(resume)
         previous = self._progress
         progress = Progress(rng=self._rng(), yielded=skip)
         self._progress = progress
         if self.num_workers == 0:
-            return skipped(torch.utils.data.DataLoader.__iter__(self), skip), progress, None, None
+            return self._inline(resume, progress), progress, None, None
         plan, sampled, sampling = self._plan(skip)
+        plan["every"] = self.snapshot_every_n_steps or 0
         progress.reseeded = bool(plan["reseed"])
-        plans = PerWorker(worker_plans(plan, sampled, self._auto_collation, skip,
-                                       self.num_workers, resumed))
-        if resumed is not None:
-            progress.workers = dict(resumed)
+        workers = resume["workers"] if resume is not None else None
+        if places is not None:
+            if self._iterable:
+                workers = {w: p.rng for w, p in places.items() if p.rng}
+            progress.places = places
+            progress.last = resume.get("_snapshot", {}).get("_last_yielded_worker_id") \
+                if resume is not None and resume["batches"] else None
+        firsts = firsts_from(skip, self.num_workers, None if self._iterable else places)
+        if not self._iterable:  # where each worker's batches begin, until it yields one
+            for worker, first in enumerate(firsts):
+                progress.places.setdefault(worker, Place()).next_batch = first
+        plans = PerWorker(worker_plans(plan, sampled, self._auto_collation, firsts, workers,
+                                       places))
+        if workers is not None:
+            progress.workers = dict(workers)
         elif not plan["reseed"] and previous is not None:  # workers go on where they are
             progress.workers = dict(previous.workers)
+        if self._persistent and previous is not None:  # one Loader: its count goes on
+            progress.control = previous.control
         own = None
         if self._persistent:
             if self._service is None:
@@ -211,12 +245,81 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             if own is not None:
                 own.close()
             raise
-        if self._iterable or not self.in_order:
-            batches = arrived(records, progress, self.num_workers)
+        intake = Intake(records, progress, self.num_workers)
+        try:
+            intake.settle()  # each worker started: its first snapshot; its init errors
+        except BaseException as exc:
+            if own is not None:
+                own.close()
+            worded = in_torch_words(exc, self.timeout)
+            if worded is not None:
+                raise worded from exc
+            raise
+        batches: Iterator[tuple[Any, Any]]
+        if self._iterable:
+            batches = iter(Streams(intake, progress, self.num_workers, bool(self.in_order)))
+        elif not self.in_order:
+            batches = arrived(intake, progress, self.num_workers)
         else:
-            batches = ordered(records, skip, progress, self.num_workers)
-        return (self._deliver(to_torch(batch) for batch in batches), progress, own,
-                sampling)
+            batches = ordered(intake, firsts, progress, self.num_workers)
+        return (self._deliver((to_torch(batch), mark) for batch, mark in batches), progress,
+                own, sampling)
+
+    def _places(self, resume: dict[str, Any] | None) -> dict[int, Place] | None:
+        """The workers' places a loaded state resumes (None: none to resume). A finished
+        epoch's state resumes at the next epoch: persistent workers keep their dataset's
+        state from then (not their ended iterators'), others start afresh, as torchdata's
+        do. A map-style state saved with another ``num_workers`` resumes by its batch
+        count alone, which needs the batches it yielded to be the epoch's first ones.
+
+        Raises:
+            ValueError: a map-style state with batches yielded out of order, saved with
+                another ``num_workers``.
+        """
+        if resume is None:
+            return None
+        places: dict[int, Place] = resume["places"]
+        if not self._iterable:
+            if resume.get("finished"):
+                return {w: Place(snapshot=p.snapshot, started=False)
+                        for w, p in places.items() if p.snapshot is not None} \
+                    if self._persistent else None
+            if resume.get("num_workers", self.num_workers) == self.num_workers:
+                return places
+            if any(p.next_batch is not None and not _in_prefix(w, p.next_batch, resume)
+                   for w, p in places.items()):
+                raise ValueError(
+                    "this state's batches were yielded out of order (in_order=False) by "
+                    f"{resume.get('num_workers')} workers: it resumes only with that "
+                    "num_workers")
+            return None
+        if resume["batches"] or not resume.get("finished"):
+            return places
+        if not self._persistent:
+            return None
+        return {w: Place(snapshot={**(p.snapshot or {}), "fetcher_state": None},
+                         rng=p.rng, started=False)
+                for w, p in places.items() if p.snapshot is not None or p.rng}
+
+    def _inline(self, resume: dict[str, Any] | None, progress: Progress) -> Iterator[Any]:
+        """torch's own iterator (``num_workers=0``), resumed: a dataset (or its iterator)
+        that keeps a state restores it; any other skips the batches the state had
+        yielded by making them again."""
+        skip = resume["batches"] if resume is not None else 0
+        dataset = self.dataset
+        if self._iterable and resume is not None and "dataset_state" in resume:
+            states.load(dataset, resume["dataset_state"])
+        iterator = torch.utils.data.DataLoader.__iter__(self)
+        fetcher = getattr(iterator, "_dataset_fetcher", None)
+        if self._iterable and fetcher is not None:
+            progress.inline = fetcher
+            saved = resume.get("fetcher_state") if resume is not None else None
+            if saved is not None:
+                states.load(fetcher.dataset_iter, saved.get("dataset_iter_state"))
+                fetcher.ended = bool(saved.get("fetcher_ended"))
+            if states.is_stateful(dataset) or states.is_stateful(fetcher.dataset_iter):
+                skip = 0
+        return Unmarked(skipped(iterator, skip))
 
     def _plan(self, skip: int
               ) -> tuple[dict[str, Any], list[Any] | None, Sampling | None]:
@@ -245,7 +348,6 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             else:
                 sampling = Sampling(self, indices, self._prefetch * self.num_workers + skip)
                 sampled = sampling.batches
-            sampled = sampled[skip:]
         plan: dict[str, Any] = {"seed": self._base_seed, "reseed": reseed}
         if shared is not None:
             plan["shared_seed"] = shared
@@ -256,57 +358,84 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         return int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
 
     def state_dict(self) -> dict[str, Any]:
-        """Where this loader is, as a small JSON-serializable dict: the random state its
-        latest pass sampled from, the batches it yielded and its workers' random states
-        (torch, numpy and ``random``) after the last of them. ``load_state_dict`` makes the
-        next iteration sample that epoch again (same order, same seeds, the workers' random
-        states restored) and yield only the batches after those; a finished epoch resumes
-        at the next one. Random state the dataset keeps itself (a ``Generator`` object made
-        in ``worker_init_fn``) is not recorded.
+        """Where this loader is, as a small dict (JSON-serializable when the dataset's own
+        states are; layout in ``zloader/torch/states.py``): the random state its latest
+        pass sampled from, the batches it yielded, its workers' random states (torch,
+        numpy and ``random``) after the last of them and, for a dataset that keeps a state
+        (``state_dict``/``load_state_dict``, or an iterator with them), each worker's
+        snapshot of it. ``load_state_dict`` makes the next iteration sample that epoch
+        again (same order, same seeds, the workers' random states restored) and yield only
+        the batches after those; a finished epoch resumes at the next one.
 
-        Raises:
-            ValueError: the dataset is iterable (its position cannot be restored), or
-                ``in_order=False``.
+        A map-style dataset's batches are skipped without being made. An iterable
+        dataset's workers restore their last snapshot and make again the batches they
+        yielded after it (every batch of an iterator that keeps no state: its
+        ``snapshot_every_n_steps`` apart otherwise); its state resumes only with the same
+        ``num_workers``. Batches yielded out of order (``in_order=False``) are recorded
+        per worker. With workers, an iterable dataset's state waits for each worker's
+        first record (its snapshot before its first batch). Random state the dataset
+        keeps itself (a ``Generator`` object made in ``worker_init_fn``) is recorded only
+        through its own ``state_dict``.
         """
-        if self._iterable:
-            raise ValueError("state_dict() needs a map-style dataset: an iterable dataset's "
-                             "position inside its own iterator cannot be restored")
-        if not self.in_order:
-            raise ValueError("state_dict() needs in_order=True: with batches in completion "
-                             "order, the batches yielded are not the epoch's first ones")
         if self._resume is not None:  # loaded and not yet iterated: that is where it is
             return copy.deepcopy(self._resume)
         progress = self._progress
-        if progress is None or progress.finished:
-            rng, batches = self._rng(), 0
+        finished = progress is not None and progress.finished
+        places: dict[int, Place] = {}
+        if progress is None or finished:
+            rng, batches, last = self._rng(), 0, None
             # The next epoch reseeds the workers, unless they persist.
             workers = progress.workers if progress is not None and self._persistent else {}
             reseed = self._base_seed is None or not self._persistent
+            if progress is not None and self._persistent:
+                places = progress.places
         else:
             rng, batches, workers = progress.rng, progress.yielded, progress.workers
-            reseed = progress.reseeded
-        return {"zloader_torch": 1, "rng": rng, "batches": batches,
-                "base_seed": self._base_seed, "reseed": reseed,
-                "workers": {str(w): base64.b64encode(s).decode()
-                            for w, s in sorted(workers.items())}}
+            reseed, places, last = progress.reseeded, progress.places, progress.last
+        if self._iterable and self.num_workers:
+            workers = {w: p.rng for w, p in places.items() if p.rng}
+        state: dict[str, Any] = {
+            "zloader_torch": states.VERSION, "num_workers": self.num_workers, "rng": rng,
+            "batches": batches, "base_seed": self._base_seed, "reseed": reseed,
+            "finished": finished,
+            "workers": {str(w): base64.b64encode(s).decode()
+                        for w, s in sorted(workers.items())}}
+        if self.num_workers:
+            state["_snapshot"] = states.layout(
+                {w: places.get(w, Place()) for w in range(self.num_workers)}, last)
+        elif self._iterable:
+            fetcher = progress.inline if progress is not None and not finished else None
+            state.update(states.inline(self.dataset, fetcher))
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict` on the next iteration. It sets the random state
         the sampler draws from (this loader's ``generator``, or torch's global one) to the
-        one that epoch started from, and the workers' to theirs.
+        one that epoch started from, and the workers' to theirs. An empty dict loads
+        nothing (as torchdata's ``StatefulDataLoader``).
 
         Raises:
-            ValueError: ``state`` is not such a dict.
+            ValueError: ``state`` is not such a dict, or one of an iterable dataset saved
+                with another ``num_workers``.
         """
-        checked_state(state, self.num_workers)
+        if isinstance(state, dict) and not state:
+            return
+        states.checked(state, self.num_workers, self._iterable)
         self._resume = copy.deepcopy(state)
 
     def stats(self) -> dict[str, Any]:
         """The :meth:`zloader.Loader.stats` of the latest pass's workers (as they were when
-        the pass ended, if it has); empty with ``num_workers=0`` or before the first pass."""
+        the pass ended, if it has); empty with ``num_workers=0`` or before the first pass.
+        ``elements`` counts batches, not the records each worker sends at an epoch's
+        start (and, for an iterable dataset, its end) for ``state_dict``."""
         progress = self._progress
         loader = progress.loader if progress is not None else None
-        return loader.stats() if loader is not None else {}
+        if progress is None or loader is None:
+            return {}
+        stats = loader.stats()
+        if "elements" in stats:
+            stats["elements"] -= progress.control[0]
+        return stats
 
     def _rng(self) -> str:
         generator = self.generator
@@ -386,3 +515,11 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     def __del__(self) -> None:
         self.close()
 
+
+
+def _in_prefix(worker: int, next_batch: int, resume: dict[str, Any]) -> bool:
+    """Whether a map-style worker's next batch is the one it has after the state's
+    ``batches`` first batches of the epoch (its saved loader's ``num_workers``)."""
+    saved = resume.get("num_workers") or 1
+    skip = resume["batches"]
+    return next_batch == skip + (worker - skip) % saved

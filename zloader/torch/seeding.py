@@ -3,7 +3,6 @@ restored (torch, numpy and ``random``) for ``state_dict``."""
 
 from __future__ import annotations
 
-import base64
 import random
 import struct
 from collections.abc import Callable
@@ -132,36 +131,3 @@ _RNG_HEAD = struct.Struct("<I")
 _NP_TAIL = struct.Struct("<iid")
 _PY_TAIL = struct.Struct("<i?d")
 _MT_WORDS = 624
-
-
-def checked_state(state: Any, workers: int) -> dict[str, Any]:
-    """``state`` (what ``DataLoader.state_dict()`` returned) checked, its workers' random
-    states decoded: ``{..., "reseed": whether its epoch drew a base seed, "workers":
-    {index: packed state}}``.
-
-    Raises:
-        ValueError: ``state`` is not such a dict, or names a worker beyond ``workers``.
-    """
-    if not (isinstance(state, dict) and state.get("zloader_torch") == 1
-            and isinstance(state.get("rng"), str)
-            and isinstance(state.get("batches"), int) and state["batches"] >= 0
-            and (state.get("base_seed") is None or isinstance(state["base_seed"], int))
-            and isinstance(state.get("reseed", False), bool)
-            and isinstance(state.get("workers", {}), dict)):
-        raise ValueError("state must be what zloader.torch.DataLoader.state_dict() "
-                         "returned")
-    found = {}
-    for key, text in state.get("workers", {}).items():
-        if not (isinstance(key, str) and key.isdigit() and int(key) < workers
-                and isinstance(text, str)):
-            raise ValueError(f"state['workers'] holds {key!r}: not a worker of this "
-                             f"loader's {workers} (num_workers must be the saved loader's)")
-        try:
-            data = base64.b64decode(text, validate=True)
-        except ValueError:
-            raise ValueError(f"state['workers'][{key!r}] is not base64") from None
-        unpack_rng(data)  # raises on a corrupt one
-        found[int(key)] = data
-    # A state saved before "reseed" was recorded: an epoch with a base seed took it.
-    reseed = state.get("reseed", state.get("base_seed") is None)
-    return {**state, "reseed": reseed, "workers": found}

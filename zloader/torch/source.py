@@ -18,7 +18,7 @@ from zloader import codec
 from zloader._defaults import STACK_LATER_BYTES
 from zloader.errors import PipelineError
 from zloader.sources import Source
-from zloader.torch import seeding
+from zloader.torch import seeding, states
 from zloader.torch.failures import describe
 from zloader.torch.tensors import NUMPY_DTYPES, to_numpy
 
@@ -59,34 +59,43 @@ class BatchSource(Source):
         seeded = seeding.seeded(self.token, bool(plan["reseed"]), int(plan["seed"]), worker,
                                 self.width, self.dataset, self.worker_init_fn, plan.get("rng"))
         if self.iterable:
-            return self._iterable(worker)
+            return self._iterable(plan, worker)
         return self._mapped(plan, worker, seeded)
 
-    def _mapped(self, plan: dict[str, Any], worker: int, seeded: seeding.Seeded) -> Iterator[Any]:
+    def _mapped(self, plan: dict[str, Any], worker: int,
+                seeded: seeding.Seeded) -> Iterator[dict[str, Any]]:
         """This worker's batches ``j`` of the epoch (its plan's, see
-        ``passes.worker_plans``), each as ``(j, random state after it or b"" if
-        unchanged, batch)`` (the consumer keeps the state of the last batch it yielded,
-        for ``state_dict``), or ``(j, state, None, failure)`` when the dataset or
-        ``collate_fn`` raised."""
+        ``passes.worker_plans``), as records (dicts, ``"w"``: the worker): first
+        ``{"start": snapshot, "rng": random state}``, then for each batch ``{"j": j,
+        "rng": random state after it or b"" if unchanged, "batch": batch}`` (the consumer
+        keeps the state of the last batch it yielded, for ``state_dict``), with
+        ``"failure"`` in place of ``"batch"`` when the dataset or ``collate_fn`` raised,
+        and ``"snap"`` (see ``states``) when the dataset keeps a state of its own. A
+        resumed worker (``plan["resume"]``) first restores its dataset's state."""
+        resume = plan.get("resume")
+        if resume is not None:
+            states.load(self.dataset, resume.get("dataset_state"))
+        stateful = states.is_stateful(self.dataset)
+        yield {"w": worker, "start": states.snapshot(worker, self.dataset, iterable=False),
+               "rng": seeded.reported}
         flat, offsets = plan["flat"], plan["offsets"]
         first, step = int(plan["first"]), int(plan["step"])
         where = f"in DataLoader worker process {worker}"
         for batch in range(len(offsets) - 1):
             indices = flat[offsets[batch]:offsets[batch + 1]]
             keys = indices.tolist() if isinstance(indices, np.ndarray) else list(indices)
-            failure = None
+            record: dict[str, Any] = {"w": worker, "j": first + batch * step}
             try:
-                made = to_numpy(self._fetch(keys, plan["batched"]), self.objects)
+                record["batch"] = to_numpy(self._fetch(keys, plan["batched"]), self.objects)
             except Exception as exc:
                 at = f"indices {keys!r:.60}" if plan["batched"] else f"index {keys[0]!r}"
-                failure = _failure(exc, at, where)
+                record["failure"] = _failure(exc, at, where)
             state = seeding.capture_rng()
             changed, seeded.reported = state != seeded.reported, state
-            state = state if changed else b""
-            if failure is None:
-                yield (first + batch * step, state, made)
-            else:
-                yield (first + batch * step, state, None, failure)
+            record["rng"] = state if changed else b""
+            if stateful:
+                record["snap"] = states.snapshot(worker, self.dataset, iterable=False)
+            yield record
 
     def _fetch(self, keys: list[Any], batched: bool) -> Any:
         """A batch, made as torch's map-style fetcher makes it: ``__getitems__`` when the
@@ -103,12 +112,42 @@ class BatchSource(Source):
             samples = [self._get(i) for i in keys]
         return self._collate(samples)
 
-    def _iterable(self, worker: int) -> Iterator[Any]:
-        """Batches of the dataset's iterator, as torch worker ``worker`` makes them, each
-        as ``(-1, b"", batch)``, or ``(-1, b"", None, failure)`` in place of a batch whose
-        sample or collate raised (its other samples are lost, as in torch)."""
+    def _iterable(self, plan: dict[str, Any], worker: int) -> Iterator[dict[str, Any]]:
+        """The dataset's iterator run as torch worker ``worker`` runs it, as records
+        (dicts, ``"w"``: the worker): first ``{"start": snapshot, "rng": random state}``,
+        then one per batch, ``{"batch": batch}`` or ``{"failure": ...}`` in place of a
+        batch whose sample or collate raised (its other samples are lost, as in torch),
+        with ``"snap"`` and ``"rng"`` after every ``plan["every"]``-th batch when the
+        dataset or its iterator keeps a state, and last ``{"end": snapshot, "rng": ...}``
+        (see ``states``). A resumed worker (``plan["resume"]``: its snapshot and the
+        batches it yielded since) restores the snapshot and makes those batches again
+        without sending them; one whose iterator had ended sends its start and end."""
+        resume = plan.get("resume")
+        every = int(plan.get("every") or 0)
+        iterator = states.resume_into(self.dataset, lambda: iter(self.dataset), resume)
+        stateful = states.is_stateful(iterator) or states.is_stateful(self.dataset)
+
+        def snap(ended: bool = False) -> dict[str, Any]:
+            return states.snapshot(worker, self.dataset, iterator, ended)
+
+        yield {"w": worker, "start": snap(states.ended(resume)),
+               "rng": seeding.capture_rng()}
+        if not states.ended(resume):
+            skip = int((resume or {}).get("since", 0))
+            made = 0
+            for record in self._batches(iterator, worker):
+                made += 1
+                if made <= skip:
+                    continue
+                if stateful and every and made % every == 0:
+                    record.update(snap=snap(), rng=seeding.capture_rng())
+                yield record
+        yield {"w": worker, "end": snap(True), "rng": seeding.capture_rng()}
+
+    def _batches(self, iterator: Iterator[Any], worker: int) -> Iterator[dict[str, Any]]:
+        """The batches of ``iterator``, as torch worker ``worker`` makes them, each as a
+        record ``{"w": worker, "batch": batch}`` or ``{"w": worker, "failure": ...}``."""
         where = f"in DataLoader worker process {worker}"
-        iterator = iter(self.dataset)
         ended = False
         number = -1  # this worker's batches so far
         while not ended:
@@ -127,9 +166,10 @@ class BatchSource(Source):
                 made = to_numpy(self._collate_one(samples[0]) if self.batch_size is None
                                 else self._collate(samples), self.objects)
             except Exception as exc:
-                yield (-1, b"", None, _failure(exc, f"its batch {number}", where))
+                yield {"w": worker,
+                       "failure": _failure(exc, f"its batch {number}", where)}
                 continue
-            yield (-1, b"", made)
+            yield {"w": worker, "batch": made}
 
     def _get(self, index: Any) -> Any:
         try:

@@ -83,9 +83,10 @@ def apply_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any
         return type(batch)(apply_tensors(value, fn) for value in batch)
     return batch
 class Prefetcher:
-    """Runs ``batches`` on a thread that pins each batch and starts its copy to
-    ``device``; at most ``depth`` batches wait. Errors are re-raised in the consumer.
-    The thread holds no reference to this object, so dropping it stops the thread."""
+    """Runs ``batches`` (``(batch, tag)`` pairs; the tag rides along untouched) on a
+    thread that pins each batch and starts its copy to ``device``; at most ``depth``
+    batches wait. Errors are re-raised in the consumer. The thread holds no reference to
+    this object, so dropping it stops the thread."""
 
     _END = object()
 
@@ -144,7 +145,7 @@ def _prefetch(batches: Iterator[Any], pin: bool, device: torch.device | None,
         return False
 
     try:
-        for batch in batches:
+        for batch, tag in batches:
             if pin:
                 batch = apply_tensors(batch, lambda t: t.pin_memory())
             event = None
@@ -156,7 +157,7 @@ def _prefetch(batches: Iterator[Any], pin: bool, device: torch.device | None,
                         event.record(stream)
                 else:
                     batch = apply_tensors(batch, lambda t: t.to(device))
-            if not put((batch, event)):
+            if not put(((batch, tag), event)):
                 return
         put((Prefetcher._END, None))
     except BaseException as exc:  # re-raised in the consumer's thread

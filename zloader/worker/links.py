@@ -35,6 +35,10 @@ class Links:
         self.name = name
         self.count = 0
         self.producers: dict[Any, Producer] = {}  # by our end of its pair
+        # Dropped producers that may still be in user code: the next producer waits for
+        # them to leave before it runs any (one epoch's code at a time per process, as
+        # in torch's workers: user code shares the process's global random states).
+        self.leaving: list[Producer] = []
         # Where the producers' time goes, by stage (the heartbeat's stats).
         self.timing: dict[str, float] = dict.fromkeys(STAGES, 0.0)
 
@@ -48,7 +52,9 @@ class Links:
         link = make_socket(self.context, zmq.PAIR)
         link.bind(address)
         self.poller.register(link, zmq.POLLIN)
-        producer = Producer(self.context, address, spec, epoch, timing=self.timing, **options)
+        self.leaving = [p for p in self.leaving if p.is_alive()]
+        producer = Producer(self.context, address, spec, epoch, timing=self.timing,
+                            after=tuple(self.leaving), **options)
         producer.link = link
         producer.hand = self.hand if inline else None
         self.producers[link] = producer
@@ -58,6 +64,8 @@ class Links:
     def drop(self, producer: Producer) -> None:
         """Stop listening to ``producer`` (it may still run until it notices its stop)."""
         link, producer.link = producer.link, None
+        if producer.is_alive() and producer not in self.leaving:
+            self.leaving.append(producer)
         if link is not None:
             self.producers.pop(link, None)
             self.poller.unregister(link)

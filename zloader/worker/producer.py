@@ -184,6 +184,9 @@ class Producer(threading.Thread):
         replay: make the first ``replay`` elements of the epoch again, reading the splits
             recorded in ``splits`` (a shared job's late trainer); None: produce afresh.
         timing: where the time goes, by stage (shared by the worker's producers).
+        after: producers stopped before this one, which it waits to leave (they exit at
+            their next send) before it runs the pipeline: user code of two epochs never
+            runs at once in one process.
     """
 
     def __init__(self, context: zmq.Context[Any], address: str, spec: ProducerSpec,
@@ -192,8 +195,10 @@ class Producer(threading.Thread):
                  weights: LiveWeights | None = None,
                  splits: dict[tuple[int, ...], list[int]] | None = None,
                  replay: int | None = None,
-                 timing: dict[str, float] | None = None) -> None:
+                 timing: dict[str, float] | None = None,
+                 after: tuple[threading.Thread, ...] = ()) -> None:
         super().__init__(name=f"zloader-producer-{epoch}", daemon=True)
+        self.after = after  # stopped producers to wait for before running user code
         self.context, self.address, self.spec, self.epoch = context, address, spec, epoch
         self.stop = threading.Event()
         # Held while a record is sent: whoever stops this producer (a new epoch) takes it
@@ -233,6 +238,9 @@ class Producer(threading.Thread):
         return {"epoch": self.epoch, "split": self.split, "stage": self.stage}
 
     def run(self) -> None:
+        for earlier in self.after:  # stopped, maybe still in user code: let it leave
+            earlier.join()
+        self.after = ()
         pair = make_socket(self.context, zmq.PAIR)
         pair.connect(self.address)
         try:
