@@ -307,3 +307,30 @@ def test_two_trainers_sharing_a_mix_each_get_all_of_it():
         for thread in threads:
             thread.join(60)
     assert got == [expected, expected]
+
+
+def fails_at_b_40(pair):
+    if pair == ("b", 40):
+        raise ValueError("bad record b 40")
+    return pair
+
+
+def test_an_input_s_error_comes_at_its_draw_after_what_was_drawn_before_it():
+    """In-process the mix reads each input ahead by a chunk of draws; an error one input
+    raises still comes after exactly the elements drawn before its element, as a worker
+    (which reads each element as it is drawn) yields them."""
+    a, b, c = inputs()
+    whole = as_tuples(Pipeline.mix([a, b, c], [0.6, 0.3, 0.1], seed=7).iter(0))
+    before = whole[:whole.index(("b", 40))]
+    broken = Pipeline.mix([a, b.map(fails_at_b_40), c], [0.6, 0.3, 0.1], seed=7)
+    got = []
+    with pytest.raises(ValueError, match="bad record b 40"):
+        for element in broken.iter(0):
+            got.append(element)
+    assert as_tuples(got) == before
+    with Loader(broken, num_workers=1, timeout=30) as loader:  # the elements of the
+        got = []                                                # failed record are lost
+        with pytest.raises(ValueError, match="bad record b 40"):
+            for element in loader:
+                got.append(element)
+    assert as_tuples(got) == before[:len(got)]

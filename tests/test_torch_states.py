@@ -234,6 +234,13 @@ def test_states_that_cannot_resume_here_are_refused():
         loader(Counted([4, 4, 4]), num_workers=2).load_state_dict(state)
     with pytest.raises(ValueError, match="snapshot_every_n_steps must be an int"):
         loader(Counted([1]), snapshot_every_n_steps=-1)
+    _, mapped, _ = cut(lambda: zt.DataLoader(Slow(), num_workers=2, in_order=False), 3)
+    snapshots = mapped["_snapshot"]["_worker_snapshots"]
+    snapshots["worker_0"]["next_batch"], snapshots["worker_1"]["next_batch"] = 0, 7
+    with pytest.raises(ValueError, match=r"out of order .* by 2 workers: it resumes only"):
+        zt.DataLoader(Slow(), num_workers=3).load_state_dict(mapped)  # batches 1, 3, 5 had
+    snapshots["worker_0"]["next_batch"], snapshots["worker_1"]["next_batch"] = 4, 3
+    zt.DataLoader(Slow(), num_workers=3).load_state_dict(mapped)  # batches 0, 1, 2 had
     quiet = loader(Counted([3, 3, 3]))
     quiet.load_state_dict({})  # torchdata's "nothing to load"
     assert len(list(quiet)) == 9

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Iterator, Sequence
+import operator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -188,14 +189,18 @@ class MixSource(Source):
         pattern, stop, seed = self.pattern, self.stop, self.seed
 
         def run(key: Key) -> Iterator[Any]:
-            streams = [r(key) for r in runs]
+            # No generator of its own: each element passes through the draws' alone.
+            def streams() -> list[Iterator[Any]]:
+                return [r(key) for r in runs]
+
+            def finish(ended: list[Iterator[Any]]) -> None:
+                if stop == "first_exhausted" and ctx.coverage is not None:
+                    _end_early(ended, key, ctx)
+
             if pattern is not None:
-                yield from _in_pattern(streams, pattern, stop)
-            else:
-                yield from _by_weight(streams, weights, stop, ctx.rng(seed, 0, (*key, _DRAWS)),
-                                      ctx.mix_weights)
-            if stop == "first_exhausted" and ctx.coverage is not None:
-                _end_early(streams, key, ctx)
+                return _in_pattern(streams, pattern, stop, finish)
+            return _by_weight(streams, weights, stop, lambda: ctx.rng(seed, 0, (*key, _DRAWS)),
+                              ctx.mix_weights, finish)
 
         return run, min(aligned, default=0)
 
@@ -242,41 +247,121 @@ def _end_early(streams: list[Iterator[Any]], key: Key, ctx: _stages.Context) -> 
             ctx.drop(element)
 
 
-def _by_weight(streams: list[Iterator[Any]], weights: np.ndarray, stop: str,
-               rng: np.random.Generator, settable: LiveWeights | None) -> Iterator[Any]:
+def _by_weight(opened: Callable[[], list[Iterator[Any]]], weights: np.ndarray, stop: str,
+               seeded: Callable[[], np.random.Generator], settable: LiveWeights | None,
+               finish: Callable[[list[Iterator[Any]]], None]) -> Iterator[Any]:
     """Draw an input by weight for each element, among those not exhausted; an input that
     ends ends the mix (``first_exhausted``) or leaves the draw (otherwise). ``settable``:
-    weights set while the mix runs, which apply from the next chunk of draws."""
+    weights set while the mix runs (a worker's), which apply from the next element.
+
+    Draws come :data:`MIX_DRAW_CHUNK` at a time. Without ``settable`` (in this process),
+    each input's elements for a chunk are read ahead at once (``islice``: no Python step
+    per element) and, when every input had enough, put in the draws' order by one
+    ``itemgetter``; an error an input raised is raised at its draw, after the elements
+    drawn before it. A worker reads each element when it is drawn: an input's end is
+    then decided as late as can be (a split of a dead worker may still come). What was
+    read ahead and not yielded when the mix stops goes back in front of its stream, and
+    ``finish`` gets the streams (``opened()``'s, made at the first element) once the mix
+    ended (not when it is closed early)."""
+    streams = opened()
+    rng = seeded()
+    done = False  # the mix ended (rather than being closed)
     ended: set[int] = set()
+    failed: dict[int, BaseException] = {}  # raised by an input, after what it had read
     applied = None
-    while True:
-        latest = settable.value if settable is not None else None
-        if latest is not None and latest is not applied:
-            applied = latest
-            if len(latest) == len(streams) and sum(latest) > 0:
-                weights = np.asarray(latest, dtype=np.float64)
-        live = [k for k in range(len(streams)) if weights[k] > 0 and k not in ended]
-        if not live:
-            return
-        shares = weights[live] / weights[live].sum()
-        for drawn in rng.choice(len(live), size=MIX_DRAW_CHUNK, p=shares).tolist():
-            which = live[drawn]
+    ahead: list[list[Any]] = [[] for _ in streams]  # read, not yet yielded, per input
+    try:
+        while True:
+            latest = settable.value if settable is not None else None
+            if latest is not None and latest is not applied:
+                applied = latest
+                if len(latest) == len(streams) and sum(latest) > 0:
+                    weights = np.asarray(latest, dtype=np.float64)
+            live = [k for k in range(len(streams)) if weights[k] > 0 and k not in ended]
+            if not live:
+                done = True
+                return
+            shares = weights[live] / weights[live].sum()
+            drawn = np.asarray(live)[rng.choice(len(live), size=MIX_DRAW_CHUNK, p=shares)]
+            if settable is None:
+                counts = np.bincount(drawn, minlength=len(streams)).tolist()
+                if _read_ahead(streams, ahead, counts, live, failed):
+                    yield from _interleaved(ahead, drawn, counts)
+                    continue
+            taken = [0] * len(streams)
             try:
-                element = next(streams[which])
-            except StopIteration:
-                if stop == "first_exhausted":
-                    return
-                ended.add(which)  # the rest are drawn again, among those left
-                break
-            yield element
-            if settable is not None and settable.value is not applied:
-                break  # new weights: draw the rest with them
+                for which in drawn.tolist():
+                    at = taken[which]
+                    if at >= len(ahead[which]):
+                        if which in failed:
+                            raise failed.pop(which)
+                        element = next(streams[which], _ENDED)
+                        if element is _ENDED:  # this input ended here
+                            if stop == "first_exhausted":
+                                done = True
+                                return
+                            ended.add(which)  # the rest are drawn again, among those left
+                            break
+                        ahead[which].append(element)
+                    taken[which] = at + 1
+                    yield ahead[which][at]
+                    if settable is not None and settable.value is not applied:
+                        break  # new weights: draw the rest with them
+            finally:
+                for k, count in enumerate(taken):
+                    del ahead[k][:count]
+    finally:
+        for k, rest in enumerate(ahead):
+            if rest:
+                streams[k] = itertools.chain(rest, streams[k])
+        if done:
+            finish(streams)
 
 
-def _in_pattern(streams: list[Iterator[Any]], pattern: tuple[int, ...],
-                stop: str) -> Iterator[Any]:
-    """Take the inputs in ``pattern``, over and over; an exhausted input ends the mix
-    (``first_exhausted``) or is passed over (otherwise, until all of the pattern's are)."""
+_ENDED = object()
+
+
+def _read_ahead(streams: list[Iterator[Any]], ahead: list[list[Any]], counts: list[int],
+                live: list[int], failed: dict[int, BaseException]) -> bool:
+    """Read into ``ahead[k]`` what input ``k`` lacks for ``counts[k]`` draws (an error it
+    raises goes into ``failed``); whether every input had enough."""
+    whole = True
+    for k in live:
+        need = counts[k] - len(ahead[k])
+        if need > 0 and k not in failed:
+            try:
+                ahead[k].extend(itertools.islice(streams[k], need))
+            except Exception as exc:  # (what it read before the error stays in ahead[k])
+                failed[k] = exc
+        whole = whole and len(ahead[k]) >= counts[k]
+    return whole
+
+
+def _interleaved(ahead: list[list[Any]], drawn: np.ndarray,
+                 counts: list[int]) -> tuple[Any, ...]:
+    """The first ``counts[k]`` elements of each ``ahead[k]`` (taken out of it) in the
+    order of the draws ``drawn`` (each position's input)."""
+    parts: list[Any] = []
+    for k, count in enumerate(counts):
+        if count == len(ahead[k]):  # (the usual case: no copy of the part)
+            parts += ahead[k]
+            ahead[k] = []
+        elif count:
+            parts += ahead[k][:count]
+            del ahead[k][:count]
+    where = np.empty(len(drawn), dtype=np.int64)
+    where[np.argsort(drawn, kind="stable")] = np.arange(len(drawn))
+    if len(parts) == 1:
+        return (parts[0],)
+    return operator.itemgetter(*where.tolist())(parts)
+
+
+def _in_pattern(opened: Callable[[], list[Iterator[Any]]], pattern: tuple[int, ...],
+                stop: str, finish: Callable[[list[Iterator[Any]]], None]) -> Iterator[Any]:
+    """Take the inputs (``opened()``'s streams) in ``pattern``, over and over; an
+    exhausted input ends the mix (``first_exhausted``) or is passed over (otherwise, until
+    all of the pattern's are); then ``finish`` gets the streams."""
+    streams = opened()
     live = set(pattern)
     while live:
         for which in pattern:
@@ -286,8 +371,10 @@ def _in_pattern(streams: list[Iterator[Any]], pattern: tuple[int, ...],
                 yield next(streams[which])
             except StopIteration:
                 if stop == "first_exhausted":
+                    finish(streams)
                     return
                 live.discard(which)
+    finish(streams)
 
 
 def mixed_source(pipelines: Sequence[Pipeline], weights: Sequence[float] | None,

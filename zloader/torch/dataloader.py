@@ -203,7 +203,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         the random state it had then (a worker without one its state as seeded); an
         iterable dataset's workers restore their snapshots (``states``)."""
         skip = resume["batches"] if resume is not None else 0
-        places = self._places(resume)
+        places = states.resumed_places(resume, self._iterable, self._persistent,
+                                       self.num_workers)
         previous = self._progress
         progress = Progress(rng=self._rng(), yielded=skip)
         self._progress = progress
@@ -264,42 +265,6 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             batches = ordered(intake, firsts, progress, self.num_workers)
         return (self._deliver((to_torch(batch), mark) for batch, mark in batches), progress,
                 own, sampling)
-
-    def _places(self, resume: dict[str, Any] | None) -> dict[int, Place] | None:
-        """The workers' places a loaded state resumes (None: none to resume). A finished
-        epoch's state resumes at the next epoch: persistent workers keep their dataset's
-        state from then (not their ended iterators'), others start afresh, as torchdata's
-        do. A map-style state saved with another ``num_workers`` resumes by its batch
-        count alone, which needs the batches it yielded to be the epoch's first ones.
-
-        Raises:
-            ValueError: a map-style state with batches yielded out of order, saved with
-                another ``num_workers``.
-        """
-        if resume is None:
-            return None
-        places: dict[int, Place] = resume["places"]
-        if not self._iterable:
-            if resume.get("finished"):
-                return {w: Place(snapshot=p.snapshot, started=False)
-                        for w, p in places.items() if p.snapshot is not None} \
-                    if self._persistent else None
-            if resume.get("num_workers", self.num_workers) == self.num_workers:
-                return places
-            if any(p.next_batch is not None and not _in_prefix(w, p.next_batch, resume)
-                   for w, p in places.items()):
-                raise ValueError(
-                    "this state's batches were yielded out of order (in_order=False) by "
-                    f"{resume.get('num_workers')} workers: it resumes only with that "
-                    "num_workers")
-            return None
-        if resume["batches"] or not resume.get("finished"):
-            return places
-        if not self._persistent:
-            return None
-        return {w: Place(snapshot={**(p.snapshot or {}), "fetcher_state": None},
-                         rng=p.rng, started=False)
-                for w, p in places.items() if p.snapshot is not None or p.rng}
 
     def _inline(self, resume: dict[str, Any] | None, progress: Progress) -> Iterator[Any]:
         """torch's own iterator (``num_workers=0``), resumed: a dataset (or its iterator)
@@ -372,10 +337,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         yielded after it (every batch of an iterator that keeps no state: its
         ``snapshot_every_n_steps`` apart otherwise); its state resumes only with the same
         ``num_workers``. Batches yielded out of order (``in_order=False``) are recorded
-        per worker. With workers, an iterable dataset's state waits for each worker's
-        first record (its snapshot before its first batch). Random state the dataset
-        keeps itself (a ``Generator`` object made in ``worker_init_fn``) is recorded only
-        through its own ``state_dict``.
+        per worker. Random state the dataset keeps itself (a ``Generator`` object made
+        in ``worker_init_fn``) is recorded only through its own ``state_dict``.
         """
         if self._resume is not None:  # loaded and not yet iterated: that is where it is
             return copy.deepcopy(self._resume)
@@ -415,8 +378,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         nothing (as torchdata's ``StatefulDataLoader``).
 
         Raises:
-            ValueError: ``state`` is not such a dict, or one of an iterable dataset saved
-                with another ``num_workers``.
+            ValueError: ``state`` is not such a dict, one of an iterable dataset saved
+                with another ``num_workers``, or one whose batches were yielded out of
+                order saved with another ``num_workers``.
         """
         if isinstance(state, dict) and not state:
             return
@@ -516,10 +480,3 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self.close()
 
 
-
-def _in_prefix(worker: int, next_batch: int, resume: dict[str, Any]) -> bool:
-    """Whether a map-style worker's next batch is the one it has after the state's
-    ``batches`` first batches of the epoch (its saved loader's ``num_workers``)."""
-    saved = resume.get("num_workers") or 1
-    skip = resume["batches"]
-    return next_batch == skip + (worker - skip) % saved

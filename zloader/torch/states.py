@@ -190,8 +190,43 @@ def checked(state: Any, workers: int, iterable: bool) -> dict[str, Any]:
                 and isinstance(entry.get("next_batch", 0), int)):
             raise ValueError(f"state['_snapshot']['_worker_snapshots'][{key!r}] is not a "
                              "worker's snapshot saved by zloader.torch.DataLoader")
+    places = places_of(state, found)
+    if not iterable and saved_workers not in (None, workers) and any(
+            p.next_batch is not None and not _in_prefix(w, p.next_batch, state)
+            for w, p in places.items()):
+        raise ValueError(
+            f"this state's batches were yielded out of order (in_order=False) by "
+            f"{saved_workers} workers: it resumes only with num_workers={saved_workers}")
     # A state saved before "reseed" was recorded: an epoch with a base seed took it.
     reseed = state.get("reseed", state.get("base_seed") is None)
-    checked_state = {**state, "reseed": reseed, "workers": found}
-    checked_state["places"] = places_of(state, found)
-    return checked_state
+    return {**state, "reseed": reseed, "workers": found, "places": places}
+
+
+def _in_prefix(worker: int, next_batch: int, state: dict[str, Any]) -> bool:
+    """Whether a map-style worker's next batch is the one it has after the state's
+    ``batches`` first batches of the epoch (with the saved loader's ``num_workers``)."""
+    saved = state.get("num_workers") or 1
+    skip = state["batches"]
+    return next_batch == skip + (worker - skip) % saved
+
+
+def resumed_places(resume: dict[str, Any] | None, iterable: bool, persistent: bool,
+                   workers: int) -> dict[int, Place] | None:
+    """The workers' places a checked state (:func:`checked`) resumes; None: none to
+    resume. A finished epoch's state resumes at the next epoch: persistent workers keep
+    their dataset's state from then (not their ended iterators'), others start afresh,
+    as torchdata's do. A map-style state saved with another ``num_workers`` resumes by
+    its batch count alone (:func:`checked` made sure that is where each worker was)."""
+    if resume is None:
+        return None
+    places: dict[int, Place] = resume["places"]
+    finished = resume.get("finished") and not resume["batches"]
+    if finished:
+        if not persistent:
+            return None
+        return {w: Place(snapshot={**p.snapshot, "fetcher_state": None}
+                         if p.snapshot is not None else None, rng=p.rng)
+                for w, p in places.items() if p.snapshot is not None or p.rng}
+    if not iterable and resume.get("num_workers", workers) != workers:
+        return None
+    return places
