@@ -8,7 +8,6 @@ producer thread alone, on a real inproc link."""
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,7 +23,7 @@ from zloader.codec import decode
 from zloader.options import JobOptions
 from zloader.plan import plan
 from zloader.worker import WorkerProcess
-from zloader.worker.producer import LinkKind, Producer, ProducerSpec
+from zloader.worker.producer import LinkKind, Producer, ProducerSpec, SplitAnswer
 
 JOIN_SECONDS = 10.0
 
@@ -170,10 +169,11 @@ Receive = Callable[[], tuple[LinkKind, Any, list[int] | None]]
 
 @contextlib.contextmanager
 def producer_link(pipeline: Pipeline, sharding: str, **options: Any
-                  ) -> Iterator[tuple[threading.Semaphore, Any, Receive]]:
+                  ) -> Iterator[tuple[threading.Semaphore, Any, Receive, Producer]]:
     """A producer of epoch 0 of ``pipeline`` (one element per record): its pool of permits,
-    our end of its link, and a function that receives its next message (kind, body, and a
-    record's elements); stopped and closed on exit."""
+    our end of its link, a function that receives its next message (kind, body, and a
+    record's elements), and the producer (which takes the broker's answers); stopped and
+    closed on exit."""
     context = zmq.Context()
     link = context.socket(zmq.PAIR)
     link.setsockopt(zmq.LINGER, 0)
@@ -184,6 +184,7 @@ def producer_link(pipeline: Pipeline, sharding: str, **options: Any
     pool = threading.Semaphore(0)
     producer = Producer(context, "inproc://producer-test", spec, 0, pool, threading.Event(),
                         **options)
+    producer.link = link  # as Links.start sets it: answers wake the producer through it
     producer.start()
 
     def receive() -> tuple[LinkKind, Any, list[int] | None]:
@@ -198,7 +199,7 @@ def producer_link(pipeline: Pipeline, sharding: str, **options: Any
         return kind, body, elements
 
     try:
-        yield pool, link, receive
+        yield pool, link, receive, producer
     finally:
         producer.stop.set()
         producer.join(10)
@@ -207,7 +208,7 @@ def producer_link(pipeline: Pipeline, sharding: str, **options: Any
 
 
 def test_producer_sends_one_record_per_permit_then_ends_the_epoch():
-    with producer_link(Pipeline.range(5), "off") as (pool, link, receive):
+    with producer_link(Pipeline.range(5), "off") as (pool, link, receive, _):
         assert not link.poll(200)  # no permit, no record
         got: list[int] = []
         for _ in range(5):
@@ -260,7 +261,7 @@ def test_a_stopped_producer_spends_no_credit_released_after_its_stop():
 def test_producer_asks_for_splits_and_records_them_for_a_replay():
     splits: dict = {}
     with producer_link(Pipeline.range(6, split_size=2), "dynamic", splits=splits) as (
-            pool, link, receive):
+            pool, _, receive, producer):
         for _ in range(10):
             pool.release()
         got: list[int] = []
@@ -270,8 +271,7 @@ def test_producer_asks_for_splits_and_records_them_for_a_replay():
             if kind is LinkKind.SPLIT_REQ:  # answered in turn; "have" counts the answers
                 assert body["pass"] == [0] and body["have"] == len(asked)
                 asked.append(answers[len(asked)])
-                link.send(json.dumps({"pass": [0], "split": asked[-1],
-                                      "have": body["have"]}).encode())
+                producer.answer(SplitAnswer((0,), asked[-1], body["have"]))
             elif kind is LinkKind.RECORD:
                 got.extend(elements or ())
             else:
@@ -288,12 +288,12 @@ def test_producer_asks_for_its_next_split_while_it_reads_one_after_a_quick_split
     element is made. The first split of a pass (how long it takes is not known yet) is
     read before the next is asked for."""
     with producer_link(Pipeline.range(6, split_size=2), "dynamic", splits={}) as (
-            pool, link, receive):
+            pool, _, receive, producer):
         for _ in range(10):
             pool.release()
 
         def answer(split, have):
-            link.send(json.dumps({"pass": [0], "split": split, "have": have}).encode())
+            producer.answer(SplitAnswer((0,), split, have))
 
         got: list[int] = []
 

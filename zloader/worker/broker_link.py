@@ -10,6 +10,7 @@ from typing import Any
 import zmq
 
 from zloader.errors import ZloaderError
+from zloader.lineage import Assigned, unpack
 from zloader.transport.keys import Keys
 from zloader.transport.messages import Ready, Record, Split, SplitReq
 from zloader.transport.protocol import ProtocolError, encode
@@ -101,15 +102,15 @@ class BrokerLink:
         self.sock.close(0)
 
 
-def assignment(split: Split) -> dict[str, Any]:
-    """The ``origin``, ``skip`` and ``expect`` of an exactly-once job's SPLIT (checked
-    by its record), for the producer.
+def assignment(split: Split) -> Assigned:
+    """An exactly-once job's SPLIT (checked by its record) as the split the producer
+    reads: where it belongs (``origin``), what to skip, what an earlier reading held.
 
     Raises:
-        ProtocolError: it has no ``origin``.
+        ProtocolError: it has no ``origin``, or no split.
     """
-    if split.origin is None:
+    if split.origin is None or split.split is None:
         raise ProtocolError("SPLIT: field 'origin' is missing (an exactly-once job's split "
                             "needs it)")
-    return {"origin": list(split.origin), "skip": split.skip,
-            "expect": list(split.expect) if split.expect is not None else None}
+    expect = (int(split.expect[0]), int(split.expect[1])) if split.expect else None
+    return Assigned(split.split, tuple(split.origin), frozenset(unpack(split.skip)), expect)

@@ -5,9 +5,10 @@ It takes a :class:`ProducerSpec` (frozen, built from the task once). What it sen
 socket thread goes into :attr:`Producer.outbox` as ``(kind, body)``, in order, with one
 frame on the pair (the :class:`LinkKind`'s byte) to wake that thread: no message is
 serialized between two threads of one process. ``SPLIT_REQ {pass, have}`` asks for the
-next split of a pass, having received ``have`` of them so far (the answer comes back on the
-pair as JSON ``{"pass", "split"}``, with ``origin``, ``skip`` and ``expect`` for an
-exactly-once job, see zloader/lineage.py), ``PASS_DONE pass`` says a pass is finished,
+next split of a pass, having received ``have`` of them so far (the answer comes back the
+same way: a :class:`SplitAnswer` in :attr:`Producer.inbox`, with the split as an exactly-once
+job reads it, see zloader/lineage.py, and a frame on the pair to wake the producer),
+``PASS_DONE pass`` says a pass is finished,
 ``RECORD`` is one record (an :class:`Outgoing`: its head, epoch, count, skipped, and its
 codec buffers, the last one its origin block for an exactly-once job), ``END body`` ends
 the epoch (``origins``: the block of what no record carried), ``FAIL body`` reports an
@@ -31,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import itertools
-import json
 import threading
 import time
 from collections import deque
@@ -52,7 +52,7 @@ from zloader._defaults import (
     STAGES,
 )
 from zloader.errors import CodecError, PipelineError
-from zloader.lineage import Assigned, encode_origins, unpack
+from zloader.lineage import Assigned, encode_origins
 from zloader.mixing import LiveWeights
 from zloader.options import JobOptions
 from zloader.plan import Plan
@@ -61,7 +61,7 @@ from zloader.transport.protocol import error_object
 from zloader.transport.sockets import NOBLOCK, make_socket
 
 __all__ = ["RECORD_BYTES", "RECORD_ELEMENTS", "RECORD_LINGER", "STAGES", "Hand", "LinkKind",
-           "Outgoing", "Producer", "ProducerSpec"]
+           "Outgoing", "Producer", "ProducerSpec", "SplitAnswer"]
 
 
 class LinkKind(enum.Enum):
@@ -73,6 +73,20 @@ class LinkKind(enum.Enum):
     RECORD = b"R"     # an Outgoing: one record
     END = b"E"        # {epoch, skipped, dropped[, origins]}: the epoch is over here
     FAIL = b"F"       # {epoch, error}: user code failed
+
+
+@dataclass(frozen=True)
+class SplitAnswer:
+    """The broker's answer to a producer's ``SPLIT_REQ``, as the worker's main thread hands
+    it over (:meth:`Producer.answer`; nothing is serialized between the two threads): the
+    pass it is about, the split (None: no more of that pass for this worker), the
+    request it answers (``have``; None: any) and, for an exactly-once job, the split as
+    it is to be read (``assigned``: where it belongs, what to skip)."""
+
+    pass_key: tuple[int, ...]
+    split: int | None
+    have: int | None = None
+    assigned: Assigned | None = None
 
 
 @dataclass(frozen=True)
@@ -228,9 +242,19 @@ class Producer(threading.Thread):
         self._permit = False  # a permit taken from the pool for the next record
         # The broker's answers about passes read at the same time (a mix's inputs), kept
         # for the pass's reader until it takes them: pass key -> answers, in order.
-        self._answers: dict[tuple[int, ...], deque[dict[str, Any]]] = {}
+        self._answers: dict[tuple[int, ...], deque[SplitAnswer]] = {}
+        self.inbox: deque[SplitAnswer] = deque()  # the main thread's answers, in order
         self.coverage: Coverage | None = None  # a dynamically sharded run's (stages.py)
         self.hand: Hand | None = None  # set by the worker: deliver records on this thread
+
+    def answer(self, answer: SplitAnswer) -> None:
+        """Hand this producer the broker's answer (the worker's main thread calls it): it
+        goes into :attr:`inbox`, and a frame on the pair wakes the producer."""
+        self.inbox.append(answer)
+        link = self.link
+        if link is not None:
+            with contextlib.suppress(zmq.Again):
+                link.send(b"A", zmq.NOBLOCK)
 
     def doing(self) -> dict[str, Any]:
         """``{epoch, split, stage}``: what this producer is doing now (the worker's
@@ -492,7 +516,7 @@ class Producer(threading.Thread):
             if reply is None:
                 asked = False  # an answer meant for a producer that was stopped: ask again
                 continue
-            if reply.get("split") is None:
+            if reply.split is None:
                 self._put(pair, LinkKind.PASS_DONE, list(key))
                 return
             have += 1
@@ -500,20 +524,16 @@ class Producer(threading.Thread):
             asked = took is not None and took < SPLIT_AHEAD_SECONDS and not ending
             if asked:
                 self._put(pair, LinkKind.SPLIT_REQ, {"pass": list(key), "have": have})
-            self.split = int(reply["split"])
+            self.split = reply.split
             started = time.monotonic()
             if not spec.track:
-                yield int(reply["split"])
+                yield reply.split
             else:
-                origin = reply.get("origin")
-                expect = reply.get("expect")
-                yield Assigned(int(reply["split"]), tuple(origin) if origin else key,
-                               frozenset(unpack(reply.get("skip", ""))),
-                               (int(expect[0]), int(expect[1])) if expect else None)
+                yield reply.assigned or Assigned(reply.split, key)
             took = time.monotonic() - started
 
     def _answer(self, pair: zmq.Socket[Any], key: tuple[int, ...],
-                have: int) -> dict[str, Any] | None:
+                have: int) -> SplitAnswer | None:
         """The broker's answer to this producer's request (``have`` splits received):
         repeated answers to an earlier request (the worker asked again after reconnecting)
         are passed over; an answer about another pass being read is kept for its reader;
@@ -524,27 +544,27 @@ class Producer(threading.Thread):
                 raise _Stopped
             if kept:
                 reply = kept.popleft()
-                if reply.get("have") in (None, have):
+                if reply.have in (None, have):
                     return reply
                 continue
             asked = time.perf_counter()
             self.stage = "splits"
-            while not pair.poll(100):
+            while not self.inbox:
+                if pair.poll(100):
+                    pair.recv()  # (a wake-up: the answer is in the inbox)
                 if self.stop.is_set():
                     raise _Stopped
             self.stage = "pipeline"
             waited = time.perf_counter() - asked
             self._split_wait += waited
             self.timing["splits"] += waited
-            reply = json.loads(pair.recv())
-            named = reply.get("pass") if isinstance(reply, dict) else None
-            about = tuple(named) if isinstance(named, list) else None
-            if about != key:
-                if about not in self._answers:
+            reply = self.inbox.popleft()
+            if reply.pass_key != key:
+                if reply.pass_key not in self._answers:
                     return None
-                self._answers[about].append(reply)
+                self._answers[reply.pass_key].append(reply)
                 continue
-            if reply.get("have") in (None, have):
+            if reply.have in (None, have):
                 return reply
 
 

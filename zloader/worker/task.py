@@ -10,14 +10,10 @@ more, and ends or fails epochs. How records reach the consumers is its
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import threading
 from dataclasses import dataclass
 from typing import Any
-
-import zmq
 
 from zloader import codec
 from zloader.mixing import LiveWeights
@@ -29,7 +25,7 @@ from zloader.transport.protocol import error_object
 from zloader.worker.broker_link import BrokerLink, assignment
 from zloader.worker.delivery import Delivery
 from zloader.worker.links import Links
-from zloader.worker.producer import LinkKind, Producer, ProducerSpec
+from zloader.worker.producer import LinkKind, Producer, ProducerSpec, SplitAnswer
 from zloader.worker.streams import Outlet, Stream, unlink_handoffs
 
 __all__ = ["Assignment", "Task", "load_error"]
@@ -205,17 +201,15 @@ class Task:
         Raises:
             ProtocolError: an exactly-once job's SPLIT lacks its origin.
         """
-        link = self.producer.link if self.producer is not None else None
-        if answered.task != self.id or link is None:
+        producer = self.producer
+        if answered.task != self.id or producer is None or producer.link is None:
             return
         self.broker.asking = None
-        split = answered.split
-        answer: dict[str, Any] = {"pass": list(answered.pass_), "split": split,
-                                  "have": answered.have}
-        if self.spec.track and split is not None:  # where it belongs, what to skip
-            answer.update(assignment(answered))
-        with contextlib.suppress(zmq.Again):
-            link.send(json.dumps(answer).encode(), zmq.NOBLOCK)
+        assigned = None
+        if self.spec.track and answered.split is not None:  # where it belongs, what to skip
+            assigned = assignment(answered)
+        producer.answer(SplitAnswer(tuple(answered.pass_), answered.split, answered.have,
+                                    assigned))
 
     # --- epochs ---------------------------------------------------------------------------
 
