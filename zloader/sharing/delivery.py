@@ -21,7 +21,7 @@ from zloader.sharing.store import Stored, store
 from zloader.sharing.window import Window
 from zloader.transport.messages import Data, End, Open
 from zloader.worker.credit import clamp
-from zloader.worker.delivery import Delivery, Pending
+from zloader.worker.delivery import Delivery, EpochEnd, Pending, RecordOut
 from zloader.worker.producer import Outgoing, Producer
 from zloader.worker.streams import Stream
 
@@ -105,14 +105,14 @@ class SharedDelivery(Delivery):
             super().on_record(producer, epoch, outgoing, head)
             return
         self.replay_outstanding = max(0, self.replay_outstanding - 1)
-        self.replay_pending.append((epoch, outgoing, head))
+        self.replay_pending.append(RecordOut(epoch, outgoing, head))
         self.deliver()
 
     def on_end(self, producer: Producer, body: dict[str, Any]) -> None:
         if producer is not self.replayer:
             super().on_end(producer, body)
             return
-        self.replay_pending.append((body["epoch"], None, {"end": True, **body}))
+        self.replay_pending.append(EpochEnd.of(body))
         self.deliver()
 
     def deliver(self) -> None:
@@ -121,13 +121,14 @@ class SharedDelivery(Delivery):
         task = self.task
         now = time.monotonic()
         while self.pending:
-            epoch, outgoing, head = self.pending[0]
-            if head.get("end"):
+            item = self.pending[0]
+            epoch = item.epoch
+            if isinstance(item, EpochEnd):
                 self.pending.popleft()
-                self.window.add(epoch, 0, 0, end=True, skipped=int(head.get("skipped", 0)))
+                self.window.add(epoch, 0, 0, end=True, skipped=item.skipped)
                 task.finish_epoch(epoch)
                 continue
-            assert outgoing is not None
+            outgoing, head = item.outgoing, item.head
             if epoch in task.finished:  # an abandoned epoch's leftovers
                 self.pending.popleft()
                 outgoing.mark_taken()
@@ -191,7 +192,8 @@ class SharedDelivery(Delivery):
         """Send the replay's next record (or its end) to its trainer, once the trainer has
         reached the end of the epoch in the window; False: not yet."""
         task = self.task
-        epoch, outgoing, head = self.replay_pending[0]
+        item = self.replay_pending[0]
+        epoch = item.epoch
         trainer, sent = self.replaying or (b"", 0)
         stream = task.streams.get(trainer)
         cursor = self.window.cursors.get(trainer)
@@ -200,18 +202,18 @@ class SharedDelivery(Delivery):
             return False
         if not cursor.replaying:
             return False
-        if head.get("end"):
+        if isinstance(item, EpochEnd):
             self.replay_pending.popleft()
             cursor.lagged += max(0, cursor.missed - sent)  # splits no longer on record
             cursor.done, cursor.replaying, cursor.missed = True, False, 0
-            task.outlet.send(stream, End(epoch=epoch, skipped=int(head.get("skipped", 0)),
+            task.outlet.send(stream, End(epoch=epoch, skipped=item.skipped,
                                          lagged=cursor.lagged, replayed=sent))
             self._stop_replay()
             task.maybe_produce()
             return False
         if cursor.credits <= 0:
             return False
-        assert outgoing is not None
+        outgoing, head = item.outgoing, item.head
         self.replay_pending.popleft()
         cursor.credits -= 1
         self.replaying = (trainer, sent + int(head["count"]))
@@ -249,9 +251,9 @@ class SharedDelivery(Delivery):
             self.replayer.stop.set()
             self.task.links.drop(self.replayer)
         self.replayer, self.replaying = None, None
-        for _, outgoing, _ in self.replay_pending:
-            if outgoing is not None:
-                outgoing.mark_taken()
+        for item in self.replay_pending:
+            if isinstance(item, RecordOut):
+                item.outgoing.mark_taken()
         self.replay_pending.clear()
 
     def permit(self) -> None:

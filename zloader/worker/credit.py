@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from zloader._defaults import MAX_GRANT, OVERDRAW_RECORDS
 from zloader.transport import records
 from zloader.transport.messages import End
-from zloader.worker.delivery import Delivery
+from zloader.worker.delivery import Delivery, EpochEnd, RecordOut
 from zloader.worker.streams import Stream
 
 if TYPE_CHECKING:
@@ -65,22 +65,23 @@ class CreditDelivery(Delivery):
         out once all its records have."""
         task = self.task
         while self.pending:
-            epoch, outgoing, head = self.pending[0]
+            item = self.pending[0]
+            epoch = item.epoch
             if epoch in task.finished:  # an abandoned epoch's leftovers
                 self.pending.popleft()
-                if outgoing is not None:
-                    outgoing.mark_taken()
+                if isinstance(item, RecordOut):
+                    item.outgoing.mark_taken()
                 continue
             streams = [s for s in task.streams.values() if s.epoch == epoch]
-            if head.get("end"):
+            if isinstance(item, EpochEnd):
                 self.pending.popleft()
-                block = head.get("origins")  # what no record carried (exactly-once)
-                end = End(epoch=epoch, skipped=head["skipped"], origins=block is not None)
+                block = item.origins  # what no record carried (exactly-once)
+                end = End(epoch=epoch, skipped=item.skipped, origins=block is not None)
                 for stream in streams:
                     task.outlet.send(stream, end, [block] if block is not None else ())
                 task.finish_epoch(epoch)
                 continue
-            assert outgoing is not None
+            outgoing, head = item.outgoing, item.head
             sizes = records.sizes_of(outgoing.buffers)  # (the outlet's too: found once)
             size = sum(sizes)
             taker = self._next(streams, size)

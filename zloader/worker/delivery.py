@@ -22,6 +22,7 @@ import abc
 import logging
 import threading
 from collections import deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from zloader.worker.producer import Outgoing, Producer
@@ -31,12 +32,39 @@ if TYPE_CHECKING:
     from zloader.transport.messages import Open
     from zloader.worker.task import Task
 
-__all__ = ["Delivery", "Pending", "discard"]
+__all__ = ["Delivery", "EpochEnd", "Pending", "RecordOut", "discard"]
 
 log = logging.getLogger("zloader.worker")
 
-Pending = tuple[int, Outgoing | None, dict[str, Any]]
-"""A record from the producer, or an epoch's end (no Outgoing; ``{"end": True, ...}``)."""
+@dataclass(frozen=True)
+class RecordOut:
+    """A record the producer made for ``epoch``, waiting to be delivered: its buffers
+    (``outgoing``) and its head (count, skipped, ...)."""
+
+    epoch: int
+    outgoing: Outgoing
+    head: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class EpochEnd:
+    """The producer finished ``epoch`` here (its END): the elements it skipped and
+    dropped, and the origins block of what no record carried (exactly-once; None)."""
+
+    epoch: int
+    skipped: int = 0
+    dropped: int = 0
+    origins: Any = None
+
+    @classmethod
+    def of(cls, body: dict[str, Any]) -> EpochEnd:
+        """The end a producer's END body ``{epoch, skipped, dropped[, origins]}`` says."""
+        return cls(int(body["epoch"]), int(body.get("skipped", 0)),
+                   int(body.get("dropped", 0)), body.get("origins"))
+
+
+Pending = RecordOut | EpochEnd
+"""What waits in a delivery's queue: a record from the producer, or an epoch's end."""
 
 
 class Delivery(abc.ABC):
@@ -97,12 +125,12 @@ class Delivery(abc.ABC):
                   head: dict[str, Any]) -> None:
         """``producer`` made one record."""
         self.outstanding = max(0, self.outstanding - 1)
-        self.pending.append((epoch, outgoing, head))
+        self.pending.append(RecordOut(epoch, outgoing, head))
         self.deliver()
 
     def on_end(self, producer: Producer, body: dict[str, Any]) -> None:
         """``producer`` finished its epoch."""
-        self.pending.append((body["epoch"], None, {"end": True, **body}))
+        self.pending.append(EpochEnd.of(body))
         self.deliver()
 
     def on_round(self, epoch: int, number: int | None) -> None:

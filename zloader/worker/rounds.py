@@ -19,7 +19,7 @@ from zloader import codec
 from zloader.transport.messages import End, Open, RoundReq
 from zloader.transport.protocol import ProtocolError
 from zloader.worker.credit import clamp
-from zloader.worker.delivery import Delivery, discard
+from zloader.worker.delivery import Delivery, EpochEnd, RecordOut, discard
 from zloader.worker.producer import Outgoing
 from zloader.worker.streams import Stream
 
@@ -120,20 +120,20 @@ class RoundsDelivery(Delivery):
         """Move the producer's records into groups of N (and ends after them)."""
         task = self.task
         while self.pending:
-            epoch, outgoing, head = self.pending.popleft()
+            item = self.pending.popleft()
+            epoch = item.epoch
             if epoch in task.finished:  # an abandoned epoch's leftovers
-                if outgoing is not None:
-                    outgoing.mark_taken()
+                if isinstance(item, RecordOut):
+                    item.outgoing.mark_taken()
                 continue
-            if head.get("end"):
+            if isinstance(item, EpochEnd):
                 dropped = len(self.partial) if self.partial_epoch == epoch else 0
                 discard(self.partial)
-                end = End(epoch=epoch, skipped=int(head.get("skipped", 0)),
-                          dropped=int(head.get("dropped", 0)) + dropped,
+                end = End(epoch=epoch, skipped=item.skipped, dropped=item.dropped + dropped,
                           rerun=task.reruns.get(epoch, 0))
                 self.groups.append(Group(epoch, [], end=end))
                 continue
-            assert outgoing is not None
+            outgoing = item.outgoing
             if outgoing.gathered:  # it waits for its round: copy it, so the producer goes on
                 outgoing.buffers = codec.joined(outgoing.buffers)
             outgoing.mark_taken()  # kept here: the producer may hand over the next
