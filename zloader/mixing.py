@@ -292,7 +292,10 @@ def _by_weight(opened: Callable[[], list[Iterator[Any]]], weights: np.ndarray, s
             try:
                 for which in drawn.tolist():
                     at = taken[which]
-                    if at >= len(ahead[which]):
+                    if at < len(ahead[which]):  # read ahead
+                        taken[which] = at + 1
+                        element = ahead[which][at]
+                    else:
                         if which in failed:
                             raise failed.pop(which)
                         element = next(streams[which], _ENDED)
@@ -302,9 +305,7 @@ def _by_weight(opened: Callable[[], list[Iterator[Any]]], weights: np.ndarray, s
                                 return
                             ended.add(which)  # the rest are drawn again, among those left
                             break
-                        ahead[which].append(element)
-                    taken[which] = at + 1
-                    yield ahead[which][at]
+                    yield element
                     if settable is not None and settable.value is not applied:
                         break  # new weights: draw the rest with them
             finally:

@@ -241,13 +241,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             loader = own = self._loader()
         progress.loader = loader
         try:
-            records = loader.iterate(plans)
-        except BaseException:
-            if own is not None:
-                own.close()
-            raise
-        intake = Intake(records, progress, self.num_workers)
-        try:
+            intake = Intake(loader.iterate(plans), progress, self.num_workers)
             intake.settle()  # each worker started: its first snapshot; its init errors
         except BaseException as exc:
             if own is not None:
@@ -478,5 +472,3 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
 
     def __del__(self) -> None:
         self.close()
-
-
