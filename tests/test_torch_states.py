@@ -241,6 +241,15 @@ def test_states_that_cannot_resume_here_are_refused():
         zt.DataLoader(Slow(), num_workers=3).load_state_dict(mapped)  # batches 1, 3, 5 had
     snapshots["worker_0"]["next_batch"], snapshots["worker_1"]["next_batch"] = 4, 3
     zt.DataLoader(Slow(), num_workers=3).load_state_dict(mapped)  # batches 0, 1, 2 had
+    for field, value in (("_last_yielded_worker_id", "1"), ("_last_yielded_worker_id", 7)):
+        crafted = json.loads(json.dumps(mapped))
+        crafted["_snapshot"][field] = value
+        with pytest.raises(ValueError, match="_last_yielded_worker_id"):
+            zt.DataLoader(Slow(), num_workers=2).load_state_dict(crafted)
+    crafted = json.loads(json.dumps(mapped))
+    crafted["_snapshot"]["_worker_snapshots"]["worker_0"]["next_batch"] = -2
+    with pytest.raises(ValueError, match="worker_0"):
+        zt.DataLoader(Slow(), num_workers=2).load_state_dict(crafted)
     quiet = loader(Counted([3, 3, 3]))
     quiet.load_state_dict({})  # torchdata's "nothing to load"
     assert len(list(quiet)) == 9

@@ -187,9 +187,15 @@ def checked(state: Any, workers: int, iterable: bool) -> dict[str, Any]:
         if not (number.isdigit() and isinstance(entry, dict)
                 and isinstance(entry.get("since", 0), int) and entry.get("since", 0) >= 0
                 and isinstance(entry.get("fetcher_state") or {}, dict)
-                and isinstance(entry.get("next_batch", 0), int)):
+                and isinstance(entry.get("next_batch", 0), int)
+                and entry.get("next_batch", 0) >= 0):
             raise ValueError(f"state['_snapshot']['_worker_snapshots'][{key!r}] is not a "
                              "worker's snapshot saved by zloader.torch.DataLoader")
+    last = (state.get("_snapshot") or {}).get("_last_yielded_worker_id")
+    if last is not None and not (isinstance(last, int) and not isinstance(last, bool)
+                                 and 0 <= last < max(workers, 1)):
+        raise ValueError(f"state['_snapshot']['_last_yielded_worker_id'] is {last!r}: not a "
+                         f"worker of this loader's {workers}")
     places = places_of(state, found)
     if not iterable and saved_workers not in (None, workers) and any(
             p.next_batch is not None and not _in_prefix(w, p.next_batch, state)
