@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench import profile, report
 
 
+@pytest.mark.slow  # (over 3 s: the fast suite keeps to 6 minutes on 2 cores)
 def test_profile_reports_cpu_and_switches_per_role(tmp_path):
     out = tmp_path / "profile_smoke.json"
     assert profile.main(["--workers", "2", "--window", "1", "--warmup", "0.5", "--rounds", "1",

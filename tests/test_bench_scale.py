@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench import report, scale
 
 
+@pytest.mark.slow  # (over 3 s: the fast suite keeps to 6 minutes on 2 cores)
 def test_scale_point_has_a_floor_and_the_trainer_over_it(tmp_path):
     assert scale.main(["--points", "embedded=1", "--window", "1", "--warmup", "0.5",
                        "--only", "scale", "--name", "scale_smoke",

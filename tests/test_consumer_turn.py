@@ -34,6 +34,7 @@ def test_a_trainer_away_longer_than_the_lend_time_gets_every_element_once() -> N
         assert loader.stats()["rejected"] == 0
 
 
+@pytest.mark.slow  # (over 3 s: the fast suite keeps to 6 minutes on 2 cores)
 def test_a_consumer_waiting_for_data_keeps_beating_and_gets_it_when_a_worker_comes() -> None:
     """A trainer blocked in next() holds the sockets: its heartbeats still reach the
     broker (which drops a consumer silent for 3 heartbeats), and a worker that starts

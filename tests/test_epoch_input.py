@@ -16,7 +16,7 @@ import torch
 import zloader
 import zloader.torch as zt
 from zloader.sources import Source
-from zloader.torch.passes import firsts_from, worker_plans
+from zloader.torch.passes import worker_plans
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -70,16 +70,21 @@ def test_an_input_the_codec_cannot_carry_is_refused_at_iterate() -> None:
 
 def test_each_torch_worker_is_planned_its_own_batches_only() -> None:
     batches = [[i, i + 1] for i in range(0, 26, 2)]  # 13 batches, resumed after 3
-    plans = worker_plans({"seed": 5, "reseed": True}, batches, True, firsts_from(3, 4, None),
+    todo = list(range(3, 13))
+    plans = worker_plans({"seed": 5, "reseed": True}, batches, True, todo, 4, False,
                          {1: b"s"})
     for worker, plan in enumerate(plans):
         assert plan["seed"] == 5 and plan.get("rng") == (b"s" if worker == 1 else b"")
-        first, step = plan["first"], plan["step"]
-        assert step == 4 and first % 4 == worker and 3 <= first < 7
+        numbers = plan["numbers"].tolist()
+        assert numbers == [j for j in todo if j % 4 == worker]
         bounds = plan["offsets"]
         got = [plan["flat"][a:b].tolist() for a, b in itertools.pairwise(bounds)]
-        assert got == [batches[j] for j in range(first, len(batches), 4)]
+        assert got == [batches[j] for j in numbers]
     assert sum(len(p["flat"]) for p in plans) == 20  # each index after batch 3 goes to one
+    # Dispatched (in_order=False): every worker may be handed any batch still to make.
+    plans = worker_plans({}, batches, True, [0, 2, 5], 2, True, None)
+    assert all(p["numbers"].tolist() == [0, 2, 5] and p["dispatched"] for p in plans)
+    assert plans[1]["flat"].tolist() == [0, 1, 4, 5, 10, 11]
 
 
 class Indexed(torch.utils.data.Dataset):  # type: ignore[type-arg]

@@ -450,6 +450,7 @@ def test_origins_travel_as_runs_and_a_killed_worker_still_loses_and_repeats_noth
     assert sum(elements for elements, _, _ in runs) >= n and any(e > 1 for e, _, _ in runs)
 
 
+@pytest.mark.slow  # (over 3 s: the fast suite keeps to 6 minutes on 2 cores)
 def test_job_name_consumers_of_which_one_leaves_first_share_an_epoch_without_repeats():
     """Two Loaders of one job_name take part in one epoch of a quick pipeline, and the
     first done leaves: the other may end the epoch as the job's only consumer then; what

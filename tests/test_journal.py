@@ -144,6 +144,7 @@ def _tag(name):
     return lambda x: (name, int(x))
 
 
+@pytest.mark.slow  # (over 3 s: the fast suite keeps to 6 minutes on 2 cores)
 def test_a_broker_restarted_on_its_work_dir_resumes_a_mix_per_input(tmp_path):
     """The journal keeps a mix's layout (which splits each input's passes read): the
     restarted broker hands out the rest of each input's splits, none twice."""

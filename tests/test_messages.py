@@ -97,6 +97,7 @@ SAMPLES: dict[Command, dict] = {
                    "weights": [0.25, 0.75]},
     Command.CREDIT: {"epoch": 0, "credits": 4, "mapped": ["zloader-seg"]},
     Command.WEIGHTS: {"weights": [0.5, 0.5]},
+    Command.DISPATCH: {"epoch": 1, "items": [4, 7]},
     Command.DATA: messages.Data(epoch=0, count=3, skipped=1, ring=(64, 128, "zloader-ring"),
                                 segment=("zloader-seg", 99), full=True, shared=True,
                                 lagged=2, round=4, origins=True, after=5).to_body(),
@@ -219,6 +220,9 @@ BAD = [  # command, field, body change: each kind of bad body
     (Command.WEIGHTS, "weights", {"weights": [0.5, 1.5]}),
     (Command.WEIGHTS, "weights", {"weights": [float("nan")]}),
     (Command.OPEN, "weights", {"weights": [-0.5]}),
+    (Command.DISPATCH, "items", {"items": [3, -1]}),
+    (Command.DISPATCH, "items", {"items": [True]}),
+    (Command.DISPATCH, "items", {"items": list(range(1 << 16 + 1))}),
 ]
 
 

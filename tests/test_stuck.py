@@ -163,6 +163,7 @@ class _HoldsTheLock:
         return index
 
 
+@pytest.mark.slow  # (over 3 s: the fast suite keeps to 6 minutes on 2 cores)
 def test_a_worker_whose_user_code_holds_the_interpreter_lock_is_not_taken_for_dead():
     """Silent for longer than the broker's liveness (3 heartbeats) but running: an embedded
     broker keeps a worker of its own host whose process runs. It dropped it before, and

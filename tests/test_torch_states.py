@@ -6,6 +6,7 @@ order, map-style datasets that keep a state, a resume of a resume, and the error
 from __future__ import annotations
 
 import json
+import os
 import time
 from typing import Any
 
@@ -164,12 +165,110 @@ class Slow(torch.utils.data.Dataset):  # type: ignore[type-arg]
         return i
 
 
+class Gated(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """``(worker id, i)`` for ``i < n``; index 0 waits until ``gate`` exists (the test
+    creates it), so the worker making it is stuck while the others go on."""
+
+    def __init__(self, gate: Any, n: int = 10) -> None:
+        self.gate, self.n = str(gate), n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[int, int]:
+        if i == 0:
+            deadline = time.monotonic() + 60  # does not hang if the test fails first
+            while not os.path.exists(self.gate) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        info = torch.utils.data.get_worker_info()
+        return (info.id if info is not None else -1), i
+
+
+def gated_run(loader: zt.DataLoader, gate: Any, before: int,
+              stop: int | None = None) -> tuple[list[tuple[int, int]], dict[str, Any] | None]:
+    """``(worker, i)`` of the batches ``loader`` yields, opening ``gate`` once ``before``
+    came; with ``stop``, its state after ``stop`` batches (and no more are read)."""
+    got: list[tuple[int, int]] = []
+    state = None
+    for worker, i in loader:
+        got.append((int(worker), int(i)))
+        if len(got) == before:
+            open(gate, "w").close()
+        if len(got) == stop:
+            state = loader.state_dict()
+            break
+    return got, state
+
+
+def test_out_of_order_batches_go_to_the_worker_with_room_as_in_torch(tmp_path):
+    """torch's dispatch with in_order=False (its test_out_of_order_index_ds, with a gate in
+    place of a sleep): worker 0 is stuck on index 0 with index 2 queued behind it
+    (prefetch_factor 2), and every later batch goes to worker 1."""
+    gate = tmp_path / "gate"
+    dl = zt.DataLoader(Gated(gate), num_workers=2, prefetch_factor=2, in_order=False)
+    try:
+        got, _ = gated_run(dl, gate, before=8)
+    finally:
+        dl.close()
+    assert got == [(1, 1), (1, 3), (1, 4), (1, 5), (1, 6), (1, 7), (1, 8), (1, 9),
+                   (0, 0), (0, 2)]
+
+
+@pytest.mark.parametrize("workers", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_batches_yielded_out_of_order_resume_exactly(tmp_path, workers):
+    """A state taken while worker 0 is stuck (batches 0 and 2 not yielded) records the
+    batches yielded, not a count: a resume, with the same or another num_workers, yields
+    exactly the rest; a resume of that resume goes on from its own state."""
+    gate = tmp_path / "gate"
+    first = zt.DataLoader(Gated(gate, 16), num_workers=2, in_order=False)
+    try:
+        head, state = gated_run(first, gate, before=6, stop=5)
+    finally:
+        first.close()
+    assert state is not None and 0 not in [i for _, i in head]
+    assert state["yielded"] == [[1, 2], [3, 7]]
+    state = json.loads(json.dumps(state))
+    gate.unlink(missing_ok=True)
+    second = zt.DataLoader(Gated(gate, 16), num_workers=workers, in_order=False)
+    second.load_state_dict(state)
+    try:
+        middle, again = gated_run(second, gate, before=1, stop=4)
+    finally:
+        second.close()
+    third = zt.DataLoader(Gated(gate, 16), num_workers=2, in_order=False)
+    third.load_state_dict(again)
+    try:
+        rest, _ = gated_run(third, gate, before=0)
+    finally:
+        third.close()
+    got = [i for _, i in head + middle + rest]
+    assert sorted(got) == list(range(16))
+
+
+def test_persistent_workers_leave_a_dispatched_epoch_for_the_next(tmp_path):
+    """in_order=False with persistent workers: an epoch left while a worker waits for
+    its next batch (and one while a worker is stuck in a batch) does not hold up the
+    next epoch, which yields every batch once."""
+    gate = tmp_path / "gate"
+    dl = zt.DataLoader(Gated(gate, 12), num_workers=2, in_order=False,
+                       persistent_workers=True)
+    try:
+        open(gate, "w").close()
+        first = iter(dl)
+        assert len([next(first) for _ in range(3)]) == 3
+        again = sorted(int(i) for _, i in dl)
+        assert again == list(range(12))
+        assert sorted(int(i) for _, i in dl) == list(range(12))
+    finally:
+        dl.close()
+
+
 def test_batches_yielded_out_of_order_resume_per_worker():
     def make() -> zt.DataLoader:
         return zt.DataLoader(Slow(), num_workers=2, in_order=False)
     head, state, _ = cut(make, 4)
     got = [int(b) for b in head] + [int(b) for b in resumed(make, state)]
-    assert sorted(got) == list(range(12))  # worker 0, slow on its first, resumes there
+    assert sorted(got) == list(range(12))
 
 
 class Tally(torch.utils.data.Dataset):  # type: ignore[type-arg]
@@ -235,20 +334,22 @@ def test_states_that_cannot_resume_here_are_refused():
     with pytest.raises(ValueError, match="snapshot_every_n_steps must be an int"):
         loader(Counted([1]), snapshot_every_n_steps=-1)
     _, mapped, _ = cut(lambda: zt.DataLoader(Slow(), num_workers=2, in_order=False), 3)
-    snapshots = mapped["_snapshot"]["_worker_snapshots"]
-    snapshots["worker_0"]["next_batch"], snapshots["worker_1"]["next_batch"] = 0, 7
-    with pytest.raises(ValueError, match=r"out of order .* by 2 workers: it resumes only"):
-        zt.DataLoader(Slow(), num_workers=3).load_state_dict(mapped)  # batches 1, 3, 5 had
-    snapshots["worker_0"]["next_batch"], snapshots["worker_1"]["next_batch"] = 4, 3
-    zt.DataLoader(Slow(), num_workers=3).load_state_dict(mapped)  # batches 0, 1, 2 had
     for field, value in (("_last_yielded_worker_id", "1"), ("_last_yielded_worker_id", 7)):
         crafted = json.loads(json.dumps(mapped))
         crafted["_snapshot"][field] = value
         with pytest.raises(ValueError, match="_last_yielded_worker_id"):
             zt.DataLoader(Slow(), num_workers=2).load_state_dict(crafted)
+    for ranges in ([[0, 2]], [[1, 3], [2, 3]], [[2, 1], [0, 4]], [[0, 1], [1, 3]],
+                   [[0, True], [2, 4]], "0-3", [[-1, 2]]):  # 3 batches yielded
+        crafted = json.loads(json.dumps(mapped))
+        crafted["yielded"] = ranges
+        with pytest.raises(ValueError, match=r"state\['yielded'\]"):
+            zt.DataLoader(Slow(), num_workers=2).load_state_dict(crafted)
     crafted = json.loads(json.dumps(mapped))
-    crafted["_snapshot"]["_worker_snapshots"]["worker_0"]["next_batch"] = -2
-    with pytest.raises(ValueError, match="worker_0"):
+    crafted["yielded"] = [[0, 1], [4, 6]]  # any 3 batches resume, with any num_workers
+    zt.DataLoader(Slow(), num_workers=3).load_state_dict(crafted)
+    crafted["zloader_torch"] = 1
+    with pytest.raises(ValueError, match="layout version 1 and this zloader reads version 2"):
         zt.DataLoader(Slow(), num_workers=2).load_state_dict(crafted)
     quiet = loader(Counted([3, 3, 3]))
     quiet.load_state_dict({})  # torchdata's "nothing to load"

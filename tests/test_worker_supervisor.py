@@ -20,6 +20,7 @@ def worker_pids(address: str) -> set[int]:
     return {int(w["pid"]) for w in answer["workers"]} if answer else set()
 
 
+@pytest.mark.slow  # (over 3 s: the fast suite keeps to 6 minutes on 2 cores)
 def test_a_killed_worker_process_is_replaced_logged_and_fails_the_exit_status(tmp_path):
     broker, address = start_broker()
     log = tmp_path / "worker.log"

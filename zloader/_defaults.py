@@ -417,6 +417,14 @@ EARLY_OPENS = 64
 """OPENs a worker keeps for a task it has not heard of yet; the oldest are dropped
 (fixed)."""
 
+MAX_DISPATCHED = 1 << 20
+"""Work items (``DISPATCH``) that may wait for a worker's producer at once, per epoch;
+a consumer that sends more is refused (fixed)."""
+
+DISPATCH_WAIT = 0.1
+"""Seconds between a waiting producer's looks at its stop while no dispatched work item
+has come (zloader/worker/dispatched.py; fixed)."""
+
 HAND_WAIT = 0.005
 """Seconds a producer delivering a record itself waits for its worker's lock before it
 looks at its stop flag again (zloader/worker/producer.py ``Hand``; fixed)."""

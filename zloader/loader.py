@@ -290,7 +290,7 @@ class Loader:
                 consumer_index=coordinated[1] if coordinated else None, keys=self._keys,
                 resume=resume, timeout=self._timeout,
                 own=frozenset(process.pid for process in self._processes),
-                memory_budget=memory_budget)
+                memory_budget=memory_budget, dispatched=source.dispatched)
             self._merger = Merger(self._io, timeout=self._timeout,
                                   deterministic=self._deterministic, max_skipped=max_skipped,
                                   deaths=functools.partial(_deaths, self._processes,
@@ -431,6 +431,24 @@ class Loader:
             raise RuntimeError("this Loader is closed")
         self._weights = new_weights(self.pipeline.source, weights)
         self._io.set_weights(self._weights)
+
+    def dispatch(self, worker: int, items: Sequence[int]) -> None:
+        """Hand the worker of index ``worker`` work items (ints >= 0) of the epoch under
+        way, for a source that makes its elements as they are dispatched
+        (``Source.dispatched``: the torch drop-in's ``in_order=False`` hands each batch
+        to whichever worker has room); it takes them in order (``Context.dispatched``).
+        No items: it gets no more this epoch.
+
+        Raises:
+            RuntimeError: this Loader is closed.
+            TypeError: ``worker`` or an item is not an int.
+            ValueError: ``worker`` or an item is negative.
+        """
+        self._check_process()
+        if self._closed:
+            raise RuntimeError("this Loader is closed")
+        worker = _check.integer("worker", worker, 0)
+        self._io.dispatch(worker, tuple(_check.integer("items", i, 0) for i in items))
 
     # --- status and lifecycle -------------------------------------------------------------
 

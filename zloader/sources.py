@@ -126,6 +126,13 @@ class Source:
         (``"split 2, index 3"``; a file's path, a dataset's index where there is one)."""
         return f"split {split}, index {index}"
 
+    @property
+    def dispatched(self) -> bool:
+        """Whether its workers make elements as the consumer dispatches work items during
+        the epoch (``Loader.dispatch``, read through ``Context.dispatched``); each element
+        then goes out in a record of its own, as soon as it is made."""
+        return False
+
     def innermost(self) -> Source:
         """The source whose data this one reads: itself, unless it wraps another (a
         cache over a source)."""

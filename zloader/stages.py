@@ -136,6 +136,9 @@ class Context:
             record's copy (``collate.stack(later=True)``); 0: none (an in-process run).
         mix_weights: a worker's :class:`~zloader.mixing.LiveWeights`: a mix's weights as
             its consumer last set them (None: the mix's own).
+        dispatched: on a worker, what returns the next work item its consumer dispatched
+            (``Loader.dispatch``; waits for one; None once none will follow), for a
+            source whose ``dispatched`` is True; None in-process.
     """
 
     entropy: int
@@ -157,6 +160,7 @@ class Context:
     coverage: Coverage | None = None
     records_from: int = 0
     mix_weights: Any = None
+    dispatched: Callable[[], int | None] | None = None
 
     def rng(self, seed: int | None, position: int, key: Key) -> Any:
         if self.worker:

@@ -254,7 +254,8 @@ class EpochEnd:
         takes it off the job so that its splits go to the other workers. With no other
         worker to take them, the epoch cannot finish: raise :class:`Timeout` naming it.
         Jobs whose workers may rightly hold back for another consumer (shared, balanced,
-        coordinated) are bounded by the Loader's overall timeout only.
+        coordinated) or for this one's dispatches (a worker with credits may have no work
+        item) are bounded by the Loader's overall timeout only.
 
         Returns the earliest time a worker can be stuck next (a worker is heard from later,
         never earlier, and a new one is heard from as it comes), before which the check
@@ -263,7 +264,8 @@ class EpochEnd:
         must not come first)."""
         session, timeout = self.session, self.settings.timeout
         if session.done or session.epoch is None or session.job is None \
-                or self.settings.balanced or self.stats.share is not None \
+                or self.settings.balanced or self.settings.dispatched \
+                or self.stats.share is not None \
                 or self.rounds is not None:
             return now + CHECK_SECONDS
         due = now + timeout

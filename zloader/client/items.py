@@ -88,5 +88,14 @@ class SetWeights:
     weights: tuple[float, ...]
 
 
-Command = StartEpoch | GiveCredit | SetWeights
+@dataclass(frozen=True)
+class Dispatch:
+    """Work items for the worker of index ``worker`` in the epoch under way
+    (``Loader.dispatch``); none: it gets no more."""
+
+    worker: int
+    items: tuple[int, ...]
+
+
+Command = StartEpoch | GiveCredit | SetWeights | Dispatch
 """What the iterating thread asks of the loop."""

@@ -24,7 +24,15 @@ import zmq
 
 from zloader._defaults import CHECK_SECONDS, NOTICE_HOLD_SECONDS
 from zloader.client.epoch_end import EpochEnd
-from zloader.client.items import Command, Failed, GiveCredit, Item, SetWeights, StartEpoch
+from zloader.client.items import (
+    Command,
+    Dispatch,
+    Failed,
+    GiveCredit,
+    Item,
+    SetWeights,
+    StartEpoch,
+)
 from zloader.client.link import BrokerLink, registration
 from zloader.client.peers import Peer, Peers, local_address
 from zloader.client.receive import Receiver
@@ -59,7 +67,7 @@ class ConsumerLoop:
                  data_bind: str | None = None, consumer_index: int | None = None,
                  keys: Keys | None = None, resume: dict[str, Any] | None = None,
                  timeout: float = 60.0, own: frozenset[int] = frozenset(),
-                 memory_budget: int | None = None) -> None:
+                 memory_budget: int | None = None, dispatched: bool = False) -> None:
         coordinated = ((options.num_consumers, consumer_index or 0) if options.coordinated
                        else None)
         self.settings = Settings(
@@ -68,7 +76,8 @@ class ConsumerLoop:
             balanced=options.balanced > 0, exactly_once=options.exactly_once,
             coordinated=coordinated, fixed=options.sharding in ("static", "off"),
             own=own if options.objects else frozenset(), memory_budget=memory_budget,
-            width=max(1, options.num_workers), named=job_name is not None)
+            width=max(1, options.num_workers), named=job_name is not None,
+            dispatched=dispatched)
         self.served = served or Served()
         register = registration(
             fingerprint=fingerprint, job_name=job_name, options=options,
@@ -278,6 +287,8 @@ class ConsumerLoop:
             self._start(command.epoch, command.frames)
         elif isinstance(command, SetWeights):
             self._peers.reweigh_all(command.weights)
+        elif isinstance(command, Dispatch):
+            self._peers.dispatch(command.worker, command.items)
 
     def _start(self, epoch: int, epoch_input: EpochInput) -> None:
         """Begin ``epoch``: tell the broker, open it on every worker."""

@@ -18,6 +18,7 @@ import zmq
 from zloader._defaults import (
     DEFAULT_RING_BYTES,
     LEAVE_GRACE_SECONDS,
+    MAX_ITEMS,
     RING_BUDGET_SLACK,
     RING_MAX_BYTES,
 )
@@ -304,6 +305,24 @@ class Peers:
             body["weights"] = list(session.weights)
         self.send(peer, Command.OPEN, payload=session.epoch_input.frames(peer.index),
                   body=body)
+        for items in session.undispatched.pop(peer.index, ()):
+            self.send(peer, Command.DISPATCH, body={"epoch": session.epoch, "items": items})
+
+    def dispatch(self, index: int, items: tuple[int, ...]) -> None:
+        """Work items of the epoch under way for the worker of ``index`` (none: it gets
+        no more), sent in messages of at most ``MAX_ITEMS``; kept for its OPEN while no
+        such worker is connected."""
+        session = self.session
+        if session.epoch is None:
+            return
+        chunks = [list(items[at:at + MAX_ITEMS]) for at in range(0, len(items), MAX_ITEMS)]
+        peer = next((p for p in self._peers.values() if p.index == index), None)
+        for chunk in chunks or [[]]:
+            if peer is None:
+                session.undispatched.setdefault(index, []).append(chunk)
+            else:
+                self.send(peer, Command.DISPATCH, body={"epoch": session.epoch,
+                                                        "items": chunk})
 
     def reweigh_all(self, weights: tuple[float, ...]) -> None:
         """A mix's weights from now on: every peer's later OPENs carry them, and the

@@ -72,6 +72,7 @@ class Settings:
     # hold pickled leaves (Loader(objects=True)); nobody else's are unpickled
     memory_budget: int | None = None  # bytes for rings and records in flight (budget.py)
     width: int = 1  # the workers the job expects (its worker indices)
+    dispatched: bool = False  # its workers make what it dispatches (Loader.dispatch)
 
 
 @dataclass
@@ -89,6 +90,8 @@ class Session:
     rerun: int = 0  # how often the workers were asked to run the epoch again
     received: Ledger = field(default_factory=Ledger)  # origins received this epoch
     weights: tuple[float, ...] | None = None  # a mix's, as Loader.set_weights set them
+    # Work items (Loader.dispatch) for worker indices not connected yet, sent with the OPEN
+    undispatched: dict[int, list[list[int]]] = field(default_factory=dict)
 
     def start(self, epoch: int, epoch_input: EpochInput) -> None:
         """Begin ``epoch``, which nothing of has been received yet."""
@@ -97,3 +100,4 @@ class Session:
         self.done = False
         self.rerun = 0
         self.received = Ledger()
+        self.undispatched = {}

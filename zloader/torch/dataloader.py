@@ -19,6 +19,7 @@ from zloader.loader import Loader
 from zloader.pipeline import Pipeline
 from zloader.torch import states
 from zloader.torch.passes import (
+    Dispatcher,
     Intake,
     Pass,
     Progress,
@@ -27,14 +28,13 @@ from zloader.torch.passes import (
     Unmarked,
     arrived,
     draws_only_from,
-    firsts_from,
     in_torch_words,
     ordered,
     skipped,
     worker_plans,
 )
 from zloader.torch.source import BatchSource
-from zloader.torch.states import Place
+from zloader.torch.states import Batches, Place
 from zloader.torch.tensors import Prefetcher, to_torch
 
 T_co = TypeVar("T_co", covariant=True)
@@ -220,12 +220,13 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             progress.places = places
             progress.last = resume.get("_snapshot", {}).get("_last_yielded_worker_id") \
                 if resume is not None and resume["batches"] else None
-        firsts = firsts_from(skip, self.num_workers, None if self._iterable else places)
-        if not self._iterable:  # where each worker's batches begin, until it yields one
-            for worker, first in enumerate(firsts):
-                progress.places.setdefault(worker, Place()).next_batch = first
-        plans = PerWorker(worker_plans(plan, sampled, self._auto_collation, firsts, workers,
-                                       places))
+        todo: list[int] = []
+        if sampled is not None:  # the batches still to yield, and those yielded
+            progress.done = resume["yielded"] if resume is not None else Batches()
+            todo = progress.done.todo(len(sampled))
+        dispatched = sampled is not None and not self.in_order
+        plans = PerWorker(worker_plans(plan, sampled, self._auto_collation, todo,
+                                       self.num_workers, dispatched, workers, places))
         if workers is not None:
             progress.workers = dict(workers)
         elif not plan["reseed"] and previous is not None:  # workers go on where they are
@@ -240,9 +241,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         else:
             loader = own = self._loader()
         progress.loader = loader
+        dispatcher = Dispatcher(loader.dispatch, todo, self.num_workers, self._prefetch)
         try:
             intake = Intake(loader.iterate(plans), progress, self.num_workers)
             intake.settle()  # each worker started: its first snapshot; its init errors
+            if dispatched:
+                dispatcher.prime()
         except BaseException as exc:
             if own is not None:
                 own.close()
@@ -253,10 +257,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         batches: Iterator[tuple[Any, Any]]
         if self._iterable:
             batches = iter(Streams(intake, progress, self.num_workers, bool(self.in_order)))
-        elif not self.in_order:
-            batches = arrived(intake, progress, self.num_workers)
+        elif dispatched:
+            batches = arrived(intake, progress, dispatcher)
         else:
-            batches = ordered(intake, firsts, progress, self.num_workers)
+            batches = ordered(intake, todo, progress)
         return (self._deliver((to_torch(batch), mark) for batch, mark in batches), progress,
                 own, sampling)
 
@@ -357,6 +361,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             "finished": finished,
             "workers": {str(w): base64.b64encode(s).decode()
                         for w, s in sorted(workers.items())}}
+        if self.num_workers and not self._iterable:
+            state["yielded"] = progress.done.ranges() if progress and batches else []
         if self.num_workers:
             state["_snapshot"] = states.layout(
                 {w: places.get(w, Place()) for w in range(self.num_workers)}, last)
@@ -419,7 +425,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             width=self.num_workers, iterable=self._iterable,
             batch_size=torch_loader.batch_size if torch_loader._auto_collation else None,
             drop_last=torch_loader.drop_last, token=secrets.token_hex(8),
-            objects=self._broker is None)
+            objects=self._broker is None,
+            by_dispatch=not self._iterable and not self.in_order)
         self._started += 1
         job_name = self._job_name
         if job_name is not None and not self._persistent:

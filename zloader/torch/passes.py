@@ -19,12 +19,13 @@ import torch.utils.data
 from zloader.errors import Timeout, WorkerExited
 from zloader.loader import Loader
 from zloader.torch.failures import Failed, rebuild, torch_words
-from zloader.torch.states import Place
+from zloader.torch.states import Batches, Place
 
 if TYPE_CHECKING:
     from zloader.torch.dataloader import DataLoader
 
 _NONE = object()
+_START = {"start": None}  # what Intake._read returns for a start record
 
 
 @dataclass
@@ -44,6 +45,7 @@ class Progress:
     last: int | None = None  # the worker whose batch was yielded last
     inline: Any = None  # num_workers=0, an iterable dataset: torch's fetcher of the epoch
     control: list[int] = field(default_factory=lambda: [0])  # start/end records read
+    done: Batches = field(default_factory=Batches)  # a map-style epoch's batches yielded
 
 
 class Pass:
@@ -236,63 +238,114 @@ class Intake:
             record = self._read()
             if record is None:
                 return
-            self._ahead.append(record)
+            if record is not _START:
+                self._ahead.append(record)
 
     def next(self) -> dict[str, Any] | None:
         """The next record that is not a start, None when there are no more."""
-        return self._ahead.popleft() if self._ahead else self._read()
+        if self._ahead:
+            return self._ahead.popleft()
+        while (record := self._read()) is _START:
+            pass
+        return record
 
     def _read(self) -> dict[str, Any] | None:
-        while True:
-            record = next(self._records, None)
-            if record is None:
-                return None
-            worker = record.get("w") if isinstance(record, dict) else None
-            if not (isinstance(worker, int) and 0 <= worker < self._workers):
-                raise RuntimeError(f"a DataLoader worker sent a record out of place: "
-                                   f"{record!r:.80}")
-            if "start" not in record:
-                if "end" in record:
-                    self._progress.control[0] += 1
-                return record
-            self._progress.control[0] += 1
-            place = self._progress.places[worker]
-            if not place.started:
-                place.started = True
-                if place.since == 0:  # the worker's snapshot before its first batch
-                    place.snapshot, place.rng = record["start"], bytes(record["rng"])
+        """The next record, or ``_START`` for a start (applied to its worker's place)."""
+        record = next(self._records, None)
+        if record is None:
+            return None
+        worker = record.get("w") if isinstance(record, dict) else None
+        if not (isinstance(worker, int) and 0 <= worker < self._workers):
+            raise RuntimeError(f"a DataLoader worker sent a record out of place: "
+                               f"{record!r:.80}")
+        if "start" not in record:
+            if "end" in record:
+                self._progress.control[0] += 1
+            return record
+        self._progress.control[0] += 1
+        place = self._progress.places[worker]
+        if not place.started:
+            place.started = True
+            if place.since == 0:  # the worker's snapshot before its first batch
+                place.snapshot, place.rng = record["start"], bytes(record["rng"])
+        return _START
 
 
-def ordered(intake: Intake, firsts: list[int], progress: Progress,
-            workers: int) -> Iterator[tuple[Any, Callable[[], None]]]:
-    """A map-style dataset's batches in the order of ``j``, worker ``w``'s from
-    ``firsts[w]`` on (a resumed epoch's first batch may not be worker 0's, and a state
-    saved out of order resumes each worker where it was), a failed one as its
-    :class:`Failed`; each with the mark that records its worker's random state, snapshot
-    and next batch once it is handed out."""
+def ordered(intake: Intake, todo: list[int],
+            progress: Progress) -> Iterator[tuple[Any, Callable[[], None]]]:
+    """A map-style dataset's batches in the order of ``todo`` (the epoch's batch numbers
+    still to yield: all of them, or a resumed epoch's rest), a failed one as its
+    :class:`Failed`; each with the mark that records its worker's random state and
+    snapshot, and the batch as yielded, once it is handed out."""
     pending: dict[int, dict[str, Any]] = {}
-    want = min(firsts) if firsts else 0
-
-    def absent() -> bool:  # batch ``want`` is not this epoch's to make: resumed past it
-        return want < firsts[want % workers]
-
+    at = 0
     while (record := intake.next()) is not None:
         pending[_number(record)] = record
-        while absent() or want in pending:
-            if not absent():
-                yield _handed(pending.pop(want), progress, workers)
-            want += 1
+        while at < len(todo) and todo[at] in pending:
+            yield _handed(pending.pop(todo[at]), progress)
+            at += 1
     if pending:
-        raise RuntimeError(f"the DataLoader's workers did not send batch {want}")
+        raise RuntimeError(f"the DataLoader's workers did not send batch {todo[at]}")
 
 
 def arrived(intake: Intake, progress: Progress,
-            workers: int) -> Iterator[tuple[Any, Callable[[], None]]]:
+            dispatcher: Dispatcher) -> Iterator[tuple[Any, Callable[[], None]]]:
     """A map-style dataset's batches in the order they arrive (``in_order=False``), a
-    failed one as its :class:`Failed`, each with its mark (see :func:`ordered`)."""
+    failed one as its :class:`Failed`, each with its mark (see :func:`ordered`); each
+    received lets ``dispatcher`` hand out the next."""
     while (record := intake.next()) is not None:
         _number(record)
-        yield _handed(record, progress, workers)
+        dispatcher.received(record["w"])
+        yield _handed(record, progress)
+
+
+class Dispatcher:
+    """A map-style epoch's batches handed to the workers as torch's iterator hands them
+    with ``in_order=False``: ``prefetch`` to each worker in turn at the start, then one
+    per batch received, to the next worker in turn with fewer than ``prefetch`` batches
+    outstanding; so a worker stuck on a slow batch gets no more while the others go on.
+    ``send(worker, numbers)`` is ``Loader.dispatch``; once all are handed out, every
+    worker is told that none follow."""
+
+    def __init__(self, send: Callable[[int, list[int]], None], todo: list[int],
+                 workers: int, prefetch: int) -> None:
+        self._send = send
+        self._todo = deque(todo)
+        self._outstanding = [0] * workers
+        self._turn = 0
+        self._prefetch = prefetch
+        self._ended = False
+
+    def prime(self) -> None:
+        """Hand out the first ``prefetch`` batches of each worker."""
+        for _ in range(self._prefetch * len(self._outstanding)):
+            self._put()
+        self._end()
+
+    def received(self, worker: int) -> None:
+        """A batch of ``worker`` came: hand out the next batch."""
+        self._outstanding[worker] -= 1
+        self._put()
+
+    def _put(self) -> None:
+        workers = len(self._outstanding)
+        if not self._todo:
+            return
+        for _ in range(workers):
+            worker, self._turn = self._turn, (self._turn + 1) % workers
+            if self._outstanding[worker] < self._prefetch:
+                break
+        else:
+            return
+        self._outstanding[worker] += 1
+        self._send(worker, [self._todo.popleft()])
+        self._end()
+
+    def _end(self) -> None:
+        if not self._todo and not self._ended:
+            self._ended = True
+            for worker in range(len(self._outstanding)):
+                self._send(worker, [])
 
 
 def _number(record: dict[str, Any]) -> int:
@@ -308,8 +361,7 @@ def _number(record: dict[str, Any]) -> int:
     return j
 
 
-def _handed(record: dict[str, Any], progress: Progress,
-            workers: int) -> tuple[Any, Callable[[], None]]:
+def _handed(record: dict[str, Any], progress: Progress) -> tuple[Any, Callable[[], None]]:
     """A batch record as ``(batch or its Failed, mark)``; the mark records, once the batch
     is handed out, its worker's random state and snapshot, and where it goes on."""
     worker = record["w"]
@@ -322,7 +374,7 @@ def _handed(record: dict[str, Any], progress: Progress,
         if j is not None:  # map-style: a random state (empty when unchanged) per batch
             if rng:
                 progress.workers[worker] = rng
-            place.next_batch = j + workers
+            progress.done.add(j)
             if "snap" in record:
                 place.snapshot = record["snap"]
         elif "snap" in record:  # iterable: a snapshot now and then, batches since
@@ -354,7 +406,7 @@ class Streams:
                 if "end" in record:
                     _ended(places[record["w"]], record)
                 else:
-                    yield _handed(record, self._progress, self._workers)
+                    yield _handed(record, self._progress)
             return
         last = self._progress.last
         turn = 0 if last is None else (last + 1) % self._workers
@@ -375,7 +427,7 @@ class Streams:
             if "end" in record:
                 _ended(places[worker], record)
                 continue
-            yield _handed(record, self._progress, self._workers)
+            yield _handed(record, self._progress)
 
 
 def _ended(place: Place, record: dict[str, Any]) -> None:
@@ -395,18 +447,19 @@ def _too_many(dataset: Any, reported: int, counted: int) -> str:
 
 
 def worker_plans(common: dict[str, Any], batches: list[Any] | None, batched: bool,
-                 firsts: list[int], resumed: dict[int, bytes] | None,
+                 todo: list[int], workers: int, dispatched: bool,
+                 resumed: dict[int, bytes] | None,
                  places: dict[int, Place] | None = None) -> list[dict[str, Any]]:
     """What each worker gets for an epoch: ``common`` (seeds and the like), its random
     state when resumed (``resumed``: one per worker index, none for one as seeded) and,
-    for a map-style dataset, its own share of the epoch's sampled ``batches`` (all of
-    them, from batch 0) from its first batch ``firsts[w]`` on: batch ``j`` is worker
-    ``j mod workers``'s (as in torch), so worker ``w`` gets batches ``firsts[w],
-    firsts[w] + workers, ...`` as ``flat`` (their indices, int64 when all are ints),
-    ``offsets`` (int64, where each batch starts in ``flat``), ``first`` and ``step``
-    (``workers``). For an iterable dataset, ``places`` (a resumed epoch's) gives each
-    worker the snapshot to restore and the batches to make again (``resume``)."""
-    workers = len(firsts)
+    for a map-style dataset, the sampled ``batches`` (all of the epoch's) it may make:
+    those of ``todo`` (the batch numbers still to yield) that are its own, batch ``j``
+    being worker ``j mod workers``'s as in torch, or all of ``todo`` when ``dispatched``
+    (``in_order=False``: the consumer hands each to a worker with room, see
+    :class:`Dispatcher`); as ``numbers`` (int64, the batch numbers), ``flat`` (their
+    indices, int64 when all are ints) and ``offsets`` (int64, where each batch starts in
+    ``flat``). For an iterable dataset, ``places`` (a resumed epoch's) gives each worker
+    the snapshot to restore and the batches to make again (``resume``)."""
     plans = []
     for worker in range(workers):
         plan = dict(common)
@@ -419,28 +472,17 @@ def worker_plans(common: dict[str, Any], batches: list[Any] | None, batched: boo
                 fetcher = dict(plan["resume"].get("fetcher_state") or {})
                 plan["resume"]["fetcher_state"] = {**fetcher, "fetcher_ended": True}
         if batches is not None:
-            own = batches[firsts[worker]::workers]
-            groups = [list(b) if batched else [b] for b in own]
+            numbers = todo if dispatched else [j for j in todo if j % workers == worker]
+            groups = [list(batches[j]) if batched else [batches[j]] for j in numbers]
             offsets = np.zeros(len(groups) + 1, dtype=np.int64)
             offsets[1:] = np.cumsum([len(g) for g in groups])
             flat: Any = [i for g in groups for i in g]
             if all(isinstance(i, int) for i in flat):
                 flat = np.asarray(flat, dtype=np.int64)
-            plan.update(flat=flat, offsets=offsets, batched=batched,
-                        first=firsts[worker], step=workers)
+            plan.update(numbers=np.asarray(numbers, dtype=np.int64), flat=flat,
+                        offsets=offsets, batched=batched, dispatched=dispatched)
         plans.append(plan)
     return plans
-
-
-def firsts_from(skip: int, workers: int, places: dict[int, Place] | None) -> list[int]:
-    """Each worker's first batch number in an epoch resumed after ``skip`` batches: the
-    first ``j >= skip`` that is its (``j mod workers``), or where its place says it was
-    (a state saved with batches in completion order)."""
-    firsts = [skip + (worker - skip) % workers for worker in range(workers)]
-    for worker, place in (places or {}).items():
-        if worker < workers and place.next_batch is not None:
-            firsts[worker] = place.next_batch
-    return firsts
 
 
 class Unmarked:

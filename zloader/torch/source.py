@@ -26,7 +26,9 @@ from zloader.torch.tensors import NUMPY_DTYPES, to_numpy
 @dataclass(frozen=True, eq=False, kw_only=True)
 class BatchSource(Source):
     """Worker ``w`` of ``width`` makes batches ``w, w + width, ...`` of the epoch the
-    consumer sampled (map-style), or runs the iterable dataset as torch worker ``w``."""
+    consumer sampled (map-style), or those the consumer dispatches to it
+    (``by_dispatch``: ``in_order=False``), or runs the iterable dataset as torch worker
+    ``w``."""
 
     kind: ClassVar[str] = "torch_dataloader"
     dataset: Any
@@ -39,10 +41,15 @@ class BatchSource(Source):
     drop_last: bool
     token: str
     objects: bool = False  # to_numpy leaves to the codec's pickling what numpy cannot hold
+    by_dispatch: bool = False  # map-style batches made as the consumer dispatches them
 
     @property
     def num_splits(self) -> int:
         return self.width
+
+    @property
+    def dispatched(self) -> bool:
+        return self.by_dispatch
 
     def identity(self) -> tuple[Any, ...]:
         return (self.kind, self.token)  # this loader's job alone; the dataset is not hashed
@@ -60,12 +67,13 @@ class BatchSource(Source):
                                 self.width, self.dataset, self.worker_init_fn, plan.get("rng"))
         if self.iterable:
             return self._iterable(plan, worker)
-        return self._mapped(plan, worker, seeded)
+        return self._mapped(plan, worker, seeded, getattr(policy, "dispatched", None))
 
-    def _mapped(self, plan: dict[str, Any], worker: int,
-                seeded: seeding.Seeded) -> Iterator[dict[str, Any]]:
+    def _mapped(self, plan: dict[str, Any], worker: int, seeded: seeding.Seeded,
+                dispatched: Callable[[], int | None] | None) -> Iterator[dict[str, Any]]:
         """This worker's batches ``j`` of the epoch (its plan's, see
-        ``passes.worker_plans``), as records (dicts, ``"w"``: the worker): first
+        ``passes.worker_plans``: all of them in order, or those ``dispatched`` returns
+        when ``plan["dispatched"]``), as records (dicts, ``"w"``: the worker): first
         ``{"start": snapshot, "rng": random state}``, then for each batch ``{"j": j,
         "rng": random state after it or b"" if unchanged, "batch": batch}`` (the consumer
         keeps the state of the last batch it yielded, for ``state_dict``), with
@@ -78,13 +86,12 @@ class BatchSource(Source):
         stateful = states.is_stateful(self.dataset)
         yield {"w": worker, "start": states.snapshot(worker, self.dataset, iterable=False),
                "rng": seeded.reported}
-        flat, offsets = plan["flat"], plan["offsets"]
-        first, step = int(plan["first"]), int(plan["step"])
+        flat, offsets, numbers = plan["flat"], plan["offsets"], plan["numbers"]
         where = f"in DataLoader worker process {worker}"
-        for batch in range(len(offsets) - 1):
+        for batch, j in self._order(numbers, dispatched if plan["dispatched"] else None):
             indices = flat[offsets[batch]:offsets[batch + 1]]
             keys = indices.tolist() if isinstance(indices, np.ndarray) else list(indices)
-            record: dict[str, Any] = {"w": worker, "j": first + batch * step}
+            record: dict[str, Any] = {"w": worker, "j": j}
             try:
                 record["batch"] = to_numpy(self._fetch(keys, plan["batched"]), self.objects)
             except Exception as exc:
@@ -96,6 +103,25 @@ class BatchSource(Source):
             if stateful:
                 record["snap"] = states.snapshot(worker, self.dataset, iterable=False)
             yield record
+
+    @staticmethod
+    def _order(numbers: np.ndarray, dispatched: Callable[[], int | None] | None
+               ) -> Iterator[tuple[int, int]]:
+        """``(place in the plan, batch number)`` of each batch to make: all of
+        ``numbers`` in turn, or (``dispatched``) each number the consumer dispatches.
+
+        Raises:
+            RuntimeError: a dispatched number is not in the plan.
+        """
+        if dispatched is None:
+            yield from enumerate(numbers.tolist())
+            return
+        while (j := dispatched()) is not None:
+            at = int(np.searchsorted(numbers, j))
+            if at >= len(numbers) or numbers[at] != j:
+                raise RuntimeError(f"the consumer dispatched batch {j}, which is not in "
+                                   "this epoch's plan")
+            yield at, j
 
     def _fetch(self, keys: list[Any], batched: bool) -> Any:
         """A batch, made as torch's map-style fetcher makes it: ``__getitems__`` when the

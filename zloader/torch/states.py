@@ -10,22 +10,28 @@ same names, so that tools which read those find them: ``_snapshot._worker_snapsh
 when it has ``state_dict``/``load_state_dict``), ``fetcher_state`` (for an iterable
 dataset: ``dataset_iter_state``, its iterator's ``state_dict()`` when it has one, and
 ``fetcher_ended``), and zloader's ``since`` (that worker's batches yielded after the
-snapshot, made again and dropped on resume) and ``next_batch`` (a map-style worker's next
-batch number); ``_snapshot._last_yielded_worker_id`` is the worker whose batch came
-last. With ``num_workers=0`` an iterable dataset's ``dataset_state`` and
-``fetcher_state`` are top-level keys, as in torchdata.
+snapshot, made again and dropped on resume); ``_snapshot._last_yielded_worker_id`` is
+the worker whose batch came last. A map-style dataset's state with workers also records
+which batches of the epoch were yielded (``yielded``: sorted ``[first, end)`` ranges of
+batch numbers; one range unless they came out of order). With ``num_workers=0`` an
+iterable dataset's ``dataset_state`` and ``fetcher_state`` are top-level keys, as in
+torchdata.
 """
 
 from __future__ import annotations
 
 import base64
+import bisect
 import copy
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from zloader.torch.seeding import unpack_rng
 
-VERSION = 1
+VERSION = 2
+"""The layout's version (2: map-style batches yielded as ranges, not a next batch per
+worker)."""
 
 
 def is_stateful(obj: Any) -> bool:
@@ -105,7 +111,54 @@ class Place:
     since: int = 0
     ended: bool = False
     started: bool = False
-    next_batch: int | None = None  # a map-style worker's next batch number
+
+
+class Batches:
+    """The batch numbers of a map-style epoch yielded so far, as sorted, disjoint
+    ``[first, end)`` ranges: one while they come in order, a few more when they come as
+    workers make them (``in_order=False``)."""
+
+    def __init__(self, ranges: Iterable[Iterable[int]] = ()) -> None:
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+        for first, end in ranges:
+            self._starts.append(first)
+            self._ends.append(end)
+
+    def add(self, number: int) -> None:
+        """Batch ``number`` was yielded."""
+        starts, ends = self._starts, self._ends
+        if ends and ends[-1] == number:  # the usual case: the next batch in order
+            ends[-1] += 1
+            return
+        at = bisect.bisect_right(starts, number)
+        if at and ends[at - 1] > number:
+            return
+        left = at > 0 and ends[at - 1] == number
+        right = at < len(starts) and starts[at] == number + 1
+        if left and right:
+            ends[at - 1] = ends[at]
+            del starts[at], ends[at]
+        elif left:
+            ends[at - 1] = number + 1
+        elif right:
+            starts[at] = number
+        else:
+            starts.insert(at, number)
+            ends.insert(at, number + 1)
+
+    def ranges(self) -> list[list[int]]:
+        return [[first, end] for first, end in zip(self._starts, self._ends, strict=True)]
+
+    def todo(self, total: int) -> list[int]:
+        """The batch numbers below ``total`` not yielded, in order."""
+        left: list[int] = []
+        at = 0
+        for first, end in zip(self._starts, self._ends, strict=True):
+            left.extend(range(at, min(first, total)))
+            at = max(at, end)
+        left.extend(range(at, total))
+        return left
 
 
 def layout(places: dict[int, Place], last: int | None) -> dict[str, Any]:
@@ -120,8 +173,6 @@ def layout(places: dict[int, Place], last: int | None) -> dict[str, Any]:
             fetcher["fetcher_ended"] = True
             entry["fetcher_state"] = fetcher
         entry["since"] = place.since
-        if place.next_batch is not None:
-            entry["next_batch"] = place.next_batch
         snapshots[f"worker_{worker}"] = entry
     return {"_worker_snapshots": snapshots, "_last_yielded_worker_id": last}
 
@@ -136,21 +187,25 @@ def places_of(state: dict[str, Any], rngs: dict[int, bytes]) -> dict[int, Place]
             (saved["fetcher_state"] or {}).get("dataset_iter_state") is not None)
         found[worker] = Place(snapshot=saved if has_state or ended(saved) else None,
                               rng=rngs.get(worker, b""), since=int(entry.get("since", 0)),
-                              ended=ended(saved), started=True,
-                              next_batch=entry.get("next_batch"))
+                              ended=ended(saved), started=True)
     return found
 
 
 def checked(state: Any, workers: int, iterable: bool) -> dict[str, Any]:
     """``state`` (what ``DataLoader.state_dict()`` returned) checked, its workers' random
     states decoded: ``{..., "reseed": whether its epoch drew a base seed, "workers":
-    {index: packed state}, "places": {index: Place}}``.
+    {index: packed state}, "places": {index: Place}, "yielded": Batches}``.
 
     Raises:
-        ValueError: ``state`` is not such a dict, names a worker beyond ``workers``, or is
-            an iterable dataset's saved with another ``num_workers`` (each worker's
-            position lies in its own share of the dataset).
+        ValueError: ``state`` is not such a dict (or one of another layout version),
+            names a worker beyond ``workers``, or is an iterable dataset's saved with
+            another ``num_workers`` (each worker's position lies in its own share of the
+            dataset).
     """
+    version = state.get("zloader_torch") if isinstance(state, dict) else None
+    if isinstance(version, int) and version != VERSION:
+        raise ValueError(f"this state has layout version {version} and this zloader reads "
+                         f"version {VERSION}: it was saved by another zloader version")
     if not (isinstance(state, dict) and state.get("zloader_torch") == VERSION
             and isinstance(state.get("rng"), str)
             and isinstance(state.get("batches"), int) and state["batches"] >= 0
@@ -167,12 +222,18 @@ def checked(state: Any, workers: int, iterable: bool) -> dict[str, Any]:
             f"and this loader has num_workers={workers}: each worker's position lies in "
             "its own share of the dataset (its get_worker_info()), so it resumes only with "
             "the same num_workers")
+    # A map-style state resumes with another num_workers by the batches it yielded alone
+    # (each worker as seeded): its workers' parts are checked against its own count.
+    saved = workers
+    if (not iterable and isinstance(saved_workers, int) and not isinstance(saved_workers, bool)
+            and saved_workers > 0):
+        saved = saved_workers
     found = {}
     for key, text in state.get("workers", {}).items():
-        if not (isinstance(key, str) and key.isdigit() and int(key) < workers
+        if not (isinstance(key, str) and key.isdigit() and int(key) < saved
                 and isinstance(text, str)):
             raise ValueError(f"state['workers'] holds {key!r}: not a worker of this "
-                             f"loader's {workers} (num_workers must be the saved loader's)")
+                             f"loader's {saved} (num_workers must be the saved loader's)")
         try:
             data = base64.b64decode(text, validate=True)
         except ValueError:
@@ -186,34 +247,48 @@ def checked(state: Any, workers: int, iterable: bool) -> dict[str, Any]:
         number = key.removeprefix("worker_") if isinstance(key, str) else ""
         if not (number.isdigit() and isinstance(entry, dict)
                 and isinstance(entry.get("since", 0), int) and entry.get("since", 0) >= 0
-                and isinstance(entry.get("fetcher_state") or {}, dict)
-                and isinstance(entry.get("next_batch", 0), int)
-                and entry.get("next_batch", 0) >= 0):
+                and isinstance(entry.get("fetcher_state") or {}, dict)):
             raise ValueError(f"state['_snapshot']['_worker_snapshots'][{key!r}] is not a "
                              "worker's snapshot saved by zloader.torch.DataLoader")
     last = (state.get("_snapshot") or {}).get("_last_yielded_worker_id")
     if last is not None and not (isinstance(last, int) and not isinstance(last, bool)
-                                 and 0 <= last < max(workers, 1)):
+                                 and 0 <= last < max(saved, 1)):
         raise ValueError(f"state['_snapshot']['_last_yielded_worker_id'] is {last!r}: not a "
-                         f"worker of this loader's {workers}")
-    places = places_of(state, found)
-    if not iterable and saved_workers not in (None, workers) and any(
-            p.next_batch is not None and not _in_prefix(w, p.next_batch, state)
-            for w, p in places.items()):
-        raise ValueError(
-            f"this state's batches were yielded out of order (in_order=False) by "
-            f"{saved_workers} workers: it resumes only with num_workers={saved_workers}")
+                         f"worker of this loader's {saved}")
     # A state saved before "reseed" was recorded: an epoch with a base seed took it.
     reseed = state.get("reseed", state.get("base_seed") is None)
-    return {**state, "reseed": reseed, "workers": found, "places": places}
+    places = places_of(state, found)
+    if saved != workers:
+        found, places = {}, {}
+    return {**state, "reseed": reseed, "workers": found, "places": places,
+            "yielded": yielded_of(state)}
 
 
-def _in_prefix(worker: int, next_batch: int, state: dict[str, Any]) -> bool:
-    """Whether a map-style worker's next batch is the one it has after the state's
-    ``batches`` first batches of the epoch (with the saved loader's ``num_workers``)."""
-    saved = state.get("num_workers") or 1
-    skip = state["batches"]
-    return next_batch == skip + (worker - skip) % saved
+def yielded_of(state: dict[str, Any]) -> Batches:
+    """The batches a state records as yielded: its ``yielded`` ranges, or its first
+    ``batches`` (a state without them: in order, or an iterable dataset's).
+
+    Raises:
+        ValueError: ``yielded`` is not sorted, disjoint ``[first, end)`` ranges of batch
+            numbers that hold ``batches`` batches.
+    """
+    ranges = state.get("yielded")
+    if ranges is None:
+        return Batches([[0, state["batches"]]] if state["batches"] else [])
+    at, count = 0, 0
+    ok = isinstance(ranges, list)
+    for pair in ranges if ok else ():
+        ok = (isinstance(pair, list) and len(pair) == 2
+              and all(isinstance(v, int) and not isinstance(v, bool) for v in pair)
+              and at <= pair[0] < pair[1])
+        if not ok:
+            break
+        at, count = pair[1] + 1, count + pair[1] - pair[0]
+    if not ok or count != state["batches"]:
+        raise ValueError(f"state['yielded'] is {ranges!r:.80}: not the sorted, disjoint "
+                         f"[first, end) ranges of the {state['batches']} batches the state "
+                         "yielded")
+    return Batches(ranges)
 
 
 def resumed_places(resume: dict[str, Any] | None, iterable: bool, persistent: bool,
@@ -222,7 +297,7 @@ def resumed_places(resume: dict[str, Any] | None, iterable: bool, persistent: bo
     resume. A finished epoch's state resumes at the next epoch: persistent workers keep
     their dataset's state from then (not their ended iterators'), others start afresh,
     as torchdata's do. A map-style state saved with another ``num_workers`` resumes by
-    its batch count alone (:func:`checked` made sure that is where each worker was)."""
+    the batches it yielded alone (``yielded``), each worker as seeded."""
     if resume is None:
         return None
     places: dict[int, Place] = resume["places"]

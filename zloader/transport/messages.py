@@ -67,8 +67,8 @@ from zloader.transport.protocol import HEARTBEAT_RANGE, Command, Message, Protoc
 from zloader.transport.protocol import doing as lenient_doing
 
 __all__ = ["RECORDS", "Ack", "Bye", "Close", "Commit", "ConsumerGone", "Credit", "Data",
-           "Delivered", "End", "Epoch", "Error", "Fail", "Fetch", "Heartbeat", "Job", "Log",
-           "Open", "PassDone", "Ready", "Received", "Record", "Register", "Release", "Ring",
+           "Delivered", "Dispatch", "End", "Epoch", "Error", "Fail", "Fetch", "Heartbeat", "Job",
+           "Log", "Open", "PassDone", "Ready", "Received", "Record", "Register", "Release", "Ring",
            "Round", "RoundReq", "Source", "Split", "SplitReq", "Status", "Task", "TaskFailed",
            "Unknown", "Weights", "decode", "encode"]
 
@@ -530,6 +530,13 @@ class Weights(Record):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Dispatch(Record):
+    COMMAND = Command.DISPATCH
+    epoch: int = fld(INDEX)
+    items: tuple[int, ...] = fld(list_of(INDEX))
+
+
+@dataclass(frozen=True, kw_only=True)
 class Credit(Record):
     COMMAND = Command.CREDIT
     epoch: int = fld(INDEX)
@@ -717,8 +724,8 @@ RECORDS: dict[Command, type[Record]] = {
     cls.COMMAND: cls for cls in (
         Ready, Ack, Task, TaskFailed, SplitReq, Split, PassDone, Release, ConsumerGone,
         RoundReq, Round, Register, Job, Epoch, Received, Commit, Delivered, Log, Bye,
-        Heartbeat, Status, Unknown, Error, Open, Credit, Weights, Data, End, Fail, Ring, Close,
-        Fetch, Source)}
+        Heartbeat, Status, Unknown, Error, Open, Credit, Weights, Dispatch, Data, End, Fail,
+        Ring, Close, Fetch, Source)}
 """The record of each command's body."""
 
 

@@ -62,6 +62,7 @@ class Command(enum.IntEnum):
     CLOSE = 25         # consumer -> worker: leaving
     RING = 26          # consumer -> worker: write into this (larger) ring from now on
     WEIGHTS = 27       # consumer -> worker: a mix's weights from now on
+    DISPATCH = 28      # consumer -> worker: work items of an epoch, as they are due
     FETCH = 30         # worker -> consumer: send the job's in-memory source data
     SOURCE = 31        # consumer -> worker: the source data (payload)
     ROUND_REQ = 40     # worker -> broker: number my next round (coordinated reads)

@@ -1,5 +1,5 @@
-"""The worker's data socket, the consumers' side of it: OPEN, CREDIT, RING, WEIGHTS and CLOSE in
-(checked, then handed to the task), records out through its
+"""The worker's data socket, the consumers' side of it: OPEN, CREDIT, RING, WEIGHTS,
+DISPATCH and CLOSE in (checked, then handed to the task), records out through its
 :class:`~zloader.worker.streams.Outlet`. See docs/protocol.md, "Data socket"."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from zloader.worker.task import Task
 __all__ = ["EARLY_OPENS", "DataPort"]
 
 DATA_SOCKET_COMMANDS = frozenset({Command.OPEN, Command.CREDIT, Command.RING, Command.CLOSE,
-                                  Command.WEIGHTS})
+                                  Command.WEIGHTS, Command.DISPATCH})
 """What consumers send on a worker's data socket."""
 
 
@@ -103,6 +103,8 @@ class DataPort:
             task.ring(identity, record)
         elif isinstance(record, messages.Weights):
             task.weights.value = record.weights
+        elif isinstance(record, messages.Dispatch):
+            task.dispatch(record)
         elif isinstance(record, messages.Close) and identity in task.streams:
             task.remove_stream(task.streams[identity])
 

@@ -59,6 +59,7 @@ from zloader.plan import Plan
 from zloader.stages import Context, Coverage
 from zloader.transport.protocol import error_object
 from zloader.transport.sockets import NOBLOCK, make_socket
+from zloader.worker.dispatched import Dispatched
 
 __all__ = ["RECORD_BYTES", "RECORD_ELEMENTS", "RECORD_LINGER", "STAGES", "Hand", "LinkKind",
            "Outgoing", "Producer", "ProducerSpec", "SplitAnswer"]
@@ -124,8 +125,10 @@ class ProducerSpec:
 
     @property
     def one_per_record(self) -> bool:
-        """Deal one element per record (balanced and coordinated jobs)."""
-        return bool(self.options.balanced or self.options.num_consumers)
+        """Deal one element per record (balanced and coordinated jobs, and a dispatched
+        source's: its next element may wait for the consumer)."""
+        return bool(self.options.balanced or self.options.num_consumers
+                    or self.plan.pipeline.source.dispatched)
 
     @property
     def round_size(self) -> int:
@@ -197,6 +200,8 @@ class Producer(threading.Thread):
             elements again (shared jobs: recorded here, in order); None: not recorded.
         replay: make the first ``replay`` elements of the epoch again, reading the splits
             recorded in ``splits`` (a shared job's late trainer); None: produce afresh.
+        dispatched: the epoch's work items a consumer dispatches (a dispatched source's,
+            see ``Source.dispatched``; handed to the pipeline as ``Context.dispatched``).
         timing: where the time goes, by stage (shared by the worker's producers).
         after: producers stopped before this one, which it waits to leave (they exit at
             their next send) before it runs the pipeline: user code of two epochs never
@@ -207,6 +212,7 @@ class Producer(threading.Thread):
                  epoch: int, pool: threading.Semaphore, draining: threading.Event,
                  epoch_input: Any = None,
                  weights: LiveWeights | None = None,
+                 dispatched: Dispatched | None = None,
                  splits: dict[tuple[int, ...], list[int]] | None = None,
                  replay: int | None = None,
                  timing: dict[str, float] | None = None,
@@ -223,6 +229,7 @@ class Producer(threading.Thread):
         self.draining = draining
         self.epoch_input = epoch_input
         self.weights = weights
+        self.dispatched = dispatched
         self.link: Any = None  # the socket thread's end of the pair
         self.outbox: deque[tuple[LinkKind, Any]] = deque()  # one per frame sent, in order
         self.replay = replay
@@ -302,7 +309,8 @@ class Producer(threading.Thread):
         spec = self.spec
         ctx = Context(entropy=spec.entropy, worker=spec.index, skip_errors=spec.skip_errors,
                       workers=spec.width, epoch_input=self.epoch_input,
-                      round_size=spec.round_size, track=spec.track, mix_weights=self.weights)
+                      round_size=spec.round_size, track=spec.track, mix_weights=self.weights,
+                      dispatched=self._take_dispatched)
         if spec.sharding == "dynamic":  # handed some splits of each pass, not all
             ctx.coverage = self.coverage = Coverage(spec.plan.pipeline.source.splits_in,
                                                     self.draining.is_set)
@@ -350,6 +358,21 @@ class Producer(threading.Thread):
             end["origins"] = encode_origins([], ctx.loose, ctx.reads, ctx.pass_keys,
                                             ctx.ends)
         self._put(pair, LinkKind.END, end)
+
+    def _take_dispatched(self) -> int | None:
+        """The next work item a consumer dispatched (None: it sends no more), waiting for
+        one (counted as ``"splits"``, the stage of waiting for work from outside the
+        worker, not pipeline time); stops the producer when it is told to stop meanwhile."""
+        if self.dispatched is None:
+            return None
+        self.stage = "splits"
+        waited = time.perf_counter()
+        item = self.dispatched.take(self.stop)
+        self._split_wait += time.perf_counter() - waited
+        self.stage = "pipeline"
+        if item is None and self.stop.is_set():
+            raise _Stopped
+        return item
 
     def _account(self, now: float) -> None:
         """Time since the last mark, less the waits for splits, went to the pipeline."""

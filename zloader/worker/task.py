@@ -24,6 +24,7 @@ from zloader.transport import messages
 from zloader.transport.protocol import error_object
 from zloader.worker.broker_link import BrokerLink, assignment
 from zloader.worker.delivery import Delivery
+from zloader.worker.dispatched import Dispatched
 from zloader.worker.links import Links
 from zloader.worker.producer import LinkKind, Producer, ProducerSpec, SplitAnswer
 from zloader.worker.streams import Outlet, Stream, unlink_handoffs
@@ -100,6 +101,7 @@ class Task:
         self.reruns: dict[int, int] = {}  # epoch -> latest rerun asked
         self.inputs: dict[int, Any] = {}  # epoch -> the consumer's input
         self.weights = LiveWeights()  # a mix's, as a consumer last set them (every producer)
+        self.dispatched: dict[int, Dispatched] = {}  # epoch -> its work items (DISPATCH)
         self.draining = threading.Event()  # take no more splits
         self.moving = False  # drained to move (RELEASE.drain): say so once all is sent
         self.delivery = delivery(self)
@@ -126,6 +128,25 @@ class Task:
             if opened.ring is not None:
                 stream.attach(opened.ring, opened.ring_id, opened.notify)
         self.delivery.open(stream, opened)
+
+    def dispatch(self, record: messages.Dispatch) -> None:
+        """DISPATCH: work items of an epoch, for its producer to take (see
+        :class:`~zloader.worker.dispatched.Dispatched`).
+
+        Raises:
+            ProtocolError: too many would wait.
+        """
+        self.dispatched_for(record.epoch).put(record.items)
+
+    def dispatched_for(self, epoch: int) -> Dispatched:
+        """``epoch``'s work items (made on first use; those of epochs before the one
+        before it are dropped)."""
+        found = self.dispatched.get(epoch)
+        if found is None:
+            found = self.dispatched[epoch] = Dispatched()
+            for old in [e for e in self.dispatched if e < epoch - 1]:
+                del self.dispatched[old]
+        return found
 
     def open_epoch(self, stream: Stream, opened: messages.Open) -> None:
         """Put ``stream`` on ``epoch`` with the OPEN's credits (the credit-fed modes):
@@ -279,7 +300,8 @@ class Task:
         :class:`~zloader.worker.producer.Producer`)."""
         return self.links.start(self.spec, epoch, inline=self.delivery.inline, pool=pool,
                                 draining=self.draining, epoch_input=self.inputs.get(epoch),
-                                weights=self.weights, **options)
+                                weights=self.weights, dispatched=self.dispatched_for(epoch),
+                                **options)
 
     def stats(self) -> dict[str, Any]:
         """Its part of the heartbeat's stats: credits granted and not used, the fullest
