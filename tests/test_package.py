@@ -54,7 +54,7 @@ LAYERS = {
     "worker.memory": 6.0, "worker.producer": 6.0, "worker.streams": 6.0,
     "worker.broker_link": 6.0,
     "worker.links": 6.1, "worker.delivery": 6.2, "worker.credit": 6.3, "worker.rounds": 6.4,
-    "sharing.delivery": 6.4, "worker.task": 6.5, "worker.consumers": 6.6,
+    "worker.shared": 6.4, "worker.task": 6.5, "worker.consumers": 6.6,
     "worker.process": 6.7, "worker": 6.8,
     # the client, in the order its modules may import each other
     "client.session": 5.95,  # (the epoch input that client.items carries)

@@ -8,7 +8,7 @@ only to this interface:
   (plain), or dealt round-robin to the N consumers of a ``balanced`` job;
 - :class:`zloader.worker.rounds.RoundsDelivery`: coordinated reads, N records at a time,
   each group numbered by the broker;
-- :class:`zloader.sharing.delivery.SharedDelivery`: a shared job's sliding window, every
+- :class:`zloader.worker.shared.SharedDelivery`: a shared job's sliding window, every
   trainer sent every record.
 
 A delivery owns its queue of records from the producer (``pending``) and the pool of

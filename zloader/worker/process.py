@@ -31,7 +31,6 @@ from zloader._host import host_id
 from zloader.forward import Capture
 from zloader.pipeline import Pipeline
 from zloader.plan import plan
-from zloader.sharing.delivery import SharedDelivery
 from zloader.shipping import Loading, Supply
 from zloader.transport import messages
 from zloader.transport.keys import Keys
@@ -46,6 +45,7 @@ from zloader.worker.links import Links
 from zloader.worker.memory import keep_freed_memory
 from zloader.worker.producer import Hand, LinkKind, Outgoing, Producer
 from zloader.worker.rounds import RoundsDelivery
+from zloader.worker.shared import SharedDelivery
 from zloader.worker.task import Assignment, Task, load_error
 
 __all__ = ["FORWARD_EVERY", "WorkerProcess", "delivery_for"]
