@@ -130,9 +130,12 @@ def mark_read(job: Job, key: PassKey, worker_id: str) -> None:
     """The splits ``worker_id`` was handed in pass ``key`` are read."""
     handing = job.passes[key]
     handed = handing.handed.pop(worker_id, [])
-    # Read, but its elements may wait in the worker's buffers (exactly-once) or its window
-    # (a shared job: not yet sent to a trainer that lags behind the faster one).
-    if job.track or job.share is not None:
+    # Read, but its elements may wait in the worker: in its buffers and in records its
+    # consumers have not given credit for yet (a paused training loop), or in its window (a
+    # shared job: not yet sent to a trainer that lags behind the faster one). A forced leave
+    # (a move at once, a death) reads them again (failures.leave), a clean one does not.
+    # Not a coordinated job's: its rounds not yet committed are lost (docs/coordinated.md).
+    if job.rounds is None:
         handing.read.setdefault(worker_id, []).extend(handed)
 
 
