@@ -150,6 +150,16 @@ def test_layers_follow_the_data():
                 f"(layer {LAYERS[imported]})")
 
 
+def test_delivery_modes_see_their_task_only_through_its_port():
+    """worker/delivery.py's TaskPort is all a delivery mode knows of its task: no mode
+    imports worker.task, not even for type checking, nor reaches for ``.task``."""
+    for module in ("worker.delivery", "worker.credit", "worker.rounds", "worker.shared"):
+        path = package_modules()[module]
+        text = path.read_text()
+        assert "worker.task" not in text and "self.task" not in text, \
+            f"{path.relative_to(ROOT)} reaches past its TaskPort"
+
+
 def test_nothing_below_the_broker_loop_touches_sockets():
     for module, path in package_modules().items():
         if module.startswith("broker.") and LAYERS[module] < LAYERS["broker.loop"]:

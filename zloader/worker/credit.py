@@ -11,16 +11,11 @@ equal share.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from zloader._defaults import MAX_GRANT, OVERDRAW_RECORDS
 from zloader.transport import records
 from zloader.transport.messages import End
-from zloader.worker.delivery import Delivery, EpochEnd, RecordOut
+from zloader.worker.delivery import Delivery, EpochEnd, RecordOut, TaskPort
 from zloader.worker.streams import Stream
-
-if TYPE_CHECKING:
-    from zloader.worker.task import Task
 
 __all__ = ["MAX_GRANT", "CreditDelivery", "clamp"]
 
@@ -37,9 +32,9 @@ class CreditDelivery(Delivery):
 
     inline = True
 
-    def __init__(self, task: Task) -> None:
-        super().__init__(task)
-        self.balanced = task.assignment.balanced  # consumers to deal to (0: by credit)
+    def __init__(self, port: TaskPort, balanced: int = 0) -> None:
+        super().__init__(port)
+        self.balanced = balanced  # consumers to deal to (0: by credit)
         self.turn = 0  # whose turn it is, when dealing
         self.overdrawn = False  # draining to move: records go out without credit
 
@@ -63,23 +58,23 @@ class CreditDelivery(Delivery):
     def deliver(self) -> None:
         """Send pending records to consumers with credit, in order; an epoch's END goes
         out once all its records have."""
-        task = self.task
+        port = self.port
         while self.pending:
             item = self.pending[0]
             epoch = item.epoch
-            if epoch in task.finished:  # an abandoned epoch's leftovers
+            if epoch in port.finished:  # an abandoned epoch's leftovers
                 self.pending.popleft()
                 if isinstance(item, RecordOut):
                     item.outgoing.mark_taken()
                 continue
-            streams = [s for s in task.streams.values() if s.epoch == epoch]
+            streams = [s for s in port.streams.values() if s.epoch == epoch]
             if isinstance(item, EpochEnd):
                 self.pending.popleft()
                 block = item.origins  # what no record carried (exactly-once)
                 end = End(epoch=epoch, skipped=item.skipped, origins=block is not None)
                 for stream in streams:
-                    task.outlet.send(stream, end, [block] if block is not None else ())
-                task.finish_epoch(epoch)
+                    port.outlet.send(stream, end, [block] if block is not None else ())
+                port.finish_epoch(epoch)
                 continue
             outgoing, head = item.outgoing, item.head
             sizes = records.sizes_of(outgoing.buffers)  # (the outlet's too: found once)
@@ -90,7 +85,7 @@ class CreditDelivery(Delivery):
             self.pending.popleft()
             taker.credits -= 1
             taker.sent(size)
-            task.outlet.record(taker, epoch, outgoing.buffers, head, sizes)
+            port.outlet.record(taker, epoch, outgoing.buffers, head, sizes)
             outgoing.mark_taken()
 
     def _next(self, streams: list[Stream], size: int) -> Stream | None:

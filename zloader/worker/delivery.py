@@ -23,16 +23,15 @@ import logging
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from zloader.worker.producer import Outgoing, Producer
-from zloader.worker.streams import Stream
+from zloader.worker.streams import Outlet, Stream
 
 if TYPE_CHECKING:
     from zloader.transport.messages import Open
-    from zloader.worker.task import Task
 
-__all__ = ["Delivery", "EpochEnd", "Pending", "RecordOut", "discard"]
+__all__ = ["Delivery", "EpochEnd", "Pending", "RecordOut", "TaskPort", "discard"]
 
 log = logging.getLogger("zloader.worker")
 
@@ -67,11 +66,54 @@ Pending = RecordOut | EpochEnd
 """What waits in a delivery's queue: a record from the producer, or an epoch's end."""
 
 
+class TaskPort(Protocol):
+    """What a delivery mode sees of its task (the worker's ``Task`` is one) and all it
+    may do with it: the consumers' streams, the epochs finished, the outlet records go
+    out through, the epoch being produced and its producer, the reruns asked; open and
+    finish epochs, drop a stream, start the next epoch's producer, start or drop a
+    producer of the mode's own, and ask the broker to number a round."""
+
+    @property
+    def streams(self) -> dict[bytes, Stream]: ...
+
+    @property
+    def finished(self) -> set[int]: ...
+
+    @property
+    def outlet(self) -> Outlet: ...
+
+    @property
+    def producing(self) -> int | None: ...
+
+    @property
+    def producer(self) -> Producer | None: ...
+
+    @property
+    def reruns(self) -> dict[int, int]: ...
+
+    def open_epoch(self, stream: Stream, opened: Open) -> None: ...
+
+    def remove_stream(self, stream: Stream) -> None: ...
+
+    def finish_epoch(self, epoch: int) -> None: ...
+
+    def abandon_stale(self) -> None: ...
+
+    def maybe_produce(self) -> None: ...
+
+    def start_producer(self, epoch: int, pool: threading.Semaphore,
+                       **options: Any) -> Producer: ...
+
+    def drop_producer(self, producer: Producer) -> None: ...
+
+    def ask_round(self, epoch: int, members: tuple[str, ...]) -> None: ...
+
+
 class Delivery(abc.ABC):
     """The protocol every delivery mode follows (see the module's docstring).
 
     Args:
-        task: the task whose records it delivers (its streams, epochs and producer).
+        port: what it sees of the task whose records it delivers (:class:`TaskPort`).
     """
 
     inline = False
@@ -79,8 +121,8 @@ class Delivery(abc.ABC):
     ``Hand``): only a mode whose delivery of a record never ends an epoch, starts or stops
     a producer (whose links the worker's loop polls) may say so."""
 
-    def __init__(self, task: Task) -> None:
-        self.task = task
+    def __init__(self, port: TaskPort) -> None:
+        self.port = port
         self.pool = threading.Semaphore(0)  # one permit per record the producer may make
         self.pending: deque[Pending] = deque()
         self.outstanding = 0  # permits given to the producer and not used yet
@@ -93,7 +135,7 @@ class Delivery(abc.ABC):
         Raises:
             ProtocolError: the OPEN is malformed for this mode.
         """
-        self.task.open_epoch(stream, opened)
+        self.port.open_epoch(stream, opened)
 
     @abc.abstractmethod
     def credit(self, stream: Stream, credits: int) -> None:

@@ -13,6 +13,7 @@ delivery modes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import secrets
@@ -20,6 +21,7 @@ import socket as _socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psutil
@@ -40,7 +42,7 @@ from zloader.transport.sockets import has_message, waiting
 from zloader.worker.broker_link import BrokerLink, BrokerRefused
 from zloader.worker.consumers import DataPort
 from zloader.worker.credit import CreditDelivery
-from zloader.worker.delivery import Delivery
+from zloader.worker.delivery import Delivery, TaskPort
 from zloader.worker.links import Links
 from zloader.worker.memory import keep_freed_memory
 from zloader.worker.producer import Hand, LinkKind, Outgoing, Producer
@@ -53,13 +55,14 @@ __all__ = ["FORWARD_EVERY", "WorkerProcess", "delivery_for"]
 log = logging.getLogger("zloader.worker")
 
 
-def delivery_for(task: Assignment) -> type[Delivery]:
-    """The delivery mode of a task: the one place that asks which mode it is."""
+def delivery_for(task: Assignment) -> Callable[[TaskPort], Delivery]:
+    """The delivery mode of a task, with its settings: the one place that asks which mode
+    it is. The task makes it with itself as the port."""
     if task.share is not None:
-        return SharedDelivery
+        return functools.partial(SharedDelivery, share=task.share)
     if task.coordinated:
-        return RoundsDelivery
-    return CreditDelivery  # plain or balanced
+        return functools.partial(RoundsDelivery, size=task.coordinated)
+    return functools.partial(CreditDelivery, balanced=task.balanced)  # plain or balanced
 
 
 class WorkerProcess:

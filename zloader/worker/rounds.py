@@ -13,18 +13,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from zloader import codec
-from zloader.transport.messages import End, Open, RoundReq
+from zloader.transport.messages import End, Open
 from zloader.transport.protocol import ProtocolError
 from zloader.worker.credit import clamp
-from zloader.worker.delivery import Delivery, EpochEnd, RecordOut, discard
+from zloader.worker.delivery import Delivery, EpochEnd, RecordOut, TaskPort, discard
 from zloader.worker.producer import Outgoing
 from zloader.worker.streams import Stream
-
-if TYPE_CHECKING:
-    from zloader.worker.task import Task
 
 __all__ = ["Group", "RoundsDelivery"]
 
@@ -43,9 +39,9 @@ class Group:
 class RoundsDelivery(Delivery):
     """Coordinated reads (see the module's docstring)."""
 
-    def __init__(self, task: Task) -> None:
-        super().__init__(task)
-        self.size = task.assignment.coordinated  # N: the consumers of a round
+    def __init__(self, port: TaskPort, size: int) -> None:
+        super().__init__(port)
+        self.size = size  # N: the consumers of a round
         self.partial: list[Outgoing] = []  # the group being filled
         self.partial_epoch = -1
         # The full groups (and epoch ends) in order, the first ones waiting for their number.
@@ -56,7 +52,7 @@ class RoundsDelivery(Delivery):
 
     def open(self, stream: Stream, opened: Open) -> None:
         if stream.consumer in self.replaced:
-            self.task.remove_stream(stream)
+            self.port.remove_stream(stream)
             raise ProtocolError(f"consumer {stream.consumer} was taken over by another "
                                 "with its consumer_index")
         index = opened.consumer_index
@@ -80,7 +76,7 @@ class RoundsDelivery(Delivery):
     def breaks(self, epoch: int) -> bool:
         # A consumer left the epoch: its rounds can no longer be complete, so the epoch
         # ends here for the others too (the broker loses its open rounds).
-        return any(s.index is not None and s.epoch > epoch for s in self.task.streams.values())
+        return any(s.index is not None and s.epoch > epoch for s in self.port.streams.values())
 
     # --- records --------------------------------------------------------------------------
 
@@ -89,8 +85,8 @@ class RoundsDelivery(Delivery):
         consumer has a credit for it (reserved now); an epoch's END goes out once the
         groups before it have. An epoch's last, incomplete group is dropped and counted."""
         self._group()
-        task = self.task
-        for group in [g for g in self.groups if g.members is None and g.epoch in task.finished
+        port = self.port
+        for group in [g for g in self.groups if g.members is None and g.epoch in port.finished
                       and g.end is None]:  # an abandoned epoch's groups
             self.groups.remove(group)
             discard(group.records)
@@ -101,10 +97,10 @@ class RoundsDelivery(Delivery):
                 if group is not self.groups[0]:
                     break  # after the rounds still waiting for their number
                 self.groups.popleft()
-                for stream in task.streams.values():
+                for stream in port.streams.values():
                     if stream.epoch == group.epoch:
-                        task.outlet.send(stream, group.end)
-                task.finish_epoch(group.epoch)
+                        port.outlet.send(stream, group.end)
+                port.finish_epoch(group.epoch)
                 continue
             members = self._members(group.epoch)
             if members is None or min(s.credits for s in members) <= 0:
@@ -112,17 +108,16 @@ class RoundsDelivery(Delivery):
             for stream in members:
                 stream.credits -= 1
             group.members = [s.identity for s in members]
-            task.broker.send(RoundReq(task=task.id, epoch=group.epoch,
-                                      members=tuple(s.consumer for s in members)))
+            port.ask_round(group.epoch, tuple(s.consumer for s in members))
         self.permit()
 
     def _group(self) -> None:
         """Move the producer's records into groups of N (and ends after them)."""
-        task = self.task
+        port = self.port
         while self.pending:
             item = self.pending.popleft()
             epoch = item.epoch
-            if epoch in task.finished:  # an abandoned epoch's leftovers
+            if epoch in port.finished:  # an abandoned epoch's leftovers
                 if isinstance(item, RecordOut):
                     item.outgoing.mark_taken()
                 continue
@@ -130,7 +125,7 @@ class RoundsDelivery(Delivery):
                 dropped = len(self.partial) if self.partial_epoch == epoch else 0
                 discard(self.partial)
                 end = End(epoch=epoch, skipped=item.skipped, dropped=item.dropped + dropped,
-                          rerun=task.reruns.get(epoch, 0))
+                          rerun=port.reruns.get(epoch, 0))
                 self.groups.append(Group(epoch, [], end=end))
                 continue
             outgoing = item.outgoing
@@ -157,9 +152,9 @@ class RoundsDelivery(Delivery):
             self._unreserve(group)
         else:
             for record, identity in zip(group.records, group.members, strict=True):
-                stream = self.task.streams.get(identity)
+                stream = self.port.streams.get(identity)
                 if stream is not None:
-                    self.task.outlet.record(stream, epoch, record.buffers,
+                    self.port.outlet.record(stream, epoch, record.buffers,
                                             {"count": 1, "skipped": 0, "round": number})
         discard(group.records)
         self.deliver()
@@ -175,7 +170,7 @@ class RoundsDelivery(Delivery):
         """Give back the credits reserved for a group whose number will not come (a
         re-opened stream has fresh credits already)."""
         for identity in group.members or ():
-            stream = self.task.streams.get(identity)
+            stream = self.port.streams.get(identity)
             if stream is not None and stream.epoch == group.epoch:
                 stream.credits += 1
         group.members = None
@@ -184,7 +179,7 @@ class RoundsDelivery(Delivery):
         """The streams of consumers 0..N-1 reading ``epoch`` (the latest to open for an
         index), or None while one is missing."""
         by_index: dict[int, Stream] = {}
-        for stream in self.task.streams.values():
+        for stream in self.port.streams.values():
             if stream.epoch == epoch and stream.index is not None:
                 by_index[stream.index] = stream
         if len(by_index) < self.size:
@@ -201,10 +196,10 @@ class RoundsDelivery(Delivery):
     def permit(self) -> None:
         """Let the producer make as many records as the consumers have credits for rounds:
         N per round, the fewest credits of the N deciding."""
-        task = self.task
-        if task.producer is None or task.producing is None:
+        port = self.port
+        if port.producer is None or port.producing is None:
             return
-        members = self._members(task.producing)
+        members = self._members(port.producing)
         rounds = min(s.credits for s in members) if members else 0
         waiting = sum(1 for g in self.groups if g.members is None and g.end is None)
         queued = len(self.partial) + self.size * waiting + len(self.pending)

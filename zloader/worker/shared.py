@@ -14,19 +14,16 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from zloader import codec
 from zloader.sharing.store import Stored, store
-from zloader.sharing.window import Window
+from zloader.sharing.window import Window, WindowSettings
 from zloader.transport.messages import Data, End, Open
 from zloader.worker.credit import clamp
-from zloader.worker.delivery import Delivery, EpochEnd, Pending, RecordOut
+from zloader.worker.delivery import Delivery, EpochEnd, Pending, RecordOut, TaskPort
 from zloader.worker.producer import Outgoing, Producer
 from zloader.worker.streams import Stream
-
-if TYPE_CHECKING:
-    from zloader.worker.task import Task
 
 __all__ = ["SharedDelivery"]
 
@@ -34,10 +31,8 @@ __all__ = ["SharedDelivery"]
 class SharedDelivery(Delivery):
     """A shared job's delivery (see the module's docstring)."""
 
-    def __init__(self, task: Task) -> None:
-        super().__init__(task)
-        share = task.assignment.share
-        assert share is not None  # (the worker picks this mode for shared tasks only)
+    def __init__(self, port: TaskPort, share: WindowSettings) -> None:
+        super().__init__(port)
         self.window = Window(share.window_bytes, share.lag, share.block_seconds)
         self.stored: dict[str, Stored] = {}  # each record's memory, by segment name
         # The splits read per epoch and pass, in order, to make a late joiner's missed
@@ -54,20 +49,20 @@ class SharedDelivery(Delivery):
     def open(self, stream: Stream, opened: Open) -> None:
         """A trainer starts (or re-opens) an epoch: place its cursor in the window; what
         it missed of an epoch under way is made again for it (a replay)."""
-        task, epoch, credits = self.task, opened.epoch, opened.credits
+        port, epoch, credits = self.port, opened.epoch, opened.credits
         cursor = self.window.cursors.get(stream.identity)
         if cursor is None or cursor.epoch != epoch:
-            finished = epoch in task.finished and epoch != task.producing
+            finished = epoch in port.finished and epoch != port.producing
             cursor = self.window.join(stream.identity, epoch,
-                                      epoch == task.producing or finished, finished)
+                                      epoch == port.producing or finished, finished)
             if cursor.missed > 0:
                 self.replays.append((stream.identity, epoch, cursor.missed))
         elif cursor.done:
-            task.outlet.send(stream, End(epoch=epoch, lagged=cursor.lagged))
+            port.outlet.send(stream, End(epoch=epoch, lagged=cursor.lagged))
         stream.epoch = epoch
         cursor.credits = clamp(credits)
-        task.abandon_stale()  # every trainer left the epoch being produced
-        task.maybe_produce()
+        port.abandon_stale()  # every trainer left the epoch being produced
+        port.maybe_produce()
         self.deliver()
 
     def credit(self, stream: Stream, credits: int) -> None:
@@ -118,7 +113,7 @@ class SharedDelivery(Delivery):
     def deliver(self) -> None:
         """Admit produced records into the window (as the lag policy allows), send a
         replay's records to its trainer, then send every trainer what it may take."""
-        task = self.task
+        port = self.port
         now = time.monotonic()
         while self.pending:
             item = self.pending[0]
@@ -126,10 +121,10 @@ class SharedDelivery(Delivery):
             if isinstance(item, EpochEnd):
                 self.pending.popleft()
                 self.window.add(epoch, 0, 0, end=True, skipped=item.skipped)
-                task.finish_epoch(epoch)
+                port.finish_epoch(epoch)
                 continue
             outgoing, head = item.outgoing, item.head
-            if epoch in task.finished:  # an abandoned epoch's leftovers
+            if epoch in port.finished:  # an abandoned epoch's leftovers
                 self.pending.popleft()
                 outgoing.mark_taken()
                 continue
@@ -149,8 +144,8 @@ class SharedDelivery(Delivery):
         self.permit()
 
     def _fan_out(self) -> None:
-        task, window = self.task, self.window
-        for stream in list(task.streams.values()):
+        port, window = self.port, self.window
+        for stream in list(port.streams.values()):
             cursor = window.cursors.get(stream.identity)
             if cursor is None or cursor.done or cursor.replaying:
                 continue
@@ -165,7 +160,7 @@ class SharedDelivery(Delivery):
                         cursor.replaying = True  # its replay's records go out now
                     else:
                         cursor.done = True
-                        task.outlet.send(stream, End(epoch=entry.epoch,
+                        port.outlet.send(stream, End(epoch=entry.epoch,
                                                      skipped=entry.skipped,
                                                      lagged=cursor.lagged))
                     break
@@ -177,7 +172,7 @@ class SharedDelivery(Delivery):
 
     def _send_stored(self, stream: Stream, epoch: int, count: int, skipped: int,
                      stored: Stored, lagged: int) -> None:
-        outlet = self.task.outlet
+        outlet = self.port.outlet
         outlet.count(count, stored.length)
         if stream.ring is not None and stored.segment is not None:  # co-located
             stored.holders.add(stream.identity)
@@ -191,11 +186,11 @@ class SharedDelivery(Delivery):
     def _send_replay(self) -> bool:
         """Send the replay's next record (or its end) to its trainer, once the trainer has
         reached the end of the epoch in the window; False: not yet."""
-        task = self.task
+        port = self.port
         item = self.replay_pending[0]
         epoch = item.epoch
         trainer, sent = self.replaying or (b"", 0)
-        stream = task.streams.get(trainer)
+        stream = port.streams.get(trainer)
         cursor = self.window.cursors.get(trainer)
         if stream is None or cursor is None:
             self._stop_replay()
@@ -206,10 +201,10 @@ class SharedDelivery(Delivery):
             self.replay_pending.popleft()
             cursor.lagged += max(0, cursor.missed - sent)  # splits no longer on record
             cursor.done, cursor.replaying, cursor.missed = True, False, 0
-            task.outlet.send(stream, End(epoch=epoch, skipped=item.skipped,
+            port.outlet.send(stream, End(epoch=epoch, skipped=item.skipped,
                                          lagged=cursor.lagged, replayed=sent))
             self._stop_replay()
-            task.maybe_produce()
+            port.maybe_produce()
             return False
         if cursor.credits <= 0:
             return False
@@ -217,7 +212,7 @@ class SharedDelivery(Delivery):
         self.replay_pending.popleft()
         cursor.credits -= 1
         self.replaying = (trainer, sent + int(head["count"]))
-        task.outlet.record(stream, epoch, outgoing.buffers, head)
+        port.outlet.record(stream, epoch, outgoing.buffers, head)
         outgoing.mark_taken()
         return True
 
@@ -237,10 +232,10 @@ class SharedDelivery(Delivery):
             return
         while self.replays:
             trainer, epoch, missed = self.replays.popleft()
-            if trainer in self.task.streams:
+            if trainer in self.port.streams:
                 self.replaying = (trainer, 0)
                 self.replay_outstanding = 0
-                self.replayer = self.task.start_producer(
+                self.replayer = self.port.start_producer(
                     epoch, threading.Semaphore(0), splits=self.splits.setdefault(epoch, {}),
                     replay=missed)
                 self.permit()
@@ -248,8 +243,7 @@ class SharedDelivery(Delivery):
 
     def _stop_replay(self) -> None:
         if self.replayer is not None:
-            self.replayer.stop.set()
-            self.task.links.drop(self.replayer)
+            self.port.drop_producer(self.replayer)
         self.replayer, self.replaying = None, None
         for item in self.replay_pending:
             if isinstance(item, RecordOut):
@@ -259,18 +253,18 @@ class SharedDelivery(Delivery):
     def permit(self) -> None:
         """Let the producers make as many records as trainers can take now: the task's
         as far as the readiest trainer, a replay as far as its trainer."""
-        task = self.task
+        port = self.port
         if self.replayer is not None and self.replaying is not None:
             cursor = self.window.cursors.get(self.replaying[0])
             lead = cursor.credits if cursor is not None else 0
             for _ in range(lead - len(self.replay_pending) - self.replay_outstanding):
                 self.replay_outstanding += 1
                 self.replayer.pool.release()
-        if task.producer is not None and task.producing is not None:
-            for _ in range(self.window.lead(task.producing) - len(self.pending)
+        if port.producer is not None and port.producing is not None:
+            for _ in range(self.window.lead(port.producing) - len(self.pending)
                            - self.outstanding):
                 self.outstanding += 1
-                task.producer.pool.release()
+                port.producer.pool.release()
 
     def side_producers(self) -> list[Producer]:
         return [self.replayer] if self.replayer is not None else []
@@ -308,7 +302,7 @@ class SharedDelivery(Delivery):
         the elements it lost to the lag policy, for ``zloader status``."""
         out = {}
         for identity, cursor in self.window.cursors.items():
-            stream = self.task.streams.get(identity)
+            stream = self.port.streams.get(identity)
             if stream is not None:
                 lag = sum(e.count for e in self.window.entries if e.seq >= cursor.seq)
                 out[stream.consumer] = {"lag": lag, "skipped": cursor.lagged}

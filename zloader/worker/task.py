@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,7 @@ from zloader.sharing.window import WindowSettings
 from zloader.transport import messages
 from zloader.transport.protocol import error_object
 from zloader.worker.broker_link import BrokerLink, assignment
-from zloader.worker.delivery import Delivery
+from zloader.worker.delivery import Delivery, TaskPort
 from zloader.worker.dispatched import Dispatched
 from zloader.worker.links import Links
 from zloader.worker.producer import LinkKind, Producer, ProducerSpec, SplitAnswer
@@ -82,11 +83,12 @@ class Task:
         outlet: sends to consumers.
         links: starts producer threads.
         broker: the worker's connection to the broker.
-        delivery: the delivery mode's class (the worker picks it).
+        delivery: makes the delivery mode, given the task as its port (the worker picks
+            the mode, ``process.delivery_for``).
     """
 
     def __init__(self, assignment: Assignment, plan: Plan, outlet: Outlet, links: Links,
-                 broker: BrokerLink, delivery: type[Delivery]) -> None:
+                 broker: BrokerLink, delivery: Callable[[TaskPort], Delivery]) -> None:
         self.assignment = assignment
         self.id = assignment.id
         self.job = assignment.job
@@ -293,6 +295,16 @@ class Task:
         splits = self.delivery.new_epoch(wanted[0])
         self.producer = self.start_producer(wanted[0], self.delivery.pool, splits=splits)
         self.delivery.permit()
+
+    def drop_producer(self, producer: Producer) -> None:
+        """Stop a producer of the delivery mode's own and stop listening to it."""
+        producer.stop.set()
+        self.links.drop(producer)
+
+    def ask_round(self, epoch: int, members: tuple[str, ...]) -> None:
+        """Ask the broker to number the next round of ``epoch``, for these consumers
+        (coordinated reads)."""
+        self.broker.send(messages.RoundReq(task=self.id, epoch=epoch, members=members))
 
     def start_producer(self, epoch: int, pool: threading.Semaphore, **options: Any
                        ) -> Producer:
