@@ -15,6 +15,7 @@ from zloader import Pipeline, PipelineError, codec, collate
 from zloader import chunks as zchunks
 from zloader import stages as zstages
 from zloader._defaults import CHUNK_ELEMENTS, SHUFFLE_DRAW_CHUNK, STACK_LATER_BYTES
+from zloader.runs import RunSettings
 
 
 def reference_shuffle(elements, size, rng):
@@ -58,7 +59,7 @@ def shuffled(stage, chunks, ctx):
 def test_shuffle_output_is_the_reference_whatever_the_chunks(size, sizes):
     values = [f"v{i}" for i in range(3000)]
     stage = Pipeline.range(1).shuffle(size, seed=5).stages[-1]
-    ctx = zstages.Context(entropy=0)
+    ctx = zstages.Context(RunSettings(entropy=0))
     got = [v for chunk in shuffled(stage, chunked(values, sizes), ctx) for v in chunk.values]
     expected = list(reference_shuffle(values, size, ctx.rng(5, 1, (0,))))
     assert got == expected
@@ -79,7 +80,7 @@ def test_tracked_shuffle_and_batch_keep_each_origin_with_its_value(form):
         chunks = list(chunked(values, [1, 33, 256], origins))
     pipeline = Pipeline.range(1).shuffle(300, seed=1).batch(64)
     shuffle, batch = pipeline.stages
-    ctx = zstages.Context(entropy=0, track=True)
+    ctx = zstages.Context(RunSettings(entropy=0, track=True))
     out = list(batch.transform(shuffle.transform(iter(chunks), (0,), 1, ctx), (0,), 2, ctx))
     assert sum(len(b) for b, _ in out) == 5000
     for rows, origin in out:
@@ -90,10 +91,10 @@ def test_tracked_shuffle_and_batch_keep_each_origin_with_its_value(form):
 
 def test_batch_that_drops_its_remainder_keeps_the_dropped_origins_as_loose():
     stage = Pipeline.range(1).batch(4, drop_remainder=True).stages[-1]
-    ctx = zstages.Context(entropy=0, track=True)
+    ctx = zstages.Context(RunSettings(entropy=0, track=True))
     out = list(stage.transform(chunked(list(range(10)), [3], np.arange(10)), (0,), 1, ctx))
     assert [o.tolist() for _, o in out] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert ctx.loose == [8, 9]
+    assert ctx.tally.loose == [8, 9]
 
 
 class Counted:
@@ -111,7 +112,7 @@ class Counted:
 def test_shuffle_lets_go_of_the_elements_that_left_it():
     size = 500
     stage = Pipeline.range(1).shuffle(size, seed=0).stages[-1]
-    ctx = zstages.Context(entropy=0)
+    ctx = zstages.Context(RunSettings(entropy=0))
     Counted.alive = 0
 
     def chunks():
@@ -160,7 +161,7 @@ def test_a_shuffled_batched_pipeline_matches_the_reference_in_process():
     pipeline = Pipeline.range(2000).map(lambda x: x * 3).shuffle(128, seed=9).batch(50)
     got = np.concatenate(list(pipeline.iter(0))).tolist()
     assert sorted(got) == [x * 3 for x in range(2000)]
-    ctx = zstages.Context(entropy=0)
+    ctx = zstages.Context(RunSettings(entropy=0))
     rng = ctx.rng(9, 2, (0,))
     assert got == list(reference_shuffle([x * 3 for x in range(2000)], 128, rng))
 
@@ -237,7 +238,7 @@ def test_light_elements_are_read_ahead_and_heavy_ones_as_they_are_used():
             return iter(self.items)
 
     def sizes(items):
-        ctx = zstages.Context(entropy=0, track=True)
+        ctx = zstages.Context(RunSettings(entropy=0, track=True))
         return [len(values) for values, _ in read_split_chunks(Listed(items), Assigned(0, (0,)),
                                                                0, ctx)]
 
@@ -254,22 +255,22 @@ def test_tracked_batches_of_batches_hold_their_own_rows_origins(shuffled):
     pipeline = Pipeline.range(400, split_size=100).batch(4)
     if shuffled:
         pipeline = pipeline.shuffle(7, seed=1)
-    ctx = zstages.Context(entropy=0, track=True)
+    ctx = zstages.Context(RunSettings(entropy=0, track=True))
     feed = lambda key: (Assigned(s, key) for s in range(4))
 
     def code(value):
-        return ctx.reads.index((0, value // 100)) << 32 | value % 100
+        return ctx.tally.reads.index((0, value // 100)) << 32 | value % 100
 
     out = list(plan.plan(pipeline.batch(3)).run_worker(feed, 0, ctx))
     assert sum(rows.shape[0] for rows, _ in out) == 100
     for rows, origin in out:  # each its own 12 elements' (or 4 a row), none of another's
         assert sorted(origin.tolist()) == sorted(code(int(v)) for v in rows.reshape(-1))
-    ctx = zstages.Context(entropy=0, track=True)
+    ctx = zstages.Context(RunSettings(entropy=0, track=True))
     out = list(plan.plan(pipeline.batch(3).unbatch().batch(5, drop_remainder=True))
                .run_worker(feed, 0, ctx))
     # (An unbatched row of a batch of batches holds what it can: the first row all 12 codes.)
-    codes = [c for _, origin in out for c in origin.tolist()] + ctx.loose
-    assert sorted(ctx.reads[c >> 32][1] * 100 + (c & 0xFFFFFFFF) for c in codes) == \
+    codes = [c for _, origin in out for c in origin.tolist()] + ctx.tally.loose
+    assert sorted(ctx.tally.reads[c >> 32][1] * 100 + (c & 0xFFFFFFFF) for c in codes) == \
         list(range(400))  # every element accounted for once, none twice
 
 
@@ -285,7 +286,7 @@ def test_an_element_stage_after_the_source_gets_non_int_elements_as_it_asks_for_
                 made.append(i)
                 yield f"p{i}"
 
-    ctx = zstages.Context(entropy=0, track=True)
+    ctx = zstages.Context(RunSettings(entropy=0, track=True))
     elements = read_split(Counting(), Assigned(0, (0,)), 0, ctx)
     for taken in range(1, 6):
         next(elements)

@@ -11,6 +11,7 @@ import pytest
 from tests.service import service
 from zloader import Loader, Pipeline
 from zloader.plan import plan
+from zloader.runs import RunSettings
 from zloader.stages import Context, Coverage
 
 
@@ -19,7 +20,7 @@ def _worker_part(pipeline: Pipeline, passes: dict[tuple[int, ...], list[int]],
     """The worker part of ``pipeline`` run as a dynamically sharded worker that is handed
     ``passes[key]`` in each pass (none once the dict has no more: as if other workers took
     them), up to 20 elements."""
-    ctx = Context(entropy=0, coverage=Coverage(num_splits, lambda: False))
+    ctx = Context(RunSettings(entropy=0), coverage=Coverage(num_splits, lambda: False))
     out = []
     for element in plan(pipeline).run_worker(lambda key: passes.get(key, []), 0, ctx):
         out.append(element)

@@ -33,8 +33,8 @@ class Echo(Source):
         return (self.kind,)
 
     def read(self, split: int, policy: Any = None) -> Iterator[Any]:
-        given = getattr(policy, "epoch_input", None)
-        yield {"split": split, "worker": int(policy.worker),
+        given = policy.settings.epoch_input
+        yield {"split": split, "worker": int(policy.settings.worker),
                "input": given if given is not None else "none"}
 
 

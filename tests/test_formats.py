@@ -10,7 +10,6 @@ import json
 import subprocess
 import sys
 import threading
-import types
 
 import numpy as np
 import pytest
@@ -21,6 +20,8 @@ from zloader.formats import decode_image, parse_example
 from zloader.formats.base import interleave
 from zloader.formats.tfrecord import read_records
 from zloader.formats.webdataset import read_samples
+from zloader.runs import RunSettings
+from zloader.stages import Context
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +30,9 @@ def tf():
     return pytest.importorskip("tensorflow")
 
 
-def policy(skip: bool = True) -> types.SimpleNamespace:
-    return types.SimpleNamespace(skip_errors=skip, skipped=0)
+def policy(skip: bool = True) -> Context:
+    """A run's context as a source sees it (its error policy and tally)."""
+    return Context(RunSettings(entropy=0, skip_errors=skip))
 
 
 # --- TFRecord ------------------------------------------------------------------------------
@@ -103,7 +105,7 @@ def test_corrupt_tfrecord_names_file_and_offset_or_is_skipped(tmp_path):
     assert isinstance(info.value, ValueError)
     run = policy()
     assert list(pipeline.source.read(0, run)) == records[:1] + records[2:]
-    assert run.skipped == 1
+    assert run.tally.skipped == 1
     assert next(iter(Pipeline.from_tfrecord([path], verify=False))) == records[0]
     with Loader(pipeline, num_workers=1, on_error="skip", timeout=30) as loader:
         assert sorted(loader) == sorted(records[:1] + records[2:])
@@ -119,7 +121,7 @@ def test_tfrecord_corrupt_length_or_truncation_ends_the_file(tmp_path):
         list(Pipeline.from_tfrecord([path]))
     run = policy()
     assert list(Pipeline.from_tfrecord([path]).source.read(0, run)) == records[:3]
-    assert run.skipped == 1
+    assert run.tally.skipped == 1
     flip_byte(path, 2)  # the first record's length
     with pytest.raises(PipelineError, match=r"corrupt record length at offset 0"):
         list(Pipeline.from_tfrecord([path]))
@@ -314,7 +316,7 @@ def test_jsonl_plain_gzip_and_zstd(tmp_path):
     run = policy()
     source = Pipeline.from_jsonl([tmp_path / "a.jsonl"]).source
     assert list(source.read(0, run)) == [*rows[:3], {"i": 99}]
-    assert run.skipped == 1
+    assert run.tally.skipped == 1
 
 
 # --- image folders -------------------------------------------------------------------------

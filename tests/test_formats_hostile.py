@@ -21,7 +21,6 @@ import sys
 import tarfile
 import threading
 import time
-import types
 import zlib
 
 import pytest
@@ -32,6 +31,8 @@ from zloader._defaults import MAX_IMAGE_PIXELS
 from zloader.errors import CodecError
 from zloader.formats import decode_image
 from zloader.formats._crc32c import masked_crc32c
+from zloader.runs import RunSettings
+from zloader.stages import Context
 
 MiB = 1 << 20
 GROWTH_BOUND = 300 * MiB
@@ -39,8 +40,9 @@ GROWTH_BOUND = 300 * MiB
 (and the 2**40 to 2**63 of the TFRecord lengths)."""
 
 
-def policy() -> types.SimpleNamespace:
-    return types.SimpleNamespace(skip_errors=True, skipped=0)
+def policy() -> Context:
+    """A run's context as a source sees it, skipping errors."""
+    return Context(RunSettings(entropy=0, skip_errors=True))
 
 
 def loader_read(pipeline: Pipeline) -> tuple[list, int]:
@@ -139,7 +141,7 @@ def test_a_bad_jsonl_line_costs_that_line_only(tmp_path):
         pipeline = Pipeline.from_jsonl([tmp_path / name])
         run = policy()
         assert list(pipeline.source.read(0, run)) == good
-        assert run.skipped == 1
+        assert run.tally.skipped == 1
         with pytest.raises(PipelineError, match=rf"{name}: line {line} ") as info:
             list(pipeline)
         assert info.value.context == f"file {tmp_path / name}, line {line}"
@@ -163,7 +165,7 @@ def test_a_jsonl_line_over_the_limit_is_refused_without_reading_it_whole(tmp_pat
     run = policy()
     source = Pipeline.from_jsonl([small], max_line_bytes=64).source
     assert list(source.read(0, run)) == [{"i": 0}, {"i": 2}]
-    assert run.skipped == 1
+    assert run.tally.skipped == 1
 
 
 # --- image folders and decode_image --------------------------------------------------------
@@ -218,7 +220,7 @@ def test_a_bad_image_costs_that_image_only(tmp_path, bomb_png):
     run = policy()
     out = [e for split in range(2) for e in pipeline.source.read(split, run)]
     assert [e["path"] for e in out] == good
-    assert run.skipped == 2
+    assert run.tally.skipped == 2
     with pytest.raises(PipelineError, match=r"03\.png: decode_image: cannot decode") as info:
         list(pipeline)
     assert info.value.context == f"image {paths[3]}"
@@ -266,7 +268,7 @@ def test_a_sample_with_a_huge_sparse_member_costs_that_sample_only(tmp_path):
     pipeline = Pipeline.from_webdataset([shard])
     run = policy()
     assert [s["__key__"] for s in pipeline.source.read(0, run)] == ["s0", "s3"]
-    assert run.skipped == 2
+    assert run.tally.skipped == 2
     out, skipped = loader_read(pipeline)
     assert sorted(s["txt"] for s in out) == [b"three", b"zero"]
     assert skipped == 2
@@ -359,7 +361,7 @@ def test_a_member_over_max_member_bytes_costs_its_sample_unless_skipping_means_i
     run = policy()
     source = Pipeline.from_webdataset([tmp_path / "plain.tar"], max_member_bytes=4096).source
     assert [s["__key__"] for s in source.read(0, run)] == ["s0", "s2"]
-    assert run.skipped == 1
+    assert run.tally.skipped == 1
     packed = Pipeline.from_webdataset([tmp_path / "packed.tar.gz"], max_member_bytes=4096)
     with pytest.raises(PipelineError, match=r"packed\.tar\.gz: member 's1\.bin' \(header at "
                                             r"offset 1024\) claims 5000 bytes, more than "
@@ -396,7 +398,7 @@ def test_a_shard_that_does_not_end_as_an_archive_does_is_an_error_not_a_short_re
         run = policy()  # the samples before the damage, then one skip for the rest
         assert [s["cls"] for s in pipeline.source.read(0, run)] == \
             [b"%d" % i for i in range(kept)], name
-        assert run.skipped == 1
+        assert run.tally.skipped == 1
     ends = {"padded.tar": good + bytes(8192), "no-end.tar": good[:10 * 1024],
             "pieces.tar.gz": gzip.compress(good[:2048]) + gzip.compress(good[2048:])}
     for name, data in ends.items():  # an end, or a gzip in pieces (cat a.gz b.gz, bgzip)
@@ -462,7 +464,7 @@ def test_a_tfrecord_length_over_the_limit_is_a_corrupt_record(tmp_path, length):
     assert info.value.exc_type == "zloader.formats.tfrecord.CorruptRecord"
     run = policy()
     assert list(Pipeline.from_tfrecord([path]).source.read(0, run)) == [b"first"]
-    assert run.skipped == 1
+    assert run.tally.skipped == 1
 
 
 def test_a_compressed_tfrecord_claiming_a_huge_record_is_refused_before_reading_it(tmp_path):

@@ -26,6 +26,7 @@ from zloader.lineage import (
     unpack,
 )
 from zloader.plan import plan
+from zloader.runs import RunSettings
 from zloader.stages import Context
 
 SPLITS, SIZE = 6, 25
@@ -33,19 +34,19 @@ SPLITS, SIZE = 6, 25
 
 def tracked(pipeline: Pipeline, skip: dict[int, set[int]] | None = None):
     """Run the worker part with origins; return (values, origins counted, ends)."""
-    ctx = Context(entropy=3, track=True, skip_errors=True)
+    ctx = Context(RunSettings(entropy=3, track=True, skip_errors=True))
     skip = skip or {}
     feed = lambda key: (Assigned(s, key, frozenset(skip.get(s, ()))) for s in range(SPLITS))
     values, origins = [], collections.Counter()
 
     def places(codes):  # (split, index) of each origin code
-        return [(ctx.reads[c >> INDEX_BITS][1], c & INDEX_MASK) for c in codes]
+        return [(ctx.tally.reads[c >> INDEX_BITS][1], c & INDEX_MASK) for c in codes]
 
     for value, origin in plan(pipeline).run_worker(feed, 0, ctx):
         values.append(value)
         origins.update(places(origin))
-    origins.update(places(ctx.loose))
-    return values, origins, ctx.ends
+    origins.update(places(ctx.tally.loose))
+    return values, origins, ctx.tally.ends
 
 
 def every_source_element() -> collections.Counter:
@@ -85,7 +86,7 @@ def test_a_split_read_again_skips_what_was_delivered_and_checks_its_digest():
     _, origins, _ = tracked(pipeline, skip)
     assert origins == every_source_element() - collections.Counter(
         (2, i) for i in skip[2])
-    ctx = Context(entropy=3, track=True)
+    ctx = Context(RunSettings(entropy=3, track=True))
     wrong = (expect[1][0], expect[1][1] ^ 1)
     feed = lambda key: [Assigned(1, key, frozenset(), wrong)]
     with pytest.raises(Exception, match="read differently"):
@@ -144,10 +145,11 @@ def test_origins_of_consecutive_elements_compress_to_one_run_per_split():
     """A record of elements read in order holds one run per split, whatever its length;
     a shuffled batch's rows are sorted into runs; a ledger rebuilds the same origins."""
     pipeline = Pipeline.range(SPLITS * SIZE, split_size=SIZE)
-    ctx = Context(entropy=3, track=True)
+    ctx = Context(RunSettings(entropy=3, track=True))
     feed = lambda key: (Assigned(s, key) for s in range(SPLITS))
     tagged = list(plan(pipeline).run_worker(feed, 0, ctx))
-    block = encode_origins([t[1] for t in tagged], [], ctx.reads, ctx.pass_keys, ctx.ends)
+    tally = ctx.tally
+    block = encode_origins([t[1] for t in tagged], [], tally.reads, tally.pass_keys, tally.ends)
     origins = decode_origins(block, len(tagged))
     assert origins.runs.tolist() == [[0, s, 0, SIZE] for s in range(SPLITS)]
     assert origins.uniform == 1 and origins.counts is None
@@ -155,10 +157,11 @@ def test_origins_of_consecutive_elements_compress_to_one_run_per_split():
     origins.note(ledger)
     assert ledger.done == {(0,): set(range(SPLITS))} and not ledger.open
 
-    ctx = Context(entropy=3, track=True)
+    ctx = Context(RunSettings(entropy=3, track=True))
     batched = Pipeline.range(SPLITS * SIZE, split_size=SIZE).shuffle(60, seed=4).batch(50)
     batches = list(plan(batched).run_worker(feed, 0, ctx))
-    block = encode_origins([t[1] for t in batches], [], ctx.reads, ctx.pass_keys, ctx.ends)
+    tally = ctx.tally
+    block = encode_origins([t[1] for t in batches], [], tally.reads, tally.pass_keys, tally.ends)
     origins = decode_origins(block, len(batches))
     assert origins.uniform == 50 and len(batches) == 3  # 150 = SPLITS * SIZE
     assert len(origins.runs) < 150  # a batch's rows of one split sorted together

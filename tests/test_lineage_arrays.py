@@ -28,6 +28,7 @@ from zloader.lineage import (
     untag,
 )
 from zloader.plan import plan
+from zloader.runs import RunSettings
 from zloader.stages import Context
 
 
@@ -43,16 +44,17 @@ def test_gather_takes_tuples_arrays_and_empty_origins_in_order():
 
 
 def test_a_tracked_batch_holds_its_rows_origins_as_one_array_that_encodes_alike():
-    ctx = Context(entropy=1, track=True)
+    ctx = Context(RunSettings(entropy=1, track=True))
     feed = lambda key: (Assigned(s, key) for s in range(3))
     pipeline = Pipeline.range(600, split_size=200).shuffle(100, seed=3).batch(64)
     batches = list(plan(pipeline).run_worker(feed, 0, ctx))
     assert all(isinstance(origin, np.ndarray) and origin.dtype == np.int64
                for _, origin in batches)
     as_tuples = [tuple(origin.tolist()) for _, origin in batches]
-    block = encode_origins([origin for _, origin in batches], [], ctx.reads, ctx.pass_keys,
-                           ctx.ends)
-    assert block == encode_origins(as_tuples, [], ctx.reads, ctx.pass_keys, ctx.ends)
+    tally = ctx.tally
+    block = encode_origins([origin for _, origin in batches], [], tally.reads, tally.pass_keys,
+                           tally.ends)
+    assert block == encode_origins(as_tuples, [], tally.reads, tally.pass_keys, tally.ends)
     ledger = Ledger()
     decode_origins(block, len(batches)).note(ledger)
     assert ledger.done == {(0,): {0, 1, 2}} and not ledger.open
@@ -112,9 +114,9 @@ class _Listed:
 
 
 def _read(elements, expect=None, skip=frozenset()):
-    ctx = Context(entropy=1, track=True)
+    ctx = Context(RunSettings(entropy=1, track=True))
     tagged = list(read_split(_Listed([elements]), Assigned(0, (0,), skip, expect), 0, ctx))
-    return tagged, tuple(ctx.ends[0][2:])
+    return tagged, tuple(ctx.tally.ends[0][2:])
 
 
 def test_a_split_digest_by_groups_depends_on_the_elements_only_and_is_marked():
@@ -156,7 +158,7 @@ def test_a_source_failing_mid_read_has_the_elements_before_it_yielded_first():
 
     source = _Listed([])
     source.read = failing
-    ctx = Context(entropy=1, track=True)
+    ctx = Context(RunSettings(entropy=1, track=True))
     seen = []
     with pytest.raises(ValueError, match="disk gone"):
         for value, _ in read_split(source, Assigned(0, (0,)), 0, ctx):
@@ -177,7 +179,7 @@ def test_a_slow_source_of_ints_is_not_read_ahead():
                 made.append(i)
                 yield i
 
-    ctx = Context(entropy=1, track=True)
+    ctx = Context(RunSettings(entropy=1, track=True))
     reader = read_split(Slow(), Assigned(0, (0,)), 0, ctx)
     for taken in range(1, 6):
         value, origin = next(reader)

@@ -303,16 +303,17 @@ def test_bucket_by_length_batches_similar_lengths_padded_to_the_longest():
 
 def test_bucket_by_length_drop_remainder_and_rounds_keep_one_bucket_per_round():
     from zloader import stages as zstages
+    from zloader.runs import RunSettings
 
     pipeline = Pipeline.range(40).bucket_by_length(lambda x: x % 10, [5], [3, 3],
                                                    drop_remainder=True)
     assert all(len(b) == 3 for b in pipeline)
     assert sum(len(b) for b in pipeline) == 36  # each bucket's 20 -> 6 batches, 2 dropped
     stage = pipeline.stages[-1]
-    ctx = zstages.Context(entropy=0, round_size=4)
+    ctx = zstages.Context(RunSettings(entropy=0, round_size=4))
     batches = list(stage.transform(iter(range(40)), (0,), 1, ctx))
     # Four batches of one bucket at a time; each bucket's last 2 batches make no round.
-    assert len(batches) == 8 and ctx.dropped == 4
+    assert len(batches) == 8 and ctx.tally.dropped == 4
     for start in range(0, 8, 4):
         assert len({int(x % 10 >= 5) for b in batches[start:start + 4] for x in b}) == 1
 

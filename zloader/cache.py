@@ -41,6 +41,7 @@ from zloader.cachefile import (
 )
 from zloader.errors import PipelineError
 from zloader.fingerprint import Unhashable, fingerprint
+from zloader.runs import RunSettings
 from zloader.sources import ErrorPolicy, Source
 from zloader.storage import is_url
 
@@ -192,8 +193,8 @@ class CachedSource(Source):
         """Run the prefix on ``split``, yielding its elements while writing them; commit
         the entry only at the end of the split, and only when no error was skipped (a
         later run with another ``on_error`` must see the error)."""
-        ctx = _stages.Context(entropy=0, source=self.source,
-                              skip_errors=bool(policy is not None and policy.skip_errors))
+        skip = bool(policy is not None and policy.settings.skip_errors)
+        ctx = _stages.Context(RunSettings(entropy=0, skip_errors=skip), source=self.source)
         elements = _stages.compose(lambda key: ctx.read(split), self.stages, ctx)(())
         try:
             with contextlib.ExitStack() as stack:
@@ -203,11 +204,11 @@ class CachedSource(Source):
                     if writing is not None:
                         writing = self._add(writing, element, store, split, index)
                     yield element
-                if writing is not None and ctx.skipped == 0:
+                if writing is not None and ctx.tally.skipped == 0:
                     self._commit(writing, store, split)
         finally:
             if policy is not None:
-                policy.skipped += ctx.skipped
+                policy.tally.skipped += ctx.tally.skipped
 
     def _begin(self, stack: contextlib.ExitStack, store: Store,
                split: int) -> tuple[EntryWriter, Any] | None:

@@ -128,7 +128,7 @@ def read_split_chunks(source: Any, assigned: Assigned, pass_id: int, ctx: Any,
                       ) -> Iterator[tuple[list[Any], np.ndarray]]:
     """The elements of one split, less ``assigned.skip``, in consecutive chunks of
     ``(values, codes)`` (one origin code each, an int64 array); notes the reading in
-    ``ctx.reads`` and records (count, digest) in ``ctx.ends`` once the split is read.
+    ``ctx.tally.reads`` and records (count, digest) in ``ctx.tally.ends`` once the split is read.
 
     Chunks hold ``size`` elements (the last fewer); with ``size`` 0 a chunk grows from one
     element to DIGEST_GROUP while the source gives :func:`light` elements, a chunk in under
@@ -143,8 +143,8 @@ def read_split_chunks(source: Any, assigned: Assigned, pass_id: int, ctx: Any,
         PipelineError: the split read differently from its earlier reading.
     """
     split, skip = assigned.split, assigned.skip
-    base = code(len(ctx.reads), 0)
-    ctx.reads.append((pass_id, split))
+    base = code(len(ctx.tally.reads), 0)
+    ctx.tally.reads.append((pass_id, split))
     # An earlier reading's digest taken the first way (no DIGEST_MARK): take it so again.
     legacy = assigned.expect is not None and not int(assigned.expect[1]) & DIGEST_MARK
     running = _Digest(legacy)
@@ -187,7 +187,7 @@ def read_split_chunks(source: Any, assigned: Assigned, pass_id: int, ctx: Any,
             "(seed randomness per split and epoch; no reading of data that changes); pass "
             "exactly_once=False to accept repeats instead", context=f"split {split}",
             builtin="RuntimeError")
-    ctx.ends.append([pass_id, split, count, crc])
+    ctx.tally.ends.append([pass_id, split, count, crc])
 
 
 def take(elements: Iterator[Any], size: int) -> tuple[list[Any], BaseException | None]:

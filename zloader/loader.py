@@ -49,6 +49,7 @@ from zloader.mixing import new_weights, register_info
 from zloader.options import JobOptions
 from zloader.pipeline import Pipeline
 from zloader.plan import plan
+from zloader.runs import RunSettings
 from zloader.sharing.options import DEFAULT_BLOCK_SECONDS
 from zloader.stages import Context
 from zloader.transport.keys import resolve as resolve_keys
@@ -325,7 +326,7 @@ class Loader:
 
     def iterate(self, epoch_input: Any = None) -> Iterator[Any]:
         """Iterate the next epoch, as ``iter(loader)`` does, handing every worker's run of
-        it ``epoch_input`` as ``Context.epoch_input`` (see zloader/stages.py): what the
+        it ``epoch_input`` as ``RunSettings.epoch_input`` (zloader/runs.py): what the
         adapters decide per epoch, such as the torch adapter's sampled batches. One
         iterator at a time: a new one ends the previous one, which raises if used again.
 
@@ -349,7 +350,7 @@ class Loader:
         epoch = self._epoch
         self._epoch += 1
         elements = self._merger.epoch(epoch, epoch_input)
-        return self._plan.run_consumer(elements, epoch, Context(entropy=0))
+        return self._plan.run_consumer(elements, epoch, Context(RunSettings(entropy=0)))
 
     def _check_process(self) -> None:
         """Raise in a process other than the one that made this Loader (a fork's child):
@@ -436,7 +437,8 @@ class Loader:
         """Hand the worker of index ``worker`` work items (ints >= 0) of the epoch under
         way, for a source that makes its elements as they are dispatched
         (``Source.dispatched``: the torch drop-in's ``in_order=False`` hands each batch
-        to whichever worker has room); it takes them in order (``Context.dispatched``).
+        to whichever worker has room); it takes them in order
+        (``Context.settings.dispatched``).
         No items: it gets no more this epoch.
 
         Raises:

@@ -200,7 +200,7 @@ class MixSource(Source):
             if pattern is not None:
                 return _in_pattern(streams, pattern, stop, finish)
             return _by_weight(streams, weights, stop, lambda: ctx.rng(seed, 0, (*key, _DRAWS)),
-                              ctx.mix_weights, finish)
+                              ctx.settings.mix_weights, finish)
 
         return run, min(aligned, default=0)
 

@@ -34,6 +34,7 @@ from zloader._defaults import CACHE_MAX_ENTRY_BYTES
 from zloader.chunks import Chunk
 from zloader.fingerprint import Unhashable, fingerprint, warn_unshareable
 from zloader.formats import build as _build
+from zloader.runs import RunSettings
 
 __all__ = ["Pipeline"]
 
@@ -477,14 +478,14 @@ class Pipeline:
                 the stage and carries the original traceback.
         """
         epoch = _check.integer("epoch", epoch, 0)
-        ctx = _stages.Context(entropy=secrets.randbits(63), source=self.source)
+        ctx = _stages.Context(RunSettings(entropy=secrets.randbits(63)), source=self.source)
 
         def read(key: _stages.Key) -> Iterator[Any]:
-            for split in ctx.source.split_order(key, ctx.entropy):
+            for split in ctx.source.split_order(key, ctx.settings.entropy):
                 yield from ctx.read(split)
 
         def read_chunks(key: _stages.Key, size: int) -> Iterator[Chunk]:
-            for split in ctx.source.split_order(key, ctx.entropy):
+            for split in ctx.source.split_order(key, ctx.settings.entropy):
                 yield from ctx.read_chunks(split, size)
 
         return _mixing.mixed_run(self.source, read, self.stages, ctx, read_chunks)((epoch,))

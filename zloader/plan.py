@@ -34,7 +34,7 @@ class Plan:
     def run_worker(self, feed: SplitFeed, epoch: int, ctx: _stages.Context) -> Iterator[Any]:
         """The worker part for ``epoch``, reading the splits ``feed`` gives for each pass
         (split numbers, or :class:`~zloader.lineage.Assigned` splits whose elements are
-        tagged with their origins; ``ctx.pass_keys`` then names the pass ids used)."""
+        tagged with their origins; ``ctx.tally.pass_keys`` then names the pass ids used)."""
         source = self.pipeline.source
         pass_ids: dict[_stages.Key, int] = {}
 
@@ -67,7 +67,7 @@ class Plan:
                 else:
                     yield from ctx.read_chunks(split, size)
 
-        ctx.pass_keys = pass_ids
+        ctx.tally.pass_keys = pass_ids
         ctx.source = source
         ctx.records_from = len(self.worker_stages)  # (the producer encodes what it yields)
         return mixed_run(source, read, self.worker_stages, ctx, read_chunks)((epoch,))

@@ -22,6 +22,7 @@ from zloader import _check
 from zloader._defaults import DEFAULT_SPLITS
 from zloader._seeding import Key, make_rng
 from zloader.errors import PipelineError, passes_through
+from zloader.runs import RunSettings, RunTally
 from zloader.storage import FileRef
 from zloader.storage import list_files as _storage_list_files
 
@@ -37,10 +38,16 @@ __all__ = [
 
 
 class ErrorPolicy(Protocol):
-    """What a source needs of the run context: whether to skip failures, and a counter."""
+    """What a source sees of the run (its :class:`~zloader.stages.Context`): the run's
+    :class:`~zloader.runs.RunSettings` (``skip_errors``: skip failures; ``epoch_input``,
+    ``worker``, ``dispatched`` for adapters) and its :class:`~zloader.runs.RunTally`
+    (``skipped``: the failures skipped)."""
 
-    skip_errors: bool
-    skipped: int
+    @property
+    def settings(self) -> RunSettings: ...
+
+    @property
+    def tally(self) -> RunTally: ...
 
 
 def guarded(make: Callable[[], Iterable[Any]], stage: str, where: Callable[[int], str],
@@ -72,8 +79,8 @@ def _failed(exc: BaseException, stage: str, context: str, policy: ErrorPolicy | 
     raise the stage's PipelineError (a main-thread KeyboardInterrupt propagates as it is)."""
     if passes_through(exc):
         raise exc
-    if policy is not None and policy.skip_errors:
-        policy.skipped += 1
+    if policy is not None and policy.settings.skip_errors:
+        policy.tally.skipped += 1
         return
     raise PipelineError.from_exception(exc, stage, context) from exc
 
@@ -129,7 +136,7 @@ class Source:
     @property
     def dispatched(self) -> bool:
         """Whether its workers make elements as the consumer dispatches work items during
-        the epoch (``Loader.dispatch``, read through ``Context.dispatched``); each element
+        the epoch (``Loader.dispatch``, read through ``RunSettings.dispatched``); each element
         then goes out in a record of its own, as soon as it is made."""
         return False
 
@@ -248,8 +255,8 @@ class TorchSource(_IndexedSource):
             except BaseException as exc:
                 if passes_through(exc):
                     raise
-                if policy is not None and policy.skip_errors:
-                    policy.skipped += 1
+                if policy is not None and policy.settings.skip_errors:
+                    policy.tally.skipped += 1
                     continue
                 raise PipelineError.from_exception(exc, self.name,
                                                    f"dataset index {index}") from exc

@@ -41,6 +41,7 @@ from zloader.chunks import (
 )
 from zloader.errors import PipelineError, passes_through
 from zloader.lineage import INDEX_BITS, INDEX_MASK, Origin, gather, untag
+from zloader.runs import RunSettings, RunTally
 
 __all__ = ["Batch", "BucketByLength", "Context", "Coverage", "Filter", "Map", "Repeat", "Run",
            "Shuffle", "Skip", "Stage", "Take", "Unbatch", "compose"]
@@ -101,30 +102,12 @@ class Coverage:
 
 @dataclass
 class Context:
-    """What one run of a pipeline shares between its stages.
+    """What one run of a pipeline shares between its stages: its :class:`RunSettings`
+    (fixed), its :class:`RunTally` (counted as it goes) and where it is.
 
     Attributes:
-        entropy: random bits for stages with ``seed=None`` (drawn per run, or per job).
-        worker: index of the worker running this part; workers other than 0 mix it into
-            their random draws so they do not repeat worker 0's.
-        skip_errors: drop elements whose user code raises (``on_error="skip"``) instead of
-            raising; each drop adds one to ``skipped``.
-        skipped: elements dropped so far.
-        workers: how many workers run this part (1 in-process).
-        epoch_input: what the consumer sent with this epoch (adapters use it to hand
-            workers the epoch's sampled batches); None for plain pipelines.
-        round_size: the consumers of a coordinated job (``num_consumers``), which read
-            ``round_size`` consecutive elements per round; ``bucket_by_length`` then emits
-            its batches ``round_size`` at a time from one bucket. 1 otherwise.
-        dropped: elements dropped to keep rounds whole (a bucket's last, incomplete round).
-        track: elements are ``(value, origin)`` pairs (:data:`~zloader.lineage.Tagged`; a worker
-            part run for exactly-once epochs); stages apply user code to their values.
-        loose: origins (codes) of elements dropped on the way, sent with the next record
-            so the consumer counts them as accounted for.
-        ends: ``[pass id, split, count, digest]`` of each split read, for the next record.
-        pass_keys: the pass ids used in origins, by pass key.
-        reads: (pass id, split) of each split reading, by the read number in the origin
-            codes (zloader/lineage.py: ``code``).
+        settings: how the run goes (seeds, worker, error policy, tracking, inputs).
+        tally: what it counted (skipped, dropped, origins) for the records it sends.
         source: the source being read (its splits name elements in error messages).
         at: (split, index) of the element the source yielded last (untracked runs).
         aligned: the last stage position whose input still comes in the source's order,
@@ -134,54 +117,44 @@ class Context:
         records_from: the position of the stage whose elements become records as they
             come (a worker part's last), where a ``batch`` leaves large arrays to the
             record's copy (``collate.stack(later=True)``); 0: none (an in-process run).
-        mix_weights: a worker's :class:`~zloader.mixing.LiveWeights`: a mix's weights as
-            its consumer last set them (None: the mix's own).
-        dispatched: on a worker, what returns the next work item its consumer dispatched
-            (``Loader.dispatch``; waits for one; None once none will follow), for a
-            source whose ``dispatched`` is True; None in-process.
     """
 
-    entropy: int
-    worker: int = 0
-    skip_errors: bool = False
-    skipped: int = 0
-    workers: int = 1
-    epoch_input: Any = None
-    round_size: int = 1
-    dropped: int = 0
-    track: bool = False
-    loose: list[int] = field(default_factory=list)
-    ends: list[list[int]] = field(default_factory=list)
-    pass_keys: dict[Key, int] = field(default_factory=dict)
-    reads: list[tuple[int, int]] = field(default_factory=list)
+    settings: RunSettings
+    tally: RunTally = field(default_factory=RunTally)
     source: Any = None
     at: tuple[int, int] | None = None
     aligned: int = 0
     coverage: Coverage | None = None
     records_from: int = 0
-    mix_weights: Any = None
-    dispatched: Callable[[], int | None] | None = None
+
+    def value(self, element: Any) -> Any:
+        """An element's value: itself, or a tracked element's value (its origin left)."""
+        return element[0] if self.settings.track else element
+
+    def values_of(self, elements: list[Any]) -> list[Any]:
+        """The values of ``elements`` (the list itself when untracked)."""
+        return [tagged[0] for tagged in elements] if self.settings.track else elements
 
     def rng(self, seed: int | None, position: int, key: Key) -> Any:
-        if self.worker:
-            key = (*key, self.worker)
-        return make_rng(seed, self.entropy, position, key)
+        if self.settings.worker:
+            key = (*key, self.settings.worker)
+        return make_rng(seed, self.settings.entropy, position, key)
 
     def drop(self, element: Any) -> None:
         """``element`` goes no further: keep its origins (when tracked) as loose ones."""
-        if self.track:
+        if self.settings.track:
             origin = element[1]
-            self.loose.extend(origin.tolist() if isinstance(origin, np.ndarray) else origin)
+            self.tally.loose.extend(origin.tolist() if isinstance(origin, np.ndarray) else origin)
 
     def drop_chunk(self, origins: Any) -> None:
         """The elements holding ``origins`` (a :class:`Chunk`'s) go no further."""
         if origins is not None and len(origins):
-            self.loose.extend(gather(origins).tolist())
+            self.tally.loose.extend(gather(origins).tolist())
 
     def values(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """``fn`` as it applies to the elements of this run (to a tagged element's value,
         keeping the tag, when tracked)."""
-        if not self.track:
+        if not self.settings.track:
             return fn
         return lambda tagged: (fn(tagged[0]), tagged[1])
 
@@ -215,7 +188,7 @@ class Context:
         position when the element was taken, for work done later)."""
         if self.source is None:
             return ""
-        if self.track:
+        if self.settings.track:
             return self._origins(element[1])
         at = at if at is not None else self.at
         if position > self.aligned or at is None:
@@ -223,7 +196,7 @@ class Context:
         return str(self.source.locate(*at))
 
     def _origins(self, origin: Origin) -> str:
-        places = [self.source.locate(self.reads[code >> INDEX_BITS][1], code & INDEX_MASK)
+        places = [self.source.locate(self.tally.reads[code >> INDEX_BITS][1], code & INDEX_MASK)
                   for code in map(int, origin[:ORIGINS_NAMED])]
         count = len(origin)
         if count <= 1:
@@ -234,7 +207,7 @@ class Context:
     def stack(self, elements: list[Any], pad_value: Any = None) -> Any:
         """``collate.stack`` of ``elements``; a tracked batch holds its rows' origins as
         one int64 array (:func:`~zloader.lineage.gather`)."""
-        if not self.track:
+        if not self.settings.track:
             return collate.stack(elements, pad_value)
         values, codes = untag(elements)
         return collate.stack(values, pad_value), codes
@@ -255,7 +228,7 @@ def compose(read: Run, stages: tuple[Stage, ...], ctx: Context, first_position: 
     ctx.aligned = first_position + len(stages)
     for position, stage in enumerate(stages, first_position):
         if stage.takes_chunks and not chunked:
-            run = gathered(run, ctx.track, stage.chunk_size)
+            run = gathered(run, ctx.settings.track, stage.chunk_size)
         elif chunked and not stage.takes_chunks:
             run = flattened(run)
         run = stage.wrap(run, position, ctx)
@@ -314,8 +287,8 @@ class Stage:
         main-thread KeyboardInterrupt, maybe Ctrl-C, then propagates as it is)."""
         if here and passes_through(exc):
             raise exc
-        if ctx.skip_errors:
-            ctx.skipped += 1
+        if ctx.settings.skip_errors:
+            ctx.tally.skipped += 1
             ctx.drop(element)
             return
         raise self._fails(exc, ctx.where(element, position, at)) from exc
@@ -388,7 +361,7 @@ class Filter(Stage):
     def transform(self, elements: Iterator[Any], key: Key, position: int,
                   ctx: Context) -> Iterator[Any]:
         predicate = self.predicate
-        if ctx.track:
+        if ctx.settings.track:
             predicate = lambda tagged: self.predicate(tagged[0])
         for element in elements:
             try:
@@ -428,7 +401,7 @@ class Shuffle(Stage):
         rng = ctx.rng(self.seed, position, key if self.reshuffle_each_epoch else ())
         size = self.buffer_size
         pool: list[Any] = []  # values taken since the last compaction, by number
-        pool_origins = PooledOrigins() if ctx.track else None
+        pool_origins = PooledOrigins() if ctx.settings.track else None
         held: list[int] = []  # the buffer: numbers in pool of the elements it holds
         draws: list[int] = []
         for values, origins in elements:
@@ -490,7 +463,7 @@ class Batch(Stage):
         size = self.batch_size
         later = position == ctx.records_from  # (large arrays stacked by the record's copy)
         values: list[Any] = []
-        origins = RowOrigins() if ctx.track else None  # those of ``values``
+        origins = RowOrigins() if ctx.settings.track else None  # those of ``values``
         for chunk_values, chunk_origins in elements:
             values += chunk_values
             if origins is not None:
@@ -521,9 +494,9 @@ class BucketByLength(Stage):
     """Batches of elements of similar length: bucket ``i`` holds lengths in
     ``[boundaries[i-1], boundaries[i])`` (the first from 0, the last without end) and emits
     a batch, padded to its longest element, each time it holds ``batch_sizes[i]`` elements.
-    In a coordinated job (``ctx.round_size`` N > 1) a bucket waits for N batches and emits
+    In a coordinated job (``ctx.settings.round_size`` N > 1) a bucket waits for N batches and emits
     them together, so one round's batches share a bucket; what is left at the end, fewer
-    than N batches, is dropped and counted in ``ctx.dropped``. Otherwise the end flushes
+    than N batches, is dropped and counted in ``ctx.tally.dropped``. Otherwise the end flushes
     each bucket in order (its last batch is smaller unless ``drop_remainder``)."""
 
     kind: ClassVar[str] = "bucket_by_length"
@@ -535,11 +508,11 @@ class BucketByLength(Stage):
 
     def transform(self, elements: Iterator[Any], key: Key, position: int,
                   ctx: Context) -> Iterator[Any]:
-        group = max(1, ctx.round_size)
+        group = max(1, ctx.settings.round_size)
         buckets: list[list[Any]] = [[] for _ in self.batch_sizes]
         for element in elements:
             try:
-                length = self._length(element[0] if ctx.track else element)
+                length = self._length(ctx.value(element))
             except BaseException as exc:
                 self._user_failed(exc, element, ctx, position)
                 continue
@@ -557,7 +530,7 @@ class BucketByLength(Stage):
                 for element in bucket[count * size:]:
                     ctx.drop(element)
             else:
-                ctx.dropped += count  # fewer than a round's worth: dropped whole
+                ctx.tally.dropped += count  # fewer than a round's worth: dropped whole
 
     def _length(self, element: Any) -> int:
         length = self.length_fn(element)
@@ -587,10 +560,10 @@ class Unbatch(Stage):
                   ctx: Context) -> Iterator[Any]:
         for element in elements:
             try:
-                rows = list(collate.split(element[0] if ctx.track else element))
+                rows = list(collate.split(ctx.value(element)))
             except (TypeError, ValueError) as exc:
                 raise self._fails(exc) from exc
-            if not ctx.track:
+            if not ctx.settings.track:
                 yield from rows
                 continue
             origin = element[1]

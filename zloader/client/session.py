@@ -18,7 +18,7 @@ __all__ = ["HEARTBEAT", "EpochInput", "PerWorker", "Session", "Settings", "encod
 @dataclass(frozen=True)
 class PerWorker:
     """An epoch input with one element per worker index: ``Loader.iterate(PerWorker(xs))``
-    hands the worker of index ``i`` the element ``xs[i]`` alone (``Context.epoch_input``),
+    hands the worker of index ``i`` the element ``xs[i]`` alone (``Context.settings.epoch_input``),
     and a worker of an index past the end None. The torch adapter sends each worker only
     its own batches' indices this way, rather than the whole epoch's to every worker."""
 

@@ -22,11 +22,12 @@ import math
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 from zloader._defaults import PARALLEL_READ_BUFFER, PARALLEL_READ_POLL
 from zloader.errors import PipelineError
+from zloader.runs import RunSettings, RunTally
 from zloader.sources import ErrorPolicy, Source, guarded
 from zloader.storage import FileRef, open_file
 
@@ -48,10 +49,11 @@ class Bad:
 
 @dataclass
 class _Counter:
-    """The error policy of one reader thread: its skips are added to the run's at the end."""
+    """The error policy of one reader thread (the run's settings, a tally of its own): its
+    skips are added to the run's at the end."""
 
-    skip_errors: bool
-    skipped: int = 0
+    settings: RunSettings
+    tally: RunTally = field(default_factory=RunTally)
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -98,7 +100,8 @@ class FormatSource(Source):
         units = self.split_units(split)
         if len(units) == 1:
             return self._guarded(units[0], policy)
-        counters = [_Counter(bool(policy is not None and policy.skip_errors)) for _ in units]
+        settings = policy.settings if policy is not None else RunSettings(entropy=0)
+        counters = [_Counter(settings) for _ in units]
         readers = [functools.partial(self._guarded, unit, counter)
                    for unit, counter in zip(units, counters, strict=True)]
         return _counted(interleave(readers, self.deterministic), counters, policy)
@@ -134,9 +137,9 @@ def _without_bad(elements: Iterator[Any], stage: str,
     try:
         for element in elements:
             if type(element) is Bad:
-                if policy is None or not policy.skip_errors:
+                if policy is None or not policy.settings.skip_errors:
                     raise PipelineError.from_exception(element.error, stage, element.where)
-                policy.skipped += 1
+                policy.tally.skipped += 1
                 continue
             yield element
     finally:
@@ -151,7 +154,7 @@ def _counted(elements: Iterator[Any], counters: list[_Counter],
         yield from elements
     finally:
         if policy is not None:
-            policy.skipped += sum(c.skipped for c in counters)
+            policy.tally.skipped += sum(c.tally.skipped for c in counters)
 
 
 _ITEM, _END, _ERROR = "item", "end", "error"

@@ -55,10 +55,11 @@ class BatchSource(Source):
         return (self.kind, self.token)  # this loader's job alone; the dataset is not hashed
 
     def read(self, split: int, policy: Any = None) -> Iterator[Any]:
-        plan = getattr(policy, "epoch_input", None)
-        if not isinstance(plan, dict):
+        settings = policy.settings if policy is not None else None
+        plan = settings.epoch_input if settings is not None else None
+        if settings is None or not isinstance(plan, dict):
             raise RuntimeError("a torch DataLoader epoch reached a worker without its plan")
-        worker = int(getattr(policy, "worker", 0))
+        worker = settings.worker
         if "shared_seed" in plan:  # an IterDataPipe: its shuffles, seeded as torch's
             shared = torch.Generator()
             shared.manual_seed(int(plan["shared_seed"]))
@@ -67,7 +68,7 @@ class BatchSource(Source):
                                 self.width, self.dataset, self.worker_init_fn, plan.get("rng"))
         if self.iterable:
             return self._iterable(plan, worker)
-        return self._mapped(plan, worker, seeded, getattr(policy, "dispatched", None))
+        return self._mapped(plan, worker, seeded, settings.dispatched)
 
     def _mapped(self, plan: dict[str, Any], worker: int, seeded: seeding.Seeded,
                 dispatched: Callable[[], int | None] | None) -> Iterator[dict[str, Any]]:

@@ -52,10 +52,11 @@ from zloader._defaults import (
     STAGES,
 )
 from zloader.errors import CodecError, PipelineError
-from zloader.lineage import Assigned, encode_origins
+from zloader.lineage import Assigned
 from zloader.mixing import LiveWeights
 from zloader.options import JobOptions
 from zloader.plan import Plan
+from zloader.runs import RunSettings
 from zloader.stages import Context, Coverage
 from zloader.transport.protocol import error_object
 from zloader.transport.sockets import NOBLOCK, make_socket
@@ -201,7 +202,7 @@ class Producer(threading.Thread):
         replay: make the first ``replay`` elements of the epoch again, reading the splits
             recorded in ``splits`` (a shared job's late trainer); None: produce afresh.
         dispatched: the epoch's work items a consumer dispatches (a dispatched source's,
-            see ``Source.dispatched``; handed to the pipeline as ``Context.dispatched``).
+            see ``Source.dispatched``; handed to the pipeline as ``RunSettings.dispatched``).
         timing: where the time goes, by stage (shared by the worker's producers).
         after: producers stopped before this one, which it waits to leave (they exit at
             their next send) before it runs the pipeline: user code of two epochs never
@@ -307,10 +308,11 @@ class Producer(threading.Thread):
 
     def _produce(self, pair: zmq.Socket[Any]) -> None:
         spec = self.spec
-        ctx = Context(entropy=spec.entropy, worker=spec.index, skip_errors=spec.skip_errors,
-                      workers=spec.width, epoch_input=self.epoch_input,
-                      round_size=spec.round_size, track=spec.track, mix_weights=self.weights,
-                      dispatched=self._take_dispatched)
+        ctx = Context(RunSettings(
+            entropy=spec.entropy, worker=spec.index, workers=spec.width,
+            skip_errors=spec.skip_errors, track=spec.track, round_size=spec.round_size,
+            epoch_input=self.epoch_input, mix_weights=self.weights,
+            dispatched=self._take_dispatched))
         if spec.sharding == "dynamic":  # handed some splits of each pass, not all
             ctx.coverage = self.coverage = Coverage(spec.plan.pipeline.source.splits_in,
                                                     self.draining.is_set)
@@ -333,9 +335,9 @@ class Producer(threading.Thread):
             slow = now - last >= RECORD_LINGER / 2
             last = now
             batch.append(element)
-            if not ctx.track:
+            if not ctx.settings.track:
                 places.append(ctx.at)
-            weight, gathered = _weigh(element[0] if ctx.track else element)
+            weight, gathered = _weigh(ctx.value(element))
             size += weight
             full = len(batch) >= limit or size >= RECORD_BYTES or gathered
             # A record is due at once when the elements come slowly, or once the first
@@ -352,11 +354,10 @@ class Producer(threading.Thread):
         if batch:
             self._send(pair, batch, places, ctx, size)
         self._account(time.perf_counter())
-        end: dict[str, Any] = {"epoch": self.epoch, "skipped": ctx.skipped,
-                               "dropped": ctx.dropped}
-        if ctx.track and (ctx.loose or ctx.ends):  # what no record carried
-            end["origins"] = encode_origins([], ctx.loose, ctx.reads, ctx.pass_keys,
-                                            ctx.ends)
+        end: dict[str, Any] = {"epoch": self.epoch, "skipped": ctx.tally.skipped,
+                               "dropped": ctx.tally.dropped}
+        if ctx.settings.track and (ctx.tally.loose or ctx.tally.ends):  # no record had them
+            end["origins"] = ctx.tally.block([])
         self._put(pair, LinkKind.END, end)
 
     def _take_dispatched(self) -> int | None:
@@ -449,19 +450,17 @@ class Producer(threading.Thread):
         element was skipped because the codec rejects it (see :meth:`_encodable`)."""
         objects = self.spec.options.objects  # unknown leaves pickled (zloader/options.py)
         try:
-            buffers = codec.encode([t[0] for t in batch] if ctx.track else batch, objects)
+            buffers = codec.encode(ctx.values_of(batch), objects)
         except CodecError:
             batch = self._encodable(batch, places, ctx)
             if not batch:
                 return None
-            buffers = codec.encode([t[0] for t in batch] if ctx.track else batch, objects)
+            buffers = codec.encode(ctx.values_of(batch), objects)
         head: dict[str, Any] = {"epoch": self.epoch, "count": len(batch),
-                                "skipped": ctx.skipped, "origins": ctx.track}
+                                "skipped": ctx.tally.skipped, "origins": ctx.settings.track}
         gathered = any(isinstance(b, codec.Gather) for b in buffers)
-        if ctx.track:
-            buffers.append(encode_origins([t[1] for t in batch], ctx.loose, ctx.reads,
-                                          ctx.pass_keys, ctx.ends))
-            ctx.loose, ctx.ends = [], []
+        if ctx.settings.track:
+            buffers.append(ctx.tally.block([t[1] for t in batch]))
         return Outgoing(head, buffers, gathered, large)
 
     def _encodable(self, batch: list[Any], places: list[Any], ctx: Context) -> list[Any]:
@@ -473,13 +472,13 @@ class Producer(threading.Thread):
         kept = []
         for at, element in enumerate(batch):
             try:
-                codec.encode(element[0] if ctx.track else element, self.spec.options.objects)
+                codec.encode(ctx.value(element), self.spec.options.objects)
             except CodecError as exc:
-                if not ctx.skip_errors:
+                if not ctx.settings.skip_errors:
                     where = ctx.where(element, len(stages) + 1,
-                                      None if ctx.track else places[at])
+                                      None if ctx.settings.track else places[at])
                     raise PipelineError.from_exception(exc, stage, where) from None
-                ctx.skipped += 1
+                ctx.tally.skipped += 1
                 ctx.drop(element)
                 continue
             kept.append(element)
