@@ -4,12 +4,18 @@ socket thread that receives DISPATCH and the producer thread that takes them."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import pytest
 
+import zloader
 from zloader._defaults import MAX_DISPATCHED
+from zloader.sources import Source
 from zloader.transport.protocol import ProtocolError
 from zloader.worker.dispatched import Dispatched
+from zloader.worker.task import keep_latest
 
 
 def test_items_come_in_order_then_none_once_the_consumer_ends_them():
@@ -47,3 +53,56 @@ def test_a_flood_of_items_is_refused_and_loses_none_already_queued():
         queue.put((1, 2))
     queue.put((5,))
     assert queue.take(stop) == 0
+
+
+def test_a_task_keeps_the_two_latest_epochs_whatever_order_they_come_in():
+    """Epoch inputs and dispatched items, keyed by epoch: a consumer counting epochs down
+    (hostile, or confused) cannot make a worker keep one per epoch."""
+    by_epoch: dict[int, str] = {}
+    for epoch in (5, 4, 3, 2, 1, 0, 9, 8):
+        by_epoch[epoch] = "x"
+        keep_latest(by_epoch)
+        assert len(by_epoch) <= 2
+    assert sorted(by_epoch) == [8, 9]
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class Squares(Source):
+    """One split per worker; each work item ``i`` dispatched to a worker makes ``i * i``."""
+
+    kind: ClassVar[str] = "squares_dispatched"
+    width: int = 2
+
+    @property
+    def num_splits(self) -> int:
+        return self.width
+
+    @property
+    def dispatched(self) -> bool:
+        return True
+
+    def identity(self) -> tuple[Any, ...]:
+        return (self.kind, self.width)
+
+    def read(self, split: int, policy: Any = None) -> Iterator[Any]:
+        take = policy.settings.dispatched
+        while (item := take()) is not None:
+            yield {"worker": policy.settings.worker, "square": item * item}
+
+
+def test_items_dispatched_before_the_workers_are_up_reach_them_in_order():
+    """Items dispatched right after iterate(), before any worker is connected (kept for
+    its OPEN by the consumer, and by the worker until its task starts), all arrive, each
+    made by the worker it was sent to; an empty dispatch ends each worker's epoch."""
+    source = Squares(name="squares", shuffle_splits=False, seed=None, version=None)
+    with zloader.Loader(zloader.Pipeline(source), num_workers=2, sharding="static",
+                        timeout=30) as loader:
+        for epoch in range(2):
+            elements = loader.iterate()
+            for worker in (0, 1):
+                loader.dispatch(worker, [i for i in range(40) if i % 2 == worker])
+                loader.dispatch(worker, [])
+            got = sorted((e["square"], e["worker"]) for e in elements)
+            assert got == sorted((i * i, i % 2) for i in range(40)), epoch
+        with pytest.raises(ValueError, match="items must be >= 0"):
+            loader.dispatch(0, [-1])

@@ -421,6 +421,10 @@ MAX_DISPATCHED = 1 << 20
 """Work items (``DISPATCH``) that may wait for a worker's producer at once, per epoch;
 a consumer that sends more is refused (fixed)."""
 
+KEPT_EPOCHS = 2
+"""A worker's task keeps the consumers' epoch inputs and dispatched items of this many
+epochs, the latest (the one under way and the next; zloader/worker/task.py; fixed)."""
+
 DISPATCH_WAIT = 0.1
 """Seconds between a waiting producer's looks at its stop while no dispatched work item
 has come (zloader/worker/dispatched.py; fixed)."""

@@ -59,6 +59,8 @@ class DataPort:
         self.outlet = Outlet(sock, reject)
         self.early_opens: deque[tuple[bytes, messages.Open, list[Any]]] = \
             deque(maxlen=EARLY_OPENS)
+        # DISPATCHes that followed an early OPEN, by consumer, until the task arrives
+        self.early_dispatches: dict[bytes, list[messages.Dispatch]] = {}
 
     def receive(self, frames: list[zmq.Frame], task: Task | None) -> None:
         """One message from a consumer: a malformed one is answered with ERROR and
@@ -96,7 +98,8 @@ class DataPort:
                 return
             task.open(identity, record, msg.payload)
         elif task is None:
-            return
+            if isinstance(record, messages.Dispatch):
+                self._keep_dispatch(identity, record)
         elif isinstance(record, messages.Credit):
             task.credit(identity, record)
         elif isinstance(record, messages.Ring):
@@ -104,19 +107,47 @@ class DataPort:
         elif isinstance(record, messages.Weights):
             task.weights.value = record.weights
         elif isinstance(record, messages.Dispatch):
-            task.dispatch(record)
+            if identity in task.streams:  # only from a consumer that opened an epoch here
+                task.dispatch(record)
+            else:
+                self._keep_dispatch(identity, record)
         elif isinstance(record, messages.Close) and identity in task.streams:
             task.remove_stream(task.streams[identity])
 
+    def _keep_dispatch(self, identity: bytes, record: messages.Dispatch) -> None:
+        """A DISPATCH from a consumer whose OPEN waits for its task (see
+        :meth:`handle`): kept for it (at most ``EARLY_OPENS`` per consumer), else
+        dropped."""
+        waiting = {early for early, _, _ in self.early_opens}
+        for gone in [k for k in self.early_dispatches if k not in waiting]:
+            del self.early_dispatches[gone]  # its OPEN was pushed out: so are they
+        if identity not in waiting:
+            return
+        kept = self.early_dispatches.setdefault(identity, [])
+        if len(kept) >= EARLY_OPENS:
+            self.reject(f"dropped a DISPATCH from consumer {identity.hex()}: more than "
+                        f"{EARLY_OPENS} came before its task started")
+            return
+        kept.append(record)
+
     def begin(self, task: Task) -> None:
-        """A task starts: the OPENs that came for it before it did are handled now."""
+        """A task starts: the OPENs that came for it before it did are handled now, then
+        the DISPATCHes that followed them."""
         early, self.early_opens = list(self.early_opens), deque(maxlen=EARLY_OPENS)
+        dispatches, self.early_dispatches = self.early_dispatches, {}
         for identity, opened, payload in early:
             if opened.job == task.job and opened.task in (None, task.id):
                 try:
                     task.open(identity, opened, payload)
                 except ProtocolError as exc:
                     self.reject(f"dropped a malformed message from a consumer: {exc}")
+        for identity, records in dispatches.items():
+            for record in records:
+                if identity in task.streams:
+                    try:
+                        task.dispatch(record)
+                    except ProtocolError as exc:
+                        self.reject(f"dropped a DISPATCH from a consumer: {exc}")
 
     def close(self) -> None:
         self.sock.close(0)

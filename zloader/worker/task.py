@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zloader import codec
+from zloader._defaults import KEPT_EPOCHS
 from zloader.mixing import LiveWeights
 from zloader.options import JobOptions
 from zloader.plan import Plan
@@ -30,7 +31,15 @@ from zloader.worker.links import Links
 from zloader.worker.producer import LinkKind, Producer, ProducerSpec, SplitAnswer
 from zloader.worker.streams import Outlet, Stream, unlink_handoffs
 
-__all__ = ["Assignment", "Task", "load_error"]
+__all__ = ["Assignment", "Task", "keep_latest", "load_error"]
+
+
+def keep_latest(by_epoch: dict[int, Any]) -> None:
+    """Drop all but the :data:`KEPT_EPOCHS` latest epochs' entries of ``by_epoch``: what
+    consumers send for epochs, in any order (a hostile one counting down included),
+    stays bounded."""
+    for old in sorted(by_epoch)[:-KEPT_EPOCHS]:
+        del by_epoch[old]
 
 
 @dataclass(frozen=True)
@@ -121,8 +130,7 @@ class Task:
             self.weights.value = opened.weights
         if payload and epoch not in self.inputs:
             self.inputs[epoch] = codec.decode([f.buffer for f in payload])
-            for old in [e for e in self.inputs if e < epoch - 1]:
-                del self.inputs[old]
+            keep_latest(self.inputs)
         stream = self.streams.get(identity)
         if stream is None:
             stream = Stream(identity, opened.consumer, epoch)
@@ -141,13 +149,12 @@ class Task:
         self.dispatched_for(record.epoch).put(record.items)
 
     def dispatched_for(self, epoch: int) -> Dispatched:
-        """``epoch``'s work items (made on first use; those of epochs before the one
-        before it are dropped)."""
+        """``epoch``'s work items (made on first use; only the two latest epochs' are
+        kept)."""
         found = self.dispatched.get(epoch)
         if found is None:
             found = self.dispatched[epoch] = Dispatched()
-            for old in [e for e in self.dispatched if e < epoch - 1]:
-                del self.dispatched[old]
+            keep_latest(self.dispatched)
         return found
 
     def open_epoch(self, stream: Stream, opened: messages.Open) -> None:
