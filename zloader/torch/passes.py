@@ -285,7 +285,9 @@ def ordered(intake: Intake, todo: list[int],
             yield _handed(pending.pop(todo[at]), progress)
             at += 1
     if pending:
-        raise RuntimeError(f"the DataLoader's workers did not send batch {todo[at]}")
+        why = f"but not batch {todo[at]}" if at < len(todo) else "not in this epoch's plan"
+        raise RuntimeError(f"the DataLoader's workers sent batches {sorted(pending)[:5]} "
+                           f"{why}")
 
 
 def arrived(intake: Intake, progress: Progress,
