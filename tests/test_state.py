@@ -433,3 +433,33 @@ def test_exactly_once_is_one_rule_for_dynamic_jobs_without_share_order_or_rounds
         "source": {"num_splits": 4, "shuffle_splits": False, "seed": None}}), [b"p"]), 0.0)
     assert next(o.body["options"]["exactly_once"] for o in out
                 if o.command is Command.TASK) is False
+
+
+def test_a_mix_s_requeued_split_is_served_only_to_a_pass_of_its_own_input():
+    """A dead worker's split of mix input a is read again in input a's passes only: input
+    b's passes run b's stages, and would read a's elements as b's (a lost, b repeated)."""
+    from zloader.mixing import MIX_KEY
+
+    state = State(heartbeat=1.0)
+    ready(state, "w1")
+    ready(state, "w2")
+    out = state.register(b"c1", record(Command.REGISTER, nested({
+        "consumer": "c1", "fingerprint": "f" * 64, "job_name": None, "sharding": "dynamic",
+        "deterministic": False, "num_workers": 0, "on_error": "raise",
+        "host_id": "h/boot/ns", "pid": 1,
+        "source": {"num_splits": 4, "shuffle_splits": False, "seed": None,
+                   "inputs": [[2, False, None], [2, False, None]]}}), [b"pipeline"]), 0.0)
+    tasks = tasks_by_worker(out)
+    a, b = (0, MIX_KEY), (0, MIX_KEY + 1)
+    assert split(state, "w1", tasks["w1"], key=a) == 0
+    assert split(state, "w2", tasks["w2"], key=a) == 1
+    assert split(state, "w2", tasks["w2"], key=a) is None  # w2's input a is over
+    assert split(state, "w2", tasks["w2"], key=b) == 2
+    for now in (1.0, 2.0, 3.5):  # w1 dies holding split 0 of input a
+        state.seen(b"w2", now)
+        state.seen(b"c1", now)
+        state.tick(now)
+    assert 0 in state.jobs[state.consumers["c1"].job].passes[a].requeued
+    assert split(state, "w2", tasks["w2"], key=b, now=3.5) == 3  # b's own, not a's split 0
+    assert split(state, "w2", tasks["w2"], key=b, now=3.5) is None
+    assert split(state, "w2", tasks["w2"], key=a, now=3.5) == 0  # a's pass reads it again

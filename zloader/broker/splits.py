@@ -12,6 +12,7 @@ from typing import Any
 from zloader.broker import history
 from zloader.broker.records import Job, Out, Pass, PassKey, Tables
 from zloader.lineage import pack
+from zloader.mixing import input_of
 from zloader.sources import split_order
 from zloader.transport.messages import PassDone, SplitReq
 from zloader.transport.protocol import Command
@@ -44,9 +45,12 @@ def split_request(state: Tables, identity: bytes, msg: SplitReq, now: float) -> 
     origin = key
     # Re-queued splits of this epoch come first, whichever pass they were taken in: the
     # live workers may have moved past that pass (an endless repeat) and never ask
-    # for it again. A split reads the same in any pass of its epoch.
+    # for it again. A split reads the same in any pass of its epoch that reads the same
+    # input: a mix's passes of another input run that input's stages, not this split's.
+    which = input_of(key)
     for waiting_key, waiting in [(key, handing), *((k, p) for k, p in job.passes.items()
-                                                   if k[0] == key[0] and k != key)]:
+                                                   if k[0] == key[0] and k != key
+                                                   and input_of(k) == which)]:
         if waiting.requeued:
             split, origin = waiting.requeued.popleft(), waiting_key
             break
