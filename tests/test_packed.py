@@ -232,8 +232,10 @@ def test_workers_reading_every_sample_do_not_copy_the_dataset(pack_dataset):
         seen += sum(map(len, batches))
         growth = [_private_heap_kib(w.pid) - b for w, b in zip(workers, before, strict=True)]
     assert seen == size
-    if pack_dataset:  # a few MiB of the worker's own, not its share of the dataset
-        assert sum(growth) < 0.1 * one_copy_kib, (growth, one_copy_kib)
+    if pack_dataset:  # a few MiB of the worker's own, not its share of the dataset: its
+        # records in flight, more of them when the consumer lags (a loaded machine: 4.9 MiB
+        # seen in one worker), against half a copy and more without packing
+        assert sum(growth) < 0.2 * one_copy_kib, (growth, one_copy_kib)
     else:  # each worker copied the pages of the half it read (the test can fail)
         assert sum(growth) > 0.5 * one_copy_kib, (growth, one_copy_kib)
 
