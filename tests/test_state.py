@@ -463,3 +463,29 @@ def test_a_mix_s_requeued_split_is_served_only_to_a_pass_of_its_own_input():
     assert split(state, "w2", tasks["w2"], key=b, now=3.5) == 3  # b's own, not a's split 0
     assert split(state, "w2", tasks["w2"], key=b, now=3.5) is None
     assert split(state, "w2", tasks["w2"], key=a, now=3.5) == 0  # a's pass reads it again
+
+
+@pytest.mark.parametrize("options,job_name,words", [
+    ({"share": {"window_bytes": 1 << 20, "lag": "block", "block_seconds": 1.0}}, "j",
+     "share=True and job_name do not mix"),
+    ({"share": {"window_bytes": 1 << 20, "lag": "block", "block_seconds": 1.0},
+      "balanced": 2}, None, "share=True and balanced do not mix"),
+    ({"num_consumers": 2, "balanced": 2}, "j", "balanced and num_consumers do not mix"),
+    ({"num_consumers": 2, "deterministic": True}, "j",
+     "deterministic=True and num_consumers do not mix"),
+    ({"num_consumers": 2}, None, "coordinated reads .* need a job_name"),
+])
+def test_a_hand_made_register_breaking_a_rule_between_options_gets_the_loader_s_words(
+        options, job_name, words):
+    """JobOptions.check is the one home of the rules between options: the broker refuses
+    a REGISTER that breaks one with the words a Loader raises them in."""
+    state = State()
+    body = nested({"consumer": "c1", "fingerprint": "f" * 64, "job_name": job_name,
+                   "host_id": "h/boot/ns", "pid": 1,
+                   "source": {"num_splits": 4, "shuffle_splits": False, "seed": None}})
+    body["options"].update(options)
+    if "num_consumers" in options:
+        body["consumer_index"] = 0
+    with pytest.raises(ProtocolError, match=f"REGISTER: {words}"):
+        state.register(b"c1", record(Command.REGISTER, body, [b"pipeline"]), 0.0)
+    assert not state.jobs

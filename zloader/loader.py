@@ -44,7 +44,6 @@ from zloader.client.arguments import (
 )
 from zloader.client.packing import check_exposure, pack
 from zloader.errors import WorkerExited
-from zloader.lineage import exactly_once as exactly_once_applies
 from zloader.mixing import new_weights, register_info
 from zloader.options import JobOptions
 from zloader.pipeline import Pipeline
@@ -212,42 +211,42 @@ class Loader:
         swaps = (packed.prepare(pipeline)
                  if inherit and _check.boolean("pack_dataset", pack_dataset) else [])
         self._timeout = timeout_seconds(timeout)
-        self._share = share_settings(pipeline, broker, job_name, balanced, share,
-                                      share_window_bytes, share_lag, share_block_seconds)
-        coordinated = coordination(num_consumers, consumer_index, job_name, share, balanced,
-                                   deterministic)
-        self._keys = resolve_keys(keys) if broker is not None else None
-        if broker is None and keys is not None:
-            resolve_keys(keys)  # embedded mode needs none, but a bad keys= is still an error
-        self.pipeline = pipeline
-        self._plan = plan(pipeline)
-        self._exactly_once = exactly_once_applies(
-            _check.boolean("exactly_once", exactly_once), sharding=sharding,
-            deterministic=deterministic, shared=self._share is not None,
-            coordinated=coordinated is not None, balanced=balanced)
-        self._coordinated = coordinated is not None
-        resume = resume_from(state, pipeline.fingerprint, self._exactly_once)
-        if resume is not None and job_name is not None:
-            job_name = f"{job_name}@{resume['digest']}"  # a fresh job for the resumed run
-        self._joined = False
+        self._share = share_settings(pipeline, broker, share, share_window_bytes, share_lag,
+                                      share_block_seconds)
+        coordinated = coordination(num_consumers, consumer_index)
         self._deterministic = _check.boolean("deterministic", deterministic)
-        max_skipped = _check.optional_integer("max_skipped", max_skipped, 0)
-        prefetch = _check.integer("prefetch", prefetch if prefetch is not None
-                                  else DEFAULT_PREFETCH, 1)
-        ring_bytes = valid_ring_bytes(ring_bytes)
         width = _check.optional_integer("width", width, 1)
         if _check.boolean("objects", objects) and not embedded:
             raise ValueError("objects=True needs embedded mode (broker=None): pickled "
                              "elements are accepted only from this Loader's own workers, and "
                              "a broker's other workers could serve the job")
-        # The job's options, built once: they travel whole from here (zloader/options.py).
+        # The job's options, built once and checked by the rules between them (which the
+        # broker applies to a REGISTER too); they travel whole from here (options.py).
         options = JobOptions(
             sharding="static" if deterministic and sharding == "dynamic" else sharding,
             deterministic=self._deterministic, on_error=on_error,
             num_workers=workers if width is None else width,
             balanced=_check.integer("balanced", balanced, 0),
             num_consumers=coordinated[0] if coordinated else 0, share=self._share,
-            exactly_once=self._exactly_once, weight=float(weight), objects=objects)
+            exactly_once=_check.boolean("exactly_once", exactly_once), weight=float(weight),
+            objects=objects)
+        options.check(job_name)
+        options = options.applied()  # exactly_once as the job runs it
+        self._exactly_once = options.exactly_once
+        self._keys = resolve_keys(keys) if broker is not None else None
+        if broker is None and keys is not None:
+            resolve_keys(keys)  # embedded mode needs none, but a bad keys= is still an error
+        self.pipeline = pipeline
+        self._plan = plan(pipeline)
+        self._coordinated = coordinated is not None
+        resume = resume_from(state, pipeline.fingerprint, self._exactly_once)
+        if resume is not None and job_name is not None:
+            job_name = f"{job_name}@{resume['digest']}"  # a fresh job for the resumed run
+        self._joined = False
+        max_skipped = _check.optional_integer("max_skipped", max_skipped, 0)
+        prefetch = _check.integer("prefetch", prefetch if prefetch is not None
+                                  else DEFAULT_PREFETCH, 1)
+        ring_bytes = valid_ring_bytes(ring_bytes)
         # Forked workers run the pipeline as it is in this process: nothing to pickle when
         # they are the only ones (embedded). Others get it pickled: in the REGISTER message
         # when small, else served from this Loader (docs/protocol.md, FETCH).

@@ -2,7 +2,9 @@
 whole from there on.
 
 The path of the options: ``Loader(...)`` checks its arguments (each error names the
-argument) and builds one :class:`JobOptions`; the consumer sends it as ``REGISTER.options``;
+argument) and builds one :class:`JobOptions`, whose :meth:`JobOptions.check` holds the
+rules between options (the broker applies it to every REGISTER too, so a hand-made client
+is refused in the same words); the consumer sends it as ``REGISTER.options``;
 the broker keeps it on the job (``zloader/broker/records.py: Job.options``) with
 ``exactly_once`` as the job runs it (:meth:`JobOptions.applied`); it sends it to each
 worker as ``TASK.options``; the worker's task hands it to its delivery mode and its
@@ -88,6 +90,33 @@ class JobOptions:
     def coordinated(self) -> bool:
         """Consumers read round by round (``num_consumers``)."""
         return self.num_consumers > 0
+
+    def check(self, job_name: str | None) -> None:
+        """The rules between the options (and the job's ``job_name``), which the Loader
+        and the broker both apply (a REGISTER breaking one is refused with the same words).
+
+        Raises:
+            ValueError: two options do not mix, or coordinated reads lack a job_name.
+        """
+        if self.shared and job_name is not None:
+            raise ValueError("share=True and job_name do not mix: job_name splits a job's "
+                             "elements between Loaders, share gives every Loader all of them")
+        if self.shared and self.balanced:
+            raise ValueError("share=True and balanced do not mix")
+        if not self.coordinated:
+            return
+        if self.shared:
+            raise ValueError("share=True and num_consumers do not mix: share gives every "
+                             "trainer every element, coordinated reads split them in rounds")
+        if self.balanced:
+            raise ValueError("balanced and num_consumers do not mix: coordinated reads "
+                             "already give every consumer as many elements")
+        if self.deterministic:
+            raise ValueError("deterministic=True and num_consumers do not mix: rounds go to "
+                             "the workers in the order their elements are ready")
+        if job_name is None:
+            raise ValueError("coordinated reads (num_consumers) need a job_name shared by the "
+                             f"{self.num_consumers} consumers, so that they find one job")
 
     def applied(self) -> JobOptions:
         """These options with ``exactly_once`` as the job runs it: asked for, and the

@@ -40,9 +40,11 @@ def register(state: Tables, identity: bytes, msg: Register, now: float) -> list[
     shared one with the same fingerprint, the one of its ``job_name``, or the one it had
     before a restart); answered with the job's view, last."""
     consumer_id, fingerprint, name = msg.consumer, msg.fingerprint, msg.job_name
+    try:  # the rules between the options, as the Loader applies them
+        msg.options.check(name)
+    except ValueError as exc:
+        raise ProtocolError(f"REGISTER: {exc}") from None
     options = msg.options.applied()  # exactly_once as the job would run it
-    if options.shared and name:
-        raise ProtocolError("REGISTER: a shared job cannot have a job_name")
     coordinated_at = _place(msg)
     job = _named_job(state, name) if name else None
     previous = state.jobs.get(msg.job or "")  # it registers again (a restart)

@@ -42,30 +42,26 @@ def valid_ring_bytes(value: Any) -> int | None:
     return value
 
 
-def share_settings(pipeline: Pipeline, broker: str | None, job_name: str | None,
-                   balanced: int, share: bool, window_bytes: int | None, lag: str,
+def share_settings(pipeline: Pipeline, broker: str | None, share: bool,
+                   window_bytes: int | None, lag: str,
                    block_seconds: float) -> dict[str, Any] | None:
     """Check the sharing arguments: the shared job's window settings, or None without
-    ``share``."""
+    ``share``. (What share may not go with is the job's options' rule:
+    ``JobOptions.check``.)"""
     if not _check.boolean("share", share):
         return None
     if broker is None:
         raise ValueError("share=True needs a broker that every sharing trainer uses: start "
                          "zloader-broker and pass broker='tcp://HOST:PORT'")
-    if job_name is not None:
-        raise ValueError("share=True and job_name do not mix: job_name splits a job's "
-                         "elements between Loaders, share gives every Loader all of them")
-    if balanced:
-        raise ValueError("share=True and balanced do not mix")
     if not pipeline.shareable:
         log.warning("this pipeline cannot be fingerprinted soundly (see the "
                     "FingerprintWarning), so share=True runs it alone")
     return settings(window_bytes, lag, block_seconds)
 
 
-def coordination(num_consumers: Any, consumer_index: Any, job_name: str | None, share: bool,
-                 balanced: int, deterministic: bool) -> tuple[int, int] | None:
-    """Check the coordinated-read arguments: (num_consumers, consumer_index) or None."""
+def coordination(num_consumers: Any, consumer_index: Any) -> tuple[int, int] | None:
+    """Check the coordinated-read arguments: (num_consumers, consumer_index) or None.
+    (What they may not go with is the job's options' rule: ``JobOptions.check``.)"""
     if num_consumers is None and consumer_index is None:
         return None
     if num_consumers is None or consumer_index is None:
@@ -78,18 +74,6 @@ def coordination(num_consumers: Any, consumer_index: Any, job_name: str | None, 
     if index >= size:
         raise ValueError(f"consumer_index must be in [0, num_consumers) = [0, {size}), got "
                          f"{index}")
-    if share:
-        raise ValueError("share=True and num_consumers do not mix: share gives every trainer "
-                         "every element, coordinated reads split them in rounds")
-    if balanced:
-        raise ValueError("balanced and num_consumers do not mix: coordinated reads already "
-                         "give every consumer as many elements")
-    if deterministic:
-        raise ValueError("deterministic=True and num_consumers do not mix: rounds go to the "
-                         "workers in the order their elements are ready")
-    if job_name is None:
-        raise ValueError("coordinated reads (num_consumers) need a job_name shared by the "
-                         f"{size} consumers, so that they find one job")
     return size, index
 
 
