@@ -13,11 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import shutil
 import signal
-import subprocess
-import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -26,10 +22,8 @@ from zloader._defaults import (
     DEFAULT_TIMEOUT,
     MIN_MEMORY_BUDGET,
     WEIGHT_RANGE,
-    WORKER_STOP_SECONDS,
 )
-from zloader._process import START_METHODS, start_worker
-from zloader.broker import Broker
+from zloader._process import START_METHODS
 from zloader.client import STATE_VERSION, IOThread, Merger, Stats, resume_from
 from zloader.client.arguments import (
     DEFAULT_PREFETCH,
@@ -43,6 +37,7 @@ from zloader.client.arguments import (
     valid_ring_bytes,
 )
 from zloader.client.packing import check_exposure, pack
+from zloader.embedded import Embedded
 from zloader.errors import WorkerExited
 from zloader.mixing import new_weights, register_info
 from zloader.options import JobOptions
@@ -253,9 +248,8 @@ class Loader:
         blob, served = pack(pipeline, inherited=embedded and inherit, local=embedded)
         check_exposure(served, broker, self._keys, insecure)
         self._closed = False
-        self._dir: str | None = None
-        self._broker: Broker | None = None
-        self._processes: list[Any] = []
+        self._embedded = Embedded()
+        self._processes = self._embedded.processes  # (the torch drop-in's _workers read it)
         self._epoch = resume["epoch"] if resume is not None else 0
         self._weights: tuple[float, ...] | None = None  # set_weights
         self._served = served
@@ -264,21 +258,9 @@ class Loader:
         sweep()  # segments left by consumers of this user that died
         sweep_dirs()  # and their embedded socket directories
         try:
-            if embedded:
-                # mode 0700: this user only; the pid lets _sweep_dirs remove it after a kill -9
-                self._dir = tempfile.mkdtemp(prefix=f"zloader-{os.getpid()}-")
-                address = f"ipc://{self._dir}/broker"
-            else:
-                address = broker  # type: ignore[assignment]
+            address = self._embedded.start(broker, workers, start_method, self._keys,
+                                           pipeline, inherit, swaps)
             self.address = address
-            # Workers first: forking must happen before this Loader starts any thread.
-            for index in range(workers):
-                bind = f"ipc://{self._dir}/worker-{index}" if embedded else "tcp://127.0.0.1:*"
-                self._processes.append(start_worker(
-                    start_method, address, bind, self._keys,
-                    {pipeline.fingerprint: pipeline} if inherit else None, swaps))
-            if embedded:
-                self._broker = Broker(address).start()
             source = pipeline.source
             self._io = IOThread(
                 address, blob, fingerprint=pipeline.fingerprint, job_name=job_name,
@@ -286,7 +268,7 @@ class Loader:
                 source=register_info(source),
                 prefetch=prefetch, use_rings=transport == "auto", ring_bytes=ring_bytes,
                 served=served,
-                data_bind=f"ipc://{self._dir}/source" if embedded else None,
+                data_bind=self._embedded.endpoint("source"),
                 consumer_index=coordinated[1] if coordinated else None, keys=self._keys,
                 resume=resume, timeout=self._timeout,
                 own=frozenset(process.pid for process in self._processes),
@@ -507,20 +489,9 @@ class Loader:
         io = getattr(self, "_io", None)
         if io is not None:
             io.close()
-        for process in self._processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + WORKER_STOP_SECONDS
-        for process in self._processes:
-            try:
-                process.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        if self._broker is not None:
-            self._broker.close()
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
+        embedded = getattr(self, "_embedded", None)
+        if embedded is not None:
+            embedded.close()
         self._packed = []
 
     def __enter__(self) -> Loader:

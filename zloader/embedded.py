@@ -1,0 +1,79 @@
+"""What a Loader runs itself, as one record: the worker processes it starts and, in
+embedded mode (``broker=None``), the private folder of its sockets and the broker it runs
+in this process; started in the order forking needs and stopped together."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from zloader._defaults import WORKER_STOP_SECONDS
+from zloader._process import start_worker
+from zloader.broker import Broker
+from zloader.pipeline import Pipeline
+
+__all__ = ["Embedded"]
+
+
+@dataclass(eq=False)
+class Embedded:
+    """A Loader's own processes and, embedded, its socket folder and broker.
+
+    Attributes:
+        dir: the private folder of an embedded Loader's sockets (mode 0700, named with
+            this process's pid so that a sweep removes it after a kill -9); None with a
+            broker of the user's.
+        processes: the worker processes it started (``subprocess.Popen``-like).
+        broker: the broker it runs in this process (embedded), or None.
+    """
+
+    dir: str | None = None
+    processes: list[Any] = field(default_factory=list)
+    broker: Broker | None = None
+
+    def start(self, broker: str | None, workers: int, start_method: str, keys: Any,
+              pipeline: Pipeline, inherit: bool, swaps: list[Any]) -> str:
+        """Start ``workers`` worker processes and, without ``broker``, a folder for the
+        sockets and a broker in this process; the broker's address. Workers come first:
+        forking must happen before the Loader starts any thread."""
+        if broker is None:
+            self.dir = tempfile.mkdtemp(prefix=f"zloader-{os.getpid()}-")
+            address = f"ipc://{self.dir}/broker"
+        else:
+            address = broker
+        for index in range(workers):
+            bind = self.endpoint(f"worker-{index}") or "tcp://127.0.0.1:*"
+            self.processes.append(start_worker(
+                start_method, address, bind, keys,
+                {pipeline.fingerprint: pipeline} if inherit else None, swaps))
+        if broker is None:
+            self.broker = Broker(address).start()
+        return address
+
+    def endpoint(self, name: str) -> str | None:
+        """An ipc endpoint named ``name`` in the socket folder (None: not embedded)."""
+        return f"ipc://{self.dir}/{name}" if self.dir is not None else None
+
+    def close(self) -> None:
+        """Stop the workers (SIGTERM, then SIGKILL after ``WORKER_STOP_SECONDS``), then
+        the broker, and remove the socket folder."""
+        for process in self.processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + WORKER_STOP_SECONDS
+        for process in self.processes:
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if self.broker is not None:
+            self.broker.close()
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
