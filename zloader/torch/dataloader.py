@@ -334,9 +334,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         dataset's workers restore their last snapshot and make again the batches they
         yielded after it (every batch of an iterator that keeps no state: its
         ``snapshot_every_n_steps`` apart otherwise); its state resumes only with the same
-        ``num_workers``. Batches yielded out of order (``in_order=False``) are recorded
-        per worker. Random state the dataset keeps itself (a ``Generator`` object made
-        in ``worker_init_fn``) is recorded only through its own ``state_dict``.
+        ``num_workers``. A map-style state records which batches were yielded (ranges of
+        batch numbers: they may come out of order, ``in_order=False``), so it resumes with
+        any ``num_workers``. Random state the dataset keeps itself (a ``Generator`` object
+        made in ``worker_init_fn``) is recorded only through its own ``state_dict``.
         """
         if self._resume is not None:  # loaded and not yet iterated: that is where it is
             return copy.deepcopy(self._resume)
@@ -378,9 +379,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         nothing (as torchdata's ``StatefulDataLoader``).
 
         Raises:
-            ValueError: ``state`` is not such a dict, one of an iterable dataset saved
-                with another ``num_workers``, or one whose batches were yielded out of
-                order saved with another ``num_workers``.
+            ValueError: ``state`` is not such a dict (or one of another layout version),
+                or one of an iterable dataset saved with another ``num_workers``.
         """
         if isinstance(state, dict) and not state:
             return
