@@ -328,6 +328,7 @@ class Producer(threading.Thread):
         self._mark = time.perf_counter()
         # One element per record when they are dealt one by one (balanced, coordinated).
         limit = 1 if spec.one_per_record else RECORD_ELEMENTS
+        track = ctx.settings.track  # (read once: this loop runs per element)
         for element in elements:
             now = time.monotonic()
             if not batch:
@@ -335,9 +336,9 @@ class Producer(threading.Thread):
             slow = now - last >= RECORD_LINGER / 2
             last = now
             batch.append(element)
-            if not ctx.settings.track:
+            if not track:
                 places.append(ctx.at)
-            weight, gathered = _weigh(ctx.value(element))
+            weight, gathered = _weigh(element[0] if track else element)  # its value
             size += weight
             full = len(batch) >= limit or size >= RECORD_BYTES or gathered
             # A record is due at once when the elements come slowly, or once the first
