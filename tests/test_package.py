@@ -59,12 +59,14 @@ LAYERS = {
     "worker.process": 6.7, "worker": 6.8,
     # the client, in the order its modules may import each other
     "client.session": 5.95,  # (the epoch input that client.items carries)
-    "client.stats": 6.0, "client.items": 6.0, "client.arguments": 6.0,
+    "client.stats": 6.0, "client.items": 6.0,
     "client.budget": 6.05,
     "client.rounds": 6.1, "client.exactly_once": 6.1, "client.turn": 6.1, "client.peers": 6.2,
     "client.link": 6.2, "client.epoch_end": 6.3, "client.packing": 6.3, "client.receive": 6.4,
     "client.loop": 6.45, "client.thread": 6.5, "client.merging": 6.6, "client": 6.7,
-    "_status": 6, "_process": 7, "actuator": 7, "embedded": 7.5, "loader": 8, "ray": 8, "tf": 9,
+    "_status": 6, "_process": 7, "actuator": 7,
+    "client.arguments": 7.2,  # (a Loader's arguments, checked: above the start methods)
+    "embedded": 7.5, "loader": 8, "ray": 8, "tf": 9,
     # the torch adapter: conversion and seeding, then what runs on workers and the
     # iterators, the DataLoader, the package's public names
     "torch.tensors": 9.0, "torch.seeding": 9.0, "torch.failures": 9.0, "torch.states": 9.05,

@@ -489,3 +489,21 @@ def test_a_hand_made_register_breaking_a_rule_between_options_gets_the_loader_s_
     with pytest.raises(ProtocolError, match=f"REGISTER: {words}"):
         state.register(b"c1", record(Command.REGISTER, body, [b"pipeline"]), 0.0)
     assert not state.jobs
+
+
+@pytest.mark.parametrize("sharding, runs", [("dynamic", "static"), ("static", "static"),
+                                            ("off", "off")])
+def test_a_deterministic_job_runs_dynamic_sharding_as_static_whoever_registers_it(
+        sharding, runs):
+    """JobOptions.applied is the one place a deterministic job's dynamic sharding becomes
+    static: a hand-made REGISTER gets the job a Loader's would, without exactly-once."""
+    state = State()
+    body = nested({"consumer": "c1", "fingerprint": "f" * 64, "job_name": "j",
+                   "host_id": "h/boot/ns", "pid": 1,
+                   "source": {"num_splits": 4, "shuffle_splits": False, "seed": None}})
+    body["options"].update(deterministic=True, sharding=sharding, exactly_once=True)
+    state.register(b"c1", record(Command.REGISTER, body, [b"pipeline"]), 0.0)
+    (job,) = state.jobs.values()
+    assert (job.options.sharding, job.options.exactly_once) == (runs, False)
+    loader_options = JobOptions(sharding=sharding, deterministic=True).applied()
+    assert loader_options.sharding == runs

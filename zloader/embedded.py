@@ -17,6 +17,7 @@ from zloader._defaults import WORKER_STOP_SECONDS
 from zloader._process import start_worker
 from zloader.broker import Broker
 from zloader.pipeline import Pipeline
+from zloader.transport.shm import sweep, sweep_dirs
 
 __all__ = ["Embedded"]
 
@@ -41,7 +42,10 @@ class Embedded:
               pipeline: Pipeline, inherit: bool, swaps: list[Any]) -> str:
         """Start ``workers`` worker processes and, without ``broker``, a folder for the
         sockets and a broker in this process; the broker's address. Workers come first:
-        forking must happen before the Loader starts any thread."""
+        forking must happen before the Loader starts any thread. What Loaders of this user
+        that died left (shared-memory segments, socket folders) is swept first."""
+        sweep()
+        sweep_dirs()
         if broker is None:
             self.dir = tempfile.mkdtemp(prefix=f"zloader-{os.getpid()}-")
             address = f"ipc://{self.dir}/broker"

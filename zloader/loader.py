@@ -18,36 +18,18 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from zloader import _check, packed
-from zloader._defaults import (
-    DEFAULT_TIMEOUT,
-    MIN_MEMORY_BUDGET,
-    WEIGHT_RANGE,
-)
-from zloader._process import START_METHODS
-from zloader.client import STATE_VERSION, IOThread, Merger, Stats, resume_from
-from zloader.client.arguments import (
-    DEFAULT_PREFETCH,
-    ON_ERROR,
-    SHARDING,
-    TRANSPORTS,
-    choice,
-    coordination,
-    share_settings,
-    timeout_seconds,
-    valid_ring_bytes,
-)
+from zloader._defaults import DEFAULT_TIMEOUT
+from zloader.client import STATE_VERSION, IOThread, Merger, Stats
+from zloader.client.arguments import Arguments, checked
 from zloader.client.packing import check_exposure, pack
 from zloader.embedded import Embedded
 from zloader.errors import WorkerExited
 from zloader.mixing import new_weights, register_info
-from zloader.options import JobOptions
 from zloader.pipeline import Pipeline
 from zloader.plan import plan
 from zloader.runs import RunSettings
 from zloader.sharing.options import DEFAULT_BLOCK_SECONDS
 from zloader.stages import Context
-from zloader.transport.keys import resolve as resolve_keys
-from zloader.transport.shm import sweep, sweep_dirs
 
 __all__ = ["Loader"]
 
@@ -164,129 +146,56 @@ class Loader:
                  num_workers: int | None = None, sharding: str = "dynamic",
                  job_name: str | None = None, deterministic: bool = False,
                  transport: str = "auto", prefetch: int | None = None,
-                 timeout: float = DEFAULT_TIMEOUT,
-                 on_error: str = "raise", max_skipped: int | None = None,
-                 ring_bytes: int | None = None, balanced: int = 0,
-                 start_method: str = "fork", share: bool = False,
+                 timeout: float = DEFAULT_TIMEOUT, on_error: str = "raise",
+                 max_skipped: int | None = None, ring_bytes: int | None = None,
+                 balanced: int = 0, start_method: str = "fork", share: bool = False,
                  share_window_bytes: int | None = None, share_lag: str = "block",
                  share_block_seconds: float = DEFAULT_BLOCK_SECONDS,
-                 num_consumers: int | None = None,
-                 consumer_index: int | None = None, keys: Any = None,
-                 insecure: bool = False, exactly_once: bool = True,
+                 num_consumers: int | None = None, consumer_index: int | None = None,
+                 keys: Any = None, insecure: bool = False, exactly_once: bool = True,
                  state: Any = None, width: int | None = None, weight: float = 1.0,
                  objects: bool = False, pack_dataset: bool = True,
                  memory_budget: int | None = None) -> None:
         self._pid = os.getpid()  # the process that owns what this Loader starts
-        if not isinstance(pipeline, Pipeline):
-            raise TypeError(f"pipeline must be a zloader.Pipeline, got {type(pipeline).__name__}")
-        choice("sharding", sharding, SHARDING)
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) \
-                or not WEIGHT_RANGE[0] <= weight <= WEIGHT_RANGE[1]:
-            raise ValueError(f"weight must be a number from {WEIGHT_RANGE[0]} to "
-                             f"{WEIGHT_RANGE[1]:.0f} (a job's share of "
-                             f"the broker's workers relative to other jobs'), got {weight!r}")
-        choice("transport", transport, TRANSPORTS)
-        choice("on_error", on_error, ON_ERROR)
-        if broker is not None:
-            _check.address("broker", broker)
-        if job_name is not None:
-            _check.label("job_name", job_name)
-        embedded = broker is None
-        workers = _check.optional_integer("num_workers", num_workers, 0)
-        if workers is None:
-            workers = (os.cpu_count() or 1) if embedded else 0
-        if embedded and workers == 0:
-            raise ValueError("num_workers must be >= 1 in embedded mode (broker=None); "
-                             "for an in-process run iterate the pipeline itself")
-        choice("start_method", start_method, START_METHODS)
-        memory_budget = _check.optional_integer("memory_budget", memory_budget,
-                                                MIN_MEMORY_BUDGET)
-        inherit = start_method == "fork" and workers > 0
-        # Forked workers read the dataset's large lists packed (zloader/packed.py)
-        swaps = (packed.prepare(pipeline)
-                 if inherit and _check.boolean("pack_dataset", pack_dataset) else [])
-        self._timeout = timeout_seconds(timeout)
-        self._share = share_settings(pipeline, broker, share, share_window_bytes, share_lag,
-                                      share_block_seconds)
-        coordinated = coordination(num_consumers, consumer_index)
-        self._deterministic = _check.boolean("deterministic", deterministic)
-        width = _check.optional_integer("width", width, 1)
-        if _check.boolean("objects", objects) and not embedded:
-            raise ValueError("objects=True needs embedded mode (broker=None): pickled "
-                             "elements are accepted only from this Loader's own workers, and "
-                             "a broker's other workers could serve the job")
-        # The job's options, built once and checked by the rules between them (which the
-        # broker applies to a REGISTER too); they travel whole from here (options.py).
-        options = JobOptions(
-            sharding="static" if deterministic and sharding == "dynamic" else sharding,
-            deterministic=self._deterministic, on_error=on_error,
-            num_workers=workers if width is None else width,
-            balanced=_check.integer("balanced", balanced, 0),
-            num_consumers=coordinated[0] if coordinated else 0, share=self._share,
-            exactly_once=_check.boolean("exactly_once", exactly_once), weight=float(weight),
-            objects=objects)
-        options.check(job_name)
-        options = options.applied()  # exactly_once as the job runs it
-        self._exactly_once = options.exactly_once
-        self._keys = resolve_keys(keys) if broker is not None else None
-        if broker is None and keys is not None:
-            resolve_keys(keys)  # embedded mode needs none, but a bad keys= is still an error
-        self.pipeline = pipeline
-        self._plan = plan(pipeline)
-        self._coordinated = coordinated is not None
-        resume = resume_from(state, pipeline.fingerprint, self._exactly_once)
-        if resume is not None and job_name is not None:
-            job_name = f"{job_name}@{resume['digest']}"  # a fresh job for the resumed run
-        self._joined = False
-        max_skipped = _check.optional_integer("max_skipped", max_skipped, 0)
-        prefetch = _check.integer("prefetch", prefetch if prefetch is not None
-                                  else DEFAULT_PREFETCH, 1)
-        ring_bytes = valid_ring_bytes(ring_bytes)
-        # Forked workers run the pipeline as it is in this process: nothing to pickle when
-        # they are the only ones (embedded). Others get it pickled: in the REGISTER message
-        # when small, else served from this Loader (docs/protocol.md, FETCH).
-        blob, served = pack(pipeline, inherited=embedded and inherit, local=embedded)
-        check_exposure(served, broker, self._keys, insecure)
-        self._closed = False
-        self._embedded = Embedded()
-        self._processes = self._embedded.processes  # (the torch drop-in's _workers read it)
-        self._epoch = resume["epoch"] if resume is not None else 0
+        args = checked(
+            pipeline, broker=broker, num_workers=num_workers, sharding=sharding,
+            job_name=job_name, deterministic=deterministic, transport=transport,
+            prefetch=prefetch, timeout=timeout, on_error=on_error, max_skipped=max_skipped,
+            ring_bytes=ring_bytes, balanced=balanced, start_method=start_method, share=share,
+            share_window_bytes=share_window_bytes, share_lag=share_lag,
+            share_block_seconds=share_block_seconds, num_consumers=num_consumers,
+            consumer_index=consumer_index, keys=keys, insecure=insecure,
+            exactly_once=exactly_once, state=state, width=width, weight=weight,
+            objects=objects, pack_dataset=pack_dataset, memory_budget=memory_budget)
+        self.pipeline, self._plan, self._options = pipeline, plan(pipeline), args.options
+        self._closed = self._joined = False
+        self._epoch = args.resume["epoch"] if args.resume is not None else 0
         self._weights: tuple[float, ...] | None = None  # set_weights
-        self._served = served
-        # The packed lists stay mapped here while the workers read them: one copy, shared.
+        # Forked workers read the dataset's large lists packed, mapped here: one copy.
+        swaps = packed.prepare(pipeline) if args.inherit and args.pack_dataset else []
         self._packed = [swap.view for swap in swaps]
-        sweep()  # segments left by consumers of this user that died
-        sweep_dirs()  # and their embedded socket directories
+        # What workers get of the pipeline: nothing when every one is forked from here.
+        blob, self._served = pack(pipeline, inherited=args.embedded and args.inherit,
+                                  local=args.embedded)
+        check_exposure(self._served, broker, args.keys, insecure)
+        self._embedded = Embedded()
         try:
-            address = self._embedded.start(broker, workers, start_method, self._keys,
-                                           pipeline, inherit, swaps)
-            self.address = address
-            source = pipeline.source
-            self._io = IOThread(
-                address, blob, fingerprint=pipeline.fingerprint, job_name=job_name,
-                options=options,
-                source=register_info(source),
-                prefetch=prefetch, use_rings=transport == "auto", ring_bytes=ring_bytes,
-                served=served,
-                data_bind=self._embedded.endpoint("source"),
-                consumer_index=coordinated[1] if coordinated else None, keys=self._keys,
-                resume=resume, timeout=self._timeout,
-                own=frozenset(process.pid for process in self._processes),
-                memory_budget=memory_budget, dispatched=source.dispatched)
-            self._merger = Merger(self._io, timeout=self._timeout,
-                                  deterministic=self._deterministic, max_skipped=max_skipped,
-                                  deaths=functools.partial(_deaths, self._processes,
-                                                           self._io.stats),
-                                  lost=functools.partial(
-                                      _lost, self._processes, self._io.stats,
-                                      sharding != "dynamic" or deterministic)
-                                  if embedded else lambda: None, resume=resume)
+            self.address = self._embedded.start(broker, args.workers, args.start_method,
+                                                args.keys, pipeline, args.inherit, swaps)
+            self._io = _io_thread(args, pipeline, self.address, blob, self._served,
+                                  self._embedded)
+            self._merger = _merger(args, self._io, self._processes)
             self._io.start()
-            if resume is not None and resume["weights"] is not None:
-                self.set_weights(resume["weights"])  # (the first OPEN carries them)
+            if args.resume is not None and args.resume["weights"] is not None:
+                self.set_weights(args.resume["weights"])  # (the first OPEN carries them)
         except BaseException:
             self.close()
             raise
+
+    @property
+    def _processes(self) -> list[Any]:
+        """The worker processes this Loader started (the torch drop-in's ``_workers``)."""
+        return self._embedded.processes
 
     # --- iteration ------------------------------------------------------------------------
 
@@ -326,7 +235,7 @@ class Loader:
         self._check_process()
         if self._closed:
             raise RuntimeError("this Loader is closed")
-        if (self._share is not None or self._coordinated) and not self._joined:
+        if (self._options.shared or self._options.coordinated) and not self._joined:
             self._join_job()
         epoch = self._epoch
         self._epoch += 1
@@ -355,7 +264,7 @@ class Loader:
         job_epoch = self._merger.job_epoch()
         self._joined = True
         if job_epoch > self._epoch:
-            if self._share is not None:
+            if self._options.shared:
                 log.info("joined a shared job at its epoch %d (under way or next): this "
                          "epoch replays what the workers still hold, then what they produce, "
                          "then the part that had left their window, made again for this "
@@ -378,7 +287,7 @@ class Loader:
                 not apply), or its pipeline has a ``take``/``skip`` part run here.
         """
         self._check_process()
-        if not self._exactly_once:
+        if not self._options.exactly_once:
             raise ValueError("state_dict() needs exactly_once=True with sharding='dynamic' "
                              "(and no share, balanced, num_consumers or deterministic): "
                              "only then does every element carry its origin")
@@ -472,7 +381,7 @@ class Loader:
                  "memory_budget": self._io.loop.budget.total,
                  "prefetch": self._io.loop.budget.limit,
                  "stage_seconds": {**io.stages, "wait": round(wait, 3)}}
-        if self._coordinated:
+        if self._options.coordinated:
             stats.update(dropped=io.dropped, rounds_lost=io.rounds_lost,
                          rounds_missed=io.rounds_missed)
         return stats
@@ -503,6 +412,32 @@ class Loader:
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
             self.close()
+
+
+def _io_thread(args: Arguments, pipeline: Pipeline, address: str, blob: bytes,
+               served: Any, embedded: Embedded) -> IOThread:
+    """The Loader's I/O thread (not started), registering its job with the broker at
+    ``address``."""
+    return IOThread(
+        address, blob, fingerprint=pipeline.fingerprint, job_name=args.job_name,
+        options=args.options, source=register_info(pipeline.source), prefetch=args.prefetch,
+        use_rings=args.transport == "auto", ring_bytes=args.ring_bytes, served=served,
+        data_bind=embedded.endpoint("source"), consumer_index=args.consumer_index,
+        keys=args.keys, resume=args.resume, timeout=args.timeout,
+        own=frozenset(process.pid for process in embedded.processes),
+        memory_budget=args.memory_budget, dispatched=pipeline.source.dispatched)
+
+
+def _merger(args: Arguments, io: IOThread, processes: list[Any]) -> Merger:
+    """The Merger that orders what ``io`` receives; an embedded Loader's also says which of
+    its own workers died and when the epoch cannot complete without them."""
+    options = args.options
+    lost = (functools.partial(_lost, processes, io.stats, options.sharding != "dynamic")
+            if args.embedded else lambda: None)
+    return Merger(io, timeout=args.timeout, deterministic=options.deterministic,
+                  max_skipped=args.max_skipped,
+                  deaths=functools.partial(_deaths, processes, io.stats), lost=lost,
+                  resume=args.resume)
 
 
 def _deaths(processes: list[Any], stats: Stats) -> str:

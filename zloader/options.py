@@ -56,7 +56,8 @@ class JobOptions:
 
     Attributes:
         sharding: ``"dynamic"`` (splits from the broker), ``"static"`` or ``"off"``.
-        deterministic: consumers read the workers in a fixed order.
+        deterministic: consumers read the workers in a fixed order (and dynamic
+            sharding runs as static: :meth:`applied`).
         on_error: ``"raise"`` or ``"skip"`` elements whose user code raises.
         num_workers: the job's worker indices (0: as many as the pool gives).
         balanced: deal one element at a time to this many consumers (0: off).
@@ -119,13 +120,19 @@ class JobOptions:
                              f"{self.num_consumers} consumers, so that they find one job")
 
     def applied(self) -> JobOptions:
-        """These options with ``exactly_once`` as the job runs it: asked for, and the
-        job dynamic, not shared, balanced, coordinated or deterministic (the one rule,
-        :func:`zloader.lineage.exactly_once`)."""
+        """These options as the job runs them: a deterministic job's dynamic sharding is
+        static (its splits go to fixed worker indices, read round-robin), and
+        ``exactly_once`` holds only when asked for and the job is dynamic, not shared,
+        balanced, coordinated or deterministic (the one rule,
+        :func:`zloader.lineage.exactly_once`). The Loader and the broker both run a job
+        by these."""
+        sharding = ("static" if self.deterministic and self.sharding == "dynamic"
+                    else self.sharding)
         runs = exactly_once(self.exactly_once, self.sharding, self.shared,
                             self.deterministic, self.coordinated, self.balanced)
-        return self if runs == self.exactly_once else dataclasses.replace(
-            self, exactly_once=runs)
+        if (sharding, runs) == (self.sharding, self.exactly_once):
+            return self
+        return dataclasses.replace(self, sharding=sharding, exactly_once=runs)
 
     @classmethod
     def from_body(cls, body: Any) -> JobOptions:

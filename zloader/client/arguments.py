@@ -1,20 +1,29 @@
-"""The Loader's arguments that need more than one check (zloader/_check.py has the
-single ones): each error names the argument at fault and what to pass instead."""
+"""The Loader's arguments, checked in one place: :func:`checked` turns what
+``Loader(...)`` was given into an :class:`Arguments` record, with the job's
+:class:`JobOptions` built and checked by the rules between them (``JobOptions.check``).
+Each error names the argument at fault and what to pass instead (zloader/_check.py has
+the checks of one value)."""
 
 from __future__ import annotations
 
 import logging
 import math
+import os
+from dataclasses import dataclass
 from typing import Any
 
 from zloader import _check
-from zloader._defaults import DEFAULT_PREFETCH
+from zloader._defaults import DEFAULT_PREFETCH, MIN_MEMORY_BUDGET, WEIGHT_RANGE
+from zloader._process import START_METHODS
+from zloader.client.exactly_once import resume_from
+from zloader.options import JobOptions
 from zloader.pipeline import Pipeline
 from zloader.sharing.options import settings
+from zloader.transport.keys import resolve as resolve_keys
 from zloader.transport.ring import ALIGN
 
-__all__ = ["DEFAULT_PREFETCH", "ON_ERROR", "SHARDING", "TRANSPORTS", "choice", "coordination",
-           "share_settings", "timeout_seconds", "valid_ring_bytes"]
+__all__ = ["DEFAULT_PREFETCH", "ON_ERROR", "SHARDING", "TRANSPORTS", "Arguments", "checked",
+           "choice", "coordination", "share_settings", "timeout_seconds", "valid_ring_bytes"]
 
 log = logging.getLogger("zloader.loader")
 
@@ -81,3 +90,124 @@ def choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
     """Check that argument ``name`` is one of ``allowed``."""
     if value not in allowed:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Arguments:
+    """What a Loader was given, checked: the values its parts are built from.
+
+    Attributes:
+        broker: the broker's address, or None (embedded).
+        job_name: the job's name; a resumed run's names a fresh job (``name@digest``).
+        workers: the local worker processes to start.
+        start_method: ``"fork"`` or ``"spawn"``.
+        pack_dataset: forked workers read the dataset's large lists packed.
+        options: the job's options as the job runs them (:meth:`JobOptions.applied`).
+        transport: ``"auto"`` or ``"tcp"``.
+        prefetch: records in flight per worker.
+        timeout: seconds without data before :class:`zloader.Timeout`.
+        max_skipped: with ``on_error="skip"``, the most elements dropped, or None.
+        ring_bytes: a ring's capacity, or None (the default).
+        memory_budget: bytes for rings and records in flight, or None (the default).
+        consumer_index: this consumer's index in coordinated reads, or None.
+        keys: the CURVE keys (with a broker), or None.
+        insecure: serve large in-memory sources without keys.
+        resume: the resumed state (``resume_from``), or None.
+    """
+
+    broker: str | None
+    job_name: str | None
+    workers: int
+    start_method: str
+    pack_dataset: bool
+    options: JobOptions
+    transport: str
+    prefetch: int
+    timeout: float
+    max_skipped: int | None
+    ring_bytes: int | None
+    memory_budget: int | None
+    consumer_index: int | None
+    keys: Any
+    insecure: bool
+    resume: dict[str, Any] | None
+
+    @property
+    def embedded(self) -> bool:
+        """A broker in this process and only this Loader's workers (``broker=None``)."""
+        return self.broker is None
+
+    @property
+    def inherit(self) -> bool:
+        """Local workers are forked: they inherit the pipeline as it is here."""
+        return self.start_method == "fork" and self.workers > 0
+
+
+def checked(pipeline: Any, *, broker: Any, num_workers: Any, sharding: Any, job_name: Any,
+            deterministic: Any, transport: Any, prefetch: Any, timeout: Any, on_error: Any,
+            max_skipped: Any, ring_bytes: Any, balanced: Any, start_method: Any, share: Any,
+            share_window_bytes: Any, share_lag: Any, share_block_seconds: Any,
+            num_consumers: Any, consumer_index: Any, keys: Any, insecure: Any,
+            exactly_once: Any, state: Any, width: Any, weight: Any, objects: Any,
+            pack_dataset: Any, memory_budget: Any) -> Arguments:
+    """``Loader(...)``'s arguments checked, one by one and then the job's options by the
+    rules between them (the Loader's docstring says what each means).
+
+    Raises:
+        ValueError / TypeError: a bad argument, named in the message.
+    """
+    if not isinstance(pipeline, Pipeline):
+        raise TypeError(f"pipeline must be a zloader.Pipeline, got {type(pipeline).__name__}")
+    choice("sharding", sharding, SHARDING)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) \
+            or not WEIGHT_RANGE[0] <= weight <= WEIGHT_RANGE[1]:
+        raise ValueError(f"weight must be a number from {WEIGHT_RANGE[0]} to "
+                         f"{WEIGHT_RANGE[1]:.0f} (a job's share of "
+                         f"the broker's workers relative to other jobs'), got {weight!r}")
+    choice("transport", transport, TRANSPORTS)
+    choice("on_error", on_error, ON_ERROR)
+    if broker is not None:
+        _check.address("broker", broker)
+    if job_name is not None:
+        _check.label("job_name", job_name)
+    workers = _check.optional_integer("num_workers", num_workers, 0)
+    if workers is None:
+        workers = (os.cpu_count() or 1) if broker is None else 0
+    if broker is None and workers == 0:
+        raise ValueError("num_workers must be >= 1 in embedded mode (broker=None); "
+                         "for an in-process run iterate the pipeline itself")
+    choice("start_method", start_method, START_METHODS)
+    memory_budget = _check.optional_integer("memory_budget", memory_budget, MIN_MEMORY_BUDGET)
+    pack_dataset = _check.boolean("pack_dataset", pack_dataset)
+    timeout = timeout_seconds(timeout)
+    window = share_settings(pipeline, broker, share, share_window_bytes, share_lag,
+                            share_block_seconds)
+    coordinated = coordination(num_consumers, consumer_index)
+    width = _check.optional_integer("width", width, 1)
+    if _check.boolean("objects", objects) and broker is not None:
+        raise ValueError("objects=True needs embedded mode (broker=None): pickled "
+                         "elements are accepted only from this Loader's own workers, and "
+                         "a broker's other workers could serve the job")
+    options = JobOptions(
+        sharding=sharding, deterministic=_check.boolean("deterministic", deterministic),
+        on_error=on_error, num_workers=workers if width is None else width,
+        balanced=_check.integer("balanced", balanced, 0),
+        num_consumers=coordinated[0] if coordinated else 0, share=window,
+        exactly_once=_check.boolean("exactly_once", exactly_once), weight=float(weight),
+        objects=objects)
+    options.check(job_name)
+    options = options.applied()
+    # keys: embedded mode needs none, but a bad keys= is still an error
+    resolved = resolve_keys(keys) if broker is not None or keys is not None else None
+    resume = resume_from(state, pipeline.fingerprint, options.exactly_once)
+    if resume is not None and job_name is not None:
+        job_name = f"{job_name}@{resume['digest']}"  # a fresh job for the resumed run
+    return Arguments(
+        broker=broker, job_name=job_name, workers=workers, start_method=start_method,
+        pack_dataset=pack_dataset, options=options, transport=transport,
+        prefetch=_check.integer("prefetch", DEFAULT_PREFETCH if prefetch is None
+                                else prefetch, 1),
+        timeout=timeout, max_skipped=_check.optional_integer("max_skipped", max_skipped, 0),
+        ring_bytes=valid_ring_bytes(ring_bytes), memory_budget=memory_budget,
+        consumer_index=coordinated[1] if coordinated else None,
+        keys=resolved if broker is not None else None, insecure=insecure, resume=resume)
