@@ -16,9 +16,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "zloader"
 
 # Every module, top-level and in the subpackages, has a layer: a module imports only modules
-# of lower layers (style: layers follow the data). The broker's concern modules share one
-# layer and call each other (PEERS). A subpackage's modules are named "client.thread"; the
-# package itself ("client") is its __init__.
+# of lower layers (style: layers follow the data), so the import graph has no cycle. A
+# subpackage's modules are named "client.thread"; the package itself ("client") is its
+# __init__.
 LAYERS = {
     "_defaults": -1,  # the tunables: imports nothing, imported by any layer
     "_version": 0, "errors": 0, "_check": 0, "_seeding": 0, "_command": 0,
@@ -42,12 +42,13 @@ LAYERS = {
     "pipeline": 3, "plan": 4,
     "demo": 4,
     "_pickling": 4, "shipping": 5,
-    # the broker: records and the pool's policy, the concerns, the facade,
-    # the loop
+    # the broker: records and the pool's policy, the concerns one above the other (each
+    # calls only those below it), the journal's replay on them, the facade, the loop
     "broker.records": 6.0, "broker.pool": 6.0, "broker.admission": 6.1,
-    "broker.peers": 6.2, "broker.jobs": 6.2, "broker.splits": 6.2, "broker.placement": 6.2,
-    "broker.failures": 6.2, "broker.coordinated": 6.2, "broker.history": 6.2,
-    "broker.status": 6.2, "broker.state": 6.3, "broker.descriptors": 6.35,
+    "broker.events": 6.1, "broker.splits": 6.1, "broker.coordinated": 6.1,
+    "broker.views": 6.15, "broker.failures": 6.2, "broker.placement": 6.22,
+    "broker.status": 6.24, "broker.peers": 6.26, "broker.jobs": 6.28,
+    "broker.history": 6.3, "broker.state": 6.32, "broker.descriptors": 6.35,
     "broker.loop": 6.4, "broker": 6.5,
     # the worker: what sends to consumers and the producer at the bottom, the delivery modes
     # on the interface they implement, the task above them, the process on top
@@ -74,7 +75,6 @@ LAYERS = {
     "torch.source": 9.1, "torch.passes": 9.1, "torch.dataloader": 9.2, "torch": 9.3,
     "cli": 10, "broker.__main__": 10.5, "worker.__main__": 10.5, "__init__": 11,
 }
-PEERS = {name for name, layer in LAYERS.items() if name.startswith("broker.") and layer == 6.2}
 RUNTIME = ("broker", "client", "worker", "sharing")
 """The runtime's subpackages: their modules share public names only."""
 
@@ -148,9 +148,28 @@ def test_layers_follow_the_data():
     for module, path in modules.items():
         for imported in runtime_imports(path) - {module}:
             assert imported in LAYERS, f"{path.relative_to(ROOT)} imports {imported}"
-            assert LAYERS[imported] < LAYERS[module] or {module, imported} <= PEERS, (
+            assert LAYERS[imported] < LAYERS[module], (
                 f"{path.relative_to(ROOT)} (layer {LAYERS[module]}) imports {imported} "
                 f"(layer {LAYERS[imported]})")
+
+
+def test_the_three_planes_never_import_each_other():
+    """broker/, client/ and worker/ meet only on the wire (transport/) and in the records
+    below them: none imports another, not even for type checking."""
+    planes = ("broker", "client", "worker")
+    for module, path in package_modules().items():
+        plane = module.split(".")[0]
+        if plane not in planes:
+            continue
+        tree = ast.parse(path.read_text())
+        imported = {node.module.removeprefix("zloader.").split(".")[0]
+                    for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                    and (node.module or "").startswith("zloader.")}
+        imported |= {alias.name.removeprefix("zloader.").split(".")[0]
+                     for node in ast.walk(tree) if isinstance(node, ast.Import)
+                     for alias in node.names if alias.name.startswith("zloader.")}
+        others = imported & set(planes) - {plane}
+        assert not others, f"{path.relative_to(ROOT)} imports {sorted(others)}"
 
 
 def test_delivery_modes_see_their_task_only_through_its_port():

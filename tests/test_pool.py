@@ -404,7 +404,7 @@ def test_each_jobs_view_says_how_many_workers_run_other_jobs():
     assert views["a"]["busy_elsewhere"] == counts["b"] and counts["b"] > 0
     assert views["b"]["busy_elsewhere"] == counts["a"] and counts["a"] > 0
     job = state.jobs[state.consumers["a"].job]
-    assert status.job_view(state, job) == views["a"]
+    assert state.job_view(job) == views["a"]
 
 
 def test_a_restarted_broker_replays_moves(tmp_path):

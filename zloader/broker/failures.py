@@ -1,8 +1,8 @@
 """Failures and fences: a worker that dies, is stuck or moves leaves its job (``leave``),
 and the splits it had not delivered are read again by the others; for an exactly-once job
 only once every consumer has said what it holds of them (a :class:`Fence`). Also a
-pipeline that fails (TASK_FAILED), a consumer's report of an epoch ended short (reread),
-and a broker that was itself stopped (``stalled``).
+consumer's report of an epoch ended short (reread), and a broker that was itself stopped
+(``stalled``). (A pipeline that fails, TASK_FAILED, ends its job: ``jobs.task_failed``.)
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import secrets
 from collections.abc import Sequence
 from typing import Any
 
-from zloader.broker import coordinated, history, jobs, splits, status
+from zloader.broker import coordinated, splits, views
 from zloader.broker.records import (
     FENCE_GRACE,
     KILLS_TO_FAIL,
@@ -25,25 +25,13 @@ from zloader.broker.records import (
     Worker,
 )
 from zloader.lineage import merge_info
-from zloader.transport.messages import Delivered, TaskFailed
+from zloader.transport.messages import Delivered
 from zloader.transport.protocol import Command, ProtocolError
 
 __all__ = ["complete_fences", "delivered", "drop_worker", "give_up", "leave", "reread",
-           "stalled", "stuck", "task_failed"]
+           "stalled", "stuck"]
 
 log = logging.getLogger("zloader.broker")
-
-
-def task_failed(state: Tables, identity: bytes, msg: TaskFailed, now: float) -> list[Out]:
-    """TASK_FAILED: the job's pipeline raised; the job fails, its workers are released."""
-    job = state.job_of(msg.task)
-    if job is None:
-        return []
-    error = msg.error
-    job.error = {k: str(error.get(k, "")) for k in ("stage", "exc_type", "builtin",
-                                                    "message", "traceback", "context")}
-    history.record(state, {"e": "failed", "job": job.id, "error": job.error})
-    return jobs.release(state, job, now) + status.tell_consumers(state, job)
 
 
 def drop_worker(state: Tables, worker_id: str, died: bool, now: float,
@@ -57,7 +45,7 @@ def drop_worker(state: Tables, worker_id: str, died: bool, now: float,
     state.peers.pop(worker.identity, None)
     job = state.job_of(worker.task)
     if job is None or worker.task is None:
-        history.record(state, {"e": "gone", "worker": worker_id, "died": died})
+        state.record({"e": "gone", "worker": worker_id, "died": died})
         return []
     return leave(state, worker, job, worker.task, died, now, requeue, clean=clean)
 
@@ -104,12 +92,12 @@ def leave(state: Tables, worker: Worker, job: Job, task: str, died: bool, now: f
     if job.track and lost and asked and not state.replaying:
         job.fences[secrets.token_hex(6)] = Fence(worker_id, task, died, lost, asked,
                                                  now + grace, event=event)
-        return status.tell_consumers(state, job)  # journaled once the fence is done
-    history.record(state, event)
+        return views.tell_consumers(state, job)  # journaled once the fence is done
+    state.record(event)
     if requeue:
         for key, split in lost:
             splits.requeue(state, job, key, split, {})
-    out = status.tell_consumers(state, job)
+    out = views.tell_consumers(state, job)
     if job.rounds is not None:
         out += coordinated.announce(state, job, {}, job.rounds.lose_worker(worker_id))
     return out
@@ -225,12 +213,12 @@ def complete_fences(state: Tables, job: Job) -> list[Out]:
     done = [token for token, fence in job.fences.items() if not fence.waiting]
     for token in done:
         fence = job.fences.pop(token)
-        history.record(state, {**fence.event, "fenced": True})
+        state.record({**fence.event, "fenced": True})
         for key, split in fence.splits:
             info = fence.replies.get((key, split), {})
             if not info.get("all") and (key[0] >= job.epoch - 1):
                 splits.requeue(state, job, key, split, splits.skip(info))
-    return status.tell_consumers(state, job) if done else []
+    return views.tell_consumers(state, job) if done else []
 
 
 def give_up(state: Tables, job: Job, fence: Fence, now: float) -> None:

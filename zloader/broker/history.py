@@ -1,35 +1,28 @@
-"""The broker's history in its journal (:mod:`zloader.journal`): every state change recorded
-as an event, replayed into the tables by a restarted broker, and a snapshot of the tables
-as events for compaction.
+"""The broker's history in its journal (:mod:`zloader.journal`): the events every concern
+records (``Tables.record``) replayed into the tables by a restarted broker, one function
+per kind (:data:`APPLY`); a snapshot of the tables as events, for compaction; and the
+consumers told when writing the journal failed. It sits above the concerns: replaying
+calls their transitions, with recording off (``Tables.replaying``).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from zloader.broker import failures, jobs, splits
+from zloader.broker.events import job_event, worker_event
 from zloader.broker.records import Job, Out, Pass, Tables, Worker
 from zloader.mixing import layout_of
 from zloader.options import JobOptions
 from zloader.rounds import Rounds
 from zloader.transport.protocol import Command
 
-__all__ = ["job_event", "journal_errors", "record", "restore", "snapshot", "worker_event"]
+__all__ = ["APPLY", "journal_errors", "restore", "snapshot"]
 
 log = logging.getLogger("zloader.broker")
-
-
-def record(state: Tables, event: dict[str, Any]) -> None:
-    """Append ``event`` to the journal (nothing while it is replayed). A write that fails
-    (a full disk) marks the job: it could not be resumed after a restart
-    (:func:`journal_errors` tells its consumers)."""
-    if state.journal is not None and not state.replaying \
-            and not state.journal.record(event):
-        job = event.get("id") if event["e"] == "job" else event.get("job")
-        if isinstance(job, str):
-            state.unjournaled.add(job)
 
 
 def journal_errors(state: Tables) -> list[Out]:
@@ -83,25 +76,28 @@ def restore(state: Tables, now: float) -> int:
 
 
 def _apply(state: Tables, event: dict[str, Any], now: float) -> None:
-    """Replay one event (its fields were checked by ``zloader.journal.well_formed``)."""
-    kind = event["e"]
+    """Replay one event (its fields were checked by ``zloader.journal.well_formed``): a
+    worker's or a job's through its kind's function in :data:`APPLY`; a job's other
+    events only while the job is known (one whose pipeline file is gone is not)."""
+    apply = APPLY[event["e"]]
+    if event["e"] in _OF_NO_JOB:
+        apply(state, None, event, now)
+        return
     job = state.jobs.get(str(event.get("job")))
-    if kind == "worker":
-        state.workers[event["id"]] = Worker(
-            event["id"], b"", event["host"], event["host_id"], int(event["pid"]),
-            event["endpoint"], event.get("prefer"), now,
-            plain_data=event.get("plain_data") is True, idle_since=now)
-    elif kind == "job":
-        _apply_job(state, event, now)
-    elif kind == "gone":
-        failures.drop_worker(state, event["worker"], bool(event.get("died")), now,
-                             requeue=not event.get("fenced"), clean=event.get("clean") is True)
-    elif job is not None:
-        _apply_to_job(state, job, event, now)
+    if job is not None:
+        apply(state, job, event, now)
 
 
-def _apply_job(state: Tables, event: dict[str, Any], now: float) -> None:
-    """Replay a job's registration; a job whose pipeline file is gone is not restored."""
+def _worker(state: Tables, job: None, event: dict[str, Any], now: float) -> None:
+    """A worker's READY: it is back as it was, and must reconnect to keep its task."""
+    state.workers[event["id"]] = Worker(
+        event["id"], b"", event["host"], event["host_id"], int(event["pid"]),
+        event["endpoint"], event.get("prefer"), now,
+        plain_data=event.get("plain_data") is True, idle_since=now)
+
+
+def _job(state: Tables, job: None, event: dict[str, Any], now: float) -> None:
+    """A job's registration; a job whose pipeline file is gone is not restored."""
     blob = state.journal.load_pipeline(event["id"]) if state.journal else None
     if blob is None:
         return
@@ -114,53 +110,89 @@ def _apply_job(state: Tables, event: dict[str, Any], now: float) -> None:
         layout=layout_of(event.get("inputs")))
 
 
-def _apply_to_job(state: Tables, job: Job, event: dict[str, Any], now: float) -> None:
-    """Replay an event of ``job``."""
-    kind = event["e"]
-    if kind == "left":  # moved to another job (placement.preempt)
-        worker = state.workers.get(event["worker"])
-        if worker is not None and event["task"] in job.tasks:
-            failures.leave(state, worker, job, event["task"], False, now,
-                           requeue=not event.get("fenced"), stays=True,
-                           clean=event.get("clean") is True)
-    elif kind == "rounds":
-        job.rounds = Rounds(int(event["size"]))
-    elif kind == "task":
-        job.tasks[event["task"]] = event["worker"]
-        job.indices[event["task"]] = int(event["index"])
-        if event["worker"] in state.workers:
-            state.workers[event["worker"]].task = event["task"]
-    elif kind == "split":
-        key = tuple(event["pass"])
-        splits.take(state, job, event["worker"], key, int(event["split"]))
-        if event.get("origin"):
-            job.origin_of[(key, int(event["split"]))] = tuple(event["origin"])
-    elif kind == "requeue":
-        splits.requeue(state, job, tuple(event["pass"]), int(event["split"]), event["skip"])
-    elif kind == "resume":
-        jobs.resume(state, job, event)
-    elif kind == "done":
-        if tuple(event["pass"]) in job.passes:
-            splits.mark_read(job, tuple(event["pass"]), event["worker"])
-        worker = state.workers.get(event["worker"])
-        if worker is not None:
-            worker.current = None
-    elif kind == "epoch":
-        job.epoch = max(job.epoch, int(event["epoch"]))
-    elif kind == "pass":  # from a compacted journal
-        key = tuple(event["pass"])
-        job.passes[key] = Pass(
-            deque(event["order"]), {w: list(s) for w, s in event["handed"].items()},
-            deque(event["requeued"]), {w: list(s) for w, s in event["read"].items()},
-            {int(split): skip for split, skip in event["skips"].items()})
-        for split, origin in event["origins"]:
-            job.origin_of[(key, int(split))] = tuple(origin)
-    elif kind == "failed":
-        job.error = event["error"]
-        jobs.release(state, job, now)
-    elif kind == "end":
-        jobs.release(state, job, now)
-        del state.jobs[job.id]
+def _gone(state: Tables, job: None, event: dict[str, Any], now: float) -> None:
+    """A worker left the broker (dead, or drained and gone)."""
+    failures.drop_worker(state, event["worker"], bool(event.get("died")), now,
+                         requeue=not event.get("fenced"), clean=event.get("clean") is True)
+
+
+def _left(state: Tables, job: Job, event: dict[str, Any], now: float) -> None:
+    """A worker moved to another job (``placement.preempt``)."""
+    worker = state.workers.get(event["worker"])
+    if worker is not None and event["task"] in job.tasks:
+        failures.leave(state, worker, job, event["task"], False, now,
+                       requeue=not event.get("fenced"), stays=True,
+                       clean=event.get("clean") is True)
+
+
+def _rounds(state: Tables, job: Job, event: dict[str, Any], now: float) -> None:
+    job.rounds = Rounds(int(event["size"]))
+
+
+def _task(state: Tables, job: Job, event: dict[str, Any], now: float) -> None:
+    job.tasks[event["task"]] = event["worker"]
+    job.indices[event["task"]] = int(event["index"])
+    if event["worker"] in state.workers:
+        state.workers[event["worker"]].task = event["task"]
+
+
+def _split(state: Tables, job: Job, event: dict[str, Any], now: float) -> None:
+    key = tuple(event["pass"])
+    splits.take(state, job, event["worker"], key, int(event["split"]))
+    if event.get("origin"):
+        job.origin_of[(key, int(event["split"]))] = tuple(event["origin"])
+
+
+def _requeue(state: Tables, job: Job, event: dict[str, Any], now: float) -> None:
+    splits.requeue(state, job, tuple(event["pass"]), int(event["split"]), event["skip"])
+
+
+def _resume(state: Tables, job: Job, event: dict[str, Any], now: float) -> None:
+    jobs.resume(state, job, event)
+
+
+def _done(state: Tables, job: Job, event: dict[str, Any], now: float) -> None:
+    if tuple(event["pass"]) in job.passes:
+        splits.mark_read(job, tuple(event["pass"]), event["worker"])
+    worker = state.workers.get(event["worker"])
+    if worker is not None:
+        worker.current = None
+
+
+def _epoch(state: Tables, job: Job, event: dict[str, Any], now: float) -> None:
+    job.epoch = max(job.epoch, int(event["epoch"]))
+
+
+def _pass(state: Tables, job: Job, event: dict[str, Any], now: float) -> None:
+    """A pass as a compacted journal keeps it."""
+    key = tuple(event["pass"])
+    job.passes[key] = Pass(
+        deque(event["order"]), {w: list(s) for w, s in event["handed"].items()},
+        deque(event["requeued"]), {w: list(s) for w, s in event["read"].items()},
+        {int(split): skip for split, skip in event["skips"].items()})
+    for split, origin in event["origins"]:
+        job.origin_of[(key, int(split))] = tuple(origin)
+
+
+def _failed(state: Tables, job: Job, event: dict[str, Any], now: float) -> None:
+    job.error = event["error"]
+    jobs.release(state, job, now)
+
+
+def _end(state: Tables, job: Job, event: dict[str, Any], now: float) -> None:
+    jobs.release(state, job, now)
+    del state.jobs[job.id]
+
+
+APPLY: dict[str, Callable[[Tables, Any, dict[str, Any], float], None]] = {
+    "worker": _worker, "job": _job, "gone": _gone, "left": _left, "rounds": _rounds,
+    "task": _task, "split": _split, "requeue": _requeue, "resume": _resume, "done": _done,
+    "epoch": _epoch, "pass": _pass, "failed": _failed, "end": _end,
+}
+"""Each journal event's kind -> how a restarted broker replays it into the tables."""
+
+_OF_NO_JOB = frozenset({"worker", "job", "gone"})
+"""The kinds that are not a known job's events (a worker's, or a job's creation)."""
 
 
 def snapshot(state: Tables) -> list[dict[str, Any]]:
@@ -188,20 +220,3 @@ def snapshot(state: Tables) -> list[dict[str, Any]]:
         if job.error is not None:
             events.append({"e": "failed", "job": job.id, "error": job.error})
     return events
-
-
-def worker_event(worker: Worker) -> dict[str, Any]:
-    """The event that records a worker's READY."""
-    return {"e": "worker", "id": worker.id, "host": worker.host, "host_id": worker.host_id,
-            "pid": worker.pid, "endpoint": worker.endpoint, "prefer": worker.prefer,
-            "plain_data": worker.plain_data}
-
-
-def job_event(job: Job) -> dict[str, Any]:
-    """The event that records a job's creation."""
-    return {"e": "job", "id": job.id, "fingerprint": job.fingerprint, "name": job.name,
-            "options": job.options.to_body(), "num_splits": job.num_splits,
-            "shuffle_splits": job.shuffle_splits, "seed": job.seed, "width": job.width,
-            "source_data": job.source_data, "entropy": job.entropy, "pipeline": job.pipeline,
-            **({"inputs": [list(item) for item in job.layout.inputs]}
-               if job.layout is not None else {})}

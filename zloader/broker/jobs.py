@@ -1,5 +1,6 @@
 """Jobs: consumers register a pipeline (REGISTER) and join a job, new or running; start
-epochs (EPOCH); leave (BYE, or silence); and a job without consumers is collected.
+epochs (EPOCH); leave (BYE, or silence); a job whose pipeline fails (TASK_FAILED) ends
+with an error; and a job without consumers is collected.
 """
 
 from __future__ import annotations
@@ -8,17 +9,18 @@ import logging
 import secrets
 from typing import Any
 
-from zloader._defaults import COMPACT_LINES, UNHEARD_BEATS
+from zloader._defaults import UNHEARD_BEATS
 from zloader._host import host_id, running
 from zloader.broker import (
     admission,
     coordinated,
+    events,
     failures,
-    history,
     peers,
     placement,
     splits,
     status,
+    views,
 )
 from zloader.broker.records import FENCE_GRACE, INHERITED, Consumer, Job, Out, Tables
 from zloader.lineage import Ledger, pack
@@ -26,11 +28,11 @@ from zloader.mixing import layout_of
 from zloader.options import JobOptions
 from zloader.rounds import Rounds
 from zloader.sharing.options import KEY_OPTIONS
-from zloader.transport.messages import Epoch, Register
+from zloader.transport.messages import Epoch, Register, TaskFailed
 from zloader.transport.protocol import Command, ProtocolError
 
-__all__ = ["bye", "drop_consumer", "epoch_started", "register", "release", "resume", "tick",
-           "unheard"]
+__all__ = ["bye", "drop_consumer", "epoch_started", "register", "release", "resume",
+           "task_failed", "tick", "unheard"]
 
 log = logging.getLogger("zloader.broker")
 
@@ -82,7 +84,7 @@ def register(state: Tables, identity: bytes, msg: Register, now: float) -> list[
         resume(state, job, msg.resume)
         if coordinated_at:
             job.rounds = Rounds(coordinated_at[0])
-            history.record(state, {"e": "rounds", "job": job.id, "size": coordinated_at[0]})
+            state.record({"e": "rounds", "job": job.id, "size": coordinated_at[0]})
     out: list[Out] = []
     joined: dict[str, int] | None = None
     if job.rounds is not None and coordinated_at:
@@ -100,7 +102,7 @@ def register(state: Tables, identity: bytes, msg: Register, now: float) -> list[
     # (weighing the pool costs O(jobs): a flood of REGISTERs would pay it each time).
     assigned = [o for o in placement.assign(state, now, rebalance=False)
                 if o.identity != identity or o.command is not Command.JOB]
-    view = status.job_view(state, job)
+    view = views.job_view(state, job)
     if joined is not None:
         view["joined"] = joined
     return [*out, *assigned, Out(identity, Command.JOB, view)]
@@ -164,7 +166,7 @@ def resume(state: Tables, job: Job, value: Any) -> None:
         raise ProtocolError(f"REGISTER: resume: {exc}") from None
     job.resume = (value["epoch"], ledger)
     job.epoch = max(job.epoch, value["epoch"])
-    history.record(state, {"e": "resume", "job": job.id, "epoch": value["epoch"],
+    state.record({"e": "resume", "job": job.id, "epoch": value["epoch"],
                            "delivered": ledger.to_json()})
 
 
@@ -247,8 +249,20 @@ def _new_job(state: Tables, identity: bytes, msg: Register, name: str | None,
     state.jobs[job.id] = job
     if state.journal is not None:
         state.journal.save_pipeline(job.id, job.blob)
-    history.record(state, history.job_event(job))
+    state.record(events.job_event(job))
     return job
+
+
+def task_failed(state: Tables, identity: bytes, msg: TaskFailed, now: float) -> list[Out]:
+    """TASK_FAILED: the job's pipeline raised; the job fails, its workers are released."""
+    job = state.job_of(msg.task)
+    if job is None:
+        return []
+    error = msg.error
+    job.error = {k: str(error.get(k, "")) for k in ("stage", "exc_type", "builtin",
+                                                    "message", "traceback", "context")}
+    state.record({"e": "failed", "job": job.id, "error": job.error})
+    return release(state, job, now) + views.tell_consumers(state, job)
 
 
 def epoch_started(state: Tables, identity: bytes, msg: Epoch, now: float) -> list[Out]:
@@ -260,7 +274,7 @@ def epoch_started(state: Tables, identity: bytes, msg: Epoch, now: float) -> lis
     out: list[Out] = []
     if job is not None and epoch is not None:
         if epoch > job.epoch:
-            history.record(state, {"e": "epoch", "job": job.id, "epoch": epoch})
+            state.record({"e": "epoch", "job": job.id, "epoch": epoch})
         job.epoch = max(job.epoch, epoch)
         job.hungry_until = now + 2 * state.heartbeat  # it has nothing yet
         if consumer is not None:
@@ -342,8 +356,8 @@ def drop_consumer(state: Tables, consumer_id: str, now: float,
 
 def tick(state: Tables, now: float) -> list[Out]:
     """Every heartbeat: purge peers silent for ``liveness`` heartbeats, give up on fences
-    past their deadline, compact the journal, sample starvation, collect abandoned jobs,
-    and place the workers."""
+    past their deadline, sample starvation, collect abandoned jobs, and place the
+    workers."""
     out: list[Out] = []
     for worker in [w for w in state.workers.values() if now - w.last_seen > state.expiry]:
         if worker.host_id == host_id() and running(worker.pid):
@@ -368,8 +382,6 @@ def tick(state: Tables, now: float) -> list[Out]:
         for consumer_id in [c for c, t in job.silent.items()
                             if now - t > state.expiry * FENCE_GRACE]:
             del job.silent[consumer_id]
-    if state.journal is not None and state.journal.lines > COMPACT_LINES:
-        state.journal.compact(history.snapshot(state))
     unheard(state, now)
     status.sample(state, now)
     for job in list(state.jobs.values()):
@@ -395,7 +407,7 @@ def _end(state: Tables, job: Job, now: float) -> list[Out]:
     """Forget ``job``: its workers are released, its name is free."""
     out = release(state, job, now)
     del state.jobs[job.id]
-    history.record(state, {"e": "end", "job": job.id})
+    state.record({"e": "end", "job": job.id})
     if state.journal is not None:
         state.journal.forget_pipeline(job.id)
     return out

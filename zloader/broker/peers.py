@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from zloader._defaults import STAGES
-from zloader.broker import coordinated, failures, history, placement, status
+from zloader.broker import coordinated, events, failures, placement, views
 from zloader.broker.records import Consumer, Job, Out, Tables, Worker
 from zloader.transport.messages import Heartbeat, Log, Ready
 from zloader.transport.protocol import Command
@@ -50,7 +50,7 @@ def worker_ready(state: Tables, identity: bytes, msg: Ready, now: float) -> list
                     msg.prefer, now, plain_data=msg.plain_data, idle_since=now,
                     holds=frozenset(msg.holds or ()))
     state.workers[worker_id] = worker
-    history.record(state, history.worker_event(worker))
+    state.record(events.worker_event(worker))
     state.peers[identity] = ("worker", worker_id)
     # "task": None tells a worker the broker had forgotten that it must drop the task
     # it still runs (its splits went to others): nothing it still holds may reach a
@@ -143,7 +143,7 @@ def consumer_heartbeat(state: Tables, identity: bytes, now: float,
         consumer.active = stats.get("active", 1) != 0
         if began and job is not None:
             out += _began(state, job, identity, now)
-    return out + ([Out(identity, Command.JOB, status.job_view(state, job))] if job else [])
+    return out + ([Out(identity, Command.JOB, views.job_view(state, job))] if job else [])
 
 
 def _began(state: Tables, job: Job, identity: bytes, now: float) -> list[Out]:

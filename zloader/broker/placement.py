@@ -11,7 +11,7 @@ import secrets
 
 from zloader._defaults import HUNGRY_STARVATION, MOVE_DRAIN_SECONDS
 from zloader._host import loopback
-from zloader.broker import failures, history, pool, splits, status
+from zloader.broker import failures, pool, splits, views
 from zloader.broker.records import INHERITED, Job, Out, Tables, Worker
 from zloader.transport import messages
 from zloader.transport.protocol import Command
@@ -34,7 +34,7 @@ def _fill(state: Tables, now: float) -> list[Out]:
     with the fewest workers (static jobs take at most ``width``). Workers on a host
     with consumers go first (hybrid placement: shared memory is the cheapest path)."""
     out: list[Out] = []
-    if status.busy_workers(state) >= len(state.workers):  # (counted per job: cheap)
+    if views.busy_workers(state) >= len(state.workers):  # (counted per job: cheap)
         return out
     entitled = pool.shares(claims(state, now).values(), len(state.workers))
     job_hosts = {j.id: state.hosts(j) for j in state.jobs.values()}
@@ -85,9 +85,9 @@ def give(state: Tables, worker: Worker, job: Job, now: float) -> list[Out]:
     job.indices[task] = index
     worker.task, worker.moving_to = task, None
     worker.since = now
-    history.record(state, {"e": "task", "job": job.id, "task": task, "worker": worker.id,
+    state.record({"e": "task", "job": job.id, "task": task, "worker": worker.id,
                            "index": index})
-    return [task_message(worker, job), *status.tell_consumers(state, job)]
+    return [task_message(worker, job), *views.tell_consumers(state, job)]
 
 
 def task_message(worker: Worker, job: Job) -> Out:

@@ -252,6 +252,16 @@ class Tables:
         # the pool's moves (placement.py): MOVES_PER_SECOND, as many at once at most
         self.move_budget = Bucket(MOVES_PER_SECOND, MOVES_PER_SECOND)
 
+    def record(self, event: dict[str, Any]) -> None:
+        """Append ``event`` to the journal (nothing while it is replayed). A write that
+        fails (a full disk) marks the job: it could not be resumed after a restart
+        (``history.journal_errors`` tells its consumers)."""
+        if self.journal is not None and not self.replaying \
+                and not self.journal.record(event):
+            job = event.get("id") if event["e"] == "job" else event.get("job")
+            if isinstance(job, str):
+                self.unjournaled.add(job)
+
     @property
     def expiry(self) -> float:
         """Seconds of silence after which a peer is taken for dead."""

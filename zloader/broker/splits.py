@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from zloader.broker import history
 from zloader.broker.records import Job, Out, Pass, PassKey, Tables
 from zloader.lineage import pack
 from zloader.mixing import input_of
@@ -66,7 +65,7 @@ def split_request(state: Tables, identity: bytes, msg: SplitReq, now: float) -> 
         if origin != key:
             job.origin_of[(key, split)] = origin
             event["origin"] = list(origin)
-        history.record(state, event)
+        state.record(event)
     else:
         handing.over.add(worker.id)  # its pass ends: it asks for no other split
         if not have:
@@ -125,7 +124,7 @@ def pass_done(state: Tables, identity: bytes, msg: PassDone, now: float) -> list
     mark_read(job, key, worker.id)
     if worker.current and worker.current[0] == key:
         worker.current = None
-    history.record(state, {"e": "done", "job": job.id, "pass": list(key),
+    state.record({"e": "done", "job": job.id, "pass": list(key),
                            "worker": worker.id})
     return []
 
@@ -145,7 +144,7 @@ def mark_read(job: Job, key: PassKey, worker_id: str) -> None:
 
 def requeue(state: Tables, job: Job, key: PassKey, split: int, skip: dict[str, Any]) -> None:
     """Hand ``split`` of pass ``key`` out again (to skip ``skip``), ahead of new ones."""
-    history.record(state, {"e": "requeue", "job": job.id, "pass": list(key), "split": split,
+    state.record({"e": "requeue", "job": job.id, "pass": list(key), "split": split,
                            "skip": skip})
     handing = dispenser(state, job, key)
     handing.requeued.append(split)

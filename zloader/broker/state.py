@@ -5,16 +5,19 @@ message (zloader/transport/messages.py: every field checked already) and the tim
 updates the records (``records.py``), and returns the messages to send as :class:`Out`
 tuples; the broker loop (``loop.py``) only moves bytes. :class:`State` holds
 the tables and names each transition; the transitions themselves live in one module per
-concern:
+concern, each importing only those listed before it (docs/architecture.md):
 
-- ``peers.py``: workers' READY, HEARTBEAT and LOG; consumers' HEARTBEAT;
-- ``jobs.py``: REGISTER, EPOCH, BYE, dropped consumers, collecting jobs (``tick``);
 - ``splits.py``: SPLIT_REQ, PASS_DONE, re-queued splits;
-- ``placement.py``: which worker runs which job (the pool's policy is ``pool.py``);
-- ``failures.py``: workers that die, are stuck or move; fences (DELIVERED); TASK_FAILED;
 - ``coordinated.py``: ROUND_REQ, RECEIVED, COMMIT;
-- ``history.py``: the journal: record, replay (``restore``), ``snapshot``;
-- ``status.py``: JOB views, STATUS, metrics, starvation samples.
+- ``views.py``: a job's view (JOB) and telling its consumers;
+- ``failures.py``: workers that die, are stuck or move; fences (DELIVERED);
+- ``placement.py``: which worker runs which job (the pool's policy is ``pool.py``);
+- ``status.py``: heartbeats' views, STATUS, metrics, starvation samples;
+- ``peers.py``: workers' READY, HEARTBEAT and LOG; consumers' HEARTBEAT;
+- ``jobs.py``: REGISTER, EPOCH, BYE, TASK_FAILED, dropped consumers, collecting jobs
+  (``tick``);
+- ``history.py``: the journal's replay (``restore``) and ``snapshot``; every concern
+  records its events through ``Tables.record`` (``records.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from zloader._defaults import COMPACT_LINES
 from zloader.broker import (
     coordinated,
     failures,
@@ -30,6 +34,7 @@ from zloader.broker import (
     peers,
     splits,
     status,
+    views,
 )
 from zloader.broker.records import FENCE_GRACE, KILLS_TO_FAIL, Job, Out, Tables
 from zloader.transport.messages import (
@@ -91,8 +96,15 @@ class State(Tables):
         return jobs.bye(self, identity, now)
 
     def tick(self, now: float) -> list[Out]:
-        """Purge silent peers, collect abandoned jobs, place workers (every heartbeat)."""
-        return jobs.tick(self, now)
+        """Purge silent peers, collect abandoned jobs, place workers (every heartbeat);
+        compact the journal once it holds ``COMPACT_LINES`` lines."""
+        out = jobs.tick(self, now)
+        if self.journal is not None and self.journal.lines > COMPACT_LINES:
+            self.journal.compact(history.snapshot(self))
+        return out
+
+    def task_failed(self, identity: bytes, msg: TaskFailed, now: float) -> list[Out]:
+        return jobs.task_failed(self, identity, msg, now)
 
     # --- splits (splits.py) ---------------------------------------------------------------
 
@@ -103,9 +115,6 @@ class State(Tables):
         return splits.pass_done(self, identity, msg, now)
 
     # --- failures and fences (failures.py) ------------------------------------------------
-
-    def task_failed(self, identity: bytes, msg: TaskFailed, now: float) -> list[Out]:
-        return failures.task_failed(self, identity, msg, now)
 
     def delivered(self, identity: bytes, msg: Delivered, now: float) -> list[Out]:
         return failures.delivered(self, identity, msg, now)
@@ -138,7 +147,7 @@ class State(Tables):
     # --- what the broker tells (status.py) ------------------------------------------------
 
     def job_view(self, job: Job) -> dict[str, Any]:
-        return status.job_view(self, job)
+        return views.job_view(self, job)
 
     def heartbeats(self) -> list[Out]:
         return status.heartbeats(self)

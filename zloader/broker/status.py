@@ -1,6 +1,7 @@
-"""What the broker tells: each job's view for its consumers (JOB), ``zloader status``
-(STATUS), the metrics snapshot (``zloader-broker --metrics-port``), and each job's
-starvation and desired workers sampled on the way (``zloader/autoscale.py``).
+"""What the broker tells: every heartbeat, each job's view for its consumers (JOB, made
+in ``views.py``), ``zloader status`` (STATUS), the metrics snapshot (``zloader-broker
+--metrics-port``), and each job's starvation and desired workers sampled on the way
+(``zloader/autoscale.py``).
 """
 
 from __future__ import annotations
@@ -16,68 +17,14 @@ from zloader._defaults import (
     STATUS_LIST_ITEMS,
     STATUS_REPLY_BYTES,
 )
-from zloader.broker import coordinated, placement, pool, splits
+from zloader.broker import coordinated, placement, pool
 from zloader.broker.records import Job, Out, Tables, Worker
+from zloader.broker.views import busy_workers, job_view
 from zloader.transport.protocol import Command, ProtocolError
 
-__all__ = ["heartbeats", "job_view", "metrics", "sample", "status",
-           "tell_consumers"]
+__all__ = ["heartbeats", "metrics", "sample", "status"]
 
 log = logging.getLogger("zloader.broker")
-
-
-def job_view(state: Tables, job: Job, busy: int | None = None) -> dict[str, Any]:
-    """The JOB body: the job's workers, failures, pending re-reads, rounds and fences.
-    ``busy``: how many of the broker's workers run a task (counted here if not given: a
-    caller making many views counts once)."""
-    workers: list[dict[str, Any]] = []
-    for task, worker_id in job.tasks.items():
-        worker = state.workers.get(worker_id)
-        if worker is not None:
-            workers.append({"worker": worker.id, "task": task,
-                            "endpoint": worker.endpoint,
-                            "host_id": worker.host_id, "index": job.indices[task],
-                            "pid": worker.pid, "host": worker.host,
-                            "plain_data": worker.plain_data})
-            if worker.doing is not None:
-                workers[-1]["doing"] = worker.doing
-    workers.sort(key=lambda w: w["index"])
-    view = {"job": job.id, "workers": workers, "failed": job.failed, "error": job.error,
-            "heartbeat": state.heartbeat, "consumers": len(job.consumers | set(job.silent)),
-            "busy_elsewhere": (busy_workers(state) if busy is None else busy)
-            - sum(1 for t, w in job.tasks.items()
-                  if (worker := state.workers.get(w)) is not None and worker.task == t),
-            "pending": splits.pending(job), "share": job.share, "epoch": job.epoch,
-            "width": job.width, "entropy": job.entropy,
-            "stages": {k: round(v, 3) for k, v in job.stages.items()},
-            "state": "failed" if job.error else "running"}
-    if job.rounds is not None:
-        view["rounds"] = job.rounds.view()
-    if job.fences:
-        view["fences"] = [{"id": token, "worker": fence.worker, "task": fence.task,
-                           "splits": [[list(key), split] for key, split in fence.splits],
-                           "waiting": sorted(fence.waiting)}
-                          for token, fence in job.fences.items()]
-        fencing: dict[str, int] = {}
-        for fence in job.fences.values():
-            for key, _ in fence.splits:
-                fencing[str(key[0])] = fencing.get(str(key[0]), 0) + 1
-        view["fencing"] = fencing
-    return view
-
-
-def tell_consumers(state: Tables, job: Job) -> list[Out]:
-    """The job's view, to each of its consumers."""
-    view = job_view(state, job)
-    return [Out(c.identity, Command.JOB, view) for c in state.consumers_of(job)]
-
-
-def busy_workers(state: Tables) -> int:
-    """How many of the broker's workers run a task: the jobs' tasks, counted per job (a
-    task is its worker's from ``placement.give`` to ``failures.leave`` or
-    ``jobs.release``, which change both), not per worker (every consumer's heartbeat
-    answer counts them, and a fleet's workers outnumber its jobs)."""
-    return sum(len(j.tasks) for j in state.jobs.values())
 
 
 def heartbeats(state: Tables) -> list[Out]:
