@@ -110,10 +110,10 @@ def test_the_broker_marks_remote_workers_surplus_before_local_ones():
     register(state, "c1")
     (j,) = state.jobs.values()
     assert len(j.tasks) == 2
-    j.desired = 1
+    j.metrics.desired = 1
     marks = {w["worker"]: w["surplus"] for w in state.status(0.0)["workers"]}
     assert marks == {"remote": True, "local": False}
-    j.desired = 2
+    j.metrics.desired = 2
     assert not any(w["surplus"] for w in state.status(0.0)["workers"])
 
 
@@ -121,7 +121,7 @@ def test_a_lacking_job_gets_local_idle_workers_first():
     state = State()
     register(state, "c1")  # no workers yet: the job lacks one
     (j,) = state.jobs.values()
-    j.desired = 1
+    j.metrics.desired = 1
     ready(state, "remote", "other/boot/ns")
     assert len(j.tasks) == 1  # a worker that arrives alone is taken
     state2 = State()
@@ -131,7 +131,7 @@ def test_a_lacking_job_gets_local_idle_workers_first():
     ready(state2, "remote", "other/boot/ns")
     ready(state2, "local", "h/boot/ns")
     j2.consumers.add("c1")
-    j2.desired = 1
+    j2.metrics.desired = 1
     state2.tick(0.0)
     assigned = {state2.workers[w].host_id for w in j2.tasks.values()}
     assert "h/boot/ns" in assigned

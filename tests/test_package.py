@@ -45,7 +45,7 @@ LAYERS = {
     # the broker: records and the pool's policy, the concerns one above the other (each
     # calls only those below it), the journal's replay on them, the facade, the loop
     "broker.records": 6.0, "broker.pool": 6.0, "broker.admission": 6.1,
-    "broker.events": 6.1, "broker.splits": 6.1, "broker.coordinated": 6.1,
+    "broker.events": 6.05, "broker.splits": 6.1, "broker.coordinated": 6.1,
     "broker.views": 6.15, "broker.failures": 6.2, "broker.placement": 6.22,
     "broker.status": 6.24, "broker.peers": 6.26, "broker.jobs": 6.28,
     "broker.history": 6.3, "broker.state": 6.32, "broker.descriptors": 6.35,

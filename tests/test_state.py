@@ -128,7 +128,7 @@ def test_a_split_that_kills_its_worker_three_times_is_reported_not_rerun():
         state.tick(now)
         assert name not in state.workers
     job = next(iter(state.jobs.values()))
-    assert len(job.failed) == 1 and job.failed[0]["split"] == 0
+    assert len(job.dispatch.failed) == 1 and job.dispatch.failed[0]["split"] == 0
     task = task_of(ready(state, "survivor", now))
     assert split(state, "survivor", task, now=now) == 1
     assert split(state, "survivor", task, now=now) is None
@@ -150,8 +150,8 @@ def test_a_death_counts_against_the_split_being_read_not_the_one_asked_for_ahead
     state.seen(b"c1", 10.0)
     state.tick(10.0)  # w1 died silent
     job = next(iter(state.jobs.values()))
-    assert job.kills == {0: 1}
-    assert sorted(job.passes[(0,)].requeued) == [0, 1]  # both read again
+    assert job.dispatch.kills == {0: 1}
+    assert sorted(job.dispatch.passes[(0,)].requeued) == [0, 1]  # both read again
 
 
 def test_same_job_name_with_another_fingerprint_is_refused_naming_both():
@@ -405,11 +405,11 @@ def test_a_broker_stall_expires_nobody_and_a_fence_asks_live_consumers_again():
         state.seen(b"c1", now)
         state.tick(now)
     assert job.fences, "a live consumer's answer was not waited for"
-    (listed,) = state.job_view(job)["fences"]
+    (listed,) = state.job_view(job).fences
     assert listed["waiting"] == ["c1"]  # asked again in every view
     state.delivered(b"c1", record(Command.DELIVERED, {
         "job": job.id, "fence": listed["id"], "splits": [[[0], 0, {"all": True}]]}), now)
-    assert not job.fences and not job.passes[(0,)].requeued  # it held split 0 whole
+    assert not job.fences and not job.dispatch.passes[(0,)].requeued  # it held split 0 whole
 
 
 def test_exactly_once_is_one_rule_for_dynamic_jobs_without_share_order_or_rounds():
@@ -459,7 +459,7 @@ def test_a_mix_s_requeued_split_is_served_only_to_a_pass_of_its_own_input():
         state.seen(b"w2", now)
         state.seen(b"c1", now)
         state.tick(now)
-    assert 0 in state.jobs[state.consumers["c1"].job].passes[a].requeued
+    assert 0 in state.jobs[state.consumers["c1"].job].dispatch.passes[a].requeued
     assert split(state, "w2", tasks["w2"], key=b, now=3.5) == 3  # b's own, not a's split 0
     assert split(state, "w2", tasks["w2"], key=b, now=3.5) is None
     assert split(state, "w2", tasks["w2"], key=a, now=3.5) == 0  # a's pass reads it again

@@ -19,8 +19,9 @@ the work dir) rather than misread it. Version 2: a job's ``options`` are its who
 ``share`` event).
 
 Replay trusts nothing it reads: a torn line, one that is not UTF-8 JSON, or an event whose
-fields are missing or of the wrong type (:data:`EVENTS` lists each event's fields) is
-skipped, and its line number kept in :attr:`Journal.skipped` for one warning.
+fields are missing or of the wrong type (zloader/broker/events.py: one record per kind,
+each field checked) is skipped, and its line number kept in :attr:`Journal.skipped` for
+one warning.
 """
 
 from __future__ import annotations
@@ -32,10 +33,9 @@ import logging
 import os
 import pathlib
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import IO, Any
 
-from zloader._defaults import WEIGHT_RANGE
 from zloader.errors import ZloaderError
 from zloader.transport.keys import unsafe_directory
 
@@ -44,126 +44,20 @@ __all__ = ["VERSION", "Journal", "JournalVersionError", "WorkDirError", "work_di
 log = logging.getLogger("zloader.broker")
 
 VERSION = 2
-"""The schema of the events below; bump it when an event changes shape or meaning."""
+"""The schema of the events (zloader/broker/events.py); bump it when an event changes
+shape or meaning."""
 
-Check = Callable[[Any], bool]
-
-
-def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _integer(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _is_event(line: Any) -> bool:
+    """Whether a parsed line is shaped as an event: an object naming its kind (``e``);
+    what each kind holds is the broker's to check (zloader/broker/events.py)."""
+    return isinstance(line, dict) and isinstance(line.get("e"), str)
 
 
-def _text(value: Any) -> bool:
-    return isinstance(value, str)
-
-
-def _flag(value: Any) -> bool:
-    return isinstance(value, bool)
-
-
-def _object(value: Any) -> bool:
-    return isinstance(value, dict)
-
-
-def _optional(check: Check) -> Check:
-    return lambda value: value is None or check(value)
-
-
-def _key(value: Any) -> bool:
-    """A pass key: [epoch, repeat, ...]."""
-    return isinstance(value, list) and bool(value) and all(map(_count, value))
-
-
-def _splits(value: Any) -> bool:
-    return isinstance(value, list) and all(map(_count, value))
-
-
-def _inputs(value: Any) -> bool:
-    """A mix's inputs: [[num_splits, shuffle_splits, seed or null], ...]."""
-    return isinstance(value, list) and bool(value) and all(
-        isinstance(item, list) and len(item) == 3 and _count(item[0]) and _flag(item[1])
-        and _optional(_integer)(item[2]) for item in value)
-
-
-def _holders(value: Any) -> bool:
-    """Worker id -> the splits it holds."""
-    return isinstance(value, dict) and all(map(_splits, value.values()))
-
-
-def _skips(value: Any) -> bool:
-    """Split (as JSON text) -> what to skip when it is read again."""
-    return isinstance(value, dict) and all(
-        key.isdigit() and isinstance(skip, dict) for key, skip in value.items())
-
-
-def _origins(value: Any) -> bool:
-    """[[split, pass key], ...]: the passes re-queued splits belong to."""
-    return isinstance(value, list) and all(
-        isinstance(pair, list) and len(pair) == 2 and _count(pair[0]) and _key(pair[1])
-        for pair in value)
-
-
-def _options(value: Any) -> bool:
-    """A job's options: the body of its ``JobOptions`` (zloader/options.py, which checks
-    each field again when the job is replayed)."""
-    return (isinstance(value, dict) and _text(value.get("sharding"))
-            and _flag(value.get("deterministic")) and _text(value.get("on_error"))
-            and all(_count(value.get(name))
-                    for name in ("num_workers", "balanced", "num_consumers"))
-            and _optional(_object)(value.get("share"))
-            and _flag(value.get("exactly_once")) and _weight(value.get("weight")))
-
-
-def _weight(value: Any) -> bool:
-    """A job's weight in the worker pool (zloader/broker/pool.py)."""
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and WEIGHT_RANGE[0] <= value <= WEIGHT_RANGE[1])
-
-
-EVENTS: dict[str, dict[str, Check]] = {
-    "journal": {"version": _count},  # the first line: the schema version
-    "worker": {"id": _text, "host": _text, "host_id": _text, "pid": _count,
-               "endpoint": _text, "prefer?": _optional(_text), "plain_data?": _flag},
-    "job": {"id": _text, "fingerprint": _text, "name": _optional(_text), "options": _options,
-            "num_splits": _count, "shuffle_splits": _flag, "seed": _optional(_integer),
-            "width": _count, "source_data": _optional(_object), "entropy": _integer,
-            "inputs?": _inputs},
-    "rounds": {"job": _text, "size": _count},
-    "task": {"job": _text, "task": _text, "worker": _text, "index": _count},
-    "split": {"job": _text, "pass": _key, "split": _count, "worker": _text,
-              "origin?": _key},
-    "requeue": {"job": _text, "pass": _key, "split": _count, "skip": _object},
-    "resume": {"job": _text, "epoch": _count, "delivered": lambda value: True},
-    "done": {"job": _text, "pass": _key, "worker": _text},
-    "epoch": {"job": _text, "epoch": _count},
-    "pass": {"job": _text, "pass": _key, "order": _splits, "requeued": _splits,
-             "handed": _holders, "read": _holders, "skips": _skips, "origins": _origins},
-    "failed": {"job": _text, "error": _object},
-    "end": {"job": _text},
-    "gone": {"worker": _text, "died?": _flag, "fenced?": _flag},
-    "left": {"job": _text, "task": _text, "worker": _text, "fenced?": _flag},
-}
-"""Each event kind's fields and their checks (``name?``: may be absent). ``resume``'s
-``delivered`` is checked where it is read (``Ledger.merge_json``)."""
-
-
-def well_formed(event: Any) -> bool:
-    """Whether ``event`` is an object of a known kind whose fields pass :data:`EVENTS`."""
-    kind = event.get("e") if isinstance(event, dict) else None
-    fields = EVENTS.get(kind) if isinstance(kind, str) else None
-    if fields is None:
-        return False
-    for name, check in fields.items():
-        if name.endswith("?"):
-            if name[:-1] in event and not check(event[name[:-1]]):
-                return False
-        elif name not in event or not check(event[name]):
-            return False
-    return True
+def _version_line(line: Any) -> bool:
+    """Whether a parsed line is the version line, ``{"e": "journal", "version": N}``."""
+    version = line.get("version") if isinstance(line, dict) else None
+    return (_is_event(line) and line["e"] == "journal" and isinstance(version, int)
+            and not isinstance(version, bool) and version >= 0)
 
 
 class WorkDirError(ZloaderError, PermissionError):
@@ -250,10 +144,9 @@ class Journal:
                     event = json.loads(line)
                 except Exception:  # a torn or corrupt line: replay skips it
                     continue
-                if well_formed(event):
-                    if event["e"] == "journal":
-                        return int(event["version"])
-                    events = True
+                if _version_line(event):
+                    return int(event["version"])
+                events = events or _is_event(event)
         return 1 if events else None
 
     def _open(self) -> int:
@@ -271,11 +164,13 @@ class Journal:
         return descriptor
 
     def replay(self) -> Iterator[tuple[int, dict[str, Any]]]:
-        """The well-formed events recorded so far, in order, with their line numbers.
+        """The events recorded so far (JSON objects naming their kind), in order, with
+        their line numbers; the reader checks each one's fields and adds the number of one
+        it cannot apply to :attr:`skipped`.
 
-        Every other line (torn, not UTF-8, not JSON, not a :func:`well_formed` event) is
-        skipped; its number goes to :attr:`skipped`. A journal that is not a regular file
-        (a device, a pipe) holds nothing to replay.
+        Every other line (torn, not UTF-8, not JSON, not an object with a kind ``e``, a
+        version line of another version) is skipped; its number goes to :attr:`skipped`.
+        A journal that is not a regular file (a device, a pipe) holds nothing to replay.
         """
         self.skipped = []
         if not self.path.is_file():
@@ -286,12 +181,12 @@ class Journal:
                     event = json.loads(line)
                 except Exception:  # not UTF-8, not JSON, nested too deep: skipped
                     event = None
-                if not well_formed(event):
+                if not _is_event(event):
                     self.skipped.append(number)
                     continue
                 if event["e"] == "journal":  # the version line, checked when opened
-                    if event["version"] != VERSION:  # one elsewhere: corrupt
-                        self.skipped.append(number)
+                    if not _version_line(event) or event["version"] != VERSION:
+                        self.skipped.append(number)  # one elsewhere: corrupt
                     continue
                 self.lines += 1
                 yield number, event

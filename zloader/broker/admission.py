@@ -14,7 +14,7 @@ import logging
 
 from zloader._defaults import REFUSALS_LOGGED_EVERY
 from zloader.broker.records import Out, Tables
-from zloader.transport.protocol import Command
+from zloader.transport.messages import Error
 
 __all__ = ["admit"]
 
@@ -32,7 +32,7 @@ def admit(state: Tables, identity: bytes, pipeline_bytes: int, now: float) -> li
         state.refusal_logged = now
         log.warning("refused a REGISTER from %s: %s (%d refused so far)", identity.hex(),
                     why, state.refused)
-    return [Out(identity, Command.ERROR, {"message": f"the broker refused a new job: {why}"})]
+    return [Out(identity, Error(message=f"the broker refused a new job: {why}"))]
 
 
 def _over(state: Tables, identity: bytes, pipeline_bytes: int) -> str | None:

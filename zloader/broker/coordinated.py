@@ -10,8 +10,7 @@ from typing import Any
 
 from zloader.broker.records import Job, Out, Tables
 from zloader.rounds import Rounds
-from zloader.transport.messages import Received, RoundReq
-from zloader.transport.protocol import Command
+from zloader.transport.messages import Commit, Received, Round, RoundReq
 
 __all__ = ["announce", "round_request", "round_status", "rounds_received"]
 
@@ -23,9 +22,9 @@ def round_request(state: Tables, identity: bytes, msg: RoundReq, now: float) -> 
     task, epoch, members = msg.task, msg.epoch, list(msg.members)
     job = state.job_of(task)
     if worker is None or job is None or job.rounds is None or worker.task != task:
-        return [Out(identity, Command.ROUND, {"task": task, "epoch": epoch, "round": None})]
+        return [Out(identity, Round(task=task, epoch=epoch, round=None))]
     number = job.rounds.issue(worker.id, epoch, members)
-    return [Out(identity, Command.ROUND, {"task": task, "epoch": epoch, "round": number})]
+    return [Out(identity, Round(task=task, epoch=epoch, round=number))]
 
 
 def rounds_received(state: Tables, identity: bytes, msg: Received, now: float) -> list[Out]:
@@ -41,8 +40,9 @@ def rounds_received(state: Tables, identity: bytes, msg: Received, now: float) -
     committed, again = job.rounds.got(consumer.id, epoch, numbers)
     out = announce(state, job, {epoch: committed} if committed else {}, {})
     if again["rounds"] or again["lost"]:  # answered to this consumer alone
-        out.append(Out(identity, Command.COMMIT, {"epoch": epoch, **again,
-                                                  "total_lost": job.rounds.lost}))
+        out.append(Out(identity, Commit(epoch=epoch, rounds=tuple(again["rounds"]),
+                                        lost=tuple(again["lost"]),
+                                        total_lost=job.rounds.lost)))
     return out
 
 
@@ -52,12 +52,12 @@ def announce(state: Tables, job: Job, committed: dict[int, list[int]],
     assert job.rounds is not None
     out = []
     for epoch in sorted(set(committed) | set(lost)):
-        body = {"epoch": epoch, "rounds": committed.get(epoch, []),
-                "lost": lost.get(epoch, []), "total_lost": job.rounds.lost}
+        commit = Commit(epoch=epoch, rounds=tuple(committed.get(epoch, ())),
+                        lost=tuple(lost.get(epoch, ())), total_lost=job.rounds.lost)
         for consumer_id in job.rounds.members.values():
             consumer = state.consumers.get(consumer_id)
             if consumer is not None:
-                out.append(Out(consumer.identity, Command.COMMIT, body))
+                out.append(Out(consumer.identity, commit))
     return out
 
 

@@ -1,28 +1,318 @@
-"""The broker's journal events (zloader/journal.py) made from its records: a worker's
-READY and a job's creation, which both the handlers and a snapshot of the tables
-(``history.snapshot``) write."""
+"""The broker's journal events (zloader/journal.py), one frozen record per kind.
+
+Every change the broker must survive a restart with is recorded as one of these through
+``Tables.record`` (records.py), one JSON line each (``{"e": kind, ...fields}``), and
+replayed by ``history.restore``, which parses each line with :func:`parse`: a line whose
+kind is unknown or whose fields are missing, of the wrong type or out of range is
+skipped (and counted), never half applied. The fields are checked as a message's are
+(zloader/transport/fields.py); lists that grow with the job (a pass's splits) are
+checked without the message limit on entries.
+
+The journal's schema version (``zloader.journal.VERSION``) names these shapes: change
+one, and bump it.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
-from zloader.broker.records import Job, Worker
+from zloader.broker.records import Job, Pass, PassKey, Worker
+from zloader.options import JobOptions
+from zloader.transport.fields import (
+    INDEX,
+    NAME,
+    PASS_KEY,
+    Body,
+    Wrong,
+    boolean,
+    fld,
+    integer,
+    is_int,
+    obj,
+    optional,
+    text,
+)
+from zloader.transport.messages import mix_inputs
+from zloader.transport.protocol import ProtocolError
 
-__all__ = ["job_event", "worker_event"]
+__all__ = ["KINDS", "EpochStarted", "Event", "JobCreated", "JobEnded", "JobFailed",
+           "JobResumed", "PassKept", "PassRead", "RoundsSet", "SplitHanded",
+           "SplitRequeued", "TaskGiven", "WorkerGone", "WorkerLeft", "WorkerReady", "parse"]
 
 
-def worker_event(worker: Worker) -> dict[str, Any]:
-    """The event that records a worker's READY."""
-    return {"e": "worker", "id": worker.id, "host": worker.host, "host_id": worker.host_id,
-            "pid": worker.pid, "endpoint": worker.endpoint, "prefer": worker.prefer,
-            "plain_data": worker.plain_data}
+# --- shapes that grow with a job (no MAX_ITEMS bound) ---------------------------------------
+
+def _splits(value: Any) -> list[int]:
+    if not (isinstance(value, list) and all(is_int(v) and v >= 0 for v in value)):
+        raise Wrong("must be a list of splits (integers >= 0)")
+    return value
 
 
-def job_event(job: Job) -> dict[str, Any]:
-    """The event that records a job's creation."""
-    return {"e": "job", "id": job.id, "fingerprint": job.fingerprint, "name": job.name,
-            "options": job.options.to_body(), "num_splits": job.num_splits,
-            "shuffle_splits": job.shuffle_splits, "seed": job.seed, "width": job.width,
-            "source_data": job.source_data, "entropy": job.entropy, "pipeline": job.pipeline,
-            **({"inputs": [list(item) for item in job.layout.inputs]}
-               if job.layout is not None else {})}
+def _holders(value: Any) -> dict[str, list[int]]:
+    """Worker id -> the splits it holds."""
+    if not isinstance(value, dict):
+        raise Wrong("must map worker ids to lists of splits")
+    for splits in value.values():
+        _splits(splits)
+    return value
+
+
+def _skips(value: Any) -> dict[str, Any]:
+    """Split (as JSON text) -> what to skip when it is read again."""
+    if not (isinstance(value, dict) and all(
+            isinstance(key, str) and key.isdigit() and isinstance(skip, dict)
+            for key, skip in value.items())):
+        raise Wrong("must map splits to what to skip")
+    return value
+
+
+def _origins(value: Any) -> list[Any]:
+    """[[split, pass key], ...]: the passes re-queued splits belong to."""
+    if not isinstance(value, list):
+        raise Wrong("must be a list of [split, pass key]")
+    for pair in value:
+        if not (isinstance(pair, list) and len(pair) == 2 and is_int(pair[0])
+                and pair[0] >= 0):
+            raise Wrong("must be a list of [split, pass key]")
+        PASS_KEY(pair[1])
+    return value
+
+
+def _inputs(value: Any) -> list[Any]:
+    if not mix_inputs(value):
+        raise Wrong("must be a mix's inputs, [[num_splits, shuffle_splits, seed], ...]")
+    return value
+
+
+def _anything(value: Any) -> Any:
+    return value  # read where it is used (JobResumed.delivered: Ledger.merge_json)
+
+
+# --- the events ------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class Event(Body):
+    """One journal line: ``{"e": KIND, ...fields}``."""
+
+    KIND: ClassVar[str]
+
+    @classmethod
+    def label(cls) -> str:
+        return f"journal event {cls.KIND!r}"
+
+    def to_body(self) -> dict[str, Any]:
+        return {"e": self.KIND, **super().to_body()}
+
+    @property
+    def job_id(self) -> str | None:
+        """The job it concerns (None: a worker's)."""
+        job = getattr(self, "job", None)
+        return job if isinstance(job, str) else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerReady(Event):
+    """A worker registered (READY)."""
+
+    KIND = "worker"
+    id: str = fld(NAME)
+    host: str = fld(text(255))
+    host_id: str = fld(NAME)
+    pid: int = fld(INDEX)
+    endpoint: str = fld(NAME)
+    prefer: str | None = fld(optional(NAME), None)
+    plain_data: bool = fld(boolean, False)
+
+    @classmethod
+    def of(cls, worker: Worker) -> WorkerReady:
+        return cls(id=worker.id, host=worker.host, host_id=worker.host_id, pid=worker.pid,
+                   endpoint=worker.endpoint, prefer=worker.prefer,
+                   plain_data=worker.plain_data)
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobCreated(Event):
+    """A job was made (its pipeline is kept beside the journal, by its id)."""
+
+    KIND = "job"
+    id: str = fld(NAME)
+    fingerprint: str = fld(NAME)
+    name: str | None = fld(optional(NAME))
+    options: JobOptions = fld(JobOptions.from_body)
+    num_splits: int = fld(INDEX)
+    shuffle_splits: bool = fld(boolean)
+    seed: int | None = fld(optional(integer()))
+    width: int = fld(INDEX)
+    source_data: dict[str, Any] | None = fld(optional(obj))
+    entropy: int = fld(integer())
+    pipeline: dict[str, Any] | None = fld(optional(obj), None)
+    inputs: list[Any] | None = fld(optional(_inputs), None, omit=True)
+
+    @property
+    def job_id(self) -> str | None:
+        return self.id
+
+    @classmethod
+    def of(cls, job: Job) -> JobCreated:
+        dispatch = job.dispatch
+        return cls(id=job.id, fingerprint=job.fingerprint, name=job.name, options=job.options,
+                   num_splits=dispatch.num_splits, shuffle_splits=dispatch.shuffle_splits,
+                   seed=dispatch.seed, width=job.width, source_data=job.source_data,
+                   entropy=job.entropy, pipeline=job.pipeline,
+                   inputs=[list(item) for item in dispatch.layout.inputs]
+                   if dispatch.layout is not None else None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundsSet(Event):
+    """A job reads in coordinated rounds of ``size`` consumers."""
+
+    KIND = "rounds"
+    job: str = fld(NAME)
+    size: int = fld(INDEX)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskGiven(Event):
+    """A worker took a task of a job, at a worker index."""
+
+    KIND = "task"
+    job: str = fld(NAME)
+    task: str = fld(NAME)
+    worker: str = fld(NAME)
+    index: int = fld(INDEX)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SplitHanded(Event):
+    """A split of a pass went to a worker (``origin``: the pass it belongs to, when it
+    was re-queued from another)."""
+
+    KIND = "split"
+    job: str = fld(NAME)
+    pass_: PassKey = fld(PASS_KEY, wire="pass")
+    split: int = fld(INDEX)
+    worker: str = fld(NAME)
+    origin: PassKey | None = fld(optional(PASS_KEY), None, omit=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SplitRequeued(Event):
+    """A split is to be read again, less what ``skip`` says."""
+
+    KIND = "requeue"
+    job: str = fld(NAME)
+    pass_: PassKey = fld(PASS_KEY, wire="pass")
+    split: int = fld(INDEX)
+    skip: dict[str, Any] = fld(obj)
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobResumed(Event):
+    """A resumed Loader's epoch and what it had yielded (a Ledger's JSON)."""
+
+    KIND = "resume"
+    job: str = fld(NAME)
+    epoch: int = fld(INDEX)
+    delivered: Any = fld(_anything)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PassRead(Event):
+    """A worker read every split it was handed in a pass (PASS_DONE)."""
+
+    KIND = "done"
+    job: str = fld(NAME)
+    pass_: PassKey = fld(PASS_KEY, wire="pass")
+    worker: str = fld(NAME)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EpochStarted(Event):
+    KIND = "epoch"
+    job: str = fld(NAME)
+    epoch: int = fld(INDEX)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PassKept(Event):
+    """A pass as it is (a compacted journal's, in place of its history)."""
+
+    KIND = "pass"
+    job: str = fld(NAME)
+    pass_: PassKey = fld(PASS_KEY, wire="pass")
+    order: list[int] = fld(_splits)
+    requeued: list[int] = fld(_splits)
+    handed: dict[str, list[int]] = fld(_holders)
+    read: dict[str, list[int]] = fld(_holders)
+    skips: dict[Any, Any] = fld(_skips)
+    origins: list[Any] = fld(_origins)
+
+    @classmethod
+    def of(cls, job: Job, key: PassKey, handing: Pass) -> PassKept:
+        return cls(job=job.id, pass_=key, order=list(handing.order),
+                   requeued=list(handing.requeued), handed=handing.handed,
+                   read=handing.read, skips=handing.skips,
+                   origins=[[split, list(origin)] for (k, split), origin
+                            in job.dispatch.origin_of.items() if k == key])
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobFailed(Event):
+    """The job's pipeline raised (TASK_FAILED): the job ends with this error."""
+
+    KIND = "failed"
+    job: str = fld(NAME)
+    error: dict[str, Any] = fld(obj)
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobEnded(Event):
+    KIND = "end"
+    job: str = fld(NAME)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerGone(Event):
+    """A worker left the broker: ``died``, or drained first (``clean``); ``fenced``: its
+    splits' re-queues follow as events of their own."""
+
+    KIND = "gone"
+    worker: str = fld(NAME)
+    died: bool = fld(boolean, False)
+    fenced: bool = fld(boolean, False, omit=True)
+    clean: bool = fld(boolean, False, omit=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerLeft(Event):
+    """A worker left a job's task for another job (``placement.preempt``)."""
+
+    KIND = "left"
+    job: str = fld(NAME)
+    task: str = fld(NAME)
+    worker: str = fld(NAME)
+    fenced: bool = fld(boolean, False, omit=True)
+    clean: bool = fld(boolean, False, omit=True)
+
+
+KINDS: dict[str, type[Event]] = {cls.KIND: cls for cls in (
+    WorkerReady, JobCreated, RoundsSet, TaskGiven, SplitHanded, SplitRequeued, JobResumed,
+    PassRead, EpochStarted, PassKept, JobFailed, JobEnded, WorkerGone, WorkerLeft)}
+"""Each kind's record."""
+
+
+def parse(line: Any) -> Event:
+    """The event a journal line holds.
+
+    Raises:
+        ProtocolError: an unknown kind, or a field missing, of the wrong type or out of
+            range (the message names the kind and the field).
+    """
+    kind = line.get("e") if isinstance(line, dict) else None
+    cls = KINDS.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ProtocolError(f"journal: no event of kind {str(kind)[:40]!r}")
+    return cls.from_body(line)
+

@@ -7,12 +7,14 @@ consumer's report of an epoch ended short (reread), and a broker that was itself
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 from collections.abc import Sequence
 from typing import Any
 
 from zloader.broker import coordinated, splits, views
+from zloader.broker.events import WorkerGone, WorkerLeft
 from zloader.broker.records import (
     FENCE_GRACE,
     KILLS_TO_FAIL,
@@ -25,8 +27,8 @@ from zloader.broker.records import (
     Worker,
 )
 from zloader.lineage import merge_info
-from zloader.transport.messages import Delivered
-from zloader.transport.protocol import Command, ProtocolError
+from zloader.transport.messages import Delivered, Release
+from zloader.transport.protocol import ProtocolError
 
 __all__ = ["complete_fences", "delivered", "drop_worker", "give_up", "leave", "reread",
            "stalled", "stuck"]
@@ -45,7 +47,7 @@ def drop_worker(state: Tables, worker_id: str, died: bool, now: float,
     state.peers.pop(worker.identity, None)
     job = state.job_of(worker.task)
     if job is None or worker.task is None:
-        state.record({"e": "gone", "worker": worker_id, "died": died})
+        state.record(WorkerGone(worker=worker_id, died=died))
         return []
     return leave(state, worker, job, worker.task, died, now, requeue, clean=clean)
 
@@ -69,24 +71,22 @@ def leave(state: Tables, worker: Worker, job: Job, task: str, died: bool, now: f
         worker.task, worker.current, worker.idle_since = None, None, now
         worker.moving_to = None
     lost: list[tuple[PassKey, int]] = []
-    for key, handing in job.passes.items():
+    for key, handing in job.dispatch.passes.items():
         for split in handing.handed.pop(worker_id, []):
             if died and current == (key, split):
-                job.kills[split] = job.kills.get(split, 0) + 1
-                if job.kills[split] >= KILLS_TO_FAIL:
-                    job.failed.append({"split": split, "pass": list(key), "message": (
+                job.dispatch.kills[split] = job.dispatch.kills.get(split, 0) + 1
+                if job.dispatch.kills[split] >= KILLS_TO_FAIL:
+                    job.dispatch.failed.append({"split": split, "pass": list(key), "message": (
                         f"split {split} was being read when its worker died "
                         f"{KILLS_TO_FAIL} times (last: worker pid {worker.pid} on "
                         f"{worker.host}); it is skipped")})
                     continue
-            lost.append((job.origin_of.get((key, split), key), split))
+            lost.append((job.dispatch.origin_of.get((key, split), key), split))
         read = handing.read.pop(worker_id, [])
         if job.track or not clean:
-            lost += [(job.origin_of.get((key, split), key), split) for split in read]
-    event: dict[str, Any] = ({"e": "left", "job": job.id, "task": task, "worker": worker_id}
-                             if stays else {"e": "gone", "worker": worker_id, "died": died})
-    if clean:
-        event["clean"] = True
+            lost += [(job.dispatch.origin_of.get((key, split), key), split) for split in read]
+    event = (WorkerLeft(job=job.id, task=task, worker=worker_id, clean=clean) if stays
+             else WorkerGone(worker=worker_id, died=died, clean=clean))
     grace = state.expiry * FENCE_GRACE
     asked = job.consumers | {c for c, t in job.silent.items() if now - t < grace}
     if job.track and lost and asked and not state.replaying:
@@ -125,17 +125,17 @@ def stuck(state: Tables, job: Job, consumer: Consumer,
             continue  # gone already, or not this consumer's job's worker
         why = confirmed(state, worker, float(report["seconds"]), now)
         if why:
-            job.unconfirmed += 1
+            job.metrics.unconfirmed += 1
             log.info("consumer %s reported worker %s (pid %d on %s) stuck for %.1f s, but %s: "
                      "kept (%d reports not confirmed in job %s)", consumer.id, worker.id,
                      worker.pid, worker.host, float(report["seconds"]), why,
-                     job.unconfirmed, job.id)
+                     job.metrics.unconfirmed, job.id)
             continue
         log.warning("worker %s (pid %d on %s) sent consumer %s nothing for %.1f s though "
                     "it held credits (doing %s): dropped from job %s as stuck",
                     worker.id, worker.pid, worker.host, consumer.id,
                     float(report["seconds"]), worker.doing, job.id)
-        out.append(Out(worker.identity, Command.RELEASE, {"task": worker.task}))
+        out.append(Out(worker.identity, Release(task=report["task"])))
         out += drop_worker(state, worker.id, died=True, now=now)
     return out
 
@@ -177,7 +177,8 @@ def reread(state: Tables, job: Job, consumer: Consumer,
             read[key[0]] = splits.read_splits(job, key[0])
         if split not in read[key[0]].get(key, set()) \
                 or (key, split) in fenced \
-                or any(split in p.requeued for k, p in job.passes.items() if k[0] == key[0]):
+                or any(split in p.requeued
+                       for k, p in job.dispatch.passes.items() if k[0] == key[0]):
             continue
         try:
             skip = splits.skip(merge_info(None, info))
@@ -213,7 +214,8 @@ def complete_fences(state: Tables, job: Job) -> list[Out]:
     done = [token for token, fence in job.fences.items() if not fence.waiting]
     for token in done:
         fence = job.fences.pop(token)
-        state.record({**fence.event, "fenced": True})
+        if fence.event is not None:
+            state.record(dataclasses.replace(fence.event, fenced=True))
         for key, split in fence.splits:
             info = fence.replies.get((key, split), {})
             if not info.get("all") and (key[0] >= job.epoch - 1):

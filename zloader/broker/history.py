@@ -13,12 +13,28 @@ from collections.abc import Callable
 from typing import Any
 
 from zloader.broker import failures, jobs, splits
-from zloader.broker.events import job_event, worker_event
-from zloader.broker.records import Job, Out, Pass, Tables, Worker
+from zloader.broker.events import (
+    EpochStarted,
+    Event,
+    JobCreated,
+    JobEnded,
+    JobFailed,
+    JobResumed,
+    PassKept,
+    PassRead,
+    RoundsSet,
+    SplitHanded,
+    SplitRequeued,
+    TaskGiven,
+    WorkerGone,
+    WorkerLeft,
+    WorkerReady,
+    parse,
+)
+from zloader.broker.records import Dispatch, Job, Out, Pass, Tables, Worker
 from zloader.mixing import layout_of
-from zloader.options import JobOptions
 from zloader.rounds import Rounds
-from zloader.transport.protocol import Command
+from zloader.transport.messages import Error
 
 __all__ = ["APPLY", "journal_errors", "restore", "snapshot"]
 
@@ -41,8 +57,8 @@ def journal_errors(state: Tables) -> list[Out]:
             consumer = state.consumers.get(consumer_id)
             if consumer is not None:
                 state.told.add(consumer_id)
-                out.append(Out(consumer.identity, Command.ERROR,
-                               {"message": state.journal.failure}))
+                out.append(Out(consumer.identity,
+                               Error(message=state.journal.failure or "")))
     return out
 
 
@@ -56,11 +72,11 @@ def restore(state: Tables, now: float) -> int:
     state.replaying = True
     journal = state.journal
     try:
-        for number, event in journal.replay():
+        for number, line in journal.replay():
             try:
-                _apply(state, event, now)
+                _apply(state, parse(line), now)
             except Exception:  # one bad line must not stop the broker
-                log.debug("journal line %d: cannot apply %s", number, event, exc_info=True)
+                log.debug("journal line %d: cannot apply %s", number, line, exc_info=True)
                 journal.skipped.append(number)
     finally:
         state.replaying = False
@@ -71,152 +87,140 @@ def restore(state: Tables, now: float) -> int:
                     len(journal.skipped), shown, ", ..." if len(journal.skipped) > 20 else "")
     for job in state.jobs.values():
         job.idle_since = now  # collected unless a consumer comes back
-        job.scaler.cooldown = state.cooldown
+        job.metrics.scaler.cooldown = state.cooldown
     return len(state.jobs)
 
 
-def _apply(state: Tables, event: dict[str, Any], now: float) -> None:
-    """Replay one event (its fields were checked by ``zloader.journal.well_formed``): a
-    worker's or a job's through its kind's function in :data:`APPLY`; a job's other
-    events only while the job is known (one whose pipeline file is gone is not)."""
-    apply = APPLY[event["e"]]
-    if event["e"] in _OF_NO_JOB:
+def _apply(state: Tables, event: Event, now: float) -> None:
+    """Replay one event through its kind's function in :data:`APPLY`: a worker's and a
+    job's creation always; a job's other events only while the job is known (one whose
+    pipeline file is gone is not)."""
+    apply = APPLY[type(event)]
+    if isinstance(event, (WorkerReady, WorkerGone, JobCreated)):
         apply(state, None, event, now)
         return
-    job = state.jobs.get(str(event.get("job")))
+    job = state.jobs.get(event.job_id or "")
     if job is not None:
         apply(state, job, event, now)
 
 
-def _worker(state: Tables, job: None, event: dict[str, Any], now: float) -> None:
+def _worker(state: Tables, job: None, event: WorkerReady, now: float) -> None:
     """A worker's READY: it is back as it was, and must reconnect to keep its task."""
-    state.workers[event["id"]] = Worker(
-        event["id"], b"", event["host"], event["host_id"], int(event["pid"]),
-        event["endpoint"], event.get("prefer"), now,
-        plain_data=event.get("plain_data") is True, idle_since=now)
+    state.workers[event.id] = Worker(
+        event.id, b"", event.host, event.host_id, event.pid, event.endpoint, event.prefer,
+        now, plain_data=event.plain_data, idle_since=now)
 
 
-def _job(state: Tables, job: None, event: dict[str, Any], now: float) -> None:
+def _job(state: Tables, job: None, event: JobCreated, now: float) -> None:
     """A job's registration; a job whose pipeline file is gone is not restored."""
-    blob = state.journal.load_pipeline(event["id"]) if state.journal else None
+    blob = state.journal.load_pipeline(event.id) if state.journal else None
     if blob is None:
         return
-    state.jobs[event["id"]] = Job(
-        event["id"], event["fingerprint"], event["name"],
-        JobOptions.from_body(event["options"]), blob,  # Wrong: the line is skipped
-        event["num_splits"], event["shuffle_splits"], event["seed"], event["width"],
-        event["source_data"], event["entropy"], now,
-        pipeline=dict(event["pipeline"]) if event.get("pipeline") else None,
-        layout=layout_of(event.get("inputs")))
+    dispatch = Dispatch(event.num_splits, event.shuffle_splits, event.seed,
+                        layout_of(event.inputs))
+    state.jobs[event.id] = Job(
+        event.id, event.fingerprint, event.name, event.options, blob, dispatch, event.width,
+        event.source_data, event.entropy, now,
+        pipeline=dict(event.pipeline) if event.pipeline else None)
 
 
-def _gone(state: Tables, job: None, event: dict[str, Any], now: float) -> None:
+def _gone(state: Tables, job: None, event: WorkerGone, now: float) -> None:
     """A worker left the broker (dead, or drained and gone)."""
-    failures.drop_worker(state, event["worker"], bool(event.get("died")), now,
-                         requeue=not event.get("fenced"), clean=event.get("clean") is True)
+    failures.drop_worker(state, event.worker, event.died, now, requeue=not event.fenced,
+                         clean=event.clean)
 
 
-def _left(state: Tables, job: Job, event: dict[str, Any], now: float) -> None:
+def _left(state: Tables, job: Job, event: WorkerLeft, now: float) -> None:
     """A worker moved to another job (``placement.preempt``)."""
-    worker = state.workers.get(event["worker"])
-    if worker is not None and event["task"] in job.tasks:
-        failures.leave(state, worker, job, event["task"], False, now,
-                       requeue=not event.get("fenced"), stays=True,
-                       clean=event.get("clean") is True)
+    worker = state.workers.get(event.worker)
+    if worker is not None and event.task in job.tasks:
+        failures.leave(state, worker, job, event.task, False, now,
+                       requeue=not event.fenced, stays=True, clean=event.clean)
 
 
-def _rounds(state: Tables, job: Job, event: dict[str, Any], now: float) -> None:
-    job.rounds = Rounds(int(event["size"]))
+def _rounds(state: Tables, job: Job, event: RoundsSet, now: float) -> None:
+    job.rounds = Rounds(event.size)
 
 
-def _task(state: Tables, job: Job, event: dict[str, Any], now: float) -> None:
-    job.tasks[event["task"]] = event["worker"]
-    job.indices[event["task"]] = int(event["index"])
-    if event["worker"] in state.workers:
-        state.workers[event["worker"]].task = event["task"]
+def _task(state: Tables, job: Job, event: TaskGiven, now: float) -> None:
+    job.tasks[event.task] = event.worker
+    job.indices[event.task] = event.index
+    if event.worker in state.workers:
+        state.workers[event.worker].task = event.task
 
 
-def _split(state: Tables, job: Job, event: dict[str, Any], now: float) -> None:
-    key = tuple(event["pass"])
-    splits.take(state, job, event["worker"], key, int(event["split"]))
-    if event.get("origin"):
-        job.origin_of[(key, int(event["split"]))] = tuple(event["origin"])
+def _split(state: Tables, job: Job, event: SplitHanded, now: float) -> None:
+    splits.take(state, job, event.worker, event.pass_, event.split)
+    if event.origin:
+        job.dispatch.origin_of[(event.pass_, event.split)] = event.origin
 
 
-def _requeue(state: Tables, job: Job, event: dict[str, Any], now: float) -> None:
-    splits.requeue(state, job, tuple(event["pass"]), int(event["split"]), event["skip"])
+def _requeue(state: Tables, job: Job, event: SplitRequeued, now: float) -> None:
+    splits.requeue(state, job, event.pass_, event.split, event.skip)
 
 
-def _resume(state: Tables, job: Job, event: dict[str, Any], now: float) -> None:
-    jobs.resume(state, job, event)
+def _resume(state: Tables, job: Job, event: JobResumed, now: float) -> None:
+    jobs.resume(state, job, {"epoch": event.epoch, "delivered": event.delivered})
 
 
-def _done(state: Tables, job: Job, event: dict[str, Any], now: float) -> None:
-    if tuple(event["pass"]) in job.passes:
-        splits.mark_read(job, tuple(event["pass"]), event["worker"])
-    worker = state.workers.get(event["worker"])
+def _done(state: Tables, job: Job, event: PassRead, now: float) -> None:
+    if event.pass_ in job.dispatch.passes:
+        splits.mark_read(job, event.pass_, event.worker)
+    worker = state.workers.get(event.worker)
     if worker is not None:
         worker.current = None
 
 
-def _epoch(state: Tables, job: Job, event: dict[str, Any], now: float) -> None:
-    job.epoch = max(job.epoch, int(event["epoch"]))
+def _epoch(state: Tables, job: Job, event: EpochStarted, now: float) -> None:
+    job.epoch = max(job.epoch, event.epoch)
 
 
-def _pass(state: Tables, job: Job, event: dict[str, Any], now: float) -> None:
+def _pass(state: Tables, job: Job, event: PassKept, now: float) -> None:
     """A pass as a compacted journal keeps it."""
-    key = tuple(event["pass"])
-    job.passes[key] = Pass(
-        deque(event["order"]), {w: list(s) for w, s in event["handed"].items()},
-        deque(event["requeued"]), {w: list(s) for w, s in event["read"].items()},
-        {int(split): skip for split, skip in event["skips"].items()})
-    for split, origin in event["origins"]:
-        job.origin_of[(key, int(split))] = tuple(origin)
+    key = event.pass_
+    job.dispatch.passes[key] = Pass(
+        deque(event.order), {w: list(s) for w, s in event.handed.items()},
+        deque(event.requeued), {w: list(s) for w, s in event.read.items()},
+        {int(split): skip for split, skip in event.skips.items()})
+    for split, origin in event.origins:
+        job.dispatch.origin_of[(key, int(split))] = tuple(origin)
 
 
-def _failed(state: Tables, job: Job, event: dict[str, Any], now: float) -> None:
-    job.error = event["error"]
+def _failed(state: Tables, job: Job, event: JobFailed, now: float) -> None:
+    job.error = event.error
     jobs.release(state, job, now)
 
 
-def _end(state: Tables, job: Job, event: dict[str, Any], now: float) -> None:
+def _end(state: Tables, job: Job, event: JobEnded, now: float) -> None:
     jobs.release(state, job, now)
     del state.jobs[job.id]
 
 
-APPLY: dict[str, Callable[[Tables, Any, dict[str, Any], float], None]] = {
-    "worker": _worker, "job": _job, "gone": _gone, "left": _left, "rounds": _rounds,
-    "task": _task, "split": _split, "requeue": _requeue, "resume": _resume, "done": _done,
-    "epoch": _epoch, "pass": _pass, "failed": _failed, "end": _end,
+APPLY: dict[type[Event], Callable[[Tables, Any, Any, float], None]] = {
+    WorkerReady: _worker, JobCreated: _job, WorkerGone: _gone, WorkerLeft: _left,
+    RoundsSet: _rounds, TaskGiven: _task, SplitHanded: _split, SplitRequeued: _requeue,
+    JobResumed: _resume, PassRead: _done, EpochStarted: _epoch, PassKept: _pass,
+    JobFailed: _failed, JobEnded: _end,
 }
-"""Each journal event's kind -> how a restarted broker replays it into the tables."""
-
-_OF_NO_JOB = frozenset({"worker", "job", "gone"})
-"""The kinds that are not a known job's events (a worker's, or a job's creation)."""
+"""Each journal event's record -> how a restarted broker replays it into the tables."""
 
 
-def snapshot(state: Tables) -> list[dict[str, Any]]:
+def snapshot(state: Tables) -> list[Event]:
     """The journal events that rebuild the state as it is now (for compaction)."""
-    events: list[dict[str, Any]] = [worker_event(w) for w in state.workers.values()]
+    events: list[Event] = [WorkerReady.of(w) for w in state.workers.values()]
     for job in state.jobs.values():
-        events.append(job_event(job))
+        events.append(JobCreated.of(job))
         if job.rounds is not None:
-            events.append({"e": "rounds", "job": job.id, "size": job.rounds.size})
-        events.append({"e": "epoch", "job": job.id, "epoch": job.epoch})
-        if job.resume is not None:
-            events.append({"e": "resume", "job": job.id, "epoch": job.resume[0],
-                           "delivered": job.resume[1].to_json()})
+            events.append(RoundsSet(job=job.id, size=job.rounds.size))
+        events.append(EpochStarted(job=job.id, epoch=job.epoch))
+        if job.dispatch.resume is not None:
+            epoch, ledger = job.dispatch.resume
+            events.append(JobResumed(job=job.id, epoch=epoch, delivered=ledger.to_json()))
         for task, worker in job.tasks.items():
-            events.append({"e": "task", "job": job.id, "task": task, "worker": worker,
-                           "index": job.indices[task]})
-        for key, dispenser in job.passes.items():
-            events.append({"e": "pass", "job": job.id, "pass": list(key),
-                           "order": list(dispenser.order),
-                           "requeued": list(dispenser.requeued),
-                           "handed": dispenser.handed, "read": dispenser.read,
-                           "skips": dispenser.skips,
-                           "origins": [[split, list(origin)] for (k, split), origin
-                                       in job.origin_of.items() if k == key]})
+            events.append(TaskGiven(job=job.id, task=task, worker=worker,
+                                    index=job.indices[task]))
+        for key, dispenser in job.dispatch.passes.items():
+            events.append(PassKept.of(job, key, dispenser))
         if job.error is not None:
-            events.append({"e": "failed", "job": job.id, "error": job.error})
+            events.append(JobFailed(job=job.id, error=job.error))
     return events

@@ -5,6 +5,7 @@ with an error; and a job without consumers is collected.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 from typing import Any
@@ -14,7 +15,6 @@ from zloader._host import host_id, running
 from zloader.broker import (
     admission,
     coordinated,
-    events,
     failures,
     peers,
     placement,
@@ -22,13 +22,30 @@ from zloader.broker import (
     status,
     views,
 )
-from zloader.broker.records import FENCE_GRACE, INHERITED, Consumer, Job, Out, Tables
+from zloader.broker.events import (
+    EpochStarted,
+    JobCreated,
+    JobEnded,
+    JobFailed,
+    JobResumed,
+    RoundsSet,
+)
+from zloader.broker.records import (
+    FENCE_GRACE,
+    INHERITED,
+    Consumer,
+    Dispatch,
+    Job,
+    Out,
+    Tables,
+)
 from zloader.lineage import Ledger, pack
 from zloader.mixing import layout_of
 from zloader.options import JobOptions
 from zloader.rounds import Rounds
 from zloader.sharing.options import KEY_OPTIONS
-from zloader.transport.messages import Epoch, Register, TaskFailed
+from zloader.transport.messages import ConsumerGone, Epoch, Error, Register, Release, TaskFailed
+from zloader.transport.messages import Job as JobView
 from zloader.transport.protocol import Command, ProtocolError
 
 __all__ = ["bye", "drop_consumer", "epoch_started", "register", "release", "resume",
@@ -75,7 +92,7 @@ def register(state: Tables, identity: bytes, msg: Register, now: float) -> list[
             mismatch += (f" (its consumers went silent: it is kept for them "
                          f"{max(0.0, remaining):.0f} s more, then released)")
         if mismatch:
-            return [Out(identity, Command.ERROR, {"message": mismatch})]
+            return [Out(identity, Error(message=mismatch))]
     else:
         refused = admission.admit(state, identity, len(msg.blob), now)
         if refused:
@@ -84,13 +101,13 @@ def register(state: Tables, identity: bytes, msg: Register, now: float) -> list[
         resume(state, job, msg.resume)
         if coordinated_at:
             job.rounds = Rounds(coordinated_at[0])
-            state.record({"e": "rounds", "job": job.id, "size": coordinated_at[0]})
+            state.record(RoundsSet(job=job.id, size=coordinated_at[0]))
     out: list[Out] = []
     joined: dict[str, int] | None = None
     if job.rounds is not None and coordinated_at:
         why = job.rounds.replaced.get(consumer_id)
         if why:
-            return [Out(identity, Command.ERROR, {"message": why})]
+            return [Out(identity, Error(message=why))]
         holder = job.rounds.members.get(coordinated_at[1])
         if holder is not None and holder != consumer_id:
             out += _replace(state, job, holder, coordinated_at[1], msg, now)
@@ -104,8 +121,8 @@ def register(state: Tables, identity: bytes, msg: Register, now: float) -> list[
                 if o.identity != identity or o.command is not Command.JOB]
     view = views.job_view(state, job)
     if joined is not None:
-        view["joined"] = joined
-    return [*out, *assigned, Out(identity, Command.JOB, view)]
+        view = dataclasses.replace(view, joined=joined)
+    return [*out, *assigned, Out(identity, view)]
 
 
 def _place(msg: Register) -> tuple[int, int] | None:
@@ -164,10 +181,9 @@ def resume(state: Tables, job: Job, value: Any) -> None:
         ledger.merge_json(value.get("delivered"))
     except ValueError as exc:
         raise ProtocolError(f"REGISTER: resume: {exc}") from None
-    job.resume = (value["epoch"], ledger)
+    job.dispatch.resume = (value["epoch"], ledger)
     job.epoch = max(job.epoch, value["epoch"])
-    state.record({"e": "resume", "job": job.id, "epoch": value["epoch"],
-                           "delivered": ledger.to_json()})
+    state.record(JobResumed(job=job.id, epoch=value["epoch"], delivered=ledger.to_json()))
 
 
 def _replace(state: Tables, job: Job, holder: str, index: int, msg: Register,
@@ -182,8 +198,8 @@ def _replace(state: Tables, job: Job, holder: str, index: int, msg: Register,
         f"consumer (pid {msg.pid}), as a restarted consumer does; if this "
         f"one ({where}) is still meant to run, two consumers were given the same "
         "consumer_index")
-    return [Out(o.identity, o.command, {**o.body, "replaced": True}, o.payload)
-            if o.command is Command.CONSUMER_GONE else o
+    return [Out(o.identity, dataclasses.replace(o.message, replaced=True), o.payload)
+            if isinstance(o.message, ConsumerGone) else o
             for o in drop_consumer(state, holder, now)]
 
 
@@ -236,20 +252,20 @@ def _new_job(state: Tables, identity: bytes, msg: Register, name: str | None,
     source = msg.source
     live = sum(1 for w in state.workers.values() if w.task is None)
     width = options.num_workers or max(1, live)
-    job = Job(secrets.token_hex(8), msg.fingerprint, name, options, msg.blob,
-              source["num_splits"], bool(source.get("shuffle_splits", False)),
-              source.get("seed"), width, msg.source_data, secrets.randbits(63), now)
+    dispatch = Dispatch(source["num_splits"], bool(source.get("shuffle_splits", False)),
+                        source.get("seed"), layout_of(source.get("inputs")))
+    job = Job(secrets.token_hex(8), msg.fingerprint, name, options, msg.blob, dispatch,
+              width, msg.source_data, secrets.randbits(63), now)
     job.pipeline = _pipeline(msg)
-    job.layout = layout_of(source.get("inputs"))
     job.owner = identity
-    job.scaler.cooldown = state.cooldown
+    job.metrics.scaler.cooldown = state.cooldown
     entropy = msg.entropy  # a resumed Loader's: its shuffles draw the same
     if entropy is not None and 0 <= entropy < 2**63:
         job.entropy = entropy
     state.jobs[job.id] = job
     if state.journal is not None:
         state.journal.save_pipeline(job.id, job.blob)
-    state.record(events.job_event(job))
+    state.record(JobCreated.of(job))
     return job
 
 
@@ -261,7 +277,7 @@ def task_failed(state: Tables, identity: bytes, msg: TaskFailed, now: float) -> 
     error = msg.error
     job.error = {k: str(error.get(k, "")) for k in ("stage", "exc_type", "builtin",
                                                     "message", "traceback", "context")}
-    state.record({"e": "failed", "job": job.id, "error": job.error})
+    state.record(JobFailed(job=job.id, error=job.error))
     return release(state, job, now) + views.tell_consumers(state, job)
 
 
@@ -274,9 +290,9 @@ def epoch_started(state: Tables, identity: bytes, msg: Epoch, now: float) -> lis
     out: list[Out] = []
     if job is not None and epoch is not None:
         if epoch > job.epoch:
-            state.record({"e": "epoch", "job": job.id, "epoch": epoch})
+            state.record(EpochStarted(job=job.id, epoch=epoch))
         job.epoch = max(job.epoch, epoch)
-        job.hungry_until = now + 2 * state.heartbeat  # it has nothing yet
+        job.metrics.hungry_until = now + 2 * state.heartbeat  # it has nothing yet
         if consumer is not None:
             consumer.active = consumer.heard = True
         if job.rounds is not None and consumer is not None:
@@ -284,7 +300,7 @@ def epoch_started(state: Tables, identity: bytes, msg: Epoch, now: float) -> lis
                                         job.rounds.epoch_started(consumer.id, epoch))
             job.rounds.prune(job.epoch)
             if splits.pending(job).get(str(epoch)):
-                job.rounds.order_rerun(epoch, job.requeues.get(epoch, 0))
+                job.rounds.order_rerun(epoch, job.dispatch.requeues.get(epoch, 0))
     # A job with no worker may take one from another now (broker/pool.py); other moves
     # wait for the next tick (weighing the pool costs O(workers), and every consumer's
     # every epoch would pay it). The answer below is the only JOB this consumer gets
@@ -294,10 +310,11 @@ def epoch_started(state: Tables, identity: bytes, msg: Epoch, now: float) -> lis
             if o.identity != identity or o.command is not Command.JOB]
     answer = peers.consumer_heartbeat(state, identity, now)
     if job is not None and job.track and epoch is not None:
-        for reply in [r for r in answer if r.command is Command.JOB]:
-            # what the consumer checks its epoch against
-            reply.body["read"] = [[list(key), pack(handed)] for key, handed
-                                  in sorted(splits.read_splits(job, epoch).items())]
+        # what the consumer checks its epoch against
+        read = tuple([list(key), pack(handed)] for key, handed
+                     in sorted(splits.read_splits(job, epoch).items()))
+        answer = [Out(r.identity, dataclasses.replace(r.message, read=read), r.payload)
+                  if isinstance(r.message, JobView) else r for r in answer]
     return out + answer
 
 
@@ -349,8 +366,7 @@ def drop_consumer(state: Tables, consumer_id: str, now: float,
     for task, worker_id in job.tasks.items():
         worker = state.workers.get(worker_id)
         if worker is not None:
-            out.append(Out(worker.identity, Command.CONSUMER_GONE,
-                           {"task": task, "consumer": consumer_id}))
+            out.append(Out(worker.identity, ConsumerGone(task=task, consumer=consumer_id)))
     return out
 
 
@@ -407,7 +423,7 @@ def _end(state: Tables, job: Job, now: float) -> list[Out]:
     """Forget ``job``: its workers are released, its name is free."""
     out = release(state, job, now)
     del state.jobs[job.id]
-    state.record({"e": "end", "job": job.id})
+    state.record(JobEnded(job=job.id))
     if state.journal is not None:
         state.journal.forget_pipeline(job.id)
     return out
@@ -422,7 +438,7 @@ def release(state: Tables, job: Job, now: float) -> list[Out]:
             worker.task = worker.moving_to = None
             worker.current = None
             worker.idle_since = now
-            out.append(Out(worker.identity, Command.RELEASE, {"task": task}))
+            out.append(Out(worker.identity, Release(task=task)))
     job.tasks.clear()
     job.indices.clear()
     return out

@@ -33,7 +33,7 @@ from zloader.broker.state import Out, State
 from zloader.journal import Journal
 from zloader.transport import messages
 from zloader.transport.keys import Keys
-from zloader.transport.messages import Bye, Heartbeat, Record, Status
+from zloader.transport.messages import Bye, Error, Heartbeat, Record, Status, Unknown
 from zloader.transport.protocol import (
     Command,
     Message,
@@ -58,7 +58,7 @@ command, zloader/transport/messages.py) and the time; returns what to send."""
 def _status(state: State, identity: bytes, msg: Status, now: float) -> list[Out]:
     """One page of the broker's status, from the request's ``from`` (the last page's
     ``next``; none: the first)."""
-    return [Out(identity, Command.STATUS, state.status(now, msg.report.get("from")))]
+    return [Out(identity, Status(report=state.status(now, msg.report.get("from"))))]
 
 
 def _heartbeat(state: State, identity: bytes, msg: Heartbeat, now: float) -> list[Out]:
@@ -235,16 +235,16 @@ class Broker:
             descriptors.check(now)  # (every DESCRIPTORS_CHECK_SECONDS)
 
     def _send(self, socket: zmq.Socket[Any], messages: list[Out]) -> None:
-        """Send each message; one body sent to many peers (a job's view to its consumers,
-        the heartbeat to every worker) is encoded once."""
-        encoded: dict[tuple[Command, int], list[Any]] = {}
+        """Send each message, its record encoded; one record sent to many peers (a job's
+        view to its consumers, the heartbeat to every worker) is encoded once."""
+        encoded: dict[int, list[Any]] = {}
         for out in messages:
             if out.payload:
-                frames = encode(out.command, out.body, out.payload)
+                frames = encode(out.command, out.message.to_body(), out.payload)
             else:
-                key = (out.command, id(out.body))  # the bodies live as long as ``messages``
-                frames = encoded.get(key) or encoded.setdefault(key, encode(out.command,
-                                                                            out.body))
+                key = id(out.message)  # the records live as long as ``messages``
+                frames = encoded.get(key) or encoded.setdefault(
+                    key, encode(out.command, out.message.to_body()))
             try:
                 socket.send_multipart([out.identity, *frames], zmq.NOBLOCK)
             except zmq.Again:
@@ -261,7 +261,7 @@ class Broker:
             msg = decode(frames[1:])
         except VersionMismatch as exc:
             self._warn(identity, str(exc))
-            return [Out(identity, Command.ERROR, {"message": str(exc)})]
+            return [Out(identity, Error(message=str(exc)))]
         except ProtocolError as exc:
             self._warn(identity, f"dropped a malformed message: {exc}")
             return []
@@ -272,7 +272,7 @@ class Broker:
             return self._dispatch(identity, msg, now)
         except ProtocolError as exc:
             self._warn(identity, f"dropped a malformed {msg.command.name}: {exc}")
-            return [Out(identity, Command.ERROR, {"message": str(exc)})]
+            return [Out(identity, Error(message=str(exc)))]
         except Exception:  # a bug must not stop the broker: log it, drop the message
             self._warn(identity, f"failed on a {msg.command.name}", exc_info=True)
             return []
@@ -283,7 +283,7 @@ class Broker:
         if not known and command not in _FROM_ANYONE:
             if command in (Command.BYE, Command.PASS_DONE):
                 return []
-            return [Out(identity, Command.UNKNOWN, {"reason": "not registered"})]
+            return [Out(identity, Unknown(reason="not registered"))]
         handler = HANDLERS.get(command)
         if handler is None:
             raise ProtocolError(f"{command.name} is not a command the broker accepts")

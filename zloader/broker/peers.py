@@ -8,9 +8,10 @@ from __future__ import annotations
 from typing import Any
 
 from zloader._defaults import STAGES
-from zloader.broker import coordinated, events, failures, placement, views
+from zloader.broker import coordinated, failures, placement, views
+from zloader.broker.events import WorkerReady
 from zloader.broker.records import Consumer, Job, Out, Tables, Worker
-from zloader.transport.messages import Heartbeat, Log, Ready
+from zloader.transport.messages import Ack, Heartbeat, Log, Ready
 from zloader.transport.protocol import Command
 
 __all__ = ["consumer_heartbeat", "seen", "worker_heartbeat", "worker_log", "worker_ready"]
@@ -35,7 +36,7 @@ def worker_ready(state: Tables, identity: bytes, msg: Ready, now: float) -> list
         state.peers.pop(old.identity, None)
         old.identity, old.last_seen = identity, now
         state.peers[identity] = ("worker", worker_id)
-        out = [Out(identity, Command.ACK, {"heartbeat": state.heartbeat, "task": old.task})]
+        out = [Out(identity, Ack(heartbeat=state.heartbeat, task=old.task))]
         job = state.job_of(old.task)
         if job is not None:
             # Its TASK may have been lost with the old connection (a worker stopped
@@ -50,14 +51,14 @@ def worker_ready(state: Tables, identity: bytes, msg: Ready, now: float) -> list
                     msg.prefer, now, plain_data=msg.plain_data, idle_since=now,
                     holds=frozenset(msg.holds or ()))
     state.workers[worker_id] = worker
-    state.record(events.worker_event(worker))
+    state.record(WorkerReady.of(worker))
     state.peers[identity] = ("worker", worker_id)
     # "task": None tells a worker the broker had forgotten that it must drop the task
     # it still runs (its splits went to others): nothing it still holds may reach a
     # consumer.
     # A new worker fills a free place; moving busy ones waits for the tick (a fleet that
     # joins would weigh the whole pool once per worker).
-    return [Out(identity, Command.ACK, {"heartbeat": state.heartbeat, "task": None}),
+    return [Out(identity, Ack(heartbeat=state.heartbeat, task=None)),
             *placement.assign(state, now, rebalance=False)]
 
 
@@ -81,10 +82,10 @@ def worker_heartbeat(state: Tables, identity: bytes, msg: Heartbeat, now: float)
             worker.rate = (elements - before) / elapsed
     job = state.job_of(worker.task)
     if job is not None:
-        job.elements += _delta(stats, worker.stats, "elements")
-        job.bytes += _delta(stats, worker.stats, "bytes")
+        job.metrics.elements += _delta(stats, worker.stats, "elements")
+        job.metrics.bytes += _delta(stats, worker.stats, "bytes")
         for stage in STAGES:
-            job.stages[stage] = job.stages.get(stage, 0.0) + _delta(
+            job.metrics.stages[stage] = job.metrics.stages.get(stage, 0.0) + _delta(
                 stats, worker.stats, f"{stage}_seconds")
     worker.stats = {**{k: v for k, v in stats.items() if isinstance(v, (int, float))},
                     "_at": now}
@@ -101,7 +102,7 @@ def worker_log(state: Tables, identity: bytes, msg: Log, now: float) -> list[Out
     """Pass what user code printed or logged on a worker to its job's consumers
     (zloader/forward.py); lines of a task the worker no longer runs are dropped."""
     worker = state.worker_at(identity)
-    lines = [list(line) for line in msg.lines]
+    lines = msg.lines
     if worker is None or worker.task is None or msg.task != worker.task:
         return []
     if len(lines) > worker.log_budget.fill(now):  # not one of our workers: dropped
@@ -111,8 +112,8 @@ def worker_log(state: Tables, identity: bytes, msg: Log, now: float) -> list[Out
     job = state.job_of(worker.task)
     if job is None:
         return []
-    body = {"host": worker.host, "pid": worker.pid, "lines": lines}
-    return [Out(c.identity, Command.LOG, body) for c in state.consumers_of(job)]
+    forwarded = Log(lines=lines, host=worker.host, pid=worker.pid)
+    return [Out(c.identity, forwarded) for c in state.consumers_of(job)]
 
 
 def consumer_heartbeat(state: Tables, identity: bytes, now: float,
@@ -135,15 +136,15 @@ def consumer_heartbeat(state: Tables, identity: bytes, now: float,
         stats = {k: v for k, v in stats.items() if isinstance(v, (int, float))
                  and not isinstance(v, bool) and v >= 0}
         if job is not None:
-            job.reported = True
-            job.wait_seconds += _delta(stats, consumer.stats, "wait_seconds")
-            job.skipped += int(_delta(stats, consumer.stats, "skipped"))
+            job.metrics.reported = True
+            job.metrics.wait_seconds += _delta(stats, consumer.stats, "wait_seconds")
+            job.metrics.skipped += int(_delta(stats, consumer.stats, "skipped"))
         consumer.stats = stats
         began = not consumer.active and stats.get("active", 1) != 0
         consumer.active = stats.get("active", 1) != 0
         if began and job is not None:
             out += _began(state, job, identity, now)
-    return out + ([Out(identity, Command.JOB, views.job_view(state, job))] if job else [])
+    return out + ([Out(identity, views.job_view(state, job))] if job else [])
 
 
 def _began(state: Tables, job: Job, identity: bytes, now: float) -> list[Out]:
@@ -152,7 +153,7 @@ def _began(state: Tables, job: Job, identity: bytes, now: float) -> list[Out]:
     read, ``jobs.unheard``): the job is hungry as after an EPOCH
     (``jobs.epoch_started``), and one without a worker may take one now. The consumer's
     view comes after, from the heartbeat's answer."""
-    job.hungry_until = max(job.hungry_until, now + 2 * state.heartbeat)
+    job.metrics.hungry_until = max(job.metrics.hungry_until, now + 2 * state.heartbeat)
     if job.tasks:
         return []
     return [o for o in placement.assign(state, now)

@@ -12,6 +12,7 @@ import secrets
 from zloader._defaults import HUNGRY_STARVATION, MOVE_DRAIN_SECONDS
 from zloader._host import loopback
 from zloader.broker import failures, pool, splits, views
+from zloader.broker.events import TaskGiven
 from zloader.broker.records import INHERITED, Job, Out, Tables, Worker
 from zloader.transport import messages
 from zloader.transport.protocol import Command
@@ -85,8 +86,7 @@ def give(state: Tables, worker: Worker, job: Job, now: float) -> list[Out]:
     job.indices[task] = index
     worker.task, worker.moving_to = task, None
     worker.since = now
-    state.record({"e": "task", "job": job.id, "task": task, "worker": worker.id,
-                           "index": index})
+    state.record(TaskGiven(job=job.id, task=task, worker=worker.id, index=index))
     return [task_message(worker, job), *views.tell_consumers(state, job)]
 
 
@@ -94,11 +94,10 @@ def task_message(worker: Worker, job: Job) -> Out:
     """The TASK that starts ``worker``'s task of ``job`` (sent again when the worker comes
     back on a new connection: the first may have been lost with the old one)."""
     assert worker.task is not None
-    body = messages.encode(messages.Task(
+    return Out(worker.identity, messages.Task(
         task=worker.task, job=job.id, options=job.options, index=job.indices[worker.task],
         width=job.width, entropy=job.entropy, source_data=job.source_data,
-        fingerprint=job.fingerprint, pipeline=job.pipeline))
-    return Out(worker.identity, Command.TASK, body, (job.blob,))
+        fingerprint=job.fingerprint, pipeline=job.pipeline), (job.blob,))
 
 
 def claims(state: Tables, now: float) -> dict[str, pool.Claim]:
@@ -115,17 +114,18 @@ def claims(state: Tables, now: float) -> dict[str, pool.Claim]:
     out = {}
     for job in state.jobs.values():
         active = _active(state, job)
-        hungry = active and (job.starvation > HUNGRY_STARVATION or now < job.hungry_until)
+        hungry = active and (job.metrics.starvation > HUNGRY_STARVATION
+                             or now < job.metrics.hungry_until)
         if not active:
             wants = 0
         elif job.fixed:
             wants = job.width
-        elif hungry or not job.desired or not job.sampled:
+        elif hungry or not job.metrics.desired or not job.metrics.sampled:
             # its consumers wait, or nobody knows yet whether they do (none of their
             # reports was read between two samples): it can use more workers
             wants = pool.UNBOUNDED
         else:  # its autoscaler's count, once it has more than its consumers take
-            wants = job.desired
+            wants = job.metrics.desired
         out[job.id] = pool.Claim(job.id, job.weight, len(job.tasks) + moving.get(job.id, 0),
                                  wants, hungry,
                                  movable=not job.fixed or not active,
@@ -229,7 +229,7 @@ def _drain(state: Tables, worker: Worker, taker: Job, now: float) -> list[Out]:
     log.info("worker %s (pid %d on %s) drains its task to move to job %s (the pool's "
              "share for it)", worker.id, worker.pid, worker.host, taker.name or taker.id)
     worker.moving_to, worker.moving_since = taker.id, now
-    return [Out(worker.identity, Command.RELEASE, {"task": worker.task, "drain": True})]
+    return [Out(worker.identity, messages.Release(task=worker.task, drain=True))]
 
 
 def drained(state: Tables, worker: Worker, task: str, now: float) -> list[Out]:
@@ -276,5 +276,5 @@ def preempt(state: Tables, worker: Worker, now: float) -> list[Out]:
     assert task is not None and job is not None
     log.info("worker %s (pid %d on %s) moves off job %s (the pool's share for another "
              "job)", worker.id, worker.pid, worker.host, job.name or job.id)
-    return [Out(worker.identity, Command.RELEASE, {"task": task}),
+    return [Out(worker.identity, messages.Release(task=task)),
             *failures.leave(state, worker, job, task, died=False, now=now, stays=True)]

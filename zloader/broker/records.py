@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from zloader._defaults import (
     AUTOSCALE_COOLDOWN,
@@ -31,10 +31,14 @@ from zloader.journal import Journal
 from zloader.mixing import Layout
 from zloader.options import JobOptions
 from zloader.rounds import Rounds
+from zloader.transport.fields import Record
 from zloader.transport.protocol import Command
 
-__all__ = ["FENCE_GRACE", "INHERITED", "KILLS_TO_FAIL", "Consumer", "Fence", "Job", "Limits",
-           "Out", "Pass", "Tables", "Worker"]
+if TYPE_CHECKING:
+    from zloader.broker.events import Event, WorkerGone, WorkerLeft
+
+__all__ = ["FENCE_GRACE", "INHERITED", "KILLS_TO_FAIL", "Consumer", "Dispatch", "Fence", "Job",
+           "Limits", "Metrics", "Out", "Pass", "Tables", "Worker"]
 
 INHERITED = {"inherited": True}
 """A job's ``pipeline`` when its Loader's forked workers hold it in memory (embedded)."""
@@ -47,12 +51,23 @@ PassKey = tuple[int, ...]
 
 
 class Out(NamedTuple):
-    """One message to send: to ``identity``, ``command`` with ``body`` and ``payload``."""
+    """One message to send: to ``identity``, the record of its body (``message``, one of
+    zloader/transport/messages.py: the broker loop encodes it) and its ``payload`` frames
+    (TASK's pipeline)."""
 
     identity: bytes
-    command: Command
-    body: dict[str, Any]
+    message: Record
     payload: tuple[Any, ...] = ()
+
+    @property
+    def command(self) -> Command:
+        return self.message.COMMAND
+
+    @property
+    def body(self) -> dict[str, Any]:
+        """The body as it goes on the wire (encoded afresh each time: for tests and logs;
+        the loop encodes each record once)."""
+        return self.message.to_body()
 
 
 @dataclass
@@ -122,43 +137,36 @@ class Fence:
     waiting: set[str]  # consumers yet to answer
     deadline: float  # then the silent ones are given up
     replies: dict[tuple[PassKey, int], dict[str, Any]] = field(default_factory=dict)
-    event: dict[str, Any] = field(default_factory=dict)  # journaled once it is done
+    event: WorkerGone | WorkerLeft | None = None  # journaled once it is done
 
 
-@dataclass
-class Job:
-    id: str
-    fingerprint: str
-    name: str | None
-    options: JobOptions  # exactly_once as the job runs it (JobOptions.applied)
-    blob: bytes
+@dataclass(slots=True)
+class Dispatch:
+    """How a job's splits go out: its source's splits, each pass's dispenser, what was
+    re-queued and from where, the splits that killed workers, and what a resumed Loader
+    had yielded (broker/splits.py reads and changes it)."""
+
     num_splits: int
     shuffle_splits: bool
     seed: int | None
-    width: int  # static sharding: the fixed number of worker indices
-    source_data: dict[str, Any] | None
-    entropy: int
-    created: float
-    tasks: dict[str, str] = field(default_factory=dict)       # task id -> worker id
-    indices: dict[str, int] = field(default_factory=dict)     # task id -> worker index
-    consumers: set[str] = field(default_factory=set)
+    layout: Layout | None = None  # a mix's inputs' splits (zloader/mixing.py)
     passes: dict[PassKey, Pass] = field(default_factory=dict)
-    kills: dict[int, int] = field(default_factory=dict)
-    failed: list[dict[str, Any]] = field(default_factory=list)
-    error: dict[str, Any] | None = None
-    idle_since: float | None = None
-    linger: float = 0.0  # seconds a job without consumers is kept (more if they went silent)
-    elements: int = 0
-    bytes: int = 0
-    epoch: int = 0  # the highest epoch a consumer has started
-    rounds: Rounds | None = None  # coordinated reads (num_consumers)
     requeues: dict[int, int] = field(default_factory=dict)  # epoch -> splits re-queued
-    fences: dict[str, Fence] = field(default_factory=dict)
-    silent: dict[str, float] = field(default_factory=dict)  # consumer -> when it expired
     origin_of: dict[tuple[PassKey, int], PassKey] = field(
         default_factory=dict)  # (pass, split) -> the pass a re-queued split belongs to
+    kills: dict[int, int] = field(default_factory=dict)  # split -> workers it killed
+    failed: list[dict[str, Any]] = field(default_factory=list)  # splits given up on
     resume: tuple[int, Any] | None = None  # (epoch, Ledger) a resumed Loader delivered
-    wait_seconds: float = 0.0  # consumers' time waiting for data, summed (metrics)
+
+
+@dataclass(slots=True)
+class Metrics:
+    """What a job's consumers and workers report, and what the broker samples of it:
+    throughput, waiting, starvation and the autoscaler's wish (broker/status.py)."""
+
+    elements: int = 0
+    bytes: int = 0
+    wait_seconds: float = 0.0  # consumers' time waiting for data, summed
     skipped: int = 0
     unconfirmed: int = 0  # stuck reports the broker's own view did not confirm (not dropped)
     starvation: float = 0.0  # share of the last interval the consumers waited
@@ -168,10 +176,38 @@ class Job:
     stages: dict[str, float] = field(default_factory=dict)  # workers' seconds, by stage
     scaler: Autoscaler = field(default_factory=Autoscaler)  # desired_workers (dynamic jobs)
     desired: int = 0
-    pipeline: dict[str, Any] | None = None  # where workers get a pipeline not in ``blob``
     hungry_until: float = 0.0  # an epoch just started: hungry before its first sample
+
+
+@dataclass(slots=True)
+class Job:
+    """A job: its pipeline and options, its tasks and consumers, and its parts: how its
+    splits go out (:class:`Dispatch`), its fences (a dead worker's splits held for the
+    consumers' answers), its rounds (coordinated reads) and its :class:`Metrics`."""
+
+    id: str
+    fingerprint: str
+    name: str | None
+    options: JobOptions  # as the job runs them (JobOptions.applied)
+    blob: bytes
+    dispatch: Dispatch
+    width: int  # static sharding: the fixed number of worker indices
+    source_data: dict[str, Any] | None
+    entropy: int
+    created: float
+    tasks: dict[str, str] = field(default_factory=dict)       # task id -> worker id
+    indices: dict[str, int] = field(default_factory=dict)     # task id -> worker index
+    consumers: set[str] = field(default_factory=set)
+    silent: dict[str, float] = field(default_factory=dict)  # consumer -> when it expired
+    error: dict[str, Any] | None = None
+    idle_since: float | None = None
+    linger: float = 0.0  # seconds a job without consumers is kept (more if they went silent)
+    epoch: int = 0  # the highest epoch a consumer has started
+    fences: dict[str, Fence] = field(default_factory=dict)
+    rounds: Rounds | None = None  # coordinated reads (num_consumers)
+    metrics: Metrics = field(default_factory=Metrics)
+    pipeline: dict[str, Any] | None = None  # where workers get a pipeline not in ``blob``
     owner: Identity | None = None  # the connection whose REGISTER made it (Limits.peer_*)
-    layout: Layout | None = None  # a mix's inputs' splits (zloader/mixing.py)
 
     @property
     def sharding(self) -> str:
@@ -252,15 +288,15 @@ class Tables:
         # the pool's moves (placement.py): MOVES_PER_SECOND, as many at once at most
         self.move_budget = Bucket(MOVES_PER_SECOND, MOVES_PER_SECOND)
 
-    def record(self, event: dict[str, Any]) -> None:
-        """Append ``event`` to the journal (nothing while it is replayed). A write that
-        fails (a full disk) marks the job: it could not be resumed after a restart
-        (``history.journal_errors`` tells its consumers)."""
-        if self.journal is not None and not self.replaying \
-                and not self.journal.record(event):
-            job = event.get("id") if event["e"] == "job" else event.get("job")
-            if isinstance(job, str):
-                self.unjournaled.add(job)
+    def record(self, event: Event) -> None:
+        """Append ``event`` (broker/events.py) to the journal (nothing while it is
+        replayed). A write that fails (a full disk) marks the job: it could not be resumed
+        after a restart (``history.journal_errors`` tells its consumers)."""
+        if self.journal is None or self.replaying:
+            return
+        written = self.journal.record(event.to_body())
+        if not written and event.job_id is not None:
+            self.unjournaled.add(event.job_id)
 
     @property
     def expiry(self) -> float:

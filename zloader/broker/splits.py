@@ -9,12 +9,12 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+from zloader.broker.events import PassRead, SplitHanded, SplitRequeued
 from zloader.broker.records import Job, Out, Pass, PassKey, Tables
 from zloader.lineage import pack
 from zloader.mixing import input_of
 from zloader.sources import split_order
-from zloader.transport.messages import PassDone, SplitReq
-from zloader.transport.protocol import Command
+from zloader.transport.messages import PassDone, Release, Split, SplitReq
 
 __all__ = ["dispenser", "epochs_of", "mark_read", "pass_done", "pending", "read_splits",
            "readers", "requeue", "skip", "split_request", "take"]
@@ -27,7 +27,7 @@ def split_request(state: Tables, identity: bytes, msg: SplitReq, now: float) -> 
     task, key = msg.task, msg.pass_
     job = state.job_of(task)
     if worker is None or job is None or worker.task != task:
-        return [Out(identity, Command.RELEASE, {"task": task})]
+        return [Out(identity, Release(task=task))]
     handing = dispenser(state, job, key)
     have = msg.have
     handed = handing.handed.get(worker.id, [])
@@ -37,9 +37,7 @@ def split_request(state: Tables, identity: bytes, msg: SplitReq, now: float) -> 
         worker.current = (key, handed[have - 1])
     if have is not None and have < len(handed):
         # Its answer was lost (a broker restart or a reconnect): the same split again.
-        return [Out(identity, Command.SPLIT, {
-            "task": task, "pass": list(key), "split": handed[have], "have": have,
-            **_assignment(job, key, handed[have])})]
+        return [Out(identity, _answer(job, task, key, handed[have], have))]
     split: int | None = None
     origin = key
     # Re-queued splits of this epoch come first, whichever pass they were taken in: the
@@ -47,7 +45,7 @@ def split_request(state: Tables, identity: bytes, msg: SplitReq, now: float) -> 
     # for it again. A split reads the same in any pass of its epoch that reads the same
     # input: a mix's passes of another input run that input's stages, not this split's.
     which = input_of(key)
-    for waiting_key, waiting in [(key, handing), *((k, p) for k, p in job.passes.items()
+    for waiting_key, waiting in [(key, handing), *((k, p) for k, p in job.dispatch.passes.items()
                                                    if k[0] == key[0] and k != key
                                                    and input_of(k) == which)]:
         if waiting.requeued:
@@ -60,58 +58,59 @@ def split_request(state: Tables, identity: bytes, msg: SplitReq, now: float) -> 
         handing.handed.setdefault(worker.id, []).append(split)
         if not have:  # its first of the pass: read at once
             worker.current = (key, split)
-        event = {"e": "split", "job": job.id, "pass": list(key), "split": split,
-                 "worker": worker.id}
         if origin != key:
-            job.origin_of[(key, split)] = origin
-            event["origin"] = list(origin)
-        state.record(event)
+            job.dispatch.origin_of[(key, split)] = origin
+        state.record(SplitHanded(job=job.id, pass_=key, split=split, worker=worker.id,
+                                 origin=origin if origin != key else None))
     else:
         handing.over.add(worker.id)  # its pass ends: it asks for no other split
         if not have:
             worker.current = None
-    return [Out(identity, Command.SPLIT, {"task": task, "pass": list(key), "split": split,
-                                          "have": have, **_assignment(job, key, split)})]
+    return [Out(identity, _answer(job, task, key, split, have))]
 
 
-def _assignment(job: Job, key: PassKey, split: int | None) -> dict[str, Any]:
-    """For an exactly-once job: the pass ``split`` belongs to and what to skip in it."""
+def _answer(job: Job, task: str, key: PassKey, split: int | None, have: int | None) -> Split:
+    """The SPLIT that hands ``split`` (None: none left) of pass ``key`` to ``task``; for
+    an exactly-once job with the pass the split belongs to and what to skip in it."""
     if not job.track or split is None:
-        return {}
-    origin = job.origin_of.get((key, split), key)
-    handing = job.passes.get(origin)
+        return Split(task=task, pass_=key, split=split, have=have)
+    origin = job.dispatch.origin_of.get((key, split), key)
+    handing = job.dispatch.passes.get(origin)
     info = handing.skips.get(split, {}) if handing is not None else {}
-    return {"origin": list(origin), **info}
+    expect = info.get("expect")
+    return Split(task=task, pass_=key, split=split, have=have, origin=origin,
+                 skip=info.get("skip", ""), expect=tuple(expect) if expect is not None else None)
 
 
 def dispenser(state: Tables, job: Job, key: PassKey) -> Pass:
     """Pass ``key`` of ``job``, started (its splits in order) on first use; a resumed
     Loader's epoch leaves out what it had yielded."""
-    handing = job.passes.get(key)
+    handing = job.dispatch.passes.get(key)
     if handing is None:
-        order = (job.layout.order(key, job.entropy) if job.layout is not None
-                 else split_order(job.num_splits, job.shuffle_splits, job.seed, job.entropy,
-                                  key))
+        dispatch = job.dispatch
+        order = (dispatch.layout.order(key, job.entropy) if dispatch.layout is not None
+                 else split_order(dispatch.num_splits, dispatch.shuffle_splits, dispatch.seed,
+                                  job.entropy, key))
         skips: dict[int, dict[str, Any]] = {}
-        if job.resume is not None and job.resume[0] == key[0]:
-            ledger = job.resume[1]  # what a resumed Loader had yielded: not again
+        if job.dispatch.resume is not None and job.dispatch.resume[0] == key[0]:
+            ledger = job.dispatch.resume[1]  # what a resumed Loader had yielded: not again
             done = ledger.done.get(key, set())
             order = [split for split in order if split not in done]
             skips = {split: skip(ledger.info(key, split)) for k, split in ledger.open
                      if k == key}
-        handing = job.passes[key] = Pass(deque(order), skips=skips)
+        handing = job.dispatch.passes[key] = Pass(deque(order), skips=skips)
         _prune(job, key[0])
     return handing
 
 
 def _prune(job: Job, epoch: int) -> None:
     """Forget the passes of epochs before the one before ``epoch``."""
-    for key in [k for k in job.passes if k[0] < epoch - 1]:
-        del job.passes[key]
-    for old in [e for e in job.requeues if e < epoch - 1]:
-        del job.requeues[old]
-    for at in [at for at in job.origin_of if at[0][0] < epoch - 1]:
-        del job.origin_of[at]
+    for key in [k for k in job.dispatch.passes if k[0] < epoch - 1]:
+        del job.dispatch.passes[key]
+    for old in [e for e in job.dispatch.requeues if e < epoch - 1]:
+        del job.dispatch.requeues[old]
+    for at in [at for at in job.dispatch.origin_of if at[0][0] < epoch - 1]:
+        del job.dispatch.origin_of[at]
 
 
 def pass_done(state: Tables, identity: bytes, msg: PassDone, now: float) -> list[Out]:
@@ -119,19 +118,18 @@ def pass_done(state: Tables, identity: bytes, msg: PassDone, now: float) -> list
     worker = state.worker_at(identity)
     key = msg.pass_
     job = state.job_of(msg.task)
-    if worker is None or job is None or key not in job.passes:
+    if worker is None or job is None or key not in job.dispatch.passes:
         return []
     mark_read(job, key, worker.id)
     if worker.current and worker.current[0] == key:
         worker.current = None
-    state.record({"e": "done", "job": job.id, "pass": list(key),
-                           "worker": worker.id})
+    state.record(PassRead(job=job.id, pass_=key, worker=worker.id))
     return []
 
 
 def mark_read(job: Job, key: PassKey, worker_id: str) -> None:
     """The splits ``worker_id`` was handed in pass ``key`` are read."""
-    handing = job.passes[key]
+    handing = job.dispatch.passes[key]
     handed = handing.handed.pop(worker_id, [])
     # Read, but its elements may wait in the worker: in its buffers and in records its
     # consumers have not given credit for yet (a paused training loop), or in its window (a
@@ -144,19 +142,18 @@ def mark_read(job: Job, key: PassKey, worker_id: str) -> None:
 
 def requeue(state: Tables, job: Job, key: PassKey, split: int, skip: dict[str, Any]) -> None:
     """Hand ``split`` of pass ``key`` out again (to skip ``skip``), ahead of new ones."""
-    state.record({"e": "requeue", "job": job.id, "pass": list(key), "split": split,
-                           "skip": skip})
+    state.record(SplitRequeued(job=job.id, pass_=key, split=split, skip=skip))
     handing = dispenser(state, job, key)
     handing.requeued.append(split)
     if skip:
         handing.skips[split] = skip
-    job.requeues[key[0]] = job.requeues.get(key[0], 0) + 1
+    job.dispatch.requeues[key[0]] = job.dispatch.requeues.get(key[0], 0) + 1
 
 
 def take(state: Tables, job: Job, worker_id: str, key: PassKey, split: int) -> None:
     """Replay one split handed to a worker."""
     handing = dispenser(state, job, key)
-    for waiting in [handing, *(p for k, p in job.passes.items()
+    for waiting in [handing, *(p for k, p in job.dispatch.passes.items()
                                if k[0] == key[0] and k != key)]:
         if split in waiting.requeued:
             waiting.requeued.remove(split)
@@ -173,7 +170,7 @@ def take(state: Tables, job: Job, worker_id: str, key: PassKey, split: int) -> N
 def epochs_of(job: Job, worker_id: str) -> set[int]:
     """The epochs in which ``worker_id`` was handed splits (being read, or read and
     remembered: an exactly-once or shared job's)."""
-    return {key[0] for key, handing in job.passes.items()
+    return {key[0] for key, handing in job.dispatch.passes.items()
             if worker_id in handing.handed or worker_id in handing.read}
 
 
@@ -181,7 +178,7 @@ def readers(job: Job, epoch: int) -> set[str]:
     """The workers that will ask for another split of ``epoch``: handed one in a pass of it
     and not told yet that none is left. A split re-queued now is read by one of them; with
     none, it waits for a worker that starts the epoch later."""
-    return {worker_id for key, handing in job.passes.items() if key[0] == epoch
+    return {worker_id for key, handing in job.dispatch.passes.items() if key[0] == epoch
             for worker_id in handing.handed if worker_id not in handing.over}
 
 
@@ -189,19 +186,19 @@ def read_splits(job: Job, epoch: int) -> dict[PassKey, set[int]]:
     """Pass -> the splits of ``epoch`` handed out to live workers (being read or read),
     by the pass they belong to (a re-queued split may be read in a later pass)."""
     read: dict[PassKey, set[int]] = {}
-    for key, handing in job.passes.items():
+    for key, handing in job.dispatch.passes.items():
         if key[0] != epoch:
             continue
         for handed in [*handing.handed.values(), *handing.read.values()]:
             for split in handed:
-                read.setdefault(job.origin_of.get((key, split), key), set()).add(split)
+                read.setdefault(job.dispatch.origin_of.get((key, split), key), set()).add(split)
     return read
 
 
 def pending(job: Job) -> dict[str, int]:
     """Epoch -> splits waiting to be read again (taken by a worker that died)."""
     waiting: dict[str, int] = {}
-    for key, handing in job.passes.items():
+    for key, handing in job.dispatch.passes.items():
         count = len(handing.requeued)
         if count:
             waiting[str(key[0])] = waiting.get(str(key[0]), 0) + count

@@ -37,6 +37,7 @@ from zloader.broker import (
     views,
 )
 from zloader.broker.records import FENCE_GRACE, KILLS_TO_FAIL, Job, Out, Tables
+from zloader.transport import messages
 from zloader.transport.messages import (
     Delivered,
     Epoch,
@@ -100,7 +101,7 @@ class State(Tables):
         compact the journal once it holds ``COMPACT_LINES`` lines."""
         out = jobs.tick(self, now)
         if self.journal is not None and self.journal.lines > COMPACT_LINES:
-            self.journal.compact(history.snapshot(self))
+            self.journal.compact(self.snapshot())
         return out
 
     def task_failed(self, identity: bytes, msg: TaskFailed, now: float) -> list[Out]:
@@ -138,15 +139,15 @@ class State(Tables):
         return history.restore(self, now)
 
     def snapshot(self) -> list[dict[str, Any]]:
-        """The journal events that rebuild the state as it is now (for compaction)."""
-        return history.snapshot(self)
+        """The journal lines that rebuild the state as it is now (for compaction)."""
+        return [event.to_body() for event in history.snapshot(self)]
 
     def journal_errors(self) -> list[Out]:
         return history.journal_errors(self)
 
     # --- what the broker tells (status.py) ------------------------------------------------
 
-    def job_view(self, job: Job) -> dict[str, Any]:
+    def job_view(self, job: Job) -> messages.Job:
         return views.job_view(self, job)
 
     def heartbeats(self) -> list[Out]:

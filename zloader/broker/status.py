@@ -20,7 +20,9 @@ from zloader._defaults import (
 from zloader.broker import coordinated, placement, pool
 from zloader.broker.records import Job, Out, Tables, Worker
 from zloader.broker.views import busy_workers, job_view
-from zloader.transport.protocol import Command, ProtocolError
+from zloader.transport.messages import Heartbeat
+from zloader.transport.messages import Job as JobView
+from zloader.transport.protocol import ProtocolError
 
 __all__ = ["heartbeats", "metrics", "sample", "status"]
 
@@ -30,17 +32,17 @@ log = logging.getLogger("zloader.broker")
 def heartbeats(state: Tables) -> list[Out]:
     """What the broker sends every heartbeat interval: each job's view made once for all
     its consumers (a fleet's every consumer, every second)."""
-    beat: dict[str, Any] = {}  # one body for all (the loop encodes it once)
-    out = [Out(w.identity, Command.HEARTBEAT, beat) for w in state.workers.values()]
+    beat = Heartbeat()  # one record for all (the loop encodes it once)
+    out = [Out(w.identity, beat) for w in state.workers.values()]
     busy = busy_workers(state)
-    views: dict[str, dict[str, Any]] = {}
+    views: dict[str, JobView] = {}
     for consumer in state.consumers.values():
         job = state.jobs.get(consumer.job)
         if job is not None:
             view = views.get(job.id)
             if view is None:
                 view = views[job.id] = job_view(state, job, busy)
-            out.append(Out(consumer.identity, Command.JOB, view))
+            out.append(Out(consumer.identity, view))
     return out
 
 
@@ -76,14 +78,16 @@ def status(state: Tables, now: float, start: Mapping[str, Any] | None = None
         entry = {"job": j.id, "fingerprint": j.fingerprint, "name": j.name,
                  "sharding": j.sharding, "consumers": len(j.consumers),
                  "workers": len(j.tasks), "consumer_hosts": hosts[:STATUS_LIST_ITEMS],
-                 "elements": j.elements, "bytes": j.bytes, "shared": j.share is not None,
-                 "starvation": round(j.starvation, 3), "desired_workers": j.desired,
+                 "elements": j.metrics.elements, "bytes": j.metrics.bytes,
+                 "shared": j.share is not None,
+                 "starvation": round(j.metrics.starvation, 3),
+                 "desired_workers": j.metrics.desired,
                  "weight": j.weight, "share": round(entitled[j.id], 2),
                  "active": claims[j.id].wants > 0, "hungry": claims[j.id].hungry,
-                 "stage_seconds": {k: round(v, 3) for k, v in j.stages.items()},
+                 "stage_seconds": {k: round(v, 3) for k, v in j.metrics.stages.items()},
                  "trainers": _trainers(state, j) if j.share is not None else [],
                  "rounds": _rounds(j), "state": "failed" if j.error else "running",
-                 "unconfirmed_stuck": j.unconfirmed}
+                 "unconfirmed_stuck": j.metrics.unconfirmed}
         if len(hosts) > STATUS_LIST_ITEMS:
             entry["consumer_hosts_left_off"] = len(hosts) - STATUS_LIST_ITEMS
         if j.share is not None and len(j.consumers) > STATUS_LIST_ITEMS:
@@ -162,12 +166,12 @@ def metrics(state: Tables, now: float) -> dict[str, Any]:
     entitled = pool.shares(placement.claims(state, now).values(), len(state.workers))
     jobs = []
     for job in state.jobs.values():
-        jobs.append({"job": job.id, "name": job.name or "", "elements": job.elements,
-                     "bytes": job.bytes, "wait_seconds": job.wait_seconds,
-                     "starvation": job.starvation, "skipped": job.skipped,
-                     "failed_splits": len(job.failed), "consumers": len(job.consumers),
-                     "workers": len(job.tasks), "stages": dict(job.stages),
-                     "desired_workers": job.desired, "weight": job.weight,
+        jobs.append({"job": job.id, "name": job.name or "", "elements": job.metrics.elements,
+                     "bytes": job.metrics.bytes, "wait_seconds": job.metrics.wait_seconds,
+                     "starvation": job.metrics.starvation, "skipped": job.metrics.skipped,
+                     "failed_splits": len(job.dispatch.failed), "consumers": len(job.consumers),
+                     "workers": len(job.tasks), "stages": dict(job.metrics.stages),
+                     "desired_workers": job.metrics.desired, "weight": job.weight,
                      "share_workers": entitled[job.id]})
     workers = [{"worker": w.id, "host": w.host, "job": state.task_job(w.task) or "",
                 **{k: w.stats.get(k, 0) for k in ("elements", "bytes", "cpu_seconds",
@@ -187,19 +191,21 @@ def sample(state: Tables, now: float) -> None:
     both intervals. Read as "they did not wait", a late broker would take the job for
     one that no longer needs its workers and move them (docs/pool.md)."""
     for job in state.jobs.values():
-        if job.waited_at is not None and (now <= job.waited_at[1]
-                                          or (job.consumers and not job.reported)):
+        metrics = job.metrics
+        if metrics.waited_at is not None and (now <= metrics.waited_at[1]
+                                              or (job.consumers and not metrics.reported)):
             continue
-        job.reported = False
-        if job.waited_at is not None and job.consumers:
-            job.starvation = min(1.0, max(0.0, (job.wait_seconds - job.waited_at[0])
-                                          / ((now - job.waited_at[1]) * len(job.consumers))))
-            job.sampled = True
-            if job.starvation > HUNGRY_STARVATION:
-                job.hungry_until = max(job.hungry_until,
-                                       now + HUNGRY_HOLD_BEATS * state.heartbeat)
-        job.waited_at = (job.wait_seconds, now)
-        job.desired = _desired(job, now)
+        metrics.reported = False
+        if metrics.waited_at is not None and job.consumers:
+            metrics.starvation = min(1.0, max(0.0, (metrics.wait_seconds - metrics.waited_at[0])
+                                              / ((now - metrics.waited_at[1])
+                                                 * len(job.consumers))))
+            metrics.sampled = True
+            if metrics.starvation > HUNGRY_STARVATION:
+                metrics.hungry_until = max(metrics.hungry_until,
+                                           now + HUNGRY_HOLD_BEATS * state.heartbeat)
+        metrics.waited_at = (metrics.wait_seconds, now)
+        metrics.desired = _desired(job, now)
 
 
 def _desired(job: Job, now: float) -> int:
@@ -207,20 +213,20 @@ def _desired(job: Job, now: float) -> int:
     deterministic jobs keep the ones they have, and so does a job nobody reads."""
     if job.fixed or not job.consumers:
         return len(job.tasks)
-    desired = job.scaler.update(now, len(job.tasks), job.starvation)
-    if desired != job.desired and job.desired:
+    desired = job.metrics.scaler.update(now, len(job.tasks), job.metrics.starvation)
+    if desired != job.metrics.desired and job.metrics.desired:
         log.info("job %s: desired_workers %d -> %d (it has %d; consumers waited %.0f%% "
-                 "of the time)", job.name or job.id, job.desired, desired, len(job.tasks),
-                 100 * job.starvation)
+                 "of the time)", job.name or job.id, job.metrics.desired, desired, len(job.tasks),
+                 100 * job.metrics.starvation)
     return desired
 
 
 def _deficit(job: Job) -> int:
     """Workers the job lacks for its ``desired_workers`` (negative: it has too many);
     0 before the autoscaler's first decision and for jobs that keep their workers."""
-    if job.desired == 0 or job.fixed:
+    if job.metrics.desired == 0 or job.fixed:
         return 0
-    return job.desired - len(job.tasks)
+    return job.metrics.desired - len(job.tasks)
 
 
 def _surplus(state: Tables, now: float) -> set[str]:

@@ -8,13 +8,13 @@ from typing import Any
 
 from zloader.broker import splits
 from zloader.broker.records import Job, Out, Tables
-from zloader.transport.protocol import Command
+from zloader.transport import messages
 
 __all__ = ["busy_workers", "job_view", "tell_consumers"]
 
 
-def job_view(state: Tables, job: Job, busy: int | None = None) -> dict[str, Any]:
-    """The JOB body: the job's workers, failures, pending re-reads, rounds and fences.
+def job_view(state: Tables, job: Job, busy: int | None = None) -> messages.Job:
+    """The JOB: the job's workers, failures, pending re-reads, rounds and fences.
     ``busy``: how many of the broker's workers run a task (counted here if not given: a
     caller making many views counts once)."""
     workers: list[dict[str, Any]] = []
@@ -29,34 +29,31 @@ def job_view(state: Tables, job: Job, busy: int | None = None) -> dict[str, Any]
             if worker.doing is not None:
                 workers[-1]["doing"] = worker.doing
     workers.sort(key=lambda w: w["index"])
-    view = {"job": job.id, "workers": workers, "failed": job.failed, "error": job.error,
-            "heartbeat": state.heartbeat, "consumers": len(job.consumers | set(job.silent)),
-            "busy_elsewhere": (busy_workers(state) if busy is None else busy)
-            - sum(1 for t, w in job.tasks.items()
-                  if (worker := state.workers.get(w)) is not None and worker.task == t),
-            "pending": splits.pending(job), "share": job.share, "epoch": job.epoch,
-            "width": job.width, "entropy": job.entropy,
-            "stages": {k: round(v, 3) for k, v in job.stages.items()},
-            "state": "failed" if job.error else "running"}
-    if job.rounds is not None:
-        view["rounds"] = job.rounds.view()
-    if job.fences:
-        view["fences"] = [{"id": token, "worker": fence.worker, "task": fence.task,
-                           "splits": [[list(key), split] for key, split in fence.splits],
-                           "waiting": sorted(fence.waiting)}
-                          for token, fence in job.fences.items()]
-        fencing: dict[str, int] = {}
-        for fence in job.fences.values():
-            for key, _ in fence.splits:
-                fencing[str(key[0])] = fencing.get(str(key[0]), 0) + 1
-        view["fencing"] = fencing
-    return view
+    fencing: dict[str, int] = {}
+    for fence in job.fences.values():
+        for key, _ in fence.splits:
+            fencing[str(key[0])] = fencing.get(str(key[0]), 0) + 1
+    return messages.Job(
+        job=job.id, workers=tuple(workers), failed=tuple(job.dispatch.failed), error=job.error,
+        heartbeat=state.heartbeat, consumers=len(job.consumers | set(job.silent)),
+        busy_elsewhere=(busy_workers(state) if busy is None else busy)
+        - sum(1 for t, w in job.tasks.items()
+              if (worker := state.workers.get(w)) is not None and worker.task == t),
+        pending=splits.pending(job), share=job.share, epoch=job.epoch, width=job.width,
+        entropy=job.entropy, stages={k: round(v, 3) for k, v in job.metrics.stages.items()},
+        state="failed" if job.error else "running",
+        rounds=job.rounds.view() if job.rounds is not None else None,
+        fences=tuple({"id": token, "worker": fence.worker, "task": fence.task,
+                      "splits": [[list(key), split] for key, split in fence.splits],
+                      "waiting": sorted(fence.waiting)}
+                     for token, fence in job.fences.items()),
+        fencing=fencing or None)
 
 
 def tell_consumers(state: Tables, job: Job) -> list[Out]:
     """The job's view, to each of its consumers."""
     view = job_view(state, job)
-    return [Out(c.identity, Command.JOB, view) for c in state.consumers_of(job)]
+    return [Out(c.identity, view) for c in state.consumers_of(job)]
 
 
 def busy_workers(state: Tables) -> int:

@@ -18,8 +18,8 @@ from zloader._defaults import MAX_FIELD_DEPTH, MAX_ITEMS, MAX_NAME
 from zloader.lineage import unpack
 from zloader.transport.protocol import Command, ProtocolError
 
-__all__ = ["INDEX", "MAX_FIELD_DEPTH", "MAX_ITEMS", "MAX_NAME", "NAME", "PASS_KEY", "Check",
-           "Record", "Wrong", "array", "boolean", "counts", "fld", "integer", "is_int",
+__all__ = ["INDEX", "MAX_FIELD_DEPTH", "MAX_ITEMS", "MAX_NAME", "NAME", "PASS_KEY", "Body",
+           "Check", "Record", "Wrong", "array", "boolean", "counts", "fld", "integer", "is_int",
            "list_of", "number", "obj", "optional", "packed", "short", "text"]
 
 
@@ -176,15 +176,21 @@ def fld(check: Check, default: Any = dataclasses.MISSING, *, wire: str | None = 
 
 # --- records ------------------------------------------------------------------------------
 
-R = TypeVar("R", bound="Record")
+R = TypeVar("R", bound="Body")
 
 
 @dataclass(frozen=True, kw_only=True)
-class Record:
-    """A message body; subclasses are the records of one command each."""
+class Body:
+    """A JSON object of checked fields, declared with :func:`fld`: decoded field by field
+    (:meth:`from_body`) and encoded back (:meth:`to_body`). :class:`Record` is a message's;
+    the broker's journal events are others (zloader/broker/events.py)."""
 
-    COMMAND: ClassVar[Command]
     _spec: ClassVar[tuple[tuple[str, str, Check, Any, bool], ...]] = ()
+
+    @classmethod
+    def label(cls) -> str:
+        """What an error calls a body of this kind."""
+        return cls.__name__
 
     @classmethod
     def spec(cls) -> tuple[tuple[str, str, Check, Any, bool], ...]:
@@ -209,14 +215,14 @@ class Record:
         for name, wire, check, default, _ in cls.spec():
             if wire not in body:
                 if default is dataclasses.MISSING:
-                    raise ProtocolError(f"{cls.COMMAND.name}: field {wire!r} is missing")
+                    raise ProtocolError(f"{cls.label()}: field {wire!r} is missing")
                 values[name] = default
                 continue
             value = body[wire]
             try:
                 values[name] = check(value)
             except Wrong as exc:
-                raise ProtocolError(_refusal(cls.COMMAND, wire, exc, value)) from None
+                raise ProtocolError(_refusal(cls.label(), wire, exc, value)) from None
         return cls(**values)
 
     @classmethod
@@ -240,15 +246,26 @@ class Record:
         return body
 
 
-def _refusal(command: Command, wire: str, exc: Wrong, value: Any) -> str:
+@dataclass(frozen=True, kw_only=True)
+class Record(Body):
+    """A message body; subclasses are the records of one command each."""
+
+    COMMAND: ClassVar[Command]
+
+    @classmethod
+    def label(cls) -> str:
+        return cls.COMMAND.name
+
+
+def _refusal(label: str, wire: str, exc: Wrong, value: Any) -> str:
     """``COMMAND: field 'name' <what is wrong>, got <value>``; a nested field is named
     ``outer.inner``."""
     if exc.field is None:
-        return f"{command.name}: field {wire!r} {exc}, got {short(value)}"
+        return f"{label}: field {wire!r} {exc}, got {short(value)}"
     name = f"{wire}.{exc.field}"
     if exc.value is _ABSENT:
-        return f"{command.name}: field {name!r} {exc}"
-    return f"{command.name}: field {name!r} {exc}, got {short(exc.value)}"
+        return f"{label}: field {name!r} {exc}"
+    return f"{label}: field {name!r} {exc}, got {short(exc.value)}"
 
 
 def _plain(value: Any) -> Any:
