@@ -115,7 +115,7 @@ class JobOptions:
         if self.deterministic:
             raise ValueError("deterministic=True and num_consumers do not mix: rounds go to "
                              "the workers in the order their elements are ready")
-        if job_name is None:
+        if not job_name:
             raise ValueError("coordinated reads (num_consumers) need a job_name shared by the "
                              f"{self.num_consumers} consumers, so that they find one job")
 

@@ -129,8 +129,9 @@ def _place(msg: Register) -> tuple[int, int] | None:
     """A coordinated consumer's (num_consumers, consumer_index), or None.
 
     Raises:
-        ProtocolError: coordinated reads without a ``job_name`` or a ``consumer_index``
-            below ``options.num_consumers``; a ``consumer_index`` without them.
+        ProtocolError: coordinated reads without a ``consumer_index`` below
+            ``options.num_consumers``; a ``consumer_index`` without them. (Their
+            ``job_name`` is ``JobOptions.check``'s rule.)
     """
     size, index = msg.options.num_consumers, msg.consumer_index
     if not size:
@@ -141,8 +142,6 @@ def _place(msg: Register) -> tuple[int, int] | None:
     if index is None or not index < size:
         raise ProtocolError(f"REGISTER: field 'consumer_index' must be an integer from 0 to "
                             f"{size - 1} (options.num_consumers {size}), got {index!r}")
-    if not msg.job_name:
-        raise ProtocolError("REGISTER: coordinated reads need a job_name")
     return size, index
 
 
