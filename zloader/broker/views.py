@@ -33,7 +33,9 @@ def job_view(state: Tables, job: Job, busy: int | None = None) -> messages.Job:
     for fence in job.fences.values():
         for key, _ in fence.splits:
             fencing[str(key[0])] = fencing.get(str(key[0]), 0) + 1
-    return messages.Job(
+    # Made by the broker, so known good: built without the frozen record's __init__ (a
+    # view goes out with every consumer's heartbeat answer).
+    return messages.Job.checked(dict(
         job=job.id, workers=tuple(workers), failed=tuple(job.dispatch.failed), error=job.error,
         heartbeat=state.heartbeat, consumers=len(job.consumers | set(job.silent)),
         busy_elsewhere=(busy_workers(state) if busy is None else busy)
@@ -47,7 +49,7 @@ def job_view(state: Tables, job: Job, busy: int | None = None) -> messages.Job:
                       "splits": [[list(key), split] for key, split in fence.splits],
                       "waiting": sorted(fence.waiting)}
                      for token, fence in job.fences.items()),
-        fencing=fencing or None)
+        fencing=fencing or None, joined=None, read=None))
 
 
 def tell_consumers(state: Tables, job: Job) -> list[Out]:

@@ -238,11 +238,12 @@ class Body:
     def to_body(self) -> dict[str, Any]:
         """The body of this record, as docs/protocol.md gives it."""
         body = {}
+        values = self.__dict__  # (a field left out of ``checked``'s values: its default)
         for name, wire, _, default, omit in self.spec():
-            value = getattr(self, name)
+            value = values[name] if name in values else getattr(self, name)
             if omit and value == default:
                 continue
-            body[wire] = _plain(value)
+            body[wire] = value if value.__class__ in _AS_IS else _plain(value)
         return body
 
 
@@ -268,9 +269,15 @@ def _refusal(label: str, wire: str, exc: Wrong, value: Any) -> str:
     return f"{label}: field {name!r} {exc}, got {short(exc.value)}"
 
 
+_AS_IS = frozenset({str, int, float, bool, type(None), dict, list, bytes})
+"""The types a body holds as they are (most fields: checked without a lookup)."""
+
+
 def _plain(value: Any) -> Any:
     """``value`` as JSON has it: the tuples a record holds for lists become lists again,
     a nested record (``JobOptions``) its body."""
+    if value.__class__ in _AS_IS:
+        return value
     if isinstance(value, tuple):
         return [_plain(v) for v in value]
     to_body = getattr(value, "to_body", None)
