@@ -66,6 +66,37 @@ def test_a_restored_state_hands_out_the_splits_where_it_stopped(tmp_path):
     assert list(again.jobs[job.id].dispatch.passes[(0,)].requeued) == [2]
 
 
+@pytest.mark.parametrize("compacted", [False, True])
+def test_a_dead_workers_splits_are_read_again_once_after_a_restart(tmp_path, compacted):
+    """A worker that died had its splits re-queued, each journaled as a requeue event of
+    its own: the restarted broker hands each out once, not once for the worker's leave
+    and once more for its event (which read them twice)."""
+    state = State(journal=Journal(tmp_path))
+    for name in ("w1", "w2", "w3"):
+        ready(state, name)
+    tasks = {o.identity.decode(): o.body["task"] for o in register(state, "c1", splits=8)
+             if o.command is Command.TASK}
+    assert [split(state, name, tasks[name]) for name in ("w1", "w2")] == [0, 1]
+    state.pass_done(b"w1", record(Command.PASS_DONE, {"task": tasks["w1"], "pass": [0]}), 0.0)
+    if compacted:
+        state.journal.compact(state.snapshot())
+    for name in ("w3", "c1"):
+        state.seen(name.encode(), 9.0)
+    state.tick(10.0)  # w1 and w2 silent past the expiry: dropped, splits 0 and 1 re-queued
+    assert sorted(state.workers) == ["w3"]
+    (job,) = state.jobs.values()
+    before = list(job.dispatch.passes[(0,)].requeued)
+    assert sorted(before) == [0, 1]
+    state.journal.close()
+
+    again = State(journal=Journal(tmp_path))
+    assert again.restore(now=100.0) == 1 and again.journal.skipped == []
+    assert list(again.jobs[job.id].dispatch.passes[(0,)].requeued) == before
+    ready(again, "w3", now=100.5)
+    handed = [split(again, "w3", tasks["w3"], now=100.5) for _ in range(8)]
+    assert sorted(handed) == list(range(8))
+
+
 def test_a_job_is_collected_from_the_journal_too(tmp_path):
     state = State(journal=Journal(tmp_path))
     ready(state, "w1")

@@ -57,12 +57,12 @@ def leave(state: Tables, worker: Worker, job: Job, task: str, died: bool, now: f
     """Take a worker's ``task`` off ``job``: its splits not yet delivered are read
     again by the others, for an exactly-once job once its consumers have said what they
     hold (see :class:`Fence`). ``stays``: the worker is not gone, only moved to another
-    job (``placement.preempt``). ``requeue=False`` replays a fenced leave, whose re-queued
-    splits follow in the journal. ``clean``: it drained first (a draining move, or a BYE
-    after SIGTERM): it sent all it read, so a job without exactly-once reads again only
-    the splits it held, not those it read; a forced leave (a move at once, a death) reads
-    those again too, since their elements may have waited in the worker (a paused
-    consumer's credits, a shared job's window; ``splits.mark_read``)."""
+    job (``placement.preempt``). ``requeue=False`` replays a leave from the journal, where
+    each re-queue follows as an event of its own. ``clean``: it drained first (a draining
+    move, or a BYE after SIGTERM): it sent all it read, so a job without exactly-once reads
+    again only the splits it held, not those it read; a forced leave (a move at once, a
+    death) reads those again too, since their elements may have waited in the worker (a
+    paused consumer's credits, a shared job's window; ``splits.mark_read``)."""
     worker_id = worker.id
     job.indices.pop(task, None)
     job.tasks.pop(task, None)

@@ -125,17 +125,19 @@ def _job(state: Tables, job: None, event: JobCreated, now: float) -> None:
 
 
 def _gone(state: Tables, job: None, event: WorkerGone, now: float) -> None:
-    """A worker left the broker (dead, or drained and gone)."""
-    failures.drop_worker(state, event.worker, event.died, now, requeue=not event.fenced,
+    """A worker left the broker (dead, or drained and gone). The splits it lost are not
+    re-queued here: each re-queue follows in the journal as an event of its own."""
+    failures.drop_worker(state, event.worker, event.died, now, requeue=False,
                          clean=event.clean)
 
 
 def _left(state: Tables, job: Job, event: WorkerLeft, now: float) -> None:
-    """A worker moved to another job (``placement.preempt``)."""
+    """A worker moved to another job (``placement.preempt``); its re-queues follow, as
+    a dead worker's do."""
     worker = state.workers.get(event.worker)
     if worker is not None and event.task in job.tasks:
-        failures.leave(state, worker, job, event.task, False, now,
-                       requeue=not event.fenced, stays=True, clean=event.clean)
+        failures.leave(state, worker, job, event.task, False, now, requeue=False,
+                       stays=True, clean=event.clean)
 
 
 def _rounds(state: Tables, job: Job, event: RoundsSet, now: float) -> None:
