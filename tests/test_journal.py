@@ -313,6 +313,35 @@ def test_every_kind_of_event_reads_back_as_the_record_written(tmp_path):
             assert events.parse(body).to_body() == body
 
 
+def test_the_events_shapes_are_pinned_to_the_journal_version():
+    """zloader.journal.VERSION names the events' shapes: a field added to, dropped from or
+    renamed in an event (or in JobOptions, which the job event holds whole) changes what
+    a journal written before it holds, and a restarted broker would skip those lines. So
+    such a change comes with a new VERSION, and with this list."""
+    import dataclasses
+
+    from zloader.broker import events
+    from zloader.journal import VERSION
+    from zloader.options import JobOptions
+
+    shapes = {kind: [wire for _, wire, *_ in cls.spec()] for kind, cls in events.KINDS.items()}
+    shapes["job.options"] = [field.name for field in dataclasses.fields(JobOptions)]
+    assert VERSION == 2 and shapes == {
+        "worker": ["id", "host", "host_id", "pid", "endpoint", "prefer", "plain_data"],
+        "job": ["id", "fingerprint", "name", "options", "num_splits", "shuffle_splits",
+                "seed", "width", "source_data", "entropy", "pipeline", "inputs"],
+        "job.options": ["sharding", "deterministic", "on_error", "num_workers", "balanced",
+                        "num_consumers", "share", "exactly_once", "weight", "objects"],
+        "rounds": ["job", "size"], "task": ["job", "task", "worker", "index"],
+        "split": ["job", "pass", "split", "worker", "origin"],
+        "requeue": ["job", "pass", "split", "skip"], "resume": ["job", "epoch", "delivered"],
+        "done": ["job", "pass", "worker"], "epoch": ["job", "epoch"],
+        "pass": ["job", "pass", "order", "requeued", "handed", "read", "skips", "origins"],
+        "failed": ["job", "error"], "end": ["job"],
+        "gone": ["worker", "died", "fenced", "clean"],
+        "left": ["job", "task", "worker", "fenced", "clean"]}
+
+
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
