@@ -16,20 +16,18 @@ from zloader import _check
 from zloader._defaults import DEFAULT_PREFETCH, MIN_MEMORY_BUDGET, WEIGHT_RANGE
 from zloader._process import START_METHODS
 from zloader.client.exactly_once import resume_from
-from zloader.options import JobOptions
+from zloader.options import ON_ERROR, SHARDING_MODES, JobOptions
 from zloader.pipeline import Pipeline
 from zloader.sharing.options import settings
 from zloader.transport.keys import resolve as resolve_keys
 from zloader.transport.ring import ALIGN
 
-__all__ = ["DEFAULT_PREFETCH", "ON_ERROR", "SHARDING", "TRANSPORTS", "Arguments", "checked",
-           "choice", "coordination", "share_settings", "timeout_seconds", "valid_ring_bytes"]
+__all__ = ["TRANSPORTS", "Arguments", "checked", "choice", "coordination", "share_settings",
+           "timeout_seconds", "valid_ring_bytes"]
 
 log = logging.getLogger("zloader.loader")
 
-SHARDING = ("dynamic", "static", "off")
 TRANSPORTS = ("auto", "tcp")
-ON_ERROR = ("raise", "skip")
 
 
 def timeout_seconds(timeout: Any) -> float:
@@ -158,7 +156,7 @@ def checked(pipeline: Any, *, broker: Any, num_workers: Any, sharding: Any, job_
     """
     if not isinstance(pipeline, Pipeline):
         raise TypeError(f"pipeline must be a zloader.Pipeline, got {type(pipeline).__name__}")
-    choice("sharding", sharding, SHARDING)
+    choice("sharding", sharding, SHARDING_MODES)
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) \
             or not WEIGHT_RANGE[0] <= weight <= WEIGHT_RANGE[1]:
         raise ValueError(f"weight must be a number from {WEIGHT_RANGE[0]} to "
