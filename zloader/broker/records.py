@@ -86,7 +86,7 @@ class Worker:
     rate: float = 0.0
     trainers: dict[str, dict[str, int]] = field(default_factory=dict)  # shared job: lag
     plain_data: bool = False  # its data socket speaks PLAIN, not CURVE (--plain-data)
-    idle_since: float = 0.0  # when it last had no task (surplus marks, see status.surplus)
+    idle_since: float = 0.0  # when it last had no task (surplus marks, see status._surplus)
     doing: dict[str, Any] | None = None  # its producer's {epoch, split, stage} (heartbeat)
     sent_at: float = float("-inf")  # when its heartbeats last showed elements sent
     holds: frozenset[str] = frozenset()  # fingerprints of pipelines it inherited by fork
