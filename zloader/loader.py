@@ -177,10 +177,10 @@ class Loader:
         # What workers get of the pipeline: nothing when every one is forked from here.
         blob, self._served = pack(pipeline, inherited=args.embedded and args.inherit,
                                   local=args.embedded)
-        check_exposure(self._served, broker, args.keys, insecure)
+        check_exposure(self._served, args.broker, args.keys, args.insecure)
         self._embedded = Embedded()
         try:
-            self.address = self._embedded.start(broker, args.workers, args.start_method,
+            self.address = self._embedded.start(args.broker, args.workers, args.start_method,
                                                 args.keys, pipeline, args.inherit, swaps)
             self._io = _io_thread(args, pipeline, self.address, blob, self._served,
                                   self._embedded)

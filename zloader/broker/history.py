@@ -92,26 +92,32 @@ def restore(state: Tables, now: float) -> int:
 
 
 def _apply(state: Tables, event: Event, now: float) -> None:
-    """Replay one event through its kind's function in :data:`APPLY`: a worker's and a
-    job's creation always; a job's other events only while the job is known (one whose
-    pipeline file is gone is not)."""
-    apply = APPLY[type(event)]
-    if isinstance(event, (WorkerReady, WorkerGone, JobCreated)):
-        apply(state, None, event, now)
-        return
-    job = state.jobs.get(event.job_id or "")
-    if job is not None:
-        apply(state, job, event, now)
+    """Replay one event through its kind's function in :data:`APPLY`."""
+    APPLY[type(event)](state, event, now)
 
 
-def _worker(state: Tables, job: None, event: WorkerReady, now: float) -> None:
+Apply = Callable[[Tables, Any, float], None]
+"""Replays one event of its kind: (the tables, the event, the time)."""
+
+
+def _of_job(apply: Callable[[Tables, Job, Any, float], None]) -> Apply:
+    """``apply`` for an event of a job, run only while the job is known (one whose
+    pipeline file is gone is not restored, and neither are its events)."""
+    def of_known_job(state: Tables, event: Any, now: float) -> None:
+        job = state.jobs.get(event.job_id or "")
+        if job is not None:
+            apply(state, job, event, now)
+    return of_known_job
+
+
+def _worker(state: Tables, event: WorkerReady, now: float) -> None:
     """A worker's READY: it is back as it was, and must reconnect to keep its task."""
     state.workers[event.id] = Worker(
         event.id, b"", event.host, event.host_id, event.pid, event.endpoint, event.prefer,
         now, plain_data=event.plain_data, idle_since=now)
 
 
-def _job(state: Tables, job: None, event: JobCreated, now: float) -> None:
+def _job(state: Tables, event: JobCreated, now: float) -> None:
     """A job's registration; a job whose pipeline file is gone is not restored."""
     blob = state.journal.load_pipeline(event.id) if state.journal else None
     if blob is None:
@@ -124,7 +130,7 @@ def _job(state: Tables, job: None, event: JobCreated, now: float) -> None:
         pipeline=dict(event.pipeline) if event.pipeline else None)
 
 
-def _gone(state: Tables, job: None, event: WorkerGone, now: float) -> None:
+def _gone(state: Tables, event: WorkerGone, now: float) -> None:
     """A worker left the broker (dead, or drained and gone). The splits it lost are not
     re-queued here: each re-queue follows in the journal as an event of its own."""
     failures.drop_worker(state, event.worker, event.died, now, requeue=False,
@@ -198,11 +204,12 @@ def _end(state: Tables, job: Job, event: JobEnded, now: float) -> None:
     del state.jobs[job.id]
 
 
-APPLY: dict[type[Event], Callable[[Tables, Any, Any, float], None]] = {
-    WorkerReady: _worker, JobCreated: _job, WorkerGone: _gone, WorkerLeft: _left,
-    RoundsSet: _rounds, TaskGiven: _task, SplitHanded: _split, SplitRequeued: _requeue,
-    JobResumed: _resume, PassRead: _done, EpochStarted: _epoch, PassKept: _pass,
-    JobFailed: _failed, JobEnded: _end,
+APPLY: dict[type[Event], Apply] = {
+    WorkerReady: _worker, JobCreated: _job, WorkerGone: _gone,
+    **{kind: _of_job(apply) for kind, apply in (
+        (WorkerLeft, _left), (RoundsSet, _rounds), (TaskGiven, _task), (SplitHanded, _split),
+        (SplitRequeued, _requeue), (JobResumed, _resume), (PassRead, _done),
+        (EpochStarted, _epoch), (PassKept, _pass), (JobFailed, _failed), (JobEnded, _end))},
 }
 """Each journal event's record -> how a restarted broker replays it into the tables."""
 
