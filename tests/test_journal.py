@@ -3,6 +3,7 @@ workers and Loaders reconnect by themselves and carry on where they were."""
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import signal
@@ -228,6 +229,40 @@ def test_a_worker_killed_while_the_broker_is_down_loses_and_repeats_nothing(tmp_
                     workers[0].wait()
                     restarted.append(start_broker(address, work_dir))
             assert sorted(seen) == list(range(1200))
+    finally:
+        for process in [*workers, broker, *restarted]:
+            stop(process)
+
+
+@pytest.mark.slow
+def test_a_worker_killed_before_a_broker_restart_has_its_splits_read_once_more(tmp_path):
+    """A job without exactly-once: a worker is SIGKILLed, the broker drops it (journaling
+    its leave and the re-queues), then the broker is SIGKILLed and restarted. The dead
+    worker's splits are read once more, so no element comes more than twice (a replay
+    that re-queued them again read some three times)."""
+    def slow(x):
+        time.sleep(0.002)
+        return x
+
+    address, work_dir, broker, workers = start_journaled(tmp_path, 3)
+    restarted: list[subprocess.Popen] = []
+    try:
+        with Loader(Pipeline.range(3000, split_size=30).map(slow), broker=address,
+                    timeout=30, exactly_once=False) as loader:
+            seen: list[int] = []
+            for x in loader:
+                seen.append(x)
+                if len(seen) == 400:
+                    workers[0].send_signal(signal.SIGKILL)
+                    workers[0].wait()
+                    wait_for(lambda: len(status(address)["workers"]) == 2,
+                             what="the broker to drop the dead worker")
+                    broker.send_signal(signal.SIGKILL)
+                    broker.wait()
+                    restarted.append(start_broker(address, work_dir))
+        counts = collections.Counter(seen)
+        assert sorted(counts) == list(range(3000))
+        assert max(counts.values()) <= 2, counts.most_common(3)
     finally:
         for process in [*workers, broker, *restarted]:
             stop(process)
