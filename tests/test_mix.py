@@ -334,3 +334,52 @@ def test_an_input_s_error_comes_at_its_draw_after_what_was_drawn_before_it():
             for element in loader:
                 got.append(element)
     assert as_tuples(got) == before[:len(got)]
+
+
+@pytest.mark.parametrize("weights", [[1e308, 1e308], [1e-13, 1], [1, 1e-300]])
+def test_weights_too_large_to_add_or_too_small_to_round_lose_no_input(weights):
+    pair = [Pipeline.range(100).map(tagged("a")), Pipeline.range(100).map(tagged("b"))]
+    out = as_tuples(Pipeline.mix(pair, weights, seed=1).iter(0))
+    assert sorted(out) == sorted(as_tuples(itertools.chain(*(p.iter(0) for p in pair))))
+
+
+@pytest.mark.parametrize("weights, seed, error, match", [
+    ("12", 1, TypeError, "weights must be a sequence"),
+    (b"12", 1, TypeError, "weights must be a sequence"),
+    ([1, "2"], 1, TypeError, r"weights\[1\] must be a real number"),
+    ([True, 1], 1, TypeError, r"weights\[0\] must be a real number"),
+    ([1, 1], "7", TypeError, "seed must be an int"),
+    ([1, 1], -1, ValueError, "seed must be >= 0"),
+    ([1, 1], 2**64, ValueError, "seed must be < 2"),
+])
+def test_weights_and_seeds_of_the_wrong_kind_are_refused_naming_them(weights, seed, error,
+                                                                     match):
+    with pytest.raises(error, match=match):
+        Pipeline.mix([Pipeline.range(3)] * 2, weights, seed=seed)
+
+
+def test_a_weight_set_to_zero_mid_epoch_ends_the_epoch_reading_nothing_twice():
+    mix = Pipeline.mix(two_inputs(), [0.5, 0.5], seed=1)
+    with Loader(mix, num_workers=2, timeout=30) as loader:
+        elements = iter(loader)
+        seen = as_tuples(itertools.islice(elements, 1000))
+        loader.set_weights([0, 1])
+        seen += as_tuples(elements)  # (before: never ended, and the timeout never fired)
+    assert len(set(seen)) == len(seen), "an element came twice"
+    assert {x for name, x in seen if name == "b"} == set(range(5000))
+    assert names(seen)["a"] < 5000
+
+
+def test_first_exhausted_over_an_endless_input_ends_on_every_worker():
+    endless = Pipeline.range(1000, split_size=50).map(tagged("a")).repeat()
+    finite = Pipeline.range(300, split_size=50).map(tagged("b"))
+    mix = Pipeline.mix([endless, finite], [0.5, 0.5], seed=3, stop="first_exhausted")
+    with Loader(mix, num_workers=2, timeout=30) as loader:
+        # (before: each worker sent the broker a PASS_DONE per empty repetition until its
+        # queue filled, and died of "BrokerRefused: ... the broker wants CURVE keys")
+        seen = as_tuples(loader)
+        again = as_tuples(loader)  # the workers are alive: a second epoch runs
+    for epoch in (seen, again):
+        assert names(epoch)["b"] >= 1
+        b = [x for name, x in epoch if name == "b"]
+        assert len(set(b)) == len(b)

@@ -255,6 +255,30 @@ def test_close_leaves_no_process_or_segment():
             os.kill(pid, 0)
 
 
+def test_an_iterator_keeps_its_loader_alive_and_lets_it_go_after_the_epoch():
+    import gc
+    import weakref
+
+    # (before: "the Loader was closed while this iterator waited for data")
+    assert sorted(x for x in Loader(Pipeline.range(3000, split_size=100), num_workers=2,
+                                    timeout=30)) == list(range(3000))
+    elements = iter(Loader(Pipeline.range(500), num_workers=2, timeout=30))
+    gc.collect()
+    assert sorted(elements) == list(range(500))
+    loader = Loader(Pipeline.range(10), num_workers=1, timeout=30)
+    pids = [p.pid for p in loader._processes]
+    alive = weakref.ref(loader)
+    elements = iter(loader)
+    del loader
+    assert alive() is not None  # held by its iterator
+    assert sorted(elements) == list(range(10))
+    del elements
+    assert alive() is None  # the epoch over and the iterator gone: closed, workers gone
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
 @pytest.mark.slow
 def test_worker_killed_mid_epoch_does_not_hang_and_its_splits_are_rerun():
     def slow(x):

@@ -388,6 +388,10 @@ HANDSHAKE_SECONDS = 10.0
 """A connection to the broker that has not finished its ZeroMQ handshake (the security
 handshake, with keys) within this long is closed (ZMQ_HANDSHAKE_IVL; fixed)."""
 
+BROKER_SEND_WAIT_SECONDS = 10.0
+"""How long a worker waits for room in its queue to the broker, once the broker has
+answered on that connection, before it gives up saying the broker is not reading."""
+
 DESCRIPTORS_LOW = 0.9
 """Share of the broker process's file-descriptor limit in use at which it warns, and drops
 connections that have not finished their handshake, oldest first (fixed)."""

@@ -240,7 +240,8 @@ class Loader:
         epoch = self._epoch
         self._epoch += 1
         elements = self._merger.epoch(epoch, epoch_input)
-        return self._plan.run_consumer(elements, epoch, Context(RunSettings(entropy=0)))
+        return _holding(self, self._plan.run_consumer(elements, epoch,
+                                                      Context(RunSettings(entropy=0))))
 
     def _check_process(self) -> None:
         """Raise in a process other than the one that made this Loader (a fork's child):
@@ -412,6 +413,15 @@ class Loader:
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
             self.close()
+
+
+def _holding(loader: Loader, elements: Iterator[Any]) -> Iterator[Any]:
+    """``elements``, keeping ``loader`` alive while they are iterated, as torch's iterator
+    keeps its DataLoader: ``for x in Loader(...)`` holds no other reference to it."""
+    try:
+        yield from elements
+    finally:
+        del loader  # (held by this generator's frame until then)
 
 
 def _io_thread(args: Arguments, pipeline: Pipeline, address: str, blob: bytes,

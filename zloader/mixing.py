@@ -194,7 +194,9 @@ class MixSource(Source):
                 return [r(key) for r in runs]
 
             def finish(ended: list[Iterator[Any]]) -> None:
-                if stop == "first_exhausted" and ctx.coverage is not None:
+                # (an input left unread at the end: the others ended first, or its weight
+                # was set to 0 while it ran)
+                if ctx.coverage is not None:
                     _end_early(ended, key, ctx)
 
             if pattern is not None:
@@ -236,10 +238,12 @@ def _input_run(inner: _stages.Run, which: int, endless: bool,
 
 
 def _end_early(streams: list[Iterator[Any]], key: Key, ctx: _stages.Context) -> None:
-    """On a dynamically sharded worker, a mix that stopped with its first input to end:
-    end the other inputs' passes (no more splits are asked for) and drop the rest of the
+    """On a dynamically sharded worker, a mix that ended while some inputs had not (it
+    stopped with its first input to end, or an input's weight was set to 0 while it ran):
+    end those inputs' passes (no more splits are asked for) and drop the rest of the
     splits they were handed, read to their end, so that exactly-once counts every element
-    of a split that was handed out (the consumer would read a split left half read again)."""
+    of a split that was handed out (the consumer would wait for a split left half read).
+    An input that ended has nothing left: draining it reads nothing."""
     assert ctx.coverage is not None
     for which, stream in enumerate(streams):
         ctx.coverage.end((*key, MIX_KEY + which))
@@ -408,25 +412,45 @@ def mixed_source(pipelines: Sequence[Pipeline], weights: Sequence[float] | None,
         return MixSource(name="choose", shuffle_splits=False, seed=None, version=None,
                          inputs=inputs, weights=shares, pattern=chosen, stop=stop)
     shares = _weights(weights, len(inputs))
+    seed = _check.seed(seed)
     return MixSource(name="mix", shuffle_splits=False, seed=seed, version=None,
                      inputs=inputs, weights=shares, pattern=None, stop=stop)
 
 
 def _weights(weights: Sequence[float] | None, count: int) -> tuple[float, ...]:
-    """``weights`` checked and made to sum to 1, to 12 places (equal when None).
+    """``weights`` checked and made to sum to 1, each rounded to 12 significant digits
+    (equal when None). A positive weight stays positive however small, and weights too
+    large to add up (``[1e308, 1e308]``) are scaled by their largest first.
 
     Raises:
+        TypeError: ``weights`` is a string or mapping, or a weight is not a real number.
         ValueError: not ``count`` of them, or one negative or not finite, or all zero.
     """
     if weights is None:
-        return tuple(round(1.0 / count, 12) for _ in range(count))
-    values = [float(w) for w in weights]
+        return tuple(_rounded(1.0 / count) for _ in range(count))
+    if isinstance(weights, (str, bytes, dict)) or not hasattr(weights, "__len__"):
+        raise TypeError(f"weights must be a sequence of numbers, one per input, got "
+                        f"{type(weights).__name__} {weights!r:.80}")
+    values = []
+    for at, weight in enumerate(weights):
+        if isinstance(weight, (bool, np.bool_)) or not isinstance(weight, (int, float,
+                                                                         np.number)):
+            raise TypeError(f"weights[{at}] must be a real number, got "
+                            f"{type(weight).__name__} {weight!r:.40}")
+        values.append(float(weight))
     if len(values) != count:
         raise ValueError(f"weights must have one weight per input ({count}), "
                          f"got {len(values)}")
-    if any(not np.isfinite(w) or w < 0 for w in values) or sum(values) <= 0:
+    if any(not np.isfinite(w) or w < 0 for w in values) or max(values) <= 0:
         raise ValueError(f"weights must be finite, >= 0 and not all 0, got {values}")
-    total = sum(values)
+    top = max(values)
+    scaled = [w / top for w in values]  # (in [0, 1]: their sum cannot overflow)
+    total = sum(scaled)
     # Rounded, so that weights equal up to float error ([0.6, 0.3, 0.1] and [6, 3, 1]) make
     # the same mix: the same draws and the same fingerprint.
-    return tuple(round(w / total, 12) for w in values)
+    return tuple(_rounded(w / total) for w in scaled)
+
+
+def _rounded(share: float) -> float:
+    """``share`` to 12 significant digits: a positive share never rounds to 0."""
+    return float(f"{share:.12g}")

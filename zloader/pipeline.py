@@ -296,9 +296,11 @@ class Pipeline:
         docs/semantics.md, "Mixing".
 
         Raises:
-            TypeError: an input is not a Pipeline.
+            TypeError: an input is not a Pipeline, ``weights`` is not a sequence of real
+                numbers (a string is refused), or ``seed`` is not an int.
             ValueError: no inputs, an input that is a mix or has a take/skip, weights not
-                one per input, negative, not finite or all zero, or an unknown ``stop``.
+                one per input, negative, not finite or all zero, a ``seed`` outside
+                [0, 2**64), or an unknown ``stop``.
         """
         return cls(_mixing.mixed_source(_pipelines(pipelines), weights, None, seed, stop))
 

@@ -606,6 +606,8 @@ class Repeat(Stage):
                 for element in upstream(sub):
                     produced = True
                     yield element
+                if ctx.coverage is not None and ctx.coverage.ended(key):
+                    return  # (the run ended this pass early: a mix stopped, no more splits)
                 if ctx.coverage is not None and (produced or count is not None):
                     ctx.coverage.close(sub)
                     empty.clear()

@@ -9,6 +9,7 @@ from typing import Any
 
 import zmq
 
+from zloader._defaults import BROKER_SEND_WAIT_SECONDS
 from zloader.errors import ZloaderError
 from zloader.lineage import Assigned, unpack
 from zloader.transport.keys import Keys
@@ -16,7 +17,7 @@ from zloader.transport.messages import Ready, Record, Split, SplitReq
 from zloader.transport.protocol import ProtocolError, encode
 from zloader.transport.sockets import make_socket
 
-__all__ = ["BrokerLink", "BrokerRefused", "assignment"]
+__all__ = ["BrokerLink", "BrokerRefused", "BrokerUnread", "assignment"]
 
 log = logging.getLogger("zloader.worker")
 
@@ -24,6 +25,11 @@ log = logging.getLogger("zloader.worker")
 class BrokerRefused(ZloaderError, ConnectionRefusedError):
     """The broker's socket refused this worker's connection at the handshake: the two do
     not hold the same keys."""
+
+
+class BrokerUnread(ZloaderError, ConnectionError):
+    """The broker answered on this connection, but has not taken this worker's messages
+    for BROKER_SEND_WAIT_SECONDS: its queue to the broker is full."""
 
 
 class BrokerLink:
@@ -44,6 +50,7 @@ class BrokerLink:
         self.hello = hello
         self.last_from = time.monotonic()  # when the broker last said anything
         self.last_to = 0.0
+        self.answered = False  # the broker said something on this connection
         self.asking: SplitReq | None = None  # the split request not yet answered
         self.sock: zmq.Socket[Any] = self.connect()
 
@@ -56,6 +63,7 @@ class BrokerLink:
         sock = make_socket(self.context, zmq.DEALER, self.keys)
         sock.connect(self.endpoint)
         self.sock = sock
+        self.answered = False
         self.ready()
         self.last_from = time.monotonic()
         return sock
@@ -66,21 +74,36 @@ class BrokerLink:
 
     def send(self, record: Record) -> None:
         """Send to the broker. A connection still being made queues what is sent; only
-        one whose handshake failed (other keys, or none) has nowhere to put it.
+        one whose handshake failed (other keys, or none) has nowhere to put it. On a
+        connection the broker has answered, a full queue (the broker not reading) is
+        waited on for BROKER_SEND_WAIT_SECONDS.
 
         Raises:
             BrokerRefused: the handshake failed; the text says which keys to give.
+            BrokerUnread: the broker answered, then took nothing for that long.
         """
+        frames = encode(record.COMMAND, record.to_body())
         try:
-            self.sock.send_multipart(encode(record.COMMAND, record.to_body()), zmq.NOBLOCK)
+            self.sock.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:
-            fix = ("the broker wants CURVE keys: pass --keys DIR, the broker's keys "
-                   "directory (see `zloader keygen`)" if self.keys is None else
-                   f"the broker holds other CURVE keys than {self.keys.path}, or none: give "
-                   "every host of the service the same keys directory (--keys DIR)")
-            raise BrokerRefused(f"the broker at {self.endpoint} refused this worker's "
-                                f"connection at the handshake: {fix}") from None
+            if not self.answered:
+                raise self._refused() from None
+            if not self.sock.poll(int(BROKER_SEND_WAIT_SECONDS * 1000), zmq.POLLOUT):
+                raise BrokerUnread(
+                    f"the broker at {self.endpoint} has taken none of this worker's "
+                    f"messages for {BROKER_SEND_WAIT_SECONDS:g} s (its queue to the broker "
+                    f"is full): the broker is stalled or overloaded ({record.COMMAND.name} "
+                    "not sent)") from None
+            self.sock.send_multipart(frames, zmq.NOBLOCK)
         self.last_to = time.monotonic()
+
+    def _refused(self) -> BrokerRefused:
+        fix = ("the broker wants CURVE keys: pass --keys DIR, the broker's keys "
+               "directory (see `zloader keygen`)" if self.keys is None else
+               f"the broker holds other CURVE keys than {self.keys.path}, or none: give "
+               "every host of the service the same keys directory (--keys DIR)")
+        return BrokerRefused(f"the broker at {self.endpoint} refused this worker's "
+                             f"connection at the handshake: {fix}")
 
     def ask(self, request: SplitReq) -> None:
         """SPLIT_REQ, remembered until its answer comes (the caller clears ``asking``)."""
@@ -97,6 +120,7 @@ class BrokerLink:
     def heard(self) -> None:
         """The broker said something."""
         self.last_from = time.monotonic()
+        self.answered = True
 
     def close(self) -> None:
         self.sock.close(0)
