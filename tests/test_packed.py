@@ -4,8 +4,12 @@ workers that read the whole dataset do not copy it."""
 
 from __future__ import annotations
 
+import collections
+import collections.abc
 import enum
 import itertools
+import operator
+import pathlib
 import pickle
 import sys
 
@@ -82,6 +86,148 @@ class Paths(list):  # type: ignore[type-arg]
 ], ids=["subclass", "object", "intenum", "numpy", "list", "int-keys", "short", "deep"])
 def test_what_is_not_plain_data_is_left_alone(values):
     assert pack(values) is None
+
+
+class Field(enum.StrEnum):
+    LABEL = "label"
+
+
+class Raw(bytes):
+    pass
+
+
+class Text(str):
+    pass
+
+
+Pair = collections.namedtuple("Pair", "path label")
+
+
+def _rows(count: int) -> list[dict[str, object]]:
+    return [{"path": f"/data/{i}.jpg", "label": i % 7} for i in range(count)]
+
+
+def _one_odd(values: list[object], odd: object) -> list[object]:
+    """``values`` with element 5 replaced by ``odd``: every other element is plain."""
+    values[5] = odd
+    return values
+
+
+@pytest.mark.parametrize("values", [
+    _one_odd(_rows(PACK_MIN_ITEMS), {"path": "/data/5.jpg", Field.LABEL: 5}),
+    _one_odd(_rows(PACK_MIN_ITEMS), {"path": "/data/5.jpg", "label": Colour.RED}),
+    _one_odd(_rows(PACK_MIN_ITEMS), {"path": Text("/data/5.jpg"), "label": 5}),
+    _one_odd([(f"/data/{i}.jpg", i) for i in range(PACK_MIN_ITEMS)], Pair("/data/5.jpg", 5)),
+    _one_odd([(f"/data/{i}.jpg", i) for i in range(PACK_MIN_ITEMS)], ("/data/5.jpg", Colour.RED)),
+    _one_odd([(f"/data/{i}.jpg", (i, i)) for i in range(PACK_MIN_ITEMS)], ("/5", Pair(5, 5))),
+    _one_odd([f"/data/{i}.jpg" for i in range(PACK_MIN_ITEMS)], Field.LABEL),
+    _one_odd([b"%d" % i for i in range(PACK_MIN_ITEMS)], Raw(b"5")),  # marshal takes it
+    _one_odd([(b"%d" % i, i) for i in range(PACK_MIN_ITEMS)], (Raw(b"5"), 5)),  # as bytes
+], ids=["strenum-key", "intenum-value", "str-subclass-value", "namedtuple", "intenum-in-tuple",
+        "namedtuple-in-tuple", "strenum", "bytes-subclass", "bytes-subclass-in-tuple"])
+def test_a_subclass_in_one_element_leaves_the_list_as_it_is(values):
+    """Marshal refuses a subclass of a builtin, or turns a bytes subclass into bytes: the
+    worker would read another type than the dataset holds, or packing would raise. The
+    first element is plain, so the checks must look at every element."""
+    assert pack(values) is None
+
+
+def _types(value: object) -> object:
+    """``value``'s type, with those of what it holds (dict keys included)."""
+    if isinstance(value, tuple):
+        return (type(value), *map(_types, value))
+    if isinstance(value, dict):
+        return (type(value), *((_types(k), _types(v)) for k, v in value.items()))
+    return type(value)
+
+
+odd_atoms = st.sampled_from([Field.LABEL, Colour.RED, Raw(b"r"), Text("t"), Pair("p", 1)])
+placed = st.sampled_from([lambda odd: odd, lambda odd: ("x", odd), lambda odd: {"k": odd},
+                          lambda odd: {odd: 1}, lambda odd: {"k": ((odd,),)}])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(plain, min_size=1, max_size=12), st.integers(0, 40), placed, odd_atoms)
+def test_packing_never_changes_a_type_and_never_raises(values, at, place, odd):
+    original = _long(values)
+    view = pack(original)  # plain data packs, and keeps every type it holds
+    assert view is not None
+    assert [_types(view[i]) for i in range(len(values))] == list(map(_types, values))
+    original[at] = place(odd)
+    assert pack(original) is None
+
+
+WRITES = {
+    "set": lambda s: s.__setitem__(3, ("set", 3)),
+    "set-negative": lambda s: s.__setitem__(-2, ("set", -2)),
+    "set-slice": lambda s: s.__setitem__(slice(1, 4), [("a", 1)]),
+    "set-extended-slice": lambda s: s.__setitem__(slice(0, 6, 2), [("b", 1)] * 3),
+    "del": lambda s: s.__delitem__(-1),
+    "del-slice": lambda s: s.__delitem__(slice(0, 10, 3)),
+    "append": lambda s: s.append(("end", 1)),
+    "extend": lambda s: s.extend([("x", 2), ("y", 3)]),
+    "extend-itself": lambda s: s.extend(s),
+    "insert": lambda s: s.insert(2, ("in", 4)),
+    "pop": lambda s: s.pop(),
+    "pop-first": lambda s: s.pop(0),
+    "remove": lambda s: s.remove(s[5]),
+    "sort": lambda s: s.sort(key=repr, reverse=True),
+    "reverse": lambda s: s.reverse(),
+    "iadd": lambda s: operator.iadd(s, [("z", 9)]) is s,
+    "imul": lambda s: operator.imul(s, 2) is s,
+    "clear": lambda s: s.clear(),
+    "shuffle": lambda s: __import__("random").Random(0).shuffle(s),
+}
+
+
+@pytest.mark.parametrize("kind", ["marshal", "array"])
+@pytest.mark.parametrize("write", WRITES.values(), ids=WRITES.keys())
+def test_a_written_packed_list_is_this_processs_own_list(write, kind):
+    """Each write a list takes, then the same reads as the list (a worker's memo cache,
+    a dataset that shuffles or extends its samples): only this view changes."""
+    original = ([(f"/data/{i}.jpg", i % 7) for i in range(PACK_MIN_ITEMS)] if kind == "marshal"
+                else list(range(PACK_MIN_ITEMS)))
+    expected = list(original)
+    view = pack(original)
+    assert view is not None
+    layout = "marshal" if kind == "marshal" else "q"  # (int64: see pack)
+    again = packed.PackedSequence(view._memory, len(original), layout, list)
+    assert write(view) == write(expected)  # (what the write returns, too)
+    assert view == expected and list(view) == expected and len(view) == len(expected)
+    assert [view[i] for i in range(-len(expected), len(expected))] == expected * 2
+    assert view[1:7:2] == expected[1:7:2] and pickle.loads(pickle.dumps(view)) == expected
+    assert again == original  # the shared memory is as it was: other workers read that
+    view[0:0] = ["later"]
+    assert view[0] == "later" and expected == list(view)[1:]
+
+
+def test_a_packed_list_makes_new_lists_and_compares_as_a_list():
+    original = [(f"/data/{i}.jpg", i) for i in range(PACK_MIN_ITEMS)]
+    view = pack(original)
+    assert view is not None
+    add = operator.add  # (the operators are what is tested)
+    assert add(view, [("x", 1)]) == add(original, [("x", 1)]) and type(add(view, [])) is list
+    assert add([("x", 1)], view) == add([("x", 1)], original)
+    assert view * 2 == original * 2 == 2 * view
+    assert view.copy() == original and view.copy() is not view.copy()
+    assert view < [*original, ("z", 1)] and view >= original and not view > original
+    assert view.index(original[9]) == 9 and view.count(original[9]) == 1
+    assert original[9] in view and list(reversed(view)) == original[::-1]
+    with pytest.raises(TypeError):
+        add(view, (1,))  # as a list: no list + tuple
+
+
+def test_a_packed_tuple_cannot_change_as_a_tuple_cannot():
+    original = tuple(f"/data/{i}.jpg" for i in range(PACK_MIN_ITEMS))
+    view = pack(original)
+    assert view is not None
+    for write in (WRITES["set"], WRITES["del"], WRITES["append"], WRITES["sort"]):
+        with pytest.raises(TypeError, match="'tuple' object does not support"):
+            write(view)
+    grown = view
+    grown += ("end",)
+    assert grown == (*original, "end") and type(grown) is tuple and view == original
+    assert view * 2 == original * 2 and type(operator.add(view, ())) is tuple
 
 
 def test_packable_names_what_it_takes():
@@ -281,3 +427,121 @@ def test_the_plan_packs_a_mixs_inputs_lists():
     with zloader.Loader(mix, num_workers=2) as loader:
         got = list(loader)
     assert sorted(map(repr, got)) == sorted(map(repr, mix.iter(0)))
+
+
+class Level(enum.IntEnum):
+    LOW = 0
+    HIGH = 1
+
+
+class Rows(Dataset):
+    """A list of dicts, one of them unlike the others (element 5, not the first)."""
+
+    def __init__(self, count: int, odd: dict[object, object]) -> None:
+        self.samples: list[dict[object, object]] = [
+            {"path": f"/data/{i}.jpg", "label": i % 7} for i in range(count)]
+        self.samples[5] = odd
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> str:
+        return repr(self.samples[index])  # (the keys' and values' types show in a repr)
+
+
+class Memo(Dataset):
+    """A dataset that memoises its samples into its own list, as torch users write it."""
+
+    def __init__(self, count: int) -> None:
+        self.cache: list[object] = [None] * count
+
+    def __len__(self) -> int:
+        return len(self.cache)
+
+    def __getitem__(self, index: int) -> tuple[str, int]:
+        if self.cache[index] is None:
+            self.cache[index] = (f"/data/{index}.jpg", index % 7)
+        return self.cache[index]  # type: ignore[return-value]
+
+
+def _plain_batches(loader: object) -> list[object]:
+    """The loader's batches, tensors as lists (both loaders' batches compare so)."""
+    def plain(value: object) -> object:
+        if hasattr(value, "tolist"):
+            return ("tensor", str(value.dtype), value.tolist())  # type: ignore[attr-defined]
+        if isinstance(value, (list, tuple)):
+            return [type(value).__name__, *map(plain, value)]
+        return value
+    return [plain(batch) for batch in loader]  # type: ignore[attr-defined]
+
+
+def _as_torch(dataset: object, **kwargs: object) -> tuple[list[object], list[object]]:
+    """The batches of torch's DataLoader and of the drop-in, built alike (2 workers)."""
+    torch = pytest.importorskip("torch")
+    zt = pytest.importorskip("zloader.torch")
+    made = []
+    for cls in (torch.utils.data.DataLoader, zt.DataLoader):
+        loader = cls(dataset, num_workers=2, generator=torch.Generator().manual_seed(0),
+                     **kwargs)
+        try:
+            made.append(_plain_batches(loader))
+        finally:
+            if cls is zt.DataLoader:
+                loader.close()
+    return made[0], made[1]
+
+
+@pytest.mark.parametrize("odd", [
+    {"path": "/data/5.jpg", Field.LABEL: 5},  # a StrEnum key: marshal refuses it
+    {"path": "/data/5.jpg", "label": Level.HIGH},  # an IntEnum value
+], ids=["strenum-key", "intenum-value"])
+def test_the_torch_dataloader_reads_a_list_packing_cannot_take_as_torch_does(odd):
+    dataset = Rows(10_000, odd)
+    assert packed.plan(zloader.Pipeline.from_torch(dataset).source) == []  # left a list
+    reference, ours = _as_torch(dataset, batch_size=250, shuffle=True)
+    assert ours == reference
+    assert repr(odd) in itertools.chain.from_iterable(ours)  # its types, as the dataset's
+
+
+def test_a_dataset_that_memoises_into_its_own_list_reads_as_with_torch():
+    dataset = Memo(10_000)
+    assert [s.where for s in packed.plan(zloader.Pipeline.from_torch(dataset).source)] == [
+        "TorchSource.dataset.cache"]  # the list of Nones is packed
+    reference, ours = _as_torch(dataset, batch_size=250, shuffle=True)
+    assert ours == reference and len(ours) == 40
+    assert dataset.cache == [None] * 10_000  # each worker wrote its own copy, as torch's
+
+
+class Kinds(Dataset):
+    """Says what its list is, in the process that reads it."""
+
+    def __init__(self) -> None:
+        self.samples = [f"/data/{i}.jpg" for i in range(PACK_MIN_ITEMS)]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> str:
+        samples = self.samples
+        return (f"{type(samples).__name__} list={isinstance(samples, list)} "
+                f"mutable={isinstance(samples, collections.abc.MutableSequence)}")
+
+
+def test_in_a_worker_a_packed_list_is_a_mutable_sequence_but_not_a_list():
+    """Documented (docs/torch.md, differences): a list subclass would hold its elements
+    as Python objects, which is what packing avoids; pack_dataset=False keeps the list."""
+    zt = pytest.importorskip("zloader.torch")
+    seen = {}
+    for pack_dataset in (True, False):
+        loader = zt.DataLoader(Kinds(), batch_size=1024, num_workers=2,
+                               pack_dataset=pack_dataset)
+        try:
+            seen[pack_dataset] = set(itertools.chain.from_iterable(loader))
+        finally:
+            loader.close()
+    assert seen == {True: {"PackedSequence list=False mutable=True"},
+                    False: {"list list=True mutable=True"}}
+    docs = (pathlib.Path(__file__).parents[1] / "docs" / "torch.md").read_text()
+    differences = docs[docs.index("## Differences from torch"):]
+    assert "`isinstance(self.samples, list)` is False" in differences
+    assert "pack_dataset=False" in differences

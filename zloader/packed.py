@@ -6,7 +6,9 @@ epoch each worker ends up with a private copy of the dataset (pytorch/pytorch#13
 it forks its workers, a Loader packs such lists into anonymous shared memory (:func:`plan`);
 each worker, and only the worker, then reads the packed form through a
 :class:`PackedSequence` that decodes one element per access, and never touches the list
-again. The trainer's objects are left as they are.
+again. The trainer's objects are left as they are. A worker that writes into a packed list
+(a memo cache filled in ``__getitem__``) gets its own plain copy of it at the first write,
+as a torch worker's write copies the pages it touches: nothing else sees the write.
 
 What is packed (docs/pipeline.md, "Packed datasets"): an exact ``list`` or ``tuple`` of at
 least ``PACK_MIN_ITEMS`` elements, each an atom (None, bool, int, float, complex, str,
@@ -14,7 +16,10 @@ bytes), a tuple of atoms (nested tuples too) or a dict of str keys to such value
 the pipeline's source (``from_items``' items, the file lists of the file sources, a
 generator's splits, a ``from_torch`` dataset that is itself a list) or by an attribute of a
 map-style dataset object (torchvision's ``samples``, ``imgs`` and ``targets``), or of a
-torch dataset it holds (``Subset.dataset``). Everything else is left alone.
+torch dataset it holds (``Subset.dataset``). Every value must be of exactly one of those
+types: marshal refuses a subclass (an ``IntEnum``, a ``StrEnum`` key, a named tuple) or,
+for a ``bytes`` subclass or any other buffer, silently returns its base type, so a list
+holding one anywhere is left as it is. Everything else is left alone.
 
 Layout: lists of ints (or floats) only are one int64 (float64) array; any other packs each
 element with ``marshal`` format 2 (no back-references, no code: the same bytes the
@@ -30,7 +35,8 @@ import logging
 import marshal
 import mmap
 import operator
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,20 +62,35 @@ _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # fault the pages in at once, wher
 _HEADER: dict[type, bytes] = {list: b"[", tuple: b"("}  # marshal's type code of a list, a tuple
 
 
-class PackedSequence(collections.abc.Sequence):
-    """A read-only list or tuple whose elements live packed in shared memory.
+_WRITING = threading.Lock()
+"""Held while a written :class:`PackedSequence` becomes its own list (two threads of one
+worker writing at once must write into the same list)."""
+
+
+class PackedSequence(collections.abc.MutableSequence):
+    """A list or tuple whose elements live packed in shared memory.
 
     Indexing decodes one element afresh (equal to the packed one; a changed copy does not
     change the packed one); a slice is a list (or tuple) of elements. Compares equal to a
     list (tuple) with equal elements, and pickles as one.
+
+    A packed list takes every write a list takes (an item or a slice set or deleted,
+    ``append``, ``+=``, ``sort``...): the first one decodes it into this process's own
+    plain list, which it reads and writes from then on, as a torch worker's first write
+    copies the pages of the list it touches. The shared memory, and every other process's
+    view, are unchanged. A packed tuple cannot be changed, as a tuple cannot. It is not a
+    ``list`` (``isinstance`` says so), which it could only be by holding its elements in
+    Python objects; ``pack_dataset=False`` leaves a dataset's lists as they are.
     """
 
-    __slots__ = ("_blob", "_count", "_memory", "_offsets", "_type", "_values", "flat")
+    __slots__ = ("_blob", "_count", "_items", "_memory", "_offsets", "_type", "_values",
+                 "flat")
 
     def __init__(self, memory: mmap.mmap, count: int, kind: str, type_: type) -> None:
         self._memory = memory
         self._count = count
         self._type = type_
+        self._items: list[Any] | None = None  # this process's own list, once written
         self.flat = False  # marshalled, of atoms or of tuples of atoms (see flat_chunks)
         view = memoryview(memory)
         if kind == "marshal":
@@ -87,14 +108,16 @@ class PackedSequence(collections.abc.Sequence):
         return len(self._memory)
 
     def __len__(self) -> int:
-        return self._count
+        return self._count if self._items is None else len(self._items)
 
     def __getitem__(self, index: Any) -> Any:
-        if type(index) is int and 0 <= index < self._count:  # (most reads: kept short)
-            offsets = self._offsets
+        if type(index) is int and 0 <= index < self._count and self._items is None:
+            offsets = self._offsets  # (most reads: kept short)
             if offsets is None:
                 return self._values[index]
             return _loads(self._blob[offsets[index]:offsets[index + 1]])
+        if self._items is not None:
+            return self._items[index]
         if isinstance(index, slice):
             return self._type(map(self._get, range(*index.indices(self._count))))
         at = operator.index(index)
@@ -111,7 +134,97 @@ class PackedSequence(collections.abc.Sequence):
         return _loads(self._blob[offsets[at]:offsets[at + 1]])
 
     def __iter__(self) -> Iterator[Any]:
+        if self._items is not None:
+            return iter(self._items)
         return map(self._get, range(self._count))
+
+    # --- writes: into this process's own list (see the class docstring) -----------------
+
+    def _own(self, what: str) -> list[Any]:
+        """The list this process writes into, decoded from the packed one at the first
+        write; a packed tuple raises the TypeError a tuple would."""
+        items = self._items
+        if items is None:
+            if self._type is not list:
+                raise TypeError(f"'{self._type.__name__}' object does not support {what}")
+            with _WRITING:
+                items = self._items
+                if items is None:
+                    items = self._items = list(map(self._get, range(self._count)))
+        return items
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        self._own("item assignment")[index] = value
+
+    def __delitem__(self, index: Any) -> None:
+        del self._own("item deletion")[index]
+
+    def insert(self, index: Any, value: Any) -> None:
+        self._own("insert").insert(index, value)
+
+    def append(self, value: Any) -> None:
+        self._own("append").append(value)
+
+    def extend(self, values: Iterable[Any]) -> None:
+        items = self._own("extend")
+        items.extend(items if values is self else values)
+
+    def pop(self, index: Any = -1) -> Any:
+        return self._own("pop").pop(index)
+
+    def remove(self, value: Any) -> None:
+        self._own("remove").remove(value)
+
+    def clear(self) -> None:
+        self._own("clear").clear()
+
+    def reverse(self) -> None:
+        self._own("reverse").reverse()
+
+    def sort(self, *, key: Callable[[Any], Any] | None = None, reverse: bool = False) -> None:
+        self._own("sort").sort(key=key, reverse=reverse)
+
+    def __iadd__(self, values: Any) -> Any:
+        if self._type is not list:  # a tuple's ``+=`` makes a new tuple (__add__)
+            return NotImplemented
+        self.extend(values)
+        return self
+
+    def __imul__(self, times: Any) -> Any:
+        if self._type is not list:
+            return NotImplemented
+        items = self._own("repetition")
+        items *= times  # (in place)
+        return self
+
+    # --- what makes a new list (tuple), as a list's operators do -----------------------
+
+    def copy(self) -> list[Any]:
+        return list(self)
+
+    def _plain(self) -> Any:
+        """A list (tuple) of the elements: this process's own list, once written."""
+        items = self._items
+        return items if items is not None else self._type(self)
+
+    def __add__(self, other: Any) -> Any:
+        if isinstance(other, PackedSequence):
+            other = other._plain()
+        if not isinstance(other, self._type):
+            return NotImplemented
+        return self._plain() + other
+
+    def __radd__(self, other: Any) -> Any:
+        if not isinstance(other, self._type):
+            return NotImplemented
+        return other + self._plain()
+
+    def __mul__(self, times: Any) -> Any:
+        if not hasattr(type(times), "__index__"):
+            return NotImplemented
+        return self._plain() * times
+
+    __rmul__ = __mul__
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, (PackedSequence, self._type)):
@@ -119,7 +232,26 @@ class PackedSequence(collections.abc.Sequence):
         if isinstance(other, PackedSequence) and other._type is not self._type:
             return False
         values: Any = other
-        return len(values) == self._count and all(map(operator.eq, self, values))
+        return len(values) == len(self) and all(map(operator.eq, self, values))
+
+    def _ordered(self, compare: Callable[[Any, Any], bool], other: Any) -> Any:
+        if isinstance(other, PackedSequence):
+            other = other._plain()
+        if not isinstance(other, self._type):
+            return NotImplemented
+        return compare(self._plain(), other)
+
+    def __lt__(self, other: Any) -> Any:
+        return self._ordered(operator.lt, other)
+
+    def __le__(self, other: Any) -> Any:
+        return self._ordered(operator.le, other)
+
+    def __gt__(self, other: Any) -> Any:
+        return self._ordered(operator.gt, other)
+
+    def __ge__(self, other: Any) -> Any:
+        return self._ordered(operator.ge, other)
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -127,6 +259,9 @@ class PackedSequence(collections.abc.Sequence):
         return (self._type, (list(self),))
 
     def __repr__(self) -> str:
+        if self._items is not None:
+            return (f"<PackedSequence: a list of {len(self._items)} elements, written in "
+                    "this process: its own list now>")
         return (f"<PackedSequence: a {self._type.__name__} of {self._count} elements in "
                 f"{self.nbytes / 2**20:.1f} MiB of shared memory>")
 
@@ -195,10 +330,21 @@ def _shared(size: int) -> mmap.mmap:
 
 
 def _marshalled(values: Any, kind: type, sizes: np.ndarray | None,
-                flat: bool) -> PackedSequence:
+                flat: bool) -> PackedSequence | None:
     """``values`` marshalled one element after another, after their offset table: the
     whole list marshalled at once when ``sizes`` (:func:`_sizes`) gives each element's
-    size (most datasets, in C), else element by element."""
+    size (most datasets, in C), else element by element. None when marshal refuses an
+    element: the checks before should have left it alone, and a list packing cannot take
+    is read as it is, never an error."""
+    try:
+        return _marshalled_into_memory(values, kind, sizes, flat)
+    except ValueError as exc:  # (marshal's "unmarshallable object")
+        log.debug("left a %s of %d elements as it is: %s", kind.__name__, len(values), exc)
+        return None
+
+
+def _marshalled_into_memory(values: Any, kind: type, sizes: np.ndarray | None,
+                            flat: bool) -> PackedSequence:
     count = len(values)
     offsets = np.zeros(count + 1, np.int64)
     whole = marshal.dumps(values, _MARSHAL_VERSION) if sizes is not None else b""
@@ -255,8 +401,10 @@ def _sizes(values: Any, kinds: set[type], ascii_only: bool = True) -> np.ndarray
         head = 5  # type code and length
     elif type(first) is dict:
         keys = tuple(first)
+        # Every element's keys exact str, not only the first's: a StrEnum member equal to
+        # one of them would pass the look-ups below, then fail to marshal.
         if kinds != {dict} or set(map(len, values)) != {len(keys)} \
-                or not all(type(k) is str for k in keys):
+                or not set(map(type, itertools.chain.from_iterable(values))) <= {str}:
             return None
         try:  # (as many keys as the first's, and each of them: the same keys)
             columns = [list(map(operator.itemgetter(k), values)) for k in keys]
