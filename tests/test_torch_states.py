@@ -1,7 +1,9 @@
 """zloader.torch.DataLoader's states beyond map-style datasets read in order, as torchdata's
 StatefulDataLoader keeps them: iterable datasets (restored from their own ``state_dict``
 or made again up to where they were), ``snapshot_every_n_steps``, batches yielded out of
-order, map-style datasets that keep a state, a resume of a resume, and the errors."""
+order, map-style datasets that keep a state, a resume of a resume, and the errors: states
+that cannot resume here, and crafted or corrupted ones, refused with a ValueError that
+names the field."""
 
 from __future__ import annotations
 
@@ -368,3 +370,192 @@ def test_a_worker_that_fails_to_start_raises_at_iter():
             iter(broken)
     finally:
         broken.close()
+
+
+class Noisy(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """``(i, a draw of torch's)``: its workers' random states move, so a state holds them."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> tuple[int, float]:
+        return i, torch.rand(()).item()
+
+
+def noisy(**kwargs: Any) -> zt.DataLoader:
+    """12 batches of 2, 2 workers."""
+    kwargs.setdefault("num_workers", 2)
+    return zt.DataLoader(Noisy(), batch_size=2, collate_fn=identity,
+                         generator=torch.Generator().manual_seed(2), **kwargs)
+
+
+@pytest.fixture(scope="module")
+def mid_epoch() -> tuple[str, list[Any]]:
+    """A real state of :func:`noisy`'s loader 3 batches into its epoch (as JSON, to be
+    crafted afresh by each test) and the batches after it."""
+    _, state, rest = cut(noisy, 3)
+    assert state["batches"] == 3 and state["yielded"] == [[0, 3]]
+    assert sorted(state["workers"]) == ["0", "1"]
+    return json.dumps(state), rest
+
+
+def nested(depth: int) -> list[Any]:
+    value: list[Any] = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def worker(state: dict[str, Any], name: str = "worker_0") -> dict[str, Any]:
+    entry: dict[str, Any] = state["_snapshot"]["_worker_snapshots"][name]
+    return entry
+
+
+SNAPSHOTS = r"state\['_snapshot'\]\['_worker_snapshots'\]"
+
+# (what is crafted into the real state, the message: the field's path, what it holds and
+# what was expected). The first eight are the review's findings: each was accepted (and
+# misbehaved: an empty epoch, a batch too many or too few, a field ignored) or raised
+# something other than a ValueError that names the field.
+CRAFTED = {
+    "batches_and_yielded_past_the_epoch": (
+        lambda s: s.update(batches=10**18, yielded=[[0, 10**18]]),
+        r"state\['batches'\] is 1000000000000000000: expected an int \(not a bool\) from 0 "
+        r"to 12, the 12 batches of the epoch it resumes"),
+    "batches_past_the_epoch_without_yielded": (
+        lambda s: (s.update(batches=10**18), s.pop("yielded")),
+        r"state\['batches'\] is 1000000000000000000: expected .* from 0 to 12"),
+    "batches_a_bool": (
+        lambda s: s.update(batches=True, yielded=[[0, 1]]),
+        r"state\['batches'\] is True: expected an int \(not a bool\)"),
+    "yielded_past_the_epoch": (
+        lambda s: s.update(yielded=[[0, 2], [50, 51]]),
+        r"state\['yielded'\]\[1\] is \[50, 51\]: expected .*end <= 12"),
+    "since_of_a_map_style_worker": (
+        lambda s: worker(s).update(since=10**12),
+        SNAPSHOTS + r"\['worker_0'\]\['since'\] is 1000000000000: expected an int \(not a "
+        r"bool\) from 0 to 0, a map-style dataset's workers make no batch again"),
+    "a_worker_the_state_does_not_have": (
+        lambda s: s["_snapshot"]["_worker_snapshots"].update(
+            worker_99={**worker(s), "worker_id": 99}),
+        SNAPSHOTS + r" has the key 'worker_99': expected only worker_0 \.\. worker_1 in one "
+        r"per worker of the state's num_workers=2"),
+    "a_value_100_000_deep": (
+        lambda s: worker(s).update(dataset_state=nested(100_000)),
+        SNAPSHOTS + r"\['worker_0'\]\['dataset_state'\]\[0\]\[0\]\.\.\. nests deeper than "
+        r"100 levels"),
+    "rng_not_base64": (
+        lambda s: s.update(rng="not base64!"),
+        r"state\['rng'\] is not base64 \(.*\): expected the base64 random state of the "
+        r"loader's generator"),
+    # and more of the same kinds
+    "rng_of_another_size": (
+        lambda s: s.update(rng="AAAA"),
+        r"state\['rng'\] decodes to 3 bytes: expected 5056"),
+    "a_worker_s_rng_corrupt": (
+        lambda s: s["workers"].update({"0": "AAAA"}),
+        r"state\['workers'\]\['0'\] does not decode \(.*\): expected a worker's packed"),
+    "a_worker_s_rng_not_base64": (
+        lambda s: s["workers"].update({"1": "???"}),
+        r"state\['workers'\]\['1'\] is not base64"),
+    "a_worker_number_past_the_state_s": (
+        lambda s: s["workers"].update({"2": s["workers"]["0"]}),
+        r"state\['workers'\] holds '2': expected the keys '0' \.\. '1'"),
+    "an_unknown_key": (
+        lambda s: s.update(note="mine"),
+        r"state has the key 'note': expected only zloader_torch, .* in a state of a "
+        r"map-style dataset saved with num_workers=2"),
+    "a_missing_field": (
+        lambda s: s.pop("reseed"),
+        r"state\['reseed'\] is missing"),
+    "finished_not_a_bool": (
+        lambda s: s.update(finished="yes"),
+        r"state\['finished'\] is 'yes': expected a bool"),
+    "num_workers_a_bool": (
+        lambda s: s.update(num_workers=True),
+        r"state\['num_workers'\] is True: expected an int \(not a bool\)"),
+    "num_workers_past_its_snapshots": (
+        lambda s: s.update(num_workers=10**18),
+        SNAPSHOTS + r"\['worker_2'\] is missing"),
+    "base_seed_past_int64": (
+        lambda s: s.update(base_seed=2**64),
+        r"state\['base_seed'\] is 18446744073709551616: expected an int"),
+    "a_worker_s_id_not_its_own": (
+        lambda s: worker(s, "worker_1").update(worker_id=0),
+        SNAPSHOTS + r"\['worker_1'\]\['worker_id'\] is 0: expected .* from 1 to 1"),
+    "a_fetcher_state_for_a_map_style_worker": (
+        lambda s: worker(s).update(fetcher_state={"dataset_iter_state": None,
+                                                  "fetcher_ended": True}),
+        SNAPSHOTS + r"\['worker_0'\]\['fetcher_state'\] is \{.*\}: expected None"),
+    "an_unknown_key_in_a_worker_s_snapshot": (
+        lambda s: worker(s).update(extra=1),
+        SNAPSHOTS + r"\['worker_0'\] has the key 'extra': expected only worker_id, "),
+}
+
+
+@pytest.mark.parametrize("case", list(CRAFTED))
+def test_a_crafted_state_is_refused_naming_its_field(mid_epoch, case):
+    """A real mid-epoch state with one field crafted: load_state_dict raises ValueError
+    naming the field's path, what it holds and what was expected."""
+    craft, message = CRAFTED[case]
+    state = json.loads(mid_epoch[0])
+    craft(state)
+    fresh = noisy()
+    try:
+        with pytest.raises(ValueError, match=message) as caught:
+            fresh.load_state_dict(state)
+        assert type(caught.value) is ValueError  # not binascii.Error, not RecursionError
+        assert fresh.state_dict()["batches"] == 0  # nothing of it was loaded
+    finally:
+        fresh.close()
+
+
+def test_the_state_the_crafted_ones_come_from_resumes(mid_epoch):
+    state, rest = mid_epoch
+    assert resumed(noisy, json.loads(state)) == rest
+    def samples(batches: list[Any]) -> list[int]:
+        return [i for batch in batches for i, _ in batch]
+    # with another num_workers the same batches (the workers start as seeded: other draws)
+    assert samples(resumed(lambda: noisy(num_workers=3), json.loads(state))) == samples(rest)
+
+
+class Unsized(torch.utils.data.Sampler):  # type: ignore[type-arg]
+    """Batches of 2 of 24 indices, in order, without ``len()``."""
+
+    def __iter__(self) -> Any:
+        return iter([[i, i + 1] for i in range(0, 24, 2)])
+
+
+def test_a_sampler_without_len_has_the_state_checked_against_the_sampled_epoch():
+    def make() -> zt.DataLoader:
+        return zt.DataLoader(Noisy(), batch_sampler=Unsized(), num_workers=2,
+                             collate_fn=identity)
+    _, state, rest = cut(make, 2)
+    crafted = json.loads(json.dumps(state))
+    crafted["yielded"] = [[0, 1], [20, 21]]  # batch 20 of an epoch of 12
+    again = make()
+    try:
+        again.load_state_dict(crafted)  # its epoch's batches are not known before it samples
+        with pytest.raises(ValueError, match=r"state\['yielded'\] has the range \[20, 21\]: "
+                                             r"expected .* end <= 12"):
+            iter(again)
+    finally:
+        again.close()
+    assert resumed(make, state) == rest
+
+
+def test_an_iterable_worker_s_since_is_bounded_by_the_batches_yielded():
+    def make() -> zt.DataLoader:
+        return loader(Counted([4, 4], stateful=False), num_workers=2)
+    _, state, rest = cut(make, 3)
+    assert [worker(state, f"worker_{w}")["since"] for w in range(2)] == [2, 1]
+    crafted = json.loads(json.dumps(state))
+    worker(crafted)["since"] = 10**12  # worker 0 would skip every batch it has
+    with pytest.raises(ValueError, match=SNAPSHOTS + r"\['worker_0'\]\['since'\] is "
+                                         r"1000000000000: expected .* from 0 to 3"):
+        make().load_state_dict(crafted)
+    worker(crafted)["since"] = 3  # with worker 1's 1: 4 of the 3 batches yielded
+    with pytest.raises(ValueError, match=SNAPSHOTS + r"\['worker_1'\]\['since'\] is 1: "
+                                         r"expected .* from 0 to 0"):
+        make().load_state_dict(crafted)
+    assert resumed(make, state) == rest

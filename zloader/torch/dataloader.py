@@ -176,7 +176,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         loaded, self._resume = self._resume, None
         resume = None
         if loaded is not None:  # load_state_dict: sample that epoch again, skip what was had
-            resume = states.checked(loaded, self.num_workers, self._iterable)
+            resume = states.checked(loaded, self.num_workers, self._iterable,
+                                    states.epoch_batches(self), self.generator)
             self._set_rng(resume["rng"])
             # An epoch that drew its base seed draws it again, from the same random state,
             # so that the sampler then draws what it drew; one that did not (persistent
@@ -211,6 +212,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         if self.num_workers == 0:
             return self._inline(resume, progress), progress, None, None
         plan, sampled, sampling = self._plan(skip)
+        if resume is not None and sampled is not None:  # a sampler without len(): now
+            states.within(resume, len(sampled))
         plan["every"] = self.snapshot_every_n_steps or 0
         progress.reseeded = bool(plan["reseed"])
         workers = resume["workers"] if resume is not None else None
@@ -380,11 +383,17 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
 
         Raises:
             ValueError: ``state`` is not such a dict (or one of another layout version),
-                or one of an iterable dataset saved with another ``num_workers``.
+                or one of an iterable dataset saved with another ``num_workers``, or one
+                of its fields does not fit the epoch it resumes (past its batches, a
+                worker the state's ``num_workers`` lacks, a key the layout does not have,
+                a random state that does not decode; ``zloader.torch.states.checked``):
+                the message names the field (``state['yielded']``). A sampler without
+                ``len()`` has its batches counted at ``iter()``, which raises then.
         """
         if isinstance(state, dict) and not state:
             return
-        states.checked(state, self.num_workers, self._iterable)
+        states.checked(state, self.num_workers, self._iterable, states.epoch_batches(self),
+                       self.generator)
         self._resume = copy.deepcopy(state)
 
     def stats(self) -> dict[str, Any]:

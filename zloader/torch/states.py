@@ -2,9 +2,10 @@
 keeps state of its own, and the checks a loaded state gets.
 
 ``DataLoader.state_dict()`` is a small dict: zloader's own fields (``zloader_torch``: the
-layout's version; ``rng``: the random state the epoch sampled from; ``batches``: the
-batches it yielded; ``base_seed``, ``reseed``; ``workers``: each worker's packed random
-state, base64) and, per worker, what torchdata's ``StatefulDataLoader`` records under the
+layout's version; ``num_workers``: the saving loader's; ``rng``: the random state the
+epoch sampled from; ``batches``: the batches it yielded; ``base_seed``, ``reseed``;
+``finished``: the epoch had ended; ``workers``: each worker's packed random state,
+base64) and, per worker, what torchdata's ``StatefulDataLoader`` records under the
 same names, so that tools which read those find them: ``_snapshot._worker_snapshots
 .worker_<i>`` holds ``worker_id``, ``dataset_state`` (the dataset's ``state_dict()``
 when it has ``state_dict``/``load_state_dict``), ``fetcher_state`` (for an iterable
@@ -16,6 +17,12 @@ which batches of the epoch were yielded (``yielded``: sorted ``[first, end)`` ra
 batch numbers; one range unless they came out of order). With ``num_workers=0`` an
 iterable dataset's ``dataset_state`` and ``fetcher_state`` are top-level keys, as in
 torchdata.
+
+A loaded state is checked in one place, :func:`checked` (and :func:`within`, once the
+epoch of a sampler without ``len()`` is sampled), against the epoch it resumes: a field
+that is missing, unknown to the layout, of the wrong type (a bool is not an int), past
+the epoch's batches or the state's workers, that does not decode or nests too deep is
+refused with a ``ValueError`` naming its path (``state['yielded'][1]``).
 """
 
 from __future__ import annotations
@@ -23,10 +30,18 @@ from __future__ import annotations
 import base64
 import bisect
 import copy
+import random
+import re
+import reprlib
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
+import numpy as np
+import torch
+import torch.utils.data
+
+from zloader._defaults import CODEC_MAX_DEPTH
 from zloader.torch.seeding import unpack_rng
 
 VERSION = 2
@@ -191,104 +206,348 @@ def places_of(state: dict[str, Any], rngs: dict[int, bytes]) -> dict[int, Place]
     return found
 
 
-def checked(state: Any, workers: int, iterable: bool) -> dict[str, Any]:
-    """``state`` (what ``DataLoader.state_dict()`` returned) checked, its workers' random
-    states decoded: ``{..., "reseed": whether its epoch drew a base seed, "workers":
-    {index: packed state}, "places": {index: Place}, "yielded": Batches}``.
+MAX_DEPTH = CODEC_MAX_DEPTH
+"""How deep a state may nest (what a dataset's own ``state_dict()`` returns included):
+a deeper one (or one that holds itself) is refused before anything copies it. The
+codec's limit: a worker's part of the state goes to it through the codec."""
+
+_INT64_MAX = int(np.iinfo(np.int64).max)  # counts and base seeds (drawn as int64s >= 0)
+_FETCHER_KEYS = ("dataset_iter_state", "fetcher_ended")
+_ENTRY_KEYS = ("worker_id", "dataset_state", "fetcher_state", "since")
+_SNAPSHOT_KEYS = ("_worker_snapshots", "_last_yielded_worker_id")
+_MISSING = object()
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxdict, _SHOWN.maxstring = 3, 6, 4, 40
+_SHOWN.maxlong, _SHOWN.maxother = 40, 40
+
+
+def checked(state: Any, workers: int, iterable: bool, total: int | None = None,
+            generator: torch.Generator | None = None) -> dict[str, Any]:
+    """``state`` (what ``DataLoader.state_dict()`` returned) checked against the epoch it
+    resumes, its workers' random states decoded: ``{..., "reseed": whether its epoch drew
+    a base seed, "workers": {index: packed state}, "places": {index: Place}, "yielded":
+    Batches}``.
+
+    Every field is checked here, where it is read: zloader's layout fixes every key of
+    the state outside what a dataset's own ``state_dict()`` returned (``dataset_state``,
+    ``dataset_iter_state``: those are the dataset's, passed to it as they are), so a key
+    missing or one it does not have is refused; counts and worker numbers are ints (not
+    bools) within the epoch's bounds (``total`` batches; the state's own ``num_workers``);
+    a map-style worker's ``since`` is 0 (its batches are never made again), an iterable
+    one's at most the batches yielded, all workers' together; the random states decode
+    (the sampler's ``rng`` to a state of ``generator``, each worker's to torch, numpy and
+    ``random`` states); nothing nests deeper than :data:`MAX_DEPTH`, which is checked
+    without recursion.
+
+    Args:
+        state: what ``DataLoader.state_dict()`` returned.
+        workers: the loader's ``num_workers``.
+        iterable: whether its dataset is an ``IterableDataset``.
+        total: the batch count of the epoch the state resumes, as the loader plans it
+            (None: not known before it samples; :func:`within` checks it then).
+        generator: the loader's ``generator`` (None: torch's global one).
 
     Raises:
-        ValueError: ``state`` is not such a dict (or one of another layout version),
-            names a worker beyond ``workers``, or is an iterable dataset's saved with
-            another ``num_workers`` (each worker's position lies in its own share of the
+        ValueError: naming the field (its path in the state, ``state['yielded'][1]``),
+            what it holds and what was expected: ``state`` is not such a dict (or one of
+            another layout version), a field is missing, unknown, of the wrong type, out
+            of bounds or does not decode, it names a worker beyond its own
+            ``num_workers``, or it is an iterable dataset's saved with another
+            ``num_workers`` (each worker's position lies in its own share of the
             dataset).
     """
-    version = state.get("zloader_torch") if isinstance(state, dict) else None
-    if isinstance(version, int) and version != VERSION:
+    _check_depth(state)
+    if not isinstance(state, dict):
+        _refuse("state", f"is {_shown(state)}",
+                "the dict zloader.torch.DataLoader.state_dict() returned")
+    version = state.get("zloader_torch", _MISSING)
+    if _is_int(version) and version != VERSION:
         raise ValueError(f"this state has layout version {version} and this zloader reads "
                          f"version {VERSION}: it was saved by another zloader version")
-    if not (isinstance(state, dict) and state.get("zloader_torch") == VERSION
-            and isinstance(state.get("rng"), str)
-            and isinstance(state.get("batches"), int) and state["batches"] >= 0
-            and (state.get("base_seed") is None or isinstance(state["base_seed"], int))
-            and isinstance(state.get("reseed", False), bool)
-            and isinstance(state.get("workers", {}), dict)
-            and isinstance(state.get("_snapshot", {}), dict)):
-        raise ValueError("state must be what zloader.torch.DataLoader.state_dict() "
-                         "returned")
-    saved_workers = state.get("num_workers")
-    if iterable and saved_workers is not None and saved_workers != workers:
+    if version != VERSION or not _is_int(version):
+        _refuse("state['zloader_torch']", _held(version),
+                f"{VERSION}: state must be what zloader.torch.DataLoader.state_dict() "
+                "returned")
+    saved = _int(state, "state", "num_workers", 0, _INT64_MAX,
+                 "the num_workers of the loader that saved the state")
+    if iterable and saved != workers:
         raise ValueError(
-            f"this state of an iterable dataset was saved with num_workers={saved_workers} "
+            f"this state of an iterable dataset was saved with num_workers={saved} "
             f"and this loader has num_workers={workers}: each worker's position lies in "
             "its own share of the dataset (its get_worker_info()), so it resumes only with "
             "the same num_workers")
-    # A map-style state resumes with another num_workers by the batches it yielded alone
-    # (each worker as seeded): its workers' parts are checked against its own count.
-    saved = workers
-    if (not iterable and isinstance(saved_workers, int) and not isinstance(saved_workers, bool)
-            and saved_workers > 0):
-        saved = saved_workers
-    found = {}
-    for key, text in state.get("workers", {}).items():
-        if not (isinstance(key, str) and key.isdigit() and int(key) < saved
-                and isinstance(text, str)):
-            raise ValueError(f"state['workers'] holds {key!r}: not a worker of this "
-                             f"loader's {saved} (num_workers must be the saved loader's)")
-        try:
-            data = base64.b64decode(text, validate=True)
-        except ValueError:
-            raise ValueError(f"state['workers'][{key!r}] is not base64") from None
-        unpack_rng(data)  # raises on a corrupt one
-        found[int(key)] = data
-    snapshots = (state.get("_snapshot") or {}).get("_worker_snapshots", {})
-    if not isinstance(snapshots, dict):
-        raise ValueError("state['_snapshot']['_worker_snapshots'] must be a dict")
-    for key, entry in snapshots.items():
-        number = key.removeprefix("worker_") if isinstance(key, str) else ""
-        if not (number.isdigit() and isinstance(entry, dict)
-                and isinstance(entry.get("since", 0), int) and entry.get("since", 0) >= 0
-                and isinstance(entry.get("fetcher_state") or {}, dict)):
-            raise ValueError(f"state['_snapshot']['_worker_snapshots'][{key!r}] is not a "
-                             "worker's snapshot saved by zloader.torch.DataLoader")
-    last = (state.get("_snapshot") or {}).get("_last_yielded_worker_id")
-    if last is not None and not (isinstance(last, int) and not isinstance(last, bool)
-                                 and 0 <= last < max(saved, 1)):
-        raise ValueError(f"state['_snapshot']['_last_yielded_worker_id'] is {last!r}: not a "
-                         f"worker of this loader's {saved}")
-    # A state saved before "reseed" was recorded: an epoch with a base seed took it.
-    reseed = state.get("reseed", state.get("base_seed") is None)
+    epoch = "the batches of the epoch it resumes" if total is None else \
+        f"the {total} batches of the epoch it resumes, as this loader plans it"
+    batches = _int(state, "state", "batches", 0,
+                   _INT64_MAX if total is None else total, epoch)
+    _rng(_field(state, "state", "rng"), "state['rng']", generator)
+    base_seed = _field(state, "state", "base_seed")
+    if base_seed is not None:
+        _int(state, "state", "base_seed", 0, _INT64_MAX,
+             "None or the base seed the epoch drew (an int64)")
+    reseed = _bool(state, "state", "reseed", "whether the epoch drew its base seed")
+    if _bool(state, "state", "finished", "whether the epoch had ended") and batches:
+        _refuse("state['finished']", f"is True with {batches} batches yielded",
+                "False, or 0 batches: a finished epoch's state resumes at the next epoch")
+    found = _worker_rngs(_field(state, "state", "workers"), saved)
+    keys = ["zloader_torch", "num_workers", "rng", "batches", "base_seed", "reseed",
+            "finished", "workers"]
+    yielded = Batches([[0, batches]] if batches else [])
+    if saved and not iterable:
+        keys.append("yielded")
+        yielded = _yielded(_field(state, "state", "yielded"), batches, total)
+    if saved:
+        keys.append("_snapshot")
+        _snapshot(_field(state, "state", "_snapshot"), saved, iterable, batches)
+    elif iterable:
+        keys += ["dataset_state", "fetcher_state"]
+        _field(state, "state", "dataset_state")
+        _fetcher(_field(state, "state", "fetcher_state"), "state['fetcher_state']")
+    _only(state, "state", keys, "a state of a"
+          f"{'n iterable' if iterable else ' map-style'} dataset saved with "
+          f"num_workers={saved}")
     places = places_of(state, found)
-    if saved != workers:
+    if saved != workers:  # a map-style state resumes by the batches it yielded alone
         found, places = {}, {}
     return {**state, "reseed": reseed, "workers": found, "places": places,
-            "yielded": yielded_of(state)}
+            "yielded": yielded}
 
 
-def yielded_of(state: dict[str, Any]) -> Batches:
-    """The batches a state records as yielded: its ``yielded`` ranges, or its first
-    ``batches`` (a state without them: in order, or an iterable dataset's).
+def within(resume: dict[str, Any], total: int) -> Batches:
+    """The batches a checked state (:func:`checked`) records as yielded, checked against
+    the epoch it resumes as the loader sampled it (``total`` batches; a sampler without
+    ``len()`` is known only then).
 
     Raises:
-        ValueError: ``yielded`` is not sorted, disjoint ``[first, end)`` ranges of batch
-            numbers that hold ``batches`` batches.
+        ValueError: the state's ``batches`` or ``yielded`` lie past that epoch.
     """
-    ranges = state.get("yielded")
-    if ranges is None:
-        return Batches([[0, state["batches"]]] if state["batches"] else [])
+    epoch = f"the {total} batches of the epoch it resumes, as this loader sampled it"
+    if resume["batches"] > total:
+        _refuse("state['batches']", f"is {resume['batches']}",
+                f"an int from 0 to {total}, {epoch}")
+    done: Batches = resume["yielded"]
+    ranges = done.ranges()
+    if ranges and ranges[-1][1] > total:
+        _refuse("state['yielded']", f"has the range {ranges[-1]}",
+                f"[first, end) ranges with end <= {total}, {epoch}")
+    return done
+
+
+def epoch_batches(loader: Any) -> int | None:
+    """The batch count of a map-style loader's epoch as it is known before it samples:
+    ``len()`` of its index sampler (what torch's ``len(loader)`` says); None for an
+    iterable dataset or a sampler without ``len()`` (:func:`within` checks a state
+    against the sampled epoch then)."""
+    if isinstance(loader.dataset, torch.utils.data.IterableDataset):
+        return None
+    try:
+        return len(loader._index_sampler)
+    except (TypeError, NotImplementedError):
+        return None
+
+
+def _check_depth(state: Any) -> None:
+    """Refuse ``state`` if its dicts, lists, tuples and sets nest deeper than
+    :data:`MAX_DEPTH` (or hold themselves); walked without recursion, each container
+    once at its deepest place."""
+    containers = (dict, list, tuple, set, frozenset)
+    deepest: dict[int, int] = {}
+    todo: list[tuple[Any, tuple[Any, ...]]] = [(state, ())]
+    while todo:
+        value, keys = todo.pop()
+        if len(keys) > MAX_DEPTH:
+            shown = "".join(f"[{k!r:.30}]" for k in keys[:6])
+            _refuse(f"state{shown}...", f"nests deeper than {MAX_DEPTH} levels (or holds "
+                    "itself)", f"a state at most {MAX_DEPTH} levels deep")
+        if deepest.get(id(value), -1) >= len(keys):
+            continue
+        deepest[id(value)] = len(keys)
+        items: Iterable[tuple[Any, Any]] = (
+            value.items() if isinstance(value, dict)
+            else enumerate(value) if isinstance(value, (list, tuple))
+            else ((None, v) for v in value))
+        todo.extend((v, (*keys, k)) for k, v in items if isinstance(v, containers))
+
+
+def _refuse(path: str, wrong: str, expected: str) -> NoReturn:
+    raise ValueError(f"{path} {wrong}: expected {expected}")
+
+
+def _shown(value: Any) -> str:
+    return _SHOWN.repr(value)
+
+
+def _held(value: Any) -> str:
+    return "is missing" if value is _MISSING else f"is {_shown(value)}"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _field(parent: dict[str, Any], path: str, key: str) -> Any:
+    """``parent[key]``, refused when missing."""
+    value = parent.get(key, _MISSING)
+    if value is _MISSING:
+        _refuse(f"{path}[{key!r}]", "is missing",
+                "it in a state zloader.torch.DataLoader.state_dict() returned")
+    return value
+
+
+def _int(parent: dict[str, Any], path: str, key: str, low: int, high: int,
+         what: str) -> int:
+    value = _field(parent, path, key)
+    if not (_is_int(value) and low <= value <= high):
+        _refuse(f"{path}[{key!r}]", _held(value),
+                f"an int (not a bool) from {low} to {high}, {what}")
+    return int(value)
+
+
+def _bool(parent: dict[str, Any], path: str, key: str, what: str) -> bool:
+    value = _field(parent, path, key)
+    if not isinstance(value, bool):
+        _refuse(f"{path}[{key!r}]", _held(value), f"a bool, {what}")
+    return value
+
+
+def _only(mapping: dict[Any, Any], path: str, keys: list[str], what: str) -> None:
+    """Refuse a key of ``mapping`` not in ``keys`` (the layout's)."""
+    for key in mapping:
+        if key not in keys:
+            _refuse(path, f"has the key {_shown(key)}", f"only {', '.join(keys)} in {what}")
+
+
+def _dict(value: Any, path: str, what: str) -> dict[Any, Any]:
+    if not isinstance(value, dict):
+        _refuse(path, _held(value), f"a dict, {what}")
+    return value
+
+
+def _b64(text: Any, path: str, what: str) -> bytes:
+    if not isinstance(text, str):
+        _refuse(path, _held(text), f"a str, {what}")
+    try:
+        return base64.b64decode(text, validate=True)
+    except ValueError as exc:  # binascii.Error
+        _refuse(path, f"is not base64 ({exc})", what)
+
+
+def _rng(text: Any, path: str, generator: torch.Generator | None) -> None:
+    """Refuse the sampler's random state ``text`` unless it decodes to a state of
+    ``generator`` (None: torch's global one)."""
+    what = "the base64 random state of the loader's generator that state_dict() saved"
+    data = _b64(text, path, what)
+    current = generator.get_state() if generator is not None else torch.get_rng_state()
+    if len(data) != current.numel():
+        _refuse(path, f"decodes to {len(data)} bytes", f"{current.numel()}: {what}")
+    probe = torch.Generator(device=generator.device if generator is not None else "cpu")
+    try:
+        probe.set_state(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    except (RuntimeError, ValueError, TypeError) as exc:
+        _refuse(path, f"is not a random state of this generator ({exc})", what)
+
+
+def _worker_rngs(value: Any, saved: int) -> dict[int, bytes]:
+    """The workers' packed random states of ``state['workers']``, each decoded and tried."""
+    path = "state['workers']"
+    what = f"{{'<worker>': base64 random state}} for the state's {saved} workers"
+    found = {}
+    for key, text in _dict(value, path, what).items():
+        if not (isinstance(key, str) and re.fullmatch("0|[1-9][0-9]*", key)
+                and int(key) < saved):
+            _refuse(path, f"holds {key!r}", f"the keys '0' .. '{saved - 1}', the workers of "
+                    f"the state's num_workers={saved}" if saved else
+                    "no keys: the state was saved with num_workers=0")
+        where = f"{path}[{key!r}]"
+        data = _b64(text, where, "a worker's base64 random state that state_dict() saved")
+        try:
+            torch_state, numpy_state, py_state = unpack_rng(data)
+            if not (0 <= numpy_state[2] <= 624 and numpy_state[3] in (0, 1)):
+                raise ValueError("numpy's position out of range")
+            torch.Generator().set_state(torch.frombuffer(bytearray(torch_state),
+                                                         dtype=torch.uint8))
+            np.random.RandomState().set_state(numpy_state)
+            random.Random().setstate(py_state)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            _refuse(where, f"does not decode ({exc})",
+                    "a worker's packed torch, numpy and random states, as state_dict() "
+                    "saved them")
+        found[int(key)] = data
+    return found
+
+
+def _yielded(ranges: Any, batches: int, total: int | None) -> Batches:
+    """The batches ``state['yielded']`` records: sorted, disjoint ``[first, end)`` ranges of
+    batch numbers of the epoch (``total`` batches, when known) that hold ``batches``."""
+    path = "state['yielded']"
+    if not isinstance(ranges, list):
+        _refuse(path, _held(ranges), "a list of sorted, disjoint [first, end) ranges of "
+                f"the batch numbers yielded ({batches})")
     at, count = 0, 0
-    ok = isinstance(ranges, list)
-    for pair in ranges if ok else ():
-        ok = (isinstance(pair, list) and len(pair) == 2
-              and all(isinstance(v, int) and not isinstance(v, bool) for v in pair)
-              and at <= pair[0] < pair[1])
-        if not ok:
-            break
+    high = f"end <= {total}, the batches of the epoch it resumes, as this loader plans it" \
+        if total is not None else f"end <= {_INT64_MAX}"
+    for index, pair in enumerate(ranges):
+        if not (isinstance(pair, list) and len(pair) == 2 and all(map(_is_int, pair))
+                and at <= pair[0] < pair[1] <= (_INT64_MAX if total is None else total)):
+            _refuse(f"{path}[{index}]", _held(pair),
+                    f"[first, end) of ints (not bools), {at} <= first < end, sorted, "
+                    f"disjoint and not touching the range before; {high}")
         at, count = pair[1] + 1, count + pair[1] - pair[0]
-    if not ok or count != state["batches"]:
-        raise ValueError(f"state['yielded'] is {ranges!r:.80}: not the sorted, disjoint "
-                         f"[first, end) ranges of the {state['batches']} batches the state "
-                         "yielded")
+    if count != batches:
+        _refuse(path, f"holds {count} batches", f"the {batches} of state['batches']")
     return Batches(ranges)
+
+
+def _snapshot(value: Any, saved: int, iterable: bool, batches: int) -> None:
+    """Check ``state['_snapshot']``: a snapshot per worker of the state's ``saved``, as
+    :func:`layout` writes them."""
+    path = "state['_snapshot']"
+    _dict(value, path, "the workers' snapshots")
+    snapshots = _dict(_field(value, path, "_worker_snapshots"),
+                      f"{path}['_worker_snapshots']", "{'worker_<i>': snapshot}")
+    path += "['_worker_snapshots']"
+    for key in snapshots:  # then each of worker_0 .. is there: at most one more is read
+        number = re.fullmatch("worker_(0|[1-9][0-9]*)", key) if isinstance(key, str) else None
+        if number is None or int(number[1]) >= saved:
+            _refuse(path, f"has the key {_shown(key)}", f"only worker_0 .. worker_"
+                    f"{saved - 1} in one per worker of the state's num_workers={saved}")
+    since_all = 0
+    for worker in range(saved):
+        name = f"worker_{worker}"
+        where = f"{path}[{name!r}]"
+        entry = _dict(_field(snapshots, path, name), where, "a worker's snapshot")
+        _only(entry, where, list(_ENTRY_KEYS), "a worker's snapshot")
+        _int(entry, where, "worker_id", worker, worker, f"the worker's number, {worker}")
+        _field(entry, where, "dataset_state")
+        fetcher = _field(entry, where, "fetcher_state")
+        if iterable:
+            _fetcher(fetcher, f"{where}['fetcher_state']")
+            since = _int(entry, where, "since", 0, batches - since_all,
+                         f"the worker's batches among the {batches} yielded "
+                         f"({since_all} are other workers')")
+            since_all += since
+        else:
+            if fetcher is not None:
+                _refuse(f"{where}['fetcher_state']", _held(fetcher),
+                        "None: a map-style dataset's worker has no iterator")
+            _int(entry, where, "since", 0, 0,
+                 "a map-style dataset's workers make no batch again on resume")
+    _only(value, "state['_snapshot']", list(_SNAPSHOT_KEYS), "a state's _snapshot")
+    last = _field(value, "state['_snapshot']", "_last_yielded_worker_id")
+    if last is not None and not (_is_int(last) and 0 <= last < saved):
+        _refuse("state['_snapshot']['_last_yielded_worker_id']", _held(last),
+                f"None or a worker of the state's num_workers={saved} (0 .. {saved - 1})")
+
+
+def _fetcher(value: Any, path: str) -> None:
+    """Check a ``fetcher_state``: None, or torchdata's ``{dataset_iter_state,
+    fetcher_ended}``."""
+    if value is None:
+        return
+    _dict(value, path, f"None or {{{', '.join(_FETCHER_KEYS)}}}")
+    _only(value, path, list(_FETCHER_KEYS), "a fetcher_state")
+    _field(value, path, "dataset_iter_state")
+    _bool(value, path, "fetcher_ended", "whether the worker's iterator had ended")
 
 
 def resumed_places(resume: dict[str, Any] | None, iterable: bool, persistent: bool,
