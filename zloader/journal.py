@@ -11,17 +11,27 @@ killed process loses nothing it acknowledged; an operating-system crash may lose
 lines (they are not fsync'ed). When a job is collected the journal is rewritten without
 it, so it does not grow without bound.
 
-The first line names the journal's schema version, ``{"e": "journal", "version": 2}``
+The first line names the journal's schema version, ``{"e": "journal", "version": 3}``
 (:data:`VERSION`; a journal from before versions has none and is of version 1). A
-broker refuses a journal of a version it does not know (:class:`JournalVersionError`, naming
-the work dir) rather than misread it. Version 2: a job's ``options`` are its whole
+broker refuses a journal of a version it does not read (:class:`JournalVersionError`,
+naming the work dir) rather than misread it. Version 2: a job's ``options`` are its whole
 ``JobOptions`` (zloader/options.py; a shared job's window in ``options.share``, no
-``share`` event).
+``share`` event). Version 3: each line ends with its sequence number ``n`` (one more than
+the line before it, across compactions: a compacted journal's first line has a number
+above every line it replaces) and ``c``, the CRC-32 of the line up to and with ``n``
+(:func:`line_of`). A version 2 journal is still read (in file order, without those
+checks) and rewritten as version 3 once restored.
 
-Replay trusts nothing it reads: a torn line, one that is not UTF-8 JSON, or an event whose
-fields are missing or of the wrong type (zloader/broker/events.py: one record per kind,
-each field checked) is skipped, and its line number kept in :attr:`Journal.skipped` for
-one warning.
+Replay trusts nothing it reads: a torn line, one that is not UTF-8 JSON, one whose
+checksum does not hold or that has none, one older than the compacted snapshot it
+follows (a number below the first line's), a second line with the same number, or an
+event whose fields are missing or of the wrong type (zloader/broker/events.py: one
+record per kind, each field checked) is skipped, and its line number kept in
+:attr:`Journal.skipped` (its kind counted in :attr:`Journal.skipped_kinds`) for one
+warning. Lines out of order are replayed in the order of their numbers (counted in
+:attr:`Journal.reordered`). A journal whose last line was torn (no newline: a broker
+killed while writing it) is cut back to its last whole line when opened, so the next
+line does not run on from the torn one (:attr:`Journal.torn`, logged).
 """
 
 from __future__ import annotations
@@ -32,20 +42,62 @@ import json
 import logging
 import os
 import pathlib
+import re
 import stat
+import zlib
+from collections import Counter
 from collections.abc import Iterator
 from typing import IO, Any
 
 from zloader.errors import ZloaderError
 from zloader.transport.keys import unsafe_directory
 
-__all__ = ["VERSION", "Journal", "JournalVersionError", "WorkDirError", "work_dir"]
+__all__ = ["READS", "VERSION", "Journal", "JournalVersionError", "WorkDirError",
+           "line_of", "work_dir"]
 
 log = logging.getLogger("zloader.broker")
 
-VERSION = 2
-"""The schema of the events (zloader/broker/events.py); bump it when an event changes
-shape or meaning."""
+VERSION = 3
+"""The schema of the events (zloader/broker/events.py) and of the lines that hold them;
+bump it when an event or a line changes shape or meaning."""
+
+READS = (2, VERSION)
+"""The versions a broker restores (an older one is rewritten as :data:`VERSION`)."""
+
+_STAMP = re.compile(rb',"n":(0|[1-9][0-9]{0,18}),"c":"([0-9a-f]{8})"\}')
+"""A version 3 line's end: its sequence number and the CRC-32 of the line up to it."""
+
+
+def line_of(event: dict[str, Any], number: int) -> bytes:
+    """The journal line (version 3) that holds ``event`` as line number ``number``:
+    ``{...event, "n": number, "c": "<CRC-32 of the line up to and with n>"}``."""
+    body = json.dumps({**event, "n": number}, separators=(",", ":")).encode()
+    return body[:-1] + b',"c":"%08x"}\n' % zlib.crc32(body)
+
+
+def _stamp(line: bytes) -> int | None:
+    """A version 3 line's sequence number, if its checksum holds."""
+    body = line[:-1] if line.endswith(b"\n") else line
+    at = body.rfind(b',"n":')
+    match = _STAMP.fullmatch(body, at) if at > 0 else None
+    if match is None or zlib.crc32(body[:match.start(2) - 6] + b"}") != int(match[2], 16):
+        return None
+    return int(match[1])
+
+
+def _unstamped(line: bytes) -> str:
+    """Why a line has no sequence number that holds: the kind of line it is."""
+    if _STAMP.search(line):
+        return "a wrong checksum"
+    try:
+        event = json.loads(line)
+    except Exception:  # not UTF-8, not JSON, nested too deep
+        event = None
+    return "no sequence number and checksum" if _is_event(event) else _NOT_AN_EVENT
+
+
+_NOT_AN_EVENT = "not a UTF-8 JSON event (torn or corrupt)"
+
 
 def _is_event(line: Any) -> bool:
     """Whether a parsed line is shaped as an event: an object naming its kind (``e``);
@@ -101,7 +153,7 @@ class Journal:
 
     Raises:
         WorkDirError: the directory, or a journal file in it, is another user's.
-        JournalVersionError: the journal is of another schema version than :data:`VERSION`.
+        JournalVersionError: the journal is of a schema version not in :data:`READS`.
     """
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
@@ -109,7 +161,13 @@ class Journal:
         self.path = self.root / "journal.jsonl"
         self.lines = 0
         self.skipped: list[int] = []  # numbers of the lines the last replay skipped
+        self.skipped_kinds: Counter[str] = Counter()  # why, counted by kind
+        self.reordered = 0  # lines the last replay took out of their place in the file
+        self.missing = 0  # sequence numbers the last replay did not find (lines lost)
+        self.torn = 0  # bytes of a torn last line cut when it was opened
         self.failure: str | None = None  # why writing stopped, once it has
+        self.version = VERSION  # that of the journal as found (READS), until rewritten
+        self._next = 1  # the sequence number of the next line
         self._fd = self._open()
         try:
             self._check_version()
@@ -118,36 +176,71 @@ class Journal:
             raise
 
     def _check_version(self) -> None:
-        """Start a new journal with its version line; refuse one of another version."""
+        """Start a new journal with its version line; refuse one of a version it does not
+        read; cut a torn last line."""
         info = os.fstat(self._fd)
         if not stat.S_ISREG(info.st_mode):
             return  # a device or a pipe: nothing to read back
-        if info.st_size == 0:
+        if info.st_size > 0:
+            version, top = self._scan()
+            if version is not None and version not in READS:
+                raise JournalVersionError(
+                    f"the journal in work dir {self.root} is of version {version}; "
+                    f"this zloader reads version {VERSION} (and {READS[0]}): run the zloader "
+                    "that wrote it, or give zloader-broker another --work-dir (or move that "
+                    "journal away to start its jobs over)")
+            self.version = version or VERSION
+            if self._trim(info.st_size):
+                top = self._scan()[1]  # the torn line may have been whole but its newline
+            self._next = top + 1
+        if os.fstat(self._fd).st_size == 0:
+            self.version = VERSION
             self.record(_HEADER)
-            return
-        version = self._version()
-        if version is not None and version != VERSION:
-            raise JournalVersionError(
-                f"the journal in work dir {self.root} is of version {version}; "
-                f"this zloader reads version {VERSION}: run the zloader that wrote it, or "
-                "give zloader-broker another --work-dir (or move that journal away to "
-                "start its jobs over)")
 
-    def _version(self) -> int | None:
+    def _scan(self) -> tuple[int | None, int]:
         """The version its first version line names (a torn or corrupt line may come
-        before it); 1 for a journal of events without one (from before versions); None
-        for one with no event it can read."""
+        before it; 1 for a journal of events without one, from before versions; None for
+        one with no event it can read), and the highest sequence number of a line whose
+        checksum holds (0: none)."""
+        version: int | None = None
         events = False
+        top = 0
         with open(self.path, "rb") as f:
             for line in f:
+                top = max(top, _stamp(line) or 0)
+                if version is not None:
+                    continue
                 try:
                     event = json.loads(line)
                 except Exception:  # a torn or corrupt line: replay skips it
                     continue
                 if _version_line(event):
-                    return int(event["version"])
+                    version = int(event["version"])
                 events = events or _is_event(event)
-        return 1 if events else None
+        return (version if version is not None else 1 if events else None), top
+
+    def _trim(self, size: int) -> bool:
+        """Cut a torn last line (no newline: a broker killed while writing it) back to the
+        last whole line, before anything is appended: the next line must not run on from
+        it (the two would be one corrupt line, skipped by the next replay). Whether it
+        cut one."""
+        with open(self.path, "rb") as f:
+            f.seek(size - 1)
+            if f.read(1) == b"\n":
+                return False
+            keep, end = 0, size
+            while end > 0 and not keep:
+                start = max(0, end - 65536)
+                f.seek(start)
+                at = f.read(end - start).rfind(b"\n")
+                keep = start + at + 1 if at >= 0 else 0
+                end = start
+        os.ftruncate(self._fd, keep)
+        self.torn = size - keep
+        log.warning("journal %s: its last line was torn (%d bytes with no newline at the "
+                    "end: the broker was killed while writing it); cut back to its last "
+                    "whole line, which is where the broker resumes", self.path, self.torn)
+        return True
 
     def _open(self) -> int:
         """The journal opened to append, mode 0600 (made so if it was not)."""
@@ -163,39 +256,92 @@ class Journal:
                 os.fchmod(descriptor, 0o600)
         return descriptor
 
+    def skip(self, number: int, why: str) -> None:
+        """Note that replay skipped line ``number``, and why (a kind, counted)."""
+        self.skipped.append(number)
+        self.skipped_kinds[why] += 1
+
     def replay(self) -> Iterator[tuple[int, dict[str, Any]]]:
-        """The events recorded so far (JSON objects naming their kind), in order, with
-        their line numbers; the reader checks each one's fields and adds the number of one
-        it cannot apply to :attr:`skipped`.
+        """The events recorded so far (JSON objects naming their kind), in the order of
+        their sequence numbers, with their line numbers; the reader checks each one and
+        notes one it cannot apply with :meth:`skip`.
 
         Every other line (torn, not UTF-8, not JSON, not an object with a kind ``e``, a
-        version line of another version) is skipped; its number goes to :attr:`skipped`.
-        A journal that is not a regular file (a device, a pipe) holds nothing to replay.
+        version line of another version; in a version 3 journal also one whose checksum
+        does not hold or that has none, one older than the first line (the snapshot a
+        compaction wrote), a second one with a number already read) is skipped with
+        :meth:`skip`. Lines out of their place in the file are counted in
+        :attr:`reordered`, numbers not found in :attr:`missing`. A version 2 journal is
+        read in file order. A journal that is not a regular file (a device, a pipe) holds
+        nothing to replay.
         """
         self.skipped = []
+        self.skipped_kinds = Counter()
+        self.reordered = self.missing = 0
         if not self.path.is_file():
             return
+        lines = self._in_order() if self.version >= 3 else self._in_file_order()
+        for number, line in lines:
+            try:
+                event = json.loads(line)
+            except Exception:  # not UTF-8, not JSON, nested too deep: skipped
+                event = None
+            if isinstance(event, dict) and self.version >= 3:
+                event.pop("n", None)
+                event.pop("c", None)
+            if not _is_event(event):
+                self.skip(number, _NOT_AN_EVENT)
+                continue
+            if event["e"] == "journal":  # the version line, checked when opened
+                if not _version_line(event) or event["version"] != self.version:
+                    self.skip(number, "a version line of another version")
+                continue
+            self.lines += 1
+            yield number, event
+
+    def _in_file_order(self) -> Iterator[tuple[int, bytes]]:
+        """Each line with its number, as the file holds them (version 2: no stamps)."""
+        with open(self.path, "rb") as f:
+            yield from enumerate(f, 1)
+
+    def _in_order(self) -> Iterator[tuple[int, bytes]]:
+        """Each line whose stamp holds, with its line number, in the order of the sequence
+        numbers from the first line's (the snapshot's) on; the others skipped."""
+        stamped: list[tuple[int, int, bytes]] = []  # (sequence number, line number, line)
+        first: int | None = None  # the version line's number: where the snapshot starts
         with open(self.path, "rb") as f:
             for number, line in enumerate(f, 1):
-                try:
-                    event = json.loads(line)
-                except Exception:  # not UTF-8, not JSON, nested too deep: skipped
-                    event = None
-                if not _is_event(event):
-                    self.skipped.append(number)
+                sequence = _stamp(line)
+                if sequence is None:
+                    self.skip(number, _unstamped(line))
                     continue
-                if event["e"] == "journal":  # the version line, checked when opened
-                    if not _version_line(event) or event["version"] != VERSION:
-                        self.skipped.append(number)  # one elsewhere: corrupt
-                    continue
-                self.lines += 1
-                yield number, event
+                if first is None and line.startswith(b'{"e":"journal",') \
+                        and _version_line(json.loads(line)):
+                    first = sequence
+                stamped.append((sequence, number, line))
+        stamped.sort()  # by number, then place (of two lines with one number: the first)
+        last: int | None = None
+        furthest = 0  # the furthest line replayed yet
+        for sequence, number, line in stamped:
+            if first is not None and sequence < first:
+                self.skip(number, "older than the snapshot it follows")
+                continue
+            if sequence == last:
+                self.skip(number, "a sequence number read already")
+                continue
+            if last is not None:
+                self.missing += sequence - last - 1
+            last = sequence
+            if number < furthest:
+                self.reordered += 1
+            furthest = max(furthest, number)
+            yield number, line
 
     def record(self, event: dict[str, Any]) -> bool:
         """Append ``event`` as one line; False if it was not written (see :attr:`failure`)."""
         if self.failure is not None:
             return False
-        line = (json.dumps(event, separators=(",", ":")) + "\n").encode()
+        line = line_of(event, self._next)
         end = os.lseek(self._fd, 0, os.SEEK_END)
         try:
             written = os.write(self._fd, line)
@@ -206,6 +352,7 @@ class Journal:
                 os.ftruncate(self._fd, end)
             self._fail(exc)
             return False
+        self._next += 1
         self.lines += 1
         return True
 
@@ -244,15 +391,16 @@ class Journal:
         (self.root / "pipelines" / f"{job}.pickle").unlink(missing_ok=True)
 
     def compact(self, events: list[dict[str, Any]]) -> None:
-        """Replace the journal with ``events`` (the state as it is now); a stopped journal
-        stays as it is."""
+        """Replace the journal with ``events`` (the state as it is now), numbered on from
+        the lines they replace (any such line found after them is older, skipped); a
+        stopped journal stays as it is."""
         if self.failure is not None:
             return
         tmp = self.path.with_suffix(".tmp")
         try:
-            with _private(tmp, "w") as f:
-                for event in [_HEADER, *events]:
-                    f.write(json.dumps(event, separators=(",", ":")) + "\n")
+            with _private(tmp, "wb") as f:
+                for number, event in enumerate([_HEADER, *events], self._next):
+                    f.write(line_of(event, number))
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             self._fail(exc)
@@ -260,7 +408,9 @@ class Journal:
         os.close(self._fd)
         os.replace(tmp, self.path)
         self._fd = self._open()
+        self._next += len(events) + 1
         self.lines = len(events) + 1
+        self.version = VERSION
 
     def close(self) -> None:
         """Close the file (safe to call twice)."""

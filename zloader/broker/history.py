@@ -3,6 +3,13 @@ records (``Tables.record``) replayed into the tables by a restarted broker, one 
 per kind (:data:`APPLY`); a snapshot of the tables as events, for compaction; and the
 consumers told when writing the journal failed. It sits above the concerns: replaying
 calls their transitions, with recording off (``Tables.replaying``).
+
+Replay checks each event against the state the events before it made, as the live broker
+could only have made it: a split handed must be waiting in its pass (in its order, or
+re-queued), to a worker that runs a task of the job; a split re-queued must have been
+handed out, not be waiting already, and (but for a consumer's reread) no longer be held;
+a split is one of its pass's; a job, pass, worker or task an event names must exist. An
+event that does not fit is skipped (counted by kind for the one warning), never applied.
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from zloader.broker import failures, jobs, splits
@@ -32,11 +40,12 @@ from zloader.broker.events import (
     parse,
 )
 from zloader.broker.records import Dispatch, Job, Out, Pass, Tables, Worker
+from zloader.journal import VERSION, Journal
 from zloader.mixing import layout_of
 from zloader.rounds import Rounds
 from zloader.transport.messages import Error
 
-__all__ = ["APPLY", "journal_errors", "restore", "snapshot"]
+__all__ = ["APPLY", "Replay", "journal_errors", "restore", "snapshot"]
 
 log = logging.getLogger("zloader.broker")
 
@@ -65,143 +74,260 @@ def journal_errors(state: Tables) -> list[Out]:
 def restore(state: Tables, now: float) -> int:
     """Rebuild the state from the journal (a restarted broker): jobs, tasks, splits
     handed out and finished, epochs. Workers come back as they were and must reconnect
-    within ``liveness`` heartbeats, or their splits go to others. Returns the number of
-    jobs restored."""
+    within ``liveness`` heartbeats, or their splits go to others. Lines the journal does
+    not trust and events that do not fit the state are skipped, with one warning; a
+    journal that had such lines, or of an older version, is then rewritten from what was
+    restored. Returns the number of jobs restored."""
     if state.journal is None:
         return 0
     state.replaying = True
     journal = state.journal
+    replay = Replay(state, now)
     try:
         for number, line in journal.replay():
             try:
-                _apply(state, parse(line), now)
+                event = parse(line)
+            except Exception as exc:  # ProtocolError: a kind or field it does not take
+                log.debug("journal line %d: %s", number, exc)
+                journal.skip(number, "fields missing or of the wrong type")
+                continue
+            try:
+                why = APPLY[type(event)](replay, event)
             except Exception:  # one bad line must not stop the broker
                 log.debug("journal line %d: cannot apply %s", number, line, exc_info=True)
-                journal.skipped.append(number)
+                why = "an event that failed to apply"
+            if why is not None:
+                log.debug("journal line %d skipped (%s): %s", number, why, line)
+                journal.skip(number, why)
     finally:
         state.replaying = False
-    if journal.skipped:
-        shown = ", ".join(map(str, journal.skipped[:20]))
-        log.warning("journal %s: skipped %d lines (%s%s) that are torn, not UTF-8 JSON or "
-                    "events it could not apply; the rest was restored", journal.path,
-                    len(journal.skipped), shown, ", ..." if len(journal.skipped) > 20 else "")
+    _report(journal)
+    if journal.skipped or journal.reordered or journal.missing or journal.version != VERSION:
+        journal.compact([event.to_body() for event in snapshot(state)])
     for job in state.jobs.values():
         job.idle_since = now  # collected unless a consumer comes back
         job.metrics.scaler.cooldown = state.cooldown
     return len(state.jobs)
 
 
-def _apply(state: Tables, event: Event, now: float) -> None:
-    """Replay one event through its kind's function in :data:`APPLY`."""
-    APPLY[type(event)](state, event, now)
+def _report(journal: Journal) -> None:
+    """One warning for what the replay skipped (the count, the line numbers and each
+    kind's count), took out of order or found missing."""
+    said = []
+    if journal.skipped:
+        numbers = sorted(journal.skipped)
+        shown = ", ".join(map(str, numbers[:20])) + (", ..." if len(numbers) > 20 else "")
+        kinds = ", ".join(f"{kind}: {count}" for kind, count
+                          in journal.skipped_kinds.most_common())
+        said.append(f"skipped {len(numbers)} lines ({shown}) it could not trust or apply, "
+                    f"by kind [{kinds}]")
+    if journal.reordered:
+        said.append(f"replayed {journal.reordered} lines that were out of place in the "
+                    "file in the order of their sequence numbers")
+    if journal.missing:
+        said.append(f"found {journal.missing} sequence numbers missing (lines lost)")
+    if said:
+        log.warning("journal %s: %s; the rest was restored and the journal rewritten from "
+                    "it", journal.path, "; ".join(said))
 
 
-Apply = Callable[[Tables, Any, float], None]
-"""Replays one event of its kind: (the tables, the event, the time)."""
+@dataclass
+class Replay:
+    """A replay under way: the tables it fills, the time, and what it learnt on the way
+    that the tables do not keep."""
+
+    state: Tables
+    now: float
+    # jobs created whose pipeline file is gone (collected jobs): not restored, and neither
+    # are their events (not skipped: nothing is wrong with them)
+    unrestored: set[str] = field(default_factory=set)
 
 
-def _of_job(apply: Callable[[Tables, Job, Any, float], None]) -> Apply:
+Apply = Callable[[Replay, Any], str | None]
+"""Replays one event of its kind into the replay's tables; returns None once it is
+applied, or why it does not fit the state (then it changed nothing)."""
+
+
+def _of_job(apply: Callable[[Replay, Job, Any], str | None]) -> Apply:
     """``apply`` for an event of a job, run only while the job is known (one whose
     pipeline file is gone is not restored, and neither are its events)."""
-    def of_known_job(state: Tables, event: Any, now: float) -> None:
-        job = state.jobs.get(event.job_id or "")
+    def of_known_job(replay: Replay, event: Any) -> str | None:
+        job = replay.state.jobs.get(event.job_id or "")
         if job is not None:
-            apply(state, job, event, now)
+            return apply(replay, job, event)
+        return None if event.job_id in replay.unrestored else "an event of a job not there"
     return of_known_job
 
 
-def _worker(state: Tables, event: WorkerReady, now: float) -> None:
+def _worker(replay: Replay, event: WorkerReady) -> str | None:
     """A worker's READY: it is back as it was, and must reconnect to keep its task."""
-    state.workers[event.id] = Worker(
+    now = replay.now
+    replay.state.workers[event.id] = Worker(
         event.id, b"", event.host, event.host_id, event.pid, event.endpoint, event.prefer,
         now, plain_data=event.plain_data, idle_since=now)
+    return None
 
 
-def _job(state: Tables, event: JobCreated, now: float) -> None:
+def _job(replay: Replay, event: JobCreated) -> str | None:
     """A job's registration; a job whose pipeline file is gone is not restored."""
+    state = replay.state
+    if event.id in state.jobs:
+        return "a job created twice"
     blob = state.journal.load_pipeline(event.id) if state.journal else None
     if blob is None:
-        return
+        replay.unrestored.add(event.id)
+        return None
+    replay.unrestored.discard(event.id)
     dispatch = Dispatch(event.num_splits, event.shuffle_splits, event.seed,
                         layout_of(event.inputs))
     state.jobs[event.id] = Job(
         event.id, event.fingerprint, event.name, event.options, blob, dispatch, event.width,
-        event.source_data, event.entropy, now,
+        event.source_data, event.entropy, replay.now,
         pipeline=dict(event.pipeline) if event.pipeline else None)
+    return None
 
 
-def _gone(state: Tables, event: WorkerGone, now: float) -> None:
+def _gone(replay: Replay, event: WorkerGone) -> str | None:
     """A worker left the broker (dead, or drained and gone). The splits it lost are not
-    re-queued here: each re-queue follows in the journal as an event of its own."""
-    failures.drop_worker(state, event.worker, event.died, now, requeue=False,
+    re-queued here: each re-queue follows in the journal as an event of its own. A fenced
+    one is journaled once its fence is done: a compaction meanwhile left it out already."""
+    state = replay.state
+    if event.worker not in state.workers:
+        return None if event.fenced else "a worker gone that was not there"
+    failures.drop_worker(state, event.worker, event.died, replay.now, requeue=False,
                          clean=event.clean)
+    return None
 
 
-def _left(state: Tables, job: Job, event: WorkerLeft, now: float) -> None:
+def _left(replay: Replay, job: Job, event: WorkerLeft) -> str | None:
     """A worker moved to another job (``placement.preempt``); its re-queues follow, as
-    a dead worker's do."""
+    a dead worker's do (a fenced one: see :func:`_gone`)."""
+    state = replay.state
     worker = state.workers.get(event.worker)
-    if worker is not None and event.task in job.tasks:
-        failures.leave(state, worker, job, event.task, False, now, requeue=False,
-                       stays=True, clean=event.clean)
+    if worker is None or job.tasks.get(event.task) != worker.id:
+        return None if event.fenced else "a worker leaving a task it did not have"
+    failures.leave(state, worker, job, event.task, False, replay.now, requeue=False,
+                   stays=True, clean=event.clean)
+    return None
 
 
-def _rounds(state: Tables, job: Job, event: RoundsSet, now: float) -> None:
+def _rounds(replay: Replay, job: Job, event: RoundsSet) -> str | None:
     job.rounds = Rounds(event.size)
+    return None
 
 
-def _task(state: Tables, job: Job, event: TaskGiven, now: float) -> None:
+def _task(replay: Replay, job: Job, event: TaskGiven) -> str | None:
+    worker = replay.state.workers.get(event.worker)
+    if worker is None:
+        return "a task for a worker not there"
+    if job.tasks.get(event.task, event.worker) != event.worker:
+        return "a task given twice"
     job.tasks[event.task] = event.worker
     job.indices[event.task] = event.index
-    if event.worker in state.workers:
-        state.workers[event.worker].task = event.task
+    worker.task = event.task
+    return None
 
 
-def _split(state: Tables, job: Job, event: SplitHanded, now: float) -> None:
-    splits.take(state, job, event.worker, event.pass_, event.split)
-    if event.origin:
-        job.dispatch.origin_of[(event.pass_, event.split)] = event.origin
+def _split(replay: Replay, job: Job, event: SplitHanded) -> str | None:
+    """A split handed to a worker: it must run a task of the job, and the split be one of
+    its pass's, waiting there (in its order, or re-queued in ``origin``)."""
+    key, split = event.pass_, event.split
+    worker = replay.state.workers.get(event.worker)
+    if worker is None or worker.task is None or job.tasks.get(worker.task) != worker.id:
+        return "a split for a worker without a task of its job"
+    if split not in splits.split_range(job, key):
+        return "a split out of its pass's range"
+    if event.origin is not None:
+        origin = job.dispatch.passes.get(event.origin)
+        if event.origin == key or event.origin[0] != key[0] or origin is None \
+                or split not in origin.requeued:
+            return "a split handed twice"
+    else:
+        handing = job.dispatch.passes.get(key) or splits.starting(job, key)
+        if split not in handing.requeued and split not in handing.order:
+            return "a split handed twice"
+    splits.take(replay.state, job, event.worker, key, split, event.origin)
+    return None
 
 
-def _requeue(state: Tables, job: Job, event: SplitRequeued, now: float) -> None:
-    splits.requeue(state, job, event.pass_, event.split, event.skip)
+def _requeue(replay: Replay, job: Job, event: SplitRequeued) -> str | None:
+    """A split to be read again: one of its pass's, handed out and not waiting already;
+    taken back from its worker (a leave, a fence), or, exactly once, one a worker holds
+    (a consumer's reread)."""
+    key, split = event.pass_, event.split
+    handing = job.dispatch.passes.get(key)
+    if handing is None:
+        return "a re-queue in a pass not started"
+    if split not in splits.split_range(job, key):
+        return "a split out of its pass's range"
+    if split in handing.requeued:
+        return "a split re-queued twice"
+    resume = job.dispatch.resume
+    if split in handing.order or (
+            resume is not None and resume[0] == key[0] and split in resume[1].done.get(key, ())):
+        return "a split re-queued without having been handed out"
+    if not job.track and splits.holds(job, key, split):
+        return "a split re-queued while a worker holds it"
+    splits.requeue(replay.state, job, key, split, event.skip)
+    return None
 
 
-def _resume(state: Tables, job: Job, event: JobResumed, now: float) -> None:
-    jobs.resume(state, job, {"epoch": event.epoch, "delivered": event.delivered})
+def _resume(replay: Replay, job: Job, event: JobResumed) -> str | None:
+    jobs.resume(replay.state, job, {"epoch": event.epoch, "delivered": event.delivered})
+    return None
 
 
-def _done(state: Tables, job: Job, event: PassRead, now: float) -> None:
-    if event.pass_ in job.dispatch.passes:
-        splits.mark_read(job, event.pass_, event.worker)
-    worker = state.workers.get(event.worker)
-    if worker is not None:
-        worker.current = None
+def _done(replay: Replay, job: Job, event: PassRead) -> str | None:
+    """A worker read the splits it was handed in a pass: one started (or, if it hands no
+    split, one it started without a split to journal)."""
+    worker = replay.state.workers.get(event.worker)
+    if worker is None:
+        return "a pass done by a worker not there"
+    if event.pass_ not in job.dispatch.passes:
+        if splits.starting(job, event.pass_).order:
+            return "a pass done before it started"
+        splits.dispenser(replay.state, job, event.pass_)  # it had none to hand
+    splits.mark_read(job, event.pass_, event.worker)
+    worker.current = None
+    return None
 
 
-def _epoch(state: Tables, job: Job, event: EpochStarted, now: float) -> None:
+def _epoch(replay: Replay, job: Job, event: EpochStarted) -> str | None:
     job.epoch = max(job.epoch, event.epoch)
+    return None
 
 
-def _pass(state: Tables, job: Job, event: PassKept, now: float) -> None:
+def _pass(replay: Replay, job: Job, event: PassKept) -> str | None:
     """A pass as a compacted journal keeps it."""
     key = event.pass_
+    if key in job.dispatch.passes:
+        return "a pass kept twice"
+    inside = splits.split_range(job, key)
+    named = [*event.order, *event.requeued, *(int(split) for split in event.skips),
+             *(split for split, _ in event.origins),
+             *(split for group in (event.handed, event.read) for held in group.values()
+               for split in held)]
+    if any(split not in inside for split in named):
+        return "a split out of its pass's range"
     job.dispatch.passes[key] = Pass(
         deque(event.order), {w: list(s) for w, s in event.handed.items()},
         deque(event.requeued), {w: list(s) for w, s in event.read.items()},
         {int(split): skip for split, skip in event.skips.items()})
     for split, origin in event.origins:
         job.dispatch.origin_of[(key, int(split))] = tuple(origin)
+    return None
 
 
-def _failed(state: Tables, job: Job, event: JobFailed, now: float) -> None:
+def _failed(replay: Replay, job: Job, event: JobFailed) -> str | None:
     job.error = event.error
-    jobs.release(state, job, now)
+    jobs.release(replay.state, job, replay.now)
+    return None
 
 
-def _end(state: Tables, job: Job, event: JobEnded, now: float) -> None:
-    jobs.release(state, job, now)
-    del state.jobs[job.id]
+def _end(replay: Replay, job: Job, event: JobEnded) -> str | None:
+    jobs.release(replay.state, job, replay.now)
+    del replay.state.jobs[job.id]
+    return None
 
 
 APPLY: dict[type[Event], Apply] = {
@@ -211,7 +337,8 @@ APPLY: dict[type[Event], Apply] = {
         (SplitRequeued, _requeue), (JobResumed, _resume), (PassRead, _done),
         (EpochStarted, _epoch), (PassKept, _pass), (JobFailed, _failed), (JobEnded, _end))},
 }
-"""Each journal event's record -> how a restarted broker replays it into the tables."""
+"""Each journal event's record -> how a restarted broker replays it into the tables, or
+why it does not fit them."""
 
 
 def snapshot(state: Tables) -> list[Event]:
