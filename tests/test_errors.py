@@ -110,11 +110,12 @@ def test_every_zloader_error_round_trips_through_pickle_whole():
     from zloader.transport.protocol import ProtocolError, VersionMismatch
     from zloader.transport.ring import RingError
     from zloader.transport.shm import ShmError
-    from zloader.worker.broker_link import BrokerRefused
+    from zloader.worker.broker_link import BrokerRefused, BrokerUnread
 
     samples = [ZloaderError("z"), CodecError("c"), Timeout("t"),
                WorkerExited("worker pid 7 exited", (7, 8), (-9, 1)), SerializationError("s"),
                raise_in(KeyError("k")), StorageError("s3://b/k: gone"), BrokerRefused("no"),
+               BrokerUnread("full"),
                CorruptRecord("crc"), CorruptShard("shard.tar: cut"), ProtocolError("p"),
                VersionMismatch(b"ZLP/2"),
                RingError("r"), ShmError("m"), WorkDirError("w"), JournalVersionError("v"),

@@ -199,7 +199,7 @@ def test_a_malformed_origin_block_is_refused_saying_why():
         bad[at] = value
         return bad.tobytes()
 
-    head, keys, ends, runs = 7, 7, 10, 14  # where each part of this block starts
+    head, keys, ends, runs = 8, 8, 11, 15  # where each part of this block starts
     for block, why in [
         (good.tobytes()[:-3], "whole number"),
         (changed(1, -2), "does not fit"),  # uniform count
@@ -213,7 +213,40 @@ def test_a_malformed_origin_block_is_refused_saying_why():
     ]:
         with pytest.raises(ValueError, match=why):
             decode_origins(block, 2)
-    assert head == 7
+    assert head == 8
+
+
+def test_a_block_carries_its_groups_and_refuses_malformed_ones():
+    from zloader.lineage import Group, Ledger
+    # Two rows of a group of 3 source elements (split 4, indices 5..7 of pass (0,)): read 0
+    # is the split, read 1 the group's rows.
+    pass_keys = {(0,): 0, (0, 1 << 41 | 3, 5): 1}
+    reads = [(0, 4), (1, 4)]
+    group = [0, 4, 5, 3, 2, 1, 0, 4, 5, 3]  # anchor, position 3, 2 rows, 1 run
+    block = encode_origins([(1 << 32 | 0,), (1 << 32 | 1,)], [], reads, pass_keys, [], [group])
+    origins = decode_origins(block, 2)
+    assert origins.groups == [Group((0,), 4, 5, 3, 2, (((0,), 4, 5, 3),))]
+    ledger = Ledger()
+    origins.note(ledger, 1)  # one row yielded: the split stays open, the group too
+    assert ledger.held((0,), 4).tolist() == [5, 6, 7]
+    assert ledger.info((0,), 4)["groups"][0][4:] == [2, [[[0], 4, 5, 3]], ledger.info(
+        (0,), 4)["groups"][0][6]]
+    origins.note(ledger)
+    assert "groups" not in ledger.info((0,), 4)
+    good = np.frombuffer(block, np.int64)
+    at = len(good) - 4 - 10  # the group section: before the one run of the rows
+
+    def changed(offset, value):
+        bad = good.copy()
+        bad[at + offset] = value
+        return bad.tobytes()
+
+    for bad, why in [(changed(0, 9), "group must be"),  # a pass the block does not name
+                     (changed(4, 0), "group must be"),  # no rows
+                     (changed(6, 9), "member run"),  # a member run of an unknown pass
+                     (changed(8, 4), "start with its anchor")]:  # not the anchor first
+        with pytest.raises(ValueError, match=why):
+            decode_origins(bad, 2)
 
 
 def scattered_block(reads, ends=()):
@@ -244,7 +277,7 @@ def test_scattered_origins_travel_as_codes_and_a_ledger_holds_the_same_as_from_r
 def test_a_malformed_codes_block_is_refused_saying_why():
     good, _ = scattered_block([(0, 4), (0, 5)])
     decode_origins(good.tobytes(), 1)
-    table, codes = 7 + 4, 7 + 4 + 6  # where the reads and the codes of this block start
+    table, codes = 8 + 4, 8 + 4 + 6  # where the reads and the codes of this block start
 
     def changed(at, value):
         bad = good.copy()

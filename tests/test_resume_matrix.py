@@ -4,7 +4,8 @@ the whole epoch, checked against what the pipeline yields in one process.
 {resume once, resume twice in a row} x {no fault, a worker SIGKILLed before the state was
 taken} x {the same consumer, job_name consumers 4 -> 3 and 3 -> 4 (the world size changing
 between runs: every new consumer is handed every saved state)} x {no mix, a mix whose
-weights were changed before the state was taken}. A few cells run by default; the rest
+weights were changed before the state was taken, a map that changes the number of
+elements between a shuffle and an unbatch}. A few cells run by default; the rest
 are marked slow.
 """
 
@@ -38,6 +39,17 @@ def mixed() -> Pipeline:
     return Pipeline.mix([Pipeline.range(800, split_size=40).map(tagged("a")),
                          Pipeline.range(400, split_size=40).map(tagged("b"))],
                         [0.5, 0.5], seed=5)
+
+
+def spread(batch: Any) -> list[int]:
+    """Each element of the batch becomes 0, 1 or 2 distinct rows: a map that changes the
+    number of elements (its rows made again from the batch when some are lost)."""
+    return [int(x) * 10 + c for x in batch for c in range(int(x) % 3)]
+
+
+def changing() -> Pipeline:
+    return (Pipeline.range(N, split_size=40).shuffle(200, seed=3).batch(5).map(spread)
+            .unbatch().map(lambda v: ("c", int(v))))
 
 
 def expected(pipeline: Pipeline) -> collections.Counter:
@@ -92,18 +104,20 @@ def run(address: str, pipeline: Pipeline, consumers: int, states: list | None,
             loader.close()
 
 
-CELLS = [(resumes, fault, world, mix)
-         for resumes, fault, world, mix in itertools.product(
-             (1, 2), (False, True), ((1, 1), (4, 3), (3, 4)), (False, True))]
-FAST = {(1, False, (1, 1), False), (2, True, (4, 3), True), (1, True, (3, 4), False)}
+CELLS = [(resumes, fault, world, kind)
+         for resumes, fault, world, kind in itertools.product(
+             (1, 2), (False, True), ((1, 1), (4, 3), (3, 4)), ("plain", "mix", "changing"))]
+FAST = {(1, False, (1, 1), "plain"), (2, True, (4, 3), "mix"), (1, True, (3, 4), "plain"),
+        (2, True, (3, 4), "changing")}
 
 
-@pytest.mark.parametrize("resumes, fault, world, mix", [
+@pytest.mark.parametrize("resumes, fault, world, kind", [
     cell if cell in FAST else pytest.param(*cell, marks=pytest.mark.slow) for cell in CELLS],
-    ids=[f"resume{r}-{'kill' if f else 'nofault'}-{w[0]}to{w[1]}-{'mix' if m else 'plain'}"
-         for r, f, w, m in CELLS])
-def test_every_cell_of_the_resume_matrix_is_exact(resumes, fault, world, mix):
-    pipeline = mixed() if mix else plain()
+    ids=[f"resume{r}-{'kill' if f else 'nofault'}-{w[0]}to{w[1]}-{k}"
+         for r, f, w, k in CELLS])
+def test_every_cell_of_the_resume_matrix_is_exact(resumes, fault, world, kind):
+    mix = kind == "mix"
+    pipeline = {"plain": plain, "mix": mixed, "changing": changing}[kind]()
     weights = [0.3, 0.7] if mix else None
     seen: collections.Counter = collections.Counter()
     firsts: list[float] = []

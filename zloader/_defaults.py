@@ -573,7 +573,7 @@ MAX_BODY_BYTES = 1 << 20
 """Largest JSON body of a control message (fixed)."""
 
 MAX_BODY_DEPTH = 32
-"""Bodies nested deeper than this are refused (real ones nest 6 deep at most): a handler,
+"""Bodies nested deeper than this are refused (real ones nest 11 deep at most): a handler,
 or the journal re-encoding a body, must never recurse near Python's limit (fixed)."""
 
 MAX_PIPELINE_BYTES = 8 << 20
@@ -597,10 +597,10 @@ MAX_ITEMS = 1 << 16
 """The most entries a list of a message body may hold (1 MiB bodies hold fewer anyway;
 fixed)."""
 
-MAX_FIELD_DEPTH = 8
+MAX_FIELD_DEPTH = 12
 """How deeply a field whose contents its reader checks may nest (the deepest real one,
-``REGISTER.resume``, nests 4 levels; the body as a whole is held to MAX_BODY_DEPTH;
-fixed)."""
+``DELIVERED.splits`` with a split's groups and their inner groups, nests 10 levels; the
+body as a whole is held to MAX_BODY_DEPTH; fixed)."""
 
 # --- autoscaling and actuators (zloader/autoscale.py, zloader/actuator.py) ----------------
 
@@ -747,6 +747,16 @@ DEMO_DISTINCT = 64
 MIX_KEY = 1 << 40
 """The pass keys of a mix's input ``k`` hold ``MIX_KEY + k`` (pass keys are otherwise epochs
 and repetition counts, far below it; fixed: workers, brokers and journals must agree)."""
+
+GROUP_KEY = 1 << 41
+"""A *group* (the source elements of one batch that a map turned into another number of
+rows, zloader/lineage.py) has its rows' origins in a pass of its own: the anchor's pass
+key, then ``GROUP_KEY + position`` (the unbatch's position) and the anchor's index
+(fixed, above every ``MIX_KEY + k``: workers, brokers and journals must agree)."""
+
+MAX_GROUP_MEMBERS = 1 << 20
+"""The most source elements one group may hold (a batch's rows before a map that changes
+their number); a record or state naming more is malformed (fixed)."""
 
 MIX_DRAW_CHUNK = 1024
 """A mix draws this many inputs at once (one numpy call); the unused rest is drawn again

@@ -26,16 +26,18 @@ import struct
 import time
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
 
 from zloader._defaults import (
+    GROUP_KEY,
     LEDGER_FOLD_RECORDS,
     LEDGER_FOLD_RUNS,
     LIGHT_BYTES,
     LIGHT_ITEMS,
+    MAX_GROUP_MEMBERS,
     MERGE_COUNT_RUNS,
     MERGE_PLACES,
     MERGE_SPAN_FACTOR,
@@ -46,7 +48,7 @@ from zloader._defaults import (
 )
 from zloader.errors import PipelineError
 
-__all__ = ["Assigned", "Ledger", "Origin", "Origins", "Ranges", "Tagged", "code",
+__all__ = ["Assigned", "Group", "Ledger", "Origin", "Origins", "Ranges", "Tagged", "code",
            "decode_origins", "digest", "encode_origins", "exactly_once", "gather", "light",
            "merge_info", "pack", "read_split", "read_split_chunks", "split_tags", "take",
            "unpack", "untag"]
@@ -103,15 +105,132 @@ def code(read: int, index: int) -> int:
 
 
 @dataclass(frozen=True)
+class Group:
+    """The source elements of one batch that the map after it turned into another number
+    of rows (``batch(k).map(f).unbatch()`` with ``f`` returning any number of rows: a
+    packer, a tokenizer that chunks), kept so that rows lost with their worker, or not
+    yet yielded when a state was taken, can be made again from them (docs/reliability.md,
+    "Stages that change the number of elements").
+
+    Attributes:
+        key, split, index: where the first of the elements (the anchor) came from.
+        position: the unbatch's position in its pipeline (a mix input's, for a mix).
+        rows: how many rows the map made of them.
+        members: the elements, in the batch's order, as (pass key, split, first index,
+            length) runs; a run in the pass of another group's rows (:attr:`rows_key`)
+            names rows of that group (a packer after a batched tokenizer).
+        inner: the groups whose rows it holds, and theirs, to make it again (not part
+            of what names it).
+    """
+
+    key: Key
+    split: int
+    index: int
+    position: int
+    rows: int
+    members: tuple[tuple[Key, int, int, int], ...]
+    inner: tuple[Group, ...] = field(default=(), compare=False)
+
+    @property
+    def id(self) -> tuple[Key, int, int, int]:
+        """What names the group: its anchor and its unbatch."""
+        return (self.key, self.split, self.position, self.index)
+
+    @property
+    def rows_key(self) -> Key:
+        """The pass its rows' origins name (row ``j`` is index ``j`` of split ``split``)."""
+        return (*self.key, GROUP_KEY + self.position, self.index)
+
+    def to_json(self, have: Iterable[int] = (), inner: Sequence[Group] = ()) -> list[Any]:
+        """``[key, split, index, position, rows, members, have]`` (``have``: the rows
+        held, packed), and the ``inner`` groups as an eighth item when there are any."""
+        value = [list(self.key), self.split, self.index, self.position, self.rows,
+                 [[list(k), s, a, n] for k, s, a, n in self.members], pack(have)]
+        if inner:
+            value.append([group.to_json() for group in inner])
+        return value
+
+    @classmethod
+    def from_json(cls, value: Any) -> tuple[Group | None, tuple[Key, int, int, int], set[int]]:
+        """A group, its id and the rows held, from :meth:`to_json`'s value; the group is
+        None when only its rows are known (``rows`` -1, no members: a consumer of a
+        ``job_name`` that got rows of it and not its elements).
+
+        Raises:
+            ValueError: ``value`` is not such a value.
+        """
+        if not (isinstance(value, list) and len(value) in (7, 8) and _is_key(value[0])
+                and all(_natural(v) for v in value[1:4]) and isinstance(value[4], int)
+                and isinstance(value[5], list) and len(value[5]) <= MAX_GROUP_MEMBERS):
+            raise ValueError(f"a group must be [key, split, index, position, rows, members, "
+                             f"have(, inner groups)], got {value!r:.80}")
+        key, split, index, position, rows, runs, have = value[:7]
+        inner: list[Group] = []
+        if len(value) == 8:  # (the groups it holds rows of, and theirs: one level)
+            if not isinstance(value[7], list) or len(value[7]) > MAX_GROUP_MEMBERS:
+                raise ValueError("a group's inner groups must be a list")
+            for one in value[7]:
+                if isinstance(one, list) and len(one) == 8:
+                    raise ValueError("a group's inner groups hold no inner groups")
+                group, _, _ = cls.from_json(one)
+                if group is None:
+                    raise ValueError("a group's inner group needs its elements and rows")
+                inner.append(group)
+        gid = (tuple(key), split, position, index)
+        if split > INDEX_MASK or index > INDEX_MASK:
+            raise ValueError(f"a group's split and index must be < 2**32, got {value!r:.80}")
+        held = unpack(have, MAX_GROUP_MEMBERS)
+        if rows == -1 and not runs:
+            return None, gid, held
+        members = []
+        for run in runs:
+            if not (isinstance(run, list) and len(run) == 4 and _is_key(run[0])
+                    and all(_natural(v) for v in run[1:]) and run[3] >= 1
+                    and run[1] <= INDEX_MASK and run[2] + run[3] <= INDEX_MASK + 1):
+                raise ValueError(f"a group's member run must be [key, split, first, length], "
+                                 f"got {run!r:.80}")
+            members.append((tuple(run[0]), run[1], run[2], run[3]))
+        if not 1 <= rows <= MAX_GROUP_MEMBERS * 64 or not members \
+                or sum(run[3] for run in members) > MAX_GROUP_MEMBERS \
+                or (members[0][0], members[0][1], members[0][2]) != (gid[0], split, index):
+            raise ValueError(f"a group must have rows >= 1 and start with its anchor, got "
+                             f"{value!r:.80}")
+        if held and max(held) >= rows:
+            raise ValueError(f"a group's rows held must be below its {rows} rows")
+        return cls(gid[0], split, index, position, rows, tuple(members), tuple(inner)), gid, held
+
+
+def group_of_rows(key: Key, split: int) -> tuple[Key, int, int, int] | None:
+    """The id of the group whose rows' origins name pass ``key`` and ``split``
+    (:attr:`Group.rows_key`), or None when ``key`` is a pass of source elements."""
+    if len(key) > 2 and key[-2] >= GROUP_KEY:
+        return (key[:-2], split, key[-2] - GROUP_KEY, key[-1])
+    return None
+
+
+def anchor_split(key: Key, split: int) -> tuple[Key, int]:
+    """The split of source elements that a group anchored at ``split`` of pass ``key``
+    stands on: the split itself, or for a group whose first element is a row of another
+    group (its pass is that group's :attr:`Group.rows_key`), that group's, and so on. A
+    group is made again with that split, and the split stays open until the group's rows
+    are all held."""
+    while len(key) > 2 and key[-2] >= GROUP_KEY:
+        key = key[:-2]  # (a rows key is its group's anchor key, the unbatch and the index)
+    return key, split
+
+
+@dataclass(frozen=True)
 class Assigned:
     """A split handed to a worker: ``pass_key`` names the pass it belongs to (a re-queued
     split may be read in a later pass), ``skip`` the indices already delivered, ``expect``
-    the (count, digest) of an earlier reading when one is known."""
+    the (count, digest) of an earlier reading when one is known, ``groups`` the groups
+    anchored in it whose rows are to be made again (with the rows not to make)."""
 
     split: int
     pass_key: Key
     skip: frozenset[int] = frozenset()
     expect: tuple[int, int] | None = None
+    groups: tuple[tuple[Group, frozenset[int]], ...] = ()
 
 
 def read_split(source: Any, assigned: Assigned, pass_id: int, ctx: Any) -> Iterator[Tagged]:
@@ -331,17 +450,19 @@ def digest(element: Any, crc: int, depth: int = 0) -> int:
 
 # --- origins on the wire: one block after a record's codec buffers -------------------------
 #
-# The block is little-endian int64s: a head of seven (elements, the count of origins every
-# element has or -1, loose origins, pass keys, split ends, runs, reads), then the
-# per-element counts when they differ, the pass keys (pass id, length, key...) and the split
-# ends (pass id, split, count, digest); then the origins in one of two forms. Runs (pass
+# The block is little-endian int64s: a head of eight (elements, the count of origins every
+# element has or -1, loose origins, pass keys, split ends, runs, reads, group ints), then
+# the per-element counts when they differ, the pass keys (pass id, length, key...), the
+# split ends (pass id, split, count, digest) and the groups formed (:class:`Group`: anchor
+# pass id, split, index, position, rows, run count, then its member runs: pass id, split,
+# first index, length); then the origins in one of two forms. Runs (pass
 # id, split, first index, length), when they are few (consecutive elements of a split, as
 # most records in order hold, are one run); or, for scattered origins (a shuffle's), the
 # table of the split readings they come from (read, pass id, split) and the codes
 # themselves, which the consumer sorts into ranges many records at a time. Either way the
 # origins in order are the loose ones, then each element's.
 
-_HEAD = 7
+_HEAD = 8
 
 
 def gather(origins: Sequence[Origin | int]) -> np.ndarray:
@@ -381,11 +502,13 @@ def untag(elements: list[Tagged]) -> tuple[list[Any], np.ndarray]:
 
 def encode_origins(origins: Sequence[Origin], loose: list[int],
                    reads: list[tuple[int, int]], pass_keys: dict[Key, int],
-                   ends: list[list[int]]) -> bytes:
+                   ends: list[list[int]], groups: Sequence[list[int]] = ()) -> bytes:
     """The origin block of a record whose elements hold ``origins`` (their codes: tuples,
-    or int64 arrays), with ``loose`` codes before them and the split ``ends`` ([pass id,
-    split, count, digest]) read since the last record; ``reads`` and ``pass_keys`` are the
-    producer's tables."""
+    or int64 arrays), with ``loose`` codes before them, the split ``ends`` ([pass id,
+    split, count, digest]) read since the last record and the ``groups`` formed since
+    ([anchor pass id, split, index, position, rows, runs, (pass id, split, first, length)
+    per run], :meth:`Context.group`); ``reads`` and ``pass_keys`` are the producer's
+    tables."""
     counts = list(map(len, origins))
     uniform = counts[0] if counts and counts.count(counts[0]) == len(counts) else -1
     total = len(loose) + sum(counts)
@@ -415,12 +538,16 @@ def encode_origins(origins: Sequence[Origin], loose: list[int],
                 codes = _sorted_rows(codes.copy() if one else codes, first, counts, uniform)
             runs = _runs_of_array(codes, reads)
     used = {*(_distinct(runs[:, 0]) if isinstance(runs, np.ndarray) else (r[0] for r in runs)),
-            *(end[0] for end in ends), *(entry[1] for entry in table)}
+            *(end[0] for end in ends), *(entry[1] for entry in table),
+            *(pass_id for group in groups for pass_id in (group[0], *group[6::4]))}
     entries = [(pass_id, key) for key, pass_id in pass_keys.items() if pass_id in used]
-    head = [len(counts), uniform, len(loose), len(entries), len(ends), len(runs), len(table)]
+    grouped = list(itertools.chain.from_iterable(groups))
+    head = [len(counts), uniform, len(loose), len(entries), len(ends), len(runs), len(table),
+            len(grouped)]
     front = [*head, *(counts if uniform == -1 else ()),
              *(v for pass_id, key in entries for v in (pass_id, len(key), *key)),
-             *itertools.chain.from_iterable(ends), *itertools.chain.from_iterable(table)]
+             *itertools.chain.from_iterable(ends), *grouped,
+             *itertools.chain.from_iterable(table)]
     if table:
         return struct.pack(f"<{len(front)}q", *front) + scattered
     if isinstance(runs, np.ndarray):
@@ -514,6 +641,7 @@ class Origins:
     ends: list[tuple[Key, int, int, int]]
     reads: list[int] | None = None  # per read of ``codes``: read, pass id, split (flat)
     codes: np.ndarray | None = None  # int64: read << INDEX_BITS | index, in order
+    groups: list[Group] | None = None  # groups formed since the last record
 
     def note(self, ledger: Ledger, elements: int | None = None) -> None:
         """Add the loose origins and those of the first ``elements`` elements (all when
@@ -522,6 +650,8 @@ class Origins:
         if elements is not None:
             held = self.loose + (self.uniform * elements if self.counts is None
                                  else int(self.counts[:elements].sum()))
+        for group in self.groups or ():  # (its elements are held before any of its rows)
+            ledger.define(group)
         if self.codes is not None and self.reads is not None:
             ledger.add_codes(self.keys, self.reads, self.codes[:held])
         else:
@@ -556,9 +686,10 @@ def decode_origins(block: Any, elements: int) -> Origins:
     small = view.nbytes <= 8 * SMALL_ORIGIN_BLOCK
     values: Any = view.cast("q").tolist() if small else np.frombuffer(view, np.int64)
     ints = list if small else np.ndarray.tolist  # (plain ints out of either)
-    n, uniform, loose, nkeys, nends, nruns, nreads = head = ints(values[:_HEAD])
-    if n != elements or uniform < -1 or loose < 0 or min(nkeys, nends, nruns, nreads) < 0 \
-            or nkeys > len(values) or (nruns and nreads):
+    n, uniform, loose, nkeys, nends, nruns, nreads, ngrouped = head = ints(values[:_HEAD])
+    if n != elements or uniform < -1 or loose < 0 \
+            or min(nkeys, nends, nruns, nreads, ngrouped) < 0 \
+            or max(nkeys, ngrouped) > len(values) or (nruns and nreads):
         raise ValueError(f"origin block head {head} does not fit a record of {elements} "
                          "elements")
     at = _HEAD
@@ -570,7 +701,8 @@ def decode_origins(block: Any, elements: int) -> Origins:
             raise ValueError("origin counts must be >= 0, one per element")
     total = loose + (uniform * n if counts is None else int(counts.sum()))
     # The pass keys, split ends and reads as plain ints, taken at once (at most this long).
-    front = ints(values[at:at + nkeys * (2 + MAX_KEY_LENGTH) + 4 * nends + 3 * nreads])
+    front = ints(values[at:at + nkeys * (2 + MAX_KEY_LENGTH) + 4 * nends + ngrouped
+                        + 3 * nreads])
     keys: dict[int, Key] = {}
     at = 0
     for _ in range(nkeys):
@@ -582,23 +714,62 @@ def decode_origins(block: Any, elements: int) -> Origins:
         keys[pass_id] = tuple(key)
         at += 2 + length
     origins_at = len(values) - (at + _HEAD + (n if counts is not None else 0))
-    if origins_at != 4 * nends + (4 * nruns if not nreads else 3 * nreads + total):
+    if origins_at != 4 * nends + ngrouped + (4 * nruns if not nreads else 3 * nreads + total):
         raise ValueError("origin block is not as long as its head says")
     ends = [(keys.get(p, ()), s, c, d)
             for p, s, c, d in zip(*[iter(front[at:at + 4 * nends])] * 4, strict=True)] \
         if nends else []
     if nends and any(not key or min(s, c, d) < 0 or s > INDEX_MASK for key, s, c, d in ends):
         raise ValueError("a split end names a pass the block does not, or is < 0")
-    rest = values[len(values) - origins_at + 4 * nends:]  # the runs, or the reads and codes
+    groups = (_groups_of(front[at + 4 * nends:at + 4 * nends + ngrouped], keys)
+              if ngrouped else None)
+    at += 4 * nends + ngrouped
+    rest = values[len(values) - origins_at + 4 * nends + ngrouped:]  # runs, or reads and codes
     if nreads:
-        reads = front[at + 4 * nends:at + 4 * nends + 3 * nreads]
+        reads = front[at:at + 3 * nreads]
         codes = np.array(rest[3 * nreads:], np.int64)
         _check_codes(reads, codes, keys)
-        return Origins(keys, uniform, counts, loose, _NO_RUNS, ends, reads, codes)
+        return Origins(keys, uniform, counts, loose, _NO_RUNS, ends, reads, codes, groups)
     runs = np.array(rest, np.int64).reshape(-1, 4)
     if (_check_runs(runs, keys) if nruns else 0) != total:
         raise ValueError("origin counts do not match the runs")
-    return Origins(keys, uniform, counts, loose, runs, ends)
+    return Origins(keys, uniform, counts, loose, runs, ends, groups=groups)
+
+
+def _groups_of(values: list[int], keys: dict[int, Key]) -> list[Group]:
+    """The groups of a block's group section, checked.
+
+    Raises:
+        ValueError: it is malformed.
+    """
+    groups = []
+    at = 0
+    while at < len(values):
+        head = values[at:at + 6]
+        if len(head) < 6:
+            raise ValueError("a block's group is cut short")
+        pass_id, split, index, position, rows, nruns = head
+        runs = values[at + 6:at + 6 + 4 * nruns]
+        at += 6 + 4 * nruns
+        if pass_id not in keys or not (0 <= split <= INDEX_MASK and 0 <= index <= INDEX_MASK
+                                       and position >= 1 and rows >= 1 and nruns >= 1) \
+                or len(runs) != 4 * nruns:
+            raise ValueError("a block's group must be (pass, split, index, position >= 1, "
+                             "rows >= 1, runs >= 1) of a pass the block names")
+        members = []
+        for run_pass, run_split, first, length in zip(*[iter(runs)] * 4, strict=True):
+            if run_pass not in keys or not (0 <= run_split <= INDEX_MASK and first >= 0
+                                            and length >= 1
+                                            and first + length <= INDEX_MASK + 1):
+                raise ValueError("a block's group member run names a pass the block does "
+                                 "not, or indices outside [0, 2**32)")
+            members.append((keys[run_pass], run_split, first, length))
+        if sum(run[3] for run in members) > MAX_GROUP_MEMBERS \
+                or members[0][:3] != (keys[pass_id], split, index):
+            raise ValueError("a block's group must start with its anchor and hold at most "
+                             f"{MAX_GROUP_MEMBERS} elements")
+        groups.append(Group(keys[pass_id], split, index, position, rows, tuple(members)))
+    return groups
 
 
 _NO_RUNS = np.empty((0, 4), np.int64)
@@ -705,6 +876,12 @@ def merge_info(held: dict[str, Any] | None, info: Any) -> dict[str, Any]:
     merged["have"] = merged["have"] | unpack(info.get("have", ""))
     if expect is not None:
         merged["expect"] = expect
+    if info.get("groups") is not None:
+        ledger = Ledger()  # (groups merged by id: the rows each consumer held, together)
+        ledger.merge_groups(merged.get("groups", []))
+        ledger.merge_groups(info["groups"])
+        key_splits = sorted({(k, s) for k, s in ledger._anchored})
+        merged["groups"] = [group for k, s in key_splits for group in ledger.groups(k, s)]
     return merged
 
 
@@ -865,10 +1042,25 @@ class Ranges:
                                                                 strict=True)])
 
 
+class _Rows:
+    """What a ledger holds of one :class:`Group`: the group (None while only rows of it
+    came, a ``job_name`` consumer's) and the rows held."""
+
+    __slots__ = ("group", "have")
+
+    def __init__(self) -> None:
+        self.group: Group | None = None
+        self.have = Ranges()
+
+
 class Ledger:
     """Origins of one epoch received (or yielded) by a consumer: per pass, the splits
     accounted for whole, and the :class:`Ranges` of indices held of the others; with each
-    split's (count, digest) once its worker finished reading it."""
+    split's (count, digest) once its worker finished reading it.
+
+    A :class:`Group`'s elements are held from when the group is known (a record names
+    it); its split is not accounted for whole until every row of the group is held: a
+    row missing is made again from the group's elements (:meth:`info` names it)."""
 
     def __init__(self) -> None:
         self._done: dict[Key, set[int]] = {}
@@ -882,6 +1074,18 @@ class Ledger:
         # (pass, split) by number, for codes made the ledger's own (:meth:`_fold_codes`)
         self._places: dict[tuple[Key, int], int] = {}
         self._place_of: list[tuple[Key, int]] = []
+        # Groups whose rows are not all held, by id; the ids of those by their anchor's
+        # split (which stays open meanwhile); those whose rows all came.
+        self._groups: dict[tuple[Key, int, int, int], _Rows] = {}
+        self._anchored: dict[tuple[Key, int], set[tuple[Key, int, int, int]]] = {}
+        self._whole: set[tuple[Key, int, int, int]] = set()
+        # Those by their anchor's split while it is open: a state lists them, so that a
+        # state of another consumer that holds only some of their rows does not have
+        # them made again when the two are resumed together.
+        self._whole_at: dict[tuple[Key, int], set[tuple[Key, int, int, int]]] = {}
+        # Every group known this epoch: a group holding rows of others is made again
+        # from theirs (zloader/groups.py), whole or not.
+        self._defs: dict[tuple[Key, int, int, int], Group] = {}
 
     @property
     def done(self) -> dict[Key, set[int]]:
@@ -997,6 +1201,9 @@ class Ledger:
                       ends[at:stop])
 
     def _add(self, key: Key, split: int, starts: np.ndarray, ends: np.ndarray) -> None:
+        if len(key) > 2 and key[-2] >= GROUP_KEY:  # (rows of a group)
+            self._rows(key, split, starts, ends)
+            return
         if split in self._done.get(key, ()):
             return
         held = self._open.get((key, split))
@@ -1004,6 +1211,116 @@ class Ledger:
             held = self._open[(key, split)] = Ranges()
         held.add(starts, ends)
         self._close(key, split)
+
+    def define(self, group: Group, rows: Iterable[int] = ()) -> None:
+        """Note ``group`` (a record named it): its elements are held, and its anchor's
+        split stays open until all its rows are; ``rows``: rows of it held already."""
+        gid = group.id
+        for one in (group, *group.inner):
+            self._defs.setdefault(one.id, one)
+        held = self._group(gid)
+        if held is None:
+            return
+        if held.group is None:
+            held.group = group
+            for key, split, first, length in group.members:
+                inner = group_of_rows(key, split)
+                if inner is None:
+                    self._add(key, split, np.array([first], np.int64),
+                              np.array([first + length], np.int64))
+                elif inner in self._groups:  # (rows of a group still open here)
+                    self._group_rows(inner, self._groups[inner], range(first, first + length))
+        self._group_rows(gid, held, rows)
+
+    def _group(self, gid: tuple[Key, int, int, int]) -> _Rows | None:
+        """What is held of the group ``gid``, made on first sight; None once all its rows
+        came or its split was accounted for whole."""
+        held = self._groups.get(gid)
+        if held is None:
+            anchor = anchor_split(gid[0], gid[1])
+            if gid in self._whole or anchor[1] in self._done.get(anchor[0], ()):
+                return None
+            held = self._groups[gid] = _Rows()
+            self._anchored.setdefault(anchor, set()).add(gid)
+        return held
+
+    def _rows(self, key: Key, split: int, starts: np.ndarray, ends: np.ndarray) -> None:
+        """Rows of a group: ``key`` and ``split`` are its :attr:`Group.rows_key`."""
+        gid = group_of_rows(key, split)
+        assert gid is not None
+        held = self._group(gid)
+        if held is not None:
+            held.have.add(starts, ends)
+            self._group_rows(gid, held, ())
+
+    def _group_rows(self, gid: tuple[Key, int, int, int], held: _Rows,
+                    rows: Iterable[int]) -> None:
+        """Add ``rows`` to the group ``gid``; close it once all its rows are held."""
+        more = Ranges.of(rows)
+        if more.starts:
+            held.have.add(np.array(more.starts, np.int64), np.array(more.ends, np.int64))
+        if held.group is None or held.have.count < held.group.rows:
+            return
+        del self._groups[gid]
+        self._whole.add(gid)
+        anchor = anchor_split(gid[0], gid[1])
+        self._whole_at.setdefault(anchor, set()).add(gid)
+        waiting = self._anchored.get(anchor)
+        if waiting is not None:
+            waiting.discard(gid)
+            if not waiting:
+                del self._anchored[anchor]
+                self._close(*anchor)
+
+    def groups(self, key: Key, split: int, whole: bool = False) -> list[list[Any]]:
+        """The groups anchored in ``split`` of pass ``key`` whose rows are not all held,
+        as :meth:`Group.to_json` gives them (``rows`` -1 and no members for a group of
+        which only rows came); ``whole``: and those whose rows all are (a state's)."""
+        self._fold()
+        out = []
+        for gid in sorted(self._whole_at.get((key, split), ())) if whole else ():
+            group = self._defs.get(gid)
+            if group is not None:
+                out.append(group.to_json(range(group.rows)))
+        for gid in sorted(self._anchored.get((key, split), ())):
+            held = self._groups[gid]
+            if held.group is not None:
+                out.append(held.group.to_json(held.have.indices().tolist(),
+                                              self._inner(held.group)))
+            else:
+                out.append([list(gid[0]), gid[1], gid[3], gid[2], -1, [],
+                            pack(held.have.indices())])
+        return out
+
+    def _inner(self, group: Group) -> list[Group]:
+        """The groups whose rows ``group`` holds, and theirs, as far as known."""
+        found: dict[tuple[Key, int, int, int], Group] = {}
+        waiting = [group]
+        while waiting:
+            for key, split, _, _ in waiting.pop().members:
+                gid = group_of_rows(key, split)
+                if gid is None or gid in found or gid not in self._defs:
+                    continue
+                found[gid] = self._defs[gid]
+                waiting.append(found[gid])
+        return list(found.values())
+
+    def merge_groups(self, groups: Any) -> None:
+        """Add groups as :meth:`groups` gives them (of this ledger or another's).
+
+        Raises:
+            ValueError: ``groups`` is not such a value.
+        """
+        if not isinstance(groups, list):
+            raise ValueError("a split's groups must be a list")
+        for value in groups:
+            group, gid, rows = Group.from_json(value)
+            if group is not None:
+                self.define(group, rows)
+            else:
+                held = self._group(gid)
+                if held is not None:
+                    self._group_rows(gid, held, rows)
 
     def add_indices(self, key: Key, split: int, indices: Iterable[int]) -> None:
         """Note indices of one split (from a packed set)."""
@@ -1044,12 +1361,13 @@ class Ledger:
 
     def _close(self, key: Key, split: int) -> None:
         length = self._lengths.get((key, split))
-        if length is not None:
+        if length is not None and (key, split) not in self._anchored:
             held = self._open.get((key, split))
             if (held.count if held is not None else 0) >= length[0]:
                 self._done.setdefault(key, set()).add(split)
                 self._open.pop((key, split), None)
                 self._lengths.pop((key, split), None)
+                self._whole_at.pop((key, split), None)
 
     def held(self, key: Key, split: int) -> np.ndarray:
         """The indices of an open split held."""
@@ -1066,18 +1384,28 @@ class Ledger:
         info: dict[str, Any] = {"have": pack(self.held(key, split))}
         if (key, split) in self._lengths:
             info["expect"] = list(self._lengths[(key, split)])
+        groups = self.groups(key, split)
+        if groups:
+            info["groups"] = groups
         return info
 
     def to_json(self) -> list[Any]:
         """Per pass: ``[pass, done splits, [[split, held indices, count, digest], ...]]``
-        (count and digest -1 while unknown)."""
+        (count and digest -1 while unknown), and a fourth item, the groups anchored in
+        the pass whose rows are not all held (:meth:`groups`), when there are any."""
         self._fold()
-        keys = set(self._done) | {key for key, _ in self._open}
+        keys = set(self._done) | {key for key, _ in self._open} | {k for k, _ in self._anchored} \
+            | {k for k, _ in self._whole_at}
         out = []
         for key in sorted(keys):
             opened = [[split, pack(self.held(k, split)), *self._lengths.get((k, split), (-1, -1))]
                       for (k, split) in sorted(self._open) if k == key]
-            out.append([list(key), pack(self._done.get(key, ())), opened])
+            entry = [list(key), pack(self._done.get(key, ())), opened]
+            groups = [group for (k, split) in sorted(set(self._anchored) | set(self._whole_at))
+                      if k == key for group in self.groups(k, split, whole=True)]
+            if groups:
+                entry.append(groups)
+            out.append(entry)
         return out
 
     def merge_json(self, passes: Any) -> None:
@@ -1090,7 +1418,8 @@ class Ledger:
         if not isinstance(passes, list):
             raise ValueError("the delivered origins must be a list of passes")
         for entry in passes:
-            if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], list)
+            if not (isinstance(entry, list) and len(entry) in (3, 4)
+                    and isinstance(entry[0], list)
                     and all(_natural(k) for k in entry[0]) and isinstance(entry[2], list)):
                 raise ValueError(f"bad pass entry in the delivered origins: {entry!r:.80}")
             key = tuple(entry[0])
@@ -1098,6 +1427,8 @@ class Ledger:
                 self._done.setdefault(key, set()).add(split)
                 self._open.pop((key, split), None)
                 self._lengths.pop((key, split), None)
+            if len(entry) == 4:  # (first: a split with a group open must not close below)
+                self.merge_groups(entry[3])
             for item in entry[2]:
                 if not (isinstance(item, list) and len(item) == 4 and _natural(item[0])
                         and all(isinstance(v, int) for v in item[2:])):
@@ -1113,3 +1444,9 @@ class Ledger:
 
 def _natural(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_key(value: Any) -> bool:
+    """Whether ``value`` is a pass key as JSON has it: a non-empty list of ints >= 0."""
+    return (isinstance(value, list) and 0 < len(value) <= MAX_KEY_LENGTH
+            and all(map(_natural, value)))

@@ -29,7 +29,7 @@ import numpy as np
 
 from zloader import _check
 from zloader import stages as _stages
-from zloader._defaults import MIX_DRAW_CHUNK, MIX_KEY
+from zloader._defaults import GROUP_KEY, MIX_DRAW_CHUNK, MIX_KEY
 from zloader._seeding import Key
 from zloader.sources import Source, split_order
 
@@ -85,9 +85,10 @@ def register_info(source: Source) -> dict[str, Any]:
 
 
 def input_of(key: Key) -> int | None:
-    """The mix input that pass ``key`` reads (its last ``MIX_KEY + k``), or None."""
+    """The mix input that pass ``key`` reads (its last ``MIX_KEY + k``), or None (the
+    ``GROUP_KEY`` parts of a group's rows' pass are no input, zloader/groups.py)."""
     for part in reversed(key):
-        if part >= MIX_KEY:
+        if MIX_KEY <= part < GROUP_KEY:
             return part - MIX_KEY
     return None
 
@@ -182,6 +183,7 @@ class MixSource(Source):
         runs = []
         aligned = []
         for which, pipeline in enumerate(self.inputs):
+            ctx.input_stages[which] = pipeline.stages  # (a group's elements run them again)
             inner = _stages.compose(read, pipeline.stages, ctx)
             runs.append(_input_run(inner, which, self.stop == "never", ctx))
             aligned.append(ctx.aligned)

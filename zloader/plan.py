@@ -55,6 +55,7 @@ class Plan:
         def read(key: _stages.Key) -> Iterator[Any]:
             for split, pass_id in splits(key):
                 if isinstance(split, Assigned):
+                    ctx.rebuilds.extend(split.groups)  # (made again by their unbatch)
                     yield from read_split(source, split, pass_id, ctx)
                 else:
                     yield from ctx.read(split)
@@ -62,6 +63,7 @@ class Plan:
         def read_chunks(key: _stages.Key, size: int) -> Iterator[Chunk]:
             for split, pass_id in splits(key):
                 if isinstance(split, Assigned):
+                    ctx.rebuilds.extend(split.groups)
                     for values, codes in read_split_chunks(source, split, pass_id, ctx, size):
                         yield Chunk(values, codes)
                 else:

@@ -8,8 +8,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from zloader._seeding import Key
-from zloader.lineage import Origin, encode_origins
+from zloader.lineage import INDEX_BITS, Origin, encode_origins, gather
 
 __all__ = ["RunSettings", "RunTally"]
 
@@ -64,6 +66,12 @@ class RunTally:
         pass_keys: the pass ids used in origins, by pass key.
         reads: (pass id, split) of each split reading, by the read number in the origin
             codes (zloader/lineage.py: ``code``).
+        groups: the groups made since the last record, as the origin block holds them
+            (zloader/groups.py).
+        group_reads: each group's as the block holds it, by the read number that names
+            its rows: a record holding rows of a group holds the group too, so that
+            whichever consumer gets a row knows the group (a ``job_name``'s consumers
+            share a worker's records).
     """
 
     skipped: int = 0
@@ -72,10 +80,22 @@ class RunTally:
     ends: list[list[int]] = field(default_factory=list)
     pass_keys: dict[Key, int] = field(default_factory=dict)
     reads: list[tuple[int, int]] = field(default_factory=list)
+    groups: list[list[int]] = field(default_factory=list)
+    group_reads: dict[int, list[int]] = field(default_factory=dict)
 
     def block(self, origins: Sequence[Origin]) -> bytes:
         """The origin block of a record whose elements hold ``origins``, with the loose
-        codes and split ends collected since the last block (then emptied)."""
-        block = encode_origins(origins, self.loose, self.reads, self.pass_keys, self.ends)
-        self.loose, self.ends = [], []
+        codes, split ends and groups collected since the last block (then emptied), and
+        the groups of the rows it holds."""
+        groups = self.groups
+        if self.group_reads:
+            codes = gather([tuple(self.loose), *origins])
+            reads = np.unique(codes >> INDEX_BITS).tolist()
+            held = [self.group_reads[read] for read in reads if read in self.group_reads]
+            if held:
+                named = set(map(id, groups))
+                groups = groups + [group for group in held if id(group) not in named]
+        block = encode_origins(origins, self.loose, self.reads, self.pass_keys, self.ends,
+                               groups)
+        self.loose, self.ends, self.groups = [], [], []
         return block

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from zloader import collate
+from zloader import collate, groups
 from zloader._defaults import CHUNK_ELEMENTS, ORIGINS_NAMED, SHUFFLE_DRAW_CHUNK
 from zloader._seeding import Key, make_rng
 from zloader.chunks import (
@@ -117,6 +117,11 @@ class Context:
         records_from: the position of the stage whose elements become records as they
             come (a worker part's last), where a ``batch`` leaves large arrays to the
             record's copy (``collate.stack(later=True)``); 0: none (an in-process run).
+        sections: the unbatches that undo a batch, by (stage id, position), to make a
+            group's rows again (zloader/groups.py).
+        rebuilds: the groups whose rows this run is to make again, with the rows to
+            leave out, put there as their anchor's split is read.
+        input_stages: a mix's inputs' stages, by input.
     """
 
     settings: RunSettings
@@ -126,6 +131,9 @@ class Context:
     aligned: int = 0
     coverage: Coverage | None = None
     records_from: int = 0
+    sections: dict[tuple[int, int], groups.Section] = field(default_factory=dict)
+    rebuilds: list[Any] = field(default_factory=list)
+    input_stages: dict[int | None, tuple[Stage, ...]] = field(default_factory=dict)
 
     def value(self, element: Any) -> Any:
         """An element's value: itself, or a tracked element's value (its origin left)."""
@@ -196,13 +204,23 @@ class Context:
         return str(self.source.locate(*at))
 
     def _origins(self, origin: Origin) -> str:
-        places = [self.source.locate(self.tally.reads[code >> INDEX_BITS][1], code & INDEX_MASK)
-                  for code in map(int, origin[:ORIGINS_NAMED])]
+        places = [self._place(code) for code in map(int, origin[:ORIGINS_NAMED])]
         count = len(origin)
         if count <= 1:
             return "".join(places)
         more = f"; and {count - len(places)} more" if count > len(places) else ""
         return f"{count} elements: " + "; ".join(places) + more
+
+    def _place(self, code: int) -> str:
+        """Where the element of origin ``code`` came from: its source element, or for a
+        row of a group (zloader/groups.py) the batch it was made of."""
+        read = code >> INDEX_BITS
+        pass_id, split = self.tally.reads[read]
+        if read in self.tally.group_reads:
+            key = next(k for k, n in self.tally.pass_keys.items() if n == pass_id)
+            return (f"row {code & INDEX_MASK} made of the batch that begins at "
+                    f"{self.source.locate(split, key[-1])}")
+        return str(self.source.locate(split, code & INDEX_MASK))
 
     def stack(self, elements: list[Any], pad_value: Any = None) -> Any:
         """``collate.stack`` of ``elements``; a tracked batch holds its rows' origins as
@@ -226,6 +244,9 @@ def compose(read: Run, stages: tuple[Stage, ...], ctx: Context, first_position: 
         size = stages[0].chunk_size
         run, chunked = (lambda key: read_chunks(key, size)), True
     ctx.aligned = first_position + len(stages)
+    if ctx.settings.track:
+        for position, section in groups.sections(stages, first_position).items():
+            ctx.sections[(id(stages[position - first_position]), position)] = section
     for position, stage in enumerate(stages, first_position):
         if stage.takes_chunks and not chunked:
             run = gathered(run, ctx.settings.track, stage.chunk_size)
@@ -559,6 +580,8 @@ class Unbatch(Stage):
     def transform(self, elements: Iterator[Any], key: Key, position: int,
                   ctx: Context) -> Iterator[Any]:
         for element in elements:
+            if ctx.rebuilds:  # (rows lost with a worker, made again here)
+                yield from groups.rebuilt(ctx, self, position, key)
             try:
                 rows = list(collate.split(ctx.value(element)))
             except (TypeError, ValueError) as exc:
@@ -567,15 +590,15 @@ class Unbatch(Stage):
                 yield from rows
                 continue
             origin = element[1]
-            if len(origin) == len(rows):  # one origin per row: each row gets its own
+            if groups.kept(ctx.sections.get((id(self), position)), origin, len(rows)):
                 for at, row in enumerate(rows):
                     yield (row, origin[at:at + 1])
-            elif rows:  # rows that are not the batch's elements: the first holds them all
-                yield (rows[0], origin)
-                for row in rows[1:]:
-                    yield (row, ())
+            elif rows:  # rows that are not the batch's elements: a group of them
+                yield from groups.tag(ctx, self, rows, origin, position)
             else:
                 ctx.drop(element)
+        if ctx.rebuilds:
+            yield from groups.rebuilt(ctx, self, position, key)
 
     def identity(self) -> tuple[Any, ...]:
         return (self.kind, self.version)

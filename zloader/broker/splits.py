@@ -16,8 +16,9 @@ from zloader.mixing import input_of
 from zloader.sources import split_order
 from zloader.transport.messages import PassDone, Release, Split, SplitReq
 
-__all__ = ["dispenser", "epochs_of", "mark_read", "pass_done", "pending", "read_splits",
-           "readers", "requeue", "skip", "split_request", "take"]
+__all__ = ["dispenser", "epochs_of", "holds", "mark_read", "pass_done", "pending",
+           "read_splits", "readers", "requeue", "skip", "split_range", "split_request",
+           "starting", "take"]
 
 
 def split_request(state: Tables, identity: bytes, msg: SplitReq, now: float) -> list[Out]:
@@ -79,28 +80,55 @@ def _answer(job: Job, task: str, key: PassKey, split: int | None, have: int | No
     info = handing.skips.get(split, {}) if handing is not None else {}
     expect = info.get("expect")
     return Split(task=task, pass_=key, split=split, have=have, origin=origin,
-                 skip=info.get("skip", ""), expect=tuple(expect) if expect is not None else None)
+                 skip=info.get("skip", ""), expect=tuple(expect) if expect is not None else None,
+                 groups=info.get("groups"))
 
 
 def dispenser(state: Tables, job: Job, key: PassKey) -> Pass:
-    """Pass ``key`` of ``job``, started (its splits in order) on first use; a resumed
-    Loader's epoch leaves out what it had yielded."""
+    """Pass ``key`` of ``job``, started (its splits in order, :func:`starting`) on first
+    use."""
     handing = job.dispatch.passes.get(key)
     if handing is None:
-        dispatch = job.dispatch
-        order = (dispatch.layout.order(key, job.entropy) if dispatch.layout is not None
-                 else split_order(dispatch.num_splits, dispatch.shuffle_splits, dispatch.seed,
-                                  job.entropy, key))
-        skips: dict[int, dict[str, Any]] = {}
-        if job.dispatch.resume is not None and job.dispatch.resume[0] == key[0]:
-            ledger = job.dispatch.resume[1]  # what a resumed Loader had yielded: not again
-            done = ledger.done.get(key, set())
-            order = [split for split in order if split not in done]
-            skips = {split: skip(ledger.info(key, split)) for k, split in ledger.open
-                     if k == key}
-        handing = job.dispatch.passes[key] = Pass(deque(order), skips=skips)
+        handing = job.dispatch.passes[key] = starting(job, key)
         _prune(job, key[0])
     return handing
+
+
+def starting(job: Job, key: PassKey) -> Pass:
+    """Pass ``key`` of ``job`` as it starts, not kept: its splits in order; a resumed
+    Loader's epoch leaves out what it had yielded."""
+    dispatch = job.dispatch
+    order = (dispatch.layout.order(key, job.entropy) if dispatch.layout is not None
+             else split_order(dispatch.num_splits, dispatch.shuffle_splits, dispatch.seed,
+                              job.entropy, key))
+    skips: dict[int, dict[str, Any]] = {}
+    if dispatch.resume is not None and dispatch.resume[0] == key[0]:
+        ledger = dispatch.resume[1]  # what a resumed Loader had yielded: not again
+        done = ledger.done.get(key, set())
+        order = [split for split in order if split not in done]
+        skips = {split: skip(ledger.info(key, split)) for k, split in ledger.open if k == key}
+    return Pass(deque(order), skips=skips)
+
+
+def split_range(job: Job, key: PassKey) -> range:
+    """The splits pass ``key`` of ``job`` reads: its source's, or for a mix the splits
+    of the input the pass reads (numbered across inputs)."""
+    layout = job.dispatch.layout
+    if layout is None:
+        return range(job.dispatch.num_splits)
+    which = input_of(key)
+    if which is None or which >= len(layout.inputs):
+        return range(0)
+    return range(layout.offsets[which], layout.offsets[which + 1])
+
+
+def holds(job: Job, key: PassKey, split: int) -> bool:
+    """Whether a worker holds ``split`` of pass ``key`` (handed in that pass or, re-queued,
+    in another of its epoch; being read, or read and remembered)."""
+    origin_of = job.dispatch.origin_of
+    return any(split in held and origin_of.get((k, split), k) == key
+               for k, handing in job.dispatch.passes.items() if k[0] == key[0]
+               for held in [*handing.handed.values(), *handing.read.values()])
 
 
 def _prune(job: Job, epoch: int) -> None:
@@ -150,17 +178,20 @@ def requeue(state: Tables, job: Job, key: PassKey, split: int, skip: dict[str, A
     job.dispatch.requeues[key[0]] = job.dispatch.requeues.get(key[0], 0) + 1
 
 
-def take(state: Tables, job: Job, worker_id: str, key: PassKey, split: int) -> None:
-    """Replay one split handed to a worker."""
+def take(state: Tables, job: Job, worker_id: str, key: PassKey, split: int,
+         origin: PassKey | None = None) -> None:
+    """Replay one split handed to a worker: taken from the splits re-queued in pass
+    ``origin`` (one of the same epoch), or else from pass ``key``'s re-queued or its
+    order."""
     handing = dispenser(state, job, key)
-    for waiting in [handing, *(p for k, p in job.dispatch.passes.items()
-                               if k[0] == key[0] and k != key)]:
-        if split in waiting.requeued:
-            waiting.requeued.remove(split)
-            break
-    else:
-        if split in handing.order:
-            handing.order.remove(split)
+    source = job.dispatch.passes.get(origin) if origin is not None else None
+    if origin is not None and source is not None and split in source.requeued:
+        source.requeued.remove(split)
+        job.dispatch.origin_of[(key, split)] = origin
+    elif split in handing.requeued:
+        handing.requeued.remove(split)
+    elif split in handing.order:
+        handing.order.remove(split)
     handing.handed.setdefault(worker_id, []).append(split)
     worker = state.workers.get(worker_id)
     if worker is not None:
@@ -211,4 +242,9 @@ def skip(info: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"skip": have if isinstance(have, str) else pack(have)}
     if info.get("expect") is not None:
         out["expect"] = info["expect"]
+    # Groups whose rows are to be made again (zloader/groups.py); one of which only rows
+    # are known (every consumer that knew its elements is gone) cannot be.
+    groups = [group for group in info.get("groups") or () if group[4] >= 0]
+    if groups:
+        out["groups"] = groups
     return out

@@ -16,6 +16,7 @@ from zloader import _check
 from zloader._defaults import DEFAULT_PREFETCH, MIN_MEMORY_BUDGET, WEIGHT_RANGE
 from zloader._process import START_METHODS
 from zloader.client.exactly_once import resume_from
+from zloader.groups import pipeline_refusal
 from zloader.options import ON_ERROR, SHARDING_MODES, JobOptions
 from zloader.pipeline import Pipeline
 from zloader.sharing.options import settings
@@ -195,6 +196,9 @@ def checked(pipeline: Any, *, broker: Any, num_workers: Any, sharding: Any, job_
         objects=objects)
     options.check(job_name)
     options = options.applied()
+    refused = pipeline_refusal(pipeline) if options.exactly_once else None
+    if refused:
+        raise ValueError(refused)
     # keys: embedded mode needs none, but a bad keys= is still an error
     resolved = resolve_keys(keys) if broker is not None or keys is not None else None
     resume = resume_from(state, pipeline.fingerprint, options.exactly_once)

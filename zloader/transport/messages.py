@@ -308,6 +308,9 @@ class Split(Record):
     origin: tuple[int, ...] | None = fld(optional(PASS_KEY), None, omit=True)
     skip: str = fld(packed, "", omit=True)
     expect: tuple[int, ...] | None = fld(optional(list_of(integer(), 2, 2)), None, omit=True)
+    # the groups anchored in it whose rows are to be made again (zloader/groups.py),
+    # each [key, split, index, position, rows, members, rows held] (read by lineage.py)
+    groups: list[Any] | None = fld(optional(array), None, omit=True)
 
 
 @dataclass(frozen=True, kw_only=True)

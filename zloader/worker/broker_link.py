@@ -11,7 +11,7 @@ import zmq
 
 from zloader._defaults import BROKER_SEND_WAIT_SECONDS
 from zloader.errors import ZloaderError
-from zloader.lineage import Assigned, unpack
+from zloader.lineage import Assigned, Group, unpack
 from zloader.transport.keys import Keys
 from zloader.transport.messages import Ready, Record, Split, SplitReq
 from zloader.transport.protocol import ProtocolError, encode
@@ -137,4 +137,15 @@ def assignment(split: Split) -> Assigned:
         raise ProtocolError("SPLIT: field 'origin' is missing (an exactly-once job's split "
                             "needs it)")
     expect = (int(split.expect[0]), int(split.expect[1])) if split.expect else None
-    return Assigned(split.split, tuple(split.origin), frozenset(unpack(split.skip)), expect)
+    groups = []
+    for value in split.groups or ():
+        try:
+            group, _, rows = Group.from_json(value)
+        except ValueError as exc:
+            raise ProtocolError(f"SPLIT: field 'groups': {exc}") from None
+        if group is None:
+            raise ProtocolError("SPLIT: field 'groups': a group to make again needs its "
+                                "elements and rows")
+        groups.append((group, frozenset(rows)))
+    return Assigned(split.split, tuple(split.origin), frozenset(unpack(split.skip)), expect,
+                    tuple(groups))

@@ -1,0 +1,344 @@
+"""Pipelines nobody designed, against the reference: random pipelines drawn from the stage
+grammar (every source kind, map, filter, shuffle, batch/unbatch, repeat, cache, mix and
+choose, take/skip, a final batch) run through Loaders whole, resumed from a state taken at
+a random point, resumed from a resumed Loader's state, with a worker SIGKILLed mid-epoch,
+and (slow) with the broker SIGKILLed and restarted on its work dir. Each must yield what
+``pipeline.iter(0)`` yields: the same multiset of rows (a final batch is compared row by
+row, since each worker batches its own elements), and with one worker, or
+``deterministic=True`` twice, the same sequence.
+
+Two seeds per mode run in ``make test``; ``-m slow`` runs 200 per mode.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import random
+import signal
+import subprocess
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.service import BIN, HEARTBEAT, free_port, start_worker, status, stop, wait_for
+from zloader import Loader, Pipeline
+
+FAST_SEEDS = range(2)
+SLOW_SEEDS = range(2, 202)
+Rows = collections.Counter
+
+
+# --- the grammar: module-level functions, so that cloudpickle ships them by value --------
+
+
+def plus(k: int) -> Callable[[Any], int]:
+    return lambda x: int(x) + k
+
+
+def times(k: int) -> Callable[[Any], int]:
+    return lambda x: int(x) * k
+
+
+def not_multiple(k: int) -> Callable[[Any], bool]:
+    return lambda x: int(x) % k != 0
+
+
+def vectorised(batch: Any) -> Any:
+    """A batch-level 1:1 map (its rows keep their origins)."""
+    return np.asarray(batch) * 2 + 1
+
+
+def expand(batch: Any) -> list[int]:
+    """A map that changes the number of elements (as a packer or a chunking tokenizer
+    does): each element of the batch becomes 0, 1 or 2 rows. Its rows are the same
+    whichever batches the elements fall in, so a Loader's rows compare with ``iter``'s."""
+    return [int(x) for x in np.asarray(batch).reshape(-1) for _ in range(int(x) % 3)]
+
+
+def json_value(record: Any) -> int:
+    return int(record["v"])
+
+
+@dataclasses.dataclass
+class Case:
+    """One generated pipeline and how it was drawn (shown when a case fails)."""
+
+    pipeline: Pipeline
+    recipe: list[str]
+    consumer_part: bool  # a take/skip: the consumer runs it (no state_dict)
+    whole: Pipeline | None = None  # without its take/skip (which take what comes first)
+
+
+def source(rng: random.Random, tmp: str, recipe: list[str]) -> Pipeline:
+    kind = rng.choice(["range", "items", "arrays", "generator", "jsonl", "cached"])
+    n = rng.randrange(80, 400)
+    size = rng.choice([7, 16, 25, 50])
+    shuffled = rng.random() < 0.4
+    seed = rng.randrange(100)
+    recipe.append(f"{kind}(n={n}, split_size={size}, shuffle_splits={shuffled})")
+    if kind == "range":
+        return Pipeline.range(n, split_size=size, shuffle_splits=shuffled, seed=seed)
+    if kind == "items":
+        return Pipeline.from_items([3 * i for i in range(n)], split_size=size,
+                                   shuffle_splits=shuffled, seed=seed)
+    if kind == "arrays":
+        return Pipeline.from_arrays(np.arange(n, dtype=np.int64) + 7, split_size=size,
+                                    shuffle_splits=shuffled, seed=seed).map(int)
+    if kind == "generator":
+        return Pipeline.from_generator(lambda s: range(s * 1000, s * 1000 + size),
+                                       max(1, n // size), shuffle_splits=shuffled, seed=seed)
+    if kind == "jsonl":
+        paths = []
+        for f in range(rng.randrange(1, 5)):
+            path = os.path.join(tmp, f"part{len(os.listdir(tmp))}-{f}.jsonl")
+            with open(path, "w") as out:
+                for i in range(n // 4):
+                    out.write(json.dumps({"v": f * 10_000 + i}) + "\n")
+            paths.append(path)
+        return Pipeline.from_jsonl(paths, shuffle_splits=shuffled,  # (a split per file)
+                                   seed=seed).map(json_value)
+    cache = os.path.join(tmp, f"cache{len(os.listdir(tmp))}")
+    return Pipeline.range(n, split_size=size, shuffle_splits=shuffled,
+                          seed=seed).map(plus(5)).cache(cache)
+
+
+def stages(pipeline: Pipeline, rng: random.Random, recipe: list[str],
+           count: int) -> Pipeline:
+    """``count`` stages that keep one row per source element (or drop some)."""
+    for _ in range(count):
+        kind = rng.choice(["map", "filter", "shuffle", "batch-unbatch", "vectorised",
+                           "expand", "expand", "repeat"])
+        if kind == "map":
+            k = rng.randrange(1, 9)
+            pipeline = pipeline.map(plus(k) if rng.random() < 0.5 else times(k))
+            recipe.append(f"map({k})")
+        elif kind == "filter":
+            k = rng.randrange(2, 7)
+            pipeline = pipeline.filter(not_multiple(k))
+            recipe.append(f"filter(%{k})")
+        elif kind == "shuffle":
+            size = rng.choice([4, 30, 200])
+            pipeline = pipeline.shuffle(size, seed=rng.randrange(100))
+            recipe.append(f"shuffle({size})")
+        elif kind == "batch-unbatch":
+            size = rng.randrange(2, 12)
+            pipeline = pipeline.batch(size).unbatch().map(int)
+            recipe.append(f"batch({size}).unbatch()")
+        elif kind == "vectorised":
+            size = rng.randrange(2, 12)
+            pipeline = pipeline.batch(size).map(vectorised).unbatch().map(int)
+            recipe.append(f"batch({size}).map(vectorised).unbatch()")
+        elif kind == "expand":
+            size = rng.randrange(2, 12)
+            pipeline = pipeline.batch(size).map(expand).unbatch().map(int)
+            recipe.append(f"batch({size}).map(expand).unbatch()")
+        elif "repeat" not in " ".join(recipe):
+            pipeline = pipeline.repeat(2)
+            recipe.append("repeat(2)")
+    return pipeline
+
+
+def generate(seed: int, tmp: str, consumer_part: bool = True) -> Case:
+    """A random pipeline: one input, or a mix/choose of two; then stages; maybe a
+    take/skip (when ``consumer_part``); maybe a final batch."""
+    rng = random.Random(seed)
+    recipe: list[str] = [f"seed {seed}"]
+    shape = rng.choice(["one", "one", "mix", "choose"])
+    if shape == "one":
+        pipeline = stages(source(rng, tmp, recipe), rng, recipe, rng.randrange(0, 4))
+    else:
+        inputs = []
+        for which in range(2):
+            recipe.append(f"input {which}:")
+            inputs.append(stages(source(rng, tmp, recipe), rng, recipe, rng.randrange(0, 3)))
+        if shape == "mix":
+            weights = [rng.randrange(1, 5), rng.randrange(1, 5)]
+            pipeline = Pipeline.mix(inputs, weights, seed=rng.randrange(100))
+            recipe.append(f"mix({weights})")
+        else:
+            pattern = [rng.randrange(2) for _ in range(rng.randrange(1, 4))] + [0, 1]
+            pipeline = Pipeline.choose(inputs, pattern)
+            recipe.append(f"choose({pattern})")
+        pipeline = stages(pipeline, rng, recipe, rng.randrange(0, 2))
+    taken = consumer_part and rng.random() < 0.15
+    whole = pipeline
+    if taken:
+        if rng.random() < 0.5:
+            count = rng.randrange(10, 200)
+            pipeline = pipeline.take(count)
+            recipe.append(f"take({count})")
+        else:
+            count = rng.randrange(1, 50)
+            pipeline = pipeline.skip(count)
+            recipe.append(f"skip({count})")
+    if rng.random() < 0.35:
+        size = rng.randrange(2, 9)
+        pipeline, whole = pipeline.batch(size), whole.batch(size)
+        recipe.append(f"batch({size})")
+    return Case(pipeline, recipe, taken, whole)
+
+
+# --- comparing what came out ---------------------------------------------------------------
+
+
+def rows(elements: Any) -> Iterator[int]:
+    """The rows of ``elements``: ints, and the rows of each batch."""
+    for element in elements:
+        if isinstance(element, (int, np.integer)):
+            yield int(element)
+        else:
+            yield from (int(x) for x in np.asarray(element).reshape(-1))
+
+
+def reference(case: Case) -> Rows:
+    return Rows(rows(case.pipeline.iter(0)))
+
+
+def described(case: Case, got: Rows, want: Rows) -> str:
+    lost, repeated = want - got, got - want
+    return (f"{' '.join(case.recipe)}: {sum(lost.values())} lost "
+            f"{sorted(lost)[:8]}, {sum(repeated.values())} repeated {sorted(repeated)[:8]}")
+
+
+def loader(case: Case, **kwargs: Any) -> Loader:
+    return Loader(case.pipeline, timeout=30, **{"num_workers": 2, **kwargs})
+
+
+def partly(elements: Iterator[Any], count: int, into: list[Any]) -> None:
+    for _ in range(count):
+        try:
+            into.append(next(elements))
+        except StopIteration:
+            return
+
+
+def point(case: Case, seed: int) -> int:
+    """A random point in the epoch, by element (a batch counts once)."""
+    total = sum(1 for _ in case.pipeline.iter(0))
+    return random.Random(seed * 7 + 1).randrange(0, max(1, total))
+
+
+# --- the modes -----------------------------------------------------------------------------
+
+
+def compare(case: Case, got: Rows) -> None:
+    """``got`` is the epoch ``iter`` yields; with a take/skip, which takes what comes
+    first (and that differs with two workers), as many rows, each of the epoch."""
+    want = reference(case)
+    if case.consumer_part and case.whole is not None:
+        assert sum(got.values()) == sum(want.values()), case.recipe
+        assert not got - Rows(rows(case.whole.iter(0))), case.recipe
+    else:
+        assert got == want, described(case, got, want)
+
+
+def whole(case: Case, seed: int) -> None:
+    with loader(case) as one:
+        compare(case, Rows(rows(one)))
+    with loader(case, num_workers=1) as one:  # one worker: the very sequence
+        assert list(rows(one)) == list(rows(case.pipeline.iter(0))), case.recipe
+
+
+def resumed(case: Case, seed: int, times: int) -> None:
+    """Stop at a random point and resume from the state, ``times`` times in a row."""
+    out: list[Any] = []
+    state = None
+    for run in range(times):
+        with loader(case, state=state) as one:
+            partly(iter(one), point(case, seed + run) // times, out)
+            state = one.state_dict()
+    with loader(case, state=state) as one:
+        out += list(one)
+    got, want = Rows(rows(out)), reference(case)
+    assert got == want, described(case, got, want)
+
+
+def killed(case: Case, seed: int) -> None:
+    """A worker of an embedded Loader SIGKILLed at a random point."""
+    out: list[Any] = []
+    with loader(case, num_workers=2) as one:
+        elements = iter(one)
+        partly(elements, point(case, seed), out)
+        one._processes[0].kill()
+        out += list(elements)
+    got, want = Rows(rows(out)), reference(case)
+    assert got == want, described(case, got, want)
+
+
+def broker_restarted(case: Case, seed: int, tmp: str) -> None:
+    """The broker SIGKILLed at a random point and restarted on its work dir."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    work_dir = os.path.join(tmp, "broker")
+
+    def broker() -> subprocess.Popen:
+        return subprocess.Popen([os.path.join(BIN, "zloader-broker"), "--bind", address,
+                                 "--heartbeat", str(HEARTBEAT), "--work-dir", work_dir,
+                                 "--log-level", "error"])
+
+    processes = [broker()]
+    try:
+        wait_for(lambda: status(address, 1.0) is not None, what="the broker")
+        processes += [start_worker(address) for _ in range(2)]
+        wait_for(lambda: len(status(address)["workers"]) == 2, what="the workers")
+        out: list[Any] = []
+        with Loader(case.pipeline, broker=address, timeout=30) as one:
+            elements = iter(one)
+            partly(elements, point(case, seed), out)
+            processes[0].send_signal(signal.SIGKILL)
+            processes[0].wait()
+            processes[0] = broker()
+            out += list(elements)
+        got, want = Rows(rows(out)), reference(case)
+        assert got == want, described(case, got, want)
+    finally:
+        for process in processes:
+            stop(process)
+
+
+def deterministic(case: Case, seed: int) -> None:
+    with loader(case, deterministic=True) as one:
+        first = list(rows(one))
+    with loader(case, deterministic=True) as one:
+        assert list(rows(one)) == first, case.recipe
+    compare(case, Rows(first))
+
+
+MODES: dict[str, Callable[..., None]] = {
+    "whole": whole,
+    "resume": lambda case, seed: resumed(case, seed, 1),
+    "resume-of-resume": lambda case, seed: resumed(case, seed, 2),
+    "kill": killed,
+    "deterministic": deterministic,
+}
+
+
+def run(mode: str, seed: int, tmp: str) -> None:
+    case = generate(seed, tmp, consumer_part=mode in ("whole", "deterministic"))
+    if mode == "broker-restart":
+        broker_restarted(case, seed, tmp)
+    else:
+        MODES[mode](case, seed)
+
+
+@pytest.mark.parametrize("seed", FAST_SEEDS)
+@pytest.mark.parametrize("mode", [*MODES])
+def test_generated_pipelines_yield_what_iter_yields(mode, seed, tmp_path):
+    run(mode, seed, str(tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", SLOW_SEEDS)
+@pytest.mark.parametrize("mode", [*MODES, "broker-restart"])
+def test_many_generated_pipelines_yield_what_iter_yields(mode, seed, tmp_path):
+    run(mode, seed, str(tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(4))
+def test_generated_pipelines_survive_a_broker_restart(seed, tmp_path):
+    run("broker-restart", seed, str(tmp_path))
