@@ -1216,6 +1216,9 @@ class Ledger:
         """Note ``group`` (a record named it): its elements are held, and its anchor's
         split stays open until all its rows are; ``rows``: rows of it held already."""
         gid = group.id
+        held = self._groups.get(gid)
+        if held is not None and held.group is not None and not rows:
+            return  # (known already: a record names the groups of every row it holds)
         for one in (group, *group.inner):
             self._defs.setdefault(one.id, one)
         held = self._group(gid)
@@ -1256,9 +1259,10 @@ class Ledger:
     def _group_rows(self, gid: tuple[Key, int, int, int], held: _Rows,
                     rows: Iterable[int]) -> None:
         """Add ``rows`` to the group ``gid``; close it once all its rows are held."""
-        more = Ranges.of(rows)
-        if more.starts:
-            held.have.add(np.array(more.starts, np.int64), np.array(more.ends, np.int64))
+        if rows:
+            more = Ranges.of(rows)
+            if more.starts:
+                held.have.add(np.array(more.starts, np.int64), np.array(more.ends, np.int64))
         if held.group is None or held.have.count < held.group.rows:
             return
         del self._groups[gid]

@@ -89,7 +89,9 @@ class RunTally:
         the groups of the rows it holds."""
         groups = self.groups
         if self.group_reads:
-            codes = gather([tuple(self.loose), *origins])
+            codes = gather(origins) if origins else np.empty(0, np.int64)
+            if self.loose:
+                codes = np.concatenate((codes, np.array(self.loose, np.int64)))
             reads = np.unique(codes >> INDEX_BITS).tolist()
             held = [self.group_reads[read] for read in reads if read in self.group_reads]
             if held:
