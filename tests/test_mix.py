@@ -383,3 +383,50 @@ def test_first_exhausted_over_an_endless_input_ends_on_every_worker():
         assert names(epoch)["b"] >= 1
         b = [x for name, x in epoch if name == "b"]
         assert len(set(b)) == len(b)
+
+
+def test_of_the_weights_a_job_s_consumers_set_the_last_set_win_in_every_epoch_and_resume():
+    from zloader.client.exactly_once import resume_from
+
+    mix = Pipeline.mix(two_inputs(), [0.5, 0.5], seed=1)
+    opened = threading.Event()  # the second consumer has begun epoch 1
+    epochs: list[list[list]] = [[], []]
+    errors: list[BaseException] = []
+
+    def read(which: int, loader: Loader) -> None:
+        try:
+            for epoch in (0, 1):
+                if (which, epoch) == (0, 1):  # the first opens epoch 1 after the second
+                    assert opened.wait(30)
+                got = []
+                for pair in loader:
+                    got.append(tuple(pair))
+                    if (which, epoch) == (1, 1):
+                        opened.set()
+                epochs[which].append(got)
+        except BaseException as exc:
+            errors.append(exc)
+            opened.set()
+
+    with service(workers=2) as (address, _procs):
+        first = Loader(mix, broker=address, timeout=30, job_name="rule")
+        second = Loader(mix, broker=address, timeout=30, job_name="rule")
+        try:
+            first.set_weights([0.9, 0.1])
+            second.set_weights([0.1, 0.9])  # (set last: it wins, whoever opens later)
+            threads = [threading.Thread(target=read, args=(i, loader), daemon=True)
+                       for i, loader in enumerate((first, second))]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(60)
+            assert not errors and not any(t.is_alive() for t in threads), errors
+            states = [second.state_dict(), first.state_dict()]
+        finally:
+            first.close()
+            second.close()
+    # (before: epoch 1 followed the weights of the consumer that opened it last, and a
+    # resume those of the last state in the list)
+    head = [pair for reader in epochs for pair in reader[1]][:2000]
+    assert names(head)["b"] > 0.7 * len(head), names(head)
+    assert resume_from(states, mix.fingerprint, True)["weights"] == [0.1, 0.9]

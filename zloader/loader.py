@@ -14,6 +14,7 @@ import functools
 import logging
 import os
 import signal
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -171,6 +172,7 @@ class Loader:
         self._closed = self._joined = False
         self._epoch = args.resume["epoch"] if args.resume is not None else 0
         self._weights: tuple[float, ...] | None = None  # set_weights
+        self._weights_stamp = 0.0  # (when: time.time())
         # Forked workers read the dataset's large lists packed, mapped here: one copy.
         swaps = packed.prepare(pipeline) if args.inherit and args.pack_dataset else []
         self._packed = [swap.view for swap in swaps]
@@ -187,7 +189,8 @@ class Loader:
             self._merger = _merger(args, self._io, self._processes)
             self._io.start()
             if args.resume is not None and args.resume["weights"] is not None:
-                self.set_weights(args.resume["weights"])  # (the first OPEN carries them)
+                # (the first OPEN carries them, as set when the state's Loader set them)
+                self._set_weights(args.resume["weights"], args.resume["weights_stamp"])
         except BaseException:
             self.close()
             raise
@@ -305,13 +308,16 @@ class Loader:
             state["finished"] = finished
         if self._weights is not None:
             state["weights"] = list(self._weights)
+            state["weights_stamp"] = self._weights_stamp
         return state
 
     def set_weights(self, weights: Sequence[float]) -> None:
         """Change the weights of this Loader's mix (``Pipeline.mix``) from now on: in the
         epoch under way (each worker draws with them from its next element) and the next
-        ones; :meth:`state_dict` records them. On a shared job they change the run that
-        every trainer of it reads.
+        ones; :meth:`state_dict` records them and when they were set. On a shared job they
+        change the run that every trainer of it reads; among the Loaders of a
+        ``job_name``, the last call wins (workers keep the weights set last, and a resume
+        from their states takes those).
 
         Raises:
             RuntimeError: this Loader is closed.
@@ -321,8 +327,11 @@ class Loader:
         self._check_process()
         if self._closed:
             raise RuntimeError("this Loader is closed")
-        self._weights = new_weights(self.pipeline.source, weights)
-        self._io.set_weights(self._weights)
+        self._set_weights(new_weights(self.pipeline.source, weights), time.time())
+
+    def _set_weights(self, weights: tuple[float, ...], stamp: float) -> None:
+        self._weights, self._weights_stamp = weights, stamp
+        self._io.set_weights(weights, stamp)
 
     def dispatch(self, worker: int, items: Sequence[int]) -> None:
         """Hand the worker of index ``worker`` work items (ints >= 0) of the epoch under

@@ -46,12 +46,20 @@ STOP_RULES = ("first_exhausted", "all_exhausted", "never")
 
 
 class LiveWeights:
-    """A mix's weights as its consumer last set them (``Loader.set_weights``), shared by a
-    worker's task and its producers: the draws read :attr:`value` before each chunk. None:
-    the mix's own weights."""
+    """A mix's weights as its consumers last set them (``Loader.set_weights``), shared by
+    a worker's task and its producers: the draws read :attr:`value` before each chunk.
+    None: the mix's own weights. ``stamp``: when they were set (the setting Loader's
+    clock): of the weights a job's consumers send, the last set win, whichever consumer
+    opens an epoch later."""
 
     def __init__(self) -> None:
         self.value: tuple[float, ...] | None = None
+        self.stamp = 0.0
+
+    def offer(self, weights: tuple[float, ...], stamp: float) -> None:
+        """Take ``weights`` unless weights set later are held already."""
+        if stamp >= self.stamp:
+            self.value, self.stamp = weights, stamp
 
 
 def new_weights(source: Source, weights: Any) -> tuple[float, ...]:

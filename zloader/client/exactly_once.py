@@ -90,7 +90,7 @@ class Yielded:
 
 def resume_from(state: Any, fingerprint: str, exactly_once: bool) -> dict[str, Any] | None:
     """Check ``state`` (one :meth:`Loader.state_dict` or a list of them) and merge it into
-    ``{epoch, entropy, delivered, digest, weights}``; None for None.
+    ``{epoch, entropy, delivered, digest, weights, weights_stamp}``; None for None.
 
     Raises:
         ValueError: it is not such a state, or of another pipeline (another
@@ -123,10 +123,20 @@ def resume_from(state: Any, fingerprint: str, exactly_once: bool) -> dict[str, A
                    None)
     delivered = ledger.to_json()
     digest = hashlib.sha256(json.dumps([epoch, entropy, delivered]).encode()).hexdigest()
-    # A mix's weights set on the Loaders (the last state's that has them)
-    weights = next((one["weights"] for one in reversed(states) if one.get("weights")), None)
+    # A mix's weights set on the Loaders: those set last (a state without a stamp, of an
+    # older version, counts as set before any with one; then the last such state's)
+    weighted = [(_stamp(one), at, one["weights"]) for at, one in enumerate(states)
+                if one.get("weights")]
+    stamp, _, weights = max(weighted) if weighted else (0.0, 0, None)
     return {"epoch": epoch, "entropy": entropy, "delivered": delivered, "digest": digest[:12],
-            "weights": weights}
+            "weights": weights, "weights_stamp": stamp}
+
+
+def _stamp(state: dict[str, Any]) -> float:
+    """When a state's weights were set (0: not said)."""
+    stamp = state.get("weights_stamp")
+    return float(stamp) if isinstance(stamp, (int, float)) and not isinstance(stamp, bool) \
+        and 0 <= stamp < 1e12 else 0.0
 
 
 def _finished(state: dict[str, Any]) -> int | None:

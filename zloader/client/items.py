@@ -83,9 +83,11 @@ class GiveCredit:
 
 @dataclass
 class SetWeights:
-    """A mix's weights from now on (``Loader.set_weights``): tell every worker."""
+    """A mix's weights from now on (``Loader.set_weights``, at ``stamp``): tell every
+    worker."""
 
     weights: tuple[float, ...]
+    stamp: float
 
 
 @dataclass(frozen=True)

@@ -286,7 +286,7 @@ class ConsumerLoop:
         elif isinstance(command, StartEpoch):
             self._start(command.epoch, command.frames)
         elif isinstance(command, SetWeights):
-            self._peers.reweigh_all(command.weights)
+            self._peers.reweigh_all(command.weights, command.stamp)
         elif isinstance(command, Dispatch):
             self._peers.dispatch(command.worker, command.items)
 

@@ -302,7 +302,7 @@ class Peers:
         if self.rounds is not None:
             body["consumer_index"] = self.rounds.index
         if session.weights is not None:
-            body["weights"] = list(session.weights)
+            body.update(weights=list(session.weights), weights_stamp=session.weights_stamp)
         self.send(peer, Command.OPEN, payload=session.epoch_input.frames(peer.index),
                   body=body)
         for items in session.undispatched.pop(peer.index, ()):
@@ -324,14 +324,14 @@ class Peers:
                 self.send(peer, Command.DISPATCH, body={"epoch": session.epoch,
                                                         "items": chunk})
 
-    def reweigh_all(self, weights: tuple[float, ...]) -> None:
-        """A mix's weights from now on: every peer's later OPENs carry them, and the
-        peers of an epoch under way are told at once (WEIGHTS)."""
-        self.session.weights = weights
+    def reweigh_all(self, weights: tuple[float, ...], stamp: float) -> None:
+        """A mix's weights from now on (set at ``stamp``): every peer's later OPENs carry
+        them, and the peers of an epoch under way are told at once (WEIGHTS)."""
+        self.session.weights, self.session.weights_stamp = weights, stamp
         if self.session.epoch is None:
             return
         for peer in list(self._peers.values()):
-            self.send(peer, Command.WEIGHTS, body={"weights": list(weights)})
+            self.send(peer, Command.WEIGHTS, body={"weights": list(weights), "stamp": stamp})
 
     def open_all(self, keep_credits: bool = False) -> None:
         """Open the epoch under way on every peer."""

@@ -90,6 +90,7 @@ class Session:
     rerun: int = 0  # how often the workers were asked to run the epoch again
     received: Ledger = field(default_factory=Ledger)  # origins received this epoch
     weights: tuple[float, ...] | None = None  # a mix's, as Loader.set_weights set them
+    weights_stamp: float = 0.0  # when
     # Work items (Loader.dispatch) for worker indices not connected yet, sent with the OPEN
     undispatched: dict[int, list[list[int]]] = field(default_factory=dict)
 

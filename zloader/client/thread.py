@@ -54,9 +54,9 @@ class IOThread(threading.Thread):
         """Open ``epoch`` on every worker, with ``epoch_input`` (its codec frames)."""
         self.loop.submit(StartEpoch(epoch, epoch_input))
 
-    def set_weights(self, weights: tuple[float, ...]) -> None:
-        """A mix's weights from now on, on every worker."""
-        self.loop.submit(SetWeights(weights))
+    def set_weights(self, weights: tuple[float, ...], stamp: float) -> None:
+        """A mix's weights from now on (set at ``stamp``), on every worker."""
+        self.loop.submit(SetWeights(weights, stamp))
 
     def dispatch(self, worker: int, items: tuple[int, ...]) -> None:
         """Work items for the worker of index ``worker`` (none: no more), sent at once."""

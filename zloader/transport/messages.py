@@ -522,14 +522,17 @@ class Open(Record):
     # The bytes of records this worker may have in flight to the consumer (its share of
     # the consumer's memory budget, client/budget.py); absent: no bound but the credits.
     window: int | None = fld(optional(INDEX), None, omit=True)
-    # A mix's weights set on the consumer's Loader (Loader.set_weights); absent: its own.
+    # A mix's weights set on the consumer's Loader (Loader.set_weights); absent: its own;
+    # and when they were set (of a job's consumers' weights, the last set win)
     weights: tuple[float, ...] | None = fld(optional(MIX_WEIGHTS), None, omit=True)
+    weights_stamp: float = fld(number(0.0, 1e12), 0.0, omit=True)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Weights(Record):
     COMMAND = Command.WEIGHTS
     weights: tuple[float, ...] = fld(MIX_WEIGHTS)
+    stamp: float = fld(number(0.0, 1e12), 0.0, omit=True)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -105,7 +105,7 @@ class DataPort:
         elif isinstance(record, messages.Ring):
             task.ring(identity, record)
         elif isinstance(record, messages.Weights):
-            task.weights.value = record.weights
+            task.weights.offer(record.weights, record.stamp)
         elif isinstance(record, messages.Dispatch):
             if identity in task.streams:  # only from a consumer that opened an epoch here
                 task.dispatch(record)

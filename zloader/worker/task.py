@@ -127,7 +127,7 @@ class Task:
         """
         epoch = opened.epoch
         if opened.weights is not None:
-            self.weights.value = opened.weights
+            self.weights.offer(opened.weights, opened.weights_stamp)
         if payload and epoch not in self.inputs:
             self.inputs[epoch] = codec.decode([f.buffer for f in payload])
             keep_latest(self.inputs)
