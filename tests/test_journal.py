@@ -938,6 +938,23 @@ def _start_broker_with(address: str, work_dir: str, env: dict) -> subprocess.Pop
                              "--log-level", "warning"], env=env)
 
 
+def _an_exact_epoch(address: str, seen: list[int], step) -> None:
+    """Read an epoch of 1,600 slow elements from the broker at ``address`` into ``seen``
+    while ``step`` runs (:func:`_read_while`): every element once, within a minute."""
+    def slow(x):
+        time.sleep(0.003)
+        return x
+
+    start = time.monotonic()
+    with Loader(Pipeline.range(1600, split_size=20).map(slow), broker=address,
+                timeout=30) as loader:
+        _read_while(loader, seen, step)
+    assert time.monotonic() - start < 60
+    counts = collections.Counter(seen)
+    assert sorted(counts) == list(range(1600)), counts.most_common(3)
+    assert len(seen) == 1600, [x for x, n in counts.items() if n > 1]
+
+
 def _read_while(loader, seen: list[int], step) -> None:
     """Read ``loader``'s epoch into ``seen`` while ``step`` (kills, restarts) runs on a
     thread of its own; its failure fails the test."""
@@ -967,10 +984,6 @@ def test_a_broker_killed_mid_write_then_again_resumes_the_epoch_exactly(tmp_path
     every element of the epoch once. (Before: the first restart appended its next line to
     the torn one, the second skipped the two as one corrupt line, and the split that line
     handed out was read twice.)"""
-    def slow(x):
-        time.sleep(0.003)
-        return x
-
     shim = tmp_path / "shim"
     shim.mkdir()
     (shim / "sitecustomize.py").write_text(_TEAR)
@@ -1003,14 +1016,7 @@ def test_a_broker_killed_mid_write_then_again_resumes_the_epoch_exactly(tmp_path
             brokers[-1].wait()
             brokers.append(_start_broker_with(address, work_dir, env))
 
-        start = time.monotonic()
-        with Loader(Pipeline.range(1600, split_size=20).map(slow), broker=address,
-                    timeout=30) as loader:
-            _read_while(loader, seen, tear_kill_restart)
-        assert time.monotonic() - start < 60
-        counts = collections.Counter(seen)
-        assert sorted(counts) == list(range(1600)), counts.most_common(3)
-        assert len(seen) == 1600, [x for x, n in counts.items() if n > 1]
+        _an_exact_epoch(address, seen, tear_kill_restart)
         log_text = (tmp_path / "broker" / "broker.log").read_text()
         assert log_text.count("its last line was torn") == 1
         assert "skipped" not in log_text
@@ -1029,10 +1035,6 @@ def test_a_broker_restarted_on_a_tampered_journal_resumes_the_epoch_exactly(tmp_
     warning), and the Loader's epoch is exact: every element once, no stall (before: the
     reversed lines and the stale tail read splits twice, and split 10**12 left the epoch
     one split short until the Loader's timeout)."""
-    def slow(x):
-        time.sleep(0.003)
-        return x
-
     address, work_dir, broker, workers = start_journaled(tmp_path, 2)
     journal = pathlib.Path(work_dir) / "journal.jsonl"
     brokers = [broker]
@@ -1066,14 +1068,7 @@ def test_a_broker_restarted_on_a_tampered_journal_resumes_the_epoch_exactly(tmp_
         brokers.append(_start_broker_with(address, work_dir, dict(os.environ)))
 
     try:
-        start = time.monotonic()
-        with Loader(Pipeline.range(1600, split_size=20).map(slow), broker=address,
-                    timeout=30) as loader:
-            _read_while(loader, seen, compact_tamper_restart)
-        assert time.monotonic() - start < 60
-        counts = collections.Counter(seen)
-        assert sorted(counts) == list(range(1600)), counts.most_common(3)
-        assert len(seen) == 1600, [x for x, n in counts.items() if n > 1]
+        _an_exact_epoch(address, seen, compact_tamper_restart)
         log_text = (pathlib.Path(work_dir) / "broker.log").read_text()
         assert log_text.count("skipped") == 1
         assert f"skipped {len(stale) + 2} lines" in log_text
