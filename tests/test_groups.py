@@ -178,3 +178,29 @@ def test_a_group_that_makes_other_rows_when_made_again_is_reported(tmp_path):
     with Loader(pipeline, num_workers=1, timeout=30, state=state) as loader:
         with pytest.raises(PipelineError, match="made again gave"):
             list(loader)
+
+
+def _chunks(batch: Any) -> list[Any]:
+    """1 or 2 rows of 3 of each padded element (a bucket's batch)."""
+    return [row[:3] for row in np.asarray(batch) for _ in range(1 + int(row[0]) % 2)]
+
+
+def _flat(value: Any) -> tuple[int, ...]:
+    return tuple(np.asarray(value).reshape(-1).tolist())
+
+
+@pytest.mark.parametrize("shape", ["lists", "bucket"])
+def test_an_unbatch_of_elements_as_they_come_and_a_bucket_s_rows_resume_exactly(shape):
+    if shape == "lists":  # (lists a source yields, unbatched: no batch before the unbatch)
+        pipeline = (Pipeline.from_items([list(range(i * 10, i * 10 + i % 4))
+                                         for i in range(300)], split_size=20)
+                    .unbatch().map(_flat))
+    else:  # (a bucket's padded batches, made again padded as they were)
+        pipeline = (Pipeline.range(600, split_size=50)
+                    .map(lambda x: np.full(1 + int(x) % 5, int(x)))
+                    .bucket_by_length(len, [3], [4, 4], pad_value=-1)
+                    .map(_chunks).unbatch().map(_flat))
+    # (the rows of each element once; after the cut, groups the stopped Loader had
+    # learned of come first, made again, then the rest in order)
+    assert collections.Counter(resumed(pipeline, [101], num_workers=1)) == \
+        collections.Counter(pipeline.iter(0))
