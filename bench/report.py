@@ -684,6 +684,16 @@ def render_mix(data: Any, out: Path) -> list[str]:
     return mix_tables(data)
 
 
+def render_exactness(data: Any, out: Path) -> list[str]:
+    """bench/exactness.py: rows lost and repeated per fault."""
+    lines = ["| fault | cases | exact | rows lost | rows repeated | worst lost / repeated |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {row['mode']} | {row['cases']} | {row['exact']} | {row['rows_lost']} | "
+              f"{row['rows_repeated']} | {row['worst_lost']} / {row['worst_repeated']} |"
+              for row in data]
+    return lines
+
+
 RENDERERS: dict[str, tuple[str, Renderer]] = {
     "codec": ("Codec", render_codec),
     "transport": ("Transport: zloader against other loaders", render_transport),
@@ -703,6 +713,8 @@ RENDERERS: dict[str, tuple[str, Renderer]] = {
     "gpu_train_smoke": ("GPU end-to-end training, CPU smoke run (bench/gpu_train.py --smoke)",
                         render_gpu_train),
     "mix": ("Mixing: Pipeline.mix against tf.data's sample_from_datasets", render_mix),
+    "exactness": ("Exactly-once through stages that change the number of elements",
+                  render_exactness),
 }
 
 
