@@ -7,7 +7,8 @@ give each row one source element's origin; instead the batch's elements become a
 
 - each row's origin is its own: row ``j`` of the group, in a pass of the group's own
   (:attr:`Group.rows_key`); the group itself (its elements, in the batch's order, and its
-  number of rows) rides with the next record, as a split's end does;
+  number of rows) rides with the next record and with every record that holds a row of
+  it (``RunTally.block``), so whichever consumer gets a row knows the group;
 - a consumer holds the group's elements from when it learns of the group, and keeps the
   split of its first element (its *anchor*) open until every row is held;
 - a row that never arrives (its worker died) or was not yielded when a state was taken is
@@ -20,9 +21,10 @@ give each row one source element's origin; instead the batch's elements become a
 That asks of the user's code what exactly-once already asks of a split (docs/reliability.md):
 the stages up to the unbatch give the same rows each time (a map that draws at random
 before a packer would make other rows). A group made again with another number of rows is
-reported. What cannot be made again is refused when the Loader is made
-(:func:`refusal`): a batch that is not undone by an unbatch before such a stage, and a
-second such stage over rows of a first (:func:`tag` raises).
+reported. A group whose elements are rows of other groups (a packer after a batched
+tokenizer) names those rows, and is made again from those groups, made again first. What
+cannot be made again is refused when the Loader is made (:func:`refusal`): a batch before
+such a stage that no unbatch undoes.
 """
 
 from __future__ import annotations
@@ -42,7 +44,6 @@ from zloader.lineage import INDEX_BITS, INDEX_MASK, Group, gather, group_of_rows
 __all__ = ["Section", "kept", "pipeline_refusal", "rebuilt", "refusal", "sections", "tag"]
 
 _ELEMENTWISE = frozenset(("map", "filter"))  # (between a batch and its unbatch)
-_MOVING = frozenset(("shuffle", "repeat"))  # (move elements; a group's order is its own)
 _GROUPING = frozenset(("batch", "bucket_by_length"))
 
 
@@ -102,7 +103,7 @@ def refusal(stages: Sequence[Any], inputs: Sequence[Sequence[Any]] = ()) -> str 
     pipeline's) could not have its rows made again, naming the stage; None when every
     one can."""
     for index, section in sections(stages, 1).items():
-        blocking = _blocking(section.before, stop=index)
+        blocking = _blocking(section.before)
         for which, own in enumerate(inputs):
             blocking = blocking or _blocking(own, f" (in mix input {which})")
         if blocking:
@@ -124,7 +125,7 @@ def pipeline_refusal(pipeline: Any) -> str | None:
     return refusal(pipeline.stages, inputs)
 
 
-def _blocking(stages: Sequence[Any], where: str = "", stop: int = 0) -> str | None:
+def _blocking(stages: Sequence[Any], where: str = "") -> str | None:
     """The first stage of ``stages`` that a group's element cannot be run through alone
     (a batch no unbatch undoes)."""
     for at, stage in enumerate(stages):
