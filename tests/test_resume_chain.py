@@ -76,9 +76,14 @@ def test_job_name_consumers_resumed_by_one_then_another_yield_each_element_once(
                    for _ in range(2)]
         try:
             live = [iter(loader) for loader in loaders]
-            for _ in range(300):
-                for iterator in live:
-                    seen[next(iterator)] += 1
+            taken = 0
+            while live and taken < 600:  # (in turn; a consumer whose part ended leaves:
+                for iterator in list(live):  # the other may have been dealt most of it)
+                    try:
+                        seen[next(iterator)] += 1
+                        taken += 1
+                    except StopIteration:
+                        live.remove(iterator)
             states = [loader.state_dict() for loader in loaders]
         finally:
             for loader in loaders:
