@@ -39,7 +39,7 @@ from zloader import collate
 from zloader._defaults import GROUP_KEY, MIX_KEY
 from zloader._seeding import Key
 from zloader.errors import PipelineError
-from zloader.lineage import INDEX_BITS, INDEX_MASK, Group, gather, group_of_rows
+from zloader.lineage import INDEX_BITS, INDEX_MASK, Group, gather, group_of_rows, runs_of_list
 
 __all__ = ["Section", "kept", "pipeline_refusal", "rebuilt", "refusal", "sections", "tag"]
 
@@ -159,44 +159,25 @@ def tag(ctx: Any, stage: Any, rows: list[Any], origin: Any, position: int) -> It
         return iter(())
     anchor = int(codes[0])
     pass_id, split = tally.reads[anchor >> INDEX_BITS]
-    key = _key_of(tally.pass_keys, pass_id)
-    runs = _runs(codes, tally.reads)
-    group = Group(key, split, anchor & INDEX_MASK, position, len(rows),
-                  tuple((_key_of(tally.pass_keys, p), s, a, n) for p, s, a, n in runs))
+    runs = runs_of_list(codes.tolist(), tally.reads)
+    group = Group(tally.keys[pass_id], split, anchor & INDEX_MASK, position, len(rows),
+                  tuple((tally.keys[p], s, a, n) for p, s, a, n in runs))
     return _tagged(tally, group, rows, range(len(rows)))
 
 
 def _tagged(tally: Any, group: Group, rows: list[Any], which: Sequence[int]) -> Iterator[Any]:
     """``rows`` (rows ``which`` of ``group``), each with its own origin, and ``group`` put
     in the next record."""
-    pass_ids = tally.pass_keys
     rows_read = len(tally.reads)
-    tally.reads.append((pass_ids.setdefault(group.rows_key, len(pass_ids)), group.split))
-    wire = [pass_ids.setdefault(group.key, len(pass_ids)), group.split, group.index,
-            group.position, group.rows, len(group.members)]
+    tally.reads.append((tally.pass_id(group.rows_key), group.split))
+    wire = [tally.pass_id(group.key), group.split, group.index, group.position, group.rows,
+            len(group.members)]
     for key, split, first, length in group.members:
-        wire += (pass_ids.setdefault(key, len(pass_ids)), split, first, length)
+        wire += (tally.pass_id(key), split, first, length)
     tally.group_reads[rows_read] = wire
     tally.groups.append(wire)
     base = rows_read << INDEX_BITS
     return zip(rows, ((base | j,) for j in which), strict=True)
-
-
-def _key_of(pass_keys: dict[Key, int], pass_id: int) -> Key:
-    return next(key for key, number in pass_keys.items() if number == pass_id)
-
-
-def _runs(codes: np.ndarray, reads: list[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
-    """(pass id, split, first index, length) runs of ``codes``, in their order."""
-    runs: list[list[int]] = []
-    last = -2
-    for code in codes.tolist():
-        if code == last + 1 and runs:
-            runs[-1][3] += 1
-        else:
-            runs.append([*reads[code >> INDEX_BITS], code & INDEX_MASK, 1])
-        last = code
-    return [tuple(run) for run in runs]  # type: ignore[misc]
 
 
 def rebuilt(ctx: Any, stage: Any, position: int, key: Key) -> Iterator[Any]:
@@ -218,13 +199,11 @@ def rebuilt(ctx: Any, stage: Any, position: int, key: Key) -> Iterator[Any]:
              and (section.after_mix or _input(entry[0].key) == mine)]
     for entry in taken:
         ctx.rebuilds.remove(entry)
-
+    read: dict[int, list[Any]] = {}  # (splits read for these groups: often the same ones)
     for group, skip in taken:
         try:
-            rows = _made(ctx, section, group, {one.id: one for one in group.inner})
-        except PipelineError:
-            raise
-        except Exception as exc:
+            rows = _made(ctx, section, group, {one.id: one for one in group.inner}, read)
+        except Exception as exc:  # (a PipelineError passes as it is)
             raise PipelineError.from_exception(exc, stage.name, "a group made again") from exc
         if len(rows) != group.rows:
             raise PipelineError.create(
@@ -246,11 +225,11 @@ def _input(key: Key) -> int | None:
 
 
 def _made(ctx: Any, section: Section, group: Group,
-          inner: dict[tuple[Key, int, int, int], Group]) -> list[Any]:
+          inner: dict[tuple[Key, int, int, int], Group],
+          read: dict[int, list[Any]]) -> list[Any]:
     """The rows of ``group`` (of ``section``), made again: its elements read from the
-    source and run through the stages before the batch, or for rows of ``inner`` groups,
-    those groups made again first."""
-    read: dict[int, list[Any]] = {}
+    source (``read``: the splits read so far, by number) and run through the stages
+    before the batch, or for rows of ``inner`` groups, those groups made again first."""
     values = []
     for key, split, first, length in group.members:
         gid = group_of_rows(key, split)
@@ -267,7 +246,7 @@ def _made(ctx: Any, section: Section, group: Group,
                     "handed out without it: its rows cannot be made again",
                     builtin="RuntimeError")
             below = _section_at(ctx, own)
-            taken = _made(ctx, below, own, inner)[first:first + length]
+            taken = _made(ctx, below, own, inner, read)[first:first + length]
             path = _after(ctx, below, section)
         for value in taken:
             value = _through(value, path)

@@ -50,7 +50,8 @@ from zloader.errors import PipelineError
 
 __all__ = ["Assigned", "Group", "Ledger", "Origin", "Origins", "Ranges", "Tagged", "code",
            "decode_origins", "digest", "encode_origins", "exactly_once", "gather", "light",
-           "merge_info", "pack", "read_split", "read_split_chunks", "split_tags", "take",
+           "merge_info", "pack", "read_split", "read_split_chunks", "runs_of_list", "split_tags",
+           "take",
            "unpack", "untag"]
 
 Key = tuple[int, ...]
@@ -502,13 +503,15 @@ def untag(elements: list[Tagged]) -> tuple[list[Any], np.ndarray]:
 
 def encode_origins(origins: Sequence[Origin], loose: list[int],
                    reads: list[tuple[int, int]], pass_keys: dict[Key, int],
-                   ends: list[list[int]], groups: Sequence[list[int]] = ()) -> bytes:
+                   ends: list[list[int]], groups: Sequence[list[int]] = (),
+                   keys: Sequence[Key] | None = None) -> bytes:
     """The origin block of a record whose elements hold ``origins`` (their codes: tuples,
     or int64 arrays), with ``loose`` codes before them, the split ``ends`` ([pass id,
     split, count, digest]) read since the last record and the ``groups`` formed since
     ([anchor pass id, split, index, position, rows, runs, (pass id, split, first, length)
-    per run], :meth:`Context.group`); ``reads`` and ``pass_keys`` are the producer's
-    tables."""
+    per run], zloader/groups.py); ``reads`` and ``pass_keys`` are the producer's tables,
+    ``keys`` the pass keys by id when it keeps them (a block then names its passes in time
+    of the passes it uses, not of all the run's: one a group)."""
     counts = list(map(len, origins))
     uniform = counts[0] if counts and counts.count(counts[0]) == len(counts) else -1
     total = len(loose) + sum(counts)
@@ -522,7 +525,7 @@ def encode_origins(origins: Sequence[Origin], loose: list[int],
             flat = sorted(loose) + [c for origin in lists for c in sorted(origin)]
         else:
             flat = [*loose, *itertools.chain.from_iterable(lists)]
-        runs: Any = _runs_of_list(flat, reads)
+        runs: Any = runs_of_list(flat, reads)
     else:
         first = len(loose)
         # (one batch's codes, as most records of a shuffle hold: read, not changed here)
@@ -540,7 +543,8 @@ def encode_origins(origins: Sequence[Origin], loose: list[int],
     used = {*(_distinct(runs[:, 0]) if isinstance(runs, np.ndarray) else (r[0] for r in runs)),
             *(end[0] for end in ends), *(entry[1] for entry in table),
             *(pass_id for group in groups for pass_id in (group[0], *group[6::4]))}
-    entries = [(pass_id, key) for key, pass_id in pass_keys.items() if pass_id in used]
+    entries = ([(pass_id, keys[pass_id]) for pass_id in sorted(used)] if keys is not None
+               else [(pass_id, key) for key, pass_id in pass_keys.items() if pass_id in used])
     grouped = list(itertools.chain.from_iterable(groups))
     head = [len(counts), uniform, len(loose), len(entries), len(ends), len(runs), len(table),
             len(grouped)]
@@ -594,7 +598,7 @@ def _distinct(values: np.ndarray) -> list[int]:
     return [low] if low == high else np.unique(values).tolist()
 
 
-def _runs_of_list(flat: list[int], reads: list[tuple[int, int]]) -> list[list[int]]:
+def runs_of_list(flat: list[int], reads: list[tuple[int, int]]) -> list[list[int]]:
     """(pass id, split, first index, length) runs of the codes ``flat``, in order."""
     runs: list[list[int]] = []
     last = -2
@@ -880,8 +884,7 @@ def merge_info(held: dict[str, Any] | None, info: Any) -> dict[str, Any]:
         ledger = Ledger()  # (groups merged by id: the rows each consumer held, together)
         ledger.merge_groups(merged.get("groups", []))
         ledger.merge_groups(info["groups"])
-        key_splits = sorted({(k, s) for k, s in ledger._anchored})
-        merged["groups"] = [group for k, s in key_splits for group in ledger.groups(k, s)]
+        merged["groups"] = ledger.open_groups()
     return merged
 
 
@@ -1308,6 +1311,11 @@ class Ledger:
                 found[gid] = self._defs[gid]
                 waiting.append(found[gid])
         return list(found.values())
+
+    def open_groups(self) -> list[list[Any]]:
+        """:meth:`groups` of every split with a group whose rows are not all held."""
+        return [group for key, split in sorted(self._anchored)
+                for group in self.groups(key, split)]
 
     def merge_groups(self, groups: Any) -> None:
         """Add groups as :meth:`groups` gives them (of this ledger or another's).

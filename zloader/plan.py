@@ -34,9 +34,9 @@ class Plan:
     def run_worker(self, feed: SplitFeed, epoch: int, ctx: _stages.Context) -> Iterator[Any]:
         """The worker part for ``epoch``, reading the splits ``feed`` gives for each pass
         (split numbers, or :class:`~zloader.lineage.Assigned` splits whose elements are
-        tagged with their origins; ``ctx.tally.pass_keys`` then names the pass ids used)."""
+        tagged with their origins; ``ctx.tally`` then names the pass ids used)."""
         source = self.pipeline.source
-        pass_ids: dict[_stages.Key, int] = {}
+        tally = ctx.tally
 
         def splits(key: _stages.Key) -> Iterator[tuple[int | Assigned, int]]:
             """Each split of pass ``key`` with the pass id of an Assigned split (0 else)."""
@@ -46,7 +46,7 @@ class Plan:
                     if coverage is not None:
                         coverage.read(key, split.split,
                                       split.pass_key == key and not split.skip)
-                    yield split, pass_ids.setdefault(split.pass_key, len(pass_ids))
+                    yield split, tally.pass_id(split.pass_key)
                 else:
                     if coverage is not None:
                         coverage.read(key, split, True)
@@ -69,7 +69,7 @@ class Plan:
                 else:
                     yield from ctx.read_chunks(split, size)
 
-        ctx.tally.pass_keys = pass_ids
+        tally.pass_keys, tally.keys = {}, []  # (this run's)
         ctx.source = source
         ctx.records_from = len(self.worker_stages)  # (the producer encodes what it yields)
         return mixed_run(source, read, self.worker_stages, ctx, read_chunks)((epoch,))

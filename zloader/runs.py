@@ -63,7 +63,8 @@ class RunTally:
         loose: origins (codes) of elements dropped on the way, sent with the next record
             so the consumer counts them as accounted for.
         ends: ``[pass id, split, count, digest]`` of each split read, for the next record.
-        pass_keys: the pass ids used in origins, by pass key.
+        pass_keys: the pass ids used in origins, by pass key (:meth:`pass_id`), and
+        keys: the pass keys by pass id.
         reads: (pass id, split) of each split reading, by the read number in the origin
             codes (zloader/lineage.py: ``code``).
         groups: the groups made since the last record, as the origin block holds them
@@ -79,9 +80,19 @@ class RunTally:
     loose: list[int] = field(default_factory=list)
     ends: list[list[int]] = field(default_factory=list)
     pass_keys: dict[Key, int] = field(default_factory=dict)
+    keys: list[Key] = field(default_factory=list)
     reads: list[tuple[int, int]] = field(default_factory=list)
     groups: list[list[int]] = field(default_factory=list)
     group_reads: dict[int, list[int]] = field(default_factory=dict)
+
+    def pass_id(self, key: Key) -> int:
+        """The pass id of pass ``key`` in origins, given on first use (a group's rows
+        have a pass of their own, so there are as many as groups in a run)."""
+        number = self.pass_keys.get(key)
+        if number is None:
+            number = self.pass_keys[key] = len(self.keys)
+            self.keys.append(key)
+        return number
 
     def block(self, origins: Sequence[Origin]) -> bytes:
         """The origin block of a record whose elements hold ``origins``, with the loose
@@ -98,6 +109,6 @@ class RunTally:
                 named = set(map(id, groups))
                 groups = groups + [group for group in held if id(group) not in named]
         block = encode_origins(origins, self.loose, self.reads, self.pass_keys, self.ends,
-                               groups)
+                               groups, self.keys)
         self.loose, self.ends, self.groups = [], [], []
         return block

@@ -217,7 +217,7 @@ class Context:
         read = code >> INDEX_BITS
         pass_id, split = self.tally.reads[read]
         if read in self.tally.group_reads:
-            key = next(k for k, n in self.tally.pass_keys.items() if n == pass_id)
+            key = self.tally.keys[pass_id]
             return (f"row {code & INDEX_MASK} made of the batch that begins at "
                     f"{self.source.locate(split, key[-1])}")
         return str(self.source.locate(split, code & INDEX_MASK))
