@@ -694,6 +694,36 @@ def render_exactness(data: Any, out: Path) -> list[str]:
     return lines
 
 
+def mix_windows_tables(data: Any) -> list[str]:
+    """bench/mix_windows.py: a mix's weights in every window, by system and workers."""
+    sizes = " / ".join(f"{n:,}" for n in data["sizes"])
+    splits = " / ".join(map(str, data["splits"]))
+    lines = [f"Weights {' / '.join(map(str, data['weights']))}, inputs of {sizes} elements "
+             f"in {splits} splits, windows of {data['window']:,} over the first "
+             f"{data['limit']:,} elements; a window fails at chi-square p < "
+             f"{data['p_floor']}. nproc {data['nproc']}, zloader at "
+             f"{str(data['provenance']['commit'])[:12]}.", "",
+             "| system | workers | windows failing | smallest p | 10% input's share | "
+             "iter()'s draws | every element once | first batch (s) | elements/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for row in data["runs"]:
+        low, high = row["small_share"] or (0, 0)
+        lines.append(f"| {row['system']} | {row['workers']} | {row['failing']} of "
+                     f"{row['windows']} | {row['smallest_p']:.2g} | {low:.3f}-{high:.3f} | "
+                     f"{'yes' if row['iter_draws'] else 'no'} | "
+                     f"{'yes' if row['every_element_once'] else 'NO'} | "
+                     f"{row['first_batch_s']:.3f} | {num(row['elements_per_s'])} |")
+    lines += ["", "stop=\"first_exhausted\": elements of an epoch against iter()'s", "",
+              "| system | workers | elements | iter() | ratio |", "|---|---|---|---|---|"]
+    lines += [f"| {row['system']} | {row['workers']} | {row['elements']:,} | {row['iter']:,} "
+              f"| {row['elements'] / row['iter']:.3f} |" for row in data["first_exhausted"]]
+    return lines
+
+
+def render_mix_windows(data: Any, out: Path) -> list[str]:
+    return mix_windows_tables(data)
+
+
 RENDERERS: dict[str, tuple[str, Renderer]] = {
     "codec": ("Codec", render_codec),
     "transport": ("Transport: zloader against other loaders", render_transport),
@@ -715,6 +745,7 @@ RENDERERS: dict[str, tuple[str, Renderer]] = {
     "mix": ("Mixing: Pipeline.mix against tf.data's sample_from_datasets", render_mix),
     "exactness": ("Exactly-once through stages that change the number of elements",
                   render_exactness),
+    "mix_windows": ("A mix's weights in every window, with workers", render_mix_windows),
 }
 
 

@@ -95,14 +95,15 @@ SAMPLES: dict[Command, dict] = {
     Command.OPEN: {"job": "j1", "task": "t1", "consumer": "c1", "epoch": 0, "credits": 8,
                    "rerun": 1, "ring": "zloader-ring", "consumer_index": 1,
                    "weights": [0.25, 0.75]},
-    Command.CREDIT: {"epoch": 0, "credits": 4, "mapped": ["zloader-seg"]},
+    Command.CREDIT: {"epoch": 0, "credits": 4, "mapped": ["zloader-seg"], "part": 2},
     Command.WEIGHTS: {"weights": [0.5, 0.5]},
     Command.DISPATCH: {"epoch": 1, "items": [4, 7]},
     Command.DATA: messages.Data(epoch=0, count=3, skipped=1, ring=(64, 128, "zloader-ring"),
                                 segment=("zloader-seg", 99), full=True, shared=True,
-                                lagged=2, round=4, origins=True, after=5).to_body(),
+                                lagged=2, round=4, origins=True, after=5,
+                                part=3).to_body(),
     Command.END: {"epoch": 0, "skipped": 0, "dropped": 1, "rerun": 2, "lagged": 0,
-                  "replayed": 3, "origins": True},
+                  "replayed": 3, "origins": True, "part": 1},
     Command.FAIL: {"epoch": 0, "error": ERROR},
     Command.RING: {"ring": "zloader-ring"},
     Command.CLOSE: {},
@@ -114,6 +115,16 @@ SAMPLES: dict[Command, dict] = {
 def wire(command: Command, body: dict) -> Message:
     """``body`` sent as ``command`` and parsed again, as a receiver gets it."""
     return decode(encode(command, body))
+
+
+def test_a_mix_input_number_past_the_inputs_a_mix_may_have_is_refused():
+    for command, body in ((Command.CREDIT, {"epoch": 0, "credits": 1, "part": 4096}),
+                          (Command.END, {"epoch": 0, "part": -1})):
+        with pytest.raises(ProtocolError, match="part"):
+            messages.decode(wire(command, body))
+    data = messages.Data(epoch=0, count=1, skipped=0, ring=None, part=4096).to_body()
+    with pytest.raises(ProtocolError, match="part"):
+        messages.decode(wire(Command.DATA, data))
 
 
 def test_every_command_has_a_record():
@@ -240,7 +251,7 @@ def test_a_bad_packed_data_body_is_refused_saying_what_is_wrong():
     for body, why in [
         (b"", "at least 26"),
         (good[:25], "at least 26"),
-        (struct.pack("<QQQH", 0, 1, 0, 1 << 9), "unknown bits"),
+        (struct.pack("<QQQH", 0, 1, 0, 1 << 10), "unknown bits"),
         (good[:-4], "ends inside its fields"),
         (good + b"x", "1 bytes after its fields"),
         (good.replace(name, "zloader-rïng".encode()[:len(name)]), "not ASCII"),

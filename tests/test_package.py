@@ -53,7 +53,7 @@ LAYERS = {
     # the worker: what sends to consumers and the producer at the bottom, the delivery modes
     # on the interface they implement, the task above them, the process on top
     "worker.dispatched": 5.9,  # (a consumer's work items, taken by the producer)
-    "worker.memory": 6.0, "worker.producer": 6.0, "worker.streams": 6.0,
+    "worker.memory": 6.0, "worker.permits": 5.9, "worker.producer": 6.0, "worker.streams": 6.0,
     "worker.broker_link": 6.0,
     "worker.links": 6.1, "worker.delivery": 6.2, "worker.credit": 6.3, "worker.rounds": 6.4,
     "worker.shared": 6.4, "worker.task": 6.5, "worker.consumers": 6.6,
@@ -64,7 +64,8 @@ LAYERS = {
     "client.budget": 6.05,
     "client.rounds": 6.1, "client.exactly_once": 6.1, "client.turn": 6.1, "client.peers": 6.2,
     "client.link": 6.2, "client.epoch_end": 6.3, "client.packing": 6.3, "client.receive": 6.4,
-    "client.loop": 6.45, "client.thread": 6.5, "client.merging": 6.6, "client": 6.7,
+    "client.loop": 6.45, "client.thread": 6.5, "client.draw": 6.55, "client.merging": 6.6,
+    "client": 6.7,
     "_status": 6, "_process": 7, "actuator": 7,
     "client.arguments": 7.2,  # (a Loader's arguments, checked: above the start methods)
     "embedded": 7.5, "loader": 8, "ray": 8, "tf": 9,

@@ -453,6 +453,11 @@ RECORD_ELEMENTS = 1024
 RECORD_BYTES = 1 << 20
 """... or this many bytes of them (fixed)."""
 
+PART_RECORD_ELEMENTS = 64
+"""A record of one input of a mix its consumers draw holds at most this many elements
+(fixed): a small input's few records would otherwise go whole to one of a job's consumers,
+whose draws then hold all of it and the others' none (worker/producer.py)."""
+
 RECORD_LINGER = 0.002
 """... or once its first element has waited this many seconds (fixed)."""
 

@@ -664,6 +664,39 @@ class Origins:
             ledger.end(key, split, count, crc)
 
 
+    def note_some(self, ledger: Ledger, elements: Sequence[int], size: int) -> None:
+        """Add the loose origins, those of the elements at ``elements`` (indices in this
+        record of ``size`` elements, any order) and the split ends to ``ledger``: a
+        record some of whose elements were yielded, maybe in another order than theirs
+        (a consumer that draws a mix and shuffles what it draws)."""
+        for group in self.groups or ():
+            ledger.define(group)
+        counts = (np.full(size, self.uniform, np.int64) if self.counts is None
+                  else self.counts)
+        starts = self.loose + np.concatenate(([0], np.cumsum(counts)[:-1])) \
+            if len(counts) else np.empty(0, np.int64)
+        chosen = np.asarray(elements, np.int64)
+        lengths = counts[chosen]
+        firsts = starts[chosen]
+        # the positions of the chosen elements' origins among the record's, loose first
+        positions = np.concatenate((np.arange(self.loose, dtype=np.int64),
+                                    np.repeat(firsts - np.cumsum(lengths) + lengths, lengths)
+                                    + np.arange(int(lengths.sum()), dtype=np.int64)))
+        if self.codes is not None and self.reads is not None:
+            ledger.add_codes(self.keys, self.reads, self.codes[positions])
+        elif len(positions):
+            runs = self.runs
+            pass_ids = np.repeat(runs[:, 0], runs[:, 3])
+            splits = np.repeat(runs[:, 1], runs[:, 3])
+            indices = np.repeat(runs[:, 2] - np.cumsum(runs[:, 3]) + runs[:, 3], runs[:, 3]) \
+                + np.arange(int(runs[:, 3].sum()), dtype=np.int64)
+            picked = np.stack((pass_ids[positions], splits[positions], indices[positions],
+                               np.ones(len(positions), np.int64)), axis=1)
+            ledger.add(self.keys, picked)
+        for key, split, count, crc in self.ends:
+            ledger.end(key, split, count, crc)
+
+
 def _first(runs: np.ndarray, origins: int) -> np.ndarray:
     """The runs of the first ``origins`` origins."""
     reach = np.cumsum(runs[:, 3])

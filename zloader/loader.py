@@ -22,12 +22,13 @@ from zloader import _check, packed
 from zloader._defaults import DEFAULT_TIMEOUT
 from zloader.client import STATE_VERSION, IOThread, Merger, Stats
 from zloader.client.arguments import Arguments, checked
+from zloader.client.draw import Inputs
 from zloader.client.packing import check_exposure, pack
 from zloader.embedded import Embedded
 from zloader.errors import WorkerExited
-from zloader.mixing import new_weights, register_info
+from zloader.mixing import LiveWeights, new_weights, register_info
 from zloader.pipeline import Pipeline
-from zloader.plan import plan
+from zloader.plan import Plan, plan
 from zloader.runs import RunSettings
 from zloader.sharing.options import DEFAULT_BLOCK_SECONDS
 from zloader.stages import Context
@@ -168,11 +169,13 @@ class Loader:
             consumer_index=consumer_index, keys=keys, insecure=insecure,
             exactly_once=exactly_once, state=state, width=width, weight=weight,
             objects=objects, pack_dataset=pack_dataset, memory_budget=memory_budget)
-        self.pipeline, self._plan, self._options = pipeline, plan(pipeline), args.options
+        self.pipeline, self._options = pipeline, args.options
+        self._plan = plan(pipeline, args.options)  # (its mix drawn here, where it can be)
         self._closed = self._joined = False
         self._epoch = args.resume["epoch"] if args.resume is not None else 0
         self._weights: tuple[float, ...] | None = None  # set_weights
         self._weights_stamp = 0.0  # (when: time.time())
+        self._live = LiveWeights()  # (the same, for a mix drawn here)
         # Forked workers read the dataset's large lists packed, mapped here: one copy.
         swaps = packed.prepare(pipeline) if args.inherit and args.pack_dataset else []
         self._packed = [swap.view for swap in swaps]
@@ -185,7 +188,7 @@ class Loader:
             self.address = self._embedded.start(args.broker, args.workers, args.start_method,
                                                 args.keys, pipeline, args.inherit, swaps)
             self._io = _io_thread(args, pipeline, self.address, blob, self._served,
-                                  self._embedded)
+                                  self._embedded, self._plan)
             self._merger = _merger(args, self._io, self._processes)
             self._io.start()
             if args.resume is not None and args.resume["weights"] is not None:
@@ -242,7 +245,13 @@ class Loader:
             self._join_job()
         epoch = self._epoch
         self._epoch += 1
-        elements = self._merger.epoch(epoch, epoch_input)
+        mix = self._plan.mix
+        if mix is None:
+            elements = self._merger.epoch(epoch, epoch_input)
+        else:  # (the workers make each input's stream; the draws are made here)
+            track = self._options.exactly_once
+            inputs = self._merger.inputs(epoch, epoch_input, len(mix.inputs), track)
+            elements = _drawn(self._plan, inputs, epoch, track, self._live, self._merger)
         return _holding(self, self._plan.run_consumer(elements, epoch,
                                                       Context(RunSettings(entropy=0))))
 
@@ -331,6 +340,7 @@ class Loader:
 
     def _set_weights(self, weights: tuple[float, ...], stamp: float) -> None:
         self._weights, self._weights_stamp = weights, stamp
+        self._live.offer(weights, stamp)
         self._io.set_weights(weights, stamp)
 
     def dispatch(self, worker: int, items: Sequence[int]) -> None:
@@ -433,8 +443,24 @@ def _holding(loader: Loader, elements: Iterator[Any]) -> Iterator[Any]:
         del loader  # (held by this generator's frame until then)
 
 
+def _drawn(planned: Plan, inputs: Inputs, epoch: int, track: bool, live: LiveWeights,
+           merger: Merger) -> Iterator[Any]:
+    """The outputs of a mix this Loader draws, for ``epoch``: the draws over ``inputs``
+    and the stages after the mix (zloader/plan.py), each output's elements noted as
+    yielded (``track``: exactly-once) as it is yielded."""
+    merger.job_epoch()  # (the job's entropy, for draws of seed None, is known by then)
+    ctx = Context(RunSettings(entropy=merger.io.stats.entropy or 0, track=track,
+                              mix_weights=live))
+    for output in planned.run_drawn(inputs.opened, epoch, ctx, inputs.rest):
+        value = inputs.yielded(output, ctx) if track else output
+        merger.elements += 1
+        yield value
+    inputs.finish(ctx)
+    merger.yielded.done(epoch)
+
+
 def _io_thread(args: Arguments, pipeline: Pipeline, address: str, blob: bytes,
-               served: Any, embedded: Embedded) -> IOThread:
+               served: Any, embedded: Embedded, planned: Plan) -> IOThread:
     """The Loader's I/O thread (not started), registering its job with the broker at
     ``address``."""
     return IOThread(
@@ -444,7 +470,8 @@ def _io_thread(args: Arguments, pipeline: Pipeline, address: str, blob: bytes,
         data_bind=embedded.endpoint("source"), consumer_index=args.consumer_index,
         keys=args.keys, resume=args.resume, timeout=args.timeout,
         own=frozenset(process.pid for process in embedded.processes),
-        memory_budget=args.memory_budget, dispatched=pipeline.source.dispatched)
+        memory_budget=args.memory_budget, dispatched=pipeline.source.dispatched,
+        parts=len(planned.mix.inputs) if planned.mix is not None else 0)
 
 
 def _merger(args: Arguments, io: IOThread, processes: list[Any]) -> Merger:

@@ -36,8 +36,9 @@ from zloader.sources import Source, split_order
 if TYPE_CHECKING:
     from zloader.pipeline import Pipeline
 
-__all__ = ["MIX_KEY", "STOP_RULES", "Layout", "LiveWeights", "MixSource", "layout_of",
-           "mixed_run", "mixed_source", "new_weights", "register_info"]
+__all__ = ["MIX_KEY", "STOP_RULES", "Layout", "LiveWeights", "MixSource", "drawn",
+           "input_runs", "layout_of", "mixed_run", "mixed_source", "new_weights",
+           "register_info"]
 
 _DRAWS = MIX_KEY - 1
 """The last element of the key of a mix's own draws."""
@@ -188,31 +189,15 @@ class MixSource(Source):
         every input's stages keep their source's order (:attr:`Context.aligned`).
         Positions: each input's stages count from 1, the stages after the mix from
         :meth:`after`."""
-        runs = []
-        aligned = []
-        for which, pipeline in enumerate(self.inputs):
-            ctx.input_stages[which] = pipeline.stages  # (a group's elements run them again)
-            inner = _stages.compose(read, pipeline.stages, ctx)
-            runs.append(_input_run(inner, which, self.stop == "never", ctx))
+        runs, aligned = [], []
+        for made in input_runs(self, read, ctx):
+            runs.append(made)
             aligned.append(ctx.aligned)
-        weights = np.asarray(self.weights, dtype=np.float64)
-        pattern, stop, seed = self.pattern, self.stop, self.seed
 
         def run(key: Key) -> Iterator[Any]:
-            # No generator of its own: each element passes through the draws' alone.
             def streams() -> list[Iterator[Any]]:
                 return [r(key) for r in runs]
-
-            def finish(ended: list[Iterator[Any]]) -> None:
-                # (an input left unread at the end: the others ended first, or its weight
-                # was set to 0 while it ran)
-                if ctx.coverage is not None:
-                    _end_early(ended, key, ctx)
-
-            if pattern is not None:
-                return _in_pattern(streams, pattern, stop, finish)
-            return _by_weight(streams, weights, stop, lambda: ctx.rng(seed, 0, (*key, _DRAWS)),
-                              ctx.settings.mix_weights, finish)
+            return drawn(self, streams, key, ctx)
 
         return run, min(aligned, default=0)
 
@@ -234,17 +219,43 @@ def mixed_run(source: Source, read: _stages.Run, stages: tuple[_stages.Stage, ..
     return run
 
 
-def _input_run(inner: _stages.Run, which: int, endless: bool,
-               ctx: _stages.Context) -> _stages.Run:
-    """Input ``which``'s run within the mix's pass: its own pass key, repeated for ever
-    (an endless ``repeat``, which ends when the input shows itself empty) when
-    ``endless``."""
-    if endless:
-        inner = _stages.Repeat(name=f"mix input {which}").wrap(inner, 0, ctx)
+def input_runs(source: MixSource, read: _stages.Run, ctx: _stages.Context
+               ) -> Iterator[_stages.Run]:
+    """Each input's run within the mix's pass, over ``read``: its stages over its own
+    pass key (``(*key, MIX_KEY + k)``), repeated for ever (an endless ``repeat``, which
+    ends when the input shows itself empty) with ``stop="never"``. Made one at a time:
+    ``ctx.aligned`` is the last one's until the next is made."""
+    for which, pipeline in enumerate(source.inputs):
+        ctx.input_stages[which] = pipeline.stages  # (a group's elements run them again)
+        inner = _stages.compose(read, pipeline.stages, ctx)
+        if source.stop == "never":
+            inner = _stages.Repeat(name=f"mix input {which}").wrap(inner, 0, ctx)
+        yield _in_pass(inner, which)
 
+
+def _in_pass(inner: _stages.Run, which: int) -> _stages.Run:
     def run(key: Key) -> Iterator[Any]:
         return inner((*key, MIX_KEY + which))
     return run
+
+
+def drawn(source: MixSource, opened: Callable[[], list[Iterator[Any]]], key: Key,
+          ctx: _stages.Context) -> Iterator[Any]:
+    """The mix's draws in pass ``key`` over its inputs' streams (``opened()``'s, made at
+    the first element; no generator of their own: each element passes through the
+    draws' alone): by weight (the weights ``ctx.settings.mix_weights`` holds, when set)
+    or in the pattern, under the mix's stop rule. On a dynamically sharded worker, a mix
+    that ends while some inputs had not (it stopped with its first input to end, or an
+    input's weight was set to 0) ends those inputs' passes there (:func:`_end_early`)."""
+    def finish(ended: list[Iterator[Any]]) -> None:
+        if ctx.coverage is not None:
+            _end_early(ended, key, ctx)
+
+    if source.pattern is not None:
+        return _in_pattern(opened, source.pattern, source.stop, finish)
+    return _by_weight(opened, np.asarray(source.weights, dtype=np.float64), source.stop,
+                      lambda: ctx.rng(source.seed, 0, (*key, _DRAWS)),
+                      ctx.settings.mix_weights, finish)
 
 
 def _end_early(streams: list[Iterator[Any]], key: Key, ctx: _stages.Context) -> None:

@@ -3,10 +3,17 @@
 See docs/semantics.md. The worker part is the source and every stage before the first
 ``take``/``skip``; each worker runs it over the splits it is given. The consumer part is the
 rest, run by the consumer over the merged stream of all workers.
+
+A mix (``Pipeline.mix``/``choose``) is drawn where the streams meet when it can be
+(:func:`draws_at_consumer`): the workers run each input's pipeline and send one stream per
+input, and the consumer draws from those streams, as ``Pipeline.iter`` draws, then runs
+the stages after the mix itself, so that the weights hold in every window of the stream
+whatever the number of workers and however the inputs' splits lie among them.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -14,27 +21,59 @@ from typing import Any
 from zloader import stages as _stages
 from zloader.chunks import Chunk
 from zloader.lineage import Assigned, read_split, read_split_chunks
-from zloader.mixing import mixed_run
+from zloader.mixing import MixSource, drawn, input_runs, mixed_run
+from zloader.options import JobOptions
 from zloader.pipeline import Pipeline
 
-__all__ = ["Plan", "SplitFeed", "plan"]
+__all__ = ["CONSUMER_DRAWN", "Plan", "SplitFeed", "draws_at_consumer", "plan"]
 
 SplitFeed = Callable[[_stages.Key], Iterable["int | Assigned"]]
 """Given a pass key, the splits this worker reads in that pass (possibly fetched lazily)."""
 
 _CONSUMER_STAGES = (_stages.Take, _stages.Skip)
 
+CONSUMER_DRAWN = (_stages.Map, _stages.Filter, _stages.Batch, _stages.Shuffle,
+                  _stages.BucketByLength)
+"""The stages after a mix that the consumer runs when it draws the mix: each output's
+elements are known (tracked), so a state counts exactly those yielded."""
+
 
 @dataclass(frozen=True)
 class Plan:
+    """``pipeline`` cut in two: ``worker_stages`` after the source run on the workers,
+    ``consumer_stages`` (a take/skip and what follows) on the consumer. When the consumer
+    draws the mix (``mix`` is the pipeline's source), the workers run its inputs alone
+    (:meth:`run_inputs`) and ``after_mix`` are the stages after it, run on the consumer
+    (``worker_stages`` is then empty)."""
+
     pipeline: Pipeline
     worker_stages: tuple[_stages.Stage, ...]
     consumer_stages: tuple[_stages.Stage, ...]
+    mix: MixSource | None = None
+    after_mix: tuple[_stages.Stage, ...] = ()
 
     def run_worker(self, feed: SplitFeed, epoch: int, ctx: _stages.Context) -> Iterator[Any]:
         """The worker part for ``epoch``, reading the splits ``feed`` gives for each pass
         (split numbers, or :class:`~zloader.lineage.Assigned` splits whose elements are
         tagged with their origins; ``ctx.tally`` then names the pass ids used)."""
+        read, read_chunks = self._reads(feed, ctx)
+        ctx.records_from = len(self.worker_stages)  # (the producer encodes what it yields)
+        return mixed_run(self.pipeline.source, read, self.worker_stages, ctx,
+                         read_chunks)((epoch,))
+
+    def run_inputs(self, feed: SplitFeed, epoch: int,
+                   ctx: _stages.Context) -> list[Iterator[Any]]:
+        """A mix the consumer draws: each input's pipeline for ``epoch`` on this worker,
+        one stream per input, reading the splits ``feed`` gives for each input's passes
+        as :meth:`run_worker` reads them."""
+        assert self.mix is not None
+        read, _ = self._reads(feed, ctx)
+        ctx.records_from = 0  # (records of several inputs: no batch leaves its copy)
+        return [run((epoch,)) for run in input_runs(self.mix, read, ctx)]
+
+    def _reads(self, feed: SplitFeed, ctx: _stages.Context
+               ) -> tuple[_stages.Run, Callable[[_stages.Key, int], Iterator[Chunk]]]:
+        """The runs that read a pass's splits (one element, or one chunk, at a time)."""
         source = self.pipeline.source
         tally = ctx.tally
 
@@ -71,8 +110,7 @@ class Plan:
 
         tally.pass_keys, tally.keys = {}, []  # (this run's)
         ctx.source = source
-        ctx.records_from = len(self.worker_stages)  # (the producer encodes what it yields)
-        return mixed_run(source, read, self.worker_stages, ctx, read_chunks)((epoch,))
+        return read, read_chunks
 
     def run_consumer(self, elements: Iterator[Any], epoch: int,
                      ctx: _stages.Context) -> Iterator[Any]:
@@ -84,11 +122,35 @@ class Plan:
             return elements
 
         first = len(self.worker_stages) + 1
+        if self.mix is not None:
+            first = self.mix.after() + len(self.after_mix)
         return _stages.compose(read, self.consumer_stages, ctx, first)((epoch,))
 
+    def run_drawn(self, opened: Callable[[], list[Iterator[Any]]], epoch: int,
+                  ctx: _stages.Context, rest: Callable[[], Iterator[Any]]) -> Iterator[Any]:
+        """The consumer's draws of the mix for ``epoch`` over its inputs' streams
+        (``opened()``'s, one per input, as the workers make them), then, when every
+        input was to be read to its end (``"all_exhausted"``, no weight 0), what comes
+        after the draws ended (``rest()``: a dead worker's splits read again); and the
+        stages after the mix over all that (the take/skip part is
+        :meth:`run_consumer`'s)."""
+        assert self.mix is not None
+        mix = self.mix
 
-def plan(pipeline: Pipeline) -> Plan:
-    """Cut ``pipeline`` at its first ``take``/``skip``.
+        def read(key: _stages.Key) -> Iterator[Any]:
+            yield from drawn(mix, opened, key, ctx)
+            live = ctx.settings.mix_weights
+            weights = live.value if live is not None and live.value is not None \
+                else mix.weights
+            if mix.stop == "all_exhausted" and min(weights) > 0:
+                yield from rest()
+
+        return _stages.compose(read, self.after_mix, ctx, mix.after())((epoch,))
+
+
+def plan(pipeline: Pipeline, options: JobOptions | None = None) -> Plan:
+    """Cut ``pipeline`` at its first ``take``/``skip``, and at its mix when the consumer
+    draws it (:func:`draws_at_consumer` with the job's ``options``; None: in-process).
 
     Raises:
         ValueError: a ``repeat`` follows a ``take``/``skip`` (the consumer cannot re-run the
@@ -103,4 +165,23 @@ def plan(pipeline: Pipeline) -> Plan:
                 f"stage {stage.name!r} repeats after a take/skip, which a Loader cannot run "
                 "(the consumer cannot re-run the workers' part within an epoch); move the "
                 "repeat before the take/skip, or iterate the Loader again for another epoch")
+    if options is not None and draws_at_consumer(pipeline, options):
+        assert isinstance(pipeline.source, MixSource)
+        return Plan(pipeline, (), consumer, pipeline.source, pipeline.stages[:cut])
     return Plan(pipeline, pipeline.stages[:cut], consumer)
+
+
+def draws_at_consumer(pipeline: Pipeline, options: JobOptions) -> bool:
+    """Whether a job with ``options`` over ``pipeline`` draws its mix at the consumer:
+    a mix whose stages after it (up to a take/skip) are all :data:`CONSUMER_DRAWN`, in a
+    job whose workers deliver each record to one consumer by its credits (not shared,
+    balanced, coordinated or deterministic, and sharded). Other mixes are drawn on each
+    worker among the splits it holds (docs/semantics.md, "Mixing")."""
+    if not isinstance(pipeline.source, MixSource):
+        return False
+    if options.share is not None or options.balanced or options.num_consumers \
+            or options.deterministic or options.sharding == "off":
+        return False
+    after = itertools.takewhile(lambda s: not isinstance(s, _CONSUMER_STAGES),
+                                pipeline.stages)
+    return all(type(stage) in CONSUMER_DRAWN for stage in after)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from typing import Any
 
 from zloader.lineage import Ledger, Origins
@@ -36,11 +37,13 @@ class Yielded:
         self.finished: int | None = None  # the epoch last yielded whole (``ledger`` is its)
         # The record being yielded, and the element count when its first was yielded.
         self._current: tuple[Origins, int] | None = None
+        # A mix drawn here: adds what was yielded of records not yielded whole.
+        self.partial: Callable[[Ledger], None] | None = None
 
     def begin(self, epoch: int) -> None:
         """``epoch`` starts: nothing of it yielded yet, but what a resumed state had."""
         self.ledger, self._current, self.iterating = self._start(epoch), None, epoch
-        self.finished = None
+        self.finished, self.partial = None, None
 
     def _start(self, epoch: int) -> Ledger:
         """What was yielded of ``epoch`` before it began here: the resumed state's part."""
@@ -85,6 +88,8 @@ class Yielded:
         if self._current is not None:
             origins, before = self._current
             origins.note(ledger, elements - before)
+        if self.partial is not None:
+            self.partial(ledger)
         return epoch, ledger.to_json()
 
 

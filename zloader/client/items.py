@@ -10,8 +10,8 @@ from typing import Any
 from zloader.client.session import EpochInput
 from zloader.lineage import Origins
 
-__all__ = ["Command", "Data", "Done", "End", "Failed", "GiveCredit", "Item", "Lost", "Origins",
-           "SetWeights", "StartEpoch"]
+__all__ = ["Command", "Data", "Done", "End", "Failed", "GiveCredit", "InputEnd", "Item", "Lost",
+           "Origins", "SetWeights", "StartEpoch"]
 
 
 @dataclass
@@ -23,6 +23,7 @@ class Data:
     index: int
     elements: list[Any] = field(default_factory=list)
     origins: Origins | None = None  # exactly-once jobs: where its elements came from
+    part: int | None = None  # the mix input it holds, when this consumer draws the mix
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,17 @@ class End:
     worker: str
     index: int
     origins: Origins | None = None
+
+
+@dataclass(frozen=True)
+class InputEnd:
+    """The worker at ``index`` has no more elements of mix input ``part`` this epoch
+    (this consumer draws the mix); it sent every record of it before."""
+
+    epoch: int
+    worker: str
+    index: int
+    part: int
 
 
 @dataclass(frozen=True)
@@ -61,7 +73,7 @@ class Failed:
     epoch: int = -1
 
 
-Item = Data | End | Lost | Done | Failed
+Item = Data | End | InputEnd | Lost | Done | Failed
 """What the loop hands the iterating thread."""
 
 
@@ -79,6 +91,7 @@ class GiveCredit:
 
     worker: str
     credits: int = 1
+    part: int | None = None  # the mix input whose records (this consumer draws the mix)
 
 
 @dataclass

@@ -67,7 +67,8 @@ class ConsumerLoop:
                  data_bind: str | None = None, consumer_index: int | None = None,
                  keys: Keys | None = None, resume: dict[str, Any] | None = None,
                  timeout: float = 60.0, own: frozenset[int] = frozenset(),
-                 memory_budget: int | None = None, dispatched: bool = False) -> None:
+                 memory_budget: int | None = None, dispatched: bool = False,
+                 parts: int = 0) -> None:
         coordinated = ((options.num_consumers, consumer_index or 0) if options.coordinated
                        else None)
         self.settings = Settings(
@@ -77,7 +78,7 @@ class ConsumerLoop:
             coordinated=coordinated, fixed=options.sharding in ("static", "off"),
             own=own if options.objects else frozenset(), memory_budget=memory_budget,
             width=max(1, options.num_workers), named=job_name is not None,
-            dispatched=dispatched)
+            dispatched=dispatched, parts=parts)
         self.served = served or Served()
         register = registration(
             fingerprint=fingerprint, job_name=job_name, options=options,
@@ -282,7 +283,7 @@ class ConsumerLoop:
 
     def _run(self, command: Command) -> None:
         if isinstance(command, GiveCredit):
-            self._peers.credit(command.worker, command.credits)
+            self._peers.credit(command.worker, command.credits, command.part)
         elif isinstance(command, StartEpoch):
             self._start(command.epoch, command.frames)
         elif isinstance(command, SetWeights):

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from zloader._defaults import LOST_GRACE_SECONDS, POLL_SECONDS
+from zloader.client.draw import Inputs
 from zloader.client.exactly_once import Yielded
 from zloader.client.items import Data, Done, End, Failed, Item
 from zloader.client.session import encoded
@@ -62,6 +63,17 @@ class Merger:
         self.io.start_epoch(epoch, encoded(epoch_input))
         return self._round_robin(epoch) if self.deterministic else self._merged(epoch)
 
+    def inputs(self, epoch: int, epoch_input: Any, parts: int, track: bool) -> Inputs:
+        """Start ``epoch`` as :meth:`epoch` does, for a mix of ``parts`` inputs this
+        consumer draws (zloader/client/draw.py); ``track``: exactly-once."""
+        self._reading = epoch
+        self.yielded.begin(epoch)
+        self.io.start_epoch(epoch, encoded(epoch_input))
+        inputs = Inputs(self, epoch, parts, track)
+        handles = inputs.handles
+        self.yielded.partial = handles.note_partial if handles is not None else None
+        return inputs
+
     def job_epoch(self) -> int:
         """Wait for the broker's first answer (bounded by the timeout) and return the
         job's epoch then.
@@ -82,7 +94,7 @@ class Merger:
     def _merged(self, epoch: int) -> Iterator[Any]:
         """Elements of ``epoch`` from every worker, in arrival order."""
         while True:
-            item = self._next_item(epoch)
+            item = self.next_item(epoch)
             if isinstance(item, Done):
                 self.yielded.done(epoch)  # all of it yielded
                 return
@@ -92,7 +104,7 @@ class Merger:
                     self.elements += 1
                     yield element
                 self.io.credit(item.worker, 1)
-                self._check_skipped()
+                self.check_skipped()
             if isinstance(item, (Data, End)):
                 self.yielded.recorded(item.origins, epoch)
 
@@ -126,19 +138,22 @@ class Merger:
             if done and not blocked:
                 return
             # Others' records do not count as progress: the element due may still be late.
-            item = self._next_item(epoch, since)
+            item = self.next_item(epoch, since)
             if isinstance(item, Data):
                 pending.setdefault(item.index, deque()).extend(item.elements)
                 self.io.credit(item.worker, 1)
-                self._check_skipped()
+                self.check_skipped()
             elif isinstance(item, End):
                 ended.add(item.index)
             elif isinstance(item, Done):
                 done = True
 
-    def _next_item(self, epoch: int, since: float | None = None) -> Item:
+    def next_item(self, epoch: int, since: float | None = None,
+                   once: bool = False) -> Item | None:
         """The next item of ``epoch`` from the I/O thread. The timeout counts from the
-        last data of any worker, or from ``since`` when given (the element due in order)."""
+        last data of any worker, or from ``since`` when given (the element due in order).
+        ``once``: None when none came within one poll (the caller looks again at what it
+        waits for: the workers serving the job may have changed)."""
         if os.getpid() != self._pid:
             raise RuntimeError(
                 f"this Loader's iterator was made in process {self._pid} and cannot be "
@@ -159,6 +174,8 @@ class Merger:
                     # show as starved while it waits, not once an element comes.
                     stats.wait_seconds = self.wait + time.monotonic() - start
                     self.check_progress(since)
+                    if once:
+                        return None
                     continue
                 if isinstance(item, Failed):
                     deaths = self.deaths() if isinstance(item.error, Timeout) else ""
@@ -168,7 +185,7 @@ class Merger:
                 if item.epoch == epoch:
                     return item
                 if isinstance(item, Data):  # a record of an epoch left early: its credit
-                    self.io.credit(item.worker, 1)
+                    self.io.credit(item.worker, 1, item.part)
         finally:
             self.wait += time.monotonic() - start
             stats.wait_seconds, stats.yielded = self.wait, self.elements
@@ -196,7 +213,7 @@ class Merger:
             deaths = self.deaths()
             raise Timeout(io.stall_reason(silent) + (f" ({deaths})" if deaths else ""))
 
-    def _check_skipped(self) -> None:
+    def check_skipped(self) -> None:
         skipped = self.io.stats.skipped
         if self.max_skipped is not None and skipped > self.max_skipped:
             raise PipelineError.create(

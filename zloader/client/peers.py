@@ -50,6 +50,8 @@ class Peer:
     socket: zmq.Socket[Any]
     ring: Any = None
     returned: int = 0  # credits the iterating thread gave back, not yet sent
+    # ... per mix input, when this consumer draws the mix (Settings.parts)
+    part_returned: dict[int, int] = field(default_factory=dict)
     # (epoch, its DATA messages received), and the framed records whose notices came
     # before DATA messages that precede them (transport/notice.py): Receiver.notice
     messages: tuple[int, int] = (-1, 0)
@@ -290,13 +292,16 @@ class Peers:
         credits afresh, and its share of the memory budget (the bytes it may have in
         flight to this consumer)."""
         session, prefetch = self.session, self.settings.prefetch
+        parts = self.settings.parts  # (a mix drawn here: prefetch for each input)
         if not keep_credits:
             peer.returned = 0
-        peer.owed, peer.heard = prefetch, time.monotonic()  # OPEN grants afresh
+            peer.part_returned = {}
+        peer.owed, peer.heard = prefetch * max(1, parts), time.monotonic()  # granted afresh
         body = {"job": session.job, "task": peer.task, "consumer": session.consumer,
                 "epoch": session.epoch, "credits": prefetch, "rerun": session.rerun,
                 "ring": peer.ring.name if peer.ring is not None else None,
-                "window": self.budget.window(len(self._peers))}
+                # (by input, no bytes bound: the credits of each input bound its records)
+                "window": None if parts else self.budget.window(len(self._peers))}
         if peer.ring is not None and self.notices is not None:
             body.update(notify=self.notices.name, ring_id=peer.ring.ring_id)
         if self.rounds is not None:
@@ -338,22 +343,30 @@ class Peers:
         for peer in list(self._peers.values()):
             self.open(peer, keep_credits)
 
-    def credit(self, worker: str, credits: int) -> None:
-        """Give ``worker`` back ``credits`` (records used); sent once half the prefetch
-        (that the memory budget allows) has come back, or at once when segments wait to be
-        let go of."""
+    def credit(self, worker: str, credits: int, part: int | None = None) -> None:
+        """Give ``worker`` back ``credits`` (records used; of mix input ``part`` when this
+        consumer draws the mix); sent once half the prefetch (that the memory budget
+        allows) has come back, or at once when segments wait to be let go of."""
         target = self._peers.get(worker)
         if target is None or self.session.epoch is None:
             return
-        target.returned += credits
-        if target.returned >= self.budget.credit_batch or target.mapped:
+        if part is None:
+            target.returned += credits
+            returned = target.returned
+        else:
+            returned = target.part_returned[part] = target.part_returned.get(part, 0) + credits
+        if returned >= self.budget.credit_batch or target.mapped:
             if target.owed <= 0:  # it had none: its silence so far says nothing
                 target.heard = time.monotonic()
-            target.owed += target.returned
-            self.send(target, Command.CREDIT, {"epoch": self.session.epoch,
-                                               "credits": target.returned,
-                                               "mapped": target.mapped})
-            target.returned = 0
+            target.owed += returned
+            body: dict[str, Any] = {"epoch": self.session.epoch, "credits": returned,
+                                    "mapped": target.mapped}
+            if part is not None:
+                body["part"] = part
+                target.part_returned[part] = 0
+            else:
+                target.returned = 0
+            self.send(target, Command.CREDIT, body)
             target.mapped = []
 
     def fit(self, record_bytes: int) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 from zloader import codec
 from zloader.client.epoch_end import EpochEnd
-from zloader.client.items import Data, End, Failed, Item
+from zloader.client.items import Data, End, Failed, InputEnd, Item
 from zloader.client.link import BrokerLink
 from zloader.client.peers import Peer, Peers
 from zloader.client.rounds import Rounds
@@ -228,7 +228,7 @@ class Receiver:
         stats.per_worker[peer.pid] = stats.per_worker.get(peer.pid, 0) + count
         self._note_lagged(peer, data.lagged)
         item = Data(session.epoch if session.epoch is not None else -1, peer.worker,
-                    peer.index, elements, origins)
+                    peer.index, elements, origins, data.part)
         if origins is not None:
             origins.note(session.received)
         if self.rounds is None:
@@ -246,8 +246,13 @@ class Receiver:
             self.peers.credit(peer.worker, 1)
 
     def _end(self, peer: Peer, end: messages.End, payload: list[Any]) -> None:
-        """END: ``peer``'s worker ended the epoch (or its rerun)."""
+        """END: ``peer``'s worker ended the epoch (or its rerun), or, with a ``part``, a
+        mix input this consumer draws."""
         session, stats = self.session, self.stats
+        if end.part is not None:
+            self.put(InputEnd(session.epoch if session.epoch is not None else -1,
+                              peer.worker, peer.index, end.part))
+            return
         self._note_skipped(peer, end.skipped)
         if end.dropped is not None:
             stats.dropped += end.dropped

@@ -73,6 +73,8 @@ class Settings:
     memory_budget: int | None = None  # bytes for rings and records in flight (budget.py)
     width: int = 1  # the workers the job expects (its worker indices)
     dispatched: bool = False  # its workers make what it dispatches (Loader.dispatch)
+    parts: int = 0  # a mix this consumer draws (zloader/plan.py): its inputs, each of
+    # which has credits of its own (``prefetch`` each)
 
 
 @dataclass

@@ -45,7 +45,8 @@ class IOThread(threading.Thread):
         self.items: queue.Queue[Item] = self.loop.items
         self.failure: BaseException | None = None  # what stopped the thread, if anything
         self._halt = threading.Event()
-        self._unsent: dict[str, int] = {}  # credits given back since the last wake-up
+        # credits given back since the last wake-up, by worker (and mix input)
+        self._unsent: dict[tuple[str, int | None], int] = {}
         self._turn = Turn()  # who steps the loop (see the module's docstring)
 
     # --- called from the iterating thread -------------------------------------------------
@@ -62,16 +63,17 @@ class IOThread(threading.Thread):
         """Work items for the worker of index ``worker`` (none: no more), sent at once."""
         self.loop.submit(Dispatch(worker, items))
 
-    def credit(self, worker: str, credits: int = 1) -> None:
+    def credit(self, worker: str, credits: int = 1, part: int | None = None) -> None:
         """Give ``worker`` back the credits of ``credits`` records used. The loop is woken
         only once a CREDIT is due (half the prefetch the memory budget allows, as
         :meth:`Peers.credit` sends them):
         fewer credits wait for its next poll (POLL_MS), or the next message it handles."""
-        owed = self._unsent.get(worker, 0) + credits
+        owed = self._unsent.get((worker, part), 0) + credits
         due = owed >= self.loop.budget.credit_batch
         # (lent: the iterating thread sends it as it steps)
-        self.loop.submit(GiveCredit(worker, credits), wake=due and not self._turn.lent())
-        self._unsent[worker] = 0 if due else owed
+        self.loop.submit(GiveCredit(worker, credits, part),
+                         wake=due and not self._turn.lent())
+        self._unsent[(worker, part)] = 0 if due else owed
 
     def wait_answered(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the broker's first answer (or a failure)."""

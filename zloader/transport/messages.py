@@ -194,6 +194,8 @@ HOLDS = list_of(text(128), 0, 64)
 
 
 MIX_WEIGHTS = list_of(number(0.0, 1.0), 1, MAX_MIX_INPUTS)
+MIX_PART = integer(0, MAX_MIX_INPUTS - 1)
+"""A mix input's number (``DATA.part``, ``END.part``, ``CREDIT.part``)."""
 """A mix's weights, each from 0 to 1 (``OPEN.weights``, ``WEIGHTS.weights``)."""
 
 
@@ -548,6 +550,9 @@ class Credit(Record):
     epoch: int = fld(INDEX)
     credits: int = fld(INDEX)
     mapped: tuple[str, ...] = fld(list_of(NAME), ())
+    # The mix input they are for, in a job whose consumers draw the mix (each input has
+    # credits of its own); absent: for each input (OPEN's are), or the job has no parts.
+    part: int | None = fld(optional(MIX_PART), None, omit=True)
 
 
 def _ring_place(value: Any) -> tuple[int, int, str]:
@@ -589,6 +594,9 @@ class Data(Record):
     framed: bool = fld(boolean, False, omit=True)
     # A framed record's notice follows this many DATA messages of its epoch (notice.py).
     after: int | None = fld(optional(INDEX), None, omit=True)
+    # The mix input whose elements it holds, in a job whose consumers draw the mix
+    # (zloader/plan.py); absent otherwise.
+    part: int | None = fld(optional(MIX_PART), None, omit=True)
 
     @classmethod
     def from_body(cls, body: Any) -> Data:
@@ -609,7 +617,7 @@ class Data(Record):
             "epoch": epoch, "count": count, "skipped": skipped, "ring": None, "segment": None,
             "full": bool(flags & _FULL), "shared": bool(flags & _SHARED), "lagged": None,
             "round": None, "origins": bool(flags & _ORIGINS), "framed": bool(flags & _FRAMED),
-            "after": None}
+            "after": None, "part": None}
         try:
             if flags & _RING:
                 position, length, size = _DATA_PLACE.unpack_from(raw, at)
@@ -621,7 +629,8 @@ class Data(Record):
                 at += _DATA_NAMED.size
                 values["segment"] = (_name(raw, at, size, "segment"), length)
                 at += size
-            for flag, name in ((_LAGGED, "lagged"), (_ROUND, "round"), (_AFTER, "after")):
+            for flag, name in ((_LAGGED, "lagged"), (_ROUND, "round"), (_AFTER, "after"),
+                               (_PART, "part")):
                 if flags & flag:
                     values[name] = _DATA_INT.unpack_from(raw, at)[0]
                     at += _DATA_INT.size
@@ -630,6 +639,9 @@ class Data(Record):
                                 f"(flags {flags:#x})") from None
         if at != len(raw):
             raise ProtocolError(f"DATA: {len(raw) - at} bytes after its fields")
+        if values["part"] is not None and values["part"] >= MAX_MIX_INPUTS:
+            raise ProtocolError(f"DATA: field 'part' must be an integer >= 0 <= "
+                                f"{MAX_MIX_INPUTS - 1}, got {values['part']}")
         return cls.checked(values)
 
     @staticmethod
@@ -647,7 +659,8 @@ class Data(Record):
                  | (_LAGGED if self.lagged is not None else 0)
                  | (_ROUND if self.round is not None else 0)
                  | (_ORIGINS if self.origins else 0) | (_FRAMED if self.framed else 0)
-                 | (_AFTER if self.after is not None else 0))
+                 | (_AFTER if self.after is not None else 0)
+                 | (_PART if self.part is not None else 0))
         parts = [_DATA_HEAD.pack(self.epoch, self.count, self.skipped, flags)]
         if self.ring is not None:
             name = self.ring[2].encode()
@@ -655,7 +668,7 @@ class Data(Record):
         if self.segment is not None:
             name = self.segment[0].encode()
             parts += [_DATA_NAMED.pack(self.segment[1], len(name)), name]
-        for value in (self.lagged, self.round, self.after):
+        for value in (self.lagged, self.round, self.after, self.part):
             if value is not None:
                 parts.append(_DATA_INT.pack(value))
         return b"".join(parts)
@@ -664,10 +677,10 @@ class Data(Record):
 _DATA_HEAD = struct.Struct("<QQQH")  # epoch, count, skipped, flags
 _DATA_PLACE = struct.Struct("<QQH")  # ring: position, length, name length (name follows)
 _DATA_NAMED = struct.Struct("<QH")  # segment: length, name length (name follows)
-_DATA_INT = struct.Struct("<Q")  # lagged, round, after
-_RING, _SEGMENT, _FULL, _SHARED, _LAGGED, _ROUND, _ORIGINS, _FRAMED, _AFTER = (
-    1 << i for i in range(9))
-_DATA_FLAGS_ALL = (1 << 9) - 1
+_DATA_INT = struct.Struct("<Q")  # lagged, round, after, part
+_RING, _SEGMENT, _FULL, _SHARED, _LAGGED, _ROUND, _ORIGINS, _FRAMED, _AFTER, _PART = (
+    1 << i for i in range(10))
+_DATA_FLAGS_ALL = (1 << 10) - 1
 
 
 def _name(raw: bytes, at: int, size: int, field: str) -> str:
@@ -691,6 +704,9 @@ class End(Record):
     lagged: int | None = fld(optional(INDEX), None, omit=True)
     replayed: int | None = fld(optional(INDEX), None, omit=True)
     origins: bool = fld(boolean, False, omit=True)  # an origin block is its payload
+    # A mix input the worker has no more elements of this epoch (its consumers draw the
+    # mix, zloader/plan.py): not the epoch's end, which has no part.
+    part: int | None = fld(optional(MIX_PART), None, omit=True)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,14 +7,20 @@ from this worker (OPEN.window; a record goes alone when nothing else is in fligh
 Balanced (``Loader(balanced=N)``): once the N consumers of the job have opened an epoch,
 records (one element each) are dealt round-robin, whatever their speed, so each gets an
 equal share.
+By input (a mix its consumers draw, zloader/plan.py): a consumer's credits are per mix
+input, and so are the producer's permits (zloader/worker/permits.py); each record goes
+to a consumer with credit for its input, an input's records and its END in order.
 """
 
 from __future__ import annotations
 
+from collections import deque
+
 from zloader._defaults import MAX_GRANT, OVERDRAW_RECORDS
 from zloader.transport import records
 from zloader.transport.messages import End
-from zloader.worker.delivery import Delivery, EpochEnd, RecordOut, TaskPort
+from zloader.worker.delivery import Delivery, EpochEnd, Pending, RecordOut, TaskPort
+from zloader.worker.permits import Permits
 from zloader.worker.streams import Stream
 
 __all__ = ["MAX_GRANT", "CreditDelivery", "clamp"]
@@ -32,25 +38,45 @@ class CreditDelivery(Delivery):
 
     inline = True
 
-    def __init__(self, port: TaskPort, balanced: int = 0) -> None:
+    def __init__(self, port: TaskPort, balanced: int = 0, parts: int = 0) -> None:
         super().__init__(port)
         self.balanced = balanced  # consumers to deal to (0: by credit)
         self.turn = 0  # whose turn it is, when dealing
         self.overdrawn = False  # draining to move: records go out without credit
+        # A mix its consumers draw: permits per input (the producer takes those).
+        self.permits = Permits(parts) if parts else None
 
-    def credit(self, stream: Stream, credits: int) -> None:
+    def credit(self, stream: Stream, credits: int, part: int | None = None) -> None:
         credits = clamp(credits)
-        stream.credits += credits
-        for _ in range(credits):
-            self.pool.release()
+        permits = self.permits
+        if permits is None:
+            stream.credits += credits
+            for _ in range(credits):
+                self.pool.release()
+            return
+        if stream.part_credits is None:
+            stream.part_credits = [0] * permits.parts
+        for which in range(permits.parts) if part is None else (part,):
+            if which < permits.parts:
+                stream.part_credits[which] += credits
+                stream.credits += credits
+                permits.release(which, credits)
 
     def overdraw(self) -> None:
         self.overdrawn = True
-        self.pool.release(OVERDRAW_RECORDS)
+        if self.permits is not None:
+            for part in range(self.permits.parts):
+                self.permits.release(part, OVERDRAW_RECORDS)
+        else:
+            self.pool.release(OVERDRAW_RECORDS)
         self.deliver()
 
     def withdraw(self, stream: Stream) -> None:
-        for _ in range(stream.credits):
+        if self.permits is not None:
+            for part, credits in enumerate(stream.part_credits or ()):
+                self.permits.take_back(part, credits)
+            stream.part_credits = None
+        for _ in range(stream.credits if self.permits is None else 0):
             if not self.pool.acquire(blocking=False):
                 break
         stream.credits = 0
@@ -58,6 +84,9 @@ class CreditDelivery(Delivery):
     def deliver(self) -> None:
         """Send pending records to consumers with credit, in order; an epoch's END goes
         out once all its records have."""
+        if self.permits is not None:
+            self._deliver_parts()
+            return
         port = self.port
         while self.pending:
             item = self.pending[0]
@@ -87,6 +116,53 @@ class CreditDelivery(Delivery):
             taker.sent(size)
             port.outlet.record(taker, epoch, outgoing.buffers, head, sizes)
             outgoing.mark_taken()
+
+    def _deliver_parts(self) -> None:
+        """:meth:`deliver` by input: each record to a consumer with credit for its input;
+        a record that cannot go holds back the later ones of its input only (and the
+        epoch's END, which goes last)."""
+        port = self.port
+        waiting: deque[Pending] = deque()  # what cannot go yet, in order
+        held: set[int | None] = set()  # inputs with something waiting (None: the END)
+        while self.pending:
+            item = self.pending.popleft()
+            epoch = item.epoch
+            if epoch in port.finished:  # an abandoned epoch's leftovers
+                if isinstance(item, RecordOut):
+                    item.outgoing.mark_taken()
+                continue
+            part = item.head.get("part") if isinstance(item, RecordOut) else item.part
+            if part in held or None in held or (part is None and waiting):
+                waiting.append(item)
+                held.add(part)
+                continue
+            streams = [s for s in port.streams.values() if s.epoch == epoch]
+            if isinstance(item, EpochEnd):
+                block = item.origins  # what no record carried (exactly-once)
+                end = End(epoch=epoch, skipped=item.skipped, origins=block is not None,
+                          part=part)
+                for stream in streams:
+                    port.outlet.send(stream, end, [block] if block is not None else ())
+                if part is None:
+                    port.finish_epoch(epoch)
+                continue
+            outgoing, head = item.outgoing, item.head
+            assert part is not None  # (a record by input names its input)
+            sizes = records.sizes_of(outgoing.buffers)
+            ready = [s for s in streams if self.overdrawn or (
+                s.part_credits is not None and s.part_credits[part] > 0)]
+            if not ready:
+                waiting.append(item)
+                held.add(part)
+                continue
+            taker = max(ready, key=lambda s: s.part_credits[part] if s.part_credits else 0)
+            if taker.part_credits is not None:
+                taker.part_credits[part] -= 1
+            taker.credits -= 1
+            taker.sent(sum(sizes))
+            port.outlet.record(taker, epoch, outgoing.buffers, head, sizes)
+            outgoing.mark_taken()
+        self.pending = waiting
 
     def _next(self, streams: list[Stream], size: int) -> Stream | None:
         """Who gets the next record, of ``size`` bytes, of the epoch these ``streams``

@@ -25,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from zloader.worker.permits import Permits
 from zloader.worker.producer import Outgoing, Producer
 from zloader.worker.streams import Outlet, Stream
 
@@ -54,12 +55,14 @@ class EpochEnd:
     skipped: int = 0
     dropped: int = 0
     origins: Any = None
+    part: int | None = None  # not the epoch's end: a mix input's (its consumers draw it)
 
     @classmethod
     def of(cls, body: dict[str, Any]) -> EpochEnd:
-        """The end a producer's END body ``{epoch, skipped, dropped[, origins]}`` says."""
+        """The end a producer's END body ``{epoch, skipped, dropped[, origins][, part]}``
+        says."""
         return cls(int(body["epoch"]), int(body.get("skipped", 0)),
-                   int(body.get("dropped", 0)), body.get("origins"))
+                   int(body.get("dropped", 0)), body.get("origins"), body.get("part"))
 
 
 Pending = RecordOut | EpochEnd
@@ -116,6 +119,10 @@ class Delivery(abc.ABC):
         port: what it sees of the task whose records it delivers (:class:`TaskPort`).
     """
 
+    permits: Permits | None = None
+    """Its producers' permits per mix input, when its consumers draw the mix (credit
+    delivery's, zloader/worker/permits.py); None: ``pool``."""
+
     inline = False
     """Whether its producers deliver their records on their own thread (producer.py
     ``Hand``): only a mode whose delivery of a record never ends an epoch, starts or stops
@@ -138,8 +145,9 @@ class Delivery(abc.ABC):
         self.port.open_epoch(stream, opened)
 
     @abc.abstractmethod
-    def credit(self, stream: Stream, credits: int) -> None:
-        """``stream``'s consumer granted ``credits`` more records (checked here)."""
+    def credit(self, stream: Stream, credits: int, part: int | None = None) -> None:
+        """``stream``'s consumer granted ``credits`` more records (checked here), of mix
+        input ``part`` when its consumers draw the mix (None: of each input)."""
 
     @abc.abstractmethod
     def withdraw(self, stream: Stream) -> None:

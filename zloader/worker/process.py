@@ -32,7 +32,7 @@ from zloader._defaults import DRAIN_SECONDS, FORWARD_EVERY, HEARTBEAT
 from zloader._host import host_id
 from zloader.forward import Capture
 from zloader.pipeline import Pipeline
-from zloader.plan import plan
+from zloader.plan import Plan, plan
 from zloader.shipping import Loading, Supply
 from zloader.transport import messages
 from zloader.transport.keys import Keys
@@ -55,14 +55,18 @@ __all__ = ["FORWARD_EVERY", "WorkerProcess", "delivery_for"]
 log = logging.getLogger("zloader.worker")
 
 
-def delivery_for(task: Assignment) -> Callable[[TaskPort], Delivery]:
-    """The delivery mode of a task, with its settings: the one place that asks which mode
-    it is. The task makes it with itself as the port."""
+def delivery_for(task: Assignment, planned: Plan | None = None
+                 ) -> Callable[[TaskPort], Delivery]:
+    """The delivery mode of a task (``planned``: its pipeline's plan), with its settings:
+    the one place that asks which mode it is. The task makes it with itself as the
+    port."""
     if task.share is not None:
         return functools.partial(SharedDelivery, share=task.share)
     if task.coordinated:
         return functools.partial(RoundsDelivery, size=task.coordinated)
-    return functools.partial(CreditDelivery, balanced=task.balanced)  # plain or balanced
+    parts = len(planned.mix.inputs) if planned is not None and planned.mix is not None else 0
+    return functools.partial(CreditDelivery, balanced=task.balanced,  # plain or balanced
+                             parts=parts)  # (by input: its consumers draw the mix)
 
 
 class WorkerProcess:
@@ -439,8 +443,9 @@ class WorkerProcess:
                                                  error=load_error(loading.error)))
             return
         assert loading.pipeline is not None
-        self.task = Task(assigned, plan(loading.pipeline), self.port.outlet, self.links,
-                         self.broker, delivery_for(assigned))
+        planned = plan(loading.pipeline, assigned.options)
+        self.task = Task(assigned, planned, self.port.outlet, self.links, self.broker,
+                         delivery_for(assigned, planned))
         self.port.begin(self.task)
 
     def _stop_task(self) -> None:

@@ -39,12 +39,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import zmq
 
 from zloader import codec
 from zloader._defaults import (
     HAND_WAIT,
     LARGE_RECORD_BYTES,
+    PART_RECORD_ELEMENTS,
     RECORD_BYTES,
     RECORD_ELEMENTS,
     RECORD_LINGER,
@@ -61,6 +63,7 @@ from zloader.stages import Context, Coverage
 from zloader.transport.protocol import error_object
 from zloader.transport.sockets import NOBLOCK, make_socket
 from zloader.worker.dispatched import Dispatched
+from zloader.worker.permits import PartPool, Permits
 
 __all__ = ["RECORD_BYTES", "RECORD_ELEMENTS", "RECORD_LINGER", "STAGES", "Hand", "LinkKind",
            "Outgoing", "Producer", "ProducerSpec", "SplitAnswer"]
@@ -207,6 +210,8 @@ class Producer(threading.Thread):
         after: producers stopped before this one, which it waits to leave (they exit at
             their next send) before it runs the pipeline: user code of two epochs never
             runs at once in one process.
+        permits: a task whose consumers draw its mix (zloader/plan.py): the permits per
+            input, which replace ``pool`` (:meth:`_produce_inputs`).
     """
 
     def __init__(self, context: zmq.Context[Any], address: str, spec: ProducerSpec,
@@ -217,7 +222,8 @@ class Producer(threading.Thread):
                  splits: dict[tuple[int, ...], list[int]] | None = None,
                  replay: int | None = None,
                  timing: dict[str, float] | None = None,
-                 after: tuple[threading.Thread, ...] = ()) -> None:
+                 after: tuple[threading.Thread, ...] = (),
+                 permits: Permits | None = None) -> None:
         super().__init__(name=f"zloader-producer-{epoch}", daemon=True)
         self.after = after  # stopped producers to wait for before running user code
         self.context, self.address, self.spec, self.epoch = context, address, spec, epoch
@@ -226,7 +232,8 @@ class Producer(threading.Thread):
         # after setting ``stop``, so that no record goes out after the stop and no permit
         # (a consumer's credit) the next producer needs is spent by this one.
         self.sending = threading.Lock()
-        self.pool = pool
+        self.pool: Any = pool
+        self.permits = permits  # per mix input, when the consumers draw the mix
         self.draining = draining
         self.epoch_input = epoch_input
         self.weights = weights
@@ -316,6 +323,9 @@ class Producer(threading.Thread):
         if spec.sharding == "dynamic":  # handed some splits of each pass, not all
             ctx.coverage = self.coverage = Coverage(spec.plan.pipeline.source.splits_in,
                                                     self.draining.is_set)
+        if spec.plan.mix is not None and self.permits is not None:
+            self._produce_inputs(pair, ctx, self.permits)
+            return
         elements = spec.plan.run_worker(lambda key: self._feed(pair, key), self.epoch, ctx)
         if self.replay is not None:
             elements = itertools.islice(elements, self.replay)
@@ -354,12 +364,84 @@ class Producer(threading.Thread):
             element = None
         if batch:
             self._send(pair, batch, places, ctx, size)
+        self._end(pair, ctx)
+
+    def _end(self, pair: zmq.Socket[Any], ctx: Context) -> None:
+        """The epoch is over here: its END, with the origins no record carried."""
         self._account(time.perf_counter())
         end: dict[str, Any] = {"epoch": self.epoch, "skipped": ctx.tally.skipped,
                                "dropped": ctx.tally.dropped}
         if ctx.settings.track and (ctx.tally.loose or ctx.tally.ends):  # no record had them
             end["origins"] = ctx.tally.block([])
         self._put(pair, LinkKind.END, end)
+
+    def _produce_inputs(self, pair: zmq.Socket[Any], ctx: Context, permits: Permits) -> None:
+        """A mix its consumers draw (zloader/plan.py): each input's stream, in records of
+        one input each (``head["part"]``). The next record is of an input with a permit
+        free (the consumers' credits for it), chosen among those by the mix's weights (as
+        last set), so that what is made follows what the consumers draw; an input of
+        weight 0 is not made (they never draw it). An input that ends here gets an END of
+        its own (``part``), after its records; the epoch's END comes once all have."""
+        mix = self.spec.plan.mix
+        assert mix is not None
+        streams = self.spec.plan.run_inputs(lambda key: self._feed(pair, key), self.epoch,
+                                            ctx)
+        live = list(range(len(streams)))
+        choose = np.random.default_rng()  # (which is made first: no effect on what is)
+        self._mark = time.perf_counter()
+        while live:
+            latest = self.weights.value if self.weights is not None else None
+            weights = latest if latest is not None and len(latest) == len(streams) \
+                else mix.weights
+            free = set(permits.free())
+            ready = [k for k in live if weights[k] > 0 and k in free]
+            if not ready:
+                self.stage = "blocked"
+                permits.wait(0.1)  # (or new weights: looked at again)
+                if self.stop.is_set():
+                    raise _Stopped
+                continue
+            shares = np.array([weights[k] for k in ready], np.float64)
+            which = ready[int(choose.choice(len(ready), p=shares / shares.sum()))] \
+                if len(ready) > 1 else ready[0]
+            if not permits.take(which):
+                continue
+            self.pool, self._permit = PartPool(permits, which), True
+            self.stage = "pipeline"
+            if self._record_of(pair, streams[which], which, ctx):
+                live.remove(which)
+                self._put(pair, LinkKind.END, {"epoch": self.epoch, "part": which})
+        self._end(pair, ctx)
+
+    def _record_of(self, pair: zmq.Socket[Any], stream: Iterator[Any], part: int,
+                   ctx: Context) -> bool:
+        """Make and send one record of mix input ``part`` from ``stream`` (its permit
+        held), cut as :meth:`_produce` cuts records; whether the stream ended."""
+        batch: list[Any] = []
+        places: list[Any] = []
+        size = 0
+        track = ctx.settings.track
+        started = last = time.monotonic()
+        ended = True
+        for element in stream:
+            now = time.monotonic()
+            batch.append(element)
+            if not track:
+                places.append(ctx.at)
+            weight, gathered = _weigh(element[0] if track else element)
+            size += weight
+            element = None  # (held by the record, not here: see _produce)
+            if len(batch) >= PART_RECORD_ELEMENTS or size >= RECORD_BYTES or gathered \
+                    or now - started >= RECORD_LINGER or now - last >= RECORD_LINGER / 2:
+                ended = False
+                break
+            last = now
+        if batch:
+            self._send(pair, batch, places, ctx, size, part)
+        if self._permit:  # not spent (nothing to send, or every element was skipped)
+            self._permit = False
+            self.pool.release()
+        return ended
 
     def _take_dispatched(self) -> int | None:
         """The next work item a consumer dispatched (None: it sends no more), waiting for
@@ -383,14 +465,17 @@ class Producer(threading.Thread):
         self._mark = now
 
     def _send(self, pair: zmq.Socket[Any], batch: list[Any], places: list[Any],
-              ctx: Context, size: int) -> None:
-        """Encode ``batch`` (about ``size`` bytes, as :func:`_weigh` finds) and hand its
-        record to the socket thread once a permit allows."""
+              ctx: Context, size: int, part: int | None = None) -> None:
+        """Encode ``batch`` (about ``size`` bytes, as :func:`_weigh` finds; of mix input
+        ``part``, when the consumers draw the mix) and hand its record to the socket
+        thread once a permit allows."""
         clock = time.perf_counter
         entered = clock()
         self._account(entered)
         self.stage = "encode"
         outgoing = self._encode(batch, places, ctx, size >= LARGE_RECORD_BYTES)
+        if outgoing is not None and part is not None:
+            outgoing.head["part"] = part
         encoded = clock()
         self.timing["encode"] += encoded - entered
         if outgoing is None:  # every element was skipped: their origins go with the next

@@ -62,7 +62,7 @@ class RoundsDelivery(Delivery):
         stream.index = index
         super().open(stream, opened)
 
-    def credit(self, stream: Stream, credits: int) -> None:
+    def credit(self, stream: Stream, credits: int, part: int | None = None) -> None:
         stream.credits += clamp(credits)  # production follows the rounds they can take
         self.permit()
 

@@ -65,7 +65,7 @@ class SharedDelivery(Delivery):
         port.maybe_produce()
         self.deliver()
 
-    def credit(self, stream: Stream, credits: int) -> None:
+    def credit(self, stream: Stream, credits: int, part: int | None = None) -> None:
         cursor = self.window.cursors.get(stream.identity)  # production follows the window
         if cursor is not None:
             cursor.credits += clamp(credits)

@@ -40,6 +40,9 @@ class Stream:
     consumer: str
     epoch: int
     credits: int = 0
+    # Its credits per mix input, when its job's consumers draw the mix (credit.py); None
+    # otherwise.
+    part_credits: list[int] | None = None
     ring: Any = None
     handoffs: dict[str, Any] = field(default_factory=dict)  # segments the consumer may map
     index: int | None = None  # consumer_index, in a coordinated job
@@ -137,13 +140,14 @@ class Outlet:
     def record(self, stream: Stream, epoch: int, frames: list[Any],
                head: dict[str, Any], sizes: list[int] | None = None) -> None:
         """Send one record (``frames``: its codec buffers, then its origin block when
-        ``head["origins"]``; ``head``: count, skipped, and ``round`` when it has one) as
+        ``head["origins"]``; ``head``: count, skipped, and ``round`` and ``part`` when it has
+        them) as
         DATA. ``sizes``: the frames' sizes, when the caller found them already."""
         count = head["count"]
         fields = {"epoch": epoch, "count": count, "skipped": head["skipped"], "ring": None,
                   "segment": None, "full": False, "shared": False, "lagged": None,
                   "round": head.get("round"), "origins": head.get("origins", False),
-                  "framed": False}
+                  "framed": False, "part": head.get("part")}
         if sizes is None:
             sizes = records.sizes_of(frames)
         self.count(count, sum(sizes))

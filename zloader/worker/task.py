@@ -189,7 +189,7 @@ class Task:
         self.delivery.mapped(stream, mapped)
         if granted.epoch == stream.epoch:
             stream.returned(granted.credits)
-            self.delivery.credit(stream, granted.credits)
+            self.delivery.credit(stream, granted.credits, granted.part)
             self.delivery.deliver()
 
     def ring(self, identity: bytes, ring: messages.Ring) -> None:
@@ -320,7 +320,7 @@ class Task:
         return self.links.start(self.spec, epoch, inline=self.delivery.inline, pool=pool,
                                 draining=self.draining, epoch_input=self.inputs.get(epoch),
                                 weights=self.weights, dispatched=self.dispatched_for(epoch),
-                                **options)
+                                permits=self.delivery.permits, **options)
 
     def stats(self) -> dict[str, Any]:
         """Its part of the heartbeat's stats: credits granted and not used, the fullest

@@ -1,0 +1,189 @@
+"""A mix read by several workers keeps its weights in every window of what a trainer sees,
+and each stop rule means what it means in one process (docs/semantics.md, "Mixing"): the
+consumer draws, as ``Pipeline.iter`` draws, from one stream per input that the workers
+make, whatever the number of workers and however few splits an input has."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import pytest
+
+from zloader import Loader, Pipeline
+
+WEIGHTS = [0.6, 0.3, 0.1]
+BASES = (0, 100_000, 200_000)  # input k's elements are BASES[k] + i
+
+
+def slowly(value: int) -> int:
+    """About 50 us of work: every worker gets a share of the splits."""
+    until = time.perf_counter() + 50e-6
+    while time.perf_counter() < until:
+        pass
+    return value
+
+
+def corpora(splits_c: int = 1, slow: bool = False) -> list[Pipeline]:
+    """Three inputs: many splits, 4 splits, and ``splits_c`` splits (a small corpus in
+    one shard lands on one worker); the first made ``slowly``."""
+    first = Pipeline.range(BASES[0], BASES[0] + 4000, split_size=100)
+    return [first.map(slowly) if slow else first,
+            Pipeline.range(BASES[1], BASES[1] + 2000, split_size=500),
+            Pipeline.range(BASES[2], BASES[2] + 700, split_size=-(-700 // splits_c))]
+
+
+def which(values: list[int]) -> list[int]:
+    return [int(v) // 100_000 for v in values]
+
+
+def flat(batches: object) -> list[int]:
+    return [int(x) for batch in batches for x in np.asarray(batch).reshape(-1)]
+
+
+def chi_square_p(observed: list[int], shares: list[float]) -> float:
+    """The p-value of Pearson's chi-square test of ``observed`` counts against
+    ``shares`` (the regularized upper incomplete gamma function, by its series)."""
+    total = sum(observed)
+    stat = sum((o - total * s) ** 2 / (total * s) for o, s in zip(observed, shares,
+                                                                     strict=True))
+    a, x = (len(observed) - 1) / 2, stat / 2
+    if x == 0:
+        return 1.0
+    term = summed = 1.0 / a
+    n = 1
+    while term > 1e-15 * summed:
+        term *= x / (a + n)
+        summed += term
+        n += 1
+    lower = summed * math.exp(-x + a * math.log(x) - math.lgamma(a))
+    return max(0.0, 1.0 - lower)
+
+
+def test_the_chi_square_helper_agrees_with_known_values() -> None:
+    # (two categories, stat 10: p = 0.00157; three, 2 degrees of freedom: p = e^(-stat/2))
+    assert chi_square_p([550, 450], [0.5, 0.5]) == pytest.approx(0.00157, rel=0.01)
+    assert chi_square_p([600, 300, 100], WEIGHTS) == pytest.approx(1.0)
+    assert chi_square_p([650, 250, 100], WEIGHTS) == pytest.approx(math.exp(-6.25))
+    assert chi_square_p([660, 240, 100], WEIGHTS) < 0.001
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4, 8])
+def test_every_window_of_1000_holds_the_weights_with_any_number_of_workers(
+        workers: int) -> None:
+    mix = Pipeline.mix(corpora(1, slow=True), WEIGHTS, seed=11).batch(8)
+    with Loader(mix, num_workers=workers, timeout=60) as loader:
+        got = flat(loader)
+        assert len(loader.stats()["per_worker"]) == workers  # (each made some)
+    assert sorted(got) == sorted(flat(mix.iter(0)))
+    inputs = which(got)
+    # The draws are iter()'s whatever the workers: the same input at every place.
+    assert inputs == which(flat(mix.iter(0)))
+    # Before any input runs out (the 10% one, 700 elements, near draw 7,000):
+    for start in range(0, 5000, 1000):
+        window = inputs[start:start + 1000]
+        counts = [window.count(k) for k in range(3)]
+        assert chi_square_p(counts, WEIGHTS) >= 0.001, (workers, start, counts)
+
+
+@pytest.mark.parametrize("workers", [2, 8])
+def test_first_exhausted_ends_the_mix_when_its_first_input_ends_across_workers(
+        workers: int) -> None:
+    mix = Pipeline.mix(corpora(4), WEIGHTS, seed=5, stop="first_exhausted")
+    sizes = {0: 4000, 1: 2000, 2: 700}
+    with Loader(mix, num_workers=workers, timeout=60) as loader:
+        for epoch in range(2):  # (the second epoch starts on workers the first left)
+            want = [int(v) for v in mix.iter(epoch)]
+            got = [int(v) for v in loader]
+            assert len(got) == len(want), epoch
+            assert which(got) == which(want)  # (so as many of each input)
+            assert len(set(got)) == len(got)
+            # The input whose end ended the mix is taken whole; the others' elements
+            # are as many, but with several workers not the same ones: each input's
+            # stream comes in another order, as any stream does.
+            (first,) = [k for k in sizes if which(want).count(k) == sizes[k]]
+            assert sorted(v for v in got if v // 100_000 == first) == \
+                sorted(v for v in want if v // 100_000 == first)
+
+
+def test_never_draws_for_ever_with_workers_and_a_take_ends_it() -> None:
+    mix = Pipeline.mix(corpora(1), WEIGHTS, seed=3, stop="never").take(9000)
+    with Loader(mix, num_workers=4, timeout=60) as loader:
+        got = [int(v) for v in loader]
+    assert len(got) == 9000
+    assert which(got) == which([int(v) for v in mix.iter(0)])
+    small = [v for v in got if v >= BASES[2]]
+    assert len(small) > 700  # (the small input started over: a new pass of it)
+
+
+def test_a_weight_set_to_0_mid_epoch_applies_from_the_next_draw() -> None:
+    mix = Pipeline.mix(corpora(1), WEIGHTS, seed=2)
+    with Loader(mix, num_workers=2, timeout=60) as loader:
+        got = []
+        for value in loader:
+            got.append(int(value))
+            if len(got) == 1000:
+                loader.set_weights([0.5, 0.5, 0.0])
+    after = which(got[1000:])
+    assert 2 not in after  # (drawn here: no prefetched record of the old weights)
+    assert set(which(got[:1000])) == {0, 1, 2}
+    assert len(got) == 6000 + sum(1 for k in which(got[:1000]) if k == 2)
+
+
+def test_a_state_counts_exactly_what_was_yielded_through_a_shuffle_and_a_batch() -> None:
+    # Drawn here, then shuffled and batched here: a state taken mid-epoch must leave out
+    # the elements in the shuffle's buffer and in the batch being filled (and a resume of
+    # that resume too).
+    mix = Pipeline.mix(corpora(4), WEIGHTS, seed=9).map(lambda v: v).filter(
+        lambda v: v % 7 != 3).shuffle(64, seed=1).batch(5)
+    want = sorted(flat(mix.iter(0)))
+    out: list[int] = []
+    state = None
+    for stop_after in (150, 333):
+        with Loader(mix, num_workers=2, timeout=60, state=state) as loader:
+            batches = iter(loader)
+            for _ in range(stop_after):
+                out += flat([next(batches)])
+            state = loader.state_dict()
+    with Loader(mix, num_workers=2, timeout=60, state=state) as loader:
+        out += flat(loader)
+    assert sorted(out) == want
+
+
+def test_a_worker_killed_while_the_draws_wait_for_its_input_loses_and_repeats_nothing() -> None:
+    # The 10% input in one split: one worker reads it; killed mid-epoch, its split is read
+    # again by the other (the draws meanwhile go on with what they have).
+    mix = Pipeline.mix(corpora(1), WEIGHTS, seed=4).batch(8)
+    with Loader(mix, num_workers=2, timeout=60) as loader:
+        batches = iter(loader)
+        out = flat([next(batches) for _ in range(200)])
+        loader._processes[0].kill()
+        out += flat(batches)
+    assert sorted(out) == sorted(flat(mix.iter(0)))
+
+
+def test_the_loaders_of_a_job_name_each_draw_and_share_every_element_once() -> None:
+    import threading
+
+    from tests.service import service
+
+    mix = Pipeline.mix(corpora(1), WEIGHTS, seed=6)
+    got: list[list[int]] = [[], []]
+    with service(workers=2) as (address, _procs):
+        loaders = [Loader(mix, broker=address, timeout=60, job_name="pair") for _ in range(2)]
+        try:
+            threads = [threading.Thread(target=lambda i=i: got[i].extend(
+                int(v) for v in loaders[i]), daemon=True) for i in range(2)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(120)
+            assert not any(thread.is_alive() for thread in threads)
+        finally:
+            for loader in loaders:
+                loader.close()
+    assert sorted(got[0] + got[1]) == sorted(int(v) for v in mix.iter(0))
+    for mine in got:  # each Loader's own stream holds the weights (its own draws)
+        head = which(mine)[:1000]
+        assert chi_square_p([head.count(k) for k in range(3)], WEIGHTS) >= 0.001

@@ -1,0 +1,204 @@
+"""The consumer's side of a mix it draws (zloader/plan.py, docs/semantics.md "Mixing"):
+the workers send one stream per input (each record holds elements of one input,
+``Data.part``, and an input's END says a worker has no more of it); :class:`Inputs` keeps a
+queue per input and hands the draws each input's stream, taking the I/O thread's items as
+the draws need them.
+
+An input has ended here when every worker serving the job said so (or the epoch is
+done). A record's credit goes back (for its input) once the draws took its last element,
+so each worker's records in flight are bounded per input, and a worker holding splits of
+an input the draws wait for is never kept from sending it by records of another.
+
+Exactly-once: each element drawn is tagged with a *handle* (its record's first handle
+plus its place in the record), which the stages after the mix carry as they carry
+origins on a worker; :class:`Handles` notes in the state's ledger the origins of the
+elements in each output yielded (and of those the stages dropped), so that a state counts
+exactly what was yielded, whatever those stages hold back (a shuffle's buffer, a batch
+being filled).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from zloader.client.items import Data, Done, End, InputEnd
+from zloader.lineage import Ledger, Origins, gather
+
+if TYPE_CHECKING:
+    from zloader.client.merging import Merger
+
+__all__ = ["Handles", "Inputs"]
+
+
+@dataclass(eq=False)
+class _Held:
+    """A record of one input, in its queue until the draws took all of it."""
+
+    data: Data
+    base: int  # the handle of its first element
+    at: int = 0  # its next element
+
+
+@dataclass(eq=False)
+class _Record:
+    """A record some of whose elements are not yielded yet (exactly-once)."""
+
+    origins: Origins
+    size: int
+    yielded: set[int] = field(default_factory=set)
+
+
+class Handles:
+    """The records whose elements are out, by the handle of their first element: what an
+    output's handles name, noted in the ledger of what was yielded."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+        self._bases: list[int] = []  # sorted
+        self._records: dict[int, _Record] = {}
+
+    def add(self, base: int, origins: Origins, size: int) -> None:
+        """A record came whose elements are handles ``base`` .. ``base + size - 1``."""
+        if size == 0:  # (only origins of elements dropped on the way, and split ends)
+            origins.note(self.ledger)
+            return
+        self._bases.append(base)
+        self._records[base] = _Record(origins, size)
+
+    def yielded(self, handles: np.ndarray) -> None:
+        """The elements of ``handles`` were yielded (or dropped by the stages after the
+        mix): a record all of whose elements were is noted whole."""
+        for handle in handles.tolist():
+            at = bisect.bisect_right(self._bases, handle) - 1
+            if at < 0:
+                continue
+            base = self._bases[at]
+            record = self._records[base]
+            record.yielded.add(handle - base)
+            if len(record.yielded) == record.size:
+                record.origins.note(self.ledger)
+                del self._records[base]
+                del self._bases[at]
+
+    def note_partial(self, ledger: Ledger) -> None:
+        """Add to ``ledger`` (a copy of the state's) what was yielded of the records not
+        yielded whole."""
+        for record in self._records.values():
+            if record.yielded:
+                record.origins.note_some(ledger, sorted(record.yielded), record.size)
+
+
+class Inputs:
+    """The inputs' streams of one epoch of a mix this consumer draws.
+
+    Args:
+        merger: the consumer's merger (its items, credits and timeouts).
+        epoch: the epoch.
+        parts: the mix's number of inputs.
+        track: tag each element with its handle (exactly-once), noting its record in
+            ``handles``.
+    """
+
+    def __init__(self, merger: Merger, epoch: int, parts: int, track: bool) -> None:
+        self.merger, self.epoch, self.track = merger, epoch, track
+        self.queues: list[deque[_Held]] = [deque() for _ in range(parts)]
+        self.ended_by: list[set[int]] = [set() for _ in range(parts)]  # worker indices
+        self.done = False  # the epoch's Done came: nothing more of it
+        self.handles = Handles(merger.yielded.ledger) if track else None
+        self._next_handle = 0
+
+    def opened(self) -> list[Iterator[Any]]:
+        """One stream per input, as the draws read them."""
+        return [self._stream(part) for part in range(len(self.queues))]
+
+    def _stream(self, part: int) -> Iterator[Any]:
+        queue = self.queues[part]
+        while True:
+            if queue:
+                held = queue[0]
+                data = held.data
+                element = data.elements[held.at]
+                handle = held.base + held.at
+                held.at += 1
+                if held.at == len(data.elements):
+                    queue.popleft()
+                    self.merger.io.credit(data.worker, 1, part)
+                yield (element, (handle,)) if self.track else element
+                continue
+            if self.ended(part):
+                return
+            self.pull()
+
+    def rest(self) -> Iterator[Any]:
+        """After the draws ended with every input read to its end: the elements still to
+        come until the epoch is done (an input taken for ended while a dead worker's
+        splits were still to be read again), as they come."""
+        while True:
+            for stream in self.opened():  # (each round anew: an ended one stays ended)
+                yield from stream
+            if self.done:
+                return
+            self.pull()
+
+    def ended(self, part: int) -> bool:
+        """Whether input ``part`` has no more elements this epoch, as far as known: the
+        epoch is done, or every worker serving the job said so."""
+        if self.done:
+            return True
+        stats = self.merger.io.stats
+        serving = set(stats.indices)
+        if self.merger.io.settings.fixed:  # (every worker index reads splits of its own)
+            serving |= set(range(stats.width))
+        return bool(serving) and serving <= self.ended_by[part]
+
+    def pull(self) -> None:
+        """Take the next item of the epoch from the I/O thread and file it."""
+        merger = self.merger
+        item = merger.next_item(self.epoch, once=True)
+        if isinstance(item, Data):
+            part = item.part
+            if part is None or not 0 <= part < len(self.queues):
+                raise RuntimeError(f"a record of a mix drawn here names input {part} "
+                                   f"(the mix has {len(self.queues)}): a worker of "
+                                   "another version?")
+            base, self._next_handle = self._next_handle, self._next_handle + len(item.elements)
+            if self.handles is not None and item.origins is not None:
+                self.handles.add(base, item.origins, len(item.elements))
+            if item.elements:
+                self.queues[part].append(_Held(item, base))
+            else:
+                merger.io.credit(item.worker, 1, part)
+            merger.check_skipped()
+        elif isinstance(item, InputEnd):
+            if 0 <= item.part < len(self.queues):
+                self.ended_by[item.part].add(item.index)
+        elif isinstance(item, End):
+            for ended in self.ended_by:
+                ended.add(item.index)
+            merger.yielded.recorded(item.origins, self.epoch)
+        elif isinstance(item, Done):
+            self.done = True
+
+    def yielded(self, output: Any, ctx: Any) -> Any:
+        """The value of a (tagged) output of the stages after the mix, its elements and
+        those the stages dropped since the last one noted as yielded."""
+        value, origin = output
+        if self.handles is not None:
+            codes = gather([origin])
+            if ctx.tally.loose:
+                codes = np.concatenate((codes, np.array(ctx.tally.loose, np.int64)))
+                ctx.tally.loose = []
+            self.handles.yielded(codes)
+        return value
+
+    def finish(self, ctx: Any) -> None:
+        """The stages after the mix ended: what they dropped last is accounted for."""
+        if self.handles is not None and ctx.tally.loose:
+            self.handles.yielded(np.array(ctx.tally.loose, np.int64))
+            ctx.tally.loose = []

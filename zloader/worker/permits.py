@@ -1,0 +1,74 @@
+"""Permits per mix input: what a producer may make of each input of a mix its consumers
+draw (zloader/plan.py), one permit per record, granted by the consumers' credits for that
+input (``CREDIT.part``).
+
+One pool per input, so that the records of an input the consumer is not drawing now
+(it has enough of them) never take the room of the input it waits for: a worker holding
+splits of both goes on making the one that is wanted.
+"""
+
+from __future__ import annotations
+
+import threading
+
+__all__ = ["PartPool", "Permits"]
+
+
+class Permits:
+    """One count of permits per input, and a condition to wait for any of them."""
+
+    def __init__(self, parts: int) -> None:
+        self._counts = [0] * parts
+        self._changed = threading.Condition(threading.Lock())
+
+    @property
+    def parts(self) -> int:
+        return len(self._counts)
+
+    def release(self, part: int, count: int = 1) -> None:
+        """``count`` more permits for input ``part``."""
+        with self._changed:
+            self._counts[part] += count
+            self._changed.notify_all()
+
+    def take(self, part: int) -> bool:
+        """Take a permit of input ``part`` if one is free."""
+        with self._changed:
+            if self._counts[part] <= 0:
+                return False
+            self._counts[part] -= 1
+            return True
+
+    def take_back(self, part: int, count: int) -> None:
+        """Withdraw up to ``count`` free permits of input ``part`` (a consumer left)."""
+        with self._changed:
+            self._counts[part] -= min(count, max(0, self._counts[part]))
+
+    def free(self) -> list[int]:
+        """The inputs with a permit free now."""
+        with self._changed:
+            return [part for part, count in enumerate(self._counts) if count > 0]
+
+    def wait(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for a permit to be released."""
+        with self._changed:
+            self._changed.wait(timeout)
+
+
+class PartPool:
+    """The permits of one input, as the semaphore a producer takes permits from (``acquire``
+    and ``release``), so that the path that sends a record needs no other."""
+
+    def __init__(self, permits: Permits, part: int) -> None:
+        self.permits, self.part = permits, part
+
+    def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+        if self.permits.take(self.part):
+            return True
+        if not blocking:
+            return False
+        self.permits.wait(timeout if timeout is not None else 0.1)
+        return self.permits.take(self.part)
+
+    def release(self, count: int = 1) -> None:
+        self.permits.release(self.part, count)
