@@ -724,6 +724,11 @@ def render_mix_windows(data: Any, out: Path) -> list[str]:
     return mix_windows_tables(data)
 
 
+def render_deterministic_resume(data: Any, out: Path) -> list[str]:
+    from bench.deterministic_resume import tables
+    return tables(data)
+
+
 RENDERERS: dict[str, tuple[str, Renderer]] = {
     "codec": ("Codec", render_codec),
     "transport": ("Transport: zloader against other loaders", render_transport),
@@ -746,6 +751,8 @@ RENDERERS: dict[str, tuple[str, Renderer]] = {
     "exactness": ("Exactly-once through stages that change the number of elements",
                   render_exactness),
     "mix_windows": ("A mix's weights in every window, with workers", render_mix_windows),
+    "deterministic_resume": ("A deterministic Loader resumed with another number of workers",
+                             render_deterministic_resume),
 }
 
 

@@ -21,7 +21,7 @@ from tests.service import BIN, HEARTBEAT, free_port, start_worker, status, stop,
 from tests.test_state import nested, ready, record, register, split, task_of, tasks_by_worker
 from zloader import Loader, Pipeline, ZloaderError
 from zloader.broker.state import State
-from zloader.journal import Journal, line_of
+from zloader.journal import VERSION, Journal, line_of
 from zloader.transport.protocol import Command
 
 
@@ -371,19 +371,19 @@ def test_the_events_shapes_are_pinned_to_the_journal_version():
     import dataclasses
 
     from zloader.broker import events
-    from zloader.journal import VERSION
     from zloader.options import JobOptions
 
     shapes = {kind: [wire for _, wire, *_ in cls.spec()] for kind, cls in events.KINDS.items()}
     # A line's own fields (version 3): its sequence number and checksum, no event's.
     assert not any({"n", "c"} & set(fields) for fields in shapes.values())
     shapes["job.options"] = [field.name for field in dataclasses.fields(JobOptions)]
-    assert VERSION == 3 and shapes == {
+    assert VERSION == 4 and shapes == {
         "worker": ["id", "host", "host_id", "pid", "endpoint", "prefer", "plain_data"],
         "job": ["id", "fingerprint", "name", "options", "num_splits", "shuffle_splits",
                 "seed", "width", "source_data", "entropy", "pipeline", "inputs"],
         "job.options": ["sharding", "deterministic", "on_error", "num_workers", "balanced",
-                        "num_consumers", "share", "exactly_once", "weight", "objects"],
+                        "num_consumers", "share", "exactly_once", "weight", "objects",
+                        "shards"],
         "rounds": ["job", "size"], "task": ["job", "task", "worker", "index"],
         "split": ["job", "pass", "split", "worker", "origin"],
         "requeue": ["job", "pass", "split", "skip"], "resume": ["job", "epoch", "delivered"],
@@ -514,9 +514,8 @@ def test_a_full_work_dir_fails_the_consumers_loudly_and_the_broker_keeps_serving
 def test_a_journal_starts_with_its_schema_version(tmp_path):
     """A new journal's first line names its schema version, and so does a compacted
     one's; a journal from before versions (no such line) is read as version 1, which
-    this zloader (version 3: lines numbered and checksummed; it reads version 2 too)
+    this zloader (version 4: lines numbered and checksummed; it reads versions 2 and 3 too)
     refuses, naming both."""
-    from zloader.journal import VERSION
 
     state = State(journal=Journal(tmp_path))
     ready(state, "w1")
@@ -525,13 +524,13 @@ def test_a_journal_starts_with_its_schema_version(tmp_path):
     def first_line() -> dict:
         return _body((tmp_path / "journal.jsonl").read_bytes().splitlines()[0])
 
-    assert first_line() == {"e": "journal", "version": VERSION} and VERSION == 3
+    assert first_line() == {"e": "journal", "version": VERSION} and VERSION == 4
     state.journal.compact(state.snapshot())
     assert first_line() == {"e": "journal", "version": VERSION}
     state.journal.close()
     lines = (tmp_path / "journal.jsonl").read_bytes().splitlines(keepends=True)
     (tmp_path / "journal.jsonl").write_bytes(b"".join(lines[1:]))
-    with pytest.raises(ZloaderError, match=f"{tmp_path}.*version 1.*version 3"):
+    with pytest.raises(ZloaderError, match=f"{tmp_path}.*version 1.*versions 2, 3, 4"):
         Journal(tmp_path)
     (tmp_path / "journal.jsonl").write_bytes(b"".join(lines))  # its version line back
     again = State(journal=Journal(tmp_path))
@@ -547,7 +546,7 @@ def test_a_journal_of_another_version_is_refused_naming_the_work_dir(tmp_path):
     journal.write_text('{"e":"journal","version":99}\n{"e":"end","job":"x"}\n')
     journal.chmod(0o600)
     before = journal.read_bytes()
-    with pytest.raises(ZloaderError, match=f"{tmp_path}.*version 99.*version 3"):
+    with pytest.raises(ZloaderError, match=f"{tmp_path}.*version 99.*versions 2, 3, 4"):
         Journal(tmp_path)
     done = subprocess.run([os.path.join(BIN, "zloader-broker"), "--bind",
                            f"tcp://127.0.0.1:{free_port()}", "--work-dir", str(tmp_path)],
@@ -633,7 +632,7 @@ def test_a_torn_last_line_is_cut_when_the_journal_is_opened(tmp_path, caplog, to
         path.write_bytes(tail)
         state = State(journal=Journal(tmp_path))
         assert state.journal.torn == 30
-        assert _body(path.read_bytes()) == {"e": "journal", "version": 3}
+        assert _body(path.read_bytes()) == {"e": "journal", "version": VERSION}
         state.journal.close()
         return
     path.write_bytes(whole + tail)
@@ -856,6 +855,32 @@ def test_a_fence_done_after_a_compaction_is_replayed_without_a_skip(tmp_path):
     again.journal.close()
 
 
+def _as_version_3(line: bytes) -> bytes:
+    """A journal line as version 3 wrote it: a job's options without ``shards``."""
+    body = _body(line)
+    number = json.loads(line)["n"]
+    if body["e"] == "journal":
+        body["version"] = 3
+    if body["e"] == "job":
+        body["options"].pop("shards")
+    return line_of(body, number)
+
+
+def test_a_version_3_journal_is_restored_with_no_shards_and_rewritten(tmp_path):
+    """A journal of version 3 (job options without ``shards``) is restored, its jobs
+    with 0 shards (as they ran), and rewritten as the current version."""
+    _busy_journal(tmp_path)
+    expected = _summary(_restored(tmp_path))
+    path = tmp_path / "journal.jsonl"
+    lines = path.read_bytes().splitlines(keepends=True)
+    path.write_bytes(b"".join(_as_version_3(line) for line in lines))
+    state = _restored(tmp_path)
+    assert state.journal.skipped == [] and _summary(state) == expected
+    assert all(job.options.shards == 0 for job in state.jobs.values())
+    state.journal.close()
+    assert _body(path.read_bytes().splitlines()[0]) == {"e": "journal", "version": VERSION}
+
+
 def _as_version_2(line: bytes) -> bytes:
     """A version 3 journal line as version 2 wrote it: no sequence number, no checksum."""
     body = _body(line)
@@ -864,7 +889,7 @@ def _as_version_2(line: bytes) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode() + b"\n"
 
 
-def test_a_version_2_journal_is_restored_and_rewritten_as_version_3(tmp_path):
+def test_a_version_2_journal_is_restored_and_rewritten_as_the_current_version(tmp_path):
     """A journal a zloader of version 2 wrote (no sequence numbers or checksums) is
     restored, in file order, and rewritten as version 3 at once."""
     tasks = _busy_journal(tmp_path)
@@ -875,9 +900,9 @@ def test_a_version_2_journal_is_restored_and_rewritten_as_version_3(tmp_path):
     state = _restored(tmp_path)
     assert state.journal.skipped == [] and _summary(state) == expected
     state.journal.close()
-    assert _body(path.read_bytes().splitlines()[0]) == {"e": "journal", "version": 3}
+    assert _body(path.read_bytes().splitlines()[0]) == {"e": "journal", "version": VERSION}
     again = _restored(tmp_path)
-    assert again.journal.version == 3 and again.journal.skipped == []
+    assert again.journal.version == VERSION and again.journal.skipped == []
     assert _summary(again) == expected
     _each_split_once(again, tasks)
     again.journal.close()

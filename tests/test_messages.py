@@ -35,7 +35,7 @@ WORKER = {"worker": "w1", "task": "t1", "endpoint": "tcp://127.0.0.1:5600",
           "doing": {"epoch": 0, "split": 2, "stage": "pipeline"}}
 OPTIONS = {"sharding": "dynamic", "deterministic": False, "on_error": "skip", "num_workers": 2,
            "balanced": 0, "num_consumers": 0, "share": None, "exactly_once": True,
-           "weight": 1.0, "objects": False}
+           "weight": 1.0, "objects": False, "shards": 0}
 FENCE = {"id": "f1", "worker": "w2", "task": "t2", "splits": [[[0], 3], [[0, 1], 4]],
          "waiting": ["c1"]}
 
@@ -66,7 +66,7 @@ SAMPLES: dict[Command, dict] = {
                                    "share": {"window_bytes": 1024, "lag": "block",
                                              "block_seconds": 1.0},
                                    "exactly_once": False, "weight": 2.5,
-                                   "objects": True},
+                                   "objects": True, "shards": 3},
                        "source": {"num_splits": 4, "seed": 1}, "host_id": "h", "pid": 42,
                        "consumer_index": 0, "pipeline": {"inherited": True},
                        "source_data": {"endpoint": "tcp://h:2", "kind": "items"},

@@ -19,8 +19,10 @@ naming the work dir) rather than misread it. Version 2: a job's ``options`` are 
 ``share`` event). Version 3: each line ends with its sequence number ``n`` (one more than
 the line before it, across compactions: a compacted journal's first line has a number
 above every line it replaces) and ``c``, the CRC-32 of the line up to and with ``n``
-(:func:`line_of`). A version 2 journal is still read (in file order, without those
-checks) and rewritten as version 3 once restored.
+(:func:`line_of`). Version 4: a job's options hold ``shards`` (a deterministic job's
+fixed shards; a job of a version 3 journal reads as 0, as it ran). A version 2 journal is
+still read (in file order, without those checks), a version 3 one as it is, and either is
+rewritten as version 4 once restored.
 
 Replay trusts nothing it reads: a torn line, one that is not UTF-8 JSON, one whose
 checksum does not hold or that has none, one older than the compacted snapshot it
@@ -57,11 +59,11 @@ __all__ = ["READS", "VERSION", "Journal", "JournalVersionError", "WorkDirError",
 
 log = logging.getLogger("zloader.broker")
 
-VERSION = 3
+VERSION = 4
 """The schema of the events (zloader/broker/events.py) and of the lines that hold them;
 bump it when an event or a line changes shape or meaning."""
 
-READS = (2, VERSION)
+READS = (2, 3, VERSION)
 """The versions a broker restores (an older one is rewritten as :data:`VERSION`)."""
 
 _STAMP = re.compile(rb',"n":(0|[1-9][0-9]{0,18}),"c":"([0-9a-f]{8})"\}')
@@ -186,7 +188,7 @@ class Journal:
             if version is not None and version not in READS:
                 raise JournalVersionError(
                     f"the journal in work dir {self.root} is of version {version}; "
-                    f"this zloader reads version {VERSION} (and {READS[0]}): run the zloader "
+                    f"this zloader reads versions {', '.join(map(str, READS))}: run the zloader "
                     "that wrote it, or give zloader-broker another --work-dir (or move that "
                     "journal away to start its jobs over)")
             self.version = version or VERSION

@@ -22,7 +22,7 @@ from zloader import _check, packed
 from zloader._defaults import DEFAULT_TIMEOUT
 from zloader.client import STATE_VERSION, IOThread, Merger, Stats
 from zloader.client.arguments import Arguments, checked
-from zloader.client.draw import Inputs
+from zloader.client.draw import Inputs, Order
 from zloader.client.packing import check_exposure, pack
 from zloader.embedded import Embedded
 from zloader.errors import WorkerExited
@@ -176,6 +176,11 @@ class Loader:
         self._weights: tuple[float, ...] | None = None  # set_weights
         self._weights_stamp = 0.0  # (when: time.time())
         self._live = LiveWeights()  # (the same, for a mix drawn here)
+        # A deterministic job's order over its shards, resumed where a state left it.
+        resume = args.resume
+        self._order = (Order(self._plan.shards, {"epoch": resume["epoch"], **resume["order"]}
+                             if resume is not None and "order" in resume else None)
+                       if self._plan.shards else None)
         # Forked workers read the dataset's large lists packed, mapped here: one copy.
         swaps = packed.prepare(pipeline) if args.inherit and args.pack_dataset else []
         self._packed = [swap.view for swap in swaps]
@@ -245,8 +250,12 @@ class Loader:
             self._join_job()
         epoch = self._epoch
         self._epoch += 1
-        mix = self._plan.mix
-        if mix is None:
+        mix, order = self._plan.mix, self._order
+        if order is not None:  # (the workers make each shard's stream; ordered here)
+            skip = order.begin(epoch)
+            elements = _counted(order.elements(self._merger.inputs(
+                epoch, epoch_input, order.shards, False, skip)), self._merger)
+        elif mix is None:
             elements = self._merger.epoch(epoch, epoch_input)
         else:  # (the workers make each input's stream; the draws are made here)
             track = self._options.exactly_once
@@ -293,17 +302,23 @@ class Loader:
         Call it between elements, from the iterating thread. A finished epoch's state
         resumes at the next epoch, unless another Loader of the same ``job_name`` whose
         state is resumed with it was still in that epoch (its ``finished`` entry says what
-        this one yielded of it).
+        this one yielded of it). A deterministic Loader with the default sharding
+        records instead where it is in its order over the job's shards, and resumes the
+        exact rest of its stream, with any number of workers (docs/semantics.md).
 
         Raises:
             ValueError: this Loader does not keep origins (``exactly_once`` is off or does
-                not apply), or its pipeline has a ``take``/``skip`` part run here.
+                not apply) and is not deterministic with the default sharding, or its
+                pipeline has a ``take``/``skip`` part run here.
         """
         self._check_process()
+        if self._order is not None:
+            return self._order_state()
         if not self._options.exactly_once:
             raise ValueError("state_dict() needs exactly_once=True with sharding='dynamic' "
-                             "(and no share, balanced, num_consumers or deterministic): "
-                             "only then does every element carry its origin")
+                             "(and no share, balanced or num_consumers; deterministic=True "
+                             "with the default sharding has a state of its own): only then "
+                             "does every element carry its origin")
         if self._plan.consumer_stages:
             raise ValueError("state_dict() cannot record a take/skip run by the consumer "
                              f"({', '.join(s.name for s in self._plan.consumer_stages)}); "
@@ -315,6 +330,22 @@ class Loader:
         finished = yielded.finished_state()
         if finished is not None:
             state["finished"] = finished
+        if self._weights is not None:
+            state["weights"] = list(self._weights)
+            state["weights_stamp"] = self._weights_stamp
+        return state
+
+    def _order_state(self) -> dict[str, Any]:
+        """A deterministic Loader's state: the shard whose turn it is and the elements
+        yielded of each (zloader/client/draw.py ``Order``)."""
+        if self._plan.consumer_stages:
+            raise ValueError("state_dict() cannot record a take/skip run by the consumer "
+                             f"({', '.join(s.name for s in self._plan.consumer_stages)}); "
+                             "drop it, or stop the loop yourself after N elements")
+        assert self._order is not None
+        state = {"zloader": STATE_VERSION, "fingerprint": self.pipeline.fingerprint,
+                 "entropy": self._io.stats.entropy, "delivered": [],
+                 **self._order.state(self._epoch)}
         if self._weights is not None:
             state["weights"] = list(self._weights)
             state["weights_stamp"] = self._weights_stamp
@@ -459,6 +490,13 @@ def _drawn(planned: Plan, inputs: Inputs, epoch: int, track: bool, live: LiveWei
     merger.yielded.done(epoch)
 
 
+def _counted(elements: Iterator[Any], merger: Merger) -> Iterator[Any]:
+    """``elements``, counted in the stats as they are yielded."""
+    for element in elements:
+        merger.elements += 1
+        yield element
+
+
 def _io_thread(args: Arguments, pipeline: Pipeline, address: str, blob: bytes,
                served: Any, embedded: Embedded, planned: Plan) -> IOThread:
     """The Loader's I/O thread (not started), registering its job with the broker at
@@ -471,7 +509,7 @@ def _io_thread(args: Arguments, pipeline: Pipeline, address: str, blob: bytes,
         keys=args.keys, resume=args.resume, timeout=args.timeout,
         own=frozenset(process.pid for process in embedded.processes),
         memory_budget=args.memory_budget, dispatched=pipeline.source.dispatched,
-        parts=len(planned.mix.inputs) if planned.mix is not None else 0)
+        parts=planned.parts)
 
 
 def _merger(args: Arguments, io: IOThread, processes: list[Any]) -> Merger:

@@ -69,6 +69,11 @@ class JobOptions:
         objects: elements may hold leaves of types the codec does not know: workers
             pickle them (zloader/codec.py), and the consumer unpickles them only from
             its own forked workers (``Loader(objects=True)``).
+        shards: a deterministic job read in this many fixed shards, whatever its number
+            of workers (each worker runs the shards of its index modulo their number, and
+            the consumer takes one element of each shard in turn), so that its stream is
+            the same with any number of workers and a state can resume it exactly
+            (zloader/plan.py); 0: one per worker index (the workers' order).
     """
 
     sharding: str = field(default="dynamic", metadata={"check": text(choices=SHARDING_MODES)})
@@ -81,6 +86,7 @@ class JobOptions:
     exactly_once: bool = field(default=False, metadata={"check": boolean})
     weight: float = field(default=1.0, metadata={"check": number(*WEIGHT_RANGE)})
     objects: bool = field(default=False, metadata={"check": boolean})
+    shards: int = field(default=0, metadata={"check": integer(0, MAX_FANOUT)})
 
     @property
     def shared(self) -> bool:

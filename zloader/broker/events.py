@@ -131,6 +131,14 @@ class WorkerReady(Event):
                    plain_data=worker.plain_data)
 
 
+def _job_options(body: Any) -> JobOptions:
+    """A job's options as a journal holds them: one of version 3 or before has no
+    ``shards`` (added in version 4: 0, one per worker index, as those jobs ran)."""
+    if isinstance(body, dict) and "shards" not in body:
+        body = {**body, "shards": 0}
+    return JobOptions.from_body(body)
+
+
 @dataclass(frozen=True, kw_only=True)
 class JobCreated(Event):
     """A job was made (its pipeline is kept beside the journal, by its id)."""
@@ -139,7 +147,7 @@ class JobCreated(Event):
     id: str = fld(NAME)
     fingerprint: str = fld(NAME)
     name: str | None = fld(optional(NAME))
-    options: JobOptions = fld(JobOptions.from_body)
+    options: JobOptions = fld(_job_options)
     num_splits: int = fld(INDEX)
     shuffle_splits: bool = fld(boolean)
     seed: int | None = fld(optional(integer()))

@@ -6,6 +6,7 @@ the checks of one value)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -196,12 +197,18 @@ def checked(pipeline: Any, *, broker: Any, num_workers: Any, sharding: Any, job_
         objects=objects)
     options.check(job_name)
     options = options.applied()
+    # deterministic=True with the default sharding: read in fixed shards (as many as its
+    # first run's workers), so that a state resumes its stream with any number of them
+    ordered = options.deterministic and sharding == "dynamic" and options.num_workers > 0
     refused = pipeline_refusal(pipeline) if options.exactly_once else None
     if refused:
         raise ValueError(refused)
     # keys: embedded mode needs none, but a bad keys= is still an error
     resolved = resolve_keys(keys) if broker is not None or keys is not None else None
-    resume = resume_from(state, pipeline.fingerprint, options.exactly_once)
+    resume = resume_from(state, pipeline.fingerprint, options.exactly_once, ordered)
+    if ordered:
+        options = dataclasses.replace(options, shards=resume["order"]["shards"]
+                                      if resume is not None else options.num_workers)
     if resume is not None and job_name is not None:
         job_name = f"{job_name}@{resume['digest']}"  # a fresh job for the resumed run
     return Arguments(

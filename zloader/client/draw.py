@@ -90,7 +90,11 @@ class Handles:
         """Add to ``ledger`` (a copy of the state's) what was yielded of the records not
         yielded whole."""
         for record in self._records.values():
-            if record.yielded:
+            if not record.yielded:
+                continue
+            if len(record.yielded) == max(record.yielded) + 1:  # (the first ones)
+                record.origins.note(ledger, len(record.yielded))
+            else:
                 record.origins.note_some(ledger, sorted(record.yielded), record.size)
 
 
@@ -105,13 +109,18 @@ class Inputs:
             ``handles``.
     """
 
-    def __init__(self, merger: Merger, epoch: int, parts: int, track: bool) -> None:
+    def __init__(self, merger: Merger, epoch: int, parts: int, track: bool,
+                 skip: list[int] | None = None) -> None:
         self.merger, self.epoch, self.track = merger, epoch, track
         self.queues: list[deque[_Held]] = [deque() for _ in range(parts)]
         self.ended_by: list[set[int]] = [set() for _ in range(parts)]  # worker indices
         self.done = False  # the epoch's Done came: nothing more of it
         self.handles = Handles(merger.yielded.ledger) if track else None
         self._next_handle = 0
+        # A deterministic job's shards (each made by one worker, ended by its END), and
+        # the elements of each to drop as they come (yielded before a resume).
+        self.shards = skip is not None
+        self.skip = list(skip) if skip is not None else [0] * parts
 
     def opened(self) -> list[Iterator[Any]]:
         """One stream per input, as the draws read them."""
@@ -121,19 +130,25 @@ class Inputs:
         queue = self.queues[part]
         while True:
             if queue:
-                held = queue[0]
-                data = held.data
-                element = data.elements[held.at]
-                handle = held.base + held.at
-                held.at += 1
-                if held.at == len(data.elements):
-                    queue.popleft()
-                    self.merger.io.credit(data.worker, 1, part)
-                yield (element, (handle,)) if self.track else element
+                yield self.take(part)
                 continue
             if self.ended(part):
                 return
             self.pull()
+
+    def take(self, part: int) -> Any:
+        """The next element of input ``part``'s queue (not empty), tagged with its handle
+        when tracked; a record's credit goes back once its last element is taken."""
+        queue = self.queues[part]
+        held = queue[0]
+        data = held.data
+        element = data.elements[held.at]
+        handle = held.base + held.at
+        held.at += 1
+        if held.at == len(data.elements):
+            queue.popleft()
+            self.merger.io.credit(data.worker, 1, part)
+        return (element, (handle,)) if self.track else element
 
     def rest(self) -> Iterator[Any]:
         """After the draws ended with every input read to its end: the elements still to
@@ -151,6 +166,8 @@ class Inputs:
         epoch is done, or every worker serving the job said so."""
         if self.done:
             return True
+        if self.shards:  # (a shard is made by one worker: ended when it says so)
+            return bool(self.ended_by[part])
         stats = self.merger.io.stats
         serving = set(stats.indices)
         if self.merger.io.settings.fixed:  # (every worker index reads splits of its own)
@@ -167,6 +184,10 @@ class Inputs:
                 raise RuntimeError(f"a record of a mix drawn here names input {part} "
                                    f"(the mix has {len(self.queues)}): a worker of "
                                    "another version?")
+            if self.skip[part]:  # (made again after a resume: yielded before it)
+                dropped = min(self.skip[part], len(item.elements))
+                self.skip[part] -= dropped
+                item.elements = item.elements[dropped:]
             base, self._next_handle = self._next_handle, self._next_handle + len(item.elements)
             if self.handles is not None and item.origins is not None:
                 self.handles.add(base, item.origins, len(item.elements))
@@ -179,8 +200,9 @@ class Inputs:
             if 0 <= item.part < len(self.queues):
                 self.ended_by[item.part].add(item.index)
         elif isinstance(item, End):
-            for ended in self.ended_by:
-                ended.add(item.index)
+            if not self.shards:  # (every input ended on that worker)
+                for ended in self.ended_by:
+                    ended.add(item.index)
             merger.yielded.recorded(item.origins, self.epoch)
         elif isinstance(item, Done):
             self.done = True
@@ -202,3 +224,59 @@ class Inputs:
         if self.handles is not None and ctx.tally.loose:
             self.handles.yielded(np.array(ctx.tally.loose, np.int64))
             ctx.tally.loose = []
+
+
+class Order:
+    """A deterministic job's order over its shards (zloader/plan.py): one element of each
+    shard in turn, in shard order, passing over the shards that ended; and where it is,
+    which is what a state of it holds: the epoch, the shard whose turn it is and the
+    elements yielded of each. A resumed order's shards are made again from the epoch's
+    start, dropping as they come the elements yielded before (:class:`Inputs` ``skip``).
+    """
+
+    def __init__(self, shards: int, resume: dict[str, Any] | None = None) -> None:
+        self.shards = shards
+        self.epoch: int | None = None  # the epoch being yielded, or the next one
+        self.turn = 0
+        self.yielded = [0] * shards
+        self.iterating = False
+        if resume is not None:
+            self.epoch, self.turn = resume["epoch"], resume["turn"]
+            self.yielded = list(resume["yielded"])
+
+    def begin(self, epoch: int) -> list[int]:
+        """``epoch`` starts: the elements of each shard to drop (yielded before a resume
+        of it)."""
+        if self.epoch != epoch:
+            self.turn, self.yielded = 0, [0] * self.shards
+        self.epoch, self.iterating = epoch, True
+        return list(self.yielded)
+
+    def elements(self, inputs: Inputs) -> Iterator[Any]:
+        """The epoch's elements, in the order."""
+        queues = inputs.queues
+        while True:
+            for step in range(self.shards):
+                shard = (self.turn + step) % self.shards
+                while not queues[shard] and not inputs.ended(shard):
+                    inputs.pull()
+                if queues[shard]:
+                    break
+            else:
+                self.iterating = False
+                if self.epoch is not None:
+                    self.epoch += 1
+                self.turn, self.yielded = 0, [0] * self.shards
+                return
+            element = inputs.take(shard)
+            self.turn = (shard + 1) % self.shards
+            self.yielded[shard] += 1
+            yield element
+
+    def state(self, next_epoch: int) -> dict[str, Any]:
+        """``{epoch, order: {shards, turn, yielded}}``: where the next element is."""
+        epoch = self.epoch if self.epoch is not None else next_epoch
+        if not self.iterating and epoch < next_epoch:
+            epoch = next_epoch
+        return {"epoch": epoch, "order": {"shards": self.shards, "turn": self.turn,
+                                          "yielded": list(self.yielded)}}

@@ -9,8 +9,9 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeGuard
 
+from zloader._defaults import MAX_FANOUT
 from zloader.lineage import Ledger, Origins
 
 __all__ = ["STATE_VERSION", "Yielded", "resume_from"]
@@ -93,16 +94,24 @@ class Yielded:
         return epoch, ledger.to_json()
 
 
-def resume_from(state: Any, fingerprint: str, exactly_once: bool) -> dict[str, Any] | None:
+def resume_from(state: Any, fingerprint: str, exactly_once: bool,
+                ordered: bool = False) -> dict[str, Any] | None:
     """Check ``state`` (one :meth:`Loader.state_dict` or a list of them) and merge it into
-    ``{epoch, entropy, delivered, digest, weights, weights_stamp}``; None for None.
+    ``{epoch, entropy, delivered, digest, weights, weights_stamp}``, with ``order``
+    (``{shards, turn, yielded}``) for a deterministic Loader read in shards (``ordered``,
+    whose state is one Loader's); None for None.
 
     Raises:
         ValueError: it is not such a state, or of another pipeline (another
-            ``fingerprint``), or ``exactly_once`` does not apply.
+            ``fingerprint``), or ``exactly_once`` does not apply, or it is the state of a
+            Loader read in shards and this one is not (or the other way round).
     """
     if state is None:
         return None
+    orders = [one.get("order") for one in (state if isinstance(state, list) else [state])
+              if isinstance(one, dict)]
+    if ordered or any(order is not None for order in orders):
+        return _ordered(state, fingerprint, ordered)
     if not exactly_once:
         raise ValueError("state= needs exactly_once=True with sharding='dynamic' (and no "
                          "share, balanced, num_consumers or deterministic)")
@@ -135,6 +144,45 @@ def resume_from(state: Any, fingerprint: str, exactly_once: bool) -> dict[str, A
     stamp, _, weights = max(weighted) if weighted else (0.0, 0, None)
     return {"epoch": epoch, "entropy": entropy, "delivered": delivered, "digest": digest[:12],
             "weights": weights, "weights_stamp": stamp}
+
+
+def _ordered(state: Any, fingerprint: str, ordered: bool) -> dict[str, Any]:
+    """A deterministic Loader's state (``Loader.state_dict`` with an ``order``), checked.
+
+    Raises:
+        ValueError: it is not one, or this Loader is not read in shards, or the state is
+            of another pipeline.
+    """
+    one = state[0] if isinstance(state, list) and len(state) == 1 else state
+    order = one.get("order") if isinstance(one, dict) else None
+    if not ordered:
+        raise ValueError("state is a deterministic Loader's (it has an 'order'): resume it "
+                         "with deterministic=True and the default sharding")
+    if order is None:
+        raise ValueError("state= with deterministic=True needs the state of a deterministic "
+                         "Loader (Loader(deterministic=True).state_dict(), with an 'order')")
+    shards, turn, yielded = (order.get(k) if isinstance(order, dict) else -1
+                             for k in ("shards", "turn", "yielded"))
+    if not (one.get("zloader") == STATE_VERSION and _natural(one.get("epoch"))
+            and _natural(shards) and 1 <= shards <= MAX_FANOUT and _natural(turn)
+            and turn < shards and isinstance(yielded, list) and len(yielded) == shards
+            and all(_natural(n) for n in yielded)):
+        raise ValueError("state must be what Loader(deterministic=True).state_dict() "
+                         f"returned: {{'zloader': {STATE_VERSION}, 'epoch', 'order': "
+                         "{'shards' >= 1, 'turn' < shards, 'yielded': one count per shard}}")
+    if one.get("fingerprint") != fingerprint:
+        raise ValueError("state was saved by a Loader of another pipeline (its "
+                         "fingerprint differs); resume with the same pipeline")
+    entropy = one.get("entropy") if _natural(one.get("entropy")) else None
+    digest = hashlib.sha256(json.dumps([one["epoch"], entropy, order]).encode()).hexdigest()
+    return {"epoch": one["epoch"], "entropy": entropy, "delivered": [],
+            "digest": digest[:12], "weights": one.get("weights") or None,
+            "weights_stamp": _stamp(one),
+            "order": {"shards": shards, "turn": turn, "yielded": list(yielded)}}
+
+
+def _natural(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _stamp(state: dict[str, Any]) -> float:

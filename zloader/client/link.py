@@ -46,8 +46,9 @@ def registration(*, fingerprint: str, job_name: str | None, options: JobOptions,
         options=options, source=source, host_id=host_id(), pid=os.getpid(),
         consumer_index=consumer_index,
         pipeline={"inherited": True} if inherited else None,
+        # (a deterministic Loader's state resumes here alone: only its entropy goes)
         resume=({"epoch": resume["epoch"], "delivered": resume["delivered"]}
-                if resume is not None else None),
+                if resume is not None and "order" not in resume else None),
         entropy=resume["entropy"] if resume is not None else None)
 
 

@@ -63,13 +63,16 @@ class Merger:
         self.io.start_epoch(epoch, encoded(epoch_input))
         return self._round_robin(epoch) if self.deterministic else self._merged(epoch)
 
-    def inputs(self, epoch: int, epoch_input: Any, parts: int, track: bool) -> Inputs:
-        """Start ``epoch`` as :meth:`epoch` does, for a mix of ``parts`` inputs this
-        consumer draws (zloader/client/draw.py); ``track``: exactly-once."""
+    def inputs(self, epoch: int, epoch_input: Any, parts: int, track: bool,
+               skip: list[int] | None = None) -> Inputs:
+        """Start ``epoch`` as :meth:`epoch` does, for records by part (zloader/plan.py):
+        the ``parts`` inputs of a mix this consumer draws (``track``: exactly-once), or
+        a deterministic job's shards (``skip``: each one's elements to drop, yielded
+        before a resume) (zloader/client/draw.py)."""
         self._reading = epoch
         self.yielded.begin(epoch)
         self.io.start_epoch(epoch, encoded(epoch_input))
-        inputs = Inputs(self, epoch, parts, track)
+        inputs = Inputs(self, epoch, parts, track, skip)
         handles = inputs.handles
         self.yielded.partial = handles.note_partial if handles is not None else None
         return inputs

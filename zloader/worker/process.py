@@ -64,9 +64,10 @@ def delivery_for(task: Assignment, planned: Plan | None = None
         return functools.partial(SharedDelivery, share=task.share)
     if task.coordinated:
         return functools.partial(RoundsDelivery, size=task.coordinated)
-    parts = len(planned.mix.inputs) if planned is not None and planned.mix is not None else 0
     return functools.partial(CreditDelivery, balanced=task.balanced,  # plain or balanced
-                             parts=parts)  # (by input: its consumers draw the mix)
+                             # (by part: a mix its consumers draw, a deterministic job's
+                             # shards)
+                             parts=planned.parts if planned is not None else 0)
 
 
 class WorkerProcess:

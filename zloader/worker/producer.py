@@ -30,7 +30,9 @@ CPU (bench.transport section h).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
+import functools
 import itertools
 import threading
 import time
@@ -210,8 +212,9 @@ class Producer(threading.Thread):
         after: producers stopped before this one, which it waits to leave (they exit at
             their next send) before it runs the pipeline: user code of two epochs never
             runs at once in one process.
-        permits: a task whose consumers draw its mix (zloader/plan.py): the permits per
-            input, which replace ``pool`` (:meth:`_produce_inputs`).
+        permits: a task whose records go by part (``plan.parts``: a mix its consumers
+            draw, a deterministic job's shards): the permits per part, which replace
+            ``pool`` (:meth:`_produce_parts`).
     """
 
     def __init__(self, context: zmq.Context[Any], address: str, spec: ProducerSpec,
@@ -323,8 +326,8 @@ class Producer(threading.Thread):
         if spec.sharding == "dynamic":  # handed some splits of each pass, not all
             ctx.coverage = self.coverage = Coverage(spec.plan.pipeline.source.splits_in,
                                                     self.draining.is_set)
-        if spec.plan.mix is not None and self.permits is not None:
-            self._produce_inputs(pair, ctx, self.permits)
+        if spec.plan.parts and self.permits is not None:
+            self._produce_parts(pair, ctx, self.permits)
             return
         elements = spec.plan.run_worker(lambda key: self._feed(pair, key), self.epoch, ctx)
         if self.replay is not None:
@@ -375,24 +378,27 @@ class Producer(threading.Thread):
             end["origins"] = ctx.tally.block([])
         self._put(pair, LinkKind.END, end)
 
-    def _produce_inputs(self, pair: zmq.Socket[Any], ctx: Context, permits: Permits) -> None:
-        """A mix its consumers draw (zloader/plan.py): each input's stream, in records of
-        one input each (``head["part"]``). The next record is of an input with a permit
-        free (the consumers' credits for it), chosen among those by the mix's weights (as
-        last set), so that what is made follows what the consumers draw; an input of
-        weight 0 is not made (they never draw it). An input that ends here gets an END of
-        its own (``part``), after its records; the epoch's END comes once all have."""
-        mix = self.spec.plan.mix
-        assert mix is not None
-        streams = self.spec.plan.run_inputs(lambda key: self._feed(pair, key), self.epoch,
-                                            ctx)
-        live = list(range(len(streams)))
+    def _produce_parts(self, pair: zmq.Socket[Any], ctx: Context, permits: Permits) -> None:
+        """Streams of their own (``plan.parts``), in records of one stream each
+        (``head["part"]``): each input of a mix its consumers draw, or each shard of a
+        deterministic job this worker runs (:meth:`_shards`). The next record is of a
+        stream with a permit free (the consumers' credits for it), chosen among those by
+        the mix's weights as last set (shards: alike), so that what is made follows what
+        the consumers take; an input of weight 0 is not made (they never draw it). A
+        stream that ends here gets an END of its own (``part``), after its records; the
+        epoch's END comes once all have."""
+        plan = self.spec.plan
+        if plan.mix is not None:
+            streams = dict(enumerate(plan.run_inputs(lambda key: self._feed(pair, key),
+                                                     self.epoch, ctx)))
+            contexts = dict.fromkeys(streams, ctx)
+        else:
+            contexts, streams = self._shards(pair, ctx)
+        live = list(streams)
         choose = np.random.default_rng()  # (which is made first: no effect on what is)
         self._mark = time.perf_counter()
         while live:
-            latest = self.weights.value if self.weights is not None else None
-            weights = latest if latest is not None and len(latest) == len(streams) \
-                else mix.weights
+            weights = self._weights_of(len(streams))
             free = set(permits.free())
             ready = [k for k in live if weights[k] > 0 and k in free]
             if not ready:
@@ -408,10 +414,46 @@ class Producer(threading.Thread):
                 continue
             self.pool, self._permit = PartPool(permits, which), True
             self.stage = "pipeline"
-            if self._record_of(pair, streams[which], which, ctx):
+            if self._record_of(pair, streams[which], which, contexts[which]):
                 live.remove(which)
                 self._put(pair, LinkKind.END, {"epoch": self.epoch, "part": which})
         self._end(pair, ctx)
+
+    def _weights_of(self, count: int) -> Any:
+        """The weights the next record's stream is chosen by: a mix's as last set (its
+        own when none were), or alike (a deterministic job's shards)."""
+        mix = self.spec.plan.mix
+        if mix is None:
+            return [1.0] * max(count, self.spec.plan.shards)
+        latest = self.weights.value if self.weights is not None else None
+        return latest if latest is not None and len(latest) == len(mix.inputs) \
+            else mix.weights
+
+    def _shards(self, pair: zmq.Socket[Any], ctx: Context
+                ) -> tuple[dict[int, Context], dict[int, Iterator[Any]]]:
+        """The shards of a deterministic job this worker runs (those of its index modulo
+        the job's worker indices), each the worker part over the splits ``shard::shards``
+        of each pass, seeded as worker ``shard`` of ``shards`` would be: the same stream
+        whichever worker runs it. Their runs share ``ctx``'s tally (skipped elements)."""
+        spec, shards = self.spec, self.spec.plan.shards
+        contexts: dict[int, Context] = {}
+        streams: dict[int, Iterator[Any]] = {}
+        for shard in range(spec.index, shards, max(1, spec.width)):
+            own = Context(dataclasses.replace(ctx.settings, worker=shard, workers=shards),
+                          tally=ctx.tally)
+            contexts[shard] = own
+            streams[shard] = spec.plan.run_worker(
+                functools.partial(self._shard_splits, shard=shard), self.epoch, own)
+        return contexts, streams
+
+    def _shard_splits(self, key: tuple[int, ...], shard: int) -> Iterator[int]:
+        spec = self.spec
+        order = spec.plan.pipeline.source.split_order(key, spec.entropy)
+        for split in order[shard::spec.plan.shards]:
+            if self.stop.is_set():
+                raise _Stopped
+            self.split = split
+            yield split
 
     def _record_of(self, pair: zmq.Socket[Any], stream: Iterator[Any], part: int,
                    ctx: Context) -> bool:

@@ -1,0 +1,89 @@
+"""A deterministic Loader is reproducible and resumable together: the same stream on every
+run, and a state that resumes exactly the rest of it, batch by batch, with the same or
+another number of workers (docs/semantics.md, "Resuming")."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+
+from zloader import Loader, Pipeline
+
+
+def pipeline() -> Pipeline:
+    words = Pipeline.range(2000, split_size=40, shuffle_splits=True, seed=3) \
+        .map(lambda x: x * 3).filter(lambda x: x % 7 != 1).shuffle(50, seed=2)
+    other = Pipeline.range(100_000, 100_600, split_size=100).shuffle(20, seed=4)
+    return Pipeline.mix([words, other], [0.7, 0.3], seed=5).batch(6)
+
+
+def batches(loader: Any, stop: int | None = None) -> list[list[int]]:
+    out = []
+    for batch in loader:
+        out.append(np.asarray(batch).tolist())
+        if stop is not None and len(out) == stop:
+            break
+    return out
+
+
+def run(workers: int, state: Any = None, stop: int | None = None,
+        epochs: int = 1) -> tuple[list[list[list[int]]], dict[str, Any]]:
+    with Loader(pipeline(), num_workers=workers, deterministic=True, state=state,
+                timeout=60) as loader:
+        got = [batches(loader, stop) for _ in range(epochs)]
+        return got, loader.state_dict()
+
+
+def test_two_runs_give_the_same_batches_and_a_whole_epoch_resumes_at_the_next() -> None:
+    (first, second), state = run(3, epochs=2)
+    (again, again_second), _ = run(3, epochs=2)
+    assert first == again and second == again_second and len(first) > 100
+    assert first != second  # (the next epoch draws anew)
+    assert state["epoch"] == 2 and state["order"]["yielded"] == [0, 0, 0]
+    (third,), _ = run(3, state=state)
+    assert third == run(3, epochs=3)[0][2]
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3, 5])
+def test_a_state_resumes_the_exact_stream_with_another_number_of_workers(
+        workers: int) -> None:
+    (whole,), _ = run(3)
+    cut = random.Random(workers).randrange(1, len(whole) - 1)
+    (head,), state = run(3, stop=cut)
+    assert state["order"]["shards"] == 3 and sum(state["order"]["yielded"]) == sum(
+        1 for _ in head)
+    (rest,), _ = run(workers, state=state)
+    assert head + rest == whole
+
+
+def test_a_resume_of_a_resume_and_a_state_taken_at_once() -> None:
+    (whole,), _ = run(2)
+    out: list[list[int]] = []
+    state = None
+    for stop, workers in ((40, 2), (0, 4), (75, 1)):
+        if stop == 0:  # (a state before any batch of the resumed run)
+            with Loader(pipeline(), num_workers=workers, deterministic=True,
+                        state=state) as loader:
+                state = loader.state_dict()
+            continue
+        (part,), state = run(workers, state=state, stop=stop)
+        out += part
+    (rest,), _ = run(3, state=state)
+    assert out + rest == whole
+
+
+def test_states_of_the_other_kind_are_refused_by_name() -> None:
+    (_,), ordered = run(2, stop=5)
+    with pytest.raises(ValueError, match="deterministic=True"):
+        Loader(pipeline(), num_workers=2, state=ordered)
+    with Loader(pipeline(), num_workers=2) as loader:
+        next(iter(loader))
+        plain = loader.state_dict()
+    with pytest.raises(ValueError, match="deterministic Loader"):
+        Loader(pipeline(), num_workers=2, deterministic=True, state=plain)
+    bad = {**ordered, "order": {**ordered["order"], "turn": 9}}
+    with pytest.raises(ValueError, match="turn"):
+        Loader(pipeline(), num_workers=2, deterministic=True, state=bad)
