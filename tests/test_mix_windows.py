@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 
+from bench.mix_windows import chi_square_p
 from zloader import Loader, Pipeline
 from zloader.options import JobOptions
 from zloader.plan import draws_at_consumer
@@ -42,25 +43,6 @@ def which(values: list[int]) -> list[int]:
 
 def flat(batches: object) -> list[int]:
     return [int(x) for batch in batches for x in np.asarray(batch).reshape(-1)]
-
-
-def chi_square_p(observed: list[int], shares: list[float]) -> float:
-    """The p-value of Pearson's chi-square test of ``observed`` counts against
-    ``shares`` (the regularized upper incomplete gamma function, by its series)."""
-    total = sum(observed)
-    stat = sum((o - total * s) ** 2 / (total * s) for o, s in zip(observed, shares,
-                                                                     strict=True))
-    a, x = (len(observed) - 1) / 2, stat / 2
-    if x == 0:
-        return 1.0
-    term = summed = 1.0 / a
-    n = 1
-    while term > 1e-15 * summed:
-        term *= x / (a + n)
-        summed += term
-        n += 1
-    lower = summed * math.exp(-x + a * math.log(x) - math.lgamma(a))
-    return max(0.0, 1.0 - lower)
 
 
 def test_the_chi_square_helper_agrees_with_known_values() -> None:
