@@ -32,13 +32,11 @@ SplitFeed = Callable[[_stages.Key], Iterable["int | Assigned"]]
 
 _CONSUMER_STAGES = (_stages.Take, _stages.Skip)
 
-CONSUMER_DRAWN = (_stages.Map, _stages.Filter, _stages.Batch)
+CONSUMER_DRAWN = (_stages.Map, _stages.Filter, _stages.Batch, _stages.Shuffle,
+                  _stages.BucketByLength)
 """The stages after a mix that the consumer runs when it draws the mix: each output's
-elements are known (tracked), so a state counts exactly those yielded. They keep the
-draws' order, so what a state counts of each record is the elements before a point. (A
-shuffle or a bucket after the mix is not among them yet: with them, a state taken near
-an epoch's end over rows of groups of groups' rows was found to miss some rows on
-resume, tests/test_generated.py seed 41; those mixes are drawn on the workers.)"""
+elements are known (tracked), so a state counts exactly those yielded (of each record,
+the elements before a point, or, after a shuffle or a bucket, any of them)."""
 
 
 @dataclass(frozen=True)

@@ -60,8 +60,9 @@ class Handles:
 
     def __init__(self, ledger: Ledger) -> None:
         self.ledger = ledger
-        self._bases: list[int] = []  # sorted
+        self._bases: list[int] = []  # sorted: the order the records came in
         self._records: dict[int, _Record] = {}
+        self._defined: set[int] = set()  # records whose groups the ledger knows
 
     def add(self, base: int, origins: Origins, size: int) -> None:
         """A record came whose elements are handles ``base`` .. ``base + size - 1``."""
@@ -82,13 +83,30 @@ class Handles:
             record = self._records[base]
             record.yielded.add(handle - base)
             if len(record.yielded) == record.size:
+                self._define(self.ledger, self._bases[:at], self._defined)
                 record.origins.note(self.ledger)
                 del self._records[base]
                 del self._bases[at]
+                self._defined.discard(base)
+
+    def _define(self, ledger: Ledger, bases: list[int], done: set[int] | None = None) -> None:
+        """Note in ``ledger`` the groups the records of ``bases`` name (not their
+        elements): a record's groups may hold rows of groups an earlier record named
+        (groups of groups' rows), which the ledger must know first, as it would had the
+        records been yielded in the order they came (a shuffle after the mix yields
+        them in another)."""
+        for base in bases:
+            if done is not None and base in done:
+                continue
+            for group in self._records[base].origins.groups or ():
+                ledger.define(group)
+            if done is not None:
+                done.add(base)
 
     def note_partial(self, ledger: Ledger) -> None:
         """Add to ``ledger`` (a copy of the state's) what was yielded of the records not
-        yielded whole."""
+        yielded whole (the groups of all of them first, in the order they came)."""
+        self._define(ledger, self._bases)
         for record in self._records.values():
             if not record.yielded:
                 continue
