@@ -7,9 +7,10 @@ from this worker (OPEN.window; a record goes alone when nothing else is in fligh
 Balanced (``Loader(balanced=N)``): once the N consumers of the job have opened an epoch,
 records (one element each) are dealt round-robin, whatever their speed, so each gets an
 equal share.
-By input (a mix its consumers draw, zloader/plan.py): a consumer's credits are per mix
-input, and so are the producer's permits (zloader/worker/permits.py); each record goes
-to a consumer with credit for its input, an input's records and its END in order.
+By part (a mix its consumers draw, a deterministic job's shards: zloader/plan.py): a
+consumer's credits are per part, and so are the producer's permits
+(zloader/worker/permits.py); each record goes to a consumer with credit for its part, a
+part's records and its END in order.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ class CreditDelivery(Delivery):
         self.balanced = balanced  # consumers to deal to (0: by credit)
         self.turn = 0  # whose turn it is, when dealing
         self.overdrawn = False  # draining to move: records go out without credit
-        # A mix its consumers draw: permits per input (the producer takes those).
+        # Records by part (a mix its consumers draw, a deterministic job's shards):
+        # permits per part (the producer takes those).
         self.permits = Permits(parts) if parts else None
 
     def credit(self, stream: Stream, credits: int, part: int | None = None) -> None:
@@ -118,9 +120,9 @@ class CreditDelivery(Delivery):
             outgoing.mark_taken()
 
     def _deliver_parts(self) -> None:
-        """:meth:`deliver` by input: each record to a consumer with credit for its input;
-        a record that cannot go holds back the later ones of its input only (and the
-        epoch's END, which goes last)."""
+        """:meth:`deliver` by part: each record to a consumer with credit for its part
+        (``head["part"]``); a record that cannot go holds back the later ones of its part
+        only (and the epoch's END, which goes last)."""
         port = self.port
         waiting: deque[Pending] = deque()  # what cannot go yet, in order
         held: set[int | None] = set()  # inputs with something waiting (None: the END)
@@ -147,7 +149,7 @@ class CreditDelivery(Delivery):
                     port.finish_epoch(epoch)
                 continue
             outgoing, head = item.outgoing, item.head
-            assert part is not None  # (a record by input names its input)
+            assert part is not None  # (a record by part names its part)
             sizes = records.sizes_of(outgoing.buffers)
             ready = [s for s in streams if self.overdrawn or (
                 s.part_credits is not None and s.part_credits[part] > 0)]

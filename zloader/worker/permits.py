@@ -1,10 +1,11 @@
-"""Permits per mix input: what a producer may make of each input of a mix its consumers
-draw (zloader/plan.py), one permit per record, granted by the consumers' credits for that
-input (``CREDIT.part``).
+"""Permits per part: what a producer may make of each part of a task whose records go by
+part (zloader/plan.py: each input of a mix its consumers draw, each shard of a
+deterministic job), one permit per record, granted by the consumers' credits for that
+part (``CREDIT.part``).
 
-One pool per input, so that the records of an input the consumer is not drawing now
-(it has enough of them) never take the room of the input it waits for: a worker holding
-splits of both goes on making the one that is wanted.
+One pool per part, so that the records of a part the consumer is not taking now (it has
+enough of them) never take the room of the part it waits for: a worker making both goes
+on making the one that is wanted.
 """
 
 from __future__ import annotations
