@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import pathlib
 import signal
 import socket
@@ -34,6 +35,17 @@ def provenance() -> dict[str, Any]:
             return ""
     return {"commit": git("rev-parse", "HEAD").strip() or "unknown",
             "uncommitted": git("status", "--porcelain", "--", "zloader").splitlines()}
+
+
+def write_results(out: str, stem: str, data: Any, lines: list[str]) -> None:
+    """Write ``data`` to ``out/stem.json`` and its tables (``lines``) to ``out/stem.md``,
+    and print the tables."""
+    folder = pathlib.Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{stem}.json").write_text(json.dumps(data, indent=1))
+    text = "\n".join(lines)
+    (folder / f"{stem}.md").write_text(text + "\n")
+    print(text)
 
 
 def free_port() -> int:

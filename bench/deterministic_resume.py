@@ -12,7 +12,6 @@ element, a seeded shuffle and batches of 32.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from collections.abc import Sequence
@@ -20,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from bench._common import provenance
+from bench._common import provenance, write_results
 from zloader import Loader, Pipeline
 
 POINTS = (0.1, 0.5, 0.9)
@@ -89,13 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args(argv)
     data = {"provenance": provenance(), "nproc": os.cpu_count(), **measure()}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "deterministic_resume.json"), "w") as out:
-        json.dump(data, out, indent=1)
-    text = "\n".join(tables(data))
-    with open(os.path.join(args.out, "deterministic_resume.md"), "w") as out:
-        out.write(text + "\n")
-    print(text)
+    write_results(args.out, "deterministic_resume", data, tables(data))
     return 0
 
 

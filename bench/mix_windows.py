@@ -23,7 +23,6 @@ These machines are shared and noisy: read the ratios.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import time
@@ -32,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from bench._common import provenance
+from bench._common import provenance, write_results
 from zloader import Loader, Pipeline
 
 WEIGHTS = (0.6, 0.3, 0.1)
@@ -188,14 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                "window": WINDOW, "p_floor": P_FLOOR, "weights": WEIGHTS, "sizes": SIZES,
                "splits": SPLITS, "limit": args.elements,
                **measure(args.workers, args.elements)}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "mix_windows.json"), "w") as out:
-        json.dump(results, out, indent=1)
     from bench.report import mix_windows_tables
-    text = "\n".join(mix_windows_tables(results))
-    with open(os.path.join(args.out, "mix_windows.md"), "w") as out:
-        out.write(text + "\n")
-    print(text)
+    write_results(args.out, "mix_windows", results, mix_windows_tables(results))
     return 0
 
 

@@ -312,9 +312,7 @@ class Loader:
                 pipeline has a ``take``/``skip`` part run here.
         """
         self._check_process()
-        if self._order is not None:
-            return self._order_state()
-        if not self._options.exactly_once:
+        if self._order is None and not self._options.exactly_once:
             raise ValueError("state_dict() needs exactly_once=True with sharding='dynamic' "
                              "(and no share, balanced or num_consumers; deterministic=True "
                              "with the default sharding has a state of its own): only then "
@@ -323,29 +321,18 @@ class Loader:
             raise ValueError("state_dict() cannot record a take/skip run by the consumer "
                              f"({', '.join(s.name for s in self._plan.consumer_stages)}); "
                              "drop it, or stop the loop yourself after N elements")
-        yielded = self._merger.yielded
-        epoch, delivered = yielded.state(self._epoch, self._merger.elements)
-        state = {"zloader": STATE_VERSION, "fingerprint": self.pipeline.fingerprint,
-                 "epoch": epoch, "entropy": self._io.stats.entropy, "delivered": delivered}
-        finished = yielded.finished_state()
-        if finished is not None:
-            state["finished"] = finished
-        if self._weights is not None:
-            state["weights"] = list(self._weights)
-            state["weights_stamp"] = self._weights_stamp
-        return state
-
-    def _order_state(self) -> dict[str, Any]:
-        """A deterministic Loader's state: the shard whose turn it is and the elements
-        yielded of each (zloader/client/draw.py ``Order``)."""
-        if self._plan.consumer_stages:
-            raise ValueError("state_dict() cannot record a take/skip run by the consumer "
-                             f"({', '.join(s.name for s in self._plan.consumer_stages)}); "
-                             "drop it, or stop the loop yourself after N elements")
-        assert self._order is not None
-        state = {"zloader": STATE_VERSION, "fingerprint": self.pipeline.fingerprint,
-                 "entropy": self._io.stats.entropy, "delivered": [],
-                 **self._order.state(self._epoch)}
+        state: dict[str, Any] = {"zloader": STATE_VERSION,
+                                 "fingerprint": self.pipeline.fingerprint,
+                                 "entropy": self._io.stats.entropy}
+        if self._order is not None:  # (where it is in its order over the job's shards)
+            state.update(delivered=[], **self._order.state(self._epoch))
+        else:
+            yielded = self._merger.yielded
+            state["epoch"], state["delivered"] = yielded.state(self._epoch,
+                                                               self._merger.elements)
+            finished = yielded.finished_state()
+            if finished is not None:
+                state["finished"] = finished
         if self._weights is not None:
             state["weights"] = list(self._weights)
             state["weights_stamp"] = self._weights_stamp

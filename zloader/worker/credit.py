@@ -93,19 +93,13 @@ class CreditDelivery(Delivery):
         while self.pending:
             item = self.pending[0]
             epoch = item.epoch
-            if epoch in port.finished:  # an abandoned epoch's leftovers
+            if self.left_over(item):
                 self.pending.popleft()
-                if isinstance(item, RecordOut):
-                    item.outgoing.mark_taken()
                 continue
             streams = [s for s in port.streams.values() if s.epoch == epoch]
             if isinstance(item, EpochEnd):
                 self.pending.popleft()
-                block = item.origins  # what no record carried (exactly-once)
-                end = End(epoch=epoch, skipped=item.skipped, origins=block is not None)
-                for stream in streams:
-                    port.outlet.send(stream, end, [block] if block is not None else ())
-                port.finish_epoch(epoch)
+                self._end(item, streams)
                 continue
             outgoing, head = item.outgoing, item.head
             sizes = records.sizes_of(outgoing.buffers)  # (the outlet's too: found once)
@@ -129,9 +123,7 @@ class CreditDelivery(Delivery):
         while self.pending:
             item = self.pending.popleft()
             epoch = item.epoch
-            if epoch in port.finished:  # an abandoned epoch's leftovers
-                if isinstance(item, RecordOut):
-                    item.outgoing.mark_taken()
+            if self.left_over(item):
                 continue
             part = item.head.get("part") if isinstance(item, RecordOut) else item.part
             if part in held or None in held or (part is None and waiting):
@@ -140,13 +132,7 @@ class CreditDelivery(Delivery):
                 continue
             streams = [s for s in port.streams.values() if s.epoch == epoch]
             if isinstance(item, EpochEnd):
-                block = item.origins  # what no record carried (exactly-once)
-                end = End(epoch=epoch, skipped=item.skipped, origins=block is not None,
-                          part=part)
-                for stream in streams:
-                    port.outlet.send(stream, end, [block] if block is not None else ())
-                if part is None:
-                    port.finish_epoch(epoch)
+                self._end(item, streams)
                 continue
             outgoing, head = item.outgoing, item.head
             assert part is not None  # (a record by part names its part)
@@ -165,6 +151,17 @@ class CreditDelivery(Delivery):
             port.outlet.record(taker, epoch, outgoing.buffers, head, sizes)
             outgoing.mark_taken()
         self.pending = waiting
+
+    def _end(self, item: EpochEnd, streams: list[Stream]) -> None:
+        """Send ``item`` (an epoch's END, or a part's) to the consumers of its epoch; the
+        epoch's finishes it here."""
+        block = item.origins  # what no record carried (exactly-once)
+        end = End(epoch=item.epoch, skipped=item.skipped, origins=block is not None,
+                  part=item.part)
+        for stream in streams:
+            self.port.outlet.send(stream, end, [block] if block is not None else ())
+        if item.part is None:
+            self.port.finish_epoch(item.epoch)
 
     def _next(self, streams: list[Stream], size: int) -> Stream | None:
         """Who gets the next record, of ``size`` bytes, of the epoch these ``streams``

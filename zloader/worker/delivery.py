@@ -178,6 +178,15 @@ class Delivery(abc.ABC):
         self.pending.append(RecordOut(epoch, outgoing, head))
         self.deliver()
 
+    def left_over(self, item: Pending) -> bool:
+        """Whether ``item`` belongs to an epoch already finished here (abandoned): its
+        record, if any, is let go of."""
+        if item.epoch not in self.port.finished:
+            return False
+        if isinstance(item, RecordOut):
+            item.outgoing.mark_taken()
+        return True
+
     def on_end(self, producer: Producer, body: dict[str, Any]) -> None:
         """``producer`` finished its epoch."""
         self.pending.append(EpochEnd.of(body))

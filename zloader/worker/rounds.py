@@ -18,7 +18,7 @@ from zloader import codec
 from zloader.transport.messages import End, Open
 from zloader.transport.protocol import ProtocolError
 from zloader.worker.credit import clamp
-from zloader.worker.delivery import Delivery, EpochEnd, RecordOut, TaskPort, discard
+from zloader.worker.delivery import Delivery, EpochEnd, TaskPort, discard
 from zloader.worker.producer import Outgoing
 from zloader.worker.streams import Stream
 
@@ -117,9 +117,7 @@ class RoundsDelivery(Delivery):
         while self.pending:
             item = self.pending.popleft()
             epoch = item.epoch
-            if epoch in port.finished:  # an abandoned epoch's leftovers
-                if isinstance(item, RecordOut):
-                    item.outgoing.mark_taken()
+            if self.left_over(item):
                 continue
             if isinstance(item, EpochEnd):
                 dropped = len(self.partial) if self.partial_epoch == epoch else 0
