@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 
 import numpy as np
 import pytest
 
 from bench.mix_windows import chi_square_p
 from zloader import Loader, Pipeline
+from zloader.errors import MixWindowWarning
 from zloader.options import JobOptions
 from zloader.plan import draws_at_consumer
 
@@ -198,3 +200,21 @@ def test_a_state_taken_through_a_shuffle_after_the_mix_over_groups_of_groups_res
         with Loader(mix, num_workers=2, timeout=30, state=state) as loader:
             out += [int(v) for v in loader]
         assert sorted(out) == want, cut
+
+
+def test_a_mix_drawn_on_several_workers_says_why_its_windows_may_drift() -> None:
+    """An unbatch after the mix, or a shared job, keeps the workers drawing it: the Loader
+    warns (naming the stage or the option) when several workers will; never for a mix the
+    consumer draws or for one worker."""
+    inputs = [Pipeline.range(0, 40, split_size=10), Pipeline.range(100, 140, split_size=10)]
+    packing = Pipeline.mix(inputs, weights=[1, 1], seed=3).batch(4).map(list).unbatch()
+    with pytest.warns(MixWindowWarning, match="stage 'unbatch' follows the mix"):
+        with Loader(packing, num_workers=2) as loader:
+            assert sorted(loader) == sorted(packing.iter())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MixWindowWarning)
+        with Loader(packing, num_workers=1) as loader:  # (one worker: iter()'s stream)
+            assert list(loader) == list(packing.iter())
+        batched = Pipeline.mix(inputs, weights=[1, 1], seed=3).batch(4)
+        with Loader(batched, num_workers=2) as loader:
+            assert sum(len(b) for b in loader) == 80

@@ -9,6 +9,7 @@ from zloader.client.session import PerWorker
 from zloader.errors import (
     CodecError,
     FingerprintWarning,
+    MixWindowWarning,
     PipelineError,
     Timeout,
     WorkerExited,
@@ -21,6 +22,7 @@ __all__ = [
     "CodecError",
     "FingerprintWarning",
     "Loader",
+    "MixWindowWarning",
     "PerWorker",
     "Pipeline",
     "PipelineError",

@@ -71,6 +71,12 @@ class FingerprintWarning(UserWarning):
     """Part of a pipeline could not be fingerprinted soundly; the pipeline will not be shared."""
 
 
+class MixWindowWarning(UserWarning):
+    """A Loader's mix is drawn on each worker, not where the streams meet: with several
+    workers its weights hold over the whole stream but not in every window
+    (docs/semantics.md, "Mixing")."""
+
+
 class PipelineError(ZloaderError):
     """User code in a pipeline stage raised.
 

@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -25,10 +26,10 @@ from zloader.client.arguments import Arguments, checked
 from zloader.client.draw import Inputs, Order
 from zloader.client.packing import check_exposure, pack
 from zloader.embedded import Embedded
-from zloader.errors import WorkerExited
+from zloader.errors import MixWindowWarning, WorkerExited
 from zloader.mixing import LiveWeights, new_weights, register_info
 from zloader.pipeline import Pipeline
-from zloader.plan import Plan, plan
+from zloader.plan import Plan, drawn_on_workers, plan
 from zloader.runs import RunSettings
 from zloader.sharing.options import DEFAULT_BLOCK_SECONDS
 from zloader.stages import Context
@@ -171,6 +172,7 @@ class Loader:
             objects=objects, pack_dataset=pack_dataset, memory_budget=memory_budget)
         self.pipeline, self._options = pipeline, args.options
         self._plan = plan(pipeline, args.options)  # (its mix drawn here, where it can be)
+        _warn_mix_windows(pipeline, args)
         self._closed = self._joined = False
         self._epoch = args.resume["epoch"] if args.resume is not None else 0
         self._weights: tuple[float, ...] | None = None  # set_weights
@@ -450,6 +452,19 @@ class Loader:
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
             self.close()
+
+
+def _warn_mix_windows(pipeline: Pipeline, args: Arguments) -> None:
+    """Say so when this Loader's mix is drawn on each of several workers (its weights then
+    hold over the whole stream but not in every window), and why."""
+    why = drawn_on_workers(pipeline, args.options)
+    if why is None or (args.broker is None and args.workers == 1):
+        return
+    warnings.warn(
+        f"this mix is drawn on each worker, not where the workers' streams meet ({why}): "
+        "with several workers its weights hold over the whole stream, not in every window "
+        "(an input with few splits may sit on one worker). docs/semantics.md, 'Mixing', "
+        "lists the mixes the consumer draws.", MixWindowWarning, stacklevel=3)
 
 
 def _holding(loader: Loader, elements: Iterator[Any]) -> Iterator[Any]:

@@ -25,7 +25,8 @@ from zloader.mixing import MixSource, drawn, input_runs, mixed_run
 from zloader.options import JobOptions
 from zloader.pipeline import Pipeline
 
-__all__ = ["CONSUMER_DRAWN", "Plan", "SplitFeed", "draws_at_consumer", "plan"]
+__all__ = ["CONSUMER_DRAWN", "Plan", "SplitFeed", "drawn_on_workers", "draws_at_consumer",
+           "plan"]
 
 SplitFeed = Callable[[_stages.Key], Iterable["int | Assigned"]]
 """Given a pass key, the splits this worker reads in that pass (possibly fetched lazily)."""
@@ -186,11 +187,24 @@ def draws_at_consumer(pipeline: Pipeline, options: JobOptions) -> bool:
     job whose workers deliver each record to one consumer by its credits (not shared,
     balanced, coordinated or deterministic, and sharded). Other mixes are drawn on each
     worker among the splits it holds (docs/semantics.md, "Mixing")."""
+    return isinstance(pipeline.source, MixSource) and drawn_on_workers(pipeline, options) is None
+
+
+def drawn_on_workers(pipeline: Pipeline, options: JobOptions) -> str | None:
+    """Why a job with ``options`` draws ``pipeline``'s mix on each worker (the stage after
+    it or the option that keeps the consumer from drawing it), or None: it has no mix, or
+    the consumer draws it."""
     if not isinstance(pipeline.source, MixSource):
-        return False
-    if options.share is not None or options.balanced or options.num_consumers \
-            or options.deterministic or options.sharding == "off":
-        return False
+        return None
+    for option, on in (("share=True", options.share is not None),
+                       ("balanced", options.balanced), ("num_consumers", options.num_consumers),
+                       ("deterministic=True", options.deterministic),
+                       ("sharding='off'", options.sharding == "off")):
+        if on:
+            return f"the job has {option}"
     after = itertools.takewhile(lambda s: not isinstance(s, _CONSUMER_STAGES),
                                 pipeline.stages)
-    return all(type(stage) in CONSUMER_DRAWN for stage in after)
+    for stage in after:
+        if type(stage) not in CONSUMER_DRAWN:
+            return f"stage {stage.name!r} follows the mix"
+    return None
