@@ -30,6 +30,7 @@ LAYERS = {
     "transport.sockets": 1.5, "options": 1.55, "transport.messages": 1.6,
     "sharing": 0, "sharing.window": 0, "sharing.options": 0.5, "sharing.store": 1.6,
     "packed": 0.8,  # lists packed for forked workers (fingerprint reads them)
+    "handoff": 0.85,  # ... packed after the fork, handed to the workers
     "codec_torch": 0.9,  # torch tensors in the codec, torch imported lazily
     "codec": 1, "collate": 1.1, "fingerprint": 1, "rounds": 1, "journal": 1, "lineage": 1,
     "metrics": 1, "autoscale": 1, "forward": 1, "blobs": 1,
@@ -72,7 +73,7 @@ LAYERS = {
     # the torch adapter: conversion and seeding, then what runs on workers and the
     # iterators, the DataLoader, the package's public names
     "torch.tensors": 9.0, "torch.seeding": 9.0, "torch.failures": 9.0, "torch.states": 9.05,
-    "torch.dataset": 9.1,
+    "torch.dataset": 9.1, "torch.feed": 9.06,
     "torch.source": 9.1, "torch.passes": 9.1, "torch.dataloader": 9.2, "torch": 9.3,
     "cli": 10, "broker.__main__": 10.5, "worker.__main__": 10.5, "__init__": 11,
 }
@@ -207,6 +208,7 @@ def test_no_runtime_module_reaches_into_another_s_private_state():
 # domain, not settings (changing one breaks compatibility or correctness, it trades nothing).
 FORMAT_CONSTANTS = {
     "packed": {"_MARSHAL_VERSION", "_INT32"},  # marshal format 2, and its small ints
+    "handoff": {"_FIELDS", "_FLAT", "_LEFT", "_PENDING", "_READY", "_TUPLE"},  # its table
     "codec": {"VERSION",  # the encoded element's format version
               "_I64_MIN", "_I64_MAX"},  # the range of the int64 tag
     "fingerprint": {"SCHEME",  # the hashing rules' version

@@ -356,7 +356,8 @@ def _private_heap_kib(pid: int) -> int:
             fields = line.split()
             if "-" in fields[0] and not fields[0].endswith(":"):
                 name = fields[5] if len(fields) > 5 else ""
-                counted = not name.startswith(("/dev/shm", "/dev/zero", "/SYSV"))
+                counted = not name.startswith(
+                    ("/dev/shm", "/dev/zero", "/SYSV", "/memfd:"))
             elif counted and fields[0] in ("Private_Clean:", "Private_Dirty:"):
                 total += int(fields[1])
     return total

@@ -535,10 +535,11 @@ def test_a_sampler_without_len_has_the_state_checked_against_the_sampled_epoch()
     crafted["yielded"] = [[0, 1], [20, 21]]  # batch 20 of an epoch of 12
     again = make()
     try:
-        again.load_state_dict(crafted)  # its epoch's batches are not known before it samples
+        # its epoch's batches are known only once the sampler ended: refused then
+        again.load_state_dict(crafted)
         with pytest.raises(ValueError, match=r"state\['yielded'\] has the range \[20, 21\]: "
                                              r"expected .* end <= 12"):
-            iter(again)
+            list(again)
     finally:
         again.close()
     assert resumed(make, state) == rest

@@ -474,6 +474,23 @@ as one arrives (while it reads that one): short splits do not each wait for a ro
 through the broker. After a slower split it asks when done, so that the split it would
 take does not wait behind a slow one while other workers are free."""
 
+HANDOFF_UNPACKED_READS = 2
+"""A forked worker reads the dataset's large lists as they are for its first this many
+splits or batches, then waits for their packed copy (zloader/handoff.py): the first
+batches do not wait for the packer, and a fast pipeline does not copy the dataset's pages
+while it runs (fixed)."""
+
+HANDOFF_WAIT_SECONDS = 60.0
+"""... for at most this long; then it reads the lists as they are, with a warning (fixed)."""
+
+RECONNECT_FIRST_MS = 5
+"""A connecting socket tries again this soon after a failed connection (ZeroMQ's default
+is 100 ms: a worker forked before its Loader's broker binds would wait that long)..."""
+
+RECONNECT_MAX_MS = 2000
+"""... doubling each time up to this, so that a peer that stays away is not hammered
+(fixed)."""
+
 MAX_GRANT = 1 << 16
 """The most credits one CREDIT message may grant; more is taken as this many (fixed)."""
 

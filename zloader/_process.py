@@ -31,6 +31,7 @@ import traceback
 from typing import Any
 
 from zloader._command import with_sys_path, worker_command
+from zloader.handoff import FDS_LOCK, Handoff, forked
 from zloader.packed import Swap, install
 from zloader.transport.keys import Keys
 from zloader.worker import WorkerProcess  # imported before any fork (see above)
@@ -76,14 +77,15 @@ _FORK_LOCK = threading.Lock()
 
 
 def start_worker(method: str, address: str, bind: str, keys: Keys | None = None,
-                 pipelines: dict[str, Any] | None = None, swaps: list[Swap] | None = None
-                 ) -> ForkedWorker | subprocess.Popen[bytes]:
+                 pipelines: dict[str, Any] | None = None, swaps: list[Swap] | None = None,
+                 handoff: Handoff | None = None) -> ForkedWorker | subprocess.Popen[bytes]:
     """Start one worker attached to the broker at ``address``, its data socket at ``bind``
     (with ``keys``, CURVE on both); it exits when this process does.
 
     ``pipelines`` maps fingerprints to the pipelines a forked worker runs as they are in
     this process's memory, without fetching or unpickling them; a forked worker reads the
-    lists ``swaps`` name packed (zloader/packed.py). Both are ignored by ``spawn``.
+    lists ``swaps`` name packed (zloader/packed.py), and those of ``handoff`` once it has
+    packed them (zloader/handoff.py). All are ignored by ``spawn``.
     """
     parent = os.getpid()
     if method == "spawn":
@@ -92,7 +94,7 @@ def start_worker(method: str, address: str, bind: str, keys: Keys | None = None,
                                  insecure=True)  # (the Loader checked the bind)
         return subprocess.Popen(command, env=with_sys_path(), cwd=os.getcwd(),
                                 stdin=subprocess.DEVNULL)
-    with _FORK_LOCK:
+    with _FORK_LOCK, FDS_LOCK:
         pid = os.fork()
     if pid:
         return ForkedWorker(pid)
@@ -104,6 +106,7 @@ def start_worker(method: str, address: str, bind: str, keys: Keys | None = None,
         gc.freeze()
         repair_imports()
         install(swaps or [])
+        forked(handoff)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's Ctrl-C; it stops us
         worker = WorkerProcess(address, bind, parent=parent, keys=keys, inherited=pipelines)
         signal.signal(signal.SIGTERM, lambda *_: worker.stop.set())
@@ -113,6 +116,27 @@ def start_worker(method: str, address: str, bind: str, keys: Keys | None = None,
         traceback.print_exc()
     finally:
         os._exit(code)  # no atexit handlers or finalizers of the parent's objects
+
+
+def start_packer(handoff: Handoff) -> ForkedWorker:
+    """Fork the process that packs ``handoff``'s lists for the workers forked before it
+    (zloader/handoff.py); it exits when done, or when this process is gone."""
+    parent = os.getpid()
+    with _FORK_LOCK, FDS_LOCK:
+        pid = os.fork()
+    if pid:
+        handoff.packer_started(pid)
+        return ForkedWorker(pid)
+    code = 1
+    try:  # the child: as a worker's (above), never back into the caller's code
+        gc.freeze()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        handoff.pack_all(parent)
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(code)
 
 
 def repair_imports() -> list[str]:

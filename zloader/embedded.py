@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zloader._defaults import WORKER_STOP_SECONDS
-from zloader._process import start_worker
+from zloader._process import start_packer, start_worker
 from zloader.broker import Broker
+from zloader.handoff import Handoff
 from zloader.pipeline import Pipeline
 from zloader.transport.shm import sweep, sweep_dirs
 
@@ -31,15 +32,20 @@ class Embedded:
             this process's pid so that a sweep removes it after a kill -9); None with a
             broker of the user's.
         processes: the worker processes it started (``subprocess.Popen``-like).
+        packer: the process packing the dataset's lists for them (zloader/handoff.py),
+            or None.
         broker: the broker it runs in this process (embedded), or None.
     """
 
     dir: str | None = None
     processes: list[Any] = field(default_factory=list)
+    packer: Any = None
+    handoff: Handoff | None = None
     broker: Broker | None = None
 
     def start(self, broker: str | None, workers: int, start_method: str, keys: Any,
-              pipeline: Pipeline, inherit: bool, swaps: list[Any]) -> str:
+              pipeline: Pipeline, inherit: bool, swaps: list[Any],
+              handoff: Handoff | None = None) -> str:
         """Start ``workers`` worker processes and, without ``broker``, a folder for the
         sockets and a broker in this process; the broker's address. Workers come first:
         forking must happen before the Loader starts any thread. What Loaders of this user
@@ -55,7 +61,9 @@ class Embedded:
             bind = self.endpoint(f"worker-{index}") or "tcp://127.0.0.1:*"
             self.processes.append(start_worker(
                 start_method, address, bind, keys,
-                {pipeline.fingerprint: pipeline} if inherit else None, swaps))
+                {pipeline.fingerprint: pipeline} if inherit else None, swaps, handoff))
+        if handoff is not None:
+            self.handoff, self.packer = handoff, start_packer(handoff)
         if broker is None:
             self.broker = Broker(address).start()
         return address
@@ -65,8 +73,15 @@ class Embedded:
         return f"ipc://{self.dir}/{name}" if self.dir is not None else None
 
     def close(self) -> None:
-        """Stop the workers (SIGTERM, then SIGKILL after ``WORKER_STOP_SECONDS``), then
-        the broker, and remove the socket folder."""
+        """Stop the packer (SIGKILL: it holds nothing to clean up) and the workers
+        (SIGTERM, then SIGKILL after ``WORKER_STOP_SECONDS``), then the broker, and remove
+        the socket folder."""
+        if self.packer is not None:
+            assert self.handoff is not None
+            self.handoff.closing()
+            self.packer.kill()
+            self.packer.wait()
+            self.packer = None
         for process in self.processes:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)

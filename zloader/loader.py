@@ -19,7 +19,9 @@ import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from zloader import _check, packed
+import numpy as np
+
+from zloader import _check, handoff, packed
 from zloader._defaults import DEFAULT_TIMEOUT
 from zloader.client import STATE_VERSION, IOThread, Merger, Stats
 from zloader.client.arguments import Arguments, checked
@@ -27,6 +29,7 @@ from zloader.client.draw import Inputs, Order
 from zloader.client.packing import check_exposure, pack
 from zloader.embedded import Embedded
 from zloader.errors import MixWindowWarning, WorkerExited
+from zloader.handoff import Handoff
 from zloader.mixing import LiveWeights, new_weights, register_info
 from zloader.pipeline import Pipeline
 from zloader.plan import Plan, drawn_on_workers, plan
@@ -183,8 +186,10 @@ class Loader:
         self._order = (Order(self._plan.shards, {"epoch": resume["epoch"], **resume["order"]}
                              if resume is not None and "order" in resume else None)
                        if self._plan.shards else None)
-        # Forked workers read the dataset's large lists packed, mapped here: one copy.
-        swaps = packed.prepare(pipeline) if args.inherit and args.pack_dataset else []
+        # Forked workers read the dataset's large lists packed, shared: packed after the
+        # fork by a process of its own (zloader/handoff.py), or before it where that
+        # cannot be done.
+        swaps, later = _packing(pipeline, args)
         self._packed = [swap.view for swap in swaps]
         # What workers get of the pipeline: nothing when every one is forked from here.
         blob, self._served = pack(pipeline, inherited=args.embedded and args.inherit,
@@ -193,7 +198,8 @@ class Loader:
         self._embedded = Embedded()
         try:
             self.address = self._embedded.start(args.broker, args.workers, args.start_method,
-                                                args.keys, pipeline, args.inherit, swaps)
+                                                args.keys, pipeline, args.inherit, swaps,
+                                                later)
             self._io = _io_thread(args, pipeline, self.address, blob, self._served,
                                   self._embedded, self._plan)
             self._merger = _merger(args, self._io, self._processes)
@@ -363,7 +369,7 @@ class Loader:
         self._live.offer(weights, stamp)
         self._io.set_weights(weights, stamp)
 
-    def dispatch(self, worker: int, items: Sequence[int]) -> None:
+    def dispatch(self, worker: int, items: Sequence[int] | np.ndarray) -> None:
         """Hand the worker of index ``worker`` work items (ints >= 0) of the epoch under
         way, for a source that makes its elements as they are dispatched
         (``Source.dispatched``: the torch drop-in's ``in_order=False`` hands each batch
@@ -380,6 +386,13 @@ class Loader:
         if self._closed:
             raise RuntimeError("this Loader is closed")
         worker = _check.integer("worker", worker, 0)
+        if isinstance(items, np.ndarray):  # (checked whole: the torch drop-in's batches)
+            if items.ndim != 1 or items.dtype.kind not in "iu":
+                raise TypeError(f"items must be ints, got an array of {items.dtype}")
+            if items.size and items.min() < 0:
+                raise ValueError(f"items must be >= 0, got {int(items.min())}")
+            self._io.dispatch(worker, tuple(items.tolist()))
+            return
         self._io.dispatch(worker, tuple(_check.integer("items", i, 0) for i in items))
 
     # --- status and lifecycle -------------------------------------------------------------
@@ -452,6 +465,18 @@ class Loader:
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
             self.close()
+
+
+def _packing(pipeline: Pipeline, args: Arguments) -> tuple[list[packed.Swap], Handoff | None]:
+    """How forked workers get the pipeline's large lists packed: swaps made now (before
+    the fork), or a handoff that packs them after it; neither without forked workers or
+    with ``pack_dataset=False``."""
+    if not (args.inherit and args.pack_dataset):
+        return [], None
+    if not handoff.available():
+        return packed.prepare(pipeline), None
+    found = packed.found(pipeline.source)
+    return [], Handoff(found) if found else None
 
 
 def _warn_mix_windows(pipeline: Pipeline, args: Arguments) -> None:

@@ -49,8 +49,8 @@ from zloader._defaults import (
     PACK_MIN_ITEMS,
 )
 
-__all__ = ["PACK_MIN_ITEMS", "PackedSequence", "Swap", "flat_chunks", "install", "offered",
-           "pack", "plan", "prepare"]
+__all__ = ["PACK_MIN_ITEMS", "Found", "PackedSequence", "Swap", "flat_chunks", "found",
+           "install", "log_packed", "offered", "pack", "plan", "prepare"]
 
 log = logging.getLogger("zloader.packed")
 
@@ -266,9 +266,12 @@ class PackedSequence(collections.abc.MutableSequence):
                 f"{self.nbytes / 2**20:.1f} MiB of shared memory>")
 
 
-def pack(values: Any) -> PackedSequence | None:
-    """``values`` packed, or None when it is not a list or tuple of at least
-    ``PACK_MIN_ITEMS`` elements that :func:`packable` accepts."""
+def pack(values: Any, allocate: Callable[[int], mmap.mmap] | None = None
+         ) -> PackedSequence | None:
+    """``values`` packed (in memory from ``allocate(size)``: anonymous shared memory by
+    default), or None when it is not a list or tuple of at least ``PACK_MIN_ITEMS``
+    elements that :func:`packable` accepts."""
+    allocate = allocate or _shared
     kind = type(values)
     if (kind is not list and kind is not tuple) or len(values) < PACK_MIN_ITEMS:
         return None
@@ -276,18 +279,18 @@ def pack(values: Any) -> PackedSequence | None:
     if kinds == {int} or kinds == {float}:
         array = _numbers(values, np.float64 if kinds == {float} else np.int64)
         if array is not None:
-            memory = _shared(array.nbytes)
+            memory = allocate(array.nbytes)
             np.frombuffer(memory, array.dtype, len(array))[:] = array
             return PackedSequence(memory, len(values), array.dtype.char, kind)
     sizes = _sizes(values, kinds)  # (its checks take every element for plain data)
     if sizes is not None:
         # what the fingerprint marshals whole (flat_chunks): atoms, or tuples of atoms
-        return _marshalled(values, kind, sizes, flat=type(values[0]) is not dict)
+        return _marshalled(values, kind, sizes, allocate, flat=type(values[0]) is not dict)
     seen: set[type] = set()
     levels = _levels(values, kinds, 0, seen)
     if levels is None:
         return None
-    return _marshalled(values, kind, None, flat=levels <= 1 and dict not in seen)
+    return _marshalled(values, kind, None, allocate, flat=levels <= 1 and dict not in seen)
 
 
 def packable(values: Any) -> bool:
@@ -330,21 +333,22 @@ def _shared(size: int) -> mmap.mmap:
 
 
 def _marshalled(values: Any, kind: type, sizes: np.ndarray | None,
-                flat: bool) -> PackedSequence | None:
+                allocate: Callable[[int], mmap.mmap], flat: bool) -> PackedSequence | None:
     """``values`` marshalled one element after another, after their offset table: the
     whole list marshalled at once when ``sizes`` (:func:`_sizes`) gives each element's
     size (most datasets, in C), else element by element. None when marshal refuses an
     element: the checks before should have left it alone, and a list packing cannot take
     is read as it is, never an error."""
     try:
-        return _marshalled_into_memory(values, kind, sizes, flat)
+        return _marshalled_into_memory(values, kind, sizes, allocate, flat)
     except ValueError as exc:  # (marshal's "unmarshallable object")
         log.debug("left a %s of %d elements as it is: %s", kind.__name__, len(values), exc)
         return None
 
 
 def _marshalled_into_memory(values: Any, kind: type, sizes: np.ndarray | None,
-                            flat: bool) -> PackedSequence:
+                            allocate: Callable[[int], mmap.mmap], flat: bool
+                            ) -> PackedSequence:
     count = len(values)
     offsets = np.zeros(count + 1, np.int64)
     whole = marshal.dumps(values, _MARSHAL_VERSION) if sizes is not None else b""
@@ -363,7 +367,7 @@ def _marshalled_into_memory(values: Any, kind: type, sizes: np.ndarray | None,
             blobs.append(b"".join(parts))
         np.cumsum(offsets, out=offsets)
     table = offsets.nbytes
-    memory = _shared(table + int(offsets[-1]))
+    memory = allocate(table + int(offsets[-1]))
     memory[:table] = offsets.tobytes()
     at = table
     for blob in blobs:
@@ -464,15 +468,36 @@ class Swap:
     where: str
 
 
-def plan(source: Any) -> list[Swap]:
-    """The swaps that keep a forked worker off the large lists of ``source`` (a pipeline's
-    source): its own list fields, and the attributes of the map-style dataset it reads
-    (see the module docstring). Logs at debug level what was packed and what was left."""
-    swaps: list[Swap] = []
-    packed: dict[int, PackedSequence | None] = {}
+@dataclass
+class Found:
+    """A list (or tuple) a forked worker would read packed: ``owner.__dict__[name]``."""
+
+    owner: Any = field(repr=False)
+    name: str
+    values: Any = field(repr=False)
+    where: str
+
+
+def found(source: Any) -> list[Found]:
+    """The large lists of ``source`` (a pipeline's source) that forked workers would read
+    packed: its own list fields, and the attributes of the map-style dataset it reads (see
+    the module docstring), not yet packed or checked (:func:`pack` may leave one)."""
+    lists: list[Found] = []
     seen: set[int] = set()
     for reader in source.readers():  # (a mix's inputs: each of them)
-        _visit(reader, type(reader).__name__, swaps, packed, seen, 0)
+        _visit(reader, type(reader).__name__, lists, seen, 0)
+    return lists
+
+
+def plan(source: Any) -> list[Swap]:
+    """The swaps that keep a forked worker off the large lists of ``source``
+    (:func:`found`), packed now. Logs at debug level what was packed and what was left."""
+    swaps: list[Swap] = []
+    packed: dict[int, PackedSequence | None] = {}
+    for each in found(source):
+        view = _packed_once(each.values, packed, each.where)
+        if view is not None:
+            swaps.append(Swap(each.owner, each.name, each.values, view, each.where))
     return swaps
 
 
@@ -485,8 +510,7 @@ def prepare(pipeline: Any) -> list[Swap]:
     return swaps
 
 
-def _visit(owner: Any, where: str, swaps: list[Swap], packed: dict[int, PackedSequence | None],
-           seen: set[int], depth: int) -> None:
+def _visit(owner: Any, where: str, lists: list[Found], seen: set[int], depth: int) -> None:
     if id(owner) in seen:
         return
     seen.add(id(owner))
@@ -497,31 +521,33 @@ def _visit(owner: Any, where: str, swaps: list[Swap], packed: dict[int, PackedSe
         kind = type(value)
         if kind is list or kind is tuple:
             if len(value) >= PACK_MIN_ITEMS:
-                view = _packed_once(value, packed, f"{where}.{name}")
-                if view is not None:
-                    swaps.append(Swap(owner, name, value, view, f"{where}.{name}"))
+                lists.append(Found(owner, name, value, f"{where}.{name}"))
                 continue
             if depth < PACK_DATASET_DEPTH:  # ConcatDataset.datasets
                 for index, item in enumerate(value):
                     if _is_dataset(item):
-                        _visit(item, f"{where}.{name}[{index}]", swaps, packed, seen,
-                               depth + 1)
+                        _visit(item, f"{where}.{name}[{index}]", lists, seen, depth + 1)
         elif depth < PACK_DATASET_DEPTH and _is_dataset(value):
-            _visit(value, f"{where}.{name}", swaps, packed, seen, depth + 1)
+            _visit(value, f"{where}.{name}", lists, seen, depth + 1)
 
 
 def _packed_once(value: Any, packed: dict[int, PackedSequence | None],
                  where: str) -> PackedSequence | None:
     """``value`` packed, once however many attributes hold it (``imgs`` is ``samples``)."""
     if id(value) not in packed:
-        view = packed[id(value)] = pack(value)
-        if view is None:
-            log.debug("left %s as it is (%d elements): not only atoms, tuples and dicts of "
-                      "atoms", where, len(value))
-        else:
-            log.debug("packed %s: %d elements in %.1f MiB of shared memory", where,
-                      len(value), view.nbytes / 2**20)
+        packed[id(value)] = pack(value)
+        log_packed(packed[id(value)], value, where)
     return packed[id(value)]
+
+
+def log_packed(view: PackedSequence | None, value: Any, where: str) -> None:
+    """Log at debug level that ``value`` (at ``where``) was packed into ``view``, or left."""
+    if view is None:
+        log.debug("left %s as it is (%d elements): not only atoms, tuples and dicts of "
+                  "atoms", where, len(value))
+    else:
+        log.debug("packed %s: %d elements in %.1f MiB of shared memory", where,
+                  len(value), view.nbytes / 2**20)
 
 
 def _is_dataset(value: Any) -> bool:

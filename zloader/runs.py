@@ -39,7 +39,8 @@ class RunSettings:
             its consumer last set them (None: the mix's own).
         dispatched: on a worker, what returns the next work item its consumer dispatched
             (``Loader.dispatch``; waits for one; None once none will follow), for a
-            source whose ``dispatched`` is True; None in-process.
+            source whose ``dispatched`` is True; None in-process. Called with a count
+            ``n``, a list of the next ``n`` items (fewer only when none follow them).
     """
 
     entropy: int
@@ -50,7 +51,7 @@ class RunSettings:
     round_size: int = 1
     epoch_input: Any = None
     mix_weights: Any = None
-    dispatched: Callable[[], int | None] | None = None
+    dispatched: Callable[..., Any] | None = None
 
 
 @dataclass

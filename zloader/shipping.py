@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
@@ -102,10 +103,11 @@ class Supply:
         self.blobs = BlobCache(blob_dir)
         self._lock = threading.Lock()  # loads of a task replaced while it loaded overlap
 
-    def start(self, task: messages.Task, payload: list[Any]) -> Loading:
+    def start(self, task: messages.Task, payload: list[Any],
+              wake: Callable[[], None] | None = None) -> Loading:
         """Load ``task``'s pipeline (inline in ``payload``, or as its ``pipeline`` says):
-        at once when it was inherited, else on a thread."""
-        return Loading(self, task, payload)
+        at once when it was inherited, else on a thread, calling ``wake`` once done."""
+        return Loading(self, task, payload, wake)
 
     def load(self, task: messages.Task, payload: list[Any]) -> Pipeline:
         """The pipeline of ``task``, with its in-memory source's data.
@@ -175,26 +177,32 @@ class Supply:
 
 class Loading:
     """A task's pipeline being loaded (fetched, unpickled, its source fetched) on a thread
-    of its own, so that the worker's loop keeps heartbeating and serving meanwhile.
-    Inherited pipelines need no thread."""
+    of its own, so that the worker's loop keeps heartbeating and serving meanwhile; once
+    done, ``wake`` (the loop's) is called, so that the task begins at once rather than at
+    the loop's next turn. Inherited pipelines need no thread."""
 
-    def __init__(self, supply: Supply, task: messages.Task, payload: list[Any]) -> None:
+    def __init__(self, supply: Supply, task: messages.Task, payload: list[Any],
+                 wake: Callable[[], None] | None = None) -> None:
         self.pipeline: Pipeline | None = None
         self.error: BaseException | None = None
-        self._thread: threading.Thread | None = None
+        self._finished = True
         if task.fingerprint is not None and task.fingerprint in supply.inherited:
             self.pipeline = supply.inherited[task.fingerprint]
             return
-        self._thread = threading.Thread(target=self._run, args=(supply, task, payload),
-                                        daemon=True, name="zloader-task-load")
-        self._thread.start()
+        self._finished = False
+        self._wake = wake
+        threading.Thread(target=self._run, args=(supply, task, payload), daemon=True,
+                         name="zloader-task-load").start()
 
     def _run(self, supply: Supply, task: messages.Task, payload: list[Any]) -> None:
         try:
             self.pipeline = supply.load(task, payload)
         except BaseException as exc:  # reported as the task's failure
             self.error = exc
+        self._finished = True
+        if self._wake is not None:
+            self._wake()
 
     def done(self) -> bool:
-        return self._thread is None or not self._thread.is_alive()
+        return self._finished
 

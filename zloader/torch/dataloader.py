@@ -11,6 +11,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 import torch.utils.data
 
@@ -18,16 +19,14 @@ from zloader.client.session import PerWorker
 from zloader.loader import Loader
 from zloader.pipeline import Pipeline
 from zloader.torch import states
+from zloader.torch.feed import Dispatcher, Feed
 from zloader.torch.passes import (
-    Dispatcher,
     Intake,
     Pass,
     Progress,
-    Sampling,
     Streams,
     Unmarked,
     arrived,
-    draws_only_from,
     in_torch_words,
     ordered,
     skipped,
@@ -195,14 +194,14 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         return iterator
 
     def _start(self, resume: dict[str, Any] | None
-               ) -> tuple[Iterator[Any], Progress, Loader | None, Sampling | None]:
+               ) -> tuple[Iterator[Any], Progress, Loader | None]:
         """Start a pass (an epoch), at the position of ``resume`` (a checked loaded state,
-        or None): its batches (with their marks, see ``passes``), its progress, the
-        Loader that is its own (None: no workers, or the persistent one) and its
-        sampling (None: torch's own iterator, an iterable dataset or an eager sampler).
-        A resumed epoch skips the batches the state had yielded, and every worker takes
-        the random state it had then (a worker without one its state as seeded); an
-        iterable dataset's workers restore their snapshots (``states``)."""
+        or None): its batches (with their marks, see ``passes``), its progress and the
+        Loader that is its own (None: no workers, or the persistent one). A map-style
+        epoch is sampled as its batches are handed to the workers (``feed``). A resumed
+        epoch skips the batches the state had yielded, and every worker takes the random
+        state it had then (a worker without one its state as seeded); an iterable
+        dataset's workers restore their snapshots (``states``)."""
         skip = resume["batches"] if resume is not None else 0
         places = states.resumed_places(resume, self._iterable, self._persistent,
                                        self.num_workers)
@@ -210,10 +209,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         progress = Progress(rng=self._rng(), yielded=skip)
         self._progress = progress
         if self.num_workers == 0:
-            return self._inline(resume, progress), progress, None, None
-        plan, sampled, sampling = self._plan(skip)
-        if resume is not None and sampled is not None:  # a sampler without len(): now
-            states.within(resume, len(sampled))
+            return self._inline(resume, progress), progress, None
+        plan, indices = self._plan()
         plan["every"] = self.snapshot_every_n_steps or 0
         progress.reseeded = bool(plan["reseed"])
         workers = resume["workers"] if resume is not None else None
@@ -223,13 +220,22 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             progress.places = places
             progress.last = resume.get("_snapshot", {}).get("_last_yielded_worker_id") \
                 if resume is not None and resume["batches"] else None
-        todo: list[int] = []
-        if sampled is not None:  # the batches still to yield, and those yielded
+        sampled, next_batch, todo = None, None, list[int]()
+        if indices is not None:  # the batches still to yield, and those yielded
             progress.done = resume["yielded"] if resume is not None else Batches()
-            todo = progress.done.todo(len(sampled))
-        dispatched = sampled is not None and not self.in_order
+            feed = Feed(indices, progress.done, self._auto_collation)
+            plan["batched"] = self._auto_collation
+            if feed.streamed:
+                plan["streamed"] = True
+                next_batch = self._checked_end(feed, resume)
+            else:  # keys other than ints: the whole epoch now, each worker planned its own
+                sampled = feed.sampled()
+                if resume is not None:
+                    states.within(resume, len(sampled))
+                todo = progress.done.todo(len(sampled))
+                next_batch = _numbers(todo)
         plans = PerWorker(worker_plans(plan, sampled, self._auto_collation, todo,
-                                       self.num_workers, dispatched, workers, places))
+                                       self.num_workers, not self.in_order, workers, places))
         if workers is not None:
             progress.workers = dict(workers)
         elif not plan["reseed"] and previous is not None:  # workers go on where they are
@@ -244,11 +250,13 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         else:
             loader = own = self._loader()
         progress.loader = loader
-        dispatcher = Dispatcher(loader.dispatch, todo, self.num_workers, self._prefetch)
+        dispatcher = Dispatcher(loader.dispatch, next_batch, self.num_workers,
+                                self._prefetch, bool(self.in_order)) \
+            if next_batch is not None else None
         try:
             intake = Intake(loader.iterate(plans), progress, self.num_workers)
             intake.settle()  # each worker started: its first snapshot; its init errors
-            if dispatched:
+            if dispatcher is not None:
                 dispatcher.prime()
         except BaseException as exc:
             if own is not None:
@@ -258,14 +266,26 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                 raise worded from exc
             raise
         batches: Iterator[tuple[Any, Any]]
-        if self._iterable:
+        if dispatcher is None:
             batches = iter(Streams(intake, progress, self.num_workers, bool(self.in_order)))
-        elif dispatched:
-            batches = arrived(intake, progress, dispatcher)
+        elif self.in_order:
+            batches = ordered(intake, progress, dispatcher)
         else:
-            batches = ordered(intake, todo, progress)
+            batches = arrived(intake, progress, dispatcher)
         return (self._deliver((to_torch(batch), mark) for batch, mark in batches), progress,
-                own, sampling)
+                own)
+
+    @staticmethod
+    def _checked_end(feed: Feed, resume: dict[str, Any] | None
+                     ) -> Callable[[], np.ndarray | None]:
+        """``feed.next``, checking a resumed state against the epoch once the sampler
+        ended (a sampler without ``len()``: its batches are known only then)."""
+        def next_batch() -> np.ndarray | None:
+            items = feed.next()
+            if items is None and resume is not None and feed.total is not None:
+                states.within(resume, feed.total)
+            return items
+        return next_batch
 
     def _inline(self, resume: dict[str, Any] | None, progress: Progress) -> Iterator[Any]:
         """torch's own iterator (``num_workers=0``), resumed: a dataset (or its iterator)
@@ -287,15 +307,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                 skip = 0
         return Unmarked(skipped(iterator, skip))
 
-    def _plan(self, skip: int
-              ) -> tuple[dict[str, Any], list[Any] | None, Sampling | None]:
-        """What every worker gets for an epoch (the base seed and the like), its sampled
-        batches from ``skip`` on (None for an iterable dataset) and their sampling; drawn
-        in torch's order: make the sampler iterator, draw the base seed, then sample."""
+    def _plan(self) -> tuple[dict[str, Any], Iterator[Any] | None]:
+        """What every worker gets for an epoch (the base seed and the like) and, for a
+        map-style dataset, the sampler's iterator (pulled as the batches are handed out:
+        ``feed``); drawn in torch's order: make the sampler iterator, draw the base seed."""
         torch_loader = self
-        before = self._rng()
         indices = None if self._iterable else iter(torch_loader._index_sampler)
-        eager = self._rng() != before  # a sampler that samples when its iterator is made
         reseed = self._base_seed is None or not self._persistent
         # An IterDataPipe's shuffles take a seed shared by all workers, drawn as torch
         # draws it: a new torch iterator draws one before its base seed (the workers' one)
@@ -306,18 +323,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             self._base_seed = self._draw()
             if datapipe:
                 self._draw()
-        sampled, sampling = None, None
-        if indices is not None:
-            if eager or not draws_only_from(torch_loader._index_sampler,
-                                             torch_loader.generator):
-                sampled = list(indices)
-            else:
-                sampling = Sampling(self, indices, self._prefetch * self.num_workers + skip)
-                sampled = sampling.batches
         plan: dict[str, Any] = {"seed": self._base_seed, "reseed": reseed}
         if shared is not None:
             plan["shared_seed"] = shared
-        return plan, sampled, sampling
+        return plan, indices
 
     def _draw(self) -> int:
         """A seed from this loader's generator (torch's global one without it)."""
@@ -435,7 +444,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             batch_size=torch_loader.batch_size if torch_loader._auto_collation else None,
             drop_last=torch_loader.drop_last, token=secrets.token_hex(8),
             objects=self._broker is None,
-            by_dispatch=not self._iterable and not self.in_order)
+            )
         self._started += 1
         job_name = self._job_name
         if job_name is not None and not self._persistent:
@@ -488,3 +497,14 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
 
     def __del__(self) -> None:
         self.close()
+
+
+def _numbers(todo: list[int]) -> Callable[[], np.ndarray | None]:
+    """The batch numbers of ``todo`` one at a time, as DISPATCH items (a planned epoch:
+    each worker has its batches' keys, ``passes.worker_plans``)."""
+    left = iter(todo)
+
+    def next_batch() -> np.ndarray | None:
+        number = next(left, None)
+        return None if number is None else np.array([number], np.int64)
+    return next_batch

@@ -13,12 +13,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-import torch.utils.data
 
 from zloader.errors import Timeout, WorkerExited
 from zloader.loader import Loader
 from zloader.torch.failures import Failed, rebuild, torch_words
+from zloader.torch.feed import Dispatcher
 from zloader.torch.states import Batches, Place
 
 if TYPE_CHECKING:
@@ -54,12 +53,11 @@ class Pass:
     error, on :meth:`close` or when it is garbage collected."""
 
     def __init__(self, owner: DataLoader, batches: Iterator[Any], progress: Progress,
-                 loader: Loader | None, sampling: Sampling | None) -> None:
+                 loader: Loader | None) -> None:
         self._owner = owner  # the DataLoader lives while its iterators do, as in torch
         self._batches: Iterator[Any] | None = batches
         self._progress = progress
         self._loader = loader
-        self._sampling = sampling
         self._counted = 0  # batches yielded, as torch counts them (not failures)
         self._reported = owner.reported_length()
 
@@ -102,8 +100,6 @@ class Pass:
         self._progress.yielded += 1
         if mark is not None:
             mark()  # the batch's worker's place, now that the batch is handed out
-        if self._sampling is not None:
-            self._sampling.pull()  # as torch does for each batch it receives
         if isinstance(batch, Failed):  # this batch's; the next next() goes on
             raise batch.error
         self._counted += 1
@@ -113,12 +109,11 @@ class Pass:
                           stacklevel=2)
         return batch
 
-    def restart(self, batches: Iterator[Any], progress: Progress, loader: Loader | None,
-                sampling: Sampling | None) -> None:
+    def restart(self, batches: Iterator[Any], progress: Progress, loader: Loader | None
+                ) -> None:
         """Go on with a new epoch (``iter()`` of a loader with persistent workers)."""
         self.end_epoch()
         self._batches, self._progress, self._loader = batches, progress, loader
-        self._sampling = sampling
         self._counted, self._reported = 0, self._owner.reported_length()
 
     def end_epoch(self) -> None:
@@ -175,43 +170,6 @@ class WorkerHandle:
     @property
     def exitcode(self) -> int | None:
         return self._process.poll()
-
-
-def draws_only_from(index_sampler: Any, generator: torch.Generator | None) -> bool:
-    """Whether ``index_sampler`` is one of torch's, drawing from ``generator`` (None:
-    torch's global one) alone, so that :class:`Sampling` can run it twice."""
-    data = torch.utils.data
-    sampler = index_sampler
-    if type(index_sampler) is data.BatchSampler:
-        sampler = index_sampler.sampler
-    return (type(sampler) in (data.RandomSampler, data.SubsetRandomSampler,
-                              data.WeightedRandomSampler)
-            and sampler.generator is generator)
-
-
-class Sampling:
-    """An epoch's sampled batches, known at once, while the random state moves as torch
-    moves it. Torch pulls batches from its sampler as it goes (``prefetch_factor *
-    num_workers`` at ``iter()``, then one per batch received), and a sampler may draw at
-    any pull (``RandomSampler`` draws one more permutation as it ends): with two live
-    iterators, or an iterator left early, those draws decide what the others sample. So
-    :attr:`batches` come from a second iterator of the sampler, run at once from the same
-    random state, which is then put back; the first is pulled as torch pulls its own.
-    (Only for torch's random samplers on the loader's generator: other samplers are run
-    once, at ``iter()``, which is torch's order whenever one iterator runs at a time.)"""
-
-    def __init__(self, owner: DataLoader, indices: Iterator[Any], ahead: int) -> None:
-        start = owner._rng()
-        self.batches = list(iter(owner._index_sampler))
-        owner._set_rng(start)
-        self._indices: Iterator[Any] | None = indices
-        for _ in range(ahead):
-            self.pull()
-
-    def pull(self) -> None:
-        """Pull one batch from the sampler (its values are those of :attr:`batches`)."""
-        if self._indices is not None and next(self._indices, _NONE) is _NONE:
-            self._indices = None
 
 
 class Intake:
@@ -271,21 +229,24 @@ class Intake:
         return _START
 
 
-def ordered(intake: Intake, todo: list[int],
-            progress: Progress) -> Iterator[tuple[Any, Callable[[], None]]]:
-    """A map-style dataset's batches in the order of ``todo`` (the epoch's batch numbers
-    still to yield: all of them, or a resumed epoch's rest), a failed one as its
+def ordered(intake: Intake, progress: Progress,
+            dispatcher: Dispatcher) -> Iterator[tuple[Any, Callable[[], None]]]:
+    """A map-style dataset's batches in the order ``dispatcher`` handed them out (the
+    sampler's: all of the epoch's, or a resumed epoch's rest), a failed one as its
     :class:`Failed`; each with the mark that records its worker's random state and
-    snapshot, and the batch as yielded, once it is handed out."""
+    snapshot, and the batch as yielded, once it is handed out. Each yielded lets
+    ``dispatcher`` hand out the next, as torch's iterator does."""
     pending: dict[int, dict[str, Any]] = {}
-    at = 0
+    sent = dispatcher.sent
     while (record := intake.next()) is not None:
         pending[_number(record)] = record
-        while at < len(todo) and todo[at] in pending:
-            yield _handed(pending.pop(todo[at]), progress)
-            at += 1
-    if pending:
-        why = f"but not batch {todo[at]}" if at < len(todo) else "not in this epoch's plan"
+        while sent and sent[0] in pending:
+            number = sent[0]
+            record = pending.pop(number)
+            dispatcher.received(record["w"], number)
+            yield _handed(record, progress)
+    if pending or sent or not dispatcher.ended:
+        why = f"but not batch {sent[0]}" if sent else "not handed out"
         raise RuntimeError(f"the DataLoader's workers sent batches {sorted(pending)[:5]} "
                            f"{why}")
 
@@ -296,58 +257,8 @@ def arrived(intake: Intake, progress: Progress,
     failed one as its :class:`Failed`, each with its mark (see :func:`ordered`); each
     received lets ``dispatcher`` hand out the next."""
     while (record := intake.next()) is not None:
-        _number(record)
-        dispatcher.received(record["w"])
+        dispatcher.received(record["w"], _number(record))
         yield _handed(record, progress)
-
-
-class Dispatcher:
-    """A map-style epoch's batches handed to the workers as torch's iterator hands them
-    with ``in_order=False``: ``prefetch`` to each worker in turn at the start, then one
-    per batch received, to the next worker in turn with fewer than ``prefetch`` batches
-    outstanding; so a worker stuck on a slow batch gets no more while the others go on.
-    ``send(worker, numbers)`` is ``Loader.dispatch``; once all are handed out, every
-    worker is told that none follow."""
-
-    def __init__(self, send: Callable[[int, list[int]], None], todo: list[int],
-                 workers: int, prefetch: int) -> None:
-        self._send = send
-        self._todo = deque(todo)
-        self._outstanding = [0] * workers
-        self._turn = 0
-        self._prefetch = prefetch
-        self._ended = False
-
-    def prime(self) -> None:
-        """Hand out the first ``prefetch`` batches of each worker."""
-        for _ in range(self._prefetch * len(self._outstanding)):
-            self._put()
-        self._end()
-
-    def received(self, worker: int) -> None:
-        """A batch of ``worker`` came: hand out the next batch."""
-        self._outstanding[worker] -= 1
-        self._put()
-
-    def _put(self) -> None:
-        workers = len(self._outstanding)
-        if not self._todo:
-            return
-        for _ in range(workers):
-            worker, self._turn = self._turn, (self._turn + 1) % workers
-            if self._outstanding[worker] < self._prefetch:
-                break
-        else:
-            return
-        self._outstanding[worker] += 1
-        self._send(worker, [self._todo.popleft()])
-        self._end()
-
-    def _end(self) -> None:
-        if not self._todo and not self._ended:
-            self._ended = True
-            for worker in range(len(self._outstanding)):
-                self._send(worker, [])
 
 
 def _number(record: dict[str, Any]) -> int:

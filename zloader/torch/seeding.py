@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import numpy.random  # (imported on first use: here, once, not in each forked worker)
 import torch
 from torch.utils.data import dataloader as _torch_dataloader
 from torch.utils.data._utils import worker as _torch_worker

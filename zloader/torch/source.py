@@ -14,21 +14,20 @@ import torch.utils.data
 from torch.utils.data._utils import collate as _torch_collate
 from torch.utils.data._utils import worker as _torch_worker
 
-from zloader import codec
+from zloader import codec, handoff
 from zloader._defaults import STACK_LATER_BYTES
 from zloader.errors import PipelineError
 from zloader.sources import Source
-from zloader.torch import seeding, states
+from zloader.torch import feed, seeding, states
 from zloader.torch.failures import describe
 from zloader.torch.tensors import NUMPY_DTYPES, to_numpy
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
 class BatchSource(Source):
-    """Worker ``w`` of ``width`` makes batches ``w, w + width, ...`` of the epoch the
-    consumer sampled (map-style), or those the consumer dispatches to it
-    (``by_dispatch``: ``in_order=False``), or runs the iterable dataset as torch worker
-    ``w``."""
+    """Worker ``w`` of ``width`` makes the batches of a map-style epoch that the consumer
+    dispatches to it as it samples them (zloader/torch/feed.py), or runs the iterable
+    dataset as torch worker ``w``."""
 
     kind: ClassVar[str] = "torch_dataloader"
     dataset: Any
@@ -41,7 +40,6 @@ class BatchSource(Source):
     drop_last: bool
     token: str
     objects: bool = False  # to_numpy leaves to the codec's pickling what numpy cannot hold
-    by_dispatch: bool = False  # map-style batches made as the consumer dispatches them
 
     @property
     def num_splits(self) -> int:
@@ -49,7 +47,7 @@ class BatchSource(Source):
 
     @property
     def dispatched(self) -> bool:
-        return self.by_dispatch
+        return not self.iterable  # (a map-style epoch's batches, as they are sampled)
 
     def identity(self) -> tuple[Any, ...]:
         return (self.kind, self.token)  # this loader's job alone; the dataset is not hashed
@@ -71,27 +69,31 @@ class BatchSource(Source):
         return self._mapped(plan, worker, seeded, settings.dispatched)
 
     def _mapped(self, plan: dict[str, Any], worker: int, seeded: seeding.Seeded,
-                dispatched: Callable[[], int | None] | None) -> Iterator[dict[str, Any]]:
-        """This worker's batches ``j`` of the epoch (its plan's, see
-        ``passes.worker_plans``: all of them in order, or those ``dispatched`` returns
-        when ``plan["dispatched"]``), as records (dicts, ``"w"``: the worker): first
-        ``{"start": snapshot, "rng": random state}``, then for each batch ``{"j": j,
-        "rng": random state after it or b"" if unchanged, "batch": batch}`` (the consumer
-        keeps the state of the last batch it yielded, for ``state_dict``), with
-        ``"failure"`` in place of ``"batch"`` when the dataset or ``collate_fn`` raised,
-        and ``"snap"`` (see ``states``) when the dataset keeps a state of its own. A
-        resumed worker (``plan["resume"]``) first restores its dataset's state."""
+                dispatched: Callable[..., Any] | None) -> Iterator[dict[str, Any]]:
+        """This worker's batches ``j`` of the epoch, as the consumer dispatches them (see
+        ``zloader/torch/feed.py``: each with its indices, or, for a sampler of other keys,
+        its number in this worker's plan, ``passes.worker_plans``), as records (dicts,
+        ``"w"``: the worker): first ``{"start": snapshot, "rng": random state}``, then for
+        each batch ``{"j": j, "rng": random state after it or b"" if unchanged, "batch":
+        batch}`` (the consumer keeps the state of the last batch it yielded, for
+        ``state_dict``), with ``"failure"`` in place of ``"batch"`` when the dataset or
+        ``collate_fn`` raised, and ``"snap"`` (see ``states``) when the dataset keeps a
+        state of its own. A resumed worker (``plan["resume"]``) first restores its
+        dataset's state."""
         resume = plan.get("resume")
         if resume is not None:
             states.load(self.dataset, resume.get("dataset_state"))
         stateful = states.is_stateful(self.dataset)
         yield {"w": worker, "start": states.snapshot(worker, self.dataset, iterable=False),
                "rng": seeded.reported}
-        flat, offsets, numbers = plan["flat"], plan["offsets"], plan["numbers"]
+        if dispatched is None:
+            raise RuntimeError("a map-style DataLoader epoch reached a worker that takes no "
+                               "dispatched batches")
         where = f"in DataLoader worker process {worker}"
-        for batch, j in self._order(numbers, dispatched if plan["dispatched"] else None):
-            indices = flat[offsets[batch]:offsets[batch + 1]]
-            keys = indices.tolist() if isinstance(indices, np.ndarray) else list(indices)
+        batches = self._streamed(dispatched) if plan.get("streamed") \
+            else self._planned(plan, dispatched)
+        for j, keys in batches:
+            handoff.poll()  # (the dataset's lists, packed since the last batch)
             record: dict[str, Any] = {"w": worker, "j": j}
             try:
                 record["batch"] = to_numpy(self._fetch(keys, plan["batched"]), self.objects)
@@ -106,23 +108,36 @@ class BatchSource(Source):
             yield record
 
     @staticmethod
-    def _order(numbers: np.ndarray, dispatched: Callable[[], int | None] | None
-               ) -> Iterator[tuple[int, int]]:
-        """``(place in the plan, batch number)`` of each batch to make: all of
-        ``numbers`` in turn, or (``dispatched``) each number the consumer dispatches.
+    def _streamed(take: Callable[..., Any]) -> Iterator[tuple[int, list[int]]]:
+        """``(j, indices)`` of each batch dispatched with its indices
+        (``feed.encode``), until the consumer sends no more.
+
+        Raises:
+            RuntimeError: a batch's items were cut short.
+        """
+        while (j := take()) is not None:
+            size = take()
+            coded = take(size) if size is not None else []
+            if size is None or len(coded) != size:
+                raise RuntimeError(f"the consumer dispatched batch {j} cut short")
+            yield j, feed.decode(coded)
+
+    @staticmethod
+    def _planned(plan: dict[str, Any], take: Callable[..., Any]
+                 ) -> Iterator[tuple[int, list[Any]]]:
+        """``(j, keys)`` of each batch number dispatched, its keys from the plan.
 
         Raises:
             RuntimeError: a dispatched number is not in the plan.
         """
-        if dispatched is None:
-            yield from enumerate(numbers.tolist())
-            return
-        while (j := dispatched()) is not None:
+        flat, offsets, numbers = plan["flat"], plan["offsets"], plan["numbers"]
+        while (j := take()) is not None:
             at = int(np.searchsorted(numbers, j))
             if at >= len(numbers) or numbers[at] != j:
                 raise RuntimeError(f"the consumer dispatched batch {j}, which is not in "
                                    "this epoch's plan")
-            yield at, j
+            indices = flat[offsets[at]:offsets[at + 1]]
+            yield j, indices.tolist() if isinstance(indices, np.ndarray) else list(indices)
 
     def _fetch(self, keys: list[Any], batched: bool) -> Any:
         """A batch, made as torch's map-style fetcher makes it: ``__getitems__`` when the

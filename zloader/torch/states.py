@@ -162,6 +162,10 @@ class Batches:
             starts.insert(at, number)
             ends.insert(at, number + 1)
 
+    def __contains__(self, number: int) -> bool:
+        at = bisect.bisect_right(self._starts, number)
+        return at > 0 and self._ends[at - 1] > number
+
     def ranges(self) -> list[list[int]]:
         return [[first, end] for first, end in zip(self._starts, self._ends, strict=True)]
 

@@ -38,8 +38,8 @@ from types import TracebackType
 
 from zloader.errors import ZloaderError
 
-__all__ = ["PREFIX", "SHM_DIR", "Segment", "ShmError", "check_name", "segment_name", "sweep",
-           "sweep_dirs"]
+__all__ = ["PREFIX", "SHM_DIR", "Segment", "ShmError", "alive", "check_name", "segment_name",
+           "sweep", "sweep_dirs"]
 
 SHM_DIR = "/dev/shm"
 PREFIX = "zloader-"
@@ -328,7 +328,7 @@ def sweep(prefix: str = PREFIX) -> list[str]:
         if match is None or int(match.group(1)) != uid:
             continue
         pid = int(match.group(2))
-        if _alive(pid):
+        if alive(pid):
             continue
         path = _path(name)
         try:
@@ -366,13 +366,14 @@ def sweep_dirs(root: str | None = None) -> list[str]:
         except OSError:
             continue
         if (info.st_uid == os.getuid() and stat.S_ISDIR(info.st_mode)
-                and not _alive(int(parts[1]))):
+                and not alive(int(parts[1]))):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(name)
     return removed
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (a zombie has)."""
     if pid <= 0:
         return True  # kill(0) and kill(-1) address groups of processes: never "dead"
     try:

@@ -12,6 +12,7 @@ from typing import Any
 
 import zmq
 
+from zloader._defaults import RECONNECT_FIRST_MS, RECONNECT_MAX_MS
 from zloader.transport.keys import Keys
 
 __all__ = ["NOBLOCK", "has_message", "make_socket", "recv_frames", "send_frames", "waiting"]
@@ -21,7 +22,8 @@ def make_socket(context: zmq.Context[Any], kind: int, keys: Keys | None = None, 
                 serve: bool = False, plain: bool = False,
                 max_bytes: int | None = None) -> zmq.Socket[Any]:
     """A socket of ``kind`` (``zmq.DEALER``, ``zmq.ROUTER``, ...) in ``context``, not yet
-    bound or connected, with linger 0 (closing never blocks on unsent messages).
+    bound or connected, with linger 0 (closing never blocks on unsent messages) and, for
+    one that connects, quick first retries (:data:`RECONNECT_FIRST_MS`).
 
     Args:
         keys: the keys directory's pairs, or None for no authentication.
@@ -40,6 +42,9 @@ def make_socket(context: zmq.Context[Any], kind: int, keys: Keys | None = None, 
         raise ValueError("plain data needs keys: PLAIN authenticates with their token")
     sock = context.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
+    if not serve:  # a peer not there yet (a broker starting): tried again soon, then less
+        sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_FIRST_MS)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
     if max_bytes is not None:
         sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
     if keys is not None:

@@ -49,3 +49,19 @@ class Dispatched:
                     return None
                 self._ready.wait(DISPATCH_WAIT)
             return self._items.popleft()
+
+    def take_many(self, count: int, stop: threading.Event) -> list[int]:
+        """The next ``count`` items, waiting for them; fewer once the consumer said none
+        will follow and all were taken, or when ``stop`` is set."""
+        taken: list[int] = []
+        with self._ready:
+            while len(taken) < count:
+                items = self._items
+                if not items:
+                    if self._ended or stop.is_set():
+                        break
+                    self._ready.wait(DISPATCH_WAIT)
+                    continue
+                want = min(count - len(taken), len(items))
+                taken.extend(items.popleft() for _ in range(want))
+        return taken

@@ -267,8 +267,12 @@ class WorkerProcess:
         else:  # a producer nobody listens to any more (its task stopped)
             outgoing.mark_taken()
         if self.port.outlet.sent != sent and has_message(self.port.sock):
-            with contextlib.suppress(BlockingIOError):
-                os.write(self._wake_write, b"!")
+            self._wake()
+
+    def _wake(self) -> None:
+        """Wake the loop from its poll (another thread has something for it)."""
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._wake_write, b"!")
 
     def _delivery_busy(self) -> bool:
         """Whether records wait in the task's delivery for a consumer's credit."""
@@ -429,7 +433,7 @@ class WorkerProcess:
             return  # sent again after a reconnect: this worker has it already
         if self.task is not None:
             self._stop_task()
-        self.loading = (task, self.supply.start(record, payload))
+        self.loading = (task, self.supply.start(record, payload, self._wake))
         self._begin_task()
 
     def _begin_task(self) -> None:

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from zloader import codec
+from zloader import codec, handoff
 from zloader._defaults import (
     HAND_WAIT,
     LARGE_RECORD_BYTES,
@@ -453,6 +453,7 @@ class Producer(threading.Thread):
             if self.stop.is_set():
                 raise _Stopped
             self.split = split
+            handoff.poll()
             yield split
 
     def _record_of(self, pair: zmq.Socket[Any], stream: Iterator[Any], part: int,
@@ -485,18 +486,20 @@ class Producer(threading.Thread):
             self.pool.release()
         return ended
 
-    def _take_dispatched(self) -> int | None:
-        """The next work item a consumer dispatched (None: it sends no more), waiting for
-        one (counted as ``"splits"``, the stage of waiting for work from outside the
+    def _take_dispatched(self, count: int | None = None) -> Any:
+        """The next work item a consumer dispatched (None: it sends no more), or with
+        ``count`` a list of the next ``count`` (fewer: it sends no more), waiting for
+        them (counted as ``"splits"``, the stage of waiting for work from outside the
         worker, not pipeline time); stops the producer when it is told to stop meanwhile."""
         if self.dispatched is None:
-            return None
+            return None if count is None else []
         self.stage = "splits"
         waited = time.perf_counter()
-        item = self.dispatched.take(self.stop)
+        item: Any = self.dispatched.take(self.stop) if count is None \
+            else self.dispatched.take_many(count, self.stop)
         self._split_wait += time.perf_counter() - waited
         self.stage = "pipeline"
-        if item is None and self.stop.is_set():
+        if self.stop.is_set() and (item is None or (count is not None and len(item) < count)):
             raise _Stopped
         return item
 
@@ -633,6 +636,7 @@ class Producer(threading.Thread):
                 if self.stop.is_set():
                     raise _Stopped
                 self.split = split
+                handoff.poll()
                 yield split
             return
         self._answers.setdefault(key, deque())  # (passes read at once: a mix's inputs)
@@ -675,6 +679,7 @@ class Producer(threading.Thread):
             if asked:
                 self._put(pair, LinkKind.SPLIT_REQ, {"pass": list(key), "have": have})
             self.split = reply.split
+            handoff.poll()  # (the dataset's lists, packed since the last split)
             started = time.monotonic()
             if not spec.track:
                 yield reply.split

@@ -1,0 +1,373 @@
+"""Start-up benchmark: from a DataLoader's construction to its first batch, side by side.
+
+``torch.utils.data.DataLoader`` and ``zloader.torch.DataLoader`` with the same arguments
+(``batch_size=64``, the default collate, one seeded ``generator``), in one process, in
+interleaved rounds (``--rounds``, default 5; the medians are reported). The datasets are
+built before the clocks start and know nothing of zloader: ``Pairs`` holds a list of
+``(path, label)`` tuples, as torchvision's ImageFolder does, and returns the pair.
+
+(1) **First batch.** Construction to the first batch of a fresh iterator (so: sampling,
+    packing, forking, the workers' start and the batch) for: a small dataset (10,000
+    pairs) with 2 and with 8 workers; 1 M pairs, 4 workers, ``shuffle=True``; 3 M pairs,
+    8 workers (bench.memory's case); 200,000 tuples, 2 workers (a new user's trial).
+    Target: zloader no later than torch in every case, and the 1 M and 3 M cases within
+    1.2x of the small one with the same loader.
+(2) **The second epoch** without persistent workers (torch's default): from the second
+    ``iter()`` to its first batch, for the small and the 1 M case.
+(3) **Dataset size.** The first batch against the dataset's size (10 k to 3 M pairs, 4
+    workers, ``shuffle=True``), for both loaders (``startup.png``).
+(4) **import zloader** against ``import numpy``, each in a fresh interpreter (medians of
+    ``--rounds``). Target: zloader's at most numpy's plus 100 ms.
+(5) **A warm pool.** A ``zloader-broker`` and 2 ``zloader-worker`` processes already
+    running; ``Loader(pipeline, broker=...)`` to its first element for a pipeline the pool
+    ran before (the same fingerprint) and for a new one, and a whole job of 200 elements.
+    Targets: <= 50 ms, <= 100 ms, and the whole job <= 2x its first element.
+(6) **Once running.** The trainer's process CPU (all its threads) per batch over an epoch
+    of the 200,000-tuple case, for both loaders. Target: zloader <= 0.5x torch.
+(7) **What is left** of zloader's first batch (1 M case): the top of a cProfile of the
+    trainer's process, by cumulative time.
+
+Writes ``startup.json``, ``startup.md`` and ``startup.png`` into ``--out``. These
+machines are shared and noisy: read the ratios. Run: ``python -m bench.startup
+[--rounds N] [--only 1,2,3,4,5,6,7] [--out bench/results]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime
+import gc
+import io
+import os
+import pathlib
+import platform
+import pstats
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils.data
+
+import zloader
+import zloader.torch as zt
+from bench._common import free_port, provenance, stop, write_results
+
+BATCH = 64
+SMALL, LARGE, LARGEST, TUPLES = 10_000, 1_000_000, 3_000_000, 200_000
+CASES = (  # name, pairs, workers, shuffle
+    ("small, 2 workers", SMALL, 2, True),
+    ("small, 8 workers", SMALL, 8, True),
+    ("1 M pairs, 4 workers", LARGE, 4, True),
+    ("3 M pairs, 8 workers", LARGEST, 8, True),
+    ("200 k tuples, 2 workers", TUPLES, 2, True),
+)
+SIZES = (10_000, 100_000, 1_000_000, 3_000_000)
+LOADERS: dict[str, Any] = {"torch": torch.utils.data.DataLoader, "zloader": zt.DataLoader}
+
+
+class Pairs(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """``size`` (path, label) tuples, as torchvision's ImageFolder holds them."""
+
+    def __init__(self, size: int) -> None:
+        self.samples = [(f"/data/train/class_{i % 1000:04d}/img_{i:08d}.jpg", i % 1000)
+                        for i in range(size)]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[int, int]:
+        path, label = self.samples[index]
+        return len(path), label
+
+
+def make(name: str, dataset: Any, workers: int, shuffle: bool, seed: int = 0) -> Any:
+    return LOADERS[name](dataset, batch_size=BATCH, shuffle=shuffle, num_workers=workers,
+                         generator=torch.Generator().manual_seed(seed), timeout=600)
+
+
+def close(loader: Any) -> None:
+    if hasattr(loader, "close"):
+        loader.close()
+    gc.collect()
+
+
+def first_batch(name: str, dataset: Any, workers: int, shuffle: bool) -> float:
+    """Seconds from construction to the first batch of a fresh iterator."""
+    started = time.perf_counter()
+    loader = make(name, dataset, workers, shuffle)
+    iterator = iter(loader)
+    next(iterator)
+    took = time.perf_counter() - started
+    del iterator
+    close(loader)
+    return took
+
+
+def second_epoch(name: str, dataset: Any, workers: int) -> float:
+    """Seconds from the second ``iter()`` (no persistent workers) to its first batch."""
+    loader = make(name, dataset, workers, True)
+    iterator = iter(loader)
+    next(iterator)
+    del iterator
+    started = time.perf_counter()
+    iterator = iter(loader)
+    next(iterator)
+    took = time.perf_counter() - started
+    del iterator
+    close(loader)
+    return took
+
+
+def interleaved(rounds: int, measure: Callable[[str], float]) -> dict[str, float]:
+    """Median of ``rounds`` interleaved measures for each loader."""
+    times: dict[str, list[float]] = {name: [] for name in LOADERS}
+    for _ in range(rounds):
+        for name in LOADERS:
+            times[name].append(measure(name))
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def first_batches(args: argparse.Namespace, datasets: dict[int, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for label, size, workers, shuffle in CASES:
+        medians = interleaved(args.rounds, lambda name, size=size, workers=workers,
+                              shuffle=shuffle: first_batch(name, datasets[size], workers,
+                                                           shuffle))
+        rows.append({"case": label, "size": size, "workers": workers, **medians})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def second_epochs(args: argparse.Namespace, datasets: dict[int, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for label, size, workers in (("small, 2 workers", SMALL, 2),
+                                 ("1 M pairs, 4 workers", LARGE, 4)):
+        medians = interleaved(args.rounds, lambda name, size=size, workers=workers:
+                              second_epoch(name, datasets[size], workers))
+        rows.append({"case": label, **medians})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def by_size(args: argparse.Namespace, datasets: dict[int, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for size in SIZES:
+        medians = interleaved(args.rounds, lambda name, size=size:
+                              first_batch(name, datasets[size], 4, True))
+        rows.append({"size": size, **medians})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def imports(args: argparse.Namespace) -> dict[str, float]:
+    """Median seconds of ``import numpy`` and ``import zloader``, each in a fresh
+    interpreter."""
+    def timed(module: str) -> float:
+        code = (f"import time; t = time.perf_counter(); import {module}; "
+                "print(time.perf_counter() - t)")
+        return float(subprocess.run([sys.executable, "-c", code], capture_output=True,
+                                    text=True, check=True).stdout)
+    numpy, ours = [], []
+    for _ in range(max(args.rounds, 5)):
+        numpy.append(timed("numpy"))
+        ours.append(timed("zloader"))
+    return {"numpy": statistics.median(numpy), "zloader": statistics.median(ours)}
+
+
+def _double(value: int) -> int:
+    return value * 2
+
+
+def warm_pool(args: argparse.Namespace) -> dict[str, Any]:
+    """A broker and 2 idle workers: a Loader's first element (a known pipeline and a new
+    one) and a whole 200-element job, medians of ``--rounds``."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    bin_dir = os.path.dirname(sys.executable)
+    processes = [subprocess.Popen([f"{bin_dir}/zloader-broker", "--bind", address,
+                                   "--insecure", "--log-level", "warning"])]
+    try:
+        time.sleep(0.5)
+        for _ in range(2):
+            processes.append(subprocess.Popen(
+                [f"{bin_dir}/zloader-worker", "--broker", address, "--insecure",
+                 "--log-level", "warning"]))
+        known = zloader.Pipeline.range(200).map(_double)
+
+        def run(pipeline: zloader.Pipeline) -> tuple[float, float]:
+            started = time.perf_counter()
+            with zloader.Loader(pipeline, broker=address) as loader:
+                elements = iter(loader)
+                next(elements)
+                first = time.perf_counter() - started
+                count = 1 + sum(1 for _ in elements)
+                whole = time.perf_counter() - started
+            assert count == 200, count
+            return first, whole
+        deadline = time.monotonic() + 30
+        while True:  # (the workers registered: a job runs)
+            try:
+                run(known)
+                break
+            except zloader.Timeout:
+                if time.monotonic() > deadline:
+                    raise
+        known_first, known_whole, new_first = [], [], []
+        for round_ in range(args.rounds):
+            first, whole = run(known)
+            known_first.append(first)
+            known_whole.append(whole)
+            fresh = zloader.Pipeline.range(200).map(_double).map(
+                _double, name=f"double-{round_}-{time.time_ns()}", version=str(round_))
+            new_first.append(run(fresh)[0])
+        return {"known_first": statistics.median(known_first),
+                "known_whole": statistics.median(known_whole),
+                "new_first": statistics.median(new_first)}
+    finally:
+        stop(processes[::-1], 10)
+
+
+def trainer_cpu(args: argparse.Namespace, datasets: dict[int, Any]) -> dict[str, Any]:
+    """The trainer's process CPU per batch over one epoch of the 200 k case (2 workers,
+    started before the clock: persistent workers, the second epoch measured)."""
+    per_batch: dict[str, list[float]] = {name: [] for name in LOADERS}
+    for _ in range(max(1, args.rounds // 2)):
+        for name in LOADERS:
+            loader = LOADERS[name](datasets[TUPLES], batch_size=BATCH, shuffle=True,
+                                   num_workers=2, persistent_workers=True,
+                                   generator=torch.Generator().manual_seed(0))
+            for _ in loader:  # (the first epoch: start-up)
+                pass
+            cpu = time.process_time()
+            batches = sum(1 for _ in loader)
+            per_batch[name].append((time.process_time() - cpu) / batches)
+            close(loader)
+    return {name: statistics.median(values) for name, values in per_batch.items()}
+
+
+def profile(datasets: dict[int, Any]) -> str:
+    """The top of a cProfile of zloader's first batch, 1 M case."""
+    first_batch("zloader", datasets[LARGE], 4, True)  # (warm)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    first_batch("zloader", datasets[LARGE], 4, True)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(25)
+    return text.getvalue()
+
+
+def plot(rows: list[dict[str, Any]], out: pathlib.Path) -> None:
+    from bench.report import figure, save
+
+    fig, (axis,) = figure(1)
+    for name in LOADERS:
+        axis.plot([r["size"] for r in rows], [r[name] for r in rows], "o-", label=name)
+    axis.set_xscale("log")
+    axis.set_xlabel("samples in the dataset")
+    axis.set_ylabel("construction to first batch, s (4 workers)")
+    axis.legend()
+    save(fig, out, "startup.png", "first batch against dataset size")
+
+
+def tables(data: dict[str, Any]) -> list[str]:
+    lines = [f"# bench.startup ({data['date']}, {data['cpu_count']} CPUs, commit "
+             f"{data['commit'][:10]})", ""]
+    if "first_batch" in data:
+        small = {row["workers"]: row for row in data["first_batch"] if row["size"] == SMALL}
+        lines += ["## (1) Construction to first batch (medians)", "",
+                  "| case | torch | zloader | zloader / torch | zloader / its small case |",
+                  "|---|---|---|---|---|"]
+        for row in data["first_batch"]:
+            base = small.get(row["workers"]) or small.get(2)
+            against = f"{row['zloader'] / base['zloader']:.2f}x" \
+                if base and row["size"] != SMALL else ""
+            lines.append(f"| {row['case']} | {row['torch']:.3f} s | {row['zloader']:.3f} s | "
+                         f"{row['zloader'] / row['torch']:.2f} | {against} |")
+        lines.append("")
+    if "second_epoch" in data:
+        lines += ["## (2) Second epoch, no persistent workers: iter() to first batch", "",
+                  "| case | torch | zloader | zloader / torch |", "|---|---|---|---|"]
+        lines += [f"| {r['case']} | {r['torch']:.3f} s | {r['zloader']:.3f} s | "
+                  f"{r['zloader'] / r['torch']:.2f} |" for r in data["second_epoch"]]
+        lines.append("")
+    if "by_size" in data:
+        lines += ["## (3) First batch against dataset size (4 workers, shuffle)", "",
+                  "| samples | torch | zloader | zloader / torch |", "|---|---|---|---|"]
+        lines += [f"| {r['size']:,} | {r['torch']:.3f} s | {r['zloader']:.3f} s | "
+                  f"{r['zloader'] / r['torch']:.2f} |" for r in data["by_size"]]
+        lines.append("")
+    if "imports" in data:
+        imp = data["imports"]
+        lines += ["## (4) import time, fresh interpreter (medians)", "",
+                  f"`import numpy` {imp['numpy'] * 1000:.0f} ms, `import zloader` "
+                  f"{imp['zloader'] * 1000:.0f} ms: numpy + "
+                  f"{(imp['zloader'] - imp['numpy']) * 1000:.0f} ms (target: + 100 ms)", ""]
+    if "warm_pool" in data:
+        warm = data["warm_pool"]
+        lines += ["## (5) A warm pool (broker + 2 idle workers)", "",
+                  "| figure | measured | target |", "|---|---|---|",
+                  f"| first element, known pipeline | {warm['known_first'] * 1000:.1f} ms "
+                  "| <= 50 ms |",
+                  f"| first element, new pipeline | {warm['new_first'] * 1000:.1f} ms "
+                  "| <= 100 ms |",
+                  f"| whole 200-element job | {warm['known_whole'] * 1000:.1f} ms = "
+                  f"{warm['known_whole'] / warm['known_first']:.1f}x its first element "
+                  "| <= 2x |", ""]
+    if "trainer_cpu" in data:
+        cpu = data["trainer_cpu"]
+        lines += ["## (6) Trainer's process CPU per batch, 200 k tuples, 2 workers", "",
+                  f"torch {cpu['torch'] * 1e6:.0f} us, zloader {cpu['zloader'] * 1e6:.0f} us: "
+                  f"{cpu['zloader'] / cpu['torch']:.2f}x (target <= 0.5x)", ""]
+    if "profile" in data:
+        lines += ["## (7) What is left of zloader's first batch (1 M case, cProfile)", "",
+                  "```", *data["profile"].strip().splitlines()[:40], "```", ""]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--only", default="1,2,3,4,5,6,7")
+    parser.add_argument("--out", default="bench/results")
+    args = parser.parse_args(argv)
+    sections = set(args.only.split(","))
+    warnings.filterwarnings("ignore", message="This DataLoader will create")
+    datasets: dict[int, Any] = {}
+    if sections & {"1", "2", "3", "6", "7"}:
+        for size in sorted({SMALL, LARGE, LARGEST, TUPLES, *SIZES}):
+            datasets[size] = Pairs(size)
+    data: dict[str, Any] = {
+        "batch_size": BATCH, "rounds": args.rounds,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "platform": platform.platform(), "cpu_count": os.cpu_count(),
+        "python": platform.python_version(), "versions": {"torch": torch.__version__},
+        **provenance()}
+    if "4" in sections:
+        data["imports"] = imports(args)
+    if "5" in sections:
+        data["warm_pool"] = warm_pool(args)
+    if "1" in sections:
+        data["first_batch"] = first_batches(args, datasets)
+    if "2" in sections:
+        data["second_epoch"] = second_epochs(args, datasets)
+    if "3" in sections:
+        data["by_size"] = by_size(args, datasets)
+    if "6" in sections:
+        data["trainer_cpu"] = trainer_cpu(args, datasets)
+    if "7" in sections:
+        data["profile"] = profile(datasets)
+    out = pathlib.Path(args.out)
+    if "by_size" in data:
+        plot(data["by_size"], out)
+    write_results(str(out), "startup", data, tables(data))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,309 @@
+"""A Loader's large lists packed after its workers were forked, and handed to them.
+
+Packing a million-element list takes a few hundred milliseconds (zloader/packed.py);
+done before the fork, it would delay every first batch by as much, and done on a thread
+of the trainer it would hold the interpreter's lock against the thread that receives the
+batches. Instead the Loader forks its workers at once, with the lists as they are, then
+forks one more process, the packer (``_process.start_packer``), which packs them while
+the workers start and exits. Each list goes into a ``memfd`` made before the forks (so
+each worker holds it already, and ``/dev/shm``'s size does not limit it), which the packer
+sizes and fills; a small table in anonymous shared memory, also made before the forks,
+says when each is ready (or was left unpacked). The packer reads every element, so for
+the second or so it runs it holds its own copy of the pages of the lists' objects (their
+reference counts); they are freed when it exits.
+
+A worker looks at the table before each split and each batch it is handed (:func:`poll`:
+one attribute read once nothing is pending) and puts the packed view in place of each
+list that is ready, as ``packed.install`` does at the fork. Its first
+``HANDOFF_UNPACKED_READS`` splits or batches read the inherited lists, copying the pages
+of the elements they touch (their reference counts: the first batches' worth); after
+them it waits for the packer, so that a fast pipeline does not copy the dataset while
+the packer runs. A packer that died, or takes longer than ``HANDOFF_WAIT_SECONDS``,
+leaves the workers on the lists (with a warning).
+
+A list the worker wrote into before its packed copy was ready (a memo cache) is kept as
+it is: the worker compares the list's item pointers with those it had at the fork, read
+without touching the elements, on CPython builds whose list layout :func:`available`
+recognizes (on others the Loader packs before the fork).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import mmap
+import os
+import sys
+import sysconfig
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from zloader import packed
+from zloader._defaults import HANDOFF_UNPACKED_READS, HANDOFF_WAIT_SECONDS
+from zloader.transport.shm import alive
+
+__all__ = ["FDS_LOCK", "Handoff", "available", "forked", "poll"]
+
+log = logging.getLogger("zloader.packed")
+
+_PENDING, _READY, _LEFT = 0, 1, 2
+_FIELDS = 5  # per list: status, nbytes, count, kind (0: marshal, else a dtype char), flags
+_TUPLE, _FLAT = 1, 2  # flags; above them, a row that shares another's memfd names it + 1
+
+_OPEN: set[int] = set()
+"""This process's memfds of handoffs whose packer is not forked yet: a worker forked for
+one Loader closes the others' (it would otherwise keep their packed lists alive)."""
+
+FDS_LOCK = threading.Lock()
+"""Held while :data:`_OPEN` changes and across a fork, so that a worker never closes a
+descriptor number that was closed and reused in between."""
+
+_MINE: Handoff | None = None
+"""In a forked worker: the handoff of the Loader that forked it, until every list is in
+place."""
+
+
+class Handoff:
+    """The lists ``found`` (``packed.found``) of a Loader's forked workers, packed after
+    the fork. Made before the forks. In the Loader's process, :meth:`packer_started` then
+    lets go of the memfds; :meth:`pack_all` runs in the packer; :func:`forked` (in each
+    worker, at its start) makes it the worker's, which :func:`poll` then completes."""
+
+    def __init__(self, found: list[packed.Found]) -> None:
+        self.found = found
+        self._memory = mmap.mmap(-1, 8 * _FIELDS * (len(found) + 1), flags=mmap.MAP_SHARED)
+        rows = np.frombuffer(self._memory, np.int64).reshape(-1, _FIELDS)
+        # head: the packer's pid, and 1 once the Loader closes (the packer is killed)
+        self.head, self.table = rows[0], rows[1:]
+        with FDS_LOCK:
+            self.fds = [os.memfd_create("zloader-packed", os.MFD_CLOEXEC) for _ in found]
+            _OPEN.update(self.fds)
+        # Each list's item pointers now (tuples cannot be written): a worker that finds
+        # others when its packed copy is ready wrote into it, and keeps it.
+        self.pointers = [_pointers(each.values) if type(each.values) is list else None
+                         for each in found]
+        self._left: list[int] = []  # (in a worker) the rows not yet taken or let go
+        self._reads = 0  # (in a worker) polls while some row was pending
+
+    # --- in the Loader's process and in the packer -------------------------------------
+
+    def packer_started(self, pid: int) -> None:
+        """In the Loader's process, once the packer (``pid``) is forked: close the memfds
+        here (the workers and the packer hold their own descriptors), drop the pointers."""
+        self.head[0] = pid
+        self.pointers = []
+        with FDS_LOCK:
+            for fd in self.fds:
+                _OPEN.discard(fd)
+                os.close(fd)
+        self.fds = []
+
+    def closing(self) -> None:
+        """The Loader closes: its packer is killed; the workers wait for it no more."""
+        self.head[1] = 1
+
+    def pack_all(self, parent: int) -> None:
+        """In the packer: pack each list into its memfd and say so in the table (a list
+        packing refuses or fails on is left); stop if ``parent`` (the Loader) is gone."""
+        done: dict[int, int] = {}  # id(list) -> its row: a list held twice is packed once
+        try:
+            for row, (each, fd) in enumerate(zip(self.found, self.fds, strict=True)):
+                if os.getppid() != parent:
+                    return
+                if id(each.values) in done:
+                    self._share_row(done[id(each.values)], row)
+                    continue
+                view = packed.pack(each.values, _allocator(fd))
+                packed.log_packed(view, each.values, each.where)
+                self._publish(row, view)
+                done[id(each.values)] = row
+        finally:
+            for fields in self.table:  # (what was not packed is read as it is)
+                if fields[0] == _PENDING:
+                    fields[0] = _LEFT
+
+    def _publish(self, row: int, view: packed.PackedSequence | None) -> None:
+        fields = self.table[row]
+        if view is None:
+            fields[0] = _LEFT
+            return
+        kind = 0 if view._offsets is not None else ord(view._values.format)
+        fields[1:] = (view.nbytes, view._count, kind,
+                      (_TUPLE if view._type is tuple else 0) | (_FLAT if view.flat else 0))
+        _fence()
+        fields[0] = _READY
+
+    def _share_row(self, source: int, row: int) -> None:
+        """A list held by two attributes: the second row names the first's memfd."""
+        fields = self.table[row]
+        fields[1:] = self.table[source][1:]
+        fields[4] |= (source + 1) << 8
+        _fence()
+        fields[0] = self.table[source][0]
+
+    # --- in a worker ---------------------------------------------------------------------
+
+    def _poll(self) -> None:
+        self._take_ready()
+        if not self._left:
+            return
+        self._reads += 1
+        if self._reads <= HANDOFF_UNPACKED_READS:
+            return
+        # The lists as they are no further: wait for the packer, unless the Loader closes
+        # (it kills the packer) or this thread is asked to stop (a producer's ``stop``).
+        stop = getattr(threading.current_thread(), "stop", None)
+        deadline = time.monotonic() + HANDOFF_WAIT_SECONDS
+        while self._left:
+            if self.head[1] or (isinstance(stop, threading.Event) and stop.is_set()):
+                return
+            time.sleep(0.002)
+            self._take_ready()
+            pid = int(self.head[0])
+            if self._left and not self.head[1] and (
+                    time.monotonic() > deadline or (pid and not alive(pid))):
+                log.warning("the packed copy of %s did not come (its packer %s): this worker "
+                            "reads them as they are, copying what it reads",
+                            ", ".join(self.found[row].where for row in self._left),
+                            "died" if pid and not alive(pid) else
+                            f"took over {HANDOFF_WAIT_SECONDS:.0f} s")
+                self._left = []
+        self._done()
+
+    def _take_ready(self) -> None:
+        views: dict[int, packed.PackedSequence | None] = {}
+        for row in list(self._left):
+            status = int(self.table[row][0])
+            if status == _PENDING:
+                continue
+            _fence()
+            self._left.remove(row)
+            each = self.found[row]
+            if status != _READY:
+                continue
+            if not self._unwritten(row):
+                log.debug("kept %s as it is: this worker wrote into it before its packed "
+                          "copy was ready", each.where)
+                continue
+            source = (int(self.table[row][4]) >> 8) - 1
+            source = row if source < 0 else source
+            if source not in views:
+                views[source] = self._view(source)
+            view = views[source]
+            if view is not None:
+                packed.install([packed.Swap(each.owner, each.name, each.values, view,
+                                            each.where)])
+        if not self._left:
+            self._done()
+
+    def _done(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds, self.pointers = [], []
+
+    def _unwritten(self, row: int) -> bool:
+        """Whether the list of ``row`` holds what it held at the fork (the same object
+        at every place)."""
+        before = self.pointers[row]
+        if before is None:
+            return type(self.found[row].values) is tuple
+        now = _pointers(self.found[row].values, copy=False)
+        if now is None or len(now) != len(before):
+            return False
+        chunk = 1 << 16  # (pointers compared at a time: small temporaries)
+        return all(np.array_equal(now[at:at + chunk], before[at:at + chunk])
+                   for at in range(0, len(now), chunk))
+
+    def _view(self, row: int) -> packed.PackedSequence | None:
+        _, nbytes, count, kind, flags = (int(v) for v in self.table[row])
+        try:
+            memory = mmap.mmap(self.fds[row], max(1, nbytes), flags=mmap.MAP_SHARED,
+                               prot=mmap.PROT_READ)
+        except OSError:
+            log.warning("the packed %s could not be mapped: read as it is",
+                        self.found[row].where, exc_info=True)
+            return None
+        view = packed.PackedSequence(memory, count, "marshal" if kind == 0 else chr(kind),
+                                     tuple if flags & _TUPLE else list)
+        view.flat = bool(flags & _FLAT)
+        return view
+
+
+def forked(mine: Handoff | None) -> None:
+    """In a worker just forked (with ``mine``, its Loader's handoff, or None): close the
+    memfds of every other handoff, and take ``mine``'s lists as they come (:func:`poll`)."""
+    global _MINE
+    for fd in _OPEN - set(mine.fds if mine is not None else ()):
+        os.close(fd)
+    _OPEN.clear()
+    _MINE = mine
+    if mine is not None:
+        mine._left = list(range(len(mine.found)))
+        mine._take_ready()
+        if not mine._left:
+            _MINE = None
+
+
+def poll() -> None:
+    """In a forked worker, before a split or a batch: put in place its Loader's lists
+    packed since the last call, or wait for them once enough was read without them (see
+    the module). Cheap once none is pending."""
+    global _MINE
+    mine = _MINE
+    if mine is None:
+        return
+    mine._poll()
+    if not mine._left:
+        _MINE = None
+
+
+@functools.cache
+def available() -> bool:
+    """Whether lists can be packed after the fork here: memfds exist, and this Python's
+    lists are laid out as :func:`_pointers` reads them (checked on a list made for it)."""
+    if not hasattr(os, "memfd_create") or sys.implementation.name != "cpython" \
+            or sysconfig.get_config_var("Py_GIL_DISABLED"):
+        return False
+    first, second = object(), object()
+    found = _pointers([first, second])
+    return found is not None and found.tolist() == [id(first), id(second)]
+
+
+def _pointers(values: list[Any], copy: bool = True) -> np.ndarray | None:
+    """The item pointers of the list ``values`` (CPython's ``ob_item``; a copy, or a view
+    valid while the list is not changed), read without touching the items (whose
+    reference counts a read would write)."""
+    count = len(values)
+    if count == 0:
+        return np.zeros(0, np.uint64)
+    address = ctypes.c_void_p.from_address(id(values) + _OB_ITEM).value
+    if not address:
+        return None
+    view = np.ctypeslib.as_array((ctypes.c_uint64 * count).from_address(address))
+    return view.copy() if copy else view
+
+
+
+_OB_ITEM = 3 * ctypes.sizeof(ctypes.c_void_p)  # after the refcount, the type and the size
+
+
+def _allocator(fd: int) -> Any:
+    def allocate(size: int) -> mmap.mmap:
+        os.ftruncate(fd, max(1, size))
+        return mmap.mmap(fd, max(1, size), flags=mmap.MAP_SHARED)
+    return allocate
+
+
+_FENCE = threading.Lock()
+
+
+def _fence() -> None:
+    """A memory barrier (a lock taken and let go): a list's fields are written before its
+    status, and read after it, in whichever order the CPU would otherwise make them
+    visible to another process."""
+    with _FENCE:
+        pass
