@@ -363,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     if "7" in sections:
         data["profile"] = profile(datasets)
     out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     if "by_size" in data:
         plot(data["by_size"], out)
     write_results(str(out), "startup", data, tables(data))

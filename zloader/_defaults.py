@@ -474,6 +474,11 @@ as one arrives (while it reads that one): short splits do not each wait for a ro
 through the broker. After a slower split it asks when done, so that the split it would
 take does not wait behind a slow one while other workers are free."""
 
+HANDOFF_MIN_ELEMENTS = 100_000
+"""Lists of fewer elements than this in all are packed before the fork: at about 0.5 us an
+element that is quicker than forking the packer (zloader/handoff.py) from a large
+process (fixed)."""
+
 HANDOFF_UNPACKED_READS = 2
 """A forked worker reads the dataset's large lists as they are for its first this many
 splits or batches, then waits for their packed copy (zloader/handoff.py): the first

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from zloader import _check, handoff, packed
-from zloader._defaults import DEFAULT_TIMEOUT
+from zloader._defaults import DEFAULT_TIMEOUT, HANDOFF_MIN_ELEMENTS
 from zloader.client import STATE_VERSION, IOThread, Merger, Stats
 from zloader.client.arguments import Arguments, checked
 from zloader.client.draw import Inputs, Order
@@ -469,14 +469,14 @@ class Loader:
 
 def _packing(pipeline: Pipeline, args: Arguments) -> tuple[list[packed.Swap], Handoff | None]:
     """How forked workers get the pipeline's large lists packed: swaps made now (before
-    the fork), or a handoff that packs them after it; neither without forked workers or
-    with ``pack_dataset=False``."""
+    the fork: short lists, or where packing after it cannot be done), or a handoff that
+    packs them after it; neither without forked workers or with ``pack_dataset=False``."""
     if not (args.inherit and args.pack_dataset):
         return [], None
-    if not handoff.available():
-        return packed.prepare(pipeline), None
-    found = packed.found(pipeline.source)
-    return [], Handoff(found) if found else None
+    found = packed.found(pipeline.source) if handoff.available() else []
+    if sum(len(each.values) for each in found) < HANDOFF_MIN_ELEMENTS:
+        return packed.prepare(pipeline), None  # (quicker than forking a packer)
+    return [], Handoff(found)
 
 
 def _warn_mix_windows(pipeline: Pipeline, args: Arguments) -> None:
