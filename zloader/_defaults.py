@@ -474,6 +474,10 @@ as one arrives (while it reads that one): short splits do not each wait for a ro
 through the broker. After a slower split it asks when done, so that the split it would
 take does not wait behind a slow one while other workers are free."""
 
+GATE_SECONDS = 10.0
+"""A forked worker waits at most this long for its Loader's broker to be bound before it
+connects anyway (zloader/embedded.py; fixed)."""
+
 HANDOFF_MIN_ELEMENTS = 100_000
 """Lists of fewer elements than this in all are packed before the fork: at about 0.5 us an
 element that is quicker than forking the packer (zloader/handoff.py) from a large

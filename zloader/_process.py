@@ -22,6 +22,7 @@ from __future__ import annotations
 import gc
 import importlib._bootstrap
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -31,6 +32,7 @@ import traceback
 from typing import Any
 
 from zloader._command import with_sys_path, worker_command
+from zloader._defaults import GATE_SECONDS
 from zloader.handoff import FDS_LOCK, Handoff, forked
 from zloader.packed import Swap, install
 from zloader.transport.keys import Keys
@@ -78,14 +80,17 @@ _FORK_LOCK = threading.Lock()
 
 def start_worker(method: str, address: str, bind: str, keys: Keys | None = None,
                  pipelines: dict[str, Any] | None = None, swaps: list[Swap] | None = None,
-                 handoff: Handoff | None = None) -> ForkedWorker | subprocess.Popen[bytes]:
+                 handoff: Handoff | None = None, gate: int | None = None
+                 ) -> ForkedWorker | subprocess.Popen[bytes]:
     """Start one worker attached to the broker at ``address``, its data socket at ``bind``
     (with ``keys``, CURVE on both); it exits when this process does.
 
     ``pipelines`` maps fingerprints to the pipelines a forked worker runs as they are in
     this process's memory, without fetching or unpickling them; a forked worker reads the
     lists ``swaps`` name packed (zloader/packed.py), and those of ``handoff`` once it has
-    packed them (zloader/handoff.py). All are ignored by ``spawn``.
+    packed them (zloader/handoff.py). A forked worker given ``gate`` (a pipe's read end)
+    connects once it reads a byte from it (its Loader's broker is bound), or after
+    ``GATE_SECONDS``. All are ignored by ``spawn``.
     """
     parent = os.getpid()
     if method == "spawn":
@@ -107,6 +112,10 @@ def start_worker(method: str, address: str, bind: str, keys: Keys | None = None,
         repair_imports()
         install(swaps or [])
         forked(handoff)
+        if gate is not None:
+            if select.select([gate], [], [], GATE_SECONDS)[0]:
+                os.read(gate, 1)
+            os.close(gate)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's Ctrl-C; it stops us
         worker = WorkerProcess(address, bind, parent=parent, keys=keys, inherited=pipelines)
         signal.signal(signal.SIGTERM, lambda *_: worker.stop.set())

@@ -52,20 +52,31 @@ class Embedded:
         that died left (shared-memory segments, socket folders) is swept first."""
         sweep()
         sweep_dirs()
+        gate = None
         if broker is None:
             self.dir = tempfile.mkdtemp(prefix=f"zloader-{os.getpid()}-")
             address = f"ipc://{self.dir}/broker"
+            # Forked workers connect once the broker is bound (a byte each), not by
+            # ZeroMQ's retries, whose intervals grow while a large process forks many.
+            gate = os.pipe2(os.O_CLOEXEC) if start_method == "fork" and workers else None
         else:
             address = broker
-        for index in range(workers):
-            bind = self.endpoint(f"worker-{index}") or "tcp://127.0.0.1:*"
-            self.processes.append(start_worker(
-                start_method, address, bind, keys,
-                {pipeline.fingerprint: pipeline} if inherit else None, swaps, handoff))
-        if handoff is not None:
-            self.handoff, self.packer = handoff, start_packer(handoff)
-        if broker is None:
-            self.broker = Broker(address).start()
+        try:
+            for index in range(workers):
+                bind = self.endpoint(f"worker-{index}") or "tcp://127.0.0.1:*"
+                self.processes.append(start_worker(
+                    start_method, address, bind, keys,
+                    {pipeline.fingerprint: pipeline} if inherit else None, swaps, handoff,
+                    gate[0] if gate is not None else None))
+            if handoff is not None:
+                self.handoff, self.packer = handoff, start_packer(handoff)
+            if broker is None:
+                self.broker = Broker(address).start()
+            if gate is not None:
+                os.write(gate[1], b"!" * workers)
+        finally:
+            for fd in gate or ():
+                os.close(fd)
         return address
 
     def endpoint(self, name: str) -> str | None:
