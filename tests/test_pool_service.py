@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -220,3 +221,37 @@ def _sleepy(salt: int):
         time.sleep(0.005)
         return x + salt
     return work
+
+
+class Counted:
+    """A map function that notes in the file ``path`` each time it is unpickled."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self, value: int) -> int:
+        return value
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_unpickled, (self.path,))
+
+
+def _unpickled(path: str) -> Counted:
+    with open(path, "a") as file:
+        file.write("unpickled\n")
+    return Counted(path)
+
+
+def test_a_worker_keeps_a_pipeline_warm_for_its_next_job_and_says_so(tmp_path):
+    """The second job of a pipeline the worker ran reuses what it loaded (not unpickled
+    again); another pipeline is loaded; ``zloader status`` lists what is warm."""
+    notes = tmp_path / "notes"
+    first = Pipeline.range(20).map(Counted(str(notes)), version="v1")
+    other = Pipeline.range(20).map(Counted(str(notes)), version="v2")
+    with service(workers=1) as (address, _):
+        for pipeline in (first, first, other, first):
+            with Loader(pipeline, broker=address, timeout=30) as loader:
+                assert sorted(loader) == list(range(20))
+        assert notes.read_text().count("unpickled") == 2
+        wait_for(lambda: set(status(address)["workers"][0]["warm"])
+                 == {first.fingerprint, other.fingerprint}, what="the warm list")

@@ -474,6 +474,17 @@ as one arrives (while it reads that one): short splits do not each wait for a ro
 through the broker. After a slower split it asks when done, so that the split it would
 take does not wait behind a slow one while other workers are free."""
 
+WARM_PIPELINES = 4
+"""A worker keeps at most this many pipelines it loaded (unpickled, their source data
+fetched) warm by fingerprint after their jobs end, for the next job of the same pipeline
+(zloader/shipping.py; fixed)..."""
+
+WARM_SECONDS = 600.0
+"""... each for this long since it was last used..."""
+
+WARM_BYTES = 256 << 20
+"""... and at most this many bytes of them pickled in all (fixed)."""
+
 GATE_SECONDS = 10.0
 """A forked worker waits at most this long for its Loader's broker to be bound before it
 connects anyway (zloader/embedded.py; fixed)."""

@@ -789,6 +789,8 @@ def _print_status(status: dict[str, Any]) -> None:
     for w in status.get("workers", []):
         print(f"  {w['host']:<20} {w['pid']:>8} {w['tasks']:>5} {w['elements_per_second']:>12,.0f}"
               f" {w.get('cpu_seconds', 0.0):>9,.1f}" + ("  (surplus)" if w.get("surplus") else ""))
+        if w.get("warm"):
+            print(f"    warm: {', '.join(str(f)[:16] for f in w['warm'])}")
     print(f"jobs ({summary.get('jobs', len(status.get('jobs', [])))})")
     print(f"  {'job':<16} {'name':<16} {'consumers':>9} {'workers':>7} {'share':>6} "
           f"{'wanted':>6} {'starved':>7} {'elements':>12} {'bytes':>14}  {'fingerprint':<16}")

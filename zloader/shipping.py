@@ -17,9 +17,11 @@ same Loader socket, unless the pipeline was inherited whole.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +29,7 @@ import cloudpickle
 import zmq
 
 from zloader import codec
-from zloader._defaults import FETCH_TIMEOUT
+from zloader._defaults import FETCH_TIMEOUT, WARM_BYTES, WARM_PIPELINES, WARM_SECONDS
 from zloader.blobs import BlobCache, digest_of
 from zloader.pipeline import Pipeline
 from zloader.sources import ArraysSource, ItemsSource
@@ -86,7 +88,11 @@ class Served:
 
 
 class Supply:
-    """Turns a TASK message into the pipeline to run.
+    """Turns a TASK message into the pipeline to run. A pipeline it loaded stays warm,
+    by fingerprint, for a job of the same pipeline after its own ended (a trial run again,
+    a validation loader made each epoch): at most ``WARM_PIPELINES`` of them, for
+    ``WARM_SECONDS`` since last used, and ``WARM_BYTES`` of pickled pipeline in all (a
+    stand-in for the memory they hold); :meth:`warm` lists them for the heartbeat.
 
     Args:
         context: the worker's ZeroMQ context (fetches open a short-lived socket in it).
@@ -102,6 +108,26 @@ class Supply:
         self.inherited = dict(inherited or {})
         self.blobs = BlobCache(blob_dir)
         self._lock = threading.Lock()  # loads of a task replaced while it loaded overlap
+        # fingerprint -> (pipeline, its pickled bytes, when last used), least recent first
+        self._warm: collections.OrderedDict[str, tuple[Pipeline, int, float]] = \
+            collections.OrderedDict()
+
+    def warm(self) -> list[str]:
+        """The fingerprints of the pipelines kept warm, most recently used last."""
+        with self._lock:
+            self._expire(time.monotonic())
+            return list(self._warm)
+
+    def _expire(self, now: float) -> None:
+        """Drop the warm pipelines past their time, their number or their bytes (under
+        the lock)."""
+        warm = self._warm
+        for fingerprint, (_, _, used) in list(warm.items()):
+            if now - used > WARM_SECONDS:
+                del warm[fingerprint]
+        while len(warm) > WARM_PIPELINES or sum(size for _, size, _ in warm.values()) \
+                > WARM_BYTES:
+            warm.popitem(last=False)
 
     def start(self, task: messages.Task, payload: list[Any],
               wake: Callable[[], None] | None = None) -> Loading:
@@ -119,6 +145,22 @@ class Supply:
         """
         if task.fingerprint is not None and task.fingerprint in self.inherited:
             return self.inherited[task.fingerprint]
+        if task.fingerprint is not None:
+            with self._lock:
+                found = self._warm.pop(task.fingerprint, None)
+                if found is not None:  # (kept warm: not fetched or unpickled again)
+                    self._warm[task.fingerprint] = (found[0], found[1], time.monotonic())
+                    return found[0]
+        pipeline, size = self._loaded(task, payload)
+        if task.fingerprint is not None:
+            with self._lock:
+                self._warm[task.fingerprint] = (pipeline, size, time.monotonic())
+                self._expire(time.monotonic())
+        return pipeline
+
+    def _loaded(self, task: messages.Task, payload: list[Any]) -> tuple[Pipeline, int]:
+        """The pipeline of ``task`` fetched (or taken from ``payload``) and unpickled,
+        and its pickled size."""
         ref = task.pipeline
         if ref is not None and ref.get("inherited") is True:
             raise RuntimeError(
@@ -136,23 +178,29 @@ class Supply:
         pipeline = cloudpickle.loads(blob)
         if not isinstance(pipeline, Pipeline):
             raise TypeError(f"the task's pipeline is a {type(pipeline).__name__}")
+        size = len(memoryview(blob))
         where = task.source_data
-        return self._with_source(pipeline, where) if where is not None else pipeline
+        if where is not None:
+            pipeline, fetched = self._with_source(pipeline, where)
+            size += fetched
+        return pipeline, size
 
-    def _with_source(self, pipeline: Pipeline, where: dict[str, Any]) -> Pipeline:
+    def _with_source(self, pipeline: Pipeline, where: dict[str, Any]
+                     ) -> tuple[Pipeline, int]:
         """Put a large in-memory source's data, fetched from its Loader, back in place
-        (``where``: TASK.source_data, checked by its record)."""
+        (``where``: TASK.source_data, checked by its record); and the bytes fetched."""
         reply = self._fetch(where["endpoint"], "source")
+        fetched = sum(frame.buffer.nbytes for frame in reply.payload)
         outer = pipeline.source
         source = outer.innermost()  # (under a cache, say)
         if where["kind"] == "arrays" and isinstance(source, ArraysSource):
             structure = codec.decode([frame.buffer for frame in reply.payload])
             return Pipeline(outer.with_innermost(dataclasses.replace(
-                source, structure=structure)), pipeline.stages)
+                source, structure=structure)), pipeline.stages), fetched
         if where["kind"] == "items" and isinstance(source, ItemsSource):
             items = cloudpickle.loads(reply.payload[0].buffer)
             return Pipeline(outer.with_innermost(dataclasses.replace(
-                source, items=tuple(items))), pipeline.stages)
+                source, items=tuple(items))), pipeline.stages), fetched
         raise ProtocolError(f"source data of kind {where['kind']!r} does not fit a "
                             f"{type(source).__name__}")
 

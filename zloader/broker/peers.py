@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zloader._defaults import STAGES
+from zloader._defaults import STAGES, WARM_PIPELINES
 from zloader.broker import coordinated, failures, placement, views
 from zloader.broker.events import WorkerReady
 from zloader.broker.records import Consumer, Job, Out, Tables, Worker
@@ -90,6 +90,9 @@ def worker_heartbeat(state: Tables, identity: bytes, msg: Heartbeat, now: float)
     worker.stats = {**{k: v for k, v in stats.items() if isinstance(v, (int, float))},
                     "_at": now}
     worker.doing = msg.doing
+    warm = stats.get("warm")
+    worker.warm = tuple(f for f in warm[:WARM_PIPELINES] if isinstance(f, str) and
+                        0 < len(f) <= 64 and f.isalnum()) if isinstance(warm, list) else ()
     trainers = stats.get("trainers")
     worker.trainers = {
         str(c): {k: int(v[k]) for k in ("lag", "skipped") if isinstance(v.get(k), int)}

@@ -85,6 +85,7 @@ class Worker:
     stats: dict[str, Any] = field(default_factory=dict)
     rate: float = 0.0
     trainers: dict[str, dict[str, int]] = field(default_factory=dict)  # shared job: lag
+    warm: tuple[str, ...] = ()  # fingerprints of the pipelines it keeps loaded
     plain_data: bool = False  # its data socket speaks PLAIN, not CURVE (--plain-data)
     idle_since: float = 0.0  # when it last had no task (surplus marks, see status._surplus)
     doing: dict[str, Any] | None = None  # its producer's {epoch, split, stage} (heartbeat)

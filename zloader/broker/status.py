@@ -71,7 +71,7 @@ def status(state: Tables, now: float, start: Mapping[str, Any] | None = None
                 "elements_per_second": round(w.rate, 1),
                 "elements": w.stats.get("elements", 0),
                 "cpu_seconds": w.stats.get("cpu_seconds", 0.0),
-                "rejected": w.stats.get("rejected", 0)}
+                "rejected": w.stats.get("rejected", 0), "warm": list(w.warm)}
 
     def job_entry(j: Job) -> dict[str, Any]:
         hosts = sorted(state.hosts(j))

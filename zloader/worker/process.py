@@ -293,6 +293,7 @@ class WorkerProcess:
             "elements": outlet.elements, "bytes": outlet.bytes, "fallbacks": outlet.fallbacks,
             "rejected": self.rejected, "cpu_seconds": round(cpu.user + cpu.system, 3),
             "credits": 0.0, "ring_fill": 0.0,  # (the task's, below)
+            "warm": self.supply.warm(),  # (pipelines kept loaded, by fingerprint)
             **{f"{stage}_seconds": round(t, 3) for stage, t in self.links.timing.items()}}
         doing = None
         if self.task is not None:
