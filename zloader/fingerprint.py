@@ -195,8 +195,11 @@ def library_version(module_name: str | None) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=1 << 14)
 def is_installed(path: str) -> bool:
-    """Whether ``path`` lies in the standard library or a site-packages directory."""
+    """Whether ``path`` lies in the standard library or a site-packages directory
+    (remembered: a Loader asks it of every module loaded, a thousand and more with torch,
+    and resolving each path's links takes lstat calls)."""
     path = os.path.realpath(path)
     return path.startswith(_site_dirs()) or path.startswith(_stdlib_dirs())
 
