@@ -19,6 +19,7 @@ import zmq
 
 from tests.service import read_together, start_broker, status, stop, wait_for
 from zloader import Loader, Pipeline
+from zloader._defaults import MAX_AHEAD
 from zloader.codec import decode
 from zloader.options import JobOptions
 from zloader.plan import plan
@@ -268,10 +269,13 @@ def test_producer_asks_for_splits_and_records_them_for_a_replay():
         answers, asked = [2, 0, None], []
         while True:
             kind, body, elements = receive()
-            if kind is LinkKind.SPLIT_REQ:  # answered in turn; "have" counts the answers
+            if kind is LinkKind.SPLIT_REQ:  # answered as the broker does, one per place
                 assert body["pass"] == [0] and body["have"] == len(asked)
-                asked.append(answers[len(asked)])
-                producer.answer(SplitAnswer((0,), asked[-1], body["have"]))
+                for at in range(1 + body["ahead"]):
+                    asked.append(answers[len(asked)])
+                    producer.answer(SplitAnswer((0,), asked[-1], body["have"] + at))
+                    if asked[-1] is None:
+                        break
             elif kind is LinkKind.RECORD:
                 got.extend(elements or ())
             else:
@@ -282,37 +286,35 @@ def test_producer_asks_for_splits_and_records_them_for_a_replay():
     assert splits == {(0,): [2, 0]}  # what a replay reads again, in order
 
 
-def test_producer_asks_for_its_next_split_while_it_reads_one_after_a_quick_split():
-    """Short splits do not each wait for a round trip through the broker: after a split
-    that read quickly, the next is asked for as soon as one arrives, before its first
-    element is made. The first split of a pass (how long it takes is not known yet) is
-    read before the next is asked for."""
-    with producer_link(Pipeline.range(6, split_size=2), "dynamic", splits={}) as (
+def test_producer_asks_for_splits_ahead_after_quick_ones():
+    """Short splits do not each wait for a round trip through the broker. The first split
+    of a pass (how long it takes is not known yet) is asked for alone and read before the
+    next is asked for; after a quick one the producer asks for many at once (``ahead``: as
+    many as it reads in SPLIT_AHEAD_WORK at that pace), and asks again as soon as the last
+    of those arrives, before it reads it."""
+    with producer_link(Pipeline.range(400, split_size=2), "dynamic", splits={}) as (
             pool, _, receive, producer):
-        for _ in range(10):
-            pool.release()
-
-        def answer(split, have):
-            producer.answer(SplitAnswer((0,), split, have))
-
+        pool.release(1000)
         got: list[int] = []
 
-        def until_request() -> int:
+        def until_request() -> tuple[int, int]:
             while True:
                 kind, body, elements = receive()
                 if kind is LinkKind.SPLIT_REQ:
-                    return body["have"]
+                    return body["have"], body["ahead"]
                 assert kind is LinkKind.RECORD
                 got.extend(elements or ())
 
-        assert until_request() == 0
-        answer(1, 0)
-        assert until_request() == 1 and got  # the first split: read (some), then ask
-        answer(2, 1)
-        seen = len(got)
-        assert until_request() == 2  # split 1 was quick: asked before split 2 is read
-        assert not set(got[seen:]) & {4, 5}
-        answer(None, 2)
+        assert until_request() == (0, 0)
+        producer.answer(SplitAnswer((0,), 0, 0))
+        have, ahead = until_request()
+        assert have == 1 and 1 <= ahead < MAX_AHEAD and got == [0, 1]
+        for at in range(1 + ahead):  # splits 1 .. 1 + ahead
+            producer.answer(SplitAnswer((0,), 1 + at, 1 + at))
+        last = 1 + ahead
+        assert until_request()[0] == last + 1
+        assert 2 * last not in got  # asked before the last split's first element
+        producer.answer(SplitAnswer((0,), None, last + 1))
         while True:
             kind, _, elements = receive()
             assert kind is not LinkKind.SPLIT_REQ
@@ -320,4 +322,4 @@ def test_producer_asks_for_its_next_split_while_it_reads_one_after_a_quick_split
                 got.extend(elements or ())
             elif kind is LinkKind.END:
                 break
-        assert got == [2, 3, 4, 5]
+        assert got == list(range(2 * (last + 1)))

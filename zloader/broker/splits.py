@@ -10,7 +10,7 @@ from collections import deque
 from typing import Any
 
 from zloader.broker.events import PassRead, SplitHanded, SplitRequeued
-from zloader.broker.records import Job, Out, Pass, PassKey, Tables
+from zloader.broker.records import Job, Out, Pass, PassKey, Tables, Worker
 from zloader.lineage import pack
 from zloader.mixing import input_of
 from zloader.sources import split_order
@@ -22,8 +22,11 @@ __all__ = ["dispenser", "epochs_of", "holds", "mark_read", "pass_done", "pending
 
 
 def split_request(state: Tables, identity: bytes, msg: SplitReq, now: float) -> list[Out]:
-    """SPLIT_REQ: the next split of a pass for a worker's task (null: none left); a split
-    re-queued in this epoch comes first, whichever pass it was taken in."""
+    """SPLIT_REQ: the next split of a pass for a worker's task (null: none left), and the
+    ``ahead`` after it, each its own SPLIT (``have``: its place among the splits this
+    worker was handed in the pass), up to the first null; a split re-queued in this
+    epoch comes first, whichever pass it was taken in. Splits already handed at those
+    places (their answers were lost: a broker restart, a reconnect) are sent again."""
     worker = state.worker_at(identity)
     task, key = msg.task, msg.pass_
     job = state.job_of(task)
@@ -36,9 +39,25 @@ def split_request(state: Tables, identity: bytes, msg: SplitReq, now: float) -> 
         # A worker asks for its next split while it reads the last one it got: that is
         # the split it is reading (a death now is that split's, see failures.leave).
         worker.current = (key, handed[have - 1])
-    if have is not None and have < len(handed):
-        # Its answer was lost (a broker restart or a reconnect): the same split again.
-        return [Out(identity, _answer(job, task, key, handed[have], have))]
+    out = []
+    for at in range(1 + msg.ahead if have is not None else 1):
+        place = have + at if have is not None else None
+        handed = handing.handed.get(worker.id, [])
+        if place is not None and place < len(handed):
+            # Its answer was lost (a broker restart or a reconnect): the same split again.
+            out.append(Out(identity, _answer(job, task, key, handed[place], place)))
+            continue
+        split = _hand(state, job, worker, key, handing, first=not have and at == 0)
+        out.append(Out(identity, _answer(job, task, key, split, place)))
+        if split is None:
+            break
+    return out
+
+
+def _hand(state: Tables, job: Job, worker: Worker, key: PassKey, handing: Pass,
+          first: bool) -> int | None:
+    """The next split of pass ``key`` for ``worker`` (``first``: its first of the pass,
+    read at once), handed and journaled; None when the pass has none left for it."""
     split: int | None = None
     origin = key
     # Re-queued splits of this epoch come first, whichever pass they were taken in: the
@@ -57,7 +76,7 @@ def split_request(state: Tables, identity: bytes, msg: SplitReq, now: float) -> 
     if split is not None:
         handing.over.discard(worker.id)
         handing.handed.setdefault(worker.id, []).append(split)
-        if not have:  # its first of the pass: read at once
+        if first:  # its first of the pass: read at once
             worker.current = (key, split)
         if origin != key:
             job.dispatch.origin_of[(key, split)] = origin
@@ -65,9 +84,9 @@ def split_request(state: Tables, identity: bytes, msg: SplitReq, now: float) -> 
                                  origin=origin if origin != key else None))
     else:
         handing.over.add(worker.id)  # its pass ends: it asks for no other split
-        if not have:
+        if first:
             worker.current = None
-    return [Out(identity, _answer(job, task, key, split, have))]
+    return split
 
 
 def _answer(job: Job, task: str, key: PassKey, split: int | None, have: int | None) -> Split:

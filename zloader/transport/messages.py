@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from zloader._defaults import LOG_MAX_LINE, LOG_MAX_LINES, MAX_MIX_INPUTS, STAGES
+from zloader._defaults import LOG_MAX_LINE, LOG_MAX_LINES, MAX_AHEAD, MAX_MIX_INPUTS, STAGES
 from zloader.options import JobOptions
 from zloader.transport.fields import (
     INDEX,
@@ -297,6 +297,8 @@ class SplitReq(Record):
     task: str = fld(NAME)
     pass_: tuple[int, ...] = fld(PASS_KEY, wire="pass")
     have: int | None = fld(optional(INDEX), None)
+    # the splits after the one asked for, wanted with it (each its own SPLIT)
+    ahead: int = fld(integer(0, MAX_AHEAD), 0, omit=True)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -3,6 +3,7 @@ replaced when the broker has been silent too long (see docs/protocol.md, heartbe
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -109,6 +110,18 @@ class BrokerLink:
         """SPLIT_REQ, remembered until its answer comes (the caller clears ``asking``)."""
         self.asking = request
         self.send(request)
+
+    def answered_split(self, answer: Split) -> None:
+        """A SPLIT came: what of the request is still to come is what to ask again after
+        a lost connection (nothing, once the last or a null came)."""
+        asking = self.asking
+        if asking is None or answer.split is None or answer.have is None \
+                or asking.have is None:
+            self.asking = None
+            return
+        left = asking.have + asking.ahead - answer.have
+        self.asking = dataclasses.replace(asking, have=answer.have + 1, ahead=left - 1) \
+            if left > 0 else None
 
     def ask_again(self, task: str) -> None:
         """A split request of ``task`` whose answer may be lost (a new connection, a

@@ -48,11 +48,13 @@ from zloader import codec, handoff
 from zloader._defaults import (
     HAND_WAIT,
     LARGE_RECORD_BYTES,
+    MAX_AHEAD,
     PART_RECORD_ELEMENTS,
     RECORD_BYTES,
     RECORD_ELEMENTS,
     RECORD_LINGER,
     SPLIT_AHEAD_SECONDS,
+    SPLIT_AHEAD_WORK,
     STAGES,
 )
 from zloader.errors import CodecError, PipelineError
@@ -75,7 +77,7 @@ class LinkKind(enum.Enum):
     """The kind of a message from a producer to its worker's socket thread (the frame on
     the pair; the body waits in :attr:`Producer.outbox`)."""
 
-    SPLIT_REQ = b"S"  # {pass, have}: the next split of this pass, please
+    SPLIT_REQ = b"S"  # {pass, have, ahead}: the next split(s) of this pass, please
     PASS_DONE = b"P"  # [pass key]: every split this producer took in the pass is read
     RECORD = b"R"     # an Outgoing: one record
     END = b"E"        # {epoch, skipped, dropped[, origins]}: the epoch is over here
@@ -649,35 +651,37 @@ class Producer(threading.Thread):
         """The splits the broker deals this worker in pass ``key`` (dynamic sharding).
 
         After a quick split (under SPLIT_AHEAD_SECONDS) the next is asked for as soon as
-        one arrives, while that one is read, so that short splits do not each wait for a
-        round trip through the broker (which takes a request with ``have`` splits
-        received as "reading the last of them"). After a slow one it is not: the split
-        asked for would wait behind it while other workers might read it."""
+        the last one asked for arrives, while that one is read, so that short splits do
+        not each wait for a round trip through the broker (which takes a request with
+        ``have`` splits received as "reading the last of them"); after a very quick one
+        (under SPLIT_AHEAD_WORK) as many more as it reads in that time. After a slow
+        one none is asked ahead: the split asked for would wait behind it while other
+        workers might read it."""
         spec = self.spec
         have = 0  # splits received in this pass: the broker re-sends one whose answer was lost
-        asked = False
+        due = 0  # answers still to come to the last request
         took: float | None = None  # how long the last split took to read
         while True:
             # The worker is leaving, or the run ended the pass early: the pass ends here.
             ending = self.draining.is_set() or (
                 self.coverage is not None and self.coverage.ended(key))
-            if not asked:
+            if not due:
                 if ending:
                     self._put(pair, LinkKind.PASS_DONE, list(key))
                     return
-                self._put(pair, LinkKind.SPLIT_REQ, {"pass": list(key), "have": have})
+                due = self._ask(pair, key, have, took)
             reply = self._answer(pair, key, have)
             if reply is None:
-                asked = False  # an answer meant for a producer that was stopped: ask again
+                due = 0  # an answer meant for a producer that was stopped: ask again
                 continue
+            due -= 1
             if reply.split is None:
                 self._put(pair, LinkKind.PASS_DONE, list(key))
                 return
             have += 1
             # (a leaving worker asks for no more; the split it has is read: it was handed)
-            asked = took is not None and took < SPLIT_AHEAD_SECONDS and not ending
-            if asked:
-                self._put(pair, LinkKind.SPLIT_REQ, {"pass": list(key), "have": have})
+            if not due and took is not None and took < SPLIT_AHEAD_SECONDS and not ending:
+                due = self._ask(pair, key, have, took)
             self.split = reply.split
             handoff.poll()  # (the dataset's lists, packed since the last split)
             started = time.monotonic()
@@ -686,6 +690,17 @@ class Producer(threading.Thread):
             else:
                 yield reply.assigned or Assigned(reply.split, key)
             took = time.monotonic() - started
+
+    def _ask(self, pair: zmq.Socket[Any], key: tuple[int, ...], have: int,
+             took: float | None) -> int:
+        """Ask for the next split of pass ``key`` (``have`` received), and for as many
+        after it as would be read in SPLIT_AHEAD_WORK at the pace of the last (``took``
+        seconds), at most MAX_AHEAD; the number of answers that will come."""
+        ahead = min(MAX_AHEAD, int(SPLIT_AHEAD_WORK / max(took, 1e-6))) - 1 \
+            if took is not None else 0
+        ahead = max(0, ahead)
+        self._put(pair, LinkKind.SPLIT_REQ, {"pass": list(key), "have": have, "ahead": ahead})
+        return 1 + ahead
 
     def _answer(self, pair: zmq.Socket[Any], key: tuple[int, ...],
                 have: int) -> SplitAnswer | None:

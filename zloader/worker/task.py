@@ -215,7 +215,7 @@ class Task:
         """A message from one of its producers (see :class:`LinkKind`)."""
         if kind is LinkKind.SPLIT_REQ:
             self.broker.ask(messages.SplitReq(task=self.id, pass_=tuple(body["pass"]),
-                                              have=body["have"]))
+                                              have=body["have"], ahead=body["ahead"]))
         elif kind is LinkKind.PASS_DONE:
             self.broker.send(messages.PassDone(task=self.id, pass_=tuple(body)))
         elif kind is LinkKind.RECORD:
@@ -234,7 +234,7 @@ class Task:
         producer = self.producer
         if answered.task != self.id or producer is None or producer.link is None:
             return
-        self.broker.asking = None
+        self.broker.answered_split(answered)
         assigned = None
         if self.spec.track and answered.split is not None:  # where it belongs, what to skip
             assigned = assignment(answered)
