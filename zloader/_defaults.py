@@ -496,6 +496,9 @@ WARM_SECONDS = 600.0
 WARM_BYTES = 256 << 20
 """... and at most this many bytes of them pickled in all (fixed)."""
 
+START_METHODS = ("fork", "spawn")
+"""How a Loader's local workers start (``Loader(start_method=)``)."""
+
 GATE_SECONDS = 10.0
 """A forked worker waits at most this long for its Loader's broker to be bound before it
 connects anyway (zloader/embedded.py; fixed)."""

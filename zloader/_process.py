@@ -32,7 +32,7 @@ import traceback
 from typing import Any
 
 from zloader._command import with_sys_path, worker_command
-from zloader._defaults import GATE_SECONDS
+from zloader._defaults import GATE_SECONDS, START_METHODS
 from zloader.handoff import FDS_LOCK, Handoff, forked
 from zloader.packed import Swap, install
 from zloader.transport.keys import Keys
@@ -40,7 +40,6 @@ from zloader.worker import WorkerProcess  # imported before any fork (see above)
 
 __all__ = ["START_METHODS", "ForkedWorker", "start_worker"]
 
-START_METHODS = ("fork", "spawn")
 
 
 class ForkedWorker:

@@ -14,8 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zloader._defaults import WORKER_STOP_SECONDS
-from zloader._process import start_packer, start_worker
-from zloader.broker import Broker
 from zloader.handoff import Handoff
 from zloader.pipeline import Pipeline
 from zloader.transport.shm import sweep, sweep_dirs
@@ -41,7 +39,7 @@ class Embedded:
     processes: list[Any] = field(default_factory=list)
     packer: Any = None
     handoff: Handoff | None = None
-    broker: Broker | None = None
+    broker: Any = None  # (a zloader.broker.Broker)
 
     def start(self, broker: str | None, workers: int, start_method: str, keys: Any,
               pipeline: Pipeline, inherit: bool, swaps: list[Any],
@@ -50,6 +48,10 @@ class Embedded:
         sockets and a broker in this process; the broker's address. Workers come first:
         forking must happen before the Loader starts any thread. What Loaders of this user
         that died left (shared-memory segments, socket folders) is swept first."""
+        # (the broker and the worker's code, imported only by a Loader that runs them)
+        from zloader._process import start_packer, start_worker
+        from zloader.broker import Broker
+
         sweep()
         sweep_dirs()
         gate = None

@@ -53,7 +53,6 @@ import builtins
 import dis
 import functools
 import hashlib
-import importlib.metadata
 import itertools
 import json
 import marshal
@@ -149,11 +148,15 @@ def _stdlib_dirs() -> tuple[str, ...]:
 
 @functools.cache
 def _distributions() -> dict[str, list[str]]:
+    import importlib.metadata  # (imported when a fingerprint first asks: 7 ms)
+
     return dict(importlib.metadata.packages_distributions())
 
 
 @functools.cache
 def _dist_version(dist_name: str) -> str | None:
+    import importlib.metadata
+
     try:
         dist = importlib.metadata.distribution(dist_name)
     except importlib.metadata.PackageNotFoundError:

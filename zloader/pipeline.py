@@ -26,14 +26,12 @@ from functools import cached_property
 from typing import Any
 
 from zloader import _check
-from zloader import cache as _cache
 from zloader import mixing as _mixing
 from zloader import sources as _sources
 from zloader import stages as _stages
 from zloader._defaults import CACHE_MAX_ENTRY_BYTES
 from zloader.chunks import Chunk
 from zloader.fingerprint import Unhashable, fingerprint, warn_unshareable
-from zloader.formats import build as _build
 from zloader.runs import RunSettings
 
 __all__ = ["Pipeline"]
@@ -220,6 +218,8 @@ class Pipeline:
         ``on_error="skip"``). ``max_record_bytes``: the largest record read (default
         ``MAX_RECORD_BYTES``, 256 MiB); a longer length is a corrupt record. Parse records
         with :func:`zloader.formats.parse_example`."""
+        from zloader.formats import build as _build  # (only for these sources)
+
         return cls(_build.tfrecord(paths, compression, verify, storage_options,
                                    parallel_reads, deterministic, _source_options(
                                        "from_tfrecord", name, shuffle_splits, seed, version),
@@ -235,6 +235,8 @@ class Pipeline:
         grouped by key as the ``webdataset`` package does; one split per shard.
         ``max_member_bytes``: the largest member read (default ``MAX_MEMBER_BYTES``,
         256 MiB); a sample with a larger one is an error."""
+        from zloader.formats import build as _build  # (only for these sources)
+
         return cls(_build.webdataset(urls, storage_options, parallel_reads, deterministic,
                                      _source_options("from_webdataset", name, shuffle_splits,
                                                      seed, version), max_member_bytes))
@@ -248,6 +250,8 @@ class Pipeline:
                      version: str | None = None) -> Pipeline:
         """The rows of Parquet files as dicts (only ``columns`` when given), or with
         ``batch_rows`` column batches of up to that many rows; one split per row group."""
+        from zloader.formats import build as _build  # (only for these sources)
+
         return cls(_build.parquet(paths, columns, batch_rows, storage_options, parallel_reads,
                                   deterministic, _source_options(
                                       "from_parquet", name, shuffle_splits, seed, version)))
@@ -261,6 +265,8 @@ class Pipeline:
         """The JSON value of each line of JSON lines files (``.gz``/``.zst`` too); one split
         per file. ``max_line_bytes``: the longest line read (default ``MAX_LINE_BYTES``,
         16 MiB); a longer one is an error for that line."""
+        from zloader.formats import build as _build  # (only for these sources)
+
         return cls(_build.jsonl(paths, storage_options, parallel_reads, deterministic,
                                 _source_options("from_jsonl", name, shuffle_splits, seed,
                                                 version), max_line_bytes))
@@ -279,6 +285,8 @@ class Pipeline:
         ``split_size`` images (default: at most 256 splits). ``max_pixels``: with
         ``decode``, the largest image decoded (default ``MAX_IMAGE_PIXELS``, 8192 x 8192);
         a larger one is an error for that image."""
+        from zloader.formats import build as _build  # (only for these sources)
+
         return cls(_build.image_folder(root, split_size, decode, storage_options,
                                        parallel_reads, deterministic, _source_options(
                                            "from_image_folder", name, shuffle_splits, seed,
@@ -464,6 +472,8 @@ class Pipeline:
                 the cache (move ``.cache()`` before it), those stages cannot be
                 fingerprinted, or ``max_entry_bytes`` is below 1.
         """
+        from zloader import cache as _cache  # (only for .cache())
+
         return Pipeline(_cache.cached(self.source, self.stages, path, storage_options,
                                       max_entry_bytes))
 

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zloader import _check
-from zloader._defaults import DEFAULT_PREFETCH, MIN_MEMORY_BUDGET, WEIGHT_RANGE
-from zloader._process import START_METHODS
+from zloader._defaults import DEFAULT_PREFETCH, MIN_MEMORY_BUDGET, START_METHODS, WEIGHT_RANGE
 from zloader.client.exactly_once import resume_from
 from zloader.groups import pipeline_refusal
 from zloader.options import ON_ERROR, SHARDING_MODES, JobOptions

@@ -35,7 +35,6 @@ from typing import Any
 
 import zmq
 import zmq.auth
-from zmq.auth.thread import ThreadAuthenticator
 
 __all__ = ["KEYS_ENV", "Keys", "KeysError", "keygen", "resolve", "unsafe_directory"]
 
@@ -154,10 +153,13 @@ class Keys:
         socket.plain_username = b"zloader"
         socket.plain_password = self.token
 
-    def guard(self, context: zmq.Context[Any]) -> ThreadAuthenticator:
+    def guard(self, context: zmq.Context[Any]) -> Any:
         """Start the ZAP handler that lets in only authorized clients, for the sockets of
         ``context`` that serve; start it before binding them. Stop it before
         ``context.term()``."""
+        # (zmq.auth.thread imports asyncio: only a process that serves with keys needs it)
+        from zmq.auth.thread import ThreadAuthenticator
+
         authenticator = ThreadAuthenticator(context, log=logging.getLogger("zloader.zap"))
         authenticator.start()
         authenticator.configure_curve(domain="*", location=self.authorized)
