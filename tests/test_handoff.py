@@ -11,6 +11,7 @@ import signal
 import time
 from typing import Any
 
+import psutil
 import pytest
 import torch
 import torch.utils.data
@@ -64,13 +65,23 @@ def test_a_packer_that_dies_leaves_the_lists_to_the_workers():
     dataset = Paths(300_000)
     pipeline = zloader.Pipeline.from_torch(dataset, split_size=20_000)
     with zloader.Loader(pipeline, num_workers=2, timeout=60) as loader:
-        packer = loader._embedded.packer
-        os.kill(packer.pid, signal.SIGKILL)  # (killed before or while it packs)
+        os.kill(_packer(loader), signal.SIGKILL)  # (killed before or while it packs)
         started = time.monotonic()
         rows = list(loader)
         assert time.monotonic() - started < 50  # does not wait out HANDOFF_WAIT_SECONDS
     assert len(rows) == 300_000
     assert {kind for kind, _, _ in rows} <= {"list", "PackedSequence"}
+
+
+def _packer(loader: zloader.Loader) -> int:
+    """The pid of ``loader``'s packer (forked by its last worker, which notes it)."""
+    handed = loader._embedded.handoff
+    assert handed is not None
+    deadline = time.monotonic() + 30
+    while not int(handed.head[0]):
+        assert time.monotonic() < deadline, "no packer was forked"
+        time.sleep(0.001)
+    return int(handed.head[0])
 
 
 def _memfds() -> int:
@@ -84,9 +95,10 @@ def _memfds() -> int:
 
 def test_the_loader_holds_no_memfd_and_its_packer_is_reaped():
     before = _memfds()
-    with zloader.Loader(zloader.Pipeline.from_torch(Paths(50_000)), num_workers=2) as loader:
+    with zloader.Loader(zloader.Pipeline.from_torch(Paths(300_000)), num_workers=2) as loader:
         assert _memfds() == before  # (the workers and the packer hold theirs)
-        packer = loader._embedded.packer
-        assert sum(1 for _ in loader) == 50_000
-    assert packer.poll() is not None
+        packer = psutil.Process(_packer(loader))
+        assert packer.ppid() == loader._processes[-1].pid  # (forked by the last worker)
+        assert sum(1 for _ in loader) == 300_000
+    assert not packer.is_running() or packer.status() == psutil.STATUS_ZOMBIE
     assert _memfds() == before

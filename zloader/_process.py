@@ -79,8 +79,8 @@ _FORK_LOCK = threading.Lock()
 
 def start_worker(method: str, address: str, bind: str, keys: Keys | None = None,
                  pipelines: dict[str, Any] | None = None, swaps: list[Swap] | None = None,
-                 handoff: Handoff | None = None, gate: int | None = None
-                 ) -> ForkedWorker | subprocess.Popen[bytes]:
+                 handoff: Handoff | None = None, gate: int | None = None,
+                 packs: bool = False) -> ForkedWorker | subprocess.Popen[bytes]:
     """Start one worker attached to the broker at ``address``, its data socket at ``bind``
     (with ``keys``, CURVE on both); it exits when this process does.
 
@@ -89,7 +89,8 @@ def start_worker(method: str, address: str, bind: str, keys: Keys | None = None,
     lists ``swaps`` name packed (zloader/packed.py), and those of ``handoff`` once it has
     packed them (zloader/handoff.py). A forked worker given ``gate`` (a pipe's read end)
     connects once it reads a byte from it (its Loader's broker is bound), or after
-    ``GATE_SECONDS``. All are ignored by ``spawn``.
+    ``GATE_SECONDS``; one that ``packs`` first forks ``handoff``'s packer. All are ignored
+    by ``spawn``.
     """
     parent = os.getpid()
     if method == "spawn":
@@ -111,6 +112,8 @@ def start_worker(method: str, address: str, bind: str, keys: Keys | None = None,
         repair_imports()
         install(swaps or [])
         forked(handoff)
+        if packs and handoff is not None:
+            handoff.fork_packer()
         if gate is not None:
             if select.select([gate], [], [], GATE_SECONDS)[0]:
                 os.read(gate, 1)
@@ -124,27 +127,6 @@ def start_worker(method: str, address: str, bind: str, keys: Keys | None = None,
         traceback.print_exc()
     finally:
         os._exit(code)  # no atexit handlers or finalizers of the parent's objects
-
-
-def start_packer(handoff: Handoff) -> ForkedWorker:
-    """Fork the process that packs ``handoff``'s lists for the workers forked before it
-    (zloader/handoff.py); it exits when done, or when this process is gone."""
-    parent = os.getpid()
-    with _FORK_LOCK, FDS_LOCK:
-        pid = os.fork()
-    if pid:
-        handoff.packer_started(pid)
-        return ForkedWorker(pid)
-    code = 1
-    try:  # the child: as a worker's (above), never back into the caller's code
-        gc.freeze()
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        handoff.pack_all(parent)
-        code = 0
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        os._exit(code)
 
 
 def repair_imports() -> list[str]:

@@ -30,14 +30,13 @@ class Embedded:
             this process's pid so that a sweep removes it after a kill -9); None with a
             broker of the user's.
         processes: the worker processes it started (``subprocess.Popen``-like).
-        packer: the process packing the dataset's lists for them (zloader/handoff.py),
-            or None.
+        handoff: the dataset's lists its workers take packed once the packer (forked by
+            the last of them) has packed them (zloader/handoff.py), or None.
         broker: the broker it runs in this process (embedded), or None.
     """
 
     dir: str | None = None
     processes: list[Any] = field(default_factory=list)
-    packer: Any = None
     handoff: Handoff | None = None
     broker: Any = None  # (a zloader.broker.Broker)
 
@@ -49,7 +48,7 @@ class Embedded:
         forking must happen before the Loader starts any thread. What Loaders of this user
         that died left (shared-memory segments, socket folders) is swept first."""
         # (the broker and the worker's code, imported only by a Loader that runs them)
-        from zloader._process import start_packer, start_worker
+        from zloader._process import start_worker
         from zloader.broker import Broker
 
         sweep()
@@ -69,9 +68,10 @@ class Embedded:
                 self.processes.append(start_worker(
                     start_method, address, bind, keys,
                     {pipeline.fingerprint: pipeline} if inherit else None, swaps, handoff,
-                    gate[0] if gate is not None else None))
+                    gate[0] if gate is not None else None, packs=index == workers - 1))
             if handoff is not None:
-                self.handoff, self.packer = handoff, start_packer(handoff)
+                self.handoff = handoff
+                handoff.workers_forked()
             if broker is None:
                 self.broker = Broker(address).start()
             if gate is not None:
@@ -86,15 +86,11 @@ class Embedded:
         return f"ipc://{self.dir}/{name}" if self.dir is not None else None
 
     def close(self) -> None:
-        """Stop the packer (SIGKILL: it holds nothing to clean up) and the workers
-        (SIGTERM, then SIGKILL after ``WORKER_STOP_SECONDS``), then the broker, and remove
-        the socket folder."""
-        if self.packer is not None:
-            assert self.handoff is not None
+        """Stop the workers (SIGTERM, then SIGKILL after ``WORKER_STOP_SECONDS``; the one
+        that forked the packer kills it as it leaves), then the broker, and remove the
+        socket folder."""
+        if self.handoff is not None:
             self.handoff.closing()
-            self.packer.kill()
-            self.packer.wait()
-            self.packer = None
         for process in self.processes:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)

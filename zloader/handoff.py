@@ -3,9 +3,10 @@
 Packing a million-element list takes a few hundred milliseconds (zloader/packed.py);
 done before the fork, it would delay every first batch by as much, and done on a thread
 of the trainer it would hold the interpreter's lock against the thread that receives the
-batches. Instead the Loader forks its workers at once, with the lists as they are, then
-forks one more process, the packer (``_process.start_packer``), which packs them while
-the workers start and exits. Each list goes into a ``memfd`` made before the forks (so
+batches. Instead the Loader forks its workers at once, with the lists as they are, and
+the last of them forks one more process, the packer (:meth:`Handoff.fork_packer`; so the
+trainer's thread does not copy its page tables a further time), which packs the lists
+while the workers start and exits. Each list goes into a ``memfd`` made before the forks (so
 each worker holds it already, and ``/dev/shm``'s size does not limit it), which the packer
 sizes and fills; a small table in anonymous shared memory, also made before the forks,
 says when each is ready (or was left unpacked). The packer reads every element, so for
@@ -29,15 +30,18 @@ recognizes (on others the Loader packs before the fork).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
 import mmap
 import os
+import signal
 import sys
 import sysconfig
 import threading
 import time
+import traceback
 from typing import Any
 
 import numpy as np
@@ -46,7 +50,7 @@ from zloader import packed
 from zloader._defaults import HANDOFF_UNPACKED_READS, HANDOFF_WAIT_SECONDS
 from zloader.transport.shm import alive
 
-__all__ = ["FDS_LOCK", "Handoff", "available", "forked", "poll"]
+__all__ = ["FDS_LOCK", "Handoff", "available", "forked", "poll", "reap"]
 
 log = logging.getLogger("zloader.packed")
 
@@ -66,18 +70,22 @@ _MINE: Handoff | None = None
 """In a forked worker: the handoff of the Loader that forked it, until every list is in
 place."""
 
+_PACKER: int | None = None
+"""In the worker that forked the packer: its pid, until it is reaped (:func:`reap`)."""
+
 
 class Handoff:
     """The lists ``found`` (``packed.found``) of a Loader's forked workers, packed after
-    the fork. Made before the forks. In the Loader's process, :meth:`packer_started` then
-    lets go of the memfds; :meth:`pack_all` runs in the packer; :func:`forked` (in each
-    worker, at its start) makes it the worker's, which :func:`poll` then completes."""
+    the fork. Made before the forks. In the Loader's process, :meth:`workers_forked` then
+    lets go of the memfds; :func:`forked` (in each worker, at its start) makes it the
+    worker's, which :func:`poll` then completes; the last worker forks the packer
+    (:meth:`fork_packer`), which runs :meth:`pack_all`."""
 
     def __init__(self, found: list[packed.Found]) -> None:
         self.found = found
         self._memory = mmap.mmap(-1, 8 * _FIELDS * (len(found) + 1), flags=mmap.MAP_SHARED)
         rows = np.frombuffer(self._memory, np.int64).reshape(-1, _FIELDS)
-        # head: the packer's pid, and 1 once the Loader closes (the packer is killed)
+        # head: the packer's pid, and 1 once the Loader closes (the packer stops)
         self.head, self.table = rows[0], rows[1:]
         with FDS_LOCK:
             self.fds = [os.memfd_create("zloader-packed", os.MFD_CLOEXEC) for _ in found]
@@ -91,10 +99,10 @@ class Handoff:
 
     # --- in the Loader's process and in the packer -------------------------------------
 
-    def packer_started(self, pid: int) -> None:
-        """In the Loader's process, once the packer (``pid``) is forked: close the memfds
-        here (the workers and the packer hold their own descriptors), drop the pointers."""
-        self.head[0] = pid
+    def workers_forked(self) -> None:
+        """In the Loader's process, once its workers are forked: close the memfds here
+        (the workers, and the packer the last of them forks, hold their own) and drop the
+        pointers."""
         self.pointers = []
         with FDS_LOCK:
             for fd in self.fds:
@@ -102,17 +110,39 @@ class Handoff:
                 os.close(fd)
         self.fds = []
 
+    def fork_packer(self) -> None:
+        """In the worker forked last, at its start: fork the packer, which packs the lists
+        and exits (its page tables are copied here, not on the trainer's thread), and note
+        its pid in the table; :func:`reap` takes it back."""
+        global _PACKER
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:  # the packer: never back into the worker's code
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                self.pack_all(os.getppid())
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        self.head[0] = pid
+        _PACKER = pid
+
     def closing(self) -> None:
-        """The Loader closes: its packer is killed; the workers wait for it no more."""
+        """The Loader closes: the packer packs no further list (its worker kills it as it
+        leaves); the workers wait for it no more."""
         self.head[1] = 1
 
     def pack_all(self, parent: int) -> None:
         """In the packer: pack each list into its memfd and say so in the table (a list
-        packing refuses or fails on is left); stop if ``parent`` (the Loader) is gone."""
+        packing refuses or fails on is left); stop if ``parent`` (its worker) is gone or
+        the Loader closes."""
         done: dict[int, int] = {}  # id(list) -> its row: a list held twice is packed once
         try:
             for row, (each, fd) in enumerate(zip(self.found, self.fds, strict=True)):
-                if os.getppid() != parent:
+                if os.getppid() != parent or self.head[1]:
                     return
                 if id(each.values) in done:
                     self._share_row(done[id(each.values)], row)
@@ -231,6 +261,24 @@ class Handoff:
                                      tuple if flags & _TUPLE else list)
         view.flat = bool(flags & _FLAT)
         return view
+
+
+def reap(stop: bool = False) -> None:
+    """In the worker that forked the packer: take it back once it exited (``stop``: kill
+    it first and wait, as the worker leaves). Cheap when there is none."""
+    global _PACKER
+    pid = _PACKER
+    if pid is None:
+        return
+    if stop:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    try:
+        done, _ = os.waitpid(pid, 0 if stop else os.WNOHANG)
+    except ChildProcessError:  # (not ours, or reaped already)
+        done = pid
+    if done:
+        _PACKER = None
 
 
 def forked(mine: Handoff | None) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 import psutil
 import zmq
 
+from zloader import handoff
 from zloader._command import with_sys_path, worker_command
 from zloader._defaults import DRAIN_SECONDS, FORWARD_EVERY, HEARTBEAT
 from zloader._host import host_id
@@ -168,6 +169,7 @@ class WorkerProcess:
                 guard.stop()
             if self.wedged is None:
                 context.term()  # (a stuck producer's socket would make this wait forever)
+            handoff.reap(stop=True)
             if self.orphaned:  # a trainer killed by a signal (SIGTERM from SLURM, say)
                 sweep()        # cannot remove its rings and socket directory: we do
                 sweep_dirs()
@@ -238,6 +240,7 @@ class WorkerProcess:
                 self._beat_if_due()
             if self.loading is not None:
                 self._begin_task()
+            handoff.reap()  # (the packer this worker forked, once it exited)
             if self.task is not None:
                 self.task.poll()
             now = time.monotonic()
