@@ -508,6 +508,10 @@ HANDOFF_MIN_ELEMENTS = 100_000
 element that is quicker than forking the packer (zloader/handoff.py) from a large
 process (fixed)."""
 
+PACKER_NICE = 10
+"""The packer runs this much nicer than the workers (zloader/handoff.py): on a host with
+few cores it takes the CPU the workers' first batches leave (fixed)."""
+
 HANDOFF_UNPACKED_READS = 2
 """A forked worker reads the dataset's large lists as they are for its first this many
 splits or batches, then waits for their packed copy (zloader/handoff.py): the first

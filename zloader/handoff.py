@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from zloader import packed
-from zloader._defaults import HANDOFF_UNPACKED_READS, HANDOFF_WAIT_SECONDS
+from zloader._defaults import HANDOFF_UNPACKED_READS, HANDOFF_WAIT_SECONDS, PACKER_NICE
 from zloader.transport.shm import alive
 
 __all__ = ["FDS_LOCK", "Handoff", "available", "forked", "poll", "reap"]
@@ -121,6 +121,9 @@ class Handoff:
             try:  # the packer: never back into the worker's code
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                # (the CPU goes to the workers' first batches first: they wait for the
+                # packed lists only after HANDOFF_UNPACKED_READS of them)
+                os.nice(PACKER_NICE)
                 self.pack_all(os.getppid())
                 code = 0
             except BaseException:
