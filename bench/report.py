@@ -729,6 +729,11 @@ def render_deterministic_resume(data: Any, out: Path) -> list[str]:
     return tables(data)
 
 
+def render_startup(data: Any, out: Path) -> list[str]:
+    from bench.startup import tables
+    return tables(data)[2:]  # (its own heading, which the report gives)
+
+
 RENDERERS: dict[str, tuple[str, Renderer]] = {
     "codec": ("Codec", render_codec),
     "transport": ("Transport: zloader against other loaders", render_transport),
@@ -753,6 +758,8 @@ RENDERERS: dict[str, tuple[str, Renderer]] = {
     "mix_windows": ("A mix's weights in every window, with workers", render_mix_windows),
     "deterministic_resume": ("A deterministic Loader resumed with another number of workers",
                              render_deterministic_resume),
+    "startup": ("Start-up: construction to first batch against torch DataLoader",
+                render_startup),
 }
 
 
