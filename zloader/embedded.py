@@ -69,9 +69,7 @@ class Embedded:
                     start_method, address, bind, keys,
                     {pipeline.fingerprint: pipeline} if inherit else None, swaps, handoff,
                     gate[0] if gate is not None else None, packs=index == workers - 1))
-            if handoff is not None:
-                self.handoff = handoff
-                handoff.workers_forked()
+            self.handoff = handoff
             if broker is None:
                 self.broker = Broker(address).start()
             if gate is not None:
@@ -79,6 +77,8 @@ class Embedded:
         finally:
             for fd in gate or ():
                 os.close(fd)
+            if handoff is not None:  # (the workers hold the memfds: not this process)
+                handoff.workers_forked()
         return address
 
     def endpoint(self, name: str) -> str | None:
