@@ -311,17 +311,11 @@ def tables(data: dict[str, Any]) -> list[str]:
                          f"{row['zloader'] / row['torch']:.2f} | {grown} |")
         lines.append("")
     if "second_epoch" in data:
-        lines += ["## (2) Second epoch, no persistent workers: iter() to first batch", "",
-                  "| case | torch | zloader | zloader / torch |", "|---|---|---|---|"]
-        lines += [f"| {r['case']} | {r['torch']:.3f} s | {r['zloader']:.3f} s | "
-                  f"{r['zloader'] / r['torch']:.2f} |" for r in data["second_epoch"]]
-        lines.append("")
+        lines += _against_torch("(2) Second epoch, no persistent workers: iter() to first "
+                                "batch", "case", [(r["case"], r) for r in data["second_epoch"]])
     if "by_size" in data:
-        lines += ["## (3) First batch against dataset size (4 workers, shuffle)", "",
-                  "| samples | torch | zloader | zloader / torch |", "|---|---|---|---|"]
-        lines += [f"| {r['size']:,} | {r['torch']:.3f} s | {r['zloader']:.3f} s | "
-                  f"{r['zloader'] / r['torch']:.2f} |" for r in data["by_size"]]
-        lines.append("")
+        lines += _against_torch("(3) First batch against dataset size (4 workers, shuffle)",
+                                "samples", [(f"{r['size']:,}", r) for r in data["by_size"]])
     if "imports" in data:
         imp = data["imports"]
         lines += ["## (4) import time, fresh interpreter (medians)", "",
@@ -349,6 +343,15 @@ def tables(data: dict[str, Any]) -> list[str]:
                   "time; the workers' start is the trainer's wait in `poll`/`acquire`)", "",
                   "```", *data["profile"].strip().splitlines()[:40], "```", ""]
     return lines
+
+
+def _against_torch(title: str, what: str, rows: list[tuple[str, dict[str, float]]]
+                   ) -> list[str]:
+    """A table of seconds, torch's and zloader's, and their ratio, one row per label."""
+    return [f"## {title}", "", f"| {what} | torch | zloader | zloader / torch |",
+            "|---|---|---|---|",
+            *(f"| {label} | {r['torch']:.3f} s | {r['zloader']:.3f} s | "
+              f"{r['zloader'] / r['torch']:.2f} |" for label, r in rows), ""]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,8 @@ import stat
 import subprocess
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -866,19 +868,28 @@ def _as_version_3(line: bytes) -> bytes:
     return line_of(body, number)
 
 
-def test_a_version_3_journal_is_restored_with_no_shards_and_rewritten(tmp_path):
-    """A journal of version 3 (job options without ``shards``) is restored, its jobs
-    with 0 shards (as they ran), and rewritten as the current version."""
-    _busy_journal(tmp_path)
+def _restored_as_written_by(tmp_path: Any, older: Callable[[bytes], bytes]
+                            ) -> tuple[State, Any, dict[str, str]]:
+    """A busy journal rewritten line by line as ``older`` says an older zloader wrote it,
+    then restored; with the summary the original restored to and the busy journal's
+    tasks by worker."""
+    tasks = _busy_journal(tmp_path)
     expected = _summary(_restored(tmp_path))
     path = tmp_path / "journal.jsonl"
     lines = path.read_bytes().splitlines(keepends=True)
-    path.write_bytes(b"".join(_as_version_3(line) for line in lines))
-    state = _restored(tmp_path)
+    path.write_bytes(b"".join(older(line) for line in lines))
+    return _restored(tmp_path), expected, tasks
+
+
+def test_a_version_3_journal_is_restored_with_no_shards_and_rewritten(tmp_path):
+    """A journal of version 3 (job options without ``shards``) is restored, its jobs
+    with 0 shards (as they ran), and rewritten as the current version."""
+    state, expected, _ = _restored_as_written_by(tmp_path, _as_version_3)
     assert state.journal.skipped == [] and _summary(state) == expected
     assert all(job.options.shards == 0 for job in state.jobs.values())
     state.journal.close()
-    assert _body(path.read_bytes().splitlines()[0]) == {"e": "journal", "version": VERSION}
+    assert _body((tmp_path / "journal.jsonl").read_bytes().splitlines()[0]) == {
+        "e": "journal", "version": VERSION}
 
 
 def _as_version_2(line: bytes) -> bytes:
@@ -892,15 +903,11 @@ def _as_version_2(line: bytes) -> bytes:
 def test_a_version_2_journal_is_restored_and_rewritten_as_the_current_version(tmp_path):
     """A journal a zloader of version 2 wrote (no sequence numbers or checksums) is
     restored, in file order, and rewritten as version 3 at once."""
-    tasks = _busy_journal(tmp_path)
-    expected = _summary(_restored(tmp_path))
-    path = tmp_path / "journal.jsonl"
-    lines = path.read_bytes().splitlines(keepends=True)
-    path.write_bytes(b"".join(_as_version_2(line) for line in lines))
-    state = _restored(tmp_path)
+    state, expected, tasks = _restored_as_written_by(tmp_path, _as_version_2)
     assert state.journal.skipped == [] and _summary(state) == expected
     state.journal.close()
-    assert _body(path.read_bytes().splitlines()[0]) == {"e": "journal", "version": VERSION}
+    assert _body((tmp_path / "journal.jsonl").read_bytes().splitlines()[0]) == {
+        "e": "journal", "version": VERSION}
     again = _restored(tmp_path)
     assert again.journal.version == VERSION and again.journal.skipped == []
     assert _summary(again) == expected

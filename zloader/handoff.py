@@ -56,7 +56,7 @@ log = logging.getLogger("zloader.packed")
 
 _PENDING, _READY, _LEFT = 0, 1, 2
 _FIELDS = 5  # per list: status, nbytes, count, kind (0: marshal, else a dtype char), flags
-_TUPLE, _FLAT = 1, 2  # flags; above them, a row that shares another's memfd names it + 1
+_TUPLE, _FLAT = 1, 2  # flags
 
 _OPEN: set[int] = set()
 """This process's memfds of handoffs whose packer is not forked yet: a worker forked for
@@ -83,19 +83,31 @@ class Handoff:
 
     def __init__(self, found: list[packed.Found]) -> None:
         self.found = found
-        self._memory = mmap.mmap(-1, 8 * _FIELDS * (len(found) + 1), flags=mmap.MAP_SHARED)
-        rows = np.frombuffer(self._memory, np.int64).reshape(-1, _FIELDS)
+        # One row (and memfd) per list: an attribute that holds a list another holds
+        # (torchvision's ``imgs`` is ``samples``) gets the same view, as at the fork.
+        rows: dict[int, int] = {}
+        self.row_of = [rows.setdefault(id(each.values), len(rows)) for each in found]
+        self.lists = list({id(each.values): each.values for each in found}.values())
+        self._memory = mmap.mmap(-1, 8 * _FIELDS * (len(self.lists) + 1),
+                                 flags=mmap.MAP_SHARED)
+        table = np.frombuffer(self._memory, np.int64).reshape(-1, _FIELDS)
         # head: the packer's pid, and 1 once the Loader closes (the packer stops)
-        self.head, self.table = rows[0], rows[1:]
+        self.head, self.table = table[0], table[1:]
         with FDS_LOCK:
-            self.fds = [os.memfd_create("zloader-packed", os.MFD_CLOEXEC) for _ in found]
+            self.fds = [os.memfd_create("zloader-packed", os.MFD_CLOEXEC)
+                        for _ in self.lists]
             _OPEN.update(self.fds)
         # Each list's item pointers now (tuples cannot be written): a worker that finds
         # others when its packed copy is ready wrote into it, and keeps it.
-        self.pointers = [_pointers(each.values) if type(each.values) is list else None
-                         for each in found]
+        self.pointers = [_pointers(values) if type(values) is list else None
+                         for values in self.lists]
         self._left: list[int] = []  # (in a worker) the rows not yet taken or let go
         self._reads = 0  # (in a worker) polls while some row was pending
+
+    def where(self, row: int) -> str:
+        """The attributes that hold the list of ``row``."""
+        return ", ".join(each.where for each, at in zip(self.found, self.row_of, strict=True)
+                         if at == row)
 
     # --- in the Loader's process and in the packer -------------------------------------
 
@@ -142,18 +154,13 @@ class Handoff:
         """In the packer: pack each list into its memfd and say so in the table (a list
         packing refuses or fails on is left); stop if ``parent`` (its worker) is gone or
         the Loader closes."""
-        done: dict[int, int] = {}  # id(list) -> its row: a list held twice is packed once
         try:
-            for row, (each, fd) in enumerate(zip(self.found, self.fds, strict=True)):
+            for row, (values, fd) in enumerate(zip(self.lists, self.fds, strict=True)):
                 if os.getppid() != parent or self.head[1]:
                     return
-                if id(each.values) in done:
-                    self._share_row(done[id(each.values)], row)
-                    continue
-                view = packed.pack(each.values, _allocator(fd))
-                packed.log_packed(view, each.values, each.where)
+                view = packed.pack(values, _allocator(fd))
+                packed.log_packed(view, values, self.where(row))
                 self._publish(row, view)
-                done[id(each.values)] = row
         finally:
             for fields in self.table:  # (what was not packed is read as it is)
                 if fields[0] == _PENDING:
@@ -164,19 +171,11 @@ class Handoff:
         if view is None:
             fields[0] = _LEFT
             return
-        kind = 0 if view._offsets is not None else ord(view._values.format)
-        fields[1:] = (view.nbytes, view._count, kind,
-                      (_TUPLE if view._type is tuple else 0) | (_FLAT if view.flat else 0))
+        count, kind, type_ = view.layout
+        fields[1:] = (view.nbytes, count, 0 if kind == "marshal" else ord(kind),
+                      (_TUPLE if type_ is tuple else 0) | (_FLAT if view.flat else 0))
         _fence()
         fields[0] = _READY
-
-    def _share_row(self, source: int, row: int) -> None:
-        """A list held by two attributes: the second row names the first's memfd."""
-        fields = self.table[row]
-        fields[1:] = self.table[source][1:]
-        fields[4] |= (source + 1) << 8
-        _fence()
-        fields[0] = self.table[source][0]
 
     # --- in a worker ---------------------------------------------------------------------
 
@@ -201,35 +200,31 @@ class Handoff:
                     time.monotonic() > deadline or (pid and not alive(pid))):
                 log.warning("the packed copy of %s did not come (its packer %s): this worker "
                             "reads them as they are, copying what it reads",
-                            ", ".join(self.found[row].where for row in self._left),
+                            ", ".join(self.where(row) for row in self._left),
                             "died" if pid and not alive(pid) else
                             f"took over {HANDOFF_WAIT_SECONDS:.0f} s")
                 self._left = []
         self._done()
 
     def _take_ready(self) -> None:
-        views: dict[int, packed.PackedSequence | None] = {}
         for row in list(self._left):
             status = int(self.table[row][0])
             if status == _PENDING:
                 continue
             _fence()
             self._left.remove(row)
-            each = self.found[row]
             if status != _READY:
                 continue
             if not self._unwritten(row):
                 log.debug("kept %s as it is: this worker wrote into it before its packed "
-                          "copy was ready", each.where)
+                          "copy was ready", self.where(row))
                 continue
-            source = (int(self.table[row][4]) >> 8) - 1
-            source = row if source < 0 else source
-            if source not in views:
-                views[source] = self._view(source)
-            view = views[source]
+            view = self._view(row)
             if view is not None:
                 packed.install([packed.Swap(each.owner, each.name, each.values, view,
-                                            each.where)])
+                                            each.where)
+                                for each, at in zip(self.found, self.row_of, strict=True)
+                                if at == row])
         if not self._left:
             self._done()
 
@@ -243,8 +238,8 @@ class Handoff:
         at every place)."""
         before = self.pointers[row]
         if before is None:
-            return type(self.found[row].values) is tuple
-        now = _pointers(self.found[row].values, copy=False)
+            return type(self.lists[row]) is tuple
+        now = _pointers(self.lists[row], copy=False)
         if now is None or len(now) != len(before):
             return False
         chunk = 1 << 16  # (pointers compared at a time: small temporaries)
@@ -258,7 +253,7 @@ class Handoff:
                                prot=mmap.PROT_READ)
         except OSError:
             log.warning("the packed %s could not be mapped: read as it is",
-                        self.found[row].where, exc_info=True)
+                        self.where(row), exc_info=True)
             return None
         view = packed.PackedSequence(memory, count, "marshal" if kind == 0 else chr(kind),
                                      tuple if flags & _TUPLE else list)
@@ -293,7 +288,7 @@ def forked(mine: Handoff | None) -> None:
     _OPEN.clear()
     _MINE = mine
     if mine is not None:
-        mine._left = list(range(len(mine.found)))
+        mine._left = list(range(len(mine.lists)))
         mine._take_ready()
         if not mine._left:
             _MINE = None

@@ -83,12 +83,13 @@ class PackedSequence(collections.abc.MutableSequence):
     Python objects; ``pack_dataset=False`` leaves a dataset's lists as they are.
     """
 
-    __slots__ = ("_blob", "_count", "_items", "_memory", "_offsets", "_type", "_values",
-                 "flat")
+    __slots__ = ("_blob", "_count", "_items", "_kind", "_memory", "_offsets", "_type",
+                 "_values", "flat")
 
     def __init__(self, memory: mmap.mmap, count: int, kind: str, type_: type) -> None:
         self._memory = memory
         self._count = count
+        self._kind = kind
         self._type = type_
         self._items: list[Any] | None = None  # this process's own list, once written
         self.flat = False  # marshalled, of atoms or of tuples of atoms (see flat_chunks)
@@ -106,6 +107,12 @@ class PackedSequence(collections.abc.MutableSequence):
     def nbytes(self) -> int:
         """The shared memory it takes."""
         return len(self._memory)
+
+    @property
+    def layout(self) -> tuple[int, str, type]:
+        """``(count, kind, type)``: with its memory, what makes the same view again in
+        another process (zloader/handoff.py)."""
+        return self._count, self._kind, self._type
 
     def __len__(self) -> int:
         return self._count if self._items is None else len(self._items)

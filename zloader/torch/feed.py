@@ -64,8 +64,9 @@ class Feed:
         self.streamed = self._first is _END or _all_ints(self._keys(self._first))
 
     def _keys(self, batch: Any) -> list[Any]:
-        return batch if self._batched and isinstance(batch, list) else \
-            list(batch) if self._batched else [batch]
+        if not self._batched:
+            return [batch]
+        return batch if isinstance(batch, list) else list(batch)
 
     def sampled(self) -> list[Any]:
         """The whole epoch's batches, drawn now (keys other than ints: see the module)."""
@@ -82,8 +83,10 @@ class Feed:
             TypeError: a batch after the first holds a key that is not an int.
         """
         while True:
-            batch, self._first = (self._first, _END) if self._first is not _END \
-                else (next(self._indices, _END), _END)
+            if self._first is not _END:  # (pulled at construction)
+                batch, self._first = self._first, _END
+            else:
+                batch = next(self._indices, _END)
             if batch is _END:
                 self.total = self._number
                 return None
