@@ -24,6 +24,7 @@ from zloader.codec import decode
 from zloader.options import JobOptions
 from zloader.plan import plan
 from zloader.worker import WorkerProcess
+from zloader.worker.permits import Pool
 from zloader.worker.producer import LinkKind, Producer, ProducerSpec, SplitAnswer
 
 JOIN_SECONDS = 10.0
@@ -170,7 +171,7 @@ Receive = Callable[[], tuple[LinkKind, Any, list[int] | None]]
 
 @contextlib.contextmanager
 def producer_link(pipeline: Pipeline, sharding: str, **options: Any
-                  ) -> Iterator[tuple[threading.Semaphore, Any, Receive, Producer]]:
+                  ) -> Iterator[tuple[Pool, Any, Receive, Producer]]:
     """A producer of epoch 0 of ``pipeline`` (one element per record): its pool of permits,
     our end of its link, a function that receives its next message (kind, body, and a
     record's elements), and the producer (which takes the broker's answers); stopped and
@@ -182,7 +183,7 @@ def producer_link(pipeline: Pipeline, sharding: str, **options: Any
     # one element per record (a balanced job's), no origins, errors raised
     spec = ProducerSpec(plan=plan(pipeline), options=JobOptions(sharding=sharding, balanced=1),
                         index=0, width=1, entropy=1)
-    pool = threading.Semaphore(0)
+    pool = Pool()
     producer = Producer(context, "inproc://producer-test", spec, 0, pool, threading.Event(),
                         **options)
     producer.link = link  # as Links.start sets it: answers wake the producer through it
@@ -233,7 +234,7 @@ def test_a_stopped_producer_spends_no_credit_released_after_its_stop():
     link.bind("inproc://producer-stop-test")
     spec = ProducerSpec(plan=plan(Pipeline.range(100)), options=JobOptions(sharding="off"),
                         index=0, width=1, entropy=1)
-    pool = threading.Semaphore(0)
+    pool = Pool()
     producer = Producer(context, "inproc://producer-stop-test", spec, 0, pool,
                         threading.Event())
     producer.start()
@@ -323,3 +324,20 @@ def test_producer_asks_for_splits_ahead_after_quick_ones():
             elif kind is LinkKind.END:
                 break
         assert got == list(range(2 * (last + 1)))
+
+
+def test_a_producer_waiting_for_a_permit_leaves_when_it_is_stopped_not_at_its_timeout():
+    """A stopped producer (its Loader closing) must not sit out its wait for a credit."""
+    pool, stop = Pool(), threading.Event()
+    got: list[bool] = []
+    waiter = threading.Thread(target=lambda: got.append(pool.acquire(timeout=60, stop=stop)))
+    waiter.start()
+    assert not pool.acquire(blocking=False)
+    stop.set()
+    pool.wake()
+    waiter.join(10)  # (does not hang: the wait's timeout is 60 s)
+    assert not waiter.is_alive() and got == [False]
+    assert not pool.acquire(timeout=60, stop=stop)  # stopped: no wait at all
+    pool.release(2)
+    assert pool.acquire(stop=stop) and pool.acquire(blocking=False)  # permits still count
+    assert not pool.acquire(blocking=False)

@@ -19,6 +19,7 @@ thread had half imported, so that the child imports it afresh when it needs it.
 
 from __future__ import annotations
 
+import functools
 import gc
 import importlib._bootstrap
 import os
@@ -59,11 +60,25 @@ class ForkedWorker:
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.poll() is None:
-            if deadline is not None and time.monotonic() >= deadline:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
                 raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout or 0.0)
-            time.sleep(0.01)
+            self._exited(0.01 if left is None else min(left, 0.5))
         assert self.returncode is not None
         return self.returncode
+
+    def _exited(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the process to exit: on its pidfd, woken the
+        moment it does (Linux 5.3+), else a sleep."""
+        try:
+            fd = os.pidfd_open(self.pid)
+        except (AttributeError, OSError):  # (no pidfds here, or already reaped)
+            time.sleep(min(timeout, 0.01))
+            return
+        try:
+            select.select([fd], [], [], timeout)
+        finally:
+            os.close(fd)
 
     def send_signal(self, signum: int) -> None:
         if self.poll() is None:
@@ -114,19 +129,22 @@ def start_worker(method: str, address: str, bind: str, keys: Keys | None = None,
         forked(handoff)
         if packs and handoff is not None:
             handoff.fork_packer()
-        if gate is not None:
-            if select.select([gate], [], [], GATE_SECONDS)[0]:
-                os.read(gate, 1)
-            os.close(gate)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's Ctrl-C; it stops us
         worker = WorkerProcess(address, bind, parent=parent, keys=keys, inherited=pipelines)
-        signal.signal(signal.SIGTERM, lambda *_: worker.stop.set())
-        worker.run()
+        signal.signal(signal.SIGTERM, lambda *_: worker.halt())
+        worker.run(functools.partial(_through_gate, gate) if gate is not None else None)
         code = 0
     except BaseException:
         traceback.print_exc()
     finally:
         os._exit(code)  # no atexit handlers or finalizers of the parent's objects
+
+
+def _through_gate(gate: int) -> None:
+    """Wait until the Loader's broker is bound (a byte on ``gate``), at most GATE_SECONDS."""
+    if select.select([gate], [], [], GATE_SECONDS)[0]:
+        os.read(gate, 1)
+    os.close(gate)
 
 
 def repair_imports() -> list[str]:

@@ -585,7 +585,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
                            forward_output=args.parent is None, blob_dir=args.blob_dir)
     # SIGTERM drains: the splits taken are finished and delivered, then the worker leaves
     # (a Loader's own workers, --parent, just stop: their consumer is leaving).
-    signal.signal(signal.SIGTERM, lambda *_: worker.stop.set() if args.parent is not None
+    signal.signal(signal.SIGTERM, lambda *_: worker.halt() if args.parent is not None
                   else worker.drain())
     if args.parent is not None:
         # The worker loop exits within 0.1 s of its parent's death (it watches getppid();
@@ -593,7 +593,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
         # Loader made in a short-lived thread, as tf.data does, must survive).
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's Ctrl-C; it stops us
     else:
-        signal.signal(signal.SIGINT, lambda *_: worker.stop.set())
+        signal.signal(signal.SIGINT, lambda *_: worker.halt())
     try:
         worker.run()
     except BrokerRefused as exc:

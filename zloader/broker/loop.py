@@ -7,7 +7,9 @@ the Loader's process (:meth:`Broker.start`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -122,6 +124,9 @@ class Broker:
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
         self._warned = 0.0
+        # A pipe whose byte wakes the loop's poll when it is closed (while it serves).
+        self._waker: tuple[int, int] | None = None
+        self._waker_lock = threading.Lock()
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -138,6 +143,10 @@ class Broker:
     def close(self, timeout: float = CLOSE_SECONDS) -> None:
         """Stop the loop and close the socket (safe to call twice)."""
         self._stop.set()
+        with self._waker_lock:
+            if self._waker is not None:
+                with contextlib.suppress(BlockingIOError):
+                    os.write(self._waker[1], b"!")
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
             self._thread = None
@@ -159,6 +168,10 @@ class Broker:
         socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
         # A connection that never finishes its handshake holds a descriptor until then.
         socket.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_SECONDS * 1000))
+        waker = os.pipe()
+        os.set_blocking(waker[1], False)
+        with self._waker_lock:
+            self._waker = waker
         try:
             socket.bind(self.endpoint)
             if self.endpoint.endswith(":0"):
@@ -188,12 +201,18 @@ class Broker:
             if guard is not None:
                 guard.stop()
             context.term()
+            with self._waker_lock:
+                self._waker = None
+                for fd in waker:
+                    os.close(fd)
 
     def _loop(self, socket: zmq.Socket[Any]) -> None:
         state = self.state
         descriptors = Descriptors(self.endpoint)
         poller = zmq.Poller()
         poller.register(socket, zmq.POLLIN)
+        if self._waker is not None:
+            poller.register(self._waker[0], zmq.POLLIN)  # (close() writes: stop now)
         next_beat = time.monotonic() + state.heartbeat
         beats: deque[Out] = deque()  # the workers' HEARTBEATs of this interval, not sent yet
         while not self._stop.is_set():

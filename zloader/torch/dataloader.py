@@ -255,9 +255,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             if next_batch is not None else None
         try:
             intake = Intake(loader.iterate(plans), progress, self.num_workers)
-            intake.settle()  # each worker started: its first snapshot; its init errors
-            if dispatcher is not None:
+            if dispatcher is not None:  # (sent with each worker's OPEN: no round trip)
                 dispatcher.prime()
+            intake.settle()  # each worker started: its first snapshot; its init errors
         except BaseException as exc:
             if own is not None:
                 own.close()

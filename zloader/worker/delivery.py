@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import abc
 import logging
-import threading
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from zloader.worker.permits import Permits
+from zloader.worker.permits import Permits, Pool
 from zloader.worker.producer import Outgoing, Producer
 from zloader.worker.streams import Outlet, Stream
 
@@ -104,7 +103,7 @@ class TaskPort(Protocol):
 
     def maybe_produce(self) -> None: ...
 
-    def start_producer(self, epoch: int, pool: threading.Semaphore,
+    def start_producer(self, epoch: int, pool: Pool,
                        **options: Any) -> Producer: ...
 
     def drop_producer(self, producer: Producer) -> None: ...
@@ -130,7 +129,7 @@ class Delivery(abc.ABC):
 
     def __init__(self, port: TaskPort) -> None:
         self.port = port
-        self.pool = threading.Semaphore(0)  # one permit per record the producer may make
+        self.pool = Pool()  # one permit per record the producer may make
         self.pending: deque[Pending] = deque()
         self.outstanding = 0  # permits given to the producer and not used yet
 

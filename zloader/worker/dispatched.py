@@ -14,6 +14,7 @@ from zloader.transport.protocol import ProtocolError
 
 __all__ = ["Dispatched"]
 
+
 class Dispatched:
     """One epoch's work items, in the order they came; an empty ``DISPATCH`` says none
     will follow. At most ``MAX_DISPATCHED`` wait at once (a consumer that sends more is
@@ -39,6 +40,12 @@ class Dispatched:
             else:
                 self._ended = True
             self._ready.notify()
+
+    def wake(self) -> None:
+        """Wake a producer waiting for items (it is being stopped: it looks at its stop
+        event now, not after ``DISPATCH_WAIT``)."""
+        with self._ready:
+            self._ready.notify_all()
 
     def take(self, stop: threading.Event) -> int | None:
         """The next item, waiting for one; None once the consumer said none will follow

@@ -74,7 +74,7 @@ class Links:
     def stop(self, producer: Producer) -> str | None:
         """Stop ``producer`` and drop its link. Returns None, or what it was doing when it
         had not stopped within STOP_SECONDS (stuck in user code)."""
-        producer.stop.set()
+        producer.halt()
         producer.join(STOP_SECONDS)
         self.drop(producer)
         if not producer.is_alive():

@@ -12,7 +12,44 @@ from __future__ import annotations
 
 import threading
 
-__all__ = ["PartPool", "Permits"]
+__all__ = ["PartPool", "Permits", "Pool"]
+
+
+class Pool:
+    """A producer's permits, one per record it may send (a consumer's credits): a counting
+    semaphore that a producer being stopped can leave at once. ``acquire`` returns False
+    without waiting when its ``stop`` event is set, and a waiting ``acquire`` returns False
+    when :meth:`wake` is called (the stopper sets ``stop``, then wakes), not at its
+    timeout."""
+
+    def __init__(self, value: int = 0) -> None:
+        self._value = value
+        self._changed = threading.Condition(threading.Lock())
+        self._wakes = 0
+
+    def acquire(self, blocking: bool = True, timeout: float | None = None,
+                stop: threading.Event | None = None) -> bool:
+        with self._changed:
+            if self._value <= 0 and blocking:
+                wakes = self._wakes
+                self._changed.wait_for(
+                    lambda: self._value > 0 or self._wakes != wakes
+                    or (stop is not None and stop.is_set()), timeout)
+            if self._value <= 0:
+                return False
+            self._value -= 1
+            return True
+
+    def release(self, count: int = 1) -> None:
+        with self._changed:
+            self._value += count
+            self._changed.notify(count)
+
+    def wake(self) -> None:
+        """Wake whoever waits in :meth:`acquire`, granting nothing."""
+        with self._changed:
+            self._wakes += 1
+            self._changed.notify_all()
 
 
 class Permits:
@@ -50,10 +87,17 @@ class Permits:
         with self._changed:
             return [part for part, count in enumerate(self._counts) if count > 0]
 
-    def wait(self, timeout: float) -> None:
-        """Wait up to ``timeout`` seconds for a permit to be released."""
+    def wake(self) -> None:
+        """Wake whoever waits for a permit (a producer being stopped), granting none."""
         with self._changed:
-            self._changed.wait(timeout)
+            self._changed.notify_all()
+
+    def wait(self, timeout: float, stop: threading.Event | None = None) -> None:
+        """Wait up to ``timeout`` seconds for a permit to be released (or, ``stop`` set,
+        for :meth:`wake`)."""
+        with self._changed:
+            if stop is None or not stop.is_set():
+                self._changed.wait(timeout)
 
 
 class PartPool:
@@ -63,13 +107,17 @@ class PartPool:
     def __init__(self, permits: Permits, part: int) -> None:
         self.permits, self.part = permits, part
 
-    def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+    def acquire(self, blocking: bool = True, timeout: float | None = None,
+                stop: threading.Event | None = None) -> bool:
         if self.permits.take(self.part):
             return True
         if not blocking:
             return False
-        self.permits.wait(timeout if timeout is not None else 0.1)
+        self.permits.wait(timeout if timeout is not None else 0.1, stop)
         return self.permits.take(self.part)
 
     def release(self, count: int = 1) -> None:
         self.permits.release(self.part, count)
+
+    def wake(self) -> None:
+        self.permits.wake()

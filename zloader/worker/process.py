@@ -133,7 +133,9 @@ class WorkerProcess:
 
     # --- sockets --------------------------------------------------------------------------
 
-    def run(self) -> None:
+    def run(self, gate: Callable[[], None] | None = None) -> None:
+        """Serve until stopped. ``gate``: called before connecting to the broker (a forked
+        worker waits there for its Loader's broker to be bound, its sockets made)."""
         keep_freed_memory()  # records made afresh reuse warm memory (worker/memory.py)
         context = zmq.Context()
         self.supply = Supply(context, self.keys, self.inherited, self.blob_dir)
@@ -144,6 +146,8 @@ class WorkerProcess:
         self.poller = zmq.Poller()
         self.links = Links(context, self.poller, self.id,
                            Hand(self.lock, self._hand_record, self._delivery_busy))
+        if gate is not None:
+            gate()
         self.broker = BrokerLink(context, self.broker_endpoint, self.keys, messages.Ready(
             worker=self.id, host=_socket.gethostname(), host_id=host_id(), pid=os.getpid(),
             endpoint=self.endpoint, prefer=self.prefer, plain_data=self.plain_data,
@@ -342,6 +346,12 @@ class WorkerProcess:
             self._warned = now
             log.warning("%s (%d rejected so far)", text, self.rejected, exc_info=exc_info)
 
+    def halt(self) -> None:
+        """Stop now (a Loader's own worker, SIGTERM'd as its Loader closes): the loop leaves
+        at once instead of at the end of its poll. Safe in a signal handler."""
+        self.stop.set()
+        self._wake()
+
     # --- draining (SIGTERM to zloader-worker) -----------------------------------------------
 
     @property
@@ -358,6 +368,7 @@ class WorkerProcess:
         task = self.task
         if task is not None:
             task.draining.set()
+        self._wake()
 
     def _drained(self, now: float) -> bool:
         """Whether a draining worker is done: nothing left to send, or out of time."""

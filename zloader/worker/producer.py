@@ -67,7 +67,7 @@ from zloader.stages import Context, Coverage
 from zloader.transport.protocol import error_object
 from zloader.transport.sockets import NOBLOCK, make_socket
 from zloader.worker.dispatched import Dispatched
-from zloader.worker.permits import PartPool, Permits
+from zloader.worker.permits import PartPool, Permits, Pool
 
 __all__ = ["RECORD_BYTES", "RECORD_ELEMENTS", "RECORD_LINGER", "STAGES", "Hand", "LinkKind",
            "Outgoing", "Producer", "ProducerSpec", "SplitAnswer"]
@@ -220,7 +220,7 @@ class Producer(threading.Thread):
     """
 
     def __init__(self, context: zmq.Context[Any], address: str, spec: ProducerSpec,
-                 epoch: int, pool: threading.Semaphore, draining: threading.Event,
+                 epoch: int, pool: Pool, draining: threading.Event,
                  epoch_input: Any = None,
                  weights: LiveWeights | None = None,
                  dispatched: Dispatched | None = None,
@@ -237,7 +237,7 @@ class Producer(threading.Thread):
         # after setting ``stop``, so that no record goes out after the stop and no permit
         # (a consumer's credit) the next producer needs is spent by this one.
         self.sending = threading.Lock()
-        self.pool: Any = pool
+        self.pool: Pool | PartPool = pool
         self.permits = permits  # per mix input, when the consumers draw the mix
         self.draining = draining
         self.epoch_input = epoch_input
@@ -275,6 +275,16 @@ class Producer(threading.Thread):
         if link is not None:
             with contextlib.suppress(zmq.Again):
                 link.send(b"A", zmq.NOBLOCK)
+
+    def halt(self) -> None:
+        """Ask this producer to stop, waking it where it waits for work items or for a
+        permit of a part (it looks at ``stop`` at once, not after its wait's timeout)."""
+        self.stop.set()
+        if self.dispatched is not None:
+            self.dispatched.wake()
+        if self.permits is not None:
+            self.permits.wake()
+        self.pool.wake()
 
     def doing(self) -> dict[str, Any]:
         """``{epoch, split, stage}``: what this producer is doing now (the worker's
@@ -405,7 +415,7 @@ class Producer(threading.Thread):
             ready = [k for k in live if weights[k] > 0 and k in free]
             if not ready:
                 self.stage = "blocked"
-                permits.wait(0.1)  # (or new weights: looked at again)
+                permits.wait(0.1, self.stop)  # (or new weights: looked at again)
                 if self.stop.is_set():
                     raise _Stopped
                 continue
@@ -530,7 +540,7 @@ class Producer(threading.Thread):
             self.stage = "pipeline"
             return
         self.stage = "blocked"
-        while not self._permit and not self.pool.acquire(timeout=0.1):
+        while not self._permit and not self.pool.acquire(timeout=0.1, stop=self.stop):
             if self.stop.is_set():
                 raise _Stopped
         self._permit = False

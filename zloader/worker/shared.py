@@ -11,7 +11,6 @@ trainer can.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
 from typing import Any
@@ -22,6 +21,7 @@ from zloader.sharing.window import Window, WindowSettings
 from zloader.transport.messages import Data, End, Open
 from zloader.worker.credit import clamp
 from zloader.worker.delivery import Delivery, EpochEnd, Pending, RecordOut, TaskPort
+from zloader.worker.permits import Pool
 from zloader.worker.producer import Outgoing, Producer
 from zloader.worker.streams import Stream
 
@@ -236,7 +236,7 @@ class SharedDelivery(Delivery):
                 self.replaying = (trainer, 0)
                 self.replay_outstanding = 0
                 self.replayer = self.port.start_producer(
-                    epoch, threading.Semaphore(0), splits=self.splits.setdefault(epoch, {}),
+                    epoch, Pool(), splits=self.splits.setdefault(epoch, {}),
                     replay=missed)
                 self.permit()
                 break

@@ -28,6 +28,7 @@ from zloader.worker.broker_link import BrokerLink, assignment
 from zloader.worker.delivery import Delivery, TaskPort
 from zloader.worker.dispatched import Dispatched
 from zloader.worker.links import Links
+from zloader.worker.permits import Pool
 from zloader.worker.producer import LinkKind, Producer, ProducerSpec, SplitAnswer
 from zloader.worker.streams import Outlet, Stream, unlink_handoffs
 
@@ -313,7 +314,7 @@ class Task:
         (coordinated reads)."""
         self.broker.send(messages.RoundReq(task=self.id, epoch=epoch, members=members))
 
-    def start_producer(self, epoch: int, pool: threading.Semaphore, **options: Any
+    def start_producer(self, epoch: int, pool: Pool, **options: Any
                        ) -> Producer:
         """Start a producer of ``epoch`` (``options``: see
         :class:`~zloader.worker.producer.Producer`)."""
