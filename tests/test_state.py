@@ -154,25 +154,31 @@ def test_a_death_counts_against_the_split_being_read_not_the_one_asked_for_ahead
     assert sorted(job.dispatch.passes[(0,)].requeued) == [0, 1]  # both read again
 
 
-def test_splits_asked_ahead_come_one_answer_each_and_again_at_places_already_handed():
-    """SPLIT_REQ.ahead: the split at ``have`` and the ``ahead`` after it, each its own SPLIT
-    whose ``have`` is its place, up to the first null; places already handed (answers
-    lost) are answered with the same splits again; the death of the worker counts
-    against the split it reads, not those it holds ahead, and every one is read again."""
+def test_splits_asked_ahead_come_in_one_answer_and_again_at_places_already_handed():
+    """SPLIT_REQ.ahead: the split at ``have`` and the ``ahead`` after it, in one SPLIT (the
+    later ones in its ``then``, at the places after its ``have``), up to the first null,
+    which comes in a SPLIT of its own; places already handed (answers lost) are answered
+    with the same splits again; the death of the worker counts against the split it
+    reads, not those it holds ahead, and every one is read again."""
     state = State()
     register(state, "c1", splits=6)
     task = task_of(ready(state, "w1"))
+    messages: list[int] = []
 
     def ask(have: int, ahead: int) -> list[tuple[int | None, int]]:
         out = state.split_request(b"w1", record(Command.SPLIT_REQ, {
             "task": task, "pass": [0], "have": have, "ahead": ahead}), 0.0)
         assert all(o.command is Command.SPLIT for o in out)
-        return [(o.body["split"], o.body["have"]) for o in out]
+        messages.append(len(out))
+        return [pair for o in out for pair in [
+            (o.body["split"], o.body["have"]),
+            *((split, o.body["have"] + 1 + at) for at, split in enumerate(o.body.get("then", [])))]]
 
     assert ask(0, 0) == [(0, 0)]
     assert ask(1, 3) == [(1, 1), (2, 2), (3, 3), (4, 4)]
     assert ask(2, 1) == [(2, 2), (3, 3)]  # (answers lost: the same splits again)
     assert ask(5, 4) == [(5, 5), (None, 6)]  # the pass ends: one null, then nothing
+    assert messages == [1, 1, 1, 2]
     state.seen(b"c1", 10.0)
     state.tick(10.0)  # w1 died silent, reading split 4 (have 5)
     job = next(iter(state.jobs.values()))

@@ -6,6 +6,7 @@ again.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from typing import Any
 
@@ -23,10 +24,12 @@ __all__ = ["dispenser", "epochs_of", "holds", "mark_read", "pass_done", "pending
 
 def split_request(state: Tables, identity: bytes, msg: SplitReq, now: float) -> list[Out]:
     """SPLIT_REQ: the next split of a pass for a worker's task (null: none left), and the
-    ``ahead`` after it, each its own SPLIT (``have``: its place among the splits this
-    worker was handed in the pass), up to the first null; a split re-queued in this
-    epoch comes first, whichever pass it was taken in. Splits already handed at those
-    places (their answers were lost: a broker restart, a reconnect) are sent again."""
+    ``ahead`` after it (``have``: the place of each among the splits this worker was
+    handed in the pass), up to the first null: a SPLIT for the first, carrying in
+    ``then`` those after it that are read whole, a SPLIT of its own for any other; a
+    split re-queued in this epoch comes first, whichever pass it was taken in. Splits
+    already handed at those places (their answers were lost: a broker restart, a
+    reconnect) are sent again."""
     worker = state.worker_at(identity)
     task, key = msg.task, msg.pass_
     job = state.job_of(task)
@@ -39,19 +42,32 @@ def split_request(state: Tables, identity: bytes, msg: SplitReq, now: float) -> 
         # A worker asks for its next split while it reads the last one it got: that is
         # the split it is reading (a death now is that split's, see failures.leave).
         worker.current = (key, handed[have - 1])
-    out = []
+    answers: list[Split] = []
     for at in range(1 + msg.ahead if have is not None else 1):
         place = have + at if have is not None else None
         handed = handing.handed.get(worker.id, [])
         if place is not None and place < len(handed):
             # Its answer was lost (a broker restart or a reconnect): the same split again.
-            out.append(Out(identity, _answer(job, task, key, handed[place], place)))
+            _add(answers, _answer(job, task, key, handed[place], place))
             continue
         split = _hand(state, job, worker, key, handing, first=not have and at == 0)
-        out.append(Out(identity, _answer(job, task, key, split, place)))
+        _add(answers, _answer(job, task, key, split, place))
         if split is None:
             break
-    return out
+    return [Out(identity, answer) for answer in answers]
+
+
+def _add(answers: list[Split], answer: Split) -> None:
+    """Put ``answer`` after ``answers``: into the last one's ``then`` (one message for
+    many splits) when it hands a split of the pass at the next place, to be read whole."""
+    last = answers[-1] if answers else None
+    if last is not None and last.split is not None and last.have is not None \
+            and answer.have == last.have + 1 + len(last.then) and answer.split is not None \
+            and answer.origin in (None, answer.pass_) and not answer.skip \
+            and answer.expect is None and not answer.groups:
+        answers[-1] = dataclasses.replace(last, then=(*last.then, answer.split))
+    else:
+        answers.append(answer)
 
 
 def _hand(state: Tables, job: Job, worker: Worker, key: PassKey, handing: Pass,

@@ -315,6 +315,9 @@ class Split(Record):
     # the groups anchored in it whose rows are to be made again (zloader/groups.py),
     # each [key, split, index, position, rows, members, rows held] (read by lineage.py)
     groups: list[Any] | None = fld(optional(array), None, omit=True)
+    # the splits handed at the places after ``have``, in order, in one message: each of
+    # this pass, read whole (no origin of its own, nothing to skip or expect)
+    then: tuple[int, ...] = fld(list_of(INDEX, 0, MAX_AHEAD), (), omit=True)
 
 
 @dataclass(frozen=True, kw_only=True)

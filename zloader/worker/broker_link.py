@@ -119,8 +119,9 @@ class BrokerLink:
                 or asking.have is None:
             self.asking = None
             return
-        left = asking.have + asking.ahead - answer.have
-        self.asking = dataclasses.replace(asking, have=answer.have + 1, ahead=left - 1) \
+        last = answer.have + len(answer.then)  # (the place of the last split it hands)
+        left = asking.have + asking.ahead - last
+        self.asking = dataclasses.replace(asking, have=last + 1, ahead=left - 1) \
             if left > 0 else None
 
     def ask_again(self, task: str) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 from zloader import codec
 from zloader._defaults import KEPT_EPOCHS
+from zloader.lineage import Assigned
 from zloader.mixing import LiveWeights
 from zloader.options import JobOptions
 from zloader.plan import Plan
@@ -236,11 +237,15 @@ class Task:
         if answered.task != self.id or producer is None or producer.link is None:
             return
         self.broker.answered_split(answered)
+        key, track = tuple(answered.pass_), self.spec.track
         assigned = None
-        if self.spec.track and answered.split is not None:  # where it belongs, what to skip
+        if track and answered.split is not None:  # where it belongs, what to skip
             assigned = assignment(answered)
-        producer.answer(SplitAnswer(tuple(answered.pass_), answered.split, answered.have,
-                                    assigned))
+        producer.answer(SplitAnswer(key, answered.split, answered.have, assigned))
+        if answered.then and answered.have is not None:  # (the next places, read whole)
+            for place, split in enumerate(answered.then, answered.have + 1):
+                producer.answer(SplitAnswer(key, split, place,
+                                            Assigned(split, key) if track else None))
 
     # --- epochs ---------------------------------------------------------------------------
 
