@@ -1,9 +1,11 @@
 """A mix's weights in every window of the stream a trainer sees, with 1, 2, 4 and 8
-workers: zloader (the consumer draws, the default), zloader with the workers drawing (the
-behaviour before: forced here by an ``unbatch`` after the mix, a stage the consumer does
-not draw through), and torch's ``DataLoader`` over an ``IterableDataset`` that mixes in
-each worker the shards it takes of each input (how Hugging Face ``interleave_datasets``
-and most hand-written torch mixes run with ``num_workers``).
+workers: zloader (the consumer draws, the default), zloader packing after the mix (a
+``batch(8).map(f).unbatch()`` whose map makes groups: the consumer draws and makes them),
+zloader with the workers drawing (the behaviour before: forced here by a ``repeat`` after
+the mix, a stage the consumer does not draw through), and torch's ``DataLoader`` over an
+``IterableDataset`` that mixes in each worker the shards it takes of each input (how
+Hugging Face ``interleave_datasets`` and most hand-written torch mixes run with
+``num_workers``).
 
 Three inputs, weights 0.6 / 0.3 / 0.1, of 60,000 / 30,000 / 10,000 elements in 60 / 4 / 1
 splits (a small corpus in one shard), mixed with seed 7 and batched by 32 after the mix.
@@ -70,7 +72,15 @@ def inputs() -> list[Pipeline]:
 def pipelines(stop: str = "all_exhausted") -> dict[str, Pipeline]:
     mix = Pipeline.mix(inputs(), list(WEIGHTS), seed=SEED, stop=stop)
     return {"zloader (the consumer draws)": mix.batch(BATCH),
-            "zloader, the workers draw (before)": mix.batch(BATCH).unbatch().batch(BATCH)}
+            "zloader, packing after the mix": mix.batch(8).map(repacked).unbatch().batch(BATCH),
+            "zloader, the workers draw (before)": mix.repeat(1).batch(BATCH)}
+
+
+def repacked(batch: Any) -> Any:
+    """A packer's map that keeps the elements as they are (so that each place's input is
+    still known), whose rows are a group's all the same (any map between a batch and its
+    unbatch may change the number of rows)."""
+    return np.asarray(batch).copy()
 
 
 class TorchMix:

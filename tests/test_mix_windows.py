@@ -203,18 +203,106 @@ def test_a_state_taken_through_a_shuffle_after_the_mix_over_groups_of_groups_res
 
 
 def test_a_mix_drawn_on_several_workers_says_why_its_windows_may_drift() -> None:
-    """An unbatch after the mix, or a shared job, keeps the workers drawing it: the Loader
+    """A repeat after the mix, or a shared job, keeps the workers drawing it: the Loader
     warns (naming the stage or the option) when several workers will; never for a mix the
-    consumer draws or for one worker."""
+    consumer draws (packing after it included) or for one worker."""
     inputs = [Pipeline.range(0, 40, split_size=10), Pipeline.range(100, 140, split_size=10)]
+    repeated = Pipeline.mix(inputs, weights=[1, 1], seed=3).repeat(2)
+    with pytest.warns(MixWindowWarning, match=r"stage 'repeat\(2\)' follows the mix"):
+        with Loader(repeated, num_workers=2) as loader:
+            assert sorted(loader) == sorted(repeated.iter())
     packing = Pipeline.mix(inputs, weights=[1, 1], seed=3).batch(4).map(list).unbatch()
-    with pytest.warns(MixWindowWarning, match="stage 'unbatch' follows the mix"):
-        with Loader(packing, num_workers=2) as loader:
-            assert sorted(loader) == sorted(packing.iter())
     with warnings.catch_warnings():
         warnings.simplefilter("error", MixWindowWarning)
-        with Loader(packing, num_workers=1) as loader:  # (one worker: iter()'s stream)
-            assert list(loader) == list(packing.iter())
+        with Loader(packing, num_workers=2) as loader:
+            assert sorted(loader) == sorted(packing.iter())
+        with Loader(repeated, num_workers=1) as loader:  # (one worker: iter()'s stream)
+            assert list(loader) == list(repeated.iter())
         batched = Pipeline.mix(inputs, weights=[1, 1], seed=3).batch(4)
         with Loader(batched, num_workers=2) as loader:
             assert sum(len(b) for b in loader) == 80
+
+
+def documents_of(k: int) -> Pipeline:
+    """Input ``k``'s documents: 1 to 9 tokens each, padded with -1 to 9 (so that they
+    batch), each token ``BASES[k] + 10 * document + place``."""
+    def document(i: object) -> np.ndarray:
+        i = int(i)  # type: ignore[call-overload]
+        out = np.full(9, -1, np.int64)
+        out[:1 + i % 9] = [BASES[k] + 10 * i + t for t in range(1 + i % 9)]
+        return out
+    sizes = (600, 300, 100)
+    return Pipeline.range(sizes[k], split_size=(50, 100, 100)[k]).map(document)
+
+
+def pack(docs: object) -> np.ndarray:
+    """The batch's tokens, in order, cut into rows of 8 (the last padded with -1)."""
+    tokens = [int(t) for doc in np.asarray(docs) for t in doc if t >= 0]
+    rows = np.full((-(-len(tokens) // 8), 8), -1, np.int64)
+    rows.reshape(-1)[:len(tokens)] = tokens
+    return rows
+
+
+def packed_mix() -> Pipeline:
+    """Three corpora mixed 0.6/0.3/0.1, then packed: the packer after the mix."""
+    return (Pipeline.mix([documents_of(k) for k in range(3)], weights=WEIGHTS, seed=7)
+            .batch(5).map(pack).unbatch())
+
+
+def tokens_of(rows: object) -> list[int]:
+    return [int(t) for row in rows for t in np.asarray(row) if t >= 0]  # type: ignore[attr-defined]
+
+
+def documents_in_order(rows: object) -> list[int]:
+    """Each document's input, in the order its first token comes."""
+    seen: dict[int, None] = {}
+    for token in tokens_of(rows):
+        seen.setdefault(token // 10, None)
+    return [document * 10 // 100_000 for document in seen]
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_packing_after_the_mix_keeps_iter_s_draws_with_any_number_of_workers(workers) -> None:
+    """A packer after the mix (how mixed pretraining data is packed) no longer makes each
+    worker draw the mix among its own splits: the consumer draws, so the inputs of the
+    documents packed come in iter()'s order, place by place, and every token once."""
+    pipeline = packed_mix()
+    reference = list(pipeline.iter())
+    assert draws_at_consumer(pipeline, JobOptions())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MixWindowWarning)
+        with Loader(pipeline, num_workers=workers, timeout=30) as loader:
+            rows = list(loader)
+    assert sorted(tokens_of(rows)) == sorted(tokens_of(reference))
+    assert documents_in_order(rows) == documents_in_order(reference)
+
+
+@pytest.mark.parametrize("cuts", [(23,), (57, 31)])
+def test_a_state_taken_mid_group_after_the_mix_resumes_every_token_once(cuts) -> None:
+    """A state taken while a packed group's rows are partly yielded names the group: the
+    resumed Loader makes the rows left (reading the group's documents again in this
+    process, the split they anchor handed out again), and a resume of that resume too."""
+    pipeline = packed_mix()
+    want = sorted(tokens_of(pipeline.iter()))
+    got: list[int] = []
+    state = None
+    for cut in cuts:
+        with Loader(pipeline, num_workers=2, timeout=30, state=state) as loader:
+            elements = iter(loader)
+            got += tokens_of(next(elements) for _ in range(cut))
+            state = loader.state_dict()
+    with Loader(pipeline, num_workers=2, timeout=30, state=state) as loader:
+        got += tokens_of(loader)
+    assert sorted(got) == want
+
+
+def test_a_worker_killed_while_the_consumer_packs_after_the_mix_loses_nothing() -> None:
+    """The groups are made by the consumer: a worker's death loses none of their rows,
+    and its documents read again are packed once."""
+    pipeline = packed_mix()
+    with Loader(pipeline, num_workers=2, timeout=30) as loader:
+        elements = iter(loader)
+        rows = [next(elements) for _ in range(40)]
+        loader._processes[0].kill()
+        rows += list(elements)
+    assert sorted(tokens_of(rows)) == sorted(tokens_of(pipeline.iter()))

@@ -41,7 +41,8 @@ from zloader._seeding import Key
 from zloader.errors import PipelineError
 from zloader.lineage import INDEX_BITS, INDEX_MASK, Group, gather, group_of_rows, runs_of_list
 
-__all__ = ["Section", "kept", "pipeline_refusal", "rebuilt", "refusal", "sections", "tag"]
+__all__ = ["Section", "announce", "kept", "pipeline_refusal", "rebuilt", "refusal", "sections",
+           "tag"]
 
 _ELEMENTWISE = frozenset(("map", "filter"))  # (between a batch and its unbatch)
 _GROUPING = frozenset(("batch", "bucket_by_length"))
@@ -78,9 +79,10 @@ def kept(section: Section | None, origin: Any, rows: int) -> bool:
         else len(origin) == rows
 
 
-def sections(stages: Sequence[Any], first_position: int) -> dict[int, Section]:
-    """The sections of ``stages`` (positions from ``first_position``), by the position of
-    their unbatch."""
+def sections(stages: Sequence[Any], first_position: int,
+             after_mix: bool = False) -> dict[int, Section]:
+    """The sections of ``stages`` (positions from ``first_position``; ``after_mix``: the
+    stages after a mix), by the position of their unbatch."""
     found: dict[int, Section] = {}
     for at, stage in enumerate(stages):
         if stage.kind != "unbatch":
@@ -91,10 +93,10 @@ def sections(stages: Sequence[Any], first_position: int) -> dict[int, Section]:
         if head >= 0 and stages[head].kind in _GROUPING:
             found[first_position + at] = Section(stages[head], tuple(stages[head + 1:at]),
                                                  tuple(stages[:head]), first_position,
-                                                 first_position > 1, stage)
+                                                 after_mix, stage)
         else:
             found[first_position + at] = Section(None, (), tuple(stages[:at]),
-                                                 first_position, first_position > 1, stage)
+                                                 first_position, after_mix, stage)
     return found
 
 
@@ -153,6 +155,8 @@ def tag(ctx: Any, stage: Any, rows: list[Any], origin: Any, position: int) -> It
     Its elements may be rows of other groups (a packer after a batched tokenizer): its
     members then name those rows.
     """
+    if ctx.regroup is not None:  # (a consumer drawing a mix: its origins are handles)
+        return ctx.regroup.tag(rows, origin, position) if rows else iter(())
     tally = ctx.tally
     codes = origin if isinstance(origin, np.ndarray) else gather(list(origin))
     if not len(codes) or not rows:
@@ -170,14 +174,21 @@ def _tagged(tally: Any, group: Group, rows: list[Any], which: Sequence[int]) -> 
     in the next record."""
     rows_read = len(tally.reads)
     tally.reads.append((tally.pass_id(group.rows_key), group.split))
+    tally.group_reads[rows_read] = announce(tally, group)
+    base = rows_read << INDEX_BITS
+    return zip(rows, ((base | j,) for j in which), strict=True)
+
+
+def announce(tally: Any, group: Group) -> list[int]:
+    """Put ``group`` in the next record (as the origin block holds it, returned): its
+    rows' consumer defines it; or, for a group the consumer made (it draws the mix) whose
+    anchor this worker reads again, the consumer that gets the record makes its rows."""
     wire = [tally.pass_id(group.key), group.split, group.index, group.position, group.rows,
             len(group.members)]
     for key, split, first, length in group.members:
         wire += (tally.pass_id(key), split, first, length)
-    tally.group_reads[rows_read] = wire
     tally.groups.append(wire)
-    base = rows_read << INDEX_BITS
-    return zip(rows, ((base | j,) for j in which), strict=True)
+    return wire
 
 
 def rebuilt(ctx: Any, stage: Any, position: int, key: Key) -> Iterator[Any]:
@@ -214,7 +225,9 @@ def rebuilt(ctx: Any, stage: Any, position: int, key: Key) -> Iterator[Any]:
                 "element); pass exactly_once=False to accept losses instead",
                 builtin="RuntimeError")
         which = [j for j in range(group.rows) if j not in skip]
-        yield from _tagged(ctx.tally, group, [rows[j] for j in which], which)
+        picked = [rows[j] for j in which]
+        yield from (ctx.regroup.rows(group, picked, which) if ctx.regroup is not None
+                    else _tagged(ctx.tally, group, picked, which))
 
 
 def _input(key: Key) -> int | None:

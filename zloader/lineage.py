@@ -664,6 +664,28 @@ class Origins:
             ledger.end(key, split, count, crc)
 
 
+    def expanded(self, size: int) -> tuple[list[int], list[tuple[Key, int, int]]]:
+        """Each origin of the record's ``size`` elements as (pass key, split, index), in
+        order, the loose ones left out, and where each element's start among them (and
+        ``size + 1``-th, their number): element ``i`` holds ``origins[starts[i]:
+        starts[i + 1]]``. Python objects: for a few records (a group a consumer makes)."""
+        counts = [self.uniform] * size if self.counts is None else self.counts.tolist()
+        starts = [0, *itertools.accumulate(counts)]
+        flat: list[tuple[Key, int, int]] = []
+        if self.codes is not None and self.reads is not None:
+            reads = self.reads
+            table = {read: (self.keys[pass_id], split) for read, pass_id, split
+                     in zip(reads[0::3], reads[1::3], reads[2::3], strict=True)}
+            for code in self.codes[self.loose:].tolist():
+                key, split = table[code >> INDEX_BITS]
+                flat.append((key, split, code & INDEX_MASK))
+        else:
+            for pass_id, split, first, length in self.runs.tolist():
+                key = self.keys[pass_id]
+                flat.extend((key, split, first + at) for at in range(length))
+            del flat[:self.loose]
+        return starts, flat
+
     def note_some(self, ledger: Ledger, elements: Sequence[int], size: int) -> None:
         """Add the loose origins, those of the elements at ``elements`` (indices in this
         record of ``size`` elements, any order) and the split ends to ``ledger``: a
@@ -1098,7 +1120,11 @@ class Ledger:
     it); its split is not accounted for whole until every row of the group is held: a
     row missing is made again from the group's elements (:meth:`info` names it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, made_here: int = 0) -> None:
+        # Groups whose unbatch is at this position or after are made by the consumer
+        # that draws a mix (zloader/client/draw.py): a ledger of what it *received*
+        # ignores them (their rows never come in a record); 0: none.
+        self.made_here = made_here
         self._done: dict[Key, set[int]] = {}
         self._open: dict[tuple[Key, int], Ranges] = {}
         self._lengths: dict[tuple[Key, int], tuple[int, int]] = {}
@@ -1250,7 +1276,10 @@ class Ledger:
 
     def define(self, group: Group, rows: Iterable[int] = ()) -> None:
         """Note ``group`` (a record named it): its elements are held, and its anchor's
-        split stays open until all its rows are; ``rows``: rows of it held already."""
+        split stays open until all its rows are; ``rows``: rows of it held already. A
+        group made from :attr:`made_here` on is left out."""
+        if self.made_here and group.position >= self.made_here:
+            return
         gid = group.id
         held = self._groups.get(gid)
         if held is not None and held.group is not None and not rows:

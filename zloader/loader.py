@@ -25,7 +25,7 @@ from zloader import _check, handoff, packed
 from zloader._defaults import DEFAULT_TIMEOUT, HANDOFF_MIN_ELEMENTS
 from zloader.client import STATE_VERSION, IOThread, Merger, Stats
 from zloader.client.arguments import Arguments, checked
-from zloader.client.draw import Inputs, Order
+from zloader.client.draw import Inputs, Order, Regroup
 from zloader.client.packing import check_exposure, pack
 from zloader.embedded import Embedded
 from zloader.errors import MixWindowWarning, WorkerExited
@@ -509,6 +509,10 @@ def _drawn(planned: Plan, inputs: Inputs, epoch: int, track: bool, live: LiveWei
     merger.job_epoch()  # (the job's entropy, for draws of seed None, is known by then)
     ctx = Context(RunSettings(entropy=merger.io.stats.entropy or 0, track=track,
                               mix_weights=live))
+    if track:  # (the groups of an unbatch after the mix, made here)
+        assert planned.mix is not None
+        inputs.regroup = ctx.regroup = Regroup(inputs, planned.mix.after(), ctx.rebuilds)
+        planned.remade_here(ctx)
     for output in planned.run_drawn(inputs.opened, epoch, ctx, inputs.rest):
         value = inputs.yielded(output, ctx) if track else output
         merger.elements += 1
@@ -536,7 +540,7 @@ def _io_thread(args: Arguments, pipeline: Pipeline, address: str, blob: bytes,
         keys=args.keys, resume=args.resume, timeout=args.timeout,
         own=frozenset(process.pid for process in embedded.processes),
         memory_budget=args.memory_budget, dispatched=pipeline.source.dispatched,
-        parts=planned.parts)
+        parts=planned.parts, made_here=planned.mix.after() if planned.mix is not None else 0)
 
 
 def _merger(args: Arguments, io: IOThread, processes: list[Any]) -> Merger:

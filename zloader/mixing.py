@@ -213,7 +213,7 @@ def mixed_run(source: Source, read: _stages.Run, stages: tuple[_stages.Stage, ..
     if not isinstance(source, MixSource):
         return _stages.compose(read, stages, ctx, read_chunks=read_chunks)
     inner, aligned = source.run(read, ctx)
-    run = _stages.compose(inner, stages, ctx, source.after())
+    run = _stages.compose(inner, stages, ctx, source.after(), after_mix=True)
     if aligned < source.after() - 1:  # an input reorders: after it, no element's place
         ctx.aligned = min(ctx.aligned, aligned)
     return run

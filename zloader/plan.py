@@ -20,6 +20,7 @@ from typing import Any
 
 from zloader import stages as _stages
 from zloader.chunks import Chunk
+from zloader.groups import announce, sections
 from zloader.lineage import Assigned, read_split, read_split_chunks
 from zloader.mixing import MixSource, drawn, input_runs, mixed_run
 from zloader.options import JobOptions
@@ -34,10 +35,11 @@ SplitFeed = Callable[[_stages.Key], Iterable["int | Assigned"]]
 _CONSUMER_STAGES = (_stages.Take, _stages.Skip)
 
 CONSUMER_DRAWN = (_stages.Map, _stages.Filter, _stages.Batch, _stages.Shuffle,
-                  _stages.BucketByLength)
+                  _stages.BucketByLength, _stages.Unbatch)
 """The stages after a mix that the consumer runs when it draws the mix: each output's
 elements are known (tracked), so a state counts exactly those yielded (of each record,
-the elements before a point, or, after a shuffle or a bucket, any of them)."""
+the elements before a point, or, after a shuffle or a bucket, any of them; the rows an
+unbatch made of a batch in another number are a group's, made again after a resume)."""
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,7 @@ class Plan:
         def read(key: _stages.Key) -> Iterator[Any]:
             for split, pass_id in splits(key):
                 if isinstance(split, Assigned):
-                    ctx.rebuilds.extend(split.groups)  # (made again by their unbatch)
+                    self._rebuild(split, ctx)
                     yield from read_split(source, split, pass_id, ctx)
                 else:
                     yield from ctx.read(split)
@@ -111,7 +113,7 @@ class Plan:
         def read_chunks(key: _stages.Key, size: int) -> Iterator[Chunk]:
             for split, pass_id in splits(key):
                 if isinstance(split, Assigned):
-                    ctx.rebuilds.extend(split.groups)
+                    self._rebuild(split, ctx)
                     for values, codes in read_split_chunks(source, split, pass_id, ctx, size):
                         yield Chunk(values, codes)
                 else:
@@ -120,6 +122,17 @@ class Plan:
         tally.pass_keys, tally.keys = {}, []  # (this run's)
         ctx.source = source
         return read, read_chunks
+
+    def _rebuild(self, split: Assigned, ctx: _stages.Context) -> None:
+        """The groups anchored in ``split`` whose rows are to be made again: by the
+        unbatch that made them (``ctx.rebuilds``), or, made by the consumer after a mix it
+        draws, named to it in the next record (it makes them: zloader/client/draw.py)."""
+        after = self.mix.after() if self.mix is not None else None
+        for group, skip in split.groups:
+            if after is not None and group.position >= after:
+                announce(ctx.tally, group)
+            else:
+                ctx.rebuilds.append((group, skip))
 
     def run_consumer(self, elements: Iterator[Any], epoch: int,
                      ctx: _stages.Context) -> Iterator[Any]:
@@ -134,6 +147,17 @@ class Plan:
         if self.mix is not None:
             first = self.mix.after() + len(self.after_mix)
         return _stages.compose(read, self.consumer_stages, ctx, first)((epoch,))
+
+    def remade_here(self, ctx: _stages.Context) -> None:
+        """Set ``ctx`` to make here the rows of groups made after the mix this consumer
+        draws (zloader/client/draw.py ``Regroup``): the mix's inputs' sources and stages,
+        which their elements, read again, run through first."""
+        assert self.mix is not None
+        ctx.source = self.mix
+        for which, pipeline in enumerate(self.mix.inputs):
+            ctx.input_stages[which] = pipeline.stages
+            for position, section in sections(pipeline.stages, 1).items():
+                ctx.sections[(id(pipeline.stages[position - 1]), position)] = section
 
     def run_drawn(self, opened: Callable[[], list[Iterator[Any]]], epoch: int,
                   ctx: _stages.Context, rest: Callable[[], Iterator[Any]]) -> Iterator[Any]:
@@ -154,7 +178,7 @@ class Plan:
             if mix.stop == "all_exhausted" and min(weights) > 0:
                 yield from rest()
 
-        return _stages.compose(read, self.after_mix, ctx, mix.after())((epoch,))
+        return _stages.compose(read, self.after_mix, ctx, mix.after(), after_mix=True)((epoch,))
 
 
 def plan(pipeline: Pipeline, options: JobOptions | None = None) -> Plan:

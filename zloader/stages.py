@@ -122,6 +122,9 @@ class Context:
         rebuilds: the groups whose rows this run is to make again, with the rows to
             leave out, put there as their anchor's split is read.
         input_stages: a mix's inputs' stages, by input.
+        regroup: where the consumer draws a mix, what tags the rows of the groups its
+            unbatches make (their origins are its handles: zloader/client/draw.py
+            ``Regroup``); None on a worker.
     """
 
     settings: RunSettings
@@ -134,6 +137,7 @@ class Context:
     sections: dict[tuple[int, int], groups.Section] = field(default_factory=dict)
     rebuilds: list[Any] = field(default_factory=list)
     input_stages: dict[int | None, tuple[Stage, ...]] = field(default_factory=dict)
+    regroup: Any = None
 
     def value(self, element: Any) -> Any:
         """An element's value: itself, or a tracked element's value (its origin left)."""
@@ -232,11 +236,13 @@ class Context:
 
 
 def compose(read: Run, stages: tuple[Stage, ...], ctx: Context, first_position: int = 1,
-            read_chunks: ChunkRead | None = None) -> Run:
+            read_chunks: ChunkRead | None = None, after_mix: bool = False) -> Run:
     """Chain ``stages`` on top of the ``read`` run; positions count from ``first_position``.
     ``read_chunks``: the same elements as :class:`Chunk` objects, read so when the first
-    stage takes chunks. Between a stage that gives chunks and one that takes elements
-    (and back) the elements are handed on one at a time (and gathered again). Sets
+    stage takes chunks. ``after_mix``: ``stages`` follow a mix (a group's elements first
+    run their input's stages when made again). Between a stage that gives chunks and one
+    that takes elements (and back) the elements are handed on one at a time (and
+    gathered again). Sets
     ``ctx.aligned``: ``first_position + len(stages)`` when the last stage's output still
     comes in the source's order."""
     run, chunked = read, False
@@ -245,7 +251,7 @@ def compose(read: Run, stages: tuple[Stage, ...], ctx: Context, first_position: 
         run, chunked = (lambda key: read_chunks(key, size)), True
     ctx.aligned = first_position + len(stages)
     if ctx.settings.track:
-        for position, section in groups.sections(stages, first_position).items():
+        for position, section in groups.sections(stages, first_position, after_mix).items():
             ctx.sections[(id(stages[position - first_position]), position)] = section
     for position, stage in enumerate(stages, first_position):
         if stage.takes_chunks and not chunked:

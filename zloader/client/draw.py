@@ -21,19 +21,20 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from zloader._seeding import Key
 from zloader.client.items import Data, Done, End, InputEnd
-from zloader.lineage import Ledger, Origins, gather
+from zloader.lineage import Group, Ledger, Origins, anchor_split, gather
 
 if TYPE_CHECKING:
     from zloader.client.merging import Merger
 
-__all__ = ["Handles", "Inputs"]
+__all__ = ["Handles", "Inputs", "Regroup"]
 
 
 @dataclass(eq=False)
@@ -47,11 +48,39 @@ class _Held:
 
 @dataclass(eq=False)
 class _Record:
-    """A record some of whose elements are not yielded yet (exactly-once)."""
+    """A record some of whose elements are not yielded yet (exactly-once); or the rows
+    of a group this consumer made (``origins`` a :class:`_Rows`)."""
 
-    origins: Origins
+    origins: Origins | _Rows
     size: int
     yielded: set[int] = field(default_factory=set)
+    expanded: tuple[list[int], list[tuple[Key, int, int]]] | None = None  # (origins_of)
+
+
+class _Rows:
+    """The origins of rows ``which`` of ``group`` (a group this consumer made), noted as
+    a record's :class:`~zloader.lineage.Origins` are."""
+
+    groups = None
+
+    def __init__(self, group: Group, which: Sequence[int]) -> None:
+        self.group, self.which = group, list(which)
+
+    def note(self, ledger: Ledger, elements: int | None = None) -> None:
+        self._add(ledger, self.which if elements is None else self.which[:elements])
+
+    def note_some(self, ledger: Ledger, elements: Sequence[int], size: int) -> None:
+        self._add(ledger, [self.which[at] for at in elements])
+
+    def expanded(self, size: int) -> tuple[list[int], list[tuple[Key, int, int]]]:
+        key, split = self.group.rows_key, self.group.split
+        return list(range(size + 1)), [(key, split, row) for row in self.which]
+
+    def _add(self, ledger: Ledger, rows: list[int]) -> None:
+        if rows:
+            split = self.group.split
+            ledger.add({0: self.group.rows_key},
+                       np.array([[0, split, row, 1] for row in rows], np.int64))
 
 
 class Handles:
@@ -64,7 +93,28 @@ class Handles:
         self._records: dict[int, _Record] = {}
         self._defined: set[int] = set()  # records whose groups the ledger knows
 
-    def add(self, base: int, origins: Origins, size: int) -> None:
+    def origins_of(self, handles: Sequence[int]) -> list[tuple[Key, int, int]]:
+        """The origins (pass key, split, index) of the elements ``handles`` name, in
+        order (an element may hold several, or none)."""
+        found: list[tuple[Key, int, int]] = []
+        for handle in handles:
+            at = bisect.bisect_right(self._bases, handle) - 1
+            record = self._records[self._bases[at]] if at >= 0 else None
+            if record is None or not 0 <= handle - self._bases[at] < record.size:
+                raise RuntimeError(f"an element of handle {handle} is not held here")
+            if record.expanded is None:
+                record.expanded = record.origins.expanded(record.size)
+            starts, flat = record.expanded
+            index = handle - self._bases[at]
+            found.extend(flat[starts[index]:starts[index + 1]])
+        return found
+
+    def define_all(self) -> None:
+        """Note in the ledger the groups the records held name (before a group whose
+        elements may be rows of theirs)."""
+        self._define(self.ledger, self._bases, self._defined)
+
+    def add(self, base: int, origins: Origins | _Rows, size: int) -> None:
         """A record came whose elements are handles ``base`` .. ``base + size - 1``."""
         if size == 0:  # (only origins of elements dropped on the way, and split ends)
             origins.note(self.ledger)
@@ -116,6 +166,80 @@ class Handles:
                 record.origins.note_some(ledger, sorted(record.yielded), record.size)
 
 
+class Regroup:
+    """The groups that the unbatches after a mix this consumer draws make (rows of a
+    batch in another number: zloader/groups.py), with the handles its elements carry
+    (``Context.regroup``), and the rows of those groups to make again after a resume.
+
+    A group made here is noted in the ledger as it is made (its elements are held from
+    then on, its anchor's split stays open until every row is yielded); a state taken
+    before all its rows were yielded names it and the rows yielded. A Loader resumed from
+    that state makes the others again, in this process: the broker hands the group's
+    anchor split out again with it, the worker reading the split names it in its next
+    record, and the consumer that gets that record reads the group's elements from the
+    source, runs them through their input's stages and the stages up to the unbatch,
+    and yields the rows missing (one consumer: the split is handed once).
+
+    Args:
+        inputs: the epoch's input streams (their handles and the ledger).
+        after: the position of the first stage after the mix (a group made here has its
+            unbatch at or after it).
+        rebuilds: where the groups to make again go (``Context.rebuilds``, which the
+            unbatch reads), with the rows not to make.
+    """
+
+    def __init__(self, inputs: Inputs, after: int,
+                 rebuilds: list[tuple[Group, frozenset[int]]]) -> None:
+        self.inputs, self.after, self.rebuilds = inputs, after, rebuilds
+        self._made_again: set[tuple[Key, int, int, int]] = set()
+
+    @property
+    def handles(self) -> Handles:
+        assert self.inputs.handles is not None
+        return self.inputs.handles
+
+    def tag(self, rows: list[Any], origin: Any, position: int) -> Iterator[Any]:
+        """``rows`` that an unbatch at ``position`` made of a batch of the elements
+        ``origin`` names (handles), as a new group's rows, each with a handle."""
+        codes = gather(list(origin)) if not isinstance(origin, np.ndarray) else origin
+        runs: list[list[Any]] = []
+        for key, split, index in self.handles.origins_of(codes.tolist()):
+            if runs and runs[-1][0] == key and runs[-1][1] == split \
+                    and runs[-1][2] + runs[-1][3] == index:
+                runs[-1][3] += 1
+            else:
+                runs.append([key, split, index, 1])
+        if not runs:
+            raise RuntimeError("an unbatch after the mix made rows of elements with no "
+                               "origins")
+        key, split, index, _ = runs[0]
+        group = Group(key, split, index, position, len(rows), tuple(map(tuple, runs)))
+        self.handles.define_all()
+        self.handles.ledger.define(group)  # (before its elements are: they are its)
+        self.handles.yielded(codes)
+        return self.rows(group, rows, range(len(rows)))
+
+    def rows(self, group: Group, rows: list[Any], which: Sequence[int]) -> Iterator[Any]:
+        """``rows`` (rows ``which`` of ``group``), each with a handle of its own."""
+        base = self.inputs.allocate(len(rows))
+        self.handles.add(base, _Rows(group, which), len(rows))
+        return zip(rows, ((base + at,) for at in range(len(rows))), strict=True)
+
+    def named(self, origins: Origins) -> None:
+        """A record (or an END) came: a group made here that it names (its anchor was
+        read again after a resume) has its missing rows made again
+        (``Context.rebuilds``, which the unbatch reads), once."""
+        ledger = self.handles.ledger
+        for named in origins.groups or ():
+            if named.position < self.after or named.id in self._made_again:
+                continue
+            for value in ledger.groups(*anchor_split(named.key, named.split)):
+                group, gid, rows = Group.from_json(value)
+                if group is not None and gid == named.id:
+                    self._made_again.add(gid)
+                    self.rebuilds.append((group, frozenset(rows)))
+
+
 class Inputs:
     """The inputs' streams of one epoch of a mix this consumer draws.
 
@@ -134,11 +258,17 @@ class Inputs:
         self.ended_by: list[set[int]] = [set() for _ in range(parts)]  # worker indices
         self.done = False  # the epoch's Done came: nothing more of it
         self.handles = Handles(merger.yielded.ledger) if track else None
+        self.regroup: Regroup | None = None  # (set by the draws when tracked)
         self._next_handle = 0
         # A deterministic job's shards (each made by one worker, ended by its END), and
         # the elements of each to drop as they come (yielded before a resume).
         self.shards = skip is not None
         self.skip = list(skip) if skip is not None else [0] * parts
+
+    def allocate(self, count: int) -> int:
+        """The first of ``count`` new handles."""
+        base, self._next_handle = self._next_handle, self._next_handle + count
+        return base
 
     def opened(self) -> list[Iterator[Any]]:
         """One stream per input, as the draws read them."""
@@ -206,8 +336,10 @@ class Inputs:
                 dropped = min(self.skip[part], len(item.elements))
                 self.skip[part] -= dropped
                 item.elements = item.elements[dropped:]
-            base, self._next_handle = self._next_handle, self._next_handle + len(item.elements)
+            base = self.allocate(len(item.elements))
             if self.handles is not None and item.origins is not None:
+                if self.regroup is not None:
+                    self.regroup.named(item.origins)
                 self.handles.add(base, item.origins, len(item.elements))
             if item.elements:
                 self.queues[part].append(_Held(item, base))
@@ -221,6 +353,8 @@ class Inputs:
             if not self.shards:  # (every input ended on that worker)
                 for ended in self.ended_by:
                     ended.add(item.index)
+            if self.regroup is not None and item.origins is not None:
+                self.regroup.named(item.origins)
             merger.yielded.recorded(item.origins, self.epoch)
         elif isinstance(item, Done):
             self.done = True

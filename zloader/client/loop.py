@@ -68,7 +68,7 @@ class ConsumerLoop:
                  keys: Keys | None = None, resume: dict[str, Any] | None = None,
                  timeout: float = 60.0, own: frozenset[int] = frozenset(),
                  memory_budget: int | None = None, dispatched: bool = False,
-                 parts: int = 0) -> None:
+                 parts: int = 0, made_here: int = 0) -> None:
         coordinated = ((options.num_consumers, consumer_index or 0) if options.coordinated
                        else None)
         self.settings = Settings(
@@ -78,7 +78,7 @@ class ConsumerLoop:
             coordinated=coordinated, fixed=options.sharding in ("static", "off"),
             own=own if options.objects else frozenset(), memory_budget=memory_budget,
             width=max(1, options.num_workers), named=job_name is not None,
-            dispatched=dispatched, parts=parts)
+            dispatched=dispatched, parts=parts, made_here=made_here)
         self.served = served or Served()
         register = registration(
             fingerprint=fingerprint, job_name=job_name, options=options,
@@ -293,7 +293,7 @@ class ConsumerLoop:
 
     def _start(self, epoch: int, epoch_input: EpochInput) -> None:
         """Begin ``epoch``: tell the broker, open it on every worker."""
-        self._session.start(epoch, epoch_input)
+        self._session.start(epoch, epoch_input, self.settings.made_here)
         self._end.start()
         self._receiver.start()
         self.stats.last_progress = time.monotonic()  # the timeout counts from the start

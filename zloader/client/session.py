@@ -75,6 +75,8 @@ class Settings:
     dispatched: bool = False  # its workers make what it dispatches (Loader.dispatch)
     parts: int = 0  # a mix this consumer draws (zloader/plan.py): its inputs, each of
     # which has credits of its own (``prefetch`` each)
+    made_here: int = 0  # and the position of its first stage after the mix: the groups of
+    # unbatches from there on are made here, not received (zloader/client/draw.py)
 
 
 @dataclass
@@ -96,11 +98,12 @@ class Session:
     # Work items (Loader.dispatch) for worker indices not connected yet, sent with the OPEN
     undispatched: dict[int, list[list[int]]] = field(default_factory=dict)
 
-    def start(self, epoch: int, epoch_input: EpochInput) -> None:
-        """Begin ``epoch``, which nothing of has been received yet."""
+    def start(self, epoch: int, epoch_input: EpochInput, made_here: int = 0) -> None:
+        """Begin ``epoch``, which nothing of has been received yet (``made_here``:
+        ``Settings.made_here``)."""
         self.epoch, self.epoch_input = epoch, epoch_input
         self.ended = set()
         self.done = False
         self.rerun = 0
-        self.received = Ledger()
+        self.received = Ledger(made_here)
         self.undispatched = {}
