@@ -267,10 +267,10 @@ class Producer(threading.Thread):
         self.coverage: Coverage | None = None  # a dynamically sharded run's (stages.py)
         self.hand: Hand | None = None  # set by the worker: deliver records on this thread
 
-    def answer(self, answer: SplitAnswer) -> None:
-        """Hand this producer the broker's answer (the worker's main thread calls it): it
-        goes into :attr:`inbox`, and a frame on the pair wakes the producer."""
-        self.inbox.append(answer)
+    def answer(self, *answers: SplitAnswer) -> None:
+        """Hand this producer the broker's answers (the worker's main thread calls it):
+        they go into :attr:`inbox` at once, and a frame on the pair wakes the producer."""
+        self.inbox.extend(answers)
         link = self.link
         if link is not None:
             with contextlib.suppress(zmq.Again):

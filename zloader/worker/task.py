@@ -241,11 +241,11 @@ class Task:
         assigned = None
         if track and answered.split is not None:  # where it belongs, what to skip
             assigned = assignment(answered)
-        producer.answer(SplitAnswer(key, answered.split, answered.have, assigned))
+        answers = [SplitAnswer(key, answered.split, answered.have, assigned)]
         if answered.then and answered.have is not None:  # (the next places, read whole)
-            for place, split in enumerate(answered.then, answered.have + 1):
-                producer.answer(SplitAnswer(key, split, place,
-                                            Assigned(split, key) if track else None))
+            answers += [SplitAnswer(key, split, place, Assigned(split, key) if track else None)
+                        for place, split in enumerate(answered.then, answered.have + 1)]
+        producer.answer(*answers)  # (together: one wake-up of the producer for all)
 
     # --- epochs ---------------------------------------------------------------------------
 
