@@ -21,8 +21,16 @@ from hypothesis import given, settings
 
 import zloader
 from zloader import packed
+from zloader._defaults import PACK_MIN_BYTES
 from zloader.fingerprint import fingerprint
 from zloader.packed import PACK_MIN_ITEMS, pack, packable
+
+
+@pytest.fixture(autouse=True)
+def pack_small_lists(monkeypatch):
+    """These tests pack lists of a few thousand elements, which a Loader leaves unpacked
+    (a worker's copy of them costs less than packing them would: PACK_MIN_BYTES)."""
+    monkeypatch.setattr(zloader.loader, "PACK_MIN_BYTES", 0)
 
 atoms = (st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
          | st.text(max_size=12) | st.binary(max_size=12))
@@ -546,3 +554,16 @@ def test_in_a_worker_a_packed_list_is_a_mutable_sequence_but_not_a_list():
     differences = docs[docs.index("## Differences from torch"):]
     assert "`isinstance(self.samples, list)` is False" in differences
     assert "pack_dataset=False" in differences
+
+
+def test_lists_a_worker_would_copy_little_of_are_left_as_they_are(monkeypatch):
+    """Packing before the fork makes the first batch wait (about 0.5 us an element): a
+    list whose objects a worker would copy fewer than PACK_MIN_BYTES of is not packed."""
+    folder = Folder(PACK_MIN_ITEMS + 500)
+    assert packed.copied_bytes(packed.found(zloader.Pipeline.from_torch(folder).source)) \
+        < PACK_MIN_BYTES
+    expected = sorted(folder[i] for i in range(len(folder)))
+    assert {g[2] - e[2] for g, e in zip(_read_all(folder, True), expected, strict=True)} \
+        == {-1}  # (packed: this module's fixture packs every list)
+    monkeypatch.setattr(zloader.loader, "PACK_MIN_BYTES", PACK_MIN_BYTES)
+    assert _read_all(folder, pack_dataset=True) == expected  # a list in each worker

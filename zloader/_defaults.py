@@ -504,9 +504,17 @@ GATE_SECONDS = 10.0
 connects anyway (zloader/embedded.py; fixed)."""
 
 HANDOFF_MIN_ELEMENTS = 100_000
-"""Lists of fewer elements than this in all are packed before the fork: at about 0.5 us an
-element that is quicker than forking the packer (zloader/handoff.py) from a large
-process (fixed)."""
+"""Lists of fewer elements than this in all are packed before the fork (or not at all: see
+PACK_MIN_BYTES): at about 0.5 us an element that is quicker than forking the packer
+(zloader/handoff.py) from a large process (fixed)."""
+
+PACK_MIN_BYTES = 16 << 20
+"""... and not at all when each worker reading all of them would copy fewer bytes of their
+objects than this (``packed.copied_bytes``): packing them before the fork would make the
+first batch wait longer than the copy costs (fixed)."""
+
+PACK_SAMPLE = 32
+"""Elements of each list sampled to estimate the bytes a worker copies (fixed)."""
 
 PACKER_NICE = 10
 """The packer runs this much nicer than the workers (zloader/handoff.py): on a host with

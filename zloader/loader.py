@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from zloader import _check, handoff, packed
-from zloader._defaults import DEFAULT_TIMEOUT, HANDOFF_MIN_ELEMENTS
+from zloader._defaults import DEFAULT_TIMEOUT, HANDOFF_MIN_ELEMENTS, PACK_MIN_BYTES
 from zloader.client import STATE_VERSION, IOThread, Merger, Stats
 from zloader.client.arguments import Arguments, checked
 from zloader.client.draw import Inputs, Order, Regroup
@@ -470,13 +470,18 @@ class Loader:
 def _packing(pipeline: Pipeline, args: Arguments) -> tuple[list[packed.Swap], Handoff | None]:
     """How forked workers get the pipeline's large lists packed: swaps made now (before
     the fork: short lists, or where packing after it cannot be done), or a handoff that
-    packs them after it; neither without forked workers or with ``pack_dataset=False``."""
+    packs them after it; neither without forked workers, with ``pack_dataset=False``, or
+    for lists whose objects a worker would copy fewer than PACK_MIN_BYTES of."""
     if not (args.inherit and args.pack_dataset):
         return [], None
-    found = packed.found(pipeline.source) if handoff.available() else []
-    if sum(len(each.values) for each in found) < HANDOFF_MIN_ELEMENTS:
-        return packed.prepare(pipeline), None  # (quicker than forking a packer)
-    return [], Handoff(found)
+    if not handoff.available():
+        return packed.prepare(pipeline), None
+    found = packed.found(pipeline.source)
+    if sum(len(each.values) for each in found) >= HANDOFF_MIN_ELEMENTS:
+        return [], Handoff(found)
+    if packed.copied_bytes(found) < PACK_MIN_BYTES:
+        return [], None  # (small: each worker's copy costs less than packing would wait)
+    return packed.prepare(pipeline), None  # (quicker than forking a packer)
 
 
 def _warn_mix_windows(pipeline: Pipeline, args: Arguments) -> None:

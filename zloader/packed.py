@@ -35,6 +35,7 @@ import logging
 import marshal
 import mmap
 import operator
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -47,10 +48,11 @@ from zloader._defaults import (
     PACK_DATASET_DEPTH,
     PACK_MAX_DEPTH,
     PACK_MIN_ITEMS,
+    PACK_SAMPLE,
 )
 
-__all__ = ["PACK_MIN_ITEMS", "Found", "PackedSequence", "Swap", "flat_chunks", "found",
-           "install", "log_packed", "offered", "pack", "plan", "prepare"]
+__all__ = ["PACK_MIN_ITEMS", "Found", "PackedSequence", "Swap", "copied_bytes", "flat_chunks",
+           "found", "install", "log_packed", "offered", "pack", "plan", "prepare"]
 
 log = logging.getLogger("zloader.packed")
 
@@ -483,6 +485,32 @@ class Found:
     name: str
     values: Any = field(repr=False)
     where: str
+
+
+def copied_bytes(lists: list[Found]) -> int:
+    """About how many bytes of objects a forked worker reading every element of ``lists``
+    copies (reading an object writes its reference count: its page is copied), from
+    ``PACK_SAMPLE`` elements of each, evenly spaced."""
+    total = 0
+    for each in lists:
+        values = each.values
+        if not len(values):
+            continue
+        step = max(1, len(values) // PACK_SAMPLE)
+        sample = [values[at] for at in range(0, len(values), step)][:PACK_SAMPLE]
+        total += len(values) * sum(map(_object_bytes, sample)) // len(sample)
+    return total
+
+
+def _object_bytes(value: Any, depth: int = 0) -> int:
+    """The bytes of ``value`` and of the tuples, dicts and atoms it holds (a few levels)."""
+    size = sys.getsizeof(value)
+    if depth < PACK_MAX_DEPTH and type(value) is tuple:
+        size += sum(_object_bytes(v, depth + 1) for v in value)
+    elif depth < PACK_MAX_DEPTH and type(value) is dict:
+        size += sum(_object_bytes(k, depth + 1) + _object_bytes(v, depth + 1)
+                    for k, v in value.items())
+    return size
 
 
 def found(source: Any) -> list[Found]:
