@@ -306,3 +306,39 @@ def test_a_worker_killed_while_the_consumer_packs_after_the_mix_loses_nothing() 
         loader._processes[0].kill()
         rows += list(elements)
     assert sorted(tokens_of(rows)) == sorted(tokens_of(pipeline.iter()))
+
+
+def test_job_name_consumers_packing_after_the_mix_resume_every_token_once() -> None:
+    """Two consumers of one job each draw and pack; resumed (both from the list of both
+    states), a group left partly yielded has its missing rows made by one consumer: the
+    one that gets the record of the worker that reads its anchor again."""
+    import threading
+
+    from tests.service import service
+
+    pipeline = packed_mix()
+    got: list[list[int]] = [[], []]
+    with service(workers=2) as (address, _procs):
+        def run(states: object, cut: int | None) -> list[object]:
+            loaders = [Loader(pipeline, broker=address, timeout=60, job_name="pack",
+                              state=states) for _ in range(2)]
+            try:
+                def read(i: int) -> None:
+                    elements = iter(loaders[i])
+                    for row in (elements if cut is None else
+                                (next(elements) for _ in range(cut))):
+                        got[i].extend(tokens_of([row]))
+                threads = [threading.Thread(target=read, args=(i,), daemon=True)
+                           for i in range(2)]
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join(120)
+                assert not any(thread.is_alive() for thread in threads)
+                return [loader.state_dict() for loader in loaders]
+            finally:
+                for loader in loaders:
+                    loader.close()
+        states = run(None, 17)
+        run(states, None)
+    assert sorted(got[0] + got[1]) == sorted(tokens_of(pipeline.iter()))

@@ -215,7 +215,10 @@ def rebuilt(ctx: Any, stage: Any, position: int, key: Key) -> Iterator[Any]:
         try:
             rows = _made(ctx, section, group, {one.id: one for one in group.inner}, read)
         except Exception as exc:  # (a PipelineError passes as it is)
-            raise PipelineError.from_exception(exc, stage.name, "a group made again") from exc
+            where = ("a group made again in the trainer's process, which reads its elements "
+                     "from the source (docs/semantics.md, 'Mixing')"
+                     if ctx.regroup is not None else "a group made again")
+            raise PipelineError.from_exception(exc, stage.name, where) from exc
         if len(rows) != group.rows:
             raise PipelineError.create(
                 stage.name, "RuntimeError",
