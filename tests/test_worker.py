@@ -293,7 +293,7 @@ def test_producer_asks_for_splits_ahead_after_quick_ones():
     next is asked for; after a quick one the producer asks for many at once (``ahead``: as
     many as it reads in SPLIT_AHEAD_WORK at that pace), and asks again as soon as the last
     of those arrives, before it reads it."""
-    with producer_link(Pipeline.range(400, split_size=2), "dynamic", splits={}) as (
+    with producer_link(Pipeline.range(2000, split_size=2), "dynamic", splits={}) as (
             pool, _, receive, producer):
         pool.release(1000)
         got: list[int] = []

@@ -474,14 +474,14 @@ as one arrives (while it reads that one): short splits do not each wait for a ro
 through the broker. After a slower split it asks when done, so that the split it would
 take does not wait behind a slow one while other workers are free."""
 
-MAX_AHEAD = 64
+MAX_AHEAD = 256
 """``SPLIT_REQ.ahead``: at most this many splits wanted past the one asked for
 (protocol)."""
 
 SPLIT_AHEAD_WORK = 0.02
 """After a split that took less than this to read, a producer asks with the next one for
-as many more as it would read in this time at that pace (SPLIT_REQ.ahead, at most 64): a
-pass of many tiny splits (a 200-element dataset in 200 splits) does not pay one round
+as many more as it would read in this time at that pace (SPLIT_REQ.ahead, at most
+MAX_AHEAD): a pass of many tiny splits (a 200-element dataset in 200 splits) does not pay one round
 trip through the broker per split, and a worker holds at most about this much work that
 another free worker could have read (fixed)."""
 
