@@ -20,7 +20,7 @@ from typing import Any
 
 from zloader import stages as _stages
 from zloader.chunks import Chunk
-from zloader.groups import announce, sections
+from zloader.groups import announce
 from zloader.lineage import Assigned, read_split, read_split_chunks
 from zloader.mixing import MixSource, drawn, input_runs, mixed_run
 from zloader.options import JobOptions
@@ -127,6 +127,8 @@ class Plan:
         """The groups anchored in ``split`` whose rows are to be made again: by the
         unbatch that made them (``ctx.rebuilds``), or, made by the consumer after a mix it
         draws, named to it in the next record (it makes them: zloader/client/draw.py)."""
+        if not split.groups:
+            return
         after = self.mix.after() if self.mix is not None else None
         for group, skip in split.groups:
             if after is not None and group.position >= after:
@@ -156,8 +158,7 @@ class Plan:
         ctx.source = self.mix
         for which, pipeline in enumerate(self.mix.inputs):
             ctx.input_stages[which] = pipeline.stages
-            for position, section in sections(pipeline.stages, 1).items():
-                ctx.sections[(id(pipeline.stages[position - 1]), position)] = section
+            ctx.note_sections(pipeline.stages, 1)
 
     def run_drawn(self, opened: Callable[[], list[Iterator[Any]]], epoch: int,
                   ctx: _stages.Context, rest: Callable[[], Iterator[Any]]) -> Iterator[Any]:

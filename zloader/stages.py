@@ -19,7 +19,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -139,6 +139,13 @@ class Context:
     input_stages: dict[int | None, tuple[Stage, ...]] = field(default_factory=dict)
     regroup: Any = None
 
+    def note_sections(self, stages: Sequence[Stage], first_position: int,
+                      after_mix: bool = False) -> None:
+        """Keep the unbatches of ``stages`` (positions from ``first_position``) that undo a
+        batch, so that a group's rows can be made again (:attr:`sections`)."""
+        for position, section in groups.sections(stages, first_position, after_mix).items():
+            self.sections[(id(stages[position - first_position]), position)] = section
+
     def value(self, element: Any) -> Any:
         """An element's value: itself, or a tracked element's value (its origin left)."""
         return element[0] if self.settings.track else element
@@ -251,8 +258,7 @@ def compose(read: Run, stages: tuple[Stage, ...], ctx: Context, first_position: 
         run, chunked = (lambda key: read_chunks(key, size)), True
     ctx.aligned = first_position + len(stages)
     if ctx.settings.track:
-        for position, section in groups.sections(stages, first_position, after_mix).items():
-            ctx.sections[(id(stages[position - first_position]), position)] = section
+        ctx.note_sections(stages, first_position, after_mix)
     for position, stage in enumerate(stages, first_position):
         if stage.takes_chunks and not chunked:
             run = gathered(run, ctx.settings.track, stage.chunk_size)

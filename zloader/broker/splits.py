@@ -48,26 +48,28 @@ def split_request(state: Tables, identity: bytes, msg: SplitReq, now: float) -> 
         handed = handing.handed.get(worker.id, [])
         if place is not None and place < len(handed):
             # Its answer was lost (a broker restart or a reconnect): the same split again.
-            _add(answers, _answer(job, task, key, handed[place], place))
+            answers.append(_answer(job, task, key, handed[place], place))
             continue
         split = _hand(state, job, worker, key, handing, first=not have and at == 0)
-        _add(answers, _answer(job, task, key, split, place))
+        answers.append(_answer(job, task, key, split, place))
         if split is None:
             break
-    return [Out(identity, answer) for answer in answers]
+    return [Out(identity, answer) for answer in _folded(answers)]
 
 
-def _add(answers: list[Split], answer: Split) -> None:
-    """Put ``answer`` after ``answers``: into the last one's ``then`` (one message for
-    many splits) when it hands a split of the pass at the next place, to be read whole."""
-    last = answers[-1] if answers else None
-    if last is not None and last.split is not None and last.have is not None \
-            and answer.have == last.have + 1 + len(last.then) and answer.split is not None \
-            and answer.origin in (None, answer.pass_) and not answer.skip \
-            and answer.expect is None and not answer.groups:
-        answers[-1] = dataclasses.replace(last, then=(*last.then, answer.split))
-    else:
-        answers.append(answer)
+def _folded(answers: list[Split]) -> list[Split]:
+    """``answers`` (at consecutive places) in as few SPLITs as they go: each one that
+    hands a split of the pass to be read whole goes into the ``then`` of the one before."""
+    out: list[tuple[Split, list[int]]] = []
+    for answer in answers:
+        if out and out[-1][0].split is not None and answer.split is not None \
+                and answer.origin in (None, answer.pass_) and not answer.skip \
+                and answer.expect is None and not answer.groups:
+            out[-1][1].append(answer.split)
+        else:
+            out.append((answer, []))
+    return [dataclasses.replace(first, then=tuple(then)) if then else first
+            for first, then in out]
 
 
 def _hand(state: Tables, job: Job, worker: Worker, key: PassKey, handing: Pass,

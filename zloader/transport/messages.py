@@ -297,7 +297,7 @@ class SplitReq(Record):
     task: str = fld(NAME)
     pass_: tuple[int, ...] = fld(PASS_KEY, wire="pass")
     have: int | None = fld(optional(INDEX), None)
-    # the splits after the one asked for, wanted with it (each its own SPLIT)
+    # the splits after the one asked for, wanted with it (answered in SPLIT.then)
     ahead: int = fld(integer(0, MAX_AHEAD), 0, omit=True)
 
 
