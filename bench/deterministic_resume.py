@@ -3,8 +3,10 @@ stream, does a state taken at 10%, 50% and 90% of the epoch resume exactly the r
 with 1, 2 and 4 workers (from a state of 2), and what does the resume cost: the seconds
 from the resumed Loader's construction to its first batch, against a fresh Loader's
 (a resumed shard is made again from the epoch's start, so the cost grows with the
-position). The pipeline: 20,000 elements in 100 splits, a map that costs about 20 us an
-element, a seeded shuffle and batches of 32.
+position). Two pipelines: 20,000 elements in 100 splits, a map that costs about 20 us an
+element, a seeded shuffle and batches of 32; and a mix 0.6 / 0.3 / 0.1 of that (less
+its shuffle) with inputs of 6,000 elements in 4 splits and 2,000 in 1, batched by 32 after
+the mix (the consumer draws it over each input's shards).
 
     python -m bench.deterministic_resume [--out bench/results]
 """
@@ -33,17 +35,25 @@ def work(value: int) -> int:
     return value * 3
 
 
-def pipeline() -> Pipeline:
-    return Pipeline.range(20_000, split_size=200, shuffle_splits=True, seed=1).map(work) \
-        .shuffle(256, seed=2).batch(32)
+def pipeline(kind: str) -> Pipeline:
+    first = Pipeline.range(20_000, split_size=200, shuffle_splits=True, seed=1).map(work)
+    if kind == "one input":
+        return first.shuffle(256, seed=2).batch(32)
+    others = [Pipeline.range(100_000, 106_000, split_size=1500),
+              Pipeline.range(200_000, 202_000, split_size=2000)]
+    return Pipeline.mix([first, *others], [0.6, 0.3, 0.1], seed=3).batch(32)
 
 
-def run(workers: int, state: Any = None, stop: int | None = None
+KINDS = ("one input", "a mix of 3 inputs")
+
+
+def run(kind: str, workers: int, state: Any = None, stop: int | None = None
         ) -> tuple[list[list[int]], dict[str, Any], float]:
     started = time.perf_counter()
     first = None
     out: list[list[int]] = []
-    with Loader(pipeline(), num_workers=workers, deterministic=True, state=state) as loader:
+    with Loader(pipeline(kind), num_workers=workers, deterministic=True,
+                state=state) as loader:
         for batch in loader:
             if first is None:
                 first = time.perf_counter() - started
@@ -54,27 +64,35 @@ def run(workers: int, state: Any = None, stop: int | None = None
 
 
 def measure() -> dict[str, Any]:
-    whole, _, fresh = run(2)
-    runs = [run(2)[0] == whole for _ in range(2)]
-    rows = []
-    for point in POINTS:
-        cut = int(len(whole) * point)
-        head, state, _ = run(2, stop=cut)
-        for workers in WORKERS:
-            rest, _, first = run(workers, state=state)
-            rows.append({"point": point, "workers": workers, "exact": head + rest == whole,
-                         "first_batch_s": first, "fresh_first_batch_s": fresh})
-    return {"batches": len(whole), "same_every_run": all(runs), "resumes": rows}
+    rows, batches, same = [], {}, True
+    for kind in KINDS:
+        whole, _, fresh = run(kind, 2)
+        same = same and all(run(kind, 2)[0] == whole for _ in range(2))
+        batches[kind] = len(whole)
+        for point in POINTS:
+            cut = int(len(whole) * point)
+            head, state, _ = run(kind, 2, stop=cut)
+            for workers in WORKERS:
+                rest, _, first = run(kind, workers, state=state)
+                rows.append({"pipeline": kind, "point": point, "workers": workers,
+                             "exact": head + rest == whole, "first_batch_s": first,
+                             "fresh_first_batch_s": fresh})
+    return {"batches": batches, "same_every_run": same, "resumes": rows}
 
 
 def tables(data: dict[str, Any]) -> list[str]:
-    lines = [f"{data['batches']} batches an epoch; three runs the same stream: "
+    batches = data["batches"]
+    if not isinstance(batches, dict):  # (a run before the mix was measured)
+        batches = {"one input": batches}
+    lines = [f"{', '.join(f'{kind}: {n} batches' for kind, n in batches.items())} an "
+             "epoch; three runs the same stream, each: "
              f"{'yes' if data['same_every_run'] else 'NO'}. nproc {data['nproc']}, zloader at "
              f"{str(data['provenance']['commit'])[:12]}.", "",
-             "| state taken at | resumed with workers (state of 2) | the rest exactly | "
-             "first batch after resume (s) | a fresh Loader's (s) | ratio |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {row['point']:.0%} | {row['workers']} | {'yes' if row['exact'] else 'NO'} | "
+             "| pipeline | state taken at | resumed with workers (state of 2) | the rest "
+             "exactly | first batch after resume (s) | a fresh Loader's (s) | ratio |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {row.get('pipeline', 'one input')} | {row['point']:.0%} | {row['workers']} "
+              f"| {'yes' if row['exact'] else 'NO'} | "
               f"{row['first_batch_s']:.3f} | {row['fresh_first_batch_s']:.3f} | "
               f"{row['first_batch_s'] / row['fresh_first_batch_s']:.1f}x |"
               for row in data["resumes"]]

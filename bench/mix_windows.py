@@ -69,11 +69,15 @@ def inputs() -> list[Pipeline]:
             for k, (size, splits) in enumerate(zip(SIZES, SPLITS, strict=True))]
 
 
-def pipelines(stop: str = "all_exhausted") -> dict[str, Pipeline]:
+def pipelines(stop: str = "all_exhausted") -> dict[str, tuple[Pipeline, dict[str, Any]]]:
+    """Each zloader system: its pipeline and the Loader's options."""
     mix = Pipeline.mix(inputs(), list(WEIGHTS), seed=SEED, stop=stop)
-    return {"zloader (the consumer draws)": mix.batch(BATCH),
-            "zloader, packing after the mix": mix.batch(8).map(repacked).unbatch().batch(BATCH),
-            "zloader, the workers draw (before)": mix.repeat(1).batch(BATCH)}
+    return {"zloader (the consumer draws)": (mix.batch(BATCH), {}),
+            "zloader, packing after the mix": (
+                mix.batch(8).map(repacked).unbatch().batch(BATCH), {}),
+            "zloader, deterministic=True (the consumer draws over shards)": (
+                mix.batch(BATCH), {"deterministic": True}),
+            "zloader, the workers draw (before)": (mix.repeat(1).batch(BATCH), {})}
 
 
 def repacked(batch: Any) -> Any:
@@ -157,8 +161,8 @@ def measure(workers: list[int], limit: int) -> dict[str, Any]:
     reference = [int(v) for v in Pipeline.mix(inputs(), list(WEIGHTS), seed=SEED).iter(0)]
     results: list[dict[str, Any]] = []
     for count in workers:
-        for name, pipeline in pipelines().items():
-            loader = Loader(pipeline, num_workers=count, timeout=120)
+        for name, (pipeline, options) in pipelines().items():
+            loader = Loader(pipeline, num_workers=count, timeout=120, **options)
             got = run(lambda loader=loader: iter(loader), loader.close)
             results.append(_record(name, count, got, limit, reference))
         got = run(lambda count=count: torch_batches(count))
@@ -168,8 +172,8 @@ def measure(workers: list[int], limit: int) -> dict[str, Any]:
     want = sum(1 for _ in Pipeline.mix(inputs(), list(WEIGHTS), seed=SEED,
                                        stop="first_exhausted").iter(0))
     for count in workers:
-        for name, pipeline in pipelines("first_exhausted").items():
-            with Loader(pipeline, num_workers=count, timeout=120) as loader:
+        for name, (pipeline, options) in pipelines("first_exhausted").items():
+            with Loader(pipeline, num_workers=count, timeout=120, **options) as loader:
                 got = sum(len(np.asarray(batch).reshape(-1)) for batch in loader)
             first.append({"system": name, "workers": count, "elements": got, "iter": want})
     return {"runs": results, "first_exhausted": first}

@@ -13,11 +13,20 @@ import pytest
 from zloader import Loader, Pipeline
 
 
-def pipeline() -> Pipeline:
+def pipeline(mixed: bool = True) -> Pipeline:
+    """A mix (drawn by the consumer over each input's shards), or its first input alone
+    (each shard's stream made whole on a worker)."""
     words = Pipeline.range(2000, split_size=40, shuffle_splits=True, seed=3) \
         .map(lambda x: x * 3).filter(lambda x: x % 7 != 1).shuffle(50, seed=2)
+    if not mixed:
+        return words.batch(6)
     other = Pipeline.range(100_000, 100_600, split_size=100).shuffle(20, seed=4)
     return Pipeline.mix([words, other], [0.7, 0.3], seed=5).batch(6)
+
+
+def outputs(order: dict[str, Any]) -> int:
+    """The outputs a state's order says were yielded."""
+    return order["outputs"] if "outputs" in order else sum(order["yielded"])
 
 
 def batches(loader: Any, stop: int | None = None) -> list[list[int]]:
@@ -29,33 +38,36 @@ def batches(loader: Any, stop: int | None = None) -> list[list[int]]:
     return out
 
 
-def run(workers: int, state: Any = None, stop: int | None = None,
-        epochs: int = 1) -> tuple[list[list[list[int]]], dict[str, Any]]:
-    with Loader(pipeline(), num_workers=workers, deterministic=True, state=state,
+def run(workers: int, state: Any = None, stop: int | None = None, epochs: int = 1,
+        mixed: bool = True) -> tuple[list[list[list[int]]], dict[str, Any]]:
+    with Loader(pipeline(mixed), num_workers=workers, deterministic=True, state=state,
                 timeout=60) as loader:
         got = [batches(loader, stop) for _ in range(epochs)]
         return got, loader.state_dict()
 
 
-def test_two_runs_give_the_same_batches_and_a_whole_epoch_resumes_at_the_next() -> None:
-    (first, second), state = run(3, epochs=2)
-    (again, again_second), _ = run(3, epochs=2)
+@pytest.mark.parametrize("mixed", [True, False], ids=["mix", "plain"])
+def test_two_runs_give_the_same_batches_and_a_whole_epoch_resumes_at_the_next(
+        mixed: bool) -> None:
+    (first, second), state = run(3, epochs=2, mixed=mixed)
+    (again, again_second), _ = run(3, epochs=2, mixed=mixed)
     assert first == again and second == again_second and len(first) > 100
     assert first != second  # (the next epoch draws anew)
-    assert state["epoch"] == 2 and state["order"]["yielded"] == [0, 0, 0]
-    (third,), _ = run(3, state=state)
-    assert third == run(3, epochs=3)[0][2]
+    assert state["epoch"] == 2 and outputs(state["order"]) == 0
+    assert ("outputs" in state["order"]) == mixed  # (a mix: drawn by the consumer)
+    (third,), _ = run(3, state=state, mixed=mixed)
+    assert third == run(3, epochs=3, mixed=mixed)[0][2]
 
 
+@pytest.mark.parametrize("mixed", [True, False], ids=["mix", "plain"])
 @pytest.mark.parametrize("workers", [1, 2, 3, 5])
 def test_a_state_resumes_the_exact_stream_with_another_number_of_workers(
-        workers: int) -> None:
-    (whole,), _ = run(3)
+        workers: int, mixed: bool) -> None:
+    (whole,), _ = run(3, mixed=mixed)
     cut = random.Random(workers).randrange(1, len(whole) - 1)
-    (head,), state = run(3, stop=cut)
-    assert state["order"]["shards"] == 3 and sum(state["order"]["yielded"]) == sum(
-        1 for _ in head)
-    (rest,), _ = run(workers, state=state)
+    (head,), state = run(3, stop=cut, mixed=mixed)
+    assert state["order"]["shards"] == 3 and outputs(state["order"]) == len(head)
+    (rest,), _ = run(workers, state=state, mixed=mixed)
     assert head + rest == whole
 
 
@@ -87,3 +99,25 @@ def test_states_of_the_other_kind_are_refused_by_name() -> None:
     bad = {**ordered, "order": {**ordered["order"], "turn": 9}}
     with pytest.raises(ValueError, match="turn"):
         Loader(pipeline(), num_workers=2, deterministic=True, state=bad)
+
+
+def test_a_mix_s_state_and_a_shard_order_s_are_not_taken_for_each_other() -> None:
+    (_,), drawn = run(2, stop=5)  # (a mix drawn by the consumer: outputs)
+    (_,), plain = run(2, stop=5, mixed=False)  # (one input: turn and yielded)
+    assert set(drawn["order"]) == {"shards", "outputs"}
+    assert set(plain["order"]) == {"shards", "turn", "yielded"}
+    crossed = {**drawn, "fingerprint": plain["fingerprint"]}
+    with pytest.raises(ValueError, match="drawn by the consumer, and this Loader's is drawn "
+                                         "on the workers"):
+        Loader(pipeline(False), num_workers=2, deterministic=True, state=crossed)
+    crossed = {**plain, "fingerprint": drawn["fingerprint"]}
+    with pytest.raises(ValueError, match="drawn on the workers, and this Loader's is drawn "
+                                         "by the consumer"):
+        Loader(pipeline(), num_workers=2, deterministic=True, state=crossed)
+    for bad in (-1, True, "3", None):
+        with pytest.raises(ValueError, match="'outputs' >= 0"):
+            Loader(pipeline(), num_workers=2, deterministic=True,
+                   state={**drawn, "order": {"shards": 2, "outputs": bad}})
+    with pytest.raises(ValueError, match="'outputs' >= 0"):
+        Loader(pipeline(), num_workers=2, deterministic=True,
+               state={**drawn, "order": {"shards": 2, "outputs": 3, "turn": 0}})

@@ -5,7 +5,9 @@ a random point, resumed from a resumed Loader's state, with a worker SIGKILLed m
 and (slow) with the broker SIGKILLed and restarted on its work dir. Each must yield what
 ``pipeline.iter(0)`` yields: the same multiset of rows (a final batch is compared row by
 row, since each worker batches its own elements), and with one worker, or
-``deterministic=True`` twice, the same sequence.
+``deterministic=True`` twice, the same sequence; a deterministic Loader of 2 workers
+stopped, resumed with 3, stopped again and resumed with 1 yields its uninterrupted
+stream exactly.
 
 One seed per mode runs in ``make test``; ``-m slow`` runs 200 per mode.
 """
@@ -308,12 +310,31 @@ def deterministic(case: Case, seed: int) -> None:
     compare(case, Rows(first))
 
 
+def deterministic_resumed(case: Case, seed: int) -> None:
+    """A deterministic Loader stopped at a random point and resumed from its state with
+    another number of workers, then that resume's state resumed again: the very stream
+    of an uninterrupted run, element for element."""
+    with loader(case, deterministic=True) as one:
+        first = list(one)
+    out: list[Any] = []
+    state = None
+    for workers in (2, 3):  # (the state of 2 workers' shards, resumed with 3)
+        with loader(case, deterministic=True, state=state, num_workers=workers) as one:
+            partly(iter(one), random.Random(seed + workers).randrange(0, len(first) + 1)
+                   // 2, out)
+            state = one.state_dict()
+    with loader(case, deterministic=True, state=state, num_workers=1) as one:
+        out += list(one)
+    assert list(rows(out)) == list(rows(first)), case.recipe
+
+
 MODES: dict[str, Callable[..., None]] = {
     "whole": whole,
     "resume": lambda case, seed: resumed(case, seed, 1),
     "resume-of-resume": lambda case, seed: resumed(case, seed, 2),
     "kill": killed,
     "deterministic": deterministic,
+    "deterministic-resume": deterministic_resumed,
 }
 
 

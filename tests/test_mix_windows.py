@@ -94,6 +94,41 @@ def test_first_exhausted_ends_the_mix_when_its_first_input_ends_across_workers(
                 sorted(v for v in want if v // 100_000 == first)
 
 
+@pytest.mark.parametrize("workers", [2, 8])
+def test_a_deterministic_mix_holds_its_weights_in_every_window_and_resumes_exactly(
+        workers: int) -> None:
+    # Drawn here over each input's shards in turn: iter()'s draws, the same stream on
+    # every run, and a state that resumes it exactly with another number of workers.
+    mix = Pipeline.mix(corpora(1, slow=True), WEIGHTS, seed=11).batch(8)
+    assert draws_at_consumer(mix, JobOptions(deterministic=True, shards=workers))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MixWindowWarning)
+        with Loader(mix, num_workers=workers, deterministic=True, timeout=60) as loader:
+            whole = flat(loader)
+    assert which(whole) == which(flat(mix.iter(0)))
+    assert sorted(whole) == sorted(flat(mix.iter(0)))
+    for start in range(0, 5000, 1000):
+        window = which(whole)[start:start + 1000]
+        counts = [window.count(k) for k in range(3)]
+        assert chi_square_p(counts, WEIGHTS) >= 0.001, (workers, start, counts)
+    with Loader(mix, num_workers=workers, deterministic=True, timeout=60) as loader:
+        batches = iter(loader)
+        head = flat([next(batches) for _ in range(300)])
+        state = loader.state_dict()
+    assert state["order"] == {"shards": workers, "outputs": 300}
+    with Loader(mix, num_workers=3, deterministic=True, timeout=60, state=state) as loader:
+        rest = flat(loader)
+    assert head + rest == whole
+
+
+def test_a_deterministic_mix_ends_at_its_first_input_s_end_across_its_shards() -> None:
+    mix = Pipeline.mix(corpora(4), WEIGHTS, seed=5, stop="first_exhausted")
+    want = which([int(v) for v in mix.iter(0)])
+    with Loader(mix, num_workers=4, deterministic=True, timeout=60) as loader:
+        got = [int(v) for v in loader]
+    assert which(got) == want and len(set(got)) == len(got)  # (as many of each input)
+
+
 def test_never_draws_for_ever_with_workers_and_a_take_ends_it() -> None:
     mix = Pipeline.mix(corpora(1), WEIGHTS, seed=3, stop="never").take(9000)
     with Loader(mix, num_workers=4, timeout=60) as loader:

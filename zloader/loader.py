@@ -25,7 +25,7 @@ from zloader import _check, handoff, packed
 from zloader._defaults import DEFAULT_TIMEOUT, HANDOFF_MIN_ELEMENTS, PACK_MIN_BYTES
 from zloader.client import STATE_VERSION, IOThread, Merger, Stats
 from zloader.client.arguments import Arguments, checked
-from zloader.client.draw import Inputs, Order, Regroup
+from zloader.client.draw import Inputs, MixOrder, Order, Regroup
 from zloader.client.packing import check_exposure, pack
 from zloader.embedded import Embedded
 from zloader.errors import MixWindowWarning, WorkerExited
@@ -182,10 +182,7 @@ class Loader:
         self._weights_stamp = 0.0  # (when: time.time())
         self._live = LiveWeights()  # (the same, for a mix drawn here)
         # A deterministic job's order over its shards, resumed where a state left it.
-        resume = args.resume
-        self._order = (Order(self._plan.shards, {"epoch": resume["epoch"], **resume["order"]}
-                             if resume is not None and "order" in resume else None)
-                       if self._plan.shards else None)
+        self._order = _order(self._plan, args.resume)
         # Forked workers read the dataset's large lists packed, shared: packed after the
         # fork by a process of its own (zloader/handoff.py), or before it where that
         # cannot be done.
@@ -259,7 +256,13 @@ class Loader:
         epoch = self._epoch
         self._epoch += 1
         mix, order = self._plan.mix, self._order
-        if order is not None:  # (the workers make each shard's stream; ordered here)
+        if isinstance(order, MixOrder):  # (each input's shards in turn, drawn here)
+            drop = order.begin(epoch)
+            parts = self._plan.parts
+            inputs = self._merger.inputs(epoch, epoch_input, parts, False, [0] * parts)
+            elements = _drawn(self._plan, inputs, epoch, False, self._live, self._merger,
+                              order, drop)
+        elif order is not None:  # (the workers make each shard's stream; ordered here)
             skip = order.begin(epoch)
             elements = _counted(order.elements(self._merger.inputs(
                 epoch, epoch_input, order.shards, False, skip)), self._merger)
@@ -506,11 +509,37 @@ def _holding(loader: Loader, elements: Iterator[Any]) -> Iterator[Any]:
         del loader  # (held by this generator's frame until then)
 
 
+def _order(planned: Plan, resume: dict[str, Any] | None) -> Order | MixOrder | None:
+    """A deterministic job's order over its shards (one whose mix is drawn here: over
+    each input's shards), resumed where ``resume``'s left it; None: the job is not read
+    in shards.
+
+    Raises:
+        ValueError: ``resume`` is the state of the other kind of order (an older
+            zloader's, which drew this mix on the workers, or the other way round).
+    """
+    if not planned.shards:
+        return None
+    order = resume.get("order") if resume is not None else None
+    drawn = planned.mix is not None
+    if order is not None and ("outputs" in order) != drawn:
+        raise ValueError(
+            "state is a deterministic Loader's whose mix was drawn "
+            f"{'on the workers' if drawn else 'by the consumer'}, and this Loader's is "
+            f"drawn {'by the consumer' if drawn else 'on the workers'} (a state of another "
+            "zloader version): its order cannot be resumed; start the epoch again")
+    assert resume is not None or order is None
+    resumed = {"epoch": resume["epoch"], **order} if order is not None and resume else None
+    return MixOrder(planned.shards, resumed) if drawn else Order(planned.shards, resumed)
+
+
 def _drawn(planned: Plan, inputs: Inputs, epoch: int, track: bool, live: LiveWeights,
-           merger: Merger) -> Iterator[Any]:
+           merger: Merger, order: MixOrder | None = None, drop: int = 0) -> Iterator[Any]:
     """The outputs of a mix this Loader draws, for ``epoch``: the draws over ``inputs``
     and the stages after the mix (zloader/plan.py), each output's elements noted as
-    yielded (``track``: exactly-once) as it is yielded."""
+    yielded (``track``: exactly-once) as it is yielded; a deterministic job's
+    (``order``) over each input's shards in turn, the first ``drop`` outputs dropped
+    (yielded before a resume)."""
     merger.job_epoch()  # (the job's entropy, for draws of seed None, is known by then)
     ctx = Context(RunSettings(entropy=merger.io.stats.entropy or 0, track=track,
                               mix_weights=live))
@@ -518,7 +547,9 @@ def _drawn(planned: Plan, inputs: Inputs, epoch: int, track: bool, live: LiveWei
         assert planned.mix is not None
         inputs.regroup = ctx.regroup = Regroup(inputs, planned.mix.after(), ctx.rebuilds)
         planned.remade_here(ctx)
-    for output in planned.run_drawn(inputs.opened, epoch, ctx, inputs.rest):
+    opened = inputs.opened if order is None else functools.partial(order.opened, inputs)
+    outputs = planned.run_drawn(opened, epoch, ctx, inputs.rest)
+    for output in outputs if order is None else order.outputs_of(outputs, drop):
         value = inputs.yielded(output, ctx) if track else output
         merger.elements += 1
         yield value

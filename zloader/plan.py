@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zloader import stages as _stages
+from zloader._defaults import MAX_MIX_INPUTS
 from zloader.chunks import Chunk
 from zloader.groups import announce
 from zloader.lineage import Assigned, read_split, read_split_chunks
@@ -60,8 +61,12 @@ class Plan:
     @property
     def parts(self) -> int:
         """The streams each worker's records belong to (``DATA.part``): a mix the
-        consumer draws has one per input, a deterministic job one per shard; 0: none."""
-        return len(self.mix.inputs) if self.mix is not None else self.shards
+        consumer draws has one per input, a deterministic job one per shard, and a
+        deterministic job whose mix the consumer draws one per input and shard (part
+        ``k * shards + v``: input ``k``'s stream over shard ``v``); 0: none."""
+        if self.mix is None:
+            return self.shards
+        return len(self.mix.inputs) * max(1, self.shards)
 
     def run_worker(self, feed: SplitFeed, epoch: int, ctx: _stages.Context) -> Iterator[Any]:
         """The worker part for ``epoch``, reading the splits ``feed`` gives for each pass
@@ -199,10 +204,10 @@ def plan(pipeline: Pipeline, options: JobOptions | None = None) -> Plan:
                 f"stage {stage.name!r} repeats after a take/skip, which a Loader cannot run "
                 "(the consumer cannot re-run the workers' part within an epoch); move the "
                 "repeat before the take/skip, or iterate the Loader again for another epoch")
+    shards = options.shards if options is not None and options.deterministic else 0
     if options is not None and draws_at_consumer(pipeline, options):
         assert isinstance(pipeline.source, MixSource)
-        return Plan(pipeline, (), consumer, pipeline.source, pipeline.stages[:cut])
-    shards = options.shards if options is not None and options.deterministic else 0
+        return Plan(pipeline, (), consumer, pipeline.source, pipeline.stages[:cut], shards)
     return Plan(pipeline, pipeline.stages[:cut], consumer, shards=shards)
 
 
@@ -210,8 +215,9 @@ def draws_at_consumer(pipeline: Pipeline, options: JobOptions) -> bool:
     """Whether a job with ``options`` over ``pipeline`` draws its mix at the consumer:
     a mix whose stages after it (up to a take/skip) are all :data:`CONSUMER_DRAWN`, in a
     job whose workers deliver each record to one consumer by its credits (not shared,
-    balanced, coordinated or deterministic, and sharded). Other mixes are drawn on each
-    worker among the splits it holds (docs/semantics.md, "Mixing")."""
+    balanced or coordinated, and sharded; deterministic only when read in fixed shards,
+    ``JobOptions.shards``). Other mixes are drawn on each worker among the splits it holds
+    (docs/semantics.md, "Mixing")."""
     return isinstance(pipeline.source, MixSource) and drawn_on_workers(pipeline, options) is None
 
 
@@ -223,10 +229,15 @@ def drawn_on_workers(pipeline: Pipeline, options: JobOptions) -> str | None:
         return None
     for option, on in (("share=True", options.share is not None),
                        ("balanced", options.balanced), ("num_consumers", options.num_consumers),
-                       ("deterministic=True", options.deterministic),
+                       ("deterministic=True and sharding='static'",
+                        options.deterministic and not options.shards),
                        ("sharding='off'", options.sharding == "off")):
         if on:
             return f"the job has {option}"
+    streams = len(pipeline.source.inputs) * max(1, options.shards)
+    if options.deterministic and streams > MAX_MIX_INPUTS:
+        return (f"its {len(pipeline.source.inputs)} inputs over {options.shards} shards make "
+                f"more than {MAX_MIX_INPUTS} streams")
     after = itertools.takewhile(lambda s: not isinstance(s, _CONSUMER_STAGES),
                                 pipeline.stages)
     for stage in after:

@@ -34,7 +34,7 @@ from zloader.lineage import Group, Ledger, Origins, anchor_split, gather
 if TYPE_CHECKING:
     from zloader.client.merging import Merger
 
-__all__ = ["Handles", "Inputs", "Regroup"]
+__all__ = ["Handles", "Inputs", "MixOrder", "Order", "Regroup", "in_turn"]
 
 
 @dataclass(eq=False)
@@ -406,24 +406,14 @@ class Order:
 
     def elements(self, inputs: Inputs) -> Iterator[Any]:
         """The epoch's elements, in the order."""
-        queues = inputs.queues
-        while True:
-            for step in range(self.shards):
-                shard = (self.turn + step) % self.shards
-                while not queues[shard] and not inputs.ended(shard):
-                    inputs.pull()
-                if queues[shard]:
-                    break
-            else:
-                self.iterating = False
-                if self.epoch is not None:
-                    self.epoch += 1
-                self.turn, self.yielded = 0, [0] * self.shards
-                return
-            element = inputs.take(shard)
+        for shard, element in in_turn(inputs, range(self.shards), self.turn):
             self.turn = (shard + 1) % self.shards
             self.yielded[shard] += 1
             yield element
+        self.iterating = False
+        if self.epoch is not None:
+            self.epoch += 1
+        self.turn, self.yielded = 0, [0] * self.shards
 
     def state(self, next_epoch: int) -> dict[str, Any]:
         """``{epoch, order: {shards, turn, yielded}}``: where the next element is."""
@@ -432,3 +422,74 @@ class Order:
             epoch = next_epoch
         return {"epoch": epoch, "order": {"shards": self.shards, "turn": self.turn,
                                           "yielded": list(self.yielded)}}
+
+
+class MixOrder:
+    """A deterministic job's mix drawn here (zloader/plan.py): input ``k``'s stream is
+    one element of each of its shards' streams in turn (parts ``k * shards`` ..
+    ``k * shards + shards - 1``, passing over those that ended), the draws and the
+    stages after the mix run over those streams as in any mix drawn here; and where it
+    is, which is what a state of it holds: the epoch and the outputs yielded of it. A
+    resumed order draws its epoch again from the start (the workers make every shard
+    again) and drops that many outputs: the stream is a function of the shards, the
+    seeds and the job's entropy, so the rest is the uninterrupted run's.
+    """
+
+    def __init__(self, shards: int, resume: dict[str, Any] | None = None) -> None:
+        self.shards = shards
+        self.epoch: int | None = None  # the epoch being yielded, or the next one
+        self.outputs = 0
+        self.iterating = False
+        if resume is not None:
+            self.epoch, self.outputs = resume["epoch"], resume["outputs"]
+
+    def begin(self, epoch: int) -> int:
+        """``epoch`` starts: the outputs to drop (yielded before a resume of it)."""
+        if self.epoch != epoch:
+            self.outputs = 0
+        self.epoch, self.iterating = epoch, True
+        return self.outputs
+
+    def opened(self, inputs: Inputs) -> list[Iterator[Any]]:
+        """Each input's stream over its shards, as the draws read them."""
+        shards = self.shards
+        return [(element for _, element in in_turn(inputs, range(k * shards, k * shards
+                                                                  + shards)))
+                for k in range(len(inputs.queues) // shards)]
+
+    def outputs_of(self, outputs: Iterator[Any], drop: int) -> Iterator[Any]:
+        """``outputs`` after the first ``drop``, counted as they are yielded."""
+        for at, output in enumerate(outputs):
+            if at < drop:
+                continue
+            self.outputs = at + 1
+            yield output
+        self.iterating = False
+        if self.epoch is not None:
+            self.epoch += 1
+        self.outputs = 0
+
+    def state(self, next_epoch: int) -> dict[str, Any]:
+        """``{epoch, order: {shards, outputs}}``: where the next output is."""
+        epoch = self.epoch if self.epoch is not None else next_epoch
+        if not self.iterating and epoch < next_epoch:
+            epoch = next_epoch
+        return {"epoch": epoch, "order": {"shards": self.shards, "outputs": self.outputs}}
+
+
+def in_turn(inputs: Inputs, parts: range, turn: int = 0) -> Iterator[tuple[int, Any]]:
+    """One element of each of ``parts`` in turn, from the ``turn``-th, passing over the
+    parts that ended, until all have: (its place in ``parts``, the element)."""
+    queues, count = inputs.queues, len(parts)
+    while True:
+        for step in range(count):
+            at = (turn + step) % count
+            part = parts[at]
+            while not queues[part] and not inputs.ended(part):
+                inputs.pull()
+            if queues[part]:
+                break
+        else:
+            return
+        turn = (at + 1) % count
+        yield at, inputs.take(part)

@@ -98,8 +98,9 @@ def resume_from(state: Any, fingerprint: str, exactly_once: bool,
                 ordered: bool = False) -> dict[str, Any] | None:
     """Check ``state`` (one :meth:`Loader.state_dict` or a list of them) and merge it into
     ``{epoch, entropy, delivered, digest, weights, weights_stamp}``, with ``order``
-    (``{shards, turn, yielded}``) for a deterministic Loader read in shards (``ordered``,
-    whose state is one Loader's); None for None.
+    (``{shards, turn, yielded}``, or ``{shards, outputs}`` where the consumer draws a
+    mix) for a deterministic Loader read in shards (``ordered``, whose state is one
+    Loader's); None for None.
 
     Raises:
         ValueError: it is not such a state, or of another pipeline (another
@@ -163,13 +164,19 @@ def _ordered(state: Any, fingerprint: str, ordered: bool) -> dict[str, Any]:
                          "Loader (Loader(deterministic=True).state_dict(), with an 'order')")
     shards, turn, yielded = (order.get(k) if isinstance(order, dict) else -1
                              for k in ("shards", "turn", "yielded"))
+    drawn = isinstance(order, dict) and "outputs" in order  # (a mix drawn by the consumer)
+    if drawn:
+        turn, yielded = 0, [order["outputs"]] * shards if _natural(shards) else None
     if not (one.get("zloader") == STATE_VERSION and _natural(one.get("epoch"))
             and _natural(shards) and 1 <= shards <= MAX_FANOUT and _natural(turn)
             and turn < shards and isinstance(yielded, list) and len(yielded) == shards
-            and all(_natural(n) for n in yielded)):
+            and all(_natural(n) for n in yielded)
+            and set(order) == ({"shards", "outputs"} if drawn
+                               else {"shards", "turn", "yielded"})):
         raise ValueError("state must be what Loader(deterministic=True).state_dict() "
                          f"returned: {{'zloader': {STATE_VERSION}, 'epoch', 'order': "
-                         "{'shards' >= 1, 'turn' < shards, 'yielded': one count per shard}}")
+                         "{'shards' >= 1, 'turn' < shards, 'yielded': one count per shard} "
+                         "or, for a mix the consumer draws, {'shards' >= 1, 'outputs' >= 0}}")
     if one.get("fingerprint") != fingerprint:
         raise ValueError("state was saved by a Loader of another pipeline (its "
                          "fingerprint differs); resume with the same pipeline")
@@ -178,7 +185,8 @@ def _ordered(state: Any, fingerprint: str, ordered: bool) -> dict[str, Any]:
     return {"epoch": one["epoch"], "entropy": entropy, "delivered": [],
             "digest": digest[:12], "weights": one.get("weights") or None,
             "weights_stamp": _stamp(one),
-            "order": {"shards": shards, "turn": turn, "yielded": list(yielded)}}
+            "order": {"shards": shards, "outputs": order["outputs"]} if drawn
+            else {"shards": shards, "turn": turn, "yielded": list(yielded)}}
 
 
 def _natural(value: Any) -> TypeGuard[int]:

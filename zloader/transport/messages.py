@@ -194,9 +194,11 @@ HOLDS = list_of(text(128), 0, 64)
 
 
 MIX_WEIGHTS = list_of(number(0.0, 1.0), 1, MAX_MIX_INPUTS)
-MIX_PART = integer(0, MAX_MIX_INPUTS - 1)
-"""A mix input's number (``DATA.part``, ``END.part``, ``CREDIT.part``)."""
 """A mix's weights, each from 0 to 1 (``OPEN.weights``, ``WEIGHTS.weights``)."""
+
+MIX_PART = integer(0, MAX_MIX_INPUTS - 1)
+"""A stream's number (``DATA.part``, ``END.part``, ``CREDIT.part``): a mix input the
+consumer draws, a deterministic job's shard, or both (zloader/plan.py ``Plan.parts``)."""
 
 
 def mix_inputs(value: Any) -> bool:

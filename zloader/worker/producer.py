@@ -400,17 +400,17 @@ class Producer(threading.Thread):
         stream that ends here gets an END of its own (``part``), after its records; the
         epoch's END comes once all have."""
         plan = self.spec.plan
-        if plan.mix is not None:
+        if plan.mix is not None and not plan.shards:
             streams = dict(enumerate(plan.run_inputs(lambda key: self._feed(pair, key),
                                                      self.epoch, ctx)))
             contexts = dict.fromkeys(streams, ctx)
         else:
-            contexts, streams = self._shards(pair, ctx)
+            contexts, streams = self._shards(ctx)
         live = list(streams)
         choose = np.random.default_rng()  # (which is made first: no effect on what is)
         self._mark = time.perf_counter()
         while live:
-            weights = self._weights_of(len(streams))
+            weights = self._weights_of()
             free = set(permits.free())
             ready = [k for k in live if weights[k] > 0 and k in free]
             if not ready:
@@ -431,31 +431,41 @@ class Producer(threading.Thread):
                 self._put(pair, LinkKind.END, {"epoch": self.epoch, "part": which})
         self._end(pair, ctx)
 
-    def _weights_of(self, count: int) -> Any:
-        """The weights the next record's stream is chosen by: a mix's as last set (its
-        own when none were), or alike (a deterministic job's shards)."""
-        mix = self.spec.plan.mix
+    def _weights_of(self) -> list[float]:
+        """The weights the next record's stream is chosen by, one per part: a mix's as
+        last set (its own when none were; a deterministic job's, the weight of the input
+        of each shard's stream), or alike (a deterministic job's shards)."""
+        plan = self.spec.plan
+        mix = plan.mix
         if mix is None:
-            return [1.0] * max(count, self.spec.plan.shards)
+            return [1.0] * plan.parts
         latest = self.weights.value if self.weights is not None else None
-        return latest if latest is not None and len(latest) == len(mix.inputs) \
+        weights = latest if latest is not None and len(latest) == len(mix.inputs) \
             else mix.weights
+        return [weights[part // max(1, plan.shards)] for part in range(plan.parts)]
 
-    def _shards(self, pair: zmq.Socket[Any], ctx: Context
-                ) -> tuple[dict[int, Context], dict[int, Iterator[Any]]]:
+    def _shards(self, ctx: Context) -> tuple[dict[int, Context], dict[int, Iterator[Any]]]:
         """The shards of a deterministic job this worker runs (those of its index modulo
         the job's worker indices), each the worker part over the splits ``shard::shards``
         of each pass, seeded as worker ``shard`` of ``shards`` would be: the same stream
-        whichever worker runs it. Their runs share ``ctx``'s tally (skipped elements)."""
-        spec, shards = self.spec, self.spec.plan.shards
+        whichever worker runs it; with a mix the consumer draws, each input's pipeline
+        over its splits of the shard (part ``input * shards + shard``). Their runs share
+        ``ctx``'s tally (skipped elements)."""
+        spec, plan = self.spec, self.spec.plan
+        shards = plan.shards
         contexts: dict[int, Context] = {}
         streams: dict[int, Iterator[Any]] = {}
         for shard in range(spec.index, shards, max(1, spec.width)):
             own = Context(dataclasses.replace(ctx.settings, worker=shard, workers=shards),
                           tally=ctx.tally)
-            contexts[shard] = own
-            streams[shard] = spec.plan.run_worker(
-                functools.partial(self._shard_splits, shard=shard), self.epoch, own)
+            feed = functools.partial(self._shard_splits, shard=shard)
+            if plan.mix is None:
+                contexts[shard] = own
+                streams[shard] = plan.run_worker(feed, self.epoch, own)
+                continue
+            for which, stream in enumerate(plan.run_inputs(feed, self.epoch, own)):
+                contexts[which * shards + shard] = own
+                streams[which * shards + shard] = stream
         return contexts, streams
 
     def _shard_splits(self, key: tuple[int, ...], shard: int) -> Iterator[int]:
