@@ -5,11 +5,14 @@ another number of workers (docs/semantics.md, "Resuming")."""
 from __future__ import annotations
 
 import random
+import signal
+import time
 from typing import Any
 
 import numpy as np
 import pytest
 
+from tests.service import service, start_worker
 from zloader import Loader, Pipeline
 
 
@@ -121,3 +124,32 @@ def test_a_mix_s_state_and_a_shard_order_s_are_not_taken_for_each_other() -> Non
     with pytest.raises(ValueError, match="'outputs' >= 0"):
         Loader(pipeline(), num_workers=2, deterministic=True,
                state={**drawn, "order": {"shards": 2, "outputs": 3, "turn": 0}})
+
+
+def slowly(value: int) -> int:
+    time.sleep(0.0005)
+    return value
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mixed", [True, False], ids=["mix", "plain"])
+def test_a_worker_killed_and_replaced_in_a_pool_leaves_the_stream_exactly_as_it_was(
+        mixed: bool) -> None:
+    # The dead worker's index goes to a new worker, which makes its shards again from the
+    # epoch's start; the consumer drops what it had of them (by their place in each
+    # shard's stream), so the stream is the uninterrupted run's, batch by batch.
+    with service(workers=2) as (address, procs):
+        def loader() -> Loader:
+            return Loader(pipeline(mixed).map(slowly), broker=address, num_workers=2,
+                          deterministic=True, timeout=60)
+
+        with loader() as one:
+            whole = batches(one)
+        with loader() as one:
+            got = []
+            for batch in one:
+                got.append(np.asarray(batch).tolist())
+                if len(got) == 60:
+                    procs[0].send_signal(signal.SIGKILL)
+                    procs.append(start_worker(address))  # (takes the dead one's index)
+    assert got == whole

@@ -260,10 +260,13 @@ class Inputs:
         self.handles = Handles(merger.yielded.ledger) if track else None
         self.regroup: Regroup | None = None  # (set by the draws when tracked)
         self._next_handle = 0
-        # A deterministic job's shards (each made by one worker, ended by its END), and
-        # the elements of each to drop as they come (yielded before a resume).
+        # A deterministic job's shards (each made by one worker, ended by its END): where
+        # each part's stream is (its elements filed, or yielded before a resume), and
+        # how far each worker's run of each part came (a dead worker's replacement makes
+        # its parts again from the start: what this consumer has of them is dropped).
         self.shards = skip is not None
-        self.skip = list(skip) if skip is not None else [0] * parts
+        self.position = list(skip) if skip is not None else [0] * parts
+        self._runs: dict[tuple[int, str], int] = {}
 
     def allocate(self, count: int) -> int:
         """The first of ``count`` new handles."""
@@ -332,10 +335,8 @@ class Inputs:
                 raise RuntimeError(f"a record of a mix drawn here names input {part} "
                                    f"(the mix has {len(self.queues)}): a worker of "
                                    "another version?")
-            if self.skip[part]:  # (made again after a resume: yielded before it)
-                dropped = min(self.skip[part], len(item.elements))
-                self.skip[part] -= dropped
-                item.elements = item.elements[dropped:]
+            if self.shards:
+                item.elements = self._unseen(part, item.worker, item.elements)
             base = self.allocate(len(item.elements))
             if self.handles is not None and item.origins is not None:
                 if self.regroup is not None:
@@ -358,6 +359,17 @@ class Inputs:
             merger.yielded.recorded(item.origins, self.epoch)
         elif isinstance(item, Done):
             self.done = True
+
+    def _unseen(self, part: int, worker: str, elements: list[Any]) -> list[Any]:
+        """Of a deterministic job's record of ``part`` from ``worker``, the elements past
+        where the part's stream is here: a part's stream is the same whichever worker
+        makes it, so an element is known by its place in it, and one this consumer has
+        (made before by a worker that died, or yielded before a resume) is dropped."""
+        at = self._runs.get((part, worker), 0)  # the record's first element's place
+        self._runs[part, worker] = at + len(elements)
+        seen = self.position[part] - at
+        self.position[part] = max(self.position[part], at + len(elements))
+        return elements[seen:] if seen > 0 else elements
 
     def yielded(self, output: Any, ctx: Any) -> Any:
         """The value of a (tagged) output of the stages after the mix, its elements and
