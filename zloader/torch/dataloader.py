@@ -19,7 +19,7 @@ from zloader.client.session import PerWorker
 from zloader.loader import Loader
 from zloader.pipeline import Pipeline
 from zloader.torch import states
-from zloader.torch.feed import Dispatcher, Feed
+from zloader.torch.feed import Dispatcher, Feed, batches_of
 from zloader.torch.passes import (
     Intake,
     Pass,
@@ -312,7 +312,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         map-style dataset, the sampler's iterator (pulled as the batches are handed out:
         ``feed``); drawn in torch's order: make the sampler iterator, draw the base seed."""
         torch_loader = self
-        indices = None if self._iterable else iter(torch_loader._index_sampler)
+        indices = None if self._iterable else batches_of(torch_loader._index_sampler)
         reseed = self._base_seed is None or not self._persistent
         # An IterDataPipe's shuffles take a seed shared by all workers, drawn as torch
         # draws it: a new torch iterator draws one before its base seed (the workers' one)

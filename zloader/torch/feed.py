@@ -21,15 +21,17 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
+import torch
+import torch.utils.data
 
 from zloader.torch.states import Batches
 
-__all__ = ["Dispatcher", "Feed", "decode", "encode"]
+__all__ = ["Dispatcher", "Feed", "batches_of", "decode", "encode"]
 
 _END = object()
 
 
-def encode(number: int, keys: list[int]) -> np.ndarray:
+def encode(number: int, keys: list[int] | np.ndarray) -> np.ndarray:
     """A batch's DISPATCH items: ``[number, len(keys), *zigzag(keys)]`` (int64 >= 0)."""
     array = np.asarray(keys, dtype=np.int64)
     out = np.empty(len(array) + 2, np.int64)
@@ -38,6 +40,55 @@ def encode(number: int, keys: list[int]) -> np.ndarray:
     negative = array < 0
     out[2:][negative] = ((-array[negative]) << 1) - 1
     return out
+
+
+def batches_of(sampler: Any) -> Iterator[Any]:
+    """An iterator over a map-style epoch's batches: ``iter(sampler)``, or, for torch's
+    own ``BatchSampler`` over its ``RandomSampler`` (without replacement or
+    ``num_samples``) or ``SequentialSampler`` (what ``DataLoader(batch_size=...,
+    shuffle=...)`` makes), the same batches as int64 arrays, cut from one permutation
+    without making a Python int of each index (``tolist`` of 3 M indices is most of the
+    sampler's time), drawing from the same generators at the same pulls
+    (:func:`_cut`)."""
+    sampler_type = type(getattr(sampler, "sampler", None))
+    if type(sampler) is not torch.utils.data.BatchSampler or sampler_type not in (
+            torch.utils.data.RandomSampler, torch.utils.data.SequentialSampler):
+        return iter(sampler)
+    inner: Any = sampler.sampler
+    if sampler_type is torch.utils.data.RandomSampler and (
+            inner.replacement or inner._num_samples is not None):
+        return iter(sampler)
+    return _cut(inner, sampler.batch_size, sampler.drop_last)
+
+
+def _cut(inner: Any, size: int, drop_last: bool) -> Iterator[Any]:
+    """``BatchSampler(inner, size, drop_last)``'s batches, as arrays. Torch's draws, in
+    its order: a ``RandomSampler`` without a generator draws its seed from torch's
+    global one at the first pull; each draws a permutation then, and a second (empty)
+    one where torch's sampler goes past its first: in the pull that makes a last partial
+    batch, or else in the pull that finds the epoch over."""
+    count = len(inner.data_source)
+    if count == 0:  # (torch's sampler then fails as it fails, or yields nothing)
+        yield from torch.utils.data.BatchSampler(inner, size, drop_last)
+        return
+    shuffled = type(inner) is torch.utils.data.RandomSampler
+    generator = None
+    if shuffled:
+        generator = inner.generator
+        if generator is None:
+            seed = int(torch.empty((), dtype=torch.int64).random_().item())
+            generator = torch.Generator()
+            generator.manual_seed(seed)
+        order = torch.randperm(count, generator=generator).numpy()
+    else:
+        order = np.arange(count, dtype=np.int64)
+    full = count - count % size
+    for start in range(0, full, size):
+        yield order[start:start + size]
+    if shuffled:
+        torch.randperm(count, generator=generator)  # (torch's sampler's last, empty one)
+    if full < count and not drop_last:
+        yield order[full:]
 
 
 def decode(items: list[int]) -> list[int]:
@@ -63,9 +114,11 @@ class Feed:
         self._first = next(indices, _END)
         self.streamed = self._first is _END or _all_ints(self._keys(self._first))
 
-    def _keys(self, batch: Any) -> list[Any]:
+    def _keys(self, batch: Any) -> list[Any] | np.ndarray:
         if not self._batched:
             return [batch]
+        if isinstance(batch, np.ndarray) and batch.dtype == np.int64:  # (batches_of's)
+            return batch
         return batch if isinstance(batch, list) else list(batch)
 
     def sampled(self) -> list[Any]:
@@ -170,5 +223,5 @@ class Dispatcher:
         self._send(worker, items)
 
 
-def _all_ints(keys: list[Any]) -> bool:
-    return set(map(type, keys)) <= {int}
+def _all_ints(keys: list[Any] | np.ndarray) -> bool:
+    return isinstance(keys, np.ndarray) or set(map(type, keys)) <= {int}
