@@ -153,3 +153,20 @@ def test_a_worker_killed_and_replaced_in_a_pool_leaves_the_stream_exactly_as_it_
                     procs[0].send_signal(signal.SIGKILL)
                     procs.append(start_worker(address))  # (takes the dead one's index)
     assert got == whole
+
+
+@pytest.mark.parametrize("mixed", [True, False], ids=["mix", "plain"])
+def test_a_state_that_counts_more_than_its_epoch_has_is_refused_by_its_field(
+        mixed: bool) -> None:
+    # A made-up count cannot be checked before the epoch is made again; once it is, the
+    # Loader says which field was wrong instead of ending an empty epoch in silence.
+    (_,), state = run(2, stop=5, mixed=mixed)
+    order = dict(state["order"])
+    if mixed:
+        order["outputs"], field = 10**9, r"\['outputs'\]"
+    else:
+        order["yielded"], field = [order["yielded"][0], 10**9], r"\['yielded'\]\[1\]"
+    with Loader(pipeline(mixed), num_workers=2, deterministic=True, timeout=60,
+                state={**state, "order": order}) as loader:
+        with pytest.raises(ValueError, match=field):
+            list(loader)

@@ -229,8 +229,8 @@ def drawn_on_workers(pipeline: Pipeline, options: JobOptions) -> str | None:
         return None
     for option, on in (("share=True", options.share is not None),
                        ("num_consumers", options.num_consumers),
-                       ("deterministic=True and sharding='static'",
-                        options.deterministic and not options.shards),
+                       ("deterministic=True without fixed shards (sharding='static', or "
+                        "no num_workers)", options.deterministic and not options.shards),
                        ("sharding='off'", options.sharding == "off")):
         if on:
             return f"the job has {option}"

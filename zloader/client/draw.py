@@ -265,7 +265,8 @@ class Inputs:
         # how far each worker's run of each part came (a dead worker's replacement makes
         # its parts again from the start: what this consumer has of them is dropped).
         self.shards = skip is not None
-        self.position = list(skip) if skip is not None else [0] * parts
+        self.skip = list(skip) if skip is not None else [0] * parts
+        self.position = list(self.skip)
         self._runs: dict[tuple[int, str], int] = {}
 
     def allocate(self, count: int) -> int:
@@ -360,6 +361,15 @@ class Inputs:
         elif isinstance(item, Done):
             self.done = True
 
+    def short_parts(self) -> list[tuple[int, int, int]]:
+        """The parts of a deterministic job that ended (the epoch over) with fewer
+        elements than were to be dropped of them: (part, its elements, the count)."""
+        made = [0] * len(self.position)
+        for (part, _), count in self._runs.items():
+            made[part] = max(made[part], count)
+        return [(part, made[part], self.skip[part]) for part in range(len(made))
+                if made[part] < self.skip[part]]
+
     def _unseen(self, part: int, worker: str, elements: list[Any]) -> list[Any]:
         """Of a deterministic job's record of ``part`` from ``worker``, the elements past
         where the part's stream is here: a part's stream is the same whichever worker
@@ -417,11 +427,23 @@ class Order:
         return list(self.yielded)
 
     def elements(self, inputs: Inputs) -> Iterator[Any]:
-        """The epoch's elements, in the order."""
+        """The epoch's elements, in the order.
+
+        Raises:
+            ValueError: a resumed shard ended before the elements its state counted as
+                yielded (a state of another epoch, or one made up).
+        """
         for shard, element in in_turn(inputs, range(self.shards), self.turn):
             self.turn = (shard + 1) % self.shards
             self.yielded[shard] += 1
             yield element
+        short = inputs.short_parts()
+        if short:
+            part, made, counted = short[0]
+            raise ValueError(
+                f"state= counted {counted} elements of shard {part} as yielded, but that "
+                f"shard has {made} this epoch (state['order']['yielded'][{part}]): a state "
+                "of another epoch or dataset, or one made up; nothing was yielded twice")
         self.iterating = False
         if self.epoch is not None:
             self.epoch += 1
@@ -470,12 +492,23 @@ class MixOrder:
                 for k in range(len(inputs.queues) // shards)]
 
     def outputs_of(self, outputs: Iterator[Any], drop: int) -> Iterator[Any]:
-        """``outputs`` after the first ``drop``, counted as they are yielded."""
-        for at, output in enumerate(outputs):
-            if at < drop:
+        """``outputs`` after the first ``drop``, counted as they are yielded.
+
+        Raises:
+            ValueError: the epoch has fewer than ``drop`` outputs (its state is of
+                another epoch, or made up).
+        """
+        made = 0
+        for made, output in enumerate(outputs, 1):
+            if made <= drop:
                 continue
-            self.outputs = at + 1
+            self.outputs = made
             yield output
+        if made < drop:
+            raise ValueError(
+                f"state= counted {drop} outputs of this epoch as yielded, but it has {made} "
+                "(state['order']['outputs']): a state of another epoch or dataset, or one "
+                "made up; nothing was yielded twice")
         self.iterating = False
         if self.epoch is not None:
             self.epoch += 1
