@@ -210,7 +210,13 @@ from zloader import Pipeline
 
 dist.init_process_group("gloo")
 drop_last = sys.argv[1] == "drop"
-dataset = zloader.torch.IterableDataset(Pipeline.range(101, split_size=4), num_workers=1,
+pipeline = Pipeline.range(101, split_size=4)
+if sys.argv[1] == "mix":  # (inputs of 6,000, 3,000 and 1,000 in 60, 3 and 1 splits)
+    pipeline = Pipeline.mix([Pipeline.range(k * 100_000, k * 100_000 + n, split_size=s)
+                             for k, (n, s) in enumerate([(6000, 100), (3000, 1000),
+                                                         (1000, 1000)])],
+                            [0.6, 0.3, 0.1], seed=3)
+dataset = zloader.torch.IterableDataset(pipeline, num_workers=1 + (sys.argv[1] == "mix"),
                                         drop_last=drop_last, timeout=60,
                                         coordinated=sys.argv[1] == "coord")
 epochs = [[int(x) for x in dataset] for _ in range(2)]
@@ -265,6 +271,24 @@ def test_two_ranks_split_one_epoch_with_equal_counts(mode):
         assert padded == 0 and yielded + dropped == 2 * 101 and 2 <= dropped <= 4
     else:  # every element is yielded, plus the counted padding
         assert dropped == 0 and yielded == 2 * 101 + padded and 2 <= padded <= 4
+
+
+@pytest.mark.slow
+def test_two_ranks_each_draw_a_mix_with_its_weights_in_every_window():
+    # Under torch.distributed the ranks split one balanced job; each draws the mix from
+    # what it is dealt, so every rank's stream holds the weights (with 2 workers and an
+    # input in one split, drawn on the workers, windows held 0-15% of the 10% input).
+    from bench.mix_windows import chi_square_p
+
+    ranks = run_ranks("mix")
+    epochs = [rank["epochs"][0] for rank in ranks]
+    assert sorted(epochs[0] + epochs[1]) == sorted(
+        k * 100_000 + i for k, n in enumerate([6000, 3000, 1000]) for i in range(n))
+    for epoch in epochs:
+        inputs = [v // 100_000 for v in epoch]
+        for start in range(0, 4000, 1000):
+            counts = [inputs[start:start + 1000].count(k) for k in range(3)]
+            assert chi_square_p(counts, [0.6, 0.3, 0.1]) >= 0.001, (start, counts)
 
 
 @pytest.mark.slow

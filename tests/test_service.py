@@ -761,6 +761,29 @@ print(len(results), sorted(set(results)), errors[:3], flush=True)
 """
 
 
+def test_a_loader_made_with_over_a_thousand_descriptors_open_starts_and_ends():
+    """A process holding many files (fifty Loaders, a dataset's open shards) gives a new
+    Loader descriptors numbered 1024 and more: its forked workers' gate and the wait for
+    a worker's exit must not use ``select`` (which cannot take them)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if max(soft, hard) < 1200:
+        pytest.skip("RLIMIT_NOFILE below 1,200")
+    if soft < 1200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1200, hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        assert max(held) >= 1024
+        with Loader(Pipeline.range(40, split_size=4), num_workers=2, timeout=30) as loader:
+            assert sorted(int(x) for x in loader) == list(range(40))
+    finally:
+        for fd in held:
+            os.close(fd)
+        if soft < 1200:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 @pytest.mark.slow
 def test_fifty_loaders_made_on_threads_at_once_all_run():
     """Forking while other threads import (numpy's lazy parts, zloader's own modules) must

@@ -76,7 +76,7 @@ class ForkedWorker:
             time.sleep(min(timeout, 0.01))
             return
         try:
-            select.select([fd], [], [], timeout)
+            _readable(fd, timeout)
         finally:
             os.close(fd)
 
@@ -142,9 +142,18 @@ def start_worker(method: str, address: str, bind: str, keys: Keys | None = None,
 
 def _through_gate(gate: int) -> None:
     """Wait until the Loader's broker is bound (a byte on ``gate``), at most GATE_SECONDS."""
-    if select.select([gate], [], [], GATE_SECONDS)[0]:
+    if _readable(gate, GATE_SECONDS):
         os.read(gate, 1)
     os.close(gate)
+
+
+def _readable(fd: int, timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for ``fd`` to be readable (``poll``: ``select``
+    cannot take a descriptor numbered 1024 or more, which a process with many Loaders
+    has)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(max(0, int(timeout * 1000))))
 
 
 def repair_imports() -> list[str]:
