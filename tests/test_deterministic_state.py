@@ -170,3 +170,58 @@ def test_a_state_that_counts_more_than_its_epoch_has_is_refused_by_its_field(
                 state={**state, "order": order}) as loader:
         with pytest.raises(ValueError, match=field):
             list(loader)
+
+
+TRAINER = """
+import json, os, sys, time
+import numpy as np
+from tests.test_deterministic_state import pipeline, slowly
+from zloader import Loader
+
+checkpoint, log_path, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
+state = json.load(open(checkpoint)) if os.path.exists(checkpoint) else None
+with Loader(pipeline().map(slowly), num_workers=workers, deterministic=True, state=state,
+            timeout=60) as loader, open(log_path, "a") as log:
+    for i, batch in enumerate(loader):
+        log.write(json.dumps(np.asarray(batch).tolist()) + "\\n")
+        time.sleep(0.005)  # (a training step)
+        if (i + 1) % 20 == 0:  # a checkpoint: the state and how much of the log it covers
+            log.flush()
+            json.dump({**loader.state_dict(), "logged": log.tell()}, open(checkpoint + ".new", "w"))
+            os.replace(checkpoint + ".new", checkpoint)
+"""
+
+
+@pytest.mark.slow
+def test_a_trainer_killed_twice_and_restarted_from_its_checkpoints_sees_one_stream(
+        tmp_path) -> None:
+    # A training script that checkpoints the Loader's state with its own progress, is
+    # SIGKILLed twice and restarted from its last checkpoint with another number of
+    # workers: what it consumed, checkpoint to checkpoint, is the uninterrupted stream.
+    import json
+    import os
+    import subprocess
+    import sys
+
+    def trainer(name: str, workers: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", TRAINER, str(tmp_path / f"{name}.json"),
+                                 str(tmp_path / f"{name}.log"), str(workers)],
+                                cwd=os.getcwd(), stderr=subprocess.PIPE)
+
+    reference = trainer("whole", 2)
+    assert reference.wait(120) == 0, reference.stderr.read()[-2000:] if reference.stderr else ""
+    log = tmp_path / "run.log"
+    for workers in (2, 3):  # (the first run's 2 workers fix the shards)
+        run = trainer("run", workers)
+        time.sleep(1.5)
+        run.kill()
+        run.wait(30)
+        checkpoint = tmp_path / "run.json"
+        kept = json.loads(checkpoint.read_text())["logged"]
+        # (killed mid-epoch, past a checkpoint)
+        assert 0 < kept < len((tmp_path / "whole.log").read_text())
+        with open(log, "r+") as out:  # (past the checkpoint: undone by the restart)
+            out.truncate(kept)
+    last = trainer("run", 1)
+    assert last.wait(120) == 0, last.stderr.read()[-2000:] if last.stderr else ""
+    assert log.read_text().splitlines() == (tmp_path / "whole.log").read_text().splitlines()
