@@ -274,18 +274,21 @@ def test_two_ranks_split_one_epoch_with_equal_counts(mode):
 
 
 @pytest.mark.slow
-def test_two_ranks_split_a_mix_each_element_once_with_equal_counts():
-    # Under torch.distributed the ranks split one balanced job (its mix drawn on the
-    # workers: docs/semantics.md, "Mixing"): every element once, plus the counted padding
-    # that gives the ranks equal counts.
+def test_two_ranks_each_draw_a_mix_with_its_weights_in_every_window():
+    # Under torch.distributed the ranks split one balanced job; each draws the mix from
+    # what it is dealt, so every rank's stream holds the weights (with 2 workers and an
+    # input in one split, drawn on the workers, windows held 0-15% of the 10% input).
+    from bench.mix_windows import chi_square_p
+
     ranks = run_ranks("mix")
-    for epoch in range(2):
-        a, b = (rank["epochs"][epoch] for rank in ranks)
-        assert set(a) | set(b) == {
-            k * 100_000 + i for k, n in enumerate([6000, 3000, 1000]) for i in range(n)}
-        assert len(a) == len(b)  # (a rank short of the other repeats its last: counted)
-    yielded = sum(len(epoch) for rank in ranks for epoch in rank["epochs"])
-    assert yielded == 2 * 10_000 + sum(rank["padded"] for rank in ranks)
+    epochs = [rank["epochs"][0] for rank in ranks]
+    assert sorted(epochs[0] + epochs[1]) == sorted(
+        k * 100_000 + i for k, n in enumerate([6000, 3000, 1000]) for i in range(n))
+    for epoch in epochs:
+        inputs = [v // 100_000 for v in epoch]
+        for start in range(0, 4000, 1000):
+            counts = [inputs[start:start + 1000].count(k) for k in range(3)]
+            assert chi_square_p(counts, [0.6, 0.3, 0.1]) >= 0.001, (start, counts)
 
 
 @pytest.mark.slow

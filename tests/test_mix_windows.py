@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from bench.mix_windows import chi_square_p
+from tests.service import read_together, service
 from zloader import Loader, Pipeline
 from zloader.errors import MixWindowWarning
 from zloader.options import JobOptions
@@ -127,6 +128,31 @@ def test_a_deterministic_mix_ends_at_its_first_input_s_end_across_its_shards() -
     with Loader(mix, num_workers=4, deterministic=True, timeout=60) as loader:
         got = [int(v) for v in loader]
     assert which(got) == want and len(set(got)) == len(got)  # (as many of each input)
+
+
+def test_balanced_consumers_each_draw_the_mix_with_its_weights_in_every_window() -> None:
+    # balanced=N (what zloader.torch.IterableDataset sets under torch.distributed): each
+    # input's records are dealt round-robin, and each consumer draws from what it is
+    # dealt, as iter() draws, so every rank's stream holds the weights.
+    mix = Pipeline.mix(corpora(1, slow=True), WEIGHTS, seed=11)
+    assert draws_at_consumer(mix, JobOptions(balanced=2))
+    with service(workers=2) as (address, _):
+        loaders = [Loader(mix, broker=address, job_name="dealt-mix", balanced=2,
+                          timeout=60) for _ in range(2)]
+        try:
+            (first,), (second,) = read_together(loaders, element=int)
+        finally:
+            for loader in loaders:
+                loader.close()
+    assert sorted(first + second) == sorted(int(v) for v in mix.iter(0))
+    assert abs(len(first) - len(second)) <= 2 * 3  # (one element per worker and input)
+    want = which([int(v) for v in mix.iter(0)])
+    for got in (first, second):
+        assert which(got)[:2000] == want[:2000]  # (before its share of an input ends)
+        for start in range(0, 3000, 1000):
+            window = which(got)[start:start + 1000]
+            counts = [window.count(k) for k in range(3)]
+            assert chi_square_p(counts, WEIGHTS) >= 0.001, (start, counts)
 
 
 def test_never_draws_for_ever_with_workers_and_a_take_ends_it() -> None:

@@ -214,10 +214,10 @@ def plan(pipeline: Pipeline, options: JobOptions | None = None) -> Plan:
 def draws_at_consumer(pipeline: Pipeline, options: JobOptions) -> bool:
     """Whether a job with ``options`` over ``pipeline`` draws its mix at the consumer:
     a mix whose stages after it (up to a take/skip) are all :data:`CONSUMER_DRAWN`, in a
-    job whose workers deliver each record to one consumer by its credits (not shared,
-    balanced or coordinated, and sharded; deterministic only when read in fixed shards,
-    ``JobOptions.shards``). Other mixes are drawn on each worker among the splits it holds
-    (docs/semantics.md, "Mixing")."""
+    job whose workers deliver each record to one consumer (by its credits, or dealt
+    round-robin: ``balanced``; not shared or coordinated, and sharded; deterministic only
+    when read in fixed shards, ``JobOptions.shards``). Other mixes are drawn on each
+    worker among the splits it holds (docs/semantics.md, "Mixing")."""
     return isinstance(pipeline.source, MixSource) and drawn_on_workers(pipeline, options) is None
 
 
@@ -228,7 +228,7 @@ def drawn_on_workers(pipeline: Pipeline, options: JobOptions) -> str | None:
     if not isinstance(pipeline.source, MixSource):
         return None
     for option, on in (("share=True", options.share is not None),
-                       ("balanced", options.balanced), ("num_consumers", options.num_consumers),
+                       ("num_consumers", options.num_consumers),
                        ("deterministic=True without fixed shards (sharding='static', or "
                         "no num_workers)", options.deterministic and not options.shards),
                        ("sharding='off'", options.sharding == "off")):

@@ -9,8 +9,9 @@ records (one element each) are dealt round-robin, whatever their speed, so each 
 equal share.
 By part (a mix its consumers draw, a deterministic job's shards: zloader/plan.py): a
 consumer's credits are per part, and so are the producer's permits
-(zloader/worker/permits.py); each record goes to a consumer with credit for its part, a
-part's records and its END in order.
+(zloader/worker/permits.py); each record goes to a consumer with credit for its part
+(balanced: each part's records dealt round-robin), a part's records and its END in
+order.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class CreditDelivery(Delivery):
         super().__init__(port)
         self.balanced = balanced  # consumers to deal to (0: by credit)
         self.turn = 0  # whose turn it is, when dealing
+        self.part_turns: dict[int, int] = {}  # (the same, for each part's records)
         self.overdrawn = False  # draining to move: records go out without credit
         # Records by part (a mix its consumers draw, a deterministic job's shards):
         # permits per part (the producer takes those).
@@ -137,13 +139,11 @@ class CreditDelivery(Delivery):
             outgoing, head = item.outgoing, item.head
             assert part is not None  # (a record by part names its part)
             sizes = records.sizes_of(outgoing.buffers)
-            ready = [s for s in streams if self.overdrawn or (
-                s.part_credits is not None and s.part_credits[part] > 0)]
-            if not ready:
+            taker = self._taker_of(part, streams)
+            if taker is None:
                 waiting.append(item)
                 held.add(part)
                 continue
-            taker = max(ready, key=lambda s: s.part_credits[part] if s.part_credits else 0)
             if taker.part_credits is not None:
                 taker.part_credits[part] -= 1
             taker.credits -= 1
@@ -151,6 +151,27 @@ class CreditDelivery(Delivery):
             port.outlet.record(taker, epoch, outgoing.buffers, head, sizes)
             outgoing.mark_taken()
         self.pending = waiting
+
+    def _taker_of(self, part: int, streams: list[Stream]) -> Stream | None:
+        """Who gets the next record of ``part`` (None: nobody can now): the consumer with
+        the most credit for it; balanced, the next in turn for that part (each part's
+        records dealt round-robin once every consumer opened the epoch), when it has
+        credit for it."""
+        def credit(stream: Stream) -> int:
+            return stream.part_credits[part] if stream.part_credits is not None else 0
+
+        if self.balanced:
+            if len(streams) < self.balanced:
+                return None
+            order = sorted(streams, key=lambda s: s.consumer)
+            turn = self.part_turns.get(part, 0)
+            stream = order[turn % len(order)]
+            if credit(stream) <= 0 and not self.overdrawn:
+                return None
+            self.part_turns[part] = turn + 1
+            return stream
+        ready = [s for s in streams if self.overdrawn or credit(s) > 0]
+        return max(ready, key=credit) if ready else None
 
     def _end(self, item: EpochEnd, streams: list[Stream]) -> None:
         """Send ``item`` (an epoch's END, or a part's) to the consumers of its epoch; the

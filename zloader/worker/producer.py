@@ -488,6 +488,8 @@ class Producer(threading.Thread):
         track = ctx.settings.track
         started = last = time.monotonic()
         ended = True
+        # One element per record when they are dealt one by one (balanced).
+        limit = 1 if self.spec.one_per_record else PART_RECORD_ELEMENTS
         for element in stream:
             now = time.monotonic()
             batch.append(element)
@@ -496,7 +498,7 @@ class Producer(threading.Thread):
             weight, gathered = _weigh(element[0] if track else element)
             size += weight
             element = None  # (held by the record, not here: see _produce)
-            if len(batch) >= PART_RECORD_ELEMENTS or size >= RECORD_BYTES or gathered \
+            if len(batch) >= limit or size >= RECORD_BYTES or gathered \
                     or now - started >= RECORD_LINGER or now - last >= RECORD_LINGER / 2:
                 ended = False
                 break
