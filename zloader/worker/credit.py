@@ -10,8 +10,8 @@ equal share.
 By part (a mix its consumers draw, a deterministic job's shards: zloader/plan.py): a
 consumer's credits are per part, and so are the producer's permits
 (zloader/worker/permits.py); each record goes to a consumer with credit for its part
-(balanced: each part's records dealt round-robin), a part's records and its END in
-order.
+(balanced: each part's records dealt round-robin among those with credit for it), a
+part's records and its END in order.
 """
 
 from __future__ import annotations
@@ -154,9 +154,12 @@ class CreditDelivery(Delivery):
 
     def _taker_of(self, part: int, streams: list[Stream]) -> Stream | None:
         """Who gets the next record of ``part`` (None: nobody can now): the consumer with
-        the most credit for it; balanced, the next in turn for that part (each part's
-        records dealt round-robin once every consumer opened the epoch), when it has
-        credit for it."""
+        the most credit for it; balanced, the next in turn for that part that has credit
+        for it (each part's records dealt round-robin once every consumer opened the
+        epoch). A consumer whose turn it is but whose draws took none of that part
+        lately is passed over: the consumers draw the mix themselves, each as its own
+        weights and inputs say, and one waiting for a part must not wait for another to
+        draw it (two such waits would hold each other up for ever)."""
         def credit(stream: Stream) -> int:
             return stream.part_credits[part] if stream.part_credits is not None else 0
 
@@ -165,11 +168,12 @@ class CreditDelivery(Delivery):
                 return None
             order = sorted(streams, key=lambda s: s.consumer)
             turn = self.part_turns.get(part, 0)
-            stream = order[turn % len(order)]
-            if credit(stream) <= 0 and not self.overdrawn:
-                return None
-            self.part_turns[part] = turn + 1
-            return stream
+            for step in range(len(order)):
+                stream = order[(turn + step) % len(order)]
+                if credit(stream) > 0 or self.overdrawn:
+                    self.part_turns[part] = turn + step + 1
+                    return stream
+            return None
         ready = [s for s in streams if self.overdrawn or credit(s) > 0]
         return max(ready, key=credit) if ready else None
 
