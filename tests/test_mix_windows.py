@@ -155,6 +155,50 @@ def test_balanced_consumers_each_draw_the_mix_with_its_weights_in_every_window()
             assert chi_square_p(counts, WEIGHTS) >= 0.001, (start, counts)
 
 
+def test_balanced_consumers_in_step_one_opening_late_learn_of_every_input_s_end() -> None:
+    # The ranks of a DDP run step together (one element each, then wait for the other).
+    # One opens the epoch late: a worker that has none of an input ends it at once, and
+    # that END went only to the Loader that had opened; the late one waited for it for
+    # ever (its draw of that input), and the other for it (the step). An input's END
+    # now waits, as its records do, for every balanced consumer to open the epoch.
+    small = Pipeline.range(BASES[2], BASES[2] + 300, split_size=300)  # (ends early)
+    mix = Pipeline.mix([*corpora(1)[:2], small], WEIGHTS, seed=11)
+    out: list[list[int]] = [[], []]
+    step = threading.Barrier(2)
+    errors: list[BaseException] = []
+    with service(workers=2) as (address, _):
+        loaders = [Loader(mix, broker=address, job_name="dealt-late", balanced=2,
+                          timeout=20) for _ in range(2)]
+
+        def read(i: int) -> None:
+            try:
+                if i == 1:
+                    time.sleep(1.0)  # (opens the epoch after every worker has begun it)
+                elements = iter(loaders[i])
+                try:
+                    for value in elements:
+                        out[i].append(int(value))
+                        step.wait(30)
+                except threading.BrokenBarrierError:  # (the other one ended: read alone)
+                    out[i].extend(int(value) for value in elements)
+            except BaseException as exc:  # (reported below)
+                errors.append(exc)
+            finally:
+                step.abort()
+
+        threads = [threading.Thread(target=read, args=(i,)) for i in range(2)]
+        try:
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(90)
+        finally:
+            for loader in loaders:
+                loader.close()
+    assert not errors, errors
+    assert sorted(out[0] + out[1]) == sorted(int(v) for v in mix.iter(0))
+
+
 def test_balanced_consumers_whose_draws_part_ways_are_not_held_up_by_each_other() -> None:
     # One of two balanced Loaders changes its weights mid-epoch: from then on the two
     # draw the inputs in other proportions. Dealt strictly in turn, each waited for a

@@ -134,6 +134,13 @@ class CreditDelivery(Delivery):
                 continue
             streams = [s for s in port.streams.values() if s.epoch == epoch]
             if isinstance(item, EpochEnd):
+                if part is not None and self.balanced and len(streams) < self.balanced:
+                    # (a part's END waits, as its records do, for every consumer to open
+                    # the epoch: one that opened later would never learn that the part
+                    # ended here, and would wait for it)
+                    waiting.append(item)
+                    held.add(part)
+                    continue
                 self._end(item, streams)
                 continue
             outgoing, head = item.outgoing, item.head
