@@ -199,6 +199,7 @@ def test_balanced_consumers_in_step_one_opening_late_learn_of_every_input_s_end(
     assert sorted(out[0] + out[1]) == sorted(int(v) for v in mix.iter(0))
 
 
+@pytest.mark.slow
 def test_balanced_consumers_whose_draws_part_ways_are_not_held_up_by_each_other() -> None:
     # One of two balanced Loaders changes its weights mid-epoch: from then on the two
     # draw the inputs in other proportions. Dealt strictly in turn, each waited for a
