@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -128,21 +129,31 @@ def read_together(loaders: list, epochs: int = 1, timeout: float = 60.0,
     """Every loader's ``epochs`` epochs, each loader read on a thread of its own (they may
     wait for each other), as lists of ``element(value)``; a hung or failed reader fails."""
     results: list[list[list]] = [[] for _ in loaders]
-    errors: list[BaseException] = []
 
     def read(i: int) -> None:
+        for _ in range(epochs):
+            results[i].append([element(value) for value in loaders[i]])
+
+    run_together([functools.partial(read, i) for i in range(len(loaders))], timeout)
+    return results
+
+
+def run_together(readers: list[Callable[[], Any]], timeout: float = 60.0) -> None:
+    """Run each of ``readers`` on a thread of its own (they may wait for each other); a
+    hung or failed reader fails."""
+    errors: list[BaseException] = []
+
+    def run(reader: Callable[[], Any]) -> None:
         try:
-            for _ in range(epochs):
-                results[i].append([element(value) for value in loaders[i]])
+            reader()
         except BaseException as exc:  # reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=read, args=(i,), daemon=True)
-               for i in range(len(loaders))]
+    threads = [threading.Thread(target=run, args=(reader,), daemon=True)
+               for reader in readers]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout)
     assert not any(t.is_alive() for t in threads), "a consumer hung"
     assert not errors, errors
-    return results

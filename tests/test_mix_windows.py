@@ -5,6 +5,7 @@ make, whatever the number of workers and however few splits an input has."""
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 from bench.mix_windows import chi_square_p
-from tests.service import read_together, service
+from tests.service import read_together, run_together, service
 from zloader import Loader, Pipeline
 from zloader.errors import MixWindowWarning
 from zloader.options import JobOptions
@@ -165,7 +166,6 @@ def test_balanced_consumers_in_step_one_opening_late_learn_of_every_input_s_end(
     mix = Pipeline.mix([*corpora(1)[:2], small], WEIGHTS, seed=11)
     out: list[list[int]] = [[], []]
     step = threading.Barrier(2)
-    errors: list[BaseException] = []
     with service(workers=2) as (address, _):
         loaders = [Loader(mix, broker=address, job_name="dealt-late", balanced=2,
                           timeout=20) for _ in range(2)]
@@ -181,21 +181,14 @@ def test_balanced_consumers_in_step_one_opening_late_learn_of_every_input_s_end(
                         step.wait(30)
                 except threading.BrokenBarrierError:  # (the other one ended: read alone)
                     out[i].extend(int(value) for value in elements)
-            except BaseException as exc:  # (reported below)
-                errors.append(exc)
             finally:
                 step.abort()
 
-        threads = [threading.Thread(target=read, args=(i,)) for i in range(2)]
         try:
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(90)
+            run_together([functools.partial(read, i) for i in range(2)], 90)
         finally:
             for loader in loaders:
                 loader.close()
-    assert not errors, errors
     assert sorted(out[0] + out[1]) == sorted(int(v) for v in mix.iter(0))
 
 
@@ -211,22 +204,14 @@ def test_balanced_consumers_whose_draws_part_ways_are_not_held_up_by_each_other(
         loaders = [Loader(mix, broker=address, job_name="dealt-apart", balanced=2,
                           timeout=30) for _ in range(2)]
 
-        def element(i: int) -> object:
-            def taken(value: object) -> int:
-                out[i].append(int(value))  # type: ignore[call-overload]
+        def read(i: int) -> None:
+            for value in loaders[i]:
+                out[i].append(int(value))
                 if i == 0 and len(out[0]) == 500:
                     loaders[0].set_weights([0.1, 0.1, 0.8])
-                return 0
-            return taken
 
         try:
-            threads = [threading.Thread(target=lambda i=i: [element(i)(v) for v in loaders[i]])
-                       for i in range(2)]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(60)
-            assert not any(thread.is_alive() for thread in threads), "a consumer hung"
+            run_together([functools.partial(read, i) for i in range(2)], 60)
         finally:
             for loader in loaders:
                 loader.close()

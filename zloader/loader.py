@@ -528,8 +528,7 @@ def _order(planned: Plan, resume: dict[str, Any] | None) -> Order | MixOrder | N
             f"{'on the workers' if drawn else 'by the consumer'}, and this Loader's is "
             f"drawn {'by the consumer' if drawn else 'on the workers'} (a state of another "
             "zloader version): its order cannot be resumed; start the epoch again")
-    assert resume is not None or order is None
-    resumed = {"epoch": resume["epoch"], **order} if order is not None and resume else None
+    resumed = {"epoch": resume["epoch"], **order} if resume is not None and order else None
     return MixOrder(planned.shards, resumed) if drawn else Order(planned.shards, resumed)
 
 

@@ -487,9 +487,8 @@ class MixOrder:
     def opened(self, inputs: Inputs) -> list[Iterator[Any]]:
         """Each input's stream over its shards, as the draws read them."""
         shards = self.shards
-        return [(element for _, element in in_turn(inputs, range(k * shards, k * shards
-                                                                  + shards)))
-                for k in range(len(inputs.queues) // shards)]
+        return [(element for _, element in in_turn(inputs, range(start, start + shards)))
+                for start in range(0, len(inputs.queues), shards)]
 
     def outputs_of(self, outputs: Iterator[Any], drop: int) -> Iterator[Any]:
         """``outputs`` after the first ``drop``, counted as they are yielded.

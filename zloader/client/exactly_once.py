@@ -165,14 +165,15 @@ def _ordered(state: Any, fingerprint: str, ordered: bool) -> dict[str, Any]:
     shards, turn, yielded = (order.get(k) if isinstance(order, dict) else -1
                              for k in ("shards", "turn", "yielded"))
     drawn = isinstance(order, dict) and "outputs" in order  # (a mix drawn by the consumer)
-    if drawn:
-        turn, yielded = 0, [order["outputs"]] * shards if _natural(shards) else None
+    if drawn:  # (where it is: the outputs yielded)
+        where = set(order) == {"shards", "outputs"} and _natural(order["outputs"])
+    else:  # (the shard whose turn it is, and the elements yielded of each)
+        where = (isinstance(order, dict) and set(order) == {"shards", "turn", "yielded"}
+                 and _natural(shards) and _natural(turn) and turn < shards
+                 and isinstance(yielded, list) and len(yielded) == shards
+                 and all(_natural(n) for n in yielded))
     if not (one.get("zloader") == STATE_VERSION and _natural(one.get("epoch"))
-            and _natural(shards) and 1 <= shards <= MAX_FANOUT and _natural(turn)
-            and turn < shards and isinstance(yielded, list) and len(yielded) == shards
-            and all(_natural(n) for n in yielded)
-            and set(order) == ({"shards", "outputs"} if drawn
-                               else {"shards", "turn", "yielded"})):
+            and _natural(shards) and 1 <= shards <= MAX_FANOUT and where):
         raise ValueError("state must be what Loader(deterministic=True).state_dict() "
                          f"returned: {{'zloader': {STATE_VERSION}, 'epoch', 'order': "
                          "{'shards' >= 1, 'turn' < shards, 'yielded': one count per shard} "
@@ -186,7 +187,7 @@ def _ordered(state: Any, fingerprint: str, ordered: bool) -> dict[str, Any]:
             "digest": digest[:12], "weights": one.get("weights") or None,
             "weights_stamp": _stamp(one),
             "order": {"shards": shards, "outputs": order["outputs"]} if drawn
-            else {"shards": shards, "turn": turn, "yielded": list(yielded)}}
+            else {"shards": shards, "turn": turn, "yielded": list(order["yielded"])}}
 
 
 def _natural(value: Any) -> TypeGuard[int]:

@@ -242,6 +242,7 @@ class Producer(threading.Thread):
         self.draining = draining
         self.epoch_input = epoch_input
         self.weights = weights
+        self._part_weights: tuple[Any, list[float]] | None = None  # (_weights_of's)
         self.dispatched = dispatched
         self.link: Any = None  # the socket thread's end of the pair
         self.outbox: deque[tuple[LinkKind, Any]] = deque()  # one per frame sent, in order
@@ -436,13 +437,17 @@ class Producer(threading.Thread):
         last set (its own when none were; a deterministic job's, the weight of the input
         of each shard's stream), or alike (a deterministic job's shards)."""
         plan = self.spec.plan
-        mix = plan.mix
-        if mix is None:
-            return [1.0] * plan.parts
-        latest = self.weights.value if self.weights is not None else None
-        weights = latest if latest is not None and len(latest) == len(mix.inputs) \
-            else mix.weights
-        return [weights[part // max(1, plan.shards)] for part in range(plan.parts)]
+        mix, weights = plan.mix, None
+        if mix is not None:
+            latest = self.weights.value if self.weights is not None else None
+            weights = latest if latest is not None and len(latest) == len(mix.inputs) \
+                else mix.weights
+        cached = self._part_weights  # (made again only when the weights change)
+        if cached is None or cached[0] is not weights:
+            by_part = [1.0] * plan.parts if weights is None else \
+                [weights[part // max(1, plan.shards)] for part in range(plan.parts)]
+            cached = self._part_weights = (weights, by_part)
+        return cached[1]
 
     def _shards(self, ctx: Context) -> tuple[dict[int, Context], dict[int, Iterator[Any]]]:
         """The shards of a deterministic job this worker runs (those of its index modulo
