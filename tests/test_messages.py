@@ -56,6 +56,9 @@ SAMPLES: dict[Command, dict] = {
                     "skip": pack([1, 5]), "expect": [10, 2**63]},
     Command.PASS_DONE: {"task": "t1", "pass": [2]},
     Command.RELEASE: {"task": "t1"},
+    Command.HANDOVER: {"task": "t1", "segments": [
+        {"n": 0, "epoch": 2, "index": 1, "pass": [2, 0], "splits": [5, 3, 9],
+         "served": ["c1"], "last": True}]},
     Command.CONSUMER_GONE: {"task": "t1", "consumer": "c1", "replaced": True},
     Command.ROUND_REQ: {"task": "t1", "epoch": 0, "members": ["c1", "c2"]},
     Command.ROUND: {"task": "t1", "epoch": 0, "round": None},
@@ -218,6 +221,11 @@ BAD = [  # command, field, body change: each kind of bad body
     (Command.HEARTBEAT, "stuck", {"stuck": [{"worker": "w1", "task": "t1"}]}),
     (Command.HEARTBEAT, "reread", {"reread": [[[], 3, {}]]}),
     (Command.HEARTBEAT, "reread", {"reread": [[[0], 3]]}),
+    (Command.HEARTBEAT, "handover", {"handover": [{"n": 0, "epoch": 0}]}),
+    (Command.HANDOVER, "segments", {"task": "t1", "segments": []}),
+    (Command.HANDOVER, "segments", {"task": "t1", "segments": [
+        {"n": 0, "epoch": 0, "index": 0, "pass": [0], "splits": [-1], "served": [],
+         "last": True}]}),
     (Command.SPLIT_REQ, "have", {"have": "3"}),
     (Command.PASS_DONE, "pass", {"pass": []}),
     (Command.TASK_FAILED, "error", {"error": "boom"}),

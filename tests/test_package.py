@@ -28,7 +28,8 @@ LAYERS = {
     "transport.records": 1.5,
     "transport.fields": 1.5,
     "transport.sockets": 1.5, "options": 1.55, "transport.messages": 1.6,
-    "sharing": 0, "sharing.window": 0, "sharing.options": 0.5, "sharing.store": 1.6,
+    "sharing": 0, "sharing.window": 0, "sharing.handover": 0.5, "sharing.options": 0.5,
+    "sharing.store": 1.6,
     "packed": 0.8,  # lists packed for forked workers (fingerprint reads them)
     "handoff": 0.85,  # ... packed after the fork, handed to the workers
     "codec_torch": 0.9,  # torch tensors in the codec, torch imported lazily

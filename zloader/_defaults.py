@@ -670,6 +670,18 @@ MAX_FIELD_DEPTH = 12
 ``DELIVERED.splits`` with a split's groups and their inner groups, nests 10 levels; the
 body as a whole is held to MAX_BODY_DEPTH; fixed)."""
 
+HANDOVER_SPLITS = 1 << 15
+"""The most splits one entry of a shared job's handover holds (``HEARTBEAT.handover``,
+``HANDOVER``: one entry per message, well within MAX_BODY_BYTES; fixed)."""
+
+HANDOVER_SERVED = 4096
+"""The most served trainers one entry of a handover names (with HANDOVER_SPLITS splits,
+well within MAX_BODY_BYTES; a shared job has a handful; fixed)."""
+
+MAX_HANDOVER_ENTRIES = 4096
+"""The most handover entries the broker keeps for one drained worker (``HEARTBEAT.handover``:
+134 M splits; fixed)."""
+
 # --- autoscaling and actuators (zloader/autoscale.py, zloader/actuator.py) ----------------
 
 AUTOSCALE_UP = 0.07

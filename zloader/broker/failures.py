@@ -27,7 +27,7 @@ from zloader.broker.records import (
     Worker,
 )
 from zloader.lineage import merge_info
-from zloader.transport.messages import Delivered, Release
+from zloader.transport.messages import Delivered, Handover, Release
 from zloader.transport.protocol import ProtocolError
 
 __all__ = ["complete_fences", "delivered", "drop_worker", "give_up", "leave", "reread",
@@ -62,7 +62,8 @@ def leave(state: Tables, worker: Worker, job: Job, task: str, died: bool, now: f
     move, or a BYE after SIGTERM): it sent all it read, so a job without exactly-once reads
     again only the splits it held, not those it read; a forced leave (a move at once, a
     death) reads those again too, since their elements may have waited in the worker (a
-    paused consumer's credits, a shared job's window; ``splits.mark_read``)."""
+    paused consumer's credits, a shared job's window; ``splits.mark_read``). A shared
+    job's worker that leaves cleanly hands what it read on (:func:`_hand_on`)."""
     worker_id = worker.id
     job.indices.pop(task, None)
     job.tasks.pop(task, None)
@@ -100,7 +101,31 @@ def leave(state: Tables, worker: Worker, job: Job, task: str, died: bool, now: f
     out = views.tell_consumers(state, job)
     if job.rounds is not None:
         out += coordinated.announce(state, job, {}, job.rounds.lose_worker(worker_id))
+    handover, worker.handover = worker.handover, []
+    if handover and clean and job.share is not None:
+        out += _hand_on(state, worker, job, handover)
     return out
+
+
+def _hand_on(state: Tables, worker: Worker, job: Job,
+             handover: list[dict[str, Any]]) -> list[Out]:
+    """A shared job's drained worker's splits (zloader/sharing/handover.py) to another
+    of the job's workers, which makes them again for the trainers that start those epochs
+    later (and hands them on in turn when it leaves by draining)."""
+    takers = [(task, state.workers[w]) for task, w in job.tasks.items()
+              if w in state.workers and state.workers[w].moving_to is None]
+    if not takers:
+        log.warning("worker %s (pid %d on %s) left shared job %s with no other worker to "
+                    "hand its splits to: a trainer that starts epoch(s) %s of it later "
+                    "misses what it made", worker.id, worker.pid, worker.host,
+                    job.name or job.id, sorted({e["epoch"] for e in handover}))
+        return []
+    task, taker = takers[0]
+    log.info("worker %s hands the splits it read for shared job %s on to worker %s",
+             worker.id, job.name or job.id, taker.id)
+    handover[-1] = {**handover[-1], "last": True}
+    return [Out(taker.identity, Handover(task=task, segments=(entry,)))
+            for entry in handover]
 
 
 def stuck(state: Tables, job: Job, consumer: Consumer,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zloader._defaults import STAGES, WARM_PIPELINES
+from zloader._defaults import MAX_HANDOVER_ENTRIES, STAGES, WARM_PIPELINES
 from zloader.broker import coordinated, failures, placement, views
 from zloader.broker.events import WorkerReady
 from zloader.broker.records import Consumer, Job, Out, Tables, Worker
@@ -65,8 +65,12 @@ def worker_ready(state: Tables, identity: bytes, msg: Ready, now: float) -> list
 def worker_heartbeat(state: Tables, identity: bytes, msg: Heartbeat, now: float) -> list[Out]:
     """A worker's HEARTBEAT: its counters (summed into its job's), rate, what its
     producer is doing, and a shared job's trainers' lag; or that it finished the task it
-    was told to drain (``drained``: it moves on, see ``placement.drained``)."""
+    was told to drain (``drained``: it moves on, see ``placement.drained``), and before
+    that, a shared job's, what it hands on (``handover``, kept on the worker until then)."""
     worker = state.worker_at(identity)
+    if worker is not None and msg.handover and worker.task is not None:
+        room = MAX_HANDOVER_ENTRIES - len(worker.handover)
+        worker.handover.extend(msg.handover[:max(0, room)])
     if worker is not None and msg.drained is not None:
         return placement.drained(state, worker, msg.drained, now)
     stats = msg.stats

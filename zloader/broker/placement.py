@@ -11,7 +11,7 @@ import secrets
 
 from zloader._defaults import HUNGRY_STARVATION, MOVE_DRAIN_SECONDS
 from zloader._host import loopback
-from zloader.broker import failures, pool, splits, views
+from zloader.broker import failures, pool, views
 from zloader.broker.events import TaskGiven
 from zloader.broker.records import INHERITED, Job, Out, Tables, Worker
 from zloader.transport import messages
@@ -199,21 +199,17 @@ def _last_views(out: list[Out]) -> list[Out]:
 def _drains(state: Tables, worker: Worker, job: Job) -> bool:
     """Whether ``worker`` leaves ``job`` by draining (see :func:`_drain`) rather than at
     once: a job that does not run exactly-once, mid-epoch, with other workers. Not a
-    coordinated job's (the broker numbers its rounds), and a shared job's only when its
-    splits would not be read again: a trainer that joins later gets what it missed from
-    the worker that made it, so a shared job's worker moves at once while another of the
-    job's workers still reads each epoch it read splits of (they take its splits, re-queued
-    ahead of new ones, and every trainer gets them from there). Once the others were told
-    that no split is left, nobody would read them again, and a trainer lagging behind the
-    faster one would lose what the moved worker had read and not sent it yet."""
+    coordinated job's (the broker numbers its rounds). A shared job's worker drains while
+    another of its workers stays: every trainer reading then gets what it made, once, and
+    a trainer that starts one of those epochs later gets it from the worker it hands its
+    splits on to (zloader/sharing/handover.py). (Moved at once, its splits were read again
+    and every trainer got them twice.)"""
     if job.track or job.rounds is not None or len(job.tasks) < 2 or not _active(state, job):
         return False
     if job.share is None:
         return True
-    others = {w for w in job.tasks.values() if w != worker.id
-              and w in state.workers and state.workers[w].moving_to is None}
-    return any(not splits.readers(job, epoch) & others
-               for epoch in splits.epochs_of(job, worker.id))
+    return any(w != worker.id and w in state.workers and state.workers[w].moving_to is None
+               for w in job.tasks.values())
 
 
 def _drain(state: Tables, worker: Worker, taker: Job, now: float) -> list[Out]:
@@ -237,6 +233,7 @@ def drained(state: Tables, worker: Worker, task: str, now: float) -> list[Out]:
     read again), then on to the job it moves to, if that still wants it, or any."""
     job = state.job_of(task)
     if job is None or worker.task != task:
+        worker.handover = []
         return []
     taker = state.jobs.get(worker.moving_to or "")
     worker.moving_to = None

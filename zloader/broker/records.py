@@ -94,6 +94,8 @@ class Worker:
     since: float = 0.0  # when it took its task (the pool's time slices, broker/pool.py)
     moving_to: str | None = None  # the job it moves to once its task is drained
     moving_since: float = 0.0  # when it was told to drain (placement.MOVE_DRAIN_SECONDS)
+    # a shared job's drained task: what it hands on (HEARTBEAT.handover, placement.drained)
+    handover: list[dict[str, Any]] = field(default_factory=list)
     # LOG lines it may send: twice what its own limit lets through (zloader/forward.py)
     log_budget: Bucket = field(default_factory=lambda: Bucket(2 * RATE, 4.0 * BURST))
 

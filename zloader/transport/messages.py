@@ -67,10 +67,11 @@ from zloader.transport.protocol import HEARTBEAT_RANGE, Command, Message, Protoc
 from zloader.transport.protocol import doing as lenient_doing
 
 __all__ = ["RECORDS", "Ack", "Bye", "Close", "Commit", "ConsumerGone", "Credit", "Data",
-           "Delivered", "Dispatch", "End", "Epoch", "Error", "Fail", "Fetch", "Heartbeat", "Job",
-           "Log", "Open", "PassDone", "Ready", "Received", "Record", "Register", "Release", "Ring",
-           "Round", "RoundReq", "Source", "Split", "SplitReq", "Status", "Task", "TaskFailed",
-           "Unknown", "Weights", "decode", "encode"]
+           "Delivered", "Dispatch", "End", "Epoch", "Error", "Fail", "Fetch",
+           "Handover", "Heartbeat", "Job", "Log", "Open", "PassDone", "Ready",
+           "Received", "Record", "Register", "Release", "Ring", "Round", "RoundReq",
+           "Source", "Split", "SplitReq", "Status", "Task", "TaskFailed", "Unknown",
+           "Weights", "decode", "encode"]
 
 MAX_LOG_LINES = LOG_MAX_LINES
 MAX_LOG_TEXT = LOG_MAX_LINE + 64
@@ -248,6 +249,23 @@ def split_info(value: Any) -> tuple[tuple[int, ...], int, dict[str, Any]]:
         raise Wrong("must be [pass, split, info], pass a list of integers >= 0") from None
 
 
+_SEGMENT_FIELDS = {"n": INDEX, "epoch": INDEX, "index": INDEX, "pass": PASS_KEY,
+                   "splits": list_of(INDEX), "served": list_of(NAME), "last": boolean}
+
+
+def handover_entry(value: Any) -> dict[str, Any]:
+    """An entry of ``HEARTBEAT.handover`` and ``HANDOVER.segments``: ``{n, epoch, index,
+    pass, splits, served, last}`` (zloader/sharing/handover.py)."""
+    if not isinstance(value, dict) or set(value) != set(_SEGMENT_FIELDS):
+        raise Wrong(f"must be {{{', '.join(_SEGMENT_FIELDS)}}}")
+    try:
+        checked = {name: check(value[name]) for name, check in _SEGMENT_FIELDS.items()}
+    except Wrong as exc:
+        raise Wrong(f"must be {{{', '.join(_SEGMENT_FIELDS)}}}: {exc}") from None
+    return {name: list(v) if isinstance(v, tuple) else v  # (passed on as they came)
+            for name, v in checked.items()}
+
+
 # --- records ------------------------------------------------------------------------------
 
 # Worker and broker
@@ -335,6 +353,13 @@ class Release(Record):
     task: str = fld(NAME)
     # finish the splits taken, send what they make, then say so (HEARTBEAT.drained)
     drain: bool = fld(boolean, False, omit=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Handover(Record):
+    COMMAND = Command.HANDOVER
+    task: str = fld(NAME)
+    segments: tuple[dict[str, Any], ...] = fld(list_of(handover_entry, 1))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -474,6 +499,8 @@ class Heartbeat(Record):
         list_of(split_info), (), omit=True)
     # a worker told to drain its task (RELEASE.drain) is done with it
     drained: str | None = fld(optional(NAME), None, omit=True)
+    # and, a shared job's, the splits it read for trainers that start those epochs later
+    handover: tuple[dict[str, Any], ...] = fld(list_of(handover_entry), (), omit=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -751,7 +778,8 @@ class Source(Record):
 
 RECORDS: dict[Command, type[Record]] = {
     cls.COMMAND: cls for cls in (
-        Ready, Ack, Task, TaskFailed, SplitReq, Split, PassDone, Release, ConsumerGone,
+        Ready, Ack, Task, TaskFailed, SplitReq, Split, PassDone, Release, Handover,
+        ConsumerGone,
         RoundReq, Round, Register, Job, Epoch, Received, Commit, Delivered, Log, Bye,
         Heartbeat, Status, Unknown, Error, Open, Credit, Weights, Dispatch, Data, End, Fail,
         Ring, Close, Fetch, Source)}

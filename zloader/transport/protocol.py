@@ -70,6 +70,7 @@ class Command(enum.IntEnum):
     RECEIVED = 42      # consumer -> broker: I received my elements of these rounds
     COMMIT = 43        # broker -> consumer: these rounds are committed, those lost
     DELIVERED = 44     # consumer -> broker: what I hold of a dead worker's splits
+    HANDOVER = 45      # broker -> worker: a moved worker's splits of a shared job, to make again
     LOG = 50           # worker -> broker -> consumer: what user code printed or logged
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from zloader.worker.permits import Permits, Pool
-from zloader.worker.producer import Outgoing, Producer
+from zloader.worker.producer import Outgoing, Producer, ProducerSpec
 from zloader.worker.streams import Outlet, Stream
 
 if TYPE_CHECKING:
@@ -93,6 +93,9 @@ class TaskPort(Protocol):
     @property
     def reruns(self) -> dict[int, int]: ...
 
+    @property
+    def spec(self) -> ProducerSpec: ...
+
     def open_epoch(self, stream: Stream, opened: Open) -> None: ...
 
     def remove_stream(self, stream: Stream) -> None: ...
@@ -103,7 +106,7 @@ class TaskPort(Protocol):
 
     def maybe_produce(self) -> None: ...
 
-    def start_producer(self, epoch: int, pool: Pool,
+    def start_producer(self, epoch: int, pool: Pool, index: int | None = None,
                        **options: Any) -> Producer: ...
 
     def drop_producer(self, producer: Producer) -> None: ...
@@ -221,6 +224,15 @@ class Delivery(abc.ABC):
     def start_side(self) -> None:
         """Start a producer of its own, if one waits (before the task starts an epoch)."""
         return None
+
+    def handover(self) -> list[dict[str, Any]]:
+        """The task drained to move: what it hands on to another worker of its job
+        (``HEARTBEAT.handover``: a shared job's splits, zloader/sharing/handover.py)."""
+        return []
+
+    def adopt(self, entries: tuple[dict[str, Any], ...]) -> None:
+        """``HANDOVER``: entries of another worker's handover (a shared job's)."""
+        log.warning("a handover for a job that is not shared: ignored")
 
     def breaks(self, epoch: int) -> bool:
         """Whether a consumer left ``epoch`` in a way that ends it for every consumer."""

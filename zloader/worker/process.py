@@ -258,6 +258,8 @@ class WorkerProcess:
                 self.orphaned = True
                 return
             if self._drain_deadline is not None and self._drained(now):
+                if self.task is not None:
+                    self.task.hand_over()  # (then BYE: it leaves the job cleanly)
                 return
             # More waiting than one turn reads, or a message whose signal this turn's sends
             # took: the descriptor may not say so again.
@@ -426,6 +428,9 @@ class WorkerProcess:
                     self.broker.send(messages.Heartbeat(drained=record.task))
             if task is not None and record.task == task.id:
                 self._stop_task()
+        elif isinstance(record, messages.Handover):
+            if task is not None and record.task == task.id:
+                task.delivery.adopt(record.segments)
         elif isinstance(record, messages.Round):
             if task is not None and record.task == task.id:
                 task.delivery.on_round(record.epoch, record.round)

@@ -6,16 +6,22 @@ cursor sends it the records it has credits for. A trainer that joins an epoch un
 is first sent the rest of the epoch from the window, then what it missed, made again for
 it alone by a replay producer that reads the splits this worker read the first time. The
 producer makes as many records as the readiest trainer can take; a replay as many as its
-trainer can.
+trainer can. A worker that drains to move hands the splits it read on to another worker
+of the job, which makes them again, whole, for trainers that start those epochs later
+(zloader/sharing/handover.py).
 """
 
 from __future__ import annotations
 
+import logging
+import sys
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 from zloader import codec
+from zloader.sharing.handover import Segment, from_wire, to_wire
 from zloader.sharing.store import Stored, store
 from zloader.sharing.window import Window, WindowSettings
 from zloader.transport.messages import Data, End, Open
@@ -27,6 +33,25 @@ from zloader.worker.streams import Stream
 
 __all__ = ["SharedDelivery"]
 
+log = logging.getLogger("zloader.worker")
+
+WHOLE = sys.maxsize
+"""A replay's limit when it makes all its splits make (an adopted segment)."""
+
+
+@dataclass(eq=False)
+class Replay:
+    """Elements made again for one trainer: the first ``limit`` of those ``splits``
+    make (per pass, in order), read as worker ``index`` (None: this one); ``segment``: the
+    adopted segment they are (None: this worker's own, what the trainer missed)."""
+
+    trainer: bytes
+    epoch: int
+    limit: int
+    splits: dict[tuple[int, ...], list[int]]
+    index: int | None = None
+    segment: Segment | None = None
+
 
 class SharedDelivery(Delivery):
     """A shared job's delivery (see the module's docstring)."""
@@ -36,11 +61,18 @@ class SharedDelivery(Delivery):
         self.window = Window(share.window_bytes, share.lag, share.block_seconds)
         self.stored: dict[str, Stored] = {}  # each record's memory, by segment name
         # The splits read per epoch and pass, in order, to make a late joiner's missed
-        # elements again, and the replays to run: (trainer, epoch, elements missed).
+        # elements again, and the replays to run, one at a time.
         self.splits: dict[int, dict[tuple[int, ...], list[int]]] = {}
-        self.replays: deque[tuple[bytes, int, int]] = deque()
+        self.replays: deque[Replay] = deque()
         self.replayer: Producer | None = None
+        self.replay: Replay | None = None  # the one running
         self.replaying: tuple[bytes, int] | None = None  # (trainer, elements sent so far)
+        self.replayed: dict[bytes, int] = {}  # elements of earlier replays, per trainer
+        # Other workers' splits adopted, per epoch (handover.py), and a handover's
+        # entries until its last one comes.
+        self.adopted: dict[int, list[Segment]] = {}
+        self.incoming: list[dict[str, Any]] = []
+        self.handed_on = False  # it left the job cleanly: another worker makes its splits
         self.replay_pending: deque[Pending] = deque()
         self.replay_outstanding = 0
 
@@ -51,12 +83,20 @@ class SharedDelivery(Delivery):
         it missed of an epoch under way is made again for it (a replay)."""
         port, epoch, credits = self.port, opened.epoch, opened.credits
         cursor = self.window.cursors.get(stream.identity)
+        if self.handed_on and (cursor is None or cursor.epoch != epoch):
+            # (an OPEN that crossed its handover: the worker it went to serves this one)
+            port.outlet.send(stream, End(epoch=epoch))
+            return
         if cursor is None or cursor.epoch != epoch:
             finished = epoch in port.finished and epoch != port.producing
             cursor = self.window.join(stream.identity, epoch,
                                       epoch == port.producing or finished, finished)
             if cursor.missed > 0:
-                self.replays.append((stream.identity, epoch, cursor.missed))
+                self.replays.append(Replay(stream.identity, epoch, cursor.missed,
+                                           self.splits.setdefault(epoch, {})))
+            for segment in self.adopted.get(epoch, ()):
+                if stream.consumer not in segment.served:
+                    self._owe(stream.identity, segment)
         elif cursor.done:
             port.outlet.send(stream, End(epoch=epoch, lagged=cursor.lagged))
         stream.epoch = epoch
@@ -80,7 +120,8 @@ class SharedDelivery(Delivery):
             self._release(stored)
         if self.replaying is not None and self.replaying[0] == stream.identity:
             self._stop_replay()
-        self.replays = deque(r for r in self.replays if r[0] != stream.identity)
+        self.replays = deque(r for r in self.replays if r.trainer != stream.identity)
+        self.replayed.pop(stream.identity, None)
         if not self.window.cursors:  # the last trainer left: free the window's memory
             self._evicted(self.window.clear())
         self.withdraw(stream)
@@ -156,8 +197,8 @@ class SharedDelivery(Delivery):
                 cursor.end = None
                 cursor.seq = max(cursor.seq, entry.seq + 1)
                 if entry.end:
-                    if cursor.missed > 0:
-                        cursor.replaying = True  # its replay's records go out now
+                    if cursor.missed > 0 or self._owes(stream.identity):
+                        cursor.replaying = True  # its replays' records go out now
                     else:
                         cursor.done = True
                         port.outlet.send(stream, End(epoch=entry.epoch,
@@ -199,11 +240,20 @@ class SharedDelivery(Delivery):
             return False
         if isinstance(item, EpochEnd):
             self.replay_pending.popleft()
-            cursor.lagged += max(0, cursor.missed - sent)  # splits no longer on record
-            cursor.done, cursor.replaying, cursor.missed = True, False, 0
-            port.outlet.send(stream, End(epoch=epoch, skipped=item.skipped,
-                                         lagged=cursor.lagged, replayed=sent))
+            replay = self.replay
+            if replay is not None and replay.segment is not None:
+                replay.segment.served.add(stream.consumer)
+            else:
+                cursor.lagged += max(0, cursor.missed - sent)  # splits no longer on record
+                cursor.missed = 0
+            sent += self.replayed.pop(trainer, 0)
             self._stop_replay()
+            if self._owes(trainer):  # another replay for it (an adopted segment): next
+                self.replayed[trainer] = sent
+            else:
+                cursor.done, cursor.replaying = True, False
+                port.outlet.send(stream, End(epoch=epoch, skipped=item.skipped,
+                                             lagged=cursor.lagged, replayed=sent))
             port.maybe_produce()
             return False
         if cursor.credits <= 0:
@@ -224,6 +274,8 @@ class SharedDelivery(Delivery):
         self.outstanding = 0
         for old in [e for e in self.splits if e < epoch - 2]:
             del self.splits[old]
+        for old in [e for e in self.adopted if e < epoch - 2]:
+            del self.adopted[old]
         return self.splits.setdefault(epoch, {})
 
     def start_side(self) -> None:
@@ -231,20 +283,30 @@ class SharedDelivery(Delivery):
         if self.replayer is not None:
             return
         while self.replays:
-            trainer, epoch, missed = self.replays.popleft()
-            if trainer in self.port.streams:
-                self.replaying = (trainer, 0)
+            replay = self.replays.popleft()
+            if replay.trainer in self.port.streams:
+                self.replay, self.replaying = replay, (replay.trainer, 0)
                 self.replay_outstanding = 0
                 self.replayer = self.port.start_producer(
-                    epoch, Pool(), splits=self.splits.setdefault(epoch, {}),
-                    replay=missed)
+                    replay.epoch, Pool(), replay.index, splits=replay.splits,
+                    replay=replay.limit)
                 self.permit()
                 break
+
+    def _owe(self, trainer: bytes, segment: Segment) -> None:
+        """Make adopted ``segment`` again for ``trainer``, after what it waits for now."""
+        self.replays.append(Replay(trainer, segment.epoch, WHOLE, segment.splits,
+                                   segment.index, segment))
+
+    def _owes(self, trainer: bytes) -> bool:
+        """Whether a replay for ``trainer`` runs or is still to run."""
+        return (self.replay is not None and self.replay.trainer == trainer) \
+            or any(r.trainer == trainer for r in self.replays)
 
     def _stop_replay(self) -> None:
         if self.replayer is not None:
             self.port.drop_producer(self.replayer)
-        self.replayer, self.replaying = None, None
+        self.replayer, self.replaying, self.replay = None, None, None
         for item in self.replay_pending:
             if isinstance(item, RecordOut):
                 item.outgoing.mark_taken()
@@ -272,9 +334,58 @@ class SharedDelivery(Delivery):
     def busy(self) -> bool:
         """Records not sent yet, to the window or from it to a trainer that lags behind
         (a worker that drains waits for them: the splits they came from are done, and
-        nobody would read them again), or a late trainer's replay to run or under way."""
+        nobody would read them again), records sent in a segment a trainer has not
+        confirmed mapping yet (the worker unlinks them as it leaves), or a late trainer's
+        replay to run or under way."""
         return (super().busy() or self.window.unsent() or bool(self.replays)
-                or self.replayer is not None or bool(self.replay_pending))
+                or self.replayer is not None or bool(self.replay_pending)
+                or any(stored.holders for stored in self.stored.values()))
+
+    # --- moves (handover.py) -------------------------------------------------------------
+
+    def handover(self) -> list[dict[str, Any]]:
+        """The splits this worker read in each epoch it keeps and those it adopted, with
+        the trainers that have all they make (each that has ended the epoch here, or
+        reads a later one: a trainer starts the job's newest epoch). From then on an
+        OPEN of another epoch is answered with its END: the taker serves that trainer."""
+        consumers = {identity: stream.consumer
+                     for identity, stream in self.port.streams.items()}
+
+        def served(epoch: int) -> set[str]:
+            return {consumers[identity] for identity, cursor in self.window.cursors.items()
+                    if identity in consumers
+                    and (cursor.epoch > epoch or (cursor.epoch == epoch and cursor.done))}
+
+        own = [Segment(epoch, self.port.spec.index, passes, served(epoch))
+               for epoch, passes in sorted(self.splits.items()) if any(passes.values())]
+        adopted = [Segment(epoch, s.index, s.splits, s.served | served(epoch))
+                   for epoch, segments in sorted(self.adopted.items()) for s in segments]
+        self.handed_on = True
+        return to_wire(own + adopted)
+
+    def adopt(self, entries: tuple[dict[str, Any], ...]) -> None:
+        """HANDOVER: once its last entry came, make each segment again for the trainers
+        of its epoch here that it did not serve (at once for those reading the epoch,
+        when they open it for the others)."""
+        self.incoming.extend(entries)
+        if not self.incoming or not self.incoming[-1]["last"]:
+            return
+        segments, self.incoming = from_wire(self.incoming), []
+        for segment in segments:
+            self.adopted.setdefault(segment.epoch, []).append(segment)
+            for identity, cursor in self.window.cursors.items():
+                stream = self.port.streams.get(identity)
+                if stream is None or cursor.epoch != segment.epoch \
+                        or stream.consumer in segment.served:
+                    continue
+                if cursor.done:
+                    log.warning("trainer %s ended epoch %d before a moved worker's splits "
+                                "of it were handed here: it misses what they made",
+                                stream.consumer, cursor.epoch)
+                    continue
+                self._owe(identity, segment)
+        self.port.maybe_produce()
+        self.deliver()
 
     # --- memory ---------------------------------------------------------------------------
 

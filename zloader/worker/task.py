@@ -10,6 +10,7 @@ more, and ends or fails epochs. How records reach the consumers is its
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Callable
@@ -319,11 +320,13 @@ class Task:
         (coordinated reads)."""
         self.broker.send(messages.RoundReq(task=self.id, epoch=epoch, members=members))
 
-    def start_producer(self, epoch: int, pool: Pool, **options: Any
-                       ) -> Producer:
+    def start_producer(self, epoch: int, pool: Pool, index: int | None = None,
+                       **options: Any) -> Producer:
         """Start a producer of ``epoch`` (``options``: see
-        :class:`~zloader.worker.producer.Producer`)."""
-        return self.links.start(self.spec, epoch, inline=self.delivery.inline, pool=pool,
+        :class:`~zloader.worker.producer.Producer`); ``index``: run as that worker index
+        (its seeds: another worker's splits made again, zloader/sharing/handover.py)."""
+        spec = self.spec if index is None else dataclasses.replace(self.spec, index=index)
+        return self.links.start(spec, epoch, inline=self.delivery.inline, pool=pool,
                                 draining=self.draining, epoch_input=self.inputs.get(epoch),
                                 weights=self.weights, dispatched=self.dispatched_for(epoch),
                                 permits=self.delivery.permits, **options)
@@ -347,11 +350,20 @@ class Task:
 
     def poll(self) -> None:
         """Called on every turn of the worker's loop: the delivery's own polling, and
-        ``HEARTBEAT.drained`` once a task drained to move has sent all it made."""
+        ``HEARTBEAT.drained`` once a task drained to move has sent all it made (after what
+        it hands on, ``HEARTBEAT.handover``: a shared job's)."""
         self.delivery.poll()
         if self.moving and not self.busy():
             self.moving = False
+            self.hand_over()
             self.broker.send(messages.Heartbeat(drained=self.id))
+
+    def hand_over(self) -> None:
+        """Before it leaves the job cleanly (drained to move, or SIGTERM): what it hands
+        on to another worker of the job (``HEARTBEAT.handover``: a shared job's splits,
+        zloader/sharing/handover.py), one entry per message (they can be many)."""
+        for entry in self.delivery.handover():
+            self.broker.send(messages.Heartbeat(handover=(entry,)))
 
     def busy(self) -> bool:
         """Whether it still makes or sends something: a producer, the delivery's own

@@ -1,0 +1,73 @@
+"""What a shared job's worker hands on when it drains to move, so that trainers that start
+its epochs later still get what it made (docs/sharing.md, "Moves").
+
+A worker of a shared job keeps, per epoch, the splits it read, in order and per pass, to
+make a late trainer's missed elements again (zloader/worker/shared.py). A worker the pool
+moves to another job drains: it finishes its splits and sends what they made to every
+trainer reading then, so those trainers get each element once. A trainer that starts one
+of those epochs afterwards would never reach it, so the drained worker hands its splits
+to the broker (``HEARTBEAT.handover``), which hands them to another worker of the job
+(``HANDOVER``) as *segments*: one per epoch and worker, with the worker index its seeds
+came from and the trainers it served. The worker that adopts a segment makes it again,
+whole, for each trainer of that epoch not served yet, and hands its segments on in turn
+when it drains.
+
+This module holds no sockets: the segments and their wire form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from zloader._defaults import HANDOVER_SERVED, HANDOVER_SPLITS
+
+__all__ = ["Segment", "from_wire", "to_wire"]
+
+Key = tuple[int, ...]
+
+
+@dataclass(eq=False)
+class Segment:
+    """Splits one worker read in one epoch, to make again for trainers not ``served``.
+
+    Attributes:
+        epoch: the epoch.
+        index: the worker index they were read under (its seeds: ``Context.rng``).
+        splits: per pass key, the splits in the order they were read.
+        served: the consumer ids that have everything the segment makes.
+    """
+
+    epoch: int
+    index: int
+    splits: dict[Key, list[int]]
+    served: set[str] = field(default_factory=set)
+
+
+def to_wire(segments: Iterable[Segment]) -> list[dict[str, Any]]:
+    """``HEARTBEAT.handover``'s entries: one per segment and pass (a pass with more than
+    HANDOVER_SPLITS splits in several), ``n`` numbering the segment they belong to. The
+    broker marks the last one it hands on (``last``): the taker adopts them all then."""
+    out: list[dict[str, Any]] = []
+    for n, segment in enumerate(segments):
+        served = sorted(segment.served)[:HANDOVER_SERVED]
+        for key, splits in segment.splits.items():
+            for start in range(0, max(1, len(splits)), HANDOVER_SPLITS):
+                out.append({"n": n, "epoch": segment.epoch, "index": segment.index,
+                            "pass": list(key),
+                            "splits": splits[start:start + HANDOVER_SPLITS],
+                            "served": served, "last": False})
+    return out
+
+
+def from_wire(entries: Iterable[dict[str, Any]]) -> list[Segment]:
+    """The segments :func:`to_wire`'s entries (checked by the message) describe."""
+    segments: dict[int, Segment] = {}
+    for entry in entries:
+        segment = segments.get(entry["n"])
+        if segment is None or segment.epoch != entry["epoch"]:
+            segment = segments[entry["n"]] = Segment(
+                entry["epoch"], entry["index"], {}, set(entry["served"]))
+        segment.splits.setdefault(tuple(entry["pass"]), []).extend(entry["splits"])
+    return list(segments.values())
