@@ -58,7 +58,7 @@ SAMPLES: dict[Command, dict] = {
     Command.RELEASE: {"task": "t1"},
     Command.HANDOVER: {"task": "t1", "segments": [
         {"n": 0, "epoch": 2, "index": 1, "pass": [2, 0], "splits": [5, 3, 9],
-         "served": ["c1"], "last": True}]},
+         "served": ["c1"], "had": {"c2": 40}, "last": True}], "held": [2]},
     Command.CONSUMER_GONE: {"task": "t1", "consumer": "c1", "replaced": True},
     Command.ROUND_REQ: {"task": "t1", "epoch": 0, "members": ["c1", "c2"]},
     Command.ROUND: {"task": "t1", "epoch": 0, "round": None},
@@ -222,10 +222,14 @@ BAD = [  # command, field, body change: each kind of bad body
     (Command.HEARTBEAT, "reread", {"reread": [[[], 3, {}]]}),
     (Command.HEARTBEAT, "reread", {"reread": [[[0], 3]]}),
     (Command.HEARTBEAT, "handover", {"handover": [{"n": 0, "epoch": 0}]}),
-    (Command.HANDOVER, "segments", {"task": "t1", "segments": []}),
     (Command.HANDOVER, "segments", {"task": "t1", "segments": [
         {"n": 0, "epoch": 0, "index": 0, "pass": [0], "splits": [-1], "served": [],
-         "last": True}]}),
+         "had": {}, "last": True}]}),
+    (Command.HANDOVER, "segments", {"task": "t1", "segments": [
+        {"n": 0, "epoch": 0, "index": 0, "pass": [0], "splits": [1], "served": [],
+         "had": {"c1": -3}, "last": True}]}),
+    (Command.HANDOVER, "held", {"task": "t1", "segments": [], "held": [-1]}),
+    (Command.DELIVERED, "shared", {"shared": {"epoch": 0, "done": "no", "count": 3}}),
     (Command.SPLIT_REQ, "have", {"have": "3"}),
     (Command.PASS_DONE, "pass", {"pass": []}),
     (Command.TASK_FAILED, "error", {"error": "boom"}),

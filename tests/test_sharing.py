@@ -81,6 +81,16 @@ def shared_jobs(address: str) -> list[dict]:
     return [j for j in status(address)["jobs"] if j.get("shared")]
 
 
+def exactly_once(got: list[int], size: int) -> None:
+    """Each of ``range(size)`` once in ``got``: what was lost and what came twice, named."""
+    counts = collections.Counter(got)
+    twice = {x: n for x, n in counts.items() if n > 1}
+    lost = sorted(set(range(size)) - set(counts))
+    assert not twice and not lost and len(got) == size, (
+        f"{len(got)} elements for {size}: {sum(twice.values()) - len(twice)} repeated "
+        f"(e.g. {sorted(twice)[:5]}), {len(lost)} lost (e.g. {lost[:5]})")
+
+
 def segments() -> list[str]:
     return [n for n in os.listdir("/dev/shm") if n.startswith("zloader-") and "-shr-" in n]
 
@@ -329,36 +339,45 @@ def test_a_trainer_that_leaves_an_epoch_early_gets_the_next_one_whole():
             assert sorted(int(x[0]) for x in loader) == list(range(400))
 
 
-@pytest.mark.slow
-def test_a_worker_killed_under_shared_trainers_does_not_stop_them():
-    def slow(x):
-        time.sleep(0.002)
-        return x
+def _sleepy(x: int) -> int:
+    time.sleep(0.002)
+    return x
 
-    pipeline = Pipeline.range(2000, split_size=20).map(slow)
+
+@pytest.mark.slow  # (about 8 s each)
+@pytest.mark.parametrize("at, batched", [(300, False), (1900, False), (1500, True)])
+def test_a_worker_killed_under_shared_trainers_loses_and_repeats_nothing(at, batched):
+    """One of a shared job's two workers is SIGKILLed while two trainers read (early, near
+    the end: the other worker may have ended the epoch for them before the broker sees
+    the death, and records in the dead worker's shared memory are swept), in a pipeline
+    of single elements and in one that shuffles and batches. The broker makes of the
+    splits it had handed it a segment that the other worker makes again for each trainer,
+    less the elements that trainer got from it: each gets every element once. (Its splits
+    were read again by the other worker: both got what they had twice, 103 of 1,200 in
+    bench.shared_faults; and near the end, the slower lost up to 152 of 2,000.)"""
+    pipeline = Pipeline.range(2000, split_size=20).map(_sleepy)
+    if batched:
+        pipeline = pipeline.shuffle(64, seed=3).batch(7)
     with service(workers=2) as (address, procs):
         with Loader(pipeline, broker=address, share=True, timeout=30) as a, \
                 Loader(pipeline, broker=address, share=True, timeout=30) as b:
             got: dict[str, list[int]] = {}
 
             def read(name: str, loader: Loader) -> None:
-                seen = []
-                for i, x in enumerate(loader):
-                    seen.append(int(x))
-                    if name == "a" and i == 300:
+                seen: list[int] = []
+                for x in loader:
+                    seen.extend(np.asarray(x).reshape(-1).tolist())
+                    if name == "a" and len(seen) >= at and procs[0].poll() is None:
                         procs[0].send_signal(signal.SIGKILL)
                         procs[0].wait()  # reaped: the consumers sweep its segments
+                    if name == "b":
+                        time.sleep(0.001)  # (a slower trainer: production follows a)
                 got[name] = seen
 
-            threads = [threading.Thread(target=read, args=item, daemon=True)
-                       for item in (("a", a), ("b", b))]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(90)
-            assert set(got) == {"a", "b"}, "a trainer did not finish the epoch"
-            for seen in got.values():  # its splits were read again by the other worker
-                assert set(seen) == set(range(2000))
+            run_together([functools.partial(read, "a", a), functools.partial(read, "b", b)],
+                         timeout=90)
+            for seen in got.values():
+                exactly_once(seen, 2000)
 
 
 @pytest.mark.slow  # (about 7-10 s; the suite keeps under 6 min on 2 cores)
@@ -379,16 +398,6 @@ def test_a_drained_worker_sends_its_window_to_a_lagging_trainer_before_it_leaves
             (epoch,) = trainer.epochs()
             assert sorted(set(epoch["got"])) == list(range(N)), \
                 f"lost {sorted(set(range(N)) - set(epoch['got']))}"
-
-
-def exactly_once(got: list[int], size: int) -> None:
-    """Each of ``range(size)`` once in ``got``: what was lost and what came twice, named."""
-    counts = collections.Counter(got)
-    twice = {x: n for x, n in counts.items() if n > 1}
-    lost = sorted(set(range(size)) - set(counts))
-    assert not twice and not lost and len(got) == size, (
-        f"{len(got)} elements for {size}: {sum(twice.values()) - len(twice)} repeated "
-        f"(e.g. {sorted(twice)[:5]}), {len(lost)} lost (e.g. {lost[:5]})")
 
 
 @pytest.mark.slow  # (about 7-10 s; the suite keeps under 6 min on 2 cores)

@@ -27,6 +27,7 @@ from zloader.broker.records import (
     Worker,
 )
 from zloader.lineage import merge_info
+from zloader.sharing.handover import Segment, to_wire
 from zloader.transport.messages import Delivered, Handover, Release
 from zloader.transport.protocol import ProtocolError
 
@@ -65,14 +66,16 @@ def leave(state: Tables, worker: Worker, job: Job, task: str, died: bool, now: f
     paused consumer's credits, a shared job's window; ``splits.mark_read``). A shared
     job's worker that leaves cleanly hands what it read on (:func:`_hand_on`)."""
     worker_id = worker.id
-    job.indices.pop(task, None)
+    index = job.indices.pop(task, None)
     job.tasks.pop(task, None)
     current = worker.current if worker.task == task else None
     if stays and worker.task == task:
         worker.task, worker.current, worker.idle_since = None, None, now
         worker.moving_to = None
     lost: list[tuple[PassKey, int]] = []
+    order: dict[PassKey, list[int]] = {}  # per pass, what it was handed, in order
     for key, handing in job.dispatch.passes.items():
+        handed: list[int] = []
         for split in handing.handed.pop(worker_id, []):
             if died and current == (key, split):
                 job.dispatch.kills[split] = job.dispatch.kills.get(split, 0) + 1
@@ -82,10 +85,13 @@ def leave(state: Tables, worker: Worker, job: Job, task: str, died: bool, now: f
                         f"{KILLS_TO_FAIL} times (last: worker pid {worker.pid} on "
                         f"{worker.host}); it is skipped")})
                     continue
+            handed.append(split)
             lost.append((job.dispatch.origin_of.get((key, split), key), split))
         read = handing.read.pop(worker_id, [])
         if job.track or not clean:
             lost += [(job.dispatch.origin_of.get((key, split), key), split) for split in read]
+        if read or handed:
+            order[key] = read + handed
     event = (WorkerLeft(job=job.id, task=task, worker=worker_id, clean=clean) if stays
              else WorkerGone(worker=worker_id, died=died, clean=clean))
     grace = state.expiry * FENCE_GRACE
@@ -94,6 +100,15 @@ def leave(state: Tables, worker: Worker, job: Job, task: str, died: bool, now: f
         job.fences[secrets.token_hex(6)] = Fence(worker_id, task, died, lost, asked,
                                                  now + grace, event=event)
         return views.tell_consumers(state, job)  # journaled once the fence is done
+    takers = _takers(state, job) if job.share is not None else []
+    if takers and not clean and order and index is not None and not state.replaying:
+        # Not read again (every trainer would get them twice): made again for each
+        # trainer by a worker that stays, less what it had (handover.py).
+        job.fences[secrets.token_hex(6)] = Fence(worker_id, task, died, lost, asked,
+                                                 now + grace, event=event, index=index,
+                                                 order=order, taker=takers[0][1].id)
+        return complete_fences(state, job) or views.tell_consumers(state, job) \
+            + _holds(state, job)
     state.record(event)
     if requeue:
         for key, split in lost:
@@ -103,29 +118,70 @@ def leave(state: Tables, worker: Worker, job: Job, task: str, died: bool, now: f
         out += coordinated.announce(state, job, {}, job.rounds.lose_worker(worker_id))
     handover, worker.handover = worker.handover, []
     if handover and clean and job.share is not None:
-        out += _hand_on(state, worker, job, handover)
+        out += _hand_on(state, job, handover,
+                        f"worker {worker.id} (pid {worker.pid} on {worker.host})")
     return out
 
 
-def _hand_on(state: Tables, worker: Worker, job: Job,
-             handover: list[dict[str, Any]]) -> list[Out]:
-    """A shared job's drained worker's splits (zloader/sharing/handover.py) to another
-    of the job's workers, which makes them again for the trainers that start those epochs
-    later (and hands them on in turn when it leaves by draining)."""
-    takers = [(task, state.workers[w]) for task, w in job.tasks.items()
-              if w in state.workers and state.workers[w].moving_to is None]
+def _takers(state: Tables, job: Job) -> list[tuple[str, Worker]]:
+    """The job's workers that stay (a shared job's handover goes to the first)."""
+    return [(task, state.workers[w]) for task, w in job.tasks.items()
+            if w in state.workers and state.workers[w].moving_to is None]
+
+
+def _hand_on(state: Tables, job: Job, handover: list[dict[str, Any]], who: str,
+             fence: tuple[str, Fence] | None = None) -> list[Out]:
+    """A shared job's worker's splits (zloader/sharing/handover.py: it drained, or the
+    broker made them of a dead one's) to another of the job's workers, which makes them
+    again for the trainers that did not have them (and hands them on in turn when it
+    leaves by draining). ``who``: the worker, in the log's words; ``fence``: the dead
+    one's (its taker first, if it stays)."""
+    takers = sorted(_takers(state, job), key=lambda t: fence is None
+                    or t[1].id != fence[1].taker)
     if not takers:
-        log.warning("worker %s (pid %d on %s) left shared job %s with no other worker to "
-                    "hand its splits to: a trainer that starts epoch(s) %s of it later "
-                    "misses what it made", worker.id, worker.pid, worker.host,
+        log.warning("%s left shared job %s with no other worker to hand its splits to: a "
+                    "trainer that starts epoch(s) %s of it later misses what it made", who,
                     job.name or job.id, sorted({e["epoch"] for e in handover}))
         return []
     task, taker = takers[0]
-    log.info("worker %s hands the splits it read for shared job %s on to worker %s",
-             worker.id, job.name or job.id, taker.id)
+    log.info("the splits of %s of shared job %s go to worker %s", who, job.name or job.id,
+             taker.id)
     handover[-1] = {**handover[-1], "last": True}
-    return [Out(taker.identity, Handover(task=task, segments=(entry,)))
+    held, token = _held(job), fence[0] if fence is not None else None
+    return [Out(taker.identity, Handover(task=task, segments=(entry,), held=held,
+                                         fence=token))
             for entry in handover]
+
+
+def _held(job: Job) -> tuple[int, ...]:
+    """The epochs of a shared job whose end its workers hold back: a dead worker's fence
+    waits for its trainers' answers."""
+    return tuple(sorted({key[0] for fence in job.fences.values() if fence.index is not None
+                         for key in fence.order}))
+
+
+def _holds(state: Tables, job: Job) -> list[Out]:
+    """Tell every worker of a shared job the epochs whose end it holds back now."""
+    held = _held(job)
+    return [Out(worker.identity, Handover(task=task, segments=(), held=held))
+            for task, worker in _takers(state, job)]
+
+
+def _made_again(job: Job, fence: Fence) -> list[dict[str, Any]]:
+    """A dead worker's handover, made by the broker from what it handed it (in order) and
+    what each trainer said it got from it (``DELIVERED.shared``)."""
+    segments = []
+    for epoch in sorted({key[0] for key in fence.order}):
+        segment = Segment(epoch, fence.index or 0,
+                          {key: splits for key, splits in fence.order.items()
+                           if key[0] == epoch})
+        for consumer, answer in fence.answers.items():
+            if epoch < answer["epoch"] or (epoch == answer["epoch"] and answer["done"]):
+                segment.served.add(consumer)
+            elif epoch == answer["epoch"]:
+                segment.had[consumer] = answer["count"]
+        segments.append(segment)
+    return to_wire(segments)
 
 
 def stuck(state: Tables, job: Job, consumer: Consumer,
@@ -222,7 +278,9 @@ def delivered(state: Tables, identity: bytes, msg: Delivered, now: float) -> lis
     fence = job.fences.get(msg.fence) if job is not None else None
     if consumer is None or job is None or fence is None or consumer.id not in fence.waiting:
         return []
-    wanted = set(fence.splits)
+    if fence.index is not None and msg.shared is not None:
+        fence.answers[consumer.id] = msg.shared
+    wanted = set(fence.splits) if fence.index is None else set()
     for key, split, info in msg.splits:
         at = (key, split)
         if at in wanted:
@@ -235,17 +293,24 @@ def delivered(state: Tables, identity: bytes, msg: Delivered, now: float) -> lis
 
 
 def complete_fences(state: Tables, job: Job) -> list[Out]:
-    """Re-queue the splits of every fence all consumers answered, less what they hold."""
+    """Re-queue the splits of every fence all consumers answered, less what they hold; a
+    shared job's go to a worker that stays, to make again (:func:`_made_again`)."""
     done = [token for token, fence in job.fences.items() if not fence.waiting]
+    out: list[Out] = []
     for token in done:
         fence = job.fences.pop(token)
         if fence.event is not None:
             state.record(dataclasses.replace(fence.event, fenced=True))
+        if fence.index is not None:
+            out += _hand_on(state, job, _made_again(job, fence),
+                            f"{'dead ' if fence.died else ''}worker {fence.worker}",
+                            (token, fence)) + _holds(state, job)
+            continue
         for key, split in fence.splits:
             info = fence.replies.get((key, split), {})
             if not info.get("all") and (key[0] >= job.epoch - 1):
                 splits.requeue(state, job, key, split, splits.skip(info))
-    return views.tell_consumers(state, job) if done else []
+    return out + views.tell_consumers(state, job) if done else []
 
 
 def give_up(state: Tables, job: Job, fence: Fence, now: float) -> None:

@@ -141,6 +141,12 @@ class Fence:
     deadline: float  # then the silent ones are given up
     replies: dict[tuple[PassKey, int], dict[str, Any]] = field(default_factory=dict)
     event: WorkerGone | WorkerLeft | None = None  # journaled once it is done
+    # A shared job's (zloader/sharing/handover.py): the worker's index, the splits it was
+    # handed per pass in order, and each consumer's DELIVERED.shared ({epoch, done, count})
+    index: int | None = None
+    order: dict[PassKey, list[int]] = field(default_factory=dict)
+    answers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    taker: str | None = None  # the worker meant to make them again
 
 
 @dataclass(slots=True)

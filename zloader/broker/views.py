@@ -47,7 +47,8 @@ def job_view(state: Tables, job: Job, busy: int | None = None) -> messages.Job:
         rounds=job.rounds.view() if job.rounds is not None else None,
         fences=tuple({"id": token, "worker": fence.worker, "task": fence.task,
                       "splits": [[list(key), split] for key, split in fence.splits],
-                      "waiting": sorted(fence.waiting)}
+                      "waiting": sorted(fence.waiting),
+                      **({"taker": fence.taker} if fence.taker is not None else {})}
                      for token, fence in job.fences.items()),
         fencing=fencing or None, joined=None, read=None))
 

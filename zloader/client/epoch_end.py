@@ -99,11 +99,13 @@ class EpochEnd:
                 return
         elif not all(peer.worker in session.ended for peer in self.peers):
             return
-        if self.stats.share is not None:  # a shared job's epoch is what its workers produced
-            self.finish()
-            return
         if int(self.fencing.get(str(session.epoch), 0)):
-            return  # a dead worker's splits are about to be re-queued: wait for them
+            return  # a dead worker's splits are about to be re-queued (made again): wait
+        if self.stats.share is not None:  # a shared job's epoch is what its workers produced
+            if not any(fence not in session.acked and taker in self.peers.workers()
+                       for fence, taker in session.awaiting.items()):
+                self.finish()  # (and what a worker made again of a dead one's: handover.py)
+            return
         if not confirmed:
             now = time.monotonic()
             # An exactly-once epoch waits for an answer to EPOCH: ask again when the last
@@ -209,7 +211,10 @@ class EpochEnd:
         (it left the job's view, so its peer is closed) and tells the broker which elements
         of its splits it holds; the broker hands the splits out again less those. It
         answers again, once a heartbeat, while the fence still lists it as ``waiting``
-        (its answer was lost: the broker had dropped it, or stalled)."""
+        (its answer was lost: the broker had dropped it, or stalled). A shared job's
+        consumer says how many elements it got from the worker in its epoch; the fence's
+        ``taker`` makes the rest again for it and names the fence in its END, which it
+        then waits for (zloader/sharing/handover.py)."""
         now = time.monotonic()
         for fence in fences:  # checked by the JOB record
             if not self._asked(fence, now) \
@@ -217,10 +222,20 @@ class EpochEnd:
                            for p in self.peers):
                 continue
             self._answered[fence["id"]] = now
-            assert self.session.job is not None  # fences come in the job's views
+            session = self.session
+            assert session.job is not None  # fences come in the job's views
+            if self.stats.share is not None:  # what it got from that worker this epoch
+                self.link.send(messages.Delivered(
+                    job=session.job, fence=fence["id"], splits=(), shared={
+                        "epoch": session.epoch or 0, "done": session.done,
+                        "count": session.got_from.get(fence["worker"], 0)}))
+                if not session.done and fence.get("taker") and any(
+                        key[0] == session.epoch for key, _ in fence["splits"]):
+                    session.awaiting[fence["id"]] = fence["taker"]
+                continue
             held = tuple((tuple(key), split, info)
                          for key, split, info in self._held(fence["splits"]))
-            self.link.send(messages.Delivered(job=self.session.job, fence=fence["id"],
+            self.link.send(messages.Delivered(job=session.job, fence=fence["id"],
                                               splits=held))
 
     def _held(self, entries: list[Any]) -> list[Any]:

@@ -389,7 +389,9 @@ class ConsumerLoop:
         view = self._link.job(job)
         if self.stats.job_epoch is not None:
             self.answered.set()
-        self._end.pending = view.pending
+        # (before the peers follow the view: a worker gone ends the epoch unless a fence
+        # holds it, and this view's fences are the ones that count)
+        self._end.pending, self._end.fencing = view.pending, view.fencing
         known = self._peers.workers()
         self._peers.update(view.workers)
         confirmed = self._end.view(view)

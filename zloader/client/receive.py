@@ -181,8 +181,12 @@ class Receiver:
     def _dropped(self, peer: Peer, what: str, exc: Exception) -> ProtocolError:
         """A record of ``peer``'s that cannot be read (corrupt, in shared memory or on the
         wire): its credit is given back so that the worker goes on, and the error to raise
-        (the caller drops and counts the record)."""
+        (the caller drops and counts the record). In a shared job the worker's END no
+        longer ends the epoch here: a record gone from shared memory is a dead worker's
+        (swept), whose fence makes the rest again (zloader/sharing/handover.py)."""
         self.peers.credit(peer.worker, 1)
+        if self.stats.share is not None:
+            self.session.broken.add(peer.worker)
         return ProtocolError(f"{what} from worker pid {peer.pid} at {peer.endpoint}: {exc}")
 
     def _buffers(self, peer: Peer, data: messages.Data, payload: list[Any]) -> list[Any]:
@@ -226,6 +230,7 @@ class Receiver:
         if size > self.peers.large:  # more than the memory budget holds in flight
             self.peers.fit(size)
         stats.per_worker[peer.pid] = stats.per_worker.get(peer.pid, 0) + count
+        session.got_from[peer.worker] = session.got_from.get(peer.worker, 0) + count
         self._note_lagged(peer, data.lagged)
         item = Data(session.epoch if session.epoch is not None else -1, peer.worker,
                     peer.index, elements, origins, data.part)
@@ -260,6 +265,12 @@ class Receiver:
             self.rounds.ends[peer.worker] = max(end.rerun,
                                                 self.rounds.ends.get(peer.worker, -1))
         self._note_lagged(peer, end.lagged, end.replayed)
+        session.acked.update(end.fences)
+        if peer.worker in session.broken:
+            log.warning("worker pid %d at %s ended epoch %s after a record of it was lost: "
+                        "waiting for the broker to make the rest again", peer.pid,
+                        peer.endpoint, session.epoch)
+            return
         session.ended.add(peer.worker)
         self.peers.left(peer)  # (a worker that had left the view: nothing more comes)
         origins = None

@@ -93,6 +93,14 @@ class Session:
     done: bool = False  # the epoch is over: Done was handed on
     rerun: int = 0  # how often the workers were asked to run the epoch again
     received: Ledger = field(default_factory=Ledger)  # origins received this epoch
+    # A shared job's: elements received this epoch from each worker (what a trainer says
+    # it had of a dead one's, DELIVERED.shared)
+    got_from: dict[str, int] = field(default_factory=dict)
+    # ... and the dead workers' fences whose elements it waits for this epoch: fence ->
+    # the worker that makes them again (its END names the fence: ``acked``)
+    awaiting: dict[str, str] = field(default_factory=dict)
+    acked: set[str] = field(default_factory=set)
+    broken: set[str] = field(default_factory=set)  # workers a record of which was lost
     weights: tuple[float, ...] | None = None  # a mix's, as Loader.set_weights set them
     weights_stamp: float = 0.0  # when
     # Work items (Loader.dispatch) for worker indices not connected yet, sent with the OPEN
@@ -106,4 +114,5 @@ class Session:
         self.done = False
         self.rerun = 0
         self.received = Ledger(made_here)
+        self.got_from, self.awaiting, self.acked, self.broken = {}, {}, set(), set()
         self.undispatched = {}

@@ -12,6 +12,13 @@ came from and the trainers it served. The worker that adopts a segment makes it 
 whole, for each trainer of that epoch not served yet, and hands its segments on in turn
 when it drains.
 
+A worker that dies (or moves at once) cannot hand anything on: the broker does it for
+it, from the splits it handed that worker, in order, once every trainer has said how many
+elements it got from that worker in the epoch (a fence, zloader/broker/failures.py). The
+worker that adopts the segment makes it again for each trainer skipping that many (its
+``had``): the same splits, in the same order, with the same seeds, make the same elements
+in the same order, and a trainer gets a worker's elements in the order it made them.
+
 This module holds no sockets: the segments and their wire form.
 """
 
@@ -37,12 +44,15 @@ class Segment:
         index: the worker index they were read under (its seeds: ``Context.rng``).
         splits: per pass key, the splits in the order they were read.
         served: the consumer ids that have everything the segment makes.
+        had: the consumer ids that have the first elements it makes: how many (a dead
+            worker's segment).
     """
 
     epoch: int
     index: int
     splits: dict[Key, list[int]]
     served: set[str] = field(default_factory=set)
+    had: dict[str, int] = field(default_factory=dict)
 
 
 def to_wire(segments: Iterable[Segment]) -> list[dict[str, Any]]:
@@ -57,7 +67,7 @@ def to_wire(segments: Iterable[Segment]) -> list[dict[str, Any]]:
                 out.append({"n": n, "epoch": segment.epoch, "index": segment.index,
                             "pass": list(key),
                             "splits": splits[start:start + HANDOVER_SPLITS],
-                            "served": served, "last": False})
+                            "served": served, "had": segment.had, "last": False})
     return out
 
 
@@ -68,6 +78,6 @@ def from_wire(entries: Iterable[dict[str, Any]]) -> list[Segment]:
         segment = segments.get(entry["n"])
         if segment is None or segment.epoch != entry["epoch"]:
             segment = segments[entry["n"]] = Segment(
-                entry["epoch"], entry["index"], {}, set(entry["served"]))
+                entry["epoch"], entry["index"], {}, set(entry["served"]), dict(entry["had"]))
         segment.splits.setdefault(tuple(entry["pass"]), []).extend(entry["splits"])
     return list(segments.values())

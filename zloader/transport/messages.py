@@ -43,6 +43,7 @@ from zloader._defaults import LOG_MAX_LINE, LOG_MAX_LINES, MAX_AHEAD, MAX_MIX_IN
 from zloader.options import JobOptions
 from zloader.transport.fields import (
     INDEX,
+    MAX_ITEMS,
     MAX_NAME,
     NAME,
     PASS_KEY,
@@ -139,13 +140,15 @@ def job_worker(value: Any) -> dict[str, Any]:
 
 def fence(value: Any) -> dict[str, Any]:
     """An entry of ``JOB.fences``: ``{id, worker, task, splits: [[pass key, split], ...],
-    waiting: [consumer ids]}``."""
+    waiting: [consumer ids]}``, and a shared job's ``taker``: the worker that makes the
+    dead one's splits again (its ``END`` names the fence)."""
     if not (isinstance(value, dict) and all(isinstance(value.get(k), str)
                                             for k in ("id", "worker", "task"))
             and isinstance(value.get("splits"), list)
             and all(isinstance(s, list) and len(s) == 2 and is_int(s[1]) and s[1] >= 0
                     for s in value["splits"])
-            and isinstance(value.get("waiting", []), list)):
+            and isinstance(value.get("waiting", []), list)
+            and isinstance(value.get("taker", ""), str)):
         raise Wrong("entries must be {id, worker, task, splits: [[pass, split], ...], "
                      "waiting}")
     try:
@@ -249,13 +252,23 @@ def split_info(value: Any) -> tuple[tuple[int, ...], int, dict[str, Any]]:
         raise Wrong("must be [pass, split, info], pass a list of integers >= 0") from None
 
 
+def had_counts(value: Any) -> dict[str, int]:
+    """``{consumer id: elements}`` (a handover entry's ``had``)."""
+    if not isinstance(value, dict) or len(value) > MAX_ITEMS or not all(
+            isinstance(k, str) and 0 < len(k) <= MAX_NAME and is_int(v) and v >= 0
+            for k, v in value.items()):
+        raise Wrong("must map consumer ids to counts >= 0")
+    return value
+
+
 _SEGMENT_FIELDS = {"n": INDEX, "epoch": INDEX, "index": INDEX, "pass": PASS_KEY,
-                   "splits": list_of(INDEX), "served": list_of(NAME), "last": boolean}
+                   "splits": list_of(INDEX), "served": list_of(NAME), "had": had_counts,
+                   "last": boolean}
 
 
 def handover_entry(value: Any) -> dict[str, Any]:
     """An entry of ``HEARTBEAT.handover`` and ``HANDOVER.segments``: ``{n, epoch, index,
-    pass, splits, served, last}`` (zloader/sharing/handover.py)."""
+    pass, splits, served, had, last}`` (zloader/sharing/handover.py)."""
     if not isinstance(value, dict) or set(value) != set(_SEGMENT_FIELDS):
         raise Wrong(f"must be {{{', '.join(_SEGMENT_FIELDS)}}}")
     try:
@@ -264,6 +277,16 @@ def handover_entry(value: Any) -> dict[str, Any]:
         raise Wrong(f"must be {{{', '.join(_SEGMENT_FIELDS)}}}: {exc}") from None
     return {name: list(v) if isinstance(v, tuple) else v  # (passed on as they came)
             for name, v in checked.items()}
+
+
+def shared_answer(value: Any) -> dict[str, Any]:
+    """``DELIVERED.shared``: ``{epoch, done, count}``."""
+    if not (isinstance(value, dict) and set(value) == {"epoch", "done", "count"}
+            and is_int(value["epoch"]) and value["epoch"] >= 0
+            and isinstance(value["done"], bool)
+            and is_int(value["count"]) and value["count"] >= 0):
+        raise Wrong("must be {epoch, done, count}")
+    return value
 
 
 # --- records ------------------------------------------------------------------------------
@@ -359,7 +382,12 @@ class Release(Record):
 class Handover(Record):
     COMMAND = Command.HANDOVER
     task: str = fld(NAME)
-    segments: tuple[dict[str, Any], ...] = fld(list_of(handover_entry, 1))
+    segments: tuple[dict[str, Any], ...] = fld(list_of(handover_entry))
+    # epochs whose END the worker holds back: a dead worker's fence waits for its trainers
+    held: tuple[int, ...] = fld(list_of(INDEX), (), omit=True)
+    # the fence whose dead worker's splits these are: the END of each trainer that was
+    # reading their epoch names it
+    fence: str | None = fld(optional(NAME), None, omit=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -468,6 +496,9 @@ class Delivered(Record):
     job: str = fld(NAME)
     fence: str = fld(NAME)
     splits: tuple[tuple[tuple[int, ...], int, dict[str, Any]], ...] = fld(list_of(split_info))
+    # a shared job's consumer: its epoch, whether it is over, and the elements it got from
+    # the fence's worker in it
+    shared: dict[str, Any] | None = fld(optional(shared_answer), None, omit=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -737,6 +768,8 @@ class End(Record):
     rerun: int | None = fld(optional(INDEX), None, omit=True)
     lagged: int | None = fld(optional(INDEX), None, omit=True)
     replayed: int | None = fld(optional(INDEX), None, omit=True)
+    # a shared job's: the fences whose dead worker's elements came before it (HANDOVER)
+    fences: tuple[str, ...] = fld(list_of(NAME), (), omit=True)
     origins: bool = fld(boolean, False, omit=True)  # an origin block is its payload
     # A mix input the worker has no more elements of this epoch (its consumers draw the
     # mix, zloader/plan.py): not the epoch's end, which has no part.

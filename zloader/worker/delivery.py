@@ -230,8 +230,10 @@ class Delivery(abc.ABC):
         (``HEARTBEAT.handover``: a shared job's splits, zloader/sharing/handover.py)."""
         return []
 
-    def adopt(self, entries: tuple[dict[str, Any], ...]) -> None:
-        """``HANDOVER``: entries of another worker's handover (a shared job's)."""
+    def adopt(self, entries: tuple[dict[str, Any], ...], held: tuple[int, ...] = (),
+              fence: str | None = None) -> None:
+        """``HANDOVER``: entries of another worker's handover, and the epochs whose end
+        waits for one (a shared job's)."""
         log.warning("a handover for a job that is not shared: ignored")
 
     def breaks(self, epoch: int) -> bool:

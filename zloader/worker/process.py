@@ -430,7 +430,7 @@ class WorkerProcess:
                 self._stop_task()
         elif isinstance(record, messages.Handover):
             if task is not None and record.task == task.id:
-                task.delivery.adopt(record.segments)
+                task.delivery.adopt(record.segments, record.held, record.fence)
         elif isinstance(record, messages.Round):
             if task is not None and record.task == task.id:
                 task.delivery.on_round(record.epoch, record.round)

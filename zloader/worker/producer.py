@@ -208,6 +208,8 @@ class Producer(threading.Thread):
             elements again (shared jobs: recorded here, in order); None: not recorded.
         replay: make the first ``replay`` elements of the epoch again, reading the splits
             recorded in ``splits`` (a shared job's late trainer); None: produce afresh.
+        skip: of those, leave out the first ``skip`` (made, not sent: what a trainer had
+            of a dead worker's, zloader/sharing/handover.py).
         dispatched: the epoch's work items a consumer dispatches (a dispatched source's,
             see ``Source.dispatched``; handed to the pipeline as ``RunSettings.dispatched``).
         timing: where the time goes, by stage (shared by the worker's producers).
@@ -226,6 +228,7 @@ class Producer(threading.Thread):
                  dispatched: Dispatched | None = None,
                  splits: dict[tuple[int, ...], list[int]] | None = None,
                  replay: int | None = None,
+                 skip: int = 0,
                  timing: dict[str, float] | None = None,
                  after: tuple[threading.Thread, ...] = (),
                  permits: Permits | None = None) -> None:
@@ -246,7 +249,7 @@ class Producer(threading.Thread):
         self.dispatched = dispatched
         self.link: Any = None  # the socket thread's end of the pair
         self.outbox: deque[tuple[LinkKind, Any]] = deque()  # one per frame sent, in order
-        self.replay = replay
+        self.replay, self.skip = replay, skip
         self.splits = splits
         # Where the time goes (seconds, cumulative over the worker's producers): running
         # the pipeline, waiting for the broker's splits, encoding records, and blocked
@@ -344,7 +347,7 @@ class Producer(threading.Thread):
             return
         elements = spec.plan.run_worker(lambda key: self._feed(pair, key), self.epoch, ctx)
         if self.replay is not None:
-            elements = itertools.islice(elements, self.replay)
+            elements = itertools.islice(elements, self.skip, self.replay)
         batch: list[Any] = []
         # Untracked elements: the source position each was taken at, to name one the
         # codec rejects (tracked ones carry their origins).

@@ -41,9 +41,10 @@ WHOLE = sys.maxsize
 
 @dataclass(eq=False)
 class Replay:
-    """Elements made again for one trainer: the first ``limit`` of those ``splits``
-    make (per pass, in order), read as worker ``index`` (None: this one); ``segment``: the
-    adopted segment they are (None: this worker's own, what the trainer missed)."""
+    """Elements made again for one trainer: those from ``skip`` to ``limit`` of what
+    those ``splits`` make (per pass, in order), read as worker ``index`` (None: this one);
+    ``segment``: the adopted segment they are (None: this worker's own, what the trainer
+    missed)."""
 
     trainer: bytes
     epoch: int
@@ -51,6 +52,7 @@ class Replay:
     splits: dict[tuple[int, ...], list[int]]
     index: int | None = None
     segment: Segment | None = None
+    skip: int = 0
 
 
 class SharedDelivery(Delivery):
@@ -73,6 +75,8 @@ class SharedDelivery(Delivery):
         self.adopted: dict[int, list[Segment]] = {}
         self.incoming: list[dict[str, Any]] = []
         self.handed_on = False  # it left the job cleanly: another worker makes its splits
+        self.held: set[int] = set()  # epochs whose end waits for a fence (adopt)
+        self.acks: dict[bytes, set[str]] = {}  # trainer -> fences its next END names
         self.replay_pending: deque[Pending] = deque()
         self.replay_outstanding = 0
 
@@ -96,7 +100,7 @@ class SharedDelivery(Delivery):
                                            self.splits.setdefault(epoch, {})))
             for segment in self.adopted.get(epoch, ()):
                 if stream.consumer not in segment.served:
-                    self._owe(stream.identity, segment)
+                    self._owe(stream, segment)
         elif cursor.done:
             port.outlet.send(stream, End(epoch=epoch, lagged=cursor.lagged))
         stream.epoch = epoch
@@ -122,6 +126,7 @@ class SharedDelivery(Delivery):
             self._stop_replay()
         self.replays = deque(r for r in self.replays if r.trainer != stream.identity)
         self.replayed.pop(stream.identity, None)
+        self.acks.pop(stream.identity, None)
         if not self.window.cursors:  # the last trainer left: free the window's memory
             self._evicted(self.window.clear())
         self.withdraw(stream)
@@ -192,8 +197,8 @@ class SharedDelivery(Delivery):
                 continue
             while cursor.credits > 0 or cursor.end is not None:
                 entry = cursor.end or window.next_for(cursor)
-                if entry is None:
-                    break
+                if entry is None or (entry.end and entry.epoch in self.held):
+                    break  # (a dead worker's elements may still be owed: see adopt)
                 cursor.end = None
                 cursor.seq = max(cursor.seq, entry.seq + 1)
                 if entry.end:
@@ -202,6 +207,7 @@ class SharedDelivery(Delivery):
                     else:
                         cursor.done = True
                         port.outlet.send(stream, End(epoch=entry.epoch,
+                                                     fences=self._acked(stream),
                                                      skipped=entry.skipped,
                                                      lagged=cursor.lagged))
                     break
@@ -239,6 +245,8 @@ class SharedDelivery(Delivery):
         if not cursor.replaying:
             return False
         if isinstance(item, EpochEnd):
+            if epoch in self.held:
+                return False  # (a dead worker's elements may still be owed: see adopt)
             self.replay_pending.popleft()
             replay = self.replay
             if replay is not None and replay.segment is not None:
@@ -253,6 +261,7 @@ class SharedDelivery(Delivery):
             else:
                 cursor.done, cursor.replaying = True, False
                 port.outlet.send(stream, End(epoch=epoch, skipped=item.skipped,
+                                             fences=self._acked(stream),
                                              lagged=cursor.lagged, replayed=sent))
             port.maybe_produce()
             return False
@@ -289,14 +298,16 @@ class SharedDelivery(Delivery):
                 self.replay_outstanding = 0
                 self.replayer = self.port.start_producer(
                     replay.epoch, Pool(), replay.index, splits=replay.splits,
-                    replay=replay.limit)
+                    replay=replay.limit, skip=replay.skip)
                 self.permit()
                 break
 
-    def _owe(self, trainer: bytes, segment: Segment) -> None:
-        """Make adopted ``segment`` again for ``trainer``, after what it waits for now."""
-        self.replays.append(Replay(trainer, segment.epoch, WHOLE, segment.splits,
-                                   segment.index, segment))
+    def _owe(self, stream: Stream, segment: Segment) -> None:
+        """Make adopted ``segment`` again for ``stream``'s trainer (less the elements it
+        had of it), after what it waits for now."""
+        self.replays.append(Replay(stream.identity, segment.epoch, WHOLE, segment.splits,
+                                   segment.index, segment,
+                                   segment.had.get(stream.consumer, 0)))
 
     def _owes(self, trainer: bytes) -> bool:
         """Whether a replay for ``trainer`` runs or is still to run."""
@@ -363,14 +374,24 @@ class SharedDelivery(Delivery):
         self.handed_on = True
         return to_wire(own + adopted)
 
-    def adopt(self, entries: tuple[dict[str, Any], ...]) -> None:
+    def adopt(self, entries: tuple[dict[str, Any], ...], held: tuple[int, ...] = (),
+              fence: str | None = None) -> None:
         """HANDOVER: once its last entry came, make each segment again for the trainers
         of its epoch here that it did not serve (at once for those reading the epoch,
-        when they open it for the others)."""
+        when they open it for the others), less what each had of it; ``held``: the epochs
+        whose end waits for a dead worker's segment (the broker's ``fence``)."""
+        self.held = set(held)
         self.incoming.extend(entries)
-        if not self.incoming or not self.incoming[-1]["last"]:
-            return
-        segments, self.incoming = from_wire(self.incoming), []
+        if self.incoming and self.incoming[-1]["last"]:
+            self._adopt(from_wire(self.incoming), fence)
+            self.incoming = []
+        self.port.maybe_produce()
+        self.deliver()
+
+    def _adopt(self, segments: list[Segment], fence: str | None) -> None:
+        """Owe each segment to the trainers reading its epoch here that do not have it all
+        (a dead worker's, ``fence``: each such trainer's END names it, and one whose epoch
+        ended here already gets the rest, then its END again: it waits for that)."""
         for segment in segments:
             self.adopted.setdefault(segment.epoch, []).append(segment)
             for identity, cursor in self.window.cursors.items():
@@ -378,14 +399,23 @@ class SharedDelivery(Delivery):
                 if stream is None or cursor.epoch != segment.epoch \
                         or stream.consumer in segment.served:
                     continue
-                if cursor.done:
+                if fence is not None:
+                    self.acks.setdefault(identity, set()).add(fence)
+                    if cursor.done:
+                        cursor.done, cursor.replaying = False, True
+                elif cursor.done:
                     log.warning("trainer %s ended epoch %d before a moved worker's splits "
                                 "of it were handed here: it misses what they made",
                                 stream.consumer, cursor.epoch)
                     continue
-                self._owe(identity, segment)
-        self.port.maybe_produce()
-        self.deliver()
+                self._owe(stream, segment)
+
+    def _acked(self, stream: Stream) -> tuple[str, ...]:
+        """The fences whose elements ``stream``'s trainer had before this END."""
+        return tuple(sorted(self.acks.pop(stream.identity, ())))
+
+    def reconnected(self) -> None:
+        self.held = set()  # (a restarted broker knows no fence: nothing will release them)
 
     # --- memory ---------------------------------------------------------------------------
 
