@@ -19,7 +19,7 @@ from typing import ClassVar
 import numpy as np
 import pytest
 
-from tests.service import run_together, service, status, wait_for
+from tests.service import run_together, service, status, stop, wait_for
 from zloader import Loader, Pipeline
 from zloader.sharing.window import Window
 
@@ -480,6 +480,41 @@ def test_a_worker_stopped_with_sigterm_hands_on_what_it_read_to_a_later_trainer(
         run_together([functools.partial(read, name) for name in "ac"], timeout=120)
         for name in "ac":
             exactly_once(got[name], 1200)
+
+
+@pytest.mark.slow  # (about 10 s)
+def test_a_shared_job_through_a_broker_restart_on_its_work_dir_is_exact(tmp_path):
+    """The broker of a shared job is SIGKILLed mid-epoch and restarted on its work dir:
+    two trainers reading, and one that joins after the restart, each get every element
+    once."""
+    from tests.test_journal import start_broker, start_journaled
+
+    address, work_dir, broker, started = start_journaled(tmp_path, 2)
+    brokers = [broker]
+    pipeline = Pipeline.range(2000, split_size=20).map(_sleepy)
+    got: dict[str, list[int]] = {}
+
+    def read(name: str) -> None:
+        if name == "c":
+            wait_for(lambda: len(got.get("a", ())) >= 900, timeout=60, what="the restart")
+        got[name] = []
+        with Loader(pipeline, broker=address, share=True, timeout=60) as loader:
+            for x in loader:
+                got[name].append(int(x))
+                if name == "a" and len(got[name]) == 500:
+                    brokers[0].send_signal(signal.SIGKILL)
+                    brokers[0].wait()
+                    brokers[0] = start_broker(address, work_dir)
+                if name == "b":
+                    time.sleep(0.001)
+
+    try:
+        run_together([functools.partial(read, name) for name in "abc"], timeout=120)
+    finally:
+        for process in [*started, *brokers]:
+            stop(process)
+    for name in "abc":
+        exactly_once(got[name], 2000)
 
 
 @pytest.mark.slow
