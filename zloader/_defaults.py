@@ -699,8 +699,10 @@ AUTOSCALE_COOLDOWN = 30.0
 AUTOSCALE_MIN_WORKERS = 1
 """Fewest workers the autoscaler asks for a job (``Autoscaler(min_workers=)``)."""
 
-AUTOSCALE_MAX_WORKERS = 64
-"""Most workers the autoscaler asks for a job (``Autoscaler(max_workers=)``)."""
+AUTOSCALE_MAX_WORKERS = 4096
+"""Most workers the autoscaler asks for a job (``Autoscaler(max_workers=)``); the fleet's
+own limits (an actuator's ``--max-processes``, ``max_workers``) hold it lower: an addition
+they do not carry out is given up and becomes a ceiling for a while."""
 
 AUTOSCALE_HOLD = 10
 """Cooldowns a floor or ceiling set by an undone step first lasts, then doubles

@@ -3,15 +3,22 @@
 The broker keeps one :class:`Autoscaler` per job and feeds it, once per heartbeat, the
 job's worker count and *starvation*: the share of time its consumers waited for data. The
 decision (``desired_workers``) shows in ``zloader status`` and the metrics; actuators carry
-it out. The policy is a hill climb with hysteresis:
+it out. The policy steps in proportion to the job, with hysteresis:
 
-- **Up.** While consumers wait more than ``up`` of their time, add a worker. Then keep adding
-  while each worker added cut their waiting by more than ``up`` (7 points of their time). An
-  addition that helped less means the workers are not what they wait for (the network, the
-  broker, the consumer itself): it is undone, and that count becomes a ceiling for a while.
-- **Down.** While consumers wait less than ``down`` (3%), remove a worker. Keep removing
-  while each removal raises their waiting by less than ``down``. A removal that cost more
-  is undone, and that count becomes a floor for a while.
+- **Up.** While consumers wait more than ``up`` of their time, grow to the count that would
+  end the waiting if the workers are what they wait for: with ``W`` workers and starvation
+  ``s`` the consumers get ``1 - s`` of what they want, so ``W / (1 - s)`` workers serve them
+  (at least one more, at most twice as many in one step: a job that needs 1,000 gets there
+  from 1 in about ten steps). A step that cut the waiting by less than half of what it
+  should have means the workers are not what the consumers wait for (the network, the
+  broker, the consumer itself, cores shared by too many workers): it is undone, and the
+  count it left becomes a ceiling for a while. (An earlier policy added one worker at a
+  time and undid any that cut the waiting by 7 points or less; one of ``N`` cuts it by
+  about ``1/N``, so no job grew past 14 workers.)
+- **Down.** While consumers wait less than ``down`` (3%), remove an eighth of the workers
+  (at least one). Keep removing while each removal raises their waiting by less than
+  ``down``. A removal that cost more is undone, and that count becomes a floor for a
+  while.
 - **Backoff.** A floor or ceiling lasts ``hold`` cooldowns, twice as long each time the
   same one is set again, so a settled job is probed more and more rarely.
 - **Cooldown.** No decision until ``cooldown`` seconds of samples since the last change
@@ -29,15 +36,17 @@ it out. The policy is a hill climb with hysteresis:
 
 Why these thresholds: they are Cachew's published ones (7% up, 3% down), applied to the
 consumers' time rather than throughput. Starvation is the quantity a trainer pays for
-(accelerator idle time). The gap between the two is the hysteresis: a worker whose
-addition bought between 3 and 7 points is kept, but not followed by another, so the count
-does not flap around the threshold. The unit tests run the policy on traces (needs of 4
-workers from 1, over-provisioned jobs, consumer-bound jobs, noise around a threshold) and
-check that it settles and that it does not oscillate.
+(accelerator idle time). The gap between the two is the hysteresis: a count at which the
+consumers wait between 3% and 7% is kept, so the count does not flap around the
+threshold. The unit tests run the policy on traces (needs of 1 to 1,000 workers from
+various starts, needs that drop, over-provisioned jobs, consumer-bound jobs, noise around
+a threshold) and check that it gets there in a bounded number of steps, settles and does
+not oscillate.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from zloader._defaults import (
@@ -72,6 +81,8 @@ class Autoscaler:
     _changed: float = 0.0  # when the count last changed or the actuators caught up
     _asked: float = 0.0  # when ``desired`` last changed
     _before: float = 0.0  # mean starvation before the last change
+    _before_error: float = 0.0  # its standard error
+    _from: int = 0  # the count before the last change
     _samples: list[tuple[float, float]] = field(default_factory=list)  # (time, starvation)
     _floor: tuple[int, float, int] = (0, 0.0, 0)  # (count, until, times set)
     _ceiling: tuple[int, float, int] = (0, 0.0, 0)
@@ -122,45 +133,73 @@ class Autoscaler:
         # (consumers report once a heartbeat, and a new worker fills its pipeline first).
         settled = [v for t, v in self._samples if t >= self._changed + self.cooldown / 2]
         mean = sum(settled) / len(settled)
+        error = math.sqrt(sum((v - mean) ** 2 for v in settled) / max(1, len(settled) - 1)
+                          / len(settled))
         self._undo = False
-        step = self._step(now, mean)
+        wanted = self._next(now, mean, math.hypot(error, self._before_error))
         low = self._floor[0] if now < self._floor[1] else self.min_workers
         high = self._ceiling[0] if now < self._ceiling[1] else self.max_workers
-        target = max(self.min_workers, low, min(self.max_workers, high, self.desired + step))
+        target = max(self.min_workers, low, min(self.max_workers, high, wanted))
         moved = (target > self.desired) - (target < self.desired)
         if moved:
             self._asked = now
             self._requested = True
         # An undone step is not a step of its own: the next decision starts afresh.
         self._direction = 0 if self._undo else moved
-        self.desired = target
-        self._before = mean
+        self._from, self.desired = self.desired, target
+        self._before, self._before_error = mean, error
         self._changed = now
         self._samples.clear()
         return self.desired
 
-    def _step(self, now: float, mean: float) -> int:
-        if self._direction > 0:  # we added one: did it help enough to add another?
-            if self._before - mean > self.up:
-                return 1 if mean > self.up else 0
-            # It did not: the workers are not what the consumers wait for. Undo, and do
+    def _next(self, now: float, mean: float, error: float) -> int:
+        """The count to ask for after a cooldown whose settled starvation is ``mean``
+        (``error``: the standard error of its difference from the one before)."""
+        count = self.desired
+        if self._direction > 0:  # we added some: did they help as much as they should?
+            expected = _expected_gain(self._from, count, self._before) / 2
+            gain = self._before - mean
+            # (a gain smaller than the noise cannot be judged: a job starved almost all
+            # the time by far too few workers gains little per step; it goes on)
+            if gain >= expected or (expected < 2 * error and gain > -2 * error):
+                return self._grown(count, mean) if mean > self.up else count
+            # They did not: the workers are not what the consumers wait for. Undo, and do
             # not try that count again for a while (longer each time).
-            self._ceiling = self._limit(self._ceiling, self.desired - 1, now)
+            self._ceiling = self._limit(self._ceiling, self._from, now)
             self._undo = True
-            return -1
-        if self._direction < 0:  # we removed one: did it cost little enough to go on?
+            return self._from
+        if self._direction < 0:  # we removed some: did it cost little enough to go on?
             if mean - self._before >= self.down:
-                self._floor = self._limit(self._floor, self.desired + 1, now)
+                self._floor = self._limit(self._floor, self._from, now)
                 self._undo = True
-                return 1
-            return -1 if mean < self.down else 0
+                return self._from
+            return _shrunk(count) if mean < self.down else count
         if mean > self.up:
-            return 1
+            return self._grown(count, mean)
         if mean < self.down:
-            return -1
-        return 0
+            return _shrunk(count)
+        return count
+
+    def _grown(self, count: int, mean: float) -> int:
+        """The count that would end a starvation of ``mean`` with ``count`` workers, if
+        they are what the consumers wait for: ``count / (1 - mean)``, one more at least,
+        twice as many at most."""
+        serves = count / max(1.0 - mean, 1e-9)
+        return max(count + 1, min(2 * count, math.ceil(serves - 1e-9)))
 
     def _limit(self, limit: tuple[int, float, int], count: int,
                now: float) -> tuple[int, float, int]:
         times = limit[2] + 1 if limit[0] == count else 1
         return count, now + self.hold * self.cooldown * 2 ** (times - 1), times
+
+
+def _expected_gain(before: int, after: int, starvation: float) -> float:
+    """How much growing from ``before`` to ``after`` workers should cut a starvation of
+    ``starvation``, if the workers are what the consumers wait for (each serves ``(1 -
+    starvation) / before`` of what they want)."""
+    return starvation - max(0.0, 1.0 - after * (1.0 - starvation) / max(before, 1))
+
+
+def _shrunk(count: int) -> int:
+    """An eighth fewer workers, one at least."""
+    return count - max(1, count // 8)
