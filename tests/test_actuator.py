@@ -13,6 +13,7 @@ import pytest
 from tests.service import BIN, free_port, status, stop, wait_for
 from tests.test_state import record, register
 from zloader import Loader, Pipeline
+from zloader._defaults import ACTUATOR_EXPIRY
 from zloader.actuator import plan
 from zloader.broker.state import State
 from zloader.transport.protocol import Command
@@ -153,6 +154,58 @@ def test_idle_workers_are_surplus_after_a_cooldown_only_while_no_job_lacks_any()
     ready(state, "w1", "h/boot/ns", now=0.0)
     assert not state.status(5.0)["workers"][0]["surplus"]
     assert state.status(11.0)["workers"][0]["surplus"]
+
+
+def _starved(state: State, seconds: int, start: int = 0) -> list[int]:
+    """The job's desired workers, second by second, its consumer waiting 90% of the time."""
+    desired = []
+    for now in range(start, start + seconds):
+        for peer in [*state.workers.values(), *state.consumers.values()]:
+            peer.last_seen = float(now)  # (their heartbeats: the broker's loop notes them)
+        state.consumer_heartbeat(b"c1", float(now), record(Command.HEARTBEAT, {
+            "stats": {"wait_seconds": 0.9 * now, "active": 1}}))
+        state.tick(float(now))
+        (job,) = state.jobs.values()
+        desired.append(job.metrics.desired)
+    return desired
+
+
+@pytest.mark.parametrize("cap", [None, 3])
+def test_an_actuators_cap_bounds_every_jobs_desired_workers(cap):
+    """A job with 3 workers whose consumer waits 90% of its time wants twice as many; an
+    actuator that runs at most 3 (``zloader-worker --autoscale --max-processes 3``, which
+    names its cap in its status requests) holds it at 3, and ``zloader status`` shows the
+    cap. (It wanted 5 against a cap of 4.)"""
+    state = State(cooldown=5.0, heartbeat=1.0)
+    for name in ("w1", "w2", "w3"):
+        ready(state, name, "h/boot/ns")
+    register(state, "c1")
+    for now in range(0, 40):
+        if cap is not None:
+            state.note_actuator({"id": "a1", "cap": cap, "host_id": "h/boot/ns"}, float(now))
+        _starved(state, 1, start=now)
+    (job,) = state.jobs.values()
+    assert len(job.tasks) == 3
+    assert job.metrics.desired == (6 if cap is None else 3)
+    assert state.status(40.0)["summary"]["worker_cap"] == cap
+
+
+def test_an_actuator_not_heard_from_no_longer_bounds_the_fleet():
+    state = State()
+    ready(state, "w1", "h/boot/ns")
+    ready(state, "w2", "other/boot/ns")  # a fixed worker on a host with no actuator
+    state.note_actuator({"id": "a1", "cap": 4, "host_id": "h/boot/ns"}, 0.0)
+    assert state.status(1.0)["summary"]["worker_cap"] == 5  # its 4 and the other host's 1
+    assert state.status(1.0 + ACTUATOR_EXPIRY + 1)["summary"]["worker_cap"] is None
+
+
+@pytest.mark.parametrize("entry", [None, "a1", {"id": "a1"}, {"id": "a1", "cap": 0},
+                                   {"id": "a1", "cap": True}, {"id": "", "cap": 2},
+                                   {"id": "a1", "cap": 2, "host_id": 7}])
+def test_a_malformed_actuator_report_is_counted_and_ignored(entry):
+    state = State()
+    state.note_actuator(entry, 0.0)
+    assert state.rejected == 1 and state.status(0.0)["summary"]["worker_cap"] is None
 
 
 def test_a_bad_autoscale_setting_is_refused_with_the_flag_named():

@@ -713,6 +713,13 @@ START_SECONDS = 60.0
 process starts in a second, a Ray actor or a Kubernetes pod can take much longer
 (fixed)."""
 
+ACTUATOR_EXPIRY = 10.0
+"""Seconds after an actuator's last status request that the broker stops counting its cap
+(``STATUS.actuator``) in the fleet's (fixed)."""
+
+MAX_ACTUATOR_CAP = 1 << 20
+"""The largest cap an actuator may report (``STATUS.actuator.cap``; fixed)."""
+
 ACTUATOR_INTERVAL = 1.0
 """Seconds between two looks of an actuator at the broker's status
 (``zloader-worker --autoscale-interval``, ``ProcessActuator(interval=)``,

@@ -25,9 +25,11 @@ class Unanswered(Exception):
 
 
 def fetch_page(broker: str, keys: Keys | None, timeout: float,
-               start: dict[str, int] | None = None) -> dict[str, Any]:
+               start: dict[str, int] | None = None,
+               actuator: dict[str, Any] | None = None) -> dict[str, Any]:
     """One STATUS reply from ``broker``: the page that begins at ``start`` (a reply's
-    ``next``; None: the first).
+    ``next``; None: the first). ``actuator``: the asker is an actuator, ``{id, cap,
+    host_id}`` (the most workers it runs; the broker counts it in the fleet's cap).
 
     Raises:
         Unanswered: none within ``timeout`` seconds, an answer that is not a status (the
@@ -38,7 +40,10 @@ def fetch_page(broker: str, keys: Keys | None, timeout: float,
     sock = make_socket(context, zmq.DEALER, keys)
     try:
         sock.connect(broker)
-        request = messages.Status(report={"from": start} if start else {})
+        report: dict[str, Any] = {"from": start} if start else {}
+        if actuator is not None:
+            report["actuator"] = actuator
+        request = messages.Status(report=report)
         sock.send_multipart(encode(request.COMMAND, messages.encode(request)))
         if not sock.poll(int(timeout * 1000)):
             raise Unanswered(
@@ -59,14 +64,16 @@ def fetch_page(broker: str, keys: Keys | None, timeout: float,
         context.term()
 
 
-def fetch_status(broker: str, keys: Keys | None, timeout: float) -> dict[str, Any]:
+def fetch_status(broker: str, keys: Keys | None, timeout: float,
+                 actuator: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every worker and job of ``broker``: its STATUS pages, followed to the last and
-    joined (``workers``, ``jobs``, ``summary`` and ``rejected`` of the last page).
+    joined (``workers``, ``jobs``, ``summary`` and ``rejected`` of the last page);
+    ``actuator``: as :func:`fetch_page`'s.
 
     Raises:
         Unanswered: as :func:`fetch_page`, for any page.
     """
-    report = fetch_page(broker, keys, timeout)
+    report = fetch_page(broker, keys, timeout, actuator=actuator)
     workers, jobs = list(report.get("workers", [])), list(report.get("jobs", []))
     start = report.get("next")
     while isinstance(start, dict):

@@ -122,12 +122,15 @@ class Shortfall:
 
 
 def follow(broker: str, keys: Keys | None, interval: float, stop: threading.Event,
-           step: Callable[[dict[str, Any], float], Any]) -> None:
+           step: Callable[[dict[str, Any], float], Any],
+           actuator: dict[str, Any] | None = None) -> None:
     """Call ``step(status, now)`` with the broker's status every ``interval`` seconds until
-    ``stop`` is set (a broker that does not answer is logged and asked again)."""
+    ``stop`` is set (a broker that does not answer is logged and asked again). Each
+    request names the ``actuator`` (``{id, cap, host_id}``): the broker counts its cap in
+    the fleet's, which bounds every job's ``desired_workers``."""
     while not stop.wait(interval):
         try:
-            status = fetch_status(broker, keys, timeout=5.0)
+            status = fetch_status(broker, keys, timeout=5.0, actuator=actuator)
         except Unanswered as exc:
             log.warning("autoscale: %s", exc)
             continue
@@ -178,6 +181,7 @@ class LocalActuator:
         self.children: dict[int, _Child] = {}
         self._shortfall = Shortfall()
         self._host = host_id()
+        self.id = f"local-{self._host[:16]}-{os.getpid()}"
 
     def run(self) -> None:
         """Follow the broker until :attr:`stop` is set; then drain every process."""
@@ -185,7 +189,8 @@ class LocalActuator:
         try:
             for _ in range(self.initial):
                 self._spawn()
-            follow(self.broker, self.keys, self.interval, self.stop, self.step)
+            follow(self.broker, self.keys, self.interval, self.stop, self.step,
+                   {"id": self.id, "cap": self.max_processes, "host_id": self._host})
         finally:
             self._stop_all()
 

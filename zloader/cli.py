@@ -784,7 +784,9 @@ def _print_status(status: dict[str, Any]) -> None:
     """``zloader status`` as tables, with what the page left off."""
     summary = status.get("summary") or {}
     left = status.get("left_off") or {}
-    print(f"workers ({summary.get('workers', len(status.get('workers', [])))})")
+    cap = summary.get("worker_cap")
+    print(f"workers ({summary.get('workers', len(status.get('workers', [])))}"
+          + (f"; the actuators' cap {cap}" if cap is not None else "") + ")")
     print(f"  {'host':<20} {'pid':>8} {'tasks':>5} {'elements/s':>12} {'cpu s':>9}")
     for w in status.get("workers", []):
         print(f"  {w['host']:<20} {w['pid']:>8} {w['tasks']:>5} {w['elements_per_second']:>12,.0f}"

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -285,7 +286,9 @@ class RayActuator:
     def run(self) -> None:
         """Follow the broker until :attr:`stop` is set; then drain every actor."""
         try:
-            follow(self.broker, self.keys, self.interval, self.stop, self.step)
+            follow(self.broker, self.keys, self.interval, self.stop, self.step,
+                   {"id": f"ray-{id(self):x}-{os.getpid()}", "cap": self.max_workers,
+                    "host_id": ""})  # (its actors run on any host)
         finally:
             self.workers.stop()
 

@@ -59,7 +59,10 @@ command, zloader/transport/messages.py) and the time; returns what to send."""
 
 def _status(state: State, identity: bytes, msg: Status, now: float) -> list[Out]:
     """One page of the broker's status, from the request's ``from`` (the last page's
-    ``next``; none: the first)."""
+    ``next``; none: the first). An actuator's request names it (``actuator``): its cap
+    counts in the fleet's (broker/status.py)."""
+    if "actuator" in msg.report:
+        state.note_actuator(msg.report["actuator"], now)
     return [Out(identity, Status(report=state.status(now, msg.report.get("from"))))]
 
 

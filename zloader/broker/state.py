@@ -156,5 +156,8 @@ class State(Tables):
     def status(self, now: float, start: Mapping[str, Any] | None = None) -> dict[str, Any]:
         return status.status(self, now, start)
 
+    def note_actuator(self, entry: Any, now: float) -> None:
+        status.note_actuator(self, entry, now)
+
     def metrics(self, now: float) -> dict[str, Any]:
         return status.metrics(self, now)

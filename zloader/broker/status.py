@@ -12,8 +12,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from zloader._defaults import (
+    ACTUATOR_EXPIRY,
+    AUTOSCALE_MAX_WORKERS,
     HUNGRY_HOLD_BEATS,
     HUNGRY_STARVATION,
+    MAX_ACTUATOR_CAP,
+    MAX_NAME,
     STATUS_LIST_ITEMS,
     STATUS_REPLY_BYTES,
 )
@@ -24,7 +28,7 @@ from zloader.transport.messages import Heartbeat
 from zloader.transport.messages import Job as JobView
 from zloader.transport.protocol import ProtocolError
 
-__all__ = ["heartbeats", "metrics", "sample", "status"]
+__all__ = ["fleet_cap", "heartbeats", "metrics", "note_actuator", "sample", "status"]
 
 log = logging.getLogger("zloader.broker")
 
@@ -103,12 +107,43 @@ def status(state: Tables, now: float, start: Mapping[str, Any] | None = None
     return {"summary": {"workers": len(state.workers), "jobs": len(state.jobs),
                         "busy_workers": busy_workers(state),
                         "consumers": len(state.consumers), "refused": state.refused,
-                        "rejected": state.rejected, "worker_deaths": state.deaths},
+                        "rejected": state.rejected, "worker_deaths": state.deaths,
+                        "worker_cap": fleet_cap(state, now)},
             "workers": workers, "jobs": jobs,
             "left_off": {"workers": max(0, len(state.workers) - end_workers),
                          "jobs": max(0, len(state.jobs) - end_jobs)},
             "next": None if done else {"workers": end_workers, "jobs": end_jobs},
             "rejected": state.rejected}
+
+
+def note_actuator(state: Tables, entry: Any, now: float) -> None:
+    """A STATUS request's ``actuator``, ``{id, cap, host_id}``: an actuator of the fleet
+    and the most workers it runs (a malformed one is counted and ignored)."""
+    if not (isinstance(entry, Mapping) and isinstance(entry.get("id"), str)
+            and 0 < len(entry["id"]) <= MAX_NAME
+            and isinstance(entry.get("cap"), int) and not isinstance(entry["cap"], bool)
+            and 1 <= entry["cap"] <= MAX_ACTUATOR_CAP
+            and isinstance(entry.get("host_id", ""), str)
+            and len(entry.get("host_id", "")) <= MAX_NAME):
+        state.rejected += 1
+        log.warning("dropped a malformed STATUS.actuator (must be {id, cap >= 1, host_id})")
+        return
+    state.actuators[entry["id"]] = (entry["cap"], now, entry.get("host_id", ""))
+
+
+def fleet_cap(state: Tables, now: float) -> int | None:
+    """The most workers the fleet can have: the caps of the actuators heard from in the
+    last ACTUATOR_EXPIRY seconds, plus the workers on hosts none of them runs on (fixed
+    ones; a Ray actuator names no host, so its actors count once more); None without an
+    actuator (a fixed pool: an addition it does not carry out is given up, autoscale.py)."""
+    for gone in [a for a, (_, seen, _) in state.actuators.items()
+                 if now - seen > ACTUATOR_EXPIRY]:
+        del state.actuators[gone]
+    if not state.actuators:
+        return None
+    hosts = {host for _, _, host in state.actuators.values() if host}
+    return (sum(cap for cap, _, _ in state.actuators.values())
+            + sum(1 for w in state.workers.values() if w.host_id not in hosts))
 
 
 def _start(start: Mapping[str, Any] | None) -> tuple[int, int]:
@@ -190,8 +225,10 @@ def sample(state: Tables, now: float) -> None:
     that came before the reports), so it keeps its starvation and the next sample spans
     both intervals. Read as "they did not wait", a late broker would take the job for
     one that no longer needs its workers and move them (docs/pool.md)."""
+    cap = fleet_cap(state, now)
     for job in state.jobs.values():
         metrics = job.metrics
+        metrics.scaler.max_workers = cap if cap is not None else AUTOSCALE_MAX_WORKERS
         if metrics.waited_at is not None and (now <= metrics.waited_at[1]
                                               or (job.consumers and not metrics.reported)):
             continue
@@ -213,7 +250,8 @@ def _desired(job: Job, now: float) -> int:
     deterministic jobs keep the ones they have, and so does a job nobody reads."""
     if job.fixed or not job.consumers:
         return len(job.tasks)
-    desired = job.metrics.scaler.update(now, len(job.tasks), job.metrics.starvation)
+    scaler = job.metrics.scaler
+    desired = min(scaler.max_workers, scaler.update(now, len(job.tasks), job.metrics.starvation))
     if desired != job.metrics.desired and job.metrics.desired:
         log.info("job %s: desired_workers %d -> %d (it has %d; consumers waited %.0f%% "
                  "of the time)", job.name or job.id, job.metrics.desired, desired, len(job.tasks),
