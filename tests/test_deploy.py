@@ -329,6 +329,13 @@ def test_workers_drain_within_the_grace_period() -> None:
     assert container(WORKER)["command"][0] == "zloader-worker"
 
 
+def test_no_pod_gets_a_service_account_token() -> None:
+    # Workers run code sent by any key holder; neither they nor the broker call the API.
+    for name in (BROKER, WORKER):
+        assert the("Deployment", name)["spec"]["template"]["spec"][
+            "automountServiceAccountToken"] is False, name
+
+
 def test_a_worker_pod_is_one_worker_process_on_one_core() -> None:
     worker = parsed(WORKER)
     assert worker.processes == 1
