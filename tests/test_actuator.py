@@ -182,7 +182,8 @@ def test_an_actuators_cap_bounds_every_jobs_desired_workers(cap):
     register(state, "c1")
     for now in range(0, 40):
         if cap is not None:
-            state.note_actuator({"id": "a1", "cap": cap, "host_id": "h/boot/ns"}, float(now))
+            state.note_actuator({"id": "a1", "cap": cap, "workers": ["w1", "w2", "w3"]},
+                                float(now))
         _starved(state, 1, start=now)
     (job,) = state.jobs.values()
     assert len(job.tasks) == 3
@@ -193,15 +194,17 @@ def test_an_actuators_cap_bounds_every_jobs_desired_workers(cap):
 def test_an_actuator_not_heard_from_no_longer_bounds_the_fleet():
     state = State()
     ready(state, "w1", "h/boot/ns")
-    ready(state, "w2", "other/boot/ns")  # a fixed worker on a host with no actuator
-    state.note_actuator({"id": "a1", "cap": 4, "host_id": "h/boot/ns"}, 0.0)
-    assert state.status(1.0)["summary"]["worker_cap"] == 5  # its 4 and the other host's 1
+    ready(state, "w2", "h/boot/ns")  # a fixed worker (zloader-worker --processes 1)
+    state.note_actuator({"id": "a1", "cap": 4, "workers": ["w1"]}, 0.0)
+    assert state.status(1.0)["summary"]["worker_cap"] == 5  # its 4, and the fixed one
     assert state.status(1.0 + ACTUATOR_EXPIRY + 1)["summary"]["worker_cap"] is None
 
 
 @pytest.mark.parametrize("entry", [None, "a1", {"id": "a1"}, {"id": "a1", "cap": 0},
-                                   {"id": "a1", "cap": True}, {"id": "", "cap": 2},
-                                   {"id": "a1", "cap": 2, "host_id": 7}])
+                                   {"id": "a1", "cap": True, "workers": []},
+                                   {"id": "", "cap": 2, "workers": []},
+                                   {"id": "a1", "cap": 2}, {"id": "a1", "cap": 2, "workers": [7]},
+                                   {"id": "a1", "cap": 2, "workers": "w1"}])
 def test_a_malformed_actuator_report_is_counted_and_ignored(entry):
     state = State()
     state.note_actuator(entry, 0.0)

@@ -5,8 +5,8 @@ and the Ray actuator grows them for a starved consumer. Slow (Ray takes seconds 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
-import threading
 import time
 
 import pytest
@@ -47,9 +47,9 @@ def test_ray_actors_serve_a_job_and_the_ray_actuator_adds_them_for_a_starved_con
 
         actuator = zray.RayActuator(address, max_workers=2, interval=0.3, remote_delay=0.5,
                                     advertise="127.0.0.1", num_cpus_per_worker=0.5)
-        runner = threading.Thread(target=actuator.run)
-        runner.start()
-        try:
+        with actuator:  # (start(): it follows the broker on a thread of its own)
+            runner = actuator._thread
+            assert runner is not None
             # No worker at all: the job lacks one, then a second (the consumer waits).
             with Loader(Pipeline.range(10**6, split_size=20).map(slow), broker=address,
                         timeout=60) as loader:
@@ -59,9 +59,8 @@ def test_ray_actors_serve_a_job_and_the_ray_actuator_adds_them_for_a_starved_con
                     if len(actuator.workers) == 2:
                         break
                     assert time.monotonic() < deadline, "the Ray actuator did not grow"
-        finally:
-            actuator.stop.set()
-            runner.join(60)
+            wait_for(lambda: status(address)["summary"]["worker_cap"] == 2,
+                     what="the broker to know the actuator's cap (its actors counted once)")
         assert not runner.is_alive() and len(actuator.workers) == 0
     finally:
         ray.shutdown()
@@ -84,6 +83,53 @@ def test_ray_workers_of_a_loopback_broker_bind_loopback_and_need_no_keys():
                 assert sorted(loader) == list(range(500))
         finally:
             workers.stop()
+    finally:
+        ray.shutdown()
+        stop(broker)
+
+
+def test_a_worker_actor_ray_restarts_is_kept_and_serves_again():
+    """A worker actor's process is SIGKILLed: Ray restarts it (max_restarts=-1), and
+    check() keeps it meanwhile (it dropped the actor as lost, which cancelled Ray's
+    restart: no worker came back)."""
+    ray = pytest.importorskip("ray")
+    import zloader.ray as zray
+
+    broker, address = start_broker()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        workers = zray.start_workers(address, 1, num_cpus_per_worker=0.5)
+        try:
+            (first,) = workers.info
+            wait_for(lambda: len(status(address)["workers"]) == 1, what="the actor's worker")
+            os.kill(first["pid"], signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            while True:  # checked as an actuator does, once a second
+                workers.check(timeout=2.0)
+                assert len(workers) == 1, "the restarting actor was dropped"
+                if workers.info[0]["worker"] != first["worker"]:
+                    break
+                assert time.monotonic() < deadline, "Ray did not restart the actor"
+                time.sleep(1.0)
+            wait_for(lambda: {w["worker"] for w in status(address)["workers"]}
+                     == {workers.info[0]["worker"]}, what="the restarted actor's worker")
+        finally:
+            workers.stop()
+    finally:
+        ray.shutdown()
+        stop(broker)
+
+
+def test_a_loopback_broker_with_resources_this_node_lacks_is_refused_in_zloaders_words():
+    ray = pytest.importorskip("ray")
+    import zloader.ray as zray
+
+    broker, address = start_broker()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:  # (Ray would never place it: zloader pins a loopback broker's actors here)
+        with pytest.raises(ValueError, match=r"on loopback.*gpu_node=1"):
+            zray.start_workers(address, 1, num_cpus_per_worker=0.5,
+                               resources={"gpu_node": 1})
     finally:
         ray.shutdown()
         stop(broker)

@@ -29,7 +29,8 @@ def fetch_page(broker: str, keys: Keys | None, timeout: float,
                actuator: dict[str, Any] | None = None) -> dict[str, Any]:
     """One STATUS reply from ``broker``: the page that begins at ``start`` (a reply's
     ``next``; None: the first). ``actuator``: the asker is an actuator, ``{id, cap,
-    host_id}`` (the most workers it runs; the broker counts it in the fleet's cap).
+    workers}`` (the most workers it runs, and the ids of those it runs: the broker counts
+    its cap in the fleet's).
 
     Raises:
         Unanswered: none within ``timeout`` seconds, an answer that is not a status (the

@@ -123,14 +123,16 @@ class Shortfall:
 
 def follow(broker: str, keys: Keys | None, interval: float, stop: threading.Event,
            step: Callable[[dict[str, Any], float], Any],
-           actuator: dict[str, Any] | None = None) -> None:
+           actuator: Callable[[], dict[str, Any]] | None = None) -> None:
     """Call ``step(status, now)`` with the broker's status every ``interval`` seconds until
     ``stop`` is set (a broker that does not answer is logged and asked again). Each
-    request names the ``actuator`` (``{id, cap, host_id}``): the broker counts its cap in
-    the fleet's, which bounds every job's ``desired_workers``."""
+    request names the ``actuator()`` (``{id, cap, workers}``: the ids of the workers it
+    runs): the broker counts its cap in the fleet's, which bounds every job's
+    ``desired_workers``."""
     while not stop.wait(interval):
         try:
-            status = fetch_status(broker, keys, timeout=5.0, actuator=actuator)
+            status = fetch_status(broker, keys, timeout=5.0,
+                                  actuator=actuator() if actuator is not None else None)
         except Unanswered as exc:
             log.warning("autoscale: %s", exc)
             continue
@@ -190,7 +192,8 @@ class LocalActuator:
             for _ in range(self.initial):
                 self._spawn()
             follow(self.broker, self.keys, self.interval, self.stop, self.step,
-                   {"id": self.id, "cap": self.max_processes, "host_id": self._host})
+                   lambda: {"id": self.id, "cap": self.max_processes, "workers": [
+                       c.worker for c in self.children.values() if c.worker is not None]})
         finally:
             self._stop_all()
 

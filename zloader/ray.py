@@ -107,7 +107,9 @@ class RayWorkers:
     def check(self, timeout: float = 10.0) -> int:
         """Update each actor's worker (a restarted actor has a new one, which is told to
         drain again if the old one was); kill the actors whose worker has left and drop
-        those Ray has lost for good. Returns how many went."""
+        those Ray has lost for good. An actor Ray is restarting is kept: dropping it would
+        drop the last reference to it, and Ray would cancel the restart. Returns how many
+        went."""
         import ray
 
         refs = [a.info.remote() for a in self.actors]
@@ -120,8 +122,18 @@ class RayWorkers:
                 continue
             try:
                 new = ray.get(ref)
-            except Exception as exc:  # RayActorError: dead, no restarts left
-                log.warning("ray worker actor lost: %s", exc)
+            except ray.exceptions.ActorUnavailableError:  # Ray is restarting it
+                kept.append((actor, {**old, "failed": 0}))
+                continue
+            except ray.exceptions.RayActorError as exc:
+                # It died: for good if it is still dead at the next check (one that died
+                # with this call in flight and is restarted answers then, or is
+                # unavailable while it restarts).
+                failed = int(old.get("failed", 0)) + 1
+                if failed < 2:
+                    kept.append((actor, {**old, "failed": failed}))
+                else:
+                    log.warning("ray worker actor lost: %s", exc)
                 continue
             if new["stopped"]:
                 ray.kill(actor, no_restart=True)
@@ -217,7 +229,8 @@ def start_workers(broker: str, num_workers: int, num_cpus_per_worker: float = 1,
         found = resolve(None)
         keys = found.path if found is not None else None
     if loopback(broker):
-        advertise, actor_options = _on_this_host(advertise, actor_options)
+        advertise, actor_options = _on_this_host(broker, advertise, num_cpus_per_worker,
+                                                 actor_options)
     if keys is None and not insecure and not (advertise and loopback(f"tcp://{advertise}:0")):
         raise ValueError("workers on Ray nodes open data ports to other hosts: pass keys= "
                          "(the broker's keys directory, `zloader keygen DIR`), or "
@@ -238,17 +251,38 @@ def start_workers(broker: str, num_workers: int, num_cpus_per_worker: float = 1,
     return RayWorkers(actors, ray.get(refs))
 
 
-def _on_this_host(advertise: str | None, actor_options: dict[str, Any]
-                  ) -> tuple[str, dict[str, Any]]:
+def _on_this_host(broker: str, advertise: str | None, num_cpus: float,
+                  actor_options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """For a broker only this host reaches (and so only consumers on this host): the
     workers' data address (loopback unless given) and actor options that place them on
-    this node (unless a scheduling strategy is given)."""
+    this node (unless a scheduling strategy is given).
+
+    Raises:
+        ValueError: this node lacks a resource the actors ask for (Ray would never place
+            them: zloader's pin to this node, not the cluster, is what stops them).
+    """
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     advertise = advertise or "127.0.0.1"
     if "scheduling_strategy" not in actor_options:
         node = ray.get_runtime_context().get_node_id()
+        has: dict[str, float] = next(
+            (n.get("Resources", {}) for n in ray.nodes() if n.get("NodeID") == node), {})
+        wanted = {"CPU": num_cpus, "GPU": actor_options.get("num_gpus") or 0,
+                  **(actor_options.get("resources") or {})}
+        missing = sorted(name for name, amount in wanted.items()
+                         if amount and has.get(name, 0) < amount)
+        if missing:
+            raise ValueError(
+                f"the broker {broker} is on loopback, which only this host reaches, so "
+                f"zloader places its worker actors on this Ray node ({node[:12]}), which "
+                f"has not {', '.join(f'{n}={wanted[n]}' for n in missing)}; give "
+                "zloader-broker an address the other nodes reach (--bind "
+                "tcp://0.0.0.0:PORT, its host's address, and keys), or ask for resources "
+                "this node has")
+        log.info("the broker %s is on loopback: worker actors go on this Ray node (%s)",
+                 broker, node[:12])
         actor_options = {**actor_options, "scheduling_strategy":
                          NodeAffinitySchedulingStrategy(node_id=node, soft=False)}
     return advertise, actor_options
@@ -259,9 +293,18 @@ class RayActuator:
     :mod:`zloader.actuator` for the decision; Ray actors count as remote workers, so a
     trainer host's own ``zloader-worker --autoscale`` fills its idle cores first).
 
+    Start it with :meth:`start` (it follows the broker on a thread of its own) and stop it
+    with :meth:`stop` (its actors are drained), or use it as a context manager; or call
+    :meth:`run`, which blocks until :meth:`stop` is called from another thread::
+
+        with zloader.ray.RayActuator("tcp://broker-host:5555", max_workers=32,
+                                     keys="/etc/zloader/keys"):
+            train()
+
     Args:
         broker: the broker's address.
-        max_workers: at most this many actors.
+        max_workers: at most this many actors (the broker is told: no job asks for more
+            workers than the fleet can run).
         interval: seconds between two looks at the broker's status.
         remote_delay: seconds a shortfall lasts before actors are added.
         worker_options: :func:`start_workers` arguments (``keys``, ``advertise``,
@@ -280,15 +323,39 @@ class RayActuator:
         keys = worker_options.get("keys")
         self.keys = Keys.load(keys) if keys else resolve(None)
         self.workers = RayWorkers([], [])
-        self.stop = threading.Event()
+        self.stopping = threading.Event()
+        self._thread: threading.Thread | None = None
         self._shortfall = Shortfall()
 
+    def start(self) -> RayActuator:
+        """Follow the broker on a thread of its own (returns at once)."""
+        if self._thread is not None:
+            raise RuntimeError("this RayActuator was started already")
+        self._thread = threading.Thread(target=self.run, name="zloader-ray-actuator",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = DRAIN_SECONDS + 15.0) -> None:
+        """Stop following the broker and drain every actor (waiting up to ``timeout``
+        seconds for a :meth:`start`'s thread to finish)."""
+        self.stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def __enter__(self) -> RayActuator:
+        return self.start()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.stop()
+
     def run(self) -> None:
-        """Follow the broker until :attr:`stop` is set; then drain every actor."""
+        """Follow the broker until :meth:`stop`; then drain every actor."""
         try:
-            follow(self.broker, self.keys, self.interval, self.stop, self.step,
-                   {"id": f"ray-{id(self):x}-{os.getpid()}", "cap": self.max_workers,
-                    "host_id": ""})  # (its actors run on any host)
+            follow(self.broker, self.keys, self.interval, self.stopping, self.step,
+                   lambda: {"id": f"ray-{id(self):x}-{os.getpid()}",
+                            "cap": self.max_workers,
+                            "workers": [i["worker"] for i in self.workers.info]})
         finally:
             self.workers.stop()
 

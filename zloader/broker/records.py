@@ -286,8 +286,8 @@ class Tables:
         self.consumers: dict[str, Consumer] = {}
         self.jobs: dict[str, Job] = {}
         self.peers: dict[bytes, tuple[str, str]] = {}  # identity -> ("worker"|"consumer", id)
-        # actuators that asked for the status lately: id -> (cap, when, host id or "")
-        self.actuators: dict[str, tuple[int, float, str]] = {}
+        # actuators that asked for the status lately: id -> (cap, when, their workers' ids)
+        self.actuators: dict[str, tuple[int, float, frozenset[str]]] = {}
         self.rejected = 0  # malformed or refused messages dropped (the broker counts them)
         self.refused = 0  # REGISTERs refused past a limit (admission.py)
         self.deaths = 0  # workers dropped as dead (silent past expiry, stuck, or gone)

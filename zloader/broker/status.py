@@ -117,33 +117,36 @@ def status(state: Tables, now: float, start: Mapping[str, Any] | None = None
 
 
 def note_actuator(state: Tables, entry: Any, now: float) -> None:
-    """A STATUS request's ``actuator``, ``{id, cap, host_id}``: an actuator of the fleet
-    and the most workers it runs (a malformed one is counted and ignored)."""
+    """A STATUS request's ``actuator``, ``{id, cap, workers}``: an actuator of the fleet,
+    the most workers it runs and the ids of those it runs now (a malformed one is counted
+    and ignored)."""
+    workers = entry.get("workers") if isinstance(entry, Mapping) else None
     if not (isinstance(entry, Mapping) and isinstance(entry.get("id"), str)
             and 0 < len(entry["id"]) <= MAX_NAME
             and isinstance(entry.get("cap"), int) and not isinstance(entry["cap"], bool)
             and 1 <= entry["cap"] <= MAX_ACTUATOR_CAP
-            and isinstance(entry.get("host_id", ""), str)
-            and len(entry.get("host_id", "")) <= MAX_NAME):
+            and isinstance(workers, list) and len(workers) <= MAX_ACTUATOR_CAP
+            and all(isinstance(w, str) and len(w) <= MAX_NAME for w in workers)):
         state.rejected += 1
-        log.warning("dropped a malformed STATUS.actuator (must be {id, cap >= 1, host_id})")
+        log.warning("dropped a malformed STATUS.actuator (must be {id, cap >= 1, workers: "
+                    "[worker ids]})")
         return
-    state.actuators[entry["id"]] = (entry["cap"], now, entry.get("host_id", ""))
+    state.actuators[entry["id"]] = (entry["cap"], now, frozenset(workers))
 
 
 def fleet_cap(state: Tables, now: float) -> int | None:
     """The most workers the fleet can have: the caps of the actuators heard from in the
-    last ACTUATOR_EXPIRY seconds, plus the workers on hosts none of them runs on (fixed
-    ones; a Ray actuator names no host, so its actors count once more); None without an
-    actuator (a fixed pool: an addition it does not carry out is given up, autoscale.py)."""
+    last ACTUATOR_EXPIRY seconds, plus the workers none of them runs (fixed ones); None
+    without an actuator (a fixed pool: an addition it does not carry out is given up,
+    autoscale.py)."""
     for gone in [a for a, (_, seen, _) in state.actuators.items()
                  if now - seen > ACTUATOR_EXPIRY]:
         del state.actuators[gone]
     if not state.actuators:
         return None
-    hosts = {host for _, _, host in state.actuators.values() if host}
+    theirs = frozenset().union(*(ids for _, _, ids in state.actuators.values()))
     return (sum(cap for cap, _, _ in state.actuators.values())
-            + sum(1 for w in state.workers.values() if w.host_id not in hosts))
+            + sum(1 for w in state.workers if w not in theirs))
 
 
 def _start(start: Mapping[str, Any] | None) -> tuple[int, int]:
