@@ -734,6 +734,21 @@ def render_startup(data: Any, out: Path) -> list[str]:
     return tables(data)[2:]  # (its own heading, which the report gives)
 
 
+def render_shared_faults(data: Any, out: Path) -> list[str]:
+    from bench.shared_faults import table
+    return table(data["results"]).splitlines()
+
+
+def render_autoscale_sim(data: Any, out: Path) -> list[str]:
+    lines = ["| need | within 5% after | count after 1 h | most asked | changes in the second "
+             "half hour |", "|---|---|---|---|---|"]
+    for row in data["rows"]:
+        reached = f"{row['reached_s']} s" if row["reached_s"] is not None else "never"
+        lines.append(f"| {row['need']} | {reached} | {row['final']} | {row['most']} | "
+                     f"{row['changes_second_half']} |")
+    return lines
+
+
 RENDERERS: dict[str, tuple[str, Renderer]] = {
     "codec": ("Codec", render_codec),
     "transport": ("Transport: zloader against other loaders", render_transport),
@@ -760,6 +775,8 @@ RENDERERS: dict[str, tuple[str, Renderer]] = {
                              render_deterministic_resume),
     "startup": ("Start-up: construction to first batch against torch DataLoader",
                 render_startup),
+    "shared_faults": ("Shared jobs through moves, stops and deaths", render_shared_faults),
+    "autoscale_sim": ("The autoscaling policy on simulated jobs", render_autoscale_sim),
 }
 
 
