@@ -200,6 +200,33 @@ def test_every_manifest_is_a_named_kubernetes_object() -> None:
             "ScaledObject", "Kustomization"} <= kinds
 
 
+K8S_VERSIONS = ("1.30", "1.33", "1.37")
+"""Kubernetes versions the manifests are checked against (kubernetes-validate's schemas,
+offline): the oldest supported release the issue names, one between, and the newest."""
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_every_manifest_validates_against_kubernetes_schemas(version: str) -> None:
+    """Each core object against the official OpenAPI schema of ``version``, strictly (a
+    field the API does not know fails). KEDA's ScaledObject and the kustomization are not
+    Kubernetes API objects: no schema ships for them (they are checked by name and shape
+    above and in the KEDA test below)."""
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")  # (the test extra)
+    checked = set()
+    for path, document in manifests():
+        if document["kind"] in ("ScaledObject", "Kustomization"):
+            continue
+        try:
+            kubernetes_validate.validate(document, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{path.relative_to(ROOT)}: {document['kind']} is not valid for "
+                        f"Kubernetes {version}: {exc.message} at "
+                        f"{'/'.join(map(str, exc.absolute_path))}")
+        checked.add(document["kind"])
+    assert checked == {"Deployment", "Service", "PersistentVolumeClaim",
+                       "HorizontalPodAutoscaler"}
+
+
 def test_broker_and_worker_arguments_parse_with_the_real_parsers() -> None:
     for deployment in (BROKER, WORKER):
         parsed(deployment)
