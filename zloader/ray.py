@@ -63,14 +63,17 @@ class _Worker:
         self.thread.start()
 
     def info(self) -> dict[str, Any]:
-        """The worker's id and pid, once its loop runs; whether it drains or has left.
-        (An actor Ray restarted runs a new worker, with a new id.)"""
+        """The worker's id and pid and the Ray node it runs on, once its loop runs; whether
+        it drains or has left. (An actor Ray restarted runs a new worker, with a new id.)"""
         import os
 
         deadline = time.monotonic() + ACTOR_READY_SECONDS
         while not hasattr(self.worker, "endpoint") and time.monotonic() < deadline:
             time.sleep(0.01)
+        import ray
+
         return {"worker": self.worker.id, "pid": os.getpid(),
+                "node": ray.get_runtime_context().get_node_id(),
                 "endpoint": getattr(self.worker, "endpoint", None),
                 "draining": self.worker.draining, "stopped": not self.thread.is_alive()}
 

@@ -301,10 +301,17 @@ def complete_fences(state: Tables, job: Job) -> list[Out]:
         fence = job.fences.pop(token)
         if fence.event is not None:
             state.record(dataclasses.replace(fence.event, fenced=True))
-        if fence.index is not None:
+        if fence.index is not None and _takers(state, job):
             out += _hand_on(state, job, _made_again(job, fence),
                             f"{'dead ' if fence.died else ''}worker {fence.worker}",
                             (token, fence)) + _holds(state, job)
+            continue
+        if fence.index is not None:  # nobody stays to make them again: read again (at
+            log.warning("no worker of shared job %s stays to make dead worker %s's splits "
+                        "again: they are read again when one comes (its trainers may get "
+                        "some elements twice)", job.name or job.id, fence.worker)
+            for key, split in fence.splits:  # least once, as a last worker's are)
+                splits.requeue(state, job, key, split, {})
             continue
         for key, split in fence.splits:
             info = fence.replies.get((key, split), {})
