@@ -2,20 +2,22 @@
 grammar (every source kind, map, filter, shuffle, batch/unbatch, repeat, cache, mix and
 choose, take/skip, a final batch) run through Loaders whole, resumed from a state taken at
 a random point, resumed from a resumed Loader's state, with a worker SIGKILLed mid-epoch,
-and (slow) with the broker SIGKILLed and restarted on its work dir. Each must yield what
+and (slow) with the broker SIGKILLed and restarted on its work dir, and shared by two
+trainers (``share=True``) with a worker SIGKILLed mid-epoch. Each must yield what
 ``pipeline.iter(0)`` yields: the same multiset of rows (a final batch is compared row by
 row, since each worker batches its own elements), and with one worker, or
 ``deterministic=True`` twice, the same sequence; a deterministic Loader of 2 workers
 stopped, resumed with 3, stopped again and resumed with 1 yields its uninterrupted
 stream exactly.
 
-One seed per mode runs in ``make test``; ``-m slow`` runs 200 per mode.
+One seed per mode runs in ``make test``; ``-m slow`` runs 200 per mode (24 shared).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 import os
 import random
@@ -27,7 +29,17 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.service import BIN, HEARTBEAT, free_port, start_worker, status, stop, wait_for
+from tests.service import (
+    BIN,
+    HEARTBEAT,
+    free_port,
+    run_together,
+    service,
+    start_worker,
+    status,
+    stop,
+    wait_for,
+)
 from zloader import Loader, Pipeline
 
 FAST_SEEDS = range(1)
@@ -302,6 +314,31 @@ def broker_restarted(case: Case, seed: int, tmp: str) -> None:
             stop(process)
 
 
+def shared_killed(case: Case, seed: int) -> None:
+    """Two trainers share the pipeline's job (``share=True``) on a service of 2 workers;
+    one worker is SIGKILLed at a random point of the first trainer's epoch: each trainer
+    gets the epoch ``iter`` yields (the broker has a worker that stays make the dead one's
+    splits again, less what each trainer had, docs/sharing.md)."""
+    with service(workers=2) as (address, procs):
+        got: dict[str, list[Any]] = {}
+        at = point(case, seed)
+
+        def read(name: str) -> None:
+            out: list[Any] = []
+            with Loader(case.pipeline, broker=address, share=True, timeout=30) as one:
+                for element in one:
+                    out.append(element)
+                    if name == "a" and len(out) >= at and procs[0].poll() is None:
+                        procs[0].send_signal(signal.SIGKILL)
+                        procs[0].wait()
+            got[name] = out
+
+        run_together([functools.partial(read, name) for name in "ab"], timeout=90)
+    want = reference(case)
+    for out in got.values():
+        assert Rows(rows(out)) == want, described(case, Rows(rows(out)), want)
+
+
 def deterministic(case: Case, seed: int) -> None:
     with loader(case, deterministic=True) as one:
         first = list(rows(one))
@@ -342,6 +379,8 @@ def run(mode: str, seed: int, tmp: str) -> None:
     case = generate(seed, tmp, consumer_part=mode in ("whole", "deterministic"))
     if mode == "broker-restart":
         broker_restarted(case, seed, tmp)
+    elif mode == "shared-kill":
+        shared_killed(case, seed)
     else:
         MODES[mode](case, seed)
 
@@ -357,6 +396,12 @@ def test_generated_pipelines_yield_what_iter_yields(mode, seed, tmp_path):
 @pytest.mark.parametrize("mode", [*MODES, "broker-restart"])
 def test_many_generated_pipelines_yield_what_iter_yields(mode, seed, tmp_path):
     run(mode, seed, str(tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(24))
+def test_generated_pipelines_shared_by_two_trainers_survive_a_worker_sigkill(seed, tmp_path):
+    run("shared-kill", seed, str(tmp_path))
 
 
 @pytest.mark.slow

@@ -276,7 +276,9 @@ class Peers:
             self.stats.was_doing[peer.pid] = doing_text(peer.doing)
 
     def close_all(self) -> None:
-        """Close every peer, telling each (the consumer is going), and the leaving ones."""
+        """Close every peer, telling each (the consumer is going), and the leaving ones;
+        sweep what workers that died left in shared memory (one killed after it ended
+        the epoch never left the broker's view before this consumer went)."""
         for peer in list(self._peers.values()):
             self.close(peer, polite=True)
         for peer, _ in self._leaving.values():
@@ -284,6 +286,7 @@ class Peers:
         self._leaving.clear()
         if self.notices is not None:
             self.notices.close()
+        sweep()
 
     # --- streams and credits --------------------------------------------------------------
 
