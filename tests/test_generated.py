@@ -3,14 +3,15 @@ grammar (every source kind, map, filter, shuffle, batch/unbatch, repeat, cache, 
 choose, take/skip, a final batch) run through Loaders whole, resumed from a state taken at
 a random point, resumed from a resumed Loader's state, with a worker SIGKILLed mid-epoch,
 and (slow) with the broker SIGKILLed and restarted on its work dir, and shared by two
-trainers (``share=True``) with a worker SIGKILLed mid-epoch. Each must yield what
+trainers (``share=True``) with a worker SIGKILLed, or moved to another job (a third
+trainer joining then), mid-epoch. Each must yield what
 ``pipeline.iter(0)`` yields: the same multiset of rows (a final batch is compared row by
 row, since each worker batches its own elements), and with one worker, or
 ``deterministic=True`` twice, the same sequence; a deterministic Loader of 2 workers
 stopped, resumed with 3, stopped again and resumed with 1 yields its uninterrupted
 stream exactly.
 
-One seed per mode runs in ``make test``; ``-m slow`` runs 200 per mode (24 shared).
+One seed per mode runs in ``make test``; ``-m slow`` runs 200 per mode (24 per shared one).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import os
 import random
 import signal
 import subprocess
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -339,6 +341,41 @@ def shared_killed(case: Case, seed: int) -> None:
         assert Rows(rows(out)) == want, described(case, Rows(rows(out)), want)
 
 
+def other_job(x: int) -> int:
+    return x + 1
+
+
+def shared_moved(case: Case, seed: int) -> None:
+    """Two trainers share the pipeline's job on a service of 2 workers; at a random point
+    of the first trainer's epoch another job arrives, to which the pool moves one of the
+    two workers (it drains and hands its splits on), and a third trainer of the pipeline
+    joins: each gets the epoch ``iter`` yields, and the other job its own."""
+    other = Pipeline.range(200, split_size=10).map(other_job)
+    with service(workers=2) as (address, _):
+        got: dict[str, list[Any]] = {}
+        at = point(case, seed)
+        moved = threading.Event()
+
+        def read(name: str) -> None:
+            if name in "oc":
+                moved.wait(60)
+            out: list[Any] = []
+            pipeline = other if name == "o" else case.pipeline
+            with Loader(pipeline, broker=address, share=True, timeout=30) as one:
+                for element in one:
+                    out.append(element)
+                    if name == "a" and len(out) >= at:
+                        moved.set()
+            moved.set()  # (an epoch shorter than the point)
+            got[name] = out
+
+        run_together([functools.partial(read, name) for name in "abco"], timeout=120)
+    want = reference(case)
+    for name in "abc":
+        assert Rows(rows(got[name])) == want, described(case, Rows(rows(got[name])), want)
+    assert sorted(rows(got["o"])) == list(range(1, 201))
+
+
 def deterministic(case: Case, seed: int) -> None:
     with loader(case, deterministic=True) as one:
         first = list(rows(one))
@@ -381,6 +418,8 @@ def run(mode: str, seed: int, tmp: str) -> None:
         broker_restarted(case, seed, tmp)
     elif mode == "shared-kill":
         shared_killed(case, seed)
+    elif mode == "shared-move":
+        shared_moved(case, seed)
     else:
         MODES[mode](case, seed)
 
@@ -400,8 +439,9 @@ def test_many_generated_pipelines_yield_what_iter_yields(mode, seed, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(24))
-def test_generated_pipelines_shared_by_two_trainers_survive_a_worker_sigkill(seed, tmp_path):
-    run("shared-kill", seed, str(tmp_path))
+@pytest.mark.parametrize("mode", ["shared-kill", "shared-move"])
+def test_generated_pipelines_shared_by_trainers_survive_a_kill_and_a_move(mode, seed, tmp_path):
+    run(mode, seed, str(tmp_path))
 
 
 @pytest.mark.slow

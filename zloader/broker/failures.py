@@ -31,7 +31,8 @@ from zloader.sharing.handover import Segment, to_wire
 from zloader.transport.messages import Delivered, Handover, Release
 from zloader.transport.protocol import ProtocolError
 
-__all__ = ["complete_fences", "delivered", "drop_worker", "give_up", "leave", "reread",
+__all__ = ["complete_fences", "delivered", "drop_worker", "give_up", "holds", "leave",
+           "reread",
            "stalled", "stuck"]
 
 log = logging.getLogger("zloader.broker")
@@ -108,7 +109,7 @@ def leave(state: Tables, worker: Worker, job: Job, task: str, died: bool, now: f
                                                  now + grace, event=event, index=index,
                                                  order=order, taker=takers[0][1].id)
         return complete_fences(state, job) or views.tell_consumers(state, job) \
-            + _holds(state, job)
+            + holds(state, job)
     state.record(event)
     if requeue:
         for key, split in lost:
@@ -117,16 +118,18 @@ def leave(state: Tables, worker: Worker, job: Job, task: str, died: bool, now: f
     if job.rounds is not None:
         out += coordinated.announce(state, job, {}, job.rounds.lose_worker(worker_id))
     handover, worker.handover = worker.handover, []
+    worker.leaving = False
     if handover and clean and job.share is not None:
         out += _hand_on(state, job, handover,
                         f"worker {worker.id} (pid {worker.pid} on {worker.host})")
-    return out
+    return out + holds(state, job)  # (what it held for this worker's handover, released)
 
 
 def _takers(state: Tables, job: Job) -> list[tuple[str, Worker]]:
     """The job's workers that stay (a shared job's handover goes to the first)."""
     return [(task, state.workers[w]) for task, w in job.tasks.items()
-            if w in state.workers and state.workers[w].moving_to is None]
+            if w in state.workers and state.workers[w].moving_to is None
+            and not state.workers[w].leaving]
 
 
 def _hand_on(state: Tables, job: Job, handover: list[dict[str, Any]], who: str,
@@ -147,22 +150,30 @@ def _hand_on(state: Tables, job: Job, handover: list[dict[str, Any]], who: str,
     log.info("the splits of %s of shared job %s go to worker %s", who, job.name or job.id,
              taker.id)
     handover[-1] = {**handover[-1], "last": True}
-    held, token = _held(job), fence[0] if fence is not None else None
+    held, token = _held(state, job), fence[0] if fence is not None else None
     return [Out(taker.identity, Handover(task=task, segments=(entry,), held=held,
                                          fence=token))
             for entry in handover]
 
 
-def _held(job: Job) -> tuple[int, ...]:
+def _held(state: Tables, job: Job) -> tuple[int, ...]:
     """The epochs of a shared job whose end its workers hold back: a dead worker's fence
-    waits for its trainers' answers."""
-    return tuple(sorted({key[0] for fence in job.fences.values() if fence.index is not None
-                         for key in fence.order}))
+    waits for its trainers' answers, or a worker that drains will hand its splits on (a
+    trainer that started the epoch on the others alone must not end it before)."""
+    fenced = {key[0] for fence in job.fences.values() if fence.index is not None
+              for key in fence.order}
+    draining = {epoch for w in job.tasks.values() if w in state.workers
+                and (state.workers[w].moving_to is not None or state.workers[w].leaving)
+                for epoch in splits.epochs_of(job, w)}
+    return tuple(sorted(fenced | draining))
 
 
-def _holds(state: Tables, job: Job) -> list[Out]:
-    """Tell every worker of a shared job the epochs whose end it holds back now."""
-    held = _held(job)
+def holds(state: Tables, job: Job) -> list[Out]:
+    """Tell every worker of a shared job that stays the epochs whose end it holds back
+    now (:func:`_held`)."""
+    if job.share is None:
+        return []
+    held = _held(state, job)
     return [Out(worker.identity, Handover(task=task, segments=(), held=held))
             for task, worker in _takers(state, job)]
 
@@ -304,7 +315,7 @@ def complete_fences(state: Tables, job: Job) -> list[Out]:
         if fence.index is not None and _takers(state, job):
             out += _hand_on(state, job, _made_again(job, fence),
                             f"{'dead ' if fence.died else ''}worker {fence.worker}",
-                            (token, fence)) + _holds(state, job)
+                            (token, fence)) + holds(state, job)
             continue
         if fence.index is not None:  # nobody stays to make them again: read again (at
             log.warning("no worker of shared job %s stays to make dead worker %s's splits "

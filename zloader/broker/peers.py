@@ -68,6 +68,10 @@ def worker_heartbeat(state: Tables, identity: bytes, msg: Heartbeat, now: float)
     was told to drain (``drained``: it moves on, see ``placement.drained``), and before
     that, a shared job's, what it hands on (``handover``, kept on the worker until then)."""
     worker = state.worker_at(identity)
+    if worker is not None and msg.leaving and not worker.leaving:
+        worker.leaving = True  # (SIGTERM: it drains, then hands its splits on)
+        job = state.job_of(worker.task)
+        return failures.holds(state, job) if job is not None else []
     if worker is not None and msg.handover and worker.task is not None:
         room = MAX_HANDOVER_ENTRIES - len(worker.handover)
         worker.handover.extend(msg.handover[:max(0, room)])

@@ -225,7 +225,9 @@ def _drain(state: Tables, worker: Worker, taker: Job, now: float) -> list[Out]:
     log.info("worker %s (pid %d on %s) drains its task to move to job %s (the pool's "
              "share for it)", worker.id, worker.pid, worker.host, taker.name or taker.id)
     worker.moving_to, worker.moving_since = taker.id, now
-    return [Out(worker.identity, messages.Release(task=worker.task, drain=True))]
+    job = state.job_of(worker.task)
+    held = failures.holds(state, job) if job is not None else []  # (its handover comes)
+    return [Out(worker.identity, messages.Release(task=worker.task, drain=True)), *held]
 
 
 def drained(state: Tables, worker: Worker, task: str, now: float) -> list[Out]:

@@ -96,6 +96,7 @@ class Worker:
     moving_since: float = 0.0  # when it was told to drain (placement.MOVE_DRAIN_SECONDS)
     # a shared job's drained task: what it hands on (HEARTBEAT.handover, placement.drained)
     handover: list[dict[str, Any]] = field(default_factory=list)
+    leaving: bool = False  # it drains to leave (SIGTERM: HEARTBEAT.leaving), then says BYE
     # LOG lines it may send: twice what its own limit lets through (zloader/forward.py)
     log_budget: Bucket = field(default_factory=lambda: Bucket(2 * RATE, 4.0 * BURST))
 

@@ -532,6 +532,9 @@ class Heartbeat(Record):
     drained: str | None = fld(optional(NAME), None, omit=True)
     # and, a shared job's, the splits it read for trainers that start those epochs later
     handover: tuple[dict[str, Any], ...] = fld(list_of(handover_entry), (), omit=True)
+    # a worker draining to leave (SIGTERM): a shared job's other workers hold the epochs
+    # it read until its handover comes
+    leaving: bool = fld(boolean, False, omit=True)
 
 
 @dataclass(frozen=True, kw_only=True)

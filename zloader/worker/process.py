@@ -114,6 +114,7 @@ class WorkerProcess:
         self.rejected = 0  # malformed messages dropped
         self._process = psutil.Process()  # its CPU time goes in the heartbeat stats
         self._drain_deadline: float | None = None  # set by drain()
+        self._announced = False  # HEARTBEAT.leaving sent
         self._warned = 0.0
         self.loading: tuple[Assignment, Loading] | None = None  # a task's pipeline loads
         self._last_beat = 0.0
@@ -257,6 +258,9 @@ class WorkerProcess:
                 log.warning("parent process %d is gone: exiting", self.parent)
                 self.orphaned = True
                 return
+            if self._drain_deadline is not None and not self._announced:
+                self._announced = True  # (a shared job's others hold what it will hand on)
+                self.broker.send(messages.Heartbeat(leaving=True))
             if self._drain_deadline is not None and self._drained(now):
                 if self.task is not None:
                     self.task.hand_over()  # (then BYE: it leaves the job cleanly)
