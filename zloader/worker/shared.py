@@ -380,11 +380,13 @@ class SharedDelivery(Delivery):
         of its epoch here that it did not serve (at once for those reading the epoch,
         when they open it for the others), less what each had of it; ``held``: the epochs
         whose end waits for a dead worker's segment (the broker's ``fence``)."""
-        self.held = set(held)
         self.incoming.extend(entries)
         if self.incoming and self.incoming[-1]["last"]:
             self._adopt(from_wire(self.incoming), fence)
             self.incoming = []
+        # (the epochs of a handover whose last entry has not come yet stay held: the
+        # broker's hold may end with its first entry)
+        self.held = set(held) | {entry["epoch"] for entry in self.incoming}
         self.port.maybe_produce()
         self.deliver()
 
