@@ -75,7 +75,9 @@ class SharedDelivery(Delivery):
         self.adopted: dict[int, list[Segment]] = {}
         self.incoming: list[dict[str, Any]] = []
         self.handed_on = False  # it left the job cleanly: another worker makes its splits
-        self.held: set[int] = set()  # epochs whose end waits for a fence (adopt)
+        # epochs whose end waits for a handover: a dead worker's fence, or a draining
+        # worker's (adopt)
+        self.held: set[int] = set()
         self.acks: dict[bytes, set[str]] = {}  # trainer -> fences its next END names
         self.replay_pending: deque[Pending] = deque()
         self.replay_outstanding = 0
@@ -379,7 +381,8 @@ class SharedDelivery(Delivery):
         """HANDOVER: once its last entry came, make each segment again for the trainers
         of its epoch here that it did not serve (at once for those reading the epoch,
         when they open it for the others), less what each had of it; ``held``: the epochs
-        whose end waits for a dead worker's segment (the broker's ``fence``)."""
+        whose end waits for a handover (a dead worker's, whose segments the broker makes:
+        its ``fence``, or a draining worker's)."""
         self.incoming.extend(entries)
         if self.incoming and self.incoming[-1]["last"]:
             self._adopt(from_wire(self.incoming), fence)
