@@ -8,6 +8,8 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -67,69 +69,61 @@ def test_ray_actors_serve_a_job_and_the_ray_actuator_adds_them_for_a_starved_con
         stop(broker)
 
 
-def test_ray_workers_of_a_loopback_broker_bind_loopback_and_need_no_keys():
-    ray = pytest.importorskip("ray")
+@pytest.fixture
+def local_ray() -> Iterator[tuple[Any, Any, str]]:
+    """Ray on this host (2 CPUs) and a broker on loopback: (ray, zloader.ray, address)."""
+    ray = pytest.importorskip("ray")  # make test-slow installs it (the ray extra)
     import zloader.ray as zray
 
     broker, address = start_broker()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        # Only this host reaches the broker: the actors run here, on loopback, keyless.
-        workers = zray.start_workers(address, 2, num_cpus_per_worker=0.5)
-        try:
-            assert all(i["endpoint"].startswith("tcp://127.0.0.1:") for i in workers.info)
-            wait_for(lambda: len(status(address)["workers"]) == 2, what="the actors' workers")
-            with Loader(Pipeline.range(500).map(abs), broker=address, timeout=30) as loader:
-                assert sorted(loader) == list(range(500))
-        finally:
-            workers.stop()
+        yield ray, zray, address
     finally:
         ray.shutdown()
         stop(broker)
 
 
-def test_a_worker_actor_ray_restarts_is_kept_and_serves_again():
+def test_ray_workers_of_a_loopback_broker_bind_loopback_and_need_no_keys(local_ray):
+    _, zray, address = local_ray
+    # Only this host reaches the broker: the actors run here, on loopback, keyless.
+    workers = zray.start_workers(address, 2, num_cpus_per_worker=0.5)
+    try:
+        assert all(i["endpoint"].startswith("tcp://127.0.0.1:") for i in workers.info)
+        wait_for(lambda: len(status(address)["workers"]) == 2, what="the actors' workers")
+        with Loader(Pipeline.range(500).map(abs), broker=address, timeout=30) as loader:
+            assert sorted(loader) == list(range(500))
+    finally:
+        workers.stop()
+
+
+def test_a_worker_actor_ray_restarts_is_kept_and_serves_again(local_ray):
     """A worker actor's process is SIGKILLed: Ray restarts it (max_restarts=-1), and
     check() keeps it meanwhile (it dropped the actor as lost, which cancelled Ray's
     restart: no worker came back)."""
-    ray = pytest.importorskip("ray")
-    import zloader.ray as zray
-
-    broker, address = start_broker()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    _, zray, address = local_ray
+    workers = zray.start_workers(address, 1, num_cpus_per_worker=0.5)
     try:
-        workers = zray.start_workers(address, 1, num_cpus_per_worker=0.5)
-        try:
-            (first,) = workers.info
-            wait_for(lambda: len(status(address)["workers"]) == 1, what="the actor's worker")
-            os.kill(first["pid"], signal.SIGKILL)
-            deadline = time.monotonic() + 60
-            while True:  # checked as an actuator does, once a second
-                workers.check(timeout=2.0)
-                assert len(workers) == 1, "the restarting actor was dropped"
-                if workers.info[0]["worker"] != first["worker"]:
-                    break
-                assert time.monotonic() < deadline, "Ray did not restart the actor"
-                time.sleep(1.0)
-            wait_for(lambda: {w["worker"] for w in status(address)["workers"]}
-                     == {workers.info[0]["worker"]}, what="the restarted actor's worker")
-        finally:
-            workers.stop()
+        (first,) = workers.info
+        wait_for(lambda: len(status(address)["workers"]) == 1, what="the actor's worker")
+        os.kill(first["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while True:  # checked as an actuator does, once a second
+            workers.check(timeout=2.0)
+            assert len(workers) == 1, "the restarting actor was dropped"
+            if workers.info[0]["worker"] != first["worker"]:
+                break
+            assert time.monotonic() < deadline, "Ray did not restart the actor"
+            time.sleep(1.0)
+        wait_for(lambda: {w["worker"] for w in status(address)["workers"]}
+                 == {workers.info[0]["worker"]}, what="the restarted actor's worker")
     finally:
-        ray.shutdown()
-        stop(broker)
+        workers.stop()
 
 
-def test_a_loopback_broker_with_resources_this_node_lacks_is_refused_in_zloaders_words():
-    ray = pytest.importorskip("ray")
-    import zloader.ray as zray
-
-    broker, address = start_broker()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:  # (Ray would never place it: zloader pins a loopback broker's actors here)
-        with pytest.raises(ValueError, match=r"on loopback.*gpu_node=1"):
-            zray.start_workers(address, 1, num_cpus_per_worker=0.5,
-                               resources={"gpu_node": 1})
-    finally:
-        ray.shutdown()
-        stop(broker)
+def test_a_loopback_broker_with_resources_this_node_lacks_is_refused_in_zloaders_words(
+        local_ray):
+    _, zray, address = local_ray
+    # (Ray would never place it: zloader pins a loopback broker's actors here)
+    with pytest.raises(ValueError, match=r"on loopback.*gpu_node=1"):
+        zray.start_workers(address, 1, num_cpus_per_worker=0.5, resources={"gpu_node": 1})

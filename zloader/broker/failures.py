@@ -108,8 +108,8 @@ def leave(state: Tables, worker: Worker, job: Job, task: str, died: bool, now: f
         job.fences[secrets.token_hex(6)] = Fence(worker_id, task, died, lost, asked,
                                                  now + grace, event=event, index=index,
                                                  order=order, taker=takers[0][1].id)
-        return complete_fences(state, job) or views.tell_consumers(state, job) \
-            + holds(state, job)
+        done = complete_fences(state, job)  # (at once when no trainer is to answer)
+        return done or views.tell_consumers(state, job) + holds(state, job)
     state.record(event)
     if requeue:
         for key, split in lost:
