@@ -483,6 +483,27 @@ def test_a_worker_stopped_with_sigterm_hands_on_what_it_read_to_a_later_trainer(
 
 
 @pytest.mark.slow  # (about 10 s)
+@pytest.mark.xfail(strict=True, reason="known: a trainer paused past the broker's expiry is "
+                   "dropped, rejoins its epoch as a late joiner and is made again what it "
+                   "had (65-85 of 240 repeated); the next thing to fix")
+def test_a_trainer_paused_for_seconds_gets_its_shared_epoch_exactly():
+    """A trainer of a shared job stopped (SIGSTOP) for 3 s mid-epoch, then continued:
+    it and the other trainer each get every element once."""
+    n = 2 * N
+    with trainer_service(2) as (address, _):
+        slow = Trainer(address, "--delay", "0.01", n=n)
+        fast = Trainer(address, "--delay", "0.005", n=n)
+        wait_for(lambda: fast.progress >= 20 and slow.progress >= 20,
+                 what="both trainers' first elements")
+        os.kill(slow.process.pid, signal.SIGSTOP)
+        time.sleep(3.0)
+        os.kill(slow.process.pid, signal.SIGCONT)
+        for trainer in (slow, fast):
+            (epoch,) = trainer.epochs(timeout=120)
+            exactly_once(epoch["got"], n)
+
+
+@pytest.mark.slow  # (about 10 s)
 def test_a_shared_job_through_a_broker_restart_on_its_work_dir_is_exact(tmp_path):
     """The broker of a shared job is SIGKILLed mid-epoch and restarted on its work dir:
     two trainers reading, and one that joins after the restart, each get every element
