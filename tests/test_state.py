@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
 
 import pytest
 
@@ -539,3 +540,49 @@ def test_a_deterministic_job_runs_dynamic_sharding_as_static_whoever_registers_i
     assert (job.options.sharding, job.options.exactly_once) == (runs, False)
     loader_options = JobOptions(sharding=sharding, deterministic=True).applied()
     assert loader_options.sharding == runs
+
+
+def test_a_shared_jobs_silent_trainer_keeps_its_cursors_for_the_grace_unless_it_exited():
+    """A trainer of a shared job that goes silent may only be stopped: its workers are told
+    to drop its cursors when the grace ends (one that comes back goes on where it was),
+    at once when its process on this host has exited."""
+    from zloader._host import host_id
+    from zloader.broker.state import FENCE_GRACE
+
+    def shared(consumer: str, now: float, host: str, pid: int):
+        return state.register(consumer.encode(), record(Command.REGISTER, nested({
+            "consumer": consumer, "fingerprint": "f" * 64, "sharding": "dynamic",
+            "job_name": None, "deterministic": False, "num_workers": 0,
+            "share": {"window_bytes": 1 << 20, "lag": "block", "block_seconds": 1.0},
+            "on_error": "raise", "host_id": host, "pid": pid,
+            "source": {"num_splits": 4, "shuffle_splits": False, "seed": None}}),
+            [b"pipeline"]), now)
+
+    def told_gone(out) -> list[str]:
+        return [o.body["consumer"] for o in out if o.command is Command.CONSUMER_GONE]
+
+    state = State(heartbeat=1.0)  # expiry 3 s, grace 30 s
+    state.worker_ready(b"w1", record(Command.READY, {
+        "worker": "w1", "host": "h", "host_id": "h/boot/ns", "pid": 100,
+        "endpoint": "tcp://10.0.0.1:5555", "prefer": None}), 0.0)
+    shared("remote", 0.0, "elsewhere/boot/ns", 1)
+    exited = subprocess.Popen(["true"])
+    exited.wait()
+    shared("local", 0.0, host_id(), exited.pid)
+    (job,) = state.jobs.values()
+    assert job.tasks  # (a job that reads has its worker)
+    state.seen(b"w1", 4.0)
+    assert told_gone(state.tick(4.0)) == ["local"]  # both silent: the exited one at once
+    state.seen(b"w1", 20.0)
+    assert told_gone(state.tick(20.0)) == []
+    grace_end = 4.0 + 3 * FENCE_GRACE + 1
+    state.seen(b"w1", grace_end)
+    assert told_gone(state.tick(grace_end)) == ["remote"]
+    shared("back", grace_end, "elsewhere/boot/ns", 2)
+    state.seen(b"w1", grace_end + 4)
+    state.tick(grace_end + 4)
+    shared("back", grace_end + 5, "elsewhere/boot/ns", 2)  # back within the grace
+    for now in (grace_end + 20, grace_end + 40):
+        state.seen(b"w1", now)
+        state.seen(b"back", now)
+        assert told_gone(state.tick(now)) == []  # never told gone: it came back

@@ -45,3 +45,16 @@ def running(pid: int) -> bool:
         return False
     state = stat[stat.rfind(")") + 2:][:1]
     return state in ("R", "S", "D")
+
+
+def gone(pid: int) -> bool:
+    """Whether process ``pid`` of this host has exited (or is a zombie); a stopped one
+    (SIGSTOP, a debugger) is not gone: it may continue."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return True
+    except OSError:  # (not Linux: heartbeats alone decide)
+        return False
+    return stat[stat.rfind(")") + 2:][:1] in ("Z", "X")

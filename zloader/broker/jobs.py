@@ -11,7 +11,7 @@ import secrets
 from typing import Any
 
 from zloader._defaults import UNHEARD_BEATS
-from zloader._host import host_id, running
+from zloader._host import gone, host_id, running
 from zloader.broker import (
     admission,
     coordinated,
@@ -349,19 +349,32 @@ def drop_consumer(state: Tables, consumer_id: str, now: float,
     if job is None:
         return []
     job.consumers.discard(consumer_id)
+    if silent:
+        job.silent[consumer_id] = now
     if not job.consumers:
         job.idle_since = now
         # Consumers that went silent may only be stalled (a loaded host): keep the job,
         # its workers and what it handed out, for them to come back to.
-        job.linger = state.expiry * FENCE_GRACE if silent else 0.0
-    if silent:
-        job.silent[consumer_id] = now
-    else:
+        grace = state.expiry * FENCE_GRACE
+        job.linger = max((t + grace - now for t in job.silent.values()), default=0.0)
+    if not silent:
         for fence in job.fences.values():
             fence.waiting.discard(consumer_id)
     out = failures.complete_fences(state, job)
     if job.rounds is not None:
         out += coordinated.announce(state, job, {}, job.rounds.leave(consumer_id))
+    if silent and job.share is not None:
+        # A shared job's workers keep a silent trainer's cursors until its grace ends
+        # (tick): one that was only stalled (paused, swapping) goes on where it was when it
+        # registers again; forgotten, it would join its epoch anew and be sent again what
+        # it already had.
+        return out
+    return out + _tell_gone(state, job, consumer_id)
+
+
+def _tell_gone(state: Tables, job: Job, consumer_id: str) -> list[Out]:
+    """CONSUMER_GONE to each of ``job``'s workers: they drop the consumer's streams."""
+    out: list[Out] = []
     for task, worker_id in job.tasks.items():
         worker = state.workers.get(worker_id)
         if worker is not None:
@@ -386,9 +399,11 @@ def tick(state: Tables, now: float) -> list[Out]:
                  worker.pid, worker.host, now - worker.last_seen)
         out += failures.drop_worker(state, worker.id, died=True, now=now)
     for consumer in [c for c in state.consumers.values() if now - c.last_seen > state.expiry]:
-        log.info("consumer %s (pid %d) silent for %.1f s: dropped", consumer.id,
-                 consumer.pid, now - consumer.last_seen)
-        out += drop_consumer(state, consumer.id, now, silent=True)
+        # (one whose process on this host has exited cannot come back: no grace for it)
+        exited = consumer.host_id == host_id() and gone(consumer.pid)
+        log.info("consumer %s (pid %d) silent for %.1f s%s: dropped", consumer.id,
+                 consumer.pid, now - consumer.last_seen, ", exited" if exited else "")
+        out += drop_consumer(state, consumer.id, now, silent=not exited)
     for job in state.jobs.values():
         for fence in job.fences.values():
             if now > fence.deadline and fence.waiting:
@@ -397,6 +412,8 @@ def tick(state: Tables, now: float) -> list[Out]:
         for consumer_id in [c for c, t in job.silent.items()
                             if now - t > state.expiry * FENCE_GRACE]:
             del job.silent[consumer_id]
+            if job.share is not None:  # (its workers kept its cursors until now)
+                out += _tell_gone(state, job, consumer_id)
     unheard(state, now)
     status.sample(state, now)
     for job in list(state.jobs.values()):

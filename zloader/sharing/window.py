@@ -8,7 +8,9 @@ bytes of records (always at least one). A record leaves the window from the old 
 every cursor has passed it; when room is needed before that, the ``lag`` policy decides:
 ``"skip"`` drops the oldest record anyway, and the cursors that had not passed it jump
 forward (the elements they lose are counted on the cursor); ``"block"`` keeps it while the
-producer waits, up to ``block_seconds`` per lagging trainer, then acts as ``"skip"``.
+producer waits, up to ``block_seconds`` per lagging trainer, then acts as ``"skip"`` for that
+trainer until it takes a record again (:meth:`Window.took`): a trainer that stalls costs the
+others ``block_seconds`` once, not per record.
 
 An epoch's end is a record too (``end=True``, no data), so a cursor ends its epoch exactly
 where the production of the epoch ended. A trainer that joins while an epoch is under way
@@ -79,7 +81,8 @@ class Cursor:
     seq: int
     missed: int = 0  # elements of ``epoch`` that left the window before the trainer came
     lagged: int = 0  # elements lost to the lag policy (never sent to this trainer)
-    waiting_since: float | None = None  # when the producer began waiting for it ("block")
+    # when the producer began waiting for it ("block"); None again once it takes a record
+    waiting_since: float | None = None
     done: bool = False  # its epoch has ended for it
     credits: int = 0  # records it may be sent
     end: Entry | None = None  # its epoch's end, when that left the window before it got there
@@ -123,8 +126,6 @@ class Window:
                     cursor.lagged += oldest.count
                 cursor.seq = oldest.seq + 1
             gone.append(self._pop())
-        for cursor in self.cursors.values():
-            cursor.waiting_since = None
         return True, gone
 
     def add(self, epoch: int, count: int, nbytes: int, data: Any = None, *,
@@ -176,6 +177,13 @@ class Window:
         if finished and ours is None:  # its end has left the window too: it is over here
             cursor.end = Entry(seq - 1, epoch, missed, 0, 0, end=True)
         return cursor
+
+    @staticmethod
+    def took(cursor: Cursor, entry: Entry) -> None:
+        """The trainer was sent ``entry``: it moves, so the producer may wait for it
+        again."""
+        cursor.seq = max(cursor.seq, entry.seq + 1)
+        cursor.waiting_since = None
 
     def leave(self, trainer: bytes) -> Cursor | None:
         return self.cursors.pop(trainer, None)

@@ -202,7 +202,7 @@ class SharedDelivery(Delivery):
                 if entry is None or (entry.end and entry.epoch in self.held):
                     break  # (a dead worker's elements may still be owed: see adopt)
                 cursor.end = None
-                cursor.seq = max(cursor.seq, entry.seq + 1)
+                window.took(cursor, entry)
                 if entry.end:
                     if cursor.missed > 0 or self._owes(stream.identity):
                         cursor.replaying = True  # its replays' records go out now
