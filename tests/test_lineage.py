@@ -1,4 +1,4 @@
-"""Origins (zloader/lineage.py) in one process: every stage keeps each source element
+"""Origins (zloader/lineage/) in one process: every stage keeps each source element
 accounted for exactly once, ledgers close splits, and packed sets round-trip."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The whole-array helpers of exactly-once bookkeeping (zloader/lineage.py): a batch's
+"""The whole-array helpers of exactly-once bookkeeping (zloader/lineage/): a batch's
 origins gathered as one int64 array, the union of many origin runs in one sort, a split's
 digest taken by groups of ints (and the earlier way for an earlier reading's digest)."""
 

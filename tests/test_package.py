@@ -33,7 +33,10 @@ LAYERS = {
     "packed": 0.8,  # lists packed for forked workers (fingerprint reads them)
     "handoff": 0.85,  # ... packed after the fork, handed to the workers
     "codec_torch": 0.9,  # torch tensors in the codec, torch imported lazily
-    "codec": 1, "collate": 1.1, "fingerprint": 1, "rounds": 1, "journal": 1, "lineage": 1,
+    "codec": 1, "collate": 1.1, "fingerprint": 1, "rounds": 1, "journal": 1,
+    # lineage: sets of ints, the tags, the origin block, the ledger; the package on top
+    "lineage.intsets": 0.9, "lineage.tags": 0.95, "lineage.ledger": 0.97,
+    "lineage.wire": 0.98, "lineage": 1,
     "metrics": 1, "autoscale": 1, "forward": 1, "blobs": 1,
     "formats._crc32c": 1, "formats.example": 1, "formats.image": 1, "formats": 1.2,
     "storage": 1.5, "cachefile": 1.6,
@@ -214,10 +217,10 @@ FORMAT_CONSTANTS = {
               "_I64_MIN", "_I64_MAX"},  # the range of the int64 tag
     "fingerprint": {"SCHEME",  # the hashing rules' version
                     "FLAT_MIN_ITEMS"},  # picks the hashed encoding: part of the rules
-    "lineage": {"DIGEST_BYTES", "DIGEST_GROUP",  # what the digest covers: resumed states
-                "DIGEST_MARK",  # compare digests; the mark tells the two ways of taking one
-                "INDEX_BITS", "MAX_PASS_ID", "MAX_READ", "MAX_KEY_LENGTH",
-                "_HEAD"},  # the origin block
+    "lineage.tags": {"DIGEST_BYTES", "DIGEST_GROUP",  # what the digest covers: resumed
+                     "DIGEST_MARK",  # states compare digests; the mark tells the two ways
+                     "INDEX_BITS", "MAX_PASS_ID", "MAX_READ", "MAX_KEY_LENGTH"},
+    "lineage.wire": {"_HEAD"},  # the origin block
     "transport.messages": {"_DATA_FLAGS_ALL"},  # the packed DATA body's flags
     "transport.notice": {"FRAME_ALIGN"},  # where a framed record's buffers start
     "journal": {"VERSION"},  # the journal's schema version

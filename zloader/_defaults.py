@@ -26,7 +26,7 @@ LIGHT_BYTES = 4096
 LIGHT_ITEMS = 8
 """Elements read ahead into a chunk are light: numbers, None, strings, bytes and numpy
 arrays of at most LIGHT_BYTES, or tuples, lists and dicts of at most LIGHT_ITEMS of those;
-any other is read when it is used (zloader/lineage.py ``light``)."""
+any other is read when it is used (zloader/lineage/tags.py ``light``)."""
 
 ORIGINS_NAMED = 4
 """Origins an error message names, of a batch's many (fixed)."""
@@ -210,7 +210,7 @@ what it made before it moves, and the broker's view can arrive first (fixed)."""
 SCATTER_SAMPLE = 17
 """How many of a record's first origin codes the producer looks at to choose how its
 origin block carries them: runs when they make runs of four or more on average, else the
-codes themselves (a shuffle's; fixed: zloader/lineage.py ``encode_origins``)."""
+codes themselves (a shuffle's; fixed: zloader/lineage/wire.py ``encode_origins``)."""
 
 LEDGER_FOLD_RECORDS = 64
 LEDGER_FOLD_RUNS = 65536
@@ -226,7 +226,7 @@ MERGE_SPAN_SLACK = 1 << 16
 """A ledger merges MERGE_COUNT_RUNS runs or more of up to MERGE_PLACES splits by counting
 (linear time) when each split's runs span at most MERGE_SPAN_FACTOR times as many indices
 as there are runs, plus MERGE_SPAN_SLACK; by sorting otherwise, fewer runs included (a
-few numpy calls per split cost more than their sort) (fixed: zloader/lineage.py
+few numpy calls per split cost more than their sort) (fixed: zloader/lineage/
 ``merge_runs``)."""
 
 CHECK_SECONDS = 0.05
@@ -438,7 +438,7 @@ HAND_WAIT = 0.005
 looks at its stop flag again (zloader/worker/producer.py ``Hand``; fixed)."""
 
 READ_AHEAD_SECONDS = 0.002
-"""An exactly-once split reader reads plain ints a group at a time (zloader/lineage.py
+"""An exactly-once split reader reads plain ints a group at a time (zloader/lineage/
 ``read_split``) only while a group takes the source less than this; a slower source is
 read one element at a time, so that its first elements do not wait for the group's last
 (fixed)."""
@@ -839,7 +839,7 @@ and repetition counts, far below it; fixed: workers, brokers and journals must a
 
 GROUP_KEY = 1 << 41
 """A *group* (the source elements of one batch that a map turned into another number of
-rows, zloader/lineage.py) has its rows' origins in a pass of its own: the anchor's pass
+rows, zloader/lineage/) has its rows' origins in a pass of its own: the anchor's pass
 key, then ``GROUP_KEY + position`` (the unbatch's position) and the anchor's index
 (fixed, above every ``MIX_KEY + k``: workers, brokers and journals must agree)."""
 

@@ -1,7 +1,7 @@
 """Groups: rows that a stage made of a batch in another number, kept exactly-once.
 
 Pipelines that pack, chunk or tokenize write ``batch(k).map(f).unbatch()`` with ``f``
-returning any number of rows. Under exactly-once (zloader/lineage.py) the unbatch cannot
+returning any number of rows. Under exactly-once (zloader/lineage/) the unbatch cannot
 give each row one source element's origin; instead the batch's elements become a
 :class:`~zloader.lineage.Group`:
 

@@ -63,7 +63,7 @@ class JobOptions:
         balanced: deal one element at a time to this many consumers (0: off).
         num_consumers: coordinated reads by this many consumers (0: off).
         share: a shared job's window settings, or None (not shared).
-        exactly_once: elements carry their origins (zloader/lineage.py). The Loader's
+        exactly_once: elements carry their origins (zloader/lineage/intsets.py). The Loader's
             request; the broker keeps what the job runs (:meth:`applied`).
         weight: the job's share of the worker pool relative to other jobs'.
         objects: elements may hold leaves of types the codec does not know: workers

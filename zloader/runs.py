@@ -67,7 +67,7 @@ class RunTally:
         pass_keys: the pass ids used in origins, by pass key (:meth:`pass_id`), and
         keys: the pass keys by pass id.
         reads: (pass id, split) of each split reading, by the read number in the origin
-            codes (zloader/lineage.py: ``code``).
+            codes (zloader/lineage/tags.py: ``code``).
         groups: the groups made since the last record, as the origin block holds them
             (zloader/groups.py).
         group_reads: each group's as the block holds it, by the read number that names

@@ -258,7 +258,7 @@ def reread(state: Tables, job: Job, consumer: Consumer,
     and holds no fence or re-queue for are taken.
 
     Raises:
-        ProtocolError: an entry's info is not one (zloader/lineage.py).
+        ProtocolError: an entry's info is not one (zloader/lineage/intsets.py).
     """
     if not job.track or len(job.consumers | set(job.silent)) != 1:
         return  # with several consumers none can tell alone what is missing

@@ -234,7 +234,7 @@ class Job:
 
     @property
     def track(self) -> bool:
-        """Exactly-once: elements carry origins (zloader/lineage.py)."""
+        """Exactly-once: elements carry origins (zloader/lineage/intsets.py)."""
         return self.options.exactly_once
 
     @property

@@ -150,7 +150,7 @@ def optional(check: Check) -> Check:
 
 
 def packed(value: Any) -> str:
-    """A packed set of indices (zloader/lineage.py: base64 of a compressed bitmap)."""
+    """A packed set of indices (zloader/lineage/intsets.py: base64 of a compressed bitmap)."""
     try:
         unpack(value)
     except ValueError as exc:

@@ -25,7 +25,7 @@ A few nested values are checked by the code that reads them, because it alone kn
 their meaning: ``DATA.origins`` and ``END.origins`` (zloader/client/items.py, with the
 record's buffers), ``JOB.rounds`` and ``JOB.joined`` (zloader/client/rounds.py),
 ``REGISTER.resume`` (a ledger, zloader/broker/jobs.py), the ``info`` of ``DELIVERED.splits`` and
-``HEARTBEAT.reread`` (zloader/lineage.py) and ``HEARTBEAT.stats`` (the broker keeps the
+``HEARTBEAT.reread`` (zloader/lineage/) and ``HEARTBEAT.stats`` (the broker keeps the
 numbers >= 0); here they are checked to be JSON objects or lists. What needs the broker's
 state (a ``job_name`` for coordinated reads, a payload or a pipeline reference) the broker
 checks (zloader/broker/jobs.py).
@@ -242,7 +242,7 @@ def stuck_report(value: Any) -> dict[str, Any]:
 
 def split_info(value: Any) -> tuple[tuple[int, ...], int, dict[str, Any]]:
     """``[pass key, split, info]`` (``DELIVERED.splits``, ``HEARTBEAT.reread``); what
-    ``info`` holds is read by zloader/lineage.py."""
+    ``info`` holds is read by zloader/lineage/."""
     if not (isinstance(value, list) and len(value) == 3 and is_int(value[1])
             and value[1] >= 0 and isinstance(value[2], dict)):
         raise Wrong("must be [pass, split, info]")
@@ -356,7 +356,7 @@ class Split(Record):
     skip: str = fld(packed, "", omit=True)
     expect: tuple[int, ...] | None = fld(optional(list_of(integer(), 2, 2)), None, omit=True)
     # the groups anchored in it whose rows are to be made again (zloader/groups.py),
-    # each [key, split, index, position, rows, members, rows held] (read by lineage.py)
+    # each [key, split, index, position, rows, members, rows held] (read by lineage/ledger.py)
     groups: list[Any] | None = fld(optional(array), None, omit=True)
     # the splits handed at the places after ``have``, in order, in one message: each of
     # this pass, read whole (no origin of its own, nothing to skip or expect)

@@ -7,7 +7,7 @@ frame on the pair (the :class:`LinkKind`'s byte) to wake that thread: no message
 serialized between two threads of one process. ``SPLIT_REQ {pass, have}`` asks for the
 next split of a pass, having received ``have`` of them so far (the answer comes back the
 same way: a :class:`SplitAnswer` in :attr:`Producer.inbox`, with the split as an exactly-once
-job reads it, see zloader/lineage.py, and a frame on the pair to wake the producer),
+job reads it, see zloader/lineage/, and a frame on the pair to wake the producer),
 ``PASS_DONE pass`` says a pass is finished,
 ``RECORD`` is one record (an :class:`Outgoing`: its head, epoch, count, skipped, and its
 codec buffers, the last one its origin block for an exactly-once job), ``END body`` ends
@@ -128,7 +128,7 @@ class ProducerSpec:
 
     @property
     def track(self) -> bool:
-        """Exactly-once: elements carry their origins (zloader/lineage.py)."""
+        """Exactly-once: elements carry their origins (zloader/lineage/intsets.py)."""
         return self.options.exactly_once
 
     @property

@@ -1,0 +1,634 @@
+"""The consumer's ledger: what it received and what it yielded, by split, as disjoint
+ranges (``Loader.state_dict()`` is the yielded ledger); and the broker's merge of what the
+consumers hold of a dead worker's splits (:func:`merge_info`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from zloader._defaults import (
+    GROUP_KEY,
+    LEDGER_FOLD_RECORDS,
+    LEDGER_FOLD_RUNS,
+    MERGE_COUNT_RUNS,
+    MERGE_PLACES,
+    MERGE_SPAN_FACTOR,
+    MERGE_SPAN_SLACK,
+    SMALL_ORIGIN_BLOCK,
+)
+from zloader.lineage.intsets import pack, unpack
+from zloader.lineage.tags import (
+    INDEX_BITS,
+    INDEX_MASK,
+    Group,
+    Key,
+    anchor_split,
+    group_of_rows,
+    natural,
+)
+
+__all__ = ["Ledger", "Ranges", "merge_info", "merge_runs"]
+
+
+def merge_info(held: dict[str, Any] | None, info: Any) -> dict[str, Any]:
+    """Add one consumer's :meth:`Ledger.info` for a split to what others said (``all``, or
+    the union of the indices held, as a set, and the first reading's ``expect``).
+
+    Raises:
+        ValueError: ``info`` is malformed.
+    """
+    if not isinstance(info, dict):
+        raise ValueError("a split's info must be an object")
+    if (held or {}).get("all") or info.get("all") is True:
+        return {"all": True}
+    expect = info.get("expect")
+    if expect is not None and not (isinstance(expect, list) and len(expect) == 2
+                                   and all(isinstance(v, int) for v in expect)):
+        raise ValueError("expect must be [count, digest]")
+    merged = dict(held or {"have": set()})
+    merged["have"] = merged["have"] | unpack(info.get("have", ""))
+    if expect is not None:
+        merged["expect"] = expect
+    if info.get("groups") is not None:
+        ledger = Ledger()  # (groups merged by id: the rows each consumer held, together)
+        ledger.merge_groups(merged.get("groups", []))
+        ledger.merge_groups(info["groups"])
+        merged["groups"] = ledger.open_groups()
+    return merged
+
+# --- the consumer's ledger -------------------------------------------------------------------
+
+
+def merge_runs(runs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The union of ``runs`` ((pass id, split, first index, length) rows, in any order,
+    overlapping or not) as sorted, disjoint, non-touching ranges: their places (``pass id
+    << INDEX_BITS | split``), starts and ends, ordered by place then start.
+
+    At least MERGE_COUNT_RUNS runs of few places whose indices lie close together (a
+    shuffle's scattered origins, many runs of one) are merged by counting, in time linear
+    in the runs and their span (:func:`_covered`); any others by one sort of the rows, then
+    whole-array operations."""
+    pass_ids, splits = runs[:, 0], runs[:, 1]
+    starts, ends = runs[:, 2], runs[:, 2] + runs[:, 3]
+    places = pass_ids << INDEX_BITS | splits
+    merged: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    for place, rows in _few_places(places) if len(runs) >= MERGE_COUNT_RUNS else ():
+        covered = _covered(starts if rows is None else starts[rows],
+                           ends if rows is None else ends[rows])
+        if covered is None:
+            merged = []
+            break
+        merged.append((np.full(len(covered[0]), place, np.int64), *covered))
+    if merged:
+        return (np.concatenate([m[0] for m in merged]), np.concatenate([m[1] for m in merged]),
+                np.concatenate([m[2] for m in merged]))
+    return _merged_by_sort(pass_ids, splits, starts, ends)
+
+
+def _few_places(places: np.ndarray) -> list[tuple[int, np.ndarray | None]]:
+    """The distinct places of ``places`` (sorted), each with a mask of its rows (None:
+    every row); empty when there are more than MERGE_PLACES of them."""
+    first = int(places[0])
+    if (places == first).all():  # (the usual fold: one split under way)
+        return [(first, None)]
+    candidates = np.unique(places[::max(1, len(places) // 256)]).tolist()
+    if len(candidates) > MERGE_PLACES:
+        return []
+    groups = [(place, places == place) for place in candidates]
+    if sum(int(rows.sum()) for _, rows in groups) != len(places):
+        return []  # a place the sample missed
+    return groups
+
+
+def _covered(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """The ``[start, end)`` ranges that runs of one place cover, sorted and disjoint, by
+    counting how many runs cover each index of their span; None when the span is more
+    than MERGE_SPAN_FACTOR times the runs (plus MERGE_SPAN_SLACK): sparse runs sort faster."""
+    low, high = int(starts.min()), int(ends.max())
+    span = high - low
+    if span > MERGE_SPAN_FACTOR * len(starts) + MERGE_SPAN_SLACK:
+        return None
+    depth = (np.bincount(starts - low, minlength=span + 1)
+             - np.bincount(ends - low, minlength=span + 1))
+    inside = np.cumsum(depth[:span]) > 0
+    edges = np.flatnonzero(np.diff(inside.view(np.int8), prepend=0, append=0)) + low
+    return edges[0::2], edges[1::2]
+
+
+def _merged_by_sort(pass_ids: np.ndarray, splits: np.ndarray, starts: np.ndarray,
+                    ends: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`merge_runs` by one sort of the rows (of one int64 key each where the ids
+    allow: the usual case), then whole-array operations."""
+    if int(pass_ids.max()) < 1 << 10 and int(splits.max()) < 1 << 20:
+        # one key of 63 bits: pass id (10), split (20), start (33)
+        place = pass_ids << 20 | splits
+        order = np.argsort(place << (INDEX_BITS + 1) | starts)
+    else:
+        order = np.lexsort((starts, splits, pass_ids))
+    places = (pass_ids << INDEX_BITS | splits)[order]
+    starts, ends = starts[order], ends[order]
+    # Ends made to grow across places too (a place's rows all lie above the last's), so
+    # that one running maximum finds each range's reach.
+    rank = np.r_[0, np.cumsum(places[1:] != places[:-1])]
+    reach = np.maximum.accumulate(rank << (INDEX_BITS + 1) | ends)
+    first = np.flatnonzero(np.r_[True, (rank[1:] << (INDEX_BITS + 1) | starts[1:]) > reach[:-1]])
+    last = np.r_[first[1:] - 1, len(starts) - 1]
+    return places[first], starts[first], reach[last] & ((1 << (INDEX_BITS + 1)) - 1)
+
+
+def _code_runs(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The runs of consecutive values of sorted ``codes`` (``place << INDEX_BITS |
+    index``): their places, first indices and ends. A value repeated starts a run again."""
+    breaks = np.diff(codes) != 1
+    while True:
+        bounds = np.concatenate(([0], np.flatnonzero(breaks) + 1, [len(codes)]))
+        heads = codes[bounds[:-1]]
+        starts = heads & INDEX_MASK
+        ends = starts + np.diff(bounds)
+        if int(ends.max()) <= INDEX_MASK + 1:
+            return heads >> INDEX_BITS, starts, ends
+        breaks |= (codes[1:] & INDEX_MASK) == 0  # (a run went on into the next place)
+
+
+class Ranges:
+    """A set of ints >= 0 as sorted, disjoint, non-touching ``[start, end)`` ranges, with
+    its size: what a consumer holds of one split. Elements of a split mostly come in
+    order, so adding the next run extends the last range; others merge at numpy speed."""
+
+    __slots__ = ("count", "ends", "starts")
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+        self.count = 0
+
+    @classmethod
+    def of(cls, indices: Iterable[int]) -> Ranges:
+        """The ranges of a set of indices."""
+        ranges = cls()
+        values = np.unique(np.fromiter(indices, np.int64))
+        if len(values):
+            cuts = np.flatnonzero(np.diff(values) != 1) + 1
+            ranges.add(values[np.r_[0, cuts]], values[np.r_[cuts - 1, len(values) - 1]] + 1)
+        return ranges
+
+    def add(self, starts: np.ndarray, ends: np.ndarray) -> None:
+        """Add the ranges ``[starts[i], ends[i])`` (they may overlap anything held)."""
+        if len(starts) <= SMALL_ORIGIN_BLOCK:  # (few: in order, each extends the last)
+            for at, (start, end) in enumerate(zip(starts.tolist(), ends.tolist(),
+                                                  strict=True)):
+                if not self.add_run(start, end):
+                    starts, ends = starts[at:], ends[at:]
+                    break
+            else:
+                return
+        all_starts = np.concatenate((np.array(self.starts, np.int64), starts))
+        all_ends = np.concatenate((np.array(self.ends, np.int64), ends))
+        order = np.argsort(all_starts, kind="stable")
+        all_starts, reach = all_starts[order], np.maximum.accumulate(all_ends[order])
+        first = np.flatnonzero(np.r_[True, all_starts[1:] > reach[:-1]])
+        merged_starts = all_starts[first]
+        merged_ends = reach[np.r_[first[1:] - 1, len(all_starts) - 1]]
+        self.starts, self.ends = merged_starts.tolist(), merged_ends.tolist()
+        self.count = int((merged_ends - merged_starts).sum())
+
+    def add_run(self, start: int, end: int) -> bool:
+        """Add ``[start, end)`` if it lies after every range held (the usual case);
+        False if it does not (then nothing changed)."""
+        if not self.ends or start > self.ends[-1]:
+            self.starts.append(start)
+            self.ends.append(end)
+        elif start == self.ends[-1]:
+            self.ends[-1] = end
+        else:
+            return False
+        self.count += end - start
+        return True
+
+    def indices(self) -> np.ndarray:
+        """Every index held, in order."""
+        if not self.starts:
+            return np.empty(0, np.int64)
+        return np.concatenate([np.arange(a, b) for a, b in zip(self.starts, self.ends,
+                                                                strict=True)])
+
+
+class _Rows:
+    """What a ledger holds of one :class:`Group`: the group (None while only rows of it
+    came, a ``job_name`` consumer's) and the rows held."""
+
+    __slots__ = ("group", "have")
+
+    def __init__(self) -> None:
+        self.group: Group | None = None
+        self.have = Ranges()
+
+
+class Ledger:
+    """Origins of one epoch received (or yielded) by a consumer: per pass, the splits
+    accounted for whole, and the :class:`Ranges` of indices held of the others; with each
+    split's (count, digest) once its worker finished reading it.
+
+    A :class:`Group`'s elements are held from when the group is known (a record names
+    it); its split is not accounted for whole until every row of the group is held: a
+    row missing is made again from the group's elements (:meth:`info` names it)."""
+
+    def __init__(self, made_here: int = 0) -> None:
+        # Groups whose unbatch is at this position or after are made by the consumer
+        # that draws a mix (zloader/client/draw.py): a ledger of what it *received*
+        # ignores them (their rows never come in a record); 0: none.
+        self.made_here = made_here
+        self._done: dict[Key, set[int]] = {}
+        self._open: dict[tuple[Key, int], Ranges] = {}
+        self._lengths: dict[tuple[Key, int], tuple[int, int]] = {}
+        # Records' origins not yet added (:meth:`add` and :meth:`add_codes` keep them to
+        # add many at once), and how many runs and codes they hold.
+        self._pending: list[tuple[dict[int, Key], np.ndarray]] = []
+        self._pending_codes: list[tuple[dict[int, Key], list[int], np.ndarray]] = []
+        self._pending_runs = 0
+        # (pass, split) by number, for codes made the ledger's own (:meth:`_fold_codes`)
+        self._places: dict[tuple[Key, int], int] = {}
+        self._place_of: list[tuple[Key, int]] = []
+        # Groups whose rows are not all held, by id; the ids of those by their anchor's
+        # split (which stays open meanwhile); those whose rows all came.
+        self._groups: dict[tuple[Key, int, int, int], _Rows] = {}
+        self._anchored: dict[tuple[Key, int], set[tuple[Key, int, int, int]]] = {}
+        self._whole: set[tuple[Key, int, int, int]] = set()
+        # Those by their anchor's split while it is open: a state lists them, so that a
+        # state of another consumer that holds only some of their rows does not have
+        # them made again when the two are resumed together.
+        self._whole_at: dict[tuple[Key, int], set[tuple[Key, int, int, int]]] = {}
+        # Every group known this epoch: a group holding rows of others is made again
+        # from theirs (zloader/groups.py), whole or not.
+        self._defs: dict[tuple[Key, int, int, int], Group] = {}
+
+    @property
+    def done(self) -> dict[Key, set[int]]:
+        """The splits accounted for whole, by pass."""
+        self._fold()
+        return self._done
+
+    @property
+    def open(self) -> dict[tuple[Key, int], Ranges]:
+        """The indices held of the splits not accounted for whole."""
+        self._fold()
+        return self._open
+
+    def add(self, keys: dict[int, Key], runs: np.ndarray) -> None:
+        """Note the origins ``runs`` ((pass id, split, first index, length) rows;
+        ``keys[id]`` is the pass). They are kept and added LEDGER_FOLD_RECORDS records at
+        a time (or when the ledger is read): one merge per split for many records."""
+        if len(runs):
+            self._pending.append((keys, runs))
+            self._kept(len(runs))
+
+    def add_codes(self, keys: dict[int, Key], reads: list[int], codes: np.ndarray) -> None:
+        """Note the origins ``codes`` (``read << INDEX_BITS | index``, each of a read that
+        ``reads``, (read, pass id, split) flat, names), kept as :meth:`add` keeps runs."""
+        if len(codes):
+            self._pending_codes.append((keys, reads, codes))
+            self._kept(len(codes))
+
+    def _kept(self, runs: int) -> None:
+        self._pending_runs += runs
+        if len(self._pending) + len(self._pending_codes) >= LEDGER_FOLD_RECORDS \
+                or self._pending_runs >= LEDGER_FOLD_RUNS:
+            self._fold()
+
+    def _fold(self) -> None:
+        """Add the records' origins kept by :meth:`add` and :meth:`add_codes`."""
+        pending, codes = self._pending, self._pending_codes
+        self._pending, self._pending_codes, self._pending_runs = [], [], 0
+        if len(pending) == 1:
+            self._add_runs(*pending[0])
+        elif pending:
+            self._fold_runs(pending)
+        if codes:
+            self._fold_codes(codes)
+
+    def _fold_runs(self, pending: list[tuple[dict[int, Key], np.ndarray]]) -> None:
+        """Add the runs of many records, their pass ids made one table."""
+        table: dict[Key, int] = {}
+        parts = []
+        for keys, runs in pending:
+            ids = {pass_id: table.setdefault(key, len(table)) for pass_id, key in keys.items()}
+            if any(pass_id != number for pass_id, number in ids.items()):
+                lookup = np.zeros(max(ids) + 1, np.int64)
+                lookup[list(ids)] = list(ids.values())
+                runs = np.column_stack((lookup[runs[:, 0]], runs[:, 1:]))
+            parts.append(runs)
+        self._add_runs({number: key for key, number in table.items()}, np.concatenate(parts))
+
+    def _fold_codes(self, pending: list[tuple[dict[int, Key], list[int], np.ndarray]]) -> None:
+        """Add the codes of many records: each record's reads made the ledger's numbers
+        for its (pass, split)s, then one sort of them all, whose runs of consecutive codes
+        are the ranges to add."""
+        single, shifts, parts = [], [], []  # (records of one split reading, then others)
+        for keys, reads, codes in pending:
+            if len(reads) == 3:  # (one split reading, most records: shifted all at once below)
+                single.append(codes)
+                shifts.append((self._place(keys[reads[1]], reads[2]) - reads[0]) << INDEX_BITS)
+                continue
+            places = [self._place(keys[pass_id], split)
+                      for pass_id, split in zip(reads[1::3], reads[2::3], strict=True)]
+            ids = np.array(reads[0::3], np.int64)
+            order = np.argsort(ids)
+            at = np.searchsorted(ids[order], codes >> INDEX_BITS)
+            parts.append(np.array(places, np.int64)[order][at] << INDEX_BITS
+                         | codes & INDEX_MASK)
+        if single:
+            codes = np.concatenate(single)
+            codes += np.repeat(np.array(shifts, np.int64), list(map(len, single)))
+            parts.append(codes)
+        merged = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        merged.sort()
+        numbers, starts, ends = _code_runs(merged)
+        cuts = np.flatnonzero(np.diff(numbers)) + 1
+        for at, stop in zip(np.concatenate(([0], cuts)).tolist(),
+                            np.concatenate((cuts, [len(numbers)])).tolist(), strict=True):
+            key, split = self._place_of[int(numbers[at])]
+            self._add(key, split, starts[at:stop], ends[at:stop])
+
+    def _place(self, key: Key, split: int) -> int:
+        """The ledger's number for ``split`` of pass ``key``."""
+        number = self._places.get((key, split))
+        if number is None:
+            number = self._places[(key, split)] = len(self._place_of)
+            self._place_of.append((key, split))
+        return number
+
+    def _add_runs(self, keys: dict[int, Key], runs: np.ndarray) -> None:
+        if len(runs) == 1:  # (consecutive elements of one split)
+            pass_id, split, start, length = runs[0].tolist()
+            key = keys[pass_id]
+            held = self._open.get((key, split))
+            if held is not None and held.add_run(start, start + length):
+                self._close(key, split)
+                return
+            self._add(key, split, runs[:, 2], runs[:, 2] + length)
+            return
+        places, starts, ends = merge_runs(runs)
+        cuts = np.flatnonzero(np.diff(places)) + 1
+        for at, stop in zip(np.r_[0, cuts].tolist(), np.r_[cuts, len(places)].tolist(),
+                            strict=True):
+            place = int(places[at])
+            self._add(keys[place >> INDEX_BITS], place & INDEX_MASK, starts[at:stop],
+                      ends[at:stop])
+
+    def _add(self, key: Key, split: int, starts: np.ndarray, ends: np.ndarray) -> None:
+        if len(key) > 2 and key[-2] >= GROUP_KEY:  # (rows of a group)
+            self._rows(key, split, starts, ends)
+            return
+        if split in self._done.get(key, ()):
+            return
+        held = self._open.get((key, split))
+        if held is None:
+            held = self._open[(key, split)] = Ranges()
+        held.add(starts, ends)
+        self._close(key, split)
+
+    def define(self, group: Group, rows: Iterable[int] = ()) -> None:
+        """Note ``group`` (a record named it): its elements are held, and its anchor's
+        split stays open until all its rows are; ``rows``: rows of it held already. A
+        group made from :attr:`made_here` on is left out."""
+        if self.made_here and group.position >= self.made_here:
+            return
+        gid = group.id
+        held = self._groups.get(gid)
+        if held is not None and held.group is not None and not rows:
+            return  # (known already: a record names the groups of every row it holds)
+        for one in (group, *group.inner):
+            self._defs.setdefault(one.id, one)
+        held = self._group(gid)
+        if held is None:
+            return
+        if held.group is None:
+            held.group = group
+            for key, split, first, length in group.members:
+                inner = group_of_rows(key, split)
+                if inner is None:
+                    self._add(key, split, np.array([first], np.int64),
+                              np.array([first + length], np.int64))
+                elif inner in self._groups:  # (rows of a group still open here)
+                    self._group_rows(inner, self._groups[inner], range(first, first + length))
+        self._group_rows(gid, held, rows)
+
+    def _group(self, gid: tuple[Key, int, int, int]) -> _Rows | None:
+        """What is held of the group ``gid``, made on first sight; None once all its rows
+        came or its split was accounted for whole."""
+        held = self._groups.get(gid)
+        if held is None:
+            anchor = anchor_split(gid[0], gid[1])
+            if gid in self._whole or anchor[1] in self._done.get(anchor[0], ()):
+                return None
+            held = self._groups[gid] = _Rows()
+            self._anchored.setdefault(anchor, set()).add(gid)
+        return held
+
+    def _rows(self, key: Key, split: int, starts: np.ndarray, ends: np.ndarray) -> None:
+        """Rows of a group: ``key`` and ``split`` are its :attr:`Group.rows_key`."""
+        gid = group_of_rows(key, split)
+        assert gid is not None
+        held = self._group(gid)
+        if held is not None:
+            held.have.add(starts, ends)
+            self._group_rows(gid, held, ())
+
+    def _group_rows(self, gid: tuple[Key, int, int, int], held: _Rows,
+                    rows: Iterable[int]) -> None:
+        """Add ``rows`` to the group ``gid``; close it once all its rows are held."""
+        if rows:
+            more = Ranges.of(rows)
+            if more.starts:
+                held.have.add(np.array(more.starts, np.int64), np.array(more.ends, np.int64))
+        if held.group is None or held.have.count < held.group.rows:
+            return
+        del self._groups[gid]
+        self._whole.add(gid)
+        anchor = anchor_split(gid[0], gid[1])
+        self._whole_at.setdefault(anchor, set()).add(gid)
+        waiting = self._anchored.get(anchor)
+        if waiting is not None:
+            waiting.discard(gid)
+            if not waiting:
+                del self._anchored[anchor]
+                self._close(*anchor)
+
+    def groups(self, key: Key, split: int, whole: bool = False) -> list[list[Any]]:
+        """The groups anchored in ``split`` of pass ``key`` whose rows are not all held,
+        as :meth:`Group.to_json` gives them (``rows`` -1 and no members for a group of
+        which only rows came); ``whole``: and those whose rows all are (a state's)."""
+        self._fold()
+        out = []
+        for gid in sorted(self._whole_at.get((key, split), ())) if whole else ():
+            group = self._defs.get(gid)
+            if group is not None:
+                out.append(group.to_json(range(group.rows)))
+        for gid in sorted(self._anchored.get((key, split), ())):
+            held = self._groups[gid]
+            if held.group is not None:
+                out.append(held.group.to_json(held.have.indices().tolist(),
+                                              self._inner(held.group)))
+            else:
+                out.append([list(gid[0]), gid[1], gid[3], gid[2], -1, [],
+                            pack(held.have.indices())])
+        return out
+
+    def _inner(self, group: Group) -> list[Group]:
+        """The groups whose rows ``group`` holds, and theirs, as far as known."""
+        found: dict[tuple[Key, int, int, int], Group] = {}
+        waiting = [group]
+        while waiting:
+            for key, split, _, _ in waiting.pop().members:
+                gid = group_of_rows(key, split)
+                if gid is None or gid in found or gid not in self._defs:
+                    continue
+                found[gid] = self._defs[gid]
+                waiting.append(found[gid])
+        return list(found.values())
+
+    def open_groups(self) -> list[list[Any]]:
+        """:meth:`groups` of every split with a group whose rows are not all held."""
+        return [group for key, split in sorted(self._anchored)
+                for group in self.groups(key, split)]
+
+    def merge_groups(self, groups: Any) -> None:
+        """Add groups as :meth:`groups` gives them (of this ledger or another's).
+
+        Raises:
+            ValueError: ``groups`` is not such a value.
+        """
+        if not isinstance(groups, list):
+            raise ValueError("a split's groups must be a list")
+        for value in groups:
+            group, gid, rows = Group.from_json(value)
+            if group is not None:
+                self.define(group, rows)
+            else:
+                held = self._group(gid)
+                if held is not None:
+                    self._group_rows(gid, held, rows)
+
+    def add_indices(self, key: Key, split: int, indices: Iterable[int]) -> None:
+        """Note indices of one split (from a packed set)."""
+        self._fold()
+        if split in self._done.get(key, ()):
+            return
+        held = Ranges.of(indices)
+        ranges = self._open.setdefault((key, split), Ranges())
+        if held.starts:
+            ranges.add(np.array(held.starts, np.int64), np.array(held.ends, np.int64))
+        self._close(key, split)
+
+    def end(self, key: Key, split: int, count: int, crc: int) -> None:
+        """The split's worker read ``count`` elements from it (with digest ``crc``)."""
+        self._fold()
+        if split not in self._done.get(key, ()):
+            self._lengths[(key, split)] = (count, crc)
+            self._close(key, split)
+
+    def missing(self, epoch: int, handed: Any) -> set[tuple[Key, int]]:
+        """The splits of ``epoch`` not accounted for whole: begun here and not finished
+        (fewer elements than their count), or handed out by the broker (``handed``: its
+        ``JOB.read``, ``[[pass, packed splits], ...]``) and never finished here. Malformed
+        entries of ``handed`` are ignored."""
+        self._fold()
+        missing = {at for at in self._open if at[0][0] == epoch}
+        for entry in handed if isinstance(handed, list) else ():
+            if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], list)
+                    and entry[0] and entry[0][0] == epoch):
+                continue
+            key = tuple(entry[0])
+            try:
+                missing |= {(key, split) for split in unpack(entry[1])
+                            - self._done.get(key, set())}
+            except ValueError:
+                continue
+        return missing
+
+    def _close(self, key: Key, split: int) -> None:
+        length = self._lengths.get((key, split))
+        if length is not None and (key, split) not in self._anchored:
+            held = self._open.get((key, split))
+            if (held.count if held is not None else 0) >= length[0]:
+                self._done.setdefault(key, set()).add(split)
+                self._open.pop((key, split), None)
+                self._lengths.pop((key, split), None)
+                self._whole_at.pop((key, split), None)
+
+    def held(self, key: Key, split: int) -> np.ndarray:
+        """The indices of an open split held."""
+        self._fold()
+        ranges = self._open.get((key, split))
+        return ranges.indices() if ranges is not None else np.empty(0, np.int64)
+
+    def info(self, key: Key, split: int) -> dict[str, Any]:
+        """What the broker needs to hand ``split`` out again: ``all`` when it is accounted
+        for, else the indices held (``have``) and the first reading's ``expect``."""
+        self._fold()
+        if split in self._done.get(key, ()):
+            return {"all": True}
+        info: dict[str, Any] = {"have": pack(self.held(key, split))}
+        if (key, split) in self._lengths:
+            info["expect"] = list(self._lengths[(key, split)])
+        groups = self.groups(key, split)
+        if groups:
+            info["groups"] = groups
+        return info
+
+    def to_json(self) -> list[Any]:
+        """Per pass: ``[pass, done splits, [[split, held indices, count, digest], ...]]``
+        (count and digest -1 while unknown), and a fourth item, the groups anchored in
+        the pass whose rows are not all held (:meth:`groups`), when there are any."""
+        self._fold()
+        keys = set(self._done) | {key for key, _ in self._open} | {k for k, _ in self._anchored} \
+            | {k for k, _ in self._whole_at}
+        out = []
+        for key in sorted(keys):
+            opened = [[split, pack(self.held(k, split)), *self._lengths.get((k, split), (-1, -1))]
+                      for (k, split) in sorted(self._open) if k == key]
+            entry = [list(key), pack(self._done.get(key, ())), opened]
+            groups = [group for (k, split) in sorted(set(self._anchored) | set(self._whole_at))
+                      if k == key for group in self.groups(k, split, whole=True)]
+            if groups:
+                entry.append(groups)
+            out.append(entry)
+        return out
+
+    def merge_json(self, passes: Any) -> None:
+        """Add what :meth:`to_json` returned (of this ledger or another's).
+
+        Raises:
+            ValueError: ``passes`` is not such a value.
+        """
+        self._fold()
+        if not isinstance(passes, list):
+            raise ValueError("the delivered origins must be a list of passes")
+        for entry in passes:
+            if not (isinstance(entry, list) and len(entry) in (3, 4)
+                    and isinstance(entry[0], list)
+                    and all(natural(k) for k in entry[0]) and isinstance(entry[2], list)):
+                raise ValueError(f"bad pass entry in the delivered origins: {entry!r:.80}")
+            key = tuple(entry[0])
+            for split in unpack(entry[1]):
+                self._done.setdefault(key, set()).add(split)
+                self._open.pop((key, split), None)
+                self._lengths.pop((key, split), None)
+            if len(entry) == 4:  # (first: a split with a group open must not close below)
+                self.merge_groups(entry[3])
+            for item in entry[2]:
+                if not (isinstance(item, list) and len(item) == 4 and natural(item[0])
+                        and all(isinstance(v, int) for v in item[2:])):
+                    raise ValueError(f"bad split entry in the delivered origins: {item!r:.80}")
+                split = item[0]
+                if split in self._done.get(key, ()):
+                    continue
+                if item[2] >= 0:
+                    self._lengths[(key, split)] = (item[2], item[3])
+                self.add_indices(key, split, unpack(item[1]))
+                self._close(key, split)
+
