@@ -27,7 +27,8 @@ LAYERS = {
     "transport.prefault": 0.55, "transport.ring": 0.6, "transport.notice": 0.6,
     "transport.records": 1.5,
     "transport.fields": 1.5,
-    "transport.sockets": 1.5, "options": 1.55, "transport.messages": 1.6,
+    "transport.sockets": 1.5, "options": 1.55, "transport.shapes": 1.55,
+    "transport.messages": 1.6,
     "sharing": 0, "sharing.window": 0, "sharing.handover": 0.5, "sharing.options": 0.5,
     "sharing.store": 1.6,
     "packed": 0.8,  # lists packed for forked workers (fingerprint reads them)

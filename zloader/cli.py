@@ -675,7 +675,7 @@ def _status_keys(command: str, path: str | None) -> Any:
 
 
 def _top(args: argparse.Namespace) -> int:
-    from zloader._status import Unanswered, fetch_status
+    from zloader._status import Unanswered, fetch_status, top_frame
 
     keys = _status_keys("top", args.keys)
     if args.interval <= 0:
@@ -691,7 +691,7 @@ def _top(args: argparse.Namespace) -> int:
                 print(f"zloader top: {exc}", file=sys.stderr)
                 return 1
             now = time.monotonic()
-            text = _top_frame(status, previous, now, args.broker)
+            text = top_frame(status, previous, now, args.broker)
             previous = (now, status)
             if sys.stdout.isatty():
                 print("\x1b[H\x1b[2J", end="")  # clear the terminal, cursor home
@@ -702,46 +702,6 @@ def _top(args: argparse.Namespace) -> int:
             time.sleep(args.interval)
     except KeyboardInterrupt:
         return 0
-
-
-def _top_frame(status: dict[str, Any], previous: tuple[float, dict[str, Any]] | None,
-               now: float, broker: str) -> str:
-    """One screen of ``zloader top``: rates are over the time since ``previous``."""
-    elapsed = now - previous[0] if previous is not None else 0.0
-    before = {j["job"]: j for j in previous[1].get("jobs", [])} if previous else {}
-    workers_before = {w["worker"]: w for w in previous[1].get("workers", [])} if previous \
-        else {}
-
-    def rate(now_value: Any, then: Any) -> str:
-        if not elapsed or not isinstance(then, (int, float)):
-            return "-"
-        return f"{max(0.0, (now_value - then) / elapsed):,.0f}"
-
-    jobs, workers = status.get("jobs", []), status.get("workers", [])
-    lines = [f"zloader top: {broker}, {len(jobs)} jobs, {len(workers)} workers, "
-             f"{status.get('rejected', 0)} messages rejected", "",
-             f"  {'job':<16} {'name':<16} {'consumers':>9} {'workers':>7} {'share':>6} "
-             f"{'wanted':>6} {'elements/s':>12} {'MB/s':>9} {'starved':>8}"]
-    for job in jobs:
-        name = "(shared)" if job.get("shared") else job.get("name") or "-"
-        old = before.get(job["job"], {})
-        mb = rate(job["bytes"] / 1e6, old["bytes"] / 1e6 if "bytes" in old else None)
-        lines.append(f"  {job['job']:<16} {str(name)[:16]:<16} {job['consumers']:>9} "
-                     f"{job['workers']:>7} {job.get('share', 0.0):>6.1f} "
-                     f"{job.get('desired_workers', '-'):>6} "
-                     f"{rate(job['elements'], old.get('elements')):>12} {mb:>9} "
-                     f"{job.get('starvation', 0.0):>8.0%}")
-    lines += ["", f"  {'worker':<18} {'host':<16} {'pid':>8} {'job':<18} {'elements/s':>12} "
-                  f"{'cpu':>6}"]
-    for worker in workers:
-        old = workers_before.get(worker["worker"], {})
-        cpu = rate(worker.get("cpu_seconds", 0.0) * 100, old.get("cpu_seconds", 0.0) * 100
-                   if "cpu_seconds" in old else None)
-        lines.append(f"  {worker['worker']:<18} {worker['host'][:16]:<16} {worker['pid']:>8} "
-                     f"{str(worker.get('job') or '-')[:18]:<18} "
-                     f"{rate(worker['elements'], old.get('elements')):>12} "
-                     f"{cpu + '%' if cpu != '-' else '-':>6}")
-    return "\n".join(lines)
 
 
 def _page_start(text: str) -> dict[str, int]:
@@ -760,7 +720,7 @@ def _page_start(text: str) -> dict[str, int]:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from zloader._status import Unanswered, fetch_page, fetch_status
+    from zloader._status import Unanswered, fetch_page, fetch_status, status_text
 
     keys = _status_keys("status", args.keys)
     if args.all and args.start is not None:
@@ -776,46 +736,8 @@ def _status(args: argparse.Namespace) -> int:
         print(json.dumps({key: status.get(key) for key in
                           ("summary", "workers", "jobs", "left_off", "next")}))
         return 0
-    _print_status(status)
+    print(status_text(status))
     return 0
-
-
-def _print_status(status: dict[str, Any]) -> None:
-    """``zloader status`` as tables, with what the page left off."""
-    summary = status.get("summary") or {}
-    left = status.get("left_off") or {}
-    cap = summary.get("worker_cap")
-    print(f"workers ({summary.get('workers', len(status.get('workers', [])))}"
-          + (f"; the actuators' cap {cap}" if cap is not None else "") + ")")
-    print(f"  {'host':<20} {'pid':>8} {'tasks':>5} {'elements/s':>12} {'cpu s':>9}")
-    for w in status.get("workers", []):
-        print(f"  {w['host']:<20} {w['pid']:>8} {w['tasks']:>5} {w['elements_per_second']:>12,.0f}"
-              f" {w.get('cpu_seconds', 0.0):>9,.1f}" + ("  (surplus)" if w.get("surplus") else ""))
-        if w.get("warm"):
-            print(f"    warm: {', '.join(str(f)[:16] for f in w['warm'])}")
-    print(f"jobs ({summary.get('jobs', len(status.get('jobs', [])))})")
-    print(f"  {'job':<16} {'name':<16} {'consumers':>9} {'workers':>7} {'share':>6} "
-          f"{'wanted':>6} {'starved':>7} {'elements':>12} {'bytes':>14}  {'fingerprint':<16}")
-    for j in status.get("jobs", []):
-        name = "(shared)" if j.get("shared") else j["name"] or "-"
-        print(f"  {j['job']:<16} {str(name)[:16]:<16} {j['consumers']:>9} "
-              f"{j['workers']:>7} {j.get('share', 0.0):>6.1f} {j.get('desired_workers', 0):>6} "
-              f"{j.get('starvation', 0.0):>7.1%} {j['elements']:>12,} {j['bytes']:>14,}  "
-              f"{j['fingerprint'][:16]:<16}")
-        for t in j.get("trainers", []):
-            print(f"    trainer {t['consumer']} pid {t['pid']}: lag {t['lag']:,} elements, "
-                  f"skipped {t['skipped']:,}")
-        rounds = j.get("rounds")
-        if isinstance(rounds, dict):
-            vacant = rounds.get("vacant") or []
-            print(f"    coordinated, {rounds['num_consumers']} consumers: epoch "
-                  f"{rounds['epoch']}, {rounds['rounds']:,} rounds, {rounds['lost']:,} lost"
-                  + (f"; waiting for consumer_index {', '.join(map(str, vacant))}"
-                     if vacant else ""))
-    more = {name: left.get(name, 0) for name in ("workers", "jobs") if left.get(name)}
-    if more:
-        print(f"... and {' and '.join(f'{n:,} more {name}' for name, n in more.items())} "
-              f"not shown (zloader status --all, or --from '{json.dumps(status['next'])}')")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -33,8 +33,8 @@ from zloader.transport.fields import (
     optional,
     text,
 )
-from zloader.transport.messages import mix_inputs
 from zloader.transport.protocol import ProtocolError
+from zloader.transport.shapes import mix_inputs
 
 __all__ = ["KINDS", "EpochStarted", "Event", "JobCreated", "JobEnded", "JobFailed",
            "JobResumed", "PassKept", "PassRead", "RoundsSet", "SplitHanded",
