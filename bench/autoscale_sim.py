@@ -1,4 +1,4 @@
-"""The autoscaling policy (zloader/autoscale.py) on simulated jobs of any size.
+"""The autoscaling policy (zloader/broker/autoscale.py) on simulated jobs of any size.
 
     python -m bench.autoscale_sim [--needs 2,8,15,32,100,1000] [--out bench/results]
 
@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bench._common import provenance
-from zloader.autoscale import Autoscaler
+from zloader.broker.autoscale import Autoscaler
 
 SECONDS = 3600
 NOISE = 0.02

@@ -1,4 +1,4 @@
-"""The autoscaling policy (zloader/autoscale.py) on traces: a simulated job whose consumers'
+"""The autoscaling policy (zloader/broker/autoscale.py) on traces: a simulated job whose consumers'
 starvation follows from its worker count, sampled once a second, with seeded noise."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
-from zloader.autoscale import START_SECONDS, Autoscaler
+from zloader.broker.autoscale import START_SECONDS, Autoscaler
 
 
 def run(need: float | Callable[[int], float], start: int, seconds: int = 3000,

@@ -168,7 +168,7 @@ def exported_metrics() -> frozenset[str]:
     one job and one worker, rendered by prometheus_client (counters gain ``_total``)."""
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from zloader import metrics
+    from zloader.broker import metrics
 
     snapshot = {"jobs": [{"job": "j", "name": "n", "stages": {"pipeline": 1.0}}],
                 "workers": [{"worker": "w", "host": "h", "job": "j"}], "rejected": 0}

@@ -101,11 +101,11 @@ def test_every_zloader_error_round_trips_through_pickle_whole():
     multiprocessing Queue, and Ray sends them between processes: each must come back as
     the same type with the same message and attributes."""
     from zloader import WorkerExited
+    from zloader.broker.journal import JournalVersionError, WorkDirError
     from zloader.cachefile import BadEntry, CacheWriteError
     from zloader.errors import SerializationError
     from zloader.formats.tfrecord import CorruptRecord
     from zloader.formats.webdataset import CorruptShard
-    from zloader.journal import JournalVersionError, WorkDirError
     from zloader.storage import StorageError
     from zloader.transport.protocol import ProtocolError, VersionMismatch
     from zloader.transport.ring import RingError

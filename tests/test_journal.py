@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from tests.service import BIN, HEARTBEAT, free_port, start_worker, status, stop, wait_for
 from tests.test_state import nested, ready, record, register, split, task_of, tasks_by_worker
 from zloader import Loader, Pipeline, ZloaderError
+from zloader.broker.journal import VERSION, Journal, line_of
 from zloader.broker.state import State
-from zloader.journal import VERSION, Journal, line_of
 from zloader.transport.protocol import Command
 
 
@@ -366,7 +366,7 @@ def test_every_kind_of_event_reads_back_as_the_record_written(tmp_path):
 
 
 def test_the_events_shapes_are_pinned_to_the_journal_version():
-    """zloader.journal.VERSION names the events' shapes: a field added to, dropped from or
+    """zloader.broker.journal.VERSION names the events' shapes: a field added to, dropped from or
     renamed in an event (or in JobOptions, which the job event holds whole) changes what
     a journal written before it holds, and a restarted broker would skip those lines. So
     such a change comes with a new VERSION, and with this list."""

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.service import BIN, HEARTBEAT, free_port, start_worker, status, stop, wait_for
 from zloader import Loader, Pipeline
-from zloader.metrics import JOB_METRICS, WORKER_METRICS
+from zloader.broker.metrics import JOB_METRICS, WORKER_METRICS
 
 
 def scrape(port: int) -> dict[str, list]:

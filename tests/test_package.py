@@ -34,11 +34,11 @@ LAYERS = {
     "packed": 0.8,  # lists packed for forked workers (fingerprint reads them)
     "handoff": 0.85,  # ... packed after the fork, handed to the workers
     "codec_torch": 0.9,  # torch tensors in the codec, torch imported lazily
-    "codec": 1, "collate": 1.1, "fingerprint": 1, "rounds": 1, "journal": 1,
+    "codec": 1, "collate": 1.1, "fingerprint": 1,
     # lineage: sets of ints, the tags, the origin block, the ledger; the package on top
     "lineage.intsets": 0.9, "lineage.tags": 0.95, "lineage.ledger": 0.97,
     "lineage.wire": 0.98, "lineage": 1,
-    "metrics": 1, "autoscale": 1, "forward": 1, "blobs": 1,
+    "forward": 1, "blobs": 1,
     "formats._crc32c": 1, "formats.example": 1, "formats.image": 1, "formats": 1.2,
     "storage": 1.5, "cachefile": 1.6,
     "runs": 1.9,  # a run's settings and tally (the Context's halves)
@@ -50,6 +50,8 @@ LAYERS = {
     "_pickling": 4, "shipping": 5,
     # the broker: records and the pool's policy, the concerns one above the other (each
     # calls only those below it), the journal's replay on them, the facade, the loop
+    "broker.rounds": 5.8, "broker.journal": 5.8, "broker.metrics": 5.8,
+    "broker.autoscale": 5.8,
     "broker.records": 6.0, "broker.pool": 6.0, "broker.admission": 6.1,
     "broker.events": 6.05, "broker.splits": 6.1, "broker.coordinated": 6.1,
     "broker.views": 6.15, "broker.failures": 6.2, "broker.placement": 6.22,
@@ -224,7 +226,7 @@ FORMAT_CONSTANTS = {
     "lineage.wire": {"_HEAD"},  # the origin block
     "transport.messages": {"_DATA_FLAGS_ALL"},  # the packed DATA body's flags
     "transport.notice": {"FRAME_ALIGN"},  # where a framed record's buffers start
-    "journal": {"VERSION"},  # the journal's schema version
+    "broker.journal": {"VERSION"},  # the journal's schema version
     "client.exactly_once": {"STATE_VERSION"},  # the version of Loader.state_dict()
     "transport.ring": {"ALIGN", "DATA_OFFSET", "_HEADER_WORDS",  # the ring's memory layout
                        "_CAPACITY", "_TAIL", "_HEAD",  # indices of its header words

@@ -8,8 +8,8 @@ import pytest
 from tests.test_state import nested, ready, record, split
 from zloader._defaults import MOVE_DRAIN_SECONDS, SLICE_SECONDS
 from zloader.broker import placement, pool
+from zloader.broker.journal import Journal
 from zloader.broker.state import State
-from zloader.journal import Journal
 from zloader.transport.protocol import Command, ProtocolError
 
 

@@ -682,7 +682,7 @@ MAX_HANDOVER_ENTRIES = 4096
 """The most handover entries the broker keeps for one drained worker (``HEARTBEAT.handover``:
 134 M splits; fixed)."""
 
-# --- autoscaling and actuators (zloader/autoscale.py, zloader/actuator.py) ----------------
+# --- autoscaling and actuators (zloader/broker/autoscale.py, zloader/actuator.py) ----------------
 
 AUTOSCALE_UP = 0.07
 """Starvation above which the autoscaler adds a worker, and the gain each addition must

@@ -335,8 +335,8 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
 
     from zloader.broker import Broker
     from zloader.broker.descriptors import raise_descriptor_limit
+    from zloader.broker.journal import JournalVersionError
     from zloader.broker.records import Limits
-    from zloader.journal import JournalVersionError
     from zloader.transport.protocol import HEARTBEAT_RANGE, heartbeat
 
     parser = argparse.ArgumentParser(
@@ -480,9 +480,9 @@ def _keys(parser: argparse.ArgumentParser, path: str | None) -> Any:
 
 
 def _work_dir(parser: argparse.ArgumentParser, path: str, bind: str) -> None:
-    """Make or check ``--work-dir`` (zloader.journal.work_dir), log to it and note the
+    """Make or check ``--work-dir`` (zloader.broker.journal.work_dir), log to it and note the
     broker's address there; one another user could write to is a usage error."""
-    from zloader.journal import WorkDirError, work_dir
+    from zloader.broker.journal import WorkDirError, work_dir
 
     try:
         work_dir(path)

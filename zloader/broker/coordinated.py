@@ -1,7 +1,7 @@
 """Coordinated reads (``num_consumers``, docs/coordinated.md): workers ask for round
 numbers (ROUND_REQ), consumers say which rounds they received (RECEIVED), and every
 consumer of the job is told which rounds were committed or lost (COMMIT). The bookkeeping
-itself is :class:`zloader.rounds.Rounds`, one per coordinated job.
+itself is :class:`zloader.broker.rounds.Rounds`, one per coordinated job.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from zloader.broker.records import Job, Out, Tables
-from zloader.rounds import Rounds
+from zloader.broker.rounds import Rounds
 from zloader.transport.messages import Commit, Received, Round, RoundReq
 
 __all__ = ["announce", "round_request", "round_status", "rounds_received"]

@@ -1,4 +1,4 @@
-"""The broker's journal events (zloader/journal.py), one frozen record per kind.
+"""The broker's journal events (zloader/broker/journal.py), one frozen record per kind.
 
 Every change the broker must survive a restart with is recorded as one of these through
 ``Tables.record`` (records.py), one JSON line each (``{"e": kind, ...fields}``), and
@@ -8,7 +8,7 @@ skipped (and counted), never half applied. The fields are checked as a message's
 (zloader/transport/fields.py); lists that grow with the job (a pass's splits) are
 checked without the message limit on entries.
 
-The journal's schema version (``zloader.journal.VERSION``) names these shapes: change
+The journal's schema version (``zloader.broker.journal.VERSION``) names these shapes: change
 one, and bump it.
 """
 

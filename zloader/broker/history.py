@@ -1,4 +1,4 @@
-"""The broker's history in its journal (:mod:`zloader.journal`): the events every concern
+"""The broker's history in its journal (:mod:`zloader.broker.journal`): the events every concern
 records (``Tables.record``) replayed into the tables by a restarted broker, one function
 per kind (:data:`APPLY`); a snapshot of the tables as events, for compaction; and the
 consumers told when writing the journal failed. It sits above the concerns: replaying
@@ -39,10 +39,10 @@ from zloader.broker.events import (
     WorkerReady,
     parse,
 )
+from zloader.broker.journal import VERSION, Journal
 from zloader.broker.records import Dispatch, Job, Out, Pass, Tables, Worker
-from zloader.journal import VERSION, Journal
+from zloader.broker.rounds import Rounds
 from zloader.mixing import layout_of
-from zloader.rounds import Rounds
 from zloader.transport.messages import Error
 
 __all__ = ["APPLY", "Replay", "journal_errors", "restore", "snapshot"]

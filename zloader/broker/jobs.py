@@ -39,10 +39,10 @@ from zloader.broker.records import (
     Out,
     Tables,
 )
+from zloader.broker.rounds import Rounds
 from zloader.lineage import Ledger, pack
 from zloader.mixing import layout_of
 from zloader.options import JobOptions
-from zloader.rounds import Rounds
 from zloader.sharing.options import KEY_OPTIONS
 from zloader.transport.messages import ConsumerGone, Epoch, Error, Register, Release, TaskFailed
 from zloader.transport.messages import Job as JobView

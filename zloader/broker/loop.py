@@ -30,9 +30,9 @@ from zloader._defaults import (
     START_TIMEOUT,
 )
 from zloader.broker.descriptors import Descriptors
+from zloader.broker.journal import Journal
 from zloader.broker.records import Limits
 from zloader.broker.state import Out, State
-from zloader.journal import Journal
 from zloader.transport import messages
 from zloader.transport.keys import Keys
 from zloader.transport.messages import Bye, Error, Heartbeat, Record, Status, Unknown
@@ -102,11 +102,11 @@ class Broker:
         heartbeat: seconds between heartbeats; a peer silent for 3 of them is dead.
         keys: CURVE keys (:mod:`zloader.transport.keys`): only peers holding an authorized
             key get in. None: no authentication.
-        work_dir: journal every state change there (:mod:`zloader.journal`) and, when it
+        work_dir: journal every state change there (:mod:`zloader.broker.journal`) and, when it
             holds one already, resume its jobs. None: state lives in memory only (a
             restarted broker starts its jobs over).
         metrics: (bind address, port) of the Prometheus endpoint; None: none.
-        cooldown: seconds the autoscaler (``zloader/autoscale.py``) samples a job's
+        cooldown: seconds the autoscaler (``zloader/broker/autoscale.py``) samples a job's
             starvation between two changes of its ``desired_workers``.
         limits: the jobs and pipeline bytes peers may make it hold (``records.Limits``,
             docs/reliability.md "Floods"); None: the defaults.
@@ -186,7 +186,7 @@ class Broker:
             self.snapshot = self.state.metrics(time.monotonic())
             exporter = None
             if self.metrics is not None:
-                from zloader.metrics import serve as serve_metrics
+                from zloader.broker.metrics import serve as serve_metrics
 
                 exporter = serve_metrics(lambda: self.snapshot, self.metrics[1],
                                          self.metrics[0])

@@ -25,12 +25,12 @@ from zloader._defaults import (
     MAX_PIPELINE_BYTES_HELD,
     MOVES_PER_SECOND,
 )
-from zloader.autoscale import Autoscaler
+from zloader.broker.autoscale import Autoscaler
+from zloader.broker.journal import Journal
+from zloader.broker.rounds import Rounds
 from zloader.forward import BURST, RATE, Bucket
-from zloader.journal import Journal
 from zloader.mixing import Layout
 from zloader.options import JobOptions
-from zloader.rounds import Rounds
 from zloader.transport.fields import Record
 from zloader.transport.protocol import Command
 
@@ -269,9 +269,9 @@ class Tables:
     Args:
         heartbeat: seconds between heartbeats.
         liveness: heartbeats a peer may miss before it is taken for dead.
-        journal: where every state change is recorded (:mod:`zloader.journal`); None: in
+        journal: where every state change is recorded (:mod:`zloader.broker.journal`); None: in
             memory only.
-        cooldown: the autoscaler's (``zloader/autoscale.py``).
+        cooldown: the autoscaler's (``zloader/broker/autoscale.py``).
         limits: what peers may make the broker hold (:class:`Limits`); None: the defaults.
     """
 

@@ -62,7 +62,7 @@ class State(Tables):
         heartbeat: seconds between heartbeats.
         liveness: heartbeats a peer may miss before it is taken for dead.
         journal: record every change there, and :meth:`restore` from it; None: none.
-        cooldown: the autoscaler's (``zloader/autoscale.py``).
+        cooldown: the autoscaler's (``zloader/broker/autoscale.py``).
         limits: what peers may make it hold (``records.Limits``); None: the defaults.
     """
 

@@ -1,7 +1,7 @@
 """What the broker tells: every heartbeat, each job's view for its consumers (JOB, made
 in ``views.py``), ``zloader status`` (STATUS), the metrics snapshot (``zloader-broker
 --metrics-port``), and each job's starvation and desired workers sampled on the way
-(``zloader/autoscale.py``).
+(``zloader/broker/autoscale.py``).
 """
 
 from __future__ import annotations
@@ -198,7 +198,7 @@ def _rounds(job: Job) -> dict[str, Any] | None:
 
 
 def metrics(state: Tables, now: float) -> dict[str, Any]:
-    """A snapshot for ``zloader-broker --metrics-port`` (zloader/metrics.py); updates
+    """A snapshot for ``zloader-broker --metrics-port`` (zloader/broker/metrics.py); updates
     each job's starvation ratio over the time since the last snapshot."""
     sample(state, now)
     entitled = pool.shares(placement.claims(state, now).values(), len(state.workers))
@@ -249,7 +249,7 @@ def sample(state: Tables, now: float) -> None:
 
 
 def _desired(job: Job, now: float) -> int:
-    """The workers the job should have (zloader/autoscale.py); static and
+    """The workers the job should have (zloader/broker/autoscale.py); static and
     deterministic jobs keep the ones they have, and so does a job nobody reads."""
     if job.fixed or not job.consumers:
         return len(job.tasks)

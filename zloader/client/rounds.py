@@ -1,5 +1,5 @@
 """A coordinated consumer's rounds (docs/coordinated.md; the broker's side is
-zloader/rounds.py): which round comes next, the elements held until the broker commits
+zloader/broker/rounds.py): which round comes next, the elements held until the broker commits
 their round, and the rounds lost for every consumer."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ log = logging.getLogger("zloader.loader")
 
 
 class Rounds:
-    """A coordinated consumer's rounds (zloader/rounds.py): it yields round k of an epoch
+    """A coordinated consumer's rounds (zloader/broker/rounds.py): it yields round k of an epoch
     once it holds its element and the broker has committed k; lost rounds are skipped."""
 
     def __init__(self, coordinated: tuple[int, int]) -> None:

@@ -1,4 +1,4 @@
-"""Rounds delivery: coordinated reads (``Loader(num_consumers=N)``, see zloader/rounds.py
+"""Rounds delivery: coordinated reads (``Loader(num_consumers=N)``, see zloader/broker/rounds.py
 for the consumer's side and docs/coordinated.md).
 
 The worker groups its records N at a time (one element each, made one after the other);
