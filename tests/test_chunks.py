@@ -13,9 +13,8 @@ import pytest
 
 from zloader import Pipeline, PipelineError, codec, collate
 from zloader import chunks as zchunks
-from zloader import stages as zstages
 from zloader._defaults import CHUNK_ELEMENTS, SHUFFLE_DRAW_CHUNK, STACK_LATER_BYTES
-from zloader.runs import RunSettings
+from zloader.runs import Context, RunSettings
 
 
 def reference_shuffle(elements, size, rng):
@@ -59,7 +58,7 @@ def shuffled(stage, chunks, ctx):
 def test_shuffle_output_is_the_reference_whatever_the_chunks(size, sizes):
     values = [f"v{i}" for i in range(3000)]
     stage = Pipeline.range(1).shuffle(size, seed=5).stages[-1]
-    ctx = zstages.Context(RunSettings(entropy=0))
+    ctx = Context(RunSettings(entropy=0))
     got = [v for chunk in shuffled(stage, chunked(values, sizes), ctx) for v in chunk.values]
     expected = list(reference_shuffle(values, size, ctx.rng(5, 1, (0,))))
     assert got == expected
@@ -80,7 +79,7 @@ def test_tracked_shuffle_and_batch_keep_each_origin_with_its_value(form):
         chunks = list(chunked(values, [1, 33, 256], origins))
     pipeline = Pipeline.range(1).shuffle(300, seed=1).batch(64)
     shuffle, batch = pipeline.stages
-    ctx = zstages.Context(RunSettings(entropy=0, track=True))
+    ctx = Context(RunSettings(entropy=0, track=True))
     out = list(batch.transform(shuffle.transform(iter(chunks), (0,), 1, ctx), (0,), 2, ctx))
     assert sum(len(b) for b, _ in out) == 5000
     for rows, origin in out:
@@ -91,7 +90,7 @@ def test_tracked_shuffle_and_batch_keep_each_origin_with_its_value(form):
 
 def test_batch_that_drops_its_remainder_keeps_the_dropped_origins_as_loose():
     stage = Pipeline.range(1).batch(4, drop_remainder=True).stages[-1]
-    ctx = zstages.Context(RunSettings(entropy=0, track=True))
+    ctx = Context(RunSettings(entropy=0, track=True))
     out = list(stage.transform(chunked(list(range(10)), [3], np.arange(10)), (0,), 1, ctx))
     assert [o.tolist() for _, o in out] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert ctx.tally.loose == [8, 9]
@@ -112,7 +111,7 @@ class Counted:
 def test_shuffle_lets_go_of_the_elements_that_left_it():
     size = 500
     stage = Pipeline.range(1).shuffle(size, seed=0).stages[-1]
-    ctx = zstages.Context(RunSettings(entropy=0))
+    ctx = Context(RunSettings(entropy=0))
     Counted.alive = 0
 
     def chunks():
@@ -161,7 +160,7 @@ def test_a_shuffled_batched_pipeline_matches_the_reference_in_process():
     pipeline = Pipeline.range(2000).map(lambda x: x * 3).shuffle(128, seed=9).batch(50)
     got = np.concatenate(list(pipeline.iter(0))).tolist()
     assert sorted(got) == [x * 3 for x in range(2000)]
-    ctx = zstages.Context(RunSettings(entropy=0))
+    ctx = Context(RunSettings(entropy=0))
     rng = ctx.rng(9, 2, (0,))
     assert got == list(reference_shuffle([x * 3 for x in range(2000)], 128, rng))
 
@@ -238,7 +237,7 @@ def test_light_elements_are_read_ahead_and_heavy_ones_as_they_are_used():
             return iter(self.items)
 
     def sizes(items):
-        ctx = zstages.Context(RunSettings(entropy=0, track=True))
+        ctx = Context(RunSettings(entropy=0, track=True))
         return [len(values) for values, _ in read_split_chunks(Listed(items), Assigned(0, (0,)),
                                                                0, ctx)]
 
@@ -255,7 +254,7 @@ def test_tracked_batches_of_batches_hold_their_own_rows_origins(shuffled):
     pipeline = Pipeline.range(400, split_size=100).batch(4)
     if shuffled:
         pipeline = pipeline.shuffle(7, seed=1)
-    ctx = zstages.Context(RunSettings(entropy=0, track=True))
+    ctx = Context(RunSettings(entropy=0, track=True))
     feed = lambda key: (Assigned(s, key) for s in range(4))
 
     def code(value):
@@ -285,7 +284,7 @@ def test_an_element_stage_after_the_source_gets_non_int_elements_as_it_asks_for_
                 made.append(i)
                 yield f"p{i}"
 
-    ctx = zstages.Context(RunSettings(entropy=0, track=True))
+    ctx = Context(RunSettings(entropy=0, track=True))
     elements = read_split(Counting(), Assigned(0, (0,)), 0, ctx)
     for taken in range(1, 6):
         next(elements)

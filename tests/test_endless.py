@@ -11,8 +11,7 @@ import pytest
 from tests.service import service
 from zloader import Loader, Pipeline
 from zloader.plan import plan
-from zloader.runs import RunSettings
-from zloader.stages import Context, Coverage
+from zloader.runs import Context, Coverage, RunSettings
 
 
 def _worker_part(pipeline: Pipeline, passes: dict[tuple[int, ...], list[int]],

@@ -20,8 +20,7 @@ from zloader.formats import decode_image, parse_example
 from zloader.formats.base import interleave
 from zloader.formats.tfrecord import read_records
 from zloader.formats.webdataset import read_samples
-from zloader.runs import RunSettings
-from zloader.stages import Context
+from zloader.runs import Context, RunSettings
 
 
 @pytest.fixture(scope="module")

@@ -31,8 +31,7 @@ from zloader._defaults import MAX_IMAGE_PIXELS
 from zloader.errors import CodecError
 from zloader.formats import decode_image
 from zloader.formats._crc32c import masked_crc32c
-from zloader.runs import RunSettings
-from zloader.stages import Context
+from zloader.runs import Context, RunSettings
 
 MiB = 1 << 20
 GROWTH_BOUND = 300 * MiB
@@ -272,7 +271,6 @@ def test_a_sample_with_a_huge_sparse_member_costs_that_sample_only(tmp_path):
     out, skipped = loader_read(pipeline)
     assert sorted(s["txt"] for s in out) == [b"three", b"zero"]
     assert skipped == 2
-
 
 
 def header(name: str, size: int, kind: bytes = tarfile.REGTYPE, pax: dict | None = None,

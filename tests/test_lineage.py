@@ -26,8 +26,7 @@ from zloader.lineage import (
     unpack,
 )
 from zloader.plan import plan
-from zloader.runs import RunSettings
-from zloader.stages import Context
+from zloader.runs import Context, RunSettings
 
 SPLITS, SIZE = 6, 25
 

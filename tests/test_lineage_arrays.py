@@ -28,8 +28,7 @@ from zloader.lineage import (
     untag,
 )
 from zloader.plan import plan
-from zloader.runs import RunSettings
-from zloader.stages import Context
+from zloader.runs import Context, RunSettings
 
 
 def test_gather_takes_tuples_arrays_and_empty_origins_in_order():

@@ -41,7 +41,7 @@ LAYERS = {
     "forward": 1, "blobs": 1,
     "formats._crc32c": 1, "formats.example": 1, "formats.image": 1, "formats": 1.2,
     "storage": 1.5, "cachefile": 1.6,
-    "runs": 1.9,  # a run's settings and tally (the Context's halves)
+    "runs": 1.95,  # a run: its settings, tally, Context and Coverage
     "sources": 2, "formats.base": 2.2, "formats.tfrecord": 2.4, "formats.webdataset": 2.4,
     "formats.parquet": 2.4, "formats.jsonl": 2.4, "formats.image_folder": 2.4,
     "formats.build": 2.6, "chunks": 1.8, "groups": 1.9, "stages": 2, "cache": 2.5, "mixing": 2.8,

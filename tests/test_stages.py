@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from zloader import Pipeline, PipelineError
+from zloader.runs import Context
 
 
 def values(pipeline: Pipeline, epoch: int = 0) -> list:
@@ -302,7 +303,6 @@ def test_bucket_by_length_batches_similar_lengths_padded_to_the_longest():
 
 
 def test_bucket_by_length_drop_remainder_and_rounds_keep_one_bucket_per_round():
-    from zloader import stages as zstages
     from zloader.runs import RunSettings
 
     pipeline = Pipeline.range(40).bucket_by_length(lambda x: x % 10, [5], [3, 3],
@@ -310,7 +310,7 @@ def test_bucket_by_length_drop_remainder_and_rounds_keep_one_bucket_per_round():
     assert all(len(b) == 3 for b in pipeline)
     assert sum(len(b) for b in pipeline) == 36  # each bucket's 20 -> 6 batches, 2 dropped
     stage = pipeline.stages[-1]
-    ctx = zstages.Context(RunSettings(entropy=0, round_size=4))
+    ctx = Context(RunSettings(entropy=0, round_size=4))
     batches = list(stage.transform(iter(range(40)), (0,), 1, ctx))
     # Four batches of one bucket at a time; each bucket's last 2 batches make no round.
     assert len(batches) == 8 and ctx.tally.dropped == 4

@@ -41,7 +41,7 @@ from zloader.cachefile import (
 )
 from zloader.errors import PipelineError
 from zloader.fingerprint import Unhashable, fingerprint
-from zloader.runs import RunSettings
+from zloader.runs import Context, RunSettings
 from zloader.sources import ErrorPolicy, Source
 from zloader.storage import is_url
 
@@ -194,7 +194,7 @@ class CachedSource(Source):
         the entry only at the end of the split, and only when no error was skipped (a
         later run with another ``on_error`` must see the error)."""
         skip = bool(policy is not None and policy.settings.skip_errors)
-        ctx = _stages.Context(RunSettings(entropy=0, skip_errors=skip), source=self.source)
+        ctx = Context(RunSettings(entropy=0, skip_errors=skip), source=self.source)
         elements = _stages.compose(lambda key: ctx.read(split), self.stages, ctx)(())
         try:
             with contextlib.ExitStack() as stack:

@@ -33,9 +33,8 @@ from zloader.handoff import Handoff
 from zloader.mixing import LiveWeights, new_weights, register_info
 from zloader.pipeline import Pipeline
 from zloader.plan import Plan, drawn_on_workers, plan
-from zloader.runs import RunSettings
+from zloader.runs import Context, RunSettings
 from zloader.sharing.options import DEFAULT_BLOCK_SECONDS
-from zloader.stages import Context
 
 __all__ = ["Loader"]
 

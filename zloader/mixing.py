@@ -31,6 +31,7 @@ from zloader import _check
 from zloader import stages as _stages
 from zloader._defaults import GROUP_KEY, MIX_DRAW_CHUNK, MIX_KEY
 from zloader._seeding import Key
+from zloader.runs import Context
 from zloader.sources import Source, split_order
 
 if TYPE_CHECKING:
@@ -183,7 +184,7 @@ class MixSource(Source):
     def describe(self) -> str:
         return f"mix of {', '.join(p.source.describe() for p in self.inputs)}"
 
-    def run(self, read: _stages.Run, ctx: _stages.Context) -> tuple[_stages.Run, int]:
+    def run(self, read: _stages.Run, ctx: Context) -> tuple[_stages.Run, int]:
         """The mixed run over ``read`` (the run that reads a pass's splits): each input's
         stages over its own passes, then the draws; and the last position up to which
         every input's stages keep their source's order (:attr:`Context.aligned`).
@@ -207,7 +208,7 @@ class MixSource(Source):
 
 
 def mixed_run(source: Source, read: _stages.Run, stages: tuple[_stages.Stage, ...],
-              ctx: _stages.Context, read_chunks: Any = None) -> _stages.Run:
+              ctx: Context, read_chunks: Any = None) -> _stages.Run:
     """``stages`` over ``source`` read by ``read`` (and ``read_chunks``), a mix's inputs
     first when ``source`` is a :class:`MixSource`."""
     if not isinstance(source, MixSource):
@@ -219,7 +220,7 @@ def mixed_run(source: Source, read: _stages.Run, stages: tuple[_stages.Stage, ..
     return run
 
 
-def input_runs(source: MixSource, read: _stages.Run, ctx: _stages.Context
+def input_runs(source: MixSource, read: _stages.Run, ctx: Context
                ) -> Iterator[_stages.Run]:
     """Each input's run within the mix's pass, over ``read``: its stages over its own
     pass key (``(*key, MIX_KEY + k)``), repeated for ever (an endless ``repeat``, which
@@ -240,7 +241,7 @@ def _in_pass(inner: _stages.Run, which: int) -> _stages.Run:
 
 
 def drawn(source: MixSource, opened: Callable[[], list[Iterator[Any]]], key: Key,
-          ctx: _stages.Context) -> Iterator[Any]:
+          ctx: Context) -> Iterator[Any]:
     """The mix's draws in pass ``key`` over its inputs' streams (``opened()``'s, made at
     the first element; no generator of their own: each element passes through the
     draws' alone): by weight (the weights ``ctx.settings.mix_weights`` holds, when set)
@@ -258,7 +259,7 @@ def drawn(source: MixSource, opened: Callable[[], list[Iterator[Any]]], key: Key
                       ctx.settings.mix_weights, finish)
 
 
-def _end_early(streams: list[Iterator[Any]], key: Key, ctx: _stages.Context) -> None:
+def _end_early(streams: list[Iterator[Any]], key: Key, ctx: Context) -> None:
     """On a dynamically sharded worker, a mix that ended while some inputs had not (it
     stopped with its first input to end, or an input's weight was set to 0 while it ran):
     end those inputs' passes (no more splits are asked for) and drop the rest of the

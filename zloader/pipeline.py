@@ -32,7 +32,7 @@ from zloader import stages as _stages
 from zloader._defaults import CACHE_MAX_ENTRY_BYTES
 from zloader.chunks import Chunk
 from zloader.fingerprint import Unhashable, fingerprint, warn_unshareable
-from zloader.runs import RunSettings
+from zloader.runs import Context, RunSettings
 
 __all__ = ["Pipeline"]
 
@@ -490,7 +490,7 @@ class Pipeline:
                 the stage and carries the original traceback.
         """
         epoch = _check.integer("epoch", epoch, 0)
-        ctx = _stages.Context(RunSettings(entropy=secrets.randbits(63)), source=self.source)
+        ctx = Context(RunSettings(entropy=secrets.randbits(63)), source=self.source)
 
         def read(key: _stages.Key) -> Iterator[Any]:
             for split in ctx.source.split_order(key, ctx.settings.entropy):

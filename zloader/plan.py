@@ -26,6 +26,7 @@ from zloader.lineage import Assigned, read_split, read_split_chunks
 from zloader.mixing import MixSource, drawn, input_runs, mixed_run
 from zloader.options import JobOptions
 from zloader.pipeline import Pipeline
+from zloader.runs import Context
 
 __all__ = ["CONSUMER_DRAWN", "Plan", "SplitFeed", "drawn_on_workers", "draws_at_consumer",
            "plan"]
@@ -68,7 +69,7 @@ class Plan:
             return self.shards
         return len(self.mix.inputs) * max(1, self.shards)
 
-    def run_worker(self, feed: SplitFeed, epoch: int, ctx: _stages.Context) -> Iterator[Any]:
+    def run_worker(self, feed: SplitFeed, epoch: int, ctx: Context) -> Iterator[Any]:
         """The worker part for ``epoch``, reading the splits ``feed`` gives for each pass
         (split numbers, or :class:`~zloader.lineage.Assigned` splits whose elements are
         tagged with their origins; ``ctx.tally`` then names the pass ids used)."""
@@ -78,7 +79,7 @@ class Plan:
                          read_chunks)((epoch,))
 
     def run_inputs(self, feed: SplitFeed, epoch: int,
-                   ctx: _stages.Context) -> list[Iterator[Any]]:
+                   ctx: Context) -> list[Iterator[Any]]:
         """A mix the consumer draws: each input's pipeline for ``epoch`` on this worker,
         one stream per input, reading the splits ``feed`` gives for each input's passes
         as :meth:`run_worker` reads them."""
@@ -87,7 +88,7 @@ class Plan:
         ctx.records_from = 0  # (records of several inputs: no batch leaves its copy)
         return [run((epoch,)) for run in input_runs(self.mix, read, ctx)]
 
-    def _reads(self, feed: SplitFeed, ctx: _stages.Context
+    def _reads(self, feed: SplitFeed, ctx: Context
                ) -> tuple[_stages.Run, Callable[[_stages.Key, int], Iterator[Chunk]]]:
         """The runs that read a pass's splits (one element, or one chunk, at a time)."""
         source = self.pipeline.source
@@ -128,7 +129,7 @@ class Plan:
         ctx.source = source
         return read, read_chunks
 
-    def _rebuild(self, split: Assigned, ctx: _stages.Context) -> None:
+    def _rebuild(self, split: Assigned, ctx: Context) -> None:
         """The groups anchored in ``split`` whose rows are to be made again: by the
         unbatch that made them (``ctx.rebuilds``), or, made by the consumer after a mix it
         draws, named to it in the next record (it makes them: zloader/client/draw.py)."""
@@ -142,7 +143,7 @@ class Plan:
                 ctx.rebuilds.append((group, skip))
 
     def run_consumer(self, elements: Iterator[Any], epoch: int,
-                     ctx: _stages.Context) -> Iterator[Any]:
+                     ctx: Context) -> Iterator[Any]:
         """The consumer part for ``epoch`` over the merged worker stream ``elements``."""
         if not self.consumer_stages:
             return elements
@@ -155,7 +156,7 @@ class Plan:
             first = self.mix.after() + len(self.after_mix)
         return _stages.compose(read, self.consumer_stages, ctx, first)((epoch,))
 
-    def remade_here(self, ctx: _stages.Context) -> None:
+    def remade_here(self, ctx: Context) -> None:
         """Set ``ctx`` to make here the rows of groups made after the mix this consumer
         draws (zloader/client/draw.py ``Regroup``): the mix's inputs' sources and stages,
         which their elements, read again, run through first."""
@@ -166,7 +167,7 @@ class Plan:
             ctx.note_sections(pipeline.stages, 1)
 
     def run_drawn(self, opened: Callable[[], list[Iterator[Any]]], epoch: int,
-                  ctx: _stages.Context, rest: Callable[[], Iterator[Any]]) -> Iterator[Any]:
+                  ctx: Context, rest: Callable[[], Iterator[Any]]) -> Iterator[Any]:
         """The consumer's draws of the mix for ``epoch`` over its inputs' streams
         (``opened()``'s, one per input, as the workers make them), then, when every
         input was to be read to its end (``"all_exhausted"``, no weight 0), what comes

@@ -38,7 +38,7 @@ __all__ = [
 
 
 class ErrorPolicy(Protocol):
-    """What a source sees of the run (its :class:`~zloader.stages.Context`): the run's
+    """What a source sees of the run (its :class:`~zloader.runs.Context`): the run's
     :class:`~zloader.runs.RunSettings` (``skip_errors``: skip failures; ``epoch_input``,
     ``worker``, ``dispatched`` for adapters) and its :class:`~zloader.runs.RunTally`
     (``skipped``: the failures skipped)."""

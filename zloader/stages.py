@@ -19,227 +19,32 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 
 from zloader import collate, groups
-from zloader._defaults import CHUNK_ELEMENTS, ORIGINS_NAMED, SHUFFLE_DRAW_CHUNK
-from zloader._seeding import Key, make_rng
+from zloader._defaults import CHUNK_ELEMENTS, SHUFFLE_DRAW_CHUNK
+from zloader._seeding import Key
 from zloader.chunks import (
     Chunk,
     ChunkRead,
     PooledOrigins,
     RowOrigins,
-    chunks_of,
     flattened,
     gathered,
     picked,
 )
 from zloader.errors import PipelineError, passes_through
-from zloader.lineage import INDEX_BITS, INDEX_MASK, Origin, gather, untag
-from zloader.runs import RunSettings, RunTally
+from zloader.runs import Context
 
-__all__ = ["Batch", "BucketByLength", "Context", "Coverage", "Filter", "Map", "Repeat", "Run",
+__all__ = ["Batch", "BucketByLength", "Filter", "Map", "Repeat", "Run",
            "Shuffle", "Skip", "Stage", "Take", "Unbatch", "compose"]
 
 Run = Callable[[Key], Iterator[Any]]
-
-
-class Coverage:
-    """Which splits a run that reads only the splits it is handed (a dynamically sharded
-    worker) has read afresh, so that an endless ``repeat`` can tell an empty input from a
-    repetition whose splits other workers took.
-
-    In one process every repetition reads every split, so one that yields nothing shows
-    the input empty. A worker's repetition may yield nothing only because the other
-    workers were handed that pass's splits: ending its repeat then would end its epoch,
-    and once those workers die, the whole epoch, short and without an error. So a worker
-    ends an endless repeat only when its repetitions since the last element together read
-    every split of the source afresh (a whole pass's worth of empty splits), when the
-    source has no splits, or when it is leaving (``leaving()``: its passes end at once).
-
-    A run may also end a pass early (:meth:`end`: a mix that stops with its first input to
-    end): the worker then asks for no more of that pass's splits, and reads to their end
-    the splits it was handed, which the run drops (so that exactly-once counts them).
-    """
-
-    def __init__(self, num_splits: int | Callable[[Key], int],
-                 leaving: Callable[[], bool]) -> None:
-        # the splits of a pass: as many for every pass, or per pass key (a mix's inputs)
-        self.splits_of = num_splits if callable(num_splits) else (lambda key: num_splits)
-        self.leaving = leaving
-        self._fresh: dict[Key, set[int]] = {}  # pass key -> splits read afresh in it
-        self._ended: set[Key] = set()  # passes (and the passes under them) ended early
-
-    def read(self, key: Key, split: int, fresh: bool) -> None:
-        """The run read ``split`` in pass ``key``; ``fresh``: whole, in its own pass (not
-        a re-queued split of another pass, nor one with elements to skip)."""
-        if fresh:
-            self._fresh.setdefault(key, set()).add(split)
-
-    def end(self, key: Key) -> None:
-        """End pass ``key`` and the passes under it early: no more splits are asked for."""
-        self._ended.add(key)
-
-    def ended(self, key: Key) -> bool:
-        """Whether pass ``key`` was ended early (it, or a pass it is under)."""
-        return any(key[:len(ended)] == ended for ended in self._ended)
-
-    def close(self, key: Key) -> set[int]:
-        """The splits read afresh in repetition ``key`` and the passes under it; they are
-        handed on to the repetition above (a repeat nested in another)."""
-        found: set[int] = set()
-        for under in [k for k in self._fresh if k[:len(key)] == key]:
-            found |= self._fresh.pop(under)
-        if found and len(key) > 1:
-            self._fresh.setdefault(key[:-1], set()).update(found)
-        return found
-
-
-@dataclass
-class Context:
-    """What one run of a pipeline shares between its stages: its :class:`RunSettings`
-    (fixed), its :class:`RunTally` (counted as it goes) and where it is.
-
-    Attributes:
-        settings: how the run goes (seeds, worker, error policy, tracking, inputs).
-        tally: what it counted (skipped, dropped, origins) for the records it sends.
-        source: the source being read (its splits name elements in error messages).
-        at: (split, index) of the element the source yielded last (untracked runs).
-        aligned: the last stage position whose input still comes in the source's order,
-            one element at a time, so that ``at`` names the element it works on.
-        coverage: the splits read afresh, for a run that reads only the splits it is
-            handed (a dynamically sharded worker); None when every pass reads them all.
-        records_from: the position of the stage whose elements become records as they
-            come (a worker part's last), where a ``batch`` leaves large arrays to the
-            record's copy (``collate.stack(later=True)``); 0: none (an in-process run).
-        sections: the unbatches that undo a batch, by (stage id, position), to make a
-            group's rows again (zloader/groups.py).
-        rebuilds: the groups whose rows this run is to make again, with the rows to
-            leave out, put there as their anchor's split is read.
-        input_stages: a mix's inputs' stages, by input.
-        regroup: where the consumer draws a mix, what tags the rows of the groups its
-            unbatches make (their origins are its handles: zloader/client/draw.py
-            ``Regroup``); None on a worker.
-    """
-
-    settings: RunSettings
-    tally: RunTally = field(default_factory=RunTally)
-    source: Any = None
-    at: tuple[int, int] | None = None
-    aligned: int = 0
-    coverage: Coverage | None = None
-    records_from: int = 0
-    sections: dict[tuple[int, int], groups.Section] = field(default_factory=dict)
-    rebuilds: list[Any] = field(default_factory=list)
-    input_stages: dict[int | None, tuple[Stage, ...]] = field(default_factory=dict)
-    regroup: Any = None
-
-    def note_sections(self, stages: Sequence[Stage], first_position: int,
-                      after_mix: bool = False) -> None:
-        """Keep the unbatches of ``stages`` (positions from ``first_position``) that undo a
-        batch, so that a group's rows can be made again (:attr:`sections`)."""
-        for position, section in groups.sections(stages, first_position, after_mix).items():
-            self.sections[(id(stages[position - first_position]), position)] = section
-
-    def value(self, element: Any) -> Any:
-        """An element's value: itself, or a tracked element's value (its origin left)."""
-        return element[0] if self.settings.track else element
-
-    def values_of(self, elements: list[Any]) -> list[Any]:
-        """The values of ``elements`` (the list itself when untracked)."""
-        return [tagged[0] for tagged in elements] if self.settings.track else elements
-
-    def rng(self, seed: int | None, position: int, key: Key) -> Any:
-        if self.settings.worker:
-            key = (*key, self.settings.worker)
-        return make_rng(seed, self.settings.entropy, position, key)
-
-    def drop(self, element: Any) -> None:
-        """``element`` goes no further: keep its origins (when tracked) as loose ones."""
-        if self.settings.track:
-            origin = element[1]
-            self.tally.loose.extend(origin.tolist() if isinstance(origin, np.ndarray) else origin)
-
-    def drop_chunk(self, origins: Any) -> None:
-        """The elements holding ``origins`` (a :class:`Chunk`'s) go no further."""
-        if origins is not None and len(origins):
-            self.tally.loose.extend(gather(origins).tolist())
-
-    def values(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
-        """``fn`` as it applies to the elements of this run (to a tagged element's value,
-        keeping the tag, when tracked)."""
-        if not self.settings.track:
-            return fn
-        return lambda tagged: (fn(tagged[0]), tagged[1])
-
-    def input_empty(self, key: Key, empty: set[int]) -> bool:
-        """Whether repetition ``key`` of an endless repeat, which yielded nothing, shows
-        its input empty (:class:`Coverage`). ``empty``: the splits read afresh in the
-        repetitions since the repeat's last element, to which this one's are added."""
-        coverage = self.coverage
-        if coverage is None:
-            return True
-        empty |= coverage.close(key)
-        return coverage.leaving() or len(empty) >= coverage.splits_of(key)
-
-    def read(self, split: int) -> Iterator[Any]:
-        """The elements of ``split`` of :attr:`source`, noting in :attr:`at` where each
-        came from."""
-        for index, element in enumerate(self.source.read(split, self)):
-            self.at = (split, index)
-            yield element
-
-    def read_chunks(self, split: int, size: int = 0) -> Iterator[Chunk]:
-        """The elements of ``split`` of :attr:`source` in chunks of ``size``
-        (:func:`chunks_of`), for a first stage that takes chunks: it reorders or groups
-        them, so :attr:`at` names none of them and is not kept."""
-        return chunks_of(iter(self.source.read(split, self)), False, size)
-
-    def where(self, element: Any, position: int, at: tuple[int, int] | None = None) -> str:
-        """Where in the input ``element``, met by the stage at ``position``, came from
-        (``"split 2, index 3"``), or ``""`` when that is not known: an untracked element
-        after a stage that reorders or groups elements. ``at`` overrides :attr:`at` (the
-        position when the element was taken, for work done later)."""
-        if self.source is None:
-            return ""
-        if self.settings.track:
-            return self._origins(element[1])
-        at = at if at is not None else self.at
-        if position > self.aligned or at is None:
-            return ""
-        return str(self.source.locate(*at))
-
-    def _origins(self, origin: Origin) -> str:
-        places = [self._place(code) for code in map(int, origin[:ORIGINS_NAMED])]
-        count = len(origin)
-        if count <= 1:
-            return "".join(places)
-        more = f"; and {count - len(places)} more" if count > len(places) else ""
-        return f"{count} elements: " + "; ".join(places) + more
-
-    def _place(self, code: int) -> str:
-        """Where the element of origin ``code`` came from: its source element, or for a
-        row of a group (zloader/groups.py) the batch it was made of."""
-        read = code >> INDEX_BITS
-        pass_id, split = self.tally.reads[read]
-        if read in self.tally.group_reads:
-            key = self.tally.keys[pass_id]
-            return (f"row {code & INDEX_MASK} made of the batch that begins at "
-                    f"{self.source.locate(split, key[-1])}")
-        return str(self.source.locate(split, code & INDEX_MASK))
-
-    def stack(self, elements: list[Any], pad_value: Any = None) -> Any:
-        """``collate.stack`` of ``elements``; a tracked batch holds its rows' origins as
-        one int64 array (:func:`~zloader.lineage.gather`)."""
-        if not self.settings.track:
-            return collate.stack(elements, pad_value)
-        values, codes = untag(elements)
-        return collate.stack(values, pad_value), codes
 
 
 def compose(read: Run, stages: tuple[Stage, ...], ctx: Context, first_position: int = 1,

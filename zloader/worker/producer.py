@@ -62,8 +62,7 @@ from zloader.lineage import Assigned
 from zloader.mixing import LiveWeights
 from zloader.options import JobOptions
 from zloader.plan import Plan
-from zloader.runs import RunSettings
-from zloader.stages import Context, Coverage
+from zloader.runs import Context, Coverage, RunSettings
 from zloader.transport.protocol import error_object
 from zloader.transport.sockets import NOBLOCK, make_socket
 from zloader.worker.dispatched import Dispatched
