@@ -153,7 +153,7 @@ class Fleet:
     def __init__(self, address: str, workers: int, consumers: int,
                  epoch_every: float = EPOCH_EVERY_S) -> None:
         from zloader.client.link import registration
-        from zloader.client.packing import pack
+        from zloader.client.shipment import pack
         from zloader.options import JobOptions
         from zloader.pipeline import Pipeline
         from zloader.transport import messages

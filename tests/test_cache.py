@@ -355,7 +355,7 @@ def test_a_large_in_memory_source_under_a_cache_is_served_not_pickled(tmp_path):
     from service import start_broker, start_worker, status, stop, wait_for
 
     from zloader._defaults import INLINE_SOURCE_BYTES
-    from zloader.client.packing import strip_source
+    from zloader.client.shipment import strip_source
 
     table = np.arange(INLINE_SOURCE_BYTES // 8 * 2, dtype=np.int64).reshape(-1, 256)  # 2 MiB
     pipeline = (Pipeline.from_arrays(table, split_size=len(table) // 8).map(double)

@@ -38,7 +38,7 @@ from zloader._defaults import MAX_BODY_BYTES, SLICE_SECONDS, UNHEARD_BEATS
 from zloader._host import host_id
 from zloader.broker.records import Limits
 from zloader.broker.state import State
-from zloader.client.packing import pack
+from zloader.client.shipment import pack
 from zloader.options import JobOptions
 from zloader.transport import messages
 from zloader.transport.protocol import Command, decode, encode

@@ -41,7 +41,7 @@ def test_a_restored_state_hands_out_the_splits_where_it_stopped(tmp_path):
     again = State(journal=Journal(tmp_path))
     assert again.restore(now=100.0) == 1
     (job,) = again.jobs.values()
-    passed = job.dispatch.passes[(0,)]
+    passed = job.handout.passes[(0,)]
     assert passed.handed == {"w2": [2]} and list(passed.order) == [3, 4, 5]
     # The workers come back under new connections and keep their tasks: the same TASK
     # again (a worker that runs it already ignores it), no new one.
@@ -67,7 +67,7 @@ def test_a_restored_state_hands_out_the_splits_where_it_stopped(tmp_path):
     again.seen(b"c1", 103.0)
     again.tick(104.0)
     assert "w2" not in again.workers
-    assert list(again.jobs[job.id].dispatch.passes[(0,)].requeued) == [2]
+    assert list(again.jobs[job.id].handout.passes[(0,)].requeued) == [2]
 
 
 @pytest.mark.parametrize("compacted", [False, True])
@@ -89,13 +89,13 @@ def test_a_dead_workers_splits_are_read_again_once_after_a_restart(tmp_path, com
     state.tick(10.0)  # w1 and w2 silent past the expiry: dropped, splits 0 and 1 re-queued
     assert sorted(state.workers) == ["w3"]
     (job,) = state.jobs.values()
-    before = list(job.dispatch.passes[(0,)].requeued)
+    before = list(job.handout.passes[(0,)].requeued)
     assert sorted(before) == [0, 1]
     state.journal.close()
 
     again = State(journal=Journal(tmp_path))
     assert again.restore(now=100.0) == 1 and again.journal.skipped == []
-    assert list(again.jobs[job.id].dispatch.passes[(0,)].requeued) == before
+    assert list(again.jobs[job.id].handout.passes[(0,)].requeued) == before
     ready(again, "w3", now=100.5)
     handed = [split(again, "w3", tasks["w3"], now=100.5) for _ in range(8)]
     assert sorted(handed) == list(range(8))
@@ -591,7 +591,7 @@ def _summary(state: State) -> dict:
     return {"workers": {w.id: w.task for w in state.workers.values()},
             "jobs": {job.id: (dict(job.tasks), job.epoch, {
                 key: (list(p.order), list(p.requeued), p.handed, p.read, p.skips)
-                for key, p in job.dispatch.passes.items()}) for job in state.jobs.values()}}
+                for key, p in job.handout.passes.items()}) for job in state.jobs.values()}}
 
 
 def _restored(root) -> State:
@@ -605,7 +605,7 @@ def _each_split_once(state: State, tasks: dict[str, str]) -> None:
     by a worker), and its workers, back, are handed the waiting ones, each once, then
     none: no split twice, none lost, the pass ends."""
     (job,) = state.jobs.values()
-    handing = job.dispatch.passes[(0,)]
+    handing = job.handout.passes[(0,)]
     held = [split for group in (handing.handed, handing.read) for splits in group.values()
             for split in splits]
     waiting = [*handing.requeued, *handing.order]
@@ -652,8 +652,8 @@ def test_a_torn_last_line_is_cut_when_the_journal_is_opened(tmp_path, caplog, to
     again = _restored(tmp_path)
     assert again.journal.skipped == [] and again.journal.torn == 0
     (job,) = again.jobs.values()
-    assert 22 in again.jobs[job.id].dispatch.passes[(0,)].handed["w3"]
-    assert 22 not in again.jobs[job.id].dispatch.passes[(0,)].order
+    assert 22 in again.jobs[job.id].handout.passes[(0,)].handed["w3"]
+    assert 22 not in again.jobs[job.id].handout.passes[(0,)].order
     assert _summary(again) != expected
     _each_split_once(again, tasks)
     again.journal.close()
@@ -730,7 +730,7 @@ def test_a_line_lost_from_the_middle_of_a_journal_is_counted_as_missing(tmp_path
     assert state.journal.missing == 1 and state.journal.skipped == []
     assert "found 1 sequence numbers missing" in caplog.text
     (job,) = state.jobs.values()
-    assert 5 in job.dispatch.passes[(0,)].order
+    assert 5 in job.handout.passes[(0,)].order
     _each_split_once(state, tasks)
     state.journal.close()
     again = _restored(tmp_path)
@@ -845,14 +845,14 @@ def test_a_fence_done_after_a_compaction_is_replayed_without_a_skip(tmp_path):
     state.journal.compact(state.snapshot())
     state.delivered(b"c1", record(Command.DELIVERED, {
         "job": job.id, "fence": fence["id"], "splits": []}), 10.5)  # it holds none
-    assert list(job.dispatch.passes[(0,)].requeued) == [0] and not job.fences
+    assert list(job.handout.passes[(0,)].requeued) == [0] and not job.fences
     lines = (tmp_path / "journal.jsonl").read_bytes().splitlines()
     assert [_body(line)["e"] for line in lines[-2:]] == ["gone", "requeue"]
     state.journal.close()
 
     again = _restored(tmp_path)
     assert again.journal.skipped == []
-    handing = again.jobs[job.id].dispatch.passes[(0,)]
+    handing = again.jobs[job.id].handout.passes[(0,)]
     assert list(handing.requeued) == [0] and handing.handed == {"w2": [1]}
     again.journal.close()
 
@@ -931,7 +931,7 @@ def test_a_version_2_journal_with_reversed_events_hands_no_split_out_twice(tmp_p
     assert {"a split handed twice", "a split re-queued while a worker holds it"} \
         <= set(state.journal.skipped_kinds)
     (job,) = state.jobs.values()
-    handing = job.dispatch.passes[(0,)]
+    handing = job.handout.passes[(0,)]
     placed = collections.Counter([*handing.order, *handing.requeued, *(
         split for group in (handing.handed, handing.read) for splits in group.values()
         for split in splits)])

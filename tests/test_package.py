@@ -71,7 +71,7 @@ LAYERS = {
     "client.stats": 6.0, "client.items": 6.0,
     "client.budget": 6.05,
     "client.rounds": 6.1, "client.exactly_once": 6.1, "client.turn": 6.1, "client.peers": 6.2,
-    "client.link": 6.2, "client.epoch_end": 6.3, "client.packing": 6.3, "client.receive": 6.4,
+    "client.link": 6.2, "client.epoch_end": 6.3, "client.shipment": 6.3, "client.receive": 6.4,
     "client.loop": 6.45, "client.thread": 6.5, "client.draw": 6.55, "client.merging": 6.6,
     "client": 6.7,
     "_status": 6, "_process": 7, "actuator": 7,

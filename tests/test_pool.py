@@ -182,7 +182,7 @@ def test_a_non_exactly_once_jobs_worker_drains_then_moves_and_repeats_no_split()
         "drained": tasks[moving]}), 1.1)
     assert [o.identity.decode() for o in out if o.command is Command.TASK] == [moving]
     assert workers_of(state) == {"a": 1, "b": 1}
-    assert not state.jobs[state.consumers["a"].job].dispatch.passes[(0,)].requeued
+    assert not state.jobs[state.consumers["a"].job].handout.passes[(0,)].requeued
 
 
 def test_a_worker_that_does_not_drain_in_time_moves_anyway():

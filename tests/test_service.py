@@ -826,7 +826,7 @@ def test_pipelines_pickled_on_two_threads_at_once_both_go_by_value():
     """cloudpickle's registry of modules pickled by value is the process's: a Loader made
     while another pickled its pipeline on another thread unregistered that one's user
     modules under it (ValueError)."""
-    from zloader.client.packing import dumps
+    from zloader.client.shipment import dumps
 
     held = _SlowToPickle()
     errors: list[BaseException] = []

@@ -129,7 +129,7 @@ def test_a_split_that_kills_its_worker_three_times_is_reported_not_rerun():
         state.tick(now)
         assert name not in state.workers
     job = next(iter(state.jobs.values()))
-    assert len(job.dispatch.failed) == 1 and job.dispatch.failed[0]["split"] == 0
+    assert len(job.handout.failed) == 1 and job.handout.failed[0]["split"] == 0
     task = task_of(ready(state, "survivor", now))
     assert split(state, "survivor", task, now=now) == 1
     assert split(state, "survivor", task, now=now) is None
@@ -151,8 +151,8 @@ def test_a_death_counts_against_the_split_being_read_not_the_one_asked_for_ahead
     state.seen(b"c1", 10.0)
     state.tick(10.0)  # w1 died silent
     job = next(iter(state.jobs.values()))
-    assert job.dispatch.kills == {0: 1}
-    assert sorted(job.dispatch.passes[(0,)].requeued) == [0, 1]  # both read again
+    assert job.handout.kills == {0: 1}
+    assert sorted(job.handout.passes[(0,)].requeued) == [0, 1]  # both read again
 
 
 def test_splits_asked_ahead_come_in_one_answer_and_again_at_places_already_handed():
@@ -183,8 +183,8 @@ def test_splits_asked_ahead_come_in_one_answer_and_again_at_places_already_hande
     state.seen(b"c1", 10.0)
     state.tick(10.0)  # w1 died silent, reading split 4 (have 5)
     job = next(iter(state.jobs.values()))
-    assert job.dispatch.kills == {4: 1}
-    assert sorted(job.dispatch.passes[(0,)].requeued) == [0, 1, 2, 3, 4, 5]
+    assert job.handout.kills == {4: 1}
+    assert sorted(job.handout.passes[(0,)].requeued) == [0, 1, 2, 3, 4, 5]
 
 
 def test_same_job_name_with_another_fingerprint_is_refused_naming_both():
@@ -442,7 +442,7 @@ def test_a_broker_stall_expires_nobody_and_a_fence_asks_live_consumers_again():
     assert listed["waiting"] == ["c1"]  # asked again in every view
     state.delivered(b"c1", record(Command.DELIVERED, {
         "job": job.id, "fence": listed["id"], "splits": [[[0], 0, {"all": True}]]}), now)
-    assert not job.fences and not job.dispatch.passes[(0,)].requeued  # it held split 0 whole
+    assert not job.fences and not job.handout.passes[(0,)].requeued  # it held split 0 whole
 
 
 def test_exactly_once_is_one_rule_for_dynamic_jobs_without_share_order_or_rounds():
@@ -492,7 +492,7 @@ def test_a_mix_s_requeued_split_is_served_only_to_a_pass_of_its_own_input():
         state.seen(b"w2", now)
         state.seen(b"c1", now)
         state.tick(now)
-    assert 0 in state.jobs[state.consumers["c1"].job].dispatch.passes[a].requeued
+    assert 0 in state.jobs[state.consumers["c1"].job].handout.passes[a].requeued
     assert split(state, "w2", tasks["w2"], key=b, now=3.5) == 3  # b's own, not a's split 0
     assert split(state, "w2", tasks["w2"], key=b, now=3.5) is None
     assert split(state, "w2", tasks["w2"], key=a, now=3.5) == 0  # a's pass reads it again

@@ -48,14 +48,14 @@ from zloader._host import host_id, loopback
 from zloader._status import Unanswered, fetch_status
 from zloader.transport.keys import Keys
 
-__all__ = ["Backoff", "LocalActuator", "Plan", "Shortfall", "Supervisor", "follow", "how_it_ended",
-           "plan", "short_jobs"]
+__all__ = ["Backoff", "LocalActuator", "Scaling", "Shortfall", "Supervisor", "follow",
+           "how_it_ended", "plan", "short_jobs"]
 
 log = logging.getLogger("zloader.actuator")
 
 
 @dataclass
-class Plan:
+class Scaling:
     """What an actuator should do now: ``start`` more workers, ``drain`` these (its own
     worker ids), and ``lacking``: the workers running jobs lack in all."""
 
@@ -66,7 +66,7 @@ class Plan:
 
 def plan(status: dict[str, Any], mine: set[str], starting: int, room: int, local_host: str,
          idle_cores: float, short_for: float, remote_delay: float,
-         loopback_only: bool = False) -> Plan:
+         loopback_only: bool = False) -> Scaling:
     """Decide from a broker ``status`` what one actuator should do.
 
     Args:
@@ -85,7 +85,7 @@ def plan(status: dict[str, Any], mine: set[str], starting: int, room: int, local
     if loopback_only:
         short = [j for j in short if local_host in j.get("consumer_hosts", [])]
     lacking = sum(int(j["desired_workers"]) - int(j["workers"]) for j in short)
-    out = Plan(lacking=lacking)
+    out = Scaling(lacking=lacking)
     hosts = {h for j in short for h in j.get("consumer_hosts", [])}
     # Idle workers that can take a lacking job (the broker gives a loopback worker only
     # to jobs read on its host) will be given one: they count against the shortfall.
@@ -197,7 +197,7 @@ class LocalActuator:
         finally:
             self._stop_all()
 
-    def step(self, status: dict[str, Any], now: float) -> Plan:
+    def step(self, status: dict[str, Any], now: float) -> Scaling:
         """Act once on a broker status."""
         self._reap()
         pids = {w["pid"]: w["worker"] for w in status.get("workers", [])

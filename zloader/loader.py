@@ -26,7 +26,7 @@ from zloader._defaults import DEFAULT_TIMEOUT, HANDOFF_MIN_ELEMENTS, PACK_MIN_BY
 from zloader.client import STATE_VERSION, IOThread, Merger, Stats
 from zloader.client.arguments import Arguments, checked
 from zloader.client.draw import Inputs, MixOrder, Order, Regroup
-from zloader.client.packing import check_exposure, pack
+from zloader.client.shipment import check_exposure, pack
 from zloader.embedded import Embedded
 from zloader.errors import MixWindowWarning, WorkerExited
 from zloader.handoff import Handoff

@@ -38,7 +38,7 @@ from zloader._defaults import (
     REMOTE_DELAY,
 )
 from zloader._host import loopback
-from zloader.actuator import Plan, Shortfall, follow, plan
+from zloader.actuator import Scaling, Shortfall, follow, plan
 from zloader.transport.keys import Keys, resolve
 
 __all__ = ["RayActuator", "RayWorkers", "start_workers", "stop_all"]
@@ -362,7 +362,7 @@ class RayActuator:
         finally:
             self.workers.stop()
 
-    def step(self, status: dict[str, Any], now: float) -> Plan:
+    def step(self, status: dict[str, Any], now: float) -> Scaling:
         """Act once on a broker status."""
         self.workers.check()
         ids = [i["worker"] for i in self.workers.info]

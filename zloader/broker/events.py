@@ -163,13 +163,13 @@ class JobCreated(Event):
 
     @classmethod
     def of(cls, job: Job) -> JobCreated:
-        dispatch = job.dispatch
+        handout = job.handout
         return cls(id=job.id, fingerprint=job.fingerprint, name=job.name, options=job.options,
-                   num_splits=dispatch.num_splits, shuffle_splits=dispatch.shuffle_splits,
-                   seed=dispatch.seed, width=job.width, source_data=job.source_data,
+                   num_splits=handout.num_splits, shuffle_splits=handout.shuffle_splits,
+                   seed=handout.seed, width=job.width, source_data=job.source_data,
                    entropy=job.entropy, pipeline=job.pipeline,
-                   inputs=[list(item) for item in dispatch.layout.inputs]
-                   if dispatch.layout is not None else None)
+                   inputs=[list(item) for item in handout.layout.inputs]
+                   if handout.layout is not None else None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -263,7 +263,7 @@ class PassKept(Event):
                    requeued=list(handing.requeued), handed=handing.handed,
                    read=handing.read, skips=handing.skips,
                    origins=[[split, list(origin)] for (k, split), origin
-                            in job.dispatch.origin_of.items() if k == key])
+                            in job.handout.origin_of.items() if k == key])
 
 
 @dataclass(frozen=True, kw_only=True)

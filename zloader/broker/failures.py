@@ -75,22 +75,22 @@ def leave(state: Tables, worker: Worker, job: Job, task: str, died: bool, now: f
         worker.moving_to = None
     lost: list[tuple[PassKey, int]] = []
     order: dict[PassKey, list[int]] = {}  # per pass, what it was handed, in order
-    for key, handing in job.dispatch.passes.items():
+    for key, handing in job.handout.passes.items():
         handed: list[int] = []
         for split in handing.handed.pop(worker_id, []):
             if died and current == (key, split):
-                job.dispatch.kills[split] = job.dispatch.kills.get(split, 0) + 1
-                if job.dispatch.kills[split] >= KILLS_TO_FAIL:
-                    job.dispatch.failed.append({"split": split, "pass": list(key), "message": (
+                job.handout.kills[split] = job.handout.kills.get(split, 0) + 1
+                if job.handout.kills[split] >= KILLS_TO_FAIL:
+                    job.handout.failed.append({"split": split, "pass": list(key), "message": (
                         f"split {split} was being read when its worker died "
                         f"{KILLS_TO_FAIL} times (last: worker pid {worker.pid} on "
                         f"{worker.host}); it is skipped")})
                     continue
             handed.append(split)
-            lost.append((job.dispatch.origin_of.get((key, split), key), split))
+            lost.append((job.handout.origin_of.get((key, split), key), split))
         read = handing.read.pop(worker_id, [])
         if job.track or not clean:
-            lost += [(job.dispatch.origin_of.get((key, split), key), split) for split in read]
+            lost += [(job.handout.origin_of.get((key, split), key), split) for split in read]
         if read or handed:
             order[key] = read + handed
     event = (WorkerLeft(job=job.id, task=task, worker=worker_id, clean=clean) if stays
@@ -270,7 +270,7 @@ def reread(state: Tables, job: Job, consumer: Consumer,
         if split not in read[key[0]].get(key, set()) \
                 or (key, split) in fenced \
                 or any(split in p.requeued
-                       for k, p in job.dispatch.passes.items() if k[0] == key[0]):
+                       for k, p in job.handout.passes.items() if k[0] == key[0]):
             continue
         try:
             skip = splits.skip(merge_info(None, info))

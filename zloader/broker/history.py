@@ -40,7 +40,7 @@ from zloader.broker.events import (
     parse,
 )
 from zloader.broker.journal import VERSION, Journal
-from zloader.broker.records import Dispatch, Job, Out, Pass, Tables, Worker
+from zloader.broker.records import Handout, Job, Out, Pass, Tables, Worker
 from zloader.broker.rounds import Rounds
 from zloader.mixing import layout_of
 from zloader.transport.messages import Error
@@ -178,10 +178,10 @@ def _job(replay: Replay, event: JobCreated) -> str | None:
         replay.unrestored.add(event.id)
         return None
     replay.unrestored.discard(event.id)
-    dispatch = Dispatch(event.num_splits, event.shuffle_splits, event.seed,
+    handout = Handout(event.num_splits, event.shuffle_splits, event.seed,
                         layout_of(event.inputs))
     state.jobs[event.id] = Job(
-        event.id, event.fingerprint, event.name, event.options, blob, dispatch, event.width,
+        event.id, event.fingerprint, event.name, event.options, blob, handout, event.width,
         event.source_data, event.entropy, replay.now,
         pipeline=dict(event.pipeline) if event.pipeline else None)
     return None
@@ -238,12 +238,12 @@ def _split(replay: Replay, job: Job, event: SplitHanded) -> str | None:
     if split not in splits.split_range(job, key):
         return "a split out of its pass's range"
     if event.origin is not None:
-        origin = job.dispatch.passes.get(event.origin)
+        origin = job.handout.passes.get(event.origin)
         if event.origin == key or event.origin[0] != key[0] or origin is None \
                 or split not in origin.requeued:
             return "a split handed twice"
     else:
-        handing = job.dispatch.passes.get(key) or splits.starting(job, key)
+        handing = job.handout.passes.get(key) or splits.starting(job, key)
         if split not in handing.requeued and split not in handing.order:
             return "a split handed twice"
     splits.take(replay.state, job, event.worker, key, split, event.origin)
@@ -255,14 +255,14 @@ def _requeue(replay: Replay, job: Job, event: SplitRequeued) -> str | None:
     taken back from its worker (a leave, a fence), or, exactly once, one a worker holds
     (a consumer's reread)."""
     key, split = event.pass_, event.split
-    handing = job.dispatch.passes.get(key)
+    handing = job.handout.passes.get(key)
     if handing is None:
         return "a re-queue in a pass not started"
     if split not in splits.split_range(job, key):
         return "a split out of its pass's range"
     if split in handing.requeued:
         return "a split re-queued twice"
-    resume = job.dispatch.resume
+    resume = job.handout.resume
     if split in handing.order or (
             resume is not None and resume[0] == key[0] and split in resume[1].done.get(key, ())):
         return "a split re-queued without having been handed out"
@@ -283,7 +283,7 @@ def _done(replay: Replay, job: Job, event: PassRead) -> str | None:
     worker = replay.state.workers.get(event.worker)
     if worker is None:
         return "a pass done by a worker not there"
-    if event.pass_ not in job.dispatch.passes:
+    if event.pass_ not in job.handout.passes:
         if splits.starting(job, event.pass_).order:
             return "a pass done before it started"
         splits.dispenser(replay.state, job, event.pass_)  # it had none to hand
@@ -300,7 +300,7 @@ def _epoch(replay: Replay, job: Job, event: EpochStarted) -> str | None:
 def _pass(replay: Replay, job: Job, event: PassKept) -> str | None:
     """A pass as a compacted journal keeps it."""
     key = event.pass_
-    if key in job.dispatch.passes:
+    if key in job.handout.passes:
         return "a pass kept twice"
     inside = splits.split_range(job, key)
     named = [*event.order, *event.requeued, *(int(split) for split in event.skips),
@@ -309,12 +309,12 @@ def _pass(replay: Replay, job: Job, event: PassKept) -> str | None:
                for split in held)]
     if any(split not in inside for split in named):
         return "a split out of its pass's range"
-    job.dispatch.passes[key] = Pass(
+    job.handout.passes[key] = Pass(
         deque(event.order), {w: list(s) for w, s in event.handed.items()},
         deque(event.requeued), {w: list(s) for w, s in event.read.items()},
         {int(split): skip for split, skip in event.skips.items()})
     for split, origin in event.origins:
-        job.dispatch.origin_of[(key, int(split))] = tuple(origin)
+        job.handout.origin_of[(key, int(split))] = tuple(origin)
     return None
 
 
@@ -349,13 +349,13 @@ def snapshot(state: Tables) -> list[Event]:
         if job.rounds is not None:
             events.append(RoundsSet(job=job.id, size=job.rounds.size))
         events.append(EpochStarted(job=job.id, epoch=job.epoch))
-        if job.dispatch.resume is not None:
-            epoch, ledger = job.dispatch.resume
+        if job.handout.resume is not None:
+            epoch, ledger = job.handout.resume
             events.append(JobResumed(job=job.id, epoch=epoch, delivered=ledger.to_json()))
         for task, worker in job.tasks.items():
             events.append(TaskGiven(job=job.id, task=task, worker=worker,
                                     index=job.indices[task]))
-        for key, dispenser in job.dispatch.passes.items():
+        for key, dispenser in job.handout.passes.items():
             events.append(PassKept.of(job, key, dispenser))
         if job.error is not None:
             events.append(JobFailed(job=job.id, error=job.error))

@@ -34,7 +34,7 @@ from zloader.broker.records import (
     FENCE_GRACE,
     INHERITED,
     Consumer,
-    Dispatch,
+    Handout,
     Job,
     Out,
     Tables,
@@ -180,7 +180,7 @@ def resume(state: Tables, job: Job, value: Any) -> None:
         ledger.merge_json(value.get("delivered"))
     except ValueError as exc:
         raise ProtocolError(f"REGISTER: resume: {exc}") from None
-    job.dispatch.resume = (value["epoch"], ledger)
+    job.handout.resume = (value["epoch"], ledger)
     job.epoch = max(job.epoch, value["epoch"])
     state.record(JobResumed(job=job.id, epoch=value["epoch"], delivered=ledger.to_json()))
 
@@ -251,9 +251,9 @@ def _new_job(state: Tables, identity: bytes, msg: Register, name: str | None,
     source = msg.source
     live = sum(1 for w in state.workers.values() if w.task is None)
     width = options.num_workers or max(1, live)
-    dispatch = Dispatch(source["num_splits"], bool(source.get("shuffle_splits", False)),
-                        source.get("seed"), layout_of(source.get("inputs")))
-    job = Job(secrets.token_hex(8), msg.fingerprint, name, options, msg.blob, dispatch,
+    handout = Handout(source["num_splits"], bool(source.get("shuffle_splits", False)),
+                      source.get("seed"), layout_of(source.get("inputs")))
+    job = Job(secrets.token_hex(8), msg.fingerprint, name, options, msg.blob, handout,
               width, msg.source_data, secrets.randbits(63), now)
     job.pipeline = _pipeline(msg)
     job.owner = identity
@@ -299,7 +299,7 @@ def epoch_started(state: Tables, identity: bytes, msg: Epoch, now: float) -> lis
                                         job.rounds.epoch_started(consumer.id, epoch))
             job.rounds.prune(job.epoch)
             if splits.pending(job).get(str(epoch)):
-                job.rounds.order_rerun(epoch, job.dispatch.requeues.get(epoch, 0))
+                job.rounds.order_rerun(epoch, job.handout.requeues.get(epoch, 0))
     # A job with no worker may take one from another now (broker/pool.py); other moves
     # wait for the next tick (weighing the pool costs O(workers), and every consumer's
     # every epoch would pay it). The answer below is the only JOB this consumer gets

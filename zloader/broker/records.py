@@ -37,8 +37,21 @@ from zloader.transport.protocol import Command
 if TYPE_CHECKING:
     from zloader.broker.events import Event, WorkerGone, WorkerLeft
 
-__all__ = ["FENCE_GRACE", "INHERITED", "KILLS_TO_FAIL", "Consumer", "Dispatch", "Fence", "Job",
-           "Limits", "Metrics", "Out", "Pass", "Tables", "Worker"]
+__all__ = [
+    "FENCE_GRACE",
+    "INHERITED",
+    "KILLS_TO_FAIL",
+    "Consumer",
+    "Fence",
+    "Handout",
+    "Job",
+    "Limits",
+    "Metrics",
+    "Out",
+    "Pass",
+    "Tables",
+    "Worker",
+]
 
 INHERITED = {"inherited": True}
 """A job's ``pipeline`` when its Loader's forked workers hold it in memory (embedded)."""
@@ -151,7 +164,7 @@ class Fence:
 
 
 @dataclass(slots=True)
-class Dispatch:
+class Handout:
     """How a job's splits go out: its source's splits, each pass's dispenser, what was
     re-queued and from where, the splits that killed workers, and what a resumed Loader
     had yielded (broker/splits.py reads and changes it)."""
@@ -192,7 +205,7 @@ class Metrics:
 @dataclass(slots=True)
 class Job:
     """A job: its pipeline and options, its tasks and consumers, and its parts: how its
-    splits go out (:class:`Dispatch`), its fences (a dead worker's splits held for the
+    splits go out (:class:`Handout`), its fences (a dead worker's splits held for the
     consumers' answers), its rounds (coordinated reads) and its :class:`Metrics`."""
 
     id: str
@@ -200,7 +213,7 @@ class Job:
     name: str | None
     options: JobOptions  # as the job runs them (JobOptions.applied)
     blob: bytes
-    dispatch: Dispatch
+    handout: Handout
     width: int  # static sharding: the fixed number of worker indices
     source_data: dict[str, Any] | None
     entropy: int

@@ -83,7 +83,7 @@ def _hand(state: Tables, job: Job, worker: Worker, key: PassKey, handing: Pass,
     # for it again. A split reads the same in any pass of its epoch that reads the same
     # input: a mix's passes of another input run that input's stages, not this split's.
     which = input_of(key)
-    for waiting_key, waiting in [(key, handing), *((k, p) for k, p in job.dispatch.passes.items()
+    for waiting_key, waiting in [(key, handing), *((k, p) for k, p in job.handout.passes.items()
                                                    if k[0] == key[0] and k != key
                                                    and input_of(k) == which)]:
         if waiting.requeued:
@@ -97,7 +97,7 @@ def _hand(state: Tables, job: Job, worker: Worker, key: PassKey, handing: Pass,
         if first:  # its first of the pass: read at once
             worker.current = (key, split)
         if origin != key:
-            job.dispatch.origin_of[(key, split)] = origin
+            job.handout.origin_of[(key, split)] = origin
         state.record(SplitHanded(job=job.id, pass_=key, split=split, worker=worker.id,
                                  origin=origin if origin != key else None))
     else:
@@ -112,8 +112,8 @@ def _answer(job: Job, task: str, key: PassKey, split: int | None, have: int | No
     an exactly-once job with the pass the split belongs to and what to skip in it."""
     if not job.track or split is None:
         return Split(task=task, pass_=key, split=split, have=have)
-    origin = job.dispatch.origin_of.get((key, split), key)
-    handing = job.dispatch.passes.get(origin)
+    origin = job.handout.origin_of.get((key, split), key)
+    handing = job.handout.passes.get(origin)
     info = handing.skips.get(split, {}) if handing is not None else {}
     expect = info.get("expect")
     return Split(task=task, pass_=key, split=split, have=have, origin=origin,
@@ -124,9 +124,9 @@ def _answer(job: Job, task: str, key: PassKey, split: int | None, have: int | No
 def dispenser(state: Tables, job: Job, key: PassKey) -> Pass:
     """Pass ``key`` of ``job``, started (its splits in order, :func:`starting`) on first
     use."""
-    handing = job.dispatch.passes.get(key)
+    handing = job.handout.passes.get(key)
     if handing is None:
-        handing = job.dispatch.passes[key] = starting(job, key)
+        handing = job.handout.passes[key] = starting(job, key)
         _prune(job, key[0])
     return handing
 
@@ -134,13 +134,13 @@ def dispenser(state: Tables, job: Job, key: PassKey) -> Pass:
 def starting(job: Job, key: PassKey) -> Pass:
     """Pass ``key`` of ``job`` as it starts, not kept: its splits in order; a resumed
     Loader's epoch leaves out what it had yielded."""
-    dispatch = job.dispatch
-    order = (dispatch.layout.order(key, job.entropy) if dispatch.layout is not None
-             else split_order(dispatch.num_splits, dispatch.shuffle_splits, dispatch.seed,
+    handout = job.handout
+    order = (handout.layout.order(key, job.entropy) if handout.layout is not None
+             else split_order(handout.num_splits, handout.shuffle_splits, handout.seed,
                               job.entropy, key))
     skips: dict[int, dict[str, Any]] = {}
-    if dispatch.resume is not None and dispatch.resume[0] == key[0]:
-        ledger = dispatch.resume[1]  # what a resumed Loader had yielded: not again
+    if handout.resume is not None and handout.resume[0] == key[0]:
+        ledger = handout.resume[1]  # what a resumed Loader had yielded: not again
         done = ledger.done.get(key, set())
         order = [split for split in order if split not in done]
         skips = {split: skip(ledger.info(key, split)) for k, split in ledger.open if k == key}
@@ -150,9 +150,9 @@ def starting(job: Job, key: PassKey) -> Pass:
 def split_range(job: Job, key: PassKey) -> range:
     """The splits pass ``key`` of ``job`` reads: its source's, or for a mix the splits
     of the input the pass reads (numbered across inputs)."""
-    layout = job.dispatch.layout
+    layout = job.handout.layout
     if layout is None:
-        return range(job.dispatch.num_splits)
+        return range(job.handout.num_splits)
     which = input_of(key)
     if which is None or which >= len(layout.inputs):
         return range(0)
@@ -162,20 +162,20 @@ def split_range(job: Job, key: PassKey) -> range:
 def holds(job: Job, key: PassKey, split: int) -> bool:
     """Whether a worker holds ``split`` of pass ``key`` (handed in that pass or, re-queued,
     in another of its epoch; being read, or read and remembered)."""
-    origin_of = job.dispatch.origin_of
+    origin_of = job.handout.origin_of
     return any(split in held and origin_of.get((k, split), k) == key
-               for k, handing in job.dispatch.passes.items() if k[0] == key[0]
+               for k, handing in job.handout.passes.items() if k[0] == key[0]
                for held in [*handing.handed.values(), *handing.read.values()])
 
 
 def _prune(job: Job, epoch: int) -> None:
     """Forget the passes of epochs before the one before ``epoch``."""
-    for key in [k for k in job.dispatch.passes if k[0] < epoch - 1]:
-        del job.dispatch.passes[key]
-    for old in [e for e in job.dispatch.requeues if e < epoch - 1]:
-        del job.dispatch.requeues[old]
-    for at in [at for at in job.dispatch.origin_of if at[0][0] < epoch - 1]:
-        del job.dispatch.origin_of[at]
+    for key in [k for k in job.handout.passes if k[0] < epoch - 1]:
+        del job.handout.passes[key]
+    for old in [e for e in job.handout.requeues if e < epoch - 1]:
+        del job.handout.requeues[old]
+    for at in [at for at in job.handout.origin_of if at[0][0] < epoch - 1]:
+        del job.handout.origin_of[at]
 
 
 def pass_done(state: Tables, identity: bytes, msg: PassDone, now: float) -> list[Out]:
@@ -183,7 +183,7 @@ def pass_done(state: Tables, identity: bytes, msg: PassDone, now: float) -> list
     worker = state.worker_at(identity)
     key = msg.pass_
     job = state.job_of(msg.task)
-    if worker is None or job is None or key not in job.dispatch.passes:
+    if worker is None or job is None or key not in job.handout.passes:
         return []
     mark_read(job, key, worker.id)
     if worker.current and worker.current[0] == key:
@@ -194,7 +194,7 @@ def pass_done(state: Tables, identity: bytes, msg: PassDone, now: float) -> list
 
 def mark_read(job: Job, key: PassKey, worker_id: str) -> None:
     """The splits ``worker_id`` was handed in pass ``key`` are read."""
-    handing = job.dispatch.passes[key]
+    handing = job.handout.passes[key]
     handed = handing.handed.pop(worker_id, [])
     # Read, but its elements may wait in the worker: in its buffers and in records its
     # consumers have not given credit for yet (a paused training loop), or in its window (a
@@ -212,7 +212,7 @@ def requeue(state: Tables, job: Job, key: PassKey, split: int, skip: dict[str, A
     handing.requeued.append(split)
     if skip:
         handing.skips[split] = skip
-    job.dispatch.requeues[key[0]] = job.dispatch.requeues.get(key[0], 0) + 1
+    job.handout.requeues[key[0]] = job.handout.requeues.get(key[0], 0) + 1
 
 
 def take(state: Tables, job: Job, worker_id: str, key: PassKey, split: int,
@@ -221,10 +221,10 @@ def take(state: Tables, job: Job, worker_id: str, key: PassKey, split: int,
     ``origin`` (one of the same epoch), or else from pass ``key``'s re-queued or its
     order."""
     handing = dispenser(state, job, key)
-    source = job.dispatch.passes.get(origin) if origin is not None else None
+    source = job.handout.passes.get(origin) if origin is not None else None
     if origin is not None and source is not None and split in source.requeued:
         source.requeued.remove(split)
-        job.dispatch.origin_of[(key, split)] = origin
+        job.handout.origin_of[(key, split)] = origin
     elif split in handing.requeued:
         handing.requeued.remove(split)
     elif split in handing.order:
@@ -238,7 +238,7 @@ def take(state: Tables, job: Job, worker_id: str, key: PassKey, split: int,
 def epochs_of(job: Job, worker_id: str) -> set[int]:
     """The epochs in which ``worker_id`` was handed splits (being read, or read and
     remembered: an exactly-once or shared job's)."""
-    return {key[0] for key, handing in job.dispatch.passes.items()
+    return {key[0] for key, handing in job.handout.passes.items()
             if worker_id in handing.handed or worker_id in handing.read}
 
 
@@ -246,7 +246,7 @@ def readers(job: Job, epoch: int) -> set[str]:
     """The workers that will ask for another split of ``epoch``: handed one in a pass of it
     and not told yet that none is left. A split re-queued now is read by one of them; with
     none, it waits for a worker that starts the epoch later."""
-    return {worker_id for key, handing in job.dispatch.passes.items() if key[0] == epoch
+    return {worker_id for key, handing in job.handout.passes.items() if key[0] == epoch
             for worker_id in handing.handed if worker_id not in handing.over}
 
 
@@ -254,19 +254,19 @@ def read_splits(job: Job, epoch: int) -> dict[PassKey, set[int]]:
     """Pass -> the splits of ``epoch`` handed out to live workers (being read or read),
     by the pass they belong to (a re-queued split may be read in a later pass)."""
     read: dict[PassKey, set[int]] = {}
-    for key, handing in job.dispatch.passes.items():
+    for key, handing in job.handout.passes.items():
         if key[0] != epoch:
             continue
         for handed in [*handing.handed.values(), *handing.read.values()]:
             for split in handed:
-                read.setdefault(job.dispatch.origin_of.get((key, split), key), set()).add(split)
+                read.setdefault(job.handout.origin_of.get((key, split), key), set()).add(split)
     return read
 
 
 def pending(job: Job) -> dict[str, int]:
     """Epoch -> splits waiting to be read again (taken by a worker that died)."""
     waiting: dict[str, int] = {}
-    for key, handing in job.dispatch.passes.items():
+    for key, handing in job.handout.passes.items():
         count = len(handing.requeued)
         if count:
             waiting[str(key[0])] = waiting.get(str(key[0]), 0) + count

@@ -207,7 +207,7 @@ def metrics(state: Tables, now: float) -> dict[str, Any]:
         jobs.append({"job": job.id, "name": job.name or "", "elements": job.metrics.elements,
                      "bytes": job.metrics.bytes, "wait_seconds": job.metrics.wait_seconds,
                      "starvation": job.metrics.starvation, "skipped": job.metrics.skipped,
-                     "failed_splits": len(job.dispatch.failed), "consumers": len(job.consumers),
+                     "failed_splits": len(job.handout.failed), "consumers": len(job.consumers),
                      "workers": len(job.tasks), "stages": dict(job.metrics.stages),
                      "desired_workers": job.metrics.desired, "weight": job.weight,
                      "share_workers": entitled[job.id]})

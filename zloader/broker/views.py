@@ -36,7 +36,7 @@ def job_view(state: Tables, job: Job, busy: int | None = None) -> messages.Job:
     # Made by the broker, so known good: built without the frozen record's __init__ (a
     # view goes out with every consumer's heartbeat answer).
     return messages.Job.checked(dict(
-        job=job.id, workers=tuple(workers), failed=tuple(job.dispatch.failed), error=job.error,
+        job=job.id, workers=tuple(workers), failed=tuple(job.handout.failed), error=job.error,
         heartbeat=state.heartbeat, consumers=len(job.consumers | set(job.silent)),
         busy_elsewhere=(busy_workers(state) if busy is None else busy)
         - sum(1 for t, w in job.tasks.items()

@@ -104,7 +104,7 @@ class SetWeights:
 
 
 @dataclass(frozen=True)
-class Dispatch:
+class DispatchItems:
     """Work items for the worker of index ``worker`` in the epoch under way
     (``Loader.dispatch``); none: it gets no more."""
 
@@ -112,5 +112,5 @@ class Dispatch:
     items: tuple[int, ...]
 
 
-Command = StartEpoch | GiveCredit | SetWeights | Dispatch
+Command = StartEpoch | GiveCredit | SetWeights | DispatchItems
 """What the iterating thread asks of the loop."""

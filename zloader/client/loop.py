@@ -26,7 +26,7 @@ from zloader._defaults import CHECK_SECONDS, NOTICE_HOLD_SECONDS
 from zloader.client.epoch_end import EpochEnd
 from zloader.client.items import (
     Command,
-    Dispatch,
+    DispatchItems,
     Failed,
     GiveCredit,
     Item,
@@ -288,7 +288,7 @@ class ConsumerLoop:
             self._start(command.epoch, command.frames)
         elif isinstance(command, SetWeights):
             self._peers.reweigh_all(command.weights, command.stamp)
-        elif isinstance(command, Dispatch):
+        elif isinstance(command, DispatchItems):
             self._peers.dispatch(command.worker, command.items)
 
     def _start(self, epoch: int, epoch_input: EpochInput) -> None:

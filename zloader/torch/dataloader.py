@@ -21,8 +21,8 @@ from zloader.pipeline import Pipeline
 from zloader.torch import states
 from zloader.torch.feed import Dispatcher, Feed, batches_of
 from zloader.torch.passes import (
+    EpochIterator,
     Intake,
-    Pass,
     Progress,
     Streams,
     Unmarked,
@@ -116,7 +116,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                  share: bool = False, job_name: str | None = None,
                  device: str | torch.device | None = None, pack_dataset: bool = True) -> None:
         self._service: Loader | None = None  # persistent_workers: the one Loader
-        self._passes: weakref.WeakSet[Pass] = weakref.WeakSet()  # live iterators
+        self._passes: weakref.WeakSet[EpochIterator] = weakref.WeakSet()  # live iterators
         if isinstance(timeout, float) and not math.isfinite(timeout):
             raise ValueError(f"timeout must be a finite number of seconds (0: no per-batch "
                              f"limit), got {timeout!r}")
@@ -155,7 +155,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self._iterable = isinstance(dataset, torch.utils.data.IterableDataset)
         self._base_seed: int | None = None
         self._progress: Progress | None = None  # the latest pass's
-        self._live: weakref.ref[Pass] | None = None  # persistent_workers: the one
+        self._live: weakref.ref[EpochIterator] | None = None  # persistent_workers: the one
         self._started = 0  # passes started (names the jobs of passes on a broker)
         self._resume: dict[str, Any] | None = None
 
@@ -187,7 +187,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             iterator.end_epoch()  # before the next starts: the Loader reads one at a time
             iterator.restart(*self._start(resume))
             return iterator
-        iterator = Pass(self, *self._start(resume))
+        iterator = EpochIterator(self, *self._start(resume))
         self._passes.add(iterator)
         if self._persistent:
             self._live = weakref.ref(iterator)

@@ -47,7 +47,7 @@ class Progress:
     done: Batches = field(default_factory=Batches)  # a map-style epoch's batches yielded
 
 
-class Pass:
+class EpochIterator:
     """An iterator of a :class:`DataLoader`: one epoch's batches, counted; with a Loader
     of its own (``persistent_workers=False``), which it closes when the epoch ends, on an
     error, on :meth:`close` or when it is garbage collected."""
@@ -61,7 +61,7 @@ class Pass:
         self._counted = 0  # batches yielded, as torch counts them (not failures)
         self._reported = owner.reported_length()
 
-    def __iter__(self) -> Pass:
+    def __iter__(self) -> EpochIterator:
         return self
 
     def __len__(self) -> int:

@@ -21,7 +21,7 @@ from collections import deque
 from zloader._defaults import MAX_GRANT, OVERDRAW_RECORDS
 from zloader.transport import records
 from zloader.transport.messages import End
-from zloader.worker.delivery import Delivery, EpochEnd, Pending, RecordOut, TaskPort
+from zloader.worker.delivery import Delivery, EndOut, Pending, RecordOut, TaskPort
 from zloader.worker.permits import Permits
 from zloader.worker.streams import Stream
 
@@ -99,7 +99,7 @@ class CreditDelivery(Delivery):
                 self.pending.popleft()
                 continue
             streams = [s for s in port.streams.values() if s.epoch == epoch]
-            if isinstance(item, EpochEnd):
+            if isinstance(item, EndOut):
                 self.pending.popleft()
                 self._end(item, streams)
                 continue
@@ -133,7 +133,7 @@ class CreditDelivery(Delivery):
                 held.add(part)
                 continue
             streams = [s for s in port.streams.values() if s.epoch == epoch]
-            if isinstance(item, EpochEnd):
+            if isinstance(item, EndOut):
                 if part is not None and self.balanced and len(streams) < self.balanced:
                     # (a part's END waits, as its records do, for every consumer to open
                     # the epoch: one that opened later would never learn that the part
@@ -184,7 +184,7 @@ class CreditDelivery(Delivery):
         ready = [s for s in streams if self.overdrawn or credit(s) > 0]
         return max(ready, key=credit) if ready else None
 
-    def _end(self, item: EpochEnd, streams: list[Stream]) -> None:
+    def _end(self, item: EndOut, streams: list[Stream]) -> None:
         """Send ``item`` (an epoch's END, or a part's) to the consumers of its epoch; the
         epoch's finishes it here."""
         block = item.origins  # what no record carried (exactly-once)

@@ -31,7 +31,7 @@ from zloader.worker.streams import Outlet, Stream
 if TYPE_CHECKING:
     from zloader.transport.messages import Open
 
-__all__ = ["Delivery", "EpochEnd", "Pending", "RecordOut", "TaskPort", "discard"]
+__all__ = ["Delivery", "EndOut", "Pending", "RecordOut", "TaskPort", "discard"]
 
 log = logging.getLogger("zloader.worker")
 
@@ -46,7 +46,7 @@ class RecordOut:
 
 
 @dataclass(frozen=True)
-class EpochEnd:
+class EndOut:
     """The producer finished ``epoch`` here (its END): the elements it skipped and
     dropped, and the origins block of what no record carried (exactly-once; None)."""
 
@@ -57,14 +57,14 @@ class EpochEnd:
     part: int | None = None  # not the epoch's end: a mix input's (its consumers draw it)
 
     @classmethod
-    def of(cls, body: dict[str, Any]) -> EpochEnd:
+    def of(cls, body: dict[str, Any]) -> EndOut:
         """The end a producer's END body ``{epoch, skipped, dropped[, origins][, part]}``
         says."""
         return cls(int(body["epoch"]), int(body.get("skipped", 0)),
                    int(body.get("dropped", 0)), body.get("origins"), body.get("part"))
 
 
-Pending = RecordOut | EpochEnd
+Pending = RecordOut | EndOut
 """What waits in a delivery's queue: a record from the producer, or an epoch's end."""
 
 
@@ -191,7 +191,7 @@ class Delivery(abc.ABC):
 
     def on_end(self, producer: Producer, body: dict[str, Any]) -> None:
         """``producer`` finished its epoch."""
-        self.pending.append(EpochEnd.of(body))
+        self.pending.append(EndOut.of(body))
         self.deliver()
 
     def on_round(self, epoch: int, number: int | None) -> None:

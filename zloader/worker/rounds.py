@@ -18,7 +18,7 @@ from zloader import codec
 from zloader.transport.messages import End, Open
 from zloader.transport.protocol import ProtocolError
 from zloader.worker.credit import clamp
-from zloader.worker.delivery import Delivery, EpochEnd, TaskPort, discard
+from zloader.worker.delivery import Delivery, EndOut, TaskPort, discard
 from zloader.worker.producer import Outgoing
 from zloader.worker.streams import Stream
 
@@ -119,7 +119,7 @@ class RoundsDelivery(Delivery):
             epoch = item.epoch
             if self.left_over(item):
                 continue
-            if isinstance(item, EpochEnd):
+            if isinstance(item, EndOut):
                 dropped = len(self.partial) if self.partial_epoch == epoch else 0
                 discard(self.partial)
                 end = End(epoch=epoch, skipped=item.skipped, dropped=item.dropped + dropped,

@@ -26,7 +26,7 @@ from zloader.sharing.store import Stored, store
 from zloader.sharing.window import Window, WindowSettings
 from zloader.transport.messages import Data, End, Open
 from zloader.worker.credit import clamp
-from zloader.worker.delivery import Delivery, EpochEnd, Pending, RecordOut, TaskPort
+from zloader.worker.delivery import Delivery, EndOut, Pending, RecordOut, TaskPort
 from zloader.worker.permits import Pool
 from zloader.worker.producer import Outgoing, Producer
 from zloader.worker.streams import Stream
@@ -155,7 +155,7 @@ class SharedDelivery(Delivery):
         if producer is not self.replayer:
             super().on_end(producer, body)
             return
-        self.replay_pending.append(EpochEnd.of(body))
+        self.replay_pending.append(EndOut.of(body))
         self.deliver()
 
     def deliver(self) -> None:
@@ -166,7 +166,7 @@ class SharedDelivery(Delivery):
         while self.pending:
             item = self.pending[0]
             epoch = item.epoch
-            if isinstance(item, EpochEnd):
+            if isinstance(item, EndOut):
                 self.pending.popleft()
                 self.window.add(epoch, 0, 0, end=True, skipped=item.skipped)
                 port.finish_epoch(epoch)
@@ -246,7 +246,7 @@ class SharedDelivery(Delivery):
             return False
         if not cursor.replaying:
             return False
-        if isinstance(item, EpochEnd):
+        if isinstance(item, EndOut):
             if epoch in self.held:
                 return False  # (a dead worker's elements may still be owed: see adopt)
             self.replay_pending.popleft()
