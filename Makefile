@@ -44,16 +44,7 @@ test-slow: $(VENV)/.installed-ray
 	$(BIN)/python -m pytest -m slow -q
 
 bench: $(VENV)/.installed-bench
-	$(BIN)/python -m bench.codec
-	$(BIN)/python -m bench.transport
-	$(BIN)/python -m bench.torch_loader
-	$(BIN)/python -m bench.big_dataset
-	$(BIN)/python -m bench.memory
-	$(BIN)/python -m bench.mix
-	$(BIN)/python -m bench.sharing
-	$(BIN)/python -m bench.coordinated
-	$(BIN)/python -m bench.gpu_train
-	$(BIN)/python -m bench.report
+	$(BIN)/python -m bench  # the list: bench/README.md (bench/catalog.py)
 
 # Ten minutes of 32 consumers over 8 jobs while workers are killed (bench/soak.py).
 soak: $(VENV)/.installed-bench

@@ -2,15 +2,16 @@
 
     python -m bench.report [--results bench/results] [--out DIR]
 
-Reads each JSON file a benchmark wrote (``python -m bench.codec``, ``bench.transport``,
-``bench.torch_loader``, ``bench.sharing``, ``bench.coordinated``, ``bench.soak``) and writes
+Reads each JSON file a benchmark of bench/catalog.py wrote (``python -m bench.codec``,
+``bench.transport``, ...) and writes
 ``README.md`` into ``--out`` (default: the results folder), one section per file: what the
 file records about the machine and date, a markdown table, a PNG plot where one helps (written
 next to the README, linked by a relative path) and a one-line reading of the headline ratio.
 A last section plots throughput against the number of workers when some result has such a
 series, and says so when none has.
 
-Each known file has a renderer in ``RENDERERS`` (keyed by file stem). A file without one, or
+Each known file has a title from bench/catalog.py and a renderer in ``RENDER`` (keyed by
+file stem). A file without one, or
 whose renderer fails on it (the benchmark changed its format), gets a table of its top-level
 scalars instead; a file that cannot be parsed gets a line saying why. The report never fails
 on a missing, unknown or garbled file. The README is generated: do not edit it by hand.
@@ -32,6 +33,8 @@ from typing import Any
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+
+from bench.catalog import BENCHMARKS
 
 Path = pathlib.Path
 Renderer = Callable[[Any, Path], list[str]]
@@ -749,35 +752,23 @@ def render_autoscale_sim(data: Any, out: Path) -> list[str]:
     return lines
 
 
-RENDERERS: dict[str, tuple[str, Renderer]] = {
-    "codec": ("Codec", render_codec),
-    "transport": ("Transport: zloader against other loaders", render_transport),
-    "torch_loader": ("zloader.torch.DataLoader against torch DataLoader", render_torch_loader),
-    "big_dataset": ("An ImageNet-sized dataset: construction to first batch",
-                    render_big_dataset),
-    "memory": ("Memory: what forked workers copy, their base, rings and epochs",
-               render_memory),
-    "sharing": ("Sharing: one pipeline for K trainers", render_sharing),
-    "coordinated": ("Coordinated reads", render_coordinated),
-    "soak": ("Soak", render_soak),
-    "sources": ("File-format sources against their own readers", render_sources),
-    "scale": ("Scale-out: throughput against workers", render_scale),
-    "hops": ("What one hop of a record costs", render_hops),
-    "profile": ("Per-thread profile of the record path", render_profile),
-    "gpu_train": ("GPU end-to-end training (bench/gpu_train.py)", render_gpu_train),
-    "gpu_train_smoke": ("GPU end-to-end training, CPU smoke run (bench/gpu_train.py --smoke)",
-                        render_gpu_train),
-    "mix": ("Mixing: Pipeline.mix against tf.data's sample_from_datasets", render_mix),
-    "exactness": ("Exactly-once through stages that change the number of elements",
-                  render_exactness),
-    "mix_windows": ("A mix's weights in every window, with workers", render_mix_windows),
-    "deterministic_resume": ("A deterministic Loader resumed with another number of workers",
-                             render_deterministic_resume),
-    "startup": ("Start-up: construction to first batch against torch DataLoader",
-                render_startup),
-    "shared_faults": ("Shared jobs through moves, stops and deaths", render_shared_faults),
-    "autoscale_sim": ("The autoscaling policy on simulated jobs", render_autoscale_sim),
+RENDER: dict[str, Renderer] = {
+    "codec": render_codec, "transport": render_transport, "torch_loader": render_torch_loader,
+    "big_dataset": render_big_dataset, "memory": render_memory, "sharing": render_sharing,
+    "coordinated": render_coordinated, "soak": render_soak, "sources": render_sources,
+    "scale": render_scale, "hops": render_hops, "profile": render_profile,
+    "gpu_train": render_gpu_train, "gpu_train_smoke": render_gpu_train, "mix": render_mix,
+    "exactness": render_exactness, "mix_windows": render_mix_windows,
+    "deterministic_resume": render_deterministic_resume, "startup": render_startup,
+    "shared_faults": render_shared_faults, "autoscale_sim": render_autoscale_sim,
 }
+"""Each result file's renderer, by stem."""
+
+RENDERERS: dict[str, tuple[str, Renderer | None]] = {
+    stem: (bench.title + (" (CPU smoke run, --smoke)" if stem.endswith("_smoke") else ""),
+           RENDER.get(stem))
+    for bench in BENCHMARKS for stem in bench.stems}
+"""Title and renderer by file stem, in bench/catalog.py's order (the report's)."""
 
 
 # --- scaling with workers -------------------------------------------------------------------

@@ -90,3 +90,24 @@ def test_missing_results_folder_and_a_worker_series(tmp_path: pathlib.Path) -> N
     text = run(tmp_path)
     assert "Series found: scaling_case: zloader (samples_per_s)" in text
     assert check_images(text, tmp_path) == ["scaling.png"]
+
+
+def test_the_benchmarks_are_one_list() -> None:
+    """bench/catalog.py is the one list: bench/README.md is generated from it, every
+    benchmark module has an entry (and every entry a module), the report's renderers and
+    titles follow it, and ``make bench`` runs it."""
+    from bench import catalog
+
+    bench_dir = RESULTS.parent
+    assert (bench_dir / "README.md").read_text() == catalog.readme(), \
+        "bench/README.md is stale: python -m bench.catalog --write"
+    modules = {path.stem for path in bench_dir.glob("*.py") if not path.stem.startswith("_")}
+    tools = {"report", "catalog", "autoscale_trace"}  # (not benchmarks)
+    listed = [bench.module for bench in catalog.BENCHMARKS]
+    assert sorted(listed) == sorted(modules - tools) and len(set(listed)) == len(listed)
+    stems = {stem for bench in catalog.BENCHMARKS for stem in bench.stems}
+    assert set(report.RENDER) == stems and list(report.RENDERERS) == [
+        stem for bench in catalog.BENCHMARKS for stem in bench.stems]
+    makefile = (bench_dir.parent / "Makefile").read_text()
+    recipe = makefile.split("\nbench:", 1)[1].split("\n\n", 1)[0]
+    assert "-m bench " in recipe + " " and "bench." not in recipe.replace("bench/", "")

@@ -181,7 +181,7 @@ class Hand:
     thread one lock instead of a message to the main thread, a wake-up of it and a
     switch of the interpreter's lock between the two (bench/profile.py at 8 workers, base
     and after run alternately: the main threads' CPU per record went from 183 to 61 µs,
-    bench/results/before_after_26). Records the producer waits for
+    bench/archive/before_after_26). Records the producer waits for
     anyway (``gathered`` or ``large``, see :class:`Outgoing`) still go through the main
     thread: their copy dwarfs the hop, and the main thread reads what the consumers sent
     first (a larger ring for records that outgrew theirs)."""
