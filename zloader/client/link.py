@@ -67,9 +67,9 @@ class JobView:
 
 
 class BrokerLink:
-    """The DEALER to the broker, in the I/O thread. ``put`` hands the iterating thread an
-    item (the job's errors). Reports for the next heartbeat queue in ``stuck`` and
-    ``reread``; rounds received queue in ``acks``."""
+    """The DEALER to the broker, in the consumer loop (whichever thread holds its turn).
+    ``put`` hands the iterating thread an item (the job's errors). Reports for the next
+    heartbeat queue in ``stuck`` and ``reread``; rounds received queue in ``acks``."""
 
     def __init__(self, settings: Settings, session: Session, stats: Stats,
                  register: messages.Register, blob: bytes, rounds: Rounds | None,
@@ -92,7 +92,7 @@ class BrokerLink:
         self.socket: zmq.Socket[Any] | None = None
 
     def connect(self, context: zmq.Context[Any]) -> zmq.Socket[Any]:
-        """Make the socket (in the I/O thread) and connect it to the broker."""
+        """Make the socket (in the thread that builds the loop) and connect it to the broker."""
         sock = make_socket(context, zmq.DEALER, self.settings.keys)
         sock.connect(self.settings.address)
         self.socket = sock

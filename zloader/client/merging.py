@@ -87,9 +87,9 @@ class Merger:
         """
         while not self.io.wait_answered(POLL_SECONDS):
             self.check_progress()
-        for item in list(self.io.items.queue):
-            if isinstance(item, Failed):
-                raise item.error
+        failed = self.io.failed_waiting()
+        if failed is not None:
+            raise failed.error
         epoch = self.io.stats.job_epoch
         assert epoch is not None  # (the loop sets answered once it is known)
         return epoch

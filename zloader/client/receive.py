@@ -33,7 +33,8 @@ FROM_WORKERS = frozenset({Command.DATA, Command.END, Command.FAIL, Command.ERROR
 
 
 class Receiver:
-    """Handles the workers' messages to this consumer, in the I/O thread."""
+    """Handles the workers' messages to this consumer, in the consumer loop (stepped by
+    whichever thread holds its turn, client/turn.py)."""
 
     def __init__(self, session: Session, stats: Stats, peers: Peers, link: BrokerLink,
                  end: EpochEnd, rounds: Rounds | None, put: Callable[[Item], None]) -> None:

@@ -12,34 +12,36 @@ __all__ = ["Stats"]
 class Stats:
     """A consumer's counters and what it knows of its job.
 
-    The I/O thread writes every field but the last two, which the iterating thread writes
-    (and the I/O thread sends to the broker in heartbeats, for its metrics). Each field has
-    one writer, and the other thread only reads it: no lock is needed.
+    Each field has one writer, named first in its comment: ``loop``, the consumer loop
+    (client/loop.py and the parts it calls: link, peers, receive, epoch_end), which
+    whichever thread holds the loop's turn steps, one thread at a time (client/turn.py);
+    ``iterating``, the thread that iterates the Loader (client/merging.py). The other thread
+    only reads a field (the loop sends the iterating thread's in heartbeats, for the
+    broker's metrics), a value at most one step old: no lock is needed.
     """
 
-    bytes: int = 0  # of records received
-    records: int = 0
-    private: int = 0  # records that bypassed a full ring
-    segments: int = 0  # records too large for the ring, sent in a segment of their own
-    held: int = 0  # records whose notice came before an earlier record's DATA message
-    skipped: int = 0  # elements the workers dropped (on_error="skip") this epoch
-    per_worker: dict[int, int] = field(default_factory=dict)  # elements by worker pid
-    lagged: int = 0  # a shared job's elements this trainer lost to the lag policy
-    replayed: int = 0  # ... and the elements made again for it (it joined late)
-    dropped: int = 0  # elements dropped to keep rounds whole (coordinated reads)
-    rejected: int = 0  # corrupt records and malformed messages dropped (logged)
-    rounds_lost: int = 0  # the job's rounds lost so far (coordinated reads)
-    rounds_missed: int = 0  # rounds this consumer passed over when it (re)joined
-    last_progress: float = field(default_factory=time.monotonic)  # when data last came
-    was_doing: dict[int, str] = field(default_factory=dict)  # pid -> what a worker that
+    bytes: int = 0  # loop: of records received
+    records: int = 0  # loop
+    private: int = 0  # loop: records that bypassed a full ring
+    segments: int = 0  # loop: records too large for the ring, sent in a segment of their own
+    held: int = 0  # loop: records whose notice came before an earlier record's DATA message
+    skipped: int = 0  # loop: elements the workers dropped (on_error="skip") this epoch
+    per_worker: dict[int, int] = field(default_factory=dict)  # loop: elements by worker pid
+    lagged: int = 0  # loop: a shared job's elements this trainer lost to the lag policy
+    replayed: int = 0  # loop: ... and the elements made again for it (it joined late)
+    dropped: int = 0  # loop: elements dropped to keep rounds whole (coordinated reads)
+    rejected: int = 0  # loop: corrupt records and malformed messages dropped (logged)
+    rounds_lost: int = 0  # loop: the job's rounds lost so far (coordinated reads)
+    rounds_missed: int = 0  # loop: rounds this consumer passed over when it (re)joined
+    last_progress: float = field(default_factory=time.monotonic)  # loop: when data last came
+    was_doing: dict[int, str] = field(default_factory=dict)  # loop: pid -> what a worker that
     # left the job did
-    # The job, as the broker last described it.
-    stages: dict[str, float] = field(default_factory=dict)  # its workers' seconds by stage
-    job_epoch: int | None = None  # its epoch when this consumer joined; None until it did
-    entropy: int | None = None  # its random entropy, once known
-    share: dict[str, object] | None = None  # a shared job's window settings
-    width: int = 1  # its worker indices
-    indices: tuple[int, ...] = ()  # those of the workers that serve it now
-    # Written by the iterating thread.
-    yielded: int = 0  # elements
-    wait_seconds: float = 0.0  # waiting for data
+    # (the job, as the broker last described it)
+    stages: dict[str, float] = field(default_factory=dict)  # loop: its workers' seconds by stage
+    job_epoch: int | None = None  # loop: its epoch when this consumer joined; None until it did
+    entropy: int | None = None  # loop: its random entropy, once known
+    share: dict[str, object] | None = None  # loop: a shared job's window settings
+    width: int = 1  # loop: its worker indices
+    indices: tuple[int, ...] = ()  # loop: those of the workers that serve it now
+    yielded: int = 0  # iterating: elements
+    wait_seconds: float = 0.0  # iterating: waiting for data

@@ -79,6 +79,11 @@ class IOThread(threading.Thread):
         """Wait up to ``timeout`` seconds for the broker's first answer (or a failure)."""
         return self.loop.answered.wait(timeout)
 
+    def failed_waiting(self) -> Failed | None:
+        """The first error item waiting in the queue (a refusal), left there, or None."""
+        with self.items.mutex:  # (the queue's own lock: its deque is read, not taken)
+            return next((item for item in self.items.queue if isinstance(item, Failed)), None)
+
     def take(self, timeout: float) -> Item | None:
         """The next item, or None when none came within ``timeout`` seconds. With none
         waiting, the calling thread borrows the turn and steps the loop itself until one
