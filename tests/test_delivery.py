@@ -1,0 +1,246 @@
+"""The worker's delivery modes through their seam (tests/fakes.py): who gets a record, when
+an epoch's END goes, what a finished epoch's leftovers become. Milliseconds each: the
+modes are driven as plain calls, as tests/test_state.py drives the broker."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.fakes import FakePort, FakeProducer, record
+from zloader.sharing.window import WindowSettings
+from zloader.transport.protocol import ProtocolError
+from zloader.worker.credit import CreditDelivery
+from zloader.worker.rounds import RoundsDelivery
+from zloader.worker.shared import SharedDelivery
+
+
+def credit_mode(balanced: int = 0) -> tuple[FakePort, CreditDelivery]:
+    port = FakePort()
+    delivery = CreditDelivery(port, balanced=balanced)
+    port.attach(delivery)
+    return port, delivery
+
+
+PRODUCER = FakeProducer(0, None, {})
+"""The task's producer (a shared job's replays come from producers the mode started)."""
+
+
+def produce(delivery, epoch: int = 0, count: int = 1, size: int = 8) -> None:
+    """The producer hands the mode one record of ``epoch``."""
+    outgoing, head = record(count, size)
+    delivery.on_record(PRODUCER, epoch, outgoing, head)
+
+
+def end(delivery, epoch: int = 0, skipped: int = 0) -> None:
+    """The producer ends ``epoch`` here."""
+    delivery.on_end(PRODUCER, {"epoch": epoch, "skipped": skipped, "dropped": 0})
+
+
+def grant(delivery, stream, credits: int) -> None:
+    """CREDIT, as the task handles it: the credits, then a delivery."""
+    delivery.credit(stream, credits)
+    delivery.deliver()
+
+
+def kinds(port: FakePort, consumer: str) -> list[str]:
+    return [sent.kind for sent in port.outlet.to(consumer)]
+
+
+def test_a_record_goes_to_the_consumer_with_the_most_credit():
+    port, delivery = credit_mode()
+    port.join("a", credits=1)
+    port.join("b", credits=3)
+    for _ in range(3):
+        produce(delivery)
+    # b (3 credits) first, then whoever has more left: b again (2 > 1), then a or b (1, 1)
+    assert [s.consumer for s in port.outlet.log[:2]] == ["b", "b"]
+    assert len(port.outlet.to("a", "DATA")) + len(port.outlet.to("b", "DATA")) == 3
+
+
+def test_a_record_without_credit_waits_for_it_and_keeps_its_order():
+    port, delivery = credit_mode()
+    stream = port.join("a", credits=0)
+    produce(delivery, count=1)
+    produce(delivery, count=2)
+    assert port.outlet.log == [] and len(delivery.pending) == 2
+    grant(delivery, stream, 1)
+    assert [s.count for s in port.outlet.to("a")] == [1]
+    grant(delivery, stream, 5)
+    assert [s.count for s in port.outlet.to("a")] == [1, 2]
+
+
+def test_an_epoch_s_end_goes_only_after_its_records():
+    port, delivery = credit_mode()
+    stream = port.join("a", credits=0)
+    produce(delivery)
+    end(delivery, skipped=2)
+    assert port.outlet.log == [] and 0 not in port.finished  # the END waits behind it
+    grant(delivery, stream, 1)
+    assert kinds(port, "a") == ["DATA", "END"]
+    assert port.outlet.to("a", "END")[0].record.skipped == 2 and 0 in port.finished
+
+
+def test_balanced_deals_round_robin_once_every_consumer_opened():
+    port, delivery = credit_mode(balanced=2)
+    port.join("a", credits=10)
+    for _ in range(2):
+        produce(delivery)
+    assert port.outlet.log == []  # one of two consumers: nothing dealt yet
+    port.join("b", credits=10)
+    for _ in range(2):
+        produce(delivery)
+    assert [s.consumer for s in port.outlet.log] == ["a", "b", "a", "b"]
+
+
+def test_balanced_holds_the_deal_for_a_consumer_without_credit():
+    port, delivery = credit_mode(balanced=2)
+    port.join("a", credits=10)
+    b = port.join("b", credits=0)
+    for _ in range(3):
+        produce(delivery)
+    assert [s.consumer for s in port.outlet.log] == ["a"]  # b's turn: it has no credit
+    grant(delivery, b, 1)
+    assert [s.consumer for s in port.outlet.log] == ["a", "b", "a"]
+
+
+def test_a_finished_epoch_s_leftovers_are_let_go_of():
+    port, delivery = credit_mode()
+    port.join("a", credits=0)
+    outgoing, head = record()
+    outgoing.gathered = True  # (the producer waits for its taken event)
+    outgoing.__post_init__()
+    delivery.on_record(PRODUCER, 0, outgoing, head)
+    port.finished.add(0)  # the epoch was abandoned meanwhile
+    delivery.deliver()
+    assert not delivery.pending and outgoing.taken is not None and outgoing.taken.is_set()
+    assert port.outlet.log == []
+
+
+def test_overdraw_sends_without_credit_when_the_worker_drains():
+    port, delivery = credit_mode()
+    port.join("a", credits=0)
+    produce(delivery)
+    assert port.outlet.log == []
+    delivery.overdraw()
+    assert kinds(port, "a") == ["DATA"]
+
+
+def test_an_epoch_finished_here_ends_at_once_for_a_late_opener():
+    port, delivery = credit_mode()
+    port.join("a", credits=1)
+    end(delivery)
+    assert kinds(port, "a") == ["END"] and 0 in port.finished
+    port.join("b", epoch=0, credits=1)
+    assert kinds(port, "b") == ["END"]
+
+
+@pytest.fixture
+def shared():
+    port = FakePort()
+    delivery = SharedDelivery(port, WindowSettings(1 << 20, "block", 10.0))
+    port.attach(delivery)
+    yield port, delivery
+    delivery.close()
+
+
+def test_shared_every_trainer_gets_every_record_then_the_end(shared):
+    port, delivery = shared
+    port.join("a", credits=10)
+    port.join("b", credits=10)
+    for count in (2, 3):
+        produce(delivery, count=count)
+    end(delivery)
+    for trainer in "ab":
+        assert kinds(port, trainer) == ["DATA", "DATA", "END"]
+        assert [s.count for s in port.outlet.to(trainer, "DATA")] == [2, 3]
+
+
+def test_shared_a_trainer_without_credit_holds_nobody_else(shared):
+    port, delivery = shared
+    port.join("a", credits=10)
+    slow = port.join("b", credits=0)
+    for _ in range(3):
+        produce(delivery)
+    assert len(port.outlet.to("a", "DATA")) == 3 and port.outlet.to("b") == []
+    grant(delivery, slow, 2)
+    assert len(port.outlet.to("b", "DATA")) == 2  # from the window, in order
+
+
+def test_shared_a_late_joiner_gets_the_window_then_a_replay_of_what_left_it():
+    port = FakePort()
+    # room for two 8-byte records: older ones leave the window
+    delivery = SharedDelivery(port, WindowSettings(16, "skip", 0.0))
+    port.attach(delivery)
+    try:
+        port.join("a", credits=100)
+        for _ in range(5):
+            produce(delivery, count=1)
+        late = port.join("b", credits=100)
+        got = port.outlet.to("b", "DATA")
+        assert 0 < len(got) < 5  # what is still in the window
+        missed = 5 - len(got)
+        (replayer,) = port.started  # what it missed, made again by a replay producer
+        assert (replayer.options["replay"], replayer.options["skip"]) == (missed, 0)
+        assert delivery.replaying == (late.identity, 0)
+        end(delivery)  # the epoch ends in the window: a gets its END, b its replay next
+        assert kinds(port, "a")[-1] == "END" and kinds(port, "b")[-1] == "DATA"
+        for _ in range(missed):
+            outgoing, head = record(1)
+            delivery.on_record(replayer, 0, outgoing, head)
+        delivery.on_end(replayer, {"epoch": 0, "skipped": 0, "dropped": 0})
+        assert kinds(port, "b") == ["DATA"] * 5 + ["END"]
+        assert port.outlet.to("b", "END")[0].record.replayed == missed
+        assert port.dropped == [replayer]
+    finally:
+        delivery.close()
+
+
+def rounds_mode(size: int = 2) -> tuple[FakePort, RoundsDelivery]:
+    port = FakePort()
+    delivery = RoundsDelivery(port, size)
+    port.attach(delivery)
+    return port, delivery
+
+
+def test_rounds_a_group_is_numbered_once_every_consumer_has_credit_then_dealt_by_index():
+    port, delivery = rounds_mode()
+    port.join("b", credits=1, index=1)
+    a = port.join("a", credits=0, index=0)
+    for _ in range(2):
+        produce(delivery)
+    assert port.rounds_asked == []  # consumer 0 has no credit for the round
+    grant(delivery, a, 1)
+    assert port.rounds_asked == [(0, ("a", "b"))]
+    assert port.outlet.log == []  # nothing goes before the broker numbers the round
+    delivery.on_round(0, 7)
+    assert [(s.consumer, s.record["round"]) for s in port.outlet.log] == [("a", 7), ("b", 7)]
+
+
+def test_rounds_the_end_waits_for_the_rounds_and_an_incomplete_group_is_dropped():
+    port, delivery = rounds_mode()
+    port.join("a", credits=5, index=0)
+    port.join("b", credits=5, index=1)
+    for _ in range(3):  # one round, and one element of a second
+        produce(delivery)
+    end(delivery)
+    assert kinds(port, "a") == []  # the END waits behind the round asked for
+    delivery.on_round(0, 0)
+    assert kinds(port, "a") == ["DATA", "END"] and kinds(port, "b") == ["DATA", "END"]
+    assert port.outlet.to("a", "END")[0].record.dropped == 1 and 0 in port.finished
+
+
+def test_rounds_a_refused_number_gives_the_credits_back():
+    port, delivery = rounds_mode()
+    a = port.join("a", credits=1, index=0)
+    port.join("b", credits=1, index=1)
+    for _ in range(2):
+        produce(delivery)
+    assert a.credits == 0  # reserved for the round asked for
+    delivery.on_round(0, None)  # the broker refused to number it: the round is lost
+    assert a.credits == 1 and port.outlet.log == [] and not delivery.groups
+
+
+def test_rounds_an_open_without_its_consumer_index_is_refused():
+    port, _ = rounds_mode()
+    with pytest.raises(ProtocolError, match="consumer_index"):
+        port.join("a", credits=1)
