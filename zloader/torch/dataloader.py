@@ -135,18 +135,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             generator=generator, prefetch_factor=prefetch_factor,
             persistent_workers=persistent_workers, pin_memory_device=pin_memory_device,
             in_order=in_order)
-        if snapshot_every_n_steps is not None and (
-                isinstance(snapshot_every_n_steps, bool)
-                or not isinstance(snapshot_every_n_steps, int) or snapshot_every_n_steps < 0):
-            raise ValueError(f"snapshot_every_n_steps must be an int >= 0 or None (0 and "
-                             f"None: no snapshots within an epoch), got "
-                             f"{snapshot_every_n_steps!r}")
+        _check_own_arguments(snapshot_every_n_steps, broker, num_workers)
         self.snapshot_every_n_steps = snapshot_every_n_steps
-        if broker is not None and num_workers == 0:
-            raise ValueError(
-                "broker= needs num_workers > 0: num_workers=0 loads in this process, as "
-                "torch does; pass num_workers=N to have N of the broker's workers make the "
-                "batches")
         self.device = torch.device(device) if device is not None else None
         self._broker = broker
         self._job_name = job_name
@@ -213,6 +203,36 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         plan, indices = self._plan()
         plan["every"] = self.snapshot_every_n_steps or 0
         progress.reseeded = bool(plan["reseed"])
+        workers = self._resumed_workers(resume, places, progress)
+        sampled, next_batch, todo = self._sample(indices, resume, progress, plan)
+        plans = PerWorker(worker_plans(plan, sampled, self._auto_collation, todo,
+                                       self.num_workers, not self.in_order, workers, places))
+        if workers is not None:
+            progress.workers = dict(workers)
+        elif not plan["reseed"] and previous is not None:  # workers go on where they are
+            progress.workers = dict(previous.workers)
+        if self._persistent and previous is not None:  # one Loader: its count goes on
+            progress.control = previous.control
+        loader, own = self._pass_loader()
+        progress.loader = loader
+        intake, dispatcher = self._open(loader, own, plans, progress, next_batch)
+        batches: Iterator[tuple[Any, Any]]
+        if dispatcher is None:
+            batches = iter(Streams(intake, progress, self.num_workers, bool(self.in_order)))
+        elif self.in_order:
+            batches = ordered(intake, progress, dispatcher)
+        else:
+            batches = arrived(intake, progress, dispatcher)
+        return (self._deliver((to_torch(batch), mark) for batch, mark in batches), progress,
+                own)
+
+    def _resumed_workers(self, resume: dict[str, Any] | None,
+                         places: dict[int, Place] | None,
+                         progress: Progress) -> dict[int, bytes] | None:
+        """The random states a pass's workers resume from (None: each as seeded), from
+        ``resume`` (a checked loaded state, or None) and the workers' ``places`` it resumes
+        (``states.resumed_places``), which go to ``progress`` with the worker whose batch
+        came last."""
         workers = resume["workers"] if resume is not None else None
         if places is not None:
             if self._iterable:
@@ -220,6 +240,17 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             progress.places = places
             progress.last = resume.get("_snapshot", {}).get("_last_yielded_worker_id") \
                 if resume is not None and resume["batches"] else None
+        return workers
+
+    def _sample(self, indices: Iterator[Any] | None, resume: dict[str, Any] | None,
+                progress: Progress, plan: dict[str, Any]
+                ) -> tuple[list[Any] | None, Callable[[], np.ndarray | None] | None, list[int]]:
+        """How a map-style pass hands out its batches (``indices``: its sampler's iterator;
+        None for an iterable dataset, which has nothing to hand out): the whole epoch
+        sampled now (None: streamed, keys that are ints), the DISPATCH items one at a time
+        (None: none to send) and the batch numbers still to yield of a sampled epoch.
+        Records the batches yielded (``resume``'s) in ``progress`` and how the batches go
+        in ``plan``; a resumed state is checked against the epoch once it is sampled."""
         sampled, next_batch, todo = None, None, list[int]()
         if indices is not None:  # the batches still to yield, and those yielded
             progress.done = resume["yielded"] if resume is not None else Batches()
@@ -234,22 +265,25 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                     states.within(resume, len(sampled))
                 todo = progress.done.todo(len(sampled))
                 next_batch = _numbers(todo)
-        plans = PerWorker(worker_plans(plan, sampled, self._auto_collation, todo,
-                                       self.num_workers, not self.in_order, workers, places))
-        if workers is not None:
-            progress.workers = dict(workers)
-        elif not plan["reseed"] and previous is not None:  # workers go on where they are
-            progress.workers = dict(previous.workers)
-        if self._persistent and previous is not None:  # one Loader: its count goes on
-            progress.control = previous.control
-        own = None
+        return sampled, next_batch, todo
+
+    def _pass_loader(self) -> tuple[Loader, Loader | None]:
+        """The Loader a pass reads from and the one that is its own, which it closes when it
+        ends (None: the persistent one, made at the first pass and kept)."""
         if self._persistent:
             if self._service is None:
                 self._service = self._loader()
-            loader = self._service
-        else:
-            loader = own = self._loader()
-        progress.loader = loader
+            return self._service, None
+        own = self._loader()
+        return own, own
+
+    def _open(self, loader: Loader, own: Loader | None, plans: PerWorker, progress: Progress,
+              next_batch: Callable[[], np.ndarray | None] | None
+              ) -> tuple[Intake, Dispatcher | None]:
+        """Start a pass's workers on ``loader`` with their ``plans`` and wait until each
+        has started: the records they send and the dispatcher that hands them the batches
+        ``next_batch`` gives (None: none, each worker makes its own). A failure closes the
+        pass's ``own`` Loader and raises in torch's words where torch has them."""
         dispatcher = Dispatcher(loader.dispatch, next_batch, self.num_workers,
                                 self._prefetch, bool(self.in_order)) \
             if next_batch is not None else None
@@ -265,15 +299,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             if worded is not None:
                 raise worded from exc
             raise
-        batches: Iterator[tuple[Any, Any]]
-        if dispatcher is None:
-            batches = iter(Streams(intake, progress, self.num_workers, bool(self.in_order)))
-        elif self.in_order:
-            batches = ordered(intake, progress, dispatcher)
-        else:
-            batches = arrived(intake, progress, dispatcher)
-        return (self._deliver((to_torch(batch), mark) for batch, mark in batches), progress,
-                own)
+        return intake, dispatcher
 
     @staticmethod
     def _checked_end(feed: Feed, resume: dict[str, Any] | None
@@ -374,6 +400,16 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             "finished": finished,
             "workers": {str(w): base64.b64encode(s).decode()
                         for w, s in sorted(workers.items())}}
+        state.update(self._worker_state(progress, finished, batches, places, last))
+        return state
+
+    def _worker_state(self, progress: Progress | None, finished: bool, batches: int,
+                      places: dict[int, Place], last: int | None) -> dict[str, Any]:
+        """The part of :meth:`state_dict`'s state that records where the workers are: with
+        workers, a map-style dataset's ``yielded`` ranges and each worker's ``_snapshot``
+        (from its ``places``; ``last``: the worker whose batch came last); without, an
+        iterable dataset's ``dataset_state`` and ``fetcher_state`` (``states.inline``)."""
+        state: dict[str, Any] = {}
         if self.num_workers and not self._iterable:
             state["yielded"] = progress.done.ranges() if progress and batches else []
         if self.num_workers:
@@ -497,6 +533,28 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
 
     def __del__(self) -> None:
         self.close()
+
+
+def _check_own_arguments(snapshot_every_n_steps: Any, broker: str | None,
+                         num_workers: int) -> None:
+    """Refuse the arguments torch's DataLoader does not have (checked after torch's own):
+    a ``snapshot_every_n_steps`` that is not an int >= 0 or None, and a ``broker`` with
+    ``num_workers=0``.
+
+    Raises:
+        ValueError: naming the argument and what it takes.
+    """
+    if snapshot_every_n_steps is not None and (
+            isinstance(snapshot_every_n_steps, bool)
+            or not isinstance(snapshot_every_n_steps, int) or snapshot_every_n_steps < 0):
+        raise ValueError(f"snapshot_every_n_steps must be an int >= 0 or None (0 and "
+                         f"None: no snapshots within an epoch), got "
+                         f"{snapshot_every_n_steps!r}")
+    if broker is not None and num_workers == 0:
+        raise ValueError(
+            "broker= needs num_workers > 0: num_workers=0 loads in this process, as "
+            "torch does; pass num_workers=N to have N of the broker's workers make the "
+            "batches")
 
 
 def _numbers(todo: list[int]) -> Callable[[], np.ndarray | None]:

@@ -261,55 +261,11 @@ def checked(state: Any, workers: int, iterable: bool, total: int | None = None,
             dataset).
     """
     _check_depth(state)
-    if not isinstance(state, dict):
-        _refuse("state", f"is {_shown(state)}",
-                "the dict zloader.torch.DataLoader.state_dict() returned")
-    version = state.get("zloader_torch", _MISSING)
-    if _is_int(version) and version != VERSION:
-        raise ValueError(f"this state has layout version {version} and this zloader reads "
-                         f"version {VERSION}: it was saved by another zloader version")
-    if version != VERSION or not _is_int(version):
-        _refuse("state['zloader_torch']", _held(version),
-                f"{VERSION}: state must be what zloader.torch.DataLoader.state_dict() "
-                "returned")
-    saved = _int(state, "state", "num_workers", 0, _INT64_MAX,
-                 "the num_workers of the loader that saved the state")
-    if iterable and saved != workers:
-        raise ValueError(
-            f"this state of an iterable dataset was saved with num_workers={saved} "
-            f"and this loader has num_workers={workers}: each worker's position lies in "
-            "its own share of the dataset (its get_worker_info()), so it resumes only with "
-            "the same num_workers")
-    epoch = "the batches of the epoch it resumes" if total is None else \
-        f"the {total} batches of the epoch it resumes, as this loader plans it"
-    batches = _int(state, "state", "batches", 0,
-                   _INT64_MAX if total is None else total, epoch)
-    _rng(_field(state, "state", "rng"), "state['rng']", generator)
-    base_seed = _field(state, "state", "base_seed")
-    if base_seed is not None:
-        _int(state, "state", "base_seed", 0, _INT64_MAX,
-             "None or the base seed the epoch drew (an int64)")
-    reseed = _bool(state, "state", "reseed", "whether the epoch drew its base seed")
-    if _bool(state, "state", "finished", "whether the epoch had ended") and batches:
-        _refuse("state['finished']", f"is True with {batches} batches yielded",
-                "False, or 0 batches: a finished epoch's state resumes at the next epoch")
+    _version(state)
+    saved = _num_workers(state, workers, iterable)
+    batches, reseed = _epoch(state, total, generator)
     found = _worker_rngs(_field(state, "state", "workers"), saved)
-    keys = ["zloader_torch", "num_workers", "rng", "batches", "base_seed", "reseed",
-            "finished", "workers"]
-    yielded = Batches([[0, batches]] if batches else [])
-    if saved and not iterable:
-        keys.append("yielded")
-        yielded = _yielded(_field(state, "state", "yielded"), batches, total)
-    if saved:
-        keys.append("_snapshot")
-        _snapshot(_field(state, "state", "_snapshot"), saved, iterable, batches)
-    elif iterable:
-        keys += ["dataset_state", "fetcher_state"]
-        _field(state, "state", "dataset_state")
-        _fetcher(_field(state, "state", "fetcher_state"), "state['fetcher_state']")
-    _only(state, "state", keys, "a state of a"
-          f"{'n iterable' if iterable else ' map-style'} dataset saved with "
-          f"num_workers={saved}")
+    yielded = _parts(state, saved, iterable, batches, total)
     places = places_of(state, found)
     if saved != workers:  # a map-style state resumes by the batches it yielded alone
         found, places = {}, {}
@@ -348,6 +304,82 @@ def epoch_batches(loader: Any) -> int | None:
         return len(loader._index_sampler)
     except (TypeError, NotImplementedError):
         return None
+
+
+def _version(state: Any) -> None:
+    """Refuse ``state`` unless it is a dict of this layout's :data:`VERSION`
+    (``state['zloader_torch']``)."""
+    if not isinstance(state, dict):
+        _refuse("state", f"is {_shown(state)}",
+                "the dict zloader.torch.DataLoader.state_dict() returned")
+    version = state.get("zloader_torch", _MISSING)
+    if _is_int(version) and version != VERSION:
+        raise ValueError(f"this state has layout version {version} and this zloader reads "
+                         f"version {VERSION}: it was saved by another zloader version")
+    if version != VERSION or not _is_int(version):
+        _refuse("state['zloader_torch']", _held(version),
+                f"{VERSION}: state must be what zloader.torch.DataLoader.state_dict() "
+                "returned")
+
+
+def _num_workers(state: dict[str, Any], workers: int, iterable: bool) -> int:
+    """``state['num_workers']``, the saving loader's, checked: an iterable dataset's state
+    resumes only with the same ``workers``."""
+    saved = _int(state, "state", "num_workers", 0, _INT64_MAX,
+                 "the num_workers of the loader that saved the state")
+    if iterable and saved != workers:
+        raise ValueError(
+            f"this state of an iterable dataset was saved with num_workers={saved} "
+            f"and this loader has num_workers={workers}: each worker's position lies in "
+            "its own share of the dataset (its get_worker_info()), so it resumes only with "
+            "the same num_workers")
+    return saved
+
+
+def _epoch(state: dict[str, Any], total: int | None,
+           generator: torch.Generator | None) -> tuple[int, bool]:
+    """Check what ``state`` records of its epoch (``batches``, within ``total`` when
+    known; the sampler's ``rng``, a state of ``generator``; ``base_seed``, ``reseed``,
+    ``finished``); return its ``batches`` and ``reseed``."""
+    epoch = "the batches of the epoch it resumes" if total is None else \
+        f"the {total} batches of the epoch it resumes, as this loader plans it"
+    batches = _int(state, "state", "batches", 0,
+                   _INT64_MAX if total is None else total, epoch)
+    _rng(_field(state, "state", "rng"), "state['rng']", generator)
+    base_seed = _field(state, "state", "base_seed")
+    if base_seed is not None:
+        _int(state, "state", "base_seed", 0, _INT64_MAX,
+             "None or the base seed the epoch drew (an int64)")
+    reseed = _bool(state, "state", "reseed", "whether the epoch drew its base seed")
+    if _bool(state, "state", "finished", "whether the epoch had ended") and batches:
+        _refuse("state['finished']", f"is True with {batches} batches yielded",
+                "False, or 0 batches: a finished epoch's state resumes at the next epoch")
+    return batches, reseed
+
+
+def _parts(state: dict[str, Any], saved: int, iterable: bool, batches: int,
+           total: int | None) -> Batches:
+    """Check the fields of ``state`` that depend on its dataset's kind and its ``saved``
+    num_workers (``yielded``, ``_snapshot``, or the top-level ``dataset_state`` and
+    ``fetcher_state``) and that it has no key its layout lacks; return the batches it
+    records as yielded."""
+    keys = ["zloader_torch", "num_workers", "rng", "batches", "base_seed", "reseed",
+            "finished", "workers"]
+    yielded = Batches([[0, batches]] if batches else [])
+    if saved and not iterable:
+        keys.append("yielded")
+        yielded = _yielded(_field(state, "state", "yielded"), batches, total)
+    if saved:
+        keys.append("_snapshot")
+        _snapshot(_field(state, "state", "_snapshot"), saved, iterable, batches)
+    elif iterable:
+        keys += ["dataset_state", "fetcher_state"]
+        _field(state, "state", "dataset_state")
+        _fetcher(_field(state, "state", "fetcher_state"), "state['fetcher_state']")
+    _only(state, "state", keys, "a state of a"
+          f"{'n iterable' if iterable else ' map-style'} dataset saved with "
+          f"num_workers={saved}")
+    return yielded
 
 
 def _check_depth(state: Any) -> None:
