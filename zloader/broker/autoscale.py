@@ -94,34 +94,7 @@ class Autoscaler:
             self.desired = max(self.min_workers, min(self.max_workers, workers))
             self._changed = self._asked = now
         if workers != self.desired:
-            # The actuators have not caught up (or the count moved on its own: a worker
-            # died, one joined): wait for them, then take the count the job has. An
-            # addition asked for and not carried out (no room, no actuator) sets a
-            # ceiling, a removal a floor, as an undone step does.
-            if not self._waiting:
-                self._waiting = True
-                self._samples.clear()
-                if not self._requested:
-                    self._asked = now  # nobody asked for this count: patience from now
-            patience = (max(2 * self.cooldown, START_SECONDS) if workers < self.desired
-                        else self.cooldown + DRAIN_SECONDS)
-            self._samples.append((now, min(1.0, max(0.0, starvation))))
-            waited = [v for t, v in self._samples if t >= now - self.cooldown / 2]
-            need_gone = (workers < self.desired and now - self._asked >= self.cooldown / 2
-                         and sum(waited) / len(waited) < self.down)
-            if now - self._asked < patience and not need_gone:
-                return self.desired
-            if self._requested and not need_gone:
-                if workers < self.desired:
-                    self._ceiling = self._limit(self._ceiling, workers, now)
-                else:
-                    self._floor = self._limit(self._floor, workers, now)
-            self.desired = max(self.min_workers, min(self.max_workers, workers))
-            self._direction = 0
-            self._waiting = self._requested = False
-            self._samples.clear()
-            self._changed = self._asked = now
-            return self.desired
+            return self._unmet(now, workers, starvation)
         if self._waiting:  # they caught up: the cooldown counts from now
             self._waiting = self._requested = False
             self._samples.clear()
@@ -129,6 +102,43 @@ class Autoscaler:
         self._samples.append((now, min(1.0, max(0.0, starvation))))
         if now - self._changed < self.cooldown:
             return self.desired
+        return self._decide(now)
+
+    def _unmet(self, now: float, workers: int, starvation: float) -> int:
+        """:meth:`update` while the job has ``workers`` rather than ``desired``: the
+        workers it should have, which becomes ``workers`` once patience runs out."""
+        # The actuators have not caught up (or the count moved on its own: a worker
+        # died, one joined): wait for them, then take the count the job has. An
+        # addition asked for and not carried out (no room, no actuator) sets a
+        # ceiling, a removal a floor, as an undone step does.
+        if not self._waiting:
+            self._waiting = True
+            self._samples.clear()
+            if not self._requested:
+                self._asked = now  # nobody asked for this count: patience from now
+        patience = (max(2 * self.cooldown, START_SECONDS) if workers < self.desired
+                    else self.cooldown + DRAIN_SECONDS)
+        self._samples.append((now, min(1.0, max(0.0, starvation))))
+        waited = [v for t, v in self._samples if t >= now - self.cooldown / 2]
+        need_gone = (workers < self.desired and now - self._asked >= self.cooldown / 2
+                     and sum(waited) / len(waited) < self.down)
+        if now - self._asked < patience and not need_gone:
+            return self.desired
+        if self._requested and not need_gone:
+            if workers < self.desired:
+                self._ceiling = self._limit(self._ceiling, workers, now)
+            else:
+                self._floor = self._limit(self._floor, workers, now)
+        self.desired = max(self.min_workers, min(self.max_workers, workers))
+        self._direction = 0
+        self._waiting = self._requested = False
+        self._samples.clear()
+        self._changed = self._asked = now
+        return self.desired
+
+    def _decide(self, now: float) -> int:
+        """The decision after a cooldown of samples at ``desired`` workers: the count to
+        ask for now (see the module docstring)."""
         # The second half of the window only: the first still shows the count before
         # (consumers report once a heartbeat, and a new worker fills its pipeline first).
         settled = [v for t, v in self._samples if t >= self._changed + self.cooldown / 2]

@@ -73,6 +73,34 @@ def leave(state: Tables, worker: Worker, job: Job, task: str, died: bool, now: f
     if stays and worker.task == task:
         worker.task, worker.current, worker.idle_since = None, None, now
         worker.moving_to = None
+    lost, order = _undelivered(job, worker, current, died, clean)
+    event = (WorkerLeft(job=job.id, task=task, worker=worker_id, clean=clean) if stays
+             else WorkerGone(worker=worker_id, died=died, clean=clean))
+    grace = state.expiry * FENCE_GRACE
+    asked = job.consumers | {c for c, t in job.silent.items() if now - t < grace}
+    if job.track and lost and asked and not state.replaying:
+        job.fences[secrets.token_hex(6)] = Fence(worker_id, task, died, lost, asked,
+                                                 now + grace, event=event)
+        return views.tell_consumers(state, job)  # journaled once the fence is done
+    takers = _takers(state, job) if job.share is not None else []
+    if takers and not clean and order and index is not None and not state.replaying:
+        # Not read again (every trainer would get them twice): made again for each
+        # trainer by a worker that stays, less what it had (handover.py).
+        job.fences[secrets.token_hex(6)] = Fence(worker_id, task, died, lost, asked,
+                                                 now + grace, event=event, index=index,
+                                                 order=order, taker=takers[0][1].id)
+        done = complete_fences(state, job)  # (at once when no trainer is to answer)
+        return done or views.tell_consumers(state, job) + holds(state, job)
+    return _left(state, worker, job, event, lost, requeue, clean)
+
+
+def _undelivered(job: Job, worker: Worker, current: tuple[PassKey, int] | None, died: bool,
+                 clean: bool) -> tuple[list[tuple[PassKey, int]], dict[PassKey, list[int]]]:
+    """Take off ``job``'s passes the splits ``worker`` was handed and those it read:
+    the ones to read again (each under the pass it came from) and, per pass, what it had
+    in order (read, then handed). The split it was reading when it ``died`` counts a
+    kill; one that has ``KILLS_TO_FAIL`` is failed and skipped (see :func:`leave`)."""
+    worker_id = worker.id
     lost: list[tuple[PassKey, int]] = []
     order: dict[PassKey, list[int]] = {}  # per pass, what it was handed, in order
     for key, handing in job.handout.passes.items():
@@ -93,30 +121,21 @@ def leave(state: Tables, worker: Worker, job: Job, task: str, died: bool, now: f
             lost += [(job.handout.origin_of.get((key, split), key), split) for split in read]
         if read or handed:
             order[key] = read + handed
-    event = (WorkerLeft(job=job.id, task=task, worker=worker_id, clean=clean) if stays
-             else WorkerGone(worker=worker_id, died=died, clean=clean))
-    grace = state.expiry * FENCE_GRACE
-    asked = job.consumers | {c for c, t in job.silent.items() if now - t < grace}
-    if job.track and lost and asked and not state.replaying:
-        job.fences[secrets.token_hex(6)] = Fence(worker_id, task, died, lost, asked,
-                                                 now + grace, event=event)
-        return views.tell_consumers(state, job)  # journaled once the fence is done
-    takers = _takers(state, job) if job.share is not None else []
-    if takers and not clean and order and index is not None and not state.replaying:
-        # Not read again (every trainer would get them twice): made again for each
-        # trainer by a worker that stays, less what it had (handover.py).
-        job.fences[secrets.token_hex(6)] = Fence(worker_id, task, died, lost, asked,
-                                                 now + grace, event=event, index=index,
-                                                 order=order, taker=takers[0][1].id)
-        done = complete_fences(state, job)  # (at once when no trainer is to answer)
-        return done or views.tell_consumers(state, job) + holds(state, job)
+    return lost, order
+
+
+def _left(state: Tables, worker: Worker, job: Job, event: WorkerGone | WorkerLeft,
+          lost: list[tuple[PassKey, int]], requeue: bool, clean: bool) -> list[Out]:
+    """A leave without a fence (see :func:`leave`): journal it, read ``lost`` again
+    (``requeue``), tell the consumers and a coordinated job's rounds, and hand a shared
+    job's worker's splits on when it drained (``clean``)."""
     state.record(event)
     if requeue:
         for key, split in lost:
             splits.requeue(state, job, key, split, {})
     out = views.tell_consumers(state, job)
     if job.rounds is not None:
-        out += coordinated.announce(state, job, {}, job.rounds.lose_worker(worker_id))
+        out += coordinated.announce(state, job, {}, job.rounds.lose_worker(worker.id))
     handover, worker.handover = worker.handover, []
     worker.leaving = False
     if handover and clean and job.share is not None:

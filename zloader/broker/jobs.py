@@ -58,50 +58,17 @@ def register(state: Tables, identity: bytes, msg: Register, now: float) -> list[
     """REGISTER: a consumer joins the job its pipeline and options name (a new one, a
     shared one with the same fingerprint, the one of its ``job_name``, or the one it had
     before a restart); answered with the job's view, last."""
-    consumer_id, fingerprint, name = msg.consumer, msg.fingerprint, msg.job_name
+    consumer_id, name = msg.consumer, msg.job_name
     try:  # the rules between the options, as the Loader applies them
         msg.options.check(name)
     except ValueError as exc:
         raise ProtocolError(f"REGISTER: {exc}") from None
     options = msg.options.applied()  # exactly_once as the job would run it
     coordinated_at = _place(msg)
-    job = _named_job(state, name) if name else None
-    previous = state.jobs.get(msg.job or "")  # it registers again (a restart)
-    known = state.consumers.get(consumer_id)
-    if previous is None and known is not None:
-        # A REGISTER repeated while the answer was on its way (those a Loader queued
-        # before the broker was up arrive together): the same consumer, the same job.
-        previous = state.jobs.get(known.job)
-    if previous is not None and previous.fingerprint == fingerprint \
-            and previous.error is None:
-        job = previous
-    elif options.shared:
-        job = next((j for j in state.jobs.values() if j.share is not None and j.error is None
-                    and j.fingerprint == fingerprint
-                    and all(getattr(j.options, k) == getattr(options, k)
-                            for k in KEY_OPTIONS)), None)
-        if job is None:
-            refused = admission.admit(state, identity, len(msg.blob), now)
-            if refused:
-                return refused
-            job = _new_job(state, identity, msg, None, options, now)
-    elif job is not None:
-        mismatch = _mismatch(job, fingerprint, options)
-        if mismatch and not job.consumers and job.idle_since is not None:
-            remaining = max(state.expiry, job.linger) - (now - job.idle_since)
-            mismatch += (f" (its consumers went silent: it is kept for them "
-                         f"{max(0.0, remaining):.0f} s more, then released)")
-        if mismatch:
-            return [Out(identity, Error(message=mismatch))]
-    else:
-        refused = admission.admit(state, identity, len(msg.blob), now)
-        if refused:
-            return refused
-        job = _new_job(state, identity, msg, name, options, now)
-        resume(state, job, msg.resume)
-        if coordinated_at:
-            job.rounds = Rounds(coordinated_at[0])
-            state.record(RoundsSet(job=job.id, size=coordinated_at[0]))
+    found = _choose(state, identity, msg, options, coordinated_at, now)
+    if isinstance(found, list):  # refused
+        return found
+    job = found
     out: list[Out] = []
     joined: dict[str, int] | None = None
     if job.rounds is not None and coordinated_at:
@@ -123,6 +90,60 @@ def register(state: Tables, identity: bytes, msg: Register, now: float) -> list[
     if joined is not None:
         view = dataclasses.replace(view, joined=joined)
     return [*out, *assigned, Out(identity, view)]
+
+
+def _choose(state: Tables, identity: bytes, msg: Register, options: JobOptions,
+            coordinated_at: tuple[int, int] | None, now: float) -> Job | list[Out]:
+    """The job a REGISTER joins (the one it had before a restart, a shared one with the
+    same fingerprint, the one of its ``job_name``, or a new one), or the answer that
+    refuses it."""
+    consumer_id, fingerprint, name = msg.consumer, msg.fingerprint, msg.job_name
+    job = _named_job(state, name) if name else None
+    previous = state.jobs.get(msg.job or "")  # it registers again (a restart)
+    known = state.consumers.get(consumer_id)
+    if previous is None and known is not None:
+        # A REGISTER repeated while the answer was on its way (those a Loader queued
+        # before the broker was up arrive together): the same consumer, the same job.
+        previous = state.jobs.get(known.job)
+    if previous is not None and previous.fingerprint == fingerprint \
+            and previous.error is None:
+        return previous
+    if options.shared:
+        return _shared_job(state, identity, msg, options, now)
+    if job is not None:
+        mismatch = _mismatch(job, fingerprint, options)
+        if mismatch and not job.consumers and job.idle_since is not None:
+            remaining = max(state.expiry, job.linger) - (now - job.idle_since)
+            mismatch += (f" (its consumers went silent: it is kept for them "
+                         f"{max(0.0, remaining):.0f} s more, then released)")
+        if mismatch:
+            return [Out(identity, Error(message=mismatch))]
+        return job
+    refused = admission.admit(state, identity, len(msg.blob), now)
+    if refused:
+        return refused
+    job = _new_job(state, identity, msg, name, options, now)
+    resume(state, job, msg.resume)
+    if coordinated_at:
+        job.rounds = Rounds(coordinated_at[0])
+        state.record(RoundsSet(job=job.id, size=coordinated_at[0]))
+    return job
+
+
+def _shared_job(state: Tables, identity: bytes, msg: Register, options: JobOptions,
+                now: float) -> Job | list[Out]:
+    """The running shared job a shared REGISTER joins (the same fingerprint and key
+    options), else a new one, or the answer that refuses it."""
+    job = next((j for j in state.jobs.values() if j.share is not None and j.error is None
+                and j.fingerprint == msg.fingerprint
+                and all(getattr(j.options, k) == getattr(options, k)
+                        for k in KEY_OPTIONS)), None)
+    if job is None:
+        refused = admission.admit(state, identity, len(msg.blob), now)
+        if refused:
+            return refused
+        job = _new_job(state, identity, msg, None, options, now)
+    return job
 
 
 def _place(msg: Register) -> tuple[int, int] | None:

@@ -68,39 +68,11 @@ def status(state: Tables, now: float, start: Mapping[str, Any] | None = None
     claims = placement.claims(state, now)
     entitled = pool.shares(claims.values(), len(state.workers))
 
-    def worker_entry(w: Worker) -> dict[str, Any]:
-        return {"worker": w.id, "host": w.host, "host_id": w.host_id, "pid": w.pid,
-                "endpoint": w.endpoint, "surplus": w.id in surplus,
-                "tasks": 1 if w.task else 0, "job": state.task_job(w.task),
-                "elements_per_second": round(w.rate, 1),
-                "elements": w.stats.get("elements", 0),
-                "cpu_seconds": w.stats.get("cpu_seconds", 0.0),
-                "rejected": w.stats.get("rejected", 0), "warm": list(w.warm)}
-
-    def job_entry(j: Job) -> dict[str, Any]:
-        hosts = sorted(state.hosts(j))
-        entry = {"job": j.id, "fingerprint": j.fingerprint, "name": j.name,
-                 "sharding": j.sharding, "consumers": len(j.consumers),
-                 "workers": len(j.tasks), "consumer_hosts": hosts[:STATUS_LIST_ITEMS],
-                 "elements": j.metrics.elements, "bytes": j.metrics.bytes,
-                 "shared": j.share is not None,
-                 "starvation": round(j.metrics.starvation, 3),
-                 "desired_workers": j.metrics.desired,
-                 "weight": j.weight, "share": round(entitled[j.id], 2),
-                 "active": claims[j.id].wants > 0, "hungry": claims[j.id].hungry,
-                 "stage_seconds": {k: round(v, 3) for k, v in j.metrics.stages.items()},
-                 "trainers": _trainers(state, j) if j.share is not None else [],
-                 "rounds": _rounds(j), "state": "failed" if j.error else "running",
-                 "unconfirmed_stuck": j.metrics.unconfirmed}
-        if len(hosts) > STATUS_LIST_ITEMS:
-            entry["consumer_hosts_left_off"] = len(hosts) - STATUS_LIST_ITEMS
-        if j.share is not None and len(j.consumers) > STATUS_LIST_ITEMS:
-            entry["trainers_left_off"] = len(j.consumers) - STATUS_LIST_ITEMS
-        return entry
-
     budget = [STATUS_REPLY_BYTES]
-    workers = _fill(list(state.workers.values()), first_worker, worker_entry, budget)
-    jobs = _fill(list(state.jobs.values()), first_job, job_entry,
+    workers = _fill(list(state.workers.values()), first_worker,
+                    lambda w: _worker_entry(state, w, surplus), budget)
+    jobs = _fill(list(state.jobs.values()), first_job,
+                 lambda j: _job_entry(state, j, claims, entitled),
                  budget) if first_worker + len(workers) >= len(state.workers) else []
     end_workers, end_jobs = first_worker + len(workers), first_job + len(jobs)
     done = end_workers >= len(state.workers) and end_jobs >= len(state.jobs)
@@ -114,6 +86,42 @@ def status(state: Tables, now: float, start: Mapping[str, Any] | None = None
                          "jobs": max(0, len(state.jobs) - end_jobs)},
             "next": None if done else {"workers": end_workers, "jobs": end_jobs},
             "rejected": state.rejected}
+
+
+def _worker_entry(state: Tables, w: Worker, surplus: set[str]) -> dict[str, Any]:
+    """A worker's entry in a STATUS reply (``surplus``: the workers to drain)."""
+    return {"worker": w.id, "host": w.host, "host_id": w.host_id, "pid": w.pid,
+            "endpoint": w.endpoint, "surplus": w.id in surplus,
+            "tasks": 1 if w.task else 0, "job": state.task_job(w.task),
+            "elements_per_second": round(w.rate, 1),
+            "elements": w.stats.get("elements", 0),
+            "cpu_seconds": w.stats.get("cpu_seconds", 0.0),
+            "rejected": w.stats.get("rejected", 0), "warm": list(w.warm)}
+
+
+def _job_entry(state: Tables, j: Job, claims: dict[str, pool.Claim],
+               entitled: dict[str, float]) -> dict[str, Any]:
+    """A job's entry in a STATUS reply, its lists cut at STATUS_LIST_ITEMS (``claims``:
+    what each job asks of the pool; ``entitled``: each job's share of it, in workers)."""
+    hosts = sorted(state.hosts(j))
+    entry = {"job": j.id, "fingerprint": j.fingerprint, "name": j.name,
+             "sharding": j.sharding, "consumers": len(j.consumers),
+             "workers": len(j.tasks), "consumer_hosts": hosts[:STATUS_LIST_ITEMS],
+             "elements": j.metrics.elements, "bytes": j.metrics.bytes,
+             "shared": j.share is not None,
+             "starvation": round(j.metrics.starvation, 3),
+             "desired_workers": j.metrics.desired,
+             "weight": j.weight, "share": round(entitled[j.id], 2),
+             "active": claims[j.id].wants > 0, "hungry": claims[j.id].hungry,
+             "stage_seconds": {k: round(v, 3) for k, v in j.metrics.stages.items()},
+             "trainers": _trainers(state, j) if j.share is not None else [],
+             "rounds": _rounds(j), "state": "failed" if j.error else "running",
+             "unconfirmed_stuck": j.metrics.unconfirmed}
+    if len(hosts) > STATUS_LIST_ITEMS:
+        entry["consumer_hosts_left_off"] = len(hosts) - STATUS_LIST_ITEMS
+    if j.share is not None and len(j.consumers) > STATUS_LIST_ITEMS:
+        entry["trainers_left_off"] = len(j.consumers) - STATUS_LIST_ITEMS
+    return entry
 
 
 def note_actuator(state: Tables, entry: Any, now: float) -> None:
