@@ -175,13 +175,7 @@ class Loader:
         self.pipeline, self._options = pipeline, args.options
         self._plan = plan(pipeline, args.options)  # (its mix drawn here, where it can be)
         _warn_mix_windows(pipeline, args)
-        self._closed = self._joined = False
-        self._epoch = args.resume["epoch"] if args.resume is not None else 0
-        self._weights: tuple[float, ...] | None = None  # set_weights
-        self._weights_stamp = 0.0  # (when: time.time())
-        self._live = LiveWeights()  # (the same, for a mix drawn here)
-        # A deterministic job's order over its shards, resumed where a state left it.
-        self._order = _order(self._plan, args.resume)
+        self._init_epochs(args)
         # Forked workers read the dataset's large lists packed, shared: packed after the
         # fork by a process of its own (zloader/handoff.py), or before it where that
         # cannot be done.
@@ -193,19 +187,39 @@ class Loader:
         check_exposure(self._served, args.broker, args.keys, args.insecure)
         self._embedded = Embedded()
         try:
-            self.address = self._embedded.start(args.broker, args.workers, args.start_method,
-                                                args.keys, pipeline, args.inherit, swaps,
-                                                later)
-            self._io = _io_thread(args, pipeline, self.address, blob, self._served,
-                                  self._embedded, self._plan)
-            self._merger = _merger(args, self._io, self._processes)
-            self._io.start()
-            if args.resume is not None and args.resume["weights"] is not None:
-                # (the first OPEN carries them, as set when the state's Loader set them)
-                self._set_weights(args.resume["weights"], args.resume["weights_stamp"])
+            self._start_parts(args, blob, swaps, later)
         except BaseException:
             self.close()
             raise
+
+    def _init_epochs(self, args: Arguments) -> None:
+        """The state of this Loader's epochs: not closed, not joined to a job's epoch yet,
+        the next epoch (a resumed state's), the mix's weights as set, and a deterministic
+        job's order over its shards."""
+        self._closed = self._joined = False
+        self._epoch = args.resume["epoch"] if args.resume is not None else 0
+        self._weights: tuple[float, ...] | None = None  # set_weights
+        self._weights_stamp = 0.0  # (when: time.time())
+        self._live = LiveWeights()  # (the same, for a mix drawn here)
+        # A deterministic job's order over its shards, resumed where a state left it.
+        self._order = _order(self._plan, args.resume)
+
+    def _start_parts(self, args: Arguments, blob: bytes, swaps: list[packed.Swap],
+                     later: Handoff | None) -> None:
+        """Start the broker and local workers (as ``args`` asks), the I/O thread
+        registering the job (``blob``: what workers get of the pipeline) and its Merger,
+        then hand on a resumed state's weights. The caller closes this Loader if it
+        raises."""
+        self.address = self._embedded.start(args.broker, args.workers, args.start_method,
+                                            args.keys, self.pipeline, args.inherit, swaps,
+                                            later)
+        self._io = _io_thread(args, self.pipeline, self.address, blob, self._served,
+                              self._embedded, self._plan)
+        self._merger = _merger(args, self._io, self._processes)
+        self._io.start()
+        if args.resume is not None and args.resume["weights"] is not None:
+            # (the first OPEN carries them, as set when the state's Loader set them)
+            self._set_weights(args.resume["weights"], args.resume["weights_stamp"])
 
     @property
     def _processes(self) -> list[Any]:

@@ -155,6 +155,43 @@ def checked(pipeline: Any, *, broker: Any, num_workers: Any, sharding: Any, job_
     Raises:
         ValueError / TypeError: a bad argument, named in the message.
     """
+    _check_choices(pipeline, sharding=sharding, weight=weight, transport=transport,
+                   on_error=on_error, broker=broker, job_name=job_name)
+    workers = _worker_count(num_workers, broker)
+    choice("start_method", start_method, START_METHODS)
+    memory_budget = _check.optional_integer("memory_budget", memory_budget, MIN_MEMORY_BUDGET)
+    pack_dataset = _check.boolean("pack_dataset", pack_dataset)
+    timeout = timeout_seconds(timeout)
+    window = share_settings(pipeline, broker, share, share_window_bytes, share_lag,
+                            share_block_seconds)
+    coordinated = coordination(num_consumers, consumer_index)
+    width = _check.optional_integer("width", width, 1)
+    options = _job_options(job_name, broker, coordinated, window, sharding=sharding,
+                           deterministic=deterministic, on_error=on_error, workers=workers,
+                           width=width, balanced=balanced, exactly_once=exactly_once,
+                           weight=weight, objects=objects)
+    refused = pipeline_refusal(pipeline) if options.exactly_once else None
+    if refused:
+        raise ValueError(refused)
+    # keys: embedded mode needs none, but a bad keys= is still an error
+    resolved = resolve_keys(keys) if broker is not None or keys is not None else None
+    options, resume, job_name = _resumed(pipeline, options, sharding, state, job_name)
+    return Arguments(
+        broker=broker, job_name=job_name, workers=workers, start_method=start_method,
+        pack_dataset=pack_dataset, options=options, transport=transport,
+        prefetch=_check.integer("prefetch", DEFAULT_PREFETCH if prefetch is None
+                                else prefetch, 1),
+        timeout=timeout, max_skipped=_check.optional_integer("max_skipped", max_skipped, 0),
+        ring_bytes=valid_ring_bytes(ring_bytes), memory_budget=memory_budget,
+        consumer_index=coordinated[1] if coordinated else None,
+        keys=resolved if broker is not None else None, insecure=insecure, resume=resume)
+
+
+def _check_choices(pipeline: Any, *, sharding: Any, weight: Any, transport: Any,
+                   on_error: Any, broker: Any, job_name: Any) -> None:
+    """Check the pipeline, the arguments that pick one of a few values (``sharding``,
+    ``transport``, ``on_error``), ``weight``, and the broker's address and job's name when
+    given."""
     if not isinstance(pipeline, Pipeline):
         raise TypeError(f"pipeline must be a zloader.Pipeline, got {type(pipeline).__name__}")
     choice("sharding", sharding, SHARDING_MODES)
@@ -169,20 +206,27 @@ def checked(pipeline: Any, *, broker: Any, num_workers: Any, sharding: Any, job_
         _check.address("broker", broker)
     if job_name is not None:
         _check.label("job_name", job_name)
+
+
+def _worker_count(num_workers: Any, broker: Any) -> int:
+    """Check ``num_workers``: the local workers to start (default: one per core embedded,
+    none with a broker); embedded mode needs at least one."""
     workers = _check.optional_integer("num_workers", num_workers, 0)
     if workers is None:
         workers = (os.cpu_count() or 1) if broker is None else 0
     if broker is None and workers == 0:
         raise ValueError("num_workers must be >= 1 in embedded mode (broker=None); "
                          "for an in-process run iterate the pipeline itself")
-    choice("start_method", start_method, START_METHODS)
-    memory_budget = _check.optional_integer("memory_budget", memory_budget, MIN_MEMORY_BUDGET)
-    pack_dataset = _check.boolean("pack_dataset", pack_dataset)
-    timeout = timeout_seconds(timeout)
-    window = share_settings(pipeline, broker, share, share_window_bytes, share_lag,
-                            share_block_seconds)
-    coordinated = coordination(num_consumers, consumer_index)
-    width = _check.optional_integer("width", width, 1)
+    return workers
+
+
+def _job_options(job_name: Any, broker: Any, coordinated: tuple[int, int] | None,
+                 window: dict[str, Any] | None, *, sharding: Any, deterministic: Any,
+                 on_error: Any, workers: int, width: int | None, balanced: Any,
+                 exactly_once: Any, weight: Any, objects: Any) -> JobOptions:
+    """The job's options from the arguments checked so far (``objects``, ``deterministic``,
+    ``balanced`` and ``exactly_once`` checked here), checked by the rules between them
+    (``JobOptions.check``) and as the job runs them (``JobOptions.applied``)."""
     if _check.boolean("objects", objects) and broker is not None:
         raise ValueError("objects=True needs embedded mode (broker=None): pickled "
                          "elements are accepted only from this Loader's own workers, and "
@@ -195,27 +239,21 @@ def checked(pipeline: Any, *, broker: Any, num_workers: Any, sharding: Any, job_
         exactly_once=_check.boolean("exactly_once", exactly_once), weight=float(weight),
         objects=objects)
     options.check(job_name)
-    options = options.applied()
+    return options.applied()
+
+
+def _resumed(pipeline: Pipeline, options: JobOptions, sharding: Any, state: Any,
+             job_name: Any) -> tuple[JobOptions, dict[str, Any] | None, Any]:
+    """Check ``state`` (``resume_from``): the job's options (a job read in shards gets
+    their number: its first run's), the resumed state or None, and the job's name (a
+    resumed run's names a fresh job)."""
     # deterministic=True with the default sharding: read in fixed shards (as many as its
     # first run's workers), so that a state resumes its stream with any number of them
     ordered = options.deterministic and sharding == "dynamic" and options.num_workers > 0
-    refused = pipeline_refusal(pipeline) if options.exactly_once else None
-    if refused:
-        raise ValueError(refused)
-    # keys: embedded mode needs none, but a bad keys= is still an error
-    resolved = resolve_keys(keys) if broker is not None or keys is not None else None
     resume = resume_from(state, pipeline.fingerprint, options.exactly_once, ordered)
     if ordered:
         options = dataclasses.replace(options, shards=resume["order"]["shards"]
                                       if resume is not None else options.num_workers)
     if resume is not None and job_name is not None:
         job_name = f"{job_name}@{resume['digest']}"  # a fresh job for the resumed run
-    return Arguments(
-        broker=broker, job_name=job_name, workers=workers, start_method=start_method,
-        pack_dataset=pack_dataset, options=options, transport=transport,
-        prefetch=_check.integer("prefetch", DEFAULT_PREFETCH if prefetch is None
-                                else prefetch, 1),
-        timeout=timeout, max_skipped=_check.optional_integer("max_skipped", max_skipped, 0),
-        ring_bytes=valid_ring_bytes(ring_bytes), memory_budget=memory_budget,
-        consumer_index=coordinated[1] if coordinated else None,
-        keys=resolved if broker is not None else None, insecure=insecure, resume=resume)
+    return options, resume, job_name

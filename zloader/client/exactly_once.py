@@ -116,17 +116,7 @@ def resume_from(state: Any, fingerprint: str, exactly_once: bool,
     if not exactly_once:
         raise ValueError("state= needs exactly_once=True with sharding='dynamic' (and no "
                          "share, balanced, num_consumers or deterministic)")
-    states = state if isinstance(state, list) else [state]
-    if not states:
-        raise ValueError("state= got an empty list")
-    for one in states:
-        if not (isinstance(one, dict) and one.get("zloader") == STATE_VERSION
-                and isinstance(one.get("epoch"), int) and one["epoch"] >= 0):
-            raise ValueError("state must be what Loader.state_dict() returned (a dict with "
-                             f"'zloader': {STATE_VERSION}, 'epoch', 'delivered')")
-        if one.get("fingerprint") != fingerprint:
-            raise ValueError("state was saved by a Loader of another pipeline (its "
-                             "fingerprint differs); resume with the same pipeline")
+    states = _checked_states(state, fingerprint)
     epoch = _resumed_epoch(states)
     ledger = Ledger()
     for one in states:
@@ -145,6 +135,27 @@ def resume_from(state: Any, fingerprint: str, exactly_once: bool,
     stamp, _, weights = max(weighted) if weighted else (0.0, 0, None)
     return {"epoch": epoch, "entropy": entropy, "delivered": delivered, "digest": digest[:12],
             "weights": weights, "weights_stamp": stamp}
+
+
+def _checked_states(state: Any, fingerprint: str) -> list[dict[str, Any]]:
+    """``state`` (one :meth:`Loader.state_dict` or a list of them) as a list of states,
+    each checked.
+
+    Raises:
+        ValueError: the list is empty, or one is not such a state, or of another pipeline.
+    """
+    states = state if isinstance(state, list) else [state]
+    if not states:
+        raise ValueError("state= got an empty list")
+    for one in states:
+        if not (isinstance(one, dict) and one.get("zloader") == STATE_VERSION
+                and isinstance(one.get("epoch"), int) and one["epoch"] >= 0):
+            raise ValueError("state must be what Loader.state_dict() returned (a dict with "
+                             f"'zloader': {STATE_VERSION}, 'epoch', 'delivered')")
+        if one.get("fingerprint") != fingerprint:
+            raise ValueError("state was saved by a Loader of another pipeline (its "
+                             "fingerprint differs); resume with the same pipeline")
+    return states
 
 
 def _ordered(state: Any, fingerprint: str, ordered: bool) -> dict[str, Any]:

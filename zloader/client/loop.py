@@ -100,6 +100,12 @@ class ConsumerLoop:
         self._peers.on_gone = self._end.check
         self._receiver = Receiver(self._session, self.stats, self._peers, self._link,
                                   self._end, self._rounds, self.put)
+        self._init_turns()
+
+    def _init_turns(self) -> None:
+        """The state of the loop's turns: the commands queued and the pipe that wakes the
+        loop for them, its sockets (made when it starts), when its periodic work is due
+        next and when a dropped message was last logged."""
         self._rejected_logged = 0.0  # when a dropped message was last logged
         self._commands: deque[Command] = deque()
         # A command wakes the loop at once (a byte in this pipe) instead of at its next
