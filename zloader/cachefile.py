@@ -46,7 +46,7 @@ import stat
 import struct
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -456,33 +456,13 @@ class Store:
             BadEntry: (locally) the fingerprint folder is a symbolic link or not a folder.
         """
         name = f"split-{split}{SUFFIX}"
-        host = _NOT_HOST.sub("_", socket.gethostname()) or "host"
-        temp = f"{name}{TEMP}{host}-{os.getpid()}-{secrets.token_hex(4)}"
-        url = f"{self.root}/{fingerprint}/{temp}"
+        temp = _temp_name(name)
         with contextlib.ExitStack() as stack:
             if self.remote:
-                fs, inner = self._filesystem()
-                folder = f"{inner}/{fingerprint}"
-                retrying(lambda: fs.makedirs(folder, exist_ok=True), url, "write")
-                file = retrying(lambda: fs.open(f"{folder}/{temp}", "wb"), url, "write")
-
-                def rename() -> None:
-                    retrying(lambda: fs.mv(f"{folder}/{temp}", f"{folder}/{name}"), url,
-                             "commit")
-
-                def discard() -> None:
-                    with contextlib.suppress(FileNotFoundError):
-                        fs.rm_file(f"{folder}/{temp}")
+                file, rename, discard = self._remote_temp(fingerprint, name, temp)
             else:
                 fd = stack.enter_context(self._folder(fingerprint, create=True))
-                file = os.fdopen(os.open(temp, _WRITE_FLAGS, 0o666, dir_fd=fd), "wb")
-
-                def rename() -> None:
-                    os.replace(temp, name, src_dir_fd=fd, dst_dir_fd=fd)
-
-                def discard() -> None:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(temp, dir_fd=fd)
+                file, rename, discard = _local_temp(fd, name, temp)
             done = False
 
             def commit() -> None:
@@ -498,6 +478,24 @@ class Store:
                         file.close()
                     with contextlib.suppress(Exception):
                         discard()
+
+    def _remote_temp(self, fingerprint: str, name: str,
+                     temp: str) -> tuple[BinaryIO, Callable[[], None], Callable[[], None]]:
+        """The remote temporary file ``temp`` for :meth:`writing` (its fingerprint folder
+        made first), a function that renames it to ``name`` and one that removes it."""
+        url = f"{self.root}/{fingerprint}/{temp}"
+        fs, inner = self._filesystem()
+        folder = f"{inner}/{fingerprint}"
+        retrying(lambda: fs.makedirs(folder, exist_ok=True), url, "write")
+        file = retrying(lambda: fs.open(f"{folder}/{temp}", "wb"), url, "write")
+
+        def rename() -> None:
+            retrying(lambda: fs.mv(f"{folder}/{temp}", f"{folder}/{name}"), url, "commit")
+
+        def discard() -> None:
+            with contextlib.suppress(FileNotFoundError):
+                fs.rm_file(f"{folder}/{temp}")
+        return file, rename, discard
 
     def files(self) -> list[EntryFile]:
         """Every entry and temporary file under the root's fingerprint folders: regular
@@ -580,6 +578,28 @@ class Store:
             finally:
                 os.close(root)
         return True
+
+
+def _temp_name(name: str) -> str:
+    """A temporary name for the entry ``name``: unique to this host, process and call."""
+    host = _NOT_HOST.sub("_", socket.gethostname()) or "host"
+    return f"{name}{TEMP}{host}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _local_temp(fd: int, name: str,
+                temp: str) -> tuple[BinaryIO, Callable[[], None], Callable[[], None]]:
+    """The local temporary file ``temp`` in the fingerprint folder ``fd``, made anew and
+    never through a symbolic link, a function that renames it to ``name`` and one that
+    removes it."""
+    file = os.fdopen(os.open(temp, _WRITE_FLAGS, 0o666, dir_fd=fd), "wb")
+
+    def rename() -> None:
+        os.replace(temp, name, src_dir_fd=fd, dst_dir_fd=fd)
+
+    def discard() -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp, dir_fd=fd)
+    return file, rename, discard
 
 
 def _mtime(info: dict[str, Any]) -> float:

@@ -140,6 +140,31 @@ def build_parser() -> argparse.ArgumentParser:
         prog="zloader", description="zloader: ML input pipelines on CPU worker processes.")
     parser.add_argument("--version", action="version", version=f"zloader {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _demo_parser(commands)
+    fp = commands.add_parser(
+        "fingerprint", help="print the fingerprint of a pipeline",
+        description="Import MODULE (from the working directory first, as `python -m` "
+                    "does) and print the fingerprint of the Pipeline at NAME (or "
+                    "returned by calling NAME with no arguments).")
+    fp.add_argument("target", metavar="MODULE:NAME")
+    fp.set_defaults(run=_fingerprint)
+    _status_parser(commands)
+    _top_parser(commands)
+    keygen = commands.add_parser(
+        "keygen", help="create a keys directory for an authenticated service",
+        description="Create DIR (mode 0700) holding a server and a client CURVE key pair and "
+                    "authorized/, the public keys allowed in (the client's). Give the same "
+                    "DIR to the broker, the workers, the trainers and `zloader status` "
+                    "(--keys DIR, keys=DIR or $ZLOADER_KEYS); copy it to every host and keep "
+                    "it private.")
+    keygen.add_argument("dir", metavar="DIR", help="the directory to create (new or empty)")
+    keygen.set_defaults(run=_keygen)
+    _cache_parser(commands)
+    return parser
+
+
+def _demo_parser(commands: Any) -> None:
+    """``zloader demo``: its options, and :func:`_demo` to run it."""
     demo = commands.add_parser(
         "demo", help="run the demo job (synthetic image decode and augmentation)",
         description="Run a synthetic image pipeline (decode, random crop, flip, normalize, "
@@ -153,13 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-compare", dest="compare", action="store_false",
                       help="skip the in-process comparison run")
     demo.set_defaults(run=_demo)
-    fp = commands.add_parser(
-        "fingerprint", help="print the fingerprint of a pipeline",
-        description="Import MODULE (from the working directory first, as `python -m` "
-                    "does) and print the fingerprint of the Pipeline at NAME (or "
-                    "returned by calling NAME with no arguments).")
-    fp.add_argument("target", metavar="MODULE:NAME")
-    fp.set_defaults(run=_fingerprint)
+
+
+def _status_parser(commands: Any) -> None:
+    """``zloader status``: its options, and :func:`_status` to run it."""
     status = commands.add_parser(
         "status", help="show a broker's workers and jobs",
         description="Ask a broker for its workers (host, pid, tasks, elements/s) and jobs "
@@ -178,6 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help='the page to show: a reply\'s "next", e.g. '
                              '\'{"workers": 0, "jobs": 512}\'')
     status.set_defaults(run=_status)
+
+
+def _top_parser(commands: Any) -> None:
+    """``zloader top``: its options, and :func:`_top` to run it."""
     top = commands.add_parser(
         "top", help="a live view of a broker's jobs and workers",
         description="Refresh, every INTERVAL seconds, a view of the service: per job its "
@@ -191,17 +217,6 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("--iterations", type=int, default=0,
                      help="stop after this many refreshes (default 0: until Ctrl-C)")
     top.set_defaults(run=_top)
-    keygen = commands.add_parser(
-        "keygen", help="create a keys directory for an authenticated service",
-        description="Create DIR (mode 0700) holding a server and a client CURVE key pair and "
-                    "authorized/, the public keys allowed in (the client's). Give the same "
-                    "DIR to the broker, the workers, the trainers and `zloader status` "
-                    "(--keys DIR, keys=DIR or $ZLOADER_KEYS); copy it to every host and keep "
-                    "it private.")
-    keygen.add_argument("dir", metavar="DIR", help="the directory to create (new or empty)")
-    keygen.set_defaults(run=_keygen)
-    _cache_parser(commands)
-    return parser
 
 
 def _cache_parser(commands: Any) -> None:
@@ -337,72 +352,13 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
     from zloader.broker.descriptors import raise_descriptor_limit
     from zloader.broker.journal import JournalVersionError
     from zloader.broker.records import Limits
-    from zloader.transport.protocol import HEARTBEAT_RANGE, heartbeat
 
-    parser = argparse.ArgumentParser(
-        prog="zloader-broker", description="Run a zloader broker: it hands the splits of "
-        "each job's input to workers and tells consumers where to read.")
-    parser.add_argument("--bind", default="tcp://127.0.0.1:5555",
-                        help="address to listen on (default tcp://127.0.0.1:5555: loopback; "
-                             "give tcp://0.0.0.0:5555 to accept other hosts)")
-    parser.add_argument("--work-dir", default=None, metavar="DIR",
-                        help="a directory for the broker's files, created if missing: "
-                             "journal.jsonl and pipelines/ (its state: a broker restarted on "
-                             "the same DIR resumes every job), broker.log (its log) and "
-                             "broker.json (address and pid, for scripts); one another "
-                             "user owns or may write to is refused. Without it a "
-                             "restarted broker starts its jobs over")
-    parser.add_argument("--keys", default=None, metavar="DIR",
-                        help="a keys directory (zloader keygen DIR): only peers holding an "
-                             "authorized key may register pipelines, read data or serve as "
-                             "workers; default $ZLOADER_KEYS")
-    parser.add_argument("--insecure", action="store_true",
-                        help="allow a non-loopback --bind or --metrics-bind without --keys "
-                             "(a trusted network only: whoever reaches the port can run code "
-                             "on the workers)")
-    parser.add_argument("--heartbeat", type=float, default=HEARTBEAT, metavar="SECONDS",
-                        help="seconds between heartbeats (default 1); workers and consumers "
-                             "follow the broker's, and a peer silent for three is taken for "
-                             "dead. Shorter notices deaths sooner; too short for a loaded "
-                             "host gives up on live peers")
-    parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
-                        help="serve Prometheus metrics at http://ADDR:PORT/metrics (per "
-                             "job: elements, bytes, consumers' wait and starvation, workers; "
-                             "per worker: elements, CPU, credits, ring fill)")
-    parser.add_argument("--metrics-bind", default="127.0.0.1", metavar="ADDR",
-                        help="the address the metrics endpoint listens on (default "
-                             "127.0.0.1; 0.0.0.0 for a scraper on another host, which "
-                             "without --keys needs --insecure)")
-    parser.add_argument("--autoscale-cooldown", type=float, default=AUTOSCALE_COOLDOWN,
-                        metavar="SECONDS",
-                        help="seconds of consumers' starvation the autoscaler samples "
-                             "between two changes of a job's desired_workers, judging on the "
-                             "second half (default 30; see `zloader-worker --autoscale`)")
-    _limit_arguments(parser)
-    parser.add_argument("--log-level", default="info",
-                        choices=["debug", "info", "warning", "error"])
-    parser.add_argument("--version", action="version", version=f"zloader {__version__}")
+    parser = _broker_parser()
     args = parser.parse_args(argv)
-    if not 0 < args.autoscale_cooldown <= 3600:
-        parser.error(f"--autoscale-cooldown must be between 0 and 3600 seconds, got "
-                     f"{args.autoscale_cooldown}")
-    if args.metrics_port is not None and not 0 < args.metrics_port < 65536:
-        parser.error(f"--metrics-port must be a port number (1-65535), got {args.metrics_port}")
-    if heartbeat(args.heartbeat) is None:
-        parser.error(f"--heartbeat must be between {HEARTBEAT_RANGE[0]} and "
-                     f"{HEARTBEAT_RANGE[1]:.0f} seconds, got {args.heartbeat}")
+    _check_broker_args(parser, args)
     keys = _keys(parser, args.keys)
     _logging(args.log_level)
-    _exposed(parser, keys, args.insecure, "--bind", args.bind, "accepts other hosts",
-             "anyone who reaches it can run code on the workers")
-    if args.metrics_port:
-        _exposed(parser, keys, args.insecure, "--metrics-bind", args.metrics_bind,
-                 "serves metrics to other hosts",
-                 "the service is meant for this host alone")
-    if keys is None:
-        logging.getLogger("zloader.broker").warning(
-            "no --keys: any user who can reach %s (any user of this host, for loopback) can "
-            "submit code for the workers to run; see `zloader keygen`", args.bind)
+    _broker_exposure(parser, args, keys)
     if args.work_dir:
         _work_dir(parser, args.work_dir, args.bind)
     metrics = (args.metrics_bind, args.metrics_port) if args.metrics_port else None
@@ -429,6 +385,89 @@ def broker_main(argv: Sequence[str] | None = None) -> int:
               f"{args.metrics_port}: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _broker_parser() -> argparse.ArgumentParser:
+    """The command line of ``zloader-broker``."""
+    parser = argparse.ArgumentParser(
+        prog="zloader-broker", description="Run a zloader broker: it hands the splits of "
+        "each job's input to workers and tells consumers where to read.")
+    parser.add_argument("--bind", default="tcp://127.0.0.1:5555",
+                        help="address to listen on (default tcp://127.0.0.1:5555: loopback; "
+                             "give tcp://0.0.0.0:5555 to accept other hosts)")
+    parser.add_argument("--work-dir", default=None, metavar="DIR",
+                        help="a directory for the broker's files, created if missing: "
+                             "journal.jsonl and pipelines/ (its state: a broker restarted on "
+                             "the same DIR resumes every job), broker.log (its log) and "
+                             "broker.json (address and pid, for scripts); one another "
+                             "user owns or may write to is refused. Without it a "
+                             "restarted broker starts its jobs over")
+    parser.add_argument("--keys", default=None, metavar="DIR",
+                        help="a keys directory (zloader keygen DIR): only peers holding an "
+                             "authorized key may register pipelines, read data or serve as "
+                             "workers; default $ZLOADER_KEYS")
+    parser.add_argument("--insecure", action="store_true",
+                        help="allow a non-loopback --bind or --metrics-bind without --keys "
+                             "(a trusted network only: whoever reaches the port can run code "
+                             "on the workers)")
+    parser.add_argument("--heartbeat", type=float, default=HEARTBEAT, metavar="SECONDS",
+                        help="seconds between heartbeats (default 1); workers and consumers "
+                             "follow the broker's, and a peer silent for three is taken for "
+                             "dead. Shorter notices deaths sooner; too short for a loaded "
+                             "host gives up on live peers")
+    _metrics_arguments(parser)
+    parser.add_argument("--autoscale-cooldown", type=float, default=AUTOSCALE_COOLDOWN,
+                        metavar="SECONDS",
+                        help="seconds of consumers' starvation the autoscaler samples "
+                             "between two changes of a job's desired_workers, judging on the "
+                             "second half (default 30; see `zloader-worker --autoscale`)")
+    _limit_arguments(parser)
+    parser.add_argument("--log-level", default="info",
+                        choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--version", action="version", version=f"zloader {__version__}")
+    return parser
+
+
+def _metrics_arguments(parser: argparse.ArgumentParser) -> None:
+    """--metrics-port and --metrics-bind: the broker's Prometheus endpoint."""
+    parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                        help="serve Prometheus metrics at http://ADDR:PORT/metrics (per "
+                             "job: elements, bytes, consumers' wait and starvation, workers; "
+                             "per worker: elements, CPU, credits, ring fill)")
+    parser.add_argument("--metrics-bind", default="127.0.0.1", metavar="ADDR",
+                        help="the address the metrics endpoint listens on (default "
+                             "127.0.0.1; 0.0.0.0 for a scraper on another host, which "
+                             "without --keys needs --insecure)")
+
+
+def _check_broker_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The broker's numeric options in range; a usage error otherwise."""
+    from zloader.transport.protocol import HEARTBEAT_RANGE, heartbeat
+
+    if not 0 < args.autoscale_cooldown <= 3600:
+        parser.error(f"--autoscale-cooldown must be between 0 and 3600 seconds, got "
+                     f"{args.autoscale_cooldown}")
+    if args.metrics_port is not None and not 0 < args.metrics_port < 65536:
+        parser.error(f"--metrics-port must be a port number (1-65535), got {args.metrics_port}")
+    if heartbeat(args.heartbeat) is None:
+        parser.error(f"--heartbeat must be between {HEARTBEAT_RANGE[0]} and "
+                     f"{HEARTBEAT_RANGE[1]:.0f} seconds, got {args.heartbeat}")
+
+
+def _broker_exposure(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                     keys: Any) -> None:
+    """The rule for addresses beyond this host (:func:`_exposed`) applied to --bind and
+    --metrics-bind; without keys, a warning that whoever reaches the broker can run code."""
+    _exposed(parser, keys, args.insecure, "--bind", args.bind, "accepts other hosts",
+             "anyone who reaches it can run code on the workers")
+    if args.metrics_port:
+        _exposed(parser, keys, args.insecure, "--metrics-bind", args.metrics_bind,
+                 "serves metrics to other hosts",
+                 "the service is meant for this host alone")
+    if keys is None:
+        logging.getLogger("zloader.broker").warning(
+            "no --keys: any user who can reach %s (any user of this host, for loopback) can "
+            "submit code for the workers to run; see `zloader keygen`", args.bind)
 
 
 def _limit_arguments(parser: argparse.ArgumentParser) -> None:
@@ -497,84 +536,17 @@ def _work_dir(parser: argparse.ArgumentParser, path: str, bind: str) -> None:
 
 def worker_main(argv: Sequence[str] | None = None) -> int:
     """``zloader-worker``: run worker processes until SIGTERM or Ctrl-C."""
-    parser = argparse.ArgumentParser(
-        prog="zloader-worker", description="Run zloader worker processes attached to a broker.")
-    parser.add_argument("--broker", required=True, type=_address,
-                        help="the broker's address, e.g. "
-                        "tcp://10.0.0.5:5555")
-    parser.add_argument("--processes", type=_positive, default=1,
-                        help="worker processes to run on this host (default 1)")
-    parser.add_argument("--advertise", default=None, help="host name or address consumers "
-                        "use to reach these workers (default 127.0.0.1, loopback only)")
-    parser.add_argument("--restart-delay", type=float, default=RESTART_DELAY,
-                        metavar="SECONDS",
-                        help="with --processes N > 1, seconds before a worker process that "
-                             "died is replaced, doubled at each death of its slot up to "
-                             f"--restart-max-delay (default {RESTART_DELAY:g})")
-    parser.add_argument("--restart-max-delay", type=float, default=RESTART_MAX_DELAY,
-                        metavar="SECONDS",
-                        help="the longest wait before a dead worker process is replaced "
-                             f"(default {RESTART_MAX_DELAY:g})")
-    parser.add_argument("--keys", default=None, metavar="DIR",
-                        help="a keys directory (zloader keygen DIR), as the broker's; "
-                             "default $ZLOADER_KEYS")
-    parser.add_argument("--insecure", action="store_true",
-                        help="allow a non-loopback --broker or --advertise without --keys (a "
-                             "trusted network only: whoever answers at the broker's address "
-                             "can run code here, whoever reaches the data port can read the "
-                             "data)")
-    parser.add_argument("--plain-data", action="store_true",
-                        help="with --keys, serve data without encryption: consumers prove "
-                             "they hold the keys with a token (ZeroMQ PLAIN), which anyone "
-                             "watching the network could replay; a trusted network only. "
-                             "Faster than CURVE on TCP (see the transport benchmark)")
-    parser.add_argument("--autoscale", action="store_true",
-                        help="grow and shrink the worker processes on this host to follow "
-                             "the broker's desired_workers (see `zloader status`): start "
-                             "more while jobs lack workers, drain the ones it marks surplus; "
-                             "--processes is then the count to start with. Without "
-                             "--advertise its workers listen on loopback, so it grows only "
-                             "for jobs whose trainers run on this host")
-    parser.add_argument("--max-processes", type=_positive, default=None, metavar="N",
-                        help="with --autoscale, the core budget: at most N worker "
-                             "processes on this host (default: its core count)")
-    parser.add_argument("--autoscale-interval", type=float, default=ACTUATOR_INTERVAL,
-                        metavar="SECONDS",
-                        help="with --autoscale, seconds between two looks at the broker's "
-                             "status (default 1)")
-    parser.add_argument("--bind", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--parent", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--blob-dir", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--log-level", default="warning",
-                        choices=["debug", "info", "warning", "error"])
-    parser.add_argument("--version", action="version", version=f"zloader {__version__}")
+    parser = _worker_parser()
     args = parser.parse_args(argv)
     _logging(args.log_level)
     keys = _keys(parser, args.keys)
 
     bind = args.bind or f"tcp://{args.advertise or '127.0.0.1'}:*"
-    if args.plain_data and keys is None:
-        parser.error("--plain-data needs --keys: it replaces CURVE on the data socket with a "
-                     "token from the keys directory")
-    _exposed(parser, keys, args.insecure, "--broker", args.broker, "is beyond this host",
-             "whatever answers there can run code on this worker")
-    _exposed(parser, keys, args.insecure, "--advertise", bind,
-             "opens the data port to other hosts", "anyone who reaches it can read the data")
-    if args.max_processes is not None and not args.autoscale:
-        parser.error("--max-processes is the budget of --autoscale: pass --autoscale too, "
-                     "or --processes N for a fixed count")
+    _check_worker_args(parser, args, keys, bind)
     if args.autoscale:
-        if args.bind or args.parent is not None:
-            parser.error("--autoscale runs worker processes of its own: it takes neither "
-                         "--bind nor --parent")
-        if not 0 < args.autoscale_interval <= 60:
-            parser.error("--autoscale-interval must be between 0 and 60 seconds")
         args.max_processes = args.max_processes or os.cpu_count() or 1
         with _blob_dir(args):
             return _autoscale(args, keys)
-    if not 0 < args.restart_delay <= args.restart_max_delay:
-        parser.error("--restart-delay must be above 0 and at most --restart-max-delay, got "
-                     f"{args.restart_delay:g} and {args.restart_max_delay:g}")
     if args.processes > 1:
         with _blob_dir(args):
             return _supervise(args)
@@ -600,6 +572,98 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
         print(f"zloader-worker: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _worker_parser() -> argparse.ArgumentParser:
+    """The command line of ``zloader-worker``."""
+    parser = argparse.ArgumentParser(
+        prog="zloader-worker", description="Run zloader worker processes attached to a broker.")
+    parser.add_argument("--broker", required=True, type=_address,
+                        help="the broker's address, e.g. "
+                        "tcp://10.0.0.5:5555")
+    parser.add_argument("--processes", type=_positive, default=1,
+                        help="worker processes to run on this host (default 1)")
+    parser.add_argument("--advertise", default=None, help="host name or address consumers "
+                        "use to reach these workers (default 127.0.0.1, loopback only)")
+    parser.add_argument("--restart-delay", type=float, default=RESTART_DELAY,
+                        metavar="SECONDS",
+                        help="with --processes N > 1, seconds before a worker process that "
+                             "died is replaced, doubled at each death of its slot up to "
+                             f"--restart-max-delay (default {RESTART_DELAY:g})")
+    parser.add_argument("--restart-max-delay", type=float, default=RESTART_MAX_DELAY,
+                        metavar="SECONDS",
+                        help="the longest wait before a dead worker process is replaced "
+                             f"(default {RESTART_MAX_DELAY:g})")
+    _worker_key_arguments(parser)
+    _autoscale_arguments(parser)
+    parser.add_argument("--bind", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--parent", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--blob-dir", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--log-level", default="warning",
+                        choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--version", action="version", version=f"zloader {__version__}")
+    return parser
+
+
+def _worker_key_arguments(parser: argparse.ArgumentParser) -> None:
+    """--keys, --insecure and --plain-data: how a worker authenticates and serves its data."""
+    parser.add_argument("--keys", default=None, metavar="DIR",
+                        help="a keys directory (zloader keygen DIR), as the broker's; "
+                             "default $ZLOADER_KEYS")
+    parser.add_argument("--insecure", action="store_true",
+                        help="allow a non-loopback --broker or --advertise without --keys (a "
+                             "trusted network only: whoever answers at the broker's address "
+                             "can run code here, whoever reaches the data port can read the "
+                             "data)")
+    parser.add_argument("--plain-data", action="store_true",
+                        help="with --keys, serve data without encryption: consumers prove "
+                             "they hold the keys with a token (ZeroMQ PLAIN), which anyone "
+                             "watching the network could replay; a trusted network only. "
+                             "Faster than CURVE on TCP (see the transport benchmark)")
+
+
+def _autoscale_arguments(parser: argparse.ArgumentParser) -> None:
+    """--autoscale, --max-processes and --autoscale-interval: following the broker's
+    desired_workers on this host."""
+    parser.add_argument("--autoscale", action="store_true",
+                        help="grow and shrink the worker processes on this host to follow "
+                             "the broker's desired_workers (see `zloader status`): start "
+                             "more while jobs lack workers, drain the ones it marks surplus; "
+                             "--processes is then the count to start with. Without "
+                             "--advertise its workers listen on loopback, so it grows only "
+                             "for jobs whose trainers run on this host")
+    parser.add_argument("--max-processes", type=_positive, default=None, metavar="N",
+                        help="with --autoscale, the core budget: at most N worker "
+                             "processes on this host (default: its core count)")
+    parser.add_argument("--autoscale-interval", type=float, default=ACTUATOR_INTERVAL,
+                        metavar="SECONDS",
+                        help="with --autoscale, seconds between two looks at the broker's "
+                             "status (default 1)")
+
+
+def _check_worker_args(parser: argparse.ArgumentParser, args: argparse.Namespace, keys: Any,
+                       bind: str) -> None:
+    """The worker's options consistent, and its addresses beyond this host allowed (see
+    :func:`_exposed`); a usage error otherwise."""
+    if args.plain_data and keys is None:
+        parser.error("--plain-data needs --keys: it replaces CURVE on the data socket with a "
+                     "token from the keys directory")
+    _exposed(parser, keys, args.insecure, "--broker", args.broker, "is beyond this host",
+             "whatever answers there can run code on this worker")
+    _exposed(parser, keys, args.insecure, "--advertise", bind,
+             "opens the data port to other hosts", "anyone who reaches it can read the data")
+    if args.max_processes is not None and not args.autoscale:
+        parser.error("--max-processes is the budget of --autoscale: pass --autoscale too, "
+                     "or --processes N for a fixed count")
+    if args.autoscale:
+        if args.bind or args.parent is not None:
+            parser.error("--autoscale runs worker processes of its own: it takes neither "
+                         "--bind nor --parent")
+        if not 0 < args.autoscale_interval <= 60:
+            parser.error("--autoscale-interval must be between 0 and 60 seconds")
+    elif not 0 < args.restart_delay <= args.restart_max_delay:
+        parser.error("--restart-delay must be above 0 and at most --restart-max-delay, got "
+                     f"{args.restart_delay:g} and {args.restart_max_delay:g}")
 
 
 def _worker_command(args: argparse.Namespace) -> list[str]:

@@ -243,13 +243,25 @@ def start_workers(broker: str, num_workers: int, num_cpus_per_worker: float = 1,
                                          max_restarts=max_restarts,
                                          max_concurrency=4, **actor_options)
     actors: list[Any] = [remote.remote(broker, keys, advertise) for _ in range(num_workers)]
+    return _running(actors, num_cpus_per_worker, start_timeout)
+
+
+def _running(actors: list[Any], num_cpus: float, start_timeout: float) -> RayWorkers:
+    """``actors`` once each runs, as :class:`RayWorkers`; if some do not within
+    ``start_timeout`` seconds, all are killed.
+
+    Raises:
+        RuntimeError: Ray did not start them all within ``start_timeout``.
+    """
+    import ray
+
     refs = [a.info.remote() for a in actors]
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=start_timeout)
     if len(ready) < len(refs):
         for actor in actors:
             ray.kill(actor, no_restart=True)
-        raise RuntimeError(f"Ray placed {len(ready)} of {num_workers} worker actors of "
-                           f"{num_cpus_per_worker} CPUs within {start_timeout:.0f} s (not "
+        raise RuntimeError(f"Ray placed {len(ready)} of {len(actors)} worker actors of "
+                           f"{num_cpus} CPUs within {start_timeout:.0f} s (not "
                            "enough free CPUs? see `ray status`); none were kept")
     return RayWorkers(actors, ray.get(refs))
 
