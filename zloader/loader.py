@@ -433,7 +433,7 @@ class Loader:
         are too large for the budget),
         ``stage_seconds`` (where the time goes: the job's workers' seconds in ``pipeline``,
         ``splits``, ``encode`` and ``blocked``, as their broker last reported them, and
-        this consumer's ``wait``; see zloader/_defaults.py STAGES). With
+        this consumer's ``wait``; see zloader/_defaults/ STAGES). With
         ``num_consumers``: ``dropped`` (the job's elements of incomplete last rounds,
         dropped so that every consumer gets as many), ``rounds_lost`` (the job's rounds
         lost with a dead worker or consumer, skipped by every consumer alike) and

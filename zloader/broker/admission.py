@@ -62,4 +62,4 @@ def _over(state: Tables, identity: bytes, pipeline_bytes: int) -> str | None:
 
 def _said(what: str, flag: str, constant: str) -> str:
     return (f"{what} (raise zloader-broker {flag}, default {constant} in "
-            "zloader/_defaults.py; or end jobs that are no longer read)")
+            "zloader/_defaults/; or end jobs that are no longer read)")
