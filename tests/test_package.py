@@ -84,7 +84,7 @@ LAYERS = {
     "torch.tensors": 9.0, "torch.seeding": 9.0, "torch.failures": 9.0, "torch.states": 9.05,
     "torch.dataset": 9.1, "torch.feed": 9.06,
     "torch.source": 9.1, "torch.passes": 9.1, "torch.dataloader": 9.2, "torch": 9.3,
-    "cli": 10, "broker.__main__": 10.5, "worker.__main__": 10.5, "__init__": 11,
+    "_cache_cli": 9.5, "cli": 10, "broker.__main__": 10.5, "worker.__main__": 10.5, "__init__": 11,
 }
 RUNTIME = ("broker", "client", "worker", "sharing")
 """The runtime's subpackages: their modules share public names only."""
