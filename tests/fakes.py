@@ -149,3 +149,60 @@ def record(count: int = 1, size: int = 8, **head: Any) -> tuple[Outgoing, dict[s
     """A record the producer made: ``count`` elements in ``size`` bytes."""
     head = {"count": count, "skipped": 0, **head}
     return Outgoing(head, [bytes(size)], gathered=False), head
+
+
+# --- the consumer's side --------------------------------------------------------------------
+
+
+@dataclass
+class Frame:
+    """A received frame, as ZeroMQ hands it over (``.buffer``)."""
+
+    buffer: Any
+
+
+class FakePeers:
+    """The consumer's workers as its :class:`~zloader.client.receive.Receiver` sees them:
+    it keeps the credits given back and the workers that left, and has no rings (a notice
+    naming one is for a ring closed since)."""
+
+    large = 1 << 40  # (no record is more than the memory budget holds in flight)
+
+    def __init__(self) -> None:
+        self.credits: list[tuple[str, int]] = []
+        self.left_view: list[str] = []
+
+    def __iter__(self) -> Any:
+        return iter(())
+
+    def credit(self, worker: str, credits: int, part: int | None = None) -> None:
+        self.credits.append((worker, credits))
+
+    def ring_by_id(self, ring_id: int) -> None:
+        return None
+
+    def left(self, peer: Any) -> None:
+        self.left_view.append(peer.worker)
+
+    def fit(self, size: int) -> None:
+        return None
+
+
+@dataclass
+class FakeEnd:
+    """The end of the epoch as the receiver sees it: how often it was asked to check."""
+
+    checks: int = 0
+
+    def check(self) -> None:
+        self.checks += 1
+
+    def release_rounds(self) -> None:
+        return None
+
+
+@dataclass
+class FakeLink:
+    """The broker link as the receiver sees it: rounds to acknowledge."""
+
+    acks: list[int] = field(default_factory=list)

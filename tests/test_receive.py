@@ -1,0 +1,99 @@
+"""The consumer's receiving side (client/receive.py ``Receiver``) through its seam
+(tests/fakes.py): a record becomes an item, an old epoch's is dropped, an END ends a
+worker's part, a record that cannot be read gives its credit back, a record noticed before
+the DATA messages its worker sent ahead of it waits for them. Plain calls, no sockets."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.fakes import FakeEnd, FakeLink, FakePeers, Frame
+from zloader import codec
+from zloader.client.items import Data, End
+from zloader.client.peers import Peer
+from zloader.client.receive import Receiver
+from zloader.client.session import EpochInput, Session
+from zloader.client.stats import Stats
+from zloader.transport import messages
+from zloader.transport.protocol import Command, Message, ProtocolError
+
+
+class Consumer:
+    """A receiver, its fakes, and the items it puts, for one worker ``w1``."""
+
+    def __init__(self, epoch: int = 0) -> None:
+        self.session = Session("c1")
+        self.session.start(epoch, EpochInput())
+        self.stats, self.peers, self.end = Stats(), FakePeers(), FakeEnd()
+        self.items: list[Any] = []
+        self.receiver = Receiver(self.session, self.stats, self.peers, FakeLink(),  # type: ignore[arg-type]
+                                 self.end, None, self.items.append)  # type: ignore[arg-type]
+        self.peer = Peer("w1", "t1", 0, 42, "ipc:///w1", None)  # type: ignore[arg-type]
+        self.peer.owed = 10
+
+    def data(self, elements: list[Any], epoch: int = 0, **fields: Any) -> None:
+        """A DATA message with the record's frames, from ``w1``."""
+        body = messages.encode(messages.Data(epoch=epoch, count=len(elements), **fields))
+        frames = [Frame(memoryview(bytes(b))) for b in codec.encode(elements)]
+        self.receiver.message(self.peer, Message(Command.DATA, body, frames))
+
+    def end_message(self, epoch: int = 0, **fields: Any) -> None:
+        body = messages.encode(messages.End(epoch=epoch, **fields))
+        self.receiver.message(self.peer, Message(Command.END, body, []))
+
+
+def test_a_record_becomes_an_item_and_is_counted():
+    consumer = Consumer()
+    consumer.data([1, 2, 3])
+    (item,) = consumer.items
+    assert isinstance(item, Data) and item.elements == [1, 2, 3] and item.worker == "w1"
+    assert consumer.stats.records == 1 and consumer.stats.per_worker == {42: 3}
+    assert consumer.session.got_from == {"w1": 3} and consumer.peer.owed == 9
+
+
+def test_an_old_epoch_s_record_is_dropped_without_its_credit():
+    consumer = Consumer(epoch=1)
+    consumer.data([1], epoch=0)
+    assert consumer.items == [] and consumer.peers.credits == [] and consumer.peer.owed == 10
+
+
+def test_an_end_ends_the_worker_s_part_and_asks_whether_the_epoch_is_over():
+    consumer = Consumer()
+    consumer.data([1])
+    consumer.end_message(skipped=2)
+    assert isinstance(consumer.items[-1], End) and consumer.session.ended == {"w1"}
+    assert consumer.stats.skipped == 2 and consumer.end.checks == 1
+
+
+def test_a_record_that_cannot_be_decoded_gives_its_credit_back():
+    consumer = Consumer()
+    body = messages.encode(messages.Data(epoch=0, count=2))
+    with pytest.raises(ProtocolError, match="worker pid 42"):
+        consumer.receiver.message(consumer.peer, Message(Command.DATA, body,
+                                                         [Frame(memoryview(b"junk"))]))
+    assert consumer.items == [] and consumer.peers.credits == [("w1", 1)]
+
+
+def test_a_noticed_record_waits_for_the_data_messages_sent_before_it():
+    consumer = Consumer()
+    framed = messages.Data(epoch=0, count=1, after=1)  # one DATA message went before it
+    buffers = codec.encode(["late"])
+    consumer.peer.deferred.append((0.0, framed, buffers, 64))  # (as Receiver.notice holds it)
+    consumer.receiver.release(consumer.peer, everything=False)
+    assert consumer.items == []  # the DATA message before it has not come
+    consumer.data(["early"])
+    assert [item.elements for item in consumer.items] == [["early"], ["late"]]
+
+
+def test_a_notice_of_a_closed_ring_is_ignored():
+    consumer = Consumer()
+    consumer.receiver.notice(ring_id=7, length=64, position=0)
+    assert consumer.items == [] and consumer.peers.credits == []
+
+
+def test_what_is_not_a_worker_s_message_is_refused():
+    consumer = Consumer()
+    with pytest.raises(ProtocolError, match="not a message from a worker"):
+        consumer.receiver.message(consumer.peer, Message(Command.CREDIT, {}, []))
