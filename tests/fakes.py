@@ -13,7 +13,7 @@ from typing import Any
 
 from zloader.transport import messages
 from zloader.worker.delivery import Delivery
-from zloader.worker.producer import Outgoing
+from zloader.worker.outgoing import Head, Outgoing
 from zloader.worker.streams import Outlet, Stream
 
 
@@ -43,10 +43,10 @@ class FakeOutlet(Outlet):
         count = record.count if isinstance(record, messages.Data) else 0
         self.log.append(Sent(stream.consumer, record.COMMAND.name, epoch, count, record))
 
-    def record(self, stream: Stream, epoch: int, frames: list[Any], head: dict[str, Any],
+    def record(self, stream: Stream, head: Head, frames: list[Any],
                sizes: list[int] | None = None) -> None:
-        self.count(head["count"], sum(len(memoryview(f).cast("B")) for f in frames))
-        self.log.append(Sent(stream.consumer, "DATA", epoch, head["count"], head))
+        self.count(head.count, sum(len(memoryview(f).cast("B")) for f in frames))
+        self.log.append(Sent(stream.consumer, "DATA", head.epoch, head.count, head))
 
     def to(self, consumer: str, kind: str | None = None) -> list[Sent]:
         """What went to ``consumer`` (of one ``kind``, when given)."""
@@ -145,10 +145,9 @@ class FakePort:
         self.rounds_asked.append((epoch, members))
 
 
-def record(count: int = 1, size: int = 8, **head: Any) -> tuple[Outgoing, dict[str, Any]]:
-    """A record the producer made: ``count`` elements in ``size`` bytes."""
-    head = {"count": count, "skipped": 0, **head}
-    return Outgoing(head, [bytes(size)], gathered=False), head
+def record(count: int = 1, size: int = 8, epoch: int = 0) -> Outgoing:
+    """A record the producer made of ``epoch``: ``count`` elements in ``size`` bytes."""
+    return Outgoing(Head(epoch, count), [bytes(size)], gathered=False)
 
 
 # --- the consumer's side --------------------------------------------------------------------
@@ -180,6 +179,9 @@ class FakePeers:
 
     def ring_by_id(self, ring_id: int) -> None:
         return None
+
+    def reading(self, peer: Any, ring: Any) -> Any:
+        return ring
 
     def left(self, peer: Any) -> None:
         self.left_view.append(peer.worker)

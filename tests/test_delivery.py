@@ -10,6 +10,7 @@ from tests.fakes import FakePort, FakeProducer, record
 from zloader.sharing.window import WindowSettings
 from zloader.transport.protocol import ProtocolError
 from zloader.worker.credit import CreditDelivery
+from zloader.worker.outgoing import EndOut
 from zloader.worker.rounds import RoundsDelivery
 from zloader.worker.shared import SharedDelivery
 
@@ -27,13 +28,12 @@ PRODUCER = FakeProducer(0, None, {})
 
 def produce(delivery, epoch: int = 0, count: int = 1, size: int = 8) -> None:
     """The producer hands the mode one record of ``epoch``."""
-    outgoing, head = record(count, size)
-    delivery.on_record(PRODUCER, epoch, outgoing, head)
+    delivery.on_record(PRODUCER, record(count, size, epoch))
 
 
 def end(delivery, epoch: int = 0, skipped: int = 0) -> None:
     """The producer ends ``epoch`` here."""
-    delivery.on_end(PRODUCER, {"epoch": epoch, "skipped": skipped, "dropped": 0})
+    delivery.on_end(PRODUCER, EndOut(epoch, skipped))
 
 
 def grant(delivery, stream, credits: int) -> None:
@@ -106,10 +106,10 @@ def test_balanced_holds_the_deal_for_a_consumer_without_credit():
 def test_a_finished_epoch_s_leftovers_are_let_go_of():
     port, delivery = credit_mode()
     port.join("a", credits=0)
-    outgoing, head = record()
+    outgoing = record()
     outgoing.gathered = True  # (the producer waits for its taken event)
     outgoing.__post_init__()
-    delivery.on_record(PRODUCER, 0, outgoing, head)
+    delivery.on_record(PRODUCER, outgoing)
     port.finished.add(0)  # the epoch was abandoned meanwhile
     delivery.deliver()
     assert not delivery.pending and outgoing.taken is not None and outgoing.taken.is_set()
@@ -185,9 +185,8 @@ def test_shared_a_late_joiner_gets_the_window_then_a_replay_of_what_left_it():
         end(delivery)  # the epoch ends in the window: a gets its END, b its replay next
         assert kinds(port, "a")[-1] == "END" and kinds(port, "b")[-1] == "DATA"
         for _ in range(missed):
-            outgoing, head = record(1)
-            delivery.on_record(replayer, 0, outgoing, head)
-        delivery.on_end(replayer, {"epoch": 0, "skipped": 0, "dropped": 0})
+            delivery.on_record(replayer, record(1))
+        delivery.on_end(replayer, EndOut(0))
         assert kinds(port, "b") == ["DATA"] * 5 + ["END"]
         assert port.outlet.to("b", "END")[0].record.replayed == missed
         assert port.dropped == [replayer]
@@ -213,7 +212,7 @@ def test_rounds_a_group_is_numbered_once_every_consumer_has_credit_then_dealt_by
     assert port.rounds_asked == [(0, ("a", "b"))]
     assert port.outlet.log == []  # nothing goes before the broker numbers the round
     delivery.on_round(0, 7)
-    assert [(s.consumer, s.record["round"]) for s in port.outlet.log] == [("a", 7), ("b", 7)]
+    assert [(s.consumer, s.record.round) for s in port.outlet.log] == [("a", 7), ("b", 7)]
 
 
 def test_rounds_the_end_waits_for_the_rounds_and_an_incomplete_group_is_dropped():

@@ -18,6 +18,7 @@ from zloader.transport.notice import NOTICE, Notices, open_notify
 from zloader.transport.protocol import decode
 from zloader.transport.ring import RingReader
 from zloader.transport.shm import SHM_DIR, segment_name
+from zloader.worker.outgoing import Head
 from zloader.worker.streams import Outlet, Stream
 
 
@@ -117,7 +118,7 @@ def test_a_notice_that_cannot_be_written_goes_as_a_data_message():
         stream.attach(ring.name, 7, notices.name)
         outlet = Outlet(router, lambda text, exc_info=False: None)
         frames = [np.arange(10, dtype=np.int64).tobytes()]
-        outlet.record(stream, 0, frames, {"count": 1, "skipped": 0})
+        outlet.record(stream, Head(0, 1), frames)
         msg = decode(dealer.recv_multipart(copy=False))
         data = messages.decode(msg)
         assert isinstance(data, messages.Data) and data.framed and data.ring is not None
@@ -158,7 +159,7 @@ def test_a_framed_record_says_how_many_of_its_epochs_records_went_as_messages_be
         frames = [np.arange(10, dtype=np.int64).tobytes()]
 
         def framed(epoch):
-            outlet.record(stream, epoch, frames, {"count": 1, "skipped": 0})
+            outlet.record(stream, Head(epoch, 1), frames)
             [(ring_id, length, position)] = list(notices.read())
             assert ring_id == 7
             return _unframe(ring.claim(position, length))[0]

@@ -63,6 +63,7 @@ LAYERS = {
     # the worker: what sends to consumers and the producer at the bottom, the delivery modes
     # on the interface they implement, the task above them, the process on top
     "worker.dispatched": 5.9,  # (a consumer's work items, taken by the producer)
+    "worker.outgoing": 5.9,  # (what a producer hands on: a record and its head, an END)
     "worker.memory": 6.0, "worker.permits": 5.9, "worker.producer": 6.0, "worker.streams": 6.0,
     "worker.broker_link": 6.0,
     "worker.links": 6.1, "worker.delivery": 6.2, "worker.credit": 6.3, "worker.rounds": 6.4,

@@ -216,10 +216,10 @@ def test_producer_sends_one_record_per_permit_then_ends_the_epoch():
         for _ in range(5):
             pool.release()
             kind, head, elements = receive()
-            assert kind is LinkKind.RECORD and head["epoch"] == 0 and head["count"] == 1
+            assert kind is LinkKind.RECORD and head.epoch == 0 and head.count == 1
             got.extend(elements or ())
         kind, end, _ = receive()  # (an end takes no permit)
-        assert kind is LinkKind.END and end["epoch"] == 0
+        assert kind is LinkKind.END and end.epoch == 0
         assert got == list(range(5))
 
 

@@ -397,15 +397,22 @@ class Peers:
             ProtocolError: ``name`` names no ring of ``peer``'s.
         """
         if peer.ring is not None and name == peer.ring.name:
-            for old in peer.old_rings:
-                self._forget_ring(old)
-                old.close()
-            peer.old_rings.clear()
-            return peer.ring
+            return self.reading(peer, peer.ring)
         for old in peer.old_rings:
             if old.name == name:
                 return old
         raise ProtocolError(f"DATA names ring {name!r}, which this consumer did not open")
+
+    def reading(self, peer: Peer, ring: Any) -> Any:
+        """``ring`` (one of ``peer``'s, found already), about to be read: when it is the
+        current one, the rings it replaced are let go of (records come in order, so the
+        older rings get no more)."""
+        if ring is peer.ring and peer.old_rings:
+            for old in peer.old_rings:
+                self._forget_ring(old)
+                old.close()
+            peer.old_rings.clear()
+        return ring
 
     def grow_ring(self, peer: Peer, record_bytes: int) -> None:
         """A record of ``record_bytes`` came (or found the ring full): when records are

@@ -115,7 +115,7 @@ class Receiver:
         peer, ring = found
         self.stats.last_progress = peer.heard = time.monotonic()
         try:
-            block = self.peers.ring_of(peer, ring.name).claim(position, length)
+            block = self.peers.reading(peer, ring).claim(position, length)
             data, buffers = _unframe(block)
         except (ProtocolError, RingError) as exc:
             peer.owed -= 1  # (the record's credit was used)

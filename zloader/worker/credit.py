@@ -21,7 +21,8 @@ from collections import deque
 from zloader._defaults import MAX_GRANT, OVERDRAW_RECORDS
 from zloader.transport import records
 from zloader.transport.messages import End
-from zloader.worker.delivery import Delivery, EndOut, Pending, RecordOut, TaskPort
+from zloader.worker.delivery import Delivery, EndOut, Pending, TaskPort
+from zloader.worker.outgoing import Outgoing
 from zloader.worker.permits import Permits
 from zloader.worker.streams import Stream
 
@@ -103,8 +104,7 @@ class CreditDelivery(Delivery):
                 self.pending.popleft()
                 self._end(item, streams)
                 continue
-            outgoing, head = item.outgoing, item.head
-            sizes = records.sizes_of(outgoing.buffers)  # (the outlet's too: found once)
+            sizes = records.sizes_of(item.buffers)  # (the outlet's too: found once)
             size = sum(sizes)
             taker = self._next(streams, size)
             if taker is None:
@@ -112,12 +112,12 @@ class CreditDelivery(Delivery):
             self.pending.popleft()
             taker.credits -= 1
             taker.sent(size)
-            port.outlet.record(taker, epoch, outgoing.buffers, head, sizes)
-            outgoing.mark_taken()
+            port.outlet.record(taker, item.head, item.buffers, sizes)
+            item.mark_taken()
 
     def _deliver_parts(self) -> None:
         """:meth:`deliver` by part: each record to a consumer with credit for its part
-        (``head["part"]``); a record that cannot go holds back the later ones of its part
+        (``Head.part``); a record that cannot go holds back the later ones of its part
         only (and the epoch's END, which goes last)."""
         port = self.port
         waiting: deque[Pending] = deque()  # what cannot go yet, in order
@@ -127,7 +127,7 @@ class CreditDelivery(Delivery):
             epoch = item.epoch
             if self.left_over(item):
                 continue
-            part = item.head.get("part") if isinstance(item, RecordOut) else item.part
+            part = item.head.part if isinstance(item, Outgoing) else item.part
             if part in held or None in held or (part is None and waiting):
                 waiting.append(item)
                 held.add(part)
@@ -143,9 +143,8 @@ class CreditDelivery(Delivery):
                     continue
                 self._end(item, streams)
                 continue
-            outgoing, head = item.outgoing, item.head
             assert part is not None  # (a record by part names its part)
-            sizes = records.sizes_of(outgoing.buffers)
+            sizes = records.sizes_of(item.buffers)
             taker = self._taker_of(part, streams)
             if taker is None:
                 waiting.append(item)
@@ -155,8 +154,8 @@ class CreditDelivery(Delivery):
                 taker.part_credits[part] -= 1
             taker.credits -= 1
             taker.sent(sum(sizes))
-            port.outlet.record(taker, epoch, outgoing.buffers, head, sizes)
-            outgoing.mark_taken()
+            port.outlet.record(taker, item.head, item.buffers, sizes)
+            item.mark_taken()
         self.pending = waiting
 
     def _taker_of(self, part: int, streams: list[Stream]) -> Stream | None:

@@ -21,50 +21,21 @@ from __future__ import annotations
 import abc
 import logging
 from collections import deque
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from zloader.worker.outgoing import EndOut, Outgoing
 from zloader.worker.permits import Permits, Pool
-from zloader.worker.producer import Outgoing, Producer, ProducerSpec
+from zloader.worker.producer import Producer, ProducerSpec
 from zloader.worker.streams import Outlet, Stream
 
 if TYPE_CHECKING:
     from zloader.transport.messages import Open
 
-__all__ = ["Delivery", "EndOut", "Pending", "RecordOut", "TaskPort", "discard"]
+__all__ = ["Delivery", "EndOut", "Pending", "TaskPort", "discard"]
 
 log = logging.getLogger("zloader.worker")
 
-@dataclass(frozen=True)
-class RecordOut:
-    """A record the producer made for ``epoch``, waiting to be delivered: its buffers
-    (``outgoing``) and its head (count, skipped, ...)."""
-
-    epoch: int
-    outgoing: Outgoing
-    head: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class EndOut:
-    """The producer finished ``epoch`` here (its END): the elements it skipped and
-    dropped, and the origins block of what no record carried (exactly-once; None)."""
-
-    epoch: int
-    skipped: int = 0
-    dropped: int = 0
-    origins: Any = None
-    part: int | None = None  # not the epoch's end: a mix input's (its consumers draw it)
-
-    @classmethod
-    def of(cls, body: dict[str, Any]) -> EndOut:
-        """The end a producer's END body ``{epoch, skipped, dropped[, origins][, part]}``
-        says."""
-        return cls(int(body["epoch"]), int(body.get("skipped", 0)),
-                   int(body.get("dropped", 0)), body.get("origins"), body.get("part"))
-
-
-Pending = RecordOut | EndOut
+Pending = Outgoing | EndOut
 """What waits in a delivery's queue: a record from the producer, or an epoch's end."""
 
 
@@ -173,11 +144,10 @@ class Delivery(abc.ABC):
     def deliver(self) -> None:
         """Send what the consumers may take now."""
 
-    def on_record(self, producer: Producer, epoch: int, outgoing: Outgoing,
-                  head: dict[str, Any]) -> None:
+    def on_record(self, producer: Producer, outgoing: Outgoing) -> None:
         """``producer`` made one record."""
         self.outstanding = max(0, self.outstanding - 1)
-        self.pending.append(RecordOut(epoch, outgoing, head))
+        self.pending.append(outgoing)
         self.deliver()
 
     def left_over(self, item: Pending) -> bool:
@@ -185,13 +155,13 @@ class Delivery(abc.ABC):
         record, if any, is let go of."""
         if item.epoch not in self.port.finished:
             return False
-        if isinstance(item, RecordOut):
-            item.outgoing.mark_taken()
+        if isinstance(item, Outgoing):
+            item.mark_taken()
         return True
 
-    def on_end(self, producer: Producer, body: dict[str, Any]) -> None:
-        """``producer`` finished its epoch."""
-        self.pending.append(EndOut.of(body))
+    def on_end(self, producer: Producer, end: EndOut) -> None:
+        """``producer`` finished its epoch (or, with a ``part``, a mix input)."""
+        self.pending.append(end)
         self.deliver()
 
     def on_round(self, epoch: int, number: int | None) -> None:

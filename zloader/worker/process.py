@@ -46,7 +46,8 @@ from zloader.worker.credit import CreditDelivery
 from zloader.worker.delivery import Delivery, TaskPort
 from zloader.worker.links import Links
 from zloader.worker.memory import keep_freed_memory
-from zloader.worker.producer import Hand, LinkKind, Outgoing, Producer
+from zloader.worker.outgoing import Outgoing
+from zloader.worker.producer import Hand, LinkKind, Producer
 from zloader.worker.rounds import RoundsDelivery
 from zloader.worker.shared import SharedDelivery
 from zloader.worker.task import Assignment, Task, load_error

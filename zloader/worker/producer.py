@@ -9,8 +9,8 @@ next split of a pass, having received ``have`` of them so far (the answer comes 
 same way: a :class:`SplitAnswer` in :attr:`Producer.inbox`, with the split as an exactly-once
 job reads it, see zloader/lineage/, and a frame on the pair to wake the producer),
 ``PASS_DONE pass`` says a pass is finished,
-``RECORD`` is one record (an :class:`Outgoing`: its head, epoch, count, skipped, and its
-codec buffers, the last one its origin block for an exactly-once job), ``END body`` ends
+``RECORD`` is one record (an :class:`Outgoing`: its :class:`Head` and its codec buffers,
+the last one its origin block for an exactly-once job), ``END`` (an :class:`EndOut`) ends
 the epoch (``origins``: the block of what no record carried), ``FAIL body`` reports an
 error. Records take this path only when the producer waits for them anyway (large or
 gathered ones) or its task's delivery mode is not credit delivery; otherwise the producer
@@ -66,10 +66,11 @@ from zloader.runs import Context, Coverage, RunSettings
 from zloader.transport.protocol import error_object
 from zloader.transport.sockets import NOBLOCK, make_socket
 from zloader.worker.dispatched import Dispatched
+from zloader.worker.outgoing import EndOut, Head, Outgoing
 from zloader.worker.permits import PartPool, Permits, Pool
 
 __all__ = ["RECORD_BYTES", "RECORD_ELEMENTS", "RECORD_LINGER", "STAGES", "Hand", "LinkKind",
-           "Outgoing", "Producer", "ProducerSpec", "SplitAnswer"]
+           "Producer", "ProducerSpec", "SplitAnswer"]
 
 
 class LinkKind(enum.Enum):
@@ -141,32 +142,6 @@ class ProducerSpec:
     def round_size(self) -> int:
         """The consumers of a round (coordinated jobs; 1 otherwise)."""
         return max(1, self.options.num_consumers)
-
-
-@dataclass(eq=False)
-class Outgoing:
-    """One record on its way to the socket thread: its head (``epoch``, ``count``,
-    ``skipped``, ``origins``: whether the last buffer is an origin block) and its codec
-    buffers. When ``gathered`` (it references rows user code may overwrite next) or
-    ``large`` (at least ``LARGE_RECORD_BYTES``), the producer waits for ``taken``, set by
-    :meth:`mark_taken` once the buffers have been copied out, sent or dropped (or, for a
-    large one, kept by a delivery that holds records: rounds). Other records have no event
-    (one per record would cost a lock and a condition each)."""
-
-    head: dict[str, Any]
-    buffers: list[Any]
-    gathered: bool
-    large: bool = False
-    taken: threading.Event | None = None
-
-    def __post_init__(self) -> None:
-        if (self.gathered or self.large) and self.taken is None:
-            self.taken = threading.Event()
-
-    def mark_taken(self) -> None:
-        """The buffers were copied out, or dropped: the producer may go on."""
-        if self.taken is not None:
-            self.taken.set()
 
 
 @dataclass(frozen=True)
@@ -387,15 +362,14 @@ class Producer(threading.Thread):
     def _end(self, pair: zmq.Socket[Any], ctx: Context) -> None:
         """The epoch is over here: its END, with the origins no record carried."""
         self._account(time.perf_counter())
-        end: dict[str, Any] = {"epoch": self.epoch, "skipped": ctx.tally.skipped,
-                               "dropped": ctx.tally.dropped}
-        if ctx.settings.track and (ctx.tally.loose or ctx.tally.ends):  # no record had them
-            end["origins"] = ctx.tally.block([])
-        self._put(pair, LinkKind.END, end)
+        tally = ctx.tally
+        origins = tally.block([]) if ctx.settings.track and (tally.loose or tally.ends) \
+            else None  # (what no record carried)
+        self._put(pair, LinkKind.END, EndOut(self.epoch, tally.skipped, tally.dropped, origins))
 
     def _produce_parts(self, pair: zmq.Socket[Any], ctx: Context, permits: Permits) -> None:
         """Streams of their own (``plan.parts``), in records of one stream each
-        (``head["part"]``): each input of a mix its consumers draw, or each shard of a
+        (``Head.part``): each input of a mix its consumers draw, or each shard of a
         deterministic job this worker runs (:meth:`_shards`). The next record is of a
         stream with a permit free (the consumers' credits for it), chosen among those by
         the mix's weights as last set (shards: alike), so that what is made follows what
@@ -431,7 +405,7 @@ class Producer(threading.Thread):
             self.stage = "pipeline"
             if self._record_of(pair, streams[which], which, contexts[which]):
                 live.remove(which)
-                self._put(pair, LinkKind.END, {"epoch": self.epoch, "part": which})
+                self._put(pair, LinkKind.END, EndOut(self.epoch, part=which))
         self._end(pair, ctx)
 
     def _weights_of(self) -> list[float]:
@@ -551,7 +525,7 @@ class Producer(threading.Thread):
         self.stage = "encode"
         outgoing = self._encode(batch, places, ctx, size >= LARGE_RECORD_BYTES)
         if outgoing is not None and part is not None:
-            outgoing.head["part"] = part
+            outgoing.head.part = part
         encoded = clock()
         self.timing["encode"] += encoded - entered
         if outgoing is None:  # every element was skipped: their origins go with the next
@@ -618,8 +592,7 @@ class Producer(threading.Thread):
             if not batch:
                 return None
             buffers = codec.encode(ctx.values_of(batch), objects)
-        head: dict[str, Any] = {"epoch": self.epoch, "count": len(batch),
-                                "skipped": ctx.tally.skipped, "origins": ctx.settings.track}
+        head = Head(self.epoch, len(batch), ctx.tally.skipped, ctx.settings.track)
         gathered = any(isinstance(b, codec.Gather) for b in buffers)
         if ctx.settings.track:
             buffers.append(ctx.tally.block([t[1] for t in batch]))

@@ -19,7 +19,7 @@ from zloader.transport.messages import End, Open
 from zloader.transport.protocol import ProtocolError
 from zloader.worker.credit import clamp
 from zloader.worker.delivery import Delivery, EndOut, TaskPort, discard
-from zloader.worker.producer import Outgoing
+from zloader.worker.outgoing import Head, Outgoing
 from zloader.worker.streams import Stream
 
 __all__ = ["Group", "RoundsDelivery"]
@@ -126,7 +126,7 @@ class RoundsDelivery(Delivery):
                           rerun=port.reruns.get(epoch, 0))
                 self.groups.append(Group(epoch, [], end=end))
                 continue
-            outgoing = item.outgoing
+            outgoing = item
             if outgoing.gathered:  # it waits for its round: copy it, so the producer goes on
                 outgoing.buffers = codec.joined(outgoing.buffers)
             outgoing.mark_taken()  # kept here: the producer may hand over the next
@@ -152,8 +152,8 @@ class RoundsDelivery(Delivery):
             for record, identity in zip(group.records, group.members, strict=True):
                 stream = self.port.streams.get(identity)
                 if stream is not None:
-                    self.port.outlet.record(stream, epoch, record.buffers,
-                                            {"count": 1, "skipped": 0, "round": number})
+                    self.port.outlet.record(stream, Head(epoch, 1, round=number),
+                                            record.buffers)
         discard(group.records)
         self.deliver()
 

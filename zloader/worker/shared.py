@@ -26,9 +26,10 @@ from zloader.sharing.store import Stored, store
 from zloader.sharing.window import Window, WindowSettings
 from zloader.transport.messages import Data, End, Open
 from zloader.worker.credit import clamp
-from zloader.worker.delivery import Delivery, EndOut, Pending, RecordOut, TaskPort
+from zloader.worker.delivery import Delivery, EndOut, Pending, TaskPort
+from zloader.worker.outgoing import Outgoing
 from zloader.worker.permits import Pool
-from zloader.worker.producer import Outgoing, Producer
+from zloader.worker.producer import Producer
 from zloader.worker.streams import Stream
 
 __all__ = ["SharedDelivery"]
@@ -142,20 +143,19 @@ class SharedDelivery(Delivery):
 
     # --- records --------------------------------------------------------------------------
 
-    def on_record(self, producer: Producer, epoch: int, outgoing: Outgoing,
-                  head: dict[str, Any]) -> None:
+    def on_record(self, producer: Producer, outgoing: Outgoing) -> None:
         if producer is not self.replayer:
-            super().on_record(producer, epoch, outgoing, head)
+            super().on_record(producer, outgoing)
             return
         self.replay_outstanding = max(0, self.replay_outstanding - 1)
-        self.replay_pending.append(RecordOut(epoch, outgoing, head))
+        self.replay_pending.append(outgoing)
         self.deliver()
 
-    def on_end(self, producer: Producer, body: dict[str, Any]) -> None:
+    def on_end(self, producer: Producer, end: EndOut) -> None:
         if producer is not self.replayer:
-            super().on_end(producer, body)
+            super().on_end(producer, end)
             return
-        self.replay_pending.append(EndOut.of(body))
+        self.replay_pending.append(end)
         self.deliver()
 
     def deliver(self) -> None:
@@ -171,21 +171,19 @@ class SharedDelivery(Delivery):
                 self.window.add(epoch, 0, 0, end=True, skipped=item.skipped)
                 port.finish_epoch(epoch)
                 continue
-            outgoing, head = item.outgoing, item.head
             if epoch in port.finished:  # an abandoned epoch's leftovers
                 self.pending.popleft()
-                outgoing.mark_taken()
+                item.mark_taken()
                 continue
-            nbytes = sum(codec.nbytes(b) for b in outgoing.buffers)
+            nbytes = sum(codec.nbytes(b) for b in item.buffers)
             admitted, gone = self.window.room(nbytes, now)
             self._evicted(gone)
             if not admitted:
                 break  # "block": retried from the loop until the lagging trainer moves
-            stored = store(outgoing.buffers)
-            outgoing.mark_taken()
+            stored = store(item.buffers)
+            item.mark_taken()
             self.pending.popleft()
-            self.window.add(epoch, int(head["count"]), nbytes, stored,
-                            skipped=int(head.get("skipped", 0)))
+            self.window.add(epoch, item.head.count, nbytes, stored, skipped=item.head.skipped)
             if stored.name is not None:
                 self.stored[stored.name] = stored
         self._fan_out()
@@ -269,12 +267,11 @@ class SharedDelivery(Delivery):
             return False
         if cursor.credits <= 0:
             return False
-        outgoing, head = item.outgoing, item.head
         self.replay_pending.popleft()
         cursor.credits -= 1
-        self.replaying = (trainer, sent + int(head["count"]))
-        port.outlet.record(stream, epoch, outgoing.buffers, head)
-        outgoing.mark_taken()
+        self.replaying = (trainer, sent + item.head.count)
+        port.outlet.record(stream, item.head, item.buffers)
+        item.mark_taken()
         return True
 
     # --- production -----------------------------------------------------------------------
@@ -321,8 +318,8 @@ class SharedDelivery(Delivery):
             self.port.drop_producer(self.replayer)
         self.replayer, self.replaying, self.replay = None, None, None
         for item in self.replay_pending:
-            if isinstance(item, RecordOut):
-                item.outgoing.mark_taken()
+            if isinstance(item, Outgoing):
+                item.mark_taken()
         self.replay_pending.clear()
 
     def permit(self) -> None:

@@ -15,7 +15,7 @@ import os
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -26,6 +26,9 @@ from zloader.transport.protocol import encode
 from zloader.transport.ring import RingError, RingWriter
 from zloader.transport.shm import Segment, ShmError
 from zloader.transport.sockets import NOBLOCK, send_frames
+
+if TYPE_CHECKING:
+    from zloader.worker.outgoing import Head
 
 __all__ = ["Outlet", "Stream", "attach_ring", "unlink_handoffs"]
 
@@ -137,17 +140,17 @@ class Outlet:
         self.elements += elements
         self.bytes += nbytes
 
-    def record(self, stream: Stream, epoch: int, frames: list[Any],
-               head: dict[str, Any], sizes: list[int] | None = None) -> None:
-        """Send one record (``frames``: its codec buffers, then its origin block when
-        ``head["origins"]``; ``head``: count, skipped, and ``round`` and ``part`` when it has
-        them) as
-        DATA. ``sizes``: the frames' sizes, when the caller found them already."""
-        count = head["count"]
-        fields = {"epoch": epoch, "count": count, "skipped": head["skipped"], "ring": None,
-                  "segment": None, "full": False, "shared": False, "lagged": None,
-                  "round": head.get("round"), "origins": head.get("origins", False),
-                  "framed": False, "part": head.get("part")}
+    def record(self, stream: Stream, head: Head, frames: list[Any],
+               sizes: list[int] | None = None) -> None:
+        """Send one record (``head``: its epoch, count, skipped, and its origins, round
+        and part; ``frames``: its codec buffers, then its origin block when
+        ``head.origins``) as DATA. ``sizes``: the frames' sizes, when the caller found them
+        already."""
+        count, epoch = head.count, head.epoch
+        fields: dict[str, Any] = {
+            "epoch": epoch, "count": count, "skipped": head.skipped, "ring": None,
+            "segment": None, "full": False, "shared": False, "lagged": None,
+            "round": head.round, "origins": head.origins, "framed": False, "part": head.part}
         if sizes is None:
             sizes = records.sizes_of(frames)
         self.count(count, sum(sizes))

@@ -222,7 +222,7 @@ class Task:
         elif kind is LinkKind.PASS_DONE:
             self.broker.send(messages.PassDone(task=self.id, pass_=tuple(body)))
         elif kind is LinkKind.RECORD:
-            self.delivery.on_record(producer, body.head["epoch"], body, body.head)
+            self.delivery.on_record(producer, body)
         elif kind is LinkKind.END:
             self.delivery.on_end(producer, body)
         elif kind is LinkKind.FAIL:
