@@ -257,6 +257,39 @@ def test_unhashable_closure_value_warns_and_makes_the_pipeline_unshareable():
     assert list(first) == [0, 1, 2]  # still runs
 
 
+def _decode(x: int) -> int:
+    return x * 2
+
+
+def test_pipelines_that_begin_alike_have_equal_prefix_fingerprints():
+    """Equal source and first stages, equal prefix fingerprints that far (what trainers
+    have in common); then they differ; the last is the whole pipeline's fingerprint."""
+    a = Pipeline.range(100).map(_decode).map(lambda x: x + 1).batch(10)
+    b = Pipeline.range(100).map(_decode).shuffle(64, seed=7).batch(25)
+    c = Pipeline.range(101).map(_decode)
+    assert len(a.prefix_fingerprints) == 4 and a.prefix_fingerprints[-1] == a.fingerprint
+    assert a.prefix_fingerprints[:2] == b.prefix_fingerprints[:2]
+    assert a.prefix_fingerprints[2] != b.prefix_fingerprints[2]
+    assert not set(c.prefix_fingerprints) & set(a.prefix_fingerprints)  # another source
+    # a prefix's fingerprint is that pipeline's own
+    assert a.prefix_fingerprints[1] == Pipeline.range(100).map(_decode).fingerprint
+    assert Pipeline.range(3).prefix_fingerprints == (Pipeline.range(3).fingerprint,)
+
+
+def test_prefix_fingerprints_are_sound_up_to_the_part_that_cannot_be_hashed():
+    def make():
+        lock = threading.Lock()
+        return Pipeline.range(3).map(_decode).map(lambda x: lock.locked() or x, name="g")
+
+    first, second = make(), make()
+    with pytest.warns(FingerprintWarning, match="lock"):
+        head, last = first.prefix_fingerprints[:2], first.prefix_fingerprints[2]
+    with pytest.warns(FingerprintWarning, match="lock"):
+        assert second.prefix_fingerprints[:2] == head  # sound before it
+        assert second.prefix_fingerprints[2] != last  # random from it on
+    assert last == first.fingerprint and not first.shareable
+
+
 def test_unhashable_global_names_the_culprit():
     with open(os.devnull) as handle:
         pipeline = build("pipeline = Pipeline.range(3).map(lambda x: HANDLE.closed or x)",

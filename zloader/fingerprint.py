@@ -62,7 +62,7 @@ import sys
 import sysconfig
 import types
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -72,7 +72,7 @@ from zloader._defaults import FINGERPRINT_MAX_DEPTH as MAX_DEPTH
 from zloader._version import __version__
 from zloader.errors import FingerprintWarning
 
-__all__ = ["MAX_DEPTH", "Unhashable", "fingerprint", "global_names"]
+__all__ = ["MAX_DEPTH", "Unhashable", "fingerprint", "global_names", "prefix_fingerprints"]
 
 SCHEME = 2
 """Bumped whenever the hashing rules change, so old and new fingerprints never match."""
@@ -106,15 +106,34 @@ def fingerprint(parts: Iterable[tuple[str, tuple[Any, ...]]]) -> str:
     Raises:
         Unhashable: part of an identity cannot be hashed soundly.
     """
-    hasher = _Hasher()
-    hasher.feed(("zloader-fingerprint", SCHEME, __version__, sys.version_info[:2]))
+    digests = list(prefix_fingerprints(parts))
+    return digests[-1] if digests else _started().hexdigest()
+
+
+def prefix_fingerprints(parts: Iterable[tuple[str, tuple[Any, ...]]]) -> Iterator[str]:
+    """The fingerprint of each prefix of a pipeline's ``parts``, in turn: the first part
+    alone, then with the second, and so on; the last is :func:`fingerprint`'s. Pipelines
+    that begin with equal parts have equal prefix fingerprints that far (what trainers
+    have in common).
+
+    Raises:
+        Unhashable: a part cannot be hashed soundly (after the prefixes before it).
+    """
+    hasher = _started()
     for name, identity in parts:
         hasher._path.append(name)
         hasher._emit(b"p", str(len(identity)).encode())
         for item in identity:
             hasher.feed(item)
         hasher._path.pop()
-    return hasher.hexdigest()
+        yield hasher.snapshot()
+
+
+def _started() -> _Hasher:
+    """A hasher fed the scheme's header (every fingerprint begins with it)."""
+    hasher = _Hasher()
+    hasher.feed(("zloader-fingerprint", SCHEME, __version__, sys.version_info[:2]))
+    return hasher
 
 
 def warn_unshareable(culprit: str) -> None:
@@ -236,6 +255,10 @@ class _Hasher:
 
     def hexdigest(self) -> str:
         return self._sha.hexdigest()
+
+    def snapshot(self) -> str:
+        """The digest of what was fed so far; feeding may go on."""
+        return self._sha.copy().hexdigest()
 
     def _emit(self, tag: bytes, payload: bytes | memoryview = b"") -> None:
         self._sha.update(tag + struct.pack("<Q", len(payload)))

@@ -31,7 +31,7 @@ from zloader import sources as _sources
 from zloader import stages as _stages
 from zloader._defaults import CACHE_MAX_ENTRY_BYTES
 from zloader.chunks import Chunk
-from zloader.fingerprint import Unhashable, fingerprint, warn_unshareable
+from zloader.fingerprint import Unhashable, prefix_fingerprints, warn_unshareable
 from zloader.runs import Context, RunSettings
 
 __all__ = ["Pipeline"]
@@ -508,14 +508,19 @@ class Pipeline:
     # --- identity --------------------------------------------------------------------
 
     @cached_property
-    def _fingerprint(self) -> tuple[str, str | None]:
+    def _fingerprints(self) -> tuple[tuple[str, ...], str | None]:
+        """Each prefix's fingerprint (:attr:`prefix_fingerprints`), and what could not be
+        hashed (None: all could)."""
         parts = [(self.source.name, self.source.identity())]
         parts += [(stage.name, stage.identity()) for stage in self.stages]
+        found: list[str] = []
         try:
-            return fingerprint(parts), None
+            found.extend(prefix_fingerprints(parts))
         except Unhashable as exc:
             warn_unshareable(exc.culprit)
-            return secrets.token_hex(32), exc.culprit
+            found += [secrets.token_hex(32) for _ in range(len(parts) - len(found))]
+            return tuple(found), exc.culprit
+        return tuple(found), None
 
     @property
     def fingerprint(self) -> str:
@@ -526,12 +531,20 @@ class Pipeline:
         :class:`~zloader.errors.FingerprintWarning` names it, :attr:`shareable` is False
         and the fingerprint is random, so it matches no other pipeline.
         """
-        return self._fingerprint[0]
+        return self._fingerprints[0][-1]
+
+    @property
+    def prefix_fingerprints(self) -> tuple[str, ...]:
+        """The fingerprint of each prefix of the pipeline: its source alone, then with its
+        first stage, and so on, the last being :attr:`fingerprint`. Pipelines that begin
+        alike (the same source and first stages) have equal prefix fingerprints that far;
+        from a part that cannot be hashed on, they are random."""
+        return self._fingerprints[0]
 
     @property
     def shareable(self) -> bool:
         """Whether the fingerprint is sound, so that other trainers may share this pipeline."""
-        return self._fingerprint[1] is None
+        return self._fingerprints[1] is None
 
     def __repr__(self) -> str:
         chain = " -> ".join([self.source.describe(), *(s.name for s in self.stages)])
