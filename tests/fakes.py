@@ -89,14 +89,16 @@ class FakePort:
         return delivery
 
     def join(self, consumer: str, epoch: int = 0, credits: int = 0,
-             index: int | None = None) -> Stream:
+             index: int | None = None, had: int = 0) -> Stream:
         """A consumer's stream, opening ``epoch`` with ``credits`` through the mode
-        (``index``: its consumer_index, in a coordinated job)."""
+        (``index``: its consumer_index, in a coordinated job; ``had``: the elements it had
+        of the epoch from here, opening it again)."""
         stream = Stream(consumer.encode(), consumer, epoch)
         self.streams[stream.identity] = stream
         assert self.delivery is not None
         self.delivery.open(stream, messages.Open(job="j", consumer=consumer, epoch=epoch,
-                                                 credits=credits, consumer_index=index))
+                                                 credits=credits, consumer_index=index,
+                                                 had=had))
         return stream
 
     # --- TaskPort -------------------------------------------------------------------------

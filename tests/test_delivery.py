@@ -194,6 +194,31 @@ def test_shared_a_late_joiner_gets_the_window_then_a_replay_of_what_left_it():
         delivery.close()
 
 
+def test_shared_a_trainer_forgotten_past_its_grace_gets_only_what_it_had_not():
+    """A trainer the worker forgot (silent past its grace) opens its epoch again saying
+    how many elements it had from here: the window's records it had are skipped, and of
+    those that left the window only the ones it had not are made again."""
+    port = FakePort()
+    delivery = SharedDelivery(port, WindowSettings(24, "skip", 0.0))  # three 8-byte records
+    port.attach(delivery)
+    try:
+        port.join("a", credits=100)
+        stream = port.join("b", credits=2)  # it takes two, then stops
+        for _ in range(6):
+            produce(delivery)
+        assert len(port.outlet.to("b", "DATA")) == 2
+        port.remove_stream(stream)  # forgotten (CONSUMER_GONE after its grace)
+        port.join("b", credits=100, had=2)  # back: records 4-6 in the window, 1-3 left it
+        assert len(port.outlet.to("b", "DATA")) == 2 + 3
+        (replayer,) = port.started
+        assert (replayer.options["skip"], replayer.options["replay"]) == (2, 3)  # the 3rd
+        again = port.join("c", credits=100, had=5)  # one that had 5: only the 6th is sent
+        assert len(port.outlet.to("c", "DATA")) == 1 and delivery.window.cursors[
+            again.identity].missed == 0
+    finally:
+        delivery.close()
+
+
 def rounds_mode(size: int = 2) -> tuple[FakePort, RoundsDelivery]:
     port = FakePort()
     delivery = RoundsDelivery(port, size)

@@ -512,6 +512,25 @@ def test_a_trainer_paused_for_seconds_gets_its_shared_epoch_exactly():
             exactly_once(epoch["got"], n)
 
 
+@pytest.mark.slow  # (about 35 s)
+def test_a_trainer_paused_past_its_grace_while_the_job_goes_on_gets_its_epoch_exactly():
+    """Stopped for 20 s, past its 15 s grace (the tests' heartbeat): the workers forgot
+    its cursors; it comes back while the other trainer still reads the epoch, opens it
+    again saying what it had from each worker, and gets the rest, each element once."""
+    n = 1200
+    with trainer_service(2) as (address, _):
+        slow = Trainer(address, "--delay", "0.01", n=n)
+        busy = Trainer(address, "--delay", "0.02", n=n)  # (still reading after 20 s)
+        wait_for(lambda: busy.progress >= 20 and slow.progress >= 20,
+                 what="both trainers' first elements")
+        os.kill(slow.process.pid, signal.SIGSTOP)
+        time.sleep(20.0)
+        os.kill(slow.process.pid, signal.SIGCONT)
+        for trainer in (slow, busy):
+            (epoch,) = trainer.epochs(timeout=180)
+            exactly_once(epoch["got"], n)
+
+
 @pytest.mark.slow  # (about 10 s)
 def test_a_shared_job_through_a_broker_restart_on_its_work_dir_is_exact(tmp_path):
     """The broker of a shared job is SIGKILLed mid-epoch and restarted on its work dir:

@@ -412,7 +412,7 @@ class ConsumerLoop:
             for worker in known & self._peers.workers():
                 peer = self._peers.get(worker)
                 if peer is not None:
-                    self._peers.open(peer)
+                    self._peers.open(peer, again=True)
         self._end.check(confirmed=confirmed)
 
     def _serve_source(self, context: zmq.Context[Any], poller: zmq.Poller) -> None:

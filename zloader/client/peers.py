@@ -290,10 +290,11 @@ class Peers:
 
     # --- streams and credits --------------------------------------------------------------
 
-    def open(self, peer: Peer, keep_credits: bool = False) -> None:
+    def open(self, peer: Peer, keep_credits: bool = False, again: bool = False) -> None:
         """Open the epoch under way (its latest rerun) on ``peer``, granting ``prefetch``
         credits afresh, and its share of the memory budget (the bytes it may have in
-        flight to this consumer)."""
+        flight to this consumer); ``again``: it was reading the epoch there already (the
+        broker had given up on this consumer): say what it had of it (a shared job's)."""
         session, prefetch = self.session, self.settings.prefetch
         parts = self.settings.parts  # (a mix drawn here: prefetch for each input)
         if not keep_credits:
@@ -311,6 +312,8 @@ class Peers:
             body["consumer_index"] = self.rounds.index
         if session.weights is not None:
             body.update(weights=list(session.weights), weights_stamp=session.weights_stamp)
+        if again and session.got_from.get(peer.worker):
+            body["had"] = session.got_from[peer.worker]
         self.send(peer, Command.OPEN, payload=session.epoch_input.frames(peer.index),
                   body=body)
         for items in session.undispatched.pop(peer.index, ()):

@@ -185,6 +185,22 @@ class Window:
         cursor.seq = max(cursor.seq, entry.seq + 1)
         cursor.waiting_since = None
 
+    def resume(self, cursor: Cursor, had: int) -> int:
+        """A trainer that had ``had`` elements of its epoch from here, in the order they
+        were made, joins it again (this worker had forgotten it: its grace ran out): its
+        cursor skips the records it had that are still in the window. Returns how many of
+        the missed elements it had (those a replay leaves out); when it had them all, its
+        ``missed`` is 0 (nothing is made again for it)."""
+        if had < cursor.missed:
+            return had
+        base = self.entries[0].seq if self.entries else self.head
+        for index in range(max(0, cursor.seq - base), len(self.entries)):
+            entry = self.entries[index]
+            if entry.epoch == cursor.epoch and not entry.end and entry.first < had:
+                cursor.seq = entry.seq + 1
+        cursor.missed = 0
+        return 0
+
     def leave(self, trainer: bytes) -> Cursor | None:
         return self.cursors.pop(trainer, None)
 

@@ -399,6 +399,9 @@ class Open(Record):
     # and when they were set (of a job's consumers' weights, the last set win)
     weights: tuple[float, ...] | None = fld(optional(MIX_WEIGHTS), None, omit=True)
     weights_stamp: float = fld(number(0.0, 1e12), 0.0, omit=True)
+    # A shared job's trainer opening again the epoch it was reading (the broker had given
+    # up on it): the elements of it this worker had sent it (its cursor may be forgotten)
+    had: int = fld(INDEX, 0, omit=True)
 
 
 @dataclass(frozen=True, kw_only=True)

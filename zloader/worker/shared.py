@@ -98,9 +98,10 @@ class SharedDelivery(Delivery):
             finished = epoch in port.finished and epoch != port.producing
             cursor = self.window.join(stream.identity, epoch,
                                       epoch == port.producing or finished, finished)
-            if cursor.missed > 0:
+            had = self.window.resume(cursor, opened.had) if opened.had else 0
+            if cursor.missed > had:
                 self.replays.append(Replay(stream.identity, epoch, cursor.missed,
-                                           self.splits.setdefault(epoch, {})))
+                                           self.splits.setdefault(epoch, {}), skip=had))
             for segment in self.adopted.get(epoch, ()):
                 if stream.consumer not in segment.served:
                     self._owe(stream, segment)
@@ -251,8 +252,9 @@ class SharedDelivery(Delivery):
             replay = self.replay
             if replay is not None and replay.segment is not None:
                 replay.segment.served.add(stream.consumer)
-            else:
-                cursor.lagged += max(0, cursor.missed - sent)  # splits no longer on record
+            else:  # (what it was not sent: splits no longer on record; ``skip`` it had)
+                skip = replay.skip if replay is not None else 0
+                cursor.lagged += max(0, cursor.missed - skip - sent)
                 cursor.missed = 0
             sent += self.replayed.pop(trainer, 0)
             self._stop_replay()
