@@ -164,14 +164,15 @@ class Frame:
 
 class FakePeers:
     """The consumer's workers as its :class:`~zloader.client.receive.Receiver` sees them:
-    it keeps the credits given back and the workers that left, and has no rings (a notice
-    naming one is for a ring closed since)."""
+    it keeps the credits given back and the workers that left; ``rings`` are the rings a
+    notice may name, by ring id (one not there is a ring closed since)."""
 
     large = 1 << 40  # (no record is more than the memory budget holds in flight)
 
     def __init__(self) -> None:
         self.credits: list[tuple[str, int]] = []
         self.left_view: list[str] = []
+        self.rings: dict[int, tuple[Any, Any]] = {}  # ring id -> (peer, ring)
 
     def __iter__(self) -> Any:
         return iter(())
@@ -179,8 +180,8 @@ class FakePeers:
     def credit(self, worker: str, credits: int, part: int | None = None) -> None:
         self.credits.append((worker, credits))
 
-    def ring_by_id(self, ring_id: int) -> None:
-        return None
+    def ring_by_id(self, ring_id: int) -> tuple[Any, Any] | None:
+        return self.rings.get(ring_id)
 
     def reading(self, peer: Any, ring: Any) -> Any:
         return ring

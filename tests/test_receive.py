@@ -17,7 +17,11 @@ from zloader.client.receive import Receiver
 from zloader.client.session import EpochInput, Session
 from zloader.client.stats import Stats
 from zloader.transport import messages
+from zloader.transport.notice import Notices
 from zloader.transport.protocol import Command, Message, ProtocolError
+from zloader.transport.ring import RingReader
+from zloader.worker.outgoing import Head
+from zloader.worker.streams import Outlet, Stream
 
 
 class Consumer:
@@ -97,3 +101,24 @@ def test_what_is_not_a_worker_s_message_is_refused():
     consumer = Consumer()
     with pytest.raises(ProtocolError, match="not a message from a worker"):
         consumer.receiver.message(consumer.peer, Message(Command.CREDIT, {}, []))
+
+
+def test_a_noticed_record_is_read_from_its_ring():
+    """A co-located worker's record, framed in the consumer's ring with a notice on its
+    pipe (a real ring and pipe: worker/streams.py ``Outlet``), becomes an item."""
+    consumer = Consumer()
+    ring, notices = RingReader(1 << 20), Notices()
+    stream = Stream(b"c1", "c1", 0)
+    try:
+        stream.attach(ring.name, 7, notices.name)
+        consumer.peers.rings[7] = (consumer.peer, ring)
+        Outlet(None, lambda text: None).record(  # type: ignore[arg-type]
+            stream, Head(0, 2), codec.encode(["x", "y"]))
+        (notice,) = list(notices.read())
+        consumer.receiver.notice(*notice)
+        (item,) = consumer.items
+        assert item.elements == ["x", "y"] and consumer.peer.owed == 9
+    finally:
+        stream.close()
+        notices.close()
+        ring.close()
