@@ -498,17 +498,23 @@ def test_a_worker_stopped_with_sigterm_hands_on_what_it_read_to_a_later_trainer(
 def test_a_trainer_paused_for_seconds_gets_its_shared_epoch_exactly():
     """A trainer of a shared job stopped (SIGSTOP) for 3 s mid-epoch, then continued:
     it and the other trainer each get every element once."""
-    n = 2 * N
+    pause_one_of_two(2 * N, other_delay=0.005, seconds=3.0)
+
+
+def pause_one_of_two(n: int, other_delay: float, seconds: float) -> None:
+    """Two trainers of a shared job on two workers; one (0.01 s an element) is stopped
+    with SIGSTOP for ``seconds`` once both have elements, the other reads on at
+    ``other_delay``: each gets every element once."""
     with trainer_service(2) as (address, _):
-        slow = Trainer(address, "--delay", "0.01", n=n)
-        fast = Trainer(address, "--delay", "0.005", n=n)
-        wait_for(lambda: fast.progress >= 20 and slow.progress >= 20,
+        paused = Trainer(address, "--delay", "0.01", n=n)
+        other = Trainer(address, "--delay", str(other_delay), n=n)
+        wait_for(lambda: other.progress >= 20 and paused.progress >= 20,
                  what="both trainers' first elements")
-        os.kill(slow.process.pid, signal.SIGSTOP)
-        time.sleep(3.0)
-        os.kill(slow.process.pid, signal.SIGCONT)
-        for trainer in (slow, fast):
-            (epoch,) = trainer.epochs(timeout=120)
+        os.kill(paused.process.pid, signal.SIGSTOP)
+        time.sleep(seconds)
+        os.kill(paused.process.pid, signal.SIGCONT)
+        for trainer in (paused, other):
+            (epoch,) = trainer.epochs(timeout=180)
             exactly_once(epoch["got"], n)
 
 
@@ -517,18 +523,7 @@ def test_a_trainer_paused_past_its_grace_while_the_job_goes_on_gets_its_epoch_ex
     """Stopped for 20 s, past its 15 s grace (the tests' heartbeat): the workers forgot
     its cursors; it comes back while the other trainer still reads the epoch, opens it
     again saying what it had from each worker, and gets the rest, each element once."""
-    n = 1200
-    with trainer_service(2) as (address, _):
-        slow = Trainer(address, "--delay", "0.01", n=n)
-        busy = Trainer(address, "--delay", "0.02", n=n)  # (still reading after 20 s)
-        wait_for(lambda: busy.progress >= 20 and slow.progress >= 20,
-                 what="both trainers' first elements")
-        os.kill(slow.process.pid, signal.SIGSTOP)
-        time.sleep(20.0)
-        os.kill(slow.process.pid, signal.SIGCONT)
-        for trainer in (slow, busy):
-            (epoch,) = trainer.epochs(timeout=180)
-            exactly_once(epoch["got"], n)
+    pause_one_of_two(1200, other_delay=0.02, seconds=20.0)  # (the other still reads)
 
 
 @pytest.mark.slow  # (about 10 s)

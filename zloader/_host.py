@@ -38,23 +38,24 @@ def running(pid: int) -> bool:
     """Whether process ``pid`` of this host exists and is neither stopped (SIGSTOP, a
     debugger) nor a zombie: a worker that is silent but running is busy (user code that
     holds the interpreter's lock), not dead."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:  # gone (or not Linux: then heartbeats alone decide)
-        return False
-    state = stat[stat.rfind(")") + 2:][:1]
-    return state in ("R", "S", "D")
+    return _state(pid) in ("R", "S", "D")
 
 
 def gone(pid: int) -> bool:
     """Whether process ``pid`` of this host has exited (or is a zombie); a stopped one
     (SIGSTOP, a debugger) is not gone: it may continue."""
+    return _state(pid) in ("", "Z", "X")
+
+
+def _state(pid: int) -> str | None:
+    """Process ``pid``'s state letter from /proc (``R``, ``S``, ``T``, ``Z``, ...); ""
+    when there is no such process; None when /proc cannot say (not Linux: heartbeats
+    alone decide)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             stat = f.read()
     except FileNotFoundError:
-        return True
-    except OSError:  # (not Linux: heartbeats alone decide)
-        return False
-    return stat[stat.rfind(")") + 2:][:1] in ("Z", "X")
+        return ""
+    except OSError:
+        return None
+    return stat[stat.rfind(")") + 2:][:1]
