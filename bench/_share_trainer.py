@@ -3,10 +3,12 @@ TensorSocket producer. Prints one JSON line when done.
 
     python -m bench._share_trainer ROLE CONFIG_FILE
 
-Roles: ``zloader-shared``, ``zloader-unshared``, ``torch``, ``tensorsocket`` (trainers) and
-``tensorsocket-producer``. A trainer reads ``epochs`` epochs of ``images`` images as fast
-as it can (it reads one value of each batch) and reports when each batch arrived, its own
-CPU time and its children's (a torch DataLoader's workers, an embedded zloader's).
+Roles: ``zloader-shared``, ``zloader-unshared``, ``torch``, ``tensorsocket`` (trainers),
+``tensorsocket-producer``, and the sweep's trainers (bench/_sweep.py): ``sweep-`` and one of
+``zloader-shared``, ``zloader-unshared``, ``torch``. A trainer reads ``epochs`` epochs of
+``images`` images as fast as it can (it reads one value of each batch) and reports when
+each batch arrived, its own CPU time and its children's (a torch DataLoader's workers, an
+embedded zloader's).
 """
 
 from __future__ import annotations
@@ -127,12 +129,53 @@ def producer(config: dict[str, Any]) -> dict[str, Any]:
     return {"role": "tensorsocket-producer", "cpu": cpu()}
 
 
+def sweep_trainer(role: str, config: dict[str, Any]) -> dict[str, Any]:
+    """A trainer of the sweep (bench/_sweep.py): trainer ``config["which"]``'s suffix;
+    reports each epoch's seconds and whether it got every image once."""
+    from bench._sweep import SUFFIXES, TorchSweep, pipeline
+
+    paths, images, epochs = config["paths"], config["images"], config["epochs"]
+    which, log = config["which"], config["log"]
+    size, strength = SUFFIXES[which]
+    if role == "sweep-torch":
+        import torch.utils.data
+
+        loader: Any = torch.utils.data.DataLoader(
+            TorchSweep(paths, images, log, strength), batch_size=size, shuffle=True,
+            num_workers=config["workers"])
+    else:
+        from zloader import Loader
+
+        kwargs: dict[str, Any] = ({"broker": config["broker"], "share": True}
+                                  if role == "sweep-zloader-shared"
+                                  else {"num_workers": config["workers"]})
+        loader = Loader(pipeline(paths, images, log, which), timeout=300, **kwargs)
+    seconds, exact, stats = [], [], {}
+    try:
+        for _ in range(epochs):
+            started = time.perf_counter()
+            got: list[int] = []
+            for pixels, indices in loader:
+                float(np.asarray(pixels).reshape(-1)[-1])  # the training loop touches it
+                got += np.asarray(indices).reshape(-1).tolist()
+            seconds.append(time.perf_counter() - started)
+            exact.append(sorted(got) == list(range(images)))
+        if role != "sweep-torch":
+            stats = loader.stats()
+    finally:
+        if role != "sweep-torch":
+            loader.close()
+    return {"role": role, "which": which, "seconds": seconds, "exact": exact, "cpu": cpu(),
+            "replayed": stats.get("share_replayed", 0)}
+
+
 def main() -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks, if it ever hangs
     role = sys.argv[1]
     with open(sys.argv[2]) as file:
         config = json.load(file)
-    result = producer(config) if role == "tensorsocket-producer" else trainer(role, config)
+    result = producer(config) if role == "tensorsocket-producer" else \
+        sweep_trainer(role, config) if role.startswith("sweep-") else trainer(role, config)
     print(json.dumps(result), flush=True)
 
 

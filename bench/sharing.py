@@ -1,6 +1,8 @@
-"""Sharing benchmark: K trainer processes over one CPU-heavy image pipeline.
+"""Sharing benchmark: K trainer processes over one CPU-heavy image pipeline, and a
+hyper-parameter sweep whose trainers share a decode and part after it.
 
     python -m bench.sharing [--images 1024] [--epochs 2] [--workers 2] [--trainers 1,2,4]
+        [--sweep-images 512] [--sweep-epochs 2] [--only identical|sweep]
 
 For K in 1, 2, 4 trainer processes, each reading ``epochs`` epochs of ``images`` images
 (the [3/7] JPEG pipeline: decode, random resized crop to 224, flip, batches of 64) as fast
@@ -18,6 +20,12 @@ worker processes; the trainers' DataLoader or embedded workers; TensorSocket's p
 its workers), each trainer's images/s (first batch to last), and the sum over trainers.
 Targets ([4/7]): shared CPU at K=4 <= 1.3x that at K=1; each shared trainer's rate >= 0.9x a
 lone trainer's; with equal workers, shared zloader's aggregate rate >= TensorSocket's.
+
+The sweep (bench/_sweep.py, [3/6] item 3): four trainers with the same JPEG decode and
+their own augmentation and batch size, prefix-shared against four unshared Loaders and four
+torch DataLoaders; worker CPU-seconds per epoch, each trainer's epoch seconds, decode calls,
+whether each trainer got every image once. Target: the prefix-shared sweep's worker CPU <=
+1.4x one trainer's (unshared: about 4x).
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ import psutil
 from bench._common import tree_cpu, version
 from bench._images import JPEG_FILES, write_jpegs
 from bench._share_trainer import BATCH_SIZE
+from bench._sweep import SUFFIXES, photo_files
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 BIN = pathlib.Path(sys.executable).parent
@@ -74,6 +83,29 @@ def collect(process: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def start_pool(config: dict[str, Any], service: list[subprocess.Popen[Any]]
+               ) -> tuple[dict[str, Any], psutil.Process]:
+    """A broker and a ``zloader-worker --processes W`` (into ``service``): the config with
+    its address, and the worker process (whose tree's CPU is the workers')."""
+    address = f"tcp://127.0.0.1:{free_ports(1)[0]}"
+    service.append(subprocess.Popen([BIN / "zloader-broker", "--bind", address,
+                                     "--log-level", "warning"]))
+    service.append(subprocess.Popen([BIN / "zloader-worker", "--broker", address,
+                                     "--processes", str(config["workers"])]))
+    time.sleep(1.5)  # the workers register
+    return {**config, "broker": address}, psutil.Process(service[1].pid)
+
+
+def stop_all(service: list[subprocess.Popen[Any]]) -> None:
+    for process in service:
+        process.terminate()
+    for process in service:
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
 def run(system: str, k: int, config: dict[str, Any]) -> dict[str, Any]:
     """One system with K trainers; returns worker-side CPU and each trainer's rate."""
     service: list[subprocess.Popen[Any]] = []
@@ -81,14 +113,7 @@ def run(system: str, k: int, config: dict[str, Any]) -> dict[str, Any]:
     pool_cpu = 0.0
     try:
         if system == "zloader-shared":
-            address = f"tcp://127.0.0.1:{free_ports(1)[0]}"
-            service.append(subprocess.Popen([BIN / "zloader-broker", "--bind", address,
-                                             "--log-level", "warning"]))
-            service.append(subprocess.Popen([BIN / "zloader-worker", "--broker", address,
-                                             "--processes", str(config["workers"])]))
-            time.sleep(1.5)  # the workers register
-            config = {**config, "broker": address}
-            pool = psutil.Process(service[1].pid)
+            config, pool = start_pool(config, service)
             pool_cpu = -tree_cpu(pool)
         if system == "tensorsocket":
             config = {**config, "ports": free_ports(4), "trainers": k}
@@ -103,13 +128,7 @@ def run(system: str, k: int, config: dict[str, Any]) -> dict[str, Any]:
         if system == "tensorsocket":
             extra.append(collect(service[-1], 60))
     finally:
-        for process in service:
-            process.terminate()
-        for process in service:
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_all(service)
     epochs = config["epochs"]
     rates = []
     for result in results:
@@ -126,6 +145,76 @@ def run(system: str, k: int, config: dict[str, Any]) -> dict[str, Any]:
             "aggregate": sum(rates), "stats": [r["stats"] for r in results],
             "expected_per_epoch": config["images"] // BATCH_SIZE,
             "share_replayed": [r["stats"].get("share_replayed", 0) for r in results]}
+
+
+SWEEP = ("one", "zloader-shared", "zloader-unshared", "torch")
+SWEEP_NAMES = {"one": "one trainer alone (zloader)", "zloader-shared": "zloader, share=True",
+               "zloader-unshared": "zloader, 4 unshared Loaders",
+               "torch": "torch DataLoader x 4"}
+
+
+def run_sweep(system: str, config: dict[str, Any]) -> dict[str, Any]:
+    """The sweep's trainers (one alone for ``"one"``) on ``system``: the workers' CPU per
+    epoch, each trainer's epoch seconds and exactness, the decode calls per epoch."""
+    log = pathlib.Path(config["workdir"]) / f"decodes-{system}.log"
+    log.unlink(missing_ok=True)
+    config = {**config, "log": str(log), "images": config["sweep_images"],
+              "epochs": config["sweep_epochs"]}
+    role = "sweep-" + ("zloader-shared" if system == "one" else system)
+    service: list[subprocess.Popen[Any]] = []
+    pool_cpu = 0.0
+    try:
+        if role == "sweep-zloader-shared":
+            config, pool = start_pool(config, service)
+            pool_cpu = -tree_cpu(pool)
+        trainers = [spawn(role, {**config, "which": which})
+                    for which in range(1 if system == "one" else len(SUFFIXES))]
+        service += trainers
+        results = [collect(t, config["timeout"]) for t in trainers]
+        if role == "sweep-zloader-shared":
+            pool_cpu += tree_cpu(pool)
+    finally:
+        stop_all(service)
+    epochs = config["epochs"]
+    cpu = pool_cpu if role == "sweep-zloader-shared" else \
+        sum(r["cpu"]["children"] for r in results)
+    return {"system": system, "worker_cpu_per_epoch": cpu / epochs,
+            "seconds": [r["seconds"] for r in results],
+            "exact": all(all(r["exact"]) for r in results),
+            "replayed": [r["replayed"] for r in results],
+            "decodes_per_epoch": log.stat().st_size / epochs if log.exists() else 0.0}
+
+
+def sweep_table(results: list[dict[str, Any]], images: int) -> str:
+    one = next((r for r in results if r["system"] == "one"), None)
+    rows = ["| system | worker CPU-s / epoch | vs one trainer | decodes / epoch | each "
+            "trainer's epoch, s (batch 32 / 64 / 128 / 256) | every image once |",
+            "|---|---|---|---|---|---|"]
+    for r in results:
+        ratio = (f"{r['worker_cpu_per_epoch'] / one['worker_cpu_per_epoch']:.2f}x"
+                 if one else "-")
+        epochs = " / ".join(f"{statistics.mean(s):.1f}" for s in r["seconds"])
+        rows.append(f"| {SWEEP_NAMES[r['system']]} | {r['worker_cpu_per_epoch']:.2f} | "
+                    f"{ratio} | {r['decodes_per_epoch']:.0f} (of {images}) | {epochs} | "
+                    f"{'yes' if r['exact'] else 'NO'} |")
+    return "\n".join(rows)
+
+
+def sweep_verdicts(results: list[dict[str, Any]]) -> list[str]:
+    by = {r["system"]: r for r in results}
+    one, shared = by.get("one"), by.get("zloader-shared")
+    out = []
+    if one and shared:
+        ratio = shared["worker_cpu_per_epoch"] / one["worker_cpu_per_epoch"]
+        out.append(f"sweep: prefix-shared worker CPU / one trainer's: {ratio:.2f}x (target "
+                   f"<= 1.4x): {'holds' if ratio <= 1.4 else 'missed'}")
+    for name in ("zloader-unshared", "torch"):
+        if one and name in by:
+            out.append(f"sweep: {SWEEP_NAMES[name]} worker CPU / one trainer's: "
+                       f"{by[name]['worker_cpu_per_epoch'] / one['worker_cpu_per_epoch']:.2f}x")
+    out += [f"sweep: {SWEEP_NAMES[r['system']]}: a trainer did NOT get every image once"
+            for r in results if not r["exact"]]
+    return out
 
 
 def table(results: list[dict[str, Any]], ks: list[int]) -> str:
@@ -175,6 +264,11 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=120,
                         help="seconds a system's run may take before it counts as failed")
     parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--sweep-images", type=int, default=512,
+                        help="images per epoch of the sweep")
+    parser.add_argument("--sweep-epochs", type=int, default=2)
+    parser.add_argument("--only", choices=("identical", "sweep"), default=None,
+                        help="run one of the two sections only")
     args = parser.parse_args()
     ks = [int(k) for k in args.trainers.split(",")]
     systems = args.systems.split(",")
@@ -182,14 +276,18 @@ def main() -> None:
         parser.error(f"--images must be a multiple of {BATCH_SIZE} (at least two batches); "
                      f"--systems among {SYSTEMS}")
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="bench-sharing-"))
-    results = []
+    results: list[dict[str, Any]] = []
+    swept: list[dict[str, Any]] = []
     failed: dict[str, str] = {}
     try:
         paths = write_jpegs(workdir, JPEG_FILES)
         config = {"paths": paths, "images": args.images, "epochs": args.epochs,
                   "workers": args.workers, "workdir": str(workdir),
-                  "timeout": args.timeout}
-        for k in ks:
+                  "timeout": args.timeout, "sweep_images": args.sweep_images,
+                  "sweep_epochs": args.sweep_epochs}
+        if args.only != "identical":
+            swept = sweep(config, workdir, failed)
+        for k in ks if args.only != "sweep" else ():
             for system in systems:
                 if system in failed:
                     continue
@@ -213,7 +311,7 @@ def main() -> None:
             f"unshared systems), nproc {os.cpu_count()}, torch {version('torch')}, "
             f"tensorsocket {version('tensorsocket')}. One run per cell; the machine is "
             "shared and noisy, read the ratios.")
-    notes = [f"- {v}" for v in verdicts(results)]
+    notes = [f"- {v}" for v in verdicts(results) + sweep_verdicts(swept)]
     for r in results:
         counts = [c for s in r["stats"] for c in s.get("batches_per_epoch", [])]
         if counts and min(counts) < r["expected_per_epoch"]:
@@ -222,14 +320,46 @@ def main() -> None:
                          "of an epoch (its producer broadcasts groups of 8 loader batches and "
                          "drops the last group at the end of an epoch); rates count what "
                          "arrived")
-    notes += [f"- {NAMES[name]} did not complete ({why}); its other rows are missing"
-              for name, why in failed.items()]
-    text = "\n\n".join([head, table(results, ks), "\n".join(notes)])
+    notes += [f"- {NAMES.get(name, name)} did not complete ({why}); its other rows are "
+              "missing" for name, why in failed.items()]
+    sections = [head]
+    if results:
+        sections.append(table(results, ks))
+    if swept:
+        sections += [f"The sweep: {args.sweep_images} images per epoch (real photographs), "
+                     f"{args.sweep_epochs} epochs, {args.workers} preprocessing processes "
+                     "per system (per trainer for the unshared ones); four trainers with "
+                     "the same decode, batch sizes 32 / 64 / 128 / 256, augmentation "
+                     "strengths 0.1 / 0.4 / 0.1 / 0.4.",
+                     sweep_table(swept, args.sweep_images)]
+    text = "\n\n".join([*sections, "\n".join(notes)])
     print(text)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sharing.md").write_text(text + "\n")
-    (out / "sharing.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "sharing.json").write_text(json.dumps({"identical": results, "sweep": swept},
+                                                 indent=1) + "\n")
+
+
+def sweep(config: dict[str, Any], workdir: pathlib.Path,
+          failed: dict[str, str]) -> list[dict[str, Any]]:
+    """The sweep's systems, one after another (see bench/_sweep.py)."""
+    config = {**config, "paths": photo_files(workdir, 64)}
+    out = []
+    for system in SWEEP:
+        started = time.perf_counter()
+        try:
+            result = run_sweep(system, config)
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            failed[f"sweep {system}"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            print(f"[sweep] {SWEEP_NAMES[system]} failed: {exc}", file=sys.stderr, flush=True)
+            continue
+        out.append(result)
+        print(f"[sweep] {SWEEP_NAMES[system]}: {result['worker_cpu_per_epoch']:.2f} CPU-s "
+              f"per epoch, {result['decodes_per_epoch']:.0f} decodes per epoch, exact "
+              f"{result['exact']} ({time.perf_counter() - started:.1f} s)", file=sys.stderr,
+              flush=True)
+    return out
 
 
 if __name__ == "__main__":

@@ -78,6 +78,7 @@ class FakePort:
         self.producer: Any = None
         self.reruns: dict[int, int] = {}
         self.spec: Any = None
+        self.branches: dict[int, Any] = {0: None}  # (a shared job's, by index)
         self.delivery: Delivery | None = None
         self.started: list[FakeProducer] = []
         self.dropped: list[FakeProducer] = []
@@ -89,16 +90,16 @@ class FakePort:
         return delivery
 
     def join(self, consumer: str, epoch: int = 0, credits: int = 0,
-             index: int | None = None, had: int = 0) -> Stream:
+             index: int | None = None, had: int = 0, branch: int = 0) -> Stream:
         """A consumer's stream, opening ``epoch`` with ``credits`` through the mode
         (``index``: its consumer_index, in a coordinated job; ``had``: the elements it had
-        of the epoch from here, opening it again)."""
+        of the epoch from here, opening it again; ``branch``: a shared job's it reads)."""
         stream = Stream(consumer.encode(), consumer, epoch)
         self.streams[stream.identity] = stream
         assert self.delivery is not None
         self.delivery.open(stream, messages.Open(job="j", consumer=consumer, epoch=epoch,
                                                  credits=credits, consumer_index=index,
-                                                 had=had))
+                                                 had=had, branch=branch))
         return stream
 
     # --- TaskPort -------------------------------------------------------------------------
@@ -147,9 +148,10 @@ class FakePort:
         self.rounds_asked.append((epoch, members))
 
 
-def record(count: int = 1, size: int = 8, epoch: int = 0) -> Outgoing:
-    """A record the producer made of ``epoch``: ``count`` elements in ``size`` bytes."""
-    return Outgoing(Head(epoch, count), [bytes(size)], gathered=False)
+def record(count: int = 1, size: int = 8, epoch: int = 0, branch: int = 0) -> Outgoing:
+    """A record the producer made of ``epoch``: ``count`` elements in ``size`` bytes (of a
+    shared job's ``branch``)."""
+    return Outgoing(Head(epoch, count, branch=branch), [bytes(size)], gathered=False)
 
 
 # --- the consumer's side --------------------------------------------------------------------

@@ -11,6 +11,7 @@ from zloader.sharing.window import WindowSettings
 from zloader.transport.protocol import ProtocolError
 from zloader.worker.credit import CreditDelivery
 from zloader.worker.outgoing import EndOut
+from zloader.worker.permits import Pool
 from zloader.worker.rounds import RoundsDelivery
 from zloader.worker.shared import SharedDelivery
 
@@ -215,6 +216,85 @@ def test_shared_a_trainer_forgotten_past_its_grace_gets_only_what_it_had_not():
         again = port.join("c", credits=100, had=5)  # one that had 5: only the 6th is sent
         assert len(port.outlet.to("c", "DATA")) == 1 and delivery.window.cursors[
             again.identity].missed == 0
+    finally:
+        delivery.close()
+
+
+class TreeProducer:
+    """A shared job's producer with branches: it adds those asked for while ``room``."""
+
+    def __init__(self, room: bool) -> None:
+        self.room = room
+        self.pool = Pool()
+        self.attached: set[int] = {0}
+        self.asked: list[int] = []
+
+    def attach(self, branch) -> None:
+        self.asked.append(branch)
+        if self.room:
+            self.attached.add(1)
+
+
+def branched(room: bool) -> tuple[FakePort, SharedDelivery, TreeProducer]:
+    """A shared job with branches 0 and 1; branch 1's trainer comes while epoch 0 runs
+    and its producer makes only branch 0 (``room``: it can add branch 1 from the start)."""
+    port = FakePort()
+    delivery = SharedDelivery(port, WindowSettings(1 << 20, "block", 10.0))
+    port.attach(delivery)
+    port.join("a", credits=10)
+    delivery.new_epoch(0)  # (as the task does: its producer runs branch 0 alone)
+    port.producer = TreeProducer(room)
+    port.branches[1] = "branch 1"
+    produce(delivery, count=2)
+    return port, delivery, port.producer
+
+
+def test_shared_branches_each_trainer_gets_its_branch_s_records_and_every_end(shared):
+    port, delivery = shared
+    port.branches[1] = "branch 1"
+    delivery.new_epoch(0)  # (its producer makes both branches)
+    port.join("a", credits=10)
+    port.join("b", credits=10, branch=1)
+    port.join("c", credits=10, branch=1)
+    for count, branch in ((2, 0), (3, 1), (4, 1), (5, 0)):
+        delivery.on_record(PRODUCER, record(count, branch=branch))
+    end(delivery)
+    assert [s.count for s in port.outlet.to("a", "DATA")] == [2, 5]
+    for trainer in "bc":
+        assert [s.count for s in port.outlet.to(trainer, "DATA")] == [3, 4]
+    assert all(kinds(port, t)[-1] == "END" for t in "abc") and not port.started
+    assert delivery.stats()["trainers"]["b"]["branch"] == 1
+
+
+def test_shared_a_branch_added_to_the_epoch_under_way_gets_it_from_the_producer():
+    port, delivery, producer = branched(room=True)
+    try:
+        port.join("b", credits=10, branch=1)
+        assert producer.asked == ["branch 1"]
+        delivery.on_record(PRODUCER, record(7, branch=1))  # its records, from the start
+        end(delivery)
+        assert [s.count for s in port.outlet.to("b", "DATA")] == [7]
+        assert kinds(port, "b")[-1] == "END" and not port.started  # nothing made again
+    finally:
+        delivery.close()
+
+
+def test_shared_a_branch_too_late_for_the_epoch_gets_it_made_once_it_is_read_here():
+    port, delivery, _ = branched(room=False)
+    try:
+        port.join("b", credits=10, branch=1)
+        assert not port.started  # the epoch's splits are not all read here yet
+        end(delivery)
+        port.finish_epoch(0)
+        port.maybe_produce()
+        (replayer,) = port.started
+        assert replayer.options["branch"] == 1 and replayer.options["skip"] == 0
+        assert replayer.options["replay"] > 10**9  # all of it
+        delivery.on_record(replayer, record(6, branch=1))
+        delivery.on_end(replayer, EndOut(0))
+        assert [s.count for s in port.outlet.to("b", "DATA")] == [6]
+        (done,) = port.outlet.to("b", "END")
+        assert done.record.replayed == 6 and done.record.lagged == 0
     finally:
         delivery.close()
 

@@ -32,7 +32,7 @@ LAYERS = {
     "transport.sockets": 1.5, "options": 1.55, "transport.shapes": 1.55,
     "transport.messages": 1.6,
     "sharing": 0, "sharing.window": 0, "sharing.handover": 0.5, "sharing.options": 0.5,
-    "sharing.store": 1.6,
+    "sharing.store": 1.6, "sharing.prefix": 0.5,
     "packed": 0.8,  # lists packed for forked workers (fingerprint reads them)
     "handoff": 0.85,  # ... packed after the fork, handed to the workers
     "codec_torch": 0.9,  # torch tensors in the codec, torch imported lazily
@@ -47,7 +47,7 @@ LAYERS = {
     "sources": 2, "formats.base": 2.2, "formats.tfrecord": 2.4, "formats.webdataset": 2.4,
     "formats.parquet": 2.4, "formats.jsonl": 2.4, "formats.image_folder": 2.4,
     "formats.build": 2.6, "chunks": 1.8, "groups": 1.9, "stages": 2, "cache": 2.5, "mixing": 2.8,
-    "pipeline": 3, "plan": 4,
+    "pipeline": 3, "plan": 4, "sharing.branches": 4.5,
     "demo": 4,
     "_pickling": 4, "shipping": 5,
     # the broker: records and the pool's policy, the concerns one above the other (each
@@ -64,6 +64,7 @@ LAYERS = {
     # on the interface they implement, the task above them, the process on top
     "worker.dispatched": 5.9,  # (a consumer's work items, taken by the producer)
     "worker.outgoing": 5.9,  # (what a producer hands on: a record and its head, an END)
+    "worker.spec": 5.95,  # (what a producer is given and speaks in)
     "worker.memory": 6.0, "worker.permits": 5.9, "worker.producer": 6.0, "worker.streams": 6.0,
     "worker.broker_link": 6.0,
     "worker.links": 6.1, "worker.delivery": 6.2, "worker.credit": 6.3, "worker.rounds": 6.4,

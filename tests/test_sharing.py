@@ -357,7 +357,8 @@ def _sleepy(x: int) -> int:
 
 
 @pytest.mark.slow  # (about 8 s each)
-@pytest.mark.parametrize("at, batched", [(300, False), (1900, False), (1500, True)])
+@pytest.mark.parametrize("at, batched", [(300, False), (1900, False), (1500, True),
+                                         (600, "b's own")])
 def test_a_worker_killed_under_shared_trainers_loses_and_repeats_nothing(at, batched):
     """One of a shared job's two workers is SIGKILLed while two trainers read (early, near
     the end: the other worker may have ended the epoch for them before the broker sees
@@ -366,13 +367,17 @@ def test_a_worker_killed_under_shared_trainers_loses_and_repeats_nothing(at, bat
     splits it had handed it a segment that the other worker makes again for each trainer,
     less the elements that trainer got from it: each gets every element once. (Its splits
     were read again by the other worker: both got what they had twice, 103 of 1,200 in
-    bench.shared_faults; and near the end, the slower lost up to 152 of 2,000.)"""
+    bench.shared_faults; and near the end, the slower lost up to 152 of 2,000.) With
+    "b's own", trainer b shuffles and batches after the shared map (a branch): the other
+    worker makes the dead one's splits again through b's pipeline for b."""
     pipeline = Pipeline.range(2000, split_size=20).map(_sleepy)
+    own = pipeline
     if batched:
-        pipeline = pipeline.shuffle(64, seed=3).batch(7)
+        own = pipeline.shuffle(64, seed=3).batch(7)
+        pipeline = pipeline if batched == "b's own" else own
     with service(workers=2) as (address, procs):
         with Loader(pipeline, broker=address, share=True, timeout=30) as a, \
-                Loader(pipeline, broker=address, share=True, timeout=30) as b:
+                Loader(own, broker=address, share=True, timeout=30) as b:
             got: dict[str, list[int]] = {}
 
             def read(name: str, loader: Loader) -> None:
@@ -390,6 +395,73 @@ def test_a_worker_killed_under_shared_trainers_loses_and_repeats_nothing(at, bat
                          timeout=90)
             for seen in got.values():
                 exactly_once(seen, 2000)
+
+
+def decodes(log: str) -> int:
+    return os.path.getsize(log) if os.path.exists(log) else 0
+
+
+def check_suffix(epoch: dict, suffix: str, n: int) -> None:
+    """A trainer's epoch is its pipeline's, exactly: every element once (the even ones
+    for the filtering suffix)."""
+    got = epoch["got"]
+    if suffix == "even":
+        assert sorted(got) == list(range(0, n, 2)), suffix
+    else:
+        exactly_once(got, n)
+
+
+@pytest.mark.slow  # (about 15 s)
+def test_trainers_with_their_own_stages_share_the_common_ones_and_each_gets_its_epoch(
+        tmp_path):
+    """Four trainers share a map (the "decode") and then part: one has nothing more, one
+    shuffles and batches, one maps and batches, one filters; a fifth, with yet another
+    suffix, is killed mid-epoch. Each of the four gets its own pipeline's epoch exactly
+    (every element once, in its own batches), and the map ran once per element for all."""
+    log = str(tmp_path / "decode.log")
+    n = 600
+    suffixes = ["", "shuffle_batch25", "augment_batch4", "even"]
+    with trainer_service(2) as (address, _):
+        trainers = [Trainer(address, "--delay", "0.015", "--log", log, "--suffix", suffix,
+                            n=n) for suffix in suffixes]
+        leaver = Trainer(address, "--delay", "0.015", "--log", log, "--suffix", "batch10",
+                         n=n)
+        wait_for(lambda: leaver.progress >= 100, timeout=60, what="the leaver reading")
+        (job,) = shared_jobs(address)  # one job for all five
+        assert job["consumers"] == 5
+        branches = {t["consumer"]: t for t in job["trainers"]}
+        assert all(t["prefix"] == ["map(element)"] for t in branches.values())
+        leaver.kill()
+        replayed = []
+        for suffix, trainer in zip(suffixes, trainers, strict=True):
+            (epoch,) = trainer.epochs(90)
+            check_suffix(epoch, suffix, n)
+            replayed.append(epoch["stats"]["share_replayed"])
+    assert decodes(log) == n, replayed
+
+
+@pytest.mark.slow  # (about 15 s)
+def test_a_late_trainer_with_its_own_stages_gets_its_whole_epoch():
+    """A trainer whose pipeline shares the map with a running shared job, and batches
+    after it, comes when the epoch is half read: the first time while the elements made
+    so far are kept (it shares the epoch where a worker still makes it; a worker that
+    has made all of its part makes that part again for it alone), the second time with a
+    window too small to keep them (the workers make its epoch again for it alone, once
+    they have read it). Each time it gets its epoch exactly, and so does the first
+    trainer."""
+    n = 400
+    for window in (None, 1 << 16):
+        with trainer_service(2) as (address, _):
+            extra = ["--window", str(window)] if window else []
+            first = Trainer(address, "--delay", "0.02", *extra, n=n)
+            wait_for(lambda t=first: t.progress >= n // 2, timeout=60, what="half an epoch")
+            late = Trainer(address, "--delay", "0.002", "--suffix", "shuffle_batch25",
+                           *extra, n=n)
+            (epoch,) = late.epochs(90)
+            exactly_once(epoch["got"], n)
+            assert epoch["stats"]["share_replayed"] > 0 or not window
+            (epoch,) = first.epochs(90)
+            exactly_once(epoch["got"], n)
 
 
 @pytest.mark.slow  # (about 7-10 s; the suite keeps under 6 min on 2 cores)

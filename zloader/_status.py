@@ -158,6 +158,10 @@ def status_text(status: dict[str, Any]) -> str:
         for t in j.get("trainers", []):
             lines.append(f"    trainer {t['consumer']} pid {t['pid']}: lag {t['lag']:,} "
                          f"elements, skipped {t['skipped']:,}")
+            if t.get("prefix"):
+                lines.append(f"      branch {t['branch']}: shares "
+                             f"{' > '.join(t['prefix'])}; own: "
+                             f"{' > '.join(t.get('suffix') or ['(none)'])}")
         rounds = j.get("rounds")
         if isinstance(rounds, dict):
             vacant = rounds.get("vacant") or []

@@ -34,6 +34,7 @@ from zloader.mixing import LiveWeights, new_weights, register_info
 from zloader.pipeline import Pipeline
 from zloader.plan import Plan, drawn_on_workers, plan
 from zloader.runs import Context, RunSettings
+from zloader.sharing.branches import prefix_of
 from zloader.sharing.options import DEFAULT_BLOCK_SECONDS
 
 __all__ = ["Loader"]
@@ -588,7 +589,8 @@ def _io_thread(args: Arguments, pipeline: Pipeline, address: str, blob: bytes,
         keys=args.keys, resume=args.resume, timeout=args.timeout,
         own=frozenset(process.pid for process in embedded.processes),
         memory_budget=args.memory_budget, dispatched=pipeline.source.dispatched,
-        parts=planned.parts, made_here=planned.mix.after() if planned.mix is not None else 0)
+        parts=planned.parts, made_here=planned.mix.after() if planned.mix is not None else 0,
+        prefix=prefix_of(planned) if args.options.shared else {})
 
 
 def _merger(args: Arguments, io: IOThread, processes: list[Any]) -> Merger:

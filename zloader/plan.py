@@ -78,6 +78,15 @@ class Plan:
         return mixed_run(self.pipeline.source, read, self.worker_stages, ctx,
                          read_chunks)((epoch,))
 
+    def run_trunk(self, feed: SplitFeed, epoch: int, ctx: Context,
+                  tap: int) -> Iterator[Any]:
+        """The source and the first ``tap`` worker stages for ``epoch``, reading the splits
+        ``feed`` gives as :meth:`run_worker` reads them (a shared job's trunk,
+        zloader/sharing/branches.py): the elements one at a time."""
+        read, read_chunks = self._reads(feed, ctx)
+        return mixed_run(self.pipeline.source, read, self.worker_stages[:tap], ctx,
+                         read_chunks)((epoch,))
+
     def run_inputs(self, feed: SplitFeed, epoch: int,
                    ctx: Context) -> list[Iterator[Any]]:
         """A mix the consumer draws: each input's pipeline for ``epoch`` on this worker,

@@ -185,3 +185,12 @@ when an input ends (fixed)."""
 
 MAX_MIX_INPUTS = 4096
 """The most inputs one mix may have (``REGISTER.source.inputs``; fixed)."""
+
+MAX_STAGES = 1024
+"""The most stages a shared job's prefix fingerprints may name (``REGISTER.prefixes``:
+one per stage of the worker part, and the source's); a trainer whose pipeline has more
+does not share a prefix, only a whole pipeline (fixed)."""
+
+MAX_BRANCHES = 64
+"""The most branches (trainers' pipelines that share a prefix with its own) one shared job
+takes; a trainer whose pipeline would be one more gets a job of its own (fixed)."""

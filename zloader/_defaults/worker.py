@@ -189,3 +189,10 @@ the default)."""
 WINDOW_MAX = 4 << 30
 """Largest default window of a shared job, per worker (``share_window_bytes=`` overrides
 the default)."""
+
+PREFIX_HISTORY_BYTES = 64 << 20
+"""A worker of a shared job that takes branches (trainers whose pipelines share a prefix,
+docs/sharing.md) keeps the elements that passed its taps since the epoch began while they
+fit in this many bytes (and in the job's ``share_window_bytes``): a trainer with another
+suffix that comes meanwhile shares the whole epoch; one that comes later gets that epoch
+made for it alone (fixed)."""

@@ -44,6 +44,7 @@ from zloader.lineage import Ledger, pack
 from zloader.mixing import layout_of
 from zloader.options import JobOptions
 from zloader.sharing.options import KEY_OPTIONS
+from zloader.sharing.prefix import Branches, Member
 from zloader.transport.messages import ConsumerGone, Epoch, Error, Register, Release, TaskFailed
 from zloader.transport.messages import Job as JobView
 from zloader.transport.protocol import Command, ProtocolError
@@ -68,8 +69,7 @@ def register(state: Tables, identity: bytes, msg: Register, now: float) -> list[
     found = _choose(state, identity, msg, options, coordinated_at, now)
     if isinstance(found, list):  # refused
         return found
-    job = found
-    out: list[Out] = []
+    job, branch, out = found
     joined: dict[str, int] | None = None
     if job.rounds is not None and coordinated_at:
         why = job.rounds.replaced.get(consumer_id)
@@ -80,6 +80,7 @@ def register(state: Tables, identity: bytes, msg: Register, now: float) -> list[
             out += _replace(state, job, holder, coordinated_at[1], msg, now)
         joined = job.rounds.join(consumer_id, coordinated_at[1], job.epoch)
     _join(state, job, identity, consumer_id, msg, now)
+    state.consumers[consumer_id].branch = branch
     # The answer comes last and is the only JOB this consumer gets now (a consumer reads
     # ``joined`` from its first JOB); job views must reach a consumer in order. A free
     # worker may take the job now; moving busy ones waits for its EPOCH or the tick
@@ -89,14 +90,18 @@ def register(state: Tables, identity: bytes, msg: Register, now: float) -> list[
     view = views.job_view(state, job)
     if joined is not None:
         view = dataclasses.replace(view, joined=joined)
+    if branch:
+        view = dataclasses.replace(view, branch=branch)
     return [*out, *assigned, Out(identity, view)]
 
 
 def _choose(state: Tables, identity: bytes, msg: Register, options: JobOptions,
-            coordinated_at: tuple[int, int] | None, now: float) -> Job | list[Out]:
+            coordinated_at: tuple[int, int] | None, now: float
+            ) -> tuple[Job, int, list[Out]] | list[Out]:
     """The job a REGISTER joins (the one it had before a restart, a shared one with the
-    same fingerprint, the one of its ``job_name``, or a new one), or the answer that
-    refuses it."""
+    same fingerprint or a prefix of it, the one of its ``job_name``, or a new one), the
+    branch it reads (a shared job's) and what the job's workers are told of it; or the
+    answer that refuses it."""
     consumer_id, fingerprint, name = msg.consumer, msg.fingerprint, msg.job_name
     job = _named_job(state, name) if name else None
     previous = state.jobs.get(msg.job or "")  # it registers again (a restart)
@@ -105,9 +110,11 @@ def _choose(state: Tables, identity: bytes, msg: Register, options: JobOptions,
         # A REGISTER repeated while the answer was on its way (those a Loader queued
         # before the broker was up arrive together): the same consumer, the same job.
         previous = state.jobs.get(known.job)
-    if previous is not None and previous.fingerprint == fingerprint \
-            and previous.error is None:
-        return previous
+    if previous is not None and previous.error is None:
+        branch = 0 if previous.fingerprint == fingerprint else \
+            previous.branches.index_of(fingerprint) if previous.branches is not None else None
+        if branch is not None:
+            return previous, branch, []
     if options.shared:
         return _shared_job(state, identity, msg, options, now)
     if job is not None:
@@ -118,7 +125,7 @@ def _choose(state: Tables, identity: bytes, msg: Register, options: JobOptions,
                          f"{max(0.0, remaining):.0f} s more, then released)")
         if mismatch:
             return [Out(identity, Error(message=mismatch))]
-        return job
+        return job, 0, []
     refused = admission.admit(state, identity, len(msg.blob), now)
     if refused:
         return refused
@@ -127,23 +134,55 @@ def _choose(state: Tables, identity: bytes, msg: Register, options: JobOptions,
     if coordinated_at:
         job.rounds = Rounds(coordinated_at[0])
         state.record(RoundsSet(job=job.id, size=coordinated_at[0]))
-    return job
+    return job, 0, []
 
 
 def _shared_job(state: Tables, identity: bytes, msg: Register, options: JobOptions,
-                now: float) -> Job | list[Out]:
-    """The running shared job a shared REGISTER joins (the same fingerprint and key
-    options), else a new one, or the answer that refuses it."""
-    job = next((j for j in state.jobs.values() if j.share is not None and j.error is None
-                and j.fingerprint == msg.fingerprint
-                and all(getattr(j.options, k) == getattr(options, k)
-                        for k in KEY_OPTIONS)), None)
-    if job is None:
-        refused = admission.admit(state, identity, len(msg.blob), now)
-        if refused:
-            return refused
-        job = _new_job(state, identity, msg, None, options, now)
-    return job
+                now: float) -> tuple[Job, int, list[Out]] | list[Out]:
+    """The running shared job a shared REGISTER joins (the same key options, and the same
+    fingerprint as one of its branches; else the most stages in common: a new branch,
+    zloader/sharing/prefix.py), else a new one; or the answer that refuses it."""
+    alike = [j for j in state.jobs.values() if j.share is not None and j.error is None
+             and all(getattr(j.options, k) == getattr(options, k) for k in KEY_OPTIONS)]
+    for job in alike:
+        branch = 0 if job.fingerprint == msg.fingerprint else \
+            job.branches.index_of(msg.fingerprint) if job.branches is not None else None
+        if branch is not None:
+            return job, branch, []
+    if msg.prefixes and _pipeline(msg) != INHERITED:  # (workers elsewhere can load it)
+        fits = [(j.branches.fit(msg.prefixes, msg.first_tap), j) for j in alike
+                if j.branches is not None]
+        if fits:
+            shared, best = max(fits, key=lambda f: f[0])
+            if shared:
+                return best, *_branch(state, best, msg, shared)
+    refused = admission.admit(state, identity, len(msg.blob), now)
+    if refused:
+        return refused
+    job = _new_job(state, identity, msg, None, options, now)
+    if msg.prefixes and _pipeline(msg) != INHERITED:
+        job.branches = Branches(_member(msg, len(msg.prefixes) - 1))
+    return job, 0, []
+
+
+def _member(msg: Register, tap: int) -> Member:
+    return Member(msg.fingerprint, msg.prefixes, msg.stage_names, msg.blob, _pipeline(msg),
+                  msg.source_data, msg.first_tap, tap)
+
+
+def _branch(state: Tables, job: Job, msg: Register, shared: int) -> tuple[int, list[Out]]:
+    """Add ``msg``'s pipeline to ``job`` as a branch sharing ``shared`` stages: its
+    index, and the BRANCH that tells each of the job's workers."""
+    assert job.branches is not None
+    index = job.branches.add(_member(msg, shared))
+    log.info("job %s: a pipeline sharing its first %d stages joins it as branch %d",
+             job.id, shared, index)
+    out = []
+    for task, worker_id in job.tasks.items():
+        worker = state.workers.get(worker_id)
+        if worker is not None and worker.task == task:
+            out.append(placement.branch_message(worker, job, index))
+    return index, out
 
 
 def _place(msg: Register) -> tuple[int, int] | None:

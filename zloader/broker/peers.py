@@ -42,7 +42,7 @@ def worker_ready(state: Tables, identity: bytes, msg: Ready, now: float) -> list
             # Its TASK may have been lost with the old connection (a worker stopped
             # before it read it reconnects on waking): send it again; a worker that runs
             # the task already ignores it.
-            out.append(placement.task_message(old, job))
+            out += placement.task_message(old, job)
         if job is not None and job.rounds is not None:
             # Round numbers sent to its old connection may be lost: it asks again.
             out += coordinated.announce(state, job, {}, job.rounds.lose_worker(worker_id))

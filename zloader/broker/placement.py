@@ -87,17 +87,35 @@ def give(state: Tables, worker: Worker, job: Job, now: float) -> list[Out]:
     worker.task, worker.moving_to = task, None
     worker.since = now
     state.record(TaskGiven(job=job.id, task=task, worker=worker.id, index=index))
-    return [task_message(worker, job), *views.tell_consumers(state, job)]
+    return [*task_message(worker, job), *views.tell_consumers(state, job)]
 
 
-def task_message(worker: Worker, job: Job) -> Out:
-    """The TASK that starts ``worker``'s task of ``job`` (sent again when the worker comes
-    back on a new connection: the first may have been lost with the old one)."""
+def task_message(worker: Worker, job: Job) -> list[Out]:
+    """The TASK that starts ``worker``'s task of ``job``, and a BRANCH for each branch of
+    a shared job whose trainers share a prefix (sent again when the worker comes back on
+    a new connection: the first may have been lost with the old one)."""
     assert worker.task is not None
-    return Out(worker.identity, messages.Task(
+    task = Out(worker.identity, messages.Task(
         task=worker.task, job=job.id, options=job.options, index=job.indices[worker.task],
         width=job.width, entropy=job.entropy, source_data=job.source_data,
-        fingerprint=job.fingerprint, pipeline=job.pipeline), (job.blob,))
+        fingerprint=job.fingerprint, pipeline=job.pipeline,
+        first_tap=job.branches.own.first_tap if job.branches is not None else 0),
+        (job.blob,))
+    branches = job.branches
+    if branches is None:
+        return [task]
+    return [task, *(branch_message(worker, job, k)
+                    for k in range(1, len(branches.members) + 1))]
+
+
+def branch_message(worker: Worker, job: Job, index: int) -> Out:
+    """The BRANCH that tells ``worker``'s task of ``job`` its branch ``index``."""
+    assert worker.task is not None and job.branches is not None
+    member = job.branches.members[index - 1]
+    return Out(worker.identity, messages.Branch(
+        task=worker.task, branch=index, tap=member.tap,
+        fingerprint=member.fingerprint, pipeline=member.pipeline,
+        source_data=member.source_data), (member.blob,))
 
 
 def claims(state: Tables, now: float) -> dict[str, pool.Claim]:

@@ -31,6 +31,7 @@ from zloader.broker.rounds import Rounds
 from zloader.forward import BURST, RATE, Bucket
 from zloader.mixing import Layout
 from zloader.options import JobOptions
+from zloader.sharing.prefix import Branches
 from zloader.transport.fields import Record
 from zloader.transport.protocol import Command
 
@@ -126,6 +127,7 @@ class Consumer:
     active: bool = True  # it reads an epoch not yet ended (HEARTBEAT stats.active)
     joined: float = 0.0  # when it registered
     heard: bool = False  # it sent a HEARTBEAT or an EPOCH since (see jobs.unheard)
+    branch: int = 0  # of a shared job whose trainers share a prefix: which it reads
 
 
 @dataclass
@@ -231,6 +233,9 @@ class Job:
     metrics: Metrics = field(default_factory=Metrics)
     pipeline: dict[str, Any] | None = None  # where workers get a pipeline not in ``blob``
     owner: Identity | None = None  # the connection whose REGISTER made it (Limits.peer_*)
+    # A shared job's own pipeline's prefixes and the pipelines that share one with it
+    # (zloader/sharing/prefix.py); None: not shared, or it does not take branches.
+    branches: Branches | None = None
 
     @property
     def sharding(self) -> str:

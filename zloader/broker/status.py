@@ -300,8 +300,9 @@ def _surplus(state: Tables, now: float) -> set[str]:
 
 def _trainers(state: Tables, job: Job) -> list[dict[str, Any]]:
     """A shared job's trainers (the first STATUS_LIST_ITEMS): pid, lag (elements produced
-    that it has not been sent, the most over the job's workers) and elements skipped
-    (summed)."""
+    that it has not been sent, the most over the job's workers), elements skipped
+    (summed) and, when trainers share a prefix of their pipelines, the stages its branch
+    shares with the job's own pipeline (``prefix``) and its own (``suffix``)."""
     out = []
     for cid in sorted(job.consumers)[:STATUS_LIST_ITEMS]:
         consumer = state.consumers.get(cid)
@@ -310,4 +311,6 @@ def _trainers(state: Tables, job: Job) -> list[dict[str, Any]]:
         out.append({"consumer": cid, "pid": consumer.pid if consumer else None,
                     "lag": max((s.get("lag", 0) for s in seen), default=0),
                     "skipped": sum(s.get("skipped", 0) for s in seen)})
+        if job.branches is not None and consumer is not None:
+            out[-1].update(job.branches.view(consumer.branch))
     return out

@@ -36,11 +36,12 @@ log = logging.getLogger("zloader.loader")
 
 def registration(*, fingerprint: str, job_name: str | None, options: JobOptions,
                  consumer_index: int | None, source: dict[str, Any], inherited: bool,
-                 resume: dict[str, Any] | None) -> messages.Register:
+                 resume: dict[str, Any] | None,
+                 prefix: dict[str, Any] | None = None) -> messages.Register:
     """This consumer's REGISTER (docs/protocol.md), with a fresh consumer id: the job's
     ``options`` and what is this consumer's own (``consumer_index`` in a coordinated job,
-    a resumed run's ``resume``). ``inherited``: the workers have the pipeline already
-    (forked from this process)."""
+    a resumed run's ``resume``, a shared job's pipeline's ``prefix``). ``inherited``: the
+    workers have the pipeline already (forked from this process)."""
     return messages.Register(
         consumer=secrets.token_hex(8), fingerprint=fingerprint, job_name=job_name,
         options=options, source=source, host_id=host_id(), pid=os.getpid(),
@@ -49,7 +50,10 @@ def registration(*, fingerprint: str, job_name: str | None, options: JobOptions,
         # (a deterministic Loader's state resumes here alone: only its entropy goes)
         resume=({"epoch": resume["epoch"], "delivered": resume["delivered"]}
                 if resume is not None and "order" not in resume else None),
-        entropy=resume["entropy"] if resume is not None else None)
+        entropy=resume["entropy"] if resume is not None else None,
+        prefixes=tuple((prefix or {}).get("prefixes", ())),
+        first_tap=(prefix or {}).get("first_tap", 1),
+        stage_names=tuple((prefix or {}).get("stage_names", ())))
 
 
 @dataclass
@@ -181,6 +185,7 @@ class BrokerLink:
             stats.last_progress = time.monotonic()
             stats.share = view.share
             stats.job_epoch = view.epoch if view.epoch is not None else 0
+            session.branch = view.branch
             if self.rounds is not None:
                 self.rounds.joined(view.joined, session.epoch)
         if self.rounds is not None:

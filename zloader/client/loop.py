@@ -57,8 +57,9 @@ class ConsumerLoop:
     ``blob`` is the pickled pipeline sent with REGISTER; empty when ``served`` holds it
     (too large for the broker: workers fetch it from this loop's source socket) or when
     the workers inherited it (embedded, fork). ``options`` are the job's, built by the
-    Loader; ``consumer_index`` is this consumer's in a coordinated job. The other
-    arguments are the Loader's.
+    Loader; ``consumer_index`` is this consumer's in a coordinated job; ``prefix``: a
+    shared job's pipeline's prefixes (zloader/sharing/branches.py ``prefix_of``). The
+    other arguments are the Loader's.
     """
 
     def __init__(self, address: str, blob: bytes, *, fingerprint: str, job_name: str | None,
@@ -68,7 +69,8 @@ class ConsumerLoop:
                  keys: Keys | None = None, resume: dict[str, Any] | None = None,
                  timeout: float = 60.0, own: frozenset[int] = frozenset(),
                  memory_budget: int | None = None, dispatched: bool = False,
-                 parts: int = 0, made_here: int = 0) -> None:
+                 parts: int = 0, made_here: int = 0,
+                 prefix: dict[str, Any] | None = None) -> None:
         coordinated = ((options.num_consumers, consumer_index or 0) if options.coordinated
                        else None)
         self.settings = Settings(
@@ -83,7 +85,8 @@ class ConsumerLoop:
         register = registration(
             fingerprint=fingerprint, job_name=job_name, options=options,
             consumer_index=consumer_index if options.coordinated else None, source=source,
-            inherited=not blob and self.served.pipeline is None, resume=resume)
+            inherited=not blob and self.served.pipeline is None, resume=resume,
+            prefix=prefix)
         self.items: queue.Queue[Item] = queue.Queue()  # to the iterating thread
         self.stats = Stats(width=max(1, options.num_workers))
         # Set once the broker's first answer came (the job's epoch is known) or the job

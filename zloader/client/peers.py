@@ -314,6 +314,8 @@ class Peers:
             body.update(weights=list(session.weights), weights_stamp=session.weights_stamp)
         if again and session.got_from.get(peer.worker):
             body["had"] = session.got_from[peer.worker]
+        if session.branch:
+            body["branch"] = session.branch
         self.send(peer, Command.OPEN, payload=session.epoch_input.frames(peer.index),
                   body=body)
         for items in session.undispatched.pop(peer.index, ()):

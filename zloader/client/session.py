@@ -103,6 +103,9 @@ class Session:
     broken: set[str] = field(default_factory=set)  # workers a record of which was lost
     weights: tuple[float, ...] | None = None  # a mix's, as Loader.set_weights set them
     weights_stamp: float = 0.0  # when
+    # A shared job's branch this consumer reads (JOB.branch; its OPEN says so): 0 unless
+    # its pipeline shares a prefix with the job's (zloader/sharing/branches.py)
+    branch: int = 0
     # Work items (Loader.dispatch) for worker indices not connected yet, sent with the OPEN
     undispatched: dict[int, list[list[int]]] = field(default_factory=dict)
 

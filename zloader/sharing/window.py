@@ -17,6 +17,11 @@ where the production of the epoch ended. A trainer that joins while an epoch is 
 starts at the oldest record of that epoch still in the window; what had already left the
 window is its ``missed`` count, which the worker makes again for that trainer alone.
 
+A job whose trainers share a prefix of their pipelines (docs/sharing.md) has one window per
+worker for all of them: each record is of one ``branch`` (the trainers whose pipelines
+are the same), and only that branch's cursors are sent it, hold it in the window, or
+lose it to the lag policy; every branch counts in the one ``capacity``.
+
 This module holds no sockets and no memory: the worker stores each record's data
 (``Entry.data``) and acts on what these calls return.
 """
@@ -70,6 +75,11 @@ class Entry:
     end: bool = False
     data: Any = None
     skipped: int = 0  # elements dropped by on_error="skip" so far in the epoch
+    branch: int = 0  # whose trainers' record it is (an epoch's end: every branch's)
+
+    def of(self, cursor: Cursor) -> bool:
+        """Whether ``cursor``'s trainer is sent this entry (its branch's, or an end)."""
+        return self.end or self.branch == cursor.branch
 
 
 @dataclass(eq=False)
@@ -87,6 +97,7 @@ class Cursor:
     credits: int = 0  # records it may be sent
     end: Entry | None = None  # its epoch's end, when that left the window before it got there
     replaying: bool = False  # its missed elements are being made again for it
+    branch: int = 0  # the records it is sent (those of the trainers with its pipeline)
 
 
 @dataclass
@@ -98,7 +109,8 @@ class Window:
     cursors: dict[bytes, Cursor] = field(default_factory=dict)
     head: int = 0  # sequence number of the next record
     nbytes: int = 0
-    produced: dict[int, int] = field(default_factory=dict)  # epoch -> elements produced
+    # (epoch, branch) -> elements produced
+    produced: dict[tuple[int, int], int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_lag(self.lag)
@@ -111,7 +123,8 @@ class Window:
         gone: list[Entry] = []
         while self.entries and self.nbytes + nbytes > self.capacity:
             oldest = self.entries[0]
-            behind = [c for c in self.cursors.values() if c.seq <= oldest.seq]
+            behind = [c for c in self.cursors.values()
+                      if c.seq <= oldest.seq and oldest.of(c)]
             if behind and self.lag == "block":
                 for cursor in behind:
                     if cursor.waiting_since is None:
@@ -125,15 +138,17 @@ class Window:
                 elif oldest.epoch >= cursor.epoch:
                     cursor.lagged += oldest.count
                 cursor.seq = oldest.seq + 1
+            for cursor in self.cursors.values():  # (other branches': not theirs to lose)
+                cursor.seq = max(cursor.seq, oldest.seq + 1)
             gone.append(self._pop())
         return True, gone
 
     def add(self, epoch: int, count: int, nbytes: int, data: Any = None, *,
-            end: bool = False, skipped: int = 0) -> Entry:
-        """Append a record (call :meth:`room` first)."""
-        first = self.produced.get(epoch, 0)
-        entry = Entry(self.head, epoch, first, count, nbytes, end, data, skipped)
-        self.produced[epoch] = first + count
+            end: bool = False, skipped: int = 0, branch: int = 0) -> Entry:
+        """Append a record of ``branch`` (call :meth:`room` first)."""
+        first = self.produced.get((epoch, branch), 0)
+        entry = Entry(self.head, epoch, first, count, nbytes, end, data, skipped, branch)
+        self.produced[epoch, branch] = first + count
         self.head += 1
         self.nbytes += nbytes
         self.entries.append(entry)
@@ -153,28 +168,38 @@ class Window:
     # --- trainers -------------------------------------------------------------------------
 
     def join(self, trainer: bytes, epoch: int, started: bool,
-             finished: bool = False) -> Cursor:
-        """A trainer starts reading ``epoch`` here (a new trainer, or one that finished its
-        previous epoch). ``started``: this worker has begun producing ``epoch``;
-        ``finished``: it has produced all of it."""
+             finished: bool = False, branch: int = 0, unmade: int | None = None) -> Cursor:
+        """A trainer of ``branch`` starts reading ``epoch`` here (a new trainer, or one
+        that finished its previous epoch). ``started``: this worker has begun producing
+        ``epoch``; ``finished``: it has produced all of it; ``unmade``: the branch is not
+        made in this production of the epoch (it came after it began): its ``missed``
+        (all of the epoch, made again for it alone)."""
         cursor = self.cursors.get(trainer)
         if cursor is not None and cursor.epoch < epoch and not started:
             cursor.epoch, cursor.done, cursor.missed, cursor.end = epoch, False, 0, None
-            cursor.seq = min(cursor.seq, self.head)
+            cursor.seq, cursor.branch = min(cursor.seq, self.head), branch
             return cursor
-        ours = next((e for e in self.entries if e.epoch == epoch), None)
+        ours = next((e for e in self.entries if e.epoch == epoch and not e.end
+                     and e.branch == branch), None)
+        if ours is None:  # (no record of its branch: its end, if any, is where it starts)
+            ours = next((e for e in self.entries if e.epoch == epoch and e.end), None)
         if not started:
             seq, missed = self.head, 0
+        elif unmade is not None:
+            seq, missed = ours.seq if ours is not None else self.head, unmade
         elif ours is not None:
-            seq, missed = ours.seq, ours.first
+            seq, missed = ours.seq, ours.first if not ours.end \
+                else self.produced.get((epoch, branch), 0)
         else:  # the epoch was produced and has left the window: all of it is missed
-            seq, missed = self.head, self.produced.get(epoch, 0)
+            seq, missed = self.head, self.produced.get((epoch, branch), 0)
         if cursor is None:
-            cursor = self.cursors[trainer] = Cursor(trainer, epoch, seq, missed)
+            cursor = self.cursors[trainer] = Cursor(trainer, epoch, seq, missed,
+                                                    branch=branch)
         else:
             cursor.epoch, cursor.seq, cursor.missed, cursor.done = epoch, seq, missed, False
-            cursor.end, cursor.replaying = None, False
-        if finished and ours is None:  # its end has left the window too: it is over here
+            cursor.end, cursor.replaying, cursor.branch = None, False, branch
+        if finished and not any(e.epoch == epoch and e.end for e in self.entries):
+            # its end has left the window too: it is over here
             cursor.end = Entry(seq - 1, epoch, missed, 0, 0, end=True)
         return cursor
 
@@ -196,7 +221,8 @@ class Window:
         base = self.entries[0].seq if self.entries else self.head
         for index in range(max(0, cursor.seq - base), len(self.entries)):
             entry = self.entries[index]
-            if entry.epoch == cursor.epoch and not entry.end and entry.first < had:
+            if entry.epoch == cursor.epoch and not entry.end and entry.first < had \
+                    and entry.branch == cursor.branch:
                 cursor.seq = entry.seq + 1
         cursor.missed = 0
         return 0
@@ -205,15 +231,15 @@ class Window:
         return self.cursors.pop(trainer, None)
 
     def next_for(self, cursor: Cursor) -> Entry | None:
-        """The next entry of the cursor's epoch (skipping other epochs' entries), or None
-        when it has to wait for production."""
+        """The next entry of the cursor's epoch and branch (skipping others' entries), or
+        None when it has to wait for production."""
         if not self.entries:
             return None
         base = self.entries[0].seq
         cursor.seq = max(cursor.seq, base)  # behind only by eviction: counted there
         for index in range(cursor.seq - base, len(self.entries)):
             entry = self.entries[index]
-            if entry.epoch == cursor.epoch:
+            if entry.epoch == cursor.epoch and entry.of(cursor):
                 return entry
             cursor.seq = entry.seq + 1
         return None
@@ -222,7 +248,7 @@ class Window:
         """Whether a trainer still reading its epoch has records of it in the window that
         were not sent to it yet (production follows the fastest trainer: a slower one
         lags behind it)."""
-        return any(entry.seq >= cursor.seq and entry.epoch == cursor.epoch
+        return any(entry.seq >= cursor.seq and entry.epoch == cursor.epoch and entry.of(cursor)
                    for cursor in self.cursors.values() if not cursor.done
                    for entry in self.entries)
 

@@ -40,7 +40,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from zloader._defaults import MAX_AHEAD, MAX_MIX_INPUTS
+from zloader._defaults import MAX_AHEAD, MAX_BRANCHES, MAX_MIX_INPUTS, MAX_STAGES
 from zloader.options import JobOptions
 from zloader.transport.fields import (
     INDEX,
@@ -85,12 +85,48 @@ from zloader.transport.shapes import (
     stuck_report,
 )
 
-__all__ = ["RECORDS", "Ack", "Bye", "Close", "Commit", "ConsumerGone", "Credit", "Data",
-           "Delivered", "Dispatch", "End", "Epoch", "Error", "Fail", "Fetch",
-           "Handover", "Heartbeat", "Job", "Log", "Open", "PassDone", "Ready",
-           "Received", "Record", "Register", "Release", "Ring", "Round", "RoundReq",
-           "Source", "Split", "SplitReq", "Status", "Task", "TaskFailed", "Unknown",
-           "Weights", "decode", "encode"]
+__all__ = [
+    "RECORDS",
+    "Ack",
+    "Branch",
+    "Bye",
+    "Close",
+    "Commit",
+    "ConsumerGone",
+    "Credit",
+    "Data",
+    "Delivered",
+    "Dispatch",
+    "End",
+    "Epoch",
+    "Error",
+    "Fail",
+    "Fetch",
+    "Handover",
+    "Heartbeat",
+    "Job",
+    "Log",
+    "Open",
+    "PassDone",
+    "Ready",
+    "Received",
+    "Record",
+    "Register",
+    "Release",
+    "Ring",
+    "Round",
+    "RoundReq",
+    "Source",
+    "Split",
+    "SplitReq",
+    "Status",
+    "Task",
+    "TaskFailed",
+    "Unknown",
+    "Weights",
+    "decode",
+    "encode",
+]
 
 # --- records ------------------------------------------------------------------------------
 
@@ -128,6 +164,8 @@ class Task(Record):
     source_data: dict[str, Any] | None = fld(optional(source_ref), None)
     fingerprint: str | None = fld(optional(NAME), None)
     pipeline: dict[str, Any] | None = fld(PIPELINE_REF, None)
+    # a shared job that takes branches (BRANCH): the first stage boundary one may part at
+    first_tap: int = fld(integer(0, MAX_STAGES), 0, omit=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,6 +217,21 @@ class Release(Record):
     task: str = fld(NAME)
     # finish the splits taken, send what they make, then say so (HEARTBEAT.drained)
     drain: bool = fld(boolean, False, omit=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Branch(Record):
+    """A shared job's trainers whose pipeline shares the source and first ``tap``
+    stages with the job's (zloader/sharing/branches.py): they read branch ``branch``; the
+    pipeline is the payload, or where ``pipeline`` says."""
+
+    COMMAND = Command.BRANCH
+    task: str = fld(NAME)
+    branch: int = fld(integer(1, MAX_BRANCHES))
+    tap: int = fld(integer(1, MAX_STAGES))
+    fingerprint: str = fld(NAME)
+    pipeline: dict[str, Any] | None = fld(PIPELINE_REF, None, omit=True)
+    source_data: dict[str, Any] | None = fld(optional(source_ref), None, omit=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -237,6 +290,12 @@ class Register(Record):
     resume: dict[str, Any] | None = fld(optional(obj), None, omit=True)
     entropy: int | None = fld(optional(integer()), None, omit=True)
     job: str | None = fld(optional(NAME), None, omit=True)  # the job it had, registering again
+    # A shared job's: the fingerprint of the source and each prefix of the worker part's
+    # stages (``[i]``: the source and ``i`` stages), the fewest stages a shared prefix may
+    # hold (after every repeat), and the stages' names (zloader status)
+    prefixes: tuple[str, ...] = fld(list_of(NAME, 0, MAX_STAGES + 1), (), omit=True)
+    first_tap: int = fld(integer(1, MAX_STAGES), 1, omit=True)
+    stage_names: tuple[str, ...] = fld(list_of(text(128), 0, MAX_STAGES), (), omit=True)
     # The pipeline (cloudpickle; empty when ``pipeline`` says where it is): the message's
     # payload frame, not a field of the body (:func:`decode` sets it).
     blob: bytes = dataclasses.field(default=b"", repr=False, compare=False)
@@ -264,6 +323,8 @@ class Job(Record):
     fencing: dict[str, int] | None = fld(optional(counts), None, omit=True)
     joined: dict[str, Any] | None = fld(optional(obj), None, omit=True)
     read: tuple[Any, ...] | None = fld(optional(array), None, omit=True)
+    # a shared job's trainer: the branch it reads (its OPEN says so), 0: the job's pipeline
+    branch: int = fld(integer(0, MAX_BRANCHES), 0, omit=True)
 
     def __post_init__(self) -> None:
         if self.pending is None:
@@ -402,6 +463,9 @@ class Open(Record):
     # A shared job's trainer opening again the epoch it was reading (the broker had given
     # up on it): the elements of it this worker had sent it (its cursor may be forgotten)
     had: int = fld(INDEX, 0, omit=True)
+    # A shared job's trainer whose pipeline shares a prefix with the job's: its branch
+    # (JOB.branch; 0: the job's own pipeline)
+    branch: int = fld(integer(0, MAX_BRANCHES), 0, omit=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -621,7 +685,7 @@ class Source(Record):
 RECORDS: dict[Command, type[Record]] = {
     cls.COMMAND: cls for cls in (
         Ready, Ack, Task, TaskFailed, SplitReq, Split, PassDone, Release, Handover,
-        ConsumerGone,
+        Branch, ConsumerGone,
         RoundReq, Round, Register, Job, Epoch, Received, Commit, Delivered, Log, Bye,
         Heartbeat, Status, Unknown, Error, Open, Credit, Weights, Dispatch, Data, End, Fail,
         Ring, Close, Fetch, Source)}

@@ -71,6 +71,7 @@ class Command(enum.IntEnum):
     COMMIT = 43        # broker -> consumer: these rounds are committed, those lost
     DELIVERED = 44     # consumer -> broker: what I hold of a dead worker's splits
     HANDOVER = 45      # broker -> worker: a moved worker's splits of a shared job, to make again
+    BRANCH = 46        # broker -> worker: a shared job's trainers of another pipeline (payload)
     LOG = 50           # worker -> broker -> consumer: what user code printed or logged
 
 

@@ -23,6 +23,7 @@ import logging
 from collections import deque
 from typing import TYPE_CHECKING, Any, Protocol
 
+from zloader.sharing.branches import Branch
 from zloader.worker.outgoing import EndOut, Outgoing
 from zloader.worker.permits import Permits, Pool
 from zloader.worker.producer import Producer, ProducerSpec
@@ -67,6 +68,9 @@ class TaskPort(Protocol):
     @property
     def spec(self) -> ProducerSpec: ...
 
+    @property
+    def branches(self) -> dict[int, Branch]: ...
+
     def open_epoch(self, stream: Stream, opened: Open) -> None: ...
 
     def remove_stream(self, stream: Stream) -> None: ...
@@ -78,7 +82,7 @@ class TaskPort(Protocol):
     def maybe_produce(self) -> None: ...
 
     def start_producer(self, epoch: int, pool: Pool, index: int | None = None,
-                       **options: Any) -> Producer: ...
+                       branch: int | None = None, **options: Any) -> Producer: ...
 
     def drop_producer(self, producer: Producer) -> None: ...
 
@@ -132,6 +136,10 @@ class Delivery(abc.ABC):
 
     def mapped(self, stream: Stream, names: list[Any]) -> None:
         """The consumer mapped these segments (CREDIT's ``mapped``, unchecked)."""
+        return None
+
+    def branch_added(self, index: int) -> None:
+        """A shared job's branch ``index`` is known now (BRANCH)."""
         return None
 
     def consumer_gone(self, consumer: str, replaced: bool) -> None:

@@ -16,8 +16,9 @@ class Head:
     """A record's head: the epoch it is of, its elements, the elements skipped so far in
     the epoch (``on_error="skip"``), whether its last buffer is an origin block
     (exactly-once), the stream it belongs to (``part``: a mix input its consumers draw, a
-    deterministic job's shard; None) and, in a coordinated job, its round (set when it is
-    sent)."""
+    deterministic job's shard; None), in a coordinated job its round (set when it is
+    sent), and in a shared job its ``branch`` (the trainers it is for: 0, or those of a
+    pipeline that shares a prefix with the job's, zloader/sharing/branches.py)."""
 
     epoch: int
     count: int
@@ -25,6 +26,7 @@ class Head:
     origins: bool = False
     part: int | None = None
     round: int | None = None
+    branch: int = 0
 
 
 @dataclass(frozen=True)

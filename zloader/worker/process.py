@@ -118,6 +118,7 @@ class WorkerProcess:
         self._announced = False  # HEARTBEAT.leaving sent
         self._warned = 0.0
         self.loading: tuple[Assignment, Loading] | None = None  # a task's pipeline loads
+        self.branch_loads: list[tuple[messages.Branch, Loading]] = []  # (BRANCH)
         self._last_beat = 0.0
         self.capture = Capture() if forward_output else None
         self._last_forward = 0.0
@@ -246,6 +247,8 @@ class WorkerProcess:
                 self._beat_if_due()
             if self.loading is not None:
                 self._begin_task()
+            if self.branch_loads:
+                self._add_branches()
             handoff.reap()  # (the packer this worker forked, once it exited)
             if self.task is not None:
                 self.task.poll()
@@ -433,6 +436,8 @@ class WorkerProcess:
                     self.broker.send(messages.Heartbeat(drained=record.task))
             if task is not None and record.task == task.id:
                 self._stop_task()
+        elif isinstance(record, messages.Branch):
+            self._load_branch(record, msg.payload)
         elif isinstance(record, messages.Handover):
             if task is not None and record.task == task.id:
                 task.delivery.adopt(record.segments, record.held, record.fence)
@@ -477,6 +482,43 @@ class WorkerProcess:
         self.task = Task(assigned, planned, self.port.outlet, self.links, self.broker,
                          delivery_for(assigned, planned))
         self.port.begin(self.task)
+
+    def _load_branch(self, record: messages.Branch, payload: list[Any]) -> None:
+        """BRANCH: load the pipeline of a shared job's branch on a thread, as a task's
+        (the task may itself still be loading: the branch is added once both are)."""
+        owner = self.task.assignment if self.task is not None else \
+            self.loading[0] if self.loading is not None else None
+        if owner is None or owner.id != record.task:
+            return
+        carrier = messages.Task(task=record.task, job=owner.job, options=owner.options,
+                                index=owner.index, width=owner.width, entropy=owner.entropy,
+                                source_data=record.source_data,
+                                fingerprint=record.fingerprint, pipeline=record.pipeline)
+        self.branch_loads.append((record, self.supply.start(carrier, payload, self._wake)))
+        self._add_branches()
+
+    def _add_branches(self) -> None:
+        """Add to the task the branches whose pipelines have loaded."""
+        waiting = []
+        for record, loading in self.branch_loads:
+            task = self.task
+            if not loading.done() or (task is None and self.loading is not None
+                                      and self.loading[0].id == record.task):
+                waiting.append((record, loading))
+            elif task is None or task.id != record.task:
+                continue  # (its task is over)
+            elif loading.error is not None or loading.pipeline is None:
+                log.error("branch %d of task %s could not load: its trainers get nothing "
+                          "from this worker", record.branch, task.id,
+                          exc_info=loading.error)
+            else:
+                try:
+                    task.add_branch(record.branch, record.tap,
+                                    plan(loading.pipeline, task.assignment.options),
+                                    record.fingerprint)
+                except ProtocolError as exc:
+                    self._reject(f"dropped a BRANCH: {exc}")
+        self.branch_loads = waiting
 
     def _stop_task(self) -> None:
         self.loading = None  # a task still loading is dropped with its result

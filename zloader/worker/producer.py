@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 import functools
 import itertools
 import threading
@@ -60,88 +59,17 @@ from zloader._defaults import (
 from zloader.errors import CodecError, PipelineError
 from zloader.lineage import Assigned
 from zloader.mixing import LiveWeights
-from zloader.options import JobOptions
-from zloader.plan import Plan
 from zloader.runs import Context, Coverage, RunSettings
+from zloader.sharing.branches import Branch, Tree
 from zloader.transport.protocol import error_object
 from zloader.transport.sockets import NOBLOCK, make_socket
 from zloader.worker.dispatched import Dispatched
 from zloader.worker.outgoing import EndOut, Head, Outgoing
 from zloader.worker.permits import PartPool, Permits, Pool
+from zloader.worker.spec import LinkKind, ProducerSpec, SplitAnswer
 
 __all__ = ["RECORD_BYTES", "RECORD_ELEMENTS", "RECORD_LINGER", "STAGES", "Hand", "LinkKind",
            "Producer", "ProducerSpec", "SplitAnswer"]
-
-
-class LinkKind(enum.Enum):
-    """The kind of a message from a producer to its worker's socket thread (the frame on
-    the pair; the body waits in :attr:`Producer.outbox`)."""
-
-    SPLIT_REQ = b"S"  # {pass, have, ahead}: the next split(s) of this pass, please
-    PASS_DONE = b"P"  # [pass key]: every split this producer took in the pass is read
-    RECORD = b"R"     # an Outgoing: one record
-    END = b"E"        # {epoch, skipped, dropped[, origins]}: the epoch is over here
-    FAIL = b"F"       # {epoch, error}: user code failed
-
-
-@dataclass(frozen=True)
-class SplitAnswer:
-    """The broker's answer to a producer's ``SPLIT_REQ``, as the worker's main thread hands
-    it over (:meth:`Producer.answer`; nothing is serialized between the two threads): the
-    pass it is about, the split (None: no more of that pass for this worker), the
-    request it answers (``have``; None: any) and, for an exactly-once job, the split as
-    it is to be read (``assigned``: where it belongs, what to skip)."""
-
-    pass_key: tuple[int, ...]
-    split: int | None
-    have: int | None = None
-    assigned: Assigned | None = None
-
-
-@dataclass(frozen=True)
-class ProducerSpec:
-    """What a producer needs of its task, fixed when the task starts.
-
-    Attributes:
-        plan: the pipeline, split into the worker's and the consumer's parts.
-        options: the job's (zloader/options.py), ``exactly_once`` as the job runs it.
-        index: this worker's index in the job (static sharding, seeds).
-        width: the job's number of worker indices.
-        entropy: the job's seed.
-    """
-
-    plan: Plan
-    options: JobOptions
-    index: int
-    width: int
-    entropy: int
-
-    @property
-    def sharding(self) -> str:
-        """``"dynamic"`` (splits from the broker), ``"static"`` or ``"off"``."""
-        return self.options.sharding
-
-    @property
-    def skip_errors(self) -> bool:
-        """``on_error="skip"``: drop elements whose user code raises."""
-        return self.options.on_error == "skip"
-
-    @property
-    def track(self) -> bool:
-        """Exactly-once: elements carry their origins (zloader/lineage/intsets.py)."""
-        return self.options.exactly_once
-
-    @property
-    def one_per_record(self) -> bool:
-        """Deal one element per record (balanced and coordinated jobs, and a dispatched
-        source's: its next element may wait for the consumer)."""
-        return bool(self.options.balanced or self.options.num_consumers
-                    or self.plan.pipeline.source.dispatched)
-
-    @property
-    def round_size(self) -> int:
-        """The consumers of a round (coordinated jobs; 1 otherwise)."""
-        return max(1, self.options.num_consumers)
 
 
 @dataclass(frozen=True)
@@ -244,6 +172,11 @@ class Producer(threading.Thread):
         self.inbox: deque[SplitAnswer] = deque()  # the main thread's answers, in order
         self.coverage: Coverage | None = None  # a dynamically sharded run's (stages.py)
         self.hand: Hand | None = None  # set by the worker: deliver records on this thread
+        # A shared job's branches to add to the epoch's run (:meth:`attach`), and those
+        # added (all of their epoch made here) or refused (the trunk's history is gone).
+        self.attaching: deque[Branch] = deque()
+        self.attached: set[int] = set()
+        self.refused: set[int] = set()
 
     def answer(self, *answers: SplitAnswer) -> None:
         """Hand this producer the broker's answers (the worker's main thread calls it):
@@ -253,6 +186,12 @@ class Producer(threading.Thread):
         if link is not None:
             with contextlib.suppress(zmq.Again):
                 link.send(b"A", zmq.NOBLOCK)
+
+    def attach(self, branch: Branch) -> None:
+        """Add ``branch`` to this epoch's run of a shared job's branches, if it can still
+        get all of the epoch (then it is in :attr:`attached` before its first record
+        comes; else in :attr:`refused`). Any thread."""
+        self.attaching.append(branch)
 
     def halt(self) -> None:
         """Ask this producer to stop, waking it where it waits for work items or for a
@@ -319,6 +258,9 @@ class Producer(threading.Thread):
         if spec.plan.parts and self.permits is not None:
             self._produce_parts(pair, ctx, self.permits)
             return
+        if spec.first_tap and self.replay is None:
+            self._produce_branches(pair, ctx)
+            return
         elements = spec.plan.run_worker(lambda key: self._feed(pair, key), self.epoch, ctx)
         if self.replay is not None:
             elements = itertools.islice(elements, self.skip, self.replay)
@@ -366,6 +308,39 @@ class Producer(threading.Thread):
         origins = tally.block([]) if ctx.settings.track and (tally.loose or tally.ends) \
             else None  # (what no record carried)
         self._put(pair, LinkKind.END, EndOut(self.epoch, tally.skipped, tally.dropped, origins))
+
+    def _produce_branches(self, pair: zmq.Socket[Any], ctx: Context) -> None:
+        """A shared job that takes branches (``spec.first_tap``): branch 0's worker part
+        with a tap at each boundary a branch may part at, each branch's own stages over
+        its tap (zloader/sharing/branches.py ``Tree``), in records of one branch each,
+        sent as :meth:`_produce`'s are (when full, when the first element has lingered,
+        or at once while a record would go out at once)."""
+        spec = self.spec
+        self.attaching.extend(spec.branches)
+        made = Tree(spec.plan, spec.first_tap, lambda key: self._feed(pair, key),
+                    self.epoch, ctx, spec.history_bytes, self.attaching, self.attached,
+                    self.refused)
+        held: dict[int, tuple[list[Any], list[Any], int, float]] = {}
+        self._mark = time.perf_counter()
+        for which, element in made:
+            batch, places, size, started = held.pop(which, ([], [], 0, time.monotonic()))
+            batch.append(element)
+            places.append(ctx.at)
+            weight, gathered = _weigh(element)
+            size += weight
+            element = None
+            now = time.monotonic()
+            if len(batch) >= RECORD_ELEMENTS or size >= RECORD_BYTES or gathered \
+                    or now - started >= RECORD_LINGER or self._ready():
+                self._send(pair, batch, places, ctx, size, branch=which)
+            else:
+                held[which] = (batch, places, size, started)
+            for other in [k for k, h in held.items() if now - h[3] >= RECORD_LINGER]:
+                batch, places, size, _ = held.pop(other)
+                self._send(pair, batch, places, ctx, size, branch=other)
+        for which, (batch, places, size, _) in held.items():
+            self._send(pair, batch, places, ctx, size, branch=which)
+        self._end(pair, ctx)
 
     def _produce_parts(self, pair: zmq.Socket[Any], ctx: Context, permits: Permits) -> None:
         """Streams of their own (``plan.parts``), in records of one stream each
@@ -515,17 +490,17 @@ class Producer(threading.Thread):
         self._mark = now
 
     def _send(self, pair: zmq.Socket[Any], batch: list[Any], places: list[Any],
-              ctx: Context, size: int, part: int | None = None) -> None:
+              ctx: Context, size: int, part: int | None = None, branch: int = 0) -> None:
         """Encode ``batch`` (about ``size`` bytes, as :func:`_weigh` finds; of mix input
-        ``part``, when the consumers draw the mix) and hand its record to the socket
-        thread once a permit allows."""
+        ``part``, when the consumers draw the mix; of a shared job's ``branch``) and hand
+        its record to the socket thread once a permit allows."""
         clock = time.perf_counter
         entered = clock()
         self._account(entered)
         self.stage = "encode"
         outgoing = self._encode(batch, places, ctx, size >= LARGE_RECORD_BYTES)
-        if outgoing is not None and part is not None:
-            outgoing.head.part = part
+        if outgoing is not None:
+            outgoing.head.part, outgoing.head.branch = part, branch
         encoded = clock()
         self.timing["encode"] += encoded - entered
         if outgoing is None:  # every element was skipped: their origins go with the next

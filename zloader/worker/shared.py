@@ -43,9 +43,10 @@ WHOLE = sys.maxsize
 @dataclass(eq=False)
 class Replay:
     """Elements made again for one trainer: those from ``skip`` to ``limit`` of what
-    those ``splits`` make (per pass, in order), read as worker ``index`` (None: this one);
-    ``segment``: the adopted segment they are (None: this worker's own, what the trainer
-    missed)."""
+    those ``splits`` make (per pass, in order) through the pipeline of its ``branch``,
+    read as worker ``index`` (None: this one); ``segment``: the adopted segment they are
+    (None: this worker's own, what the trainer missed). A replay of all (``limit``
+    :data:`WHOLE`) of this worker's own epoch waits for the epoch to be read here."""
 
     trainer: bytes
     epoch: int
@@ -54,6 +55,7 @@ class Replay:
     index: int | None = None
     segment: Segment | None = None
     skip: int = 0
+    branch: int = 0
 
 
 class SharedDelivery(Delivery):
@@ -76,6 +78,9 @@ class SharedDelivery(Delivery):
         self.adopted: dict[int, list[Segment]] = {}
         self.incoming: list[dict[str, Any]] = []
         self.handed_on = False  # it left the job cleanly: another worker makes its splits
+        # The branches each epoch's production here makes (a trainer of another one
+        # gets that epoch made for it alone; zloader/sharing/branches.py).
+        self.made: dict[int, set[int]] = {}
         # epochs whose end waits for a handover: a dead worker's fence, or a draining
         # worker's (adopt)
         self.held: set[int] = set()
@@ -96,12 +101,18 @@ class SharedDelivery(Delivery):
             return
         if cursor is None or cursor.epoch != epoch:
             finished = epoch in port.finished and epoch != port.producing
-            cursor = self.window.join(stream.identity, epoch,
-                                      epoch == port.producing or finished, finished)
+            started = epoch == port.producing or finished
+            branch = opened.branch
+            unmade = WHOLE if started and branch not in self.made.get(epoch, {0}) else None
+            if unmade is not None and epoch == port.producing:
+                self._attach(branch)  # (all of the epoch, if the trunk still has it)
+            cursor = self.window.join(stream.identity, epoch, started, finished, branch,
+                                      unmade)
             had = self.window.resume(cursor, opened.had) if opened.had else 0
             if cursor.missed > had:
                 self.replays.append(Replay(stream.identity, epoch, cursor.missed,
-                                           self.splits.setdefault(epoch, {}), skip=had))
+                                           self.splits.setdefault(epoch, {}), skip=had,
+                                           branch=branch))
             for segment in self.adopted.get(epoch, ()):
                 if stream.consumer not in segment.served:
                     self._owe(stream, segment)
@@ -112,6 +123,36 @@ class SharedDelivery(Delivery):
         port.abandon_stale()  # every trainer left the epoch being produced
         port.maybe_produce()
         self.deliver()
+
+    def branch_added(self, index: int) -> None:
+        if any(c.branch == index and c.epoch == self.port.producing
+               for c in self.window.cursors.values()):
+            self._attach(index)
+
+    def _attach(self, index: int) -> None:
+        """Ask the producer of the epoch under way to make branch ``index`` too, from the
+        epoch's start (its trainers then get it as if it had been there from the start;
+        :meth:`_attached` sees to that), once the branch is known here."""
+        branch, producer = self.port.branches.get(index), self.port.producer
+        if branch is not None and producer is not None:
+            producer.attach(branch)
+
+    def _attached(self) -> None:
+        """Branches the producer added to the epoch under way: their trainers reading it
+        are sent its records as they come, not the epoch made again."""
+        producer, epoch = self.port.producer, self.port.producing
+        made = self.made.get(epoch) if epoch is not None else None
+        if producer is None or made is None or producer.attached <= made:
+            return
+        added = producer.attached - made
+        made |= added
+        for cursor in self.window.cursors.values():
+            if cursor.epoch == epoch and cursor.branch in added and cursor.missed == WHOLE:
+                cursor.missed = 0
+                self.replays = deque(
+                    r for r in self.replays if not (r.trainer == cursor.trainer
+                                                    and r.epoch == epoch and r.limit == WHOLE
+                                                    and r.segment is None))
 
     def credit(self, stream: Stream, credits: int, part: int | None = None) -> None:
         cursor = self.window.cursors.get(stream.identity)  # production follows the window
@@ -164,6 +205,7 @@ class SharedDelivery(Delivery):
         replay's records to its trainer, then send every trainer what it may take."""
         port = self.port
         now = time.monotonic()
+        self._attached()
         while self.pending:
             item = self.pending[0]
             epoch = item.epoch
@@ -184,7 +226,8 @@ class SharedDelivery(Delivery):
             stored = store(item.buffers)
             item.mark_taken()
             self.pending.popleft()
-            self.window.add(epoch, item.head.count, nbytes, stored, skipped=item.head.skipped)
+            self.window.add(epoch, item.head.count, nbytes, stored, skipped=item.head.skipped,
+                            branch=item.head.branch)
             if stored.name is not None:
                 self.stored[stored.name] = stored
         self._fan_out()
@@ -254,7 +297,8 @@ class SharedDelivery(Delivery):
                 replay.segment.served.add(stream.consumer)
             else:  # (what it was not sent: splits no longer on record; ``skip`` it had)
                 skip = replay.skip if replay is not None else 0
-                cursor.lagged += max(0, cursor.missed - skip - sent)
+                if cursor.missed != WHOLE:
+                    cursor.lagged += max(0, cursor.missed - skip - sent)
                 cursor.missed = 0
             sent += self.replayed.pop(trainer, 0)
             self._stop_replay()
@@ -286,29 +330,45 @@ class SharedDelivery(Delivery):
             del self.splits[old]
         for old in [e for e in self.adopted if e < epoch - 2]:
             del self.adopted[old]
-        return self.splits.setdefault(epoch, {})
+        for old in [e for e in self.made if e < epoch - 2]:
+            del self.made[old]
+        made = self.made[epoch] = {0, *self.port.branches}  # (those its producer makes)
+        splits = self.splits.setdefault(epoch, {})
+        for cursor in self.window.cursors.values():  # (a branch whose pipeline is on its way)
+            if cursor.epoch == epoch and cursor.branch not in made and not cursor.done:
+                cursor.missed = WHOLE  # (unless the producer adds it: see _attached)
+                self.replays.append(Replay(cursor.trainer, epoch, WHOLE, splits,
+                                           branch=cursor.branch))
+        return splits
 
     def start_side(self) -> None:
         """A late joiner waits for what it missed: make it again, if no replay runs."""
         if self.replayer is not None:
             return
-        while self.replays:
-            replay = self.replays.popleft()
-            if replay.trainer in self.port.streams:
-                self.replay, self.replaying = replay, (replay.trainer, 0)
-                self.replay_outstanding = 0
-                self.replayer = self.port.start_producer(
-                    replay.epoch, Pool(), replay.index, splits=replay.splits,
-                    replay=replay.limit, skip=replay.skip)
-                self.permit()
-                break
+        port = self.port
+        self.replays = deque(r for r in self.replays if r.trainer in port.streams)
+        for replay in self.replays:
+            if replay.branch not in port.branches or (  # (its pipeline is on its way)
+                    replay.limit == WHOLE and replay.segment is None
+                    and replay.epoch == port.producing):  # (not all read here yet)
+                continue
+            self.replays.remove(replay)
+            self.replay, self.replaying = replay, (replay.trainer, 0)
+            self.replay_outstanding = 0
+            self.replayer = port.start_producer(
+                replay.epoch, Pool(), replay.index, branch=replay.branch,
+                splits=replay.splits, replay=replay.limit, skip=replay.skip)
+            self.permit()
+            break
 
     def _owe(self, stream: Stream, segment: Segment) -> None:
         """Make adopted ``segment`` again for ``stream``'s trainer (less the elements it
         had of it), after what it waits for now."""
+        cursor = self.window.cursors.get(stream.identity)
         self.replays.append(Replay(stream.identity, segment.epoch, WHOLE, segment.splits,
                                    segment.index, segment,
-                                   segment.had.get(stream.consumer, 0)))
+                                   segment.had.get(stream.consumer, 0),
+                                   cursor.branch if cursor is not None else 0))
 
     def _owes(self, trainer: bytes) -> bool:
         """Whether a replay for ``trainer`` runs or is still to run."""
@@ -449,8 +509,10 @@ class SharedDelivery(Delivery):
         for identity, cursor in self.window.cursors.items():
             stream = self.port.streams.get(identity)
             if stream is not None:
-                lag = sum(e.count for e in self.window.entries if e.seq >= cursor.seq)
-                out[stream.consumer] = {"lag": lag, "skipped": cursor.lagged}
+                lag = sum(e.count for e in self.window.entries
+                          if e.seq >= cursor.seq and e.branch == cursor.branch)
+                out[stream.consumer] = {"lag": lag, "skipped": cursor.lagged,
+                                        "branch": cursor.branch}
         return {"trainers": out}
 
     def close(self) -> None:

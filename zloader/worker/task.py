@@ -18,14 +18,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from zloader import codec
-from zloader._defaults import KEPT_EPOCHS
+from zloader._defaults import KEPT_EPOCHS, PREFIX_HISTORY_BYTES
 from zloader.lineage import Assigned
 from zloader.mixing import LiveWeights
 from zloader.options import JobOptions
 from zloader.plan import Plan
+from zloader.sharing.branches import Branch
 from zloader.sharing.window import WindowSettings
 from zloader.transport import messages
-from zloader.transport.protocol import error_object
+from zloader.transport.protocol import ProtocolError, error_object
 from zloader.worker.broker_link import BrokerLink, assignment
 from zloader.worker.delivery import Delivery, TaskPort
 from zloader.worker.dispatched import Dispatched
@@ -57,6 +58,7 @@ class Assignment:
     width: int  # the job's number of worker indices
     entropy: int
     share: WindowSettings | None = None  # a shared job's window (zloader/sharing)
+    first_tap: int = 0  # a shared job that takes branches: where one may part (0: none)
 
     @classmethod
     def decode(cls, task: messages.Task) -> Assignment:
@@ -64,7 +66,8 @@ class Assignment:
         share = task.options.share
         return cls(id=task.task, job=task.job, options=task.options, index=task.index,
                    width=task.width, entropy=task.entropy,
-                   share=WindowSettings.from_body(share) if share is not None else None)
+                   share=WindowSettings.from_body(share) if share is not None else None,
+                   first_tap=task.first_tap if share is not None else 0)
 
     @property
     def sharding(self) -> str:
@@ -82,8 +85,12 @@ class Assignment:
 
     def spec(self, plan: Plan) -> ProducerSpec:
         """What its producers need to know."""
+        history = PREFIX_HISTORY_BYTES if self.share is None \
+            else min(PREFIX_HISTORY_BYTES, self.share.window_bytes)
         return ProducerSpec(plan=plan, options=self.options, index=self.index,
-                            width=self.width, entropy=self.entropy)
+                            width=self.width, entropy=self.entropy,
+                            first_tap=min(self.first_tap, len(plan.worker_stages)),
+                            history_bytes=history)
 
 
 class Task:
@@ -118,6 +125,10 @@ class Task:
         self.dispatched: dict[int, Dispatched] = {}  # epoch -> its work items (DISPATCH)
         self.draining = threading.Event()  # take no more splits
         self.moving = False  # drained to move (RELEASE.drain): say so once all is sent
+        # A shared job's branches by index (0: its own pipeline) and its trunk's stages,
+        # when trainers with other pipelines share a prefix of it (BRANCH): each epoch's
+        # producer runs those known when it starts (zloader/sharing/branches.py).
+        self.branches: dict[int, Branch] = {0: Branch(0, plan, len(plan.worker_stages))}
         self.delivery = delivery(self)
 
     # --- consumers ------------------------------------------------------------------------
@@ -310,6 +321,19 @@ class Task:
         self.producer = self.start_producer(wanted[0], self.delivery.pool, splits=splits)
         self.delivery.permit()
 
+    def add_branch(self, index: int, tap: int, plan: Plan, fingerprint: str) -> None:
+        """BRANCH: trainers whose pipeline (``plan``) shares the source and first ``tap``
+        stages with the job's read it as branch ``index``: every epoch this worker starts
+        from now on makes it too, and the delivery may add it to the one under way."""
+        if not self.spec.first_tap or not self.spec.first_tap <= tap \
+                <= len(self.spec.plan.worker_stages):
+            raise ProtocolError(f"BRANCH: tap {tap} is not a stage boundary this task's "
+                                "branches may part at")
+        self.branches[index] = Branch(index, plan, tap, fingerprint)
+        self.delivery.branch_added(index)
+        self.maybe_produce()
+        self.delivery.deliver()
+
     def drop_producer(self, producer: Producer) -> None:
         """Stop a producer of the delivery mode's own and stop listening to it."""
         producer.stop.set()
@@ -321,11 +345,20 @@ class Task:
         self.broker.send(messages.RoundReq(task=self.id, epoch=epoch, members=members))
 
     def start_producer(self, epoch: int, pool: Pool, index: int | None = None,
-                       **options: Any) -> Producer:
+                       branch: int | None = None, **options: Any) -> Producer:
         """Start a producer of ``epoch`` (``options``: see
         :class:`~zloader.worker.producer.Producer`); ``index``: run as that worker index
-        (its seeds: another worker's splits made again, zloader/sharing/handover.py)."""
-        spec = self.spec if index is None else dataclasses.replace(self.spec, index=index)
+        (its seeds: another worker's splits made again, zloader/sharing/handover.py);
+        ``branch``: of that branch's pipeline alone (a replay for one of its trainers;
+        None: the task's, with every branch known now)."""
+        spec = self.spec
+        if branch is not None:
+            spec = dataclasses.replace(spec, plan=self.branches[branch].plan, first_tap=0)
+        elif len(self.branches) > 1:
+            spec = dataclasses.replace(spec, branches=tuple(
+                self.branches[k] for k in sorted(self.branches) if k))
+        if index is not None:
+            spec = dataclasses.replace(spec, index=index)
         return self.links.start(spec, epoch, inline=self.delivery.inline, pool=pool,
                                 draining=self.draining, epoch_input=self.inputs.get(epoch),
                                 weights=self.weights, dispatched=self.dispatched_for(epoch),
