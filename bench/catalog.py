@@ -108,11 +108,14 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               "the rest with 1, 2, 4 workers, one input and a mix; the first batch after a "
               "resume against a fresh Loader's",
               "none stated (it reports each resume exact or not)", "1"),
-    Benchmark("sharing", "Sharing: one pipeline for K trainers",
+    Benchmark("sharing", "Sharing: one pipeline for K trainers, and a prefix for a sweep",
               "preprocessing CPU per epoch and each trainer's images/s for 1, 2, 4 trainers "
-              "of one JPEG pipeline: zloader shared and unshared, torch, TensorSocket",
+              "of one JPEG pipeline: zloader shared and unshared, torch, TensorSocket; and "
+              "a sweep of 4 trainers sharing a decode with their own augmentation and "
+              "batch size: worker CPU, decode calls, each trainer's epoch, exactness",
               "shared CPU at K = 4 <= 1.3x K = 1's; each shared trainer >= 0.9x a lone "
-              "one; shared total >= TensorSocket's at equal workers", "6"),
+              "one; shared total >= TensorSocket's at equal workers; the sweep's worker "
+              "CPU <= 1.4x one trainer's", "7"),
     Benchmark("shared_faults", "Shared jobs through moves, stops and deaths",
               "elements repeated and lost by each trainer of a shared job when a worker "
               "moves to another job, gets SIGTERM or SIGKILL mid-epoch, a trainer joining "

@@ -282,6 +282,29 @@ def render_torch_loader(data: Any, out: Path) -> list[str]:
 
 
 def render_sharing(data: Any, out: Path) -> list[str]:
+    if not isinstance(data, dict):  # (a run from before the sweep)
+        return _identical_sharing(data, out)
+    lines = _identical_sharing(data["identical"], out) if data.get("identical") else []
+    sweep = data.get("sweep") or []
+    if not sweep:
+        return lines
+    one = next((r for r in sweep if r["system"] == "one"), None)
+    names = {"one": "one trainer alone (zloader)", "zloader-shared": "zloader, share=True",
+             "zloader-unshared": "zloader, 4 unshared Loaders", "torch": "torch DataLoader x 4"}
+    body = [[names.get(r["system"], r["system"]), f"{r['worker_cpu_per_epoch']:.2f}",
+             f"{r['worker_cpu_per_epoch'] / one['worker_cpu_per_epoch']:.2f}x" if one else "-",
+             f"{r['decodes_per_epoch']:.0f}",
+             " / ".join(f"{statistics.mean(s):.1f}" for s in r["seconds"]),
+             "yes" if r["exact"] else "NO"] for r in sweep]
+    return [*lines, "", "The sweep: four trainers share a JPEG decode and part after it "
+            "(batch 32 / 64 / 128 / 256, two augmentation strengths); the "
+            "prefix-shared job against four unshared Loaders and four torch "
+            "DataLoaders (target: shared worker CPU <= 1.4x one trainer's).", "",
+            *table(["system", "worker CPU-s / epoch", "vs one trainer", "decodes / epoch",
+                    "each trainer's epoch, s", "every image once"], body)]
+
+
+def _identical_sharing(data: Any, out: Path) -> list[str]:
     lone = {r["system"]: statistics.median(r["rates"]) for r in data if r["trainers"] == 1}
     cpu1 = {r["system"]: r["worker_cpu_per_epoch"] for r in data if r["trainers"] == 1}
     body = [[SHARING_NAMES.get(r["system"], r["system"]), r["trainers"],

@@ -234,6 +234,8 @@ def table(results: list[dict[str, Any]], ks: list[int]) -> str:
 
 
 def verdicts(results: list[dict[str, Any]]) -> list[str]:
+    if not results:
+        return []
     by = {(r["system"], r["trainers"]): r for r in results}
     top = max(r["trainers"] for r in results)
     out = []

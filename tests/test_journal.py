@@ -336,7 +336,10 @@ def test_every_kind_of_event_reads_back_as_the_record_written(tmp_path):
         events.JobCreated(id="j", fingerprint="f" * 64, name="n",
                           options=JobOptions(sharding="static", share=None), num_splits=4,
                           shuffle_splits=True, seed=3, width=2, source_data=None, entropy=9,
-                          pipeline={"inherited": True}, inputs=[[2, False, None], [2, True, 1]]),
+                          pipeline={"inherited": True}, inputs=[[2, False, None], [2, True, 1]],
+                          prefix={"prefixes": ["a", "b"], "names": ["map"], "first_tap": 1}),
+        events.BranchAdded(job="j", branch=1, fingerprint="g" * 64, prefixes=("a", "b", "c"),
+                           names=("map", "batch(2)"), first_tap=1, tap=1),
         events.RoundsSet(job="j", size=2),
         events.TaskGiven(job="j", task="t", worker="w1", index=1),
         events.SplitHanded(job="j", pass_=key, split=3, worker="w1", origin=origin),
@@ -379,10 +382,12 @@ def test_the_events_shapes_are_pinned_to_the_journal_version():
     # A line's own fields (version 3): its sequence number and checksum, no event's.
     assert not any({"n", "c"} & set(fields) for fields in shapes.values())
     shapes["job.options"] = [field.name for field in dataclasses.fields(JobOptions)]
-    assert VERSION == 4 and shapes == {
+    assert VERSION == 5 and shapes == {
         "worker": ["id", "host", "host_id", "pid", "endpoint", "prefer", "plain_data"],
         "job": ["id", "fingerprint", "name", "options", "num_splits", "shuffle_splits",
-                "seed", "width", "source_data", "entropy", "pipeline", "inputs"],
+                "seed", "width", "source_data", "entropy", "pipeline", "inputs", "prefix"],
+        "branch": ["job", "branch", "fingerprint", "prefixes", "names", "first_tap", "tap",
+                   "pipeline", "source_data"],
         "job.options": ["sharding", "deterministic", "on_error", "num_workers", "balanced",
                         "num_consumers", "share", "exactly_once", "weight", "objects",
                         "shards"],
@@ -516,8 +521,8 @@ def test_a_full_work_dir_fails_the_consumers_loudly_and_the_broker_keeps_serving
 def test_a_journal_starts_with_its_schema_version(tmp_path):
     """A new journal's first line names its schema version, and so does a compacted
     one's; a journal from before versions (no such line) is read as version 1, which
-    this zloader (version 4: lines numbered and checksummed; it reads versions 2 and 3 too)
-    refuses, naming both."""
+    this zloader (version 5: lines numbered and checksummed, shared jobs' branches; it
+    reads versions 2 to 4 too) refuses, naming both."""
 
     state = State(journal=Journal(tmp_path))
     ready(state, "w1")
@@ -526,13 +531,13 @@ def test_a_journal_starts_with_its_schema_version(tmp_path):
     def first_line() -> dict:
         return _body((tmp_path / "journal.jsonl").read_bytes().splitlines()[0])
 
-    assert first_line() == {"e": "journal", "version": VERSION} and VERSION == 4
+    assert first_line() == {"e": "journal", "version": VERSION} and VERSION == 5
     state.journal.compact(state.snapshot())
     assert first_line() == {"e": "journal", "version": VERSION}
     state.journal.close()
     lines = (tmp_path / "journal.jsonl").read_bytes().splitlines(keepends=True)
     (tmp_path / "journal.jsonl").write_bytes(b"".join(lines[1:]))
-    with pytest.raises(ZloaderError, match=f"{tmp_path}.*version 1.*versions 2, 3, 4"):
+    with pytest.raises(ZloaderError, match=f"{tmp_path}.*version 1.*versions 2, 3, 4, 5"):
         Journal(tmp_path)
     (tmp_path / "journal.jsonl").write_bytes(b"".join(lines))  # its version line back
     again = State(journal=Journal(tmp_path))

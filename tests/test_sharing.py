@@ -599,10 +599,12 @@ def test_a_trainer_paused_past_its_grace_while_the_job_goes_on_gets_its_epoch_ex
 
 
 @pytest.mark.slow  # (about 10 s)
-def test_a_shared_job_through_a_broker_restart_on_its_work_dir_is_exact(tmp_path):
+@pytest.mark.parametrize("own", [False, True])
+def test_a_shared_job_through_a_broker_restart_on_its_work_dir_is_exact(tmp_path, own):
     """The broker of a shared job is SIGKILLed mid-epoch and restarted on its work dir:
     two trainers reading, and one that joins after the restart, each get every element
-    once."""
+    once. With ``own``, trainer b batches after the shared map (a branch, kept in the
+    journal: it is b's branch again after the restart)."""
     from tests.test_journal import start_broker, start_journaled
 
     address, work_dir, broker, started = start_journaled(tmp_path, 2)
@@ -614,10 +616,14 @@ def test_a_shared_job_through_a_broker_restart_on_its_work_dir_is_exact(tmp_path
         if name == "c":
             wait_for(lambda: len(got.get("a", ())) >= 900, timeout=60, what="the restart")
         got[name] = []
-        with Loader(pipeline, broker=address, share=True, timeout=60) as loader:
+        mine = pipeline.batch(5) if own and name == "b" else pipeline
+        with Loader(mine, broker=address, share=True, timeout=60) as loader:
             for x in loader:
-                got[name].append(int(x))
+                got[name].extend(np.asarray(x).reshape(-1).tolist())
                 if name == "a" and len(got[name]) == 500:
+                    if own:
+                        (job,) = shared_jobs(address)
+                        assert sorted(t["branch"] for t in job["trainers"]) == [0, 1]
                     brokers[0].send_signal(signal.SIGKILL)
                     brokers[0].wait()
                     brokers[0] = start_broker(address, work_dir)

@@ -29,6 +29,7 @@ from zloader.transport.fields import (
     fld,
     integer,
     is_int,
+    list_of,
     obj,
     optional,
     text,
@@ -36,7 +37,7 @@ from zloader.transport.fields import (
 from zloader.transport.protocol import ProtocolError
 from zloader.transport.shapes import mix_inputs
 
-__all__ = ["KINDS", "EpochStarted", "Event", "JobCreated", "JobEnded", "JobFailed",
+__all__ = ["KINDS", "BranchAdded", "EpochStarted", "Event", "JobCreated", "JobEnded", "JobFailed",
            "JobResumed", "PassKept", "PassRead", "RoundsSet", "SplitHanded",
            "SplitRequeued", "TaskGiven", "WorkerGone", "WorkerLeft", "WorkerReady", "parse"]
 
@@ -156,6 +157,8 @@ class JobCreated(Event):
     entropy: int = fld(integer())
     pipeline: dict[str, Any] | None = fld(optional(obj), None)
     inputs: list[Any] | None = fld(optional(_inputs), None, omit=True)
+    # a shared job that takes branches: its pipeline's prefixes (zloader/sharing/prefix.py)
+    prefix: dict[str, Any] | None = fld(optional(obj), None, omit=True)
 
     @property
     def job_id(self) -> str | None:
@@ -164,12 +167,42 @@ class JobCreated(Event):
     @classmethod
     def of(cls, job: Job) -> JobCreated:
         handout = job.handout
+        own = job.branches.own if job.branches is not None else None
         return cls(id=job.id, fingerprint=job.fingerprint, name=job.name, options=job.options,
                    num_splits=handout.num_splits, shuffle_splits=handout.shuffle_splits,
                    seed=handout.seed, width=job.width, source_data=job.source_data,
                    entropy=job.entropy, pipeline=job.pipeline,
                    inputs=[list(item) for item in handout.layout.inputs]
-                   if handout.layout is not None else None)
+                   if handout.layout is not None else None,
+                   prefix=None if own is None else {
+                       "prefixes": list(own.prefixes), "names": list(own.names),
+                       "first_tap": own.first_tap})
+
+
+@dataclass(frozen=True, kw_only=True)
+class BranchAdded(Event):
+    """A shared job took a pipeline that shares a prefix with its own as branch ``branch``
+    (its pipeline is kept beside the journal, by job and branch)."""
+
+    KIND = "branch"
+    job: str = fld(NAME)
+    branch: int = fld(integer(1))
+    fingerprint: str = fld(NAME)
+    prefixes: tuple[str, ...] = fld(list_of(NAME))
+    names: tuple[str, ...] = fld(list_of(text(128)))
+    first_tap: int = fld(integer(1))
+    tap: int = fld(integer(1))
+    pipeline: dict[str, Any] | None = fld(optional(obj), None, omit=True)
+    source_data: dict[str, Any] | None = fld(optional(obj), None, omit=True)
+
+    @classmethod
+    def of(cls, job: Job, index: int) -> BranchAdded:
+        assert job.branches is not None
+        member = job.branches.members[index - 1]
+        return cls(job=job.id, branch=index, fingerprint=member.fingerprint,
+                   prefixes=member.prefixes, names=member.names,
+                   first_tap=member.first_tap, tap=member.tap, pipeline=member.pipeline,
+                   source_data=member.source_data)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -306,8 +339,8 @@ class WorkerLeft(Event):
 
 
 KINDS: dict[str, type[Event]] = {cls.KIND: cls for cls in (
-    WorkerReady, JobCreated, RoundsSet, TaskGiven, SplitHanded, SplitRequeued, JobResumed,
-    PassRead, EpochStarted, PassKept, JobFailed, JobEnded, WorkerGone, WorkerLeft)}
+    WorkerReady, JobCreated, BranchAdded, RoundsSet, TaskGiven, SplitHanded, SplitRequeued,
+    JobResumed, PassRead, EpochStarted, PassKept, JobFailed, JobEnded, WorkerGone, WorkerLeft)}
 """Each kind's record."""
 
 

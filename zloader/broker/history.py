@@ -22,6 +22,7 @@ from typing import Any
 
 from zloader.broker import failures, jobs, splits
 from zloader.broker.events import (
+    BranchAdded,
     EpochStarted,
     Event,
     JobCreated,
@@ -39,10 +40,11 @@ from zloader.broker.events import (
     WorkerReady,
     parse,
 )
-from zloader.broker.journal import VERSION, Journal
+from zloader.broker.journal import VERSION, Journal, branch_file
 from zloader.broker.records import Handout, Job, Out, Pass, Tables, Worker
 from zloader.broker.rounds import Rounds
 from zloader.mixing import layout_of
+from zloader.sharing.prefix import Branches, Member
 from zloader.transport.messages import Error
 
 __all__ = ["APPLY", "Replay", "journal_errors", "restore", "snapshot"]
@@ -180,10 +182,36 @@ def _job(replay: Replay, event: JobCreated) -> str | None:
     replay.unrestored.discard(event.id)
     handout = Handout(event.num_splits, event.shuffle_splits, event.seed,
                         layout_of(event.inputs))
-    state.jobs[event.id] = Job(
+    job = state.jobs[event.id] = Job(
         event.id, event.fingerprint, event.name, event.options, blob, handout, event.width,
         event.source_data, event.entropy, replay.now,
         pipeline=dict(event.pipeline) if event.pipeline else None)
+    prefix = event.prefix
+    if prefix is not None:
+        try:
+            job.branches = Branches(Member(
+                event.fingerprint, tuple(map(str, prefix["prefixes"])),
+                tuple(map(str, prefix["names"])), blob, job.pipeline, event.source_data,
+                int(prefix["first_tap"]), len(prefix["prefixes"]) - 1))
+        except (KeyError, TypeError, ValueError):
+            return "a job whose prefixes are malformed (it takes no branches)"
+    return None
+
+
+def _branch(replay: Replay, job: Job, event: BranchAdded) -> str | None:
+    """A branch of a shared job (a pipeline sharing a prefix with its own): back in its
+    place, unless its pipeline file is gone (its trainers then get a job of their own)."""
+    branches = job.branches
+    if branches is None or event.branch != len(branches.members) + 1:
+        return "a branch out of its order"
+    blob = replay.state.journal.load_pipeline(branch_file(job.id, event.branch)) \
+        if replay.state.journal else None
+    if blob is None:
+        return "a branch whose pipeline file is gone"
+    branches.add(Member(event.fingerprint, event.prefixes, event.names, blob,
+                        dict(event.pipeline) if event.pipeline else None,
+                        dict(event.source_data) if event.source_data else None,
+                        event.first_tap, event.tap))
     return None
 
 
@@ -333,8 +361,8 @@ def _end(replay: Replay, job: Job, event: JobEnded) -> str | None:
 APPLY: dict[type[Event], Apply] = {
     WorkerReady: _worker, JobCreated: _job, WorkerGone: _gone,
     **{kind: _of_job(apply) for kind, apply in (
-        (WorkerLeft, _left), (RoundsSet, _rounds), (TaskGiven, _task), (SplitHanded, _split),
-        (SplitRequeued, _requeue), (JobResumed, _resume), (PassRead, _done),
+        (WorkerLeft, _left), (BranchAdded, _branch), (RoundsSet, _rounds), (TaskGiven, _task),
+        (SplitHanded, _split), (SplitRequeued, _requeue), (JobResumed, _resume), (PassRead, _done),
         (EpochStarted, _epoch), (PassKept, _pass), (JobFailed, _failed), (JobEnded, _end))},
 }
 """Each journal event's record -> how a restarted broker replays it into the tables, or
@@ -346,6 +374,8 @@ def snapshot(state: Tables) -> list[Event]:
     events: list[Event] = [WorkerReady.of(w) for w in state.workers.values()]
     for job in state.jobs.values():
         events.append(JobCreated.of(job))
+        if job.branches is not None:
+            events += [BranchAdded.of(job, k) for k in range(1, len(job.branches.members) + 1)]
         if job.rounds is not None:
             events.append(RoundsSet(job=job.id, size=job.rounds.size))
         events.append(EpochStarted(job=job.id, epoch=job.epoch))

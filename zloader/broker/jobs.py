@@ -23,6 +23,7 @@ from zloader.broker import (
     views,
 )
 from zloader.broker.events import (
+    BranchAdded,
     EpochStarted,
     JobCreated,
     JobEnded,
@@ -30,6 +31,7 @@ from zloader.broker.events import (
     JobResumed,
     RoundsSet,
 )
+from zloader.broker.journal import branch_file
 from zloader.broker.records import (
     FENCE_GRACE,
     INHERITED,
@@ -159,10 +161,9 @@ def _shared_job(state: Tables, identity: bytes, msg: Register, options: JobOptio
     refused = admission.admit(state, identity, len(msg.blob), now)
     if refused:
         return refused
-    job = _new_job(state, identity, msg, None, options, now)
-    if msg.prefixes and _pipeline(msg) != INHERITED:
-        job.branches = Branches(_member(msg, len(msg.prefixes) - 1))
-    return job, 0, []
+    branches = Branches(_member(msg, len(msg.prefixes) - 1)) \
+        if msg.prefixes and _pipeline(msg) != INHERITED else None
+    return _new_job(state, identity, msg, None, options, now, branches), 0, []
 
 
 def _member(msg: Register, tap: int) -> Member:
@@ -175,6 +176,9 @@ def _branch(state: Tables, job: Job, msg: Register, shared: int) -> tuple[int, l
     index, and the BRANCH that tells each of the job's workers."""
     assert job.branches is not None
     index = job.branches.add(_member(msg, shared))
+    if state.journal is not None:
+        state.journal.save_pipeline(branch_file(job.id, index), msg.blob)
+    state.record(BranchAdded.of(job, index))
     log.info("job %s: a pipeline sharing its first %d stages joins it as branch %d",
              job.id, shared, index)
     out = []
@@ -307,7 +311,7 @@ def _pipeline(msg: Register) -> dict[str, Any] | None:
 
 
 def _new_job(state: Tables, identity: bytes, msg: Register, name: str | None,
-             options: JobOptions, now: float) -> Job:
+             options: JobOptions, now: float, branches: Branches | None = None) -> Job:
     source = msg.source
     live = sum(1 for w in state.workers.values() if w.task is None)
     width = options.num_workers or max(1, live)
@@ -316,6 +320,7 @@ def _new_job(state: Tables, identity: bytes, msg: Register, name: str | None,
     job = Job(secrets.token_hex(8), msg.fingerprint, name, options, msg.blob, handout,
               width, msg.source_data, secrets.randbits(63), now)
     job.pipeline = _pipeline(msg)
+    job.branches = branches
     job.owner = identity
     job.metrics.scaler.cooldown = state.cooldown
     entropy = msg.entropy  # a resumed Loader's: its shuffles draw the same
@@ -501,7 +506,8 @@ def _end(state: Tables, job: Job, now: float) -> list[Out]:
     del state.jobs[job.id]
     state.record(JobEnded(job=job.id))
     if state.journal is not None:
-        state.journal.forget_pipeline(job.id)
+        state.journal.forget_pipeline(
+            job.id, len(job.branches.members) if job.branches is not None else 0)
     return out
 
 

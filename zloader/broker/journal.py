@@ -55,15 +55,15 @@ from zloader.errors import ZloaderError
 from zloader.transport.keys import unsafe_directory
 
 __all__ = ["READS", "VERSION", "Journal", "JournalVersionError", "WorkDirError",
-           "line_of", "work_dir"]
+           "branch_file", "line_of", "work_dir"]
 
 log = logging.getLogger("zloader.broker")
 
-VERSION = 4
+VERSION = 5
 """The schema of the events (zloader/broker/events.py) and of the lines that hold them;
 bump it when an event or a line changes shape or meaning."""
 
-READS = (2, 3, VERSION)
+READS = (2, 3, 4, VERSION)
 """The versions a broker restores (an older one is rewritten as :data:`VERSION`)."""
 
 _STAMP = re.compile(rb',"n":(0|[1-9][0-9]{0,18}),"c":"([0-9a-f]{8})"\}')
@@ -117,6 +117,11 @@ def _version_line(line: Any) -> bool:
 class WorkDirError(ZloaderError, PermissionError):
     """The work dir is one another local user could write to: refused."""
 
+
+
+def branch_file(job: str, branch: int) -> str:
+    """The name a shared job's branch's pipeline is kept by (:meth:`Journal.save_pipeline`)."""
+    return f"{job}.branch{branch}"
 
 class JournalVersionError(ZloaderError, ValueError):
     """The work dir's journal has a schema version this broker does not know: refused."""
@@ -389,8 +394,10 @@ class Journal:
         except OSError:
             return None
 
-    def forget_pipeline(self, job: str) -> None:
-        (self.root / "pipelines" / f"{job}.pickle").unlink(missing_ok=True)
+    def forget_pipeline(self, job: str, branches: int = 0) -> None:
+        """Remove a job's pipeline file, and those of its ``branches``."""
+        for name in (job, *(branch_file(job, k) for k in range(1, branches + 1))):
+            (self.root / "pipelines" / f"{name}.pickle").unlink(missing_ok=True)
 
     def compact(self, events: list[dict[str, Any]]) -> None:
         """Replace the journal with ``events`` (the state as it is now), numbered on from
