@@ -2,13 +2,14 @@
 
     python tests/share_trainer.py BROKER N VARIANT EPOCHS [--delay S] [--lag L]
         [--window BYTES] [--block S] [--log PATH] [--workers-deterministic]
-        [--suffix NAME]
+        [--suffix NAME] [--barrier DIR:N]
 
 Each element's first value is its index in the epoch's source; every call of the
 pipeline's map function appends one byte to ``--log`` (to count how often it ran).
 ``--suffix`` adds stages of this trainer's own after that map (:data:`SUFFIXES`: trainers
 with other suffixes share the map's run); the indices of a batch's rows are reported
-one by one. Prints
+one by one. ``--barrier DIR:N``: once its Loader has registered, wait until N trainers'
+have (a file each in DIR) before reading: all start the epoch together. Prints
 ``{"progress": k}`` after every 10 elements and ``{"epoch": e, "got": [...], "stats": {...}}``
 after each epoch.
 """
@@ -76,12 +77,18 @@ def main() -> None:
     parser.add_argument("--log", default=None)
     parser.add_argument("--deterministic", action="store_true")
     parser.add_argument("--suffix", default="", choices=sorted(SUFFIXES))
+    parser.add_argument("--barrier", default=None)
     args = parser.parse_args()
     pipeline = SUFFIXES[args.suffix](make(args.n, args.variant, args.log))
     with Loader(pipeline, broker=args.broker, share=True,
                 deterministic=args.deterministic, share_lag=args.lag,
                 share_window_bytes=args.window, share_block_seconds=args.block,
                 timeout=30, prefetch=2) as loader:
+        if args.barrier:
+            barrier, count = args.barrier.rsplit(":", 1)
+            open(os.path.join(barrier, str(os.getpid())), "w").close()
+            while len(os.listdir(barrier)) < int(count):
+                time.sleep(0.01)
         for _ in range(args.epochs):
             got = []
             for element in loader:

@@ -13,7 +13,7 @@ import zloader
 from zloader.options import JobOptions
 from zloader.plan import plan
 from zloader.runs import Context, RunSettings
-from zloader.sharing.branches import Branch, Tree, first_tap
+from zloader.sharing.branches import Branch, Tree, first_tap, prefix_of
 from zloader.sharing.prefix import shared_stages
 
 CALLS = {"n": 0}
@@ -166,3 +166,15 @@ def test_branches_part_from_branch_zero_at_their_own_stage():
     assert CALLS["n"] == 75
     for which, pipeline in enumerate(pipelines):
         assert out[which] == _alone(pipeline, feed)
+
+
+def test_what_a_shared_loader_says_of_its_prefixes():
+    pipeline = zloader.Pipeline.range(10).map(decode).batch(2).repeat(2).map(brighter)
+    said = prefix_of(plan(pipeline, JobOptions(share={})))
+    assert said["prefixes"] == list(pipeline.prefix_fingerprints)
+    assert said["first_tap"] == 3 and said["stage_names"][0].startswith("map")
+    # Records in parts (a deterministic job's fixed shards) and a pipeline with no worker
+    # stage take no branches.
+    shards = JobOptions(share={}, deterministic=True, sharding="static", shards=2)
+    assert prefix_of(plan(pipeline, shards)) == {}
+    assert prefix_of(plan(zloader.Pipeline.range(10).take(3), JobOptions(share={}))) == {}

@@ -252,7 +252,7 @@ def branched(room: bool) -> tuple[FakePort, SharedDelivery, TreeProducer]:
 def test_shared_branches_each_trainer_gets_its_branch_s_records_and_every_end(shared):
     port, delivery = shared
     port.branches[1] = "branch 1"
-    delivery.new_epoch(0)  # (its producer makes both branches)
+    delivery.made[0] = {0, 1}  # (as new_epoch has it once trainers of both read)
     port.join("a", credits=10)
     port.join("b", credits=10, branch=1)
     port.join("c", credits=10, branch=1)
@@ -264,6 +264,11 @@ def test_shared_branches_each_trainer_gets_its_branch_s_records_and_every_end(sh
         assert [s.count for s in port.outlet.to(trainer, "DATA")] == [3, 4]
     assert all(kinds(port, t)[-1] == "END" for t in "abc") and not port.started
     assert delivery.stats()["trainers"]["b"]["branch"] == 1
+    assert delivery.new_epoch(1) == {} and delivery.branches_for(1) == {0, 1}
+    for trainer in (b"b", b"c"):  # branch 1's trainers leave: it is no longer made
+        port.remove_stream(port.streams[trainer])
+    delivery.new_epoch(2)
+    assert delivery.branches_for(2) == {0}
 
 
 def test_shared_a_branch_added_to_the_epoch_under_way_gets_it_from_the_producer():
@@ -348,3 +353,33 @@ def test_rounds_an_open_without_its_consumer_index_is_refused():
     port, _ = rounds_mode()
     with pytest.raises(ProtocolError, match="consumer_index"):
         port.join("a", credits=1)
+
+
+def test_a_replay_leaves_out_what_a_trainer_had_by_count_or_by_place():
+    from zloader.worker.producer import _kept
+
+    made = list(range(20))
+    assert list(_kept(iter(made), 5, 12)) == list(range(5, 12))
+    assert list(_kept(iter(made), [[0, 3], [6, 10]], 1 << 62)) == [3, 4, 5, *range(10, 20)]
+    assert list(_kept(iter(made), [[2, 4]], 8)) == [0, 1, 4, 5, 6, 7]
+    assert list(_kept(iter(made), [], 4)) == [0, 1, 2, 3]
+
+
+def test_shared_records_say_their_place_and_a_replay_s_follow_what_it_skips():
+    port = FakePort()
+    delivery = SharedDelivery(port, WindowSettings(16, "skip", 0.0))  # two 8-byte records
+    port.attach(delivery)
+    try:
+        port.join("a", credits=100)
+        for count in (3, 2, 4, 1):
+            produce(delivery, count=count)
+        port.join("b", credits=100)
+        assert [s.record.first for s in port.outlet.to("a", "DATA")] == [0, 3, 5, 9]
+        assert [s.record.first for s in port.outlet.to("b", "DATA")] == [5, 9]
+        (replayer,) = port.started
+        end(delivery)
+        for count in (2, 3):
+            delivery.on_record(replayer, record(count))
+        assert [s.record.first for s in port.outlet.to("b", "DATA")] == [5, 9, 0, 2]
+    finally:
+        delivery.close()

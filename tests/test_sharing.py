@@ -417,15 +417,19 @@ def test_trainers_with_their_own_stages_share_the_common_ones_and_each_gets_its_
     """Four trainers share a map (the "decode") and then part: one has nothing more, one
     shuffles and batches, one maps and batches, one filters; a fifth, with yet another
     suffix, is killed mid-epoch. Each of the four gets its own pipeline's epoch exactly
-    (every element once, in its own batches), and the map ran once per element for all."""
+    (every element once, in its own batches), and the map ran once per element for all.
+    (They start the epoch together, as a sweep's trials do: a trainer that opens it late
+    on a worker that has made all its part gets that part made again for it alone.)"""
     log = str(tmp_path / "decode.log")
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
     n = 600
     suffixes = ["", "shuffle_batch25", "augment_batch4", "even"]
     with trainer_service(2) as (address, _):
         trainers = [Trainer(address, "--delay", "0.015", "--log", log, "--suffix", suffix,
-                            n=n) for suffix in suffixes]
+                            "--barrier", f"{barrier}:5", n=n) for suffix in suffixes]
         leaver = Trainer(address, "--delay", "0.015", "--log", log, "--suffix", "batch10",
-                         n=n)
+                         "--barrier", f"{barrier}:5", n=n)
         wait_for(lambda: leaver.progress >= 100, timeout=60, what="the leaver reading")
         (job,) = shared_jobs(address)  # one job for all five
         assert job["consumers"] == 5
@@ -462,6 +466,45 @@ def test_a_late_trainer_with_its_own_stages_gets_its_whole_epoch():
             assert epoch["stats"]["share_replayed"] > 0 or not window
             (epoch,) = first.epochs(90)
             exactly_once(epoch["got"], n)
+
+
+def _wide(x: int) -> np.ndarray:
+    time.sleep(0.002)
+    return np.full(4096, x, dtype=np.int64)  # 32 KiB: a small window holds few
+
+
+@pytest.mark.slow  # (about 15 s)
+def test_a_trainer_that_joined_late_on_a_worker_that_dies_gets_its_epoch_exactly():
+    """Trainer b joins a shared epoch late, with a window that no longer holds its start:
+    from each worker it gets the records still in the window, then what is made from
+    then on, and the start (made again for it) last. Worker 0 is SIGKILLed while b has
+    the middle of what it made: the worker that stays makes the dead one's splits again
+    for b less the elements b has of them (by their places, DATA.first), not the first
+    that many. (Counted from the start, b lost what it lacked of the start and got the
+    middle twice.)"""
+    pipeline = Pipeline.range(1500, split_size=20).map(_wide)
+    with service(workers=2) as (address, procs):
+        got: dict[str, list[int]] = {}
+
+        def read(name: str) -> None:
+            if name == "b":
+                wait_for(lambda: len(got.get("a", ())) >= 500, timeout=60, what="a")
+            seen = got[name] = []
+            with Loader(pipeline, broker=address, share=True, timeout=30,
+                        share_window_bytes=1 << 17) as loader:
+                for x in loader:
+                    seen.append(int(x[0]))
+                    if name == "b" and len(seen) == 200 and procs[0].poll() is None:
+                        procs[0].send_signal(signal.SIGKILL)
+                        procs[0].wait()
+                stats = loader.stats()
+            if name == "b":
+                assert stats["share_replayed"] > 0  # (it did join late)
+
+        run_together([functools.partial(read, "a"), functools.partial(read, "b")],
+                     timeout=120)
+        for seen in got.values():
+            exactly_once(seen, 1500)
 
 
 @pytest.mark.slow  # (about 7-10 s; the suite keeps under 6 min on 2 cores)

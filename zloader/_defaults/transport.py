@@ -98,3 +98,7 @@ well within MAX_BODY_BYTES; a shared job has a handful; fixed)."""
 MAX_HANDOVER_ENTRIES = 4096
 """The most handover entries the broker keeps for one drained worker (``HEARTBEAT.handover``:
 134 M splits; fixed)."""
+
+MAX_RANGES = 4096
+"""The most ranges of places a shared job's trainer says it had of a dead worker's
+elements (``DELIVERED.shared.ranges``); one with more says only how many (fixed)."""

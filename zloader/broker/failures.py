@@ -208,8 +208,8 @@ def _made_again(job: Job, fence: Fence) -> list[dict[str, Any]]:
         for consumer, answer in fence.answers.items():
             if epoch < answer["epoch"] or (epoch == answer["epoch"] and answer["done"]):
                 segment.served.add(consumer)
-            elif epoch == answer["epoch"]:
-                segment.had[consumer] = answer["count"]
+            elif epoch == answer["epoch"]:  # (the places of what it had, else how many)
+                segment.had[consumer] = answer.get("ranges") or answer["count"]
         segments.append(segment)
     return to_wire(segments)
 

@@ -225,10 +225,13 @@ class EpochEnd:
             session = self.session
             assert session.job is not None  # fences come in the job's views
             if self.stats.share is not None:  # what it got from that worker this epoch
+                answer: dict[str, Any] = {"epoch": session.epoch or 0, "done": session.done,
+                          "count": session.got_from.get(fence["worker"], 0)}
+                places = session.places(fence["worker"])
+                if places is not None:
+                    answer["ranges"] = places
                 self.link.send(messages.Delivered(
-                    job=session.job, fence=fence["id"], splits=(), shared={
-                        "epoch": session.epoch or 0, "done": session.done,
-                        "count": session.got_from.get(fence["worker"], 0)}))
+                    job=session.job, fence=fence["id"], splits=(), shared=answer))
                 if not session.done and fence.get("taker") and any(
                         key[0] == session.epoch for key, _ in fence["splits"]):
                     session.awaiting[fence["id"]] = fence["taker"]

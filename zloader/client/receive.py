@@ -231,7 +231,7 @@ class Receiver:
         if size > self.peers.large:  # more than the memory budget holds in flight
             self.peers.fit(size)
         stats.per_worker[peer.pid] = stats.per_worker.get(peer.pid, 0) + count
-        session.got_from[peer.worker] = session.got_from.get(peer.worker, 0) + count
+        session.got(peer.worker, count, data.first)
         self._note_lagged(peer, data.lagged)
         item = Data(session.epoch if session.epoch is not None else -1, peer.worker,
                     peer.index, elements, origins, data.part)

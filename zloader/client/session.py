@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zloader import codec
-from zloader._defaults import HEARTBEAT
+from zloader._defaults import HEARTBEAT, MAX_RANGES
 from zloader.lineage import Ledger
 from zloader.transport.keys import Keys
 
@@ -96,6 +96,9 @@ class Session:
     # A shared job's: elements received this epoch from each worker (what a trainer says
     # it had of a dead one's, DELIVERED.shared)
     got_from: dict[str, int] = field(default_factory=dict)
+    # ... and the places of those elements in what each worker made (DATA.first), as
+    # ascending [start, end] ranges (DELIVERED.shared.ranges)
+    got_places: dict[str, list[list[int]]] = field(default_factory=dict)
     # ... and the dead workers' fences whose elements it waits for this epoch: fence ->
     # the worker that makes them again (its END names the fence: ``acked``)
     awaiting: dict[str, str] = field(default_factory=dict)
@@ -109,6 +112,33 @@ class Session:
     # Work items (Loader.dispatch) for worker indices not connected yet, sent with the OPEN
     undispatched: dict[int, list[list[int]]] = field(default_factory=dict)
 
+    def got(self, worker: str, count: int, first: int | None) -> None:
+        """``count`` elements came from ``worker`` this epoch (at place ``first`` of what it
+        made, a shared job's record; None: another's, made again by it)."""
+        self.got_from[worker] = self.got_from.get(worker, 0) + count
+        if first is None:
+            return
+        ranges = self.got_places.setdefault(worker, [])
+        if ranges and ranges[-1][1] == first:
+            ranges[-1][1] += count
+        else:
+            ranges.append([first, first + count])
+
+    def places(self, worker: str) -> list[list[int]] | None:
+        """The places of what came from ``worker`` this epoch (merged ranges), if every
+        element that came from it had one."""
+        ranges = self.got_places.get(worker)
+        if not ranges or sum(end - start for start, end in ranges) \
+                != self.got_from.get(worker, 0):
+            return None
+        merged: list[list[int]] = []
+        for start, end in sorted(ranges):
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        return merged if len(merged) <= MAX_RANGES else None  # (else: the count alone)
+
     def start(self, epoch: int, epoch_input: EpochInput, made_here: int = 0) -> None:
         """Begin ``epoch``, which nothing of has been received yet (``made_here``:
         ``Settings.made_here``)."""
@@ -118,4 +148,5 @@ class Session:
         self.rerun = 0
         self.received = Ledger(made_here)
         self.got_from, self.awaiting, self.acked, self.broken = {}, {}, set(), set()
+        self.got_places = {}
         self.undispatched = {}

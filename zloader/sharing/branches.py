@@ -56,12 +56,11 @@ def first_tap(pipeline: Pipeline, worker_stages: int) -> int:
 def prefix_of(planned: Plan) -> dict[str, Any]:
     """What a shared job's REGISTER says of its pipeline's prefixes (``prefixes``,
     ``first_tap``, ``stage_names``: see zloader/sharing/prefix.py); empty when the
-    pipeline cannot share a prefix (a mix the consumer draws, no worker stage, too many
-    stages)."""
+    pipeline cannot share a prefix (records in parts: a mix the consumer draws, a
+    deterministic job's shards; no worker stage; too many stages)."""
     pipeline = planned.pipeline
     count = len(planned.worker_stages)
-    if planned.mix is not None or not count or count > MAX_STAGES \
-            or not pipeline.shareable:
+    if planned.parts or not count or count > MAX_STAGES or not pipeline.shareable:
         return {}
     return {"prefixes": list(pipeline.prefix_fingerprints[:count + 1]),
             "first_tap": first_tap(pipeline, count),

@@ -15,9 +15,11 @@ when it drains.
 A worker that dies (or moves at once) cannot hand anything on: the broker does it for
 it, from the splits it handed that worker, in order, once every trainer has said how many
 elements it got from that worker in the epoch (a fence, zloader/broker/failures.py). The
-worker that adopts the segment makes it again for each trainer skipping that many (its
-``had``): the same splits, in the same order, with the same seeds, make the same elements
-in the same order, and a trainer gets a worker's elements in the order it made them.
+worker that adopts the segment makes it again for each trainer leaving out what it had
+(its ``had``: the elements' places, which each record of a shared job names,
+``DATA.first``): the same splits, in the same order, with the same seeds, make the same
+elements in the same order, so a place names the same element. A trainer that joined the
+epoch late on the dead worker had the middle of what it made, not its start.
 
 This module holds no sockets: the segments and their wire form.
 """
@@ -30,9 +32,13 @@ from typing import Any
 
 from zloader._defaults import HANDOVER_SERVED, HANDOVER_SPLITS
 
-__all__ = ["Segment", "from_wire", "to_wire"]
+__all__ = ["Had", "Segment", "from_wire", "to_wire"]
 
 Key = tuple[int, ...]
+
+Had = int | list[list[int]]
+"""What a trainer had of what a worker made in an epoch: the first that many elements, or
+the places of those it had (``[[start, end], ...]``, ascending: ``DATA.first``)."""
 
 
 @dataclass(eq=False)
@@ -44,15 +50,16 @@ class Segment:
         index: the worker index they were read under (its seeds: ``Context.rng``).
         splits: per pass key, the splits in the order they were read.
         served: the consumer ids that have everything the segment makes.
-        had: the consumer ids that have the first elements it makes: how many (a dead
-            worker's segment).
+        had: the consumer ids that have some of the elements it makes (a dead worker's
+            segment): how many of the first, or the places of those they have
+            (:data:`Had`).
     """
 
     epoch: int
     index: int
     splits: dict[Key, list[int]]
     served: set[str] = field(default_factory=set)
-    had: dict[str, int] = field(default_factory=dict)
+    had: dict[str, Had] = field(default_factory=dict)
 
 
 def to_wire(segments: Iterable[Segment]) -> list[dict[str, Any]]:

@@ -535,6 +535,10 @@ class Data(Record):
     # The mix input whose elements it holds, in a job whose consumers draw the mix
     # (zloader/plan.py); absent otherwise.
     part: int | None = fld(optional(MIX_PART), None, omit=True)
+    # A shared job's record: the place of its first element in what the worker makes of
+    # the epoch for this consumer's branch (what a trainer has of a dead worker's, by
+    # place: DELIVERED.shared.ranges); absent for what it makes of another's splits.
+    first: int | None = fld(optional(INDEX), None, omit=True)
 
     @classmethod
     def from_body(cls, body: Any) -> Data:
@@ -555,7 +559,7 @@ class Data(Record):
             "epoch": epoch, "count": count, "skipped": skipped, "ring": None, "segment": None,
             "full": bool(flags & _FULL), "shared": bool(flags & _SHARED), "lagged": None,
             "round": None, "origins": bool(flags & _ORIGINS), "framed": bool(flags & _FRAMED),
-            "after": None, "part": None}
+            "after": None, "part": None, "first": None}
         try:
             if flags & _RING:
                 position, length, size = _DATA_PLACE.unpack_from(raw, at)
@@ -568,7 +572,7 @@ class Data(Record):
                 values["segment"] = (_name(raw, at, size, "segment"), length)
                 at += size
             for flag, name in ((_LAGGED, "lagged"), (_ROUND, "round"), (_AFTER, "after"),
-                               (_PART, "part")):
+                               (_PART, "part"), (_FIRST, "first")):
                 if flags & flag:
                     values[name] = _DATA_INT.unpack_from(raw, at)[0]
                     at += _DATA_INT.size
@@ -598,7 +602,8 @@ class Data(Record):
                  | (_ROUND if self.round is not None else 0)
                  | (_ORIGINS if self.origins else 0) | (_FRAMED if self.framed else 0)
                  | (_AFTER if self.after is not None else 0)
-                 | (_PART if self.part is not None else 0))
+                 | (_PART if self.part is not None else 0)
+                 | (_FIRST if self.first is not None else 0))
         parts = [_DATA_HEAD.pack(self.epoch, self.count, self.skipped, flags)]
         if self.ring is not None:
             name = self.ring[2].encode()
@@ -606,7 +611,7 @@ class Data(Record):
         if self.segment is not None:
             name = self.segment[0].encode()
             parts += [_DATA_NAMED.pack(self.segment[1], len(name)), name]
-        for value in (self.lagged, self.round, self.after, self.part):
+        for value in (self.lagged, self.round, self.after, self.part, self.first):
             if value is not None:
                 parts.append(_DATA_INT.pack(value))
         return b"".join(parts)
@@ -615,10 +620,10 @@ class Data(Record):
 _DATA_HEAD = struct.Struct("<QQQH")  # epoch, count, skipped, flags
 _DATA_PLACE = struct.Struct("<QQH")  # ring: position, length, name length (name follows)
 _DATA_NAMED = struct.Struct("<QH")  # segment: length, name length (name follows)
-_DATA_INT = struct.Struct("<Q")  # lagged, round, after, part
-_RING, _SEGMENT, _FULL, _SHARED, _LAGGED, _ROUND, _ORIGINS, _FRAMED, _AFTER, _PART = (
-    1 << i for i in range(10))
-_DATA_FLAGS_ALL = (1 << 10) - 1
+_DATA_INT = struct.Struct("<Q")  # lagged, round, after, part, first
+_RING, _SEGMENT, _FULL, _SHARED, _LAGGED, _ROUND, _ORIGINS, _FRAMED, _AFTER, _PART, _FIRST = (
+    1 << i for i in range(11))
+_DATA_FLAGS_ALL = (1 << 11) - 1
 
 
 def _name(raw: bytes, at: int, size: int, field: str) -> str:

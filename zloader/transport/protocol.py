@@ -24,7 +24,7 @@ from zloader.errors import ZloaderError
 __all__ = ["PACKED", "VERSION", "Command", "Message", "ProtocolError", "VersionMismatch", "decode",
            "encode"]
 
-VERSION = (f"ZLP/9 py/{sys.version_info[0]}.{sys.version_info[1]} "
+VERSION = (f"ZLP/10 py/{sys.version_info[0]}.{sys.version_info[1]} "
            f"cp/{cloudpickle.__version__}").encode("ascii")
 """The version frame: protocol version, Python minor version, cloudpickle version."""
 

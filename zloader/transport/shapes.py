@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zloader._defaults import LOG_MAX_LINE, LOG_MAX_LINES, MAX_MIX_INPUTS, STAGES
+from zloader._defaults import LOG_MAX_LINE, LOG_MAX_LINES, MAX_MIX_INPUTS, MAX_RANGES, STAGES
 from zloader.transport.fields import (
     INDEX,
     MAX_ITEMS,
@@ -203,12 +203,29 @@ def split_info(value: Any) -> tuple[tuple[int, ...], int, dict[str, Any]]:
         raise Wrong("must be [pass, split, info], pass a list of integers >= 0") from None
 
 
-def had_counts(value: Any) -> dict[str, int]:
-    """``{consumer id: elements}`` (a handover entry's ``had``)."""
+def places(value: Any) -> list[list[int]]:
+    """``[[start, end], ...]``: ascending ranges of places, each ``0 <= start < end``, at
+    most MAX_RANGES (what a trainer had of what a worker made, zloader/sharing/handover.py)."""
+    if not isinstance(value, list) or len(value) > MAX_RANGES:
+        raise Wrong(f"must be a list of at most {MAX_RANGES} [start, end] ranges")
+    last = 0
+    for item in value:
+        if not (isinstance(item, list) and len(item) == 2 and is_int(item[0])
+                and is_int(item[1]) and last <= item[0] < item[1] < 1 << 62):
+            raise Wrong("must hold ascending [start, end] ranges, 0 <= start < end")
+        last = item[1]
+    return value
+
+
+def had_counts(value: Any) -> dict[str, Any]:
+    """``{consumer id: elements}`` (a handover entry's ``had``: a count of the first, or
+    the places of those it had, :func:`places`)."""
     if not isinstance(value, dict) or len(value) > MAX_ITEMS or not all(
-            isinstance(k, str) and 0 < len(k) <= MAX_NAME and is_int(v) and v >= 0
-            for k, v in value.items()):
-        raise Wrong("must map consumer ids to counts >= 0")
+            isinstance(k, str) and 0 < len(k) <= MAX_NAME for k in value):
+        raise Wrong("must map consumer ids to counts >= 0 or [start, end] ranges")
+    for v in value.values():
+        if not (is_int(v) and v >= 0):
+            places(v)
     return value
 
 
@@ -231,12 +248,15 @@ def handover_entry(value: Any) -> dict[str, Any]:
 
 
 def shared_answer(value: Any) -> dict[str, Any]:
-    """``DELIVERED.shared``: ``{epoch, done, count}``."""
-    if not (isinstance(value, dict) and set(value) == {"epoch", "done", "count"}
+    """``DELIVERED.shared``: ``{epoch, done, count}``, and optionally ``ranges`` (the
+    places of the elements it got, :func:`places`)."""
+    if not (isinstance(value, dict) and set(value) - {"ranges"} == {"epoch", "done", "count"}
             and is_int(value["epoch"]) and value["epoch"] >= 0
             and isinstance(value["done"], bool)
             and is_int(value["count"]) and value["count"] >= 0):
-        raise Wrong("must be {epoch, done, count}")
+        raise Wrong("must be {epoch, done, count[, ranges]}")
+    if "ranges" in value:
+        places(value["ranges"])
     return value
 
 

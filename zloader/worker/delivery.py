@@ -138,6 +138,10 @@ class Delivery(abc.ABC):
         """The consumer mapped these segments (CREDIT's ``mapped``, unchecked)."""
         return None
 
+    def branches_for(self, epoch: int) -> set[int]:
+        """The branches of a shared job the producer of ``epoch`` makes (those read)."""
+        return set()
+
     def branch_added(self, index: int) -> None:
         """A shared job's branch ``index`` is known now (BRANCH)."""
         return None

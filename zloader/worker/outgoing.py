@@ -27,6 +27,7 @@ class Head:
     part: int | None = None
     round: int | None = None
     branch: int = 0
+    first: int | None = None  # a shared job's: its place in the epoch (DATA.first)
 
 
 @dataclass(frozen=True)

@@ -481,6 +481,8 @@ class WorkerProcess:
         planned = plan(loading.pipeline, assigned.options)
         self.task = Task(assigned, planned, self.port.outlet, self.links, self.broker,
                          delivery_for(assigned, planned))
+        self.task.waiting_branches = sum(1 for record, _ in self.branch_loads
+                                         if record.task == assigned.id)
         self.port.begin(self.task)
 
     def _load_branch(self, record: messages.Branch, payload: list[Any]) -> None:
@@ -495,6 +497,8 @@ class WorkerProcess:
                                 source_data=record.source_data,
                                 fingerprint=record.fingerprint, pipeline=record.pipeline)
         self.branch_loads.append((record, self.supply.start(carrier, payload, self._wake)))
+        if self.task is not None:
+            self.task.waiting_branches += 1
         self._add_branches()
 
     def _add_branches(self) -> None:
@@ -505,9 +509,11 @@ class WorkerProcess:
             if not loading.done() or (task is None and self.loading is not None
                                       and self.loading[0].id == record.task):
                 waiting.append((record, loading))
-            elif task is None or task.id != record.task:
+                continue
+            if task is None or task.id != record.task:
                 continue  # (its task is over)
-            elif loading.error is not None or loading.pipeline is None:
+            task.waiting_branches = max(0, task.waiting_branches - 1)
+            if loading.error is not None or loading.pipeline is None:
                 log.error("branch %d of task %s could not load: its trainers get nothing "
                           "from this worker", record.branch, task.id,
                           exc_info=loading.error)
@@ -519,6 +525,8 @@ class WorkerProcess:
                 except ProtocolError as exc:
                     self._reject(f"dropped a BRANCH: {exc}")
         self.branch_loads = waiting
+        if self.task is not None:
+            self.task.maybe_produce()  # (an epoch that waited for the branches)
 
     def _stop_task(self) -> None:
         self.loading = None  # a task still loading is dropped with its result

@@ -110,8 +110,9 @@ class Producer(threading.Thread):
             elements again (shared jobs: recorded here, in order); None: not recorded.
         replay: make the first ``replay`` elements of the epoch again, reading the splits
             recorded in ``splits`` (a shared job's late trainer); None: produce afresh.
-        skip: of those, leave out the first ``skip`` (made, not sent: what a trainer had
-            of a dead worker's, zloader/sharing/handover.py).
+        skip: of those, leave out the first ``skip``, or those at these places
+            (``[[start, end], ...]``; made, not sent: what a trainer had of a dead
+            worker's, zloader/sharing/handover.py).
         dispatched: the epoch's work items a consumer dispatches (a dispatched source's,
             see ``Source.dispatched``; handed to the pipeline as ``RunSettings.dispatched``).
         timing: where the time goes, by stage (shared by the worker's producers).
@@ -130,7 +131,7 @@ class Producer(threading.Thread):
                  dispatched: Dispatched | None = None,
                  splits: dict[tuple[int, ...], list[int]] | None = None,
                  replay: int | None = None,
-                 skip: int = 0,
+                 skip: int | list[list[int]] = 0,
                  timing: dict[str, float] | None = None,
                  after: tuple[threading.Thread, ...] = (),
                  permits: Permits | None = None) -> None:
@@ -263,7 +264,7 @@ class Producer(threading.Thread):
             return
         elements = spec.plan.run_worker(lambda key: self._feed(pair, key), self.epoch, ctx)
         if self.replay is not None:
-            elements = itertools.islice(elements, self.skip, self.replay)
+            elements = _kept(elements, self.skip, self.replay)
         batch: list[Any] = []
         # Untracked elements: the source position each was taken at, to name one the
         # codec rejects (tracked ones carry their origins).
@@ -713,6 +714,22 @@ class Producer(threading.Thread):
                 continue
             if reply.have in (None, have):
                 return reply
+
+
+def _kept(elements: Iterator[Any], skip: int | list[list[int]], limit: int
+          ) -> Iterator[Any]:
+    """A replay's elements: those before place ``limit`` but for ``skip`` (the first that
+    many, or those at these places: ``[[start, end], ...]``, ascending)."""
+    if isinstance(skip, int):
+        yield from itertools.islice(elements, skip, limit)
+        return
+    ranges = iter(skip)
+    start, end = next(ranges, (limit, limit))
+    for place, element in enumerate(itertools.islice(elements, limit)):
+        while place >= end:
+            start, end = next(ranges, (limit, limit))
+        if place < start:
+            yield element
 
 
 class _Stopped(Exception):

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from zloader import codec
-from zloader.sharing.handover import Segment, from_wire, to_wire
+from zloader.sharing.handover import Had, Segment, from_wire, to_wire
 from zloader.sharing.store import Stored, store
-from zloader.sharing.window import Window, WindowSettings
+from zloader.sharing.window import Entry, Window, WindowSettings
 from zloader.transport.messages import Data, End, Open
 from zloader.worker.credit import clamp
 from zloader.worker.delivery import Delivery, EndOut, Pending, TaskPort
@@ -42,8 +42,9 @@ WHOLE = sys.maxsize
 
 @dataclass(eq=False)
 class Replay:
-    """Elements made again for one trainer: those from ``skip`` to ``limit`` of what
-    those ``splits`` make (per pass, in order) through the pipeline of its ``branch``,
+    """Elements made again for one trainer: those from ``skip`` (a count, or the places
+    of those it had: ``[[start, end], ...]``) to ``limit`` of what those ``splits`` make
+    (per pass, in order) through the pipeline of its ``branch``,
     read as worker ``index`` (None: this one); ``segment``: the adopted segment they are
     (None: this worker's own, what the trainer missed). A replay of all (``limit``
     :data:`WHOLE`) of this worker's own epoch waits for the epoch to be read here."""
@@ -54,7 +55,7 @@ class Replay:
     splits: dict[tuple[int, ...], list[int]]
     index: int | None = None
     segment: Segment | None = None
-    skip: int = 0
+    skip: Had = 0
     branch: int = 0
 
 
@@ -123,6 +124,9 @@ class SharedDelivery(Delivery):
         port.abandon_stale()  # every trainer left the epoch being produced
         port.maybe_produce()
         self.deliver()
+
+    def branches_for(self, epoch: int) -> set[int]:
+        return self.made.get(epoch, {0})
 
     def branch_added(self, index: int) -> None:
         if any(c.branch == index and c.epoch == self.port.producing
@@ -256,23 +260,24 @@ class SharedDelivery(Delivery):
                                                      lagged=cursor.lagged))
                     break
                 cursor.credits -= 1
-                self._send_stored(stream, entry.epoch, entry.count, entry.skipped,
-                                  entry.data, cursor.lagged)
+                self._send_stored(stream, entry, cursor.lagged)
         while self.replaying is not None and self.replay_pending and self._send_replay():
             pass
 
-    def _send_stored(self, stream: Stream, epoch: int, count: int, skipped: int,
-                     stored: Stored, lagged: int) -> None:
-        outlet = self.port.outlet
+    def _send_stored(self, stream: Stream, entry: Entry, lagged: int) -> None:
+        """Send the window's record ``entry`` (its place: ``DATA.first``)."""
+        outlet, stored, count = self.port.outlet, entry.data, entry.count
         outlet.count(count, stored.length)
         if stream.ring is not None and stored.segment is not None:  # co-located
             stored.holders.add(stream.identity)
-            outlet.send(stream, Data(epoch=epoch, count=count, skipped=skipped, ring=None,
-                                     lagged=lagged, segment=(stored.segment.name, stored.length),
+            outlet.send(stream, Data(epoch=entry.epoch, count=count, skipped=entry.skipped,
+                                     ring=None, lagged=lagged, first=entry.first,
+                                     segment=(stored.segment.name, stored.length),
                                      shared=True))
         else:
-            outlet.send(stream, Data(epoch=epoch, count=count, skipped=skipped, ring=None,
-                                     lagged=lagged), stored.frames)
+            outlet.send(stream, Data(epoch=entry.epoch, count=count, skipped=entry.skipped,
+                                     ring=None, lagged=lagged, first=entry.first),
+                        stored.frames)
 
     def _send_replay(self) -> bool:
         """Send the replay's next record (or its end) to its trainer, once the trainer has
@@ -296,7 +301,8 @@ class SharedDelivery(Delivery):
             if replay is not None and replay.segment is not None:
                 replay.segment.served.add(stream.consumer)
             else:  # (what it was not sent: splits no longer on record; ``skip`` it had)
-                skip = replay.skip if replay is not None else 0
+                skip = replay.skip if replay is not None and isinstance(replay.skip, int) \
+                    else 0
                 if cursor.missed != WHOLE:
                     cursor.lagged += max(0, cursor.missed - skip - sent)
                 cursor.missed = 0
@@ -315,6 +321,9 @@ class SharedDelivery(Delivery):
             return False
         self.replay_pending.popleft()
         cursor.credits -= 1
+        replay = self.replay
+        if replay is not None and replay.segment is None and isinstance(replay.skip, int):
+            item.head.first = replay.skip + sent  # (its place in what this worker made)
         self.replaying = (trainer, sent + item.head.count)
         port.outlet.record(stream, item.head, item.buffers)
         item.mark_taken()
@@ -332,7 +341,10 @@ class SharedDelivery(Delivery):
             del self.adopted[old]
         for old in [e for e in self.made if e < epoch - 2]:
             del self.made[old]
-        made = self.made[epoch] = {0, *self.port.branches}  # (those its producer makes)
+        # The branches its producer makes: those known here that a trainer reads (one of
+        # another comes later: it is added to the run, or the epoch made again for it).
+        made = self.made[epoch] = {0} | {c.branch for c in self.window.cursors.values()
+                                         if c.branch in self.port.branches}
         splits = self.splits.setdefault(epoch, {})
         for cursor in self.window.cursors.values():  # (a branch whose pipeline is on its way)
             if cursor.epoch == epoch and cursor.branch not in made and not cursor.done:

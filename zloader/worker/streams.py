@@ -150,7 +150,8 @@ class Outlet:
         fields: dict[str, Any] = {
             "epoch": epoch, "count": count, "skipped": head.skipped, "ring": None,
             "segment": None, "full": False, "shared": False, "lagged": None,
-            "round": head.round, "origins": head.origins, "framed": False, "part": head.part}
+            "round": head.round, "origins": head.origins, "framed": False, "part": head.part,
+            "first": head.first}
         if sizes is None:
             sizes = records.sizes_of(frames)
         self.count(count, sum(sizes))

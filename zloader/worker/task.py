@@ -89,7 +89,8 @@ class Assignment:
             else min(PREFIX_HISTORY_BYTES, self.share.window_bytes)
         return ProducerSpec(plan=plan, options=self.options, index=self.index,
                             width=self.width, entropy=self.entropy,
-                            first_tap=min(self.first_tap, len(plan.worker_stages)),
+                            first_tap=0 if plan.parts else min(self.first_tap,
+                                                                len(plan.worker_stages)),
                             history_bytes=history)
 
 
@@ -129,6 +130,7 @@ class Task:
         # when trainers with other pipelines share a prefix of it (BRANCH): each epoch's
         # producer runs those known when it starts (zloader/sharing/branches.py).
         self.branches: dict[int, Branch] = {0: Branch(0, plan, len(plan.worker_stages))}
+        self.waiting_branches = 0  # BRANCHes whose pipelines load: no new epoch meanwhile
         self.delivery = delivery(self)
 
     # --- consumers ------------------------------------------------------------------------
@@ -311,6 +313,8 @@ class Task:
         self.delivery.start_side()
         if self.draining.is_set():
             return  # leaving: no new epochs
+        if self.waiting_branches:
+            return  # (a branch's pipeline loads: the next epoch's run makes it too)
         if self.producing is not None:
             return
         wanted = sorted({s.epoch for s in self.streams.values()} - self.finished)
@@ -354,9 +358,10 @@ class Task:
         spec = self.spec
         if branch is not None:
             spec = dataclasses.replace(spec, plan=self.branches[branch].plan, first_tap=0)
-        elif len(self.branches) > 1:
+        elif len(self.branches) > 1:  # (those the delivery has readers of)
+            made = self.delivery.branches_for(epoch)
             spec = dataclasses.replace(spec, branches=tuple(
-                self.branches[k] for k in sorted(self.branches) if k))
+                self.branches[k] for k in sorted(self.branches) if k and k in made))
         if index is not None:
             spec = dataclasses.replace(spec, index=index)
         return self.links.start(spec, epoch, inline=self.delivery.inline, pool=pool,
