@@ -507,6 +507,43 @@ def test_a_trainer_that_joined_late_on_a_worker_that_dies_gets_its_epoch_exactly
             exactly_once(seen, 1500)
 
 
+@pytest.mark.slow  # (about 15 s)
+@pytest.mark.parametrize("own", [False, True])
+def test_a_shared_job_s_last_worker_killed_is_made_again_by_the_next_one(own):
+    """A shared job's only worker is SIGKILLed mid-epoch under two trainers (b, with
+    ``own``, batching after the shared map: a branch). Its splits are not read again: the
+    next worker the job gets makes them again for each trainer, less what it had, and
+    reads the rest of the epoch. Each gets every element once (before: read again when a
+    worker came back, every trainer got what it had of them twice)."""
+    from tests.service import start_worker
+
+    pipeline = Pipeline.range(800, split_size=20).map(_sleepy)
+    with service(workers=1) as (address, procs):
+        got: dict[str, list[int]] = {}
+
+        def read(name: str) -> None:
+            seen = got[name] = []
+            mine = pipeline.batch(3) if own and name == "b" else pipeline
+            with Loader(mine, broker=address, share=True, timeout=60) as loader:
+                for x in loader:
+                    seen.extend(np.asarray(x).reshape(-1).tolist())
+                    if name == "a" and len(seen) == 300 and procs[0].poll() is None:
+                        procs[0].send_signal(signal.SIGKILL)
+                        procs[0].wait()
+                        # The next worker comes once the broker has dropped this one
+                        # (none stays to take its splits then).
+                        wait_for(lambda: not status(address)["workers"], timeout=30,
+                                 what="the broker to drop the dead worker")
+                        procs.append(start_worker(address))  # (stopped by service)
+                    if name == "b":
+                        time.sleep(0.003)  # (a slower trainer: production follows a)
+
+        run_together([functools.partial(read, "a"), functools.partial(read, "b")],
+                     timeout=120)
+        for seen in got.values():
+            exactly_once(seen, 800)
+
+
 @pytest.mark.slow  # (about 7-10 s; the suite keeps under 6 min on 2 cores)
 def test_a_drained_worker_sends_its_window_to_a_lagging_trainer_before_it_leaves():
     """A worker that drains (SIGTERM, or a move to another job) has made its splits and

@@ -542,6 +542,49 @@ def test_a_deterministic_job_runs_dynamic_sharding_as_static_whoever_registers_i
     assert loader_options.sharding == runs
 
 
+def _shared_register(state: State, consumer: str, now: float = 0.0):
+    return state.register(consumer.encode(), record(Command.REGISTER, nested({
+        "consumer": consumer, "fingerprint": "f" * 64, "sharding": "dynamic",
+        "job_name": None, "deterministic": False, "num_workers": 0,
+        "share": {"window_bytes": 1 << 20, "lag": "block", "block_seconds": 1.0},
+        "on_error": "raise", "host_id": "h/boot/ns", "pid": 1,
+        "source": {"num_splits": 6, "shuffle_splits": False, "seed": None}}),
+        [b"pipeline"]), now)
+
+
+def test_a_shared_job_s_last_worker_dead_is_made_again_by_the_next_one():
+    """A shared job's only worker dies: its splits are not re-queued (its trainers had
+    elements of them); once each trainer said what it had, the fence waits, holding the
+    epoch, for the job's next worker, which gets them to make again, with the trainers'
+    places, right after its TASK."""
+    state = State()
+    ready(state, "w1")
+    task = task_of(_shared_register(state, "c1") + _shared_register(state, "c2"))
+    handed = [split(state, "w1", task) for _ in range(2)]
+    state.seen(b"c1", 10.0)
+    state.seen(b"c2", 10.0)
+    state.tick(10.0)  # (w1 is silent: dead)
+    assert "w1" not in state.workers
+    (job,) = state.jobs.values()
+    (token,) = job.fences
+    for consumer, answer in (("c1", {"epoch": 0, "done": False, "count": 30,
+                                     "ranges": [[0, 30]]}),
+                             ("c2", {"epoch": 0, "done": False, "count": 12})):
+        state.delivered(consumer.encode(), record(Command.DELIVERED, {
+            "job": job.id, "fence": token, "splits": [], "shared": answer}), 10.0)
+    assert not job.fences and [t for t, _ in job.orphans] == [token]
+    assert not job.handout.passes[(0,)].requeued  # not read again
+    out = ready(state, "w2", 11.0)
+    commands = [o.command for o in out if o.identity == b"w2"]
+    assert commands.index(Command.TASK) < commands.index(Command.HANDOVER)
+    (handover,) = [o.body for o in out if o.command is Command.HANDOVER
+                   and o.body["segments"]]
+    (segment,) = handover["segments"]
+    assert handover["fence"] == token and segment["splits"] == handed
+    assert segment["had"] == {"c1": [[0, 30]], "c2": 12} and segment["last"]
+    assert not job.orphans
+
+
 def test_a_shared_jobs_silent_trainer_keeps_its_cursors_for_the_grace_unless_it_exited():
     """A trainer of a shared job that goes silent may only be stopped: its workers are told
     to drop its cursors when the grace ends (one that comes back goes on where it was),

@@ -31,7 +31,8 @@ from zloader.sharing.handover import Segment, to_wire
 from zloader.transport.messages import Delivered, Handover, Release
 from zloader.transport.protocol import ProtocolError
 
-__all__ = ["complete_fences", "delivered", "drop_worker", "give_up", "holds", "leave",
+__all__ = ["adopt_orphans", "complete_fences", "delivered", "drop_worker", "give_up",
+           "holds", "leave",
            "reread",
            "stalled", "stuck"]
 
@@ -83,12 +84,14 @@ def leave(state: Tables, worker: Worker, job: Job, task: str, died: bool, now: f
                                                  now + grace, event=event)
         return views.tell_consumers(state, job)  # journaled once the fence is done
     takers = _takers(state, job) if job.share is not None else []
-    if takers and not clean and order and index is not None and not state.replaying:
+    if job.share is not None and not clean and order and index is not None \
+            and not state.replaying:
         # Not read again (every trainer would get them twice): made again for each
-        # trainer by a worker that stays, less what it had (handover.py).
-        job.fences[secrets.token_hex(6)] = Fence(worker_id, task, died, lost, asked,
-                                                 now + grace, event=event, index=index,
-                                                 order=order, taker=takers[0][1].id)
+        # trainer by a worker that stays, less what it had (handover.py); by the next
+        # worker the job gets, when it was the last (adopt_orphans).
+        job.fences[secrets.token_hex(6)] = Fence(
+            worker_id, task, died, lost, asked, now + grace, event=event, index=index,
+            order=order, taker=takers[0][1].id if takers else None)
         done = complete_fences(state, job)  # (at once when no trainer is to answer)
         return done or views.tell_consumers(state, job) + holds(state, job)
     return _left(state, worker, job, event, lost, requeue, clean)
@@ -179,8 +182,8 @@ def _held(state: Tables, job: Job) -> tuple[int, ...]:
     """The epochs of a shared job whose end its workers hold back: a dead worker's fence
     waits for its trainers' answers, or a worker that drains will hand its splits on (a
     trainer that started the epoch on the others alone must not end it before)."""
-    fenced = {key[0] for fence in job.fences.values() if fence.index is not None
-              for key in fence.order}
+    fenced = {key[0] for fence in (*job.fences.values(), *(f for _, f in job.orphans))
+              if fence.index is not None for key in fence.order}
     draining = {epoch for w in job.tasks.values() if w in state.workers
                 and (state.workers[w].moving_to is not None or state.workers[w].leaving)
                 for epoch in splits.epochs_of(job, w)}
@@ -195,6 +198,20 @@ def holds(state: Tables, job: Job) -> list[Out]:
     held = _held(state, job)
     return [Out(worker.identity, Handover(task=task, segments=(), held=held))
             for task, worker in _takers(state, job)]
+
+
+def adopt_orphans(state: Tables, job: Job) -> list[Out]:
+    """A shared job whose last worker died (or moved at once) has a worker again: it
+    makes the dead one's splits again for each trainer, less what each had (the fences'
+    answers), and the epochs they held end once it has."""
+    if not job.orphans or not _takers(state, job):
+        return []
+    orphans, job.orphans = job.orphans, []
+    out: list[Out] = []
+    for token, fence in orphans:
+        out += _hand_on(state, job, _made_again(job, fence),
+                        f"{'dead ' if fence.died else ''}worker {fence.worker}", (token, fence))
+    return out + holds(state, job)
 
 
 def _made_again(job: Job, fence: Fence) -> list[dict[str, Any]]:
@@ -336,12 +353,11 @@ def complete_fences(state: Tables, job: Job) -> list[Out]:
                             f"{'dead ' if fence.died else ''}worker {fence.worker}",
                             (token, fence)) + holds(state, job)
             continue
-        if fence.index is not None:  # nobody stays to make them again: read again (at
-            log.warning("no worker of shared job %s stays to make dead worker %s's splits "
-                        "again: they are read again when one comes (its trainers may get "
-                        "some elements twice)", job.name or job.id, fence.worker)
-            for key, split in fence.splits:  # least once, as a last worker's are)
-                splits.requeue(state, job, key, split, {})
+        if fence.index is not None:  # nobody stays: the next worker makes them again
+            log.info("shared job %s has no worker left to make worker %s's splits again: "
+                     "the next one it gets does", job.name or job.id, fence.worker)
+            job.orphans.append((token, fence))
+            out += holds(state, job)
             continue
         for key, split in fence.splits:
             info = fence.replies.get((key, split), {})

@@ -87,7 +87,8 @@ def give(state: Tables, worker: Worker, job: Job, now: float) -> list[Out]:
     worker.task, worker.moving_to = task, None
     worker.since = now
     state.record(TaskGiven(job=job.id, task=task, worker=worker.id, index=index))
-    return [*task_message(worker, job), *views.tell_consumers(state, job)]
+    return [*task_message(worker, job), *failures.adopt_orphans(state, job),
+            *views.tell_consumers(state, job)]
 
 
 def task_message(worker: Worker, job: Job) -> list[Out]:

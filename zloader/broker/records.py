@@ -229,6 +229,9 @@ class Job:
     linger: float = 0.0  # seconds a job without consumers is kept (more if they went silent)
     epoch: int = 0  # the highest epoch a consumer has started
     fences: dict[str, Fence] = field(default_factory=dict)
+    # A shared job's fences whose dead worker was its last: made again by the next
+    # worker it gets (failures.adopt_orphans), their epochs held until then
+    orphans: list[tuple[str, Fence]] = field(default_factory=list)
     rounds: Rounds | None = None  # coordinated reads (num_consumers)
     metrics: Metrics = field(default_factory=Metrics)
     pipeline: dict[str, Any] | None = None  # where workers get a pipeline not in ``blob``

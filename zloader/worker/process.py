@@ -119,6 +119,7 @@ class WorkerProcess:
         self._warned = 0.0
         self.loading: tuple[Assignment, Loading] | None = None  # a task's pipeline loads
         self.branch_loads: list[tuple[messages.Branch, Loading]] = []  # (BRANCH)
+        self.early: list[messages.Handover] = []  # HANDOVERs for the task that loads
         self._last_beat = 0.0
         self.capture = Capture() if forward_output else None
         self._last_forward = 0.0
@@ -441,6 +442,8 @@ class WorkerProcess:
         elif isinstance(record, messages.Handover):
             if task is not None and record.task == task.id:
                 task.delivery.adopt(record.segments, record.held, record.fence)
+            elif self.loading is not None and record.task == self.loading[0].id:
+                self.early.append(record)  # (a job's next worker: adopted as it begins)
         elif isinstance(record, messages.Round):
             if task is not None and record.task == task.id:
                 task.delivery.on_round(record.epoch, record.round)
@@ -463,6 +466,7 @@ class WorkerProcess:
             return  # sent again after a reconnect: this worker has it already
         if self.task is not None:
             self._stop_task()
+        self.early = []
         self.loading = (task, self.supply.start(record, payload, self._wake))
         self._begin_task()
 
@@ -483,6 +487,10 @@ class WorkerProcess:
                          delivery_for(assigned, planned))
         self.task.waiting_branches = sum(1 for record, _ in self.branch_loads
                                          if record.task == assigned.id)
+        early, self.early = self.early, []
+        for handover in early:  # (before its consumers' OPENs: the epochs it holds)
+            if handover.task == assigned.id:
+                self.task.delivery.adopt(handover.segments, handover.held, handover.fence)
         self.port.begin(self.task)
 
     def _load_branch(self, record: messages.Branch, payload: list[Any]) -> None:
