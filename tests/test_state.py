@@ -552,12 +552,16 @@ def _shared_register(state: State, consumer: str, now: float = 0.0):
         [b"pipeline"]), now)
 
 
-def test_a_shared_job_s_last_worker_dead_is_made_again_by_the_next_one():
+@pytest.mark.parametrize("restart", [False, True])
+def test_a_shared_job_s_last_worker_dead_is_made_again_by_the_next_one(tmp_path, restart):
     """A shared job's only worker dies: its splits are not re-queued (its trainers had
     elements of them); once each trainer said what it had, the fence waits, holding the
     epoch, for the job's next worker, which gets them to make again, with the trainers'
-    places, right after its TASK."""
-    state = State()
+    places, right after its TASK. With ``restart``, the broker restarts on its journal
+    before that worker comes: what waits for it is kept there."""
+    from zloader.broker.journal import Journal
+
+    state = State(journal=Journal(tmp_path))
     ready(state, "w1")
     task = task_of(_shared_register(state, "c1") + _shared_register(state, "c2"))
     handed = [split(state, "w1", task) for _ in range(2)]
@@ -574,6 +578,14 @@ def test_a_shared_job_s_last_worker_dead_is_made_again_by_the_next_one():
             "job": job.id, "fence": token, "splits": [], "shared": answer}), 10.0)
     assert not job.fences and [t for t, _ in job.orphans] == [token]
     assert not job.handout.passes[(0,)].requeued  # not read again
+    if restart:
+        state.journal.close()
+        state = State(journal=Journal(tmp_path))
+        state.restore(now=10.5)
+        (job,) = state.jobs.values()
+        assert [t for t, _ in job.orphans] == [token]
+        for consumer in ("c1", "c2"):  # (its trainers register again)
+            _shared_register(state, consumer, 10.6)
     out = ready(state, "w2", 11.0)
     commands = [o.command for o in out if o.identity == b"w2"]
     assert commands.index(Command.TASK) < commands.index(Command.HANDOVER)
@@ -583,6 +595,11 @@ def test_a_shared_job_s_last_worker_dead_is_made_again_by_the_next_one():
     assert handover["fence"] == token and segment["splits"] == handed
     assert segment["had"] == {"c1": [[0, 30]], "c2": 12} and segment["last"]
     assert not job.orphans
+    state.journal.close()
+    again = State(journal=Journal(tmp_path))
+    again.restore(now=12.0)
+    assert not next(iter(again.jobs.values())).orphans  # (adopted: forgotten)
+    again.journal.close()
 
 
 def test_a_shared_jobs_silent_trainer_keeps_its_cursors_for_the_grace_unless_it_exited():

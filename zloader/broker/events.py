@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from zloader.broker.records import Job, Pass, PassKey, Worker
+from zloader.broker.records import Fence, Job, Pass, PassKey, Worker
 from zloader.options import JobOptions
 from zloader.transport.fields import (
     INDEX,
@@ -25,6 +25,7 @@ from zloader.transport.fields import (
     PASS_KEY,
     Body,
     Wrong,
+    array,
     boolean,
     fld,
     integer,
@@ -37,9 +38,28 @@ from zloader.transport.fields import (
 from zloader.transport.protocol import ProtocolError
 from zloader.transport.shapes import mix_inputs
 
-__all__ = ["KINDS", "BranchAdded", "EpochStarted", "Event", "JobCreated", "JobEnded", "JobFailed",
-           "JobResumed", "PassKept", "PassRead", "RoundsSet", "SplitHanded",
-           "SplitRequeued", "TaskGiven", "WorkerGone", "WorkerLeft", "WorkerReady", "parse"]
+__all__ = [
+    "KINDS",
+    "BranchAdded",
+    "EpochStarted",
+    "Event",
+    "JobCreated",
+    "JobEnded",
+    "JobFailed",
+    "JobResumed",
+    "OrphanAdopted",
+    "Orphaned",
+    "PassKept",
+    "PassRead",
+    "RoundsSet",
+    "SplitHanded",
+    "SplitRequeued",
+    "TaskGiven",
+    "WorkerGone",
+    "WorkerLeft",
+    "WorkerReady",
+    "parse",
+]
 
 
 # --- shapes that grow with a job (no MAX_ITEMS bound) ---------------------------------------
@@ -206,6 +226,37 @@ class BranchAdded(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Orphaned(Event):
+    """A shared job's last worker left uncleanly: the splits it was handed (per pass, in
+    order) and what each trainer said it had of them, kept for the job's next worker to
+    make again (``failures.adopt_orphans``)."""
+
+    KIND = "orphan"
+    job: str = fld(NAME)
+    fence: str = fld(NAME)
+    worker: str = fld(NAME)
+    index: int = fld(INDEX)
+    died: bool = fld(boolean)
+    order: list[Any] = fld(array)  # [[pass, [split, ...]], ...]
+    answers: dict[str, Any] = fld(obj)  # consumer -> its DELIVERED.shared
+
+    @classmethod
+    def of(cls, job: Job, token: str, fence: Fence) -> Orphaned:
+        return cls(job=job.id, fence=token, worker=fence.worker, index=fence.index or 0,
+                   died=fence.died, order=[[list(k), v] for k, v in fence.order.items()],
+                   answers=fence.answers)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OrphanAdopted(Event):
+    """A shared job's next worker was given its last one's splits to make again."""
+
+    KIND = "adopted"
+    job: str = fld(NAME)
+    fence: str = fld(NAME)
+
+
+@dataclass(frozen=True, kw_only=True)
 class RoundsSet(Event):
     """A job reads in coordinated rounds of ``size`` consumers."""
 
@@ -339,8 +390,9 @@ class WorkerLeft(Event):
 
 
 KINDS: dict[str, type[Event]] = {cls.KIND: cls for cls in (
-    WorkerReady, JobCreated, BranchAdded, RoundsSet, TaskGiven, SplitHanded, SplitRequeued,
-    JobResumed, PassRead, EpochStarted, PassKept, JobFailed, JobEnded, WorkerGone, WorkerLeft)}
+    WorkerReady, JobCreated, BranchAdded, Orphaned, OrphanAdopted, RoundsSet, TaskGiven,
+    SplitHanded, SplitRequeued, JobResumed, PassRead, EpochStarted, PassKept, JobFailed,
+    JobEnded, WorkerGone, WorkerLeft)}
 """Each kind's record."""
 
 

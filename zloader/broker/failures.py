@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from zloader.broker import coordinated, splits, views
-from zloader.broker.events import WorkerGone, WorkerLeft
+from zloader.broker.events import OrphanAdopted, Orphaned, WorkerGone, WorkerLeft
 from zloader.broker.records import (
     FENCE_GRACE,
     KILLS_TO_FAIL,
@@ -209,6 +209,7 @@ def adopt_orphans(state: Tables, job: Job) -> list[Out]:
     orphans, job.orphans = job.orphans, []
     out: list[Out] = []
     for token, fence in orphans:
+        state.record(OrphanAdopted(job=job.id, fence=token))
         out += _hand_on(state, job, _made_again(job, fence),
                         f"{'dead ' if fence.died else ''}worker {fence.worker}", (token, fence))
     return out + holds(state, job)
@@ -357,6 +358,7 @@ def complete_fences(state: Tables, job: Job) -> list[Out]:
             log.info("shared job %s has no worker left to make worker %s's splits again: "
                      "the next one it gets does", job.name or job.id, fence.worker)
             job.orphans.append((token, fence))
+            state.record(Orphaned.of(job, token, fence))
             out += holds(state, job)
             continue
         for key, split in fence.splits:

@@ -29,6 +29,8 @@ from zloader.broker.events import (
     JobEnded,
     JobFailed,
     JobResumed,
+    OrphanAdopted,
+    Orphaned,
     PassKept,
     PassRead,
     RoundsSet,
@@ -41,7 +43,7 @@ from zloader.broker.events import (
     parse,
 )
 from zloader.broker.journal import VERSION, Journal, branch_file
-from zloader.broker.records import Handout, Job, Out, Pass, Tables, Worker
+from zloader.broker.records import Fence, Handout, Job, Out, Pass, Tables, Worker
 from zloader.broker.rounds import Rounds
 from zloader.mixing import layout_of
 from zloader.sharing.prefix import Branches, Member
@@ -196,6 +198,27 @@ def _job(replay: Replay, event: JobCreated) -> str | None:
         except (KeyError, TypeError, ValueError):
             return "a job whose prefixes are malformed (it takes no branches)"
     return None
+
+
+def _orphan(replay: Replay, job: Job, event: Orphaned) -> str | None:
+    """A shared job's last worker's splits, kept for its next worker (failures.py)."""
+    if any(token == event.fence for token, _ in job.orphans):
+        return "an orphaned fence kept twice"
+    try:
+        order = {tuple(int(k) for k in key): [int(s) for s in splits]
+                 for key, splits in event.order}
+    except (TypeError, ValueError):
+        return "an orphaned fence whose splits are malformed"
+    job.orphans.append((event.fence, Fence(event.worker, None, event.died, [], set(), 0.0,
+                                           index=event.index, order=order,
+                                           answers=dict(event.answers))))
+    return None
+
+
+def _adopted(replay: Replay, job: Job, event: OrphanAdopted) -> str | None:
+    kept = len(job.orphans)
+    job.orphans = [(token, fence) for token, fence in job.orphans if token != event.fence]
+    return None if len(job.orphans) < kept else "an adopted fence that was not kept"
 
 
 def _branch(replay: Replay, job: Job, event: BranchAdded) -> str | None:
@@ -361,7 +384,8 @@ def _end(replay: Replay, job: Job, event: JobEnded) -> str | None:
 APPLY: dict[type[Event], Apply] = {
     WorkerReady: _worker, JobCreated: _job, WorkerGone: _gone,
     **{kind: _of_job(apply) for kind, apply in (
-        (WorkerLeft, _left), (BranchAdded, _branch), (RoundsSet, _rounds), (TaskGiven, _task),
+        (WorkerLeft, _left), (BranchAdded, _branch), (Orphaned, _orphan),
+        (OrphanAdopted, _adopted), (RoundsSet, _rounds), (TaskGiven, _task),
         (SplitHanded, _split), (SplitRequeued, _requeue), (JobResumed, _resume), (PassRead, _done),
         (EpochStarted, _epoch), (PassKept, _pass), (JobFailed, _failed), (JobEnded, _end))},
 }
@@ -376,6 +400,7 @@ def snapshot(state: Tables) -> list[Event]:
         events.append(JobCreated.of(job))
         if job.branches is not None:
             events += [BranchAdded.of(job, k) for k in range(1, len(job.branches.members) + 1)]
+        events += [Orphaned.of(job, token, fence) for token, fence in job.orphans]
         if job.rounds is not None:
             events.append(RoundsSet(job=job.id, size=job.rounds.size))
         events.append(EpochStarted(job=job.id, epoch=job.epoch))
