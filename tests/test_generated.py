@@ -3,7 +3,8 @@ grammar (every source kind, map, filter, shuffle, batch/unbatch, repeat, cache, 
 choose, take/skip, a final batch) run through Loaders whole, resumed from a state taken at
 a random point, resumed from a resumed Loader's state, with a worker SIGKILLed mid-epoch,
 and (slow) with the broker SIGKILLed and restarted on its work dir, and shared by two
-trainers (``share=True``) with a worker SIGKILLed, or moved to another job (a third
+trainers (``share=True``, the second maybe with stages of its own after the first's: a
+branch) with a worker SIGKILLed, or moved to another job (a third
 trainer joining then), mid-epoch. Each must yield what
 ``pipeline.iter(0)`` yields: the same multiset of rows (a final batch is compared row by
 row, since each worker batches its own elements), and with one worker, or
@@ -11,7 +12,8 @@ row, since each worker batches its own elements), and with one worker, or
 stopped, resumed with 3, stopped again and resumed with 1 yields its uninterrupted
 stream exactly.
 
-One seed per mode runs in ``make test``; ``-m slow`` runs 200 per mode (24 per shared one).
+One seed per mode runs in ``make test`` (and one shared with a branch); ``-m slow`` runs 200
+per mode (24 per shared one).
 """
 
 from __future__ import annotations
@@ -54,6 +56,10 @@ Rows = collections.Counter
 
 def plus(k: int) -> Callable[[Any], int]:
     return lambda x: int(x) + k
+
+
+def shifted(k: int) -> Callable[[Any], Any]:
+    return lambda x: x + k  # (an int, or each row of a batch)
 
 
 def times(k: int) -> Callable[[Any], int]:
@@ -341,6 +347,47 @@ def shared_killed(case: Case, seed: int) -> None:
         assert Rows(rows(out)) == want, described(case, Rows(rows(out)), want)
 
 
+def shared_prefix(case: Case, seed: int) -> None:
+    """Two trainers share the pipeline's job, the second with stages of its own after it
+    (a shuffle, a batch, a map: a branch of the job, sharing every stage of the first's
+    worker part); one worker is SIGKILLed at a random point: each gets the epoch its own
+    pipeline's ``iter`` yields."""
+    rng = random.Random(seed * 13 + 5)
+    own, recipe = case.pipeline, []
+    batched = case.recipe[-1].startswith("batch(")  # (batches of another length: no batch)
+    for _ in range(rng.randrange(1, 3)):
+        kind = rng.choice(["shuffle", "map"] if batched else ["shuffle", "batch", "map"])
+        if kind == "shuffle":
+            size = rng.choice([3, 20, 150])
+            own = own.shuffle(size, seed=rng.randrange(100))
+        elif kind == "batch":
+            size = rng.randrange(2, 7)
+            own, batched = own.batch(size), True
+        else:
+            size = rng.randrange(1, 9)
+            own = own.map(shifted(size))
+        recipe.append(f"{kind}({size})")
+    with service(workers=2) as (address, procs):
+        got: dict[str, list[Any]] = {}
+        at = point(case, seed)
+
+        def read(name: str) -> None:
+            out: list[Any] = []
+            pipeline = own if name == "b" else case.pipeline
+            with Loader(pipeline, broker=address, share=True, timeout=30) as one:
+                for element in one:
+                    out.append(element)
+                    if name == "a" and len(out) >= at and procs[0].poll() is None:
+                        procs[0].send_signal(signal.SIGKILL)
+                        procs[0].wait()
+            got[name] = out
+
+        run_together([functools.partial(read, name) for name in "ab"], timeout=90)
+    for name, pipeline in (("a", case.pipeline), ("b", own)):
+        want, have = Rows(rows(pipeline.iter(0))), Rows(rows(got[name]))
+        assert have == want, f"{name} (own: {recipe}): " + described(case, have, want)
+
+
 def other_job(x: int) -> int:
     return x + 1
 
@@ -420,6 +467,8 @@ def run(mode: str, seed: int, tmp: str) -> None:
         shared_killed(case, seed)
     elif mode == "shared-move":
         shared_moved(case, seed)
+    elif mode == "shared-prefix":
+        shared_prefix(case, seed)
     else:
         MODES[mode](case, seed)
 
@@ -437,9 +486,13 @@ def test_many_generated_pipelines_yield_what_iter_yields(mode, seed, tmp_path):
     run(mode, seed, str(tmp_path))
 
 
+def test_a_generated_pipeline_shared_with_a_branch_survives_a_kill(tmp_path):
+    run("shared-prefix", 3, str(tmp_path))  # (one seed here: 24 in the slow tier)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(24))
-@pytest.mark.parametrize("mode", ["shared-kill", "shared-move"])
+@pytest.mark.parametrize("mode", ["shared-kill", "shared-move", "shared-prefix"])
 def test_generated_pipelines_shared_by_trainers_survive_a_kill_and_a_move(mode, seed, tmp_path):
     run(mode, seed, str(tmp_path))
 
