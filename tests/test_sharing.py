@@ -719,6 +719,45 @@ def test_a_shared_job_through_a_broker_restart_on_its_work_dir_is_exact(tmp_path
         exactly_once(got[name], 2000)
 
 
+@pytest.mark.slow  # (about 10 s each)
+@pytest.mark.parametrize("after", [0.2, 1.5])
+def test_a_broker_restarted_around_a_dead_worker_s_fence_is_exact(tmp_path, after):
+    """A shared job's worker is SIGKILLed and, ``after`` seconds (before the broker saw
+    the death, or while it asks the trainers what they had), the broker is SIGKILLed too
+    and restarted on its work dir. The fence is in no journal: the restarted broker has
+    the dead worker from it, sees it silent, and fences it again; the trainers answer
+    again. Each trainer gets every element once."""
+    from tests.test_journal import start_broker, start_journaled
+
+    address, work_dir, broker, started = start_journaled(tmp_path, 2)
+    brokers = [broker]
+    pipeline = Pipeline.range(2000, split_size=20).map(_sleepy)
+    got: dict[str, list[int]] = {}
+
+    def read(name: str) -> None:
+        got[name] = []
+        with Loader(pipeline, broker=address, share=True, timeout=60) as loader:
+            for x in loader:
+                got[name].append(int(x))
+                if name == "a" and len(got[name]) == 500:
+                    started[0].send_signal(signal.SIGKILL)
+                    started[0].wait()
+                    time.sleep(after)
+                    brokers[0].send_signal(signal.SIGKILL)
+                    brokers[0].wait()
+                    brokers[0] = start_broker(address, work_dir)
+                if name == "b":
+                    time.sleep(0.001)
+
+    try:
+        run_together([functools.partial(read, name) for name in "ab"], timeout=120)
+    finally:
+        for process in [*started, *brokers]:
+            stop(process)
+    for name in "ab":
+        exactly_once(got[name], 2000)
+
+
 @pytest.mark.slow
 def test_a_shared_job_gives_a_worker_whose_splits_nobody_would_read_again_by_draining():
     """A second job takes one of a shared job's workers mid-epoch once both workers were
