@@ -21,6 +21,7 @@ import pytest
 
 from tests.service import run_together, service, status, stop, wait_for
 from zloader import Loader, Pipeline
+from zloader._status import status_text
 from zloader.sharing.window import Window
 
 TRAINER = os.path.join(os.path.dirname(__file__), "share_trainer.py")
@@ -435,13 +436,18 @@ def test_trainers_with_their_own_stages_share_the_common_ones_and_each_gets_its_
         assert job["consumers"] == 5
         branches = {t["consumer"]: t for t in job["trainers"]}
         assert all(t["prefix"] == ["map(element)"] for t in branches.values())
+        text = status_text(status(address))  # (zloader status, as printed)
+        assert "shares map(element); own: shuffle(64) > batch(25)" in text \
+            and "own: filter(even)" in text, text
         leaver.kill()
         replayed = []
         for suffix, trainer in zip(suffixes, trainers, strict=True):
             (epoch,) = trainer.epochs(90)
             check_suffix(epoch, suffix, n)
             replayed.append(epoch["stats"]["share_replayed"])
-    assert decodes(log) == n, replayed
+    # The map ran once per element, unless a worker made a trainer's part of the epoch
+    # again for it (one that opened it there late, on a loaded machine): still shared.
+    assert decodes(log) == n if not any(replayed) else decodes(log) < 2 * n, replayed
 
 
 @pytest.mark.slow  # (about 15 s)
