@@ -383,3 +383,18 @@ def test_shared_records_say_their_place_and_a_replay_s_follow_what_it_skips():
         assert [s.record.first for s in port.outlet.to("b", "DATA")] == [5, 9, 0, 2]
     finally:
         delivery.close()
+
+
+def test_shared_a_branch_that_cannot_be_loaded_fails_its_trainers_not_the_others(shared):
+    port, delivery = shared
+    port.join("a", credits=10)
+    port.join("b", credits=10, branch=1)  # (branch 1's pipeline is on its way)
+    error = {"exc_type": "ModuleNotFoundError", "builtin": True, "stage": "worker start-up",
+             "message": "No module named 'augment'", "traceback": "", "context": ""}
+    delivery.branch_failed(1, error)
+    (failed,) = port.outlet.to("b", "FAIL")
+    assert failed.record.error["message"] == "No module named 'augment'"
+    port.join("c", epoch=0, credits=10, branch=1)  # a trainer of it that comes later
+    assert len(port.outlet.to("c", "FAIL")) == 1 and not port.started
+    produce(delivery)
+    assert len(port.outlet.to("a", "DATA")) == 1 and port.outlet.to("a", "FAIL") == []

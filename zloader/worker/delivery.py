@@ -142,6 +142,10 @@ class Delivery(abc.ABC):
         """The branches of a shared job the producer of ``epoch`` makes (those read)."""
         return set()
 
+    def branch_failed(self, index: int, error: dict[str, Any]) -> None:
+        """A shared job's branch ``index`` could not be loaded here (``error``)."""
+        return None
+
     def branch_added(self, index: int) -> None:
         """A shared job's branch ``index`` is known now (BRANCH)."""
         return None

@@ -522,9 +522,10 @@ class WorkerProcess:
                 continue  # (its task is over)
             task.waiting_branches = max(0, task.waiting_branches - 1)
             if loading.error is not None or loading.pipeline is None:
-                log.error("branch %d of task %s could not load: its trainers get nothing "
-                          "from this worker", record.branch, task.id,
-                          exc_info=loading.error)
+                log.error("branch %d of task %s could not load: its trainers get the "
+                          "error", record.branch, task.id, exc_info=loading.error)
+                task.delivery.branch_failed(record.branch, load_error(
+                    loading.error or RuntimeError("no pipeline")))
             else:
                 try:
                     task.add_branch(record.branch, record.tap,

@@ -24,7 +24,7 @@ from zloader import codec
 from zloader.sharing.handover import Had, Segment, from_wire, to_wire
 from zloader.sharing.store import Stored, store
 from zloader.sharing.window import Entry, Window, WindowSettings
-from zloader.transport.messages import Data, End, Open
+from zloader.transport.messages import Data, End, Fail, Open
 from zloader.worker.credit import clamp
 from zloader.worker.delivery import Delivery, EndOut, Pending, TaskPort
 from zloader.worker.outgoing import Outgoing
@@ -82,6 +82,7 @@ class SharedDelivery(Delivery):
         # The branches each epoch's production here makes (a trainer of another one
         # gets that epoch made for it alone; zloader/sharing/branches.py).
         self.made: dict[int, set[int]] = {}
+        self.failed: dict[int, dict[str, Any]] = {}  # branches that could not be loaded
         # epochs whose end waits for a handover: a dead worker's fence, or a draining
         # worker's (adopt)
         self.held: set[int] = set()
@@ -99,6 +100,9 @@ class SharedDelivery(Delivery):
         if self.handed_on and (cursor is None or cursor.epoch != epoch):
             # (an OPEN that crossed its handover: the worker it went to serves this one)
             port.outlet.send(stream, End(epoch=epoch))
+            return
+        if opened.branch in self.failed:  # (its pipeline could not be loaded here)
+            self._fail(stream.identity, epoch, self.failed[opened.branch])
             return
         if cursor is None or cursor.epoch != epoch:
             finished = epoch in port.finished and epoch != port.producing
@@ -127,6 +131,20 @@ class SharedDelivery(Delivery):
 
     def branches_for(self, epoch: int) -> set[int]:
         return self.made.get(epoch, {0})
+
+    def branch_failed(self, index: int, error: dict[str, Any]) -> None:
+        """Branch ``index``'s pipeline could not be loaded here: its trainers get the
+        error (FAIL) rather than wait, now and when they open an epoch later."""
+        self.failed[index] = error
+        for cursor in self.window.cursors.values():
+            if cursor.branch == index:
+                self._fail(cursor.trainer, cursor.epoch, error)
+
+    def _fail(self, trainer: bytes, epoch: int, error: dict[str, Any]) -> None:
+        stream = self.port.streams.get(trainer)
+        self.replays = deque(r for r in self.replays if r.trainer != trainer)
+        if stream is not None:
+            self.port.outlet.send(stream, Fail(epoch=epoch, error=error))
 
     def branch_added(self, index: int) -> None:
         if any(c.branch == index and c.epoch == self.port.producing
