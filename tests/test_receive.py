@@ -60,16 +60,17 @@ def test_a_record_becomes_an_item_and_is_counted():
 def test_a_shared_record_s_place_is_noted_for_a_dead_worker_s_fence():
     """What a trainer had of a worker's elements, by place (DATA.first): a late joiner's
     window records first, then the start made again for it. Records without a place
-    (another worker's splits made again) leave only the count, which then says it."""
+    (another worker's splits it made again) are counted, not placed."""
     consumer = Consumer()
     for first, count in ((40, 3), (43, 2), (0, 4)):
         consumer.data(list(range(count)), shared=False, first=first)
     assert consumer.session.got_from == {"w1": 9}
     assert consumer.session.places("w1") == [[0, 4], [40, 45]]
-    consumer.data([7])  # (no place)
-    assert consumer.session.places("w1") is None and consumer.session.got_from == {"w1": 10}
+    consumer.data([7])  # (no place: another worker's, made again by w1)
+    assert consumer.session.places("w1") == [[0, 4], [40, 45]]  # (of what w1 made)
+    assert consumer.session.got_from == {"w1": 10}
     consumer.session.start(1, EpochInput())
-    assert consumer.session.places("w1") is None and consumer.session.got_from == {}
+    assert consumer.session.places("w1") == [] and consumer.session.got_from == {}
 
 
 def test_an_old_epoch_s_record_is_dropped_without_its_credit():

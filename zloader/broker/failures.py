@@ -227,7 +227,8 @@ def _made_again(job: Job, fence: Fence) -> list[dict[str, Any]]:
             if epoch < answer["epoch"] or (epoch == answer["epoch"] and answer["done"]):
                 segment.served.add(consumer)
             elif epoch == answer["epoch"]:  # (the places of what it had, else how many)
-                segment.had[consumer] = answer.get("ranges") or answer["count"]
+                segment.had[consumer] = answer["ranges"] if "ranges" in answer \
+                    else answer["count"]
         segments.append(segment)
     return to_wire(segments)
 

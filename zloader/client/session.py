@@ -125,12 +125,10 @@ class Session:
             ranges.append([first, first + count])
 
     def places(self, worker: str) -> list[list[int]] | None:
-        """The places of what came from ``worker`` this epoch (merged ranges), if every
-        element that came from it had one."""
-        ranges = self.got_places.get(worker)
-        if not ranges or sum(end - start for start, end in ranges) \
-                != self.got_from.get(worker, 0):
-            return None
+        """The places of what came from ``worker`` this epoch of what it made itself
+        (merged ranges; what it made again of another worker's splits has none), or
+        None when they are too scattered to say (the count says it then)."""
+        ranges = self.got_places.get(worker, [])
         merged: list[list[int]] = []
         for start, end in sorted(ranges):
             if merged and start <= merged[-1][1]:
