@@ -126,9 +126,10 @@ class Task:
         self.dispatched: dict[int, Dispatched] = {}  # epoch -> its work items (DISPATCH)
         self.draining = threading.Event()  # take no more splits
         self.moving = False  # drained to move (RELEASE.drain): say so once all is sent
-        # A shared job's branches by index (0: its own pipeline) and its trunk's stages,
-        # when trainers with other pipelines share a prefix of it (BRANCH): each epoch's
-        # producer runs those known when it starts (zloader/sharing/branches.py).
+        # A shared job's branches by index (0: its own pipeline), each with the stages it
+        # shares with it, when trainers with other pipelines share a prefix of it
+        # (BRANCH): each epoch's producer runs those known and read when it starts
+        # (zloader/sharing/branches.py).
         self.branches: dict[int, Branch] = {0: Branch(0, plan, len(plan.worker_stages))}
         self.waiting_branches = 0  # BRANCHes whose pipelines load: no new epoch meanwhile
         self.delivery = delivery(self)
