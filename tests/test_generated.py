@@ -4,7 +4,8 @@ choose, take/skip, a final batch) run through Loaders whole, resumed from a stat
 a random point, resumed from a resumed Loader's state, with a worker SIGKILLed mid-epoch,
 and (slow) with the broker SIGKILLed and restarted on its work dir, and shared by two
 trainers (``share=True``; the second, and a third, maybe with stages of their own after
-the first's: a branch) with a worker SIGKILLed, or moved to another job (a third
+the first's: a branch, maybe joining late) with a worker SIGKILLed, or moved to another
+job (a third
 trainer joining then), mid-epoch. Each must yield what
 ``pipeline.iter(0)`` yields: the same multiset of rows (a final batch is compared row by
 row, since each worker batches its own elements), and with one worker, or
@@ -394,6 +395,45 @@ def shared_prefix(case: Case, seed: int) -> None:
         assert have == want, f"{name} (own: {recipe}): " + described(case, have, want)
 
 
+def shared_prefix_late(case: Case, seed: int) -> None:
+    """The first trainer reads the pipeline's shared job; a second, with stages of its own
+    (:func:`with_own`), joins at a random point of its epoch, and a worker is SIGKILLed at
+    another: each gets the epoch its own pipeline's ``iter`` yields. Every other seed
+    has a small window, which keeps little of what the shared stages made (the second's
+    part of the epoch is then made again for it alone)."""
+    own, recipe = with_own(case, seed)
+    window = 1 << 16 if seed % 2 else None
+    total = sum(1 for _ in case.pipeline.iter(0))
+    rng = random.Random(seed * 17 + 3)
+    join, kill = rng.randrange(0, max(1, total)), rng.randrange(0, max(1, total))
+    with service(workers=2) as (address, procs):
+        got: dict[str, list[Any]] = {}
+        joined = threading.Event()
+
+        def read(name: str) -> None:
+            if name == "b":
+                joined.wait(60)
+            out: list[Any] = []
+            pipeline = own if name == "b" else case.pipeline
+            with Loader(pipeline, broker=address, share=True, timeout=30,
+                        share_window_bytes=window) as one:
+                for element in one:
+                    out.append(element)
+                    if name == "a" and len(out) >= join:
+                        joined.set()
+                    if name == "a" and len(out) >= kill and procs[0].poll() is None:
+                        procs[0].send_signal(signal.SIGKILL)
+                        procs[0].wait()
+            joined.set()
+            got[name] = out
+
+        run_together([functools.partial(read, name) for name in "ab"], timeout=120)
+    for name, pipeline in (("a", case.pipeline), ("b", own)):
+        want, have = Rows(rows(pipeline.iter(0))), Rows(rows(got[name]))
+        assert have == want, f"{name} (own: {recipe}, join {join}, kill {kill}): " + \
+            described(case, have, want)
+
+
 def other_job(x: int) -> int:
     return x + 1
 
@@ -481,6 +521,8 @@ def run(mode: str, seed: int, tmp: str) -> None:
         shared_prefix(case, seed)
     elif mode == "shared-prefix-move":
         shared_moved(case, seed, branch=True)
+    elif mode == "shared-prefix-late":
+        shared_prefix_late(case, seed)
     else:
         MODES[mode](case, seed)
 
@@ -505,7 +547,7 @@ def test_a_generated_pipeline_shared_with_a_branch_survives_a_kill(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(24))
 @pytest.mark.parametrize("mode", ["shared-kill", "shared-move", "shared-prefix",
-                                  "shared-prefix-move"])
+                                  "shared-prefix-move", "shared-prefix-late"])
 def test_generated_pipelines_shared_by_trainers_survive_a_kill_and_a_move(mode, seed, tmp_path):
     run(mode, seed, str(tmp_path))
 

@@ -85,10 +85,12 @@ def leave(state: Tables, worker: Worker, job: Job, task: str, died: bool, now: f
         return views.tell_consumers(state, job)  # journaled once the fence is done
     takers = _takers(state, job) if job.share is not None else []
     if job.share is not None and not clean and order and index is not None \
-            and not state.replaying:
+            and not state.replaying and (takers or not stays):
         # Not read again (every trainer would get them twice): made again for each
         # trainer by a worker that stays, less what it had (handover.py); by the next
-        # worker the job gets, when it was the last (adopt_orphans).
+        # worker the job gets, when it was the last and died (adopt_orphans). (The pool
+        # moving a last worker at once, a time slice, reads them again: made again, a
+        # slice's work would be done twice in every slice.)
         job.fences[secrets.token_hex(6)] = Fence(
             worker_id, task, died, lost, asked, now + grace, event=event, index=index,
             order=order, taker=takers[0][1].id if takers else None)
