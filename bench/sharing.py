@@ -31,6 +31,7 @@ whether each trainer got every image once. Target: the prefix-shared sweep's wor
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import pathlib
@@ -40,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psutil
@@ -293,19 +295,13 @@ def main() -> None:
             for system in systems:
                 if system in failed:
                     continue
-                started = time.perf_counter()
-                try:
-                    result = run(system, k, config)
-                except (RuntimeError, subprocess.TimeoutExpired) as exc:
-                    failed[system] = f"K={k}: {type(exc).__name__}: {str(exc)[:200]}"
-                    print(f"[K={k}] {NAMES[system]} failed: {failed[system]}", file=sys.stderr,
-                          flush=True)
-                    continue
-                results.append(result)
-                print(f"[K={k}] {NAMES[system]}: {result['worker_cpu_per_epoch']:.2f} CPU-s "
-                      f"per epoch, trainers {', '.join(f'{r:.0f}' for r in result['rates'])} "
-                      f"images/s ({time.perf_counter() - started:.1f} s)", file=sys.stderr,
-                      flush=True)
+                result = attempt(functools.partial(run, system, k, config), system,
+                                 f"[K={k}] {NAMES[system]}", failed, f"K={k}: ")
+                if result is not None:
+                    results.append(result)
+                    print(f"{result['worker_cpu_per_epoch']:.2f} CPU-s per epoch, trainers "
+                          f"{', '.join(f'{r:.0f}' for r in result['rates'])} images/s",
+                          file=sys.stderr)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     head = (f"Sharing benchmark: {args.images} images per epoch, {args.epochs} epochs, "
@@ -349,19 +345,30 @@ def sweep(config: dict[str, Any], workdir: pathlib.Path,
     config = {**config, "paths": photo_files(workdir, 64)}
     out = []
     for system in SWEEP:
-        started = time.perf_counter()
-        try:
-            result = run_sweep(system, config)
-        except (RuntimeError, subprocess.TimeoutExpired) as exc:
-            failed[f"sweep {system}"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-            print(f"[sweep] {SWEEP_NAMES[system]} failed: {exc}", file=sys.stderr, flush=True)
-            continue
-        out.append(result)
-        print(f"[sweep] {SWEEP_NAMES[system]}: {result['worker_cpu_per_epoch']:.2f} CPU-s "
-              f"per epoch, {result['decodes_per_epoch']:.0f} decodes per epoch, exact "
-              f"{result['exact']} ({time.perf_counter() - started:.1f} s)", file=sys.stderr,
-              flush=True)
+        result = attempt(functools.partial(run_sweep, system, config), f"sweep {system}",
+                         f"[sweep] {SWEEP_NAMES[system]}", failed)
+        if result is not None:
+            out.append(result)
+            print(f"{result['worker_cpu_per_epoch']:.2f} CPU-s per epoch, "
+                  f"{result['decodes_per_epoch']:.0f} decodes per epoch, exact "
+                  f"{result['exact']}", file=sys.stderr)
     return out
+
+
+def attempt(run_one: Callable[[], dict[str, Any]], key: str, label: str,
+            failed: dict[str, str], prefix: str = "") -> dict[str, Any] | None:
+    """One system's run: its result, or None with why it failed noted in ``failed``
+    (under ``key``); prints ``label``, the seconds it took, and leaves the line open for
+    the caller's figures."""
+    started = time.perf_counter()
+    try:
+        result = run_one()
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        failed[key] = f"{prefix}{type(exc).__name__}: {str(exc)[:200]}"
+        print(f"{label} failed: {failed[key]}", file=sys.stderr, flush=True)
+        return None
+    print(f"{label} ({time.perf_counter() - started:.1f} s): ", end="", file=sys.stderr)
+    return result
 
 
 if __name__ == "__main__":

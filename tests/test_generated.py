@@ -323,18 +323,21 @@ def broker_restarted(case: Case, seed: int, tmp: str) -> None:
             stop(process)
 
 
-def shared_killed(case: Case, seed: int) -> None:
-    """Two trainers share the pipeline's job (``share=True``) on a service of 2 workers;
-    one worker is SIGKILLed at a random point of the first trainer's epoch: each trainer
-    gets the epoch ``iter`` yields (the broker has a worker that stays make the dead one's
-    splits again, less what each trainer had, docs/sharing.md)."""
+def shared_killed(case: Case, seed: int, own: Pipeline | None = None,
+                  recipe: list[str] | None = None) -> None:
+    """Two trainers share the pipeline's job (``share=True``) on a service of 2 workers,
+    the second reading ``own`` when given (the pipeline with stages of its own after it: a
+    branch); one worker is SIGKILLed at a random point of the first trainer's epoch: each
+    trainer gets the epoch its own pipeline's ``iter`` yields (the broker has a worker that
+    stays make the dead one's splits again, less what each trainer had, docs/sharing.md)."""
+    pipelines = {"a": case.pipeline, "b": own if own is not None else case.pipeline}
     with service(workers=2) as (address, procs):
         got: dict[str, list[Any]] = {}
         at = point(case, seed)
 
         def read(name: str) -> None:
             out: list[Any] = []
-            with Loader(case.pipeline, broker=address, share=True, timeout=30) as one:
+            with Loader(pipelines[name], broker=address, share=True, timeout=30) as one:
                 for element in one:
                     out.append(element)
                     if name == "a" and len(out) >= at and procs[0].poll() is None:
@@ -343,9 +346,9 @@ def shared_killed(case: Case, seed: int) -> None:
             got[name] = out
 
         run_together([functools.partial(read, name) for name in "ab"], timeout=90)
-    want = reference(case)
-    for out in got.values():
-        assert Rows(rows(out)) == want, described(case, Rows(rows(out)), want)
+    for name, pipeline in pipelines.items():
+        want, have = Rows(rows(pipeline.iter(0))), Rows(rows(got[name]))
+        assert have == want, f"{name} (own: {recipe}): " + described(case, have, want)
 
 
 def with_own(case: Case, seed: int) -> tuple[Pipeline, list[str]]:
@@ -370,29 +373,9 @@ def with_own(case: Case, seed: int) -> tuple[Pipeline, list[str]]:
 
 
 def shared_prefix(case: Case, seed: int) -> None:
-    """Two trainers share the pipeline's job, the second with stages of its own after it
-    (:func:`with_own`: a branch); one worker is SIGKILLed at a random point: each gets the
-    epoch its own pipeline's ``iter`` yields."""
-    own, recipe = with_own(case, seed)
-    with service(workers=2) as (address, procs):
-        got: dict[str, list[Any]] = {}
-        at = point(case, seed)
-
-        def read(name: str) -> None:
-            out: list[Any] = []
-            pipeline = own if name == "b" else case.pipeline
-            with Loader(pipeline, broker=address, share=True, timeout=30) as one:
-                for element in one:
-                    out.append(element)
-                    if name == "a" and len(out) >= at and procs[0].poll() is None:
-                        procs[0].send_signal(signal.SIGKILL)
-                        procs[0].wait()
-            got[name] = out
-
-        run_together([functools.partial(read, name) for name in "ab"], timeout=90)
-    for name, pipeline in (("a", case.pipeline), ("b", own)):
-        want, have = Rows(rows(pipeline.iter(0))), Rows(rows(got[name]))
-        assert have == want, f"{name} (own: {recipe}): " + described(case, have, want)
+    """:func:`shared_killed` with the second trainer's stages of its own after the
+    pipeline (:func:`with_own`: a branch of the job)."""
+    shared_killed(case, seed, *with_own(case, seed))
 
 
 def shared_prefix_late(case: Case, seed: int) -> None:

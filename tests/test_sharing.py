@@ -684,6 +684,31 @@ def test_a_trainer_paused_past_its_grace_while_the_job_goes_on_gets_its_epoch_ex
     pause_one_of_two(1200, other_delay=0.02, seconds=20.0)  # (the other still reads)
 
 
+class Journaled:
+    """A broker on a work dir with 2 workers (tests/test_journal.py), whose broker a test
+    SIGKILLs and restarts on that dir (:meth:`restart`); all stopped on exit."""
+
+    def __init__(self, tmp_path) -> None:
+        from tests.test_journal import start_journaled
+
+        self.address, self.work_dir, broker, self.workers = start_journaled(tmp_path, 2)
+        self.broker = broker
+
+    def restart(self) -> None:
+        from tests.test_journal import start_broker
+
+        self.broker.send_signal(signal.SIGKILL)
+        self.broker.wait()
+        self.broker = start_broker(self.address, self.work_dir)
+
+    def __enter__(self) -> Journaled:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for process in [*self.workers, self.broker]:
+            stop(process)
+
+
 @pytest.mark.slow  # (about 10 s)
 @pytest.mark.parametrize("own", [False, True])
 def test_a_shared_job_through_a_broker_restart_on_its_work_dir_is_exact(tmp_path, own):
@@ -691,36 +716,27 @@ def test_a_shared_job_through_a_broker_restart_on_its_work_dir_is_exact(tmp_path
     two trainers reading, and one that joins after the restart, each get every element
     once. With ``own``, trainer b batches after the shared map (a branch, kept in the
     journal: it is b's branch again after the restart)."""
-    from tests.test_journal import start_broker, start_journaled
-
-    address, work_dir, broker, started = start_journaled(tmp_path, 2)
-    brokers = [broker]
     pipeline = Pipeline.range(2000, split_size=20).map(_sleepy)
     got: dict[str, list[int]] = {}
+    with Journaled(tmp_path) as service_:
 
-    def read(name: str) -> None:
-        if name == "c":
-            wait_for(lambda: len(got.get("a", ())) >= 900, timeout=60, what="the restart")
-        got[name] = []
-        mine = pipeline.batch(5) if own and name == "b" else pipeline
-        with Loader(mine, broker=address, share=True, timeout=60) as loader:
-            for x in loader:
-                got[name].extend(np.asarray(x).reshape(-1).tolist())
-                if name == "a" and len(got[name]) == 500:
-                    if own:
-                        (job,) = shared_jobs(address)
-                        assert sorted(t["branch"] for t in job["trainers"]) == [0, 1]
-                    brokers[0].send_signal(signal.SIGKILL)
-                    brokers[0].wait()
-                    brokers[0] = start_broker(address, work_dir)
-                if name == "b":
-                    time.sleep(0.001)
+        def read(name: str) -> None:
+            if name == "c":
+                wait_for(lambda: len(got.get("a", ())) >= 900, timeout=60, what="the restart")
+            got[name] = []
+            mine = pipeline.batch(5) if own and name == "b" else pipeline
+            with Loader(mine, broker=service_.address, share=True, timeout=60) as loader:
+                for x in loader:
+                    got[name].extend(np.asarray(x).reshape(-1).tolist())
+                    if name == "a" and len(got[name]) == 500:
+                        if own:
+                            (job,) = shared_jobs(service_.address)
+                            assert sorted(t["branch"] for t in job["trainers"]) == [0, 1]
+                        service_.restart()
+                    if name == "b":
+                        time.sleep(0.001)
 
-    try:
         run_together([functools.partial(read, name) for name in "abc"], timeout=120)
-    finally:
-        for process in [*started, *brokers]:
-            stop(process)
     for name in "abc":
         exactly_once(got[name], 2000)
 
@@ -733,33 +749,24 @@ def test_a_broker_restarted_around_a_dead_worker_s_fence_is_exact(tmp_path, afte
     and restarted on its work dir. The fence is in no journal: the restarted broker has
     the dead worker from it, sees it silent, and fences it again; the trainers answer
     again. Each trainer gets every element once."""
-    from tests.test_journal import start_broker, start_journaled
-
-    address, work_dir, broker, started = start_journaled(tmp_path, 2)
-    brokers = [broker]
     pipeline = Pipeline.range(2000, split_size=20).map(_sleepy)
     got: dict[str, list[int]] = {}
+    with Journaled(tmp_path) as service_:
 
-    def read(name: str) -> None:
-        got[name] = []
-        with Loader(pipeline, broker=address, share=True, timeout=60) as loader:
-            for x in loader:
-                got[name].append(int(x))
-                if name == "a" and len(got[name]) == 500:
-                    started[0].send_signal(signal.SIGKILL)
-                    started[0].wait()
-                    time.sleep(after)
-                    brokers[0].send_signal(signal.SIGKILL)
-                    brokers[0].wait()
-                    brokers[0] = start_broker(address, work_dir)
-                if name == "b":
-                    time.sleep(0.001)
+        def read(name: str) -> None:
+            got[name] = []
+            with Loader(pipeline, broker=service_.address, share=True, timeout=60) as loader:
+                for x in loader:
+                    got[name].append(int(x))
+                    if name == "a" and len(got[name]) == 500:
+                        service_.workers[0].send_signal(signal.SIGKILL)
+                        service_.workers[0].wait()
+                        time.sleep(after)
+                        service_.restart()
+                    if name == "b":
+                        time.sleep(0.001)
 
-    try:
         run_together([functools.partial(read, name) for name in "ab"], timeout=120)
-    finally:
-        for process in [*started, *brokers]:
-            stop(process)
     for name in "ab":
         exactly_once(got[name], 2000)
 

@@ -542,13 +542,14 @@ def test_a_deterministic_job_runs_dynamic_sharding_as_static_whoever_registers_i
     assert loader_options.sharding == runs
 
 
-def _shared_register(state: State, consumer: str, now: float = 0.0):
+def _shared_register(state: State, consumer: str, now: float = 0.0,
+                     host: str = "h/boot/ns", pid: int = 1, splits: int = 6):
     return state.register(consumer.encode(), record(Command.REGISTER, nested({
         "consumer": consumer, "fingerprint": "f" * 64, "sharding": "dynamic",
         "job_name": None, "deterministic": False, "num_workers": 0,
         "share": {"window_bytes": 1 << 20, "lag": "block", "block_seconds": 1.0},
-        "on_error": "raise", "host_id": "h/boot/ns", "pid": 1,
-        "source": {"num_splits": 6, "shuffle_splits": False, "seed": None}}),
+        "on_error": "raise", "host_id": host, "pid": pid,
+        "source": {"num_splits": splits, "shuffle_splits": False, "seed": None}}),
         [b"pipeline"]), now)
 
 
@@ -610,13 +611,7 @@ def test_a_shared_jobs_silent_trainer_keeps_its_cursors_for_the_grace_unless_it_
     from zloader.broker.state import FENCE_GRACE
 
     def shared(consumer: str, now: float, host: str, pid: int):
-        return state.register(consumer.encode(), record(Command.REGISTER, nested({
-            "consumer": consumer, "fingerprint": "f" * 64, "sharding": "dynamic",
-            "job_name": None, "deterministic": False, "num_workers": 0,
-            "share": {"window_bytes": 1 << 20, "lag": "block", "block_seconds": 1.0},
-            "on_error": "raise", "host_id": host, "pid": pid,
-            "source": {"num_splits": 4, "shuffle_splits": False, "seed": None}}),
-            [b"pipeline"]), now)
+        return _shared_register(state, consumer, now, host, pid, splits=4)
 
     def told_gone(out) -> list[str]:
         return [o.body["consumer"] for o in out if o.command is Command.CONSUMER_GONE]

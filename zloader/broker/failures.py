@@ -203,7 +203,7 @@ def holds(state: Tables, job: Job) -> list[Out]:
 
 
 def adopt_orphans(state: Tables, job: Job) -> list[Out]:
-    """A shared job whose last worker died (or moved at once) has a worker again: it
+    """A shared job whose last worker died has a worker again: it
     makes the dead one's splits again for each trainer, less what each had (the fences'
     answers), and the epochs they held end once it has."""
     if not job.orphans or not _takers(state, job):
