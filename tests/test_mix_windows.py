@@ -19,7 +19,7 @@ from tests.service import read_together, run_together, service
 from zloader import Loader, Pipeline
 from zloader.errors import MixWindowWarning
 from zloader.options import JobOptions
-from zloader.plan import draws_at_consumer
+from zloader.plan import draws_at_consumer, repeats_moved
 
 WEIGHTS = [0.6, 0.3, 0.1]
 BASES = (0, 100_000, 200_000)  # input k's elements are BASES[k] + i
@@ -328,24 +328,78 @@ def test_a_state_taken_through_a_shuffle_after_the_mix_over_groups_of_groups_res
 
 
 def test_a_mix_drawn_on_several_workers_says_why_its_windows_may_drift() -> None:
-    """A repeat after the mix, or a shared job, keeps the workers drawing it: the Loader
-    warns (naming the stage or the option) when several workers will; never for a mix the
-    consumer draws (packing after it included) or for one worker."""
+    """A repeat after a batch after the mix, or after a first_exhausted mix, or a shared
+    job, keeps the workers drawing it: the Loader warns (naming the stage or the option)
+    when several workers will; never for a mix the consumer draws (packing after it, or a
+    repeat moved onto its inputs, included) or for one worker."""
     inputs = [Pipeline.range(0, 40, split_size=10), Pipeline.range(100, 140, split_size=10)]
-    repeated = Pipeline.mix(inputs, weights=[1, 1], seed=3).repeat(2)
+    batched = Pipeline.mix(inputs, weights=[1, 1], seed=3).batch(4)
     with pytest.warns(MixWindowWarning, match=r"stage 'repeat\(2\)' follows the mix"):
-        with Loader(repeated, num_workers=2) as loader:
-            assert sorted(loader) == sorted(repeated.iter())
+        with Loader(batched.repeat(2), num_workers=2) as loader:
+            assert sorted(flat(loader)) == sorted(flat(batched.repeat(2).iter()))
+    first = Pipeline.mix(inputs, weights=[1, 1], seed=3, stop="first_exhausted").repeat(2)
+    with pytest.warns(MixWindowWarning, match=r"stage 'repeat\(2\)' follows the mix"):
+        with Loader(first, num_workers=2) as loader:
+            assert len(list(loader)) > 0
+    repeated = Pipeline.mix(inputs, weights=[1, 1], seed=3).repeat(2)
     packing = Pipeline.mix(inputs, weights=[1, 1], seed=3).batch(4).map(list).unbatch()
     with warnings.catch_warnings():
         warnings.simplefilter("error", MixWindowWarning)
         with Loader(packing, num_workers=2) as loader:
             assert sorted(loader) == sorted(packing.iter())
-        with Loader(repeated, num_workers=1) as loader:  # (one worker: iter()'s stream)
-            assert list(loader) == list(repeated.iter())
-        batched = Pipeline.mix(inputs, weights=[1, 1], seed=3).batch(4)
+        with Loader(repeated, num_workers=2) as loader:
+            assert sorted(loader) == sorted(repeated.iter())
+        with Loader(batched.repeat(2), num_workers=1) as loader:  # (one: iter()'s stream)
+            assert flat(loader) == flat(batched.repeat(2).iter())
         with Loader(batched, num_workers=2) as loader:
             assert sum(len(b) for b in loader) == 80
+
+
+@pytest.mark.parametrize("workers", [1, 2, 8])
+def test_a_repeat_after_the_mix_is_drawn_by_the_consumer_and_every_window_holds(
+        workers: int) -> None:
+    """``mix.map.repeat(2)`` runs as a mix of repeated inputs: every element twice, as
+    ``iter()`` yields them, the weights in every window of 1,000 with any number of
+    workers, the same draws with any number (those of the moved pipeline's ``iter()``),
+    and no warning."""
+    mix = Pipeline.mix(corpora(1, slow=True), WEIGHTS, seed=11).map(int).repeat(2).batch(8)
+    moved = repeats_moved(mix, JobOptions())
+    assert [len(p.stages) for p in moved.source.inputs] == [2, 1, 1]  # (each + repeat)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MixWindowWarning)
+        with Loader(mix, num_workers=workers, timeout=60) as loader:
+            got = flat(loader)
+    assert sorted(got) == sorted(flat(mix.iter(0)))  # (each element twice)
+    inputs = which(got)
+    assert inputs == which(flat(moved.iter(0)))
+    # Before any input runs out (each near draw 13,000 of 13,400):
+    for start in range(0, 12_000, 1000):
+        window = inputs[start:start + 1000]
+        counts = [window.count(k) for k in range(3)]
+        assert chi_square_p(counts, WEIGHTS) >= 0.001, (workers, start, counts)
+
+
+def test_a_repeat_moved_onto_the_inputs_resumes_and_survives_a_worker_kill() -> None:
+    """Exactly-once through the moved repeat: a state taken in the second pass, resumed
+    (and that resume's state resumed), and a worker SIGKILLed mid-epoch."""
+    mix = Pipeline.mix(corpora(2), WEIGHTS, seed=4).filter(lambda x: x % 7).repeat(2)
+    want = sorted(mix.iter(0))
+    out: list[int] = []
+    state = None
+    for cut in (9000, 2000):
+        with Loader(mix, num_workers=2, timeout=60, state=state) as loader:
+            elements = iter(loader)
+            out += [int(next(elements)) for _ in range(cut)]
+            state = loader.state_dict()
+    with Loader(mix, num_workers=2, timeout=60, state=state) as loader:
+        out += [int(v) for v in loader]
+    assert sorted(out) == want
+    with Loader(mix, num_workers=2, timeout=60) as loader:
+        elements = iter(loader)
+        out = [int(next(elements)) for _ in range(7000)]
+        loader._processes[0].kill()
+        out += [int(v) for v in elements]
+    assert sorted(out) == want
 
 
 def documents_of(k: int) -> Pipeline:

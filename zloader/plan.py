@@ -13,6 +13,7 @@ whatever the number of workers and however the inputs' splits lie among them.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from zloader.pipeline import Pipeline
 from zloader.runs import Context
 
 __all__ = ["CONSUMER_DRAWN", "Plan", "SplitFeed", "drawn_on_workers", "draws_at_consumer",
-           "plan"]
+           "plan", "repeats_moved"]
 
 SplitFeed = Callable[[_stages.Key], Iterable["int | Assigned"]]
 """Given a pass key, the splits this worker reads in that pass (possibly fetched lazily)."""
@@ -42,6 +43,10 @@ CONSUMER_DRAWN = (_stages.Map, _stages.Filter, _stages.Batch, _stages.Shuffle,
 elements are known (tracked), so a state counts exactly those yielded (of each record,
 the elements before a point, or, after a shuffle or a bucket, any of them; the rows an
 unbatch made of a batch in another number are a group's, made again after a resume)."""
+
+_ELEMENTWISE = (_stages.Map, _stages.Filter, _stages.Shuffle)
+"""The stages that may come between a mix and a ``repeat(n)`` moved onto its inputs
+(:func:`repeats_moved`): each element's output is its own, whatever pass it is in."""
 
 
 @dataclass(frozen=True)
@@ -215,10 +220,47 @@ def plan(pipeline: Pipeline, options: JobOptions | None = None) -> Plan:
                 "(the consumer cannot re-run the workers' part within an epoch); move the "
                 "repeat before the take/skip, or iterate the Loader again for another epoch")
     shards = options.shards if options is not None and options.deterministic else 0
-    if options is not None and draws_at_consumer(pipeline, options):
-        assert isinstance(pipeline.source, MixSource)
-        return Plan(pipeline, (), consumer, pipeline.source, pipeline.stages[:cut], shards)
+    if options is not None:
+        moved = repeats_moved(pipeline, options)
+        if draws_at_consumer(moved, options):
+            assert isinstance(moved.source, MixSource)
+            cut = len(moved.stages) - len(consumer)
+            return Plan(moved, (), consumer, moved.source, moved.stages[:cut], shards)
     return Plan(pipeline, pipeline.stages[:cut], consumer, shards=shards)
+
+
+def repeats_moved(pipeline: Pipeline, options: JobOptions) -> Pipeline:
+    """``pipeline`` with each ``repeat`` after its mix moved onto every input of the mix,
+    where that yields the same elements and lets the consumer draw the mix: a mix that
+    reads every input to its end (``"all_exhausted"``, or ``"never"``), only maps, filters
+    and shuffles between the mix and a repeat with a count (any stage the consumer draws
+    before an endless one), no take/skip before it, in a job whose consumer can draw
+    (:func:`drawn_on_workers`). ``mix(a, b).map(f).repeat(n)`` is run as
+    ``mix(a.repeat(n), b.repeat(n)).map(f)``: each input's elements ``n`` times, as
+    ``iter()`` yields them, drawn by weight over all the passes at once (the draws of one
+    pass no longer end before the next begins: the order is not ``iter()``'s, with any
+    number of workers). Otherwise ``pipeline`` itself (docs/semantics.md, "Mixing")."""
+    source = pipeline.source
+    if not isinstance(source, MixSource) or source.stop == "first_exhausted" \
+            or _refused_by(options) is not None:
+        return pipeline
+    stages = pipeline.stages
+    while True:
+        at = next((i for i, stage in enumerate(stages)
+                   if isinstance(stage, (_stages.Repeat, *_CONSUMER_STAGES))), None)
+        if at is None or not isinstance(stages[at], _stages.Repeat):
+            break
+        repeat = stages[at]
+        assert isinstance(repeat, _stages.Repeat)
+        between = _ELEMENTWISE if repeat.count is not None else CONSUMER_DRAWN
+        if any(type(stage) not in between for stage in stages[:at]):
+            break
+        inputs = tuple(Pipeline(p.source, (*p.stages, repeat)) for p in source.inputs)
+        source = dataclasses.replace(source, inputs=inputs)
+        stages = (*stages[:at], *stages[at + 1:])
+    if source is pipeline.source:
+        return pipeline
+    return Pipeline(source, stages)
 
 
 def draws_at_consumer(pipeline: Pipeline, options: JobOptions) -> bool:
@@ -237,6 +279,24 @@ def drawn_on_workers(pipeline: Pipeline, options: JobOptions) -> str | None:
     the consumer draws it."""
     if not isinstance(pipeline.source, MixSource):
         return None
+    refused = _refused_by(options)
+    if refused is not None:
+        return refused
+    pipeline = repeats_moved(pipeline, options)
+    inputs = len(pipeline.source.inputs)  # type: ignore[attr-defined]  # (a mix still)
+    if options.deterministic and inputs * max(1, options.shards) > MAX_MIX_INPUTS:
+        return (f"its {inputs} inputs over {options.shards} shards make "
+                f"more than {MAX_MIX_INPUTS} streams")
+    after = itertools.takewhile(lambda s: not isinstance(s, _CONSUMER_STAGES),
+                                pipeline.stages)
+    for stage in after:
+        if type(stage) not in CONSUMER_DRAWN:
+            return f"stage {stage.name!r} follows the mix"
+    return None
+
+
+def _refused_by(options: JobOptions) -> str | None:
+    """The option of a job that keeps its consumer from drawing a mix, or None."""
     for option, on in (("share=True", options.share is not None),
                        ("num_consumers", options.num_consumers),
                        ("deterministic=True without fixed shards (sharding='static', or "
@@ -244,13 +304,4 @@ def drawn_on_workers(pipeline: Pipeline, options: JobOptions) -> str | None:
                        ("sharding='off'", options.sharding == "off")):
         if on:
             return f"the job has {option}"
-    streams = len(pipeline.source.inputs) * max(1, options.shards)
-    if options.deterministic and streams > MAX_MIX_INPUTS:
-        return (f"its {len(pipeline.source.inputs)} inputs over {options.shards} shards make "
-                f"more than {MAX_MIX_INPUTS} streams")
-    after = itertools.takewhile(lambda s: not isinstance(s, _CONSUMER_STAGES),
-                                pipeline.stages)
-    for stage in after:
-        if type(stage) not in CONSUMER_DRAWN:
-            return f"stage {stage.name!r} follows the mix"
     return None
