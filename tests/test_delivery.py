@@ -398,3 +398,31 @@ def test_shared_a_branch_that_cannot_be_loaded_fails_its_trainers_not_the_others
     assert len(port.outlet.to("c", "FAIL")) == 1 and not port.started
     produce(delivery)
     assert len(port.outlet.to("a", "DATA")) == 1 and port.outlet.to("a", "FAIL") == []
+
+
+def test_shared_a_dead_worker_s_splits_handed_over_before_a_trainer_opens_are_fenced_in_its_end():
+    """A HANDOVER of a dead worker's splits (under the broker's fence) that reaches the
+    taker before a trainer opens the epoch there: the trainer's END after the segment is
+    made again for it names the fence (it waits for that before its epoch ends: tests/
+    test_generated.py seed 47 of shared-prefix-late hung on it)."""
+    from zloader.sharing.handover import Segment, to_wire
+
+    port = FakePort()
+    delivery = SharedDelivery(port, WindowSettings(1 << 20, "block", 0.0))
+    port.attach(delivery)
+    try:
+        entries = to_wire([Segment(0, 1, {(0,): [4, 7]}, set(), {"a": 3})])
+        entries[-1]["last"] = True
+        delivery.adopt(tuple(entries), held=(0,), fence="f00d")
+        assert not port.started  # (no trainer reads the epoch here yet)
+        port.join("a", credits=100)
+        (remake,) = port.started  # the dead worker's splits, made again for a
+        delivery.on_record(remake, record(2))
+        delivery.on_end(remake, EndOut(0))
+        produce(delivery)
+        delivery.adopt((), held=())  # (the broker lets the epoch's end go)
+        end(delivery)
+        (ended,) = port.outlet.to("a", "END")
+        assert ended.record.fences == ("f00d",)
+    finally:
+        delivery.close()

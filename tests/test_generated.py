@@ -47,7 +47,8 @@ from tests.service import (
 )
 from zloader import Loader, Pipeline
 from zloader.options import JobOptions
-from zloader.plan import repeats_moved
+from zloader.plan import plan, repeats_moved
+from zloader.sharing.branches import prefix_of
 
 FAST_SEEDS = range(1)
 SLOW_SEEDS = range(1, 201)
@@ -393,7 +394,11 @@ def shared_prefix_late(case: Case, seed: int) -> None:
     (:func:`with_own`), joins at a random point of its epoch, and a worker is SIGKILLed at
     another: each gets the epoch its own pipeline's ``iter`` yields. Every other seed
     has a small window, which keeps little of what the shared stages made (the second's
-    part of the epoch is then made again for it alone)."""
+    part of the epoch is then made again for it alone). A second pipeline that cannot
+    branch (the first has no stage to share: a mix with none after it) gets a job of its
+    own: the one worker left then time-slices between the two jobs, and a job's last
+    worker moved at once has its splits read again (docs/sharing.md, "Moves"): each gets
+    every element at least once."""
     own, recipe = with_own(case, seed)
     window = 1 << 16 if seed % 2 else None
     total = sum(1 for _ in case.pipeline.iter(0))
@@ -421,9 +426,11 @@ def shared_prefix_late(case: Case, seed: int) -> None:
             got[name] = out
 
         run_together([functools.partial(read, name) for name in "ab"], timeout=120)
+    sliced = not prefix_of(plan(case.pipeline))  # (no branch: two jobs, time-sliced)
     for name, pipeline in (("a", case.pipeline), ("b", own)):
         want, have = Rows(rows(pipeline.iter(0))), Rows(rows(got[name]))
-        assert have == want, f"{name} (own: {recipe}, join {join}, kill {kill}): " + \
+        ok = (not want - have and set(have) == set(want)) if sliced else have == want
+        assert ok, f"{name} (own: {recipe}, join {join}, kill {kill}): " + \
             described(case, have, want)
 
 
@@ -549,3 +556,11 @@ def test_generated_pipelines_shared_by_trainers_survive_a_kill_and_a_move(mode, 
 @pytest.mark.parametrize("seed", range(4))
 def test_generated_pipelines_survive_a_broker_restart(seed, tmp_path):
     run("broker-restart", seed, str(tmp_path))
+
+
+@pytest.mark.slow
+def test_a_dead_worker_s_splits_handed_over_before_the_trainer_reopens_end_its_epoch(tmp_path):
+    """Seed 47 of shared-prefix-late: two jobs time-slicing the one worker left after a
+    SIGKILL; the dead worker's splits reach it before the trainer opens the epoch there
+    again (hung about 1 run in 4 until that trainer's END named the fence)."""
+    run("shared-prefix-late", 47, str(tmp_path))

@@ -53,6 +53,8 @@ class Segment:
         had: the consumer ids that have some of the elements it makes (a dead worker's
             segment): how many of the first, or the places of those they have
             (:data:`Had`).
+        fence: the dead worker's fence it was adopted under (a trainer it is made again
+            for names it in its END; not on the wire).
     """
 
     epoch: int
@@ -60,6 +62,7 @@ class Segment:
     splits: dict[Key, list[int]]
     served: set[str] = field(default_factory=set)
     had: dict[str, Had] = field(default_factory=dict)
+    fence: str | None = None
 
 
 def to_wire(segments: Iterable[Segment]) -> list[dict[str, Any]]:

@@ -120,6 +120,8 @@ class SharedDelivery(Delivery):
                                            branch=branch))
             for segment in self.adopted.get(epoch, ()):
                 if stream.consumer not in segment.served:
+                    if segment.fence is not None:  # (its END names the dead one's fence)
+                        self.acks.setdefault(stream.identity, set()).add(segment.fence)
                     self._owe(stream, segment)
         elif cursor.done:
             port.outlet.send(stream, End(epoch=epoch, lagged=cursor.lagged))
@@ -484,9 +486,11 @@ class SharedDelivery(Delivery):
 
     def _adopt(self, segments: list[Segment], fence: str | None) -> None:
         """Owe each segment to the trainers reading its epoch here that do not have it all
-        (a dead worker's, ``fence``: each such trainer's END names it, and one whose epoch
-        ended here already gets the rest, then its END again: it waits for that)."""
+        (a dead worker's, ``fence``: each such trainer's END names it, one that opens the
+        epoch here later included (:meth:`open`), and one whose epoch ended here already
+        gets the rest, then its END again: it waits for that)."""
         for segment in segments:
+            segment.fence = fence
             self.adopted.setdefault(segment.epoch, []).append(segment)
             for identity, cursor in self.window.cursors.items():
                 stream = self.port.streams.get(identity)
