@@ -17,8 +17,9 @@ $(VENV)/.installed-demo: $(BIN)/python setup.cfg pyproject.toml constraints-dev.
 	$(PIP) install $(PIP_FLAGS) -e .
 	touch $@
 
+# The test extras with Ray: `make test` runs a multi-node Ray test (tests/test_ray_cluster.py).
 $(VENV)/.installed-test: $(BIN)/python setup.cfg pyproject.toml constraints-dev.txt
-	$(PIP) install $(PIP_FLAGS) -e '.[test,torch,tf]'
+	$(PIP) install $(PIP_FLAGS) -e '.[test,torch,tf,ray]'
 	touch $@ $(VENV)/.installed-demo
 
 $(VENV)/.installed-bench: $(BIN)/python setup.cfg pyproject.toml constraints-dev.txt
@@ -32,15 +33,12 @@ lint: $(VENV)/.installed-test
 	$(BIN)/ruff check zloader tests bench
 	$(BIN)/mypy
 
+# Two test processes (pytest-xdist): the suite waits on its processes and sockets as much as
+# it computes, so two share these two cores well. Each test still checks its own leaks.
 test: lint
-	$(BIN)/python -m pytest -m "not slow" -q
+	$(BIN)/python -m pytest -m "not slow" -q -n 2
 
-$(VENV)/.installed-ray: $(VENV)/.installed-test
-	$(PIP) install $(PIP_FLAGS) -e '.[test,torch,tf,ray]'
-	touch $@
-
-# The slow tests include the Ray ones (tests/test_ray.py), so they install Ray.
-test-slow: $(VENV)/.installed-ray
+test-slow: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -m slow -q
 
 bench: $(VENV)/.installed-bench

@@ -1,6 +1,6 @@
 """Workers as Ray actors on a local Ray cluster (``ray.init()`` here): they serve a job,
 and the Ray actuator grows them for a starved consumer. Slow (Ray takes seconds to start);
-``make test-slow`` installs Ray."""
+the test extras install Ray (``make test``)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def slow(x):
 
 
 def test_ray_actors_serve_a_job_and_the_ray_actuator_adds_them_for_a_starved_consumer():
-    ray = pytest.importorskip("ray")  # make test-slow installs it (the ray extra)
+    ray = pytest.importorskip("ray")  # (the test extras install it: make test)
     import zloader.ray as zray
 
     address = f"tcp://127.0.0.1:{free_port()}"
@@ -72,7 +72,7 @@ def test_ray_actors_serve_a_job_and_the_ray_actuator_adds_them_for_a_starved_con
 @pytest.fixture
 def local_ray() -> Iterator[tuple[Any, Any, str]]:
     """Ray on this host (2 CPUs) and a broker on loopback: (ray, zloader.ray, address)."""
-    ray = pytest.importorskip("ray")  # make test-slow installs it (the ray extra)
+    ray = pytest.importorskip("ray")  # (the test extras install it: make test)
     import zloader.ray as zray
 
     broker, address = start_broker()

@@ -1,7 +1,8 @@
 """Workers as Ray actors on a multi-node Ray cluster (``ray.cluster_utils.Cluster``: a head
 and two worker nodes with custom resources, all on this machine): placement by resources,
-and a job exact through an actor's death and a node's removal. Slow (three raylets start);
-``make test-slow`` installs Ray."""
+a job exact through an actor's death and a node's removal, and the Ray actuator growing
+actors on the node a resource names for a starved consumer and letting them go once the
+job ends. In ``make test`` (the test extras install Ray): about 30 s."""
 
 from __future__ import annotations
 
@@ -15,8 +16,6 @@ import pytest
 from tests.service import BIN, HEARTBEAT, free_port, status, stop, wait_for
 from zloader import Loader, Pipeline
 
-pytestmark = pytest.mark.slow
-
 N = 12_000
 
 
@@ -25,7 +24,12 @@ def slow(x: int) -> int:
     return x
 
 
-def test_two_nodes_place_workers_by_resources_and_a_job_survives_an_actor_and_a_node(
+def slower(x: int) -> int:
+    time.sleep(0.004)
+    return x
+
+
+def test_two_nodes_place_by_resources_keep_a_job_exact_and_the_actuator_grows_and_shrinks(
         tmp_path):
     ray = pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
@@ -43,7 +47,7 @@ def test_two_nodes_place_workers_by_resources_and_a_job_survives_an_actor_and_a_
     address = f"tcp://{host}:{free_port()}"
     broker = subprocess.Popen([os.path.join(BIN, "zloader-broker"), "--bind", address,
                                "--keys", keys, "--heartbeat", str(HEARTBEAT),
-                               "--log-level", "error"])
+                               "--autoscale-cooldown", "1.5", "--log-level", "error"])
     try:
         on_a = zray.start_workers(address, 2, num_cpus_per_worker=0.5, keys=keys,
                                   resources={"node_a": 1})
@@ -70,6 +74,25 @@ def test_two_nodes_place_workers_by_resources_and_a_job_survives_an_actor_and_a_
         assert len(on_a) == 2  # the restarted actor was kept (and serves again)
         on_a.stop()
         on_b.stop()
+        wait_for(lambda: not status(address, keys=keys)["workers"],
+                 what="the stopped actors' workers to leave")
+
+        # The actuator: no worker, a starved consumer; it grows two actors on node a (the
+        # resource it was given), and lets them go once the job is over.
+        actuator = zray.RayActuator(address, max_workers=2, interval=0.3, remote_delay=0.5,
+                                    keys=keys, num_cpus_per_worker=0.5,
+                                    resources={"node_a": 1})
+        with actuator:
+            with Loader(Pipeline.range(10**6, split_size=20).map(slower), broker=address,
+                        keys=keys, timeout=60) as loader:
+                deadline = time.monotonic() + 60
+                for _ in loader:
+                    if len(actuator.workers) == 2:
+                        break
+                    assert time.monotonic() < deadline, "the Ray actuator did not grow"
+                assert {i["node"] for i in actuator.workers.info} == {node_a.node_id}
+            wait_for(lambda: len(actuator.workers) == 0, timeout=60,
+                     what="the actuator to let its actors go after the job")
     finally:
         zray.stop_all()
         ray.shutdown()

@@ -1,6 +1,6 @@
 """Ray worker actors live until they are stopped or the driver exits, whether or not the
 caller keeps what ``start_workers`` returned (Ray kills an actor once every reference to
-it is gone). Slow (Ray takes seconds to start); ``make test-slow`` installs Ray."""
+it is gone). Slow (Ray takes seconds to start); the test extras install Ray (``make test``)."""
 
 from __future__ import annotations
 
