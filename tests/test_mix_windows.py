@@ -19,7 +19,7 @@ from tests.service import read_together, run_together, service
 from zloader import Loader, Pipeline
 from zloader.errors import MixWindowWarning
 from zloader.options import JobOptions
-from zloader.plan import draws_at_consumer, repeats_moved
+from zloader.plan import draws_at_consumer, plan, repeats_moved
 
 WEIGHTS = [0.6, 0.3, 0.1]
 BASES = (0, 100_000, 200_000)  # input k's elements are BASES[k] + i
@@ -44,6 +44,12 @@ def corpora(splits_c: int = 1, slow: bool = False) -> list[Pipeline]:
 
 def which(values: list[int]) -> list[int]:
     return [int(v) // 100_000 for v in values]
+
+
+def repacked(batch: object) -> object:
+    """A map between a batch and its unbatch that keeps the elements (each place's input
+    stays known) and makes its rows a group's, as a packer's are."""
+    return np.asarray(batch).copy()
 
 
 def flat(batches: object) -> list[int]:
@@ -328,19 +334,29 @@ def test_a_state_taken_through_a_shuffle_after_the_mix_over_groups_of_groups_res
 
 
 def test_a_mix_drawn_on_several_workers_says_why_its_windows_may_drift() -> None:
-    """A repeat after a batch after the mix, or after a first_exhausted mix, or a shared
-    job, keeps the workers drawing it: the Loader warns (naming the stage or the option)
-    when several workers will; never for a mix the consumer draws (packing after it, or a
-    repeat moved onto its inputs, included) or for one worker."""
+    """An endless repeat after a first_exhausted mix, two repeats after a mix that cannot
+    move, a repeat after a mix whose input repeats itself, or a deterministic job without
+    fixed shards keep the workers drawing it: the
+    Loader warns (naming the stage or the option) when several workers will; never for
+    a mix the consumer draws (packing after it, a repeat moved onto its inputs or drawn
+    pass by pass included) or for one worker."""
     inputs = [Pipeline.range(0, 40, split_size=10), Pipeline.range(100, 140, split_size=10)]
+    first = Pipeline.mix(inputs, weights=[1, 1], seed=3, stop="first_exhausted")
+    with pytest.warns(MixWindowWarning, match=r"stage 'repeat\(None\)' follows the mix"):
+        with Loader(first.repeat().take(100), num_workers=2) as loader:
+            assert len(list(loader)) == 100
     batched = Pipeline.mix(inputs, weights=[1, 1], seed=3).batch(4)
+    twice = batched.repeat(2).map(list).repeat(2)  # (two repeats: neither moves)
     with pytest.warns(MixWindowWarning, match=r"stage 'repeat\(2\)' follows the mix"):
-        with Loader(batched.repeat(2), num_workers=2) as loader:
-            assert sorted(flat(loader)) == sorted(flat(batched.repeat(2).iter()))
-    first = Pipeline.mix(inputs, weights=[1, 1], seed=3, stop="first_exhausted").repeat(2)
-    with pytest.warns(MixWindowWarning, match=r"stage 'repeat\(2\)' follows the mix"):
-        with Loader(first, num_workers=2) as loader:
-            assert len(list(loader)) > 0
+        with Loader(twice, num_workers=2) as loader:
+            assert sorted(flat(loader)) == sorted(flat(twice.iter()))
+    nested = Pipeline.mix([inputs[0].repeat(2), inputs[1]], weights=[1, 1], seed=3)
+    with pytest.warns(MixWindowWarning, match=r"an input repeats itself"):
+        with Loader(nested.repeat(2), num_workers=2) as loader:
+            assert sorted(loader) == sorted(nested.repeat(2).iter())
+    with pytest.warns(MixWindowWarning, match=r"deterministic=True without fixed shards"):
+        with Loader(batched, num_workers=2, deterministic=True, sharding="static") as loader:
+            assert sorted(flat(loader)) == sorted(flat(batched.iter()))
     repeated = Pipeline.mix(inputs, weights=[1, 1], seed=3).repeat(2)
     packing = Pipeline.mix(inputs, weights=[1, 1], seed=3).batch(4).map(list).unbatch()
     with warnings.catch_warnings():
@@ -349,10 +365,70 @@ def test_a_mix_drawn_on_several_workers_says_why_its_windows_may_drift() -> None
             assert sorted(loader) == sorted(packing.iter())
         with Loader(repeated, num_workers=2) as loader:
             assert sorted(loader) == sorted(repeated.iter())
-        with Loader(batched.repeat(2), num_workers=1) as loader:  # (one: iter()'s stream)
-            assert flat(loader) == flat(batched.repeat(2).iter())
+        for passes in (batched.repeat(2), first.repeat(2)):  # (drawn pass by pass)
+            with Loader(passes, num_workers=2) as loader:
+                got = flat(loader)
+            # (the same draws; first_exhausted: of the input that had not ended, as many
+            # others of its elements, as any stream of two workers)
+            assert [v // 100 for v in got] == [v // 100 for v in flat(passes.iter())]
+        with Loader(twice, num_workers=1) as loader:  # (one worker: iter()'s stream)
+            assert flat(loader) == flat(twice.iter())
         with Loader(batched, num_workers=2) as loader:
             assert sum(len(b) for b in loader) == 80
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_a_repeat_the_consumer_draws_pass_by_pass_keeps_iter_s_draws_and_stop_rule(
+        workers: int) -> None:
+    """A repeat after a first_exhausted mix, or after a packer, cannot move onto the
+    inputs: the consumer draws each pass of it over each input's stream of that pass. The
+    draws are iter()'s place by place with any number of workers, so each pass ends
+    where its first input ends (as many elements of each input as iter()), and every
+    window holds the weights."""
+    first = Pipeline.mix(corpora(1, slow=True), WEIGHTS, seed=6,
+                         stop="first_exhausted").map(int).repeat(3)
+    packed = Pipeline.mix(corpora(4), WEIGHTS, seed=2).batch(7).map(repacked).unbatch() \
+        .repeat(2)
+    for mix in (first, packed):
+        assert plan(mix, JobOptions()).passes in (2, 3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", MixWindowWarning)
+            with Loader(mix, num_workers=workers, timeout=60) as loader:
+                got = flat(loader)
+        want = flat(mix.iter(0))
+        assert which(got) == which(want)
+        if mix is packed:
+            assert sorted(got) == sorted(want)
+    inputs = which(got)
+    for start in range(0, 12_000, 1000):
+        window = inputs[start:start + 1000]
+        counts = [window.count(k) for k in range(3)]
+        assert chi_square_p(counts, WEIGHTS) >= 0.001, (workers, start, counts)
+
+
+def test_a_repeat_drawn_pass_by_pass_resumes_and_survives_a_worker_kill() -> None:
+    """Exactly-once through a repeat drawn pass by pass (a packer before it): a state in
+    the second pass, its resume's state resumed, and a worker SIGKILLed mid-epoch."""
+    mix = Pipeline.mix(corpora(2), WEIGHTS, seed=4).batch(5).map(repacked).unbatch() \
+        .repeat(2)
+    assert plan(mix, JobOptions()).passes == 2
+    want = sorted(flat(mix.iter(0)))
+    out: list[int] = []
+    state = None
+    for cut in (9000, 2000):
+        with Loader(mix, num_workers=2, timeout=60, state=state) as loader:
+            elements = iter(loader)
+            out += [int(next(elements)) for _ in range(cut)]
+            state = loader.state_dict()
+    with Loader(mix, num_workers=2, timeout=60, state=state) as loader:
+        out += [int(v) for v in loader]
+    assert sorted(out) == want
+    with Loader(mix, num_workers=2, timeout=60) as loader:
+        elements = iter(loader)
+        out = [int(next(elements)) for _ in range(7000)]
+        loader._processes[0].kill()
+        out += [int(v) for v in elements]
+    assert sorted(out) == want
 
 
 @pytest.mark.parametrize("workers", [1, 2, 8])

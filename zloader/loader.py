@@ -284,7 +284,7 @@ class Loader:
             elements = self._merger.epoch(epoch, epoch_input)
         else:  # (the workers make each input's stream; the draws are made here)
             track = self._options.exactly_once
-            inputs = self._merger.inputs(epoch, epoch_input, len(mix.inputs), track)
+            inputs = self._merger.inputs(epoch, epoch_input, self._plan.parts, track)
             elements = _drawn(self._plan, inputs, epoch, track, self._live, self._merger)
         return _holding(self, self._plan.run_consumer(elements, epoch,
                                                       Context(RunSettings(entropy=0))))

@@ -63,16 +63,26 @@ class Plan:
     mix: MixSource | None = None
     after_mix: tuple[_stages.Stage, ...] = ()
     shards: int = 0  # a deterministic job's fixed shards (JobOptions.shards); 0: none
+    passes: int = 0  # a repeat(n) after a mix the consumer draws: n; 0: none (_passes)
 
     @property
     def parts(self) -> int:
         """The streams each worker's records belong to (``DATA.part``): a mix the
-        consumer draws has one per input, a deterministic job one per shard, and a
-        deterministic job whose mix the consumer draws one per input and shard (part
-        ``k * shards + v``: input ``k``'s stream over shard ``v``); 0: none."""
+        consumer draws has one per input (and per pass of a ``repeat(n)`` after it:
+        part ``r * inputs + k``, input ``k``'s stream in pass ``r``), a deterministic job
+        one per shard, and a deterministic job whose mix the consumer draws one per input
+        and shard (part ``k * shards + v``: input ``k``'s stream over shard ``v``); 0:
+        none."""
         if self.mix is None:
             return self.shards
-        return len(self.mix.inputs) * max(1, self.shards)
+        return len(self.mix.inputs) * max(1, self.shards) * max(1, self.passes)
+
+    def input_of(self, part: int) -> int:
+        """The mix input whose stream part ``part`` is."""
+        if self.shards:
+            return part // self.shards
+        assert self.mix is not None
+        return part % len(self.mix.inputs)
 
     def run_worker(self, feed: SplitFeed, epoch: int, ctx: Context) -> Iterator[Any]:
         """The worker part for ``epoch``, reading the splits ``feed`` gives for each pass
@@ -100,7 +110,17 @@ class Plan:
         assert self.mix is not None
         read, _ = self._reads(feed, ctx)
         ctx.records_from = 0  # (records of several inputs: no batch leaves its copy)
-        return [run((epoch,)) for run in input_runs(self.mix, read, ctx)]
+        if not self.passes:
+            return [run((epoch,)) for run in input_runs(self.mix, read, ctx)]
+        # Each pass of the repeat after the mix (the inputs' pass keys are iter()'s), part
+        # ``r * inputs + k``; each input's runs started as soon as it is made, as above
+        # (``ctx.aligned`` is the last one made's until the next is).
+        count = len(self.mix.inputs)
+        streams: list[Iterator[Any]] = []
+        for run in input_runs(self.mix, read, ctx):
+            streams += [run((epoch, r)) for r in range(self.passes)]
+        return [streams[k * self.passes + r] for r in range(self.passes)
+                for k in range(count)]
 
     def _reads(self, feed: SplitFeed, ctx: Context
                ) -> tuple[_stages.Run, Callable[[_stages.Key, int], Iterator[Chunk]]]:
@@ -189,15 +209,23 @@ class Plan:
         stages after the mix over all that (the take/skip part is
         :meth:`run_consumer`'s)."""
         assert self.mix is not None
-        mix = self.mix
+        mix, passes, count = self.mix, self.passes, len(self.mix.inputs)
 
         def read(key: _stages.Key) -> Iterator[Any]:
-            yield from drawn(mix, opened, key, ctx)
+            last = True
+            streams = opened
+            if passes:  # (the repeat after the mix asks for pass key[1])
+                at = key[1] * count
+                last = key[1] == passes - 1
+
+                def streams() -> list[Iterator[Any]]:
+                    return opened()[at:at + count]
+            yield from drawn(mix, streams, key, ctx)
             live = ctx.settings.mix_weights
             weights = live.value if live is not None and live.value is not None \
                 else mix.weights
-            if mix.stop == "all_exhausted" and min(weights) > 0:
-                yield from rest()
+            if mix.stop == "all_exhausted" and min(weights) > 0 and last:
+                yield from rest()  # (every pass's: after the last pass's draws)
 
         return _stages.compose(read, self.after_mix, ctx, mix.after(), after_mix=True)((epoch,))
 
@@ -225,8 +253,16 @@ def plan(pipeline: Pipeline, options: JobOptions | None = None) -> Plan:
         if draws_at_consumer(moved, options):
             assert isinstance(moved.source, MixSource)
             cut = len(moved.stages) - len(consumer)
-            return Plan(moved, (), consumer, moved.source, moved.stages[:cut], shards)
+            after = moved.stages[:cut]
+            return Plan(moved, (), consumer, moved.source, after, shards, _passes(after))
     return Plan(pipeline, pipeline.stages[:cut], consumer, shards=shards)
+
+
+def _passes(after: tuple[_stages.Stage, ...]) -> int:
+    """The passes of the ``repeat(n)`` among the stages after a mix the consumer draws
+    (``n``; 0: none)."""
+    repeat = next((s for s in after if isinstance(s, _stages.Repeat)), None)
+    return 0 if repeat is None or repeat.count is None else repeat.count
 
 
 def repeats_moved(pipeline: Pipeline, options: JobOptions) -> Pipeline:
@@ -242,7 +278,7 @@ def repeats_moved(pipeline: Pipeline, options: JobOptions) -> Pipeline:
     number of workers). Otherwise ``pipeline`` itself (docs/semantics.md, "Mixing")."""
     source = pipeline.source
     if not isinstance(source, MixSource) or source.stop == "first_exhausted" \
-            or _refused_by(options) is not None:
+            or _refused_by(options) is not None or _repeats_within(source):
         return pipeline
     stages = pipeline.stages
     while True:
@@ -287,12 +323,36 @@ def drawn_on_workers(pipeline: Pipeline, options: JobOptions) -> str | None:
     if options.deterministic and inputs * max(1, options.shards) > MAX_MIX_INPUTS:
         return (f"its {inputs} inputs over {options.shards} shards make "
                 f"more than {MAX_MIX_INPUTS} streams")
-    after = itertools.takewhile(lambda s: not isinstance(s, _CONSUMER_STAGES),
-                                pipeline.stages)
+    after = list(itertools.takewhile(lambda s: not isinstance(s, _CONSUMER_STAGES),
+                                     pipeline.stages))
+    repeats = [s for s in after if isinstance(s, _stages.Repeat)]  # (not moved)
+    within = _repeats_within(pipeline.source)  # type: ignore[arg-type]  # (a mix still)
     for stage in after:
-        if type(stage) not in CONSUMER_DRAWN:
-            return f"stage {stage.name!r} follows the mix"
+        if type(stage) not in CONSUMER_DRAWN and not (
+                isinstance(stage, _stages.Repeat) and not within
+                and _in_passes(stage, repeats, inputs, options)):
+            return f"stage {stage.name!r} follows the mix" + (
+                " (an input repeats itself)" if within and isinstance(stage, _stages.Repeat)
+                else "")
     return None
+
+
+def _in_passes(repeat: _stages.Repeat, repeats: list[_stages.Repeat], inputs: int,
+               options: JobOptions) -> bool:
+    """Whether the consumer draws a mix over a ``repeat`` after it that did not move onto
+    its inputs (:func:`repeats_moved`) pass by pass, each input's stream of each pass a
+    part of its own (:attr:`Plan.passes`): the only repeat, with a count, in a job that
+    is not deterministic, its parts within MAX_MIX_INPUTS."""
+    return (len(repeats) == 1 and repeat.count is not None and repeat.count >= 1
+            and not options.deterministic and inputs * repeat.count <= MAX_MIX_INPUTS)
+
+
+def _repeats_within(mix: MixSource) -> bool:
+    """Whether an input of ``mix`` repeats itself: a repeat after the mix then neither
+    moves onto the inputs nor is drawn pass by pass (passes within passes: a worker's
+    SIGKILL lost an element of such an input's stream, as it does in a consumer-drawn
+    mix of an input with two repeats of its own), and the workers draw the mix."""
+    return any(isinstance(stage, _stages.Repeat) for p in mix.inputs for stage in p.stages)
 
 
 def _refused_by(options: JobOptions) -> str | None:

@@ -349,7 +349,8 @@ class Producer(threading.Thread):
         deterministic job this worker runs (:meth:`_shards`). The next record is of a
         stream with a permit free (the consumers' credits for it), chosen among those by
         the mix's weights as last set (shards: alike), so that what is made follows what
-        the consumers take; an input of weight 0 is not made (they never draw it). A
+        the consumers take (of a repeat after the mix, the earliest pass with one); an
+        input of weight 0 is not made (they never draw it). A
         stream that ends here gets an END of its own (``part``), after its records; the
         epoch's END comes once all have."""
         plan = self.spec.plan
@@ -360,12 +361,16 @@ class Producer(threading.Thread):
         else:
             contexts, streams = self._shards(ctx)
         live = list(streams)
+        width = len(plan.mix.inputs) if plan.mix is not None and plan.passes else 0
         choose = np.random.default_rng()  # (which is made first: no effect on what is)
         self._mark = time.perf_counter()
         while live:
             weights = self._weights_of()
             free = set(permits.free())
             ready = [k for k in live if weights[k] > 0 and k in free]
+            if ready and width:  # (a repeat after the mix: its earliest pass first)
+                first = min(ready) // width
+                ready = [k for k in ready if k // width == first]
             if not ready:
                 self.stage = "blocked"
                 permits.wait(0.1, self.stop)  # (or new weights: looked at again)
@@ -397,7 +402,7 @@ class Producer(threading.Thread):
         cached = self._part_weights  # (made again only when the weights change)
         if cached is None or cached[0] is not weights:
             by_part = [1.0] * plan.parts if weights is None else \
-                [weights[part // max(1, plan.shards)] for part in range(plan.parts)]
+                [weights[plan.input_of(part)] for part in range(plan.parts)]
             cached = self._part_weights = (weights, by_part)
         return cached[1]
 
