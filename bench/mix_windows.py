@@ -1,9 +1,9 @@
 """A mix's weights in every window of the stream a trainer sees, with 1, 2, 4 and 8
 workers: zloader (the consumer draws, the default), zloader packing after the mix (a
 ``batch(8).map(f).unbatch()`` whose map makes groups: the consumer draws and makes them),
-zloader with a ``repeat`` after the mix (moved onto the mix's inputs, so that the consumer
-still draws it; with ``stop="first_exhausted"`` it is not moved, and the workers draw),
-zloader with the workers drawing (the behaviour before: forced here by a ``repeat`` after
+zloader with a ``repeat`` after the mix (moved onto the mix's inputs so that the consumer
+still draws it; with ``stop="first_exhausted"`` the consumer draws it pass by pass),
+zloader with the workers drawing (the behaviour before: forced here by two ``repeat``s after
 a ``batch`` after the mix, which the consumer does not draw through), and torch's
 ``DataLoader`` over an ``IterableDataset`` that mixes in each worker the shards it takes
 of each input (how Hugging Face ``interleave_datasets`` and most hand-written torch mixes
@@ -79,9 +79,9 @@ def pipelines(stop: str = "all_exhausted") -> dict[str, tuple[Pipeline, dict[str
                 mix.batch(8).map(repacked).unbatch().batch(BATCH), {}),
             "zloader, deterministic=True (the consumer draws over shards)": (
                 mix.batch(BATCH), {"deterministic": True}),
-            "zloader, a repeat after the mix (moved onto its inputs)": (
+            "zloader, a repeat after the mix (moved, or pass by pass)": (
                 mix.repeat(1).batch(BATCH), {}),
-            "zloader, the workers draw (before)": (mix.batch(BATCH).repeat(1), {})}
+            "zloader, the workers draw (before)": (mix.batch(BATCH).repeat(1).repeat(1), {})}
 
 
 def repacked(batch: Any) -> Any:
