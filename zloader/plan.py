@@ -105,8 +105,9 @@ class Plan:
     def run_inputs(self, feed: SplitFeed, epoch: int,
                    ctx: Context) -> list[Iterator[Any]]:
         """A mix the consumer draws: each input's pipeline for ``epoch`` on this worker,
-        one stream per input, reading the splits ``feed`` gives for each input's passes
-        as :meth:`run_worker` reads them."""
+        one stream per input (and per pass of a repeat after the mix drawn pass by pass,
+        :attr:`passes`: part ``r * inputs + k``), reading the splits ``feed`` gives for
+        each input's passes as :meth:`run_worker` reads them."""
         assert self.mix is not None
         read, _ = self._reads(feed, ctx)
         ctx.records_from = 0  # (records of several inputs: no batch leaves its copy)
@@ -203,10 +204,11 @@ class Plan:
     def run_drawn(self, opened: Callable[[], list[Iterator[Any]]], epoch: int,
                   ctx: Context, rest: Callable[[], Iterator[Any]]) -> Iterator[Any]:
         """The consumer's draws of the mix for ``epoch`` over its inputs' streams
-        (``opened()``'s, one per input, as the workers make them), then, when every
-        input was to be read to its end (``"all_exhausted"``, no weight 0), what comes
-        after the draws ended (``rest()``: a dead worker's splits read again); and the
-        stages after the mix over all that (the take/skip part is
+        (``opened()``'s, one per input, as the workers make them; drawn pass by pass,
+        :attr:`passes`: pass ``r`` over the streams of its own), then, when every input
+        was to be read to its end (``"all_exhausted"``, no weight 0), what comes after
+        the (last pass's) draws ended (``rest()``: a dead worker's splits read again);
+        and the stages after the mix over all that (the take/skip part is
         :meth:`run_consumer`'s)."""
         assert self.mix is not None
         mix, passes, count = self.mix, self.passes, len(self.mix.inputs)
