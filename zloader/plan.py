@@ -8,7 +8,9 @@ A mix (``Pipeline.mix``/``choose``) is drawn where the streams meet when it can 
 (:func:`draws_at_consumer`): the workers run each input's pipeline and send one stream per
 input, and the consumer draws from those streams, as ``Pipeline.iter`` draws, then runs
 the stages after the mix itself, so that the weights hold in every window of the stream
-whatever the number of workers and however the inputs' splits lie among them.
+whatever the number of workers and however the inputs' splits lie among them. A
+``repeat`` after the mix is moved onto its inputs where that yields the same elements
+(:func:`repeats_moved`), or else drawn pass by pass (:attr:`Plan.passes`).
 """
 
 from __future__ import annotations
