@@ -319,8 +319,9 @@ def test_tf_close_of_a_derived_dataset_stops_its_workers_and_frees_its_rings():
 
     from tests.service import wait_for
 
-    def segments() -> list[str]:
-        return [name for name in os.listdir("/dev/shm") if "zloader" in name.lower()]
+    def segments() -> list[str]:  # (this process's: tests run two at a time)
+        return [name for name in os.listdir("/dev/shm")
+                if name.startswith("zloader-") and name.split("-")[2:3] == [str(os.getpid())]]
 
     ds = zloader.tf.dataset(Pipeline.range(40).batch(4), num_workers=2, timeout=30)
     derived = ds.map(lambda x: x * 2).prefetch(2)
