@@ -52,6 +52,15 @@ def repacked(batch: object) -> object:
     return np.asarray(batch).copy()
 
 
+def assert_every_window_holds(inputs: list[int], until: int, label: object) -> None:
+    """Every window of 1,000 of ``inputs`` (each place's input) before ``until`` holds
+    WEIGHTS at chi-square p >= 0.001."""
+    for start in range(0, until, 1000):
+        window = inputs[start:start + 1000]
+        counts = [window.count(k) for k in range(3)]
+        assert chi_square_p(counts, WEIGHTS) >= 0.001, (label, start, counts)
+
+
 def flat(batches: object) -> list[int]:
     return [int(x) for batch in batches for x in np.asarray(batch).reshape(-1)]
 
@@ -77,10 +86,7 @@ def test_every_window_of_1000_holds_the_weights_with_any_number_of_workers(
     # The draws are iter()'s whatever the workers: the same input at every place.
     assert inputs == which(flat(mix.iter(0)))
     # Before any input runs out (the 10% one, 700 elements, near draw 7,000):
-    for start in range(0, 5000, 1000):
-        window = inputs[start:start + 1000]
-        counts = [window.count(k) for k in range(3)]
-        assert chi_square_p(counts, WEIGHTS) >= 0.001, (workers, start, counts)
+    assert_every_window_holds(inputs, 5000, workers)
 
 
 @pytest.mark.parametrize("workers", [2, 8])
@@ -116,10 +122,7 @@ def test_a_deterministic_mix_holds_its_weights_in_every_window_and_resumes_exact
             whole = flat(loader)
     assert which(whole) == which(flat(mix.iter(0)))
     assert sorted(whole) == sorted(flat(mix.iter(0)))
-    for start in range(0, 5000, 1000):
-        window = which(whole)[start:start + 1000]
-        counts = [window.count(k) for k in range(3)]
-        assert chi_square_p(counts, WEIGHTS) >= 0.001, (workers, start, counts)
+    assert_every_window_holds(which(whole), 5000, workers)
     with Loader(mix, num_workers=workers, deterministic=True, timeout=60) as loader:
         batches = iter(loader)
         head = flat([next(batches) for _ in range(300)])
@@ -156,10 +159,7 @@ def test_balanced_consumers_each_draw_the_mix_with_its_weights_in_every_window()
     want = which([int(v) for v in mix.iter(0)])
     for got in (first, second):
         assert which(got)[:2000] == want[:2000]  # (before its share of an input ends)
-        for start in range(0, 3000, 1000):
-            window = which(got)[start:start + 1000]
-            counts = [window.count(k) for k in range(3)]
-            assert chi_square_p(counts, WEIGHTS) >= 0.001, (start, counts)
+        assert_every_window_holds(which(got), 3000, "balanced")
 
 
 def test_balanced_consumers_in_step_one_opening_late_learn_of_every_input_s_end() -> None:
@@ -400,10 +400,7 @@ def test_a_repeat_the_consumer_draws_pass_by_pass_keeps_iter_s_draws_and_stop_ru
         if mix is packed:
             assert sorted(got) == sorted(want)
     inputs = which(got)
-    for start in range(0, 12_000, 1000):
-        window = inputs[start:start + 1000]
-        counts = [window.count(k) for k in range(3)]
-        assert chi_square_p(counts, WEIGHTS) >= 0.001, (workers, start, counts)
+    assert_every_window_holds(inputs, 12_000, workers)
 
 
 def test_a_repeat_drawn_pass_by_pass_resumes_and_survives_a_worker_kill() -> None:
@@ -412,6 +409,13 @@ def test_a_repeat_drawn_pass_by_pass_resumes_and_survives_a_worker_kill() -> Non
     mix = Pipeline.mix(corpora(2), WEIGHTS, seed=4).batch(5).map(repacked).unbatch() \
         .repeat(2)
     assert plan(mix, JobOptions()).passes == 2
+    resumed_twice_and_killed(mix)
+
+
+def resumed_twice_and_killed(mix: Pipeline) -> None:
+    """``mix`` through 2 workers: stopped at element 9,000, its state resumed and stopped
+    2,000 later, that state resumed to the end; then a worker SIGKILLed at element 7,000:
+    each time, the multiset of ``iter()``."""
     want = sorted(flat(mix.iter(0)))
     out: list[int] = []
     state = None
@@ -449,33 +453,14 @@ def test_a_repeat_after_the_mix_is_drawn_by_the_consumer_and_every_window_holds(
     inputs = which(got)
     assert inputs == which(flat(moved.iter(0)))
     # Before any input runs out (each near draw 13,000 of 13,400):
-    for start in range(0, 12_000, 1000):
-        window = inputs[start:start + 1000]
-        counts = [window.count(k) for k in range(3)]
-        assert chi_square_p(counts, WEIGHTS) >= 0.001, (workers, start, counts)
+    assert_every_window_holds(inputs, 12_000, workers)
 
 
 def test_a_repeat_moved_onto_the_inputs_resumes_and_survives_a_worker_kill() -> None:
     """Exactly-once through the moved repeat: a state taken in the second pass, resumed
     (and that resume's state resumed), and a worker SIGKILLed mid-epoch."""
     mix = Pipeline.mix(corpora(2), WEIGHTS, seed=4).filter(lambda x: x % 7).repeat(2)
-    want = sorted(mix.iter(0))
-    out: list[int] = []
-    state = None
-    for cut in (9000, 2000):
-        with Loader(mix, num_workers=2, timeout=60, state=state) as loader:
-            elements = iter(loader)
-            out += [int(next(elements)) for _ in range(cut)]
-            state = loader.state_dict()
-    with Loader(mix, num_workers=2, timeout=60, state=state) as loader:
-        out += [int(v) for v in loader]
-    assert sorted(out) == want
-    with Loader(mix, num_workers=2, timeout=60) as loader:
-        elements = iter(loader)
-        out = [int(next(elements)) for _ in range(7000)]
-        loader._processes[0].kill()
-        out += [int(v) for v in elements]
-    assert sorted(out) == want
+    resumed_twice_and_killed(mix)
 
 
 def documents_of(k: int) -> Pipeline:
