@@ -255,6 +255,59 @@ def test_requeued_splits_of_a_pass_others_left_behind_are_served_in_later_passes
     assert split(state, "w2", tasks["w2"], key=(0, 1), now=3.5) == 0  # then pass (0, 1)'s own
 
 
+@pytest.mark.parametrize("restart", [False, True])
+def test_a_pass_that_reads_another_pass_s_requeued_split_then_its_own_tags_each_right(
+        tmp_path, restart):
+    """Pass (0, 1) reads pass (0, 0)'s re-queued split 0 (with (0, 0)'s skip) and then its
+    own split 0: the second is (0, 1)'s, skipping nothing. Both are remembered as read,
+    each for its own pass (the broker kept one origin per split and pass: the second
+    went out as (0, 0)'s, its first element skipped, a worker's death lost it), also
+    after a broker restart from a compacted journal."""
+    from zloader.broker.journal import Journal
+    from zloader.broker.splits import holds, read_splits
+    from zloader.lineage import pack
+
+    state = State(heartbeat=1.0, journal=Journal(tmp_path))
+    ready(state, "w1")
+    ready(state, "w2")
+    out = state.register(b"c1", record(Command.REGISTER, nested({
+        "consumer": "c1", "fingerprint": "f" * 64, "job_name": None, "sharding": "dynamic",
+        "deterministic": False, "num_workers": 0, "on_error": "raise",
+        "host_id": "h/boot/ns", "pid": 1, "exactly_once": True,
+        "source": {"num_splits": 3, "shuffle_splits": False, "seed": None}}), [b"p"]), 0.0)
+    tasks = tasks_by_worker(out)
+
+    def answer(key, now):
+        (o,) = state.split_request(b"w2", record(Command.SPLIT_REQ, {
+            "task": tasks["w2"], "pass": list(key)}), now)
+        return o.body["split"], tuple(o.body.get("origin") or key), o.body.get("skip", "")
+
+    assert split(state, "w1", tasks["w1"], key=(0, 0)) == 0
+    assert [answer((0, 0), 0.0)[0] for _ in range(3)] == [1, 2, None]
+    for now in (1.0, 2.0, 3.5):  # w1 dies holding split 0 of pass (0, 0)
+        state.seen(b"w2", now)
+        state.seen(b"c1", now)
+        state.tick(now)
+    (job,) = state.jobs.values()
+    (fence,) = state.job_view(job).fences
+    state.delivered(b"c1", record(Command.DELIVERED, {  # c1 holds its element 0
+        "job": job.id, "fence": fence["id"], "splits": [[[0, 0], 0, {"have": pack([0])}]]}),
+        3.6)
+    assert answer((0, 1), 3.7) == (0, (0, 0), pack([0]))
+    if restart:
+        state.journal.compact(state.snapshot())
+        state.journal.close()
+        state = State(heartbeat=1.0, journal=Journal(tmp_path))
+        state.restore(4.0)
+        assert state.journal.skipped == []
+        (job,) = state.jobs.values()
+        ready(state, "w2", now=4.0)  # back, with its task
+    assert answer((0, 1), 4.0) == (0, (0, 1), "")
+    assert read_splits(job, 0) == {(0, 0): {0, 1, 2}, (0, 1): {0}}
+    assert holds(job, (0, 0), 0) and holds(job, (0, 1), 0) and not holds(job, (0, 1), 1)
+    state.journal.close()
+
+
 def coordinated(state: State, consumer: str, index: int, size: int = 2, now: float = 0.0):
     return state.register(consumer.encode(), record(Command.REGISTER, nested({
         "consumer": consumer, "fingerprint": "f" * 64, "job_name": "sync",

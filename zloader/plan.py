@@ -282,7 +282,7 @@ def repeats_moved(pipeline: Pipeline, options: JobOptions) -> Pipeline:
     number of workers). Otherwise ``pipeline`` itself (docs/semantics.md, "Mixing")."""
     source = pipeline.source
     if not isinstance(source, MixSource) or source.stop == "first_exhausted" \
-            or _refused_by(options) is not None or _repeats_within(source):
+            or _refused_by(options) is not None:
         return pipeline
     stages = pipeline.stages
     while True:
@@ -330,14 +330,11 @@ def drawn_on_workers(pipeline: Pipeline, options: JobOptions) -> str | None:
     after = list(itertools.takewhile(lambda s: not isinstance(s, _CONSUMER_STAGES),
                                      pipeline.stages))
     repeats = [s for s in after if isinstance(s, _stages.Repeat)]  # (not moved)
-    within = _repeats_within(pipeline.source)  # type: ignore[arg-type]  # (a mix still)
     for stage in after:
         if type(stage) not in CONSUMER_DRAWN and not (
-                isinstance(stage, _stages.Repeat) and not within
+                isinstance(stage, _stages.Repeat)
                 and _in_passes(stage, repeats, inputs, options)):
-            return f"stage {stage.name!r} follows the mix" + (
-                " (an input repeats itself)" if within and isinstance(stage, _stages.Repeat)
-                else "")
+            return f"stage {stage.name!r} follows the mix"
     return None
 
 
@@ -349,14 +346,6 @@ def _in_passes(repeat: _stages.Repeat, repeats: list[_stages.Repeat], inputs: in
     is not deterministic, its parts within MAX_MIX_INPUTS."""
     return (len(repeats) == 1 and repeat.count is not None and repeat.count >= 1
             and not options.deterministic and inputs * repeat.count <= MAX_MIX_INPUTS)
-
-
-def _repeats_within(mix: MixSource) -> bool:
-    """Whether an input of ``mix`` repeats itself: a repeat after the mix then neither
-    moves onto the inputs nor is drawn pass by pass (passes within passes: a worker's
-    SIGKILL lost an element of such an input's stream, as it does in a consumer-drawn
-    mix of an input with two repeats of its own), and the workers draw the mix."""
-    return any(isinstance(stage, _stages.Repeat) for p in mix.inputs for stage in p.stages)
 
 
 def _refused_by(options: JobOptions) -> str | None:

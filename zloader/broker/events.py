@@ -89,14 +89,18 @@ def _skips(value: Any) -> dict[str, Any]:
 
 
 def _origins(value: Any) -> list[Any]:
-    """[[split, pass key], ...]: the passes re-queued splits belong to."""
+    """[[worker id, place, pass key], ...]: the passes the splits handed at those places
+    of a worker's (splits.origin_at) belong to; a journal of before kept
+    [[split, pass key], ...] (history._pass reads both)."""
+    wrong = "must be a list of [worker id, place, pass key] (or [split, pass key])"
     if not isinstance(value, list):
-        raise Wrong("must be a list of [split, pass key]")
-    for pair in value:
-        if not (isinstance(pair, list) and len(pair) == 2 and is_int(pair[0])
-                and pair[0] >= 0):
-            raise Wrong("must be a list of [split, pass key]")
-        PASS_KEY(pair[1])
+        raise Wrong(wrong)
+    for entry in value:
+        if not isinstance(entry, list) or len(entry) not in (2, 3) \
+                or (len(entry) == 3 and not isinstance(entry[0], str)) \
+                or not (is_int(entry[-2]) and entry[-2] >= 0):
+            raise Wrong(wrong)
+        PASS_KEY(entry[-1])
     return value
 
 
@@ -346,8 +350,9 @@ class PassKept(Event):
         return cls(job=job.id, pass_=key, order=list(handing.order),
                    requeued=list(handing.requeued), handed=handing.handed,
                    read=handing.read, skips=handing.skips,
-                   origins=[[split, list(origin)] for (k, split), origin
-                            in job.handout.origin_of.items() if k == key])
+                   origins=[[worker_id, place, list(origin)]
+                            for worker_id, places in handing.origins.items()
+                            for place, origin in places.items()])
 
 
 @dataclass(frozen=True, kw_only=True)

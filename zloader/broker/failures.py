@@ -110,7 +110,9 @@ def _undelivered(job: Job, worker: Worker, current: tuple[PassKey, int] | None, 
     order: dict[PassKey, list[int]] = {}  # per pass, what it was handed, in order
     for key, handing in job.handout.passes.items():
         handed: list[int] = []
-        for split in handing.handed.pop(worker_id, []):
+        read = handing.read.pop(worker_id, [])
+        origins = handing.origins.pop(worker_id, {})
+        for place, split in enumerate(handing.handed.pop(worker_id, []), len(read)):
             if died and current == (key, split):
                 job.handout.kills[split] = job.handout.kills.get(split, 0) + 1
                 if job.handout.kills[split] >= KILLS_TO_FAIL:
@@ -120,10 +122,9 @@ def _undelivered(job: Job, worker: Worker, current: tuple[PassKey, int] | None, 
                         f"{worker.host}); it is skipped")})
                     continue
             handed.append(split)
-            lost.append((job.handout.origin_of.get((key, split), key), split))
-        read = handing.read.pop(worker_id, [])
+            lost.append((origins.get(place, key), split))
         if job.track or not clean:
-            lost += [(job.handout.origin_of.get((key, split), key), split) for split in read]
+            lost += [(origins.get(place, key), split) for place, split in enumerate(read)]
         if read or handed:
             order[key] = read + handed
     return lost, order

@@ -355,17 +355,30 @@ def _pass(replay: Replay, job: Job, event: PassKept) -> str | None:
         return "a pass kept twice"
     inside = splits.split_range(job, key)
     named = [*event.order, *event.requeued, *(int(split) for split in event.skips),
-             *(split for split, _ in event.origins),
+             *(entry[0] for entry in event.origins if len(entry) == 2),
              *(split for group in (event.handed, event.read) for held in group.values()
                for split in held)]
     if any(split not in inside for split in named):
         return "a split out of its pass's range"
-    job.handout.passes[key] = Pass(
+    handing = Pass(
         deque(event.order), {w: list(s) for w, s in event.handed.items()},
         deque(event.requeued), {w: list(s) for w, s in event.read.items()},
         {int(split): skip for split, skip in event.skips.items()})
-    for split, origin in event.origins:
-        job.handout.origin_of[(key, int(split))] = tuple(origin)
+    for entry in event.origins:
+        origin = tuple(entry[-1])
+        if len(entry) == 3:
+            worker_id, place = entry[0], int(entry[1])
+            if place >= len(handing.read.get(worker_id, ())) + len(handing.handed.get(
+                    worker_id, ())):
+                return "a re-queued split's place past what its worker was handed"
+            handing.origins.setdefault(worker_id, {})[place] = origin
+            continue
+        for worker_id in {*handing.handed, *handing.read}:  # a journal of before: by split
+            for place, split in enumerate(
+                    [*handing.read.get(worker_id, ()), *handing.handed.get(worker_id, ())]):
+                if split == entry[0]:
+                    handing.origins.setdefault(worker_id, {})[place] = origin
+    job.handout.passes[key] = handing
     return None
 
 

@@ -142,6 +142,11 @@ class Pass:
     # Workers told that no split is left in this pass: they ask for none again, so a split
     # re-queued now is not theirs (see splits.readers).
     over: set[str] = field(default_factory=set)
+    # Worker id -> place (in what it was handed in this pass: its read, then its handed)
+    # -> the pass the split handed there belongs to, where that is another pass of the
+    # epoch (a re-queued split, see splits._hand). Kept per handing: a pass may read a
+    # split of another pass and then its own copy of the same split.
+    origins: dict[str, dict[int, PassKey]] = field(default_factory=dict)
 
 
 @dataclass
@@ -167,8 +172,8 @@ class Fence:
 
 @dataclass(slots=True)
 class Handout:
-    """How a job's splits go out: its source's splits, each pass's dispenser, what was
-    re-queued and from where, the splits that killed workers, and what a resumed Loader
+    """How a job's splits go out: its source's splits, each pass's dispenser, how many
+    splits were re-queued, the splits that killed workers, and what a resumed Loader
     had yielded (broker/splits.py reads and changes it)."""
 
     num_splits: int
@@ -177,8 +182,6 @@ class Handout:
     layout: Layout | None = None  # a mix's inputs' splits (zloader/mixing.py)
     passes: dict[PassKey, Pass] = field(default_factory=dict)
     requeues: dict[int, int] = field(default_factory=dict)  # epoch -> splits re-queued
-    origin_of: dict[tuple[PassKey, int], PassKey] = field(
-        default_factory=dict)  # (pass, split) -> the pass a re-queued split belongs to
     kills: dict[int, int] = field(default_factory=dict)  # split -> workers it killed
     failed: list[dict[str, Any]] = field(default_factory=list)  # splits given up on
     resume: tuple[int, Any] | None = None  # (epoch, Ledger) a resumed Loader delivered

@@ -17,9 +17,9 @@ from zloader.mixing import input_of
 from zloader.sources import split_order
 from zloader.transport.messages import PassDone, Release, Split, SplitReq
 
-__all__ = ["dispenser", "epochs_of", "holds", "mark_read", "pass_done", "pending",
-           "read_splits", "readers", "requeue", "skip", "split_range", "split_request",
-           "starting", "take"]
+__all__ = ["dispenser", "epochs_of", "held_by", "holds", "mark_read", "origin_at",
+           "pass_done", "pending", "read_splits", "readers", "requeue", "skip", "split_range",
+           "split_request", "starting", "take"]
 
 
 def split_request(state: Tables, identity: bytes, msg: SplitReq, now: float) -> list[Out]:
@@ -48,10 +48,12 @@ def split_request(state: Tables, identity: bytes, msg: SplitReq, now: float) -> 
         handed = handing.handed.get(worker.id, [])
         if place is not None and place < len(handed):
             # Its answer was lost (a broker restart or a reconnect): the same split again.
-            answers.append(_answer(job, task, key, handed[place], place))
+            origin = origin_at(handing, key, worker.id,
+                               len(handing.read.get(worker.id, ())) + place)
+            answers.append(_answer(job, task, key, handed[place], origin, place))
             continue
-        split = _hand(state, job, worker, key, handing, first=not have and at == 0)
-        answers.append(_answer(job, task, key, split, place))
+        split, origin = _hand(state, job, worker, key, handing, first=not have and at == 0)
+        answers.append(_answer(job, task, key, split, origin, place))
         if split is None:
             break
     return [Out(identity, answer) for answer in _folded(answers)]
@@ -73,9 +75,10 @@ def _folded(answers: list[Split]) -> list[Split]:
 
 
 def _hand(state: Tables, job: Job, worker: Worker, key: PassKey, handing: Pass,
-          first: bool) -> int | None:
+          first: bool) -> tuple[int | None, PassKey]:
     """The next split of pass ``key`` for ``worker`` (``first``: its first of the pass,
-    read at once), handed and journaled; None when the pass has none left for it."""
+    read at once), handed and journaled, with the pass it belongs to; None when the pass
+    has none left for it."""
     split: int | None = None
     origin = key
     # Re-queued splits of this epoch come first, whichever pass they were taken in: the
@@ -93,26 +96,49 @@ def _hand(state: Tables, job: Job, worker: Worker, key: PassKey, handing: Pass,
         split = handing.order.popleft()
     if split is not None:
         handing.over.discard(worker.id)
-        handing.handed.setdefault(worker.id, []).append(split)
+        _note(handing, worker.id, split, origin if origin != key else None)
         if first:  # its first of the pass: read at once
             worker.current = (key, split)
-        if origin != key:
-            job.handout.origin_of[(key, split)] = origin
         state.record(SplitHanded(job=job.id, pass_=key, split=split, worker=worker.id,
                                  origin=origin if origin != key else None))
     else:
         handing.over.add(worker.id)  # its pass ends: it asks for no other split
         if first:
             worker.current = None
-    return split
+    return split, origin
 
 
-def _answer(job: Job, task: str, key: PassKey, split: int | None, have: int | None) -> Split:
+def _note(handing: Pass, worker_id: str, split: int, origin: PassKey | None) -> None:
+    """``split`` handed to ``worker_id`` in ``handing``; ``origin``: the other pass it
+    belongs to (a re-queued split)."""
+    held = handing.handed.setdefault(worker_id, [])
+    if origin is not None:
+        place = len(handing.read.get(worker_id, ())) + len(held)
+        handing.origins.setdefault(worker_id, {})[place] = origin
+    held.append(split)
+
+
+def origin_at(handing: Pass, key: PassKey, worker_id: str, place: int) -> PassKey:
+    """The pass the split handed to ``worker_id`` at ``place`` of pass ``key`` belongs to
+    (places count its read splits, then those being read)."""
+    return handing.origins.get(worker_id, {}).get(place, key)
+
+
+def held_by(handing: Pass, key: PassKey, worker_id: str) -> list[tuple[int, PassKey]]:
+    """The splits ``worker_id`` was handed in pass ``key`` (read, then being read), each
+    with the pass it belongs to."""
+    origins = handing.origins.get(worker_id, {})
+    return [(split, origins.get(place, key)) for place, split
+            in enumerate([*handing.read.get(worker_id, ()), *handing.handed.get(worker_id, ())])]
+
+
+def _answer(job: Job, task: str, key: PassKey, split: int | None, origin: PassKey,
+            have: int | None) -> Split:
     """The SPLIT that hands ``split`` (None: none left) of pass ``key`` to ``task``; for
-    an exactly-once job with the pass the split belongs to and what to skip in it."""
+    an exactly-once job with the pass the split belongs to (``origin``) and what to skip
+    in it."""
     if not job.track or split is None:
         return Split(task=task, pass_=key, split=split, have=have)
-    origin = job.handout.origin_of.get((key, split), key)
     handing = job.handout.passes.get(origin)
     info = handing.skips.get(split, {}) if handing is not None else {}
     expect = info.get("expect")
@@ -162,10 +188,9 @@ def split_range(job: Job, key: PassKey) -> range:
 def holds(job: Job, key: PassKey, split: int) -> bool:
     """Whether a worker holds ``split`` of pass ``key`` (handed in that pass or, re-queued,
     in another of its epoch; being read, or read and remembered)."""
-    origin_of = job.handout.origin_of
-    return any(split in held and origin_of.get((k, split), k) == key
+    return any((split, key) in held_by(handing, k, worker_id)
                for k, handing in job.handout.passes.items() if k[0] == key[0]
-               for held in [*handing.handed.values(), *handing.read.values()])
+               for worker_id in {*handing.handed, *handing.read})
 
 
 def _prune(job: Job, epoch: int) -> None:
@@ -174,8 +199,6 @@ def _prune(job: Job, epoch: int) -> None:
         del job.handout.passes[key]
     for old in [e for e in job.handout.requeues if e < epoch - 1]:
         del job.handout.requeues[old]
-    for at in [at for at in job.handout.origin_of if at[0][0] < epoch - 1]:
-        del job.handout.origin_of[at]
 
 
 def pass_done(state: Tables, identity: bytes, msg: PassDone, now: float) -> list[Out]:
@@ -203,6 +226,10 @@ def mark_read(job: Job, key: PassKey, worker_id: str) -> None:
     # Not a coordinated job's: its rounds not yet committed are lost (docs/coordinated.md).
     if job.rounds is None:
         handing.read.setdefault(worker_id, []).extend(handed)
+    elif worker_id in handing.origins:  # (the places those splits had are gone)
+        kept = len(handing.read.get(worker_id, ()))
+        handing.origins[worker_id] = {place: origin for place, origin
+                                      in handing.origins[worker_id].items() if place < kept}
 
 
 def requeue(state: Tables, job: Job, key: PassKey, split: int, skip: dict[str, Any]) -> None:
@@ -222,14 +249,15 @@ def take(state: Tables, job: Job, worker_id: str, key: PassKey, split: int,
     order."""
     handing = dispenser(state, job, key)
     source = job.handout.passes.get(origin) if origin is not None else None
-    if origin is not None and source is not None and split in source.requeued:
+    borrowed = None
+    if source is not None and split in source.requeued:
         source.requeued.remove(split)
-        job.handout.origin_of[(key, split)] = origin
+        borrowed = origin
     elif split in handing.requeued:
         handing.requeued.remove(split)
     elif split in handing.order:
         handing.order.remove(split)
-    handing.handed.setdefault(worker_id, []).append(split)
+    _note(handing, worker_id, split, borrowed)
     worker = state.workers.get(worker_id)
     if worker is not None:
         worker.current = (key, split)
@@ -257,9 +285,9 @@ def read_splits(job: Job, epoch: int) -> dict[PassKey, set[int]]:
     for key, handing in job.handout.passes.items():
         if key[0] != epoch:
             continue
-        for handed in [*handing.handed.values(), *handing.read.values()]:
-            for split in handed:
-                read.setdefault(job.handout.origin_of.get((key, split), key), set()).add(split)
+        for worker_id in {*handing.handed, *handing.read}:
+            for split, origin in held_by(handing, key, worker_id):
+                read.setdefault(origin, set()).add(split)
     return read
 
 
