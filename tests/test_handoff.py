@@ -98,7 +98,7 @@ def test_the_loader_holds_no_memfd_and_its_packer_is_reaped():
     with zloader.Loader(zloader.Pipeline.from_torch(Paths(300_000)), num_workers=2) as loader:
         assert _memfds() == before  # (the workers and the packer hold theirs)
         packer = psutil.Process(_packer(loader))
-        assert packer.ppid() == loader._processes[-1].pid  # (forked by the last worker)
+        assert packer.ppid() == loader._processes[0].pid  # (forked by the first worker)
         assert sum(1 for _ in loader) == 300_000
     assert not packer.is_running() or packer.status() == psutil.STATUS_ZOMBIE
     assert _memfds() == before

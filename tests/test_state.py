@@ -91,6 +91,24 @@ def test_a_worker_back_on_a_new_connection_gets_its_task_again():
     assert again.payload == first.payload
 
 
+def test_a_forked_worker_gets_the_task_index_it_was_forked_for_when_free():
+    """READY.slot: a worker forked for a Loader seeded itself as that index at its fork
+    (Source.forked), so the broker gives it that index whatever order the workers come
+    in; one whose index is taken gets the lowest free one."""
+    state = State()
+    for name, slot in (("w1", 1), ("w0", 0), ("w9", 0)):
+        state.worker_ready(name.encode(), record(Command.READY, {
+            "worker": name, "host": "h", "host_id": "h/boot/ns", "pid": 100,
+            "endpoint": f"ipc:///tmp/{name}", "slot": slot}), 0.0)
+    out = register(state, "c1", num_workers=3)
+    (job,) = state.jobs.values()
+    index = {state.workers[worker].id: job.indices[task] for task, worker in job.tasks.items()}
+    assert index == {"w1": 1, "w0": 0, "w9": 2}, out
+    with pytest.raises(ProtocolError, match="slot"):
+        record(Command.READY, {"worker": "w", "host": "h", "host_id": "h/boot/ns",
+                               "pid": 1, "endpoint": "ipc:///tmp/w", "slot": -1})
+
+
 def test_splits_are_handed_out_once_in_order_then_none():
     state = State()
     ready(state, "w1")

@@ -127,6 +127,43 @@ def test_worker_init_fn_runs_in_each_worker_as_in_torch():
         ours.close()
 
 
+_INITS: list[int] = []
+
+
+def _count_init(worker_id: int) -> None:
+    _INITS.append(worker_id)
+
+
+class InitsSeen(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Each item: the worker that made it, its seed, and the worker_init_fn calls its
+    process saw (all of them this worker's)."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int):
+        info = torch.utils.data.get_worker_info()
+        return torch.tensor([info.id, torch.initial_seed() - info.seed, len(_INITS),
+                             sum(w != info.id for w in _INITS)])
+
+
+def test_each_forked_worker_is_seeded_once_as_its_index_before_its_first_batch():
+    """A forked worker seeds itself (worker_init_fn included) at its fork, for the index
+    the broker then gives it (READY.slot): each batch says its worker ran the init once,
+    as itself, and is seeded as torch seeds that worker; the same over a second epoch."""
+    reference, ours = both(dataset=InitsSeen(), num_workers=3, batch_size=2,
+                           worker_init_fn=_count_init)
+    try:
+        for _ in range(2):
+            expected, got = list(reference), list(ours)
+            assert all(same(a, b) for a, b in zip(expected, got, strict=True))
+            rows = torch.cat(got)
+            assert rows[:, 1].eq(0).all() and rows[:, 2].eq(1).all() and rows[:, 3].eq(0).all()
+            assert sorted(set(rows[:, 0].tolist())) == [0, 1, 2]
+    finally:
+        ours.close()
+
+
 class Broken(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return 10

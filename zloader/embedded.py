@@ -68,7 +68,8 @@ class Embedded:
                 self.processes.append(start_worker(
                     start_method, address, bind, keys,
                     {pipeline.fingerprint: pipeline} if inherit else None, swaps, handoff,
-                    gate[0] if gate is not None else None, packs=index == workers - 1))
+                    gate[0] if gate is not None else None, packs=index == 0,
+                    slot=index))
             self.handoff = handoff
             if broker is None:
                 self.broker = Broker(address).start()

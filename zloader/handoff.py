@@ -4,9 +4,10 @@ Packing a million-element list takes a few hundred milliseconds (zloader/packed.
 done before the fork, it would delay every first batch by as much, and done on a thread
 of the trainer it would hold the interpreter's lock against the thread that receives the
 batches. Instead the Loader forks its workers at once, with the lists as they are, and
-the last of them forks one more process, the packer (:meth:`Handoff.fork_packer`; so the
-trainer's thread does not copy its page tables a further time), which packs the lists
-while the workers start and exits. Each list goes into a ``memfd`` made before the forks (so
+the first of them forks one more process, the packer (:meth:`Handoff.fork_packer`; so the
+trainer's thread does not copy its page tables a further time, and the first worker, which
+waits for its Loader to fork the others, has the time to), which packs the lists while the
+workers start and exits. Each list goes into a ``memfd`` made before the forks (so
 each worker holds it already, and ``/dev/shm``'s size does not limit it), which the packer
 sizes and fills; a small table in anonymous shared memory, also made before the forks,
 says when each is ready (or was left unpacked). The packer reads every element, so for
@@ -78,7 +79,7 @@ class Handoff:
     """The lists ``found`` (``packed.found``) of a Loader's forked workers, packed after
     the fork. Made before the forks. In the Loader's process, :meth:`workers_forked` then
     lets go of the memfds; :func:`forked` (in each worker, at its start) makes it the
-    worker's, which :func:`poll` then completes; the last worker forks the packer
+    worker's, which :func:`poll` then completes; the first worker forks the packer
     (:meth:`fork_packer`), which runs :meth:`pack_all`."""
 
     def __init__(self, found: list[packed.Found]) -> None:
@@ -113,7 +114,7 @@ class Handoff:
 
     def workers_forked(self) -> None:
         """In the Loader's process, once its workers are forked: close the memfds here
-        (the workers, and the packer the last of them forks, hold their own) and drop the
+        (the workers, and the packer the first of them forks, hold their own) and drop the
         pointers."""
         self.pointers = []
         with FDS_LOCK:
@@ -123,7 +124,7 @@ class Handoff:
         self.fds = []
 
     def fork_packer(self) -> None:
-        """In the worker forked last, at its start: fork the packer, which packs the lists
+        """In the worker forked first, at its start: fork the packer, which packs the lists
         and exits (its page tables are copied here, not on the trainer's thread), and note
         its pid in the table; :func:`reap` takes it back."""
         global _PACKER

@@ -49,7 +49,7 @@ def worker_ready(state: Tables, identity: bytes, msg: Ready, now: float) -> list
         return out
     worker = Worker(worker_id, identity, msg.host, msg.host_id, msg.pid, msg.endpoint,
                     msg.prefer, now, plain_data=msg.plain_data, idle_since=now,
-                    holds=frozenset(msg.holds or ()))
+                    holds=frozenset(msg.holds or ()), slot=msg.slot)
     state.workers[worker_id] = worker
     state.record(WorkerReady.of(worker))
     state.peers[identity] = ("worker", worker_id)

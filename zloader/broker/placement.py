@@ -81,7 +81,10 @@ def give(state: Tables, worker: Worker, job: Job, now: float) -> list[Out]:
     """Start a task of ``job`` on the free ``worker``."""
     task = secrets.token_hex(8)
     used = set(job.indices.values())
-    index = next(i for i in range(len(used) + 1) if i not in used)
+    # A worker forked for a Loader takes the index it was made for (it may have prepared
+    # that index's first epoch, see Source.forked); any other the lowest free one.
+    index = worker.slot if worker.slot is not None and worker.slot not in used \
+        else next(i for i in range(len(used) + 1) if i not in used)
     job.tasks[task] = worker.id
     job.indices[task] = index
     worker.task, worker.moving_to = task, None

@@ -105,6 +105,7 @@ class Worker:
     doing: dict[str, Any] | None = None  # its producer's {epoch, split, stage} (heartbeat)
     sent_at: float = float("-inf")  # when its heartbeats last showed elements sent
     holds: frozenset[str] = frozenset()  # fingerprints of pipelines it inherited by fork
+    slot: int | None = None  # the task index it was forked for (READY.slot), if any
     since: float = 0.0  # when it took its task (the pool's time slices, broker/pool.py)
     moving_to: str | None = None  # the job it moves to once its task is drained
     moving_since: float = 0.0  # when it was told to drain (placement.MOVE_DRAIN_SECONDS)

@@ -32,6 +32,7 @@ from zloader.torch.passes import (
     skipped,
     worker_plans,
 )
+from zloader.torch.seeding import warm_line_cache
 from zloader.torch.source import BatchSource
 from zloader.torch.states import Batches, Place
 from zloader.torch.tensors import Prefetcher, to_torch
@@ -479,9 +480,11 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             width=self.num_workers, iterable=self._iterable,
             batch_size=torch_loader.batch_size if torch_loader._auto_collation else None,
             drop_last=torch_loader.drop_last, token=secrets.token_hex(8),
-            objects=self._broker is None,
+            objects=self._broker is None, first_seed=self._base_seed,
             )
         self._started += 1
+        if self._broker is None and self._start_method() == "fork":
+            warm_line_cache()  # (read here once, not in each worker: see its docstring)
         job_name = self._job_name
         if job_name is not None and not self._persistent:
             job_name = f"{job_name}.{self._started}"  # a pass's job lingers a while

@@ -3,8 +3,12 @@ restored (torch, numpy and ``random``) for ``state_dict``."""
 
 from __future__ import annotations
 
+import importlib
+import linecache
 import random
 import struct
+import threading
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,16 +23,20 @@ from torch.utils.data._utils import worker as _torch_worker
 @dataclass
 class Seeded:
     """This worker process's seeding for the DataLoader whose batches it makes (a worker
-    runs one task at a time): that loader's token, the base seed, the random state it was
-    seeded to and the random state it last reported."""
+    runs one task at a time): that loader's token, the base seed, the worker it was seeded
+    as, the random state it was seeded to and the random state it last reported."""
 
     token: str
     base_seed: int
+    worker: int
     initial: bytes
     reported: bytes
 
 
 _SEEDED: Seeded | None = None
+# A seeding at fork (:func:`early`) that raised: (token, base seed, worker, the error),
+# raised by :func:`seeded` for that loader's first epoch, as torch's worker raises it.
+_FAILED: tuple[str, int, int, Exception] | None = None
 
 
 def seeded(token: str, reseed: bool, base_seed: int, worker: int, workers: int, dataset: Any,
@@ -42,13 +50,16 @@ def seeded(token: str, reseed: bool, base_seed: int, worker: int, workers: int, 
     resumes a loaded state (``resumed``: this worker's state then, empty for one as
     seeded), it takes that state, seeded afresh or not: a persistent
     worker has gone on drawing since that state was saved."""
-    global _SEEDED
-    fresh = (_SEEDED is None or _SEEDED.token != token
+    global _SEEDED, _FAILED
+    fresh = (_SEEDED is None or _SEEDED.token != token or _SEEDED.worker != worker
              or (reseed and _SEEDED.base_seed != base_seed))
     if fresh:
+        failed, _FAILED = _FAILED, None
+        if failed is not None and failed[:3] == (token, base_seed, worker):
+            raise failed[3]  # (worker_init_fn raised at fork: not run twice)
         seed_worker(base_seed, worker, workers, dataset, init_fn)
         state = capture_rng()
-        _SEEDED = Seeded(token, base_seed, state, state)
+        _SEEDED = Seeded(token, base_seed, worker, state, state)
     assert _SEEDED is not None
     target = None
     if resumed is not None:  # load_state_dict: as this worker was then
@@ -59,6 +70,23 @@ def seeded(token: str, reseed: bool, base_seed: int, worker: int, workers: int, 
         restore_rng(target)
         _SEEDED.reported = target
     return _SEEDED
+
+
+def early(token: str, base_seed: int, worker: int, workers: int, dataset: Any,
+          init_fn: Callable[[int], None] | None) -> None:
+    """Seed this process, just forked to be worker ``worker`` of the loader ``token``, as
+    :func:`seeded` seeds it at that loader's first epoch (base seed ``base_seed``), as
+    torch seeds its workers as they start: while the loader forks the others, not after
+    the first batch's request has come. Its ``seeded`` then finds it done; an error
+    (``worker_init_fn`` raised) is kept for it to raise."""
+    global _SEEDED, _FAILED
+    try:
+        seed_worker(base_seed, worker, workers, dataset, init_fn)
+    except Exception as exc:
+        _FAILED = (token, base_seed, worker, exc)
+        return
+    state = capture_rng()
+    _SEEDED = Seeded(token, base_seed, worker, state, state)
 
 
 def seed_worker(base_seed: int, worker: int, workers: int, dataset: Any,
@@ -79,6 +107,37 @@ def seed_worker(base_seed: int, worker: int, workers: int, dataset: Any,
                                                        worker * world + rank)
     if init_fn is not None:
         init_fn(worker)
+
+
+_WARM = False
+
+
+def warm_line_cache() -> None:
+    """Read the source lines that seeding a forked worker looks up, so that each worker
+    forked after it finds them in :mod:`linecache`. ``torch.manual_seed`` seeds each
+    accelerator's generators lazily, and a lazy call keeps the stack it was made from,
+    formatted (source lines included) for a later error: in a new worker every file on
+    that stack was read and tokenized anew, some 4-5 ms of its first batch. The lines
+    are those of torch's seeding and of the stack it runs under in a worker: the one
+    that forked it (this call's, read each time: cached after the first) and the
+    worker's modules (once per process)."""
+    global _WARM
+    traceback.extract_stack()  # (reads the lines of every frame's file into linecache)
+    if _WARM:
+        return
+    _WARM = True
+    names = ("torch.random", "torch.cuda", "torch.cuda.random", "torch.xpu",
+             "torch.xpu.random", "torch.mtia", "torch.mps", "zloader.worker.producer",
+             "zloader.plan", "zloader.runs", "zloader.torch.source", "zloader.loader",
+             "zloader.embedded", "zloader._process", __name__)
+    for name in names:  # (the worker's modules: imported by a Loader that forks anyway)
+        try:
+            path = getattr(importlib.import_module(name), "__file__", None)
+        except ImportError:
+            continue
+        if path:
+            linecache.getlines(path)
+    linecache.getlines(threading.__file__)
 
 
 def capture_rng() -> bytes:

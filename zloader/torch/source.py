@@ -40,6 +40,7 @@ class BatchSource(Source):
     drop_last: bool
     token: str
     objects: bool = False  # to_numpy leaves to the codec's pickling what numpy cannot hold
+    first_seed: int | None = None  # the first epoch's base seed: forked workers seed at once
 
     @property
     def num_splits(self) -> int:
@@ -51,6 +52,14 @@ class BatchSource(Source):
 
     def identity(self) -> tuple[Any, ...]:
         return (self.kind, self.token)  # this loader's job alone; the dataset is not hashed
+
+    def forked(self, slot: int) -> None:
+        """Seed this worker, forked as worker ``slot``, for the first epoch now (torch's
+        workers seed as they start, ``worker_init_fn`` included), not when its first
+        batch is asked for."""
+        if self.first_seed is not None and slot < self.width:
+            seeding.early(self.token, self.first_seed, slot, self.width, self.dataset,
+                          self.worker_init_fn)
 
     def read(self, split: int, policy: Any = None) -> Iterator[Any]:
         settings = policy.settings if policy is not None else None

@@ -143,6 +143,7 @@ class Ready(Record):
     prefer: str | None = fld(optional(NAME), None)
     plain_data: bool = fld(boolean, False)
     holds: tuple[str, ...] | None = fld(optional(HOLDS), None, omit=True)
+    slot: int | None = fld(optional(INDEX), None, omit=True)
 
 
 @dataclass(frozen=True, kw_only=True)

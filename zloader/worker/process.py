@@ -98,7 +98,7 @@ class WorkerProcess:
                  heartbeat: float = HEARTBEAT, keys: Keys | None = None,
                  plain_data: bool = False, forward_output: bool = False,
                  inherited: dict[str, Pipeline] | None = None,
-                 blob_dir: str | None = None) -> None:
+                 blob_dir: str | None = None, slot: int | None = None) -> None:
         self.keys = keys
         self.inherited = inherited
         self.blob_dir = blob_dir
@@ -107,6 +107,7 @@ class WorkerProcess:
         self.bind = bind
         self.advertise = advertise
         self.prefer = prefer
+        self.slot = slot  # the task index it was forked for (READY.slot)
         self.parent = parent
         self.heartbeat = heartbeat
         self.id = secrets.token_hex(8)
@@ -155,7 +156,7 @@ class WorkerProcess:
         self.broker = BrokerLink(context, self.broker_endpoint, self.keys, messages.Ready(
             worker=self.id, host=_socket.gethostname(), host_id=host_id(), pid=os.getpid(),
             endpoint=self.endpoint, prefer=self.prefer, plain_data=self.plain_data,
-            holds=tuple(sorted(self.inherited or ()))))
+            holds=tuple(sorted(self.inherited or ())), slot=self.slot))
         if self.capture is not None:
             self.capture.install()
         self.lock.acquire()  # the loop lets go of it only while it waits (see _loop)
