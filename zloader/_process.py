@@ -106,8 +106,8 @@ def start_worker(method: str, address: str, bind: str, keys: Keys | None = None,
     packed them (zloader/handoff.py). A forked worker given ``gate`` (a pipe's read end)
     connects once it reads a byte from it (its Loader's broker is bound), or after
     ``GATE_SECONDS``; one that ``packs`` first forks ``handoff``'s packer. A forked
-    worker given ``slot`` asks the broker for that task index, its pipelines' sources
-    told first (``Source.forked``). All are ignored by ``spawn``.
+    worker given ``slot`` asks the broker for that task index, and tells its pipelines'
+    sources (``Source.forked``). All are ignored by ``spawn``.
     """
     parent = os.getpid()
     if method == "spawn":
@@ -133,7 +133,7 @@ def start_worker(method: str, address: str, bind: str, keys: Keys | None = None,
             handoff.fork_packer()
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's Ctrl-C; it stops us
         worker = WorkerProcess(address, bind, parent=parent, keys=keys, inherited=pipelines,
-                               slot=_prepared(pipelines, slot))
+                               slot=slot)
         signal.signal(signal.SIGTERM, lambda *_: worker.halt())
         worker.run(functools.partial(_through_gate, gate) if gate is not None else None)
         code = 0
@@ -141,15 +141,6 @@ def start_worker(method: str, address: str, bind: str, keys: Keys | None = None,
         traceback.print_exc()
     finally:
         os._exit(code)  # no atexit handlers or finalizers of the parent's objects
-
-
-def _prepared(pipelines: dict[str, Any] | None, slot: int | None) -> int | None:
-    """In a worker forked as ``slot`` (None: any): tell its pipelines' sources
-    (``Source.forked``); the slot it asks the broker for."""
-    if slot is not None:
-        for pipeline in (pipelines or {}).values():
-            pipeline.source.forked(slot)
-    return slot
 
 
 def _through_gate(gate: int) -> None:

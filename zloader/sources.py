@@ -141,11 +141,11 @@ class Source:
         return False
 
     def forked(self, slot: int) -> None:
-        """Called in a worker forked for a Loader of this source, before it connects to
-        the broker (while its Loader still forks the others): ``slot`` is the task index
-        it asks for (``READY.slot``; the broker gives it unless taken). A source may
-        prepare there what that index's first epoch needs; it must not raise (keep an
-        error for ``read`` to raise). Nothing by default."""
+        """Called in a worker forked for a Loader of this source, once it has sent its
+        READY (while the broker answers it and the consumer's REGISTER): ``slot`` is the
+        task index it asked for (``READY.slot``; the broker gives it unless taken). A
+        source may prepare there what that index's first epoch needs; it must not raise
+        (keep an error for ``read`` to raise). Nothing by default."""
 
     def innermost(self) -> Source:
         """The source whose data this one reads: itself, unless it wraps another (a

@@ -157,6 +157,9 @@ class WorkerProcess:
             worker=self.id, host=_socket.gethostname(), host_id=host_id(), pid=os.getpid(),
             endpoint=self.endpoint, prefer=self.prefer, plain_data=self.plain_data,
             holds=tuple(sorted(self.inherited or ())), slot=self.slot))
+        if self.slot is not None:  # (while the broker answers: Source.forked)
+            for pipeline in (self.inherited or {}).values():
+                pipeline.source.forked(self.slot)
         if self.capture is not None:
             self.capture.install()
         self.lock.acquire()  # the loop lets go of it only while it waits (see _loop)
