@@ -206,6 +206,8 @@ class _IndexedSource(Source):
 
 @dataclass(frozen=True, eq=False, kw_only=True)
 class RangeSource(_IndexedSource):
+    """``Pipeline.range``: integers from ``start`` by ``step``."""
+
     kind: ClassVar[str] = "range"
     start: int
     step: int
@@ -224,6 +226,8 @@ class RangeSource(_IndexedSource):
 
 @dataclass(frozen=True, eq=False, kw_only=True)
 class ItemsSource(_IndexedSource):
+    """``Pipeline.from_items``: the items of a sequence."""
+
     kind: ClassVar[str] = "from_items"
     items: tuple[Any, ...]
 
@@ -237,6 +241,8 @@ class ItemsSource(_IndexedSource):
 
 @dataclass(frozen=True, eq=False, kw_only=True)
 class ArraysSource(_IndexedSource):
+    """``Pipeline.from_arrays``: the rows of arrays (a structure of them)."""
+
     kind: ClassVar[str] = "from_arrays"
     structure: Any
 
@@ -251,6 +257,8 @@ class ArraysSource(_IndexedSource):
 
 @dataclass(frozen=True, eq=False, kw_only=True)
 class TorchSource(_IndexedSource):
+    """``Pipeline.from_torch``: a map-style torch dataset's items."""
+
     kind: ClassVar[str] = "from_torch"
     dataset: Any
 
@@ -307,6 +315,8 @@ class FilesSource(Source):
 
 @dataclass(frozen=True, eq=False, kw_only=True)
 class GeneratorSource(Source):
+    """``Pipeline.from_generator``: what ``fn`` yields for each of ``splits``."""
+
     kind: ClassVar[str] = "from_generator"
     fn: Callable[[Any], Iterable[Any]]
     splits: tuple[Any, ...]

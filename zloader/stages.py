@@ -134,6 +134,8 @@ class Stage:
 
 @dataclass(frozen=True, eq=False, kw_only=True)
 class Map(Stage):
+    """``Pipeline.map``: ``fn`` applied to each element (on ``num_parallel_calls`` threads)."""
+
     kind: ClassVar[str] = "map"
     fn: Callable[[Any], Any]
     num_parallel_calls: int = 1
@@ -189,6 +191,8 @@ class Map(Stage):
 
 @dataclass(frozen=True, eq=False, kw_only=True)
 class Filter(Stage):
+    """``Pipeline.filter``: the elements ``predicate`` keeps."""
+
     kind: ClassVar[str] = "filter"
     predicate: Callable[[Any], Any]
 
@@ -392,6 +396,8 @@ class BucketByLength(Stage):
 
 @dataclass(frozen=True, eq=False, kw_only=True)
 class Unbatch(Stage):
+    """``Pipeline.unbatch``: each batch's rows, one element each."""
+
     kind: ClassVar[str] = "unbatch"
 
     def transform(self, elements: Iterator[Any], key: Key, position: int,
@@ -461,6 +467,8 @@ class Repeat(Stage):
 
 @dataclass(frozen=True, eq=False, kw_only=True)
 class Take(Stage):
+    """``Pipeline.take``: the first ``count`` elements."""
+
     kind: ClassVar[str] = "take"
     count: int
 
@@ -483,6 +491,8 @@ class Take(Stage):
 
 @dataclass(frozen=True, eq=False, kw_only=True)
 class Skip(Stage):
+    """``Pipeline.skip``: all but the first ``count`` elements."""
+
     kind: ClassVar[str] = "skip"
     count: int
 

@@ -115,6 +115,8 @@ def _backoff(attempt: int) -> float:
 
 @dataclass
 class _Wait:
+    """A read that waits on storage: where, what, since when."""
+
     url: str
     what: str
     started: float

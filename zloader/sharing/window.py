@@ -102,6 +102,9 @@ class Cursor:
 
 @dataclass
 class Window:
+    """A worker's window of a shared job: the records it keeps (``capacity`` bytes) for
+    trainers that lag, each trainer's cursor, and what a full window does (``lag``)."""
+
     capacity: int
     lag: str = "block"
     block_seconds: float = 10.0

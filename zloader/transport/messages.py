@@ -132,8 +132,10 @@ __all__ = [
 
 # Worker and broker
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Ready(Record):
+    """READY (worker): it (re-)registers with the broker."""
+
     COMMAND = Command.READY
     worker: str = fld(NAME)
     host: str = fld(text(255))
@@ -146,15 +148,19 @@ class Ready(Record):
     slot: int | None = fld(optional(INDEX), None, omit=True)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Ack(Record):
+    """ACK (broker): the answer to READY, with the task the broker runs on the worker."""
+
     COMMAND = Command.ACK
     heartbeat: float = fld(number(*HEARTBEAT_RANGE))
     task: str | None = fld(optional(NAME))  # null: the broker runs no task on this worker
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Task(Record):
+    """TASK (broker): run this task of a job's pipeline."""
+
     COMMAND = Command.TASK
     task: str = fld(NAME)
     job: str = fld(NAME)
@@ -169,15 +175,19 @@ class Task(Record):
     first_tap: int = fld(integer(0, MAX_STAGES), 0, omit=True)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class TaskFailed(Record):
+    """TASK_FAILED (worker): the task's pipeline could not be loaded or raised."""
+
     COMMAND = Command.TASK_FAILED
     task: str = fld(NAME)
     error: dict[str, str] = fld(error_object)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class SplitReq(Record):
+    """SPLIT_REQ (worker): the next split of a pass (and those ahead of it)."""
+
     COMMAND = Command.SPLIT_REQ
     task: str = fld(NAME)
     pass_: tuple[int, ...] = fld(PASS_KEY, wire="pass")
@@ -186,8 +196,10 @@ class SplitReq(Record):
     ahead: int = fld(integer(0, MAX_AHEAD), 0, omit=True)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Split(Record):
+    """SPLIT (broker): a split of a pass for a task, or none left."""
+
     COMMAND = Command.SPLIT
     task: str = fld(NAME)
     pass_: tuple[int, ...] = fld(PASS_KEY, wire="pass")
@@ -205,22 +217,26 @@ class Split(Record):
     then: tuple[int, ...] = fld(list_of(INDEX, 0, MAX_AHEAD), (), omit=True)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class PassDone(Record):
+    """PASS_DONE (worker): every split it was handed in a pass is read."""
+
     COMMAND = Command.PASS_DONE
     task: str = fld(NAME)
     pass_: tuple[int, ...] = fld(PASS_KEY, wire="pass")
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Release(Record):
+    """RELEASE (broker): stop the task (or drain it first)."""
+
     COMMAND = Command.RELEASE
     task: str = fld(NAME)
     # finish the splits taken, send what they make, then say so (HEARTBEAT.drained)
     drain: bool = fld(boolean, False, omit=True)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Branch(Record):
     """A shared job's trainers whose pipeline shares the source and first ``tap``
     stages with the job's (zloader/sharing/branches.py): they read branch ``branch``; the
@@ -235,8 +251,10 @@ class Branch(Record):
     source_data: dict[str, Any] | None = fld(optional(source_ref), None, omit=True)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Handover(Record):
+    """HANDOVER (broker): a shared job's splits another worker read, to make again."""
+
     COMMAND = Command.HANDOVER
     task: str = fld(NAME)
     segments: tuple[dict[str, Any], ...] = fld(list_of(handover_entry))
@@ -247,16 +265,20 @@ class Handover(Record):
     fence: str | None = fld(optional(NAME), None, omit=True)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class ConsumerGone(Record):
+    """CONSUMER_GONE (broker): a consumer of the task's job left."""
+
     COMMAND = Command.CONSUMER_GONE
     task: str | None = fld(optional(NAME), None)
     consumer: str = fld(NAME)
     replaced: bool = fld(boolean, False)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class RoundReq(Record):
+    """ROUND_REQ (worker): a coordinated job's next round number."""
+
     COMMAND = Command.ROUND_REQ
     task: str = fld(NAME)
     epoch: int = fld(INDEX)
@@ -264,8 +286,10 @@ class RoundReq(Record):
     members: tuple[str | None, ...] = fld(list_of(optional(NAME), 1))
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Round(Record):
+    """ROUND (broker): a coordinated job's round number."""
+
     COMMAND = Command.ROUND
     task: str = fld(NAME)
     epoch: int = fld(INDEX)
@@ -274,8 +298,10 @@ class Round(Record):
 
 # Consumer and broker
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Register(Record):
+    """REGISTER (consumer): join a job (made from the pipeline when new)."""
+
     COMMAND = Command.REGISTER
     consumer: str = fld(NAME)
     fingerprint: str = fld(NAME)
@@ -302,8 +328,10 @@ class Register(Record):
     blob: bytes = dataclasses.field(default=b"", repr=False, compare=False)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Job(Record):
+    """JOB (broker): a job and its workers, as a consumer sees them."""
+
     COMMAND = Command.JOB
     job: str = fld(NAME)
     workers: tuple[dict[str, Any], ...] = fld(list_of(job_worker))
@@ -332,22 +360,28 @@ class Job(Record):
             object.__setattr__(self, "pending", {})
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Epoch(Record):
+    """EPOCH (consumer): it starts an epoch."""
+
     COMMAND = Command.EPOCH
     job: str | None = fld(optional(NAME), None)  # null: the consumer's job is not known yet
     epoch: int | None = fld(optional(INDEX))
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Received(Record):
+    """RECEIVED (consumer): a coordinated job's rounds it has."""
+
     COMMAND = Command.RECEIVED
     epoch: int = fld(INDEX)
     rounds: tuple[int, ...] = fld(ROUNDS)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Commit(Record):
+    """COMMIT (broker): a coordinated job's rounds every consumer has."""
+
     COMMAND = Command.COMMIT
     epoch: int = fld(INDEX)
     rounds: tuple[int, ...] = fld(ROUNDS)
@@ -355,8 +389,10 @@ class Commit(Record):
     total_lost: int = fld(INDEX, 0)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Delivered(Record):
+    """DELIVERED (consumer): what it holds of a dead worker's splits."""
+
     COMMAND = Command.DELIVERED
     job: str = fld(NAME)
     fence: str = fld(NAME)
@@ -366,7 +402,7 @@ class Delivered(Record):
     shared: dict[str, Any] | None = fld(optional(shared_answer), None, omit=True)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Log(Record):
     """A worker's (``task``) or the broker's (``host``, ``pid``) LOG."""
 
@@ -377,15 +413,19 @@ class Log(Record):
     pid: int | None = fld(optional(INDEX), None, omit=True)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Bye(Record):
+    """BYE (worker or consumer): it leaves."""
+
     COMMAND = Command.BYE
 
 
 # Anyone and broker
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Heartbeat(Record):
+    """HEARTBEAT (any): alive, with counters."""
+
     COMMAND = Command.HEARTBEAT
     stats: dict[str, Any] | None = fld(optional(obj), None, omit=True)
     # a malformed ``doing`` reads as absent (docs/protocol.md: it is ignored)
@@ -402,7 +442,7 @@ class Heartbeat(Record):
     leaving: bool = fld(boolean, False, omit=True)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Status(Record):
     """A STATUS request (empty) or the broker's answer: ``workers``, ``jobs`` and the
     broker's own counters, passed on as they are (``zloader status --json``)."""
@@ -426,22 +466,28 @@ class Status(Record):
         return dict(self.report)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Unknown(Record):
+    """UNKNOWN (broker): the sender is not known (a broker restart): register again."""
+
     COMMAND = Command.UNKNOWN
     reason: str = fld(text(1 << 16), "")
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Error(Record):
+    """ERROR (broker, worker): a message was refused."""
+
     COMMAND = Command.ERROR
     message: str = fld(text(1 << 16), "the peer refused the request")
 
 
 # Data path
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Open(Record):
+    """OPEN (consumer): open an epoch's stream on a worker."""
+
     COMMAND = Command.OPEN
     job: str = fld(NAME)
     task: str | None = fld(optional(NAME), None)
@@ -469,22 +515,28 @@ class Open(Record):
     branch: int = fld(integer(0, MAX_BRANCHES), 0, omit=True)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Weights(Record):
+    """WEIGHTS (consumer): a mix's weights from now on."""
+
     COMMAND = Command.WEIGHTS
     weights: tuple[float, ...] = fld(MIX_WEIGHTS)
     stamp: float = fld(number(0.0, 1e12), 0.0, omit=True)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Dispatch(Record):
+    """DISPATCH (consumer): work items for a dispatched source's epoch."""
+
     COMMAND = Command.DISPATCH
     epoch: int = fld(INDEX)
     items: tuple[int, ...] = fld(list_of(INDEX))
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Credit(Record):
+    """CREDIT (consumer): records it has room for."""
+
     COMMAND = Command.CREDIT
     epoch: int = fld(INDEX)
     credits: int = fld(INDEX)
@@ -511,7 +563,7 @@ def _segment(value: Any) -> tuple[str, int]:
     return value[0], value[1]
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Data(Record):
     """One record's notice: the data path's one message per record, so its body is not
     JSON but a packed struct (:data:`~zloader.transport.protocol.PACKED`): the fields
@@ -638,8 +690,10 @@ def _name(raw: bytes, at: int, size: int, field: str) -> str:
         raise ProtocolError(f"DATA: field {field!r} has a name that is not ASCII") from None
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class End(Record):
+    """END (worker): the epoch's stream ended."""
+
     COMMAND = Command.END
     epoch: int = fld(INDEX)
     skipped: int = fld(INDEX, 0)
@@ -655,35 +709,45 @@ class End(Record):
     part: int | None = fld(optional(MIX_PART), None, omit=True)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Fail(Record):
+    """FAIL (worker): the epoch's stream failed."""
+
     COMMAND = Command.FAIL
     epoch: int = fld(INDEX)
     error: dict[str, str] = fld(error_object)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Ring(Record):
+    """RING (consumer): the shared-memory ring to write records into."""
+
     COMMAND = Command.RING
     ring: str = fld(NAME)
     ring_id: int | None = fld(optional(INDEX), None, omit=True)  # its id in notices
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Close(Record):
+    """CLOSE (consumer): close the stream."""
+
     COMMAND = Command.CLOSE
 
 
 # Source data
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Fetch(Record):
+    """FETCH (worker): a piece of the consumer's source data."""
+
     COMMAND = Command.FETCH
     what: str = fld(text(choices=("pipeline", "source")), "source")
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class Source(Record):
+    """SOURCE (consumer): the answer to FETCH."""
+
     COMMAND = Command.SOURCE
     kind: str = fld(text(choices=("pipeline", "arrays", "items")))
 

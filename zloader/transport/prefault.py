@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import os
 import threading
 from typing import Any
@@ -38,7 +37,7 @@ LOWEST_PRIORITY = 19
 def _madvise() -> Any:
     """libc's madvise, or None where it cannot be called."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        libc = ctypes.CDLL(None, use_errno=True)  # (this process's symbols: libc's among them)
         function = libc.madvise
     except (OSError, AttributeError):  # pragma: no cover - no libc (not Linux)
         return None

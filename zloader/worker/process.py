@@ -157,9 +157,7 @@ class WorkerProcess:
             worker=self.id, host=_socket.gethostname(), host_id=host_id(), pid=os.getpid(),
             endpoint=self.endpoint, prefer=self.prefer, plain_data=self.plain_data,
             holds=tuple(sorted(self.inherited or ())), slot=self.slot))
-        if self.slot is not None:  # (while the broker answers: Source.forked)
-            for pipeline in (self.inherited or {}).values():
-                pipeline.source.forked(self.slot)
+        self._prepare()
         if self.capture is not None:
             self.capture.install()
         self.lock.acquire()  # the loop lets go of it only while it waits (see _loop)
@@ -190,6 +188,13 @@ class WorkerProcess:
                 os.close(fd)
         if self._restart_when_wedged:
             self._restart()
+
+    def _prepare(self) -> None:
+        """A worker forked as ``slot``: its pipelines' sources prepare that index's first
+        epoch (``Source.forked``), while the broker answers its READY."""
+        if self.slot is not None:
+            for pipeline in (self.inherited or {}).values():
+                pipeline.source.forked(self.slot)
 
     def _restart(self) -> None:
         """Replace this process with a fresh worker (same pid, so a Loader or supervisor
