@@ -127,9 +127,10 @@ def warm_line_cache() -> None:
         return
     _WARM = True
     names = ("torch.random", "torch.cuda", "torch.cuda.random", "torch.xpu",
-             "torch.xpu.random", "torch.mtia", "torch.mps", "zloader.worker.producer",
-             "zloader.plan", "zloader.runs", "zloader.torch.source", "zloader.loader",
-             "zloader.embedded", "zloader._process", __name__)
+             "torch.xpu.random", "torch.mtia", "torch.mps", "zloader.worker.process",
+             "zloader.worker.producer", "zloader.plan", "zloader.runs",
+             "zloader.torch.source", "zloader.loader", "zloader.embedded",
+             "zloader._process", __name__)
     for name in names:  # (the worker's modules: imported by a Loader that forks anyway)
         try:
             path = getattr(importlib.import_module(name), "__file__", None)
