@@ -20,6 +20,7 @@ Only use it on memory that is reserved (``posix_fallocate``): faulting a page of
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import ctypes
 import os
@@ -57,15 +58,13 @@ class Prefaulter:
     segment meanwhile drops the mapping only once the thread is done with it.
     """
 
-    def __init__(self, buf: memoryview, start: int, end: int, first: int,
-                 name: str) -> None:
+    def __init__(self, buf: memoryview, start: int, end: int, first: int) -> None:
         """Start faulting in.
 
         Args:
             buf: a writable memoryview of a shared mapping (``Segment.buf``).
             start, end: the byte range to fault in; page-aligned offsets into ``buf``.
             first: where to begin, in ``[start, end)`` (the writer's next write).
-            name: what the thread is called (``zloader-prefault-<name>``).
         """
         page = os.sysconf("SC_PAGE_SIZE")
         first = max(start, min(end, first)) // page * page
@@ -76,14 +75,14 @@ class Prefaulter:
         self._stop = threading.Event()
         self.done = threading.Event()
         self._anchor: Any = None
-        self._thread: threading.Thread | None = None
         if _MADVISE is None or end <= start:
             self.done.set()
             return
         self._anchor = ctypes.c_char.from_buffer(buf)  # pins the mapping, gives its address
-        self._thread = threading.Thread(target=self._run, name=f"zloader-prefault-{name}",
-                                        daemon=True)
-        self._thread.start()
+        # A bare thread (a daemon's life): ``Thread.start`` would wait until the new thread
+        # runs, and the new thread, which lowers its own priority first, could keep the
+        # caller (a worker opening a consumer's ring) waiting for the interpreter's lock.
+        _thread.start_new_thread(self._run, ())
 
     def _run(self) -> None:
         try:
@@ -106,5 +105,4 @@ class Prefaulter:
         PREFAULT_JOIN_SECONDS (a starved thread lets the mapping go when it stops);
         idempotent."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(PREFAULT_JOIN_SECONDS)
+        self.done.wait(PREFAULT_JOIN_SECONDS)

@@ -291,7 +291,7 @@ class RingWriter:
         self._reserved = target
         if strict:
             self._prefaults.append(Prefaulter(self._segment.buf, DATA_OFFSET + start,
-                                              DATA_OFFSET + target, DATA_OFFSET + start, "ring"))
+                                              DATA_OFFSET + target, DATA_OFFSET + start))
         return True
 
     def close(self) -> None:
