@@ -1121,3 +1121,49 @@ def test_a_broker_restarted_on_a_tampered_journal_resumes_the_epoch_exactly(tmp_
     finally:
         for process in [*workers, *brokers]:
             stop(process)
+
+
+def test_a_restored_job_waits_for_its_consumer_longer_than_an_expiry(tmp_path):
+    """A restarted broker knows a job's consumers only once each registers again, which
+    takes its socket's reconnect (ZeroMQ backs off up to 2 s) and a heartbeat or two:
+    past one expiry on a loaded host. The job waits for them as for silent consumers
+    (FENCE_GRACE expiries); collected sooner, the consumer's REGISTER made a new job
+    that handed the whole epoch out again (every element twice,
+    test_generated[broker-restart])."""
+    state = State(journal=Journal(tmp_path))  # heartbeat 1 s: expiry 3 s, grace 30 s
+    ready(state, "w1")
+    tasks = {o.identity.decode(): o.body["task"] for o in register(state, "c1", splits=4)
+             if o.command is Command.TASK}
+    assert [split(state, "w1", tasks["w1"]) for _ in range(4)] == [0, 1, 2, 3]
+    state.journal.close()
+
+    again = State(journal=Journal(tmp_path))
+    assert again.restore(now=100.0) == 1
+    (job,) = again.jobs.values()
+    ready(again, "w1", now=100.5)
+    for now in (101.0, 102.0, 103.0, 104.0, 105.0, 106.0):
+        again.seen(b"w1", now)
+        again.tick(now)
+    assert list(again.jobs) == [job.id]  # kept past one expiry
+    (view,) = [o.body for o in again.register(b"c1", record(Command.REGISTER, nested({
+        "consumer": "c1", "fingerprint": "f" * 64, "job_name": None, "job": job.id,
+        "sharding": "dynamic", "deterministic": False, "num_workers": 0,
+        "on_error": "raise", "host_id": "h/boot/ns", "pid": 1,
+        "source": {"num_splits": 4, "shuffle_splits": False, "seed": None}}),
+        [b"pipeline"]), 106.5) if o.command is Command.JOB]
+    assert view["job"] == job.id and list(again.jobs) == [job.id]
+    # nothing handed out again: the splits were all read before the restart
+    assert split(again, "w1", tasks["w1"], now=106.5) is None
+
+
+def test_a_restored_job_nobody_comes_back_to_is_collected_after_the_grace(tmp_path):
+    state = State(journal=Journal(tmp_path))
+    ready(state, "w1")
+    task_of(register(state, "c1"))
+    state.journal.close()
+    again = State(journal=Journal(tmp_path))
+    assert again.restore(now=100.0) == 1
+    again.tick(120.0)
+    assert len(again.jobs) == 1
+    again.tick(131.0)  # past FENCE_GRACE expiries
+    assert not again.jobs

@@ -43,7 +43,7 @@ from zloader.broker.events import (
     parse,
 )
 from zloader.broker.journal import VERSION, Journal, branch_file
-from zloader.broker.records import Fence, Handout, Job, Out, Pass, Tables, Worker
+from zloader.broker.records import FENCE_GRACE, Fence, Handout, Job, Out, Pass, Tables, Worker
 from zloader.broker.rounds import Rounds
 from zloader.mixing import layout_of
 from zloader.sharing.prefix import Branches, Member
@@ -108,8 +108,15 @@ def restore(state: Tables, now: float) -> int:
     _report(journal)
     if journal.skipped or journal.reordered or journal.missing or journal.version != VERSION:
         journal.compact([event.to_body() for event in snapshot(state)])
+    # Its consumers are not journaled: each comes back by itself (REGISTER naming the job)
+    # once its socket has reconnected (ZeroMQ's backoff: up to RECONNECT_MAX_MS) and it
+    # was told UNKNOWN, a heartbeat or two, which may well be past one expiry. Collected
+    # before that, the job would be made anew for it, its epoch handed out whole again:
+    # wait for them as for consumers that went silent.
+    grace = state.expiry * FENCE_GRACE
     for job in state.jobs.values():
         job.idle_since = now  # collected unless a consumer comes back
+        job.linger = max(job.linger, grace)
         job.metrics.scaler.cooldown = state.cooldown
     return len(state.jobs)
 
