@@ -50,12 +50,7 @@ def test_a_restored_state_hands_out_the_splits_where_it_stopped(tmp_path):
         assert [o.command for o in out] == [Command.ACK, Command.TASK]
         assert out[0].body["task"] == out[1].body["task"] == tasks[name]
     # The consumer comes back too, naming its job: it gets that job, not a new one.
-    (view,) = [o.body for o in again.register(b"c1", record(Command.REGISTER, nested({
-        "consumer": "c1", "fingerprint": "f" * 64, "job_name": None, "job": job.id,
-        "sharding": "dynamic", "deterministic": False, "num_workers": 0,
-        "on_error": "raise", "host_id": "h/boot/ns", "pid": 1,
-        "source": {"num_splits": 6, "shuffle_splits": False, "seed": None}}),
-        [b"pipeline"]), 100.5) if o.command is Command.JOB]
+    view = _registered_again(again, job.id, 6, 100.5)
     assert view["job"] == job.id and len(again.jobs) == 1
     # w2 lost the answer to its request: asking again with have=0 gets split 2 again.
     (answer,) = again.split_request(b"w2", record(Command.SPLIT_REQ, {
@@ -605,6 +600,18 @@ def _summary(state: State) -> dict:
                 for key, p in job.handout.passes.items()}) for job in state.jobs.values()}}
 
 
+def _registered_again(state: State, job_id: str, splits: int, now: float) -> dict:
+    """The JOB view a restarted broker answers consumer c1's REGISTER naming ``job_id``
+    with (its source of ``splits`` splits)."""
+    (view,) = [o.body for o in state.register(b"c1", record(Command.REGISTER, nested({
+        "consumer": "c1", "fingerprint": "f" * 64, "job_name": None, "job": job_id,
+        "sharding": "dynamic", "deterministic": False, "num_workers": 0,
+        "on_error": "raise", "host_id": "h/boot/ns", "pid": 1,
+        "source": {"num_splits": splits, "shuffle_splits": False, "seed": None}}),
+        [b"pipeline"]), now) if o.command is Command.JOB]
+    return view
+
+
 def _restored(root) -> State:
     state = State(journal=Journal(root))
     state.restore(now=100.0)
@@ -1145,12 +1152,7 @@ def test_a_restored_job_waits_for_its_consumer_longer_than_an_expiry(tmp_path):
         again.seen(b"w1", now)
         again.tick(now)
     assert list(again.jobs) == [job.id]  # kept past one expiry
-    (view,) = [o.body for o in again.register(b"c1", record(Command.REGISTER, nested({
-        "consumer": "c1", "fingerprint": "f" * 64, "job_name": None, "job": job.id,
-        "sharding": "dynamic", "deterministic": False, "num_workers": 0,
-        "on_error": "raise", "host_id": "h/boot/ns", "pid": 1,
-        "source": {"num_splits": 4, "shuffle_splits": False, "seed": None}}),
-        [b"pipeline"]), 106.5) if o.command is Command.JOB]
+    view = _registered_again(again, job.id, 4, 106.5)
     assert view["job"] == job.id and list(again.jobs) == [job.id]
     # nothing handed out again: the splits were all read before the restart
     assert split(again, "w1", tasks["w1"], now=106.5) is None
