@@ -32,7 +32,6 @@ from zloader.torch.passes import (
     skipped,
     worker_plans,
 )
-from zloader.torch.seeding import warm_line_cache
 from zloader.torch.source import BatchSource
 from zloader.torch.states import Batches, Place
 from zloader.torch.tensors import Prefetcher, to_torch
@@ -483,8 +482,6 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             objects=self._broker is None, first_seed=self._base_seed,
             )
         self._started += 1
-        if self._broker is None and self._start_method() == "fork":
-            warm_line_cache()  # (read here once, not in each worker: see its docstring)
         job_name = self._job_name
         if job_name is not None and not self._persistent:
             job_name = f"{job_name}.{self._started}"  # a pass's job lingers a while

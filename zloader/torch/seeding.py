@@ -3,12 +3,8 @@ restored (torch, numpy and ``random``) for ``state_dict``."""
 
 from __future__ import annotations
 
-import importlib
-import linecache
 import random
 import struct
-import threading
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -107,38 +103,6 @@ def seed_worker(base_seed: int, worker: int, workers: int, dataset: Any,
                                                        worker * world + rank)
     if init_fn is not None:
         init_fn(worker)
-
-
-_WARM = False
-
-
-def warm_line_cache() -> None:
-    """Read the source lines that seeding a forked worker looks up, so that each worker
-    forked after it finds them in :mod:`linecache`. ``torch.manual_seed`` seeds each
-    accelerator's generators lazily, and a lazy call keeps the stack it was made from,
-    formatted (source lines included) for a later error: in a new worker every file on
-    that stack was read and tokenized anew, some 4-5 ms of its first batch. The lines
-    are those of torch's seeding and of the stack it runs under in a worker: the one
-    that forked it (this call's, read each time: cached after the first) and the
-    worker's modules (once per process)."""
-    global _WARM
-    traceback.extract_stack()  # (reads the lines of every frame's file into linecache)
-    if _WARM:
-        return
-    _WARM = True
-    names = ("torch.random", "torch.cuda", "torch.cuda.random", "torch.xpu",
-             "torch.xpu.random", "torch.mtia", "torch.mps", "zloader.worker.process",
-             "zloader.worker.producer", "zloader.plan", "zloader.runs",
-             "zloader.torch.source", "zloader.loader", "zloader.embedded",
-             "zloader._process", __name__)
-    for name in names:  # (the worker's modules: imported by a Loader that forks anyway)
-        try:
-            path = getattr(importlib.import_module(name), "__file__", None)
-        except ImportError:
-            continue
-        if path:
-            linecache.getlines(path)
-    linecache.getlines(threading.__file__)
 
 
 def capture_rng() -> bytes:
