@@ -23,7 +23,11 @@ from zloader._defaults import MAX_AHEAD
 from zloader.codec import decode
 from zloader.options import JobOptions
 from zloader.plan import plan
+from zloader.transport import messages
+from zloader.transport.messages import Ready, Split, SplitReq
+from zloader.transport.protocol import decode as decode_message
 from zloader.worker import WorkerProcess
+from zloader.worker.broker_link import BrokerLink
 from zloader.worker.permits import Pool
 from zloader.worker.producer import LinkKind, Producer, ProducerSpec, SplitAnswer
 
@@ -341,3 +345,42 @@ def test_a_producer_waiting_for_a_permit_leaves_when_it_is_stopped_not_at_its_ti
     pool.release(2)
     assert pool.acquire(stop=stop) and pool.acquire(blocking=False)  # permits still count
     assert not pool.acquire(blocking=False)
+
+
+def test_a_reconnected_worker_asks_again_for_every_pass_it_waits_on():
+    """A worker-drawn mix reads a pass of each input at once, each with its split request
+    out. A broker restarted after answering one of them in part (its null lost with the
+    old broker) must be asked again for both (one was forgotten: its producer waited for
+    a null that never came until the broker dropped the worker as stuck, 30 s)."""
+    context = zmq.Context.instance()
+    router = context.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    hello = Ready(worker="w1", host="h", host_id="h/boot/ns", pid=1,
+                  endpoint="tcp://127.0.0.1:1")
+    link = BrokerLink(context, f"tcp://127.0.0.1:{port}", None, hello)
+    try:
+        def received() -> SplitReq | Ready:
+            assert router.poll(5000), "nothing reached the broker"
+            record = messages.decode(decode_message(router.recv_multipart()[1:]))
+            assert isinstance(record, (SplitReq, Ready))
+            return record
+
+        assert isinstance(received(), Ready)
+        a, b = (0, 1 << 40), (0, (1 << 40) + 1)
+        link.ask(SplitReq(task="t", pass_=b, have=1, ahead=20))
+        link.answered_split(Split(task="t", pass_=b, split=11, have=1, then=(12, 13)))
+        link.ask(SplitReq(task="t", pass_=a, have=1, ahead=0))
+        link.answered_split(Split(task="t", pass_=b, split=11, have=1))  # (an old answer)
+        assert [received(), received()] == [SplitReq(task="t", pass_=b, have=1, ahead=20),
+                                            SplitReq(task="t", pass_=a, have=1, ahead=0)]
+        link.ask_again("t")
+        again = {tuple(r.pass_): r for r in (received(), received())}
+        assert again == {b: SplitReq(task="t", pass_=b, have=4, ahead=17),
+                         a: SplitReq(task="t", pass_=a, have=1, ahead=0)}
+        link.answered_split(Split(task="t", pass_=a, split=None, have=1))
+        link.answered_split(Split(task="t", pass_=b, split=None, have=4))
+        link.ask_again("t")  # (nothing left to ask)
+        assert not router.poll(200)
+    finally:
+        link.close()
+        router.close(0)

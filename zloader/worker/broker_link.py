@@ -52,7 +52,9 @@ class BrokerLink:
         self.last_from = time.monotonic()  # when the broker last said anything
         self.last_to = 0.0
         self.answered = False  # the broker said something on this connection
-        self.asking: SplitReq | None = None  # the split request not yet answered
+        # The split requests not yet answered in full, by pass: a producer reads a
+        # worker-drawn mix's inputs at once, a pass each, each with its request out.
+        self.asking: dict[tuple[int, ...], SplitReq] = {}
         self.sock: zmq.Socket[Any] = self.connect()
 
     def connect(self) -> zmq.Socket[Any]:
@@ -107,29 +109,40 @@ class BrokerLink:
                              f"connection at the handshake: {fix}")
 
     def ask(self, request: SplitReq) -> None:
-        """SPLIT_REQ, remembered until its answer comes (the caller clears ``asking``)."""
-        self.asking = request
+        """SPLIT_REQ, remembered until its answers come (:meth:`answered_split`); a
+        request of another task than the last is of a task that stopped: forgotten."""
+        self.asking = {key: asked for key, asked in self.asking.items()
+                       if asked.task == request.task}
+        self.asking[tuple(request.pass_)] = request
         self.send(request)
 
     def answered_split(self, answer: Split) -> None:
-        """A SPLIT came: what of the request is still to come is what to ask again after
-        a lost connection (nothing, once the last or a null came)."""
-        asking = self.asking
-        if asking is None or answer.split is None or answer.have is None \
-                or asking.have is None:
-            self.asking = None
+        """A SPLIT came: what of its pass's request is still to come is what to ask again
+        after a lost connection (nothing, once the last or a null came). An answer to an
+        earlier request (sent again after a reconnect) changes nothing."""
+        key = tuple(answer.pass_)
+        asking = self.asking.get(key)
+        if asking is None or asking.task != answer.task:
+            return
+        if answer.split is None or answer.have is None or asking.have is None:
+            del self.asking[key]
             return
         last = answer.have + len(answer.then)  # (the place of the last split it hands)
+        if last < asking.have:
+            return
         left = asking.have + asking.ahead - last
-        self.asking = dataclasses.replace(asking, have=last + 1, ahead=left - 1) \
-            if left > 0 else None
+        if left > 0:
+            self.asking[key] = dataclasses.replace(asking, have=last + 1, ahead=left - 1)
+        else:
+            del self.asking[key]
 
     def ask_again(self, task: str) -> None:
-        """A split request of ``task`` whose answer may be lost (a new connection, a
-        restarted broker): ask again; ``have`` makes the broker send the same split if
-        it had handed one out."""
-        if self.asking is not None and self.asking.task == task:
-            self.send(self.asking)
+        """The split requests of ``task`` whose answers may be lost (a new connection, a
+        restarted broker): ask again; ``have`` makes the broker send the same split if it
+        had handed one out."""
+        for asking in list(self.asking.values()):
+            if asking.task == task:
+                self.send(asking)
 
     def heard(self) -> None:
         """The broker said something."""
