@@ -27,10 +27,15 @@ built before the clocks start and know nothing of zloader: ``Pairs`` holds a lis
     of the 200,000-tuple case, for both loaders. Target: zloader <= 0.5x torch.
 (7) **What is left** of zloader's first batch (1 M case): the top of a cProfile of the
     trainer's process, by cumulative time.
+(8) **A fresh process**, as ``python train.py`` starts: torch imported (before the
+    clock), then the loader's module imported (``zloader.torch``; torch's DataLoader came
+    with torch) and the small 2-worker case to its first batch, in a new interpreter
+    each round with the bytecode cached. Sections (1)-(3) run in one process, where the
+    modules a first Loader imports are already there.
 
 Writes ``startup.json``, ``startup.md`` and ``startup.png`` into ``--out``. These
 machines are shared and noisy: read the ratios. Run: ``python -m bench.startup
-[--rounds N] [--only 1,2,3,4,5,6,7] [--out bench/results]``.
+[--rounds N] [--only 1,2,3,4,5,6,7,8] [--out bench/results]``.
 """
 
 from __future__ import annotations
@@ -167,26 +172,85 @@ def by_size(args: argparse.Namespace, datasets: dict[int, Any]) -> list[dict[str
     return rows
 
 
+def _cached_bytecode(cache: str) -> dict[str, str]:
+    """The environment of a fresh interpreter with its bytecode cached as an installed
+    package has it (in ``cache``: this environment may set PYTHONDONTWRITEBYTECODE, under
+    which every import compiles the sources again); its first run writes the cache."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPYCACHEPREFIX"] = cache
+    return env
+
+
+def _run(code: str, env: dict[str, str], *args: str) -> list[float]:
+    """The numbers ``code`` prints, run in a fresh interpreter."""
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True,
+                          text=True, check=True, env=env)
+    return [float(word) for word in done.stdout.split()]
+
+
 def imports(args: argparse.Namespace) -> dict[str, float]:
     """Median seconds of ``import numpy`` and ``import zloader``, each in a fresh
-    interpreter, with their bytecode cached as an installed package has it (in a folder
-    of its own: this environment may set PYTHONDONTWRITEBYTECODE, under which every
-    import compiles the sources again); a first run of each writes the cache."""
+    interpreter (:func:`_cached_bytecode`)."""
     with tempfile.TemporaryDirectory(prefix="zloader-pyc-") as cache:
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-        env["PYTHONPYCACHEPREFIX"] = cache
+        env = _cached_bytecode(cache)
 
         def timed(module: str) -> float:
-            code = (f"import time; t = time.perf_counter(); import {module}; "
-                    "print(time.perf_counter() - t)")
-            return float(subprocess.run([sys.executable, "-c", code], capture_output=True,
-                                        text=True, check=True, env=env).stdout)
+            return _run(f"import time; t = time.perf_counter(); import {module}; "
+                        "print(time.perf_counter() - t)", env)[0]
         timed("numpy"), timed("zloader")  # (the bytecode written)
         numpy, ours = [], []
         for _ in range(max(args.rounds, 5)):
             numpy.append(timed("numpy"))
             ours.append(timed("zloader"))
     return {"numpy": statistics.median(numpy), "zloader": statistics.median(ours)}
+
+
+FRESH = """
+import sys, time
+import torch
+import torch.utils.data
+
+class Pairs(torch.utils.data.Dataset):
+    def __init__(self, size):
+        self.samples = [(f"/data/train/class_{i % 1000:04d}/img_{i:08d}.jpg", i % 1000)
+                        for i in range(size)]
+    def __len__(self):
+        return len(self.samples)
+    def __getitem__(self, index):
+        path, label = self.samples[index]
+        return len(path), label
+
+dataset = Pairs(int(sys.argv[2]))
+started = time.perf_counter()
+if sys.argv[1] == "zloader":
+    from zloader.torch import DataLoader
+else:
+    from torch.utils.data import DataLoader
+imported = time.perf_counter()
+loader = DataLoader(dataset, batch_size=int(sys.argv[3]), shuffle=True, num_workers=2,
+                    generator=torch.Generator().manual_seed(0), timeout=600)
+iterator = iter(loader)
+next(iterator)
+print(imported - started, time.perf_counter() - imported)
+"""
+
+
+def fresh_process(args: argparse.Namespace) -> dict[str, Any]:
+    """The small 2-worker case in a fresh interpreter (torch imported before the clock):
+    median seconds of importing the loader's module, and of construction to first
+    batch, for each loader, in interleaved rounds."""
+    with tempfile.TemporaryDirectory(prefix="zloader-pyc-") as cache:
+        env = _cached_bytecode(cache)
+        for name in LOADERS:  # (the bytecode written)
+            _run(FRESH, env, name, str(SMALL), str(BATCH))
+        times: dict[str, list[list[float]]] = {name: [] for name in LOADERS}
+        for _ in range(max(args.rounds, 5)):
+            for name in LOADERS:
+                times[name].append(_run(FRESH, env, name, str(SMALL), str(BATCH)))
+    return {name: {"import": statistics.median(t[0] for t in values),
+                   "first_batch": statistics.median(t[1] for t in values),
+                   "both": statistics.median(t[0] + t[1] for t in values)}
+            for name, values in times.items()}
 
 
 def _double(value: int) -> int:
@@ -338,6 +402,17 @@ def tables(data: dict[str, Any]) -> list[str]:
         lines += ["## (6) Trainer's process CPU per batch, 200 k tuples, 2 workers", "",
                   f"torch {cpu['torch'] * 1e6:.0f} us, zloader {cpu['zloader'] * 1e6:.0f} us: "
                   f"{cpu['zloader'] / cpu['torch']:.2f}x (target <= 0.5x)", ""]
+    if "fresh" in data:
+        fresh = data["fresh"]
+        lines += ["## (8) A fresh process: small dataset, 2 workers, torch already imported "
+                  "(medians)", "", "| figure | torch | zloader | zloader / torch |",
+                  "|---|---|---|---|",
+                  *(f"| {label} | {fresh['torch'][key] * 1000:.0f} ms | "
+                    f"{fresh['zloader'][key] * 1000:.0f} ms | "
+                    f"{fresh['zloader'][key] / max(fresh['torch'][key], 1e-4):.2f} |"
+                    for label, key in (("import the loader's module", "import"),
+                                       ("construction to first batch", "first_batch"),
+                                       ("both", "both"))), ""]
     if "profile" in data:
         lines += ["## (7) What is left of zloader's first batch (1 M case, cProfile, by own "
                   "time; the workers' start is the trainer's wait in `poll`/`acquire`)", "",
@@ -357,7 +432,7 @@ def _against_torch(title: str, what: str, rows: list[tuple[str, dict[str, float]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--only", default="1,2,3,4,5,6,7")
+    parser.add_argument("--only", default="1,2,3,4,5,6,7,8")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args(argv)
     sections = set(args.only.split(","))
@@ -374,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
         **provenance()}
     if "4" in sections:
         data["imports"] = imports(args)
+    if "8" in sections:
+        data["fresh"] = fresh_process(args)
     if "5" in sections:
         data["warm_pool"] = warm_pool(args)
     if "1" in sections:

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.service import service, status, wait_for
+from zloader._byfields import ByFields, FrozenByFields
 from zloader.lineage import pack
 from zloader.options import JobOptions
 from zloader.transport import messages
@@ -427,3 +428,47 @@ def test_a_worker_refuses_a_malformed_open_naming_the_field():
             context.term()
     assert answer.command is Command.ERROR
     assert "OPEN: field 'credits' must be an integer >= 0" in answer.body["message"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Compiled:
+    a: int
+    b: object = None
+    hidden: int = dataclasses.field(default=0, repr=False)
+    ignored: int = dataclasses.field(default=0, compare=False)
+    unhashed: int = dataclasses.field(default=0, hash=False)
+
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class _ByFields(FrozenByFields):
+    a: int
+    b: object = None
+    hidden: int = dataclasses.field(default=0, repr=False)
+    ignored: int = dataclasses.field(default=0, compare=False)
+    unhashed: int = dataclasses.field(default=0, hash=False)
+
+
+@dataclasses.dataclass(eq=False, repr=False)
+class _Mutable(ByFields):
+    a: int
+
+
+_VALUES = st.builds(dict, a=st.integers(-2, 2), b=st.sampled_from([None, 1, (1, 2), "x"]),
+                    hidden=st.integers(0, 1), ignored=st.integers(0, 1),
+                    unhashed=st.integers(0, 1))
+
+
+@settings(max_examples=200, deadline=None)
+@given(_VALUES, _VALUES)
+def test_eq_hash_and_repr_by_the_fields_are_the_dataclass_s_own(one, two):
+    """The dataclasses declared ``eq=False, repr=False`` over zloader._byfields behave as
+    those whose methods @dataclass compiles: which fields compare, hash and show."""
+    compiled = _Compiled(**one), _Compiled(**two)
+    mine = _ByFields(**one), _ByFields(**two)
+    assert (mine[0] == mine[1]) == (compiled[0] == compiled[1])
+    assert hash(mine[0]) == hash(compiled[0])
+    assert repr(mine[0]) == repr(compiled[0]).replace("_Compiled", "_ByFields")
+    assert mine[0] != compiled[0] and mine[0] == _ByFields(**one)
+    with pytest.raises(TypeError):
+        hash(_Mutable(1))
+    assert _Mutable(1) == _Mutable(1) != _Mutable(2)

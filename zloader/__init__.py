@@ -4,22 +4,19 @@ Importing ``zloader`` imports neither torch nor tensorflow; the adapters live in
 submodules ``zloader.torch`` and ``zloader.tf``, imported explicitly.
 """
 
-from zloader._imports import collector_paused
 from zloader._version import __version__
-
-with collector_paused():  # (zloader/_imports.py says why)
-    from zloader.client.session import PerWorker
-    from zloader.errors import (
-        CodecError,
-        FingerprintWarning,
-        MixWindowWarning,
-        PipelineError,
-        Timeout,
-        WorkerExited,
-        ZloaderError,
-    )
-    from zloader.loader import Loader
-    from zloader.pipeline import Pipeline
+from zloader.client.session import PerWorker
+from zloader.errors import (
+    CodecError,
+    FingerprintWarning,
+    MixWindowWarning,
+    PipelineError,
+    Timeout,
+    WorkerExited,
+    ZloaderError,
+)
+from zloader.loader import Loader
+from zloader.pipeline import Pipeline
 
 __all__ = [
     "CodecError",

@@ -48,10 +48,8 @@ class Embedded:
         forking must happen before the Loader starts any thread. What Loaders of this user
         that died left (shared-memory segments, socket folders) is swept first."""
         # (the broker and the worker's code, imported only by a Loader that runs them)
-        from zloader._imports import collector_paused
-        with collector_paused():
-            from zloader._process import start_worker
-            from zloader.broker import Broker
+        from zloader._process import start_worker
+        from zloader.broker import Broker
 
         sweep()
         sweep_dirs()

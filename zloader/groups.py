@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from zloader import collate
+from zloader._byfields import FrozenByFields
 from zloader._defaults import GROUP_KEY, MIX_KEY
 from zloader._seeding import Key
 from zloader.errors import PipelineError
@@ -48,8 +49,8 @@ _ELEMENTWISE = frozenset(("map", "filter"))  # (between a batch and its unbatch)
 _GROUPING = frozenset(("batch", "bucket_by_length"))
 
 
-@dataclass(frozen=True)
-class Section:
+@dataclass(eq=False, repr=False, frozen=True)
+class Section(FrozenByFields):
     """An ``unbatch`` and what comes before it, as a group's rows are made again: ``head``
     (the batch it undoes, or None: it splits elements as they come), ``between`` (the
     batch's maps and filters), ``before`` (the stages before the batch, or before the

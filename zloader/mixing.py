@@ -29,6 +29,7 @@ import numpy as np
 
 from zloader import _check
 from zloader import stages as _stages
+from zloader._byfields import FrozenByFields
 from zloader._defaults import GROUP_KEY, MIX_DRAW_CHUNK, MIX_KEY
 from zloader._seeding import Key
 from zloader.runs import Context
@@ -103,8 +104,8 @@ def input_of(key: Key) -> int | None:
     return None
 
 
-@dataclass(frozen=True)
-class Layout:
+@dataclass(eq=False, repr=False, frozen=True)
+class Layout(FrozenByFields):
     """Which splits each pass of a mix reads, as plain values: per input, its number of
     splits, whether it shuffles them and its seed (what ``REGISTER.source.inputs``
     carries)."""

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from zloader._byfields import FrozenByFields
 from zloader._defaults import MAX_FANOUT, WEIGHT_RANGE
 from zloader.lineage import exactly_once
 from zloader.sharing.window import LAG_POLICIES
@@ -50,8 +51,8 @@ def _maybe_share(value: Any) -> dict[str, Any] | None:
     return None if value is None else share_settings(value)
 
 
-@dataclass(frozen=True, kw_only=True)
-class JobOptions:
+@dataclass(eq=False, repr=False, frozen=True, kw_only=True)
+class JobOptions(FrozenByFields):
     """How a job runs, the same for all its consumers and workers.
 
     Attributes:

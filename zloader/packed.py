@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from zloader._byfields import ByFields
 from zloader._defaults import (
     PACK_CHUNK_ITEMS,
     PACK_DATASET_DEPTH,
@@ -465,8 +466,8 @@ def _column_sizes(column: Any, ascii_only: bool) -> np.ndarray | None:
 
 # --- which lists a Loader packs, and the swap in each forked worker -----------------------
 
-@dataclass
-class Swap:
+@dataclass(eq=False, repr=False)
+class Swap(ByFields):
     """In a forked worker, ``owner.__dict__[name]`` (``old`` in the trainer) becomes
     ``view``."""
 
@@ -477,8 +478,8 @@ class Swap:
     where: str
 
 
-@dataclass
-class Found:
+@dataclass(eq=False, repr=False)
+class Found(ByFields):
     """A list (or tuple) a forked worker would read packed: ``owner.__dict__[name]``."""
 
     owner: Any = field(repr=False)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zloader import stages as _stages
+from zloader._byfields import FrozenByFields
 from zloader._defaults import MAX_MIX_INPUTS
 from zloader.chunks import Chunk
 from zloader.groups import announce
@@ -51,8 +52,8 @@ _ELEMENTWISE = (_stages.Map, _stages.Filter, _stages.Shuffle)
 (:func:`repeats_moved`): each element's output is its own, whatever pass it is in."""
 
 
-@dataclass(frozen=True)
-class Plan:
+@dataclass(eq=False, repr=False, frozen=True)
+class Plan(FrozenByFields):
     """``pipeline`` cut in two: ``worker_stages`` after the source run on the workers,
     ``consumer_stages`` (a take/skip and what follows) on the consumer. When the consumer
     draws the mix (``mix`` is the pipeline's source), the workers run its inputs alone

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from zloader import collate, groups
+from zloader._byfields import ByFields, FrozenByFields
 from zloader._defaults import ORIGINS_NAMED
 from zloader._seeding import Key, make_rng
 from zloader.chunks import Chunk, chunks_of
@@ -24,8 +25,8 @@ if TYPE_CHECKING:
 __all__ = ["Context", "Coverage", "RunSettings", "RunTally"]
 
 
-@dataclass(frozen=True)
-class RunSettings:
+@dataclass(eq=False, repr=False, frozen=True)
+class RunSettings(FrozenByFields):
     """How a run goes, fixed when it starts.
 
     Attributes:
@@ -62,8 +63,8 @@ class RunSettings:
     dispatched: Callable[..., Any] | None = None
 
 
-@dataclass
-class RunTally:
+@dataclass(eq=False, repr=False)
+class RunTally(ByFields):
     """What a run counts and collects as it goes, for the records it sends.
 
     Attributes:
@@ -174,8 +175,8 @@ class Coverage:
         return found
 
 
-@dataclass
-class Context:
+@dataclass(eq=False, repr=False)
+class Context(ByFields):
     """What one run of a pipeline shares between its stages: its :class:`RunSettings`
     (fixed), its :class:`RunTally` (counted as it goes) and where it is.
 

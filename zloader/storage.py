@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO, TypeVar
 
+from zloader._byfields import ByFields
 from zloader._defaults import (
     READ_BLOCK_BYTES,
     STORAGE_BACKOFF,
@@ -113,8 +114,8 @@ def _backoff(attempt: int) -> float:
     return delay * (0.5 + random.random() / 2)
 
 
-@dataclass
-class _Wait:
+@dataclass(eq=False, repr=False)
+class _Wait(ByFields):
     """A read that waits on storage: where, what, since when."""
 
     url: str

@@ -49,6 +49,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from zloader._byfields import ByFields
 from zloader._defaults import (
     AUTOSCALE_COOLDOWN,
     AUTOSCALE_DOWN,
@@ -63,8 +64,8 @@ from zloader._defaults import (
 __all__ = ["START_SECONDS", "Autoscaler"]
 
 
-@dataclass
-class Autoscaler:
+@dataclass(eq=False, repr=False)
+class Autoscaler(ByFields):
     """One job's worker count; see the module docstring for the policy."""
 
     up: float = AUTOSCALE_UP

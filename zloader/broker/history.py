@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from zloader._byfields import ByFields
 from zloader.broker import failures, jobs, splits
 from zloader.broker.events import (
     BranchAdded,
@@ -142,8 +143,8 @@ def _report(journal: Journal) -> None:
                     "it", journal.path, "; ".join(said))
 
 
-@dataclass
-class Replay:
+@dataclass(eq=False, repr=False)
+class Replay(ByFields):
     """A replay under way: the tables it fills, the time, and what it learnt on the way
     that the tables do not keep."""
 

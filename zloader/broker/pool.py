@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from zloader._byfields import FrozenByFields
 from zloader._defaults import SLICE_SECONDS
 
 __all__ = ["Claim", "Holding", "next_move", "shares"]
@@ -38,8 +39,8 @@ UNBOUNDED = 1 << 30
 """``Claim.wants`` of a job that can use any number of workers."""
 
 
-@dataclass(frozen=True)
-class Claim:
+@dataclass(eq=False, repr=False, frozen=True)
+class Claim(FrozenByFields):
     """What one job asks of the pool now."""
 
     job: str
@@ -52,8 +53,8 @@ class Claim:
     exact: bool = True  # a move mid-epoch repeats nothing (it runs exactly-once, or is idle)
 
 
-@dataclass(frozen=True)
-class Holding:
+@dataclass(eq=False, repr=False, frozen=True)
+class Holding(FrozenByFields):
     """A worker that runs a task of ``job`` since ``since``."""
 
     worker: str

@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from zloader._byfields import ByFields, FrozenByFields
 from zloader._defaults import (
     AUTOSCALE_COOLDOWN,
     FENCE_GRACE,
@@ -84,8 +85,8 @@ class Out(NamedTuple):
         return self.message.to_body()
 
 
-@dataclass
-class Worker:
+@dataclass(eq=False, repr=False)
+class Worker(ByFields):
     id: str
     identity: bytes
     host: str
@@ -116,8 +117,8 @@ class Worker:
     log_budget: Bucket = field(default_factory=lambda: Bucket(2 * RATE, 4.0 * BURST))
 
 
-@dataclass
-class Consumer:
+@dataclass(eq=False, repr=False)
+class Consumer(ByFields):
     id: str
     identity: bytes
     job: str
@@ -131,8 +132,8 @@ class Consumer:
     branch: int = 0  # of a shared job whose trainers share a prefix: which it reads
 
 
-@dataclass
-class Pass:
+@dataclass(eq=False, repr=False)
+class Pass(ByFields):
     order: deque[int]
     handed: dict[str, list[int]] = field(default_factory=dict)
     requeued: deque[int] = field(default_factory=deque)
@@ -150,8 +151,8 @@ class Pass:
     origins: dict[str, dict[int, PassKey]] = field(default_factory=dict)
 
 
-@dataclass
-class Fence:
+@dataclass(eq=False, repr=False)
+class Fence(ByFields):
     """A dead worker's splits of an exactly-once job, held until every consumer has said
     which of their elements it holds (it has stopped reading from that worker first)."""
 
@@ -171,8 +172,8 @@ class Fence:
     taker: str | None = None  # the worker meant to make them again
 
 
-@dataclass(slots=True)
-class Handout:
+@dataclass(eq=False, repr=False, slots=True)
+class Handout(ByFields):
     """How a job's splits go out: its source's splits, each pass's dispenser, how many
     splits were re-queued, the splits that killed workers, and what a resumed Loader
     had yielded (broker/splits.py reads and changes it)."""
@@ -188,8 +189,8 @@ class Handout:
     resume: tuple[int, Any] | None = None  # (epoch, Ledger) a resumed Loader delivered
 
 
-@dataclass(slots=True)
-class Metrics:
+@dataclass(eq=False, repr=False, slots=True)
+class Metrics(ByFields):
     """What a job's consumers and workers report, and what the broker samples of it:
     throughput, waiting, starvation and the autoscaler's wish (broker/status.py)."""
 
@@ -208,8 +209,8 @@ class Metrics:
     hungry_until: float = 0.0  # an epoch just started: hungry before its first sample
 
 
-@dataclass(slots=True)
-class Job:
+@dataclass(eq=False, repr=False, slots=True)
+class Job(ByFields):
     """A job: its pipeline and options, its tasks and consumers, and its parts: how its
     splits go out (:class:`Handout`), its fences (a dead worker's splits held for the
     consumers' answers), its rounds (coordinated reads) and its :class:`Metrics`."""
@@ -275,8 +276,8 @@ class Job:
         return self.sharding == "static" or self.deterministic
 
 
-@dataclass(frozen=True)
-class Limits:
+@dataclass(eq=False, repr=False, frozen=True)
+class Limits(FrozenByFields):
     """What the broker holds for its peers, at most (docs/reliability.md, "Floods"): a
     REGISTER of a new job past one is refused with an ERROR naming it. ``peer_*``: the jobs
     made by one connection (one consumer's socket), still held."""

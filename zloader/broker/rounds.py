@@ -26,21 +26,22 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from zloader._byfields import ByFields
 from zloader._defaults import KEEP_EPOCHS, KEEP_RESOLVED
 
 __all__ = ["Rounds"]
 
 
-@dataclass
-class _Open:
+@dataclass(eq=False, repr=False)
+class _Open(ByFields):
     """A numbered round not yet committed: its worker and the consumers that have it."""
 
     worker: str
     acks: set[str] = field(default_factory=set)
 
 
-@dataclass
-class Rounds:
+@dataclass(eq=False, repr=False)
+class Rounds(ByFields):
     size: int
     members: dict[int, str] = field(default_factory=dict)  # consumer index -> consumer id
     replaced: dict[str, str] = field(default_factory=dict)  # consumer id -> why it is out

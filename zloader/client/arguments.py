@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zloader import _check
+from zloader._byfields import FrozenByFields
 from zloader._defaults import DEFAULT_PREFETCH, MIN_MEMORY_BUDGET, START_METHODS, WEIGHT_RANGE
 from zloader.client.exactly_once import resume_from
 from zloader.groups import pipeline_refusal
@@ -91,8 +92,8 @@ def choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
 
 
-@dataclass(frozen=True)
-class Arguments:
+@dataclass(eq=False, repr=False, frozen=True)
+class Arguments(FrozenByFields):
     """What a Loader was given, checked: the values its parts are built from.
 
     Attributes:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from zloader._byfields import ByFields, FrozenByFields
 from zloader.client.session import EpochInput
 from zloader.lineage import Origins
 
@@ -14,8 +15,8 @@ __all__ = ["Command", "Data", "Done", "End", "Failed", "GiveCredit", "InputEnd",
            "Origins", "SetWeights", "StartEpoch"]
 
 
-@dataclass
-class Data:
+@dataclass(eq=False, repr=False)
+class Data(ByFields):
     """A record's elements from the worker at ``index`` (the job's worker index)."""
 
     epoch: int
@@ -26,8 +27,8 @@ class Data:
     part: int | None = None  # the mix input it holds, when this consumer draws the mix
 
 
-@dataclass(frozen=True)
-class End:
+@dataclass(eq=False, repr=False, frozen=True)
+class End(FrozenByFields):
     """One worker finished the epoch; ``origins``: those of the elements it dropped that
     no record carried (exactly-once)."""
 
@@ -37,8 +38,8 @@ class End:
     origins: Origins | None = None
 
 
-@dataclass(frozen=True)
-class InputEnd:
+@dataclass(eq=False, repr=False, frozen=True)
+class InputEnd(FrozenByFields):
     """The worker at ``index`` has no more elements of mix input ``part`` this epoch
     (this consumer draws the mix); it sent every record of it before."""
 
@@ -48,8 +49,8 @@ class InputEnd:
     part: int
 
 
-@dataclass(frozen=True)
-class Lost:
+@dataclass(eq=False, repr=False, frozen=True)
+class Lost(FrozenByFields):
     """A coordinated round this consumer held was lost for every consumer: its record's
     credit goes back, its elements are not yielded."""
 
@@ -58,15 +59,15 @@ class Lost:
     index: int
 
 
-@dataclass(frozen=True)
-class Done:
+@dataclass(eq=False, repr=False, frozen=True)
+class Done(FrozenByFields):
     """Every worker finished the epoch and nothing of it is missing."""
 
     epoch: int
 
 
-@dataclass(frozen=True)
-class Failed:
+@dataclass(eq=False, repr=False, frozen=True)
+class Failed(FrozenByFields):
     """The epoch cannot go on: raise ``error`` in the iterating thread."""
 
     error: BaseException
@@ -77,16 +78,16 @@ Item = Data | End | InputEnd | Lost | Done | Failed
 """What the loop hands the iterating thread."""
 
 
-@dataclass(frozen=True)
-class StartEpoch:
+@dataclass(eq=False, repr=False, frozen=True)
+class StartEpoch(FrozenByFields):
     """Open ``epoch`` on every worker, handing them ``frames`` (the epoch's input)."""
 
     epoch: int
     frames: EpochInput
 
 
-@dataclass(frozen=True)
-class GiveCredit:
+@dataclass(eq=False, repr=False, frozen=True)
+class GiveCredit(FrozenByFields):
     """The iterating thread used ``credits`` records of ``worker``: give them back."""
 
     worker: str
@@ -94,8 +95,8 @@ class GiveCredit:
     part: int | None = None  # the mix input whose records (this consumer draws the mix)
 
 
-@dataclass
-class SetWeights:
+@dataclass(eq=False, repr=False)
+class SetWeights(ByFields):
     """A mix's weights from now on (``Loader.set_weights``, at ``stamp``): tell every
     worker."""
 
@@ -103,8 +104,8 @@ class SetWeights:
     stamp: float
 
 
-@dataclass(frozen=True)
-class DispatchItems:
+@dataclass(eq=False, repr=False, frozen=True)
+class DispatchItems(FrozenByFields):
     """Work items for the worker of index ``worker`` in the epoch under way
     (``Loader.dispatch``); none: it gets no more."""
 

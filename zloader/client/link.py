@@ -16,6 +16,7 @@ from typing import Any
 
 import zmq
 
+from zloader._byfields import ByFields
 from zloader._defaults import BYE_LINGER_MS, SILENT_BROKER_REPEAT, SILENT_BROKER_WARNING
 from zloader._host import host_id
 from zloader.client.items import Failed, Item
@@ -56,8 +57,8 @@ def registration(*, fingerprint: str, job_name: str | None, options: JobOptions,
         stage_names=tuple((prefix or {}).get("stage_names", ())))
 
 
-@dataclass
-class JobView:
+@dataclass(eq=False, repr=False)
+class JobView(ByFields):
     """What a JOB message says beyond what the link keeps itself, for the peers and the
     end of the epoch (checked by its record, zloader/transport/messages.py)."""
 

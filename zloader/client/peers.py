@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from zloader._byfields import ByFields
 from zloader._defaults import (
     DEFAULT_RING_BYTES,
     LEAVE_GRACE_SECONDS,
@@ -38,8 +39,8 @@ __all__ = ["Peer", "Peers", "local_address"]
 log = logging.getLogger("zloader.loader")
 
 
-@dataclass
-class Peer:
+@dataclass(eq=False, repr=False)
+class Peer(ByFields):
     """One worker serving this consumer's job, and this consumer's side of its stream."""
 
     worker: str

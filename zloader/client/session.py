@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zloader import codec
+from zloader._byfields import ByFields, FrozenByFields
 from zloader._defaults import HEARTBEAT, MAX_RANGES
 from zloader.lineage import Ledger
 from zloader.transport.keys import Keys
@@ -15,8 +16,8 @@ from zloader.transport.keys import Keys
 __all__ = ["HEARTBEAT", "EpochInput", "PerWorker", "Session", "Settings", "encoded"]
 
 
-@dataclass(frozen=True)
-class PerWorker:
+@dataclass(eq=False, repr=False, frozen=True)
+class PerWorker(FrozenByFields):
     """An epoch input with one element per worker index: ``Loader.iterate(PerWorker(xs))``
     hands the worker of index ``i`` the element ``xs[i]`` alone (``Context.settings.epoch_input``),
     and a worker of an index past the end None. The torch adapter sends each worker only
@@ -25,8 +26,8 @@ class PerWorker:
     inputs: Sequence[Any]
 
 
-@dataclass(frozen=True)
-class EpochInput:
+@dataclass(eq=False, repr=False, frozen=True)
+class EpochInput(FrozenByFields):
     """An epoch's input as codec frames, as it goes with OPEN: the same frames for every
     worker (``shared``), or each worker index its own (``each``)."""
 
@@ -52,8 +53,8 @@ def encoded(epoch_input: Any) -> EpochInput:
     return EpochInput(codec.encode(epoch_input) if epoch_input is not None else [])
 
 
-@dataclass(frozen=True)
-class Settings:
+@dataclass(eq=False, repr=False, frozen=True)
+class Settings(FrozenByFields):
     """A consumer's settings, from the Loader's arguments."""
 
     address: str  # the broker's
@@ -79,8 +80,8 @@ class Settings:
     # unbatches from there on are made here, not received (zloader/client/draw.py)
 
 
-@dataclass
-class Session:
+@dataclass(eq=False, repr=False)
+class Session(ByFields):
     """The job this consumer joined and the epoch under way, as the broker link, the
     peers, the receiving side and the end of the epoch all see them."""
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from zloader._byfields import ByFields
+
 __all__ = ["Stats"]
 
 
-@dataclass
-class Stats:
+@dataclass(eq=False, repr=False)
+class Stats(ByFields):
     """A consumer's counters and what it knows of its job.
 
     Each field has one writer, named first in its comment: ``loop``, the consumer loop

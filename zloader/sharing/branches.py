@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zloader import stages as _stages
+from zloader._byfields import FrozenByFields
 from zloader._defaults import MAX_STAGES
 from zloader.mixing import MixSource
 from zloader.pipeline import Pipeline
@@ -33,8 +34,8 @@ from zloader.runs import Context
 __all__ = ["Branch", "Tree", "first_tap", "prefix_of"]
 
 
-@dataclass(frozen=True)
-class Branch:
+@dataclass(eq=False, repr=False, frozen=True)
+class Branch(FrozenByFields):
     """One branch of a shared job: its index (0: the job's own pipeline), its pipeline
     planned as the job runs it, the stages it has in common with branch 0 (``tap``), and
     the fingerprint that names it."""

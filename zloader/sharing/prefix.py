@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from zloader._byfields import ByFields, FrozenByFields
 from zloader._defaults import MAX_BRANCHES
 
 __all__ = ["Branches", "Member", "shared_stages"]
@@ -33,8 +34,8 @@ def shared_stages(ours: Sequence[str], theirs: Sequence[str], low: int, high: in
     return shared if shared >= max(1, low) else 0
 
 
-@dataclass(frozen=True)
-class Member:
+@dataclass(eq=False, repr=False, frozen=True)
+class Member(FrozenByFields):
     """A branch: its pipeline's fingerprint, prefix fingerprints and stage names, where
     workers get it (its REGISTER's payload ``blob``, or ``pipeline`` and ``source_data``
     as a TASK names them), the fewest stages it may share (``first_tap``) and the stages
@@ -50,8 +51,8 @@ class Member:
     tap: int = 0
 
 
-@dataclass
-class Branches:
+@dataclass(eq=False, repr=False)
+class Branches(ByFields):
     """A shared job's branches: index 0 its own pipeline (``own``), index k
     ``members[k - 1]``."""
 

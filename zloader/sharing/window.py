@@ -32,13 +32,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from zloader._byfields import ByFields, FrozenByFields
+
 __all__ = ["LAG_POLICIES", "Cursor", "Entry", "Window", "WindowSettings"]
 
 LAG_POLICIES = ("block", "skip")
 
 
-@dataclass(frozen=True)
-class WindowSettings:
+@dataclass(eq=False, repr=False, frozen=True)
+class WindowSettings(FrozenByFields):
     """A shared job's window settings, as its TASK carries them (``share``)."""
 
     window_bytes: int
@@ -100,8 +102,8 @@ class Cursor:
     branch: int = 0  # the records it is sent (those of the trainers with its pipeline)
 
 
-@dataclass
-class Window:
+@dataclass(eq=False, repr=False)
+class Window(ByFields):
     """A worker's window of a shared job: the records it keeps (``capacity`` bytes) for
     trainers that lag, each trainer's cursor, and what a full window does (``lag``)."""
 

@@ -17,11 +17,8 @@ failed batch carried as a value), ``passes`` (the iterators), ``dataloader`` (Da
 
 from __future__ import annotations
 
-from zloader._imports import collector_paused
-
-with collector_paused():  # (zloader/_imports.py says why)
-    from zloader.torch.dataloader import DataLoader
-    from zloader.torch.dataset import IterableDataset
-    from zloader.torch.tensors import to_numpy, to_torch
+from zloader.torch.dataloader import DataLoader
+from zloader.torch.dataset import IterableDataset
+from zloader.torch.tensors import to_numpy, to_torch
 
 __all__ = ["DataLoader", "IterableDataset", "to_numpy", "to_torch"]

@@ -19,14 +19,15 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from zloader._byfields import FrozenByFields
 from zloader.errors import PipelineError, WorkerExited
 
 FIELDS = 6
 """The strings of a failure: stage, type name, built-in base, message, traceback, where."""
 
 
-@dataclass(frozen=True)
-class Failed:
+@dataclass(eq=False, repr=False, frozen=True)
+class Failed(FrozenByFields):
     """A batch's failure on the consumer's side, in that batch's place (not itself an
     exception, so that the queues and threads that carry batches carry it unchanged)."""
 

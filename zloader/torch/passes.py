@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from zloader._byfields import ByFields
 from zloader.errors import Timeout, WorkerExited
 from zloader.loader import Loader
 from zloader.torch.failures import Failed, rebuild, torch_words
@@ -27,8 +28,8 @@ _NONE = object()
 _START = {"start": None}  # what Intake._read returns for a start record
 
 
-@dataclass
-class Progress:
+@dataclass(eq=False, repr=False)
+class Progress(ByFields):
     """Where a pass stands: the sampler's random state it started from, whether it drew a
     base seed from it, the batches it yielded (those it skipped when resumed included), and
     the random state of each worker after its last batch yielded (a worker not in it is as

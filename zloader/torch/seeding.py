@@ -15,9 +15,11 @@ import torch
 from torch.utils.data import dataloader as _torch_dataloader
 from torch.utils.data._utils import worker as _torch_worker
 
+from zloader._byfields import ByFields
 
-@dataclass
-class Seeded:
+
+@dataclass(eq=False, repr=False)
+class Seeded(ByFields):
     """This worker process's seeding for the DataLoader whose batches it makes (a worker
     runs one task at a time): that loader's token, the base seed, the worker it was seeded
     as, the random state it was seeded to and the random state it last reported."""

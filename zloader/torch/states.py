@@ -41,6 +41,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
+from zloader._byfields import ByFields
 from zloader._defaults import CODEC_MAX_DEPTH
 from zloader.torch.seeding import unpack_rng
 
@@ -113,8 +114,8 @@ def inline(dataset: Any, fetcher: Any) -> dict[str, Any]:
                               "fetcher_ended": bool(fetcher.ended)}}
 
 
-@dataclass
-class Place:
+@dataclass(eq=False, repr=False)
+class Place(ByFields):
     """Where one worker stands, as far as the batches yielded go: the snapshot of its
     dataset it had at its last batch yielded that carried one (None: as its seeding and
     ``iter()`` leave it), its random state then (empty: as seeded), its batches yielded

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
+from zloader._byfields import FrozenByFields
 from zloader._defaults import MAX_FIELD_DEPTH, MAX_ITEMS, MAX_NAME
 from zloader.lineage import unpack
 from zloader.transport.protocol import Command, ProtocolError
@@ -178,32 +179,16 @@ def fld(check: Check, default: Any = dataclasses.MISSING, *, wire: str | None = 
 
 R = TypeVar("R", bound="Body")
 @dataclass(frozen=True, kw_only=True, eq=False, repr=False)
-class Body:
+class Body(FrozenByFields):
     """A JSON object of checked fields, declared with :func:`fld`: decoded field by field
     (:meth:`from_body`) and encoded back (:meth:`to_body`). :class:`Record` is a message's;
     the broker's journal events are others (zloader/broker/events.py). Each kind is a
-    ``@dataclass(frozen=True, kw_only=True, eq=False, repr=False)``: the ``__eq__``,
-    ``__hash__`` and ``__repr__`` a dataclass would compile for each kind at import (a
-    fifth of ``import zloader`` for the messages alone) are Body's, by the fields; two
-    bodies are equal when of one kind with equal fields."""
+    ``@dataclass(frozen=True, kw_only=True, eq=False, repr=False)``: its ``__eq__``,
+    ``__hash__`` and ``__repr__`` are :class:`~zloader._byfields.FrozenByFields`', by the
+    fields, not compiled for each kind at import; two bodies are equal when of one kind
+    with equal fields."""
 
     _spec: ClassVar[tuple[tuple[str, str, Check, Any, bool], ...]] = ()
-
-    def _values(self) -> tuple[Any, ...]:
-        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is not self.__class__:
-            return NotImplemented
-        return self._values() == other._values()
-
-    def __hash__(self) -> int:
-        return hash((self.__class__, self._values()))
-
-    def __repr__(self) -> str:
-        shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}"
-                          for f in dataclasses.fields(self) if f.repr)
-        return f"{self.__class__.__qualname__}({shown})"
 
     @classmethod
     def label(cls) -> str:

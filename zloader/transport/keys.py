@@ -36,6 +36,8 @@ from typing import Any
 import zmq
 import zmq.auth
 
+from zloader._byfields import FrozenByFields
+
 __all__ = ["KEYS_ENV", "Keys", "KeysError", "keygen", "resolve", "unsafe_directory"]
 
 log = logging.getLogger("zloader.keys")
@@ -90,8 +92,8 @@ def _user(uid: int) -> str:
     return f"uid {uid}" if name == str(uid) else f"uid {uid} ({name})"
 
 
-@dataclass(frozen=True)
-class Keys:
+@dataclass(eq=False, repr=False, frozen=True)
+class Keys(FrozenByFields):
     """The key pairs of a keys directory, and where its authorized keys are."""
 
     path: str

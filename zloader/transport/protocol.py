@@ -18,6 +18,7 @@ from typing import Any
 
 import cloudpickle
 
+from zloader._byfields import ByFields
 from zloader._defaults import HEARTBEAT_RANGE, MAX_BODY_BYTES, MAX_BODY_DEPTH, STAGES
 from zloader.errors import ZloaderError
 
@@ -102,8 +103,8 @@ class VersionMismatch(ProtocolError):
         return type(self), (self.theirs,)
 
 
-@dataclass
-class Message:
+@dataclass(eq=False, repr=False)
+class Message(ByFields):
     """One decoded message. ``payload`` holds frames (bytes-like) after the body; the body
     is read through its record (zloader/transport/messages.py: ``decode``), never by hand."""
 

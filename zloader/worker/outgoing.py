@@ -8,11 +8,13 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from zloader._byfields import ByFields, FrozenByFields
+
 __all__ = ["EndOut", "Head", "Outgoing"]
 
 
-@dataclass(slots=True)
-class Head:
+@dataclass(eq=False, repr=False, slots=True)
+class Head(ByFields):
     """A record's head: the epoch it is of, its elements, the elements skipped so far in
     the epoch (``on_error="skip"``), whether its last buffer is an origin block
     (exactly-once), the stream it belongs to (``part``: a mix input its consumers draw, a
@@ -30,8 +32,8 @@ class Head:
     first: int | None = None  # a shared job's: its place in the epoch (DATA.first)
 
 
-@dataclass(frozen=True)
-class EndOut:
+@dataclass(eq=False, repr=False, frozen=True)
+class EndOut(FrozenByFields):
     """The producer finished ``epoch`` here (its END): the elements it skipped and
     dropped, and the origins block of what no record carried (exactly-once; None); with a
     ``part``, not the epoch's end but that of a mix input its consumers draw."""

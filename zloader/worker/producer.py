@@ -44,6 +44,7 @@ import numpy as np
 import zmq
 
 from zloader import codec, handoff
+from zloader._byfields import FrozenByFields
 from zloader._defaults import (
     HAND_WAIT,
     LARGE_RECORD_BYTES,
@@ -72,8 +73,8 @@ __all__ = ["RECORD_BYTES", "RECORD_ELEMENTS", "RECORD_LINGER", "STAGES", "Hand",
            "Producer", "ProducerSpec", "SplitAnswer"]
 
 
-@dataclass(frozen=True)
-class Hand:
+@dataclass(eq=False, repr=False, frozen=True)
+class Hand(FrozenByFields):
     """How a producer delivers its records itself, instead of handing them to the worker's
     main thread over its pair (when its task's delivery mode allows it: credit delivery,
     see ``Delivery.inline``): under ``lock`` (the worker's: the main thread holds it

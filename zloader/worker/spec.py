@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from zloader._byfields import FrozenByFields
 from zloader._defaults import PREFIX_HISTORY_BYTES
 from zloader.lineage import Assigned
 from zloader.options import JobOptions
@@ -28,8 +29,8 @@ class LinkKind(enum.Enum):
     FAIL = b"F"       # {epoch, error}: user code failed
 
 
-@dataclass(frozen=True)
-class SplitAnswer:
+@dataclass(eq=False, repr=False, frozen=True)
+class SplitAnswer(FrozenByFields):
     """The broker's answer to a producer's ``SPLIT_REQ``, as the worker's main thread hands
     it over (:meth:`Producer.answer`; nothing is serialized between the two threads): the
     pass it is about, the split (None: no more of that pass for this worker), the
@@ -42,8 +43,8 @@ class SplitAnswer:
     assigned: Assigned | None = None
 
 
-@dataclass(frozen=True)
-class ProducerSpec:
+@dataclass(eq=False, repr=False, frozen=True)
+class ProducerSpec(FrozenByFields):
     """What a producer needs of its task, fixed when the task starts.
 
     Attributes:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from zloader import codec
+from zloader._byfields import ByFields
 from zloader.transport import messages, records
 from zloader.transport.notice import FRAME_HEAD, NOTICE, frame_size, open_notify
 from zloader.transport.protocol import encode
@@ -35,8 +36,8 @@ __all__ = ["Outlet", "Stream", "attach_ring", "unlink_handoffs"]
 log = logging.getLogger("zloader.worker")
 
 
-@dataclass
-class Stream:
+@dataclass(eq=False, repr=False)
+class Stream(ByFields):
     """One consumer reading this worker's task."""
 
     identity: bytes

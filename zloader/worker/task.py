@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zloader import codec
+from zloader._byfields import FrozenByFields
 from zloader._defaults import KEPT_EPOCHS, PREFIX_HISTORY_BYTES
 from zloader.lineage import Assigned
 from zloader.mixing import LiveWeights
@@ -46,8 +47,8 @@ def keep_latest(by_epoch: dict[int, Any]) -> None:
         del by_epoch[old]
 
 
-@dataclass(frozen=True)
-class Assignment:
+@dataclass(eq=False, repr=False, frozen=True)
+class Assignment(FrozenByFields):
     """A TASK, checked: the job this worker is to run (``options``: how, the job's
     :class:`~zloader.options.JobOptions`) and this worker's place in it."""
 
