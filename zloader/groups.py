@@ -49,7 +49,7 @@ _ELEMENTWISE = frozenset(("map", "filter"))  # (between a batch and its unbatch)
 _GROUPING = frozenset(("batch", "bucket_by_length"))
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class Section(FrozenByFields):
     """An ``unbatch`` and what comes before it, as a group's rows are made again: ``head``
     (the batch it undoes, or None: it splits elements as they come), ``between`` (the

@@ -104,7 +104,7 @@ def input_of(key: Key) -> int | None:
     return None
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class Layout(FrozenByFields):
     """Which splits each pass of a mix reads, as plain values: per input, its number of
     splits, whether it shuffles them and its seed (what ``REGISTER.source.inputs``

@@ -51,7 +51,7 @@ def _maybe_share(value: Any) -> dict[str, Any] | None:
     return None if value is None else share_settings(value)
 
 
-@dataclass(eq=False, repr=False, frozen=True, kw_only=True)
+@dataclass(eq=False, repr=False, kw_only=True)
 class JobOptions(FrozenByFields):
     """How a job runs, the same for all its consumers and workers.
 

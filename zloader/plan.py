@@ -52,7 +52,7 @@ _ELEMENTWISE = (_stages.Map, _stages.Filter, _stages.Shuffle)
 (:func:`repeats_moved`): each element's output is its own, whatever pass it is in."""
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class Plan(FrozenByFields):
     """``pipeline`` cut in two: ``worker_stages`` after the source run on the workers,
     ``consumer_stages`` (a take/skip and what follows) on the consumer. When the consumer

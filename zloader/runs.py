@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 __all__ = ["Context", "Coverage", "RunSettings", "RunTally"]
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class RunSettings(FrozenByFields):
     """How a run goes, fixed when it starts.
 

@@ -116,7 +116,7 @@ def _anything(value: Any) -> Any:
 
 # --- the events ------------------------------------------------------------------------------
 
-@dataclass(eq=False, repr=False, frozen=True, kw_only=True)
+@dataclass(eq=False, repr=False, kw_only=True)
 class Event(Body):
     """One journal line: ``{"e": KIND, ...fields}``."""
 
@@ -136,7 +136,7 @@ class Event(Body):
         return job if isinstance(job, str) else None
 
 
-@dataclass(eq=False, repr=False, frozen=True, kw_only=True)
+@dataclass(eq=False, repr=False, kw_only=True)
 class WorkerReady(Event):
     """A worker registered (READY)."""
 
@@ -164,7 +164,7 @@ def _job_options(body: Any) -> JobOptions:
     return JobOptions.from_body(body)
 
 
-@dataclass(eq=False, repr=False, frozen=True, kw_only=True)
+@dataclass(eq=False, repr=False, kw_only=True)
 class JobCreated(Event):
     """A job was made (its pipeline is kept beside the journal, by its id)."""
 
@@ -203,7 +203,7 @@ class JobCreated(Event):
                        "first_tap": own.first_tap})
 
 
-@dataclass(eq=False, repr=False, frozen=True, kw_only=True)
+@dataclass(eq=False, repr=False, kw_only=True)
 class BranchAdded(Event):
     """A shared job took a pipeline that shares a prefix with its own as branch ``branch``
     (its pipeline is kept beside the journal, by job and branch)."""
@@ -229,7 +229,7 @@ class BranchAdded(Event):
                    source_data=member.source_data)
 
 
-@dataclass(eq=False, repr=False, frozen=True, kw_only=True)
+@dataclass(eq=False, repr=False, kw_only=True)
 class Orphaned(Event):
     """A shared job's last worker left uncleanly: the splits it was handed (per pass, in
     order) and what each trainer said it had of them, kept for the job's next worker to
@@ -251,7 +251,7 @@ class Orphaned(Event):
                    answers=fence.answers)
 
 
-@dataclass(eq=False, repr=False, frozen=True, kw_only=True)
+@dataclass(eq=False, repr=False, kw_only=True)
 class OrphanAdopted(Event):
     """A shared job's next worker was given its last one's splits to make again."""
 
@@ -260,7 +260,7 @@ class OrphanAdopted(Event):
     fence: str = fld(NAME)
 
 
-@dataclass(eq=False, repr=False, frozen=True, kw_only=True)
+@dataclass(eq=False, repr=False, kw_only=True)
 class RoundsSet(Event):
     """A job reads in coordinated rounds of ``size`` consumers."""
 
@@ -269,7 +269,7 @@ class RoundsSet(Event):
     size: int = fld(INDEX)
 
 
-@dataclass(eq=False, repr=False, frozen=True, kw_only=True)
+@dataclass(eq=False, repr=False, kw_only=True)
 class TaskGiven(Event):
     """A worker took a task of a job, at a worker index."""
 
@@ -280,7 +280,7 @@ class TaskGiven(Event):
     index: int = fld(INDEX)
 
 
-@dataclass(eq=False, repr=False, frozen=True, kw_only=True)
+@dataclass(eq=False, repr=False, kw_only=True)
 class SplitHanded(Event):
     """A split of a pass went to a worker (``origin``: the pass it belongs to, when it
     was re-queued from another)."""
@@ -293,7 +293,7 @@ class SplitHanded(Event):
     origin: PassKey | None = fld(optional(PASS_KEY), None, omit=True)
 
 
-@dataclass(eq=False, repr=False, frozen=True, kw_only=True)
+@dataclass(eq=False, repr=False, kw_only=True)
 class SplitRequeued(Event):
     """A split is to be read again, less what ``skip`` says."""
 
@@ -304,7 +304,7 @@ class SplitRequeued(Event):
     skip: dict[str, Any] = fld(obj)
 
 
-@dataclass(eq=False, repr=False, frozen=True, kw_only=True)
+@dataclass(eq=False, repr=False, kw_only=True)
 class JobResumed(Event):
     """A resumed Loader's epoch and what it had yielded (a Ledger's JSON)."""
 
@@ -314,7 +314,7 @@ class JobResumed(Event):
     delivered: Any = fld(_anything)
 
 
-@dataclass(eq=False, repr=False, frozen=True, kw_only=True)
+@dataclass(eq=False, repr=False, kw_only=True)
 class PassRead(Event):
     """A worker read every split it was handed in a pass (PASS_DONE)."""
 
@@ -324,14 +324,14 @@ class PassRead(Event):
     worker: str = fld(NAME)
 
 
-@dataclass(eq=False, repr=False, frozen=True, kw_only=True)
+@dataclass(eq=False, repr=False, kw_only=True)
 class EpochStarted(Event):
     KIND = "epoch"
     job: str = fld(NAME)
     epoch: int = fld(INDEX)
 
 
-@dataclass(eq=False, repr=False, frozen=True, kw_only=True)
+@dataclass(eq=False, repr=False, kw_only=True)
 class PassKept(Event):
     """A pass as it is (a compacted journal's, in place of its history)."""
 
@@ -355,7 +355,7 @@ class PassKept(Event):
                             for place, origin in places.items()])
 
 
-@dataclass(eq=False, repr=False, frozen=True, kw_only=True)
+@dataclass(eq=False, repr=False, kw_only=True)
 class JobFailed(Event):
     """The job's pipeline raised (TASK_FAILED): the job ends with this error."""
 
@@ -364,13 +364,13 @@ class JobFailed(Event):
     error: dict[str, Any] = fld(obj)
 
 
-@dataclass(eq=False, repr=False, frozen=True, kw_only=True)
+@dataclass(eq=False, repr=False, kw_only=True)
 class JobEnded(Event):
     KIND = "end"
     job: str = fld(NAME)
 
 
-@dataclass(eq=False, repr=False, frozen=True, kw_only=True)
+@dataclass(eq=False, repr=False, kw_only=True)
 class WorkerGone(Event):
     """A worker left the broker: ``died``, or drained first (``clean``); ``fenced``: its
     splits' re-queues follow as events of their own."""
@@ -382,7 +382,7 @@ class WorkerGone(Event):
     clean: bool = fld(boolean, False, omit=True)
 
 
-@dataclass(eq=False, repr=False, frozen=True, kw_only=True)
+@dataclass(eq=False, repr=False, kw_only=True)
 class WorkerLeft(Event):
     """A worker left a job's task for another job (``placement.preempt``)."""
 

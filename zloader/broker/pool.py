@@ -39,7 +39,7 @@ UNBOUNDED = 1 << 30
 """``Claim.wants`` of a job that can use any number of workers."""
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class Claim(FrozenByFields):
     """What one job asks of the pool now."""
 
@@ -53,7 +53,7 @@ class Claim(FrozenByFields):
     exact: bool = True  # a move mid-epoch repeats nothing (it runs exactly-once, or is idle)
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class Holding(FrozenByFields):
     """A worker that runs a task of ``job`` since ``since``."""
 

@@ -276,7 +276,7 @@ class Job(ByFields):
         return self.sharding == "static" or self.deterministic
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class Limits(FrozenByFields):
     """What the broker holds for its peers, at most (docs/reliability.md, "Floods"): a
     REGISTER of a new job past one is refused with an ERROR naming it. ``peer_*``: the jobs

@@ -92,7 +92,7 @@ def choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class Arguments(FrozenByFields):
     """What a Loader was given, checked: the values its parts are built from.
 

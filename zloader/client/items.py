@@ -27,7 +27,7 @@ class Data(ByFields):
     part: int | None = None  # the mix input it holds, when this consumer draws the mix
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class End(FrozenByFields):
     """One worker finished the epoch; ``origins``: those of the elements it dropped that
     no record carried (exactly-once)."""
@@ -38,7 +38,7 @@ class End(FrozenByFields):
     origins: Origins | None = None
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class InputEnd(FrozenByFields):
     """The worker at ``index`` has no more elements of mix input ``part`` this epoch
     (this consumer draws the mix); it sent every record of it before."""
@@ -49,7 +49,7 @@ class InputEnd(FrozenByFields):
     part: int
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class Lost(FrozenByFields):
     """A coordinated round this consumer held was lost for every consumer: its record's
     credit goes back, its elements are not yielded."""
@@ -59,14 +59,14 @@ class Lost(FrozenByFields):
     index: int
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class Done(FrozenByFields):
     """Every worker finished the epoch and nothing of it is missing."""
 
     epoch: int
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class Failed(FrozenByFields):
     """The epoch cannot go on: raise ``error`` in the iterating thread."""
 
@@ -78,7 +78,7 @@ Item = Data | End | InputEnd | Lost | Done | Failed
 """What the loop hands the iterating thread."""
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class StartEpoch(FrozenByFields):
     """Open ``epoch`` on every worker, handing them ``frames`` (the epoch's input)."""
 
@@ -86,7 +86,7 @@ class StartEpoch(FrozenByFields):
     frames: EpochInput
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class GiveCredit(FrozenByFields):
     """The iterating thread used ``credits`` records of ``worker``: give them back."""
 
@@ -104,7 +104,7 @@ class SetWeights(ByFields):
     stamp: float
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class DispatchItems(FrozenByFields):
     """Work items for the worker of index ``worker`` in the epoch under way
     (``Loader.dispatch``); none: it gets no more."""

@@ -16,7 +16,7 @@ from zloader.transport.keys import Keys
 __all__ = ["HEARTBEAT", "EpochInput", "PerWorker", "Session", "Settings", "encoded"]
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class PerWorker(FrozenByFields):
     """An epoch input with one element per worker index: ``Loader.iterate(PerWorker(xs))``
     hands the worker of index ``i`` the element ``xs[i]`` alone (``Context.settings.epoch_input``),
@@ -26,7 +26,7 @@ class PerWorker(FrozenByFields):
     inputs: Sequence[Any]
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class EpochInput(FrozenByFields):
     """An epoch's input as codec frames, as it goes with OPEN: the same frames for every
     worker (``shared``), or each worker index its own (``each``)."""
@@ -53,7 +53,7 @@ def encoded(epoch_input: Any) -> EpochInput:
     return EpochInput(codec.encode(epoch_input) if epoch_input is not None else [])
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class Settings(FrozenByFields):
     """A consumer's settings, from the Loader's arguments."""
 
@@ -89,7 +89,7 @@ class Session(ByFields):
     job: str | None = None  # None until the broker answers REGISTER, and once it forgets
     heartbeat: float = HEARTBEAT  # the broker's, once it has told us
     epoch: int | None = None  # the epoch under way (None before the first)
-    epoch_input: EpochInput = EpochInput()  # codec frames sent with OPEN
+    epoch_input: EpochInput = field(default_factory=EpochInput)  # codec frames sent with OPEN
     ended: set[str] = field(default_factory=set)  # workers that ended the epoch (rerun)
     done: bool = False  # the epoch is over: Done was handed on
     rerun: int = 0  # how often the workers were asked to run the epoch again

@@ -34,7 +34,7 @@ from zloader.runs import Context
 __all__ = ["Branch", "Tree", "first_tap", "prefix_of"]
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class Branch(FrozenByFields):
     """One branch of a shared job: its index (0: the job's own pipeline), its pipeline
     planned as the job runs it, the stages it has in common with branch 0 (``tap``), and

@@ -34,7 +34,7 @@ def shared_stages(ours: Sequence[str], theirs: Sequence[str], low: int, high: in
     return shared if shared >= max(1, low) else 0
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class Member(FrozenByFields):
     """A branch: its pipeline's fingerprint, prefix fingerprints and stage names, where
     workers get it (its REGISTER's payload ``blob``, or ``pipeline`` and ``source_data``

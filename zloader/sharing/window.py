@@ -39,7 +39,7 @@ __all__ = ["LAG_POLICIES", "Cursor", "Entry", "Window", "WindowSettings"]
 LAG_POLICIES = ("block", "skip")
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class WindowSettings(FrozenByFields):
     """A shared job's window settings, as its TASK carries them (``share``)."""
 

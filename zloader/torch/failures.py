@@ -26,7 +26,7 @@ FIELDS = 6
 """The strings of a failure: stage, type name, built-in base, message, traceback, where."""
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class Failed(FrozenByFields):
     """A batch's failure on the consumer's side, in that batch's place (not itself an
     exception, so that the queues and threads that carry batches carry it unchanged)."""

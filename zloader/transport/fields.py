@@ -178,7 +178,7 @@ def fld(check: Check, default: Any = dataclasses.MISSING, *, wire: str | None = 
 # --- records ------------------------------------------------------------------------------
 
 R = TypeVar("R", bound="Body")
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+@dataclass(kw_only=True, eq=False, repr=False)
 class Body(FrozenByFields):
     """A JSON object of checked fields, declared with :func:`fld`: decoded field by field
     (:meth:`from_body`) and encoded back (:meth:`to_body`). :class:`Record` is a message's;
@@ -250,7 +250,7 @@ class Body(FrozenByFields):
         return body
 
 
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+@dataclass(kw_only=True, eq=False, repr=False)
 class Record(Body):
     """A message body; subclasses are the records of one command each."""
 

@@ -92,7 +92,7 @@ def _user(uid: int) -> str:
     return f"uid {uid}" if name == str(uid) else f"uid {uid} ({name})"
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class Keys(FrozenByFields):
     """The key pairs of a keys directory, and where its authorized keys are."""
 

@@ -132,7 +132,7 @@ __all__ = [
 
 # Worker and broker
 
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+@dataclass(kw_only=True, eq=False, repr=False)
 class Ready(Record):
     """READY (worker): it (re-)registers with the broker."""
 
@@ -148,7 +148,7 @@ class Ready(Record):
     slot: int | None = fld(optional(INDEX), None, omit=True)
 
 
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+@dataclass(kw_only=True, eq=False, repr=False)
 class Ack(Record):
     """ACK (broker): the answer to READY, with the task the broker runs on the worker."""
 
@@ -157,7 +157,7 @@ class Ack(Record):
     task: str | None = fld(optional(NAME))  # null: the broker runs no task on this worker
 
 
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+@dataclass(kw_only=True, eq=False, repr=False)
 class Task(Record):
     """TASK (broker): run this task of a job's pipeline."""
 
@@ -175,7 +175,7 @@ class Task(Record):
     first_tap: int = fld(integer(0, MAX_STAGES), 0, omit=True)
 
 
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+@dataclass(kw_only=True, eq=False, repr=False)
 class TaskFailed(Record):
     """TASK_FAILED (worker): the task's pipeline could not be loaded or raised."""
 
@@ -184,7 +184,7 @@ class TaskFailed(Record):
     error: dict[str, str] = fld(error_object)
 
 
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+@dataclass(kw_only=True, eq=False, repr=False)
 class SplitReq(Record):
     """SPLIT_REQ (worker): the next split of a pass (and those ahead of it)."""
 
@@ -196,7 +196,7 @@ class SplitReq(Record):
     ahead: int = fld(integer(0, MAX_AHEAD), 0, omit=True)
 
 
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+@dataclass(kw_only=True, eq=False, repr=False)
 class Split(Record):
     """SPLIT (broker): a split of a pass for a task, or none left."""
 
@@ -217,7 +217,7 @@ class Split(Record):
     then: tuple[int, ...] = fld(list_of(INDEX, 0, MAX_AHEAD), (), omit=True)
 
 
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+@dataclass(kw_only=True, eq=False, repr=False)
 class PassDone(Record):
     """PASS_DONE (worker): every split it was handed in a pass is read."""
 
@@ -226,7 +226,7 @@ class PassDone(Record):
     pass_: tuple[int, ...] = fld(PASS_KEY, wire="pass")
 
 
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+@dataclass(kw_only=True, eq=False, repr=False)
 class Release(Record):
     """RELEASE (broker): stop the task (or drain it first)."""
 
@@ -236,7 +236,7 @@ class Release(Record):
     drain: bool = fld(boolean, False, omit=True)
 
 
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+@dataclass(kw_only=True, eq=False, repr=False)
 class Branch(Record):
     """A shared job's trainers whose pipeline shares the source and first ``tap``
     stages with the job's (zloader/sharing/branches.py): they read branch ``branch``; the
@@ -251,7 +251,7 @@ class Branch(Record):
     source_data: dict[str, Any] | None = fld(optional(source_ref), None, omit=True)
 
 
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+@dataclass(kw_only=True, eq=False, repr=False)
 class Handover(Record):
     """HANDOVER (broker): a shared job's splits another worker read, to make again."""
 
@@ -265,7 +265,7 @@ class Handover(Record):
     fence: str | None = fld(optional(NAME), None, omit=True)
 
 
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+@dataclass(kw_only=True, eq=False, repr=False)
 class ConsumerGone(Record):
     """CONSUMER_GONE (broker): a consumer of the task's job left."""
 
@@ -275,7 +275,7 @@ class ConsumerGone(Record):
     replaced: bool = fld(boolean, False)
 
 
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+@dataclass(kw_only=True, eq=False, repr=False)
 class RoundReq(Record):
     """ROUND_REQ (worker): a coordinated job's next round number."""
 
@@ -286,7 +286,7 @@ class RoundReq(Record):
     members: tuple[str | None, ...] = fld(list_of(optional(NAME), 1))
 
 
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+@dataclass(kw_only=True, eq=False, repr=False)
 class Round(Record):
     """ROUND (broker): a coordinated job's round number."""
 
@@ -298,7 +298,7 @@ class Round(Record):
 
 # Consumer and broker
 
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+@dataclass(kw_only=True, eq=False, repr=False)
 class Register(Record):
     """REGISTER (consumer): join a job (made from the pipeline when new)."""
 
@@ -328,7 +328,7 @@ class Register(Record):
     blob: bytes = dataclasses.field(default=b"", repr=False, compare=False)
 
 
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+@dataclass(kw_only=True, eq=False, repr=False)
 class Job(Record):
     """JOB (broker): a job and its workers, as a consumer sees them."""
 
@@ -360,7 +360,7 @@ class Job(Record):
             object.__setattr__(self, "pending", {})
 
 
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+@dataclass(kw_only=True, eq=False, repr=False)
 class Epoch(Record):
     """EPOCH (consumer): it starts an epoch."""
 
@@ -369,7 +369,7 @@ class Epoch(Record):
     epoch: int | None = fld(optional(INDEX))
 
 
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+@dataclass(kw_only=True, eq=False, repr=False)
 class Received(Record):
     """RECEIVED (consumer): a coordinated job's rounds it has."""
 
@@ -378,7 +378,7 @@ class Received(Record):
     rounds: tuple[int, ...] = fld(ROUNDS)
 
 
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+@dataclass(kw_only=True, eq=False, repr=False)
 class Commit(Record):
     """COMMIT (broker): a coordinated job's rounds every consumer has."""
 
@@ -389,7 +389,7 @@ class Commit(Record):
     total_lost: int = fld(INDEX, 0)
 
 
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+@dataclass(kw_only=True, eq=False, repr=False)
 class Delivered(Record):
     """DELIVERED (consumer): what it holds of a dead worker's splits."""
 
@@ -402,7 +402,7 @@ class Delivered(Record):
     shared: dict[str, Any] | None = fld(optional(shared_answer), None, omit=True)
 
 
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+@dataclass(kw_only=True, eq=False, repr=False)
 class Log(Record):
     """A worker's (``task``) or the broker's (``host``, ``pid``) LOG."""
 
@@ -413,7 +413,7 @@ class Log(Record):
     pid: int | None = fld(optional(INDEX), None, omit=True)
 
 
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+@dataclass(kw_only=True, eq=False, repr=False)
 class Bye(Record):
     """BYE (worker or consumer): it leaves."""
 
@@ -422,7 +422,7 @@ class Bye(Record):
 
 # Anyone and broker
 
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+@dataclass(kw_only=True, eq=False, repr=False)
 class Heartbeat(Record):
     """HEARTBEAT (any): alive, with counters."""
 
@@ -442,7 +442,7 @@ class Heartbeat(Record):
     leaving: bool = fld(boolean, False, omit=True)
 
 
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+@dataclass(kw_only=True, eq=False, repr=False)
 class Status(Record):
     """A STATUS request (empty) or the broker's answer: ``workers``, ``jobs`` and the
     broker's own counters, passed on as they are (``zloader status --json``)."""
@@ -466,7 +466,7 @@ class Status(Record):
         return dict(self.report)
 
 
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+@dataclass(kw_only=True, eq=False, repr=False)
 class Unknown(Record):
     """UNKNOWN (broker): the sender is not known (a broker restart): register again."""
 
@@ -474,7 +474,7 @@ class Unknown(Record):
     reason: str = fld(text(1 << 16), "")
 
 
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+@dataclass(kw_only=True, eq=False, repr=False)
 class Error(Record):
     """ERROR (broker, worker): a message was refused."""
 
@@ -484,7 +484,7 @@ class Error(Record):
 
 # Data path
 
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+@dataclass(kw_only=True, eq=False, repr=False)
 class Open(Record):
     """OPEN (consumer): open an epoch's stream on a worker."""
 
@@ -515,7 +515,7 @@ class Open(Record):
     branch: int = fld(integer(0, MAX_BRANCHES), 0, omit=True)
 
 
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+@dataclass(kw_only=True, eq=False, repr=False)
 class Weights(Record):
     """WEIGHTS (consumer): a mix's weights from now on."""
 
@@ -524,7 +524,7 @@ class Weights(Record):
     stamp: float = fld(number(0.0, 1e12), 0.0, omit=True)
 
 
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+@dataclass(kw_only=True, eq=False, repr=False)
 class Dispatch(Record):
     """DISPATCH (consumer): work items for a dispatched source's epoch."""
 
@@ -533,7 +533,7 @@ class Dispatch(Record):
     items: tuple[int, ...] = fld(list_of(INDEX))
 
 
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+@dataclass(kw_only=True, eq=False, repr=False)
 class Credit(Record):
     """CREDIT (consumer): records it has room for."""
 
@@ -563,7 +563,7 @@ def _segment(value: Any) -> tuple[str, int]:
     return value[0], value[1]
 
 
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+@dataclass(kw_only=True, eq=False, repr=False)
 class Data(Record):
     """One record's notice: the data path's one message per record, so its body is not
     JSON but a packed struct (:data:`~zloader.transport.protocol.PACKED`): the fields
@@ -690,7 +690,7 @@ def _name(raw: bytes, at: int, size: int, field: str) -> str:
         raise ProtocolError(f"DATA: field {field!r} has a name that is not ASCII") from None
 
 
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+@dataclass(kw_only=True, eq=False, repr=False)
 class End(Record):
     """END (worker): the epoch's stream ended."""
 
@@ -709,7 +709,7 @@ class End(Record):
     part: int | None = fld(optional(MIX_PART), None, omit=True)
 
 
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+@dataclass(kw_only=True, eq=False, repr=False)
 class Fail(Record):
     """FAIL (worker): the epoch's stream failed."""
 
@@ -718,7 +718,7 @@ class Fail(Record):
     error: dict[str, str] = fld(error_object)
 
 
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+@dataclass(kw_only=True, eq=False, repr=False)
 class Ring(Record):
     """RING (consumer): the shared-memory ring to write records into."""
 
@@ -727,7 +727,7 @@ class Ring(Record):
     ring_id: int | None = fld(optional(INDEX), None, omit=True)  # its id in notices
 
 
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+@dataclass(kw_only=True, eq=False, repr=False)
 class Close(Record):
     """CLOSE (consumer): close the stream."""
 
@@ -736,7 +736,7 @@ class Close(Record):
 
 # Source data
 
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+@dataclass(kw_only=True, eq=False, repr=False)
 class Fetch(Record):
     """FETCH (worker): a piece of the consumer's source data."""
 
@@ -744,7 +744,7 @@ class Fetch(Record):
     what: str = fld(text(choices=("pipeline", "source")), "source")
 
 
-@dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+@dataclass(kw_only=True, eq=False, repr=False)
 class Source(Record):
     """SOURCE (consumer): the answer to FETCH."""
 

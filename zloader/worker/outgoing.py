@@ -32,7 +32,7 @@ class Head(ByFields):
     first: int | None = None  # a shared job's: its place in the epoch (DATA.first)
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class EndOut(FrozenByFields):
     """The producer finished ``epoch`` here (its END): the elements it skipped and
     dropped, and the origins block of what no record carried (exactly-once; None); with a

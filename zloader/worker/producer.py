@@ -73,7 +73,7 @@ __all__ = ["RECORD_BYTES", "RECORD_ELEMENTS", "RECORD_LINGER", "STAGES", "Hand",
            "Producer", "ProducerSpec", "SplitAnswer"]
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class Hand(FrozenByFields):
     """How a producer delivers its records itself, instead of handing them to the worker's
     main thread over its pair (when its task's delivery mode allows it: credit delivery,

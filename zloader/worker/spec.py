@@ -29,7 +29,7 @@ class LinkKind(enum.Enum):
     FAIL = b"F"       # {epoch, error}: user code failed
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class SplitAnswer(FrozenByFields):
     """The broker's answer to a producer's ``SPLIT_REQ``, as the worker's main thread hands
     it over (:meth:`Producer.answer`; nothing is serialized between the two threads): the
@@ -43,7 +43,7 @@ class SplitAnswer(FrozenByFields):
     assigned: Assigned | None = None
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class ProducerSpec(FrozenByFields):
     """What a producer needs of its task, fixed when the task starts.
 

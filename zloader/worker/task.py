@@ -47,7 +47,7 @@ def keep_latest(by_epoch: dict[int, Any]) -> None:
         del by_epoch[old]
 
 
-@dataclass(eq=False, repr=False, frozen=True)
+@dataclass(eq=False, repr=False)
 class Assignment(FrozenByFields):
     """A TASK, checked: the job this worker is to run (``options``: how, the job's
     :class:`~zloader.options.JobOptions`) and this worker's place in it."""
