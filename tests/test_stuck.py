@@ -61,6 +61,43 @@ def test_a_worker_stuck_in_user_code_has_its_splits_read_by_the_other_exactly_on
         assert sorted(loader) == list(range(200))
 
 
+def wedge_kth(flag: str, k: int):
+    """A map that blocks forever on the ``k``-th element a process maps, in the first
+    process to get there (the flag file says it happened)."""
+    calls = [0]
+
+    def fn(x: int) -> int:
+        calls[0] += 1
+        if calls[0] == k:
+            try:
+                os.close(os.open(flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return x
+            time.sleep(1e9)
+        return x
+
+    return fn
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [3, 5, 9])
+def test_a_mix_the_consumer_draws_survives_a_worker_stuck_early_in_its_short_input(tmp_path, k):
+    """One worker wedges early in the short input of a mix the consumer draws; the other
+    ends its share of that input, then waits for credits of the long one, which the
+    consumer gives only once it can draw the short one again (after the stuck worker is
+    dropped and its splits are read elsewhere). The credits it still held of the input it
+    had ended made it look stuck too: the Loader raised Timeout (5 of 6 runs) instead of
+    finishing the epoch exactly."""
+    short = Pipeline.range(0, 200, split_size=10).map(wedge_kth(str(tmp_path / "flag"), k))
+    long = Pipeline.range(10_000, 13_000, split_size=10)
+    mix = Pipeline.mix([short, long], [1, 1], seed=1)
+    with Loader(mix, num_workers=2, timeout=5) as loader:
+        seen = collections.Counter(loader)
+    assert (tmp_path / "flag").exists()  # one worker did get stuck
+    assert seen == collections.Counter(Pipeline.mix(
+        [Pipeline.range(0, 200, split_size=10), long], [1, 1], seed=1).iter(0))
+
+
 def _command_line(pid: int) -> str:
     with open(f"/proc/{pid}/cmdline", "rb") as file:
         return file.read().decode(errors="replace")

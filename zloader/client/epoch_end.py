@@ -290,7 +290,7 @@ class EpochEnd:
         for peer in self.peers:
             due = min(due, max(peer.heard, peer.reported) + timeout)
             silent = now - peer.heard
-            if peer.worker in session.ended or peer.owed <= 0 or silent <= timeout \
+            if peer.worker in session.ended or peer.spendable() <= 0 or silent <= timeout \
                     or now - peer.reported <= timeout or peer.task is None:
                 continue
             peer.reported = now  # once per timeout
@@ -298,7 +298,7 @@ class EpochEnd:
                                     "seconds": round(silent, 3)})
             self.link.heartbeat()
             about = (f"{peer.describe()} sent nothing for {silent:.0f} s though it held "
-                     f"{peer.owed} credits of this consumer")
+                     f"{peer.spendable()} credits of this consumer")
             self.peers.lost = about
             if any(p is not peer for p in self.peers):
                 log.warning("%s: its user code may be blocked; the broker takes it off the "

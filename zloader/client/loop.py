@@ -278,9 +278,10 @@ class ConsumerLoop:
         waiting_on = [p for p in peers if p.worker not in self._session.ended]
         if waiting_on:
             quiet = min(waiting_on, key=lambda p: p.heard)
-            why = (f" though it holds {quiet.owed} credits of this consumer: its user code "
+            held = quiet.spendable()
+            why = (f" though it holds {held} credits of this consumer: its user code "
                    "may be blocked (a deadlock, a wait that never ends) or its process "
-                   "stopped" if quiet.owed > 0 else "")
+                   "stopped" if held > 0 else "")
             return (f"no data from the job's {len(peers)} workers for {silent:.0f} s; "
                     f"{quiet.describe()} has sent nothing for "
                     f"{time.monotonic() - quiet.heard:.0f} s{why} (raise timeout= if one "

@@ -62,9 +62,26 @@ class Peer(ByFields):
     host: str = ""
     heard: float = 0.0  # when it last sent something, or was last given credits it lacked
     owed: int = 0  # credits granted for this epoch and not yet used by a record
+    # ... of each part (mix input) this consumer draws, and the parts whose END came
+    part_owed: dict[int, int] = field(default_factory=dict)
+    ended_parts: set[int] = field(default_factory=set)
     reported: float = float("-inf")  # when it was last reported stuck
     doing: dict[str, Any] | None = None  # {epoch, split, stage}, from the job's view
     own: bool = False  # this Loader forked it: its records may hold pickled leaves
+
+    def used(self, part: int | None) -> None:
+        """A record of this epoch came (of ``part``): its credit is used."""
+        self.owed -= 1
+        if part is not None and part in self.part_owed:
+            self.part_owed[part] -= 1
+
+    def spendable(self) -> int:
+        """The credits it holds and can still use: of a mix drawn here, those of the
+        inputs it has not ended (the others' it never will: a worker that waits for
+        credits of an input it still makes is not stuck because it holds them)."""
+        if not self.part_owed:
+            return self.owed
+        return sum(n for part, n in self.part_owed.items() if part not in self.ended_parts)
 
     def describe(self) -> str:
         """``worker pid P on HOST (stage S of split N, epoch E)``, as far as known."""
@@ -302,6 +319,7 @@ class Peers:
             peer.returned = 0
             peer.part_returned = {}
         peer.owed, peer.heard = prefetch * max(1, parts), time.monotonic()  # granted afresh
+        peer.part_owed, peer.ended_parts = dict.fromkeys(range(parts), prefetch), set()
         body = {"job": session.job, "task": peer.task, "consumer": session.consumer,
                 "epoch": session.epoch, "credits": prefetch, "rerun": session.rerun,
                 "ring": peer.ring.name if peer.ring is not None else None,
@@ -365,9 +383,11 @@ class Peers:
         else:
             returned = target.part_returned[part] = target.part_returned.get(part, 0) + credits
         if returned >= self.budget.credit_batch or target.mapped:
-            if target.owed <= 0:  # it had none: its silence so far says nothing
+            if target.spendable() <= 0:  # it had none: its silence so far says nothing
                 target.heard = time.monotonic()
             target.owed += returned
+            if part is not None:
+                target.part_owed[part] = target.part_owed.get(part, 0) + returned
             body: dict[str, Any] = {"epoch": self.session.epoch, "credits": returned,
                                     "mapped": target.mapped}
             if part is not None:

@@ -97,7 +97,7 @@ class Receiver:
         try:
             buffers = self._buffers(peer, data, payload)
         except (ProtocolError, CodecError, RingError) as exc:
-            peer.owed -= 1  # (the record's credit was used)
+            peer.used(data.part)  # (the record's credit was used)
             raise self._dropped(peer, "DATA", exc) from None
         self._taken(peer, data, buffers, data.ring[1] if data.ring is not None else None)
 
@@ -118,7 +118,7 @@ class Receiver:
             block = self.peers.reading(peer, ring).claim(position, length)
             data, buffers = _unframe(block)
         except (ProtocolError, RingError) as exc:
-            peer.owed -= 1  # (the record's credit was used)
+            peer.used(None)  # (the record's credit was used; of a part it does not say)
             raise self._dropped(peer, "record notice", exc) from None
         if peer.deferred or self._early(peer, data):
             # DATA messages its worker sent before it are still on their way: it waits
@@ -173,7 +173,7 @@ class Receiver:
         """A record of ``peer``'s (``grow``: its size in a ring, which may need to grow)."""
         if data.epoch != self.session.epoch:
             return  # an old epoch's record: its credit is not coming back, by design
-        peer.owed -= 1
+        peer.used(data.part)
         try:
             self._data(peer, data, buffers, grow)
         except (ProtocolError, CodecError, RingError) as exc:
@@ -256,6 +256,7 @@ class Receiver:
         mix input this consumer draws."""
         session, stats = self.session, self.stats
         if end.part is not None:
+            peer.ended_parts.add(end.part)
             self.put(InputEnd(session.epoch if session.epoch is not None else -1,
                               peer.worker, peer.index, end.part))
             return
