@@ -430,22 +430,14 @@ def test_a_worker_refuses_a_malformed_open_naming_the_field():
     assert "OPEN: field 'credits' must be an integer >= 0" in answer.body["message"]
 
 
-@dataclasses.dataclass(frozen=True)
-class _Compiled:
-    a: int
-    b: object = None
-    hidden: int = dataclasses.field(default=0, repr=False)
-    ignored: int = dataclasses.field(default=0, compare=False)
-    unhashed: int = dataclasses.field(default=0, hash=False)
-
-
-@dataclasses.dataclass(eq=False, repr=False)
-class _ByFields(FrozenByFields):
-    a: int
-    b: object = None
-    hidden: int = dataclasses.field(default=0, repr=False)
-    ignored: int = dataclasses.field(default=0, compare=False)
-    unhashed: int = dataclasses.field(default=0, hash=False)
+_FIELDS = [("a", int), ("b", object, dataclasses.field(default=None)),
+           ("hidden", int, dataclasses.field(default=0, repr=False)),
+           ("ignored", int, dataclasses.field(default=0, compare=False)),
+           ("unhashed", int, dataclasses.field(default=0, hash=False))]
+# The same fields, their methods compiled by @dataclass, and from zloader._byfields.
+_Compiled = dataclasses.make_dataclass("_Compiled", _FIELDS, frozen=True)
+_ByFields = dataclasses.make_dataclass("_ByFields", _FIELDS, bases=(FrozenByFields,),
+                                       eq=False, repr=False)
 
 
 @dataclasses.dataclass(eq=False, repr=False)

@@ -28,17 +28,23 @@ def test_a_timeout_that_is_not_a_finite_positive_number_is_refused(timeout):
     DataLoader(torch.arange(4), num_workers=1, timeout=0)
 
 
+def _block_once(flag: str) -> None:
+    """Block forever, as user code stuck in a deadlock would, unless some process did so
+    already (the flag file says it happened)."""
+    try:
+        os.close(os.open(flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return
+    time.sleep(1e9)
+
+
 def wedge_once(flag: str, at: int):
     """A map that blocks forever on element ``at``, the first time it meets it in any
-    process (the flag file says it happened), as user code stuck in a deadlock would."""
+    process."""
 
     def fn(x: int) -> int:
         if x == at:
-            try:
-                os.close(os.open(flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            except FileExistsError:
-                return x
-            time.sleep(1e9)
+            _block_once(flag)
         return x
 
     return fn
@@ -63,17 +69,13 @@ def test_a_worker_stuck_in_user_code_has_its_splits_read_by_the_other_exactly_on
 
 def wedge_kth(flag: str, k: int):
     """A map that blocks forever on the ``k``-th element a process maps, in the first
-    process to get there (the flag file says it happened)."""
+    process to get there."""
     calls = [0]
 
     def fn(x: int) -> int:
         calls[0] += 1
         if calls[0] == k:
-            try:
-                os.close(os.open(flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            except FileExistsError:
-                return x
-            time.sleep(1e9)
+            _block_once(flag)
         return x
 
     return fn

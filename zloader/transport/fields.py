@@ -184,7 +184,7 @@ class Body(FrozenByFields):
     (:meth:`from_body`) and encoded back (:meth:`to_body`). :class:`Record` is a message's;
     the broker's journal events are others (zloader/broker/events.py). Each kind is a
     ``@dataclass(frozen=True, kw_only=True, eq=False, repr=False)``: its ``__eq__``,
-    ``__hash__`` and ``__repr__`` are :class:`~zloader._byfields.FrozenByFields`', by the
+    ``__hash__`` and ``__repr__`` are :class:`~zloader._byfields.FrozenByFields`'s, by the
     fields, not compiled for each kind at import; two bodies are equal when of one kind
     with equal fields."""
 

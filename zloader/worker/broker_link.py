@@ -52,8 +52,8 @@ class BrokerLink:
         self.last_from = time.monotonic()  # when the broker last said anything
         self.last_to = 0.0
         self.answered = False  # the broker said something on this connection
-        # The split requests not yet answered in full, by pass: a producer reads a
-        # worker-drawn mix's inputs at once, a pass each, each with its request out.
+        # The split requests not yet answered in full, by pass: a producer making a
+        # mix's inputs reads a pass of each at once, each with its request out.
         self.asking: dict[tuple[int, ...], SplitReq] = {}
         self.sock: zmq.Socket[Any] = self.connect()
 
