@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from zloader._byfields import FrozenByFields
 from zloader._defaults import PREFIX_HISTORY_BYTES
@@ -29,13 +30,13 @@ class LinkKind(enum.Enum):
     FAIL = b"F"       # {epoch, error}: user code failed
 
 
-@dataclass(eq=False, repr=False)
-class SplitAnswer(FrozenByFields):
+class SplitAnswer(NamedTuple):
     """The broker's answer to a producer's ``SPLIT_REQ``, as the worker's main thread hands
     it over (:meth:`Producer.answer`; nothing is serialized between the two threads): the
     pass it is about, the split (None: no more of that pass for this worker), the
     request it answers (``have``; None: any) and, for an exactly-once job, the split as
-    it is to be read (``assigned``: where it belongs, what to skip)."""
+    it is to be read (``assigned``: where it belongs, what to skip). One per split, made
+    by the thousand for short splits: a named tuple, the cheapest to make."""
 
     pass_key: tuple[int, ...]
     split: int | None
