@@ -95,7 +95,8 @@ def service(workers: int = 1, keys: str | None = None
     procs = [start_worker(address, keys=keys) for _ in range(workers)]
     try:
         wait_for(lambda: status(address, 1.0, keys) is not None, what="the broker")
-        wait_for(lambda: len(status(address, keys=keys)["workers"]) == workers,
+        # (a reply without a worker list, once seen under load, is read as "not yet")
+        wait_for(lambda: len((status(address, keys=keys) or {}).get("workers", ())) == workers,
                  what="the workers")
         yield address, procs
     finally:

@@ -105,8 +105,10 @@ class Peers:
         self.lost: str | None = None  # the last worker taken off the job, described
         self._peers: dict[str, Peer] = {}
         # Workers the view no longer lists that may still have records of the epoch on the
-        # way (see :meth:`update`), read until their END or a deadline.
-        self._leaving: dict[str, tuple[Peer, float]] = {}
+        # way (see :meth:`update`), read until their END or a deadline: each stream's
+        # peer, by the stream (a worker moved away, back and away again within the
+        # grace has two).
+        self._leaving: dict[int, tuple[Peer, float]] = {}
         self._by_socket: dict[Any, Peer] = {}  # every open peer's, leaving ones' too
         self._index_of: dict[str, int] = {}  # every worker that ever served the job
         self.budget = Budget(settings.memory_budget, settings.prefetch, settings.width)
@@ -219,7 +221,7 @@ class Peers:
                 # that END (or LEAVE_GRACE_SECONDS). An exactly-once job must close at
                 # once: its consumers answer a fence with what they hold.
                 del self._peers[worker]
-                self._leaving[worker] = (peer, time.monotonic() + LEAVE_GRACE_SECONDS)
+                self._leaving[id(peer)] = (peer, time.monotonic() + LEAVE_GRACE_SECONDS)
             else:
                 self.close(peer, polite=False)
             self.on_gone()
@@ -263,9 +265,7 @@ class Peers:
     def left(self, peer: Peer) -> None:
         """``peer`` sent its END: if it was leaving, close its socket (the same worker
         back under a new task has another peer)."""
-        leaving = self._leaving.get(peer.worker)
-        if leaving is not None and leaving[0] is peer:
-            del self._leaving[peer.worker]
+        if self._leaving.pop(id(peer), None) is not None:
             self.close(peer, polite=False)
 
     def expire(self, now: float) -> None:

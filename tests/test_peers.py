@@ -1,0 +1,60 @@
+"""The consumer's view of its workers (zloader/client/peers.py) as the job's view changes:
+real ZeroMQ sockets on loopback (a ROUTER stands where the worker's data socket would be)
+and real shared-memory rings."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import zmq
+
+from zloader._defaults import LEAVE_GRACE_SECONDS
+from zloader._host import host_id
+from zloader.client.peers import Peers
+from zloader.client.session import Session, Settings
+from zloader.client.stats import Stats
+
+SHM_DIR = "/dev/shm"
+
+
+def _peers_of_a_shared_job(context: zmq.Context) -> Peers:
+    """A consumer's peers for a job without exactly-once (a shared job's: a worker taken
+    off its view is read on until its END or LEAVE_GRACE_SECONDS), an epoch under way."""
+    settings = Settings(address="tcp://127.0.0.1:1", prefetch=2, timeout=30.0,
+                        use_rings=True, ring_bytes=1 << 16, keys=None, data_bind=None,
+                        balanced=False, exactly_once=False, coordinated=None, fixed=False)
+    session = Session(consumer="c1", epoch=0)
+    peers = Peers(settings, session, Stats(), None)
+    peers.attach(context, zmq.Poller())
+    return peers
+
+
+def test_a_worker_that_leaves_twice_within_its_grace_has_both_streams_closed() -> None:
+    """A pool moves a worker off a shared job, back, and off again before the first
+    stream's grace is over (jobs that come and go): both old streams are read on, and both
+    are closed once their grace is over, their rings unlinked. (The second took the
+    first's place among the leaving: the first's socket and ring were never closed, and
+    its segment stayed in /dev/shm until the Loader was garbage collected: a teardown
+    failure of a generated shared-prefix-move case under load.)"""
+    context = zmq.Context()
+    worker_socket = context.socket(zmq.ROUTER)
+    port = worker_socket.bind_to_random_port("tcp://127.0.0.1")
+    peers = _peers_of_a_shared_job(context)
+    try:
+        rings = []
+        for task in ("t1", "t2"):  # (the same worker under two tasks: two streams)
+            peers.update([{"worker": "w1", "task": task, "index": 0, "pid": os.getpid(),
+                           "endpoint": f"tcp://127.0.0.1:{port}", "host_id": host_id()}])
+            (peer,) = peers._peers.values()
+            assert peer.ring is not None, "a co-located worker gets a ring"
+            rings.append(peer.ring.name)
+            peers.update([])  # off the view: leaving, read on until its END or the grace
+        assert all(os.path.exists(f"{SHM_DIR}/{name}") for name in rings)
+        peers.expire(time.monotonic() + LEAVE_GRACE_SECONDS + 1)
+        left = [name for name in rings if os.path.exists(f"{SHM_DIR}/{name}")]
+        assert not left, f"rings of leaving streams not closed after their grace: {left}"
+    finally:
+        peers.close_all()
+        worker_socket.close(0)
+        context.destroy(0)  # (and any socket a failure left open: term would wait on it)
