@@ -162,7 +162,7 @@ class Coverage:
 
     def ended(self, key: Key) -> bool:
         """Whether pass ``key`` was ended early (it, or a pass it is under)."""
-        return any(key[:len(ended)] == ended for ended in self._ended)
+        return bool(self._ended) and any(key[:len(ended)] == ended for ended in self._ended)
 
     def close(self, key: Key) -> set[int]:
         """The splits read afresh in repetition ``key`` and the passes under it; they are

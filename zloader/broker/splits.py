@@ -99,8 +99,9 @@ def _hand(state: Tables, job: Job, worker: Worker, key: PassKey, handing: Pass,
         _note(handing, worker.id, split, origin if origin != key else None)
         if first:  # its first of the pass: read at once
             worker.current = (key, split)
-        state.record(SplitHanded(job=job.id, pass_=key, split=split, worker=worker.id,
-                                 origin=origin if origin != key else None))
+        state.record(SplitHanded.checked({"job": job.id, "pass_": key, "split": split,
+                                          "worker": worker.id,
+                                          "origin": origin if origin != key else None}))
     else:
         handing.over.add(worker.id)  # its pass ends: it asks for no other split
         if first:
@@ -137,14 +138,16 @@ def _answer(job: Job, task: str, key: PassKey, split: int | None, origin: PassKe
     """The SPLIT that hands ``split`` (None: none left) of pass ``key`` to ``task``; for
     an exactly-once job with the pass the split belongs to (``origin``) and what to skip
     in it."""
+    # (one per split handed, hundreds per request: made as known good, Body.checked)
     if not job.track or split is None:
-        return Split(task=task, pass_=key, split=split, have=have)
+        return Split.checked({"task": task, "pass_": key, "split": split, "have": have})
     handing = job.handout.passes.get(origin)
     info = handing.skips.get(split, {}) if handing is not None else {}
     expect = info.get("expect")
-    return Split(task=task, pass_=key, split=split, have=have, origin=origin,
-                 skip=info.get("skip", ""), expect=tuple(expect) if expect is not None else None,
-                 groups=info.get("groups"))
+    return Split.checked({"task": task, "pass_": key, "split": split, "have": have,
+                          "origin": origin, "skip": info.get("skip", ""),
+                          "expect": tuple(expect) if expect is not None else None,
+                          "groups": info.get("groups")})
 
 
 def dispenser(state: Tables, job: Job, key: PassKey) -> Pass:

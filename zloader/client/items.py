@@ -5,7 +5,7 @@ the loop), and what the iterating thread asks of the loop (:data:`Command`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from zloader._byfields import ByFields, FrozenByFields
 from zloader.client.session import EpochInput
@@ -86,9 +86,9 @@ class StartEpoch(FrozenByFields):
     frames: EpochInput
 
 
-@dataclass(eq=False, repr=False)
-class GiveCredit(FrozenByFields):
-    """The iterating thread used ``credits`` records of ``worker``: give them back."""
+class GiveCredit(NamedTuple):
+    """The iterating thread used ``credits`` records of ``worker``: give them back. One
+    per record: a named tuple, the cheapest to make."""
 
     worker: str
     credits: int = 1
@@ -104,10 +104,10 @@ class SetWeights(ByFields):
     stamp: float
 
 
-@dataclass(eq=False, repr=False)
-class DispatchItems(FrozenByFields):
+class DispatchItems(NamedTuple):
     """Work items for the worker of index ``worker`` in the epoch under way
-    (``Loader.dispatch``); none: it gets no more."""
+    (``Loader.dispatch``); none: it gets no more. One per batch of the torch drop-in: a
+    named tuple."""
 
     worker: int
     items: tuple[int, ...]

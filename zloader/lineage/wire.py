@@ -134,10 +134,11 @@ def _scattered(codes: np.ndarray) -> bool:
 
 def _reads_of(codes: np.ndarray, reads: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     """The (read, pass id, split) of every split reading ``codes`` come from, and of those
-    from the oldest of them to the producer's latest when they are few (one numpy call,
-    not a sort)."""
+    from the oldest of them to the producer's latest when they are few, at most twice as
+    many as the codes (one numpy call, not a sort: a record of short splits' elements
+    holds as many readings as elements)."""
     low, high = int(np.minimum.reduce(codes)) >> INDEX_BITS, len(reads) - 1
-    used = (range(low, high + 1) if high - low < max(64, len(codes) // 16)
+    used = (range(low, high + 1) if high - low < max(64, 2 * len(codes))
             else np.unique(codes >> INDEX_BITS).tolist())
     return [(read, *reads[read]) for read in used]
 
