@@ -205,6 +205,17 @@ MALFORMED = [
     ("scalar past the end", [header(b"n" + dtype("<f8") + b"\x00")], "truncated"),
     ("non-contiguous buffer", [header(array_node("|u1", (2,))),
                                np.zeros((2, 2), np.uint8)[:, 0]], "not contiguous"),
+    ("str list of fewer strs", [header(b"W" + U32(3) + b"s" + U32(3) + b"a\x00b")],
+     "says 3 strs but holds 2"),
+    ("str list of more strs", [header(b"W" + U32(2) + b"s" + U32(5) + b"a\x00b\x00c")],
+     "says 2 strs but holds 3"),
+    ("str list of one str", [header(b"W" + U32(1) + b"s" + U32(1) + b"a")], "at least 2"),
+    ("str list without its str", [header(b"W" + U32(2) + b"N")], "is not a str node"),
+    ("str list cut short", [header(b"W" + U32(2))], "not a str node"),
+    ("str list of bad utf-8", [header(b"W" + U32(2) + b"s" + U32(3) + b"\xff\x00a")],
+     "not valid UTF-8"),
+    ("str list buffer of bad utf-8", [header(b"W" + U32(2) + b"S"), b"\xff\x00a"],
+     "not valid UTF-8"),
 ]
 
 
@@ -214,8 +225,32 @@ def test_malformed_input_raises_codec_error(case, buffers, message):
         codec.decode(buffers)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.text(max_size=12), min_size=2, max_size=40),
+       st.integers(0, 2), st.sampled_from([list, tuple]))
+def test_a_list_of_strs_goes_as_one_node_and_comes_back_equal(words, repeat, kind):
+    """A list or tuple of plain strs (a batch's paths, as torch's collate gives them) is
+    one ``W`` (``w``) node, inline or in a buffer of its own; one holding a NUL goes a node
+    each. Both decode to the same list (tuple) of the same strs."""
+    words = kind(words * (1 + 40 * repeat))  # (past CODEC_INLINE_MAX: the text in a buffer)
+    buffers = codec.encode(words)
+    one, each = (b"W", b"L") if kind is list else (b"w", b"U")
+    assert buffers[0][4:5] == (each if any("\x00" in w for w in words) else one)
+    decoded = codec.decode(buffers)
+    assert type(decoded) is kind and decoded == words
+    assert all(type(w) is str for w in decoded)
+
+
+def test_a_list_of_strs_and_others_goes_a_node_each():
+    for value in (["a", 1], ["a", b"b"], ["a"], [], ("a", 1)):
+        buffers = codec.encode(value)
+        assert buffers[0][4:5] in (b"L", b"U")
+        assert same(codec.decode(buffers), value)
+
+
 def test_every_truncation_of_a_valid_header_is_refused():
-    buffers = codec.encode({"x": np.zeros((2, 3)), "name": "abc", "n": [1, 2.0, None]})
+    buffers = codec.encode({"x": np.zeros((2, 3)), "name": "abc", "n": [1, 2.0, None],
+                            "words": ["a", "bc", ""]})
     head = buffers[0]
     for cut in range(len(head)):
         with pytest.raises(CodecError):

@@ -45,6 +45,10 @@ Header format (version 1, little-endian)::
             | b"n" dtype raw                               numpy scalar (itemsize bytes)
             | b"L" count:u32 node*count                    list
             | b"U" count:u32 node*count                    tuple
+            | b"W" count:u32 (b"s" | b"S")                 list of str: one str node of the
+                                                           count strs joined by NUL (none
+                                                           holds a NUL; count >= 2)
+            | b"w" count:u32 (b"s" | b"S")                 tuple of str, the same way
             | b"D" count:u32 (key:node value:node)*count   dict
             | b"o"                                          pickled object, in the next
                                                            buffer (objects=True only)
@@ -230,6 +234,9 @@ def _encode_node(value: Any, out: bytearray, buffers: list[Any], depth: int,
         _encode_object(value, out, buffers)
     elif isinstance(value, (list, tuple)):
         _check_depth(depth)
+        if (kind is list or kind is tuple) and len(value) > 1 and type(value[0]) is str \
+                and _encode_words(value, out, buffers):
+            return
         out += (b"U" if isinstance(value, tuple) else b"L") + _U32.pack(len(value))
         for index, item in enumerate(value):
             try:
@@ -327,6 +334,29 @@ def _encode_bigint(value: int, out: bytearray) -> None:
     out += b"I" + _U32.pack(size) + value.to_bytes(size, "little", signed=True)
 
 
+def _encode_words(value: Sequence[Any], out: bytearray, buffers: list[Any]) -> bool:
+    """A list (or tuple) of plain ``str`` (a batch's paths or captions, as torch's
+    collate gives them) as one ``b"W"`` (``b"w"``) node: its strs joined by NUL in one str
+    node, made and split back at C speed instead of a node each (about 1.5 us a str each
+    way). False, having written nothing, when it is not one or one of its strs holds a NUL
+    or cannot be encoded (each is then encoded on its own, and a bad one named)."""
+    if set(map(type, value)) != _JUST_STR:
+        return False
+    joined = "\x00".join(value)
+    if joined.count("\x00") != len(value) - 1:
+        return False
+    try:
+        data = joined.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    out += (b"W" if type(value) is list else b"w") + _U32.pack(len(value))
+    _encode_blob(b"s", b"S", data, out, buffers)
+    return True
+
+
+_JUST_STR = {str}
+
+
 def _encode_blob(inline: bytes, buffered: bytes, data: Any, out: bytearray,
                  buffers: list[Any]) -> None:
     try:
@@ -421,7 +451,7 @@ def _as_bytes_view(buf: Any, index: int) -> memoryview:
     return view
 
 
-_TAG = {tag: ord(tag) for tag in "NTFiIfcsSbBanLUDotj"}
+_TAG = {tag: ord(tag) for tag in "NTFiIfcsSbBanLUDotjWw"}
 _A, _D, _L, _U, _I, _F, _S, _N = (_TAG[t] for t in "aDLUifsN")
 
 
@@ -528,6 +558,10 @@ class _Reader:
         if tag == _TAG["c"]:
             real = self.unpack(_F64, "complex")
             return complex(real, self.unpack(_F64, "complex"))
+        if tag == _TAG["W"]:
+            return self.words()
+        if tag == _TAG["w"]:
+            return tuple(self.words())
         if tag == _TAG["t"]:
             return self.tensor()
         if tag == _TAG["j"]:
@@ -541,6 +575,24 @@ class _Reader:
             except Exception as exc:
                 raise CodecError(f"a pickled value cannot be unpickled: {exc!r}") from None
         raise CodecError(f"unknown tag {bytes([tag])!r} at header byte {self.pos - 1}")
+
+    def words(self) -> list[str]:
+        """A ``b"W"`` or ``b"w"`` node's strs (after its tag)."""
+        count = self.unpack(_U32, "str list length")
+        pos = self.pos
+        tag = self.header[pos] if pos < self.end else -1
+        self.pos = pos + 1
+        if tag == _S:
+            joined = self.text(self.take(self.unpack(_U32, "length"), "str list"))
+        elif tag == _TAG["S"]:
+            joined = self.text(self.buffer("str list"))
+        else:
+            raise CodecError(f"a str list's text at header byte {pos} is not a str node")
+        words = joined.split("\x00")
+        if count < 2 or len(words) != count:
+            raise CodecError(f"a str list says {count} strs but holds {len(words)} (at least "
+                             "2)")
+        return words
 
     def name(self, what: str) -> str:
         raw = self.take(self.unpack(_U8, f"{what} length"), what)
