@@ -4,6 +4,7 @@ socket thread that receives DISPATCH and the producer thread that takes them."""
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -12,8 +13,9 @@ import pytest
 
 import zloader
 from zloader._defaults import MAX_DISPATCHED
+from zloader.client.peers import Peers
 from zloader.sources import Source
-from zloader.transport.protocol import ProtocolError
+from zloader.transport.protocol import Command, ProtocolError
 from zloader.worker.dispatched import Dispatched
 from zloader.worker.task import keep_latest
 
@@ -106,3 +108,40 @@ def test_items_dispatched_before_the_workers_are_up_reach_them_in_order():
             assert got == sorted((i * i, i % 2) for i in range(40)), epoch
         with pytest.raises(ValueError, match="items must be >= 0"):
             loader.dispatch(0, [-1])
+
+
+def test_credits_given_back_go_with_the_next_items_to_the_same_worker():
+    """A consumer that dispatches a worker its next item as it takes the last one's
+    element (as the torch drop-in hands out batches) gives that record's credit back in
+    the same DISPATCH, not in a CREDIT of its own; with one credit per worker, every
+    element comes (a credit lost on the way would stop the worker: Timeout)."""
+    source = Squares(name="squares", shuffle_splits=False, seed=None, version=None)
+    sent: Counter[str] = Counter()
+    send = Peers.send
+
+    def counted(self: Peers, peer: Any, command: Command, body: Any, payload: Any = ()) -> None:
+        sent[command.name + ("+credits" if command == Command.DISPATCH and body.get("credits")
+                             else "")] += 1
+        send(self, peer, command, body, payload)
+
+    Peers.send = counted  # type: ignore[method-assign]
+    try:
+        with zloader.Loader(zloader.Pipeline(source), num_workers=2, sharding="static",
+                            prefetch=1, timeout=10) as loader:
+            elements = loader.iterate()
+            for worker in (0, 1):
+                loader.dispatch(worker, [worker])
+            got, item = [], 2
+            for element in elements:  # (the next item to the worker whose element it is)
+                got.append(element["square"])
+                if item < 40:
+                    loader.dispatch(element["worker"], [item])
+                elif item == 40:  # (none follow: each worker's epoch ends)
+                    loader.dispatch(0, [])
+                    loader.dispatch(1, [])
+                item += 1
+            assert sorted(got) == [i * i for i in range(40)]
+    finally:
+        Peers.send = send  # type: ignore[method-assign]
+    assert sent["DISPATCH+credits"] >= 30, sent
+    assert sent["CREDIT"] <= 10, sent

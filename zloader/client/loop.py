@@ -176,7 +176,7 @@ class ConsumerLoop:
             if session.job is not None and self._rounds is not None and not session.done:
                 self._link.acks += self._rounds.uncommitted()  # in case one was lost
         while self._commands:
-            self._run(self._commands.popleft())
+            self._run_all()
         notices = self._peers.notices
         for sock, _ in self._poller.poll(poll_ms):
             if sock == self._wake_read:
@@ -291,7 +291,41 @@ class ConsumerLoop:
 
     # --- inside the loop ------------------------------------------------------------------
 
-    def _run(self, command: Command) -> None:
+    def _run_all(self) -> None:
+        """Run the commands waiting, in order. Credits given back to a worker that gets
+        items among them go with its first items (one DISPATCH instead of a DISPATCH and
+        a CREDIT: the torch drop-in hands a worker its next batch as it yields one of its
+        batches), unless an epoch starts among them or the worker's mapped segments must
+        be named (a CREDIT names them)."""
+        commands: list[Command | None] = [self._commands.popleft()
+                                          for _ in range(len(self._commands))]
+        folded: dict[int, int] = {}  # a DispatchItems' place -> the credits it carries
+        if not any(isinstance(command, StartEpoch) for command in commands):
+            self._fold(commands, folded)
+        for at, command in enumerate(commands):
+            if command is not None:
+                self._run(command, folded.get(at, 0))
+
+    def _fold(self, commands: list[Command | None], folded: dict[int, int]) -> None:
+        """Each GiveCredit (of no mix input) for a worker that a DispatchItems of
+        ``commands`` goes to joins the first such DispatchItems (its place in ``folded``)
+        and leaves ``commands`` (None in its place)."""
+        first: dict[str, int] = {}  # a worker id -> the place of its first DispatchItems
+        for at, command in enumerate(commands):
+            if isinstance(command, DispatchItems):
+                peer = self._peers.peer_at(command.worker)
+                if peer is not None and not peer.mapped:
+                    first.setdefault(peer.worker, at)
+        if not first:
+            return
+        for at, command in enumerate(commands):
+            if isinstance(command, GiveCredit) and command.part is None \
+                    and command.worker in first:
+                place = first[command.worker]
+                folded[place] = folded.get(place, 0) + command.credits
+                commands[at] = None
+
+    def _run(self, command: Command, credits: int = 0) -> None:
         if isinstance(command, GiveCredit):
             self._peers.credit(command.worker, command.credits, command.part)
         elif isinstance(command, StartEpoch):
@@ -299,7 +333,7 @@ class ConsumerLoop:
         elif isinstance(command, SetWeights):
             self._peers.reweigh_all(command.weights, command.stamp)
         elif isinstance(command, DispatchItems):
-            self._peers.dispatch(command.worker, command.items)
+            self._peers.dispatch(command.worker, command.items, credits)
 
     def _start(self, epoch: int, epoch_input: EpochInput) -> None:
         """Begin ``epoch``: tell the broker, open it on every worker."""

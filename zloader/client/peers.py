@@ -340,21 +340,31 @@ class Peers:
         for items in session.undispatched.pop(peer.index, ()):
             self.send(peer, Command.DISPATCH, body={"epoch": session.epoch, "items": items})
 
-    def dispatch(self, index: int, items: tuple[int, ...]) -> None:
+    def peer_at(self, index: int) -> Peer | None:
+        """The connected worker of task index ``index``, if any."""
+        return next((p for p in self._peers.values() if p.index == index), None)
+
+    def dispatch(self, index: int, items: tuple[int, ...], credits: int = 0) -> None:
         """Work items of the epoch under way for the worker of ``index`` (none: it gets
         no more), sent in messages of at most ``MAX_ITEMS``; kept for its OPEN while no
-        such worker is connected."""
+        such worker is connected. ``credits``: records of its that were used, given back
+        with the items (the first message carries them, and any given back before)."""
         session = self.session
         if session.epoch is None:
             return
         chunks = [list(items[at:at + MAX_ITEMS]) for at in range(0, len(items), MAX_ITEMS)]
-        peer = next((p for p in self._peers.values() if p.index == index), None)
+        peer = self.peer_at(index)
         for chunk in chunks or [[]]:
             if peer is None:
                 session.undispatched.setdefault(index, []).append(chunk)
-            else:
-                self.send(peer, Command.DISPATCH, body={"epoch": session.epoch,
-                                                        "items": chunk})
+                continue
+            body: dict[str, Any] = {"epoch": session.epoch, "items": chunk}
+            peer.returned += credits
+            if peer.returned:
+                self._granted(peer, peer.returned, None)
+                body["credits"], peer.returned = peer.returned, 0
+            credits = 0
+            self.send(peer, Command.DISPATCH, body)
 
     def reweigh_all(self, weights: tuple[float, ...], stamp: float) -> None:
         """A mix's weights from now on (set at ``stamp``): every peer's later OPENs carry
@@ -383,11 +393,7 @@ class Peers:
         else:
             returned = target.part_returned[part] = target.part_returned.get(part, 0) + credits
         if returned >= self.budget.credit_batch or target.mapped:
-            if target.spendable() <= 0:  # it had none: its silence so far says nothing
-                target.heard = time.monotonic()
-            target.owed += returned
-            if part is not None:
-                target.part_owed[part] = target.part_owed.get(part, 0) + returned
+            self._granted(target, returned, part)
             body: dict[str, Any] = {"epoch": self.session.epoch, "credits": returned,
                                     "mapped": target.mapped}
             if part is not None:
@@ -397,6 +403,14 @@ class Peers:
                 target.returned = 0
             self.send(target, Command.CREDIT, body)
             target.mapped = []
+
+    def _granted(self, peer: Peer, credits: int, part: int | None) -> None:
+        """``credits`` go to ``peer`` now (of mix input ``part``)."""
+        if peer.spendable() <= 0:  # it had none: its silence so far says nothing
+            peer.heard = time.monotonic()
+        peer.owed += credits
+        if part is not None:
+            peer.part_owed[part] = peer.part_owed.get(part, 0) + credits
 
     def fit(self, record_bytes: int) -> None:
         """A record of ``record_bytes`` came, larger than the budget holds ``limit`` of

@@ -531,6 +531,9 @@ class Dispatch(Record):
     COMMAND = Command.DISPATCH
     epoch: int = fld(INDEX)
     items: tuple[int, ...] = fld(list_of(INDEX))
+    # credits for the epoch's records, as a CREDIT would give them (the consumer of a
+    # source whose items make one record each sends them with its next items)
+    credits: int = fld(INDEX, 0, omit=True)
 
 
 @dataclass(kw_only=True, eq=False, repr=False)

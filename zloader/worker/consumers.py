@@ -108,7 +108,7 @@ class DataPort:
             task.weights.offer(record.weights, record.stamp)
         elif isinstance(record, messages.Dispatch):
             if identity in task.streams:  # only from a consumer that opened an epoch here
-                task.dispatch(record)
+                task.dispatch(identity, record)
             else:
                 self._keep_dispatch(identity, record)
         elif isinstance(record, messages.Close) and identity in task.streams:
@@ -145,7 +145,7 @@ class DataPort:
             for record in records:
                 if identity in task.streams:
                     try:
-                        task.dispatch(record)
+                        task.dispatch(identity, record)
                     except ProtocolError as exc:
                         self.reject(f"dropped a DISPATCH from a consumer: {exc}")
 

@@ -157,14 +157,19 @@ class Task:
                 stream.attach(opened.ring, opened.ring_id, opened.notify)
         self.delivery.open(stream, opened)
 
-    def dispatch(self, record: messages.Dispatch) -> None:
+    def dispatch(self, identity: bytes, record: messages.Dispatch) -> None:
         """DISPATCH: work items of an epoch, for its producer to take (see
-        :class:`~zloader.worker.dispatched.Dispatched`).
+        :class:`~zloader.worker.dispatched.Dispatched`), and the credits that came with
+        them, as a CREDIT gives them.
 
         Raises:
             ProtocolError: too many would wait.
         """
         self.dispatched_for(record.epoch).put(record.items)
+        if record.credits:
+            self.credit(identity, messages.Credit.checked(
+                {"epoch": record.epoch, "credits": record.credits, "mapped": (),
+                 "part": None}))
 
     def dispatched_for(self, epoch: int) -> Dispatched:
         """``epoch``'s work items (made on first use; only the two latest epochs' are
