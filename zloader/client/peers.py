@@ -354,16 +354,16 @@ class Peers:
             return
         chunks = [list(items[at:at + MAX_ITEMS]) for at in range(0, len(items), MAX_ITEMS)]
         peer = self.peer_at(index)
+        if peer is not None:
+            peer.returned += credits
         for chunk in chunks or [[]]:
             if peer is None:
                 session.undispatched.setdefault(index, []).append(chunk)
                 continue
             body: dict[str, Any] = {"epoch": session.epoch, "items": chunk}
-            peer.returned += credits
-            if peer.returned:
+            if peer.returned:  # (with the first message)
                 self._granted(peer, peer.returned, None)
                 body["credits"], peer.returned = peer.returned, 0
-            credits = 0
             self.send(peer, Command.DISPATCH, body)
 
     def reweigh_all(self, weights: tuple[float, ...], stamp: float) -> None:
