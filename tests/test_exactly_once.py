@@ -5,7 +5,9 @@ and across a Loader's checkpoint (``state_dict``) and resume (``state=``)."""
 from __future__ import annotations
 
 import collections
+import itertools
 import json
+import os
 import random
 import signal
 import subprocess
@@ -344,7 +346,9 @@ def test_a_broker_stopped_for_five_seconds_mid_epoch_loses_and_repeats_nothing()
 
 
 PAUSED_WITH_SEGMENTS = """
+import itertools
 import json
+import os
 import numpy as np
 from zloader import Loader, Pipeline
 
@@ -476,3 +480,40 @@ def test_job_name_consumers_of_which_one_leaves_first_share_an_epoch_without_rep
                 thread.join(60)
             assert_exactly_once(seen[0] + seen[1], 800)
 
+
+
+def _made_by(x: int) -> tuple[int, int]:
+    time.sleep(0.002)  # (slow enough that both Loaders get some of each worker's)
+    return x, os.getpid()
+
+
+def test_what_a_job_name_consumer_yielded_before_it_left_is_not_read_again_for_the_others():
+    """A Loader of a job_name yields a few elements and closes mid-epoch; then the worker
+    that made them is SIGKILLed. Its splits are read again for the Loader that stays,
+    less what that one holds and what the one that left had yielded (its BYE said: the
+    broker was not to count on a consumer that is gone), so nothing it yielded comes
+    again; the states of both resume the rest. Before, every element it had yielded of
+    those splits came to the other Loader too."""
+    pipeline = Pipeline.range(600, split_size=50).map(_made_by)
+    with service(workers=2) as (address, procs):
+        by_pid = {proc.pid: proc for proc in procs}
+        stays = Loader(pipeline, broker=address, job_name="left", timeout=30)
+        try:
+            kept = iter(stays)
+            first = [next(kept)]  # (both are consumers of the job's epoch 0 now)
+            with Loader(pipeline, broker=address, job_name="left", timeout=30) as leaves:
+                gone = list(itertools.islice(leaves, 5))
+                left_state = leaves.state_dict()
+            maker = by_pid[gone[0][1]]
+            maker.send_signal(signal.SIGKILL)
+            maker.wait()
+            rest = first + list(kept)
+            state = stays.state_dict()
+        finally:
+            stays.close()
+        with Loader(pipeline, broker=address, job_name="left", timeout=30,
+                    state=[state, left_state]) as resumed:
+            after = list(resumed)
+    values = collections.Counter(x for x, _ in gone + rest + after)
+    assert not {x for x, _ in gone} & {x for x, _ in rest}  # (none it yielded came again)
+    assert_exactly_once(values, 600)

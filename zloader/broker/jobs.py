@@ -24,6 +24,7 @@ from zloader.broker import (
 )
 from zloader.broker.events import (
     BranchAdded,
+    ConsumerLeft,
     EpochStarted,
     JobCreated,
     JobEnded,
@@ -382,15 +383,25 @@ def epoch_started(state: Tables, identity: bytes, msg: Epoch, now: float) -> lis
     return out + answer
 
 
-def bye(state: Tables, identity: bytes, now: float) -> list[Out]:
-    """BYE: a worker or a consumer leaves; a job whose last consumer left ends now."""
+def bye(state: Tables, identity: bytes, now: float,
+        left: dict[str, Any] | None = None) -> list[Out]:
+    """BYE: a worker or a consumer leaves; a job whose last consumer left ends now. A
+    consumer that ``left`` in the middle of an epoch said what it had yielded of it
+    (:func:`note_left`)."""
     kind, pid = state.peers.get(identity, ("", ""))
     if kind == "worker":  # (a worker says BYE once it drained)
         return failures.drop_worker(state, pid, died=False, now=now, clean=True)
     if kind == "consumer":
         consumer = state.consumers.get(pid)
-        out = drop_consumer(state, pid, now)
         job = state.jobs.get(consumer.job) if consumer is not None else None
+        if left is not None and job is not None and job.track:
+            try:  # (before it is dropped: a fence waiting for its answer completes then)
+                note_left(state, job, left.get("epoch"), left.get("delivered"))
+            except ValueError as exc:
+                log.warning("consumer %s left job %s saying what it yielded malformed "
+                            "(%s): what it yielded may be read again for the others", pid,
+                            job.name or job.id, exc)
+        out = drop_consumer(state, pid, now)
         if job is not None and not job.consumers \
                 and not any(now - t < state.expiry * FENCE_GRACE
                             for t in job.silent.values()):
@@ -400,6 +411,29 @@ def bye(state: Tables, identity: bytes, now: float) -> list[Out]:
             out += placement.assign(state, now)
         return out
     return []
+
+
+def note_left(state: Tables, job: Job, epoch: Any, delivered: Any,
+              record: bool = True) -> None:
+    """What a consumer that left ``job`` in the middle of ``epoch`` had yielded of it
+    (``Loader.state_dict()``'s ``delivered``): kept with what others that left had, so
+    that a dead worker's splits are read again for the consumers that stay less those
+    (failures.complete_fences); only the latest two epochs are kept.
+
+    Raises:
+        ValueError: ``epoch`` or ``delivered`` is malformed.
+    """
+    if not (isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= 0):
+        raise ValueError("epoch must be an int >= 0")
+    if epoch < job.epoch - 1:
+        return  # (an epoch whose splits are no longer re-queued)
+    ledger = job.handout.left.get(epoch) or Ledger()
+    ledger.merge_json(delivered)
+    job.handout.left[epoch] = ledger
+    for old in [e for e in job.handout.left if e < max(job.epoch, epoch) - 1]:
+        del job.handout.left[old]
+    if record:
+        state.record(ConsumerLeft(job=job.id, epoch=epoch, delivered=ledger.to_json()))
 
 
 def drop_consumer(state: Tables, consumer_id: str, now: float,

@@ -20,9 +20,11 @@ naming the work dir) rather than misread it. Version 2: a job's ``options`` are 
 the line before it, across compactions: a compacted journal's first line has a number
 above every line it replaces) and ``c``, the CRC-32 of the line up to and with ``n``
 (:func:`line_of`). Version 4: a job's options hold ``shards`` (a deterministic job's
-fixed shards; a job of a version 3 journal reads as 0, as it ran). A version 2 journal is
-still read (in file order, without those checks), a version 3 one as it is, and either is
-rewritten as version 4 once restored.
+fixed shards; a job of a version 3 journal reads as 0, as it ran). Version 5: a shared
+job's prefixes and branches, and its last worker's splits kept (``orphan``, ``adopted``).
+Version 6: ``bye``, what a consumer that left an exactly-once job mid-epoch had yielded. A
+version 2 journal is still read (in file order, without those checks), versions 3 to 5 as
+they are, and any of them is rewritten as the current version once restored.
 
 Replay trusts nothing it reads: a torn line, one that is not UTF-8 JSON, one whose
 checksum does not hold or that has none, one older than the compacted snapshot it
@@ -59,11 +61,11 @@ __all__ = ["READS", "VERSION", "Journal", "JournalVersionError", "WorkDirError",
 
 log = logging.getLogger("zloader.broker")
 
-VERSION = 5
+VERSION = 6
 """The schema of the events (zloader/broker/events.py) and of the lines that hold them;
 bump it when an event or a line changes shape or meaning."""
 
-READS = (2, 3, 4, VERSION)
+READS = (2, 3, 4, 5, VERSION)
 """The versions a broker restores (an older one is rewritten as :data:`VERSION`)."""
 
 _STAMP = re.compile(rb',"n":(0|[1-9][0-9]{0,18}),"c":"([0-9a-f]{8})"\}')

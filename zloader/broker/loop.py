@@ -73,7 +73,7 @@ def _heartbeat(state: State, identity: bytes, msg: Heartbeat, now: float) -> lis
 
 
 def _bye(state: State, identity: bytes, msg: Bye, now: float) -> list[Out]:
-    return state.bye(identity, now)
+    return state.bye(identity, now, msg.left)
 
 
 HANDLERS: dict[Command, Handler] = {

@@ -93,8 +93,9 @@ class State(Tables):
     def epoch_started(self, identity: bytes, msg: Epoch, now: float) -> list[Out]:
         return jobs.epoch_started(self, identity, msg, now)
 
-    def bye(self, identity: bytes, now: float) -> list[Out]:
-        return jobs.bye(self, identity, now)
+    def bye(self, identity: bytes, now: float,
+            left: dict[str, Any] | None = None) -> list[Out]:
+        return jobs.bye(self, identity, now, left)
 
     def tick(self, now: float) -> list[Out]:
         """Purge silent peers, collect abandoned jobs, place workers (every heartbeat);

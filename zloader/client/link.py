@@ -166,13 +166,14 @@ class BrokerLink:
             self.send(messages.Received(epoch=self.session.epoch, rounds=tuple(self.acks)))
             self.acks = []
 
-    def bye(self) -> None:
+    def bye(self, left: dict[str, Any] | None = None) -> None:
         """Say goodbye and close, giving the BYE a moment to leave: the broker then
         releases the job at once, where a lost one costs the next job on its name or its
-        workers an expiry's wait."""
+        workers an expiry's wait. ``left``: what was yielded of the epoch under way
+        (``Bye.left``)."""
         assert self.socket is not None
         with contextlib.suppress(zmq.ZMQError):
-            self.send(messages.Bye())
+            self.send(messages.Bye(left=left))
         self.socket.close(linger=BYE_LINGER_MS)
 
     # --- what the broker says -------------------------------------------------------------

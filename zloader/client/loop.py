@@ -82,6 +82,7 @@ class ConsumerLoop:
             width=max(1, options.num_workers), named=job_name is not None,
             dispatched=dispatched, parts=parts, made_here=made_here)
         self.served = served or Served()
+        self._left: dict[str, Any] | None = None  # (Bye.left: leaving)
         register = registration(
             fingerprint=fingerprint, job_name=job_name, options=options,
             consumer_index=consumer_index if options.coordinated else None, source=source,
@@ -199,6 +200,11 @@ class ConsumerLoop:
             self._peers.expire(now)
             self._release_held(now)
 
+    def leaving(self, left: dict[str, Any] | None) -> None:
+        """What the BYE that :meth:`close` sends says was yielded of the epoch under way
+        (``Bye.left``; the Loader's, as it closes)."""
+        self._left = left
+
     def close(self) -> None:
         """Tell the workers and the broker this consumer leaves, close every socket and
         end the context; the wake pipe closes too."""
@@ -207,7 +213,7 @@ class ConsumerLoop:
             if self._data_server is not None:
                 self._data_server.close(0)
             self._peers.close_all()
-            self._link.bye()
+            self._link.bye(self._left)
             if self._guard is not None:
                 self._guard.stop()
             self._context.term()
