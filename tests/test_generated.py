@@ -47,7 +47,7 @@ from tests.service import (
     stop,
     wait_for,
 )
-from zloader import Loader, Pipeline
+from zloader import Loader, Pipeline, PipelineError
 from zloader.options import JobOptions
 from zloader.plan import plan, repeats_moved
 from zloader.sharing.branches import prefix_of
@@ -370,6 +370,18 @@ def split(case: Case, seed: int) -> None:
     epoch, the second Loader maybe stopped at another and the states taken; when it was,
     a Loader given both states (``job_name`` Loaders take the list of all the run's
     states) yields the rest. Over them all, every element of ``iter``'s epoch once."""
+    try:
+        _split(case, seed)
+    except (AssertionError, PipelineError):
+        if _groups_in_groups(case):
+            pytest.xfail("known, not fixed yet: job_name Loaders splitting the records of "
+                         "a pipeline whose count-changing stages nest (an unbatch of rows "
+                         "of another's) repeat elements after a worker is SIGKILLed, or "
+                         "fail naming a group handed out without the group its rows are of")
+        raise
+
+
+def _split(case: Case, seed: int) -> None:
     rng = random.Random(seed * 11 + 3)
     total = sum(1 for _ in case.pipeline.iter(0))
     kill_at, stop_at = rng.randrange(0, max(1, total // 2)), rng.randrange(0, max(1, total))
@@ -399,19 +411,14 @@ def split(case: Case, seed: int) -> None:
                 rest = list(one)
     got_rows = Rows(rows(got["a"])) + Rows(rows(got["b"])) + Rows(rows(rest))
     want = reference(case)
-    if got_rows != want and _groups_in_groups(case):
-        pytest.xfail("known, not fixed yet: job_name Loaders splitting the records of a "
-                     "pipeline whose count-changing stages nest (groups of rows of groups) "
-                     "repeat elements after a worker is SIGKILLed, or fail naming a group "
-                     "handed out without the group its rows are of")
     assert got_rows == want, f"stopped at {stop_at}, killed at {kill_at}: " + \
         described(case, got_rows, want)
 
 
 def _groups_in_groups(case: Case) -> bool:
-    """Whether one of the case's inputs has two stages whose rows are groups (a
-    ``batch(k).map(f).unbatch()``), the second's made of the first's rows."""
-    return any(part.count(".map(") >= 2 for part in " ".join(case.recipe).split("input "))
+    """Whether one of the case's inputs has two unbatch stages (the second's rows made
+    of the first's: groups of rows of groups)."""
+    return any(part.count(".unbatch()") >= 2 for part in " ".join(case.recipe).split("input "))
 
 
 def with_own(case: Case, seed: int) -> tuple[Pipeline, list[str]]:
