@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -21,10 +22,48 @@ from zloader.transport.protocol import Command, decode, encode
 BIN = os.path.dirname(sys.executable)
 
 
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_HANDED: set[int] = set()
+_DRAW = random.Random()  # its own: tests that seed the global one draw alike
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port free now, for a server a test starts next.
+
+    It is drawn below the kernel's ephemeral range: a port bound as port 0 (a worker's
+    data socket, any test's ``free_port`` of old) or a connection's source port is taken
+    from that range, so none of them can take this one between this call and the
+    server's bind (a CI run once had a worker's data socket on its broker's port). Each
+    pytest-xdist worker draws from a slice of its own and never hands out a port twice.
+    """
+    low, high = 10000, _ephemeral_low()
+    if high - low < 2000:  # an unusual range: fall back to the kernel's choice
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").lstrip("gw") or 0)
+    count = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), index + 1)
+    width = (high - low) // count
+    start = low + index * width
+    for _ in range(1000):
+        port = _DRAW.randrange(start, start + width)
+        if port in _HANDED:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port in {start}..{start + width - 1}")
 
 
 def status(address: str, timeout: float = 5.0, keys: str | None = None) -> dict | None:

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import io
 import json
-import socket
 import threading
 
 import pytest
 
+from tests.service import free_port
 from zloader import Loader, Pipeline, PipelineError
 from zloader.storage import RetryingFile, StorageError, list_files, retrying
 
@@ -19,12 +19,6 @@ moto_server = pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
 
 BUCKET = "zloader-test"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class S3Server:
