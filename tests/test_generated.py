@@ -47,7 +47,7 @@ from tests.service import (
     stop,
     wait_for,
 )
-from zloader import Loader, Pipeline, PipelineError
+from zloader import Loader, Pipeline
 from zloader.options import JobOptions
 from zloader.plan import plan, repeats_moved
 from zloader.sharing.branches import prefix_of
@@ -369,19 +369,9 @@ def split(case: Case, seed: int) -> None:
     split between them: one worker SIGKILLed at a random point of the first Loader's
     epoch, the second Loader maybe stopped at another and the states taken; when it was,
     a Loader given both states (``job_name`` Loaders take the list of all the run's
-    states) yields the rest. Over them all, every element of ``iter``'s epoch once."""
-    try:
-        _split(case, seed)
-    except (AssertionError, PipelineError):
-        if _groups_in_groups(case):
-            pytest.xfail("known, not fixed yet: job_name Loaders splitting the records of "
-                         "a pipeline whose count-changing stages nest (an unbatch of rows "
-                         "of another's) repeat elements after a worker is SIGKILLed, or "
-                         "fail naming a group handed out without the group its rows are of")
-        raise
-
-
-def _split(case: Case, seed: int) -> None:
+    states) yields the rest. Over them all, every element of ``iter``'s epoch once,
+    nested count-changing stages included (a consumer that gets the rows of a group of
+    another group's rows, and not that group's records, knows it)."""
     rng = random.Random(seed * 11 + 3)
     total = sum(1 for _ in case.pipeline.iter(0))
     kill_at, stop_at = rng.randrange(0, max(1, total // 2)), rng.randrange(0, max(1, total))
@@ -413,12 +403,6 @@ def _split(case: Case, seed: int) -> None:
     want = reference(case)
     assert got_rows == want, f"stopped at {stop_at}, killed at {kill_at}: " + \
         described(case, got_rows, want)
-
-
-def _groups_in_groups(case: Case) -> bool:
-    """Whether one of the case's inputs has two unbatch stages (the second's rows made
-    of the first's: groups of rows of groups)."""
-    return any(part.count(".unbatch()") >= 2 for part in " ".join(case.recipe).split("input "))
 
 
 def with_own(case: Case, seed: int) -> tuple[Pipeline, list[str]]:

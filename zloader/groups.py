@@ -7,8 +7,8 @@ give each row one source element's origin; instead the batch's elements become a
 
 - each row's origin is its own: row ``j`` of the group, in a pass of the group's own
   (:attr:`Group.rows_key`); the group itself (its elements, in the batch's order, and its
-  number of rows) rides with the next record and with every record that holds a row of
-  it (``RunTally.block``), so whichever consumer gets a row knows the group;
+  number of rows) rides with every record that holds a row of it (``RunTally.block``),
+  and with none other, so whichever consumer gets a row knows the group;
 - a consumer holds the group's elements from when it learns of the group, and keeps the
   split of its first element (its *anchor*) open until every row is held;
 - a row that never arrives (its worker died) or was not yielded when a state was taken is
@@ -150,8 +150,8 @@ def _undone(stages: Sequence[Any], head: int) -> int | None:
 
 def tag(ctx: Any, stage: Any, rows: list[Any], origin: Any, position: int) -> Iterator[Any]:
     """The rows an unbatch made of a batch whose elements hold ``origin`` (codes), when
-    they are not one per element: each tagged as row ``j`` of a new group, which goes to
-    the next record (``ctx.tally.groups``).
+    they are not one per element: each tagged as row ``j`` of a new group, which goes
+    with every record holding a row of it (``RunTally.block``).
 
     Its elements may be rows of other groups (a packer after a batched tokenizer): its
     members then name those rows.
@@ -167,28 +167,45 @@ def tag(ctx: Any, stage: Any, rows: list[Any], origin: Any, position: int) -> It
     runs = runs_of_list(codes.tolist(), tally.reads)
     group = Group(tally.keys[pass_id], split, anchor & INDEX_MASK, position, len(rows),
                   tuple((tally.keys[p], s, a, n) for p, s, a, n in runs))
-    return _tagged(tally, group, rows, range(len(rows)))
+    inner: list[list[int]] = []  # (the groups of rows it holds, and theirs, as blocks hold them)
+    for read in np.unique(codes >> INDEX_BITS).tolist():
+        if read in tally.group_reads:
+            inner += [tally.group_reads[read], *tally.group_inner.get(read, ())]
+    return _tagged(tally, group, rows, range(len(rows)), inner)
 
 
-def _tagged(tally: Any, group: Group, rows: list[Any], which: Sequence[int]) -> Iterator[Any]:
-    """``rows`` (rows ``which`` of ``group``), each with its own origin, and ``group`` put
-    in the next record."""
+def _tagged(tally: Any, group: Group, rows: list[Any], which: Sequence[int],
+            inner: list[list[int]]) -> Iterator[Any]:
+    """``rows`` (rows ``which`` of ``group``), each with its own origin; ``group`` and
+    ``inner`` (the groups whose rows it holds, and theirs) go with every record holding
+    a row of it, and with no other. So a consumer knows a group only if it holds rows of
+    it, or of a group holding its rows: one that got none of its rows (they went to
+    another consumer of a ``job_name``) claims none of its elements, and one that gets
+    packed rows, and not the record of the group they were packed from, can have them
+    made again. Rows that no consumer got (their worker died) leave the group's elements
+    unclaimed: read again, they make the rows again."""
     rows_read = len(tally.reads)
     tally.reads.append((tally.pass_id(group.rows_key), group.split))
-    tally.group_reads[rows_read] = announce(tally, group)
+    tally.group_reads[rows_read] = _wire(tally, group)
+    if inner:
+        tally.group_inner[rows_read] = inner
     base = rows_read << INDEX_BITS
     return zip(rows, ((base | j,) for j in which), strict=True)
 
 
-def announce(tally: Any, group: Group) -> list[int]:
-    """Put ``group`` in the next record (as the origin block holds it, returned): its
-    rows' consumer defines it; or, for a group the consumer made (it draws the mix) whose
-    anchor this worker reads again, the consumer that gets the record makes its rows."""
+def announce(tally: Any, group: Group) -> None:
+    """Put ``group`` in the next record: a group the consumer made (it draws the mix)
+    whose anchor this worker reads again; the consumer that gets the record makes its
+    rows."""
+    tally.groups.append(_wire(tally, group))
+
+
+def _wire(tally: Any, group: Group) -> list[int]:
+    """``group`` as an origin block holds it (its keys as ``tally``'s pass ids)."""
     wire = [tally.pass_id(group.key), group.split, group.index, group.position, group.rows,
             len(group.members)]
     for key, split, first, length in group.members:
         wire += (tally.pass_id(key), split, first, length)
-    tally.groups.append(wire)
     return wire
 
 
@@ -231,7 +248,8 @@ def rebuilt(ctx: Any, stage: Any, position: int, key: Key) -> Iterator[Any]:
         which = [j for j in range(group.rows) if j not in skip]
         picked = [rows[j] for j in which]
         yield from (ctx.regroup.rows(group, picked, which) if ctx.regroup is not None
-                    else _tagged(ctx.tally, group, picked, which))
+                    else _tagged(ctx.tally, group, picked, which,
+                                 [_wire(ctx.tally, one) for one in group.inner]))
 
 
 def _input(key: Key) -> int | None:

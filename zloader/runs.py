@@ -77,12 +77,15 @@ class RunTally(ByFields):
         keys: the pass keys by pass id.
         reads: (pass id, split) of each split reading, by the read number in the origin
             codes (zloader/lineage/tags.py: ``code``).
-        groups: the groups made since the last record, as the origin block holds them
-            (zloader/groups.py).
+        groups: the groups named to the next record whatever its rows (a group the
+            consumer makes, whose anchor was read again: zloader/groups.py ``announce``),
+            as the origin block holds them.
         group_reads: each group's as the block holds it, by the read number that names
             its rows: a record holding rows of a group holds the group too, so that
             whichever consumer gets a row knows the group (a ``job_name``'s consumers
             share a worker's records).
+        group_inner: by the same read number, the groups whose rows that group holds,
+            and theirs, as the block holds them: they ride with its rows too.
     """
 
     skipped: int = 0
@@ -94,6 +97,7 @@ class RunTally(ByFields):
     reads: list[tuple[int, int]] = field(default_factory=list)
     groups: list[list[int]] = field(default_factory=list)
     group_reads: dict[int, list[int]] = field(default_factory=dict)
+    group_inner: dict[int, list[list[int]]] = field(default_factory=dict)
 
     def pass_id(self, key: Key) -> int:
         """The pass id of pass ``key`` in origins, given on first use (a group's rows
@@ -114,10 +118,15 @@ class RunTally(ByFields):
             if self.loose:
                 codes = np.concatenate((codes, np.array(self.loose, np.int64)))
             reads = np.unique(codes >> INDEX_BITS).tolist()
-            held = [self.group_reads[read] for read in reads if read in self.group_reads]
+            held = [group for read in reads if read in self.group_reads
+                    for group in (self.group_reads[read], *self.group_inner.get(read, ()))]
             if held:
                 named = set(map(id, groups))
-                groups = groups + [group for group in held if id(group) not in named]
+                groups = list(groups)
+                for group in held:
+                    if id(group) not in named:
+                        named.add(id(group))
+                        groups.append(group)
         block = encode_origins(origins, self.loose, self.reads, self.pass_keys, self.ends,
                                groups, self.keys)
         self.loose, self.ends, self.groups = [], [], []

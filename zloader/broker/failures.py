@@ -314,7 +314,7 @@ def reread(state: Tables, job: Job, consumer: Consumer,
                        for k, p in job.handout.passes.items() if k[0] == key[0]):
             continue
         try:
-            skip = splits.skip(merge_info(None, info))
+            skip = splits.skip(merge_info(None, info, (key, split)))
         except ValueError as exc:
             raise ProtocolError(f"HEARTBEAT.reread: {exc}") from None
         log.warning("consumer %s ended epoch %d of job %s without all of split %d (pass "
@@ -337,7 +337,7 @@ def delivered(state: Tables, identity: bytes, msg: Delivered, now: float) -> lis
         at = (key, split)
         if at in wanted:
             try:
-                fence.replies[at] = merge_info(fence.replies.get(at), info)
+                fence.replies[at] = merge_info(fence.replies.get(at), info, at)
             except ValueError as exc:
                 raise ProtocolError(f"DELIVERED: {exc}") from None
     fence.waiting.discard(consumer.id)
@@ -378,7 +378,7 @@ def _with_left(job: Job, key: PassKey, split: int, info: dict[str, Any]) -> dict
     left = job.handout.left.get(key[0])
     if left is None:
         return info
-    return merge_info(info or None, left.info(key, split))
+    return merge_info(info or None, left.info(key, split), (key, split))
 
 
 def give_up(state: Tables, job: Job, fence: Fence, now: float) -> None:

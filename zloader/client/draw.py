@@ -148,8 +148,9 @@ class Handles:
         for base in bases:
             if done is not None and base in done:
                 continue
-            for group in self._records[base].origins.groups or ():
-                ledger.define(group)
+            groups = self._records[base].origins.groups
+            if groups:
+                ledger.define_all((group, group.id, ()) for group in groups)
             if done is not None:
                 done.add(base)
 

@@ -24,6 +24,7 @@ from zloader.lineage.intsets import pack, unpack
 from zloader.lineage.tags import (
     INDEX_BITS,
     INDEX_MASK,
+    MAX_KEY_LENGTH,
     Group,
     Key,
     anchor_split,
@@ -34,12 +35,14 @@ from zloader.lineage.tags import (
 __all__ = ["Ledger", "Ranges", "merge_info", "merge_runs"]
 
 
-def merge_info(held: dict[str, Any] | None, info: Any) -> dict[str, Any]:
-    """Add one consumer's :meth:`Ledger.info` for a split to what others said (``all``, or
-    the union of the indices held, as a set, and the first reading's ``expect``).
+def merge_info(held: dict[str, Any] | None, info: Any,
+               at: tuple[Key, int] | None = None) -> dict[str, Any]:
+    """Add one consumer's :meth:`Ledger.info` for a split (``at``: its pass key and
+    number) to what others said (``all``, or the union of the indices held, as a set,
+    the first reading's ``expect``, and the groups whose rows are not all held anywhere).
 
     Raises:
-        ValueError: ``info`` is malformed.
+        ValueError: ``info`` is malformed (or names whole groups and ``at`` is None).
     """
     if not isinstance(info, dict):
         raise ValueError("a split's info must be an object")
@@ -53,11 +56,18 @@ def merge_info(held: dict[str, Any] | None, info: Any) -> dict[str, Any]:
     merged["have"] = merged["have"] | unpack(info.get("have", ""))
     if expect is not None:
         merged["expect"] = expect
-    if info.get("groups") is not None:
+    if info.get("groups") is not None or info.get("whole") is not None:
         ledger = Ledger()  # (groups merged by id: the rows each consumer held, together)
+        for whole in (merged.get("whole"), info.get("whole")):
+            if whole is not None:  # (first: a group whole anywhere is made again nowhere)
+                if at is None:
+                    raise ValueError("whole groups need the split they are anchored in")
+                ledger.mark_whole(*at, whole)
         ledger.merge_groups(merged.get("groups", []))
-        ledger.merge_groups(info["groups"])
+        ledger.merge_groups(info.get("groups") or [])
         merged["groups"] = ledger.open_groups()
+        if at is not None:
+            merged["whole"] = ledger._whole_inner(*at)
     return merged
 
 # --- the consumer's ledger -------------------------------------------------------------------
@@ -265,6 +275,10 @@ class Ledger:
         # Every group known this epoch: a group holding rows of others is made again
         # from theirs (zloader/groups.py), whole or not.
         self._defs: dict[tuple[Key, int, int, int], Group] = {}
+        # The groups whose rows another group holds (a tokenizer's, packed): a consumer
+        # that holds some of those groups may hold only some of their rows, so a fence
+        # answer lists the ones whose rows all are held here (:meth:`info`, ``whole``).
+        self._inners: set[tuple[Key, int, int, int]] = set()
 
     @property
     def done(self) -> dict[Key, set[int]]:
@@ -413,9 +427,30 @@ class Ledger:
                 if inner is None:
                     self._add(key, split, np.array([first], np.int64),
                               np.array([first + length], np.int64))
-                elif inner in self._groups:  # (rows of a group still open here)
-                    self._group_rows(inner, self._groups[inner], range(first, first + length))
+                else:  # (rows of a group: held, whether or not it is known here yet)
+                    self._inners.add(inner)
+                    rows_of = self._group(inner)
+                    if rows_of is not None:
+                        self._group_rows(inner, rows_of, range(first, first + length))
         self._group_rows(gid, held, rows)
+
+    def define_all(self, groups: Iterable[tuple[Group | None, tuple[Key, int, int, int],
+                                                Iterable[int]]]) -> None:
+        """:meth:`define` each of ``groups`` (group, its id, rows of it held; a group None:
+        only its rows are known), every one anchored first: the elements of one may be
+        the last its anchor's split lacked, and that split must not close before a
+        group on it that lacks rows is known."""
+        groups = list(groups)
+        for group, gid, _ in groups:
+            if group is None or not (self.made_here and group.position >= self.made_here):
+                self._group(gid)
+        for group, gid, rows in groups:
+            if group is not None:
+                self.define(group, rows)
+            else:
+                held = self._group(gid)
+                if held is not None:
+                    self._group_rows(gid, held, rows)
 
     def _group(self, gid: tuple[Key, int, int, int]) -> _Rows | None:
         """What is held of the group ``gid``, made on first sight; None once all its rows
@@ -504,14 +539,7 @@ class Ledger:
         """
         if not isinstance(groups, list):
             raise ValueError("a split's groups must be a list")
-        for value in groups:
-            group, gid, rows = Group.from_json(value)
-            if group is not None:
-                self.define(group, rows)
-            else:
-                held = self._group(gid)
-                if held is not None:
-                    self._group_rows(gid, held, rows)
+        self.define_all([Group.from_json(value) for value in groups])
 
     def add_indices(self, key: Key, split: int, indices: Iterable[int]) -> None:
         """Note indices of one split (from a packed set)."""
@@ -578,7 +606,56 @@ class Ledger:
         groups = self.groups(key, split)
         if groups:
             info["groups"] = groups
+        whole = self._whole_inner(key, split)
+        if whole:
+            info["whole"] = whole
         return info
+
+    def _whole_inner(self, key: Key, split: int) -> list[list[Any]]:
+        """The groups anchored in ``split`` of pass ``key`` whose rows all are held here
+        and whose rows other groups hold, as ``[[rest of their key, position, packed
+        indices], ...]`` (a key's rest: after ``key``, empty for a group of source
+        elements). Another consumer that got some of the groups holding their rows knows
+        them with only those rows: told this, a fence does not have the others made again.
+        A bitmap per position (and per group of groups of rows): a few bytes a split."""
+        by: dict[tuple[tuple[int, ...], int], list[int]] = {}
+        for gid in self._whole_at.get((key, split), ()):
+            if gid in self._inners:
+                by.setdefault((tuple(gid[0][len(key):]), gid[2]), []).append(gid[3])
+        return [[list(rest), position, pack(indices)]
+                for (rest, position), indices in sorted(by.items())]
+
+    def mark_whole(self, key: Key, split: int, whole: Any) -> None:
+        """Note groups :meth:`info` gave as ``whole`` (another consumer's): their rows
+        are all held.
+
+        Raises:
+            ValueError: ``whole`` is not such a value.
+        """
+        if not isinstance(whole, list):
+            raise ValueError("a split's whole groups must be a list")
+        for entry in whole:
+            if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], list)
+                    and len(key) + len(entry[0]) <= MAX_KEY_LENGTH
+                    and all(natural(v) for v in entry[0]) and natural(entry[1])):
+                raise ValueError(f"bad whole groups entry: {entry!r:.80}")
+            named = (*key, *entry[0])
+            if anchor_split(named, split) != (key, split):
+                raise ValueError(f"whole groups not anchored in split {split} of pass "
+                                 f"{list(key)}: {entry!r:.80}")
+            anchor = (key, split)
+            for index in unpack(entry[2]):
+                gid = (named, split, entry[1], index)
+                held = self._groups.pop(gid, None)
+                self._whole.add(gid)
+                self._whole_at.setdefault(anchor, set()).add(gid)
+                self._inners.add(gid)
+                waiting = self._anchored.get(anchor)
+                if held is not None and waiting is not None:
+                    waiting.discard(gid)
+                    if not waiting:
+                        del self._anchored[anchor]
+                        self._close(*anchor)
 
     def to_json(self) -> list[Any]:
         """Per pass: ``[pass, done splits, [[split, held indices, count, digest], ...]]``

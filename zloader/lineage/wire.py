@@ -205,8 +205,8 @@ class Origins:
         if elements is not None:
             held = self.loose + (self.uniform * elements if self.counts is None
                                  else int(self.counts[:elements].sum()))
-        for group in self.groups or ():  # (its elements are held before any of its rows)
-            ledger.define(group)
+        if self.groups:  # (their elements are held before any of their rows)
+            ledger.define_all((group, group.id, ()) for group in self.groups)
         if self.codes is not None and self.reads is not None:
             ledger.add_codes(self.keys, self.reads, self.codes[:held])
         else:
@@ -242,8 +242,8 @@ class Origins:
         record of ``size`` elements, any order) and the split ends to ``ledger``: a
         record some of whose elements were yielded, maybe in another order than theirs
         (a consumer that draws a mix and shuffles what it draws)."""
-        for group in self.groups or ():
-            ledger.define(group)
+        if self.groups:
+            ledger.define_all((group, group.id, ()) for group in self.groups)
         counts = (np.full(size, self.uniform, np.int64) if self.counts is None
                   else self.counts)
         starts = self.loose + np.concatenate(([0], np.cumsum(counts)[:-1])) \
