@@ -584,6 +584,14 @@ def test_many_generated_pipelines_yield_what_iter_yields(mode, seed, tmp_path):
     run(mode, seed, str(tmp_path))
 
 
+def test_job_name_loaders_splitting_nested_count_changing_stages_lose_and_repeat_nothing(
+        tmp_path):
+    """Seed 51 of the split mode: a batched expansion of a batched expansion's rows, split
+    between two job_name Loaders, a worker SIGKILLed, one Loader closed (before: failed
+    'a group holding rows of another group was handed out without it', or repeated)."""
+    run("split", 51, str(tmp_path))
+
+
 def test_a_generated_pipeline_shared_with_a_branch_survives_a_kill(tmp_path):
     run("shared-prefix", 3, str(tmp_path))  # (one seed here: 24 in the slow tier)
 
