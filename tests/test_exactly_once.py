@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from tests.service import HEARTBEAT, service, start_broker, start_worker, status, stop, wait_for
 from zloader import Loader, Pipeline, PipelineError
+from zloader.lineage import Ledger
 
 N = 2400
 
@@ -517,3 +518,24 @@ def test_what_a_job_name_consumer_yielded_before_it_left_is_not_read_again_for_t
     values = collections.Counter(x for x, _ in gone + rest + after)
     assert not {x for x, _ in gone} & {x for x, _ in rest}  # (none it yielded came again)
     assert_exactly_once(values, 600)
+
+
+def test_a_job_name_consumer_that_finished_its_part_says_what_it_yielded_as_it_leaves():
+    """A Loader of a job_name that ended its part of an epoch and closes says in its BYE
+    what it yielded of that epoch (the others may still be in it, and a worker that had
+    ended the epoch may die after this Loader left: the broker then learns of the death
+    only after its BYE, and reads that worker's splits again for the others less this).
+    Before, it said nothing: the generated split mode repeated 1-45 elements in about 1
+    of 100 cases (a worker SIGKILLed while one Loader confirmed the epoch's end and the
+    other had not)."""
+    pipeline = Pipeline.range(300, split_size=50)
+    with service(workers=2) as (address, _):
+        with Loader(pipeline, broker=address, job_name="says", timeout=30) as one:
+            assert one._left() is None  # (nothing yielded yet: nothing to say)
+            got = list(one)
+            left = one._left()
+            assert left is not None and left == one.state_dict()["finished"]
+    assert left["epoch"] == 0 and sorted(got) == list(range(300))
+    ledger = Ledger()
+    ledger.merge_json(left["delivered"])
+    assert all(ledger.info((0,), split) == {"all": True} for split in range(6))

@@ -477,14 +477,17 @@ class Loader:
 
     def _left(self) -> dict[str, Any] | None:
         """What this Loader yielded of the epoch under way, as its state has it (``{epoch,
-        delivered}``), when it closes in the middle of an epoch of a ``job_name`` job's
-        with exactly-once: its BYE says so, and the broker reads none of it again for the
-        job's other Loaders when a worker dies later. None otherwise."""
+        delivered}``), when it closes in a ``job_name`` job with exactly-once: in the
+        middle of an epoch, or having finished its part of one (the others may still be
+        in it). Its BYE says so, and the broker reads none of it again for the job's
+        other Loaders when a worker dies later (one that had ended the epoch before it
+        died, and whose death the broker learns after this Loader left). None otherwise."""
         merger = getattr(self, "_merger", None)
         if (self._job_name is None or self._order is not None or merger is None
-                or not self._options.exactly_once or self._plan.consumer_stages
-                or merger.yielded.iterating is None):
+                or not self._options.exactly_once or self._plan.consumer_stages):
             return None
+        if merger.yielded.iterating is None:
+            return merger.yielded.finished_state()
         try:
             epoch, delivered = merger.yielded.state(self._epoch, merger.elements)
         except Exception:  # (closed from another thread mid-step: said without it)

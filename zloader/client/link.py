@@ -173,7 +173,13 @@ class BrokerLink:
         (``Bye.left``)."""
         assert self.socket is not None
         with contextlib.suppress(zmq.ZMQError):
-            self.send(messages.Bye(left=left))
+            try:
+                self.send(messages.Bye(left=left))
+            except ProtocolError as exc:  # (what it yielded is too large to say)
+                log.warning("could not say what this Loader yielded as it left (%s): a "
+                            "worker death may repeat some of it to the job's other "
+                            "Loaders", exc)
+                self.send(messages.Bye())
         self.socket.close(linger=BYE_LINGER_MS)
 
     # --- what the broker says -------------------------------------------------------------
