@@ -486,9 +486,9 @@ class Loader:
         if (self._job_name is None or self._order is not None or merger is None
                 or not self._options.exactly_once or self._plan.consumer_stages):
             return None
-        if merger.yielded.iterating is None:
-            return merger.yielded.finished_state()
         try:
+            if merger.yielded.iterating is None:
+                return merger.yielded.finished_state()
             epoch, delivered = merger.yielded.state(self._epoch, merger.elements)
         except Exception:  # (closed from another thread mid-step: said without it)
             log.warning("could not say what this Loader yielded as it left: a worker "
