@@ -168,9 +168,10 @@ def tag(ctx: Any, stage: Any, rows: list[Any], origin: Any, position: int) -> It
     group = Group(tally.keys[pass_id], split, anchor & INDEX_MASK, position, len(rows),
                   tuple((tally.keys[p], s, a, n) for p, s, a, n in runs))
     inner: list[list[int]] = []  # (the groups of rows it holds, and theirs, as blocks hold them)
-    for read in np.unique(codes >> INDEX_BITS).tolist():
-        if read in tally.group_reads:
-            inner += [tally.group_reads[read], *tally.group_inner.get(read, ())]
+    if any(group_of_rows(key, split) for key, split, _, _ in group.members):
+        for read in np.unique(codes >> INDEX_BITS).tolist():
+            if read in tally.group_reads:
+                inner += [tally.group_reads[read], *tally.group_inner.get(read, ())]
     return _tagged(tally, group, rows, range(len(rows)), inner)
 
 

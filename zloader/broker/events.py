@@ -317,7 +317,7 @@ class JobResumed(Event):
 
 @dataclass(eq=False, repr=False, kw_only=True)
 class ConsumerLeft(Event):
-    """A consumer left (BYE) in the middle of an epoch: what it had yielded of it (a
+    """A consumer left (BYE) in or after its part of an epoch: what it had yielded of it (a
     Ledger's JSON), merged with what others that left had."""
 
     KIND = "bye"

@@ -386,7 +386,7 @@ def epoch_started(state: Tables, identity: bytes, msg: Epoch, now: float) -> lis
 def bye(state: Tables, identity: bytes, now: float,
         left: dict[str, Any] | None = None) -> list[Out]:
     """BYE: a worker or a consumer leaves; a job whose last consumer left ends now. A
-    consumer that ``left`` in the middle of an epoch said what it had yielded of it
+    consumer that ``left`` in (or after its part of) an epoch said what it had yielded of it
     (:func:`note_left`)."""
     kind, pid = state.peers.get(identity, ("", ""))
     if kind == "worker":  # (a worker says BYE once it drained)
@@ -415,8 +415,8 @@ def bye(state: Tables, identity: bytes, now: float,
 
 def note_left(state: Tables, job: Job, epoch: Any, delivered: Any,
               record: bool = True) -> None:
-    """What a consumer that left ``job`` in the middle of ``epoch`` had yielded of it
-    (``Loader.state_dict()``'s ``delivered``): kept with what others that left had, so
+    """What a consumer that left ``job`` in (or after its part of) ``epoch`` had yielded
+    of it (``Loader.state_dict()``'s ``delivered``): kept with what others that left had, so
     that a dead worker's splits are read again for the consumers that stay less those
     (failures.complete_fences); only the latest two epochs are kept.
 

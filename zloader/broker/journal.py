@@ -22,7 +22,7 @@ above every line it replaces) and ``c``, the CRC-32 of the line up to and with `
 (:func:`line_of`). Version 4: a job's options hold ``shards`` (a deterministic job's
 fixed shards; a job of a version 3 journal reads as 0, as it ran). Version 5: a shared
 job's prefixes and branches, and its last worker's splits kept (``orphan``, ``adopted``).
-Version 6: ``bye``, what a consumer that left an exactly-once job mid-epoch had yielded. A
+Version 6: ``bye``, what a consumer that left an exactly-once job had yielded of an epoch. A
 version 2 journal is still read (in file order, without those checks), versions 3 to 5 as
 they are, and any of them is rewritten as the current version once restored.
 

@@ -187,9 +187,9 @@ class Handout(ByFields):
     kills: dict[int, int] = field(default_factory=dict)  # split -> workers it killed
     failed: list[dict[str, Any]] = field(default_factory=list)  # splits given up on
     resume: tuple[int, Any] | None = None  # (epoch, Ledger) a resumed Loader delivered
-    # What consumers that left (BYE) mid-epoch had yielded, by epoch (a Ledger each, the
-    # last two epochs): not read again for the others when a worker's splits are
-    # (failures.complete_fences)
+    # What consumers that left (BYE) in or after their part of an epoch had yielded, by
+    # epoch (a Ledger each, the last two epochs): not read again for the others when a
+    # worker's splits are (failures.complete_fences)
     left: dict[int, Any] = field(default_factory=dict)
 
 

@@ -416,9 +416,9 @@ class Log(Record):
 @dataclass(kw_only=True, eq=False, repr=False)
 class Bye(Record):
     """BYE (worker or consumer): it leaves. A consumer of an exactly-once job that leaves
-    in the middle of an epoch says what it yielded of it (``left``: ``{epoch, delivered}``
-    as ``Loader.state_dict()`` has them), so that the broker reads none of it again for
-    the job's other consumers when a worker dies later."""
+    in the middle of an epoch, or after its part of one, says what it yielded of it
+    (``left``: ``{epoch, delivered}`` as ``Loader.state_dict()`` has them), so that the
+    broker reads none of it again for the job's other consumers when a worker dies later."""
 
     COMMAND = Command.BYE
     left: dict[str, Any] | None = fld(optional(obj), None, omit=True)
