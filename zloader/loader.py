@@ -22,7 +22,12 @@ from typing import Any
 import numpy as np
 
 from zloader import _check, handoff, packed
-from zloader._defaults import DEFAULT_TIMEOUT, HANDOFF_MIN_ELEMENTS, PACK_MIN_BYTES
+from zloader._defaults import (
+    DEFAULT_TIMEOUT,
+    HANDOFF_MIN_ELEMENTS,
+    MIX_SPREAD_SPLITS,
+    PACK_MIN_BYTES,
+)
 from zloader.client import STATE_VERSION, IOThread, Merger, Stats
 from zloader.client.arguments import Arguments, checked
 from zloader.client.draw import Inputs, MixOrder, Order, Regroup
@@ -533,9 +538,11 @@ def _warn_mix_windows(pipeline: Pipeline, args: Arguments) -> None:
         return
     warnings.warn(
         f"this mix is drawn on each worker, not where the workers' streams meet ({why}): "
-        "with several workers its weights hold over the whole stream, not in every window "
-        "(an input with few splits may sit on one worker). docs/semantics.md, 'Mixing', "
-        "lists the mixes the consumer draws.", MixWindowWarning, stacklevel=3)
+        f"each input is read in at least {MIX_SPREAD_SPLITS} splits so that every worker "
+        "holds some of it, but its weights hold in every window only while each worker "
+        "has splits of every input (not near an input's end, nor with more workers than "
+        "an input has splits). docs/semantics.md, 'Mixing', lists the mixes the consumer "
+        "draws.", MixWindowWarning, stacklevel=3)
 
 
 def _holding(loader: Loader, elements: Iterator[Any]) -> Iterator[Any]:
@@ -607,7 +614,8 @@ def _io_thread(args: Arguments, pipeline: Pipeline, address: str, blob: bytes,
     ``address``."""
     return IOThread(
         address, blob, fingerprint=pipeline.fingerprint, job_name=args.job_name,
-        options=args.options, source=register_info(pipeline.source), prefetch=args.prefetch,
+        options=args.options, source=register_info(planned.pipeline.source),
+        prefetch=args.prefetch,
         use_rings=args.transport == "auto", ring_bytes=args.ring_bytes, served=served,
         data_bind=embedded.endpoint("source"), consumer_index=args.consumer_index,
         keys=args.keys, resume=args.resume, timeout=args.timeout,

@@ -23,7 +23,7 @@ from typing import Any
 
 from zloader import stages as _stages
 from zloader._byfields import FrozenByFields
-from zloader._defaults import MAX_MIX_INPUTS
+from zloader._defaults import MAX_MIX_INPUTS, MIX_SPREAD_SPLITS
 from zloader.chunks import Chunk
 from zloader.groups import announce
 from zloader.lineage import Assigned, read_split, read_split_chunks
@@ -31,6 +31,7 @@ from zloader.mixing import MixSource, drawn, input_runs, mixed_run
 from zloader.options import JobOptions
 from zloader.pipeline import Pipeline
 from zloader.runs import Context
+from zloader.sources import Source, _IndexedSource, in_parts
 
 __all__ = ["CONSUMER_DRAWN", "Plan", "SplitFeed", "drawn_on_workers", "draws_at_consumer",
            "plan", "repeats_moved"]
@@ -260,7 +261,47 @@ def plan(pipeline: Pipeline, options: JobOptions | None = None) -> Plan:
             cut = len(moved.stages) - len(consumer)
             after = moved.stages[:cut]
             return Plan(moved, (), consumer, moved.source, after, shards, _passes(after))
+        if options.sharding != "off":  # (each worker reads every split: nothing to spread)
+            pipeline = spread(pipeline)
     return Plan(pipeline, pipeline.stages[:cut], consumer, shards=shards)
+
+
+def spread(pipeline: Pipeline) -> Pipeline:
+    """``pipeline``, whose mix (if any) its workers draw, with each input of fewer than
+    MIX_SPREAD_SPLITS splits read in that many, so that each worker holds some of every
+    input (a worker mixes only the splits it holds: an input of one file would sit on
+    one worker, and its share of what the trainer sees would follow that worker's pace,
+    not its weight). An input addressed by index (``range``, ``from_items``,
+    ``from_arrays``, ``from_torch``) is cut into smaller splits; any other (files, a
+    generator) is read in interleaved parts (:class:`~zloader.sources.PartsSource`: read
+    that many times, each part keeping its share), but for a cache and a source read in
+    no fixed order (:func:`_spread`). Only what a Loader runs changes
+    (``iter()`` reads the inputs as they are), the same for every Loader and worker of the
+    job, whatever its number of workers."""
+    source = pipeline.source
+    if not isinstance(source, MixSource):
+        return pipeline
+    inputs = tuple(Pipeline(_spread(p.source), p.stages) for p in source.inputs)
+    if all(new.source is old.source for new, old in zip(inputs, source.inputs, strict=True)):
+        return pipeline
+    return Pipeline(dataclasses.replace(source, inputs=inputs), pipeline.stages)
+
+
+def _spread(source: Source) -> Source:
+    """``source`` in at least MIX_SPREAD_SPLITS splits where that can be done (see
+    :func:`spread`); a cache (whose reading of a split not cached yet runs its stages:
+    each part would run them) or a source whose splits come in another order each time
+    (``deterministic=False`` with parallel reads: parts would overlap) as it is."""
+    count = source.num_splits
+    if count == 0 or count >= MIX_SPREAD_SPLITS:
+        return source
+    if isinstance(source, _IndexedSource):
+        size = max(1, -(-source.length // MIX_SPREAD_SPLITS))
+        return dataclasses.replace(source, split_size=size) if size < source.split_size \
+            else source
+    if source.kind == "cache" or getattr(source, "deterministic", True) is False:
+        return source
+    return in_parts(source, -(-MIX_SPREAD_SPLITS // count))
 
 
 def _passes(after: tuple[_stages.Stage, ...]) -> int:

@@ -10,6 +10,7 @@ yields the elements of one split, and ``identity()`` is what its fingerprint has
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -31,6 +32,7 @@ __all__ = [
     "FilesSource",
     "GeneratorSource",
     "ItemsSource",
+    "PartsSource",
     "RangeSource",
     "Source",
     "TorchSource",
@@ -336,6 +338,55 @@ class GeneratorSource(Source):
     def identity(self) -> tuple[Any, ...]:
         fn = self.fn if self.version is None else None
         return (self.kind, self.version, fn, self.splits, *self._options())
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class PartsSource(Source):
+    """``source`` read in ``parts`` interleaved parts of each of its splits: split
+    ``s * parts + j`` is elements ``j, j + parts, j + 2 * parts, ...`` of ``source``'s
+    split ``s``. Each part reads the whole split and keeps its share, so ``source`` is
+    read ``parts`` times: how a mix its workers draw spreads an input of few splits that
+    cannot be cut by index (files, a generator) over its workers (zloader/plan.py
+    ``spread``). An element skipped by ``on_error="skip"`` in the source's own reading
+    counts once per part."""
+
+    kind: ClassVar[str] = "parts"
+    source: Source
+    parts: int
+
+    @property
+    def num_splits(self) -> int:
+        return self.source.num_splits * self.parts
+
+    def read(self, split: int, policy: ErrorPolicy | None = None) -> Iterator[Any]:
+        whole, part = divmod(split, self.parts)
+        return itertools.islice(self.source.read(whole, policy), part, None, self.parts)
+
+    def locate(self, split: int, index: int) -> str:
+        whole, part = divmod(split, self.parts)
+        return self.source.locate(whole, part + index * self.parts)
+
+    def identity(self) -> tuple[Any, ...]:
+        return (self.kind, self.parts, self.source.kind, self.source.identity())
+
+    def describe(self) -> str:
+        return f"{self.source.describe()} (in {self.parts} parts)"
+
+    def forked(self, slot: int) -> None:
+        self.source.forked(slot)
+
+    def innermost(self) -> Source:
+        return self.source.innermost()
+
+    def with_innermost(self, source: Source) -> Source:
+        return dataclasses.replace(self, source=self.source.with_innermost(source))
+
+
+def in_parts(source: Source, parts: int) -> PartsSource:
+    """``source`` read in ``parts`` interleaved parts of each split (:class:`PartsSource`),
+    its splits shuffled (or not) as ``source`` shuffles its own."""
+    return PartsSource(name=source.name, shuffle_splits=source.shuffle_splits,
+                       seed=source.seed, version=source.version, source=source, parts=parts)
 
 
 # --- helpers for the Pipeline constructors -----------------------------------------------

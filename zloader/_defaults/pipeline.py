@@ -183,6 +183,12 @@ MIX_DRAW_CHUNK = 1024
 """A mix draws this many inputs at once (one numpy call); the unused rest is drawn again
 when an input ends (fixed)."""
 
+MIX_SPREAD_SPLITS = 16
+"""A mix that its workers draw (docs/semantics.md, "Mixing") reads each input of fewer
+splits in at least this many, so that every worker holds some of each input: an input
+addressed by index is cut finer, any other is read in interleaved parts, each of which
+reads the whole split and keeps its share (zloader/plan.py ``spread``; fixed)."""
+
 MAX_MIX_INPUTS = 4096
 """The most inputs one mix may have (``REGISTER.source.inputs``; fixed)."""
 

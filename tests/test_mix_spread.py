@@ -1,0 +1,110 @@
+"""A mix its workers draw (a shared job, a deterministic one read in static shards, and
+the other cases docs/semantics.md lists) reads each input of fewer than
+MIX_SPREAD_SPLITS splits in that many (zloader/plan.py ``spread``): every worker holds
+some of every input, so the weights hold in every window of what a trainer sees, and
+every element still comes once."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import warnings
+
+import numpy as np
+import pytest
+
+from tests.service import service
+from tests.test_mix_windows import BASES, WEIGHTS, assert_every_window_holds, slowly, which
+from zloader import Loader, Pipeline
+from zloader._defaults import MIX_SPREAD_SPLITS
+from zloader.errors import MixWindowWarning
+from zloader.options import JobOptions
+from zloader.plan import plan, spread
+from zloader.sources import PartsSource, RangeSource
+
+
+def few_splits(tmp_path: pathlib.Path) -> Pipeline:
+    """Three inputs: many splits (made slowly), one split (a range), and one file of 700
+    JSON lines: both small inputs would sit on one worker each."""
+    path = tmp_path / "small.jsonl"
+    path.write_text("".join(json.dumps(BASES[2] + i) + "\n" for i in range(700)))
+    return Pipeline.mix([Pipeline.range(BASES[0], BASES[0] + 4000, split_size=100).map(slowly),
+                         Pipeline.range(BASES[1], BASES[1] + 2000, split_size=2000),
+                         Pipeline.from_jsonl(str(path))], WEIGHTS, seed=11).batch(8)
+
+
+def flat(batches: object) -> list[int]:
+    return [int(x) for batch in batches for x in np.asarray(batch).reshape(-1)]
+
+
+def test_spread_cuts_indexed_inputs_finer_and_reads_files_in_interleaved_parts(tmp_path):
+    mix = few_splits(tmp_path)
+    inputs = [p.source for p in mix.source.inputs]
+    spread_inputs = [p.source for p in spread(mix).source.inputs]
+    assert spread_inputs[0] is inputs[0]  # (40 splits: left as it is)
+    assert isinstance(spread_inputs[1], RangeSource)
+    assert spread_inputs[1].num_splits == MIX_SPREAD_SPLITS == 16
+    parts = spread_inputs[2]
+    assert isinstance(parts, PartsSource) and parts.num_splits == 16
+    lines = list(inputs[2].read(0))
+    for part in range(16):  # part j: elements j, j + 16, ... of the file
+        assert list(parts.read(part)) == lines[part::16]
+    assert "element 35 (split 0)" in parts.locate(3, 2)  # (3 + 2 * 16, of the file)
+    # Another pipeline to the fingerprint, the same elements, and iter() as written.
+    assert spread(mix).fingerprint != mix.fingerprint
+    assert sorted(flat(spread(mix).iter(0))) == sorted(flat(mix.iter(0)))
+    once = spread(mix)
+    assert spread(once) is once  # (nothing left under MIX_SPREAD_SPLITS splits)
+
+
+def test_a_cache_and_a_source_read_in_no_fixed_order_are_not_read_in_parts(tmp_path):
+    """A part of a split not cached yet would run the cached stages over all of it; parts
+    of a split whose order changes at each read would overlap (and miss elements)."""
+    path = tmp_path / "small.jsonl"
+    path.write_text("".join(f"{i}\n" for i in range(100)))
+    unordered = Pipeline.from_jsonl([str(path)] * 2, parallel_reads=2, deterministic=False)
+    cached = Pipeline.from_jsonl(str(path)).map(int).cache(str(tmp_path / "cache"))
+    mix = Pipeline.mix([Pipeline.range(100), unordered, cached], [1, 1, 1], seed=1)
+    assert [p.source for p in spread(mix).source.inputs][1:] == \
+        [p.source for p in mix.source.inputs][1:]
+
+
+def test_only_a_mix_its_workers_draw_is_spread(tmp_path):
+    mix = few_splits(tmp_path)
+    drawn_here = plan(mix, JobOptions())  # (the consumer draws: the inputs as they are)
+    assert [p.source for p in drawn_here.pipeline.source.inputs] == \
+        [p.source for p in mix.source.inputs]
+    static = plan(mix, JobOptions(sharding="static", deterministic=True))
+    assert [p.source.num_splits for p in static.pipeline.source.inputs] == [40, 16, 16]
+    every_split = plan(mix, JobOptions(sharding="off"))  # (each worker reads them all)
+    assert every_split.pipeline is mix
+    assert plan(mix).pipeline is mix  # (in this process)
+
+
+@pytest.mark.parametrize("workers", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_a_shared_mix_holds_its_weights_in_every_window_with_inputs_of_one_split(
+        tmp_path, workers):
+    mix = few_splits(tmp_path)
+    with service(workers) as (address, _):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", MixWindowWarning)
+            with Loader(mix, broker=address, share=True, timeout=60) as loader:
+                got = flat(loader)
+    assert sorted(got) == sorted(flat(mix.iter(0)))
+    # Before any input runs out (the 10% one, 700 elements, near draw 7,000):
+    assert_every_window_holds(which(got), 5000, workers)
+
+
+def test_a_deterministic_mix_in_static_shards_holds_its_weights_and_repeats_its_stream(
+        tmp_path):
+    mix = few_splits(tmp_path)
+    runs = []
+    for _ in range(2):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", MixWindowWarning)
+            with Loader(mix, num_workers=2, sharding="static", deterministic=True,
+                        timeout=60) as loader:
+                runs.append(flat(loader))
+    assert runs[0] == runs[1]
+    assert sorted(runs[0]) == sorted(flat(mix.iter(0)))
+    assert_every_window_holds(which(runs[0]), 5000, "static")
