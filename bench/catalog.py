@@ -94,8 +94,9 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               "inputs read alone; proportions within 1 point of the weights", "2"),
     Benchmark("mix_windows", "A mix's weights in every window, with workers",
               "windows of 1,000 failing chi-square (p < 0.001) against the weights with 1, "
-              "2, 4, 8 workers: zloader's consumer drawing, and its workers drawing, "
-              "against torch mixing per worker; an epoch's length with first_exhausted",
+              "2, 4, 8 workers: zloader's consumer drawing, and its workers drawing "
+              "(inputs spread over them, and as written: before), against torch mixing "
+              "per worker; an epoch's length with first_exhausted",
               "none stated (the table counts the windows failing)", "1"),
     Benchmark("exactness", "Exactly-once through stages that change the number of elements",
               "rows lost and repeated by 24 seeded pipelines with batch-map-unbatch stages, "

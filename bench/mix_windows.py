@@ -3,8 +3,11 @@ workers: zloader (the consumer draws, the default), zloader packing after the mi
 ``batch(8).map(f).unbatch()`` whose map makes groups: the consumer draws and makes them),
 zloader with a ``repeat`` after the mix (moved onto the mix's inputs so that the consumer
 still draws it; with ``stop="first_exhausted"`` the consumer draws it pass by pass),
-zloader with the workers drawing (the behaviour before: forced here by two ``repeat``s after
-a ``batch`` after the mix, which the consumer does not draw through), and torch's
+zloader with the workers drawing (forced here by two ``repeat``s after a ``batch`` after the
+mix, which the consumer does not draw through; as a shared, coordinated or static
+deterministic job draws it), each input of fewer than 16 splits read in 16 so that every
+worker holds some of it (``zloader.plan.spread``) and, as before that, with the inputs as
+written, and torch's
 ``DataLoader`` over an ``IterableDataset`` that mixes in each worker the shards it takes
 of each input (how Hugging Face ``interleave_datasets`` and most hand-written torch mixes
 run with ``num_workers``).
@@ -27,6 +30,7 @@ These machines are shared and noisy: read the ratios.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import time
@@ -81,7 +85,32 @@ def pipelines(stop: str = "all_exhausted") -> dict[str, tuple[Pipeline, dict[str
                 mix.batch(BATCH), {"deterministic": True}),
             "zloader, a repeat after the mix (moved, or pass by pass)": (
                 mix.repeat(1).batch(BATCH), {}),
-            "zloader, the workers draw (before)": (mix.batch(BATCH).repeat(1).repeat(1), {})}
+            "zloader, the workers draw (each input spread over them)": (
+                mix.batch(BATCH).repeat(1).repeat(1), {}),
+            NOT_SPREAD: (mix.batch(BATCH).repeat(1).repeat(1), {})}
+
+
+NOT_SPREAD = "zloader, the workers draw, inputs as written (before)"
+"""How a mix the workers draw ran before ``zloader.plan.spread``: that function is made
+to leave the inputs as they are for this row alone (its workers are forked from this
+process, so they plan the same way)."""
+
+
+@contextlib.contextmanager
+def as_written(name: str) -> Iterator[None]:
+    """For the row ``name`` :data:`NOT_SPREAD`, a mix the workers draw reads its inputs
+    as written (their few splits), as before ``spread``."""
+    if name != NOT_SPREAD:
+        yield
+        return
+    import zloader.plan
+
+    spread = zloader.plan.spread
+    zloader.plan.spread = lambda pipeline: pipeline
+    try:
+        yield
+    finally:
+        zloader.plan.spread = spread
 
 
 def repacked(batch: Any) -> Any:
@@ -166,8 +195,9 @@ def measure(workers: list[int], limit: int) -> dict[str, Any]:
     results: list[dict[str, Any]] = []
     for count in workers:
         for name, (pipeline, options) in pipelines().items():
-            loader = Loader(pipeline, num_workers=count, timeout=120, **options)
-            got = run(lambda loader=loader: iter(loader), loader.close)
+            with as_written(name):
+                loader = Loader(pipeline, num_workers=count, timeout=120, **options)
+                got = run(lambda loader=loader: iter(loader), loader.close)
             results.append(_record(name, count, got, limit, reference))
         got = run(lambda count=count: torch_batches(count))
         results.append(_record("torch DataLoader, a mix per worker", count, got, limit,
@@ -177,7 +207,8 @@ def measure(workers: list[int], limit: int) -> dict[str, Any]:
                                        stop="first_exhausted").iter(0))
     for count in workers:
         for name, (pipeline, options) in pipelines("first_exhausted").items():
-            with Loader(pipeline, num_workers=count, timeout=120, **options) as loader:
+            with as_written(name), Loader(pipeline, num_workers=count, timeout=120,
+                                          **options) as loader:
                 got = sum(len(np.asarray(batch).reshape(-1)) for batch in loader)
             first.append({"system": name, "workers": count, "elements": got, "iter": want})
     return {"runs": results, "first_exhausted": first}

@@ -20,7 +20,7 @@ from zloader._defaults import MIX_SPREAD_SPLITS
 from zloader.errors import MixWindowWarning
 from zloader.options import JobOptions
 from zloader.plan import plan, spread
-from zloader.sources import PartsSource, RangeSource
+from zloader.sources import PartsSource, RangeSource, default_split_size
 
 
 def few_splits(tmp_path: pathlib.Path) -> Pipeline:
@@ -33,6 +33,11 @@ def few_splits(tmp_path: pathlib.Path) -> Pipeline:
                          Pipeline.from_jsonl(str(path))], WEIGHTS, seed=11).batch(8)
 
 
+def every(source: object) -> list[object]:
+    """All of ``source``'s elements, split by split in order."""
+    return [x for split in range(source.num_splits) for x in source.read(split)]
+
+
 def flat(batches: object) -> list[int]:
     return [int(x) for batch in batches for x in np.asarray(batch).reshape(-1)]
 
@@ -41,9 +46,11 @@ def test_spread_cuts_indexed_inputs_finer_and_reads_files_in_interleaved_parts(t
     mix = few_splits(tmp_path)
     inputs = [p.source for p in mix.source.inputs]
     spread_inputs = [p.source for p in spread(mix).source.inputs]
-    assert spread_inputs[0] is inputs[0]  # (40 splits: left as it is)
-    assert isinstance(spread_inputs[1], RangeSource)
-    assert spread_inputs[1].num_splits == MIX_SPREAD_SPLITS == 16
+    for cut, was in zip(spread_inputs[:2], inputs[:2], strict=True):  # (as by default)
+        assert isinstance(cut, RangeSource)
+        assert cut.split_size == default_split_size(was.length)  # (at most 256 splits)
+        assert every(cut) == every(was)
+    assert MIX_SPREAD_SPLITS == 16
     parts = spread_inputs[2]
     assert isinstance(parts, PartsSource) and parts.num_splits == 16
     lines = list(inputs[2].read(0))
@@ -75,13 +82,13 @@ def test_only_a_mix_its_workers_draw_is_spread(tmp_path):
     assert [p.source for p in drawn_here.pipeline.source.inputs] == \
         [p.source for p in mix.source.inputs]
     static = plan(mix, JobOptions(sharding="static", deterministic=True))
-    assert [p.source.num_splits for p in static.pipeline.source.inputs] == [40, 16, 16]
+    assert [p.source.num_splits for p in static.pipeline.source.inputs] == [250, 250, 16]
     every_split = plan(mix, JobOptions(sharding="off"))  # (each worker reads them all)
     assert every_split.pipeline is mix
     assert plan(mix).pipeline is mix  # (in this process)
 
 
-@pytest.mark.parametrize("workers", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("workers", [2, *(pytest.param(w, marks=pytest.mark.slow) for w in (4, 8))])
 def test_a_shared_mix_holds_its_weights_in_every_window_with_inputs_of_one_split(
         tmp_path, workers):
     mix = few_splits(tmp_path)
@@ -108,3 +115,17 @@ def test_a_deterministic_mix_in_static_shards_holds_its_weights_and_repeats_its_
     assert runs[0] == runs[1]
     assert sorted(runs[0]) == sorted(flat(mix.iter(0)))
     assert_every_window_holds(which(runs[0]), 5000, "static")
+
+
+@pytest.mark.parametrize("workers", [pytest.param(8, marks=pytest.mark.slow)])
+def test_workers_drawing_a_mix_take_few_of_an_input_s_splits_ahead(tmp_path, workers):
+    """A worker reading quick splits asks for many ahead; drawing a mix among the splits
+    it holds, it takes at most 1/MIX_AHEAD_SHARE of an input's (else one worker took an
+    input's splits and the others' streams went without it for a while)."""
+    mix = few_splits(tmp_path).repeat(1).repeat(1)  # (two repeats: the workers draw it)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MixWindowWarning)
+        with Loader(mix, num_workers=workers, timeout=60) as loader:
+            got = flat(loader)
+    assert sorted(got) == sorted(flat(mix.iter(0)))
+    assert_every_window_holds(which(got), 5000, workers)

@@ -538,11 +538,11 @@ def _warn_mix_windows(pipeline: Pipeline, args: Arguments) -> None:
         return
     warnings.warn(
         f"this mix is drawn on each worker, not where the workers' streams meet ({why}): "
-        f"each input is read in at least {MIX_SPREAD_SPLITS} splits so that every worker "
-        "holds some of it, but its weights hold in every window only while each worker "
-        "has splits of every input (not near an input's end, nor with more workers than "
-        "an input has splits). docs/semantics.md, 'Mixing', lists the mixes the consumer "
-        "draws.", MixWindowWarning, stacklevel=3)
+        "each input is read in many splits so that every worker holds some of it, but its "
+        "weights hold in every window only while each worker has splits of every input "
+        f"(not near an input's end; a file input of fewer than {MIX_SPREAD_SPLITS} splits "
+        "is read in that many parts, each reading it whole). docs/semantics.md, 'Mixing', "
+        "lists the mixes the consumer draws.", MixWindowWarning, stacklevel=3)
 
 
 def _holding(loader: Loader, elements: Iterator[Any]) -> Iterator[Any]:

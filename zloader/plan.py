@@ -23,7 +23,7 @@ from typing import Any
 
 from zloader import stages as _stages
 from zloader._byfields import FrozenByFields
-from zloader._defaults import MAX_MIX_INPUTS, MIX_SPREAD_SPLITS
+from zloader._defaults import DEFAULT_SPLITS, MAX_MIX_INPUTS, MIX_SPREAD_SPLITS
 from zloader.chunks import Chunk
 from zloader.groups import announce
 from zloader.lineage import Assigned, read_split, read_split_chunks
@@ -267,13 +267,14 @@ def plan(pipeline: Pipeline, options: JobOptions | None = None) -> Plan:
 
 
 def spread(pipeline: Pipeline) -> Pipeline:
-    """``pipeline``, whose mix (if any) its workers draw, with each input of fewer than
-    MIX_SPREAD_SPLITS splits read in that many, so that each worker holds some of every
-    input (a worker mixes only the splits it holds: an input of one file would sit on
-    one worker, and its share of what the trainer sees would follow that worker's pace,
-    not its weight). An input addressed by index (``range``, ``from_items``,
-    ``from_arrays``, ``from_torch``) is cut into smaller splits; any other (files, a
-    generator) is read in interleaved parts (:class:`~zloader.sources.PartsSource`: read
+    """``pipeline``, whose mix (if any) its workers draw, with its inputs in many splits,
+    so that each worker holds some of every input until near its end (a worker mixes
+    only the splits it holds: an input of one file would sit on one worker, and its
+    share of what the trainer sees would follow that worker's pace, not its weight). An
+    input addressed by index (``range``, ``from_items``, ``from_arrays``, ``from_torch``)
+    of fewer than DEFAULT_SPLITS splits is cut into that many (its default); any other
+    (files, a generator) of fewer than MIX_SPREAD_SPLITS is read in that many
+    interleaved parts (:class:`~zloader.sources.PartsSource`: read
     that many times, each part keeping its share), but for a cache and a source read in
     no fixed order (:func:`_spread`). Only what a Loader runs changes
     (``iter()`` reads the inputs as they are), the same for every Loader and worker of the
@@ -288,18 +289,17 @@ def spread(pipeline: Pipeline) -> Pipeline:
 
 
 def _spread(source: Source) -> Source:
-    """``source`` in at least MIX_SPREAD_SPLITS splits where that can be done (see
-    :func:`spread`); a cache (whose reading of a split not cached yet runs its stages:
-    each part would run them) or a source whose splits come in another order each time
-    (``deterministic=False`` with parallel reads: parts would overlap) as it is."""
+    """``source`` in as many splits as :func:`spread` says, where that can be done; a
+    cache (whose reading of a split not cached yet runs its stages: each part would run
+    them) or a source whose splits come in another order each time (``deterministic=False``
+    with parallel reads: parts would overlap) as it is."""
     count = source.num_splits
-    if count == 0 or count >= MIX_SPREAD_SPLITS:
-        return source
-    if isinstance(source, _IndexedSource):
-        size = max(1, -(-source.length // MIX_SPREAD_SPLITS))
+    if isinstance(source, _IndexedSource):  # (as by default: DEFAULT_SPLITS, or finer)
+        size = max(1, -(-source.length // DEFAULT_SPLITS))
         return dataclasses.replace(source, split_size=size) if size < source.split_size \
             else source
-    if source.kind == "cache" or getattr(source, "deterministic", True) is False:
+    if count == 0 or count >= MIX_SPREAD_SPLITS or source.kind == "cache" \
+            or getattr(source, "deterministic", True) is False:
         return source
     return in_parts(source, -(-MIX_SPREAD_SPLITS // count))
 

@@ -184,10 +184,11 @@ MIX_DRAW_CHUNK = 1024
 when an input ends (fixed)."""
 
 MIX_SPREAD_SPLITS = 16
-"""A mix that its workers draw (docs/semantics.md, "Mixing") reads each input of fewer
-splits in at least this many, so that every worker holds some of each input: an input
-addressed by index is cut finer, any other is read in interleaved parts, each of which
-reads the whole split and keeps its share (zloader/plan.py ``spread``; fixed)."""
+"""A mix that its workers draw (docs/semantics.md, "Mixing") reads each input that is not
+addressed by index (files, a generator) of fewer splits in at least this many interleaved
+parts, each of which reads the whole split and keeps its share, so that every worker
+holds some of each input; one addressed by index is cut into DEFAULT_SPLITS (zloader/plan.py
+``spread``; fixed)."""
 
 MAX_MIX_INPUTS = 4096
 """The most inputs one mix may have (``REGISTER.source.inputs``; fixed)."""

@@ -71,6 +71,12 @@ MAX_AHEAD = 256
 """``SPLIT_REQ.ahead``: at most this many splits wanted past the one asked for
 (protocol)."""
 
+MIX_AHEAD_SHARE = 64
+"""A producer drawing a mix among the splits it holds (a mix its workers draw) takes at
+most 1/64 of an input's splits ahead of the one it reads (none of an input of fewer than
+128): a worker that took many would leave the others none of that input for a while, and
+their streams would go without it (fixed)."""
+
 SPLIT_AHEAD_WORK = 0.02
 """After a split that took less than this to read, a producer asks with the next one for
 as many more as it would read in this time at that pace (SPLIT_REQ.ahead, at most
