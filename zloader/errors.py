@@ -73,8 +73,9 @@ class FingerprintWarning(UserWarning):
 
 class MixWindowWarning(UserWarning):
     """A Loader's mix is drawn on each worker, not where the streams meet: with several
-    workers its weights hold over the whole stream but not in every window
-    (docs/semantics.md, "Mixing")."""
+    workers its weights hold in every window only while each worker has splits of every
+    input, and a ``"first_exhausted"`` mix ends on each worker apart (docs/semantics.md,
+    "Mixing")."""
 
 
 class PipelineError(ZloaderError):

@@ -532,7 +532,7 @@ def _packing(pipeline: Pipeline, args: Arguments) -> tuple[list[packed.Swap], Ha
 
 def _warn_mix_windows(pipeline: Pipeline, args: Arguments) -> None:
     """Say so when this Loader's mix is drawn on each of several workers (its weights then
-    hold over the whole stream but not in every window), and why."""
+    hold in every window only while each worker has splits of every input), and why."""
     why = drawn_on_workers(pipeline, args.options)
     if why is None or (args.broker is None and args.workers == 1):
         return
