@@ -72,10 +72,11 @@ MAX_AHEAD = 256
 (protocol)."""
 
 MIX_AHEAD_SHARE = 64
-"""A producer drawing a mix among the splits it holds (a mix its workers draw) takes at
-most 1/64 of an input's splits ahead of the one it reads (none of an input of fewer than
-128): a worker that took many would leave the others none of that input for a while, and
-their streams would go without it (fixed)."""
+"""A producer drawing a mix among the splits it holds (a mix its workers draw), in a job
+not of one worker (``num_workers=1``), takes at most 1/64 of an input's splits ahead of
+the one it reads (none of an input of fewer than 128): a worker that took many would leave
+the others none of that input for a while, and their streams would go without it
+(fixed)."""
 
 SPLIT_AHEAD_WORK = 0.02
 """After a split that took less than this to read, a producer asks with the next one for

@@ -147,11 +147,12 @@ class Producer(threading.Thread):
         self.sending = threading.Lock()
         self.pool: Pool | PartPool = pool
         self.permits = permits  # per mix input, when the consumers draw the mix
-        # A mix drawn here, among the splits this worker holds: it takes at most
-        # 1/MIX_AHEAD_SHARE of an input's splits ahead (zloader/plan.py ``spread``: a
-        # worker taking many would leave the others none of that input for a while).
-        self._spreads = spec.plan.mix is None and isinstance(spec.plan.pipeline.source,
-                                                             MixSource)
+        # A mix drawn here, among the splits this worker holds, in a job that may have
+        # other workers: it takes at most 1/MIX_AHEAD_SHARE of an input's splits ahead
+        # (zloader/plan.py ``spread``: a worker taking many would leave the others none of
+        # that input for a while).
+        self._spreads = spec.plan.mix is None and spec.options.num_workers != 1 \
+            and isinstance(spec.plan.pipeline.source, MixSource)
         self.draining = draining
         self.epoch_input = epoch_input
         self.weights = weights
