@@ -23,11 +23,16 @@ from typing import Any
 
 from zloader import stages as _stages
 from zloader._byfields import FrozenByFields
-from zloader._defaults import DEFAULT_SPLITS, MAX_MIX_INPUTS, MIX_SPREAD_SPLITS
+from zloader._defaults import (
+    DEFAULT_SPLITS,
+    MAX_MIX_INPUTS,
+    MIX_AHEAD_SHARE,
+    MIX_SPREAD_SPLITS,
+)
 from zloader.chunks import Chunk
 from zloader.groups import announce
 from zloader.lineage import Assigned, read_split, read_split_chunks
-from zloader.mixing import MixSource, drawn, input_runs, mixed_run
+from zloader.mixing import MixSource, drawn, input_of, input_runs, mixed_run
 from zloader.options import JobOptions
 from zloader.pipeline import Pipeline
 from zloader.runs import Context
@@ -68,6 +73,9 @@ class Plan(FrozenByFields):
     after_mix: tuple[_stages.Stage, ...] = ()
     shards: int = 0  # a deterministic job's fixed shards (JobOptions.shards); 0: none
     passes: int = 0  # a repeat(n) after a mix the consumer draws: n; 0: none (_passes)
+    # A mix its workers draw, in a job that may have several: each worker takes few of an
+    # input's splits ahead (:meth:`ahead_at_most`)
+    spread: bool = False
 
     @property
     def parts(self) -> int:
@@ -80,6 +88,15 @@ class Plan(FrozenByFields):
         if self.mix is None:
             return self.shards
         return len(self.mix.inputs) * max(1, self.shards) * max(1, self.passes)
+
+    def ahead_at_most(self, key: _stages.Key) -> int | None:
+        """The most splits of pass ``key`` a worker may ask for ahead of the one it reads
+        (None: as many as its pace wants). A worker drawing a mix among the splits it
+        holds takes at most 1/MIX_AHEAD_SHARE of an input's splits ahead: one that took
+        many would leave the others none of that input for a while (:func:`spread`)."""
+        if not self.spread or input_of(key) is None:
+            return None
+        return self.pipeline.source.splits_in(key) // MIX_AHEAD_SHARE
 
     def input_of(self, part: int) -> int:
         """The mix input whose stream part ``part`` is."""
@@ -261,8 +278,11 @@ def plan(pipeline: Pipeline, options: JobOptions | None = None) -> Plan:
             cut = len(moved.stages) - len(consumer)
             after = moved.stages[:cut]
             return Plan(moved, (), consumer, moved.source, after, shards, _passes(after))
-        if options.sharding != "off":  # (each worker reads every split: nothing to spread)
+        if options.sharding != "off" and isinstance(pipeline.source, MixSource):
+            # (sharding "off": each worker reads every split, nothing to spread)
             pipeline = spread(pipeline)
+            return Plan(pipeline, pipeline.stages[:cut], consumer, shards=shards,
+                        spread=options.num_workers != 1)
     return Plan(pipeline, pipeline.stages[:cut], consumer, shards=shards)
 
 

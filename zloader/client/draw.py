@@ -150,7 +150,7 @@ class Handles:
                 continue
             groups = self._records[base].origins.groups
             if groups:
-                ledger.define_all((group, group.id, ()) for group in groups)
+                ledger.define_groups(groups)
             if done is not None:
                 done.add(base)
 

@@ -434,6 +434,10 @@ class Ledger:
                         self._group_rows(inner, rows_of, range(first, first + length))
         self._group_rows(gid, held, rows)
 
+    def define_groups(self, groups: Iterable[Group]) -> None:
+        """:meth:`define_all` for ``groups`` as a record names them (no row held yet)."""
+        self.define_all((group, group.id, ()) for group in groups)
+
     def define_all(self, groups: Iterable[tuple[Group | None, tuple[Key, int, int, int],
                                                 Iterable[int]]]) -> None:
         """:meth:`define` each of ``groups`` (group, its id, rows of it held; a group None:

@@ -206,7 +206,7 @@ class Origins:
             held = self.loose + (self.uniform * elements if self.counts is None
                                  else int(self.counts[:elements].sum()))
         if self.groups:  # (their elements are held before any of their rows)
-            ledger.define_all((group, group.id, ()) for group in self.groups)
+            ledger.define_groups(self.groups)
         if self.codes is not None and self.reads is not None:
             ledger.add_codes(self.keys, self.reads, self.codes[:held])
         else:
@@ -243,7 +243,7 @@ class Origins:
         record some of whose elements were yielded, maybe in another order than theirs
         (a consumer that draws a mix and shuffles what it draws)."""
         if self.groups:
-            ledger.define_all((group, group.id, ()) for group in self.groups)
+            ledger.define_groups(self.groups)
         counts = (np.full(size, self.uniform, np.int64) if self.counts is None
                   else self.counts)
         starts = self.loose + np.concatenate(([0], np.cumsum(counts)[:-1])) \

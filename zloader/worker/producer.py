@@ -49,7 +49,6 @@ from zloader._defaults import (
     HAND_WAIT,
     LARGE_RECORD_BYTES,
     MAX_AHEAD,
-    MIX_AHEAD_SHARE,
     PART_RECORD_ELEMENTS,
     RECORD_BYTES,
     RECORD_ELEMENTS,
@@ -60,7 +59,7 @@ from zloader._defaults import (
 )
 from zloader.errors import CodecError, PipelineError
 from zloader.lineage import Assigned
-from zloader.mixing import LiveWeights, MixSource, input_of
+from zloader.mixing import LiveWeights
 from zloader.runs import Context, Coverage, RunSettings
 from zloader.sharing.branches import Branch, Tree
 from zloader.transport.protocol import error_object
@@ -147,12 +146,6 @@ class Producer(threading.Thread):
         self.sending = threading.Lock()
         self.pool: Pool | PartPool = pool
         self.permits = permits  # per mix input, when the consumers draw the mix
-        # A mix drawn here, among the splits this worker holds, in a job that may have
-        # other workers: it takes at most 1/MIX_AHEAD_SHARE of an input's splits ahead
-        # (zloader/plan.py ``spread``: a worker taking many would leave the others none of
-        # that input for a while).
-        self._spreads = spec.plan.mix is None and spec.options.num_workers != 1 \
-            and isinstance(spec.plan.pipeline.source, MixSource)
         self.draining = draining
         self.epoch_input = epoch_input
         self.weights = weights
@@ -690,8 +683,9 @@ class Producer(threading.Thread):
         ahead = min(MAX_AHEAD, int(SPLIT_AHEAD_WORK / max(took, 1e-6))) - 1 \
             if took is not None else 0
         ahead = max(0, ahead)
-        if self._spreads and input_of(key) is not None:
-            ahead = min(ahead, self.spec.plan.pipeline.source.splits_in(key) // MIX_AHEAD_SHARE)
+        most = self.spec.plan.ahead_at_most(key)  # (a mix drawn here: zloader/plan.py)
+        if most is not None:
+            ahead = min(ahead, most)
         self._put(pair, LinkKind.SPLIT_REQ, {"pass": list(key), "have": have, "ahead": ahead})
         return 1 + ahead
 
