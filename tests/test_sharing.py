@@ -790,3 +790,35 @@ def test_a_shared_job_gives_a_worker_whose_splits_nobody_would_read_again_by_dra
         other = Trainer(address, "--delay", "0.04", variant=2)
         for epoch, size in ((fast_epoch, n), (slow.epochs()[0], n), (other.epochs()[0], N)):
             exactly_once(epoch["got"], size)
+
+
+def _packed(batch: np.ndarray) -> np.ndarray:
+    """A packer: element ``v`` is ``1 + v % 3`` tokens ``v``, packed into rows of 4
+    (the last padded with -1): another number of rows than elements."""
+    tokens = [int(v) for v in batch for _ in range(1 + int(v) % 3)]
+    tokens += [-1] * (-len(tokens) % 4)
+    return np.array(tokens).reshape(-1, 4)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(reason="known (session 30): a shared job whose worker is paused past "
+                   "its heartbeats (dropped as dead, then back) repeats 1,800-4,500 of "
+                   "12,000 packed tokens; without the packer, or without the pause, none",
+                   strict=False)
+def test_a_shared_job_s_worker_paused_past_its_heartbeats_repeats_no_packed_row():
+    """A worker of a shared job packing rows (a map between batch and unbatch that makes
+    another number of rows) is stopped (SIGSTOP) for 3 s, longer than the broker waits
+    for its heartbeats, then continued: the trainer gets every token once."""
+    pipeline = Pipeline.range(6000, split_size=200).batch(8).map(_packed).unbatch().batch(16)
+    want = collections.Counter(int(t) for b in pipeline.iter(0)
+                               for t in np.asarray(b).reshape(-1) if t >= 0)
+    with service(workers=2) as (address, workers):
+        got: collections.Counter = collections.Counter()
+        with Loader(pipeline, broker=address, share=True, timeout=60) as loader:
+            for i, batch in enumerate(loader):
+                got.update(int(t) for t in np.asarray(batch).reshape(-1) if t >= 0)
+                if i == 40:
+                    os.kill(workers[1].pid, signal.SIGSTOP)
+                    time.sleep(3)
+                    os.kill(workers[1].pid, signal.SIGCONT)
+    assert got == want, (sum((want - got).values()), sum((got - want).values()))
