@@ -208,7 +208,8 @@ class EpochEnd:
 
     def answer_fences(self, fences: Iterable[dict[str, Any]]) -> None:
         """A worker of an exactly-once job died: this consumer reads nothing more from it
-        (it left the job's view, so its peer is closed) and tells the broker which elements
+        (it left the job's view, so its peer is closed; a shared job's, read on for a
+        grace, is closed now: :meth:`Peers.stop_reading`) and tells the broker which elements
         of its splits it holds; the broker hands the splits out again less those. It
         answers again, once a heartbeat, while the fence still lists it as ``waiting``
         (its answer was lost: the broker had dropped it, or stalled). A shared job's
@@ -225,6 +226,7 @@ class EpochEnd:
             session = self.session
             assert session.job is not None  # fences come in the job's views
             if self.stats.share is not None:  # what it got from that worker this epoch
+                self.peers.stop_reading(fence["worker"], fence["task"])
                 answer: dict[str, Any] = {"epoch": session.epoch or 0, "done": session.done,
                           "count": session.got_from.get(fence["worker"], 0)}
                 places = session.places(fence["worker"])

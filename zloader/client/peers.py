@@ -268,6 +268,14 @@ class Peers:
         if self._leaving.pop(id(peer), None) is not None:
             self.close(peer, polite=False)
 
+    def stop_reading(self, worker: str, task: str) -> None:
+        """Close the leaving streams of ``worker``'s ``task``: it was dropped as dead, and
+        this consumer now says what it got from it (a shared job's fence). A worker that
+        was only paused would send more on them, which another worker makes again."""
+        for peer, _ in list(self._leaving.values()):
+            if peer.worker == worker and peer.task == task:
+                self.left(peer)
+
     def expire(self, now: float) -> None:
         """Close the leaving workers whose grace is over."""
         for peer, deadline in list(self._leaving.values()):
