@@ -6,17 +6,17 @@ split between two Loaders of one ``job_name`` (one closed at a random point, a w
 SIGKILLed at another, the rest resumed from both states), and (slow) with the broker
 SIGKILLed and restarted on its work dir, and shared by two
 trainers (``share=True``; the second, and a third, maybe with stages of their own after
-the first's: a branch, maybe joining late) with a worker SIGKILLed, or moved to another
-job (a third
-trainer joining then), mid-epoch. Each must yield what
+the first's: a branch, maybe joining late) with a worker SIGKILLed, paused past its
+heartbeats and continued, or moved to another job (a third trainer joining then),
+mid-epoch, and a Loader of a service whose worker is paused so. Each must yield what
 ``pipeline.iter(0)`` yields: the same multiset of rows (a final batch is compared row by
 row, since each worker batches its own elements), and with one worker, or
 ``deterministic=True`` twice, the same sequence; a deterministic Loader of 2 workers
 stopped, resumed with 3, stopped again and resumed with 1 yields its uninterrupted
 stream exactly.
 
-One seed per mode runs in ``make test`` (and one shared with a branch); ``-m slow`` runs 200
-per mode (24 per shared one).
+One seed per mode runs in ``make test`` (and one shared with a branch, one shared with a
+pause); ``-m slow`` runs 200 per mode (24 per shared or paused one).
 """
 
 from __future__ import annotations
@@ -336,26 +336,61 @@ def broker_restarted(case: Case, seed: int, tmp: str) -> None:
             stop(process)
 
 
+PAUSE_SECONDS = 5 * HEARTBEAT
+"""How long a paused worker is stopped: past the broker's 3 heartbeats, so it is dropped
+as dead, and then continued (it comes back and finds its task gone)."""
+
+
+def fault(process: subprocess.Popen, kind: str) -> None:
+    """SIGKILL ``process`` (``kind`` "kill"), or stop it (SIGSTOP) for
+    :data:`PAUSE_SECONDS` and continue it ("pause")."""
+    if kind == "kill":
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        return
+    process.send_signal(signal.SIGSTOP)
+    try:
+        threading.Event().wait(PAUSE_SECONDS)
+    finally:
+        process.send_signal(signal.SIGCONT)
+
+
+def paused(case: Case, seed: int) -> None:
+    """A Loader of a service of 2 workers, one of which is paused past its heartbeats at a
+    random point and then continued: dropped as dead, its splits are read again less
+    what the Loader holds, and what it sends once back is not taken."""
+    with service(workers=2) as (address, procs):
+        out: list[Any] = []
+        with Loader(case.pipeline, broker=address, timeout=30) as one:
+            elements = iter(one)
+            partly(elements, point(case, seed), out)
+            fault(procs[0], "pause")
+            out += list(elements)
+    compare(case, Rows(rows(out)))
+
+
 def shared_killed(case: Case, seed: int, own: Pipeline | None = None,
-                  recipe: list[str] | None = None) -> None:
+                  recipe: list[str] | None = None, kind: str = "kill") -> None:
     """Two trainers share the pipeline's job (``share=True``) on a service of 2 workers,
     the second reading ``own`` when given (the pipeline with stages of its own after it: a
-    branch); one worker is SIGKILLed at a random point of the first trainer's epoch: each
-    trainer gets the epoch its own pipeline's ``iter`` yields (the broker has a worker that
-    stays make the dead one's splits again, less what each trainer had, docs/sharing.md)."""
+    branch); one worker is SIGKILLed (or paused past its heartbeats and continued:
+    ``kind`` "pause") at a random point of the first trainer's epoch: each trainer gets
+    the epoch its own pipeline's ``iter`` yields (the broker has a worker that stays make
+    the dead one's splits again, less what each trainer had, docs/sharing.md)."""
     pipelines = {"a": case.pipeline, "b": own if own is not None else case.pipeline}
     with service(workers=2) as (address, procs):
         got: dict[str, list[Any]] = {}
         at = point(case, seed)
+        hit = threading.Event()
 
         def read(name: str) -> None:
             out: list[Any] = []
             with Loader(pipelines[name], broker=address, share=True, timeout=30) as one:
                 for element in one:
                     out.append(element)
-                    if name == "a" and len(out) >= at and procs[0].poll() is None:
-                        procs[0].send_signal(signal.SIGKILL)
-                        procs[0].wait()
+                    if name == "a" and len(out) >= at and not hit.is_set():
+                        hit.set()
+                        fault(procs[0], kind)
             got[name] = out
 
         run_together([functools.partial(read, name) for name in "ab"], timeout=90)
@@ -559,6 +594,10 @@ def run(mode: str, seed: int, tmp: str) -> None:
         broker_restarted(case, seed, tmp)
     elif mode == "shared-kill":
         shared_killed(case, seed)
+    elif mode == "shared-pause":
+        shared_killed(case, seed, kind="pause")
+    elif mode == "pause":
+        paused(case, seed)
     elif mode == "shared-move":
         shared_moved(case, seed)
     elif mode == "shared-prefix":
@@ -596,10 +635,19 @@ def test_a_generated_pipeline_shared_with_a_branch_survives_a_kill(tmp_path):
     run("shared-prefix", 3, str(tmp_path))  # (one seed here: 24 in the slow tier)
 
 
+def test_a_generated_pipeline_shared_on_a_worker_paused_past_its_heartbeats_is_exact(tmp_path):
+    """Seed 5 of shared-pause: a mix of two cached inputs, batched, shared by two trainers;
+    a worker stopped past its heartbeats, then continued (before: the first trainer read it
+    on after answering its fence, and got what the other worker made again too; 5 of 16
+    seeds failed so)."""
+    run("shared-pause", 5, str(tmp_path))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(24))
-@pytest.mark.parametrize("mode", ["shared-kill", "shared-move", "shared-prefix",
-                                  "shared-prefix-move", "shared-prefix-late"])
+@pytest.mark.parametrize("mode", ["shared-kill", "shared-pause", "shared-move",
+                                  "shared-prefix", "shared-prefix-move",
+                                  "shared-prefix-late", "pause"])
 def test_generated_pipelines_shared_by_trainers_survive_a_kill_and_a_move(mode, seed, tmp_path):
     run(mode, seed, str(tmp_path))
 
