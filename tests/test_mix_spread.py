@@ -17,20 +17,24 @@ from tests.service import service
 from tests.test_mix_windows import BASES, WEIGHTS, assert_every_window_holds, slowly, which
 from zloader import Loader, Pipeline
 from zloader._defaults import MIX_SPREAD_SPLITS
+from zloader.cache import CachedSource
 from zloader.errors import MixWindowWarning
 from zloader.options import JobOptions
 from zloader.plan import plan, spread
 from zloader.sources import PartsSource, RangeSource, default_split_size
 
 
-def few_splits(tmp_path: pathlib.Path) -> Pipeline:
+def few_splits(tmp_path: pathlib.Path, cache: bool = False) -> Pipeline:
     """Three inputs: many splits (made slowly), one split (a range), and one file of 700
-    JSON lines: both small inputs would sit on one worker each."""
+    JSON lines (``cache``: cached): both small inputs would sit on one worker each."""
     path = tmp_path / "small.jsonl"
     path.write_text("".join(json.dumps(BASES[2] + i) + "\n" for i in range(700)))
+    lines = Pipeline.from_jsonl(str(path))
+    if cache:
+        lines = lines.map(int).cache(str(tmp_path / "cache"))
     return Pipeline.mix([Pipeline.range(BASES[0], BASES[0] + 4000, split_size=100).map(slowly),
                          Pipeline.range(BASES[1], BASES[1] + 2000, split_size=2000),
-                         Pipeline.from_jsonl(str(path))], WEIGHTS, seed=11).batch(8)
+                         lines], WEIGHTS, seed=11).batch(8)
 
 
 def every(source: object) -> list[object]:
@@ -64,16 +68,41 @@ def test_spread_cuts_indexed_inputs_finer_and_reads_files_in_interleaved_parts(t
     assert spread(once) is once  # (nothing left under MIX_SPREAD_SPLITS splits)
 
 
-def test_a_cache_and_a_source_read_in_no_fixed_order_are_not_read_in_parts(tmp_path):
-    """A part of a split not cached yet would run the cached stages over all of it; parts
-    of a split whose order changes at each read would overlap (and miss elements)."""
+def test_a_source_read_in_no_fixed_order_is_not_read_in_parts(tmp_path):
+    """Parts of a split whose order changes at each read would overlap (and miss
+    elements)."""
     path = tmp_path / "small.jsonl"
     path.write_text("".join(f"{i}\n" for i in range(100)))
     unordered = Pipeline.from_jsonl([str(path)] * 2, parallel_reads=2, deterministic=False)
-    cached = Pipeline.from_jsonl(str(path)).map(int).cache(str(tmp_path / "cache"))
-    mix = Pipeline.mix([Pipeline.range(100), unordered, cached], [1, 1, 1], seed=1)
-    assert [p.source for p in spread(mix).source.inputs][1:] == \
-        [p.source for p in mix.source.inputs][1:]
+    mix = Pipeline.mix([Pipeline.range(100), unordered], [1, 1], seed=1)
+    assert spread(mix).source.inputs[1].source is unordered.source
+
+
+def test_a_cache_s_own_source_is_spread_under_it_and_each_part_is_an_entry(tmp_path):
+    """A cached input of one file is read in parts under the cache (a part not cached
+    yet runs the cached stages over its own elements only), a cached range cut finer;
+    each part is an entry of its own, under another key than the input as written."""
+    path = tmp_path / "small.jsonl"
+    path.write_text("".join(f"{i}\n" for i in range(100)))
+    calls = tmp_path / "calls"
+    calls.mkdir()
+
+    def counted(x: int) -> int:
+        (calls / str(x)).touch(exist_ok=False)  # (raises if run twice on one element)
+        return x * 10
+
+    store = tmp_path / "cache"
+    from_file = Pipeline.from_jsonl(str(path)).map(counted).cache(str(store))
+    from_range = Pipeline.range(1000, split_size=1000).map(int).cache(str(store))
+    mix = Pipeline.mix([from_file, from_range], [1, 1], seed=1)
+    parts, cut = (p.source for p in spread(mix).source.inputs)
+    assert isinstance(parts, CachedSource) and isinstance(parts.source, PartsSource)
+    assert parts.num_splits == 16 and parts.key != from_file.source.key
+    assert isinstance(cut, CachedSource) and cut.num_splits == 250
+    assert sorted(every(parts)) == [10 * i for i in range(100)]  # (each element mapped once)
+    assert len(list(calls.iterdir())) == 100
+    assert sorted(every(parts)) == [10 * i for i in range(100)]  # (now from the entries)
+    assert sorted(every(cut)) == list(range(1000))
 
 
 def test_only_a_mix_its_workers_draw_is_spread(tmp_path):
@@ -88,10 +117,13 @@ def test_only_a_mix_its_workers_draw_is_spread(tmp_path):
     assert plan(mix).pipeline is mix  # (in this process)
 
 
-@pytest.mark.parametrize("workers", [2, *(pytest.param(w, marks=pytest.mark.slow) for w in (4, 8))])
+@pytest.mark.parametrize(("workers", "cache"), [
+    (2, False), *(pytest.param(w, False, marks=pytest.mark.slow) for w in (4, 8)),
+    pytest.param(4, True, marks=pytest.mark.slow)])
 def test_a_shared_mix_holds_its_weights_in_every_window_with_inputs_of_one_split(
-        tmp_path, workers):
-    mix = few_splits(tmp_path)
+        tmp_path, workers, cache):
+    """(``cache``: the file input cached, which its parts are, each on its own.)"""
+    mix = few_splits(tmp_path, cache)
     with service(workers) as (address, _):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", MixWindowWarning)

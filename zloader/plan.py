@@ -29,6 +29,7 @@ from zloader._defaults import (
     MIX_AHEAD_SHARE,
     MIX_SPREAD_SPLITS,
 )
+from zloader.cache import CachedSource, cached
 from zloader.chunks import Chunk
 from zloader.groups import announce
 from zloader.lineage import Assigned, read_split, read_split_chunks
@@ -295,10 +296,10 @@ def spread(pipeline: Pipeline) -> Pipeline:
     of fewer than DEFAULT_SPLITS splits is cut into that many (its default); any other
     (files, a generator) of fewer than MIX_SPREAD_SPLITS is read in that many
     interleaved parts (:class:`~zloader.sources.PartsSource`: read
-    that many times, each part keeping its share), but for a cache and a source read in
-    no fixed order (:func:`_spread`). Only what a Loader runs changes
-    (``iter()`` reads the inputs as they are), the same for every Loader and worker of the
-    job, whatever its number of workers."""
+    that many times, each part keeping its share), a cache's own source so (under the
+    cache), but for a source read in no fixed order (:func:`_spread`). Only what a
+    Loader runs changes (``iter()`` reads the inputs as they are), the same for every
+    Loader and worker of the job, whatever its number of workers."""
     source = pipeline.source
     if not isinstance(source, MixSource):
         return pipeline
@@ -310,15 +311,22 @@ def spread(pipeline: Pipeline) -> Pipeline:
 
 def _spread(source: Source) -> Source:
     """``source`` in as many splits as :func:`spread` says, where that can be done; a
-    cache (whose reading of a split not cached yet runs its stages: each part would run
-    them) or a source whose splits come in another order each time (``deterministic=False``
-    with parallel reads: parts would overlap) as it is."""
+    source whose splits come in another order each time (``deterministic=False`` with
+    parallel reads: parts would overlap) as it is. A cache's own source is spread, under
+    its stages: each part of a split is an entry of its own (the prefix's fingerprint,
+    and so the entries' key, is another than the input's as written), and a part not
+    cached yet runs the stages over its own elements only."""
     count = source.num_splits
+    if isinstance(source, CachedSource):
+        inner = _spread(source.source)
+        return source if inner is source.source else cached(
+            inner, source.stages, source.root, source.storage_options,
+            source.max_entry_bytes)
     if isinstance(source, _IndexedSource):  # (as by default: DEFAULT_SPLITS, or finer)
         size = max(1, -(-source.length // DEFAULT_SPLITS))
         return dataclasses.replace(source, split_size=size) if size < source.split_size \
             else source
-    if count == 0 or count >= MIX_SPREAD_SPLITS or source.kind == "cache" \
+    if count == 0 or count >= MIX_SPREAD_SPLITS \
             or getattr(source, "deterministic", True) is False:
         return source
     return in_parts(source, -(-MIX_SPREAD_SPLITS // count))
