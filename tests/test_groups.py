@@ -119,6 +119,30 @@ def test_a_packer_survives_a_worker_sigkill_mid_group():
     # were cut in other places (packed again from their documents)
     assert tokens(out) == reference
 
+def tokenized(batch: Any) -> list[list[int]]:
+    """A batched tokenizer as users write it: each element's tokens, a list each, of
+    1 to 3 tokens (rows of different lengths, in a plain list)."""
+    return [[int(x) * 10 + t for t in range(1 + int(x) % 3)] for x in np.asarray(batch)]
+
+
+def test_a_tokenizer_s_list_of_ragged_lists_is_its_rows_through_resumes_and_a_kill():
+    """``batch(k).map(f).unbatch()`` with ``f`` returning a list of token lists yields each
+    list as a row (it raised: 'element[1] has 2 rows, others have 1'), exactly once
+    through a resume of a resume and a worker SIGKILL."""
+    pipeline = (Pipeline.range(3000, split_size=50).batch(8).map(tokenized).unbatch()
+                .map(tuple))
+    reference = collections.Counter(pipeline.iter(0))
+    assert len(reference) == 3000 and max(map(len, reference)) == 3
+    assert collections.Counter(resumed(pipeline, [700, 900], num_workers=2)) == reference
+    out: list[Any] = []
+    with Loader(pipeline, num_workers=2, timeout=30) as loader:
+        elements = iter(loader)
+        out += itertools.islice(elements, 1100)
+        loader._processes[0].kill()
+        out += list(elements)
+    assert collections.Counter(out) == reference
+
+
 
 @pytest.mark.parametrize("cut", [150, pytest.param(900, marks=pytest.mark.slow)])
 def test_shuffles_and_batches_around_the_stage_and_a_mix_lose_and_repeat_nothing(cut):

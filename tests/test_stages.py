@@ -157,6 +157,40 @@ def test_unbatch_of_plain_lists_yields_items():
     assert values(Pipeline.from_items([[1, 2], [3], []]).unbatch()) == [1, 2, 3]
 
 
+def _tokenized(batch: np.ndarray) -> list[list[int]]:
+    """A tokenizer's output: element ``v`` becomes ``1 + v % 3`` tokens, a list each."""
+    return [[int(v)] * (1 + int(v) % 3) for v in batch]
+
+
+def _packed_rows(batch: np.ndarray) -> list[list[int]]:
+    """A packer's output: the batch's elements in rows of two, a list each."""
+    tokens = [int(v) for v in batch]
+    return [tokens[i:i + 2] for i in range(0, len(tokens), 2)]
+
+
+def test_unbatch_of_a_list_of_rows_a_map_made_yields_each_row():
+    """Lists of numbers (a tokenizer's, ragged; a packer's, of one length) and arrays of
+    different lengths are rows, not structure: ``batch`` never makes a list of lists of
+    numbers (it stacks numbers into arrays), and structure's leaves have one length.
+    (Before: the packer's rows came out transposed, [[0, 2], [1, 3], ...], and the
+    tokenizer's raised 'element[1] has 2 rows, others have 1'.)"""
+    rows = values(Pipeline.range(6).batch(3).map(_tokenized).unbatch())
+    assert rows == [[0], [1, 1], [2, 2, 2], [3], [4, 4], [5, 5, 5]]
+    assert values(Pipeline.range(8).batch(4).map(_packed_rows).unbatch()) == \
+        [[0, 1], [2, 3], [4, 5], [6, 7]]
+    columns = values(Pipeline.range(4).batch(4).map(
+        lambda b: {"ids": _tokenized(b), "n": [1 + int(v) % 3 for v in b]}).unbatch())
+    assert columns == [{"ids": [v] * (1 + v % 3), "n": 1 + v % 3} for v in range(4)]
+    arrays = values(Pipeline.range(3).batch(3).map(
+        lambda b: [np.arange(1 + int(v)) for v in b]).unbatch())
+    assert [a.tolist() for a in arrays] == [[0], [0, 1], [0, 1, 2]]
+    # What batch makes of list elements stays structure: its rows are the elements.
+    assert values(Pipeline.from_items([[1, 2], [3, 4], [5, 6]]).batch(3).unbatch()) == \
+        [[1, 2], [3, 4], [5, 6]]
+    assert values(Pipeline.from_items([["a", "b"], ["c", "d"]]).batch(2).unbatch()) == \
+        [["a", "b"], ["c", "d"]]
+
+
 def test_unbatch_rejects_scalars_and_ragged_leaves():
     with pytest.raises(PipelineError, match="unbatch"):
         values(Pipeline.range(3).unbatch())

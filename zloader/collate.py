@@ -22,7 +22,10 @@ dimensions must match).
 
 ``split(batch)`` is its inverse: arrays are sliced along axis 0 (views, no copy), lists of
 scalars (``str``/``bytes``/``None``/numbers, as ``stack`` makes them) are taken item by item,
-and dicts, tuples and other lists are structure. Every leaf must have the same length.
+and dicts, tuples and other lists are structure. Every leaf must have the same length. A
+list is its rows itself, taken item by item too, where it cannot be structure ``stack``
+made (:func:`_is_rows`): a list of lists of numbers (``stack`` makes arrays of numbers: a
+tokenizer's or packer's rows), or of arrays and lists of scalars of different lengths.
 """
 
 from __future__ import annotations
@@ -186,11 +189,52 @@ def split(batch: Any) -> Iterator[Any]:
     Raises:
         ValueError: leaves have different lengths, or a leaf is a scalar.
     """
+    batch = _marked(batch)
     size = _length(batch, "element")
     if size is None:
         raise ValueError("cannot unbatch element: it holds no arrays or lists")
     for row in range(size):
         yield _row(batch, row)
+
+
+class _Rows(list):
+    """A list that is its rows itself (:func:`_is_rows`), marked once per batch."""
+
+
+def _is_rows(value: Any) -> bool:
+    """Whether ``value`` is a list of rows rather than structure: lists of numbers (never
+    one of ``stack``'s, which makes arrays of them), or arrays and lists of scalars whose
+    lengths differ (structure's leaves have one length)."""
+    if type(value) is not list or not value:
+        return False
+    lengths, numbers = set(), True
+    for item in value:
+        if isinstance(item, np.ndarray) or is_tensor(item):
+            if item.ndim == 0:
+                return False
+            lengths.add(int(item.shape[0]))
+            numbers = False
+        elif _is_scalar_list(item):
+            lengths.add(len(item))
+            numbers = numbers and all(isinstance(v, _NUMBER_TYPES) for v in item)
+        else:
+            return False
+    return numbers or len(lengths) > 1
+
+
+def _marked(value: Any) -> Any:
+    """``value`` with each list of rows in it (:func:`_is_rows`) a :class:`_Rows`."""
+    if _is_rows(value):
+        return _Rows(value)
+    if isinstance(value, dict):
+        return {k: _marked(v) for k, v in value.items()}
+    if type(value) is list and not _is_scalar_list(value):
+        return [_marked(v) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_marked(v) for v in value)
+    if isinstance(value, tuple):
+        return type(value)(*(_marked(v) for v in value))
+    return value
 
 
 def _is_scalar_list(value: Any) -> bool:
@@ -203,7 +247,7 @@ def _length(value: Any, path: str) -> int | None:
             raise ValueError(f"cannot unbatch {path}: it is a 0-d "
                              f"{'array' if isinstance(value, np.ndarray) else 'tensor'}")
         return int(value.shape[0])
-    if _is_scalar_list(value):
+    if _is_scalar_list(value) or type(value) is _Rows:
         return len(value)
     if isinstance(value, dict):
         children = [(f"{path}[{k!r}]", v) for k, v in value.items()]
@@ -224,6 +268,8 @@ def _length(value: Any, path: str) -> int | None:
 def _row(value: Any, row: int) -> Any:
     if isinstance(value, np.ndarray) or _is_scalar_list(value) or is_tensor(value):
         return value[row]
+    if type(value) is _Rows:
+        return list.__getitem__(value, row)
     if isinstance(value, dict):
         return {k: _row(v, row) for k, v in value.items()}
     rows = [_row(v, row) for v in value]
