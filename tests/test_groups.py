@@ -88,6 +88,18 @@ def resumed(pipeline: Pipeline, cuts: list[int], **kwargs: Any) -> list[Any]:
     return out
 
 
+def killed_at(pipeline: Pipeline, count: int) -> list[Any]:
+    """What ``pipeline`` yields through a Loader of 2 workers, the first SIGKILLed once
+    ``count`` elements came."""
+    out: list[Any] = []
+    with Loader(pipeline, num_workers=2, timeout=30) as loader:
+        elements = iter(loader)
+        out += itertools.islice(elements, count)
+        loader._processes[0].kill()
+        out += list(elements)
+    return out
+
+
 def test_a_packer_resumed_mid_group_yields_the_epoch_s_rows_once_in_order():
     pipeline = packed()
     reference = list(pipeline.iter(0))
@@ -109,15 +121,10 @@ def test_a_map_that_changes_the_number_of_rows_resumes_exactly_with_two_workers(
 def test_a_packer_survives_a_worker_sigkill_mid_group():
     pipeline = packed(2400)
     reference = tokens(pipeline.iter(0))
-    out: list[Any] = []
-    with Loader(pipeline, num_workers=2, timeout=30) as loader:
-        elements = iter(loader)
-        out += itertools.islice(elements, 300)
-        loader._processes[0].kill()
-        out += list(elements)
     # Every token once: each row of the epoch once, though the dead worker's groups
     # were cut in other places (packed again from their documents)
-    assert tokens(out) == reference
+    assert tokens(killed_at(pipeline, 300)) == reference
+
 
 def tokenized(batch: Any) -> list[list[int]]:
     """A batched tokenizer as users write it: each element's tokens, a list each, of
@@ -134,13 +141,7 @@ def test_a_tokenizer_s_list_of_ragged_lists_is_its_rows_through_resumes_and_a_ki
     reference = collections.Counter(pipeline.iter(0))
     assert len(reference) == 3000 and max(map(len, reference)) == 3
     assert collections.Counter(resumed(pipeline, [700, 900], num_workers=2)) == reference
-    out: list[Any] = []
-    with Loader(pipeline, num_workers=2, timeout=30) as loader:
-        elements = iter(loader)
-        out += itertools.islice(elements, 1100)
-        loader._processes[0].kill()
-        out += list(elements)
-    assert collections.Counter(out) == reference
+    assert collections.Counter(killed_at(pipeline, 1100)) == reference
 
 
 

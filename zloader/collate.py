@@ -214,9 +214,13 @@ def _is_rows(value: Any) -> bool:
                 return False
             lengths.add(int(item.shape[0]))
             numbers = False
-        elif _is_scalar_list(item):
+        elif type(item) is list:
+            for v in item:  # (one pass: scalars all, and numbers so far)
+                if not isinstance(v, _NUMBER_TYPES):
+                    if not isinstance(v, _TEXT_TYPES):
+                        return False
+                    numbers = False
             lengths.add(len(item))
-            numbers = numbers and all(isinstance(v, _NUMBER_TYPES) for v in item)
         else:
             return False
     return numbers or len(lengths) > 1
@@ -230,10 +234,9 @@ def _marked(value: Any) -> Any:
         return {k: _marked(v) for k, v in value.items()}
     if type(value) is list and not _is_scalar_list(value):
         return [_marked(v) for v in value]
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_marked(v) for v in value)
     if isinstance(value, tuple):
-        return type(value)(*(_marked(v) for v in value))
+        items = [_marked(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
     return value
 
 
