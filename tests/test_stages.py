@@ -140,6 +140,14 @@ def test_batch_of_unequal_shapes_names_the_stage_and_path():
     assert "different shapes" in str(info.value)
 
 
+def test_batch_of_lists_of_different_lengths_says_how_to_batch_token_rows():
+    """(Before: 'sequences of different lengths or types', no more.)"""
+    with pytest.raises(PipelineError, match="sequences of 1 and 2 items") as info:
+        values(Pipeline.from_items([[1], [2, 3]]).batch(2))
+    assert "bucket_by_length(pad_value=...)" in str(info.value)
+    assert "batch(k).map(lambda b: pack(tokenize(b))).unbatch()" in str(info.value)
+
+
 def test_batch_of_empty_input():
     assert values(Pipeline.range(0).batch(4)) == []
 

@@ -116,9 +116,16 @@ def _stack(values: Sequence[Any], path: str, pad: Any = None, later: bool = Fals
     if isinstance(first, (tuple, list)):
         size = len(first)
         for value in values:
-            if not isinstance(value, (tuple, list)) or len(value) != size:
-                raise ValueError(f"cannot batch {path}: sequences of different lengths or "
-                                 "types")
+            if not isinstance(value, (tuple, list)):
+                raise ValueError(f"cannot batch {path}: a {type(first).__name__} and a "
+                                 f"{type(value).__name__}")
+            if len(value) != size:
+                raise ValueError(
+                    f"cannot batch {path}: sequences of {size} and {len(value)} items (a "
+                    "list or tuple is batched item by item, as torch's default_collate "
+                    "does). Rows of different lengths (token lists) batch as arrays with "
+                    "bucket_by_length(pad_value=...), or go in the map of the batch that "
+                    "makes them: batch(k).map(lambda b: pack(tokenize(b))).unbatch()")
         columns = [_stack([v[i] for v in values], f"{path}[{i}]", pad, later)
                    for i in range(size)]
         if isinstance(first, tuple) and hasattr(first, "_fields"):
