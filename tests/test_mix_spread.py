@@ -24,13 +24,19 @@ from zloader.plan import plan, spread
 from zloader.sources import PartsSource, RangeSource, default_split_size
 
 
-def few_splits(tmp_path: pathlib.Path, cache: bool = False) -> Pipeline:
-    """Three inputs: many splits (made slowly), one split (a range), and one file of 700
-    JSON lines (``cache``: cached): both small inputs would sit on one worker each."""
-    path = tmp_path / "small.jsonl"
-    path.write_text("".join(json.dumps(BASES[2] + i) + "\n" for i in range(700)))
-    lines = Pipeline.from_jsonl(str(path))
-    if cache:
+def few_splits(tmp_path: pathlib.Path, form: str = "file") -> Pipeline:
+    """Three inputs: many splits (made slowly), one split (a range), and 700 JSON lines
+    in one file (``form`` "cache": cached) or in two read in one split as they come
+    ("unordered"): both small inputs would sit on one worker each."""
+    halves = [(tmp_path / f"small-{half}.jsonl", range(half * 350, half * 350 + 350))
+              for half in range(2)] if form == "unordered" else \
+        [(tmp_path / "small.jsonl", range(700))]
+    for path, lines in halves:
+        path.write_text("".join(json.dumps(BASES[2] + i) + "\n" for i in lines))
+    paths = [str(path) for path, _ in halves]
+    lines = Pipeline.from_jsonl(paths, parallel_reads=2, deterministic=False) \
+        if form == "unordered" else Pipeline.from_jsonl(paths[0])
+    if form == "cache":
         lines = lines.map(int).cache(str(tmp_path / "cache"))
     return Pipeline.mix([Pipeline.range(BASES[0], BASES[0] + 4000, split_size=100).map(slowly),
                          Pipeline.range(BASES[1], BASES[1] + 2000, split_size=2000),
@@ -68,14 +74,22 @@ def test_spread_cuts_indexed_inputs_finer_and_reads_files_in_interleaved_parts(t
     assert spread(once) is once  # (nothing left under MIX_SPREAD_SPLITS splits)
 
 
-def test_a_source_read_in_no_fixed_order_is_not_read_in_parts(tmp_path):
-    """Parts of a split whose order changes at each read would overlap (and miss
-    elements)."""
+def test_a_source_read_in_no_fixed_order_is_read_a_file_a_split_then_in_parts(tmp_path):
+    """Parts of a split that reads its files as they come would overlap (and miss
+    elements): such a source is read one file a split, each in its own order, and those
+    splits in parts; every element comes once."""
     path = tmp_path / "small.jsonl"
     path.write_text("".join(f"{i}\n" for i in range(100)))
-    unordered = Pipeline.from_jsonl([str(path)] * 2, parallel_reads=2, deterministic=False)
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(f"{i}\n" for i in range(100, 250)))
+    unordered = Pipeline.from_jsonl([str(path), str(other)], parallel_reads=2,
+                                    deterministic=False)
     mix = Pipeline.mix([Pipeline.range(100), unordered], [1, 1], seed=1)
-    assert spread(mix).source.inputs[1].source is unordered.source
+    parts = spread(mix).source.inputs[1].source
+    assert isinstance(parts, PartsSource) and parts.source.parallel_reads == 1
+    assert parts.num_splits == 16
+    assert sorted(every(parts)) == list(range(250))
+    assert spread(spread(mix)).source.inputs[1].source.identity() == parts.identity()
 
 
 def test_a_cache_s_own_source_is_spread_under_it_and_each_part_is_an_entry(tmp_path):
@@ -117,13 +131,14 @@ def test_only_a_mix_its_workers_draw_is_spread(tmp_path):
     assert plan(mix).pipeline is mix  # (in this process)
 
 
-@pytest.mark.parametrize(("workers", "cache"), [
-    (2, False), *(pytest.param(w, False, marks=pytest.mark.slow) for w in (4, 8)),
-    pytest.param(4, True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(("workers", "form"), [
+    (2, "file"), *(pytest.param(w, "file", marks=pytest.mark.slow) for w in (4, 8)),
+    *(pytest.param(4, form, marks=pytest.mark.slow) for form in ("cache", "unordered"))])
 def test_a_shared_mix_holds_its_weights_in_every_window_with_inputs_of_one_split(
-        tmp_path, workers, cache):
-    """(``cache``: the file input cached, which its parts are, each on its own.)"""
-    mix = few_splits(tmp_path, cache)
+        tmp_path, workers, form):
+    """(``form`` "cache": the file input cached, which its parts are, each on its own;
+    "unordered": two files read in one split as they come.)"""
+    mix = few_splits(tmp_path, form)
     with service(workers) as (address, _):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", MixWindowWarning)

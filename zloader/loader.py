@@ -536,13 +536,18 @@ def _warn_mix_windows(pipeline: Pipeline, args: Arguments) -> None:
     why = drawn_on_workers(pipeline, args.options)
     if why is None or (args.broker is None and args.workers == 1):
         return
+    first = pipeline.source.stop == "first_exhausted"  # type: ignore[attr-defined]
     warnings.warn(
         f"this mix is drawn on each worker, not where the workers' streams meet ({why}): "
         "each input is read in many splits so that every worker holds some of it, but its "
         "weights hold in every window only while each worker has splits of every input "
         f"(not near an input's end; a file input of fewer than {MIX_SPREAD_SPLITS} splits "
-        "is read in that many parts, each reading it whole). docs/semantics.md, 'Mixing', "
-        "lists the mixes the consumer draws.", MixWindowWarning, stacklevel=3)
+        "is read in that many parts, each reading it whole)"
+        + ("; and stop='first_exhausted' ends each worker's mix when its first input ends "
+           "there: an epoch holds about as many elements as iter()'s (0.96-1.0 of them "
+           "measured), and no input is read whole" if first else "")
+        + ". docs/semantics.md, 'Mixing', lists the mixes the consumer draws.",
+        MixWindowWarning, stacklevel=3)
 
 
 def _holding(loader: Loader, elements: Iterator[Any]) -> Iterator[Any]:

@@ -297,7 +297,7 @@ def spread(pipeline: Pipeline) -> Pipeline:
     (files, a generator) of fewer than MIX_SPREAD_SPLITS is read in that many
     interleaved parts (:class:`~zloader.sources.PartsSource`: read
     that many times, each part keeping its share), a cache's own source so (under the
-    cache), but for a source read in no fixed order (:func:`_spread`). Only what a
+    cache), a source read in no fixed order one file a split first (:func:`_spread`). Only what a
     Loader runs changes (``iter()`` reads the inputs as they are), the same for every
     Loader and worker of the job, whatever its number of workers."""
     source = pipeline.source
@@ -310,12 +310,13 @@ def spread(pipeline: Pipeline) -> Pipeline:
 
 
 def _spread(source: Source) -> Source:
-    """``source`` in as many splits as :func:`spread` says, where that can be done; a
-    source whose splits come in another order each time (``deterministic=False`` with
-    parallel reads: parts would overlap) as it is. A cache's own source is spread, under
-    its stages: each part of a split is an entry of its own (the prefix's fingerprint,
-    and so the entries' key, is another than the input's as written), and a part not
-    cached yet runs the stages over its own elements only."""
+    """``source`` in as many splits as :func:`spread` says. A source whose splits read
+    their files in no fixed order (``deterministic=False`` with parallel reads: parts of
+    such a split would overlap) is first read one file a split, each in its own order
+    (the workers reading its parts read its files in parallel). A cache's own source is
+    spread, under its stages: each part of a split is an entry of its own (the prefix's
+    fingerprint, and so the entries' key, is another than the input's as written), and
+    a part not cached yet runs the stages over its own elements only."""
     count = source.num_splits
     if isinstance(source, CachedSource):
         inner = _spread(source.source)
@@ -326,8 +327,11 @@ def _spread(source: Source) -> Source:
         size = max(1, -(-source.length // DEFAULT_SPLITS))
         return dataclasses.replace(source, split_size=size) if size < source.split_size \
             else source
-    if count == 0 or count >= MIX_SPREAD_SPLITS \
-            or getattr(source, "deterministic", True) is False:
+    if getattr(source, "deterministic", True) is False and count < MIX_SPREAD_SPLITS \
+            and getattr(source, "parallel_reads", 1) > 1:
+        source = dataclasses.replace(source, parallel_reads=1)  # type: ignore[call-arg]
+        count = source.num_splits
+    if count == 0 or count >= MIX_SPREAD_SPLITS:
         return source
     return in_parts(source, -(-MIX_SPREAD_SPLITS // count))
 
