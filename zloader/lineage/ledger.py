@@ -150,6 +150,20 @@ def _merged_by_sort(pass_ids: np.ndarray, splits: np.ndarray, starts: np.ndarray
     return places[first], starts[first], reach[last] & ((1 << (INDEX_BITS + 1)) - 1)
 
 
+def _index_runs(arrays: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """The runs of consecutive indices that ``arrays`` hold (codes of one split reading,
+    ``read << INDEX_BITS | index``, in any order, repeats allowed): their first indices
+    and ends, sorted. The indices are sorted as 32-bit values (twice as quick as 64-bit
+    ones): the codes' low 32 bits, which are the indices."""
+    values = np.concatenate(arrays, dtype=np.uint32, casting="unsafe") if INDEX_BITS == 32 \
+        else np.concatenate(arrays) & INDEX_MASK
+    values.sort()
+    cuts = np.flatnonzero(np.diff(values) > 1) + 1
+    starts = values[np.concatenate(([0], cuts))].astype(np.int64)
+    ends = values[np.concatenate((cuts - 1, [len(values) - 1]))].astype(np.int64) + 1
+    return starts, ends
+
+
 def _code_runs(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The runs of consecutive values of sorted ``codes`` (``place << INDEX_BITS |
     index``): their places, first indices and ends. A value repeated starts a run again."""
@@ -200,9 +214,9 @@ class Ranges:
         all_ends = np.concatenate((np.array(self.ends, np.int64), ends))
         order = np.argsort(all_starts, kind="stable")
         all_starts, reach = all_starts[order], np.maximum.accumulate(all_ends[order])
-        first = np.flatnonzero(np.r_[True, all_starts[1:] > reach[:-1]])
-        merged_starts = all_starts[first]
-        merged_ends = reach[np.r_[first[1:] - 1, len(all_starts) - 1]]
+        first = np.flatnonzero(all_starts[1:] > reach[:-1]) + 1  # (and 0)
+        merged_starts = np.concatenate((all_starts[:1], all_starts[first]))
+        merged_ends = np.concatenate((reach[first - 1], reach[-1:]))
         self.starts, self.ends = merged_starts.tolist(), merged_ends.tolist()
         self.count = int((merged_ends - merged_starts).sum())
 
@@ -338,14 +352,16 @@ class Ledger:
         self._add_runs({number: key for key, number in table.items()}, np.concatenate(parts))
 
     def _fold_codes(self, pending: list[tuple[dict[int, Key], list[int], np.ndarray]]) -> None:
-        """Add the codes of many records: each record's reads made the ledger's numbers
-        for its (pass, split)s, then one sort of them all, whose runs of consecutive codes
-        are the ranges to add."""
-        single, shifts, parts = [], [], []  # (records of one split reading, then others)
+        """Add the codes of many records. A record of one split reading (most) adds its
+        indices to that split's, each split's sorted on its own (as 32-bit values where
+        they fit: twice as quick); a record of several has its reads made the ledger's
+        numbers for its (pass, split)s, and those are sorted together. The runs of
+        consecutive indices are the ranges to add."""
+        by_place: dict[int, list[np.ndarray]] = {}
+        parts = []  # (records of several split readings)
         for keys, reads, codes in pending:
-            if len(reads) == 3:  # (one split reading, most records: shifted all at once below)
-                single.append(codes)
-                shifts.append((self._place(keys[reads[1]], reads[2]) - reads[0]) << INDEX_BITS)
+            if len(reads) == 3:
+                by_place.setdefault(self._place(keys[reads[1]], reads[2]), []).append(codes)
                 continue
             places = [self._place(keys[pass_id], split)
                       for pass_id, split in zip(reads[1::3], reads[2::3], strict=True)]
@@ -354,10 +370,11 @@ class Ledger:
             at = np.searchsorted(ids[order], codes >> INDEX_BITS)
             parts.append(np.array(places, np.int64)[order][at] << INDEX_BITS
                          | codes & INDEX_MASK)
-        if single:
-            codes = np.concatenate(single)
-            codes += np.repeat(np.array(shifts, np.int64), list(map(len, single)))
-            parts.append(codes)
+        for place, arrays in by_place.items():
+            key, split = self._place_of[place]
+            self._add(key, split, *_index_runs(arrays))
+        if not parts:
+            return
         merged = np.concatenate(parts) if len(parts) > 1 else parts[0]
         merged.sort()
         numbers, starts, ends = _code_runs(merged)
