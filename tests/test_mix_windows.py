@@ -5,6 +5,7 @@ make, whatever the number of workers and however few splits an input has."""
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 import threading
@@ -595,3 +596,40 @@ def test_job_name_consumers_packing_after_the_mix_resume_every_token_once() -> N
         states = run(None, 17)
         run(states, None)
     assert sorted(got[0] + got[1]) == sorted(tokens_of(pipeline.iter()))
+
+
+def test_a_job_name_loader_that_ended_a_first_exhausted_mix_keeps_what_it_drew() -> None:
+    """A first_exhausted mix drawn here ends with records of its other input partly
+    drawn. A Loader of a job_name that ended the epoch so has a state naming what it drew
+    of them: a Loader resumed from it and from the state of another that stopped
+    mid-epoch repeats none of them (before: they were left out, and yielded again)."""
+    from tests.service import service
+
+    mix = Pipeline.mix([Pipeline.range(5), Pipeline.range(1000, 3000, split_size=100)],
+                       [1, 99], seed=4, stop="first_exhausted")
+    got: dict[str, list[int]] = {"stopped": [], "ended": []}
+    with service(workers=2) as (address, _procs):
+        loaders = {name: Loader(mix, broker=address, timeout=60, job_name="ended")
+                   for name in got}
+        try:
+            reader = threading.Thread(target=lambda: got["ended"].extend(
+                int(v) for v in loaders["ended"]), daemon=True)
+            reader.start()
+            elements = iter(loaders["stopped"])
+            got["stopped"] += [int(next(elements)) for _ in range(20)]
+            states = [loaders["stopped"].state_dict()]
+            loaders["stopped"].close()  # (mid-epoch, as the other reads on)
+            reader.join(120)
+            assert not reader.is_alive()
+            states.append(loaders["ended"].state_dict())
+        finally:
+            for loader in loaders.values():
+                loader.close()
+        with Loader(mix, broker=address, timeout=60, job_name="ended-resumed",
+                    state=states) as resumed:
+            rest = [int(v) for v in resumed]
+    every = got["stopped"] + got["ended"] + rest
+    assert set(range(5)) <= set(every)  # (the input that ended, whole)
+    repeated = [v for v, n in collections.Counter(every).items() if n > 1]
+    assert not repeated, f"{len(repeated)} yielded again after the resume: {repeated[:8]}"
+    assert rest  # (the draws after the resume reach the other input)

@@ -65,8 +65,13 @@ class Yielded:
             self._current = None
 
     def done(self, epoch: int) -> None:
-        """Every element of ``epoch`` was yielded."""
+        """Every element of ``epoch`` was yielded: what was yielded of records not yielded
+        whole (a mix drawn here that stopped at its first input's end leaves some partly
+        drawn) joins the ledger, which a finished state holds."""
         if self.iterating == epoch:
+            if self.partial is not None:
+                self.partial(self.ledger)
+                self.partial = None
             self.iterating, self.finished = None, epoch
 
     def finished_state(self) -> dict[str, Any] | None:
