@@ -272,7 +272,9 @@ def _encode_node(value: Any, out: bytearray, buffers: list[Any], depth: int,
         raise _EncodeError(
             f"type {kind.__module__}.{kind.__qualname__} is not supported; elements hold "
             "dicts, tuples, lists, numpy arrays, torch tensors, numbers, str, bytes and "
-            "None (convert the value to a numpy array in a map stage)")
+            "None (convert the value in a map stage: a datetime to a number or str, a "
+            "Decimal to a float; or pass Loader(objects=True) to pickle such values, "
+            "embedded only)")
 
 
 def _encode_tensor(value: Any, out: bytearray, buffers: list[Any], depth: int,

@@ -250,21 +250,37 @@ def list_files(paths_or_glob: Any, storage_options: dict[str, Any] | None = None
         StorageError: storage failed after its retries.
     """
     paths, pattern = _paths(paths_or_glob, what)
-    if pattern:
+    if pattern and not _is_file(paths[0], storage_options):
         paths = _expand(paths[0], storage_options, what)
     return tuple(_stat(path, storage_options, what) for path in paths)
+
+
+def _is_file(path: str, storage_options: dict[str, Any] | None) -> bool:
+    """Whether ``path`` names a file as it is written (a file whose name holds ``[``,
+    ``*`` or ``?`` is that file, not a pattern)."""
+    local = _local(path)
+    if local is not None:
+        return os.path.isfile(local)
+    fs, inner = _filesystem(path, storage_options)
+    try:
+        return bool(retrying(lambda: fs.isfile(inner), path, "stat"))
+    except StorageError:
+        return False
 
 
 def _expand(pattern: str, storage_options: dict[str, Any] | None, what: str) -> list[str]:
     local = _local(pattern)
     if local is not None:
-        found = sorted(_glob.glob(local, recursive=True))
+        found = sorted(path for path in _glob.glob(local, recursive=True)
+                       if not os.path.isdir(path))
     else:
         fs, path = _filesystem(pattern, storage_options)
-        matches = retrying(lambda: fs.glob(path), pattern, "list")
-        found = sorted(fs.unstrip_protocol(m) for m in matches)
+        matches = retrying(lambda: fs.glob(path, detail=True), pattern, "list")
+        found = sorted(fs.unstrip_protocol(name) for name, info in matches.items()
+                       if info.get("type") != "directory")
     if not found:
-        raise ValueError(f"{what}: pattern {pattern!r} matched no files")
+        raise ValueError(f"{what}: pattern {pattern!r} matched no files (folders it "
+                         "matches are passed over)")
     return found
 
 
@@ -292,13 +308,16 @@ def _stat(path: str, storage_options: dict[str, Any] | None, what: str) -> FileR
 
 
 def list_tree(root: str, storage_options: dict[str, Any] | None = None,
-              what: str = "source") -> list[tuple[str, FileRef]]:
-    """Every file under directory ``root``: (its path relative to ``root``, with ``/``;
-    its :data:`FileRef`), sorted by folder then name (as ``os.walk`` sorted). Symbolic
-    links to folders are followed, as torchvision does.
+              what: str = "source", keep: Callable[[str], bool] | None = None
+              ) -> list[tuple[str, FileRef]]:
+    """Every file under directory ``root`` whose path relative to it (with ``/``) ``keep``
+    keeps (all by default): that path and its :data:`FileRef`, sorted by folder then name
+    (as ``os.walk`` sorted). Symbolic links to folders are followed, as torchvision does;
+    a file not kept is never looked at (a broken link among them is no error).
 
     Raises:
-        ValueError: ``root`` is not a directory.
+        ValueError: ``root`` is not a directory, or a file kept cannot be read (a broken
+            link).
     """
     local = _local(root)
     found: list[tuple[str, FileRef]] = []
@@ -309,9 +328,15 @@ def list_tree(root: str, storage_options: dict[str, Any] | None = None,
         for folder, _dirs, files in os.walk(base, followlinks=True):
             for name in files:
                 full = os.path.join(folder, name)
-                stat = os.stat(full)
-                found.append((os.path.relpath(full, base).replace(os.sep, "/"),
-                              (full, stat.st_size, str(stat.st_mtime_ns))))
+                relative = os.path.relpath(full, base).replace(os.sep, "/")
+                if keep is not None and not keep(relative):
+                    continue
+                try:
+                    stat = os.stat(full)
+                except OSError as exc:
+                    raise ValueError(f"{what}: cannot read {full!r}: {exc.strerror}") \
+                        from None
+                found.append((relative, (full, stat.st_size, str(stat.st_mtime_ns))))
     else:
         fs, inner = _filesystem(root, storage_options)
         inner = inner.rstrip("/")
@@ -319,7 +344,8 @@ def list_tree(root: str, storage_options: dict[str, Any] | None = None,
         if not listed:
             raise ValueError(f"{what}: {root!r} is empty or not a directory")
         for path, info in listed.items():
-            if path.startswith(inner + "/") and info.get("type") == "file":
+            if path.startswith(inner + "/") and info.get("type") == "file" and (
+                    keep is None or keep(path[len(inner) + 1:])):
                 found.append((path[len(inner) + 1:], (fs.unstrip_protocol(path),
                                                        int(info.get("size") or 0),
                                                        _tag(info))))

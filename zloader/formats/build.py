@@ -72,7 +72,8 @@ def parquet(paths: Any, columns: Any, batch_rows: Any, storage_options: Any,
         columns = tuple(columns)
     common = _common("from_parquet", storage_options, parallel_reads, deterministic, options)
     files = list_files(paths, storage_options, "from_parquet")
-    return ParquetSource(files=files, row_groups=count_row_groups(files, storage_options),
+    return ParquetSource(files=files,
+                         row_groups=count_row_groups(files, storage_options, columns),
                          columns=columns,
                          batch_rows=_check.optional_integer("batch_rows", batch_rows, 1),
                          **common)

@@ -45,10 +45,13 @@ def find_images(root: str, storage_options: dict[str, Any] | None = None
         raise ValueError(f"from_image_folder: no class folders in {root!r}")
     index = {name: i for i, name in enumerate(classes)}
     by_class: list[list[tuple[tuple[str, str], FileRef]]] = [[] for _ in classes]
-    for relative, ref in list_tree(root, storage_options, "from_image_folder"):
+    def image(relative: str) -> bool:  # (in a class folder)
         top, _, rest = relative.partition("/")
-        if rest and top in index and relative.lower().endswith(IMAGE_EXTENSIONS):
-            by_class[index[top]].append((relative.rpartition("/")[::2], ref))
+        return bool(rest) and top in index and relative.lower().endswith(IMAGE_EXTENSIONS)
+
+    for relative, ref in list_tree(root, storage_options, "from_image_folder", image):
+        by_class[index[relative.partition("/")[0]]].append((relative.rpartition("/")[::2],
+                                                            ref))
     empty = [name for name, found in zip(classes, by_class, strict=True) if not found]
     if empty:
         raise ValueError(f"from_image_folder: no image in class folder(s) {empty} of "

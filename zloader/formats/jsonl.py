@@ -36,9 +36,55 @@ def _decompressed(stream: BinaryIO, name: str) -> BinaryIO:
         except ImportError:
             raise ImportError(f"reading {name} needs zstandard: pip install "
                               "'zloader[formats]'") from None
-        reader = zstandard.ZstdDecompressor().stream_reader(stream)
-        return io.BufferedReader(reader, buffer_size=READ_BLOCK_BYTES)  # type: ignore[arg-type,unused-ignore]
+        return io.BufferedReader(_Zstd(stream, zstandard.ZstdDecompressor()),
+                                 buffer_size=READ_BLOCK_BYTES)
     return stream
+
+
+_ZSTD_PIECE = 8 << 10
+"""Compressed bytes inflated at once: at most a few hundred MB however the file was made
+(a zstd block of 128 KiB may be a few bytes)."""
+
+
+class _Zstd(io.RawIOBase):
+    """Zstandard frames, one after another, inflated as they are read, _ZSTD_PIECE of input
+    at a time; input that ends inside a frame (a truncated file) is an error, where
+    zstandard's own readers end quietly."""
+
+    def __init__(self, stream: BinaryIO, decompressor: Any) -> None:
+        super().__init__()
+        self._stream, self._decompressor = stream, decompressor
+        self._frame = decompressor.decompressobj()
+        self._inside = False  # (input of the current frame taken)
+        self._pending = memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while not self._pending:
+            chunk = self._stream.read(_ZSTD_PIECE)
+            if not chunk:
+                if self._inside:
+                    raise EOFError("the zstd frame ends before its end (a truncated file)")
+                return 0
+            self._pending = memoryview(self._inflate(chunk))
+        view = memoryview(buffer).cast("B")
+        size = min(len(view), len(self._pending))
+        view[:size] = self._pending[:size]
+        self._pending = self._pending[size:]
+        return size
+
+    def _inflate(self, chunk: bytes) -> bytes:
+        out = [self._frame.decompress(chunk)]
+        self._inside = True
+        while self._frame.eof:  # (the frame ended: what is left starts the next)
+            rest = self._frame.unused_data
+            self._frame, self._inside = self._decompressor.decompressobj(), bool(rest)
+            if not rest:
+                break
+            out.append(self._frame.decompress(rest))
+        return b"".join(out)
 
 
 def read_lines(stream: BinaryIO, name: str,
@@ -59,8 +105,8 @@ def read_lines(stream: BinaryIO, name: str,
                 continue
             if not line.strip():
                 continue
-            try:
-                value = json.loads(line.decode("utf-8"))
+            try:  # (a byte order mark before the first line, as Windows tools write)
+                value = json.loads(line.decode("utf-8-sig" if number == 1 else "utf-8"))
             except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError included
                 yield _bad(name, number, f"is not JSON: {exc}")
                 continue

@@ -35,12 +35,14 @@ def _parquet() -> Any:
     return pq
 
 
-def count_row_groups(files: Sequence[FileRef],
-                     storage_options: dict[str, Any] | None) -> tuple[int, ...]:
-    """The number of row groups of each file, read from its footer.
+def count_row_groups(files: Sequence[FileRef], storage_options: dict[str, Any] | None,
+                     columns: Sequence[str] | None = None) -> tuple[int, ...]:
+    """The number of row groups of each file, read from its footer, each file checked to
+    hold ``columns`` (pyarrow would read a name it does not have as no column).
 
     Raises:
         CodecError: a footer is not Parquet's (a corrupt or truncated file); it names it.
+        ValueError: a file lacks a column of ``columns``.
         StorageError: storage failed after its retries.
     """
     pq = _parquet()
@@ -48,14 +50,28 @@ def count_row_groups(files: Sequence[FileRef],
     for path, size, _tag in files:
         with open_file(path, storage_options, size) as stream:
             try:
-                counts.append(int(pq.ParquetFile(stream).num_row_groups))
+                footer = pq.ParquetFile(stream)
+                counts.append(int(footer.num_row_groups))
             except StorageError:
                 raise
             except (OSError, ValueError) as exc:  # pyarrow: ArrowIOError, ArrowInvalid
                 raise CodecError(f"from_parquet: {path} is corrupt or not a Parquet file: "
                                  f"its footer cannot be read ({type(exc).__name__}: "
                                  f"{str(exc).strip()})") from None
+            missing = _missing(footer, columns or ())
+            if missing:
+                raise ValueError(f"from_parquet: {path} has no column {missing} (its "
+                                 f"columns: {footer.schema_arrow.names}); check columns=")
     return tuple(counts)
+
+
+def _missing(footer: Any, columns: Sequence[str]) -> list[str]:
+    """The names of ``columns`` that are neither a column of the file nor the path of a
+    nested field in it (``"a.b"``, or ``"a"`` for all of a's fields)."""
+    names = set(footer.schema_arrow.names)
+    paths = [footer.schema.column(i).path for i in range(len(footer.schema))]
+    return [name for name in columns if name not in names and not any(
+        path == name or path.startswith(name + ".") for path in paths)]
 
 
 def _columns(batch: Any) -> dict[str, Any]:

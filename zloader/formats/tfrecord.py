@@ -60,6 +60,7 @@ class _ZlibReader(io.RawIOBase):
         self._stream = stream
         self._inflate = zlib.decompressobj()
         self._pending = b""
+        self._started = False  # (an empty file is an empty stream)
 
     def readable(self) -> bool:
         return True
@@ -73,8 +74,12 @@ class _ZlibReader(io.RawIOBase):
             if not chunk:
                 self._pending = self._inflate.flush()
                 if not self._pending:
+                    if self._started and not self._inflate.eof:
+                        raise EOFError("the zlib stream ends before its end (a truncated "
+                                       "file)")
                     return 0
                 break
+            self._started = True
             # at most a block out of any input: a small chunk may inflate a thousandfold
             self._pending = self._inflate.decompress(chunk, READ_BLOCK_BYTES)
         size = min(len(view), len(self._pending))
