@@ -26,6 +26,7 @@ import logging
 import math
 import os
 import random
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -291,7 +292,8 @@ def _stat(path: str, storage_options: dict[str, Any] | None, what: str) -> FileR
         try:
             stat = os.stat(absolute)
         except OSError as exc:
-            raise ValueError(f"{what}: cannot read {path!r}: {exc.strerror}") from None
+            raise ValueError(f"{what}: cannot read {path!r}: {exc.strerror}"
+                             f"{_braces(path)}") from None
         if not os.path.isfile(absolute):
             raise ValueError(f"{what}: {path!r} is not a file")
         return absolute, stat.st_size, str(stat.st_mtime_ns)
@@ -300,11 +302,21 @@ def _stat(path: str, storage_options: dict[str, Any] | None, what: str) -> FileR
         info = retrying(lambda: fs.info(inner), path, "stat")
     except StorageError as exc:
         if isinstance(exc.__cause__, FileNotFoundError):
-            raise ValueError(f"{what}: cannot read {path!r}: no such file") from None
+            raise ValueError(f"{what}: cannot read {path!r}: no such file"
+                             f"{_braces(path)}") from None
         raise
     if info.get("type") != "file":
         raise ValueError(f"{what}: {path!r} is not a file")
     return path, int(info.get("size") or 0), _tag(info)
+
+
+def _braces(path: str) -> str:
+    """A hint for a path written with braces (``shard-{000..009}.tar``, as webdataset and
+    the shell expand them), which is read as it is written."""
+    if re.search(r"\{[^{}]*(\.\.|,)[^{}]*\}", path) is None:
+        return ""
+    return (" (braces are not expanded: give the list of paths, e.g. "
+            "[f'shard-{i:03d}.tar' for i in range(10)], or a glob pattern)")
 
 
 def list_tree(root: str, storage_options: dict[str, Any] | None = None,

@@ -6,15 +6,19 @@ longer than ``max_line_bytes``) is an error naming the file and the line
 (:class:`~zloader.errors.CodecError`), for that line only: under ``on_error="skip"`` it is
 counted and the next line is read. A line is read at most ``max_line_bytes`` at a time
 (``MAX_LINE_BYTES`` by default), after decompression, so a compressed file of one huge
-line takes no more memory than that. Compression is chosen by the file name's suffix;
-``.zst`` needs the ``zstandard`` package (``pip install 'zloader[formats]'``).
+line takes no more memory than that. Compression (gzip, zstd, bzip2, xz) is known by the
+file's first bytes, whatever its name (by its suffix where the stream cannot go back);
+``.zst`` needs the ``zstandard`` package (``pip install 'zloader[formats]'``). A
+compressed stream cut short is an error at its end.
 """
 
 from __future__ import annotations
 
+import bz2
 import gzip
 import io
 import json
+import lzma
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO, ClassVar
@@ -26,11 +30,32 @@ from zloader.formats.base import Bad, FormatSource
 __all__ = ["JsonlSource", "read_lines"]
 
 
-def _decompressed(stream: BinaryIO, name: str) -> BinaryIO:
+_MAGIC = ((b"\x1f\x8b", ".gz"), (b"\x28\xb5\x2f\xfd", ".zst"), (b"BZh", ".bz2"),
+          (b"\xfd7zXZ\x00", ".xz"))
+"""The first bytes of each compressed format (no JSON text starts so), and its suffix."""
+
+
+def _compression(stream: BinaryIO, name: str) -> str:
+    """The suffix of the compression ``stream`` holds ("" for none): by its first bytes
+    (a gzip file named ``.jsonl`` is one), else by ``name``."""
+    if stream.seekable():
+        head = stream.read(6)
+        stream.seek(0)
+        return next((suffix for magic, suffix in _MAGIC if head.startswith(magic)), "")
     lower = name.lower()
-    if lower.endswith(".gz"):
+    return next((suffix for _, suffix in _MAGIC if lower.endswith(suffix)),
+                ".zst" if lower.endswith(".zstd") else "")
+
+
+def _decompressed(stream: BinaryIO, name: str) -> BinaryIO:
+    kind = _compression(stream, name)
+    if kind == ".gz":
         return gzip.GzipFile(fileobj=stream, mode="rb")  # type: ignore[return-value,unused-ignore]
-    if lower.endswith((".zst", ".zstd")):
+    if kind == ".bz2":
+        return bz2.BZ2File(stream)  # type: ignore[return-value,unused-ignore]
+    if kind == ".xz":
+        return lzma.LZMAFile(stream)  # type: ignore[return-value,unused-ignore]
+    if kind == ".zst":
         try:
             import zstandard
         except ImportError:

@@ -114,7 +114,7 @@ def read_records(stream: BinaryIO, name: str, verify: bool = True,
         length, length_crc = _HEADER.unpack(header)
         if verify and masked_crc32c(header[:8]) != length_crc:
             yield _bad(name, offset, f"{name}: corrupt record length at offset {offset} "
-                                     "(checksum mismatch)")
+                                     f"(checksum mismatch){_compressed(header, offset)}")
             return
         if length > max_record_bytes:
             yield _bad(name, offset, f"{name}: record at offset {offset} claims {length} "
@@ -135,6 +135,17 @@ def read_records(stream: BinaryIO, name: str, verify: bool = True,
         else:
             yield data
         offset += _HEADER.size + length + _FOOTER.size
+
+
+def _compressed(header: bytes, offset: int) -> str:
+    """A hint for a compressed file read as an uncompressed one (its first bytes)."""
+    if offset:
+        return ""
+    if header.startswith(b"\x1f\x8b"):
+        return ": the file is gzip-compressed, read it with compression=\"GZIP\""
+    if header[0] == 0x78 and int.from_bytes(header[:2], "big") % 31 == 0:
+        return ": the file looks zlib-compressed, read it with compression=\"ZLIB\""
+    return ""
 
 
 def _read(stream: BinaryIO, length: int) -> bytes:

@@ -68,7 +68,9 @@ _INFLATERS: tuple[tuple[re.Pattern[bytes], Callable[[Any], Any]], ...] = (
 
 class CorruptShard(CodecError):
     """A tar shard cannot be read past some point; the message names the shard and the
-    offset in its tar stream."""
+    offset in its tar stream. ``member``: the name in the header refused, where one was."""
+
+    member: str | None = None
 
 
 def split_key(name: str) -> tuple[str, str] | None:
@@ -105,7 +107,18 @@ def read_samples(stream: Any, url: str, max_member_bytes: int = MAX_MEMBER_BYTES
                 fileobj=tar_stream, mode="r|", url=url, max_member_bytes=max_member_bytes,
                 capacity=None if compressed else size,
                 max_header_bytes=max_header_bytes) as tar:
-        for member in tar:
+        members = iter(tar)
+        while True:
+            try:
+                member = next(members)
+            except StopIteration:
+                break
+            except CorruptShard as exc:  # (a sample whose every member was read, first)
+                refused = split_key(exc.member or "")
+                if sample is not None and refused is not None \
+                        and refused[0] != sample["__key__"]:
+                    yield bad or sample
+                raise
             tar.members = []  # a stream: keep no index of the members read
             name = member.name
             if not member.isreg() or _META.match(name):
@@ -264,7 +277,11 @@ class _Shard(tarfile.TarFile):
     def next(self) -> tarfile.TarInfo | None:
         member = super().next()
         if member is not None:
-            self._check_stored(member)
+            try:
+                self._check_stored(member)
+            except CorruptShard as exc:
+                exc.member = member.name
+                raise
         return member
 
     def _check_stored(self, member: tarfile.TarInfo) -> None:
@@ -281,8 +298,8 @@ class _Shard(tarfile.TarFile):
             if member.offset_data + stored > self.capacity:
                 raise CorruptShard(
                     f"{where} claims {stored} bytes from offset {member.offset_data}, past "
-                    f"the end of the shard ({self.capacity} bytes): a damaged or forged "
-                    "header")
+                    f"the end of the shard ({self.capacity} bytes): the shard is cut short "
+                    "(a partial download or copy?), or the header is damaged or forged")
         elif stored > self.max_member_bytes:
             raise CorruptShard(
                 f"{where} claims {stored} bytes, more than max_member_bytes="
