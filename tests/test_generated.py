@@ -1,7 +1,9 @@
 """Pipelines nobody designed, against the reference: random pipelines drawn from the stage
 grammar (every source kind, map, filter, shuffle, batch/unbatch, repeat, cache, mix and
-choose, take/skip, a final batch) run through Loaders whole, resumed from a state taken at
-a random point, resumed from a resumed Loader's state, with a worker SIGKILLed mid-epoch,
+choose of two or three inputs, stopping when all or the first of them end, with weights
+set anew where a fault strikes, take/skip, a final batch) run through Loaders whole,
+resumed from a state taken at a random point, resumed from a resumed Loader's state, with
+a worker SIGKILLed mid-epoch,
 split between two Loaders of one ``job_name`` (one closed at a random point, a worker
 SIGKILLed at another, the rest resumed from both states), and (slow) with the broker
 SIGKILLed and restarted on its work dir, and shared by two
@@ -10,7 +12,9 @@ the first's: a branch, maybe joining late) with a worker SIGKILLed, paused past 
 heartbeats and continued, or moved to another job (a third trainer joining then),
 mid-epoch, and a Loader of a service whose worker is paused so. Each must yield what
 ``pipeline.iter(0)`` yields: the same multiset of rows (a final batch is compared row by
-row, since each worker batches its own elements), and with one worker, or
+row, since each worker batches its own elements; a mix that stops at its first input's
+end may stop elsewhere with several workers or after a fault, so its rows must be rows
+its mix read to the end yields, none more often), and with one worker, or
 ``deterministic=True`` twice, the same sequence; a deterministic Loader of 2 workers
 stopped, resumed with 3, stopped again and resumed with 1 yields its uninterrupted
 stream exactly.
@@ -101,6 +105,7 @@ class Case:
     recipe: list[str]
     consumer_part: bool  # a take/skip: the consumer runs it (no state_dict)
     whole: Pipeline | None = None  # without its take/skip (which take what comes first)
+    reweigh: list[int] | None = None  # a mix's weights set mid-epoch where a fault strikes
 
 
 def source(rng: random.Random, tmp: str, recipe: list[str]) -> Pipeline:
@@ -177,6 +182,7 @@ def generate(seed: int, tmp: str, consumer_part: bool = True) -> Case:
     take/skip (when ``consumer_part``); maybe a final batch."""
     rng = random.Random(seed)
     recipe: list[str] = [f"seed {seed}"]
+    reweigh: list[int] | None = None
     shape = rng.choice(["one", "one", "mix", "choose"])
     if shape == "one":
         pipeline = stages(source(rng, tmp, recipe), rng, recipe, rng.randrange(0, 4))
@@ -197,6 +203,9 @@ def generate(seed: int, tmp: str, consumer_part: bool = True) -> Case:
             weights += [side.randrange(1, 5) for _ in inputs[2:]]
             pipeline = Pipeline.mix(inputs, weights, seed=rng.randrange(100), stop=stop)
             recipe.append(f"mix({weights}, stop={stop!r})")
+            if side.random() < 0.35:
+                reweigh = [side.randrange(1, 7) for _ in inputs]
+                recipe.append(f"set_weights({reweigh}) mid-epoch")
         else:
             pattern = [rng.randrange(2) for _ in range(rng.randrange(1, 4))] + [0, 1]
             pattern += list(range(2, len(inputs)))
@@ -224,7 +233,7 @@ def generate(seed: int, tmp: str, consumer_part: bool = True) -> Case:
         size = rng.randrange(2, 9)
         pipeline, whole = pipeline.batch(size), whole.batch(size)
         recipe.append(f"batch({size})")
-    return Case(pipeline, recipe, taken, whole)
+    return Case(pipeline, recipe, taken, whole, reweigh)
 
 
 # --- comparing what came out ---------------------------------------------------------------
@@ -281,6 +290,12 @@ def loader(case: Case, **kwargs: Any) -> Loader:
     return Loader(case.pipeline, timeout=30, **{"num_workers": 2, **kwargs})
 
 
+def reweighed(case: Case, loader: Loader) -> None:
+    """Set the case's new weights on ``loader``, if it has some (where a fault strikes)."""
+    if case.reweigh is not None:
+        loader.set_weights(case.reweigh)
+
+
 def partly(elements: Iterator[Any], count: int, into: list[Any]) -> None:
     for _ in range(count):
         try:
@@ -328,6 +343,8 @@ def resumed(case: Case, seed: int, times: int) -> None:
     for run in range(times):
         with loader(case, state=state) as one:
             partly(iter(one), point(case, seed + run) // times, out)
+            if run == 0:
+                reweighed(case, one)
             state = one.state_dict()
     with loader(case, state=state) as one:
         out += list(one)
@@ -340,6 +357,7 @@ def killed(case: Case, seed: int) -> None:
     with loader(case, num_workers=2) as one:
         elements = iter(one)
         partly(elements, point(case, seed), out)
+        reweighed(case, one)
         one._processes[0].kill()
         out += list(elements)
     assert_rows(case, Rows(rows(out)), reference(case))
@@ -402,6 +420,7 @@ def paused(case: Case, seed: int) -> None:
         with Loader(case.pipeline, broker=address, timeout=30) as one:
             elements = iter(one)
             partly(elements, point(case, seed), out)
+            reweighed(case, one)
             fault(procs[0], "pause")
             out += list(elements)
     compare(case, Rows(rows(out)))
@@ -428,6 +447,7 @@ def shared_killed(case: Case, seed: int, own: Pipeline | None = None,
                     out.append(element)
                     if name == "a" and len(out) >= at and not hit.is_set():
                         hit.set()
+                        reweighed(case, one)
                         fault(procs[0], kind)
             got[name] = out
 
@@ -459,6 +479,7 @@ def split(case: Case, seed: int) -> None:
                 for element in one:
                     out.append(element)
                     if name == "a" and len(out) >= kill_at and procs[0].poll() is None:
+                        reweighed(case, one)
                         procs[0].send_signal(signal.SIGKILL)
                         procs[0].wait()
                     if name == "b" and len(out) >= stop_at:
