@@ -27,11 +27,12 @@ import math
 import os
 import random
 import re
+import stat as _stat_module
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO, TypeVar, overload
 
 from zloader._byfields import ByFields
 from zloader._defaults import (
@@ -251,9 +252,15 @@ def list_files(paths_or_glob: Any, storage_options: dict[str, Any] | None = None
         StorageError: storage failed after its retries.
     """
     paths, pattern = _paths(paths_or_glob, what)
-    if pattern and not _is_file(paths[0], storage_options):
-        paths = _expand(paths[0], storage_options, what)
-    return tuple(_stat(path, storage_options, what) for path in paths)
+    if not pattern or _is_file(paths[0], storage_options):
+        return tuple(_stat(path, storage_options, what) for path in paths)
+    found = tuple(ref for ref in (_stat(path, storage_options, what, folders=True)
+                                  for path in _expand(paths[0], storage_options, what))
+                  if ref is not None)
+    if not found:
+        raise ValueError(f"{what}: pattern {paths[0]!r} matched no files (folders it "
+                         "matches are passed over)")
+    return found
 
 
 def _is_file(path: str, storage_options: dict[str, Any] | None) -> bool:
@@ -272,20 +279,28 @@ def _is_file(path: str, storage_options: dict[str, Any] | None) -> bool:
 def _expand(pattern: str, storage_options: dict[str, Any] | None, what: str) -> list[str]:
     local = _local(pattern)
     if local is not None:
-        found = sorted(path for path in _glob.glob(local, recursive=True)
-                       if not os.path.isdir(path))
+        found = sorted(_glob.glob(local, recursive=True))
     else:
         fs, path = _filesystem(pattern, storage_options)
-        matches = retrying(lambda: fs.glob(path, detail=True), pattern, "list")
-        found = sorted(fs.unstrip_protocol(name) for name, info in matches.items()
-                       if info.get("type") != "directory")
+        matches = retrying(lambda: fs.glob(path), pattern, "list")
+        found = sorted(fs.unstrip_protocol(m) for m in matches)
     if not found:
-        raise ValueError(f"{what}: pattern {pattern!r} matched no files (folders it "
-                         "matches are passed over)")
+        raise ValueError(f"{what}: pattern {pattern!r} matched no files")
     return found
 
 
-def _stat(path: str, storage_options: dict[str, Any] | None, what: str) -> FileRef:
+@overload
+def _stat(path: str, storage_options: dict[str, Any] | None, what: str) -> FileRef: ...
+@overload
+def _stat(path: str, storage_options: dict[str, Any] | None, what: str,
+          folders: bool) -> FileRef | None: ...
+def _stat(path: str, storage_options: dict[str, Any] | None, what: str,
+          folders: bool = False) -> FileRef | None:
+    """``path``'s :data:`FileRef`; None for a folder where ``folders`` (a glob's match).
+
+    Raises:
+        ValueError: it does not exist, or is no file (a folder, unless ``folders``).
+    """
     local = _local(path)
     if local is not None:
         absolute = os.path.abspath(local)
@@ -294,7 +309,9 @@ def _stat(path: str, storage_options: dict[str, Any] | None, what: str) -> FileR
         except OSError as exc:
             raise ValueError(f"{what}: cannot read {path!r}: {exc.strerror}"
                              f"{_braces(path)}") from None
-        if not os.path.isfile(absolute):
+        if folders and _stat_module.S_ISDIR(stat.st_mode):
+            return None
+        if not _stat_module.S_ISREG(stat.st_mode):
             raise ValueError(f"{what}: {path!r} is not a file")
         return absolute, stat.st_size, str(stat.st_mtime_ns)
     fs, inner = _filesystem(path, storage_options)
@@ -305,6 +322,8 @@ def _stat(path: str, storage_options: dict[str, Any] | None, what: str) -> FileR
             raise ValueError(f"{what}: cannot read {path!r}: no such file"
                              f"{_braces(path)}") from None
         raise
+    if folders and info.get("type") == "directory":
+        return None
     if info.get("type") != "file":
         raise ValueError(f"{what}: {path!r} is not a file")
     return path, int(info.get("size") or 0), _tag(info)
