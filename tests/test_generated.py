@@ -33,7 +33,9 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -51,7 +53,7 @@ from tests.service import (
     stop,
     wait_for,
 )
-from zloader import Loader, Pipeline
+from zloader import Loader, Pipeline, SharedWeightsWarning
 from zloader.mixing import MixSource
 from zloader.options import JobOptions
 from zloader.plan import plan, repeats_moved
@@ -290,10 +292,18 @@ def loader(case: Case, **kwargs: Any) -> Loader:
     return Loader(case.pipeline, timeout=30, **{"num_workers": 2, **kwargs})
 
 
-def reweighed(case: Case, loader: Loader) -> None:
-    """Set the case's new weights on ``loader``, if it has some (where a fault strikes)."""
-    if case.reweigh is not None:
-        loader.set_weights(case.reweigh)
+def reweighed(case: Case, loader: Loader, shared: bool = False) -> None:
+    """Set the case's new weights on ``loader``, if it has some (where a fault strikes).
+    Not on a ``shared`` job whose worker dies then, unless ``REWEIGH_SHARED``: its
+    replay draws with the weights of the worker that makes it again (docs/sharing.md,
+    "Faults": a known gap, which it warns of)."""
+    if case.reweigh is not None and (REWEIGH_SHARED or not shared):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SharedWeightsWarning)
+            loader.set_weights(case.reweigh)
+
+
+REWEIGH_SHARED = False
 
 
 def partly(elements: Iterator[Any], count: int, into: list[Any]) -> None:
@@ -447,7 +457,7 @@ def shared_killed(case: Case, seed: int, own: Pipeline | None = None,
                     out.append(element)
                     if name == "a" and len(out) >= at and not hit.is_set():
                         hit.set()
-                        reweighed(case, one)
+                        reweighed(case, one, shared=True)
                         fault(procs[0], kind)
             got[name] = out
 
@@ -698,6 +708,32 @@ def test_a_first_exhausted_mix_split_between_job_name_loaders_repeats_nothing(tm
     from both states (before: the finished Loader's state left out what it had drawn of
     records it had not drawn whole, and the resumed one yielded 1-58 of those again)."""
     run("split", 5, str(tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(reason="docs/sharing.md 'Faults': a dead worker's splits are drawn again "
+                          "with the weights then, not those set mid-epoch before it died",
+                   strict=False)
+def test_a_shared_mix_whose_weights_were_set_before_its_worker_died_is_exact(
+        tmp_path, monkeypatch):
+    """Seed 16 of shared-kill with the weights set where the worker is killed (failed 7
+    of 8 runs: 10-30 elements lost and as many repeated)."""
+    monkeypatch.setattr(sys.modules[__name__], "REWEIGH_SHARED", True)
+    run("shared-kill", 16, str(tmp_path))
+
+
+def test_set_weights_on_a_shared_job_warns_of_what_a_worker_death_then_does():
+    mix = Pipeline.mix([Pipeline.range(100), Pipeline.range(100, 200)], [1, 1], seed=1)
+    with service(workers=1) as (address, _):
+        with Loader(mix, broker=address, share=True, timeout=30) as loader:
+            elements = iter(loader)
+            next(elements)
+            with pytest.warns(SharedWeightsWarning, match="dies later in this epoch"):
+                loader.set_weights([1, 3])
+            assert len(list(elements)) == 199
+        with Loader(mix, broker=address, timeout=30) as loader, warnings.catch_warnings():
+            warnings.simplefilter("error", SharedWeightsWarning)  # (not shared: no warning)
+            loader.set_weights([1, 3])
 
 
 def test_a_generated_pipeline_shared_with_a_branch_survives_a_kill(tmp_path):
