@@ -64,6 +64,11 @@ READ_BLOCK_BYTES = 1 << 20
 """Bytes a file source reads from storage at a time (the streaming buffer of a local file
 or an fsspec URL: a shard is never read whole); fixed."""
 
+ZSTD_PIECE_BYTES = 8 << 10
+"""Compressed bytes of a ``.jsonl.zst`` file inflated at once (zloader/formats/jsonl.py):
+at most a few hundred MB of output however the file was made, as a zstd block of 128 KiB
+may be a few bytes; fixed."""
+
 STORAGE_RETRIES = 5
 """Attempts of one storage operation (stat, glob, open, read) that failed with a transient
 error (a connection error, a timeout, a 5xx) before the source fails naming the URL;

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO, ClassVar
 
-from zloader._defaults import MAX_LINE_BYTES, READ_BLOCK_BYTES
+from zloader._defaults import MAX_LINE_BYTES, READ_BLOCK_BYTES, ZSTD_PIECE_BYTES
 from zloader.errors import CodecError
 from zloader.formats.base import Bad, FormatSource
 
@@ -66,13 +66,8 @@ def _decompressed(stream: BinaryIO, name: str) -> BinaryIO:
     return stream
 
 
-_ZSTD_PIECE = 8 << 10
-"""Compressed bytes inflated at once: at most a few hundred MB however the file was made
-(a zstd block of 128 KiB may be a few bytes)."""
-
-
 class _Zstd(io.RawIOBase):
-    """Zstandard frames, one after another, inflated as they are read, _ZSTD_PIECE of input
+    """Zstandard frames, one after another, inflated as they are read, ZSTD_PIECE_BYTES of input
     at a time; input that ends inside a frame (a truncated file) is an error, where
     zstandard's own readers end quietly."""
 
@@ -88,7 +83,7 @@ class _Zstd(io.RawIOBase):
 
     def readinto(self, buffer: Any) -> int:
         while not self._pending:
-            chunk = self._stream.read(_ZSTD_PIECE)
+            chunk = self._stream.read(ZSTD_PIECE_BYTES)
             if not chunk:
                 if self._inside:
                     raise EOFError("the zstd frame ends before its end (a truncated file)")
