@@ -4,6 +4,7 @@ Real brokers, workers and sockets; each test would fail if one side stopped serv
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -104,3 +105,50 @@ def test_two_loaders_iterated_in_turns_from_one_thread(deterministic: bool) -> N
                 checks.extend(validation)
         assert sorted(got) == list(range(100))
         assert sorted(checks) == sorted(list(range(1000, 1040)) * 2)
+
+
+_TRAINER = os.getpid()
+
+
+class _SlowToDecode:
+    """A batch whose unpickling in the trainer takes STALL_SECONDS once (as a batch of
+    many objects, or a finalizer the collector runs there, does)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _decoded, (self.value,)
+
+
+STALL_SECONDS = 4.0  # (the embedded broker's expiry: 3 heartbeats of 1 s)
+
+
+def _decoded(value: int) -> _SlowToDecode:
+    if os.getpid() == _TRAINER and value == 12:
+        time.sleep(STALL_SECONDS)
+    return _SlowToDecode(value)
+
+
+def _first(batch: list[int]) -> _SlowToDecode:
+    return _SlowToDecode(batch[0])
+
+
+def test_a_trainer_whose_loop_is_held_past_its_heartbeats_keeps_its_epoch() -> None:
+    """A batch decoding for longer than the broker's expiry holds the trainer's loop (no
+    heartbeat goes out): a consumer on the broker's host still running is kept, as a busy
+    worker is (before: dropped, and the drop-in waited out its timeout for batches it
+    had dispatched, then raised Timeout)."""
+    torch = pytest.importorskip("torch")
+    from zloader.torch import DataLoader
+
+    class Numbers(torch.utils.data.Dataset):  # type: ignore[misc,type-arg]
+        def __len__(self) -> int:
+            return 40
+
+        def __getitem__(self, index: int) -> int:
+            return index
+
+    loader = DataLoader(Numbers(), batch_size=4, num_workers=2, collate_fn=_first,
+                        timeout=30)
+    assert [batch.value for batch in loader] == list(range(0, 40, 4))

@@ -498,6 +498,13 @@ def tick(state: Tables, now: float) -> list[Out]:
                  worker.pid, worker.host, now - worker.last_seen)
         out += failures.drop_worker(state, worker.id, died=True, now=now)
     for consumer in [c for c in state.consumers.values() if now - c.last_seen > state.expiry]:
+        if consumer.host_id == host_id() and running(consumer.pid):
+            # On this host and running: a trainer busy in code that keeps its Loader's loop
+            # from stepping (a batch of many objects decoding, a finalizer the collector
+            # runs there), not dead; a stopped one (SIGSTOP) is dropped as before.
+            log.debug("consumer %s (pid %d) silent for %.1f s but running: kept",
+                      consumer.id, consumer.pid, now - consumer.last_seen)
+            continue
         # (one whose process on this host has exited cannot come back: no grace for it)
         exited = consumer.host_id == host_id() and gone(consumer.pid)
         log.info("consumer %s (pid %d) silent for %.1f s%s: dropped", consumer.id,
