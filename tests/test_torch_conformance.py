@@ -321,6 +321,15 @@ def bfloat16_collate(samples: list[Any]) -> torch.Tensor:
     return torch.as_tensor(samples, dtype=torch.bfloat16)
 
 
+def named_collate(samples: list[Any]) -> Any:
+    """A batch and its file names as a numpy array of str (a dtype no tensor holds)."""
+    return torch.as_tensor(samples), np.array([f"img_{s}.jpg" for s in samples])
+
+
+def sparse_item(index: int) -> Any:
+    return torch.eye(3).to_sparse() * index
+
+
 def packed_collate(samples: list[Any]) -> Any:
     sequences = [torch.arange(int(s) + 1, dtype=torch.float32) for s in samples]
     return torch.nn.utils.rnn.pack_sequence(sequences, enforce_sorted=False)
@@ -537,6 +546,24 @@ def a_collate_output_of_the_user_s_class(DataLoader: Any) -> Any:
 def bfloat16_batches(DataLoader: Any) -> Any:
     return batches(DataLoader(list(range(6)), batch_size=2, num_workers=2,
                               collate_fn=bfloat16_collate))
+
+
+@case()
+def a_numpy_array_of_str_in_a_batch(DataLoader: Any) -> Any:
+    out = []  # (before: the codec refused it, and the epoch ended at the first batch)
+    for values, names in DataLoader(list(range(6)), batch_size=2, num_workers=2,
+                                    collate_fn=named_collate):
+        out.append((values.tolist(), type(names).__name__, names.dtype.str, names.tolist()))
+    return out
+
+
+@case()
+def sparse_coo_tensor_batches(DataLoader: Any) -> Any:
+    out = []  # (before: weighing it for its record raised "nbytes is not defined")
+    for batch in DataLoader([sparse_item(i) for i in range(4)], batch_size=None,
+                            num_workers=2):
+        out.append((batch.layout, batch.to_dense().tolist()))
+    return out
 
 
 @case()

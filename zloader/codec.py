@@ -199,7 +199,10 @@ def _encode_node(value: Any, out: bytearray, buffers: list[Any], depth: int,
     kind = type(value)
     # Exact types first, most frequent first: this runs once per node of every element.
     if kind is np.ndarray:
-        _encode_array(value, out, buffers)
+        if objects and value.dtype.str not in _DTYPE_BYTES:  # (str, object, datetime64...)
+            _encode_object(value, out, buffers)
+        else:
+            _encode_array(value, out, buffers)
     elif kind is int:
         if _I64_MIN <= value <= _I64_MAX:
             out += b"i" + _I64.pack(value)
@@ -248,14 +251,23 @@ def _encode_node(value: Any, out: bytearray, buffers: list[Any], depth: int,
         _encode_stacked(value, out, buffers)
     elif isinstance(value, np.generic) and not isinstance(value, (str, bytes)):
         name = value.dtype.str
+        if name not in _DTYPE_BYTES and objects:
+            _encode_object(value, out, buffers)
+            return
         if name not in _DTYPE_BYTES:
             raise _EncodeError(f"numpy scalar of dtype {value.dtype} is not supported; "
                                f"supported dtypes are bool and numeric ({', '.join(_KINDS)})")
         out += b"n" + _DTYPE_BYTES[name] + value.tobytes()
     elif isinstance(value, (bytes, bytearray, memoryview)):
         _encode_blob(b"b", b"B", value, out, buffers)
-    elif isinstance(value, np.ndarray):
-        _encode_array(value, out, buffers)
+    elif isinstance(value, np.ndarray):  # (a subclass: pickled whole where it may be)
+        if objects:
+            _encode_object(value, out, buffers)
+        elif isinstance(value, np.ma.MaskedArray):
+            raise _EncodeError("a numpy MaskedArray is not supported (its mask would be "
+                               "lost); send its data and mask as two arrays")
+        else:
+            _encode_array(value, out, buffers)
     elif isinstance(value, int):  # bool subclasses were handled above; IntEnum and the like
         _encode_node(int(value), out, buffers, depth, objects)
     elif isinstance(value, float):

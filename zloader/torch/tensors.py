@@ -20,10 +20,17 @@ import torch
 
 from zloader._defaults import PREFETCH_STOP_SECONDS
 
+_TENSOR_KINDS = frozenset("biufc")
+"""numpy dtype kinds a tensor can hold (bool, ints, unsigned, floats, complex)."""
+
 
 def to_torch(element: Any) -> Any:
-    """Convert the numpy arrays and scalars in a nested element to tensors."""
+    """Convert the numpy arrays and scalars in a nested element to tensors; arrays of a
+    dtype no tensor holds (str, bytes, object, datetime64, structured: a collate's array
+    of file names, pickled) stay arrays, as torch gives them."""
     if isinstance(element, np.ndarray):
+        if element.dtype.kind not in _TENSOR_KINDS:
+            return element
         if not element.flags.writeable:
             element = element.copy()
         return torch.from_numpy(element)

@@ -750,7 +750,10 @@ def _weigh(element: Any, depth: int = 0) -> tuple[int, bool]:
     (whose rows user code may overwrite next: its record is sent at once)."""
     if type(element) is codec.Stacked:
         return element.nbytes, True
-    nbytes = getattr(element, "nbytes", None)
+    try:
+        nbytes = getattr(element, "nbytes", None)
+    except Exception:  # (a sparse tensor's nbytes raises: weighed as its parts below)
+        nbytes = None
     if isinstance(nbytes, int):
         return nbytes, False
     if isinstance(element, (bytes, str)):
