@@ -549,6 +549,16 @@ def bfloat16_batches(DataLoader: Any) -> Any:
 
 
 @case()
+def prefetch_factor_0_with_workers_is_refused_at_iter(DataLoader: Any) -> Any:
+    loader = DataLoader(list(range(4)), num_workers=2, prefetch_factor=0)
+    try:  # (before: taken for the default, 2)
+        iter(loader)
+    except AssertionError:
+        return "AssertionError"
+    return "iterated"
+
+
+@case()
 def a_numpy_array_of_str_in_a_batch(DataLoader: Any) -> Any:
     out = []  # (before: the codec refused it, and the epoch ended at the first batch)
     for values, names in DataLoader(list(range(6)), batch_size=2, num_workers=2,

@@ -151,6 +151,11 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
 
     @property
     def _prefetch(self) -> int:
+        """Batches each worker makes ahead (torch's default 2). Raises AssertionError for
+        ``prefetch_factor=0``, as torch's iterator does (0 would mean 2 here)."""
+        if self.prefetch_factor is not None and self.prefetch_factor <= 0:
+            raise AssertionError(f"prefetch_factor={self.prefetch_factor}: a worker must "
+                                 "make at least one batch ahead (torch asserts > 0)")
         return self.prefetch_factor or 2
 
     def reported_length(self) -> int | None:
