@@ -44,6 +44,7 @@ LAYERS = {
     "lineage.wire": 0.98, "lineage": 1,
     "forward": 1, "blobs": 1,
     "formats._crc32c": 1, "formats.example": 1, "formats.image": 1, "formats": 1.2,
+    "formats.compressed": 1,
     "storage": 1.5, "cachefile": 1.6,
     "runs": 1.95,  # a run: its settings, tally, Context and Coverage
     "sources": 2, "formats.base": 2.2, "formats.tfrecord": 2.4, "formats.webdataset": 2.4,

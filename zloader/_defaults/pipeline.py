@@ -65,7 +65,7 @@ READ_BLOCK_BYTES = 1 << 20
 or an fsspec URL: a shard is never read whole); fixed."""
 
 ZSTD_PIECE_BYTES = 8 << 10
-"""Compressed bytes of a ``.jsonl.zst`` file inflated at once (zloader/formats/jsonl.py):
+"""Compressed bytes of a zstd file inflated at once (zloader/formats/compressed.py):
 at most a few hundred MB of output however the file was made, as a zstd block of 128 KiB
 may be a few bytes; fixed."""
 

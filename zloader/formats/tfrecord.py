@@ -27,6 +27,7 @@ from typing import Any, BinaryIO, ClassVar
 
 from zloader._defaults import MAX_RECORD_BYTES, READ_BLOCK_BYTES
 from zloader.errors import CodecError
+from zloader.formats import compressed
 from zloader.formats._crc32c import masked_crc32c
 from zloader.formats.base import Bad, FormatSource
 
@@ -141,7 +142,7 @@ def _compressed(header: bytes, offset: int) -> str:
     """A hint for a compressed file read as an uncompressed one (its first bytes)."""
     if offset:
         return ""
-    if header.startswith(b"\x1f\x8b"):
+    if compressed.kind(header) == ".gz":
         return ": the file is gzip-compressed, read it with compression=\"GZIP\""
     if header[0] == 0x78 and int.from_bytes(header[:2], "big") % 31 == 0:
         return ": the file looks zlib-compressed, read it with compression=\"ZLIB\""

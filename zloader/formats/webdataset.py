@@ -10,8 +10,8 @@ Consecutive members with the same key make one sample::
 Values are the members' raw bytes (a ``.gz`` member stays compressed, as webdataset leaves
 it before decoding). Members that are not regular files, and metadata named ``__*__``, are
 skipped. Shards are read as a stream, member by member: one split per shard. A shard
-compressed whole (gzip, bzip2, xz) is inflated by the reader, every compressed stream of it
-(``cat a.gz b.gz`` and bgzip make several).
+compressed whole (gzip, bzip2, xz, zstd: zloader/formats/compressed.py) is inflated by the
+reader, every compressed stream of it (``cat a.gz b.gz`` and bgzip make several).
 
 A member larger than ``max_member_bytes`` (``MAX_MEMBER_BYTES`` by default; the size its
 header states, which for a sparse member may be far more than the shard holds) is never
@@ -28,16 +28,13 @@ member taking more than ``MAX_TAR_HEADER_BYTES`` (tarfile reads PAX and GNU long
 headers and sparse maps whole), or malformed PAX records; anything but zeros after the
 end-of-archive block (stdlib tarfile takes a damaged header, or a lone zero block, for the
 end of the archive and stops there in silence). A sample is yielded once the member after
-it, or the archive's checked end, was read: one that a shard-ending error interrupts is
-lost with the rest of the shard.
+it, or the archive's checked end, was read, or before a shard-ending error at the header
+of another sample's member; one that such an error interrupts is lost with the rest of
+the shard.
 """
 
 from __future__ import annotations
 
-import bz2
-import contextlib
-import gzip
-import lzma
 import os
 import re
 import tarfile
@@ -48,6 +45,7 @@ from typing import Any, ClassVar
 from zloader._defaults import MAX_MEMBER_BYTES, MAX_TAR_HEADER_BYTES, READ_BLOCK_BYTES
 from zloader.errors import CodecError
 from zloader.formats.base import Bad, FormatSource
+from zloader.formats.compressed import inflated
 
 __all__ = ["CorruptShard", "WebDatasetSource", "read_samples", "split_key"]
 
@@ -57,13 +55,6 @@ _BLOCK = tarfile.BLOCKSIZE
 _INVALID: type[Exception] = tarfile.InvalidHeaderError  # type: ignore[attr-defined]
 """What tarfile raises for a block that is not a header (and takes, past the first
 member, for the end of the archive)."""
-_INFLATERS: tuple[tuple[re.Pattern[bytes], Callable[[Any], Any]], ...] = (
-    (re.compile(rb"\x1f\x8b\x08"), lambda stream: gzip.GzipFile(fileobj=stream, mode="rb")),
-    (re.compile(rb"BZh[1-9](?:1AY&SY|\x17rE8P\x90)"), bz2.BZ2File),
-    (re.compile(rb"\xfd7zXZ\x00|\x5d\x00\x00\x80"), lzma.LZMAFile),
-)
-"""The first bytes of a compressed shard (gzip, bzip2, xz or lzma), and what inflates it
-(tarfile's own inflater stops at the end of a gzip's first member, in silence)."""
 
 
 class CorruptShard(CodecError):
@@ -102,7 +93,7 @@ def read_samples(stream: Any, url: str, max_member_bytes: int = MAX_MEMBER_BYTES
     """
     sample: dict[str, Any] | None = None
     bad: Bad | None = None
-    with _inflated(stream) as (tar_stream, compressed), \
+    with inflated(stream, url) as (tar_stream, compressed), \
             _Shard.open(  # type: ignore[call-overload]  # tarfile.open passes these on
                 fileobj=tar_stream, mode="r|", url=url, max_member_bytes=max_member_bytes,
                 capacity=None if compressed else size,
@@ -150,24 +141,6 @@ def read_samples(stream: Any, url: str, max_member_bytes: int = MAX_MEMBER_BYTES
 
 def _bad(url: str, key: str, what: str) -> Bad:
     return Bad(CodecError(f"{url}: {what}"), f"shard {url}, sample {key!r}")
-
-
-@contextlib.contextmanager
-def _inflated(stream: Any) -> Iterator[tuple[Any, bool]]:
-    """``stream`` as a tar stream, inflated when its first bytes say it is compressed,
-    and whether it was; closing it leaves ``stream`` open."""
-    peek = getattr(stream, "peek", None)
-    if peek is not None:
-        head = peek(16)[:16]
-    else:
-        head = stream.read(16)
-        stream.seek(-len(head), os.SEEK_CUR)
-    for magic, inflate in _INFLATERS:
-        if magic.match(head):
-            with inflate(stream) as inflated:
-                yield inflated, True
-            return
-    yield stream, False
 
 
 class _Reads:
