@@ -487,23 +487,13 @@ def tick(state: Tables, now: float) -> list[Out]:
     workers."""
     out: list[Out] = []
     for worker in [w for w in state.workers.values() if now - w.last_seen > state.expiry]:
-        if worker.host_id == host_id() and running(worker.pid):
-            # On this host and running: busy, not dead (user code holding the interpreter's
-            # lock stops its heartbeats). If it stays silent with a consumer's credits, the
-            # consumer reports it stuck after its timeout (failures.stuck).
-            log.debug("worker %s (pid %d) silent for %.1f s but running: kept", worker.id,
-                      worker.pid, now - worker.last_seen)
-            continue
+        if _busy(worker, "worker", now):  # (if it stays silent with a consumer's credits,
+            continue                      # the consumer reports it stuck: failures.stuck)
         log.info("worker %s (pid %d on %s) silent for %.1f s: dropped", worker.id,
                  worker.pid, worker.host, now - worker.last_seen)
         out += failures.drop_worker(state, worker.id, died=True, now=now)
     for consumer in [c for c in state.consumers.values() if now - c.last_seen > state.expiry]:
-        if consumer.host_id == host_id() and running(consumer.pid):
-            # On this host and running: a trainer busy in code that keeps its Loader's loop
-            # from stepping (a batch of many objects decoding, a finalizer the collector
-            # runs there), not dead; a stopped one (SIGSTOP) is dropped as before.
-            log.debug("consumer %s (pid %d) silent for %.1f s but running: kept",
-                      consumer.id, consumer.pid, now - consumer.last_seen)
+        if _busy(consumer, "consumer", now):
             continue
         # (one whose process on this host has exited cannot come back: no grace for it)
         exited = consumer.host_id == host_id() and gone(consumer.pid)
@@ -527,6 +517,18 @@ def tick(state: Tables, now: float) -> list[Out]:
                 and now - job.idle_since > max(state.expiry, job.linger):
             out += _end(state, job, now)
     return out + placement.assign(state, now)
+
+
+def _busy(peer: Any, kind: str, now: float) -> bool:
+    """Whether a silent ``peer`` (a worker or a consumer) is on this host with its process
+    running: busy, not dead (user code holding the interpreter's lock stops a worker's
+    heartbeats; a batch decoding for seconds, or a finalizer the collector runs there,
+    holds a trainer's loop). A stopped one (SIGSTOP) is not."""
+    if peer.host_id != host_id() or not running(peer.pid):
+        return False
+    log.debug("%s %s (pid %d) silent for %.1f s but running: kept", kind, peer.id, peer.pid,
+              now - peer.last_seen)
+    return True
 
 
 def unheard(state: Tables, now: float) -> None:
