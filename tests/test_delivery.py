@@ -264,7 +264,7 @@ def test_shared_branches_each_trainer_gets_its_branch_s_records_and_every_end(sh
         assert [s.count for s in port.outlet.to(trainer, "DATA")] == [3, 4]
     assert all(kinds(port, t)[-1] == "END" for t in "abc") and not port.started
     assert delivery.stats()["trainers"]["b"]["branch"] == 1
-    assert delivery.new_epoch(1) == {} and delivery.branches_for(1) == {0, 1}
+    assert delivery.new_epoch(1)["splits"] == {} and delivery.branches_for(1) == {0, 1}
     for trainer in (b"b", b"c"):  # branch 1's trainers leave: it is no longer made
         port.remove_stream(port.streams[trainer])
     delivery.new_epoch(2)

@@ -337,7 +337,8 @@ def test_every_kind_of_event_reads_back_as_the_record_written(tmp_path):
                            names=("map", "batch(2)"), first_tap=1, tap=1),
         events.Orphaned(job="j", fence="f1", worker="w1", index=0, died=True,
                         order=[[[0], [3, 1]]], answers={"c1": {"epoch": 0, "done": False,
-                                                               "count": 4}}),
+                                                               "count": 4}},
+                        switches=([[0], 0, [0.25, 0.75]], [[0], 1500, [0.5, 0.5]])),
         events.OrphanAdopted(job="j", fence="f1"),
         events.RoundsSet(job="j", size=2),
         events.TaskGiven(job="j", task="t", worker="w1", index=1),
@@ -353,6 +354,7 @@ def test_every_kind_of_event_reads_back_as_the_record_written(tmp_path):
         events.JobEnded(job="j"),
         events.WorkerGone(worker="w1", died=True, fenced=True, clean=False),
         events.WorkerLeft(job="j", task="t", worker="w1", clean=True),
+        events.MixWeighed(job="j", worker="w1", pass_=(1,), at=1024, weights=(0.1, 0.9)),
     ]
     assert {type(event) for event in written} == set(events.KINDS.values())
     journal = Journal(tmp_path)
@@ -382,13 +384,15 @@ def test_the_events_shapes_are_pinned_to_the_journal_version():
     # A line's own fields (version 3): its sequence number and checksum, no event's.
     assert not any({"n", "c"} & set(fields) for fields in shapes.values())
     shapes["job.options"] = [field.name for field in dataclasses.fields(JobOptions)]
-    assert VERSION == 6 and shapes == {
+    assert VERSION == 7 and shapes == {
         "worker": ["id", "host", "host_id", "pid", "endpoint", "prefer", "plain_data"],
         "job": ["id", "fingerprint", "name", "options", "num_splits", "shuffle_splits",
                 "seed", "width", "source_data", "entropy", "pipeline", "inputs", "prefix"],
         "branch": ["job", "branch", "fingerprint", "prefixes", "names", "first_tap", "tap",
                    "pipeline", "source_data"],
-        "orphan": ["job", "fence", "worker", "index", "died", "order", "answers"],
+        "orphan": ["job", "fence", "worker", "index", "died", "order", "answers",
+                   "switches"],
+        "weighed": ["job", "worker", "pass", "at", "weights"],
         "adopted": ["job", "fence"],
         "job.options": ["sharding", "deterministic", "on_error", "num_workers", "balanced",
                         "num_consumers", "share", "exactly_once", "weight", "objects",
@@ -524,8 +528,9 @@ def test_a_full_work_dir_fails_the_consumers_loudly_and_the_broker_keeps_serving
 def test_a_journal_starts_with_its_schema_version(tmp_path):
     """A new journal's first line names its schema version, and so does a compacted
     one's; a journal from before versions (no such line) is read as version 1, which
-    this zloader (version 6: lines numbered and checksummed, shared jobs' branches, what
-    consumers that left had yielded; it reads versions 2 to 5 too) refuses, naming both."""
+    this zloader (version 7: lines numbered and checksummed, shared jobs' branches, what
+    consumers that left had yielded, when a shared mix took new weights; it reads
+    versions 2 to 6 too) refuses, naming both."""
 
     state = State(journal=Journal(tmp_path))
     ready(state, "w1")
@@ -534,13 +539,13 @@ def test_a_journal_starts_with_its_schema_version(tmp_path):
     def first_line() -> dict:
         return _body((tmp_path / "journal.jsonl").read_bytes().splitlines()[0])
 
-    assert first_line() == {"e": "journal", "version": VERSION} and VERSION == 6
+    assert first_line() == {"e": "journal", "version": VERSION} and VERSION == 7
     state.journal.compact(state.snapshot())
     assert first_line() == {"e": "journal", "version": VERSION}
     state.journal.close()
     lines = (tmp_path / "journal.jsonl").read_bytes().splitlines(keepends=True)
     (tmp_path / "journal.jsonl").write_bytes(b"".join(lines[1:]))
-    with pytest.raises(ZloaderError, match=f"{tmp_path}.*version 1.*versions 2, 3, 4, 5"):
+    with pytest.raises(ZloaderError, match=f"{tmp_path}.*version 1.*versions 2, 3, 4, 5, 6"):
         Journal(tmp_path)
     (tmp_path / "journal.jsonl").write_bytes(b"".join(lines))  # its version line back
     again = State(journal=Journal(tmp_path))

@@ -56,10 +56,12 @@ SAMPLES: dict[Command, dict] = {
     Command.SPLIT: {"task": "t1", "pass": [0], "split": 7, "have": 3, "origin": [0],
                     "skip": pack([1, 5]), "expect": [10, 2**63]},
     Command.PASS_DONE: {"task": "t1", "pass": [2]},
+    Command.WEIGHED: {"task": "t1", "pass": [2], "at": 1024, "weights": [0.25, 0.75]},
     Command.RELEASE: {"task": "t1"},
     Command.HANDOVER: {"task": "t1", "segments": [
         {"n": 0, "epoch": 2, "index": 1, "pass": [2, 0], "splits": [5, 3, 9],
-         "served": ["c1"], "had": {"c2": 40, "c3": [[0, 4], [9, 12]]}, "last": True}],
+         "served": ["c1"], "had": {"c2": 40, "c3": [[0, 4], [9, 12]]},
+         "switches": [[[2], 0, [0.5, 0.5]], [[2], 1024, [0.1, 0.9]]], "last": True}],
         "held": [2]},
     Command.BRANCH: {"task": "t1", "branch": 2, "tap": 1, "fingerprint": "fp2"},
     Command.CONSUMER_GONE: {"task": "t1", "consumer": "c1", "replaced": True},
@@ -229,10 +231,10 @@ BAD = [  # command, field, body change: each kind of bad body
     (Command.HEARTBEAT, "handover", {"handover": [{"n": 0, "epoch": 0}]}),
     (Command.HANDOVER, "segments", {"task": "t1", "segments": [
         {"n": 0, "epoch": 0, "index": 0, "pass": [0], "splits": [-1], "served": [],
-         "had": {}, "last": True}]}),
+         "had": {}, "switches": [], "last": True}]}),
     (Command.HANDOVER, "segments", {"task": "t1", "segments": [
         {"n": 0, "epoch": 0, "index": 0, "pass": [0], "splits": [1], "served": [],
-         "had": {"c1": -3}, "last": True}]}),
+         "had": {"c1": -3}, "switches": [], "last": True}]}),
     (Command.HANDOVER, "held", {"task": "t1", "segments": [], "held": [-1]}),
     (Command.BRANCH, "branch", {"task": "t1", "branch": 0, "tap": 1, "fingerprint": "f"}),
     (Command.BRANCH, "tap", {"task": "t1", "branch": 1, "tap": 0, "fingerprint": "f"}),
@@ -246,9 +248,13 @@ BAD = [  # command, field, body change: each kind of bad body
                                               "ranges": [[4, 4]]}}),
     (Command.HANDOVER, "segments", {"task": "t1", "segments": [
         {"n": 0, "epoch": 0, "index": 0, "pass": [0], "splits": [1], "served": [],
-         "had": {"c1": [[3, 1]]}, "last": True}]}),
+         "had": {"c1": [[3, 1]]}, "switches": [], "last": True}]}),
+    (Command.HANDOVER, "segments", {"task": "t1", "segments": [
+        {"n": 0, "epoch": 0, "index": 0, "pass": [0], "splits": [1], "served": [],
+         "had": {}, "switches": [[[0], -1, [1.0]]], "last": True}]}),
     (Command.SPLIT_REQ, "have", {"have": "3"}),
     (Command.PASS_DONE, "pass", {"pass": []}),
+    (Command.WEIGHED, "weights", {"weights": [0.5, 1.5]}),
     (Command.TASK_FAILED, "error", {"error": "boom"}),
     (Command.EPOCH, "epoch", {"epoch": -1}),
     (Command.ROUND_REQ, "members", {"members": []}),

@@ -433,3 +433,46 @@ def test_each_consumer_of_a_job_draws_with_its_own_weights_and_a_resume_takes_th
             head = epoch[:300]
             assert names(head)[favoured] > 0.75 * len(head), (which, names(head))
     assert resume_from(states, mix.fingerprint, True)["weights"] == [0.1, 0.9]
+
+
+def _draws(live, switches, offers: dict[int, tuple[float, ...]]) -> list[int]:
+    """A worker's draws of a two-input mix, pass (0,), over inputs 0..2999 and 3000..5999,
+    with ``offers[n]`` set on ``live`` after the n-th element (as Loader.set_weights
+    reaches a worker while its producer draws)."""
+    from zloader.mixing import drawn
+    from zloader.runs import Context, RunSettings
+
+    mix = Pipeline.mix([Pipeline.range(3000), Pipeline.range(3000, 6000)], [1, 1], seed=5)
+    ctx = Context(RunSettings(entropy=0, mix_weights=live, mix_switches=switches))
+    out = []
+    for n, element in enumerate(drawn(mix.source, lambda: [iter(range(3000)),
+                                                          iter(range(3000, 6000))], (0,), ctx)):
+        out.append(element)
+        if n + 1 in offers:
+            live.offer(offers[n + 1], float(n + 1))
+    return out
+
+
+def test_a_replay_draws_with_the_weights_the_first_draws_switched_to_where_they_did():
+    """A shared job's worker notes when its mix takes new weights (the broker is told
+    before any element drawn with them leaves it); the replay of its splits (a late
+    trainer's, a dead worker's: zloader/sharing/handover.py) switches at the same draws,
+    whatever the weights are when it runs, and so names each element by the same place."""
+    from zloader.mixing import LiveWeights, Switches
+
+    live, log, told = LiveWeights(), {}, []
+    live.offer((0.25, 0.75), 0.5)  # (set before the epoch: the first switch is at draw 0)
+    first = _draws(live, Switches(log, confirm=lambda *switch: told.append(switch)),
+                   {700: (0.9, 0.1), 1900: (0.5, 0.5), 1901: (0.1, 0.9)})
+    assert sorted(first) == list(range(6000))
+    assert [at for at, _ in log[(0,)]] == [0, 700, 1900, 1901]
+    assert told == [((0,), at, weights) for at, weights in log[(0,)]]
+
+    now = LiveWeights()
+    now.offer((0.6, 0.4), 9.0)  # (the weights when the replay runs: not those of the first)
+    assert _draws(now, Switches(log, replay=True), {}) == first
+    # Without the switches the replay differs (what a dead worker's replay did before).
+    assert _draws(now, None, {}) != first
+    # No switch noted: the mix's own weights, not the live ones.
+    plain = _draws(LiveWeights(), Switches({}), {})
+    assert _draws(now, Switches({}, replay=True), {}) == plain

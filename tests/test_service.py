@@ -494,7 +494,7 @@ def test_bad_frames_to_a_worker_data_port_are_ignored():
             sock.connect(endpoint)
             for junk in ([b"x"], [VERSION, b"\x05", b"[]"], [VERSION, bytes((Command.OPEN,)),
                                                               b'{"job": 5}'],
-                         [b"ZLP/10 py/0.0 cp/0", bytes((Command.CREDIT,)), b"{}"]):
+                         [b"ZLP/11 py/0.0 cp/0", bytes((Command.CREDIT,)), b"{}"]):
                 sock.send_multipart(junk)
             assert sock.poll(5000)  # the worker answers ERROR to what it can parse...
             reply = sock.recv_multipart()

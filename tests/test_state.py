@@ -637,6 +637,24 @@ def test_a_shared_job_s_last_worker_dead_is_made_again_by_the_next_one(tmp_path,
     ready(state, "w1")
     task = task_of(_shared_register(state, "c1") + _shared_register(state, "c2"))
     handed = [split(state, "w1", task) for _ in range(2)]
+    # Its mix took new weights twice (the first sent again after a reconnect): the broker
+    # echoes each WEIGHED and notes it once, for the segment.
+    switches = [[[0], 0, [0.25, 0.75]], [[0], 40, [0.5, 0.5]], [[0], 0, [0.25, 0.75]]]
+    for key, at, weights in switches:
+        weighed = record(Command.WEIGHED, {"task": task, "pass": key, "at": at,
+                                           "weights": weights})
+        (echo,) = state.weighed(b"w1", weighed, 1.0)
+        assert echo.identity == b"w1" and echo.command is Command.WEIGHED
+        assert echo.body == weighed.to_body()
+    if restart:  # (the notes, journaled, survive a restart before the death too)
+        state.journal.close()
+        state = State(journal=Journal(tmp_path))
+        state.restore(now=1.5)
+        state.worker_ready(b"w1", record(Command.READY, {
+            "worker": "w1", "host": "h", "host_id": "h/boot/ns", "pid": 100,
+            "endpoint": "ipc:///tmp/w1", "prefer": None}), 1.6)
+        for consumer in ("c1", "c2"):
+            _shared_register(state, consumer, 1.7)
     state.seen(b"c1", 10.0)
     state.seen(b"c2", 10.0)
     state.tick(10.0)  # (w1 is silent: dead)
@@ -666,6 +684,7 @@ def test_a_shared_job_s_last_worker_dead_is_made_again_by_the_next_one(tmp_path,
     (segment,) = handover["segments"]
     assert handover["fence"] == token and segment["splits"] == handed
     assert segment["had"] == {"c1": [[0, 30]], "c2": 12} and segment["last"]
+    assert segment["switches"] == switches[:2]
     assert not job.orphans
     state.journal.close()
     again = State(journal=Journal(tmp_path))

@@ -71,12 +71,6 @@ class FingerprintWarning(UserWarning):
     """Part of a pipeline could not be fingerprinted soundly; the pipeline will not be shared."""
 
 
-class SharedWeightsWarning(UserWarning):
-    """Weights set on a shared job's Loader: a worker that dies later in that epoch has
-    what it made drawn again with the weights it then has, not those it drew it with
-    (docs/sharing.md, "Faults")."""
-
-
 class MixWindowWarning(UserWarning):
     """A Loader's mix is drawn on each worker, not where the streams meet: with several
     workers its weights hold in every window only while each worker has splits of every

@@ -33,7 +33,7 @@ from zloader.client.arguments import Arguments, checked
 from zloader.client.draw import Inputs, MixOrder, Order, Regroup
 from zloader.client.shipment import check_exposure, pack
 from zloader.embedded import Embedded
-from zloader.errors import MixWindowWarning, SharedWeightsWarning, WorkerExited
+from zloader.errors import MixWindowWarning, WorkerExited
 from zloader.handoff import Handoff
 from zloader.mixing import LiveWeights, new_weights, register_info
 from zloader.pipeline import Pipeline
@@ -386,13 +386,6 @@ class Loader:
         if self._closed:
             raise RuntimeError("this Loader is closed")
         self._set_weights(new_weights(self.pipeline.source, weights), time.time())
-        if self._options.shared:
-            warnings.warn(
-                "set_weights() on a shared job: a worker that dies later in this epoch has "
-                "what it made drawn again with the weights it then has, not those it drew "
-                "it with, so the trainers may get some of its elements twice and miss as "
-                "many (docs/sharing.md, 'Faults'); set weights between epochs where that "
-                "matters", SharedWeightsWarning, stacklevel=2)
 
     def _set_weights(self, weights: tuple[float, ...], stamp: float) -> None:
         self._weights, self._weights_stamp = weights, stamp

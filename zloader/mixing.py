@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import operator
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -33,14 +34,15 @@ from zloader._byfields import FrozenByFields
 from zloader._defaults import GROUP_KEY, MIX_DRAW_CHUNK, MIX_KEY
 from zloader._seeding import Key
 from zloader.runs import Context
+from zloader.sharing.handover import Switched
 from zloader.sources import Source, split_order
 
 if TYPE_CHECKING:
     from zloader.pipeline import Pipeline
 
-__all__ = ["MIX_KEY", "STOP_RULES", "Layout", "LiveWeights", "MixSource", "drawn",
+__all__ = ["MIX_KEY", "STOP_RULES", "Layout", "LiveWeights", "MixSource", "Switches", "drawn",
            "input_runs", "layout_of", "mixed_run", "mixed_source", "new_weights",
-           "register_info"]
+           "register_info", "weights_now"]
 
 _DRAWS = MIX_KEY - 1
 """The last element of the key of a mix's own draws."""
@@ -63,6 +65,49 @@ class LiveWeights:
         """Take ``weights`` unless weights set later are held already."""
         if stamp >= self.stamp:
             self.value, self.stamp = weights, stamp
+
+
+class Switches:
+    """Where a shared job's worker notes when its mix takes new weights, so that the
+    mix's elements can be made again exactly (zloader/sharing/handover.py: a place must
+    name the same element the second time): each pass's draws come from one seeded
+    generator, :data:`~zloader._defaults.MIX_DRAW_CHUNK` at a time, and new weights
+    start a new chunk; the same switches at the same draws make the same draws.
+
+    Recording (``replay`` False): each switch goes into ``log`` and to ``confirm``, which
+    returns once the broker has noted it (a worker that dies then is made again by
+    another, from what the broker holds): no element drawn with the new weights leaves
+    the worker before. Replaying: the weights come from ``log``, switched at the draws
+    they were switched at the first time, whatever the Loader's weights are now.
+    """
+
+    def __init__(self, log: Switched, replay: bool = False,
+                 confirm: Callable[[Key, int, tuple[float, ...]], None] | None = None) -> None:
+        self.log, self.replay, self.confirm = log, replay, confirm
+
+    def script(self, key: Key) -> Callable[[int], tuple[float, ...] | None] | None:
+        """For a replay, the weights in force after a count of draws of pass ``key``
+        (None: the mix's own); None when recording."""
+        if not self.replay:
+            return None
+        log = self.log
+
+        def at(count: int) -> tuple[float, ...] | None:
+            value = None
+            for start, weights in log.get(key, ()):
+                if start > count:
+                    break
+                value = weights
+            return value
+        return at
+
+    def took(self, key: Key, count: int, weights: tuple[float, ...]) -> None:
+        """Pass ``key`` draws with ``weights`` from its draw ``count`` on (recording)."""
+        if self.replay:
+            return
+        self.log.setdefault(key, []).append((count, weights))
+        if self.confirm is not None:
+            self.confirm(key, count, weights)
 
 
 def new_weights(source: Source, weights: Any) -> tuple[float, ...]:
@@ -257,7 +302,19 @@ def drawn(source: MixSource, opened: Callable[[], list[Iterator[Any]]], key: Key
         return _in_pattern(opened, source.pattern, source.stop, finish)
     return _by_weight(opened, np.asarray(source.weights, dtype=np.float64), source.stop,
                       lambda: ctx.rng(source.seed, 0, (*key, _DRAWS)),
-                      ctx.settings.mix_weights, finish)
+                      ctx.settings.mix_weights, finish, key, ctx.settings.mix_switches)
+
+
+def weights_now(source: MixSource, key: Key, ctx: Context) -> tuple[float, ...]:
+    """The weights pass ``key`` of mix ``source`` drew its last elements with."""
+    switches: Switches | None = ctx.settings.mix_switches
+    script = switches.script(key) if switches is not None else None
+    live = ctx.settings.mix_weights
+    latest = script(sys.maxsize) if script is not None else \
+        live.value if live is not None else None
+    if latest is not None and len(latest) == len(source.inputs) and sum(latest) > 0:
+        return latest
+    return source.weights
 
 
 def _end_early(streams: list[Iterator[Any]], key: Key, ctx: Context) -> None:
@@ -276,10 +333,13 @@ def _end_early(streams: list[Iterator[Any]], key: Key, ctx: Context) -> None:
 
 def _by_weight(opened: Callable[[], list[Iterator[Any]]], weights: np.ndarray, stop: str,
                seeded: Callable[[], np.random.Generator], settable: LiveWeights | None,
-               finish: Callable[[list[Iterator[Any]]], None]) -> Iterator[Any]:
+               finish: Callable[[list[Iterator[Any]]], None], key: Key = (),
+               switches: Switches | None = None) -> Iterator[Any]:
     """Draw an input by weight for each element, among those not exhausted; an input that
     ends ends the mix (``first_exhausted``) or leaves the draw (otherwise). ``settable``:
-    weights set while the mix runs (a worker's), which apply from the next element.
+    weights set while the mix runs (a worker's), which apply from the next element;
+    ``switches``: where a shared job's worker notes when it took them (pass ``key``), or
+    whence a replay takes them instead (:class:`Switches`).
 
     Draws come :data:`MIX_DRAW_CHUNK` at a time. Without ``settable`` (in this process),
     each input's elements for a chunk are read ahead at once (``islice``: no Python step
@@ -297,11 +357,20 @@ def _by_weight(opened: Callable[[], list[Iterator[Any]]], weights: np.ndarray, s
     failed: dict[int, BaseException] = {}  # raised by an input, after what it had read
     applied = None
     ahead: list[list[Any]] = [[] for _ in streams]  # read, not yet yielded, per input
+    count = 0  # draws yielded
+    script = switches.script(key) if switches is not None else None
+    scripted = None
+    if script is not None:  # (a replay: the draws read the weights the script says)
+        settable = scripted = LiveWeights()
     try:
         while True:
+            if scripted is not None and script is not None:
+                scripted.value = script(count)
             latest = settable.value if settable is not None else None
             if latest is not None and latest is not applied:
                 applied = latest
+                if switches is not None:
+                    switches.took(key, count, latest)
                 if len(latest) == len(streams) and sum(latest) > 0:
                     weights = np.asarray(latest, dtype=np.float64)
             live = [k for k in range(len(streams)) if weights[k] > 0 and k not in ended]
@@ -333,11 +402,14 @@ def _by_weight(opened: Callable[[], list[Iterator[Any]]], weights: np.ndarray, s
                             ended.add(which)  # the rest are drawn again, among those left
                             break
                     yield element
+                    count += 1
+                    if scripted is not None and script is not None:
+                        scripted.value = script(count)
                     if settable is not None and settable.value is not applied:
                         break  # new weights: draw the rest with them
             finally:
-                for k, count in enumerate(taken):
-                    del ahead[k][:count]
+                for k, used in enumerate(taken):
+                    del ahead[k][:used]
     finally:
         for k, rest in enumerate(ahead):
             if rest:

@@ -33,7 +33,7 @@ from zloader.cache import CachedSource, cached
 from zloader.chunks import Chunk
 from zloader.groups import announce
 from zloader.lineage import Assigned, read_split, read_split_chunks
-from zloader.mixing import MixSource, drawn, input_of, input_runs, mixed_run
+from zloader.mixing import MixSource, drawn, input_of, input_runs, mixed_run, weights_now
 from zloader.options import JobOptions
 from zloader.pipeline import Pipeline
 from zloader.runs import Context
@@ -245,9 +245,7 @@ class Plan(FrozenByFields):
                 def streams() -> list[Iterator[Any]]:
                     return opened()[at:at + count]
             yield from drawn(mix, streams, key, ctx)
-            live = ctx.settings.mix_weights
-            weights = live.value if live is not None and live.value is not None \
-                else mix.weights
+            weights = weights_now(mix, key, ctx)
             if mix.stop == "all_exhausted" and min(weights) > 0 and last:
                 yield from rest()  # (every pass's: after the last pass's draws)
 

@@ -46,6 +46,8 @@ class RunSettings(FrozenByFields):
             workers the epoch's sampled batches); None for plain pipelines.
         mix_weights: a worker's :class:`~zloader.mixing.LiveWeights`: a mix's weights as
             its consumer last set them (None: the mix's own).
+        mix_switches: a shared job's worker's :class:`~zloader.mixing.Switches`: where
+            it notes when its mix took new weights, or whence a replay takes them.
         dispatched: on a worker, what returns the next work item its consumer dispatched
             (``Loader.dispatch``; waits for one; None once none will follow), for a
             source whose ``dispatched`` is True; None in-process. Called with a count
@@ -60,6 +62,7 @@ class RunSettings(FrozenByFields):
     round_size: int = 1
     epoch_input: Any = None
     mix_weights: Any = None
+    mix_switches: Any = None
     dispatched: Callable[..., Any] | None = None
 
 

@@ -36,7 +36,7 @@ from zloader.transport.fields import (
     text,
 )
 from zloader.transport.protocol import ProtocolError
-from zloader.transport.shapes import mix_inputs
+from zloader.transport.shapes import MIX_WEIGHTS, mix_inputs, weight_switch
 
 __all__ = [
     "KINDS",
@@ -48,6 +48,7 @@ __all__ = [
     "JobEnded",
     "JobFailed",
     "JobResumed",
+    "MixWeighed",
     "OrphanAdopted",
     "Orphaned",
     "PassKept",
@@ -244,12 +245,17 @@ class Orphaned(Event):
     died: bool = fld(boolean)
     order: list[Any] = fld(array)  # [[pass, [split, ...]], ...]
     answers: dict[str, Any] = fld(obj)  # consumer -> its DELIVERED.shared
+    # when its mix took new weights: [[pass, draws, weights], ...] (handover.py)
+    switches: tuple[Any, ...] = fld(list_of(weight_switch), (), omit=True)
 
     @classmethod
     def of(cls, job: Job, token: str, fence: Fence) -> Orphaned:
         return cls(job=job.id, fence=token, worker=fence.worker, index=fence.index or 0,
                    died=fence.died, order=[[list(k), v] for k, v in fence.order.items()],
-                   answers=fence.answers)
+                   answers=fence.answers,
+                   switches=tuple([list(k), at, list(w)]
+                                  for k, switched in fence.switches.items()
+                                  for at, w in switched))
 
 
 @dataclass(eq=False, repr=False, kw_only=True)
@@ -292,6 +298,19 @@ class SplitHanded(Event):
     split: int = fld(INDEX)
     worker: str = fld(NAME)
     origin: PassKey | None = fld(optional(PASS_KEY), None, omit=True)
+
+
+@dataclass(eq=False, repr=False, kw_only=True)
+class MixWeighed(Event):
+    """A shared job's worker's mix draws a pass with new weights from a draw on (WEIGHED:
+    its elements are made again with them should it die)."""
+
+    KIND = "weighed"
+    job: str = fld(NAME)
+    worker: str = fld(NAME)
+    pass_: PassKey = fld(PASS_KEY, wire="pass")
+    at: int = fld(INDEX)
+    weights: tuple[float, ...] = fld(MIX_WEIGHTS)
 
 
 @dataclass(eq=False, repr=False, kw_only=True)
@@ -409,7 +428,7 @@ class WorkerLeft(Event):
 KINDS: dict[str, type[Event]] = {cls.KIND: cls for cls in (
     WorkerReady, JobCreated, BranchAdded, Orphaned, OrphanAdopted, RoundsSet, TaskGiven,
     SplitHanded, SplitRequeued, JobResumed, ConsumerLeft, PassRead, EpochStarted, PassKept,
-    JobFailed, JobEnded, WorkerGone, WorkerLeft)}
+    JobFailed, JobEnded, WorkerGone, WorkerLeft, MixWeighed)}
 """Each kind's record."""
 
 

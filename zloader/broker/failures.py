@@ -75,6 +75,7 @@ def leave(state: Tables, worker: Worker, job: Job, task: str, died: bool, now: f
         worker.task, worker.current, worker.idle_since = None, None, now
         worker.moving_to = None
     lost, order = _undelivered(job, worker, current, died, clean)
+    switches = job.handout.switches.pop(worker_id, {})
     event = (WorkerLeft(job=job.id, task=task, worker=worker_id, clean=clean) if stays
              else WorkerGone(worker=worker_id, died=died, clean=clean))
     grace = state.expiry * FENCE_GRACE
@@ -93,7 +94,7 @@ def leave(state: Tables, worker: Worker, job: Job, task: str, died: bool, now: f
         # slice's work would be done twice in every slice.)
         job.fences[secrets.token_hex(6)] = Fence(
             worker_id, task, died, lost, asked, now + grace, event=event, index=index,
-            order=order, taker=takers[0][1].id if takers else None)
+            order=order, taker=takers[0][1].id if takers else None, switches=switches)
         done = complete_fences(state, job)  # (at once when no trainer is to answer)
         return done or views.tell_consumers(state, job) + holds(state, job)
     return _left(state, worker, job, event, lost, requeue, clean)
@@ -225,7 +226,9 @@ def _made_again(job: Job, fence: Fence) -> list[dict[str, Any]]:
     for epoch in sorted({key[0] for key in fence.order}):
         segment = Segment(epoch, fence.index or 0,
                           {key: splits for key, splits in fence.order.items()
-                           if key[0] == epoch})
+                           if key[0] == epoch},
+                          switches={key: switched for key, switched in fence.switches.items()
+                                    if key[0] == epoch})
         for consumer, answer in fence.answers.items():
             if epoch < answer["epoch"] or (epoch == answer["epoch"] and answer["done"]):
                 segment.served.add(consumer)

@@ -31,6 +31,7 @@ from zloader.broker.events import (
     JobEnded,
     JobFailed,
     JobResumed,
+    MixWeighed,
     OrphanAdopted,
     Orphaned,
     PassKept,
@@ -48,6 +49,7 @@ from zloader.broker.journal import VERSION, Journal, branch_file
 from zloader.broker.records import FENCE_GRACE, Fence, Handout, Job, Out, Pass, Tables, Worker
 from zloader.broker.rounds import Rounds
 from zloader.mixing import layout_of
+from zloader.sharing.handover import Switched
 from zloader.sharing.prefix import Branches, Member
 from zloader.transport.messages import Error
 
@@ -218,9 +220,22 @@ def _orphan(replay: Replay, job: Job, event: Orphaned) -> str | None:
                  for key, splits in event.order}
     except (TypeError, ValueError):
         return "an orphaned fence whose splits are malformed"
+    switches: Switched = {}
+    for key, at, weights in event.switches:
+        switches.setdefault(tuple(key), []).append((at, tuple(weights)))
     job.orphans.append((event.fence, Fence(event.worker, None, event.died, [], set(), 0.0,
                                            index=event.index, order=order,
-                                           answers=dict(event.answers))))
+                                           answers=dict(event.answers), switches=switches)))
+    return None
+
+
+def _weighed(replay: Replay, job: Job, event: MixWeighed) -> str | None:
+    """A shared job's worker's mix took new weights (splits.weighed)."""
+    worker = replay.state.workers.get(event.worker)
+    if worker is None or worker.task is None or job.tasks.get(worker.task) != worker.id:
+        return "new weights of a worker without a task of its job"
+    if not splits.note(job, event.worker, event.pass_, event.at, event.weights):
+        return "new weights noted twice"
     return None
 
 
@@ -418,7 +433,8 @@ APPLY: dict[type[Event], Apply] = {
         (OrphanAdopted, _adopted), (RoundsSet, _rounds), (TaskGiven, _task),
         (SplitHanded, _split), (SplitRequeued, _requeue), (JobResumed, _resume),
         (ConsumerLeft, _consumer_left), (PassRead, _done), (EpochStarted, _epoch),
-        (PassKept, _pass), (JobFailed, _failed), (JobEnded, _end))},
+        (PassKept, _pass), (JobFailed, _failed), (JobEnded, _end),
+        (MixWeighed, _weighed))},
 }
 """Each journal event's record -> how a restarted broker replays it into the tables, or
 why it does not fit them."""
@@ -445,6 +461,9 @@ def snapshot(state: Tables) -> list[Event]:
                                     index=job.indices[task]))
         for key, dispenser in job.handout.passes.items():
             events.append(PassKept.of(job, key, dispenser))
+        events += [MixWeighed(job=job.id, worker=worker, pass_=key, at=at, weights=w)
+                   for worker, switched in job.handout.switches.items()
+                   for key, noted in switched.items() for at, w in noted]
         if job.error is not None:
             events.append(JobFailed(job=job.id, error=job.error))
     return events

@@ -61,11 +61,11 @@ __all__ = ["READS", "VERSION", "Journal", "JournalVersionError", "WorkDirError",
 
 log = logging.getLogger("zloader.broker")
 
-VERSION = 6
+VERSION = 7
 """The schema of the events (zloader/broker/events.py) and of the lines that hold them;
 bump it when an event or a line changes shape or meaning."""
 
-READS = (2, 3, 4, 5, VERSION)
+READS = (2, 3, 4, 5, 6, VERSION)
 """The versions a broker restores (an older one is rewritten as :data:`VERSION`)."""
 
 _STAMP = re.compile(rb',"n":(0|[1-9][0-9]{0,18}),"c":"([0-9a-f]{8})"\}')

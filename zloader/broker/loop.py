@@ -83,6 +83,7 @@ HANDLERS: dict[Command, Handler] = {
     Command.HEARTBEAT: _heartbeat,
     Command.SPLIT_REQ: State.split_request,
     Command.PASS_DONE: State.pass_done,
+    Command.WEIGHED: State.weighed,
     Command.TASK_FAILED: State.task_failed,
     Command.BYE: _bye,
     Command.EPOCH: State.epoch_started,

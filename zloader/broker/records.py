@@ -32,6 +32,7 @@ from zloader.broker.rounds import Rounds
 from zloader.forward import BURST, RATE, Bucket
 from zloader.mixing import Layout
 from zloader.options import JobOptions
+from zloader.sharing.handover import Switched
 from zloader.sharing.prefix import Branches
 from zloader.transport.fields import Record
 from zloader.transport.protocol import Command
@@ -170,6 +171,7 @@ class Fence(ByFields):
     order: dict[PassKey, list[int]] = field(default_factory=dict)
     answers: dict[str, dict[str, Any]] = field(default_factory=dict)
     taker: str | None = None  # the worker meant to make them again
+    switches: Switched = field(default_factory=dict)  # when its mix took new weights
 
 
 @dataclass(eq=False, repr=False, slots=True)
@@ -191,6 +193,9 @@ class Handout(ByFields):
     # epoch (a Ledger each, the last two epochs): not read again for the others when a
     # worker's splits are (failures.complete_fences)
     left: dict[int, Any] = field(default_factory=dict)
+    # A shared job's: when each worker's mix took new weights, per pass (WEIGHED), to
+    # make a dead worker's elements again with them (zloader/mixing.py ``Switches``)
+    switches: dict[str, Switched] = field(default_factory=dict)
 
 
 @dataclass(eq=False, repr=False, slots=True)

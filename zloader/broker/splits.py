@@ -10,12 +10,12 @@ import dataclasses
 from collections import deque
 from typing import Any
 
-from zloader.broker.events import PassRead, SplitHanded, SplitRequeued
+from zloader.broker.events import MixWeighed, PassRead, SplitHanded, SplitRequeued
 from zloader.broker.records import Job, Out, Pass, PassKey, Tables, Worker
 from zloader.lineage import pack
 from zloader.mixing import input_of
 from zloader.sources import split_order
-from zloader.transport.messages import PassDone, Release, Split, SplitReq
+from zloader.transport.messages import PassDone, Release, Split, SplitReq, Weighed
 
 __all__ = ["dispenser", "epochs_of", "held_by", "holds", "mark_read", "origin_at",
            "pass_done", "pending", "read_splits", "readers", "requeue", "skip", "split_range",
@@ -202,6 +202,34 @@ def _prune(job: Job, epoch: int) -> None:
         del job.handout.passes[key]
     for old in [e for e in job.handout.requeues if e < epoch - 1]:
         del job.handout.requeues[old]
+    for switched in job.handout.switches.values():
+        for key in [k for k in switched if k[0] < epoch - 1]:
+            del switched[key]
+
+
+def weighed(state: Tables, identity: bytes, msg: Weighed, now: float) -> list[Out]:
+    """WEIGHED: a shared job's worker's mix draws a pass with new weights from a draw on.
+    Noted (should the worker die, its elements are made again with them:
+    failures.leave), journaled and echoed: the worker draws nothing with them before."""
+    worker = state.worker_at(identity)
+    job = state.job_of(msg.task)
+    if worker is None or job is None or job.tasks.get(msg.task) != worker.id:
+        return []  # (a task that is over; a worker not registered asks again once it is)
+    if note(job, worker.id, msg.pass_, msg.at, msg.weights):
+        state.record(MixWeighed(job=job.id, worker=worker.id, pass_=msg.pass_, at=msg.at,
+                                weights=msg.weights))
+    return [Out(identity, msg)]
+
+
+def note(job: Job, worker_id: str, key: PassKey, at: int,
+         weights: tuple[float, ...] | list[float]) -> bool:
+    """Note that ``worker_id``'s pass ``key`` draws with ``weights`` from draw ``at`` on;
+    False if it was noted already (a WEIGHED sent again after a reconnect)."""
+    switched = job.handout.switches.setdefault(worker_id, {}).setdefault(key, [])
+    if any(start == at for start, _ in switched):
+        return False
+    switched.append((at, tuple(weights)))
+    return True
 
 
 def pass_done(state: Tables, identity: bytes, msg: PassDone, now: float) -> list[Out]:

@@ -50,6 +50,7 @@ from zloader.transport.messages import (
     RoundReq,
     SplitReq,
     TaskFailed,
+    Weighed,
 )
 
 __all__ = ["FENCE_GRACE", "KILLS_TO_FAIL", "Out", "State"]
@@ -115,6 +116,9 @@ class State(Tables):
 
     def pass_done(self, identity: bytes, msg: PassDone, now: float) -> list[Out]:
         return splits.pass_done(self, identity, msg, now)
+
+    def weighed(self, identity: bytes, msg: Weighed, now: float) -> list[Out]:
+        return splits.weighed(self, identity, msg, now)
 
     # --- failures and fences (failures.py) ------------------------------------------------
 

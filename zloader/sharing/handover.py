@@ -19,7 +19,11 @@ worker that adopts the segment makes it again for each trainer leaving out what 
 (its ``had``: the elements' places, which each record of a shared job names,
 ``DATA.first``): the same splits, in the same order, with the same seeds, make the same
 elements in the same order, so a place names the same element. A trainer that joined the
-epoch late on the dead worker had the middle of what it made, not its start.
+epoch late on the dead worker had the middle of what it made, not its start. A mix the
+workers draw by weight draws the same elements only with the same weights: a segment
+carries when its worker's mix took new weights (``Loader.set_weights``), which the
+broker notes before any element drawn with them leaves the worker (zloader/mixing.py
+``Switches``), and its replay switches at the same draws.
 
 This module holds no sockets: the segments and their wire form.
 """
@@ -32,9 +36,13 @@ from typing import Any
 
 from zloader._defaults import HANDOVER_SERVED, HANDOVER_SPLITS
 
-__all__ = ["Had", "Segment", "from_wire", "to_wire"]
+__all__ = ["Had", "Segment", "Switched", "from_wire", "to_wire"]
 
 Key = tuple[int, ...]
+
+Switched = dict[Key, list[tuple[int, tuple[float, ...]]]]
+"""When a worker's mix took new weights, per pass key: ``(draws before, weights)``, in
+order (the first at 0 when it started with weights set on a Loader)."""
 
 Had = int | list[list[int]]
 """What a trainer had of what a worker made in an epoch: the first that many elements, or
@@ -55,6 +63,8 @@ class Segment:
             (:data:`Had`).
         fence: the dead worker's fence it was adopted under (a trainer it is made again
             for names it in its END; not on the wire).
+        switches: per pass of a mix drawn by weight, when it took new weights
+            (:data:`Switched`).
     """
 
     epoch: int
@@ -63,6 +73,7 @@ class Segment:
     served: set[str] = field(default_factory=set)
     had: dict[str, Had] = field(default_factory=dict)
     fence: str | None = None
+    switches: Switched = field(default_factory=dict)
 
 
 def to_wire(segments: Iterable[Segment]) -> list[dict[str, Any]]:
@@ -72,12 +83,16 @@ def to_wire(segments: Iterable[Segment]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for n, segment in enumerate(segments):
         served = sorted(segment.served)[:HANDOVER_SERVED]
+        switches = [[list(key), at, list(weights)] for key, switched
+                    in segment.switches.items() for at, weights in switched]
         for key, splits in segment.splits.items():
             for start in range(0, max(1, len(splits)), HANDOVER_SPLITS):
                 out.append({"n": n, "epoch": segment.epoch, "index": segment.index,
                             "pass": list(key),
                             "splits": splits[start:start + HANDOVER_SPLITS],
-                            "served": served, "had": segment.had, "last": False})
+                            "served": served, "had": segment.had, "switches": switches,
+                            "last": False})
+                switches = []  # (the segment's first entry carries them)
     return out
 
 
@@ -90,4 +105,6 @@ def from_wire(entries: Iterable[dict[str, Any]]) -> list[Segment]:
             segment = segments[entry["n"]] = Segment(
                 entry["epoch"], entry["index"], {}, set(entry["served"]), dict(entry["had"]))
         segment.splits.setdefault(tuple(entry["pass"]), []).extend(entry["splits"])
+        for key, at, weights in entry["switches"]:
+            segment.switches.setdefault(tuple(key), []).append((at, tuple(weights)))
     return list(segments.values())

@@ -85,48 +85,11 @@ from zloader.transport.shapes import (
     stuck_report,
 )
 
-__all__ = [
-    "RECORDS",
-    "Ack",
-    "Branch",
-    "Bye",
-    "Close",
-    "Commit",
-    "ConsumerGone",
-    "Credit",
-    "Data",
-    "Delivered",
-    "Dispatch",
-    "End",
-    "Epoch",
-    "Error",
-    "Fail",
-    "Fetch",
-    "Handover",
-    "Heartbeat",
-    "Job",
-    "Log",
-    "Open",
-    "PassDone",
-    "Ready",
-    "Received",
-    "Record",
-    "Register",
-    "Release",
-    "Ring",
-    "Round",
-    "RoundReq",
-    "Source",
-    "Split",
-    "SplitReq",
-    "Status",
-    "Task",
-    "TaskFailed",
-    "Unknown",
-    "Weights",
-    "decode",
-    "encode",
-]
+__all__ = ["RECORDS", "Ack", "Branch", "Bye", "Close", "Commit", "ConsumerGone", "Credit", "Data",
+           "Delivered", "Dispatch", "End", "Epoch", "Error", "Fail", "Fetch", "Handover",
+           "Heartbeat", "Job", "Log", "Open", "PassDone", "Ready", "Received", "Record",
+           "Register", "Release", "Ring", "Round", "RoundReq", "Source", "Split", "SplitReq",
+           "Status", "Task", "TaskFailed", "Unknown", "Weighed", "Weights", "decode", "encode"]
 
 # --- records ------------------------------------------------------------------------------
 
@@ -224,6 +187,19 @@ class PassDone(Record):
     COMMAND = Command.PASS_DONE
     task: str = fld(NAME)
     pass_: tuple[int, ...] = fld(PASS_KEY, wire="pass")
+
+
+@dataclass(kw_only=True, eq=False, repr=False)
+class Weighed(Record):
+    """WEIGHED (worker): a shared job's mix draws pass ``pass`` with ``weights`` from its
+    draw number ``at`` on (zloader/mixing.py ``Switches``); the broker sends it back once
+    noted, and the worker draws nothing with them before."""
+
+    COMMAND = Command.WEIGHED
+    task: str = fld(NAME)
+    pass_: tuple[int, ...] = fld(PASS_KEY, wire="pass")
+    at: int = fld(INDEX)
+    weights: tuple[float, ...] = fld(MIX_WEIGHTS)
 
 
 @dataclass(kw_only=True, eq=False, repr=False)
@@ -761,7 +737,7 @@ class Source(Record):
 
 RECORDS: dict[Command, type[Record]] = {
     cls.COMMAND: cls for cls in (
-        Ready, Ack, Task, TaskFailed, SplitReq, Split, PassDone, Release, Handover,
+        Ready, Ack, Task, TaskFailed, SplitReq, Split, PassDone, Weighed, Release, Handover,
         Branch, ConsumerGone,
         RoundReq, Round, Register, Job, Epoch, Received, Commit, Delivered, Log, Bye,
         Heartbeat, Status, Unknown, Error, Open, Credit, Weights, Dispatch, Data, End, Fail,

@@ -25,7 +25,7 @@ from zloader.errors import ZloaderError
 __all__ = ["PACKED", "VERSION", "Command", "Message", "ProtocolError", "VersionMismatch", "decode",
            "encode"]
 
-VERSION = (f"ZLP/10 py/{sys.version_info[0]}.{sys.version_info[1]} "
+VERSION = (f"ZLP/11 py/{sys.version_info[0]}.{sys.version_info[1]} "
            f"cp/{cloudpickle.__version__}").encode("ascii")
 """The version frame: protocol version, Python minor version, cloudpickle version."""
 
@@ -73,6 +73,7 @@ class Command(enum.IntEnum):
     DELIVERED = 44     # consumer -> broker: what I hold of a dead worker's splits
     HANDOVER = 45      # broker -> worker: a moved worker's splits of a shared job, to make again
     BRANCH = 46        # broker -> worker: a shared job's trainers of another pipeline (payload)
+    WEIGHED = 47       # worker <-> broker: a shared job's mix took new weights (echoed: noted)
     LOG = 50           # worker -> broker -> consumer: what user code printed or logged
 
 

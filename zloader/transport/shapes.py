@@ -229,14 +229,23 @@ def had_counts(value: Any) -> dict[str, Any]:
     return value
 
 
+def weight_switch(value: Any) -> list[Any]:
+    """``[pass, draws, weights]``: a shared job's mix drew pass ``pass`` with ``weights``
+    from its draw number ``draws`` on (zloader/mixing.py ``Switches``)."""
+    if not (isinstance(value, list) and len(value) == 3 and is_int(value[1])
+            and value[1] >= 0):
+        raise Wrong("must be [pass, draws, weights]")
+    return [list(PASS_KEY(value[0])), value[1], list(MIX_WEIGHTS(value[2]))]
+
+
 _SEGMENT_FIELDS = {"n": INDEX, "epoch": INDEX, "index": INDEX, "pass": PASS_KEY,
                    "splits": list_of(INDEX), "served": list_of(NAME), "had": had_counts,
-                   "last": boolean}
+                   "switches": list_of(weight_switch), "last": boolean}
 
 
 def handover_entry(value: Any) -> dict[str, Any]:
     """An entry of ``HEARTBEAT.handover`` and ``HANDOVER.segments``: ``{n, epoch, index,
-    pass, splits, served, had, last}`` (zloader/sharing/handover.py)."""
+    pass, splits, served, had, switches, last}`` (zloader/sharing/handover.py)."""
     if not isinstance(value, dict) or set(value) != set(_SEGMENT_FIELDS):
         raise Wrong(f"must be {{{', '.join(_SEGMENT_FIELDS)}}}")
     try:

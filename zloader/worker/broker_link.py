@@ -14,7 +14,7 @@ from zloader._defaults import BROKER_SEND_WAIT_SECONDS
 from zloader.errors import ZloaderError
 from zloader.lineage import Assigned, Group, unpack
 from zloader.transport.keys import Keys
-from zloader.transport.messages import Ready, Record, Split, SplitReq
+from zloader.transport.messages import Ready, Record, Split, SplitReq, Weighed
 from zloader.transport.protocol import ProtocolError, encode
 from zloader.transport.sockets import make_socket
 
@@ -55,6 +55,7 @@ class BrokerLink:
         # The split requests not yet answered in full, by pass: a producer making a
         # mix's inputs reads a pass of each at once, each with its request out.
         self.asking: dict[tuple[int, ...], SplitReq] = {}
+        self.weighing: list[Weighed] = []  # WEIGHEDs the broker has not echoed yet
         self.sock: zmq.Socket[Any] = self.connect()
 
     def connect(self) -> zmq.Socket[Any]:
@@ -136,13 +137,26 @@ class BrokerLink:
         else:
             del self.asking[key]
 
+    def weigh(self, weighed: Weighed) -> None:
+        """WEIGHED, remembered until the broker echoes it (:meth:`noted`): a producer
+        waits for that echo."""
+        self.weighing = [w for w in self.weighing if w.task == weighed.task] + [weighed]
+        self.send(weighed)
+
+    def noted(self, echo: Weighed) -> None:
+        self.weighing = [w for w in self.weighing
+                         if (w.task, w.pass_, w.at) != (echo.task, echo.pass_, echo.at)]
+
     def ask_again(self, task: str) -> None:
-        """The split requests of ``task`` whose answers may be lost (a new connection, a
-        restarted broker): ask again; ``have`` makes the broker send the same split if it
-        had handed one out."""
-        for asking in list(self.asking.values()):
+        """The split requests and WEIGHEDs of ``task`` whose answers may be lost (a new
+        connection, a restarted broker): send them again; ``have`` makes the broker send
+        the same split if it had handed one out (and it notes a WEIGHED once)."""
+        for asking in self.asking.values():
             if asking.task == task:
                 self.send(asking)
+        for weighed in self.weighing:
+            if weighed.task == task:
+                self.send(weighed)
 
     def heard(self) -> None:
         """The broker said something."""

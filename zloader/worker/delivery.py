@@ -186,10 +186,11 @@ class Delivery(abc.ABC):
 
     # --- production -----------------------------------------------------------------------
 
-    def new_epoch(self, epoch: int) -> dict[tuple[int, ...], list[int]] | None:
-        """Before the task's producer of ``epoch`` starts: the record of the splits it
-        should keep (see :class:`~zloader.worker.producer.Producer`), or None."""
-        return None
+    def new_epoch(self, epoch: int) -> dict[str, Any]:
+        """Before the task's producer of ``epoch`` starts: what it should record, as
+        options of :class:`~zloader.worker.producer.Producer` (``splits``, ``switches``;
+        none: nothing)."""
+        return {}
 
     def permit(self) -> None:
         """Let the producers make as many records as the consumers can take now (modes

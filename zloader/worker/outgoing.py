@@ -8,9 +8,10 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from zloader import codec
 from zloader._byfields import ByFields, FrozenByFields
 
-__all__ = ["EndOut", "Head", "Outgoing"]
+__all__ = ["EndOut", "Head", "Outgoing", "weigh"]
 
 
 @dataclass(eq=False, repr=False, slots=True)
@@ -72,3 +73,31 @@ class Outgoing:
         """The buffers were copied out, or dropped: the producer may go on."""
         if self.taken is not None:
             self.taken.set()
+
+
+def weigh(element: Any, depth: int = 0) -> tuple[int, bool]:
+    """About how many bytes ``element`` holds, and whether it holds a ``codec.Stacked``
+    (whose rows user code may overwrite next: its record is sent at once)."""
+    if type(element) is codec.Stacked:
+        return element.nbytes, True
+    try:
+        nbytes = getattr(element, "nbytes", None)
+    except Exception:  # (a sparse tensor's nbytes raises: weighed as its parts below)
+        nbytes = None
+    if isinstance(nbytes, int):
+        return nbytes, False
+    if isinstance(element, (bytes, str)):
+        return len(element), False
+    # Every level of a structure (few items) is looked at; long sequences only near the top.
+    values: Any = ()
+    if isinstance(element, dict):
+        values = element.values()
+    elif isinstance(element, (list, tuple)):
+        values = element
+    if not values or depth >= codec.MAX_DEPTH or (depth >= 3 and len(values) > 16):
+        return 8, False
+    total, gathered = 0, False
+    for value in values:
+        size, stacked = weigh(value, depth + 1)
+        total, gathered = total + size, gathered or stacked
+    return total, gathered

@@ -436,6 +436,9 @@ class WorkerProcess:
         elif isinstance(record, messages.Split):
             if task is not None:
                 task.split(record)
+        elif isinstance(record, messages.Weighed):
+            if task is not None:
+                task.weighed(record)
         elif isinstance(record, messages.Release):
             if record.drain and task is not None and record.task == task.id:
                 task.drain()  # the pool moves this worker: finish, then say so

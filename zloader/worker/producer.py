@@ -8,7 +8,9 @@ serialized between two threads of one process. ``SPLIT_REQ {pass, have}`` asks f
 next split of a pass, having received ``have`` of them so far (the answer comes back the
 same way: a :class:`SplitAnswer` in :attr:`Producer.inbox`, with the split as an exactly-once
 job reads it, see zloader/lineage/, and a frame on the pair to wake the producer),
-``PASS_DONE pass`` says a pass is finished,
+``PASS_DONE pass`` says a pass is finished, ``WEIGHED {pass, at, weights}`` that a shared
+job's mix takes new weights (the producer waits for the broker's echo, a :class:`Noted` in
+the inbox, before it draws with them: zloader/mixing.py ``Switches``),
 ``RECORD`` is one record (an :class:`Outgoing`: its :class:`Head` and its codec buffers,
 the last one its origin block for an exactly-once job), ``END`` (an :class:`EndOut`) ends
 the epoch (``origins``: the block of what no record carried), ``FAIL body`` reports an
@@ -59,15 +61,16 @@ from zloader._defaults import (
 )
 from zloader.errors import CodecError, PipelineError
 from zloader.lineage import Assigned
-from zloader.mixing import LiveWeights
+from zloader.mixing import LiveWeights, Switches
 from zloader.runs import Context, Coverage, RunSettings
 from zloader.sharing.branches import Branch, Tree
+from zloader.sharing.handover import Switched
 from zloader.transport.protocol import error_object
 from zloader.transport.sockets import NOBLOCK, make_socket
 from zloader.worker.dispatched import Dispatched
-from zloader.worker.outgoing import EndOut, Head, Outgoing
+from zloader.worker.outgoing import EndOut, Head, Outgoing, weigh
 from zloader.worker.permits import PartPool, Permits, Pool
-from zloader.worker.spec import LinkKind, ProducerSpec, SplitAnswer
+from zloader.worker.spec import LinkKind, Noted, ProducerSpec, SplitAnswer
 
 __all__ = ["RECORD_BYTES", "RECORD_ELEMENTS", "RECORD_LINGER", "STAGES", "Hand", "LinkKind",
            "Producer", "ProducerSpec", "SplitAnswer"]
@@ -109,6 +112,9 @@ class Producer(threading.Thread):
         epoch_input: what the consumer passed for this epoch (its OPEN's payload), if any.
         splits: the splits read, per pass, for a job that must be able to make its
             elements again (shared jobs: recorded here, in order); None: not recorded.
+        switches: with ``splits``, when a mix drawn by weight took new weights, per pass
+            (recorded here, the broker told before the draws use them; a replay takes
+            them from there).
         replay: make the first ``replay`` elements of the epoch again, reading the splits
             recorded in ``splits`` (a shared job's late trainer); None: produce afresh.
         skip: of those, leave out the first ``skip``, or those at these places
@@ -131,6 +137,7 @@ class Producer(threading.Thread):
                  weights: LiveWeights | None = None,
                  dispatched: Dispatched | None = None,
                  splits: dict[tuple[int, ...], list[int]] | None = None,
+                 switches: Switched | None = None,
                  replay: int | None = None,
                  skip: int | list[list[int]] = 0,
                  timing: dict[str, float] | None = None,
@@ -146,41 +153,36 @@ class Producer(threading.Thread):
         self.sending = threading.Lock()
         self.pool: Pool | PartPool = pool
         self.permits = permits  # per mix input, when the consumers draw the mix
-        self.draining = draining
-        self.epoch_input = epoch_input
-        self.weights = weights
+        self.draining, self.epoch_input, self.weights = draining, epoch_input, weights
         self._part_weights: tuple[Any, list[float]] | None = None  # (_weights_of's)
         self.dispatched = dispatched
         self.link: Any = None  # the socket thread's end of the pair
         self.outbox: deque[tuple[LinkKind, Any]] = deque()  # one per frame sent, in order
         self.replay, self.skip = replay, skip
-        self.splits = splits
+        self.splits, self.switches = splits, switches
+        self._noted: set[Noted] = set()  # the broker's echoes of WEIGHED not yet taken
         # Where the time goes (seconds, cumulative over the worker's producers): running
         # the pipeline, waiting for the broker's splits, encoding records, and blocked
         # for want of credits (the consumers are slower). Counted per record, not element.
-        self.timing: dict[str, float] = timing if timing is not None else dict.fromkeys(
-            STAGES, 0.0)
-        self._mark = 0.0  # when the time up to now was last accounted for
-        self._split_wait = 0.0  # waiting for splits since then
-        # What it is doing now, for the worker's heartbeat: the stage (one of STAGES) and
-        # the split it last started reading (None before the first); read by the socket
-        # thread without a lock (two plain attribute reads).
+        self.timing = timing if timing is not None else dict.fromkeys(STAGES, 0.0)
+        self._mark, self._split_wait = 0.0, 0.0  # time accounted up to; split waits since
+        # What it does now, for the heartbeat (read by the socket thread without a lock):
+        # the stage (one of STAGES) and the split it last started (None before the first).
         self.stage = "pipeline"
         self.split: int | None = None
         self._permit = False  # a permit taken from the pool for the next record
         # The broker's answers about passes read at the same time (a mix's inputs), kept
         # for the pass's reader until it takes them: pass key -> answers, in order.
         self._answers: dict[tuple[int, ...], deque[SplitAnswer]] = {}
-        self.inbox: deque[SplitAnswer] = deque()  # the main thread's answers, in order
+        self.inbox: deque[SplitAnswer | Noted] = deque()  # the main thread's, in order
         self.coverage: Coverage | None = None  # a dynamically sharded run's (stages.py)
         self.hand: Hand | None = None  # set by the worker: deliver records on this thread
         # A shared job's branches to add to the epoch's run (:meth:`attach`), and those
         # added (all of their epoch made here) or refused (the trunk's history is gone).
         self.attaching: deque[Branch] = deque()
-        self.attached: set[int] = set()
-        self.refused: set[int] = set()
+        self.attached, self.refused = set[int](), set[int]()
 
-    def answer(self, *answers: SplitAnswer) -> None:
+    def answer(self, *answers: SplitAnswer | Noted) -> None:
         """Hand this producer the broker's answers (the worker's main thread calls it):
         they go into :attr:`inbox` at once, and a frame on the pair wakes the producer."""
         self.inbox.extend(answers)
@@ -253,6 +255,9 @@ class Producer(threading.Thread):
             entropy=spec.entropy, worker=spec.index, workers=spec.width,
             skip_errors=spec.skip_errors, track=spec.track, round_size=spec.round_size,
             epoch_input=self.epoch_input, mix_weights=self.weights,
+            mix_switches=None if self.switches is None else Switches(
+                self.switches, self.replay is not None,
+                functools.partial(self._weighed, pair)),
             dispatched=self._take_dispatched))
         if spec.sharding == "dynamic":  # handed some splits of each pass, not all
             ctx.coverage = self.coverage = Coverage(spec.plan.pipeline.source.splits_in,
@@ -285,7 +290,7 @@ class Producer(threading.Thread):
             batch.append(element)
             if not track:
                 places.append(ctx.at)
-            weight, gathered = _weigh(element[0] if track else element)  # its value
+            weight, gathered = weigh(element[0] if track else element)  # its value
             size += weight
             full = len(batch) >= limit or size >= RECORD_BYTES or gathered
             # A record is due at once when the elements come slowly, or once the first
@@ -328,7 +333,7 @@ class Producer(threading.Thread):
             batch, places, size, started = held.pop(which, ([], [], 0, time.monotonic()))
             batch.append(element)
             places.append(ctx.at)
-            weight, gathered = _weigh(element)
+            weight, gathered = weigh(element)
             size += weight
             element = None
             now = time.monotonic()
@@ -458,7 +463,7 @@ class Producer(threading.Thread):
             batch.append(element)
             if not track:
                 places.append(ctx.at)
-            weight, gathered = _weigh(element[0] if track else element)
+            weight, gathered = weigh(element[0] if track else element)
             size += weight
             element = None  # (held by the record, not here: see _produce)
             if len(batch) >= limit or size >= RECORD_BYTES or gathered \
@@ -498,7 +503,7 @@ class Producer(threading.Thread):
 
     def _send(self, pair: zmq.Socket[Any], batch: list[Any], places: list[Any],
               ctx: Context, size: int, part: int | None = None, branch: int = 0) -> None:
-        """Encode ``batch`` (about ``size`` bytes, as :func:`_weigh` finds; of mix input
+        """Encode ``batch`` (about ``size`` bytes, as :func:`weigh` finds; of mix input
         ``part``, when the consumers draw the mix; of a shared job's ``branch``) and hand
         its record to the socket thread once a permit allows."""
         clock = time.perf_counter
@@ -689,6 +694,28 @@ class Producer(threading.Thread):
         self._put(pair, LinkKind.SPLIT_REQ, {"pass": list(key), "have": have, "ahead": ahead})
         return 1 + ahead
 
+    def _weighed(self, pair: zmq.Socket[Any], key: tuple[int, ...], at: int,
+                 weights: tuple[float, ...]) -> None:
+        """Tell the broker that pass ``key`` of the mix draws with ``weights`` from its
+        draw ``at`` on, and wait until it has noted it (its echo): a worker that dies
+        after sending an element drawn with them is made again with them."""
+        self._put(pair, LinkKind.WEIGHED, {"pass": list(key), "at": at,
+                                           "weights": list(weights)})
+        noted = Noted(key, at)
+        while noted not in self._noted:
+            if self.stop.is_set():
+                raise _Stopped
+            if not self.inbox:
+                if pair.poll(100):
+                    pair.recv()  # (a wake-up: something is in the inbox)
+                continue
+            reply = self.inbox.popleft()
+            if isinstance(reply, Noted):
+                self._noted.add(reply)
+            elif reply.pass_key in self._answers:  # (a split for a pass read here)
+                self._answers[reply.pass_key].append(reply)
+        self._noted.discard(noted)
+
     def _answer(self, pair: zmq.Socket[Any], key: tuple[int, ...],
                 have: int) -> SplitAnswer | None:
         """The broker's answer to this producer's request (``have`` splits received):
@@ -715,7 +742,10 @@ class Producer(threading.Thread):
             waited = time.perf_counter() - asked
             self._split_wait += waited
             self.timing["splits"] += waited
-            reply = self.inbox.popleft()
+            got = self.inbox.popleft()
+            if isinstance(got, Noted):  # (an echo of a WEIGHED that was sent again)
+                continue
+            reply = got
             if reply.pass_key != key:
                 if reply.pass_key not in self._answers:
                     return None
@@ -743,31 +773,3 @@ def _kept(elements: Iterator[Any], skip: int | list[list[int]], limit: int
 
 class _Stopped(Exception):
     """The producer was asked to stop."""
-
-
-def _weigh(element: Any, depth: int = 0) -> tuple[int, bool]:
-    """About how many bytes ``element`` holds, and whether it holds a ``codec.Stacked``
-    (whose rows user code may overwrite next: its record is sent at once)."""
-    if type(element) is codec.Stacked:
-        return element.nbytes, True
-    try:
-        nbytes = getattr(element, "nbytes", None)
-    except Exception:  # (a sparse tensor's nbytes raises: weighed as its parts below)
-        nbytes = None
-    if isinstance(nbytes, int):
-        return nbytes, False
-    if isinstance(element, (bytes, str)):
-        return len(element), False
-    # Every level of a structure (few items) is looked at; long sequences only near the top.
-    values: Any = ()
-    if isinstance(element, dict):
-        values = element.values()
-    elif isinstance(element, (list, tuple)):
-        values = element
-    if not values or depth >= codec.MAX_DEPTH or (depth >= 3 and len(values) > 16):
-        return 8, False
-    total, gathered = 0, False
-    for value in values:
-        size, stacked = _weigh(value, depth + 1)
-        total, gathered = total + size, gathered or stacked
-    return total, gathered

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from zloader import codec
 from zloader.transport.messages import End, Open
@@ -186,10 +187,11 @@ class RoundsDelivery(Delivery):
 
     # --- production -----------------------------------------------------------------------
 
-    def new_epoch(self, epoch: int) -> None:
+    def new_epoch(self, epoch: int) -> dict[str, Any]:
         while self.pool.acquire(blocking=False):  # permits start afresh (see permit)
             pass
         self.outstanding = 0
+        return {}
 
     def permit(self) -> None:
         """Let the producer make as many records as the consumers have credits for rounds:

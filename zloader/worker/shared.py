@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zloader import codec
-from zloader.sharing.handover import Had, Segment, from_wire, to_wire
+from zloader.sharing.handover import Had, Segment, Switched, from_wire, to_wire
 from zloader.sharing.store import Stored, store
 from zloader.sharing.window import Entry, Window, WindowSettings
 from zloader.transport.messages import Data, End, Fail, Open
@@ -57,6 +57,7 @@ class Replay:
     segment: Segment | None = None
     skip: Had = 0
     branch: int = 0
+    switches: Switched | None = None  # when its mix took new weights (mixing.Switches)
 
 
 class SharedDelivery(Delivery):
@@ -69,6 +70,7 @@ class SharedDelivery(Delivery):
         # The splits read per epoch and pass, in order, to make a late joiner's missed
         # elements again, and the replays to run, one at a time.
         self.splits: dict[int, dict[tuple[int, ...], list[int]]] = {}
+        self.switches: dict[int, Switched] = {}  # and when its mix took new weights
         self.replays: deque[Replay] = deque()
         self.replayer: Producer | None = None
         self.replay: Replay | None = None  # the one running
@@ -117,7 +119,8 @@ class SharedDelivery(Delivery):
             if cursor.missed > had:
                 self.replays.append(Replay(stream.identity, epoch, cursor.missed,
                                            self.splits.setdefault(epoch, {}), skip=had,
-                                           branch=branch))
+                                           branch=branch,
+                                           switches=self.switches.setdefault(epoch, {})))
             for segment in self.adopted.get(epoch, ()):
                 if stream.consumer not in segment.served:
                     if segment.fence is not None:  # (its END names the dead one's fence)
@@ -351,12 +354,13 @@ class SharedDelivery(Delivery):
 
     # --- production -----------------------------------------------------------------------
 
-    def new_epoch(self, epoch: int) -> dict[tuple[int, ...], list[int]]:
+    def new_epoch(self, epoch: int) -> dict[str, Any]:
         while self.pool.acquire(blocking=False):  # permits start afresh (see permit)
             pass
         self.outstanding = 0
         for old in [e for e in self.splits if e < epoch - 2]:
             del self.splits[old]
+            self.switches.pop(old, None)
         for old in [e for e in self.adopted if e < epoch - 2]:
             del self.adopted[old]
         for old in [e for e in self.made if e < epoch - 2]:
@@ -366,12 +370,13 @@ class SharedDelivery(Delivery):
         made = self.made[epoch] = {0} | {c.branch for c in self.window.cursors.values()
                                          if c.branch in self.port.branches}
         splits = self.splits.setdefault(epoch, {})
+        switches = self.switches.setdefault(epoch, {})
         for cursor in self.window.cursors.values():  # (a branch whose pipeline is on its way)
             if cursor.epoch == epoch and cursor.branch not in made and not cursor.done:
                 cursor.missed = WHOLE  # (unless the producer adds it: see _attached)
                 self.replays.append(Replay(cursor.trainer, epoch, WHOLE, splits,
-                                           branch=cursor.branch))
-        return splits
+                                           branch=cursor.branch, switches=switches))
+        return {"splits": splits, "switches": switches}
 
     def start_side(self) -> None:
         """A late joiner waits for what it missed: make it again, if no replay runs."""
@@ -389,7 +394,8 @@ class SharedDelivery(Delivery):
             self.replay_outstanding = 0
             self.replayer = port.start_producer(
                 replay.epoch, Pool(), replay.index, branch=replay.branch,
-                splits=replay.splits, replay=replay.limit, skip=replay.skip)
+                splits=replay.splits, replay=replay.limit, skip=replay.skip,
+                switches=replay.switches if replay.switches is not None else {})
             self.permit()
             break
 
@@ -400,7 +406,8 @@ class SharedDelivery(Delivery):
         self.replays.append(Replay(stream.identity, segment.epoch, WHOLE, segment.splits,
                                    segment.index, segment,
                                    segment.had.get(stream.consumer, 0),
-                                   cursor.branch if cursor is not None else 0))
+                                   cursor.branch if cursor is not None else 0,
+                                   segment.switches))
 
     def _owes(self, trainer: bytes) -> bool:
         """Whether a replay for ``trainer`` runs or is still to run."""
@@ -460,9 +467,11 @@ class SharedDelivery(Delivery):
                     if identity in consumers
                     and (cursor.epoch > epoch or (cursor.epoch == epoch and cursor.done))}
 
-        own = [Segment(epoch, self.port.spec.index, passes, served(epoch))
+        own = [Segment(epoch, self.port.spec.index, passes, served(epoch),
+                       switches=self.switches.get(epoch, {}))
                for epoch, passes in sorted(self.splits.items()) if any(passes.values())]
-        adopted = [Segment(epoch, s.index, s.splits, s.served | served(epoch))
+        adopted = [Segment(epoch, s.index, s.splits, s.served | served(epoch),
+                           switches=s.switches)
                    for epoch, segments in sorted(self.adopted.items()) for s in segments]
         self.handed_on = True
         return to_wire(own + adopted)

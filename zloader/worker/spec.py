@@ -16,7 +16,7 @@ from zloader.options import JobOptions
 from zloader.plan import Plan
 from zloader.sharing.branches import Branch
 
-__all__ = ["LinkKind", "ProducerSpec", "SplitAnswer"]
+__all__ = ["LinkKind", "Noted", "ProducerSpec", "SplitAnswer"]
 
 
 class LinkKind(enum.Enum):
@@ -28,6 +28,7 @@ class LinkKind(enum.Enum):
     RECORD = b"R"     # an Outgoing: one record
     END = b"E"        # {epoch, skipped, dropped[, origins]}: the epoch is over here
     FAIL = b"F"       # {epoch, error}: user code failed
+    WEIGHED = b"W"    # {pass, at, weights}: a shared job's mix takes new weights (Weighed)
 
 
 class SplitAnswer(NamedTuple):
@@ -42,6 +43,14 @@ class SplitAnswer(NamedTuple):
     split: int | None
     have: int | None = None
     assigned: Assigned | None = None
+
+
+class Noted(NamedTuple):
+    """The broker noted a producer's ``WEIGHED`` (its echo, handed over as
+    :class:`SplitAnswer` is): pass ``pass_key`` draws with new weights from draw ``at``."""
+
+    pass_key: tuple[int, ...]
+    at: int
 
 
 @dataclass(eq=False, repr=False)

@@ -34,6 +34,7 @@ from zloader.worker.dispatched import Dispatched
 from zloader.worker.links import Links
 from zloader.worker.permits import Pool
 from zloader.worker.producer import LinkKind, Producer, ProducerSpec, SplitAnswer
+from zloader.worker.spec import Noted
 from zloader.worker.streams import Outlet, Stream, unlink_handoffs
 
 __all__ = ["Assignment", "Task", "keep_latest", "load_error"]
@@ -241,6 +242,9 @@ class Task:
                                               have=body["have"], ahead=body["ahead"]))
         elif kind is LinkKind.PASS_DONE:
             self.broker.send(messages.PassDone(task=self.id, pass_=tuple(body)))
+        elif kind is LinkKind.WEIGHED:
+            self.broker.weigh(messages.Weighed(task=self.id, pass_=tuple(body["pass"]),
+                                               at=body["at"], weights=tuple(body["weights"])))
         elif kind is LinkKind.RECORD:
             self.delivery.on_record(producer, body)
         elif kind is LinkKind.END:
@@ -267,6 +271,13 @@ class Task:
             answers += [SplitAnswer(key, split, place, Assigned(split, key) if track else None)
                         for place, split in enumerate(answered.then, answered.have + 1)]
         producer.answer(*answers)  # (together: one wake-up of the producer for all)
+
+    def weighed(self, noted: messages.Weighed) -> None:
+        """WEIGHED: the broker noted a producer's new weights: it may draw with them."""
+        self.broker.noted(noted)
+        producer = self.producer
+        if noted.task == self.id and producer is not None:
+            producer.answer(Noted(tuple(noted.pass_), noted.at))
 
     # --- epochs ---------------------------------------------------------------------------
 
@@ -328,8 +339,8 @@ class Task:
         if not wanted:
             return
         self.producing = wanted[0]
-        splits = self.delivery.new_epoch(wanted[0])
-        self.producer = self.start_producer(wanted[0], self.delivery.pool, splits=splits)
+        recording = self.delivery.new_epoch(wanted[0])
+        self.producer = self.start_producer(wanted[0], self.delivery.pool, **recording)
         self.delivery.permit()
 
     def add_branch(self, index: int, tap: int, plan: Plan, fingerprint: str) -> None:
