@@ -507,3 +507,47 @@ def test_a_persistent_worker_paused_for_a_few_seconds_does_not_stall_the_epoch(a
         if waking is not None:
             waking.join()  # the worker runs again before the loader stops it
         loader.close()
+
+
+PAUSED_TRAINER = """
+import json, time, torch, zloader.torch
+
+class Slow(torch.utils.data.Dataset):
+    def __len__(self):
+        return 3000
+
+    def __getitem__(self, i):
+        time.sleep(0.001)
+        return i
+
+loader = zloader.torch.DataLoader(Slow(), batch_size=8, num_workers=2, broker={address!r},
+                                  timeout=30, in_order={in_order})
+seen = []
+for i, batch in enumerate(loader):
+    seen += batch.tolist()
+    if i == 20:
+        print("reading", flush=True)
+print(json.dumps(seen), flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("in_order", [True, False])
+def test_a_trainer_stopped_past_its_expiry_on_a_broker_gets_each_batch_once(in_order):
+    """SIGSTOP a drop-in trainer on a broker longer than 3 heartbeats: the broker gives up
+    on it and its workers drop its streams, with the batches they held. On SIGCONT it
+    registers again and sends each worker the batches it had handed it and not received
+    (Loader.dispatch_done forgets those received), the workers drop what they still held
+    of them (OPEN.redispatched), and a batch made twice is yielded once. Before: both
+    orders timed out (the workers waited for batches never sent again)."""
+    from tests.service import HEARTBEAT, service
+    from tests.test_exactly_once import _paused
+
+    with service(workers=2) as (address, _):
+        out = _paused(PAUSED_TRAINER.format(address=address, in_order=in_order),
+                      4 * HEARTBEAT)
+    seen = json.loads(out)
+    if in_order:
+        assert seen == list(range(3000))
+    else:
+        assert sorted(seen) == list(range(3000))

@@ -418,6 +418,18 @@ class Loader:
             return
         self._io.dispatch(worker, tuple(_check.integer("items", i, 0) for i in items))
 
+    def dispatch_done(self, worker: int, count: int) -> None:
+        """The next ``count`` work items :meth:`dispatch` handed the worker of index
+        ``worker`` in the epoch under way are done (their elements came). Until then this
+        Loader keeps them: should that worker's stream of them be lost (the broker gave up
+        on this consumer while it was stopped, and it registered again; the worker of that
+        index replaced), the worker of that index gets them again, from the first not
+        done, with its epoch's OPEN."""
+        self._check_process()
+        if not self._closed:
+            self._io.dispatch_done(_check.integer("worker", worker, 0),
+                                   _check.integer("count", count, 0))
+
     # --- status and lifecycle -------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:

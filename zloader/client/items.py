@@ -113,5 +113,13 @@ class DispatchItems(NamedTuple):
     items: tuple[int, ...]
 
 
-Command = StartEpoch | GiveCredit | SetWeights | DispatchItems
+class DispatchDone(NamedTuple):
+    """The next ``items`` work items dispatched to the worker of index ``worker`` are
+    done (``Loader.dispatch_done``)."""
+
+    worker: int
+    items: int
+
+
+Command = StartEpoch | GiveCredit | SetWeights | DispatchItems | DispatchDone
 """What the iterating thread asks of the loop."""

@@ -26,6 +26,7 @@ from zloader._defaults import CHECK_SECONDS, NOTICE_HOLD_SECONDS
 from zloader.client.epoch_end import EpochEnd
 from zloader.client.items import (
     Command,
+    DispatchDone,
     DispatchItems,
     Failed,
     GiveCredit,
@@ -340,6 +341,8 @@ class ConsumerLoop:
             self._peers.reweigh_all(command.weights, command.stamp)
         elif isinstance(command, DispatchItems):
             self._peers.dispatch(command.worker, command.items, credits)
+        elif isinstance(command, DispatchDone):
+            self._peers.dispatch_done(command.worker, command.items)
 
     def _start(self, epoch: int, epoch_input: EpochInput) -> None:
         """Begin ``epoch``: tell the broker, open it on every worker."""

@@ -343,10 +343,15 @@ class Peers:
             body["had"] = session.got_from[peer.worker]
         if session.branch:
             body["branch"] = session.branch
+        log = session.dispatch_log.get(peer.index, ())
+        if peer.index in session.dispatch_sent:  # (its stream of them was lost)
+            body["redispatched"] = True
         self.send(peer, Command.OPEN, payload=session.epoch_input.frames(peer.index),
                   body=body)
-        for items in session.undispatched.pop(peer.index, ()):
+        for items in log:  # (those not done, in order: all of them at the epoch's start)
             self.send(peer, Command.DISPATCH, body={"epoch": session.epoch, "items": items})
+        if log:
+            session.dispatch_sent.add(peer.index)
 
     def peer_at(self, index: int) -> Peer | None:
         """The connected worker of task index ``index``, if any."""
@@ -354,9 +359,11 @@ class Peers:
 
     def dispatch(self, index: int, items: tuple[int, ...], credits: int = 0) -> None:
         """Work items of the epoch under way for the worker of ``index`` (none: it gets
-        no more), sent in messages of at most ``MAX_ITEMS``; kept for its OPEN while no
-        such worker is connected. ``credits``: records of its that were used, given back
-        with the items (the first message carries them, and any given back before)."""
+        no more), sent in messages of at most ``MAX_ITEMS``; kept until they are done
+        (:meth:`dispatch_done`): an OPEN sends those of its index (one not connected yet
+        gets them so; one opened again, after its stream of them was lost, again).
+        ``credits``: records of its that were used, given back with the items (the first
+        message carries them, and any given back before)."""
         session = self.session
         if session.epoch is None:
             return
@@ -364,15 +371,28 @@ class Peers:
         peer = self.peer_at(index)
         if peer is not None:
             peer.returned += credits
+        log = session.dispatch_log.setdefault(index, deque())
         for chunk in chunks or [[]]:
+            log.append(chunk)
             if peer is None:
-                session.undispatched.setdefault(index, []).append(chunk)
                 continue
+            session.dispatch_sent.add(index)
             body: dict[str, Any] = {"epoch": session.epoch, "items": chunk}
             if peer.returned:  # (with the first message)
                 self._granted(peer, peer.returned, None)
                 body["credits"], peer.returned = peer.returned, 0
             self.send(peer, Command.DISPATCH, body)
+
+    def dispatch_done(self, index: int, count: int) -> None:
+        """The next ``count`` work items dispatched to the worker of ``index`` in the
+        epoch under way are done: forgotten (an OPEN of that index does not send them)."""
+        log = self.session.dispatch_log.get(index)
+        while log and log[0] and count > 0:  # (an empty one ends them: kept)
+            if count >= len(log[0]):
+                count -= len(log.popleft())
+            else:
+                del log[0][:count]
+                count = 0
 
     def reweigh_all(self, weights: tuple[float, ...], stamp: float) -> None:
         """A mix's weights from now on (set at ``stamp``): every peer's later OPENs carry

@@ -3,6 +3,7 @@ Loader is made) and its :class:`Session` (the job and the epoch under way)."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,8 +111,11 @@ class Session(ByFields):
     # A shared job's branch this consumer reads (JOB.branch; its OPEN says so): 0 unless
     # its pipeline shares a prefix with the job's (zloader/sharing/branches.py)
     branch: int = 0
-    # Work items (Loader.dispatch) for worker indices not connected yet, sent with the OPEN
-    undispatched: dict[int, list[list[int]]] = field(default_factory=dict)
+    # Work items (Loader.dispatch) per worker index that were not done yet (Loader.
+    # dispatch_done), in order, sent or not (an index not connected yet gets them with its
+    # OPEN), and the indices some were sent to: opened again, the worker gets them again
+    dispatch_log: dict[int, deque[list[int]]] = field(default_factory=dict)
+    dispatch_sent: set[int] = field(default_factory=set)
 
     def got(self, worker: str, count: int, first: int | None) -> None:
         """``count`` elements came from ``worker`` this epoch (at place ``first`` of what it
@@ -148,4 +152,4 @@ class Session(ByFields):
         self.received = Ledger(made_here)
         self.got_from, self.awaiting, self.acked, self.broken = {}, {}, set(), set()
         self.got_places = {}
-        self.undispatched = {}
+        self.dispatch_log, self.dispatch_sent = {}, set()

@@ -21,7 +21,15 @@ import time
 from typing import Any
 
 from zloader._defaults import POLL_MS
-from zloader.client.items import DispatchItems, Failed, GiveCredit, Item, SetWeights, StartEpoch
+from zloader.client.items import (
+    DispatchDone,
+    DispatchItems,
+    Failed,
+    GiveCredit,
+    Item,
+    SetWeights,
+    StartEpoch,
+)
 from zloader.client.loop import ConsumerLoop
 from zloader.client.peers import Peer
 from zloader.client.session import EpochInput
@@ -62,6 +70,11 @@ class IOThread(threading.Thread):
     def dispatch(self, worker: int, items: tuple[int, ...]) -> None:
         """Work items for the worker of index ``worker`` (none: no more), sent at once."""
         self.loop.submit(DispatchItems(worker, items))
+
+    def dispatch_done(self, worker: int, count: int) -> None:
+        """The next ``count`` items dispatched to ``worker`` are done (no wake-up: the
+        loop forgets them at its next step)."""
+        self.loop.submit(DispatchDone(worker, count), wake=False)
 
     def credit(self, worker: str, credits: int = 1, part: int | None = None) -> None:
         """Give ``worker`` back the credits of ``credits`` records used. The loop is woken

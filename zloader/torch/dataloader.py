@@ -290,7 +290,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         ``next_batch`` gives (None: none, each worker makes its own). A failure closes the
         pass's ``own`` Loader and raises in torch's words where torch has them."""
         dispatcher = Dispatcher(loader.dispatch, next_batch, self.num_workers,
-                                self._prefetch, bool(self.in_order)) \
+                                self._prefetch, bool(self.in_order), loader.dispatch_done) \
             if next_batch is not None else None
         try:
             intake = Intake(loader.iterate(plans), progress, self.num_workers)

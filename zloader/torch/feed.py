@@ -167,12 +167,15 @@ class Dispatcher:
     batches outstanding, so a worker stuck on a slow batch gets no more while the others
     go on. ``send(worker, items)`` is ``Loader.dispatch``; once the sampler has ended,
     every worker is told that none follow. :attr:`sent` holds the numbers handed out and
-    not yet received, in order."""
+    not yet received, in order. ``done(worker, items)`` is ``Loader.dispatch_done``: a
+    batch received, its items are done (the Loader sends a worker those not done again
+    when its stream of them was lost; a batch made twice so is received once)."""
 
     def __init__(self, send: Callable[[int, Any], None],
                  next_batch: Callable[[], np.ndarray | None], workers: int, prefetch: int,
-                 in_order: bool) -> None:
-        self._send = send
+                 in_order: bool, done: Callable[[int, int], None] | None = None) -> None:
+        self._send, self._done = send, done
+        self._items: dict[int, int] = {}  # a number handed out -> how many items it took
         self._next = next_batch
         self._outstanding = [0] * workers
         self._turn = 0
@@ -186,15 +189,26 @@ class Dispatcher:
         for _ in range(self._prefetch * len(self._outstanding)):
             self._put()
 
-    def received(self, worker: int, number: int) -> None:
-        """Batch ``number`` of ``worker`` came (in order: was yielded): hand out the
-        next."""
+    def outstanding(self, number: int) -> bool:
+        """Whether batch ``number`` was handed out and not received yet."""
+        return number in self._items
+
+    def received(self, worker: int, number: int) -> bool:
+        """Batch ``number`` of ``worker`` came (in order: was yielded): its items are done,
+        hand out the next. False (and nothing done) for a batch received before: made
+        again after its items were sent again."""
+        items = self._items.pop(number, None)
+        if items is None:
+            return False
+        if self._done is not None:
+            self._done(worker, items)
         self._outstanding[worker] -= 1
         if self.sent and self.sent[0] == number:
             self.sent.popleft()
         else:
             self.sent.remove(number)
         self._put()
+        return True
 
     def _put(self) -> None:
         if self.ended:
@@ -220,6 +234,7 @@ class Dispatcher:
             worker = number % workers
         self._outstanding[worker] += 1
         self.sent.append(number)
+        self._items[number] = len(items)
         self._send(worker, items)
 
 

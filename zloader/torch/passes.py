@@ -240,7 +240,10 @@ def ordered(intake: Intake, progress: Progress,
     pending: dict[int, dict[str, Any]] = {}
     sent = dispatcher.sent
     while (record := intake.next()) is not None:
-        pending[_number(record)] = record
+        number = _number(record)
+        if not dispatcher.outstanding(number) or number in pending:
+            continue  # (made again: its worker's stream of items was sent again)
+        pending[number] = record
         while sent and sent[0] in pending:
             number = sent[0]
             record = pending.pop(number)
@@ -258,8 +261,8 @@ def arrived(intake: Intake, progress: Progress,
     failed one as its :class:`Failed`, each with its mark (see :func:`ordered`); each
     received lets ``dispatcher`` hand out the next."""
     while (record := intake.next()) is not None:
-        dispatcher.received(record["w"], _number(record))
-        yield _handed(record, progress)
+        if dispatcher.received(record["w"], _number(record)):
+            yield _handed(record, progress)  # (not one made again: received before)
 
 
 def _number(record: dict[str, Any]) -> int:

@@ -493,6 +493,9 @@ class Open(Record):
     # A shared job's trainer whose pipeline shares a prefix with the job's: its branch
     # (JOB.branch; 0: the job's own pipeline)
     branch: int = fld(integer(0, MAX_BRANCHES), 0, omit=True)
+    # The epoch's work items (DISPATCH) follow again, from the first the consumer has not
+    # received: those the worker holds are dropped (its stream of them was lost)
+    redispatched: bool = fld(boolean, False, omit=True)
 
 
 @dataclass(kw_only=True, eq=False, repr=False)

@@ -184,13 +184,15 @@ class Task:
     def open_epoch(self, stream: Stream, opened: messages.Open) -> None:
         """Put ``stream`` on ``epoch`` with the OPEN's credits (the credit-fed modes):
         an epoch finished here ends at once, unless the OPEN asks for a rerun of it (a
-        dead worker's splits wait to be read)."""
+        dead worker's splits wait to be read) or sends its work items again."""
         epoch, rerun = opened.epoch, opened.rerun
         self.delivery.withdraw(stream)
         stream.epoch = epoch
         stream.window = opened.window
         stream.flight.clear()  # (granted afresh)
         stream.flight_bytes = 0
+        if opened.redispatched:
+            self._redispatched(epoch)
         self.abandon_stale()
         self.delivery.credit(stream, opened.credits)
         if rerun > self.reruns.get(epoch, 0):
@@ -303,6 +305,20 @@ class Task:
         self.finished.add(producing)
         self.producing = None
         self.producer = None
+
+    def _redispatched(self, epoch: int) -> None:
+        """The consumer sends ``epoch``'s work items again, from the first whose elements
+        it did not get (its stream of them was lost: the broker gave up on it while it
+        was stopped): drop those held here, stop a producer taking them, and make the
+        epoch from the items that come."""
+        if self.producing == epoch and self.producer is not None:
+            self.producer.halt()  # it exits at its next send or take of an item
+            with self.producer.sending:
+                pass  # a record it was sending went out; no other will
+            self.links.drop(self.producer)
+            self.producing, self.producer = None, None
+        self.dispatched[epoch] = Dispatched()
+        self.finished.discard(epoch)
 
     def finish_epoch(self, epoch: int) -> None:
         self.finished.add(epoch)
