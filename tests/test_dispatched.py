@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 import pytest
 
 import zloader
+from tests.service import wait_for
 from zloader._defaults import MAX_DISPATCHED
 from zloader.client.peers import Peers
 from zloader.sources import Source
@@ -145,3 +146,28 @@ def test_credits_given_back_go_with_the_next_items_to_the_same_worker():
         Peers.send = send  # type: ignore[method-assign]
     assert sent["DISPATCH+credits"] >= 30, sent
     assert sent["CREDIT"] <= 10, sent
+
+
+@pytest.mark.parametrize("until_done", [False, True])
+def test_items_kept_until_done_are_forgotten_once_done_and_others_are_never_kept(until_done):
+    """dispatch(..., until_done=True) keeps items (to send again should the worker's
+    stream of them be lost) until dispatch_done says they are done; others are not kept:
+    a Loader that never calls dispatch_done keeps nothing of an epoch's items."""
+    source = Squares(name="squares", shuffle_splits=False, seed=None, version=None)
+    with zloader.Loader(zloader.Pipeline(source), num_workers=2, sharding="static",
+                        timeout=30) as loader:
+        elements = loader.iterate()
+        for worker in (0, 1):
+            loader.dispatch(worker, [i for i in range(40) if i % 2 == worker],
+                            until_done=until_done)
+            loader.dispatch(worker, [], until_done=until_done)
+        got = []
+        for element in elements:
+            got.append(element["square"])
+            if until_done:
+                loader.dispatch_done(element["worker"], 1)
+        assert sorted(got) == [i * i for i in range(40)]
+        loader._io.loop.wake()  # (its next step takes the last dispatch_done)
+        kept = loader._io.loop._session.dispatch_kept
+        want = {0: [[]], 1: [[]]} if until_done else {}  # (each worker's end of items)
+        wait_for(lambda: {i: list(items) for i, items in kept.items()} == want, 10)

@@ -478,3 +478,24 @@ def test_eq_hash_and_repr_by_the_fields_are_the_dataclass_s_own(one, two):
         with pytest.raises(dataclasses.FrozenInstanceError):
             del value.a
         assert dataclasses.replace(value, a=9).a == 9 and value.a == one["a"]
+
+
+def test_a_segment_with_many_switches_of_weights_takes_entries_that_fit_a_message():
+    """A trainer that sets a mix's weights at every step: a moved or dead worker's
+    segment carries thousands of switches, spread over its entries (HANDOVER_SWITCHES
+    each, more on entries of no split), each a HANDOVER within the message bounds, and
+    read back in order."""
+    from zloader._defaults import HANDOVER_SWITCHES
+    from zloader.sharing.handover import Segment, from_wire, to_wire
+
+    switched = [(at * 7, (0.125, 0.25, 0.625)) for at in range(5000)]
+    segment = Segment(3, 1, {(3, 1 << 20): [5, 2], (3, (1 << 20) + 1): [9]}, {"c1"},
+                      switches={(3,): switched})
+    entries = to_wire([segment])
+    assert len(entries) == -(-5000 // HANDOVER_SWITCHES)  # (2 of splits, 3 of none)
+    for entry in entries:  # (each within MAX_BODY_BYTES: wire() checks the frames)
+        handover = messages.decode(wire(Command.HANDOVER, {"task": "t1", "segments": [entry]}))
+        assert handover.segments == (entry,)
+    (back,) = from_wire(entries)
+    assert back.switches == {(3,): switched}
+    assert back.splits == {(3, 1 << 20): [5, 2], (3, (1 << 20) + 1): [9]}

@@ -476,3 +476,39 @@ def test_a_replay_draws_with_the_weights_the_first_draws_switched_to_where_they_
     # No switch noted: the mix's own weights, not the live ones.
     plain = _draws(LiveWeights(), Switches({}), {})
     assert _draws(now, Switches({}, replay=True), {}) == plain
+
+
+def test_a_replay_switches_where_the_first_draws_did_when_weights_come_as_an_input_ends():
+    """Weights that arrive while an input's end is being found (a worker waits for the
+    broker's answer about its next split), and weights that arrive while the broker is
+    being told of others: the first run takes them only after its next yield, as a
+    replay sees them, so the replay still draws the same sequence (before: it parted at
+    the next element, and two switches at one draw were noted as one)."""
+    from zloader.mixing import LiveWeights, Switches, drawn
+    from zloader.runs import Context, RunSettings
+
+    mix = Pipeline.mix([Pipeline.range(10)] * 3, [1, 1, 1], seed=3)
+
+    def streams(live, arrive):
+        def short():  # input 2: 5 elements, then new weights arrive as its end is found
+            yield from range(200, 205)
+            if arrive:
+                live.offer((0.2, 0.5, 0.3), 2.0)
+        return lambda: [iter(range(300)), iter(range(1000, 1300)), short()]
+
+    def run(live, switches, arrive):
+        ctx = Context(RunSettings(entropy=0, mix_weights=live, mix_switches=switches))
+        return list(drawn(mix.source, streams(live, arrive), (0,), ctx))
+
+    live, log = LiveWeights(), {}
+
+    def told(key, at, weights):  # more weights while the broker is told of the first
+        if weights == (0.2, 0.5, 0.3):
+            live.offer((0.6, 0.3, 0.1), 3.0)
+
+    first = run(live, Switches(log, confirm=told), True)
+    ats = [at for at, _ in log[(0,)]]
+    assert len(ats) == 2 and ats[0] < ats[1]  # (each at a draw of its own)
+    again = LiveWeights()
+    again.offer((0.5, 0.4, 0.1), 9.0)
+    assert run(again, Switches(log, replay=True), False) == first

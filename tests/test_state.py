@@ -614,13 +614,16 @@ def test_a_deterministic_job_runs_dynamic_sharding_as_static_whoever_registers_i
 
 
 def _shared_register(state: State, consumer: str, now: float = 0.0,
-                     host: str = "h/boot/ns", pid: int = 1, splits: int = 6):
+                     host: str = "h/boot/ns", pid: int = 1, splits: int = 6,
+                     inputs: list | None = None):
+    source = {"num_splits": splits, "shuffle_splits": False, "seed": None}
+    if inputs is not None:  # (a mix: its inputs' splits)
+        source["inputs"] = inputs
     return state.register(consumer.encode(), record(Command.REGISTER, nested({
         "consumer": consumer, "fingerprint": "f" * 64, "sharding": "dynamic",
         "job_name": None, "deterministic": False, "num_workers": 0,
         "share": {"window_bytes": 1 << 20, "lag": "block", "block_seconds": 1.0},
-        "on_error": "raise", "host_id": host, "pid": pid,
-        "source": {"num_splits": splits, "shuffle_splits": False, "seed": None}}),
+        "on_error": "raise", "host_id": host, "pid": pid, "source": source}),
         [b"pipeline"]), now)
 
 
@@ -632,14 +635,22 @@ def test_a_shared_job_s_last_worker_dead_is_made_again_by_the_next_one(tmp_path,
     places, right after its TASK. With ``restart``, the broker restarts on its journal
     before that worker comes: what waits for it is kept there."""
     from zloader.broker.journal import Journal
+    from zloader.mixing import MIX_KEY
 
     state = State(journal=Journal(tmp_path))
     ready(state, "w1")
-    task = task_of(_shared_register(state, "c1") + _shared_register(state, "c2"))
-    handed = [split(state, "w1", task) for _ in range(2)]
+    mix = [[3, False, None], [3, False, None]]  # (a mix of two inputs of 3 splits)
+
+    def register(consumer: str, now: float = 0.0):
+        return _shared_register(state, consumer, now, inputs=mix)
+
+    task = task_of(register("c1") + register("c2"))
+    handed = [split(state, "w1", task, key=(0, MIX_KEY)) for _ in range(2)]
     # Its mix took new weights twice (the first sent again after a reconnect): the broker
-    # echoes each WEIGHED and notes it once, for the segment.
-    switches = [[[0], 0, [0.25, 0.75]], [[0], 40, [0.5, 0.5]], [[0], 0, [0.25, 0.75]]]
+    # echoes each WEIGHED and notes it once, for the segment. (Weights of another length
+    # than the mix's inputs are echoed, not noted.)
+    switches = [[[0], 0, [0.25, 0.75]], [[0], 40, [0.5, 0.5]], [[0], 0, [0.25, 0.75]],
+                [[0], 50, [0.2, 0.3, 0.5]]]
     for key, at, weights in switches:
         weighed = record(Command.WEIGHED, {"task": task, "pass": key, "at": at,
                                            "weights": weights})
@@ -654,7 +665,7 @@ def test_a_shared_job_s_last_worker_dead_is_made_again_by_the_next_one(tmp_path,
             "worker": "w1", "host": "h", "host_id": "h/boot/ns", "pid": 100,
             "endpoint": "ipc:///tmp/w1", "prefer": None}), 1.6)
         for consumer in ("c1", "c2"):
-            _shared_register(state, consumer, 1.7)
+            register(consumer, 1.7)
     state.seen(b"c1", 10.0)
     state.seen(b"c2", 10.0)
     state.tick(10.0)  # (w1 is silent: dead)
@@ -667,7 +678,7 @@ def test_a_shared_job_s_last_worker_dead_is_made_again_by_the_next_one(tmp_path,
         state.delivered(consumer.encode(), record(Command.DELIVERED, {
             "job": job.id, "fence": token, "splits": [], "shared": answer}), 10.0)
     assert not job.fences and [t for t, _ in job.orphans] == [token]
-    assert not job.handout.passes[(0,)].requeued  # not read again
+    assert not job.handout.passes[(0, MIX_KEY)].requeued  # not read again
     if restart:
         state.journal.close()
         state = State(journal=Journal(tmp_path))
@@ -675,7 +686,7 @@ def test_a_shared_job_s_last_worker_dead_is_made_again_by_the_next_one(tmp_path,
         (job,) = state.jobs.values()
         assert [t for t, _ in job.orphans] == [token]
         for consumer in ("c1", "c2"):  # (its trainers register again)
-            _shared_register(state, consumer, 10.6)
+            register(consumer, 10.6)
     out = ready(state, "w2", 11.0)
     commands = [o.command for o in out if o.identity == b"w2"]
     assert commands.index(Command.TASK) < commands.index(Command.HANDOVER)

@@ -392,13 +392,18 @@ class Loader:
         self._live.offer(weights, stamp)
         self._io.set_weights(weights, stamp)
 
-    def dispatch(self, worker: int, items: Sequence[int] | np.ndarray) -> None:
+    def dispatch(self, worker: int, items: Sequence[int] | np.ndarray, *,
+                 until_done: bool = False) -> None:
         """Hand the worker of index ``worker`` work items (ints >= 0) of the epoch under
         way, for a source that makes its elements as they are dispatched
         (``Source.dispatched``: the torch drop-in's ``in_order=False`` hands each batch
         to whichever worker has room); it takes them in order
         (``Context.settings.dispatched``).
-        No items: it gets no more this epoch.
+        No items: it gets no more this epoch. ``until_done``: this Loader keeps them until
+        :meth:`dispatch_done` says they are done, and should the worker's stream of them
+        be lost, the worker of that index gets those not done again (and drops those it
+        held), before any dispatched after them: elements of items made twice so may come
+        twice. Without it, items a lost stream held are lost.
 
         Raises:
             RuntimeError: this Loader is closed.
@@ -414,17 +419,18 @@ class Loader:
                 raise TypeError(f"items must be ints, got an array of {items.dtype}")
             if items.size and items.min() < 0:
                 raise ValueError(f"items must be >= 0, got {int(items.min())}")
-            self._io.dispatch(worker, tuple(items.tolist()))
+            self._io.dispatch(worker, tuple(items.tolist()), until_done)
             return
-        self._io.dispatch(worker, tuple(_check.integer("items", i, 0) for i in items))
+        self._io.dispatch(worker, tuple(_check.integer("items", i, 0) for i in items),
+                          until_done)
 
     def dispatch_done(self, worker: int, count: int) -> None:
         """The next ``count`` work items :meth:`dispatch` handed the worker of index
-        ``worker`` in the epoch under way are done (their elements came). Until then this
-        Loader keeps them: should that worker's stream of them be lost (the broker gave up
-        on this consumer while it was stopped, and it registered again; the worker of that
-        index replaced), the worker of that index gets them again, from the first not
-        done, with its epoch's OPEN."""
+        ``worker`` with ``until_done`` in the epoch under way are done (their elements
+        came): this Loader forgets them. Until then it keeps them, and should that
+        worker's stream of them be lost (the broker gave up on this consumer while it was
+        stopped, and it registered again; another worker took that index), the worker of
+        that index gets them again, from the first not done, with its epoch's OPEN."""
         self._check_process()
         if not self._closed:
             self._io.dispatch_done(_check.integer("worker", worker, 0),

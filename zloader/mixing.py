@@ -20,7 +20,6 @@ from __future__ import annotations
 import bisect
 import itertools
 import operator
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -62,9 +61,12 @@ class LiveWeights:
         self.stamp = 0.0
 
     def offer(self, weights: tuple[float, ...], stamp: float) -> None:
-        """Take ``weights`` unless weights set later are held already."""
+        """Take ``weights`` unless weights set later are held already (the same values
+        again change nothing the draws see)."""
         if stamp >= self.stamp:
-            self.value, self.stamp = weights, stamp
+            if weights != self.value:
+                self.value = weights
+            self.stamp = stamp
 
 
 class Switches:
@@ -84,21 +86,24 @@ class Switches:
     def __init__(self, log: Switched, replay: bool = False,
                  confirm: Callable[[Key, int, tuple[float, ...]], None] | None = None) -> None:
         self.log, self.replay, self.confirm = log, replay, confirm
+        # The weights each pass's draws ended with (None: the mix's own), as they ran.
+        self.final: dict[Key, tuple[float, ...] | None] = {}
 
     def script(self, key: Key) -> Callable[[int], tuple[float, ...] | None] | None:
         """For a replay, the weights in force after a count of draws of pass ``key``
-        (None: the mix's own); None when recording."""
+        (None: the mix's own), asked for counts that never decrease; None when
+        recording."""
         if not self.replay:
             return None
         log = self.log
+        state: list[Any] = [0, None]  # the next switch's place in the log, the weights
 
         def at(count: int) -> tuple[float, ...] | None:
-            value = None
-            for start, weights in log.get(key, ()):
-                if start > count:
-                    break
-                value = weights
-            return value
+            switched = log.get(key, ())
+            while state[0] < len(switched) and switched[state[0]][0] <= count:
+                state[1] = switched[state[0]][1]
+                state[0] += 1
+            return state[1]
         return at
 
     def took(self, key: Key, count: int, weights: tuple[float, ...]) -> None:
@@ -308,10 +313,11 @@ def drawn(source: MixSource, opened: Callable[[], list[Iterator[Any]]], key: Key
 def weights_now(source: MixSource, key: Key, ctx: Context) -> tuple[float, ...]:
     """The weights pass ``key`` of mix ``source`` drew its last elements with."""
     switches: Switches | None = ctx.settings.mix_switches
-    script = switches.script(key) if switches is not None else None
     live = ctx.settings.mix_weights
-    latest = script(sys.maxsize) if script is not None else \
-        live.value if live is not None else None
+    if switches is not None and key in switches.final:
+        latest = switches.final[key]  # (as they ran: a replay's are the first run's)
+    else:
+        latest = live.value if live is not None else None
     if latest is not None and len(latest) == len(source.inputs) and sum(latest) > 0:
         return latest
     return source.weights
@@ -362,17 +368,24 @@ def _by_weight(opened: Callable[[], list[Iterator[Any]]], weights: np.ndarray, s
     scripted = None
     if script is not None:  # (a replay: the draws read the weights the script says)
         settable = scripted = LiveWeights()
+    # New weights are taken at the first chunk and after a yield that found them, never
+    # after a chunk cut short by an input's end: a replay, which sees them only after a
+    # yield, then switches where this run did. Weights of the same values are no switch.
+    due, in_use = True, None
     try:
         while True:
             if scripted is not None and script is not None:
                 scripted.value = script(count)
             latest = settable.value if settable is not None else None
-            if latest is not None and latest is not applied:
+            if due and latest is not None and latest is not applied:
                 applied = latest
-                if switches is not None:
-                    switches.took(key, count, latest)
-                if len(latest) == len(streams) and sum(latest) > 0:
-                    weights = np.asarray(latest, dtype=np.float64)
+                if latest != in_use:
+                    in_use = latest
+                    if switches is not None:
+                        switches.took(key, count, latest)
+                    if len(latest) == len(streams) and sum(latest) > 0:
+                        weights = np.asarray(latest, dtype=np.float64)
+            due = False
             live = [k for k in range(len(streams)) if weights[k] > 0 and k not in ended]
             if not live:
                 done = True
@@ -405,12 +418,19 @@ def _by_weight(opened: Callable[[], list[Iterator[Any]]], weights: np.ndarray, s
                     count += 1
                     if scripted is not None and script is not None:
                         scripted.value = script(count)
-                    if settable is not None and settable.value is not applied:
-                        break  # new weights: draw the rest with them
+                    value = settable.value if settable is not None else None
+                    if value is not applied:
+                        if value == in_use:
+                            applied = value  # (the same values again)
+                        else:
+                            due = True
+                            break  # new weights: draw the rest with them
             finally:
                 for k, used in enumerate(taken):
                     del ahead[k][:used]
     finally:
+        if switches is not None:
+            switches.final[key] = in_use
         for k, rest in enumerate(ahead):
             if rest:
                 streams[k] = itertools.chain(rest, streams[k])

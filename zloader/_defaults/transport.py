@@ -91,6 +91,11 @@ HANDOVER_SPLITS = 1 << 15
 """The most splits one entry of a shared job's handover holds (``HEARTBEAT.handover``,
 ``HANDOVER``: one entry per message, well within MAX_BODY_BYTES; fixed)."""
 
+HANDOVER_SWITCHES = 1024
+"""The most switches of a mix's weights one entry of a handover carries (with
+HANDOVER_SPLITS splits and HANDOVER_SERVED trainers, well within MAX_BODY_BYTES; a segment
+with more takes entries of its own for the rest; fixed)."""
+
 HANDOVER_SERVED = 4096
 """The most served trainers one entry of a handover names (with HANDOVER_SPLITS splits,
 well within MAX_BODY_BYTES; a shared job has a handful; fixed)."""

@@ -72,6 +72,13 @@ def _splits(value: Any) -> list[int]:
     return value
 
 
+def _switches(value: Any) -> tuple[Any, ...]:
+    """``[[pass, draws, weights], ...]``: when a worker's mix took new weights."""
+    if not isinstance(value, (list, tuple)):
+        raise Wrong("must be a list of [pass, draws, weights]")
+    return tuple(weight_switch(entry) for entry in value)
+
+
 def _holders(value: Any) -> dict[str, list[int]]:
     """Worker id -> the splits it holds."""
     if not isinstance(value, dict):
@@ -246,7 +253,7 @@ class Orphaned(Event):
     order: list[Any] = fld(array)  # [[pass, [split, ...]], ...]
     answers: dict[str, Any] = fld(obj)  # consumer -> its DELIVERED.shared
     # when its mix took new weights: [[pass, draws, weights], ...] (handover.py)
-    switches: tuple[Any, ...] = fld(list_of(weight_switch), (), omit=True)
+    switches: tuple[Any, ...] = fld(_switches, (), omit=True)
 
     @classmethod
     def of(cls, job: Job, token: str, fence: Fence) -> Orphaned:

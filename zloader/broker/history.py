@@ -235,7 +235,7 @@ def _weighed(replay: Replay, job: Job, event: MixWeighed) -> str | None:
     if worker is None or worker.task is None or job.tasks.get(worker.task) != worker.id:
         return "new weights of a worker without a task of its job"
     if not splits.note(job, event.worker, event.pass_, event.at, event.weights):
-        return "new weights noted twice"
+        return "new weights noted twice, or before ones noted already"
     return None
 
 

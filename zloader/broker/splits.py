@@ -215,7 +215,10 @@ def weighed(state: Tables, identity: bytes, msg: Weighed, now: float) -> list[Ou
     job = state.job_of(msg.task)
     if worker is None or job is None or job.tasks.get(msg.task) != worker.id:
         return []  # (a task that is over; a worker not registered asks again once it is)
-    if note(job, worker.id, msg.pass_, msg.at, msg.weights):
+    layout = job.handout.layout
+    if job.share is not None and layout is not None \
+            and len(msg.weights) == len(layout.inputs) \
+            and note(job, worker.id, msg.pass_, msg.at, msg.weights):
         state.record(MixWeighed(job=job.id, worker=worker.id, pass_=msg.pass_, at=msg.at,
                                 weights=msg.weights))
     return [Out(identity, msg)]
@@ -226,7 +229,7 @@ def note(job: Job, worker_id: str, key: PassKey, at: int,
     """Note that ``worker_id``'s pass ``key`` draws with ``weights`` from draw ``at`` on;
     False if it was noted already (a WEIGHED sent again after a reconnect)."""
     switched = job.handout.switches.setdefault(worker_id, {}).setdefault(key, [])
-    if any(start == at for start, _ in switched):
+    if switched and switched[-1][0] >= at:  # (each comes after the last)
         return False
     switched.append((at, tuple(weights)))
     return True

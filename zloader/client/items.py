@@ -111,6 +111,7 @@ class DispatchItems(NamedTuple):
 
     worker: int
     items: tuple[int, ...]
+    keep: bool = False  # kept until done (Loader.dispatch_done), sent again if lost
 
 
 class DispatchDone(NamedTuple):

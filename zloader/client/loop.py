@@ -340,7 +340,7 @@ class ConsumerLoop:
         elif isinstance(command, SetWeights):
             self._peers.reweigh_all(command.weights, command.stamp)
         elif isinstance(command, DispatchItems):
-            self._peers.dispatch(command.worker, command.items, credits)
+            self._peers.dispatch(command.worker, command.items, credits, command.keep)
         elif isinstance(command, DispatchDone):
             self._peers.dispatch_done(command.worker, command.items)
 

@@ -68,6 +68,7 @@ class Peer(ByFields):
     reported: float = float("-inf")  # when it was last reported stuck
     doing: dict[str, Any] | None = None  # {epoch, split, stage}, from the job's view
     own: bool = False  # this Loader forked it: its records may hold pickled leaves
+    opened: int | None = None  # the epoch it was last opened for
 
     def used(self, part: int | None) -> None:
         """A record of this epoch came (of ``part``): its credit is used."""
@@ -343,27 +344,34 @@ class Peers:
             body["had"] = session.got_from[peer.worker]
         if session.branch:
             body["branch"] = session.branch
-        log = session.dispatch_log.get(peer.index, ())
-        if peer.index in session.dispatch_sent:  # (its stream of them was lost)
+        # Items kept until done and sent on a stream now lost (the broker gave up on this
+        # consumer, or this is another worker of that index): sent again, first.
+        kept = session.dispatch_kept.get(peer.index)
+        again = bool(kept) and (again or peer.opened != session.epoch)
+        if again:
             body["redispatched"] = True
+        peer.opened = session.epoch
         self.send(peer, Command.OPEN, payload=session.epoch_input.frames(peer.index),
                   body=body)
-        for items in log:  # (those not done, in order: all of them at the epoch's start)
+        for items in list(kept or ()) if again else ():
             self.send(peer, Command.DISPATCH, body={"epoch": session.epoch, "items": items})
-        if log:
-            session.dispatch_sent.add(peer.index)
+        for items, keep in session.undispatched.pop(peer.index, ()):
+            if keep:
+                session.dispatch_kept.setdefault(peer.index, deque()).append(items)
+            self.send(peer, Command.DISPATCH, body={"epoch": session.epoch, "items": items})
 
     def peer_at(self, index: int) -> Peer | None:
         """The connected worker of task index ``index``, if any."""
         return next((p for p in self._peers.values() if p.index == index), None)
 
-    def dispatch(self, index: int, items: tuple[int, ...], credits: int = 0) -> None:
+    def dispatch(self, index: int, items: tuple[int, ...], credits: int = 0,
+                 keep: bool = False) -> None:
         """Work items of the epoch under way for the worker of ``index`` (none: it gets
-        no more), sent in messages of at most ``MAX_ITEMS``; kept until they are done
-        (:meth:`dispatch_done`): an OPEN sends those of its index (one not connected yet
-        gets them so; one opened again, after its stream of them was lost, again).
-        ``credits``: records of its that were used, given back with the items (the first
-        message carries them, and any given back before)."""
+        no more), sent in messages of at most ``MAX_ITEMS``; held for its OPEN while no
+        such worker is connected. ``keep``: kept until they are done
+        (:meth:`dispatch_done`), and sent again should the stream they went on be lost
+        (see :meth:`open`). ``credits``: records of its that were used, given back with
+        the items (the first message carries them, and any given back before)."""
         session = self.session
         if session.epoch is None:
             return
@@ -371,12 +379,12 @@ class Peers:
         peer = self.peer_at(index)
         if peer is not None:
             peer.returned += credits
-        log = session.dispatch_log.setdefault(index, deque())
         for chunk in chunks or [[]]:
-            log.append(chunk)
             if peer is None:
+                session.undispatched.setdefault(index, []).append((chunk, keep))
                 continue
-            session.dispatch_sent.add(index)
+            if keep:
+                session.dispatch_kept.setdefault(index, deque()).append(chunk)
             body: dict[str, Any] = {"epoch": session.epoch, "items": chunk}
             if peer.returned:  # (with the first message)
                 self._granted(peer, peer.returned, None)
@@ -384,9 +392,9 @@ class Peers:
             self.send(peer, Command.DISPATCH, body)
 
     def dispatch_done(self, index: int, count: int) -> None:
-        """The next ``count`` work items dispatched to the worker of ``index`` in the
-        epoch under way are done: forgotten (an OPEN of that index does not send them)."""
-        log = self.session.dispatch_log.get(index)
+        """The next ``count`` work items kept for the worker of ``index`` in the epoch
+        under way (:meth:`dispatch` with ``keep``) are done: forgotten."""
+        log = self.session.dispatch_kept.get(index)
         while log and log[0] and count > 0:  # (an empty one ends them: kept)
             if count >= len(log[0]):
                 count -= len(log.popleft())

@@ -111,11 +111,11 @@ class Session(ByFields):
     # A shared job's branch this consumer reads (JOB.branch; its OPEN says so): 0 unless
     # its pipeline shares a prefix with the job's (zloader/sharing/branches.py)
     branch: int = 0
-    # Work items (Loader.dispatch) per worker index that were not done yet (Loader.
-    # dispatch_done), in order, sent or not (an index not connected yet gets them with its
-    # OPEN), and the indices some were sent to: opened again, the worker gets them again
-    dispatch_log: dict[int, deque[list[int]]] = field(default_factory=dict)
-    dispatch_sent: set[int] = field(default_factory=set)
+    # Work items (Loader.dispatch) for worker indices not connected yet, sent with the
+    # OPEN (each with whether it is kept until done), and those kept until done (Loader.
+    # dispatch_done) that were sent, per index, in order: sent again when lost
+    undispatched: dict[int, list[tuple[list[int], bool]]] = field(default_factory=dict)
+    dispatch_kept: dict[int, deque[list[int]]] = field(default_factory=dict)
 
     def got(self, worker: str, count: int, first: int | None) -> None:
         """``count`` elements came from ``worker`` this epoch (at place ``first`` of what it
@@ -152,4 +152,4 @@ class Session(ByFields):
         self.received = Ledger(made_here)
         self.got_from, self.awaiting, self.acked, self.broken = {}, {}, set(), set()
         self.got_places = {}
-        self.dispatch_log, self.dispatch_sent = {}, set()
+        self.undispatched, self.dispatch_kept = {}, {}

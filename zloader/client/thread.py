@@ -67,13 +67,14 @@ class IOThread(threading.Thread):
         """A mix's weights from now on (set at ``stamp``), on every worker."""
         self.loop.submit(SetWeights(weights, stamp))
 
-    def dispatch(self, worker: int, items: tuple[int, ...]) -> None:
-        """Work items for the worker of index ``worker`` (none: no more), sent at once."""
-        self.loop.submit(DispatchItems(worker, items))
+    def dispatch(self, worker: int, items: tuple[int, ...], keep: bool = False) -> None:
+        """Work items for the worker of index ``worker`` (none: no more), sent at once;
+        ``keep``: kept until done, and sent again if lost."""
+        self.loop.submit(DispatchItems(worker, items, keep))
 
     def dispatch_done(self, worker: int, count: int) -> None:
-        """The next ``count`` items dispatched to ``worker`` are done (no wake-up: the
-        loop forgets them at its next step)."""
+        """The next ``count`` items kept for ``worker`` are done (no wake-up: the loop
+        forgets them at its next step)."""
         self.loop.submit(DispatchDone(worker, count), wake=False)
 
     def credit(self, worker: str, credits: int = 1, part: int | None = None) -> None:

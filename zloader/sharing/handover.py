@@ -34,7 +34,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from zloader._defaults import HANDOVER_SERVED, HANDOVER_SPLITS
+from zloader._defaults import HANDOVER_SERVED, HANDOVER_SPLITS, HANDOVER_SWITCHES
 
 __all__ = ["Had", "Segment", "Switched", "from_wire", "to_wire"]
 
@@ -78,21 +78,26 @@ class Segment:
 
 def to_wire(segments: Iterable[Segment]) -> list[dict[str, Any]]:
     """``HEARTBEAT.handover``'s entries: one per segment and pass (a pass with more than
-    HANDOVER_SPLITS splits in several), ``n`` numbering the segment they belong to. The
-    broker marks the last one it hands on (``last``): the taker adopts them all then."""
+    HANDOVER_SPLITS splits in several), ``n`` numbering the segment they belong to; its
+    switches of weights ride on them, HANDOVER_SWITCHES each (more: on entries of their
+    own, of no split). The broker marks the last one it hands on (``last``): the taker
+    adopts them all then."""
     out: list[dict[str, Any]] = []
     for n, segment in enumerate(segments):
         served = sorted(segment.served)[:HANDOVER_SERVED]
         switches = [[list(key), at, list(weights)] for key, switched
                     in segment.switches.items() for at, weights in switched]
-        for key, splits in segment.splits.items():
-            for start in range(0, max(1, len(splits)), HANDOVER_SPLITS):
-                out.append({"n": n, "epoch": segment.epoch, "index": segment.index,
-                            "pass": list(key),
-                            "splits": splits[start:start + HANDOVER_SPLITS],
-                            "served": served, "had": segment.had, "switches": switches,
-                            "last": False})
-                switches = []  # (the segment's first entry carries them)
+        entries = [(key, splits[start:start + HANDOVER_SPLITS])
+                   for key, splits in segment.splits.items()
+                   for start in range(0, max(1, len(splits)), HANDOVER_SPLITS)]
+        while entries and len(switches) > len(entries) * HANDOVER_SWITCHES:
+            entries.append((entries[0][0], []))
+        for at, (key, splits) in enumerate(entries):
+            out.append({"n": n, "epoch": segment.epoch, "index": segment.index,
+                        "pass": list(key), "splits": splits, "served": served,
+                        "had": segment.had, "last": False,
+                        "switches": switches[at * HANDOVER_SWITCHES:
+                                             (at + 1) * HANDOVER_SWITCHES]})
     return out
 
 
@@ -107,4 +112,7 @@ def from_wire(entries: Iterable[dict[str, Any]]) -> list[Segment]:
         segment.splits.setdefault(tuple(entry["pass"]), []).extend(entry["splits"])
         for key, at, weights in entry["switches"]:
             segment.switches.setdefault(tuple(key), []).append((at, tuple(weights)))
+    for segment in segments.values():  # (in order of their draws, each once)
+        for key, switched in segment.switches.items():
+            segment.switches[key] = sorted(dict(switched).items())
     return list(segments.values())

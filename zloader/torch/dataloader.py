@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import functools
 import math
 import secrets
 import warnings
@@ -289,8 +290,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         has started: the records they send and the dispatcher that hands them the batches
         ``next_batch`` gives (None: none, each worker makes its own). A failure closes the
         pass's ``own`` Loader and raises in torch's words where torch has them."""
-        dispatcher = Dispatcher(loader.dispatch, next_batch, self.num_workers,
-                                self._prefetch, bool(self.in_order), loader.dispatch_done) \
+        dispatcher = Dispatcher(functools.partial(loader.dispatch, until_done=True),
+                                next_batch, self.num_workers, self._prefetch,
+                                bool(self.in_order), loader.dispatch_done) \
             if next_batch is not None else None
         try:
             intake = Intake(loader.iterate(plans), progress, self.num_workers)

@@ -191,7 +191,7 @@ class Task:
         stream.window = opened.window
         stream.flight.clear()  # (granted afresh)
         stream.flight_bytes = 0
-        if opened.redispatched:
+        if opened.redispatched and self.spec.plan.pipeline.source.dispatched:
             self._redispatched(epoch)
         self.abandon_stale()
         self.delivery.credit(stream, opened.credits)
