@@ -89,22 +89,10 @@ class Switches:
         # The weights each pass's draws ended with (None: the mix's own), as they ran.
         self.final: dict[Key, tuple[float, ...] | None] = {}
 
-    def script(self, key: Key) -> Callable[[int], tuple[float, ...] | None] | None:
-        """For a replay, the weights in force after a count of draws of pass ``key``
-        (None: the mix's own), asked for counts that never decrease; None when
-        recording."""
-        if not self.replay:
-            return None
-        log = self.log
-        state: list[Any] = [0, None]  # the next switch's place in the log, the weights
-
-        def at(count: int) -> tuple[float, ...] | None:
-            switched = log.get(key, ())
-            while state[0] < len(switched) and switched[state[0]][0] <= count:
-                state[1] = switched[state[0]][1]
-                state[0] += 1
-            return state[1]
-        return at
+    def script(self, key: Key) -> Scripted | None:
+        """For a replay, pass ``key``'s weights as the first run switched them (None
+        when recording)."""
+        return Scripted(self.log.setdefault(key, [])) if self.replay else None
 
     def took(self, key: Key, count: int, weights: tuple[float, ...]) -> None:
         """Pass ``key`` draws with ``weights`` from its draw ``count`` on (recording)."""
@@ -113,6 +101,21 @@ class Switches:
         self.log.setdefault(key, []).append((count, weights))
         if self.confirm is not None:
             self.confirm(key, count, weights)
+
+
+class Scripted(LiveWeights):
+    """A replay's weights: :attr:`value` is what was in force after the count of draws
+    last given to :meth:`at` (counts that never decrease), by ``switched``."""
+
+    def __init__(self, switched: list[tuple[int, tuple[float, ...]]]) -> None:
+        super().__init__()
+        self._switched, self._next = switched, 0
+
+    def at(self, count: int) -> None:
+        switched = self._switched
+        while self._next < len(switched) and switched[self._next][0] <= count:
+            self.value = switched[self._next][1]
+            self._next += 1
 
 
 def new_weights(source: Source, weights: Any) -> tuple[float, ...]:
@@ -364,18 +367,17 @@ def _by_weight(opened: Callable[[], list[Iterator[Any]]], weights: np.ndarray, s
     applied = None
     ahead: list[list[Any]] = [[] for _ in streams]  # read, not yet yielded, per input
     count = 0  # draws yielded
-    script = switches.script(key) if switches is not None else None
-    scripted = None
-    if script is not None:  # (a replay: the draws read the weights the script says)
-        settable = scripted = LiveWeights()
+    scripted = switches.script(key) if switches is not None else None
+    if scripted is not None:  # (a replay: the draws read the weights the first run had)
+        settable = scripted
     # New weights are taken at the first chunk and after a yield that found them, never
     # after a chunk cut short by an input's end: a replay, which sees them only after a
     # yield, then switches where this run did. Weights of the same values are no switch.
     due, in_use = True, None
     try:
         while True:
-            if scripted is not None and script is not None:
-                scripted.value = script(count)
+            if scripted is not None:
+                scripted.at(count)
             latest = settable.value if settable is not None else None
             if due and latest is not None and latest is not applied:
                 applied = latest
@@ -416,8 +418,8 @@ def _by_weight(opened: Callable[[], list[Iterator[Any]]], weights: np.ndarray, s
                             break
                     yield element
                     count += 1
-                    if scripted is not None and script is not None:
-                        scripted.value = script(count)
+                    if scripted is not None:
+                        scripted.at(count)
                     value = settable.value if settable is not None else None
                     if value is not applied:
                         if value == in_use:

@@ -353,8 +353,10 @@ class Peers:
         peer.opened = session.epoch
         self.send(peer, Command.OPEN, payload=session.epoch_input.frames(peer.index),
                   body=body)
-        for items in list(kept or ()) if again else ():
-            self.send(peer, Command.DISPATCH, body={"epoch": session.epoch, "items": items})
+        if again:
+            for items in kept or ():
+                self.send(peer, Command.DISPATCH, body={"epoch": session.epoch,
+                                                        "items": items})
         for items, keep in session.undispatched.pop(peer.index, ()):
             if keep:
                 session.dispatch_kept.setdefault(peer.index, deque()).append(items)

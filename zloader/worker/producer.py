@@ -160,7 +160,6 @@ class Producer(threading.Thread):
         self.outbox: deque[tuple[LinkKind, Any]] = deque()  # one per frame sent, in order
         self.replay, self.skip = replay, skip
         self.splits, self.switches = splits, switches
-        self._noted: set[Noted] = set()  # the broker's echoes of WEIGHED not yet taken
         # Where the time goes (seconds, cumulative over the worker's producers): running
         # the pipeline, waiting for the broker's splits, encoding records, and blocked
         # for want of credits (the consumers are slower). Counted per record, not element.
@@ -702,19 +701,22 @@ class Producer(threading.Thread):
         self._put(pair, LinkKind.WEIGHED, {"pass": list(key), "at": at,
                                            "weights": list(weights)})
         noted = Noted(key, at)
-        while noted not in self._noted:
+        while (reply := self._next_answer(pair)) != noted:
+            if not isinstance(reply, Noted) and reply.pass_key in self._answers:
+                self._answers[reply.pass_key].append(reply)  # (for a pass read here)
+
+    def _next_answer(self, pair: zmq.Socket[Any]) -> SplitAnswer | Noted:
+        """The main thread's next answer, waiting for one.
+
+        Raises:
+            _Stopped: the producer is asked to stop meanwhile.
+        """
+        while not self.inbox:
+            if pair.poll(100):
+                pair.recv()  # (a wake-up: the answer is in the inbox)
             if self.stop.is_set():
                 raise _Stopped
-            if not self.inbox:
-                if pair.poll(100):
-                    pair.recv()  # (a wake-up: something is in the inbox)
-                continue
-            reply = self.inbox.popleft()
-            if isinstance(reply, Noted):
-                self._noted.add(reply)
-            elif reply.pass_key in self._answers:  # (a split for a pass read here)
-                self._answers[reply.pass_key].append(reply)
-        self._noted.discard(noted)
+        return self.inbox.popleft()
 
     def _answer(self, pair: zmq.Socket[Any], key: tuple[int, ...],
                 have: int) -> SplitAnswer | None:
@@ -733,16 +735,11 @@ class Producer(threading.Thread):
                 continue
             asked = time.perf_counter()
             self.stage = "splits"
-            while not self.inbox:
-                if pair.poll(100):
-                    pair.recv()  # (a wake-up: the answer is in the inbox)
-                if self.stop.is_set():
-                    raise _Stopped
+            got = self._next_answer(pair)
             self.stage = "pipeline"
             waited = time.perf_counter() - asked
             self._split_wait += waited
             self.timing["splits"] += waited
-            got = self.inbox.popleft()
             if isinstance(got, Noted):  # (an echo of a WEIGHED that was sent again)
                 continue
             reply = got

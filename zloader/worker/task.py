@@ -297,12 +297,17 @@ class Task:
             if stream.epoch == producing:
                 self.outlet.send(stream, messages.End(
                     epoch=producing, rerun=self.reruns.get(producing, 0)))
+        self._stop_producer()
+        self.finished.add(producing)
+
+    def _stop_producer(self) -> None:
+        """Stop the producer of the epoch under way (it exits at its next send, split
+        request or take of a work item) and forget it."""
         if self.producer is not None:
-            self.producer.stop.set()  # it exits at its next send or split request
+            self.producer.halt()
             with self.producer.sending:
                 pass  # a record it was sending went out; no other will
             self.links.drop(self.producer)
-        self.finished.add(producing)
         self.producing = None
         self.producer = None
 
@@ -311,12 +316,8 @@ class Task:
         it did not get (its stream of them was lost: the broker gave up on it while it
         was stopped): drop those held here, stop a producer taking them, and make the
         epoch from the items that come."""
-        if self.producing == epoch and self.producer is not None:
-            self.producer.halt()  # it exits at its next send or take of an item
-            with self.producer.sending:
-                pass  # a record it was sending went out; no other will
-            self.links.drop(self.producer)
-            self.producing, self.producer = None, None
+        if self.producing == epoch:
+            self._stop_producer()
         self.dispatched[epoch] = Dispatched()
         self.finished.discard(epoch)
 
