@@ -579,3 +579,35 @@ def test_a_url_that_does_not_answer_is_named_in_a_warning_while_the_build_waits(
     assert "storage_options" in warnings[0]
     assert failure  # the server went away: the build failed, naming the URL
     assert url in str(failure[0])
+
+
+def test_json_lines_cut_at_every_block_boundary_read_as_whole_lines(monkeypatch):
+    """Lines are cut from blocks of READ_BLOCK_BYTES: with blocks of 1 to 9 bytes every line
+    crosses them, and values, blank lines (CRLF, spaces), a line too long, its number and a
+    last line without a newline all come as they do in whole."""
+    from zloader.formats import jsonl
+
+    data = ('\ufeff{"a": 1}\r\n\r\n   \n{"b": "' + "x" * 30 + '"}\n{"c": [1, 2]}\n\n'
+            '{"d": 4}').encode()
+    for block in range(1, 10):
+        monkeypatch.setattr(jsonl, "READ_BLOCK_BYTES", block)
+        got = list(jsonl.read_lines(io.BytesIO(data), "f.jsonl", max_line_bytes=20))
+        values = [v for v in got if not isinstance(v, jsonl.Bad)]
+        bad = [str(v.error) for v in got if isinstance(v, jsonl.Bad)]
+        assert values == [{"a": 1}, {"c": [1, 2]}, {"d": 4}], block
+        assert bad == ["f.jsonl: line 4 is longer than max_line_bytes=20: raise "
+                       "from_jsonl(max_line_bytes=) if lines this long are meant"], block
+
+
+def test_a_compressed_file_of_two_hundred_million_blank_lines_reads_without_stalling(tmp_path):
+    """A gzip JSON lines file of 200 M blank lines (200 KB on disk) before its one value:
+    blocks of blank lines are counted, not stepped through one line at a time (before, a
+    worker spent about 90 s in them and the Loader's 60 s timeout took it for stuck)."""
+    path = tmp_path / "blank.jsonl.gz"
+    block = zlib.compressobj(9, zlib.DEFLATED, 31)
+    with open(path, "wb") as out:
+        for _ in range(200):
+            out.write(block.compress(b"\n" * (1 << 20)))
+        out.write(block.compress(b'{"last": true}\n') + block.flush())
+    with Loader(Pipeline.from_jsonl(str(path)), num_workers=1, timeout=60) as loader:
+        assert list(loader) == [{"last": True}]
