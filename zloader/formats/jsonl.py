@@ -13,6 +13,7 @@ error at its end.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ def read_lines(stream: BinaryIO, name: str,
     :mod:`zloader.formats.compressed`), and a :class:`~zloader.formats.base.Bad` in place
     of each line that cannot be read. Blank lines are passed over."""
     with inflated(stream, name) as (raw, _):
-        for number, line in _split_lines(raw, max_line_bytes):
+        for number, line in itertools.chain.from_iterable(_split_lines(raw, max_line_bytes)):
             if line is None:
                 yield _bad(name, number, f"is longer than max_line_bytes={max_line_bytes}: "
                            "raise from_jsonl(max_line_bytes=) if lines this long are meant")
@@ -52,9 +53,11 @@ def _bad(name: str, number: int, what: str) -> Bad:
     return Bad(CodecError(f"{name}: line {number} {what}"), f"file {name}, line {number}")
 
 
-def _split_lines(raw: BinaryIO, max_line_bytes: int) -> Iterator[tuple[int, bytes | None]]:
+def _split_lines(raw: BinaryIO, max_line_bytes: int
+                 ) -> Iterator[list[tuple[int, bytes | None]]]:
     """Each line of ``raw`` that is not blank, without its newline, with its number (from
-    1), read READ_BLOCK_BYTES at a time and cut in C: a block of blank lines is counted,
+    1), a block's at a time (a list each), read READ_BLOCK_BYTES at a time and cut in C:
+    a block of blank lines is counted,
     not stepped through (a file of a billion blank lines, compressed to kilobytes, reads in
     the time it takes to inflate). None in place of a line longer than
     ``max_line_bytes``, whose rest is dropped as it comes (memory holds at most that much
@@ -68,6 +71,7 @@ def _split_lines(raw: BinaryIO, max_line_bytes: int) -> Iterator[tuple[int, byte
             pending, size = ([tail], len(tail)) if tail else ([], 0)
             continue
         *ended, tail = chunk.split(b"\n")
+        lines: list[tuple[int, bytes | None]] = []
         for line in ended:
             number += 1
             if dropping:  # (the end of a line too long)
@@ -77,21 +81,22 @@ def _split_lines(raw: BinaryIO, max_line_bytes: int) -> Iterator[tuple[int, byte
                 line = b"".join((*pending, line))
                 pending, size = [], 0
             if len(line) > max_line_bytes:
-                yield number, None
+                lines.append((number, None))
             elif line and not line.isspace():
-                yield number, line
+                lines.append((number, line))
         if tail and not dropping:
             pending.append(tail)
             size += len(tail)
             if size > max_line_bytes:
-                yield number + 1, None
+                lines.append((number + 1, None))
                 pending, size, dropping = [], 0, True
+        yield lines
     if pending:
         line = b"".join(pending)
         if len(line) > max_line_bytes:
-            yield number + 1, None
+            yield [(number + 1, None)]
         elif not line.isspace():
-            yield number + 1, line
+            yield [(number + 1, line)]
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
