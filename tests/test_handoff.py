@@ -93,12 +93,17 @@ def _memfds() -> int:
     return count
 
 
-def test_the_loader_holds_no_memfd_and_its_packer_is_reaped():
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_loader_holds_no_memfd_and_its_packer_is_reaped(workers: int):
     before = _memfds()
-    with zloader.Loader(zloader.Pipeline.from_torch(Paths(300_000)), num_workers=2) as loader:
+    with zloader.Loader(zloader.Pipeline.from_torch(Paths(300_000)),
+                        num_workers=workers) as loader:
         assert _memfds() == before  # (the workers and the packer hold theirs)
         packer = psutil.Process(_packer(loader))
-        assert packer.ppid() == loader._processes[0].pid  # (forked by the first worker)
+        # (forked by the first worker, or by the forker once it forked the workers)
+        forker = loader._embedded.forker
+        assert packer.ppid() == (loader._processes[0].pid if forker is None
+                                 else forker.process.pid)
         assert sum(1 for _ in loader) == 300_000
     assert not packer.is_running() or packer.status() == psutil.STATUS_ZOMBIE
     assert _memfds() == before

@@ -223,6 +223,7 @@ def test_no_runtime_module_reaches_into_another_s_private_state():
 FORMAT_CONSTANTS = {
     "packed": {"_MARSHAL_VERSION", "_INT32"},  # marshal format 2, and its small ints
     "handoff": {"_FIELDS", "_FLAT", "_LEFT", "_PENDING", "_READY", "_TUPLE"},  # its table
+    "_process": {"_FORKED", "_PREPARED", "_ENDED"},  # the kinds of the forker's reports
     "codec": {"VERSION",  # the encoded element's format version
               "_I64_MIN", "_I64_MAX"},  # the range of the int64 tag
     "fingerprint": {"SCHEME",  # the hashing rules' version

@@ -551,3 +551,68 @@ def test_a_trainer_stopped_past_its_expiry_on_a_broker_gets_each_batch_once(in_o
         assert seen == list(range(3000))
     else:
         assert sorted(seen) == list(range(3000))
+
+
+class Numbers(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 48
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def _stop_the_last_worker_as_it_forks(workers: int, stopped: list[int]) -> None:
+    """SIGSTOP the last of this process's ``workers`` workers (the descendants that fork
+    none) as soon as it exists, before it can start; its pid goes in ``stopped``."""
+    import os
+    import signal
+    import time
+
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            leaves = [p for p in psutil.Process().children(recursive=True)
+                      if not p.children()]
+        except psutil.NoSuchProcess:
+            continue
+        if len(leaves) >= workers:
+            pid = max(leaves, key=lambda p: (p.create_time(), p.pid)).pid
+            os.kill(pid, signal.SIGSTOP)
+            stopped.append(pid)
+            return
+        time.sleep(0.0005)
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_the_first_batch_does_not_wait_for_the_other_workers_to_start(in_order):
+    """Batch 0 is worker 0's: it comes while worker 2 is stopped from its fork on (each
+    worker's start snapshot comes with its first batch; ``iter()`` waits for the starts
+    only where ``worker_init_fn`` may fail), and the epoch is whole once it goes on."""
+    import contextlib
+    import os
+    import signal
+    import threading
+
+    loader = zt.DataLoader(Numbers(), batch_size=4, num_workers=3, timeout=20,
+                           in_order=in_order)
+    stopped: list[int] = []
+    stopper = threading.Thread(target=_stop_the_last_worker_as_it_forks, args=(3, stopped))
+    stopper.start()
+    try:
+        epoch = iter(loader)
+        stopper.join()
+        assert stopped and stopped[0] == epoch._workers[2].pid
+        try:
+            head = [next(epoch).tolist() for _ in range(2 if in_order else 8)]
+        finally:
+            os.kill(stopped[0], signal.SIGCONT)
+        if in_order:
+            assert head == [[0, 1, 2, 3], [4, 5, 6, 7]]
+        batches = head + [batch.tolist() for batch in epoch]
+        assert sorted(batches) == [list(range(i, i + 4)) for i in range(0, 48, 4)]
+    finally:
+        stopper.join()
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):  # (gone with the epoch's end)
+                os.kill(pid, signal.SIGCONT)
+        loader.close()

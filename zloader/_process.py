@@ -19,32 +19,64 @@ thread had half imported, so that the child imports it afresh when it needs it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import importlib._bootstrap
 import os
 import select
 import signal
+import struct
 import subprocess
 import sys
 import threading
 import time
 import traceback
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 from zloader._command import with_sys_path, worker_command
 from zloader._defaults import GATE_SECONDS, START_METHODS
-from zloader.handoff import FDS_LOCK, Handoff, forked
+from zloader.handoff import FDS_LOCK, Handoff, forked, reap
 from zloader.packed import Swap, install
 from zloader.transport.keys import Keys
 from zloader.worker import WorkerProcess  # imported before any fork (see above)
 
-__all__ = ["START_METHODS", "ForkedWorker", "start_worker"]
+__all__ = ["START_METHODS", "ForkedWorker", "Forker", "fork_workers", "start_worker"]
 
 
+class _Handle:
+    """A forked process, with the part of ``subprocess.Popen``'s interface the Loader uses
+    (``pid``, ``poll`` and ``_exited`` come from the subclass)."""
 
-class ForkedWorker:
-    """A forked worker, with the part of ``subprocess.Popen``'s interface the Loader uses."""
+    pid: int
+
+    def poll(self) -> int | None:
+        raise NotImplementedError
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout or 0.0)
+            self._exited(0.01 if left is None else min(left, 0.5))
+        return code
+
+    def _exited(self, timeout: float) -> None:
+        raise NotImplementedError
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkedWorker(_Handle):
+    """A process this one forked (a worker, or the forker)."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
@@ -55,16 +87,6 @@ class ForkedWorker:
             pid, status = os.waitpid(self.pid, os.WNOHANG)
             if pid:
                 self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout or 0.0)
-            self._exited(0.01 if left is None else min(left, 0.5))
-        assert self.returncode is not None
         return self.returncode
 
     def _exited(self, timeout: float) -> None:
@@ -80,13 +102,6 @@ class ForkedWorker:
         finally:
             os.close(fd)
 
-    def send_signal(self, signum: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, signum)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
 
 _FORK_LOCK = threading.Lock()
 """Held while forking, so that Loaders made on several threads at once fork one by one."""
@@ -95,7 +110,7 @@ _FORK_LOCK = threading.Lock()
 def start_worker(method: str, address: str, bind: str, keys: Keys | None = None,
                  pipelines: dict[str, Any] | None = None, swaps: list[Swap] | None = None,
                  handoff: Handoff | None = None, gate: int | None = None,
-                 packs: bool = False, slot: int | None = None
+                 packs: bool = False, slot: int | None = None, report: int | None = None
                  ) -> ForkedWorker | subprocess.Popen[bytes]:
     """Start one worker attached to the broker at ``address``, its data socket at ``bind``
     (with ``keys``, CURVE on both); it exits when this process does.
@@ -107,7 +122,8 @@ def start_worker(method: str, address: str, bind: str, keys: Keys | None = None,
     connects once it reads a byte from it (its Loader's broker is bound), or after
     ``GATE_SECONDS``; one that ``packs`` first forks ``handoff``'s packer. A forked
     worker given ``slot`` asks the broker for that task index, and tells its pipelines'
-    sources (``Source.forked``). All are ignored by ``spawn``.
+    sources (``Source.forked``), then says on ``report`` (a pipe's write end, see
+    :class:`Reports`) whether they prepared fine. All are ignored by ``spawn``.
     """
     parent = os.getpid()
     if method == "spawn":
@@ -120,8 +136,19 @@ def start_worker(method: str, address: str, bind: str, keys: Keys | None = None,
         pid = os.fork()
     if pid:
         return ForkedWorker(pid)
+    _worker_main(parent, address, bind, keys, pipelines, swaps, handoff, gate, packs, slot,
+                 report)
+
+
+def _worker_main(parent: int, address: str, bind: str, keys: Keys | None,
+                 pipelines: dict[str, Any] | None, swaps: list[Swap] | None,
+                 handoff: Handoff | None, gate: int | None, packs: bool,
+                 slot: int | None, report: int | None = None) -> NoReturn:
+    """A forked worker's life (see :func:`start_worker`), ``parent`` the process that
+    forked it, ``report`` the forker's pipe (it says there when it has prepared): never
+    returns into the caller's code."""
     code = 1
-    try:  # the child: never return into the caller's code
+    try:
         # The parent's objects, garbage included, are never collected here: a cycle the
         # parent had not collected yet would run its finalizers in this process (a
         # TensorFlow object's, after fork, aborts it).
@@ -132,8 +159,10 @@ def start_worker(method: str, address: str, bind: str, keys: Keys | None = None,
         if packs and handoff is not None:
             handoff.fork_packer()
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's Ctrl-C; it stops us
-        worker = WorkerProcess(address, bind, parent=parent, keys=keys, inherited=pipelines,
-                               slot=slot)
+        worker = WorkerProcess(address, bind, parent=parent, keys=keys,
+                               inherited=pipelines, slot=slot,
+                               prepared=functools.partial(_prepared, report, slot)
+                               if report is not None and slot is not None else None)
         signal.signal(signal.SIGTERM, lambda *_: worker.halt())
         worker.run(functools.partial(_through_gate, gate) if gate is not None else None)
         code = 0
@@ -141,6 +170,266 @@ def start_worker(method: str, address: str, bind: str, keys: Keys | None = None,
         traceback.print_exc()
     finally:
         os._exit(code)  # no atexit handlers or finalizers of the parent's objects
+
+
+# --- several workers, through the forker ----------------------------------------------------
+
+_REPORT = struct.Struct("<Biii")
+"""A report on the forker's pipe: kind (_FORKED, _PREPARED, _ENDED), the worker's slot, its
+pid, and, for _ENDED, its exit status as ``Popen.returncode`` gives it, for _PREPARED 1
+when its sources prepared its first epoch fine (``Source.forked``), else 0. The forker
+writes _FORKED and _ENDED, each worker its _PREPARED."""
+_FORKED, _PREPARED, _ENDED = 1, 2, 3
+
+
+def fork_workers(address: str, binds: list[str], keys: Keys | None = None,
+                 pipelines: dict[str, Any] | None = None, swaps: list[Swap] | None = None,
+                 handoff: Handoff | None = None, gate: int | None = None
+                 ) -> tuple[Forker, list[ForkedChild]]:
+    """Fork the forker, which forks a worker for each of ``binds`` (worker ``i`` binds
+    ``binds[i]`` and asks for slot ``i``) and then ``handoff``'s packer; the forker's
+    handle and each worker's. The other arguments are :func:`start_worker`'s."""
+    trainer = os.getpid()
+    reports, report = os.pipe2(os.O_CLOEXEC)
+    try:
+        with _FORK_LOCK, FDS_LOCK:
+            pid = os.fork()
+    except BaseException:
+        os.close(reports)
+        os.close(report)
+        raise
+    if pid:
+        os.close(report)
+        forker = Forker(ForkedWorker(pid), reports, len(binds))
+        return forker, [ForkedChild(forker, slot) for slot in range(len(binds))]
+    code = 1
+    try:
+        os.close(reports)
+        gc.freeze()  # (see _worker_main)
+        repair_imports()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        forked(handoff)  # (the memfds of other Loaders' handoffs are not for its workers)
+        _serve_forks(trainer, report, address, binds, keys, pipelines, swaps, handoff, gate)
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def _serve_forks(trainer: int, report: int, address: str, binds: list[str],
+                 keys: Keys | None, pipelines: dict[str, Any] | None,
+                 swaps: list[Swap] | None, handoff: Handoff | None,
+                 gate: int | None) -> None:
+    """The forker: fork the workers and the packer, then reap the workers and report on
+    ``report`` until they have all ended or ``trainer`` is gone."""
+    slots: dict[int, int] = {}
+    me = os.getpid()
+    for slot, bind in enumerate(binds):
+        pid = os.fork()
+        if pid == 0:
+            _worker_main(me, address, bind, keys, pipelines, swaps, handoff, gate, False,
+                         slot, report)
+        slots[pid] = slot
+        os.write(report, _REPORT.pack(_FORKED, slot, pid, 0))
+    if gate is not None:
+        os.close(gate)
+    if handoff is not None:
+        handoff.fork_packer()
+        handoff.workers_forked()  # (the workers and the packer hold their own)
+    wake, woken = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+    signal.set_wakeup_fd(woken)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # (its wake-up byte ends the wait)
+    try:
+        watch = os.pidfd_open(trainer)
+    except (AttributeError, OSError):
+        watch = None  # (no pidfds here: getppid, once a second)
+    poller = select.poll()
+    for fd in (wake, watch):
+        if fd is not None:
+            poller.register(fd, select.POLLIN)
+    while slots and os.getppid() == trainer:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if not pid:
+                break
+            if pid in slots:
+                os.write(report, _REPORT.pack(_ENDED, slots.pop(pid), pid,
+                                              os.waitstatus_to_exitcode(status)))
+            else:
+                reap()  # (the packer, done)
+        if slots:
+            poller.poll(1000)
+            with contextlib.suppress(BlockingIOError):
+                os.read(wake, 4096)
+    reap(stop=True)
+
+
+class Reports:
+    """What a Loader's ``count`` forked workers report on the pipe ``reports`` (its read
+    end; see _REPORT): each one's pid, whether it prepared its first epoch fine, its exit
+    status (the last two, the forker's). Read from the Loader's thread and its I/O
+    thread."""
+
+    def __init__(self, reports: int, count: int) -> None:
+        self.count = count
+        self._reports = reports
+        os.set_blocking(reports, False)
+        self._lock = threading.Lock()
+        self._rest = b""
+        self.pids: dict[int, int] = {}  # slot -> pid
+        self.prepared: dict[int, bool] = {}  # slot -> whether fine (Source.forked)
+        self.codes: dict[int, int] = {}  # slot -> exit status
+
+    def read(self) -> None:
+        """Take in the reports that came."""
+        with self._lock:
+            if self._reports < 0:
+                return
+            while True:
+                try:
+                    chunk = os.read(self._reports, 4096)
+                except BlockingIOError:
+                    return
+                if not chunk:  # the forker and its workers are gone
+                    return
+                data = self._rest + chunk
+                whole = len(data) - len(data) % _REPORT.size
+                for kind, slot, pid, code in _REPORT.iter_unpack(data[:whole]):
+                    if kind == _FORKED:
+                        self.pids[slot] = pid
+                    elif kind == _PREPARED:
+                        self.prepared[slot] = bool(code)
+                    else:
+                        self.codes[slot] = code
+                self._rest = data[whole:]
+
+    def wait(self, until: Callable[[], bool], timeout: float) -> bool:
+        """Read reports until ``until()`` holds, no more can come, or ``timeout`` seconds
+        passed; whether it holds."""
+        deadline = time.monotonic() + timeout
+        self.read()
+        while not until():
+            left = deadline - time.monotonic()
+            if left <= 0 or self._reports < 0 or self.silent():
+                self.read()
+                return until()
+            _readable(self._reports, min(left, 0.1))
+            self.read()
+        return True
+
+    def silent(self) -> bool:
+        """Whether no more reports can come."""
+        return False
+
+    def all_prepared(self, timeout: float, ended: Callable[[], bool]) -> bool:
+        """Wait until every worker has prepared its first epoch (``Source.forked``), one
+        failed to, one ended (``ended()``), or ``timeout`` seconds passed: whether all
+        prepared fine."""
+        def fine() -> bool:
+            return len(self.prepared) == self.count and all(self.prepared.values())
+
+        self.wait(lambda: fine() or not all(self.prepared.values()) or ended(), timeout)
+        return fine() and not ended()
+
+    def close(self) -> None:
+        """Read no more."""
+        with self._lock:
+            if self._reports >= 0:
+                os.close(self._reports)
+                self._reports = -1
+
+
+class Forker(Reports):
+    """The trainer's side of the forker (see the module): its process, and what it
+    reported of the workers."""
+
+    def __init__(self, process: ForkedWorker, reports: int, count: int) -> None:
+        super().__init__(reports, count)
+        self.process = process
+
+    def silent(self) -> bool:
+        return self.process.poll() is not None
+
+    def pid(self, slot: int) -> int:
+        """The pid of worker ``slot`` (reported as the forker forks it)."""
+        if slot not in self.pids and not self.wait(lambda: slot in self.pids, GATE_SECONDS):
+            raise RuntimeError(f"the process that forks this Loader's workers did not fork "
+                               f"worker {slot} (exit status {self.process.poll()})")
+        return self.pids[slot]
+
+    def code(self, slot: int) -> int | None:
+        """Worker ``slot``'s exit status, None while it runs. One whose forker died
+        without reporting it (killed) leaves by itself, its parent gone: 1 once it has."""
+        self.read()
+        if slot in self.codes or self.process.poll() is None:
+            return self.codes.get(slot)
+        self.read()
+        pid = self.pids.get(slot)
+        if slot not in self.codes and (pid is None or not _exists(pid)):
+            self.codes[slot] = 1
+        return self.codes.get(slot)
+
+    def __contains__(self, pid: object) -> bool:
+        """Whether ``pid`` is one of the workers (the Loader's own)."""
+        self.read()
+        if pid not in self.pids.values():
+            self.wait(lambda: len(self.pids) == self.count, GATE_SECONDS)
+        return pid in self.pids.values()
+
+    def stop(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the forker to leave (its workers have), then
+        kill it; read no more."""
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.close()
+
+
+class ForkedChild(_Handle):
+    """A worker the forker forked, as the Loader sees it."""
+
+    def __init__(self, forker: Forker, slot: int) -> None:
+        self.forker = forker
+        self.slot = slot
+
+    @property
+    def pid(self) -> int:  # type: ignore[override]
+        return self.forker.pid(self.slot)
+
+    @property
+    def returncode(self) -> int | None:
+        return self.forker.codes.get(self.slot)
+
+    def poll(self) -> int | None:
+        return self.forker.code(self.slot)
+
+    def _exited(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for a report of the forker."""
+        self.forker.wait(lambda: self.forker.codes.get(self.slot) is not None, timeout)
+
+
+def _exists(pid: int) -> bool:
+    """Whether a process ``pid`` exists (or is a zombie)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _prepared(report: int, slot: int, ok: bool) -> None:
+    """Tell the Loader, on ``report``, that worker ``slot`` has prepared (``ok``: fine)."""
+    with contextlib.suppress(OSError):  # (a Loader closed already stopped reading)
+        os.write(report, _REPORT.pack(_PREPARED, slot, os.getpid(), int(ok)))
+    os.close(report)
 
 
 def _through_gate(gate: int) -> None:

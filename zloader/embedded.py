@@ -10,6 +10,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +19,13 @@ from zloader.handoff import Handoff
 from zloader.pipeline import Pipeline
 from zloader.transport.shm import sweep, sweep_dirs
 
-__all__ = ["Embedded"]
+__all__ = ["Embedded", "through_forker"]
+
+
+def through_forker(start_method: str, workers: int) -> bool:
+    """Whether a Loader forks its ``workers`` through the forker (zloader/_process.py),
+    which reports each one's start (:meth:`Embedded.prepared`)."""
+    return start_method == "fork" and workers > 1
 
 
 @dataclass(eq=False)
@@ -31,14 +38,18 @@ class Embedded:
             broker of the user's.
         processes: the worker processes it started (``subprocess.Popen``-like).
         handoff: the dataset's lists its workers take packed once the packer (forked by
-            the last of them) has packed them (zloader/handoff.py), or None.
+            the first of them, or by the forker) has packed them (zloader/handoff.py), or
+            None.
         broker: the broker it runs in this process (embedded), or None.
+        reports: what its forked workers report (zloader/_process.py ``Reports``; the
+            forker's, when they were forked through it), or None (spawned workers).
     """
 
     dir: str | None = None
     processes: list[Any] = field(default_factory=list)
     handoff: Handoff | None = None
     broker: Any = None  # (a zloader.broker.Broker)
+    reports: Any = None  # (a zloader._process.Reports, or its Forker)
 
     def start(self, broker: str | None, workers: int, start_method: str, keys: Any,
               pipeline: Pipeline, inherit: bool, swaps: list[Any],
@@ -47,8 +58,7 @@ class Embedded:
         sockets and a broker in this process; the broker's address. Workers come first:
         forking must happen before the Loader starts any thread. What Loaders of this user
         that died left (shared-memory segments, socket folders) is swept first."""
-        # (the broker and the worker's code, imported only by a Loader that runs them)
-        from zloader._process import start_worker
+        # (the broker's code, imported only by a Loader that runs one)
         from zloader.broker import Broker
 
         sweep()
@@ -63,13 +73,9 @@ class Embedded:
         else:
             address = broker
         try:
-            for index in range(workers):
-                bind = self.endpoint(f"worker-{index}") or "tcp://127.0.0.1:*"
-                self.processes.append(start_worker(
-                    start_method, address, bind, keys,
-                    {pipeline.fingerprint: pipeline} if inherit else None, swaps, handoff,
-                    gate[0] if gate is not None else None, packs=index == 0,
-                    slot=index))
+            self._start_workers(address, workers, start_method, keys,
+                                {pipeline.fingerprint: pipeline} if inherit else None,
+                                swaps, handoff, gate[0] if gate is not None else None)
             self.handoff = handoff
             if broker is None:
                 self.broker = Broker(address).start()
@@ -82,14 +88,61 @@ class Embedded:
                 handoff.workers_forked()
         return address
 
+    def _start_workers(self, address: str, workers: int, start_method: str, keys: Any,
+                       pipelines: dict[str, Pipeline] | None, swaps: list[Any],
+                       handoff: Handoff | None, gate: int | None) -> None:
+        """Start the workers (see :meth:`start`): forked through the forker, forked here
+        (one, with a pipe for its reports), or spawned."""
+        # (the worker's code, imported only by a Loader that runs workers)
+        from zloader._process import Reports, fork_workers, start_worker
+
+        binds = [self.endpoint(f"worker-{index}") or "tcp://127.0.0.1:*"
+                 for index in range(workers)]
+        if through_forker(start_method, workers):
+            self.reports, self.processes = fork_workers(address, binds, keys, pipelines,
+                                                        swaps, handoff, gate)
+            return
+        reports = os.pipe2(os.O_CLOEXEC) if start_method == "fork" and workers else None
+        if reports is not None:
+            self.reports = Reports(reports[0], workers)
+        try:
+            for index, bind in enumerate(binds):
+                self.processes.append(start_worker(
+                    start_method, address, bind, keys, pipelines, swaps, handoff, gate,
+                    packs=index == 0, slot=index,
+                    report=reports[1] if reports is not None else None))
+        finally:
+            if reports is not None:
+                os.close(reports[1])
+
+    @property
+    def forker(self) -> Any:
+        """The forker that forked its workers (a zloader._process.Forker), or None."""
+        return self.reports if hasattr(self.reports, "process") else None
+
+    def prepared(self, timeout: float) -> bool | None:
+        """Whether every worker has prepared its first epoch fine (``Source.forked``),
+        waiting until one failed to or ended, at most ``timeout`` seconds; None where it
+        is not known (spawned workers, a broker's)."""
+        if self.reports is None:
+            return None
+        return self.reports.all_prepared(
+            timeout, lambda: any(p.poll() is not None for p in self.processes))
+
+    def own(self) -> Container[int]:
+        """The pids of its workers (their records may hold pickled leaves)."""
+        if self.forker is not None:
+            return self.forker  # (it knows each pid as it forks the worker)
+        return frozenset(process.pid for process in self.processes)
+
     def endpoint(self, name: str) -> str | None:
         """An ipc endpoint named ``name`` in the socket folder (None: not embedded)."""
         return f"ipc://{self.dir}/{name}" if self.dir is not None else None
 
     def close(self) -> None:
         """Stop the workers (SIGTERM, then SIGKILL after ``WORKER_STOP_SECONDS``; the one
-        that forked the packer kills it as it leaves), then the broker, and remove the
-        socket folder."""
+        that forked the packer kills it as it leaves), then the forker, the broker, and
+        remove the socket folder."""
         if self.handoff is not None:
             self.handoff.closing()
         for process in self.processes:
@@ -102,6 +155,10 @@ class Embedded:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+        if self.forker is not None:  # (it leaves once its workers have)
+            self.forker.stop(WORKER_STOP_SECONDS)
+        elif self.reports is not None:
+            self.reports.close()
         if self.broker is not None:
             self.broker.close()
         if self.dir is not None:

@@ -233,6 +233,13 @@ class Loader:
         """The worker processes this Loader started (the torch drop-in's ``_workers``)."""
         return self._embedded.processes
 
+    def prepared(self, timeout: float) -> bool | None:
+        """Whether each of this Loader's forked workers has prepared its first epoch fine
+        as it started (``Source.forked``: the torch drop-in's seeding and
+        ``worker_init_fn``), waiting at most ``timeout`` seconds, until one failed to or
+        ended; None when it is not known (one worker, spawned ones, a broker's)."""
+        return self._embedded.prepared(timeout)
+
     # --- iteration ------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
@@ -642,7 +649,7 @@ def _io_thread(args: Arguments, pipeline: Pipeline, address: str, blob: bytes,
         use_rings=args.transport == "auto", ring_bytes=args.ring_bytes, served=served,
         data_bind=embedded.endpoint("source"), consumer_index=args.consumer_index,
         keys=args.keys, resume=args.resume, timeout=args.timeout,
-        own=frozenset(process.pid for process in embedded.processes),
+        own=embedded.own(),
         memory_budget=args.memory_budget, dispatched=pipeline.source.dispatched,
         parts=planned.parts, made_here=planned.mix.after() if planned.mix is not None else 0,
         prefix=prefix_of(planned) if args.options.shared else {})

@@ -142,12 +142,14 @@ class Source:
         then goes out in a record of its own, as soon as it is made."""
         return False
 
-    def forked(self, slot: int) -> None:
-        """Called in a worker forked for a Loader of this source, once it has sent its
-        READY (while the broker answers it and the consumer's REGISTER): ``slot`` is the
-        task index it asked for (``READY.slot``; the broker gives it unless taken). A
-        source may prepare there what that index's first epoch needs; it must not raise
-        (keep an error for ``read`` to raise). Nothing by default."""
+    def forked(self, slot: int) -> bool | None:
+        """Called in a worker forked for a Loader of this source, as it starts (before it
+        connects to the broker): ``slot`` is the task index it will ask for
+        (``READY.slot``; the broker gives it unless taken). A source may prepare there
+        what that index's first epoch needs; it must not raise: it keeps an error for
+        ``read`` to raise, and returns False (its Loader then waits for that error instead
+        of going on; see ``Loader.prepared``). Nothing by default."""
+        return None
 
     def innermost(self) -> Source:
         """The source whose data this one reads: itself, unless it wraps another (a
@@ -372,8 +374,8 @@ class PartsSource(Source):
     def describe(self) -> str:
         return f"{self.source.describe()} (in {self.parts} parts)"
 
-    def forked(self, slot: int) -> None:
-        self.source.forked(slot)
+    def forked(self, slot: int) -> bool | None:
+        return self.source.forked(slot)
 
     def innermost(self) -> Source:
         return self.source.innermost()

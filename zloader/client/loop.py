@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Container
 from typing import Any
 
 import zmq
@@ -68,7 +69,7 @@ class ConsumerLoop:
                  use_rings: bool, ring_bytes: int | None, served: Served | None = None,
                  data_bind: str | None = None, consumer_index: int | None = None,
                  keys: Keys | None = None, resume: dict[str, Any] | None = None,
-                 timeout: float = 60.0, own: frozenset[int] = frozenset(),
+                 timeout: float = 60.0, own: Container[int] = frozenset(),
                  memory_budget: int | None = None, dispatched: bool = False,
                  parts: int = 0, made_here: int = 0,
                  prefix: dict[str, Any] | None = None) -> None:

@@ -4,7 +4,7 @@ Loader is made) and its :class:`Session` (the job and the epoch under way)."""
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,7 +70,7 @@ class Settings(FrozenByFields):
     coordinated: tuple[int, int] | None  # (num_consumers, consumer_index)
     fixed: bool  # static or no sharding: every worker index must end the epoch
     named: bool = False  # a job_name: other consumers may take part in its epochs at any time
-    own: frozenset[int] = frozenset()  # pids of its own forked workers, whose records may
+    own: Container[int] = frozenset()  # pids of its own forked workers, whose records may
     # hold pickled leaves (Loader(objects=True)); nobody else's are unpickled
     memory_budget: int | None = None  # bytes for rings and records in flight (budget.py)
     width: int = 1  # the workers the job expects (its worker indices)

@@ -208,6 +208,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             return self._inline(resume, progress), progress, None
         plan, indices = self._plan()
         plan["every"] = self.snapshot_every_n_steps or 0
+        # Freshly forked workers say when they have started (seeded, worker_init_fn run):
+        # iter() waits for that, and each sends its start snapshot with its first batch,
+        # so that the first batch waits for worker 0 alone (see Loader.prepared).
+        if (self._broker is None and self._start_method() == "fork"
+                and (not self._persistent or self._service is None)):
+            plan["start"] = "first"
         progress.reseeded = bool(plan["reseed"])
         workers = self._resumed_workers(resume, places, progress)
         sampled, next_batch, todo = self._sample(indices, resume, progress, plan)
@@ -221,7 +227,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             progress.control = previous.control
         loader, own = self._pass_loader()
         progress.loader = loader
-        intake, dispatcher = self._open(loader, own, plans, progress, next_batch)
+        intake, dispatcher = self._open(loader, own, plans, progress, next_batch,
+                                        plan.get("start") == "first")
+        progress.intake = intake
         batches: Iterator[tuple[Any, Any]]
         if dispatcher is None:
             batches = iter(Streams(intake, progress, self.num_workers, bool(self.in_order)))
@@ -284,12 +292,15 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         return own, own
 
     def _open(self, loader: Loader, own: Loader | None, plans: PerWorker, progress: Progress,
-              next_batch: Callable[[], np.ndarray | None] | None
+              next_batch: Callable[[], np.ndarray | None] | None, reported: bool = False
               ) -> tuple[Intake, Dispatcher | None]:
         """Start a pass's workers on ``loader`` with their ``plans`` and wait until each
         has started: the records they send and the dispatcher that hands them the batches
-        ``next_batch`` gives (None: none, each worker makes its own). A failure closes the
-        pass's ``own`` Loader and raises in torch's words where torch has them."""
+        ``next_batch`` gives (None: none, each worker makes its own). Workers whose start
+        is ``reported`` (``Loader.prepared``) are waited for so, if their start may fail;
+        the others (and one that failed to start) until their first record, which brings
+        their start snapshot or error. A failure closes the pass's ``own`` Loader and
+        raises in torch's words where torch has them."""
         dispatcher = Dispatcher(functools.partial(loader.dispatch, until_done=True),
                                 next_batch, self.num_workers, self._prefetch,
                                 bool(self.in_order), loader.dispatch_done) \
@@ -298,7 +309,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             intake = Intake(loader.iterate(plans), progress, self.num_workers)
             if dispatcher is not None:  # (sent with each worker's OPEN: no round trip)
                 dispatcher.prime()
-            intake.settle()  # each worker started: its first snapshot; its init errors
+            if not (reported and (not self._may_fail_to_start()
+                                  or loader.prepared(self.timeout or 60.0))):
+                intake.settle()  # each worker started: its first snapshot; its init errors
         except BaseException as exc:
             if own is not None:
                 own.close()
@@ -307,6 +320,14 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                 raise worded from exc
             raise
         return intake, dispatcher
+
+    def _may_fail_to_start(self) -> bool:
+        """Whether a worker's start may raise (``worker_init_fn``, a datapipe's sharding),
+        which ``iter()`` then waits for, as torchdata's ``StatefulDataLoader`` does; a
+        worker that cannot fail is not waited for (its start snapshot comes with its first
+        batch, and ``state_dict`` waits for it if asked before)."""
+        return self.worker_init_fn is not None or isinstance(
+            self.dataset, (torch.utils.data.IterDataPipe, torch.utils.data.MapDataPipe))
 
     @staticmethod
     def _checked_end(feed: Feed, resume: dict[str, Any] | None
@@ -388,6 +409,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             return copy.deepcopy(self._resume)
         progress = self._progress
         finished = progress is not None and progress.finished
+        if progress is not None and not finished and progress.intake is not None:
+            progress.intake.settle()  # (each worker's start, if iter() did not wait for it)
         places: dict[int, Place] = {}
         if progress is None or finished:
             rng, batches, last = self._rng(), 0, None

@@ -46,6 +46,7 @@ class Progress(ByFields):
     inline: Any = None  # num_workers=0, an iterable dataset: torch's fetcher of the epoch
     control: list[int] = field(default_factory=lambda: [0])  # start/end records read
     done: Batches = field(default_factory=Batches)  # a map-style epoch's batches yielded
+    intake: Any = None  # the pass's records (Intake): settled before its state is taken
 
 
 class EpochIterator:
@@ -175,10 +176,11 @@ class WorkerHandle:
 
 class Intake:
     """A pass's records from its workers (dicts with ``"w"``, the worker; see
-    ``BatchSource``), read one at a time. A worker's first record of the epoch, its
-    start (its snapshot before its first batch), is applied to its :class:`Place` as it
-    arrives; :meth:`settle` reads ahead (keeping what it read) until every worker sent
-    its start, which ``iter()`` waits for, so that ``state_dict()`` knows where each
+    ``BatchSource``), read one at a time. A worker's start (its snapshot before its first
+    batch: its first record of the epoch, or that record's ``"first"``) is applied to its
+    :class:`Place` as it arrives; :meth:`settle` reads ahead (keeping what it read) until
+    every worker sent its start, which ``iter()`` waits for unless the workers' start was
+    reported otherwise (``Loader.prepared``), so that ``state_dict()`` knows where each
     worker began and a worker's failure to start (``worker_init_fn`` raised) raises
     there, as in torchdata's ``StatefulDataLoader``."""
 
@@ -217,17 +219,25 @@ class Intake:
         if not (isinstance(worker, int) and 0 <= worker < self._workers):
             raise RuntimeError(f"a DataLoader worker sent a record out of place: "
                                f"{record!r:.80}")
+        first = record.get("first")  # (a start that came with the first batch, or end)
+        if isinstance(first, dict):
+            self._started(worker, first)
         if "start" not in record:
             if "end" in record:
                 self._progress.control[0] += 1
             return record
         self._progress.control[0] += 1
+        self._started(worker, record)
+        return _START
+
+    def _started(self, worker: int, start: dict[str, Any]) -> None:
+        """Worker ``worker``'s start (``{"start": snapshot, "rng": random state}``), applied
+        to its place."""
         place = self._progress.places[worker]
         if not place.started:
             place.started = True
             if place.since == 0:  # the worker's snapshot before its first batch
-                place.snapshot, place.rng = record["start"], bytes(record["rng"])
-        return _START
+                place.snapshot, place.rng = start["start"], bytes(start["rng"])
 
 
 def ordered(intake: Intake, progress: Progress,

@@ -71,20 +71,21 @@ def seeded(token: str, reseed: bool, base_seed: int, worker: int, workers: int, 
 
 
 def early(token: str, base_seed: int, worker: int, workers: int, dataset: Any,
-          init_fn: Callable[[int], None] | None) -> None:
+          init_fn: Callable[[int], None] | None) -> bool:
     """Seed this process, just forked to be worker ``worker`` of the loader ``token``, as
     :func:`seeded` seeds it at that loader's first epoch (base seed ``base_seed``), as
     torch seeds its workers as they start: while the loader forks the others, not after
     the first batch's request has come. Its ``seeded`` then finds it done; an error
-    (``worker_init_fn`` raised) is kept for it to raise."""
+    (``worker_init_fn`` raised) is kept for it to raise, and False returned."""
     global _SEEDED, _FAILED
     try:
         seed_worker(base_seed, worker, workers, dataset, init_fn)
     except Exception as exc:
         _FAILED = (token, base_seed, worker, exc)
-        return
+        return False
     state = capture_rng()
     _SEEDED = Seeded(token, base_seed, worker, state, state)
+    return True
 
 
 def seed_worker(base_seed: int, worker: int, workers: int, dataset: Any,

@@ -53,13 +53,14 @@ class BatchSource(Source):
     def identity(self) -> tuple[Any, ...]:
         return (self.kind, self.token)  # this loader's job alone; the dataset is not hashed
 
-    def forked(self, slot: int) -> None:
+    def forked(self, slot: int) -> bool | None:
         """Seed this worker, forked as worker ``slot``, for the first epoch now (torch's
         workers seed as they start, ``worker_init_fn`` included), not when its first
-        batch is asked for."""
+        batch is asked for: False when that raised."""
         if self.first_seed is not None and slot < self.width:
-            seeding.early(self.token, self.first_seed, slot, self.width, self.dataset,
-                          self.worker_init_fn)
+            return seeding.early(self.token, self.first_seed, slot, self.width,
+                                 self.dataset, self.worker_init_fn)
+        return None
 
     def read(self, split: int, policy: Any = None) -> Iterator[Any]:
         settings = policy.settings if policy is not None else None
@@ -87,14 +88,18 @@ class BatchSource(Source):
         batch}`` (the consumer keeps the state of the last batch it yielded, for
         ``state_dict``), with ``"failure"`` in place of ``"batch"`` when the dataset or
         ``collate_fn`` raised, and ``"snap"`` (see ``states``) when the dataset keeps a
-        state of its own. A resumed worker (``plan["resume"]``) first restores its
-        dataset's state."""
+        state of its own. With ``plan["start"] == "first"`` the start goes with the first
+        batch instead, as its ``"first"`` (alone if no batch comes). A resumed worker
+        (``plan["resume"]``) first restores its dataset's state."""
         resume = plan.get("resume")
         if resume is not None:
             states.load(self.dataset, resume.get("dataset_state"))
         stateful = states.is_stateful(self.dataset)
-        yield {"w": worker, "start": states.snapshot(worker, self.dataset, iterable=False),
-               "rng": seeded.reported}
+        head = {"w": worker, "start": states.snapshot(worker, self.dataset, iterable=False),
+                "rng": seeded.reported}
+        start = head if plan.get("start") == "first" else None  # (goes with the first batch)
+        if start is None:
+            yield head
         if dispatched is None:
             raise RuntimeError("a map-style DataLoader epoch reached a worker that takes no "
                                "dispatched batches")
@@ -104,6 +109,8 @@ class BatchSource(Source):
         for j, keys in batches:
             handoff.poll()  # (the dataset's lists, packed since the last batch)
             record: dict[str, Any] = {"w": worker, "j": j}
+            if start is not None:
+                record["first"], start = start, None
             try:
                 record["batch"] = to_numpy(self._fetch(keys, plan["batched"]), self.objects)
             except Exception as exc:
@@ -115,6 +122,8 @@ class BatchSource(Source):
             if stateful:
                 record["snap"] = states.snapshot(worker, self.dataset, iterable=False)
             yield record
+        if start is not None:
+            yield start
 
     @staticmethod
     def _streamed(take: Callable[..., Any]) -> Iterator[tuple[int, list[int]]]:
@@ -170,9 +179,11 @@ class BatchSource(Source):
         batch whose sample or collate raised (its other samples are lost, as in torch),
         with ``"snap"`` and ``"rng"`` after every ``plan["every"]``-th batch when the
         dataset or its iterator keeps a state, and last ``{"end": snapshot, "rng": ...}``
-        (see ``states``). A resumed worker (``plan["resume"]``: its snapshot and the
-        batches it yielded since) restores the snapshot and makes those batches again
-        without sending them; one whose iterator had ended sends its start and end."""
+        (see ``states``); with ``plan["start"] == "first"`` the start goes with the first
+        batch instead (or with the end), as its ``"first"``. A resumed worker
+        (``plan["resume"]``: its snapshot and the batches it yielded since) restores the
+        snapshot and makes those batches again without sending them; one whose iterator
+        had ended sends its start and end."""
         resume = plan.get("resume")
         every = int(plan.get("every") or 0)
         iterator = states.resume_into(self.dataset, lambda: iter(self.dataset), resume)
@@ -181,8 +192,10 @@ class BatchSource(Source):
         def snap(ended: bool = False) -> dict[str, Any]:
             return states.snapshot(worker, self.dataset, iterator, ended)
 
-        yield {"w": worker, "start": snap(states.ended(resume)),
-               "rng": seeding.capture_rng()}
+        head = {"w": worker, "start": snap(states.ended(resume)), "rng": seeding.capture_rng()}
+        start = head if plan.get("start") == "first" else None  # (goes with the first batch)
+        if start is None:
+            yield head
         if not states.ended(resume):
             skip = int((resume or {}).get("since", 0))
             made = 0
@@ -192,8 +205,13 @@ class BatchSource(Source):
                     continue
                 if stateful and every and made % every == 0:
                     record.update(snap=snap(), rng=seeding.capture_rng())
+                if start is not None:
+                    record["first"], start = start, None
                 yield record
-        yield {"w": worker, "end": snap(True), "rng": seeding.capture_rng()}
+        end = {"w": worker, "end": snap(True), "rng": seeding.capture_rng()}
+        if start is not None:
+            end["first"] = start
+        yield end
 
     def _batches(self, iterator: Iterator[Any], worker: int) -> Iterator[dict[str, Any]]:
         """The batches of ``iterator``, as torch worker ``worker`` makes them, each as a

@@ -91,6 +91,10 @@ class WorkerProcess:
         inherited: pipelines by fingerprint that this worker holds since its fork (a
             Loader's own workers): run as they are, never fetched or unpickled.
         blob_dir: the host's directory of fetched pipelines (:mod:`zloader.blobs`).
+        slot: the task index a forked worker asks for (``READY.slot``); its inherited
+            pipelines' sources prepare that index's first epoch as it starts.
+        prepared: called once they have, with whether all did fine (see
+            ``Source.forked``).
     """
 
     def __init__(self, broker: str, bind: str, advertise: str | None = None,
@@ -98,7 +102,8 @@ class WorkerProcess:
                  heartbeat: float = HEARTBEAT, keys: Keys | None = None,
                  plain_data: bool = False, forward_output: bool = False,
                  inherited: dict[str, Pipeline] | None = None,
-                 blob_dir: str | None = None, slot: int | None = None) -> None:
+                 blob_dir: str | None = None, slot: int | None = None,
+                 prepared: Callable[[bool], None] | None = None) -> None:
         self.keys = keys
         self.inherited = inherited
         self.blob_dir = blob_dir
@@ -108,6 +113,7 @@ class WorkerProcess:
         self.advertise = advertise
         self.prefer = prefer
         self.slot = slot  # the task index it was forked for (READY.slot)
+        self.prepared = prepared
         self.parent = parent
         self.heartbeat = heartbeat
         self.id = secrets.token_hex(8)
@@ -142,6 +148,7 @@ class WorkerProcess:
         """Serve until stopped. ``gate``: called before connecting to the broker (a forked
         worker waits there for its Loader's broker to be bound, its sockets made)."""
         keep_freed_memory()  # records made afresh reuse warm memory (worker/memory.py)
+        self._prepare()  # (first: its Loader may wait for it, see zloader/_process.py)
         context = zmq.Context()
         self.supply = Supply(context, self.keys, self.inherited, self.blob_dir)
         guard = self.keys.guard(context) if self.keys is not None else None
@@ -157,7 +164,6 @@ class WorkerProcess:
             worker=self.id, host=_socket.gethostname(), host_id=host_id(), pid=os.getpid(),
             endpoint=self.endpoint, prefer=self.prefer, plain_data=self.plain_data,
             holds=tuple(sorted(self.inherited or ())), slot=self.slot))
-        self._prepare()
         if self.capture is not None:
             self.capture.install()
         self.lock.acquire()  # the loop lets go of it only while it waits (see _loop)
@@ -191,10 +197,14 @@ class WorkerProcess:
 
     def _prepare(self) -> None:
         """A worker forked as ``slot``: its pipelines' sources prepare that index's first
-        epoch (``Source.forked``), while the broker answers its READY."""
+        epoch (``Source.forked``) before it connects; then ``prepared`` hears whether
+        they all did fine."""
+        fine = True
         if self.slot is not None:
             for pipeline in (self.inherited or {}).values():
-                pipeline.source.forked(self.slot)
+                fine = pipeline.source.forked(self.slot) is not False and fine
+        if self.prepared is not None:
+            self.prepared(fine)
 
     def _restart(self) -> None:
         """Replace this process with a fresh worker (same pid, so a Loader or supervisor

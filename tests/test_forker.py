@@ -1,0 +1,126 @@
+"""A Loader with several forked workers forks them through one process, the forker
+(zloader/_process.py): the workers are its children, it reports each one's pid, start and
+end to the Loader, and it leaves with them, whether the Loader closes, a worker or the
+forker itself is killed, or the trainer is killed hard. Real processes throughout."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from zloader import Loader, Pipeline, WorkerExited
+
+
+def _wait_for(check, timeout: float = 20.0) -> None:
+    """Wait until ``check()`` holds (a bound against hanging, not a timing)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_several_workers_are_the_forkers_children_and_leave_with_the_loader():
+    with Loader(Pipeline.range(3_000), num_workers=3, timeout=30) as loader:
+        forker = loader._embedded.forker
+        assert forker is not None
+        assert [child.pid for child in psutil.Process().children()] == [forker.process.pid]
+        workers = {process.pid for process in loader._processes}
+        assert len(workers) == 3
+        assert {c.pid for c in psutil.Process(forker.process.pid).children()} >= workers
+        assert all(pid in loader._embedded.own() for pid in workers)  # (pickles from them)
+        assert os.getpid() not in loader._embedded.own()
+        assert sorted(loader) == list(range(3_000))
+        assert loader.prepared(5.0) is True  # (each started: Source.forked had nothing)
+    assert all(_gone(pid) for pid in (*workers, forker.process.pid))
+    assert forker.process.returncode == 0
+
+
+def test_one_worker_is_forked_directly():
+    with Loader(Pipeline.range(100), num_workers=1, timeout=30) as loader:
+        assert loader._embedded.forker is None
+        (worker,) = loader._processes
+        assert [child.pid for child in psutil.Process().children()] == [worker.pid]
+        assert loader.prepared(5.0) is True  # (its start, reported on a pipe of its own)
+        assert sorted(loader) == list(range(100))
+
+
+def _slowly(x: int) -> int:
+    time.sleep(0.0005)
+    return x
+
+
+def test_a_killed_worker_is_reported_with_its_signal():
+    pipeline = Pipeline.range(20_000).map(_slowly)  # (10 s of each worker's share)
+    with Loader(pipeline, num_workers=2, timeout=30, sharding="static") as loader:
+        epoch = iter(loader)
+        next(epoch)
+        victim = loader._processes[1]
+        os.kill(victim.pid, signal.SIGKILL)
+        _wait_for(lambda: victim.poll() is not None)
+        assert victim.poll() == -signal.SIGKILL
+        with pytest.raises(WorkerExited, match=f"pid {victim.pid} was killed by SIGKILL"):
+            for _ in epoch:
+                pass
+        assert loader._processes[0].poll() is None
+
+
+def test_a_killed_forker_takes_its_workers_with_it():
+    pipeline = Pipeline.range(10**9).map(lambda x: x)
+    with Loader(pipeline, num_workers=2, timeout=30) as loader:
+        epoch = iter(loader)
+        next(epoch)
+        forker = loader._embedded.forker
+        workers = [process.pid for process in loader._processes]
+        os.kill(forker.process.pid, signal.SIGKILL)
+        # Orphaned, each worker sees its parent gone and leaves; the Loader says so.
+        _wait_for(lambda: all(_gone(pid) for pid in workers))
+        with pytest.raises(WorkerExited, match="no worker of this Loader is left"):
+            for _ in epoch:
+                pass
+        assert [process.poll() for process in loader._processes] == [1, 1]
+
+
+TRAINER = """
+import sys
+from zloader import Loader, Pipeline
+loader = Loader(Pipeline.range(10**9).map(lambda x: x), num_workers=3, timeout=30)
+epoch = iter(loader)
+next(epoch)
+print(loader._embedded.forker.process.pid, *(p.pid for p in loader._processes), flush=True)
+for _ in epoch:
+    pass
+"""
+
+
+def test_a_trainer_killed_hard_leaves_no_forker_and_no_worker():
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER], stdout=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    try:
+        assert trainer.stdout is not None
+        pids = [int(pid) for pid in trainer.stdout.readline().split()]
+        assert len(pids) == 4
+        os.kill(trainer.pid, signal.SIGKILL)  # the trainer alone, not its group
+        trainer.wait()
+        _wait_for(lambda: all(_gone(pid) for pid in pids))
+    finally:
+        if trainer.poll() is None:
+            os.killpg(trainer.pid, signal.SIGKILL)
+            trainer.wait()
+        if trainer.stdout is not None:
+            trainer.stdout.close()
+    # (the no_leaks fixture's next Loader sweeps the trainer's segments and socket folder)
+    with Loader(Pipeline.range(5), num_workers=2, timeout=30) as loader:
+        assert sorted(loader) == list(range(5))
