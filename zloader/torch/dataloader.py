@@ -208,10 +208,13 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             return self._inline(resume, progress), progress, None
         plan, indices = self._plan()
         plan["every"] = self.snapshot_every_n_steps or 0
-        # Freshly forked workers say when they have started (seeded, worker_init_fn run):
-        # iter() waits for that, and each sends its start snapshot with its first batch,
-        # so that the first batch waits for worker 0 alone (see Loader.prepared).
+        # Freshly forked workers of a map-style dataset that keeps no state say when they
+        # have started (seeded, worker_init_fn run): iter() waits for that only where it
+        # may fail, and each sends its start with its first batch, so that the first batch
+        # waits for worker 0 alone (see Loader.prepared). Such a worker's start snapshot is
+        # the one a state records for a worker not yet started.
         if (self._broker is None and self._start_method() == "fork"
+                and not self._iterable and not states.is_stateful(self.dataset)
                 and (not self._persistent or self._service is None)):
             plan["start"] = "first"
         progress.reseeded = bool(plan["reseed"])
@@ -229,7 +232,6 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         progress.loader = loader
         intake, dispatcher = self._open(loader, own, plans, progress, next_batch,
                                         plan.get("start") == "first")
-        progress.intake = intake
         batches: Iterator[tuple[Any, Any]]
         if dispatcher is None:
             batches = iter(Streams(intake, progress, self.num_workers, bool(self.in_order)))
@@ -409,8 +411,6 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             return copy.deepcopy(self._resume)
         progress = self._progress
         finished = progress is not None and progress.finished
-        if progress is not None and not finished and progress.intake is not None:
-            progress.intake.settle()  # (each worker's start, if iter() did not wait for it)
         places: dict[int, Place] = {}
         if progress is None or finished:
             rng, batches, last = self._rng(), 0, None

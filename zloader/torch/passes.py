@@ -46,7 +46,6 @@ class Progress(ByFields):
     inline: Any = None  # num_workers=0, an iterable dataset: torch's fetcher of the epoch
     control: list[int] = field(default_factory=lambda: [0])  # start/end records read
     done: Batches = field(default_factory=Batches)  # a map-style epoch's batches yielded
-    intake: Any = None  # the pass's records (Intake): settled before its state is taken
 
 
 class EpochIterator:
@@ -179,10 +178,11 @@ class Intake:
     ``BatchSource``), read one at a time. A worker's start (its snapshot before its first
     batch: its first record of the epoch, or that record's ``"first"``) is applied to its
     :class:`Place` as it arrives; :meth:`settle` reads ahead (keeping what it read) until
-    every worker sent its start, which ``iter()`` waits for unless the workers' start was
-    reported otherwise (``Loader.prepared``), so that ``state_dict()`` knows where each
-    worker began and a worker's failure to start (``worker_init_fn`` raised) raises
-    there, as in torchdata's ``StatefulDataLoader``."""
+    every worker sent its start, which ``iter()`` waits for, so that ``state_dict()``
+    knows where each worker began and a worker's failure to start (``worker_init_fn``
+    raised) raises there, as in torchdata's ``StatefulDataLoader``; unless the workers'
+    starts are reported otherwise (``Loader.prepared``) and hold nothing a state needs
+    (a map-style dataset that keeps no state: its start with its first batch)."""
 
     def __init__(self, records: Iterator[Any], progress: Progress, workers: int) -> None:
         self._records = records
