@@ -24,6 +24,7 @@ LAYERS = {
     "_defaults.pipeline": -2, "_defaults.client": -2, "_defaults.broker": -2,
     "_defaults.worker": -2, "_defaults.transport": -2,  # (its parts, by role)
     "_byfields": -0.5,  # eq, hash and repr by the fields, for dataclasses of any layer
+    "_hash": -0.5,  # sha256, hashlib imported at first use, for any layer
     "_version": 0, "errors": 0, "_check": 0, "_seeding": 0,
     "_command": 0,
     "_host": 0,

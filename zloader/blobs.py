@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import os
 import re
 from collections import OrderedDict
 from collections.abc import Callable
 
 from zloader._defaults import DISK_ENTRIES, MEMORY_ENTRIES
+from zloader._hash import sha256
 
 __all__ = ["BlobCache", "BlobError", "digest_of"]
 
@@ -38,7 +38,7 @@ class BlobError(Exception):
 
 
 def digest_of(blob: bytes | memoryview) -> str:
-    return hashlib.sha256(blob).hexdigest()
+    return sha256(blob).hexdigest()
 
 
 class BlobCache:

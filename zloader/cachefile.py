@@ -40,7 +40,6 @@ import errno
 import mmap
 import os
 import re
-import secrets
 import socket
 import stat
 import struct
@@ -583,7 +582,7 @@ class Store:
 def _temp_name(name: str) -> str:
     """A temporary name for the entry ``name``: unique to this host, process and call."""
     host = _NOT_HOST.sub("_", socket.gethostname()) or "host"
-    return f"{name}{TEMP}{host}-{os.getpid()}-{secrets.token_hex(4)}"
+    return f"{name}{TEMP}{host}-{os.getpid()}-{os.urandom(4).hex()}"
 
 
 def _local_temp(fd: int, name: str,

@@ -52,7 +52,6 @@ from __future__ import annotations
 import builtins
 import dis
 import functools
-import hashlib
 import itertools
 import json
 import marshal
@@ -69,6 +68,7 @@ import numpy as np
 
 from zloader import packed
 from zloader._defaults import FINGERPRINT_MAX_DEPTH as MAX_DEPTH
+from zloader._hash import sha256
 from zloader._version import __version__
 from zloader.errors import FingerprintWarning
 
@@ -247,7 +247,7 @@ class _Hasher:
     """
 
     def __init__(self) -> None:
-        self._sha = hashlib.sha256()
+        self._sha = sha256()
         self._done: dict[int, bytes] = {}
         self._active: dict[int, int] = {}
         self._alive: list[Any] = []  # keeps hashed objects alive so their ids stay unique
@@ -315,7 +315,7 @@ class _Hasher:
     def _digest(self, value: Any, kind: type, names: Iterable[str]) -> bytes:
         key = id(value)
         self._active[key] = len(self._active)
-        outer, self._sha = self._sha, hashlib.sha256()
+        outer, self._sha = self._sha, sha256()
         try:
             self._feed_object(value, kind, names)
             digest = self._sha.digest()
@@ -327,7 +327,7 @@ class _Hasher:
         return digest
 
     def _digest_of_item(self, value: Any) -> bytes:
-        outer, self._sha = self._sha, hashlib.sha256()
+        outer, self._sha = self._sha, sha256()
         try:
             self.feed(value, "item")
             return self._sha.digest()

@@ -18,7 +18,7 @@ differ from each other; with ``seed=None`` a random stage draws fresh entropy on
 from __future__ import annotations
 
 import itertools
-import secrets
+import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -490,7 +490,8 @@ class Pipeline:
                 the stage and carries the original traceback.
         """
         epoch = _check.integer("epoch", epoch, 0)
-        ctx = Context(RunSettings(entropy=secrets.randbits(63)), source=self.source)
+        entropy = int.from_bytes(os.urandom(8), "little") >> 1
+        ctx = Context(RunSettings(entropy=entropy), source=self.source)
 
         def read(key: _stages.Key) -> Iterator[Any]:
             for split in ctx.source.split_order(key, ctx.settings.entropy):
@@ -518,7 +519,7 @@ class Pipeline:
             found.extend(prefix_fingerprints(parts))
         except Unhashable as exc:
             warn_unshareable(exc.culprit)
-            found += [secrets.token_hex(32) for _ in range(len(parts) - len(found))]
+            found += [os.urandom(32).hex() for _ in range(len(parts) - len(found))]
             return tuple(found), exc.culprit
         return tuple(found), None
 

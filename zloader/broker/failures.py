@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import secrets
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -81,7 +81,7 @@ def leave(state: Tables, worker: Worker, job: Job, task: str, died: bool, now: f
     grace = state.expiry * FENCE_GRACE
     asked = job.consumers | {c for c, t in job.silent.items() if now - t < grace}
     if job.track and lost and asked and not state.replaying:
-        job.fences[secrets.token_hex(6)] = Fence(worker_id, task, died, lost, asked,
+        job.fences[os.urandom(6).hex()] = Fence(worker_id, task, died, lost, asked,
                                                  now + grace, event=event)
         return views.tell_consumers(state, job)  # journaled once the fence is done
     takers = _takers(state, job) if job.share is not None else []
@@ -92,7 +92,7 @@ def leave(state: Tables, worker: Worker, job: Job, task: str, died: bool, now: f
         # worker the job gets, when it was the last and died (adopt_orphans). (The pool
         # moving a last worker at once, a time slice, reads them again: made again, a
         # slice's work would be done twice in every slice.)
-        job.fences[secrets.token_hex(6)] = Fence(
+        job.fences[os.urandom(6).hex()] = Fence(
             worker_id, task, died, lost, asked, now + grace, event=event, index=index,
             order=order, taker=takers[0][1].id if takers else None, switches=switches)
         done = complete_fences(state, job)  # (at once when no trainer is to answer)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import secrets
+import os
 from typing import Any
 
 from zloader._defaults import UNHEARD_BEATS
@@ -318,8 +318,8 @@ def _new_job(state: Tables, identity: bytes, msg: Register, name: str | None,
     width = options.num_workers or max(1, live)
     handout = Handout(source["num_splits"], bool(source.get("shuffle_splits", False)),
                       source.get("seed"), layout_of(source.get("inputs")))
-    job = Job(secrets.token_hex(8), msg.fingerprint, name, options, msg.blob, handout,
-              width, msg.source_data, secrets.randbits(63), now)
+    job = Job(os.urandom(8).hex(), msg.fingerprint, name, options, msg.blob, handout,
+              width, msg.source_data, int.from_bytes(os.urandom(8), "little") >> 1, now)
     job.pipeline = _pipeline(msg)
     job.branches = branches
     job.owner = identity

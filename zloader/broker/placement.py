@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import secrets
+import os
 
 from zloader._defaults import HUNGRY_STARVATION, MOVE_DRAIN_SECONDS
 from zloader._host import loopback
@@ -79,7 +79,7 @@ def _can_serve(worker: Worker, job: Job, job_hosts: dict[str, set[str]]) -> bool
 
 def give(state: Tables, worker: Worker, job: Job, now: float) -> list[Out]:
     """Start a task of ``job`` on the free ``worker``."""
-    task = secrets.token_hex(8)
+    task = os.urandom(8).hex()
     used = set(job.indices.values())
     # A worker forked for a Loader takes the index it was made for (it may have prepared
     # that index's first epoch, see Source.forked); any other the lowest free one.

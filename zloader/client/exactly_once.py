@@ -6,12 +6,12 @@ received, the fences and the rereads are the I/O thread's (zloader/client/epoch_
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable
 from typing import Any, TypeGuard
 
 from zloader._defaults import MAX_FANOUT
+from zloader._hash import sha256
 from zloader.lineage import Ledger, Origins
 
 __all__ = ["STATE_VERSION", "Yielded", "resume_from"]
@@ -132,7 +132,7 @@ def resume_from(state: Any, fingerprint: str, exactly_once: bool,
     entropy = next((one["entropy"] for one in states if isinstance(one.get("entropy"), int)),
                    None)
     delivered = ledger.to_json()
-    digest = hashlib.sha256(json.dumps([epoch, entropy, delivered]).encode()).hexdigest()
+    digest = sha256(json.dumps([epoch, entropy, delivered]).encode()).hexdigest()
     # A mix's weights set on the Loaders: those set last (a state without a stamp, of an
     # older version, counts as set before any with one; then the last such state's)
     weighted = [(_stamp(one), at, one["weights"]) for at, one in enumerate(states)
@@ -198,7 +198,7 @@ def _ordered(state: Any, fingerprint: str, ordered: bool) -> dict[str, Any]:
         raise ValueError("state was saved by a Loader of another pipeline (its "
                          "fingerprint differs); resume with the same pipeline")
     entropy = one.get("entropy") if _natural(one.get("entropy")) else None
-    digest = hashlib.sha256(json.dumps([one["epoch"], entropy, order]).encode()).hexdigest()
+    digest = sha256(json.dumps([one["epoch"], entropy, order]).encode()).hexdigest()
     return {"epoch": one["epoch"], "entropy": entropy, "delivered": [],
             "digest": digest[:12], "weights": one.get("weights") or None,
             "weights_stamp": _stamp(one),

@@ -8,7 +8,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ def registration(*, fingerprint: str, job_name: str | None, options: JobOptions,
     a resumed run's ``resume``, a shared job's pipeline's ``prefix``). ``inherited``: the
     workers have the pipeline already (forked from this process)."""
     return messages.Register(
-        consumer=secrets.token_hex(8), fingerprint=fingerprint, job_name=job_name,
+        consumer=os.urandom(8).hex(), fingerprint=fingerprint, job_name=job_name,
         options=options, source=source, host_id=host_id(), pid=os.getpid(),
         consumer_index=consumer_index,
         pipeline={"inherited": True} if inherited else None,

@@ -6,7 +6,7 @@ import base64
 import copy
 import functools
 import math
-import secrets
+import os
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -208,14 +208,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             return self._inline(resume, progress), progress, None
         plan, indices = self._plan()
         plan["every"] = self.snapshot_every_n_steps or 0
-        # Freshly forked workers of a map-style dataset that keeps no state say when they
-        # have started (seeded, worker_init_fn run): iter() waits for that only where it
-        # may fail, and each sends its start with its first batch, so that the first batch
-        # waits for worker 0 alone (see Loader.prepared). Such a worker's start snapshot is
-        # the one a state records for a worker not yet started.
-        if (self._broker is None and self._start_method() == "fork"
-                and not self._iterable and not states.is_stateful(self.dataset)
-                and (not self._persistent or self._service is None)):
+        if self._starts_with_first_batch():
             plan["start"] = "first"
         progress.reseeded = bool(plan["reseed"])
         workers = self._resumed_workers(resume, places, progress)
@@ -322,6 +315,17 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                 raise worded from exc
             raise
         return intake, dispatcher
+
+    def _starts_with_first_batch(self) -> bool:
+        """Whether a pass's workers send their start with their first batch: freshly
+        forked workers of a map-style dataset that keeps no state. They say when they have
+        started (seeded, ``worker_init_fn`` run), which ``iter()`` waits for only where it
+        may fail, so that the first batch waits for worker 0 alone (``Loader.prepared``);
+        such a worker's start snapshot is the one a state records for a worker not yet
+        started."""
+        return (self._broker is None and self._start_method() == "fork"
+                and not self._iterable and not states.is_stateful(self.dataset)
+                and (not self._persistent or self._service is None))
 
     def _may_fail_to_start(self) -> bool:
         """Whether a worker's start may raise (``worker_init_fn``, a datapipe's sharding),
@@ -508,7 +512,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             worker_init_fn=torch_loader.worker_init_fn, persistent=self._persistent,
             width=self.num_workers, iterable=self._iterable,
             batch_size=torch_loader.batch_size if torch_loader._auto_collation else None,
-            drop_last=torch_loader.drop_last, token=secrets.token_hex(8),
+            drop_last=torch_loader.drop_last, token=os.urandom(8).hex(),
             objects=self._broker is None, first_seed=self._base_seed,
             )
         self._started += 1

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import weakref
 from collections.abc import Generator, Iterator
 from typing import Any
@@ -85,7 +84,7 @@ class IterableDataset(torch.utils.data.IterableDataset):
         if address is None and ranks.rank == 0:
             self._broker = Broker("tcp://127.0.0.1:0").start()
             address = self._broker.endpoint
-        run = os.environ.get("TORCHELASTIC_RUN_ID") or secrets.token_hex(8)
+        run = os.environ.get("TORCHELASTIC_RUN_ID") or os.urandom(8).hex()
         address, run = ranks.broadcast([address, run])
         workers = self.loader_kwargs.get("num_workers")
         if workers is None:

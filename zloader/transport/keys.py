@@ -24,7 +24,6 @@ it). The broker socket always speaks CURVE: only it receives code.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import pathlib
@@ -37,6 +36,7 @@ import zmq
 import zmq.auth
 
 from zloader._byfields import FrozenByFields
+from zloader._hash import sha256
 
 __all__ = ["KEYS_ENV", "Keys", "KeysError", "keygen", "resolve", "unsafe_directory"]
 
@@ -109,7 +109,7 @@ class Keys(FrozenByFields):
     @property
     def token(self) -> bytes:
         """The PLAIN password of ``--plain-data`` sockets, derived from the client secret."""
-        return hashlib.sha256(b"zloader plain data\0" + self.client_secret).hexdigest().encode()
+        return sha256(b"zloader plain data\0" + self.client_secret).hexdigest().encode()
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Keys:

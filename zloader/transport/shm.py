@@ -31,7 +31,6 @@ import errno
 import mmap
 import os
 import re
-import secrets
 import stat
 import weakref
 from types import TracebackType
@@ -76,7 +75,7 @@ def segment_name(kind: str) -> str:
     if not isinstance(kind, str) or not _KIND.match(kind):
         raise ValueError(f"segment kind must be 1 to {KIND_MAX} characters of [a-z0-9], "
                          f"got {kind!r}")
-    return f"{PREFIX}{os.getuid()}-{os.getpid()}-{kind}-{secrets.token_hex(4)}"
+    return f"{PREFIX}{os.getuid()}-{os.getpid()}-{kind}-{os.urandom(4).hex()}"
 
 
 def check_name(name: str) -> None:

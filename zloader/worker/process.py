@@ -16,7 +16,6 @@ import contextlib
 import functools
 import logging
 import os
-import secrets
 import socket as _socket
 import sys
 import threading
@@ -116,7 +115,7 @@ class WorkerProcess:
         self.prepared = prepared
         self.parent = parent
         self.heartbeat = heartbeat
-        self.id = secrets.token_hex(8)
+        self.id = os.urandom(8).hex()
         self.task: Task | None = None
         self.stop = threading.Event()
         self.rejected = 0  # malformed messages dropped
