@@ -1,4 +1,4 @@
-"""A Loader with several forked workers forks them through one process, the forker
+"""A Loader with three forked workers or more forks them through one process, the forker
 (zloader/_process.py): the workers are its children, it reports each one's pid, start and
 end to the Loader, and it leaves with them, whether the Loader closes, a worker or the
 forker itself is killed, or the trainer is killed hard. Real processes throughout."""
@@ -48,12 +48,13 @@ def test_several_workers_are_the_forkers_children_and_leave_with_the_loader():
     assert forker.process.returncode == 0
 
 
-def test_one_worker_is_forked_directly():
-    with Loader(Pipeline.range(100), num_workers=1, timeout=30) as loader:
+@pytest.mark.parametrize("workers", [1, 2])
+def test_one_or_two_workers_are_forked_directly(workers: int):
+    with Loader(Pipeline.range(100), num_workers=workers, timeout=30) as loader:
         assert loader._embedded.forker is None
-        (worker,) = loader._processes
-        assert [child.pid for child in psutil.Process().children()] == [worker.pid]
-        assert loader.prepared(5.0) is True  # (its start, reported on a pipe of its own)
+        pids = [process.pid for process in loader._processes]
+        assert [child.pid for child in psutil.Process().children()] == pids
+        assert loader.prepared(5.0) is True  # (their starts, reported on a pipe)
         assert sorted(loader) == list(range(100))
 
 
@@ -64,7 +65,7 @@ def _slowly(x: int) -> int:
 
 def test_a_killed_worker_is_reported_with_its_signal():
     pipeline = Pipeline.range(4_000).map(_slowly)  # (a second of each worker's share)
-    with Loader(pipeline, num_workers=2, timeout=30, sharding="static") as loader:
+    with Loader(pipeline, num_workers=3, timeout=30, sharding="static") as loader:
         epoch = iter(loader)
         next(epoch)
         victim = loader._processes[1]
@@ -79,7 +80,7 @@ def test_a_killed_worker_is_reported_with_its_signal():
 
 def test_a_killed_forker_takes_its_workers_with_it():
     pipeline = Pipeline.range(10**9).map(lambda x: x)
-    with Loader(pipeline, num_workers=2, timeout=30) as loader:
+    with Loader(pipeline, num_workers=3, timeout=30) as loader:
         epoch = iter(loader)
         next(epoch)
         forker = loader._embedded.forker
@@ -90,7 +91,7 @@ def test_a_killed_forker_takes_its_workers_with_it():
         with pytest.raises(WorkerExited, match="no worker of this Loader is left"):
             for _ in epoch:
                 pass
-        assert [process.poll() for process in loader._processes] == [1, 1]
+        assert [process.poll() for process in loader._processes] == [1, 1, 1]
 
 
 TRAINER = """
@@ -122,5 +123,5 @@ def test_a_trainer_killed_hard_leaves_no_forker_and_no_worker():
         if trainer.stdout is not None:
             trainer.stdout.close()
     # (the no_leaks fixture's next Loader sweeps the trainer's segments and socket folder)
-    with Loader(Pipeline.range(5), num_workers=2, timeout=30) as loader:
+    with Loader(Pipeline.range(5), num_workers=3, timeout=30) as loader:
         assert sorted(loader) == list(range(5))

@@ -93,7 +93,7 @@ def _memfds() -> int:
     return count
 
 
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("workers", [1, 3])
 def test_the_loader_holds_no_memfd_and_its_packer_is_reaped(workers: int):
     before = _memfds()
     with zloader.Loader(zloader.Pipeline.from_torch(Paths(300_000)),

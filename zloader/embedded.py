@@ -14,7 +14,7 @@ from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Any
 
-from zloader._defaults import WORKER_STOP_SECONDS
+from zloader._defaults import FORKER_MIN_WORKERS, WORKER_STOP_SECONDS
 from zloader.handoff import Handoff
 from zloader.pipeline import Pipeline
 from zloader.transport.shm import sweep, sweep_dirs
@@ -23,9 +23,11 @@ __all__ = ["Embedded", "through_forker"]
 
 
 def through_forker(start_method: str, workers: int) -> bool:
-    """Whether a Loader forks its ``workers`` through the forker (zloader/_process.py),
-    which reports each one's start (:meth:`Embedded.prepared`)."""
-    return start_method == "fork" and workers > 1
+    """Whether a Loader forks its ``workers`` through the forker (zloader/_process.py):
+    from three on (for two, the forker's own fork costs the trainer more than the one
+    fork it takes off it: bench.startup's 2-worker cases, 1.10-1.17x torch's first batch
+    forked directly against 1.22-1.30x through it, same sitting)."""
+    return start_method == "fork" and workers >= FORKER_MIN_WORKERS
 
 
 @dataclass(eq=False)

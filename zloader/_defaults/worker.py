@@ -103,6 +103,10 @@ GATE_SECONDS = 10.0
 """A forked worker waits at most this long for its Loader's broker to be bound before it
 connects anyway (zloader/embedded.py; fixed)."""
 
+FORKER_MIN_WORKERS = 3
+"""A Loader with at least this many forked workers forks them through the forker
+(zloader/_process.py), fewer directly (fixed)."""
+
 HANDOFF_MIN_ELEMENTS = 100_000
 """Lists of fewer elements than this in all are packed before the fork (or not at all: see
 PACK_MIN_BYTES): at about 0.5 us an element that is quicker than forking the packer
