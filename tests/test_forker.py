@@ -125,3 +125,58 @@ def test_a_trainer_killed_hard_leaves_no_forker_and_no_worker():
     # (the no_leaks fixture's next Loader sweeps the trainer's segments and socket folder)
     with Loader(Pipeline.range(5), num_workers=3, timeout=30) as loader:
         assert sorted(loader) == list(range(5))
+
+
+ADOPTING_TRAINER = """
+import ctypes, os, signal, sys, time
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans come here, as to PID 1
+from zloader import Loader, Pipeline, WorkerExited
+loader = Loader(Pipeline.range(10**9).map(lambda x: x), num_workers=3, timeout=30)
+epoch = iter(loader)
+next(epoch)
+os.kill(loader._embedded.forker.process.pid, signal.SIGKILL)
+try:
+    for _ in epoch:
+        pass
+except WorkerExited as exc:
+    print("raised", [process.poll() for process in loader._processes], flush=True)
+loader.close()
+print("closed", flush=True)
+"""
+
+
+def test_a_trainer_that_adopts_the_orphans_of_a_killed_forker_reaps_them():
+    """A trainer that is PID 1 in its container (here: a subreaper) adopts the workers of
+    a forker killed under them: it reaps them as they leave (their own status, 0), the
+    epoch raises, and close() returns."""
+    trainer = subprocess.run([sys.executable, "-c", ADOPTING_TRAINER], capture_output=True,
+                             text=True, timeout=60)
+    assert trainer.stdout.splitlines() == ["raised [0, 0, 0]", "closed"], trainer.stderr
+
+
+FORK_FAILS = """
+import os
+real, trainer, forks = os.fork, os.getpid(), [0]
+def fork():  # the forker's third fork fails, as with EAGAIN at a process limit
+    if os.getpid() != trainer:
+        forks[0] += 1
+        if forks[0] == 3:
+            raise BlockingIOError(11, "Resource temporarily unavailable (simulated)")
+    return real()
+os.fork = fork
+from zloader import Loader, Pipeline, WorkerExited
+with Loader(Pipeline.range(10**6), num_workers=3, timeout=30) as loader:
+    try:
+        sum(1 for _ in loader)
+    except WorkerExited as exc:
+        print("raised", "could not be forked" in str(exc), [p.poll() for p in loader._processes],
+              flush=True)
+print("closed", flush=True)
+"""
+
+
+def test_a_worker_the_forker_cannot_fork_fails_the_epoch_with_the_reason():
+    trainer = subprocess.run([sys.executable, "-c", FORK_FAILS], capture_output=True,
+                             text=True, timeout=60)
+    assert trainer.stdout.splitlines() == ["raised True [1, 1, 1]", "closed"], trainer.stderr
+    assert "Resource temporarily unavailable (simulated)" in trainer.stderr

@@ -81,13 +81,18 @@ class ForkedWorker(_Handle):
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self.returncode: int | None = None
+        self._lock = threading.Lock()  # (the forker's is polled from two threads)
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
+        with self._lock:
+            if self.returncode is None:
+                try:
+                    pid, status = os.waitpid(self.pid, os.WNOHANG)
+                except ChildProcessError:  # (reaped by someone else: its status is lost)
+                    pid, status = self.pid, 1 << 8
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+            return self.returncode
 
     def _exited(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for the process to exit: on its pidfd, woken the
@@ -207,7 +212,10 @@ def fork_workers(address: str, binds: list[str], keys: Keys | None = None,
         os.close(reports)
         gc.freeze()  # (see _worker_main)
         repair_imports()
+        # (the parent's Ctrl-C, or a SIGTERM to the group, is for the workers: it leaves
+        # with them, having reported how each ended)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         forked(handoff)  # (the memfds of other Loaders' handoffs are not for its workers)
         _serve_forks(trainer, report, address, binds, keys, pipelines, swaps, handoff, gate)
         code = 0
@@ -228,6 +236,7 @@ def _serve_forks(trainer: int, report: int, address: str, binds: list[str],
     for slot, bind in enumerate(binds):
         pid = os.fork()
         if pid == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (until the worker's handler)
             _worker_main(me, address, bind, keys, pipelines, swaps, handoff, gate, False,
                          slot, report)
         slots[pid] = slot
@@ -301,6 +310,7 @@ class Reports:
                 for kind, slot, pid, code in _REPORT.iter_unpack(data[:whole]):
                     if kind == _FORKED:
                         self.pids[slot] = pid
+                        self.forked(slot, pid)
                     elif kind == _PREPARED:
                         self.prepared[slot] = bool(code)
                     else:
@@ -324,6 +334,9 @@ class Reports:
     def silent(self) -> bool:
         """Whether no more reports can come."""
         return False
+
+    def forked(self, slot: int, pid: int) -> None:
+        """Worker ``slot`` was reported forked as ``pid`` (under the reading lock)."""
 
     def all_prepared(self, timeout: float, ended: Callable[[], bool]) -> bool:
         """Wait until every worker has prepared its first epoch (``Source.forked``), one
@@ -350,27 +363,57 @@ class Forker(Reports):
     def __init__(self, process: ForkedWorker, reports: int, count: int) -> None:
         super().__init__(reports, count)
         self.process = process
+        # Each worker's pidfd, opened as its pid is reported: a signal through it cannot
+        # reach another process that took the pid after the worker was reaped.
+        self.pidfds: dict[int, int] = {}
+
+    def forked(self, slot: int, pid: int) -> None:
+        try:
+            self.pidfds[slot] = os.pidfd_open(pid)
+        except (AttributeError, OSError):  # (no pidfds here, or gone already)
+            self.pidfds[slot] = -1
 
     def silent(self) -> bool:
         return self.process.poll() is not None
 
+    def signal(self, slot: int, signum: int) -> None:
+        """Send ``signum`` to worker ``slot``, if it runs."""
+        fd = self.pidfds.get(slot, -1)
+        with contextlib.suppress(ProcessLookupError):
+            if fd >= 0:
+                signal.pidfd_send_signal(fd, signum)
+            elif slot in self.pids:
+                os.kill(self.pids[slot], signum)
+
+    def ended(self, slot: int, timeout: float = 0.0) -> bool:
+        """Whether worker ``slot`` has exited (or was never forked), waiting at most
+        ``timeout`` seconds; seen on its pidfd (a zombie counts)."""
+        fd = self.pidfds.get(slot, -1)
+        if fd >= 0:
+            return _readable(fd, timeout)
+        pid = self.pids.get(slot)
+        if timeout:
+            time.sleep(min(timeout, 0.01))
+        return pid is None or not _exists(pid)
+
     def pid(self, slot: int) -> int:
-        """The pid of worker ``slot`` (reported as the forker forks it)."""
-        if slot not in self.pids and not self.wait(lambda: slot in self.pids, GATE_SECONDS):
-            raise RuntimeError(f"the process that forks this Loader's workers did not fork "
-                               f"worker {slot} (exit status {self.process.poll()})")
-        return self.pids[slot]
+        """The pid of worker ``slot`` (reported as the forker forks it); 0 for one the
+        forker never forked (it failed to: its error went to stderr)."""
+        if slot not in self.pids:
+            self.wait(lambda: slot in self.pids, GATE_SECONDS)
+        return self.pids.get(slot, 0)
 
     def code(self, slot: int) -> int | None:
         """Worker ``slot``'s exit status, None while it runs. One whose forker died
-        without reporting it (killed) leaves by itself, its parent gone: 1 once it has."""
+        without reporting it (killed) leaves by itself, its parent gone: once it has, its
+        status if this process adopted it (a trainer that is PID 1 or a subreaper), else
+        1; 1 too for one the forker never forked."""
         self.read()
         if slot in self.codes or self.process.poll() is None:
             return self.codes.get(slot)
         self.read()
-        pid = self.pids.get(slot)
-        if slot not in self.codes and (pid is None or not _exists(pid)):
-            self.codes[slot] = 1
+        if slot not in self.codes and self.ended(slot):
+            self.codes[slot] = _adopted(self.pids.get(slot))
         return self.codes.get(slot)
 
     def __contains__(self, pid: object) -> bool:
@@ -389,6 +432,11 @@ class Forker(Reports):
             self.process.kill()
             self.process.wait()
         self.close()
+        with self._lock:
+            for fd in self.pidfds.values():
+                if fd >= 0:
+                    os.close(fd)
+            self.pidfds.clear()
 
 
 class ForkedChild(_Handle):
@@ -409,9 +457,30 @@ class ForkedChild(_Handle):
     def poll(self) -> int | None:
         return self.forker.code(self.slot)
 
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            self.forker.signal(self.slot, signum)
+
     def _exited(self, timeout: float) -> None:
-        """Wait up to ``timeout`` seconds for a report of the forker."""
-        self.forker.wait(lambda: self.forker.codes.get(self.slot) is not None, timeout)
+        """Wait up to ``timeout`` seconds for a report of the forker (or, the forker
+        gone, for the worker to exit)."""
+        forker = self.forker
+        if not forker.wait(lambda: forker.codes.get(self.slot) is not None, timeout) \
+                and forker.silent():
+            forker.ended(self.slot, timeout)
+
+
+def _adopted(pid: int | None) -> int:
+    """The exit status of ``pid``, an orphaned worker that has exited, if this process
+    adopted it (reaped here), else 1 (its status went to whoever reaped it)."""
+    if pid:
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return 1
+        if done:
+            return os.waitstatus_to_exitcode(status)
+    return 1
 
 
 def _exists(pid: int) -> bool:

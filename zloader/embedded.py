@@ -4,6 +4,7 @@ in this process; started in the order forking needs and stopped together."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -156,7 +157,8 @@ class Embedded:
                 process.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 process.kill()
-                process.wait()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(WORKER_STOP_SECONDS)  # (bounded: none that never ends)
         if self.forker is not None:  # (it leaves once its workers have)
             self.forker.stop(WORKER_STOP_SECONDS)
         elif self.reports is not None:

@@ -677,6 +677,9 @@ def _deaths(processes: list[Any], stats: Stats) -> str:
         code = process.poll()
         if code is None:
             continue
+        if not process.pid:  # (the forker failed to fork it: its error is on stderr)
+            notes.append("one of this Loader's workers could not be forked")
+            continue
         how = (f"was killed by {_signal_name(-code)}" if code < 0
                else f"exited with code {code}")
         last = stats.was_doing.get(process.pid)
