@@ -150,8 +150,8 @@ def _worker_main(parent: int, address: str, bind: str, keys: Keys | None,
                  handoff: Handoff | None, gate: int | None, packs: bool,
                  slot: int | None, report: int | None = None) -> NoReturn:
     """A forked worker's life (see :func:`start_worker`), ``parent`` the process that
-    forked it, ``report`` the forker's pipe (it says there when it has prepared): never
-    returns into the caller's code."""
+    forked it, ``report`` the pipe of its reports (it says there when it has prepared):
+    never returns into the caller's code."""
     code = 1
     try:
         # The parent's objects, garbage included, are never collected here: a cycle the
@@ -354,6 +354,10 @@ class Reports:
             if self._reports >= 0:
                 os.close(self._reports)
                 self._reports = -1
+
+    def stop(self, timeout: float) -> None:
+        """Once the workers are stopped: read no more (``timeout``: see the forker's)."""
+        self.close()
 
 
 class Forker(Reports):

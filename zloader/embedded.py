@@ -95,7 +95,7 @@ class Embedded:
                        pipelines: dict[str, Pipeline] | None, swaps: list[Any],
                        handoff: Handoff | None, gate: int | None) -> None:
         """Start the workers (see :meth:`start`): forked through the forker, forked here
-        (one, with a pipe for its reports), or spawned."""
+        (one or two, with a pipe for their reports), or spawned."""
         # (the worker's code, imported only by a Loader that runs workers)
         from zloader._process import Reports, fork_workers, start_worker
 
@@ -121,7 +121,11 @@ class Embedded:
     @property
     def forker(self) -> Any:
         """The forker that forked its workers (a zloader._process.Forker), or None."""
-        return self.reports if hasattr(self.reports, "process") else None
+        if self.reports is None:
+            return None
+        from zloader._process import Forker  # (imported already: it made the reports)
+
+        return self.reports if isinstance(self.reports, Forker) else None
 
     def prepared(self, timeout: float) -> bool | None:
         """Whether every worker has prepared its first epoch fine (``Source.forked``),
@@ -159,10 +163,8 @@ class Embedded:
                 process.kill()
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     process.wait(WORKER_STOP_SECONDS)  # (bounded: none that never ends)
-        if self.forker is not None:  # (it leaves once its workers have)
-            self.forker.stop(WORKER_STOP_SECONDS)
-        elif self.reports is not None:
-            self.reports.close()
+        if self.reports is not None:  # (a forker leaves once its workers have)
+            self.reports.stop(WORKER_STOP_SECONDS)
         if self.broker is not None:
             self.broker.close()
         if self.dir is not None:

@@ -237,7 +237,7 @@ class Loader:
         """Whether each of this Loader's forked workers has prepared its first epoch fine
         as it started (``Source.forked``: the torch drop-in's seeding and
         ``worker_init_fn``), waiting at most ``timeout`` seconds, until one failed to or
-        ended; None when it is not known (one worker, spawned ones, a broker's)."""
+        ended; None when it is not known (spawned workers, a broker's)."""
         return self._embedded.prepared(timeout)
 
     # --- iteration ------------------------------------------------------------------------

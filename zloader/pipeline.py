@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import random
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -490,8 +491,8 @@ class Pipeline:
                 the stage and carries the original traceback.
         """
         epoch = _check.integer("epoch", epoch, 0)
-        entropy = int.from_bytes(os.urandom(8), "little") >> 1
-        ctx = Context(RunSettings(entropy=entropy), source=self.source)
+        ctx = Context(RunSettings(entropy=random.SystemRandom().getrandbits(63)),
+                      source=self.source)
 
         def read(key: _stages.Key) -> Iterator[Any]:
             for split in ctx.source.split_order(key, ctx.settings.entropy):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import random
 from typing import Any
 
 from zloader._defaults import UNHEARD_BEATS
@@ -319,7 +320,7 @@ def _new_job(state: Tables, identity: bytes, msg: Register, name: str | None,
     handout = Handout(source["num_splits"], bool(source.get("shuffle_splits", False)),
                       source.get("seed"), layout_of(source.get("inputs")))
     job = Job(os.urandom(8).hex(), msg.fingerprint, name, options, msg.blob, handout,
-              width, msg.source_data, int.from_bytes(os.urandom(8), "little") >> 1, now)
+              width, msg.source_data, random.SystemRandom().getrandbits(63), now)
     job.pipeline = _pipeline(msg)
     job.branches = branches
     job.owner = identity

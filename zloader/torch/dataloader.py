@@ -29,8 +29,10 @@ from zloader.torch.passes import (
     Unmarked,
     arrived,
     in_torch_words,
+    may_fail_to_start,
     ordered,
     skipped,
+    starts_with_first_batch,
     worker_plans,
 )
 from zloader.torch.source import BatchSource
@@ -208,7 +210,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             return self._inline(resume, progress), progress, None
         plan, indices = self._plan()
         plan["every"] = self.snapshot_every_n_steps or 0
-        if self._starts_with_first_batch():
+        if starts_with_first_batch(
+                self.dataset, self._iterable,
+                forked=self._broker is None and self._start_method() == "fork",
+                fresh=not self._persistent or self._service is None):
             plan["start"] = "first"
         progress.reseeded = bool(plan["reseed"])
         workers = self._resumed_workers(resume, places, progress)
@@ -304,7 +309,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             intake = Intake(loader.iterate(plans), progress, self.num_workers)
             if dispatcher is not None:  # (sent with each worker's OPEN: no round trip)
                 dispatcher.prime()
-            if not (reported and (not self._may_fail_to_start()
+            if not (reported and (not may_fail_to_start(self.dataset, self.worker_init_fn)
                                   or loader.prepared(self.timeout or 60.0))):
                 intake.settle()  # each worker started: its first snapshot; its init errors
         except BaseException as exc:
@@ -315,25 +320,6 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                 raise worded from exc
             raise
         return intake, dispatcher
-
-    def _starts_with_first_batch(self) -> bool:
-        """Whether a pass's workers send their start with their first batch: freshly
-        forked workers of a map-style dataset that keeps no state. They say when they have
-        started (seeded, ``worker_init_fn`` run), which ``iter()`` waits for only where it
-        may fail, so that the first batch waits for worker 0 alone (``Loader.prepared``);
-        such a worker's start snapshot is the one a state records for a worker not yet
-        started."""
-        return (self._broker is None and self._start_method() == "fork"
-                and not self._iterable and not states.is_stateful(self.dataset)
-                and (not self._persistent or self._service is None))
-
-    def _may_fail_to_start(self) -> bool:
-        """Whether a worker's start may raise (``worker_init_fn``, a datapipe's sharding),
-        which ``iter()`` then waits for, as torchdata's ``StatefulDataLoader`` does; a
-        worker that cannot fail is not waited for (its start snapshot comes with its first
-        batch, and ``state_dict`` waits for it if asked before)."""
-        return self.worker_init_fn is not None or isinstance(
-            self.dataset, (torch.utils.data.IterDataPipe, torch.utils.data.MapDataPipe))
 
     @staticmethod
     def _checked_end(feed: Feed, resume: dict[str, Any] | None

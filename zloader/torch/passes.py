@@ -13,10 +13,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch.utils.data
 
 from zloader._byfields import ByFields
 from zloader.errors import Timeout, WorkerExited
 from zloader.loader import Loader
+from zloader.torch import states
 from zloader.torch.failures import Failed, rebuild, torch_words
 from zloader.torch.feed import Dispatcher
 from zloader.torch.states import Batches, Place
@@ -171,6 +173,23 @@ class WorkerHandle:
     @property
     def exitcode(self) -> int | None:
         return self._process.poll()
+
+
+def starts_with_first_batch(dataset: Any, iterable: bool, forked: bool, fresh: bool) -> bool:
+    """Whether a pass's workers send their start with their first batch (its
+    ``"first"``): ``fresh``ly ``forked`` workers of a map-style dataset that keeps no
+    state. They say when they have started (seeded, ``worker_init_fn`` run), which
+    ``iter()`` waits for only where it may fail (:func:`may_fail_to_start`), so that the
+    first batch waits for worker 0 alone (``Loader.prepared``); such a worker's start
+    snapshot is the one a state records for a worker not yet started."""
+    return forked and fresh and not iterable and not states.is_stateful(dataset)
+
+
+def may_fail_to_start(dataset: Any, worker_init_fn: Any) -> bool:
+    """Whether a worker's start may raise (a ``worker_init_fn``, a datapipe's sharding),
+    which ``iter()`` then waits for, as torchdata's ``StatefulDataLoader`` does."""
+    return worker_init_fn is not None or isinstance(
+        dataset, (torch.utils.data.IterDataPipe, torch.utils.data.MapDataPipe))
 
 
 class Intake:
