@@ -66,8 +66,10 @@ def merge_info(held: dict[str, Any] | None, info: Any,
         ledger.merge_groups(merged.get("groups", []))
         ledger.merge_groups(info.get("groups") or [])
         merged["groups"] = ledger.open_groups()
-        if at is not None:
-            merged["whole"] = ledger._whole_inner(*at)
+        if at is not None:  # (every group whole here, the merge's own included: one
+            # whose rows came from several consumers stays whole when a word of one of
+            # them, a state that left, is merged in again)
+            merged["whole"] = ledger._whole_inner(*at, every=True)
     return merged
 
 # --- the consumer's ledger -------------------------------------------------------------------
@@ -632,16 +634,17 @@ class Ledger:
             info["whole"] = whole
         return info
 
-    def _whole_inner(self, key: Key, split: int) -> list[list[Any]]:
+    def _whole_inner(self, key: Key, split: int, every: bool = False) -> list[list[Any]]:
         """The groups anchored in ``split`` of pass ``key`` whose rows all are held here
         and whose rows other groups hold, as ``[[rest of their key, position, packed
         indices], ...]`` (a key's rest: after ``key``, empty for a group of source
         elements). Another consumer that got some of the groups holding their rows knows
         them with only those rows: told this, a fence does not have the others made again.
-        A bitmap per position (and per group of groups of rows): a few bytes a split."""
+        A bitmap per position (and per group of groups of rows): a few bytes a split.
+        ``every``: every group anchored there whose rows all are held (a merge's)."""
         by: dict[tuple[tuple[int, ...], int], list[int]] = {}
         for gid in self._whole_at.get((key, split), ()):
-            if gid in self._inners:
+            if every or gid in self._inners:
                 by.setdefault((tuple(gid[0][len(key):]), gid[2]), []).append(gid[3])
         return [[list(rest), position, pack(indices)]
                 for (rest, position), indices in sorted(by.items())]
