@@ -20,9 +20,8 @@ import bisect
 import itertools
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -40,6 +39,9 @@ from zloader.chunks import (
 )
 from zloader.errors import PipelineError, passes_through
 from zloader.runs import Context
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
 
 __all__ = ["Batch", "BucketByLength", "Filter", "Map", "Repeat", "Run",
            "Shuffle", "Skip", "Stage", "Take", "Unbatch", "compose"]
@@ -161,6 +163,7 @@ class Map(Stage):
     def _parallel(self, elements: Iterator[Any], position: int,
                   ctx: Context) -> Iterator[Any]:
         """Up to ``num_parallel_calls`` calls in flight on threads; results in input order."""
+        from concurrent.futures import ThreadPoolExecutor  # (only such a map needs it)
         pending: deque[tuple[Future[Any], Any, tuple[int, int] | None]] = deque()
         fn = ctx.values(self.fn)
         with ThreadPoolExecutor(self.num_parallel_calls,

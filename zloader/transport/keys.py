@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
-import zmq.auth
 
 from zloader._byfields import FrozenByFields
 from zloader._hash import sha256
@@ -121,6 +120,7 @@ class Keys(FrozenByFields):
         problem = unsafe_directory(root, "keys directory", mask=0o077)
         if problem is not None:
             raise KeysError(f"{problem} (its secret keys let a process in)")
+        import zmq.auth  # (only a process with keys needs it)
         try:
             server = zmq.auth.load_certificate(str(root / "server.key_secret"))
             client = zmq.auth.load_certificate(str(root / "client.key_secret"))
@@ -198,6 +198,7 @@ def keygen(path: str | os.PathLike[str]) -> Keys:
     problem = unsafe_directory(root, "directory") if root.exists() else None
     if problem is not None:
         raise KeysError(f"{problem}; keygen will not put keys there")
+    import zmq.auth
     old_umask = os.umask(0o077)
     try:
         root.mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -77,10 +77,9 @@ import operator
 import threading
 import weakref
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import numpy.typing as npt
 
 from zloader._defaults import (
     DEFAULT_RING_BYTES,
@@ -88,6 +87,9 @@ from zloader._defaults import (
     RING_RESTART_BYTES,
     RING_RESTART_ROOM,
 )
+
+if TYPE_CHECKING:  # (numpy.typing costs 20 ms at import, for annotations only)
+    import numpy.typing as npt
 from zloader.errors import ZloaderError
 from zloader.transport.prefault import Prefaulter
 from zloader.transport.shm import Segment, ShmError
