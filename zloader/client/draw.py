@@ -306,13 +306,16 @@ class Inputs:
     def rest(self) -> Iterator[Any]:
         """After the draws ended with every input read to its end: the elements still to
         come until the epoch is done (an input taken for ended while a dead worker's
-        splits were still to be read again), as they come."""
+        splits were still to be read again), as they come. A stream that waits (an input a
+        worker that joined has not ended) pulls what comes for the others too, the epoch's
+        Done last: one more round after it takes what the other queues got meanwhile."""
         while True:
             for stream in self.opened():  # (each round anew: an ended one stays ended)
                 yield from stream
-            if self.done:
+            if self.done and not any(self.queues):
                 return
-            self.pull()
+            if not self.done:
+                self.pull()
 
     def ended(self, part: int) -> bool:
         """Whether input ``part`` has no more elements this epoch, as far as known: the
