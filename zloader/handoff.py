@@ -330,13 +330,12 @@ def _pointers(values: list[Any], copy: bool = True) -> np.ndarray | None:
     return view.copy() if copy else view
 
 
-
 def _digest(values: list[Any]) -> tuple[int, int] | None:
     """The length of the list ``values`` and a 64-bit digest of its item pointers (None:
     unreadable). Each chunk's pointers are summed with odd weights (mod 2**64), the chunks
     chained: another object at one place always gives another digest, at several places
-    but for a chance of 2**-64; about 4 ms for 3 M items, where a copy of the pointers
-    took 60 ms and 24 MB on a first epoch (fresh pages), before the fork."""
+    but for a chance of 2**-64. 5-12 ms for 3 M items, where a copy of the pointers took
+    8-65 ms (by how warm the allocator is) and 24 MB, before the fork."""
     view = _pointers(values, copy=False)
     if view is None:
         return None

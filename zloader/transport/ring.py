@@ -87,12 +87,12 @@ from zloader._defaults import (
     RING_RESTART_BYTES,
     RING_RESTART_ROOM,
 )
-
-if TYPE_CHECKING:  # (numpy.typing costs 20 ms at import, for annotations only)
-    import numpy.typing as npt
 from zloader.errors import ZloaderError
 from zloader.transport.prefault import Prefaulter
 from zloader.transport.shm import Segment, ShmError
+
+if TYPE_CHECKING:  # (for annotations only)
+    import numpy.typing as npt
 
 __all__ = [
     "ALIGN",
