@@ -1,13 +1,16 @@
 """Small named fakes for the seams between the worker's task and its delivery modes: a
 task as a mode sees it (:class:`FakePort`, a ``TaskPort``) and an outlet that keeps what it
-would send (:class:`FakeOutlet`). No sockets, threads or processes: a delivery mode driven
-through them runs in microseconds (tests/test_delivery.py). The shared-memory segments a
-shared job's window stores are real; ``SharedDelivery.close`` frees them.
+would send (:class:`FakeOutlet`); and, on the consumer's side, the items a Loader's I/O
+thread hands the draws of a mix (:class:`FakeMerger`). No sockets, threads or processes:
+a delivery mode driven through them runs in microseconds (tests/test_delivery.py). The
+shared-memory segments a shared job's window stores are real; ``SharedDelivery.close``
+frees them.
 """
 
 from __future__ import annotations
 
 import threading
+import types
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -213,3 +216,23 @@ class FakeLink:
     """The broker link as the receiver sees it: rounds to acknowledge."""
 
     acks: list[int] = field(default_factory=list)
+
+
+class FakeMerger:
+    """What the iterating thread takes from a Loader's I/O thread, in the order given: the
+    part of a ``Merger`` that ``zloader.client.draw.Inputs`` reads (the workers serving the
+    job as ``serving``; credits and records noted nowhere)."""
+
+    def __init__(self, items: list[Any], serving: tuple[int, ...]) -> None:
+        self.items = list(items)
+        self.io = types.SimpleNamespace(
+            stats=types.SimpleNamespace(indices=serving),
+            settings=types.SimpleNamespace(fixed=False),
+            credit=lambda worker, count, part: None)
+        self.yielded = types.SimpleNamespace(recorded=lambda origins, epoch: None)
+
+    def next_item(self, epoch: int, once: bool = False) -> Any:
+        return self.items.pop(0)
+
+    def check_skipped(self) -> None:
+        pass

@@ -9,11 +9,11 @@ import collections
 import itertools
 import signal
 import threading
-import types
 
 import numpy as np
 import pytest
 
+from tests.fakes import FakeMerger
 from tests.service import service
 from zloader import Loader, Pipeline
 
@@ -515,26 +515,6 @@ def test_a_replay_switches_where_the_first_draws_did_when_weights_come_as_an_inp
     assert run(again, Switches(log, replay=True), False) == first
 
 
-class _Items:
-    """What the iterating thread takes from a Loader's I/O thread, in the order given:
-    the part of a Merger that :class:`zloader.client.draw.Inputs` reads (its other parts,
-    the credits and the workers serving, as a live one has them)."""
-
-    def __init__(self, items: list, serving: tuple[int, ...]) -> None:
-        self.items = list(items)
-        self.io = types.SimpleNamespace(
-            stats=types.SimpleNamespace(indices=serving),
-            settings=types.SimpleNamespace(fixed=False),
-            credit=lambda worker, count, part: None)
-        self.yielded = types.SimpleNamespace(recorded=lambda origins, epoch: None)
-
-    def next_item(self, epoch: int, once: bool = False):
-        return self.items.pop(0)
-
-    def check_skipped(self) -> None:
-        pass
-
-
 def test_the_rest_of_a_mix_drawn_here_keeps_what_came_for_one_input_before_the_epoch_s_end():
     """After the draws ended (every input ended on the workers then serving), a worker
     that joined has not ended input 1: its stream waits there and pulls what comes for
@@ -545,7 +525,7 @@ def test_the_rest_of_a_mix_drawn_here_keeps_what_came_for_one_input_before_the_e
     from zloader.client.draw import Inputs
     from zloader.client.items import Data, Done, End, InputEnd
 
-    items = _Items([End(0, "w0", 0), InputEnd(0, "w1", 1, 0),
+    items = FakeMerger([End(0, "w0", 0), InputEnd(0, "w1", 1, 0),
                     Data(0, "w0", 0, [1, 2], part=0), Data(0, "w0", 0, [3], part=1),
                     Data(0, "w0", 0, [4, 5], part=0), Done(0)], serving=(0, 1))
     drawn = Inputs(items, 0, 2, track=False)  # type: ignore[arg-type]
