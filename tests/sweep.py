@@ -6,10 +6,11 @@ its seed, and only under load, so ``make test``'s one seed per mode showed it as
 
 ``python -m tests.sweep --modes split,pause --seeds 1000:1040 --runs 3 --burn 1`` runs
 each mode of tests/test_generated.py (``MODES`` and the service ones, as ``run`` names
-them) for each seed, ``--runs`` cases at a time in processes of their own, while
-``--burn`` processes spin; ``--torch 600:660`` adds tests/test_torch_generated.py's drop-in
-cases for those seeds. Every failure is printed with its mode, seed and message (the
-recipe is in it), and the exit status is 1 if any. ``make sweep`` runs a default mix.
+them) for each seed, ``--runs`` cases at a time in processes of their own (each runs case
+after case, as a pytest-xdist worker does), while ``--burn`` processes spin; ``--torch
+600:660`` adds tests/test_torch_generated.py's drop-in cases for those seeds. Every
+failure is printed with its mode, seed and message (the recipe is in it), and the exit
+status is 1 if any. ``make sweep`` runs a default mix.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
                                                       else ())]
     if not cases:
         parser.error("no cases: give --modes and --seeds, or --torch")
-    context = multiprocessing.get_context("spawn")  # (each case in a clean interpreter's)
+    # (spawned: none of this process's state; each runs case after case, as an xdist worker)
+    context = multiprocessing.get_context("spawn")
     burners = [context.Process(target=_burn, args=(24 * 3600,), daemon=True)
                for _ in range(args.burn)]
     for burner in burners:
