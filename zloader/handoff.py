@@ -312,22 +312,22 @@ def available() -> bool:
             or sysconfig.get_config_var("Py_GIL_DISABLED"):
         return False
     first, second = object(), object()
-    found = _pointers([first, second])
+    values = [first, second]
+    found = _pointers(values)
     return found is not None and found.tolist() == [id(first), id(second)]
 
 
-def _pointers(values: list[Any], copy: bool = True) -> np.ndarray | None:
-    """The item pointers of the list ``values`` (CPython's ``ob_item``; a copy, or a view
-    valid while the list is not changed), read without touching the items (whose
-    reference counts a read would write)."""
+def _pointers(values: list[Any]) -> np.ndarray | None:
+    """The item pointers of the list ``values`` (CPython's ``ob_item``: a view, valid
+    while the list lives unchanged), read without touching the items (whose reference
+    counts a read would write)."""
     count = len(values)
     if count == 0:
         return np.zeros(0, np.uint64)
     address = ctypes.c_void_p.from_address(id(values) + _OB_ITEM).value
     if not address:
         return None
-    view = np.ctypeslib.as_array((ctypes.c_uint64 * count).from_address(address))
-    return view.copy() if copy else view
+    return np.ctypeslib.as_array((ctypes.c_uint64 * count).from_address(address))
 
 
 def _digest(values: list[Any]) -> tuple[int, int] | None:
@@ -336,7 +336,7 @@ def _digest(values: list[Any]) -> tuple[int, int] | None:
     chained: another object at one place always gives another digest, at several places
     but for a chance of 2**-64. 5-12 ms for 3 M items, where a copy of the pointers took
     8-65 ms (by how warm the allocator is) and 24 MB, before the fork."""
-    view = _pointers(values, copy=False)
+    view = _pointers(values)
     if view is None:
         return None
     weights = _weights()
