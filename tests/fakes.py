@@ -236,3 +236,21 @@ class FakeMerger:
 
     def check_skipped(self) -> None:
         pass
+
+
+class FakeTask:
+    """A worker's task as its data socket hands it consumers' messages
+    (``zloader.worker.consumers.DataPort``): its job and id, the streams opened on it, and
+    the OPENs and DISPATCHes it was given, in order."""
+
+    def __init__(self, job: str, task: str) -> None:
+        self.job, self.id = job, task
+        self.streams: dict[bytes, int] = {}
+        self.given: list[tuple[str, int]] = []  # (OPEN or DISPATCH, its epoch)
+
+    def open(self, identity: bytes, opened: messages.Open, payload: list[Any]) -> None:
+        self.streams[identity] = opened.epoch
+        self.given.append(("OPEN", opened.epoch))
+
+    def dispatch(self, identity: bytes, record: messages.Dispatch) -> None:
+        self.given.append(("DISPATCH", record.epoch))

@@ -132,22 +132,30 @@ class DataPort:
 
     def begin(self, task: Task) -> None:
         """A task starts: the OPENs that came for it before it did are handled now, then
-        the DISPATCHes that followed them."""
+        the DISPATCHes that followed them. Those for another task stay, with theirs: the
+        broker may start a task of another job here first (its consumer left at once),
+        and the OPEN of a task that comes later is sent once."""
         early, self.early_opens = list(self.early_opens), deque(maxlen=EARLY_OPENS)
         dispatches, self.early_dispatches = self.early_dispatches, {}
         for identity, opened, payload in early:
-            if opened.job == task.job and opened.task in (None, task.id):
-                try:
-                    task.open(identity, opened, payload)
-                except ProtocolError as exc:
-                    self.reject(f"dropped a malformed message from a consumer: {exc}")
+            if not (opened.job == task.job and opened.task in (None, task.id)):
+                self.early_opens.append((identity, opened, payload))
+                continue
+            try:
+                task.open(identity, opened, payload)
+            except ProtocolError as exc:
+                self.reject(f"dropped a malformed message from a consumer: {exc}")
+        waiting = {early for early, _, _ in self.early_opens}
         for identity, records in dispatches.items():
+            if identity not in task.streams:
+                if identity in waiting:
+                    self.early_dispatches[identity] = records
+                continue
             for record in records:
-                if identity in task.streams:
-                    try:
-                        task.dispatch(identity, record)
-                    except ProtocolError as exc:
-                        self.reject(f"dropped a DISPATCH from a consumer: {exc}")
+                try:
+                    task.dispatch(identity, record)
+                except ProtocolError as exc:
+                    self.reject(f"dropped a DISPATCH from a consumer: {exc}")
 
     def close(self) -> None:
         self.sock.close(0)
