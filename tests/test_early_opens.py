@@ -66,8 +66,9 @@ def test_an_open_that_came_before_its_task_waits_through_another_job_s_task():
 
 
 def test_opens_waiting_for_tasks_that_never_come_are_bounded():
-    """Kept OPENs are bounded (the oldest go), and a DISPATCH is kept only for a consumer
-    whose OPEN waits."""
+    """Kept OPENs are bounded (the oldest go), a DISPATCH is kept only for a consumer whose
+    OPEN waits, and an OPEN for a task that already ran here is not kept (a task's id is
+    never used again)."""
     context = zmq.Context()
     port = DataPort(context, "tcp://127.0.0.1:*", None, None, False,
                     lambda text, exc_info=False: None)
@@ -78,16 +79,22 @@ def test_opens_waiting_for_tasks_that_never_come_are_bounded():
         bound = port.early_opens.maxlen
         assert bound is not None
         for epoch in range(bound + 1):  # (the first is pushed out)
-            _send(consumers[0], messages.Open(job="J", task=f"t{epoch}", consumer="c",
-                                              epoch=epoch, credits=1))
+            _send(consumers[0], messages.Open(job=f"J{epoch}", task=f"t{epoch}",
+                                              consumer="c", epoch=epoch, credits=1))
         _send(consumers[1], messages.Dispatch(epoch=0, items=(3,)))  # (opened nothing)
         _received(port, bound + 2, None)
         assert len(port.early_opens) == bound and not port.early_dispatches
-        first, last = FakeTask("J", "t0"), FakeTask("J", f"t{bound}")
+        first, last = FakeTask("J0", "t0"), FakeTask(f"J{bound}", f"t{bound}")
         port.begin(first)
         port.begin(last)
         assert first.given == [] and last.given == [("OPEN", bound)]
         assert len(port.early_opens) == bound - 1
+        port.begin(FakeTask("J1", "t1b"))  # (J1's task moved: its OPEN for t1 is stale)
+        assert len(port.early_opens) == bound - 2
+        _send(consumers[2], messages.Open(job=f"J{bound}", task=f"t{bound}", consumer="d",
+                                          epoch=1, credits=1))  # (after t64 stopped)
+        _received(port, 1, None)
+        assert len(port.early_opens) == bound - 2
     finally:
         for sock in consumers:
             sock.close(0)

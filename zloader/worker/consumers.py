@@ -61,6 +61,7 @@ class DataPort:
             deque(maxlen=EARLY_OPENS)
         # DISPATCHes that followed an early OPEN, by consumer, until the task arrives
         self.early_dispatches: dict[bytes, list[messages.Dispatch]] = {}
+        self.begun: deque[str] = deque(maxlen=EARLY_OPENS)  # the latest tasks run here
 
     def receive(self, frames: list[zmq.Frame], task: Task | None) -> None:
         """One message from a consumer: a malformed one is answered with ERROR and
@@ -93,8 +94,10 @@ class DataPort:
                 # The consumer may hear of this worker's task before the worker does: keep
                 # the OPEN until the TASK arrives (bounded; the oldest are dropped). An OPEN
                 # for another task of the same job never reaches this one: the broker
-                # dropped this worker meanwhile and re-queued what this task holds.
-                self.early_opens.append((identity, record, msg.payload))
+                # dropped this worker meanwhile and re-queued what this task holds. Nor
+                # does one for a task that ran here (task ids are never used again).
+                if record.task not in self.begun:
+                    self.early_opens.append((identity, record, msg.payload))
                 return
             task.open(identity, record, msg.payload)
         elif task is None:
@@ -132,14 +135,18 @@ class DataPort:
 
     def begin(self, task: Task) -> None:
         """A task starts: the OPENs that came for it before it did are handled now, then
-        the DISPATCHes that followed them. Those for another task stay, with theirs: the
-        broker may start a task of another job here first (its consumer left at once),
-        and the OPEN of a task that comes later is sent once."""
+        the DISPATCHes that followed them. Those for a task of another job stay, with
+        theirs: the broker may start a task of another job here first (its consumer left
+        at once), and the OPEN of a task that comes later is sent once. Those for another
+        task of this job are dropped (see :meth:`handle`)."""
+        self.begun.append(task.id)
         early, self.early_opens = list(self.early_opens), deque(maxlen=EARLY_OPENS)
         dispatches, self.early_dispatches = self.early_dispatches, {}
         for identity, opened, payload in early:
-            if not (opened.job == task.job and opened.task in (None, task.id)):
+            if opened.job != task.job:
                 self.early_opens.append((identity, opened, payload))
+                continue
+            if opened.task not in (None, task.id):
                 continue
             try:
                 task.open(identity, opened, payload)
