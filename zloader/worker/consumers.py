@@ -121,7 +121,7 @@ class DataPort:
         """A DISPATCH from a consumer whose OPEN waits for its task (see
         :meth:`handle`): kept for it (at most ``EARLY_OPENS`` per consumer), else
         dropped."""
-        waiting = {early for early, _, _ in self.early_opens}
+        waiting = self._waiting()
         for gone in [k for k in self.early_dispatches if k not in waiting]:
             del self.early_dispatches[gone]  # its OPEN was pushed out: so are they
         if identity not in waiting:
@@ -132,6 +132,10 @@ class DataPort:
                         f"{EARLY_OPENS} came before its task started")
             return
         kept.append(record)
+
+    def _waiting(self) -> set[bytes]:
+        """The consumers whose OPEN is kept for a task not started yet."""
+        return {identity for identity, _, _ in self.early_opens}
 
     def begin(self, task: Task) -> None:
         """A task starts: the OPENs that came for it before it did are handled now, then
@@ -152,7 +156,7 @@ class DataPort:
                 task.open(identity, opened, payload)
             except ProtocolError as exc:
                 self.reject(f"dropped a malformed message from a consumer: {exc}")
-        waiting = {early for early, _, _ in self.early_opens}
+        waiting = self._waiting()
         for identity, records in dispatches.items():
             if identity not in task.streams:
                 if identity in waiting:
