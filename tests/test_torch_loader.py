@@ -14,7 +14,7 @@ import torch
 import torch.utils.data
 
 import zloader.torch as zt
-from zloader import PipelineError, codec
+from zloader import PipelineError, Timeout, codec
 from zloader.torch.source import stack_later
 
 
@@ -616,3 +616,32 @@ def test_the_first_batch_does_not_wait_for_the_other_workers_to_start(in_order):
             with contextlib.suppress(ProcessLookupError):  # (gone with the epoch's end)
                 os.kill(pid, signal.SIGCONT)
         loader.close()
+
+
+@pytest.mark.xfail(strict=True, raises=Timeout, reason=(
+    "open: a pool of 3 workers, 2 held mid-epoch by a persistent train loader's static "
+    "job (given up only between epochs), leaves a 2-worker validation loader 1 worker; "
+    "its index without a worker is never served and it times out, naming the served "
+    "worker's silence instead of the missing one (found 2026-12-07 using train and "
+    "validation loaders together; docs/pool.md, static jobs)"))
+def test_a_validation_loader_on_a_pool_whose_train_loader_holds_workers_mid_epoch():
+    """A training loop that validates mid-epoch, both loaders on one pool of 3 workers: the
+    validation loader's batches are torch's."""
+    from tests.service import service
+
+    with service(workers=3) as (address, _):
+        train = zt.DataLoader(Augmented(), batch_size=4, shuffle=True, num_workers=2,
+                              persistent_workers=True, broker=address, timeout=30)
+        try:
+            for step, _ in enumerate(train):
+                if step == 2:
+                    val = zt.DataLoader(Augmented(), batch_size=5, num_workers=2,
+                                        broker=address, timeout=5)
+                    try:
+                        got = list(val)
+                    finally:
+                        val.close()
+                    expected = list(torch.utils.data.DataLoader(Augmented(), batch_size=5))
+                    assert all(same(a, b) for a, b in zip(expected, got, strict=True))
+        finally:
+            train.close()
