@@ -92,6 +92,9 @@ class ConsumerLoop:
             prefix=prefix)
         self.items: queue.Queue[Item] = queue.Queue()  # to the iterating thread
         self.stats = Stats(width=max(1, options.num_workers))
+        # Each worker index reads its own part (static sharding, a deterministic order): an
+        # index without a worker stalls the epoch however many other workers serve it.
+        self._indexed = options.sharding == "static" or options.deterministic
         # Set once the broker's first answer came (the job's epoch is known) or the job
         # failed: what Merger.job_epoch waits for.
         self.answered = threading.Event()
@@ -279,6 +282,17 @@ class ConsumerLoop:
             return (f"no worker has served this job for {silent:.0f} s: start workers "
                     f"(zloader-worker --broker {address}) or pass num_workers={last} "
                     "(raise timeout= to wait longer)")
+        missing = sorted(set(range(self.stats.width)) - {p.index for p in peers}) \
+            if self._indexed else []
+        if missing:
+            where = (f"the broker's {busy} other workers run other jobs (one whose "
+                     "worker indices are fixed, as a torch DataLoader's, keeps its workers "
+                     "until its epoch ends)" if busy else "the broker has no free worker")
+            return (f"no data for {silent:.0f} s: worker index "
+                    f"{', '.join(map(str, missing))} of this job's {self.stats.width} has "
+                    f"no worker, and {where}: start more workers (zloader-worker --broker "
+                    f"{address}), pass a smaller num_workers=, or let the other Loaders end "
+                    "their epochs first")
         if self._rounds is not None and self._rounds.vacant:
             return (f"no data for {silent:.0f} s: coordinated reads wait for consumer_index "
                     f"{', '.join(map(str, self._rounds.vacant))} of {self._rounds.size} "
