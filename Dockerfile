@@ -19,11 +19,14 @@ ENV PYTHONUNBUFFERED=1 \
 
 # Only what the package build reads: setup.cfg names README.md as the long description.
 WORKDIR /src
-COPY pyproject.toml setup.cfg README.md ./
+COPY pyproject.toml setup.cfg setup.py README.md ./
 COPY zloader ./zloader
 # Broker and workers need only install_requires (numpy, pyzmq, psutil, cloudpickle,
-# prometheus-client), all of them wheels: no compiler, no torch.
-RUN pip install . ${EXTRA_PACKAGES} \
+# prometheus-client), all of them wheels, no torch. A C compiler builds the compiled core
+# (docs/native.md) and leaves with the sources, in the same layer.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && pip install . ${EXTRA_PACKAGES} \
+    && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/* \
     && cd / && rm -rf /src
 
 # A fixed numeric uid, so that runAsNonRoot can check it; the manifests run as 10001.

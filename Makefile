@@ -12,17 +12,19 @@ PIP_FLAGS := --disable-pip-version-check --quiet -c constraints-dev.txt
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# Installs again only when the package definition or the pins change.
-$(VENV)/.installed-demo: $(BIN)/python setup.cfg pyproject.toml constraints-dev.txt
+# Installs again only when the package definition, the pins or the compiled core's source
+# change (the install builds zloader/_core.pyx in place: zloader/_native.py).
+BUILD := setup.cfg setup.py pyproject.toml constraints-dev.txt zloader/_core.pyx
+$(VENV)/.installed-demo: $(BIN)/python $(BUILD)
 	$(PIP) install $(PIP_FLAGS) -e .
 	touch $@
 
 # The test extras with Ray: `make test` runs a multi-node Ray test (tests/test_ray_cluster.py).
-$(VENV)/.installed-test: $(BIN)/python setup.cfg pyproject.toml constraints-dev.txt
+$(VENV)/.installed-test: $(BIN)/python $(BUILD)
 	$(PIP) install $(PIP_FLAGS) -e '.[test,torch,tf,ray]'
 	touch $@ $(VENV)/.installed-demo
 
-$(VENV)/.installed-bench: $(BIN)/python setup.cfg pyproject.toml constraints-dev.txt
+$(VENV)/.installed-bench: $(BIN)/python $(BUILD)
 	$(PIP) install $(PIP_FLAGS) -e '.[test,torch,tf,bench]'
 	touch $@
 
@@ -35,8 +37,13 @@ lint: $(VENV)/.installed-test
 
 # Two test processes (pytest-xdist): the suite waits on its processes and sockets as much as
 # it computes, so two share these two cores well. Each test still checks its own leaks.
+# The suite with the compiled core, then the record path's tests with its pure-Python twins.
+PURE_TESTS := tests/test_native.py tests/test_stages.py tests/test_chunks.py \
+	tests/test_record_path.py tests/test_exactly_once.py tests/test_lineage.py \
+	tests/test_lineage_arrays.py tests/test_generated.py
 test: lint
 	$(BIN)/python -m pytest -m "not slow" -q -n 2
+	ZLOADER_PURE=1 $(BIN)/python -m pytest -m "not slow" -q -n 2 $(PURE_TESTS)
 
 test-slow: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -m slow -q

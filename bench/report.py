@@ -760,6 +760,11 @@ def render_startup(data: Any, out: Path) -> list[str]:
     return tables(data)[2:]  # (its own heading, which the report gives)
 
 
+def render_native(data: Any, out: Path) -> list[str]:
+    from bench.native import tables
+    return tables(data)[2:]  # (its own heading, which the report gives)
+
+
 def render_shared_faults(data: Any, out: Path) -> list[str]:
     from bench.shared_faults import table
     return table(data["results"]).splitlines()
@@ -784,6 +789,7 @@ RENDER: dict[str, Renderer] = {
     "exactness": render_exactness, "mix_windows": render_mix_windows,
     "deterministic_resume": render_deterministic_resume, "startup": render_startup,
     "shared_faults": render_shared_faults, "autoscale_sim": render_autoscale_sim,
+    "native": render_native,
 }
 """Each result file's renderer, by stem."""
 

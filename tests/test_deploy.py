@@ -462,7 +462,7 @@ def test_the_dockerfile_installs_the_package_and_exposes_the_manifests_ports() -
     instructions = dockerfile_instructions()
     assert any(i == "FROM" and args.startswith("python:") for i, args in instructions)
     copied = " ".join(args for i, args in instructions if i == "COPY")
-    for needed in ("setup.cfg", "pyproject.toml", "zloader"):
+    for needed in ("setup.cfg", "setup.py", "pyproject.toml", "zloader"):
         assert needed in copied.split(), f"the Dockerfile does not copy {needed}"
     assert any(i == "RUN" and re.search(r"\bpip install (\S+ )*\.(\s|$)", args)
                for i, args in instructions), "no `pip install .`"

@@ -50,7 +50,8 @@ LAYERS = {
     "runs": 1.95,  # a run: its settings, tally, Context and Coverage
     "sources": 2, "formats.base": 2.2, "formats.tfrecord": 2.4, "formats.webdataset": 2.4,
     "formats.parquet": 2.4, "formats.jsonl": 2.4, "formats.image_folder": 2.4,
-    "formats.build": 2.6, "chunks": 1.8, "groups": 1.9, "stages": 2, "cache": 2.5, "mixing": 2.8,
+    "formats.build": 2.6, "chunks": 1.8, "_core": 1.82, "_native": 1.85, "groups": 1.9,
+    "stages": 2, "cache": 2.5, "mixing": 2.8,
     "pipeline": 3, "plan": 4, "sharing.branches": 4.5,
     "demo": 4,
     "_pickling": 4, "shipping": 5,

@@ -18,12 +18,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from zloader._defaults import CHUNK_ELEMENTS, READ_AHEAD_SECONDS
+from zloader._defaults import CHUNK_ELEMENTS, READ_AHEAD_SECONDS, SHUFFLE_DRAW_CHUNK
 from zloader._seeding import Key
 from zloader.lineage import gather, light, split_tags, take
 
-__all__ = ["Chunk", "ChunkRead", "PooledOrigins", "RowOrigins", "chunks_of", "flattened",
-           "gathered", "picked"]
+__all__ = ["Chunk", "ChunkRead", "PooledOrigins", "RowOrigins", "ShuffleBuffer", "chunks_of",
+           "flattened", "gathered", "picked"]
 
 Run = Callable[[Key], Iterator[Any]]
 ChunkRead = Callable[[Key, int], Iterator["Chunk"]]
@@ -159,3 +159,68 @@ class PooledOrigins:
             self.size = len(held)
         else:
             self.items = picked(self.items, held)
+
+
+class ShuffleBuffer:
+    """A shuffle's buffer (zloader/stages.py ``Shuffle``), in pure Python; its compiled twin
+    is ``zloader._core.ShuffleBuffer`` (zloader/_native.py picks one), which gives the same
+    chunks for the same input and ``rng``.
+
+    The buffer holds the numbers of the elements it holds in a pool of the values (and
+    origins, ``track``) taken: :meth:`push` moves numbers, and each chunk's output values
+    and origins are picked from the pool at C speed; the pool lets go of the values that
+    left at once, and is compacted to what the buffer holds once it holds four times the
+    buffer's size of places that left (at least a chunk's worth). Slots are drawn from
+    ``rng`` SHUFFLE_DRAW_CHUNK at a time, in the order ``rng.integers`` gives them."""
+
+    __slots__ = ("draws", "held", "origins", "pool", "rng", "size")
+
+    def __init__(self, size: int, rng: np.random.Generator, track: bool) -> None:
+        self.size, self.rng = size, rng
+        self.pool: list[Any] = []  # values taken since the last compaction, by number
+        self.origins = PooledOrigins() if track else None
+        self.held: list[int] = []  # the buffer: numbers in pool of the elements it holds
+        self.draws: list[int] = []  # slots drawn and not used yet, the next last
+
+    def push(self, values: list[Any], origins: Any) -> Chunk | None:
+        """Take a chunk in; the chunk of the elements it displaced (None while the buffer
+        fills)."""
+        pool, held, draws = self.pool, self.held, self.draws
+        first = len(pool)
+        pool += values
+        if self.origins is not None:
+            self.origins.add(origins)
+        arrivals = range(first, len(pool))
+        room = self.size - len(held)
+        if room > 0:
+            held += arrivals[:room]
+            arrivals = arrivals[room:]
+        out: list[int] = []
+        for arrival in arrivals:
+            if not draws:
+                draws += self.rng.integers(0, self.size, SHUFFLE_DRAW_CHUNK).tolist()
+                draws.reverse()
+            slot = draws.pop()
+            out.append(held[slot])
+            held[slot] = arrival
+        chunk = None
+        if out:
+            chunk = Chunk(picked(pool, out),
+                          None if self.origins is None else self.origins.pick(out))
+            for index in out:  # (what left is not kept alive until the compaction)
+                pool[index] = None
+        if len(pool) - len(held) >= max(4 * self.size, CHUNK_ELEMENTS):
+            self.pool = picked(pool, held)
+            if self.origins is not None:
+                self.origins.compact(held)
+            self.held = list(range(len(held)))
+        return chunk
+
+    def drain(self) -> Chunk | None:
+        """The elements still held, in random order (None: none)."""
+        if not self.held:
+            return None
+        out = picked(self.held, self.rng.permutation(len(self.held)).tolist())
+        self.held = []
+        return Chunk(picked(self.pool, out),
+                     None if self.origins is None else self.origins.pick(out))

@@ -71,6 +71,13 @@ class Progress:
             self.stream.flush()
 
 
+
+def _version_text() -> str:
+    """``zloader 1.2.3 (compiled core)``, or which kernels run and why (zloader/_native.py)."""
+    from zloader import _native
+
+    return f"zloader {__version__} ({_native.summary()})"
+
 def _demo(args: argparse.Namespace) -> int:
     from zloader.demo import demo_pipeline
     from zloader.loader import Loader
@@ -137,7 +144,7 @@ def _fingerprint(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="zloader", description="zloader: ML input pipelines on CPU worker processes.")
-    parser.add_argument("--version", action="version", version=f"zloader {__version__}")
+    parser.add_argument("--version", action="version", version=_version_text())
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _demo_parser(commands)
     fp = commands.add_parser(
@@ -341,7 +348,7 @@ def _broker_parser() -> argparse.ArgumentParser:
     _limit_arguments(parser)
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"])
-    parser.add_argument("--version", action="version", version=f"zloader {__version__}")
+    parser.add_argument("--version", action="version", version=_version_text())
     return parser
 
 
@@ -518,7 +525,7 @@ def _worker_parser() -> argparse.ArgumentParser:
     parser.add_argument("--blob-dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--log-level", default="warning",
                         choices=["debug", "info", "warning", "error"])
-    parser.add_argument("--version", action="version", version=f"zloader {__version__}")
+    parser.add_argument("--version", action="version", version=_version_text())
     return parser
 
 

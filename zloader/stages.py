@@ -25,17 +25,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from zloader import collate, groups
-from zloader._defaults import CHUNK_ELEMENTS, SHUFFLE_DRAW_CHUNK
+from zloader import _native, collate, groups
 from zloader._seeding import Key
 from zloader.chunks import (
-    Chunk,
     ChunkRead,
-    PooledOrigins,
     RowOrigins,
+    ShuffleBuffer,
     flattened,
     gathered,
-    picked,
 )
 from zloader.errors import PipelineError, passes_through
 from zloader.runs import Context
@@ -47,6 +44,9 @@ __all__ = ["Batch", "BucketByLength", "Filter", "Map", "Repeat", "Run",
            "Shuffle", "Skip", "Stage", "Take", "Unbatch", "compose"]
 
 Run = Callable[[Key], Iterator[Any]]
+
+shuffle_buffer = _native.pick("ShuffleBuffer", ShuffleBuffer)
+"""A shuffle's buffer: compiled where built (zloader/_native.py)."""
 
 
 def compose(read: Run, stages: tuple[Stage, ...], ctx: Context, first_position: int = 1,
@@ -228,11 +228,9 @@ class Shuffle(Stage):
     """tf.data's buffered shuffle: fill ``buffer_size``, then emit a random buffered element
     and put the next input in its place; at the end, emit what remains in random order.
 
-    It works in chunks: the buffer holds the numbers of the elements it holds in a pool of
-    the values (and origins) taken, the loop moves numbers, and each chunk's output values
-    and origins are picked from the pool at C speed; the pool lets go of the values that
-    left at once, and is compacted to what the buffer holds once it holds four times the
-    buffer's size of places that left (at least a chunk's worth)."""
+    It works in chunks, through a :class:`~zloader.chunks.ShuffleBuffer` (compiled where
+    the compiled core is built: zloader/_native.py), which moves the numbers of the
+    elements it holds and picks each chunk's values and origins at C speed."""
 
     kind: ClassVar[str] = "shuffle"
     takes_chunks: ClassVar[bool] = True
@@ -244,45 +242,15 @@ class Shuffle(Stage):
     def transform(self, elements: Iterator[Any], key: Key, position: int,
                   ctx: Context) -> Iterator[Any]:
         rng = ctx.rng(self.seed, position, key if self.reshuffle_each_epoch else ())
-        size = self.buffer_size
-        pool: list[Any] = []  # values taken since the last compaction, by number
-        pool_origins = PooledOrigins() if ctx.settings.track else None
-        held: list[int] = []  # the buffer: numbers in pool of the elements it holds
-        draws: list[int] = []
+        buffer = shuffle_buffer(self.buffer_size, rng, ctx.settings.track)
         for values, origins in elements:
-            first = len(pool)
-            pool += values
-            if pool_origins is not None:
-                pool_origins.add(origins)
-            arrivals = range(first, len(pool))
-            room = size - len(held)
-            if room > 0:
-                held += arrivals[:room]
-                arrivals = arrivals[room:]
-            out: list[int] = []
-            for arrival in arrivals:
-                if not draws:
-                    draws = rng.integers(0, size, SHUFFLE_DRAW_CHUNK).tolist()
-                    draws.reverse()
-                slot = draws.pop()
-                out.append(held[slot])
-                held[slot] = arrival
-            if out:
-                chunk = Chunk(picked(pool, out),
-                              None if pool_origins is None else pool_origins.pick(out))
-                for index in out:  # (what left is not kept alive until the compaction)
-                    pool[index] = None
+            chunk = buffer.push(values, origins)
+            if chunk is not None:
                 yield chunk
                 del chunk
-            if len(pool) - len(held) >= max(4 * size, CHUNK_ELEMENTS):
-                pool = picked(pool, held)
-                if pool_origins is not None:
-                    pool_origins.compact(held)
-                held = list(range(len(held)))
-        if held:
-            out = picked(held, rng.permutation(len(held)).tolist())
-            yield Chunk(picked(pool, out),
-                        None if pool_origins is None else pool_origins.pick(out))
+        rest = buffer.drain()
+        if rest is not None:
+            yield rest
 
     def identity(self) -> tuple[Any, ...]:
         return (self.kind, self.version, self.buffer_size, self.seed, self.reshuffle_each_epoch)

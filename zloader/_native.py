@@ -1,0 +1,44 @@
+"""The compiled core: ``zloader._core``, built from zloader/_core.pyx by setup.py when
+Cython and a C compiler are at hand (``pip install`` and ``make test`` build it; a build
+that fails leaves the pure-Python package, with a warning). Each of its kernels has a
+pure-Python twin in the module that owns the work, which gives the same results byte for
+byte (tests/test_native.py), and the owner picks one with :func:`pick`.
+
+``ZLOADER_PURE=1`` in the environment selects the pure twins (the tests run the record
+path both ways); so does a missing or stale build. :data:`ACTIVE` says which is used.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, TypeVar
+
+__all__ = ["ACTIVE", "REASON", "pick", "summary"]
+
+T = TypeVar("T")
+
+_core: Any = None
+REASON = ""
+if os.environ.get("ZLOADER_PURE", "").strip() not in ("", "0"):
+    REASON = "ZLOADER_PURE is set"
+else:
+    try:
+        from zloader import _core  # type: ignore[attr-defined,no-redef]
+    except ImportError as exc:  # (not built here: no compiler, or a checkout never installed)
+        REASON = f"not built ({exc})"
+
+ACTIVE = _core is not None
+"""Whether the compiled kernels are used in this process (and the workers it forks)."""
+
+
+def pick(name: str, pure: T) -> T:
+    """The compiled kernel ``name`` when the compiled core is used, else ``pure``."""
+    if _core is None:
+        return pure
+    compiled: T = getattr(_core, name)
+    return compiled
+
+
+def summary() -> str:
+    """Which kernels run here, in a few words (``zloader --version``)."""
+    return "compiled core" if ACTIVE else f"pure-Python kernels: {REASON}"
