@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zloader import _core, chunks  # type: ignore[attr-defined]
+from zloader.lineage import INDEX_BITS, decode_origins, encode_origins
 
 # A chunk as a split's reading gives it (values, int64 codes), or as later stages do (values,
 # a list of origins: tuples of codes; a batch's rows' origins as an int64 array each).
@@ -81,17 +82,80 @@ def test_a_long_run_compacts_alike() -> None:
         assert sorted(got) == sorted(v for values, _ in pushed for v in values)
 
 
+# Origin blocks as workers write them (zloader/lineage/wire.py): reads of splits of two
+# passes, elements of one code each or several (a batch's rows, as a tuple or an array),
+# loose codes, split ends; then, now and then, one int64 of the block changed to a value
+# that breaks a rule, or the block cut or lengthened (a hostile or corrupted record).
+_PASS_KEYS = {(0,): 0, (0, 7): 1}
+_EDGES = [-1, 0, 1, 2, 3, 7, 64, (1 << 31), (1 << 32) - 1, 1 << 32, (1 << 62), (1 << 63) - 1,
+          -(1 << 63)]
+
+
+@st.composite
+def _blocks(draw: st.DrawFn) -> tuple[bytes, int]:
+    reads = draw(st.lists(st.tuples(st.sampled_from([0, 1]), st.integers(0, 5)),
+                          min_size=1, max_size=4))
+    code = st.builds(lambda r, i: r << INDEX_BITS | i, st.integers(0, len(reads) - 1),
+                     st.integers(0, 300))
+    element = st.one_of(st.tuples(code),
+                        st.lists(code, min_size=1, max_size=5).map(tuple),
+                        st.lists(code, min_size=1, max_size=5)
+                        .map(lambda c: np.array(c, np.int64)))
+    if draw(st.booleans()):  # (a batch's rows; past SMALL_ORIGIN_BLOCK, a shuffle's go as codes)
+        origins: list = [np.array(draw(st.lists(code, min_size=20, max_size=120)), np.int64)]
+    else:
+        origins = draw(st.lists(element, min_size=0, max_size=40))
+    loose = draw(st.lists(code, max_size=3))
+    ends = draw(st.lists(st.tuples(st.sampled_from([0, 1]), st.integers(0, 5),
+                                   st.integers(0, 300), st.integers(0, 2**33))
+                         .map(list), max_size=3))
+    block = np.frombuffer(encode_origins(origins, loose, reads, _PASS_KEYS, ends),
+                          np.int64).copy()
+    change = draw(st.integers(0, 3))
+    if change == 1:
+        block[draw(st.integers(0, len(block) - 1))] = draw(st.sampled_from(_EDGES))
+    raw = block.tobytes()
+    if change == 2:
+        raw = raw[:draw(st.integers(0, len(raw)))]
+    elif change == 3:
+        raw += bytes(8 * draw(st.integers(1, 3)))
+    return raw, len(origins)
+
+
+def _decoded(decode: object, raw: bytes, elements: int) -> object:
+    try:
+        return decode(raw, elements)  # type: ignore[operator]
+    except ValueError as exc:
+        return ("ValueError", str(exc))
+
+
+@settings(max_examples=600, deadline=None)
+@given(case=_blocks(), other_count=st.booleans())
+def test_the_origin_block_decoders_agree(case: tuple[bytes, int], other_count: bool) -> None:
+    raw, elements = case
+    elements += other_count  # (a block read for another number of elements)
+    pure = _decoded(decode_origins, raw, elements)
+    compiled = _decoded(_core.decode_origins, raw, elements)
+    if isinstance(pure, tuple):
+        assert compiled == pure
+        return
+    assert not isinstance(compiled, tuple), compiled
+    for field in ("keys", "uniform", "counts", "loose", "runs", "ends", "reads", "codes",
+                  "groups"):
+        assert _same(getattr(pure, field), getattr(compiled, field)), field
+
+
 def test_zloader_pure_selects_the_pure_twins() -> None:
-    script = ("import zloader._native as n, zloader.stages as s; "
-              "print(n.ACTIVE, s.shuffle_buffer.__module__)")
+    script = ("import zloader._native as n, zloader.stages as s, zloader.client.receive as r; "
+              "print(n.ACTIVE, s.shuffle_buffer.__module__, r.decode_origins.__module__)")
     env = {**os.environ, "ZLOADER_PURE": "1"}
     pure = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, check=True, timeout=60).stdout.split()
     env.pop("ZLOADER_PURE")
     used = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, check=True, timeout=60).stdout.split()
-    assert pure == ["False", "zloader.chunks"]
-    assert used == ["True", "zloader._core"]
+    assert pure == ["False", "zloader.chunks", "zloader.lineage.wire"]
+    assert used == ["True", "zloader._core", "zloader._core"]
     version = subprocess.run([sys.executable, "-m", "zloader.cli", "--version"], env=env,
                              capture_output=True, text=True, check=True, timeout=60).stdout
     assert version.strip().endswith("(compiled core)")

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from zloader import codec
+from zloader import _native, codec
 from zloader.client.epoch_end import EpochEnd
 from zloader.client.items import Data, End, Failed, InputEnd, Item
 from zloader.client.link import BrokerLink
@@ -18,7 +18,8 @@ from zloader.client.rounds import Rounds
 from zloader.client.session import Session
 from zloader.client.stats import Stats
 from zloader.errors import CodecError
-from zloader.lineage import Origins, decode_origins
+from zloader.lineage import Origins
+from zloader.lineage import decode_origins as _pure_decode_origins
 from zloader.transport import messages, records
 from zloader.transport.notice import FRAME_HEAD, frame_size
 from zloader.transport.protocol import Command, Message, ProtocolError, error_from_object
@@ -318,6 +319,10 @@ def _unframe(block: Any) -> tuple[messages.Data, list[Any]]:
     if data.ring is not None or data.segment is not None or data.framed:
         raise ProtocolError("a framed record's body names a place of its own")
     return data, records.unpack(memoryview(block[start:]))
+
+
+decode_origins = _native.pick("decode_origins", _pure_decode_origins)
+"""A record's origin block read and checked: compiled where built (zloader/_native.py)."""
 
 
 def _origins(block: Any, count: int) -> Origins:

@@ -429,8 +429,9 @@ def _check_runs(runs: np.ndarray, keys: dict[int, Key]) -> int:
         return total
     if (runs < 0).any() or (runs[:, 3] < 1).any() \
             or not set(_distinct(runs[:, 0])) <= keys.keys() \
-            or int(runs[:, 1].max()) > INDEX_MASK \
-            or int((runs[:, 2] + runs[:, 3]).max()) > INDEX_MASK + 1:
+            or int(runs[:, 1].max()) > INDEX_MASK or int(runs[:, 2].max()) > INDEX_MASK \
+            or int(runs[:, 3].max()) > INDEX_MASK + 1 \
+            or int((runs[:, 2] + runs[:, 3]).max()) > INDEX_MASK + 1:  # (no wrap: both bounded)
         raise ValueError("an origin run names a pass the block does not, or indices "
                          "outside [0, 2**32)")
     return int(runs[:, 3].sum())
