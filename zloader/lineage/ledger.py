@@ -311,8 +311,12 @@ class Ledger:
     def add(self, keys: dict[int, Key], runs: np.ndarray) -> None:
         """Note the origins ``runs`` ((pass id, split, first index, length) rows;
         ``keys[id]`` is the pass). They are kept and added LEDGER_FOLD_RECORDS records at
-        a time (or when the ledger is read): one merge per split for many records."""
-        if len(runs):
+        a time (or when the ledger is read): one merge per split for many records; a
+        record of one run (a lone element's) goes in at once, which is cheaper (a split's
+        elements mostly come in order, and each run extends the split's last range)."""
+        if len(runs) == 1:
+            self._add_runs(keys, runs)
+        elif len(runs):
             self._pending.append((keys, runs))
             self._kept(len(runs))
 
