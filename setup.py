@@ -30,12 +30,17 @@ class OptionalBuildExt(build_ext):
 
 def extensions() -> list:
     try:
+        import numpy
         from Cython.Build import cythonize
-    except ImportError:
-        log.warning("zloader: Cython is missing, the compiled core is not built")
+    except ImportError as exc:
+        log.warning("zloader: %s is missing, the compiled core is not built", exc.name)
         return []
-    return cythonize(["zloader/_core.pyx"], quiet=True,
-                     compiler_directives={"language_level": 3})
+    from setuptools import Extension
+
+    core = Extension("zloader._core", ["zloader/_core.pyx"],
+                     include_dirs=[numpy.get_include()],
+                     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")])
+    return cythonize([core], quiet=True, compiler_directives={"language_level": 3})
 
 
 setup(ext_modules=extensions(), cmdclass={"build_ext": OptionalBuildExt})

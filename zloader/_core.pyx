@@ -6,7 +6,10 @@ compares them over generated inputs); zloader/_native.py picks which one runs. O
 hot loops are here: everything else stays in the modules that own it.
 """
 
+from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from libc.string cimport memcpy
+
+cimport numpy as cnp
 
 import numpy as np
 
@@ -14,6 +17,8 @@ from zloader._defaults import CHUNK_ELEMENTS, SHUFFLE_DRAW_CHUNK
 from zloader.chunks import Chunk
 from zloader.lineage import tags as _tags
 from zloader.lineage import wire as _wire
+
+cnp.import_array()
 
 __all__ = ["ShuffleBuffer", "decode_origins"]
 
@@ -24,17 +29,32 @@ cdef long long MAX_KEY_LENGTH = _tags.MAX_KEY_LENGTH
 cdef Py_ssize_t HEAD = _wire._HEAD
 
 
+cdef inline cnp.ndarray _empty(Py_ssize_t n):
+    """A new int64 array of ``n`` (numpy's C API: a fraction of ``np.empty``'s cost)."""
+    cdef cnp.npy_intp dims[1]
+    dims[0] = n
+    return cnp.PyArray_EMPTY(1, dims, cnp.NPY_INT64, 0)
+
+
+cdef inline long long* _data(cnp.ndarray array):
+    return <long long*> cnp.PyArray_DATA(array)
+
+
+cdef inline bint _plain_codes(object origins):
+    """Whether ``origins`` is a C-contiguous int64 array (codes as a reading makes them)."""
+    return cnp.PyArray_Check(origins) \
+        and cnp.PyArray_TYPE(<cnp.ndarray> origins) == cnp.NPY_INT64 \
+        and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray> origins)
+
+
 cdef class ShuffleBuffer:
     """The twin of ``zloader.chunks.ShuffleBuffer`` (its docstring says what it does): the
     buffer and the slots drawn are C arrays, and while the origins come as codes (an int64
     array per chunk, as a split's reading gives them) the pool's origins are one too."""
 
-    cdef Py_ssize_t size, nheld, cursor
-    cdef object rng, held_array, draws_array, codes_array
-    cdef long long[::1] held
-    cdef long long[::1] draws
-    cdef long long[::1] codes
-    cdef Py_ssize_t ncodes
+    cdef Py_ssize_t size, nheld, cursor, ndraws, ncodes
+    cdef object rng
+    cdef cnp.ndarray held_array, draws_array, codes_array, out_array
     cdef list pool
     cdef list items  # the pool's origins once one came that is not a codes array
     cdef bint track
@@ -44,50 +64,54 @@ cdef class ShuffleBuffer:
             raise ValueError(f"a shuffle's buffer holds at least 1 element, got {size}")
         self.size, self.rng, self.track = size, rng, track
         self.pool = []
-        self.held_array = np.empty(size, np.int64)
-        self.held = self.held_array
+        self.held_array = _empty(size)
         self.nheld = 0
-        self.draws_array = np.empty(0, np.int64)
-        self.draws = self.draws_array
-        self.cursor = 0
-        self.codes_array = np.empty(CHUNK_ELEMENTS, np.int64)
-        self.codes = self.codes_array
+        self.draws_array = _empty(0)
+        self.cursor = self.ndraws = 0
+        self.codes_array = _empty(CHUNK_ELEMENTS)
         self.ncodes = 0
+        self.out_array = _empty(CHUNK_ELEMENTS)  # (scratch: the numbers leaving, per push)
         self.items = None
 
     cdef void _add_origins(self, origins) except *:
-        cdef Py_ssize_t end
-        if self.items is None and type(origins) is np.ndarray:
-            end = self.ncodes + len(origins)
-            if end > self.codes.shape[0]:
-                grown = np.empty(max(2 * end, CHUNK_ELEMENTS), np.int64)
-                grown[:self.ncodes] = self.codes_array[:self.ncodes]
+        cdef Py_ssize_t end, count
+        if self.items is None and isinstance(origins, np.ndarray):
+            count = len(origins)
+            end = self.ncodes + count
+            if end > cnp.PyArray_DIM(self.codes_array, 0):
+                grown = _empty(max(2 * end, CHUNK_ELEMENTS))
+                memcpy(_data(grown), _data(self.codes_array), 8 * self.ncodes)
                 self.codes_array = grown
-                self.codes = grown
-            self.codes_array[self.ncodes:end] = origins
+            if _plain_codes(origins):  # (a plain copy)
+                if count:
+                    memcpy(_data(self.codes_array) + self.ncodes,
+                           cnp.PyArray_DATA(<cnp.ndarray> origins), 8 * count)
+            else:
+                self.codes_array[self.ncodes:end] = origins
             self.ncodes = end
             return
         if self.items is None:  # (origins of another form: every one kept as a list)
             self.items = [(code,) for code in self.codes_array[:self.ncodes].tolist()]
-        if type(origins) is np.ndarray:
+        if isinstance(origins, np.ndarray):
             self.items += [(code,) for code in origins.tolist()]
         else:
             self.items += origins
 
-    cdef object _pick_origins(self, long long[::1] out, Py_ssize_t n):
+    cdef object _pick_origins(self, long long* out, Py_ssize_t n):
         cdef Py_ssize_t k
-        cdef long long[::1] picked_codes
+        cdef long long* picked
+        cdef long long* codes
         if not self.track:
             return None
         if self.items is None:
-            array = np.empty(n, np.int64)
-            picked_codes = array
+            array = _empty(n)
+            picked, codes = _data(array), _data(self.codes_array)
             for k in range(n):
-                picked_codes[k] = self.codes[out[k]]
+                picked[k] = codes[out[k]]
             return array
         return [self.items[out[k]] for k in range(n)]
 
-    cdef list _pick_values(self, long long[::1] out, Py_ssize_t n, bint release):
+    cdef list _pick_values(self, long long* out, Py_ssize_t n, bint release):
         cdef Py_ssize_t k
         cdef list pool = self.pool
         cdef list values = [pool[out[k]] for k in range(n)]
@@ -99,8 +123,10 @@ cdef class ShuffleBuffer:
     def push(self, list values, origins):
         """Take a chunk in; the chunk of the elements it displaced (None while the buffer
         fills)."""
-        cdef Py_ssize_t first = len(self.pool), total, arrival, slot, n = 0, room, k
-        cdef long long[::1] out
+        cdef Py_ssize_t first = len(self.pool), total, arrival, slot, n = 0, room
+        cdef long long* held = _data(self.held_array)
+        cdef long long* draws
+        cdef long long* out
         self.pool += values
         total = len(self.pool)
         if self.track:
@@ -108,23 +134,27 @@ cdef class ShuffleBuffer:
         arrival = first
         room = self.size - self.nheld
         while room > 0 and arrival < total:
-            self.held[self.nheld] = arrival
+            held[self.nheld] = arrival
             self.nheld += 1
             arrival += 1
             room -= 1
         chunk = None
         if arrival < total:
-            out_array = np.empty(total - arrival, np.int64)
-            out = out_array
+            if total - arrival > cnp.PyArray_DIM(self.out_array, 0):
+                self.out_array = _empty(total - arrival)
+            out = _data(self.out_array)
+            draws = _data(self.draws_array)
             while arrival < total:
-                if self.cursor == self.draws.shape[0]:
-                    self.draws_array = self.rng.integers(0, self.size, SHUFFLE_DRAW_CHUNK)
-                    self.draws = self.draws_array
+                if self.cursor == self.ndraws:
+                    self.draws_array = np.ascontiguousarray(
+                        self.rng.integers(0, self.size, SHUFFLE_DRAW_CHUNK), np.int64)
+                    self.ndraws = cnp.PyArray_DIM(self.draws_array, 0)
+                    draws = _data(self.draws_array)
                     self.cursor = 0
-                slot = self.draws[self.cursor]
+                slot = draws[self.cursor]
                 self.cursor += 1
-                out[n] = self.held[slot]
-                self.held[slot] = arrival
+                out[n] = held[slot]
+                held[slot] = arrival
                 n += 1
                 arrival += 1
             chunk = Chunk(self._pick_values(out, n, True), self._pick_origins(out, n))
@@ -134,37 +164,45 @@ cdef class ShuffleBuffer:
 
     cdef void _compact(self) except *:
         cdef Py_ssize_t k, n = self.nheld
-        self.pool = self._pick_values(self.held, n, False)
+        cdef long long* held = _data(self.held_array)
+        cdef long long* codes
+        self.pool = self._pick_values(held, n, False)
         if self.track:
             if self.items is None:
-                self.codes_array[:n] = self.codes_array[self.held_array[:n]]
+                codes = _data(self.codes_array)
+                kept = _empty(n)
+                for k in range(n):
+                    _data(kept)[k] = codes[held[k]]
+                memcpy(codes, _data(kept), 8 * n)
                 self.ncodes = n
             else:
-                self.items = [self.items[self.held[k]] for k in range(n)]
+                self.items = [self.items[held[k]] for k in range(n)]
         for k in range(n):
-            self.held[k] = k
+            held[k] = k
 
     def drain(self):
         """The elements still held, in random order (None: none)."""
         cdef Py_ssize_t k, n = self.nheld
-        cdef long long[::1] order, out
+        cdef long long* held = _data(self.held_array)
+        cdef long long* order
+        cdef long long* out
         if n == 0:
             return None
         order_array = np.ascontiguousarray(self.rng.permutation(n), np.int64)
-        order = order_array
-        out_array = np.empty(n, np.int64)
-        out = out_array
+        order = _data(order_array)
+        out_array = _empty(n)
+        out = _data(out_array)
         for k in range(n):
-            out[k] = self.held[order[k]]
+            out[k] = held[order[k]]
         self.nheld = 0
         return Chunk(self._pick_values(out, n, False), self._pick_origins(out, n))
 
 
-cdef inline long long _at(const unsigned char[::1] raw, Py_ssize_t index):
-    """The ``index``-th little-endian int64 of ``raw`` (this module is built for
-    little-endian hosts only: x86-64 and aarch64)."""
+cdef inline long long _at(const unsigned char* raw, Py_ssize_t index):
+    """The ``index``-th int64 of ``raw``, in this host's byte order (as the pure function's
+    ``memoryview.cast("q")`` reads it), wherever it lies (records are not 8-aligned)."""
     cdef long long value
-    memcpy(&value, &raw[8 * index], 8)
+    memcpy(&value, raw + 8 * index, 8)
     return value
 
 
@@ -177,8 +215,16 @@ def decode_origins(block, Py_ssize_t elements):
     cdef Py_ssize_t nbytes = view.nbytes
     if nbytes % 8 or nbytes < 8 * HEAD:
         raise ValueError(f"an origin block is a whole number of int64s, at least {HEAD}")
-    cdef const unsigned char[::1] raw = view
-    cdef Py_ssize_t size = nbytes // 8
+    cdef Py_buffer buffer
+    PyObject_GetBuffer(view, &buffer, PyBUF_SIMPLE)
+    try:
+        return _decode(<const unsigned char*> buffer.buf, nbytes // 8, block, elements)
+    finally:
+        PyBuffer_Release(&buffer)
+
+
+cdef object _decode(const unsigned char* raw, Py_ssize_t size, object block,
+                    Py_ssize_t elements):
     cdef long long n = _at(raw, 0), uniform = _at(raw, 1), loose = _at(raw, 2)
     cdef long long nkeys = _at(raw, 3), nends = _at(raw, 4), nruns = _at(raw, 5)
     cdef long long nreads = _at(raw, 6), ngrouped = _at(raw, 7)
@@ -232,8 +278,10 @@ def decode_origins(block, Py_ssize_t elements):
     base += 4 * nends
     if nreads:
         return _with_codes(raw, base, nreads, total, keys, uniform, loose, ends)
-    runs = np.empty((nruns, 4), np.int64)
-    cdef long long[:, ::1] table = runs
+    cdef cnp.npy_intp dims[2]
+    dims[0], dims[1] = nruns, 4
+    runs = cnp.PyArray_EMPTY(2, dims, cnp.NPY_INT64, 0)
+    cdef long long* table = <long long*> cnp.PyArray_DATA(runs)
     cdef long long start, found = 0
     for k in range(nruns):
         pass_id, split = _at(raw, base + 4 * k), _at(raw, base + 4 * k + 1)
@@ -242,24 +290,25 @@ def decode_origins(block, Py_ssize_t elements):
                 or length < 1 or start > INDEX_MASK + 1 - length:
             raise ValueError("an origin run names a pass the block does not, or indices "
                              "outside [0, 2**32)")
-        table[k, 0], table[k, 1], table[k, 2], table[k, 3] = pass_id, split, start, length
+        table[4 * k], table[4 * k + 1], table[4 * k + 2], table[4 * k + 3] = \
+            pass_id, split, start, length
         found += length
     if found != total:
         raise ValueError("origin counts do not match the runs")
     return _wire.Origins(keys, uniform, None, loose, runs, ends, groups=None)
 
 
-cdef object _with_codes(const unsigned char[::1] raw, Py_ssize_t base, long long nreads,
+cdef object _with_codes(const unsigned char* raw, Py_ssize_t base, long long nreads,
                         Py_ssize_t total, dict keys, long long uniform, long long loose,
                         list ends):
     """The rest of :func:`decode_origins` for a block of codes: the table of reads, then
     the codes, checked as ``zloader.lineage.wire._check_codes`` checks them."""
     cdef list reads = [_at(raw, base + k) for k in range(3 * nreads)]
-    codes = np.empty(total, np.int64)
-    cdef long long[::1] out = codes
+    codes = _empty(total)
+    cdef long long* out = _data(codes)
     cdef Py_ssize_t k
     if total:
-        memcpy(&out[0], &raw[8 * (base + 3 * nreads)], 8 * total)
+        memcpy(out, raw + 8 * (base + 3 * nreads), 8 * total)
     ids = reads[0::3]
     if len(ids) == 1:
         bad = not _wire._read_ok(reads[0], reads[1], reads[2], keys)
