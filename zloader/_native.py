@@ -26,6 +26,18 @@ else:
         from zloader import _core  # type: ignore[attr-defined,no-redef]
     except ImportError as exc:  # (not built here: no compiler, or a checkout never installed)
         REASON = f"not built ({exc})"
+    else:
+        # A checkout whose zloader/_core.pyx changed since the build (an edit, a git
+        # checkout): its kernels may no longer be the twins' (rebuild: pip install -e .).
+        # (An installed wheel holds no .pyx; 2 s: files written in one go are not stale.)
+        _source = os.path.join(os.path.dirname(__file__), "_core.pyx")
+        try:
+            _stale = os.path.getmtime(_source) > os.path.getmtime(_core.__file__) + 2
+        except (OSError, TypeError):
+            _stale = False
+        if _stale:
+            _core, REASON = None, ("stale build: zloader/_core.pyx changed since it was "
+                                   "built (pip install -e . rebuilds it)")
 
 ACTIVE = _core is not None
 """Whether the compiled kernels are used in this process (and the workers it forks)."""
