@@ -243,11 +243,11 @@ cdef object _decode(const unsigned char* raw, Py_ssize_t size, object block,
                                 + 4 * (<object>nends) + 3 * (<object>nreads))
     cdef dict keys = {}
     cdef Py_ssize_t at = 0, k
-    cdef long long pass_id, length, value
+    cdef long long pass_id, length
     cdef bint ok
     for _ in range(nkeys):
         if at + 2 <= front:
-            pass_id, length = _at(raw, HEAD + at), _at(raw, HEAD + at + 2 - 1)
+            pass_id, length = _at(raw, HEAD + at), _at(raw, HEAD + at + 1)
         else:
             pass_id, length = -1, 0
         ok = 0 <= pass_id < MAX_PASS_ID and 0 < length <= MAX_KEY_LENGTH \
