@@ -83,9 +83,11 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               "element; trainer CPU <= 0.5x torch", "2"),
     Benchmark("native", "The compiled core against its pure-Python twins",
               "bench.transport's (c) small elements and (g) shuffled batches, exactly-once "
-              "on and off, and (a) 9.6 MB batches, each in fresh processes with the "
-              "compiled core and with ZLOADER_PURE=1, interleaved; CPU per element",
-              "exactly-once on / off >= 0.9 in (g) (issue [6/6]); (a) no slower", "4"),
+              "on and off, (a) 9.6 MB batches, and bench.scale's lone record (8 embedded "
+              "workers, 10 ms elements), each in fresh processes with the compiled core "
+              "and with ZLOADER_PURE=1, interleaved; CPU per element and per record",
+              "exactly-once on / off >= 0.9 in (g); workers + trainer <= 150 µs per lone "
+              "record (issue [6/6]); (a) no slower", "5"),
     Benchmark("first_epoch", "First epoch against later ones",
               "a Loader's first epoch over later ones' and its first element, and the "
               "drop-in's first batch against torch's; --eager for the rings before "

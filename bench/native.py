@@ -7,7 +7,9 @@ compiled core and in one with ``ZLOADER_PURE=1``, the two interleaved, ``--round
 (``range(10**9).shuffle(1024).batch(256)``), each with exactly-once on and off, and (a) the
 9.6 MB batches (the copy bounds it: a check that nothing there got slower). Per row:
 elements (or batches, or GB) per second and the CPU all processes spent per element, both
-kernels; then the exactly-once on/off ratio of (c) and (g) with each.
+kernels; then the exactly-once on/off ratio of (c) and (g) with each. Then bench.scale's
+lone record: 8 embedded workers, elements of 10 ms of waiting, each alone in its record,
+the trainer's CPU per record and the workers' and trainer's together.
 
     python -m bench.native [--rounds 3] [--window 5] [--warmup 1]
 """
@@ -31,6 +33,8 @@ ROWS = {  # name -> (bench.transport function, metric)
     "g: shuffled batches, exactly-once off": ("zloader_batched_untracked", "elements_per_s"),
     "a: 9.6 MB batches": ("zloader_large", "gb_per_s"),
 }
+LONE = "lone record, 8 workers, 10 ms elements"
+"""bench.scale's point (embedded, 8 workers): CPU per record, not throughput."""
 KERNELS = ("compiled", "pure")
 
 
@@ -41,6 +45,14 @@ def _one(function: str, window: float, warmup: float) -> None:
     from bench import _peers
     from zloader import _native
 
+    if function == "scale_lone":
+        from bench.scale import scale_point
+
+        point = argparse.Namespace(element_ms=10.0, window=window, warmup=warmup,
+                                   floor_seconds=0.0)
+        result = scale_point("embedded", 8, point)
+        print(json.dumps({**result, "compiled": _native.ACTIVE}))
+        return
     kwargs: dict[str, Any] = {}
     name = function
     if name.endswith("_untracked"):
@@ -94,10 +106,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         _one(args.child, args.window, args.warmup)
         return
+    rows = {**{row: function for row, (function, _) in ROWS.items()}, LONE: "scale_lone"}
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {
-        row: {kernel: [] for kernel in KERNELS} for row in ROWS}
+        row: {kernel: [] for kernel in KERNELS} for row in rows}
     for round_ in range(args.rounds):
-        for row, (function, _) in ROWS.items():
+        for row, function in rows.items():
             for kernel in (KERNELS if round_ % 2 == 0 else KERNELS[::-1]):
                 runs[row][kernel].append(_run(function, kernel, args.window, args.warmup))
                 print(f"round {round_ + 1}, {row}, {kernel}: {runs[row][kernel][-1]}",
@@ -106,6 +119,8 @@ def main(argv: list[str] | None = None) -> None:
     for row, (_, metric) in ROWS.items():
         medians[row] = {f"{k}_{key}": _median(runs[row][k], key)
                         for k in KERNELS for key in (metric, "cpu_ms_per_element")}
+    medians[LONE] = {f"{k}_{key}": _median(runs[LONE][k], key) for k in KERNELS
+                     for key in ("consumer_us_per_element", "workers_trainer_us_per_element")}
     errors = sorted({e for row in runs.values() for rs in row.values() for r in rs
                      for e in r.get("error", [])})
     data = {"provenance": provenance(), "args": vars(args), "runs": runs,
@@ -138,6 +153,14 @@ def tables(data: dict[str, Any]) -> list[str]:
             a, b = (medians[r][f"{kernel}_elements_per_s"] for r in (on, off))
             cells.append(f"{a / b:.2f}" if a and b else "-")
         lines.append(f"| {section} | {' | '.join(cells)} |")
+    if LONE in medians:
+        lone = medians[LONE]
+        lines += ["", f"| {LONE} | compiled | pure |", "|---|---|---|"]
+        for label, key in (("the trainer's CPU per record", "consumer_us_per_element"),
+                           ("workers + trainer per record", "workers_trainer_us_per_element")):
+            lines.append(f"| {label} | " + " | ".join(
+                f"{lone[f'{k}_{key}']:.0f} µs" if lone[f"{k}_{key}"] else "-"
+                for k in KERNELS) + " |")
     if data["errors"]:
         lines += ["", "Errors: " + "; ".join(data["errors"])]
     return lines
