@@ -71,12 +71,12 @@ class Progress:
             self.stream.flush()
 
 
-
 def _version_text() -> str:
     """``zloader 1.2.3 (compiled core)``, or which kernels run and why (zloader/_native.py)."""
     from zloader import _native
 
     return f"zloader {__version__} ({_native.summary()})"
+
 
 def _demo(args: argparse.Namespace) -> int:
     from zloader.demo import demo_pipeline
