@@ -366,3 +366,24 @@ def test_a_large_origin_block_decodes_to_plain_ints():
     origins.note(ledger)
     json.dumps(ledger.to_json())
     json.dumps(ledger.info((0, 3), 9))
+
+
+def test_a_split_end_among_kept_origins_closes_the_split_once_they_are_added():
+    """A record of many short splits brings an end for each: the ledger keeps its origins
+    to add many records at once, and closes each split whose end came once they are added
+    (at the next read), whole or not."""
+    ledger = Ledger()
+    keys = {0: (0,)}
+    # read 0 is split 4 (3 elements), read 1 split 5 (2 elements, 1 of them here)
+    ledger.add_codes(keys, [0, 0, 4, 1, 0, 5], np.array([2, 1 << INDEX_BITS | 1, 0, 1]))
+    ledger.end((0,), 4, 3, 7)
+    ledger.end((0,), 5, 2, 9)
+    assert ledger.done == {(0,): {4}}
+    assert ledger.held((0,), 5).tolist() == [1]
+    assert ledger.info((0,), 5) == {"have": ledger.info((0,), 5)["have"], "expect": [2, 9]}
+    # the rest of split 5 comes later, kept again: its end is known already
+    ledger.add_codes(keys, [1, 0, 5], np.array([1 << INDEX_BITS | 0]))
+    assert ledger.done == {(0,): {4, 5}}
+    assert ledger.open == {}
+    ledger.end((0,), 4, 3, 7)  # (an end again: a split read again, whole already)
+    assert ledger.done == {(0,): {4, 5}}

@@ -276,6 +276,9 @@ class Ledger:
         self._pending: list[tuple[dict[int, Key], np.ndarray]] = []
         self._pending_codes: list[tuple[dict[int, Key], list[int], np.ndarray]] = []
         self._pending_runs = 0
+        # Splits whose end came while origins were kept: closed once those are added
+        # (an end does not fold them: a record of many short splits has an end each).
+        self._closing: list[tuple[Key, int]] = []
         # (pass, split) by number, for codes made the ledger's own (:meth:`_fold_codes`)
         self._places: dict[tuple[Key, int], int] = {}
         self._place_of: list[tuple[Key, int]] = []
@@ -334,7 +337,8 @@ class Ledger:
             self._fold()
 
     def _fold(self) -> None:
-        """Add the records' origins kept by :meth:`add` and :meth:`add_codes`."""
+        """Add the records' origins kept by :meth:`add` and :meth:`add_codes`, then close
+        the splits whose end came meanwhile (:meth:`end`) if they are whole."""
         pending, codes = self._pending, self._pending_codes
         self._pending, self._pending_codes, self._pending_runs = [], [], 0
         if len(pending) == 1:
@@ -343,6 +347,10 @@ class Ledger:
             self._fold_runs(pending)
         if codes:
             self._fold_codes(codes)
+        if self._closing:
+            closing, self._closing = self._closing, []
+            for key, split in closing:
+                self._close(key, split)
 
     def _fold_runs(self, pending: list[tuple[dict[int, Key], np.ndarray]]) -> None:
         """Add the runs of many records, their pass ids made one table."""
@@ -580,10 +588,15 @@ class Ledger:
         self._close(key, split)
 
     def end(self, key: Key, split: int, count: int, crc: int) -> None:
-        """The split's worker read ``count`` elements from it (with digest ``crc``)."""
-        self._fold()
-        if split not in self._done.get(key, ()):
-            self._lengths[(key, split)] = (count, crc)
+        """The split's worker read ``count`` elements from it (with digest ``crc``). Whether
+        that makes it whole is known once the origins kept are added: at the next fold
+        (every reader of the ledger folds first)."""
+        if split in self._done.get(key, ()):
+            return
+        self._lengths[(key, split)] = (count, crc)
+        if self._pending or self._pending_codes:
+            self._closing.append((key, split))
+        else:
             self._close(key, split)
 
     def missing(self, epoch: int, handed: Any) -> set[tuple[Key, int]]:
