@@ -41,8 +41,6 @@ KERNELS = ("compiled", "pure")
 def _one(function: str, window: float, warmup: float) -> None:
     """Run one row here and print its result as JSON (the child's side)."""
     import bench.transport as transport
-    import zloader
-    from bench import _peers
     from zloader import _native
 
     if function == "scale_lone":
@@ -61,10 +59,8 @@ def _one(function: str, window: float, warmup: float) -> None:
     pipelines = {"zloader_small": lambda z: z.Pipeline.range(10**9),
                  "zloader_batched": transport._batched,
                  "zloader_large": transport._large_pipeline}
-    with zloader.Loader(pipelines[name](zloader), num_workers=2, **kwargs) as loader:
-        out = _peers.measure(iter(loader), window, warmup, cpu=True)
-    out["compiled"] = _native.ACTIVE
-    print(json.dumps(out))
+    out = transport.zloader_throughput(pipelines[name], window, warmup, cpu=True, **kwargs)
+    print(json.dumps({**out, "compiled": _native.ACTIVE}))
 
 
 def _run(function: str, kernel: str, window: float, warmup: float) -> dict[str, Any]:

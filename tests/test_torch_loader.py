@@ -638,14 +638,9 @@ def test_a_validation_loader_on_a_pool_whose_train_loader_holds_workers_mid_epoc
             for step, batch in enumerate(train):
                 got.append(batch)
                 if step == 2:
-                    val = zt.DataLoader(Augmented(), batch_size=5, num_workers=2,
-                                        broker=address, timeout=2)
-                    try:
-                        with pytest.raises(Timeout) as caught:
-                            list(val)
-                    finally:
-                        val.close()
-                    reason = str(caught.value.__cause__)
+                    reason = _timed_out(zt.DataLoader(Augmented(), batch_size=5,
+                                                      num_workers=2, broker=address,
+                                                      timeout=2))
                     assert "worker index 1 of this job's 2 has no worker" in reason
                     assert "other workers run other jobs" in reason
             assert all(same(a, b) for a, b in zip(expected, got, strict=True))
@@ -653,18 +648,24 @@ def test_a_validation_loader_on_a_pool_whose_train_loader_holds_workers_mid_epoc
             train.close()
 
 
+def _timed_out(loader: zt.DataLoader) -> str:
+    """Read ``loader``'s epoch, which must end in torch's Timeout ("DataLoader timed out
+    after N seconds"), then close it; the cause's message: zloader's reason."""
+    try:
+        with pytest.raises(Timeout, match=f"timed out after {loader.timeout:g} seconds") \
+                as caught:
+            list(loader)
+    finally:
+        loader.close()
+    return str(caught.value.__cause__)
+
+
 def test_a_pool_smaller_than_num_workers_names_the_index_without_a_worker():
     """A 2-worker DataLoader on a pool of 1: the Timeout says which index has no worker."""
     from tests.service import service
 
     with service(workers=1) as (address, _):
-        loader = zt.DataLoader(Augmented(), batch_size=5, num_workers=2, broker=address,
-                               timeout=2)
-        try:
-            with pytest.raises(Timeout, match="timed out after 2 seconds") as caught:
-                list(loader)
-        finally:
-            loader.close()
-        reason = str(caught.value.__cause__)
+        reason = _timed_out(zt.DataLoader(Augmented(), batch_size=5, num_workers=2,
+                                          broker=address, timeout=2))
         assert "worker index 1 of this job's 2 has no worker" in reason
         assert "no free worker" in reason

@@ -302,33 +302,22 @@ cdef object _with_codes(const unsigned char* raw, Py_ssize_t base, long long nre
                         Py_ssize_t total, dict keys, long long uniform, long long loose,
                         list ends):
     """The rest of :func:`decode_origins` for a block of codes: the table of reads, then
-    the codes, checked as ``zloader.lineage.wire._check_codes`` checks them."""
+    the codes, checked as ``zloader.lineage.wire._check_codes`` checks them (the least
+    and greatest code found here)."""
     cdef list reads = [_at(raw, base + k) for k in range(3 * nreads)]
+    _wire._check_reads(reads, keys)
     codes = _empty(total)
     cdef long long* out = _data(codes)
+    cdef long long low, high
     cdef Py_ssize_t k
     if total:
         memcpy(out, raw + 8 * (base + 3 * nreads), 8 * total)
-    ids = reads[0::3]
-    if len(ids) == 1:
-        bad = not _wire._read_ok(reads[0], reads[1], reads[2], keys)
-    else:
-        bad = len(set(ids)) != len(ids) or not all(
-            map(_wire._read_ok, ids, reads[1::3], reads[2::3], [keys] * len(ids)))
-    if bad:
-        raise ValueError("an origin read must be (read, pass id, split), distinct reads "
-                         "< 2**31 of passes the block names")
-    cdef long long low, high, first = min(ids), last = max(ids)
-    if total:
         low = high = out[0]
         for k in range(1, total):
             if out[k] < low:
                 low = out[k]
             elif out[k] > high:
                 high = out[k]
-        if low < 0 or not (low >> INDEX_BITS >= first and high >> INDEX_BITS <= last) or (
-                last - first + 1 != len(ids)
-                and not np.isin(codes >> INDEX_BITS, ids).all()):
-            raise ValueError("an origin code names a read the block's table does not")
+        _wire._check_code_reads(reads[0::3], codes, low, high)
     return _wire.Origins(keys, uniform, None, loose, _wire._NO_RUNS, ends, reads, codes,
                          None)

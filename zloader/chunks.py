@@ -105,8 +105,12 @@ class RowOrigins:
                         if isinstance(origins, np.ndarray) else origins)
 
     def take(self, count: int) -> np.ndarray:
-        """The codes of the next ``count`` elements' origins, as one new int64 array."""
+        """The codes of the next ``count`` elements' origins, as one new int64 array (all
+        of them: the array held, handed over; a chunk's codes are its own, made for it)."""
         if self.listed is None:
+            if count == len(self.codes):
+                taken, self.codes = self.codes, np.empty(0, np.int64)
+                return taken
             taken, self.codes = self.codes[:count].copy(), self.codes[count:]
             return taken
         taken_origins, self.listed = self.listed[:count], self.listed[count:]

@@ -278,12 +278,6 @@ class Batch(Stage):
         values: list[Any] = []
         origins = RowOrigins() if ctx.settings.track else None  # those of ``values``
         for chunk_values, chunk_origins in elements:
-            if not values and len(chunk_values) == size and (
-                    origins is None or type(chunk_origins) is np.ndarray):
-                # (a whole batch in one chunk, as a shuffle hands them on: its values and
-                # codes as they are; a chunk's codes are its own, made for it)
-                yield self._stack(chunk_values, chunk_origins, later)
-                continue
             values += chunk_values
             if origins is not None:
                 origins.add(chunk_origins)

@@ -390,6 +390,15 @@ def _check_codes(table: list[int], codes: np.ndarray, keys: dict[int, Key]) -> N
     """Check a block's codes against its table of reads (read, pass id, split, flat):
     distinct reads below 2**31 of known passes and splits, and each code of a read the
     table names."""
+    _check_reads(table, keys)
+    if len(codes):
+        _check_code_reads(table[0::3], codes, int(np.minimum.reduce(codes)),
+                          int(np.maximum.reduce(codes)))
+
+
+def _check_reads(table: list[int], keys: dict[int, Key]) -> None:
+    """Check a block's table of reads (read, pass id, split, flat): distinct reads below
+    2**31 of known passes and splits."""
     ids = table[0::3]
     if len(ids) == 1:  # (most blocks)
         read, pass_id, split = table
@@ -400,9 +409,11 @@ def _check_codes(table: list[int], codes: np.ndarray, keys: dict[int, Key]) -> N
     if bad:
         raise ValueError("an origin read must be (read, pass id, split), distinct reads "
                          "< 2**31 of passes the block names")
-    if not len(codes):
-        return
-    low, high = int(np.minimum.reduce(codes)), int(np.maximum.reduce(codes))
+
+
+def _check_code_reads(ids: list[int], codes: np.ndarray, low: int, high: int) -> None:
+    """Check that each of ``codes`` (not empty; ``low`` and ``high`` the least and the
+    greatest) is of a read that ``ids`` names."""
     first, last = min(ids), max(ids)
     if low < 0 or not (low >> INDEX_BITS >= first and high >> INDEX_BITS <= last) or (
             last - first + 1 != len(ids)  # (reads with gaps: each code looked up)
