@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from zloader import Loader, Pipeline, WorkerExited
+from zloader._process import _ENDED, _FORKED, _REPORT, ForkedChild, ForkedWorker, Forker
 
 
 def _wait_for(check, timeout: float = 20.0) -> None:
@@ -76,6 +77,63 @@ def test_a_killed_worker_is_reported_with_its_signal():
             for _ in epoch:
                 pass
         assert loader._processes[0].poll() is None
+
+
+def test_a_worker_reported_late_is_still_stopped_at_once():
+    """A Loader closed while its forker still forks (each fork of a large process copies
+    its page tables) stops every worker: the signal for one the forker has not reported
+    yet waits for the report instead of going nowhere (the stop then waited out its
+    timeout). A real forker's protocol, its FORKED report held back half a second."""
+    reports, report = os.pipe2(os.O_CLOEXEC)
+    pid = os.fork()
+    if pid == 0:  # the forker
+        code = 1
+        try:
+            os.close(reports)
+            worker = os.fork()
+            if worker == 0:
+                time.sleep(20)  # (SIGTERM's default action ends it sooner)
+                os._exit(0)
+            time.sleep(0.5)
+            os.write(report, _REPORT.pack(_FORKED, 0, worker, 0))
+            _, status = os.waitpid(worker, 0)
+            os.write(report, _REPORT.pack(_ENDED, 0, worker, os.waitstatus_to_exitcode(status)))
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(report)
+    forker = Forker(ForkedWorker(pid), reports, 1)
+    child = ForkedChild(forker, 0)
+    try:
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(10) == -signal.SIGTERM  # (TimeoutExpired: it was never sent)
+    finally:
+        child.kill()
+        forker.process.wait(10)
+        forker.close()
+    assert forker.process.returncode == 0
+
+
+SLOW_START = """
+import os, time
+from zloader import Loader, Pipeline
+os.register_at_fork(after_in_child=lambda: time.sleep(0.3))  # each child starts late
+loader = Loader(Pipeline.range(10), num_workers=3, timeout=30)
+loader.close()  # (SIGTERM while each worker is still in its first steps)
+print(*(p.returncode for p in loader._processes), flush=True)
+"""
+
+
+def test_a_worker_told_to_stop_before_it_has_its_handler_stops_when_it_has_it():
+    """A SIGTERM that reaches a forked worker in its first steps (before its handler,
+    while it has the forker's dispositions) is held until the handler is there, and the
+    worker then leaves by itself; it was ignored, and the worker ran on until the
+    Loader's close killed it (SIGKILL, three seconds later)."""
+    done = subprocess.run([sys.executable, "-c", SLOW_START], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    codes = [int(code) for code in done.stdout.split()]
+    assert len(codes) == 3 and -signal.SIGKILL not in codes, (codes, done.stderr)
 
 
 def test_a_killed_forker_takes_its_workers_with_it():

@@ -669,3 +669,37 @@ def test_a_pool_smaller_than_num_workers_names_the_index_without_a_worker():
                                           broker=address, timeout=2))
         assert "worker index 1 of this job's 2 has no worker" in reason
         assert "no free worker" in reason
+
+
+class _FailingSampler(torch.utils.data.Sampler):
+    """A sampler whose first pull raises (as one reading a missing index file would)."""
+
+    def __init__(self) -> None:
+        pass
+
+    def __len__(self) -> int:
+        return 10
+
+    def __iter__(self):
+        raise RuntimeError("the sampler's index file is missing")
+        yield 0  # (a generator: it raises at its first pull, not at iter())
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_sampler_failing_at_its_first_pull_raises_its_error_and_stops_the_workers(
+        persistent: bool):
+    """The workers start before the sampler's first pull, as torch's do: when that pull
+    raises, the error is the sampler's, and the workers started for the pass are
+    stopped (the leak check after each test finds none), or, persistent, kept for the
+    next pass, which works once the sampler does."""
+    sampler = _FailingSampler()
+    loader = zt.DataLoader(list(range(10)), sampler=sampler, batch_size=2, num_workers=3,
+                           persistent_workers=persistent, timeout=30)
+    with pytest.raises(RuntimeError, match="index file is missing"):
+        next(iter(loader))
+    # (a pass's own workers gone at once; the persistent ones kept for the next pass)
+    assert bool(psutil.Process().children()) == persistent
+    sampler.__class__ = torch.utils.data.SequentialSampler
+    sampler.data_source = loader.dataset
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+    loader.close()

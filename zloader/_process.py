@@ -169,6 +169,8 @@ def _worker_main(parent: int, address: str, bind: str, keys: Keys | None,
                                prepared=functools.partial(_prepared, report, slot)
                                if report is not None and slot is not None else None)
         signal.signal(signal.SIGTERM, lambda *_: worker.halt())
+        # (blocked by the forker, see _serve_forks: one that came meanwhile is handled now)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         worker.run(functools.partial(_through_gate, gate) if gate is not None else None)
         code = 0
     except BaseException:
@@ -216,6 +218,10 @@ def fork_workers(address: str, binds: list[str], keys: Keys | None = None,
         # with them, having reported how each ended)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # Blocked as well: its workers inherit the mask, so that a SIGTERM sent to one
+        # before it has its handler (a Loader closed while they start) waits for it
+        # instead of being ignored, which left the worker running until SIGKILL.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         forked(handoff)  # (the memfds of other Loaders' handoffs are not for its workers)
         _serve_forks(trainer, report, address, binds, keys, pipelines, swaps, handoff, gate)
         code = 0
@@ -236,7 +242,8 @@ def _serve_forks(trainer: int, report: int, address: str, binds: list[str],
     for slot, bind in enumerate(binds):
         pid = os.fork()
         if pid == 0:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (until the worker's handler)
+            # (still blocked: delivered once the worker has its handler)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             _worker_main(me, address, bind, keys, pipelines, swaps, handoff, gate, False,
                          slot, report)
         slots[pid] = slot
@@ -463,6 +470,10 @@ class ForkedChild(_Handle):
 
     def send_signal(self, signum: int) -> None:
         if self.poll() is None:
+            # One the forker has forked but not reported yet (a Loader closed while its
+            # forker still forks a large process's workers): its pid is waited for, or
+            # the signal would go nowhere and its stop would wait out the timeout.
+            self.forker.pid(self.slot)
             self.forker.signal(self.slot, signum)
 
     def _exited(self, timeout: float) -> None:

@@ -135,6 +135,7 @@ class Handoff:
             try:  # the packer: never back into the worker's code
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # (a forker's)
                 # (the CPU goes to the workers' first batches first: they wait for the
                 # packed lists only after HANDOFF_UNPACKED_READS of them)
                 os.nice(PACKER_NICE)

@@ -217,7 +217,15 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             plan["start"] = "first"
         progress.reseeded = bool(plan["reseed"])
         workers = self._resumed_workers(resume, places, progress)
-        sampled, next_batch, todo = self._sample(indices, resume, progress, plan)
+        # The workers start before the sampler's first pull, as torch's do: forking them
+        # (and their start) overlaps the first permutation drawn here.
+        loader, own = self._pass_loader()
+        try:
+            sampled, next_batch, todo = self._sample(indices, resume, progress, plan)
+        except BaseException:
+            if own is not None:
+                own.close()
+            raise
         plans = PerWorker(worker_plans(plan, sampled, self._auto_collation, todo,
                                        self.num_workers, not self.in_order, workers, places))
         if workers is not None:
@@ -226,7 +234,6 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             progress.workers = dict(previous.workers)
         if self._persistent and previous is not None:  # one Loader: its count goes on
             progress.control = previous.control
-        loader, own = self._pass_loader()
         progress.loader = loader
         intake, dispatcher = self._open(loader, own, plans, progress, next_batch,
                                         plan.get("start") == "first")
