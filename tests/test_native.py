@@ -12,11 +12,15 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zloader import _core, chunks  # type: ignore[attr-defined]
-from zloader.lineage import INDEX_BITS, decode_origins, encode_origins
+from zloader import _core, chunks, codec, runs  # type: ignore[attr-defined]
+from zloader.lineage import INDEX_BITS, decode_origins, encode_origins, wire
+from zloader.runs import RunTally
+from zloader.transport import records
+from zloader.worker import streams
 
 # A chunk as a split's reading gives it (values, int64 codes), or as later stages do (values,
 # a list of origins: tuples of codes; a batch's rows' origins as an int64 array each).
@@ -146,17 +150,217 @@ def test_the_origin_block_decoders_agree(case: tuple[bytes, int], other_count: b
         assert _same(getattr(pure, field), getattr(compiled, field)), field
 
 
+# What a worker's tally hands the encoder (zloader/runs.py RunTally.block): origins of each
+# form a record holds (one code, an element's several as a tuple or an array, one batch's
+# codes in order or shuffled), loose codes, split ends, groups now and then, the pass keys
+# as a list or only the dict; and inputs the C path does not take as they are (a code
+# naming no reading, an int past int64, a reading of three ints), which both must refuse
+# alike or the compiled one hand to the pure one.
+_ODD = [-1, 1 << 63, 2**70, -(1 << 63)]
+
+
+@st.composite
+def _encoder_inputs(draw: st.DrawFn) -> tuple:
+    reads = draw(st.lists(st.tuples(st.sampled_from([0, 1]), st.integers(0, 5)),
+                          min_size=1, max_size=6))
+    code = st.builds(lambda r, i: r << INDEX_BITS | i, st.integers(0, len(reads) - 1),
+                     st.integers(0, 300))
+    element = st.one_of(st.tuples(code), st.lists(code, min_size=1, max_size=5).map(tuple),
+                        st.lists(code, min_size=1, max_size=5)
+                        .map(lambda c: np.array(c, np.int64)),
+                        st.lists(code, min_size=1, max_size=3)
+                        .map(lambda c: np.array(c, np.uint64)))
+    form = draw(st.integers(0, 3))
+    if form == 0:  # (a batch's rows: in order, or shuffled, as one array)
+        rows = draw(st.lists(code, min_size=20, max_size=120))
+        if draw(st.booleans()):
+            rows = sorted(rows)
+        origins: list = [np.array(rows, np.int64)]
+    elif form == 1:  # (a lone element's)
+        origins = [draw(element)]
+    else:
+        origins = draw(st.lists(element, min_size=0, max_size=40))
+    loose = draw(st.lists(code, max_size=3))
+    ends = draw(st.lists(st.tuples(st.sampled_from([0, 1]), st.integers(0, 5),
+                                   st.integers(0, 300), st.integers(0, 2**33))
+                         .map(list), max_size=3))
+    groups = draw(st.sampled_from([(), (), (), ([0, 1, 2, 0, 4, 1, 0, 1, 0, 4],)]))
+    keys = [(0,), (0, 7)] if draw(st.booleans()) else None
+    odd = draw(st.integers(0, 9))
+    if odd == 1 and loose:
+        loose[0] = draw(st.sampled_from(_ODD))
+    elif odd == 2:
+        reads = reads[:1]  # (codes that name readings past the first name none)
+    elif odd == 3:
+        reads = [(*read, 0) for read in reads]
+    elif odd == 4 and ends:
+        ends[0][3] = draw(st.sampled_from(_ODD))
+    return origins, loose, reads, dict(_PASS_KEYS), ends, groups, keys
+
+
+def _encoded(encode: object, args: tuple) -> object:
+    try:
+        return encode(*args)  # type: ignore[operator]
+    except Exception as exc:  # (the same error, whichever it is)
+        return (type(exc).__name__, str(exc))
+
+
+@settings(max_examples=800, deadline=None)
+@given(args=_encoder_inputs())
+def test_the_origin_block_encoders_agree(args: tuple) -> None:
+    assert _encoded(_core.encode_origins, args) == _encoded(encode_origins, args)
+
+
+def test_the_blocks_of_a_lone_record_and_of_a_shuffled_batch_are_written_in_c(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The two blocks the compiled encoder is for (the generated cases hold them too) are
+    written without the pure function (made to fail here), and are its bytes."""
+    reads, keys = [(0, 3), (0, 4)], [(0,)]
+    lone = ([(5,)], [], reads, {(0,): 0}, [[0, 3, 9, 77]], [], keys)
+    shuffled = np.random.default_rng(1).permutation(256).astype(np.int64) | (1 << INDEX_BITS)
+    batch = ([shuffled], [], reads, {(0,): 0}, [], [], keys)
+    expected = [encode_origins(*args) for args in (lone, batch)]
+    monkeypatch.setattr(wire, "encode_origins", None)  # (a call to it raises TypeError)
+    assert [_core.encode_origins(*args) for args in (lone, batch)] == expected
+    assert len(expected[1]) == 8 * (8 + 3 + 3 + 256)  # (head, pass key, one reading, codes)
+    buffers = [b"head", np.arange(600, dtype=np.int64), memoryview(b"x" * 70)]
+    block, pure = bytearray(8192), bytearray(8192)
+    used = records.pack_into(buffers, memoryview(pure))
+    monkeypatch.setattr(records, "pack_into", None)
+    assert _core.pack_into(buffers, memoryview(block)) == used and block == pure
+
+
+def _buffers() -> st.SearchStrategy:
+    one = st.one_of(
+        st.binary(max_size=200),
+        st.binary(max_size=200).map(bytearray),
+        st.binary(max_size=200).map(memoryview),
+        st.lists(st.integers(-2**63, 2**63 - 1), max_size=40).map(lambda v: np.array(v, np.int64)),
+        st.integers(0, 40).map(lambda n: np.arange(2 * n, dtype=np.float32)[::2]),  # (strided)
+        st.lists(st.binary(max_size=60), max_size=3)
+        .map(lambda parts: codec.Gather(memoryview(p) for p in parts)),
+        st.just(np.zeros(5000, np.uint8)))  # (past SMALL_COPY)
+    return st.lists(one, max_size=5)
+
+
+@settings(max_examples=500, deadline=None)
+@given(buffers=_buffers(), slack=st.integers(-300, 300), given_sizes=st.integers(0, 2))
+def test_the_record_packers_agree(buffers: list, slack: int, given_sizes: int) -> None:
+    sizes = None if given_sizes == 0 else records.sizes_of(buffers)
+    if given_sizes == 2 and sizes:
+        sizes[0] += 1  # (a size that is not its buffer's)
+    try:
+        need = records.packed_size(buffers)
+    except ValueError:
+        need = 0
+    outs = []
+    for pack in (records.pack_into, _core.pack_into):
+        block = bytearray(max(0, need + slack))
+        outs.append((_encoded(pack, (buffers, memoryview(block), sizes)), bytes(block)))
+    assert outs[0] == outs[1]
+
+
+@st.composite
+def _packed_blocks(draw: st.DrawFn) -> bytes:
+    """Records as workers pack them, then now and then one header field set to an edge
+    value, or the block cut short or lengthened (a hostile or corrupted record)."""
+    buffers = draw(st.lists(st.binary(max_size=150), max_size=5))
+    block = bytearray(records.packed_size(buffers))
+    records.pack_into(buffers, memoryview(block))
+    change = draw(st.integers(0, 3))
+    if change == 1:
+        field = draw(st.integers(0, len(buffers)))
+        value = draw(st.sampled_from([0, 1, 63, 64, 2**20, 2**20 + 1, 2**32 - 1, 2**63,
+                                      2**64 - 1]))
+        if field == 0:
+            block[0:4] = (value % 2**32).to_bytes(4, "little")
+        else:
+            block[8 * field:8 * field + 8] = value.to_bytes(8, "little")
+    elif change == 2:
+        block = block[:draw(st.integers(0, len(block)))]
+    elif change == 3:
+        block += bytes(draw(st.integers(1, 100)))
+    return bytes(block)
+
+
+def _unpacked(unpack: object, block: bytes) -> object:
+    try:
+        views = unpack(block)  # type: ignore[operator]
+    except Exception as exc:  # (the same error, whichever it is)
+        return (type(exc).__name__, str(exc))
+    return [(type(view).__name__, view.format, bytes(view)) for view in views]
+
+
+@settings(max_examples=500, deadline=None)
+@given(block=_packed_blocks(), as_array=st.booleans())
+def test_the_record_unpackers_agree(block: bytes, as_array: bool) -> None:
+    given = np.frombuffer(block, np.uint8) if as_array else memoryview(block)
+    assert _unpacked(_core.unpack, given) == _unpacked(records.unpack, given)
+
+
+@st.composite
+def _records_made(draw: st.DrawFn) -> list:
+    """A worker's records in a row: each a few elements (ints, strings, arrays) with the
+    origin codes of a split's reading, some split ends and loose codes between them."""
+    made = []
+    for _ in range(draw(st.integers(1, 6))):
+        count = draw(st.integers(1, 40))
+        values = draw(st.lists(st.one_of(st.integers(-2**40, 2**40), st.text(max_size=8),
+                                         st.lists(st.integers(0, 255), max_size=9)
+                                         .map(lambda v: np.array(v, np.uint8))),
+                               min_size=count, max_size=count))
+        codes = draw(st.permutations(range(count)) if draw(st.booleans())
+                     else st.just(list(range(count))))
+        made.append((values, [(c,) for c in codes] if draw(st.booleans())
+                     else [np.array(codes, np.int64)], draw(st.booleans())))
+    return made
+
+
+def _worker_records(made: list) -> list[bytes]:
+    """``made`` encoded and packed as a worker does (zloader/worker/producer.py
+    ``_encode``; zloader/worker/streams.py ``Outlet.record``), with the kernels that
+    runs.py and streams.py picked."""
+    tally = RunTally()
+    tally.reads.append((tally.pass_id((0,)), 7))
+    out = []
+    for values, origins, ended in made:
+        if ended:
+            tally.ends.append([0, 7, len(values), 12345])
+            tally.loose.append(1 << 20)
+        buffers = codec.encode(values, False)
+        buffers.append(tally.block(origins))
+        block = bytearray(records.packed_size(buffers))
+        used = streams.pack_into(buffers, memoryview(block))
+        out.append(bytes(block[:used]))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(made=_records_made())
+def test_a_workers_records_are_the_same_bytes_with_either_kernels(made: list) -> None:
+    compiled = _worker_records(made)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runs, "encode_origins", encode_origins)
+        patch.setattr(streams, "pack_into", records.pack_into)
+        pure = _worker_records(made)
+    assert runs.encode_origins is _core.encode_origins  # (picked: the build is used here)
+    assert compiled == pure
+
+
 def test_zloader_pure_selects_the_pure_twins() -> None:
-    script = ("import zloader._native as n, zloader.stages as s, zloader.client.receive as r; "
-              "print(n.ACTIVE, s.shuffle_buffer.__module__, r.decode_origins.__module__)")
+    script = ("import zloader._native as n, zloader.stages as s, zloader.client.receive as r, "
+              "zloader.runs as t, zloader.worker.streams as w; "
+              "print(n.ACTIVE, s.shuffle_buffer.__module__, r.decode_origins.__module__, "
+              "t.encode_origins.__module__, w.pack_into.__module__, r.unpack.__module__)")
     env = {**os.environ, "ZLOADER_PURE": "1"}
     pure = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, check=True, timeout=60).stdout.split()
     env.pop("ZLOADER_PURE")
     used = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, check=True, timeout=60).stdout.split()
-    assert pure == ["False", "zloader.chunks", "zloader.lineage.wire"]
-    assert used == ["True", "zloader._core", "zloader._core"]
+    assert pure == ["False", "zloader.chunks", "zloader.lineage.wire", "zloader.lineage.wire",
+                    "zloader.transport.records", "zloader.transport.records"]
+    assert used == ["True", *["zloader._core"] * 5]
     version = subprocess.run([sys.executable, "-m", "zloader.cli", "--version"], env=env,
                              capture_output=True, text=True, check=True, timeout=60).stdout
     assert version.strip().endswith("(compiled core)")

@@ -6,27 +6,52 @@ compares them over generated inputs); zloader/_native.py picks which one runs. O
 hot loops are here: everything else stays in the modules that own it.
 """
 
-from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.buffer cimport (
+    PyBUF_C_CONTIGUOUS,
+    PyBUF_SIMPLE,
+    PyBUF_WRITABLE,
+    PyBuffer_Release,
+    PyObject_GetBuffer,
+)
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
 
 cimport numpy as cnp
 
+import sys
+
 import numpy as np
 
-from zloader._defaults import CHUNK_ELEMENTS, SHUFFLE_DRAW_CHUNK
+from zloader import codec as _codec
+from zloader._defaults import (
+    CHUNK_ELEMENTS,
+    MAX_BUFFERS,
+    SCATTER_SAMPLE,
+    SHUFFLE_DRAW_CHUNK,
+    SMALL_ORIGIN_BLOCK,
+)
 from zloader.chunks import Chunk
+from zloader.errors import CodecError
+from zloader.transport import records as _records
 from zloader.lineage import tags as _tags
 from zloader.lineage import wire as _wire
 
 cnp.import_array()
 
-__all__ = ["ShuffleBuffer", "decode_origins"]
+__all__ = ["ShuffleBuffer", "decode_origins", "encode_origins", "pack_into", "unpack"]
 
 cdef long long INDEX_BITS = _tags.INDEX_BITS
 cdef long long INDEX_MASK = _tags.INDEX_MASK
 cdef long long MAX_PASS_ID = _tags.MAX_PASS_ID
 cdef long long MAX_KEY_LENGTH = _tags.MAX_KEY_LENGTH
 cdef Py_ssize_t HEAD = _wire._HEAD
+cdef Py_ssize_t SMALL_BLOCK = SMALL_ORIGIN_BLOCK
+cdef Py_ssize_t SCATTER = SCATTER_SAMPLE
+cdef Py_ssize_t ALIGN = _records.ALIGN
+# The pure functions write little-endian int64s (struct's "<q"); a C copy of this host's
+# is the same bytes only here. Elsewhere every block goes to them.
+cdef bint LITTLE = sys.byteorder == "little"
 
 
 cdef inline cnp.ndarray _empty(Py_ssize_t n):
@@ -321,3 +346,274 @@ cdef object _with_codes(const unsigned char* raw, Py_ssize_t base, long long nre
         _wire._check_code_reads(reads[0::3], codes, low, high)
     return _wire.Origins(keys, uniform, None, loose, _wire._NO_RUNS, ends, reads, codes,
                          None)
+
+
+# --- the worker's side: the origin block, and the record packed into a ring slot ---------
+
+def encode_origins(origins, loose, reads, pass_keys, ends, groups=(), keys=None):
+    """The twin of ``zloader.lineage.wire.encode_origins`` (its docstring says what it
+    does): the blocks of a few origins (a lone record's, a batch of large elements) and of
+    one batch's scattered codes (a shuffle's) written in C. Any other (groups, sorted rows
+    of many codes, runs of many) and any input the C path does not take as it is (an int
+    past int64, a code naming no reading) go to the pure function, which gives the block
+    or raises its error."""
+    cdef object block = None
+    if LITTLE and not groups and type(loose) is list and type(reads) is list \
+            and type(ends) is list:
+        try:
+            block = _encode(origins, <list> loose, <list> reads, pass_keys, <list> ends, keys)
+        except (OverflowError, TypeError, ValueError, IndexError):
+            block = None
+    if block is None:
+        return _wire.encode_origins(origins, loose, reads, pass_keys, ends, groups, keys)
+    return block
+
+
+cdef object _encode(object origins, list loose, list reads, object pass_keys, list ends,
+                    object keys):
+    """The block, or None where the pure function must write it."""
+    cdef Py_ssize_t n = len(origins), nloose = len(loose), total = nloose, k, count
+    cdef list counts = []
+    cdef long long uniform = -1
+    for origin in origins:
+        count = len(origin)
+        counts.append(count)
+        total += count
+    if n and counts.count(counts[0]) == n:
+        uniform = counts[0]
+    if total <= SMALL_BLOCK:
+        return _few(origins, loose, reads, pass_keys, ends, keys, counts, uniform, total)
+    first = origins[0] if n == 1 else None
+    if nloose or n != 1 or type(first) is not np.ndarray or not _plain_codes(first) \
+            or cnp.PyArray_NDIM(<cnp.ndarray> first) != 1:
+        return None
+    return _scattered_codes(<cnp.ndarray> first, reads, pass_keys, ends, keys)
+
+
+cdef inline void _sort(long long* values, Py_ssize_t n):
+    """Insertion sort (a few values: an element's origins)."""
+    cdef Py_ssize_t i, j
+    cdef long long value
+    for i in range(1, n):
+        value = values[i]
+        j = i - 1
+        while j >= 0 and values[j] > value:
+            values[j + 1] = values[j]
+            j -= 1
+        values[j + 1] = value
+
+
+cdef object _few(object origins, list loose, list reads, object pass_keys, list ends,
+                 object keys, list counts, long long uniform, Py_ssize_t total):
+    """A block of at most SMALL_ORIGIN_BLOCK origins, as runs (the pure function's list
+    path: ``runs_of_list`` over the codes, each element's sorted when it holds several)."""
+    cdef long long flat[64]  # (SMALL_ORIGIN_BLOCK is at most 64: checked at import)
+    cdef long long runs[4 * 64]
+    cdef Py_ssize_t nloose = len(loose), at = nloose, k, count, nruns = 0
+    cdef Py_ssize_t nreads = len(reads)
+    cdef bint ordered = total > 1 and (uniform != 1 or nloose > 0)
+    cdef long long code, last = -2, read
+    for k in range(nloose):
+        flat[k] = loose[k]
+    if ordered:
+        _sort(flat, nloose)
+    for origin in origins:
+        if _plain_codes(origin) and cnp.PyArray_NDIM(<cnp.ndarray> origin) == 1:
+            count = cnp.PyArray_DIM(<cnp.ndarray> origin, 0)
+            if at + count > total:
+                return None
+            if count:
+                memcpy(flat + at, cnp.PyArray_DATA(<cnp.ndarray> origin), 8 * count)
+        else:
+            count = 0
+            for item in (origin.tolist() if isinstance(origin, np.ndarray) else origin):
+                if at + count >= total:
+                    return None
+                flat[at + count] = item
+                count += 1
+        if ordered:
+            _sort(flat + at, count)
+        at += count
+    if at != total:
+        return None
+    for k in range(total):
+        code = flat[k]
+        if code < 0:
+            return None
+        if code == last + 1:
+            runs[4 * nruns - 1] += 1
+        else:
+            read = code >> INDEX_BITS
+            if read >= nreads:
+                return None
+            entry = reads[read]
+            if len(entry) != 2:
+                return None
+            runs[4 * nruns], runs[4 * nruns + 1] = entry[0], entry[1]
+            runs[4 * nruns + 2], runs[4 * nruns + 3] = code & INDEX_MASK, 1
+            nruns += 1
+        last = code
+    used = {runs[4 * k] for k in range(nruns)}
+    return _block(len(counts), uniform, nloose, counts, used, ends, pass_keys, keys,
+                  runs, 4 * nruns, 0, nruns, None, None)
+
+
+cdef object _scattered_codes(cnp.ndarray codes, list reads, object pass_keys, list ends,
+                             object keys):
+    """A batch's codes as they are, with the table of the readings they come from (the
+    pure function's scattered path), when they are scattered and the readings from the
+    oldest they name to the latest are few; else None."""
+    cdef Py_ssize_t m = cnp.PyArray_DIM(codes, 0), sample = min(m, SCATTER), k, ones = 0
+    cdef const long long* data = <const long long*> cnp.PyArray_DATA(codes)
+    cdef long long low
+    for k in range(1, sample):
+        if data[k - 1] < 0x7FFFFFFFFFFFFFFF and data[k] == data[k - 1] + 1:
+            ones += 1
+    if 4 * (sample - 1 - ones) < sample:
+        return None  # (runs: the pure function sorts and cuts them)
+    low = data[0]
+    for k in range(1, m):
+        if data[k] < low:
+            low = data[k]
+    if low < 0:
+        return None
+    cdef long long first = low >> INDEX_BITS, high = len(reads) - 1
+    if first > high or high - first >= max(64, 2 * m):
+        return None
+    cdef list table = []
+    for read in range(first, high + 1):
+        entry = reads[read]
+        if len(entry) != 2:
+            return None
+        table += [read, entry[0], entry[1]]
+    used = set(table[1::3])
+    return _block(1, m, 0, None, used, ends, pass_keys, keys, NULL, 0, len(table) // 3,
+                  0, table, codes)
+
+
+cdef object _block(Py_ssize_t n, long long uniform, Py_ssize_t nloose, list counts,
+                   set used, list ends, object pass_keys, object keys, long long* runs,
+                   Py_ssize_t nrun_ints, Py_ssize_t ntable, Py_ssize_t nruns, list table,
+                   cnp.ndarray codes):
+    """The block's bytes: the head, the counts (when not uniform), the pass keys of the
+    passes ``used`` (and the ends'), the ends, then the runs, or the table and the codes."""
+    for end in ends:
+        used.add(end[0])
+    cdef list entries
+    if keys is not None:
+        entries = [(pass_id, keys[pass_id]) for pass_id in sorted(used)]
+        for pass_id, _ in entries:
+            if pass_id < 0:  # (a negative index would wrap in the pure function's too)
+                raise IndexError("a pass id < 0")
+    else:
+        entries = [(pass_id, key) for key, pass_id in pass_keys.items() if pass_id in used]
+    cdef list front = [n, uniform, nloose, len(entries), len(ends), nruns, ntable, 0]
+    if uniform == -1:
+        front += counts
+    for pass_id, key in entries:
+        front.append(pass_id)
+        front.append(len(key))
+        front += key
+    for end in ends:
+        front += end
+    if table is not None:
+        front += table
+    cdef Py_ssize_t nfront = len(front), ncodes = 0 if codes is None \
+        else cnp.PyArray_DIM(codes, 0), k
+    block = PyBytes_FromStringAndSize(NULL, 8 * (nfront + nrun_ints + ncodes))
+    cdef long long* out = <long long*> PyBytes_AS_STRING(block)
+    for k in range(nfront):
+        out[k] = front[k]
+    if nrun_ints:
+        memcpy(out + nfront, runs, 8 * nrun_ints)
+    if ncodes:
+        memcpy(out + nfront, cnp.PyArray_DATA(codes), 8 * ncodes)
+    return block
+
+
+if SMALL_ORIGIN_BLOCK > 64:
+    raise ImportError("SMALL_ORIGIN_BLOCK is past the compiled encoder's 64 codes")
+
+
+def pack_into(buffers, block, sizes=None):
+    """The twin of ``zloader.transport.records.pack_into`` (its docstring says what it
+    does): the header and the copies in C. A record with a gathered buffer, or any input
+    it does not take as it is (a block too small, a size that is not its buffer's), goes
+    to the pure function, which packs it or raises its error."""
+    if sizes is None:
+        sizes = _records.sizes_of(buffers)
+    cdef Py_ssize_t count = len(sizes), k, offset, size, need
+    if not LITTLE or len(buffers) != count:
+        return _records.pack_into(buffers, block, sizes)
+    offset = (8 + 8 * count + ALIGN - 1) & ~(ALIGN - 1)
+    need = offset
+    for k in range(count):
+        size = sizes[k]
+        if size < 0 or type(buffers[k]) is _codec.Gather:
+            return _records.pack_into(buffers, block, sizes)
+        need += (size + ALIGN - 1) & ~(ALIGN - 1)
+    cdef Py_buffer target, source
+    if PyObject_GetBuffer(block, &target, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0:
+        return _records.pack_into(buffers, block, sizes)  # (not reached: it raises)
+    cdef char* out = <char*> target.buf
+    cdef unsigned int head[2]
+    try:
+        if target.len < need:
+            return _records.pack_into(buffers, block, sizes)
+        head[0], head[1] = count, 0
+        memcpy(out, head, 8)
+        for k in range(count):
+            (<unsigned long long*> (out + 8))[k] = sizes[k]
+        for k in range(count):
+            size = sizes[k]
+            if size:
+                try:
+                    PyObject_GetBuffer(buffers[k], &source, PyBUF_C_CONTIGUOUS)
+                except (TypeError, BufferError, ValueError):
+                    return _records.pack_into(buffers, block, sizes)
+                try:
+                    if source.len != size:
+                        return _records.pack_into(buffers, block, sizes)
+                    memcpy(out + offset, source.buf, size)
+                finally:
+                    PyBuffer_Release(&source)
+            offset += (size + ALIGN - 1) & ~(ALIGN - 1)
+    finally:
+        PyBuffer_Release(&target)
+    return offset
+
+
+# --- the consumer's side: a record's buffers ----------------------------------------------
+
+def unpack(block):
+    """The twin of ``zloader.transport.records.unpack`` (its docstring says what it does):
+    the header read and every size checked in C, the buffers the same views of ``block``.
+    A view of another format than bytes goes to the pure function."""
+    view = block if isinstance(block, memoryview) else memoryview(block).cast("B")
+    if not LITTLE or view.format != "B" or not view.c_contiguous:
+        return _records.unpack(block)
+    cdef Py_buffer buffer
+    PyObject_GetBuffer(view, &buffer, PyBUF_SIMPLE)
+    cdef Py_ssize_t nbytes = buffer.len, k, offset
+    cdef const unsigned char* raw = <const unsigned char*> buffer.buf
+    cdef unsigned int count
+    cdef unsigned long long size
+    cdef list out = []
+    try:
+        if nbytes < 8:
+            raise CodecError(f"record of {nbytes} bytes is shorter than its header")
+        memcpy(&count, raw, 4)
+        if count > MAX_BUFFERS or 8 + 8 * <Py_ssize_t> count > nbytes:
+            raise CodecError(f"record claims {count} buffers, more than its {nbytes} "
+                             "bytes hold")
+        offset = (8 + 8 * count + ALIGN - 1) & ~(ALIGN - 1)
+        for k in range(count):
+            memcpy(&size, raw + 8 + 8 * k, 8)
+            if offset > nbytes or size > <unsigned long long> (nbytes - offset):
+                raise CodecError(f"record buffer of {size} bytes at {offset} runs past its "
+                                 f"{nbytes} bytes")
+            out.append(view[offset:offset + <Py_ssize_t> size])
+            offset += (<Py_ssize_t> size + ALIGN - 1) & ~(ALIGN - 1)
+    finally:
+        PyBuffer_Release(&buffer)
+    return out

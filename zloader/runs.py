@@ -12,17 +12,21 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from zloader import collate, groups
+from zloader import _native, collate, groups
 from zloader._byfields import ByFields, FrozenByFields
 from zloader._defaults import ORIGINS_NAMED
 from zloader._seeding import Key, make_rng
 from zloader.chunks import Chunk, chunks_of
-from zloader.lineage import INDEX_BITS, INDEX_MASK, Origin, encode_origins, gather, untag
+from zloader.lineage import INDEX_BITS, INDEX_MASK, Origin, gather, untag
+from zloader.lineage import encode_origins as _pure_encode_origins
 
 if TYPE_CHECKING:
     from zloader.stages import Stage
 
 __all__ = ["Context", "Coverage", "RunSettings", "RunTally"]
+
+encode_origins = _native.pick("encode_origins", _pure_encode_origins)
+"""A record's origin block written: compiled where built (zloader/_native.py)."""
 
 
 @dataclass(eq=False, repr=False)

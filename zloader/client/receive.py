@@ -195,7 +195,7 @@ class Receiver:
         """A DATA's buffers: from its segment, its worker's ring or its frames."""
         if data.segment is not None:
             block = self.peers.map_segment(peer, data.segment, private=data.shared)
-            buffers = records.unpack(memoryview(block))
+            buffers = unpack(memoryview(block))
             self.stats.segments += 1
             return buffers
         if data.ring is not None:
@@ -204,7 +204,7 @@ class Receiver:
             block = reader.claim(position, length)
             if data.framed:  # (a notice that could not be written: its body is in front)
                 return _unframe(block)[1]
-            return records.unpack(memoryview(block))
+            return unpack(memoryview(block))
         self.stats.private += peer.ring is not None
         return [frame.buffer for frame in payload]
 
@@ -318,11 +318,14 @@ def _unframe(block: Any) -> tuple[messages.Data, list[Any]]:
     data = messages.Data.from_body(bytes(block[FRAME_HEAD.size:FRAME_HEAD.size + size]))
     if data.ring is not None or data.segment is not None or data.framed:
         raise ProtocolError("a framed record's body names a place of its own")
-    return data, records.unpack(memoryview(block[start:]))
+    return data, unpack(memoryview(block[start:]))
 
 
 decode_origins = _native.pick("decode_origins", _pure_decode_origins)
 """A record's origin block read and checked: compiled where built (zloader/_native.py)."""
+
+unpack = _native.pick("unpack", records.unpack)
+"""A record's buffers, as views of its block: compiled where built."""
 
 
 def _origins(block: Any, count: int) -> Origins:

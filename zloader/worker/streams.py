@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from zloader import codec
+from zloader import _native, codec
 from zloader._byfields import ByFields
 from zloader.transport import messages, records
 from zloader.transport.notice import FRAME_HEAD, NOTICE, frame_size, open_notify
@@ -34,6 +34,10 @@ if TYPE_CHECKING:
 __all__ = ["Outlet", "Stream", "attach_ring", "unlink_handoffs"]
 
 log = logging.getLogger("zloader.worker")
+
+pack_into = _native.pick("pack_into", records.pack_into)
+"""A record's buffers packed into a ring slot or segment: compiled where built
+(zloader/_native.py)."""
 
 
 @dataclass(eq=False, repr=False)
@@ -180,7 +184,7 @@ class Outlet:
                 slot = None
             if slot is not None:
                 position, view = slot
-                records.pack_into(frames, view, sizes)
+                pack_into(frames, view, sizes)
                 fields["ring"] = (position, packed, ring.name)
                 self.send(stream, messages.Data.checked(fields))
                 return
@@ -211,7 +215,7 @@ class Outlet:
         position, view = slot
         FRAME_HEAD.pack_into(view, 0, len(body), 0)
         view[FRAME_HEAD.size:FRAME_HEAD.size + len(body)] = body
-        records.pack_into(frames, view[start:], sizes)
+        pack_into(frames, view[start:], sizes)
         assert stream.notify is not None and stream.ring_id is not None
         try:
             os.write(stream.notify, NOTICE.pack(stream.ring_id, length, position))
@@ -231,7 +235,7 @@ class Outlet:
         except (ShmError, OSError) as exc:
             log.warning("%s; sending the record over the socket", exc)
             return False
-        records.pack_into(frames, segment.buf)
+        pack_into(frames, segment.buf)
         stream.handoffs[segment.name] = segment
         self.send(stream, messages.Data.checked({**fields, "segment": (segment.name, packed)}))
         return True
