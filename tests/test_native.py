@@ -171,11 +171,13 @@ def _encoder_inputs(draw: st.DrawFn) -> tuple:
                         st.lists(code, min_size=1, max_size=3)
                         .map(lambda c: np.array(c, np.uint64)))
     form = draw(st.integers(0, 3))
-    if form == 0:  # (a batch's rows: in order, or shuffled, as one array)
-        rows = draw(st.lists(code, min_size=20, max_size=120))
-        if draw(st.booleans()):
-            rows = sorted(rows)
-        origins: list = [np.array(rows, np.int64)]
+    if form == 0:  # (batches' rows: in order, or shuffled, an array per batch)
+        origins: list = []
+        for _ in range(draw(st.integers(1, 4))):
+            rows = draw(st.lists(code, min_size=1 if origins else 20, max_size=120))
+            if draw(st.booleans()):
+                rows = sorted(rows)
+            origins.append(np.array(rows, np.int64))
     elif form == 1:  # (a lone element's)
         origins = [draw(element)]
     else:
@@ -211,17 +213,19 @@ def test_the_origin_block_encoders_agree(args: tuple) -> None:
     assert _encoded(_core.encode_origins, args) == _encoded(encode_origins, args)
 
 
-def test_the_blocks_of_a_lone_record_and_of_a_shuffled_batch_are_written_in_c(
+def test_the_blocks_of_a_lone_record_and_of_shuffled_batches_are_written_in_c(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The two blocks the compiled encoder is for (the generated cases hold them too) are
+    """The blocks the compiled encoder is for (the generated cases hold them too) are
     written without the pure function (made to fail here), and are its bytes."""
     reads, keys = [(0, 3), (0, 4)], [(0,)]
     lone = ([(5,)], [], reads, {(0,): 0}, [[0, 3, 9, 77]], [], keys)
     shuffled = np.random.default_rng(1).permutation(256).astype(np.int64) | (1 << INDEX_BITS)
     batch = ([shuffled], [], reads, {(0,): 0}, [], [], keys)
-    expected = [encode_origins(*args) for args in (lone, batch)]
+    batches = ([shuffled[:100], shuffled[100:]], [], reads, {(0,): 0}, [[0, 3, 9, 7]], [],
+               keys)
+    expected = [encode_origins(*args) for args in (lone, batch, batches)]
     monkeypatch.setattr(wire, "encode_origins", None)  # (a call to it raises TypeError)
-    assert [_core.encode_origins(*args) for args in (lone, batch)] == expected
+    assert [_core.encode_origins(*args) for args in (lone, batch, batches)] == expected
     assert len(expected[1]) == 8 * (8 + 3 + 3 + 256)  # (head, pass key, one reading, codes)
     buffers = [b"head", np.arange(600, dtype=np.int64), memoryview(b"x" * 70)]
     block, pure = bytearray(8192), bytearray(8192)

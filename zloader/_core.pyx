@@ -353,7 +353,7 @@ cdef object _with_codes(const unsigned char* raw, Py_ssize_t base, long long nre
 def encode_origins(origins, loose, reads, pass_keys, ends, groups=(), keys=None):
     """The twin of ``zloader.lineage.wire.encode_origins`` (its docstring says what it
     does): the blocks of a few origins (a lone record's, a batch of large elements) and of
-    one batch's scattered codes (a shuffle's) written in C. Any other (groups, sorted rows
+    batches' scattered codes (a shuffle's) written in C. Any other (groups, sorted rows
     of many codes, runs of many) and any input the C path does not take as it is (an int
     past int64, a code naming no reading) go to the pure function, which gives the block
     or raises its error."""
@@ -383,11 +383,13 @@ cdef object _encode(object origins, list loose, list reads, object pass_keys, li
         uniform = counts[0]
     if total <= SMALL_BLOCK:
         return _few(origins, loose, reads, pass_keys, ends, keys, counts, uniform, total)
-    first = origins[0] if n == 1 else None
-    if nloose or n != 1 or type(first) is not np.ndarray or not _plain_codes(first) \
-            or cnp.PyArray_NDIM(<cnp.ndarray> first) != 1:
+    if nloose:
         return None
-    return _scattered_codes(<cnp.ndarray> first, reads, pass_keys, ends, keys)
+    for origin in origins:  # (batches' codes, as a shuffle's batches hold them)
+        if type(origin) is not np.ndarray or not _plain_codes(origin) \
+                or cnp.PyArray_NDIM(<cnp.ndarray> origin) != 1:
+            return None
+    return _scattered_codes(origins, counts, uniform, total, reads, pass_keys, ends, keys)
 
 
 cdef inline void _sort(long long* values, Py_ssize_t n):
@@ -455,30 +457,36 @@ cdef object _few(object origins, list loose, list reads, object pass_keys, list 
         last = code
     used = {runs[4 * k] for k in range(nruns)}
     return _block(len(counts), uniform, nloose, counts, used, ends, pass_keys, keys,
-                  runs, 4 * nruns, 0, nruns, None, None)
+                  runs, 4 * nruns, 0, nruns, None, None, 0)
 
 
-cdef object _scattered_codes(cnp.ndarray codes, list reads, object pass_keys, list ends,
+cdef object _scattered_codes(object origins, list counts, long long uniform,
+                             Py_ssize_t total, list reads, object pass_keys, list ends,
                              object keys):
-    """A batch's codes as they are, with the table of the readings they come from (the
-    pure function's scattered path), when they are scattered and the readings from the
-    oldest they name to the latest are few; else None."""
-    cdef Py_ssize_t m = cnp.PyArray_DIM(codes, 0), sample = min(m, SCATTER), k, ones = 0
-    cdef const long long* data = <const long long*> cnp.PyArray_DATA(codes)
-    cdef long long low
-    for k in range(1, sample):
-        if data[k - 1] < 0x7FFFFFFFFFFFFFFF and data[k] == data[k - 1] + 1:
-            ones += 1
+    """The codes of ``origins`` (int64 arrays) as they are, with the table of the readings
+    they come from (the pure function's scattered path), when they are scattered (judged
+    by their first SCATTER_SAMPLE) and the readings from the oldest they name to the
+    latest are few; else None."""
+    cdef Py_ssize_t sample = min(total, SCATTER), seen = 0, ones = 0, k, m
+    cdef const long long* data
+    cdef long long low = 0x7FFFFFFFFFFFFFFF, previous = 0
+    for origin in origins:
+        m = cnp.PyArray_DIM(<cnp.ndarray> origin, 0)
+        data = <const long long*> cnp.PyArray_DATA(<cnp.ndarray> origin)
+        for k in range(m):
+            if seen < sample:
+                if seen and previous < 0x7FFFFFFFFFFFFFFF and data[k] == previous + 1:
+                    ones += 1
+                previous = data[k]
+                seen += 1
+            if data[k] < low:
+                low = data[k]
     if 4 * (sample - 1 - ones) < sample:
         return None  # (runs: the pure function sorts and cuts them)
-    low = data[0]
-    for k in range(1, m):
-        if data[k] < low:
-            low = data[k]
     if low < 0:
         return None
     cdef long long first = low >> INDEX_BITS, high = len(reads) - 1
-    if first > high or high - first >= max(64, 2 * m):
+    if first > high or high - first >= max(64, 2 * total):
         return None
     cdef list table = []
     for read in range(first, high + 1):
@@ -487,16 +495,17 @@ cdef object _scattered_codes(cnp.ndarray codes, list reads, object pass_keys, li
             return None
         table += [read, entry[0], entry[1]]
     used = set(table[1::3])
-    return _block(1, m, 0, None, used, ends, pass_keys, keys, NULL, 0, len(table) // 3,
-                  0, table, codes)
+    return _block(len(counts), uniform, 0, counts, used, ends, pass_keys, keys, NULL, 0,
+                  len(table) // 3, 0, table, origins, total)
 
 
 cdef object _block(Py_ssize_t n, long long uniform, Py_ssize_t nloose, list counts,
                    set used, list ends, object pass_keys, object keys, long long* runs,
                    Py_ssize_t nrun_ints, Py_ssize_t ntable, Py_ssize_t nruns, list table,
-                   cnp.ndarray codes):
+                   object arrays, Py_ssize_t ncodes):
     """The block's bytes: the head, the counts (when not uniform), the pass keys of the
-    passes ``used`` (and the ends'), the ends, then the runs, or the table and the codes."""
+    passes ``used`` (and the ends'), the ends, then the runs, or the table and the
+    ``ncodes`` codes of ``arrays`` in order."""
     for end in ends:
         used.add(end[0])
     cdef list entries
@@ -518,8 +527,7 @@ cdef object _block(Py_ssize_t n, long long uniform, Py_ssize_t nloose, list coun
         front += end
     if table is not None:
         front += table
-    cdef Py_ssize_t nfront = len(front), ncodes = 0 if codes is None \
-        else cnp.PyArray_DIM(codes, 0), k
+    cdef Py_ssize_t nfront = len(front), k, at, m
     block = PyBytes_FromStringAndSize(NULL, 8 * (nfront + nrun_ints + ncodes))
     cdef long long* out = <long long*> PyBytes_AS_STRING(block)
     for k in range(nfront):
@@ -527,7 +535,12 @@ cdef object _block(Py_ssize_t n, long long uniform, Py_ssize_t nloose, list coun
     if nrun_ints:
         memcpy(out + nfront, runs, 8 * nrun_ints)
     if ncodes:
-        memcpy(out + nfront, cnp.PyArray_DATA(codes), 8 * ncodes)
+        at = nfront
+        for array in arrays:
+            m = cnp.PyArray_DIM(<cnp.ndarray> array, 0)
+            if m:
+                memcpy(out + at, cnp.PyArray_DATA(<cnp.ndarray> array), 8 * m)
+            at += m
     return block
 
 
