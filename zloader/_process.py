@@ -138,11 +138,30 @@ def start_worker(method: str, address: str, bind: str, keys: Keys | None = None,
         return subprocess.Popen(command, env=with_sys_path(), cwd=os.getcwd(),
                                 stdin=subprocess.DEVNULL)
     with _FORK_LOCK, FDS_LOCK:
-        pid = os.fork()
+        pid = _fork()
     if pid:
         return ForkedWorker(pid)
     _worker_main(parent, address, bind, keys, pipelines, swaps, handoff, gate, packs, slot,
                  report)
+
+
+_HELD = frozenset((signal.SIGINT, signal.SIGTERM))
+
+
+def _fork() -> int:
+    """``os.fork()``, the child starting with SIGINT and SIGTERM blocked: until it has set
+    its own dispositions, one of them must neither run the trainer's handler there (a
+    training script's SIGTERM handler saving a checkpoint) nor be lost (the child's
+    SIGTERM, its Loader closing). The parent's mask is as it was."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
+    try:
+        pid = os.fork()
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        raise
+    if pid:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+    return pid
 
 
 def _worker_main(parent: int, address: str, bind: str, keys: Keys | None,
@@ -154,6 +173,12 @@ def _worker_main(parent: int, address: str, bind: str, keys: Keys | None,
     never returns into the caller's code."""
     code = 1
     try:
+        # Forked with SIGINT and SIGTERM blocked (_fork): the trainer's handlers, which
+        # this process inherits, never run here. The parent's Ctrl-C is ignored (it
+        # stops us); a SIGTERM (a Loader closed while we start) waits for our handler.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         # The parent's objects, garbage included, are never collected here: a cycle the
         # parent had not collected yet would run its finalizers in this process (a
         # TensorFlow object's, after fork, aborts it).
@@ -163,14 +188,12 @@ def _worker_main(parent: int, address: str, bind: str, keys: Keys | None,
         forked(handoff)
         if packs and handoff is not None:
             handoff.fork_packer()
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's Ctrl-C; it stops us
         worker = WorkerProcess(address, bind, parent=parent, keys=keys,
                                inherited=pipelines, slot=slot,
                                prepared=functools.partial(_prepared, report, slot)
                                if report is not None and slot is not None else None)
         signal.signal(signal.SIGTERM, lambda *_: worker.halt())
-        # (blocked by the forker, see _serve_forks: one that came meanwhile is handled now)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # (one that came: now)
         worker.run(functools.partial(_through_gate, gate) if gate is not None else None)
         code = 0
     except BaseException:
@@ -200,7 +223,7 @@ def fork_workers(address: str, binds: list[str], keys: Keys | None = None,
     reports, report = os.pipe2(os.O_CLOEXEC)
     try:
         with _FORK_LOCK, FDS_LOCK:
-            pid = os.fork()
+            pid = _fork()
     except BaseException:
         os.close(reports)
         os.close(report)
@@ -211,17 +234,14 @@ def fork_workers(address: str, binds: list[str], keys: Keys | None = None,
         return forker, [ForkedChild(forker, slot) for slot in range(len(binds))]
     code = 1
     try:
+        # (the parent's Ctrl-C, or a SIGTERM to the group, is for the workers: it leaves
+        # with them, having reported how each ended. Both stay blocked, as _fork left
+        # them: its workers inherit the mask, see _worker_main)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         os.close(reports)
         gc.freeze()  # (see _worker_main)
         repair_imports()
-        # (the parent's Ctrl-C, or a SIGTERM to the group, is for the workers: it leaves
-        # with them, having reported how each ended)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        # Blocked as well: its workers inherit the mask, so that a SIGTERM sent to one
-        # before it has its handler (a Loader closed while they start) waits for it
-        # instead of being ignored, which left the worker running until SIGKILL.
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         forked(handoff)  # (the memfds of other Loaders' handoffs are not for its workers)
         _serve_forks(trainer, report, address, binds, keys, pipelines, swaps, handoff, gate)
         code = 0
@@ -242,8 +262,6 @@ def _serve_forks(trainer: int, report: int, address: str, binds: list[str],
     for slot, bind in enumerate(binds):
         pid = os.fork()
         if pid == 0:
-            # (still blocked: delivered once the worker has its handler)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             _worker_main(me, address, bind, keys, pipelines, swaps, handoff, gate, False,
                          slot, report)
         slots[pid] = slot

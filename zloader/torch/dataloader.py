@@ -220,12 +220,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         # The workers start before the sampler's first pull, as torch's do: forking them
         # (and their start) overlaps the first permutation drawn here.
         loader, own = self._pass_loader()
-        try:
-            sampled, next_batch, todo = self._sample(indices, resume, progress, plan)
-        except BaseException:
-            if own is not None:
-                own.close()
-            raise
+        sampled, next_batch, todo = self._sampled(own, indices, resume, progress, plan)
         plans = PerWorker(worker_plans(plan, sampled, self._auto_collation, todo,
                                        self.num_workers, not self.in_order, workers, places))
         if workers is not None:
@@ -246,6 +241,19 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             batches = arrived(intake, progress, dispatcher)
         return (self._deliver((to_torch(batch), mark) for batch, mark in batches), progress,
                 own)
+
+    def _sampled(self, own: Loader | None, indices: Iterator[Any] | None,
+                 resume: dict[str, Any] | None, progress: Progress, plan: dict[str, Any]
+                 ) -> tuple[list[Any] | None, Callable[[], np.ndarray | None] | None,
+                            list[int]]:
+        """:meth:`_sample`; a failure (the sampler's) closes the pass's ``own`` Loader,
+        whose workers have started."""
+        try:
+            return self._sample(indices, resume, progress, plan)
+        except BaseException:
+            if own is not None:
+                own.close()
+            raise
 
     def _resumed_workers(self, resume: dict[str, Any] | None,
                          places: dict[int, Place] | None,
