@@ -248,8 +248,10 @@ def _buffers() -> st.SearchStrategy:
 
 
 @settings(max_examples=500, deadline=None)
-@given(buffers=_buffers(), slack=st.integers(-300, 300), given_sizes=st.integers(0, 2))
-def test_the_record_packers_agree(buffers: list, slack: int, given_sizes: int) -> None:
+@given(buffers=_buffers(), slack=st.integers(-300, 300), given_sizes=st.integers(0, 2),
+       block_kind=st.sampled_from(["view", "view", "bytes", "strided"]))
+def test_the_record_packers_agree(buffers: list, slack: int, given_sizes: int,
+                                  block_kind: str) -> None:
     sizes = None if given_sizes == 0 else records.sizes_of(buffers)
     if given_sizes == 2 and sizes:
         sizes[0] += 1  # (a size that is not its buffer's)
@@ -259,8 +261,13 @@ def test_the_record_packers_agree(buffers: list, slack: int, given_sizes: int) -
         need = 0
     outs = []
     for pack in (records.pack_into, _core.pack_into):
-        block = bytearray(max(0, need + slack))
-        outs.append((_encoded(pack, (buffers, memoryview(block), sizes)), bytes(block)))
+        block = bytearray(max(0, need + slack) * (2 if block_kind == "strided" else 1))
+        given: object = memoryview(block)
+        if block_kind == "bytes":  # (read-only: the same error)
+            given = bytes(block)
+        elif block_kind == "strided":  # (not contiguous: the same error)
+            given = memoryview(block)[::2]
+        outs.append((_encoded(pack, (buffers, given, sizes)), bytes(block)))
     assert outs[0] == outs[1]
 
 

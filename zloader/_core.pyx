@@ -566,8 +566,10 @@ def pack_into(buffers, block, sizes=None):
             return _records.pack_into(buffers, block, sizes)
         need += (size + ALIGN - 1) & ~(ALIGN - 1)
     cdef Py_buffer target, source
-    if PyObject_GetBuffer(block, &target, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0:
-        return _records.pack_into(buffers, block, sizes)  # (not reached: it raises)
+    try:
+        PyObject_GetBuffer(block, &target, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)
+    except (TypeError, BufferError, ValueError):  # (read-only, not contiguous: its error)
+        return _records.pack_into(buffers, block, sizes)
     cdef char* out = <char*> target.buf
     cdef unsigned int head[2]
     try:
@@ -603,7 +605,7 @@ def unpack(block):
     the header read and every size checked in C, the buffers the same views of ``block``.
     A view of another format than bytes goes to the pure function."""
     view = block if isinstance(block, memoryview) else memoryview(block).cast("B")
-    if not LITTLE or view.format != "B" or not view.c_contiguous:
+    if not LITTLE or view.format != "B" or view.ndim != 1 or not view.c_contiguous:
         return _records.unpack(block)
     cdef Py_buffer buffer
     PyObject_GetBuffer(view, &buffer, PyBUF_SIMPLE)
