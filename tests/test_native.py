@@ -330,7 +330,7 @@ def _records_made(draw: st.DrawFn) -> list:
 def _worker_records(made: list) -> list[bytes]:
     """``made`` encoded and packed as a worker does (zloader/worker/producer.py
     ``_encode``; zloader/worker/streams.py ``Outlet.record``), with the kernels that
-    runs.py and streams.py picked."""
+    runs.py and streams.py hold."""
     tally = RunTally()
     tally.reads.append((tally.pass_id((0,)), 7))
     out = []
@@ -349,13 +349,14 @@ def _worker_records(made: list) -> list[bytes]:
 @settings(max_examples=300, deadline=None)
 @given(made=_records_made())
 def test_a_workers_records_are_the_same_bytes_with_either_kernels(made: list) -> None:
-    compiled = _worker_records(made)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(runs, "encode_origins", encode_origins)
-        patch.setattr(streams, "pack_into", records.pack_into)
-        pure = _worker_records(made)
-    assert runs.encode_origins is _core.encode_origins  # (picked: the build is used here)
-    assert compiled == pure
+    made_by = []
+    for encode, pack in ((_core.encode_origins, _core.pack_into),
+                         (encode_origins, records.pack_into)):
+        with pytest.MonkeyPatch.context() as patch:  # (what runs.py and streams.py pick)
+            patch.setattr(runs, "encode_origins", encode)
+            patch.setattr(streams, "pack_into", pack)
+            made_by.append(_worker_records(made))
+    assert made_by[0] == made_by[1]
 
 
 def test_zloader_pure_selects_the_pure_twins() -> None:
