@@ -140,6 +140,39 @@ def test_a_worker_told_to_stop_before_it_has_its_handler_stops_when_it_has_it(wo
     assert len(codes) == workers and -signal.SIGKILL not in codes, (codes, done.stderr)
 
 
+INTERRUPTED_FORK = """
+import os, signal, threading, time
+import psutil
+from zloader import _process
+fire = [True]
+def before():  # (a Ctrl-C that comes while the fork holds SIGINT: to this thread, which
+    if fire[0]:  # holds it, not to another thread of the process)
+        fire[0] = False
+        signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+os.register_at_fork(before=before)
+try:
+    pid = _process._fork()
+    if pid == 0:
+        time.sleep(5)
+        os._exit(0)
+    print("not interrupted")
+except KeyboardInterrupt:
+    print("interrupted")
+mask = signal.pthread_sigmask(signal.SIG_BLOCK, ())
+print(len(psutil.Process().children()), signal.SIGINT in mask, signal.SIGTERM in mask)
+"""
+
+
+def test_a_ctrl_c_held_during_a_fork_raises_without_leaving_the_child_or_the_mask():
+    """A Ctrl-C that comes while a worker is forked (SIGINT held) raises in the trainer
+    once the mask is restored: the child it forked is killed and reaped (it was left
+    running, a worker nobody knew of), and SIGINT and SIGTERM are not left blocked."""
+    done = subprocess.run([sys.executable, "-c", INTERRUPTED_FORK], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["interrupted", "0", "False", "False"], done.stdout
+
+
 def test_a_killed_forker_takes_its_workers_with_it():
     pipeline = Pipeline.range(10**9).map(lambda x: x)
     with Loader(pipeline, num_workers=3, timeout=30) as loader:

@@ -197,6 +197,14 @@ def _encoder_inputs(draw: st.DrawFn) -> tuple:
         reads = [(*read, 0) for read in reads]
     elif odd == 4 and ends:
         ends[0][3] = draw(st.sampled_from(_ODD))
+    elif odd == 5:  # (an end cut short: the compiled one read past it once)
+        ends.append(draw(st.sampled_from([[], [0], ()])))
+    elif odd == 6:  # (floats, which struct refuses: not truncated)
+        origins.append(draw(st.sampled_from([(1.5,), (2.0,), np.array([1.0, 2.0])])))
+    elif odd == 7:  # (codes in the other byte order)
+        origins.append(np.array([1, 2], np.int64).astype(">i8"))
+    elif odd == 8 and keys is not None:  # (keys by a mapping, not a list)
+        keys = dict(enumerate(keys))
     return origins, loose, reads, dict(_PASS_KEYS), ends, groups, keys
 
 
@@ -247,27 +255,44 @@ def _buffers() -> st.SearchStrategy:
     return st.lists(one, max_size=5)
 
 
-@settings(max_examples=500, deadline=None)
-@given(buffers=_buffers(), slack=st.integers(-300, 300), given_sizes=st.integers(0, 2),
-       block_kind=st.sampled_from(["view", "view", "bytes", "strided"]))
-def test_the_record_packers_agree(buffers: list, slack: int, given_sizes: int,
+_BLOCKS = ["view", "view", "bytearray", "bytes", "strided", "int64 view", "int64 array",
+           "2-D view"]
+_SIZES = [None, "right", "one more", "a float", "2**63", "2**64", "a generator's"]
+
+
+def _block_of(kind: str, size: int) -> tuple[bytearray, object]:
+    """A block of ``size`` bytes (rounded to 8) of ``kind``, and its bytes to compare."""
+    raw = bytearray(-(-size // 16) * 16 * (2 if kind == "strided" else 1))
+    if kind == "2-D view" and not raw:
+        kind = "view"  # (no 2-D view of nothing)
+    given = {"view": lambda: memoryview(raw), "bytearray": lambda: raw,
+             "bytes": lambda: bytes(raw),  # (read-only)
+             "strided": lambda: memoryview(raw)[::2],
+             "int64 view": lambda: memoryview(raw).cast("q"),
+             "int64 array": lambda: np.frombuffer(raw, np.int64),
+             "2-D view": lambda: memoryview(raw).cast("B", (len(raw) // 16, 16))}[kind]()
+    return raw, given
+
+
+@settings(max_examples=800, deadline=None)
+@given(buffers=_buffers(), slack=st.integers(-300, 300), sizes_kind=st.sampled_from(_SIZES),
+       block_kind=st.sampled_from(_BLOCKS))
+def test_the_record_packers_agree(buffers: list, slack: int, sizes_kind: str | None,
                                   block_kind: str) -> None:
-    sizes = None if given_sizes == 0 else records.sizes_of(buffers)
-    if given_sizes == 2 and sizes:
-        sizes[0] += 1  # (a size that is not its buffer's)
+    sizes: object = None if sizes_kind is None else records.sizes_of(buffers)
+    if sizes and sizes_kind != "right":  # (sizes that are not the buffers', or not ints)
+        odd = {"one more": sizes[0] + 1, "a float": float(sizes[0]), "2**63": 2**63,  # type: ignore[index]
+               "2**64": 2**64, "a generator's": sizes[0]}[sizes_kind]  # type: ignore[index]
+        sizes[0] = odd  # type: ignore[index]
     try:
         need = records.packed_size(buffers)
     except ValueError:
         need = 0
     outs = []
     for pack in (records.pack_into, _core.pack_into):
-        block = bytearray(max(0, need + slack) * (2 if block_kind == "strided" else 1))
-        given: object = memoryview(block)
-        if block_kind == "bytes":  # (read-only: the same error)
-            given = bytes(block)
-        elif block_kind == "strided":  # (not contiguous: the same error)
-            given = memoryview(block)[::2]
-        outs.append((_encoded(pack, (buffers, given, sizes)), bytes(block)))
+        raw, block = _block_of(block_kind, max(0, need + slack))
+        given = (iter(buffers) if sizes_kind == "a generator's" else buffers)
+        outs.append((_encoded(pack, (given, block, sizes)), bytes(raw)))
     assert outs[0] == outs[1]
 
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import random
+import subprocess
+import sys
 
 import numpy as np
 import psutil
@@ -703,3 +706,53 @@ def test_a_sampler_failing_at_its_first_pull_raises_its_error_and_stops_the_work
     sampler.data_source = loader.dataset
     assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
     loader.close()
+
+
+def test_a_pass_that_fails_while_planning_its_workers_stops_them(monkeypatch):
+    """A failure after the pass's workers started but before they were opened (here the
+    planning of each worker's part; a Ctrl-C there too) stops them at once, not when the
+    error and its traceback are let go of."""
+    from zloader.torch import dataloader as module
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("planning failed")
+
+    monkeypatch.setattr(module, "worker_plans", fail)
+    loader = zt.DataLoader(list(range(10)), batch_size=2, num_workers=2, timeout=30)
+    with pytest.raises(RuntimeError, match="planning failed") as caught:
+        next(iter(loader))
+    assert caught.tb is not None  # (the error and its frames are still held here)
+    assert not psutil.Process().children()
+
+
+NO_INIT_WHEN_CLOSED = """
+import os, sys, time, torch, zloader.torch as zt
+os.register_at_fork(after_in_child=lambda: time.sleep(0.3))  # each worker starts late
+marks = sys.argv[1]
+def init(worker):
+    open(os.path.join(marks, str(os.getpid())), "w").close()
+class Failing(torch.utils.data.Sampler):
+    def __init__(self):
+        pass
+    def __len__(self):
+        return 4
+    def __iter__(self):
+        raise RuntimeError("sampler failed")
+        yield 0
+loader = zt.DataLoader(list(range(4)), sampler=Failing(), num_workers=2,
+                       worker_init_fn=init, timeout=30)
+try:
+    next(iter(loader))
+except RuntimeError as exc:
+    print(exc)
+"""
+
+
+def test_workers_stopped_before_they_start_run_no_worker_init_fn(tmp_path):
+    """Workers that their pass stops while they start (its sampler failed at once) leave
+    without running the user's ``worker_init_fn``: the stop is looked at before it."""
+    done = subprocess.run([sys.executable, "-c", NO_INIT_WHEN_CLOSED, str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "sampler failed"
+    assert os.listdir(tmp_path) == []

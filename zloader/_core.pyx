@@ -14,9 +14,11 @@ from cpython.buffer cimport (
     PyObject_GetBuffer,
 )
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from cpython.number cimport PyNumber_Index
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
 
+cimport cython
 cimport numpy as cnp
 
 import sys
@@ -66,10 +68,19 @@ cdef inline long long* _data(cnp.ndarray array):
 
 
 cdef inline bint _plain_codes(object origins):
-    """Whether ``origins`` is a C-contiguous int64 array (codes as a reading makes them)."""
+    """Whether ``origins`` is a C-contiguous, aligned int64 array in this host's byte order
+    (codes as a reading makes them)."""
     return cnp.PyArray_Check(origins) \
         and cnp.PyArray_TYPE(<cnp.ndarray> origins) == cnp.NPY_INT64 \
-        and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray> origins)
+        and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray> origins) \
+        and cnp.PyArray_ISNOTSWAPPED(<cnp.ndarray> origins) \
+        and cnp.PyArray_ISALIGNED(<cnp.ndarray> origins)
+
+
+cdef inline long long _int(object value) except? -1:
+    """``value`` as an int64, taken as ``struct`` takes it (``__index__``: a float is a
+    TypeError, not truncated; past int64, an OverflowError)."""
+    return PyNumber_Index(value)
 
 
 cdef class ShuffleBuffer:
@@ -358,8 +369,9 @@ def encode_origins(origins, loose, reads, pass_keys, ends, groups=(), keys=None)
     past int64, a code naming no reading) go to the pure function, which gives the block
     or raises its error."""
     cdef object block = None
-    if LITTLE and not groups and type(loose) is list and type(reads) is list \
-            and type(ends) is list:
+    if LITTLE and type(groups) in (tuple, list) and not groups and type(loose) is list \
+            and type(reads) is list and type(ends) is list \
+            and (keys is None or type(keys) is list):
         try:
             block = _encode(origins, <list> loose, <list> reads, pass_keys, <list> ends, keys)
         except (OverflowError, TypeError, ValueError, IndexError):
@@ -369,6 +381,8 @@ def encode_origins(origins, loose, reads, pass_keys, ends, groups=(), keys=None)
     return block
 
 
+@cython.boundscheck(True)
+@cython.wraparound(True)
 cdef object _encode(object origins, list loose, list reads, object pass_keys, list ends,
                     object keys):
     """The block, or None where the pure function must write it."""
@@ -405,6 +419,8 @@ cdef inline void _sort(long long* values, Py_ssize_t n):
         values[j + 1] = value
 
 
+@cython.boundscheck(True)
+@cython.wraparound(True)
 cdef object _few(object origins, list loose, list reads, object pass_keys, list ends,
                  object keys, list counts, long long uniform, Py_ssize_t total):
     """A block of at most SMALL_ORIGIN_BLOCK origins, as runs (the pure function's list
@@ -416,11 +432,12 @@ cdef object _few(object origins, list loose, list reads, object pass_keys, list 
     cdef bint ordered = total > 1 and (uniform != 1 or nloose > 0)
     cdef long long code, last = -2, read
     for k in range(nloose):
-        flat[k] = loose[k]
+        flat[k] = _int(loose[k])
     if ordered:
         _sort(flat, nloose)
     for origin in origins:
-        if _plain_codes(origin) and cnp.PyArray_NDIM(<cnp.ndarray> origin) == 1:
+        if type(origin) is np.ndarray and _plain_codes(origin) \
+                and cnp.PyArray_NDIM(<cnp.ndarray> origin) == 1:
             count = cnp.PyArray_DIM(<cnp.ndarray> origin, 0)
             if at + count > total:
                 return None
@@ -431,7 +448,7 @@ cdef object _few(object origins, list loose, list reads, object pass_keys, list 
             for item in (origin.tolist() if isinstance(origin, np.ndarray) else origin):
                 if at + count >= total:
                     return None
-                flat[at + count] = item
+                flat[at + count] = _int(item)
                 count += 1
         if ordered:
             _sort(flat + at, count)
@@ -451,7 +468,7 @@ cdef object _few(object origins, list loose, list reads, object pass_keys, list 
             entry = reads[read]
             if len(entry) != 2:
                 return None
-            runs[4 * nruns], runs[4 * nruns + 1] = entry[0], entry[1]
+            runs[4 * nruns], runs[4 * nruns + 1] = _int(entry[0]), _int(entry[1])
             runs[4 * nruns + 2], runs[4 * nruns + 3] = code & INDEX_MASK, 1
             nruns += 1
         last = code
@@ -460,6 +477,8 @@ cdef object _few(object origins, list loose, list reads, object pass_keys, list 
                   runs, 4 * nruns, 0, nruns, None, None, 0)
 
 
+@cython.boundscheck(True)
+@cython.wraparound(True)
 cdef object _scattered_codes(object origins, list counts, long long uniform,
                              Py_ssize_t total, list reads, object pass_keys, list ends,
                              object keys):
@@ -493,12 +512,14 @@ cdef object _scattered_codes(object origins, list counts, long long uniform,
         entry = reads[read]
         if len(entry) != 2:
             return None
-        table += [read, entry[0], entry[1]]
+        table += [read, _int(entry[0]), _int(entry[1])]
     used = set(table[1::3])
     return _block(len(counts), uniform, 0, counts, used, ends, pass_keys, keys, NULL, 0,
                   len(table) // 3, 0, table, origins, total)
 
 
+@cython.boundscheck(True)
+@cython.wraparound(True)
 cdef object _block(Py_ssize_t n, long long uniform, Py_ssize_t nloose, list counts,
                    set used, list ends, object pass_keys, object keys, long long* runs,
                    Py_ssize_t nrun_ints, Py_ssize_t ntable, Py_ssize_t nruns, list table,
@@ -531,7 +552,7 @@ cdef object _block(Py_ssize_t n, long long uniform, Py_ssize_t nloose, list coun
     block = PyBytes_FromStringAndSize(NULL, 8 * (nfront + nrun_ints + ncodes))
     cdef long long* out = <long long*> PyBytes_AS_STRING(block)
     for k in range(nfront):
-        out[k] = front[k]
+        out[k] = _int(front[k])
     if nrun_ints:
         memcpy(out + nfront, runs, 8 * nrun_ints)
     if ncodes:
@@ -550,21 +571,30 @@ if SMALL_ORIGIN_BLOCK > 64:
 
 def pack_into(buffers, block, sizes=None):
     """The twin of ``zloader.transport.records.pack_into`` (its docstring says what it
-    does): the header and the copies in C. A record with a gathered buffer, or any input
-    it does not take as it is (a block too small, a size that is not its buffer's), goes
-    to the pure function, which packs it or raises its error."""
+    does): the header and the copies in C, into a bytearray or a one-dimensional byte
+    view. Anything else (another block, a gathered buffer, a size that is not an int or
+    not its buffer's, a block too small) goes to the pure function, which packs it or
+    raises its error."""
     if sizes is None:
         sizes = _records.sizes_of(buffers)
-    cdef Py_ssize_t count = len(sizes), k, offset, size, need
-    if not LITTLE or len(buffers) != count:
+    if not LITTLE or type(buffers) not in (list, tuple) or type(sizes) not in (list, tuple) \
+            or not (type(block) is bytearray or (
+                type(block) is memoryview and block.format == "B" and block.ndim == 1)):
+        return _records.pack_into(buffers, block, sizes)  # (an iterator: not consumed here)
+    cdef list held, lengths
+    try:  # (each read once: what is checked is what is copied)
+        held, lengths = list(buffers), [_int(size) for size in sizes]
+    except (TypeError, OverflowError, ValueError):
+        return _records.pack_into(buffers, block, sizes)
+    cdef Py_ssize_t count = len(lengths), k, offset, size, need
+    if len(held) != count:
         return _records.pack_into(buffers, block, sizes)
     offset = (8 + 8 * count + ALIGN - 1) & ~(ALIGN - 1)
     need = offset
     for k in range(count):
-        size = sizes[k]
-        if size < 0 or type(buffers[k]) is _codec.Gather:
+        if not 0 <= lengths[k] < (1 << 48) or type(held[k]) is _codec.Gather:
             return _records.pack_into(buffers, block, sizes)
-        need += (size + ALIGN - 1) & ~(ALIGN - 1)
+        need += (<Py_ssize_t> lengths[k] + ALIGN - 1) & ~(ALIGN - 1)
     cdef Py_buffer target, source
     try:
         PyObject_GetBuffer(block, &target, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)
@@ -572,29 +602,33 @@ def pack_into(buffers, block, sizes=None):
         return _records.pack_into(buffers, block, sizes)
     cdef char* out = <char*> target.buf
     cdef unsigned int head[2]
+    cdef bint pure = target.len < need  # (then, and below: once the block is let go of)
     try:
-        if target.len < need:
-            return _records.pack_into(buffers, block, sizes)
-        head[0], head[1] = count, 0
-        memcpy(out, head, 8)
-        for k in range(count):
-            (<unsigned long long*> (out + 8))[k] = sizes[k]
-        for k in range(count):
-            size = sizes[k]
+        if not pure:
+            head[0], head[1] = count, 0
+            memcpy(out, head, 8)
+            for k in range(count):
+                (<unsigned long long*> (out + 8))[k] = <Py_ssize_t> lengths[k]
+        for k in range(count if not pure else 0):
+            size = lengths[k]
             if size:
                 try:
-                    PyObject_GetBuffer(buffers[k], &source, PyBUF_C_CONTIGUOUS)
+                    PyObject_GetBuffer(held[k], &source, PyBUF_C_CONTIGUOUS)
                 except (TypeError, BufferError, ValueError):
-                    return _records.pack_into(buffers, block, sizes)
+                    pure = True
+                    break
                 try:
-                    if source.len != size:
-                        return _records.pack_into(buffers, block, sizes)
+                    if source.len != size or offset + size > target.len:
+                        pure = True
+                        break
                     memcpy(out + offset, source.buf, size)
                 finally:
                     PyBuffer_Release(&source)
             offset += (size + ALIGN - 1) & ~(ALIGN - 1)
     finally:
         PyBuffer_Release(&target)
+    if pure:  # (a bytearray block may be resized by it: not while this held its buffer)
+        return _records.pack_into(buffers, block, sizes)
     return offset
 
 

@@ -153,14 +153,23 @@ def _fork() -> int:
     its own dispositions, one of them must neither run the trainer's handler there (a
     training script's SIGTERM handler saving a checkpoint) nor be lost (the child's
     SIGTERM, its Loader closing). The parent's mask is as it was."""
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
+    # (the mask read first: a change of it runs the handlers of signals pending, and one
+    # that raises, Ctrl-C's, must not leave this thread with the two blocked)
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, ())
     try:
+        signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
         pid = os.fork()
     except BaseException:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
         raise
     if pid:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        try:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        except BaseException:  # (a handler of a signal held meanwhile raised: no child)
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            raise
     return pid
 
 
@@ -194,7 +203,8 @@ def _worker_main(parent: int, address: str, bind: str, keys: Keys | None,
                                if report is not None and slot is not None else None)
         signal.signal(signal.SIGTERM, lambda *_: worker.halt())
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # (one that came: now)
-        worker.run(functools.partial(_through_gate, gate) if gate is not None else None)
+        if not worker.stop.is_set():  # (its Loader closed while it started: no user code)
+            worker.run(functools.partial(_through_gate, gate) if gate is not None else None)
         code = 0
     except BaseException:
         traceback.print_exc()

@@ -220,9 +220,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         # The workers start before the sampler's first pull, as torch's do: forking them
         # (and their start) overlaps the first permutation drawn here.
         loader, own = self._pass_loader()
-        sampled, next_batch, todo = self._sampled(own, indices, resume, progress, plan)
-        plans = PerWorker(worker_plans(plan, sampled, self._auto_collation, todo,
-                                       self.num_workers, not self.in_order, workers, places))
+        plans, next_batch = self._sampled(own, indices, resume, progress, plan, workers,
+                                          places)
         if workers is not None:
             progress.workers = dict(workers)
         elif not plan["reseed"] and previous is not None:  # workers go on where they are
@@ -243,13 +242,17 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                 own)
 
     def _sampled(self, own: Loader | None, indices: Iterator[Any] | None,
-                 resume: dict[str, Any] | None, progress: Progress, plan: dict[str, Any]
-                 ) -> tuple[list[Any] | None, Callable[[], np.ndarray | None] | None,
-                            list[int]]:
-        """:meth:`_sample`; a failure (the sampler's) closes the pass's ``own`` Loader,
-        whose workers have started."""
+                 resume: dict[str, Any] | None, progress: Progress, plan: dict[str, Any],
+                 workers: dict[int, bytes] | None, places: dict[int, Place] | None
+                 ) -> tuple[PerWorker, Callable[[], np.ndarray | None] | None]:
+        """The pass's plan for each worker and how its batches are dispatched
+        (:meth:`_sample`, ``passes.worker_plans``); a failure (the sampler's, a Ctrl-C)
+        closes the pass's ``own`` Loader, whose workers have started."""
         try:
-            return self._sample(indices, resume, progress, plan)
+            sampled, next_batch, todo = self._sample(indices, resume, progress, plan)
+            return PerWorker(worker_plans(plan, sampled, self._auto_collation, todo,
+                                          self.num_workers, not self.in_order, workers,
+                                          places)), next_batch
         except BaseException:
             if own is not None:
                 own.close()
