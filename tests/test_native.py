@@ -94,26 +94,37 @@ def test_a_long_run_compacts_alike() -> None:
 _PASS_KEYS = {(0,): 0, (0, 7): 1}
 _EDGES = [-1, 0, 1, 2, 3, 7, 64, (1 << 31), (1 << 32) - 1, 1 << 32, (1 << 62), (1 << 63) - 1,
           -(1 << 63)]
+_ENDS = st.lists(st.tuples(st.sampled_from([0, 1]), st.integers(0, 5), st.integers(0, 300),
+                           st.integers(0, 2**33)).map(list), max_size=3)
+
+
+def _reads(most: int) -> st.SearchStrategy:
+    """The (pass id, split) of each split reading of a worker's run."""
+    return st.lists(st.tuples(st.sampled_from([0, 1]), st.integers(0, 5)), min_size=1,
+                    max_size=most)
+
+
+def _origin_forms(reads: list) -> tuple[st.SearchStrategy, st.SearchStrategy]:
+    """A code of one of ``reads``, and an element's origin made of such codes (one code,
+    several as a tuple, or as an int64 array)."""
+    code = st.builds(lambda r, i: r << INDEX_BITS | i, st.integers(0, len(reads) - 1),
+                     st.integers(0, 300))
+    element = st.one_of(st.tuples(code), st.lists(code, min_size=1, max_size=5).map(tuple),
+                        st.lists(code, min_size=1, max_size=5)
+                        .map(lambda c: np.array(c, np.int64)))
+    return code, element
 
 
 @st.composite
 def _blocks(draw: st.DrawFn) -> tuple[bytes, int]:
-    reads = draw(st.lists(st.tuples(st.sampled_from([0, 1]), st.integers(0, 5)),
-                          min_size=1, max_size=4))
-    code = st.builds(lambda r, i: r << INDEX_BITS | i, st.integers(0, len(reads) - 1),
-                     st.integers(0, 300))
-    element = st.one_of(st.tuples(code),
-                        st.lists(code, min_size=1, max_size=5).map(tuple),
-                        st.lists(code, min_size=1, max_size=5)
-                        .map(lambda c: np.array(c, np.int64)))
+    reads = draw(_reads(4))
+    code, element = _origin_forms(reads)
     if draw(st.booleans()):  # (a batch's rows; past SMALL_ORIGIN_BLOCK, a shuffle's go as codes)
         origins: list = [np.array(draw(st.lists(code, min_size=20, max_size=120)), np.int64)]
     else:
         origins = draw(st.lists(element, min_size=0, max_size=40))
     loose = draw(st.lists(code, max_size=3))
-    ends = draw(st.lists(st.tuples(st.sampled_from([0, 1]), st.integers(0, 5),
-                                   st.integers(0, 300), st.integers(0, 2**33))
-                         .map(list), max_size=3))
+    ends = draw(_ENDS)
     block = np.frombuffer(encode_origins(origins, loose, reads, _PASS_KEYS, ends),
                           np.int64).copy()
     change = draw(st.integers(0, 3))
@@ -161,14 +172,9 @@ _ODD = [-1, 1 << 63, 2**70, -(1 << 63)]
 
 @st.composite
 def _encoder_inputs(draw: st.DrawFn) -> tuple:
-    reads = draw(st.lists(st.tuples(st.sampled_from([0, 1]), st.integers(0, 5)),
-                          min_size=1, max_size=6))
-    code = st.builds(lambda r, i: r << INDEX_BITS | i, st.integers(0, len(reads) - 1),
-                     st.integers(0, 300))
-    element = st.one_of(st.tuples(code), st.lists(code, min_size=1, max_size=5).map(tuple),
-                        st.lists(code, min_size=1, max_size=5)
-                        .map(lambda c: np.array(c, np.int64)),
-                        st.lists(code, min_size=1, max_size=3)
+    reads = draw(_reads(6))
+    code, element = _origin_forms(reads)
+    element = st.one_of(element, st.lists(code, min_size=1, max_size=3)
                         .map(lambda c: np.array(c, np.uint64)))
     form = draw(st.integers(0, 3))
     if form == 0:  # (batches' rows: in order, or shuffled, an array per batch)
@@ -183,9 +189,7 @@ def _encoder_inputs(draw: st.DrawFn) -> tuple:
     else:
         origins = draw(st.lists(element, min_size=0, max_size=40))
     loose = draw(st.lists(code, max_size=3))
-    ends = draw(st.lists(st.tuples(st.sampled_from([0, 1]), st.integers(0, 5),
-                                   st.integers(0, 300), st.integers(0, 2**33))
-                         .map(list), max_size=3))
+    ends = draw(_ENDS)
     groups = draw(st.sampled_from([(), (), (), ([0, 1, 2, 0, 4, 1, 0, 1, 0, 4],)]))
     keys = [(0,), (0, 7)] if draw(st.booleans()) else None
     odd = draw(st.integers(0, 9))

@@ -473,8 +473,8 @@ cdef object _few(object origins, list loose, list reads, object pass_keys, list 
             nruns += 1
         last = code
     used = {runs[4 * k] for k in range(nruns)}
-    return _block(len(counts), uniform, nloose, counts, used, ends, pass_keys, keys,
-                  runs, 4 * nruns, 0, nruns, None, None, 0)
+    return _block(uniform, nloose, counts, used, ends, pass_keys, keys, runs, nruns, None,
+                  None, 0)
 
 
 @cython.boundscheck(True)
@@ -514,19 +514,18 @@ cdef object _scattered_codes(object origins, list counts, long long uniform,
             return None
         table += [read, _int(entry[0]), _int(entry[1])]
     used = set(table[1::3])
-    return _block(len(counts), uniform, 0, counts, used, ends, pass_keys, keys, NULL, 0,
-                  len(table) // 3, 0, table, origins, total)
+    return _block(uniform, 0, counts, used, ends, pass_keys, keys, NULL, 0, table, origins,
+                  total)
 
 
 @cython.boundscheck(True)
 @cython.wraparound(True)
-cdef object _block(Py_ssize_t n, long long uniform, Py_ssize_t nloose, list counts,
-                   set used, list ends, object pass_keys, object keys, long long* runs,
-                   Py_ssize_t nrun_ints, Py_ssize_t ntable, Py_ssize_t nruns, list table,
-                   object arrays, Py_ssize_t ncodes):
+cdef object _block(long long uniform, Py_ssize_t nloose, list counts, set used, list ends,
+                   object pass_keys, object keys, long long* runs, Py_ssize_t nruns,
+                   list table, object arrays, Py_ssize_t ncodes):
     """The block's bytes: the head, the counts (when not uniform), the pass keys of the
-    passes ``used`` (and the ends'), the ends, then the runs, or the table and the
-    ``ncodes`` codes of ``arrays`` in order."""
+    passes ``used`` (and the ends'), the ends, then the ``nruns`` runs, or the table
+    (read, pass id, split: flat) and the ``ncodes`` codes of ``arrays`` in order."""
     for end in ends:
         used.add(end[0])
     cdef list entries
@@ -537,7 +536,8 @@ cdef object _block(Py_ssize_t n, long long uniform, Py_ssize_t nloose, list coun
                 raise IndexError("a pass id < 0")
     else:
         entries = [(pass_id, key) for key, pass_id in pass_keys.items() if pass_id in used]
-    cdef list front = [n, uniform, nloose, len(entries), len(ends), nruns, ntable, 0]
+    cdef list front = [len(counts), uniform, nloose, len(entries), len(ends), nruns,
+                       len(table) // 3 if table is not None else 0, 0]
     if uniform == -1:
         front += counts
     for pass_id, key in entries:
@@ -549,12 +549,12 @@ cdef object _block(Py_ssize_t n, long long uniform, Py_ssize_t nloose, list coun
     if table is not None:
         front += table
     cdef Py_ssize_t nfront = len(front), k, at, m
-    block = PyBytes_FromStringAndSize(NULL, 8 * (nfront + nrun_ints + ncodes))
+    block = PyBytes_FromStringAndSize(NULL, 8 * (nfront + 4 * nruns + ncodes))
     cdef long long* out = <long long*> PyBytes_AS_STRING(block)
     for k in range(nfront):
         out[k] = _int(front[k])
-    if nrun_ints:
-        memcpy(out + nfront, runs, 8 * nrun_ints)
+    if nruns:
+        memcpy(out + nfront, runs, 32 * nruns)
     if ncodes:
         at = nfront
         for array in arrays:
