@@ -32,15 +32,22 @@ built before the clocks start and know nothing of zloader: ``Pairs`` holds a lis
     with torch) and the small 2-worker case to its first batch, in a new interpreter
     each round with the bytecode cached. Sections (1)-(3) run in one process, where the
     modules a first Loader imports are already there.
+(9) **The CPU of the first batch**: for the 2-worker cases of (1), the CPU every process
+    spent from construction to the first batch (the trainer's, all its threads; each
+    worker's, and any process they started, read from /proc at the first batch, in ns).
+    On a host with fewer idle cores than processes starting, the first batch cannot come
+    sooner than that CPU divided by the cores: what a loader does on top of torch's then
+    shows in its first batch whichever process does it.
 
 Writes ``startup.json``, ``startup.md`` and ``startup.png`` into ``--out``. These
 machines are shared and noisy: read the ratios. Run: ``python -m bench.startup
-[--rounds N] [--only 1,2,3,4,5,6,7,8] [--out bench/results]``.
+[--rounds N] [--only 1,2,3,4,5,6,7,8,9] [--out bench/results]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import datetime
 import gc
@@ -58,6 +65,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import psutil
 import torch
 import torch.utils.data
 
@@ -114,6 +122,52 @@ def first_batch(name: str, dataset: Any, workers: int, shuffle: bool) -> float:
     del iterator
     close(loader)
     return took
+
+
+def _threads_cpu(pid: int) -> float:
+    """CPU seconds the threads of process ``pid`` have run so far (/proc's schedstat, in
+    ns: finer than the clock ticks of ``psutil.cpu_times``); 0 for one gone."""
+    total = 0
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError, ValueError), \
+                    open(f"/proc/{pid}/task/{task}/schedstat") as stat:
+                total += int(stat.read().split()[0])
+    return total / 1e9
+
+
+def first_batch_cpu(name: str, dataset: Any, workers: int) -> dict[str, float]:
+    """Construction to the first batch of a fresh iterator, and the CPU seconds the
+    trainer's process and its descendants (at the first batch) spent meanwhile."""
+    me = psutil.Process()
+    gc.collect()
+    started, cpu = time.perf_counter(), time.process_time()
+    loader = make(name, dataset, workers, True)
+    iterator = iter(loader)
+    next(iterator)
+    wall, trainer = time.perf_counter() - started, time.process_time() - cpu
+    children = sum(_threads_cpu(child.pid) for child in me.children(recursive=True))
+    del iterator
+    close(loader)
+    return {"wall": wall, "trainer": trainer, "workers": children,
+            "total": trainer + children}
+
+
+def first_batch_cpus(args: argparse.Namespace, datasets: dict[int, Any]
+                     ) -> list[dict[str, Any]]:
+    rows = []
+    for label, size, workers, _ in CASES:
+        if workers != 2:
+            continue
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name in LOADERS}
+        for _ in range(args.rounds):
+            for name in LOADERS:
+                runs[name].append(first_batch_cpu(name, datasets[size], workers))
+        medians = {name: {key: statistics.median(run[key] for run in values)
+                          for key in values[0]} for name, values in runs.items()}
+        rows.append({"case": label, "workers": workers, "cores": os.cpu_count(), **medians})
+        print(rows[-1], flush=True)
+    return rows
 
 
 def second_epoch(name: str, dataset: Any, workers: int) -> float:
@@ -418,6 +472,21 @@ def tables(data: dict[str, Any]) -> list[str]:
                     for label, key in (("import the loader's module", "import"),
                                        ("construction to first batch", "first_batch"),
                                        ("both", "both"))), ""]
+    if "first_batch_cpu" in data:
+        lines += ["## (9) The CPU of the first batch: every process, construction to the "
+                  "first batch (medians)", "",
+                  "| case | loader | first batch | trainer's CPU | workers' CPU | all the "
+                  "CPU | all / cores | all / torch's all |", "|---|---|---|---|---|---|---|---|"]
+        for row in data["first_batch_cpu"]:
+            for name in LOADERS:
+                cpu = row[name]
+                lines.append(
+                    f"| {row['case']} | {name} | {cpu['wall'] * 1000:.1f} ms | "
+                    f"{cpu['trainer'] * 1000:.1f} ms | {cpu['workers'] * 1000:.1f} ms | "
+                    f"{cpu['total'] * 1000:.1f} ms | "
+                    f"{cpu['total'] / row['cores'] * 1000:.1f} ms | "
+                    f"{cpu['total'] / row['torch']['total']:.2f} |")
+        lines.append("")
     return lines
 
 
@@ -433,13 +502,13 @@ def _against_torch(title: str, what: str, rows: list[tuple[str, dict[str, float]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--only", default="1,2,3,4,5,6,7,8")
+    parser.add_argument("--only", default="1,2,3,4,5,6,7,8,9")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args(argv)
     sections = set(args.only.split(","))
     warnings.filterwarnings("ignore", message="This DataLoader will create")
     datasets: dict[int, Any] = {}
-    if sections & {"1", "2", "3", "6", "7"}:
+    if sections & {"1", "2", "3", "6", "7", "9"}:
         for size in sorted({SMALL, LARGE, LARGEST, TUPLES, *SIZES}):
             datasets[size] = Pairs(size)
     data: dict[str, Any] = {
@@ -464,6 +533,8 @@ def main(argv: list[str] | None = None) -> int:
         data["trainer_cpu"] = trainer_cpu(args, datasets)
     if "7" in sections:
         data["profile"] = profile(datasets)
+    if "9" in sections:
+        data["first_batch_cpu"] = first_batch_cpus(args, datasets)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if "by_size" in data:

@@ -1,10 +1,11 @@
 """Pipelines nobody designed, against the reference: random pipelines drawn from the stage
-grammar (every source kind, map, filter, shuffle, batch/unbatch, repeat, cache, mix and
-choose of two or three inputs, stopping when all or the first of them end, with weights
-set anew where a fault strikes, take/skip, a final batch) run through Loaders whole,
-resumed from a state taken at a random point, resumed from a resumed Loader's state, with
-a worker SIGKILLed mid-epoch,
-split between two Loaders of one ``job_name`` (one closed at a random point, a worker
+grammar (every source kind, map, filter, shuffle, batch/unbatch, repeat, cache, and,
+drawn later, ``bucket_by_length``, a map on several threads and a map making several rows
+of each element; mix and choose of two or three inputs, stopping when all or the first
+of them end, with weights set anew where a fault strikes, take/skip, a final batch) run
+through Loaders whole, resumed from a state taken at a random point, resumed from a
+resumed Loader's state, with a worker SIGKILLed mid-epoch, split between two Loaders of
+one ``job_name`` (one closed at a random point, a worker
 SIGKILLed at another, the rest resumed from both states), and (slow) with the broker
 SIGKILLed and restarted on its work dir, and shared by two
 trainers (``share=True``; the second, and a third, maybe with stages of their own after
@@ -97,6 +98,23 @@ def json_value(record: Any) -> int:
     return int(record["v"])
 
 
+def as_array(x: Any) -> np.ndarray:
+    """An element as an array of 1 to 5 copies of itself: elements of several lengths for
+    ``bucket_by_length``, each length a function of the element alone."""
+    return np.full(int(x) % 5 + 1, int(x), np.int64)
+
+
+def first_column(batch: Any) -> list[int]:
+    """A bucket's padded batch back to one row per element (each row's first value)."""
+    return [int(row[0]) for row in np.asarray(batch)]
+
+
+def listed(k: int) -> Callable[[Any], list[int]]:
+    """A map that makes ``k`` rows of each element with no batch before it (as a
+    tokenizer that splits a document into ``k`` chunks does), for an ``unbatch``."""
+    return lambda x: [int(x) + 100_000 * j for j in range(k)]
+
+
 @dataclasses.dataclass
 class Case:
     """One generated pipeline and how it was drawn (shown when a case fails)."""
@@ -142,8 +160,10 @@ def source(rng: random.Random, tmp: str, recipe: list[str]) -> Pipeline:
 
 
 def stages(pipeline: Pipeline, rng: random.Random, recipe: list[str],
-           count: int) -> Pipeline:
-    """``count`` stages that keep one row per source element (or drop some)."""
+           count: int, later: random.Random | None = None) -> Pipeline:
+    """``count`` stages that keep one row per source element (or drop some), then maybe
+    one drawn by ``later`` (the grammar's later additions, from a generator of their own:
+    the cases drawn before they came stay as they were)."""
     for _ in range(count):
         kind = rng.choice(["map", "filter", "shuffle", "batch-unbatch", "vectorised",
                            "expand", "expand", "repeat"])
@@ -174,23 +194,48 @@ def stages(pipeline: Pipeline, rng: random.Random, recipe: list[str],
         elif "repeat" not in " ".join(recipe):
             pipeline = pipeline.repeat(2)
             recipe.append("repeat(2)")
+    return later_stage(pipeline, later, recipe) if later is not None else pipeline
+
+
+def later_stage(pipeline: Pipeline, rng: random.Random, recipe: list[str]) -> Pipeline:
+    """Maybe one stage of those added to the grammar later: batches of elements of
+    similar length (``bucket_by_length``, back to rows), a map run by several threads, or
+    a map that makes several rows of each element with no batch before it."""
+    kind = rng.choice(["none", "none", "bucket", "parallel", "listed"])
+    if kind == "bucket":
+        sizes = [rng.randrange(1, 5), rng.randrange(2, 7), rng.randrange(1, 4)]
+        pipeline = pipeline.map(as_array).bucket_by_length(len, [2, 4], sizes) \
+            .map(first_column).unbatch().map(int)
+        recipe.append(f"map(as_array).bucket_by_length({sizes}).map(first_column).unbatch()")
+    elif kind == "parallel":
+        k = rng.randrange(1, 9)
+        pipeline = pipeline.map(plus(k), num_parallel_calls=3)
+        recipe.append(f"map({k}, num_parallel_calls=3)")
+    elif kind == "listed":
+        k = rng.randrange(1, 4)
+        pipeline = pipeline.map(listed(k)).unbatch().map(int)
+        recipe.append(f"map(listed({k})).unbatch()")
     return pipeline
 
 
-def generate(seed: int, tmp: str, consumer_part: bool = True) -> Case:
+def generate(seed: int, tmp: str, consumer_part: bool = True, later: bool = True) -> Case:
     """A random pipeline: one input, or a mix/choose of two; then stages; maybe a
-    take/skip (when ``consumer_part``); maybe a final batch."""
+    take/skip (when ``consumer_part``); maybe a final batch. ``later``: with the stages
+    added to the grammar later (False: the case as drawn before, which the tests named
+    after a seed's bug run)."""
     rng = random.Random(seed)
+    extra = random.Random(seed + 3_000_017) if later else None
     recipe: list[str] = [f"seed {seed}"]
     reweigh: list[int] | None = None
     shape = rng.choice(["one", "one", "mix", "choose"])
     if shape == "one":
-        pipeline = stages(source(rng, tmp, recipe), rng, recipe, rng.randrange(0, 4))
+        pipeline = stages(source(rng, tmp, recipe), rng, recipe, rng.randrange(0, 4), extra)
     else:
         inputs = []
         for which in range(2):
             recipe.append(f"input {which}:")
-            inputs.append(stages(source(rng, tmp, recipe), rng, recipe, rng.randrange(0, 3)))
+            inputs.append(stages(source(rng, tmp, recipe), rng, recipe, rng.randrange(0, 3),
+                                 extra))
         # (a third input and the stop rule from a generator of their own, so that the rest
         # of each seed's case is as it was before they were drawn)
         side = random.Random(seed + 2_000_003)
@@ -211,7 +256,7 @@ def generate(seed: int, tmp: str, consumer_part: bool = True) -> Case:
             pattern += list(range(2, len(inputs)))
             pipeline = Pipeline.choose(inputs, pattern, stop=stop)
             recipe.append(f"choose({pattern}, stop={stop!r})")
-        pipeline = stages(pipeline, rng, recipe, rng.randrange(0, 2))
+        pipeline = stages(pipeline, rng, recipe, rng.randrange(0, 2), extra)
         # (a repeat after the mix, moved onto its inputs where it can be: its own
         # generator, so that the rest of each seed's case is as it was)
         if random.Random(seed + 1_000_003).random() < 0.3 and \
@@ -656,8 +701,9 @@ MODES: dict[str, Callable[..., None]] = {
 }
 
 
-def run(mode: str, seed: int, tmp: str) -> None:
-    case = generate(seed, tmp, consumer_part=mode in ("whole", "deterministic"))
+def run(mode: str, seed: int, tmp: str, later: bool = True) -> None:
+    """Run ``mode`` on seed ``seed``'s case (``later``: see :func:`generate`)."""
+    case = generate(seed, tmp, consumer_part=mode in ("whole", "deterministic"), later=later)
     if mode == "broker-restart":
         broker_restarted(case, seed, tmp)
     elif mode == "shared-kill":
@@ -696,7 +742,7 @@ def test_job_name_loaders_splitting_nested_count_changing_stages_lose_and_repeat
     """Seed 51 of the split mode: a batched expansion of a batched expansion's rows, split
     between two job_name Loaders, a worker SIGKILLed, one Loader closed (before: failed
     'a group holding rows of another group was handed out without it', or repeated)."""
-    run("split", 51, str(tmp_path))
+    run("split", 51, str(tmp_path), later=False)
 
 
 def test_a_first_exhausted_mix_split_between_job_name_loaders_repeats_nothing(tmp_path):
@@ -704,7 +750,7 @@ def test_a_first_exhausted_mix_split_between_job_name_loaders_repeats_nothing(tm
     two job_name Loaders; one finishes the epoch, the other stops, and a Loader resumes
     from both states (before: the finished Loader's state left out what it had drawn of
     records it had not drawn whole, and the resumed one yielded 1-58 of those again)."""
-    run("split", 5, str(tmp_path))
+    run("split", 5, str(tmp_path), later=False)
 
 
 def test_a_shared_mix_whose_weights_were_set_before_its_worker_died_is_exact(tmp_path):
@@ -712,7 +758,7 @@ def test_a_shared_mix_whose_weights_were_set_before_its_worker_died_is_exact(tmp
     worker's splits are drawn again with the weights its draws switched to, where they
     did (before: drawn with the weights at the replay, 10-30 elements lost and as many
     repeated in 7 of 8 runs)."""
-    run("shared-kill", 16, str(tmp_path))
+    run("shared-kill", 16, str(tmp_path), later=False)
 
 
 def test_a_generated_pipeline_shared_with_a_branch_survives_a_kill(tmp_path):
@@ -724,7 +770,7 @@ def test_a_generated_pipeline_shared_on_a_worker_paused_past_its_heartbeats_is_e
     a worker stopped past its heartbeats, then continued (before: the first trainer read it
     on after answering its fence, and got what the other worker made again too; 5 of 16
     seeds failed so)."""
-    run("shared-pause", 5, str(tmp_path))
+    run("shared-pause", 5, str(tmp_path), later=False)
 
 
 @pytest.mark.slow
@@ -747,4 +793,4 @@ def test_a_dead_worker_s_splits_handed_over_before_the_trainer_reopens_end_its_e
     """Seed 47 of shared-prefix-late: two jobs time-slicing the one worker left after a
     SIGKILL; the dead worker's splits reach it before the trainer opens the epoch there
     again (hung about 1 run in 4 until that trainer's END named the fence)."""
-    run("shared-prefix-late", 47, str(tmp_path))
+    run("shared-prefix-late", 47, str(tmp_path), later=False)
