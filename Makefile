@@ -40,7 +40,7 @@ lint: $(VENV)/.installed-test
 # The suite with the compiled core, then the record path's tests with its pure-Python twins.
 PURE_TESTS := tests/test_native.py tests/test_stages.py tests/test_chunks.py \
 	tests/test_record_path.py tests/test_exactly_once.py tests/test_lineage.py \
-	tests/test_lineage_arrays.py tests/test_generated.py
+	tests/test_lineage_arrays.py tests/test_generated.py tests/test_ring_credits.py
 test: lint
 	$(BIN)/python -m pytest -m "not slow" -q -n 2
 	ZLOADER_PURE=1 $(BIN)/python -m pytest -m "not slow" -q -n 2 $(PURE_TESTS)

@@ -240,6 +240,8 @@ FORMAT_CONSTANTS = {
     "client.exactly_once": {"STATE_VERSION"},  # the version of Loader.state_dict()
     "transport.ring": {"ALIGN", "DATA_OFFSET", "_HEADER_WORDS",  # the ring's memory layout
                        "_CAPACITY", "_TAIL", "_HEAD",  # indices of its header words
+                       "_CREDITS", "_STARVING", "_TAKEN",
+                       "_COUNT_BITS", "COUNT_MASK",  # a credits word's fields
                        "_POSITION_LIMIT"},  # its positions are u64
     "transport.prefault": {"MADV_POPULATE_WRITE",  # linux/mman.h
                            "LOWEST_PRIORITY"},  # the kernel's nice range ends at 19

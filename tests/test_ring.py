@@ -24,11 +24,15 @@ from zloader.errors import ZloaderError
 from zloader.transport import shm
 from zloader.transport.ring import (
     ALIGN,
+    COUNT_MASK,
     DATA_OFFSET,
     DEFAULT_RING_BYTES,
     RingError,
     RingReader,
     RingWriter,
+    credits_since,
+    credits_word,
+    open_of,
 )
 from zloader.transport.shm import PREFIX, Segment, ShmError, segment_name, sweep
 
@@ -562,3 +566,36 @@ def test_garbage_collection_during_claim_does_not_deadlock() -> None:
 
 def test_default_capacity_constant() -> None:
     assert DEFAULT_RING_BYTES % ALIGN == 0 and DATA_OFFSET % ALIGN == 0
+
+
+# --- credits given back in the header ------------------------------------------------------
+
+
+def test_a_credits_word_counts_past_2_32_and_names_its_open():
+    word = credits_word(7, 5)
+    assert open_of(word) == 7 and credits_since(word, 7, 2) == 3
+    assert credits_since(word, 8, 2) == 0  # (another OPEN's: none of this one's)
+    assert credits_since(word, 7, 5) == 0
+    # the count wraps: 3 past 2**32 - 1 after 2**32 - 2 taken is 5 more
+    wrapped = credits_word(7, COUNT_MASK + 4)
+    assert credits_since(wrapped, 7, COUNT_MASK - 1) == 5
+    # a read behind what was taken (a stale one) gives nothing, never 2**32 - n
+    assert credits_since(credits_word(7, 10), 7, 12) == 0
+    # OPEN numbers are 32-bit too (the consumer's wrap to 1 after 2**32 - 1)
+    assert open_of(credits_word(COUNT_MASK + 3, 0)) == 2
+
+
+def test_the_header_carries_credits_one_way_and_waits_the_other():
+    with RingReader(4096) as reader, RingWriter(reader.name) as writer:
+        assert writer.credits() == 0 and reader.taken() == 0 and reader.starving() == 0
+        reader.give(credits_word(3, 9))
+        assert writer.credits() == credits_word(3, 9)
+        writer.take(3)
+        assert reader.taken() == 3 and reader.starving() == 0  # (taken, no wait said)
+        writer.take(3, starving=2)
+        assert reader.starving() == credits_word(3, 2)
+        # the words are the header's: a record's bytes never touch them
+        position = _put(writer, b"x" * 100)
+        assert bytes(reader.claim(position, 100)) == b"x" * 100
+        assert writer.credits() == credits_word(3, 9) and reader.taken() == 3
+    assert writer.credits() == 0  # (closed: nothing)

@@ -666,3 +666,17 @@ def unpack(block):
     finally:
         PyBuffer_Release(&buffer)
     return out
+
+
+cdef extern from *:
+    """
+    static inline void zl_fence(void) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+    """
+    void zl_fence() nogil
+
+
+def fence():
+    """A full memory barrier (sequentially consistent), between a write to shared memory
+    and a read of another process's word there: the pure twin is
+    ``zloader._native._fence``."""
+    zl_fence()

@@ -11,9 +11,10 @@ path both ways); so does a missing or stale build. :data:`ACTIVE` says which is 
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any, TypeVar
 
-__all__ = ["ACTIVE", "REASON", "pick", "summary"]
+__all__ = ["ACTIVE", "REASON", "fence", "pick", "summary"]
 
 T = TypeVar("T")
 
@@ -54,3 +55,19 @@ def pick(name: str, pure: T) -> T:
 def summary() -> str:
     """Which kernels run here, in a few words (``zloader --version``)."""
     return "compiled core" if ACTIVE else f"pure-Python kernels: {REASON}"
+
+
+_BARRIER = threading.Lock()
+
+
+def _fence() -> None:
+    """A full memory barrier in pure Python, between a write to shared memory and a read
+    of what another process writes there (a ring's credits, zloader/transport/ring.py):
+    a lock's atomic instruction is one on x86; elsewhere a wake missed for want of one
+    costs the wait's timeout. The compiled core's is a real fence."""
+    _BARRIER.acquire()
+    _BARRIER.release()
+
+
+fence = pick("fence", _fence)
+"""A full memory barrier (sequentially consistent): compiled where built."""

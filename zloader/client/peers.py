@@ -24,6 +24,7 @@ from zloader._defaults import (
     RING_MAX_BYTES,
 )
 from zloader._host import host_id
+from zloader._native import fence
 from zloader.client.budget import Budget
 from zloader.client.rounds import Rounds
 from zloader.client.session import Session, Settings
@@ -31,6 +32,8 @@ from zloader.client.stats import Stats
 from zloader.transport.notice import Notices
 from zloader.transport.protocol import Command, ProtocolError, doing, doing_text, encode
 from zloader.transport.ring import ALIGN as RING_ALIGN
+from zloader.transport.ring import COUNT_MASK as RING_COUNT_MASK
+from zloader.transport.ring import credits_word, open_of
 from zloader.transport.shm import sweep
 from zloader.transport.sockets import NOBLOCK, make_socket, send_frames
 
@@ -69,6 +72,14 @@ class Peer(ByFields):
     doing: dict[str, Any] | None = None  # {epoch, split, stage}, from the job's view
     own: bool = False  # this Loader forked it: its records may hold pickled leaves
     opened: int | None = None  # the epoch it was last opened for
+    # Credits given back through its ring's header (transport/ring.py): the number of its
+    # latest OPEN there (None: CREDIT messages only), the credits given back since, and
+    # the worker's last wait for them answered with a CREDIT (its ``starving`` word)
+    counter: int | None = None
+    counted: int = 0
+    woken: int = 0
+    seen: int = 0  # ... and its last wait seen, with the credits given back before it
+    since: int = 0
 
     def used(self, part: int | None) -> None:
         """A record of this epoch came (of ``part``): its credit is used."""
@@ -122,6 +133,7 @@ class Peers:
         self.notices: Notices | None = None
         self._rings: dict[int, tuple[Peer, Any]] = {}
         self._ring_ids = 0  # the last id given
+        self._opens = 0  # the last OPEN number given (OPEN.counter)
 
     def attach(self, context: zmq.Context[Any], poller: zmq.Poller) -> None:
         """Make sockets in ``context`` and poll them with ``poller`` (the I/O thread's);
@@ -336,6 +348,8 @@ class Peers:
                 "window": None if parts else self.budget.window(len(self._peers))}
         if peer.ring is not None and self.notices is not None:
             body.update(notify=self.notices.name, ring_id=peer.ring.ring_id)
+        if peer.ring is not None and not parts:
+            body["counter"] = self._count_from_here(peer)
         if self.rounds is not None:
             body["consumer_index"] = self.rounds.index
         if session.weights is not None:
@@ -361,6 +375,43 @@ class Peers:
             if keep:
                 session.dispatch_kept.setdefault(peer.index, deque()).append(items)
             self.send(peer, Command.DISPATCH, body={"epoch": session.epoch, "items": items})
+
+    def _count_from_here(self, peer: Peer) -> int:
+        """Number a new OPEN of ``peer``: its credits count from 0 again in its ring's
+        header (written before the OPEN goes: whatever the worker reads there from then on
+        is of this OPEN or later)."""
+        self._opens = self._opens % RING_COUNT_MASK + 1
+        peer.counter, peer.counted = self._opens, 0
+        peer.ring.give(credits_word(self._opens, 0))
+        return self._opens
+
+    def _counted(self, peer: Peer, credits: int) -> bool:
+        """Give ``peer`` back ``credits`` through its ring's header, when its worker takes
+        them from there (False: it does not, or not yet: a CREDIT must carry them); a
+        CREDIT still goes, carrying none, when the worker waits for credits (its
+        ``starving`` word: once per wait, when a CREDIT's worth came since it was seen) or
+        segments wait to be let go of."""
+        ring = peer.ring
+        if peer.counter is None or ring is None or ring.taken() != peer.counter:
+            return False
+        peer.counted = (peer.counted + credits) & RING_COUNT_MASK
+        self._granted(peer, credits, None)
+        ring.give(credits_word(peer.counter, peer.counted))
+        fence()  # (the worker writes ``starving``, then reads ``credits``: either sees it)
+        starving = ring.starving()
+        waits = open_of(starving) == peer.counter and starving != peer.woken
+        if waits and starving != peer.seen:
+            peer.seen, peer.since = starving, (peer.counted - credits) & RING_COUNT_MASK
+        # (woken with a CREDIT's worth, as a CREDIT message would have carried them)
+        waits = waits and (peer.counted - peer.since) & RING_COUNT_MASK \
+            >= self.budget.credit_batch
+        if waits or peer.mapped:
+            if waits:
+                peer.woken = starving
+            self.send(peer, Command.CREDIT, {"epoch": self.session.epoch, "credits": 0,
+                                             "mapped": peer.mapped})
+            peer.mapped = []
+        return True
 
     def peer_at(self, index: int) -> Peer | None:
         """The connected worker of task index ``index``, if any."""
@@ -424,6 +475,9 @@ class Peers:
         allows) has come back, or at once when segments wait to be let go of."""
         target = self._peers.get(worker)
         if target is None or self.session.epoch is None:
+            return
+        if part is None and self._counted(target, target.returned + credits):
+            target.returned = 0
             return
         if part is None:
             target.returned += credits
@@ -513,6 +567,8 @@ class Peers:
         bigger = self._give_ring(peer, size)
         if bigger is None:
             return
+        if peer.counter is not None:  # (its writer takes them there once it has it)
+            bigger.give(credits_word(peer.counter, peer.counted))
         peer.old_rings.append(peer.ring)
         peer.ring = bigger
         self.send(peer, Command.RING, {"ring": bigger.name, "ring_id": bigger.ring_id})

@@ -496,6 +496,10 @@ class Open(Record):
     # The epoch's work items (DISPATCH) follow again, from the first the consumer has not
     # received: those the worker holds are dropped (its stream of them was lost)
     redispatched: bool = fld(boolean, False, omit=True)
+    # This OPEN's number (1 to 2**32 - 1) in the ring's header: the consumer gives the
+    # credits of this stream back there too (transport/ring.py), once the worker says it
+    # takes them; absent: CREDIT messages only
+    counter: int | None = fld(optional(integer(1, 2**32 - 1)), None, omit=True)
 
 
 @dataclass(kw_only=True, eq=False, repr=False)

@@ -47,8 +47,19 @@ the ring (``reserve(0)`` returns None; send empty payloads inline).
 
 Segment layout (native byte order, both sides are on one host)::
 
-    offset 0      header, 64 bytes: magic b"ZLRING02", capacity:u64, tail:u64, head:u64
+    offset 0      header, 64 bytes: magic b"ZLRING02", capacity:u64, tail:u64, head:u64,
+                  credits:u64, starving:u64, taken:u64
     offset 4096   data region, capacity bytes
+
+The last three words carry the stream's credits (docs/protocol.md, "Flow control"), so
+that a consumer gives a co-located worker its credits back without a message: ``credits``
+(written by the reader) is ``(open << 32) | count``, the credits given back since the
+consumer's OPEN numbered ``open`` (``OPEN.counter``), the count modulo 2**32; ``taken``
+(written by the writer) is the OPEN number whose credits the worker takes from
+``credits``; ``starving`` (written by the writer) is ``(open << 32) | episode``, raised
+each time the worker waits for credits, which the consumer answers with a CREDIT message
+to wake it. Each side writes its word, then a full memory barrier
+(``zloader._native.fence``), then reads the other's.
 
 The data region starts on its own page so that it is page-aligned and the header's
 cache line is never shared with record bytes. ``tail`` is written only by the reader,
@@ -96,11 +107,15 @@ if TYPE_CHECKING:  # (for annotations only)
 
 __all__ = [
     "ALIGN",
+    "COUNT_MASK",
     "DATA_OFFSET",
     "DEFAULT_RING_BYTES",
     "RingError",
     "RingReader",
     "RingWriter",
+    "credits_since",
+    "credits_word",
+    "open_of",
 ]
 
 log = logging.getLogger("zloader.ring")
@@ -116,7 +131,30 @@ socket)."""
 KIND = "ring"
 
 # Indices of the header's u64 words.
-_CAPACITY, _TAIL, _HEAD = 1, 2, 3
+_CAPACITY, _TAIL, _HEAD, _CREDITS, _STARVING, _TAKEN = 1, 2, 3, 4, 5, 6
+_COUNT_BITS = 32  # a credits word: (OPEN number << 32) | credits given back (mod 2**32)
+COUNT_MASK = (1 << _COUNT_BITS) - 1
+
+
+def credits_word(opened: int, count: int) -> int:
+    """The ``credits`` word of ``count`` credits given back since OPEN number ``opened``."""
+    return ((opened & COUNT_MASK) << _COUNT_BITS) | (count & COUNT_MASK)
+
+
+def open_of(word: int) -> int:
+    """The OPEN number of a ``credits`` or ``starving`` word."""
+    return word >> _COUNT_BITS
+
+
+def credits_since(word: int, opened: int, counted: int) -> int:
+    """The credits a ``credits`` word gives back beyond the ``counted`` (mod 2**32) taken
+    already, when it is of OPEN number ``opened`` (else 0: of another OPEN)."""
+    if word >> _COUNT_BITS != opened & COUNT_MASK:
+        return 0
+    more = (word - counted) & COUNT_MASK
+    return more if more < 1 << (_COUNT_BITS - 1) else 0  # (behind: a stale read)
+
+
 _HEADER_WORDS = 8  # 64 bytes
 _POSITION_LIMIT = 2**64
 
@@ -209,6 +247,20 @@ class RingWriter:
             return 0.0
         used = self._head - self._free(self._header[_TAIL])
         return min(1.0, max(0.0, used / self.capacity))
+
+    def credits(self) -> int:
+        """The header's ``credits`` word (0 once closed)."""
+        header = self._header
+        return header[_CREDITS] if header is not None else 0
+
+    def take(self, opened: int, starving: int = 0) -> None:
+        """Say in the header that this writer takes the credits of OPEN number ``opened``
+        from its ``credits`` word, and (``starving`` > 0) that it waits for them: episode
+        ``starving`` of its waits."""
+        if self._header is not None:
+            self._header[_TAKEN] = opened & COUNT_MASK
+            if starving:
+                self._header[_STARVING] = credits_word(opened, starving)
 
     def _free(self, tail: int, restart: tuple[int, int] | None = None) -> int:
         """Where free space starts, given the header's ``tail``: past the gap of the last
@@ -395,6 +447,20 @@ class RingReader:
         """Cumulative position up to which space has been freed."""
         self._drain()
         return self._tail
+
+    def give(self, word: int) -> None:
+        """Write the header's ``credits`` word (:func:`credits_word`): the consumer's
+        credits given back to this ring's writer."""
+        if self._header is not None:
+            self._header[_CREDITS] = word
+
+    def taken(self) -> int:
+        """The OPEN number whose credits the writer takes from the header (0: none)."""
+        return self._header[_TAKEN] if self._header is not None else 0
+
+    def starving(self) -> int:
+        """The writer's latest wait for credits, ``(open << 32) | episode`` (0: none)."""
+        return self._header[_STARVING] if self._header is not None else 0
 
     def claim(self, position: int, length: int) -> npt.NDArray[np.uint8]:
         """Take the record the writer reported, as a zero-copy array.

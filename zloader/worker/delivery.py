@@ -105,6 +105,13 @@ class Delivery(abc.ABC):
     ``Hand``): only a mode whose delivery of a record never ends an epoch, starts or stops
     a producer (whose links the worker's loop polls) may say so."""
 
+    @property
+    def counts(self) -> bool:
+        """Whether its consumers may give their credits back in their rings' headers
+        (``OPEN.counter``): its producers deliver their records themselves, which is
+        where those credits are taken when they run short, and by no part."""
+        return self.inline and self.permits is None
+
     def __init__(self, port: TaskPort) -> None:
         self.port = port
         self.pool = Pool()  # one permit per record the producer may make

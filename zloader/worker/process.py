@@ -153,8 +153,8 @@ class WorkerProcess:
                              self._reject)
         self.endpoint = self.port.endpoint
         self.poller = zmq.Poller()
-        self.links = Links(context, self.poller, self.id,
-                           Hand(self.lock, self._hand_record, self._delivery_busy))
+        hand = Hand(self.lock, self._hand_record, self._delivery_busy, self._refill)
+        self.links = Links(context, self.poller, self.id, hand)
         if gate is not None:
             gate()
         self.broker = BrokerLink(context, self.broker_endpoint, self.keys, messages.Ready(
@@ -307,6 +307,12 @@ class WorkerProcess:
         """Wake the loop from its poll (another thread has something for it)."""
         with contextlib.suppress(BlockingIOError):
             os.write(self._wake_write, b"!")
+
+    def _refill(self, starve: bool) -> bool:
+        """A producer's :attr:`Hand.refill` (the worker's lock held): its task takes the
+        credits given back in the rings' headers, or (``starve``) says it waits for them."""
+        task = self.task
+        return task is not None and (task.refill() or (starve and task.starve()))
 
     def _delivery_busy(self) -> bool:
         """Whether records wait in the task's delivery for a consumer's credit."""

@@ -40,7 +40,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import zmq
@@ -75,6 +75,8 @@ from zloader.worker.spec import LinkKind, Noted, ProducerSpec, SplitAnswer
 __all__ = ["RECORD_BYTES", "RECORD_ELEMENTS", "RECORD_LINGER", "STAGES", "Hand", "LinkKind",
            "Producer", "ProducerSpec", "SplitAnswer"]
 
+T = TypeVar("T")
+
 
 @dataclass(eq=False, repr=False)
 class Hand(FrozenByFields):
@@ -91,11 +93,14 @@ class Hand(FrozenByFields):
     bench/archive/before_after_26). Records the producer waits for
     anyway (``gathered`` or ``large``, see :class:`Outgoing`) still go through the main
     thread: their copy dwarfs the hop, and the main thread reads what the consumers sent
-    first (a larger ring for records that outgrew theirs)."""
+    first (a larger ring for records that outgrew theirs). ``refill(starve)`` (locked too)
+    takes the credits given back in the rings' headers, or (``starve``) says there that
+    the producer waits: whether any came."""
 
     lock: threading.Lock
     deliver: Callable[[Producer, Outgoing], None]
     busy: Callable[[], bool]
+    refill: Callable[[bool], bool]
 
 
 class Producer(threading.Thread):
@@ -519,7 +524,7 @@ class Producer(threading.Thread):
             self.stage = "pipeline"
             return
         self.stage = "blocked"
-        while not self._permit and not self.pool.acquire(timeout=0.1, stop=self.stop):
+        while not self._permit and not self._take_permit():
             if self.stop.is_set():
                 raise _Stopped
         self._permit = False
@@ -542,28 +547,51 @@ class Producer(threading.Thread):
         self.timing["blocked"] += self._mark - encoded
         self.stage = "pipeline"
 
+    def _take_permit(self) -> bool:
+        """A permit for the next record: a free one, one of the credits given back in the
+        rings' headers (else the producer says there that it waits), or one that comes
+        within 0.1 s (the caller looks at ``stop`` in between)."""
+        if self.pool.acquire(blocking=False):
+            return True
+        hand = self.hand
+        if hand is not None and self._held(hand, hand.refill, True) \
+                and self.pool.acquire(blocking=False):
+            return True
+        return self.pool.acquire(timeout=0.1, stop=self.stop)
+
     def _hand(self, outgoing: Outgoing, hand: Hand) -> None:
         """Deliver ``outgoing`` on this thread, holding the worker's lock (see
-        :class:`Hand`); the lock is waited for in short steps so that a worker stopping
-        this producer while holding it (a new epoch) is not kept waiting."""
-        while not hand.lock.acquire(timeout=HAND_WAIT):
-            if self.stop.is_set():
-                raise _Stopped
-        try:
+        :class:`Hand`), and take the credits given back in the rings' headers meanwhile."""
+        def deliver() -> None:
             with self.sending:
                 if self.stop.is_set():
                     raise _Stopped
                 hand.deliver(self, outgoing)
+            hand.refill(False)
+
+        self._held(hand, deliver)
+
+    def _held(self, hand: Hand, call: Callable[..., T], *args: Any) -> T:
+        """``call(*args)`` holding the worker's lock, waited for in short steps (a worker
+        stopping this producer while holding it, for a new epoch, is not kept waiting)."""
+        while not hand.lock.acquire(timeout=HAND_WAIT):
+            if self.stop.is_set():
+                raise _Stopped
+        try:
+            return call(*args)
         finally:
             hand.lock.release()
 
     def _ready(self) -> bool:
         """Whether a record sent now would go out at once: the worker's loop has taken
         everything handed to it, and a permit is free (then held for the record)."""
-        if self.outbox or (self.hand is not None and self.hand.busy()):
+        hand = self.hand
+        if self.outbox or (hand is not None and hand.busy()):
             return False
         if not self._permit:
-            self._permit = self.pool.acquire(blocking=False)
+            self._permit = self.pool.acquire(blocking=False) or (
+                hand is not None and self._held(hand, hand.refill, False)
+                and self.pool.acquire(blocking=False))
         return self._permit
 
     def _encode(self, batch: list[Any], places: list[Any], ctx: Context,

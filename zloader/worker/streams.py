@@ -68,6 +68,12 @@ class Stream(ByFields):
     window: int | None = None
     flight: deque[int] = field(default_factory=deque)
     flight_bytes: int = 0
+    # Credits the consumer gives back in the ring's header (OPEN.counter,
+    # transport/ring.py): the OPEN number they are taken for (None: CREDIT messages
+    # only), those taken since (mod 2**32), and the waits for them said there so far.
+    counter: int | None = None
+    counted: int = 0
+    waits: int = 0
 
     def fits(self, size: int) -> bool:
         """Whether a record of ``size`` bytes may go now: within the window, or alone."""

@@ -20,6 +20,7 @@ from typing import Any
 from zloader import codec
 from zloader._byfields import FrozenByFields
 from zloader._defaults import KEPT_EPOCHS, PREFIX_HISTORY_BYTES
+from zloader._native import fence
 from zloader.lineage import Assigned
 from zloader.mixing import LiveWeights
 from zloader.options import JobOptions
@@ -28,6 +29,7 @@ from zloader.sharing.branches import Branch
 from zloader.sharing.window import WindowSettings
 from zloader.transport import messages
 from zloader.transport.protocol import ProtocolError, error_object
+from zloader.transport.ring import COUNT_MASK, credits_since
 from zloader.worker.broker_link import BrokerLink, assignment
 from zloader.worker.delivery import Delivery, TaskPort
 from zloader.worker.dispatched import Dispatched
@@ -195,6 +197,7 @@ class Task:
             self._redispatched(epoch)
         self.abandon_stale()
         self.delivery.credit(stream, opened.credits)
+        self._count_from(stream, opened.counter if self.delivery.counts else None)
         if rerun > self.reruns.get(epoch, 0):
             self.reruns[epoch] = rerun
             if epoch != self.producing:
@@ -217,12 +220,60 @@ class Task:
             stream.returned(granted.credits)
             self.delivery.credit(stream, granted.credits, granted.part)
             self.delivery.deliver()
+        self.refill()  # (a CREDIT of none wakes this worker for the rings' credits)
 
     def ring(self, identity: bytes, ring: messages.Ring) -> None:
         """RING: write into this (larger) ring from now on."""
         stream = self.streams.get(identity)
         if stream is not None:
             stream.attach(ring.ring, ring.ring_id)
+            self._count_from(stream, stream.counter, stream.counted)
+            self.refill()
+
+    # --- credits given back in the rings' headers (transport/ring.py) ---------------------
+
+    def _count_from(self, stream: Stream, counter: int | None, counted: int = 0) -> None:
+        """Take ``stream``'s credits from its ring's header too, those of OPEN number
+        ``counter`` beyond ``counted`` (None: from CREDIT messages only), and say so
+        there (its consumer gives them back there from then on)."""
+        if counter is None or stream.ring is None:
+            stream.counter = None
+            return
+        stream.counter, stream.counted = counter, counted
+        stream.ring.take(counter)
+
+    def refill(self) -> bool:
+        """Take the credits the consumers gave back in their rings' headers since last
+        looked, as a CREDIT's: whether any came. Under the worker's lock (the main
+        thread's, or a producer's that delivers its records itself)."""
+        came = False
+        for stream in self.streams.values():
+            if stream.counter is None or stream.ring is None:
+                continue
+            more = credits_since(stream.ring.credits(), stream.counter, stream.counted)
+            if more:
+                stream.counted = (stream.counted + more) & COUNT_MASK
+                stream.returned(more)
+                self.delivery.credit(stream, more)
+                came = True
+        if came:
+            self.delivery.deliver()
+        return came
+
+    def starve(self) -> bool:
+        """Say in the rings' headers that this task waits for credits (each consumer
+        answers with a CREDIT, which wakes the worker's loop), then look again: a credit
+        given back meanwhile may have missed the mark. Whether credits came."""
+        marked = False
+        for stream in self.streams.values():
+            if stream.counter is not None and stream.ring is not None:
+                stream.waits = stream.waits % COUNT_MASK + 1
+                stream.ring.take(stream.counter, stream.waits)
+                marked = True
+        if not marked:
+            return False
+        fence()  # (the consumer writes ``credits``, then reads ``starving``)
+        return self.refill()
 
     def remove_stream(self, stream: Stream) -> None:
         self.delivery.leave(stream)
@@ -426,6 +477,7 @@ class Task:
         ``HEARTBEAT.drained`` once a task drained to move has sent all it made (after what
         it hands on, ``HEARTBEAT.handover``: a shared job's)."""
         self.delivery.poll()
+        self.refill()
         if self.moving and not self.busy():
             self.moving = False
             self.hand_over()

@@ -1,0 +1,87 @@
+"""Credits given back in the rings' headers (transport/ring.py, docs/protocol.md "Flow
+control"): a co-located consumer that keeps up with its worker gives its credits back
+without a message; one that falls behind wakes the worker waiting for them with a CREDIT,
+one per CREDIT's worth of credits; a ring that grows, and records that go in segments of
+their own, keep every element, once and in order. Real Loaders and workers; the test
+counts the CREDIT messages the consumer sends."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from zloader import Loader, Pipeline
+from zloader.client.peers import Peers
+from zloader.transport.protocol import Command
+
+
+@pytest.fixture
+def credits_sent(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """The bodies of the CREDIT messages consumers of this process send."""
+    sent: list[dict[str, Any]] = []
+    send = Peers.send
+
+    def counting(self: Peers, peer: Any, command: Command, body: dict[str, Any],
+                 payload: Any = ()) -> None:
+        if command is Command.CREDIT:
+            sent.append(dict(body))
+        send(self, peer, command, body, payload)
+
+    monkeypatch.setattr(Peers, "send", counting)
+    return sent
+
+
+def paced(seconds: float) -> Any:
+    def element(x: int) -> int:
+        time.sleep(seconds)
+        return x
+    return element
+
+
+def test_a_consumer_that_keeps_up_gives_its_credits_back_without_messages(credits_sent):
+    # (prefetch 2: a CREDIT message per record without the ring's words)
+    with Loader(Pipeline.range(200).map(paced(0.005)), num_workers=1, prefetch=2,
+                timeout=60) as loader:
+        assert list(loader) == list(range(200))
+    # (a wait for credits now and then, on a busy host, is answered with a CREDIT)
+    assert len(credits_sent) <= 50, len(credits_sent)
+    assert all(body["credits"] == 0 for body in credits_sent)
+
+
+def test_a_consumer_slower_than_its_worker_wakes_it_once_per_credits_worth(credits_sent):
+    # (prefetch 4: a CREDIT's worth is 2; the worker waits for credits again and again)
+    with Loader(Pipeline.range(120).map(paced(0.001)), num_workers=1, prefetch=4,
+                timeout=60) as loader:
+        got = []
+        for element in loader:
+            got.append(element)
+            time.sleep(0.004)
+    assert got == list(range(120))
+    assert credits_sent, "the waiting worker was never woken: it ran on its timeouts"
+    assert len(credits_sent) <= 120 // 2 + 2, len(credits_sent)
+
+
+def sized(x: int) -> np.ndarray:
+    """150 KB, and every 40th element 1.5 MB: larger than a 1 MiB ring (a segment)."""
+    return np.full(375_000 if x % 40 == 39 else 37_500, x, np.int32)
+
+
+def test_a_grown_ring_and_segments_keep_the_credits_flowing(credits_sent):
+    with Loader(Pipeline.range(160).map(sized), num_workers=1, prefetch=2,
+                ring_bytes=1 << 20, timeout=60) as loader:
+        got = [(int(element[0]), len(element)) for element in loader]
+    assert got == [(x, len(sized(x))) for x in range(160)]
+    # segments were let go of (CREDIT.mapped; the first before the ring grew to hold
+    # such records; until the worker takes its credits from the grown ring's header,
+    # CREDITs carry them)
+    assert sum(len(body["mapped"]) for body in credits_sent) >= 1
+
+
+def test_two_workers_and_a_second_epoch_count_afresh(credits_sent):
+    with Loader(Pipeline.range(300, split_size=10).map(paced(0.001)), num_workers=2,
+                prefetch=2, timeout=60) as loader:
+        for _ in range(2):  # (each epoch's OPEN numbers the count anew)
+            assert sorted(loader) == list(range(300))
