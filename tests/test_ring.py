@@ -592,8 +592,10 @@ def test_the_header_carries_credits_one_way_and_waits_the_other():
         assert writer.credits() == credits_word(3, 9)
         writer.take(3)
         assert reader.taken() == 3 and reader.starving() == 0  # (taken, no wait said)
-        writer.take(3, starving=2)
-        assert reader.starving() == credits_word(3, 2)
+        writer.starve(credits_word(3, 2))
+        assert reader.starving() == credits_word(3, 2) and reader.taken() == 3
+        writer.starve(0)
+        assert reader.starving() == 0
         # the words are the header's: a record's bytes never touch them
         position = _put(writer, b"x" * 100)
         assert bytes(reader.claim(position, 100)) == b"x" * 100

@@ -253,14 +253,17 @@ class RingWriter:
         header = self._header
         return header[_CREDITS] if header is not None else 0
 
-    def take(self, opened: int, starving: int = 0) -> None:
+    def take(self, opened: int) -> None:
         """Say in the header that this writer takes the credits of OPEN number ``opened``
-        from its ``credits`` word, and (``starving`` > 0) that it waits for them: episode
-        ``starving`` of its waits."""
+        from its ``credits`` word."""
         if self._header is not None:
             self._header[_TAKEN] = opened & COUNT_MASK
-            if starving:
-                self._header[_STARVING] = credits_word(opened, starving)
+
+    def starve(self, word: int) -> None:
+        """Write the header's ``starving`` word: ``credits_word(opened, n)``, the n-th
+        wait of this writer for the credits of OPEN number ``opened``; 0: not waiting."""
+        if self._header is not None:
+            self._header[_STARVING] = word
 
     def _free(self, tail: int, restart: tuple[int, int] | None = None) -> int:
         """Where free space starts, given the header's ``tail``: past the gap of the last

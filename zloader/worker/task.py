@@ -29,7 +29,7 @@ from zloader.sharing.branches import Branch
 from zloader.sharing.window import WindowSettings
 from zloader.transport import messages
 from zloader.transport.protocol import ProtocolError, error_object
-from zloader.transport.ring import COUNT_MASK, credits_since
+from zloader.transport.ring import COUNT_MASK, credits_since, credits_word
 from zloader.worker.broker_link import BrokerLink, assignment
 from zloader.worker.delivery import Delivery, TaskPort
 from zloader.worker.dispatched import Dispatched
@@ -264,16 +264,20 @@ class Task:
         """Say in the rings' headers that this task waits for credits (each consumer
         answers with a CREDIT, which wakes the worker's loop), then look again: a credit
         given back meanwhile may have missed the mark. Whether credits came."""
-        marked = False
+        marked = []
         for stream in self.streams.values():
             if stream.counter is not None and stream.ring is not None:
                 stream.waits = stream.waits % COUNT_MASK + 1
-                stream.ring.take(stream.counter, stream.waits)
-                marked = True
+                stream.ring.starve(credits_word(stream.counter, stream.waits))
+                marked.append(stream)
         if not marked:
             return False
         fence()  # (the consumer writes ``credits``, then reads ``starving``)
-        return self.refill()
+        if not self.refill():
+            return False
+        for stream in marked:  # (no wait after all: no CREDIT needed to end it)
+            stream.ring.starve(0)
+        return True
 
     def remove_stream(self, stream: Stream) -> None:
         self.delivery.leave(stream)
