@@ -753,6 +753,15 @@ def test_a_first_exhausted_mix_split_between_job_name_loaders_repeats_nothing(tm
     run("split", 5, str(tmp_path), later=False)
 
 
+def test_rows_made_again_through_a_map_that_made_one_row_of_each_element_are_rows(tmp_path):
+    """Seed 112 of resume-of-resume, from the grammar's later stages: a mix input's
+    ``map(listed(1)).unbatch()`` (one row of each element, so no group: each row keeps its
+    element's origin) before a choose the consumer draws, then a batched expansion; a
+    group made again in the trainer ran its elements through that unbatch as if it were
+    not there (before: ``map(listed(3))`` after it got a list, TypeError)."""
+    run("resume-of-resume", 112, str(tmp_path))
+
+
 def test_a_shared_mix_whose_weights_were_set_before_its_worker_died_is_exact(tmp_path):
     """Seed 16 of shared-kill, the weights set where the worker is killed: the dead
     worker's splits are drawn again with the weights its draws switched to, where they

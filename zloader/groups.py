@@ -339,11 +339,27 @@ _DROPPED = object()
 
 def _through(value: Any, stages: Sequence[Any]) -> Any:
     """``value`` run alone through ``stages`` (maps and filters; a batch undone by an
-    unbatch as a batch of one; shuffles and repeats pass it on), or _DROPPED."""
+    unbatch as a batch of one; an unbatch of a map's rows, with no batch before it, as the
+    one row it made of this element the first time: more, and it would have made a group;
+    shuffles and repeats pass it on), or _DROPPED.
+
+    Raises:
+        RuntimeError: an unbatch with no batch before it made other than one row of it.
+    """
     at = 0
     while at < len(stages) and value is not _DROPPED:
         stage = stages[at]
-        if stage.kind == "map":
+        if stage.kind == "unbatch":
+            rows = list(collate.split(value))
+            if len(rows) != 1:
+                raise RuntimeError(
+                    f"an element made again gave {len(rows)} rows at an unbatch, one the "
+                    "first time: exactly-once makes rows lost with a worker again, which "
+                    "needs the stages up to the unbatch to give the same rows each time "
+                    "(seed randomness per element); pass exactly_once=False to accept "
+                    "losses instead")
+            value = rows[0]
+        elif stage.kind == "map":
             value = stage.fn(value)
         elif stage.kind == "filter":
             value = value if stage.predicate(value) else _DROPPED
