@@ -567,7 +567,7 @@ class Producer(threading.Thread):
                 if self.stop.is_set():
                     raise _Stopped
                 hand.deliver(self, outgoing)
-            hand.refill(False)
+            hand.refill(hand.busy())  # (records left waiting for credit: say so)
 
         self._held(hand, deliver)
 
