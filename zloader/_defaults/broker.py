@@ -42,8 +42,9 @@ BROKER_BEATS_AT_ONCE = 100
 between: a fleet's thousand beats in one go would hold up every answer behind them."""
 
 BROKER_POLL_SECONDS = 0.05
-"""The broker loop's longest wait for a message: how soon it sees ``close()`` (an embedded
-Loader's close waits for it)."""
+"""The longest wait for a message of a broker loop on the main thread (the CLI's): how soon
+it sees SIGTERM. One on a thread of its own (a Loader's) is woken by ``close()``, and
+waits for the next message or heartbeat."""
 
 # --- broker: floods and exhaustion (docs/reliability.md, "Floods") ------------------------
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import threading
 import time
@@ -219,8 +220,12 @@ class Broker:
             poller.register(self._waker[0], zmq.POLLIN)  # (close() writes: stop now)
         next_beat = time.monotonic() + state.heartbeat
         beats: deque[Out] = deque()  # the workers' HEARTBEATs of this interval, not sent yet
+        # On a thread of its own (a Loader's), close() wakes the poll: it waits for the next
+        # message or beat. On the main thread (the CLI), SIGTERM only sets ``_stop``.
+        longest = BROKER_POLL_SECONDS if threading.current_thread() is \
+            threading.main_thread() else math.inf
         while not self._stop.is_set():
-            timeout = max(0.0, min(next_beat - time.monotonic(), BROKER_POLL_SECONDS))
+            timeout = max(0.0, min(next_beat - time.monotonic(), longest))
             if beats:
                 self._send(socket, [beats.popleft()
                                     for _ in range(min(BROKER_BEATS_AT_ONCE, len(beats)))])
