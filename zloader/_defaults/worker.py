@@ -148,6 +148,11 @@ FETCH_TIMEOUT = 30.0
 """Seconds a worker waits for the Loader that serves a pipeline or source to answer
 (fixed)."""
 
+WORKER_IDLE_SECONDS = 1.0
+"""The longest a worker's loop waits for a message when nothing needs it sooner (its next
+heartbeat comes first where the broker's interval is shorter): how soon a worker sees
+that its parent, a Loader's process, is gone (fixed)."""
+
 FORWARD_EVERY = 0.2
 """Seconds between two sends of a worker's captured user output (fixed)."""
 

@@ -27,7 +27,7 @@ import zmq
 
 from zloader import handoff
 from zloader._command import with_sys_path, worker_command
-from zloader._defaults import DRAIN_SECONDS, FORWARD_EVERY, HEARTBEAT
+from zloader._defaults import DRAIN_SECONDS, FORWARD_EVERY, HEARTBEAT, WORKER_IDLE_SECONDS
 from zloader._host import host_id
 from zloader.forward import Capture
 from zloader.pipeline import Pipeline
@@ -288,7 +288,21 @@ class WorkerProcess:
                 return
             # More waiting than one turn reads, or a message whose signal this turn's sends
             # took: the descriptor may not say so again.
-            wait = 0 if has_message(data) else 100
+            wait = 0 if has_message(data) else self._idle_wait(now)
+
+    def _idle_wait(self, now: float) -> int:
+        """Milliseconds the loop may wait for a message: 100 while something needs a look
+        sooner (records waiting in the delivery, a pipeline loading, output to forward, a
+        drain, a task moving), else until the next heartbeat is due, at most
+        WORKER_IDLE_SECONDS (how soon it sees its parent gone). Producers' credits do
+        not wait for it: they take them themselves (Hand.refill)."""
+        task = self.task
+        if (self.capture is not None or self._drain_deadline is not None
+                or self.loading is not None or self.branch_loads
+                or (task is not None and (task.moving or task.delivery.busy()))):
+            return 100
+        due = self._last_beat + self.heartbeat - now
+        return max(1, int(min(due, WORKER_IDLE_SECONDS) * 1000) + 1)
 
     def _hand_record(self, producer: Producer, outgoing: Outgoing) -> None:
         """A producer's record, delivered on its thread under the worker's lock (see
