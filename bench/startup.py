@@ -114,14 +114,7 @@ def close(loader: Any) -> None:
 
 def first_batch(name: str, dataset: Any, workers: int, shuffle: bool) -> float:
     """Seconds from construction to the first batch of a fresh iterator."""
-    started = time.perf_counter()
-    loader = make(name, dataset, workers, shuffle)
-    iterator = iter(loader)
-    next(iterator)
-    took = time.perf_counter() - started
-    del iterator
-    close(loader)
-    return took
+    return first_batch_cpu(name, dataset, workers, shuffle)["wall"]
 
 
 def _threads_cpu(pid: int) -> float:
@@ -136,13 +129,14 @@ def _threads_cpu(pid: int) -> float:
     return total / 1e9
 
 
-def first_batch_cpu(name: str, dataset: Any, workers: int) -> dict[str, float]:
+def first_batch_cpu(name: str, dataset: Any, workers: int,
+                    shuffle: bool = True) -> dict[str, float]:
     """Construction to the first batch of a fresh iterator, and the CPU seconds the
     trainer's process and its descendants (at the first batch) spent meanwhile."""
     me = psutil.Process()
     gc.collect()
     started, cpu = time.perf_counter(), time.process_time()
-    loader = make(name, dataset, workers, True)
+    loader = make(name, dataset, workers, shuffle)
     iterator = iter(loader)
     next(iterator)
     wall, trainer = time.perf_counter() - started, time.process_time() - cpu

@@ -149,7 +149,7 @@ def open_of(word: int) -> int:
 def credits_since(word: int, opened: int, counted: int) -> int:
     """The credits a ``credits`` word gives back beyond the ``counted`` (mod 2**32) taken
     already, when it is of OPEN number ``opened`` (else 0: of another OPEN)."""
-    if word >> _COUNT_BITS != opened & COUNT_MASK:
+    if open_of(word) != opened & COUNT_MASK:
         return 0
     more = (word - counted) & COUNT_MASK
     return more if more < 1 << (_COUNT_BITS - 1) else 0  # (behind: a stale read)

@@ -217,10 +217,15 @@ class Task:
         unlink_handoffs(stream, mapped)
         self.delivery.mapped(stream, mapped)
         if granted.epoch == stream.epoch:
-            stream.returned(granted.credits)
-            self.delivery.credit(stream, granted.credits, granted.part)
+            self._granted(stream, granted.credits, granted.part)
+        if not self.refill():  # (a CREDIT of none wakes this worker for the rings' credits)
             self.delivery.deliver()
-        self.refill()  # (a CREDIT of none wakes this worker for the rings' credits)
+
+    def _granted(self, stream: Stream, credits: int, part: int | None = None) -> None:
+        """``stream``'s consumer gave back ``credits`` (of mix input ``part``): its oldest
+        records' bytes leave its window, and the delivery has the credits."""
+        stream.returned(credits)
+        self.delivery.credit(stream, credits, part)
 
     def ring(self, identity: bytes, ring: messages.Ring) -> None:
         """RING: write into this (larger) ring from now on."""
@@ -253,8 +258,7 @@ class Task:
             more = credits_since(stream.ring.credits(), stream.counter, stream.counted)
             if more:
                 stream.counted = (stream.counted + more) & COUNT_MASK
-                stream.returned(more)
-                self.delivery.credit(stream, more)
+                self._granted(stream, more)
                 came = True
         if came:
             self.delivery.deliver()
