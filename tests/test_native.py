@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zloader import _core, chunks, codec, runs  # type: ignore[attr-defined]
-from zloader.lineage import INDEX_BITS, decode_origins, encode_origins, wire
+from zloader.lineage import INDEX_BITS, Ledger, Ranges, decode_origins, encode_origins, ledger, wire
 from zloader.runs import RunTally
 from zloader.transport import records
 from zloader.worker import streams
@@ -388,11 +388,81 @@ def test_a_workers_records_are_the_same_bytes_with_either_kernels(made: list) ->
     assert made_by[0] == made_by[1]
 
 
+@st.composite
+def _held_and_codes(draw: st.DrawFn) -> tuple[list[int], list[int], list[np.ndarray]]:
+    """Ranges a split holds (as a ledger makes them) and arrays of codes of one reading to
+    add: dense or sparse, in order or not, repeats, indices held already, other readings'
+    high bits, and now and then an array the bitmap does not take (too thin, another
+    dtype, strided, empty)."""
+    span = draw(st.sampled_from([8, 300, 5000, 1 << 20, 1 << 32]))
+    held = Ranges()
+    for _ in range(draw(st.integers(0, 4))):
+        indices = draw(st.lists(st.integers(0, span - 1), min_size=1, max_size=60))
+        held.add_indices([np.array(indices, np.int64)])
+    read = draw(st.integers(0, 5)) << INDEX_BITS
+    arrays = []
+    for _ in range(draw(st.integers(0, 4))):
+        low = draw(st.integers(0, span - 1))
+        indices = draw(st.lists(st.integers(low, min(span - 1, low + draw(st.sampled_from(
+            [0, 3, 200, 70_000, span])))), min_size=0, max_size=80))
+        array = np.array(indices, np.int64) | read
+        form = draw(st.sampled_from(["plain"] * 6 + ["strided", "int32"]))
+        if form == "strided":
+            array = np.repeat(array, 2)[::2]
+        elif form == "int32" and len(indices) and max(indices) < 2**31:
+            array = array.astype(np.int32) if not read else array
+        arrays.append(array)
+    return held.starts, held.ends, arrays
+
+
+@settings(max_examples=600, deadline=None)
+@given(case=_held_and_codes())
+def test_the_ledger_folds_agree(case: tuple[list[int], list[int], list[np.ndarray]]) -> None:
+    """The compiled fold gives the pure one's ranges and count, or None (the caller then
+    uses the pure one), and changes neither the lists nor the arrays given."""
+    starts, ends, arrays = case
+    before = (list(starts), list(ends), [a.copy() for a in arrays])
+    pure = ledger.merge_indices(starts, ends, arrays)
+    compiled = _core.merge_indices(starts, ends, arrays)
+    assert (starts, ends) == before[:2]
+    assert all(np.array_equal(a, b) for a, b in zip(arrays, before[2], strict=True))
+    if compiled is not None:
+        assert compiled == pure
+    indices = set()
+    for a, b in zip(starts, ends, strict=True):
+        indices.update(range(a, b)) if b - a < 10**6 else None
+    if all(b - a < 10**6 for a, b in zip(starts, ends, strict=True)):
+        for array in arrays:
+            indices.update((np.asarray(array, np.int64) & ((1 << INDEX_BITS) - 1)).tolist())
+        got = set()
+        for a, b in zip(pure[0], pure[1], strict=True):
+            got.update(range(a, b))
+        assert got == indices and pure[2] == len(indices)
+
+
+def test_a_shuffles_codes_are_folded_in_c(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A consumer's ledger folds a shuffle's records with the compiled twin (the pure one
+    made to fail here), and holds what the pure one holds."""
+    rng = np.random.default_rng(5)
+    records = [rng.permutation(np.arange(k * 256, (k + 1) * 256)) for k in range(300)]
+    expected = Ledger()
+    for codes in records:
+        expected.add_codes({0: (0,)}, [0, 0, 3], codes.astype(np.int64))
+    monkeypatch.setattr(Ranges, "merge", staticmethod(_core.merge_indices))
+    monkeypatch.setattr(ledger, "_index_runs", None)  # (a call to it raises TypeError)
+    got = Ledger()
+    for codes in records:
+        got.add_codes({0: (0,)}, [0, 0, 3], codes.astype(np.int64))
+    assert got.open[((0,), 3)].starts == [0] and got.open[((0,), 3)].count == 300 * 256
+    assert got.to_json() == expected.to_json()
+
+
 def test_zloader_pure_selects_the_pure_twins() -> None:
     script = ("import zloader._native as n, zloader.stages as s, zloader.client.receive as r, "
-              "zloader.runs as t, zloader.worker.streams as w; "
+              "zloader.runs as t, zloader.worker.streams as w, zloader.lineage as l; "
               "print(n.ACTIVE, s.shuffle_buffer.__module__, r.decode_origins.__module__, "
-              "t.encode_origins.__module__, w.pack_into.__module__, r.unpack.__module__)")
+              "t.encode_origins.__module__, w.pack_into.__module__, r.unpack.__module__, "
+              "l.Ranges.merge.__module__)")
     env = {**os.environ, "ZLOADER_PURE": "1"}
     pure = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, check=True, timeout=60).stdout.split()
@@ -400,8 +470,9 @@ def test_zloader_pure_selects_the_pure_twins() -> None:
     used = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, check=True, timeout=60).stdout.split()
     assert pure == ["False", "zloader.chunks", "zloader.lineage.wire", "zloader.lineage.wire",
-                    "zloader.transport.records", "zloader.transport.records"]
-    assert used == ["True", *["zloader._core"] * 5]
+                    "zloader.transport.records", "zloader.transport.records",
+                    "zloader.lineage.ledger"]
+    assert used == ["True", *["zloader._core"] * 6]
     version = subprocess.run([sys.executable, "-m", "zloader.cli", "--version"], env=env,
                              capture_output=True, text=True, check=True, timeout=60).stdout
     assert version.strip().endswith("(compiled core)")

@@ -15,7 +15,7 @@ from cpython.buffer cimport (
 )
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.number cimport PyNumber_Index
-from libc.stdlib cimport free, malloc
+from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy
 
 cimport cython
@@ -29,6 +29,8 @@ from zloader import codec as _codec
 from zloader._defaults import (
     CHUNK_ELEMENTS,
     MAX_BUFFERS,
+    MERGE_BITMAP_FACTOR,
+    MERGE_BITMAP_SLACK,
     SCATTER_SAMPLE,
     SHUFFLE_DRAW_CHUNK,
     SMALL_ORIGIN_BLOCK,
@@ -41,7 +43,8 @@ from zloader.lineage import wire as _wire
 
 cnp.import_array()
 
-__all__ = ["ShuffleBuffer", "decode_origins", "encode_origins", "pack_into", "unpack"]
+__all__ = ["ShuffleBuffer", "decode_origins", "encode_origins", "merge_indices", "pack_into",
+           "unpack"]
 
 cdef long long INDEX_BITS = _tags.INDEX_BITS
 cdef long long INDEX_MASK = _tags.INDEX_MASK
@@ -54,6 +57,8 @@ cdef Py_ssize_t ALIGN = _records.ALIGN
 # The pure functions write little-endian int64s (struct's "<q"); a C copy of this host's
 # is the same bytes only here. Elsewhere every block goes to them.
 cdef bint LITTLE = sys.byteorder == "little"
+cdef Py_ssize_t BITMAP_FACTOR = MERGE_BITMAP_FACTOR
+cdef Py_ssize_t BITMAP_SLACK = MERGE_BITMAP_SLACK
 
 
 cdef inline cnp.ndarray _empty(Py_ssize_t n):
@@ -680,3 +685,122 @@ def fence():
     and a read of another process's word there: the pure twin is
     ``zloader._native._fence``."""
     zl_fence()
+
+
+cdef extern from *:
+    """
+    static inline int zl_ctz(unsigned long long x) { return __builtin_ctzll(x); }
+    """
+    int zl_ctz(unsigned long long x) nogil
+
+
+cdef inline Py_ssize_t _next_set(const unsigned long long* bits, Py_ssize_t nbits,
+                                 Py_ssize_t at) noexcept nogil:
+    """The first bit set at or after ``at`` (``nbits`` if none)."""
+    cdef Py_ssize_t word = at >> 6
+    cdef Py_ssize_t words = (nbits + 63) >> 6
+    cdef unsigned long long x
+    if at >= nbits:
+        return nbits
+    x = bits[word] & (~0ULL << (at & 63))
+    while x == 0:
+        word += 1
+        if word >= words:
+            return nbits
+        x = bits[word]
+    at = (word << 6) + zl_ctz(x)
+    return at if at < nbits else nbits
+
+
+cdef inline Py_ssize_t _next_clear(const unsigned long long* bits, Py_ssize_t nbits,
+                                   Py_ssize_t at) noexcept nogil:
+    """The first bit clear at or after ``at`` (``nbits`` if none)."""
+    cdef Py_ssize_t word = at >> 6
+    cdef Py_ssize_t words = (nbits + 63) >> 6
+    cdef unsigned long long x
+    if at >= nbits:
+        return nbits
+    x = ~bits[word] & (~0ULL << (at & 63))
+    while x == 0:
+        word += 1
+        if word >= words:
+            return nbits
+        x = ~bits[word]
+    at = (word << 6) + zl_ctz(x)
+    return at if at < nbits else nbits
+
+
+def merge_indices(list starts, list ends, list arrays):
+    """The ranges ``starts``/``ends`` (sorted, disjoint, not touching) with the indices
+    of ``arrays`` added (int64 codes of one split reading, in any order, repeats allowed:
+    their low INDEX_BITS bits are the indices): the new ``(starts, ends, count)``, lists
+    and the number of indices held; None where the indices spread over more than
+    MERGE_BITMAP_FACTOR times their number (the pure twin then sorts them). The indices are
+    marked in a bitmap of their span, whose runs are merged with the ranges held."""
+    cdef Py_ssize_t n = 0, nbits, i, k, held = len(starts), at = 0, stop = 0
+    cdef unsigned long long lo = INDEX_MASK, hi = 0, v
+    cdef unsigned long long* bits
+    cdef const long long* codes
+    cdef cnp.ndarray array
+    cdef long long s = 0, e = 0, cur_s = 0, cur_e = 0, count = 0
+    cdef bint open_run = False, held_first
+    cdef list out_s = [], out_e = []
+    if INDEX_BITS != 32 or len(ends) != held:
+        return None
+    for array in arrays:
+        if not _plain_codes(array):
+            return None
+        codes = _data(array)
+        k = cnp.PyArray_SIZE(array)
+        n += k
+        for i in range(k):
+            v = <unsigned long long> codes[i] & <unsigned long long> INDEX_MASK
+            if v < lo:
+                lo = v
+            if v > hi:
+                hi = v
+    if n == 0:
+        return None
+    nbits = <Py_ssize_t> (hi - lo) + 1
+    if nbits > BITMAP_FACTOR * n + BITMAP_SLACK:
+        return None
+    bits = <unsigned long long*> calloc((nbits + 63) >> 6, 8)
+    if bits == NULL:
+        raise MemoryError()
+    try:
+        for array in arrays:
+            codes = _data(array)
+            for i in range(cnp.PyArray_SIZE(array)):
+                v = (<unsigned long long> codes[i] & <unsigned long long> INDEX_MASK) - lo
+                bits[v >> 6] |= 1ULL << (v & 63)
+        i = 0
+        at = _next_set(bits, nbits, 0)
+        if at < nbits:
+            stop = _next_clear(bits, nbits, at)
+        while at < nbits or i < held:
+            # the next range by its start: the bitmap's next run, or the next one held
+            if i < held:
+                s, e = starts[i], ends[i]
+            held_first = i < held and (at >= nbits or s < <long long> (at + lo))
+            if held_first:
+                i += 1
+            else:
+                s, e = <long long> (at + lo), <long long> (stop + lo)
+                at = _next_set(bits, nbits, stop)
+                if at < nbits:
+                    stop = _next_clear(bits, nbits, at)
+            if open_run and s <= cur_e:
+                if e > cur_e:
+                    cur_e = e
+                continue
+            if open_run:
+                out_s.append(cur_s)
+                out_e.append(cur_e)
+                count += cur_e - cur_s
+            cur_s, cur_e, open_run = s, e, True
+        out_s.append(cur_s)
+        out_e.append(cur_e)
+        count += cur_e - cur_s
+    finally:
+        free(bits)
+    return out_s, out_e, count

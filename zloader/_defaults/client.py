@@ -42,12 +42,14 @@ SCATTER_SAMPLE = 17
 origin block carries them: runs when they make runs of four or more on average, else the
 codes themselves (a shuffle's; fixed: zloader/lineage/wire.py ``encode_origins``)."""
 
-LEDGER_FOLD_RECORDS = 64
+LEDGER_FOLD_RECORDS = 256
 LEDGER_FOLD_RUNS = 65536
 """A consumer's ledger of origins adds the records it is given this many at a time, or
 once they hold LEDGER_FOLD_RUNS runs (or when it is read): one merge per split for many
 small records, not one per record, and the runs of large ones merged while they are still
-in the CPU's caches (fixed)."""
+in the CPU's caches. Each fold walks the ranges a split holds (a shuffle leaves one per
+element its buffer holds back): 256 walks them a quarter as often as 64 did, and holds
+at most 512 KiB of a shuffle's codes meanwhile (fixed)."""
 
 MERGE_COUNT_RUNS = 4096
 MERGE_PLACES = 16
@@ -58,6 +60,13 @@ MERGE_SPAN_SLACK = 1 << 16
 as there are runs, plus MERGE_SPAN_SLACK; by sorting otherwise, fewer runs included (a
 few numpy calls per split cost more than their sort) (fixed: zloader/lineage/
 ``merge_runs``)."""
+
+MERGE_BITMAP_FACTOR = 64
+MERGE_BITMAP_SLACK = 1 << 16
+"""The compiled fold of a shuffle's codes into a ledger (zloader/_core.pyx
+``merge_indices``) marks them in a bitmap of their span when it holds at most
+MERGE_BITMAP_FACTOR bits per code, plus MERGE_BITMAP_SLACK; it leaves thinner ones to the
+pure twin's sort (fixed)."""
 
 CHECK_SECONDS = 0.05
 """A consumer's loop looks for leaving workers whose grace is over at most this often, not

@@ -10,11 +10,15 @@ import json
 from collections.abc import Callable
 from typing import Any, TypeGuard
 
+from zloader import _native
 from zloader._defaults import MAX_FANOUT
 from zloader._hash import sha256
-from zloader.lineage import Ledger, Origins
+from zloader.lineage import Ledger, Origins, Ranges, merge_indices
 
 __all__ = ["STATE_VERSION", "Yielded", "resume_from"]
+
+# A consumer's ledgers add a shuffle's codes with the compiled core where it is built.
+Ranges.merge = staticmethod(_native.pick("merge_indices", merge_indices))
 
 STATE_VERSION = 1
 """The version of what Loader.state_dict returns."""

@@ -27,7 +27,7 @@ One module per job, each used by other layers through this package:
 """
 
 from zloader.lineage.intsets import pack, unpack
-from zloader.lineage.ledger import Ledger, Ranges, merge_info, merge_runs
+from zloader.lineage.ledger import Ledger, Ranges, merge_indices, merge_info, merge_runs
 from zloader.lineage.tags import (
     DIGEST_GROUP,
     DIGEST_MARK,
@@ -55,5 +55,6 @@ from zloader.lineage.wire import Origins, decode_origins, encode_origins, runs_o
 __all__ = ["DIGEST_GROUP", "DIGEST_MARK", "INDEX_BITS", "INDEX_MASK", "Assigned", "Group",
            "Ledger", "Origin", "Origins", "Ranges", "Tagged", "anchor_split", "code",
            "decode_origins", "digest", "encode_origins", "exactly_once", "gather",
-           "group_of_rows", "light", "merge_info", "merge_runs", "pack", "read_split",
-           "read_split_chunks", "runs_of_list", "split_tags", "take", "unpack", "untag"]
+           "group_of_rows", "light", "merge_indices", "merge_info", "merge_runs", "pack",
+           "read_split", "read_split_chunks", "runs_of_list", "split_tags", "take", "unpack",
+           "untag"]

@@ -5,8 +5,8 @@ consumers hold of a dead worker's splits (:func:`merge_info`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -32,7 +32,7 @@ from zloader.lineage.tags import (
     natural,
 )
 
-__all__ = ["Ledger", "Ranges", "merge_info", "merge_runs"]
+__all__ = ["Ledger", "Ranges", "merge_indices", "merge_info", "merge_runs"]
 
 
 def merge_info(held: dict[str, Any] | None, info: Any,
@@ -166,6 +166,22 @@ def _index_runs(arrays: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return starts, ends
 
 
+def merge_indices(starts: list[int], ends: list[int], arrays: list[np.ndarray]
+                  ) -> tuple[list[int], list[int], int]:
+    """The ranges ``starts``/``ends`` (sorted, disjoint, not touching: a :class:`Ranges`')
+    with the indices of ``arrays`` added (int64 codes of one split reading, in any order,
+    repeats allowed): the new starts and ends, and how many indices they hold. The lists
+    given are left as they are. The compiled core's twin marks the indices in a bitmap
+    instead of sorting them, and returns None where they spread too thin for one."""
+    held = Ranges()
+    held.starts, held.ends = list(starts), list(ends)
+    arrays = [array for array in arrays if len(array)]
+    if arrays:
+        held.add(*_index_runs(arrays))
+    count = sum(held.ends) - sum(held.starts)  # (exact: Python ints)
+    return held.starts, held.ends, count
+
+
 def _code_runs(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The runs of consecutive values of sorted ``codes`` (``place << INDEX_BITS |
     index``): their places, first indices and ends. A value repeated starts a run again."""
@@ -186,6 +202,13 @@ class Ranges:
     order, so adding the next run extends the last range; others merge at numpy speed."""
 
     __slots__ = ("count", "ends", "starts")
+
+    # Adds many codes' indices at once (a shuffle's records): :func:`merge_indices`, or
+    # its compiled twin, which zloader/client/exactly_once.py puts here (this layer is
+    # below the compiled core's).
+    merge: ClassVar[Callable[[list[int], list[int], list[np.ndarray]],
+                             tuple[list[int], list[int], int] | None]] = \
+        staticmethod(merge_indices)
 
     def __init__(self) -> None:
         self.starts: list[int] = []
@@ -221,6 +244,13 @@ class Ranges:
         merged_ends = np.concatenate((reach[first - 1], reach[-1:]))
         self.starts, self.ends = merged_starts.tolist(), merged_ends.tolist()
         self.count = int((merged_ends - merged_starts).sum())
+
+    def add_indices(self, arrays: list[np.ndarray]) -> None:
+        """Add the indices of ``arrays`` (int64 codes of one split reading, any order)."""
+        merged = Ranges.merge(self.starts, self.ends, arrays)
+        if merged is None:  # (the compiled twin's: indices too thin for its bitmap)
+            merged = merge_indices(self.starts, self.ends, arrays)
+        self.starts, self.ends, self.count = merged
 
     def add_run(self, start: int, end: int) -> bool:
         """Add ``[start, end)`` if it lies after every range held (the usual case);
@@ -386,7 +416,7 @@ class Ledger:
                          | codes & INDEX_MASK)
         for place, arrays in by_place.items():
             key, split = self._place_of[place]
-            self._add(key, split, *_index_runs(arrays))
+            self._add_indices(key, split, arrays)
         if not parts:
             return
         merged = np.concatenate(parts) if len(parts) > 1 else parts[0]
@@ -423,6 +453,19 @@ class Ledger:
             place = int(places[at])
             self._add(keys[place >> INDEX_BITS], place & INDEX_MASK, starts[at:stop],
                       ends[at:stop])
+
+    def _add_indices(self, key: Key, split: int, arrays: list[np.ndarray]) -> None:
+        """:meth:`_add` for the codes of one split reading, any order (:meth:`_fold_codes`)."""
+        if len(key) > 2 and key[-2] >= GROUP_KEY:  # (rows of a group)
+            self._rows(key, split, *_index_runs(arrays))
+            return
+        if split in self._done.get(key, ()):
+            return
+        held = self._open.get((key, split))
+        if held is None:
+            held = self._open[(key, split)] = Ranges()
+        held.add_indices(arrays)
+        self._close(key, split)
 
     def _add(self, key: Key, split: int, starts: np.ndarray, ends: np.ndarray) -> None:
         if len(key) > 2 and key[-2] >= GROUP_KEY:  # (rows of a group)
