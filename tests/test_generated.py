@@ -1,5 +1,7 @@
 """Pipelines nobody designed, against the reference: random pipelines drawn from the stage
-grammar (every source kind, map, filter, shuffle, batch/unbatch, repeat, cache, and,
+grammar (every source kind, and, drawn later, Parquet files pyarrow wrote and JSON lines,
+each read by several threads, a reader function over text files and a map-style dataset;
+map, filter, shuffle, batch/unbatch, repeat, cache, and,
 drawn later, ``bucket_by_length``, a map on several threads and a map making several rows
 of each element; mix and choose of two or three inputs, stopping when all or the first
 of them end, with weights set anew where a fault strikes, take/skip, a final batch) run
@@ -126,12 +128,18 @@ class Case:
     reweigh: list[int] | None = None  # a mix's weights set mid-epoch where a fault strikes
 
 
-def source(rng: random.Random, tmp: str, recipe: list[str]) -> Pipeline:
+def source(rng: random.Random, tmp: str, recipe: list[str],
+           later: random.Random | None = None) -> Pipeline:
+    """An input of one of the source kinds; ``later``: maybe one of the kinds added to
+    the grammar later instead (:func:`later_source`: the cases drawn before stay as they
+    were)."""
     kind = rng.choice(["range", "items", "arrays", "generator", "jsonl", "cached"])
     n = rng.randrange(80, 400)
     size = rng.choice([7, 16, 25, 50])
     shuffled = rng.random() < 0.4
     seed = rng.randrange(100)
+    if later is not None and later.random() < 0.3:
+        return later_source(later, tmp, recipe, n, size, shuffled, seed)
     recipe.append(f"{kind}(n={n}, split_size={size}, shuffle_splits={shuffled})")
     if kind == "range":
         return Pipeline.range(n, split_size=size, shuffle_splits=shuffled, seed=seed)
@@ -157,6 +165,69 @@ def source(rng: random.Random, tmp: str, recipe: list[str]) -> Pipeline:
     cache = os.path.join(tmp, f"cache{len(os.listdir(tmp))}")
     return Pipeline.range(n, split_size=size, shuffle_splits=shuffled,
                           seed=seed).map(plus(5)).cache(cache)
+
+
+class Numbers:
+    """A map-style dataset (``__len__`` and ``__getitem__``, as a torch ``Dataset``)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        if not 0 <= index < self.n:
+            raise IndexError(index)
+        return 5 * index + 2
+
+
+def read_ints(path: str) -> Iterator[int]:
+    """``from_files``' reader: the ints of a text file, one a line."""
+    with open(path) as lines:
+        for line in lines:
+            yield int(line)
+
+
+def later_source(rng: random.Random, tmp: str, recipe: list[str], n: int, size: int,
+                 shuffled: bool, seed: int) -> Pipeline:
+    """A source kind added to the grammar later: Parquet files written by pyarrow (a row
+    group a split) or JSON lines, either read by several threads at once; text files read
+    by a function of the user's (``from_files``: a split a file); a map-style dataset
+    (``from_torch``)."""
+    kind = rng.choice(["parquet", "jsonl", "files", "torch"])
+    reads = rng.randrange(1, 4)
+    recipe.append(f"{kind}(n={n}, split_size={size}, shuffle_splits={shuffled}, "
+                  f"parallel_reads={reads})")
+    folder = os.path.join(tmp, f"{kind}{len(os.listdir(tmp))}")
+    os.makedirs(folder)
+    files = rng.randrange(1, 5)
+    values = [[f * 10_000 + 7 * i for i in range(n // files)] for f in range(files)]
+    if kind == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        for f, part in enumerate(values):
+            pq.write_table(pa.table({"v": pa.array(part, pa.int64()),
+                                     "w": pa.array([str(v) for v in part])}),
+                           os.path.join(folder, f"part-{f}.parquet"), row_group_size=size)
+        return Pipeline.from_parquet(os.path.join(folder, "*.parquet"), columns=["v"],
+                                     parallel_reads=reads, shuffle_splits=shuffled,
+                                     seed=seed).map(json_value)
+    if kind == "jsonl":
+        for f, part in enumerate(values):
+            with open(os.path.join(folder, f"part-{f}.jsonl"), "w") as out:
+                out.writelines(json.dumps({"v": v, "w": str(v)}) + "\n" for v in part)
+        return Pipeline.from_jsonl(os.path.join(folder, "*.jsonl"), parallel_reads=reads,
+                                   shuffle_splits=shuffled, seed=seed).map(json_value)
+    if kind == "files":
+        for f, part in enumerate(values):
+            with open(os.path.join(folder, f"part-{f}.txt"), "w") as out:
+                out.writelines(f"{v}\n" for v in part)
+        return Pipeline.from_files(os.path.join(folder, "*.txt"), read_ints,
+                                   shuffle_splits=shuffled, seed=seed)
+    return Pipeline.from_torch(Numbers(n), split_size=size, shuffle_splits=shuffled,
+                               seed=seed)
 
 
 def stages(pipeline: Pipeline, rng: random.Random, recipe: list[str],
@@ -229,13 +300,14 @@ def generate(seed: int, tmp: str, consumer_part: bool = True, later: bool = True
     reweigh: list[int] | None = None
     shape = rng.choice(["one", "one", "mix", "choose"])
     if shape == "one":
-        pipeline = stages(source(rng, tmp, recipe), rng, recipe, rng.randrange(0, 4), extra)
+        pipeline = stages(source(rng, tmp, recipe, extra), rng, recipe, rng.randrange(0, 4),
+                          extra)
     else:
         inputs = []
         for which in range(2):
             recipe.append(f"input {which}:")
-            inputs.append(stages(source(rng, tmp, recipe), rng, recipe, rng.randrange(0, 3),
-                                 extra))
+            inputs.append(stages(source(rng, tmp, recipe, extra), rng, recipe,
+                                 rng.randrange(0, 3), extra))
         # (a third input and the stop rule from a generator of their own, so that the rest
         # of each seed's case is as it was before they were drawn)
         side = random.Random(seed + 2_000_003)
