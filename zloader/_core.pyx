@@ -741,7 +741,7 @@ def merge_indices(list starts, list ends, list arrays):
     cdef unsigned long long lo = INDEX_MASK, hi = 0, v
     cdef unsigned long long* bits
     cdef const long long* codes
-    cdef cnp.ndarray array
+    cdef object array
     cdef long long s = 0, e = 0, cur_s = 0, cur_e = 0, count = 0
     cdef bint open_run = False, held_first
     cdef list out_s = [], out_e = []
@@ -750,8 +750,8 @@ def merge_indices(list starts, list ends, list arrays):
     for array in arrays:
         if not _plain_codes(array):
             return None
-        codes = _data(array)
-        k = cnp.PyArray_SIZE(array)
+        codes = _data(<cnp.ndarray> array)
+        k = cnp.PyArray_SIZE(<cnp.ndarray> array)
         n += k
         for i in range(k):
             v = <unsigned long long> codes[i] & <unsigned long long> INDEX_MASK
@@ -769,8 +769,8 @@ def merge_indices(list starts, list ends, list arrays):
         raise MemoryError()
     try:
         for array in arrays:
-            codes = _data(array)
-            for i in range(cnp.PyArray_SIZE(array)):
+            codes = _data(<cnp.ndarray> array)
+            for i in range(cnp.PyArray_SIZE(<cnp.ndarray> array)):
                 v = (<unsigned long long> codes[i] & <unsigned long long> INDEX_MASK) - lo
                 bits[v >> 6] |= 1ULL << (v & 63)
         i = 0
