@@ -1,7 +1,7 @@
 """Credits given back in the rings' headers (transport/ring.py, docs/protocol.md "Flow
 control"): a co-located consumer that keeps up with its worker gives its credits back
 without a message; one that falls behind wakes the worker waiting for them with a CREDIT,
-one per CREDIT's worth of credits; a ring that grows, and records that go in segments of
+one per CREDIT's worth of credits given back (never one per credit); a ring that grows, and records that go in segments of
 their own, keep every element, once and in order. Real Loaders and workers; the test
 counts the CREDIT messages the consumer sends."""
 
@@ -71,6 +71,47 @@ def test_a_consumer_slower_than_its_worker_wakes_it_once_per_credits_worth(credi
     assert got == list(range(120))
     assert credits_sent, "the waiting worker was never woken: it ran on its timeouts"
     assert len(credits_sent) <= 120 // 2 + 2, len(credits_sent)
+
+
+def test_a_waiting_worker_is_woken_once_per_credits_worth_not_per_credit(monkeypatch):
+    """Between two wakes of a waiting worker (a CREDIT carrying no credits), the consumer
+    gives back at least a CREDIT's worth of credits through the ring's header: the worker
+    wakes to make several records, not one per credit."""
+    events: list[int | None] = []  # credits given back, None for a wake
+    credit, send = Peers.credit, Peers.send
+
+    def giving(self: Peers, worker: str, credits: int, part: Any = None) -> None:
+        events.append(credits)
+        credit(self, worker, credits, part)
+
+    def sending(self: Peers, peer: Any, command: Command, body: dict[str, Any],
+                payload: Any = ()) -> None:
+        if command is Command.CREDIT and body["credits"] == 0 and not body["mapped"]:
+            events.append(None)
+        send(self, peer, command, body, payload)
+
+    monkeypatch.setattr(Peers, "credit", giving)
+    monkeypatch.setattr(Peers, "send", sending)
+    # (prefetch 16: a CREDIT's worth is 8; the worker makes a record in a fraction of the
+    # consumer's 4 ms per element, and waits for credits again and again)
+    with Loader(Pipeline.range(240).map(megabyte), num_workers=1, prefetch=16,
+                timeout=60) as loader:
+        got = []
+        for element in loader:
+            got.append(int(element[0]))
+            time.sleep(0.004)
+        worth = loader._io.loop.budget.credit_batch
+    assert got == list(range(240))
+    assert worth == 8
+    between, given = [], 0
+    for event in events:
+        if event is None:
+            between.append(given)
+            given = 0
+        else:
+            given += event
+    assert between, "the waiting worker was never woken: it ran on its timeouts"
+    assert min(between) >= worth, between
 
 
 def sized(x: int) -> np.ndarray:
