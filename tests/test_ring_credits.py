@@ -1,9 +1,9 @@
 """Credits given back in the rings' headers (transport/ring.py, docs/protocol.md "Flow
 control"): a co-located consumer that keeps up with its worker gives its credits back
 without a message; one that falls behind wakes the worker waiting for them with a CREDIT,
-one per CREDIT's worth of credits given back (never one per credit); a ring that grows, and records that go in segments of
-their own, keep every element, once and in order. Real Loaders and workers; the test
-counts the CREDIT messages the consumer sends."""
+one per CREDIT's worth of credits given back (never one per credit); a ring that grows,
+and records that go in segments of their own, keep every element, once and in order. Real
+Loaders and workers; the test counts the CREDIT messages the consumer sends."""
 
 from __future__ import annotations
 
