@@ -17,9 +17,13 @@ pool, and the broker's control plane alone.
     ``paced_floor``): a bare Python process woken once per ZeroMQ message (a PUSH/PULL pair
     over ipc between two processes, one small message per record) paced at the elements/s
     the point achieved; its CPU per message, and "trainer / floor", the trainer's CPU per
-    record over it. Targets on a 2-core machine (issue 26, and [4/6] for tcp): efficiency
-    >= 0.85 at 32 workers in both modes and at 64 embedded, >= 0.8 at 64 over tcp; at 8 workers,
-    trainer / floor <= 3 and workers + trainer <= 250 µs per record.
+    record over it. Next to each, its voluntary context switches (the trainer's iterating
+    thread's per record, the floor's per message): how often it slept for the next one.
+    The trainer's CPU is mostly a cost per wake-up (cold caches), so records that come
+    together, found without a sleep, cost less each. Targets on a 2-core machine (issue
+    26, and [4/6] for tcp): efficiency >= 0.85 at 32 workers in both modes and at 64
+    embedded, >= 0.8 at 64 over tcp; at 8 workers, trainer / floor <= 3 and workers +
+    trainer <= 250 µs per record.
 (2) **Several jobs on one pool.** A broker and ``zloader-worker --processes 8``; three
     jobs (Loaders in this process, one thread each) start together, a fourth joins
     ``--late`` seconds later: the seconds it waits for its first element, then each job's
@@ -113,6 +117,7 @@ def measure(iterator: Iterator[Any], window: float, warmup: float,
         next(iterator)
     me = psutil.Process()
     before = {name: read() for name, read in parts.items()}
+    woken0 = me.num_ctx_switches().voluntary  # (the main thread's: the one iterating)
     cpu0, own0, busy0, t0 = tree_cpu(*roots), _cpu(me), machine_busy(), time.perf_counter()
     elements = 0
     while True:
@@ -122,12 +127,14 @@ def measure(iterator: Iterator[Any], window: float, warmup: float,
         if now >= t0 + window:
             break
     cpu, own, busy = tree_cpu(*roots) - cpu0, _cpu(me) - own0, machine_busy() - busy0
+    woken = me.num_ctx_switches().voluntary - woken0
     spent = {name: read() - before[name] for name, read in parts.items()}
     seconds = now - t0
     return {"first_element_s": first - start, "elements": elements, "seconds": seconds,
             "elements_per_s": elements / seconds, "cpu_s": cpu,
             "cpu_us_per_element": cpu / max(1, elements) * 1e6,
             "consumer_us_per_element": own / max(1, elements) * 1e6,
+            "consumer_switches_per_element": woken / max(1, elements),
             "others_cores": max(0.0, busy - cpu) / seconds,
             **{f"{name}_us_per_element": value / max(1, elements) * 1e6
                for name, value in spent.items()}}
@@ -297,6 +304,13 @@ def _us(value: Any) -> str:
     return f"{value:.0f} µs" if isinstance(value, int | float) else "-"
 
 
+def _switches(point: dict[str, Any]) -> str:
+    """The iterating thread's voluntary context switches per element (its sleeps for the
+    next one), as the floor's per message are shown."""
+    value = point.get("consumer_switches_per_element")
+    return f" ({value:.1f} switches)" if isinstance(value, int | float) else ""
+
+
 def _ratio(value: Any) -> str:
     return f"{value:.1f}x" if isinstance(value, int | float) else "-"
 
@@ -323,7 +337,7 @@ def scale_table(points: list[dict[str, Any]]) -> list[str]:
                      f"{p['ideal_per_s']:.0f} | {p['efficiency']:.2f} | "
                      f"{'>= ' + str(target) if target else '-'} | {holds} | "
                      f"{_us(p['cpu_us_per_element'])} | "
-                     f"{_us(p.get('consumer_us_per_element'))} | "
+                     f"{_us(p.get('consumer_us_per_element'))}{_switches(p)} | "
                      f"{_us(p.get('workers_trainer_us_per_element'))} | {floor} | "
                      f"{_ratio(p.get('trainer_over_floor'))} | {load} | {others} |")
     for p in points:

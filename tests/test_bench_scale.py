@@ -20,11 +20,13 @@ def test_scale_point_has_a_floor_and_the_trainer_over_it(tmp_path):
     assert "error" not in point and "floor_error" not in point
     for key in ("consumer_us_per_element", "workers_us_per_element",
                 "workers_trainer_us_per_element", "floor_us_per_message",
-                "floor_switches_per_message", "floor_rate", "trainer_over_floor"):
+                "floor_switches_per_message", "floor_rate", "trainer_over_floor",
+                "consumer_switches_per_element"):
         assert point[key] > 0, key
     assert point["others_cores"] >= 0
     text = (tmp_path / "scale_smoke.md").read_text()
     assert "| floor | trainer / floor |" in text and "Load average" in text
+    assert text.count(" switches)") >= 2  # (the trainer's wake-ups and the floor's)
     assert report.main(["--results", str(tmp_path), "--out", str(tmp_path)]) == 0
     readme = (tmp_path / "README.md").read_text()
     assert "Scale-out: throughput against workers (smoke)" in readme
