@@ -17,9 +17,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zloader import _core, chunks, codec, runs  # type: ignore[attr-defined]
-from zloader.lineage import INDEX_BITS, Ledger, Ranges, decode_origins, encode_origins, ledger, wire
+from zloader.lineage import (
+    INDEX_BITS,
+    Ledger,
+    Ranges,
+    decode_origins,
+    encode_origins,
+    ledger,
+    wire,
+)
 from zloader.runs import RunTally
-from zloader.transport import records
+from zloader.transport import messages, records
+from zloader.transport.notice import FRAME_HEAD, frame_size
 from zloader.worker import streams
 
 # A chunk as a split's reading gives it (values, int64 codes), or as later stages do (values,
@@ -336,6 +345,100 @@ def _unpacked(unpack: object, block: bytes) -> object:
 def test_the_record_unpackers_agree(block: bytes, as_array: bool) -> None:
     given = np.frombuffer(block, np.uint8) if as_array else memoryview(block)
     assert _unpacked(_core.unpack, given) == _unpacked(records.unpack, given)
+
+
+_DATA_FIELDS = st.fixed_dictionaries({
+    "epoch": st.integers(0, 2**64 - 1), "count": st.integers(0, 2**64 - 1),
+    "skipped": st.integers(0, 3),
+    "ring": st.one_of(st.none(), st.just((64, 128, "zloader-1-2-ring-ab"))),
+    "segment": st.one_of(st.none(), st.just(("zloader-1-2-seg-cd", 4096))),
+    "full": st.booleans(), "shared": st.booleans(),
+    "lagged": st.one_of(st.none(), st.integers(0, 2**64 - 1)),
+    "round": st.one_of(st.none(), st.integers(0, 9)),
+    "origins": st.booleans(), "framed": st.booleans(),
+    "after": st.one_of(st.none(), st.integers(0, 2**64 - 1)),
+    "part": st.one_of(st.none(), st.integers(0, 70)),
+    "first": st.one_of(st.none(), st.integers(0, 2**40))})
+
+
+@st.composite
+def _framed_blocks(draw: st.DrawFn) -> bytes:
+    """Framed ring records as workers write them (transport/notice.py: the DATA body,
+    then the packed buffers at the next 64 bytes), most of them plain; then now and then
+    the body's length, its flags or its size changed, or the block cut or lengthened."""
+    fields = draw(_DATA_FIELDS)
+    if draw(st.integers(0, 3)):  # (mostly what a framed record's body names)
+        fields.update(ring=None, segment=None, framed=False)
+    body = messages.Data.checked(fields).to_body()
+    change = draw(st.integers(0, 6))
+    if change == 1:  # unknown flag bits
+        flags = int.from_bytes(body[24:26], "little") | draw(st.sampled_from([1 << 11,
+                                                                              1 << 15]))
+        body = body[:24] + flags.to_bytes(2, "little") + body[26:]
+    elif change == 2:  # a body cut inside its fields, or with bytes after them
+        body = body[:draw(st.integers(0, len(body)))] if draw(st.booleans()) \
+            else body + bytes(draw(st.integers(1, 9)))
+    buffers = draw(st.lists(st.binary(max_size=100), max_size=4))
+    start, length = frame_size(len(body), records.packed_size(buffers))
+    block = bytearray(length)
+    FRAME_HEAD.pack_into(block, 0, len(body), 0)
+    block[FRAME_HEAD.size:FRAME_HEAD.size + len(body)] = body
+    records.pack_into(buffers, memoryview(block)[start:])
+    if change == 3:  # the body's length wrong
+        size = draw(st.sampled_from([0, 1, len(body) - 1, len(body) + 1, len(block),
+                                     2**32 - 1]))
+        block[0:4] = (max(0, size) % 2**32).to_bytes(4, "little")
+    elif change == 4:
+        block = block[:draw(st.integers(0, len(block)))]
+    elif change == 5:
+        block += bytes(draw(st.integers(1, 70)))
+    elif change == 6:  # a buffer's size wrong
+        at = start + 8 * draw(st.integers(0, len(buffers)))
+        if at + 8 <= len(block):
+            block[at:at + 8] = draw(st.sampled_from([0, 2**20, 2**63])).to_bytes(8, "little")
+    return bytes(block)
+
+
+def _unframed(unframe: object, block: object) -> object:
+    try:
+        data, views = unframe(block)  # type: ignore[operator]
+    except Exception as exc:  # (the same error, whichever it is)
+        return (type(exc).__name__, str(exc))
+    return (type(data).__name__, dict(vars(data)),
+            [(type(view).__name__, view.format, bytes(view)) for view in views])
+
+
+@settings(max_examples=800, deadline=None)
+@given(block=_framed_blocks(), form=st.sampled_from(["array", "bytes", "view", "strided"]))
+def test_the_framed_record_readers_agree(block: bytes, form: str) -> None:
+    """A framed ring record read by the compiled twin gives the pure reader's body (each
+    field, each type) and buffers, or the same error."""
+    given: object = {"array": np.frombuffer(block, np.uint8), "bytes": block,
+                     "view": memoryview(block),
+                     "strided": np.repeat(np.frombuffer(block, np.uint8), 2)[::2]}[form]
+    assert _unframed(_core.unframe, given) == _unframed(messages.unframe, given)
+
+
+def test_a_plain_framed_record_is_read_in_c(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The framed records workers write (no place of their own) are read without the pure
+    function (made to fail here), and give its body and buffers."""
+    for fields in ({}, {"lagged": 3, "round": 2, "after": 7, "part": 1, "first": 5,
+                        "full": True, "shared": True, "origins": True}):
+        body = messages.Data.checked({
+            "epoch": 2, "count": 1, "skipped": 0, "ring": None, "segment": None,
+            "full": False, "shared": False, "lagged": None, "round": None,
+            "origins": False, "framed": False, "after": None, "part": None,
+            "first": None, **fields}).to_body()
+        buffers = [b"head", np.arange(9, dtype=np.int64)]
+        start, length = frame_size(len(body), records.packed_size(buffers))
+        block = np.zeros(length, np.uint8)
+        FRAME_HEAD.pack_into(block, 0, len(body), 0)
+        block[FRAME_HEAD.size:FRAME_HEAD.size + len(body)] = np.frombuffer(body, np.uint8)
+        records.pack_into(buffers, memoryview(block)[start:])
+        expected = _unframed(messages.unframe, block)
+        with monkeypatch.context() as patched:
+            patched.setattr(messages, "unframe", None)  # (a call to it raises TypeError)
+            assert _unframed(_core.unframe, block) == expected
 
 
 @st.composite

@@ -12,7 +12,7 @@ import numpy as np
 import zmq
 
 from zloader import Loader, Pipeline
-from zloader.client.receive import _unframe
+from zloader.client.receive import unframe as _unframe
 from zloader.transport import messages
 from zloader.transport.notice import NOTICE, Notices, open_notify
 from zloader.transport.protocol import decode

@@ -29,6 +29,7 @@ from zloader import codec as _codec
 from zloader._defaults import (
     CHUNK_ELEMENTS,
     MAX_BUFFERS,
+    MAX_MIX_INPUTS,
     MERGE_BITMAP_FACTOR,
     MERGE_BITMAP_SLACK,
     SCATTER_SAMPLE,
@@ -37,6 +38,8 @@ from zloader._defaults import (
 )
 from zloader.chunks import Chunk
 from zloader.errors import CodecError
+from zloader.transport import messages as _messages
+from zloader.transport import notice as _notice
 from zloader.transport import records as _records
 from zloader.lineage import tags as _tags
 from zloader.lineage import wire as _wire
@@ -44,7 +47,7 @@ from zloader.lineage import wire as _wire
 cnp.import_array()
 
 __all__ = ["ShuffleBuffer", "decode_origins", "encode_origins", "merge_indices", "pack_into",
-           "unpack"]
+           "unframe", "unpack"]
 
 cdef long long INDEX_BITS = _tags.INDEX_BITS
 cdef long long INDEX_MASK = _tags.INDEX_MASK
@@ -804,3 +807,73 @@ def merge_indices(list starts, list ends, list arrays):
     finally:
         free(bits)
     return out_s, out_e, count
+
+
+cdef object _Data = _messages.Data
+cdef unsigned int _PLAIN_FLAGS = (_messages._FULL | _messages._SHARED | _messages._LAGGED
+                                  | _messages._ROUND | _messages._ORIGINS | _messages._AFTER
+                                  | _messages._PART | _messages._FIRST)
+cdef unsigned int _OPTIONAL[5]
+_OPTIONAL[:] = [_messages._LAGGED, _messages._ROUND, _messages._AFTER, _messages._PART,
+                _messages._FIRST]
+cdef Py_ssize_t FRAME = _notice.FRAME_HEAD.size
+cdef Py_ssize_t FRAME_ALIGN = _notice.FRAME_ALIGN
+cdef Py_ssize_t DATA_HEAD = _messages._DATA_HEAD.size
+cdef unsigned long long MAX_PARTS = MAX_MIX_INPUTS
+
+
+def unframe(block):
+    """The DATA body and the buffers of a framed ring record, as
+    ``zloader.transport.messages.unframe`` gives them: the body read here when it names
+    no place of its own (no ring, segment or frame) and is whole, the buffers by
+    :func:`unpack`; any other block goes to the pure function, which reads it or raises
+    its error."""
+    cdef Py_buffer view
+    cdef const unsigned char* raw
+    cdef const unsigned char* body
+    cdef Py_ssize_t size, start, at, k
+    cdef unsigned int size32, flags
+    cdef unsigned short flags16
+    cdef unsigned long long epoch, count, skipped, value
+    cdef list found = [None] * 5
+    if not LITTLE:
+        return _messages.unframe(block)
+    try:
+        PyObject_GetBuffer(block, &view, PyBUF_SIMPLE)
+    except (TypeError, ValueError, BufferError):  # (not one contiguous block of bytes)
+        return _messages.unframe(block)
+    try:
+        raw = <const unsigned char*> view.buf
+        if view.len < FRAME:
+            return _messages.unframe(block)
+        memcpy(&size32, raw, 4)
+        size = size32
+        start = (FRAME + size + FRAME_ALIGN - 1) // FRAME_ALIGN * FRAME_ALIGN
+        if start > view.len or size < DATA_HEAD:
+            return _messages.unframe(block)
+        body = raw + FRAME
+        memcpy(&epoch, body, 8)
+        memcpy(&count, body + 8, 8)
+        memcpy(&skipped, body + 16, 8)
+        memcpy(&flags16, body + 24, 2)
+        flags = flags16
+        if flags & ~_PLAIN_FLAGS:
+            return _messages.unframe(block)
+        at = DATA_HEAD
+        for k in range(5):
+            if flags & _OPTIONAL[k]:
+                if at + 8 > size:
+                    return _messages.unframe(block)
+                memcpy(&value, body + at, 8)
+                found[k] = value
+                at += 8
+        if at != size or (found[3] is not None and found[3] >= MAX_PARTS):
+            return _messages.unframe(block)
+    finally:
+        PyBuffer_Release(&view)
+    data = _Data.checked({
+        "epoch": epoch, "count": count, "skipped": skipped, "ring": None, "segment": None,
+        "full": bool(flags & _messages._FULL), "shared": bool(flags & _messages._SHARED),
+        "lagged": found[0], "round": found[1], "origins": bool(flags & _messages._ORIGINS),
+        "framed": False, "after": found[2], "part": found[3], "first": found[4]})
+    return data, unpack(memoryview(block[start:]))

@@ -21,7 +21,6 @@ from zloader.errors import CodecError
 from zloader.lineage import Origins
 from zloader.lineage import decode_origins as _pure_decode_origins
 from zloader.transport import messages, records
-from zloader.transport.notice import FRAME_HEAD, frame_size
 from zloader.transport.protocol import Command, Message, ProtocolError, error_from_object
 from zloader.transport.ring import RingError
 
@@ -117,7 +116,7 @@ class Receiver:
         self.stats.last_progress = peer.heard = time.monotonic()
         try:
             block = self.peers.reading(peer, ring).claim(position, length)
-            data, buffers = _unframe(block)
+            data, buffers = unframe(block)
         except (ProtocolError, RingError) as exc:
             peer.used(None)  # (the record's credit was used; of a part it does not say)
             raise self._dropped(peer, "record notice", exc) from None
@@ -203,7 +202,7 @@ class Receiver:
             reader = self.peers.ring_of(peer, name)
             block = reader.claim(position, length)
             if data.framed:  # (a notice that could not be written: its body is in front)
-                return _unframe(block)[1]
+                return unframe(block)[1]
             return unpack(memoryview(block))
         self.stats.private += peer.ring is not None
         return [frame.buffer for frame in payload]
@@ -302,30 +301,14 @@ class Receiver:
             self.stats.lagged = sum(self._lagged_by.values())
 
 
-def _unframe(block: Any) -> tuple[messages.Data, list[Any]]:
-    """The DATA body and the buffers of a framed ring record (transport/notice.py).
-
-    Raises:
-        ProtocolError: it is not one.
-    """
-    length = len(block)
-    if length < FRAME_HEAD.size:
-        raise ProtocolError(f"framed record of {length} bytes")
-    size, _ = FRAME_HEAD.unpack_from(block, 0)
-    start, _ = frame_size(size, 0)
-    if start > length:
-        raise ProtocolError(f"framed record of {length} bytes with a body of {size}")
-    data = messages.Data.from_body(bytes(block[FRAME_HEAD.size:FRAME_HEAD.size + size]))
-    if data.ring is not None or data.segment is not None or data.framed:
-        raise ProtocolError("a framed record's body names a place of its own")
-    return data, unpack(memoryview(block[start:]))
-
-
 decode_origins = _native.pick("decode_origins", _pure_decode_origins)
 """A record's origin block read and checked: compiled where built (zloader/_native.py)."""
 
 unpack = _native.pick("unpack", records.unpack)
 """A record's buffers, as views of its block: compiled where built."""
+
+unframe = _native.pick("unframe", messages.unframe)
+"""A framed ring record's DATA body and buffers: compiled where built."""
 
 
 def _origins(block: Any, count: int) -> Origins:

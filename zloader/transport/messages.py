@@ -42,6 +42,7 @@ from typing import Any
 
 from zloader._defaults import MAX_AHEAD, MAX_BRANCHES, MAX_MIX_INPUTS, MAX_STAGES
 from zloader.options import JobOptions
+from zloader.transport import records
 from zloader.transport.fields import (
     INDEX,
     MAX_NAME,
@@ -64,6 +65,7 @@ from zloader.transport.fields import (
     short,
     text,
 )
+from zloader.transport.notice import FRAME_HEAD, frame_size
 from zloader.transport.protocol import HEARTBEAT_RANGE, Command, Message, ProtocolError
 from zloader.transport.protocol import doing as lenient_doing
 from zloader.transport.shapes import (
@@ -89,7 +91,8 @@ __all__ = ["RECORDS", "Ack", "Branch", "Bye", "Close", "Commit", "ConsumerGone",
            "Delivered", "Dispatch", "End", "Epoch", "Error", "Fail", "Fetch", "Handover",
            "Heartbeat", "Job", "Log", "Open", "PassDone", "Ready", "Received", "Record",
            "Register", "Release", "Ring", "Round", "RoundReq", "Source", "Split", "SplitReq",
-           "Status", "Task", "TaskFailed", "Unknown", "Weighed", "Weights", "decode", "encode"]
+           "Status", "Task", "TaskFailed", "Unknown", "Weighed", "Weights", "decode", "encode",
+           "unframe"]
 
 # --- records ------------------------------------------------------------------------------
 
@@ -667,6 +670,28 @@ _DATA_INT = struct.Struct("<Q")  # lagged, round, after, part, first
 _RING, _SEGMENT, _FULL, _SHARED, _LAGGED, _ROUND, _ORIGINS, _FRAMED, _AFTER, _PART, _FIRST = (
     1 << i for i in range(11))
 _DATA_FLAGS_ALL = (1 << 11) - 1
+
+
+def unframe(block: Any) -> tuple[Data, list[Any]]:
+    """The DATA body and the buffers of a framed ring record (transport/notice.py), the
+    buffers as views of ``block``. The compiled core's twin reads the usual ones in C
+    (zloader/client/receive.py picks it) and hands any other to this function.
+
+    Raises:
+        ProtocolError: it is not one.
+        CodecError: its buffers are not packed right.
+    """
+    length = len(block)
+    if length < FRAME_HEAD.size:
+        raise ProtocolError(f"framed record of {length} bytes")
+    size, _ = FRAME_HEAD.unpack_from(block, 0)
+    start, _ = frame_size(size, 0)
+    if start > length:
+        raise ProtocolError(f"framed record of {length} bytes with a body of {size}")
+    data = Data.from_body(bytes(block[FRAME_HEAD.size:FRAME_HEAD.size + size]))
+    if data.ring is not None or data.segment is not None or data.framed:
+        raise ProtocolError("a framed record's body names a place of its own")
+    return data, records.unpack(memoryview(block[start:]))
 
 
 def _name(raw: bytes, at: int, size: int, field: str) -> str:
