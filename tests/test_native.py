@@ -569,7 +569,7 @@ def test_zloader_pure_selects_the_pure_twins() -> None:
               "zloader.runs as t, zloader.worker.streams as w, zloader.lineage as l; "
               "print(n.ACTIVE, s.shuffle_buffer.__module__, r.decode_origins.__module__, "
               "t.encode_origins.__module__, w.pack_into.__module__, r.unpack.__module__, "
-              "l.Ranges.merge.__module__)")
+              "l.Ranges.merge.__module__, r.unframe.__module__)")
     env = {**os.environ, "ZLOADER_PURE": "1"}
     pure = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, check=True, timeout=60).stdout.split()
@@ -578,8 +578,8 @@ def test_zloader_pure_selects_the_pure_twins() -> None:
                           text=True, check=True, timeout=60).stdout.split()
     assert pure == ["False", "zloader.chunks", "zloader.lineage.wire", "zloader.lineage.wire",
                     "zloader.transport.records", "zloader.transport.records",
-                    "zloader.lineage.ledger"]
-    assert used == ["True", *["zloader._core"] * 6]
+                    "zloader.lineage.ledger", "zloader.transport.messages"]
+    assert used == ["True", *["zloader._core"] * 7]
     version = subprocess.run([sys.executable, "-m", "zloader.cli", "--version"], env=env,
                              capture_output=True, text=True, check=True, timeout=60).stdout
     assert version.strip().endswith("(compiled core)")
