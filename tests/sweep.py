@@ -8,7 +8,10 @@ its seed, and only under load, so ``make test``'s one seed per mode showed it as
 each mode of tests/test_generated.py (``MODES`` and the service ones, as ``run`` names
 them) for each seed, ``--runs`` cases at a time in processes of their own (each runs case
 after case, as a pytest-xdist worker does), while ``--burn`` processes spin; ``--torch
-600:660`` adds tests/test_torch_generated.py's drop-in cases for those seeds. Every
+600:660`` adds tests/test_torch_generated.py's drop-in cases for those seeds, and
+``--repeat N`` runs each case N times (``--modes shared-prefix-move --seeds 701:702
+--runs 3 --repeat 300``: the late-joiner loss of docs/sharing.md, "Moves", in about 1%
+of runs). Every
 failure is printed with its mode, seed and message (the recipe is in it), and the exit
 status is 1 if any. ``make sweep`` runs a default mix.
 """
@@ -61,14 +64,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch", default="", help="FIRST:END of drop-in seeds (none: '')")
     parser.add_argument("--runs", type=int, default=2, help="cases at a time")
     parser.add_argument("--burn", type=int, default=1, help="CPU-burning processes beside")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run each case this many times (a race seen once in 50-100)")
     args = parser.parse_args(argv)
-    if args.runs < 1 or args.burn < 0:
-        parser.error("--runs must be >= 1 and --burn >= 0")
+    if args.runs < 1 or args.burn < 0 or args.repeat < 1:
+        parser.error("--runs and --repeat must be >= 1 and --burn >= 0")
     cases: list[tuple[str, str, int]] = [("generated", mode, seed)
                                          for seed in _seeds(args.seeds)
                                          for mode in args.modes.split(",") if mode]
     cases += [("torch", "drop-in", seed) for seed in (_seeds(args.torch) if args.torch
                                                       else ())]
+    cases *= args.repeat
     if not cases:
         parser.error("no cases: give --modes and --seeds, or --torch")
     # (spawned: none of this process's state; each runs case after case, as an xdist worker)
