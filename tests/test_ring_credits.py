@@ -59,15 +59,22 @@ def megabyte(x: int) -> np.ndarray:
     return np.full(1 << 17, x, np.int64)
 
 
+def read_slowly(loader: Loader) -> list[int]:
+    """Each element's first value, 4 ms of the consumer's time per element (slower than
+    its worker makes them)."""
+    got = []
+    for element in loader:
+        got.append(int(element[0]))
+        time.sleep(0.004)
+    return got
+
+
 def test_a_consumer_slower_than_its_worker_wakes_it_once_per_credits_worth(credits_sent):
     # (prefetch 4: a CREDIT's worth is 2; a worker that makes a record in a fraction of
     # the consumer's 4 ms per element waits for credits again and again)
     with Loader(Pipeline.range(120).map(megabyte), num_workers=1, prefetch=4,
                 timeout=60) as loader:
-        got = []
-        for element in loader:
-            got.append(int(element[0]))
-            time.sleep(0.004)
+        got = read_slowly(loader)
     assert got == list(range(120))
     assert credits_sent, "the waiting worker was never woken: it ran on its timeouts"
     assert len(credits_sent) <= 120 // 2 + 2, len(credits_sent)
@@ -96,10 +103,7 @@ def test_a_waiting_worker_is_woken_once_per_credits_worth_not_per_credit(monkeyp
     # consumer's 4 ms per element, and waits for credits again and again)
     with Loader(Pipeline.range(240).map(megabyte), num_workers=1, prefetch=16,
                 timeout=60) as loader:
-        got = []
-        for element in loader:
-            got.append(int(element[0]))
-            time.sleep(0.004)
+        got = read_slowly(loader)
         worth = loader._io.loop.budget.credit_batch
     assert got == list(range(240))
     assert worth == 8

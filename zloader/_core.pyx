@@ -697,38 +697,21 @@ cdef extern from *:
     int zl_ctz(unsigned long long x) nogil
 
 
-cdef inline Py_ssize_t _next_set(const unsigned long long* bits, Py_ssize_t nbits,
-                                 Py_ssize_t at) noexcept nogil:
-    """The first bit set at or after ``at`` (``nbits`` if none)."""
+cdef inline Py_ssize_t _next(const unsigned long long* bits, Py_ssize_t nbits,
+                             Py_ssize_t at, unsigned long long flip) noexcept nogil:
+    """The first bit at or after ``at`` that is set (``flip`` 0) or clear (``flip`` all
+    ones); ``nbits`` if none."""
     cdef Py_ssize_t word = at >> 6
     cdef Py_ssize_t words = (nbits + 63) >> 6
     cdef unsigned long long x
     if at >= nbits:
         return nbits
-    x = bits[word] & (~0ULL << (at & 63))
+    x = (bits[word] ^ flip) & (~0ULL << (at & 63))
     while x == 0:
         word += 1
         if word >= words:
             return nbits
-        x = bits[word]
-    at = (word << 6) + zl_ctz(x)
-    return at if at < nbits else nbits
-
-
-cdef inline Py_ssize_t _next_clear(const unsigned long long* bits, Py_ssize_t nbits,
-                                   Py_ssize_t at) noexcept nogil:
-    """The first bit clear at or after ``at`` (``nbits`` if none)."""
-    cdef Py_ssize_t word = at >> 6
-    cdef Py_ssize_t words = (nbits + 63) >> 6
-    cdef unsigned long long x
-    if at >= nbits:
-        return nbits
-    x = ~bits[word] & (~0ULL << (at & 63))
-    while x == 0:
-        word += 1
-        if word >= words:
-            return nbits
-        x = ~bits[word]
+        x = bits[word] ^ flip
     at = (word << 6) + zl_ctz(x)
     return at if at < nbits else nbits
 
@@ -777,9 +760,9 @@ def merge_indices(list starts, list ends, list arrays):
                 v = (<unsigned long long> codes[i] & <unsigned long long> INDEX_MASK) - lo
                 bits[v >> 6] |= 1ULL << (v & 63)
         i = 0
-        at = _next_set(bits, nbits, 0)
+        at = _next(bits, nbits, 0, 0)
         if at < nbits:
-            stop = _next_clear(bits, nbits, at)
+            stop = _next(bits, nbits, at, ~0ULL)
         while at < nbits or i < held:
             # the next range by its start: the bitmap's next run, or the next one held
             if i < held:
@@ -789,9 +772,9 @@ def merge_indices(list starts, list ends, list arrays):
                 i += 1
             else:
                 s, e = <long long> (at + lo), <long long> (stop + lo)
-                at = _next_set(bits, nbits, stop)
+                at = _next(bits, nbits, stop, 0)
                 if at < nbits:
-                    stop = _next_clear(bits, nbits, at)
+                    stop = _next(bits, nbits, at, ~0ULL)
             if open_run and s <= cur_e:
                 if e > cur_e:
                     cur_e = e

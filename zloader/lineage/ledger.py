@@ -456,14 +456,10 @@ class Ledger:
 
     def _add_indices(self, key: Key, split: int, arrays: list[np.ndarray]) -> None:
         """:meth:`_add` for the codes of one split reading, any order (:meth:`_fold_codes`)."""
-        if len(key) > 2 and key[-2] >= GROUP_KEY:  # (rows of a group)
-            self._rows(key, split, *_index_runs(arrays))
+        held = self._held_open(key, split)
+        if held is None:  # (rows of a group, or a split accounted for whole)
+            self._add(key, split, *_index_runs(arrays))
             return
-        if split in self._done.get(key, ()):
-            return
-        held = self._open.get((key, split))
-        if held is None:
-            held = self._open[(key, split)] = Ranges()
         held.add_indices(arrays)
         self._close(key, split)
 
@@ -471,13 +467,20 @@ class Ledger:
         if len(key) > 2 and key[-2] >= GROUP_KEY:  # (rows of a group)
             self._rows(key, split, starts, ends)
             return
-        if split in self._done.get(key, ()):
-            return
+        held = self._held_open(key, split)
+        if held is not None:
+            held.add(starts, ends)
+            self._close(key, split)
+
+    def _held_open(self, key: Key, split: int) -> Ranges | None:
+        """The ranges held of ``split`` of pass ``key`` (new and empty when none came yet);
+        None for rows of a group, and for a split accounted for whole."""
+        if (len(key) > 2 and key[-2] >= GROUP_KEY) or split in self._done.get(key, ()):
+            return None
         held = self._open.get((key, split))
         if held is None:
             held = self._open[(key, split)] = Ranges()
-        held.add(starts, ends)
-        self._close(key, split)
+        return held
 
     def define(self, group: Group, rows: Iterable[int] = ()) -> None:
         """Note ``group`` (a record named it): its elements are held, and its anchor's
