@@ -81,6 +81,7 @@ class FakePort:
         self.producer: Any = None
         self.reruns: dict[int, int] = {}
         self.spec: Any = None
+        self.id = "task-0"  # (its task's id: what a shared job's handover names)
         self.branches: dict[int, Any] = {0: None}  # (a shared job's, by index)
         self.delivery: Delivery | None = None
         self.started: list[FakeProducer] = []

@@ -11,7 +11,7 @@ import zmq
 
 from tests.fakes import FakeTask
 from zloader.transport import messages
-from zloader.transport.protocol import encode
+from zloader.transport.protocol import Command, decode, encode
 from zloader.worker.consumers import DataPort
 
 
@@ -98,5 +98,42 @@ def test_opens_waiting_for_tasks_that_never_come_are_bounded():
     finally:
         for sock in consumers:
             sock.close(0)
+        port.close()
+        context.term()
+
+
+def test_an_open_for_a_task_that_handed_its_splits_on_and_ended_is_answered_with_an_end():
+    """A shared job's task ``b`` drained, handed its splits of epoch 0 on and ended here
+    (the worker moved to job X). A trainer's OPEN for ``b`` that comes now is answered with
+    an END that names ``b`` for epoch 0 (the trainer then waits for the worker that took
+    them: docs/sharing.md, "Moves"), a plain END for an epoch ``b`` handed nothing of, and
+    one for a task that ended without handing anything on is not answered (before, none
+    was: the trainer waited LEAVE_GRACE_SECONDS, then ended its epoch without b's part)."""
+    context = zmq.Context()
+    port = DataPort(context, "tcp://127.0.0.1:*", None, None, False,
+                    lambda text, exc_info=False: None)
+    consumer = context.socket(zmq.DEALER)
+    try:
+        consumer.connect(port.endpoint)
+        port.begin(FakeTask("B", "b"))
+        port.stopped("b", {0})
+        port.begin(FakeTask("A", "a"))
+        port.stopped("a", None)  # (not shared: nothing handed on)
+        running = FakeTask("X", "x")
+        port.begin(running)
+        for job, task, epoch in (("B", "b", 0), ("B", "b", 1), ("A", "a", 0)):
+            _send(consumer, messages.Open(job=job, task=task, consumer="c", epoch=epoch,
+                                          credits=2))
+        _received(port, 3, running)
+        answers = []
+        while consumer.poll(500):
+            msg = decode(consumer.recv_multipart())
+            end = messages.decode(msg)
+            assert isinstance(end, messages.End)
+            answers.append((msg.command, end.epoch, end.handed))
+        assert answers == [(Command.END, 0, "b"), (Command.END, 1, None)]
+        assert running.given == []
+    finally:
+        consumer.close(0)
         port.close()
         context.term()

@@ -713,6 +713,7 @@ def shared_moved(case: Case, seed: int, branch: bool = False) -> None:
         got: dict[str, list[Any]] = {}
         at = point(case, seed)
         moved = threading.Event()
+        seen: dict[str, str] = {}  # each trainer's counts, for a failure's message
 
         def read(name: str) -> None:
             if name in "oc":
@@ -725,6 +726,10 @@ def shared_moved(case: Case, seed: int, branch: bool = False) -> None:
                     if name == "a" and len(out) >= at and not moved.is_set():
                         reweighed(case, one)  # (the moved worker's segments, with them)
                         moved.set()
+                stats = one.stats()
+                seen[name] = (f"{name} yielded {len(out)} of "
+                              f"{sum(stats['per_worker'].values())} received "
+                              f"({stats['share_replayed']} made again)")
             moved.set()  # (an epoch shorter than the point)
             got[name] = out
 
@@ -732,7 +737,7 @@ def shared_moved(case: Case, seed: int, branch: bool = False) -> None:
     for name in "abc":
         pipeline = own if name in "bc" else case.pipeline
         assert_rows(case, Rows(rows(got[name])), Rows(rows(pipeline.iter(0))), pipeline,
-                    f"{name}: ")
+                    f"{name} (at {at}; {', '.join(seen.values())}): ")
     assert sorted(rows(got["o"])) == list(range(1, 201))
 
 

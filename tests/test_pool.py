@@ -182,6 +182,10 @@ def test_a_non_exactly_once_jobs_worker_drains_then_moves_and_repeats_no_split()
         "drained": tasks[moving]}), 1.1)
     assert [o.identity.decode() for o in out if o.command is Command.TASK] == [moving]
     assert workers_of(state) == {"a": 1, "b": 1}
+    # a's view drops the moved worker and says it left cleanly: a reads it until its END
+    (view,) = [o.body for o in out if o.command is Command.JOB and o.identity == b"a"]
+    assert view["drained"] == [tasks[moving]]
+    assert moving not in [w["worker"] for w in view["workers"]]
     assert not state.jobs[state.consumers["a"].job].handout.passes[(0,)].requeued
 
 

@@ -138,3 +138,16 @@ def test_a_noticed_record_is_read_from_its_ring():
         stream.close()
         notices.close()
         ring.close()
+
+
+def test_an_end_naming_a_drained_worker_s_task_makes_the_trainer_wait_for_its_part():
+    """A shared job's worker that handed its splits on before this trainer opened the
+    epoch there ends it naming its task (END.handed): the trainer waits for an END from
+    any worker that names it (the one that makes those splits again for it), not for it
+    once the epoch is over."""
+    consumer = Consumer()
+    consumer.end_message(handed="t9")
+    assert consumer.session.ended == {"w1"} and consumer.session.awaiting == {"t9": ""}
+    consumer.session.done = True
+    consumer.end_message(handed="t8")
+    assert consumer.session.awaiting == {"t9": ""}

@@ -212,6 +212,12 @@ OVERDRAW_RECORDS = 1 << 16
 """Records a worker draining to move may make and send beyond its consumers' credits (it
 finishes the splits it took; their remainder is far less)."""
 
+DRAINED_TASKS_KEPT = 16
+"""A job's tasks that left it cleanly (drained to move, or a BYE after SIGTERM), the
+latest this many, listed in its view (``JOB.drained``): each sent its END last, so its
+consumers read it until that END even after the view drops it (zloader/client/peers.py;
+fixed)."""
+
 MOVE_DRAIN_SECONDS = 10.0
 """A worker the pool moves off a job that does not run exactly-once first finishes the
 splits it took (``RELEASE.drain``); one not done within this many seconds is moved at

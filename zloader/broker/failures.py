@@ -13,6 +13,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from zloader._defaults import DRAINED_TASKS_KEPT
 from zloader.broker import coordinated, splits, views
 from zloader.broker.events import OrphanAdopted, Orphaned, WorkerGone, WorkerLeft
 from zloader.broker.records import (
@@ -70,6 +71,8 @@ def leave(state: Tables, worker: Worker, job: Job, task: str, died: bool, now: f
     worker_id = worker.id
     index = job.indices.pop(task, None)
     job.tasks.pop(task, None)
+    if clean:  # (its consumers read it on until its END: the view says so, JOB.drained)
+        job.drained = [*job.drained, task][-DRAINED_TASKS_KEPT:]
     current = worker.current if worker.task == task else None
     if stays and worker.task == task:
         worker.task, worker.current, worker.idle_since = None, None, now
@@ -97,7 +100,7 @@ def leave(state: Tables, worker: Worker, job: Job, task: str, died: bool, now: f
             order=order, taker=takers[0][1].id if takers else None, switches=switches)
         done = complete_fences(state, job)  # (at once when no trainer is to answer)
         return done or views.tell_consumers(state, job) + holds(state, job)
-    return _left(state, worker, job, event, lost, requeue, clean)
+    return _left(state, worker, job, task, event, lost, requeue, clean)
 
 
 def _undelivered(job: Job, worker: Worker, current: tuple[PassKey, int] | None, died: bool,
@@ -131,11 +134,13 @@ def _undelivered(job: Job, worker: Worker, current: tuple[PassKey, int] | None, 
     return lost, order
 
 
-def _left(state: Tables, worker: Worker, job: Job, event: WorkerGone | WorkerLeft,
-          lost: list[tuple[PassKey, int]], requeue: bool, clean: bool) -> list[Out]:
+def _left(state: Tables, worker: Worker, job: Job, task: str,
+          event: WorkerGone | WorkerLeft, lost: list[tuple[PassKey, int]], requeue: bool,
+          clean: bool) -> list[Out]:
     """A leave without a fence (see :func:`leave`): journal it, read ``lost`` again
     (``requeue``), tell the consumers and a coordinated job's rounds, and hand a shared
-    job's worker's splits on when it drained (``clean``)."""
+    job's worker's splits on when it drained (``clean``; under its ``task``'s id: a
+    trainer whose OPEN crossed its handover waits for an END that names it)."""
     state.record(event)
     if requeue:
         for key, split in lost:
@@ -147,7 +152,7 @@ def _left(state: Tables, worker: Worker, job: Job, event: WorkerGone | WorkerLef
     worker.leaving = False
     if handover and clean and job.share is not None:
         out += _hand_on(state, job, handover,
-                        f"worker {worker.id} (pid {worker.pid} on {worker.host})")
+                        f"worker {worker.id} (pid {worker.pid} on {worker.host})", token=task)
     return out + holds(state, job)  # (what it held for this worker's handover, released)
 
 
@@ -159,12 +164,13 @@ def _takers(state: Tables, job: Job) -> list[tuple[str, Worker]]:
 
 
 def _hand_on(state: Tables, job: Job, handover: list[dict[str, Any]], who: str,
-             fence: tuple[str, Fence] | None = None) -> list[Out]:
+             fence: tuple[str, Fence] | None = None, token: str | None = None) -> list[Out]:
     """A shared job's worker's splits (zloader/sharing/handover.py: it drained, or the
     broker made them of a dead one's) to another of the job's workers, which makes them
     again for the trainers that did not have them (and hands them on in turn when it
     leaves by draining). ``who``: the worker, in the log's words; ``fence``: the dead
-    one's (its taker first, if it stays)."""
+    one's (its taker first, if it stays); ``token``: else what the taker's ENDs name
+    (``HANDOVER.fence``: the drained task's id)."""
     takers = sorted(_takers(state, job), key=lambda t: fence is None
                     or t[1].id != fence[1].taker)
     if not takers:
@@ -176,7 +182,7 @@ def _hand_on(state: Tables, job: Job, handover: list[dict[str, Any]], who: str,
     log.info("the splits of %s of shared job %s go to worker %s", who, job.name or job.id,
              taker.id)
     handover[-1] = {**handover[-1], "last": True}
-    held, token = _held(state, job), fence[0] if fence is not None else None
+    held, token = _held(state, job), fence[0] if fence is not None else token
     return [Out(taker.identity, Handover(task=task, segments=(entry,), held=held,
                                          fence=token))
             for entry in handover]

@@ -253,6 +253,8 @@ class Job(ByFields):
     # A shared job's own pipeline's prefixes and the pipelines that share one with it
     # (zloader/sharing/prefix.py); None: not shared, or it does not take branches.
     branches: Branches | None = None
+    # Its latest tasks that left it cleanly (failures.leave): each sent its END last
+    drained: list[str] = field(default_factory=list)
 
     @property
     def sharding(self) -> str:

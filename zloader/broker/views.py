@@ -50,7 +50,7 @@ def job_view(state: Tables, job: Job, busy: int | None = None) -> messages.Job:
                       "waiting": sorted(fence.waiting),
                       **({"taker": fence.taker} if fence.taker is not None else {})}
                      for token, fence in job.fences.items()),
-        fencing=fencing or None, joined=None, read=None))
+        fencing=fencing or None, joined=None, read=None, drained=tuple(job.drained)))
 
 
 def tell_consumers(state: Tables, job: Job) -> list[Out]:

@@ -68,6 +68,7 @@ class JobView(ByFields):
     pending: dict[str, Any]  # epoch -> splits waiting to be read again
     consumers: int | None  # the job's consumer count
     read: list[Any] | None  # exactly-once: the splits handed out in the epoch (EPOCH's answer)
+    drained: tuple[str, ...] = ()  # tasks that left the job cleanly, END last (JOB.drained)
 
 
 class BrokerLink:
@@ -212,7 +213,7 @@ class BrokerLink:
         self.busy_elsewhere = view.busy_elsewhere
         return JobView(registered, view.workers, view.fences, view.fencing or {},
                        view.pending, view.consumers,
-                       list(view.read) if view.read is not None else None)
+                       list(view.read) if view.read is not None else None, view.drained)
 
     def _errors(self, view: messages.Job) -> None:
         """Hand on the job's start-up error, and its latest failed split (before any

@@ -8,7 +8,7 @@ import logging
 import socket
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,6 +121,9 @@ class Peers:
         # peer, by the stream (a worker moved away, back and away again within the
         # grace has two).
         self._leaving: dict[int, tuple[Peer, float]] = {}
+        # Those of them that left the job cleanly (JOB.drained): they sent their END last,
+        # and the epoch waits for it (records of theirs may still be on the way)
+        self._awaited: set[int] = set()
         self._by_socket: dict[Any, Peer] = {}  # every open peer's, leaving ones' too
         self._index_of: dict[str, int] = {}  # every worker that ever served the job
         self.budget = Budget(settings.memory_budget, settings.prefetch, settings.width)
@@ -201,9 +204,12 @@ class Peers:
 
     # --- the job's view -------------------------------------------------------------------
 
-    def update(self, workers: Iterable[dict[str, Any]]) -> None:
+    def update(self, workers: Iterable[dict[str, Any]], drained: Collection[str] = ()) -> None:
         """Follow the job's worker list (its JOB view): connect to the new ones, close
-        the ones it no longer lists, and read a worker given a new task afresh."""
+        the ones it no longer lists, and read a worker given a new task afresh.
+        ``drained``: the job's tasks that left it cleanly (JOB.drained); one of them
+        that has not ended the epoch here holds the epoch's end until it does (or
+        ``LEAVE_GRACE_SECONDS``: :meth:`awaited`)."""
         seen = set()
         workers = list(workers)
         self._ring_bytes = self.settings.ring_bytes or self.budget.ring_bytes(len(workers))
@@ -235,6 +241,8 @@ class Peers:
                 # once: its consumers answer a fence with what they hold.
                 del self._peers[worker]
                 self._leaving[id(peer)] = (peer, time.monotonic() + LEAVE_GRACE_SECONDS)
+                if peer.task in drained:
+                    self._awaited.add(id(peer))
             else:
                 self.close(peer, polite=False)
             self.on_gone()
@@ -278,6 +286,7 @@ class Peers:
     def left(self, peer: Peer) -> None:
         """``peer`` sent its END: if it was leaving, close its socket (the same worker
         back under a new task has another peer)."""
+        self._awaited.discard(id(peer))
         if self._leaving.pop(id(peer), None) is not None:
             self.close(peer, polite=False)
 
@@ -293,7 +302,17 @@ class Peers:
         """Close the leaving workers whose grace is over."""
         for peer, deadline in list(self._leaving.values()):
             if now >= deadline:
+                if id(peer) in self._awaited:
+                    log.warning("%s left the job after draining but its END of epoch %s "
+                                "did not come within %.0f s: the epoch ends without it",
+                                peer.describe(), self.session.epoch, LEAVE_GRACE_SECONDS)
                 self.left(peer)
+                self.on_gone()
+
+    def awaited(self) -> bool:
+        """Whether a worker that left the job cleanly may still send records of the
+        epoch: its END has not come yet (see :meth:`update`)."""
+        return bool(self._awaited)
 
     def close(self, peer: Peer, polite: bool) -> None:
         """Stop reading ``peer``: tell it (``polite``), close its socket and its rings."""
@@ -323,6 +342,7 @@ class Peers:
         for peer, _ in self._leaving.values():
             self.close(peer, polite=False)
         self._leaving.clear()
+        self._awaited.clear()
         if self.notices is not None:
             self.notices.close()
         sweep()

@@ -268,6 +268,10 @@ class Receiver:
                                                 self.rounds.ends.get(peer.worker, -1))
         self._note_lagged(peer, end.lagged, end.replayed)
         session.acked.update(end.fences)
+        if end.handed is not None and not session.done:
+            # (it handed its splits on before this OPEN came: the worker that makes them
+            # again for this trainer names its task in an END; any of the job's may)
+            session.awaiting.setdefault(end.handed, "")
         if peer.worker in session.broken:
             log.warning("worker pid %d at %s ended epoch %s after a record of it was lost: "
                         "waiting for the broker to make the rest again", peer.pid,

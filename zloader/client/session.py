@@ -102,7 +102,8 @@ class Session(ByFields):
     # ascending [start, end] ranges (DELIVERED.shared.ranges)
     got_places: dict[str, list[list[int]]] = field(default_factory=dict)
     # ... and the dead workers' fences whose elements it waits for this epoch: fence ->
-    # the worker that makes them again (its END names the fence: ``acked``)
+    # the worker that makes them again (its END names the fence: ``acked``); a drained
+    # worker's task it opened the epoch on too late (END.handed) -> "" (any worker)
     awaiting: dict[str, str] = field(default_factory=dict)
     acked: set[str] = field(default_factory=set)
     broken: set[str] = field(default_factory=set)  # workers a record of which was lost

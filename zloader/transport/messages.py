@@ -239,8 +239,8 @@ class Handover(Record):
     segments: tuple[dict[str, Any], ...] = fld(list_of(handover_entry))
     # epochs whose END the worker holds back: a dead worker's fence waits for its trainers
     held: tuple[int, ...] = fld(list_of(INDEX), (), omit=True)
-    # the fence whose dead worker's splits these are: the END of each trainer that was
-    # reading their epoch names it
+    # the fence whose dead worker's splits these are, or the drained task whose: the END
+    # of each trainer it makes them again for names it
     fence: str | None = fld(optional(NAME), None, omit=True)
 
 
@@ -331,6 +331,8 @@ class Job(Record):
     fencing: dict[str, int] | None = fld(optional(counts), None, omit=True)
     joined: dict[str, Any] | None = fld(optional(obj), None, omit=True)
     read: tuple[Any, ...] | None = fld(optional(array), None, omit=True)
+    # its latest tasks that left it cleanly (drained, SIGTERM): each sent its END last
+    drained: tuple[str, ...] = fld(list_of(NAME), (), omit=True)
     # a shared job's trainer: the branch it reads (its OPEN says so), 0: the job's pipeline
     branch: int = fld(integer(0, MAX_BRANCHES), 0, omit=True)
 
@@ -716,8 +718,11 @@ class End(Record):
     rerun: int | None = fld(optional(INDEX), None, omit=True)
     lagged: int | None = fld(optional(INDEX), None, omit=True)
     replayed: int | None = fld(optional(INDEX), None, omit=True)
-    # a shared job's: the fences whose dead worker's elements came before it (HANDOVER)
+    # a shared job's: the fences (or drained tasks) whose elements came before it (HANDOVER)
     fences: tuple[str, ...] = fld(list_of(NAME), (), omit=True)
+    # a shared job's worker that handed its splits of the epoch on before this trainer
+    # opened it there: its task id, which the END of the worker that makes them names
+    handed: str | None = fld(optional(NAME), None, omit=True)
     origins: bool = fld(boolean, False, omit=True)  # an origin block is its payload
     # A mix input the worker has no more elements of this epoch (its consumers draw the
     # mix, zloader/plan.py): not the epoch's end, which has no part.

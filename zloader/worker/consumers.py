@@ -62,6 +62,8 @@ class DataPort:
         # DISPATCHes that followed an early OPEN, by consumer, until the task arrives
         self.early_dispatches: dict[bytes, list[messages.Dispatch]] = {}
         self.begun: deque[str] = deque(maxlen=EARLY_OPENS)  # the latest tasks run here
+        # ... those of them that handed their splits on: the epochs handed, by task
+        self.handed: dict[str, set[int]] = {}
 
     def receive(self, frames: list[zmq.Frame], task: Task | None) -> None:
         """One message from a consumer: a malformed one is answered with ERROR and
@@ -90,6 +92,10 @@ class DataPort:
             raise ProtocolError(f"{msg.command.name} is not a data-socket command")
         record = messages.decode(msg)
         if isinstance(record, messages.Open):
+            if record.task is not None and record.task in self.handed \
+                    and (task is None or task.id != record.task):
+                self._handed_end(identity, record)
+                return
             if task is None or record.job != task.job or record.task not in (None, task.id):
                 # The consumer may hear of this worker's task before the worker does: keep
                 # the OPEN until the TASK arrives (bounded; the oldest are dropped). An OPEN
@@ -116,6 +122,27 @@ class DataPort:
                 self._keep_dispatch(identity, record)
         elif isinstance(record, messages.Close) and identity in task.streams:
             task.remove_stream(task.streams[identity])
+
+    def stopped(self, task: str, handed: set[int] | None) -> None:
+        """``task`` ended here; ``handed``: the epochs of what it handed on (a shared
+        job's task that drained), None if nothing (see :meth:`_handed_end`)."""
+        if handed is not None:
+            self.handed[task] = handed
+            while len(self.handed) > EARLY_OPENS:
+                del self.handed[next(iter(self.handed))]
+
+    def _handed_end(self, identity: bytes, opened: messages.Open) -> None:
+        """An OPEN for a task that handed its splits on and ended here: it came after the
+        handover (it crossed it, then the task ended). Its END names the task for an epoch
+        it handed on: the worker that took them makes them again for this trainer, and
+        names the task in its END, which the trainer waits for (SharedDelivery.open
+        answers such an OPEN so while the task still runs)."""
+        handed = opened.task if opened.epoch in self.handed.get(opened.task or "", ()) \
+            else None
+        end = messages.End(epoch=opened.epoch, handed=handed)
+        with contextlib.suppress(zmq.ZMQError):
+            self.sock.send_multipart([identity, *encode(Command.END, messages.encode(end))],
+                                     zmq.NOBLOCK)
 
     def _keep_dispatch(self, identity: bytes, record: messages.Dispatch) -> None:
         """A DISPATCH from a consumer whose OPEN waits for its task (see

@@ -69,6 +69,9 @@ class TaskPort(Protocol):
     def spec(self) -> ProducerSpec: ...
 
     @property
+    def id(self) -> str: ...
+
+    @property
     def branches(self) -> dict[int, Branch]: ...
 
     def open_epoch(self, stream: Stream, opened: Open) -> None: ...
@@ -223,6 +226,11 @@ class Delivery(abc.ABC):
         """The task drained to move: what it hands on to another worker of its job
         (``HEARTBEAT.handover``: a shared job's splits, zloader/sharing/handover.py)."""
         return []
+
+    def handed(self) -> set[int] | None:
+        """The epochs of what the task handed on (None: it handed nothing on), which an
+        OPEN that comes after the task ended is answered for (``END.handed``)."""
+        return None
 
     def adopt(self, entries: tuple[dict[str, Any], ...], held: tuple[int, ...] = (),
               fence: str | None = None) -> None:

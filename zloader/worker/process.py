@@ -589,6 +589,7 @@ class WorkerProcess:
             with contextlib.suppress(zmq.ZMQError):
                 self._forward(time.monotonic(), task.id)
             self.capture.discard()
+        self.port.stopped(task.id, task.delivery.handed())
         task.close()
 
     def _wedge(self, why: str) -> None:

@@ -81,6 +81,7 @@ class SharedDelivery(Delivery):
         self.adopted: dict[int, list[Segment]] = {}
         self.incoming: list[dict[str, Any]] = []
         self.handed_on = False  # it left the job cleanly: another worker makes its splits
+        self.handed_epochs: set[int] = set()  # the epochs of what it handed on
         # The branches each epoch's production here makes (a trainer of another one
         # gets that epoch made for it alone; zloader/sharing/branches.py).
         self.made: dict[int, set[int]] = {}
@@ -100,13 +101,17 @@ class SharedDelivery(Delivery):
         port, epoch, credits = self.port, opened.epoch, opened.credits
         cursor = self.window.cursors.get(stream.identity)
         if self.handed_on and (cursor is None or cursor.epoch != epoch):
-            # (an OPEN that crossed its handover: the worker it went to serves this one)
-            port.outlet.send(stream, End(epoch=epoch))
+            # (an OPEN that crossed its handover: the worker it went to serves this one,
+            # and names this task in its END, which the trainer waits for)
+            port.outlet.send(stream, End(epoch=epoch,
+                                         handed=port.id if epoch in self.handed_epochs
+                                         else None))
             return
         if opened.branch in self.failed:  # (its pipeline could not be loaded here)
             self._fail(stream.identity, epoch, self.failed[opened.branch])
             return
         if cursor is None or cursor.epoch != epoch:
+            self._moved_on(stream.identity, epoch)
             finished = epoch in port.finished and epoch != port.producing
             started = epoch == port.producing or finished
             branch = opened.branch
@@ -133,6 +138,17 @@ class SharedDelivery(Delivery):
         port.abandon_stale()  # every trainer left the epoch being produced
         port.maybe_produce()
         self.deliver()
+
+    def _moved_on(self, trainer: bytes, epoch: int) -> None:
+        """``trainer`` opens ``epoch``: what was still to be made for it of an earlier
+        epoch is dropped (it reads that no longer; a replay waiting for its credits
+        there would hold every other trainer's replay back)."""
+        if self.replay is not None and self.replay.trainer == trainer \
+                and self.replay.epoch < epoch:
+            self._stop_replay()
+            self.replayed.pop(trainer, None)
+        self.replays = deque(r for r in self.replays
+                             if r.trainer != trainer or r.epoch >= epoch)
 
     def branches_for(self, epoch: int) -> set[int]:
         return self.made.get(epoch, {0})
@@ -266,10 +282,12 @@ class SharedDelivery(Delivery):
             cursor = window.cursors.get(stream.identity)
             if cursor is None or cursor.done or cursor.replaying:
                 continue
-            while cursor.credits > 0 or cursor.end is not None:
+            while True:  # (records while it has credits; its END needs none)
                 entry = cursor.end or window.next_for(cursor)
                 if entry is None or (entry.end and entry.epoch in self.held):
                     break  # (a dead worker's elements may still be owed: see adopt)
+                if not entry.end and cursor.credits <= 0:
+                    break
                 cursor.end = None
                 window.took(cursor, entry)
                 if entry.end:
@@ -457,8 +475,11 @@ class SharedDelivery(Delivery):
     def handover(self) -> list[dict[str, Any]]:
         """The splits this worker read in each epoch it keeps and those it adopted, with
         the trainers that have all they make (each that has ended the epoch here, or
-        reads a later one: a trainer starts the job's newest epoch). From then on an
-        OPEN of another epoch is answered with its END: the taker serves that trainer."""
+        reads a later one: a trainer starts the job's newest epoch). A trainer still
+        waiting for an epoch this worker never made gets its END now, and from then on an
+        OPEN of another epoch is answered with its END: each names this task where
+        something of that epoch was handed on (``END.handed``), which the taker makes
+        for that trainer and names in its END (the trainer waits for it)."""
         consumers = {identity: stream.consumer
                      for identity, stream in self.port.streams.items()}
 
@@ -467,22 +488,39 @@ class SharedDelivery(Delivery):
                     if identity in consumers
                     and (cursor.epoch > epoch or (cursor.epoch == epoch and cursor.done))}
 
-        own = [Segment(epoch, self.port.spec.index, passes, served(epoch),
+        port = self.port
+        own = [Segment(epoch, port.spec.index, passes, served(epoch),
                        switches=self.switches.get(epoch, {}))
                for epoch, passes in sorted(self.splits.items()) if any(passes.values())]
         adopted = [Segment(epoch, s.index, s.splits, s.served | served(epoch),
                            switches=s.switches)
                    for epoch, segments in sorted(self.adopted.items()) for s in segments]
         self.handed_on = True
+        self.handed_epochs = {segment.epoch for segment in own + adopted}
+        for identity, cursor in self.window.cursors.items():
+            stream = port.streams.get(identity)
+            if stream is None or cursor.done or cursor.epoch in self.held \
+                    or cursor.epoch in port.finished:
+                continue
+            # An epoch it opened here that this worker never made: it got none of it here
+            # (not served), and what was handed on of it comes from the taker.
+            cursor.done = True
+            port.outlet.send(stream, End(
+                epoch=cursor.epoch, fences=self._acked(stream), lagged=cursor.lagged,
+                handed=port.id if cursor.epoch in self.handed_epochs else None))
         return to_wire(own + adopted)
+
+    def handed(self) -> set[int] | None:
+        return self.handed_epochs if self.handed_on else None
 
     def adopt(self, entries: tuple[dict[str, Any], ...], held: tuple[int, ...] = (),
               fence: str | None = None) -> None:
         """HANDOVER: once its last entry came, make each segment again for the trainers
         of its epoch here that it did not serve (at once for those reading the epoch,
         when they open it for the others), less what each had of it; ``held``: the epochs
-        whose end waits for a handover (a dead worker's, whose segments the broker makes:
-        its ``fence``, or a draining worker's)."""
+        whose end waits for a handover (a dead worker's, whose segments the broker makes,
+        or a draining worker's); ``fence``: the dead one's fence, or the drained task's
+        id (what the ENDs of the trainers they are made for name)."""
         self.incoming.extend(entries)
         if self.incoming and self.incoming[-1]["last"]:
             self._adopt(from_wire(self.incoming), fence)
@@ -494,10 +532,12 @@ class SharedDelivery(Delivery):
         self.deliver()
 
     def _adopt(self, segments: list[Segment], fence: str | None) -> None:
-        """Owe each segment to the trainers reading its epoch here that do not have it all
-        (a dead worker's, ``fence``: each such trainer's END names it, one that opens the
-        epoch here later included (:meth:`open`), and one whose epoch ended here already
-        gets the rest, then its END again: it waits for that)."""
+        """Owe each segment to the trainers reading its epoch here that do not have it all.
+        Each such trainer's END names ``fence``, one that opens the epoch here later
+        included (:meth:`open`), and one whose epoch ended here already gets the rest,
+        then its END again: it waits for that (it answered the dead worker's fence, or
+        the drained worker answered its OPEN with an END naming its task, ``END.handed``:
+        its OPEN there crossed the handover, and here came before the hold)."""
         for segment in segments:
             segment.fence = fence
             self.adopted.setdefault(segment.epoch, []).append(segment)
@@ -510,7 +550,7 @@ class SharedDelivery(Delivery):
                     self.acks.setdefault(identity, set()).add(fence)
                     if cursor.done:
                         cursor.done, cursor.replaying = False, True
-                elif cursor.done:
+                elif cursor.done:  # (a handover naming nothing: no trainer waits for it)
                     log.warning("trainer %s ended epoch %d before a moved worker's splits "
                                 "of it were handed here: it misses what they made",
                                 stream.consumer, cursor.epoch)
