@@ -81,16 +81,14 @@ class EpochEnd:
     # --- the end --------------------------------------------------------------------------
 
     def check(self, confirmed: bool = False) -> None:
-        """End the epoch once every worker ended it, those that drained away from the job
-        included (their records may come after the view that drops them: each one's END
-        comes last, zloader/client/peers.py). With dynamic sharding the broker must
-        also confirm that no split of the epoch waits to be re-run (a dead worker's); if
-        some do, the live workers run the epoch again for them (a rerun)."""
+        """End the epoch once every worker ended it, those that drained away included
+        (``Peers.awaited``). With dynamic sharding the broker must also confirm that no
+        split of the epoch waits to be re-run (a dead worker's); if some do, the live
+        workers run the epoch again for them (a rerun)."""
         session, rounds = self.session, self.rounds
-        if session.done or session.epoch is None or not len(self.peers):
+        if session.done or session.epoch is None or not len(self.peers) \
+                or self.peers.awaited():
             return
-        if self.peers.awaited():
-            return  # a worker that drained away has records on the way: its END comes last
         if self.settings.fixed:
             ended = {self.peers.index_of(w) for w in session.ended}
             if len(ended - {None}) < self.stats.width:
@@ -106,7 +104,7 @@ class EpochEnd:
         if int(self.fencing.get(str(session.epoch), 0)):
             return  # a dead worker's splits are about to be re-queued (made again): wait
         if self.stats.share is not None:  # a shared job's epoch is what its workers produced
-            workers = self.peers.workers()
+            workers = self.peers.workers()  # ("" waits for any: END.handed)
             if not any(fence not in session.acked and (not taker or taker in workers)
                        for fence, taker in session.awaiting.items()):
                 self.finish()  # (and what a worker made again of a dead one's: handover.py)
