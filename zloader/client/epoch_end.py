@@ -53,11 +53,12 @@ class EpochEnd:
         self._rereads: dict[tuple[tuple[int, ...], int], int] = {}  # split -> times asked
         self._short_failed = False  # the epoch ended short for good (raised once)
         self._answered: dict[str, float] = {}  # fences this consumer answered -> when
+        self._awaited: dict[tuple[str, str], str] = {}  # (dead worker, task) -> its fence
 
     def start(self) -> None:
         """The session began a new epoch: forget the last one's end."""
         self._confirming = self._draining = self._short_failed = False
-        self.read, self._rereads = None, {}
+        self.read, self._rereads, self._awaited = None, {}, {}
         resume, session = self.resume, self.session
         if resume is not None and resume["epoch"] == session.epoch:
             session.received.merge_json(resume["delivered"])  # held before the restart
@@ -239,6 +240,11 @@ class EpochEnd:
                     job=session.job, fence=fence["id"], splits=(), shared=answer))
                 if not session.done and fence.get("taker") and any(
                         key[0] == session.epoch for key, _ in fence["splits"]):
+                    # (a restarted broker fences the dead worker again, under a new id:
+                    # the old one's taker never names it)
+                    dead = (fence["worker"], fence["task"])
+                    session.awaiting.pop(self._awaited.get(dead, ""), None)
+                    self._awaited[dead] = fence["id"]
                     session.awaiting[fence["id"]] = fence["taker"]
                 continue
             held = tuple((tuple(key), split, info)
