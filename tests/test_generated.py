@@ -569,9 +569,27 @@ def shared_killed(case: Case, seed: int, own: Pipeline | None = None,
             got[name] = out
 
         run_together([functools.partial(read, name) for name in "ab"], timeout=90)
+    sliced = own is not None and not prefix_of(plan(case.pipeline))
     for name, pipeline in pipelines.items():
-        want, have = Rows(rows(pipeline.iter(0))), Rows(rows(got[name]))
-        assert_rows(case, have, want, pipeline, f"{name} (own: {recipe}): ")
+        assert_shared(case, pipeline, got[name], f"{name} (own: {recipe}): ", sliced)
+
+
+def assert_shared(case: Case, pipeline: Pipeline, got: list[Any], what: str,
+                  sliced: bool) -> None:
+    """What a trainer of a shared job got is the epoch ``pipeline.iter`` yields; with
+    ``sliced`` (the second trainer's pipeline is no branch of the first's, which has no
+    stage to share: two jobs, one worker left to time-slice between them after a fault,
+    whose splits are read again when it moves back: docs/sharing.md, "Moves"), every
+    element of it at least once (a pipeline that may stop elsewhere: no foreign row)."""
+    want, have = Rows(rows(pipeline.iter(0))), Rows(rows(got))
+    if sliced and not ends_early(pipeline):
+        assert not want - have and set(have) == set(want), what + \
+            described(case, have, want)
+    elif sliced:
+        foreign = set(have) - set(every_element(pipeline))
+        assert not foreign, f"{what}{' '.join(case.recipe)}: foreign {sorted(foreign)[:8]}"
+    else:
+        assert_rows(case, have, want, pipeline, what)
 
 
 def split(case: Case, seed: int) -> None:
@@ -684,16 +702,8 @@ def shared_prefix_late(case: Case, seed: int) -> None:
         run_together([functools.partial(read, name) for name in "ab"], timeout=120)
     sliced = not prefix_of(plan(case.pipeline))  # (no branch: two jobs, time-sliced)
     for name, pipeline in (("a", case.pipeline), ("b", own)):
-        want, have = Rows(rows(pipeline.iter(0))), Rows(rows(got[name]))
-        what = f"{name} (own: {recipe}, join {join}, kill {kill}): "
-        if sliced and not ends_early(pipeline):
-            assert not want - have and set(have) == set(want), what + \
-                described(case, have, want)
-        elif sliced:  # (at least once, and it may stop elsewhere: no foreign row)
-            foreign = set(have) - set(every_element(pipeline))
-            assert not foreign, f"{what}{' '.join(case.recipe)}: foreign {sorted(foreign)[:8]}"
-        else:
-            assert_rows(case, have, want, pipeline, what)
+        assert_shared(case, pipeline, got[name],
+                      f"{name} (own: {recipe}, join {join}, kill {kill}): ", sliced)
 
 
 def other_job(x: int) -> int:
