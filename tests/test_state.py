@@ -794,3 +794,28 @@ def test_a_dead_worker_s_split_is_read_again_less_what_a_consumer_that_left_had_
         "task": tasks["w2"], "pass": [0]}), 5.2)
     assert out.body["split"] == 0 and out.body["skip"] == pack([0, 1, 2])
     state.journal.close()
+
+
+def test_a_shared_job_s_worker_that_leaves_cleanly_hands_its_splits_on_under_its_task_s_id():
+    """A shared job's worker stopped with SIGTERM drains, hands its splits on and says
+    BYE: the taker's HANDOVER names the leaving task (``HANDOVER.fence``), so the END of
+    each trainer it makes them again for names it, which a trainer whose OPEN crossed the
+    handover waits for (``END.handed``); and the trainers' view lists the task as drained
+    (``JOB.drained``: they read it until its END). (Before, the HANDOVER named nothing,
+    and a trainer the taker had ended before the handover came lost the splits.)"""
+    state = State()
+    for name in ("w1", "w2"):
+        ready(state, name)
+    tasks = tasks_by_worker(_shared_register(state, "c1"))
+    assert set(tasks) == {"w1", "w2"}
+    state.epoch_started(b"c1", record(Command.EPOCH, {"epoch": 0}), 0.1)
+    read = split(state, "w2", tasks["w2"])
+    state.worker_heartbeat(b"w2", record(Command.HEARTBEAT, {"leaving": True}), 0.2)
+    entry = {"n": 0, "epoch": 0, "index": 1, "pass": [0], "splits": [read], "served": [],
+             "had": {}, "last": False, "switches": []}
+    state.worker_heartbeat(b"w2", record(Command.HEARTBEAT, {"handover": [entry]}), 0.3)
+    out = state.bye(b"w2", 0.4)
+    (handover,) = [o for o in out if o.command is Command.HANDOVER and o.body["segments"]]
+    assert handover.identity == b"w1" and handover.body["fence"] == tasks["w2"]
+    views = [o.body for o in out if o.command is Command.JOB and o.identity == b"c1"]
+    assert views and views[-1]["drained"] == [tasks["w2"]]
