@@ -80,6 +80,7 @@ def test_a_worker_that_drained_away_holds_the_epoch_s_end_until_its_end_or_its_g
                       for i, port in enumerate(ports, 1)])
         first, second = peers.get("w1"), peers.get("w2")
         assert first is not None and second is not None
+        assert peers.opened_on("t1", 0) and not peers.opened_on("t1", 1)  # (epoch 0 runs)
         peers.update([], drained=("t1",))
         assert peers.awaited() and checked == [True, True]
         peers.left(second)

@@ -184,7 +184,7 @@ def test_a_non_exactly_once_jobs_worker_drains_then_moves_and_repeats_no_split()
     assert workers_of(state) == {"a": 1, "b": 1}
     # a's view drops the moved worker and says it left cleanly: a reads it until its END
     (view,) = [o.body for o in out if o.command is Command.JOB and o.identity == b"a"]
-    assert view["drained"] == [tasks[moving]]
+    assert view["drained"] == [{"task": tasks[moving]}]  # (no handover: not shared)
     assert moving not in [w["worker"] for w in view["workers"]]
     assert not state.jobs[state.consumers["a"].job].handout.passes[(0,)].requeued
 

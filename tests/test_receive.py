@@ -153,33 +153,36 @@ def test_an_end_naming_a_drained_worker_s_task_makes_the_trainer_wait_for_its_pa
     assert consumer.session.awaiting == {"t9": ""}
 
 
-def test_a_restarted_broker_s_fence_of_a_dead_worker_replaces_the_one_awaited():
-    """A shared job's worker dies; the broker fences it (``f1``), this trainer answers and
-    waits for the END of the taker naming ``f1``, then the broker is killed before
-    handing the splits on. The restarted broker fences the same worker again (``f2``):
-    the trainer waits for ``f2`` alone, which the taker names, and its epoch ends (before,
-    it waited for ``f1`` too, which no END would name: the slow test_sharing.py
-    test_a_broker_restarted_around_a_dead_worker_s_fence_is_exact[1.5] timed out in
-    about a third of its runs)."""
+class _Peers:
+    """The consumer's workers as the end of its epoch sees them: the taker w2 alone, which
+    has ended the epoch here; ``opened``: the (task, epoch) this consumer opened."""
+
+    def __init__(self, opened: set[tuple[str, int]] | None = None) -> None:
+        self.opened = opened or set()
+
+    def __iter__(self) -> Any:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 1
+
+    def workers(self) -> set[str]:
+        return {"w2"}
+
+    def awaited(self) -> bool:
+        return False
+
+    def opened_on(self, task: str, epoch: int) -> bool:
+        return (task, epoch) in self.opened
+
+    def stop_reading(self, worker: str, task: str) -> None:
+        return None
+
+
+def _epoch_end(peers: _Peers) -> tuple[Any, Session, list[Any], list[Any]]:
+    """A shared job's consumer's end of epoch 0 (its items, the messages it sends)."""
     from zloader.client.epoch_end import EpochEnd
-    from zloader.client.items import Done
     from zloader.client.session import Settings
-
-    class Peers:  # (the taker w2 alone, which has ended the epoch here)
-        def __iter__(self) -> Any:
-            return iter(())
-
-        def __len__(self) -> int:
-            return 1
-
-        def workers(self) -> set[str]:
-            return {"w2"}
-
-        def awaited(self) -> bool:
-            return False
-
-        def stop_reading(self, worker: str, task: str) -> None:
-            return None
 
     settings = Settings(address="tcp://127.0.0.1:1", prefetch=2, timeout=30.0,
                         use_rings=False, ring_bytes=None, keys=None, data_bind=None,
@@ -188,8 +191,52 @@ def test_a_restarted_broker_s_fence_of_a_dead_worker_replaces_the_one_awaited():
     session.start(0, EpochInput())
     session.job, stats.share = "j", {"window_bytes": 1 << 20}
     link = type("Link", (), {"send": lambda self, record: sent.append(record)})()
-    end = EpochEnd(settings, session, stats, link, Peers(), None,  # type: ignore[arg-type]
+    end = EpochEnd(settings, session, stats, link, peers, None,  # type: ignore[arg-type]
                    items.append, None)
+    return end, session, items, sent
+
+
+def test_a_trainer_that_never_opened_an_epoch_on_a_drained_task_waits_for_its_taker():
+    """The view lists task ``t1`` as drained, its splits of epoch 0 handed to worker w2
+    (``JOB.drained``). A trainer that joined after t1 left never opened epoch 0 there:
+    it waits for w2's END naming t1 (w2 makes those splits again for it; its OPEN may
+    have reached w2 before the handover did, and w2 ended its epoch then: the shared-move
+    seed 922 sweep case lost all 164 rows so, in 1-2 of 400 runs under load). One that
+    opened epoch 0 on t1 had them from t1 (or was told to wait, END.handed), and an
+    epoch t1 handed nothing of waits for nothing."""
+    from zloader.client.items import Done
+    from zloader.client.link import JobView
+
+    drained = ({"task": "t1", "taker": "w2", "epochs": [0]}, {"task": "t0"})
+    view = JobView(False, (), (), {}, {}, 1, None, drained)
+    end, session, items, _ = _epoch_end(_Peers())
+    end.view(view)
+    assert session.awaiting == {"t1": "w2"}
+    end.check()
+    assert items == []
+    session.acked.add("t1")  # (w2's END named it)
+    end.check()
+    assert [type(item) for item in items] == [Done]
+    end, session, items, _ = _epoch_end(_Peers(opened={("t1", 0)}))
+    end.view(view)
+    end.check()
+    assert session.awaiting == {} and [type(item) for item in items] == [Done]
+    session.start(1, EpochInput())
+    end.start()
+    assert session.awaiting == {}
+
+
+def test_a_restarted_broker_s_fence_of_a_dead_worker_replaces_the_one_awaited():
+    """A shared job's worker dies; the broker fences it (``f1``), this trainer answers and
+    waits for the END of the taker naming ``f1``, then the broker is killed before
+    handing the splits on. The restarted broker fences the same worker again (``f2``):
+    the trainer waits for ``f2`` alone, which the taker names, and its epoch ends (before,
+    it waited for ``f1`` too, which no END would name: the slow test_sharing.py
+    test_a_broker_restarted_around_a_dead_worker_s_fence_is_exact[1.5] timed out in
+    about a third of its runs)."""
+    from zloader.client.items import Done
+
+    end, session, items, sent = _epoch_end(_Peers())
     for token in ("f1", "f2"):
         end.answer_fences([{"id": token, "worker": "w1", "task": "t1", "taker": "w2",
                             "splits": [[[0], 3]], "waiting": ["c1"]}])

@@ -801,7 +801,9 @@ def test_a_shared_job_s_worker_that_leaves_cleanly_hands_its_splits_on_under_its
     BYE: the taker's HANDOVER names the leaving task (``HANDOVER.fence``), so the END of
     each trainer it makes them again for names it, which a trainer whose OPEN crossed the
     handover waits for (``END.handed``); and the trainers' view lists the task as drained
-    (``JOB.drained``: they read it until its END). (Before, the HANDOVER named nothing,
+    (``JOB.drained``: they read it until its END), with the taker and the epochs handed
+    on (a trainer that never opened one of them there waits for the taker's END naming
+    the task, tests/test_receive.py). (Before, the HANDOVER named nothing,
     and a trainer the taker had ended before the handover came lost the splits.)"""
     state = State()
     for name in ("w1", "w2"):
@@ -818,4 +820,6 @@ def test_a_shared_job_s_worker_that_leaves_cleanly_hands_its_splits_on_under_its
     (handover,) = [o for o in out if o.command is Command.HANDOVER and o.body["segments"]]
     assert handover.identity == b"w1" and handover.body["fence"] == tasks["w2"]
     views = [o.body for o in out if o.command is Command.JOB and o.identity == b"c1"]
-    assert views and views[-1]["drained"] == [tasks["w2"]]
+    # (a trainer that never opened epoch 0 on w2's task waits for w1's END naming it)
+    assert views and views[-1]["drained"] == [{"task": tasks["w2"], "taker": "w1",
+                                               "epochs": [0]}]

@@ -72,7 +72,7 @@ def leave(state: Tables, worker: Worker, job: Job, task: str, died: bool, now: f
     index = job.indices.pop(task, None)
     job.tasks.pop(task, None)
     if clean:  # (its consumers read it on until its END: the view says so, JOB.drained)
-        job.drained = [*job.drained, task][-DRAINED_TASKS_KEPT:]
+        job.drained = [*job.drained, _drained(state, job, worker, task)][-DRAINED_TASKS_KEPT:]
     current = worker.current if worker.task == task else None
     if stays and worker.task == task:
         worker.task, worker.current, worker.idle_since = None, None, now
@@ -101,6 +101,18 @@ def leave(state: Tables, worker: Worker, job: Job, task: str, died: bool, now: f
         done = complete_fences(state, job)  # (at once when no trainer is to answer)
         return done or views.tell_consumers(state, job) + holds(state, job)
     return _left(state, worker, job, task, event, lost, requeue, clean)
+
+
+def _drained(state: Tables, job: Job, worker: Worker, task: str) -> dict[str, Any]:
+    """``JOB.drained``'s entry for ``task``, which left ``job`` cleanly: a shared job's that
+    hands splits on names their taker and epochs. A trainer that never opened one of those
+    epochs there waits for the taker's END that names the task: its OPEN may reach the
+    taker before the handover does (docs/sharing.md, "Moves")."""
+    takers = _takers(state, job) if job.share is not None and worker.handover else []
+    if not takers:
+        return {"task": task}
+    return {"task": task, "taker": takers[0][1].id,
+            "epochs": sorted({entry["epoch"] for entry in worker.handover})}
 
 
 def _undelivered(job: Job, worker: Worker, current: tuple[PassKey, int] | None, died: bool,

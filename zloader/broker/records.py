@@ -254,7 +254,7 @@ class Job(ByFields):
     # (zloader/sharing/prefix.py); None: not shared, or it does not take branches.
     branches: Branches | None = None
     # Its latest tasks that left it cleanly (failures.leave): each sent its END last
-    drained: list[str] = field(default_factory=list)
+    drained: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def sharding(self) -> str:

@@ -54,11 +54,13 @@ class EpochEnd:
         self._short_failed = False  # the epoch ended short for good (raised once)
         self._answered: dict[str, float] = {}  # fences this consumer answered -> when
         self._awaited: dict[tuple[str, str], str] = {}  # (dead worker, task) -> its fence
+        self._drained: tuple[dict[str, Any], ...] = ()  # the latest JOB.drained
 
     def start(self) -> None:
         """The session began a new epoch: forget the last one's end."""
         self._confirming = self._draining = self._short_failed = False
         self.read, self._rereads, self._awaited = None, {}, {}
+        self._await_handed()
         resume, session = self.resume, self.session
         if resume is not None and resume["epoch"] == session.epoch:
             session.received.merge_json(resume["delivered"])  # held before the restart
@@ -69,6 +71,8 @@ class EpochEnd:
         the epoch's end: an exactly-once epoch is confirmed only by the answer to EPOCH,
         which says what was read in it (the epoch is checked against that)."""
         self.answer_fences(view.fences)
+        self._drained = view.drained
+        self._await_handed()
         self.fencing = view.fencing
         if view.consumers is not None:
             self.consumers = view.consumers
@@ -78,6 +82,20 @@ class EpochEnd:
         elif self.settings.exactly_once:
             confirmed = False
         return confirmed
+
+    def _await_handed(self) -> None:
+        """A shared job's tasks that left it cleanly and handed splits of the epoch under
+        way on (``JOB.drained``), which this consumer never opened the epoch on: it waits
+        for their taker's END, which names the task (the taker makes those splits again
+        for it; its OPEN there may have come before the handover did)."""
+        session = self.session
+        if self.stats.share is None or session.done or session.epoch is None:
+            return
+        for entry in self._drained:  # (checked by the JOB record)
+            taker = entry.get("taker")
+            if taker and session.epoch in entry.get("epochs", ()) \
+                    and not self.peers.opened_on(entry["task"], session.epoch):
+                session.awaiting.setdefault(entry["task"], taker)
 
     # --- the end --------------------------------------------------------------------------
 

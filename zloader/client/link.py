@@ -68,7 +68,7 @@ class JobView(ByFields):
     pending: dict[str, Any]  # epoch -> splits waiting to be read again
     consumers: int | None  # the job's consumer count
     read: list[Any] | None  # exactly-once: the splits handed out in the epoch (EPOCH's answer)
-    drained: tuple[str, ...] = ()  # tasks that left the job cleanly, END last (JOB.drained)
+    drained: tuple[dict[str, Any], ...] = ()  # tasks that left the job cleanly (JOB.drained)
 
 
 class BrokerLink:

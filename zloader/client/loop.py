@@ -461,7 +461,7 @@ class ConsumerLoop:
         # holds it, and this view's fences are the ones that count)
         self._end.pending, self._end.fencing = view.pending, view.fencing
         known = self._peers.workers()
-        self._peers.update(view.workers, view.drained)
+        self._peers.update(view.workers, {entry["task"] for entry in view.drained})
         confirmed = self._end.view(view)
         session = self._session
         if view.registered and session.epoch is not None and not session.done:

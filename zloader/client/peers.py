@@ -124,6 +124,7 @@ class Peers:
         # Those of them that left the job cleanly (JOB.drained): they sent their END last,
         # and the epoch waits for it (records of theirs may still be on the way)
         self._awaited: set[int] = set()
+        self._opened: set[tuple[str, int]] = set()  # (task, epoch) this consumer opened
         self._by_socket: dict[Any, Peer] = {}  # every open peer's, leaving ones' too
         self._index_of: dict[str, int] = {}  # every worker that ever served the job
         self.budget = Budget(settings.memory_budget, settings.prefetch, settings.width)
@@ -309,6 +310,10 @@ class Peers:
                 self.left(peer)
                 self.on_gone()
 
+    def opened_on(self, task: str, epoch: int) -> bool:
+        """Whether this consumer opened ``epoch`` on ``task`` (the latest epochs')."""
+        return (task, epoch) in self._opened
+
     def awaited(self) -> bool:
         """Whether a worker that left the job cleanly may still send records of the
         epoch: its END has not come yet (see :meth:`update`)."""
@@ -385,6 +390,10 @@ class Peers:
         if again:
             body["redispatched"] = True
         peer.opened = session.epoch
+        if peer.task is not None and session.epoch is not None:
+            if len(self._opened) >= MAX_ITEMS:  # (a long run's: the latest epochs count)
+                self._opened = {(t, e) for t, e in self._opened if e >= session.epoch}
+            self._opened.add((peer.task, session.epoch))
         self.send(peer, Command.OPEN, payload=session.epoch_input.frames(peer.index),
                   body=body)
         if again:

@@ -74,6 +74,7 @@ from zloader.transport.shapes import (
     MIX_WEIGHTS,
     PIPELINE_REF,
     ROUNDS,
+    drained_entry,
     endpoint,
     error_object,
     fence,
@@ -332,7 +333,7 @@ class Job(Record):
     joined: dict[str, Any] | None = fld(optional(obj), None, omit=True)
     read: tuple[Any, ...] | None = fld(optional(array), None, omit=True)
     # its latest tasks that left it cleanly (drained, SIGTERM): each sent its END last
-    drained: tuple[str, ...] = fld(list_of(NAME), (), omit=True)
+    drained: tuple[dict[str, Any], ...] = fld(list_of(drained_entry), (), omit=True)
     # a shared job's trainer: the branch it reads (its OPEN says so), 0: the job's pipeline
     branch: int = fld(integer(0, MAX_BRANCHES), 0, omit=True)
 
@@ -720,8 +721,7 @@ class End(Record):
     replayed: int | None = fld(optional(INDEX), None, omit=True)
     # a shared job's: the fences (or drained tasks) whose elements came before it (HANDOVER)
     fences: tuple[str, ...] = fld(list_of(NAME), (), omit=True)
-    # a shared job's worker that handed its splits of the epoch on before this trainer
-    # opened it there: its task id, which the END of the worker that makes them names
+    # a shared job's task that handed its splits of the epoch on (the taker's END names it)
     handed: str | None = fld(optional(NAME), None, omit=True)
     origins: bool = fld(boolean, False, omit=True)  # an origin block is its payload
     # A mix input the worker has no more elements of this epoch (its consumers draw the

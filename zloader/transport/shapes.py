@@ -108,6 +108,20 @@ def fence(value: Any) -> dict[str, Any]:
     except Wrong:
         raise Wrong("entries' splits must be [pass key, split]") from None
     return value
+
+
+def drained_entry(value: Any) -> dict[str, Any]:
+    """An entry of ``JOB.drained``: ``{task}``, a task that left its job cleanly; a shared
+    job's that handed splits on adds ``taker`` (the worker that makes them again, naming
+    the task in its ENDs) and ``epochs`` (those it handed splits of)."""
+    if not (isinstance(value, dict) and isinstance(value.get("task"), str)
+            and isinstance(value.get("taker", ""), str)
+            and isinstance(value.get("epochs", []), list)
+            and all(is_int(e) and e >= 0 for e in value.get("epochs", []))):
+        raise Wrong("entries must be {task, taker, epochs: [epoch, ...]}")
+    return value
+
+
 ROUNDS = list_of(INDEX)
 
 
