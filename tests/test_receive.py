@@ -224,6 +224,10 @@ def test_a_trainer_that_never_opened_an_epoch_on_a_drained_task_waits_for_its_ta
     session.start(1, EpochInput())
     end.start()
     assert session.awaiting == {}
+    session.start(0, EpochInput())  # (opened on t1, which said it handed epoch 0 on)
+    session.awaiting["t1"] = ""  # (Receiver._end: END.handed, its taker not known)
+    end.view(view)
+    assert session.awaiting == {"t1": "w2"}  # (no longer waited for once w2 leaves)
 
 
 def test_a_restarted_broker_s_fence_of_a_dead_worker_replaces_the_one_awaited():

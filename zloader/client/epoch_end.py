@@ -92,10 +92,12 @@ class EpochEnd:
         if self.stats.share is None or session.done or session.epoch is None:
             return
         for entry in self._drained:  # (checked by the JOB record)
-            taker = entry.get("taker")
-            if taker and session.epoch in entry.get("epochs", ()) \
-                    and not self.peers.opened_on(entry["task"], session.epoch):
-                session.awaiting.setdefault(entry["task"], taker)
+            task, taker = entry["task"], entry.get("taker")
+            if taker and session.awaiting.get(task) == "":
+                session.awaiting[task] = taker  # (END.handed's: not once its taker left)
+            elif taker and session.epoch in entry.get("epochs", ()) \
+                    and not self.peers.opened_on(task, session.epoch):
+                session.awaiting.setdefault(task, taker)
 
     # --- the end --------------------------------------------------------------------------
 
