@@ -428,23 +428,18 @@ def test_shared_a_dead_worker_s_splits_handed_over_before_a_trainer_opens_are_fe
         delivery.close()
 
 
-def test_shared_a_trainer_without_credits_left_gets_its_end():
+def test_shared_a_trainer_without_credits_left_gets_its_end(shared):
     """The END takes no credit: a trainer that spent its last credit on the epoch's last
     record gets it (before, it waited for a credit it had no reason to send, and a worker
     draining to move handed its splits on without counting it as served)."""
-    port = FakePort()
-    delivery = SharedDelivery(port, WindowSettings(1 << 20, "block", 0.0))
-    port.attach(delivery)
-    try:
-        port.join("a", credits=1)
-        produce(delivery)
-        end(delivery)
-        assert kinds(port, "a") == ["DATA", "END"]
-    finally:
-        delivery.close()
+    port, delivery = shared
+    port.join("a", credits=1)
+    produce(delivery)
+    end(delivery)
+    assert kinds(port, "a") == ["DATA", "END"]
 
 
-def test_shared_a_drained_worker_names_its_task_to_trainers_it_did_not_serve():
+def test_shared_a_drained_worker_names_its_task_to_trainers_it_did_not_serve(shared):
     """A worker hands its splits of epoch 0 on (it drained to move): a trainer that had
     opened epoch 1 here, which it never made, gets its END now (no name: nothing of epoch
     1 was handed on); a trainer whose OPEN of epoch 0 comes after the handover gets an END
@@ -455,31 +450,27 @@ def test_shared_a_drained_worker_names_its_task_to_trainers_it_did_not_serve():
 
     from zloader.sharing.handover import from_wire
 
-    port = FakePort()
+    port, delivery = shared
     port.spec = SimpleNamespace(index=3)
-    delivery = SharedDelivery(port, WindowSettings(1 << 20, "block", 0.0))
-    port.attach(delivery)
-    try:
-        port.join("a", credits=10)
-        delivery.new_epoch(0)["splits"][(0,)] = [5, 2]  # (as its producer notes them)
-        produce(delivery)
-        end(delivery)
-        port.join("b", epoch=1, credits=10)
-        (segment,) = from_wire(delivery.handover())
-        assert segment.epoch == 0 and segment.index == 3
-        assert segment.served == {"a", "b"}  # (b reads a later epoch: it started after)
-        (ended,) = port.outlet.to("b", "END")
-        assert ended.record.epoch == 1 and ended.record.handed is None
-        port.join("c", epoch=0, credits=10)
-        (crossed,) = port.outlet.to("c", "END")
-        assert crossed.record.handed == "task-0" and port.outlet.to("c", "DATA") == []
-        assert [e.record.handed for e in port.outlet.to("a", "END")] == [None]
-        assert delivery.handed() == {0}
-    finally:
-        delivery.close()
+    port.join("a", credits=10)
+    delivery.new_epoch(0)["splits"][(0,)] = [5, 2]  # (as its producer notes them)
+    produce(delivery)
+    end(delivery)
+    port.join("b", epoch=1, credits=10)
+    (segment,) = from_wire(delivery.handover())
+    assert segment.epoch == 0 and segment.index == 3
+    assert segment.served == {"a", "b"}  # (b reads a later epoch: it started after)
+    (ended,) = port.outlet.to("b", "END")
+    assert ended.record.epoch == 1 and ended.record.handed is None
+    port.join("c", epoch=0, credits=10)
+    (crossed,) = port.outlet.to("c", "END")
+    assert crossed.record.handed == "task-0" and port.outlet.to("c", "DATA") == []
+    assert [e.record.handed for e in port.outlet.to("a", "END")] == [None]
+    assert delivery.handed() == {0}
 
 
-def test_shared_a_trainer_ended_before_a_drained_worker_s_splits_came_gets_them_then_an_end():
+def test_shared_a_trainer_ended_before_a_drained_worker_s_splits_came_gets_them_then_an_end(
+        shared):
     """The taker had ended trainer ``c``'s epoch 0 (its OPEN came before the broker's
     hold) when the drained worker's splits come, under its task's id: ``c`` gets them
     made again, then an END naming that task (before, nothing: it missed them). A
@@ -488,26 +479,21 @@ def test_shared_a_trainer_ended_before_a_drained_worker_s_splits_came_gets_them_
     trainer's replay back)."""
     from zloader.sharing.handover import Segment, to_wire
 
-    port = FakePort()
-    delivery = SharedDelivery(port, WindowSettings(1 << 20, "block", 0.0))
-    port.attach(delivery)
-    try:
-        port.join("c", credits=100)
-        produce(delivery)
-        end(delivery)
-        assert kinds(port, "c") == ["DATA", "END"]
-        entries = to_wire([Segment(0, 1, {(0,): [4, 7]}, {"a"})])
-        entries[-1]["last"] = True
-        delivery.adopt(tuple(entries), fence="moved-task")
-        (remake,) = port.started
-        delivery.on_record(remake, record(2))
-        delivery.on_end(remake, EndOut(0))
-        assert kinds(port, "c") == ["DATA", "END", "DATA", "END"]
-        assert port.outlet.to("c", "END")[-1].record.fences == ("moved-task",)
-        port.join("d", credits=100)  # (a trainer it owes the segment to, paused)
-        port.streams[b"d"].credits = 0
-        (_, again) = port.started
-        port.join("d", epoch=1, credits=100)  # (it moved on to epoch 1)
-        assert again in port.dropped and not delivery.replays and delivery.replay is None
-    finally:
-        delivery.close()
+    port, delivery = shared
+    port.join("c", credits=100)
+    produce(delivery)
+    end(delivery)
+    assert kinds(port, "c") == ["DATA", "END"]
+    entries = to_wire([Segment(0, 1, {(0,): [4, 7]}, {"a"})])
+    entries[-1]["last"] = True
+    delivery.adopt(tuple(entries), fence="moved-task")
+    (remake,) = port.started
+    delivery.on_record(remake, record(2))
+    delivery.on_end(remake, EndOut(0))
+    assert kinds(port, "c") == ["DATA", "END", "DATA", "END"]
+    assert port.outlet.to("c", "END")[-1].record.fences == ("moved-task",)
+    port.join("d", credits=100)  # (a trainer it owes the segment to, paused)
+    port.streams[b"d"].credits = 0
+    (_, again) = port.started
+    port.join("d", epoch=1, credits=100)  # (it moved on to epoch 1)
+    assert again in port.dropped and not delivery.replays and delivery.replay is None

@@ -53,13 +53,13 @@ class EpochEnd:
         self._rereads: dict[tuple[tuple[int, ...], int], int] = {}  # split -> times asked
         self._short_failed = False  # the epoch ended short for good (raised once)
         self._answered: dict[str, float] = {}  # fences this consumer answered -> when
-        self._awaited: dict[tuple[str, str], str] = {}  # (dead worker, task) -> its fence
+        self._dead_fence: dict[tuple[str, str], str] = {}  # (dead worker, task) -> its fence
         self._drained: tuple[dict[str, Any], ...] = ()  # the latest JOB.drained
 
     def start(self) -> None:
         """The session began a new epoch: forget the last one's end."""
         self._confirming = self._draining = self._short_failed = False
-        self.read, self._rereads, self._awaited = None, {}, {}
+        self.read, self._rereads, self._dead_fence = None, {}, {}
         self._await_handed()
         resume, session = self.resume, self.session
         if resume is not None and resume["epoch"] == session.epoch:
@@ -263,8 +263,8 @@ class EpochEnd:
                     # (a restarted broker fences the dead worker again, under a new id:
                     # the old one's taker never names it)
                     dead = (fence["worker"], fence["task"])
-                    session.awaiting.pop(self._awaited.get(dead, ""), None)
-                    self._awaited[dead] = fence["id"]
+                    session.awaiting.pop(self._dead_fence.get(dead, ""), None)
+                    self._dead_fence[dead] = fence["id"]
                     session.awaiting[fence["id"]] = fence["taker"]
                 continue
             held = tuple((tuple(key), split, info)

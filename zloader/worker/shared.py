@@ -80,8 +80,9 @@ class SharedDelivery(Delivery):
         # entries until its last one comes.
         self.adopted: dict[int, list[Segment]] = {}
         self.incoming: list[dict[str, Any]] = []
-        self.handed_on = False  # it left the job cleanly: another worker makes its splits
-        self.handed_epochs: set[int] = set()  # the epochs of what it handed on
+        # It left the job cleanly, handing its splits of these epochs on (None: not yet):
+        # another worker makes them
+        self.handed_epochs: set[int] | None = None
         # The branches each epoch's production here makes (a trainer of another one
         # gets that epoch made for it alone; zloader/sharing/branches.py).
         self.made: dict[int, set[int]] = {}
@@ -100,7 +101,7 @@ class SharedDelivery(Delivery):
         it missed of an epoch under way is made again for it (a replay)."""
         port, epoch, credits = self.port, opened.epoch, opened.credits
         cursor = self.window.cursors.get(stream.identity)
-        if self.handed_on and (cursor is None or cursor.epoch != epoch):
+        if self.handed_epochs is not None and (cursor is None or cursor.epoch != epoch):
             # (an OPEN that crossed its handover: the worker it went to serves this one,
             # and names this task in its END, which the trainer waits for)
             port.outlet.send(stream, End(epoch=epoch,
@@ -495,7 +496,6 @@ class SharedDelivery(Delivery):
         adopted = [Segment(epoch, s.index, s.splits, s.served | served(epoch),
                            switches=s.switches)
                    for epoch, segments in sorted(self.adopted.items()) for s in segments]
-        self.handed_on = True
         self.handed_epochs = {segment.epoch for segment in own + adopted}
         for identity, cursor in self.window.cursors.items():
             stream = port.streams.get(identity)
@@ -511,7 +511,7 @@ class SharedDelivery(Delivery):
         return to_wire(own + adopted)
 
     def handed(self) -> set[int] | None:
-        return self.handed_epochs if self.handed_on else None
+        return self.handed_epochs
 
     def adopt(self, entries: tuple[dict[str, Any], ...], held: tuple[int, ...] = (),
               fence: str | None = None) -> None:
