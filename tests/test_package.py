@@ -89,7 +89,7 @@ LAYERS = {
     # the torch adapter: conversion and seeding, then what runs on workers and the
     # iterators, the DataLoader, the package's public names
     "torch.tensors": 9.0, "torch.seeding": 9.0, "torch.failures": 9.0, "torch.states": 9.05,
-    "torch.dataset": 9.1, "torch.feed": 9.06,
+    "torch.dataset": 9.1, "torch.permutation": 9.0, "torch.feed": 9.06,
     "torch.source": 9.1, "torch.passes": 9.1, "torch.dataloader": 9.2, "torch": 9.3,
     "_cache_cli": 9.5, "cli": 10, "broker.__main__": 10.5, "worker.__main__": 10.5, "__init__": 11,
 }
@@ -225,6 +225,7 @@ def test_no_runtime_module_reaches_into_another_s_private_state():
 FORMAT_CONSTANTS = {
     "packed": {"_MARSHAL_VERSION", "_INT32"},  # marshal format 2, and its small ints
     "handoff": {"_FIELDS", "_FLAT", "_LEFT", "_PENDING", "_READY", "_TUPLE"},  # its table
+    "torch.permutation": {"_LIMIT", "_STATE_WORDS"},  # torch's kernel and generator state
     "_process": {"_FORKED", "_PREPARED", "_ENDED"},  # the kinds of the forker's reports
     "codec": {"VERSION",  # the encoded element's format version
               "_I64_MIN", "_I64_MAX"},  # the range of the int64 tag

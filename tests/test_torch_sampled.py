@@ -13,6 +13,7 @@ import torch
 import torch.utils.data
 
 import zloader.torch as zt
+from zloader.torch import permutation
 from zloader.torch.feed import batches_of
 
 
@@ -40,8 +41,13 @@ def pulled(iterator: object, pulls: int) -> list[list[int]]:
 @pytest.mark.parametrize("size, batch", [(1000, 64), (1024, 64), (7, 10), (64, 64), (1, 1)])
 @pytest.mark.parametrize("drop_last", [False, True])
 @pytest.mark.parametrize("kind", ["shuffled", "shuffled, own generator", "sequential"])
+@pytest.mark.parametrize("ahead", [None, 100])
 def test_the_batches_and_every_draw_are_torch_s_at_every_pull(size, batch, drop_last,
-                                                                kind) -> None:
+                                                                kind, ahead,
+                                                                monkeypatch) -> None:
+    if ahead is not None:  # (shuffles of 2 on start emulated for ``ahead``: permutation.py)
+        monkeypatch.setattr(permutation, "PERMUTATION_MIN_SAMPLES", 2)
+        monkeypatch.setattr(permutation, "PERMUTATION_AHEAD", ahead)
     def sampler() -> tuple[torch.utils.data.BatchSampler, torch.Generator | None]:
         generator = None
         if kind == "sequential":

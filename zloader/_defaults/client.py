@@ -164,3 +164,16 @@ DEMO_WORKERS = 2
 
 DEMO_DISTINCT = 64
 """Distinct encoded images the demo source cycles through (fixed)."""
+
+PERMUTATION_MIN_SAMPLES = 1 << 18
+"""torch's shuffles of at least this many samples have their first indices emulated while
+torch draws the whole permutation on a thread (zloader/torch/permutation.py): 3 M samples
+take 40-64 ms to draw, 262,144 about 2 ms, the emulation's start 1-2 ms (fixed)."""
+
+PERMUTATION_AHEAD = 1 << 14
+"""... for at most this many indices: the trainer waits for torch's whole permutation
+past them (its first batches are out by then) (fixed)."""
+
+PERMUTATION_NICE = 10
+"""That thread runs this much nicer than the trainer's others: on a host with few cores
+the workers' start goes first (fixed)."""

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
+from zloader.torch import permutation
 from zloader.torch.states import Batches
 
 __all__ = ["Dispatcher", "Feed", "batches_of", "decode", "encode"]
@@ -66,7 +67,9 @@ def _cut(inner: Any, size: int, drop_last: bool) -> Iterator[Any]:
     its order: a ``RandomSampler`` without a generator draws its seed from torch's
     global one at the first pull; each draws a permutation then, and a second (empty)
     one where torch's sampler goes past its first: in the pull that makes a last partial
-    batch, or else in the pull that finds the epoch over."""
+    batch, or else in the pull that finds the epoch over. A large permutation's first
+    indices are emulated while torch draws it on a thread (zloader/torch/permutation.py):
+    the generator moves on as torch's does at once."""
     count = len(inner.data_source)
     if count == 0:  # (torch's sampler then fails as it fails, or yields nothing)
         yield from torch.utils.data.BatchSampler(inner, size, drop_last)
@@ -79,14 +82,14 @@ def _cut(inner: Any, size: int, drop_last: bool) -> Iterator[Any]:
             seed = int(torch.empty((), dtype=torch.int64).random_().item())
             generator = torch.Generator()
             generator.manual_seed(seed)
-        order = torch.randperm(count, generator=generator).numpy()
+        order: Any = permutation.randperm(count, generator)
     else:
         order = np.arange(count, dtype=np.int64)
     full = count - count % size
     for start in range(0, full, size):
         yield order[start:start + size]
-    if shuffled:
-        torch.randperm(count, generator=generator)  # (torch's sampler's last, empty one)
+    if generator is not None:
+        permutation.skip(count, generator)  # (torch's sampler's last, empty one)
     if full < count and not drop_last:
         yield order[full:]
 

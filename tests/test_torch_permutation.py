@@ -1,0 +1,156 @@
+"""A large shuffle's first indices emulated while torch draws the whole permutation on a
+thread (zloader/torch/permutation.py): torch's permutation index for index, and the
+generator left at once as ``torch.randperm`` leaves it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.utils.data
+
+import zloader.torch as zt
+from zloader.torch import permutation
+from zloader.torch.permutation import Permutation
+
+
+def _generator(seed: int, draws: int) -> torch.Generator:
+    """A generator seeded with ``seed`` that drew ``draws`` times already (its mt19937
+    part-way through its state, or at its start when none)."""
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    for _ in range(draws):
+        torch.empty((), dtype=torch.int64).random_(generator=generator)
+    return generator
+
+
+def _theirs(count: int, state: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+    generator = torch.Generator()
+    generator.set_state(state)
+    return torch.randperm(count, generator=generator).numpy(), generator.get_state()
+
+
+def test_this_torch_s_kernel_is_the_one_emulated() -> None:
+    # (else every large shuffle draws the whole permutation before the first batch)
+    assert permutation._checked()
+    smallest = permutation.PERMUTATION_MIN_SAMPLES
+    assert permutation.available(smallest, torch.Generator())
+    assert not permutation.available(smallest - 1, torch.Generator())
+    assert not permutation.available(permutation._LIMIT, torch.Generator())
+
+
+@pytest.mark.parametrize("count", [2, 624, 625, 1249, 5000, 70_001])
+@pytest.mark.parametrize("draws", [0, 1, 623, 700])
+@pytest.mark.parametrize("thread", [True, False])
+def test_the_permutation_and_the_generator_s_state_are_torch_s(count, draws, thread) -> None:
+    generator = _generator(count + draws, draws)
+    before = generator.get_state()
+    mine = Permutation(count, generator, ahead=min(count, 3000), thread=thread)
+    want, after = _theirs(count, before)
+    assert torch.equal(generator.get_state(), after)  # (at once, before any index)
+    pieces, at, rng = [], 0, random.Random(count)
+    while at < count:  # (taken in uneven steps, emulated then torch's)
+        stop = min(count, at + rng.choice([1, 7, 64, 500, 4000]))
+        pieces.append(mine[at:stop].copy())
+        at = stop
+    assert np.array_equal(np.concatenate(pieces), want)
+    tail = max(0, count - 3)
+    assert np.array_equal(mine[tail:], want[tail:])
+
+
+def test_a_process_that_exits_while_torch_draws_the_permutation_exits_cleanly() -> None:
+    # (a daemon thread inside torch's C++ code aborts the interpreter's exit)
+    code = ("import torch; from zloader.torch.permutation import Permutation; "
+            "g = torch.Generator(); g.manual_seed(0); "
+            "print(Permutation(3_000_000, g)[0:4].tolist())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert len(json.loads(done.stdout)) == 4
+
+
+def test_a_fork_waits_for_the_thread_drawing_a_permutation() -> None:
+    generator = _generator(5, 0)
+    mine = Permutation(3_000_000, generator)
+    thread = mine._thread
+    assert thread is not None and thread in permutation._running
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert not thread.is_alive() and thread not in permutation._running
+
+
+def test_skip_moves_the_generator_on_as_a_dropped_randperm_does() -> None:
+    generator = _generator(9, 3)
+    _, after = _theirs(300_000, generator.get_state())
+    permutation.skip(300_000, generator)
+    assert torch.equal(generator.get_state(), after)
+
+
+def test_a_whole_permutation_that_differs_from_the_emulated_one_still_gives_each_index_once(
+        monkeypatch, caplog) -> None:
+    monkeypatch.setattr(permutation, "_broken", False)
+    drawn = Permutation._draw
+
+    def reversed_draw(self: Permutation, start: torch.Tensor, nice: bool = True) -> None:
+        drawn(self, start, nice)
+        self._drawn["order"] = self._drawn["order"][::-1].copy()
+
+    monkeypatch.setattr(Permutation, "_draw", reversed_draw)
+    count = 10_000
+    mine = Permutation(count, _generator(1, 0), ahead=count, thread=False)
+    first = mine[0:100].copy()
+    with caplog.at_level(logging.WARNING, "zloader.torch"):
+        whole = mine[0:count]
+    assert np.array_equal(whole[:100], first)
+    assert np.array_equal(np.sort(whole), np.arange(count))
+    assert "not the permutation zloader emulated for its first 100 indices" in caplog.text
+    assert not permutation.available(count * 100, torch.Generator())  # (plain from now on)
+
+
+class Sized(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+def test_a_loader_s_emulated_epochs_are_torch_s_and_so_is_its_generator_after_each(
+        monkeypatch) -> None:
+    monkeypatch.setattr(permutation, "PERMUTATION_MIN_SAMPLES", 1000)
+    monkeypatch.setattr(permutation, "PERMUTATION_AHEAD", 500)
+    data = Sized(20_000)
+    generator = torch.Generator()
+    generator.manual_seed(2)
+    theirs = torch.utils.data.DataLoader(data, batch_size=64, shuffle=True,
+                                         generator=generator)
+    want, states = [], []
+    for _ in range(2):
+        iterator = iter(theirs)
+        want.append([next(iterator).tolist()])
+        states.append(generator.get_state())  # (the user's view: after the first batch)
+        want[-1].extend(b.tolist() for b in iterator)
+    generator.manual_seed(2)
+    ours = zt.DataLoader(data, batch_size=64, shuffle=True, generator=generator,
+                         num_workers=2)
+    try:
+        for epoch in range(2):
+            iterator = iter(ours)
+            got = [next(iterator).tolist()]
+            assert torch.equal(generator.get_state(), states[epoch])
+            got.extend(b.tolist() for b in iterator)
+            assert got == want[epoch]
+    finally:
+        ours.close()
