@@ -165,10 +165,12 @@ DEMO_WORKERS = 2
 DEMO_DISTINCT = 64
 """Distinct encoded images the demo source cycles through (fixed)."""
 
-PERMUTATION_MIN_SAMPLES = 1 << 18
+PERMUTATION_MIN_SAMPLES = 1 << 16
 """torch's shuffles of at least this many samples have their first indices emulated while
-torch draws the whole permutation on a thread (zloader/torch/permutation.py): 3 M samples
-take 40-64 ms to draw, 262,144 about 2 ms, the emulation's start 1-2 ms (fixed)."""
+torch draws the whole permutation on a thread (zloader/torch/permutation.py): drawn on a
+quiet core, 3 M samples take 40-64 ms and 200,000 about 1.5 ms, against 1.3 ms for the
+emulation's start; but a shuffle is drawn while the workers start, and there 200,000
+took 11 ms before the first batch of bench.startup's 2-worker case on 2 cores (fixed)."""
 
 PERMUTATION_AHEAD = 1 << 14
 """... for at most this many indices: the trainer waits for torch's whole permutation

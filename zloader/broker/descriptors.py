@@ -27,6 +27,7 @@ import logging
 import os
 import socket
 import struct
+import time
 from collections.abc import Iterator
 
 from zloader._defaults import (
@@ -83,7 +84,9 @@ class Descriptors:
 
     def __init__(self, endpoint: str) -> None:
         self.port = _port(endpoint)
-        self.next_check = 0.0
+        # (the first check one interval in: a broker that starts has few, and listing
+        # them would delay an embedded Loader's first batch)
+        self.next_check = time.monotonic() + DESCRIPTORS_CHECK_SECONDS
         self.warned = float("-inf")  # when "run low" was last logged
         self.told = float("-inf")  # when drops were last logged
         self.dropped = 0  # connections dropped so far
