@@ -46,6 +46,24 @@ def test_this_torch_s_kernel_is_the_one_emulated() -> None:
     assert not permutation.available(permutation._LIMIT, torch.Generator())
 
 
+def test_a_kernel_other_than_the_one_emulated_is_found_out_before_any_use(monkeypatch) -> None:
+    emulate = Permutation._emulate
+
+    def off_by_one(self: Permutation, stop: int) -> None:
+        emulate(self, stop)
+        self._emulated[:stop] = (self._emulated[:stop] + 1) % self.count
+
+    monkeypatch.setattr(Permutation, "_emulate", off_by_one)
+    permutation._checked.cache_clear()
+    try:
+        assert not permutation._checked()
+        assert not permutation.available(permutation.PERMUTATION_MIN_SAMPLES, torch.Generator())
+    finally:
+        monkeypatch.undo()
+        permutation._checked.cache_clear()
+    assert permutation._checked()
+
+
 @pytest.mark.parametrize("count", [2, 624, 625, 1249, 5000, 70_001])
 @pytest.mark.parametrize("draws", [0, 1, 623, 700])
 @pytest.mark.parametrize("thread", [True, False])
