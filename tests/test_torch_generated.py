@@ -462,7 +462,11 @@ def _cut(make: Callable[[], Any], state: dict[str, Any] | None,
         loader.close()
 
 
-def _run(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def _run(seed: int, monkeypatch: pytest.MonkeyPatch | None = None) -> None:
+    if monkeypatch is None:  # (tests/sweep.py's call)
+        with pytest.MonkeyPatch.context() as patch:
+            _run(seed, patch)
+        return
     if seed % 2:  # (every shuffle's first indices emulated: zloader/torch/permutation.py)
         monkeypatch.setattr(permutation, "PERMUTATION_MIN_SAMPLES", 2)
         monkeypatch.setattr(permutation, "PERMUTATION_AHEAD", 1 + seed % 37)
