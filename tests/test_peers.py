@@ -14,6 +14,7 @@ from zloader._host import host_id
 from zloader.client.peers import Peers
 from zloader.client.session import Session, Settings
 from zloader.client.stats import Stats
+from zloader.transport.protocol import Command, decode
 
 SHM_DIR = "/dev/shm"
 
@@ -100,4 +101,36 @@ def test_a_worker_that_drained_away_holds_the_epoch_s_end_until_its_end_or_its_g
         peers.close_all()
         for sock in sockets:
             sock.close(0)
+        context.destroy(0)
+
+
+def _commands(sock: zmq.Socket, seconds: float) -> list[Command]:
+    """The commands that come to the ROUTER ``sock`` within ``seconds``."""
+    got, deadline = [], time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        if sock.poll(int(left * 1000)):
+            got.append(decode(sock.recv_multipart()[1:]).command)
+    return got
+
+
+def test_a_worker_read_on_after_it_left_the_view_gets_its_credits_back() -> None:
+    """A moved worker sends what it made for this consumer, then its END, on the stream
+    read on after the view dropped it; it needs credits for those records as before.
+    (They went only to the workers in the view: a worker moved while the consumer had
+    spent its credits could send nothing more until the grace was over.)"""
+    context = zmq.Context()
+    worker_socket = context.socket(zmq.ROUTER)
+    port = worker_socket.bind_to_random_port("tcp://127.0.0.1")
+    peers = _peers_of_a_shared_job(context)
+    try:
+        peers.update([{"worker": "w1", "task": "t1", "index": 0, "pid": os.getpid(),
+                       "endpoint": f"tcp://127.0.0.1:{port}", "host_id": "elsewhere"}])
+        assert Command.OPEN in _commands(worker_socket, 1.0)
+        peers.update([], drained=("t1",))
+        assert peers.awaited() and peers.get("w1") is None  # (off the view, read on)
+        peers.credit("w1", peers.budget.credit_batch)
+        assert _commands(worker_socket, 1.0) == [Command.CREDIT]
+    finally:
+        peers.close_all()
+        worker_socket.close(0)
         context.destroy(0)

@@ -502,7 +502,7 @@ class Peers:
         """Give ``worker`` back ``credits`` (records used; of mix input ``part`` when this
         consumer draws the mix); sent once half the prefetch (that the memory budget
         allows) has come back, or at once when segments wait to be let go of."""
-        target = self._peers.get(worker)
+        target = self._peers.get(worker) or self._leaving_of(worker)
         if target is None or self.session.epoch is None:
             return
         if part is None and self._counted(target, target.returned + credits):
@@ -524,6 +524,16 @@ class Peers:
                 target.returned = 0
             self.send(target, Command.CREDIT, body)
             target.mapped = []
+
+    def _leaving_of(self, worker: str) -> Peer | None:
+        """The stream of ``worker`` read on after it left the view (:meth:`update`): it
+        sends the rest of what it made for this consumer, then its END, and needs credits
+        for those records as before (without them, one that had none left could send
+        nothing more until the grace was over)."""
+        for peer, _ in self._leaving.values():
+            if peer.worker == worker:
+                return peer
+        return None
 
     def _granted(self, peer: Peer, credits: int, part: int | None) -> None:
         """``credits`` go to ``peer`` now (of mix input ``part``)."""
