@@ -17,6 +17,7 @@ import torch
 import torch.utils.data
 
 import zloader.torch as zt
+from tests.test_torch_sampled import Sized
 from zloader.torch import permutation
 from zloader.torch.permutation import Permutation
 
@@ -132,17 +133,6 @@ def test_a_whole_permutation_that_differs_from_the_emulated_one_still_gives_each
     assert np.array_equal(np.sort(whole), np.arange(count))
     assert "not the permutation zloader emulated for its first 100 indices" in caplog.text
     assert not permutation.available(count * 100, torch.Generator())  # (plain from now on)
-
-
-class Sized(torch.utils.data.Dataset):  # type: ignore[type-arg]
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, index: int) -> int:
-        return index
 
 
 def test_a_loader_s_emulated_epochs_are_torch_s_and_so_is_its_generator_after_each(
