@@ -499,3 +499,24 @@ def test_a_segment_with_many_switches_of_weights_takes_entries_that_fit_a_messag
     (back,) = from_wire(entries)
     assert back.switches == {(3,): switched}
     assert back.splits == {(3, 1 << 20): [5, 2], (3, (1 << 20) + 1): [9]}
+
+
+def test_handovers_a_task_was_handed_before_it_began_are_handed_on_as_one():
+    """A task that drains while its pipeline loads hands on what it was handed meanwhile:
+    two handovers' entries (each numbering its segments from 0, the broker's ``last``
+    ending each) become one handover whose segments are those of both, each whole, and a
+    handover whose last entry had not come yet is kept too."""
+    from zloader.sharing.handover import Segment, from_wire, rehanded, to_wire
+
+    first = to_wire([Segment(0, 1, {(0,): [4, 7]}, {"a"}),
+                     Segment(1, 1, {(1,): [2]}, set(), {"b": 3})])
+    second = to_wire([Segment(0, 2, {(0,): [5]}, set(), {"a": [[0, 2]]})])
+    partial = to_wire([Segment(1, 3, {(1,): [8, 9]})])
+    first[-1]["last"] = second[-1]["last"] = True
+    entries = rehanded([first[:1], first[1:], second, partial])
+    assert not any(entry["last"] for entry in entries)
+    back = [(s.epoch, s.index, s.splits, s.served, s.had) for s in from_wire(entries)]
+    assert back == [(0, 1, {(0,): [4, 7]}, {"a"}, {}), (1, 1, {(1,): [2]}, set(), {"b": 3}),
+                    (0, 2, {(0,): [5]}, set(), {"a": [[0, 2]]}),
+                    (1, 3, {(1,): [8, 9]}, set(), {})]
+    assert rehanded([]) == []

@@ -36,7 +36,7 @@ from typing import Any
 
 from zloader._defaults import HANDOVER_SERVED, HANDOVER_SPLITS, HANDOVER_SWITCHES
 
-__all__ = ["Had", "Segment", "Switched", "from_wire", "to_wire"]
+__all__ = ["Had", "Segment", "Switched", "from_wire", "rehanded", "to_wire"]
 
 Key = tuple[int, ...]
 
@@ -116,3 +116,18 @@ def from_wire(entries: Iterable[dict[str, Any]]) -> list[Segment]:
         for key, switched in segment.switches.items():
             segment.switches[key] = sorted(dict(switched).items())
     return list(segments.values())
+
+
+def rehanded(handovers: Iterable[Iterable[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The entries of ``HANDOVER`` messages, in the order they came, as one handover of
+    their segments (a task that drained before it began hands on what it was handed:
+    the segments of each handover, the broker's ``last`` ending one, numbered anew)."""
+    segments: list[Segment] = []
+    batch: list[dict[str, Any]] = []
+    for entries in handovers:
+        for entry in entries:
+            batch.append(entry)
+            if entry["last"]:
+                segments += from_wire(batch)
+                batch = []
+    return to_wire(segments + from_wire(batch))

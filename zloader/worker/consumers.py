@@ -125,11 +125,19 @@ class DataPort:
 
     def stopped(self, task: str, handed: set[int] | None) -> None:
         """``task`` ended here; ``handed``: the epochs of what it handed on (a shared
-        job's task that drained), None if nothing (see :meth:`_handed_end`)."""
-        if handed is not None:
-            self.handed[task] = handed
-            while len(self.handed) > EARLY_OPENS:
-                del self.handed[next(iter(self.handed))]
+        job's task that drained), None if nothing (see :meth:`_handed_end`). The OPENs
+        kept for it (it drained before it began) are answered now."""
+        if handed is None:
+            return
+        self.handed[task] = handed
+        while len(self.handed) > EARLY_OPENS:
+            del self.handed[next(iter(self.handed))]
+        kept = [early for early in self.early_opens if early[1].task == task]
+        if kept:
+            self.early_opens = deque((e for e in self.early_opens if e[1].task != task),
+                                     maxlen=EARLY_OPENS)
+            for identity, opened, _ in kept:
+                self._handed_end(identity, opened)
 
     def _handed_end(self, identity: bytes, opened: messages.Open) -> None:
         """An OPEN for a task that handed its splits on and ended here: it came after the

@@ -32,6 +32,7 @@ from zloader._host import host_id
 from zloader.forward import Capture
 from zloader.pipeline import Pipeline
 from zloader.plan import Plan, plan
+from zloader.sharing.handover import rehanded
 from zloader.shipping import Loading, Supply
 from zloader.transport import messages
 from zloader.transport.keys import Keys
@@ -473,7 +474,7 @@ class WorkerProcess:
             if self.loading is not None and record.task == self.loading[0].id:
                 self.loading = None
                 if record.drain:  # nothing taken yet: done at once
-                    self.broker.send(messages.Heartbeat(drained=record.task))
+                    self._drained_unbegun(record.task)
             if task is not None and record.task == task.id:
                 self._stop_task()
         elif isinstance(record, messages.Branch):
@@ -531,6 +532,19 @@ class WorkerProcess:
             if handover.task == assigned.id:
                 self.task.delivery.adopt(handover.segments, handover.held, handover.fence)
         self.port.begin(self.task)
+
+    def _drained_unbegun(self, task: str) -> None:
+        """``task`` drained while its pipeline loaded: it took no split, so it hands on
+        only what was handed to it meanwhile (a shared job's HANDOVERs, kept for it), and
+        an OPEN for it, kept or to come, is answered with an END as a drained task's is
+        (its trainers wait for that END: before, they waited LEAVE_GRACE_SECONDS, about
+        once in 150 runs of a shared job's move under load). Then it says it is done."""
+        early, self.early = [h.segments for h in self.early if h.task == task], []
+        entries = rehanded(early)
+        for entry in entries:
+            self.broker.send(messages.Heartbeat(handover=(entry,)))
+        self.port.stopped(task, {entry["epoch"] for entry in entries})
+        self.broker.send(messages.Heartbeat(drained=task))
 
     def _load_branch(self, record: messages.Branch, payload: list[Any]) -> None:
         """BRANCH: load the pipeline of a shared job's branch on a thread, as a task's
