@@ -7,6 +7,7 @@ import collections
 import contextlib
 import functools
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -14,7 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -626,6 +627,56 @@ def test_a_worker_moved_off_a_shared_job_repeats_nothing_and_hands_on_what_it_re
         run_together([functools.partial(read, name) for name in pipelines], timeout=120)
         for name, size in (("a", 1200), ("b", 600), ("c", 1200)):
             exactly_once(got[name], size)
+
+
+class SlowToLoad:
+    """A map function whose unpickling takes ``seconds`` (a worker loading its task's
+    pipeline waits that long), and that writes the pid of each process that loaded it
+    into ``folder``."""
+
+    def __init__(self, seconds: float, folder: str) -> None:
+        self.seconds, self.folder = seconds, folder
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        time.sleep(self.seconds)
+        with open(os.path.join(self.folder, f"loaded-{os.getpid()}"), "w"):
+            pass
+
+    def __call__(self, x: int) -> int:
+        time.sleep(0.002)
+        return x
+
+
+@pytest.mark.slow  # (about 6 s)
+def test_a_worker_moved_while_its_shared_task_loads_leaves_no_trainer_waiting(
+        tmp_path, caplog):
+    """A shared job's two workers load its pipeline (1.5 s each) when a second job comes
+    and the pool moves one of them: that worker drains before its task began, and the
+    trainer, which had opened its epoch there already, gets its END and all the job's
+    elements from the worker that stays. (Its OPEN was kept for a task that never began:
+    the trainer waited LEAVE_GRACE_SECONDS for an END, then warned; about once in 150
+    runs of ``tests.sweep --modes shared-move --seeds 922:923`` under load.)"""
+    first = Pipeline.range(600, split_size=20).map(SlowToLoad(1.5, str(tmp_path)))
+    second = Pipeline.range(300, split_size=20).map(_slow)
+    with service(workers=2) as (address, _):
+        got: dict[str, list[int]] = {}
+
+        def read(name: str) -> None:
+            if name == "b":  # (both of a's workers load its pipeline now)
+                wait_for(lambda: "a" in got, what="the first trainer")
+                time.sleep(0.3)
+            got[name] = []
+            with Loader(first if name == "a" else second, broker=address, share=True,
+                        timeout=60) as loader:
+                got[name].extend(int(x) for x in loader)
+
+        with caplog.at_level(logging.WARNING, logger="zloader"):
+            run_together([functools.partial(read, name) for name in "ab"], timeout=120)
+        exactly_once(got["a"], 600)
+        exactly_once(got["b"], 300)
+        assert not [r for r in caplog.records if "did not come" in r.getMessage()]
+        assert len(list(tmp_path.glob("loaded-*"))) == 2  # (both began to load it)
 
 
 @pytest.mark.slow  # (about 8 s)
