@@ -18,7 +18,7 @@ import torch.utils.data
 
 import zloader
 import zloader.torch as zt
-from zloader import handoff
+from zloader import _native, handoff
 
 pytestmark = pytest.mark.skipif(not handoff.available(),
                                 reason="this Python packs before the fork")
@@ -99,6 +99,8 @@ def test_the_loader_holds_no_memfd_and_its_packer_is_reaped(workers: int):
     with zloader.Loader(zloader.Pipeline.from_torch(Paths(300_000)),
                         num_workers=workers) as loader:
         assert _memfds() == before  # (the workers and the packer hold theirs)
+        # (its offsets found by the compiled core's walk where it is built: packed.pack)
+        assert loader._embedded.handoff.walk is _native.pick("marshal_offsets", None)
         packer = psutil.Process(_packer(loader))
         # (forked by the first worker, or by the forker once it forked the workers)
         forker = loader._embedded.forker

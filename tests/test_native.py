@@ -7,9 +7,11 @@ The compiled module is imported directly, so these tests compare both kernels un
 from __future__ import annotations
 
 import json
+import marshal
 import os
 import subprocess
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
@@ -610,3 +612,84 @@ def test_a_loader_gives_the_same_batches_with_either_kernels() -> None:
     (compiled, *made), (pure, *made_pure) = outputs
     assert (compiled, pure) == (True, False)
     assert made == made_pure
+
+
+# --- the packer's walk of a marshalled list ------------------------------------------------
+
+_atoms = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
+                   st.floats(allow_nan=False), st.complex_numbers(allow_nan=False),
+                   st.text(max_size=6), st.binary(max_size=4))
+_nested = st.recursive(
+    _atoms, lambda inner: st.one_of(
+        st.tuples(inner, inner), st.lists(inner, max_size=3).map(tuple),
+        st.dictionaries(st.text(max_size=3), inner, max_size=3),
+        st.lists(inner, max_size=2),  # (a list: neither walk takes it)
+        st.dictionaries(st.integers(0, 3), inner, min_size=1, max_size=2)),  # (keys not str)
+    max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_nested, max_size=12), st.sampled_from([list, tuple]), st.integers(0, 5))
+def test_the_marshal_walks_agree(values: list, kind: type, limit: int) -> None:
+    """The packer's walk of a list marshalled whole (zloader/packed.py): each element's
+    offset, how deep they nest and whether a dict is among them, the same in C and in
+    Python; each offset where marshal wrote that element; and the walk takes exactly what
+    ``packed.packable`` takes, bytes aside (marshal writes any buffer as bytes)."""
+    from zloader import packed
+
+    values = kind(values)
+    whole = marshal.dumps(values, 2)
+    start = len(packed._header(values))
+    compiled = _core.marshal_offsets(whole, start, len(values), limit)
+    pure = packed.marshal_offsets(whole, start, len(values), limit)
+    assert (compiled is None) == (pure is None)
+    depth, packed.PACK_MAX_DEPTH = packed.PACK_MAX_DEPTH, limit
+    try:
+        levels = packed._levels(values, set(map(type, values)), 0, set())
+    finally:
+        packed.PACK_MAX_DEPTH = depth
+    if pure is None:  # (what packable refuses, or bytes: refused)
+        assert levels is None or any(type(x) is bytes for x in _walked_values(values))
+        return
+    assert np.array_equal(compiled[0], pure[0]) and compiled[1:] == pure[1:]
+    offsets, deepest, dicts = pure
+    assert offsets[-1] == len(whole) - start and deepest == levels
+    for at, value in enumerate(values):
+        assert marshal.loads(whole[start + offsets[at]:start + offsets[at + 1]]) == value
+    assert dicts == any(type(x) is dict for x in _walked_values(values))
+
+
+def _walked_values(values: Any) -> Any:
+    for value in values:
+        yield value
+        if type(value) is tuple:
+            yield from _walked_values(value)
+        elif type(value) is dict:
+            yield from _walked_values(list(value.values()))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_nested, min_size=1, max_size=6))
+def test_a_list_packed_after_the_walk_is_the_same_bytes(elements: list) -> None:
+    """``packed.pack`` of a large list, its offsets found by the compiled walk or by the
+    checks by type (the pure path): the same memory, the same flatness, or both None."""
+    from zloader import packed
+
+    values = [elements[k % len(elements)] for k in range(packed.PACK_MIN_ITEMS)]
+    walked = packed.pack(values, walk=_core.marshal_offsets)
+    checked = packed.pack(values)
+    assert (walked is None) == (checked is None)
+    if walked is not None and checked is not None:
+        assert bytes(walked._memory) == bytes(checked._memory)
+        assert walked.flat == checked.flat and list(walked) == values
+
+
+def test_a_dataset_s_paths_are_packed_by_the_walk() -> None:
+    """A dataset's (path, label) pairs are packed with the walk's offsets, as the pure
+    path packs them."""
+    from zloader import packed
+
+    values = [(f"/data/{k}.jpg", k % 1000) for k in range(100_000)]
+    assert packed._walked(values, _core.marshal_offsets) is not None
+    view = packed.pack(values, walk=_core.marshal_offsets)
+    assert view is not None and view.flat and view[12345] == values[12345]

@@ -1,5 +1,6 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False
-"""zloader's compiled core: C twins of pure-Python kernels of the per-record path.
+"""zloader's compiled core: C twins of pure-Python kernels of the per-record path, and of the
+packer's walk of a marshalled list (zloader/packed.py).
 
 Each class or function here gives what its twin gives, byte for byte (tests/test_native.py
 compares them over generated inputs); zloader/_native.py picks which one runs. Only the
@@ -46,8 +47,8 @@ from zloader.lineage import wire as _wire
 
 cnp.import_array()
 
-__all__ = ["ShuffleBuffer", "decode_origins", "encode_origins", "merge_indices", "pack_into",
-           "unframe", "unpack"]
+__all__ = ["ShuffleBuffer", "decode_origins", "encode_origins", "marshal_offsets",
+           "merge_indices", "pack_into", "unframe", "unpack"]
 
 cdef long long INDEX_BITS = _tags.INDEX_BITS
 cdef long long INDEX_MASK = _tags.INDEX_MASK
@@ -860,3 +861,100 @@ def unframe(block):
         "lagged": found[0], "round": found[1], "origins": bool(flags & _messages._ORIGINS),
         "framed": False, "after": found[2], "part": found[3], "first": found[4]})
     return data, unpack(memoryview(block[start:]))
+
+
+# --- the packer's walk of a marshalled list (zloader/packed.py) ---------------------------
+
+cdef Py_ssize_t _walk(const unsigned char* raw, Py_ssize_t at, Py_ssize_t end, int depth,
+                      int limit, int* deepest, bint* dicts) noexcept nogil:
+    """Where the marshal-2 object at ``at`` ends, or -1 when it is not an exact atom (no
+    bytes), a tuple or a dict of str keys of them, nested below ``limit`` levels."""
+    cdef unsigned char code
+    cdef int size
+    cdef long long length
+    cdef Py_ssize_t k
+    if at >= end:
+        return -1
+    code = raw[at]
+    at += 1
+    if code == b'N' or code == b'T' or code == b'F':
+        return at
+    if code == b'i':
+        return at + 4 if at + 4 <= end else -1
+    if code == b'g':
+        return at + 8 if at + 8 <= end else -1
+    if code == b'y':
+        return at + 16 if at + 16 <= end else -1
+    if code == b'{':  # (its size is not written: a null code ends it)
+        if depth >= limit:
+            return -1
+        if depth + 1 > deepest[0]:
+            deepest[0] = depth + 1
+        dicts[0] = True
+        return _walk_dict(raw, at, end, depth, limit, deepest, dicts)
+    if at + 4 > end:
+        return -1
+    memcpy(&size, raw + at, 4)
+    at += 4
+    if code == b'l':  # (15-bit digits, the sign on their count)
+        length = 2 * (<long long> size if size >= 0 else -(<long long> size))
+        return at + length if at + length <= end else -1
+    if code == b'u':
+        return at + size if size >= 0 and at + size <= end else -1
+    if code != b'(' or depth >= limit or size < 0:
+        return -1
+    if depth + 1 > deepest[0]:
+        deepest[0] = depth + 1
+    for k in range(size):
+        at = _walk(raw, at, end, depth + 1, limit, deepest, dicts)
+        if at < 0:
+            return -1
+    return at
+
+
+cdef Py_ssize_t _walk_dict(const unsigned char* raw, Py_ssize_t at, Py_ssize_t end,
+                           int depth, int limit, int* deepest, bint* dicts) noexcept nogil:
+    """:func:`_walk` for a dict's items, from ``at`` to its null code."""
+    while True:
+        if at >= end:
+            return -1
+        if raw[at] == b'0':
+            return at + 1
+        if raw[at] != b'u':
+            return -1
+        at = _walk(raw, at, end, depth + 1, limit, deepest, dicts)
+        if at < 0:
+            return -1
+        at = _walk(raw, at, end, depth + 1, limit, deepest, dicts)
+        if at < 0:
+            return -1
+
+
+def marshal_offsets(whole, Py_ssize_t start, Py_ssize_t count, int limit):
+    """The twin of ``zloader.packed.marshal_offsets`` (its docstring says what it does):
+    the walk in C."""
+    if not LITTLE:
+        from zloader import packed  # (it imports this module's picker: not at import)
+
+        return packed.marshal_offsets(whole, start, count, limit)
+    cdef Py_buffer buffer
+    PyObject_GetBuffer(whole, &buffer, PyBUF_SIMPLE)
+    cdef const unsigned char* raw = <const unsigned char*> buffer.buf
+    cdef Py_ssize_t end = buffer.len, at = start, k
+    cdef int deepest = 0
+    cdef bint dicts = False
+    cdef cnp.ndarray offsets = _empty(count + 1)
+    cdef long long* out = _data(offsets)
+    try:
+        with nogil:
+            for k in range(count):
+                if at < 0:
+                    break
+                out[k] = at - start
+                at = _walk(raw, at, end, 0, limit, &deepest, &dicts)
+    finally:
+        PyBuffer_Release(&buffer)
+    if at != end:
+        return None
+    out[count] = at - start
+    return offsets, deepest, dicts

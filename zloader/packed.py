@@ -52,8 +52,9 @@ from zloader._defaults import (
     PACK_SAMPLE,
 )
 
-__all__ = ["PACK_MIN_ITEMS", "Found", "PackedSequence", "Swap", "copied_bytes", "flat_chunks",
-           "found", "install", "log_packed", "offered", "pack", "plan", "prepare"]
+__all__ = ["PACK_MIN_ITEMS", "Found", "PackedSequence", "Swap", "Walk", "copied_bytes",
+           "flat_chunks", "found", "install", "log_packed", "marshal_offsets", "offered", "pack",
+           "plan", "prepare"]
 
 log = logging.getLogger("zloader.packed")
 
@@ -276,11 +277,17 @@ class PackedSequence(collections.abc.MutableSequence):
                 f"{self.nbytes / 2**20:.1f} MiB of shared memory>")
 
 
-def pack(values: Any, allocate: Callable[[int], mmap.mmap] | None = None
-         ) -> PackedSequence | None:
+Walk = Callable[[Any, int, int, int], "tuple[np.ndarray, int, bool] | None"]
+"""The compiled core's :func:`marshal_offsets` (a caller above it picks it)."""
+
+
+def pack(values: Any, allocate: Callable[[int], mmap.mmap] | None = None,
+         walk: Walk | None = None) -> PackedSequence | None:
     """``values`` packed (in memory from ``allocate(size)``: anonymous shared memory by
     default), or None when it is not a list or tuple of at least ``PACK_MIN_ITEMS``
-    elements that :func:`packable` accepts."""
+    elements that :func:`packable` accepts. ``walk``: the compiled core's
+    :func:`marshal_offsets`, which finds the elements' offsets in the list marshalled
+    whole (:func:`_walked`), or None (the checks by type do)."""
     allocate = allocate or _shared
     kind = type(values)
     if (kind is not list and kind is not tuple) or len(values) < PACK_MIN_ITEMS:
@@ -292,6 +299,11 @@ def pack(values: Any, allocate: Callable[[int], mmap.mmap] | None = None
             memory = allocate(array.nbytes)
             np.frombuffer(memory, array.dtype, len(array))[:] = array
             return PackedSequence(memory, len(values), array.dtype.char, kind)
+    walked = _walked(values, walk) if walk is not None else None
+    if walked is not None:
+        whole, offsets, flat = walked
+        return _into_memory(offsets, [memoryview(whole)[len(_header(values)):]], kind,
+                            allocate, flat)
     sizes = _sizes(values, kinds)  # (its checks take every element for plain data)
     if sizes is not None:
         # what the fingerprint marshals whole (flat_chunks): atoms, or tuples of atoms
@@ -376,6 +388,13 @@ def _marshalled_into_memory(values: Any, kind: type, sizes: np.ndarray | None,
                 map(len, parts), np.int64, len(parts))
             blobs.append(b"".join(parts))
         np.cumsum(offsets, out=offsets)
+    return _into_memory(offsets, blobs, kind, allocate, flat)
+
+
+def _into_memory(offsets: np.ndarray, blobs: list[Any], kind: type,
+                 allocate: Callable[[int], mmap.mmap], flat: bool) -> PackedSequence:
+    """A packed view of the elements whose marshalled bytes ``blobs`` hold one after
+    another, at ``offsets`` (one more than the elements: the last, their end)."""
     table = offsets.nbytes
     memory = allocate(table + int(offsets[-1]))
     memory[:table] = offsets.tobytes()
@@ -383,9 +402,95 @@ def _marshalled_into_memory(values: Any, kind: type, sizes: np.ndarray | None,
     for blob in blobs:
         memory[at:at + len(blob)] = blob
         at += len(blob)
-    view = PackedSequence(memory, count, "marshal", kind)
+    view = PackedSequence(memory, len(offsets) - 1, "marshal", kind)
     view.flat = flat
     return view
+
+
+def _walked(values: list[Any] | tuple[Any, ...], walk: Walk
+            ) -> tuple[bytes, np.ndarray, bool] | None:
+    """``values`` marshalled whole, where each element starts in it after its header, and
+    whether they are flat (see :func:`flat_chunks`), read from the marshalled bytes by
+    ``walk`` (the compiled core's :func:`marshal_offsets`): for a list of tuples, a
+    quarter of what :func:`_sizes` and its checks by type take, two thirds of packing's
+    time (the pure twin is slower than those checks: it is not used here). None where the
+    walk refuses an element (bytes: marshal writes any buffer so; and all that
+    :func:`packable` refuses): the checks by type then decide, on the same elements."""
+    try:
+        whole = marshal.dumps(values, _MARSHAL_VERSION)
+    except ValueError:  # (an element marshal refuses: so do the checks)
+        return None
+    found = walk(whole, len(_header(values)), len(values), PACK_MAX_DEPTH)
+    if found is None:
+        return None
+    offsets, deepest, dicts = found
+    return whole, offsets, deepest <= 1 and not dicts
+
+
+def marshal_offsets(whole: Any, start: int, count: int, limit: int
+                    ) -> tuple[np.ndarray, int, bool] | None:
+    """Where each of the ``count`` objects that marshal format 2 wrote one after another
+    from ``start`` in ``whole`` starts, from ``start`` (``count + 1`` offsets, the last
+    their end, which must be ``whole``'s), how many levels of tuples and dicts they nest
+    (0: atoms only) and whether a dict is among them; None when one is not an exact atom
+    other than bytes (marshal writes any buffer as bytes), a tuple or a dict of str keys
+    of such, nested at most ``limit`` levels (what :func:`packable` takes, bytes aside).
+    The compiled core's twin walks in C."""
+    raw = memoryview(whole).cast("B")
+    found = [0, False]  # (the deepest level, whether a dict was met)
+    offsets = np.empty(count + 1, np.int64)
+    at = start
+    for k in range(count):
+        offsets[k] = at - start
+        at = _walk(raw, at, 0, limit, found)
+        if at < 0:
+            return None
+    if at != len(raw):
+        return None
+    offsets[count] = at - start
+    return offsets, int(found[0]), bool(found[1])
+
+
+# The bytes after the type code of marshal format 2's fixed-size atoms, by code.
+_FIXED_CODES = {ord("N"): 0, ord("T"): 0, ord("F"): 0, ord("i"): 4, ord("g"): 8, ord("y"): 16}
+
+
+def _walk(raw: memoryview, at: int, depth: int, limit: int, found: list[Any]) -> int:
+    """Where the object at ``at`` ends, or -1 (see :func:`marshal_offsets`)."""
+    end = len(raw)
+    if at >= end:
+        return -1
+    code, at = raw[at], at + 1
+    fixed = _FIXED_CODES.get(code)
+    if fixed is not None:
+        return at + fixed if at + fixed <= end else -1
+    if code == ord("{"):  # (its size is not written: a null code ends it)
+        if depth >= limit:
+            return -1
+        found[0], found[1] = max(found[0], depth + 1), True
+        while at < end and raw[at] != ord("0"):
+            if raw[at] != ord("u"):
+                return -1
+            at = _walk(raw, at, depth + 1, limit, found)
+            at = _walk(raw, at, depth + 1, limit, found) if at >= 0 else -1
+            if at < 0:
+                return -1
+        return at + 1 if at < end else -1
+    if at + 4 > end:
+        return -1
+    size, at = int.from_bytes(raw[at:at + 4], "little", signed=True), at + 4
+    if code == ord("l"):  # (15-bit digits, the sign on their count)
+        return at + 2 * abs(size) if at + 2 * abs(size) <= end else -1
+    if code == ord("u"):
+        return at + size if size >= 0 and at + size <= end else -1
+    if code != ord("(") or depth >= limit or size < 0:
+        return -1
+    found[0] = max(found[0], depth + 1)
+    for _ in range(size):
+        at = _walk(raw, at, depth + 1, limit, found)
+        if at < 0:
+            return -1
+    return at
 
 
 def _header(values: list[Any] | tuple[Any, ...]) -> bytes:
@@ -525,22 +630,23 @@ def found(source: Any) -> list[Found]:
     return lists
 
 
-def plan(source: Any) -> list[Swap]:
+def plan(source: Any, walk: Walk | None = None) -> list[Swap]:
     """The swaps that keep a forked worker off the large lists of ``source``
-    (:func:`found`), packed now. Logs at debug level what was packed and what was left."""
+    (:func:`found`), packed now (``walk``: see :func:`pack`). Logs at debug level what was
+    packed and what was left."""
     swaps: list[Swap] = []
     packed: dict[int, PackedSequence | None] = {}
     for each in found(source):
-        view = _packed_once(each.values, packed, each.where)
+        view = _packed_once(each.values, packed, each.where, walk)
         if view is not None:
             swaps.append(Swap(each.owner, each.name, each.values, view, each.where))
     return swaps
 
 
-def prepare(pipeline: Any) -> list[Swap]:
+def prepare(pipeline: Any, walk: Walk | None = None) -> list[Swap]:
     """The swaps for ``pipeline``'s forked workers (:func:`plan`), its fingerprint taken
     meanwhile from the packed bytes: the lists are marshalled once."""
-    swaps = plan(pipeline.source)
+    swaps = plan(pipeline.source, walk)
     with offered(swaps):
         pipeline.fingerprint  # noqa: B018 (computed now, and kept by the pipeline)
     return swaps
@@ -568,10 +674,10 @@ def _visit(owner: Any, where: str, lists: list[Found], seen: set[int], depth: in
 
 
 def _packed_once(value: Any, packed: dict[int, PackedSequence | None],
-                 where: str) -> PackedSequence | None:
+                 where: str, walk: Walk | None) -> PackedSequence | None:
     """``value`` packed, once however many attributes hold it (``imgs`` is ``samples``)."""
     if id(value) not in packed:
-        packed[id(value)] = pack(value)
+        packed[id(value)] = pack(value, walk=walk)
         log_packed(packed[id(value)], value, where)
     return packed[id(value)]
 

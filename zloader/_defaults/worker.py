@@ -109,7 +109,7 @@ FORKER_MIN_WORKERS = 3
 
 HANDOFF_MIN_ELEMENTS = 100_000
 """Lists of fewer elements than this in all are packed before the fork (or not at all: see
-PACK_MIN_BYTES): at about 0.5 us an element that is quicker than forking the packer
+PACK_MIN_BYTES): at 0.15-0.5 us an element that is quicker than forking the packer
 (zloader/handoff.py) from a large process (fixed)."""
 
 PACK_MIN_BYTES = 16 << 20
