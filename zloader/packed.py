@@ -292,7 +292,10 @@ def pack(values: Any, allocate: Callable[[int], mmap.mmap] | None = None,
     kind = type(values)
     if (kind is not list and kind is not tuple) or len(values) < PACK_MIN_ITEMS:
         return None
-    kinds = set(map(type, values))
+    # (each element's type read only where needed: in a forked packer, the references
+    # taken write every element's page, a third of packing a list of tuples)
+    first = type(values[0])
+    kinds = set(map(type, values)) if first is int or first is float else None
     if kinds == {int} or kinds == {float}:
         array = _numbers(values, np.float64 if kinds == {float} else np.int64)
         if array is not None:
@@ -304,6 +307,8 @@ def pack(values: Any, allocate: Callable[[int], mmap.mmap] | None = None,
         whole, offsets, flat = walked
         return _into_memory(offsets, [memoryview(whole)[len(_header(values)):]], kind,
                             allocate, flat)
+    if kinds is None:
+        kinds = set(map(type, values))
     sizes = _sizes(values, kinds)  # (its checks take every element for plain data)
     if sizes is not None:
         # what the fingerprint marshals whole (flat_chunks): atoms, or tuples of atoms
