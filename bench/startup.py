@@ -39,9 +39,14 @@ built before the clocks start and know nothing of zloader: ``Pairs`` holds a lis
     sooner than that CPU divided by the cores: what a loader does on top of torch's then
     shows in its first batch whichever process does it.
 
+(10) **The first batches**: construction to the 1st, 3rd, 10th and 50th batch of a fresh
+    iterator, for the 2- and 4-worker cases of (1): what comes after the first batch
+    (with a large dataset, zloader's workers wait for its packed copy after their first
+    two batches, zloader/handoff.py).
+
 Writes ``startup.json``, ``startup.md`` and ``startup.png`` into ``--out``. These
 machines are shared and noisy: read the ratios. Run: ``python -m bench.startup
-[--rounds N] [--only 1,2,3,4,5,6,7,8,9] [--out bench/results]``.
+[--rounds N] [--only 1,2,3,4,5,6,7,8,9,10] [--out bench/results]``.
 """
 
 from __future__ import annotations
@@ -160,6 +165,42 @@ def first_batch_cpus(args: argparse.Namespace, datasets: dict[int, Any]
         medians = {name: {key: statistics.median(run[key] for run in values)
                           for key in values[0]} for name, values in runs.items()}
         rows.append({"case": label, "workers": workers, "cores": os.cpu_count(), **medians})
+        print(rows[-1], flush=True)
+    return rows
+
+
+RAMP = (1, 3, 10, 50)
+"""(10): the batches whose arrival is timed, from construction."""
+
+
+def ramp(name: str, dataset: Any, workers: int) -> list[float]:
+    """Seconds from construction to each of the RAMP batches of a fresh iterator."""
+    gc.collect()
+    started = time.perf_counter()
+    loader = make(name, dataset, workers, True)
+    iterator = iter(loader)
+    out = []
+    for count in range(1, RAMP[-1] + 1):
+        next(iterator)
+        if count in RAMP:
+            out.append(time.perf_counter() - started)
+    del iterator
+    close(loader)
+    return out
+
+
+def ramps(args: argparse.Namespace, datasets: dict[int, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for label, size, workers, _ in CASES:
+        if workers > 4:
+            continue
+        runs: dict[str, list[list[float]]] = {name: [] for name in LOADERS}
+        for _ in range(args.rounds):
+            for name in LOADERS:
+                runs[name].append(ramp(name, datasets[size], workers))
+        rows.append({"case": label, **{
+            name: [statistics.median(run[at] for run in values) for at in range(len(RAMP))]
+            for name, values in runs.items()}})
         print(rows[-1], flush=True)
     return rows
 
@@ -481,6 +522,15 @@ def tables(data: dict[str, Any]) -> list[str]:
                     f"{cpu['total'] / row['cores'] * 1000:.1f} ms | "
                     f"{cpu['total'] / row['torch']['total']:.2f} |")
         lines.append("")
+    if "ramp" in data:
+        lines += ["## (10) The first batches: construction to the n-th batch (medians)", "",
+                  "| case | batch | torch | zloader | zloader / torch |", "|---|---|---|---|---|"]
+        for row in data["ramp"]:
+            for at, count in enumerate(RAMP):
+                torch_s, zloader_s = row["torch"][at], row["zloader"][at]
+                lines.append(f"| {row['case']} | {count} | {torch_s:.3f} s | "
+                             f"{zloader_s:.3f} s | {zloader_s / torch_s:.2f} |")
+        lines.append("")
     return lines
 
 
@@ -496,13 +546,13 @@ def _against_torch(title: str, what: str, rows: list[tuple[str, dict[str, float]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--only", default="1,2,3,4,5,6,7,8,9")
+    parser.add_argument("--only", default="1,2,3,4,5,6,7,8,9,10")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args(argv)
     sections = set(args.only.split(","))
     warnings.filterwarnings("ignore", message="This DataLoader will create")
     datasets: dict[int, Any] = {}
-    if sections & {"1", "2", "3", "6", "7", "9"}:
+    if sections & {"1", "2", "3", "6", "7", "9", "10"}:
         for size in sorted({SMALL, LARGE, LARGEST, TUPLES, *SIZES}):
             datasets[size] = Pairs(size)
     data: dict[str, Any] = {
@@ -529,6 +579,8 @@ def main(argv: list[str] | None = None) -> int:
         data["profile"] = profile(datasets)
     if "9" in sections:
         data["first_batch_cpu"] = first_batch_cpus(args, datasets)
+    if "10" in sections:
+        data["ramp"] = ramps(args, datasets)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if "by_size" in data:
