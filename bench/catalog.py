@@ -76,7 +76,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("startup", "Start-up: construction to first batch against torch DataLoader",
               "construction to the first batch for 10,000, 1 M, 3 M and 200,000-sample "
               "datasets, a second epoch, first batch against size; import time, a warm "
-              "pool, the trainer's CPU per batch; import and first batch in a fresh process",
+              "pool, the trainer's CPU per batch; import and first batch in a fresh "
+              "process; the 1st, 3rd, 10th and 50th batch",
               "no later than torch in every case, 1 M and 3 M within 1.2x of the small "
               "one; import <= numpy's + 100 ms; warm pool: first element <= 50 ms "
               "(known pipeline), <= 100 ms (new), a 200-element job <= 2x its first "
