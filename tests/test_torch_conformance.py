@@ -90,6 +90,10 @@ class Tracking:
 
 def observe(cls: type, case: Case) -> Any:
     """What ``case`` saw with the DataLoader class ``cls``."""
+    # Earlier tests' garbage collected here, not in a worker torch forks (torch's workers
+    # do not freeze it): one run of the suite lost a torch worker to a segfault while
+    # the child collected garbage at its fork.
+    gc.collect()
     torch.manual_seed(0)
     random.seed(0)
     np.random.seed(0)
