@@ -5,7 +5,9 @@ it keeps them for that task, whatever task starts there first. The task is a nam
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
 import zmq
 
@@ -27,6 +29,32 @@ def _received(port: DataPort, count: int, task: FakeTask | None) -> None:
         if port.sock.poll(100):
             port.receive(port.sock.recv_multipart(copy=False), task)  # type: ignore[arg-type]
             count -= 1
+
+
+@contextlib.contextmanager
+def _port_and_consumer() -> Iterator[tuple[DataPort, zmq.Socket]]:
+    """A data port on loopback and a consumer's DEALER connected to it."""
+    context = zmq.Context()
+    port = DataPort(context, "tcp://127.0.0.1:*", None, None, False,
+                    lambda text, exc_info=False: None)
+    consumer = context.socket(zmq.DEALER)
+    try:
+        consumer.connect(port.endpoint)
+        yield port, consumer
+    finally:
+        consumer.close(0)
+        port.close()
+        context.term()
+
+
+def _ends(consumer: zmq.Socket) -> list[messages.End]:
+    """What reaches ``consumer`` until it is quiet: ENDs only."""
+    out = []
+    while consumer.poll(500):
+        end = messages.decode(decode(consumer.recv_multipart()))
+        assert isinstance(end, messages.End)
+        out.append(end)
+    return out
 
 
 def test_an_open_that_came_before_its_task_waits_through_another_job_s_task():
@@ -109,12 +137,7 @@ def test_an_open_for_a_task_that_handed_its_splits_on_and_ended_is_answered_with
     them: docs/sharing.md, "Moves"), a plain END for an epoch ``b`` handed nothing of, and
     one for a task that ended without handing anything on is not answered (before, none
     was: the trainer waited LEAVE_GRACE_SECONDS, then ended its epoch without b's part)."""
-    context = zmq.Context()
-    port = DataPort(context, "tcp://127.0.0.1:*", None, None, False,
-                    lambda text, exc_info=False: None)
-    consumer = context.socket(zmq.DEALER)
-    try:
-        consumer.connect(port.endpoint)
+    with _port_and_consumer() as (port, consumer):
         port.begin(FakeTask("B", "b"))
         port.stopped("b", {0})
         port.begin(FakeTask("A", "a"))
@@ -125,18 +148,9 @@ def test_an_open_for_a_task_that_handed_its_splits_on_and_ended_is_answered_with
             _send(consumer, messages.Open(job=job, task=task, consumer="c", epoch=epoch,
                                           credits=2))
         _received(port, 3, running)
-        answers = []
-        while consumer.poll(500):
-            msg = decode(consumer.recv_multipart())
-            end = messages.decode(msg)
-            assert isinstance(end, messages.End)
-            answers.append((msg.command, end.epoch, end.handed))
+        answers = [(end.COMMAND, end.epoch, end.handed) for end in _ends(consumer)]
         assert answers == [(Command.END, 0, "b"), (Command.END, 1, None)]
         assert running.given == []
-    finally:
-        consumer.close(0)
-        port.close()
-        context.term()
 
 
 def test_opens_kept_for_a_task_that_drained_before_it_began_are_answered_with_an_end():
@@ -147,12 +161,7 @@ def test_opens_kept_for_a_task_that_drained_before_it_began_are_answered_with_an
     it stops, and so is one that comes later: a plain END for an epoch it handed nothing
     of, one naming ``b`` for an epoch of what it handed on (what it was handed while it
     loaded). An OPEN kept for another task stays kept."""
-    context = zmq.Context()
-    port = DataPort(context, "tcp://127.0.0.1:*", None, None, False,
-                    lambda text, exc_info=False: None)
-    consumer = context.socket(zmq.DEALER)
-    try:
-        consumer.connect(port.endpoint)
+    with _port_and_consumer() as (port, consumer):
         for task, epoch in (("b", 0), ("b", 1), ("c", 0)):
             _send(consumer, messages.Open(job="B", task=task, consumer="t", epoch=epoch,
                                           credits=2))
@@ -161,14 +170,6 @@ def test_opens_kept_for_a_task_that_drained_before_it_began_are_answered_with_an
         port.stopped("b", {1})
         _send(consumer, messages.Open(job="B", task="b", consumer="u", epoch=0, credits=2))
         _received(port, 1, None)
-        answers = []
-        while consumer.poll(500):
-            end = messages.decode(decode(consumer.recv_multipart()))
-            assert isinstance(end, messages.End)
-            answers.append((end.epoch, end.handed))
+        answers = [(end.epoch, end.handed) for end in _ends(consumer)]
         assert answers == [(0, None), (1, "b"), (0, None)]
         assert [opened.task for _, opened, _ in port.early_opens] == ["c"]
-    finally:
-        consumer.close(0)
-        port.close()
-        context.term()

@@ -690,6 +690,6 @@ def test_a_dataset_s_paths_are_packed_by_the_walk() -> None:
     from zloader import packed
 
     values = [(f"/data/{k}.jpg", k % 1000) for k in range(100_000)]
-    assert packed._walked(values, _core.marshal_offsets) is not None
+    assert packed._walked(values, _core.marshal_offsets)[1] is not None
     view = packed.pack(values, walk=_core.marshal_offsets)
     assert view is not None and view.flat and view[12345] == values[12345]

@@ -302,9 +302,9 @@ def pack(values: Any, allocate: Callable[[int], mmap.mmap] | None = None,
             memory = allocate(array.nbytes)
             np.frombuffer(memory, array.dtype, len(array))[:] = array
             return PackedSequence(memory, len(values), array.dtype.char, kind)
-    walked = _walked(values, walk) if walk is not None else None
-    if walked is not None:
-        whole, offsets, flat = walked
+    whole, walked = _walked(values, walk) if walk is not None else (None, None)
+    if whole is not None and walked is not None:
+        offsets, flat = walked
         return _into_memory(offsets, [memoryview(whole)[len(_header(values)):]], kind,
                             allocate, flat)
     if kinds is None:
@@ -312,7 +312,8 @@ def pack(values: Any, allocate: Callable[[int], mmap.mmap] | None = None,
     sizes = _sizes(values, kinds)  # (its checks take every element for plain data)
     if sizes is not None:
         # what the fingerprint marshals whole (flat_chunks): atoms, or tuples of atoms
-        return _marshalled(values, kind, sizes, allocate, flat=type(values[0]) is not dict)
+        return _marshalled(values, kind, sizes, allocate, flat=type(values[0]) is not dict,
+                           whole=whole)
     seen: set[type] = set()
     levels = _levels(values, kinds, 0, seen)
     if levels is None:
@@ -360,25 +361,29 @@ def _shared(size: int) -> mmap.mmap:
 
 
 def _marshalled(values: Any, kind: type, sizes: np.ndarray | None,
-                allocate: Callable[[int], mmap.mmap], flat: bool) -> PackedSequence | None:
+                allocate: Callable[[int], mmap.mmap], flat: bool,
+                whole: bytes | None = None) -> PackedSequence | None:
     """``values`` marshalled one element after another, after their offset table: the
-    whole list marshalled at once when ``sizes`` (:func:`_sizes`) gives each element's
-    size (most datasets, in C), else element by element. None when marshal refuses an
-    element: the checks before should have left it alone, and a list packing cannot take
-    is read as it is, never an error."""
+    whole list marshalled at once (or ``whole``, its bytes already) when ``sizes``
+    (:func:`_sizes`) gives each element's size (most datasets, in C), else element by
+    element. None when marshal refuses an element: the checks before should have left it
+    alone, and a list packing cannot take is read as it is, never an error."""
     try:
-        return _marshalled_into_memory(values, kind, sizes, allocate, flat)
+        return _marshalled_into_memory(values, kind, sizes, allocate, flat, whole)
     except ValueError as exc:  # (marshal's "unmarshallable object")
         log.debug("left a %s of %d elements as it is: %s", kind.__name__, len(values), exc)
         return None
 
 
 def _marshalled_into_memory(values: Any, kind: type, sizes: np.ndarray | None,
-                            allocate: Callable[[int], mmap.mmap], flat: bool
-                            ) -> PackedSequence:
+                            allocate: Callable[[int], mmap.mmap], flat: bool,
+                            whole: bytes | None) -> PackedSequence:
     count = len(values)
     offsets = np.zeros(count + 1, np.int64)
-    whole = marshal.dumps(values, _MARSHAL_VERSION) if sizes is not None else b""
+    if sizes is None:
+        whole = b""
+    elif whole is None:
+        whole = marshal.dumps(values, _MARSHAL_VERSION)
     if sizes is not None and len(whole) - len(_header(values)) != int(sizes.sum()):
         sizes = _sizes(values, {type(values[0])}, ascii_only=False)  # a str not ASCII
     if sizes is not None and len(whole) - len(_header(values)) == int(sizes.sum()):
@@ -413,23 +418,24 @@ def _into_memory(offsets: np.ndarray, blobs: list[Any], kind: type,
 
 
 def _walked(values: list[Any] | tuple[Any, ...], walk: Walk
-            ) -> tuple[bytes, np.ndarray, bool] | None:
-    """``values`` marshalled whole, where each element starts in it after its header, and
-    whether they are flat (see :func:`flat_chunks`), read from the marshalled bytes by
-    ``walk`` (the compiled core's :func:`marshal_offsets`): for a list of tuples, a
-    quarter of what :func:`_sizes` and its checks by type take, two thirds of packing's
-    time (the pure twin is slower than those checks: it is not used here). None where the
-    walk refuses an element (bytes: marshal writes any buffer so; and all that
-    :func:`packable` refuses): the checks by type then decide, on the same elements."""
+            ) -> tuple[bytes | None, tuple[np.ndarray, bool] | None]:
+    """``values`` marshalled whole (None: marshal refuses an element, and so do the checks)
+    and, read from those bytes by ``walk`` (the compiled core's :func:`marshal_offsets`),
+    where each element starts after its header and whether they are flat (see
+    :func:`flat_chunks`): for a list of tuples, a quarter of what :func:`_sizes` and its
+    checks by type take, two thirds of packing's time (the pure twin is slower than those
+    checks: it is not used here). None where the walk refuses an element (bytes: marshal
+    writes any buffer so; and all that :func:`packable` refuses): the checks by type then
+    decide, on the same elements, and the bytes are not marshalled again."""
     try:
         whole = marshal.dumps(values, _MARSHAL_VERSION)
-    except ValueError:  # (an element marshal refuses: so do the checks)
-        return None
+    except ValueError:
+        return None, None
     found = walk(whole, len(_header(values)), len(values), PACK_MAX_DEPTH)
     if found is None:
-        return None
+        return whole, None
     offsets, deepest, dicts = found
-    return whole, offsets, deepest <= 1 and not dicts
+    return whole, (offsets, deepest <= 1 and not dicts)
 
 
 def marshal_offsets(whole: Any, start: int, count: int, limit: int
