@@ -88,16 +88,30 @@ def test_a_process_that_exits_while_torch_draws_the_permutation_exits_cleanly() 
     # (a daemon thread inside torch's C++ code aborts the interpreter's exit)
     code = ("import torch; from zloader.torch.permutation import Permutation; "
             "g = torch.Generator(); g.manual_seed(0); "
-            "print(Permutation(3_000_000, g)[0:4].tolist())")
+            "print(Permutation(3_000_000, g)[0:5000][:4].tolist())")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     assert len(json.loads(done.stdout)) == 4
 
 
+def test_the_thread_starts_once_a_quarter_of_the_emulated_indices_are_taken() -> None:
+    # (started with the workers, it slowed their start on a host with few cores)
+    mine = Permutation(100_000, _generator(4, 0), ahead=4000)
+    first = mine[0:1000].copy()
+    assert mine._thread is None
+    assert mine[0:1001][:1000].tolist() == first.tolist()
+    thread = mine._thread
+    assert thread is not None
+    thread.join()
+    want, _ = _theirs(100_000, _generator(4, 0).get_state())
+    assert np.array_equal(mine[0:100_000], want)
+
+
 def test_a_fork_waits_for_the_thread_drawing_a_permutation() -> None:
     generator = _generator(5, 0)
     mine = Permutation(3_000_000, generator)
+    mine.take(permutation.PERMUTATION_AHEAD // 4 + 1)
     thread = mine._thread
     assert thread is not None and thread in permutation._running
     pid = os.fork()
@@ -105,6 +119,24 @@ def test_a_fork_waits_for_the_thread_drawing_a_permutation() -> None:
         os._exit(0)
     os.waitpid(pid, 0)
     assert not thread.is_alive() and thread not in permutation._running
+
+
+def test_a_deferred_permutation_moves_its_generator_on_when_settled() -> None:
+    generator = _generator(6, 2)
+    want, after = _theirs(200_000, generator.get_state())
+    before = generator.get_state()
+    mine = permutation.randperm(200_000, generator, defer=True)
+    assert isinstance(mine, Permutation)
+    first = mine[0:64].copy()
+    assert torch.equal(generator.get_state(), before)  # (not yet)
+    permutation.settle()
+    assert torch.equal(generator.get_state(), after)
+    assert np.array_equal(first, want[:64])
+    other = _generator(7, 0)  # (any later draw settles those deferred first)
+    mine = permutation.randperm(200_000, generator, defer=True)
+    permutation.skip(10, other)
+    assert not torch.equal(generator.get_state(), after)
+    assert np.array_equal(mine[0:200_000], _theirs(200_000, after)[0])
 
 
 def test_skip_moves_the_generator_on_as_a_dropped_randperm_does() -> None:
@@ -155,7 +187,8 @@ def test_a_loader_s_emulated_epochs_are_torch_s_and_so_is_its_generator_after_ea
                          num_workers=2)
     try:
         for epoch in range(2):
-            iterator = iter(ours)
+            iterator = iter(ours)  # (torch's iter() with workers draws the permutation)
+            assert torch.equal(generator.get_state(), states[epoch])
             got = [next(iterator).tolist()]
             assert torch.equal(generator.get_state(), states[epoch])
             got.extend(b.tolist() for b in iterator)

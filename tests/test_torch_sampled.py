@@ -70,6 +70,7 @@ def test_the_batches_and_every_draw_are_torch_s_at_every_pull(size, batch, drop_
         cut = batches_of(ours)
         assert getattr(cut, "__name__", None) == "_cut"  # (the fast path was taken)
         assert pulled(cut, pulls) == want, pulls
+        permutation.settle()  # (a large shuffle's generator moves on there: DataLoader's iter)
         assert states(generator) == want_states, pulls
 
 

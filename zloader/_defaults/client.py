@@ -173,9 +173,10 @@ emulation's start; but a shuffle is drawn while the workers start, and there 200
 took 11 ms before the first batch of bench.startup's 2-worker case on 2 cores (fixed)."""
 
 PERMUTATION_AHEAD = 1 << 14
-"""... for at most this many indices: the trainer waits for torch's whole permutation
-past them (its first batches are out by then) (fixed)."""
+"""... for at most this many indices: the thread starts once a quarter of them are taken
+(the first batches are out by then), and the trainer waits for torch's whole permutation
+past them (fixed)."""
 
 PERMUTATION_NICE = 10
 """That thread runs this much nicer than the trainer's others: on a host with few cores
-the workers' start goes first (fixed)."""
+the workers go first (fixed)."""

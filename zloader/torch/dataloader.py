@@ -20,6 +20,7 @@ from zloader.client.session import PerWorker
 from zloader.loader import Loader
 from zloader.pipeline import Pipeline
 from zloader.torch import states
+from zloader.torch import permutation
 from zloader.torch.feed import Dispatcher, Feed, batches_of
 from zloader.torch.passes import (
     EpochIterator,
@@ -220,17 +221,20 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         # The workers start before the sampler's first pull, as torch's do: forking them
         # (and their start) overlaps the first permutation drawn here.
         loader, own = self._pass_loader()
-        plans, next_batch = self._sampled(own, indices, resume, progress, plan, workers,
-                                          places)
-        if workers is not None:
-            progress.workers = dict(workers)
-        elif not plan["reseed"] and previous is not None:  # workers go on where they are
-            progress.workers = dict(previous.workers)
-        if self._persistent and previous is not None:  # one Loader: its count goes on
-            progress.control = previous.control
-        progress.loader = loader
-        intake, dispatcher = self._open(loader, own, plans, progress, next_batch,
-                                        plan.get("start") == "first")
+        try:  # (a large shuffle moves its generator on once the first batches are out)
+            plans, next_batch = self._sampled(own, indices, resume, progress, plan,
+                                              workers, places)
+            if workers is not None:
+                progress.workers = dict(workers)
+            elif not plan["reseed"] and previous is not None:  # workers go on where they are
+                progress.workers = dict(previous.workers)
+            if self._persistent and previous is not None:  # one Loader: its count goes on
+                progress.control = previous.control
+            progress.loader = loader
+            intake, dispatcher = self._open(loader, own, plans, progress, next_batch,
+                                            plan.get("start") == "first")
+        finally:
+            permutation.settle()
         batches: Iterator[tuple[Any, Any]]
         if dispatcher is None:
             batches = iter(Streams(intake, progress, self.num_workers, bool(self.in_order)))
@@ -327,6 +331,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             intake = Intake(loader.iterate(plans), progress, self.num_workers)
             if dispatcher is not None:  # (sent with each worker's OPEN: no round trip)
                 dispatcher.prime()
+            permutation.settle()  # (while the workers make their first batches)
             if not (reported and (not may_fail_to_start(self.dataset, self.worker_init_fn)
                                   or loader.prepared(self.timeout or 60.0))):
                 intake.settle()  # each worker started: its first snapshot; its init errors

@@ -69,7 +69,8 @@ def _cut(inner: Any, size: int, drop_last: bool) -> Iterator[Any]:
     one where torch's sampler goes past its first: in the pull that makes a last partial
     batch, or else in the pull that finds the epoch over. A large permutation's first
     indices are emulated while torch draws it on a thread (zloader/torch/permutation.py):
-    the generator moves on as torch's does at once."""
+    the generator moves on as torch's does, by the end of the DataLoader's ``iter()``
+    (``permutation.settle``)."""
     count = len(inner.data_source)
     if count == 0:  # (torch's sampler then fails as it fails, or yields nothing)
         yield from torch.utils.data.BatchSampler(inner, size, drop_last)
@@ -82,7 +83,7 @@ def _cut(inner: Any, size: int, drop_last: bool) -> Iterator[Any]:
             seed = int(torch.empty((), dtype=torch.int64).random_().item())
             generator = torch.Generator()
             generator.manual_seed(seed)
-        order: Any = permutation.randperm(count, generator)
+        order: Any = permutation.randperm(count, generator, defer=True)
     else:
         order = np.arange(count, dtype=np.int64)
     full = count - count % size

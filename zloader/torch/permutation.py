@@ -13,8 +13,12 @@ mt19937 is numpy's ``MT19937`` (the same twist and tempering, ``pos`` being torc
 So :class:`Permutation` leaves the generator at once as ``randperm`` would leave it (the
 user's code, which may draw from the same generator, sees torch's states), emulates the
 first indices as they are asked for, and has torch draw the whole permutation from a copy
-of the generator on a thread of lower priority (``PERMUTATION_NICE``: the workers' start
-goes first), which then takes over. The emulation is checked against torch once per
+of the generator on a thread of lower priority (``PERMUTATION_NICE``), which then takes
+over. That thread starts only once a quarter of the emulated indices are taken: the first
+batches are out by then. Started with the workers, it slowed their start on a host with
+few cores (the 3 M, 8-worker first batch of bench.startup, 2 cores: 106 ms against 93
+without it), though niced: torch's kernel runs part of its work on an OpenMP thread of
+its own, at the trainer's priority. The emulation is checked against torch once per
 process on a few small permutations (:func:`_checked`), and each whole permutation against
 the indices emulated before it: a torch whose kernel differs gets a warning, still a
 permutation (the rest of torch's, without the indices handed out already) and, from then
@@ -37,7 +41,7 @@ import torch
 
 from zloader._defaults import PERMUTATION_AHEAD, PERMUTATION_MIN_SAMPLES, PERMUTATION_NICE
 
-__all__ = ["Permutation", "available", "randperm", "skip"]
+__all__ = ["Permutation", "available", "randperm", "settle", "skip"]
 
 log = logging.getLogger("zloader.torch")
 
@@ -46,6 +50,7 @@ _STATE_WORDS = 624  # mt19937's state: torch's CPU generator state holds it from
 _LEFT, _NEXT, _WORDS = slice(8, 12), slice(16, 24), slice(24, 24 + 8 * _STATE_WORDS)
 _broken = False  # a whole permutation differed from the emulated one: plain randperm
 _running: set[threading.Thread] = set()  # the threads drawing a permutation now
+_unsettled: list[Permutation] = []  # deferred: their generators not moved on yet
 
 
 def _settle() -> None:
@@ -57,6 +62,15 @@ def _settle() -> None:
 os.register_at_fork(before=_settle)
 
 
+def settle() -> None:
+    """Move on the generators of the permutations made with ``defer`` since the last call
+    (:meth:`Permutation.settle`): a DataLoader's ``iter()`` calls it once its workers have
+    their first batches, so that the skip overlaps their making them, and before it
+    returns (torch's ``iter()`` leaves the generator past its first permutation)."""
+    while _unsettled:
+        _unsettled.pop(0).settle()
+
+
 def available(count: int, generator: torch.Generator) -> bool:
     """Whether :class:`Permutation` stands for ``torch.randperm(count, generator)`` here:
     a CPU generator, a count in the emulated kernel's range and worth it, and this
@@ -65,17 +79,22 @@ def available(count: int, generator: torch.Generator) -> bool:
             and generator.device.type == "cpu" and _checked())
 
 
-def randperm(count: int, generator: torch.Generator) -> np.ndarray | Permutation:
+def randperm(count: int, generator: torch.Generator, defer: bool = False
+             ) -> np.ndarray | Permutation:
     """``torch.randperm(count, generator=generator)``, as an array or, where it is
-    :func:`available`, a :class:`Permutation`."""
+    :func:`available`, a :class:`Permutation` (``defer``: the generator moved on at the
+    next :func:`settle`). Permutations deferred before are settled first."""
+    settle()
     if available(count, generator):
-        return Permutation(count, generator)
+        return Permutation(count, generator, defer=defer)
     return torch.randperm(count, generator=generator).numpy()
 
 
 def skip(count: int, generator: torch.Generator) -> None:
     """Draw ``torch.randperm(count, generator=generator)`` and drop it: where it is
-    :func:`available`, the generator is only moved on (8 ms for 3 M, not 64)."""
+    :func:`available`, the generator is only moved on (8 ms for 3 M, not 64).
+    Permutations deferred before are settled first."""
+    settle()
     if available(count, generator):
         Permutation(count, generator, ahead=0, thread=False)
     else:
@@ -108,11 +127,13 @@ def _checked() -> bool:
 
 class Permutation:
     """``torch.randperm(count, generator)``, the generator left at once as that call
-    leaves it; :meth:`take` gives its indices ``[0, stop)``: emulated while torch draws
-    the whole one on a thread (``thread``; else emulated up to ``ahead``, then drawn)."""
+    leaves it; :meth:`take` gives its indices ``[0, stop)``: emulated until torch has
+    drawn the whole one on a thread (``thread``, started once a quarter of ``ahead`` is
+    taken), else emulated up to ``ahead``, then drawn."""
 
     def __init__(self, count: int, generator: torch.Generator,
-                 ahead: int | None = None, thread: bool = True) -> None:
+                 ahead: int | None = None, thread: bool = True, defer: bool = False
+                 ) -> None:
         self.count = count
         ahead = PERMUTATION_AHEAD if ahead is None else ahead
         start = generator.get_state()
@@ -123,7 +144,29 @@ class Permutation:
             "pos": 625 - int(words[_LEFT].view(np.int32)[0])}}
         draws = max(0, count - 1)
         self._draws = engine.random_raw(min(ahead, draws)).astype(np.int64)
-        engine.random_raw(draws - len(self._draws), output=False)
+        self._end: torch.Tensor | None = None
+        self._move: tuple[torch.Generator, Any, int, np.ndarray] | None = (
+            generator, engine, draws - len(self._draws), words)
+        if defer:
+            _unsettled.append(self)
+        else:
+            self.settle()
+        self._swapped: dict[int, int] = {}  # position -> the index there, where moved
+        self._emulated = np.empty(len(self._draws), np.int64)
+        self._made = 0  # positions emulated
+        self._order: np.ndarray | None = None
+        self._drawn: dict[str, Any] = {}
+        self._start, self._thread = start, None
+        self._thread_at = ahead // 4 if thread else None  # (taken past it: started)
+
+    def settle(self) -> None:
+        """Leave the generator as ``randperm`` leaves it (once: the draws past the emulated
+        ones skipped, in C and without the GIL; see :func:`settle`)."""
+        move, self._move = self._move, None
+        if move is None:
+            return
+        generator, engine, rest, words = move
+        engine.random_raw(rest, output=False)
         state = engine.state["state"]
         end = words.copy()
         end[_LEFT] = np.array([625 - state["pos"]], np.int32).view(np.uint8)
@@ -131,23 +174,18 @@ class Permutation:
         end[_WORDS] = state["key"].astype(np.uint64).view(np.uint8)
         self._end = torch.from_numpy(end)
         generator.set_state(self._end)
-        self._swapped: dict[int, int] = {}  # position -> the index there, where moved
-        self._emulated = np.empty(len(self._draws), np.int64)
-        self._made = 0  # positions emulated
-        self._order: np.ndarray | None = None
-        self._drawn: dict[str, Any] = {}
-        self._start, self._thread = start, None
-        if thread:
-            # (not a daemon: an interpreter that exits waits for it, as it must for a
-            # thread in torch's C++ code, which is aborted otherwise)
-            self._thread = threading.Thread(target=self._draw, args=(start,),
-                                            name="zloader-randperm")
-            _running.add(self._thread)
-            self._thread.start()
 
     def take(self, stop: int) -> np.ndarray:
         """The permutation's indices ``[0, stop)`` (a view: do not write into it)."""
         if self._order is None:
+            if self._thread_at is not None and stop > self._thread_at:
+                self._thread_at = None
+                # (not a daemon: an interpreter that exits waits for it, as it must for a
+                # thread in torch's C++ code, which is aborted otherwise)
+                self._thread = threading.Thread(target=self._draw, args=(self._start,),
+                                                name="zloader-randperm")
+                _running.add(self._thread)
+                self._thread.start()
             if stop <= len(self._draws) and (self._thread is None
                                              or self._thread.is_alive()):
                 self._emulate(stop)
@@ -189,13 +227,14 @@ class Permutation:
     def _whole(self) -> np.ndarray:
         """torch's whole permutation, checked against the positions emulated."""
         global _broken
+        self.settle()
         if self._thread is not None:
             self._thread.join()
         if "order" not in self._drawn:  # (no thread, or it failed: drawn here)
             self._draw(self._start, nice=False)
         order, made = self._drawn["order"], self._made
         if np.array_equal(order[:made], self._emulated[:made]) and \
-                torch.equal(self._drawn["end"], self._end):
+                self._end is not None and torch.equal(self._drawn["end"], self._end):
             return order
         _broken = True
         log.warning("torch.randperm(%d) here is not the permutation zloader emulated for "
