@@ -19,8 +19,7 @@ import torch.utils.data
 from zloader.client.session import PerWorker
 from zloader.loader import Loader
 from zloader.pipeline import Pipeline
-from zloader.torch import states
-from zloader.torch import permutation
+from zloader.torch import permutation, states
 from zloader.torch.feed import Dispatcher, Feed, batches_of
 from zloader.torch.passes import (
     EpochIterator,
