@@ -223,12 +223,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         try:  # (a large shuffle moves its generator on once the first batches are out)
             plans, next_batch = self._sampled(own, indices, resume, progress, plan,
                                               workers, places)
-            if workers is not None:
-                progress.workers = dict(workers)
-            elif not plan["reseed"] and previous is not None:  # workers go on where they are
-                progress.workers = dict(previous.workers)
-            if self._persistent and previous is not None:  # one Loader: its count goes on
-                progress.control = previous.control
+            self._carry(progress, previous, workers, bool(plan["reseed"]))
             progress.loader = loader
             intake, dispatcher = self._open(loader, own, plans, progress, next_batch,
                                             plan.get("start") == "first")
@@ -243,6 +238,18 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             batches = arrived(intake, progress, dispatcher)
         return (self._deliver((to_torch(batch), mark) for batch, mark in batches), progress,
                 own)
+
+    def _carry(self, progress: Progress, previous: Progress | None,
+               workers: dict[int, bytes] | None, reseed: bool) -> None:
+        """What a pass's ``progress`` takes from the pass before (``previous``): the
+        workers' random states, where they go on (or those it resumes, ``workers``), and a
+        persistent Loader's count."""
+        if workers is not None:
+            progress.workers = dict(workers)
+        elif not reseed and previous is not None:  # workers go on where they are
+            progress.workers = dict(previous.workers)
+        if self._persistent and previous is not None:  # one Loader: its count goes on
+            progress.control = previous.control
 
     def _sampled(self, own: Loader | None, indices: Iterator[Any] | None,
                  resume: dict[str, Any] | None, progress: Progress, plan: dict[str, Any],

@@ -156,7 +156,8 @@ class Permutation:
         self._made = 0  # positions emulated
         self._order: np.ndarray | None = None
         self._drawn: dict[str, Any] = {}
-        self._start, self._thread = start, None
+        self._start = start
+        self._thread: threading.Thread | None = None
         self._thread_at = ahead // 4 if thread else None  # (taken past it: started)
 
     def settle(self) -> None:
