@@ -100,7 +100,7 @@ def test_the_loader_holds_no_memfd_and_its_packer_is_reaped(workers: int):
                         num_workers=workers) as loader:
         assert _memfds() == before  # (the workers and the packer hold theirs)
         # (its offsets found by the compiled core's walk where it is built: packed.pack)
-        assert loader._embedded.handoff.walk is _native.pick("marshal_offsets", None)
+        assert loader._embedded.handoff.writer is _native.pick("marshal_into", None)
         packer = psutil.Process(_packer(loader))
         # (forked by the first worker, or by the forker once it forked the workers)
         forker = loader._embedded.forker

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import marshal
+import mmap
 import os
 import subprocess
 import sys
@@ -614,34 +615,43 @@ def test_a_loader_gives_the_same_batches_with_either_kernels() -> None:
     assert made == made_pure
 
 
-# --- the packer's walk of a marshalled list ------------------------------------------------
+# --- the packer's writer of a list in marshal format 2 --------------------------------------
+
+_EDGES = [2**31 - 1, -2**31, 2**31, -2**31 - 1, 2**63 - 1, -2**63, 2**63, -2**63 - 1, 2**45,
+          -2**30, 0, -0.0, float("nan"), "\ud800", "a\udfff", "\U0001f600", "\xe9", "\u07ff",
+          "\u0800", "\uffff", "\x7f", "\x80", "", (), {}]
+"""Where marshal's format changes (an int's code, a str's UTF-8 length per character)."""
 
 _atoms = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
-                   st.floats(allow_nan=False), st.complex_numbers(allow_nan=False),
-                   st.text(max_size=6), st.binary(max_size=4))
+                   st.integers(-2**63, 2**63 - 1), st.floats(), st.complex_numbers(),
+                   st.text(max_size=6), st.binary(max_size=4),
+                   st.sampled_from(_EDGES))
 _nested = st.recursive(
     _atoms, lambda inner: st.one_of(
         st.tuples(inner, inner), st.lists(inner, max_size=3).map(tuple),
         st.dictionaries(st.text(max_size=3), inner, max_size=3),
-        st.lists(inner, max_size=2),  # (a list: neither walk takes it)
+        st.lists(inner, max_size=2),  # (a list: neither writer takes it)
         st.dictionaries(st.integers(0, 3), inner, min_size=1, max_size=2)),  # (keys not str)
     max_leaves=12)
 
 
+def _anonymous(size: int) -> mmap.mmap:
+    return mmap.mmap(-1, max(1, size))
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(_nested, max_size=12), st.sampled_from([list, tuple]), st.integers(0, 5))
-def test_the_marshal_walks_agree(values: list, kind: type, limit: int) -> None:
-    """The packer's walk of a list marshalled whole (zloader/packed.py): each element's
-    offset, how deep they nest and whether a dict is among them, the same in C and in
-    Python; each offset where marshal wrote that element; and the walk takes exactly what
-    ``packed.packable`` takes, bytes aside (marshal writes any buffer as bytes)."""
+def test_the_marshal_writers_agree(values: list, kind: type, limit: int) -> None:
+    """The packer's writer of a list's elements (zloader/packed.py): the same memory (the
+    offsets' table, then each element as marshal format 2 writes it), the same offsets,
+    how deep they nest and whether a dict is among them, in C and in Python; and it takes
+    exactly what ``packed.packable`` takes, bytes aside (marshal writes any buffer as
+    bytes)."""
     from zloader import packed
 
     values = kind(values)
-    whole = marshal.dumps(values, 2)
-    start = len(packed._header(values))
-    compiled = _core.marshal_offsets(whole, start, len(values), limit)
-    pure = packed.marshal_offsets(whole, start, len(values), limit)
+    compiled = _core.marshal_into(values, _anonymous, limit)
+    pure = packed.marshal_into(values, _anonymous, limit)
     assert (compiled is None) == (pure is None)
     depth, packed.PACK_MAX_DEPTH = packed.PACK_MAX_DEPTH, limit
     try:
@@ -651,12 +661,27 @@ def test_the_marshal_walks_agree(values: list, kind: type, limit: int) -> None:
     if pure is None:  # (what packable refuses, or bytes: refused)
         assert levels is None or any(type(x) is bytes for x in _walked_values(values))
         return
-    assert np.array_equal(compiled[0], pure[0]) and compiled[1:] == pure[1:]
-    offsets, deepest, dicts = pure
-    assert offsets[-1] == len(whole) - start and deepest == levels
+    assert bytes(compiled[0]) == bytes(pure[0])
+    assert np.array_equal(compiled[1], pure[1]) and compiled[2:] == pure[2:]
+    memory, offsets, deepest, dicts = pure
+    table = 8 * (len(values) + 1)
+    assert np.frombuffer(memory, "<i8", len(values) + 1).tolist() == offsets.tolist()
+    assert deepest == levels and len(memory) == max(1, table + int(offsets[-1]))
     for at, value in enumerate(values):
-        assert marshal.loads(whole[start + offsets[at]:start + offsets[at + 1]]) == value
+        element = memory[table + offsets[at]:table + offsets[at + 1]]
+        assert element == marshal.dumps(value, 2)
     assert dicts == any(type(x) is dict for x in _walked_values(values))
+
+
+@pytest.mark.parametrize("kind", [list, tuple])
+def test_the_writers_agree_where_marshal_s_format_changes(kind: type) -> None:
+    from zloader import packed
+
+    values = kind([*_EDGES, tuple(_EDGES), {"k": tuple(_EDGES)}])
+    compiled = _core.marshal_into(values, _anonymous, 4)
+    pure = packed.marshal_into(values, _anonymous, 4)
+    assert compiled is not None and pure is not None
+    assert bytes(compiled[0]) == bytes(pure[0])
 
 
 def _walked_values(values: Any) -> Any:
@@ -668,28 +693,52 @@ def _walked_values(values: Any) -> Any:
             yield from _walked_values(list(value.values()))
 
 
+def test_the_compiled_writer_takes_no_reference_to_an_element() -> None:
+    """(In a forked packer each reference taken would copy the element's page.)"""
+    element = ("/data/0.jpg", 7, {"k": 2**40})
+    counts = [sys.getrefcount(part) for part in (element, *element, element[2]["k"])]
+    assert _core.marshal_into([element] * 10, _anonymous, 4) is not None
+    assert [sys.getrefcount(part) for part in (element, *element,
+                                               element[2]["k"])] == counts
+
+
+def test_a_list_changed_while_its_memory_is_made_is_not_written() -> None:
+    values = [("a", k) for k in range(100)]
+
+    def allocate(size: int) -> mmap.mmap:
+        values[50] = ("a much longer string than before", 50)  # (another thread, say)
+        return _anonymous(size)
+
+    assert _core.marshal_into(values, allocate, 4) is None
+    shorter = [("a", k) for k in range(100)]
+    assert _core.marshal_into(shorter, lambda size: (shorter.pop(), _anonymous(size))[1],
+                              4) is None
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(_nested, min_size=1, max_size=6))
-def test_a_list_packed_after_the_walk_is_the_same_bytes(elements: list) -> None:
-    """``packed.pack`` of a large list, its offsets found by the compiled walk or by the
+def test_a_list_packed_by_the_writer_is_the_same_bytes(elements: list) -> None:
+    """``packed.pack`` of a large list, written by the compiled writer or sized by the
     checks by type (the pure path): the same memory, the same flatness, or both None."""
     from zloader import packed
 
     values = [elements[k % len(elements)] for k in range(packed.PACK_MIN_ITEMS)]
-    walked = packed.pack(values, walk=_core.marshal_offsets)
+    written = packed.pack(values, writer=_core.marshal_into)
     checked = packed.pack(values)
-    assert (walked is None) == (checked is None)
-    if walked is not None and checked is not None:
-        assert bytes(walked._memory) == bytes(checked._memory)
-        assert walked.flat == checked.flat and list(walked) == values
+    assert (written is None) == (checked is None)
+    if written is not None and checked is not None:
+        assert bytes(written._memory) == bytes(checked._memory)
+        assert written.flat == checked.flat
+        assert [marshal.dumps(x, 2) for x in written] == [marshal.dumps(x, 2) for x in values]
 
 
-def test_a_dataset_s_paths_are_packed_by_the_walk() -> None:
-    """A dataset's (path, label) pairs are packed with the walk's offsets, as the pure
-    path packs them."""
+def test_a_dataset_s_paths_are_packed_by_the_writer() -> None:
+    """A dataset's (path, label) pairs, some paths not ASCII, are packed by the compiled
+    writer as the pure path packs them."""
     from zloader import packed
 
-    values = [(f"/data/{k}.jpg", k % 1000) for k in range(100_000)]
-    assert packed._walked(values, _core.marshal_offsets)[1] is not None
-    view = packed.pack(values, walk=_core.marshal_offsets)
+    values = [(f"/data/{'é' if k % 7 == 0 else ''}{k}.jpg", k % 1000) for k in range(100_000)]
+    assert _core.marshal_into(values, _anonymous, packed.PACK_MAX_DEPTH) is not None
+    view = packed.pack(values, writer=_core.marshal_into)
     assert view is not None and view.flat and view[12345] == values[12345]
+    assert bytes(view._memory) == bytes(packed.pack(values)._memory)

@@ -1,6 +1,6 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False
 """zloader's compiled core: C twins of pure-Python kernels of the per-record path, and of the
-packer's walk of a marshalled list (zloader/packed.py).
+packer's writer of a list in marshal format 2 (zloader/packed.py).
 
 Each class or function here gives what its twin gives, byte for byte (tests/test_native.py
 compares them over generated inputs); zloader/_native.py picks which one runs. Only the
@@ -16,6 +16,8 @@ from cpython.buffer cimport (
 )
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.number cimport PyNumber_Index
+from cpython.object cimport PyObject
+from cpython.unicode cimport PyUnicode_READ
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy
 
@@ -47,7 +49,7 @@ from zloader.lineage import wire as _wire
 
 cnp.import_array()
 
-__all__ = ["ShuffleBuffer", "decode_origins", "encode_origins", "marshal_offsets",
+__all__ = ["ShuffleBuffer", "decode_origins", "encode_origins", "marshal_into",
            "merge_indices", "pack_into", "unframe", "unpack"]
 
 cdef long long INDEX_BITS = _tags.INDEX_BITS
@@ -863,98 +865,310 @@ def unframe(block):
     return data, unpack(memoryview(block[start:]))
 
 
-# --- the packer's walk of a marshalled list (zloader/packed.py) ---------------------------
+# --- the packer's writer of a list's elements in marshal format 2 (zloader/packed.py) -----
+# Borrowed pointers throughout: a reference taken writes the object's count, and in a forked
+# packer each such write copies the object's page (the dataset's pages, one by one).
 
-cdef Py_ssize_t _walk(const unsigned char* raw, Py_ssize_t at, Py_ssize_t end, int depth,
-                      int limit, int* deepest, bint* dicts) noexcept nogil:
-    """Where the marshal-2 object at ``at`` ends, or -1 when it is not an exact atom (no
-    bytes), a tuple or a dict of str keys of them, nested below ``limit`` levels."""
-    cdef unsigned char code
-    cdef int size
-    cdef long long length
-    cdef Py_ssize_t k
-    if at >= end:
-        return -1
-    code = raw[at]
-    at += 1
-    if code == b'N' or code == b'T' or code == b'F':
-        return at
-    if code == b'i':
-        return at + 4 if at + 4 <= end else -1
-    if code == b'g':
-        return at + 8 if at + 8 <= end else -1
-    if code == b'y':
-        return at + 16 if at + 16 <= end else -1
-    if code == b'{':  # (its size is not written: a null code ends it)
-        if depth >= limit:
-            return -1
-        if depth + 1 > deepest[0]:
-            deepest[0] = depth + 1
-        dicts[0] = True
-        return _walk_dict(raw, at, end, depth, limit, deepest, dicts)
-    if at + 4 > end:
-        return -1
-    memcpy(&size, raw + at, 4)
-    at += 4
-    if code == b'l':  # (15-bit digits, the sign on their count)
-        length = 2 * (<long long> size if size >= 0 else -(<long long> size))
-        return at + length if at + length <= end else -1
-    if code == b'u':
-        return at + size if size >= 0 and at + size <= end else -1
-    if code != b'(' or depth >= limit or size < 0:
+cdef extern from "Python.h":
+    ctypedef struct PyTypeObject:
+        pass
+    PyTypeObject _INT "PyLong_Type"
+    PyTypeObject _FLOAT "PyFloat_Type"
+    PyTypeObject _COMPLEX "PyComplex_Type"
+    PyTypeObject _TEXT "PyUnicode_Type"
+    PyTypeObject _TUPLE "PyTuple_Type"
+    PyTypeObject _DICT "PyDict_Type"
+    PyTypeObject _LIST "PyList_Type"
+    PyObject* _NONE "Py_None"
+    PyObject* _TRUE "Py_True"
+    PyObject* _FALSE "Py_False"
+    PyTypeObject* _type "Py_TYPE"(PyObject* value)
+    long long _as_long "PyLong_AsLongLongAndOverflow"(PyObject* value, int* overflow) except? -1
+    double _as_double "PyFloat_AS_DOUBLE"(PyObject* value)
+    double _real "PyComplex_RealAsDouble"(PyObject* value)
+    double _imag "PyComplex_ImagAsDouble"(PyObject* value)
+    Py_ssize_t _tuple_size "PyTuple_GET_SIZE"(PyObject* value)
+    PyObject* _tuple_item "PyTuple_GET_ITEM"(PyObject* value, Py_ssize_t k)
+    PyObject* _list_item "PyList_GET_ITEM"(PyObject* value, Py_ssize_t k)
+    bint _dict_next "PyDict_Next"(PyObject* value, Py_ssize_t* at, PyObject** key,
+                                  PyObject** item)
+    Py_ssize_t _text_length "PyUnicode_GET_LENGTH"(PyObject* text)
+    int _text_kind "PyUnicode_KIND"(PyObject* text)
+    void* _text_data "PyUnicode_DATA"(PyObject* text)
+    bint _text_ascii "PyUnicode_IS_ASCII"(PyObject* text)
+
+
+cdef object _dumps = None  # marshal.dumps: an int past int64 is written as it writes it
+
+
+cdef Py_ssize_t _utf8_size(PyObject* text) noexcept:
+    """The bytes of ``text`` (an exact str) in UTF-8, lone surrogates as three bytes each
+    (``surrogatepass``, as marshal writes them); -1 past a 4-byte length."""
+    cdef Py_ssize_t n = _text_length(text), size = n, k
+    cdef int kind = _text_kind(text)
+    cdef void* data = _text_data(text)
+    cdef unsigned int c
+    if not _text_ascii(text):
+        size = 0
+        for k in range(n):
+            c = PyUnicode_READ(kind, data, k)
+            size += 1 if c < 0x80 else 2 if c < 0x800 else 3 if c < 0x10000 else 4
+    return size if size <= 0x7FFFFFFF else -1
+
+
+cdef inline Py_ssize_t _digits(unsigned long long magnitude) noexcept:
+    """How many 15-bit digits marshal writes for an int of this magnitude (not 0)."""
+    cdef Py_ssize_t count = 0
+    while magnitude:
+        magnitude >>= 15
+        count += 1
+    return count
+
+
+cdef inline unsigned long long _magnitude(long long value) noexcept:
+    return <unsigned long long> value if value >= 0 else \
+        (<unsigned long long> (-(value + 1))) + 1
+
+
+cdef Py_ssize_t _size(PyObject* value, int depth, int limit, int* deepest,
+                      bint* dicts) except -2:
+    """The bytes marshal format 2 writes for ``value``, or -1 where ``marshal_into``
+    refuses it (see its twin)."""
+    cdef int overflow = 0
+    cdef long long number
+    cdef Py_ssize_t size, part, k
+    cdef PyObject* key
+    cdef PyObject* item
+    cdef PyTypeObject* kind = _type(value)
+    if value == _NONE or value == _TRUE or value == _FALSE:
+        return 1
+    if kind == &_INT:
+        number = _as_long(value, &overflow)
+        if overflow:
+            return len(_dumps(<object> value, 2))
+        if -0x80000000 <= number <= 0x7FFFFFFF:
+            return 5
+        return 5 + 2 * _digits(_magnitude(number))
+    if kind == &_FLOAT:
+        return 9
+    if kind == &_COMPLEX:
+        return 17
+    if kind == &_TEXT:
+        size = _utf8_size(value)
+        return 5 + size if size >= 0 else -1
+    if kind != &_TUPLE and kind != &_DICT:
+        return -1  # (bytes too: marshal writes any buffer so, and the checks by type decide)
+    if depth >= limit:
         return -1
     if depth + 1 > deepest[0]:
         deepest[0] = depth + 1
-    for k in range(size):
-        at = _walk(raw, at, end, depth + 1, limit, deepest, dicts)
-        if at < 0:
+    if kind == &_TUPLE:
+        size = 5
+        for k in range(_tuple_size(value)):
+            part = _size(_tuple_item(value, k), depth + 1, limit, deepest, dicts)
+            if part < 0:
+                return -1
+            size += part
+        return size
+    dicts[0] = True
+    size = 2  # (its code, and the null code that ends it)
+    k = 0
+    while _dict_next(value, &k, &key, &item):
+        part = _utf8_size(key) if _type(key) == &_TEXT else -1
+        if part < 0:
             return -1
-    return at
+        size += 5 + part
+        part = _size(item, depth + 1, limit, deepest, dicts)
+        if part < 0:
+            return -1
+        size += part
+    return size
 
 
-cdef Py_ssize_t _walk_dict(const unsigned char* raw, Py_ssize_t at, Py_ssize_t end,
-                           int depth, int limit, int* deepest, bint* dicts) noexcept nogil:
-    """:func:`_walk` for a dict's items, from ``at`` to its null code."""
-    while True:
-        if at >= end:
-            return -1
-        if raw[at] == b'0':
-            return at + 1
-        if raw[at] != b'u':
-            return -1
-        at = _walk(raw, at, end, depth + 1, limit, deepest, dicts)
-        if at < 0:
-            return -1
-        at = _walk(raw, at, end, depth + 1, limit, deepest, dicts)
-        if at < 0:
-            return -1
+cdef inline Py_ssize_t _code(char* out, Py_ssize_t at, Py_ssize_t end, char code,
+                             Py_ssize_t size, bint sized) noexcept:
+    """Write a type code (and, ``sized``, a 4-byte little-endian ``size``) at ``at``: where
+    they end, or -1 past ``end`` (or for ``at`` -1)."""
+    cdef int word = <int> size
+    if at < 0 or at + 1 + 4 * sized > end:
+        return -1
+    out[at] = code
+    if sized:
+        memcpy(out + at + 1, &word, 4)
+    return at + 1 + 4 * sized
 
 
-def marshal_offsets(whole, Py_ssize_t start, Py_ssize_t count, int limit):
-    """The twin of ``zloader.packed.marshal_offsets`` (its docstring says what it does):
-    the walk in C."""
+cdef Py_ssize_t _write_text(PyObject* text, char* out, Py_ssize_t at,
+                            Py_ssize_t end) noexcept:
+    """``text`` (an exact str) as marshal format 2 writes it: ``u``, its UTF-8 length, its
+    UTF-8 (see :func:`_utf8_size`)."""
+    cdef Py_ssize_t n = _text_length(text), size = _utf8_size(text), k
+    cdef int kind = _text_kind(text)
+    cdef void* data = _text_data(text)
+    cdef unsigned int c
+    cdef unsigned char* to
+    at = _code(out, at, end, b'u', size, True)
+    if size < 0 or at < 0 or at + size > end:
+        return -1
+    if _text_ascii(text):
+        memcpy(out + at, data, n)
+        return at + n
+    to = <unsigned char*> out + at
+    for k in range(n):
+        c = PyUnicode_READ(kind, data, k)
+        if c < 0x80:
+            to[0] = c
+            to += 1
+        elif c < 0x800:
+            to[0] = 0xC0 | (c >> 6)
+            to[1] = 0x80 | (c & 0x3F)
+            to += 2
+        elif c < 0x10000:
+            to[0] = 0xE0 | (c >> 12)
+            to[1] = 0x80 | ((c >> 6) & 0x3F)
+            to[2] = 0x80 | (c & 0x3F)
+            to += 3
+        else:
+            to[0] = 0xF0 | (c >> 18)
+            to[1] = 0x80 | ((c >> 12) & 0x3F)
+            to[2] = 0x80 | ((c >> 6) & 0x3F)
+            to[3] = 0x80 | (c & 0x3F)
+            to += 4
+    return at + size
+
+
+cdef Py_ssize_t _write_int(PyObject* value, char* out, Py_ssize_t at,
+                           Py_ssize_t end) except -2:
+    """An exact int as marshal format 2 writes it: ``i`` and 4 bytes within int32, else
+    ``l``, its count of 15-bit digits (negative for a negative int) and the digits."""
+    cdef int overflow = 0, word
+    cdef long long number = _as_long(value, &overflow)
+    cdef unsigned long long magnitude
+    cdef unsigned short digit
+    cdef Py_ssize_t count, k
+    if overflow:
+        written = _dumps(<object> value, 2)
+        count = len(written)
+        if at + count > end:
+            return -1
+        memcpy(out + at, PyBytes_AS_STRING(written), count)
+        return at + count
+    if -0x80000000 <= number <= 0x7FFFFFFF:
+        at = _code(out, at, end, b'i', 0, False)
+        if at < 0 or at + 4 > end:
+            return -1
+        word = <int> number
+        memcpy(out + at, &word, 4)
+        return at + 4
+    magnitude = _magnitude(number)
+    count = _digits(magnitude)
+    at = _code(out, at, end, b'l', count if number > 0 else -count, True)
+    if at < 0 or at + 2 * count > end:
+        return -1
+    for k in range(count):
+        digit = magnitude & 0x7FFF
+        memcpy(out + at + 2 * k, &digit, 2)
+        magnitude >>= 15
+    return at + 2 * count
+
+
+cdef Py_ssize_t _write(PyObject* value, char* out, Py_ssize_t at, Py_ssize_t end,
+                       int depth, int limit) except -2:
+    """Write ``value`` at ``at`` as marshal format 2 does: where it ends, or -1 where it
+    no longer fits what :func:`_size` found (the list changed in between)."""
+    cdef double number
+    cdef Py_ssize_t k, n
+    cdef PyObject* key
+    cdef PyObject* item
+    cdef PyTypeObject* kind = _type(value)
+    if value == _NONE or value == _TRUE or value == _FALSE:
+        return _code(out, at, end, b'N' if value == _NONE else b'T' if value == _TRUE
+                     else b'F', 0, False)
+    if kind == &_INT:
+        return _write_int(value, out, at, end)
+    if kind == &_FLOAT or kind == &_COMPLEX:
+        n = 8 if kind == &_FLOAT else 16
+        at = _code(out, at, end, b'g' if n == 8 else b'y', 0, False)
+        if at < 0 or at + n > end:
+            return -1
+        number = _as_double(value) if n == 8 else _real(value)
+        memcpy(out + at, &number, 8)
+        if n == 16:
+            number = _imag(value)
+            memcpy(out + at + 8, &number, 8)
+        return at + n
+    if kind == &_TEXT:
+        return _write_text(value, out, at, end)
+    if depth >= limit:
+        return -1
+    if kind == &_TUPLE:
+        n = _tuple_size(value)
+        at = _code(out, at, end, b'(', n, True)
+        for k in range(n):
+            at = _write(_tuple_item(value, k), out, at, end, depth + 1, limit) \
+                if at >= 0 else -1
+        return at
+    if kind != &_DICT:
+        return -1
+    at = _code(out, at, end, b'{', 0, False)
+    k = 0
+    while at >= 0 and _dict_next(value, &k, &key, &item):
+        at = _write_text(key, out, at, end) if _type(key) == &_TEXT else -1
+        at = _write(item, out, at, end, depth + 1, limit) if at >= 0 else -1
+    return _code(out, at, end, b'0', 0, False)
+
+
+cdef inline PyObject* _element(PyObject* values, bint is_list, Py_ssize_t k) noexcept:
+    return _list_item(values, k) if is_list else _tuple_item(values, k)
+
+
+def marshal_into(values, allocate, int limit):
+    """The twin of ``zloader.packed.marshal_into`` (its docstring says what it does): the
+    sizes found, then the elements written into the memory, in C (no bytes of the whole
+    list made, no str encoded into a new object, and no reference taken to an element)."""
+    global _dumps
     if not LITTLE:
         from zloader import packed  # (it imports this module's picker: not at import)
 
-        return packed.marshal_offsets(whole, start, count, limit)
-    cdef Py_buffer buffer
-    PyObject_GetBuffer(whole, &buffer, PyBUF_SIMPLE)
-    cdef const unsigned char* raw = <const unsigned char*> buffer.buf
-    cdef Py_ssize_t end = buffer.len, at = start, k
+        return packed.marshal_into(values, allocate, limit)
+    if _dumps is None:
+        import marshal
+
+        _dumps = marshal.dumps
+    cdef PyObject* items = <PyObject*> values
+    cdef bint is_list = type(values) is list
+    if not is_list and type(values) is not tuple:
+        return None
+    cdef Py_ssize_t count = len(values), k, at = 0, size, table = 8 * (count + 1), end
     cdef int deepest = 0
     cdef bint dicts = False
     cdef cnp.ndarray offsets = _empty(count + 1)
     cdef long long* out = _data(offsets)
+    for k in range(count):
+        out[k] = at
+        size = _size(_element(items, is_list, k), 0, limit, &deepest, &dicts)
+        if size < 0:
+            return None
+        at += size
+    out[count] = at
+    memory = allocate(table + at)
+    cdef Py_buffer buffer
+    PyObject_GetBuffer(memory, &buffer, PyBUF_WRITABLE)
+    cdef char* raw = <char*> buffer.buf
+    end = buffer.len
     try:
-        with nogil:
-            for k in range(count):
-                if at < 0:
-                    break
-                out[k] = at - start
-                at = _walk(raw, at, end, 0, limit, &deepest, &dicts)
+        if end < table + out[count] or len(values) != count:
+            return None  # (the list changed while the memory was made)
+        memcpy(raw, out, table)
+        at = table
+        for k in range(count):
+            if at != table + out[k]:
+                return None
+            at = _write(_element(items, is_list, k), raw, at, end, 0, limit)
+            if at < 0:
+                return None
+        if at != table + out[count]:
+            return None
     finally:
         PyBuffer_Release(&buffer)
-    if at != end:
-        return None
-    out[count] = at - start
-    return offsets, deepest, dicts
+    return memory, offsets, deepest, dicts

@@ -83,9 +83,9 @@ class Handoff:
     worker's, which :func:`poll` then completes; the first worker forks the packer
     (:meth:`fork_packer`), which runs :meth:`pack_all`."""
 
-    def __init__(self, found: list[packed.Found], walk: packed.Walk | None = None) -> None:
+    def __init__(self, found: list[packed.Found], writer: packed.Writer | None = None) -> None:
         self.found = found
-        self.walk = walk  # (the packer's: see packed.pack)
+        self.writer = writer  # (the packer's: see packed.pack)
         # One row (and memfd) per list: an attribute that holds a list another holds
         # (torchvision's ``imgs`` is ``samples``) gets the same view, as at the fork.
         rows: dict[int, int] = {}
@@ -162,7 +162,7 @@ class Handoff:
             for row, (values, fd) in enumerate(zip(self.lists, self.fds, strict=True)):
                 if os.getppid() != parent or self.head[1]:
                     return
-                view = packed.pack(values, _allocator(fd), self.walk)
+                view = packed.pack(values, _allocator(fd), self.writer)
                 packed.log_packed(view, values, self.where(row))
                 self._publish(row, view)
         finally:

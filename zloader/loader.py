@@ -545,15 +545,15 @@ def _packing(pipeline: Pipeline, args: Arguments) -> tuple[list[packed.Swap], Ha
     for lists whose objects a worker would copy fewer than PACK_MIN_BYTES of."""
     if not (args.inherit and args.pack_dataset):
         return [], None
-    walk = _native.pick("marshal_offsets", None)  # (packed.pack: None, the checks by type)
+    writer = _native.pick("marshal_into", None)  # (packed.pack: None, the checks by type)
     if not handoff.available():
-        return packed.prepare(pipeline, walk), None
+        return packed.prepare(pipeline, writer), None
     found = packed.found(pipeline.source)
     if sum(len(each.values) for each in found) >= HANDOFF_MIN_ELEMENTS:
-        return [], Handoff(found, walk)
+        return [], Handoff(found, writer)
     if packed.copied_bytes(found) < PACK_MIN_BYTES:
         return [], None  # (small: each worker's copy costs less than packing would wait)
-    return packed.prepare(pipeline, walk), None  # (quicker than forking a packer)
+    return packed.prepare(pipeline, writer), None  # (quicker than forking a packer)
 
 
 def _warn_mix_windows(pipeline: Pipeline, args: Arguments) -> None:

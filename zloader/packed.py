@@ -52,8 +52,9 @@ from zloader._defaults import (
     PACK_SAMPLE,
 )
 
-__all__ = ["PACK_MIN_ITEMS", "Found", "PackedSequence", "Swap", "Walk", "copied_bytes",
-           "flat_chunks", "found", "install", "log_packed", "marshal_offsets", "offered", "pack",
+__all__ = ["PACK_MIN_ITEMS", "Found", "PackedSequence", "Swap", "Writer", "copied_bytes",
+           "flat_chunks", "found", "install", "log_packed", "marshal_into", "marshal_offsets",
+           "offered", "pack",
            "plan", "prepare"]
 
 log = logging.getLogger("zloader.packed")
@@ -277,17 +278,21 @@ class PackedSequence(collections.abc.MutableSequence):
                 f"{self.nbytes / 2**20:.1f} MiB of shared memory>")
 
 
-Walk = Callable[[Any, int, int, int], "tuple[np.ndarray, int, bool] | None"]
-"""The compiled core's :func:`marshal_offsets` (a caller above it picks it)."""
+Writer = Callable[[Any, Callable[[int], mmap.mmap], int],
+               "tuple[mmap.mmap, np.ndarray, int, bool] | None"]
+"""The compiled core's :func:`marshal_into` (a caller above it picks it)."""
 
 
 def pack(values: Any, allocate: Callable[[int], mmap.mmap] | None = None,
-         walk: Walk | None = None) -> PackedSequence | None:
+         writer: Writer | None = None) -> PackedSequence | None:
     """``values`` packed (in memory from ``allocate(size)``: anonymous shared memory by
     default), or None when it is not a list or tuple of at least ``PACK_MIN_ITEMS``
-    elements that :func:`packable` accepts. ``walk``: the compiled core's
-    :func:`marshal_offsets`, which finds the elements' offsets in the list marshalled
-    whole (:func:`_walked`), or None (the checks by type do)."""
+    elements that :func:`packable` accepts. ``writer``: the compiled core's
+    :func:`marshal_into`, which sizes and writes the elements into the memory in C (1 M
+    (path, label) pairs in a forked packer: 150-200 ms, against 245-335 ms marshalled whole,
+    walked and copied; about 60 ms of it is the kernel making the memory's pages), or None
+    (the checks by type size them). Where it refuses an element (bytes, and all that
+    :func:`packable` refuses), the checks by type decide."""
     allocate = allocate or _shared
     kind = type(values)
     if (kind is not list and kind is not tuple) or len(values) < PACK_MIN_ITEMS:
@@ -302,18 +307,18 @@ def pack(values: Any, allocate: Callable[[int], mmap.mmap] | None = None,
             memory = allocate(array.nbytes)
             np.frombuffer(memory, array.dtype, len(array))[:] = array
             return PackedSequence(memory, len(values), array.dtype.char, kind)
-    whole, walked = _walked(values, walk) if walk is not None else (None, None)
-    if whole is not None and walked is not None:
-        offsets, flat = walked
-        return _into_memory(offsets, [memoryview(whole)[len(_header(values)):]], kind,
-                            allocate, flat)
+    written = writer(values, allocate, PACK_MAX_DEPTH) if writer is not None else None
+    if written is not None:
+        memory, _, deepest, dicts = written
+        view = PackedSequence(memory, len(values), "marshal", kind)
+        view.flat = deepest <= 1 and not dicts
+        return view
     if kinds is None:
         kinds = set(map(type, values))
     sizes = _sizes(values, kinds)  # (its checks take every element for plain data)
     if sizes is not None:
         # what the fingerprint marshals whole (flat_chunks): atoms, or tuples of atoms
-        return _marshalled(values, kind, sizes, allocate, flat=type(values[0]) is not dict,
-                           whole=whole)
+        return _marshalled(values, kind, sizes, allocate, flat=type(values[0]) is not dict)
     seen: set[type] = set()
     levels = _levels(values, kinds, 0, seen)
     if levels is None:
@@ -361,29 +366,25 @@ def _shared(size: int) -> mmap.mmap:
 
 
 def _marshalled(values: Any, kind: type, sizes: np.ndarray | None,
-                allocate: Callable[[int], mmap.mmap], flat: bool,
-                whole: bytes | None = None) -> PackedSequence | None:
+                allocate: Callable[[int], mmap.mmap], flat: bool) -> PackedSequence | None:
     """``values`` marshalled one element after another, after their offset table: the
-    whole list marshalled at once (or ``whole``, its bytes already) when ``sizes``
+    whole list marshalled at once when ``sizes``
     (:func:`_sizes`) gives each element's size (most datasets, in C), else element by
     element. None when marshal refuses an element: the checks before should have left it
     alone, and a list packing cannot take is read as it is, never an error."""
     try:
-        return _marshalled_into_memory(values, kind, sizes, allocate, flat, whole)
+        return _marshalled_into_memory(values, kind, sizes, allocate, flat)
     except ValueError as exc:  # (marshal's "unmarshallable object")
         log.debug("left a %s of %d elements as it is: %s", kind.__name__, len(values), exc)
         return None
 
 
 def _marshalled_into_memory(values: Any, kind: type, sizes: np.ndarray | None,
-                            allocate: Callable[[int], mmap.mmap], flat: bool,
-                            whole: bytes | None) -> PackedSequence:
+                            allocate: Callable[[int], mmap.mmap], flat: bool
+                            ) -> PackedSequence:
     count = len(values)
     offsets = np.zeros(count + 1, np.int64)
-    if sizes is None:
-        whole = b""
-    elif whole is None:
-        whole = marshal.dumps(values, _MARSHAL_VERSION)
+    whole = b"" if sizes is None else marshal.dumps(values, _MARSHAL_VERSION)
     if sizes is not None and len(whole) - len(_header(values)) != int(sizes.sum()):
         sizes = _sizes(values, {type(values[0])}, ascii_only=False)  # a str not ASCII
     if sizes is not None and len(whole) - len(_header(values)) == int(sizes.sum()):
@@ -417,25 +418,31 @@ def _into_memory(offsets: np.ndarray, blobs: list[Any], kind: type,
     return view
 
 
-def _walked(values: list[Any] | tuple[Any, ...], walk: Walk
-            ) -> tuple[bytes | None, tuple[np.ndarray, bool] | None]:
-    """``values`` marshalled whole (None: marshal refuses an element, and so do the checks)
-    and, read from those bytes by ``walk`` (the compiled core's :func:`marshal_offsets`),
-    where each element starts after its header and whether they are flat (see
-    :func:`flat_chunks`): for a list of tuples, a quarter of what :func:`_sizes` and its
-    checks by type take, two thirds of packing's time (the pure twin is slower than those
-    checks: it is not used here). None where the walk refuses an element (bytes: marshal
-    writes any buffer so; and all that :func:`packable` refuses): the checks by type then
-    decide, on the same elements, and the bytes are not marshalled again."""
+def marshal_into(values: list[Any] | tuple[Any, ...], allocate: Callable[[int], mmap.mmap],
+                 limit: int) -> tuple[mmap.mmap, np.ndarray, int, bool] | None:
+    """``values`` packed in marshal format 2 into memory from ``allocate(size)``: the table
+    of the elements' offsets (``count + 1`` little-endian int64s, from the end of the
+    table, the last their end), then the elements; the memory, those offsets, how many
+    levels of tuples and dicts they nest (0: atoms only) and whether a dict is among them.
+    None when one is not an exact atom other than bytes, a tuple or a dict of str keys of
+    such, nested at most ``limit`` levels (what :func:`packable` takes, bytes aside:
+    marshal writes any buffer as bytes), or when ``values`` changed meanwhile. The
+    compiled core's twin sizes and writes the elements in C; this one marshals the list
+    whole and walks its bytes (:func:`marshal_offsets`), slower than the checks by type:
+    it is not used for packing."""
     try:
         whole = marshal.dumps(values, _MARSHAL_VERSION)
     except ValueError:
-        return None, None
-    found = walk(whole, len(_header(values)), len(values), PACK_MAX_DEPTH)
+        return None
+    start = len(_header(values))
+    found = marshal_offsets(whole, start, len(values), limit)
     if found is None:
-        return whole, None
+        return None
     offsets, deepest, dicts = found
-    return whole, (offsets, deepest <= 1 and not dicts)
+    memory = allocate(offsets.nbytes + int(offsets[-1]))
+    memory[:offsets.nbytes] = offsets.astype("<i8").tobytes()
+    memory[offsets.nbytes:offsets.nbytes + int(offsets[-1])] = memoryview(whole)[start:]
+    return memory, offsets, deepest, dicts
 
 
 def marshal_offsets(whole: Any, start: int, count: int, limit: int
@@ -446,7 +453,7 @@ def marshal_offsets(whole: Any, start: int, count: int, limit: int
     (0: atoms only) and whether a dict is among them; None when one is not an exact atom
     other than bytes (marshal writes any buffer as bytes), a tuple or a dict of str keys
     of such, nested at most ``limit`` levels (what :func:`packable` takes, bytes aside).
-    The compiled core's twin walks in C."""
+    :func:`marshal_into`'s walk."""
     raw = memoryview(whole).cast("B")
     found = [0, False]  # (the deepest level, whether a dict was met)
     offsets = np.empty(count + 1, np.int64)
@@ -641,23 +648,23 @@ def found(source: Any) -> list[Found]:
     return lists
 
 
-def plan(source: Any, walk: Walk | None = None) -> list[Swap]:
+def plan(source: Any, writer: Writer | None = None) -> list[Swap]:
     """The swaps that keep a forked worker off the large lists of ``source``
-    (:func:`found`), packed now (``walk``: see :func:`pack`). Logs at debug level what was
+    (:func:`found`), packed now (``writer``: see :func:`pack`). Logs at debug level what was
     packed and what was left."""
     swaps: list[Swap] = []
     packed: dict[int, PackedSequence | None] = {}
     for each in found(source):
-        view = _packed_once(each.values, packed, each.where, walk)
+        view = _packed_once(each.values, packed, each.where, writer)
         if view is not None:
             swaps.append(Swap(each.owner, each.name, each.values, view, each.where))
     return swaps
 
 
-def prepare(pipeline: Any, walk: Walk | None = None) -> list[Swap]:
+def prepare(pipeline: Any, writer: Writer | None = None) -> list[Swap]:
     """The swaps for ``pipeline``'s forked workers (:func:`plan`), its fingerprint taken
     meanwhile from the packed bytes: the lists are marshalled once."""
-    swaps = plan(pipeline.source, walk)
+    swaps = plan(pipeline.source, writer)
     with offered(swaps):
         pipeline.fingerprint  # noqa: B018 (computed now, and kept by the pipeline)
     return swaps
@@ -685,10 +692,10 @@ def _visit(owner: Any, where: str, lists: list[Found], seen: set[int], depth: in
 
 
 def _packed_once(value: Any, packed: dict[int, PackedSequence | None],
-                 where: str, walk: Walk | None) -> PackedSequence | None:
+                 where: str, writer: Writer | None) -> PackedSequence | None:
     """``value`` packed, once however many attributes hold it (``imgs`` is ``samples``)."""
     if id(value) not in packed:
-        packed[id(value)] = pack(value, walk=walk)
+        packed[id(value)] = pack(value, writer=writer)
         log_packed(packed[id(value)], value, where)
     return packed[id(value)]
 
