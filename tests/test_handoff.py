@@ -74,7 +74,7 @@ def test_a_packer_that_dies_leaves_the_lists_to_the_workers():
 
 
 def _packer(loader: zloader.Loader) -> int:
-    """The pid of ``loader``'s packer (forked by its last worker, which notes it)."""
+    """The pid of ``loader``'s packer (noted in the handoff's table by whoever forked it)."""
     handed = loader._embedded.handoff
     assert handed is not None
     deadline = time.monotonic() + 30
@@ -99,10 +99,10 @@ def test_the_loader_holds_no_memfd_and_its_packer_is_reaped(workers: int):
     with zloader.Loader(zloader.Pipeline.from_torch(Paths(300_000)),
                         num_workers=workers) as loader:
         assert _memfds() == before  # (the workers and the packer hold theirs)
-        # (its offsets found by the compiled core's walk where it is built: packed.pack)
+        # (written by the compiled core's writer where it is built: packed.pack)
         assert loader._embedded.handoff.writer is _native.pick("marshal_into", None)
         packer = psutil.Process(_packer(loader))
-        # (forked by the first worker, or by the forker once it forked the workers)
+        # (forked by the first worker, or by the forker right after the first worker)
         forker = loader._embedded.forker
         assert packer.ppid() == (loader._processes[0].pid if forker is None
                                  else forker.process.pid)

@@ -4,15 +4,18 @@ Packing a million-element list takes a few hundred milliseconds (zloader/packed.
 done before the fork, it would delay every first batch by as much, and done on a thread
 of the trainer it would hold the interpreter's lock against the thread that receives the
 batches. Instead the Loader forks its workers at once, with the lists as they are, and
-the first of them forks one more process, the packer (:meth:`Handoff.fork_packer`; so the
-trainer's thread does not copy its page tables a further time, and the first worker, which
-waits for its Loader to fork the others, has the time to), which packs the lists while the
-workers start and exits. Each list goes into a ``memfd`` made before the forks (so
-each worker holds it already, and ``/dev/shm``'s size does not limit it), which the packer
-sizes and fills; a small table in anonymous shared memory, also made before the forks,
-says when each is ready (or was left unpacked). The packer reads every element, so for
-the second or so it runs it holds its own copy of the pages of the lists' objects (their
-reference counts); they are freed when it exits.
+one more process, the packer (:meth:`Handoff.fork_packer`), packs the lists while the
+workers start and exits. The trainer's thread does not copy its page tables a further
+time: the forker forks the packer after the first worker (zloader/_process.py), and a
+Loader that forks its one or two workers itself has the first of them fork it (that
+worker waits for its Loader to fork the other anyway). Each list goes into a ``memfd``
+made before the forks (so each worker holds it already, and ``/dev/shm``'s size does not
+limit it), which the packer sizes and fills; a small table in anonymous shared memory,
+also made before the forks, says when each is ready (or was left unpacked). The compiled
+core's writer (``_core.marshal_into``) reads the elements without taking a reference to
+any, so the packer copies none of their pages; the pure path's checks by type take
+references, and for the second or so it runs that packer holds its own copy of the pages
+of the lists' objects (their reference counts), freed when it exits.
 
 A worker looks at the table before each split and each batch it is handed (:func:`poll`:
 one attribute read once nothing is pending) and puts the packed view in place of each
