@@ -617,7 +617,7 @@ def test_a_loader_gives_the_same_batches_with_either_kernels() -> None:
 
 # --- the packer's writer of a list in marshal format 2 --------------------------------------
 
-_EDGES = [2**31 - 1, -2**31, 2**31, -2**31 - 1, 2**63 - 1, -2**63, 2**63, -2**63 - 1, 2**45,
+_MARSHAL_EDGES = [2**31 - 1, -2**31, 2**31, -2**31 - 1, 2**63 - 1, -2**63, 2**63, -2**63 - 1, 2**45,
           -2**30, 0, -0.0, float("nan"), "\ud800", "a\udfff", "\U0001f600", "\xe9", "\u07ff",
           "\u0800", "\uffff", "\x7f", "\x80", "", (), {}]
 """Where marshal's format changes (an int's code, a str's UTF-8 length per character)."""
@@ -625,7 +625,7 @@ _EDGES = [2**31 - 1, -2**31, 2**31, -2**31 - 1, 2**63 - 1, -2**63, 2**63, -2**63
 _atoms = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
                    st.integers(-2**63, 2**63 - 1), st.floats(), st.complex_numbers(),
                    st.text(max_size=6), st.binary(max_size=4),
-                   st.sampled_from(_EDGES))
+                   st.sampled_from(_MARSHAL_EDGES))
 _nested = st.recursive(
     _atoms, lambda inner: st.one_of(
         st.tuples(inner, inner), st.lists(inner, max_size=3).map(tuple),
@@ -677,7 +677,7 @@ def test_the_marshal_writers_agree(values: list, kind: type, limit: int) -> None
 def test_the_writers_agree_where_marshal_s_format_changes(kind: type) -> None:
     from zloader import packed
 
-    values = kind([*_EDGES, tuple(_EDGES), {"k": tuple(_EDGES)}])
+    values = kind([*_MARSHAL_EDGES, tuple(_MARSHAL_EDGES), {"k": tuple(_MARSHAL_EDGES)}])
     compiled = _core.marshal_into(values, _anonymous, 4)
     pure = packed.marshal_into(values, _anonymous, 4)
     assert compiled is not None and pure is not None

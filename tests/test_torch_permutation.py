@@ -10,6 +10,9 @@ import os
 import random
 import subprocess
 import sys
+import threading
+import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -137,6 +140,44 @@ def test_a_deferred_permutation_moves_its_generator_on_when_settled() -> None:
     permutation.skip(10, other)
     assert not torch.equal(generator.get_state(), after)
     assert np.array_equal(mine[0:200_000], _theirs(200_000, after)[0])
+
+
+def test_a_permutation_settled_by_another_thread_meanwhile_is_still_torch_s(
+        monkeypatch, caplog) -> None:
+    # (a second loader's iter() on another thread settles what is pending: whoever comes
+    # second waits for the skip, so the whole permutation is checked against its end)
+    monkeypatch.setattr(permutation, "_broken", False)
+    count = 3_000_000
+    generator = _generator(8, 1)
+    want, after = _theirs(count, generator.get_state())
+    mine = Permutation(count, generator, ahead=1000, thread=False, defer=True)
+    mine.take(1000)
+    skipping = threading.Event()
+
+    class Slow:  # (the engine, its skip slowed: the other thread is inside it)
+        def __init__(self, engine: Any) -> None:
+            self.engine = engine
+
+        def random_raw(self, *args: Any, **kwargs: Any) -> Any:
+            skipping.set()
+            time.sleep(0.3)
+            return self.engine.random_raw(*args, **kwargs)
+
+        @property
+        def state(self) -> Any:
+            return self.engine.state
+
+    assert mine._move is not None
+    gen, engine, rest, words = mine._move
+    mine._move = (gen, Slow(engine), rest, words)
+    other = threading.Thread(target=permutation.settle)
+    with caplog.at_level(logging.WARNING, "zloader.torch"):
+        other.start()
+        assert skipping.wait(10)
+        whole = mine[0:count]  # (settles it too: waits for the other thread's skip)
+        other.join()
+    assert np.array_equal(whole, want) and torch.equal(generator.get_state(), after)
+    assert not permutation._broken and "not the permutation" not in caplog.text
 
 
 def test_skip_moves_the_generator_on_as_a_dropped_randperm_does() -> None:

@@ -286,6 +286,13 @@ def _serve_forks(trainer: int, report: int, address: str, binds: list[str],
         os.close(gate)
     if handoff is not None:
         handoff.workers_forked()  # (the workers and the packer hold their own)
+    _reap_workers(trainer, report, slots)
+
+
+def _reap_workers(trainer: int, report: int, slots: dict[int, int]) -> None:
+    """The forker, once it forked them: reap its workers (``slots``: pid -> slot) and the
+    packer, reporting each worker's end on ``report``, until they have all ended or
+    ``trainer`` is gone (then it kills the packer)."""
     wake, woken = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
     signal.set_wakeup_fd(woken)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # (its wake-up byte ends the wait)

@@ -51,6 +51,7 @@ _LEFT, _NEXT, _WORDS = slice(8, 12), slice(16, 24), slice(24, 24 + 8 * _STATE_WO
 _broken = False  # a whole permutation differed from the emulated one: plain randperm
 _running: set[threading.Thread] = set()  # the threads drawing a permutation now
 _unsettled: list[Permutation] = []  # deferred: their generators not moved on yet
+_SETTLING = threading.Lock()
 
 
 def _settle() -> None:
@@ -67,8 +68,12 @@ def settle() -> None:
     (:meth:`Permutation.settle`): a DataLoader's ``iter()`` calls it once its workers have
     their first batches, so that the skip overlaps their making them, and before it
     returns (torch's ``iter()`` leaves the generator past its first permutation)."""
-    while _unsettled:
-        _unsettled.pop(0).settle()
+    while True:
+        try:
+            pending = _unsettled.pop(0)
+        except IndexError:  # (none left, or another thread took the last)
+            return
+        pending.settle()
 
 
 def available(count: int, generator: torch.Generator) -> bool:
@@ -162,19 +167,21 @@ class Permutation:
 
     def settle(self) -> None:
         """Leave the generator as ``randperm`` leaves it (once: the draws past the emulated
-        ones skipped, in C and without the GIL; see :func:`settle`)."""
-        move, self._move = self._move, None
-        if move is None:
-            return
-        generator, engine, rest, words = move
-        engine.random_raw(rest, output=False)
-        state = engine.state["state"]
-        end = words.copy()
-        end[_LEFT] = np.array([625 - state["pos"]], np.int32).view(np.uint8)
-        end[_NEXT] = np.array([state["pos"]], np.uint64).view(np.uint8)
-        end[_WORDS] = state["key"].astype(np.uint64).view(np.uint8)
-        self._end = torch.from_numpy(end)
-        generator.set_state(self._end)
+        ones skipped, in C and without the GIL; see :func:`settle`). Under a lock: two
+        loaders' threads may both settle it, and each finds it moved on once they return."""
+        with _SETTLING:
+            move, self._move = self._move, None
+            if move is None:
+                return
+            generator, engine, rest, words = move
+            engine.random_raw(rest, output=False)
+            state = engine.state["state"]
+            end = words.copy()
+            end[_LEFT] = np.array([625 - state["pos"]], np.int32).view(np.uint8)
+            end[_NEXT] = np.array([state["pos"]], np.uint64).view(np.uint8)
+            end[_WORDS] = state["key"].astype(np.uint64).view(np.uint8)
+            self._end = torch.from_numpy(end)
+            generator.set_state(self._end)
 
     def take(self, stop: int) -> np.ndarray:
         """The permutation's indices ``[0, stop)`` (a view: do not write into it)."""
