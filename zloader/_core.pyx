@@ -883,6 +883,7 @@ cdef extern from "Python.h":
     PyObject* _TRUE "Py_True"
     PyObject* _FALSE "Py_False"
     PyTypeObject* _type "Py_TYPE"(PyObject* value)
+    Py_ssize_t _length "Py_SIZE"(PyObject* value)
     long long _as_long "PyLong_AsLongLongAndOverflow"(PyObject* value, int* overflow) except? -1
     double _as_double "PyFloat_AS_DOUBLE"(PyObject* value)
     double _real "PyComplex_RealAsDouble"(PyObject* value)
@@ -1145,6 +1146,8 @@ def marshal_into(values, allocate, int limit):
     cdef cnp.ndarray offsets = _empty(count + 1)
     cdef long long* out = _data(offsets)
     for k in range(count):
+        if _length(items) != count:  # (an int past int64 calls marshal: a finalizer may run)
+            return None
         out[k] = at
         size = _size(_element(items, is_list, k), 0, limit, &deepest, &dicts)
         if size < 0:
@@ -1162,7 +1165,7 @@ def marshal_into(values, allocate, int limit):
         memcpy(raw, out, table)
         at = table
         for k in range(count):
-            if at != table + out[k]:
+            if at != table + out[k] or _length(items) != count:
                 return None
             at = _write(_element(items, is_list, k), raw, at, end, 0, limit)
             if at < 0:

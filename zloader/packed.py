@@ -426,10 +426,11 @@ def marshal_into(values: list[Any] | tuple[Any, ...], allocate: Callable[[int], 
     levels of tuples and dicts they nest (0: atoms only) and whether a dict is among them.
     None when one is not an exact atom other than bytes, a tuple or a dict of str keys of
     such, nested at most ``limit`` levels (what :func:`packable` takes, bytes aside:
-    marshal writes any buffer as bytes), or when ``values`` changed meanwhile. The
-    compiled core's twin sizes and writes the elements in C; this one marshals the list
-    whole and walks its bytes (:func:`marshal_offsets`), slower than the checks by type:
-    it is not used for packing."""
+    marshal writes any buffer as bytes). The compiled core's twin sizes the elements, then
+    writes them into the memory, in C (and gives None as well when ``values`` changed in
+    between); this one marshals the list whole and walks its bytes
+    (:func:`marshal_offsets`), slower than the checks by type: it is not used for
+    packing."""
     try:
         whole = marshal.dumps(values, _MARSHAL_VERSION)
     except ValueError:
