@@ -109,3 +109,13 @@ def test_the_loader_holds_no_memfd_and_its_packer_is_reaped(workers: int):
         assert sum(1 for _ in loader) == 300_000
     assert not packer.is_running() or packer.status() == psutil.STATUS_ZOMBIE
     assert _memfds() == before
+
+
+def test_a_worker_forked_after_the_packer_does_not_take_it_for_its_own(monkeypatch):
+    # (the forker forks the packer after worker 0: the later workers inherit its note of
+    # the packer's pid, and one leaving early would kill the packer the others wait for)
+    monkeypatch.setattr(handoff, "_PACKER", 4_000_000)
+    monkeypatch.setattr(handoff, "_OPEN", set())
+    handoff.forked(None)
+    assert handoff._PACKER is None
+    handoff.reap(stop=True)  # (nothing to kill)

@@ -6,12 +6,14 @@ The compiled module is imported directly, so these tests compare both kernels un
 
 from __future__ import annotations
 
+import ctypes
 import json
 import marshal
 import mmap
 import os
 import subprocess
 import sys
+import warnings
 from typing import Any
 
 import numpy as np
@@ -713,6 +715,33 @@ def test_a_list_changed_while_its_memory_is_made_is_not_written() -> None:
     shorter = [("a", k) for k in range(100)]
     assert _core.marshal_into(shorter, lambda size: (shorter.pop(), _anonymous(size))[1],
                               4) is None
+
+
+def test_the_shape_written_is_the_shape_said_when_allocate_swaps_an_element() -> None:
+    values: list[Any] = [(None, None)]
+
+    def allocate(size: int) -> mmap.mmap:
+        values[0] = ({},)  # (the same size, another shape: a dict, two levels)
+        return _anonymous(size)
+
+    written = _core.marshal_into(values, allocate, 4)
+    assert written is not None and written[2:] == (2, True)
+    assert written[0][16:] == marshal.dumps(({},), 2)
+
+
+@pytest.mark.skipif(not hasattr(ctypes.pythonapi, "PyUnicode_FromUnicode"),
+                    reason="this Python makes no legacy (not ready) str")
+def test_a_legacy_str_not_ready_is_written_as_marshal_writes_it() -> None:
+    make = ctypes.pythonapi.PyUnicode_FromUnicode
+    make.restype, make.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_ssize_t]
+    at = ctypes.pythonapi.PyUnicode_AsUnicode
+    at.restype, at.argtypes = ctypes.c_void_p, [ctypes.py_object]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        text = make(None, 3)
+    ctypes.memmove(at(text), "\xe9\U0001f600x".encode("utf-32-le"), 12)
+    written = _core.marshal_into([text], _anonymous, 4)
+    assert written is not None and written[0][16:] == marshal.dumps(text, 2)
 
 
 @settings(max_examples=60, deadline=None)

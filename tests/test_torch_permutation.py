@@ -142,6 +142,23 @@ def test_a_deferred_permutation_moves_its_generator_on_when_settled() -> None:
     assert np.array_equal(mine[0:200_000], _theirs(200_000, after)[0])
 
 
+class _Slow:
+    """A permutation's engine whose skip is slowed (``skipping`` set as it starts): a
+    thread that settles it is inside the skip for 0.3 s."""
+
+    def __init__(self, engine: Any, skipping: threading.Event) -> None:
+        self.engine, self.skipping = engine, skipping
+
+    def random_raw(self, *args: Any, **kwargs: Any) -> Any:
+        self.skipping.set()
+        time.sleep(0.3)
+        return self.engine.random_raw(*args, **kwargs)
+
+    @property
+    def state(self) -> Any:
+        return self.engine.state
+
+
 def test_a_permutation_settled_by_another_thread_meanwhile_is_still_torch_s(
         monkeypatch, caplog) -> None:
     # (a second loader's iter() on another thread settles what is pending: whoever comes
@@ -153,23 +170,9 @@ def test_a_permutation_settled_by_another_thread_meanwhile_is_still_torch_s(
     mine = Permutation(count, generator, ahead=1000, thread=False, defer=True)
     mine.take(1000)
     skipping = threading.Event()
-
-    class Slow:  # (the engine, its skip slowed: the other thread is inside it)
-        def __init__(self, engine: Any) -> None:
-            self.engine = engine
-
-        def random_raw(self, *args: Any, **kwargs: Any) -> Any:
-            skipping.set()
-            time.sleep(0.3)
-            return self.engine.random_raw(*args, **kwargs)
-
-        @property
-        def state(self) -> Any:
-            return self.engine.state
-
     assert mine._move is not None
     gen, engine, rest, words = mine._move
-    mine._move = (gen, Slow(engine), rest, words)
+    mine._move = (gen, _Slow(engine, skipping), rest, words)
     other = threading.Thread(target=permutation.settle)
     with caplog.at_level(logging.WARNING, "zloader.torch"):
         other.start()
@@ -178,6 +181,24 @@ def test_a_permutation_settled_by_another_thread_meanwhile_is_still_torch_s(
         other.join()
     assert np.array_equal(whole, want) and torch.equal(generator.get_state(), after)
     assert not permutation._broken and "not the permutation" not in caplog.text
+
+
+def test_settle_returns_once_what_another_thread_took_is_settled() -> None:
+    # (a second loader's thread settles this loader's pending permutation: this loader's
+    # iter() returns only once its generator has moved on)
+    generator = _generator(9, 0)
+    _, after = _theirs(300_000, generator.get_state())
+    mine = permutation.randperm(300_000, generator, defer=True)
+    assert isinstance(mine, Permutation) and mine._move is not None
+    skipping = threading.Event()
+    gen, engine, rest, words = mine._move
+    mine._move = (gen, _Slow(engine, skipping), rest, words)
+    other = threading.Thread(target=permutation.settle)
+    other.start()
+    assert skipping.wait(10)  # (the other thread took it and skips)
+    permutation.settle()
+    assert torch.equal(generator.get_state(), after)
+    other.join()
 
 
 def test_skip_moves_the_generator_on_as_a_dropped_randperm_does() -> None:

@@ -893,7 +893,8 @@ cdef extern from "Python.h":
     PyObject* _list_item "PyList_GET_ITEM"(PyObject* value, Py_ssize_t k)
     bint _dict_next "PyDict_Next"(PyObject* value, Py_ssize_t* at, PyObject** key,
                                   PyObject** item)
-    Py_ssize_t _text_length "PyUnicode_GET_LENGTH"(PyObject* text)
+    Py_ssize_t _text_length "PyUnicode_GetLength"(PyObject* text)  # (readies a legacy one)
+    void PyErr_Clear()
     int _text_kind "PyUnicode_KIND"(PyObject* text)
     void* _text_data "PyUnicode_DATA"(PyObject* text)
     bint _text_ascii "PyUnicode_IS_ASCII"(PyObject* text)
@@ -904,11 +905,16 @@ cdef object _dumps = None  # marshal.dumps: an int past int64 is written as it w
 
 cdef Py_ssize_t _utf8_size(PyObject* text) noexcept:
     """The bytes of ``text`` (an exact str) in UTF-8, lone surrogates as three bytes each
-    (``surrogatepass``, as marshal writes them); -1 past a 4-byte length."""
+    (``surrogatepass``, as marshal writes them); -1 past a 4-byte length, or for a
+    legacy string that could not be made ready."""
     cdef Py_ssize_t n = _text_length(text), size = n, k
-    cdef int kind = _text_kind(text)
-    cdef void* data = _text_data(text)
+    cdef int kind
+    cdef void* data
     cdef unsigned int c
+    if n < 0:
+        PyErr_Clear()
+        return -1
+    kind, data = _text_kind(text), _text_data(text)
     if not _text_ascii(text):
         size = 0
         for k in range(n):
@@ -1003,7 +1009,7 @@ cdef Py_ssize_t _write_text(PyObject* text, char* out, Py_ssize_t at,
                             Py_ssize_t end) noexcept:
     """``text`` (an exact str) as marshal format 2 writes it: ``u``, its UTF-8 length, its
     UTF-8 (see :func:`_utf8_size`)."""
-    cdef Py_ssize_t n = _text_length(text), size = _utf8_size(text), k
+    cdef Py_ssize_t size = _utf8_size(text), n = _text_length(text) if size >= 0 else 0, k
     cdef int kind = _text_kind(text)
     cdef void* data = _text_data(text)
     cdef unsigned int c
@@ -1074,9 +1080,10 @@ cdef Py_ssize_t _write_int(PyObject* value, char* out, Py_ssize_t at,
 
 
 cdef Py_ssize_t _write(PyObject* value, char* out, Py_ssize_t at, Py_ssize_t end,
-                       int depth, int limit) except -2:
+                       int depth, int limit, int* deepest, bint* dicts) except -2:
     """Write ``value`` at ``at`` as marshal format 2 does: where it ends, or -1 where it
-    no longer fits what :func:`_size` found (the list changed in between)."""
+    no longer fits what :func:`_size` found (the list changed in between). ``deepest`` and
+    ``dicts`` as :func:`_size` finds them, for what is written."""
     cdef double number
     cdef Py_ssize_t k, n
     cdef PyObject* key
@@ -1100,22 +1107,23 @@ cdef Py_ssize_t _write(PyObject* value, char* out, Py_ssize_t at, Py_ssize_t end
         return at + n
     if kind == &_TEXT:
         return _write_text(value, out, at, end)
-    if depth >= limit:
+    if depth >= limit or (kind != &_TUPLE and kind != &_DICT):
         return -1
+    if depth + 1 > deepest[0]:
+        deepest[0] = depth + 1
     if kind == &_TUPLE:
         n = _tuple_size(value)
         at = _code(out, at, end, b'(', n, True)
         for k in range(n):
-            at = _write(_tuple_item(value, k), out, at, end, depth + 1, limit) \
-                if at >= 0 else -1
+            at = _write(_tuple_item(value, k), out, at, end, depth + 1, limit, deepest,
+                        dicts) if at >= 0 else -1
         return at
-    if kind != &_DICT:
-        return -1
+    dicts[0] = True
     at = _code(out, at, end, b'{', 0, False)
     k = 0
     while at >= 0 and _dict_next(value, &k, &key, &item):
         at = _write_text(key, out, at, end) if _type(key) == &_TEXT else -1
-        at = _write(item, out, at, end, depth + 1, limit) if at >= 0 else -1
+        at = _write(item, out, at, end, depth + 1, limit, deepest, dicts) if at >= 0 else -1
     return _code(out, at, end, b'0', 0, False)
 
 
@@ -1164,10 +1172,11 @@ def marshal_into(values, allocate, int limit):
             return None  # (the list changed while the memory was made)
         memcpy(raw, out, table)
         at = table
+        deepest, dicts = 0, False  # (of what is written: allocate ran Python code)
         for k in range(count):
             if at != table + out[k] or _length(items) != count:
                 return None
-            at = _write(_element(items, is_list, k), raw, at, end, 0, limit)
+            at = _write(_element(items, is_list, k), raw, at, end, 0, limit, &deepest, &dicts)
             if at < 0:
                 return None
         if at != table + out[count]:

@@ -283,8 +283,11 @@ def reap(stop: bool = False) -> None:
 
 def forked(mine: Handoff | None) -> None:
     """In a worker just forked (with ``mine``, its Loader's handoff, or None): close the
-    memfds of every other handoff, and take ``mine``'s lists as they come (:func:`poll`)."""
-    global _MINE
+    memfds of every other handoff, and take ``mine``'s lists as they come (:func:`poll`).
+    A packer the forking process forked before this worker is not the worker's to reap
+    or kill."""
+    global _MINE, _PACKER
+    _PACKER = None
     for fd in _OPEN - set(mine.fds if mine is not None else ()):
         os.close(fd)
     _OPEN.clear()

@@ -51,7 +51,7 @@ _LEFT, _NEXT, _WORDS = slice(8, 12), slice(16, 24), slice(24, 24 + 8 * _STATE_WO
 _broken = False  # a whole permutation differed from the emulated one: plain randperm
 _running: set[threading.Thread] = set()  # the threads drawing a permutation now
 _unsettled: list[Permutation] = []  # deferred: their generators not moved on yet
-_SETTLING = threading.Lock()
+_SETTLING = threading.RLock()
 
 
 def _settle() -> None:
@@ -68,12 +68,9 @@ def settle() -> None:
     (:meth:`Permutation.settle`): a DataLoader's ``iter()`` calls it once its workers have
     their first batches, so that the skip overlaps their making them, and before it
     returns (torch's ``iter()`` leaves the generator past its first permutation)."""
-    while True:
-        try:
-            pending = _unsettled.pop(0)
-        except IndexError:  # (none left, or another thread took the last)
-            return
-        pending.settle()
+    with _SETTLING:  # (one another thread took is settled before this call returns)
+        while _unsettled:
+            _unsettled.pop(0).settle()
 
 
 def available(count: int, generator: torch.Generator) -> bool:
