@@ -10,8 +10,10 @@ first ``k`` indices take ``k`` draws and a sparse record of the swaps. And the g
 mt19937 is numpy's ``MT19937`` (the same twist and tempering, ``pos`` being torch's
 ``625 - left``), which skips the ``count - 1`` draws in C: 8 ms for 3 M.
 
-So :class:`Permutation` leaves the generator at once as ``randperm`` would leave it (the
-user's code, which may draw from the same generator, sees torch's states), emulates the
+So :class:`Permutation` leaves the generator as ``randperm`` would leave it (the user's
+code, which may draw from the same generator, sees torch's states): at once, or, made with
+``defer`` (a DataLoader's sampler), at :func:`settle`, which its ``iter()`` calls before it
+returns, once the workers have their first batches. It emulates the
 first indices as they are asked for, and has torch draw the whole permutation from a copy
 of the generator on a thread of lower priority (``PERMUTATION_NICE``), which then takes
 over. That thread starts only once a quarter of the emulated indices are taken: the first
