@@ -878,7 +878,6 @@ cdef extern from "Python.h":
     PyTypeObject _TEXT "PyUnicode_Type"
     PyTypeObject _TUPLE "PyTuple_Type"
     PyTypeObject _DICT "PyDict_Type"
-    PyTypeObject _LIST "PyList_Type"
     PyObject* _NONE "Py_None"
     PyObject* _TRUE "Py_True"
     PyObject* _FALSE "Py_False"

@@ -54,8 +54,7 @@ from zloader._defaults import (
 
 __all__ = ["PACK_MIN_ITEMS", "Found", "PackedSequence", "Swap", "Writer", "copied_bytes",
            "flat_chunks", "found", "install", "log_packed", "marshal_into", "marshal_offsets",
-           "offered", "pack",
-           "plan", "prepare"]
+           "offered", "pack", "plan", "prepare"]
 
 log = logging.getLogger("zloader.packed")
 
@@ -368,10 +367,10 @@ def _shared(size: int) -> mmap.mmap:
 def _marshalled(values: Any, kind: type, sizes: np.ndarray | None,
                 allocate: Callable[[int], mmap.mmap], flat: bool) -> PackedSequence | None:
     """``values`` marshalled one element after another, after their offset table: the
-    whole list marshalled at once when ``sizes``
-    (:func:`_sizes`) gives each element's size (most datasets, in C), else element by
-    element. None when marshal refuses an element: the checks before should have left it
-    alone, and a list packing cannot take is read as it is, never an error."""
+    whole list marshalled at once when ``sizes`` (:func:`_sizes`) gives each element's
+    size (most datasets, in C), else element by element. None when marshal refuses an
+    element: the checks before should have left it alone, and a list packing cannot take
+    is read as it is, never an error."""
     try:
         return _marshalled_into_memory(values, kind, sizes, allocate, flat)
     except ValueError as exc:  # (marshal's "unmarshallable object")
@@ -384,7 +383,7 @@ def _marshalled_into_memory(values: Any, kind: type, sizes: np.ndarray | None,
                             ) -> PackedSequence:
     count = len(values)
     offsets = np.zeros(count + 1, np.int64)
-    whole = b"" if sizes is None else marshal.dumps(values, _MARSHAL_VERSION)
+    whole = marshal.dumps(values, _MARSHAL_VERSION) if sizes is not None else b""
     if sizes is not None and len(whole) - len(_header(values)) != int(sizes.sum()):
         sizes = _sizes(values, {type(values[0])}, ascii_only=False)  # a str not ASCII
     if sizes is not None and len(whole) - len(_header(values)) == int(sizes.sum()):
@@ -399,13 +398,16 @@ def _marshalled_into_memory(values: Any, kind: type, sizes: np.ndarray | None,
                 map(len, parts), np.int64, len(parts))
             blobs.append(b"".join(parts))
         np.cumsum(offsets, out=offsets)
-    return _into_memory(offsets, blobs, kind, allocate, flat)
+    view = PackedSequence(_into_memory(offsets, blobs, allocate), count, "marshal", kind)
+    view.flat = flat
+    return view
 
 
-def _into_memory(offsets: np.ndarray, blobs: list[Any], kind: type,
-                 allocate: Callable[[int], mmap.mmap], flat: bool) -> PackedSequence:
-    """A packed view of the elements whose marshalled bytes ``blobs`` hold one after
-    another, at ``offsets`` (one more than the elements: the last, their end)."""
+def _into_memory(offsets: np.ndarray, blobs: list[Any],
+                 allocate: Callable[[int], mmap.mmap]) -> mmap.mmap:
+    """Memory from ``allocate`` holding the table of ``offsets`` (int64s in this host's
+    order, as :class:`PackedSequence` reads them: one more than the elements, the last
+    their end), then the marshalled bytes ``blobs`` hold one after another."""
     table = offsets.nbytes
     memory = allocate(table + int(offsets[-1]))
     memory[:table] = offsets.tobytes()
@@ -413,17 +415,15 @@ def _into_memory(offsets: np.ndarray, blobs: list[Any], kind: type,
     for blob in blobs:
         memory[at:at + len(blob)] = blob
         at += len(blob)
-    view = PackedSequence(memory, len(offsets) - 1, "marshal", kind)
-    view.flat = flat
-    return view
+    return memory
 
 
 def marshal_into(values: list[Any] | tuple[Any, ...], allocate: Callable[[int], mmap.mmap],
                  limit: int) -> tuple[mmap.mmap, np.ndarray, int, bool] | None:
     """``values`` packed in marshal format 2 into memory from ``allocate(size)``: the table
-    of the elements' offsets (``count + 1`` little-endian int64s, from the end of the
-    table, the last their end), then the elements; the memory, those offsets, how many
-    levels of tuples and dicts they nest (0: atoms only) and whether a dict is among them.
+    of the elements' offsets (see :func:`_into_memory`; from the end of the table), then
+    the elements; the memory, those offsets, how many levels of tuples and dicts they
+    nest (0: atoms only) and whether a dict is among them.
     None when one is not an exact atom other than bytes, a tuple or a dict of str keys of
     such, nested at most ``limit`` levels (what :func:`packable` takes, bytes aside:
     marshal writes any buffer as bytes). The compiled core's twin sizes the elements, then
@@ -440,10 +440,7 @@ def marshal_into(values: list[Any] | tuple[Any, ...], allocate: Callable[[int], 
     if found is None:
         return None
     offsets, deepest, dicts = found
-    memory = allocate(offsets.nbytes + int(offsets[-1]))
-    memory[:offsets.nbytes] = offsets.astype("<i8").tobytes()
-    memory[offsets.nbytes:offsets.nbytes + int(offsets[-1])] = memoryview(whole)[start:]
-    return memory, offsets, deepest, dicts
+    return _into_memory(offsets, [memoryview(whole)[start:]], allocate), offsets, deepest, dicts
 
 
 def marshal_offsets(whole: Any, start: int, count: int, limit: int
