@@ -29,6 +29,7 @@ from zloader.lineage import (
     decode_origins,
     encode_origins,
     ledger,
+    ranges,
     wire,
 )
 from zloader.runs import RunTally
@@ -533,7 +534,7 @@ def test_the_ledger_folds_agree(case: tuple[list[int], list[int], list[np.ndarra
     uses the pure one), and changes neither the lists nor the arrays given."""
     starts, ends, arrays = case
     before = (list(starts), list(ends), [np.array(a, copy=True) for a in arrays])
-    pure = ledger.merge_indices(starts, ends, arrays)
+    pure = ranges.merge_indices(starts, ends, arrays)
     compiled = _core.merge_indices(starts, ends, arrays)
     assert (starts, ends) == before[:2]
     assert all(np.array_equal(a, b) for a, b in zip(arrays, before[2], strict=True))
@@ -561,7 +562,8 @@ def test_a_shuffles_codes_are_folded_in_c(monkeypatch: pytest.MonkeyPatch) -> No
     for codes in records:
         expected.add_codes({0: (0,)}, [0, 0, 3], codes.astype(np.int64))
     monkeypatch.setattr(Ranges, "merge", staticmethod(_core.merge_indices))
-    monkeypatch.setattr(ledger, "_index_runs", None)  # (a call to it raises TypeError)
+    for module in (ledger, ranges):  # (a call to it raises TypeError)
+        monkeypatch.setattr(module, "index_runs", None)
     got = Ledger()
     for codes in records:
         got.add_codes({0: (0,)}, [0, 0, 3], codes.astype(np.int64))
@@ -583,7 +585,7 @@ def test_zloader_pure_selects_the_pure_twins() -> None:
                           text=True, check=True, timeout=60).stdout.split()
     assert pure == ["False", "zloader.chunks", "zloader.lineage.wire", "zloader.lineage.wire",
                     "zloader.transport.records", "zloader.transport.records",
-                    "zloader.lineage.ledger", "zloader.transport.messages"]
+                    "zloader.lineage.ranges", "zloader.transport.messages"]
     assert used == ["True", *["zloader._core"] * 7]
     version = subprocess.run([sys.executable, "-m", "zloader.cli", "--version"], env=env,
                              capture_output=True, text=True, check=True, timeout=60).stdout

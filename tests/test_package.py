@@ -41,7 +41,7 @@ LAYERS = {
     "codec_torch": 0.9,  # torch tensors in the codec, torch imported lazily
     "codec": 1, "collate": 1.1, "fingerprint": 1,
     # lineage: sets of ints, the tags, the origin block, the ledger; the package on top
-    "lineage.intsets": 0.9, "lineage.tags": 0.95, "lineage.ledger": 0.97,
+    "lineage.intsets": 0.9, "lineage.tags": 0.95, "lineage.ranges": 0.96, "lineage.ledger": 0.97,
     "lineage.wire": 0.98, "lineage": 1,
     "forward": 1, "blobs": 1,
     "formats._crc32c": 1, "formats.example": 1, "formats.image": 1, "formats": 1.2,

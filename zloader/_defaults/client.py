@@ -32,6 +32,10 @@ SMALL_ORIGIN_BLOCK = 32
 this many int64s) is encoded and checked in plain Python, not numpy: for few values numpy's
 per-call cost is the larger (fixed)."""
 
+SMALL_INDEX_SET = 256
+"""A set of at most this many indices (a group's rows held, in a state) is made ranges in
+plain Python, not numpy (fixed)."""
+
 LEAVE_GRACE_SECONDS = 5.0
 """How long a consumer of a job without exactly-once still reads a worker its job's view
 no longer lists and that has not ended the epoch: a worker moved to another job sends

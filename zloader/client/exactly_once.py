@@ -93,8 +93,7 @@ class Yielded:
         if self.iterating is None:
             return next_epoch, self._start(next_epoch).to_json()
         epoch = self.iterating
-        ledger = Ledger()
-        ledger.merge_json(self.ledger.to_json())
+        ledger = self.ledger.copy()
         if self._current is not None:
             origins, before = self._current
             origins.note(ledger, elements - before)

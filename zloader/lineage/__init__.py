@@ -22,12 +22,15 @@ One module per job, each used by other layers through this package:
   stages' gathering of a batch's tags, the reproducibility digest);
 - :mod:`~zloader.lineage.wire`: origins on the wire (a record's origin block);
 - :mod:`~zloader.lineage.intsets`: sets of ints as short strings (in JSON bodies, states);
+- :mod:`~zloader.lineage.ranges`: sets of indices as ranges, and the merges of many
+  records' origins into them;
 - :mod:`~zloader.lineage.ledger`: the consumer's ledger, and the broker's merge of what the
   consumers hold.
 """
 
 from zloader.lineage.intsets import pack, unpack
-from zloader.lineage.ledger import Ledger, Ranges, merge_indices, merge_info, merge_runs
+from zloader.lineage.ledger import Ledger, merge_info
+from zloader.lineage.ranges import Ranges, merge_indices, merge_runs
 from zloader.lineage.tags import (
     DIGEST_GROUP,
     DIGEST_MARK,

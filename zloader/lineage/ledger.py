@@ -5,8 +5,8 @@ consumers hold of a dead worker's splits (:func:`merge_info`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any, ClassVar
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -14,13 +14,9 @@ from zloader._defaults import (
     GROUP_KEY,
     LEDGER_FOLD_RECORDS,
     LEDGER_FOLD_RUNS,
-    MERGE_COUNT_RUNS,
-    MERGE_PLACES,
-    MERGE_SPAN_FACTOR,
-    MERGE_SPAN_SLACK,
-    SMALL_ORIGIN_BLOCK,
 )
 from zloader.lineage.intsets import pack, unpack
+from zloader.lineage.ranges import Ranges, code_runs, index_runs, merge_runs
 from zloader.lineage.tags import (
     INDEX_BITS,
     INDEX_MASK,
@@ -32,7 +28,7 @@ from zloader.lineage.tags import (
     natural,
 )
 
-__all__ = ["Ledger", "Ranges", "merge_indices", "merge_info", "merge_runs"]
+__all__ = ["Ledger", "merge_info"]
 
 
 def merge_info(held: dict[str, Any] | None, info: Any,
@@ -75,204 +71,6 @@ def merge_info(held: dict[str, Any] | None, info: Any,
 # --- the consumer's ledger -------------------------------------------------------------------
 
 
-def merge_runs(runs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The union of ``runs`` ((pass id, split, first index, length) rows, in any order,
-    overlapping or not) as sorted, disjoint, non-touching ranges: their places (``pass id
-    << INDEX_BITS | split``), starts and ends, ordered by place then start.
-
-    At least MERGE_COUNT_RUNS runs of few places whose indices lie close together (a
-    shuffle's scattered origins, many runs of one) are merged by counting, in time linear
-    in the runs and their span (:func:`_covered`); any others by one sort of the rows, then
-    whole-array operations."""
-    pass_ids, splits = runs[:, 0], runs[:, 1]
-    starts, ends = runs[:, 2], runs[:, 2] + runs[:, 3]
-    places = pass_ids << INDEX_BITS | splits
-    merged: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-    for place, rows in _few_places(places) if len(runs) >= MERGE_COUNT_RUNS else ():
-        covered = _covered(starts if rows is None else starts[rows],
-                           ends if rows is None else ends[rows])
-        if covered is None:
-            merged = []
-            break
-        merged.append((np.full(len(covered[0]), place, np.int64), *covered))
-    if merged:
-        return (np.concatenate([m[0] for m in merged]), np.concatenate([m[1] for m in merged]),
-                np.concatenate([m[2] for m in merged]))
-    return _merged_by_sort(pass_ids, splits, starts, ends)
-
-
-def _few_places(places: np.ndarray) -> list[tuple[int, np.ndarray | None]]:
-    """The distinct places of ``places`` (sorted), each with a mask of its rows (None:
-    every row); empty when there are more than MERGE_PLACES of them."""
-    first = int(places[0])
-    if (places == first).all():  # (the usual fold: one split under way)
-        return [(first, None)]
-    candidates = np.unique(places[::max(1, len(places) // 256)]).tolist()
-    if len(candidates) > MERGE_PLACES:
-        return []
-    groups = [(place, places == place) for place in candidates]
-    if sum(int(rows.sum()) for _, rows in groups) != len(places):
-        return []  # a place the sample missed
-    return groups
-
-
-def _covered(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """The ``[start, end)`` ranges that runs of one place cover, sorted and disjoint, by
-    counting how many runs cover each index of their span; None when the span is more
-    than MERGE_SPAN_FACTOR times the runs (plus MERGE_SPAN_SLACK): sparse runs sort faster."""
-    low, high = int(starts.min()), int(ends.max())
-    span = high - low
-    if span > MERGE_SPAN_FACTOR * len(starts) + MERGE_SPAN_SLACK:
-        return None
-    depth = (np.bincount(starts - low, minlength=span + 1)
-             - np.bincount(ends - low, minlength=span + 1))
-    inside = np.cumsum(depth[:span]) > 0
-    edges = np.flatnonzero(np.diff(inside.view(np.int8), prepend=0, append=0)) + low
-    return edges[0::2], edges[1::2]
-
-
-def _merged_by_sort(pass_ids: np.ndarray, splits: np.ndarray, starts: np.ndarray,
-                    ends: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`merge_runs` by one sort of the rows (of one int64 key each where the ids
-    allow: the usual case), then whole-array operations."""
-    if int(pass_ids.max()) < 1 << 10 and int(splits.max()) < 1 << 20:
-        # one key of 63 bits: pass id (10), split (20), start (33)
-        place = pass_ids << 20 | splits
-        order = np.argsort(place << (INDEX_BITS + 1) | starts)
-    else:
-        order = np.lexsort((starts, splits, pass_ids))
-    places = (pass_ids << INDEX_BITS | splits)[order]
-    starts, ends = starts[order], ends[order]
-    # Ends made to grow across places too (a place's rows all lie above the last's), so
-    # that one running maximum finds each range's reach.
-    rank = np.r_[0, np.cumsum(places[1:] != places[:-1])]
-    reach = np.maximum.accumulate(rank << (INDEX_BITS + 1) | ends)
-    first = np.flatnonzero(np.r_[True, (rank[1:] << (INDEX_BITS + 1) | starts[1:]) > reach[:-1]])
-    last = np.r_[first[1:] - 1, len(starts) - 1]
-    return places[first], starts[first], reach[last] & ((1 << (INDEX_BITS + 1)) - 1)
-
-
-def _index_runs(arrays: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """The runs of consecutive indices that ``arrays`` hold (codes of one split reading,
-    ``read << INDEX_BITS | index``, in any order, repeats allowed): their first indices
-    and ends, sorted. The indices are sorted as 32-bit values (twice as quick as 64-bit
-    ones): the codes' low 32 bits, which are the indices."""
-    values = np.concatenate(arrays, dtype=np.uint32, casting="unsafe") if INDEX_BITS == 32 \
-        else np.concatenate(arrays) & INDEX_MASK
-    values.sort()
-    cuts = np.flatnonzero(np.diff(values) > 1) + 1
-    starts = values[np.concatenate(([0], cuts))].astype(np.int64)
-    ends = values[np.concatenate((cuts - 1, [len(values) - 1]))].astype(np.int64) + 1
-    return starts, ends
-
-
-def merge_indices(starts: list[int], ends: list[int], arrays: list[np.ndarray]
-                  ) -> tuple[list[int], list[int], int]:
-    """The ranges ``starts``/``ends`` (sorted, disjoint, not touching: a :class:`Ranges`')
-    with the indices of ``arrays`` added (int64 codes of one split reading, in any order,
-    repeats allowed): the new starts and ends, and how many indices they hold. The lists
-    given are left as they are. The compiled core's twin marks the indices in a bitmap
-    instead of sorting them, and returns None where they spread too thin for one."""
-    held = Ranges()
-    held.starts, held.ends = list(starts), list(ends)
-    arrays = [array for array in arrays if len(array)]
-    if arrays:
-        held.add(*_index_runs(arrays))
-    count = sum(held.ends) - sum(held.starts)  # (exact: Python ints)
-    return held.starts, held.ends, count
-
-
-def _code_runs(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The runs of consecutive values of sorted ``codes`` (``place << INDEX_BITS |
-    index``): their places, first indices and ends. A value repeated starts a run again."""
-    breaks = np.diff(codes) != 1
-    while True:
-        bounds = np.concatenate(([0], np.flatnonzero(breaks) + 1, [len(codes)]))
-        heads = codes[bounds[:-1]]
-        starts = heads & INDEX_MASK
-        ends = starts + np.diff(bounds)
-        if int(ends.max()) <= INDEX_MASK + 1:
-            return heads >> INDEX_BITS, starts, ends
-        breaks |= (codes[1:] & INDEX_MASK) == 0  # (a run went on into the next place)
-
-
-class Ranges:
-    """A set of ints >= 0 as sorted, disjoint, non-touching ``[start, end)`` ranges, with
-    its size: what a consumer holds of one split. Elements of a split mostly come in
-    order, so adding the next run extends the last range; others merge at numpy speed."""
-
-    __slots__ = ("count", "ends", "starts")
-
-    # Adds many codes' indices at once (a shuffle's records): :func:`merge_indices`, or
-    # its compiled twin, which zloader/client/exactly_once.py puts here (this layer is
-    # below the compiled core's).
-    merge: ClassVar[Callable[[list[int], list[int], list[np.ndarray]],
-                             tuple[list[int], list[int], int] | None]] = \
-        staticmethod(merge_indices)
-
-    def __init__(self) -> None:
-        self.starts: list[int] = []
-        self.ends: list[int] = []
-        self.count = 0
-
-    @classmethod
-    def of(cls, indices: Iterable[int]) -> Ranges:
-        """The ranges of a set of indices."""
-        ranges = cls()
-        values = np.unique(np.fromiter(indices, np.int64))
-        if len(values):
-            cuts = np.flatnonzero(np.diff(values) != 1) + 1
-            ranges.add(values[np.r_[0, cuts]], values[np.r_[cuts - 1, len(values) - 1]] + 1)
-        return ranges
-
-    def add(self, starts: np.ndarray, ends: np.ndarray) -> None:
-        """Add the ranges ``[starts[i], ends[i])`` (they may overlap anything held)."""
-        if len(starts) <= SMALL_ORIGIN_BLOCK:  # (few: in order, each extends the last)
-            for at, (start, end) in enumerate(zip(starts.tolist(), ends.tolist(),
-                                                  strict=True)):
-                if not self.add_run(start, end):
-                    starts, ends = starts[at:], ends[at:]
-                    break
-            else:
-                return
-        all_starts = np.concatenate((np.array(self.starts, np.int64), starts))
-        all_ends = np.concatenate((np.array(self.ends, np.int64), ends))
-        order = np.argsort(all_starts, kind="stable")
-        all_starts, reach = all_starts[order], np.maximum.accumulate(all_ends[order])
-        first = np.flatnonzero(all_starts[1:] > reach[:-1]) + 1  # (and 0)
-        merged_starts = np.concatenate((all_starts[:1], all_starts[first]))
-        merged_ends = np.concatenate((reach[first - 1], reach[-1:]))
-        self.starts, self.ends = merged_starts.tolist(), merged_ends.tolist()
-        self.count = int((merged_ends - merged_starts).sum())
-
-    def add_indices(self, arrays: list[np.ndarray]) -> None:
-        """Add the indices of ``arrays`` (int64 codes of one split reading, any order)."""
-        merged = Ranges.merge(self.starts, self.ends, arrays)
-        if merged is None:  # (the compiled twin's: indices too thin for its bitmap)
-            merged = merge_indices(self.starts, self.ends, arrays)
-        self.starts, self.ends, self.count = merged
-
-    def add_run(self, start: int, end: int) -> bool:
-        """Add ``[start, end)`` if it lies after every range held (the usual case);
-        False if it does not (then nothing changed)."""
-        if not self.ends or start > self.ends[-1]:
-            self.starts.append(start)
-            self.ends.append(end)
-        elif start == self.ends[-1]:
-            self.ends[-1] = end
-        else:
-            return False
-        self.count += end - start
-        return True
-
-    def indices(self) -> np.ndarray:
-        """Every index held, in order."""
-        if not self.starts:
-            return np.empty(0, np.int64)
-        return np.concatenate([np.arange(a, b) for a, b in zip(self.starts, self.ends,
-                                                                strict=True)])
-
-
 class _Rows:
     """What a ledger holds of one :class:`Group`: the group (None while only rows of it
     came, a ``job_name`` consumer's) and the rows held."""
@@ -309,7 +107,7 @@ class Ledger:
         # Splits whose end came while origins were kept: closed once those are added
         # (an end does not fold them: a record of many short splits has an end each).
         self._closing: list[tuple[Key, int]] = []
-        # (pass, split) by number, for codes made the ledger's own (:meth:`_fold_codes`)
+        # (pass, split) by number, for codes made the ledger's own (
         self._places: dict[tuple[Key, int], int] = {}
         self._place_of: list[tuple[Key, int]] = []
         # Groups whose rows are not all held, by id; the ids of those by their anchor's
@@ -421,7 +219,7 @@ class Ledger:
             return
         merged = np.concatenate(parts) if len(parts) > 1 else parts[0]
         merged.sort()
-        numbers, starts, ends = _code_runs(merged)
+        numbers, starts, ends = code_runs(merged)
         cuts = np.flatnonzero(np.diff(numbers)) + 1
         for at, stop in zip(np.concatenate(([0], cuts)).tolist(),
                             np.concatenate((cuts, [len(numbers)])).tolist(), strict=True):
@@ -458,7 +256,7 @@ class Ledger:
         """:meth:`_add` for the codes of one split reading, any order (:meth:`_fold_codes`)."""
         held = self._held_open(key, split)
         if held is None:  # (rows of a group, or a split accounted for whole)
-            self._add(key, split, *_index_runs(arrays))
+            self._add(key, split, *index_runs(arrays))
             return
         held.add_indices(arrays)
         self._close(key, split)
@@ -486,30 +284,7 @@ class Ledger:
         """Note ``group`` (a record named it): its elements are held, and its anchor's
         split stays open until all its rows are; ``rows``: rows of it held already. A
         group made from :attr:`made_here` on is left out."""
-        if self.made_here and group.position >= self.made_here:
-            return
-        gid = group.id
-        held = self._groups.get(gid)
-        if held is not None and held.group is not None and not rows:
-            return  # (known already: a record names the groups of every row it holds)
-        for one in (group, *group.inner):
-            self._defs.setdefault(one.id, one)
-        held = self._group(gid)
-        if held is None:
-            return
-        if held.group is None:
-            held.group = group
-            for key, split, first, length in group.members:
-                inner = group_of_rows(key, split)
-                if inner is None:
-                    self._add(key, split, np.array([first], np.int64),
-                              np.array([first + length], np.int64))
-                else:  # (rows of a group: held, whether or not it is known here yet)
-                    self._inners.add(inner)
-                    rows_of = self._group(inner)
-                    if rows_of is not None:
-                        self._group_rows(inner, rows_of, range(first, first + length))
-        self._group_rows(gid, held, rows)
+        self.define_all([(group, group.id, rows)])
 
     def define_groups(self, groups: Iterable[Group]) -> None:
         """:meth:`define_all` for ``groups`` as a record names them (no row held yet)."""
@@ -520,18 +295,57 @@ class Ledger:
         """:meth:`define` each of ``groups`` (group, its id, rows of it held; a group None:
         only its rows are known), every one anchored first: the elements of one may be
         the last its anchor's split lacked, and that split must not close before a
-        group on it that lacks rows is known."""
-        groups = list(groups)
+        group on it that lacks rows is known. The elements of the groups new here are
+        added together, one merge per split (a state's groups are thousands)."""
+        groups = [(group, gid, rows) for group, gid, rows in groups
+                  if group is None or not (self.made_here and group.position >= self.made_here)]
+        for _, gid, _ in groups:
+            self._group(gid)
+        members: list[tuple[Key, int, int, int]] = []
         for group, gid, _ in groups:
-            if group is None or not (self.made_here and group.position >= self.made_here):
-                self._group(gid)
-        for group, gid, rows in groups:
-            if group is not None:
-                self.define(group, rows)
-            else:
-                held = self._group(gid)
-                if held is not None:
-                    self._group_rows(gid, held, rows)
+            if group is not None and self._know(group, gid):
+                members.extend(group.members)
+        self._add_members(members)
+        for _, gid, rows in groups:
+            held = self._group(gid)
+            if held is not None:
+                self._group_rows(gid, held, rows)
+
+    def _know(self, group: Group, gid: tuple[Key, int, int, int]) -> bool:
+        """Note ``group`` and the groups it holds rows of; whether it is new here (its
+        elements are then to be added)."""
+        held = self._groups.get(gid)
+        if held is not None and held.group is not None:
+            return False  # (known already: a record names the groups of every row it holds)
+        for one in (group, *group.inner):
+            self._defs.setdefault(one.id, one)
+        if held is None:  # (its rows all came, or its split was accounted for whole)
+            return False
+        held.group = group
+        return True
+
+    def _add_members(self, members: Iterable[tuple[Key, int, int, int]]) -> None:
+        """Hold groups' member runs: those of one split in one :meth:`_add`, in order (a
+        shuffled batch's members are single elements in any order: added one by one,
+        each would merge into all the split's ranges)."""
+        by_split: dict[tuple[Key, int], list[tuple[int, int]]] = {}
+        for key, split, first, length in members:
+            runs = by_split.get((key, split))
+            if runs is None:
+                runs = by_split[(key, split)] = []
+            runs.append((first, first + length))
+        for (key, split), runs in by_split.items():
+            inner = group_of_rows(key, split)
+            if inner is not None:  # (rows of a group: held, whether or not it is known here)
+                self._inners.add(inner)
+                rows_of = self._group(inner)
+                if rows_of is not None:
+                    self._group_rows(inner, rows_of, [row for first, end in runs
+                                                      for row in range(first, end)])
+                continue
+            runs.sort()
+            bounds = np.array(runs, np.int64).reshape(-1, 2)
+            self._add(key, split, bounds[:, 0], bounds[:, 1])
 
     def _group(self, gid: tuple[Key, int, int, int]) -> _Rows | None:
         """What is held of the group ``gid``, made on first sight; None once all its rows
@@ -762,6 +576,26 @@ class Ledger:
                 entry.append(groups)
             out.append(entry)
         return out
+
+    def copy(self) -> Ledger:
+        """This ledger on its own (what a state notes a record partly yielded into):
+        what ``merge_json(to_json())`` into a new one holds, without defining every group
+        again."""
+        self._fold()
+        other = Ledger(self.made_here)
+        other._done = {key: set(splits) for key, splits in self._done.items()}
+        other._open = {at: ranges.copy() for at, ranges in self._open.items()}
+        other._lengths = dict(self._lengths)
+        other._places, other._place_of = dict(self._places), list(self._place_of)
+        for gid, held in self._groups.items():
+            rows = other._groups[gid] = _Rows()
+            rows.group, rows.have = held.group, held.have.copy()
+        other._anchored = {at: set(gids) for at, gids in self._anchored.items()}
+        other._whole = set(self._whole)
+        other._whole_at = {at: set(gids) for at, gids in self._whole_at.items()}
+        other._defs = dict(self._defs)
+        other._inners = set(self._inners)
+        return other
 
     def merge_json(self, passes: Any) -> None:
         """Add what :meth:`to_json` returned (of this ledger or another's).

@@ -165,14 +165,7 @@ class Group:
         held = unpack(have, MAX_GROUP_MEMBERS)
         if rows == -1 and not runs:
             return None, gid, held
-        members = []
-        for run in runs:
-            if not (isinstance(run, list) and len(run) == 4 and is_pass_key(run[0])
-                    and all(natural(v) for v in run[1:]) and run[3] >= 1
-                    and run[1] <= INDEX_MASK and run[2] + run[3] <= INDEX_MASK + 1):
-                raise ValueError(f"a group's member run must be [key, split, first, length], "
-                                 f"got {run!r:.80}")
-            members.append((tuple(run[0]), run[1], run[2], run[3]))
+        members = _member_runs(runs)
         if not 1 <= rows <= MAX_GROUP_MEMBERS * 64 or not members \
                 or sum(run[3] for run in members) > MAX_GROUP_MEMBERS \
                 or (members[0][0], members[0][1], members[0][2]) != (gid[0], split, index):
@@ -181,6 +174,41 @@ class Group:
         if held and max(held) >= rows:
             raise ValueError(f"a group's rows held must be below its {rows} rows")
         return cls(gid[0], split, index, position, rows, tuple(members), tuple(inner)), gid, held
+
+
+def _member_runs(runs: list[Any]) -> list[tuple[Key, int, int, int]]:
+    """A group's member runs from JSON (``[[key, split, first, length], ...]``), checked a
+    field at a time over all of them (a state holds thousands of groups).
+
+    Raises:
+        ValueError: a run is not such a value.
+    """
+    chain = itertools.chain.from_iterable
+    flat = list(chain(runs)) if set(map(type, runs)) <= {list} \
+        and set(map(len, runs)) <= {4} else None
+    if flat is not None:
+        keys, splits, firsts, lengths = flat[0::4], flat[1::4], flat[2::4], flat[3::4]
+        if runs and not (set(map(type, keys)) == {list}
+                         and all(0 < length <= MAX_KEY_LENGTH for length in set(map(len, keys)))
+                         and set(map(type, chain(keys))) == {int} and min(chain(keys)) >= 0
+                         and set(map(type, splits)) | set(map(type, firsts))
+                         | set(map(type, lengths)) == {int}
+                         and min(splits) >= 0 and max(splits) <= INDEX_MASK
+                         and min(firsts) >= 0 and min(lengths) >= 1
+                         and max(map(operator.add, firsts, lengths)) <= INDEX_MASK + 1):
+            flat = None
+    if flat is None:
+        bad = next((run for run in runs if not _member_run(run)), runs)
+        raise ValueError(f"a group's member run must be [key, split, first, length], "
+                         f"got {bad!r:.80}")
+    return list(zip(map(tuple, keys), splits, firsts, lengths))
+
+
+def _member_run(run: Any) -> bool:
+    """Whether ``run`` is one good member run (to name the first bad one)."""
+    return (isinstance(run, list) and len(run) == 4 and is_pass_key(run[0])
+            and all(natural(v) for v in run[1:]) and run[3] >= 1
+            and run[1] <= INDEX_MASK and run[2] + run[3] <= INDEX_MASK + 1)
 
 
 def group_of_rows(key: Key, split: int) -> tuple[Key, int, int, int] | None:

@@ -1,0 +1,143 @@
+"""A ledger's groups (zloader/lineage/ledger.py) at a state's scale: thousands of groups of
+shuffled elements, defined one by one, all at once, merged from JSON or copied, hold the
+same; a state's groups are merged with one merge per split, and malformed member runs
+are refused naming the run."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zloader.lineage import Group, Ledger, Ranges
+from zloader.lineage.tags import INDEX_MASK
+
+SPLIT = 96  # elements per split
+
+
+def _groups(seed: int, splits: int, size: int, nested: bool) -> list[tuple[Group, set[int]]]:
+    """Groups of ``size`` shuffled elements (the last up to twice as many) over ``splits``
+    splits of pass (0,), every element in one, each with
+    a random number of rows and some of them held; ``nested``: and groups of the first
+    groups' rows (a packer after a tokenizer)."""
+    rng = random.Random(seed)
+    elements = [(split, index) for split in range(splits) for index in range(SPLIT)]
+    rng.shuffle(elements)
+    out = []
+    cuts = list(range(0, len(elements), size))
+    for at, stop in zip(cuts, [*cuts[1:-1], len(elements)], strict=False):
+        members = elements[at:stop]  # (the last takes the rest: every element is in one)
+        anchor = members[0]
+        group = Group((0,), anchor[0], anchor[1], 3, rng.randint(1, 2 * len(members)),
+                      tuple(((0,), split, index, 1) for split, index in members))
+        out.append((group, {row for row in range(group.rows) if rng.random() < 0.6}))
+    for group, held in list(out[:4]) if nested else ():
+        rows = [row for row in range(group.rows) if row not in held]
+        if rows:
+            packed = Group(group.rows_key, group.split, rows[0], 7, len(rows),
+                           tuple((group.rows_key, group.split, row, 1) for row in rows))
+            out.append((packed, set(range(len(rows) // 2))))
+    return out
+
+
+def _ended(ledger: Ledger, splits: int) -> Ledger:
+    for split in range(splits):
+        ledger.end((0,), split, SPLIT, 0)
+    return ledger
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), splits=st.integers(1, 6), size=st.sampled_from([1, 3, 8, 40]),
+       nested=st.booleans(), ended=st.booleans())
+def test_groups_defined_one_by_one_at_once_merged_or_copied_hold_the_same(seed, splits, size,
+                                                                         nested, ended):
+    """The oracle: a ledger holds a function of the groups and rows it was told, in any
+    order and however many at a time."""
+    groups = _groups(seed, splits, size, nested)
+    one_by_one = Ledger()
+    for group, rows in reversed(groups):
+        one_by_one.define(group, rows)
+    at_once = Ledger()
+    at_once.define_all([(group, group.id, rows) for group, rows in groups])
+    if ended:
+        _ended(one_by_one, splits), _ended(at_once, splits)
+    merged = Ledger()
+    merged.merge_json(at_once.to_json())
+    half = Ledger()  # (a copy taken halfway, then told the rest)
+    half.define_all([(group, group.id, rows) for group, rows in groups[::2]])
+    if ended:
+        _ended(half, splits)
+    before = half.to_json()
+    copied = half.copy()
+    copied.define_all([(group, group.id, rows) for group, rows in groups[1::2]])
+    assert half.to_json() == before  # (the copy is its own)
+    expected = one_by_one.to_json()
+    for ledger in (at_once, merged, copied):
+        assert ledger.to_json() == expected
+        for split in range(splits):
+            assert ledger.info((0,), split) == one_by_one.info((0,), split)
+    at_once.define_all([(group, group.id, range(group.rows)) for group, _ in groups])
+    assert all(at_once.info((0,), split) == {"all": True} for split in range(splits)) == ended
+
+
+def test_a_state_s_thousands_of_shuffled_groups_are_merged_once_per_split(monkeypatch):
+    """3,000 groups of 32 shuffled elements over 1,000 splits: their elements are added with
+    one merge per split (before, one per element: a resumed state of a tokenizer's
+    pipeline held the broker for seconds, and its workers reconnected)."""
+    groups = _groups(7, 1000, 32, False)
+    assert len(groups) == 2999 and len({group.split for group, _ in groups}) > 900
+    state = Ledger()
+    state.define_all([(group, group.id, rows) for group, rows in groups])
+    value = state.to_json()
+    adds = []
+    add = Ledger._add
+    monkeypatch.setattr(Ledger, "_add", lambda self, key, split, starts, ends: (
+        adds.append(len(starts)), add(self, key, split, starts, ends)))
+    resumed = Ledger()
+    resumed.merge_json(value)
+    assert resumed.to_json() == value
+    assert len(adds) <= 1000 and sum(adds) == 1000 * SPLIT  # (elements: one merge per split)
+
+
+BAD_RUNS = [
+    [[[True], 0, 0, 1]],  # a bool in the key
+    [[[0.0], 0, 0, 1]],
+    [[[], 0, 0, 1]],
+    [[[0] * 65, 0, 0, 1]],
+    [[[-1], 0, 0, 1]],
+    [[[0], -1, 0, 1]],
+    [[[0], 0, 0, 0]],
+    [[[0], 0, 1.0, 1]],
+    [[[0], False, 0, 1]],
+    [[[0], INDEX_MASK + 1, 0, 1]],
+    [[[0], 0, INDEX_MASK, 2]],
+    [[[0], 0, 0]],
+    [[(0,), 0, 0, 1]],
+    [[[0], 0, 0, 1], "x"],
+]
+
+
+@pytest.mark.parametrize("runs", BAD_RUNS)
+def test_a_malformed_member_run_is_refused_naming_it(runs):
+    value = [[0], 0, 0, 3, 1, [[[0], 0, 0, 1], *runs], ""]
+    with pytest.raises(ValueError, match=r"member run must be \[key, split, first, length\], "
+                                         r"got " + re.escape(repr(runs[-1])[:20])):
+        Group.from_json(value)
+    good = [[0], 0, 0, 3, 1, [[[0], 0, 0, 1], [[0, 2], 5, 6, 7]], ""]
+    group, gid, held = Group.from_json(good)
+    assert group is not None and group.members == (((0,), 0, 0, 1), ((0, 2), 5, 6, 7))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 600), max_size=400), st.sampled_from([set, list, iter]))
+def test_ranges_of_a_few_indices_in_python_and_of_many_in_numpy_agree(values, kind):
+    ranges = Ranges.of(kind(values))
+    assert ranges.indices().tolist() == sorted(set(values))
+    assert ranges.count == len(set(values))
+    assert all(end < start for start, end in zip(ranges.starts[1:], ranges.ends, strict=False))
+    assert Ranges.of(range(3, 9)).starts == [3] and Ranges.of(range(4, 4)).count == 0
+    assert np.array_equal(Ranges.of(range(0, 10, 3)).indices(), [0, 3, 6, 9])
