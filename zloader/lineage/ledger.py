@@ -6,6 +6,7 @@ consumers hold of a dead worker's splits (:func:`merge_info`).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,7 @@ from zloader.lineage.tags import (
     Group,
     Key,
     anchor_split,
+    flat_runs,
     group_of_rows,
     natural,
 )
@@ -104,6 +106,11 @@ class Ledger:
         self._pending: list[tuple[dict[int, Key], np.ndarray]] = []
         self._pending_codes: list[tuple[dict[int, Key], list[int], np.ndarray]] = []
         self._pending_runs = 0
+        # Member runs of groups defined, not yet added (:meth:`define_all`), flat (key,
+        # split, first, length, key, ...), and how many groups they are: added with the
+        # records' origins, one merge per split.
+        self._pending_members: list[Any] = []
+        self._pending_groups = 0
         # Splits whose end came while origins were kept: closed once those are added
         # (an end does not fold them: a record of many short splits has an end each).
         self._closing: list[tuple[Key, int]] = []
@@ -160,15 +167,22 @@ class Ledger:
 
     def _kept(self, runs: int) -> None:
         self._pending_runs += runs
-        if len(self._pending) + len(self._pending_codes) >= LEDGER_FOLD_RECORDS \
+        if len(self._pending) + len(self._pending_codes) + self._pending_groups \
+                >= LEDGER_FOLD_RECORDS \
                 or self._pending_runs >= LEDGER_FOLD_RUNS:
             self._fold()
 
     def _fold(self) -> None:
-        """Add the records' origins kept by :meth:`add` and :meth:`add_codes`, then close
-        the splits whose end came meanwhile (:meth:`end`) if they are whole."""
-        pending, codes = self._pending, self._pending_codes
+        """Add the records' origins kept by :meth:`add` and :meth:`add_codes`, and the
+        elements of the groups defined meanwhile, then close the splits whose end came
+        meanwhile (:meth:`end`) if they are whole."""
+        pending, codes, members = self._pending, self._pending_codes, self._pending_members
         self._pending, self._pending_codes, self._pending_runs = [], [], 0
+        self._pending_members, self._pending_groups = [], 0
+        if members:
+            runs = self._member_runs(members)
+            if runs is not None:
+                pending.append(runs)
         if len(pending) == 1:
             self._add_runs(*pending[0])
         elif pending:
@@ -296,16 +310,20 @@ class Ledger:
         only its rows are known), every one anchored first: the elements of one may be
         the last its anchor's split lacked, and that split must not close before a
         group on it that lacks rows is known. The elements of the groups new here are
-        added together, one merge per split (a state's groups are thousands)."""
+        kept, and added with the records' origins (:meth:`_fold`): one merge per split
+        for many groups (a tokenizer's record names a group or two; a state thousands)."""
         groups = [(group, gid, rows) for group, gid, rows in groups
                   if group is None or not (self.made_here and group.position >= self.made_here)]
         for _, gid, _ in groups:
             self._group(gid)
-        members: list[tuple[Key, int, int, int]] = []
+        members = self._pending_members
+        before = len(members)
         for group, gid, _ in groups:
             if group is not None and self._know(group, gid):
-                members.extend(group.members)
-        self._add_members(members)
+                members.extend(flat_runs(group.members))
+                self._pending_groups += 1
+        if len(members) > before:
+            self._kept((len(members) - before) // 4)
         for _, gid, rows in groups:
             held = self._group(gid)
             if held is not None:
@@ -324,28 +342,36 @@ class Ledger:
         held.group = group
         return True
 
-    def _add_members(self, members: Iterable[tuple[Key, int, int, int]]) -> None:
-        """Hold groups' member runs: those of one split in one :meth:`_add`, in order (a
-        shuffled batch's members are single elements in any order: added one by one,
-        each would merge into all the split's ranges)."""
-        by_split: dict[tuple[Key, int], list[tuple[int, int]]] = {}
+    def _member_runs(self, flat: list[Any]) -> tuple[dict[int, Key], np.ndarray] | None:
+        """Groups' member runs (flat: key, split, first, length, key, ...) as a record's
+        origins (pass ids and runs), made at C speed (a shuffled batch's members are
+        single elements, thousands a fold), to be merged with the records' at a fold;
+        None when all were rows of other groups, which are held here at once."""
+        keys = list(dict.fromkeys(flat[0::4]))
+        if any(len(key) > 2 and key[-2] >= GROUP_KEY for key in keys):
+            members = list(zip(*[iter(flat)] * 4, strict=True))
+            self._add_rows_members([m for m in members if group_of_rows(*m[:2]) is not None])
+            flat = list(chain.from_iterable(m for m in members
+                                            if group_of_rows(*m[:2]) is None))
+            if not flat:
+                return None
+            keys = list(dict.fromkeys(flat[0::4]))
+        numbers = {key: number for number, key in enumerate(keys)}
+        runs = np.empty((len(flat) // 4, 4), np.int64)
+        runs[:, 0] = np.fromiter(map(numbers.__getitem__, flat[0::4]), np.int64, len(runs))
+        runs[:, 1], runs[:, 2], runs[:, 3] = flat[1::4], flat[2::4], flat[3::4]
+        return dict(enumerate(keys)), runs
+
+    def _add_rows_members(self, members: list[tuple[Key, int, int, int]]) -> None:
+        """Hold member runs that are rows of other groups (a packer's after a batched
+        tokenizer), whether or not those groups are known here yet."""
         for key, split, first, length in members:
-            runs = by_split.get((key, split))
-            if runs is None:
-                runs = by_split[(key, split)] = []
-            runs.append((first, first + length))
-        for (key, split), runs in by_split.items():
             inner = group_of_rows(key, split)
-            if inner is not None:  # (rows of a group: held, whether or not it is known here)
-                self._inners.add(inner)
-                rows_of = self._group(inner)
-                if rows_of is not None:
-                    self._group_rows(inner, rows_of, [row for first, end in runs
-                                                      for row in range(first, end)])
-                continue
-            runs.sort()
-            bounds = np.array(runs, np.int64).reshape(-1, 2)
-            self._add(key, split, bounds[:, 0], bounds[:, 1])
+            assert inner is not None
+            self._inners.add(inner)
+            rows_of = self._group(inner)
+            if rows_of is not None:
+                self._group_rows(inner, rows_of, range(first, first + length))
 
     def _group(self, gid: tuple[Key, int, int, int]) -> _Rows | None:
         """What is held of the group ``gid``, made on first sight; None once all its rows
@@ -454,7 +480,7 @@ class Ledger:
         if split in self._done.get(key, ()):
             return
         self._lengths[(key, split)] = (count, crc)
-        if self._pending or self._pending_codes:
+        if self._pending or self._pending_codes or self._pending_members:
             self._closing.append((key, split))
         else:
             self._close(key, split)

@@ -26,6 +26,7 @@ from zloader.lineage.tags import (
     MAX_READ,
     Group,
     Key,
+    MemberRuns,
     Origin,
     gather,
 )
@@ -366,19 +367,18 @@ def _groups_of(values: list[int], keys: dict[int, Key]) -> list[Group]:
                 or len(runs) != 4 * nruns:
             raise ValueError("a block's group must be (pass, split, index, position >= 1, "
                              "rows >= 1, runs >= 1) of a pass the block names")
-        members = []
-        for run_pass, run_split, first, length in zip(*[iter(runs)] * 4, strict=True):
-            if run_pass not in keys or not (0 <= run_split <= INDEX_MASK and first >= 0
-                                            and length >= 1
-                                            and first + length <= INDEX_MASK + 1):
-                raise ValueError("a block's group member run names a pass the block does "
-                                 "not, or indices outside [0, 2**32)")
-            members.append((keys[run_pass], run_split, first, length))
-        if sum(run[3] for run in members) > MAX_GROUP_MEMBERS \
-                or members[0][:3] != (keys[pass_id], split, index):
+        passes, splits, firsts, lengths = runs[0::4], runs[1::4], runs[2::4], runs[3::4]
+        if not (set(passes) <= keys.keys() and min(splits) >= 0 and max(splits) <= INDEX_MASK
+                and min(firsts) >= 0 and min(lengths) >= 1
+                and max(map(operator.add, firsts, lengths)) <= INDEX_MASK + 1):
+            raise ValueError("a block's group member run names a pass the block does "
+                             "not, or indices outside [0, 2**32)")
+        runs[0::4] = map(keys.__getitem__, passes)
+        if sum(lengths) > MAX_GROUP_MEMBERS or runs[:3] != [keys[pass_id], split, index]:
             raise ValueError("a block's group must start with its anchor and hold at most "
                              f"{MAX_GROUP_MEMBERS} elements")
-        groups.append(Group(keys[pass_id], split, index, position, rows, tuple(members)))
+        groups.append(Group(keys[pass_id], split, index, position, rows,
+                            MemberRuns(tuple(runs))))
     return groups
 
 
