@@ -6,7 +6,6 @@ consumers hold of a dead worker's splits (:func:`merge_info`).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -180,9 +179,7 @@ class Ledger:
         self._pending, self._pending_codes, self._pending_runs = [], [], 0
         self._pending_members, self._pending_groups = [], 0
         if members:
-            runs = self._member_runs(members)
-            if runs is not None:
-                pending.append(runs)
+            pending.append(self._member_runs(members))
         if len(pending) == 1:
             self._add_runs(*pending[0])
         elif pending:
@@ -342,36 +339,26 @@ class Ledger:
         held.group = group
         return True
 
-    def _member_runs(self, flat: list[Any]) -> tuple[dict[int, Key], np.ndarray] | None:
+    def _member_runs(self, flat: list[Any]) -> tuple[dict[int, Key], np.ndarray]:
         """Groups' member runs (flat: key, split, first, length, key, ...) as a record's
         origins (pass ids and runs), made at C speed (a shuffled batch's members are
-        single elements, thousands a fold), to be merged with the records' at a fold;
-        None when all were rows of other groups, which are held here at once."""
+        single elements, thousands a fold), to be merged with the records' at a fold.
+        Runs of rows of other groups (a packer's after a batched tokenizer) are held as
+        a record's rows are (:meth:`_rows`), and those groups noted as held by others."""
         keys = list(dict.fromkeys(flat[0::4]))
-        if any(len(key) > 2 and key[-2] >= GROUP_KEY for key in keys):
-            members = list(zip(*[iter(flat)] * 4, strict=True))
-            self._add_rows_members([m for m in members if group_of_rows(*m[:2]) is not None])
-            flat = list(chain.from_iterable(m for m in members
-                                            if group_of_rows(*m[:2]) is None))
-            if not flat:
-                return None
-            keys = list(dict.fromkeys(flat[0::4]))
         numbers = {key: number for number, key in enumerate(keys)}
         runs = np.empty((len(flat) // 4, 4), np.int64)
         runs[:, 0] = np.fromiter(map(numbers.__getitem__, flat[0::4]), np.int64, len(runs))
         runs[:, 1], runs[:, 2], runs[:, 3] = flat[1::4], flat[2::4], flat[3::4]
+        rows_of = [number for key, number in numbers.items()
+                   if len(key) > 2 and key[-2] >= GROUP_KEY]
+        if rows_of:
+            rows = runs[np.isin(runs[:, 0], rows_of)]
+            for place in np.unique(rows[:, 0] << INDEX_BITS | rows[:, 1]).tolist():
+                inner = group_of_rows(keys[place >> INDEX_BITS], place & INDEX_MASK)
+                assert inner is not None
+                self._inners.add(inner)
         return dict(enumerate(keys)), runs
-
-    def _add_rows_members(self, members: list[tuple[Key, int, int, int]]) -> None:
-        """Hold member runs that are rows of other groups (a packer's after a batched
-        tokenizer), whether or not those groups are known here yet."""
-        for key, split, first, length in members:
-            inner = group_of_rows(key, split)
-            assert inner is not None
-            self._inners.add(inner)
-            rows_of = self._group(inner)
-            if rows_of is not None:
-                self._group_rows(inner, rows_of, range(first, first + length))
 
     def _group(self, gid: tuple[Key, int, int, int]) -> _Rows | None:
         """What is held of the group ``gid``, made on first sight; None once all its rows
