@@ -131,7 +131,7 @@ def test_a_malformed_member_run_is_refused_naming_it(runs):
                                          r"got " + re.escape(repr(runs[-1])[:20])):
         Group.from_json(value)
     good = [[0], 0, 0, 3, 1, [[[0], 0, 0, 1], [[0, 2], 5, 6, 7]], ""]
-    group, gid, held = Group.from_json(good)
+    group, _, _ = Group.from_json(good)
     assert group is not None and group.members == (((0,), 0, 0, 1), ((0, 2), 5, 6, 7))
 
 

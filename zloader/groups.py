@@ -29,6 +29,7 @@ such a stage that no unbatch undoes.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +41,15 @@ from zloader._byfields import FrozenByFields
 from zloader._defaults import GROUP_KEY, MIX_KEY
 from zloader._seeding import Key
 from zloader.errors import PipelineError
-from zloader.lineage import INDEX_BITS, INDEX_MASK, Group, gather, group_of_rows, runs_of_list
+from zloader.lineage import (
+    INDEX_BITS,
+    INDEX_MASK,
+    Group,
+    MemberRuns,
+    gather,
+    group_of_rows,
+    runs_of_list,
+)
 
 __all__ = ["Section", "announce", "kept", "pipeline_refusal", "rebuilt", "refusal", "sections",
            "tag"]
@@ -165,18 +174,23 @@ def tag(ctx: Any, stage: Any, rows: list[Any], origin: Any, position: int) -> It
     anchor = int(codes[0])
     pass_id, split = tally.reads[anchor >> INDEX_BITS]
     runs = runs_of_list(codes.tolist(), tally.reads)
+    flat = list(itertools.chain.from_iterable(runs))  # (pass id, split, first, length, ...)
+    ids = flat[0::4]
+    # as a block holds it (_wire), made at once: a shuffled batch's runs are its elements
+    wire = [pass_id, split, anchor & INDEX_MASK, position, len(rows), len(runs), *flat]
+    flat[0::4] = map(tally.keys.__getitem__, ids)
     group = Group(tally.keys[pass_id], split, anchor & INDEX_MASK, position, len(rows),
-                  tuple((tally.keys[p], s, a, n) for p, s, a, n in runs))
+                  MemberRuns(tuple(flat)))
     inner: list[list[int]] = []  # (the groups of rows it holds, and theirs, as blocks hold them)
-    if any(group_of_rows(key, split) for key, split, _, _ in group.members):
+    if any(group_of_rows(tally.keys[number], 0) for number in set(ids)):
         for read in np.unique(codes >> INDEX_BITS).tolist():
             if read in tally.group_reads:
                 inner += [tally.group_reads[read], *tally.group_inner.get(read, ())]
-    return _tagged(tally, group, rows, range(len(rows)), inner)
+    return _tagged(tally, group, rows, range(len(rows)), inner, wire)
 
 
 def _tagged(tally: Any, group: Group, rows: list[Any], which: Sequence[int],
-            inner: list[list[int]]) -> Iterator[Any]:
+            inner: list[list[int]], wire: list[int] | None = None) -> Iterator[Any]:
     """``rows`` (rows ``which`` of ``group``), each with its own origin; ``group`` and
     ``inner`` (the groups whose rows it holds, and theirs) go with every record holding
     a row of it, and with no other. So a consumer knows a group only if it holds rows of
@@ -184,10 +198,11 @@ def _tagged(tally: Any, group: Group, rows: list[Any], which: Sequence[int],
     another consumer of a ``job_name``) claims none of its elements, and one that gets
     packed rows, and not the record of the group they were packed from, can have them
     made again. Rows that no consumer got (their worker died) leave the group's elements
-    unclaimed: read again, they make the rows again."""
+    unclaimed: read again, they make the rows again. ``wire``: ``group`` as a block holds
+    it, when made already."""
     rows_read = len(tally.reads)
     tally.reads.append((tally.pass_id(group.rows_key), group.split))
-    tally.group_reads[rows_read] = _wire(tally, group)
+    tally.group_reads[rows_read] = wire if wire is not None else _wire(tally, group)
     if inner:
         tally.group_inner[rows_read] = inner
     base = rows_read << INDEX_BITS

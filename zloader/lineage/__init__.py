@@ -38,6 +38,7 @@ from zloader.lineage.tags import (
     INDEX_MASK,
     Assigned,
     Group,
+    MemberRuns,
     Origin,
     Tagged,
     anchor_split,
@@ -56,7 +57,7 @@ from zloader.lineage.tags import (
 from zloader.lineage.wire import Origins, decode_origins, encode_origins, runs_of_list
 
 __all__ = ["DIGEST_GROUP", "DIGEST_MARK", "INDEX_BITS", "INDEX_MASK", "Assigned", "Group",
-           "Ledger", "Origin", "Origins", "Ranges", "Tagged", "anchor_split", "code",
+           "Ledger", "MemberRuns", "Origin", "Origins", "Ranges", "Tagged", "anchor_split", "code",
            "decode_origins", "digest", "encode_origins", "exactly_once", "gather",
            "group_of_rows", "light", "merge_indices", "merge_info", "merge_runs", "pack",
            "read_split", "read_split_chunks", "runs_of_list", "split_tags", "take", "unpack",

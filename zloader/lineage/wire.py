@@ -360,7 +360,7 @@ def _groups_of(values: list[int], keys: dict[int, Key]) -> list[Group]:
         if len(head) < 6:
             raise ValueError("a block's group is cut short")
         pass_id, split, index, position, rows, nruns = head
-        runs = values[at + 6:at + 6 + 4 * nruns]
+        runs: list[Any] = values[at + 6:at + 6 + 4 * nruns]
         at += 6 + 4 * nruns
         if pass_id not in keys or not (0 <= split <= INDEX_MASK and 0 <= index <= INDEX_MASK
                                        and position >= 1 and rows >= 1 and nruns >= 1) \
