@@ -113,7 +113,7 @@ class Ledger:
         # Splits whose end came while origins were kept: closed once those are added
         # (an end does not fold them: a record of many short splits has an end each).
         self._closing: list[tuple[Key, int]] = []
-        # (pass, split) by number, for codes made the ledger's own (
+        # (pass, split) by number, for codes made the ledger's own (:meth:`_fold_codes`)
         self._places: dict[tuple[Key, int], int] = {}
         self._place_of: list[tuple[Key, int]] = []
         # Groups whose rows are not all held, by id; the ids of those by their anchor's
