@@ -520,3 +520,35 @@ def test_handovers_a_task_was_handed_before_it_began_are_handed_on_as_one():
                     (0, 2, {(0,): [5]}, set(), {"a": [[0, 2]]}),
                     (1, 3, {(1,): [8, 9]}, set(), {})]
     assert rehanded([]) == []
+
+
+_JSON = st.recursive(
+    st.none() | st.integers(-5, 5) | st.text(alphabet='[]{}"\\ab', max_size=6),
+    lambda children: st.lists(children, max_size=3)
+    | st.dictionaries(st.text(alphabet='[]{}"\\k', max_size=4), children, max_size=3),
+    max_leaves=40)
+
+
+def _nested(depth: int, inner: object) -> object:
+    for _ in range(depth):
+        inner = [inner]
+    return inner
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, MAX_BODY_DEPTH + 3), _JSON)
+def test_the_quick_depth_check_of_a_body_agrees_with_the_walk(depth, value):
+    """A body's depth is checked from its text at C speed (brackets in strings ignored;
+    unsure, and so walked, where a string has an escape): never shallow when the walk
+    finds it deeper than MAX_BODY_DEPTH, and shallow whenever the walk finds it is and
+    the text has no escape."""
+    from zloader.transport.protocol import _depth, _shallow
+    body = {"stats": _nested(depth, value)}
+    raw = json.dumps(body).encode()
+    deep = _depth(body) > MAX_BODY_DEPTH
+    assert not (_shallow(raw) and deep)
+    if b"\\" not in raw:
+        assert _shallow(raw) == (not deep)
+    if deep and raw.count(b"[") + raw.count(b"{") > MAX_BODY_DEPTH:
+        with pytest.raises(ProtocolError, match="nested deeper"):
+            decode([encode(Command.HEARTBEAT)[0], bytes((Command.HEARTBEAT,)), raw])

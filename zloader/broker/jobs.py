@@ -248,7 +248,9 @@ def resume(state: Tables, job: Job, value: Any) -> None:
         raise ProtocolError(f"REGISTER: resume: {exc}") from None
     job.handout.resume = (value["epoch"], ledger)
     job.epoch = max(job.epoch, value["epoch"])
-    state.record(JobResumed(job=job.id, epoch=value["epoch"], delivered=ledger.to_json()))
+    # (journaled as it came, merged without error: a replay merges it to the same ledger;
+    # a state's JSON made again would cost the loop as much as the merge)
+    state.record(JobResumed(job=job.id, epoch=value["epoch"], delivered=value["delivered"]))
 
 
 def _replace(state: Tables, job: Job, holder: str, index: int, msg: Register,

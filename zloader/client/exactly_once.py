@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any, TypeGuard
+from typing import Any, TypeGuard, cast
 
 from zloader import _native
 from zloader._defaults import MAX_FANOUT
@@ -52,9 +52,13 @@ class Yielded:
 
     def _start(self, epoch: int) -> Ledger:
         """What was yielded of ``epoch`` before it began here: the resumed state's part."""
+        resume = self._resume
+        if resume is None or resume["epoch"] != epoch:
+            return Ledger()
+        if resume.get("ledger") is not None:  # (merged already: a copy of it)
+            return cast(Ledger, resume["ledger"]).copy()
         ledger = Ledger()
-        if self._resume is not None and self._resume["epoch"] == epoch:
-            ledger.merge_json(self._resume["delivered"])
+        ledger.merge_json(resume["delivered"])
         return ledger
 
     def record(self, origins: Origins | None, elements: int) -> None:
@@ -105,7 +109,8 @@ class Yielded:
 def resume_from(state: Any, fingerprint: str, exactly_once: bool,
                 ordered: bool = False) -> dict[str, Any] | None:
     """Check ``state`` (one :meth:`Loader.state_dict` or a list of them) and merge it into
-    ``{epoch, entropy, delivered, digest, weights, weights_stamp}``, with ``order``
+    ``{epoch, entropy, delivered, digest, weights, weights_stamp, ledger}`` (``ledger``:
+    ``delivered`` merged, a :class:`Ledger` the Loader copies), with ``order``
     (``{shards, turn, yielded}``, or ``{shards, outputs}`` where the consumer draws a
     mix) for a deterministic Loader read in shards (``ordered``, whose state is one
     Loader's); None for None.
@@ -142,7 +147,7 @@ def resume_from(state: Any, fingerprint: str, exactly_once: bool,
                 if one.get("weights")]
     stamp, _, weights = max(weighted) if weighted else (0.0, 0, None)
     return {"epoch": epoch, "entropy": entropy, "delivered": delivered, "digest": digest[:12],
-            "weights": weights, "weights_stamp": stamp}
+            "weights": weights, "weights_stamp": stamp, "ledger": ledger}
 
 
 def _checked_states(state: Any, fingerprint: str) -> list[dict[str, Any]]:
