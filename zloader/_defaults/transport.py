@@ -55,7 +55,7 @@ MAX_BUFFERS = 1 << 20
 """Most buffers one record may carry (fixed)."""
 
 MAX_BODY_BYTES = 1 << 20
-"""Largest JSON body of a control message (fixed)."""
+"""Largest JSON body of a control message other than REGISTER (fixed)."""
 
 MAX_BODY_DEPTH = 32
 """Bodies nested deeper than this are refused (real ones nest 11 deep at most): a handler,
@@ -68,7 +68,13 @@ MAX_PIPELINE_BYTES = 8 << 20
 MESSAGE_SLACK_BYTES = 4096
 """Room for a message's other frames (command, version, ids) above its body and pipeline."""
 
-MAX_MESSAGE_BYTES = MAX_PIPELINE_BYTES + MAX_BODY_BYTES + MESSAGE_SLACK_BYTES
+MAX_REGISTER_BODY_BYTES = 8 << 20
+"""Largest JSON body of a REGISTER: a resumed Loader's state travels in it, and lists the
+groups anchored in the splits under way of a stage that changes the number of rows (2.2
+MB for a tokenizer's pipeline over 1 M elements with a 20,000-element shuffle buffer).
+A Loader whose state would not fit is refused when it is made (fixed)."""
+
+MAX_MESSAGE_BYTES = MAX_PIPELINE_BYTES + MAX_REGISTER_BODY_BYTES + MESSAGE_SLACK_BYTES
 """The broker's socket drops any larger frame (ZeroMQ's MAXMSGSIZE: the peer is cut off)."""
 
 MAX_DATA_FRAME_BYTES = 1 << 30

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any, TypeGuard, cast
 
 from zloader import _native
-from zloader._defaults import MAX_FANOUT
+from zloader._defaults import MAX_BODY_BYTES, MAX_FANOUT, MAX_REGISTER_BODY_BYTES
 from zloader._hash import sha256
 from zloader.lineage import Ledger, Origins, Ranges, merge_indices
 
@@ -140,7 +140,17 @@ def resume_from(state: Any, fingerprint: str, exactly_once: bool,
     entropy = next((one["entropy"] for one in states if isinstance(one.get("entropy"), int)),
                    None)
     delivered = ledger.to_json()
-    digest = sha256(json.dumps([epoch, entropy, delivered]).encode()).hexdigest()
+    text = json.dumps([epoch, entropy, delivered]).encode()
+    room = MAX_REGISTER_BODY_BYTES - MAX_BODY_BYTES  # (a REGISTER's other fields: the rest)
+    if len(text) > room:
+        raise ValueError(
+            f"state= holds {len(text) / 2**20:.1f} MiB of delivered origins: more than a "
+            f"Loader can send its broker to resume ({room / 2**20:.0f} MiB, "
+            "MAX_REGISTER_BODY_BYTES less a REGISTER's other fields). It "
+            "grows with the splits under way and the groups anchored in them (a stage that "
+            "changes the number of rows, after a shuffle): take states with a smaller "
+            "shuffle buffer before that stage or fewer workers, or pass exactly_once=False")
+    digest = sha256(text).hexdigest()
     # A mix's weights set on the Loaders: those set last (a state without a stamp, of an
     # older version, counts as set before any with one; then the last such state's)
     weighted = [(_stamp(one), at, one["weights"]) for at, one in enumerate(states)

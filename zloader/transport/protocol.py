@@ -19,7 +19,13 @@ from typing import Any
 import cloudpickle
 
 from zloader._byfields import ByFields
-from zloader._defaults import HEARTBEAT_RANGE, MAX_BODY_BYTES, MAX_BODY_DEPTH, STAGES
+from zloader._defaults import (
+    HEARTBEAT_RANGE,
+    MAX_BODY_BYTES,
+    MAX_BODY_DEPTH,
+    MAX_REGISTER_BODY_BYTES,
+    STAGES,
+)
 from zloader.errors import ZloaderError
 
 __all__ = ["PACKED", "VERSION", "Command", "Message", "ProtocolError", "VersionMismatch", "decode",
@@ -196,8 +202,9 @@ def _decode(frames: Sequence[Any]) -> Message:
 
 def _body(command: Command, raw: bytes) -> dict[str, Any]:
     """The JSON object of a body frame, within the size, depth and integer limits."""
-    if len(raw) > MAX_BODY_BYTES:
-        raise ProtocolError(f"{command.name}: body of {len(raw)} bytes exceeds {MAX_BODY_BYTES}")
+    limit = MAX_REGISTER_BODY_BYTES if command is Command.REGISTER else MAX_BODY_BYTES
+    if len(raw) > limit:
+        raise ProtocolError(f"{command.name}: body of {len(raw)} bytes exceeds {limit}")
     try:
         # Every message of the data path comes through here: the checks that cost a Python
         # call per integer or per node run only on bodies that could fail them (a run of
