@@ -552,3 +552,35 @@ def test_the_quick_depth_check_of_a_body_agrees_with_the_walk(depth, value):
     if deep and raw.count(b"[") + raw.count(b"{") > MAX_BODY_DEPTH:
         with pytest.raises(ProtocolError, match="nested deeper"):
             decode([encode(Command.HEARTBEAT)[0], bytes((Command.HEARTBEAT,)), raw])
+
+
+_NUMBERS = st.one_of(
+    st.integers(-(2**70), 2**70), st.integers(10**19 - 5, 10**19 + 5),
+    st.integers(2**64 - 3, 2**64 + 3), st.integers(-(2**64) - 3, -(2**64) + 3),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(alphabet='0123456789e.+-"\\', max_size=30),
+    st.text(alphabet="0123456789", min_size=20, max_size=30))  # (a string of digits)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(_NUMBERS, max_size=8), st.sampled_from(["[{}]", "{{\"k\": {}}}",
+                                                         "[1e{}]", "[1.{}]", "[-{}]"]))
+def test_long_integers_are_checked_as_the_parser_would(values, shape):
+    """A body with an integer of 20 digits or more (a state's entropy) has its long
+    integers checked at C speed outside its strings, not every integer by a Python call:
+    the body decodes, or is refused, exactly as with the call per integer."""
+    from zloader.transport.protocol import _body, _int
+    raw = json.dumps({"values": values}).encode()
+    extra = shape.format("".join(str(v) for v in values if isinstance(v, int))[:60] or "1")
+    for text in (raw, raw[:-1] + b', "x": ' + extra.encode() + b"}"):
+        try:
+            expected: object = json.loads(text, parse_int=_int)
+        except ProtocolError:
+            expected = ProtocolError
+        except ValueError:
+            continue  # (not JSON: refused either way)
+        try:
+            got: object = _body(Command.HEARTBEAT, text)
+        except ProtocolError as exc:
+            got = ProtocolError if "not JSON" not in str(exc) else exc
+        assert got == expected, text[:200]
