@@ -6,6 +6,7 @@ to send is refused when the Loader is made."""
 
 from __future__ import annotations
 
+import base64
 import collections
 import itertools
 import json
@@ -13,6 +14,7 @@ import random
 import re
 import time
 import tracemalloc
+import zlib
 from dataclasses import astuple
 from typing import Any
 
@@ -235,3 +237,40 @@ def test_a_state_too_large_to_send_is_refused_when_the_loader_is_made(monkeypatc
                                          r".*exactly_once=False"):
         Loader(pipeline, num_workers=2, timeout=60, state=state)
     assert time.monotonic() - started < 30  # (does not wait for the timeout)
+
+
+def _packed(rows: list[list[int]], keys: list[list[int]] | None = None) -> list[Any]:
+    raw = np.array(rows, "<i8").tobytes()
+    return [keys if keys is not None else [[0]],
+            base64.b64encode(zlib.compress(raw)).decode()]
+
+
+@pytest.mark.parametrize("members", [
+    _packed([[1, 0, 0, 1]]),  # a key's place past its keys
+    _packed([[0, -1, 0, 1]]), _packed([[0, 0, -1, 1]]), _packed([[0, 0, 0, 0]]),
+    _packed([[0, INDEX_MASK + 1, 0, 1]]), _packed([[0, 0, INDEX_MASK, 2]]),
+    _packed([[0, 0, 2**62, 2**62]]),  # (no overflow)
+    _packed([[0, 0, 0, 1]], [[True]]), _packed([[0, 0, 0, 1]], []),
+    _packed([]), [[[0]], "not base64!"], [[[0]], base64.b64encode(b"\x00" * 32).decode()],
+    [[[0]], base64.b64encode(zlib.compress(b"\x00" * 31)).decode()],
+])
+def test_packed_member_runs_are_checked(members):
+    """A state lists a group's runs packed (one string a group, not a list a run); a
+    malformed one is refused saying so."""
+    with pytest.raises(ValueError, match="member runs"):
+        Group.from_json([[0], 0, 0, 3, 1, members, ""])
+
+
+def test_a_state_lists_a_group_s_runs_packed_and_reads_the_old_lists():
+    group = Group((0,), 4, 5, 3, 2, (((0,), 4, 5, 1), ((0, 2), 9, 1, 3), ((0,), 4, 7, 1)))
+    value = group.to_json([1])
+    assert isinstance(value[5][1], str) and value[5][0] == [[0], [0, 2]]
+    assert Group.from_json(json.loads(json.dumps(value))) == (group, group.id, {1})
+    old = [*value[:5], [[list(k), s, a, n] for k, s, a, n in group.members], value[6]]
+    assert Group.from_json(old) == (group, group.id, {1})  # (a state saved before)
+    groups = _groups(3, 40, 64, False)
+    state = Ledger()
+    state.define_all([(one, one.id, rows) for one, rows in groups])
+    listed = [[*g[:5], [[list(k), s, a, n] for k, s, a, n in Group.from_json(g)[0].members],
+               g[6]] for g in state.to_json()[0][3]]
+    assert len(json.dumps(state.to_json())) * 2 < len(json.dumps(listed))

@@ -228,8 +228,8 @@ def test_a_block_carries_its_groups_and_refuses_malformed_ones():
     ledger = Ledger()
     origins.note(ledger, 1)  # one row yielded: the split stays open, the group too
     assert ledger.held((0,), 4).tolist() == [5, 6, 7]
-    assert ledger.info((0,), 4)["groups"][0][4:] == [2, [[[0], 4, 5, 3]], ledger.info(
-        (0,), 4)["groups"][0][6]]
+    listed, _, held = Group.from_json(ledger.info((0,), 4)["groups"][0])
+    assert listed == origins.groups[0] and listed.rows == 2 and held == {0}
     origins.note(ledger)
     assert "groups" not in ledger.info((0,), 4)
     good = np.frombuffer(block, np.int64)

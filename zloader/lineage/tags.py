@@ -9,6 +9,7 @@ and checks the count and a digest of what it read against the first reading.
 
 from __future__ import annotations
 
+import base64
 import itertools
 import operator
 import time
@@ -33,7 +34,8 @@ __all__ = ["DIGEST_BYTES", "DIGEST_GROUP", "DIGEST_MARK", "INDEX_BITS", "INDEX_M
            "MAX_KEY_LENGTH", "MAX_PASS_ID", "MAX_READ", "Assigned", "Group", "Key",
            "MemberRuns", "Origin", "Tagged", "anchor_split", "code", "digest",
            "exactly_once", "flat_runs", "gather", "group_of_rows", "is_pass_key", "light",
-           "natural", "read_split", "read_split_chunks", "split_tags", "take", "untag"]
+           "natural", "packed_runs", "read_split", "read_split_chunks", "split_tags", "take",
+           "untag"]
 
 
 Key = tuple[int, ...]
@@ -166,10 +168,11 @@ class Group:
         return (*self.key, GROUP_KEY + self.position, self.index)
 
     def to_json(self, have: Iterable[int] = (), inner: Sequence[Group] = ()) -> list[Any]:
-        """``[key, split, index, position, rows, members, have]`` (``have``: the rows
-        held, packed), and the ``inner`` groups as an eighth item when there are any."""
+        """``[key, split, index, position, rows, members, have]`` (``members``: its
+        runs packed, :func:`packed_runs`; ``have``: the rows held, packed), and the
+        ``inner`` groups as an eighth item when there are any."""
         value = [list(self.key), self.split, self.index, self.position, self.rows,
-                 [[list(k), s, a, n] for k, s, a, n in self.members], pack(have)]
+                 packed_runs(self.members), pack(have)]
         if inner:
             value.append([group.to_json() for group in inner])
         return value
@@ -206,7 +209,8 @@ class Group:
         held = unpack(have, MAX_GROUP_MEMBERS)
         if rows == -1 and not runs:
             return None, gid, held
-        members = _member_runs(runs)
+        members = _unpacked_runs(runs) if len(runs) == 2 and isinstance(runs[1], str) \
+            else _member_runs(runs)  # (or as a state before 2026-12-08 listed them)
         if not 1 <= rows <= MAX_GROUP_MEMBERS * 64 or not members \
                 or sum(members.flat[3::4]) > MAX_GROUP_MEMBERS \
                 or members.flat[:3] != (gid[0], split, index):
@@ -215,6 +219,52 @@ class Group:
         if held and max(held) >= rows:
             raise ValueError(f"a group's rows held must be below its {rows} rows")
         return cls(gid[0], split, index, position, rows, members, tuple(inner)), gid, held
+
+
+def packed_runs(members: Sequence[tuple[Key, int, int, int]]) -> list[Any]:
+    """A group's member runs as JSON holds them: ``[pass keys, packed]``, the runs as
+    int64s ``(key's place in the list, split, first, length)``, compressed, in base64. A
+    state lists thousands of groups of shuffled elements, one run each: a list per run
+    made a 2 MB state take the broker a second to parse; this is one string a group."""
+    flat = list(flat_runs(members))
+    keys = list(dict.fromkeys(flat[0::4]))
+    numbers = {key: at for at, key in enumerate(keys)}
+    flat[0::4] = map(numbers.__getitem__, flat[0::4])
+    raw = np.array(flat, "<i8").tobytes()
+    return [[list(key) for key in keys], base64.b64encode(zlib.compress(raw, 1)).decode()]
+
+
+def _unpacked_runs(value: list[Any]) -> MemberRuns:
+    """The member runs :func:`packed_runs` made, checked.
+
+    Raises:
+        ValueError: ``value`` is not such a value.
+    """
+    keys, text = value
+    if not (isinstance(keys, list) and 0 < len(keys) <= MAX_GROUP_MEMBERS
+            and all(map(is_pass_key, keys))):
+        raise ValueError(f"a group's packed member runs must name their pass keys, got "
+                         f"{keys!r:.80}")
+    try:
+        raw = zlib.decompressobj().decompress(base64.b64decode(text, validate=True),
+                                              32 * MAX_GROUP_MEMBERS + 1)
+    except (ValueError, zlib.error) as exc:
+        raise ValueError(f"a group's packed member runs are not packed runs: {exc}") from None
+    if not raw or len(raw) % 32 or len(raw) > 32 * MAX_GROUP_MEMBERS:
+        raise ValueError(f"a group's packed member runs hold {len(raw)} bytes, not a "
+                         f"whole number of runs of 32 (at most {MAX_GROUP_MEMBERS})")
+    runs = np.frombuffer(raw, "<i8").reshape(-1, 4)
+    places, splits, firsts, lengths = runs.T
+    if not ((places >= 0).all() and (places < len(keys)).all() and (splits >= 0).all()
+            and (splits <= INDEX_MASK).all() and (firsts >= 0).all()
+            and (firsts <= INDEX_MASK).all() and (lengths >= 1).all()
+            and (firsts + np.minimum(lengths, INDEX_MASK + 1) <= INDEX_MASK + 1).all()):
+        raise ValueError("a group's packed member runs must be (pass key's place, split, "
+                         "first, length) with indices in [0, 2**32) and lengths >= 1")
+    flat = runs.ravel().tolist()
+    named = [tuple(key) for key in keys]
+    flat[0::4] = map(named.__getitem__, flat[0::4])
+    return MemberRuns(tuple(flat))
 
 
 def _member_runs(runs: list[Any]) -> MemberRuns:
