@@ -253,6 +253,8 @@ def _packed(rows: list[list[int]], keys: list[list[int]] | None = None) -> list[
     _packed([[0, 0, 0, 1]], [[True]]), _packed([[0, 0, 0, 1]], []),
     _packed([]), [[[0]], "not base64!"], [[[0]], base64.b64encode(b"\x00" * 32).decode()],
     [[[0]], base64.b64encode(zlib.compress(b"\x00" * 31)).decode()],
+    [[[0]], base64.b64encode(zlib.compress(b"\x00" * 64)[:-6]).decode()],  # (cut short)
+    [[[0]], base64.b64encode(zlib.compress(b"\x00" * 32) + b"xx").decode()],
 ])
 def test_packed_member_runs_are_checked(members):
     """A state lists a group's runs packed (one string a group, not a list a run); a

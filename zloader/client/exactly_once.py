@@ -141,15 +141,7 @@ def resume_from(state: Any, fingerprint: str, exactly_once: bool,
                    None)
     delivered = ledger.to_json()
     text = json.dumps([epoch, entropy, delivered]).encode()
-    room = MAX_REGISTER_BODY_BYTES - MAX_BODY_BYTES  # (a REGISTER's other fields: the rest)
-    if len(text) > room:
-        raise ValueError(
-            f"state= holds {len(text) / 2**20:.1f} MiB of delivered origins: more than a "
-            f"Loader can send its broker to resume ({room / 2**20:.0f} MiB, "
-            "MAX_REGISTER_BODY_BYTES less a REGISTER's other fields). It "
-            "grows with the splits under way and the groups anchored in them (a stage that "
-            "changes the number of rows, after a shuffle): take states with a smaller "
-            "shuffle buffer before that stage or fewer workers, or pass exactly_once=False")
+    _check_sendable(text)
     digest = sha256(text).hexdigest()
     # A mix's weights set on the Loaders: those set last (a state without a stamp, of an
     # older version, counts as set before any with one; then the last such state's)
@@ -158,6 +150,24 @@ def resume_from(state: Any, fingerprint: str, exactly_once: bool,
     stamp, _, weights = max(weighted) if weighted else (0.0, 0, None)
     return {"epoch": epoch, "entropy": entropy, "delivered": delivered, "digest": digest[:12],
             "weights": weights, "weights_stamp": stamp, "ledger": ledger}
+
+
+def _check_sendable(text: bytes) -> None:
+    """Refuse a merged state whose JSON (``text``) no REGISTER could carry.
+
+    Raises:
+        ValueError: it is larger than MAX_REGISTER_BODY_BYTES less a REGISTER's other
+            fields.
+    """
+    room = MAX_REGISTER_BODY_BYTES - MAX_BODY_BYTES  # (a REGISTER's other fields: the rest)
+    if len(text) > room:
+        raise ValueError(
+            f"state= holds {len(text) / 2**20:.1f} MiB of delivered origins: more than a "
+            f"Loader can send its broker to resume ({room / 2**20:.0f} MiB, "
+            "MAX_REGISTER_BODY_BYTES less a REGISTER's other fields). It grows with the "
+            "splits under way and the groups anchored in them (a stage that changes the "
+            "number of rows, after a shuffle): take states with a smaller shuffle buffer "
+            "before that stage or fewer workers, or pass exactly_once=False")
 
 
 def _checked_states(state: Any, fingerprint: str) -> list[dict[str, Any]]:

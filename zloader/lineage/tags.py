@@ -245,11 +245,14 @@ def _unpacked_runs(value: list[Any]) -> MemberRuns:
             and all(map(is_pass_key, keys))):
         raise ValueError(f"a group's packed member runs must name their pass keys, got "
                          f"{keys!r:.80}")
+    stream = zlib.decompressobj()
     try:
-        raw = zlib.decompressobj().decompress(base64.b64decode(text, validate=True),
-                                              32 * MAX_GROUP_MEMBERS + 1)
+        raw = stream.decompress(base64.b64decode(text, validate=True),
+                                32 * MAX_GROUP_MEMBERS + 1)
     except (ValueError, zlib.error) as exc:
         raise ValueError(f"a group's packed member runs are not packed runs: {exc}") from None
+    if not stream.eof or stream.unused_data:  # (cut short, or more after it)
+        raise ValueError("a group's packed member runs are not one whole zlib stream")
     if not raw or len(raw) % 32 or len(raw) > 32 * MAX_GROUP_MEMBERS:
         raise ValueError(f"a group's packed member runs hold {len(raw)} bytes, not a "
                          f"whole number of runs of 32 (at most {MAX_GROUP_MEMBERS})")
