@@ -210,7 +210,7 @@ class Group:
         if rows == -1 and not runs:
             return None, gid, held
         members = _unpacked_runs(runs) if len(runs) == 2 and isinstance(runs[1], str) \
-            else _member_runs(runs)  # (or as a state before 2026-12-08 listed them)
+            else _member_runs(runs)
         if not 1 <= rows <= MAX_GROUP_MEMBERS * 64 or not members \
                 or sum(members.flat[3::4]) > MAX_GROUP_MEMBERS \
                 or members.flat[:3] != (gid[0], split, index):
@@ -271,31 +271,18 @@ def _unpacked_runs(value: list[Any]) -> MemberRuns:
 
 
 def _member_runs(runs: list[Any]) -> MemberRuns:
-    """A group's member runs from JSON (``[[key, split, first, length], ...]``), checked a
-    field at a time over all of them (a state holds thousands of groups).
+    """A group's member runs listed (``[[key, split, first, length], ...]``, as states saved
+    before 2026-12-08 hold them), checked.
 
     Raises:
         ValueError: a run is not such a value.
     """
-    chain = itertools.chain.from_iterable
-    flat = list(chain(runs)) if set(map(type, runs)) <= {list} \
-        and set(map(len, runs)) <= {4} else None
-    if flat is not None:
-        keys, splits, firsts, lengths = flat[0::4], flat[1::4], flat[2::4], flat[3::4]
-        if runs and not (set(map(type, keys)) == {list}
-                         and all(0 < length <= MAX_KEY_LENGTH for length in set(map(len, keys)))
-                         and set(map(type, chain(keys))) == {int} and min(chain(keys)) >= 0
-                         and set(map(type, splits)) | set(map(type, firsts))
-                         | set(map(type, lengths)) == {int}
-                         and min(splits) >= 0 and max(splits) <= INDEX_MASK
-                         and min(firsts) >= 0 and min(lengths) >= 1
-                         and max(map(operator.add, firsts, lengths)) <= INDEX_MASK + 1):
-            flat = None
-    if flat is None:
-        bad = next((run for run in runs if not _member_run(run)), runs)
-        raise ValueError(f"a group's member run must be [key, split, first, length], "
-                         f"got {bad!r:.80}")
-    flat[0::4] = map(tuple, keys)
+    flat: list[Any] = []
+    for run in runs:
+        if not _member_run(run):
+            raise ValueError(f"a group's member run must be [key, split, first, length], "
+                             f"got {run!r:.80}")
+        flat += (tuple(run[0]), run[1], run[2], run[3])
     return MemberRuns(tuple(flat))
 
 

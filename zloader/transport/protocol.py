@@ -205,12 +205,16 @@ def _body(command: Command, raw: bytes) -> dict[str, Any]:
     limit = MAX_REGISTER_BODY_BYTES if command is Command.REGISTER else MAX_BODY_BYTES
     if len(raw) > limit:
         raise ProtocolError(f"{command.name}: body of {len(raw)} bytes exceeds {limit}")
+    # Every message of the data path comes through here: the checks that cost a Python
+    # call per integer or per node run only on bodies that could fail them (a run of 20
+    # digits; more brackets than the depth allowed), found by C-speed scans, and then only
+    # where the text outside its strings cannot settle them.
+    long_digits = _LONG_DIGITS.search(raw) is not None
+    brackets = raw.count(b"[") + raw.count(b"{") > MAX_BODY_DEPTH
+    text = _without_strings(raw) if long_digits or brackets else None
     try:
-        # Every message of the data path comes through here: the checks that cost a Python
-        # call per integer or per node run only on bodies that could fail them (a run of
-        # 20 digits; more brackets than the depth allowed), found by C-speed scans.
-        body = json.loads(raw, parse_int=_int) if _LONG_DIGITS.search(raw) \
-            and not _long_ints_fit(raw) else json.loads(raw)
+        body = json.loads(raw, parse_int=_int) if long_digits and not _long_ints_fit(text) \
+            else json.loads(raw)
     except ProtocolError as exc:
         raise ProtocolError(f"{command.name}: {exc}") from None
     except RecursionError:
@@ -220,8 +224,7 @@ def _body(command: Command, raw: bytes) -> dict[str, Any]:
         raise ProtocolError(f"{command.name}: body is not JSON ({exc})") from None
     if not isinstance(body, dict):
         raise ProtocolError(f"{command.name}: body must be a JSON object")
-    if raw.count(b"[") + raw.count(b"{") > MAX_BODY_DEPTH and not _shallow(raw) \
-            and _depth(body) > MAX_BODY_DEPTH:
+    if brackets and not _shallow(text) and _depth(body) > MAX_BODY_DEPTH:
         raise ProtocolError(f"{command.name}: body nested deeper than {MAX_BODY_DEPTH} levels")
     return body
 
@@ -234,19 +237,25 @@ _LONG_INT = re.compile(rb"(?<![0-9eE.+-])-?[0-9]{20,}(?![0-9.eE])")
 """An integer literal of 20 digits or more (not a float's part)."""
 
 
-def _long_ints_fit(raw: bytes) -> bool:
-    """Whether every integer of 20 digits or more in the JSON text ``raw`` fits
-    :func:`_int`, found at C speed outside its strings; False when unsure (a string with
-    an escape): each integer is then parsed by :func:`_int`. (A resumed Loader's state
+def _without_strings(raw: bytes) -> bytes | None:
+    """The JSON text ``raw`` without its strings; None when one has an escape (the checks
+    on it are then unsure)."""
+    return None if b"\\" in raw else _STRING.sub(b"", raw)
+
+
+def _long_ints_fit(text: bytes | None) -> bool:
+    """Whether every integer of 20 digits or more in a body's ``text`` (without its
+    strings, :func:`_without_strings`) fits :func:`_int`, found at C speed; False when
+    unsure (None): each integer is then parsed by :func:`_int`. (A resumed Loader's state
     holds an entropy of 20 digits and half a million small ints: a Python call per int
     took the broker's loop a second for a 2 MB state.)
 
     Raises:
         ProtocolError: one does not fit.
     """
-    if b"\\" in raw:
+    if text is None:
         return False
-    for found in _LONG_INT.finditer(_STRING.sub(b"", raw)):
+    for found in _LONG_INT.finditer(text):
         _int(found.group().decode())
     return True
 
@@ -268,15 +277,15 @@ _INNERMOST = re.compile(rb"[\[{][\]}]")
 _NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
 
 
-def _shallow(raw: bytes) -> bool:
-    """Whether the JSON text ``raw`` (parsed already) nests at most MAX_BODY_DEPTH deep,
-    found at C speed: its brackets outside strings, innermost pairs taken away at each
-    pass, are gone within that many passes. False when unsure (a string with an escape):
+def _shallow(text: bytes | None) -> bool:
+    """Whether a parsed body's ``text`` (without its strings, :func:`_without_strings`)
+    nests at most MAX_BODY_DEPTH deep, found at C speed: its brackets, innermost pairs
+    taken away at each pass, are gone within that many passes. False when unsure (None):
     :func:`_depth` then walks the parsed body (a resumed Loader's state is tens of
     thousands of small lists; the walk took 50-90 ms of the broker's loop)."""
-    if b"\\" in raw:
+    if text is None:
         return False
-    brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    brackets = text.translate(None, _NOT_BRACKETS)
     for _ in range(MAX_BODY_DEPTH):
         brackets = _INNERMOST.sub(b"", brackets)
         if not brackets:
